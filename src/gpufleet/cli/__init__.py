@@ -1,0 +1,13 @@
+"""The `gpufleet` command: a thin click layer over the library. Each command family lives in its own module."""
+
+from __future__ import annotations
+
+import click
+
+from gpufleet import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gpufleet")
+def main() -> None:
+    """Provision GPU hosts into fast vLLM servers for Qwen 3.5 and keep the fleet current."""
