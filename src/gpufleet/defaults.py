@@ -33,6 +33,9 @@ DEFAULTS: dict[str, Any] = {
     "vllm_args": {},
     # Container env vars over the profile's: name -> value; None removes a profile variable.
     "vllm_env": {},
+    # docker run options over the profile's: name without dashes -> value; True = bare flag, a list repeats
+    # the option, None removes a profile option (e.g. {"privileged": None}, see `gpufleet lint`).
+    "vllm_docker_options": {},
     # Name of the systemd unit (<name>.service) and of the container label that marks its container.
     "vllm_service": "vllm-qwen35",
     # Secret: Hugging Face token for gated/private models. Kept in a root-only env file, never in a unit or argv.

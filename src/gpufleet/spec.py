@@ -1,0 +1,148 @@
+"""The serve spec: one frozen, validated description of a vLLM service on one host.
+
+This is the only place the `docker run` invocation is built. Everything else (the shell line of `gpufleet
+render`, the systemd unit, health expectations, lint rules) reads a ServeSpec. Build one with
+gpufleet.settings.build_spec(host_name, host_data), which validates first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+ArgValue = bool | str  # True = bare flag, False = --no-<flag>, str = the value
+OptionValue = bool | str | tuple[str, ...]  # True = bare flag, str = --name=value, tuple = repeated --name v
+
+
+@dataclass(frozen=True)
+class Mount:
+    host_path: str
+    container_path: str
+
+    def volume_arg(self) -> str:
+        return f"{self.host_path}:{self.container_path}"
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    host: str  # inventory name; for messages only, not part of the service's identity
+    service: str
+    image: str  # as configured (tag or digest); the deploy pins the tag to a digest
+    gpus: tuple[int, ...]
+    port: int
+    docker_options: tuple[tuple[str, OptionValue], ...]
+    env: tuple[tuple[str, str], ...]
+    secret_env_names: tuple[str, ...]  # passed as "-e NAME": the value comes from the root-only env file
+    mounts: tuple[Mount, ...]
+    vllm_args: tuple[tuple[str, ArgValue], ...]
+    hybrid: bool
+    native_model: bool
+
+    # --- identity -----------------------------------------------------------------------------------------
+    @property
+    def spec_hash(self) -> str:
+        """Stable hash of everything that shapes the container (not the inventory name)."""
+        identity = {
+            "service": self.service, "image": self.image, "gpus": self.gpus, "port": self.port,
+            "docker_options": self.docker_options, "env": self.env, "secret_env_names": self.secret_env_names,
+            "mounts": [(m.host_path, m.container_path) for m in self.mounts], "vllm_args": self.vllm_args,
+        }
+        canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    @property
+    def container_label_key(self) -> str:
+        # The container has no --name (the write-up's invocation has none); the unit and the health checks
+        # find it by this label key, whose value is the spec hash (drift detection).
+        return f"gpufleet.{self.service}"
+
+    @property
+    def container_label(self) -> str:
+        return f"{self.container_label_key}={self.spec_hash}"
+
+    # --- what the server will report ----------------------------------------------------------------------
+    def arg(self, name: str) -> ArgValue | None:
+        return dict(self.vllm_args).get(name)
+
+    @property
+    def model_path(self) -> str:
+        return str(self.arg("model"))
+
+    @property
+    def served_model_name(self) -> str:
+        return str(self.arg("served-model-name") or self.model_path)
+
+    @property
+    def max_model_len(self) -> int | None:
+        value = self.arg("max-model-len")
+        return parse_token_count(value) if isinstance(value, str) else None
+
+    @property
+    def prefix_caching(self) -> bool:
+        # vLLM enables prefix caching by default (hybrids too since 0.28); only an explicit --no- turns it off.
+        return self.arg("enable-prefix-caching") is not False
+
+    @property
+    def mamba_cache_mode(self) -> str | None:
+        value = self.arg("mamba-cache-mode")
+        if isinstance(value, str):
+            return value
+        if self.hybrid:
+            return "align" if self.prefix_caching else "none"
+        return None
+
+    # --- the invocation -----------------------------------------------------------------------------------
+    def vllm_argv(self) -> list[str]:
+        argv: list[str] = []
+        for name, value in self.vllm_args:
+            if value is True:
+                argv.append(f"--{name}")
+            elif value is False:
+                argv.append(f"--no-{name}")
+            else:
+                argv += [f"--{name}", value]
+        return argv
+
+    def docker_run_argv(self, image: str | None = None, docker: str = "docker") -> list[str]:
+        """The full `docker run` argv, in the write-up's order: --rm, label, runtime, --gpus, options, port,
+        env, mounts, image, vLLM flags."""
+        argv = [docker, "run", "--rm", "--label", self.container_label]
+        options = dict(self.docker_options)
+        if "runtime" in options:
+            argv += _option_args("runtime", options.pop("runtime"))
+        # Docker's --gpus takes CSV, so a device list with commas must itself be double-quoted.
+        argv += ["--gpus", '"device=' + ",".join(str(g) for g in self.gpus) + '"']
+        for name, value in options.items():
+            argv += _option_args(name, value)
+        argv += ["-p", f"{self.port}:{self.port}"]
+        for name, value in self.env:
+            argv += ["-e", f"{name}={value}"]
+        for name in self.secret_env_names:
+            argv += ["-e", name]
+        for mount in self.mounts:
+            argv += ["-v", mount.volume_arg()]
+        argv.append(image or self.image)
+        return argv + self.vllm_argv()
+
+
+def _option_args(name: str, value: OptionValue) -> list[str]:
+    if value is True:
+        return [f"--{name}"]
+    if isinstance(value, tuple):
+        return [token for item in value for token in (f"--{name}", item)]
+    return [f"--{name}={value}"]
+
+
+_TOKEN_COUNT = re.compile(r"^(\d+)([kKmMgG]?)$")
+_SUFFIX = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def parse_token_count(text: Any) -> int | None:
+    """vLLM's human-readable token counts: "225000", "32k" (x1000), "32K" (x1024). None if not one."""
+    match = _TOKEN_COUNT.match(str(text).strip())
+    if not match:
+        return None
+    return int(match.group(1)) * _SUFFIX[match.group(2)]
