@@ -1,0 +1,299 @@
+"""Host-side `nvidia-smi` stand-in, generated from real recordings (tests/fixtures/nvidia-smi/).
+
+Two halves in one stdlib-only file, because the second half runs inside the test hosts (python3, no venv):
+- on the machine, `profile_from_recording()` / `make_profile()` turn the real recordings into a per-host Profile
+  (GPU rows replicated and substituted: count, model, memory, driver, CUDA) and `write_host_files()` installs it;
+- on the host, `/usr/bin/nvidia-smi` runs this file as a script: `render(profile, argv)` answers each supported
+  command in the recorded byte layout; anything else fails with the exit status the real tool uses.
+
+    >>> p = make_profile(3, seed="gpuhost1")
+    >>> render(p, ["--query-gpu=count", "--format=csv,noheader"]).stdout
+    '3\\n3\\n3\\n'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST_MODULE = "/usr/lib/gpufleet-standin/nvidia_smi.py"
+HOST_PROFILE = "/etc/gpufleet-standin/nvidia-smi.json"
+# The recording every generated profile is derived from (the richest one: NVLink, two GPUs, field help).
+TEMPLATE = "h200-2gpu"
+
+INVALID_ARGS = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n"
+
+
+@dataclass
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    bus_id: str
+    memory_total: int  # MiB
+    memory_used: int
+    memory_reserved: int  # what the driver keeps: total - used - free in the recordings
+    compute_cap: str
+    persistence: bool
+    temperature: int
+    utilization: int
+    power_draw: float
+    power_limit: float
+    perf: str = "P0"
+    ecc: str = "0"
+    compute_mode: str = "Default"
+    mig: str = "Disabled"
+
+
+@dataclass
+class Profile:
+    driver: str
+    cuda: str
+    gpus: list[Gpu]
+    cpu_affinity: str
+    numa: str
+    link: str  # what `topo -m` shows between two GPUs, e.g. NV18
+    topo_legend: str  # the legend block after the matrix, verbatim from the recording
+    valid_fields: list[str] = field(default_factory=list)  # from `nvidia-smi --help-query-gpu`
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        data = json.loads(text)
+        data["gpus"] = [Gpu(**g) for g in data["gpus"]]
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Result:
+    stdout: str
+    rc: int = 0
+
+
+# ----------------------------------------------------------------------------------------------- from recordings
+def _read(d: Path, name: str) -> tuple[str, int]:
+    """A recording and its exit status (files of commands that can fail end with `rc=N`)."""
+    text = (d / name).read_text()
+    lines = text.splitlines(keepends=True)
+    if lines and lines[-1].startswith("rc="):
+        return "".join(lines[:-1]), int(lines[-1][3:])
+    return text, 0
+
+
+def profile_from_recording(d: Path) -> Profile:
+    """The Profile of the recorded host: every value comes from its query-gpu.csv, version.txt and topo.txt."""
+    gpus = []
+    for line in (d / "query-gpu.csv").read_text().splitlines():
+        (idx, uuid, name, total, used, free, _drv, bus, cc, pm, temp, util, power, limit) = line.split(", ")
+        gpus.append(Gpu(index=int(idx), uuid=uuid, name=name, bus_id=bus, memory_total=int(total),
+                        memory_used=int(used), memory_reserved=int(total) - int(used) - int(free), compute_cap=cc,
+                        persistence=pm == "Enabled", temperature=int(temp), utilization=int(util),
+                        power_draw=float(power), power_limit=float(limit)))
+    version = {k.strip(): v.strip() for k, v in
+               (line.split(" : ", 1) for line in (d / "version.txt").read_text().splitlines())}
+    topo, _ = _read(d, "topo.txt")
+    matrix, legend = topo.split("\n\n", 1)
+    row0 = matrix.splitlines()[1].split("\t")
+    n = len(gpus)
+    help_file = d / "help-query-gpu.txt"
+    if not help_file.exists():
+        help_file = d.parent / TEMPLATE / "help-query-gpu.txt"
+    return Profile(driver=version["DRIVER version"], cuda=version["CUDA Version"], gpus=gpus,
+                   cpu_affinity=row0[n + 1], numa=row0[n + 2], link=row0[2] if n > 1 else "NV18",
+                   topo_legend=legend, valid_fields=_fields_from_help(help_file.read_text()))
+
+
+def _fields_from_help(text: str) -> list[str]:
+    # Field lines look like: "name" or "gpu_name"
+    return [part.strip().strip('"') for line in text.splitlines() if line.startswith('"')
+            for part in line.split(" or ")]
+
+
+def make_profile(count: int, *, model: str = "NVIDIA H200", memory_mib: int | None = None,
+                 driver: str | None = None, cuda: str | None = None, seed: str = "gpufleet",
+                 recordings: Path | None = None) -> Profile:
+    """A `count`-GPU box derived from the real recording: rows replicated, identities and the asked values swapped.
+
+    UUIDs are derived from `seed` (the host name) so two hosts never share a GPU and a host keeps its GPUs across
+    reboots; bus ids continue the recorded sequence (00:06.0, 00:07.0, ...).
+    """
+    base = profile_from_recording(recordings or default_recordings() / TEMPLATE)
+    proto = base.gpus
+    start_bus = int(proto[0].bus_id.rsplit(":", 1)[1].split(".")[0], 16)
+    gpus = []
+    for i in range(count):
+        g = dataclasses.replace(proto[i % len(proto)], index=i, name=model,
+                                uuid="GPU-" + str(uuidlib.UUID(hashlib.sha256(f"{seed}/{i}".encode()).hexdigest()[:32])),
+                                bus_id=f"{proto[0].bus_id.rsplit(':', 1)[0]}:{start_bus + i:02X}.0")
+        if memory_mib is not None:
+            g.memory_total = memory_mib
+        gpus.append(g)
+    return dataclasses.replace(base, gpus=gpus, driver=driver or base.driver, cuda=cuda or base.cuda)
+
+
+def default_recordings() -> Path:
+    """tests/fixtures/nvidia-smi of the source tree this module lives in."""
+    return Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "nvidia-smi"
+
+
+# ------------------------------------------------------------------------------------------------------ render
+def _free(g: Gpu) -> int:
+    return g.memory_total - g.memory_used - g.memory_reserved
+
+
+def _fit(value: str, width: int) -> str:
+    """Left-justify in the recorded column width (a longer value pushes the rest right, as the real tool does)."""
+    return value.ljust(width)
+
+
+def table(p: Profile, now: float | None = None, gpus: list[Gpu] | None = None) -> str:
+    gpus = p.gpus if gpus is None else gpus
+    sep = "+-----------------------------------------+------------------------+----------------------+\n"
+    full = "+-----------------------------------------------------------------------------------------+\n"
+    out = [time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(now)) + "       \n", full,
+           f"| NVIDIA-SMI {_fit(p.driver, 22)} Driver Version: {_fit(p.driver, 14)} CUDA Version: {_fit(p.cuda, 9)}|\n",
+           sep,
+           "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |\n",
+           "| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |\n",
+           "|                                         |                        |               MIG M. |\n",
+           "|=========================================+========================+======================|\n"]
+    for g in gpus:
+        pm = "On" if g.persistence else "Off"
+        power = f"{round(g.power_draw)}W / {round(g.power_limit):>4}W"
+        memory = f"{g.memory_used}MiB / {g.memory_total}MiB"
+        out += [f"| {g.index:>3}  {g.name.ljust(33 - len(pm))}{pm}  |   {g.bus_id} Off | {g.ecc:>20} |\n",
+                f"| N/A  {g.temperature:>3}C    {g.perf}{power:>24} | {memory:>22} | {g.utilization:>6}%{g.compute_mode:>13} |\n",
+                f"|                                         |                        | {g.mig:>20} |\n",
+                sep]
+    out += ["\n", full,
+            "| Processes:                                                                              |\n",
+            "|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |\n",
+            "|        ID   ID                                                               Usage      |\n",
+            "|=========================================================================================|\n",
+            "|  No running processes found                                                             |\n",
+            full]
+    return "".join(out)
+
+
+def list_gpus(p: Profile) -> str:
+    return "".join(f"GPU {g.index}: {g.name} (UUID: {g.uuid})\n" for g in p.gpus)
+
+
+def version(p: Profile) -> str:
+    nvml = ".".join(p.driver.split(".")[:2])
+    return (f"NVIDIA-SMI version  : {p.driver}\nNVML version        : {nvml}\n"
+            f"DRIVER version      : {p.driver}\nCUDA Version        : {p.cuda}\n")
+
+
+def topo(p: Profile) -> str:
+    names = [f"GPU{g.index}" for g in p.gpus]
+    out = ["\t\x1b[4m" + "\t".join([*names, "CPU Affinity", "NUMA Affinity", "GPU NUMA ID"]) + "\x1b[0m\n"]
+    for i, name in enumerate(names):
+        links = [" X " if j == i else p.link for j in range(len(names))]
+        out.append("\t".join([name, *links, p.cpu_affinity, p.numa, "", "N/A"]) + "\n")
+    return "".join(out) + "\n" + p.topo_legend
+
+
+# field -> (header unit, value); values are the recorded formats ("81.00" W, "Enabled")
+_FIELDS = {
+    "index": ("", lambda p, g: str(g.index)),
+    "uuid": ("", lambda p, g: g.uuid), "gpu_uuid": ("", lambda p, g: g.uuid),
+    "name": ("", lambda p, g: g.name), "gpu_name": ("", lambda p, g: g.name),
+    "count": ("", lambda p, g: str(len(p.gpus))),
+    "memory.total": ("MiB", lambda p, g: str(g.memory_total)),
+    "memory.used": ("MiB", lambda p, g: str(g.memory_used)),
+    "memory.free": ("MiB", lambda p, g: str(_free(g))),
+    "driver_version": ("", lambda p, g: p.driver),
+    "pci.bus_id": ("", lambda p, g: g.bus_id), "gpu_bus_id": ("", lambda p, g: g.bus_id),
+    "compute_cap": ("", lambda p, g: g.compute_cap),
+    "persistence_mode": ("", lambda p, g: "Enabled" if g.persistence else "Disabled"),
+    "temperature.gpu": ("", lambda p, g: str(g.temperature)),
+    "utilization.gpu": ("%", lambda p, g: str(g.utilization)),
+    "power.draw": ("W", lambda p, g: f"{g.power_draw:.2f}"),
+    "power.limit": ("W", lambda p, g: f"{g.power_limit:.2f}"),
+}
+
+
+def query_gpu(p: Profile, fields: list[str], fmt: set[str], gpus: list[Gpu]) -> Result:
+    for f in fields:
+        if f not in _FIELDS and f not in p.valid_fields:
+            return Result(f'Field "{f}" is not a valid field to query.\n\n', 2)
+    lines = []
+    if "noheader" not in fmt:
+        units = [_FIELDS.get(f, ("", None))[0] for f in fields]
+        lines.append(", ".join(f"{f} [{u}]" if u and "nounits" not in fmt else f for f, u in zip(fields, units)))
+    for g in gpus:
+        cells = []
+        for f in fields:
+            unit, get = _FIELDS.get(f, ("", None))
+            value = get(p, g) if get else "[N/A]"  # a valid field this stand-in does not model
+            cells.append(f"{value} {unit}" if unit and "nounits" not in fmt and get else value)
+        lines.append(", ".join(cells))
+    return Result("".join(line + "\n" for line in lines))
+
+
+def render(p: Profile, argv: list[str], now: float | None = None) -> Result:
+    """What the real nvidia-smi prints (and its exit status) for argv on a host with this profile."""
+    args = list(argv)
+    gpus = p.gpus
+    if args[:1] == ["-i"] or (args and args[0].startswith("--id=")):
+        ids = args[1] if args[0] == "-i" else args[0].split("=", 1)[1]
+        args = args[2:] if args[0] == "-i" else args[1:]
+        try:
+            gpus = [p.gpus[int(i)] for i in ids.split(",")]
+        except (ValueError, IndexError):
+            return Result("No devices were found\n", 6)
+        if args == ["-L"]:
+            return Result("ERROR: Option -i is not valid for this command. Please run 'nvidia-smi -h' for help.\n\n",
+                          2)
+    if not args:
+        return Result(table(p, now, gpus))
+    if args == ["-L"]:
+        return Result(list_gpus(p))
+    if args == ["--version"]:
+        return Result(version(p))
+    if args == ["topo", "-m"]:
+        return Result(topo(p))
+    query = [a for a in args if a.startswith("--query-gpu=")]
+    fmt = [a for a in args if a.startswith("--format=")]
+    if query and fmt and len(args) == 2 and fmt[0].split("=", 1)[1].split(",")[0] == "csv":
+        return query_gpu(p, query[0].split("=", 1)[1].split(","), set(fmt[0].split("=", 1)[1].split(",")), gpus)
+    if query:
+        return Result(f'Field "{query[0].split("=", 1)[1]}" is not a valid field to query.\n\n', 2)
+    return Result(INVALID_ARGS, 2)
+
+
+# ------------------------------------------------------------------------------------------------ install / run
+def write_host_files(root: Path, profile: Profile | None) -> None:
+    """Install the stand-in into a host root; no profile = a box without the driver (no nvidia-smi at all)."""
+    if profile is None:
+        return
+    module = root / HOST_MODULE.lstrip("/")
+    module.parent.mkdir(parents=True, exist_ok=True)
+    module.write_text(Path(__file__).read_text())
+    prof = root / HOST_PROFILE.lstrip("/")
+    prof.parent.mkdir(parents=True, exist_ok=True)
+    prof.write_text(profile.to_json())
+    exe = root / "usr/bin/nvidia-smi"
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    exe.write_text(f'#!/bin/sh\nexec /usr/bin/python3 {HOST_MODULE} {HOST_PROFILE} "$@"\n')
+    exe.chmod(0o755)
+
+
+def main(argv: list[str]) -> int:
+    profile = Profile.from_json(Path(argv[0]).read_text())
+    result = render(profile, argv[1:])
+    sys.stdout.write(result.stdout)
+    return result.rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,101 @@
+"""Run commands and own processes by PID: the sandbox only ever stops what it started itself."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Sequence
+
+log = logging.getLogger("gpufleet.sandbox")
+
+
+class SandboxError(RuntimeError):
+    """A sandbox step failed; the message is one line a user can act on."""
+
+
+def run(argv: Sequence[str], *, check: bool = True, input: str | bytes | None = None, **kw) -> subprocess.CompletedProcess:
+    """Run argv, capturing output; on failure raise SandboxError with the command and its stderr tail."""
+    text = not isinstance(input, bytes)
+    proc = subprocess.run(list(argv), input=input, capture_output=True, text=text, **kw)
+    if check and proc.returncode != 0:
+        err = proc.stderr if text else proc.stderr.decode(errors="replace")
+        tail = " | ".join(err.strip().splitlines()[-3:])
+        raise SandboxError(f"{' '.join(map(str, argv))[:200]} failed (rc={proc.returncode}): {tail}")
+    return proc
+
+
+def spawn(argv: Sequence[str], log_path: Path, *, env: dict | None = None) -> int:
+    """Start a daemon in its own session (so a Ctrl-C of the caller does not hit it); return its PID."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+    return proc.pid
+
+
+def alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child of ours still answers kill(0); reap it so it reads as gone.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return _state(pid) not in ("Z", "X", None)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> str | None:
+    """Kernel start time of a PID: recorded with it so a recycled PID is never mistaken for ours."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def stop(pid: int | None, grace: float = 30.0, started: str | None = None) -> None:
+    """SIGTERM one PID we started, wait up to `grace` s, then SIGKILL it and its direct children."""
+    if not alive(pid) or (started and start_time(pid) != started):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return
+        time.sleep(0.1)
+    kids = [int(p) for p in run(["ps", "-o", "pid=", "--ppid", str(pid)], check=False).stdout.split()]
+    for p in [pid, *kids]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for _ in range(50):
+        if not alive(pid):
+            return
+        time.sleep(0.1)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll predicate() until it returns a truthy value; raise SandboxError naming `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SandboxError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
