@@ -1,0 +1,60 @@
+"""vLLM's /metrics, parsed with prometheus_client (never by hand), reduced to what the checks need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+HITS = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
+PREFILL_COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+CACHE_CONFIG = "vllm:cache_config_info"
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Sample values summed over label sets (one per engine), and the cache config info labels."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    cache_config: dict[str, str] = field(default_factory=dict)
+
+    def get(self, name: str) -> float | None:
+        return self.values.get(name)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Cumulative hit rate in tokens since the server started; None before any query."""
+        hits, queries = self.get(HITS), self.get(QUERIES)
+        return hits / queries if hits is not None and queries else None
+
+    @property
+    def block_size(self) -> int | None:
+        return _int_label(self.cache_config.get("block_size"))
+
+    @property
+    def prefix_match_unit(self) -> int | None:
+        return _int_label(self.cache_config.get("prefix_match_unit"))
+
+
+def parse_metrics(text: str) -> Metrics:
+    values: dict[str, float] = {}
+    cache_config: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            if sample.name == CACHE_CONFIG and not cache_config:
+                # Info metrics are gauges fixed at 1; the config lives in the labels. Engines share one config.
+                cache_config = {k: v for k, v in sample.labels.items() if k != "engine"}
+    return Metrics(values, cache_config)
+
+
+def _int_label(value: str | None) -> int | None:
+    # vLLM renders unset fields as the string "None".
+    try:
+        return int(value) if value not in (None, "None", "") else None
+    except ValueError:
+        return None

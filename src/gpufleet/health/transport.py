@@ -1,0 +1,271 @@
+"""How the health checks reach a vLLM server: HTTP to 127.0.0.1:<port> *on the host*, plus the container's state.
+
+Two transports share one small interface so every check runs unchanged through SSH (production) and on loopback
+(tests against a real vLLM process):
+
+- SshTransport: HTTP rides a paramiko ``direct-tcpip`` channel to 127.0.0.1:<port> on the host, so the server's
+  port never has to be reachable from the operator's network; container state comes from ``docker ps``/``inspect``
+  over the same SSH connection (containers have no name: they are found by their ``gpufleet.<service>`` label).
+- LoopbackTransport: HTTP to a local port; the "container" is the server process and its liveness.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shlex
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import paramiko
+
+
+class TransportError(Exception):
+    """The transport itself failed (SSH down, command failed): nothing can be said about the server."""
+
+
+class Unreachable(TransportError):
+    """The host cannot be reached over SSH."""
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    """What docker (or the local process table) says about the server's container."""
+
+    id: str
+    state: str  # docker's State.Status: running, exited, restarting, created, paused, dead
+    started_at: float | None = None  # epoch seconds
+    exit_code: int | None = None
+    image: str | None = None  # the ref it was started from
+    image_id: str | None = None  # sha256:... of the image actually running
+    spec_hash: str | None = None  # value of the gpufleet.<service> label
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    @property
+    def image_short(self) -> str | None:
+        return self.image_id.split(":", 1)[-1][:12] if self.image_id else None
+
+
+class Transport(Protocol):
+    name: str
+
+    def http(self, port: int, timeout: float) -> http.client.HTTPConnection:
+        """A connected HTTP connection to 127.0.0.1:port on the host.
+
+        Raises ConnectionRefusedError when nothing listens there, Unreachable when the host is unreachable.
+        """
+
+    def container(self, service: str) -> ContainerInfo | None:
+        """The service's container (the running one, else the newest), or None when there is none."""
+
+    def logs(self, service: str, tail: int = 30) -> list[str]:
+        """The container's last log lines (stdout and stderr)."""
+
+
+class _ChannelHTTPConnection(http.client.HTTPConnection):
+    """http.client over an already-open socket-like object (a paramiko Channel)."""
+
+    def __init__(self, sock: Any, port: int, timeout: float):
+        super().__init__("127.0.0.1", port, timeout=timeout)
+        self.sock = sock
+
+    def connect(self) -> None:  # the channel is the connection; http.client must not dial anything
+        if self.sock is None:
+            raise ConnectionError("the SSH channel was closed")
+
+
+def pick_container(inspected: Iterable[dict[str, Any]], label: str) -> ContainerInfo | None:
+    """From `docker inspect` JSON objects pick the running container, else the newest one."""
+    infos = [_from_inspect(obj, label) for obj in inspected]
+    if not infos:
+        return None
+    running = [i for i in infos if i.running]
+    return running[0] if running else max(infos, key=lambda i: i.started_at or 0.0)
+
+
+def _from_inspect(obj: dict[str, Any], label: str) -> ContainerInfo:
+    state = obj.get("State") or {}
+    config = obj.get("Config") or {}
+    return ContainerInfo(
+        id=obj.get("Id", "")[:12],
+        state=state.get("Status", "unknown"),
+        started_at=_parse_docker_time(state.get("StartedAt")),
+        exit_code=state.get("ExitCode"),
+        image=config.get("Image"),
+        image_id=obj.get("Image"),
+        spec_hash=(config.get("Labels") or {}).get(label),
+    )
+
+
+def _parse_docker_time(text: str | None) -> float | None:
+    # Docker writes RFC 3339 with nanoseconds ("2026-11-29T21:02:31.123456789Z"); "0001-01-01..." = never started.
+    if not text or text.startswith("0001-"):
+        return None
+    head, _, frac = text.rstrip("Z").partition(".")
+    tz_split = max(frac.find("+"), frac.find("-"))
+    frac_digits, tz = (frac[:tz_split], frac[tz_split:]) if tz_split >= 0 else (frac, "+00:00")
+    stamp = datetime.fromisoformat(f"{head}.{(frac_digits or '0')[:6]}{tz}")
+    return stamp.timestamp()
+
+
+class SshTransport:
+    """Checks through an open paramiko.SSHClient. sudo must not prompt (the deploy user has NOPASSWD).
+
+    >>> client = paramiko.SSHClient(); client.load_system_host_keys(); client.connect("gpu1", username="deploy")
+    >>> check(SshTransport(client, name="gpu1"), expected)
+    """
+
+    def __init__(self, client: paramiko.SSHClient, name: str | None = None, sudo: bool = True):
+        self.client = client
+        self.name = name or _peer_name(client)
+        self._sudo = "sudo -n " if sudo else ""
+
+    def _transport(self) -> paramiko.Transport:
+        t = self.client.get_transport()
+        if t is None or not t.is_active():
+            raise Unreachable(f"{self.name}: SSH connection is not open")
+        return t
+
+    def http(self, port: int, timeout: float) -> http.client.HTTPConnection:
+        try:
+            chan = self._transport().open_channel(
+                "direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0), timeout=timeout
+            )
+        except paramiko.ChannelException as e:
+            # sshd answers "Connect failed" (code 2) when its own connect() to 127.0.0.1:port is refused.
+            if e.code == paramiko.common.OPEN_FAILED_CONNECT_FAILED:
+                raise ConnectionRefusedError(f"{self.name}: 127.0.0.1:{port} refused the connection") from e
+            raise TransportError(f"{self.name}: sshd refused the tunnel to port {port}: {e.text}") from e
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise Unreachable(f"{self.name}: SSH failed: {e}") from e
+        chan.settimeout(timeout)
+        return _ChannelHTTPConnection(chan, port, timeout)
+
+    def run(self, command: str, timeout: float = 30.0) -> tuple[int, str, str]:
+        """Run a shell command on the host: (exit status, stdout, stderr)."""
+        try:
+            _, out, err = self.client.exec_command(command, timeout=timeout)
+            stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+            return out.channel.recv_exit_status(), stdout, stderr
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise Unreachable(f"{self.name}: SSH failed: {e}") from e
+
+    def container(self, service: str) -> ContainerInfo | None:
+        label = f"gpufleet.{service}"
+        ids = f"$({self._sudo}docker ps -aq --filter label={shlex.quote(label)})"
+        # One round trip: list by label, inspect what was found (inspect with no ids would fail).
+        cmd = f'ids={ids}; [ -z "$ids" ] && echo "[]" || {self._sudo}docker inspect $ids'
+        rc, out, err = self.run(cmd)
+        if rc != 0:
+            raise TransportError(f"{self.name}: docker inspect failed: {(err or out).strip()[:200]}")
+        return pick_container(json.loads(out or "[]"), label)
+
+    def logs(self, service: str, tail: int = 30) -> list[str]:
+        info = self.container(service)
+        if info is None:
+            return []
+        _, out, err = self.run(f"{self._sudo}docker logs --tail {int(tail)} {shlex.quote(info.id)} 2>&1")
+        return (out + err).splitlines()[-tail:]
+
+
+def _peer_name(client: paramiko.SSHClient) -> str:
+    t = client.get_transport()
+    try:
+        return str(t.getpeername()[0]) if t else "?"
+    except OSError:
+        return "?"
+
+
+def transport_from_pyinfra_host(host: Any) -> SshTransport:
+    """Reuse a pyinfra 3.x host's SSH connection (its paramiko client lives at host.connector.client).
+
+    Connects the host first if pyinfra has not yet done so.
+    """
+    connector = getattr(host, "connector", None)
+    client = getattr(connector, "client", None)
+    if client is None:
+        host.connect(raise_exceptions=True)
+        client = getattr(host.connector, "client", None)
+    if not isinstance(client, paramiko.SSHClient):
+        raise TransportError(f"{host.name}: not an SSH host (connector {type(connector).__name__})")
+    return SshTransport(client, name=host.name)
+
+
+class LoopbackTransport:
+    """A vLLM process on this machine: HTTP on 127.0.0.1, the process stands in for the container.
+
+    process: a subprocess.Popen (preferred: its exit code is known) or a PID; None = assume it runs.
+    log_path: the server's combined output, for logs().
+    """
+
+    def __init__(
+        self,
+        process: subprocess.Popen | int | None = None,
+        log_path: Path | None = None,
+        host: str = "127.0.0.1",
+        name: str = "localhost",
+    ):
+        self.process, self.log_path, self.host, self.name = process, log_path, host, name
+
+    def http(self, port: int, timeout: float) -> http.client.HTTPConnection:
+        conn = http.client.HTTPConnection(self.host, port, timeout=timeout)
+        conn.connect()  # raises ConnectionRefusedError while the server is loading (it does not listen yet)
+        return conn
+
+    def container(self, service: str) -> ContainerInfo | None:
+        if self.process is None:
+            return ContainerInfo(id="local", state="running")
+        pid = self.process if isinstance(self.process, int) else self.process.pid
+        exit_code = self.process.poll() if isinstance(self.process, subprocess.Popen) else None
+        alive = exit_code is None and _pid_alive(pid)
+        return ContainerInfo(
+            id=str(pid),
+            state="running" if alive else "exited",
+            started_at=_pid_start_time(pid) if alive else None,
+            exit_code=exit_code,
+        )
+
+    def logs(self, service: str, tail: int = 30) -> list[str]:
+        if self.log_path is None or not self.log_path.exists():
+            return []
+        return self.log_path.read_text(errors="replace").splitlines()[-tail:]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie has exited; only its parent has not reaped it yet
+
+
+def _pid_start_time(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime, in clock ticks since boot
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+__all__ = [
+    "ContainerInfo",
+    "LoopbackTransport",
+    "SshTransport",
+    "Transport",
+    "TransportError",
+    "Unreachable",
+    "pick_container",
+    "transport_from_pyinfra_host",
+]
