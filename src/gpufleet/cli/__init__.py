@@ -5,9 +5,14 @@ from __future__ import annotations
 import click
 
 from gpufleet import __version__
+from gpufleet.cli.render import lint, render
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpufleet")
 def main() -> None:
     """Provision GPU hosts into fast vLLM servers for Qwen 3.5 and keep the fleet current."""
+
+
+main.add_command(render)
+main.add_command(lint)

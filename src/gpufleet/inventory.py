@@ -1,0 +1,48 @@
+"""Read a pyinfra inventory offline (no SSH), with its group_data, exactly as pyinfra itself merges it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpufleet.errors import GpufleetError
+from gpufleet.settings import build_spec
+from gpufleet.spec import ServeSpec
+
+
+def load_hosts(inventory_path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """[(host name, merged host data)] in inventory order, using pyinfra's own inventory loader."""
+    # pyinfra's loader executes the file inside a pyinfra State context; set one up for the duration.
+    from pyinfra.api import State
+    from pyinfra.context import ctx_state
+    from pyinfra_cli.inventory import make_inventory
+
+    path = Path(inventory_path)
+    if not path.is_file():
+        raise GpufleetError(f"{inventory_path}: inventory file not found (fix: pass a path like inventories/lab.py)")
+    with ctx_state.use(State()):
+        try:
+            inventory = make_inventory(str(path))
+        except Exception as exc:  # the user's Python file: show its error on one line
+            raise GpufleetError(f"{inventory_path}: cannot load inventory: {type(exc).__name__}: {exc}") from exc
+        return [(host.name, host.data.dict()) for host in inventory]
+
+
+def load_specs(inventory_path: str | Path, only_host: str | None = None) -> list[ServeSpec]:
+    """Validated specs for every host (or one); raises SettingErrors listing every invalid setting."""
+    from gpufleet.errors import SettingErrors
+
+    hosts = load_hosts(inventory_path)
+    if only_host is not None:
+        hosts = [(name, data) for name, data in hosts if name == only_host]
+        if not hosts:
+            raise GpufleetError(f"{only_host}: no such host in {inventory_path} (fix: check --host)")
+    specs, errors = [], []
+    for name, data in hosts:
+        try:
+            specs.append(build_spec(name, data))
+        except SettingErrors as exc:
+            errors += exc.errors
+    if errors:
+        raise SettingErrors(errors)
+    return specs

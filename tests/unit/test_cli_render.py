@@ -1,0 +1,82 @@
+"""`gpufleet render` / `gpufleet lint` on inventory files, through click's runner."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from gpufleet.cli import main
+from tests.unit.systemd_words import split_exec
+from tests.unit.test_spec import sh_argv
+
+
+@pytest.fixture
+def inventory(tmp_path):
+    def write(hosts: str, group_all: str = "") -> str:
+        # A fresh directory per inventory: pyinfra caches compiled inventory files by path within a process.
+        directory = tmp_path / f"inv{len(list(tmp_path.iterdir()))}"
+        (directory / "group_data").mkdir(parents=True)
+        (directory / "group_data" / "all.py").write_text(textwrap.dedent(group_all))
+        path = directory / "inventory.py"
+        path.write_text(textwrap.dedent(hosts))
+        return str(path)
+    return write
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_render_prints_each_host_then_its_command(inventory):
+    inv = inventory('boxes = [("a", {"vllm_port": 5001}), ("b", {"vllm_gpus": [3, 4, 5]})]\n',
+                    'vllm_image = "registry.local/vllm/vllm-openai:nightly"\n')
+    result = run("render", inv)
+    assert result.exit_code == 0, result.output
+    blocks = result.output.split("# host: ")[1:]
+    assert [b.splitlines()[0] for b in blocks] == ["a", "b"]
+    argv_b = sh_argv(blocks[1].split("\n", 1)[1])
+    assert argv_b[argv_b.index("--gpus") + 1] == '"device=3,4,5"'
+    assert "registry.local/vllm/vllm-openai:nightly" in argv_b
+
+
+def test_render_unit_for_one_host(inventory):
+    inv = inventory('boxes = [("a", {}), ("b", {"vllm_port": 6000})]\n')
+    result = run("render", inv, "--host", "b", "--unit")
+    assert result.exit_code == 0
+    assert result.output.startswith("# host: b\n# Managed by gpufleet")
+    exec_line = next(l for l in result.output.splitlines() if l.startswith("ExecStart="))
+    assert "6000:6000" in split_exec(exec_line[len("ExecStart="):])
+
+
+def test_invalid_data_exits_1_with_one_line_errors_and_no_traceback(inventory):
+    inv = inventory('boxes = [("a", {"vllm_port": 0}), ("b", {"vllm_args": {"kv-cache-dtype": "fp7"}})]\n')
+    result = run("render", inv)
+    assert result.exit_code == 1
+    lines = [l for l in result.output.splitlines() if l]
+    assert lines[0].startswith("Error: a: vllm_port: ") and lines[1].startswith("b: vllm_args['kv-cache-dtype']: ")
+    assert "Traceback" not in result.output
+
+
+def test_lint_warns_with_exit_0_and_errors_with_exit_1(inventory):
+    result = run("lint", inventory('boxes = [("a", {})]\n'))
+    assert result.exit_code == 0
+    assert "a: warning [privileged-exposes-all-gpus]" in result.output
+    result = run("lint", inventory('boxes = [("a", {"vllm_gpus": []})]\n'))
+    assert result.exit_code == 1 and "a: vllm_gpus:" in result.output
+
+
+def test_missing_inventory_and_broken_inventory_are_one_liners(inventory, tmp_path):
+    result = run("render", str(tmp_path / "nope.py"))
+    assert result.exit_code == 1 and "inventory file not found" in result.output
+    result = run("render", inventory("boxes = [(\n"))
+    assert result.exit_code == 1 and "cannot load inventory: SyntaxError" in result.output
+
+
+def test_console_script_runs_on_the_shipped_example_inventory():
+    out = subprocess.run([sys.executable, "-m", "gpufleet.cli", "render", "inventories/lab.py", "--host", "gpu-box-1"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("# host: gpu-box-1\ndocker run")
