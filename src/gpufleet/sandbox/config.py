@@ -1,0 +1,93 @@
+"""What a fleet is made of: names, subnet, state and cache places, and each host's GPUs.
+
+The sandbox (`gpufleet sandbox up`) and the pytest fleets run the same code with different FleetConfigs, so
+they can run side by side: every name the code creates (bridge, netns, veth, nspawn machine) derives from here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpufleet.sandbox import nvidia_smi
+
+CACHE_DIR = Path(os.environ.get("GPUFLEET_CACHE_DIR", "/var/cache/gpufleet"))
+MIRROR_PORT = 8080
+REGISTRY_PORT = 5000
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """A host's GPUs as its nvidia-smi reports them; count=0 is a box without the driver (no nvidia-smi)."""
+
+    count: int = 3
+    model: str = "NVIDIA H200"
+    memory_mib: int | None = None  # None: the recorded H200's 143771 MiB
+    driver: str | None = None  # None: the recorded 580.159.04
+    cuda: str | None = None  # None: the recorded 13.0
+
+    def profile(self, seed: str) -> nvidia_smi.Profile | None:
+        if self.count == 0:
+            return None
+        return nvidia_smi.make_profile(self.count, model=self.model, memory_mib=self.memory_mib, driver=self.driver,
+                                       cuda=self.cuda, seed=seed)
+
+
+H200x3 = Gpus(3)  # the write-up's box: vllm_gpus [0, 1, 2]
+H200x8 = Gpus(8)
+H200x1 = Gpus(1)
+OLD_DRIVER = Gpus(3, driver="535.104.05", cuda="12.2")  # too old for the CUDA 13 nightly image
+NO_GPU = Gpus(0)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    name: str  # short: part of netns names (gf-<name>-<host>)
+    bridge: str
+    net: str  # first three octets of the /24
+    host_prefix: str
+    state_dir: Path
+    cache_dir: Path = field(default=CACHE_DIR)
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.net}.1"
+
+    @property
+    def subnet(self) -> str:
+        return f"{self.net}.0/24"
+
+    def host_name(self, i: int) -> str:
+        return f"{self.host_prefix}{i}"
+
+    def host_ip(self, i: int) -> str:
+        return f"{self.net}.{10 + i}"
+
+    def netns(self, host: str) -> str:
+        return f"gf-{self.name}-{host}"
+
+    def veth(self, i: int) -> str:
+        return f"{self.bridge}-{i}"[:15]  # IFNAMSIZ
+
+    @property
+    def registry(self) -> str:
+        return f"{self.gateway}:{REGISTRY_PORT}"
+
+    @property
+    def mirror_url(self) -> str:
+        return f"http://{self.gateway}:{MIRROR_PORT}"
+
+    @property
+    def nvidia_repo_url(self) -> str:
+        return f"{self.mirror_url}/nvidia"
+
+
+def sandbox_config() -> FleetConfig:
+    return FleetConfig(name="sandbox", bridge="gf-sandbox", net="10.213.0", host_prefix="gpuhost",
+                       state_dir=Path(os.environ.get("GPUFLEET_SANDBOX_DIR", "/var/lib/gpufleet/sandbox")))
+
+
+def test_config(state_dir: Path | None = None) -> FleetConfig:
+    return FleetConfig(name="test", bridge="gf-test", net="10.213.1", host_prefix="gft",
+                       state_dir=state_dir or Path("/var/lib/gpufleet/test"))

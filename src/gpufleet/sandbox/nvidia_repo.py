@@ -1,0 +1,87 @@
+"""Stand-in of NVIDIA's container-toolkit apt repo, with the real URL layout and a signed InRelease.
+
+Layout (as at nvidia.github.io/libnvidia-container):
+    gpgkey                                     armored public key (throwaway, generated here)
+    stable/deb/nvidia-container-toolkit.list   one `deb [signed-by=...] <base>/stable/deb/$(ARCH) /` line
+    stable/deb/amd64/                          flat repo: Packages(.gz), Release, InRelease, Release.gpg, *.deb
+The list names the base URL, so the repo is built for one base (the fleet's gateway) and cached per base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from gpufleet.sandbox.procs import log, run
+
+PACKAGE = "nvidia-container-toolkit"
+VERSION = "1.17.8-1"
+STANDIN = Path(__file__).parent / "standin"
+# installed name -> stand-in source file
+EXECUTABLES = {
+    "nvidia-ctk": "nvidia_ctk.py",
+    "nvidia-container-runtime": "nvidia_container_runtime.py",
+    "nvidia-container-runtime-hook": "nvidia_container_runtime_hook.py",
+}
+KEYRING = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
+
+
+def _key(base_url: str) -> str:
+    h = hashlib.sha256(base_url.encode())
+    for src in sorted(EXECUTABLES.values()):
+        h.update((STANDIN / src).read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def ensure_repo(cache_dir: Path, base_url: str) -> Path:
+    """Return the repo root to serve at base_url (built once per base URL and stand-in source)."""
+    root = cache_dir / f"nvidia-repo-{_key(base_url)}"
+    if (root / ".done").exists():
+        return root
+    log.info("building the stand-in NVIDIA repo for %s", base_url)
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    arch = tmp / "stable/deb/amd64"
+    arch.mkdir(parents=True)
+    gnupg = tmp / ".gnupg"
+    gnupg.mkdir(mode=0o700)
+    env = {**os.environ, "GNUPGHOME": str(gnupg)}
+    run(["gpg", "--batch", "--passphrase", "", "--quick-gen-key",
+         "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>", "ed25519", "sign", "never"],
+        env=env)
+    (tmp / "gpgkey").write_text(run(["gpg", "--armor", "--export"], env=env).stdout)
+    (tmp / "stable/deb/nvidia-container-toolkit.list").write_text(
+        f"deb [signed-by={KEYRING}] {base_url}/stable/deb/$(ARCH) /\n"
+        f"#deb [signed-by={KEYRING}] {base_url}/experimental/deb/$(ARCH) /\n")
+    _build_deb(tmp / "pkg", arch / f"{PACKAGE}_{VERSION}_amd64.deb")
+    run(["sh", "-c", "apt-ftparchive packages . > Packages && gzip -kf Packages"], cwd=arch)
+    release = run(["apt-ftparchive", "-o", "APT::FTPArchive::Release::Origin=https://nvidia.github.io/libnvidia-container/stable/deb/amd64",
+                   "-o", "APT::FTPArchive::Release::Label=NVIDIA CUDA", "release", "."], cwd=arch).stdout
+    (arch / "Release").write_text(release)
+    run(["gpg", "--batch", "--yes", "--clearsign", "-o", "InRelease", "Release"], cwd=arch, env=env)
+    run(["gpg", "--batch", "--yes", "-abs", "-o", "Release.gpg", "Release"], cwd=arch, env=env)
+    # The private key stays out of the served tree: a repo is only as trustworthy as its key is private.
+    shutil.rmtree(root.with_name(root.name + ".gnupg"), ignore_errors=True)
+    shutil.move(str(gnupg), root.with_name(root.name + ".gnupg"))
+    shutil.rmtree(tmp / "pkg")
+    (tmp / ".done").touch()
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+    return root
+
+
+def _build_deb(pkg: Path, out: Path) -> None:
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "usr/bin").mkdir(parents=True)
+    (pkg / "DEBIAN/control").write_text(
+        f"Package: {PACKAGE}\nVersion: {VERSION}\nArchitecture: amd64\n"
+        "Maintainer: gpufleet sandbox <sandbox@gpufleet.invalid>\nDepends: python3\n"
+        "Description: NVIDIA container runtime hook (gpufleet sandbox stand-in)\n"
+        " Stand-in of nvidia-ctk, nvidia-container-runtime and nvidia-container-runtime-hook for test hosts.\n")
+    for name, src in EXECUTABLES.items():
+        shutil.copy(STANDIN / src, pkg / "usr/bin" / name)
+        (pkg / "usr/bin" / name).chmod(0o755)
+    run(["dpkg-deb", "-Zgzip", "--root-owner-group", "--build", str(pkg), str(out)])

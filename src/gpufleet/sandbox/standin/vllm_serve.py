@@ -1,0 +1,403 @@
+#!/usr/bin/env python3
+"""Stand-in for `vllm serve` (the vllm/vllm-openai image's entrypoint), stdlib only.
+
+It is what the sandbox's vLLM image runs, and it is testable on loopback directly:
+
+    STANDIN_LOAD_SECONDS=0.5 python3 vllm_serve.py serve /models/m --served-model-name m --port 8123
+
+Behaves like vLLM where gpufleet depends on it:
+- argv is parsed with the flags, choices and aliases of the real `vllm serve --help=all` (vllm_flags.json next to
+  this file): an unknown or malformed flag exits 2 naming it, as argparse does in vLLM;
+- the model (positional or --model) must be a directory with config.json, else exit 1 with vLLM's message;
+- nothing listens while the engine "loads" (STANDIN_LOAD_SECONDS, default 2): connections are refused;
+- then /health, /ping, /version, /metrics (vLLM's metric names), /v1/models and /v1/chat/completions (also SSE),
+  with prefix caching simulated on block-aligned prefixes (tokens = UTF-8 bytes of the chat-formatted prompt);
+- VLLM_API_KEY or --api-key guards /v1/* (health, metrics, version stay open);
+- STANDIN_DIE_AFTER=S: the engine dies S seconds after serving starts (/health 503, then the server exits 1);
+- STANDIN_UNKNOWN_FLAGS=--a,--b: flags this "older vLLM" does not know (exit 2 if used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS", Path(__file__).with_name("vllm_flags.json")))
+VERSION = os.environ.get("STANDIN_VLLM_VERSION", "0.32.0")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+# ------------------------------------------------------------------------------------------------ argv, as vLLM
+def build_parser(spec: dict, unknown: set[str]) -> argparse.ArgumentParser:
+    # allow_abbrev=False: vLLM's FlexibleArgumentParser does not accept abbreviated flags either.
+    parser = argparse.ArgumentParser(prog=spec["prog"], usage=spec["usage"], allow_abbrev=False, add_help=False)
+    parser.add_argument(spec["positional"], nargs="?", default=None)
+    for flag in spec["flags"]:
+        names = [n for n in flag["names"] if not n.startswith("--no-")]
+        if set(names) & unknown:
+            continue
+        if flag["kind"] == "flag":
+            parser.add_argument(*names, action="store_true")
+        elif flag["kind"] == "bool":
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            kw = {"type": _TYPES[flag["type"]], "default": None}
+            if flag["choices"]:
+                kw["choices"] = flag["choices"]
+            if flag["nargs"]:
+                kw["nargs"] = flag["nargs"]
+            parser.add_argument(*names, **kw)
+    return parser
+
+
+def normalise(argv: list[str]) -> list[str]:
+    """vLLM's argv conveniences: -O3 means --optimization-level 3; --max_model_len means --max-model-len."""
+    out = []
+    for arg in argv:
+        if re.fullmatch(r"-O\d", arg):
+            out += ["--optimization-level", arg[2:]]
+        elif arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            key, sep, value = arg.partition("=")
+            out.append(key.replace("_", "-") + sep + value)
+        else:
+            out.append(arg)
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    spec = json.loads(FLAGS_FILE.read_text())
+    unknown = {f for f in os.environ.get("STANDIN_UNKNOWN_FLAGS", "").split(",") if f}
+    parser = build_parser(spec, unknown)
+    if any(a == "-h" or a.startswith("--help") for a in argv):
+        parser.print_usage()
+        print("\n".join(", ".join(f["names"]) for f in spec["flags"] if not set(f["names"]) & unknown))
+        sys.exit(0)
+    return parser.parse_args(normalise(argv))
+
+
+def human_int(value: str | None) -> int | None:
+    """--max-model-len accepts 1k / 2M / 225000 like vLLM's human_readable_int."""
+    if value is None:
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value)
+    if not m:
+        fail(2, f"usage: vllm serve [model_tag] [options]\nvllm serve: error: argument --max-model-len: "
+                f"invalid human_readable_int value: '{value}'")
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1024**2, "g": 10**9, "G": 1024**3}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def fail(rc: int, message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(rc)
+
+
+# ------------------------------------------------------------------------------------------------------ engine
+class Engine:
+    """The model-facing state: served names, limits, the prefix cache and the counters /metrics reports."""
+
+    def __init__(self, args: argparse.Namespace, model: str, config: dict):
+        self.args = args
+        self.model = model
+        self.names = args.served_model_name or [model]
+        derived = int(config.get("max_position_embeddings", 2048))
+        self.max_model_len = human_int(args.max_model_len) or derived
+        if self.max_model_len > derived:
+            fail(1, f"ValueError: User-specified max_model_len ({self.max_model_len}) is greater than the derived "
+                    f"max_model_len (max_position_embeddings={derived} in model's config.json).")
+        self.prefix_caching = args.enable_prefix_caching is not False
+        self.block_size = int(args.block_size or 16)
+        self.match_unit = int(args.prefix_match_unit) if getattr(args, "prefix_match_unit", None) else None
+        self.api_keys = list(args.api_key or []) or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
+        self.seen: set[str] = set()
+        self.lock = threading.Lock()
+        self.dead = False
+        self.running = 0
+        self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prompt_tokens_cached": 0,
+                         "prompt_tokens": 0, "generation_tokens": 0, "kv_sum": 0, "kv_count": 0}
+        self.ttft: list[float] = []
+        self.seconds_per_token = float(os.environ.get("STANDIN_PREFILL_SECONDS_PER_TOKEN", "0.00002"))
+
+    def cached_tokens(self, tokens: bytes) -> int:
+        """Longest previously seen block-aligned prefix, never the whole prompt: floor((L-1)/B)*B at most."""
+        if not self.prefix_caching:
+            return 0
+        unit = self.match_unit or self.block_size
+        hashes = [hashlib.sha256(tokens[:k]).hexdigest() for k in range(unit, len(tokens), unit)]
+        with self.lock:
+            hit = 0
+            for k, h in zip(range(unit, len(tokens), unit), hashes):
+                if h not in self.seen:
+                    break
+                hit = k
+            self.seen.update(hashes)
+        return hit
+
+    def account(self, prompt: int, cached: int, generated: int, ttft: float) -> None:
+        with self.lock:
+            c = self.counters
+            c["prefix_cache_queries"] += prompt if self.prefix_caching else 0
+            c["prefix_cache_hits"] += cached
+            c["prompt_tokens_cached"] += cached
+            c["prompt_tokens"] += prompt
+            c["generation_tokens"] += generated
+            c["kv_sum"] += prompt - cached
+            c["kv_count"] += 1
+            self.ttft.append(ttft)
+
+    def cache_config(self) -> dict:
+        a = self.args
+        info = {"block_size": self.block_size, "cache_dtype": a.kv_cache_dtype or "auto",
+                "enable_prefix_caching": self.prefix_caching,
+                "gpu_memory_utilization": a.gpu_memory_utilization or 0.92, "is_attention_free": False,
+                "kv_cache_memory_bytes": a.kv_cache_memory_bytes, "mamba_block_size": a.mamba_block_size,
+                "mamba_cache_dtype": getattr(a, "mamba_cache_dtype", None) or "auto",
+                "mamba_cache_mode": a.mamba_cache_mode or "none", "num_cpu_blocks": 0, "num_gpu_blocks": 8192,
+                "prefix_caching_hash_algo": "sha256", "sliding_window": None}
+        if self.match_unit:
+            info["prefix_match_unit"] = self.match_unit
+        return {k: str(v) for k, v in sorted(info.items())}
+
+    def metrics(self) -> str:
+        labels = f'engine="0",model_name="{self.names[0]}"'
+        c = self.counters
+        out = []
+
+        def metric(name, kind, value, help_text, extra=""):
+            out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n")
+            suffix = "_total" if kind == "counter" else ""
+            out.append(f"{name}{suffix}{{{labels}{extra}}} {float(value)}\n")
+
+        with self.lock:
+            metric("vllm:num_requests_running", "gauge", self.running, "Number of requests in model execution batches.")
+            metric("vllm:num_requests_waiting", "gauge", 0, "Number of requests waiting to be processed.")
+            metric("vllm:kv_cache_usage_perc", "gauge", min(1.0, len(self.seen) / 8192),
+                   "KV-cache usage. 1 means 100 percent usage.")
+            metric("vllm:prefix_cache_queries", "counter", c["prefix_cache_queries"],
+                   "Prefix cache queries, in terms of number of queried tokens.")
+            metric("vllm:prefix_cache_hits", "counter", c["prefix_cache_hits"],
+                   "Prefix cache hits, in terms of number of cached tokens.")
+            metric("vllm:prompt_tokens", "counter", c["prompt_tokens"], "Number of prefill tokens processed.")
+            metric("vllm:prompt_tokens_cached", "counter", c["prompt_tokens_cached"],
+                   "Number of cached prompt tokens (local + external).")
+            metric("vllm:generation_tokens", "counter", c["generation_tokens"], "Number of generation tokens processed.")
+            out.append("# HELP vllm:request_prefill_kv_computed_tokens Histogram of new KV tokens computed during "
+                       "prefill (excluding cached tokens).\n# TYPE vllm:request_prefill_kv_computed_tokens histogram\n")
+            out.append(f'vllm:request_prefill_kv_computed_tokens_sum{{{labels}}} {float(c["kv_sum"])}\n')
+            out.append(f'vllm:request_prefill_kv_computed_tokens_count{{{labels}}} {float(c["kv_count"])}\n')
+            out.append("# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.\n"
+                       "# TYPE vllm:time_to_first_token_seconds histogram\n")
+            for b in TTFT_BUCKETS:
+                n = sum(1 for t in self.ttft if t <= b)
+                out.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="{b}"}} {float(n)}\n')
+            out.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {float(len(self.ttft))}\n')
+            out.append(f'vllm:time_to_first_token_seconds_count{{{labels}}} {float(len(self.ttft))}\n')
+            out.append(f'vllm:time_to_first_token_seconds_sum{{{labels}}} {sum(self.ttft)}\n')
+        cache_labels = ",".join(f'{k}="{v}"' for k, v in self.cache_config().items())
+        out.append("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                   "# TYPE vllm:cache_config_info gauge\n")
+        out.append(f'vllm:cache_config_info{{{cache_labels},engine="0"}} 1.0\n')
+        return "".join(out)
+
+
+def chat_prompt(messages: list[dict]) -> str:
+    """A ChatML rendering (Qwen's template shape): what the token count and prefix matching run on."""
+    parts = []
+    for m in messages:
+        content = m.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<|im_start|>{m.get('role', 'user')}\n{content}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+# -------------------------------------------------------------------------------------------------------- HTTP
+class Handler(BaseHTTPRequestHandler):
+    engine: Engine
+    server_version = "uvicorn"
+    sys_version = ""
+
+    def log_message(self, fmt, *args):  # one access-log line per request, like uvicorn's
+        print(f"INFO:     {self.client_address[0]} - \"{self.requestline}\" {args[1] if len(args) > 1 else ''}",
+              flush=True)
+
+    def _json(self, status: int, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorised(self) -> bool:
+        keys = self.engine.api_keys
+        if not keys or not self.path.startswith("/v1"):
+            return True
+        if self.headers.get("Authorization", "") in {f"Bearer {k}" for k in keys}:
+            return True
+        self._json(401, {"error": "Unauthorized"})
+        return False
+
+    def do_GET(self):
+        e = self.engine
+        path = self.path.split("?", 1)[0]
+        if path in ("/health", "/ping"):
+            self.send_response(503 if e.dead else 200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+        elif path == "/version":
+            self._json(200, {"version": VERSION})
+        elif path == "/metrics":
+            data = e.metrics().encode()
+            self.send_response(200)
+            self.send_header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        elif path == "/v1/models":
+            if self._authorised():
+                now = int(time.time())
+                self._json(200, {"object": "list", "data": [
+                    {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": e.model,
+                     "parent": None, "max_model_len": e.max_model_len,
+                     "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                                     "created": now, "allow_sampling": True, "allow_view": True,
+                                     "is_blocking": False, "organization": "*", "group": None}]}
+                    for name in e.names]})
+        else:
+            self._json(404, {"detail": "Not Found"})
+
+    def do_POST(self):
+        e = self.engine
+        if self.path.split("?", 1)[0] != "/v1/chat/completions":
+            self._json(404, {"detail": "Not Found"})
+            return
+        if not self._authorised():
+            return
+        try:
+            req = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        except json.JSONDecodeError as err:
+            self._json(400, {"error": {"message": f"JSON decode error: {err}", "type": "BadRequestError",
+                                       "param": None, "code": 400}})
+            return
+        if req.get("model") not in e.names:
+            self._json(404, {"error": {"message": f"The model `{req.get('model')}` does not exist.",
+                                       "type": "NotFoundError", "param": "model", "code": 404}})
+            return
+        if e.dead:
+            self._json(500, {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
+                                       "param": None, "code": 500}})
+            return
+        tokens = chat_prompt(req.get("messages") or []).encode()
+        max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 16)
+        if len(tokens) + max_tokens > e.max_model_len:
+            self._json(400, {"error": {"message": f"This model's maximum context length is {e.max_model_len} tokens. "
+                                       f"However, you requested {len(tokens) + max_tokens} tokens.",
+                                       "type": "BadRequestError", "param": None, "code": 400}})
+            return
+        with e.lock:
+            e.running += 1
+        try:
+            self._complete(req, tokens, min(max_tokens, 16))
+        finally:
+            with e.lock:
+                e.running -= 1
+
+    def _complete(self, req: dict, tokens: bytes, n_out: int) -> None:
+        e = self.engine
+        t0 = time.monotonic()
+        cached = e.cached_tokens(tokens)
+        time.sleep((len(tokens) - cached) * e.seconds_per_token)  # prefill: only the uncached part costs time
+        words = ["stand-in"] * n_out
+        usage = {"prompt_tokens": len(tokens), "total_tokens": len(tokens) + n_out, "completion_tokens": n_out,
+                 "prompt_tokens_details": {"cached_tokens": cached} if e.args.enable_prompt_tokens_details else None}
+        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req["model"]
+        if not req.get("stream"):
+            e.account(len(tokens), cached, n_out, time.monotonic() - t0)
+            self._json(200, {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": " ".join(words),
+                                                                  "reasoning_content": None, "tool_calls": []},
+                                          "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+                             "usage": usage, "prompt_logprobs": None})
+            return
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream; charset=utf-8")
+        self.send_header("connection", "close")
+        self.end_headers()
+
+        def send(choices, **extra):
+            chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": choices, **extra}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+
+        send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        e.account(len(tokens), cached, n_out, time.monotonic() - t0)
+        for i, w in enumerate(words):
+            send([{"index": 0, "delta": {"content": w if i == 0 else " " + w}, "logprobs": None,
+                   "finish_reason": "length" if i == len(words) - 1 else None}])
+        if (req.get("stream_options") or {}).get("include_usage"):
+            send([], usage=usage)
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.close_connection = True
+
+
+# -------------------------------------------------------------------------------------------------------- main
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] != "serve":
+        fail(2, "usage: vllm [-h] [-v] {chat,complete,serve,bench,collect-env,run-batch} ...\n"
+                f"vllm: error: argument subparser: invalid choice: '{argv[0] if argv else ''}'")
+    args = parse_args(argv[1:])
+    model = args.model_tag or args.model or "Qwen/Qwen3-0.6B"
+    config_path = Path(model) / "config.json"
+    if not config_path.is_file():
+        fail(1, f"ValueError: Invalid repository ID or local directory specified: '{model}'.\n"
+                "Please verify the following requirements:\n1. Provide a valid Hugging Face repository ID.\n"
+                "2. Specify a local directory that contains a recognized configuration file.\n"
+                "   - For Hugging Face models: ensure the presence of a 'config.json'.\n"
+                "   - For Mistral models: ensure the presence of a 'params.json'.")
+    engine = Engine(args, model, json.loads(config_path.read_text()))
+    print(f"INFO vLLM API server version {VERSION} (stand-in)\nINFO non-default args: {vars(args)}", flush=True)
+    # vLLM binds only after the engine is up: until then a client's connect is refused.
+    time.sleep(float(os.environ.get("STANDIN_LOAD_SECONDS", "2")))
+    Handler.engine = engine
+    server = ThreadingHTTPServer((args.host or "", args.port or 8000), Handler)
+    server.daemon_threads = True
+    print(f"INFO:     Uvicorn running on http://{args.host or '0.0.0.0'}:{args.port or 8000} (Press CTRL+C to quit)",
+          flush=True)
+    die_after = os.environ.get("STANDIN_DIE_AFTER")
+    if die_after:
+        def die():
+            time.sleep(float(die_after))
+            engine.dead = True
+            print("ERROR EngineCore encountered a fatal error.\nvllm.v1.engine.exceptions.EngineDeadError: "
+                  "EngineCore encountered an issue. See stack trace (above) for the root cause.", flush=True)
+            time.sleep(float(os.environ.get("STANDIN_DEAD_SECONDS", "1")))  # /health answers 503 meanwhile
+            server.shutdown()
+        threading.Thread(target=die, daemon=True).start()
+    try:
+        server.serve_forever(poll_interval=0.1)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.server_close()
+    return 1 if engine.dead else 0
+
+
+if __name__ == "__main__":
+    import signal
+
+    # docker stop sends SIGTERM: shut down cleanly like uvicorn does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    sys.exit(main(sys.argv[1:]))
