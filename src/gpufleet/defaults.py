@@ -47,8 +47,9 @@ DEFAULTS: dict[str, Any] = {
     # --- host preflight -------------------------------------------------------------------------------------
     # Lowest CUDA version the driver must support (the nightly image is CUDA 13.0: R580-class drivers).
     "gpufleet_min_cuda": "13.0",
-    # Free space (GiB) required where Docker keeps images and where the models live.
+    # Free space (GiB) required where Docker keeps its images (the nightly is ~28 GB unpacked).
     "gpufleet_min_free_gb_docker": 60,
+    # Free space (GiB) required in vllm_models_dir when the model still has to be downloaded.
     "gpufleet_min_free_gb_models": 40,
     # Allow a host without NVIDIA GPUs (a VM for trying the deploy): everything is installed, the service is not
     # started.
