@@ -58,6 +58,6 @@ def test_profile_flags_pass_vllm_argparse_and_bad_ones_do_not(vllm_bin, tmp_path
     for result in results[:2]:
         assert result.returncode == 1, result.stderr[-2000:]
         assert "nonexistent" in result.stderr and "HFValidationError" in result.stderr
-    for (flag, _), result in zip([*rejected.items(), ("no-such-flag", "")], results[2:]):
+    for (flag, _), result in zip([*rejected.items(), ("no-such-flag", "")], results[2:], strict=True):
         assert result.returncode == 2, (flag, result.stderr[-1000:])
         assert flag in result.stderr
