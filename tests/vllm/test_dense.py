@@ -1,0 +1,124 @@
+"""Readiness, identity and the probe against a real dense vLLM (Qwen2-style tiny model): caching on vs off."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from conftest import ServerSpec, Started, expected, models
+
+from gpufleet.health import Expected, HealthState, check, wait_until_ready
+from gpufleet.health.api import get
+from gpufleet.health.probe import Verdict, probe
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def dense(pair_factory, tmp_path_factory) -> dict[str, Started]:
+    model = models.build_dense(tmp_path_factory.mktemp("models") / "dense")
+    on, off = pair_factory(
+        [
+            # The reasoning parser moves all text into `reasoning` (content null): the checks must not need content.
+            ServerSpec("on", model, ["--enable-prefix-caching", "--reasoning-parser", "qwen3"], expected(enable_prefix_caching="True")),
+            ServerSpec("off", model, ["--no-enable-prefix-caching"], expected(enable_prefix_caching="False")),
+        ]
+    )  # fmt: skip
+    return {"on": on, "off": off}
+
+
+def test_loading_server_is_starting_not_ready(dense):
+    # Checked right after spawn: vLLM refuses connections while it loads, the process runs.
+    for s in dense.values():
+        assert s.while_loading.state is HealthState.STARTING, s.while_loading.detail
+        assert "not answering" in s.while_loading.detail
+
+
+def test_ready_report_carries_identity_and_load(dense):
+    r = check(dense["on"].transport, dense["on"].expected)
+    assert r.state is HealthState.READY, r.detail
+    assert r.served_model == "tiny"
+    assert r.max_model_len == 4096
+    assert r.version and r.version.startswith("0.32")
+    assert r.cache_config["block_size"] == "128"
+    assert r.kv_cache_usage is not None and 0.0 <= r.kv_cache_usage <= 1.0
+    assert (r.running, r.waiting) == (0, 0)
+
+
+def test_wrong_served_name_is_misconfigured(dense):
+    s = dense["on"]
+    want = Expected("vllm", s.server.port, "qwen35", 4096, {"enable_prefix_caching": "True"})
+    r = check(s.transport, want)
+    assert r.state is HealthState.MISCONFIGURED
+    assert "serves tiny, expected qwen35" in r.detail
+    # wait_until_ready does not wait for what waiting cannot fix.
+    t0 = time.monotonic()
+    assert wait_until_ready(s.transport, want, timeout_s=60).state is HealthState.MISCONFIGURED
+    assert time.monotonic() - t0 < 5
+
+
+def test_wrong_max_model_len_and_cache_label_are_misconfigured(dense):
+    s = dense["off"]
+    want = Expected("vllm", s.server.port, "tiny", 8192, {"enable_prefix_caching": "True"})
+    r = check(s.transport, want)
+    assert r.state is HealthState.MISCONFIGURED
+    assert "max_model_len 4096, expected 8192" in r.detail
+    assert "enable_prefix_caching=False, expected True" in r.detail
+
+
+def test_reasoning_parser_leaves_content_empty_and_probe_still_reads_reply(dense):
+    s = dense["on"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "cache block token"}], "max_tokens": 8}
+    conn = s.transport.http(s.server.port, 30)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    message = json.loads(conn.getresponse().read())["choices"][0]["message"]
+    conn.close()
+    assert not message.get("content")
+    assert message.get("reasoning")
+
+
+def test_probe_reports_hits_on_turn_n_plus_1_with_prefix_caching(dense):
+    s = dense["on"]
+    report = probe(s.transport, s.expected)
+    print("\n[probe dense on]", json.dumps(report.as_dict(), indent=1))
+    assert report.verdict is Verdict.EFFECTIVE, report.evidence
+    assert report.unit == 128
+    for p in report.points:
+        assert p.cold_cached_tokens == 0  # turn N was cold: the seed makes each conversation unique
+        assert p.cached_tokens >= p.due_tokens > 0
+        assert p.source == "usage"
+    assert report.hit_ratio > 0.3
+
+
+def test_probe_says_ineffective_without_prefix_caching(dense):
+    s = dense["off"]
+    report = probe(s.transport, s.expected, lengths_in_units=(1.5, 2.5, 3.5))
+    print("\n[probe dense off]", json.dumps(report.as_dict(), indent=1))
+    assert report.verdict is Verdict.INEFFECTIVE
+    assert "prefix caching is disabled" in report.detail
+    assert all(p.cached_tokens == 0 and p.due_tokens > 0 for p in report.points)
+    assert report.reprocessed_per_turn == pytest.approx(
+        sorted(p.next_prompt_tokens for p in report.points)[1]
+    )
+
+
+# Last in the module: it kills the "on" server's engine.
+def test_killed_engine_is_dead_then_exited(dense):
+    s = dense["on"]
+    os.kill(s.server.engine_core_pid(), signal.SIGKILL)
+    seen = []
+    deadline = time.monotonic() + 60
+    while s.server.proc.poll() is None and time.monotonic() < deadline:
+        r = check(s.transport, s.expected)
+        seen.append((r.state, r.detail))
+        time.sleep(0.1)
+    # The API server answers 503 (EngineDeadError) for a few seconds, then exits.
+    assert any(st is HealthState.DEAD and "503" in d for st, d in seen), seen[-5:]
+    assert s.server.proc.poll() is not None, "the API server did not exit after its engine died"
+    final = wait_until_ready(s.transport, s.expected, timeout_s=30)
+    assert final.state is HealthState.DEAD and "exited" in final.detail
+    assert final.logs, "a failed wait must carry the server's last log lines"
+    assert list(final.logs) == s.server.log_path.read_text(errors="replace").splitlines()[-30:]
