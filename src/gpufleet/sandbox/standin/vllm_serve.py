@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Stand-in for `vllm serve` (the vllm/vllm-openai image's entrypoint), stdlib only.
 
 It is what the sandbox's vLLM image runs, and it is testable on loopback directly:
@@ -31,7 +31,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS", Path(__file__).with_name("vllm_flags.json")))
+FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS", Path(__file__).resolve().with_name("vllm_flags.json")))
 VERSION = os.environ.get("STANDIN_VLLM_VERSION", "0.32.0")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)

@@ -1,0 +1,165 @@
+"""A fleet of test hosts and its services: start, add hosts (in parallel), stop, and clear a killed run's leftovers.
+
+    fleet = Fleet(sandbox_config())
+    fleet.start()                       # base rootfs, bridge, mirror, NVIDIA repo, registry, images
+    hosts = fleet.add_hosts([H200x3, NO_GPU])
+    fleet.stop()                        # nothing of ours left: processes, mounts, netns, links, bridge
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from gpufleet.sandbox import hosts as hostmod
+from gpufleet.sandbox import image, network, nvidia_repo, procs, rootfs, services
+from gpufleet.sandbox.config import FleetConfig, Gpus
+from gpufleet.sandbox.hosts import Host
+from gpufleet.sandbox.procs import SandboxError, log, run
+from gpufleet.sandbox.state import State
+
+# machine tool -> Debian package that provides it
+TOOLS = {"systemd-nspawn": "systemd-container", "debootstrap": "debootstrap", "docker-registry": "docker-registry",
+         "dockerd": "docker.io", "dpkg-scanpackages": "dpkg-dev", "apt-ftparchive": "apt-utils", "gpg": "gnupg",
+         "ssh": "openssh-client", "ssh-keygen": "openssh-client", "iptables-save": "iptables", "nsenter": "util-linux"}
+
+
+def check_prerequisites() -> None:
+    """Raise SandboxError (one line) unless this machine can run a fleet: root, and every tool installed."""
+    if os.geteuid() != 0:
+        raise SandboxError("the sandbox needs root (it creates network namespaces, mounts and containers)")
+    missing = sorted({pkg for tool, pkg in TOOLS.items() if not shutil.which(tool)})
+    if missing:
+        raise SandboxError(f"missing tools; install them with: apt-get install {' '.join(missing)}")
+
+
+class Fleet:
+    def __init__(self, cfg: FleetConfig):
+        self.cfg = cfg
+        self.state = State(cfg.state_dir / "state.json")
+        self.key = cfg.state_dir / "ssh" / "id_ed25519"
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------------- start
+    def start(self) -> None:
+        """Clear leftovers of an earlier run of this fleet, then bring up the shared parts (reused if cached)."""
+        check_prerequisites()
+        self.clear_leftovers()
+        cfg = self.cfg
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        cfg.state_dir.chmod(0o700)  # holds the fleet's private SSH key
+        t0 = time.monotonic()
+        base = rootfs.ensure_base(cfg.cache_dir)
+        self.timings["base"] = time.monotonic() - t0
+        self.base_rootfs = base.rootfs
+        self.state.set("base_rootfs", str(base.rootfs))
+        if not self.key.exists():
+            self.key.parent.mkdir(parents=True, exist_ok=True)
+            run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"gpufleet-{cfg.name}", "-f", str(self.key)])
+        network.ensure_bridge(cfg, self.state)
+        repo = nvidia_repo.ensure_repo(cfg.cache_dir, cfg.nvidia_repo_url)
+        services.serve_files(cfg, self.state, {"debian": base.debs, "nvidia": repo})
+        services.serve_registry(cfg, self.state)
+        t0 = time.monotonic()
+        image.ensure_images(cfg, self.state, base.rootfs)
+        self.timings["images"] = time.monotonic() - t0
+
+    # ------------------------------------------------------------------------------------------------- hosts
+    def hosts(self) -> list[Host]:
+        return [Host.from_dict(h) for h in self.state.get("hosts", [])]
+
+    def host(self, name: str) -> Host:
+        return next(h for h in self.hosts() if h.name == name)
+
+    def add_hosts(self, gpus: list[Gpus], first: int | None = None) -> list[Host]:
+        """Create and boot len(gpus) hosts in parallel (numbered from `first`, default after the last one)."""
+        start = first or 1 + max((h.index for h in self.hosts()), default=0)
+        new = [hostmod.make(self.cfg, start + i, g) for i, g in enumerate(gpus)]
+        base = Path(self.state.get("base_rootfs"))
+        t0 = time.monotonic()
+
+        def bring_up(h: Host) -> Host:
+            hostmod.create(self.cfg, self.state, h, base, self.key)
+            pid = hostmod.boot(self.state, h)
+            hostmod.wait_ready(h, self.key, pid)
+            return h
+
+        with ThreadPoolExecutor(max_workers=max(1, len(new))) as pool:
+            up = list(pool.map(bring_up, new))
+        self.timings[f"boot_{len(new)}"] = time.monotonic() - t0
+        log.info("booted %d host(s) in %.1fs", len(new), self.timings[f"boot_{len(new)}"])
+        others = [h for h in self.hosts() if h.name not in {n.name for n in up}]
+        self.state.set("hosts", [h.as_dict() for h in sorted([*others, *up], key=lambda h: h.index)])
+        return up
+
+    def remove_hosts(self, names: list[str] | None = None) -> None:
+        """Stop and delete hosts (all by default), in parallel: each shutdown waits on systemd inside."""
+        doomed = [h for h in self.hosts() if names is None or h.name in names]
+        with ThreadPoolExecutor(max_workers=max(1, len(doomed))) as pool:
+            list(pool.map(lambda h: hostmod.destroy(self.cfg, self.state, h), doomed))
+        self.state.set("hosts", [h.as_dict() for h in self.hosts() if h not in doomed])
+
+    # -------------------------------------------------------------------------------------------------- stop
+    def stop(self) -> None:
+        """Undo everything this fleet created. Caches (base rootfs, repos, registry storage) stay."""
+        self.remove_hosts()
+        self.clear_leftovers()
+
+    def clear_leftovers(self) -> None:
+        """Remove what an earlier (maybe killed) run of THIS fleet left: only names its state file or its own
+        naming scheme (netns gf-<fleet>-*, links <bridge>-*, mounts under its state dir) account for."""
+        cfg, state = self.cfg, self.state
+        for name in list(state.get("pids", {})):
+            entry = state.pid(name)
+            procs.stop(entry[0], grace=30 if name.startswith("host:") else 10, started=entry[1])
+            state.drop_pid(name)
+        hostmod.unmount_below(cfg.state_dir / "hosts")
+        hostmod.unmount_below(cfg.state_dir / "dockerd")
+        for m in state.items("mounts"):
+            state.discard("mounts", m)
+        for ns in run(["ip", "netns", "list"], check=False).stdout.split("\n"):
+            ns = ns.split(" ")[0]
+            if ns.startswith(f"gf-{cfg.name}-"):
+                state.add("netns", ns)
+        for line in run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
+            link = line.split(": ")[1].split("@")[0]
+            if link.startswith(f"{cfg.bridge}-"):
+                state.add("links", link)
+        network.remove_all(cfg, state)
+        for h in self.hosts():
+            shutil.rmtree(Path("/run/systemd/nspawn/propagate") / h.name, ignore_errors=True)
+        shutil.rmtree(cfg.state_dir / "hosts", ignore_errors=True)
+        shutil.rmtree(cfg.state_dir / "dockerd", ignore_errors=True)
+        state.set("hosts", [])
+        (cfg.state_dir / "inventory.json").unlink(missing_ok=True)
+
+    # ----------------------------------------------------------------------------------------------- helpers
+    def run_in(self, host: Host | str, command: str, check: bool = True):
+        return hostmod.run_in(self.state, self._h(host), command, check=check)
+
+    def ssh(self, host: Host | str, *command: str, check: bool = True):
+        return run(hostmod.ssh_argv(self._h(host), self.key, *command), check=check, timeout=300)
+
+    def read_file(self, host: Host | str, path: str) -> bytes:
+        return hostmod.read_file(self._h(host), path)
+
+    def reboot(self, host: Host | str) -> float:
+        return hostmod.restart(self.state, self._h(host), self.key)
+
+    def set_connected(self, host: Host | str, connected: bool) -> None:
+        network.set_connected(self.cfg, self._h(host).index, connected)
+
+    def _h(self, host: Host | str) -> Host:
+        return self.host(host) if isinstance(host, str) else host
+
+    def write_inventory(self) -> Path:
+        """<state dir>/inventory.json: what inventories/sandbox.py (and the test inventories) turn into hosts."""
+        from gpufleet.sandbox.inventory import inventory_document
+
+        path = self.cfg.state_dir / "inventory.json"
+        path.write_text(json.dumps(inventory_document(self.cfg, self.hosts(), self.key), indent=2) + "\n")
+        return path

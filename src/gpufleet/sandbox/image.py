@@ -1,0 +1,156 @@
+"""The stand-in vLLM image, pushed to the fleet's registry as <registry>/vllm/vllm-openai:<tag>.
+
+A minimal root (python3 and its libraries from the base rootfs, the stdlib-only stand-ins, a tiny bundled model)
+imported with `docker import` by a temporary dockerd (started and stopped by PID; no iptables, no bridge, so it
+changes nothing on the machine), once per tag. Rebuilt only when its inputs change: the registry storage keeps a
+stamp of the key it holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+from gpufleet.sandbox import procs
+from gpufleet.sandbox.config import FleetConfig
+from gpufleet.sandbox.procs import log, run
+from gpufleet.sandbox.services import registry_storage
+from gpufleet.sandbox.state import State
+
+STANDIN = Path(__file__).parent / "standin"
+REPOSITORY = "vllm/vllm-openai"
+MODEL_REPO = "gpufleet-sandbox/Qwen3.5-tiny"  # what the image's `hf download` serves
+# tag -> image env: each tag is one behaviour of the stand-in, so each has its own config and digest.
+TAGS: dict[str, dict[str, str]] = {
+    "nightly": {"STANDIN_VLLM_VERSION": "0.32.1.dev20+gstandin"},
+    "good": {"STANDIN_VLLM_VERSION": "0.32.1.dev20+gstandin"},
+    # an older vLLM (before PR #34936) that does not know a flag the seed invocation uses
+    "rejects-flag": {"STANDIN_VLLM_VERSION": "0.16.0", "STANDIN_UNKNOWN_FLAGS": "--performance-mode"},
+    # starts, serves briefly, then its engine dies: /health 503, then the container exits 1
+    "dies": {"STANDIN_VLLM_VERSION": "0.32.1.dev21+gstandin", "STANDIN_DIE_AFTER": "8"},
+}
+COMMON_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "NVIDIA_REQUIRE_CUDA": "cuda>=13.0",
+              "NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+              "VLLM_USAGE_SOURCE": "production-docker-image", "PYTHONUNBUFFERED": "1"}
+SOURCES = ("vllm_serve.py", "vllm_flags.json", "hf.py")
+
+
+def image_ref(cfg: FleetConfig, tag: str = "nightly") -> str:
+    return f"{cfg.registry}/{REPOSITORY}:{tag}"
+
+
+def _key(base_rootfs: Path) -> str:
+    h = hashlib.sha256(str(base_rootfs).encode() + json.dumps([TAGS, COMMON_ENV, MODEL_REPO]).encode())
+    for f in (*[STANDIN / s for s in SOURCES], Path(__file__)):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def ensure_images(cfg: FleetConfig, state: State, base_rootfs: Path) -> None:
+    """Make sure the registry holds every tag of the current stand-in (cold: ~10 s; warm: nothing to do)."""
+    key = _key(base_rootfs)
+    stamp = registry_storage(cfg) / ".gpufleet-images"
+    if stamp.exists() and stamp.read_text() == key:
+        return
+    tar = _image_tar(cfg.cache_dir, base_rootfs, key)
+    log.info("importing and pushing %s:{%s} (temporary dockerd)", REPOSITORY, ",".join(TAGS))
+    work = cfg.state_dir / "dockerd"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    sock = f"unix://{work}/docker.sock"
+    pid = procs.spawn(["dockerd", "--data-root", str(work / "root"), "--exec-root", str(work / "exec"),
+                       "--pidfile", str(work / "dockerd.pid"), "-H", sock, "--iptables=false", "--ip6tables=false",
+                       "--ip-forward=false", "--ip-masq=false", "--bridge=none", "--userland-proxy=false",
+                       "--insecure-registry", cfg.registry], work / "dockerd.log")
+    state.add_pid("dockerd", pid)
+    docker = ["docker", "-H", sock]
+    try:
+        procs.wait_for(lambda: run([*docker, "info"], check=False).returncode == 0, 60, "the temporary dockerd")
+        for tag, env in TAGS.items():
+            changes = [f"ENV {k}={v}" for k, v in {**COMMON_ENV, **env}.items()]
+            changes += ['ENTRYPOINT ["vllm", "serve"]', "WORKDIR /", f"LABEL org.gpufleet.standin={tag}"]
+            run([*docker, "import", *[a for c in changes for a in ("-c", c)], str(tar), image_ref(cfg, tag)])
+            run([*docker, "push", image_ref(cfg, tag)], timeout=300)
+    finally:
+        procs.stop(pid, grace=20)
+        state.drop_pid("dockerd")
+        procs.run(["umount", "-l", str(work / "exec")], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+    stamp.write_text(key)
+
+
+def _image_tar(cache_dir: Path, base: Path, key: str) -> Path:
+    out = cache_dir / f"vllm-image-{key}.tar"
+    if out.exists():
+        return out
+    root = cache_dir / f"vllm-image-{key}.root"
+    shutil.rmtree(root, ignore_errors=True)
+    for d in ("usr/bin", "usr/lib", "usr/lib64", "tmp", "etc", "root", "opt/gpufleet-standin"):
+        (root / d).mkdir(parents=True)
+    for link, target in (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64")):
+        (root / link).symlink_to(target)
+    (root / "tmp").chmod(0o1777)
+    for exe in ("python3.11", "dash"):
+        shutil.copy2(base / "usr/bin" / exe, root / "usr/bin" / exe)
+    (root / "usr/bin/python3").symlink_to("python3.11")
+    (root / "usr/bin/sh").symlink_to("dash")
+    run(["tar", "-C", str(base), "-c", "--exclude=test", "--exclude=tests", "--exclude=idlelib", "--exclude=tkinter",
+         "--exclude=turtledemo", "--exclude=ensurepip", "--exclude=lib2to3", "--exclude=__pycache__",
+         "-f", str(root / "py.tar"), "usr/lib/python3.11"])
+    run(["tar", "-C", str(root), "-xf", str(root / "py.tar")])
+    (root / "py.tar").unlink()
+    _copy_libraries(base, root)
+    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (root / "etc/group").write_text("root:x:0:\n")
+    opt = root / "opt/gpufleet-standin"
+    for src in SOURCES:
+        shutil.copy(STANDIN / src, opt / src)
+    for name, src in (("vllm", "vllm_serve.py"), ("hf", "hf.py")):
+        (opt / src).chmod(0o755)
+        (root / "usr/bin" / name).symlink_to(f"/opt/gpufleet-standin/{src}")
+    write_tiny_model(opt / "hub" / MODEL_REPO)
+    run(["tar", "-C", str(root), "--numeric-owner", "--owner=0", "--group=0", "-cf", str(out) + ".tmp", "."])
+    Path(str(out) + ".tmp").rename(out)
+    shutil.rmtree(root)
+    return out
+
+
+def _copy_libraries(base: Path, root: Path) -> None:
+    """The shared libraries python3.11, its extension modules and dash link against, resolved inside the base."""
+    targets = ["/usr/bin/python3.11", "/usr/bin/dash"]
+    targets += [f"/{p.relative_to(base)}" for p in (base / "usr/lib/python3.11/lib-dynload").glob("*.so")]
+    out = run(["chroot", str(base), "ldd", *targets], check=False).stdout
+    libs = {tok for line in out.splitlines() for tok in line.split() if tok.startswith("/") and ".so" in tok and not tok.endswith(":")}
+    for lib in sorted(libs):
+        dst = root / ("usr" + lib if not lib.startswith("/usr/") else lib[1:]).lstrip("/")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(base / lib.lstrip("/"), dst)  # follows the (relative) library symlinks inside the base
+
+
+def write_tiny_model(d: Path) -> None:
+    """A tiny, structurally real model: config.json, tokenizer files, and a valid safetensors file.
+
+    The safetensors writer is the format's 10 lines (8-byte little-endian header length, JSON header, raw data):
+    the product must not depend on the test extras' safetensors/numpy just to build a sandbox image."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "max_position_embeddings": 262144, "vocab_size": 256, "torch_dtype": "bfloat16"}, indent=2) + "\n")
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}) + "\n")
+    vocab = {chr(i) if 33 <= i < 127 else f"<0x{i:02X}>": i for i in range(256)}
+    (d / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "added_tokens": [], "normalizer": None, "pre_tokenizer": None, "post_processor": None,
+        "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<0x00>"}}) + "\n")
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                         "model_max_length": 262144}) + "\n")
+    data = bytes(range(256)) * 16  # one 256x8 uint16 "embedding"
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "U16", "shape": [256, 8],
+                                                       "data_offsets": [0, len(data)]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    header += b" " * (-len(header) % 8)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)

@@ -1,0 +1,63 @@
+"""The fleet's local services, bound to the bridge address only: a static HTTP server (Debian mirror + stand-in
+NVIDIA repo) and a container registry (Debian's docker-registry). Both are started by PID and recorded in the state
+file; nothing else on the machine is touched."""
+
+from __future__ import annotations
+
+import sys
+import urllib.request
+from pathlib import Path
+
+from gpufleet.sandbox import procs
+from gpufleet.sandbox.config import MIRROR_PORT, REGISTRY_PORT, FleetConfig
+from gpufleet.sandbox.state import State
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def serve_files(cfg: FleetConfig, state: State, tree: dict[str, Path]) -> None:
+    """Serve tree (URL prefix -> directory) at http://<gateway>:8080/<prefix>/ via symlinks in one web root."""
+    www = cfg.state_dir / "www"
+    www.mkdir(parents=True, exist_ok=True)
+    for name, target in tree.items():
+        link = www / name
+        if link.is_symlink() and link.resolve() != target.resolve():
+            link.unlink()
+        if not link.is_symlink():
+            link.symlink_to(target)
+    if not state.live_pid("mirror"):
+        pid = procs.spawn([sys.executable, "-m", "http.server", str(MIRROR_PORT), "--bind", cfg.gateway,
+                           "--directory", str(www)], cfg.state_dir / "logs" / "mirror.log")
+        state.add_pid("mirror", pid)
+    procs.wait_for(lambda: _answers(f"{cfg.mirror_url}/"), 20, "the local mirror")
+
+
+def registry_storage(cfg: FleetConfig) -> Path:
+    return cfg.cache_dir / f"registry-{cfg.name}"
+
+
+def serve_registry(cfg: FleetConfig, state: State) -> None:
+    conf = cfg.state_dir / "registry.yml"
+    conf.write_text(f"""version: 0.1
+log: {{level: warn}}
+storage: {{filesystem: {{rootdirectory: {registry_storage(cfg)}}}, delete: {{enabled: true}}}}
+http: {{addr: "{cfg.gateway}:{REGISTRY_PORT}"}}
+""")
+    if not state.live_pid("registry"):
+        pid = procs.spawn(["docker-registry", "serve", str(conf)], cfg.state_dir / "logs" / "registry.log")
+        state.add_pid("registry", pid)
+    procs.wait_for(lambda: _answers(f"http://{cfg.registry}/v2/"), 20, "the local registry")
+
+
+def stop_all(state: State) -> None:
+    for name in ("mirror", "registry", "dockerd"):
+        entry = state.pid(name)
+        if entry:
+            procs.stop(entry[0], grace=20, started=entry[1])
+        state.drop_pid(name)
