@@ -1,0 +1,11 @@
+"""pyinfra deploy: Qwen 3.5 on vLLM. Usage: pyinfra inventories/lab.py deploys/qwen35.py [--dry] [--limit HOST]
+
+Thin entry point; the work lives in gpufleet.deploys.qwen35 (docs/deploy.md).
+"""
+
+from pyinfra import host
+
+from gpufleet.deploys.qwen35 import deploy_qwen35
+from gpufleet.operations.context import use_sudo
+
+deploy_qwen35(_sudo=use_sudo(host))

@@ -1,0 +1,277 @@
+"""One fact, one SSH round trip: everything the qwen35 deploy decides from.
+
+A no-op re-converge should cost little more than connecting (bench/deploy_bench.py measures it), so instead of one
+command per fact the deploy reads the host once: OS, GPUs (the exact nvidia-smi queries of gpufleet.facts.nvidia),
+free disk, Docker's daemon.json, package states, checksums of the files the deploy writes, the NVIDIA repo key as
+the repo serves it now (to notice a rotated key), the image state file, local images, the model directory, unit
+states and a readiness probe. Sections are separated by marker lines; process() only parses.
+
+The command is read-only: nothing on the host changes (preflight relies on that).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyinfra.api import FactBase
+from pyinfra.api.exceptions import FactProcessError
+
+from gpufleet.facts.nvidia import (
+    QUERY_GPUS, QUERY_TOPOLOGY, QUERY_VERSION, Gpu, NvidiaVersion, Topology, parse_gpus, parse_topology,
+    parse_version,
+)
+
+MARK = "@@gpufleet:"
+DAEMON_JSON = "/etc/docker/daemon.json"
+PACKAGES = ("docker.io", "docker-ce", "docker-ce-cli", "containerd.io", "nvidia-container-toolkit", "curl",
+            "ca-certificates")
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where the deploy keeps things on a host (derived from the settings; see gpufleet.operations.paths)."""
+
+    service: str
+    models_dir: str
+    model: str
+    dirs: tuple[str, ...]  # dirs whose owner/mode the deploy manages
+    files: tuple[str, ...]  # files whose sha256 the deploy compares
+    state_file: str
+    env_file: str
+    port: int
+    nvidia_key_url: str
+    docker_repo_url: str | None  # docker-ce only: its key lives at <url>/<os id>/gpg
+
+
+@dataclass
+class HostSnapshot:
+    os: dict[str, str] = field(default_factory=dict)
+    arch: str = ""
+    nvidia_smi: bool = False  # nvidia-smi is on PATH
+    gpus: list[Gpu] = field(default_factory=list)
+    driver: NvidiaVersion | None = None
+    topology: Topology | None = None
+    nvidia_error: str | None = None  # nvidia-smi present but its output unusable
+    daemon_json: dict[str, Any] | None = None  # None: no file
+    daemon_json_error: str | None = None
+    free_kib: dict[str, int] = field(default_factory=dict)  # "docker"/"models" -> KiB free
+    free_path: dict[str, str] = field(default_factory=dict)  # the directory actually measured
+    packages: dict[str, str] = field(default_factory=dict)  # installed package -> version
+    file_sha256: dict[str, str | None] = field(default_factory=dict)
+    nvidia_key: str | None = None  # armored key as served by nvidia_repo_url now
+    docker_key: str | None = None
+    state: dict[str, Any] | None = None
+    images: list[tuple[str, str, str]] = field(default_factory=list)  # (repository, tag, digest)
+    model_files: dict[str, int] = field(default_factory=dict)  # name -> size, top level of the model dir
+    model_shards: list[str] = field(default_factory=list)  # shards listed by model.safetensors.index.json
+    model_incomplete: list[str] = field(default_factory=list)  # hf's *.incomplete partial downloads
+    dirs: dict[str, tuple[str, str, str] | None] = field(default_factory=dict)  # path -> (user, group, mode)
+    units: dict[str, tuple[str, str]] = field(default_factory=dict)  # unit -> (is-active, is-enabled)
+    health_code: str | None = None
+    served_models: list[str] | None = None
+
+    # --- derived ----------------------------------------------------------------------------------------
+    def installed(self, package: str) -> bool:
+        return package in self.packages
+
+    def unit_active(self, unit: str) -> bool:
+        return self.units.get(unit, ("", ""))[0] == "active"
+
+    def unit_enabled(self, unit: str) -> bool:
+        return self.units.get(unit, ("", ""))[1] == "enabled"
+
+    def has_image_digest(self, ref: str) -> bool:
+        """Is `repo@sha256:...` present locally?"""
+        repo, _, digest = ref.partition("@")
+        return any(r == repo and d == digest for r, _, d in self.images)
+
+    @property
+    def nvidia_runtime(self) -> bool:
+        runtimes = (self.daemon_json or {}).get("runtimes")
+        return isinstance(runtimes, dict) and "nvidia" in runtimes
+
+
+def snapshot_command(paths: Paths) -> str:
+    q = shlex.quote
+
+    def section(name: str) -> str:
+        return f"echo '{MARK}{name}'"
+
+    def nvidia(name: str, query: str) -> str:
+        # rc and stderr are kept: a broken driver must surface as a message, not as "no GPUs".
+        return f"{section(name)}; if [ $nv = 1 ]; then {query} 2>&1; echo \"@@rc $?\"; fi"
+
+    dirs = " ".join(q(d) for d in paths.dirs)
+    files = " ".join(q(f) for f in paths.files)
+    model_dir = q(f"{paths.models_dir}/{paths.model}")
+    lines = [
+        "export LC_ALL=C",
+        "nv=0; command -v nvidia-smi >/dev/null 2>&1 && nv=1",
+        f"{section('os')}; cat /etc/os-release 2>/dev/null",
+        f"{section('arch')}; dpkg --print-architecture 2>/dev/null || uname -m",
+        f"{section('nvidia_smi')}; echo $nv",
+        nvidia("gpus", QUERY_GPUS),
+        nvidia("driver", QUERY_VERSION),
+        nvidia("topology", QUERY_TOPOLOGY),
+        f"{section('daemon_json')}; cat {DAEMON_JSON} 2>/dev/null",
+        # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon.
+        f"root=$(sed -n 's/.*\"data-root\"[[:space:]]*:[[:space:]]*\"\\([^\"]*\\)\".*/\\1/p' {DAEMON_JSON} 2>/dev/null)",
+        f"{section('free')}; for kp in docker=\"${{root:-/var/lib/docker}}\" models={q(paths.models_dir)}; do "
+        "k=${kp%%=*}; p=${kp#*=}; while [ ! -e \"$p\" ]; do p=$(dirname \"$p\"); done; "
+        "echo \"$k $p $(df -Pk \"$p\" | awk 'NR==2{print $4}')\"; done",
+        f"{section('packages')}; dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}} ${{Version}}\\n' "
+        f"{' '.join(PACKAGES)} 2>/dev/null",
+        f"{section('files')}; for f in {files}; do if [ -f \"$f\" ]; then sha256sum \"$f\"; else echo \"- $f\"; fi; done",
+        f"{section('nvidia_key')}; command -v curl >/dev/null && curl -fsSL --max-time 15 {q(paths.nvidia_key_url)} 2>/dev/null",
+    ]
+    if paths.docker_repo_url:
+        lines.append(f"{section('docker_key')}; command -v curl >/dev/null && (. /etc/os-release; "
+                     f"curl -fsSL --max-time 15 {q(paths.docker_repo_url)}/\"$ID\"/gpg 2>/dev/null)")
+    lines += [
+        f"{section('state')}; cat {q(paths.state_file)} 2>/dev/null",
+        f"{section('images')}; command -v docker >/dev/null && docker images --digests --no-trunc "
+        "--format '{{.Repository}}|{{.Tag}}|{{.Digest}}' 2>/dev/null",
+        f"{section('model')}; if [ -d {model_dir} ]; then cd {model_dir} && "
+        "find . -maxdepth 1 -type f -printf '%f %s\\n'; "
+        "[ -f model.safetensors.index.json ] && grep -o '\"[^\"]*\\.safetensors\"' model.safetensors.index.json "
+        "| sort -u | sed 's/\"//g; s/^/shard /'; "
+        "find . -path '*huggingface/download*' -name '*.incomplete' 2>/dev/null | head -3 | sed 's/^/incomplete /'; "
+        "cd /; fi",
+        f"{section('dirs')}; for d in {dirs}; do stat -c '%U %G %a %n' \"$d\" 2>/dev/null || echo \"- - - $d\"; done",
+        f"{section('units')}; for u in docker.service {q(paths.service + '.service')}; do "
+        "echo \"$u $(systemctl is-active $u 2>/dev/null) $(systemctl is-enabled $u 2>/dev/null)\"; done",
+        # Readiness without putting the API key on a command line: printf is a builtin, curl reads the header
+        # from stdin.
+        f"{section('health')}; if systemctl is-active -q {q(paths.service + '.service')} && command -v curl >/dev/null; "
+        f"then curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 3 http://127.0.0.1:{paths.port}/health; "
+        f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
+        "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
+        f"curl -s --max-time 3 -H @- http://127.0.0.1:{paths.port}/v1/models; echo; fi",
+        f"echo '{MARK}end'",
+    ]
+    return "\n".join(lines)
+
+
+def split_sections(lines: list[str]) -> dict[str, list[str]]:
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        if line.startswith(MARK):
+            current = line[len(MARK):].strip()
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line)
+    if "end" not in sections:
+        raise FactProcessError("host snapshot output is truncated (no end marker)")
+    return sections
+
+
+def _nvidia_section(lines: list[str]) -> tuple[list[str], int]:
+    rc = 0
+    if lines and lines[-1].startswith("@@rc "):
+        rc = int(lines[-1].split()[1])
+        lines = lines[:-1]
+    return lines, rc
+
+
+def parse_snapshot(lines: list[str]) -> HostSnapshot:
+    s = split_sections(lines)
+    snap = HostSnapshot()
+    for line in s.get("os", []):
+        key, sep, value = line.partition("=")
+        if sep:
+            snap.os[key.strip()] = value.strip().strip('"')
+    snap.arch = (s.get("arch") or [""])[0].strip()
+    snap.nvidia_smi = (s.get("nvidia_smi") or ["0"])[0].strip() == "1"
+    if snap.nvidia_smi:
+        try:
+            gpus, rc = _nvidia_section(s.get("gpus", []))
+            if rc == 6 or any("No devices were found" in line for line in gpus):
+                snap.gpus = []  # driver present, no GPU: the same as a GPU-less host for preflight
+            else:
+                snap.gpus = parse_gpus(gpus)
+                if rc:
+                    raise FactProcessError(f"nvidia-smi --query-gpu exited {rc}")
+                snap.driver = parse_version(_nvidia_section(s.get("driver", []))[0])
+                topo, rc = _nvidia_section(s.get("topology", []))
+                snap.topology = parse_topology(topo) if rc == 0 and len(snap.gpus) > 0 else None
+        except FactProcessError as error:
+            snap.nvidia_error = str(error)
+    text = "\n".join(s.get("daemon_json", [])).strip()
+    if text:
+        try:
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            snap.daemon_json = value
+        except ValueError as error:
+            snap.daemon_json_error = f"{DAEMON_JSON} is not valid JSON ({error})"
+    for line in s.get("free", []):
+        parts = line.split()
+        if len(parts) == 3 and parts[2].isdigit():
+            snap.free_kib[parts[0]] = int(parts[2])
+            snap.free_path[parts[0]] = parts[1]
+    for line in s.get("packages", []):
+        parts = line.split()
+        # "ii" = installed; "rc" (removed, config left) and "un" are not.
+        if len(parts) >= 3 and parts[1] == "ii":
+            snap.packages[parts[0]] = parts[2]
+    for line in s.get("files", []):
+        digest, _, path = line.partition(" ")
+        snap.file_sha256[path.strip()] = None if digest == "-" else digest
+    for name in ("nvidia_key", "docker_key"):
+        text = "\n".join(s.get(name, [])).strip()
+        if "BEGIN PGP PUBLIC KEY BLOCK" in text:
+            setattr(snap, name, text + "\n")
+    text = "\n".join(s.get("state", [])).strip()
+    if text:
+        try:
+            snap.state = json.loads(text)
+        except ValueError:
+            snap.state = {"unreadable": text[:200]}
+    for line in s.get("images", []):
+        parts = line.split("|")
+        if len(parts) == 3 and parts[2].startswith("sha256:"):
+            snap.images.append((parts[0], parts[1], parts[2]))
+    for line in s.get("model", []):
+        kind, _, rest = line.partition(" ")
+        if kind == "shard":
+            snap.model_shards.append(rest)
+        elif kind == "incomplete":
+            snap.model_incomplete.append(rest)
+        else:
+            name, _, size = line.rpartition(" ")
+            if size.isdigit():
+                snap.model_files[name] = int(size)
+    for line in s.get("dirs", []):
+        user, group, mode, path = line.split(" ", 3)
+        snap.dirs[path] = None if user == "-" else (user, group, mode)
+    for line in s.get("units", []):
+        parts = line.split()
+        snap.units[parts[0]] = (parts[1] if len(parts) > 1 else "", parts[2] if len(parts) > 2 else "")
+    health = s.get("health", [])
+    if health:
+        snap.health_code = health[0].strip()
+        body = "\n".join(health[1:]).strip()
+        try:
+            snap.served_models = [m["id"] for m in json.loads(body)["data"]]
+        except (ValueError, KeyError, TypeError):
+            snap.served_models = None
+    return snap
+
+
+class GpufleetHost(FactBase[HostSnapshot]):
+    """Everything the qwen35 deploy decides from, in one command (run it with _sudo=True: it reads root files)."""
+
+    def command(self, paths: Paths) -> str:
+        return snapshot_command(paths)
+
+    @staticmethod
+    def default() -> HostSnapshot:
+        return HostSnapshot()
+
+    def process(self, output: list[str]) -> HostSnapshot:
+        return parse_snapshot(output)

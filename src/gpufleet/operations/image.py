@@ -1,0 +1,101 @@
+"""The serving image: pulled, its tag resolved to a digest, recorded on the host; the unit runs the digest.
+
+State file /var/lib/gpufleet/<service>.json:
+    {"current": {"image": "repo:tag", "ref": "repo@sha256:...", "pinned_at": "..."},
+     "previous": {...} | null, "history": [{...}, ...]}
+A tag is resolved once: later converges reuse the recorded digest (so a reboot or a re-converge never silently
+moves to a newer nightly). Changing vllm_image, or removing the state file, resolves again.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from io import BytesIO
+from typing import Any
+
+from pyinfra import host
+from pyinfra.api import FunctionCommand, operation
+
+from gpufleet.operations.context import context, fail, snapshot, use_sudo
+
+STATE_DIR = "/var/lib/gpufleet"
+HISTORY_LIMIT = 20
+
+
+def state_file(service: str) -> str:
+    return f"{STATE_DIR}/{service}.json"
+
+
+def repository(image: str) -> str:
+    """"reg:5000/vllm/vllm-openai:nightly" -> "reg:5000/vllm/vllm-openai" (a registry port is not a tag)."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name[: len(name) - len(last)] + last.split(":", 1)[0]
+
+
+def pinned_ref(state: dict[str, Any] | None, image: str) -> str | None:
+    """The digest ref recorded for this exact image setting, if any."""
+    if "@sha256:" in image:
+        return image  # already pinned by the user
+    current = (state or {}).get("current") or {}
+    if current.get("image") == image and isinstance(current.get("ref"), str) and "@sha256:" in current["ref"]:
+        return current["ref"]
+    return None
+
+
+def record(state: dict[str, Any] | None, image: str, ref: str, now: str) -> dict[str, Any]:
+    """The state file's new content after pinning `image` to `ref`."""
+    state = dict(state or {})
+    current = state.get("current")
+    if current and current.get("ref") == ref and current.get("image") == image:
+        return state
+    entry = {"image": image, "ref": ref, "pinned_at": now}
+    history = [*(state.get("history") or []), entry][-HISTORY_LIMIT:]
+    return {"current": entry, "previous": current, "history": history}
+
+
+def pick_digest(image: str, repo_digests: list[str]) -> str | None:
+    repo = repository(image)
+    return next((d for d in repo_digests if d.split("@", 1)[0] == repo), None)
+
+
+def _pull_and_pin(state, host, image: str, pull: str, path: str, previous: dict[str, Any] | None) -> bool:
+    sudo = use_sudo(host)
+    # print_output: docker's per-layer progress lines stream to the terminal as they come.
+    ok, output = host.run_shell_command(f"docker pull {shlex.quote(pull)}", _sudo=sudo, print_output=True)
+    if not ok:
+        return fail(host, f"docker pull {pull} failed: {' | '.join(output.output_lines[-3:])}")
+    ok, output = host.run_shell_command(
+        f"docker image inspect --format '{{{{json .RepoDigests}}}}' {shlex.quote(pull)}", _sudo=sudo)
+    ref = pick_digest(pull, json.loads(output.stdout or "[]")) if ok else None
+    if not ref:
+        return fail(host, f"{image} has no registry digest after the pull (fix: pull it from a registry, "
+                          "or set vllm_image to repo@sha256:<digest>)")
+    context(host).resolved["image_ref"] = ref
+    content = json.dumps(record(previous, image, ref, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())), indent=2)
+    ok = host.run_shell_command(f"install -d -m 755 {STATE_DIR}", _sudo=sudo)[0]
+    ok = ok and host.put_file(BytesIO((content + "\n").encode()), path, _sudo=sudo)
+    if not ok:
+        return fail(host, f"could not write {path}")
+    host.log_styled(f"pinned {image} -> {ref}")
+    return True
+
+
+def image_ref(image: str) -> str | None:
+    """The digest ref the unit must run: recorded before this deploy, or resolved by pinned() while executing."""
+    ctx = context()
+    return ctx.resolved.get("image_ref") or pinned_ref(snapshot().state, image)
+
+
+@operation()
+def pinned(image: str, service: str):
+    """Pull the image and pin its tag to a digest."""
+    snap = snapshot()
+    ref = pinned_ref(snap.state, image)
+    if ref and snap.has_image_digest(ref):
+        host.noop(f"{image} is pinned to {ref.rsplit('@', 1)[1][:19]} and present")
+        return
+    # A recorded digest whose image went missing is pulled by digest: the pin does not move.
+    yield FunctionCommand(_pull_and_pin, (image, ref or image, state_file(service), snap.state), {})

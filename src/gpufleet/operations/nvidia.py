@@ -1,0 +1,95 @@
+"""NVIDIA container toolkit: signed apt repo, package, and Docker's nvidia runtime (merged into daemon.json)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from pyinfra import host
+from pyinfra.api import FunctionCommand, StringCommand, operation
+from pyinfra.operations import apt
+
+from gpufleet.operations.context import snapshot, use_sudo
+from gpufleet.operations.files import _io, put_content
+
+KEYRING = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
+LIST = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
+PACKAGE = "nvidia-container-toolkit"
+
+
+def dearmor(armored: str) -> bytes:
+    """`gpg --dearmor` in Python: the base64 body of an ASCII-armored key block (armor headers and CRC dropped).
+
+    Done here so the host needs no gnupg and the comparison with the installed keyring is a checksum.
+    """
+    lines = armored.strip().splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith("-----BEGIN PGP PUBLIC KEY BLOCK"))
+        end = next(i for i, line in enumerate(lines) if line.startswith("-----END PGP PUBLIC KEY BLOCK"))
+    except StopIteration:
+        raise ValueError("not an ASCII-armored PGP public key block") from None
+    body = lines[start + 1:end]
+    if "" in body:  # armor headers ("Comment: ...") end at the first blank line
+        body = body[body.index("") + 1:]
+    body = [line.strip() for line in body if line.strip() and not line.startswith("=")]
+    try:
+        return base64.b64decode("".join(body), validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"bad base64 in the armored key: {error}") from None
+
+
+def list_line(repo_url: str) -> str:
+    # NVIDIA's own list file uses the literal $(ARCH), which apt substitutes with the host's architecture.
+    return f"deb [signed-by={KEYRING}] {repo_url.rstrip('/')}/stable/deb/$(ARCH) /\n"
+
+
+def _fetch_and_install_keyring(state, host, key_url: str) -> bool:
+    sudo = use_sudo(host)
+    ok, output = host.run_shell_command(f"curl -fsSL --max-time 60 '{key_url}'")
+    if not ok:
+        raise RuntimeError(f"could not fetch {key_url}: {' '.join(output.stderr_lines)[:200]}")
+    keyring = dearmor("\n".join(output.stdout_lines))
+    return host.put_file(_io(keyring), KEYRING, _sudo=sudo) and host.run_shell_command(
+        f"chmod 644 {KEYRING}", _sudo=sudo)[0]
+
+
+@operation()
+def repository(repo_url: str = "https://nvidia.github.io/libnvidia-container"):
+    """Add NVIDIA's container-toolkit apt repo, signed by its current key (a rotated key is replaced)."""
+    snap = snapshot()
+    key_url = f"{repo_url.rstrip('/')}/gpgkey"
+    changed = False
+    if snap.nvidia_key is None:
+        # curl was missing when the snapshot ran (it is installed earlier in this deploy): fetch at execute time.
+        yield FunctionCommand(_fetch_and_install_keyring, (key_url,), {})
+        changed = True
+    else:
+        for command in put_content(KEYRING, dearmor(snap.nvidia_key)):
+            changed = True
+            yield command
+    for command in put_content(LIST, list_line(repo_url)):
+        changed = True
+        yield command
+    if not changed:
+        host.noop(f"{LIST} and its keyring match {repo_url}")
+
+
+@operation()
+def toolkit():
+    """Install the NVIDIA container toolkit."""
+    if snapshot().installed(PACKAGE):
+        host.noop(f"{PACKAGE} {snapshot().packages[PACKAGE]} is installed")
+        return
+    # update=True: the list file was (re)written just before; apt must read the new repo.
+    yield from apt.packages._inner(packages=[PACKAGE], update=True, no_recommends=True)
+
+
+@operation()
+def docker_runtime():
+    """Register the nvidia runtime with Docker (nvidia-ctk merges it into daemon.json; other keys stay)."""
+    snap = snapshot()
+    if snap.nvidia_runtime:
+        host.noop("daemon.json has runtimes.nvidia")
+        return
+    # Only when missing: nvidia-ctk rewrites the file, so running it every time would churn and restart Docker.
+    yield StringCommand("nvidia-ctk", "runtime", "configure", "--runtime=docker")

@@ -1,0 +1,84 @@
+"""Preflight: read-only checks of one host's snapshot against its settings. Pure: snapshot + settings -> problems.
+
+Every problem is one line naming the host, what is wrong and the fix, e.g.
+    gpu2: vllm_gpus [0, 1, 2] needs 3 GPUs, the host has 1 (fix: list GPU indexes below 1 in vllm_gpus)
+The deploy runs these for every host before any operation executes and refuses the whole run if any host fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpufleet.facts.host import HostSnapshot
+from gpufleet.facts.nvidia import version_tuple
+from gpufleet.operations.model import missing_parts
+
+SUPPORTED_OS = {"debian", "ubuntu"}
+SUPPORTED_ARCH = {"amd64", "arm64", "x86_64", "aarch64"}
+KIB_PER_GIB = 1024 * 1024
+
+
+def _line(host: str, what: str, fix: str) -> str:
+    return f"{host}: {what} (fix: {fix})"
+
+
+def check(host: str, snap: HostSnapshot, s: dict[str, Any], gpus: tuple[int, ...]) -> list[str]:
+    """Problems that would make the deploy fail or serve wrongly on this host ([] = go)."""
+    problems: list[str] = []
+
+    def bad(what: str, fix: str) -> None:
+        problems.append(_line(host, what, fix))
+
+    os_id = snap.os.get("ID", "unknown")
+    if os_id not in SUPPORTED_OS and not (set(snap.os.get("ID_LIKE", "").split()) & SUPPORTED_OS):
+        bad(f"OS {snap.os.get('PRETTY_NAME', os_id)!r} is not Debian or Ubuntu", "use a Debian 12+ or Ubuntu 22.04+ host")
+    if snap.arch not in SUPPORTED_ARCH:
+        bad(f"architecture {snap.arch or 'unknown'!r} is not supported", "use an amd64 or arm64 host")
+
+    if snap.nvidia_error:
+        bad(f"nvidia-smi does not work: {snap.nvidia_error}", "repair the NVIDIA driver install (nvidia-smi must list the GPUs)")
+    elif not snap.gpus:
+        if not s["gpufleet_allow_no_gpu"]:
+            where = "nvidia-smi lists no GPU" if snap.nvidia_smi else "no NVIDIA driver (nvidia-smi not found)"
+            bad(f"{where}", "install the NVIDIA driver (R580+), or set gpufleet_allow_no_gpu=True to install "
+                "everything without starting the service")
+    else:
+        count = len(snap.gpus)
+        beyond = [g for g in gpus if g >= count]
+        if beyond:
+            bad(f"vllm_gpus {list(gpus)} needs GPU index {max(beyond)}, the host has {count} GPU(s) "
+                f"({snap.gpus[0].name})", f"list GPU indexes below {count} in vllm_gpus (and match TP x PP)")
+        if snap.driver is None:
+            bad("nvidia-smi --version reports no CUDA version", "repair the NVIDIA driver install")
+        else:
+            minimum = s["gpufleet_min_cuda"]
+            if snap.driver.cuda < version_tuple(minimum):
+                bad(f"driver {snap.driver.driver_version} supports CUDA {snap.driver.cuda_version}, the image needs "
+                    f"CUDA >= {minimum}", f"upgrade the NVIDIA driver (R580+ for CUDA 13), or use an image built "
+                    "for the older CUDA and lower gpufleet_min_cuda")
+
+    if snap.daemon_json_error:
+        bad(snap.daemon_json_error, "repair /etc/docker/daemon.json (the deploy merges into it, never replaces it)")
+
+    # Space is needed only for what still has to land: the image when it is not pulled, the model when incomplete.
+    from gpufleet.operations.image import pinned_ref
+
+    ref = pinned_ref(snap.state, s["vllm_image"])
+    if not (ref and snap.has_image_digest(ref)):
+        _need_space(bad, snap, "docker", s["gpufleet_min_free_gb_docker"], "gpufleet_min_free_gb_docker", "Docker images")
+    missing = missing_parts(snap)
+    if missing:
+        if not s["vllm_model_repo"]:
+            bad(f"{s['vllm_models_dir']}/{s['vllm_model']} lacks {missing[0]} and vllm_model_repo is None",
+                "stage the model there by hand, or set vllm_model_repo to download it")
+        _need_space(bad, snap, "models", s["gpufleet_min_free_gb_models"], "gpufleet_min_free_gb_models", "models")
+    return problems
+
+
+def _need_space(bad, snap: HostSnapshot, key: str, need_gb: float, setting: str, what: str) -> None:
+    free = snap.free_kib.get(key)
+    if free is None:
+        bad(f"could not measure free space for {what}", "check that df works on the host")
+    elif free < need_gb * KIB_PER_GIB:
+        bad(f"{free / KIB_PER_GIB:.1f} GiB free at {snap.free_path.get(key)} ({what}), {setting} asks for {need_gb}",
+            f"free space there, or lower {setting}")
