@@ -8,11 +8,11 @@ import signal
 import time
 
 import pytest
-from conftest import ServerSpec, Started, expected, models
 
-from gpufleet.health import Expected, HealthState, check, wait_until_ready
-from gpufleet.health.api import get
+from gpufleet.health import Expected, HealthState, SshTransport, check, wait_until_ready
 from gpufleet.health.probe import Verdict, probe
+from tests.vllm.servers import ServerSpec, Started, expected
+from tests.vllm_peer import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -23,7 +23,9 @@ def dense(pair_factory, tmp_path_factory) -> dict[str, Started]:
     on, off = pair_factory(
         [
             # The reasoning parser moves all text into `reasoning` (content null): the checks must not need content.
-            ServerSpec("on", model, ["--enable-prefix-caching", "--reasoning-parser", "qwen3"], expected(enable_prefix_caching="True")),
+            ServerSpec(
+                "on", model, ["--enable-prefix-caching", "--reasoning-parser", "qwen3"], expected(enable_prefix_caching="True")
+            ),
             ServerSpec("off", model, ["--no-enable-prefix-caching"], expected(enable_prefix_caching="False")),
         ]
     )  # fmt: skip
@@ -100,9 +102,52 @@ def test_probe_says_ineffective_without_prefix_caching(dense):
     assert report.verdict is Verdict.INEFFECTIVE
     assert "prefix caching is disabled" in report.detail
     assert all(p.cached_tokens == 0 and p.due_tokens > 0 for p in report.points)
-    assert report.reprocessed_per_turn == pytest.approx(
-        sorted(p.next_prompt_tokens for p in report.points)[1]
-    )
+    assert report.reprocessed_per_turn == pytest.approx(sorted(p.next_prompt_tokens for p in report.points)[1])
+
+
+class _TunnelToLocalServer(SshTransport):
+    """HTTP through the real sshd's direct-tcpip channel; the "container" is the local server process.
+
+    (The docker query over SSH needs a docker daemon: tests/integration covers it on the test hosts.)
+    """
+
+    def __init__(self, client, started: Started):
+        super().__init__(client, name="ssh-loopback")
+        self._local = started.transport
+
+    def container(self, service):
+        return self._local.container(service)
+
+    def logs(self, service, tail=30):
+        return self._local.logs(service, tail)
+
+
+def test_checks_and_probe_through_ssh(dense, sshd):
+    s = dense["on"]
+    client = sshd.client()
+    try:
+        t = _TunnelToLocalServer(client, s)
+        r = check(t, s.expected)
+        assert r.state is HealthState.READY, r.detail
+        assert (r.served_model, r.max_model_len, r.version) == ("tiny", 4096, "0.32.0")
+        wrong = Expected("vllm", s.server.port, "qwen35", 4096, {})
+        assert check(t, wrong).state is HealthState.MISCONFIGURED
+        report = probe(t, s.expected, lengths_in_units=(1.5, 2.5))
+        assert report.verdict is Verdict.EFFECTIVE, report.evidence
+        # Nothing listens on another port: refused through the tunnel -> starting (the process runs).
+        closed = Expected("vllm", _unused_port(), "tiny")
+        assert check(t, closed).state is HealthState.STARTING
+    finally:
+        client.close()
+    assert check(t, s.expected).state is HealthState.SSH_UNREACHABLE
+
+
+def _unused_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # Last in the module: it kills the "on" server's engine.

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ServerSpec, Started, expected, models
 
 from gpufleet.health import HealthState, check
 from gpufleet.health.probe import Verdict, probe
+from tests.vllm.servers import ServerSpec, Started, expected
+from tests.vllm_peer import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -29,9 +30,7 @@ def hybrid(pair_factory, tmp_path_factory) -> dict[str, Started]:
         [
             ServerSpec("default", model, flags, expected(**ALIGN)),
             # No --enable-prompt-tokens-details here: the probe must fall back to /metrics deltas.
-            ServerSpec(
-                "fixed", model, [*flags, "--max-num-batched-tokens", str(BLOCK)], expected(**ALIGN), False
-            ),
+            ServerSpec("fixed", model, [*flags, "--max-num-batched-tokens", str(BLOCK)], expected(**ALIGN), False),
         ]
     )
     return {"default": default, "fixed": fixed}

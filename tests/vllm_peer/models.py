@@ -65,9 +65,7 @@ def build_tokenizer(out: Path) -> None:
                 "unk_token": None,
                 "model_max_length": 1 << 20,
                 "chat_template": CHAT_TEMPLATE,
-                "added_tokens_decoder": {
-                    str(tok.token_to_id(s)): {"content": s, "special": True} for s in SPECIALS
-                },
+                "added_tokens_decoder": {str(tok.token_to_id(s)): {"content": s, "special": True} for s in SPECIALS},
             }
         )
     )

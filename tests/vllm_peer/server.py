@@ -61,12 +61,16 @@ class VllmServer:
         for d in dirs.values():
             d.mkdir(parents=True, exist_ok=True)
         keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "USER")}
-        return keep | {k: str(v) for k, v in dirs.items()} | {
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-        }
+        return (
+            keep
+            | {k: str(v) for k, v in dirs.items()}
+            | {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+            }
+        )
 
     def start(self) -> VllmServer:
         argv = [
@@ -76,9 +80,7 @@ class VllmServer:
         ]  # fmt: skip
         log = self.log_path.open("wb")
         # Own process group: stop() signals the API server, its engine core and workers together.
-        self.proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
-        )
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
         log.close()
         self.started_at = time.monotonic()
         return self

@@ -128,9 +128,7 @@ def check(transport: Transport, expected: Expected, grace_s: float = DEFAULT_GRA
         code = "" if container.exit_code is None else f" (exit code {container.exit_code})"
         return replace(report, state=HealthState.DEAD, detail=f"container {container.id} is {container.state}{code}")
     if not container.running:
-        return replace(
-            report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"container {container.id} is {container.state}"
-        )
+        return replace(report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"container {container.id} is {container.state}")
     try:
         return _check_http(transport, expected, report)
     except Unreachable as e:
@@ -184,9 +182,7 @@ def _check_http(transport: Transport, expected: Expected, report: HealthReport) 
             problems.append(f"{key}={got}, expected {want}")
     if problems:
         return replace(report, state=HealthState.MISCONFIGURED, detail="; ".join(problems))
-    return replace(
-        report, state=HealthState.READY, detail=f"/health 200, serving {expected.served_model_name} (vLLM {version})"
-    )
+    return replace(report, state=HealthState.READY, detail=f"/health 200, serving {expected.served_model_name} (vLLM {version})")
 
 
 def _metric_fields(m: Metrics) -> dict[str, Any]:

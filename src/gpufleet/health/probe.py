@@ -29,9 +29,10 @@ from gpufleet.health.metrics import HITS, PREFILL_COMPUTED, RUNNING, WAITING, Me
 from gpufleet.health.transport import Transport
 
 # Conversation lengths, in cache units: fractional parts spread L mod U over the unit so the trap shows up.
-DEFAULT_LENGTHS_IN_UNITS = (1.3, 1.6, 2.15, 2.5, 2.85, 3.4)
+DEFAULT_LENGTHS_IN_UNITS = (1.08, 1.35, 1.62, 2.2, 2.5, 2.9)
 REPLY_TOKENS = 16
-# A point is meaningful only if turn N+1 is due at least one unit; below U+1 tokens nothing can hit.
+MAX_TWINS = 3  # length measurements per point before turn N (bounds the request count)
+TOLERANCE_TOKENS = 4
 _WORDS = (
     "the server keeps a cache of every block it has seen so a long conversation should not be processed again "
     "when the next question arrives and the operator wants to know that this really happens on each host"
@@ -154,23 +155,27 @@ class ProbeReport:
 
 @dataclass
 class _Conversation:
-    """A deterministic synthetic conversation: seed -> the same messages every time."""
+    """A deterministic synthetic conversation: (seed, filler, words) -> the same messages every time.
+
+    The seed opens the system prompt, so conversations with different seeds differ inside their first cache
+    block and share nothing cacheable; the filler (the history's text) depends only on `filler`, so a twin with
+    another seed has the same length to within the seed's own tokens.
+    """
 
     seed: str
+    filler: str
     words: int
     messages: list[dict[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        rng = random.Random(self.seed)
-        # The seed opens the system prompt, so conversations differ inside their first cache block.
-        system = f"Conversation {self.seed}. You are a terse assistant."
+        rng = random.Random(self.filler)
         turns, left = [], self.words
         for i in range(3):
             n = left // (3 - i)
             left -= n
             turns.append(" ".join(rng.choice(_WORDS) for _ in range(n)))
         self.messages = [
-            {"role": "system", "content": system},
+            {"role": "system", "content": f"Conversation {self.seed}. You are a terse assistant."},
             {"role": "user", "content": turns[0]},
             {"role": "assistant", "content": turns[1]},
             {"role": "user", "content": turns[2] + " What follows?"},
@@ -189,7 +194,9 @@ def probe(
     run_id: str | None = None,
     timeout_s: float = 120.0,
 ) -> ProbeReport:
-    """Sweep conversation lengths on one host and judge its prefix cache. 2 + 2*len(lengths) requests.
+    """Sweep conversation lengths on one host and judge its prefix cache.
+
+    Requests: 2 calibration + per length 1-3 length measurements, turn N and turn N+1 (at most 32 by default).
 
     max_num_batched_tokens: the host's configured value (vLLM does not expose it), used as evidence only.
     run_id: distinguishes this run's conversations from earlier probes on the same server (default: random).
@@ -211,13 +218,12 @@ def probe(
 
     # Two calibration requests: they warm the server up (the first request after a start is ~4x slower) and
     # give tokens per filler word, so lengths can be crafted without a tokenizer.
-    w1, w2 = 20, 120
-    c1 = chat(_Conversation(f"{run_id}-cal1", w1).messages, 1)
-    c2 = chat(_Conversation(f"{run_id}-cal2", w2).messages, 1)
+    w1, w2 = 20, 200
+    c1 = chat(_Conversation(f"{run_id}-c1", "calibration", w1).messages, 1)
+    c2 = chat(_Conversation(f"{run_id}-c2", "calibration", w2).messages, 1)
     if not (c1.prompt_tokens and c2.prompt_tokens):
         raise ValueError(f"{transport.name}: the server reports no usage.prompt_tokens in streamed responses")
     per_word = max((c2.prompt_tokens - c1.prompt_tokens) / (w2 - w1), 0.1)
-    base = c1.prompt_tokens - per_word * w1
 
     limit = (expected.max_model_len or 1 << 30) - 2 * REPLY_TOKENS - 64
     points, warnings = [], []
@@ -226,7 +232,16 @@ def probe(
         if target <= unit:
             warnings.append(f"skipped {units} units: max_model_len leaves no room for a point that can hit")
             continue
-        conv = _Conversation(f"{run_id}-{i}", max(1, round((target - base) / per_word)))
+        words = max(1, round(w2 + (target - c2.prompt_tokens) / per_word))
+        # Re-measure on twins (another seed: nothing of theirs is reusable by the real turn N) until the
+        # length lands within a few tokens of the target, so the sweep really covers the L mod U it aims at.
+        for attempt in range(MAX_TWINS):
+            twin = chat(_Conversation(f"{run_id}-{i}t{attempt}", f"filler-{i}", words).messages, 1)
+            miss = target - (twin.prompt_tokens or target)
+            if abs(miss) <= TOLERANCE_TOKENS:
+                break
+            words = max(1, words + round(miss / per_word))
+        conv = _Conversation(f"{run_id}-{i}r", f"filler-{i}", words)
         turn_n = chat(conv.messages, REPLY_TOKENS)
         before = _metrics(transport, port)
         if (before.get(RUNNING) or 0) + (before.get(WAITING) or 0) > 0:
@@ -306,8 +321,7 @@ def judge(
         small_prompt_ttft_s=small_prompt_ttft_s,
     )
     evidence = tuple(
-        f"L={p.prompt_tokens} (L mod U={p.l_mod_u}, U={unit}): cached {p.cached_tokens} of {p.due_tokens} due"
-        for p in points
+        f"L={p.prompt_tokens} (L mod U={p.l_mod_u}, U={unit}): cached {p.cached_tokens} of {p.due_tokens} due" for p in points
     )
     if not points:
         return ProbeReport(verdict=Verdict.INEFFECTIVE, detail="no point could be measured", **common)
@@ -327,9 +341,7 @@ def judge(
             f"{'/'.join(str(p.due_tokens) for p in misses)} were due (hybrid, mamba_cache_mode=align, block "
             f"{block_size}, --max-num-batched-tokens {mnbt if mnbt else 'default'})"
         )
-        return ProbeReport(
-            verdict=Verdict.CHUNK_ALIGNMENT_TRAP, detail=detail, fixes=fixes, evidence=evidence, **common
-        )
+        return ProbeReport(verdict=Verdict.CHUNK_ALIGNMENT_TRAP, detail=detail, fixes=fixes, evidence=evidence, **common)
     why = "prefix caching is disabled on the server" if not prefix_caching else "due hits did not happen"
     detail = f"{len(misses)} of {len(points)} turns N+1 re-processed cached history: {why}"
     return ProbeReport(verdict=Verdict.INEFFECTIVE, detail=detail, evidence=evidence, **common)

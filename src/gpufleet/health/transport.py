@@ -12,6 +12,7 @@ Two transports share one small interface so every check runs unchanged through S
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import os
 import shlex
@@ -70,16 +71,69 @@ class Transport(Protocol):
         """The container's last log lines (stdout and stderr)."""
 
 
-class _ChannelHTTPConnection(http.client.HTTPConnection):
-    """http.client over an already-open socket-like object (a paramiko Channel)."""
+class _ChannelReader(io.RawIOBase):
+    """A paramiko Channel as a raw binary stream, so io.BufferedReader can wrap it: http.client needs peek()
+    for chunked (streamed) bodies, which paramiko's own ChannelFile lacks."""
 
-    def __init__(self, sock: Any, port: int, timeout: float):
+    def __init__(self, chan: paramiko.Channel):
+        self._chan = chan
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._chan.recv(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+class _ChannelSocket:
+    """The socket surface http.client uses, over a paramiko Channel."""
+
+    def __init__(self, chan: paramiko.Channel):
+        self.chan = chan
+
+    def sendall(self, data: bytes) -> None:
+        self.chan.sendall(data)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.chan.settimeout(timeout)
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_ChannelReader(self.chan))
+
+    def close(self) -> None:
+        self.chan.close()
+
+
+class _ChannelHTTPConnection(http.client.HTTPConnection):
+    """http.client over an already-open paramiko Channel."""
+
+    def __init__(self, chan: paramiko.Channel, port: int, timeout: float):
         super().__init__("127.0.0.1", port, timeout=timeout)
-        self.sock = sock
+        self.sock = self._chan = _ChannelSocket(chan)
+        self._handing_over = False
 
     def connect(self) -> None:  # the channel is the connection; http.client must not dial anything
         if self.sock is None:
-            raise ConnectionError("the SSH channel was closed")
+            raise ConnectionError("the SSH channel was handed to a response and cannot be reused")
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        self._handing_over = True
+        try:
+            return super().getresponse()
+        finally:
+            self._handing_over = False
+
+    def close(self) -> None:
+        if self._handing_over:
+            # A "Connection: close" response takes over the connection and still reads its body from the
+            # channel; a socket survives this through makefile()'s reference, a channel would not.
+            self.sock = None
+            super().close()
+            return
+        super().close()
+        self._chan.close()
 
 
 def pick_container(inspected: Iterable[dict[str, Any]], label: str) -> ContainerInfo | None:
@@ -136,9 +190,7 @@ class SshTransport:
 
     def http(self, port: int, timeout: float) -> http.client.HTTPConnection:
         try:
-            chan = self._transport().open_channel(
-                "direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0), timeout=timeout
-            )
+            chan = self._transport().open_channel("direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0), timeout=timeout)
         except paramiko.ChannelException as e:
             # sshd answers "Connect failed" (code 2) when its own connect() to 127.0.0.1:port is refused.
             if e.code == paramiko.common.OPEN_FAILED_CONNECT_FAILED:
@@ -151,6 +203,7 @@ class SshTransport:
 
     def run(self, command: str, timeout: float = 30.0) -> tuple[int, str, str]:
         """Run a shell command on the host: (exit status, stdout, stderr)."""
+        self._transport()  # a closed client has no transport: say "unreachable", not AttributeError
         try:
             _, out, err = self.client.exec_command(command, timeout=timeout)
             stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
@@ -161,8 +214,9 @@ class SshTransport:
     def container(self, service: str) -> ContainerInfo | None:
         label = f"gpufleet.{service}"
         ids = f"$({self._sudo}docker ps -aq --filter label={shlex.quote(label)})"
-        # One round trip: list by label, inspect what was found (inspect with no ids would fail).
-        cmd = f'ids={ids}; [ -z "$ids" ] && echo "[]" || {self._sudo}docker inspect $ids'
+        # One round trip: list by label, inspect what was found (inspect with no ids would fail). A failing
+        # `docker ps` (daemon down, no sudo) must fail the command, not read as "no container".
+        cmd = f'ids={ids} || exit $?; if [ -z "$ids" ]; then echo "[]"; else {self._sudo}docker inspect $ids; fi'
         rc, out, err = self.run(cmd)
         if rc != 0:
             raise TransportError(f"{self.name}: docker inspect failed: {(err or out).strip()[:200]}")
@@ -251,9 +305,7 @@ def _pid_start_time(pid: int) -> float | None:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         ticks = int(fields[19])  # starttime, in clock ticks since boot
-        boot = next(
-            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
-        )
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
     except (OSError, IndexError, ValueError, StopIteration):
         return None
     return boot + ticks / os.sysconf("SC_CLK_TCK")

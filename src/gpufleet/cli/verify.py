@@ -1,0 +1,203 @@
+"""`gpufleet status` and `gpufleet verify`: render gpufleet.health results for an inventory's hosts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gpufleet.errors import GpufleetError
+from gpufleet.health import Expected, HealthState
+from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
+
+# paramiko logs connection failures with tracebacks; the table already says "ssh-unreachable" and why.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").propagate = False
+
+_STATE_STYLE = {
+    HealthState.READY: "green",
+    HealthState.STARTING: "yellow",
+    HealthState.MISCONFIGURED: "magenta",
+}
+
+
+def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
+    """Inventory -> what to check on each host. Raises GpufleetError (one line per problem)."""
+    from gpufleet.inventory import load_hosts
+    from gpufleet.settings import build_spec
+
+    hosts = load_hosts(inventory)
+    if only_host is not None:
+        hosts = [(n, d) for n, d in hosts if n == only_host]
+        if not hosts:
+            raise GpufleetError(f"{only_host}: no such host in {inventory} (fix: check --host)")
+    targets, problems = [], []
+    for name, data in hosts:
+        try:
+            spec = build_spec(name, data)
+        except GpufleetError as e:
+            problems.append(str(e))
+            continue
+        targets.append(
+            HostTarget(
+                name=name,
+                ssh={k: v for k, v in data.items() if k.startswith("ssh_")},
+                expected=Expected.from_spec(spec),
+                gpus=tuple(getattr(spec, "gpus", ()) or ()),
+                max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
+            )
+        )
+    if problems:
+        raise GpufleetError("\n".join(problems))
+    return targets
+
+
+def _configured_int(spec: Any, flag: str) -> int | None:
+    # The server does not expose --max-num-batched-tokens; the probe cites the configured value as evidence.
+    value = spec.arg(flag) if hasattr(spec, "arg") else None
+    try:
+        return int(str(value).replace("_", "")) if value not in (None, True, False) else None
+    except ValueError:
+        return None
+
+
+def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]:
+    try:
+        targets = load_targets(inventory, host)
+    except GpufleetError as e:
+        raise click.ClickException(str(e)) from None
+    if not targets:
+        raise click.ClickException(f"{inventory}: no hosts in the inventory")
+    return check_fleet(targets, **kwargs)
+
+
+def _console() -> Console:
+    # Piped output (CI logs, `| less`) gets a wide table rather than rich's 80-column default.
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.0f}%"
+
+
+def _table(results: list[HostResult]) -> Table:
+    table = Table(title="gpufleet status", header_style="bold")
+    for col in ("host", "GPUs", "image", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits"):
+        table.add_column(col)
+    for r in results:
+        h, c = r.health, r.health.container
+        style = _STATE_STYLE.get(h.state, "red")
+        table.add_row(
+            r.target.name,
+            ",".join(map(str, r.target.gpus)) or "-",
+            (c.image_short if c else None) or "-",
+            h.version or "-",
+            f"[{style}]{h.state}[/]",
+            h.served_model or "-",
+            _pct(h.kv_cache_usage),
+            "-" if h.running is None else f"{h.running}/{h.waiting}",
+            _pct(h.prefix_cache_hit_rate),
+        )
+    return table
+
+
+def _as_json(results: list[HostResult]) -> str:
+    out = []
+    for r in results:
+        item = r.health.as_dict() | {"host": r.target.name, "gpus": list(r.target.gpus)}
+        if r.probe is not None:
+            item["probe"] = r.probe.as_dict()
+        if r.probe_error:
+            item["probe_error"] = r.probe_error
+        out.append(item)
+    return json.dumps(out, indent=2)
+
+
+_inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
+_host_opt = click.option("--host", "host", default=None, help="Only this inventory host.")
+_json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+@click.command()
+@_inventory_arg
+@_host_opt
+@_json_opt
+def status(inventory: str, host: str | None, as_json: bool) -> None:
+    """Show each host's serving state: image, vLLM version, model, KV cache use, load, prefix-cache hits.
+
+    \b
+    Example:
+        gpufleet status inventories/lab.py
+        gpufleet status inventories/lab.py --json | jq '.[].state'
+    """
+    results = _gather(inventory, host)
+    if as_json:
+        click.echo(_as_json(results))
+    else:
+        _console().print(_table(results))
+
+
+@click.command()
+@_inventory_arg
+@_host_opt
+@_json_opt
+@click.option("--probe", "run_probe", is_flag=True, help="Also measure prompt re-processing on turn N+1.")
+@click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
+              help="Seconds to wait for hosts to become ready.")  # fmt: skip
+@click.option("--api-key", envvar="VLLM_API_KEY", default=None, help="For servers run with --api-key.")
+@click.pass_context
+def verify(
+    ctx: click.Context, inventory: str, host: str | None, as_json: bool, run_probe: bool, wait_s: float,
+    api_key: str | None,
+) -> None:  # fmt: skip
+    """Exit non-zero unless every host is ready (and, with --probe, reuses its prefix cache).
+
+    \b
+    Example:
+        gpufleet verify inventories/lab.py --probe
+    """
+    results = _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key)
+    if as_json:
+        click.echo(_as_json(results))
+    else:
+        console = _console()
+        console.print(_table(results))
+        for r in results:
+            _explain(console, r)
+    failed = [r.target.name for r in results if not r.ok]
+    if failed:
+        click.echo(f"verify failed on {len(failed)} of {len(results)} host(s): {', '.join(failed)}", err=True)
+        ctx.exit(1)
+
+
+def _explain(console: Console, r: HostResult) -> None:
+    name = r.target.name
+    if not r.health.ready:
+        console.print(f"{name}: {r.health.state}: {r.health.detail}", markup=False, highlight=False)
+        for line in r.health.logs:
+            console.print(f"  | {line}", markup=False, highlight=False)
+    if r.probe_error:
+        console.print(f"{name}: probe failed: {r.probe_error}", markup=False, highlight=False)
+    p = r.probe
+    if p is None:
+        return
+    console.print(
+        f"{name}: probe {p.verdict}: {p.detail}; hit ratio {p.hit_ratio:.0%}, "
+        f"{p.reprocessed_per_turn:.0f} tokens re-processed per turn, TTFT ratio {p.ttft_ratio:.2f}"
+        + ("" if p.ttft_is_signal else " (TTFT too small to be a signal here)"),
+        markup=False,
+        highlight=False,
+    )
+    if not p.ok:
+        for line in p.evidence:
+            console.print(f"  {line}", markup=False, highlight=False)
+        mnbt = p.max_num_batched_tokens
+        if p.fixes:
+            console.print(f"  server --max-num-batched-tokens: {mnbt or 'default (not set)'}", markup=False)
+            for fix in p.fixes:
+                console.print(f"  fix: {fix}", markup=False, highlight=False)
