@@ -15,6 +15,7 @@ import http.client
 import io
 import json
 import os
+import re
 import shlex
 import subprocess
 from collections.abc import Iterable
@@ -163,10 +164,12 @@ def _parse_docker_time(text: str | None) -> float | None:
     # Docker writes RFC 3339 with nanoseconds ("2026-11-29T21:02:31.123456789Z"); "0001-01-01..." = never started.
     if not text or text.startswith("0001-"):
         return None
-    head, _, frac = text.rstrip("Z").partition(".")
-    tz_split = max(frac.find("+"), frac.find("-"))
-    frac_digits, tz = (frac[:tz_split], frac[tz_split:]) if tz_split >= 0 else (frac, "+00:00")
-    stamp = datetime.fromisoformat(f"{head}.{(frac_digits or '0')[:6]}{tz}")
+    m = re.fullmatch(r"(.+T\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?", text)
+    if m is None:
+        return None
+    base, frac, tz = m.groups()
+    # datetime takes at most microseconds; docker gives nanoseconds.
+    stamp = datetime.fromisoformat(f"{base}.{(frac or '0')[:6].ljust(6, '0')}{'+00:00' if tz in (None, 'Z') else tz}")
     return stamp.timestamp()
 
 

@@ -1,0 +1,99 @@
+"""`gpufleet status` / `gpufleet verify`: inventory loading, failures as one-liners, exit codes."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from gpufleet.cli.verify import load_targets, status, verify
+from gpufleet.health import Expected
+
+try:
+    from gpufleet.inventory import load_hosts  # noqa: F401
+    from gpufleet.settings import build_spec
+except ImportError as e:  # the lead's modules; the CLI cannot load an inventory without them
+    pytest.skip(f"gpufleet.inventory / gpufleet.settings not available yet: {e}", allow_module_level=True)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def inventory(tmp_path):
+    """Two hosts whose SSH port refuses at once (nothing listens): ssh-unreachable without any wait."""
+    path = tmp_path / "inv.py"
+    hosts = [
+        ("box-a", {"ssh_hostname": "127.0.0.1", "ssh_port": _closed_port(), "vllm_gpus": [0, 1],
+                   "vllm_args": {"pipeline-parallel-size": 2}}),
+        ("box-b", {"ssh_hostname": "127.0.0.1", "ssh_port": _closed_port(), "vllm_gpus": [0],
+                   "vllm_args": {"pipeline-parallel-size": 1, "max-num-batched-tokens": 1152}}),
+    ]  # fmt: skip
+    path.write_text(f"hosts = {hosts!r}\n")
+    return path
+
+
+def test_expected_comes_from_the_spec():
+    spec = build_spec("h", {"vllm_gpus": [0], "vllm_args": {"pipeline-parallel-size": 1, "max-model-len": 32768}})
+    exp = Expected.from_spec(spec)
+    assert (exp.service, exp.port, exp.served_model_name) == (spec.service, spec.port, spec.served_model_name)
+    assert exp.max_model_len == 32768
+    assert exp.cache_config["enable_prefix_caching"] == "True"
+    assert exp.cache_config.get("mamba_cache_mode") == spec.mamba_cache_mode
+
+
+def test_targets_carry_ssh_data_gpus_and_configured_batching(inventory):
+    a, b = load_targets(str(inventory))
+    assert a.gpus == (0, 1) and a.ssh["ssh_hostname"] == "127.0.0.1"
+    assert b.max_num_batched_tokens == 1152
+
+
+def test_status_json_reports_unreachable_hosts(inventory):
+    result = CliRunner().invoke(status, [str(inventory), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [r["host"] for r in rows] == ["box-a", "box-b"]
+    assert {r["state"] for r in rows} == {"ssh-unreachable"}
+    assert rows[0]["gpus"] == [0, 1]
+
+
+def test_status_table_has_the_fleet_columns(inventory):
+    result = CliRunner().invoke(status, [str(inventory)])
+    assert result.exit_code == 0
+    for col in ("host", "GPUs", "image", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits"):
+        assert col in result.output
+    assert "ssh-unreachable" in result.output
+
+
+def test_verify_fails_when_a_host_is_not_ready(inventory):
+    result = CliRunner().invoke(verify, [str(inventory), "--host", "box-b"])
+    assert result.exit_code == 1
+    assert "box-b: ssh-unreachable: cannot SSH to 127.0.0.1" in result.output
+    assert "verify failed on 1 of 1 host(s): box-b" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["/nonexistent/inv.py"], "inventory file not found"),
+        (["INV", "--host", "nope"], "nope: no such host"),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(inventory, args, message):
+    args = [str(inventory) if a == "INV" else a for a in args]
+    result = CliRunner().invoke(verify, args)
+    assert result.exit_code == 1
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_invalid_settings_are_reported_per_host(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text('hosts = [("box", {"vllm_gpus": "zero"})]\n')
+    result = CliRunner().invoke(status, [str(path)])
+    assert result.exit_code == 1
+    assert "box: vllm_gpus" in result.output and "Traceback" not in result.output

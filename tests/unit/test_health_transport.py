@@ -1,0 +1,106 @@
+"""Container state: docker inspect JSON -> ContainerInfo, and the loopback stand-in for a container (a process)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpufleet.health import Expected, HealthState, LoopbackTransport, check, wait_until_ready
+from gpufleet.health.transport import _parse_docker_time, pick_container
+
+LABEL = "gpufleet.vllm"
+
+
+def inspected(id_: str, status: str, started: str, exit_code: int = 0, spec_hash: str = "abc") -> dict:
+    # The fields `docker inspect` (20.10 and later) writes that the checks read.
+    return {
+        "Id": id_ * 64,
+        "Image": "sha256:" + "e" * 64,
+        "State": {"Status": status, "StartedAt": started, "ExitCode": exit_code},
+        "Config": {"Image": "10.213.0.1:5000/vllm/vllm-openai:v0.32.0", "Labels": {LABEL: spec_hash}},
+    }
+
+
+def test_running_container_wins_over_newer_exited_ones():
+    info = pick_container(
+        [
+            inspected("a", "exited", "2026-11-29T21:00:00.123456789Z", 137),
+            inspected("b", "running", "2026-11-29T20:00:00.5Z", spec_hash="h2"),
+        ],
+        LABEL,
+    )
+    assert (info.id, info.running, info.spec_hash) == ("b" * 12, True, "h2")
+    assert info.image_short == "e" * 12
+
+
+def test_without_a_running_one_the_newest_is_reported():
+    info = pick_container(
+        [inspected("a", "exited", "2026-11-29T20:00:00Z", 1), inspected("b", "exited", "2026-11-29T21:00:00Z", 137)],
+        LABEL,
+    )
+    assert (info.id, info.exit_code) == ("b" * 12, 137)
+    assert pick_container([], LABEL) is None
+
+
+def test_docker_times_with_nanoseconds_and_offsets():
+    assert _parse_docker_time("2026-11-29T21:00:00.123456789Z") == pytest.approx(1795986000.123456)
+    assert _parse_docker_time("2026-11-29T22:00:00+01:00") == pytest.approx(1795986000)
+    assert _parse_docker_time("0001-01-01T00:00:00Z") is None  # created, never started
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_exited_process_is_dead_with_its_exit_code(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("line 1\nEngineCore died\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    t = LoopbackTransport(proc, log)
+    r = check(t, Expected("vllm", _unused_port(), "tiny"))
+    assert r.state is HealthState.DEAD and "exit code 3" in r.detail
+    waited = wait_until_ready(t, Expected("vllm", _unused_port(), "tiny"), timeout_s=30)
+    assert waited.state is HealthState.DEAD
+    assert waited.logs == ("line 1", "EngineCore died")
+
+
+def test_refused_port_is_starting_within_grace_then_dead():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.2)
+        t = LoopbackTransport(proc)
+        exp = Expected("vllm", _unused_port(), "tiny")
+        assert check(t, exp).state is HealthState.STARTING
+        late = check(t, exp, grace_s=0.0)
+        assert late.state is HealthState.DEAD and "still not answering" in late.detail
+        t0 = time.monotonic()
+        waited = wait_until_ready(t, exp, timeout_s=1.0, poll_s=0.2)
+        assert waited.state is HealthState.STARTING and "gave up after 1 s" in waited.detail
+        assert time.monotonic() - t0 < 5
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_accepting_then_hanging_up_is_not_readiness():
+    # docker-proxy accepts on the published port before vLLM listens, then drops the connection.
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        import threading
+
+        def hang_up():
+            conn, _ = srv.accept()  # check() connects once: /health gets no answer, so nothing else follows
+            conn.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        r = check(LoopbackTransport(), Expected("vllm", port, "tiny"))
+    assert r.state is HealthState.STARTING, r.detail
