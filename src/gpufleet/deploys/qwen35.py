@@ -135,7 +135,7 @@ def deploy_qwen35() -> None:
                       paths=[*plan.cache_dirs], mode="755")
     files.directories(name="Create the models directory", paths=[plan.paths.models_dir], mode="755")
     secrets = service.env_file(name="Write the service's root-only secrets file", path=env_path,
-                               secrets={"VLLM_API_KEY": s["vllm_api_key"], "HF_TOKEN": s["vllm_hf_token"]})
+                               secrets={"VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token"})
     pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, service=spec.service)
     model.present(name="Download the model unless it is complete", image=spec.image,
                   models_dir=plan.paths.models_dir, model=s["vllm_model"], repo=s["vllm_model_repo"],

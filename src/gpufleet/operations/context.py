@@ -58,3 +58,26 @@ def fail(host: Host, message: str) -> bool:
 
     host.log_styled(message, fg="red", log_func=logger.error)
     return False
+
+
+class Hidden:
+    """A secret passed through pyinfra (operation and FunctionCommand arguments show up in debug logs and reprs)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str):
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Hidden(***)"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Hidden) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)

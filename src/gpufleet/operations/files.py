@@ -9,7 +9,7 @@ from io import BytesIO
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand, operation
 
-from gpufleet.operations.context import snapshot, use_sudo
+from gpufleet.operations.context import Hidden, snapshot, use_sudo
 
 
 def sha256(content: str | bytes) -> str:
@@ -33,7 +33,7 @@ def put_content(path: str, content: str | bytes, mode: str = "644"):
     yield StringCommand("chown", "root:root", path, "&&", "chmod", mode, path)
 
 
-def _install_secret(state, host, path: str, content: str) -> bool:
+def _install_secret(state, host, path: str, secret: Hidden) -> bool:
     # Upload as the SSH user into a fresh 0700 directory, then install as root with 0600: the secret never sits in
     # a world-readable temp file and never appears on a command line.
     ok, output = host.run_shell_command("umask 077 && mktemp -d")
@@ -41,7 +41,7 @@ def _install_secret(state, host, path: str, content: str) -> bool:
         raise RuntimeError(f"could not create a private temp dir: {output.stderr}")
     tmpdir = output.stdout_lines[-1].strip()
     try:
-        if not host.put_file(_io(content), f"{tmpdir}/secret"):
+        if not host.put_file(_io(secret.reveal()), f"{tmpdir}/secret"):
             raise RuntimeError("upload failed")
         directory = path.rsplit("/", 1)[0]
         ok, output = host.run_shell_command(
@@ -60,7 +60,7 @@ def put_secret(path: str, content: str):
     """Like put_content, for a root-only 0600 file holding secrets."""
     if snapshot().file_sha256.get(path) == sha256(content):
         return
-    yield FunctionCommand(_install_secret, (path, content), {})
+    yield FunctionCommand(_install_secret, (path, Hidden(content)), {})
 
 
 @operation()

@@ -9,7 +9,7 @@ from pyinfra import host
 from pyinfra.api import FunctionCommand, OperationValueError, StringCommand, operation
 from pyinfra.context import ctx_state
 
-from gpufleet.operations.context import fail, snapshot, use_sudo
+from gpufleet.operations.context import Hidden, context, fail, snapshot, use_sudo
 from gpufleet.operations.files import put_content, put_secret
 from gpufleet.operations.image import image_ref
 
@@ -33,9 +33,11 @@ def env_content(secrets: dict[str, str | None]) -> str:
 
 
 @operation()
-def env_file(path: str, secrets: dict[str, str | None]):
-    """Write the service's root-only secrets file."""
-    commands = list(put_secret(path, env_content(secrets)))
+def env_file(path: str, secrets: dict[str, str]):
+    """Write the service's root-only secrets file. secrets: env var -> setting name (values read from host data,
+    so they never pass through operation arguments)."""
+    settings = context().settings
+    commands = list(put_secret(path, env_content({env: settings.get(key) for env, key in secrets.items()})))
     if not commands:
         host.noop(f"{path} is up to date (0600 root)")
         return
@@ -84,11 +86,42 @@ def running(service: str, changes: list[Any], start: bool = True):
         host.noop(f"{unit_name} is active and nothing it runs changed")
 
 
-def _wait_ready(state, host, spec: Any, timeout_s: float) -> bool:
+class _BearerTransport:
+    """A gpufleet.health transport that adds `Authorization: Bearer <key>` to every request.
+
+    vLLM guards /v1/* with the API key; the key travels inside the SSH channel, never on a command line.
+    (Until gpufleet.health takes an API key itself.)
+    """
+
+    def __init__(self, inner: Any, api_key: str):
+        self._inner, self._auth = inner, f"Bearer {api_key}"
+        self.name = inner.name
+
+    def http(self, port: int, timeout: float):
+        conn = self._inner.http(port, timeout)
+        request = conn.request
+
+        def with_auth(method, url, body=None, headers=None, **kwargs):
+            return request(method, url, body, {**(headers or {}), "Authorization": self._auth}, **kwargs)
+
+        conn.request = with_auth
+        return conn
+
+    def container(self, service: str):
+        return self._inner.container(service)
+
+    def logs(self, service: str, tail: int = 30):
+        return self._inner.logs(service, tail)
+
+
+def _wait_ready(state, host, spec: Any, timeout_s: float, api_key: Hidden | None) -> bool:
     from gpufleet.health import Expected, transport_from_pyinfra_host, wait_until_ready
 
     host.log_styled(f"waiting up to {timeout_s:.0f} s for /health and /v1/models ({spec.served_model_name})")
-    report = wait_until_ready(transport_from_pyinfra_host(host), Expected.from_spec(spec), timeout_s)
+    transport = transport_from_pyinfra_host(host)
+    if api_key:
+        transport = _BearerTransport(transport, api_key.reveal())
+    report = wait_until_ready(transport, Expected.from_spec(spec), timeout_s)
     if report.ready:
         host.log_styled(f"ready: {report.detail}", fg="green")
         return True
@@ -115,4 +148,5 @@ def ready(spec: Any, timeout_s: float, changes: list[Any], start: bool = True):
     if serving and not _changed(changes) and snap.unit_active(f"{spec.service}.service"):
         host.noop(f"ready: /health 200, /v1/models serves {spec.served_model_name}")
         return
-    yield FunctionCommand(_wait_ready, (spec, timeout_s), {})
+    api_key = context().settings.get("vllm_api_key")
+    yield FunctionCommand(_wait_ready, (spec, timeout_s, Hidden(api_key) if api_key else None), {})
