@@ -118,7 +118,7 @@ class Fleet:
             procs.stop(entry[0], grace=30 if name.startswith("host:") else 10, started=entry[1])
             state.drop_pid(name)
         hostmod.unmount_below(cfg.state_dir / "hosts")
-        hostmod.unmount_below(cfg.state_dir / "dockerd")
+        image.remove_dockerd_dirs(cfg)
         for m in state.items("mounts"):
             state.discard("mounts", m)
         for ns in run(["ip", "netns", "list"], check=False).stdout.split("\n"):
@@ -133,7 +133,6 @@ class Fleet:
         for h in self.hosts():
             shutil.rmtree(Path("/run/systemd/nspawn/propagate") / h.name, ignore_errors=True)
         shutil.rmtree(cfg.state_dir / "hosts", ignore_errors=True)
-        shutil.rmtree(cfg.state_dir / "dockerd", ignore_errors=True)
         state.set("hosts", [])
         (cfg.state_dir / "inventory.json").unlink(missing_ok=True)
 

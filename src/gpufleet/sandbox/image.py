@@ -25,13 +25,14 @@ REPOSITORY = "vllm/vllm-openai"
 MODEL_REPO = "gpufleet-sandbox/Qwen3.5-tiny"  # what the image's `hf download` serves
 # tag -> image env: each tag is one behaviour of the stand-in, so each has its own config and digest.
 TAGS: dict[str, dict[str, str]] = {
-    "nightly": {"STANDIN_VLLM_VERSION": "0.32.1.dev20+gstandin"},
     "good": {"STANDIN_VLLM_VERSION": "0.32.1.dev20+gstandin"},
     # an older vLLM (before PR #34936) that does not know a flag the seed invocation uses
     "rejects-flag": {"STANDIN_VLLM_VERSION": "0.16.0", "STANDIN_UNKNOWN_FLAGS": "--performance-mode"},
     # starts, serves briefly, then its engine dies: /health 503, then the container exits 1
     "dies": {"STANDIN_VLLM_VERSION": "0.32.1.dev21+gstandin", "STANDIN_DIE_AFTER": "8"},
 }
+# more tags for the same image (same digest): what the deploy's default image ref names
+ALIASES = {"nightly": "good"}
 COMMON_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "NVIDIA_REQUIRE_CUDA": "cuda>=13.0",
               "NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
               "VLLM_USAGE_SOURCE": "production-docker-image", "PYTHONUNBUFFERED": "1"}
@@ -43,7 +44,7 @@ def image_ref(cfg: FleetConfig, tag: str = "nightly") -> str:
 
 
 def _key(base_rootfs: Path) -> str:
-    h = hashlib.sha256(str(base_rootfs).encode() + json.dumps([TAGS, COMMON_ENV, MODEL_REPO]).encode())
+    h = hashlib.sha256(str(base_rootfs).encode() + json.dumps([TAGS, ALIASES, COMMON_ENV, MODEL_REPO]).encode())
     for f in (*[STANDIN / s for s in SOURCES], Path(__file__)):
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
@@ -56,13 +57,15 @@ def ensure_images(cfg: FleetConfig, state: State, base_rootfs: Path) -> None:
     if stamp.exists() and stamp.read_text() == key:
         return
     tar = _image_tar(cfg.cache_dir, base_rootfs, key)
-    log.info("importing and pushing %s:{%s} (temporary dockerd)", REPOSITORY, ",".join(TAGS))
+    log.info("importing and pushing %s:{%s} (temporary dockerd)", REPOSITORY, ",".join([*TAGS, *ALIASES]))
     work = cfg.state_dir / "dockerd"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    sock = f"unix://{work}/docker.sock"
-    pid = procs.spawn(["dockerd", "--data-root", str(work / "root"), "--exec-root", str(work / "exec"),
-                       "--pidfile", str(work / "dockerd.pid"), "-H", sock, "--iptables=false", "--ip6tables=false",
+    run_dir = dockerd_run_dir(cfg)  # sockets: a unix socket path must stay under 108 bytes
+    for d in (work, run_dir):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    sock = f"unix://{run_dir}/docker.sock"
+    pid = procs.spawn(["dockerd", "--data-root", str(work / "root"), "--exec-root", str(run_dir / "exec"),
+                       "--pidfile", str(run_dir / "dockerd.pid"), "-H", sock, "--iptables=false", "--ip6tables=false",
                        "--ip-forward=false", "--ip-masq=false", "--bridge=none", "--userland-proxy=false",
                        "--insecure-registry", cfg.registry], work / "dockerd.log")
     state.add_pid("dockerd", pid)
@@ -74,12 +77,27 @@ def ensure_images(cfg: FleetConfig, state: State, base_rootfs: Path) -> None:
             changes += ['ENTRYPOINT ["vllm", "serve"]', "WORKDIR /", f"LABEL org.gpufleet.standin={tag}"]
             run([*docker, "import", *[a for c in changes for a in ("-c", c)], str(tar), image_ref(cfg, tag)])
             run([*docker, "push", image_ref(cfg, tag)], timeout=300)
+        for alias, tag in ALIASES.items():
+            run([*docker, "tag", image_ref(cfg, tag), image_ref(cfg, alias)])
+            run([*docker, "push", image_ref(cfg, alias)], timeout=300)
     finally:
         procs.stop(pid, grace=20)
         state.drop_pid("dockerd")
-        procs.run(["umount", "-l", str(work / "exec")], check=False)
-        shutil.rmtree(work, ignore_errors=True)
+        remove_dockerd_dirs(cfg)
     stamp.write_text(key)
+
+
+def dockerd_run_dir(cfg: FleetConfig) -> Path:
+    return Path("/run") / f"gf-{cfg.name}-dockerd"
+
+
+def remove_dockerd_dirs(cfg: FleetConfig) -> None:
+    """What the temporary dockerd leaves: its exec-root mounts and both of its directories."""
+    from gpufleet.sandbox.hosts import unmount_below
+
+    for d in (dockerd_run_dir(cfg), cfg.state_dir / "dockerd"):
+        unmount_below(d)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _image_tar(cache_dir: Path, base: Path, key: str) -> Path:

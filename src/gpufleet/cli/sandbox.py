@@ -1,0 +1,52 @@
+"""`gpufleet sandbox up [N]` / `gpufleet sandbox down`: a local simulated GPU fleet to try the deploy on.
+
+Hosts are systemd-nspawn containers on bridge gf-sandbox (10.213.0.0/24) with sshd, sudo, apt and GPU stand-ins;
+the local mirror, stand-in NVIDIA repo and registry listen on 10.213.0.1 only. Needs root and systemd-nspawn.
+"""
+
+from __future__ import annotations
+
+import click
+
+from gpufleet.sandbox.config import H200x3, sandbox_config
+from gpufleet.sandbox.fleet import Fleet
+from gpufleet.sandbox.procs import SandboxError
+
+
+@click.group()
+def sandbox() -> None:
+    """Start and stop a local simulated GPU fleet (root + systemd-nspawn)."""
+
+
+@sandbox.command()
+@click.argument("count", type=click.IntRange(1, 200), default=2)
+def up(count: int) -> None:
+    """Boot COUNT hosts (gpuhost1..COUNT, each 3x H200) and write the inventory inventories/sandbox.py reads.
+
+    An earlier sandbox (even one whose run was killed) is cleared first."""
+    fleet = Fleet(sandbox_config())
+    try:
+        fleet.start()
+        hosts = fleet.add_hosts([H200x3] * count)
+        inventory = fleet.write_inventory()
+    except SandboxError as err:
+        raise click.ClickException(str(err)) from None
+    for h in hosts:
+        click.echo(f"{h.name}\t{h.ip}\t{h.gpus.count}x {h.gpus.model}")
+    click.echo(f"inventory: {inventory}  (pyinfra inventories/sandbox.py ...)")
+    click.echo(f"booted {len(hosts)} host(s) in {fleet.timings[f'boot_{len(hosts)}']:.1f}s; "
+               "stop with: gpufleet sandbox down")
+
+
+@sandbox.command()
+def down() -> None:
+    """Stop every sandbox host and service; leaves no process, mount, netns or link behind (caches stay)."""
+    fleet = Fleet(sandbox_config())
+    try:
+        from gpufleet.sandbox.fleet import check_prerequisites
+
+        check_prerequisites()
+        fleet.stop()
+    except SandboxError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo("sandbox down")

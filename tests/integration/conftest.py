@@ -1,0 +1,97 @@
+"""Fixtures for the real test-host tier: nspawn hosts on bridge gf-test (10.213.1.0/24), booted over the same code
+as `gpufleet sandbox up` (gpufleet.sandbox), with SSH as `deploy` + sudo, apt from the local mirror, the stand-in
+NVIDIA repo and registry.
+
+    def test_x(test_hosts, pyinfra_inventory, fleet): ...        # 2 hosts booted once per session
+    def test_y(fresh_hosts):  a, b = fresh_hosts(OLD_DRIVER, NO_GPU)  # new hosts, deleted after the test
+
+Without root or systemd-nspawn every test here skips with one line (tests/conftest.py fails such skips under CI).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpufleet.sandbox.config import H200x3, Gpus, test_config
+from gpufleet.sandbox.fleet import Fleet, check_prerequisites
+from gpufleet.sandbox.hosts import Host
+from gpufleet.sandbox.inventory import write_pyinfra_inventory
+from gpufleet.sandbox.procs import SandboxError
+
+PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
+# Fresh hosts are numbered from here, so they never collide with the session's hosts.
+FRESH_FROM = 11
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
+    """The session's test fleet with its services up (no hosts yet); stopped, leaving nothing, at session end."""
+    try:
+        check_prerequisites()
+    except SandboxError as err:
+        pytest.skip(f"test hosts unavailable: {err}")
+    f = Fleet(test_config(Path(os.environ.get("GPUFLEET_TEST_FLEET_DIR", "/var/lib/gpufleet/test"))))
+    f.start()
+    yield f
+    f.stop()
+
+
+@pytest.fixture(scope="session")
+def test_hosts(fleet: Fleet) -> list[Host]:
+    """Two 3x H200 hosts (gft1, gft2), booted once per session."""
+    return fleet.add_hosts([H200x3, H200x3], first=1)
+
+
+@pytest.fixture(scope="session")
+def inventory_json(fleet: Fleet, test_hosts: list[Host]) -> Path:
+    """The session hosts' inventory.json (same document `gpufleet sandbox up` writes)."""
+    return fleet.write_inventory()
+
+
+@pytest.fixture(scope="session")
+def pyinfra_inventory(inventory_json: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pyinfra inventory file (group `gpuhosts`) for the session hosts, with the sandbox host data."""
+    return write_pyinfra_inventory(inventory_json, tmp_path_factory.mktemp("inventory") / "test_hosts.py")
+
+
+@pytest.fixture
+def fresh_hosts(fleet: Fleet):
+    """Factory: fresh_hosts(*gpus) boots new hosts (gft11, gft12, ...) for one test and deletes them after it."""
+    made: list[Host] = []
+
+    def boot(*gpus: Gpus) -> list[Host]:
+        hosts = fleet.add_hosts(list(gpus), first=FRESH_FROM + len(made))
+        made.extend(hosts)
+        return hosts
+
+    yield boot
+    if made:
+        fleet.remove_hosts([h.name for h in made])
+
+
+@pytest.fixture(scope="session")
+def pyinfra():
+    """pyinfra(inventory, *args) -> CompletedProcess: the real CLI, over SSH, as the inventory's user.
+
+    Its output (pyinfra logs host output on stderr) is all in .stdout."""
+
+    def run(inventory: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([PYINFRA, "-y", str(inventory), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=600)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"pyinfra {' '.join(args)} failed:\n{proc.stdout[-4000:]}")
+        return proc
+
+    return run

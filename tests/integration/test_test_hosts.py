@@ -1,0 +1,198 @@
+"""The test-host tier itself: real SSH + sudo + pyinfra, apt from the local mirror, the stand-in NVIDIA toolkit and
+vLLM image through a real dockerd, isolation, reboot/cut-off helpers, and a teardown that leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from gpufleet.sandbox import image
+from gpufleet.sandbox.config import H200x1, NO_GPU, OLD_DRIVER, FleetConfig
+from gpufleet.sandbox.fleet import Fleet
+from gpufleet.sandbox.procs import run
+
+pytestmark = pytest.mark.integration
+
+
+def test_pyinfra_exec_as_deploy_with_sudo_writes_only_on_its_host(fleet, test_hosts, pyinfra_inventory, pyinfra):
+    token = secrets.token_hex(8)
+    first, second = test_hosts
+    out = pyinfra(pyinfra_inventory, "exec", "--", "id -un; sudo -n id -un; hostname").stdout
+    for h in test_hosts:
+        assert f"[{h.name}] deploy" in out and f"[{h.name}] root" in out and f"[{h.name}] {h.name}" in out
+    pyinfra(pyinfra_inventory, "--limit", first.name, "exec", "--",
+            f"echo {token} | sudo tee /etc/gpufleet-probe >/dev/null && sudo chmod 600 /etc/gpufleet-probe")
+    assert fleet.read_file(first, "/etc/gpufleet-probe") == f"{token}\n".encode()
+    assert (first.root / "etc/gpufleet-probe").stat().st_uid == 0  # written through sudo
+    with pytest.raises(FileNotFoundError):
+        fleet.read_file(second, "/etc/gpufleet-probe")
+    assert not Path("/etc/gpufleet-probe").exists()  # not the machine's
+    assert fleet.run_in(second, "test -e /etc/gpufleet-probe", check=False).returncode == 1
+
+
+def test_hosts_reach_only_the_bridge_subnet(fleet, test_hosts):
+    for h in test_hosts:
+        routes = fleet.run_in(h, "ip -4 route show").stdout.strip().splitlines()
+        assert routes == [f"{fleet.cfg.subnet} dev eth0 proto kernel scope link src {h.ip}"], routes
+        assert fleet.read_file(h, "/etc/resolv.conf") == b""
+        unreachable = fleet.run_in(h, "ip route get 1.1.1.1", check=False)
+        assert unreachable.returncode != 0 and "unreachable" in unreachable.stderr
+        # the bridge is reachable: the local mirror answers on the gateway address
+        assert fleet.ssh(h, "curl", "-fsS", "-o", "/dev/null", f"{fleet.cfg.mirror_url}/debian/Release").returncode == 0
+
+
+def test_nvidia_smi_per_host_profiles(fleet, test_hosts, fresh_hosts):
+    assert fleet.ssh(test_hosts[0], "nvidia-smi --query-gpu=count --format=csv,noheader").stdout == "3\n3\n3\n"
+    old, none, one = fresh_hosts(OLD_DRIVER, NO_GPU, H200x1)
+    assert fleet.ssh(old, "nvidia-smi --version").stdout.splitlines()[-1] == "CUDA Version        : 12.2"
+    assert fleet.ssh(none, "command -v nvidia-smi", check=False).returncode == 1
+    assert fleet.ssh(one, "nvidia-smi -L").stdout.count("GPU ") == 1
+    assert fleet.ssh(one, "nvidia-smi --bogus", check=False).returncode == 2
+
+
+def _install_docker_and_toolkit(fleet: Fleet, host) -> str:
+    """What the deploy does, by hand: distro Docker from the mirror, toolkit from the signed stand-in repo."""
+    repo = fleet.cfg.nvidia_repo_url
+    script = f"""set -e
+curl -fsSL {repo}/gpgkey | sudo gpg --batch --yes --dearmor -o /usr/share/keyrings/nvidia-container-toolkit-keyring.gpg
+curl -fsSL {repo}/stable/deb/nvidia-container-toolkit.list | sudo tee /etc/apt/sources.list.d/nvidia-container-toolkit.list >/dev/null
+sudo apt-get -q update 2>&1
+sudo DEBIAN_FRONTEND=noninteractive apt-get -qy install docker.io nvidia-container-toolkit >/dev/null
+sudo nvidia-ctk runtime configure --runtime=docker
+sudo systemctl restart docker
+nvidia-ctk --version
+"""
+    return fleet.ssh(host, script).stdout
+
+
+def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, test_hosts):
+    host = test_hosts[0]
+    out = _install_docker_and_toolkit(fleet, host)
+    assert "NVIDIA Container Toolkit CLI version 1.17.8" in out
+    assert "InRelease" in out and "NO_PUBKEY" not in out  # the signed stand-in repo verified with its key
+    daemon = json.loads(fleet.read_file(host, "/etc/docker/daemon.json"))
+    # nvidia-ctk merged: the test setup's insecure-registries entry survived next to the runtime
+    assert daemon == {"insecure-registries": [fleet.cfg.registry],
+                      "runtimes": {"nvidia": {"args": [], "path": "nvidia-container-runtime"}}}
+    ref = image.image_ref(fleet.cfg, "nightly")
+    fleet.ssh(host, f"sudo docker pull -q {ref}")
+    gpus = fleet.ssh(host, f"sudo docker run --rm --runtime=nvidia --gpus '\"device=0,1,2\"' "
+                           f"--entrypoint nvidia-smi {ref} -L").stdout
+    assert gpus.count("GPU ") == 3
+    bad = fleet.ssh(host, f"sudo docker run --rm --runtime=nvidia --gpus '\"device=3\"' {ref}", check=False)
+    assert bad.returncode != 0 and "unknown device" in bad.stderr
+    env = fleet.ssh(host, f"sudo docker image inspect -f '{{{{json .Config.Env}}}}' {ref}").stdout
+    assert "NVIDIA_REQUIRE_CUDA=cuda>=13.0" in env
+
+    # the image's `hf` fetches the bundled model; then a systemd unit wraps `docker run` of the server
+    dl = fleet.ssh(host, f"sudo mkdir -p /srv/models && sudo docker run --rm -v /srv/models:/models --entrypoint hf "
+                         f"{ref} download {image.MODEL_REPO} --local-dir /models/tiny")
+    assert dl.stdout.strip() == "/models/tiny"
+    unit = f"""[Unit]
+Description=stand-in vLLM (test)
+After=docker.service
+Requires=docker.service
+[Service]
+ExecStartPre=-/usr/bin/docker rm -f gf-vllm-test
+ExecStart=/usr/bin/docker run --rm --name gf-vllm-test --runtime=nvidia --gpus '"device=0,1,2"' -p 8000:8000 -e STANDIN_LOAD_SECONDS=1 -v /srv/models:/models {ref} --model /models/tiny --served-model-name tiny --performance-mode interactivity
+ExecStop=/usr/bin/docker stop gf-vllm-test
+[Install]
+WantedBy=multi-user.target
+"""
+    fleet.ssh(host, f"sudo tee /etc/systemd/system/gf-vllm-test.service >/dev/null <<'EOF'\n{unit}EOF\n"
+                    "sudo systemctl daemon-reload && sudo systemctl start gf-vllm-test")
+    try:
+        def models():
+            try:
+                with urllib.request.urlopen(f"http://{host.ip}:8000/v1/models", timeout=2) as r:
+                    return json.load(r)
+            except OSError:
+                return None
+
+        deadline = time.monotonic() + 60
+        while (body := models()) is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert body and body["data"][0]["id"] == "tiny" and body["data"][0]["root"] == "/models/tiny"
+        assert fleet.ssh(host, "systemctl is-active gf-vllm-test").stdout.strip() == "active"
+    finally:
+        fleet.ssh(host, "sudo systemctl stop gf-vllm-test", check=False)
+
+
+def test_image_tags_have_distinct_digests(fleet):
+    digests = {}
+    for tag in [*image.TAGS, *image.ALIASES]:
+        req = urllib.request.Request(f"http://{fleet.cfg.registry}/v2/{image.REPOSITORY}/manifests/{tag}",
+                                     headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
+                                     method="HEAD")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            digests[tag] = r.headers["Docker-Content-Digest"]
+    assert digests["nightly"] == digests["good"]
+    assert len({digests["good"], digests["rejects-flag"], digests["dies"]}) == 3
+
+
+def test_reboot_keeps_the_disk_and_cut_off_isolates(fleet, fresh_hosts):
+    (host,) = fresh_hosts(H200x1)
+    fleet.ssh(host, "echo kept | sudo tee /var/lib/gpufleet-kept >/dev/null")
+    boot_id = fleet.ssh(host, "cat /proc/1/stat").stdout.split()[21]  # PID 1's start time: new on each boot
+    took = fleet.reboot(host)
+    assert fleet.ssh(host, "cat /proc/1/stat").stdout.split()[21] != boot_id
+    assert fleet.ssh(host, "cat /var/lib/gpufleet-kept").stdout == "kept\n"
+    assert took < 60
+    fleet.set_connected(host, False)
+    try:
+        assert fleet.ssh(host, "true", check=False).returncode == 255  # ssh: connection timed out
+        assert fleet.read_file(host, "/var/lib/gpufleet-kept") == b"kept\n"  # the test can still look inside
+    finally:
+        fleet.set_connected(host, True)
+    assert fleet.ssh(host, "true").returncode == 0
+
+
+# --------------------------------------------------------------------------------------------- teardown / leftovers
+def _snapshot(prefixes: tuple[str, ...], paths: tuple[str, ...]) -> dict:
+    """Our names only: processes, mounts, netns and links that match this fleet's names or paths, plus iptables."""
+    ps = run(["ps", "-ww", "-eo", "pid=,args="]).stdout.splitlines()
+    return {
+        "procs": sorted(line for line in ps if any(p in line for p in paths)),
+        "mounts": sorted(m for m in Path("/proc/mounts").read_text().splitlines() if any(p in m for p in paths)),
+        "netns": sorted(n for n in run(["ip", "netns", "list"]).stdout.split() if n.startswith(prefixes)),
+        "links": sorted(line.split(": ")[1] for line in run(["ip", "-o", "link", "show"]).stdout.splitlines()
+                        if line.split(": ")[1].startswith(prefixes)),
+        # the whole ruleset (comments carry timestamps): hosts' dockerds keep their rules in their own netns
+        "iptables": [r for r in run(["iptables-save"]).stdout.splitlines() if not r.startswith("#")],
+    }
+
+
+def test_teardown_leaves_nothing_and_a_start_clears_a_killed_run(fleet, tmp_path):
+    # A fleet of its own (bridge gf-tdown, 10.213.2.0/24) so the session's hosts stay up meanwhile.
+    cfg = FleetConfig(name="tdown", bridge="gf-tdown", net="10.213.2", host_prefix="gfd",
+                      state_dir=tmp_path / "state", cache_dir=fleet.cfg.cache_dir)
+    prefixes, paths = ("gf-tdown", "gf-tdown-"), (str(cfg.state_dir),)
+    before = _snapshot(prefixes, paths)
+    assert not before["procs"] and not before["netns"] and not before["links"]
+
+    try:
+        killed = Fleet(cfg)  # a run that is "killed": it never gets to stop()
+        killed.start()
+        (host,) = killed.add_hosts([H200x1])
+        killed.ssh(host, "true")
+        assert _snapshot(prefixes, paths)["procs"]
+
+        again = Fleet(cfg)  # the next start clears that run's leftovers instead of failing on them
+        again.start()
+        hosts = again.add_hosts([H200x1, NO_GPU])
+        assert [again.ssh(h, "hostname").stdout.strip() for h in hosts] == ["gfd1", "gfd2"]
+        during = _snapshot(prefixes, paths)
+        assert len(during["netns"]) == 2 and "gf-tdown" in during["links"]
+
+        t0 = time.monotonic()
+        again.stop()
+        after = _snapshot(prefixes, paths)
+        assert after == before, f"left behind after {time.monotonic() - t0:.1f}s: {after}"
+    finally:
+        Fleet(cfg).stop()  # whatever an assertion above left running
