@@ -87,3 +87,10 @@ def test_conversations_are_deterministic_and_differ_in_the_first_block_only_by_s
     assert a.messages[1:] == b.messages[1:]  # same filler: a twin measures the same length
     nxt = a.next_turn("reply")
     assert nxt[: len(a.messages)] == a.messages and nxt[-2] == {"role": "assistant", "content": "reply"}
+
+
+def test_every_length_missing_on_an_align_hybrid_is_ineffective_but_offers_the_trap_fixes():
+    r = verdict([point(L, 0) for L in (866, 1035, 1409)])
+    assert r.verdict is Verdict.INEFFECTIVE
+    assert "possibly the chunk-alignment trap" in r.detail
+    assert "--max-num-batched-tokens 640" in r.fixes

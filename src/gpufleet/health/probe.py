@@ -29,7 +29,9 @@ from gpufleet.health.metrics import HITS, PREFILL_COMPUTED, RUNNING, WAITING, Me
 from gpufleet.health.transport import Transport
 
 # Conversation lengths, in cache units: fractional parts spread L mod U over the unit so the trap shows up.
-DEFAULT_LENGTHS_IN_UNITS = (1.08, 1.35, 1.62, 2.2, 2.5, 2.9)
+# Measured on a hybrid (B=640, default batching): only lengths just past a block boundary hit, so two points sit
+# there (a probe whose every point misses cannot tell the trap from a broken cache).
+DEFAULT_LENGTHS_IN_UNITS = (1.05, 1.3, 1.6, 2.05, 2.45, 2.85)
 REPLY_TOKENS = 16
 MAX_TWINS = 3  # length measurements per point before turn N (bounds the request count)
 TOLERANCE_TOKENS = 4
@@ -343,5 +345,10 @@ def judge(
         )
         return ProbeReport(verdict=Verdict.CHUNK_ALIGNMENT_TRAP, detail=detail, fixes=fixes, evidence=evidence, **common)
     why = "prefix caching is disabled on the server" if not prefix_caching else "due hits did not happen"
+    fixes: tuple[str, ...] = ()
+    if trap_possible and not hits:
+        # Every length missing looks like a broken cache, but the trap can do that too: offer its fixes.
+        why += " (a hybrid in align mode: possibly the chunk-alignment trap at every swept length)"
+        fixes = (f"--max-num-batched-tokens {block_size}", "--prefix-match-unit 128")
     detail = f"{len(misses)} of {len(points)} turns N+1 re-processed cached history: {why}"
-    return ProbeReport(verdict=Verdict.INEFFECTIVE, detail=detail, evidence=evidence, **common)
+    return ProbeReport(verdict=Verdict.INEFFECTIVE, detail=detail, evidence=evidence, fixes=fixes, **common)
