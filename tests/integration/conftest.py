@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.sandbox.config import H200x3, Gpus, test_config
+from gpufleet.sandbox.config import Gpus, H200x3, test_config
 from gpufleet.sandbox.fleet import Fleet, check_prerequisites
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.inventory import write_pyinfra_inventory

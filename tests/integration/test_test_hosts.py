@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.sandbox import image
-from gpufleet.sandbox.config import H200x1, NO_GPU, OLD_DRIVER, FleetConfig
+from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, FleetConfig, H200x1
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.procs import run
 
@@ -61,7 +60,8 @@ def _install_docker_and_toolkit(fleet: Fleet, host) -> str:
     repo = fleet.cfg.nvidia_repo_url
     script = f"""set -e
 curl -fsSL {repo}/gpgkey | sudo gpg --batch --yes --dearmor -o /usr/share/keyrings/nvidia-container-toolkit-keyring.gpg
-curl -fsSL {repo}/stable/deb/nvidia-container-toolkit.list | sudo tee /etc/apt/sources.list.d/nvidia-container-toolkit.list >/dev/null
+curl -fsSL {repo}/stable/deb/nvidia-container-toolkit.list \\
+  | sudo tee /etc/apt/sources.list.d/nvidia-container-toolkit.list >/dev/null
 sudo apt-get -q update 2>&1
 sudo DEBIAN_FRONTEND=noninteractive apt-get -qy install docker.io nvidia-container-toolkit >/dev/null
 sudo nvidia-ctk runtime configure --runtime=docker
@@ -100,7 +100,9 @@ After=docker.service
 Requires=docker.service
 [Service]
 ExecStartPre=-/usr/bin/docker rm -f gf-vllm-test
-ExecStart=/usr/bin/docker run --rm --name gf-vllm-test --runtime=nvidia --gpus '"device=0,1,2"' -p 8000:8000 -e STANDIN_LOAD_SECONDS=1 -v /srv/models:/models {ref} --model /models/tiny --served-model-name tiny --performance-mode interactivity
+ExecStart=/usr/bin/docker run --rm --name gf-vllm-test --runtime=nvidia --gpus '"device=0,1,2"' -p 8000:8000 \\
+  -e STANDIN_LOAD_SECONDS=1 -v /srv/models:/models {ref} \\
+  --model /models/tiny --served-model-name tiny --performance-mode interactivity
 ExecStop=/usr/bin/docker stop gf-vllm-test
 [Install]
 WantedBy=multi-user.target

@@ -141,7 +141,9 @@ def _copy_libraries(base: Path, root: Path) -> None:
     targets = ["/usr/bin/python3.11", "/usr/bin/dash"]
     targets += [f"/{p.relative_to(base)}" for p in (base / "usr/lib/python3.11/lib-dynload").glob("*.so")]
     out = run(["chroot", str(base), "ldd", *targets], check=False).stdout
-    libs = {tok for line in out.splitlines() for tok in line.split() if tok.startswith("/") and ".so" in tok and not tok.endswith(":")}
+    # "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)"; "/path/of/target.so:" headers are not libraries
+    libs = {tok for line in out.splitlines() for tok in line.split()
+            if tok.startswith("/") and ".so" in tok and not tok.endswith(":")}
     for lib in sorted(libs):
         dst = root / ("usr" + lib if not lib.startswith("/usr/") else lib[1:]).lstrip("/")
         dst.parent.mkdir(parents=True, exist_ok=True)

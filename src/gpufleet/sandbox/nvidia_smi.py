@@ -229,7 +229,7 @@ def query_gpu(p: Profile, fields: list[str], fmt: set[str], gpus: list[Gpu]) -> 
     lines = []
     if "noheader" not in fmt:
         units = [_FIELDS.get(f, ("", None))[0] for f in fields]
-        lines.append(", ".join(f"{f} [{u}]" if u and "nounits" not in fmt else f for f, u in zip(fields, units)))
+        lines.append(", ".join(f"{f} [{u}]" if u and "nounits" not in fmt else f for f, u in zip(fields, units, strict=False)))
     for g in gpus:
         cells = []
         for f in fields:

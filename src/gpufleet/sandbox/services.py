@@ -21,6 +21,17 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _wait_serving(state: State, name: str, url: str, address: str) -> None:
+    """Wait until OUR process answers: an answer while it died means someone else holds the address."""
+
+    def ready() -> bool:
+        if not state.live_pid(name):
+            raise procs.SandboxError(f"the {name} could not start: is {address} used by another process?")
+        return _answers(url)
+
+    procs.wait_for(ready, 20, f"the {name} on {address}")
+
+
 def serve_files(cfg: FleetConfig, state: State, tree: dict[str, Path]) -> None:
     """Serve tree (URL prefix -> directory) at http://<gateway>:8080/<prefix>/ via symlinks in one web root."""
     www = cfg.state_dir / "www"
@@ -35,7 +46,7 @@ def serve_files(cfg: FleetConfig, state: State, tree: dict[str, Path]) -> None:
         pid = procs.spawn([sys.executable, "-m", "http.server", str(MIRROR_PORT), "--bind", cfg.gateway,
                            "--directory", str(www)], cfg.state_dir / "logs" / "mirror.log")
         state.add_pid("mirror", pid)
-    procs.wait_for(lambda: _answers(f"{cfg.mirror_url}/"), 20, "the local mirror")
+    _wait_serving(state, "mirror", f"{cfg.mirror_url}/", f"{cfg.gateway}:{MIRROR_PORT}")
 
 
 def registry_storage(cfg: FleetConfig) -> Path:
@@ -52,7 +63,7 @@ http: {{addr: "{cfg.gateway}:{REGISTRY_PORT}"}}
     if not state.live_pid("registry"):
         pid = procs.spawn(["docker-registry", "serve", str(conf)], cfg.state_dir / "logs" / "registry.log")
         state.add_pid("registry", pid)
-    procs.wait_for(lambda: _answers(f"http://{cfg.registry}/v2/"), 20, "the local registry")
+    _wait_serving(state, "registry", f"http://{cfg.registry}/v2/", cfg.registry)
 
 
 def stop_all(state: State) -> None:

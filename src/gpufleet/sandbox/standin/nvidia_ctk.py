@@ -47,7 +47,7 @@ def cdi_generate(args) -> int:
         os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
         with open(args.output, "w") as f:
             f.write(spec + "\n")
-        print(f'INFO[0000] Generated CDI spec with version 0.5.0')
+        print('INFO[0000] Generated CDI spec with version 0.5.0')
     else:
         print(spec)
     return 0

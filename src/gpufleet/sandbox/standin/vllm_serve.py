@@ -137,7 +137,7 @@ class Engine:
         hashes = [hashlib.sha256(tokens[:k]).hexdigest() for k in range(unit, len(tokens), unit)]
         with self.lock:
             hit = 0
-            for k, h in zip(range(unit, len(tokens), unit), hashes):
+            for k, h in zip(range(unit, len(tokens), unit), hashes, strict=False):
                 if h not in self.seen:
                     break
                 hit = k

@@ -1,0 +1,227 @@
+"""The stand-in `vllm serve` on loopback: argparse rejections, loading, endpoints, auth, prefix caching, death."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from gpufleet.sandbox import vllm_help
+from gpufleet.sandbox.image import write_tiny_model
+
+SERVE = Path(vllm_help.__file__).parent / "standin" / "vllm_serve.py"
+HELP = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "serve-help-all.txt"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("models") / "tiny"
+    write_tiny_model(d)
+    return d
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(*args: str, env: dict | None = None, timeout: float = 10) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SERVE), "serve", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "STANDIN_LOAD_SECONDS": "0", **(env or {})})
+
+
+class Server:
+    def __init__(self, model: Path, *args: str, env: dict | None = None, load: float = 0.0):
+        self.port = _port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SERVE), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "STANDIN_LOAD_SECONDS": str(load), **(env or {})})
+
+    def wait(self, timeout: float = 10) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("stand-in never listened")
+
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.base + path, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def chat(self, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(5)
+
+
+@pytest.fixture
+def server(model):
+    started: list[Server] = []
+
+    def start(*args: str, **kw) -> Server:
+        s = Server(model, *args, **kw)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            s.stop()
+
+
+def test_flag_table_is_generated_from_the_recorded_help():
+    assert json.loads(vllm_help.FLAGS_JSON.read_text()) == vllm_help.parse_help(HELP.read_text())
+    flags = {n: f for f in vllm_help.parse_help(HELP.read_text())["flags"] for n in f["names"]}
+    assert flags["--performance-mode"]["choices"] == ["balanced", "interactivity", "throughput"]
+    assert flags["--port"]["type"] == "int" and flags["--served-model-name"]["nargs"] == "+"
+    assert flags["-pp"] is flags["--pipeline-parallel-size"]
+    assert flags["--enable-prefix-caching"]["kind"] == "bool"
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--performance-mode", "fast"], "argument --performance-mode: invalid choice: 'fast'"),
+    (["--port", "abc"], "argument --port: invalid int value: 'abc'"),
+    (["--mamba-cache-mode", "all"], "argument --mamba-cache-mode: invalid choice: 'all'"),  # 0.32 knows align|none
+    (["--max-model"], "unrecognized arguments: --max-model"),  # no abbreviations, like vLLM
+    (["--max-model-len", "lots"], "argument --max-model-len: invalid human_readable_int value: 'lots'"),
+])
+def test_bad_flags_exit_2_naming_the_flag(model, args, named):
+    out = _serve(str(model), *args)
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: vllm serve [model_tag] [options]\n")
+    assert named in out.stderr
+
+
+def test_an_older_vllm_rejects_a_newer_flag(model):
+    out = _serve(str(model), "--performance-mode", "interactivity", env={"STANDIN_UNKNOWN_FLAGS": "--performance-mode"})
+    assert out.returncode == 2 and "unrecognized arguments: --performance-mode" in out.stderr
+
+
+def test_model_without_config_json_exits_1(tmp_path):
+    out = _serve("--model", str(tmp_path))
+    assert out.returncode == 1
+    assert f"Invalid repository ID or local directory specified: '{tmp_path}'" in out.stderr
+
+
+def test_refuses_connections_while_loading_then_serves(server, model):
+    s = server("--served-model-name", "qwen3.5-awq", "--max-model-len", "225000", load=1.5)
+    time.sleep(0.5)
+    assert s.proc.poll() is None
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", s.port), timeout=1)
+    s.wait()
+    assert s.get("/health") == (200, b"")
+    models = json.loads(s.get("/v1/models")[1])["data"]
+    assert [(m["id"], m["root"], m["max_model_len"]) for m in models] == [("qwen3.5-awq", str(model), 225000)]
+    assert json.loads(s.get("/version")[1])["version"].startswith("0.32")
+
+
+def test_seed_flags_are_accepted(server):
+    seed = ["--served-model-name", "qwen3.5-awq", "--max-model-len", "225000", "--max-num-batched-tokens", "8192",
+            "--pipeline-parallel-size", "3", "--kv-cache-dtype", "fp8_e4m3", "--max-num-seqs", "2",
+            "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
+            "--optimization-level", "3", "--enable-prefix-caching", "--trust-remote-code", "--language-model-only",
+            "--performance-mode", "interactivity", "--mamba-cache-mode", "align", "--mamba-block-size", "8",
+            "--enable-chunked-prefill", "--async-scheduling", "--override-generation-config", '{"temperature": 0.6}']
+    s = server(*seed).wait()
+    assert s.get("/health")[0] == 200
+    assert 'mamba_cache_mode="align"' in s.get("/metrics")[1].decode()
+
+
+def test_prefix_caching_counts_block_aligned_hits(server):
+    s = server("--served-model-name", "m", "--enable-prompt-tokens-details", "--block-size", "16").wait()
+    convo = [{"role": "user", "content": "x" * 100}]
+    first = json.loads(s.chat({"model": "m", "messages": convo})[1])["usage"]
+    second = json.loads(s.chat({"model": "m", "messages": convo})[1])["usage"]
+    length = first["prompt_tokens"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["prompt_tokens_details"] == {"cached_tokens": (length - 1) // 16 * 16}
+    grown = convo + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    third = json.loads(s.chat({"model": "m", "messages": grown})[1])["usage"]
+    # the grown conversation starts with the whole first prompt (it ended in the assistant header)
+    assert third["prompt_tokens"] > length
+    assert third["prompt_tokens_details"]["cached_tokens"] == (length - 1) // 16 * 16
+    metrics = s.get("/metrics")[1].decode()
+    hits = second["prompt_tokens_details"]["cached_tokens"] + third["prompt_tokens_details"]["cached_tokens"]
+    for line in (f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {float(hits)}',
+                 f'vllm:prompt_tokens_cached_total{{engine="0",model_name="m"}} {float(hits)}',
+                 'vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="m"} 3.0',
+                 'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3.0'):
+        assert line in metrics
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:request_prefill_kv_computed_tokens_sum"):
+        assert f"\n{name}{{" in metrics
+    info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
+    for label in ('block_size="16"', 'enable_prefix_caching="True"', 'mamba_cache_mode="none"', 'cache_dtype="auto"'):
+        assert label in info
+
+
+def test_no_cached_tokens_field_without_the_flag_and_no_hits_without_prefix_caching(server):
+    s = server("--served-model-name", "m", "--no-enable-prefix-caching").wait()
+    body = {"model": "m", "messages": [{"role": "user", "content": "y" * 200}]}
+    s.chat(body)
+    usage = json.loads(s.chat(body)[1])["usage"]
+    assert usage["prompt_tokens_details"] is None
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 0.0' in s.get("/metrics")[1].decode()
+
+
+def test_streaming_sse_with_usage(server):
+    s = server("--served-model-name", "m", "--enable-prompt-tokens-details").wait()
+    status, raw = s.chat({"model": "m", "stream": True, "max_tokens": 3, "stream_options": {"include_usage": True},
+                          "messages": [{"role": "user", "content": "hi"}]})
+    events = [e[len("data: "):] for e in raw.decode().split("\n\n") if e]
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]).count("stand-in") == 3
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_api_key_guards_v1_only(server):
+    s = server("--served-model-name", "m", env={"VLLM_API_KEY": "sekrit"}).wait()
+    assert s.get("/v1/models")[0] == 401
+    assert s.get("/v1/models", {"Authorization": "Bearer sekrit"})[0] == 200
+    assert s.chat({"model": "m", "messages": []})[0] == 401
+    assert s.get("/health")[0] == 200 and s.get("/metrics")[0] == 200 and s.get("/version")[0] == 200
+
+
+def test_unknown_model_is_404(server):
+    s = server("--served-model-name", "m").wait()
+    status, body = s.chat({"model": "other", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 404 and "The model `other` does not exist." in body.decode()
+
+
+def test_engine_death_503_then_exit_1(server):
+    s = server("--served-model-name", "m", env={"STANDIN_DIE_AFTER": "0.5", "STANDIN_DEAD_SECONDS": "1.5"}).wait()
+    assert s.get("/health")[0] == 200
+    time.sleep(0.8)
+    assert s.get("/health")[0] == 503
+    assert s.proc.wait(10) == 1
+    assert "EngineDeadError" in s.proc.stdout.read()
