@@ -6,6 +6,8 @@ import click
 
 from gpufleet import __version__
 from gpufleet.cli.render import lint, render
+from gpufleet.cli.sandbox import sandbox
+from gpufleet.cli.verify import status, verify
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,5 +16,5 @@ def main() -> None:
     """Provision GPU hosts into fast vLLM servers for Qwen 3.5 and keep the fleet current."""
 
 
-main.add_command(render)
-main.add_command(lint)
+for command in (render, lint, status, verify, sandbox):
+    main.add_command(command)
