@@ -25,6 +25,7 @@ class Started:
     while_loading: HealthReport  # a check() made right after spawning, before the port listens
     ready: HealthReport
     start_s: float  # spawn -> ready, as wait_until_ready saw it
+    api_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ServerSpec:
     args: list[str]
     expected: Expected  # port 0: filled in per server
     prompt_tokens_details: bool = True  # usage.prompt_tokens_details.cached_tokens in responses
+    api_key: str | None = None  # run with --api-key: /v1/* then needs it
 
 
 def start_pair(venv: Path, workdir: Path, specs: list[ServerSpec]) -> list[Started]:
@@ -42,7 +44,8 @@ def start_pair(venv: Path, workdir: Path, specs: list[ServerSpec]) -> list[Start
     servers = []
     for spec in specs:
         (workdir / spec.label).mkdir(parents=True, exist_ok=True)
-        args = [*base_args(MAX_MODEL_LEN, spec.prompt_tokens_details), *spec.args]
+        key = ["--api-key", spec.api_key] if spec.api_key else []
+        args = [*base_args(MAX_MODEL_LEN, spec.prompt_tokens_details), *spec.args, *key]
         servers.append(VllmServer(venv, spec.model, workdir / spec.label, SERVED, args).start())
     started = []
     try:
@@ -51,11 +54,11 @@ def start_pair(venv: Path, workdir: Path, specs: list[ServerSpec]) -> list[Start
             exp = dataclasses.replace(spec.expected, port=srv.port)
             transport = LoopbackTransport(srv.proc, srv.log_path, name=f"{srv.model.name}:{srv.port}")
             early.append((transport, exp, check(transport, exp)))
-        for srv, (transport, exp, while_loading) in zip(servers, early, strict=True):
-            ready = wait_until_ready(transport, exp, timeout_s=START_TIMEOUT_S, poll_s=0.5)
+        for srv, spec, (transport, exp, while_loading) in zip(servers, specs, early, strict=True):
+            ready = wait_until_ready(transport, exp, timeout_s=START_TIMEOUT_S, poll_s=0.5, api_key=spec.api_key)
             if not ready.ready:
                 raise RuntimeError(f"{srv.model.name} did not become ready: {ready.detail}\n{srv.log_tail()}")
-            started.append(Started(srv, transport, exp, while_loading, ready, time.monotonic() - srv.started_at))
+            started.append(Started(srv, transport, exp, while_loading, ready, time.monotonic() - srv.started_at, spec.api_key))
     except BaseException:
         for srv in servers:
             srv.stop()

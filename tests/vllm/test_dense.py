@@ -15,6 +15,7 @@ from tests.vllm.servers import ServerSpec, Started, expected
 from tests.vllm_peer import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+API_KEY = "sk-gf-test-0d3c"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,10 @@ def dense(pair_factory, tmp_path_factory) -> dict[str, Started]:
             ServerSpec(
                 "on", model, ["--enable-prefix-caching", "--reasoning-parser", "qwen3"], expected(enable_prefix_caching="True")
             ),
-            ServerSpec("off", model, ["--no-enable-prefix-caching"], expected(enable_prefix_caching="False")),
+            # With --api-key: /v1/* needs the key, /health and /metrics do not.
+            ServerSpec(
+                "off", model, ["--no-enable-prefix-caching"], expected(enable_prefix_caching="False"), api_key=API_KEY
+            ),
         ]
     )  # fmt: skip
     return {"on": on, "off": off}
@@ -65,10 +69,18 @@ def test_wrong_served_name_is_misconfigured(dense):
 def test_wrong_max_model_len_and_cache_label_are_misconfigured(dense):
     s = dense["off"]
     want = Expected("vllm", s.server.port, "tiny", 8192, {"enable_prefix_caching": "True"})
-    r = check(s.transport, want)
+    r = check(s.transport, want, api_key=API_KEY)
     assert r.state is HealthState.MISCONFIGURED
     assert "max_model_len 4096, expected 8192" in r.detail
     assert "enable_prefix_caching=False, expected True" in r.detail
+
+
+def test_api_key_is_needed_for_identity_not_for_liveness(dense):
+    s = dense["off"]
+    without = check(s.transport, s.expected)
+    assert without.state is HealthState.MISCONFIGURED and "401" in without.detail
+    assert check(s.transport, s.expected, api_key=API_KEY).state is HealthState.READY
+    assert check(s.transport, s.expected, api_key="sk-wrong").state is HealthState.MISCONFIGURED
 
 
 def test_reasoning_parser_leaves_content_empty_and_probe_still_reads_reply(dense):
@@ -97,7 +109,7 @@ def test_probe_reports_hits_on_turn_n_plus_1_with_prefix_caching(dense):
 
 def test_probe_says_ineffective_without_prefix_caching(dense):
     s = dense["off"]
-    report = probe(s.transport, s.expected, lengths_in_units=(1.5, 2.5, 3.5))
+    report = probe(s.transport, s.expected, lengths_in_units=(1.5, 2.5, 3.5), api_key=API_KEY)
     print("\n[probe dense off]", json.dumps(report.as_dict(), indent=1))
     assert report.verdict is Verdict.INEFFECTIVE
     assert "prefix caching is disabled" in report.detail

@@ -50,6 +50,7 @@ def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarge
                 expected=Expected.from_spec(spec),
                 gpus=tuple(getattr(spec, "gpus", ()) or ()),
                 max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
+                api_key=data.get("vllm_api_key"),
             )
         )
     if problems:
@@ -149,7 +150,8 @@ def status(inventory: str, host: str | None, as_json: bool) -> None:
 @click.option("--probe", "run_probe", is_flag=True, help="Also measure prompt re-processing on turn N+1.")
 @click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
               help="Seconds to wait for hosts to become ready.")  # fmt: skip
-@click.option("--api-key", envvar="VLLM_API_KEY", default=None, help="For servers run with --api-key.")
+@click.option("--api-key", envvar="VLLM_API_KEY", default=None,
+              help="For servers run with --api-key (default: each host's vllm_api_key).")  # fmt: skip
 @click.pass_context
 def verify(
     ctx: click.Context, inventory: str, host: str | None, as_json: bool, run_probe: bool, wait_s: float,

@@ -16,19 +16,24 @@ class HttpStatusError(Exception):
         super().__init__(f"GET {path}: HTTP {status} {body[:120]}")
 
 
-def get(transport: Transport, port: int, path: str, timeout: float = 10.0) -> tuple[int, str]:
+def _headers(api_key: str | None) -> dict[str, str]:
+    # The key travels inside the transport (the SSH channel), never on a command line.
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def get(transport: Transport, port: int, path: str, timeout: float = 10.0, api_key: str | None = None) -> tuple[int, str]:
     """(status, body). Raises ConnectionRefusedError / OSError / http.client errors on transport trouble."""
     conn = transport.http(port, timeout)
     try:
-        conn.request("GET", path, headers={"Accept": "*/*"})
+        conn.request("GET", path, headers={"Accept": "*/*", **_headers(api_key)})
         resp = conn.getresponse()
         return resp.status, resp.read().decode(errors="replace")
     finally:
         conn.close()
 
 
-def get_json(transport: Transport, port: int, path: str, timeout: float = 10.0) -> Any:
-    status, body = get(transport, port, path, timeout)
+def get_json(transport: Transport, port: int, path: str, timeout: float = 10.0, api_key: str | None = None) -> Any:
+    status, body = get(transport, port, path, timeout, api_key)
     if status != 200:
         raise HttpStatusError(path, status, body)
     return json.loads(body)
@@ -55,9 +60,7 @@ def stream_chat(
 ) -> Completion:
     """POST /v1/chat/completions with stream=True and usage in the final chunk."""
     payload = body | {"stream": True, "stream_options": {"include_usage": True}}
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    headers = {"Content-Type": "application/json", **_headers(api_key)}
     conn = transport.http(port, timeout)
     try:
         start = time.monotonic()

@@ -108,8 +108,11 @@ class HealthReport:
 _NO_LISTENER = (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)
 
 
-def check(transport: Transport, expected: Expected, grace_s: float = DEFAULT_GRACE_S) -> HealthReport:
-    """One look at the host: container state first, then HTTP, then identity."""
+def check(transport: Transport, expected: Expected, grace_s: float = DEFAULT_GRACE_S, api_key: str | None = None) -> HealthReport:
+    """One look at the host: container state first, then HTTP, then identity.
+
+    api_key: the server's --api-key (VLLM_API_KEY), needed for /v1/models when it runs with one.
+    """
     report = HealthReport(HealthState.STARTING, "", host=transport.name)
     try:
         container = transport.container(expected.service)
@@ -130,7 +133,7 @@ def check(transport: Transport, expected: Expected, grace_s: float = DEFAULT_GRA
     if not container.running:
         return replace(report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"container {container.id} is {container.state}")
     try:
-        return _check_http(transport, expected, report)
+        return _check_http(transport, expected, report, api_key)
     except Unreachable as e:
         return replace(report, state=HealthState.SSH_UNREACHABLE, detail=str(e))
     except (*_NO_LISTENER, TimeoutError) as e:
@@ -149,17 +152,21 @@ def check(transport: Transport, expected: Expected, grace_s: float = DEFAULT_GRA
         )
 
 
-def _check_http(transport: Transport, expected: Expected, report: HealthReport) -> HealthReport:
+def _check_http(transport: Transport, expected: Expected, report: HealthReport, api_key: str | None) -> HealthReport:
     port = expected.port
     status, body = get(transport, port, "/health")
     if status != 200:
         # 503 = EngineDeadError: the API server is up but its engine is gone (it exits a few seconds later).
         return replace(report, state=HealthState.DEAD, detail=f"/health answered {status} {body.strip()[:80]}")
     try:
-        models = get_json(transport, port, "/v1/models")
+        models = get_json(transport, port, "/v1/models", api_key=api_key)
         version = get_json(transport, port, "/version").get("version")
         metrics = parse_metrics(get(transport, port, "/metrics")[1])
     except HttpStatusError as e:
+        if e.status == 401:
+            # The server runs with --api-key and we were not given it (or a different one): not a dead server.
+            detail = "/v1/models answered 401: the server requires its API key (the host's vllm_api_key)"
+            return replace(report, state=HealthState.MISCONFIGURED, detail=detail)
         return replace(report, state=HealthState.DEAD, detail=f"/health is 200 but {e}")
     data = models.get("data") or []
     ids = tuple(str(m.get("id")) for m in data)
@@ -204,6 +211,7 @@ def wait_until_ready(
     timeout_s: float,
     poll_s: float = 2.0,
     grace_s: float = DEFAULT_GRACE_S,
+    api_key: str | None = None,
 ) -> HealthReport:
     """Poll check() until ready. Returns early on dead or misconfigured (waiting cannot fix those).
 
@@ -211,7 +219,7 @@ def wait_until_ready(
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        report = check(transport, expected, grace_s=grace_s)
+        report = check(transport, expected, grace_s=grace_s, api_key=api_key)
         if report.state in (HealthState.READY, HealthState.DEAD, HealthState.MISCONFIGURED):
             break
         if time.monotonic() + poll_s > deadline:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import paramiko
@@ -25,6 +25,7 @@ class HostTarget:
     expected: Expected
     gpus: tuple[int, ...] = ()
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
+    api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,10 @@ def check_host(
     api_key: str | None = None,
     transport: Transport | None = None,
 ) -> HostResult:
-    """Health (and the probe, when the host is ready) of one host. Never raises for host trouble."""
+    """Health (and the probe, when the host is ready) of one host. Never raises for host trouble.
+
+    api_key overrides the target's own key."""
+    api_key = api_key or target.api_key
     client = None
     if transport is None:
         try:
@@ -76,9 +80,9 @@ def check_host(
         transport = SshTransport(client, name=target.name)
     try:
         if wait_s > 0:
-            health = wait_until_ready(transport, target.expected, timeout_s=wait_s)
+            health = wait_until_ready(transport, target.expected, timeout_s=wait_s, api_key=api_key)
         else:
-            health = check(transport, target.expected)
+            health = check(transport, target.expected, api_key=api_key)
         report, error = None, None
         if run_probe and health.ready:
             try:
