@@ -1,19 +1,24 @@
 """SshTransport through a real sshd: HTTP over a paramiko direct-tcpip channel, docker queries over exec.
 
-Uses a throwaway OpenSSH server on 127.0.0.1 (temp keys, stopped by PID). The same checks against a real vLLM
-through this tunnel are in tests/vllm/test_dense.py (test_checks_and_probe_through_ssh).
+The first tests use a throwaway OpenSSH server on 127.0.0.1 (temp keys, stopped by PID); the same checks against a
+real vLLM through this tunnel are in tests/vllm/test_dense.py (test_checks_and_probe_through_ssh). The last ones run
+`gpufleet status` / `verify --probe` and the state checks against a test host converged by the real deploy.
 """
 
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import paramiko
 import pytest
+from click.testing import CliRunner
 from tests.vllm_peer.sshd import Sshd
 
+from gpufleet.cli.verify import status, verify
 from gpufleet.health import (
     Expected,
     HealthState,
@@ -21,8 +26,10 @@ from gpufleet.health import (
     TransportError,
     check,
     transport_from_pyinfra_host,
+    wait_until_ready,
 )
 from gpufleet.health.api import get
+from gpufleet.health.fleet import connect
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +140,72 @@ def test_pyinfra_host_connection_is_reused(sshd, web, tmp_path):
     finally:
         host.disconnect()
     del state
+
+
+# --- against a deployed test host: real sshd, sudo, dockerd, the unit's container (stand-in vLLM image) -----------
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = str(REPO / "deploys" / "qwen35.py")
+# Above the session hosts (1, 2) and the fresh_hosts range (11+): this module's own host.
+HOST_NUMBER = 31
+
+
+@pytest.fixture(scope="module")
+def served(fleet, pyinfra, tmp_path_factory):
+    """A fresh 3x H200 test host converged by the real deploy: (host name, pyinfra inventory path, host data)."""
+    from gpufleet.sandbox.config import H200x3
+    from gpufleet.sandbox.inventory import pyinfra_hosts
+
+    (host,) = fleet.add_hosts([H200x3], first=HOST_NUMBER)
+    try:
+        data = dict(pyinfra_hosts(fleet.write_inventory()))[host.name]
+        inv = tmp_path_factory.mktemp("health-inv") / "inv.py"
+        inv.write_text(f"gpuhosts = [({host.name!r}, {data!r})]\n")
+        pyinfra(inv, DEPLOY)
+        yield host.name, inv, data
+    finally:
+        fleet.remove_hosts([host.name])
+
+
+def test_status_reads_container_identity_over_ssh(served):
+    from gpufleet.settings import build_spec
+
+    name, inv, data = served
+    spec = build_spec(name, data)
+    result = CliRunner().invoke(status, [str(inv), "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)
+    assert row["state"] == "ready", row["detail"]
+    assert row["served_model"] == spec.served_model_name
+    assert row["container"]["spec_hash"] == spec.spec_hash  # the label the unit put on the container
+    assert row["container"]["image_id"].startswith("sha256:")
+    assert row["version"]  # from /version, through the tunnel
+
+
+def test_verify_probe_passes_over_ssh(served):
+    _, inv, _ = served
+    result = CliRunner().invoke(verify, [str(inv), "--probe", "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)
+    assert row["probe"]["verdict"] == "effective", row["probe"]["evidence"]
+    assert row["probe"]["points"] and all(p["cached"] >= p["due"] > 0 for p in row["probe"]["points"])
+
+
+def test_stopped_then_started_service_states_over_ssh(served, fleet):
+    from gpufleet.settings import build_spec
+
+    name, _, data = served
+    spec = build_spec(name, data)
+    expected = Expected.from_spec(spec)
+    client = connect(name, data)
+    try:
+        t = SshTransport(client, name=name)
+        fleet.run_in(name, f"systemctl stop {spec.service}")
+        r = check(t, expected)
+        # The unit runs `docker run --rm`: stopping it leaves no container behind.
+        assert r.state is HealthState.CONTAINER_NOT_RUNNING, r.detail
+        fleet.run_in(name, f"systemctl start {spec.service}")
+        ready = wait_until_ready(t, expected, timeout_s=120, poll_s=0.5)
+        assert ready.state is HealthState.READY, (ready.detail, ready.logs)
+        assert ready.container and ready.container.spec_hash == spec.spec_hash
+    finally:
+        client.close()
