@@ -34,7 +34,13 @@ def test_running_container_wins_over_newer_exited_ones():
         LABEL,
     )
     assert (info.id, info.running, info.spec_hash) == ("b" * 12, True, "h2")
-    assert info.image_short == "e" * 12
+    assert info.image_short == "e" * 12  # started by tag: the local image id
+
+
+def test_image_short_prefers_the_digest_the_container_was_started_by():
+    obj = inspected("a", "running", "2026-11-29T20:00:00Z")
+    obj["Config"]["Image"] = "10.213.0.1:5000/vllm/vllm-openai@sha256:" + "d" * 64
+    assert pick_container([obj], LABEL).image_short == "d" * 12
 
 
 def test_without_a_running_one_the_newest_is_reported():

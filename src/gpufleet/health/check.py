@@ -71,7 +71,7 @@ class HealthReport:
     running: int | None = None
     waiting: int | None = None
     prefix_cache_hit_rate: float | None = None  # cumulative, tokens
-    cache_config: dict[str, str] = field(default_factory=dict)
+    cache_config: dict[str, str] = field(default_factory=dict, repr=False)  # vllm:cache_config_info labels
     container: ContainerInfo | None = None
     logs: tuple[str, ...] = ()  # the container's last lines, attached when wait_until_ready fails
     checked_at: float = field(default_factory=time.time)

@@ -53,7 +53,10 @@ class ContainerInfo:
 
     @property
     def image_short(self) -> str | None:
-        return self.image_id.split(":", 1)[-1][:12] if self.image_id else None
+        """12 hex digits: the registry digest when the container was started by digest (as the deploy pins it),
+        else the local image id."""
+        source = self.image.rsplit("@", 1)[1] if self.image and "@" in self.image else self.image_id
+        return source.split(":", 1)[-1][:12] if source else None
 
 
 class Transport(Protocol):
