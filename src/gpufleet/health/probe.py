@@ -220,9 +220,10 @@ def probe(
 
     # Two calibration requests: they warm the server up (the first request after a start is ~4x slower) and
     # give tokens per filler word, so lengths can be crafted without a tokenizer.
+    # The long one goes first, so the short one's TTFT is a warm server's baseline for a tiny prompt.
     w1, w2 = 20, 200
-    c1 = chat(_Conversation(f"{run_id}-c1", "calibration", w1).messages, 1)
     c2 = chat(_Conversation(f"{run_id}-c2", "calibration", w2).messages, 1)
+    c1 = chat(_Conversation(f"{run_id}-c1", "calibration", w1).messages, 1)
     if not (c1.prompt_tokens and c2.prompt_tokens):
         raise ValueError(f"{transport.name}: the server reports no usage.prompt_tokens in streamed responses")
     per_word = max((c2.prompt_tokens - c1.prompt_tokens) / (w2 - w1), 0.1)
