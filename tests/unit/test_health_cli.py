@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -97,3 +98,30 @@ def test_invalid_settings_are_reported_per_host(tmp_path):
     result = CliRunner().invoke(status, [str(path)])
     assert result.exit_code == 1
     assert "box: vllm_gpus" in result.output and "Traceback" not in result.output
+
+
+def _trap_result(inventory_target):
+    from gpufleet.health import HealthReport, HealthState
+    from gpufleet.health.fleet import HostResult
+    from gpufleet.health.probe import ProbePoint, judge
+
+    # Figures measured on the tiny hybrid (B=640) with default batching (tests/vllm/test_hybrid.py).
+    measured = [(673, 640), (829, 0), (1023, 0), (1311, 1280), (1569, 0), (1823, 0)]
+    points = [ProbePoint(L, L + 41, 640, c, 0, 0.06, 0.04, "usage") for L, c in measured]
+    report = judge("box-b", points, 640, 640, True, "align", inventory_target.max_num_batched_tokens)
+    health = HealthReport(HealthState.READY, "/health 200, serving qwen3.5-awq (vLLM 0.32.0)", host="box-b")
+    return HostResult(inventory_target, health, report)
+
+
+def test_verify_probe_names_the_trap_its_evidence_and_fixes_and_fails(inventory, monkeypatch):
+    # gpufleet.cli re-exports the `verify` command under the module's own name: fetch the module itself.
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [_trap_result(target)])
+    result = CliRunner().invoke(verify, [str(inventory), "--host", "box-b", "--probe"])
+    assert result.exit_code == 1
+    out = result.output
+    assert "probe chunk-alignment-trap" in out
+    assert "L=829 (L mod U=189, U=640): cached 0 of 640 due" in out
+    assert "server --max-num-batched-tokens: 1152" in out  # the host's configured value, as evidence
+    assert "fix: --max-num-batched-tokens 640" in out and "fix: --prefix-match-unit 128" in out

@@ -226,7 +226,10 @@ class SshTransport:
         rc, out, err = self.run(cmd)
         if rc != 0:
             raise TransportError(f"{self.name}: docker inspect failed: {(err or out).strip()[:200]}")
-        return pick_container(json.loads(out or "[]"), label)
+        try:
+            return pick_container(json.loads(out or "[]"), label)
+        except ValueError as e:
+            raise TransportError(f"{self.name}: unexpected docker inspect output: {out.strip()[:120]!r}") from e
 
     def logs(self, service: str, tail: int = 30) -> list[str]:
         info = self.container(service)
