@@ -24,6 +24,7 @@ def inventory(tmp_path):
         path = directory / "inventory.py"
         path.write_text(textwrap.dedent(hosts))
         return str(path)
+
     return write
 
 
@@ -32,8 +33,10 @@ def run(*args: str):
 
 
 def test_render_prints_each_host_then_its_command(inventory):
-    inv = inventory('boxes = [("a", {"vllm_port": 5001}), ("b", {"vllm_gpus": [3, 4, 5]})]\n',
-                    'vllm_image = "registry.local/vllm/vllm-openai:nightly"\n')
+    inv = inventory(
+        'boxes = [("a", {"vllm_port": 5001}), ("b", {"vllm_gpus": [3, 4, 5]})]\n',
+        'vllm_image = "registry.local/vllm/vllm-openai:nightly"\n',
+    )
     result = run("render", inv)
     assert result.exit_code == 0, result.output
     blocks = result.output.split("# host: ")[1:]
@@ -49,7 +52,7 @@ def test_render_unit_for_one_host(inventory):
     assert result.exit_code == 0
     assert result.output.startswith("# host: b\n# Managed by gpufleet")
     exec_line = next(l for l in result.output.splitlines() if l.startswith("ExecStart="))
-    assert "6000:6000" in split_exec(exec_line[len("ExecStart="):])
+    assert "6000:6000" in split_exec(exec_line[len("ExecStart=") :])
 
 
 def test_invalid_data_exits_1_with_one_line_errors_and_no_traceback(inventory):
@@ -77,6 +80,10 @@ def test_missing_inventory_and_broken_inventory_are_one_liners(inventory, tmp_pa
 
 
 def test_console_script_runs_on_the_shipped_example_inventory():
-    out = subprocess.run([sys.executable, "-m", "gpufleet.cli", "render", "inventories/lab.py", "--host", "gpu-box-1"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli", "render", "inventories/lab.py", "--host", "gpu-box-1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.startswith("# host: gpu-box-1\ndocker run")

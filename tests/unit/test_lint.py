@@ -17,7 +17,9 @@ CASES = {
     "trust-remote-code-unneeded": ({}, {"vllm_args": {"trust-remote-code": None}}),
     "max-num-seqs-below-pipeline-depth": ({}, {"vllm_args": {"max-num-seqs": 3}}),
     "hybrid-prefix-caching-without-chunked-prefill": (
-        {"vllm_args": {"enable-chunked-prefill": False}}, {"vllm_args": {"enable-chunked-prefill": True}}),
+        {"vllm_args": {"enable-chunked-prefill": False}},
+        {"vllm_args": {"enable-chunked-prefill": True}},
+    ),
     "hybrid-align-chunk-alignment": ({}, {"vllm_args": {"prefix-match-unit": 128}}),
 }
 
@@ -38,10 +40,8 @@ def test_rule_fires_and_its_fix_silences_it(rule_id):
 
 
 def test_chunk_alignment_is_fine_when_batch_equals_a_pinned_block_size():
-    assert "hybrid-align-chunk-alignment" not in rule_ids(
-        {"vllm_args": {"block-size": 1024, "max-num-batched-tokens": 1024}})
-    assert "hybrid-align-chunk-alignment" in rule_ids(
-        {"vllm_args": {"block-size": 1024, "max-num-batched-tokens": 2048}})
+    assert "hybrid-align-chunk-alignment" not in rule_ids({"vllm_args": {"block-size": 1024, "max-num-batched-tokens": 1024}})
+    assert "hybrid-align-chunk-alignment" in rule_ids({"vllm_args": {"block-size": 1024, "max-num-batched-tokens": 2048}})
 
 
 def test_host_bound_to_loopback_needs_no_key():

@@ -32,7 +32,11 @@ CASES = [
     ({"vllm_args": {"enable-prefix-caching": "yes"}}, "vllm_args['enable-prefix-caching']", "switch"),
     ({"vllm_args": {"language-model-only": None, "served-model-name": True}}, "vllm_args['served-model-name']", "needs a value"),
     ({"vllm_args": {"max-num-batched-tokens": 0}}, "vllm_args['max-num-batched-tokens']", ">= 1"),
-    ({"vllm_args": {"max-num-batched-tokens": 1, "max-num-seqs": 2}}, "vllm_args['max-num-batched-tokens']", "below max-num-seqs"),
+    (
+        {"vllm_args": {"max-num-batched-tokens": 1, "max-num-seqs": 2}},
+        "vllm_args['max-num-batched-tokens']",
+        "below max-num-seqs",
+    ),
     ({"vllm_args": {"pipeline-parallel-size": 2}}, "vllm_gpus", "pipeline-parallel-size"),
     ({"vllm_gpus": [0, 1]}, "vllm_gpus", "set vllm_args pipeline-parallel-size to 2"),
     ({"vllm_args": {"tool-call-parser": None}}, "vllm_args['enable-auto-tool-choice']", "tool-call-parser"),
@@ -81,10 +85,19 @@ def test_secret_values_never_appear_in_errors():
 
 
 def test_valid_variations_are_accepted():
-    spec = build_spec("box", {
-        "vllm_gpus": [4, 5, 6, 7], "vllm_args": {"pipeline_parallel_size": 2, "tensor-parallel-size": 2,
-                                                 "--max-model-len": "128k", "override-generation-config": {"temperature": 0.7}},
-        "ssh_hostname": "10.0.0.1", "other_tool_setting": 1,  # not ours: ignored
-    })
+    spec = build_spec(
+        "box",
+        {
+            "vllm_gpus": [4, 5, 6, 7],
+            "vllm_args": {
+                "pipeline_parallel_size": 2,
+                "tensor-parallel-size": 2,
+                "--max-model-len": "128k",
+                "override-generation-config": {"temperature": 0.7},
+            },
+            "ssh_hostname": "10.0.0.1",
+            "other_tool_setting": 1,  # not ours: ignored
+        },
+    )
     assert spec.arg("pipeline-parallel-size") == "2" and spec.arg("max-model-len") == "128k"
     assert spec.arg("override-generation-config") == '{"temperature": 0.7}'

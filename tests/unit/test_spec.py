@@ -41,7 +41,7 @@ def normalise(tokens: list[str]) -> list[str]:
             token = "<label>"
         for seed_path, ours in SEED_HOST_PATHS.items():
             if token.startswith(seed_path + ":"):
-                token = ours + token[len(seed_path):]
+                token = ours + token[len(seed_path) :]
         out.append(token)
     return out
 
@@ -70,10 +70,18 @@ def test_unit_runs_the_pinned_image_not_the_tag():
     assert digest_ref in argv and spec.image not in argv
 
 
-@pytest.mark.parametrize("value", [
-    "a value with spaces", 'double "quotes"', "single 'quotes'", "dollar $HOME and ${X}", "percent %h %%",
-    "back\\slash", 'mix: "$A" \'%b\' \\ end',
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "a value with spaces",
+        'double "quotes"',
+        "single 'quotes'",
+        "dollar $HOME and ${X}",
+        "percent %h %%",
+        "back\\slash",
+        "mix: \"$A\" '%b' \\ end",
+    ],
+)
 def test_quoting_survives_shell_and_systemd(value):
     spec = build_spec("box", {"vllm_env": {"ODD_VALUE": value}, "vllm_args": {"chat-template": value}})
     argv = spec.docker_run_argv()
