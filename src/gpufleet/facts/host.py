@@ -98,7 +98,8 @@ def snapshot_command(paths: Paths) -> str:
     q = shlex.quote
 
     def section(name: str) -> str:
-        return f"echo '{MARK}{name}'"
+        # Leading newline: a file without a final newline (json.dump writes none) must not swallow the marker.
+        return f"printf '\\n{MARK}{name}\\n'"
 
     def nvidia(name: str, query: str) -> str:
         # rc and stderr are kept: a broken driver must surface as a message, not as "no GPUs".
@@ -150,7 +151,7 @@ def snapshot_command(paths: Paths) -> str:
         f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
         "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
         f"curl -s --max-time 3 -H @- http://127.0.0.1:{paths.port}/v1/models; echo; fi",
-        f"echo '{MARK}end'",
+        section("end"),
     ]
     return "\n".join(lines)
 
@@ -164,6 +165,9 @@ def split_sections(lines: list[str]) -> dict[str, list[str]]:
             sections[current] = []
         elif current is not None:
             sections[current].append(line)
+    for lines_ in sections.values():
+        while lines_ and not lines_[-1].strip():
+            lines_.pop()
     if "end" not in sections:
         raise FactProcessError("host snapshot output is truncated (no end marker)")
     return sections

@@ -1,0 +1,222 @@
+"""`pyinfra INVENTORY deploys/qwen35.py` on real test hosts (nspawn, SSH, sudo, apt, dockerd; stand-in GPU/image).
+
+Order matters inside this module (pytest keeps file order): the session hosts converge first, later tests build
+on the running service. Preflight refusals use fresh hosts so "untouched" can be proven on a pristine host.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from gpufleet.sandbox.config import H200x1, H200x3, NO_GPU, OLD_DRIVER
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = str(REPO / "deploys" / "qwen35.py")
+SERVICE = "vllm-qwen35"
+STATE_FILE = f"/var/lib/gpufleet/{SERVICE}.json"
+API_KEY = "sk-gf-apikey-7c1e94b2"
+HF_TOKEN = "hf_gftoken9d20aa51f3"
+# Test-host data under the sandbox's own (which wins): a short readiness deadline (the stand-in is ready in
+# seconds), and no --privileged / --ulimit memlock=-1, which runc cannot grant inside an nspawn host
+# (shared/notes/test-hosts.md "Limits seen").
+TEST_DATA = {"vllm_ready_timeout": 120, "vllm_docker_options": {"privileged": None, "ulimit": None}}
+
+
+# --- helpers -------------------------------------------------------------------------------------------------
+def write_inventory(tmp_path: Path, inventory_json: Path, names: list[str], overrides: dict | None = None) -> Path:
+    """A pyinfra inventory for `names` only, with per-host data overrides {host: {setting: value}}."""
+    path = tmp_path / f"inv-{'-'.join(names)}-{len(list(tmp_path.iterdir()))}.py"
+    path.write_text(
+        "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
+        f"_names = {names!r}\n_over = {overrides or {}!r}\n_test = {TEST_DATA!r}\n"
+        f"gpuhosts = [(n, {{**_test, **d, **_over.get(n, {{}})}}) for n, d in pyinfra_hosts({str(inventory_json)!r}) "
+        "if n in _names]\n")
+    return path
+
+
+def results(output: str) -> dict[str, tuple[str, ...]]:
+    """pyinfra's own "Results" table: operation -> (hosts, success, error, no change); "Grand total" included."""
+    table = output[output.rindex("--> Results:"):]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 5:
+            rows[cells[0]] = tuple(cells[1:])
+    return rows
+
+
+def changes(output: str) -> int:
+    success = results(output)["Grand total"][1]
+    return 0 if success == "-" else int(success)
+
+
+def changed_ops(output: str) -> dict[str, int]:
+    return {op.split(" | ")[-1]: int(r[1]) for op, r in results(output).items() if op != "Grand total" and r[1] != "-"}
+
+
+def sh(fleet, host, command: str) -> str:
+    return fleet.run_in(host, command).stdout
+
+
+def service_pid(fleet, host) -> str:
+    return sh(fleet, host, f"systemctl show -p MainPID --value {SERVICE}").strip()
+
+
+def running_image(fleet, host) -> str:
+    # Config.Image is the reference the container was started from (`docker ps` shortens digests away).
+    ids = f"$(docker ps -q --filter label=gpufleet.{SERVICE})"
+    return sh(fleet, host, f"[ -n \"{ids}\" ] && docker inspect --format '{{{{.Config.Image}}}}' {ids} || true").strip()
+
+
+def fingerprint(fleet, host) -> str:
+    """What a deploy could change: packages, apt sources, keyrings, docker config, units, our dirs and files."""
+    return sh(fleet, host, "dpkg-query -W -f '${Package} ${Version}\\n' | sha256sum; "
+                           "ls -la /etc/apt/sources.list.d /usr/share/keyrings /etc/systemd/system /etc; "
+                           "cat /etc/docker/daemon.json 2>/dev/null; ls -d /etc/gpufleet /var/lib/gpufleet /srv/vllm "
+                           "/var/cache/vllm 2>&1; find /etc /srv /var/lib/gpufleet /usr -xdev -newer /etc/hostname "
+                           "-not -path '/etc/ssh/*' 2>/dev/null | sort")
+
+
+# --- fixtures ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def names(test_hosts) -> list[str]:
+    return [h.name for h in test_hosts]
+
+
+@pytest.fixture(scope="module")
+def converged(test_hosts, inventory_json, names, pyinfra, fleet, tmp_path_factory):
+    """The session hosts after a first converge from bare (cold) state; the output of that run."""
+    inv = write_inventory(tmp_path_factory.mktemp("inv"), inventory_json, names)
+    for host in test_hosts:
+        # A foreign key the deploy must keep while merging the nvidia runtime into daemon.json.
+        fleet.run_in(host, "python3 - <<'EOF'\nimport json, os\np='/etc/docker/daemon.json'\n"
+                           "d=json.load(open(p)) if os.path.exists(p) else {}\nd['log-opts']={'max-size': '10m'}\n"
+                           "os.makedirs('/etc/docker', exist_ok=True)\njson.dump(d, open(p,'w'))\nEOF")
+    return pyinfra(inv, DEPLOY).stdout
+
+
+# --- tests ---------------------------------------------------------------------------------------------------
+def test_two_bare_hosts_converge_to_a_verified_service(converged, test_hosts, fleet):
+    assert changes(converged) > 0
+    assert "ready: /health 200" in converged
+    for host in test_hosts:
+        assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"
+        assert sh(fleet, host, f"systemctl is-enabled {SERVICE}").strip() == "enabled"
+        state = json.loads(fleet.read_file(host, STATE_FILE))
+        ref = state["current"]["ref"]
+        assert "@sha256:" in ref and state["history"][-1]["ref"] == ref
+        assert running_image(fleet, host) == ref  # the container runs the digest, not the tag
+        assert f" {ref} " in fleet.read_file(host, f"/etc/systemd/system/{SERVICE}.service").decode()
+
+
+def test_foreign_daemon_json_keys_survive(converged, test_hosts, fleet):
+    for host in test_hosts:
+        config = json.loads(fleet.read_file(host, "/etc/docker/daemon.json"))
+        assert config["log-opts"] == {"max-size": "10m"}
+        assert "nvidia" in config["runtimes"]
+        assert config.get("insecure-registries")  # the test hosts' own key, set before the deploy
+
+
+def test_second_converge_changes_nothing(converged, inventory_json, names, pyinfra, tmp_path):
+    out = pyinfra(write_inventory(tmp_path, inventory_json, names), DEPLOY).stdout
+    assert changes(out) == 0, changed_ops(out)
+    assert results(out)["Grand total"][0] == str(15 * len(names))
+
+
+def test_changing_one_hosts_setting_restarts_only_that_host(converged, test_hosts, inventory_json, names, pyinfra,
+                                                           fleet, tmp_path):
+    a, b = test_hosts
+    before = {h.name: service_pid(fleet, h) for h in test_hosts}
+    inv = write_inventory(tmp_path, inventory_json, names, {b.name: {"vllm_args": {"max-num-seqs": 4}}})
+    out = pyinfra(inv, DEPLOY).stdout
+    assert changed_ops(out) == {"Install the vLLM systemd unit": 1, "Enable and start the vLLM service": 1,
+                                "Verify vLLM is ready (/health, /v1/models)": 1}
+    assert service_pid(fleet, a) == before[a.name]
+    assert service_pid(fleet, b) != before[b.name]
+    assert "--max-num-seqs 4" in fleet.read_file(b, f"/etc/systemd/system/{SERVICE}.service").decode()
+    assert changes(pyinfra(inv, DEPLOY).stdout) == 0
+
+
+def test_secrets_stay_out_of_unit_ps_and_output(converged, test_hosts, inventory_json, names, pyinfra, fleet,
+                                               tmp_path):
+    a = test_hosts[0]
+    inv = write_inventory(tmp_path, inventory_json, [a.name], {a.name: {"vllm_api_key": API_KEY,
+                                                                        "vllm_hf_token": HF_TOKEN}})
+    out = pyinfra(inv, DEPLOY, "-vv").stdout + pyinfra(inv, DEPLOY, "-vv").stdout
+    assert "ready: /health 200" in out  # verified through the key-guarded /v1/models
+    unit_text = fleet.read_file(a, f"/etc/systemd/system/{SERVICE}.service").decode()
+    systemctl_cat = sh(fleet, a, f"systemctl cat {SERVICE}")
+    # Every process's argv, read from /proc inside the host (a `ps | grep` would match its own command line).
+    argvs = sh(fleet, a, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done")
+    for secret in (API_KEY, HF_TOKEN):
+        for where, text in (("pyinfra output", out), ("unit", unit_text), ("systemctl cat", systemctl_cat),
+                            ("process argv", argvs)):
+            assert secret not in text, f"secret found in {where}"
+    assert "-e VLLM_API_KEY " in unit_text  # passed by name, value from the env file
+    assert sh(fleet, a, f"stat -c '%U %G %a' /etc/gpufleet/{SERVICE}.env").strip() == "root root 600"
+    env = fleet.read_file(a, f"/etc/gpufleet/{SERVICE}.env").decode()
+    assert f"VLLM_API_KEY={API_KEY}" in env and f"HF_TOKEN={HF_TOKEN}" in env
+
+
+def test_reboot_brings_the_service_back_on_the_same_digest(converged, test_hosts, fleet, inventory_json, pyinfra,
+                                                          tmp_path):
+    b = test_hosts[1]
+    ref = json.loads(fleet.read_file(b, STATE_FILE))["current"]["ref"]
+    fleet.reboot(b)
+    out = ""
+    for _ in range(60):  # the unit starts at boot; the stand-in takes a few seconds to listen
+        if running_image(fleet, b) == ref:
+            break
+        fleet.run_in(b, "sleep 1")
+    assert running_image(fleet, b) == ref
+    out = pyinfra(write_inventory(tmp_path, inventory_json, [b.name],
+                                  {b.name: {"vllm_args": {"max-num-seqs": 4}}}), DEPLOY).stdout
+    # Nothing to redo after a reboot; at most the readiness wait if the stand-in was still loading.
+    assert set(changed_ops(out)) <= {"Verify vLLM is ready (/health, /v1/models)"}, changed_ops(out)
+    assert json.loads(fleet.read_file(b, STATE_FILE))["current"]["ref"] == ref
+
+
+@pytest.mark.parametrize("gpus, overrides, expected", [
+    (H200x1, {}, r"vllm_gpus \[0, 1, 2\] needs GPU index 2, the host has 1 GPU"),
+    (OLD_DRIVER, {}, r"driver 535\.104\.05 supports CUDA 12\.2, the image needs CUDA >= 13\.0"),
+    (NO_GPU, {}, r"no NVIDIA driver \(nvidia-smi not found\).*gpufleet_allow_no_gpu=True"),
+    (H200x3, {"gpufleet_min_free_gb_docker": 10**6}, r"GiB free at /var/lib/docker \(Docker images\)"),
+], ids=["too-few-gpus", "old-driver", "no-gpu", "low-disk"])
+def test_preflight_refuses_before_any_change(gpus, overrides, expected, fresh_hosts, fleet, fleet_inventory_json,
+                                             pyinfra, tmp_path):
+    bad, good = fresh_hosts(gpus, H200x3)
+    before = {h.name: fingerprint(fleet, h) for h in (bad, good)}
+    inv = write_inventory(tmp_path, fleet_inventory_json(), [bad.name, good.name], {bad.name: overrides})
+    proc = pyinfra(inv, DEPLOY, check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stdout.splitlines() if line.strip().startswith(f"{bad.name}:")]
+    assert len(lines) == 1 and re.search(expected, lines[0]), proc.stdout[-2000:]
+    assert "(fix: " in lines[0]
+    assert "nothing was changed on any host" in proc.stdout
+    assert "Starting operation" not in proc.stdout
+    assert not any(line.strip().startswith(f"{good.name}:") for line in proc.stdout.splitlines())
+    for host in (bad, good):  # neither the failing host nor its healthy peer was touched
+        assert fingerprint(fleet, host) == before[host.name]
+
+
+def test_no_gpu_host_allowed_installs_everything_but_does_not_start(fresh_hosts, fleet, fleet_inventory_json,
+                                                                   pyinfra, tmp_path):
+    (host,) = fresh_hosts(NO_GPU)
+    inv = write_inventory(tmp_path, fleet_inventory_json(), [host.name],
+                          {host.name: {"gpufleet_allow_no_gpu": True}})
+    out = pyinfra(inv, DEPLOY).stdout
+    assert "not started: no GPU" in out
+    assert sh(fleet, host, "dpkg-query -W -f '${Status}' nvidia-container-toolkit") == "install ok installed"
+    assert fleet.read_file(host, f"/etc/systemd/system/{SERVICE}.service")
+    assert fleet.run_in(host, f"systemctl is-active {SERVICE}", check=False).stdout.strip() != "active"
+    assert changes(pyinfra(inv, DEPLOY).stdout) == 0
+
+
+@pytest.fixture
+def fleet_inventory_json(fleet):
+    """The inventory.json rewritten now (fresh hosts join the document when they boot)."""
+    return fleet.write_inventory

@@ -1,0 +1,108 @@
+"""The one-command host snapshot: its parser on output shaped like a real host's, built from recorded nvidia-smi."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from pyinfra.api.exceptions import FactProcessError
+
+from gpufleet.facts.host import MARK, GpufleetHost, Paths, parse_snapshot, snapshot_command
+
+NV = Path(__file__).parent.parent / "fixtures" / "nvidia-smi"
+PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model="qwen3.5-awq",
+              dirs=("/var/cache/vllm/qwen35/vllm", "/srv/vllm/models"), files=("/etc/a", "/etc/b"),
+              state_file="/var/lib/gpufleet/vllm-qwen35.json", env_file="/etc/gpufleet/vllm-qwen35.env", port=5000,
+              nvidia_key_url="http://repo/gpgkey", docker_repo_url=None)
+
+
+def fixture(kind: str, name: str) -> list[str]:
+    text = (NV / kind / name).read_text()
+    rc = next((line[3:] for line in text.splitlines() if line.startswith("rc=")), "0")
+    return [line for line in text.splitlines() if not line.startswith("rc=")] + [f"@@rc {rc}"]
+
+
+def output(**sections: list[str]) -> list[str]:
+    lines: list[str] = []
+    for name, body in sections.items():
+        lines += ["", MARK + name, *body]
+    return lines + ["", MARK + "end"]
+
+
+def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
+    base = dict(
+        os=['PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"', "ID=debian", 'VERSION_ID="12"', "VERSION_CODENAME=bookworm"],
+        arch=["amd64"], nvidia_smi=["1"], gpus=fixture(kind, "query-gpu.csv"), driver=fixture(kind, "version.txt"),
+        topology=fixture(kind, "topo.txt"),
+        daemon_json=['{"insecure-registries": ["10.0.0.1:5000"], "runtimes": {"nvidia": {"path": "x"}}}'],
+        free=["docker /var/lib/docker 104857600", "models /srv 52428800"],
+        packages=["docker.io ii 20.10.24", "nvidia-container-toolkit ii 1.17.8-1", "docker-ce un <none>"],
+        files=["abc123  /etc/a", "- /etc/b"],
+        state=[json.dumps({"current": {"image": "img:tag", "ref": "img@sha256:" + "0" * 64}})],
+        images=["img|tag|sha256:" + "0" * 64, "other|<none>|<none>"],
+        model=["config.json 120", "tokenizer.json 4000", "model-00001-of-00002.safetensors 10",
+               "model-00002-of-00002.safetensors 10", "model.safetensors.index.json 300",
+               "shard model-00001-of-00002.safetensors", "shard model-00002-of-00002.safetensors"],
+        dirs=["root root 755 /var/cache/vllm/qwen35/vllm", "- - - /srv/vllm/models"],
+        units=["docker.service active enabled", "vllm-qwen35.service active enabled"],
+        health=["200", json.dumps({"object": "list", "data": [{"id": "qwen3.5-awq"}]})],
+    )
+    base.update(over)
+    return output(**base)
+
+
+def test_parses_every_section():
+    snap = GpufleetHost().process(healthy())
+    assert snap.os["ID"] == "debian" and snap.arch == "amd64"
+    assert len(snap.gpus) == 2 and snap.driver.cuda_version == "13.0" and snap.topology.nvlinks(0, 1) == 18
+    assert snap.nvidia_runtime and snap.daemon_json["insecure-registries"] == ["10.0.0.1:5000"]
+    assert snap.free_kib == {"docker": 104857600, "models": 52428800} and snap.free_path["models"] == "/srv"
+    assert snap.installed("docker.io") and not snap.installed("docker-ce")
+    assert snap.file_sha256 == {"/etc/a": "abc123", "/etc/b": None}
+    assert snap.has_image_digest("img@sha256:" + "0" * 64) and not snap.has_image_digest("img@sha256:" + "1" * 64)
+    assert snap.model_shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert snap.dirs["/srv/vllm/models"] is None and snap.dirs["/var/cache/vllm/qwen35/vllm"] == ("root", "root", "755")
+    assert snap.unit_active("vllm-qwen35.service") and snap.unit_enabled("docker.service")
+    assert snap.health_code == "200" and snap.served_models == ["qwen3.5-awq"]
+
+
+def test_daemon_json_without_final_newline_keeps_the_next_section():
+    # `printf '\n@@...'` puts each marker on its own line even after a file that ends without a newline.
+    snap = parse_snapshot(healthy(daemon_json=['{"a": 1}'], free=["docker / 10", "models / 20"]))
+    assert snap.daemon_json == {"a": 1} and snap.free_kib["models"] == 20
+
+
+def test_bare_host_without_nvidia_smi():
+    snap = parse_snapshot(healthy(nvidia_smi=["0"], gpus=[], driver=[], topology=[], daemon_json=[], state=[],
+                                  images=[], model=[], health=[]))
+    assert snap.gpus == [] and snap.driver is None and snap.nvidia_error is None
+    assert snap.daemon_json is None and snap.state is None and snap.model_files == {} and snap.health_code is None
+
+
+def test_no_devices_is_no_gpu_not_an_error():
+    snap = parse_snapshot(healthy(gpus=fixture("h200-2gpu", "bad-index.txt")))
+    assert snap.gpus == [] and snap.nvidia_error is None
+
+
+def test_broken_nvidia_smi_is_reported():
+    snap = parse_snapshot(healthy(gpus=fixture("h200-2gpu", "bad-field.txt")))
+    assert "not a valid field" in snap.nvidia_error
+
+
+def test_invalid_daemon_json_is_reported_not_raised():
+    snap = parse_snapshot(healthy(daemon_json=["{not json"]))
+    assert snap.daemon_json is None and "not valid JSON" in snap.daemon_json_error
+
+
+def test_truncated_output_is_an_error():
+    with pytest.raises(FactProcessError, match="truncated"):
+        parse_snapshot(healthy()[:-1])
+
+
+def test_command_is_valid_posix_shell_and_read_only():
+    command = snapshot_command(PATHS)
+    subprocess.run(["sh", "-n", "-c", command], check=True)  # syntax check with the host's kind of shell
+    for word in (" rm ", " mv ", "install ", "mkdir", "tee ", "> /", "systemctl start", "systemctl restart"):
+        assert word not in command
