@@ -209,7 +209,9 @@ def test_no_gpu_host_allowed_installs_everything_but_does_not_start(fresh_hosts,
     inv = write_inventory(tmp_path, fleet_inventory_json(), [host.name],
                           {host.name: {"gpufleet_allow_no_gpu": True}})
     out = pyinfra(inv, DEPLOY).stdout
-    assert "not started: no GPU" in out
+    changed = changed_ops(out)
+    assert "Install the NVIDIA container toolkit" in changed and "Install the vLLM systemd unit" in changed
+    assert "Enable and start the vLLM service" not in changed and "Verify vLLM is ready (/health, /v1/models)" not in changed
     assert sh(fleet, host, "dpkg-query -W -f '${Status}' nvidia-container-toolkit") == "install ok installed"
     assert fleet.read_file(host, f"/etc/systemd/system/{SERVICE}.service")
     assert fleet.run_in(host, f"systemctl is-active {SERVICE}", check=False).stdout.strip() != "active"
