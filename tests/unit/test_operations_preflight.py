@@ -1,0 +1,100 @@
+"""Preflight decisions: a snapshot + settings -> one line per problem (host, what, fix), or nothing."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gpufleet.defaults import DEFAULTS
+from gpufleet.facts.host import HostSnapshot
+from gpufleet.facts.nvidia import Gpu, NvidiaVersion
+from gpufleet.operations.preflight import check
+
+GIB = 1024 * 1024
+
+
+def gpu(i: int) -> Gpu:
+    return Gpu(i, f"GPU-{i}", "NVIDIA H200", 143771, 0, 143156, "580.159.04", f"0:{i}", "9.0", "Enabled",
+               30, 0, 80.0, 700.0)
+
+
+def host(count: int = 3, cuda: str = "13.0", **over) -> HostSnapshot:
+    snap = HostSnapshot(os={"ID": "debian", "VERSION_ID": "12", "PRETTY_NAME": "Debian 12"}, arch="amd64",
+                        nvidia_smi=count > 0, gpus=[gpu(i) for i in range(count)],
+                        driver=NvidiaVersion("580.159.04", cuda) if count else None,
+                        free_kib={"docker": 200 * GIB, "models": 200 * GIB},
+                        free_path={"docker": "/var/lib/docker", "models": "/srv"})
+    return replace(snap, **over)
+
+
+def settings(**over):
+    return {**DEFAULTS, **over}
+
+
+def test_healthy_host_passes():
+    assert check("gpu1", host(), settings(), (0, 1, 2)) == []
+
+
+def test_too_few_gpus_one_line_with_fix():
+    (line,) = check("gpu1", host(count=1), settings(), (0, 1, 2))
+    assert line.startswith("gpu1: vllm_gpus [0, 1, 2] needs GPU index 2, the host has 1 GPU(s)")
+    assert "(fix: list GPU indexes below 1" in line and "\n" not in line
+
+
+def test_old_driver():
+    (line,) = check("gpu1", host(cuda="12.2", driver=NvidiaVersion("535.104.05", "12.2")), settings(), (0, 1, 2))
+    assert "driver 535.104.05 supports CUDA 12.2, the image needs CUDA >= 13.0" in line and "(fix: upgrade" in line
+
+
+def test_cuda_compares_numerically_not_as_text():
+    assert check("g", host(cuda="13.10", driver=NvidiaVersion("x", "13.10")), settings(gpufleet_min_cuda="13.9"),
+                 (0,)) == []
+
+
+def test_no_gpu_refused_unless_allowed():
+    (line,) = check("vm", host(count=0), settings(), (0, 1, 2))
+    assert "no NVIDIA driver (nvidia-smi not found)" in line and "gpufleet_allow_no_gpu=True" in line
+    assert check("vm", host(count=0), settings(gpufleet_allow_no_gpu=True), (0, 1, 2)) == []
+
+
+def test_broken_driver():
+    (line,) = check("g", host(nvidia_error="nvidia-smi failed: NVIDIA-SMI has failed"), settings(), (0,))
+    assert "nvidia-smi does not work" in line
+
+
+@pytest.mark.parametrize("key, setting", [("docker", "gpufleet_min_free_gb_docker"),
+                                          ("models", "gpufleet_min_free_gb_models")])
+def test_low_disk(key, setting):
+    snap = host()
+    snap.free_kib[key] = 5 * GIB
+    (line,) = check("g", snap, settings(), (0, 1, 2))
+    assert f"5.0 GiB free at {snap.free_path[key]}" in line and f"{setting} asks for" in line
+
+
+def test_disk_not_required_for_what_is_already_there():
+    ref = "vllm/vllm-openai@sha256:" + "a" * 64
+    snap = host(state={"current": {"image": "vllm/vllm-openai:nightly", "ref": ref}},
+                images=[("vllm/vllm-openai", "nightly", "sha256:" + "a" * 64)],
+                model_files={"config.json": 1, "tokenizer.json": 1, "model.safetensors": 9})
+    snap.free_kib.update(docker=GIB, models=GIB)
+    assert check("g", snap, settings(), (0, 1, 2)) == []
+
+
+def test_missing_model_without_repo():
+    lines = check("g", host(), settings(vllm_model_repo=None), (0, 1, 2))
+    assert any("lacks config.json and vllm_model_repo is None" in line for line in lines)
+
+
+def test_unsupported_os_and_arch():
+    lines = check("g", host(os={"ID": "fedora", "PRETTY_NAME": "Fedora 40"}, arch="riscv64"), settings(), (0, 1, 2))
+    assert len(lines) == 2 and "Fedora 40" in lines[0] and "riscv64" in lines[1]
+
+
+def test_ubuntu_derivative_accepted():
+    assert check("g", host(os={"ID": "pop", "ID_LIKE": "ubuntu debian"}), settings(), (0, 1, 2)) == []
+
+
+def test_invalid_daemon_json():
+    (line,) = check("g", host(daemon_json_error="/etc/docker/daemon.json is not valid JSON (x)"), settings(), (0,))
+    assert "never replaces it" in line
