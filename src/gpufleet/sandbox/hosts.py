@@ -131,7 +131,9 @@ def shutdown(state: State, host: Host, grace: float = 30.0) -> None:
 
 
 def destroy(cfg: FleetConfig, state: State, host: Host) -> None:
-    shutdown(state, host)
+    # The host's disk is thrown away: a clean shutdown is a courtesy (now and then systemd inside does not react
+    # to the first SIGTERM; measured 30 s lost), so give it less time than a reboot does.
+    shutdown(state, host, grace=10.0)
     unmount_below(host.dir)
     state.discard("mounts", str(host.root))
     network.remove_host(cfg, state, host.index, host.name)
