@@ -20,7 +20,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from gpufleet.sandbox.config import H200x3, FleetConfig
+from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.sandbox.config import H200x1, H200x3, NO_GPU, OLD_DRIVER
+from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, H200x1, H200x3
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO / "deploys" / "qwen35.py")

@@ -8,7 +8,13 @@ import pytest
 from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts.nvidia import (
-    QUERY_GPUS, NvidiaDriver, NvidiaGpus, NvidiaTopology, parse_gpus, parse_topology, parse_version,
+    QUERY_GPUS,
+    NvidiaDriver,
+    NvidiaGpus,
+    NvidiaTopology,
+    parse_gpus,
+    parse_topology,
+    parse_version,
 )
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "nvidia-smi"

@@ -24,7 +24,7 @@ from pyinfra.context import ctx_config, ctx_host
 from gpufleet.errors import SettingErrors
 from gpufleet.facts.host import GpufleetHost, Paths
 from gpufleet.operations import docker, files, image, model, nvidia, preflight, service
-from gpufleet.operations.context import HostContext, context, set_context, use_sudo
+from gpufleet.operations.context import HostContext, set_context, use_sudo
 from gpufleet.settings import build_spec, merged_settings
 from gpufleet.spec import ServeSpec
 from gpufleet.unit import env_file_path, unit_path
@@ -147,7 +147,3 @@ def deploy_qwen35() -> None:
                     start=has_gpu)
     service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec,
                   timeout_s=float(s["vllm_ready_timeout"]), changes=changes, start=has_gpu)
-
-
-def current_context() -> HostContext:
-    return context()

@@ -20,7 +20,14 @@ from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts.nvidia import (
-    QUERY_GPUS, QUERY_TOPOLOGY, QUERY_VERSION, Gpu, NvidiaVersion, Topology, parse_gpus, parse_topology,
+    QUERY_GPUS,
+    QUERY_TOPOLOGY,
+    QUERY_VERSION,
+    Gpu,
+    NvidiaVersion,
+    Topology,
+    parse_gpus,
+    parse_topology,
     parse_version,
 )
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyinfra.context import ctx_host
 from pyinfra.api import Host
+from pyinfra.context import ctx_host
 
 from gpufleet.facts.host import HostSnapshot
 

@@ -54,7 +54,7 @@ def check(host: str, snap: HostSnapshot, s: dict[str, Any], gpus: tuple[int, ...
             minimum = s["gpufleet_min_cuda"]
             if snap.driver.cuda < version_tuple(minimum):
                 bad(f"driver {snap.driver.driver_version} supports CUDA {snap.driver.cuda_version}, the image needs "
-                    f"CUDA >= {minimum}", f"upgrade the NVIDIA driver (R580+ for CUDA 13), or use an image built "
+                    f"CUDA >= {minimum}", "upgrade the NVIDIA driver (R580+ for CUDA 13), or use an image built "
                     "for the older CUDA and lower gpufleet_min_cuda")
 
     if snap.daemon_json_error:
