@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -66,6 +67,16 @@ def test_parses_every_section():
     assert snap.dirs["/srv/vllm/models"] is None and snap.dirs["/var/cache/vllm/qwen35/vllm"] == ("root", "root", "755")
     assert snap.unit_active("vllm-qwen35.service") and snap.unit_enabled("docker.service")
     assert snap.health_code == "200" and snap.served_models == ["qwen3.5-awq"]
+
+
+def test_topology_is_optional():
+    lines = healthy()
+    start = lines.index(MARK + "topology")
+    end = lines.index(MARK + "daemon_json")
+    snap = parse_snapshot(lines[:start] + lines[end - 1:])
+    assert snap.topology is None and len(snap.gpus) == 2
+    assert "topo -m" not in snapshot_command(PATHS)
+    assert "topo -m" in snapshot_command(dataclasses.replace(PATHS, topology=True))
 
 
 def test_daemon_json_without_final_newline_keeps_the_next_section():

@@ -51,6 +51,9 @@ class Paths:
     port: int
     nvidia_key_url: str
     docker_repo_url: str | None  # docker-ce only: its key lives at <url>/<os id>/gpg
+    # `nvidia-smi topo -m` costs another nvidia-smi start (slow on real drivers without persistence mode) and no
+    # deploy decision needs it; inventory tooling turns it on.
+    topology: bool = False
 
 
 @dataclass
@@ -123,7 +126,7 @@ def snapshot_command(paths: Paths) -> str:
         f"{section('nvidia_smi')}; echo $nv",
         nvidia("gpus", QUERY_GPUS),
         nvidia("driver", QUERY_VERSION),
-        nvidia("topology", QUERY_TOPOLOGY),
+        *([nvidia("topology", QUERY_TOPOLOGY)] if paths.topology else []),
         f"{section('daemon_json')}; cat {DAEMON_JSON} 2>/dev/null",
         # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon.
         f"root=$(sed -n 's/.*\"data-root\"[[:space:]]*:[[:space:]]*\"\\([^\"]*\\)\".*/\\1/p' {DAEMON_JSON} 2>/dev/null)",
@@ -207,8 +210,9 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
                 if rc:
                     raise FactProcessError(f"nvidia-smi --query-gpu exited {rc}")
                 snap.driver = parse_version(_nvidia_section(s.get("driver", []))[0])
-                topo, rc = _nvidia_section(s.get("topology", []))
-                snap.topology = parse_topology(topo) if rc == 0 and len(snap.gpus) > 0 else None
+                if "topology" in s:
+                    topo, rc = _nvidia_section(s["topology"])
+                    snap.topology = parse_topology(topo) if rc == 0 and snap.gpus else None
         except FactProcessError as error:
             snap.nvidia_error = str(error)
     text = "\n".join(s.get("daemon_json", [])).strip()
