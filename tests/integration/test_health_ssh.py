@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import http.server
 import json
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import paramiko
 import pytest
-from click.testing import CliRunner
 from tests.vllm_peer.sshd import Sshd
 
-from gpufleet.cli.verify import status, verify
 from gpufleet.health import (
     Expected,
     HealthState,
@@ -108,6 +109,10 @@ def test_closed_connection_is_ssh_unreachable(sshd):
 
 
 def test_pyinfra_host_connection_is_reused(sshd, web, tmp_path):
+    # As pyinfra's own CLI does: gevent's patch_all (run by importing pyinfra_cli) before any pyinfra State makes a
+    # hub. Otherwise a later inventory load in this process (gpufleet.inventory imports pyinfra_cli) patches under a
+    # live hub and dies with "cannot release un-acquired lock".
+    import pyinfra_cli  # noqa: F401
     from pyinfra.api import Config, Inventory, State
 
     known_hosts = tmp_path / "known_hosts"
@@ -149,6 +154,12 @@ DEPLOY = str(REPO / "deploys" / "qwen35.py")
 HOST_NUMBER = 31
 
 
+def gpufleet(*args: str) -> subprocess.CompletedProcess:
+    """The installed `gpufleet` command, as an operator runs it (own process: its own gevent patching)."""
+    exe = Path(sys.executable).with_name("gpufleet")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300)
+
+
 @pytest.fixture(scope="module")
 def served(fleet, pyinfra, tmp_path_factory):
     """A fresh 3x H200 test host converged by the real deploy: (host name, pyinfra inventory path, host data)."""
@@ -171,9 +182,9 @@ def test_status_reads_container_identity_over_ssh(served):
 
     name, inv, data = served
     spec = build_spec(name, data)
-    result = CliRunner().invoke(status, [str(inv), "--json"])
-    assert result.exit_code == 0, result.output
-    (row,) = json.loads(result.output)
+    result = gpufleet("status", str(inv), "--json")
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)
     assert row["state"] == "ready", row["detail"]
     assert row["served_model"] == spec.served_model_name
     assert row["container"]["spec_hash"] == spec.spec_hash  # the label the unit put on the container
@@ -183,9 +194,9 @@ def test_status_reads_container_identity_over_ssh(served):
 
 def test_verify_probe_passes_over_ssh(served):
     _, inv, _ = served
-    result = CliRunner().invoke(verify, [str(inv), "--probe", "--json"])
-    assert result.exit_code == 0, result.output
-    (row,) = json.loads(result.output)
+    result = gpufleet("verify", str(inv), "--probe", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = json.loads(result.stdout)
     assert row["probe"]["verdict"] == "effective", row["probe"]["evidence"]
     assert row["probe"]["points"] and all(p["cached"] >= p["due"] > 0 for p in row["probe"]["points"])
 
@@ -207,5 +218,38 @@ def test_stopped_then_started_service_states_over_ssh(served, fleet):
         ready = wait_until_ready(t, expected, timeout_s=120, poll_s=0.5)
         assert ready.state is HealthState.READY, (ready.detail, ready.logs)
         assert ready.container and ready.container.spec_hash == spec.spec_hash
+    finally:
+        client.close()
+
+
+# Last in the module: it leaves the host serving an image whose engine dies.
+def test_engine_death_is_dead_with_docker_logs_over_ssh(served, fleet, pyinfra, tmp_path):
+    from gpufleet.sandbox.image import image_ref
+    from gpufleet.settings import build_spec
+
+    name, _, data = served
+    dying = {**data, "vllm_image": image_ref(fleet.cfg, "dies")}  # stand-in: serves ~8 s, then /health 503, exit 1
+    inv = tmp_path / "dies.py"
+    inv.write_text(f"gpuhosts = [({name!r}, {dying!r})]\n")
+    pyinfra(inv, DEPLOY, check=False)  # the deploy's own readiness step may already see it die
+    spec = build_spec(name, dying)
+    expected = Expected.from_spec(spec)
+    client = connect(name, data)
+    try:
+        t = SshTransport(client, name=name)
+        # The unit restarts it (on-failure, 15 s): serving ~8 s, then 503 for ~1 s, then gone (docker run --rm).
+        seen, logs = [], []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            r = check(t, expected)
+            seen.append(r.state)
+            if r.state is HealthState.DEAD:
+                assert "503" in r.detail, r.detail
+                logs = t.logs(spec.service)
+                break
+            time.sleep(0.2)
+        assert HealthState.DEAD in seen, seen
+        assert HealthState.READY in seen  # it really served before its engine died
+        assert logs, "docker logs of the dying container, over SSH"
     finally:
         client.close()
