@@ -10,6 +10,7 @@ Without root or systemd-nspawn every test here skips with one line (tests/confte
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -66,13 +67,22 @@ def pyinfra_inventory(inventory_json: Path, tmp_path_factory: pytest.TempPathFac
     return write_pyinfra_inventory(inventory_json, tmp_path_factory.mktemp("inventory") / "test_hosts.py")
 
 
+@pytest.fixture(scope="session")
+def _fresh_numbers():
+    """Host numbers for fresh hosts, never reused within a session: a name is never booted twice."""
+    return itertools.count(FRESH_FROM)
+
+
 @pytest.fixture
-def fresh_hosts(fleet: Fleet):
+def fresh_hosts(fleet: Fleet, _fresh_numbers):
     """Factory: fresh_hosts(*gpus) boots new hosts (gft11, gft12, ...) for one test and deletes them after it."""
     made: list[Host] = []
 
     def boot(*gpus: Gpus) -> list[Host]:
-        hosts = fleet.add_hosts(list(gpus), first=FRESH_FROM + len(made))
+        first = next(_fresh_numbers)
+        for _ in gpus[1:]:
+            next(_fresh_numbers)
+        hosts = fleet.add_hosts(list(gpus), first=first)
         made.extend(hosts)
         return hosts
 

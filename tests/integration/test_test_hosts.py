@@ -142,9 +142,11 @@ def test_reboot_keeps_the_disk_and_cut_off_isolates(fleet, fresh_hosts):
     (host,) = fresh_hosts(H200x1)
     fleet.ssh(host, "echo kept | sudo tee /var/lib/gpufleet-kept >/dev/null")
     boot_id = fleet.ssh(host, "cat /proc/1/stat").stdout.split()[21]  # PID 1's start time: new on each boot
+    assert (host.dir / "upper/var/lib/gpufleet-kept").read_text() == "kept\n"  # on the overlay's disk
     took = fleet.reboot(host)
     assert fleet.ssh(host, "cat /proc/1/stat").stdout.split()[21] != boot_id
-    assert fleet.ssh(host, "cat /var/lib/gpufleet-kept").stdout == "kept\n"
+    kept = fleet.ssh(host, "cat /var/lib/gpufleet-kept", check=False)
+    assert kept.stdout == "kept\n", (took, kept.stderr, (host.dir / "console.log").read_text()[-2000:])
     assert took < 60
     fleet.set_connected(host, False)
     try:
