@@ -98,8 +98,9 @@ def pyinfra():
     Its output (pyinfra logs host output on stderr) is all in .stdout."""
 
     def run(inventory: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run([PYINFRA, "-y", str(inventory), *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=600)
+        proc = subprocess.run(
+            [PYINFRA, "-y", str(inventory), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"pyinfra {' '.join(args)} failed:\n{proc.stdout[-4000:]}")
         return proc

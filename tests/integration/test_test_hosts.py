@@ -25,8 +25,14 @@ def test_pyinfra_exec_as_deploy_with_sudo_writes_only_on_its_host(fleet, test_ho
     out = pyinfra(pyinfra_inventory, "exec", "--", "id -un; sudo -n id -un; hostname").stdout
     for h in test_hosts:
         assert f"[{h.name}] deploy" in out and f"[{h.name}] root" in out and f"[{h.name}] {h.name}" in out
-    pyinfra(pyinfra_inventory, "--limit", first.name, "exec", "--",
-            f"echo {token} | sudo tee /etc/gpufleet-probe >/dev/null && sudo chmod 600 /etc/gpufleet-probe")
+    pyinfra(
+        pyinfra_inventory,
+        "--limit",
+        first.name,
+        "exec",
+        "--",
+        f"echo {token} | sudo tee /etc/gpufleet-probe >/dev/null && sudo chmod 600 /etc/gpufleet-probe",
+    )
     assert fleet.read_file(first, "/etc/gpufleet-probe") == f"{token}\n".encode()
     assert (first.root / "etc/gpufleet-probe").stat().st_uid == 0  # written through sudo
     with pytest.raises(FileNotFoundError):
@@ -78,12 +84,15 @@ def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, test_hosts
     assert "InRelease" in out and "NO_PUBKEY" not in out  # the signed stand-in repo verified with its key
     daemon = json.loads(fleet.read_file(host, "/etc/docker/daemon.json"))
     # nvidia-ctk merged: the test setup's insecure-registries entry survived next to the runtime
-    assert daemon == {"insecure-registries": [fleet.cfg.registry],
-                      "runtimes": {"nvidia": {"args": [], "path": "nvidia-container-runtime"}}}
+    assert daemon == {
+        "insecure-registries": [fleet.cfg.registry],
+        "runtimes": {"nvidia": {"args": [], "path": "nvidia-container-runtime"}},
+    }
     ref = image.image_ref(fleet.cfg, "nightly")
     fleet.ssh(host, f"sudo docker pull -q {ref}")
-    gpus = fleet.ssh(host, f"sudo docker run --rm --runtime=nvidia --gpus '\"device=0,1,2\"' "
-                           f"--entrypoint nvidia-smi {ref} -L").stdout
+    gpus = fleet.ssh(
+        host, f"sudo docker run --rm --runtime=nvidia --gpus '\"device=0,1,2\"' --entrypoint nvidia-smi {ref} -L"
+    ).stdout
     assert gpus.count("GPU ") == 3
     bad = fleet.ssh(host, f"sudo docker run --rm --runtime=nvidia --gpus '\"device=3\"' {ref}", check=False)
     assert bad.returncode != 0 and "unknown device" in bad.stderr
@@ -91,8 +100,11 @@ def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, test_hosts
     assert "NVIDIA_REQUIRE_CUDA=cuda>=13.0" in env
 
     # the image's `hf` fetches the bundled model; then a systemd unit wraps `docker run` of the server
-    dl = fleet.ssh(host, f"sudo mkdir -p /srv/models && sudo docker run --rm -v /srv/models:/models --entrypoint hf "
-                         f"{ref} download {image.MODEL_REPO} --local-dir /models/tiny")
+    dl = fleet.ssh(
+        host,
+        f"sudo mkdir -p /srv/models && sudo docker run --rm -v /srv/models:/models --entrypoint hf "
+        f"{ref} download {image.MODEL_REPO} --local-dir /models/tiny",
+    )
     assert dl.stdout.strip() == "/models/tiny"
     unit = f"""[Unit]
 Description=stand-in vLLM (test)
@@ -107,9 +119,13 @@ ExecStop=/usr/bin/docker stop gf-vllm-test
 [Install]
 WantedBy=multi-user.target
 """
-    fleet.ssh(host, f"sudo tee /etc/systemd/system/gf-vllm-test.service >/dev/null <<'EOF'\n{unit}EOF\n"
-                    "sudo systemctl daemon-reload && sudo systemctl start gf-vllm-test")
+    fleet.ssh(
+        host,
+        f"sudo tee /etc/systemd/system/gf-vllm-test.service >/dev/null <<'EOF'\n{unit}EOF\n"
+        "sudo systemctl daemon-reload && sudo systemctl start gf-vllm-test",
+    )
     try:
+
         def models():
             try:
                 with urllib.request.urlopen(f"http://{host.ip}:8000/v1/models", timeout=2) as r:
@@ -129,9 +145,11 @@ WantedBy=multi-user.target
 def test_image_tags_have_distinct_digests(fleet):
     digests = {}
     for tag in [*image.TAGS, *image.ALIASES]:
-        req = urllib.request.Request(f"http://{fleet.cfg.registry}/v2/{image.REPOSITORY}/manifests/{tag}",
-                                     headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
-                                     method="HEAD")
+        req = urllib.request.Request(
+            f"http://{fleet.cfg.registry}/v2/{image.REPOSITORY}/manifests/{tag}",
+            headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
+            method="HEAD",
+        )
         with urllib.request.urlopen(req, timeout=5) as r:
             digests[tag] = r.headers["Docker-Content-Digest"]
     assert digests["nightly"] == digests["good"]
@@ -165,8 +183,11 @@ def _snapshot(prefixes: tuple[str, ...], paths: tuple[str, ...]) -> dict:
         "procs": sorted(line for line in ps if any(p in line for p in paths)),
         "mounts": sorted(m for m in Path("/proc/mounts").read_text().splitlines() if any(p in m for p in paths)),
         "netns": sorted(n for n in run(["ip", "netns", "list"]).stdout.split() if n.startswith(prefixes)),
-        "links": sorted(line.split(": ")[1] for line in run(["ip", "-o", "link", "show"]).stdout.splitlines()
-                        if line.split(": ")[1].startswith(prefixes)),
+        "links": sorted(
+            line.split(": ")[1]
+            for line in run(["ip", "-o", "link", "show"]).stdout.splitlines()
+            if line.split(": ")[1].startswith(prefixes)
+        ),
         # the whole ruleset (comments carry timestamps): hosts' dockerds keep their rules in their own netns
         "iptables": [r for r in run(["iptables-save"]).stdout.splitlines() if not r.startswith("#")],
     }
@@ -174,8 +195,14 @@ def _snapshot(prefixes: tuple[str, ...], paths: tuple[str, ...]) -> dict:
 
 def test_teardown_leaves_nothing_and_a_start_clears_a_killed_run(fleet, tmp_path):
     # A fleet of its own (bridge gf-tdown, 10.213.2.0/24) so the session's hosts stay up meanwhile.
-    cfg = FleetConfig(name="tdown", bridge="gf-tdown", net="10.213.2", host_prefix="gfd",
-                      state_dir=tmp_path / "state", cache_dir=fleet.cfg.cache_dir)
+    cfg = FleetConfig(
+        name="tdown",
+        bridge="gf-tdown",
+        net="10.213.2",
+        host_prefix="gfd",
+        state_dir=tmp_path / "state",
+        cache_dir=fleet.cfg.cache_dir,
+    )
     prefixes, paths = ("gf-tdown", "gf-tdown-"), (str(cfg.state_dir),)
     before = _snapshot(prefixes, paths)
     assert not before["procs"] and not before["netns"] and not before["links"]

@@ -12,8 +12,10 @@ import pytest
 from gpufleet.sandbox import nvidia_smi as smi
 
 RECORDINGS = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
-PREFLIGHT_QUERY = ("--query-gpu=index,uuid,name,memory.total,memory.used,memory.free,driver_version,pci.bus_id,"
-                   "compute_cap,persistence_mode,temperature.gpu,utilization.gpu,power.draw,power.limit")
+PREFLIGHT_QUERY = (
+    "--query-gpu=index,uuid,name,memory.total,memory.used,memory.free,driver_version,pci.bus_id,"
+    "compute_cap,persistence_mode,temperature.gpu,utilization.gpu,power.draw,power.limit"
+)
 # recording file -> the command that produced it (see the recordings' README.md)
 COMMANDS = {
     "nvidia-smi-L.txt": ["-L"],
@@ -89,8 +91,11 @@ def test_host_files_run_as_nvidia_smi(tmp_path: Path) -> None:
     """What a host runs: the installed wrapper's profile, through this file as a script (stdlib only)."""
     smi.write_host_files(tmp_path, smi.make_profile(2, seed="h"))
     profile = tmp_path / smi.HOST_PROFILE.lstrip("/")
-    out = subprocess.run([sys.executable, str(tmp_path / smi.HOST_MODULE.lstrip("/")), str(profile),
-                          "--query-gpu=bogus", "--format=csv"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / smi.HOST_MODULE.lstrip("/")), str(profile), "--query-gpu=bogus", "--format=csv"],
+        capture_output=True,
+        text=True,
+    )
     assert (out.stdout, out.returncode) == smi._read(RECORDINGS / "h200-2gpu", "bad-field.txt")
     assert "/usr/bin/python3" in (tmp_path / "usr/bin/nvidia-smi").read_text()
 

@@ -24,8 +24,9 @@ def hub(tmp_path: Path) -> Path:
 
 
 def hf(hub: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(HF), *args], capture_output=True, text=True,
-                          env={**os.environ, "STANDIN_HUB": str(hub)})
+    return subprocess.run(
+        [sys.executable, str(HF), *args], capture_output=True, text=True, env={**os.environ, "STANDIN_HUB": str(hub)}
+    )
 
 
 def test_download_then_skip_and_resume(hub: Path, tmp_path: Path):
@@ -52,15 +53,18 @@ def test_bundled_model_is_structurally_valid(hub: Path):
     assert json.loads((d / "config.json").read_text())["max_position_embeddings"] == 262144
     raw = (d / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     start, end = header["model.embed_tokens.weight"]["data_offsets"]
     assert end - start == 256 * 8 * 2 == len(raw) - 8 - n
 
 
-@pytest.mark.parametrize("args, message", [
-    (["no-such/repo"], "Repository Not Found for url: https://huggingface.co/api/models/no-such/repo/revision/main."),
-    ([image.MODEL_REPO, "--revision", "v9"], "Revision Not Found"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["no-such/repo"], "Repository Not Found for url: https://huggingface.co/api/models/no-such/repo/revision/main."),
+        ([image.MODEL_REPO, "--revision", "v9"], "Revision Not Found"),
+    ],
+)
 def test_unknown_repo_or_revision_fails(hub: Path, tmp_path: Path, args, message):
     out = hf(hub, "download", *args, "--local-dir", str(tmp_path / "x"))
     assert out.returncode == 1 and message in out.stderr and out.stdout == ""

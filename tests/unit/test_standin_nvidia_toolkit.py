@@ -101,8 +101,9 @@ def test_runtime_adds_the_hook_once_and_only_for_gpu_containers():
 
 def test_runtime_keeps_exactly_the_capabilities_this_machine_has():
     rt = _runtime()
-    bounding = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
-                        if line.startswith("CapBnd:")), 16)
+    bounding = int(
+        next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("CapBnd:")), 16
+    )
     have = [n for bit, n in enumerate(rt.CAPABILITIES) if bounding >> bit & 1]
     spec = {"process": {"capabilities": {"bounding": list(rt.CAPABILITIES), "effective": ["CAP_CHOWN"]}}}
     rt.clamp_capabilities(spec)

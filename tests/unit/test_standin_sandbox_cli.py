@@ -14,8 +14,7 @@ def test_up_without_root_is_one_line(monkeypatch):
     monkeypatch.setattr(fleet.os, "geteuid", lambda: 1000)
     result = CliRunner().invoke(sandbox, ["up", "1"])
     assert result.exit_code == 1
-    assert result.output.splitlines() == ["Error: the sandbox needs root (it creates network namespaces, mounts and "
-                                          "containers)"]
+    assert result.output.splitlines() == ["Error: the sandbox needs root (it creates network namespaces, mounts and containers)"]
 
 
 def test_down_without_systemd_nspawn_names_the_package(monkeypatch):

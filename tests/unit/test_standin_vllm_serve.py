@@ -35,8 +35,13 @@ def _port() -> int:
 
 
 def _serve(*args: str, env: dict | None = None, timeout: float = 10) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SERVE), "serve", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "STANDIN_LOAD_SECONDS": "0", **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(SERVE), "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "STANDIN_LOAD_SECONDS": "0", **(env or {})},
+    )
 
 
 class Server:
@@ -45,8 +50,11 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, str(SERVE), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "STANDIN_LOAD_SECONDS": str(load), **(env or {})})
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "STANDIN_LOAD_SECONDS": str(load), **(env or {})},
+        )
 
     def wait(self, timeout: float = 10) -> "Server":
         deadline = time.monotonic() + timeout
@@ -67,8 +75,11 @@ class Server:
             return err.code, err.read()
 
     def chat(self, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json", **(headers or {})})
+        req = urllib.request.Request(
+            self.base + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json", **(headers or {})},
+        )
         try:
             with urllib.request.urlopen(req, timeout=5) as r:
                 return r.status, r.read()
@@ -104,14 +115,17 @@ def test_flag_table_is_generated_from_the_recorded_help():
     assert flags["--enable-prefix-caching"]["kind"] == "bool"
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["--performance-mode", "fast"], "argument --performance-mode: invalid choice: 'fast'"),
-    (["--port", "abc"], "argument --port: invalid int value: 'abc'"),
-    (["--mamba-cache-mode", "all"], "argument --mamba-cache-mode: invalid choice: 'all'"),  # 0.32 knows align|none
-    (["--max-model"], "unrecognized arguments: --max-model"),  # no abbreviations, like vLLM
-    (["--max-model-len", "lots"], "argument --max-model-len: invalid human_readable_int value: 'lots'"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--performance-mode", "fast"], "argument --performance-mode: invalid choice: 'fast'"),
+        (["--port", "abc"], "argument --port: invalid int value: 'abc'"),
+        (["--mamba-cache-mode", "all"], "argument --mamba-cache-mode: invalid choice: 'all'"),  # 0.32 knows align|none
+        (["--max-model"], "unrecognized arguments: --max-model"),  # no abbreviations, like vLLM
+        (["--max-model-len", "lots"], "argument --max-model-len: invalid human_readable_int value: 'lots'"),
+    ],
+)
 def test_bad_flags_exit_2_naming_the_flag(model, args, named):
     out = _serve(str(model), *args)
     assert out.returncode == 2
@@ -144,12 +158,40 @@ def test_refuses_connections_while_loading_then_serves(server, model):
 
 
 def test_seed_flags_are_accepted(server):
-    seed = ["--served-model-name", "qwen3.5-awq", "--max-model-len", "225000", "--max-num-batched-tokens", "8192",
-            "--pipeline-parallel-size", "3", "--kv-cache-dtype", "fp8_e4m3", "--max-num-seqs", "2",
-            "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
-            "--optimization-level", "3", "--enable-prefix-caching", "--trust-remote-code", "--language-model-only",
-            "--performance-mode", "interactivity", "--mamba-cache-mode", "align", "--mamba-block-size", "8",
-            "--enable-chunked-prefill", "--async-scheduling", "--override-generation-config", '{"temperature": 0.6}']
+    seed = [
+        "--served-model-name",
+        "qwen3.5-awq",
+        "--max-model-len",
+        "225000",
+        "--max-num-batched-tokens",
+        "8192",
+        "--pipeline-parallel-size",
+        "3",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--max-num-seqs",
+        "2",
+        "--tool-call-parser",
+        "qwen3_coder",
+        "--reasoning-parser",
+        "qwen3",
+        "--enable-auto-tool-choice",
+        "--optimization-level",
+        "3",
+        "--enable-prefix-caching",
+        "--trust-remote-code",
+        "--language-model-only",
+        "--performance-mode",
+        "interactivity",
+        "--mamba-cache-mode",
+        "align",
+        "--mamba-block-size",
+        "8",
+        "--enable-chunked-prefill",
+        "--async-scheduling",
+        "--override-generation-config",
+        '{"temperature": 0.6}',
+    ]
     s = server(*seed).wait()
     assert s.get("/health")[0] == 200
     assert 'mamba_cache_mode="align"' in s.get("/metrics")[1].decode()
@@ -170,13 +212,20 @@ def test_prefix_caching_counts_block_aligned_hits(server):
     assert third["prompt_tokens_details"]["cached_tokens"] == (length - 1) // 16 * 16
     metrics = s.get("/metrics")[1].decode()
     hits = second["prompt_tokens_details"]["cached_tokens"] + third["prompt_tokens_details"]["cached_tokens"]
-    for line in (f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {float(hits)}',
-                 f'vllm:prompt_tokens_cached_total{{engine="0",model_name="m"}} {float(hits)}',
-                 'vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="m"} 3.0',
-                 'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3.0'):
+    for line in (
+        f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {float(hits)}',
+        f'vllm:prompt_tokens_cached_total{{engine="0",model_name="m"}} {float(hits)}',
+        'vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="m"} 3.0',
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3.0',
+    ):
         assert line in metrics
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:request_prefill_kv_computed_tokens_sum"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:request_prefill_kv_computed_tokens_sum",
+    ):
         assert f"\n{name}{{" in metrics
     info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
     for label in ('block_size="16"', 'enable_prefix_caching="True"', 'mamba_cache_mode="none"', 'cache_dtype="auto"'):
@@ -194,9 +243,16 @@ def test_no_cached_tokens_field_without_the_flag_and_no_hits_without_prefix_cach
 
 def test_streaming_sse_with_usage(server):
     s = server("--served-model-name", "m", "--enable-prompt-tokens-details").wait()
-    status, raw = s.chat({"model": "m", "stream": True, "max_tokens": 3, "stream_options": {"include_usage": True},
-                          "messages": [{"role": "user", "content": "hi"}]})
-    events = [e[len("data: "):] for e in raw.decode().split("\n\n") if e]
+    status, raw = s.chat(
+        {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 3,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    )
+    events = [e[len("data: ") :] for e in raw.decode().split("\n\n") if e]
     assert status == 200 and events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"

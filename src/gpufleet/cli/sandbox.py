@@ -34,8 +34,7 @@ def up(count: int) -> None:
     for h in hosts:
         click.echo(f"{h.name}\t{h.ip}\t{h.gpus.count}x {h.gpus.model}")
     click.echo(f"inventory: {inventory}  (pyinfra inventories/sandbox.py ...)")
-    click.echo(f"booted {len(hosts)} host(s) in {fleet.timings[f'boot_{len(hosts)}']:.1f}s; "
-               "stop with: gpufleet sandbox down")
+    click.echo(f"booted {len(hosts)} host(s) in {fleet.timings[f'boot_{len(hosts)}']:.1f}s; stop with: gpufleet sandbox down")
 
 
 @sandbox.command()

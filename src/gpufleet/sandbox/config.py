@@ -30,8 +30,9 @@ class Gpus:
     def profile(self, seed: str) -> nvidia_smi.Profile | None:
         if self.count == 0:
             return None
-        return nvidia_smi.make_profile(self.count, model=self.model, memory_mib=self.memory_mib, driver=self.driver,
-                                       cuda=self.cuda, seed=seed)
+        return nvidia_smi.make_profile(
+            self.count, model=self.model, memory_mib=self.memory_mib, driver=self.driver, cuda=self.cuda, seed=seed
+        )
 
 
 H200x3 = Gpus(3)  # the write-up's box: vllm_gpus [0, 1, 2]
@@ -84,10 +85,16 @@ class FleetConfig:
 
 
 def sandbox_config() -> FleetConfig:
-    return FleetConfig(name="sandbox", bridge="gf-sandbox", net="10.213.0", host_prefix="gpuhost",
-                       state_dir=Path(os.environ.get("GPUFLEET_SANDBOX_DIR", "/var/lib/gpufleet/sandbox")))
+    return FleetConfig(
+        name="sandbox",
+        bridge="gf-sandbox",
+        net="10.213.0",
+        host_prefix="gpuhost",
+        state_dir=Path(os.environ.get("GPUFLEET_SANDBOX_DIR", "/var/lib/gpufleet/sandbox")),
+    )
 
 
 def test_config(state_dir: Path | None = None) -> FleetConfig:
-    return FleetConfig(name="test", bridge="gf-test", net="10.213.1", host_prefix="gft",
-                       state_dir=state_dir or Path("/var/lib/gpufleet/test"))
+    return FleetConfig(
+        name="test", bridge="gf-test", net="10.213.1", host_prefix="gft", state_dir=state_dir or Path("/var/lib/gpufleet/test")
+    )

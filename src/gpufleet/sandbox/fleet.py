@@ -1,9 +1,9 @@
 """A fleet of test hosts and its services: start, add hosts (in parallel), stop, and clear a killed run's leftovers.
 
-    fleet = Fleet(sandbox_config())
-    fleet.start()                       # base rootfs, bridge, mirror, NVIDIA repo, registry, images
-    hosts = fleet.add_hosts([H200x3, NO_GPU])
-    fleet.stop()                        # nothing of ours left: processes, mounts, netns, links, bridge
+fleet = Fleet(sandbox_config())
+fleet.start()                       # base rootfs, bridge, mirror, NVIDIA repo, registry, images
+hosts = fleet.add_hosts([H200x3, NO_GPU])
+fleet.stop()                        # nothing of ours left: processes, mounts, netns, links, bridge
 """
 
 from __future__ import annotations
@@ -23,9 +23,19 @@ from gpufleet.sandbox.procs import SandboxError, log, run
 from gpufleet.sandbox.state import State
 
 # machine tool -> Debian package that provides it
-TOOLS = {"systemd-nspawn": "systemd-container", "debootstrap": "debootstrap", "docker-registry": "docker-registry",
-         "dockerd": "docker.io", "dpkg-scanpackages": "dpkg-dev", "apt-ftparchive": "apt-utils", "gpg": "gnupg",
-         "ssh": "openssh-client", "ssh-keygen": "openssh-client", "iptables-save": "iptables", "nsenter": "util-linux"}
+TOOLS = {
+    "systemd-nspawn": "systemd-container",
+    "debootstrap": "debootstrap",
+    "docker-registry": "docker-registry",
+    "dockerd": "docker.io",
+    "dpkg-scanpackages": "dpkg-dev",
+    "apt-ftparchive": "apt-utils",
+    "gpg": "gnupg",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+    "iptables-save": "iptables",
+    "nsenter": "util-linux",
+}
 
 
 def check_prerequisites() -> None:

@@ -45,13 +45,27 @@ class Host:
 
 def make(cfg: FleetConfig, i: int, gpus: Gpus) -> Host:
     name = cfg.host_name(i)
-    return Host(name=name, index=i, ip=cfg.host_ip(i), netns=cfg.netns(name), dir=cfg.state_dir / "hosts" / name,
-                gpus=gpus)
+    return Host(name=name, index=i, ip=cfg.host_ip(i), netns=cfg.netns(name), dir=cfg.state_dir / "hosts" / name, gpus=gpus)
 
 
 def ssh_argv(host: Host, key: Path, *command: str, user: str = "deploy") -> list[str]:
-    return ["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-            "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=2", "-o", "BatchMode=yes", f"{user}@{host.ip}", *command]
+    return [
+        "ssh",
+        "-i",
+        str(key),
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-o",
+        "LogLevel=ERROR",
+        "-o",
+        "ConnectTimeout=2",
+        "-o",
+        "BatchMode=yes",
+        f"{user}@{host.ip}",
+        *command,
+    ]
 
 
 def create(cfg: FleetConfig, state: State, host: Host, base_rootfs: Path, key: Path) -> None:
@@ -60,8 +74,17 @@ def create(cfg: FleetConfig, state: State, host: Host, base_rootfs: Path, key: P
     for d in ("upper", "work", "merged", "docker", "containerd"):
         (host.dir / d).mkdir(parents=True, exist_ok=True)
     state.add("mounts", str(host.root))
-    run(["mount", "-t", "overlay", "overlay", "-o",
-         f"lowerdir={base_rootfs},upperdir={host.dir / 'upper'},workdir={host.dir / 'work'}", str(host.root)])
+    run(
+        [
+            "mount",
+            "-t",
+            "overlay",
+            "overlay",
+            "-o",
+            f"lowerdir={base_rootfs},upperdir={host.dir / 'upper'},workdir={host.dir / 'work'}",
+            str(host.root),
+        ]
+    )
     _personalise(cfg, host, key)
     network.add_host(cfg, state, host.index, host.name)
 
@@ -70,8 +93,7 @@ def _personalise(cfg: FleetConfig, host: Host, key: Path) -> None:
     r = host.root
     (r / "etc/hostname").write_text(host.name + "\n")
     # Without 127.0.1.1 <hostname> every sudo waits on DNS (a 13 s deploy became 9 min).
-    (r / "etc/hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{host.name}\n"
-                                 "::1\tlocalhost ip6-localhost ip6-loopback\n")
+    (r / "etc/hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{host.name}\n::1\tlocalhost ip6-localhost ip6-loopback\n")
     (r / "etc/resolv.conf").write_text("")  # nothing to resolve with: no lookup ever leaves the machine
     (r / "etc/machine-id").write_text(secrets.token_hex(16) + "\n")
     (r / "var/log/journal").mkdir(parents=True, exist_ok=True)  # persistent: readable from the machine
@@ -94,16 +116,33 @@ def _personalise(cfg: FleetConfig, host: Host, key: Path) -> None:
 def boot(state: State, host: Host) -> int:
     propagate = Path("/run/systemd/nspawn/propagate") / host.name
     shutil.rmtree(propagate, ignore_errors=True)
-    env = {**os.environ,
-           # Without it dockerd inside starts but `docker run` fails on a read-only cgroup v1 cpuset.
-           "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"}
-    argv = ["systemd-nspawn", "-q", "-D", str(host.root), "-M", host.name, "--boot",
-            # the machine's PID 1 is not systemd: no machined to register with, no unit to move into
-            "--register=no", "--keep-unit",
-            f"--network-namespace-path=/run/netns/{host.netns}", "--console=read-only", "--capability=all",
-            "--system-call-filter=@keyring bpf", "--resolv-conf=off", "--link-journal=no", "--timezone=off",
-            # overlay-on-overlay fails: docker's and containerd's storage must be real directories
-            f"--bind={host.dir / 'docker'}:/var/lib/docker", f"--bind={host.dir / 'containerd'}:/var/lib/containerd"]
+    env = {
+        **os.environ,
+        # Without it dockerd inside starts but `docker run` fails on a read-only cgroup v1 cpuset.
+        "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1",
+    }
+    argv = [
+        "systemd-nspawn",
+        "-q",
+        "-D",
+        str(host.root),
+        "-M",
+        host.name,
+        "--boot",
+        # the machine's PID 1 is not systemd: no machined to register with, no unit to move into
+        "--register=no",
+        "--keep-unit",
+        f"--network-namespace-path=/run/netns/{host.netns}",
+        "--console=read-only",
+        "--capability=all",
+        "--system-call-filter=@keyring bpf",
+        "--resolv-conf=off",
+        "--link-journal=no",
+        "--timezone=off",
+        # overlay-on-overlay fails: docker's and containerd's storage must be real directories
+        f"--bind={host.dir / 'docker'}:/var/lib/docker",
+        f"--bind={host.dir / 'containerd'}:/var/lib/containerd",
+    ]
     pid = procs.spawn(argv, host.dir / "console.log", env=env)
     state.add_pid(f"host:{host.name}", pid)
     return pid
@@ -116,8 +155,7 @@ def wait_ready(host: Host, key: Path, pid: int, timeout: float = 120) -> str:
         if not procs.alive(pid):
             tail = (host.dir / "console.log").read_text(errors="replace")[-300:]
             raise SandboxError(f"{host.name}: systemd-nspawn exited during boot: {tail!r}")
-        out = subprocess.run(ssh_argv(host, key, "systemctl", "is-system-running", "--wait"), capture_output=True,
-                             text=True)
+        out = subprocess.run(ssh_argv(host, key, "systemctl", "is-system-running", "--wait"), capture_output=True, text=True)
         return out.stdout.strip() if out.stdout.strip() in ("running", "degraded") else None
 
     return procs.wait_for(answer, timeout, f"{host.name} to boot", interval=0.2)
@@ -161,8 +199,7 @@ def leader_pid(state: State, host: Host) -> int:
 
 def run_in(state: State, host: Host, command: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run a shell command as root inside the host (all its namespaces), without SSH."""
-    argv = ["nsenter", "-t", str(leader_pid(state, host)), "-m", "-u", "-i", "-n", "-p", "-C", "--", "/bin/sh", "-c",
-            command]
+    argv = ["nsenter", "-t", str(leader_pid(state, host)), "-m", "-u", "-i", "-n", "-p", "-C", "--", "/bin/sh", "-c", command]
     return run(argv, check=check, timeout=timeout)
 
 
@@ -171,7 +208,7 @@ def read_file(host: Host, path: str) -> bytes:
     rel = path.lstrip("/")
     for mount, sub in (("var/lib/docker", "docker"), ("var/lib/containerd", "containerd")):
         if rel == mount or rel.startswith(mount + "/"):
-            return (host.dir / sub / rel[len(mount):].lstrip("/")).read_bytes()
+            return (host.dir / sub / rel[len(mount) :].lstrip("/")).read_bytes()
     return (host.root / rel).read_bytes()
 
 

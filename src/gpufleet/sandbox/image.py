@@ -33,9 +33,14 @@ TAGS: dict[str, dict[str, str]] = {
 }
 # more tags for the same image (same digest): what the deploy's default image ref names
 ALIASES = {"nightly": "good"}
-COMMON_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "NVIDIA_REQUIRE_CUDA": "cuda>=13.0",
-              "NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
-              "VLLM_USAGE_SOURCE": "production-docker-image", "PYTHONUNBUFFERED": "1"}
+COMMON_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "NVIDIA_REQUIRE_CUDA": "cuda>=13.0",
+    "NVIDIA_VISIBLE_DEVICES": "all",
+    "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+    "VLLM_USAGE_SOURCE": "production-docker-image",
+    "PYTHONUNBUFFERED": "1",
+}
 SOURCES = ("vllm_serve.py", "vllm_flags.json", "hf.py")
 
 
@@ -64,10 +69,28 @@ def ensure_images(cfg: FleetConfig, state: State, base_rootfs: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
     sock = f"unix://{run_dir}/docker.sock"
-    pid = procs.spawn(["dockerd", "--data-root", str(work / "root"), "--exec-root", str(run_dir / "exec"),
-                       "--pidfile", str(run_dir / "dockerd.pid"), "-H", sock, "--iptables=false", "--ip6tables=false",
-                       "--ip-forward=false", "--ip-masq=false", "--bridge=none", "--userland-proxy=false",
-                       "--insecure-registry", cfg.registry], work / "dockerd.log")
+    pid = procs.spawn(
+        [
+            "dockerd",
+            "--data-root",
+            str(work / "root"),
+            "--exec-root",
+            str(run_dir / "exec"),
+            "--pidfile",
+            str(run_dir / "dockerd.pid"),
+            "-H",
+            sock,
+            "--iptables=false",
+            "--ip6tables=false",
+            "--ip-forward=false",
+            "--ip-masq=false",
+            "--bridge=none",
+            "--userland-proxy=false",
+            "--insecure-registry",
+            cfg.registry,
+        ],
+        work / "dockerd.log",
+    )
     state.add_pid("dockerd", pid)
     docker = ["docker", "-H", sock]
     try:
@@ -115,9 +138,25 @@ def _image_tar(cache_dir: Path, base: Path, key: str) -> Path:
         shutil.copy2(base / "usr/bin" / exe, root / "usr/bin" / exe)
     (root / "usr/bin/python3").symlink_to("python3.11")
     (root / "usr/bin/sh").symlink_to("dash")
-    run(["tar", "-C", str(base), "-c", "--exclude=test", "--exclude=tests", "--exclude=idlelib", "--exclude=tkinter",
-         "--exclude=turtledemo", "--exclude=ensurepip", "--exclude=lib2to3", "--exclude=__pycache__",
-         "-f", str(root / "py.tar"), "usr/lib/python3.11"])
+    run(
+        [
+            "tar",
+            "-C",
+            str(base),
+            "-c",
+            "--exclude=test",
+            "--exclude=tests",
+            "--exclude=idlelib",
+            "--exclude=tkinter",
+            "--exclude=turtledemo",
+            "--exclude=ensurepip",
+            "--exclude=lib2to3",
+            "--exclude=__pycache__",
+            "-f",
+            str(root / "py.tar"),
+            "usr/lib/python3.11",
+        ]
+    )
     run(["tar", "-C", str(root), "-xf", str(root / "py.tar")])
     (root / "py.tar").unlink()
     _copy_libraries(base, root)
@@ -142,8 +181,9 @@ def _copy_libraries(base: Path, root: Path) -> None:
     targets += [f"/{p.relative_to(base)}" for p in (base / "usr/lib/python3.11/lib-dynload").glob("*.so")]
     out = run(["chroot", str(base), "ldd", *targets], check=False).stdout
     # "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)"; "/path/of/target.so:" headers are not libraries
-    libs = {tok for line in out.splitlines() for tok in line.split()
-            if tok.startswith("/") and ".so" in tok and not tok.endswith(":")}
+    libs = {
+        tok for line in out.splitlines() for tok in line.split() if tok.startswith("/") and ".so" in tok and not tok.endswith(":")
+    }
     for lib in sorted(libs):
         dst = root / ("usr" + lib if not lib.startswith("/usr/") else lib[1:]).lstrip("/")
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -156,21 +196,49 @@ def write_tiny_model(d: Path) -> None:
     The safetensors writer is the format's 10 lines (8-byte little-endian header length, JSON header, raw data):
     the product must not depend on the test extras' safetensors/numpy just to build a sandbox image."""
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-        "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        "max_position_embeddings": 262144, "vocab_size": 256, "torch_dtype": "bfloat16"}, indent=2) + "\n")
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "model_type": "qwen3_5_moe",
+                "hidden_size": 64,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                "max_position_embeddings": 262144,
+                "vocab_size": 256,
+                "torch_dtype": "bfloat16",
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     (d / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}) + "\n")
     vocab = {chr(i) if 33 <= i < 127 else f"<0x{i:02X}>": i for i in range(256)}
-    (d / "tokenizer.json").write_text(json.dumps({
-        "version": "1.0", "added_tokens": [], "normalizer": None, "pre_tokenizer": None, "post_processor": None,
-        "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<0x00>"}}) + "\n")
-    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                         "model_max_length": 262144}) + "\n")
+    (d / "tokenizer.json").write_text(
+        json.dumps(
+            {
+                "version": "1.0",
+                "added_tokens": [],
+                "normalizer": None,
+                "pre_tokenizer": None,
+                "post_processor": None,
+                "decoder": None,
+                "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<0x00>"},
+            }
+        )
+        + "\n"
+    )
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 262144}) + "\n"
+    )
     data = bytes(range(256)) * 16  # one 256x8 uint16 "embedding"
-    header = json.dumps({"model.embed_tokens.weight": {"dtype": "U16", "shape": [256, 8],
-                                                       "data_offsets": [0, len(data)]},
-                         "__metadata__": {"format": "pt"}}).encode()
+    header = json.dumps(
+        {
+            "model.embed_tokens.weight": {"dtype": "U16", "shape": [256, 8], "data_offsets": [0, len(data)]},
+            "__metadata__": {"format": "pt"},
+        }
+    ).encode()
     header += b" " * (-len(header) % 8)
     (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)

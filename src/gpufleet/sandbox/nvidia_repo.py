@@ -49,17 +49,39 @@ def ensure_repo(cache_dir: Path, base_url: str) -> Path:
     gnupg = tmp / ".gnupg"
     gnupg.mkdir(mode=0o700)
     env = {**os.environ, "GNUPGHOME": str(gnupg)}
-    run(["gpg", "--batch", "--passphrase", "", "--quick-gen-key",
-         "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>", "ed25519", "sign", "never"],
-        env=env)
+    run(
+        [
+            "gpg",
+            "--batch",
+            "--passphrase",
+            "",
+            "--quick-gen-key",
+            "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>",
+            "ed25519",
+            "sign",
+            "never",
+        ],
+        env=env,
+    )
     (tmp / "gpgkey").write_text(run(["gpg", "--armor", "--export"], env=env).stdout)
     (tmp / "stable/deb/nvidia-container-toolkit.list").write_text(
         f"deb [signed-by={KEYRING}] {base_url}/stable/deb/$(ARCH) /\n"
-        f"#deb [signed-by={KEYRING}] {base_url}/experimental/deb/$(ARCH) /\n")
+        f"#deb [signed-by={KEYRING}] {base_url}/experimental/deb/$(ARCH) /\n"
+    )
     _build_deb(tmp / "pkg", arch / f"{PACKAGE}_{VERSION}_amd64.deb")
     run(["sh", "-c", "apt-ftparchive packages . > Packages && gzip -kf Packages"], cwd=arch)
-    release = run(["apt-ftparchive", "-o", "APT::FTPArchive::Release::Origin=https://nvidia.github.io/libnvidia-container/stable/deb/amd64",
-                   "-o", "APT::FTPArchive::Release::Label=NVIDIA CUDA", "release", "."], cwd=arch).stdout
+    release = run(
+        [
+            "apt-ftparchive",
+            "-o",
+            "APT::FTPArchive::Release::Origin=https://nvidia.github.io/libnvidia-container/stable/deb/amd64",
+            "-o",
+            "APT::FTPArchive::Release::Label=NVIDIA CUDA",
+            "release",
+            ".",
+        ],
+        cwd=arch,
+    ).stdout
     (arch / "Release").write_text(release)
     run(["gpg", "--batch", "--yes", "--clearsign", "-o", "InRelease", "Release"], cwd=arch, env=env)
     run(["gpg", "--batch", "--yes", "-abs", "-o", "Release.gpg", "Release"], cwd=arch, env=env)
@@ -80,7 +102,8 @@ def _build_deb(pkg: Path, out: Path) -> None:
         f"Package: {PACKAGE}\nVersion: {VERSION}\nArchitecture: amd64\n"
         "Maintainer: gpufleet sandbox <sandbox@gpufleet.invalid>\nDepends: python3\n"
         "Description: NVIDIA container runtime hook (gpufleet sandbox stand-in)\n"
-        " Stand-in of nvidia-ctk, nvidia-container-runtime and nvidia-container-runtime-hook for test hosts.\n")
+        " Stand-in of nvidia-ctk, nvidia-container-runtime and nvidia-container-runtime-hook for test hosts.\n"
+    )
     for name, src in EXECUTABLES.items():
         shutil.copy(STANDIN / src, pkg / "usr/bin" / name)
         (pkg / "usr/bin" / name).chmod(0o755)

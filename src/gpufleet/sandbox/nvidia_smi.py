@@ -93,12 +93,24 @@ def profile_from_recording(d: Path) -> Profile:
     gpus = []
     for line in (d / "query-gpu.csv").read_text().splitlines():
         (idx, uuid, name, total, used, free, _drv, bus, cc, pm, temp, util, power, limit) = line.split(", ")
-        gpus.append(Gpu(index=int(idx), uuid=uuid, name=name, bus_id=bus, memory_total=int(total),
-                        memory_used=int(used), memory_reserved=int(total) - int(used) - int(free), compute_cap=cc,
-                        persistence=pm == "Enabled", temperature=int(temp), utilization=int(util),
-                        power_draw=float(power), power_limit=float(limit)))
-    version = {k.strip(): v.strip() for k, v in
-               (line.split(" : ", 1) for line in (d / "version.txt").read_text().splitlines())}
+        gpus.append(
+            Gpu(
+                index=int(idx),
+                uuid=uuid,
+                name=name,
+                bus_id=bus,
+                memory_total=int(total),
+                memory_used=int(used),
+                memory_reserved=int(total) - int(used) - int(free),
+                compute_cap=cc,
+                persistence=pm == "Enabled",
+                temperature=int(temp),
+                utilization=int(util),
+                power_draw=float(power),
+                power_limit=float(limit),
+            )
+        )
+    version = {k.strip(): v.strip() for k, v in (line.split(" : ", 1) for line in (d / "version.txt").read_text().splitlines())}
     topo, _ = _read(d, "topo.txt")
     matrix, legend = topo.split("\n\n", 1)
     row0 = matrix.splitlines()[1].split("\t")
@@ -106,20 +118,33 @@ def profile_from_recording(d: Path) -> Profile:
     help_file = d / "help-query-gpu.txt"
     if not help_file.exists():
         help_file = d.parent / TEMPLATE / "help-query-gpu.txt"
-    return Profile(driver=version["DRIVER version"], cuda=version["CUDA Version"], gpus=gpus,
-                   cpu_affinity=row0[n + 1], numa=row0[n + 2], link=row0[2] if n > 1 else "NV18",
-                   topo_legend=legend, valid_fields=_fields_from_help(help_file.read_text()))
+    return Profile(
+        driver=version["DRIVER version"],
+        cuda=version["CUDA Version"],
+        gpus=gpus,
+        cpu_affinity=row0[n + 1],
+        numa=row0[n + 2],
+        link=row0[2] if n > 1 else "NV18",
+        topo_legend=legend,
+        valid_fields=_fields_from_help(help_file.read_text()),
+    )
 
 
 def _fields_from_help(text: str) -> list[str]:
     # Field lines look like: "name" or "gpu_name"
-    return [part.strip().strip('"') for line in text.splitlines() if line.startswith('"')
-            for part in line.split(" or ")]
+    return [part.strip().strip('"') for line in text.splitlines() if line.startswith('"') for part in line.split(" or ")]
 
 
-def make_profile(count: int, *, model: str = "NVIDIA H200", memory_mib: int | None = None,
-                 driver: str | None = None, cuda: str | None = None, seed: str = "gpufleet",
-                 recordings: Path | None = None) -> Profile:
+def make_profile(
+    count: int,
+    *,
+    model: str = "NVIDIA H200",
+    memory_mib: int | None = None,
+    driver: str | None = None,
+    cuda: str | None = None,
+    seed: str = "gpufleet",
+    recordings: Path | None = None,
+) -> Profile:
     """A `count`-GPU box derived from the real recording: rows replicated, identities and the asked values swapped.
 
     UUIDs are derived from `seed` (the host name) so two hosts never share a GPU and a host keeps its GPUs across
@@ -130,9 +155,13 @@ def make_profile(count: int, *, model: str = "NVIDIA H200", memory_mib: int | No
     start_bus = int(proto[0].bus_id.rsplit(":", 1)[1].split(".")[0], 16)
     gpus = []
     for i in range(count):
-        g = dataclasses.replace(proto[i % len(proto)], index=i, name=model,
-                                uuid="GPU-" + str(uuidlib.UUID(hashlib.sha256(f"{seed}/{i}".encode()).hexdigest()[:32])),
-                                bus_id=f"{proto[0].bus_id.rsplit(':', 1)[0]}:{start_bus + i:02X}.0")
+        g = dataclasses.replace(
+            proto[i % len(proto)],
+            index=i,
+            name=model,
+            uuid="GPU-" + str(uuidlib.UUID(hashlib.sha256(f"{seed}/{i}".encode()).hexdigest()[:32])),
+            bus_id=f"{proto[0].bus_id.rsplit(':', 1)[0]}:{start_bus + i:02X}.0",
+        )
         if memory_mib is not None:
             g.memory_total = memory_mib
         gpus.append(g)
@@ -158,28 +187,36 @@ def table(p: Profile, now: float | None = None, gpus: list[Gpu] | None = None) -
     gpus = p.gpus if gpus is None else gpus
     sep = "+-----------------------------------------+------------------------+----------------------+\n"
     full = "+-----------------------------------------------------------------------------------------+\n"
-    out = [time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(now)) + "       \n", full,
-           f"| NVIDIA-SMI {_fit(p.driver, 22)} Driver Version: {_fit(p.driver, 14)} CUDA Version: {_fit(p.cuda, 9)}|\n",
-           sep,
-           "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |\n",
-           "| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |\n",
-           "|                                         |                        |               MIG M. |\n",
-           "|=========================================+========================+======================|\n"]
+    out = [
+        time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(now)) + "       \n",
+        full,
+        f"| NVIDIA-SMI {_fit(p.driver, 22)} Driver Version: {_fit(p.driver, 14)} CUDA Version: {_fit(p.cuda, 9)}|\n",
+        sep,
+        "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |\n",
+        "| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |\n",
+        "|                                         |                        |               MIG M. |\n",
+        "|=========================================+========================+======================|\n",
+    ]
     for g in gpus:
         pm = "On" if g.persistence else "Off"
         power = f"{round(g.power_draw)}W / {round(g.power_limit):>4}W"
         memory = f"{g.memory_used}MiB / {g.memory_total}MiB"
-        out += [f"| {g.index:>3}  {g.name.ljust(33 - len(pm))}{pm}  |   {g.bus_id} Off | {g.ecc:>20} |\n",
-                f"| N/A  {g.temperature:>3}C    {g.perf}{power:>24} | {memory:>22} | {g.utilization:>6}%{g.compute_mode:>13} |\n",
-                f"|                                         |                        | {g.mig:>20} |\n",
-                sep]
-    out += ["\n", full,
-            "| Processes:                                                                              |\n",
-            "|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |\n",
-            "|        ID   ID                                                               Usage      |\n",
-            "|=========================================================================================|\n",
-            "|  No running processes found                                                             |\n",
-            full]
+        out += [
+            f"| {g.index:>3}  {g.name.ljust(33 - len(pm))}{pm}  |   {g.bus_id} Off | {g.ecc:>20} |\n",
+            f"| N/A  {g.temperature:>3}C    {g.perf}{power:>24} | {memory:>22} | {g.utilization:>6}%{g.compute_mode:>13} |\n",
+            f"|                                         |                        | {g.mig:>20} |\n",
+            sep,
+        ]
+    out += [
+        "\n",
+        full,
+        "| Processes:                                                                              |\n",
+        "|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |\n",
+        "|        ID   ID                                                               Usage      |\n",
+        "|=========================================================================================|\n",
+        "|  No running processes found                                                             |\n",
+        full,
+    ]
     return "".join(out)
 
 
@@ -189,8 +226,10 @@ def list_gpus(p: Profile) -> str:
 
 def version(p: Profile) -> str:
     nvml = ".".join(p.driver.split(".")[:2])
-    return (f"NVIDIA-SMI version  : {p.driver}\nNVML version        : {nvml}\n"
-            f"DRIVER version      : {p.driver}\nCUDA Version        : {p.cuda}\n")
+    return (
+        f"NVIDIA-SMI version  : {p.driver}\nNVML version        : {nvml}\n"
+        f"DRIVER version      : {p.driver}\nCUDA Version        : {p.cuda}\n"
+    )
 
 
 def topo(p: Profile) -> str:
@@ -205,14 +244,17 @@ def topo(p: Profile) -> str:
 # field -> (header unit, value); values are the recorded formats ("81.00" W, "Enabled")
 _FIELDS = {
     "index": ("", lambda p, g: str(g.index)),
-    "uuid": ("", lambda p, g: g.uuid), "gpu_uuid": ("", lambda p, g: g.uuid),
-    "name": ("", lambda p, g: g.name), "gpu_name": ("", lambda p, g: g.name),
+    "uuid": ("", lambda p, g: g.uuid),
+    "gpu_uuid": ("", lambda p, g: g.uuid),
+    "name": ("", lambda p, g: g.name),
+    "gpu_name": ("", lambda p, g: g.name),
     "count": ("", lambda p, g: str(len(p.gpus))),
     "memory.total": ("MiB", lambda p, g: str(g.memory_total)),
     "memory.used": ("MiB", lambda p, g: str(g.memory_used)),
     "memory.free": ("MiB", lambda p, g: str(_free(g))),
     "driver_version": ("", lambda p, g: p.driver),
-    "pci.bus_id": ("", lambda p, g: g.bus_id), "gpu_bus_id": ("", lambda p, g: g.bus_id),
+    "pci.bus_id": ("", lambda p, g: g.bus_id),
+    "gpu_bus_id": ("", lambda p, g: g.bus_id),
     "compute_cap": ("", lambda p, g: g.compute_cap),
     "persistence_mode": ("", lambda p, g: "Enabled" if g.persistence else "Disabled"),
     "temperature.gpu": ("", lambda p, g: str(g.temperature)),
@@ -252,8 +294,7 @@ def render(p: Profile, argv: list[str], now: float | None = None) -> Result:
         except (ValueError, IndexError):
             return Result("No devices were found\n", 6)
         if args == ["-L"]:
-            return Result("ERROR: Option -i is not valid for this command. Please run 'nvidia-smi -h' for help.\n\n",
-                          2)
+            return Result("ERROR: Option -i is not valid for this command. Please run 'nvidia-smi -h' for help.\n\n", 2)
     if not args:
         return Result(table(p, now, gpus))
     if args == ["-L"]:

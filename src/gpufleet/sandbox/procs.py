@@ -32,8 +32,9 @@ def spawn(argv: Sequence[str], log_path: Path, *, env: dict | None = None) -> in
     """Start a daemon in its own session (so a Ctrl-C of the caller does not hit it); return its PID."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
     return proc.pid
 
 

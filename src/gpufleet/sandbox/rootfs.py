@@ -17,8 +17,19 @@ from gpufleet.sandbox.procs import log, run
 
 SUITE = "bookworm"
 # What every host has before any deploy: systemd as PID 1, sshd, sudo, and the tools the deploy's own steps call.
-BASE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "openssh-server", "sudo", "ca-certificates", "curl", "python3",
-                 "iproute2", "procps", "gnupg")
+BASE_PACKAGES = (
+    "systemd",
+    "systemd-sysv",
+    "dbus",
+    "openssh-server",
+    "sudo",
+    "ca-certificates",
+    "curl",
+    "python3",
+    "iproute2",
+    "procps",
+    "gnupg",
+)
 # What the deploy apt-installs (docker via the distro package): served by the local mirror, with their closure.
 MIRROR_PACKAGES = ("docker.io", "gnupg", "curl", "ca-certificates", "jq")
 # Bump when the customisation below changes: it is part of the cache key.
@@ -27,8 +38,8 @@ RECIPE = "3"
 
 @dataclass(frozen=True)
 class Base:
-    rootfs: Path   # read-only lower dir of every host overlay
-    debs: Path     # flat Debian repo (Packages, Release) with MIRROR_PACKAGES and their dependencies
+    rootfs: Path  # read-only lower dir of every host overlay
+    debs: Path  # flat Debian repo (Packages, Release) with MIRROR_PACKAGES and their dependencies
 
 
 def cache_key() -> str:
@@ -63,8 +74,7 @@ def ensure_base(cache_dir: Path) -> Base:
     tmp.mkdir(parents=True)
     mirror = debian_mirror_url()
     log.info("debootstrap %s from %s (once, cached as %s)", SUITE, mirror, root)
-    run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(tmp / "rootfs"),
-         mirror])
+    run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(tmp / "rootfs"), mirror])
     _customise(tmp / "rootfs")
     _download_debs(tmp / "rootfs", tmp / "debian", mirror)
     (tmp / "build-seconds").write_text(f"{time.monotonic() - t0:.1f}\n")
@@ -85,7 +95,8 @@ def _customise(r: Path) -> None:
     sudoers.chmod(0o440)
     # Nothing in a host should wait on DNS or a network it cannot reach.
     (r / "etc/ssh/sshd_config.d/gpufleet.conf").write_text(
-        "HostKey /etc/ssh/ssh_host_ed25519_key\nUseDNS no\nMaxStartups 100:30:200\nMaxSessions 100\n")
+        "HostKey /etc/ssh/ssh_host_ed25519_key\nUseDNS no\nMaxStartups 100:30:200\nMaxSessions 100\n"
+    )
     for unit in ("apt-daily.timer", "apt-daily-upgrade.timer", "systemd-networkd-wait-online.service"):
         (r / "etc/systemd/system" / unit).unlink(missing_ok=True)
         (r / "etc/systemd/system" / unit).symlink_to("/dev/null")
@@ -98,8 +109,22 @@ def _download_debs(r: Path, out: Path, mirror: str) -> None:
     try:
         run(["chroot", str(r), "apt-get", "-q", "update"])
         # apt skips what is installed already, so list the closure explicitly and download all of it.
-        closure = run(["chroot", str(r), "apt-get", "-q", "-s", "-y", "--no-install-recommends",
-                       "-o", "Debug::NoLocking=1", "install", "--reinstall", *MIRROR_PACKAGES]).stdout
+        closure = run(
+            [
+                "chroot",
+                str(r),
+                "apt-get",
+                "-q",
+                "-s",
+                "-y",
+                "--no-install-recommends",
+                "-o",
+                "Debug::NoLocking=1",
+                "install",
+                "--reinstall",
+                *MIRROR_PACKAGES,
+            ]
+        ).stdout
         names = sorted(set(re.findall(r"^Inst (\S+)", closure, re.M)) | set(MIRROR_PACKAGES))
         out.mkdir(parents=True)
         run(["chroot", str(r), "sh", "-c", "cd /var/cache/apt/archives && apt-get -q download " + " ".join(names)])

@@ -43,8 +43,10 @@ def serve_files(cfg: FleetConfig, state: State, tree: dict[str, Path]) -> None:
         if not link.is_symlink():
             link.symlink_to(target)
     if not state.live_pid("mirror"):
-        pid = procs.spawn([sys.executable, "-m", "http.server", str(MIRROR_PORT), "--bind", cfg.gateway,
-                           "--directory", str(www)], cfg.state_dir / "logs" / "mirror.log")
+        pid = procs.spawn(
+            [sys.executable, "-m", "http.server", str(MIRROR_PORT), "--bind", cfg.gateway, "--directory", str(www)],
+            cfg.state_dir / "logs" / "mirror.log",
+        )
         state.add_pid("mirror", pid)
     _wait_serving(state, "mirror", f"{cfg.mirror_url}/", f"{cfg.gateway}:{MIRROR_PORT}")
 

@@ -36,8 +36,12 @@ def parse_help(text: str) -> dict:
     for f in flags:
         f["default"] = _default(f.pop("_help"))
         f["type"] = _type(f)
-    return {"prog": "vllm serve", "usage": "vllm serve [model_tag] [options]", "positional": "model_tag",
-            "flags": [f for f in flags if f["names"] != ["-h", "--help"]]}
+    return {
+        "prog": "vllm serve",
+        "usage": "vllm serve [model_tag] [options]",
+        "positional": "model_tag",
+        "flags": [f for f in flags if f["names"] != ["-h", "--help"]],
+    }
 
 
 def _option(spec: str) -> dict | None:

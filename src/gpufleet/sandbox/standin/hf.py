@@ -29,15 +29,20 @@ def revision_of(repo_dir: Path) -> str:
 def download(repo: str, local_dir: Path, revision: str | None) -> int:
     src = HUB / repo
     if "/" not in repo or not src.is_dir():
-        print(f"Repository Not Found for url: https://huggingface.co/api/models/{repo}/revision/{revision or 'main'}.\n"
-              "Please make sure you specified the correct `repo_id` and `repo_type`.\n"
-              "If you are trying to access a private or gated repo, make sure you are authenticated.",
-              file=sys.stderr)
+        print(
+            f"Repository Not Found for url: https://huggingface.co/api/models/{repo}/revision/{revision or 'main'}.\n"
+            "Please make sure you specified the correct `repo_id` and `repo_type`.\n"
+            "If you are trying to access a private or gated repo, make sure you are authenticated.",
+            file=sys.stderr,
+        )
         return 1
     commit = revision_of(src)
     if revision not in (None, "main", commit):
-        print(f"Revision Not Found for url: https://huggingface.co/api/models/{repo}/revision/{revision}.\n"
-              f"Invalid rev id: {revision}", file=sys.stderr)
+        print(
+            f"Revision Not Found for url: https://huggingface.co/api/models/{repo}/revision/{revision}.\n"
+            f"Invalid rev id: {revision}",
+            file=sys.stderr,
+        )
         return 1
     files = sorted(p for p in src.rglob("*") if p.is_file())
     meta_dir = local_dir / ".cache" / "huggingface" / "download"
@@ -67,8 +72,7 @@ def download(repo: str, local_dir: Path, revision: str | None) -> int:
         (meta_dir / f"{rel}.metadata").parent.mkdir(parents=True, exist_ok=True)
         (meta_dir / f"{rel}.metadata").write_text(f"{commit}\n{digest}\n{time.time()}\n")
         pct = n * 100 // len(files)
-        print(f"Fetching {len(files)} files: {pct:3d}%|{'#' * (pct // 10):<10}| {n}/{len(files)}", file=sys.stderr,
-              flush=True)
+        print(f"Fetching {len(files)} files: {pct:3d}%|{'#' * (pct // 10):<10}| {n}/{len(files)}", file=sys.stderr, flush=True)
     print(str(local_dir.resolve()))
     return 0
 

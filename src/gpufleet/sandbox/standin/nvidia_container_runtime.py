@@ -39,19 +39,56 @@ def clamp_rlimits(spec: dict) -> None:
             _, hard = resource.getrlimit(kind)
             cap = infinity if hard == resource.RLIM_INFINITY else hard
             limit["soft"], limit["hard"] = min(limit["soft"], cap), min(limit["hard"], cap)
-            print(f"nvidia-container-runtime (stand-in): {limit['type']} clamped to {cap}: this machine may not "
-                  "raise it", file=sys.stderr)
+            print(
+                f"nvidia-container-runtime (stand-in): {limit['type']} clamped to {cap}: this machine may not raise it",
+                file=sys.stderr,
+            )
 
 
 # linux/capability.h order: bit n of CapBnd is CAPABILITIES[n]
-CAPABILITIES = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
-                "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE",
-                "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE",
-                "CAP_SYS_RAWIO", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT",
-                "CAP_SYS_NICE", "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
-                "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN",
-                "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF",
-                "CAP_CHECKPOINT_RESTORE"]
+CAPABILITIES = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN",
+    "CAP_NET_RAW",
+    "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT",
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_BOOT",
+    "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME",
+    "CAP_SYS_TTY_CONFIG",
+    "CAP_MKNOD",
+    "CAP_LEASE",
+    "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP",
+    "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN",
+    "CAP_SYSLOG",
+    "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ",
+    "CAP_PERFMON",
+    "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
+]
 
 
 def clamp_capabilities(spec: dict) -> None:
@@ -64,8 +101,9 @@ def clamp_capabilities(spec: dict) -> None:
         dropped |= set(names) & missing
         caps[kind] = [n for n in names if n not in missing]
     if dropped:
-        print(f"nvidia-container-runtime (stand-in): dropped {','.join(sorted(dropped))}: this machine lacks them",
-              file=sys.stderr)
+        print(
+            f"nvidia-container-runtime (stand-in): dropped {','.join(sorted(dropped))}: this machine lacks them", file=sys.stderr
+        )
 
 
 def main(argv) -> None:

@@ -30,8 +30,10 @@ def main() -> None:
     if wanted in ("", "void", "none"):
         return
     if not os.path.exists(PROFILE):
-        fail("nvidia-container-cli: initialization error: load library failed: libnvidia-ml.so.1: "
-             "cannot open shared object file: no such file or directory: unknown")
+        fail(
+            "nvidia-container-cli: initialization error: load library failed: libnvidia-ml.so.1: "
+            "cannot open shared object file: no such file or directory: unknown"
+        )
     sys.path.insert(0, MODULE_DIR)
     import nvidia_smi  # noqa: E402  (the host's stand-in module)
 
@@ -39,7 +41,7 @@ def main() -> None:
         profile = nvidia_smi.Profile.from_json(f.read())
     by_id = {str(g.index): g for g in profile.gpus} | {g.uuid: g for g in profile.gpus}
     chosen = profile.gpus if wanted == "all" else []
-    for dev in ([] if wanted == "all" else wanted.split(",")):
+    for dev in [] if wanted == "all" else wanted.split(","):
         if dev.strip() not in by_id:
             fail(f"nvidia-container-cli: device error: {dev.strip()}: unknown device: unknown")
         chosen.append(by_id[dev.strip()])

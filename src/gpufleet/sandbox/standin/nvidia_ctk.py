@@ -17,7 +17,7 @@ COMMIT = "f202b80a9b9d0db00d9b1d73c0128c8962c55f4d"
 
 def configure(args) -> int:
     if args.runtime != "docker":
-        print(f'level=error msg="unrecognized runtime \'{args.runtime}\'"', file=sys.stderr)
+        print(f"level=error msg=\"unrecognized runtime '{args.runtime}'\"", file=sys.stderr)
         return 1
     path = args.config
     config = {}
@@ -41,13 +41,20 @@ def configure(args) -> int:
 
 
 def cdi_generate(args) -> int:
-    spec = json.dumps({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
-                       "devices": [{"name": "all", "containerEdits": {}}], "containerEdits": {}}, indent=2)
+    spec = json.dumps(
+        {
+            "cdiVersion": "0.5.0",
+            "kind": "nvidia.com/gpu",
+            "devices": [{"name": "all", "containerEdits": {}}],
+            "containerEdits": {},
+        },
+        indent=2,
+    )
     if args.output:
         os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
         with open(args.output, "w") as f:
             f.write(spec + "\n")
-        print('INFO[0000] Generated CDI spec with version 0.5.0')
+        print("INFO[0000] Generated CDI spec with version 0.5.0")
     else:
         print(spec)
     return 0

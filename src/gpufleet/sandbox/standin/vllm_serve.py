@@ -33,8 +33,30 @@ from pathlib import Path
 
 FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS", Path(__file__).resolve().with_name("vllm_flags.json")))
 VERSION = os.environ.get("STANDIN_VLLM_VERSION", "0.32.0")
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 _TYPES = {"int": int, "float": float, "str": str}
 
 
@@ -92,8 +114,11 @@ def human_int(value: str | None) -> int | None:
         return None
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value)
     if not m:
-        fail(2, f"usage: vllm serve [model_tag] [options]\nvllm serve: error: argument --max-model-len: "
-                f"invalid human_readable_int value: '{value}'")
+        fail(
+            2,
+            f"usage: vllm serve [model_tag] [options]\nvllm serve: error: argument --max-model-len: "
+            f"invalid human_readable_int value: '{value}'",
+        )
     scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1024**2, "g": 10**9, "G": 1024**3}[m.group(2)]
     return int(float(m.group(1)) * scale)
 
@@ -114,8 +139,11 @@ class Engine:
         derived = int(config.get("max_position_embeddings", 2048))
         self.max_model_len = human_int(args.max_model_len) or derived
         if self.max_model_len > derived:
-            fail(1, f"ValueError: User-specified max_model_len ({self.max_model_len}) is greater than the derived "
-                    f"max_model_len (max_position_embeddings={derived} in model's config.json).")
+            fail(
+                1,
+                f"ValueError: User-specified max_model_len ({self.max_model_len}) is greater than the derived "
+                f"max_model_len (max_position_embeddings={derived} in model's config.json).",
+            )
         self.prefix_caching = args.enable_prefix_caching is not False
         self.block_size = int(args.block_size or 16)
         self.match_unit = int(args.prefix_match_unit) if getattr(args, "prefix_match_unit", None) else None
@@ -124,8 +152,15 @@ class Engine:
         self.lock = threading.Lock()
         self.dead = False
         self.running = 0
-        self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prompt_tokens_cached": 0,
-                         "prompt_tokens": 0, "generation_tokens": 0, "kv_sum": 0, "kv_count": 0}
+        self.counters = {
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "prompt_tokens_cached": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "kv_sum": 0,
+            "kv_count": 0,
+        }
         self.ttft: list[float] = []
         self.seconds_per_token = float(os.environ.get("STANDIN_PREFILL_SECONDS_PER_TOKEN", "0.00002"))
 
@@ -158,13 +193,21 @@ class Engine:
 
     def cache_config(self) -> dict:
         a = self.args
-        info = {"block_size": self.block_size, "cache_dtype": a.kv_cache_dtype or "auto",
-                "enable_prefix_caching": self.prefix_caching,
-                "gpu_memory_utilization": a.gpu_memory_utilization or 0.92, "is_attention_free": False,
-                "kv_cache_memory_bytes": a.kv_cache_memory_bytes, "mamba_block_size": a.mamba_block_size,
-                "mamba_cache_dtype": getattr(a, "mamba_cache_dtype", None) or "auto",
-                "mamba_cache_mode": a.mamba_cache_mode or "none", "num_cpu_blocks": 0, "num_gpu_blocks": 8192,
-                "prefix_caching_hash_algo": "sha256", "sliding_window": None}
+        info = {
+            "block_size": self.block_size,
+            "cache_dtype": a.kv_cache_dtype or "auto",
+            "enable_prefix_caching": self.prefix_caching,
+            "gpu_memory_utilization": a.gpu_memory_utilization or 0.92,
+            "is_attention_free": False,
+            "kv_cache_memory_bytes": a.kv_cache_memory_bytes,
+            "mamba_block_size": a.mamba_block_size,
+            "mamba_cache_dtype": getattr(a, "mamba_cache_dtype", None) or "auto",
+            "mamba_cache_mode": a.mamba_cache_mode or "none",
+            "num_cpu_blocks": 0,
+            "num_gpu_blocks": 8192,
+            "prefix_caching_hash_algo": "sha256",
+            "sliding_window": None,
+        }
         if self.match_unit:
             info["prefix_match_unit"] = self.match_unit
         return {k: str(v) for k, v in sorted(info.items())}
@@ -182,31 +225,49 @@ class Engine:
         with self.lock:
             metric("vllm:num_requests_running", "gauge", self.running, "Number of requests in model execution batches.")
             metric("vllm:num_requests_waiting", "gauge", 0, "Number of requests waiting to be processed.")
-            metric("vllm:kv_cache_usage_perc", "gauge", min(1.0, len(self.seen) / 8192),
-                   "KV-cache usage. 1 means 100 percent usage.")
-            metric("vllm:prefix_cache_queries", "counter", c["prefix_cache_queries"],
-                   "Prefix cache queries, in terms of number of queried tokens.")
-            metric("vllm:prefix_cache_hits", "counter", c["prefix_cache_hits"],
-                   "Prefix cache hits, in terms of number of cached tokens.")
+            metric(
+                "vllm:kv_cache_usage_perc", "gauge", min(1.0, len(self.seen) / 8192), "KV-cache usage. 1 means 100 percent usage."
+            )
+            metric(
+                "vllm:prefix_cache_queries",
+                "counter",
+                c["prefix_cache_queries"],
+                "Prefix cache queries, in terms of number of queried tokens.",
+            )
+            metric(
+                "vllm:prefix_cache_hits",
+                "counter",
+                c["prefix_cache_hits"],
+                "Prefix cache hits, in terms of number of cached tokens.",
+            )
             metric("vllm:prompt_tokens", "counter", c["prompt_tokens"], "Number of prefill tokens processed.")
-            metric("vllm:prompt_tokens_cached", "counter", c["prompt_tokens_cached"],
-                   "Number of cached prompt tokens (local + external).")
+            metric(
+                "vllm:prompt_tokens_cached",
+                "counter",
+                c["prompt_tokens_cached"],
+                "Number of cached prompt tokens (local + external).",
+            )
             metric("vllm:generation_tokens", "counter", c["generation_tokens"], "Number of generation tokens processed.")
-            out.append("# HELP vllm:request_prefill_kv_computed_tokens Histogram of new KV tokens computed during "
-                       "prefill (excluding cached tokens).\n# TYPE vllm:request_prefill_kv_computed_tokens histogram\n")
-            out.append(f'vllm:request_prefill_kv_computed_tokens_sum{{{labels}}} {float(c["kv_sum"])}\n')
-            out.append(f'vllm:request_prefill_kv_computed_tokens_count{{{labels}}} {float(c["kv_count"])}\n')
-            out.append("# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.\n"
-                       "# TYPE vllm:time_to_first_token_seconds histogram\n")
+            out.append(
+                "# HELP vllm:request_prefill_kv_computed_tokens Histogram of new KV tokens computed during "
+                "prefill (excluding cached tokens).\n# TYPE vllm:request_prefill_kv_computed_tokens histogram\n"
+            )
+            out.append(f"vllm:request_prefill_kv_computed_tokens_sum{{{labels}}} {float(c['kv_sum'])}\n")
+            out.append(f"vllm:request_prefill_kv_computed_tokens_count{{{labels}}} {float(c['kv_count'])}\n")
+            out.append(
+                "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.\n"
+                "# TYPE vllm:time_to_first_token_seconds histogram\n"
+            )
             for b in TTFT_BUCKETS:
                 n = sum(1 for t in self.ttft if t <= b)
                 out.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="{b}"}} {float(n)}\n')
             out.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {float(len(self.ttft))}\n')
-            out.append(f'vllm:time_to_first_token_seconds_count{{{labels}}} {float(len(self.ttft))}\n')
-            out.append(f'vllm:time_to_first_token_seconds_sum{{{labels}}} {sum(self.ttft)}\n')
+            out.append(f"vllm:time_to_first_token_seconds_count{{{labels}}} {float(len(self.ttft))}\n")
+            out.append(f"vllm:time_to_first_token_seconds_sum{{{labels}}} {sum(self.ttft)}\n")
         cache_labels = ",".join(f'{k}="{v}"' for k, v in self.cache_config().items())
-        out.append("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
-                   "# TYPE vllm:cache_config_info gauge\n")
+        out.append(
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"
+        )
         out.append(f'vllm:cache_config_info{{{cache_labels},engine="0"}} 1.0\n')
         return "".join(out)
 
@@ -229,8 +290,7 @@ class Handler(BaseHTTPRequestHandler):
     sys_version = ""
 
     def log_message(self, fmt, *args):  # one access-log line per request, like uvicorn's
-        print(f"INFO:     {self.client_address[0]} - \"{self.requestline}\" {args[1] if len(args) > 1 else ''}",
-              flush=True)
+        print(f'INFO:     {self.client_address[0]} - "{self.requestline}" {args[1] if len(args) > 1 else ""}', flush=True)
 
     def _json(self, status: int, body) -> None:
         data = json.dumps(body).encode()
@@ -268,13 +328,36 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/v1/models":
             if self._authorised():
                 now = int(time.time())
-                self._json(200, {"object": "list", "data": [
-                    {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": e.model,
-                     "parent": None, "max_model_len": e.max_model_len,
-                     "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
-                                     "created": now, "allow_sampling": True, "allow_view": True,
-                                     "is_blocking": False, "organization": "*", "group": None}]}
-                    for name in e.names]})
+                self._json(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [
+                            {
+                                "id": name,
+                                "object": "model",
+                                "created": now,
+                                "owned_by": "vllm",
+                                "root": e.model,
+                                "parent": None,
+                                "max_model_len": e.max_model_len,
+                                "permission": [
+                                    {
+                                        "id": f"modelperm-{uuid.uuid4().hex}",
+                                        "object": "model_permission",
+                                        "created": now,
+                                        "allow_sampling": True,
+                                        "allow_view": True,
+                                        "is_blocking": False,
+                                        "organization": "*",
+                                        "group": None,
+                                    }
+                                ],
+                            }
+                            for name in e.names
+                        ],
+                    },
+                )
         else:
             self._json(404, {"detail": "Not Found"})
 
@@ -288,23 +371,51 @@ class Handler(BaseHTTPRequestHandler):
         try:
             req = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
         except json.JSONDecodeError as err:
-            self._json(400, {"error": {"message": f"JSON decode error: {err}", "type": "BadRequestError",
-                                       "param": None, "code": 400}})
+            self._json(
+                400, {"error": {"message": f"JSON decode error: {err}", "type": "BadRequestError", "param": None, "code": 400}}
+            )
             return
         if req.get("model") not in e.names:
-            self._json(404, {"error": {"message": f"The model `{req.get('model')}` does not exist.",
-                                       "type": "NotFoundError", "param": "model", "code": 404}})
+            self._json(
+                404,
+                {
+                    "error": {
+                        "message": f"The model `{req.get('model')}` does not exist.",
+                        "type": "NotFoundError",
+                        "param": "model",
+                        "code": 404,
+                    }
+                },
+            )
             return
         if e.dead:
-            self._json(500, {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
-                                       "param": None, "code": 500}})
+            self._json(
+                500,
+                {
+                    "error": {
+                        "message": "EngineCore encountered an issue.",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                },
+            )
             return
         tokens = chat_prompt(req.get("messages") or []).encode()
         max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 16)
         if len(tokens) + max_tokens > e.max_model_len:
-            self._json(400, {"error": {"message": f"This model's maximum context length is {e.max_model_len} tokens. "
-                                       f"However, you requested {len(tokens) + max_tokens} tokens.",
-                                       "type": "BadRequestError", "param": None, "code": 400}})
+            self._json(
+                400,
+                {
+                    "error": {
+                        "message": f"This model's maximum context length is {e.max_model_len} tokens. "
+                        f"However, you requested {len(tokens) + max_tokens} tokens.",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": 400,
+                    }
+                },
+            )
             return
         with e.lock:
             e.running += 1
@@ -320,16 +431,40 @@ class Handler(BaseHTTPRequestHandler):
         cached = e.cached_tokens(tokens)
         time.sleep((len(tokens) - cached) * e.seconds_per_token)  # prefill: only the uncached part costs time
         words = ["stand-in"] * n_out
-        usage = {"prompt_tokens": len(tokens), "total_tokens": len(tokens) + n_out, "completion_tokens": n_out,
-                 "prompt_tokens_details": {"cached_tokens": cached} if e.args.enable_prompt_tokens_details else None}
+        usage = {
+            "prompt_tokens": len(tokens),
+            "total_tokens": len(tokens) + n_out,
+            "completion_tokens": n_out,
+            "prompt_tokens_details": {"cached_tokens": cached} if e.args.enable_prompt_tokens_details else None,
+        }
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req["model"]
         if not req.get("stream"):
             e.account(len(tokens), cached, n_out, time.monotonic() - t0)
-            self._json(200, {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": " ".join(words),
-                                                                  "reasoning_content": None, "tool_calls": []},
-                                          "logprobs": None, "finish_reason": "length", "stop_reason": None}],
-                             "usage": usage, "prompt_logprobs": None})
+            self._json(
+                200,
+                {
+                    "id": rid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {
+                                "role": "assistant",
+                                "content": " ".join(words),
+                                "reasoning_content": None,
+                                "tool_calls": [],
+                            },
+                            "logprobs": None,
+                            "finish_reason": "length",
+                            "stop_reason": None,
+                        }
+                    ],
+                    "usage": usage,
+                    "prompt_logprobs": None,
+                },
+            )
             return
         self.send_response(200)
         self.send_header("content-type", "text/event-stream; charset=utf-8")
@@ -337,16 +472,30 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
         def send(choices, **extra):
-            chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": choices, **extra}
+            chunk = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                **extra,
+            }
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.flush()
 
         send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         e.account(len(tokens), cached, n_out, time.monotonic() - t0)
         for i, w in enumerate(words):
-            send([{"index": 0, "delta": {"content": w if i == 0 else " " + w}, "logprobs": None,
-                   "finish_reason": "length" if i == len(words) - 1 else None}])
+            send(
+                [
+                    {
+                        "index": 0,
+                        "delta": {"content": w if i == 0 else " " + w},
+                        "logprobs": None,
+                        "finish_reason": "length" if i == len(words) - 1 else None,
+                    }
+                ]
+            )
         if (req.get("stream_options") or {}).get("include_usage"):
             send([], usage=usage)
         self.wfile.write(b"data: [DONE]\n\n")
@@ -356,17 +505,23 @@ class Handler(BaseHTTPRequestHandler):
 # -------------------------------------------------------------------------------------------------------- main
 def main(argv: list[str]) -> int:
     if not argv or argv[0] != "serve":
-        fail(2, "usage: vllm [-h] [-v] {chat,complete,serve,bench,collect-env,run-batch} ...\n"
-                f"vllm: error: argument subparser: invalid choice: '{argv[0] if argv else ''}'")
+        fail(
+            2,
+            "usage: vllm [-h] [-v] {chat,complete,serve,bench,collect-env,run-batch} ...\n"
+            f"vllm: error: argument subparser: invalid choice: '{argv[0] if argv else ''}'",
+        )
     args = parse_args(argv[1:])
     model = args.model_tag or args.model or "Qwen/Qwen3-0.6B"
     config_path = Path(model) / "config.json"
     if not config_path.is_file():
-        fail(1, f"ValueError: Invalid repository ID or local directory specified: '{model}'.\n"
-                "Please verify the following requirements:\n1. Provide a valid Hugging Face repository ID.\n"
-                "2. Specify a local directory that contains a recognized configuration file.\n"
-                "   - For Hugging Face models: ensure the presence of a 'config.json'.\n"
-                "   - For Mistral models: ensure the presence of a 'params.json'.")
+        fail(
+            1,
+            f"ValueError: Invalid repository ID or local directory specified: '{model}'.\n"
+            "Please verify the following requirements:\n1. Provide a valid Hugging Face repository ID.\n"
+            "2. Specify a local directory that contains a recognized configuration file.\n"
+            "   - For Hugging Face models: ensure the presence of a 'config.json'.\n"
+            "   - For Mistral models: ensure the presence of a 'params.json'.",
+        )
     engine = Engine(args, model, json.loads(config_path.read_text()))
     print(f"INFO vLLM API server version {VERSION} (stand-in)\nINFO non-default args: {vars(args)}", flush=True)
     # vLLM binds only after the engine is up: until then a client's connect is refused.
@@ -374,17 +529,21 @@ def main(argv: list[str]) -> int:
     Handler.engine = engine
     server = ThreadingHTTPServer((args.host or "", args.port or 8000), Handler)
     server.daemon_threads = True
-    print(f"INFO:     Uvicorn running on http://{args.host or '0.0.0.0'}:{args.port or 8000} (Press CTRL+C to quit)",
-          flush=True)
+    print(f"INFO:     Uvicorn running on http://{args.host or '0.0.0.0'}:{args.port or 8000} (Press CTRL+C to quit)", flush=True)
     die_after = os.environ.get("STANDIN_DIE_AFTER")
     if die_after:
+
         def die():
             time.sleep(float(die_after))
             engine.dead = True
-            print("ERROR EngineCore encountered a fatal error.\nvllm.v1.engine.exceptions.EngineDeadError: "
-                  "EngineCore encountered an issue. See stack trace (above) for the root cause.", flush=True)
+            print(
+                "ERROR EngineCore encountered a fatal error.\nvllm.v1.engine.exceptions.EngineDeadError: "
+                "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                flush=True,
+            )
             time.sleep(float(os.environ.get("STANDIN_DEAD_SECONDS", "1")))  # /health answers 503 meanwhile
             server.shutdown()
+
         threading.Thread(target=die, daemon=True).start()
     try:
         server.serve_forever(poll_interval=0.1)
