@@ -9,9 +9,9 @@ Library only (typed results, no printing): gpufleet.cli.verify renders them.
 """
 
 from gpufleet.health.check import DEFAULT_GRACE_S, Expected, HealthReport, HealthState, check, wait_until_ready
+from gpufleet.health.loopback import LoopbackTransport
 from gpufleet.health.transport import (
     ContainerInfo,
-    LoopbackTransport,
     SshTransport,
     Transport,
     TransportError,

@@ -6,7 +6,7 @@ Two transports share one small interface so every check runs unchanged through S
 - SshTransport: HTTP rides a paramiko ``direct-tcpip`` channel to 127.0.0.1:<port> on the host, so the server's
   port never has to be reachable from the operator's network; container state comes from ``docker ps``/``inspect``
   over the same SSH connection (containers have no name: they are found by their ``gpufleet.<service>`` label).
-- LoopbackTransport: HTTP to a local port; the "container" is the server process and its liveness.
+- LoopbackTransport (loopback.py): HTTP to a local port; the "container" is the server process and its liveness.
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ from __future__ import annotations
 import http.client
 import io
 import json
-import os
 import re
 import shlex
-import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Protocol
 
 import paramiko
@@ -262,67 +259,8 @@ def transport_from_pyinfra_host(host: Any) -> SshTransport:
     return SshTransport(client, name=host.name)
 
 
-class LoopbackTransport:
-    """A vLLM process on this machine: HTTP on 127.0.0.1, the process stands in for the container.
-
-    process: a subprocess.Popen (preferred: its exit code is known) or a PID; None = assume it runs.
-    log_path: the server's combined output, for logs().
-    """
-
-    def __init__(
-        self,
-        process: subprocess.Popen | int | None = None,
-        log_path: Path | None = None,
-        host: str = "127.0.0.1",
-        name: str = "localhost",
-    ):
-        self.process, self.log_path, self.host, self.name = process, log_path, host, name
-
-    def http(self, port: int, timeout: float) -> http.client.HTTPConnection:
-        conn = http.client.HTTPConnection(self.host, port, timeout=timeout)
-        conn.connect()  # raises ConnectionRefusedError while the server is loading (it does not listen yet)
-        return conn
-
-    def container(self, service: str) -> ContainerInfo | None:
-        if self.process is None:
-            return ContainerInfo(id="local", state="running")
-        pid = self.process if isinstance(self.process, int) else self.process.pid
-        exit_code = self.process.poll() if isinstance(self.process, subprocess.Popen) else None
-        alive = exit_code is None and _pid_alive(pid)
-        return ContainerInfo(
-            id=str(pid),
-            state="running" if alive else "exited",
-            started_at=_pid_start_time(pid) if alive else None,
-            exit_code=exit_code,
-        )
-
-    def logs(self, service: str, tail: int = 30) -> list[str]:
-        if self.log_path is None or not self.log_path.exists():
-            return []
-        return self.log_path.read_text(errors="replace").splitlines()[-tail:]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")  # a zombie has exited; only its parent has not reaped it yet
-
-
-def _pid_start_time(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])  # starttime, in clock ticks since boot
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
-    except (OSError, IndexError, ValueError, StopIteration):
-        return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
 __all__ = [
     "ContainerInfo",
-    "LoopbackTransport",
     "SshTransport",
     "Transport",
     "TransportError",
