@@ -17,6 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import paramiko
+
+# Importing pyinfra_cli runs gevent's monkey.patch_all(), as pyinfra's own CLI does at start. It must happen before
+# this session runs any thread (paramiko transports, a pyinfra State's hub): an inventory load later in the same
+# process (gpufleet.inventory imports pyinfra_cli) would otherwise patch under live threads and die with
+# "cannot release un-acquired lock". Hence this import at collection time.
+import pyinfra_cli  # noqa: F401
 import pytest
 from tests.vllm_peer.sshd import Sshd
 
@@ -109,10 +115,6 @@ def test_closed_connection_is_ssh_unreachable(sshd):
 
 
 def test_pyinfra_host_connection_is_reused(sshd, web, tmp_path):
-    # As pyinfra's own CLI does: gevent's patch_all (run by importing pyinfra_cli) before any pyinfra State makes a
-    # hub. Otherwise a later inventory load in this process (gpufleet.inventory imports pyinfra_cli) patches under a
-    # live hub and dies with "cannot release un-acquired lock".
-    import pyinfra_cli  # noqa: F401
     from pyinfra.api import Config, Inventory, State
 
     known_hosts = tmp_path / "known_hosts"
