@@ -14,7 +14,7 @@ import pytest
 from gpufleet.sandbox import image
 from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, FleetConfig, H200x1
 from gpufleet.sandbox.fleet import Fleet
-from gpufleet.sandbox.procs import run
+from gpufleet.sandbox.procs import SandboxError, run
 
 pytestmark = pytest.mark.integration
 
@@ -106,6 +106,14 @@ def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, test_hosts
         f"{ref} download {image.MODEL_REPO} --local-dir /models/tiny",
     )
     assert dl.stdout.strip() == "/models/tiny"
+    # the rollout tags: an older vLLM rejects the seed's flag; a dying one exits 1 after a short life
+    run_tag = "sudo docker run --rm --runtime=nvidia -v /srv/models:/models -e STANDIN_LOAD_SECONDS=0"
+    old = fleet.ssh(
+        host, f"{run_tag} {image.image_ref(fleet.cfg, 'rejects-flag')} /models/tiny --performance-mode interactivity", check=False
+    )
+    assert old.returncode == 2 and "unrecognized arguments: --performance-mode" in old.stderr
+    dies = fleet.ssh(host, f"{run_tag} -e STANDIN_DIE_AFTER=1 {image.image_ref(fleet.cfg, 'dies')} /models/tiny", check=False)
+    assert dies.returncode == 1 and "EngineDeadError" in dies.stdout
     unit = f"""[Unit]
 Description=stand-in vLLM (test)
 After=docker.service
@@ -207,15 +215,15 @@ def test_teardown_leaves_nothing_and_a_start_clears_a_killed_run(fleet, tmp_path
     before = _snapshot(prefixes, paths)
     assert not before["procs"] and not before["netns"] and not before["links"]
 
+    killed, again = Fleet(cfg), Fleet(cfg)
     try:
-        killed = Fleet(cfg)  # a run that is "killed": it never gets to stop()
-        killed.start()
+        killed.start()  # a run that is "killed": it never gets to stop()
         (host,) = killed.add_hosts([H200x1])
         killed.ssh(host, "true")
         assert _snapshot(prefixes, paths)["procs"]
+        killed.unlock()  # what its death would do: the kernel drops a dead process's lock
 
-        again = Fleet(cfg)  # the next start clears that run's leftovers instead of failing on them
-        again.start()
+        again.start()  # the next start clears that run's leftovers instead of failing on them
         hosts = again.add_hosts([H200x1, NO_GPU])
         assert [again.ssh(h, "hostname").stdout.strip() for h in hosts] == ["gfd1", "gfd2"]
         during = _snapshot(prefixes, paths)
@@ -226,4 +234,14 @@ def test_teardown_leaves_nothing_and_a_start_clears_a_killed_run(fleet, tmp_path
         after = _snapshot(prefixes, paths)
         assert after == before, f"left behind after {time.monotonic() - t0:.1f}s: {after}"
     finally:
+        killed.unlock()
+        again.unlock()
         Fleet(cfg).stop()  # whatever an assertion above left running
+
+
+def test_a_live_run_of_the_same_fleet_is_waited_for_not_cleared(fleet, test_hosts, tmp_path):
+    """Two pytest sessions on one machine share the fleet's names: the second waits for the first."""
+    rival = Fleet(fleet.cfg)
+    with pytest.raises(SandboxError, match="in use by another run"):
+        rival.lock(timeout=1)
+    assert fleet.ssh(test_hosts[0], "true").returncode == 0  # untouched

@@ -30,3 +30,26 @@ def test_down_without_systemd_nspawn_names_the_package(monkeypatch):
 def test_up_rejects_a_bad_count():
     result = CliRunner().invoke(sandbox, ["up", "0"])
     assert result.exit_code == 2 and "COUNT" in result.output
+
+
+def test_inventory_points_the_deploy_at_the_local_services(tmp_path):
+    import json
+
+    from gpufleet.sandbox.config import H200x3, sandbox_config
+    from gpufleet.sandbox.hosts import make
+    from gpufleet.sandbox.inventory import inventory_document, pyinfra_hosts
+
+    cfg = sandbox_config()
+    doc = inventory_document(cfg, [make(cfg, 1, H200x3), make(cfg, 2, H200x3)], tmp_path / "id_ed25519")
+    (tmp_path / "inventory.json").write_text(json.dumps(doc))
+    hosts = pyinfra_hosts(tmp_path / "inventory.json")
+    assert [(name, data["ssh_hostname"]) for name, data in hosts] == [("gpuhost1", "10.213.0.11"), ("gpuhost2", "10.213.0.12")]
+    data = hosts[0][1]
+    assert data["vllm_image"] == "10.213.0.1:5000/vllm/vllm-openai:nightly"
+    assert data["nvidia_repo_url"] == "http://10.213.0.1:8080/nvidia"
+    assert data["docker_install"] == "distro" and data["vllm_model_repo"] == "gpufleet-sandbox/Qwen3.5-tiny"
+    assert (data["ssh_user"], data["ssh_known_hosts_file"], data["ssh_strict_host_key_checking"]) == (
+        "deploy",
+        "/dev/null",
+        "off",
+    )

@@ -8,6 +8,7 @@ fleet.stop()                        # nothing of ours left: processes, mounts, n
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -53,14 +54,45 @@ class Fleet:
         self.state = State(cfg.state_dir / "state.json")
         self.key = cfg.state_dir / "ssh" / "id_ed25519"
         self.timings: dict[str, float] = {}
+        self._lock_fd: int | None = None
 
     # ------------------------------------------------------------------------------------------------- start
+    def lock(self, timeout: float = 1800) -> None:
+        """Hold the fleet's lock for as long as this process lives (or until stop()).
+
+        Another live run of the same fleet (a concurrent pytest session) makes this one wait for it; a killed run
+        held it only until its death, so its leftovers are then cleared, never a live run's hosts."""
+        if self._lock_fd is not None:
+            return
+        self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.cfg.state_dir / "lock", os.O_CREAT | os.O_RDWR, 0o600)
+        deadline = time.monotonic() + timeout
+        waited = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise SandboxError(f"fleet {self.cfg.name} is in use by another run for {timeout:.0f}s") from None
+                if not waited:
+                    log.info("fleet %s is in use by another run: waiting for it", self.cfg.name)
+                    waited = True
+                time.sleep(1)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
     def start(self) -> None:
         """Clear leftovers of an earlier run of this fleet, then bring up the shared parts (reused if cached)."""
         check_prerequisites()
+        self.lock()
         self.clear_leftovers()
         cfg = self.cfg
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
         cfg.state_dir.chmod(0o700)  # holds the fleet's private SSH key
         t0 = time.monotonic()
         base = rootfs.ensure_base(cfg.cache_dir)
@@ -115,9 +147,13 @@ class Fleet:
 
     # -------------------------------------------------------------------------------------------------- stop
     def stop(self) -> None:
-        """Undo everything this fleet created. Caches (base rootfs, repos, registry storage) stay."""
-        self.remove_hosts()
-        self.clear_leftovers()
+        """Undo everything this fleet created, then release it. Caches (base rootfs, repos, registry) stay."""
+        self.lock()
+        try:
+            self.remove_hosts()
+            self.clear_leftovers()
+        finally:
+            self.unlock()
 
     def clear_leftovers(self) -> None:
         """Remove what an earlier (maybe killed) run of THIS fleet left: only names its state file or its own
