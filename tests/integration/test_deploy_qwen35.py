@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,19 @@ def write_inventory(tmp_path: Path, inventory_json: Path, names: list[str], over
         f"gpuhosts = [(n, {{**_test, **d, **_over.get(n, {{}})}}) for n, d in pyinfra_hosts({str(inventory_json)!r}) "
         "if n in _names]\n")
     return path
+
+
+def deploy(pyinfra, inventory: Path, *args: str, check: bool = True):
+    """Run the deploy; retry when SSH to a just-booted host was refused or reset (nothing ran on any host then:
+    pyinfra connects, and preflight reads, before any operation executes)."""
+    for _ in range(3):
+        proc = pyinfra(inventory, DEPLOY, *args, check=False)
+        if not re.search(r"Could not connect|Connection reset by peer|Command socket/SSH error", proc.stdout):
+            break
+        time.sleep(3)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"deploy failed:\n{proc.stdout[-4000:]}")
+    return proc
 
 
 def results(output: str) -> dict[str, tuple[str, ...]]:
@@ -96,7 +110,7 @@ def converged(test_hosts, inventory_json, names, pyinfra, fleet, tmp_path_factor
         fleet.run_in(host, "python3 - <<'EOF'\nimport json, os\np='/etc/docker/daemon.json'\n"
                            "d=json.load(open(p)) if os.path.exists(p) else {}\nd['log-opts']={'max-size': '10m'}\n"
                            "os.makedirs('/etc/docker', exist_ok=True)\njson.dump(d, open(p,'w'))\nEOF")
-    return pyinfra(inv, DEPLOY).stdout
+    return deploy(pyinfra, inv).stdout
 
 
 # --- tests ---------------------------------------------------------------------------------------------------
@@ -122,7 +136,7 @@ def test_foreign_daemon_json_keys_survive(converged, test_hosts, fleet):
 
 
 def test_second_converge_changes_nothing(converged, inventory_json, names, pyinfra, tmp_path):
-    out = pyinfra(write_inventory(tmp_path, inventory_json, names), DEPLOY).stdout
+    out = deploy(pyinfra, write_inventory(tmp_path, inventory_json, names)).stdout
     assert changes(out) == 0, changed_ops(out)
     assert results(out)["Grand total"][0] == str(15 * len(names))
 
@@ -132,13 +146,13 @@ def test_changing_one_hosts_setting_restarts_only_that_host(converged, test_host
     a, b = test_hosts
     before = {h.name: service_pid(fleet, h) for h in test_hosts}
     inv = write_inventory(tmp_path, inventory_json, names, {b.name: {"vllm_args": {"max-num-seqs": 4}}})
-    out = pyinfra(inv, DEPLOY).stdout
+    out = deploy(pyinfra, inv).stdout
     assert changed_ops(out) == {"Install the vLLM systemd unit": 1, "Enable and start the vLLM service": 1,
                                 "Verify vLLM is ready (/health, /v1/models)": 1}
     assert service_pid(fleet, a) == before[a.name]
     assert service_pid(fleet, b) != before[b.name]
     assert "--max-num-seqs 4" in fleet.read_file(b, f"/etc/systemd/system/{SERVICE}.service").decode()
-    assert changes(pyinfra(inv, DEPLOY).stdout) == 0
+    assert changes(deploy(pyinfra, inv).stdout) == 0
 
 
 def test_secrets_stay_out_of_unit_ps_and_output(converged, test_hosts, inventory_json, names, pyinfra, fleet,
@@ -146,7 +160,7 @@ def test_secrets_stay_out_of_unit_ps_and_output(converged, test_hosts, inventory
     a = test_hosts[0]
     inv = write_inventory(tmp_path, inventory_json, [a.name], {a.name: {"vllm_api_key": API_KEY,
                                                                         "vllm_hf_token": HF_TOKEN}})
-    out = pyinfra(inv, DEPLOY, "-vv").stdout + pyinfra(inv, DEPLOY, "-vv").stdout
+    out = deploy(pyinfra, inv, "-vv").stdout + deploy(pyinfra, inv, "-vv").stdout
     assert "ready: /health 200" in out  # verified through the key-guarded /v1/models
     unit_text = fleet.read_file(a, f"/etc/systemd/system/{SERVICE}.service").decode()
     systemctl_cat = sh(fleet, a, f"systemctl cat {SERVICE}")
@@ -173,8 +187,8 @@ def test_reboot_brings_the_service_back_on_the_same_digest(converged, test_hosts
             break
         fleet.run_in(b, "sleep 1")
     assert running_image(fleet, b) == ref
-    out = pyinfra(write_inventory(tmp_path, inventory_json, [b.name],
-                                  {b.name: {"vllm_args": {"max-num-seqs": 4}}}), DEPLOY).stdout
+    out = deploy(pyinfra, write_inventory(tmp_path, inventory_json, [b.name],
+                                    {b.name: {"vllm_args": {"max-num-seqs": 4}}})).stdout
     # Nothing to redo after a reboot; at most the readiness wait if the stand-in was still loading.
     assert set(changed_ops(out)) <= {"Verify vLLM is ready (/health, /v1/models)"}, changed_ops(out)
     assert json.loads(fleet.read_file(b, STATE_FILE))["current"]["ref"] == ref
@@ -191,7 +205,7 @@ def test_preflight_refuses_before_any_change(gpus, overrides, expected, fresh_ho
     bad, good = fresh_hosts(gpus, H200x3)
     before = {h.name: fingerprint(fleet, h) for h in (bad, good)}
     inv = write_inventory(tmp_path, fleet_inventory_json(), [bad.name, good.name], {bad.name: overrides})
-    proc = pyinfra(inv, DEPLOY, check=False)
+    proc = deploy(pyinfra, inv, check=False)
     assert proc.returncode != 0
     lines = [line for line in proc.stdout.splitlines() if line.strip().startswith(f"{bad.name}:")]
     assert len(lines) == 1 and re.search(expected, lines[0]), proc.stdout[-2000:]
@@ -208,14 +222,14 @@ def test_no_gpu_host_allowed_installs_everything_but_does_not_start(fresh_hosts,
     (host,) = fresh_hosts(NO_GPU)
     inv = write_inventory(tmp_path, fleet_inventory_json(), [host.name],
                           {host.name: {"gpufleet_allow_no_gpu": True}})
-    out = pyinfra(inv, DEPLOY).stdout
+    out = deploy(pyinfra, inv).stdout
     changed = changed_ops(out)
     assert "Install the NVIDIA container toolkit" in changed and "Install the vLLM systemd unit" in changed
     assert "Enable and start the vLLM service" not in changed and "Verify vLLM is ready (/health, /v1/models)" not in changed
     assert sh(fleet, host, "dpkg-query -W -f '${Status}' nvidia-container-toolkit") == "install ok installed"
     assert fleet.read_file(host, f"/etc/systemd/system/{SERVICE}.service")
     assert fleet.run_in(host, f"systemctl is-active {SERVICE}", check=False).stdout.strip() != "active"
-    assert changes(pyinfra(inv, DEPLOY).stdout) == 0
+    assert changes(deploy(pyinfra, inv).stdout) == 0
 
 
 @pytest.fixture
