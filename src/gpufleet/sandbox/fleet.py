@@ -81,6 +81,7 @@ class Fleet:
                     waited = True
                 time.sleep(1)
         self._lock_fd = fd
+        self.state = State(self.cfg.state_dir / "state.json")  # as the previous holder left it
 
     def unlock(self) -> None:
         if self._lock_fd is not None:

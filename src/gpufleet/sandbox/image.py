@@ -177,13 +177,16 @@ def _image_tar(cache_dir: Path, base: Path, key: str) -> Path:
 
 def _copy_libraries(base: Path, root: Path) -> None:
     """The shared libraries python3.11, its extension modules and dash link against, resolved inside the base."""
-    targets = ["/usr/bin/python3.11", "/usr/bin/dash"]
+    # libgcc_s is dlopen()ed by glibc when a thread exits (not in ldd's list): without it a server whose threads
+    # outlive main() dies with "libgcc_s.so.1 must be installed for pthread_exit to work".
+    dlopened = {"/usr/lib/x86_64-linux-gnu/libgcc_s.so.1"}
+    targets = ["/usr/bin/python3.11", "/usr/bin/dash", *dlopened]
     targets += [f"/{p.relative_to(base)}" for p in (base / "usr/lib/python3.11/lib-dynload").glob("*.so")]
     out = run(["chroot", str(base), "ldd", *targets], check=False).stdout
     # "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)"; "/path/of/target.so:" headers are not libraries
     libs = {
         tok for line in out.splitlines() for tok in line.split() if tok.startswith("/") and ".so" in tok and not tok.endswith(":")
-    }
+    } | dlopened
     for lib in sorted(libs):
         dst = root / ("usr" + lib if not lib.startswith("/usr/") else lib[1:]).lstrip("/")
         dst.parent.mkdir(parents=True, exist_ok=True)
