@@ -281,3 +281,11 @@ def test_engine_death_503_then_exit_1(server):
     assert s.get("/health")[0] == 503
     assert s.proc.wait(10) == 1
     assert "EngineDeadError" in s.proc.stdout.read()
+
+
+def test_a_different_suffix_reuses_only_the_common_whole_blocks(server):
+    s = server("--served-model-name", "m", "--enable-prompt-tokens-details").wait()
+    header = len("<|im_start|>user\n")
+    s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 100}]})
+    usage = json.loads(s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 60 + "z" * 40}]})[1])["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == (header + 60) // 16 * 16
