@@ -236,3 +236,17 @@ def test_no_gpu_host_allowed_installs_everything_but_does_not_start(fresh_hosts,
 def fleet_inventory_json(fleet):
     """The inventory.json rewritten now (fresh hosts join the document when they boot)."""
     return fleet.write_inventory
+
+
+def test_a_service_that_never_gets_ready_fails_the_host_with_its_last_log_lines(fresh_hosts, fleet,
+                                                                               fleet_inventory_json, pyinfra, tmp_path):
+    (host,) = fresh_hosts(H200x3)
+    doc = json.loads(Path(fleet_inventory_json()).read_text())
+    image = doc["host_data"]["vllm_image"].rsplit(":", 1)[0] + ":rejects-flag"  # an "older vLLM" without the flag
+    inv = write_inventory(tmp_path, fleet_inventory_json(), [host.name],
+                          {host.name: {"vllm_image": image, "vllm_ready_timeout": 25}})
+    proc = deploy(pyinfra, inv, check=False)
+    assert proc.returncode != 0
+    assert f"[{host.name}] vllm-qwen35 not ready" in proc.stdout
+    log_lines = [line for line in proc.stdout.splitlines() if f"[{host.name}]   | " in line]
+    assert any("performance-mode" in line for line in log_lines), proc.stdout[-3000:]

@@ -40,14 +40,15 @@ def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
         daemon_json=['{"insecure-registries": ["10.0.0.1:5000"], "runtimes": {"nvidia": {"path": "x"}}}'],
         free=["docker /var/lib/docker 104857600", "models /srv 52428800"],
         packages=["docker.io ii 20.10.24", "nvidia-container-toolkit ii 1.17.8-1", "docker-ce un <none>"],
-        files=["abc123  /etc/a", "- /etc/b"],
+        files=["a" * 64 + "  /etc/a"],
         state=[json.dumps({"current": {"image": "img:tag", "ref": "img@sha256:" + "0" * 64}})],
         images=["img|tag|sha256:" + "0" * 64, "other|<none>|<none>"],
         model=["config.json 120", "tokenizer.json 4000", "model-00001-of-00002.safetensors 10",
                "model-00002-of-00002.safetensors 10", "model.safetensors.index.json 300",
                "shard model-00001-of-00002.safetensors", "shard model-00002-of-00002.safetensors"],
-        dirs=["root root 755 /var/cache/vllm/qwen35/vllm", "- - - /srv/vllm/models"],
-        units=["docker.service active enabled", "vllm-qwen35.service active enabled"],
+        dirs=["root root 755 /var/cache/vllm/qwen35/vllm"],
+        units=["Id=docker.service", "ActiveState=active", "UnitFileState=enabled", "",
+               "Id=vllm-qwen35.service", "ActiveState=active", "UnitFileState=enabled"],
         health=["200", json.dumps({"object": "list", "data": [{"id": "qwen3.5-awq"}]})],
     )
     base.update(over)
@@ -61,10 +62,10 @@ def test_parses_every_section():
     assert snap.nvidia_runtime and snap.daemon_json["insecure-registries"] == ["10.0.0.1:5000"]
     assert snap.free_kib == {"docker": 104857600, "models": 52428800} and snap.free_path["models"] == "/srv"
     assert snap.installed("docker.io") and not snap.installed("docker-ce")
-    assert snap.file_sha256 == {"/etc/a": "abc123", "/etc/b": None}
+    assert snap.file_sha256 == {"/etc/a": "a" * 64} and snap.file_sha256.get("/etc/b") is None
     assert snap.has_image_digest("img@sha256:" + "0" * 64) and not snap.has_image_digest("img@sha256:" + "1" * 64)
     assert snap.model_shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    assert snap.dirs["/srv/vllm/models"] is None and snap.dirs["/var/cache/vllm/qwen35/vllm"] == ("root", "root", "755")
+    assert snap.dirs.get("/srv/vllm/models") is None and snap.dirs["/var/cache/vllm/qwen35/vllm"] == ("root", "root", "755")
     assert snap.unit_active("vllm-qwen35.service") and snap.unit_enabled("docker.service")
     assert snap.health_code == "200" and snap.served_models == ["qwen3.5-awq"]
 
@@ -83,6 +84,14 @@ def test_daemon_json_without_final_newline_keeps_the_next_section():
     # `printf '\n@@...'` puts each marker on its own line even after a file that ends without a newline.
     snap = parse_snapshot(healthy(daemon_json=['{"a": 1}'], free=["docker / 10", "models / 20"]))
     assert snap.daemon_json == {"a": 1} and snap.free_kib["models"] == 20
+
+
+def test_units_not_installed():
+    snap = parse_snapshot(healthy(units=["Id=docker.service", "ActiveState=inactive", "UnitFileState=", "",
+                                         "Id=vllm-qwen35.service", "ActiveState=inactive", "UnitFileState="],
+                                  health=["000", ""]))
+    assert not snap.unit_active("docker.service") and not snap.unit_enabled("vllm-qwen35.service")
+    assert snap.health_code is None and snap.served_models is None
 
 
 def test_bare_host_without_nvidia_smi():

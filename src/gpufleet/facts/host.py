@@ -130,12 +130,14 @@ def snapshot_command(paths: Paths) -> str:
         f"{section('daemon_json')}; cat {DAEMON_JSON} 2>/dev/null",
         # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon.
         f"root=$(sed -n 's/.*\"data-root\"[[:space:]]*:[[:space:]]*\"\\([^\"]*\\)\".*/\\1/p' {DAEMON_JSON} 2>/dev/null)",
-        f"{section('free')}; for kp in docker=\"${{root:-/var/lib/docker}}\" models={q(paths.models_dir)}; do "
-        "k=${kp%%=*}; p=${kp#*=}; while [ ! -e \"$p\" ]; do p=$(dirname \"$p\"); done; "
-        "echo \"$k $p $(df -Pk \"$p\" | awk 'NR==2{print $4}')\"; done",
+        # df of the nearest existing ancestor of each place (one df for both).
+        f"d=${{root:-/var/lib/docker}}; while [ ! -e \"$d\" ]; do d=$(dirname \"$d\"); done; m={q(paths.models_dir)}; "
+        "while [ ! -e \"$m\" ]; do m=$(dirname \"$m\"); done",
+        f"{section('free')}; set -- $(df -Pk \"$d\" \"$m\" | awk 'NR>1{{print $4}}'); "
+        "echo \"docker $d $1\"; echo \"models $m $2\"",
         f"{section('packages')}; dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}} ${{Version}}\\n' "
         f"{' '.join(PACKAGES)} 2>/dev/null",
-        f"{section('files')}; for f in {files}; do if [ -f \"$f\" ]; then sha256sum \"$f\"; else echo \"- $f\"; fi; done",
+        f"{section('files')}; sha256sum {files} 2>/dev/null",  # a missing file is simply not listed
         f"{section('nvidia_key')}; command -v curl >/dev/null && curl -fsSL --max-time 15 {q(paths.nvidia_key_url)} 2>/dev/null",
     ]
     if paths.docker_repo_url:
@@ -151,12 +153,13 @@ def snapshot_command(paths: Paths) -> str:
         "| sort -u | sed 's/\"//g; s/^/shard /'; "
         "find . -path '*huggingface/download*' -name '*.incomplete' 2>/dev/null | head -3 | sed 's/^/incomplete /'; "
         "cd /; fi",
-        f"{section('dirs')}; for d in {dirs}; do stat -c '%U %G %a %n' \"$d\" 2>/dev/null || echo \"- - - $d\"; done",
-        f"{section('units')}; for u in docker.service {q(paths.service + '.service')}; do "
-        "echo \"$u $(systemctl is-active $u 2>/dev/null) $(systemctl is-enabled $u 2>/dev/null)\"; done",
+        f"{section('dirs')}; stat -c '%U %G %a %n' {dirs} 2>/dev/null",
+        f"{section('units')}; systemctl show -p Id -p ActiveState -p UnitFileState docker.service "
+        f"{q(paths.service + '.service')} 2>/dev/null",
         # Readiness without putting the API key on a command line: printf is a builtin, curl reads the header
         # from stdin.
-        f"{section('health')}; if systemctl is-active -q {q(paths.service + '.service')} && command -v curl >/dev/null; "
+        # (No is-active guard: with no service, curl is refused at once.)
+        f"{section('health')}; if command -v curl >/dev/null; "
         f"then curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 3 http://127.0.0.1:{paths.port}/health; "
         f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
         "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
@@ -236,7 +239,8 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
             snap.packages[parts[0]] = parts[2]
     for line in s.get("files", []):
         digest, _, path = line.partition(" ")
-        snap.file_sha256[path.strip()] = None if digest == "-" else digest
+        if len(digest) == 64:
+            snap.file_sha256[path.strip().lstrip("*")] = digest
     for name in ("nvidia_key", "docker_key"):
         text = "\n".join(s.get(name, [])).strip()
         if "BEGIN PGP PUBLIC KEY BLOCK" in text:
@@ -262,13 +266,19 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
             if size.isdigit():
                 snap.model_files[name] = int(size)
     for line in s.get("dirs", []):
-        user, group, mode, path = line.split(" ", 3)
-        snap.dirs[path] = None if user == "-" else (user, group, mode)
-    for line in s.get("units", []):
-        parts = line.split()
-        snap.units[parts[0]] = (parts[1] if len(parts) > 1 else "", parts[2] if len(parts) > 2 else "")
+        parts = line.split(" ", 3)
+        if len(parts) == 4:
+            snap.dirs[parts[3]] = (parts[0], parts[1], parts[2])
+    unit: dict[str, str] = {}
+    for line in [*s.get("units", []), ""]:  # `systemctl show` blocks, one per unit, blank-line separated
+        key, sep, value = line.partition("=")
+        if sep:
+            unit[key.strip()] = value.strip()
+        elif unit:
+            snap.units[unit.get("Id", "?")] = (unit.get("ActiveState", ""), unit.get("UnitFileState", ""))
+            unit = {}
     health = s.get("health", [])
-    if health:
+    if health and health[0].strip() not in ("", "000"):
         snap.health_code = health[0].strip()
         body = "\n".join(health[1:]).strip()
         try:
