@@ -26,8 +26,8 @@ from gpufleet.sandbox.fleet import Fleet
 REPO = Path(__file__).resolve().parents[1]
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 DEPLOY = str(REPO / "deploys" / "qwen35.py")
-# As in tests/integration/test_deploy_qwen35.py: runc in an nspawn host cannot grant these.
-BENCH_DATA = {"vllm_ready_timeout": 120, "vllm_docker_options": {"privileged": None, "ulimit": None}}
+# As in tests/integration/test_deploy_qwen35.py: a short readiness deadline; the sandbox's own host data otherwise.
+BENCH_DATA = {"vllm_ready_timeout": 120}
 
 
 def bench_config() -> FleetConfig:
