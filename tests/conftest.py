@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import gpufleet.inventory  # noqa: F401,I001  first: pyinfra_cli's gevent patch_all() must precede any thread
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 # Tiers that need machinery (root + nspawn hosts, a real vLLM); CI must run them.

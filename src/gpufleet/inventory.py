@@ -5,6 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# Importing pyinfra_cli runs gevent's monkey.patch_all(), which must happen before any thread or pyinfra State
+# exists in the process ("cannot release un-acquired lock" otherwise): import it with this module, early.
+from pyinfra.api import State
+from pyinfra.context import ctx_state
+from pyinfra_cli.inventory import make_inventory
+
 from gpufleet.errors import GpufleetError
 from gpufleet.settings import build_spec
 from gpufleet.spec import ServeSpec
@@ -12,14 +18,10 @@ from gpufleet.spec import ServeSpec
 
 def load_hosts(inventory_path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     """[(host name, merged host data)] in inventory order, using pyinfra's own inventory loader."""
-    # pyinfra's loader executes the file inside a pyinfra State context; set one up for the duration.
-    from pyinfra.api import State
-    from pyinfra.context import ctx_state
-    from pyinfra_cli.inventory import make_inventory
-
     path = Path(inventory_path)
     if not path.is_file():
         raise GpufleetError(f"{inventory_path}: inventory file not found (fix: pass a path like inventories/lab.py)")
+    # pyinfra's loader executes the file inside a pyinfra State context; set one up for the duration.
     with ctx_state.use(State()):
         try:
             inventory = make_inventory(str(path))

@@ -17,12 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import paramiko
-
-# Importing pyinfra_cli runs gevent's monkey.patch_all(), as pyinfra's own CLI does at start. It must happen before
-# this session runs any thread (paramiko transports, a pyinfra State's hub): an inventory load later in the same
-# process (gpufleet.inventory imports pyinfra_cli) would otherwise patch under live threads and die with
-# "cannot release un-acquired lock". Hence this import at collection time.
-import pyinfra_cli  # noqa: F401
 import pytest
 from tests.vllm_peer.sshd import Sshd
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyinfra_cli  # noqa: F401  (gevent's patch_all before any thread: see tests/integration/test_health_ssh.py)
 import pytest
 
 from tests.vllm.servers import Started, start_pair

@@ -5,6 +5,7 @@ one, so an accepted command line stops at model resolution with exit 1."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,9 +35,18 @@ def vllm_serve(vllm_bin: str, argv: list[str], home: Path) -> subprocess.Complet
     return subprocess.run([vllm_bin, "serve", *argv], capture_output=True, text=True, env=env, timeout=300)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def with_model(argv: list[str], model: str) -> list[str]:
+    """The argv with another model path, bound to a free loopback port: vLLM binds its socket before it
+    resolves the model, and the profile's 0.0.0.0:5000 may be taken on a test machine."""
     argv = list(argv)
-    argv[argv.index("--model") + 1] = model
+    for flag, value in (("--model", model), ("--host", "127.0.0.1"), ("--port", str(free_port()))):
+        argv[argv.index(flag) + 1] = value
     return argv
 
 
@@ -51,7 +61,7 @@ def test_profile_flags_pass_vllm_argparse_and_bad_ones_do_not(vllm_bin, tmp_path
             build_spec("box", {"vllm_args": {flag: value}})
     bad = [with_model(good, "/nonexistent") + [f"--{flag}", value] for flag, value in rejected.items()]
     bad.append(with_model(good, "/nonexistent") + ["--no-such-flag"])
-    commands = [with_model(good, "/nonexistent"), ["/nonexistent", *tuned[2:]], *bad]
+    commands = [with_model(good, "/nonexistent"), ["/nonexistent", *with_model(tuned, "unused")[2:]], *bad]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda argv: vllm_serve(vllm_bin, argv, tmp_path), commands))
 

@@ -7,7 +7,8 @@ import click
 from gpufleet import __version__
 from gpufleet.cli.render import lint, render
 from gpufleet.cli.sandbox import sandbox
-from gpufleet.cli.verify import status, verify
+from gpufleet.cli.verify import status
+from gpufleet.cli.verify import verify as verify_command  # keep gpufleet.cli.verify the module
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -16,5 +17,5 @@ def main() -> None:
     """Provision GPU hosts into fast vLLM servers for Qwen 3.5 and keep the fleet current."""
 
 
-for command in (render, lint, status, verify, sandbox):
+for command in (render, lint, status, verify_command, sandbox):
     main.add_command(command)
