@@ -140,6 +140,18 @@ def test_second_converge_changes_nothing(converged, inventory_json, names, pyinf
     assert results(out)["Grand total"][0] == str(15 * len(names))
 
 
+def test_a_rotated_nvidia_key_is_replaced(converged, test_hosts, inventory_json, names, pyinfra, fleet, tmp_path):
+    a = test_hosts[0]
+    keyring = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
+    good = fleet.read_file(a, keyring)
+    fleet.run_in(a, f"printf 'an old key' > {keyring}")  # what a host holds after NVIDIA rotates its key
+    inv = write_inventory(tmp_path, inventory_json, names)
+    out = deploy(pyinfra, inv).stdout
+    assert changed_ops(out) == {"Add the NVIDIA container toolkit apt repository": 1}
+    assert fleet.read_file(a, keyring) == good
+    assert changes(deploy(pyinfra, inv).stdout) == 0
+
+
 def test_changing_one_hosts_setting_restarts_only_that_host(converged, test_hosts, inventory_json, names, pyinfra,
                                                            fleet, tmp_path):
     a, b = test_hosts
