@@ -26,6 +26,19 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory):
+    """A throwaway sshd on 127.0.0.1 (started and stopped by PID): the health checks' SSH channels are real."""
+    from tests.vllm_peer.sshd import Sshd
+
+    why = Sshd.available()
+    if why:
+        pytest.skip(f"no throwaway sshd: {why}")
+    server = Sshd(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     tiers = [t for t in REQUIRED_TIERS if t in report.keywords]

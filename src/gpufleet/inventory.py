@@ -11,7 +11,7 @@ from pyinfra.api import State
 from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory
 
-from gpufleet.errors import GpufleetError
+from gpufleet.errors import GpufleetError, SettingErrors
 from gpufleet.settings import build_spec
 from gpufleet.spec import ServeSpec
 
@@ -30,10 +30,8 @@ def load_hosts(inventory_path: str | Path) -> list[tuple[str, dict[str, Any]]]:
         return [(host.name, host.data.dict()) for host in inventory]
 
 
-def load_specs(inventory_path: str | Path, only_host: str | None = None) -> list[ServeSpec]:
-    """Validated specs for every host (or one); raises SettingErrors listing every invalid setting."""
-    from gpufleet.errors import SettingErrors
-
+def load_host_specs(inventory_path: str | Path, only_host: str | None = None) -> list[tuple[ServeSpec, dict[str, Any]]]:
+    """[(validated spec, host data)] for every host (or one); raises SettingErrors listing every invalid setting."""
     hosts = load_hosts(inventory_path)
     if only_host is not None:
         hosts = [(name, data) for name, data in hosts if name == only_host]
@@ -42,9 +40,14 @@ def load_specs(inventory_path: str | Path, only_host: str | None = None) -> list
     specs, errors = [], []
     for name, data in hosts:
         try:
-            specs.append(build_spec(name, data))
+            specs.append((build_spec(name, data), data))
         except SettingErrors as exc:
             errors += exc.errors
     if errors:
         raise SettingErrors(errors)
     return specs
+
+
+def load_specs(inventory_path: str | Path, only_host: str | None = None) -> list[ServeSpec]:
+    """Validated specs for every host (or one); raises SettingErrors listing every invalid setting."""
+    return [spec for spec, _ in load_host_specs(inventory_path, only_host)]

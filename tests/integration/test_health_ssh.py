@@ -18,7 +18,6 @@ from pathlib import Path
 
 import paramiko
 import pytest
-from tests.vllm_peer.sshd import Sshd
 
 from gpufleet.health import (
     Expected,
@@ -31,16 +30,6 @@ from gpufleet.health import (
 )
 from gpufleet.health.api import get
 from gpufleet.health.fleet import connect
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory) -> Iterator[Sshd]:
-    why = Sshd.available()
-    if why:
-        pytest.skip(f"no throwaway sshd: {why}")
-    server = Sshd(tmp_path_factory.mktemp("sshd")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import pytest
 
 from tests.vllm.servers import Started, start_pair
 from tests.vllm_peer.server import vllm_venv
-from tests.vllm_peer.sshd import Sshd
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +38,3 @@ def pair_factory(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     for s in running:
         s.server.stop()
 
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    """A throwaway sshd on 127.0.0.1: the checks reach the real vLLM through a direct-tcpip channel."""
-    why = Sshd.available()
-    if why:
-        pytest.skip(f"vllm tier: no throwaway sshd ({why})")
-    server = Sshd(tmp_path_factory.mktemp("sshd")).start()
-    yield server
-    server.stop()

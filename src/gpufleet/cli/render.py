@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gpufleet.errors import GpufleetError
-from gpufleet.inventory import load_hosts, load_specs
+from gpufleet.inventory import load_host_specs, load_specs
 from gpufleet.lint import lint_spec
 from gpufleet.quoting import shell_line
 from gpufleet.settings import merged_settings
@@ -40,11 +40,10 @@ def lint(inventory: str) -> None:
     Exit status: 0 with warnings only, 1 when a setting is invalid.
     """
     try:
-        specs = load_specs(inventory)
-        settings = {name: merged_settings(data) for name, data in load_hosts(inventory)}
+        specs = load_host_specs(inventory)
     except GpufleetError as exc:
         raise click.ClickException(str(exc)) from None
-    findings = [finding for spec in specs for finding in lint_spec(spec, settings[spec.host])]
+    findings = [finding for spec, data in specs for finding in lint_spec(spec, merged_settings(data))]
     for finding in findings:
         click.echo(str(finding))
     click.echo(f"{len(specs)} host(s), {len(findings)} warning(s)", err=True)

@@ -28,34 +28,19 @@ _STATE_STYLE = {
 
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
     """Inventory -> what to check on each host. Raises GpufleetError (one line per problem)."""
-    from gpufleet.inventory import load_hosts
-    from gpufleet.settings import build_spec
+    from gpufleet.inventory import load_host_specs
 
-    hosts = load_hosts(inventory)
-    if only_host is not None:
-        hosts = [(n, d) for n, d in hosts if n == only_host]
-        if not hosts:
-            raise GpufleetError(f"{only_host}: no such host in {inventory} (fix: check --host)")
-    targets, problems = [], []
-    for name, data in hosts:
-        try:
-            spec = build_spec(name, data)
-        except GpufleetError as e:
-            problems.append(str(e))
-            continue
-        targets.append(
-            HostTarget(
-                name=name,
-                ssh={k: v for k, v in data.items() if k.startswith("ssh_")},
-                expected=Expected.from_spec(spec),
-                gpus=tuple(getattr(spec, "gpus", ()) or ()),
-                max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
-                api_key=data.get("vllm_api_key"),
-            )
+    return [
+        HostTarget(
+            name=spec.host,
+            ssh={k: v for k, v in data.items() if k.startswith("ssh_")},
+            expected=Expected.from_spec(spec),
+            gpus=spec.gpus,
+            max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
+            api_key=data.get("vllm_api_key"),
         )
-    if problems:
-        raise GpufleetError("\n".join(problems))
-    return targets
+        for spec, data in load_host_specs(inventory, only_host)
+    ]
 
 
 def _configured_int(spec: Any, flag: str) -> int | None:
