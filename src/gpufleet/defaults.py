@@ -44,6 +44,9 @@ DEFAULTS: dict[str, Any] = {
     "vllm_api_key": None,
     # Seconds the deploy waits for /health and /v1/models to answer after a (re)start; a cold compile is slow.
     "vllm_ready_timeout": 1800,
+    # Seconds the deploy keeps checking a service after it first got ready following a (re)start: an engine that
+    # dies right after start fails the deploy (and rolls back) instead of the first client. 0 turns it off.
+    "vllm_ready_soak_s": 20,
     # --- host preflight -------------------------------------------------------------------------------------
     # Lowest CUDA version the driver must support (the nightly image is CUDA 13.0: R580-class drivers).
     "gpufleet_min_cuda": "13.0",

@@ -143,7 +143,8 @@ def _check_plain_settings(s: Mapping[str, Any], fail) -> None:
     for key in ("vllm_model_repo", "vllm_model_revision"):
         if s[key] is not None and (not isinstance(s[key], str) or not s[key].strip()):
             fail(key, f"{s[key]!r} must be a string or None", 'e.g. "Qwen/Qwen3.5-27B-FP8"')
-    for key in ("vllm_ready_timeout", "gpufleet_min_free_gb_docker", "gpufleet_min_free_gb_models"):
+    for key in ("vllm_ready_timeout", "vllm_ready_soak_s", "gpufleet_min_free_gb_docker",
+                "gpufleet_min_free_gb_models"):
         if not isinstance(s[key], (int, float)) or isinstance(s[key], bool) or s[key] < 0:
             fail(key, f"{s[key]!r} is not a non-negative number", f"e.g. {DEFAULTS[key]}")
     if not isinstance(s["gpufleet_min_cuda"], str) or not re.match(r"^\d+\.\d+$", s["gpufleet_min_cuda"]):

@@ -145,5 +145,7 @@ def deploy_qwen35() -> None:
     changes = [unit, secrets, pinned, runtime]
     service.running(name="Enable and start the vLLM service", service=spec.service, changes=changes,
                     start=has_gpu)
+    # After a (re)start: ready, then still ready for vllm_ready_soak_s, or the unit that was serving goes back.
     service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec,
-                  timeout_s=float(s["vllm_ready_timeout"]), changes=changes, start=has_gpu)
+                  timeout_s=float(s["vllm_ready_timeout"]), changes=changes, start=has_gpu,
+                  soak_s=float(s["vllm_ready_soak_s"]), unit_op=unit)

@@ -3,6 +3,8 @@
 State file /var/lib/gpufleet/<service>.json:
     {"current": {"image": "repo:tag", "ref": "repo@sha256:...", "pinned_at": "..."},
      "previous": {...} | null, "history": [{...}, ...]}
+"current" is what the unit runs. A rollback (gpufleet.operations.service) puts the entry that was serving back as
+"current" and marks the failed attempt in "history" with "failed" (the reason) and "failed_at".
 A tag is resolved once: later converges reuse the recorded digest (so a reboot or a re-converge never silently
 moves to a newer nightly). Changing vllm_image, or removing the state file, resolves again.
 """
@@ -56,6 +58,34 @@ def record(state: dict[str, Any] | None, image: str, ref: str, now: str) -> dict
     return {"current": entry, "previous": current, "history": history}
 
 
+def rolled_back(state: dict[str, Any] | None, failed_ref: str, restored: dict[str, Any], reason: str,
+                now: str) -> dict[str, Any]:
+    """The state file's content after the unit went back to `restored` (the entry that was current before the
+    failed attempt): the newest history entry for `failed_ref` is marked failed; "previous" becomes the newest
+    earlier entry that neither failed nor is the restored one (the next thing to fall back to)."""
+    state = dict(state or {})
+    history = [dict(entry) for entry in state.get("history") or []]
+    for entry in reversed(history):
+        if entry.get("ref") == failed_ref:
+            entry.update(failed=reason, failed_at=now)
+            break
+    previous = next((e for e in reversed(history)
+                     if not e.get("failed") and e.get("ref") != restored.get("ref")), None)
+    return {"current": dict(restored), "previous": previous, "history": history}
+
+
+def write_state(host, path: str, state: dict[str, Any]) -> bool:
+    """Upload the state file (root-owned, in STATE_DIR) from a FunctionCommand."""
+    content = json.dumps(state, indent=2) + "\n"
+    sudo = use_sudo(host)
+    ok = host.run_shell_command(f"install -d -m 755 {STATE_DIR}", _sudo=sudo)[0]
+    return bool(ok and host.put_file(BytesIO(content.encode()), path, _sudo=sudo))
+
+
+def now_utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def pick_digest(image: str, repo_digests: list[str]) -> str | None:
     repo = repository(image)
     return next((d for d in repo_digests if d.split("@", 1)[0] == repo), None)
@@ -74,10 +104,7 @@ def _pull_and_pin(state, host, image: str, pull: str, path: str, previous: dict[
         return fail(host, f"{image} has no registry digest after the pull (fix: pull it from a registry, "
                           "or set vllm_image to repo@sha256:<digest>)")
     context(host).resolved["image_ref"] = ref
-    content = json.dumps(record(previous, image, ref, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())), indent=2)
-    ok = host.run_shell_command(f"install -d -m 755 {STATE_DIR}", _sudo=sudo)[0]
-    ok = ok and host.put_file(BytesIO((content + "\n").encode()), path, _sudo=sudo)
-    if not ok:
+    if not write_state(host, path, record(previous, image, ref, now_utc())):
         return fail(host, f"could not write {path}")
     host.log_styled(f"pinned {image} -> {ref}")
     return True

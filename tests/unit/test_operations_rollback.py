@@ -1,0 +1,98 @@
+"""Verify, soak and rollback decisions behind the vLLM service operations (no host: scripted health reports)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet.health import HealthReport, HealthState
+from gpufleet.operations.image import rolled_back
+from gpufleet.operations.service import exited_detail, soak, wait_ready
+
+G, B, O = "v@sha256:" + "a" * 64, "v@sha256:" + "b" * 64, "v@sha256:" + "c" * 64
+READY = HealthReport(HealthState.READY, "/health 200, serving qwen")
+STARTING = HealthReport(HealthState.STARTING, "port not answering yet")
+GONE = HealthReport(HealthState.CONTAINER_NOT_RUNNING, "no container labelled gpufleet.vllm")
+DEAD = HealthReport(HealthState.DEAD, "/health answered 503")
+
+
+class Clock:
+    """A fake monotonic clock that sleep() advances."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def scripted(*reports: HealthReport):
+    it = iter(reports)
+    return lambda: next(it)
+
+
+def test_wait_returns_ready_after_starting():
+    clock = Clock()
+    report = wait_ready(scripted(STARTING, GONE, READY), lambda: None, 60, clock=clock, sleep=clock.sleep)
+    assert report.ready and clock.now == 4.0
+
+
+def test_wait_stops_early_when_the_service_exited_instead_of_waiting_for_the_timeout():
+    clock = Clock()
+    why = "docker run exited with status 2 (systemd: activating/auto-restart)"
+    report = wait_ready(scripted(STARTING, GONE), lambda: why, 1800, clock=clock, sleep=clock.sleep)
+    assert report.state is HealthState.DEAD and report.detail == why and clock.now == 2.0
+
+
+def test_wait_gives_up_at_the_timeout():
+    clock = Clock()
+    report = wait_ready(lambda: STARTING, lambda: None, 10, clock=clock, sleep=clock.sleep)
+    assert report.state is HealthState.STARTING and "gave up after 10 s" in report.detail and clock.now <= 10
+
+
+def test_soak_catches_an_engine_that_dies_after_its_first_ready():
+    clock = Clock()
+    report = soak(scripted(READY, READY, DEAD), READY, 20, clock=clock, sleep=clock.sleep)
+    assert report.state is HealthState.DEAD and "6 s after it was ready" in report.detail
+
+
+def test_soak_passes_a_service_that_stays_ready_and_takes_soak_seconds():
+    clock = Clock()
+    calls = []
+    report = soak(lambda: calls.append(1) or READY, READY, 5, clock=clock, sleep=clock.sleep)
+    assert report.ready and clock.now == 5.0 and len(calls) == 3  # at 2, 4, 5 s
+
+
+def test_zero_soak_checks_nothing():
+    assert soak(lambda: pytest.fail("checked"), READY, 0) is READY
+
+
+@pytest.mark.parametrize("show, exited", [
+    ("ActiveState=activating\nSubState=auto-restart\nExecMainStatus=2", True),
+    ("ActiveState=failed\nSubState=failed\nExecMainStatus=1", True),
+    ("ActiveState=active\nSubState=running\nExecMainStatus=0", False),  # docker run still creating the container
+    ("ActiveState=activating\nSubState=start-pre\nExecMainStatus=0", False),
+])
+def test_exited_detail(show, exited):
+    detail = exited_detail(show)
+    assert (detail is not None) == exited
+    if exited:
+        assert "exited with status" in detail and show.splitlines()[-1].split("=")[1] in detail
+
+
+def test_rolled_back_restores_current_and_marks_the_failed_attempt():
+    old = {"image": "v:old", "ref": O, "pinned_at": "t0"}
+    good = {"image": "v:nightly", "ref": G, "pinned_at": "t1"}
+    bad = {"image": "v:rejects-flag", "ref": B, "pinned_at": "t2"}
+    on_host = {"current": bad, "previous": good, "history": [old, good, bad]}
+    state = rolled_back(on_host, B, good, "dead: exited 2", "t3")
+    assert state["current"] == good
+    assert state["history"][-1] == {**bad, "failed": "dead: exited 2", "failed_at": "t3"}
+    assert state["previous"] == old  # the next fallback: neither failed nor the one restored
+    assert on_host["history"][-1] == bad  # the input is not mutated
+    # A second failed attempt with the same image: only its newest entry is marked again, history kept.
+    again = rolled_back({**state, "current": bad, "history": [*state["history"], bad]}, B, good, "dead: x", "t4")
+    assert [h.get("failed") for h in again["history"]] == [None, None, "dead: exited 2", "dead: x"]
+    assert again["previous"] == old
