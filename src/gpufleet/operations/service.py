@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-import click
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, OperationValueError, StringCommand, operation
@@ -266,9 +265,8 @@ def _verify(state, host, spec: Any, timeout_s: float, soak_s: float, api_key: Hi
     from pyinfra import logger
 
     # One line naming the host (not the "[host]" prefix): it reads the same in a summary or a grep of the log.
-    logger.error(click.style(f"{host.name}: {what} failed verification ({report.state}: {report.detail}); "
-                             f"rolled back to {prev_ref}, which is ready (fix: {fix}, then converge again; "
-                             "the failed container's log is above)", fg="red"))
+    logger.error(f"{host.name}: {what} failed verification ({report.state}: {report.detail}); rolled back to "
+                 f"{prev_ref}, which is ready (fix: {fix}, then converge again; the failed container's log is above)")
     return False
 
 

@@ -1,0 +1,123 @@
+"""A converge whose new image fails verification puts the version that was serving back (real test host, SSH).
+
+One fresh host, three steps in file order (pytest keeps it): good image -> `rejects-flag` (exits 2 at once: rolled
+back) -> `dies` (ready, then its engine dies: caught by the soak, rolled back) -> the good image again: no change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.health import Expected, HealthState, SshTransport, check
+from gpufleet.health.fleet import connect
+from gpufleet.sandbox.config import H200x3
+from gpufleet.sandbox.image import image_ref
+from gpufleet.settings import build_spec
+from tests.integration.test_deploy_qwen35 import (
+    SERVICE,
+    STATE_FILE,
+    changed_ops,
+    changes,
+    deploy,
+    running_image,
+    sh,
+    write_inventory,
+)
+
+BACKUP = f"/var/lib/gpufleet/{SERVICE}.service.previous"
+UNIT = f"/etc/systemd/system/{SERVICE}.service"
+API_KEY = "sk-gf-rollback-51d0e2"  # /v1/models is key-guarded: the checks must send it inside the SSH channel
+# A short deadline: the broken images fail in seconds; a bug that waits for the timeout fails the test quickly.
+DATA = {"vllm_ready_timeout": 60, "vllm_ready_soak_s": 20, "vllm_api_key": API_KEY}
+
+
+@pytest.fixture(scope="module")
+def host(fleet, _fresh_numbers):
+    """One fresh 3x H200 host for the module's steps, deleted after them."""
+    (h,) = fleet.add_hosts([H200x3], first=next(_fresh_numbers))
+    yield h
+    fleet.remove_hosts([h.name])
+
+
+@pytest.fixture(scope="module")
+def run(host, fleet, pyinfra, tmp_path_factory):
+    """run(tag) -> (pyinfra output, rc, seconds): converge the host with vllm_image at that stand-in tag."""
+    tmp = tmp_path_factory.mktemp("rollback")
+
+    def converge(tag: str):
+        inv = write_inventory(tmp, fleet.write_inventory(), [host.name],
+                              {host.name: {**DATA, "vllm_image": image_ref(fleet.cfg, tag)}})
+        start = time.monotonic()
+        proc = deploy(pyinfra, inv, check=False)
+        return proc.stdout, proc.returncode, time.monotonic() - start
+
+    return converge
+
+
+@pytest.fixture(scope="module")
+def good(run, host, fleet):
+    """The host serving the good image; its pinned digest."""
+    out, rc, _ = run("good")
+    assert rc == 0, out[-4000:]
+    return json.loads(fleet.read_file(host, STATE_FILE))["current"]["ref"]
+
+
+def health_over_ssh(host, fleet) -> tuple[HealthState, str]:
+    """gpufleet.health.check through the host's SSH (the deploy's own view), with the API key."""
+    doc = json.loads(Path(fleet.write_inventory()).read_text())
+    data = {**doc["host_data"], "ssh_hostname": host.ip, **DATA}
+    client = connect(host.name, data)
+    try:
+        report = check(SshTransport(client, name=host.name), Expected.from_spec(build_spec(host.name, data)),
+                       api_key=API_KEY)
+        return report.state, report.detail
+    finally:
+        client.close()
+
+
+def assert_rolled_back(out: str, rc: int, host, fleet, good: str, caught: str) -> dict:
+    assert rc != 0, out[-4000:]
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith(f"{host.name}: new image ")]
+    assert len(lines) == 1, out[-4000:]
+    assert re.search(rf"failed verification \(dead: .*{caught}.*\); rolled back to {re.escape(good)}, which is "
+                     r"ready \(fix: ", lines[0]), lines[0]
+    assert any(line.strip().startswith(f"[{host.name}]   | ") for line in out.splitlines())  # the failed container's log
+    assert API_KEY not in out
+    # Serving the previous digest again, through the same checks the deploy uses.
+    assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"
+    assert running_image(fleet, host) == good
+    assert f" {good} " in fleet.read_file(host, UNIT).decode()
+    assert health_over_ssh(host, fleet)[0] is HealthState.READY
+    state = json.loads(fleet.read_file(host, STATE_FILE))
+    assert state["current"]["ref"] == good
+    assert state["history"][-1]["ref"] != good and state["history"][-1]["failed"].startswith("dead: ")
+    return state
+
+
+def test_an_image_that_exits_at_once_is_rolled_back(good, run, host, fleet):
+    out, rc, seconds = run("rejects-flag")
+    assert_rolled_back(out, rc, host, fleet, good, caught="docker run exited with status 2")
+    assert any("performance-mode" in line for line in out.splitlines() if f"[{host.name}]   | " in line)
+    # Noticed from systemd, not by waiting out vllm_ready_timeout (60 s here, 30 min by default).
+    assert seconds < DATA["vllm_ready_timeout"], seconds
+
+
+def test_an_image_whose_engine_dies_after_ready_is_caught_by_the_soak_and_rolled_back(good, run, host, fleet):
+    out, rc, _ = run("dies")
+    assert f"[{host.name}] ready: " in out and "watching it for 20 s" in out  # it did get ready first
+    state = assert_rolled_back(out, rc, host, fleet, good, caught=r"s after it was ready")
+    assert [h.get("failed", "")[:5] for h in state["history"]] == ["", "dead:", "dead:"]
+
+
+def test_the_good_image_again_after_a_rollback_changes_nothing(good, run, host, fleet):
+    pid = sh(fleet, host, f"systemctl show -p MainPID --value {SERVICE}").strip()
+    out, rc, _ = run("good")
+    assert rc == 0, out[-4000:]
+    assert changes(out) == 0, changed_ops(out)
+    assert sh(fleet, host, f"systemctl show -p MainPID --value {SERVICE}").strip() == pid
+    assert json.loads(fleet.read_file(host, STATE_FILE))["current"]["ref"] == good
