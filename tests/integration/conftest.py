@@ -11,6 +11,7 @@ Without root or systemd-nspawn every test here skips with one line (tests/confte
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 from gpufleet.sandbox.config import Gpus, H200x3, test_config
 from gpufleet.sandbox.fleet import Fleet, check_prerequisites
 from gpufleet.sandbox.hosts import Host
-from gpufleet.sandbox.inventory import write_pyinfra_inventory
+from gpufleet.sandbox.inventory import inventory_document, write_pyinfra_inventory
 from gpufleet.sandbox.procs import SandboxError
 
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
@@ -56,9 +57,12 @@ def test_hosts(fleet: Fleet) -> list[Host]:
 
 
 @pytest.fixture(scope="session")
-def inventory_json(fleet: Fleet, test_hosts: list[Host]) -> Path:
-    """The session hosts' inventory.json (same document `gpufleet sandbox up` writes)."""
-    return fleet.write_inventory()
+def inventory_json(fleet: Fleet, test_hosts: list[Host], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session hosts' inventory (same document `gpufleet sandbox up` writes), frozen to these hosts: the
+    fleet's own inventory.json also lists fresh hosts other tests add and remove meanwhile."""
+    path = tmp_path_factory.mktemp("inventory") / "inventory.json"
+    path.write_text(json.dumps(inventory_document(fleet.cfg, test_hosts, fleet.key), indent=2) + "\n")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.sandbox import image
-from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, FleetConfig, H200x1
+from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, FleetConfig, H200x1, H200x3
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.procs import SandboxError, run
 
@@ -43,8 +43,11 @@ def test_pyinfra_exec_as_deploy_with_sudo_writes_only_on_its_host(fleet, test_ho
 
 def test_hosts_reach_only_the_bridge_subnet(fleet, test_hosts):
     for h in test_hosts:
-        routes = fleet.run_in(h, "ip -4 route show").stdout.strip().splitlines()
-        assert routes == [f"{fleet.cfg.subnet} dev eth0 proto kernel scope link src {h.ip}"], routes
+        routes = [r.strip() for r in fleet.run_in(h, "ip -4 route show").stdout.strip().splitlines()]
+        assert f"{fleet.cfg.subnet} dev eth0 proto kernel scope link src {h.ip}" in routes, routes
+        # Nothing but directly attached links (the bridge subnet; docker0 once a deploy installed Docker):
+        # no default route and no route through any gateway.
+        assert all("scope link" in r and " via " not in r and not r.startswith("default") for r in routes), routes
         assert fleet.read_file(h, "/etc/resolv.conf") == b""
         unreachable = fleet.run_in(h, "ip route get 1.1.1.1", check=False)
         assert unreachable.returncode != 0 and "unreachable" in unreachable.stderr
@@ -77,8 +80,9 @@ nvidia-ctk --version
     return fleet.ssh(host, script).stdout
 
 
-def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, test_hosts):
-    host = test_hosts[0]
+def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, fresh_hosts):
+    # A fresh host: the session hosts may already carry a deploy's changes (Docker, daemon.json keys).
+    (host,) = fresh_hosts(H200x3)
     out = _install_docker_and_toolkit(fleet, host)
     assert "NVIDIA Container Toolkit CLI version 1.17.8" in out
     assert "InRelease" in out and "NO_PUBKEY" not in out  # the signed stand-in repo verified with its key

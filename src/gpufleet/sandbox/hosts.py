@@ -155,7 +155,12 @@ def wait_ready(host: Host, key: Path, pid: int, timeout: float = 120) -> str:
         if not procs.alive(pid):
             tail = (host.dir / "console.log").read_text(errors="replace")[-300:]
             raise SandboxError(f"{host.name}: systemd-nspawn exited during boot: {tail!r}")
-        out = subprocess.run(ssh_argv(host, key, "systemctl", "is-system-running", "--wait"), capture_output=True, text=True)
+        try:
+            # --wait blocks until boot finishes: bound each try so a stuck boot surfaces as our timeout.
+            out = subprocess.run(ssh_argv(host, key, "systemctl", "is-system-running", "--wait"),
+                                 capture_output=True, text=True, timeout=20)
+        except subprocess.TimeoutExpired:
+            return None
         return out.stdout.strip() if out.stdout.strip() in ("running", "degraded") else None
 
     return procs.wait_for(answer, timeout, f"{host.name} to boot", interval=0.2)
