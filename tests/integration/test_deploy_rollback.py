@@ -12,12 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-from gpufleet.health import Expected, HealthState, SshTransport, check
-from gpufleet.health.fleet import connect
-from gpufleet.sandbox.config import H200x3
-from gpufleet.sandbox.image import image_ref
-from gpufleet.settings import build_spec
 from tests.integration.test_deploy_qwen35 import (
     SERVICE,
     STATE_FILE,
@@ -28,6 +22,12 @@ from tests.integration.test_deploy_qwen35 import (
     sh,
     write_inventory,
 )
+
+from gpufleet.health import Expected, HealthState, SshTransport, check
+from gpufleet.health.fleet import connect
+from gpufleet.sandbox.config import H200x3
+from gpufleet.sandbox.image import image_ref
+from gpufleet.settings import build_spec
 
 BACKUP = f"/var/lib/gpufleet/{SERVICE}.service.previous"
 UNIT = f"/etc/systemd/system/{SERVICE}.service"
@@ -92,6 +92,7 @@ def assert_rolled_back(out: str, rc: int, host, fleet, good: str, caught: str) -
     assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"
     assert running_image(fleet, host) == good
     assert f" {good} " in fleet.read_file(host, UNIT).decode()
+    assert fleet.read_file(host, UNIT) == fleet.read_file(host, BACKUP)  # the kept unit is the one restored
     assert health_over_ssh(host, fleet)[0] is HealthState.READY
     state = json.loads(fleet.read_file(host, STATE_FILE))
     assert state["current"]["ref"] == good

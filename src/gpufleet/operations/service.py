@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-
 from pyinfra import host
 from pyinfra.api import FunctionCommand, OperationValueError, StringCommand, operation
 from pyinfra.context import ctx_state
@@ -228,7 +227,15 @@ def _verify(state, host, spec: Any, timeout_s: float, soak_s: float, api_key: Hi
     if rollback is None:
         return fail(host, f"{spec.service} not ready ({report.state}): {report.detail} "
                           f"(fix: see the container log above; `journalctl -u {spec.service}`)")
+    previous_expected = replace(expected, served_model_name=rollback.served_model_name, max_model_len=None,
+                                cache_config={})
+    return _roll_back(host, spec, report, rollback, partial(check_once, previous_expected), timeout_s)
 
+
+def _roll_back(host: Any, spec: Any, report: HealthReport, rollback: Rollback,
+               check_previous: Callable[[], HealthReport], timeout_s: float) -> bool:
+    """Put the kept unit back, point the state file at it, wait until it is ready; always False (the host
+    failed its rollout), with one line saying where it stands."""
     ctx = context(host)
     new_ref = ctx.resolved.get("image_ref") or pinned_ref(ctx.snapshot.state, spec.image) or spec.image
     previous = rollback.previous or {}
@@ -253,9 +260,8 @@ def _verify(state, host, spec: Any, timeout_s: float, soak_s: float, api_key: Hi
         reason = f"{report.state}: {report.detail}"
         if not write_state(host, rollback.state_file, rolled_back(on_host, new_ref, previous, reason, now_utc())):
             return fail(host, f"rolled back to {prev_ref}, but could not write {rollback.state_file}")
-    again = wait_ready(partial(check_once, replace(expected, served_model_name=rollback.served_model_name,
-                                                   max_model_len=None, cache_config={})),
-                       _exited(host, spec.service), timeout_s)
+    # The previous version is held to what it served before this run, not to the new settings' identity.
+    again = wait_ready(check_previous, _exited(host, spec.service), timeout_s)
     if not again.ready:
         return fail(host, f"{what} failed verification ({report.state}: {report.detail}); rolled back to "
                           f"{prev_ref}, which is not ready either ({again.state}: {again.detail}) "
