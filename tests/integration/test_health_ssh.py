@@ -208,16 +208,18 @@ def test_stopped_then_started_service_states_over_ssh(served, fleet):
 
 
 # Last in the module: it leaves the host serving an image whose engine dies.
-def test_engine_death_is_dead_with_docker_logs_over_ssh(served, fleet, pyinfra, tmp_path):
+def test_engine_death_is_dead_with_docker_logs_over_ssh(served, fleet):
     from gpufleet.sandbox.image import image_ref
     from gpufleet.settings import build_spec
+    from gpufleet.unit import render_unit, unit_path
 
     name, _, data = served
-    dying = {**data, "vllm_image": image_ref(fleet.cfg, "dies")}  # stand-in: serves ~8 s, then /health 503, exit 1
-    inv = tmp_path / "dies.py"
-    inv.write_text(f"gpuhosts = [({name!r}, {dying!r})]\n")
-    pyinfra(inv, DEPLOY, check=False)  # the deploy's own readiness step may already see it die
+    dies_ref = image_ref(fleet.cfg, "dies")  # stand-in: serves ~8 s, then /health 503, exit 1
+    dying = {**data, "vllm_image": dies_ref}
     spec = build_spec(name, dying)
+    # The unit for the dying image goes in by hand: the deploy itself would (rightly) roll it back after its soak.
+    fleet.run_in(name, f"docker pull -q {dies_ref} >/dev/null && cat > {unit_path(spec)} <<'UNIT'\n"
+                       f"{render_unit(spec, dies_ref)}UNIT\nsystemctl daemon-reload && systemctl restart {spec.service}")
     expected = Expected.from_spec(spec)
     client = connect(name, data)
     try:
