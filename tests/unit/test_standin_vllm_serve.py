@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.sandbox import vllm_help
+from gpufleet import sandbox, vllm_flags
 from gpufleet.sandbox.image import write_tiny_model
 
-SERVE = Path(vllm_help.__file__).parent / "standin" / "vllm_serve.py"
+SERVE = Path(sandbox.__file__).parent / "standin" / "vllm_serve.py"
 HELP = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "serve-help-all.txt"
 
 
@@ -107,12 +107,13 @@ def server(model):
 
 
 def test_flag_table_is_generated_from_the_recorded_help():
-    assert json.loads(vllm_help.FLAGS_JSON.read_text()) == vllm_help.parse_help(HELP.read_text())
-    flags = {n: f for f in vllm_help.parse_help(HELP.read_text())["flags"] for n in f["names"]}
+    assert json.loads(vllm_flags.FLAGS_JSON.read_text()) == vllm_flags.parse_help(HELP.read_text())
+    flags = {n: f for f in vllm_flags.parse_help(HELP.read_text())["flags"] for n in f["names"]}
     assert flags["--performance-mode"]["choices"] == ["balanced", "interactivity", "throughput"]
     assert flags["--port"]["type"] == "int" and flags["--served-model-name"]["nargs"] == "+"
     assert flags["-pp"] is flags["--pipeline-parallel-size"]
     assert flags["--enable-prefix-caching"]["kind"] == "bool"
+    assert flags["--tool-call-parser"]["choices"][-1] == "xlam" and flags["--tool-call-parser"]["open"]
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,6 @@ a registry with stand-in vLLM images, and GPU stand-ins. Used by `gpufleet sandb
     fleet.stop()                                    # leaves no process, mount, netns, link
 
 Modules: config (names, subnets, GPU profiles), rootfs (debootstrap base + mirror debs), nvidia_repo, image,
-services (mirror + registry), network, hosts, state, fleet, inventory, nvidia_smi, vllm_help; standin/ holds the
+services (mirror + registry), network, hosts, state, fleet, inventory, nvidia_smi; standin/ holds the
 stdlib-only programs that run inside hosts and images. See docs/test-hosts.md.
 """

@@ -19,6 +19,7 @@ from gpufleet.sandbox.config import FleetConfig
 from gpufleet.sandbox.procs import log, run
 from gpufleet.sandbox.services import registry_storage
 from gpufleet.sandbox.state import State
+from gpufleet.vllm_flags import FLAGS_JSON
 
 STANDIN = Path(__file__).parent / "standin"
 REPOSITORY = "vllm/vllm-openai"
@@ -41,7 +42,9 @@ COMMON_ENV = {
     "VLLM_USAGE_SOURCE": "production-docker-image",
     "PYTHONUNBUFFERED": "1",
 }
-SOURCES = ("vllm_serve.py", "vllm_flags.json", "hf.py")
+# What goes into the image's /opt (image name -> source): the stand-ins and the flag table compiled from the real
+# `vllm serve --help=all`, the same table settings validation uses (gpufleet.vllm_flags).
+SOURCES = {"vllm_serve.py": STANDIN / "vllm_serve.py", "hf.py": STANDIN / "hf.py", "vllm_flags.json": FLAGS_JSON}
 
 
 def image_ref(cfg: FleetConfig, tag: str = "nightly") -> str:
@@ -50,7 +53,7 @@ def image_ref(cfg: FleetConfig, tag: str = "nightly") -> str:
 
 def _key(base_rootfs: Path) -> str:
     h = hashlib.sha256(str(base_rootfs).encode() + json.dumps([TAGS, ALIASES, COMMON_ENV, MODEL_REPO]).encode())
-    for f in (*[STANDIN / s for s in SOURCES], Path(__file__)):
+    for f in (*SOURCES.values(), Path(__file__)):
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
 
@@ -163,8 +166,8 @@ def _image_tar(cache_dir: Path, base: Path, key: str) -> Path:
     (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
     (root / "etc/group").write_text("root:x:0:\n")
     opt = root / "opt/gpufleet-standin"
-    for src in SOURCES:
-        shutil.copy(STANDIN / src, opt / src)
+    for name, src in SOURCES.items():
+        shutil.copy(src, opt / name)
     for name, src in (("vllm", "vllm_serve.py"), ("hf", "hf.py")):
         (opt / src).chmod(0o755)
         (root / "usr/bin" / name).symlink_to(f"/opt/gpufleet-standin/{src}")

@@ -31,7 +31,11 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS", Path(__file__).resolve().with_name("vllm_flags.json")))
+# In the image the table sits next to this file; run from a checkout, it is the package's compiled table.
+_HERE = Path(__file__).resolve()
+FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS") or next(
+    p for p in (_HERE.with_name("vllm_flags.json"), _HERE.parents[2] / "data" / "vllm-serve-flags.json") if p.exists()
+))
 VERSION = os.environ.get("STANDIN_VLLM_VERSION", "0.32.0")
 TTFT_BUCKETS = (
     0.001,
