@@ -158,7 +158,7 @@ def wait_ready(host: Host, key: Path, pid: int, timeout: float = 120) -> str:
         try:
             # --wait blocks until boot finishes: bound each try so a stuck boot surfaces as our timeout.
             out = subprocess.run(ssh_argv(host, key, "systemctl", "is-system-running", "--wait"),
-                                 capture_output=True, text=True, timeout=20)
+                                 stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=20)
         except subprocess.TimeoutExpired:
             return None
         return out.stdout.strip() if out.stdout.strip() in ("running", "degraded") else None

@@ -20,7 +20,10 @@ class SandboxError(RuntimeError):
 def run(argv: Sequence[str], *, check: bool = True, input: str | bytes | None = None, **kw) -> subprocess.CompletedProcess:
     """Run argv, capturing output; on failure raise SandboxError with the command and its stderr tail."""
     text = not isinstance(input, bytes)
-    proc = subprocess.run(list(argv), input=input, capture_output=True, text=text, **kw)
+    # Without input, stdin is /dev/null: an ssh or tool run here must never swallow the user's terminal input
+    # (`gpufleet sandbox up && pyinfra ...` would otherwise eat the Enter meant for pyinfra's prompt).
+    stdin = {"input": input} if input is not None else {"stdin": subprocess.DEVNULL}
+    proc = subprocess.run(list(argv), capture_output=True, text=text, **stdin, **kw)
     if check and proc.returncode != 0:
         err = proc.stderr if text else proc.stderr.decode(errors="replace")
         tail = " | ".join(err.strip().splitlines()[-3:])
