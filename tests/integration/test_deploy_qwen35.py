@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.integration.pyinfra_results import changed_ops, changes, results
 
 from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, H200x1, H200x3
 
@@ -49,26 +50,6 @@ def deploy(pyinfra, inventory: Path, *args: str, check: bool = True):
     if check and proc.returncode != 0:
         raise AssertionError(f"deploy failed:\n{proc.stdout[-4000:]}")
     return proc
-
-
-def results(output: str) -> dict[str, tuple[str, ...]]:
-    """pyinfra's own "Results" table: operation -> (hosts, success, error, no change); "Grand total" included."""
-    table = output[output.rindex("--> Results:"):]
-    rows = {}
-    for line in table.splitlines()[2:]:
-        cells = re.split(r"\s{2,}", line.strip())
-        if len(cells) == 5:
-            rows[cells[0]] = tuple(cells[1:])
-    return rows
-
-
-def changes(output: str) -> int:
-    success = results(output)["Grand total"][1]
-    return 0 if success == "-" else int(success)
-
-
-def changed_ops(output: str) -> dict[str, int]:
-    return {op.split(" | ")[-1]: int(r[1]) for op, r in results(output).items() if op != "Grand total" and r[1] != "-"}
 
 
 def sh(fleet, host, command: str) -> str:

@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import (
     SERVICE,
     STATE_FILE,
-    changed_ops,
-    changes,
     deploy,
     running_image,
     sh,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from tests.ports import free_port
 
 from gpufleet.health import (
     Expected,
@@ -45,12 +46,6 @@ def web(tmp_path) -> Iterator[int]:
     httpd.server_close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_http_rides_a_direct_tcpip_channel(sshd, web):
@@ -67,7 +62,7 @@ def test_nothing_listening_is_connection_refused_not_a_tunnel_error(sshd):
     client = sshd.client()
     try:
         with pytest.raises(ConnectionRefusedError):
-            SshTransport(client, name="lo").http(_free_port(), timeout=5)
+            SshTransport(client, name="lo").http(free_port(), timeout=5)
     finally:
         client.close()
 
@@ -82,7 +77,7 @@ def test_docker_failure_is_reported_not_read_as_no_container(sshd):
             pytest.skip("a docker daemon answers here: covered by the test-hosts tier")
         with pytest.raises(TransportError, match="docker"):
             t.container("vllm")
-        r = check(t, Expected("vllm", _free_port(), "tiny"))
+        r = check(t, Expected("vllm", free_port(), "tiny"))
         assert r.state is HealthState.CONTAINER_NOT_RUNNING
         assert "cannot read container state" in r.detail
     finally:

@@ -14,7 +14,7 @@ def split_exec(value: str) -> list[str]:
             i += 1
         if i >= n:
             break
-        word, quote, started = [], None, False
+        word, quote = [], None
         while i < n:
             c = value[i]
             if quote is None and c in " \t":

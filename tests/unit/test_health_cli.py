@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ from click.testing import CliRunner
 
 from gpufleet.cli.verify import load_targets, status, verify
 from gpufleet.health import Expected
+from tests.ports import free_port
 
 try:
     from gpufleet.inventory import load_hosts  # noqa: F401
@@ -19,10 +19,6 @@ except ImportError as e:  # the lead's modules; the CLI cannot load an inventory
     pytest.skip(f"gpufleet.inventory / gpufleet.settings not available yet: {e}", allow_module_level=True)
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -30,9 +26,9 @@ def inventory(tmp_path):
     """Two hosts whose SSH port refuses at once (nothing listens): ssh-unreachable without any wait."""
     path = tmp_path / "inv.py"
     hosts = [
-        ("box-a", {"ssh_hostname": "127.0.0.1", "ssh_port": _closed_port(), "vllm_gpus": [0, 1],
+        ("box-a", {"ssh_hostname": "127.0.0.1", "ssh_port": free_port(), "vllm_gpus": [0, 1],
                    "vllm_args": {"pipeline-parallel-size": 2}}),
-        ("box-b", {"ssh_hostname": "127.0.0.1", "ssh_port": _closed_port(), "vllm_gpus": [0],
+        ("box-b", {"ssh_hostname": "127.0.0.1", "ssh_port": free_port(), "vllm_gpus": [0],
                    "vllm_args": {"pipeline-parallel-size": 1, "max-num-batched-tokens": 1152}}),
     ]  # fmt: skip
     path.write_text(f"hosts = {hosts!r}\n")

@@ -11,6 +11,7 @@ import pytest
 
 from gpufleet.health import Expected, HealthState, LoopbackTransport, check, wait_until_ready
 from gpufleet.health.transport import _parse_docker_time, pick_container
+from tests.ports import free_port
 
 LABEL = "gpufleet.vllm"
 
@@ -58,10 +59,6 @@ def test_docker_times_with_nanoseconds_and_offsets():
     assert _parse_docker_time("0001-01-01T00:00:00Z") is None  # created, never started
 
 
-def _unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_exited_process_is_dead_with_its_exit_code(tmp_path):
@@ -70,9 +67,9 @@ def test_exited_process_is_dead_with_its_exit_code(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()
     t = LoopbackTransport(proc, log)
-    r = check(t, Expected("vllm", _unused_port(), "tiny"))
+    r = check(t, Expected("vllm", free_port(), "tiny"))
     assert r.state is HealthState.DEAD and "exit code 3" in r.detail
-    waited = wait_until_ready(t, Expected("vllm", _unused_port(), "tiny"), timeout_s=30)
+    waited = wait_until_ready(t, Expected("vllm", free_port(), "tiny"), timeout_s=30)
     assert waited.state is HealthState.DEAD
     assert waited.logs == ("line 1", "EngineCore died")
 
@@ -82,7 +79,7 @@ def test_refused_port_is_starting_within_grace_then_dead():
     try:
         time.sleep(0.2)
         t = LoopbackTransport(proc)
-        exp = Expected("vllm", _unused_port(), "tiny")
+        exp = Expected("vllm", free_port(), "tiny")
         assert check(t, exp).state is HealthState.STARTING
         late = check(t, exp, grace_s=0.0)
         assert late.state is HealthState.DEAD and "still not answering" in late.detail

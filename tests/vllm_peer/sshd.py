@@ -14,19 +14,17 @@ from pathlib import Path
 
 import paramiko
 
+from tests.ports import free_port
+
 SSHD = Path("/usr/sbin/sshd")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Sshd:
     def __init__(self, workdir: Path):
         self.dir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.user = getpass.getuser()
         self.client_key = workdir / "client_key"
         self.proc: subprocess.Popen | None = None
