@@ -15,7 +15,7 @@ DEFAULTS: dict[str, Any] = {
     "vllm_profile": "qwen35",
     # Image to serve; a tag is resolved to a digest at deploy time and the unit runs that digest.
     "vllm_image": "vllm/vllm-openai:nightly",
-    # GPU indexes handed to the container (docker --gpus device=...). Their count must equal TP x PP.
+    # GPU indexes handed to the container (docker --gpus device=...). Their count must equal DP x TP x PP.
     "vllm_gpus": [0, 1, 2],
     # Port vLLM listens on inside the container and is published on the host.
     "vllm_port": 5000,
@@ -42,6 +42,9 @@ DEFAULTS: dict[str, Any] = {
     "vllm_hf_token": None,
     # Secret: API key clients must send; given to vLLM as VLLM_API_KEY through a root-only env file.
     "vllm_api_key": None,
+    # Secrets: extra env vars for the container (name -> value, e.g. {"WANDB_API_KEY": "..."}). Values go to the
+    # root-only env file like the API key; the container gets `-e NAME` only, never the value on a command line.
+    "vllm_secret_env": {},
     # Seconds the deploy waits for /health and /v1/models to answer after a (re)start; a cold compile is slow.
     "vllm_ready_timeout": 1800,
     # Seconds the deploy keeps checking a service after it first got ready following a (re)start: an engine that
@@ -68,4 +71,4 @@ DEFAULTS: dict[str, Any] = {
 }
 
 # Settings whose values are secrets: never rendered into units, argv, logs or `gpufleet render` output.
-SECRET_SETTINGS = frozenset({"vllm_hf_token", "vllm_api_key"})
+SECRET_SETTINGS = frozenset({"vllm_hf_token", "vllm_api_key", "vllm_secret_env"})

@@ -2,6 +2,22 @@
 
 from __future__ import annotations
 
+import re
+
+# Anything that ends or breaks a line somewhere: systemd ends unit lines at LF, CR and NUL, terminals and logs
+# at the rest of C0/C1, some readers at Unicode's line and paragraph separators. Settings refuse them; messages
+# show them escaped ("\\n").
+CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """text with every control character escaped, so a message stays one line whatever it quotes.
+
+    >>> one_line("box\\nExecStartPre=/bin/sh")
+    'box\\\\nExecStartPre=/bin/sh'
+    """
+    return CONTROL_CHARACTERS.sub(lambda m: m.group().encode("unicode_escape").decode(), str(text))
+
 
 class GpufleetError(Exception):
     """Base class: anything the user can fix. str() is the one-line message shown to them."""
@@ -12,7 +28,7 @@ class SettingError(GpufleetError):
 
     def __init__(self, host: str, setting: str, problem: str, fix: str):
         self.host, self.setting, self.problem, self.fix = host, setting, problem, fix
-        super().__init__(f"{host}: {setting}: {problem} (fix: {fix})")
+        super().__init__(one_line(f"{host}: {setting}: {problem} (fix: {fix})"))
 
 
 class SettingErrors(GpufleetError):

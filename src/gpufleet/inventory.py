@@ -11,7 +11,7 @@ from pyinfra.api import State
 from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory
 
-from gpufleet.errors import GpufleetError, SettingErrors
+from gpufleet.errors import GpufleetError, SettingErrors, one_line
 from gpufleet.settings import build_spec
 from gpufleet.spec import ServeSpec
 
@@ -26,7 +26,10 @@ def load_hosts(inventory_path: str | Path) -> list[tuple[str, dict[str, Any]]]:
         try:
             inventory = make_inventory(str(path))
         except Exception as exc:  # the user's Python file: show its error on one line
-            raise GpufleetError(f"{inventory_path}: cannot load inventory: {type(exc).__name__}: {exc}") from exc
+            # pyinfra wraps an exception raised by the file in an error whose str() fails: show the original.
+            cause = getattr(exc, "exception", exc)
+            raise GpufleetError(one_line(f"{inventory_path}: cannot load inventory: {type(cause).__name__}: {cause}")) \
+                from exc
         return [(host.name, host.data.dict()) for host in inventory]
 
 
@@ -36,7 +39,7 @@ def load_host_specs(inventory_path: str | Path, only_host: str | None = None) ->
     if only_host is not None:
         hosts = [(name, data) for name, data in hosts if name == only_host]
         if not hosts:
-            raise GpufleetError(f"{only_host}: no such host in {inventory_path} (fix: check --host)")
+            raise GpufleetError(one_line(f"{only_host}: no such host in {inventory_path} (fix: check --host)"))
     specs, errors = [], []
     for name, data in hosts:
         try:

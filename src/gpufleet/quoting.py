@@ -5,6 +5,8 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
+from gpufleet.errors import one_line
+
 
 def shell_line(argv: Sequence[str], continuation: bool = True) -> str:
     """A POSIX shell command line for argv; one option per line with backslash continuations when asked.
@@ -43,3 +45,14 @@ def _systemd_word(arg: str) -> str:
         return escaped
     escaped = escaped.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
     return f'"{escaped}"'
+
+
+def systemd_text(text: str) -> str:
+    """Free text for a unit's Description= or a comment line: "%" doubled (Description= expands specifiers such
+    as %n), control characters shown escaped (settings refuse them; this keeps any that slip in from starting a
+    new directive). The template never ends a line with such text, so a trailing backslash continues nothing.
+
+    >>> systemd_text("50% of %n")
+    '50%% of %%n'
+    """
+    return one_line(text).replace("%", "%%")

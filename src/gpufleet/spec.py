@@ -136,13 +136,13 @@ def _option_args(name: str, value: OptionValue) -> list[str]:
     return [f"--{name}={value}"]
 
 
-_TOKEN_COUNT = re.compile(r"^(\d+)([kKmMgG]?)$")
+_TOKEN_COUNT = re.compile(r"([0-9]+)([kKmMgG]?)")
 _SUFFIX = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
 
 
 def parse_token_count(text: Any) -> int | None:
     """vLLM's human-readable token counts: "225000", "32k" (x1000), "32K" (x1024). None if not one."""
-    match = _TOKEN_COUNT.match(str(text).strip())
+    match = _TOKEN_COUNT.fullmatch(str(text).strip())
     if not match:
         return None
     return int(match.group(1)) * _SUFFIX[match.group(2)]

@@ -33,6 +33,7 @@ class FlagInfo:
     negatable: bool  # argparse BooleanOptionalAction: --no-<name> exists
     choices: tuple[str, ...] | None  # None: any value
     open_choices: bool  # "{...} or name registered in --plugin": other names may be valid at run time
+    value_type: str = "str"  # "int" / "float" where the recorded default is a number (see _type)
 
 
 def parse_help(text: str) -> dict:
@@ -122,7 +123,8 @@ def known_flags() -> dict[str, FlagInfo]:
         name = _long_name(f["names"])
         if name:
             flags[name] = FlagInfo(name, takes_value=f["kind"] == "value", negatable=f["kind"] == "bool",
-                                   choices=tuple(f["choices"]) if f["choices"] else None, open_choices=f["open"])
+                                   choices=tuple(f["choices"]) if f["choices"] else None, open_choices=f["open"],
+                                   value_type=f.get("type", "str"))
     return flags
 
 

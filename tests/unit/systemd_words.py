@@ -34,3 +34,22 @@ def split_exec(value: str) -> list[str]:
         assert quote is None, f"unterminated quote in {value!r}"
         words.append("".join(word).replace("$$", "\0").replace("%%", "%").replace("\0", "$"))
     return words
+
+
+def unit_directives(text: str) -> list[tuple[str, str, str]]:
+    """(section, key, value) for every directive of a unit file, read as systemd reads it: lines end at LF, CR or
+    NUL; '#' and ';' lines are comments; a trailing backslash joins the next line."""
+    directives, section, pending = [], "", ""
+    for raw in text.replace("\r", "\n").replace("\0", "\n").split("\n"):
+        continued, line, pending = bool(pending), pending + raw.strip(), ""
+        if not line or (line[0] in "#;" and not continued):
+            continue
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        key, _, value = line.partition("=")
+        directives.append((section, key.strip(), value.strip()))
+    return directives

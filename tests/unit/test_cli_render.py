@@ -87,3 +87,40 @@ def test_console_script_runs_on_the_shipped_example_inventory():
         check=True,
     ).stdout
     assert out.startswith("# host: gpu-box-1\ndocker run")
+
+
+def test_hostile_settings_are_one_line_each_from_render_and_lint(inventory):
+    inv = inventory(
+        'boxes = [("a", {"vllm_args": {"served-model-name": "m\\nExecStartPre=/bin/id"}}),\n'
+        '         ("b", {"vllm_service": "sshd", "vllm_args": {"override-generation-config": {"x": {1}}}}),\n'
+        '         ("c\\rd", {})]\n'
+    )
+    expected = [
+        "a: vllm_args['served-model-name']: holds a control character (U+000A), which would end a line of the systemd "
+        "unit (fix: remove it: only printable characters are allowed)",
+        "b: vllm_service: 'sshd' names a system unit, which the deploy would replace and restart (fix: use a name of "
+        'its own, e.g. "vllm-qwen35")',
+        "b: vllm_args['override-generation-config']: is not JSON-serialisable (TypeError: Object of type set is not "
+        'JSON serializable) (fix: give a JSON object, e.g. {"temperature": 0.6})',
+        "c\\rd: inventory host name: holds a control character (U+000D), which would break the unit's header and "
+        "every log line (fix: rename the host in the inventory)",
+    ]
+    for command in ("render", "lint"):
+        result = run(command, inv)
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert result.output.removeprefix("Error: ").splitlines() == expected
+
+
+def test_render_shows_secret_env_names_never_values(inventory):
+    inv = inventory('boxes = [("a", {"vllm_secret_env": {"WANDB_API_KEY": "wandb-s3cr3t"}, "vllm_api_key": "sk-k3y"})]\n')
+    for args in ((), ("--unit",)):
+        result = run("render", inv, *args)
+        assert result.exit_code == 0 and "WANDB_API_KEY" in result.output
+        assert "s3cr3t" not in result.output and "k3y" not in result.output
+
+
+def test_an_inventory_raising_a_multi_line_error_is_still_one_line(inventory):
+    path = inventory('raise ValueError("first line\\nExecStartPre=/bin/id")\n')
+    result = run("render", path)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.splitlines() == [f"Error: {path}: cannot load inventory: ValueError: first line\\nExecStartPre=/bin/id"]

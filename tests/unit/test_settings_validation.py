@@ -48,7 +48,7 @@ CASES = [
     ({"vllm_args": ["--foo"]}, "vllm_args", "mapping"),
     ({"vllm_env": {"HF_TOKEN": "hf_x"}}, "vllm_env['HF_TOKEN']", "vllm_hf_token"),
     ({"vllm_env": {"BAD-NAME": "1"}}, "vllm_env['BAD-NAME']", "variable name"),
-    ({"vllm_env": {"MULTI": "a\nb"}}, "vllm_env['MULTI']", "one-line"),
+    ({"vllm_env": {"MULTI": "a\nb"}}, "vllm_env['MULTI']", "control character (U+000A)"),
     ({"vllm_docker_options": {"gpus": "all"}}, "vllm_docker_options['gpus']", "vllm_gpus"),
     ({"vllm_docker_options": {"shm-size": 16}}, "vllm_docker_options['shm-size']", "string"),
     ({"vllm_prot": 5000}, "vllm_prot", "vllm_port"),

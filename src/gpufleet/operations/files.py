@@ -28,9 +28,9 @@ def put_content(path: str, content: str | bytes, mode: str = "644"):
     if snapshot().file_sha256.get(path) == sha256(content):
         return
     directory = path.rsplit("/", 1)[0] or "/"
-    yield StringCommand("install", "-d", "-m", "755", directory)
+    yield StringCommand("install", "-d", "-m", "755", shlex.quote(directory))
     yield FileUploadCommand(_io(content), path)
-    yield StringCommand("chown", "root:root", path, "&&", "chmod", mode, path)
+    yield StringCommand("chown", "root:root", shlex.quote(path), "&&", "chmod", shlex.quote(mode), shlex.quote(path))
 
 
 def _install_secret(state, host, path: str, secret: Hidden) -> bool:
@@ -71,7 +71,8 @@ def directories(paths: list[str], user: str = "root", group: str = "root", mode:
         host.noop(f"{len(paths)} directories exist, {user}:{group} {mode}")
         return
     quoted = [shlex.quote(p) for p in wrong]
-    yield StringCommand("install", "-d", "-o", user, "-g", group, "-m", mode, *quoted)
+    yield StringCommand("install", "-d", "-o", shlex.quote(user), "-g", shlex.quote(group), "-m", shlex.quote(mode),
+                        *quoted)
 
 
 @operation()

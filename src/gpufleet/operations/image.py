@@ -20,6 +20,7 @@ from typing import Any
 from pyinfra import host
 from pyinfra.api import FunctionCommand, operation
 
+from gpufleet.image_ref import parse
 from gpufleet.operations.context import context, fail, snapshot, use_sudo
 
 STATE_DIR = "/var/lib/gpufleet"
@@ -31,7 +32,11 @@ def state_file(service: str) -> str:
 
 
 def repository(image: str) -> str:
-    """"reg:5000/vllm/vllm-openai:nightly" -> "reg:5000/vllm/vllm-openai" (a registry port is not a tag)."""
+    """The repository as docker lists it: "reg:5000/vllm/vllm-openai:nightly" -> "reg:5000/vllm/vllm-openai" (a
+    registry port is not a tag), "docker.io/library/ubuntu:24.04" -> "ubuntu"."""
+    ref = parse(image)
+    if ref is not None:
+        return ref.repository
     name = image.split("@", 1)[0]
     last = name.rsplit("/", 1)[-1]
     return name[: len(name) - len(last)] + last.split(":", 1)[0]
@@ -39,8 +44,10 @@ def repository(image: str) -> str:
 
 def pinned_ref(state: dict[str, Any] | None, image: str) -> str | None:
     """The digest ref recorded for this exact image setting, if any."""
-    if "@sha256:" in image:
-        return image  # already pinned by the user
+    ref = parse(image)
+    if ref is not None and ref.pinned:
+        # Pinned by the user; "repo:tag@sha256:..." runs (and is listed by docker) as "repo@sha256:...".
+        return ref.pinned
     current = (state or {}).get("current") or {}
     if current.get("image") == image and isinstance(current.get("ref"), str) and "@sha256:" in current["ref"]:
         return current["ref"]
@@ -78,7 +85,7 @@ def write_state(host, path: str, state: dict[str, Any]) -> bool:
     """Upload the state file (root-owned, in STATE_DIR) from a FunctionCommand."""
     content = json.dumps(state, indent=2) + "\n"
     sudo = use_sudo(host)
-    ok = host.run_shell_command(f"install -d -m 755 {STATE_DIR}", _sudo=sudo)[0]
+    ok = host.run_shell_command(f"install -d -m 755 {shlex.quote(STATE_DIR)}", _sudo=sudo)[0]
     return bool(ok and host.put_file(BytesIO(content.encode()), path, _sudo=sudo))
 
 
@@ -87,8 +94,17 @@ def now_utc() -> str:
 
 
 def pick_digest(image: str, repo_digests: list[str]) -> str | None:
+    """The entry of `docker image inspect`'s RepoDigests that belongs to image's repository."""
     repo = repository(image)
-    return next((d for d in repo_digests if d.split("@", 1)[0] == repo), None)
+    return next((d for d in repo_digests if repository(d.split("@", 1)[0]) == repo), None)
+
+
+def image_present(images: list[tuple[str, str, str]], ref: str) -> bool:
+    """Is `repo@sha256:...` among `docker images --digests` (repository, tag, digest) rows? Both sides are
+    normalised: docker lists Docker Hub images by their short names."""
+    repo, _, digest = ref.partition("@")
+    repo = repository(repo)
+    return bool(digest) and any(d == digest and repository(r) == repo for r, _, d in images)
 
 
 def _pull_and_pin(state, host, image: str, pull: str, path: str, previous: dict[str, Any] | None) -> bool:
@@ -121,7 +137,7 @@ def pinned(image: str, service: str):
     """Pull the image and pin its tag to a digest."""
     snap = snapshot()
     ref = pinned_ref(snap.state, image)
-    if ref and snap.has_image_digest(ref):
+    if ref and image_present(snap.images, ref):
         host.noop(f"{image} is pinned to {ref.rsplit('@', 1)[1][:19]} and present")
         return
     # A recorded digest whose image went missing is pulled by digest: the pin does not move.

@@ -9,7 +9,6 @@ back at it and fails the host with one line.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import time
 from collections.abc import Callable
@@ -25,19 +24,19 @@ from gpufleet.health import HealthReport, HealthState, TransportError
 from gpufleet.operations.context import Hidden, context, fail, snapshot, use_sudo
 from gpufleet.operations.files import put_content, put_secret
 from gpufleet.operations.image import STATE_DIR, image_ref, now_utc, pinned_ref, rolled_back, state_file, write_state
-
-# Values must read the same to systemd's EnvironmentFile, docker's --env-file and sh's `.` (the readiness probe):
-# no quotes, spaces, $, backslashes or a leading ~.
-_SAFE_VALUE = re.compile(r"^[A-Za-z0-9._+/=:@-]+$")
+from gpufleet.settings import SECRET_VALUE
 
 
 def env_content(secrets: dict[str, str | None]) -> str:
-    """The root-only env file: one NAME=value per set secret (values are never logged)."""
+    """The root-only env file: one NAME=value per set secret (values are never logged). Settings validation
+    refuses unsafe values first; this check keeps the operation safe on its own."""
     lines = ["# Managed by gpufleet: secrets for the vLLM unit and the model download. Root-only (0600)."]
     for name, value in secrets.items():
         if value is None:
             continue
-        if not _SAFE_VALUE.match(value):
+        # Values must read the same to systemd's EnvironmentFile, docker's --env-file and sh's `.` (the
+        # readiness probe): no quotes, spaces, $ or backslashes.
+        if not SECRET_VALUE.fullmatch(value):
             # The value itself is never echoed: this message may end up in logs.
             raise OperationValueError(f"{name}: the secret holds characters an env file cannot carry unquoted "
                                       "(fix: use a token of letters, digits and ._+/=:@-)")
@@ -45,12 +44,17 @@ def env_content(secrets: dict[str, str | None]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def secret_values(settings: dict[str, Any], secrets: dict[str, str]) -> dict[str, str | None]:
+    """env var -> value: the named settings (secrets: env var -> setting name), then vllm_secret_env's."""
+    values = {env: settings.get(key) for env, key in secrets.items()}
+    return {**values, **(settings.get("vllm_secret_env") or {})}
+
+
 @operation()
 def env_file(path: str, secrets: dict[str, str]):
     """Write the service's root-only secrets file. secrets: env var -> setting name (values read from host data,
-    so they never pass through operation arguments)."""
-    settings = context().settings
-    commands = list(put_secret(path, env_content({env: settings.get(key) for env, key in secrets.items()})))
+    so they never pass through operation arguments), plus every vllm_secret_env entry."""
+    commands = list(put_secret(path, env_content(secret_values(context().settings, secrets))))
     if not commands:
         host.noop(f"{path} is up to date (0600 root)")
         return
@@ -88,7 +92,7 @@ def unit(spec: Any, path: str):
         return
     if _keeps_backup(snapshot(), spec, path):
         # The verify step puts this unit back if the new one never gets ready or dies during the soak.
-        yield StringCommand("install", "-D", "-m", "644", path, unit_backup(spec.service))
+        yield StringCommand("install", "-D", "-m", "644", shlex.quote(path), shlex.quote(unit_backup(spec.service)))
     yield from commands
     yield StringCommand("systemctl", "daemon-reload")
 
@@ -109,11 +113,11 @@ def running(service: str, changes: list[Any], start: bool = True):
         host.noop(f"{unit_name} installed, not started: no GPU on this host (gpufleet_allow_no_gpu)")
         return
     if not snap.unit_enabled(unit_name):
-        yield StringCommand("systemctl", "enable", unit_name)
+        yield StringCommand("systemctl", "enable", shlex.quote(unit_name))
     if _changed(changes):
-        yield StringCommand("systemctl", "restart", unit_name)
+        yield StringCommand("systemctl", "restart", shlex.quote(unit_name))
     elif not snap.unit_active(unit_name):
-        yield StringCommand("systemctl", "start", unit_name)
+        yield StringCommand("systemctl", "start", shlex.quote(unit_name))
     elif snap.unit_enabled(unit_name):
         host.noop(f"{unit_name} is active and nothing it runs changed")
 
@@ -180,7 +184,8 @@ def soak(check_once: Callable[[], HealthReport], ready: HealthReport, soak_s: fl
 
 
 def _journal(host: Any, service: str, lines: int = 15) -> list[str]:
-    ok, output = host.run_shell_command(f"journalctl -u {service}.service -n {lines} --no-pager -o cat",
+    ok, output = host.run_shell_command(f"journalctl -u {shlex.quote(service + '.service')} -n {int(lines)} "
+                                        "--no-pager -o cat",
                                         _sudo=use_sudo(host))
     return output.stdout_lines if ok else []
 
@@ -197,7 +202,7 @@ def _failed_logs(host: Any, transport: Any, service: str) -> list[str]:
 def _exited(host: Any, service: str) -> Callable[[], str | None]:
     def probe() -> str | None:
         ok, output = host.run_shell_command(
-            f"systemctl show -p ActiveState -p SubState -p ExecMainStatus {service}.service")
+            f"systemctl show -p ActiveState -p SubState -p ExecMainStatus {shlex.quote(service + '.service')}")
         return exited_detail("\n".join(output.stdout_lines)) if ok else None
     return probe
 
@@ -245,7 +250,7 @@ def _roll_back(host: Any, spec: Any, report: HealthReport, rollback: Rollback,
     host.log_styled(f"rolling back to {prev_ref}")
     ok, output = host.run_shell_command(
         f"install -m 644 {shlex.quote(rollback.backup)} {shlex.quote(rollback.unit_path)} && "
-        f"systemctl daemon-reload && systemctl restart {shlex.quote(spec.service)}.service", _sudo=sudo)
+        f"systemctl daemon-reload && systemctl restart {shlex.quote(spec.service + '.service')}", _sudo=sudo)
     if not ok:
         return fail(host, f"{what} failed verification ({report.state}: {report.detail}); the rollback to "
                           f"{prev_ref} failed too: {' | '.join(output.stderr_lines[-3:])} "

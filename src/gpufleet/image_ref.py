@@ -1,0 +1,67 @@
+"""Image references as docker reads and reports them: parsed strictly, and normalised to docker's short form.
+
+docker pulls `docker.io/vllm/vllm-openai:nightly` but lists it (and its RepoDigests) as `vllm/vllm-openai`, and
+`docker.io/library/ubuntu` as `ubuntu`; a digest in `repo:tag@sha256:...` wins over the tag. Comparing what the
+user wrote with what docker reports therefore goes through normalise() on both sides.
+
+>>> normalise("docker.io/library/ubuntu:24.04")
+'ubuntu:24.04'
+>>> parse("reg:5000/vllm/vllm-openai:nightly@sha256:" + "a" * 64).repository
+'reg:5000/vllm/vllm-openai'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# docker's reference grammar (distribution/reference): a registry host is the first component when it holds a
+# "." or ":" or is "localhost"; path components are lowercase; tags are at most 128 word characters.
+_DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]{1,5})?"
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REFERENCE = re.compile(
+    rf"(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_COMPONENT}(?:/{_COMPONENT})*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?"
+)
+# Docker Hub's names: docker reports images from it without the registry and without "library/".
+_HUB = ("docker.io", "index.docker.io")
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    repository: str  # normalised: "vllm/vllm-openai", "ubuntu", "reg:5000/vllm/vllm-openai"
+    tag: str | None
+    digest: str | None  # "sha256:<64 hex>"
+
+    def __str__(self) -> str:
+        return self.repository + (f":{self.tag}" if self.tag else "") + (f"@{self.digest}" if self.digest else "")
+
+    @property
+    def pinned(self) -> str | None:
+        """"repo@sha256:..." when the reference carries a digest (the tag then means nothing to docker)."""
+        return f"{self.repository}@{self.digest}" if self.digest else None
+
+
+def parse(text: str) -> ImageRef | None:
+    """The reference, normalised; None when docker would refuse it."""
+    match = _REFERENCE.fullmatch(text) if isinstance(text, str) else None
+    if not match:
+        return None
+    domain, path = match["domain"], match["path"]
+    if domain is not None and not ("." in domain or ":" in domain or domain == "localhost"):
+        # "vllm/vllm-openai": the first component is a path component, not a registry.
+        if domain != domain.lower():
+            return None
+        path, domain = f"{domain}/{path}", None
+    if domain in _HUB:
+        domain = None
+    if domain is None and path.startswith("library/") and path.count("/") == 1:
+        path = path.removeprefix("library/")
+    repository = f"{domain}/{path}" if domain else path
+    return ImageRef(repository, match["tag"], match["digest"])
+
+
+def normalise(text: str) -> str:
+    """docker's short form of a reference (unchanged when it does not parse)."""
+    ref = parse(text)
+    return str(ref) if ref else text
