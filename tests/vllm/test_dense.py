@@ -16,6 +16,8 @@ from tests.vllm_peer import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 API_KEY = "sk-gf-test-0d3c"
+# vLLM's default --max-num-batched-tokens for a server on the CPU (engine/arg_utils.py, get_batch_defaults).
+CPU_DEFAULT_BATCH = 2048
 
 
 @pytest.fixture(scope="module")
@@ -96,25 +98,32 @@ def test_reasoning_parser_leaves_content_empty_and_probe_still_reads_reply(dense
 
 def test_probe_reports_hits_on_turn_n_plus_1_with_prefix_caching(dense):
     s = dense["on"]
-    report = probe(s.transport, s.expected)
+    report = probe(s.transport, s.expected, max_num_batched_tokens=CPU_DEFAULT_BATCH)
     print("\n[probe dense on]", json.dumps(report.as_dict(), indent=1))
     assert report.verdict is Verdict.EFFECTIVE, report.evidence
     assert report.unit == 128
+    assert [p.chunks for p in report.points if p.kind == "multi-chunk"] == [2]  # 2.5 chunks exceed max_model_len
+    assert any("skipped 2.5 x 2048" in w for w in report.warnings)
     for p in report.points:
         assert p.cold_cached_tokens == 0  # turn N was cold: the seed makes each conversation unique
         assert p.cached_tokens >= p.due_tokens > 0
         assert p.source == "usage"
     assert report.hit_ratio > 0.3
+    assert report.legal is not None and report.legal.prefix_match_unit is None  # one KV cache group: no unit
+    for t in report.session:
+        assert t.usage_cached == t.metrics_hits and t.metrics_computed == t.reprocessed_tokens
 
 
 def test_probe_says_ineffective_without_prefix_caching(dense):
     s = dense["off"]
-    report = probe(s.transport, s.expected, lengths_in_units=(1.5, 2.5, 3.5), api_key=API_KEY)
+    report = probe(s.transport, s.expected, lengths_in_units=(1.5, 2.5, 3.5), api_key=API_KEY, lengths_in_chunks=())
     print("\n[probe dense off]", json.dumps(report.as_dict(), indent=1))
     assert report.verdict is Verdict.INEFFECTIVE
     assert "prefix caching is disabled" in report.detail
     assert all(p.cached_tokens == 0 and p.due_tokens > 0 for p in report.points)
-    assert report.reprocessed_per_turn == pytest.approx(sorted(p.next_prompt_tokens for p in report.points)[1])
+    # Every session turn re-processes its whole prompt.
+    assert [t.reprocessed_share for t in report.session] == [1.0] * 4
+    assert report.reprocessed_per_turn == sorted(t.prompt_tokens for t in report.session[1:])[1]
 
 
 class _TunnelToLocalServer(SshTransport):
@@ -144,7 +153,7 @@ def test_checks_and_probe_through_ssh(dense, sshd):
         assert (r.served_model, r.max_model_len, r.version) == ("tiny", 4096, "0.32.0")
         wrong = Expected("vllm", s.server.port, "qwen35", 4096, {})
         assert check(t, wrong).state is HealthState.MISCONFIGURED
-        report = probe(t, s.expected, lengths_in_units=(1.5, 2.5))
+        report = probe(t, s.expected, lengths_in_units=(1.5, 2.5), lengths_in_chunks=(), session_turns=0)
         assert report.verdict is Verdict.EFFECTIVE, report.evidence
         # Nothing listens on another port: refused through the tunnel -> starting (the process runs).
         closed = Expected("vllm", _unused_port(), "tiny")

@@ -48,8 +48,10 @@ def with_model(argv: list[str], model: str) -> list[str]:
 
 def test_profile_flags_pass_vllm_argparse_and_bad_ones_do_not(vllm_bin, tmp_path):
     good = build_spec("box", {}).vllm_argv()
+    # The lint fixes' flags too (docs/vllm-traps.md).
     tuned = build_spec("box", {"vllm_args": {"prefix-match-unit": 128, "mamba-block-size": None,
-                                             "enable-prefix-caching": False, "mamba-cache-mode": "none"}}).vllm_argv()
+                                             "enable-prefix-caching": False, "mamba-cache-mode": "none",
+                                             "shutdown-timeout": 60}}).vllm_argv()
     # Invalid values that our validation must refuse: check vLLM refuses them as well.
     rejected = {"kv-cache-dtype": "fp7", "performance-mode": "fast", "max-num-seqs": "two"}
     for flag, value in rejected.items():

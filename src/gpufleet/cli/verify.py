@@ -14,6 +14,7 @@ from rich.table import Table
 from gpufleet.errors import GpufleetError
 from gpufleet.health import Expected, HealthState
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
+from gpufleet.health.probe import ProbeReport, resolved_block_sizes
 
 # paramiko logs connection failures with tracebacks; the table already says "ssh-unreachable" and why.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
@@ -71,9 +72,18 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.0f}%"
 
 
+def cache_units(cache_config: dict[str, str]) -> tuple[str, str]:
+    """(block size(s), prefix-match unit) as the server resolved them: what a --prefix-match-unit must divide,
+    and what hits align to ("=block" when no unit is set: hits then land on whole blocks)."""
+    blocks = resolved_block_sizes(cache_config)
+    unit = cache_config.get("prefix_match_unit")
+    return "/".join(map(str, blocks)) or "-", unit if unit and unit.isdigit() else ("=block" if blocks else "-")
+
+
 def _table(results: list[HostResult]) -> Table:
     table = Table(title="gpufleet status", header_style="bold")
-    for col in ("host", "GPUs", "image", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits"):
+    columns = ("host", "GPUs", "image", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits", "block", "unit")
+    for col in columns:
         table.add_column(col)
     for r in results:
         h, c = r.health, r.health.container
@@ -88,14 +98,54 @@ def _table(results: list[HostResult]) -> Table:
             _pct(h.kv_cache_usage),
             "-" if h.running is None else f"{h.running}/{h.waiting}",
             _pct(h.prefix_cache_hit_rate),
+            *cache_units(h.cache_config),
         )
     return table
+
+
+def _probe_table(results: list[HostResult]) -> Table:
+    """One row per probed host: verdict, tokens re-processed per session turn, hit ratio per length, fixes."""
+    table = Table(title="prompt re-processing probe", header_style="bold", show_lines=True)
+    for col in ("host", "verdict", "re-processed / turn (share)", "hit ratio by prompt length", "legal fixes", "requests"):
+        table.add_column(col)
+    for r in results:
+        p = r.probe
+        if p is None:
+            continue
+        table.add_row(
+            r.target.name,
+            f"[{'green' if p.ok else 'red'}]{p.verdict}[/]",
+            _session_cell(p),
+            "\n".join(f"{pt.prompt_tokens}{_kind_mark(pt.kind)}: {pt.hit_ratio:.0%}" for pt in p.points if pt.kind != "session")
+            or "-",
+            "\n".join(p.fixes or (p.legal.lines() if p.legal and not p.ok else ())) or "-",
+            f"{p.requests}/{p.request_bound} in {p.elapsed_s:.0f} s",
+        )
+    return table
+
+
+def _kind_mark(kind: str) -> str:
+    return " (multi-chunk)" if kind == "multi-chunk" else ""
+
+
+def _session_cell(p: ProbeReport) -> str:
+    later = p.session[1:]
+    if not later:
+        return f"{p.reprocessed_per_turn:.0f} (median of points)"
+    return "\n".join(f"N+{t.turn}: {t.reprocessed_tokens} of {t.prompt_tokens} ({t.reprocessed_share:.0%})" for t in later)
 
 
 def _as_json(results: list[HostResult]) -> str:
     out = []
     for r in results:
-        item = r.health.as_dict() | {"host": r.target.name, "gpus": list(r.target.gpus)}
+        block, unit = cache_units(r.health.cache_config)
+        item = r.health.as_dict() | {
+            "host": r.target.name,
+            "gpus": list(r.target.gpus),
+            "block_size": block,
+            "prefix_match_unit": unit,
+            "cache_config": dict(r.health.cache_config),
+        }
         if r.probe is not None:
             item["probe"] = r.probe.as_dict()
         if r.probe_error:
@@ -154,6 +204,8 @@ def verify(
     else:
         console = _console()
         console.print(_table(results))
+        if any(r.probe is not None for r in results):
+            console.print(_probe_table(results))
         for r in results:
             _explain(console, r)
     failed = [r.target.name for r in results if not r.ok]
@@ -176,10 +228,13 @@ def _explain(console: Console, r: HostResult) -> None:
     console.print(
         f"{name}: probe {p.verdict}: {p.detail}; hit ratio {p.hit_ratio:.0%}, "
         f"{p.reprocessed_per_turn:.0f} tokens re-processed per turn, TTFT ratio {p.ttft_ratio:.2f}"
-        + ("" if p.ttft_is_signal else " (TTFT too small to be a signal here)"),
+        + ("" if p.ttft_is_signal else " (TTFT too small to be a signal here)")
+        + f"; {p.requests} requests (at most {p.request_bound}) in {p.elapsed_s:.0f} s",
         markup=False,
         highlight=False,
     )
+    for warning in p.warnings:
+        console.print(f"  note: {warning}", markup=False, highlight=False)
     if not p.ok:
         for line in p.evidence:
             console.print(f"  {line}", markup=False, highlight=False)

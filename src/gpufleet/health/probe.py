@@ -1,40 +1,55 @@
-"""Prompt re-processing probe: does turn N+1 of a conversation reuse the cache that turn N left behind?
+"""Prompt re-processing probe: does the next turn of a conversation reuse the cache that the last one left behind?
 
 Measured by token counts, not by time: the engine can only reuse whole cache units (the block size, or
---prefix-match-unit when set) and always recomputes the last prompt token, so after a turn N of L prompt tokens
-the next turn is due at least floor((L-1)/U)*U cached tokens. Each point of the sweep is a fresh conversation
-(a seed in its system prompt makes it differ inside the first block, so turn N is cold):
+--prefix-match-unit when set) and always recomputes the last prompt token, so after a turn of L prompt tokens
+the next turn is due at least floor((L-1)/U)*U cached tokens. Three kinds of measurement, all sequential:
 
-    warm up -> turn N (L tokens, streamed) -> turn N+1 (same messages + the reply + a new question)
+- sweep: fresh conversations of 1-3 units (a seed in the system prompt makes each one differ inside its first
+  block, so turn N is cold), then turn N+1 = the same messages + the reply + a new question;
+- multi-chunk: the same at ~1.5 and ~2.5 times --max-num-batched-tokens, so turn N is prefilled in several chunks
+  (coding-agent prompts are 10k-200k tokens);
+- session: one conversation over turns N..N+3, each adding the reply and a tool-output-sized user message; it
+  reports the tokens re-processed per turn and their share of the prompt.
 
 Several lengths are swept because of the chunk-alignment trap (hybrid models, --mamba-cache-mode align): whether
 a due hit happens depends on how turn N's prompt was split into prefill chunks, so one length can hit by luck
-while others silently re-process everything. Measured fixes: --max-num-batched-tokens equal to the block size, or
---prefix-match-unit 128 (see docs/verify.md).
+while others silently re-process everything. The fixes it prints are computed from the block sizes the server
+resolved (vllm:cache_config_info), so they are legal on this server (see docs/verify.md).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from gpufleet.health.api import Completion, get, stream_chat
 from gpufleet.health.check import Expected
-from gpufleet.health.metrics import HITS, PREFILL_COMPUTED, RUNNING, WAITING, Metrics, parse_metrics
+from gpufleet.health.metrics import HITS, PREFILL_COMPUTED, QUERIES, RUNNING, WAITING, Metrics, parse_metrics
 from gpufleet.health.transport import Transport
 
 # Conversation lengths, in cache units: fractional parts spread L mod U over the unit so the trap shows up.
 # Measured on a hybrid (B=640, default batching): only lengths just past a block boundary hit, so two points sit
 # there (a probe whose every point misses cannot tell the trap from a broken cache).
 DEFAULT_LENGTHS_IN_UNITS = (1.05, 1.3, 1.6, 2.05, 2.45, 2.85)
+# Lengths in prefill chunks (--max-num-batched-tokens): turn N is split into 2 and 3 chunks.
+DEFAULT_LENGTHS_IN_CHUNKS = (1.5, 2.5)
+# vLLM's default --max-num-batched-tokens for an OpenAI server on H100/H200-class GPUs
+# (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults); used when the host's value is not known.
+ASSUMED_MAX_NUM_BATCHED_TOKENS = 8192
+SESSION_TURNS = 4  # turns N, N+1, N+2, N+3
+SESSION_MESSAGE_UNITS = 0.4  # each later turn adds a tool-output-sized user message of ~0.4 units
 REPLY_TOKENS = 16
 MAX_TWINS = 3  # length measurements per point before turn N (bounds the request count)
 TOLERANCE_TOKENS = 4
+# The unit measured to remove the trap on a 640-token block; never recommend a coarser one.
+PREFERRED_UNIT = 128
 _WORDS = (
     "the server keeps a cache of every block it has seen so a long conversation should not be processed again "
     "when the next question arrives and the operator wants to know that this really happens on each host"
@@ -47,9 +62,79 @@ class Verdict(StrEnum):
     CHUNK_ALIGNMENT_TRAP = "chunk-alignment-trap"
 
 
+# --- what is legal on this server ---------------------------------------------------------------------------
+
+
+def resolved_block_sizes(cache_config: Mapping[str, str]) -> tuple[int, ...]:
+    """The KV cache block sizes a server resolved at start, from its vllm:cache_config_info labels.
+
+    block_size is the attention block after vLLM enlarged it for the model's state size; effective_attention_block
+    _size is the same including context parallelism. mamba_block_size is not read: in align mode vLLM gives the
+    state groups the attention block (platforms/interface.py, Platform._align_hybrid_block_size), and the label
+    can still show the value from before that (16 on vLLM 0.32).
+    """
+    sizes = []
+    for key in ("block_size", "effective_attention_block_size"):
+        value = cache_config.get(key)
+        if value and value.isdigit() and int(value) > 0:
+            sizes.append(int(value))
+    return tuple(sorted(set(sizes)))
+
+
+def legal_prefix_match_unit(block_sizes: Sequence[int], ceiling: int = PREFERRED_UNIT) -> int | None:
+    """The largest unit not above `ceiling` that divides every block size (vLLM refuses any other:
+    v1/core/kv_cache_utils.py, resolve_kv_cache_block_sizes). None when no block size is known.
+
+    >>> legal_prefix_match_unit([640]), legal_prefix_match_unit([2096]), legal_prefix_match_unit([544])
+    (128, 16, 68)
+    """
+    if not block_sizes:
+        return None
+    common = math.gcd(*block_sizes)
+    return max(d for d in range(1, min(common, ceiling) + 1) if common % d == 0)
+
+
+def legal_max_num_batched_tokens(block_sizes: Sequence[int]) -> int | None:
+    """A --max-num-batched-tokens whose chunks end on every group's block boundary: their least common multiple."""
+    return math.lcm(*block_sizes) if block_sizes else None
+
+
+@dataclass(frozen=True)
+class LegalFixes:
+    """Settings that vLLM accepts on this server, computed from the block sizes it resolved."""
+
+    block_sizes: tuple[int, ...]
+    prefix_match_unit: int | None  # None: a single KV cache group (dense), where only the block size is accepted
+    max_num_batched_tokens: int | None
+
+    @classmethod
+    def from_cache_config(cls, cache_config: Mapping[str, str]) -> LegalFixes:
+        blocks = resolved_block_sizes(cache_config)
+        hybrid = cache_config.get("mamba_cache_mode") not in (None, "None", "none")
+        return cls(blocks, legal_prefix_match_unit(blocks) if hybrid else None, legal_max_num_batched_tokens(blocks))
+
+    def lines(self) -> tuple[str, ...]:
+        blocks = "/".join(map(str, self.block_sizes)) or "?"
+        out = []
+        if self.prefix_match_unit:
+            out.append(
+                f"--prefix-match-unit {self.prefix_match_unit} (divides the block size {blocks}: hits align to "
+                f"{self.prefix_match_unit} tokens instead of whole blocks; measured fix)"
+            )
+        if self.max_num_batched_tokens:
+            out.append(
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} (equal to the block size: every prefill "
+                "chunk ends on a block boundary; measured fix, but long prompts then prefill in small chunks)"
+            )
+        return tuple(out)
+
+
+# --- measurements -------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class ProbePoint:
-    """One conversation: turn N of `prompt_tokens` tokens, then turn N+1."""
+    """One step of a conversation: a turn of `prompt_tokens` tokens, then the next turn."""
 
     prompt_tokens: int  # L, turn N
     next_prompt_tokens: int  # turn N+1
@@ -59,6 +144,8 @@ class ProbePoint:
     ttft_s: float  # turn N
     next_ttft_s: float  # turn N+1
     source: str  # "usage" (prompt_tokens_details) or "metrics" (deltas of /metrics counters)
+    kind: str = "sweep"  # sweep, multi-chunk or session
+    chunk_tokens: int | None = None  # --max-num-batched-tokens the lengths were scaled to
 
     @property
     def due_tokens(self) -> int:
@@ -84,6 +171,65 @@ class ProbePoint:
     def l_mod_u(self) -> int:
         return self.prompt_tokens % self.unit
 
+    @property
+    def chunks(self) -> int | None:
+        """Prefill chunks turn N needed (at least), when the batching is known."""
+        return -(-self.prompt_tokens // self.chunk_tokens) if self.chunk_tokens else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "L": self.prompt_tokens,
+            "L_mod_U": self.l_mod_u,
+            "chunks": self.chunks,
+            "due": self.due_tokens,
+            "cached": self.cached_tokens,
+            "next_prompt_tokens": self.next_prompt_tokens,
+            "reprocessed": self.reprocessed_tokens,
+            "hit_ratio": round(self.hit_ratio, 4),
+            "ttft_ms": round(self.ttft_s * 1e3, 1),
+            "next_ttft_ms": round(self.next_ttft_s * 1e3, 1),
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class SessionTurn:
+    """One turn of the session, with every count the server reported for it."""
+
+    turn: int  # 0 = turn N (cold)
+    prompt_tokens: int  # usage.prompt_tokens
+    cached_tokens: int  # the figure the probe judges by (usage when reported, else the /metrics hits delta)
+    due_tokens: int  # from the previous turn's prompt: floor((L-1)/U)*U; 0 for turn N
+    usage_cached: int | None  # usage.prompt_tokens_details.cached_tokens
+    metrics_hits: int | None  # delta of vllm:prefix_cache_hits_total
+    metrics_queries: int | None  # delta of vllm:prefix_cache_queries_total
+    metrics_computed: int | None  # delta of vllm:request_prefill_kv_computed_tokens_sum
+    ttft_s: float
+
+    @property
+    def reprocessed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def reprocessed_share(self) -> float:
+        return self.reprocessed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "turn": self.turn,
+            "prompt_tokens": self.prompt_tokens,
+            "cached": self.cached_tokens,
+            "due": self.due_tokens,
+            "reprocessed": self.reprocessed_tokens,
+            "reprocessed_share": round(self.reprocessed_share, 4),
+            "usage_cached": self.usage_cached,
+            "metrics_hits": self.metrics_hits,
+            "metrics_queries": self.metrics_queries,
+            "metrics_computed": self.metrics_computed,
+            "ttft_ms": round(self.ttft_s * 1e3, 1),
+        }
+
 
 @dataclass(frozen=True)
 class ProbeReport:
@@ -96,10 +242,15 @@ class ProbeReport:
     mamba_cache_mode: str | None
     max_num_batched_tokens: int | None  # as configured for the host, when known
     points: tuple[ProbePoint, ...] = ()
-    fixes: tuple[str, ...] = ()  # set for the chunk-alignment trap
+    fixes: tuple[str, ...] = ()  # set when the verdict is not effective and a setting can help
     evidence: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     small_prompt_ttft_s: float | None = None
+    session: tuple[SessionTurn, ...] = ()
+    legal: LegalFixes | None = None  # what would be accepted here, whatever the verdict
+    requests: int = 0
+    request_bound: int = 0
+    elapsed_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -111,6 +262,10 @@ class ProbeReport:
 
     @property
     def reprocessed_per_turn(self) -> float:
+        """Median over the session's later turns when there is a session, else over the points."""
+        later = [t.reprocessed_tokens for t in self.session[1:]]
+        if later:
+            return statistics.median(later)
         return statistics.median(p.reprocessed_tokens for p in self.points) if self.points else 0.0
 
     @property
@@ -137,21 +292,20 @@ class ProbeReport:
             "ttft_ratio": self.ttft_ratio,
             "ttft_is_signal": self.ttft_is_signal,
             "fixes": list(self.fixes),
+            "legal": None
+            if self.legal is None
+            else {
+                "block_sizes": list(self.legal.block_sizes),
+                "prefix_match_unit": self.legal.prefix_match_unit,
+                "max_num_batched_tokens": self.legal.max_num_batched_tokens,
+            },
             "evidence": list(self.evidence),
             "warnings": list(self.warnings),
-            "points": [
-                {
-                    "L": p.prompt_tokens,
-                    "L_mod_U": p.l_mod_u,
-                    "due": p.due_tokens,
-                    "cached": p.cached_tokens,
-                    "next_prompt_tokens": p.next_prompt_tokens,
-                    "ttft_ms": round(p.ttft_s * 1e3, 1),
-                    "next_ttft_ms": round(p.next_ttft_s * 1e3, 1),
-                    "source": p.source,
-                }
-                for p in self.points
-            ],
+            "requests": self.requests,
+            "request_bound": self.request_bound,
+            "elapsed_s": round(self.elapsed_s, 1),
+            "points": [p.as_dict() for p in self.points],
+            "session": [t.as_dict() for t in self.session],
         }
 
 
@@ -183,8 +337,15 @@ class _Conversation:
             {"role": "user", "content": turns[2] + " What follows?"},
         ]
 
-    def next_turn(self, reply: str) -> list[dict[str, str]]:
-        return [*self.messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    def next_turn(self, reply: str, question: str = "And then?") -> list[dict[str, str]]:
+        return [*self.messages, {"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+
+
+def request_bound(sweep_points: int, long_points: int, session_turns: int) -> int:
+    """The most requests probe() sends: 2 calibration + per point (twins, turn N, turn N+1) + session (twins + turns)."""
+    per_point = MAX_TWINS + 2
+    session = MAX_TWINS + session_turns if session_turns > 1 else 0
+    return 2 + (sweep_points + long_points) * per_point + session
 
 
 def probe(
@@ -195,88 +356,193 @@ def probe(
     api_key: str | None = None,
     run_id: str | None = None,
     timeout_s: float = 120.0,
+    lengths_in_chunks: Sequence[float] = DEFAULT_LENGTHS_IN_CHUNKS,
+    session_turns: int = SESSION_TURNS,
+    time_budget_s: float = 900.0,
 ) -> ProbeReport:
-    """Sweep conversation lengths on one host and judge its prefix cache.
+    """Measure prompt re-processing on one host and judge its prefix cache.
 
-    Requests: 2 calibration + per length 1-3 length measurements, turn N and turn N+1 (at most 32 by default).
-
-    max_num_batched_tokens: the host's configured value (vLLM does not expose it), used as evidence only.
+    Requests: at most request_bound(...) (49 with the defaults), one at a time; no new measurement starts after
+    time_budget_s (the report says what was skipped). Multi-chunk lengths are scaled to max_num_batched_tokens:
+    the host's configured value (vLLM does not expose it), else ASSUMED_MAX_NUM_BATCHED_TOKENS.
     run_id: distinguishes this run's conversations from earlier probes on the same server (default: random).
     """
-    port, model = expected.port, expected.served_model_name
-    metrics = _metrics(transport, port)
+    run = _Run(transport, expected, api_key, timeout_s, run_id or os.urandom(4).hex(), time_budget_s)
+    metrics = run.metrics()
     block = metrics.block_size or 0
     if not block:
         raise ValueError(f"{transport.name}: vllm:cache_config_info has no block_size")
     unit = metrics.prefix_match_unit or block
-    prefix_caching = metrics.cache_config.get("enable_prefix_caching") == "True"
     mamba = metrics.cache_config.get("mamba_cache_mode")
-    hybrid = mamba not in (None, "None", "none")
-    run_id = run_id or os.urandom(4).hex()
-
-    def chat(messages: list[dict[str, str]], max_tokens: int) -> Completion:
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
-        return stream_chat(transport, port, body, api_key=api_key, timeout=timeout_s)
-
-    # Two calibration requests: they warm the server up (the first request after a start is ~4x slower) and
-    # give tokens per filler word, so lengths can be crafted without a tokenizer.
-    # The long one goes first, so the short one's TTFT is a warm server's baseline for a tiny prompt.
-    w1, w2 = 20, 200
-    c2 = chat(_Conversation(f"{run_id}-c2", "calibration", w2).messages, 1)
-    c1 = chat(_Conversation(f"{run_id}-c1", "calibration", w1).messages, 1)
-    if not (c1.prompt_tokens and c2.prompt_tokens):
-        raise ValueError(f"{transport.name}: the server reports no usage.prompt_tokens in streamed responses")
-    per_word = max((c2.prompt_tokens - c1.prompt_tokens) / (w2 - w1), 0.1)
-
-    limit = (expected.max_model_len or 1 << 30) - 2 * REPLY_TOKENS - 64
-    points, warnings = [], []
-    for i, units in enumerate(lengths_in_units):
-        target = min(int(units * unit), limit)
-        if target <= unit:
-            warnings.append(f"skipped {units} units: max_model_len leaves no room for a point that can hit")
-            continue
-        words = max(1, round(w2 + (target - c2.prompt_tokens) / per_word))
-        # Re-measure on twins (another seed: nothing of theirs is reusable by the real turn N) until the
-        # length lands within a few tokens of the target, so the sweep really covers the L mod U it aims at.
-        for attempt in range(MAX_TWINS):
-            twin = chat(_Conversation(f"{run_id}-{i}t{attempt}", f"filler-{i}", words).messages, 1)
-            miss = target - (twin.prompt_tokens or target)
-            if abs(miss) <= TOLERANCE_TOKENS:
-                break
-            words = max(1, words + round(miss / per_word))
-        conv = _Conversation(f"{run_id}-{i}r", f"filler-{i}", words)
-        turn_n = chat(conv.messages, REPLY_TOKENS)
-        before = _metrics(transport, port)
-        if (before.get(RUNNING) or 0) + (before.get(WAITING) or 0) > 0:
-            warnings.append("other requests were in flight: /metrics deltas are not attributable")
-        turn_next = chat(conv.next_turn(turn_n.text), 2)
-        after = _metrics(transport, port)
-        cached, source = _cached(turn_next, before, after)
-        if (turn_n.cached_tokens or 0) > 0:
-            warnings.append(f"turn N of point {i} was not cold ({turn_n.cached_tokens} cached)")
-        points.append(
-            ProbePoint(
-                prompt_tokens=turn_n.prompt_tokens or 0,
-                next_prompt_tokens=turn_next.prompt_tokens or 0,
-                unit=unit,
-                cached_tokens=cached,
-                cold_cached_tokens=turn_n.cached_tokens or 0,
-                ttft_s=turn_n.ttft_s,
-                next_ttft_s=turn_next.ttft_s,
-                source=source,
-            )
-        )
+    chunk = max_num_batched_tokens or ASSUMED_MAX_NUM_BATCHED_TOKENS
+    if not max_num_batched_tokens and lengths_in_chunks:
+        run.warnings.append(f"--max-num-batched-tokens not known: multi-chunk lengths assume {chunk}")
+    run.calibrate()
+    plan = [("sweep", units * unit, f"{units} units") for units in lengths_in_units]
+    plan += [("multi-chunk", chunks * chunk, f"{chunks} x {chunk} batched tokens") for chunks in lengths_in_chunks]
+    points = [
+        run.point(i, kind, int(length), unit, chunk)
+        for i, (kind, length, label) in enumerate(plan)
+        if run.room_for(int(length), unit, label)
+    ]
+    session: list[SessionTurn] = []
+    if session_turns > 1:
+        session_points, session = run.session(unit, chunk, session_turns)
+        points += session_points
     return judge(
         host=transport.name,
         points=points,
         block_size=block,
         unit=unit,
-        prefix_caching=prefix_caching,
-        mamba_cache_mode=mamba if hybrid else None,
+        prefix_caching=metrics.cache_config.get("enable_prefix_caching") == "True",
+        mamba_cache_mode=mamba if mamba not in (None, "None", "none") else None,
         max_num_batched_tokens=max_num_batched_tokens,
-        warnings=tuple(dict.fromkeys(warnings)),
-        small_prompt_ttft_s=c1.ttft_s,
+        warnings=tuple(dict.fromkeys(run.warnings)),
+        small_prompt_ttft_s=run.small_prompt_ttft_s,
+        session=tuple(session),
+        legal=LegalFixes.from_cache_config(metrics.cache_config),
+        requests=run.requests,
+        request_bound=request_bound(len(lengths_in_units), len(lengths_in_chunks), session_turns),
+        elapsed_s=time.monotonic() - run.started,
     )
+
+
+class _Run:
+    """One probe run on one server: its requests (counted), its time budget and what it noticed on the way."""
+
+    CALIBRATION_WORDS = (20, 200)
+
+    def __init__(self, transport: Transport, expected: Expected, api_key, timeout_s: float, run_id: str, budget_s: float):
+        self.transport, self.port, self.model = transport, expected.port, expected.served_model_name
+        self.api_key, self.timeout_s, self.run_id, self.budget_s = api_key, timeout_s, run_id, budget_s
+        self.limit = (expected.max_model_len or 1 << 30) - 2 * REPLY_TOKENS - 64  # room for the turns' growth
+        self.started = time.monotonic()
+        self.requests = 0
+        self.warnings: list[str] = []
+        self.per_word = 1.0
+        self.small_prompt_ttft_s: float | None = None
+        self._long: Completion | None = None
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Completion:
+        self.requests += 1
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        return stream_chat(self.transport, self.port, body, api_key=self.api_key, timeout=self.timeout_s)
+
+    def metrics(self) -> Metrics:
+        return _metrics(self.transport, self.port)
+
+    def calibrate(self) -> None:
+        """Two requests: they warm the server up (the first request after a start is ~4x slower) and give tokens
+        per filler word, so lengths can be crafted without a tokenizer. The long one goes first, so the short
+        one's TTFT is a warm server's baseline for a tiny prompt."""
+        short_words, long_words = self.CALIBRATION_WORDS
+        self._long = self.chat(_Conversation(f"{self.run_id}-c2", "calibration", long_words).messages, 1)
+        short = self.chat(_Conversation(f"{self.run_id}-c1", "calibration", short_words).messages, 1)
+        if not (short.prompt_tokens and self._long.prompt_tokens):
+            raise ValueError(f"{self.transport.name}: the server reports no usage.prompt_tokens in streamed responses")
+        self.per_word = max((self._long.prompt_tokens - short.prompt_tokens) / (long_words - short_words), 0.1)
+        self.small_prompt_ttft_s = short.ttft_s
+
+    def room_for(self, target: int, unit: int, label: str) -> bool:
+        """Whether a measurement of `target` tokens fits the context, can hit at all, and fits the time budget."""
+        if target > self.limit:
+            self.warnings.append(f"skipped {label}: max_model_len leaves room for {self.limit} tokens")
+        elif target <= unit:
+            self.warnings.append(f"skipped {label}: a point that short cannot hit")
+        elif time.monotonic() - self.started > self.budget_s:
+            self.warnings.append(f"skipped {label}: time budget of {self.budget_s:.0f} s spent")
+        else:
+            return True
+        return False
+
+    def conversation(self, seed: str, filler: str, target: int) -> _Conversation:
+        """A conversation of `target` prompt tokens (within TOLERANCE_TOKENS). Re-measured on twins (another
+        seed: nothing of theirs is reusable by the real turn N), so each point covers the L mod U it aims at."""
+        long_words = self.CALIBRATION_WORDS[1]
+        words = max(1, round(long_words + (target - self._long.prompt_tokens) / self.per_word))
+        for attempt in range(MAX_TWINS):
+            twin = self.chat(_Conversation(f"{seed}t{attempt}", filler, words).messages, 1)
+            miss = target - (twin.prompt_tokens or target)
+            if abs(miss) <= TOLERANCE_TOKENS:
+                break
+            words = max(1, words + round(miss / self.per_word))
+        return _Conversation(f"{seed}r", filler, words)
+
+    def point(self, i: int, kind: str, target: int, unit: int, chunk: int) -> ProbePoint:
+        """Turn N of a fresh conversation, then turn N+1."""
+        conv = self.conversation(f"{self.run_id}-{i}", f"filler-{i}", target)
+        turn_n = self.chat(conv.messages, REPLY_TOKENS)
+        before = self.metrics()
+        _warn_if_busy(before, self.warnings)
+        turn_next = self.chat(conv.next_turn(turn_n.text), 2)
+        cached, source = _cached(turn_next, before, self.metrics())
+        if (turn_n.cached_tokens or 0) > 0:
+            self.warnings.append(f"turn N of point {i} was not cold ({turn_n.cached_tokens} cached)")
+        return ProbePoint(
+            prompt_tokens=turn_n.prompt_tokens or 0,
+            next_prompt_tokens=turn_next.prompt_tokens or 0,
+            unit=unit,
+            cached_tokens=cached,
+            cold_cached_tokens=turn_n.cached_tokens or 0,
+            ttft_s=turn_n.ttft_s,
+            next_ttft_s=turn_next.ttft_s,
+            source=source,
+            kind=kind,
+            chunk_tokens=chunk,
+        )
+
+    def session(self, unit: int, chunk: int, turns: int) -> tuple[list[ProbePoint], list[SessionTurn]]:
+        """Turns N..N+turns-1 of one conversation: each later turn appends the reply and a tool-output-sized
+        user message. Returns the steps between turns as points (judged like the others) and every turn."""
+        growth = turns * (int(SESSION_MESSAGE_UNITS * unit) + 2 * REPLY_TOKENS + 16)
+        # Start where a coding agent lives: past one prefill chunk when the context allows it, else at 2.3 units.
+        start = int(1.5 * chunk) if 1.5 * chunk + growth <= self.limit else int(2.3 * unit)
+        if not self.room_for(start + growth, unit, "the session"):
+            return [], []
+        rng = random.Random(f"{self.run_id}-session")
+        message_words = max(1, round(SESSION_MESSAGE_UNITS * unit / self.per_word))
+        messages = list(self.conversation(f"{self.run_id}-s", "session", start).messages)
+        points: list[ProbePoint] = []
+        session: list[SessionTurn] = []
+        previous: Completion | None = None
+        for turn in range(turns):
+            before = self.metrics()
+            _warn_if_busy(before, self.warnings)
+            completion = self.chat(messages, REPLY_TOKENS)
+            after = self.metrics()
+            cached, source = _cached(completion, before, after)
+            prompt = completion.prompt_tokens or 0
+            previous_prompt = (previous.prompt_tokens or 0) if previous else 0
+            session.append(
+                SessionTurn(
+                    turn=turn,
+                    prompt_tokens=prompt,
+                    cached_tokens=cached,
+                    due_tokens=(previous_prompt - 1) // unit * unit if previous_prompt else 0,
+                    usage_cached=completion.cached_tokens,
+                    metrics_hits=_delta(before, after, HITS),
+                    metrics_queries=_delta(before, after, QUERIES),
+                    metrics_computed=_delta(before, after, PREFILL_COMPUTED),
+                    ttft_s=completion.ttft_s,
+                )
+            )
+            if previous is not None:
+                points.append(
+                    ProbePoint(previous_prompt, prompt, unit, cached, 0, previous.ttft_s, completion.ttft_s, source,
+                               kind="session", chunk_tokens=chunk)
+                )  # fmt: skip
+            tool_output = " ".join(rng.choice(_WORDS) for _ in range(message_words))
+            messages += [
+                {"role": "assistant", "content": completion.text},
+                {"role": "user", "content": f"Tool output {turn + 1}: {tool_output}. What next?"},
+            ]
+            previous = completion
+        return points, session
+
+
+def _warn_if_busy(before: Metrics, warnings: list[str]) -> None:
+    if (before.get(RUNNING) or 0) + (before.get(WAITING) or 0) > 0:
+        warnings.append("other requests were in flight: /metrics deltas are not attributable")
 
 
 def _metrics(transport: Transport, port: int) -> Metrics:
@@ -284,6 +550,12 @@ def _metrics(transport: Transport, port: int) -> Metrics:
     if status != 200:
         raise ValueError(f"{transport.name}: /metrics answered {status}")
     return parse_metrics(body)
+
+
+def _delta(before: Metrics, after: Metrics, name: str) -> int | None:
+    if after.get(name) is None:
+        return None
+    return int((after.get(name) or 0) - (before.get(name) or 0))
 
 
 def _cached(turn: Completion, before: Metrics, after: Metrics) -> tuple[int, str]:
@@ -308,8 +580,20 @@ def judge(
     max_num_batched_tokens: int | None,
     warnings: tuple[str, ...] = (),
     small_prompt_ttft_s: float | None = None,
+    session: tuple[SessionTurn, ...] = (),
+    legal: LegalFixes | None = None,
+    requests: int = 0,
+    request_bound: int = 0,
+    elapsed_s: float = 0.0,
 ) -> ProbeReport:
-    """The verdict from the measured points (pure: unit-testable on recorded figures)."""
+    """The verdict from the measured points (pure: unit-testable on recorded figures).
+
+    legal: the fixes this server accepts (LegalFixes.from_cache_config); without it they are derived from
+    block_size alone.
+    """
+    if legal is None:
+        blocks = (block_size,)
+        legal = LegalFixes(blocks, legal_prefix_match_unit(blocks) if mamba_cache_mode else None, block_size)
     hits = [p for p in points if p.hit]
     misses = [p for p in points if not p.hit]
     common = dict(
@@ -322,34 +606,42 @@ def judge(
         points=tuple(points),
         warnings=warnings,
         small_prompt_ttft_s=small_prompt_ttft_s,
+        session=session,
+        legal=legal,
+        requests=requests,
+        request_bound=request_bound,
+        elapsed_s=elapsed_s,
     )
-    evidence = tuple(
-        f"L={p.prompt_tokens} (L mod U={p.l_mod_u}, U={unit}): cached {p.cached_tokens} of {p.due_tokens} due" for p in points
-    )
+    evidence = tuple(_evidence(p, unit) for p in points)
     if not points:
         return ProbeReport(verdict=Verdict.INEFFECTIVE, detail="no point could be measured", **common)
     if not misses:
-        detail = f"turn N+1 reused the cache at all {len(points)} lengths (unit {unit} tokens)"
+        detail = f"the next turn reused the cache at all {len(points)} measured steps (unit {unit} tokens)"
         return ProbeReport(verdict=Verdict.EFFECTIVE, detail=detail, evidence=evidence, **common)
     mnbt = max_num_batched_tokens
-    all_or_nothing = all(p.cached_tokens == 0 for p in misses)
+    # The trap loses whole units: the checkpoint at the last boundary is missing, so the turn gets 0, or in a
+    # session only an older checkpoint's tokens (measured: 1280 of 1920 due on turn N+3).
+    whole_units_lost = all(p.cached_tokens % unit == 0 for p in misses)
     trap_possible = mamba_cache_mode == "align" and prefix_caching and unit == block_size and mnbt != block_size
-    if hits and all_or_nothing and trap_possible:
-        fixes = (
-            f"--max-num-batched-tokens {block_size} (equal to the block size: prefill chunks end on block boundaries)",
-            "--prefix-match-unit 128 (hits align to 128 tokens instead of whole blocks)",
-        )
+    if hits and whole_units_lost and trap_possible:
+        got = "/".join(str(p.cached_tokens) for p in misses)
         detail = (
-            f"chunk-alignment trap: {len(misses)} of {len(points)} turns N+1 got 0 cached tokens although "
+            f"chunk-alignment trap: {len(misses)} of {len(points)} next turns got {got} cached tokens although "
             f"{'/'.join(str(p.due_tokens) for p in misses)} were due (hybrid, mamba_cache_mode=align, block "
             f"{block_size}, --max-num-batched-tokens {mnbt if mnbt else 'default'})"
         )
-        return ProbeReport(verdict=Verdict.CHUNK_ALIGNMENT_TRAP, detail=detail, fixes=fixes, evidence=evidence, **common)
+        return ProbeReport(verdict=Verdict.CHUNK_ALIGNMENT_TRAP, detail=detail, fixes=legal.lines(), evidence=evidence, **common)
     why = "prefix caching is disabled on the server" if not prefix_caching else "due hits did not happen"
     fixes: tuple[str, ...] = ()
     if trap_possible and not hits:
         # Every length missing looks like a broken cache, but the trap can do that too: offer its fixes.
-        why += " (a hybrid in align mode: possibly the chunk-alignment trap at every swept length)"
-        fixes = (f"--max-num-batched-tokens {block_size}", "--prefix-match-unit 128")
-    detail = f"{len(misses)} of {len(points)} turns N+1 re-processed cached history: {why}"
+        why += " (a hybrid in align mode: possibly the chunk-alignment trap at every measured length)"
+        fixes = legal.lines()
+    detail = f"{len(misses)} of {len(points)} next turns re-processed cached history: {why}"
     return ProbeReport(verdict=Verdict.INEFFECTIVE, detail=detail, evidence=evidence, fixes=fixes, **common)
+
+
+def _evidence(p: ProbePoint, unit: int) -> str:
+    chunks = f", {p.chunks} chunks" if p.kind == "multi-chunk" and p.chunks else ""
+    where = "" if p.kind == "sweep" else f"{p.kind} "
+    return f"{where}L={p.prompt_tokens} (L mod U={p.l_mod_u}, U={unit}{chunks}): cached {p.cached_tokens} of {p.due_tokens} due"
