@@ -16,10 +16,11 @@ gpu_boxes = [
         "vllm_gpus": [0, 1],
         "vllm_args": {"pipeline-parallel-size": 2},
     }),
-    # An 8-GPU box serving on 4 of them, leaving the rest for other work.
+    # An 8-GPU box serving on 4 of them, leaving the rest for other work. Tensor x pipeline = 2 x 2: pipeline
+    # parallel 4 or more with Qwen 3.5 has upstream failures (`gpufleet lint` says so).
     ("gpu-box-3", {
         "ssh_hostname": "192.168.1.52",
         "vllm_gpus": [4, 5, 6, 7],
-        "vllm_args": {"pipeline-parallel-size": 4, "max-num-seqs": 4},
+        "vllm_args": {"tensor-parallel-size": 2, "pipeline-parallel-size": 2},
     }),
 ]

@@ -19,6 +19,9 @@ DEFAULTS: dict[str, Any] = {
     "vllm_gpus": [0, 1, 2],
     # Port vLLM listens on inside the container and is published on the host.
     "vllm_port": 5000,
+    # Host address vllm_port is published on: None = every interface, "127.0.0.1" keeps the API off the network
+    # (clients on the host or through an SSH tunnel; gpufleet's own checks go through SSH).
+    "vllm_publish_address": None,
     # Model directory name under vllm_models_dir; also the served model name unless vllm_args overrides it.
     "vllm_model": "qwen3.5-awq",
     # Hugging Face repo the model is downloaded from when it is missing; None means it must be staged by hand.

@@ -195,10 +195,11 @@ RULES: tuple[LintRule, ...] = (
     LintRule(
         "open-without-api-key",
         "--host 0.0.0.0 with the port published on every interface, and no API key is set",
-        "set vllm_api_key (kept in a root-only file); keep --host 0.0.0.0: vLLM bound to 127.0.0.1 inside the "
-        "container answers nothing on the published port (to keep the API off the network, publish it on the "
-        "host's loopback instead: -p 127.0.0.1:PORT:PORT)",
-        lambda c: c.arg("host") in ("0.0.0.0", "::") and not c.settings.get("vllm_api_key"),
+        "set vllm_api_key (kept in a root-only file), or keep the API off the network with "
+        'vllm_publish_address = "127.0.0.1" (keep --host 0.0.0.0: vLLM bound to 127.0.0.1 inside the container '
+        "answers nothing on the published port)",
+        lambda c: c.arg("host") in _ALL_INTERFACES and c.spec.publish_address is None
+        and not c.settings.get("vllm_api_key"),
     ),
     LintRule(
         "host-unreachable-behind-published-port",

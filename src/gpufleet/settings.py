@@ -8,6 +8,7 @@ refused and what is escaped, class by class: docs/hardening.md.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import math
 import posixpath
@@ -169,6 +170,7 @@ def build_spec(host: str, host_data: Mapping[str, Any]) -> ServeSpec:
     image = _check_image(s["vllm_image"], fail)
     gpus = _check_gpus(s["vllm_gpus"], fail)
     port = _check_port(s["vllm_port"], fail)
+    publish_address = _check_publish_address(s["vllm_publish_address"], fail)
     service = _check_service(s["vllm_service"], fail)
     models_dir = _check_abs_dir("vllm_models_dir", s["vllm_models_dir"], fail)
     cache_dir = _check_abs_dir("vllm_cache_dir", s["vllm_cache_dir"], fail)
@@ -195,6 +197,7 @@ def build_spec(host: str, host_data: Mapping[str, Any]) -> ServeSpec:
         docker_options=tuple(options.items()), env=tuple(env.items()),
         secret_env_names=(("VLLM_API_KEY",) if s["vllm_api_key"] else ()) + secret_names,
         mounts=mounts, vllm_args=tuple(vllm_args.items()), hybrid=profile.hybrid, native_model=profile.native,
+        publish_address=publish_address,
     )
     _check_unit_line(spec, fail)
     if errors:
@@ -289,6 +292,20 @@ def _check_port(value: Any, fail) -> int:
         fail("vllm_port", f"{shown(value)} is not a port number", "use an integer from 1 to 65535, e.g. 5000")
         return 0
     return value
+
+
+def _check_publish_address(value: Any, fail) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            # ipaddress, not a regex: docker takes exactly an IP here (no host names), v4 or v6.
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            pass
+    fail("vllm_publish_address", f"{shown(value)} is not an IP address of the host",
+         'use None (every interface) or an address such as "127.0.0.1"')
+    return None
 
 
 def _check_service(value: Any, fail) -> str:

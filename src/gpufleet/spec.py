@@ -40,6 +40,8 @@ class ServeSpec:
     vllm_args: tuple[tuple[str, ArgValue], ...]
     hybrid: bool
     native_model: bool
+    # Host address the port is published on (docker -p ADDR:PORT:PORT); None publishes on every interface.
+    publish_address: str | None = None
 
     # --- identity -----------------------------------------------------------------------------------------
     @property
@@ -50,6 +52,9 @@ class ServeSpec:
             "docker_options": self.docker_options, "env": self.env, "secret_env_names": self.secret_env_names,
             "mounts": [(m.host_path, m.container_path) for m in self.mounts], "vllm_args": self.vllm_args,
         }
+        if self.publish_address is not None:
+            # Only when set: hosts that never set it keep their hash, so upgrading gpufleet restarts nothing.
+            identity["publish_address"] = self.publish_address
         canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -62,6 +67,14 @@ class ServeSpec:
     @property
     def container_label(self) -> str:
         return f"{self.container_label_key}={self.spec_hash}"
+
+    @property
+    def publish_arg(self) -> str:
+        """docker's -p value: "5000:5000", "127.0.0.1:5000:5000", "[::1]:5000:5000"."""
+        address = self.publish_address
+        if address is None:
+            return f"{self.port}:{self.port}"
+        return f"{f'[{address}]' if ':' in address else address}:{self.port}:{self.port}"
 
     # --- what the server will report ----------------------------------------------------------------------
     def arg(self, name: str) -> ArgValue | None:
@@ -117,7 +130,7 @@ class ServeSpec:
         argv += ["--gpus", '"device=' + ",".join(str(g) for g in self.gpus) + '"']
         for name, value in options.items():
             argv += _option_args(name, value)
-        argv += ["-p", f"{self.port}:{self.port}"]
+        argv += ["-p", self.publish_arg]
         for name, value in self.env:
             argv += ["-e", f"{name}={value}"]
         for name in self.secret_env_names:

@@ -280,6 +280,15 @@ DOCKER_OPTIONS = [
 ]
 
 DANGEROUS_VALUES = [
+    ({"vllm_publish_address": "localhost"},
+     "box7: vllm_publish_address: 'localhost' is not an IP address of the host (fix: use None (every interface) or an "
+     'address such as "127.0.0.1")'),
+    ({"vllm_publish_address": "127.0.0.1:5000"},
+     "box7: vllm_publish_address: '127.0.0.1:5000' is not an IP address of the host (fix: use None (every interface) or "
+     'an address such as "127.0.0.1")'),
+    ({"vllm_publish_address": 2130706433},
+     "box7: vllm_publish_address: 2130706433 is not an IP address of the host (fix: use None (every interface) or an "
+     'address such as "127.0.0.1")'),
     ({"vllm_service": "ssh"},
      "box7: vllm_service: 'ssh' names a system unit, which the deploy would replace and restart (fix: use a name of its "
      'own, e.g. "vllm-qwen35")'),

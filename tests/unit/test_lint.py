@@ -148,7 +148,15 @@ def test_host_bound_to_loopback_needs_no_key_but_answers_nothing_behind_the_publ
 def test_open_port_fix_never_offers_binding_vllm_to_loopback():
     fix = fix_of("open-without-api-key", {})
     assert "vllm_api_key" in fix and '"host": "127.0.0.1"' not in fix
-    assert "-p 127.0.0.1:PORT:PORT" in fix
+    assert 'vllm_publish_address = "127.0.0.1"' in fix
+
+
+def test_publishing_on_the_host_loopback_silences_the_open_port_rule_and_renders_p():
+    settings = {"vllm_publish_address": "127.0.0.1"}
+    assert "open-without-api-key" not in rule_ids(settings)
+    assert "host-unreachable-behind-published-port" not in rule_ids(settings)  # vLLM still listens on 0.0.0.0
+    argv = build_spec("h", settings).docker_run_argv()
+    assert argv[argv.index("-p") + 1] == "127.0.0.1:5000:5000"
 
 
 def test_findings_are_one_line_with_host_rule_and_fix():

@@ -125,3 +125,19 @@ def test_secrets_are_passed_by_name_only():
     assert "sk-very-secret" not in rendered and "hf_secret" not in rendered
     argv = spec.docker_run_argv()
     assert argv[argv.index("VLLM_API_KEY") - 1] == "-e"
+
+
+@pytest.mark.parametrize(
+    ("address", "publish"),
+    [(None, "5000:5000"), ("127.0.0.1", "127.0.0.1:5000:5000"), ("::1", "[::1]:5000:5000"),
+     ("0:0:0:0:0:0:0:1", "[::1]:5000:5000")],
+)
+def test_publish_address_renders_dockers_p_value(address, publish):
+    argv = build_spec("a", {"vllm_publish_address": address}).docker_run_argv()
+    assert argv[argv.index("-p") + 1] == publish
+
+
+def test_publish_address_unset_keeps_the_hash_so_upgrading_restarts_nothing():
+    unset = build_spec("a", {})
+    assert build_spec("a", {"vllm_publish_address": None}).spec_hash == unset.spec_hash
+    assert build_spec("a", {"vllm_publish_address": "127.0.0.1"}).spec_hash != unset.spec_hash
