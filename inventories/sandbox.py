@@ -3,7 +3,7 @@
     sudo gpufleet sandbox up 2
     pyinfra inventories/sandbox.py deploys/qwen35.py
 
-Host data points the deploy at the sandbox's services (registry image, stand-in NVIDIA repo, distro Docker, the
+Host data points the deploy at the sandbox's services (registry image, the stand-in NVIDIA and Docker repos, the
 stand-in model repo); see gpufleet.sandbox.inventory.
 """
 

@@ -4,6 +4,7 @@ NVIDIA repo and registry.
 
     def test_x(test_hosts, pyinfra_inventory, fleet): ...        # 2 hosts booted once per session
     def test_y(fresh_hosts):  a, b = fresh_hosts(OLD_DRIVER, NO_GPU)  # new hosts, deleted after the test
+    def test_z(module_host): ...                                     # one new host for the module's tests
 
 Without root or systemd-nspawn every test here skips with one line (tests/conftest.py fails such skips under CI).
 """
@@ -93,6 +94,14 @@ def fresh_hosts(fleet: Fleet, _fresh_numbers):
     yield boot
     if made:
         fleet.remove_hosts([h.name for h in made])
+
+
+@pytest.fixture(scope="module")
+def module_host(fleet: Fleet, _fresh_numbers) -> Host:
+    """One fresh 3x H200 host shared by a module's tests (steps that build on each other), deleted after them."""
+    (host,) = fleet.add_hosts([H200x3], first=next(_fresh_numbers))
+    yield host
+    fleet.remove_hosts([host.name])
 
 
 @pytest.fixture(scope="session")

@@ -65,14 +65,25 @@ def test_nvidia_smi_per_host_profiles(fleet, test_hosts, fresh_hosts):
 
 
 def _install_docker_and_toolkit(fleet: Fleet, host) -> str:
-    """What the deploy does, by hand: distro Docker from the mirror, toolkit from the signed stand-in repo."""
+    """What the deploy does, by hand: Docker installed the way docs.docker.com documents it for Debian (key, source
+    line, the five packages) from the signed stand-in of Docker's repo, the toolkit from the signed stand-in
+    NVIDIA repo."""
     repo = fleet.cfg.nvidia_repo_url
+    docker = fleet.cfg.docker_repo_url
     script = f"""set -e
+sudo install -m 0755 -d /etc/apt/keyrings
+sudo curl -fsSL {docker}/debian/gpg -o /etc/apt/keyrings/docker.asc
+sudo chmod a+r /etc/apt/keyrings/docker.asc
+echo \\
+  "deb [arch=$(dpkg --print-architecture) signed-by=/etc/apt/keyrings/docker.asc] {docker}/debian \\
+  $(. /etc/os-release && echo "$VERSION_CODENAME") stable" | \\
+  sudo tee /etc/apt/sources.list.d/docker.list > /dev/null
 curl -fsSL {repo}/gpgkey | sudo gpg --batch --yes --dearmor -o /usr/share/keyrings/nvidia-container-toolkit-keyring.gpg
 curl -fsSL {repo}/stable/deb/nvidia-container-toolkit.list \\
   | sudo tee /etc/apt/sources.list.d/nvidia-container-toolkit.list >/dev/null
 sudo apt-get -q update 2>&1
-sudo DEBIAN_FRONTEND=noninteractive apt-get -qy install docker.io nvidia-container-toolkit >/dev/null
+sudo DEBIAN_FRONTEND=noninteractive apt-get -qy install docker-ce docker-ce-cli containerd.io docker-buildx-plugin \\
+  docker-compose-plugin nvidia-container-toolkit >/dev/null
 sudo nvidia-ctk runtime configure --runtime=docker
 sudo systemctl restart docker
 nvidia-ctk --version
@@ -85,7 +96,15 @@ def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, fresh_host
     (host,) = fresh_hosts(H200x3)
     out = _install_docker_and_toolkit(fleet, host)
     assert "NVIDIA Container Toolkit CLI version 1.17.8" in out
-    assert "InRelease" in out and "NO_PUBKEY" not in out  # the signed stand-in repo verified with its key
+    # both signed stand-in repos verified with their keys (apt refuses an unsigned or unverifiable one)
+    assert f"{fleet.cfg.docker_repo_url}/debian bookworm InRelease" in out and "NO_PUBKEY" not in out
+    assert fleet.ssh(host, "systemctl is-active docker.socket containerd.service docker.service").stdout.split() == [
+        "active"] * 3
+    # Docker's packages and paths, Debian's real engine: the daemon that runs is docker-ce's /usr/bin/dockerd
+    assert fleet.ssh(host, "dpkg -S /usr/bin/dockerd /usr/bin/runc").stdout.split() == [
+        "docker-ce:", "/usr/bin/dockerd", "containerd.io:", "/usr/bin/runc"]
+    assert fleet.ssh(host, "sudo readlink /proc/$(systemctl show -p MainPID --value docker)/exe").stdout.strip() == (
+        "/usr/bin/dockerd")
     daemon = json.loads(fleet.read_file(host, "/etc/docker/daemon.json"))
     # nvidia-ctk merged: the test setup's insecure-registries entry survived next to the runtime
     assert daemon == {

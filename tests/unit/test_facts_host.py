@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
-from gpufleet.facts.host import MARK, GpufleetHost, Paths, parse_snapshot, snapshot_command
+from gpufleet.facts.host import MARK, PACKAGES, GpufleetHost, Paths, ServiceUnit, parse_snapshot, snapshot_command
 
 NV = Path(__file__).parent.parent / "fixtures" / "nvidia-smi"
 PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model="qwen3.5-awq",
@@ -126,3 +126,52 @@ def test_command_is_valid_posix_shell_and_read_only():
     subprocess.run(["sh", "-n", "-c", command], check=True)  # syntax check with the host's kind of shell
     for word in (" rm ", " mv ", "install ", "mkdir", "tee ", "> /", "systemctl start", "systemctl restart"):
         assert word not in command
+
+
+def test_service_unit_is_read_with_its_first_line():
+    snap = parse_snapshot(healthy(service_unit=["Id=ssh.service", "LoadState=loaded",
+                                                "FragmentPath=/lib/systemd/system/ssh.service",
+                                                "FirstLine=[Unit]"]))
+    assert snap.service_unit == ServiceUnit("ssh.service", "loaded", "/lib/systemd/system/ssh.service", "[Unit]")
+    assert snap.service_unit.exists
+
+
+def test_a_missing_service_unit_does_not_exist():
+    # What systemd prints for a name no unit has: no FragmentPath, so no FirstLine either.
+    snap = parse_snapshot(healthy(service_unit=["Id=vllm-qwen35.service", "LoadState=not-found", "FragmentPath="]))
+    assert snap.service_unit.fragment_path == "" and not snap.service_unit.exists
+
+
+def test_first_line_keeps_equals_signs():
+    snap = parse_snapshot(healthy(service_unit=["Id=a.service", "LoadState=loaded", "FragmentPath=/x",
+                                                "FirstLine=# Managed by gpufleet (h): a=b"]))
+    assert snap.service_unit.first_line == "# Managed by gpufleet (h): a=b"
+
+
+def test_both_docker_engines_packages_are_read():
+    snap = parse_snapshot(healthy(packages=["docker.io ii 20.10.24+dfsg1-1+deb12u1+b6",
+                                            "containerd ii 1.6.20~ds1-1+deb12u3", "containerd.io un <none>"]))
+    assert snap.packages == {"docker.io": "20.10.24+dfsg1-1+deb12u1+b6", "containerd": "1.6.20~ds1-1+deb12u3"}
+    assert {"docker.io", "containerd", "docker-ce", "containerd.io"} <= set(PACKAGES)
+
+
+HOSTILE = "http://repo.example/$(touch {marker})`touch {marker}`;touch {marker}&touch {marker}|touch {marker}'\""
+
+
+def test_hostile_repo_urls_reach_curl_whole_and_never_the_shell(tmp_path):
+    """Every line of the snapshot that names a repo URL, run by a real shell with curl recording its argv: the URL
+    arrives as one word, exactly, and none of the shell syntax in it runs."""
+    marker = tmp_path / "injected"
+    hostile = HOSTILE.format(marker=marker)
+    paths = dataclasses.replace(PATHS, nvidia_key_url=f"{hostile}/gpgkey", docker_repo_url=hostile)
+    lines = [line for line in snapshot_command(paths).splitlines() if "repo.example" in line]
+    assert len(lines) == 2
+    argv_log = tmp_path / "argv"
+    record = f"curl() {{ for a in \"$@\"; do printf '%s\\n' \"$a\"; done >> {argv_log}; }}"
+    for line in lines:
+        subprocess.run(["sh", "-c", f"{record}\n{line}"], check=False, capture_output=True, timeout=10)
+    os_id = next(l.split("=", 1)[1].strip('"') for l in Path("/etc/os-release").read_text().splitlines()
+                 if l.startswith("ID="))
+    words = argv_log.read_text().splitlines() if argv_log.exists() else []
+    assert f"{hostile}/gpgkey" in words and f"{hostile}/{os_id}/gpg" in words
+    assert not marker.exists()

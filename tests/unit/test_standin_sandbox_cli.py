@@ -47,7 +47,8 @@ def test_inventory_points_the_deploy_at_the_local_services(tmp_path):
     data = hosts[0][1]
     assert data["vllm_image"] == "10.213.0.1:5000/vllm/vllm-openai:nightly"
     assert data["nvidia_repo_url"] == "http://10.213.0.1:8080/nvidia"
-    assert data["docker_install"] == "distro" and data["vllm_model_repo"] == "gpufleet-sandbox/Qwen3.5-tiny"
+    assert (data["docker_install"], data["docker_repo_url"]) == ("docker-ce", "http://10.213.0.1:8080/docker/linux")
+    assert data["vllm_model_repo"] == "gpufleet-sandbox/Qwen3.5-tiny"
     assert (data["ssh_user"], data["ssh_known_hosts_file"], data["ssh_strict_host_key_checking"]) == (
         "deploy",
         "/dev/null",

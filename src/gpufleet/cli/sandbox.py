@@ -1,7 +1,7 @@
 """`gpufleet sandbox up [N]` / `gpufleet sandbox down`: a local simulated GPU fleet to try the deploy on.
 
 Hosts are systemd-nspawn containers on bridge gf-sandbox (10.213.0.0/24) with sshd, sudo, apt and GPU stand-ins;
-the local mirror, stand-in NVIDIA repo and registry listen on 10.213.0.1 only. Needs root and systemd-nspawn.
+the local mirror, the stand-in NVIDIA and Docker repos and the registry listen on 10.213.0.1 only. Needs root and systemd-nspawn.
 """
 
 from __future__ import annotations

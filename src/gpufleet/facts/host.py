@@ -4,7 +4,8 @@ A no-op re-converge should cost little more than connecting (bench/deploy_bench.
 command per fact the deploy reads the host once: OS, GPUs (the exact nvidia-smi queries of gpufleet.facts.nvidia),
 free disk, Docker's daemon.json, package states, checksums of the files the deploy writes, the NVIDIA repo key as
 the repo serves it now (to notice a rotated key), the image state file, local images, the model directory, unit
-states and a readiness probe. Sections are separated by marker lines; process() only parses.
+states, the unit file vllm_service names (its first line tells gpufleet's units from others) and a readiness
+probe. Sections are separated by marker lines; process() only parses.
 
 The command is read-only: nothing on the host changes (preflight relies on that).
 """
@@ -33,8 +34,8 @@ from gpufleet.facts.nvidia import (
 
 MARK = "@@gpufleet:"
 DAEMON_JSON = "/etc/docker/daemon.json"
-PACKAGES = ("docker.io", "docker-ce", "docker-ce-cli", "containerd.io", "nvidia-container-toolkit", "curl",
-            "ca-certificates")
+PACKAGES = ("docker.io", "containerd", "docker-ce", "docker-ce-cli", "containerd.io", "nvidia-container-toolkit",
+            "curl", "ca-certificates")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,20 @@ class Paths:
     # `nvidia-smi topo -m` costs another nvidia-smi start (slow on real drivers without persistence mode) and no
     # deploy decision needs it; inventory tooling turns it on.
     topology: bool = False
+
+
+@dataclass(frozen=True)
+class ServiceUnit:
+    """What systemd knows of the unit vllm_service names (it may exist before gpufleet ever ran)."""
+
+    name: str  # systemd's Id: an alias resolves to the unit it points at
+    load_state: str  # "not-found" when no such unit exists
+    fragment_path: str  # the unit file systemd loaded ("" for none)
+    first_line: str  # of that file: gpufleet's units start with its "# Managed by gpufleet" header
+
+    @property
+    def exists(self) -> bool:
+        return self.load_state not in ("", "not-found")
 
 
 @dataclass
@@ -80,6 +95,7 @@ class HostSnapshot:
     model_incomplete: list[str] = field(default_factory=list)  # hf's *.incomplete partial downloads
     dirs: dict[str, tuple[str, str, str] | None] = field(default_factory=dict)  # path -> (user, group, mode)
     units: dict[str, tuple[str, str]] = field(default_factory=dict)  # unit -> (is-active, is-enabled)
+    service_unit: ServiceUnit | None = None
     health_code: str | None = None
     served_models: list[str] | None = None
 
@@ -115,6 +131,7 @@ def snapshot_command(paths: Paths) -> str:
         # rc and stderr are kept: a broken driver must surface as a message, not as "no GPUs".
         return f"{section(name)}; if [ $nv = 1 ]; then {query} 2>&1; echo \"@@rc $?\"; fi"
 
+    port = int(paths.port)  # an int, never text, in the curl URLs below
     dirs = " ".join(q(d) for d in paths.dirs)
     files = " ".join(q(f) for f in paths.files)
     model_dir = q(f"{paths.models_dir}/{paths.model}")
@@ -156,14 +173,18 @@ def snapshot_command(paths: Paths) -> str:
         f"{section('dirs')}; stat -c '%U %G %a %n' {dirs} 2>/dev/null",
         f"{section('units')}; systemctl show -p Id -p ActiveState -p UnitFileState docker.service "
         f"{q(paths.service + '.service')} 2>/dev/null",
+        # Whose unit the service name is: the first line of the file systemd loads for it (our header, or not).
+        f"{section('service_unit')}; systemctl show -p Id -p LoadState -p FragmentPath {q(paths.service + '.service')} "
+        f"2>/dev/null; f=$(systemctl show -p FragmentPath --value {q(paths.service + '.service')} 2>/dev/null); "
+        "if [ -n \"$f\" ]; then printf 'FirstLine=%s\\n' \"$(head -n 1 -- \"$f\" 2>/dev/null)\"; fi",
         # Readiness without putting the API key on a command line: printf is a builtin, curl reads the header
         # from stdin.
         # (No is-active guard: with no service, curl is refused at once.)
         f"{section('health')}; if command -v curl >/dev/null; "
-        f"then curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 3 http://127.0.0.1:{paths.port}/health; "
+        f"then curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 3 http://127.0.0.1:{port}/health; "
         f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
         "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
-        f"curl -s --max-time 3 -H @- http://127.0.0.1:{paths.port}/v1/models; echo; fi",
+        f"curl -s --max-time 3 -H @- http://127.0.0.1:{port}/v1/models; echo; fi",
         section("end"),
     ]
     return "\n".join(lines)
@@ -277,6 +298,11 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         elif unit:
             snap.units[unit.get("Id", "?")] = (unit.get("ActiveState", ""), unit.get("UnitFileState", ""))
             unit = {}
+    fields = dict(line.partition("=")[::2] for line in s.get("service_unit", []) if "=" in line)
+    if fields.get("Id"):
+        snap.service_unit = ServiceUnit(name=fields["Id"], load_state=fields.get("LoadState", ""),
+                                        fragment_path=fields.get("FragmentPath", ""),
+                                        first_line=fields.get("FirstLine", ""))
     health = s.get("health", [])
     if health and health[0].strip() not in ("", "000"):
         snap.health_code = health[0].strip()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from pyinfra import host
 from pyinfra.api import StringCommand, operation
 from pyinfra.operations import apt
@@ -14,6 +16,15 @@ DOCKER_LIST = "/etc/apt/sources.list.d/docker.list"
 CE_PACKAGES = ["docker-ce", "docker-ce-cli", "containerd.io"]
 
 
+def key_url(repo_url: str, os_id: str) -> str:
+    return f"{repo_url.rstrip('/')}/{os_id}/gpg"
+
+
+def fetch_key_command(repo_url: str, os_id: str) -> StringCommand:
+    # The URL is a setting: quoted, so `&`, `;` or `$(` in it can never reach the root shell as syntax.
+    return StringCommand("curl", "-fsSL", shlex.quote(key_url(repo_url, os_id)), "-o", DOCKER_KEY)
+
+
 def repo_line(repo_url: str, os_id: str, codename: str, arch: str) -> str:
     """Docker's documented apt source: <base>/<os id> <codename> stable, signed by its own key."""
     return f"deb [arch={arch} signed-by={DOCKER_KEY}] {repo_url.rstrip('/')}/{os_id} {codename} stable\n"
@@ -24,8 +35,9 @@ def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.
     """Install the Docker engine: docker-ce from Docker's repo, or the distribution's docker.io ("distro")."""
     snap = snapshot()
     if install == "distro":
-        if snap.installed("docker.io") or snap.installed("docker-ce"):
-            host.noop("Docker is installed (" + ", ".join(p for p in ("docker.io", "docker-ce") if snap.installed(p)) + ")")
+        # docker-ce on the host with docker_install "distro" never gets here: preflight refuses the swap.
+        if snap.installed("docker.io"):
+            host.noop(f"docker.io {snap.packages['docker.io']} is installed")
             return
         yield from apt.packages._inner(packages=["docker.io"], update=True, no_recommends=True)
         return
@@ -34,7 +46,7 @@ def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.
     if snap.docker_key is None:
         # The snapshot could not fetch the key (no curl yet): fetch it on the host once curl is installed.
         yield StringCommand("install", "-d", "-m", "755", "/etc/apt/keyrings")
-        yield StringCommand("curl", "-fsSL", f"{repo_url.rstrip('/')}/{snap.os.get('ID', 'debian')}/gpg", "-o", DOCKER_KEY)
+        yield fetch_key_command(repo_url, snap.os.get("ID", "debian"))
         changed = True
     else:
         for command in put_content(DOCKER_KEY, snap.docker_key):

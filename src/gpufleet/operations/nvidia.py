@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import shlex
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, StringCommand, operation
@@ -43,9 +44,14 @@ def list_line(repo_url: str) -> str:
     return f"deb [signed-by={KEYRING}] {repo_url.rstrip('/')}/stable/deb/$(ARCH) /\n"
 
 
+def fetch_key_command(key_url: str) -> str:
+    # The URL is a setting: quoted, so `&`, `;`, `$(` or a quote in it can never reach the shell as syntax.
+    return f"curl -fsSL --max-time 60 {shlex.quote(key_url)}"
+
+
 def _fetch_and_install_keyring(state, host, key_url: str) -> bool:
     sudo = use_sudo(host)
-    ok, output = host.run_shell_command(f"curl -fsSL --max-time 60 '{key_url}'")
+    ok, output = host.run_shell_command(fetch_key_command(key_url))
     if not ok:
         raise RuntimeError(f"could not fetch {key_url}: {' '.join(output.stderr_lines)[:200]}")
     keyring = dearmor("\n".join(output.stdout_lines))

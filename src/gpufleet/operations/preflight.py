@@ -16,6 +16,11 @@ from gpufleet.operations.model import missing_parts
 SUPPORTED_OS = {"debian", "ubuntu"}
 SUPPORTED_ARCH = {"amd64", "arm64", "x86_64", "aarch64"}
 KIB_PER_GIB = 1024 * 1024
+# The engine daemons each docker_install value installs. Their packages conflict (docker-ce with docker.io,
+# containerd.io with containerd), so installing one makes apt remove the other under its running containers.
+ENGINES = {"docker-ce": ("docker-ce", "containerd.io"), "distro": ("docker.io", "containerd")}
+# The first line of every unit gpufleet writes (templates/vllm.service.j2).
+MANAGED_HEADER = "# Managed by gpufleet"
 
 
 def _line(host: str, what: str, fix: str) -> str:
@@ -57,6 +62,9 @@ def check(host: str, snap: HostSnapshot, s: dict[str, Any], gpus: tuple[int, ...
                     f"CUDA >= {minimum}", "upgrade the NVIDIA driver (R580+ for CUDA 13), or use an image built "
                     "for the older CUDA and lower gpufleet_min_cuda")
 
+    _check_engine(bad, snap, s["docker_install"])
+    _check_service_unit(bad, snap, s["vllm_service"])
+
     if snap.daemon_json_error:
         bad(snap.daemon_json_error, "repair /etc/docker/daemon.json (the deploy merges into it, never replaces it)")
 
@@ -73,6 +81,33 @@ def check(host: str, snap: HostSnapshot, s: dict[str, Any], gpus: tuple[int, ...
                 "stage the model there by hand, or set vllm_model_repo to download it")
         _need_space(bad, snap, "models", s["gpufleet_min_free_gb_models"], "gpufleet_min_free_gb_models", "models")
     return problems
+
+
+def _check_engine(bad, snap: HostSnapshot, install: str) -> None:
+    """Refuse a Docker engine the deploy would swap out: apt replaces the conflicting packages in one go."""
+    if install not in ENGINES:
+        return  # an unknown docker_install is a setting error, reported by build_spec
+    other = next(kind for kind in ENGINES if kind != install)
+    found = [p for p in ENGINES[other] if snap.installed(p)]
+    if found:
+        listed = ", ".join(f"{p} {snap.packages[p]}" for p in found)
+        them = "them" if len(found) > 1 else "it"
+        bad(f"docker_install is {install!r}, but {listed} {'are' if len(found) > 1 else 'is'} installed: apt would "
+            f"remove {them} to install {ENGINES[install][0]}, stopping every container on this host",
+            f"set docker_install to {other!r} for this host to keep {them}, or remove {' '.join(found)} by hand first")
+
+
+def _check_service_unit(bad, snap: HostSnapshot, service: str) -> None:
+    """Refuse to take over a unit gpufleet did not write: the deploy would replace its file and restart it."""
+    unit = snap.service_unit
+    if unit is None or not unit.exists or unit.first_line.startswith(MANAGED_HEADER):
+        return
+    origin = unit.fragment_path or f"load state {unit.load_state}"
+    if unit.load_state == "masked":
+        origin = f"masked at {unit.fragment_path}" if unit.fragment_path else "masked"
+    bad(f"vllm_service {service!r} is {unit.name}, a unit gpufleet did not create ({origin}): the deploy would "
+        "replace and restart it", "set vllm_service to a name no unit on this host uses yet (gpufleet then creates "
+        "that unit)")
 
 
 def _need_space(bad, snap: HostSnapshot, key: str, need_gb: float, setting: str, what: str) -> None:

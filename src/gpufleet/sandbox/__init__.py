@@ -1,5 +1,5 @@
-"""A local simulated GPU fleet: nspawn hosts with sshd/sudo/apt/dockerd, a Debian mirror, a stand-in NVIDIA repo,
-a registry with stand-in vLLM images, and GPU stand-ins. Used by `gpufleet sandbox` and tests/integration.
+"""A local simulated GPU fleet: nspawn hosts with sshd/sudo/apt/dockerd, a Debian mirror, stand-ins of NVIDIA's and
+Docker's apt repos, a registry with stand-in vLLM images, and GPU stand-ins. Used by `gpufleet sandbox` and tests/integration.
 
     from gpufleet.sandbox.config import H200x3, NO_GPU, sandbox_config, test_config
     from gpufleet.sandbox.fleet import Fleet
@@ -11,7 +11,8 @@ a registry with stand-in vLLM images, and GPU stand-ins. Used by `gpufleet sandb
     fleet.reboot(a); fleet.set_connected(b, False); fleet.write_inventory()
     fleet.stop()                                    # leaves no process, mount, netns, link
 
-Modules: config (names, subnets, GPU profiles), rootfs (debootstrap base + mirror debs), nvidia_repo, image,
-services (mirror + registry), network, hosts, state, fleet, inventory, nvidia_smi; standin/ holds the
+Modules: config (names, subnets, GPU profiles), rootfs (debootstrap base + mirror debs), nvidia_repo, docker_repo,
+apt_signing (their throwaway keys), cache (build-then-rename cache entries), image, services (mirror + registry),
+network, hosts, state, fleet, inventory, nvidia_smi; standin/ holds the
 stdlib-only programs that run inside hosts and images. See docs/test-hosts.md.
 """

@@ -83,6 +83,11 @@ class FleetConfig:
     def nvidia_repo_url(self) -> str:
         return f"{self.mirror_url}/nvidia"
 
+    @property
+    def docker_repo_url(self) -> str:
+        """Like https://download.docker.com/linux: the OS id (debian/) follows, as Docker documents."""
+        return f"{self.mirror_url}/docker/linux"
+
 
 def sandbox_config() -> FleetConfig:
     return FleetConfig(

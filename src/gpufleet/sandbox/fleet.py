@@ -1,7 +1,7 @@
 """A fleet of test hosts and its services: start, add hosts (in parallel), stop, and clear a killed run's leftovers.
 
 fleet = Fleet(sandbox_config())
-fleet.start()                       # base rootfs, bridge, mirror, NVIDIA repo, registry, images
+fleet.start()                       # base rootfs, bridge, mirror, NVIDIA + Docker repos, registry, images
 hosts = fleet.add_hosts([H200x3, NO_GPU])
 fleet.stop()                        # nothing of ours left: processes, mounts, netns, links, bridge
 """
@@ -16,8 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gpufleet.sandbox import docker_repo, image, network, nvidia_repo, procs, rootfs, services
 from gpufleet.sandbox import hosts as hostmod
-from gpufleet.sandbox import image, network, nvidia_repo, procs, rootfs, services
 from gpufleet.sandbox.config import FleetConfig, Gpus
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.procs import SandboxError, log, run
@@ -107,7 +107,10 @@ class Fleet:
             run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"gpufleet-{cfg.name}", "-f", str(self.key)])
         network.ensure_bridge(cfg, self.state)
         repo = nvidia_repo.ensure_repo(cfg.cache_dir, cfg.nvidia_repo_url)
-        services.serve_files(cfg, self.state, {"debian": base.debs, "nvidia": repo})
+        t0 = time.monotonic()
+        docker = docker_repo.ensure_repo(cfg.cache_dir, base.debs)
+        self.timings["docker_repo"] = time.monotonic() - t0
+        services.serve_files(cfg, self.state, {"debian": base.debs, "nvidia": repo, "docker": docker})
         services.serve_registry(cfg, self.state)
         t0 = time.monotonic()
         image.ensure_images(cfg, self.state, base.rootfs)

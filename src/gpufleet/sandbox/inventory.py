@@ -1,8 +1,9 @@
 """The fleet's inventory: a JSON document written by the fleet, and the pyinfra host tuples made from it.
 
 inventories/sandbox.py and the test inventories both call `pyinfra_hosts()`, so the host data that points the
-deploy at the local services (registry image, stand-in NVIDIA repo, distro Docker, the stand-in model repo) is
-defined once, here.
+deploy at the local services (registry image, the stand-in NVIDIA and Docker repos, the stand-in model repo) is
+defined once, here. Docker comes the default way (docker_install "docker-ce", from the stand-in of Docker's signed
+repo), so every deploy on the test hosts runs the path production hosts take.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path) -> dict:
             "ssh_strict_host_key_checking": "off",
             "vllm_image": image.image_ref(cfg, "nightly"),
             "nvidia_repo_url": cfg.nvidia_repo_url,
-            "docker_install": "distro",
+            "docker_install": "docker-ce",
+            "docker_repo_url": cfg.docker_repo_url,
             "vllm_model_repo": image.MODEL_REPO,
         },
     }

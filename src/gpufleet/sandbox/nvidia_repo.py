@@ -10,10 +10,12 @@ The list names the base URL, so the repo is built for one base (the fleet's gate
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
+import time
 from pathlib import Path
 
+from gpufleet.sandbox import cache
+from gpufleet.sandbox.apt_signing import ThrowawayKey
 from gpufleet.sandbox.procs import log, run
 
 PACKAGE = "nvidia-container-toolkit"
@@ -33,37 +35,25 @@ def _key(base_url: str) -> str:
     for src in sorted(EXECUTABLES.values()):
         h.update((STANDIN / src).read_bytes())
     h.update(Path(__file__).read_bytes())
+    h.update((Path(__file__).parent / "apt_signing.py").read_bytes())
     return h.hexdigest()[:12]
 
 
 def ensure_repo(cache_dir: Path, base_url: str) -> Path:
     """Return the repo root to serve at base_url (built once per base URL and stand-in source)."""
     root = cache_dir / f"nvidia-repo-{_key(base_url)}"
-    if (root / ".done").exists():
+    if cache.is_done(root):
         return root
+    t0 = time.monotonic()
     log.info("building the stand-in NVIDIA repo for %s", base_url)
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     arch = tmp / "stable/deb/amd64"
     arch.mkdir(parents=True)
-    gnupg = tmp / ".gnupg"
-    gnupg.mkdir(mode=0o700)
-    env = {**os.environ, "GNUPGHOME": str(gnupg)}
-    run(
-        [
-            "gpg",
-            "--batch",
-            "--passphrase",
-            "",
-            "--quick-gen-key",
-            "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>",
-            "ed25519",
-            "sign",
-            "never",
-        ],
-        env=env,
-    )
-    (tmp / "gpgkey").write_text(run(["gpg", "--armor", "--export"], env=env).stdout)
+    # The private key stays out of the served tree: a repo is only as trustworthy as its key is private.
+    key = ThrowawayKey(root.with_name(root.name + ".gnupg"),
+                       "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>")
+    (tmp / "gpgkey").write_text(key.armored_public_key())
     (tmp / "stable/deb/nvidia-container-toolkit.list").write_text(
         f"deb [signed-by={KEYRING}] {base_url}/stable/deb/$(ARCH) /\n"
         f"#deb [signed-by={KEYRING}] {base_url}/experimental/deb/$(ARCH) /\n"
@@ -83,15 +73,9 @@ def ensure_repo(cache_dir: Path, base_url: str) -> Path:
         cwd=arch,
     ).stdout
     (arch / "Release").write_text(release)
-    run(["gpg", "--batch", "--yes", "--clearsign", "-o", "InRelease", "Release"], cwd=arch, env=env)
-    run(["gpg", "--batch", "--yes", "-abs", "-o", "Release.gpg", "Release"], cwd=arch, env=env)
-    # The private key stays out of the served tree: a repo is only as trustworthy as its key is private.
-    shutil.rmtree(root.with_name(root.name + ".gnupg"), ignore_errors=True)
-    shutil.move(str(gnupg), root.with_name(root.name + ".gnupg"))
+    key.sign_release(arch)
     shutil.rmtree(tmp / "pkg")
-    (tmp / ".done").touch()
-    shutil.rmtree(root, ignore_errors=True)
-    tmp.rename(root)
+    cache.publish(tmp, root, t0)
     return root
 
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufleet.sandbox import cache
 from gpufleet.sandbox.procs import log, run
 
 SUITE = "bookworm"
@@ -66,7 +67,7 @@ def ensure_base(cache_dir: Path) -> Base:
     """Return the cached base; build it first if its key is new (cold run)."""
     root = cache_dir / f"base-{cache_key()}"
     base = Base(rootfs=root / "rootfs", debs=root / "debian")
-    if (root / ".done").exists():
+    if cache.is_done(root):
         return base
     t0 = time.monotonic()
     tmp = cache_dir / f".base-{cache_key()}.tmp"
@@ -77,11 +78,7 @@ def ensure_base(cache_dir: Path) -> Base:
     run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(tmp / "rootfs"), mirror])
     _customise(tmp / "rootfs")
     _download_debs(tmp / "rootfs", tmp / "debian", mirror)
-    (tmp / "build-seconds").write_text(f"{time.monotonic() - t0:.1f}\n")
-    (tmp / ".done").touch()
-    shutil.rmtree(root, ignore_errors=True)
-    tmp.rename(root)
-    log.info("base rootfs built in %.0fs", time.monotonic() - t0)
+    log.info("base rootfs built in %.0fs", cache.publish(tmp, root, t0))
     return base
 
 

@@ -1,5 +1,5 @@
 """The fleet's local services, bound to the bridge address only: a static HTTP server (Debian mirror + stand-in
-NVIDIA repo) and a container registry (Debian's docker-registry). Both are started by PID and recorded in the state
+NVIDIA and Docker repos) and a container registry (Debian's docker-registry). Both are started by PID and recorded in the state
 file; nothing else on the machine is touched."""
 
 from __future__ import annotations

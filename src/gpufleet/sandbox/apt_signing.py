@@ -1,0 +1,29 @@
+"""Throwaway signing keys for the sandbox's stand-in apt repos (NVIDIA's and Docker's): apt on the test hosts
+verifies their InRelease against the key the deploy installs, exactly as it does against the vendors' real keys."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from gpufleet.sandbox.procs import run
+
+
+class ThrowawayKey:
+    """An ed25519 signing key in its own GNUPGHOME (never inside a served tree)."""
+
+    def __init__(self, home: Path, uid: str):
+        self.home = home
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir(mode=0o700, parents=True)
+        self._env = {**os.environ, "GNUPGHOME": str(home)}
+        run(["gpg", "--batch", "--passphrase", "", "--quick-gen-key", uid, "ed25519", "sign", "never"], env=self._env)
+
+    def armored_public_key(self) -> str:
+        return run(["gpg", "--armor", "--export"], env=self._env).stdout
+
+    def sign_release(self, directory: Path) -> None:
+        """InRelease (clearsigned, what apt reads first) and Release.gpg (detached) next to directory/Release."""
+        run(["gpg", "--batch", "--yes", "--clearsign", "-o", "InRelease", "Release"], cwd=directory, env=self._env)
+        run(["gpg", "--batch", "--yes", "-abs", "-o", "Release.gpg", "Release"], cwd=directory, env=self._env)

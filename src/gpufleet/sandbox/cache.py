@@ -1,0 +1,22 @@
+"""Entries of the sandbox's cache dir: each is built in a temporary directory and published by one rename, with a
+`.done` marker written last, so a build killed halfway is never mistaken for a finished one."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+
+def is_done(entry: Path) -> bool:
+    return (entry / ".done").exists()
+
+
+def publish(tmp: Path, entry: Path, started: float) -> float:
+    """Mark tmp finished (with its build time) and move it to entry; return the seconds the build took."""
+    seconds = time.monotonic() - started
+    (tmp / "build-seconds").write_text(f"{seconds:.1f}\n")
+    (tmp / ".done").touch()
+    shutil.rmtree(entry, ignore_errors=True)
+    tmp.rename(entry)
+    return seconds
