@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.health.metrics import HITS, PREFILL_COMPUTED, QUERIES, RUNNING, parse_metrics
+from gpufleet.health.metrics import HITS, KV_USAGE, PREFILL_COMPUTED, QUERIES, RUNNING, parse_metrics
 
 RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"
 
@@ -50,3 +50,30 @@ def test_values_sum_over_engines():
         'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 28.0\n'
     )
     assert parse_metrics(text).get(HITS) == 128
+
+
+@pytest.mark.parametrize(
+    "text, complaint",
+    [
+        ("<html>moved</html>", "invalid metric name:<html>moved</html>"),
+        ('vllm:num_requests_running{engine="0"} lots\n', "could not convert string to float: 'lots'"),
+        ("vllm:num_requests_running{engine=0} 1\n", "Invalid labels: engine=0"),
+        ("# TYPE\n", "unparsable"),  # the parser's complaint is empty here
+    ],
+)
+def test_text_that_is_not_prometheus_is_one_value_error_quoting_the_parser(text, complaint):
+    with pytest.raises(ValueError) as err:
+        parse_metrics(text)
+    assert str(err.value) == f"is not Prometheus text: {complaint}"
+
+
+def test_nan_and_infinite_values_read_as_unknown():
+    text = (
+        "vllm:kv_cache_usage_perc NaN\n"
+        'vllm:prefix_cache_hits_total{engine="0"} +Inf\n'
+        'vllm:prefix_cache_queries_total{engine="0"} 10.0\n'
+        "vllm:num_requests_running 2.0\n"
+    )
+    m = parse_metrics(text)
+    assert (m.get(KV_USAGE), m.get(HITS), m.prefix_cache_hit_rate) == (None, None, None)
+    assert m.get(RUNNING) == 2.0

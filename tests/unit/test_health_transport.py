@@ -107,3 +107,28 @@ def test_accepting_then_hanging_up_is_not_readiness():
         threading.Thread(target=hang_up, daemon=True).start()
         r = check(LoopbackTransport(), Expected("vllm", port, "tiny"))
     assert r.state is HealthState.STARTING, r.detail
+
+
+def test_a_close_delimited_answer_is_read_whole_after_http_client_lets_go_of_the_connection(tmp_path):
+    # HTTP/1.0 without keep-alive: http.client closes the connection when the headers are in and the response
+    # reads the body on its own; the deadline socket must stay open for it, like a socket's makefile() does.
+    import http.server
+    import threading
+
+    from gpufleet.health.api import fetch
+
+    body = bytes(range(256)) * 1200  # 300 KiB: many reads, under the cap
+    (tmp_path / "blob").write_bytes(body)
+
+    class Http10(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: Http10(*a, directory=str(tmp_path)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        answer = fetch(LoopbackTransport(), httpd.server_address[1], "/blob", timeout=10)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert (answer.status, answer.body) == (200, body)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet import sandbox, vllm_flags
+from gpufleet.health import Expected, HealthState, LoopbackTransport, check
 from gpufleet.sandbox.image import write_tiny_model
 from tests.ports import free_port
 
@@ -287,3 +288,18 @@ def test_a_different_suffix_reuses_only_the_common_whole_blocks(server):
     s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 100}]})
     usage = json.loads(s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 60 + "z" * 40}]})[1])["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == (header + 60) // 16 * 16
+
+
+@pytest.mark.parametrize(
+    "mode, detail",
+    [
+        ("models-not-json", "/v1/models is not JSON: <html><head><title>502 Bad Gateway</title>"),
+        ("not-http", "GET /health: the port does not answer HTTP: -ERR unknown command 'GET'"),
+    ],
+)
+def test_misbehaving_modes_are_what_the_health_checks_call_misconfigured(server, mode, detail):
+    # The sandbox image tags of the same names run these: the deploy must roll them back, not crash on them.
+    s = server("--served-model-name", "m", env={"STANDIN_MISBEHAVE": mode}).wait()
+    report = check(LoopbackTransport(s.proc), Expected("vllm", s.port, "m"), timeout_s=5)
+    assert report.state is HealthState.MISCONFIGURED, report.detail
+    assert report.detail.startswith(detail), report.detail

@@ -1,19 +1,76 @@
-"""Small HTTP helpers over a Transport: JSON GETs and a streaming chat completion with its TTFT."""
+"""HTTP over a Transport, bounded and typed: GETs, and a streaming chat completion with its TTFT.
+
+Every request has one deadline (connect, headers and body together) and a capped body. Whatever the server
+sends comes back as an Answer or as one of the exceptions below, each carrying a one-line account of what the
+server did (quoted through excerpt()):
+
+    NotHttp          the listener does not speak HTTP/1.x (garbage, another protocol, TLS)
+    BrokenAnswer     an HTTP answer broken off or malformed (short body, bad chunk, oversized header section)
+    AnswerTooLarge   a body over max_body (MAX_BODY_BYTES by default)
+    DeadlineExceeded (a TimeoutError) no complete answer in time; what did arrive is quoted
+    ConnectionRefusedError, http.client.RemoteDisconnected, ConnectionResetError: nothing answered at all
+"""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.health.transport import Transport
+from gpufleet.health.transport import (
+    MAX_BODY_BYTES,
+    AnswerTooLarge,
+    BadAnswer,
+    DeadlineExceeded,
+    DeadlineHTTPConnection,
+    Transport,
+)
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class NotHttp(BadAnswer):
+    """The listener does not speak HTTP/1.x."""
+
+
+class BrokenAnswer(BadAnswer):
+    """An HTTP answer broken off or malformed."""
 
 
 class HttpStatusError(Exception):
+    """A streamed completion answered with another status than 200."""
+
     def __init__(self, path: str, status: int, body: str):
         self.path, self.status, self.body = path, status, body
-        super().__init__(f"GET {path}: HTTP {status} {body[:120]}")
+        super().__init__(f"{path} answered {status}: {excerpt(body)}")
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes  # at most the request's max_body bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode(errors="replace")
+
+
+def excerpt(text: str | bytes, limit: int = 80) -> str:
+    """Server-sent text quoted as evidence in a one-line detail: control and other non-printable characters
+    escaped (no line breaks, no terminal escapes), at most `limit` characters.
+
+    >>> excerpt("ok\\r\\nX-Evil: 1\\x1b[2J")
+    'ok\\\\r\\\\nX-Evil: 1\\\\x1b[2J'
+    """
+    if isinstance(text, bytes):
+        text = text[: limit + 1].decode("utf-8", errors="backslashreplace")
+    # Escaping only lengthens, so the first limit + 1 characters decide the result.
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text[: limit + 1])
+    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -21,22 +78,77 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def get(transport: Transport, port: int, path: str, timeout: float = 10.0, api_key: str | None = None) -> tuple[int, str]:
-    """(status, body). Raises ConnectionRefusedError / OSError / http.client errors on transport trouble."""
-    conn = transport.http(port, timeout)
+def _not_http(request: str, head: bytes) -> NotHttp:
+    if head[:1] in (b"\x15", b"\x16") and head[1:2] == b"\x03":  # a TLS record: alert or handshake
+        return NotHttp(f"{request}: the port answers in TLS, not plain HTTP (first bytes {excerpt(head, 24)})")
+    return NotHttp(f"{request}: the port does not answer HTTP: {excerpt(head) or 'an empty status line'}")
+
+
+@contextlib.contextmanager
+def _translated(request: str, conn: DeadlineHTTPConnection) -> Iterator[None]:
+    """http.client's and the wire's errors -> this module's, with what the server sent as evidence."""
+    wire = conn.wire
     try:
-        conn.request("GET", path, headers={"Accept": "*/*", **_headers(api_key)})
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode(errors="replace")
+        yield
+    except (ConnectionResetError, BrokenPipeError) as e:
+        if not wire.received:
+            raise  # closed before a single byte: nothing answered (a proxy in front of a server still loading)
+        raise BrokenAnswer(f"{request}: connection closed after {wire.received} bytes: {excerpt(wire.head)}") from e
+    except http.client.UnknownProtocol as e:
+        raise NotHttp(f"{request}: the port answers {excerpt(str(e.args[0]) if e.args else '?', 20)}, not HTTP/1.x") from e
+    except http.client.BadStatusLine as e:
+        raise _not_http(request, wire.head) from e
+    except http.client.LineTooLong as e:
+        if not wire.head.startswith(b"HTTP/"):
+            raise _not_http(request, wire.head) from e
+        # "got more than 65536 bytes when reading header line" (or chunk size, trailer line)
+        what = next((w for w in ("header line", "chunk size", "trailer line") if w in str(e)), "line")
+        raise BrokenAnswer(f"{request}: a {what} over 64 KiB") from e
+    except http.client.IncompleteRead as e:
+        more = f", {e.expected} more announced" if e.expected else ""
+        raise BrokenAnswer(f"{request}: body broken off after {len(e.partial)} bytes{more}") from e
+    except http.client.HTTPException as e:  # e.g. "got more than 100 headers"
+        raise BrokenAnswer(f"{request}: malformed answer: {excerpt(str(e))}") from e
+    except AnswerTooLarge as e:
+        raise AnswerTooLarge(f"{request}: {e}", e.head) from e
+    except DeadlineExceeded as e:
+        seen = f": {excerpt(e.head)}" if e.head else ""
+        raise DeadlineExceeded(f"{request}: {e}{seen}", e.head) from e
+
+
+def fetch(
+    transport: Transport,
+    port: int,
+    path: str,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    api_key: str | None = None,
+    max_body: int = MAX_BODY_BYTES,
+) -> Answer:
+    """GET path within `timeout` seconds overall; a body over max_body bytes is AnswerTooLarge, never read whole."""
+    conn = transport.http(port, timeout)
+    resp = None
+    try:
+        with _translated(f"GET {path}", conn):
+            conn.request("GET", path, headers={"Accept": "*/*", **_headers(api_key)})
+            resp = conn.getresponse()
+            body = resp.read(max_body + 1)
+            if len(body) > max_body:
+                raise AnswerTooLarge(f"body over {max_body} bytes")
+            if resp.length:  # http.client returns a short body without complaint when the server closes early
+                raise http.client.IncompleteRead(body, resp.length)
+        return Answer(resp.status, body)
     finally:
+        if resp is not None:
+            resp.close()
         conn.close()
 
 
-def get_json(transport: Transport, port: int, path: str, timeout: float = 10.0, api_key: str | None = None) -> Any:
-    status, body = get(transport, port, path, timeout, api_key)
-    if status != 200:
-        raise HttpStatusError(path, status, body)
-    return json.loads(body)
+def get(
+    transport: Transport, port: int, path: str, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None
+) -> tuple[int, str]:
+    """(status, body) of fetch()."""
+    answer = fetch(transport, port, path, timeout, api_key)
+    return answer.status, answer.text
 
 
 @dataclass(frozen=True)
@@ -58,37 +170,41 @@ def stream_chat(
     api_key: str | None = None,
     timeout: float = 120.0,
 ) -> Completion:
-    """POST /v1/chat/completions with stream=True and usage in the final chunk."""
+    """POST /v1/chat/completions with stream=True and usage in the final chunk, within `timeout` overall."""
+    path = "/v1/chat/completions"
     payload = body | {"stream": True, "stream_options": {"include_usage": True}}
     headers = {"Content-Type": "application/json", **_headers(api_key)}
     conn = transport.http(port, timeout)
     try:
-        start = time.monotonic()
-        conn.request("POST", "/v1/chat/completions", json.dumps(payload), headers)
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise HttpStatusError("/v1/chat/completions", resp.status, resp.read().decode(errors="replace"))
-        ttft, parts, usage = None, [], None
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            for choice in chunk.get("choices") or []:
-                if ttft is None:
-                    ttft = time.monotonic() - start
-                delta = choice.get("delta") or {}
-                # Content may be null with a reasoning parser: the text is then in reasoning(_content).
-                parts.append(delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or "")
-            usage = chunk.get("usage") or usage
-        total = time.monotonic() - start
+        with _translated(f"POST {path}", conn):
+            start = time.monotonic()
+            conn.request("POST", path, json.dumps(payload), headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise HttpStatusError(path, resp.status, resp.read(MAX_BODY_BYTES).decode(errors="replace"))
+            ttft, parts, usage, details = None, [], {}, {}
+            for raw in resp:  # the wire's cap bounds the stream, however long its lines
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                    for choice in chunk.get("choices") or []:
+                        if ttft is None:
+                            ttft = time.monotonic() - start
+                        delta = choice.get("delta") or {}
+                        # Content may be null with a reasoning parser: the text is then in reasoning(_content).
+                        parts.append(str(delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or ""))
+                    usage = dict(chunk.get("usage") or usage)
+                    details = dict(usage.get("prompt_tokens_details") or {})
+                except (ValueError, TypeError, AttributeError, RecursionError) as e:
+                    raise BrokenAnswer(f"POST {path}: not an OpenAI stream chunk: {excerpt(data)}") from e
+            total = time.monotonic() - start
     finally:
         conn.close()
-    usage = usage or {}
-    details = usage.get("prompt_tokens_details") or {}
     return Completion(
         ttft_s=ttft if ttft is not None else total,
         total_s=total,

@@ -8,14 +8,23 @@ the expected id; only then are the identity checks (max_model_len, cache config 
 from __future__ import annotations
 
 import http.client
+import json
 import time
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from gpufleet.health.api import HttpStatusError, get, get_json
+from gpufleet.health.api import DEFAULT_TIMEOUT_S, Answer, NotHttp, excerpt, fetch
 from gpufleet.health.metrics import KV_USAGE, RUNNING, WAITING, Metrics, parse_metrics
-from gpufleet.health.transport import ContainerInfo, Transport, TransportError, Unreachable
+from gpufleet.health.transport import (
+    AnswerTooLarge,
+    BadAnswer,
+    ContainerInfo,
+    DeadlineExceeded,
+    Transport,
+    TransportError,
+    Unreachable,
+)
 
 # vLLM waits up to VLLM_ENGINE_READY_TIMEOUT_S (600 s) for the engine, after loading weights: past this much time
 # a running container that still refuses connections is not "starting" any more.
@@ -105,15 +114,39 @@ class HealthReport:
 
 
 # Errors that mean "nothing answered HTTP": a refused tunnel/connect, or a proxy that accepted and hung up.
-_NO_LISTENER = (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError)
+_NO_LISTENER_WHY = {
+    ConnectionRefusedError: "connection refused",
+    http.client.RemoteDisconnected: "the connection closed before any answer",
+    ConnectionResetError: "the connection was reset before any answer",
+    BrokenPipeError: "the connection closed before the request was sent",
+}
+DETAIL_CHARS = 400  # a detail is one line of evidence, not a dump of what the server sent
 
 
-def check(transport: Transport, expected: Expected, grace_s: float = DEFAULT_GRACE_S, api_key: str | None = None) -> HealthReport:
-    """One look at the host: container state first, then HTTP, then identity.
+def check(
+    transport: Transport,
+    expected: Expected,
+    grace_s: float = DEFAULT_GRACE_S,
+    api_key: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> HealthReport:
+    """One look at the host: container state first, then HTTP, then identity. Never raises: whatever the host
+    and its server do becomes a state, with a one-line detail quoting the evidence.
 
     api_key: the server's --api-key (VLLM_API_KEY), needed for /v1/models when it runs with one.
+    timeout_s: the deadline of each HTTP request (connect, headers and body together).
     """
     report = HealthReport(HealthState.STARTING, "", host=transport.name)
+    try:
+        report = _check(transport, expected, report, grace_s, api_key, timeout_s)
+    except Exception as e:  # the contract is a state for anything, even a case nobody foresaw
+        report = replace(report, state=HealthState.DEAD, detail=f"the check failed: {type(e).__name__}: {e}")
+    return replace(report, detail=excerpt(report.detail, DETAIL_CHARS))
+
+
+def _check(
+    transport: Transport, expected: Expected, report: HealthReport, grace_s: float, api_key: str | None, timeout_s: float
+) -> HealthReport:
     try:
         container = transport.container(expected.service)
     except Unreachable as e:
@@ -133,63 +166,140 @@ def check(transport: Transport, expected: Expected, grace_s: float = DEFAULT_GRA
     if not container.running:
         return replace(report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"container {container.id} is {container.state}")
     try:
-        return _check_http(transport, expected, report, api_key)
-    except Unreachable as e:
+        return _check_http(transport, expected, report, api_key, timeout_s)
+    except TransportError as e:  # the SSH connection, or sshd's tunnel to the port, failed
         return replace(report, state=HealthState.SSH_UNREACHABLE, detail=str(e))
-    except (*_NO_LISTENER, TimeoutError) as e:
-        up = time.time() - container.started_at if container.started_at else None
-        if up is not None and up > grace_s:
-            return replace(
-                report,
-                state=HealthState.DEAD,
-                detail=f"port {expected.port} still not answering {up:.0f} s after start (grace {grace_s:.0f} s)",
-            )
-        since = f" (up {up:.0f} s)" if up is not None else ""
+    except (NotHttp, AnswerTooLarge) as e:  # something answers, and it is not vLLM's API
+        return replace(report, state=HealthState.MISCONFIGURED, detail=str(e))
+    except BadAnswer as e:  # an HTTP answer broken off or malformed
+        return replace(report, state=HealthState.DEAD, detail=str(e))
+    except OSError as e:  # refused, closed or reset before any answer, or no complete answer in time
+        return _not_answering(report, expected.port, container, grace_s, e)
+
+
+def _not_answering(report: HealthReport, port: int, container: ContainerInfo, grace_s: float, e: OSError) -> HealthReport:
+    """Nothing (complete) answered: still starting, unless it has been up longer than any start takes."""
+    if isinstance(e, DeadlineExceeded):
+        why, how = str(e), "in time"
+    else:
+        why = next((text for kind, text in _NO_LISTENER_WHY.items() if type(e) is kind), f"{type(e).__name__}: {e}")
+        how = "yet"
+    up = time.time() - container.started_at if container.started_at else None
+    if up is not None and up > grace_s:
         return replace(
             report,
-            state=HealthState.STARTING,
-            detail=f"container running{since}, port {expected.port} not answering yet: {type(e).__name__}",
+            state=HealthState.DEAD,
+            detail=f"port {port} still not answering {up:.0f} s after start (grace {grace_s:.0f} s): {why}",
         )
+    since = f" (up {up:.0f} s)" if up is not None else ""
+    return replace(
+        report,
+        state=HealthState.STARTING,
+        detail=f"container running{since}, port {port} not answering {how}: {why}",
+    )
 
 
-def _check_http(transport: Transport, expected: Expected, report: HealthReport, api_key: str | None) -> HealthReport:
-    port = expected.port
-    status, body = get(transport, port, "/health")
-    if status != 200:
-        # 503 = EngineDeadError: the API server is up but its engine is gone (it exits a few seconds later).
-        return replace(report, state=HealthState.DEAD, detail=f"/health answered {status} {body.strip()[:80]}")
+def _status_state(status: int) -> HealthState:
+    # 5xx: vLLM's API server is up and says its engine is gone (503 = EngineDeadError). Any other status but
+    # 200 is not how vLLM answers these paths: something else listens, or answers differently.
+    return HealthState.DEAD if 500 <= status < 600 else HealthState.MISCONFIGURED
+
+
+def _quoted(answer: Answer) -> str:
+    """'404: Not Found': the status and the start of the body, the evidence for an unexpected status."""
+    return f"{answer.status}: {excerpt(answer.body)}" if answer.body else str(answer.status)
+
+
+def _check_http(
+    transport: Transport, expected: Expected, report: HealthReport, api_key: str | None, timeout_s: float
+) -> HealthReport:
+    def fetch_(path: str, key: str | None = None) -> Answer:
+        return fetch(transport, expected.port, path, timeout_s, api_key=key)
+
+    health = fetch_("/health")
+    if health.status != 200:
+        return replace(report, state=_status_state(health.status), detail=f"/health answered {_quoted(health)}")
+    listing = fetch_("/v1/models", api_key)
+    if listing.status == 401:
+        # The server runs with --api-key and we were not given it (or a different one): not a dead server.
+        detail = "/v1/models answered 401: the server requires its API key (the host's vllm_api_key)"
+        return replace(report, state=HealthState.MISCONFIGURED, detail=detail)
+    if listing.status != 200:
+        detail = f"/health is 200 but /v1/models answered {_quoted(listing)}"
+        return replace(report, state=_status_state(listing.status), detail=detail)
     try:
-        models = get_json(transport, port, "/v1/models", api_key=api_key)
-        version = get_json(transport, port, "/version").get("version")
-        metrics = parse_metrics(get(transport, port, "/metrics")[1])
-    except HttpStatusError as e:
-        if e.status == 401:
-            # The server runs with --api-key and we were not given it (or a different one): not a dead server.
-            detail = "/v1/models answered 401: the server requires its API key (the host's vllm_api_key)"
-            return replace(report, state=HealthState.MISCONFIGURED, detail=detail)
-        return replace(report, state=HealthState.DEAD, detail=f"/health is 200 but {e}")
-    data = models.get("data") or []
-    ids = tuple(str(m.get("id")) for m in data)
-    served = next((m for m in data if m.get("id") == expected.served_model_name), None)
+        models = served_models(listing.body)
+    except ValueError as e:
+        return replace(report, state=HealthState.MISCONFIGURED, detail=f"/v1/models {e}")
+    version = _version(fetch_("/version"))
+    scrape = fetch_("/metrics")
+    if scrape.status != 200:
+        return replace(report, state=_status_state(scrape.status), detail=f"/metrics answered {_quoted(scrape)}")
+    try:
+        metrics = parse_metrics(scrape.text)
+    except ValueError as e:
+        return replace(report, state=HealthState.MISCONFIGURED, detail=f"/metrics {e}")
+    ids = [model_id for model_id, _ in models]
+    served = next((m for m in models if m[0] == expected.served_model_name), None)
     report = replace(
         report,
         version=version,
-        served_models=ids,
-        max_model_len=(served or (data[0] if data else {})).get("max_model_len"),
+        served_models=tuple(excerpt(i, 200) for i in ids),
+        max_model_len=(served or (models[0] if models else (None, None)))[1],
         **_metric_fields(metrics),
     )
     problems = []
     if served is None:
-        problems.append(f"serves {', '.join(ids) or 'nothing'}, expected {expected.served_model_name}")
+        listed = ", ".join(excerpt(i) for i in ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+        problems.append(f"serves {listed or 'nothing'}, expected {expected.served_model_name}")
     if expected.max_model_len is not None and report.max_model_len != expected.max_model_len:
         problems.append(f"max_model_len {report.max_model_len}, expected {expected.max_model_len}")
     for key, want in expected.cache_config.items():
         got = metrics.cache_config.get(key)
         if got != want:
-            problems.append(f"{key}={got}, expected {want}")
+            problems.append(f"{key}={excerpt(got) if got is not None else None}, expected {want}")
     if problems:
         return replace(report, state=HealthState.MISCONFIGURED, detail="; ".join(problems))
     return replace(report, state=HealthState.READY, detail=f"/health 200, serving {expected.served_model_name} (vLLM {version})")
+
+
+def served_models(body: bytes) -> list[tuple[str, int | None]]:
+    """/v1/models -> [(id, max_model_len)], in the server's order. ValueError saying how the body differs from
+    vLLM's {"object": "list", "data": [{"id": ..., "max_model_len": ...}, ...]}."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested past the parser's limit
+        raise ValueError(f"is not JSON: {excerpt(body) or 'an empty body'}") from e
+    if not isinstance(doc, dict):
+        raise ValueError(f'is a JSON {_json_type(doc)}, not an object with a "data" list')
+    data = doc.get("data")
+    if not isinstance(data, list):
+        raise ValueError('has no "data" list' if data is None else f'has "data" as a JSON {_json_type(data)}, not a list')
+    models = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ValueError(f"item {i} is a JSON {_json_type(item)}, not a model object")
+        model_id, limit = item.get("id"), item.get("max_model_len")
+        if not isinstance(model_id, str):
+            raise ValueError(f'item {i} has {"no id" if model_id is None else "an id that is a JSON " + _json_type(model_id)}')
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+            raise ValueError(f"item {i} ({excerpt(model_id)}) has a max_model_len that is a JSON {_json_type(limit)}")
+        models.append((model_id, limit))
+    return models
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _version(answer: Answer) -> str | None:
+    """vLLM's version, or None: /version only labels the report, so an odd answer there is not a finding."""
+    try:
+        version = json.loads(answer.body).get("version") if answer.status == 200 else None
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return excerpt(version, 60) if isinstance(version, str) else None
 
 
 def _metric_fields(m: Metrics) -> dict[str, Any]:
@@ -212,6 +322,7 @@ def wait_until_ready(
     poll_s: float = 2.0,
     grace_s: float = DEFAULT_GRACE_S,
     api_key: str | None = None,
+    request_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> HealthReport:
     """Poll check() until ready. Returns early on dead or misconfigured (waiting cannot fix those).
 
@@ -219,7 +330,7 @@ def wait_until_ready(
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        report = check(transport, expected, grace_s=grace_s, api_key=api_key)
+        report = check(transport, expected, grace_s=grace_s, api_key=api_key, timeout_s=request_timeout_s)
         if report.state in (HealthState.READY, HealthState.DEAD, HealthState.MISCONFIGURED):
             break
         if time.monotonic() + poll_s > deadline:

@@ -9,7 +9,8 @@ from typing import Any
 
 import paramiko
 
-from gpufleet.health.check import Expected, HealthReport, HealthState, check, wait_until_ready
+from gpufleet.health.api import excerpt
+from gpufleet.health.check import DETAIL_CHARS, Expected, HealthReport, HealthState, check, wait_until_ready
 from gpufleet.health.probe import ProbeReport, probe
 from gpufleet.health.transport import SshTransport, Transport
 
@@ -66,16 +67,27 @@ def check_host(
     api_key: str | None = None,
     transport: Transport | None = None,
 ) -> HostResult:
-    """Health (and the probe, when the host is ready) of one host. Never raises for host trouble.
+    """Health (and the probe, when the host is ready) of one host. Never raises: whatever goes wrong with this
+    host (SSH, its server, a case nobody foresaw) is this host's result, so one host never sinks the others.
 
     api_key overrides the target's own key."""
-    api_key = api_key or target.api_key
+    try:
+        return _check_host(target, run_probe, wait_s, api_key or target.api_key, transport)
+    except Exception as e:
+        detail = excerpt(f"the check failed: {type(e).__name__}: {e}", DETAIL_CHARS)
+        return HostResult(target, HealthReport(HealthState.DEAD, detail, host=target.name))
+
+
+def _check_host(
+    target: HostTarget, run_probe: bool, wait_s: float, api_key: str | None, transport: Transport | None
+) -> HostResult:
     client = None
     if transport is None:
         try:
             client = connect(target.name, target.ssh)
-        except (paramiko.SSHException, OSError, EOFError) as e:
-            detail = f"cannot SSH to {target.ssh.get('ssh_hostname') or target.name}: {e or type(e).__name__}"
+        except Exception as e:  # paramiko raises more than its own and OSError (bad key files, odd host data)
+            where = target.ssh.get("ssh_hostname") or target.name
+            detail = excerpt(f"cannot SSH to {where}: {e or type(e).__name__}", DETAIL_CHARS)
             return HostResult(target, HealthReport(HealthState.SSH_UNREACHABLE, detail, host=target.name))
         transport = SshTransport(client, name=target.name)
     try:
@@ -88,7 +100,7 @@ def check_host(
             try:
                 report = probe(transport, target.expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
             except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
-                error = f"{type(e).__name__}: {e}"
+                error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
         return HostResult(target, health, report, error)
     finally:
         if client is not None:
@@ -98,7 +110,7 @@ def check_host(
 def check_fleet(
     targets: Sequence[HostTarget], run_probe: bool = False, wait_s: float = 0.0, api_key: str | None = None
 ) -> list[HostResult]:
-    """All hosts in parallel (network-bound), results in inventory order."""
+    """All hosts in parallel (network-bound), results in inventory order, one per host whatever happens."""
     if not targets:
         return []
     with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:

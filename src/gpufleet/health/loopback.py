@@ -6,12 +6,13 @@ is our child) once it is gone.
 
 from __future__ import annotations
 
-import http.client
 import os
+import socket
 import subprocess
+import time
 from pathlib import Path
 
-from gpufleet.health.transport import ContainerInfo
+from gpufleet.health.transport import MAX_ANSWER_BYTES, ContainerInfo, DeadlineHTTPConnection
 
 
 class LoopbackTransport:
@@ -30,10 +31,11 @@ class LoopbackTransport:
     ):
         self.process, self.log_path, self.host, self.name = process, log_path, host, name
 
-    def http(self, port: int, timeout: float) -> http.client.HTTPConnection:
-        conn = http.client.HTTPConnection(self.host, port, timeout=timeout)
-        conn.connect()  # raises ConnectionRefusedError while the server is loading (it does not listen yet)
-        return conn
+    def http(self, port: int, timeout: float, max_bytes: int = MAX_ANSWER_BYTES) -> DeadlineHTTPConnection:
+        deadline = time.monotonic() + timeout
+        # Raises ConnectionRefusedError while the server is loading (it does not listen yet).
+        sock = socket.create_connection((self.host, port), timeout=timeout)
+        return DeadlineHTTPConnection(sock, port, timeout, deadline, max_bytes)
 
     def container(self, service: str) -> ContainerInfo | None:
         if self.process is None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from gpufleet.health.api import excerpt
 
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -23,7 +26,9 @@ class Metrics:
     cache_config: dict[str, str] = field(default_factory=dict)
 
     def get(self, name: str) -> float | None:
-        return self.values.get(name)
+        """The summed value; None when absent or not a finite number (NaN and infinities say nothing here)."""
+        value = self.values.get(name)
+        return value if value is not None and math.isfinite(value) else None
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
@@ -41,14 +46,18 @@ class Metrics:
 
 
 def parse_metrics(text: str) -> Metrics:
+    """Raises ValueError, quoting the parser's complaint, when the text is not the Prometheus exposition format."""
     values: dict[str, float] = {}
     cache_config: dict[str, str] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-            if sample.name == CACHE_CONFIG and not cache_config:
-                # Info metrics are gauges fixed at 1; the config lives in the labels. Engines share one config.
-                cache_config = {k: v for k, v in sample.labels.items() if k != "engine"}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                if sample.name == CACHE_CONFIG and not cache_config:
+                    # Info metrics are gauges fixed at 1; the config lives in the labels. Engines share one config.
+                    cache_config = {k: v for k, v in sample.labels.items() if k != "engine"}
+    except ValueError as e:  # the parser's one complaint, sometimes with an empty message
+        raise ValueError(f"is not Prometheus text: {excerpt(str(e) or 'unparsable', 100)}") from e
     return Metrics(values, cache_config)
 
 

@@ -16,12 +16,20 @@ import io
 import json
 import re
 import shlex
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
 import paramiko
+
+
+# What one HTTP answer may total: a 1 MiB body (vLLM's /metrics and /v1/models are tens of KiB), its headers, and
+# one read-ahead buffer. Past it the answer is a finding, not a read of whatever the server cares to send.
+MAX_BODY_BYTES = 1 << 20
+MAX_ANSWER_BYTES = MAX_BODY_BYTES + (64 << 10) + io.DEFAULT_BUFFER_SIZE
+EVIDENCE_BYTES = 80  # first bytes of an answer kept to quote when it is not HTTP
 
 
 class TransportError(Exception):
@@ -59,10 +67,12 @@ class ContainerInfo:
 class Transport(Protocol):
     name: str
 
-    def http(self, port: int, timeout: float) -> http.client.HTTPConnection:
-        """A connected HTTP connection to 127.0.0.1:port on the host.
+    def http(self, port: int, timeout: float, max_bytes: int = MAX_ANSWER_BYTES) -> DeadlineHTTPConnection:
+        """A connected, single-use HTTP connection to 127.0.0.1:port on the host.
 
-        Raises ConnectionRefusedError when nothing listens there, Unreachable when the host is unreachable.
+        timeout: one deadline, from this call, for connecting and for the whole answer. max_bytes: what the
+        answer may total (status line, headers, body). Raises ConnectionRefusedError when nothing listens there,
+        Unreachable when the host is unreachable, TimeoutError when the connect does not finish in time.
         """
 
     def container(self, service: str) -> ContainerInfo | None:
@@ -72,69 +82,126 @@ class Transport(Protocol):
         """The container's last log lines (stdout and stderr)."""
 
 
-class _ChannelReader(io.RawIOBase):
-    """A paramiko Channel as a raw binary stream, so io.BufferedReader can wrap it: http.client needs peek()
-    for chunked (streamed) bodies, which paramiko's own ChannelFile lacks."""
+class _DeadlineReader(io.RawIOBase):
+    """The response side of a _DeadlineSocket as a raw stream, so io.BufferedReader can wrap it (http.client needs
+    peek() for chunked bodies, which paramiko's own ChannelFile lacks)."""
 
-    def __init__(self, chan: paramiko.Channel):
-        self._chan = chan
+    def __init__(self, sock: _DeadlineSocket):
+        self._sock = sock
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        data = self._chan.recv(len(buffer))
+        data = self._sock.recv(len(buffer))
         buffer[: len(data)] = data
         return len(data)
 
+    def close(self) -> None:
+        if not self.closed:
+            self._sock.reader_closed()
+        super().close()
 
-class _ChannelSocket:
-    """The socket surface http.client uses, over a paramiko Channel."""
 
-    def __init__(self, chan: paramiko.Channel):
-        self.chan = chan
+class _DeadlineSocket:
+    """The socket surface http.client uses, over a socket or a paramiko Channel (both have recv/sendall/
+    settimeout/close), with one deadline for the whole exchange and a cap on the bytes read.
+
+    A per-read socket timeout would let a server that drips a byte per read hold a request for ever; here every
+    read gets only what is left of the request's time. The cap bounds memory for whatever the server sends
+    (headers included: http.client alone allows 100 header lines of 64 KiB each).
+    """
+
+    def __init__(self, raw: Any, deadline: float, timeout: float, max_bytes: int):
+        self._raw, self._deadline, self._timeout, self._max_bytes = raw, deadline, timeout, max_bytes
+        self.received = 0
+        self.head = b""  # the first bytes of the answer: evidence when it is not HTTP
+        self._readers = 0
+        self._closed = False
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            got = f"{self.received} bytes" if self.received else "nothing"
+            raise DeadlineExceeded(f"no complete answer within {self._timeout:g} s ({got} received)", self.head)
+        self._raw.settimeout(left)
 
     def sendall(self, data: bytes) -> None:
-        self.chan.sendall(data)
+        self._arm()
+        try:
+            self._raw.sendall(data)
+        except TimeoutError:
+            self._arm()  # the deadline passed meanwhile: say so
+            raise
+
+    def recv(self, size: int) -> bytes:
+        if self.received >= self._max_bytes:
+            raise AnswerTooLarge(f"answer over {self._max_bytes} bytes", self.head)
+        self._arm()
+        try:
+            data = self._raw.recv(min(size, self._max_bytes - self.received))
+        except TimeoutError:
+            self._arm()  # the deadline passed during the read: say so, with what did arrive
+            raise
+        self.received += len(data)
+        if len(self.head) < EVIDENCE_BYTES:
+            self.head += data[: EVIDENCE_BYTES - len(self.head)]
+        return data
 
     def settimeout(self, timeout: float | None) -> None:
-        self.chan.settimeout(timeout)
+        """Ignored: the deadline decides every read's timeout."""
 
     def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
-        return io.BufferedReader(_ChannelReader(self.chan))
+        self._readers += 1
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def reader_closed(self) -> None:
+        self._readers -= 1
+        if self._closed and self._readers <= 0:
+            self._raw.close()
 
     def close(self) -> None:
-        self.chan.close()
+        # A "Connection: close" response takes the connection over and still reads its body after http.client
+        # closed the connection: like a socket's makefile(), an open reader keeps the stream alive.
+        self._closed = True
+        if self._readers <= 0:
+            self._raw.close()
 
 
-class _ChannelHTTPConnection(http.client.HTTPConnection):
-    """http.client over an already-open paramiko Channel."""
+class DeadlineHTTPConnection(http.client.HTTPConnection):
+    """http.client over an already-connected socket or channel: connect, headers and body share one deadline.
 
-    def __init__(self, chan: paramiko.Channel, port: int, timeout: float):
+    Single use: http.client must not dial anything itself (over SSH there is nothing it could dial).
+    """
+
+    def __init__(self, raw: Any, port: int, timeout: float, deadline: float, max_bytes: int):
         super().__init__("127.0.0.1", port, timeout=timeout)
-        self.sock = self._chan = _ChannelSocket(chan)
-        self._handing_over = False
+        # Kept after http.client lets go of the socket: how much arrived, and its first bytes.
+        self.wire = self.sock = _DeadlineSocket(raw, deadline, timeout, max_bytes)
 
-    def connect(self) -> None:  # the channel is the connection; http.client must not dial anything
+    def connect(self) -> None:
         if self.sock is None:
-            raise ConnectionError("the SSH channel was handed to a response and cannot be reused")
+            raise ConnectionError("the connection was used for one request and closed")
 
-    def getresponse(self) -> http.client.HTTPResponse:
-        self._handing_over = True
-        try:
-            return super().getresponse()
-        finally:
-            self._handing_over = False
 
-    def close(self) -> None:
-        if self._handing_over:
-            # A "Connection: close" response takes over the connection and still reads its body from the
-            # channel; a socket survives this through makefile()'s reference, a channel would not.
-            self.sock = None
-            super().close()
-            return
-        super().close()
-        self._chan.close()
+class DeadlineExceeded(TimeoutError):
+    """The request's deadline passed before its answer was complete. head: the first bytes that did arrive."""
+
+    def __init__(self, message: str, head: bytes = b""):
+        super().__init__(message)
+        self.head = head
+
+
+class BadAnswer(Exception):
+    """Something answered, but not with a usable HTTP answer. str(): one line with the evidence."""
+
+
+class AnswerTooLarge(BadAnswer):
+    """The server sent more than the request allows (see MAX_ANSWER_BYTES)."""
+
+    def __init__(self, message: str, head: bytes = b""):
+        super().__init__(message)
+        self.head = head
 
 
 def pick_container(inspected: Iterable[dict[str, Any]], label: str) -> ContainerInfo | None:
@@ -191,7 +258,8 @@ class SshTransport:
             raise Unreachable(f"{self.name}: SSH connection is not open")
         return t
 
-    def http(self, port: int, timeout: float) -> http.client.HTTPConnection:
+    def http(self, port: int, timeout: float, max_bytes: int = MAX_ANSWER_BYTES) -> DeadlineHTTPConnection:
+        deadline = time.monotonic() + timeout
         try:
             chan = self._transport().open_channel("direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0), timeout=timeout)
         except paramiko.ChannelException as e:
@@ -200,9 +268,10 @@ class SshTransport:
                 raise ConnectionRefusedError(f"{self.name}: 127.0.0.1:{port} refused the connection") from e
             raise TransportError(f"{self.name}: sshd refused the tunnel to port {port}: {e.text}") from e
         except (paramiko.SSHException, OSError, EOFError) as e:
+            if time.monotonic() >= deadline:  # paramiko says "Unable to open channel." for its own timeout
+                raise TimeoutError(f"{self.name}: the tunnel to port {port} did not open within {timeout:g} s") from e
             raise Unreachable(f"{self.name}: SSH failed: {e}") from e
-        chan.settimeout(timeout)
-        return _ChannelHTTPConnection(chan, port, timeout)
+        return DeadlineHTTPConnection(chan, port, timeout, deadline, max_bytes)
 
     def run(self, command: str, timeout: float = 30.0) -> tuple[int, str, str]:
         """Run a shell command on the host: (exit status, stdout, stderr)."""
@@ -225,7 +294,7 @@ class SshTransport:
             raise TransportError(f"{self.name}: docker inspect failed: {(err or out).strip()[:200]}")
         try:
             return pick_container(json.loads(out or "[]"), label)
-        except ValueError as e:
+        except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not docker inspect's list of objects
             raise TransportError(f"{self.name}: unexpected docker inspect output: {out.strip()[:120]!r}") from e
 
     def logs(self, service: str, tail: int = 30) -> list[str]:
@@ -260,7 +329,13 @@ def transport_from_pyinfra_host(host: Any) -> SshTransport:
 
 
 __all__ = [
+    "MAX_ANSWER_BYTES",
+    "MAX_BODY_BYTES",
+    "AnswerTooLarge",
+    "BadAnswer",
     "ContainerInfo",
+    "DeadlineExceeded",
+    "DeadlineHTTPConnection",
     "SshTransport",
     "Transport",
     "TransportError",

@@ -31,6 +31,10 @@ TAGS: dict[str, dict[str, str]] = {
     "rejects-flag": {"STANDIN_VLLM_VERSION": "0.16.0", "STANDIN_UNKNOWN_FLAGS": "--performance-mode"},
     # starts, serves briefly, then its engine dies: /health 503, then the container exits 1
     "dies": {"STANDIN_VLLM_VERSION": "0.32.1.dev21+gstandin", "STANDIN_DIE_AFTER": "8"},
+    # starts and answers /health 200, but its /v1/models is an HTML page
+    "models-not-json": {"STANDIN_VLLM_VERSION": "0.32.1.dev22+gstandin", "STANDIN_MISBEHAVE": "models-not-json"},
+    # starts, then answers every connection on its port with a line of another protocol
+    "not-http": {"STANDIN_VLLM_VERSION": "0.32.1.dev23+gstandin", "STANDIN_MISBEHAVE": "not-http"},
 }
 # more tags for the same image (same digest): what the deploy's default image ref names
 ALIASES = {"nightly": "good"}

@@ -14,7 +14,9 @@ Behaves like vLLM where gpufleet depends on it:
   with prefix caching simulated on block-aligned prefixes (tokens = UTF-8 bytes of the chat-formatted prompt);
 - VLLM_API_KEY or --api-key guards /v1/* (health, metrics, version stay open);
 - STANDIN_DIE_AFTER=S: the engine dies S seconds after serving starts (/health 503, then the server exits 1);
-- STANDIN_UNKNOWN_FLAGS=--a,--b: flags this "older vLLM" does not know (exit 2 if used).
+- STANDIN_UNKNOWN_FLAGS=--a,--b: flags this "older vLLM" does not know (exit 2 if used);
+- STANDIN_MISBEHAVE: a server the health checks must survive, once serving starts: "models-not-json" (/health
+  200, /v1/models 200 with an HTML page) or "not-http" (every connection gets a line of another protocol).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS") or next(
     p for p in (_HERE.with_name("vllm_flags.json"), _HERE.parents[2] / "data" / "vllm-serve-flags.json") if p.exists()
 ))
 VERSION = os.environ.get("STANDIN_VLLM_VERSION", "0.32.0")
+MISBEHAVE = os.environ.get("STANDIN_MISBEHAVE", "")
 TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -293,6 +296,16 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "uvicorn"
     sys_version = ""
 
+    def handle(self):
+        if MISBEHAVE != "not-http":
+            super().handle()
+            return
+        # Another protocol on vLLM's port. The request is read first, so the close is clean, not a reset.
+        while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
+            pass
+        self.wfile.write(b"-ERR unknown command 'GET', with args beginning with: '/health'\r\n")
+        print("INFO:     answered a request with a line of another protocol (STANDIN_MISBEHAVE=not-http)", flush=True)
+
     def log_message(self, fmt, *args):  # one access-log line per request, like uvicorn's
         print(f'INFO:     {self.client_address[0]} - "{self.requestline}" {args[1] if len(args) > 1 else ""}', flush=True)
 
@@ -329,6 +342,14 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("content-length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+        elif path == "/v1/models" and MISBEHAVE == "models-not-json":
+            if self._authorised():
+                page = b"<html><head><title>502 Bad Gateway</title></head><body>502 Bad Gateway</body></html>\n"
+                self.send_response(200)
+                self.send_header("content-type", "text/html")
+                self.send_header("content-length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
         elif path == "/v1/models":
             if self._authorised():
                 now = int(time.time())

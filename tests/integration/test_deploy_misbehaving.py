@@ -1,0 +1,52 @@
+"""A converge whose new image's server misbehaves (answers that are not vLLM's) is rolled back like any failed
+verification: one line, the previous version serving again, no traceback (real test host, SSH).
+
+One fresh host, steps in file order: good image -> `models-not-json` (/health 200, /v1/models an HTML page) ->
+`not-http` (another protocol on the port), each rolled back to the good image.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from tests.integration.test_deploy_qwen35 import SERVICE, STATE_FILE, running_image, sh
+from tests.integration.test_deploy_rollback import (  # noqa: F401  fixtures: one fresh host, converge(tag), its good digest
+    API_KEY,
+    BACKUP,
+    UNIT,
+    good,
+    health_over_ssh,
+    host,
+    run,
+)
+
+from gpufleet.health import HealthState
+
+
+@pytest.mark.parametrize(
+    "tag, caught",
+    [
+        ("models-not-json", "/v1/models is not JSON: <html><head><title>502 Bad Gateway</title>"),
+        ("not-http", "GET /health: the port does not answer HTTP: -ERR unknown command 'GET'"),
+    ],
+    ids=["models-not-json", "not-http"],
+)
+def test_an_image_whose_server_misbehaves_is_rolled_back(good, run, host, fleet, tag, caught):
+    out, rc, _ = run(tag)
+    assert rc != 0, out[-4000:]
+    assert "Traceback" not in out and "Unexpected error" not in out, out[-4000:]
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith(f"{host.name}: new image ")]
+    assert len(lines) == 1, out[-4000:]
+    assert re.search(rf"failed verification \(misconfigured: {re.escape(caught)}.*\); rolled back to "
+                     rf"{re.escape(good)}, which is ready \(fix: ", lines[0]), lines[0]
+    assert API_KEY not in out
+    # Serving the previous digest again, through the same checks the deploy uses.
+    assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"
+    assert running_image(fleet, host) == good
+    assert fleet.read_file(host, UNIT) == fleet.read_file(host, BACKUP)  # the kept unit is the one restored
+    assert health_over_ssh(host, fleet)[0] is HealthState.READY
+    state = json.loads(fleet.read_file(host, STATE_FILE))
+    assert state["current"]["ref"] == good
+    assert state["history"][-1]["failed"].startswith(f"misconfigured: {caught}")
