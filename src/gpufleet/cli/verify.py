@@ -10,6 +10,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from gpufleet.errors import GpufleetError
 from gpufleet.health import Expected, HealthState
@@ -88,18 +89,18 @@ def _table(results: list[HostResult]) -> Table:
     for r in results:
         h, c = r.health, r.health.container
         style = _STATE_STYLE.get(h.state, "red")
-        table.add_row(
+        table.add_row(*_plain(
             r.target.name,
             ",".join(map(str, r.target.gpus)) or "-",
             (c.image_short if c else None) or "-",
             h.version or "-",
-            f"[{style}]{h.state}[/]",
+            Text(str(h.state), style=style),
             h.served_model or "-",
             _pct(h.kv_cache_usage),
             "-" if h.running is None else f"{h.running}/{h.waiting}",
             _pct(h.prefix_cache_hit_rate),
             *cache_units(h.cache_config),
-        )
+        ))
     return table
 
 
@@ -112,16 +113,22 @@ def _probe_table(results: list[HostResult]) -> Table:
         p = r.probe
         if p is None:
             continue
-        table.add_row(
+        table.add_row(*_plain(
             r.target.name,
-            f"[{'green' if p.ok else 'red'}]{p.verdict}[/]",
+            Text(str(p.verdict), style="green" if p.ok else "red"),
             _session_cell(p),
             "\n".join(f"{pt.prompt_tokens}{_kind_mark(pt.kind)}: {pt.hit_ratio:.0%}" for pt in p.points if pt.kind != "session")
             or "-",
             "\n".join(p.fixes or (p.legal.lines() if p.legal and not p.ok else ())) or "-",
             f"{p.requests}/{p.request_bound} in {p.elapsed_s:.0f} s",
-        )
+        ))
     return table
+
+
+def _plain(*cells: str | Text) -> list[Text]:
+    """Cells as plain text: model ids, versions and labels come from the servers, and rich would read "[/x]" in
+    them as markup (and raise, taking the whole table down)."""
+    return [cell if isinstance(cell, Text) else Text(cell) for cell in cells]
 
 
 def _kind_mark(kind: str) -> str:
