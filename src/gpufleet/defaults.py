@@ -1,37 +1,51 @@
 """Every user-facing setting, with its default and why. This is the public contract of host data.
 
 Set any of these per host in the inventory, or fleet-wide in inventories/group_data/all.py; host data wins over
-group data, which wins over these defaults. README.md's settings table is checked against this dict by a test
-(tests/unit/test_readme_settings.py), so a setting added here must be documented there.
+group data, which wins over these defaults. The settings marked FROM_PROFILE depend on the model: their default is
+the host's profile's (gpufleet.profiles, Profile.settings), merged by gpufleet.settings.merged_settings. README.md's
+settings table is checked against this dict by a test (tests/unit/test_readme_settings.py), so a setting added here
+must be documented there.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
+
+
+class _FromProfile:
+    """The default of a setting the host's profile supplies (never a value a host ends up with)."""
+
+    def __repr__(self) -> str:
+        return "FROM_PROFILE"
+
+
+FROM_PROFILE: Final = _FromProfile()
 
 DEFAULTS: dict[str, Any] = {
     # --- the vLLM service -------------------------------------------------------------------------------------
-    # Which profile supplies the run options, env vars, mounts and vLLM flags (gpufleet.profiles).
+    # Which profile supplies the run options, env vars, mounts and vLLM flags, and the defaults of the settings
+    # marked FROM_PROFILE (gpufleet.profiles; docs/profiles.md lists them).
     "vllm_profile": "qwen35",
     # Image to serve; a tag is resolved to a digest at deploy time and the unit runs that digest.
     "vllm_image": "vllm/vllm-openai:nightly",
     # GPU indexes handed to the container (docker --gpus device=...). Their count must equal DP x TP x PP.
-    "vllm_gpus": [0, 1, 2],
+    "vllm_gpus": FROM_PROFILE,
     # Port vLLM listens on inside the container and is published on the host.
     "vllm_port": 5000,
     # Host address vllm_port is published on: None = every interface, "127.0.0.1" keeps the API off the network
     # (clients on the host or through an SSH tunnel; gpufleet's own checks go through SSH).
     "vllm_publish_address": None,
     # Model directory name under vllm_models_dir; also the served model name unless vllm_args overrides it.
-    "vllm_model": "qwen3.5-awq",
+    "vllm_model": FROM_PROFILE,
     # Hugging Face repo the model is downloaded from when it is missing; None means it must be staged by hand.
-    "vllm_model_repo": "cyankiwi/Qwen3.5-35B-A3B-AWQ-4bit",
+    "vllm_model_repo": FROM_PROFILE,
     # Hugging Face revision (branch, tag or commit) to pin the download to; None = the repo's default branch.
-    "vllm_model_revision": None,
+    "vllm_model_revision": FROM_PROFILE,
     # Host directory holding models; mounted at /models. Absolute: systemd does not expand ~.
     "vllm_models_dir": "/srv/vllm/models",
-    # Host directory holding the vLLM compile cache, torch cache, NVIDIA ComputeCache and HF cache subdirs.
-    "vllm_cache_dir": "/var/cache/vllm/qwen35",
+    # Host directory holding the vLLM compile cache, torch cache, NVIDIA ComputeCache and HF cache subdirs;
+    # the profile's default is /var/cache/vllm/<profile's cache subdir>.
+    "vllm_cache_dir": FROM_PROFILE,
     # vLLM flags over the profile's: name without dashes -> value; True = bare flag; None removes a profile flag.
     "vllm_args": {},
     # Container env vars over the profile's: name -> value; None removes a profile variable.
@@ -40,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
     # the option, None removes a profile option (e.g. {"privileged": None}, see `gpufleet lint`).
     "vllm_docker_options": {},
     # Name of the systemd unit (<name>.service) and of the container label that marks its container.
-    "vllm_service": "vllm-qwen35",
+    "vllm_service": FROM_PROFILE,
     # Secret: Hugging Face token for gated/private models. Kept in a root-only env file, never in a unit or argv.
     "vllm_hf_token": None,
     # Secret: API key clients must send; given to vLLM as VLLM_API_KEY through a root-only env file.
@@ -72,6 +86,9 @@ DEFAULTS: dict[str, Any] = {
     # Base URL of NVIDIA's libnvidia-container repo (gpgkey and stable/deb/ live under it).
     "nvidia_repo_url": "https://nvidia.github.io/libnvidia-container",
 }
+
+# Settings whose default the host's profile supplies.
+PROFILE_SETTINGS = frozenset(name for name, value in DEFAULTS.items() if value is FROM_PROFILE)
 
 # Settings whose values are secrets: never rendered into units, argv, logs or `gpufleet render` output.
 SECRET_SETTINGS = frozenset({"vllm_hf_token", "vllm_api_key", "vllm_secret_env"})

@@ -122,8 +122,22 @@ SYSTEM_TREES = ("/proc", "/sys", "/dev", "/run", "/boot", "/etc", "/usr", "/bin"
 
 
 def merged_settings(host_data: Mapping[str, Any]) -> dict[str, Any]:
-    """DEFAULTS overlaid with the host's data (pyinfra already merged group_data into it)."""
-    return {**DEFAULTS, **{k: v for k, v in host_data.items() if k in DEFAULTS}}
+    """Every setting's value for a host: its data (pyinfra already merged group_data under it) over its profile's
+    model defaults over DEFAULTS. The one merge: build_spec, the deploy, lint and the CLI all read this.
+
+    >>> merged_settings({"vllm_profile": "qwen35-1gpu"})["vllm_service"]
+    'vllm-qwen35-1gpu'
+
+    With an unknown vllm_profile the profile's settings stay FROM_PROFILE; build_spec reports the profile.
+    """
+    ours = {k: v for k, v in host_data.items() if k in DEFAULTS}
+    profile = profile_for(ours.get("vllm_profile", DEFAULTS["vllm_profile"]))
+    return {**DEFAULTS, **(profile.settings if profile else {}), **ours}
+
+
+def profile_for(name: Any) -> Profile | None:
+    """The profile a vllm_profile value names, None when it names none."""
+    return PROFILES.get(name) if isinstance(name, str) else None
 
 
 def flag_name(key: str) -> str:
@@ -151,6 +165,11 @@ def control_character(text: str) -> str | None:
 
 def build_spec(host: str, host_data: Mapping[str, Any]) -> ServeSpec:
     """Validate a host's settings and build its ServeSpec; raise SettingErrors listing every problem."""
+    return resolve_host(host, host_data)[0]
+
+
+def resolve_host(host: str, host_data: Mapping[str, Any]) -> tuple[ServeSpec, dict[str, Any]]:
+    """build_spec, and the merged settings it was built from: callers that need both merge once."""
     errors: list[SettingError] = []
 
     def fail(setting: str, problem: str, fix: str) -> None:
@@ -162,7 +181,7 @@ def build_spec(host: str, host_data: Mapping[str, Any]) -> ServeSpec:
     if errors:
         raise SettingErrors(errors)
     s = merged_settings(host_data)
-    profile = PROFILES.get(s["vllm_profile"]) if isinstance(s["vllm_profile"], str) else None
+    profile = profile_for(s["vllm_profile"])
     if profile is None:
         fail("vllm_profile", f"unknown profile {shown(s['vllm_profile'])}", f"use one of: {', '.join(sorted(PROFILES))}")
         raise SettingErrors(errors)
@@ -172,8 +191,8 @@ def build_spec(host: str, host_data: Mapping[str, Any]) -> ServeSpec:
     port = _check_port(s["vllm_port"], fail)
     publish_address = _check_publish_address(s["vllm_publish_address"], fail)
     service = _check_service(s["vllm_service"], fail)
-    models_dir = _check_abs_dir("vllm_models_dir", s["vllm_models_dir"], fail)
-    cache_dir = _check_abs_dir("vllm_cache_dir", s["vllm_cache_dir"], fail)
+    models_dir = _check_abs_dir("vllm_models_dir", s["vllm_models_dir"], DEFAULTS["vllm_models_dir"], fail)
+    cache_dir = _check_abs_dir("vllm_cache_dir", s["vllm_cache_dir"], profile.settings["vllm_cache_dir"], fail)
     model = s["vllm_model"]
     if not isinstance(model, str) or not model or model.startswith("/") or ".." in model.split("/"):
         fail("vllm_model", f"{shown(model)} is not a directory name under vllm_models_dir", 'set e.g. "qwen3.5-awq"')
@@ -202,7 +221,7 @@ def build_spec(host: str, host_data: Mapping[str, Any]) -> ServeSpec:
     _check_unit_line(spec, fail)
     if errors:
         raise SettingErrors(errors)
-    return spec
+    return spec, s
 
 
 # --- what every value must satisfy -------------------------------------------------------------------------
@@ -326,7 +345,7 @@ def _system_unit(name: str) -> bool:
     return lowered in _SYSTEM_UNITS or lowered.startswith(_SYSTEM_UNIT_PREFIXES)
 
 
-def _check_abs_dir(setting: str, value: Any, fail) -> str:
+def _check_abs_dir(setting: str, value: Any, example: str, fail) -> str:
     if not isinstance(value, str) or not value.startswith("/"):
         fail(setting, f"{shown(value)} is not an absolute path", "use an absolute path (systemd does not expand ~)")
         return "/"
@@ -338,7 +357,7 @@ def _check_abs_dir(setting: str, value: Any, fail) -> str:
     path = "/" + path.lstrip("/")  # normpath keeps a leading "//"
     if path in SYSTEM_DIRS or any(path.startswith(tree + "/") for tree in SYSTEM_TREES):
         fail(setting, f"{shown(value)} is a system directory, which the deploy would chown to root and chmod 755",
-             f"use a directory of its own, e.g. {DEFAULTS[setting]}")
+             f"use a directory of its own, e.g. {example}")
     return path
 
 

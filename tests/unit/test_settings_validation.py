@@ -20,6 +20,9 @@ CASES = [
     ({"vllm_port": "5000"}, "vllm_port", "not a port"),
     ({"vllm_models_dir": "~/models"}, "vllm_models_dir", "absolute"),
     ({"vllm_cache_dir": "relative/cache"}, "vllm_cache_dir", "absolute"),
+    # The example fix is the host's profile's own cache dir.
+    ({"vllm_profile": "qwen35-1gpu", "vllm_cache_dir": "/var/cache"}, "vllm_cache_dir", "/var/cache/vllm/qwen35-1gpu"),
+    ({"vllm_profile": "qwen35-1gpu", "vllm_args": {"pipeline-parallel-size": 3}}, "vllm_gpus", "list 3 GPUs"),
     ({"vllm_model": "../escape"}, "vllm_model", "directory name"),
     ({"vllm_service": "bad name!"}, "vllm_service", "unit/label"),
     ({"vllm_args": {"kv-cache-dtype": "fp7"}}, "vllm_args['kv-cache-dtype']", "fp8_e4m3"),
