@@ -156,7 +156,8 @@ def _batch_for_block_fix(c: LintContext) -> str:
 
 def _is_qwen35(c: LintContext) -> bool:
     model = f"{c.settings.get('vllm_model', '')} {c.arg('model') or ''}".lower()
-    return c.settings.get("vllm_profile") == "qwen35" or "qwen3.5" in model or "qwen3_5" in model
+    # Every Qwen 3.5 profile is named qwen35 or qwen35-<variant>.
+    return str(c.settings.get("vllm_profile", "")).startswith("qwen35") or "qwen3.5" in model or "qwen3_5" in model
 
 
 RULES: tuple[LintRule, ...] = (

@@ -163,3 +163,9 @@ def test_findings_are_one_line_with_host_rule_and_fix():
     for finding in lint_spec(build_spec("gpu-box-1", {}), merged_settings({})):
         text = str(finding)
         assert text.startswith("gpu-box-1: warning [") and "(fix: " in text and "\n" not in text
+
+
+def test_pipeline_rule_knows_every_qwen35_profile_whatever_the_model_dir_is_called():
+    renamed = {"vllm_profile": "qwen35-1gpu", "vllm_model": "my-model", "vllm_gpus": FOUR_GPUS,
+               "vllm_args": {"pipeline-parallel-size": 4, "max-num-seqs": 4}}
+    assert "qwen35-pipeline-parallel-4-or-more" in rule_ids(renamed)
