@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from gpufleet.health.probe import PREFERRED_UNIT, legal_prefix_match_unit, resolved_block_sizes
-from gpufleet.spec import ServeSpec
+from gpufleet.spec import ArgValue, OptionValue, ServeSpec
 
 # What --shutdown-timeout the fix proposes: long enough for a typical coding-agent turn to finish streaming.
 SHUTDOWN_TIMEOUT_S = 60
@@ -29,8 +29,13 @@ class LintContext:
     settings: Mapping[str, Any]  # merged settings (secrets are only tested for presence)
     served: Mapping[str, str] = field(default_factory=dict)  # the server's vllm:cache_config_info labels, if known
 
-    def arg(self, name: str):
+    def arg(self, name: str) -> ArgValue | None:
         return self.spec.arg(name)
+
+    @overload
+    def int_arg(self, name: str) -> int | None: ...
+    @overload
+    def int_arg(self, name: str, default: int) -> int: ...
 
     def int_arg(self, name: str, default: int | None = None) -> int | None:
         value = self.spec.arg(name)
@@ -41,7 +46,7 @@ class LintContext:
         return dict(self.spec.env)
 
     @property
-    def options(self) -> dict:
+    def options(self) -> dict[str, OptionValue]:
         return dict(self.spec.docker_options)
 
     @property
@@ -127,8 +132,9 @@ def _explicit_device_fix(c: LintContext, drop_privileged: bool) -> str:
 def _gpu_nodes_unlisted(c: LintContext) -> bool:
     if "privileged" in c.options or not c.spec.gpus:
         return False
-    listed = c.options.get("device", ())
-    listed = (listed,) if isinstance(listed, str) else tuple(listed or ())
+    device = c.options.get("device", ())
+    # A bare `--device` (True) names no node.
+    listed = (device,) if isinstance(device, str) else device if isinstance(device, tuple) else ()
     if any(item.startswith("nvidia.com/gpu=") for item in listed):
         return False  # CDI devices carry their nodes in the container's config
     return not set(_gpu_device_nodes(c)) <= {item.split(":")[0] for item in listed}

@@ -13,7 +13,7 @@ import json
 import math
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gpufleet.defaults import DEFAULTS
@@ -23,8 +23,10 @@ from gpufleet.profiles import PROFILES, Profile
 from gpufleet.quoting import systemd_exec
 from gpufleet.spec import ArgValue, Mount, OptionValue, ServeSpec, parse_token_count
 from gpufleet.unit import DOCKER
-from gpufleet.vllm_flags import known_flags
+from gpufleet.vllm_flags import FlagInfo, known_flags
 
+# Records one problem of the host being resolved: (setting, problem, fix).
+Fail = Callable[[str, str, str], None]
 # Prefixes of our settings: other host data (ssh_*, pyinfra's own keys, users' extras) is not ours to judge.
 _OUR_PREFIXES = ("vllm_", "gpufleet_", "docker_", "nvidia_")
 _SERVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -225,7 +227,7 @@ def resolve_host(host: str, host_data: Mapping[str, Any]) -> tuple[ServeSpec, di
 
 
 # --- what every value must satisfy -------------------------------------------------------------------------
-def _check_control_characters(host: str, host_data: Mapping[str, Any], fail) -> None:
+def _check_control_characters(host: str, host_data: Mapping[str, Any], fail: Fail) -> None:
     if not isinstance(host, str) or control_character(host):
         fail("inventory host name", f"holds a control character ({control_character(str(host))}), which would "
              "break the unit's header and every log line", "rename the host in the inventory")
@@ -239,7 +241,7 @@ def _check_control_characters(host: str, host_data: Mapping[str, Any], fail) -> 
                          "unit", "remove it: only printable characters are allowed")
 
 
-def _strings(setting: str, value: Any):
+def _strings(setting: str, value: Any) -> Iterator[tuple[str, str]]:
     """(setting path, text) for every string in a setting's value: mapping keys and values, list items."""
     if isinstance(value, str):
         yield setting, value
@@ -253,7 +255,7 @@ def _strings(setting: str, value: Any):
             yield from _strings(f"{setting}[{index}]", item)
 
 
-def _check_arg_size(setting: str, argument: str, fail) -> bool:
+def _check_arg_size(setting: str, argument: str, fail: Fail) -> bool:
     size = len(argument.encode())
     if size > MAX_ARG_BYTES:
         fail(setting, f"makes a {size}-byte command-line argument, over Linux's {MAX_ARG_BYTES}-byte limit "
@@ -272,7 +274,7 @@ def _not_finite(value: Any) -> bool:
         return False
 
 
-def _check_unit_line(spec: ServeSpec, fail) -> None:
+def _check_unit_line(spec: ServeSpec, fail: Fail) -> None:
     size = len(systemd_exec(spec.docker_run_argv(docker=DOCKER)).encode())
     if size > MAX_UNIT_LINE_BYTES:
         fail("vllm_args / vllm_env / vllm_docker_options", f"the docker run line is {size} bytes, over the "
@@ -280,21 +282,21 @@ def _check_unit_line(spec: ServeSpec, fail) -> None:
 
 
 # --- single settings ---------------------------------------------------------------------------------------
-def _check_unknown_settings(host_data: Mapping[str, Any], fail) -> None:
+def _check_unknown_settings(host_data: Mapping[str, Any], fail: Fail) -> None:
     for key in host_data:
         if isinstance(key, str) and key.startswith(_OUR_PREFIXES) and key not in DEFAULTS:
             close = difflib.get_close_matches(key, DEFAULTS, n=1)
             fail(key, "unknown setting", f"did you mean {close[0]}?" if close else "see the settings table in README.md")
 
 
-def _check_image(value: Any, fail) -> str:
+def _check_image(value: Any, fail: Fail) -> str:
     if not isinstance(value, str) or parse_image(value) is None:
         fail("vllm_image", f"{shown(value)} is not an image reference", 'use "repo:tag" or "repo@sha256:<digest>"')
         return ""
     return value
 
 
-def _check_gpus(value: Any, fail) -> tuple[int, ...]:
+def _check_gpus(value: Any, fail: Fail) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not value:
         fail("vllm_gpus", f"{shown(value)} is not a non-empty list of GPU indexes", "set e.g. [0, 1, 2]")
         return ()
@@ -306,14 +308,14 @@ def _check_gpus(value: Any, fail) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _check_port(value: Any, fail) -> int:
+def _check_port(value: Any, fail: Fail) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535:
         fail("vllm_port", f"{shown(value)} is not a port number", "use an integer from 1 to 65535, e.g. 5000")
         return 0
     return value
 
 
-def _check_publish_address(value: Any, fail) -> str | None:
+def _check_publish_address(value: Any, fail: Fail) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
@@ -327,7 +329,7 @@ def _check_publish_address(value: Any, fail) -> str | None:
     return None
 
 
-def _check_service(value: Any, fail) -> str:
+def _check_service(value: Any, fail: Fail) -> str:
     if not isinstance(value, str) or not _SERVICE_NAME.fullmatch(value):
         fail("vllm_service", f"{shown(value)} is not a valid unit/label name", "use letters, digits, '-', '_' and '.'")
     elif value.endswith(_UNIT_SUFFIXES):
@@ -345,7 +347,7 @@ def _system_unit(name: str) -> bool:
     return lowered in _SYSTEM_UNITS or lowered.startswith(_SYSTEM_UNIT_PREFIXES)
 
 
-def _check_abs_dir(setting: str, value: Any, example: str, fail) -> str:
+def _check_abs_dir(setting: str, value: Any, example: str, fail: Fail) -> str:
     if not isinstance(value, str) or not value.startswith("/"):
         fail(setting, f"{shown(value)} is not an absolute path", "use an absolute path (systemd does not expand ~)")
         return "/"
@@ -361,7 +363,7 @@ def _check_abs_dir(setting: str, value: Any, example: str, fail) -> str:
     return path
 
 
-def _check_plain_settings(s: Mapping[str, Any], fail) -> None:
+def _check_plain_settings(s: Mapping[str, Any], fail: Fail) -> None:
     for secret in ("vllm_hf_token", "vllm_api_key"):
         _check_secret_value(secret, s[secret], fail, optional=True)
     if s["vllm_model_repo"] is not None and (not isinstance(s["vllm_model_repo"], str)
@@ -390,7 +392,7 @@ def _check_plain_settings(s: Mapping[str, Any], fail) -> None:
                  f"use http(s)://host[:port]/path of letters, digits and ._~+-, e.g. {DEFAULTS[key]}")
 
 
-def _check_secret_value(setting: str, value: Any, fail, optional: bool = False) -> bool:
+def _check_secret_value(setting: str, value: Any, fail: Fail, optional: bool = False) -> bool:
     # Never echo the value: these messages reach terminals and CI logs.
     if value is None and optional:
         return True
@@ -406,7 +408,7 @@ def _check_secret_value(setting: str, value: Any, fail, optional: bool = False) 
 
 
 # --- vLLM flags, env, docker options -----------------------------------------------------------------------
-def _merge_vllm_args(profile: Profile, overrides: Any, subs: dict[str, str], fail) -> dict[str, ArgValue]:
+def _merge_vllm_args(profile: Profile, overrides: Any, subs: dict[str, str], fail: Fail) -> dict[str, ArgValue]:
     merged: dict[str, ArgValue] = {}
     for name, value in profile.vllm_args.items():
         merged[name] = value if isinstance(value, bool) else _substitute(str(value), subs)
@@ -451,7 +453,7 @@ def _substitute(text: str, subs: Mapping[str, str]) -> str:
     return text
 
 
-def _check_flag_value(setting: str, info, value: Any, fail) -> ArgValue | None:
+def _check_flag_value(setting: str, info: FlagInfo, value: Any, fail: Fail) -> ArgValue | None:
     name = info.name
     if not info.takes_value:
         if value is True or (value is False and info.negatable):
@@ -471,7 +473,7 @@ def _check_flag_value(setting: str, info, value: Any, fail) -> ArgValue | None:
     return text if text is not None and _check_arg_size(setting, text, fail) else None
 
 
-def _json_object(setting: str, value: Any, fail) -> str | None:
+def _json_object(setting: str, value: Any, fail: Fail) -> str | None:
     fix = 'give a JSON object, e.g. {"temperature": 0.6}'
     if isinstance(value, dict):
         try:
@@ -496,7 +498,7 @@ def _json_object(setting: str, value: Any, fail) -> str | None:
     return text
 
 
-def _plain_value(setting: str, info, value: Any, fail) -> str | None:
+def _plain_value(setting: str, info: FlagInfo, value: Any, fail: Fail) -> str | None:
     name = info.name
     text = str(value)
     if (isinstance(value, float) or info.value_type in ("int", "float")) and _not_finite(text):
@@ -518,7 +520,7 @@ def _plain_value(setting: str, info, value: Any, fail) -> str | None:
     return text
 
 
-def _merge_env(profile: Profile, overrides: Any, fail) -> dict[str, str]:
+def _merge_env(profile: Profile, overrides: Any, fail: Fail) -> dict[str, str]:
     merged = dict(profile.env)
     if not isinstance(overrides, Mapping):
         fail("vllm_env", f"{shown(overrides)} is not a mapping", 'use e.g. {"OMP_NUM_THREADS": "8"}')
@@ -543,7 +545,7 @@ def _merge_env(profile: Profile, overrides: Any, fail) -> dict[str, str]:
     return merged
 
 
-def _check_secret_env(value: Any, env: Mapping[str, str], fail) -> tuple[str, ...]:
+def _check_secret_env(value: Any, env: Mapping[str, str], fail: Fail) -> tuple[str, ...]:
     """Names of the extra secrets: the container gets `-e NAME`, the value only the root-only env file."""
     if not isinstance(value, Mapping):
         fail("vllm_secret_env", "is not a mapping (value not shown)", 'use e.g. {"WANDB_API_KEY": "..."}')
@@ -572,7 +574,7 @@ def _option_key(key: Any) -> tuple[str, str]:
     return re.split(r"[= ]", text, maxsplit=1)[0], text
 
 
-def _merge_docker_options(profile: Profile, overrides: Any, fail) -> dict[str, OptionValue]:
+def _merge_docker_options(profile: Profile, overrides: Any, fail: Fail) -> dict[str, OptionValue]:
     merged: dict[str, OptionValue] = {
         k: tuple(v) if isinstance(v, list) else v for k, v in profile.docker_options.items()
     }
@@ -605,7 +607,7 @@ def _merge_docker_options(profile: Profile, overrides: Any, fail) -> dict[str, O
     return merged
 
 
-def _check_cross_flag_rules(args: Mapping[str, ArgValue], gpus: tuple[int, ...], fail) -> None:
+def _check_cross_flag_rules(args: Mapping[str, ArgValue], gpus: tuple[int, ...], fail: Fail) -> None:
     def as_int(name: str, default: int) -> int:
         value = args.get(name)
         return int(value) if isinstance(value, str) and re.fullmatch(r"[0-9]+", value) else default

@@ -18,10 +18,13 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 FLAGS_JSON = Path(__file__).parent / "data" / "vllm-serve-flags.json"
 # An option line of argparse's help: two spaces, then option strings (with metavars) until two spaces or EOL.
 _OPTION = re.compile(r"^  (-{1,2}[\w.-].*?)(?:  +(.*))?$")
+# One option of the table, as JSON: {"names", "kind", "choices", "open", "nargs", "type", "default"}.
+FlagEntry = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,13 @@ class FlagInfo:
     value_type: str = "str"  # "int" / "float" where the recorded default is a number (see _type)
 
 
-def parse_help(text: str) -> dict:
+def parse_help(text: str) -> dict[str, Any]:
     """{"flags": [{"names", "kind", "choices", "open", "nargs", "type", "default"}], "positional": "model_tag"}.
 
     kind: "flag" (store_true), "bool" (--x/--no-x) or "value".
     """
-    flags, current = [], None
+    flags: list[FlagEntry] = []
+    current: FlagEntry | None = None
     for line in text.splitlines():
         m = _OPTION.match(line)
         if m and not line.startswith("   "):
@@ -64,8 +68,9 @@ def parse_help(text: str) -> dict:
     }
 
 
-def _option(spec: str) -> dict | None:
-    names, metavars = [], []
+def _option(spec: str) -> FlagEntry | None:
+    names: list[str] = []
+    metavars: list[str] = []
     for part in re.split(r", (?=-)", spec):
         tokens = part.split(" ", 1)
         if not tokens[0].startswith("-"):
@@ -74,7 +79,7 @@ def _option(spec: str) -> dict | None:
         if len(tokens) > 1:
             metavars.append(tokens[1])
     meta = metavars[0] if metavars else None
-    entry: dict = {"names": names, "choices": None, "open": False, "nargs": None}
+    entry: FlagEntry = {"names": names, "choices": None, "open": False, "nargs": None}
     if meta is None:
         entry["kind"] = "bool" if any(n.startswith("--no-") for n in names) else "flag"
         return entry
@@ -98,7 +103,7 @@ def _default(help_text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _type(flag: dict) -> str:
+def _type(flag: FlagEntry) -> str:
     """int/float where the recorded default is one (argparse then rejects `--port abc` like vLLM); else str."""
     if flag["kind"] != "value" or flag["choices"] or flag["nargs"]:
         return "str"

@@ -182,7 +182,10 @@ def stream_chat(
             resp = conn.getresponse()
             if resp.status != 200:
                 raise HttpStatusError(path, resp.status, resp.read(MAX_BODY_BYTES).decode(errors="replace"))
-            ttft, parts, usage, details = None, [], {}, {}
+            ttft: float | None = None
+            parts: list[str] = []
+            usage: dict[str, Any] = {}  # the latest usage seen: include_usage puts it in the final chunk
+            details: dict[str, Any] = {}
             for raw in resp:  # the wire's cap bounds the stream, however long its lines
                 line = raw.strip()
                 if not line.startswith(b"data:"):

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 from gpufleet.health.api import Completion, get, stream_chat
@@ -412,7 +413,8 @@ class _Run:
 
     CALIBRATION_WORDS = (20, 200)
 
-    def __init__(self, transport: Transport, expected: Expected, api_key, timeout_s: float, run_id: str, budget_s: float):
+    def __init__(self, transport: Transport, expected: Expected, api_key: str | None, timeout_s: float, run_id: str,
+                 budget_s: float):
         self.transport, self.port, self.model = transport, expected.port, expected.served_model_name
         self.api_key, self.timeout_s, self.run_id, self.budget_s = api_key, timeout_s, run_id, budget_s
         self.limit = (expected.max_model_len or 1 << 30) - 2 * REPLY_TOKENS - 64  # room for the turns' growth
@@ -421,7 +423,7 @@ class _Run:
         self.warnings: list[str] = []
         self.per_word = 1.0
         self.small_prompt_ttft_s: float | None = None
-        self._long: Completion | None = None
+        self._long_prompt_tokens = 0  # set by calibrate(): the long calibration prompt's token count
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Completion:
         self.requests += 1
@@ -436,11 +438,12 @@ class _Run:
         per filler word, so lengths can be crafted without a tokenizer. The long one goes first, so the short
         one's TTFT is a warm server's baseline for a tiny prompt."""
         short_words, long_words = self.CALIBRATION_WORDS
-        self._long = self.chat(_Conversation(f"{self.run_id}-c2", "calibration", long_words).messages, 1)
+        long = self.chat(_Conversation(f"{self.run_id}-c2", "calibration", long_words).messages, 1)
         short = self.chat(_Conversation(f"{self.run_id}-c1", "calibration", short_words).messages, 1)
-        if not (short.prompt_tokens and self._long.prompt_tokens):
+        if not (short.prompt_tokens and long.prompt_tokens):
             raise ValueError(f"{self.transport.name}: the server reports no usage.prompt_tokens in streamed responses")
-        self.per_word = max((self._long.prompt_tokens - short.prompt_tokens) / (long_words - short_words), 0.1)
+        self._long_prompt_tokens = long.prompt_tokens
+        self.per_word = max((long.prompt_tokens - short.prompt_tokens) / (long_words - short_words), 0.1)
         self.small_prompt_ttft_s = short.ttft_s
 
     def room_for(self, target: int, unit: int, label: str) -> bool:
@@ -459,7 +462,7 @@ class _Run:
         """A conversation of `target` prompt tokens (within TOLERANCE_TOKENS). Re-measured on twins (another
         seed: nothing of theirs is reusable by the real turn N), so each point covers the L mod U it aims at."""
         long_words = self.CALIBRATION_WORDS[1]
-        words = max(1, round(long_words + (target - self._long.prompt_tokens) / self.per_word))
+        words = max(1, round(long_words + (target - self._long_prompt_tokens) / self.per_word))
         for attempt in range(MAX_TWINS):
             twin = self.chat(_Conversation(f"{seed}t{attempt}", filler, words).messages, 1)
             miss = target - (twin.prompt_tokens or target)
@@ -596,7 +599,8 @@ def judge(
         legal = LegalFixes(blocks, legal_prefix_match_unit(blocks) if mamba_cache_mode else None, block_size)
     hits = [p for p in points if p.hit]
     misses = [p for p in points if not p.hit]
-    common = dict(
+    report = partial(
+        ProbeReport,
         host=host,
         block_size=block_size,
         unit=unit,
@@ -614,10 +618,10 @@ def judge(
     )
     evidence = tuple(_evidence(p, unit) for p in points)
     if not points:
-        return ProbeReport(verdict=Verdict.INEFFECTIVE, detail="no point could be measured", **common)
+        return report(verdict=Verdict.INEFFECTIVE, detail="no point could be measured")
     if not misses:
         detail = f"the next turn reused the cache at all {len(points)} measured steps (unit {unit} tokens)"
-        return ProbeReport(verdict=Verdict.EFFECTIVE, detail=detail, evidence=evidence, **common)
+        return report(verdict=Verdict.EFFECTIVE, detail=detail, evidence=evidence)
     mnbt = max_num_batched_tokens
     # The trap loses whole units: the checkpoint at the last boundary is missing, so the turn gets 0, or in a
     # session only an older checkpoint's tokens (measured: 1280 of 1920 due on turn N+3).
@@ -630,7 +634,7 @@ def judge(
             f"{'/'.join(str(p.due_tokens) for p in misses)} were due (hybrid, mamba_cache_mode=align, block "
             f"{block_size}, --max-num-batched-tokens {mnbt if mnbt else 'default'})"
         )
-        return ProbeReport(verdict=Verdict.CHUNK_ALIGNMENT_TRAP, detail=detail, fixes=legal.lines(), evidence=evidence, **common)
+        return report(verdict=Verdict.CHUNK_ALIGNMENT_TRAP, detail=detail, fixes=legal.lines(), evidence=evidence)
     why = "prefix caching is disabled on the server" if not prefix_caching else "due hits did not happen"
     fixes: tuple[str, ...] = ()
     if trap_possible and not hits:
@@ -638,7 +642,7 @@ def judge(
         why += " (a hybrid in align mode: possibly the chunk-alignment trap at every measured length)"
         fixes = legal.lines()
     detail = f"{len(misses)} of {len(points)} next turns re-processed cached history: {why}"
-    return ProbeReport(verdict=Verdict.INEFFECTIVE, detail=detail, evidence=evidence, fixes=fixes, **common)
+    return report(verdict=Verdict.INEFFECTIVE, detail=detail, evidence=evidence, fixes=fixes)
 
 
 def _evidence(p: ProbePoint, unit: int) -> str:

@@ -9,6 +9,9 @@ from typing import Any
 # Parent of every profile's cache dir: vllm_cache_dir defaults to CACHE_ROOT/<cache_subdir>, so two profiles on
 # one host never share a compile cache (it is keyed by vLLM version, not by model or flags).
 CACHE_ROOT = "/var/cache/vllm"
+# Values as a user would write them in vllm_docker_options / vllm_args; settings.py validates and renders them.
+DockerOptionDefault = bool | str | list[str]
+VllmArgDefault = bool | int | float | str
 
 
 @dataclass(frozen=True)
@@ -24,13 +27,13 @@ class Profile:
     # --- what the container runs -----------------------------------------------------------------------------
     # docker run options in order; value True = bare flag, str = "--name=value", list = repeated "--name v".
     # "runtime" always renders first and --gpus right after it, as in the write-up.
-    docker_options: dict[str, Any]
+    docker_options: dict[str, DockerOptionDefault]
     env: dict[str, str]
     # container paths of the mounts; host paths come from the settings (see settings.py).
     models_mount: str
     cache_mounts: dict[str, str]  # subdirectory of vllm_cache_dir -> container path
     # vLLM flags in order. "{model_path}", "{served_model_name}" and "{port}" are filled from the settings.
-    vllm_args: dict[str, Any]
+    vllm_args: dict[str, VllmArgDefault]
     hybrid: bool  # linear-attention (Mamba/GDN) + attention layers: prefix caching needs align mode
     native: bool  # architecture supported by vLLM itself: --trust-remote-code is unnecessary
     notes: tuple[str, ...] = field(default_factory=tuple)

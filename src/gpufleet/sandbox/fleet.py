@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -183,8 +184,8 @@ class Fleet:
         naming scheme (netns gf-<fleet>-*, links <bridge>-*, mounts under its state dir) account for."""
         cfg, state = self.cfg, self.state
         for name in list(state.get("pids", {})):
-            entry = state.pid(name)
-            procs.stop(entry[0], grace=30 if name.startswith("host:") else 10, started=entry[1])
+            if entry := state.pid(name):
+                procs.stop(entry[0], grace=30 if name.startswith("host:") else 10, started=entry[1])
             state.drop_pid(name)
         hostmod.unmount_below(cfg.state_dir / "hosts")
         image.remove_dockerd_dirs(cfg)
@@ -206,10 +207,10 @@ class Fleet:
         (cfg.state_dir / "inventory.json").unlink(missing_ok=True)
 
     # ----------------------------------------------------------------------------------------------- helpers
-    def run_in(self, host: Host | str, command: str, check: bool = True):
+    def run_in(self, host: Host | str, command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return hostmod.run_in(self.state, self._h(host), command, check=check)
 
-    def ssh(self, host: Host | str, *command: str, check: bool = True):
+    def ssh(self, host: Host | str, *command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return run(hostmod.ssh_argv(self._h(host), self.key, *command), check=check, timeout=300)
 
     def read_file(self, host: Host | str, path: str) -> bytes:

@@ -14,6 +14,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpufleet.sandbox import network, nvidia_smi, procs
 from gpufleet.sandbox.config import FleetConfig, Gpus
@@ -35,11 +36,11 @@ class Host:
         """The host's / as seen from the machine (what the overlay merges; /var/lib/docker is in dir/docker)."""
         return self.dir / "merged"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "dir": str(self.dir)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Host":
+    def from_dict(cls, d: dict[str, Any]) -> Host:
         return cls(**{**d, "dir": Path(d["dir"]), "gpus": Gpus(**d["gpus"])})
 
 
@@ -151,7 +152,7 @@ def boot(state: State, host: Host) -> int:
 def wait_ready(host: Host, key: Path, pid: int, timeout: float = 120) -> str:
     """Block until systemd in the host reports running/degraded over SSH (so sshd, sudo and login work)."""
 
-    def answer():
+    def answer() -> str | None:
         if not procs.alive(pid):
             tail = (host.dir / "console.log").read_text(errors="replace")[-300:]
             raise SandboxError(f"{host.name}: systemd-nspawn exited during boot: {tail!r}")
@@ -202,7 +203,7 @@ def leader_pid(state: State, host: Host) -> int:
     return int(kids[0])
 
 
-def run_in(state: State, host: Host, command: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_in(state: State, host: Host, command: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run a shell command as root inside the host (all its namespaces), without SSH."""
     argv = ["nsenter", "-t", str(leader_pid(state, host)), "-m", "-u", "-i", "-n", "-p", "-C", "--", "/bin/sh", "-c", command]
     return run(argv, check=check, timeout=timeout)

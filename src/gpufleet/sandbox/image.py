@@ -172,9 +172,9 @@ def _image_tar(cache_dir: Path, base: Path, key: str) -> Path:
     opt = root / "opt/gpufleet-standin"
     for name, src in SOURCES.items():
         shutil.copy(src, opt / name)
-    for name, src in (("vllm", "vllm_serve.py"), ("hf", "hf.py")):
-        (opt / src).chmod(0o755)
-        (root / "usr/bin" / name).symlink_to(f"/opt/gpufleet-standin/{src}")
+    for command, script in (("vllm", "vllm_serve.py"), ("hf", "hf.py")):
+        (opt / script).chmod(0o755)
+        (root / "usr/bin" / command).symlink_to(f"/opt/gpufleet-standin/{script}")
     write_tiny_model(opt / "hub" / MODEL_REPO)
     run(["tar", "-C", str(root), "--numeric-owner", "--owner=0", "--group=0", "-cf", str(out) + ".tmp", "."])
     Path(str(out) + ".tmp").rename(out)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from gpufleet.sandbox import image
 from gpufleet.sandbox.config import FleetConfig
 from gpufleet.sandbox.hosts import Host
 
 
-def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path) -> dict:
+def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path) -> dict[str, Any]:
     return {
         "fleet": cfg.name,
         "hosts": [{"name": h.name, "ip": h.ip, "gpus": h.gpus.count, "gpu_model": h.gpus.model} for h in hosts],
@@ -34,7 +35,7 @@ def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path) -> dict:
     }
 
 
-def pyinfra_hosts(path: Path, **overrides) -> list[tuple[str, dict]]:
+def pyinfra_hosts(path: Path, **overrides: Any) -> list[tuple[str, dict[str, Any]]]:
     """[(name, host data)] for pyinfra from an inventory.json; overrides apply to every host."""
     doc = json.loads(Path(path).read_text())
     return [(h["name"], {"ssh_hostname": h["ip"], **doc["host_data"], **overrides}) for h in doc["hosts"]]

@@ -7,17 +7,27 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import Any, TypeVar, overload
 
 log = logging.getLogger("gpufleet.sandbox")
+T = TypeVar("T")
 
 
 class SandboxError(RuntimeError):
     """A sandbox step failed; the message is one line a user can act on."""
 
 
-def run(argv: Sequence[str], *, check: bool = True, input: str | bytes | None = None, **kw) -> subprocess.CompletedProcess:
+@overload
+def run(argv: Sequence[str], *, check: bool = True, input: bytes, **kw: Any) -> subprocess.CompletedProcess[bytes]: ...
+@overload
+def run(argv: Sequence[str], *, check: bool = True, input: str | None = None, **kw: Any) -> subprocess.CompletedProcess[str]: ...
+
+
+def run(
+    argv: Sequence[str], *, check: bool = True, input: str | bytes | None = None, **kw: Any
+) -> subprocess.CompletedProcess[Any]:
     """Run argv, capturing output; on failure raise SandboxError with the command and its stderr tail."""
     text = not isinstance(input, bytes)
     # Without input, stdin is /dev/null: an ssh or tool run here must never swallow the user's terminal input
@@ -31,7 +41,7 @@ def run(argv: Sequence[str], *, check: bool = True, input: str | bytes | None = 
     return proc
 
 
-def spawn(argv: Sequence[str], log_path: Path, *, env: dict | None = None) -> int:
+def spawn(argv: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None) -> int:
     """Start a daemon in its own session (so a Ctrl-C of the caller does not hit it); return its PID."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
@@ -73,7 +83,7 @@ def start_time(pid: int) -> str | None:
 
 def stop(pid: int | None, grace: float = 30.0, started: str | None = None) -> None:
     """SIGTERM one PID we started, wait up to `grace` s, then SIGKILL it and its direct children."""
-    if not alive(pid) or (started and start_time(pid) != started):
+    if pid is None or not alive(pid) or (started and start_time(pid) != started):
         return
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -93,7 +103,7 @@ def stop(pid: int | None, grace: float = 30.0, started: str | None = None) -> No
         time.sleep(0.1)
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+def wait_for(predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
     """Poll predicate() until it returns a truthy value; raise SandboxError naming `what` on timeout."""
     deadline = time.monotonic() + timeout
     while True:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 from gpufleet.sandbox import procs
 
@@ -14,7 +15,7 @@ class State:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.Lock()  # hosts boot from threads
-        self.data: dict = json.loads(path.read_text()) if path.exists() else {}
+        self.data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
 
     def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -22,20 +23,20 @@ class State:
         tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
         tmp.replace(self.path)
 
-    def add(self, kind: str, item) -> None:
+    def add(self, kind: str, item: object) -> None:
         with self._lock:
             items = self.data.setdefault(kind, [])
             if item not in items:
                 items.append(item)
             self._save()
 
-    def discard(self, kind: str, item) -> None:
+    def discard(self, kind: str, item: object) -> None:
         with self._lock:
             if item in self.data.get(kind, []):
                 self.data[kind].remove(item)
             self._save()
 
-    def items(self, kind: str) -> list:
+    def items(self, kind: str) -> list[Any]:
         return list(self.data.get(kind, []))
 
     def add_pid(self, name: str, pid: int) -> None:
@@ -59,10 +60,10 @@ class State:
             self.data.get("pids", {}).pop(name, None)
             self._save()
 
-    def set(self, key: str, value) -> None:
+    def set(self, key: str, value: object) -> None:
         with self._lock:
             self.data[key] = value
             self._save()
 
-    def get(self, key: str, default=None):
+    def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)

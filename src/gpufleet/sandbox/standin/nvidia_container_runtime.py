@@ -12,11 +12,12 @@ import json
 import os
 import resource
 import sys
+from typing import Any
 
 HOOK = "/usr/bin/nvidia-container-runtime-hook"
 
 
-def add_hook(spec: dict) -> None:
+def add_hook(spec: dict[str, Any]) -> None:
     env = dict(e.split("=", 1) for e in spec.get("process", {}).get("env", []) if "=" in e)
     if env.get("NVIDIA_VISIBLE_DEVICES", "void") in ("void", ""):
         return
@@ -26,13 +27,14 @@ def add_hook(spec: dict) -> None:
     prestart.insert(0, {"path": HOOK, "args": [HOOK, "prestart"]})
 
 
-def clamp_rlimits(spec: dict) -> None:
+def clamp_rlimits(spec: dict[str, Any]) -> None:
     infinity = (1 << 64) - 1
     for limit in spec.get("process", {}).get("rlimits", []):
         kind = getattr(resource, limit["type"], None)
         if kind is None:
             continue
-        want = tuple(resource.RLIM_INFINITY if v >= infinity else v for v in (limit["soft"], limit["hard"]))
+        want_soft, want_hard = (resource.RLIM_INFINITY if v >= infinity else v for v in (limit["soft"], limit["hard"]))
+        want = (want_soft, want_hard)
         try:
             resource.setrlimit(kind, want)  # allowed here means allowed for runc too
         except (ValueError, OSError):
@@ -91,7 +93,7 @@ CAPABILITIES = [
 ]
 
 
-def clamp_capabilities(spec: dict) -> None:
+def clamp_capabilities(spec: dict[str, Any]) -> None:
     with open("/proc/self/status") as f:
         bounding = int(next(line.split()[1] for line in f if line.startswith("CapBnd:")), 16)
     missing = {name for bit, name in enumerate(CAPABILITIES) if not bounding >> bit & 1}
@@ -106,7 +108,7 @@ def clamp_capabilities(spec: dict) -> None:
         )
 
 
-def main(argv) -> None:
+def main(argv: list[str]) -> None:
     if "create" in argv:
         bundle = next((argv[i + 1] for i, a in enumerate(argv) if a in ("--bundle", "-b")), os.getcwd())
         path = os.path.join(bundle, "config.json")

@@ -5,17 +5,25 @@ its GPUs, renumbered from 0, as the real toolkit's driver mounts do.
 
 The host's GPUs are the nvidia-smi stand-in's profile; a host without it is a box without the driver."""
 
+from __future__ import annotations
+
 import dataclasses
+import importlib
 import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    # On the host, MODULE_DIR holds a copy of the package's module; main() imports it from there.
+    from gpufleet.sandbox.nvidia_smi import Profile
 
 PROFILE = "/etc/gpufleet-standin/nvidia-smi.json"
 MODULE_DIR = "/usr/lib/gpufleet-standin"
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     sys.stderr.write(message + "\n")
     sys.exit(1)
 
@@ -35,10 +43,9 @@ def main() -> None:
             "cannot open shared object file: no such file or directory: unknown"
         )
     sys.path.insert(0, MODULE_DIR)
-    import nvidia_smi  # noqa: E402  (the host's stand-in module)
-
+    nvidia_smi = importlib.import_module("nvidia_smi")  # the host's stand-in module
     with open(PROFILE) as f:
-        profile = nvidia_smi.Profile.from_json(f.read())
+        profile: Profile = nvidia_smi.Profile.from_json(f.read())
     by_id = {str(g.index): g for g in profile.gpus} | {g.uuid: g for g in profile.gpus}
     chosen = profile.gpus if wanted == "all" else []
     for dev in [] if wanted == "all" else wanted.split(","):

@@ -10,17 +10,18 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 VERSION = "1.17.8"
 COMMIT = "f202b80a9b9d0db00d9b1d73c0128c8962c55f4d"
 
 
-def configure(args) -> int:
+def configure(args: argparse.Namespace) -> int:
     if args.runtime != "docker":
         print(f"level=error msg=\"unrecognized runtime '{args.runtime}'\"", file=sys.stderr)
         return 1
     path = args.config
-    config = {}
+    config: dict[str, Any] = {}
     if os.path.exists(path) and os.path.getsize(path):
         with open(path) as f:
             config = json.load(f)
@@ -40,7 +41,7 @@ def configure(args) -> int:
     return 0
 
 
-def cdi_generate(args) -> int:
+def cdi_generate(args: argparse.Namespace) -> int:
     spec = json.dumps(
         {
             "cdiVersion": "0.5.0",
@@ -60,7 +61,7 @@ def cdi_generate(args) -> int:
     return 0
 
 
-def main(argv) -> int:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="nvidia-ctk")
     parser.add_argument("--version", "-v", action="store_true")
     sub = parser.add_subparsers(dest="command")

@@ -32,6 +32,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any, NoReturn
 
 # In the image the table sits next to this file; run from a checkout, it is the package's compiled table.
 _HERE = Path(__file__).resolve()
@@ -68,7 +69,7 @@ _TYPES = {"int": int, "float": float, "str": str}
 
 
 # ------------------------------------------------------------------------------------------------ argv, as vLLM
-def build_parser(spec: dict, unknown: set[str]) -> argparse.ArgumentParser:
+def build_parser(spec: dict[str, Any], unknown: set[str]) -> argparse.ArgumentParser:
     # allow_abbrev=False: vLLM's FlexibleArgumentParser does not accept abbreviated flags either.
     parser = argparse.ArgumentParser(prog=spec["prog"], usage=spec["usage"], allow_abbrev=False, add_help=False)
     parser.add_argument(spec["positional"], nargs="?", default=None)
@@ -81,7 +82,7 @@ def build_parser(spec: dict, unknown: set[str]) -> argparse.ArgumentParser:
         elif flag["kind"] == "bool":
             parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=None)
         else:
-            kw = {"type": _TYPES[flag["type"]], "default": None}
+            kw: dict[str, Any] = {"type": _TYPES[flag["type"]], "default": None}
             if flag["choices"]:
                 kw["choices"] = flag["choices"]
             if flag["nargs"]:
@@ -130,7 +131,7 @@ def human_int(value: str | None) -> int | None:
     return int(float(m.group(1)) * scale)
 
 
-def fail(rc: int, message: str) -> None:
+def fail(rc: int, message: str) -> NoReturn:
     print(message, file=sys.stderr, flush=True)
     sys.exit(rc)
 
@@ -139,7 +140,7 @@ def fail(rc: int, message: str) -> None:
 class Engine:
     """The model-facing state: served names, limits, the prefix cache and the counters /metrics reports."""
 
-    def __init__(self, args: argparse.Namespace, model: str, config: dict):
+    def __init__(self, args: argparse.Namespace, model: str, config: dict[str, Any]):
         self.args = args
         self.model = model
         self.names = args.served_model_name or [model]
@@ -198,7 +199,7 @@ class Engine:
             c["kv_count"] += 1
             self.ttft.append(ttft)
 
-    def cache_config(self) -> dict:
+    def cache_config(self) -> dict[str, Any]:
         a = self.args
         info = {
             "block_size": self.block_size,
@@ -222,9 +223,9 @@ class Engine:
     def metrics(self) -> str:
         labels = f'engine="0",model_name="{self.names[0]}"'
         c = self.counters
-        out = []
+        out: list[str] = []
 
-        def metric(name, kind, value, help_text, extra=""):
+        def metric(name: str, kind: str, value: float, help_text: str, extra: str = "") -> None:
             out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n")
             suffix = "_total" if kind == "counter" else ""
             out.append(f"{name}{suffix}{{{labels}{extra}}} {float(value)}\n")
@@ -279,7 +280,7 @@ class Engine:
         return "".join(out)
 
 
-def chat_prompt(messages: list[dict]) -> str:
+def chat_prompt(messages: list[dict[str, Any]]) -> str:
     """A ChatML rendering (Qwen's template shape): what the token count and prefix matching run on."""
     parts = []
     for m in messages:
@@ -296,7 +297,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "uvicorn"
     sys_version = ""
 
-    def handle(self):
+    def handle(self) -> None:
         if MISBEHAVE != "not-http":
             super().handle()
             return
@@ -306,10 +307,10 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"-ERR unknown command 'GET', with args beginning with: '/health'\r\n")
         print("INFO:     answered a request with a line of another protocol (STANDIN_MISBEHAVE=not-http)", flush=True)
 
-    def log_message(self, fmt, *args):  # one access-log line per request, like uvicorn's
+    def log_message(self, fmt: str, *args: Any) -> None:  # one access-log line per request, like uvicorn's
         print(f'INFO:     {self.client_address[0]} - "{self.requestline}" {args[1] if len(args) > 1 else ""}', flush=True)
 
-    def _json(self, status: int, body) -> None:
+    def _json(self, status: int, body: object) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("content-type", "application/json")
@@ -326,7 +327,7 @@ class Handler(BaseHTTPRequestHandler):
         self._json(401, {"error": "Unauthorized"})
         return False
 
-    def do_GET(self):
+    def do_GET(self) -> None:
         e = self.engine
         path = self.path.split("?", 1)[0]
         if path in ("/health", "/ping"):
@@ -386,7 +387,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._json(404, {"detail": "Not Found"})
 
-    def do_POST(self):
+    def do_POST(self) -> None:
         e = self.engine
         if self.path.split("?", 1)[0] != "/v1/chat/completions":
             self._json(404, {"detail": "Not Found"})
@@ -450,7 +451,7 @@ class Handler(BaseHTTPRequestHandler):
             with e.lock:
                 e.running -= 1
 
-    def _complete(self, req: dict, tokens: bytes, n_out: int) -> None:
+    def _complete(self, req: dict[str, Any], tokens: bytes, n_out: int) -> None:
         e = self.engine
         t0 = time.monotonic()
         cached = e.cached_tokens(tokens)
@@ -496,7 +497,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("connection", "close")
         self.end_headers()
 
-        def send(choices, **extra):
+        def send(choices: list[dict[str, Any]], **extra: Any) -> None:
             chunk = {
                 "id": rid,
                 "object": "chat.completion.chunk",
@@ -558,7 +559,7 @@ def main(argv: list[str]) -> int:
     die_after = os.environ.get("STANDIN_DIE_AFTER")
     if die_after:
 
-        def die():
+        def die() -> None:
             time.sleep(float(die_after))
             engine.dead = True
             print(
