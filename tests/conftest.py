@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import gpufleet.inventory  # noqa: F401,I001  first: pyinfra_cli's gevent patch_all() must precede any thread
+from tests.sshd import Sshd
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -29,8 +30,6 @@ def fixtures_dir() -> Path:
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory):
     """A throwaway sshd on 127.0.0.1 (started and stopped by PID): the health checks' SSH channels are real."""
-    from tests.vllm_peer.sshd import Sshd
-
     why = Sshd.available()
     if why:
         pytest.skip(f"no throwaway sshd: {why}")

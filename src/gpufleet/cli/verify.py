@@ -16,10 +16,7 @@ from gpufleet.errors import GpufleetError
 from gpufleet.health import Expected, HealthState
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
 from gpufleet.health.probe import ProbeReport, resolved_block_sizes
-
-# paramiko logs connection failures with tracebacks; the table already says "ssh-unreachable" and why.
-logging.getLogger("paramiko").addHandler(logging.NullHandler())
-logging.getLogger("paramiko").propagate = False
+from gpufleet.inventory import load_host_specs
 
 _STATE_STYLE = {
     HealthState.READY: "green",
@@ -30,8 +27,6 @@ _STATE_STYLE = {
 
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
     """Inventory -> what to check on each host. Raises GpufleetError (one line per problem)."""
-    from gpufleet.inventory import load_host_specs
-
     return [
         HostTarget(
             name=spec.host,
@@ -61,6 +56,12 @@ def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]
         raise click.ClickException(str(e)) from None
     if not targets:
         raise click.ClickException(f"{inventory}: no hosts in the inventory")
+    # paramiko logs connection failures with tracebacks, pyinfra's connector its host key decisions: each host's
+    # row already says "ssh-unreachable" and why.
+    for logger in map(logging.getLogger, ("paramiko", "pyinfra")):
+        if logger.propagate:
+            logger.addHandler(logging.NullHandler())
+            logger.propagate = False
     return check_fleet(targets, **kwargs)
 
 
@@ -222,31 +223,33 @@ def verify(
 
 
 def _explain(console: Console, r: HostResult) -> None:
+    # Hosts' details, logs and fixes come from the hosts: plain text (never markup), a line each however long.
+    def say(text: str) -> None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
     name = r.target.name
     if not r.health.ready:
-        console.print(f"{name}: {r.health.state}: {r.health.detail}", markup=False, highlight=False)
+        say(f"{name}: {r.health.state}: {r.health.detail}")
         for line in r.health.logs:
-            console.print(f"  | {line}", markup=False, highlight=False)
+            say(f"  | {line}")
     if r.probe_error:
-        console.print(f"{name}: probe failed: {r.probe_error}", markup=False, highlight=False)
+        say(f"{name}: probe failed: {r.probe_error}")
     p = r.probe
     if p is None:
         return
-    console.print(
+    say(
         f"{name}: probe {p.verdict}: {p.detail}; hit ratio {p.hit_ratio:.0%}, "
         f"{p.reprocessed_per_turn:.0f} tokens re-processed per turn, TTFT ratio {p.ttft_ratio:.2f}"
         + ("" if p.ttft_is_signal else " (TTFT too small to be a signal here)")
         + f"; {p.requests} requests (at most {p.request_bound}) in {p.elapsed_s:.0f} s",
-        markup=False,
-        highlight=False,
     )
     for warning in p.warnings:
-        console.print(f"  note: {warning}", markup=False, highlight=False)
+        say(f"  note: {warning}")
     if not p.ok:
         for line in p.evidence:
-            console.print(f"  {line}", markup=False, highlight=False)
+            say(f"  {line}")
         mnbt = p.max_num_batched_tokens
         if p.fixes:
-            console.print(f"  server --max-num-batched-tokens: {mnbt or 'default (not set)'}", markup=False)
+            say(f"  server --max-num-batched-tokens: {mnbt or 'default (not set)'}")
             for fix in p.fixes:
-                console.print(f"  fix: {fix}", markup=False, highlight=False)
+                say(f"  fix: {fix}")

@@ -1,20 +1,34 @@
-"""Check a whole fleet in parallel: one SSH connection per host (threads), then check() and optionally probe()."""
+"""Check a whole fleet in parallel over the deploy's own SSH stack, then check() and optionally probe() each host.
+
+Hosts are connected by pyinfra's SSH connector from their inventory data, so `status` and `verify` log in exactly
+as the deploy does: ssh_hostname, ssh_port, ssh_user, ssh_key (and its password), ~/.ssh/config or ssh_config_file,
+ssh_known_hosts_file and ssh_strict_host_key_checking (pyinfra's default "accept-new"; "yes" refuses a host whose
+key is not known). Hosts are checked at once, each in a greenlet, as a pyinfra deploy connects them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import gevent
+import gevent.pool
 import paramiko
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.host import Host
 
+# pyinfra's connector is gevent code: hosts connect in parallel only over gevent's sockets, so pyinfra_cli's
+# monkey.patch_all() (run by gpufleet.inventory) must precede any thread.
+import gpufleet.inventory  # noqa: F401
 from gpufleet.health.api import excerpt
-from gpufleet.health.check import DETAIL_CHARS, Expected, HealthReport, HealthState, check, wait_until_ready
+from gpufleet.health.check import DETAIL_CHARS, Expected, HealthReport, HealthState, check
 from gpufleet.health.probe import ProbeReport, probe
-from gpufleet.health.transport import SshTransport, Transport
+from gpufleet.health.transport import SshTransport, Transport, Unreachable, transport_from_pyinfra_host
+from gpufleet.health.wait import wait_until_ready
 
-SSH_TIMEOUT_S = 10.0
+SSH_TIMEOUT_S = 10.0  # per connection attempt: TCP connect, banner, key exchange and login together
+PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and paramiko's reader)
 
 
 @dataclass(frozen=True)
@@ -22,7 +36,7 @@ class HostTarget:
     """A host to check: how to reach it and what it should serve."""
 
     name: str
-    ssh: Mapping[str, Any]  # ssh_hostname, ssh_user, ssh_key, ssh_port, ssh_password (pyinfra's host data keys)
+    ssh: Mapping[str, Any]  # the host's ssh_* data, as pyinfra's inventory loader merged it
     expected: Expected
     gpus: tuple[int, ...] = ()
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
@@ -41,23 +55,51 @@ class HostResult:
         return self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
 
 
-def connect(name: str, ssh: Mapping[str, Any]) -> paramiko.SSHClient:
-    """Open SSH like pyinfra would for this host data. Unknown host keys are accepted (pyinfra's accept-new);
-    a known host presenting a different key is still refused by paramiko."""
-    client = paramiko.SSHClient()
-    client.load_system_host_keys()
-    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-    client.connect(
-        hostname=ssh.get("ssh_hostname") or name,
-        port=int(ssh.get("ssh_port") or 22),
-        username=ssh.get("ssh_user"),
-        key_filename=ssh.get("ssh_key"),
-        password=ssh.get("ssh_password"),
-        timeout=SSH_TIMEOUT_S,
-        banner_timeout=SSH_TIMEOUT_S,
-        auth_timeout=SSH_TIMEOUT_S,
-    )
-    return client
+def pyinfra_host(name: str, data: Mapping[str, Any]) -> Host:
+    """A pyinfra Host for this host data, in a State of its own: pyinfra checks the connector data (types) here,
+    and one host's bad data must not take the others' rows down."""
+    inventory = Inventory(([(name, dict(data))], {}))
+    State(inventory, Config(CONNECT_TIMEOUT=SSH_TIMEOUT_S))  # initialises the host's connector
+    return inventory.get_host(name)
+
+
+def connect(name: str, data: Mapping[str, Any]) -> paramiko.SSHClient:
+    """One host's SSH connection, opened as the deploy opens it (see open_ssh). The caller closes it."""
+    return open_ssh(name, data).client
+
+
+def open_ssh(name: str, data: Mapping[str, Any]) -> SshTransport:
+    """A transport over the host's SSH connection, opened by pyinfra's connector from its host data; the caller
+    closes its client. Raises Unreachable with one line saying why, within SSH_TIMEOUT_S per attempt (the
+    connector's ssh_connect_retries are honoured)."""
+    try:
+        host = pyinfra_host(name, data)
+    except Exception as e:  # host data the connector refuses (an ssh_port that is not a number)
+        raise Unreachable(_unreachable_line(name, data, e)) from e
+    attempts = 1 + int(host.data.get("ssh_connect_retries") or 0)
+    try:
+        # pyinfra bounds the TCP connect only: a host that accepts and then stalls (banner, login) is cut here.
+        with gevent.Timeout(SSH_TIMEOUT_S * attempts, False):
+            host.connect(show_errors=False, raise_exceptions=True)
+        if not host.connected:
+            raise Unreachable(f"no SSH session within {SSH_TIMEOUT_S * attempts:g} s")
+        return transport_from_pyinfra_host(host)
+    except Exception as e:  # the connector raises more than ConnectError (key files, odd host data)
+        client = getattr(host.connector, "client", None)
+        if client is not None:  # a half-open session (timed out, refused key) holds a socket and a thread
+            client.close()
+        raise Unreachable(_unreachable_line(name, data, e)) from e
+
+
+def _unreachable_line(name: str, data: Mapping[str, Any], e: Exception) -> str:
+    port = data.get("ssh_port")
+    where = f"{data.get('ssh_hostname') or name}" + (f":{port}" if port else "")
+    why = str(e) or type(e).__name__
+    line = f"cannot SSH to {where}: {why}"
+    if "No host key for" in why:  # pyinfra's StrictPolicy: strict checking on, key not in known_hosts
+        known = data.get("ssh_known_hosts_file") or "~/.ssh/known_hosts"
+        line += f" (fix: add the host's key to {known}, e.g. with ssh-keyscan, or set ssh_strict_host_key_checking)"
+    return excerpt(line, DETAIL_CHARS)
 
 
 def check_host(
@@ -70,41 +112,45 @@ def check_host(
     """Health (and the probe, when the host is ready) of one host. Never raises: whatever goes wrong with this
     host (SSH, its server, a case nobody foresaw) is this host's result, so one host never sinks the others.
 
-    api_key overrides the target's own key."""
+    Without a transport the host is connected by pyinfra's connector from target.ssh. api_key overrides the
+    target's own key."""
     try:
-        return _check_host(target, run_probe, wait_s, api_key or target.api_key, transport)
+        if transport is not None:
+            return _check_host(target, transport, run_probe, wait_s, api_key)
+        return _check_over_ssh(target, run_probe, wait_s, api_key)
     except Exception as e:
-        detail = excerpt(f"the check failed: {type(e).__name__}: {e}", DETAIL_CHARS)
-        return HostResult(target, HealthReport(HealthState.DEAD, detail, host=target.name))
+        return _failed(target, e)
 
 
-def _check_host(
-    target: HostTarget, run_probe: bool, wait_s: float, api_key: str | None, transport: Transport | None
-) -> HostResult:
-    client = None
-    if transport is None:
-        try:
-            client = connect(target.name, target.ssh)
-        except Exception as e:  # paramiko raises more than its own and OSError (bad key files, odd host data)
-            where = target.ssh.get("ssh_hostname") or target.name
-            detail = excerpt(f"cannot SSH to {where}: {e or type(e).__name__}", DETAIL_CHARS)
-            return HostResult(target, HealthReport(HealthState.SSH_UNREACHABLE, detail, host=target.name))
-        transport = SshTransport(client, name=target.name)
+def _check_over_ssh(target: HostTarget, run_probe: bool, wait_s: float, api_key: str | None) -> HostResult:
     try:
-        if wait_s > 0:
-            health = wait_until_ready(transport, target.expected, timeout_s=wait_s, api_key=api_key)
-        else:
-            health = check(transport, target.expected, api_key=api_key)
-        report, error = None, None
-        if run_probe and health.ready:
-            try:
-                report = probe(transport, target.expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
-            except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
-                error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-        return HostResult(target, health, report, error)
+        transport = open_ssh(target.name, target.ssh)
+    except Unreachable as e:
+        return HostResult(target, HealthReport(HealthState.SSH_UNREACHABLE, str(e), host=target.name))
+    try:
+        return _check_host(target, transport, run_probe, wait_s, api_key)
     finally:
-        if client is not None:
-            client.close()
+        transport.client.close()
+
+
+def _failed(target: HostTarget, e: Exception) -> HostResult:
+    detail = excerpt(f"the check failed: {type(e).__name__}: {e}", DETAIL_CHARS)
+    return HostResult(target, HealthReport(HealthState.DEAD, detail, host=target.name))
+
+
+def _check_host(target: HostTarget, transport: Transport, run_probe: bool, wait_s: float, api_key: str | None) -> HostResult:
+    api_key = api_key or target.api_key
+    if wait_s > 0:
+        health = wait_until_ready(transport, target.expected, timeout_s=wait_s, api_key=api_key)
+    else:
+        health = check(transport, target.expected, api_key=api_key)
+    report, error = None, None
+    if run_probe and health.ready:
+        try:
+            report = probe(transport, target.expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
+        except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
+            error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
+    return HostResult(target, health, report, error)
 
 
 def check_fleet(
@@ -113,5 +159,7 @@ def check_fleet(
     """All hosts in parallel (network-bound), results in inventory order, one per host whatever happens."""
     if not targets:
         return []
-    with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-        return list(pool.map(lambda t: check_host(t, run_probe, wait_s, api_key), targets))
+    pool = gevent.pool.Pool(min(len(targets), PARALLEL))
+    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key) for t in targets]
+    gevent.joinall(jobs)
+    return [job.value for job in jobs]

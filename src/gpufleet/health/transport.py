@@ -6,7 +6,8 @@ Two transports share one small interface so every check runs unchanged through S
 - SshTransport: HTTP rides a paramiko ``direct-tcpip`` channel to 127.0.0.1:<port> on the host, so the server's
   port never has to be reachable from the operator's network; container state comes from ``docker ps``/``inspect``
   over the same SSH connection (containers have no name: they are found by their ``gpufleet.<service>`` label).
-- LoopbackTransport (loopback.py): HTTP to a local port; the "container" is the server process and its liveness.
+- LoopbackTransport (tests/loopback.py): HTTP to a local port; the "container" is the server process and its
+  liveness.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from datetime import datetime
 from typing import Any, Protocol
 
 import paramiko
-
 
 # What one HTTP answer may total: a 1 MiB body (vLLM's /metrics and /v1/models are tens of KiB), its headers, and
 # one read-ahead buffer. Past it the answer is a finding, not a read of whatever the server cares to send.
@@ -243,8 +243,10 @@ def _parse_docker_time(text: str | None) -> float | None:
 class SshTransport:
     """Checks through an open paramiko.SSHClient. sudo must not prompt (the deploy user has NOPASSWD).
 
-    >>> client = paramiko.SSHClient(); client.load_system_host_keys(); client.connect("gpu1", username="deploy")
-    >>> check(SshTransport(client, name="gpu1"), expected)
+    Open one as the deploy does (pyinfra's connector, the inventory's SSH settings) with transport_from_pyinfra_host
+    or gpufleet.health.fleet.open_ssh:
+
+    >>> check(open_ssh("gpu1", {"ssh_user": "deploy"}), expected)
     """
 
     def __init__(self, client: paramiko.SSHClient, name: str | None = None, sudo: bool = True):
@@ -325,7 +327,15 @@ def transport_from_pyinfra_host(host: Any) -> SshTransport:
         client = getattr(host.connector, "client", None)
     if not isinstance(client, paramiko.SSHClient):
         raise TransportError(f"{host.name}: not an SSH host (connector {type(connector).__name__})")
-    return SshTransport(client, name=host.name)
+    return SshTransport(client, name=host.name, sudo=needs_sudo(client))
+
+
+def needs_sudo(client: paramiko.SSHClient) -> bool:
+    """Root-level commands (docker) go through sudo unless the session is root's: sudo may not even exist on a host
+    managed as root. The user is the one the session logged in as, whatever named it (ssh_user, ~/.ssh/config, the
+    local user)."""
+    session = client.get_transport()
+    return session is None or session.get_username() != "root"
 
 
 __all__ = [
@@ -340,6 +350,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "Unreachable",
+    "needs_sudo",
     "pick_container",
     "transport_from_pyinfra_host",
 ]

