@@ -6,6 +6,6 @@ Thin entry point; the work lives in gpufleet.deploys.qwen35 (docs/deploy.md).
 from pyinfra import host
 
 from gpufleet.deploys.qwen35 import deploy_qwen35
-from gpufleet.operations.context import use_sudo
+from gpufleet.operations.remote import use_sudo
 
 deploy_qwen35(_sudo=use_sudo(host))

@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import re
 from dataclasses import dataclass
 from typing import Any
 
 ArgValue = bool | str  # True = bare flag, False = --no-<flag>, str = the value
 OptionValue = bool | str | tuple[str, ...]  # True = bare flag, str = --name=value, tuple = repeated --name v
+
+
+# Where the serving image's hf CLI keeps its download cache inside the container.
+HF_CACHE_CONTAINER_PATH = "/root/.cache/huggingface"
+
+
+def container_label_key(service: str) -> str:
+    """The label key the unit and the health checks find the service's container by (it has no --name; the
+    label's value is the spec hash, for drift detection)."""
+    return f"gpufleet.{service}"
 
 
 @dataclass(frozen=True)
@@ -60,9 +71,7 @@ class ServeSpec:
 
     @property
     def container_label_key(self) -> str:
-        # The container has no --name (the write-up's invocation has none); the unit and the health checks
-        # find it by this label key, whose value is the spec hash (drift detection).
-        return f"gpufleet.{self.service}"
+        return container_label_key(self.service)
 
     @property
     def container_label(self) -> str:
@@ -83,6 +92,14 @@ class ServeSpec:
     @property
     def model_path(self) -> str:
         return str(self.arg("model"))
+
+    @property
+    def model_mount(self) -> Mount:
+        """The mount the served model is read from: --model is a path inside its container path."""
+        for mount in self.mounts:
+            if posixpath.commonpath([mount.container_path, self.model_path]) == mount.container_path:
+                return mount
+        raise ValueError(f"{self.host}: --model {self.model_path} is in none of the spec's mounts")
 
     @property
     def served_model_name(self) -> str:
@@ -139,6 +156,21 @@ class ServeSpec:
             argv += ["-v", mount.volume_arg()]
         argv.append(image or self.image)
         return argv + self.vllm_argv()
+
+    def hf_download_argv(self, image: str, repo: str, revision: str | None, hf_cache: str | None,
+                         env_file: str | None, docker: str = "docker") -> list[str]:
+        """`docker run --rm --entrypoint hf ... download`: the serving image's own hf CLI writes the model where
+        the service reads it (the model mount, --local-dir = --model). The token, if any, only comes through the
+        root-only env_file; hf_cache (a host dir) keeps partial downloads, so a re-run resumes."""
+        argv = [docker, "run", "--rm", "--entrypoint", "hf", "-v", self.model_mount.volume_arg()]
+        if hf_cache:
+            argv += ["-v", f"{hf_cache}:{HF_CACHE_CONTAINER_PATH}"]
+        if env_file:
+            argv += ["--env-file", env_file]
+        argv += [image, "download", repo, "--local-dir", self.model_path]
+        if revision:
+            argv += ["--revision", revision]
+        return argv
 
 
 def _option_args(name: str, value: OptionValue) -> list[str]:

@@ -28,17 +28,18 @@ def stop_timeouts(spec: ServeSpec) -> tuple[int, int]:
     return docker_grace, docker_grace + STOP_MARGIN_S
 
 
-def unit_name(spec: ServeSpec) -> str:
-    return f"{spec.service}.service"
+def unit_name(service: str) -> str:
+    """The systemd unit of a vllm_service: "vllm-qwen35" -> "vllm-qwen35.service"."""
+    return f"{service}.service"
 
 
-def unit_path(spec: ServeSpec) -> str:
-    return f"/etc/systemd/system/{unit_name(spec)}"
+def unit_path(service: str) -> str:
+    return f"/etc/systemd/system/{unit_name(service)}"
 
 
-def env_file_path(spec: ServeSpec) -> str:
+def env_file_path(service: str) -> str:
     """Root-only (0600) file with the service's secrets, read by systemd, never by `ps` readers."""
-    return f"/etc/gpufleet/{spec.service}.env"
+    return f"/etc/gpufleet/{service}.env"
 
 
 def templates_dir() -> Path:
@@ -63,7 +64,7 @@ def render_unit(spec: ServeSpec, image_ref: str | None = None) -> str:
     image_ref = image_ref or spec.image
     docker_stop_s, timeout_stop_s = stop_timeouts(spec)
     return _environment().get_template("vllm.service.j2").render(
-        spec=spec, image_ref=image_ref, env_file=env_file_path(spec),
+        spec=spec, image_ref=image_ref, env_file=env_file_path(spec.service),
         exec_start=systemd_exec(spec.docker_run_argv(image=image_ref, docker=DOCKER)),
         docker_stop_s=docker_stop_s, timeout_stop_s=timeout_stop_s, start_timeout_s=START_TIMEOUT_S,
     )

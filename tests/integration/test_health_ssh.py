@@ -31,6 +31,9 @@ from gpufleet.health import (
 )
 from gpufleet.health.api import get
 from gpufleet.health.fleet import connect
+from gpufleet.sandbox.image import image_ref
+from gpufleet.settings import build_spec
+from gpufleet.unit import render_unit, unit_path
 
 
 @pytest.fixture
@@ -158,8 +161,6 @@ def served(fleet, pyinfra, tmp_path_factory):
 
 
 def test_status_reads_container_identity_over_ssh(served):
-    from gpufleet.settings import build_spec
-
     name, inv, data = served
     spec = build_spec(name, data)
     result = gpufleet("status", str(inv), "--json")
@@ -182,8 +183,6 @@ def test_verify_probe_passes_over_ssh(served):
 
 
 def test_stopped_then_started_service_states_over_ssh(served, fleet):
-    from gpufleet.settings import build_spec
-
     name, _, data = served
     spec = build_spec(name, data)
     expected = Expected.from_spec(spec)
@@ -204,16 +203,12 @@ def test_stopped_then_started_service_states_over_ssh(served, fleet):
 
 # Last in the module: it leaves the host serving an image whose engine dies.
 def test_engine_death_is_dead_with_docker_logs_over_ssh(served, fleet):
-    from gpufleet.sandbox.image import image_ref
-    from gpufleet.settings import build_spec
-    from gpufleet.unit import render_unit, unit_path
-
     name, _, data = served
     dies_ref = image_ref(fleet.cfg, "dies")  # stand-in: serves ~8 s, then /health 503, exit 1
     dying = {**data, "vllm_image": dies_ref}
     spec = build_spec(name, dying)
     # The unit for the dying image goes in by hand: the deploy itself would (rightly) roll it back after its soak.
-    fleet.run_in(name, f"docker pull -q {dies_ref} >/dev/null && cat > {unit_path(spec)} <<'UNIT'\n"
+    fleet.run_in(name, f"docker pull -q {dies_ref} >/dev/null && cat > {unit_path(spec.service)} <<'UNIT'\n"
                        f"{render_unit(spec, dies_ref)}UNIT\nsystemctl daemon-reload && systemctl restart {spec.service}")
     expected = Expected.from_spec(spec)
     client = connect(name, data)

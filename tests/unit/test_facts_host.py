@@ -5,15 +5,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
+from gpufleet.facts import host as host_fact
 from gpufleet.facts.host import MARK, PACKAGES, GpufleetHost, Paths, ServiceUnit, parse_snapshot, snapshot_command
 
 NV = Path(__file__).parent.parent / "fixtures" / "nvidia-smi"
-PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model="qwen3.5-awq",
+PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model_dir="/srv/vllm/models/qwen3.5-awq",
               dirs=("/var/cache/vllm/qwen35/vllm", "/srv/vllm/models"), files=("/etc/a", "/etc/b"),
               state_file="/var/lib/gpufleet/vllm-qwen35.json", env_file="/etc/gpufleet/vllm-qwen35.env", port=5000,
               nvidia_key_url="http://repo/gpgkey", docker_repo_url=None)
@@ -36,7 +38,6 @@ def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
     base = dict(
         os=['PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"', "ID=debian", 'VERSION_ID="12"', "VERSION_CODENAME=bookworm"],
         arch=["amd64"], nvidia_smi=["1"], gpus=fixture(kind, "query-gpu.csv"), driver=fixture(kind, "version.txt"),
-        topology=fixture(kind, "topo.txt"),
         daemon_json=['{"insecure-registries": ["10.0.0.1:5000"], "runtimes": {"nvidia": {"path": "x"}}}'],
         free=["docker /var/lib/docker 104857600", "models /srv 52428800"],
         packages=["docker.io ii 20.10.24", "nvidia-container-toolkit ii 1.17.8-1", "docker-ce un <none>"],
@@ -49,7 +50,8 @@ def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
         dirs=["root root 755 /var/cache/vllm/qwen35/vllm"],
         units=["Id=docker.service", "ActiveState=active", "UnitFileState=enabled", "",
                "Id=vllm-qwen35.service", "ActiveState=active", "UnitFileState=enabled"],
-        health=["200", json.dumps({"object": "list", "data": [{"id": "qwen3.5-awq"}]})],
+        health=["200", json.dumps({"object": "list", "data": [{"id": "qwen3.5-awq", "max_model_len": 32768}]})],
+        cache_config=['vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0"} 1.0'],
     )
     base.update(over)
     return output(**base)
@@ -58,7 +60,7 @@ def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
 def test_parses_every_section():
     snap = GpufleetHost().process(healthy())
     assert snap.os["ID"] == "debian" and snap.arch == "amd64"
-    assert len(snap.gpus) == 2 and snap.driver.cuda_version == "13.0" and snap.topology.nvlinks(0, 1) == 18
+    assert len(snap.gpus) == 2 and snap.driver.cuda_version == "13.0"
     assert snap.nvidia_runtime and snap.daemon_json["insecure-registries"] == ["10.0.0.1:5000"]
     assert snap.free_kib == {"docker": 104857600, "models": 52428800} and snap.free_path["models"] == "/srv"
     assert snap.installed("docker.io") and not snap.installed("docker-ce")
@@ -67,17 +69,29 @@ def test_parses_every_section():
     assert snap.model_shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert snap.dirs.get("/srv/vllm/models") is None and snap.dirs["/var/cache/vllm/qwen35/vllm"] == ("root", "root", "755")
     assert snap.unit_active("vllm-qwen35.service") and snap.unit_enabled("docker.service")
-    assert snap.health_code == "200" and snap.served_models == ["qwen3.5-awq"]
+    assert snap.health_code == "200" and snap.served_models == [("qwen3.5-awq", 32768)]
+    assert snap.cache_config == {"block_size": "16", "enable_prefix_caching": "True"}
 
 
-def test_topology_is_optional():
-    lines = healthy()
-    start = lines.index(MARK + "topology")
-    end = lines.index(MARK + "daemon_json")
-    snap = parse_snapshot(lines[:start] + lines[end - 1:])
-    assert snap.topology is None and len(snap.gpus) == 2
-    assert "topo -m" not in snapshot_command(PATHS)
-    assert "topo -m" in snapshot_command(dataclasses.replace(PATHS, topology=True))
+def test_a_server_without_cache_config_info_reports_none():
+    snap = parse_snapshot(healthy(cache_config=[]))
+    assert snap.cache_config == {} and snap.served_models == [("qwen3.5-awq", 32768)]
+
+
+def test_a_wedged_nvidia_smi_is_a_problem_with_its_bound_not_a_hang():
+    # `timeout` cut nvidia-smi off (exit 124); the command skipped the driver query after it.
+    snap = parse_snapshot(healthy(gpus=["@@rc 124"], driver=[]))
+    assert snap.gpus == [] and snap.nvidia_error == "nvidia-smi did not answer within 20 s (a wedged driver or GPU)"
+
+
+def test_every_program_that_can_hang_runs_under_timeout():
+    command = snapshot_command(PATHS)
+    for program in ("nvidia-smi --query-gpu", "nvidia-smi --version", "docker images", "df -Pk",
+                    "systemctl show -p Id -p ActiveState"):
+        line = next(line for line in command.splitlines() if program in line)
+        assert f"$t {program.split()[0]}" in line, line
+    assert "t='timeout -k 2 20'" in command
+    assert all("--max-time" in line for line in command.splitlines() if "curl -" in line)
 
 
 def test_daemon_json_without_final_newline_keeps_the_next_section():
@@ -95,7 +109,7 @@ def test_units_not_installed():
 
 
 def test_bare_host_without_nvidia_smi():
-    snap = parse_snapshot(healthy(nvidia_smi=["0"], gpus=[], driver=[], topology=[], daemon_json=[], state=[],
+    snap = parse_snapshot(healthy(nvidia_smi=["0"], gpus=[], driver=[], daemon_json=[], state=[],
                                   images=[], model=[], health=[]))
     assert snap.gpus == [] and snap.driver is None and snap.nvidia_error is None
     assert snap.daemon_json is None and snap.state is None and snap.model_files == {} and snap.health_code is None
@@ -175,3 +189,18 @@ def test_hostile_repo_urls_reach_curl_whole_and_never_the_shell(tmp_path):
     words = argv_log.read_text().splitlines() if argv_log.exists() else []
     assert f"{hostile}/gpgkey" in words and f"{hostile}/{os_id}/gpg" in words
     assert not marker.exists()
+
+
+def test_a_hanging_nvidia_smi_is_cut_off_by_the_snapshot_itself(tmp_path, monkeypatch):
+    # The real command, run here: a stand-in nvidia-smi that never answers, and a 1 s bound.
+    monkeypatch.setattr(host_fact, "COMMAND_TIMEOUT_S", 1)
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nsleep 60\n")
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/sbin:/usr/bin:/sbin:/bin"}
+    start = time.monotonic()
+    out = subprocess.run(["sh", "-c", snapshot_command(PATHS)], env=env, capture_output=True, text=True, timeout=30)
+    elapsed = time.monotonic() - start
+    snap = parse_snapshot(out.stdout.splitlines())
+    # One bound, not two: the driver query is skipped once the GPU query timed out.
+    assert snap.nvidia_error == "nvidia-smi did not answer within 1 s (a wedged driver or GPU)" and elapsed < 10

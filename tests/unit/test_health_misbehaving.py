@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.health import Expected, HealthState, LoopbackTransport, SshTransport, check
+from gpufleet.health import Expected, HealthState, SshTransport, check
 from gpufleet.health.api import fetch
 from gpufleet.health.fleet import HostTarget, check_fleet, check_host
 from gpufleet.health.transport import MAX_BODY_BYTES, DeadlineExceeded
+from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 
 RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"

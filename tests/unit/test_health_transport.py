@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from gpufleet.health import Expected, HealthState, LoopbackTransport, check, wait_until_ready
+from gpufleet.health import Expected, HealthState, check, wait_until_ready
 from gpufleet.health.transport import _parse_docker_time, pick_container
+from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 
 LABEL = "gpufleet.vllm"

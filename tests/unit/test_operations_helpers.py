@@ -8,11 +8,11 @@ import pytest
 from pyinfra.api import OperationValueError
 
 from gpufleet.facts.host import HostSnapshot
-from gpufleet.operations.context import Hidden
 from gpufleet.operations.docker import repo_line
 from gpufleet.operations.image import pick_digest, pinned_ref, record, repository
-from gpufleet.operations.model import download_argv, missing_parts
+from gpufleet.operations.model import missing_parts
 from gpufleet.operations.nvidia import dearmor, list_line
+from gpufleet.operations.secret import Hidden
 from gpufleet.operations.service import env_content
 
 D1, D2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
@@ -80,15 +80,6 @@ def test_hidden_never_shows_its_value():
     secret = Hidden("hf_topsecret")
     assert "topsecret" not in repr(secret) and "topsecret" not in str(secret) and "topsecret" not in repr([secret])
     assert secret.reveal() == "hf_topsecret"
-
-
-def test_download_argv_token_only_through_the_env_file():
-    argv = download_argv("img@" + D1, "/srv/m", "q", "org/repo", "abc123", "/etc/gpufleet/s.env", "/c/hf")
-    assert argv[:5] == ["docker", "run", "--rm", "--entrypoint", "hf"]
-    assert argv[argv.index("--env-file") + 1] == "/etc/gpufleet/s.env"
-    assert argv[argv.index("img@" + D1) + 1:] == ["download", "org/repo", "--local-dir", "/models/q",
-                                                 "--revision", "abc123"]
-    assert "--env-file" not in download_argv("i", "/m", "q", "r", None, None, None)
 
 
 @pytest.mark.parametrize("files, shards, incomplete, problem", [

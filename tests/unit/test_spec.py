@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -141,3 +142,22 @@ def test_publish_address_unset_keeps_the_hash_so_upgrading_restarts_nothing():
     unset = build_spec("a", {})
     assert build_spec("a", {"vllm_publish_address": None}).spec_hash == unset.spec_hash
     assert build_spec("a", {"vllm_publish_address": "127.0.0.1"}).spec_hash != unset.spec_hash
+
+
+def test_hf_download_writes_where_the_service_reads_and_takes_the_token_only_through_the_env_file():
+    spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m", "vllm_model": "q"})
+    image = "img@sha256:" + "1" * 64
+    argv = spec.hf_download_argv(image, "org/repo", "abc123", "/c/hf", "/etc/gpufleet/s.env")
+    assert argv[:5] == ["docker", "run", "--rm", "--entrypoint", "hf"]
+    assert argv[argv.index("--env-file") + 1] == "/etc/gpufleet/s.env"
+    # The download's mount and --local-dir are the serving container's model mount and --model.
+    assert spec.model_mount.volume_arg() in spec.docker_run_argv() and argv[6] == spec.model_mount.volume_arg()
+    assert argv[argv.index(image) + 1:] == ["download", "org/repo", "--local-dir", spec.model_path,
+                                            "--revision", "abc123"] and spec.model_path == "/models/q"
+    assert "--env-file" not in spec.hf_download_argv("i", "r", None, None, None)
+
+
+def test_the_model_mount_is_found_by_the_model_path_not_by_position():
+    spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m"})
+    reordered = dataclasses.replace(spec, mounts=spec.mounts[::-1])
+    assert reordered.model_mount == spec.model_mount and spec.model_mount.host_path == "/srv/m"

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from gpufleet import sandbox, vllm_flags
-from gpufleet.health import Expected, HealthState, LoopbackTransport, check
+from gpufleet.health import Expected, HealthState, check
 from gpufleet.sandbox.image import write_tiny_model
+from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 
 SERVE = Path(sandbox.__file__).parent / "standin" / "vllm_serve.py"

@@ -1,4 +1,4 @@
-"""One fact, one SSH round trip: everything the qwen35 deploy decides from.
+"""One fact, one SSH round trip: everything the deploy decides from.
 
 A no-op re-converge should cost little more than connecting (bench/deploy_bench.py measures it), so instead of one
 command per fact the deploy reads the host once: OS, GPUs (the exact nvidia-smi queries of gpufleet.facts.nvidia),
@@ -7,7 +7,9 @@ the repo serves it now (to notice a rotated key), the image state file, local im
 states, the unit file vllm_service names (its first line tells gpufleet's units from others) and a readiness
 probe. Sections are separated by marker lines; process() only parses.
 
-The command is read-only: nothing on the host changes (preflight relies on that).
+The command is read-only: nothing on the host changes (preflight relies on that). Every program in it that can
+hang on a broken host (nvidia-smi on a wedged driver, docker or systemctl waiting on their daemons, curl) runs
+under `timeout`, so one bad host gives one preflight line instead of holding up the fleet.
 """
 
 from __future__ import annotations
@@ -20,31 +22,29 @@ from typing import Any
 from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
-from gpufleet.facts.nvidia import (
-    QUERY_GPUS,
-    QUERY_TOPOLOGY,
-    QUERY_VERSION,
-    Gpu,
-    NvidiaVersion,
-    Topology,
-    parse_gpus,
-    parse_topology,
-    parse_version,
-)
+from gpufleet.facts.nvidia import QUERY_GPUS, QUERY_VERSION, Gpu, NvidiaVersion, parse_gpus, parse_version
+from gpufleet.health.check import served_models
+from gpufleet.health.metrics import CACHE_CONFIG, parse_metrics
+from gpufleet.unit import unit_name
 
 MARK = "@@gpufleet:"
 DAEMON_JSON = "/etc/docker/daemon.json"
+# Seconds any one program in the snapshot may take (nvidia-smi starts slowly on drivers without persistence mode;
+# a healthy host answers everything in well under a second). `timeout` exits 124 when it cut the program off.
+COMMAND_TIMEOUT_S = 20
+TIMED_OUT = 124
 PACKAGES = ("docker.io", "containerd", "docker-ce", "docker-ce-cli", "containerd.io", "nvidia-container-toolkit",
             "curl", "ca-certificates")
 
 
 @dataclass(frozen=True)
 class Paths:
-    """Where the deploy keeps things on a host (derived from the settings; see gpufleet.operations.paths)."""
+    """What the snapshot reads on a host. dirs and files: exactly what the operations manage
+    (gpufleet.operations.managed_paths), so no write is ever decided without its current state."""
 
     service: str
-    models_dir: str
-    model: str
+    models_dir: str  # where free space for models is measured
+    model_dir: str  # the served model's directory (listed for completeness)
     dirs: tuple[str, ...]  # dirs whose owner/mode the deploy manages
     files: tuple[str, ...]  # files whose sha256 the deploy compares
     state_file: str
@@ -52,9 +52,6 @@ class Paths:
     port: int
     nvidia_key_url: str
     docker_repo_url: str | None  # docker-ce only: its key lives at <url>/<os id>/gpg
-    # `nvidia-smi topo -m` costs another nvidia-smi start (slow on real drivers without persistence mode) and no
-    # deploy decision needs it; inventory tooling turns it on.
-    topology: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,6 @@ class HostSnapshot:
     nvidia_smi: bool = False  # nvidia-smi is on PATH
     gpus: list[Gpu] = field(default_factory=list)
     driver: NvidiaVersion | None = None
-    topology: Topology | None = None
     nvidia_error: str | None = None  # nvidia-smi present but its output unusable
     daemon_json: dict[str, Any] | None = None  # None: no file
     daemon_json_error: str | None = None
@@ -97,7 +93,8 @@ class HostSnapshot:
     units: dict[str, tuple[str, str]] = field(default_factory=dict)  # unit -> (is-active, is-enabled)
     service_unit: ServiceUnit | None = None
     health_code: str | None = None
-    served_models: list[str] | None = None
+    served_models: list[tuple[str, int | None]] | None = None  # /v1/models: (id, max_model_len)
+    cache_config: dict[str, str] = field(default_factory=dict)  # vllm:cache_config_info labels, when reported
 
     # --- derived ----------------------------------------------------------------------------------------
     def installed(self, package: str) -> bool:
@@ -129,28 +126,33 @@ def snapshot_command(paths: Paths) -> str:
 
     def nvidia(name: str, query: str) -> str:
         # rc and stderr are kept: a broken driver must surface as a message, not as "no GPUs".
-        return f"{section(name)}; if [ $nv = 1 ]; then {query} 2>&1; echo \"@@rc $?\"; fi"
+        # After a timeout the driver is wedged: skip the other queries (each would wait as long again).
+        return (f"{section(name)}; if [ $nv = 1 ]; then $t {query} 2>&1; r=$?; echo \"@@rc $r\"; "
+                f"[ $r = {TIMED_OUT} ] && nv=0; fi")
 
     port = int(paths.port)  # an int, never text, in the curl URLs below
     dirs = " ".join(q(d) for d in paths.dirs)
     files = " ".join(q(f) for f in paths.files)
-    model_dir = q(f"{paths.models_dir}/{paths.model}")
+    model_dir = q(paths.model_dir)
+    unit = q(unit_name(paths.service))
     lines = [
         "export LC_ALL=C",
+        # -k: a program that ignores SIGTERM (nvidia-smi stuck in the kernel) is killed 2 s later.
+        f"t='timeout -k 2 {COMMAND_TIMEOUT_S}'; command -v timeout >/dev/null 2>&1 || t=",
         "nv=0; command -v nvidia-smi >/dev/null 2>&1 && nv=1",
         f"{section('os')}; cat /etc/os-release 2>/dev/null",
         f"{section('arch')}; dpkg --print-architecture 2>/dev/null || uname -m",
         f"{section('nvidia_smi')}; echo $nv",
         nvidia("gpus", QUERY_GPUS),
         nvidia("driver", QUERY_VERSION),
-        *([nvidia("topology", QUERY_TOPOLOGY)] if paths.topology else []),
         f"{section('daemon_json')}; cat {DAEMON_JSON} 2>/dev/null",
         # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon.
         f"root=$(sed -n 's/.*\"data-root\"[[:space:]]*:[[:space:]]*\"\\([^\"]*\\)\".*/\\1/p' {DAEMON_JSON} 2>/dev/null)",
         # df of the nearest existing ancestor of each place (one df for both).
         f"d=${{root:-/var/lib/docker}}; while [ ! -e \"$d\" ]; do d=$(dirname \"$d\"); done; m={q(paths.models_dir)}; "
         "while [ ! -e \"$m\" ]; do m=$(dirname \"$m\"); done",
-        f"{section('free')}; set -- $(df -Pk \"$d\" \"$m\" | awk 'NR>1{{print $4}}'); "
+        # df hangs on a dead network mount.
+        f"{section('free')}; set -- $($t df -Pk \"$d\" \"$m\" | awk 'NR>1{{print $4}}'); "
         "echo \"docker $d $1\"; echo \"models $m $2\"",
         f"{section('packages')}; dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}} ${{Version}}\\n' "
         f"{' '.join(PACKAGES)} 2>/dev/null",
@@ -162,7 +164,7 @@ def snapshot_command(paths: Paths) -> str:
                      f"curl -fsSL --max-time 15 {q(paths.docker_repo_url)}/\"$ID\"/gpg 2>/dev/null)")
     lines += [
         f"{section('state')}; cat {q(paths.state_file)} 2>/dev/null",
-        f"{section('images')}; command -v docker >/dev/null && docker images --digests --no-trunc "
+        f"{section('images')}; command -v docker >/dev/null && $t docker images --digests --no-trunc "
         "--format '{{.Repository}}|{{.Tag}}|{{.Digest}}' 2>/dev/null",
         f"{section('model')}; if [ -d {model_dir} ]; then cd {model_dir} && "
         "find . -maxdepth 1 -type f -printf '%f %s\\n'; "
@@ -171,11 +173,10 @@ def snapshot_command(paths: Paths) -> str:
         "find . -path '*huggingface/download*' -name '*.incomplete' 2>/dev/null | head -3 | sed 's/^/incomplete /'; "
         "cd /; fi",
         f"{section('dirs')}; stat -c '%U %G %a %n' {dirs} 2>/dev/null",
-        f"{section('units')}; systemctl show -p Id -p ActiveState -p UnitFileState docker.service "
-        f"{q(paths.service + '.service')} 2>/dev/null",
+        f"{section('units')}; $t systemctl show -p Id -p ActiveState -p UnitFileState docker.service {unit} 2>/dev/null",
         # Whose unit the service name is: the first line of the file systemd loads for it (our header, or not).
-        f"{section('service_unit')}; systemctl show -p Id -p LoadState -p FragmentPath {q(paths.service + '.service')} "
-        f"2>/dev/null; f=$(systemctl show -p FragmentPath --value {q(paths.service + '.service')} 2>/dev/null); "
+        f"{section('service_unit')}; $t systemctl show -p Id -p LoadState -p FragmentPath {unit} "
+        f"2>/dev/null; f=$($t systemctl show -p FragmentPath --value {unit} 2>/dev/null); "
         "if [ -n \"$f\" ]; then printf 'FirstLine=%s\\n' \"$(head -n 1 -- \"$f\" 2>/dev/null)\"; fi",
         # Readiness without putting the API key on a command line: printf is a builtin, curl reads the header
         # from stdin.
@@ -185,6 +186,9 @@ def snapshot_command(paths: Paths) -> str:
         f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
         "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
         f"curl -s --max-time 3 -H @- http://127.0.0.1:{port}/v1/models; echo; fi",
+        # The cache config labels only (vLLM's /metrics needs no key): what check() also holds the server to.
+        f"{section('cache_config')}; command -v curl >/dev/null && curl -s --max-time 3 "
+        f"http://127.0.0.1:{port}/metrics 2>/dev/null | grep '^{CACHE_CONFIG}{{'",
         section("end"),
     ]
     return "\n".join(lines)
@@ -212,6 +216,8 @@ def _nvidia_section(lines: list[str]) -> tuple[list[str], int]:
     if lines and lines[-1].startswith("@@rc "):
         rc = int(lines[-1].split()[1])
         lines = lines[:-1]
+    if rc == TIMED_OUT:
+        raise FactProcessError(f"nvidia-smi did not answer within {COMMAND_TIMEOUT_S} s (a wedged driver or GPU)")
     return lines, rc
 
 
@@ -234,9 +240,6 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
                 if rc:
                     raise FactProcessError(f"nvidia-smi --query-gpu exited {rc}")
                 snap.driver = parse_version(_nvidia_section(s.get("driver", []))[0])
-                if "topology" in s:
-                    topo, rc = _nvidia_section(s["topology"])
-                    snap.topology = parse_topology(topo) if rc == 0 and snap.gpus else None
         except FactProcessError as error:
             snap.nvidia_error = str(error)
     text = "\n".join(s.get("daemon_json", [])).strip()
@@ -308,14 +311,18 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         snap.health_code = health[0].strip()
         body = "\n".join(health[1:]).strip()
         try:
-            snap.served_models = [m["id"] for m in json.loads(body)["data"]]
-        except (ValueError, KeyError, TypeError):
+            snap.served_models = served_models(body.encode())
+        except ValueError:
             snap.served_models = None
+    try:
+        snap.cache_config = parse_metrics("\n".join(s.get("cache_config", [])) + "\n").cache_config
+    except ValueError:
+        snap.cache_config = {}
     return snap
 
 
 class GpufleetHost(FactBase[HostSnapshot]):
-    """Everything the qwen35 deploy decides from, in one command (run it with _sudo=True: it reads root files)."""
+    """Everything the deploy decides from, in one command (run it with _sudo=True: it reads root files)."""
 
     def command(self, paths: Paths) -> str:
         return snapshot_command(paths)

@@ -25,6 +25,7 @@ from gpufleet.health.transport import (
     TransportError,
     Unreachable,
 )
+from gpufleet.spec import ServeSpec, container_label_key
 
 # vLLM waits up to VLLM_ENGINE_READY_TIMEOUT_S (600 s) for the engine, after loading weights: past this much time
 # a running container that still refuses connections is not "starting" any more.
@@ -54,7 +55,7 @@ class Expected:
     cache_config: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_spec(cls, spec: Any) -> Expected:
+    def from_spec(cls, spec: ServeSpec) -> Expected:
         """From a gpufleet.spec.ServeSpec: the identity the deploy configured."""
         cache = {"enable_prefix_caching": str(bool(spec.prefix_caching))}
         if spec.mamba_cache_mode:
@@ -82,7 +83,7 @@ class HealthReport:
     prefix_cache_hit_rate: float | None = None  # cumulative, tokens
     cache_config: dict[str, str] = field(default_factory=dict, repr=False)  # vllm:cache_config_info labels
     container: ContainerInfo | None = None
-    logs: tuple[str, ...] = ()  # the container's last lines, attached when wait_until_ready fails
+    logs: tuple[str, ...] = ()  # the container's last lines, attached when health.wait's poller fails
     checked_at: float = field(default_factory=time.time)
 
     @property
@@ -158,7 +159,7 @@ def _check(
         return replace(
             report,
             state=HealthState.CONTAINER_NOT_RUNNING,
-            detail=f"no container labelled gpufleet.{expected.service}",
+            detail=f"no container labelled {container_label_key(expected.service)}",
         )
     if container.state in ("exited", "dead", "restarting"):
         code = "" if container.exit_code is None else f" (exit code {container.exit_code})"
@@ -239,28 +240,45 @@ def _check_http(
         metrics = parse_metrics(scrape.text)
     except ValueError as e:
         return replace(report, state=HealthState.MISCONFIGURED, detail=f"/metrics {e}")
-    ids = [model_id for model_id, _ in models]
-    served = next((m for m in models if m[0] == expected.served_model_name), None)
     report = replace(
         report,
         version=version,
-        served_models=tuple(excerpt(i, 200) for i in ids),
-        max_model_len=(served or (models[0] if models else (None, None)))[1],
+        served_models=tuple(excerpt(model_id, 200) for model_id, _ in models),
+        max_model_len=reported_max_model_len(expected, models),
         **_metric_fields(metrics),
     )
-    problems = []
-    if served is None:
-        listed = ", ".join(excerpt(i) for i in ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
-        problems.append(f"serves {listed or 'nothing'}, expected {expected.served_model_name}")
-    if expected.max_model_len is not None and report.max_model_len != expected.max_model_len:
-        problems.append(f"max_model_len {report.max_model_len}, expected {expected.max_model_len}")
-    for key, want in expected.cache_config.items():
-        got = metrics.cache_config.get(key)
-        if got != want:
-            problems.append(f"{key}={excerpt(got) if got is not None else None}, expected {want}")
+    problems = identity_problems(expected, models, metrics.cache_config)
     if problems:
         return replace(report, state=HealthState.MISCONFIGURED, detail="; ".join(problems))
     return replace(report, state=HealthState.READY, detail=f"/health 200, serving {expected.served_model_name} (vLLM {version})")
+
+
+def reported_max_model_len(expected: Expected, models: list[tuple[str, int | None]]) -> int | None:
+    """The max_model_len of the expected model, or of the first one listed when it is not served."""
+    served = next((m for m in models if m[0] == expected.served_model_name), None)
+    return (served or (models[0] if models else (None, None)))[1]
+
+
+def identity_problems(expected: Expected, models: list[tuple[str, int | None]], cache_config: dict[str, str]) -> list[str]:
+    """How a server that answers /health 200 differs from what it should serve ([] = it is the expected one).
+
+    The one definition of "serving what it should" once /health is 200: the deploy's no-op decision (from the host
+    snapshot) and check() both use it. models: /v1/models' (id, max_model_len) pairs; cache_config: the
+    vllm:cache_config_info labels.
+    """
+    ids = [model_id for model_id, _ in models]
+    max_model_len = reported_max_model_len(expected, models)
+    problems = []
+    if expected.served_model_name not in ids:
+        listed = ", ".join(excerpt(i) for i in ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+        problems.append(f"serves {listed or 'nothing'}, expected {expected.served_model_name}")
+    if expected.max_model_len is not None and max_model_len != expected.max_model_len:
+        problems.append(f"max_model_len {max_model_len}, expected {expected.max_model_len}")
+    for key, want in expected.cache_config.items():
+        got = cache_config.get(key)
+        if got != want:
+            problems.append(f"{key}={excerpt(got) if got is not None else None}, expected {want}")
+    return problems
 
 
 def served_models(body: bytes) -> list[tuple[str, int | None]]:
@@ -313,34 +331,3 @@ def _metric_fields(m: Metrics) -> dict[str, Any]:
         "prefix_cache_hit_rate": m.prefix_cache_hit_rate,
         "cache_config": m.cache_config,
     }
-
-
-def wait_until_ready(
-    transport: Transport,
-    expected: Expected,
-    timeout_s: float,
-    poll_s: float = 2.0,
-    grace_s: float = DEFAULT_GRACE_S,
-    api_key: str | None = None,
-    request_timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> HealthReport:
-    """Poll check() until ready. Returns early on dead or misconfigured (waiting cannot fix those).
-
-    When the result is not ready, the report carries the container's last 30 log lines.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        report = check(transport, expected, grace_s=grace_s, api_key=api_key, timeout_s=request_timeout_s)
-        if report.state in (HealthState.READY, HealthState.DEAD, HealthState.MISCONFIGURED):
-            break
-        if time.monotonic() + poll_s > deadline:
-            report = replace(report, detail=f"{report.detail} (gave up after {timeout_s:.0f} s)")
-            break
-        time.sleep(poll_s)
-    if report.ready or report.state is HealthState.SSH_UNREACHABLE:
-        return report
-    try:
-        logs = tuple(transport.logs(expected.service, tail=30))
-    except TransportError:
-        logs = ()
-    return replace(report, logs=logs)

@@ -1,4 +1,18 @@
-"""pyinfra operations for gpufleet. Each decides from the host snapshot (gpufleet.facts.host) and yields commands
-or calls host.noop(reason); values only known while executing (the pinned image digest) come from
-gpufleet.operations.context, filled by the operation that resolved them.
+"""pyinfra operations for gpufleet. Each takes its inputs as arguments, decides from the host snapshot
+(gpufleet.operations.snapshot: the one per-host value they share) and yields commands or calls host.noop(reason).
+Modules that write files or directories declare them in `managed(layout)`; managed_paths() is what the snapshot
+reads (gpufleet.operations.layout says why).
 """
+
+from __future__ import annotations
+
+from gpufleet.operations import docker, model, nvidia, service
+from gpufleet.operations.layout import Layout, Managed
+
+# Every module with a managed() declaration. tests/unit/test_operations_paths.py runs every operation on an empty
+# snapshot and fails when one writes a path missing here.
+MANAGING = (docker, nvidia, model, service)
+
+
+def managed_paths(layout: Layout) -> Managed:
+    return Managed.union(module.managed(layout) for module in MANAGING)

@@ -8,12 +8,19 @@ from pyinfra import host
 from pyinfra.api import StringCommand, operation
 from pyinfra.operations import apt
 
-from gpufleet.operations.context import snapshot
 from gpufleet.operations.files import put_content
+from gpufleet.operations.layout import Layout, Managed
+from gpufleet.operations.remote import Commands
+from gpufleet.operations.snapshot import snapshot
 
 DOCKER_KEY = "/etc/apt/keyrings/docker.asc"
 DOCKER_LIST = "/etc/apt/sources.list.d/docker.list"
 CE_PACKAGES = ["docker-ce", "docker-ce-cli", "containerd.io"]
+
+
+def managed(layout: Layout) -> Managed:
+    # Read whatever docker_install is: a host switching to docker-ce must not upload the same key twice.
+    return Managed(files=(DOCKER_KEY, DOCKER_LIST))
 
 
 def key_url(repo_url: str, os_id: str) -> str:
@@ -31,7 +38,7 @@ def repo_line(repo_url: str, os_id: str, codename: str, arch: str) -> str:
 
 
 @operation()
-def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.com/linux"):
+def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.com/linux") -> Commands:
     """Install the Docker engine: docker-ce from Docker's repo, or the distribution's docker.io ("distro")."""
     snap = snapshot()
     if install == "distro":
@@ -66,7 +73,7 @@ def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.
 
 
 @operation()
-def running():
+def running() -> Commands:
     """Start the Docker engine and enable it at boot."""
     snap = snapshot()
     if snap.unit_active("docker.service") and snap.unit_enabled("docker.service"):
@@ -76,6 +83,6 @@ def running():
 
 
 @operation(is_idempotent=False)
-def restarted(why: str = "its configuration changed"):
+def restarted() -> Commands:
     """Restart Docker (call with _if=<op>.did_change: only when its configuration changed)."""
     yield StringCommand("systemctl", "restart", "docker.service")

@@ -3,7 +3,7 @@
 State file /var/lib/gpufleet/<service>.json:
     {"current": {"image": "repo:tag", "ref": "repo@sha256:...", "pinned_at": "..."},
      "previous": {...} | null, "history": [{...}, ...]}
-"current" is what the unit runs. A rollback (gpufleet.operations.service) puts the entry that was serving back as
+"current" is what the unit runs. A rollback (gpufleet.deploys.verify) puts the entry that was serving back as
 "current" and marks the failed attempt in "history" with "failed" (the reason) and "failed_at".
 A tag is resolved once: later converges reuse the recorded digest (so a reboot or a re-converge never silently
 moves to a newer nightly). Changing vllm_image, or removing the state file, resolves again.
@@ -18,17 +18,14 @@ from io import BytesIO
 from typing import Any
 
 from pyinfra import host
-from pyinfra.api import FunctionCommand, operation
+from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.image_ref import parse
-from gpufleet.operations.context import context, fail, snapshot, use_sudo
+from gpufleet.operations.layout import STATE_DIR
+from gpufleet.operations.remote import Commands, fail, use_sudo
+from gpufleet.operations.snapshot import memo
 
-STATE_DIR = "/var/lib/gpufleet"
 HISTORY_LIMIT = 20
-
-
-def state_file(service: str) -> str:
-    return f"{STATE_DIR}/{service}.json"
 
 
 def repository(image: str) -> str:
@@ -81,7 +78,7 @@ def rolled_back(state: dict[str, Any] | None, failed_ref: str, restored: dict[st
     return {"current": dict(restored), "previous": previous, "history": history}
 
 
-def write_state(host, path: str, state: dict[str, Any]) -> bool:
+def write_state(host: Host, path: str, state: dict[str, Any]) -> bool:
     """Upload the state file (root-owned, in STATE_DIR) from a FunctionCommand."""
     content = json.dumps(state, indent=2) + "\n"
     sudo = use_sudo(host)
@@ -107,7 +104,7 @@ def image_present(images: list[tuple[str, str, str]], ref: str) -> bool:
     return bool(digest) and any(d == digest and repository(r) == repo for r, _, d in images)
 
 
-def _pull_and_pin(state, host, image: str, pull: str, path: str, previous: dict[str, Any] | None) -> bool:
+def _pull_and_pin(state: State, host: Host, image: str, pull: str, path: str, previous: dict[str, Any] | None) -> bool:
     sudo = use_sudo(host)
     # print_output: docker's per-layer progress lines stream to the terminal as they come.
     ok, output = host.run_shell_command(f"docker pull {shlex.quote(pull)}", _sudo=sudo, print_output=True)
@@ -119,26 +116,26 @@ def _pull_and_pin(state, host, image: str, pull: str, path: str, previous: dict[
     if not ref:
         return fail(host, f"{image} has no registry digest after the pull (fix: pull it from a registry, "
                           "or set vllm_image to repo@sha256:<digest>)")
-    context(host).resolved["image_ref"] = ref
+    memo(host).resolved_image_ref = ref  # for the unit and the model download (gpufleet.operations.snapshot)
     if not write_state(host, path, record(previous, image, ref, now_utc())):
         return fail(host, f"could not write {path}")
     host.log_styled(f"pinned {image} -> {ref}")
     return True
 
 
-def image_ref(image: str) -> str | None:
-    """The digest ref the unit must run: recorded before this deploy, or resolved by pinned() while executing."""
-    ctx = context()
-    return ctx.resolved.get("image_ref") or pinned_ref(snapshot().state, image)
+def image_ref(image: str, host: Host | None = None) -> str | None:
+    """The digest ref the unit must run: resolved by pinned() while executing, or recorded before this deploy."""
+    held = memo(host)
+    return held.resolved_image_ref or pinned_ref(held.snapshot.state, image)
 
 
 @operation()
-def pinned(image: str, service: str):
-    """Pull the image and pin its tag to a digest."""
-    snap = snapshot()
+def pinned(image: str, state_file: str) -> Commands:
+    """Pull the image and pin its tag to a digest, recorded in state_file."""
+    snap = memo().snapshot
     ref = pinned_ref(snap.state, image)
     if ref and image_present(snap.images, ref):
         host.noop(f"{image} is pinned to {ref.rsplit('@', 1)[1][:19]} and present")
         return
     # A recorded digest whose image went missing is pulled by digest: the pin does not move.
-    yield FunctionCommand(_pull_and_pin, (image, ref or image, state_file(service), snap.state), {})
+    yield FunctionCommand(_pull_and_pin, (image, ref or image, state_file, snap.state), {})

@@ -5,12 +5,21 @@ from __future__ import annotations
 import shlex
 
 from pyinfra import host
-from pyinfra.api import FunctionCommand, operation
+from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.facts.host import HostSnapshot
-from gpufleet.operations.context import context, fail, snapshot, use_sudo
+from gpufleet.operations.image import image_ref
+from gpufleet.operations.layout import Layout, Managed
+from gpufleet.operations.remote import Commands, fail, use_sudo
+from gpufleet.operations.snapshot import snapshot
+from gpufleet.spec import ServeSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def managed(layout: Layout) -> Managed:
+    # The model's own files are hf's to write; the deploy owns the directories the download writes into.
+    return Managed(dirs=(layout.models_dir, layout.hf_cache))
 
 
 def missing_parts(snap: HostSnapshot) -> list[str]:
@@ -36,27 +45,10 @@ def missing_parts(snap: HostSnapshot) -> list[str]:
     return missing
 
 
-def download_argv(image_ref: str, models_dir: str, model: str, repo: str, revision: str | None,
-                  env_file: str | None, hf_cache: str | None) -> list[str]:
-    """`docker run --rm --entrypoint hf ... download`: the token, if any, only through the root-only env file."""
-    argv = ["docker", "run", "--rm", "--entrypoint", "hf", "-v", f"{models_dir}:/models"]
-    if hf_cache:
-        argv += ["-v", f"{hf_cache}:/root/.cache/huggingface"]
-    if env_file:
-        argv += ["--env-file", env_file]
-    argv += [image_ref, "download", repo, "--local-dir", f"/models/{model}"]
-    if revision:
-        argv += ["--revision", revision]
-    return argv
-
-
-def _download(state, host, image: str, models_dir: str, model: str, repo: str, revision: str | None,
-              env_file: str | None, hf_cache: str | None) -> bool:
-    from gpufleet.operations.image import pinned_ref
-
-    ctx = context(host)
-    ref = ctx.resolved.get("image_ref") or pinned_ref(ctx.snapshot.state, image) or image
-    argv = download_argv(ref, models_dir, model, repo, revision, env_file, hf_cache)
+def _download(state: State, host: Host, spec: ServeSpec, repo: str, revision: str | None, env_file: str | None,
+              hf_cache: str) -> bool:
+    ref = image_ref(spec.image, host) or spec.image  # the digest pinned() resolved in this run, or the recorded pin
+    argv = spec.hf_download_argv(ref, repo, revision, hf_cache, env_file)
     # print_output: hf's progress streams to the terminal; re-running resumes from the partial files.
     ok, output = host.run_shell_command(" ".join(shlex.quote(a) for a in argv), _sudo=use_sudo(host),
                                         print_output=True)
@@ -67,15 +59,18 @@ def _download(state, host, image: str, models_dir: str, model: str, repo: str, r
 
 
 @operation()
-def present(image: str, models_dir: str, model: str, repo: str | None, revision: str | None,
-            env_file: str | None, hf_cache: str | None):
-    """Download the model unless it is complete in the models dir."""
-    missing = missing_parts(snapshot())
+def present(spec: ServeSpec, where: str, repo: str | None, revision: str | None, env_file: str | None,
+            hf_cache: str) -> Commands:
+    """Download the model unless it is complete in `where` (the host directory the spec's --model reads).
+
+    env_file: the root-only file holding HF_TOKEN, or None without a token (the token never is an argument)."""
+    snap = snapshot()
+    missing = missing_parts(snap)
     if not missing:
-        weights = sum(1 for name in snapshot().model_files if name.endswith(".safetensors"))
-        host.noop(f"{models_dir}/{model} is complete (config, tokenizer, {weights} weight file(s))")
+        weights = sum(1 for name in snap.model_files if name.endswith(".safetensors"))
+        host.noop(f"{where} is complete (config, tokenizer, {weights} weight file(s))")
         return
     if not repo:
         # Preflight refuses this case; kept so the operation is safe on its own.
-        raise ValueError(f"{models_dir}/{model} lacks {missing[0]} and vllm_model_repo is None")
-    yield FunctionCommand(_download, (image, models_dir, model, repo, revision, env_file, hf_cache), {})
+        raise ValueError(f"{where} lacks {missing[0]} and vllm_model_repo is None")
+    yield FunctionCommand(_download, (spec, repo, revision, env_file, hf_cache), {})

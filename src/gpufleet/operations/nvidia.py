@@ -7,15 +7,25 @@ import binascii
 import shlex
 
 from pyinfra import host
-from pyinfra.api import FunctionCommand, StringCommand, operation
+from pyinfra.api import FunctionCommand, Host, State, StringCommand, operation
 from pyinfra.operations import apt
 
-from gpufleet.operations.context import snapshot, use_sudo
-from gpufleet.operations.files import _io, put_content
+from gpufleet.operations.files import as_io, put_content
+from gpufleet.operations.layout import Layout, Managed
+from gpufleet.operations.remote import Commands, use_sudo
+from gpufleet.operations.snapshot import snapshot
 
 KEYRING = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
 LIST = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
 PACKAGE = "nvidia-container-toolkit"
+
+
+def managed(layout: Layout) -> Managed:
+    return Managed(files=(KEYRING, LIST))
+
+
+def key_url(repo_url: str) -> str:
+    return f"{repo_url.rstrip('/')}/gpgkey"
 
 
 def dearmor(armored: str) -> bytes:
@@ -44,30 +54,29 @@ def list_line(repo_url: str) -> str:
     return f"deb [signed-by={KEYRING}] {repo_url.rstrip('/')}/stable/deb/$(ARCH) /\n"
 
 
-def fetch_key_command(key_url: str) -> str:
+def fetch_key_command(url: str) -> str:
     # The URL is a setting: quoted, so `&`, `;`, `$(` or a quote in it can never reach the shell as syntax.
-    return f"curl -fsSL --max-time 60 {shlex.quote(key_url)}"
+    return f"curl -fsSL --max-time 60 {shlex.quote(url)}"
 
 
-def _fetch_and_install_keyring(state, host, key_url: str) -> bool:
+def _fetch_and_install_keyring(state: State, host: Host, url: str) -> bool:
     sudo = use_sudo(host)
-    ok, output = host.run_shell_command(fetch_key_command(key_url))
+    ok, output = host.run_shell_command(fetch_key_command(url))
     if not ok:
-        raise RuntimeError(f"could not fetch {key_url}: {' '.join(output.stderr_lines)[:200]}")
+        raise RuntimeError(f"could not fetch {url}: {' '.join(output.stderr_lines)[:200]}")
     keyring = dearmor("\n".join(output.stdout_lines))
-    return host.put_file(_io(keyring), KEYRING, _sudo=sudo) and host.run_shell_command(
+    return host.put_file(as_io(keyring), KEYRING, _sudo=sudo) and host.run_shell_command(
         f"chmod 644 {KEYRING}", _sudo=sudo)[0]
 
 
 @operation()
-def repository(repo_url: str = "https://nvidia.github.io/libnvidia-container"):
+def repository(repo_url: str = "https://nvidia.github.io/libnvidia-container") -> Commands:
     """Add NVIDIA's container-toolkit apt repo, signed by its current key (a rotated key is replaced)."""
     snap = snapshot()
-    key_url = f"{repo_url.rstrip('/')}/gpgkey"
     changed = False
     if snap.nvidia_key is None:
         # curl was missing when the snapshot ran (it is installed earlier in this deploy): fetch at execute time.
-        yield FunctionCommand(_fetch_and_install_keyring, (key_url,), {})
+        yield FunctionCommand(_fetch_and_install_keyring, (key_url(repo_url),), {})
         changed = True
     else:
         for command in put_content(KEYRING, dearmor(snap.nvidia_key)):
@@ -81,17 +90,18 @@ def repository(repo_url: str = "https://nvidia.github.io/libnvidia-container"):
 
 
 @operation()
-def toolkit():
+def toolkit() -> Commands:
     """Install the NVIDIA container toolkit."""
-    if snapshot().installed(PACKAGE):
-        host.noop(f"{PACKAGE} {snapshot().packages[PACKAGE]} is installed")
+    snap = snapshot()
+    if snap.installed(PACKAGE):
+        host.noop(f"{PACKAGE} {snap.packages[PACKAGE]} is installed")
         return
     # update=True: the list file was (re)written just before; apt must read the new repo.
     yield from apt.packages._inner(packages=[PACKAGE], update=True, no_recommends=True)
 
 
 @operation()
-def docker_runtime():
+def docker_runtime() -> Commands:
     """Register the nvidia runtime with Docker (nvidia-ctk merges it into daemon.json; other keys stay)."""
     snap = snapshot()
     if snap.nvidia_runtime:

@@ -1,12 +1,12 @@
-"""Verify, soak and rollback decisions behind the vLLM service operations (no host: scripted health reports)."""
+"""The ready wait, soak and rollback decisions behind the deploy's verify step (no host: scripted health reports)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpufleet.health import HealthReport, HealthState
+from gpufleet.deploys.verify import exited_detail
+from gpufleet.health import HealthReport, HealthState, poll_ready, soak
 from gpufleet.operations.image import rolled_back
-from gpufleet.operations.service import exited_detail, soak, wait_ready
 
 G, B, O = "v@sha256:" + "a" * 64, "v@sha256:" + "b" * 64, "v@sha256:" + "c" * 64
 READY = HealthReport(HealthState.READY, "/health 200, serving qwen")
@@ -35,20 +35,20 @@ def scripted(*reports: HealthReport):
 
 def test_wait_returns_ready_after_starting():
     clock = Clock()
-    report = wait_ready(scripted(STARTING, GONE, READY), lambda: None, 60, clock=clock, sleep=clock.sleep)
+    report = poll_ready(scripted(STARTING, GONE, READY), 60, exited=lambda: None, clock=clock, sleep=clock.sleep)
     assert report.ready and clock.now == 4.0
 
 
 def test_wait_stops_early_when_the_service_exited_instead_of_waiting_for_the_timeout():
     clock = Clock()
     why = "docker run exited with status 2 (systemd: activating/auto-restart)"
-    report = wait_ready(scripted(STARTING, GONE), lambda: why, 1800, clock=clock, sleep=clock.sleep)
+    report = poll_ready(scripted(STARTING, GONE), 1800, exited=lambda: why, clock=clock, sleep=clock.sleep)
     assert report.state is HealthState.DEAD and report.detail == why and clock.now == 2.0
 
 
 def test_wait_gives_up_at_the_timeout():
     clock = Clock()
-    report = wait_ready(lambda: STARTING, lambda: None, 10, clock=clock, sleep=clock.sleep)
+    report = poll_ready(lambda: STARTING, 10, exited=lambda: None, clock=clock, sleep=clock.sleep)
     assert report.state is HealthState.STARTING and "gave up after 10 s" in report.detail and clock.now <= 10
 
 
@@ -63,6 +63,20 @@ def test_soak_passes_a_service_that_stays_ready_and_takes_soak_seconds():
     calls = []
     report = soak(lambda: calls.append(1) or READY, READY, 5, clock=clock, sleep=clock.sleep)
     assert report.ready and clock.now == 5.0 and len(calls) == 3  # at 2, 4, 5 s
+
+
+def test_soak_calls_a_service_whose_container_exited_dead_like_the_ready_wait_does():
+    # The container runs with --rm: once the engine dies there may be no container left to call dead.
+    clock = Clock()
+    why = "docker run exited with status 1 (systemd: activating/auto-restart)"
+    report = soak(scripted(READY, GONE), READY, 20, exited=lambda: why, clock=clock, sleep=clock.sleep)
+    assert report.state is HealthState.DEAD and report.detail == f"{why} (4 s after it was ready)"
+
+
+def test_soak_without_an_exit_reason_still_fails_a_vanished_container():
+    clock = Clock()
+    report = soak(scripted(GONE), READY, 20, exited=lambda: None, clock=clock, sleep=clock.sleep)
+    assert report.state is HealthState.CONTAINER_NOT_RUNNING and "2 s after it was ready" in report.detail
 
 
 def test_zero_soak_checks_nothing():

@@ -1,4 +1,5 @@
-"""LoopbackTransport: the health checks against a vLLM process on this machine (the vllm tier's real servers).
+"""LoopbackTransport: the health checks against a vLLM process on this machine (the vllm tier's real servers,
+the stand-in server's unit tests). A test transport: production reaches hosts through SSH only.
 
 The process stands in for the container: running while the process lives, "exited" (with its exit code when it
 is our child) once it is gone.

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
 
 from gpufleet.defaults import DEFAULTS
+from gpufleet.deploys.preflight import MANAGED_HEADER, check
 from gpufleet.facts.host import HostSnapshot, ServiceUnit
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion
-from gpufleet.operations.preflight import check
+from gpufleet.settings import build_spec
+from gpufleet.unit import render_unit
 
 GIB = 1024 * 1024
 
@@ -172,8 +175,31 @@ def test_a_missing_unit_or_one_gpufleet_wrote_passes(service_unit):
 
 
 def test_the_header_preflight_trusts_is_the_one_every_rendered_unit_starts_with():
-    from gpufleet.operations.preflight import MANAGED_HEADER
-    from gpufleet.settings import build_spec
-    from gpufleet.unit import render_unit
-
     assert render_unit(build_spec("gpu1", {})).startswith(MANAGED_HEADER + " ")
+
+
+# --- the harness: every host read at once, bounded in time ------------------------------------------------------
+def test_a_host_that_never_answers_gets_one_line_within_the_bound_and_the_others_their_readings():
+    import gevent
+    from pyinfra.api import Config, Inventory, State
+
+    from gpufleet.deploys.preflight import read_fleet
+    from gpufleet.errors import SettingError, SettingErrors
+
+    inventory = Inventory(([("wedged", {}), ("bad", {})], {}))
+    state = State(inventory, Config())
+    for target in inventory:
+        state.activate_host(target)
+
+    def plan_for(name, data):
+        if name == "wedged":
+            gevent.sleep(60)  # a read that never comes back (a hung SSH channel, a stuck nvidia-smi)
+        raise SettingErrors([SettingError(name, "vllm_port", "is 0", "use 1-65535")])
+
+    start = time.monotonic()
+    readings = read_fleet(state, plan_for, lambda name, snap, plan: [], timeout_s=0.5)
+    assert time.monotonic() - start < 5
+    assert readings["wedged"].problems == [
+        "wedged: the host did not answer preflight's read within 0.5 s (fix: check that SSH, sudo, nvidia-smi, "
+        "docker and systemctl answer on it, or leave it out with --limit)"]
+    assert readings["bad"].problems == [str(SettingError("bad", "vllm_port", "is 0", "use 1-65535"))]

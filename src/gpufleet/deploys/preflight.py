@@ -1,0 +1,227 @@
+"""Preflight: read every active host once, in parallel and bounded in time, check it, and hand each host's typed
+plan to the deploy, before any operation executes.
+
+    plan = preflight(plan_for, check_host)   # inside a @deploy function; the same call for every host
+
+plan_for(name, host data) builds a deploy's plan (raising SettingErrors for bad settings) and check_host(name,
+snapshot, plan) lists its refusals, so a second deploy reuses the harness with its own plan. Every problem on any
+host is one line naming the host, what is wrong and the fix, e.g.
+    gpu2: vllm_gpus [0, 1, 2] needs GPU index 2, the host has 1 GPU(s) (...) (fix: list GPU indexes below 1 ...)
+and one refusal stops the whole run: nothing changes on any host. check() below holds the checks of a vLLM host
+(OS, GPUs and driver, Docker engine, the service's unit, free space); it is pure: snapshot + settings -> lines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+from weakref import WeakKeyDictionary
+
+import gevent
+from gevent.event import AsyncResult
+from pyinfra.api import Host, State
+from pyinfra.api.exceptions import DeployError
+from pyinfra.context import ctx_config, ctx_host, ctx_state
+
+from gpufleet.errors import SettingErrors
+from gpufleet.facts.host import COMMAND_TIMEOUT_S, GpufleetHost, HostSnapshot, Paths
+from gpufleet.facts.nvidia import version_tuple
+from gpufleet.operations.image import pinned_ref
+from gpufleet.operations.model import missing_parts
+from gpufleet.operations.remote import use_sudo
+from gpufleet.operations.snapshot import remember
+
+# How long preflight waits for all hosts' snapshots. A host's snapshot bounds each program in it (a wedged
+# nvidia-smi costs COMMAND_TIMEOUT_S, then the other GPU queries are skipped); this bounds the rest: SSH, sudo,
+# a host that stops answering mid-read.
+READ_TIMEOUT_S = 3 * COMMAND_TIMEOUT_S
+# The join waits a little longer, so a host whose SSH command timed out reports pyinfra's own error.
+JOIN_TIMEOUT_S = READ_TIMEOUT_S + 10
+
+
+class Planned(Protocol):
+    @property
+    def paths(self) -> Paths: ...
+
+
+P = TypeVar("P", bound=Planned)
+PlanFor = Callable[[str, dict[str, Any]], P]
+CheckHost = Callable[[str, HostSnapshot, P], list[str]]
+
+
+@dataclass(frozen=True)
+class Reading(Generic[P]):
+    """One host as preflight saw it: its plan and snapshot (None when not that far), and its refusal lines."""
+
+    plan: P | None
+    snapshot: HostSnapshot | None
+    problems: list[str]
+
+
+def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: CheckHost[P]) -> Reading[P]:
+    """Plan, read and check one host. Bad settings are reported without reading the host."""
+    with ctx_config.use(state.config.copy()), ctx_host.use(target):
+        try:
+            plan = plan_for(target.name, target.data.dict())
+        except SettingErrors as errors:
+            return Reading(None, None, [str(e) for e in errors.errors])
+        try:
+            snap = target.get_fact(GpufleetHost, paths=plan.paths, _sudo=use_sudo(target), _timeout=READ_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - any failure to read the host is a preflight refusal
+            return Reading(plan, None, [f"{target.name}: could not read the host: {error} (fix: check SSH and sudo)"])
+        return Reading(plan, snap, check_host(target.name, snap, plan))
+
+
+def read_fleet(state: State, plan_for: PlanFor[P], check_host: CheckHost[P],
+               timeout_s: float = JOIN_TIMEOUT_S) -> dict[str, Reading[P]]:
+    """read_host for every active host at once; a host not done within timeout_s gets one line."""
+    hosts = list(state.inventory.get_active_hosts())
+    # Plain greenlets, not state.pool: this runs inside one of the pool's own greenlets.
+    jobs = {h.name: gevent.spawn(read_host, state, h, plan_for, check_host) for h in hosts}
+    gevent.joinall(list(jobs.values()), timeout=timeout_s)
+    readings: dict[str, Reading[P]] = {}
+    for name, job in jobs.items():
+        if job.ready():
+            readings[name] = job.get()
+        else:
+            job.kill(block=False)
+            readings[name] = Reading(None, None, [
+                f"{name}: the host did not answer preflight's read within {timeout_s:g} s (fix: check that SSH, "
+                "sudo, nvidia-smi, docker and systemctl answer on it, or leave it out with --limit)"])
+    return readings
+
+
+# One preflight per run and plan function: every host's deploy call waits on the first one's reading of the fleet.
+_RUNS: WeakKeyDictionary[State, dict[Callable[..., Any], AsyncResult[dict[str, Any]]]] = WeakKeyDictionary()
+
+
+def preflight(plan_for: PlanFor[P], check_host: CheckHost[P]) -> P:
+    """This host's plan, once every active host passed preflight; sets its snapshot for the operations
+    (gpufleet.operations.snapshot). Raises DeployError listing every failing host's problems."""
+    state, host = ctx_state.get(), ctx_host.get()
+    runs = _RUNS.setdefault(state, {})
+    if plan_for not in runs:
+        result: AsyncResult[dict[str, Any]] = AsyncResult()
+        runs[plan_for] = result
+        try:
+            result.set(read_fleet(state, plan_for, check_host))
+        except BaseException as error:
+            result.set_exception(error)
+            raise
+    readings: dict[str, Reading[P]] = runs[plan_for].get() or {}
+    problems = [line for reading in readings.values() for line in reading.problems]
+    if problems:
+        failing = sorted(name for name, reading in readings.items() if reading.problems)
+        raise DeployError(f"preflight refused {len(failing)} of {len(readings)} host(s); nothing was changed "
+                          "on any host:\n  " + "\n  ".join(problems))
+    reading = readings[host.name]
+    assert reading.plan is not None and reading.snapshot is not None  # no problems: planned and read
+    remember(host, reading.snapshot)
+    return reading.plan
+
+
+# --- the checks of a vLLM host ----------------------------------------------------------------------------------
+Bad = Callable[[str, str], None]
+SUPPORTED_OS = {"debian", "ubuntu"}
+SUPPORTED_ARCH = {"amd64", "arm64", "x86_64", "aarch64"}
+KIB_PER_GIB = 1024 * 1024
+# The engine daemons each docker_install value installs. Their packages conflict (docker-ce with docker.io,
+# containerd.io with containerd), so installing one makes apt remove the other under its running containers.
+ENGINES = {"docker-ce": ("docker-ce", "containerd.io"), "distro": ("docker.io", "containerd")}
+# The first line of every unit gpufleet writes (templates/vllm.service.j2).
+MANAGED_HEADER = "# Managed by gpufleet"
+
+
+def _line(host: str, what: str, fix: str) -> str:
+    return f"{host}: {what} (fix: {fix})"
+
+
+def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, ...]) -> list[str]:
+    """Problems that would make the deploy fail or serve wrongly on this host ([] = go)."""
+    problems: list[str] = []
+
+    def bad(what: str, fix: str) -> None:
+        problems.append(_line(host, what, fix))
+
+    os_id = snap.os.get("ID", "unknown")
+    if os_id not in SUPPORTED_OS and not (set(snap.os.get("ID_LIKE", "").split()) & SUPPORTED_OS):
+        bad(f"OS {snap.os.get('PRETTY_NAME', os_id)!r} is not Debian or Ubuntu", "use a Debian 12+ or Ubuntu 22.04+ host")
+    if snap.arch not in SUPPORTED_ARCH:
+        bad(f"architecture {snap.arch or 'unknown'!r} is not supported", "use an amd64 or arm64 host")
+
+    if snap.nvidia_error:
+        bad(f"nvidia-smi does not work: {snap.nvidia_error}", "repair the NVIDIA driver install (nvidia-smi must list the GPUs)")
+    elif not snap.gpus:
+        if not s["gpufleet_allow_no_gpu"]:
+            where = "nvidia-smi lists no GPU" if snap.nvidia_smi else "no NVIDIA driver (nvidia-smi not found)"
+            bad(where, "install the NVIDIA driver (R580+), or set gpufleet_allow_no_gpu=True to install "
+                "everything without starting the service")
+    else:
+        count = len(snap.gpus)
+        beyond = [g for g in gpus if g >= count]
+        if beyond:
+            bad(f"vllm_gpus {list(gpus)} needs GPU index {max(beyond)}, the host has {count} GPU(s) "
+                f"({snap.gpus[0].name})", f"list GPU indexes below {count} in vllm_gpus (and match TP x PP)")
+        if snap.driver is None:
+            bad("nvidia-smi --version reports no CUDA version", "repair the NVIDIA driver install")
+        else:
+            minimum = s["gpufleet_min_cuda"]
+            if snap.driver.cuda < version_tuple(minimum):
+                bad(f"driver {snap.driver.driver_version} supports CUDA {snap.driver.cuda_version}, the image needs "
+                    f"CUDA >= {minimum}", "upgrade the NVIDIA driver (R580+ for CUDA 13), or use an image built "
+                    "for the older CUDA and lower gpufleet_min_cuda")
+
+    _check_engine(bad, snap, s["docker_install"])
+    _check_service_unit(bad, snap, s["vllm_service"])
+
+    if snap.daemon_json_error:
+        bad(snap.daemon_json_error, "repair /etc/docker/daemon.json (the deploy merges into it, never replaces it)")
+
+    # Space is needed only for what still has to land: the image when it is not pulled, the model when incomplete.
+    ref = pinned_ref(snap.state, s["vllm_image"])
+    if not (ref and snap.has_image_digest(ref)):
+        _need_space(bad, snap, "docker", s["gpufleet_min_free_gb_docker"], "gpufleet_min_free_gb_docker", "Docker images")
+    missing = missing_parts(snap)
+    if missing:
+        if not s["vllm_model_repo"]:
+            bad(f"{s['vllm_models_dir']}/{s['vllm_model']} lacks {missing[0]} and vllm_model_repo is None",
+                "stage the model there by hand, or set vllm_model_repo to download it")
+        _need_space(bad, snap, "models", s["gpufleet_min_free_gb_models"], "gpufleet_min_free_gb_models", "models")
+    return problems
+
+
+def _check_engine(bad: Bad, snap: HostSnapshot, install: str) -> None:
+    """Refuse a Docker engine the deploy would swap out: apt replaces the conflicting packages in one go."""
+    if install not in ENGINES:
+        return  # an unknown docker_install is a setting error, reported by build_spec
+    other = next(kind for kind in ENGINES if kind != install)
+    found = [p for p in ENGINES[other] if snap.installed(p)]
+    if found:
+        listed = ", ".join(f"{p} {snap.packages[p]}" for p in found)
+        them = "them" if len(found) > 1 else "it"
+        bad(f"docker_install is {install!r}, but {listed} {'are' if len(found) > 1 else 'is'} installed: apt would "
+            f"remove {them} to install {ENGINES[install][0]}, stopping every container on this host",
+            f"set docker_install to {other!r} for this host to keep {them}, or remove {' '.join(found)} by hand first")
+
+
+def _check_service_unit(bad: Bad, snap: HostSnapshot, service: str) -> None:
+    """Refuse to take over a unit gpufleet did not write: the deploy would replace its file and restart it."""
+    unit = snap.service_unit
+    if unit is None or not unit.exists or unit.first_line.startswith(MANAGED_HEADER):
+        return
+    origin = unit.fragment_path or f"load state {unit.load_state}"
+    if unit.load_state == "masked":
+        origin = f"masked at {unit.fragment_path}" if unit.fragment_path else "masked"
+    bad(f"vllm_service {service!r} is {unit.name}, a unit gpufleet did not create ({origin}): the deploy would "
+        "replace and restart it", "set vllm_service to a name no unit on this host uses yet (gpufleet then creates "
+        "that unit)")
+
+
+def _need_space(bad: Bad, snap: HostSnapshot, key: str, need_gb: float, setting: str, what: str) -> None:
+    free = snap.free_kib.get(key)
+    if free is None:
+        bad(f"could not measure free space for {what}", "check that df works on the host")
+    elif free < need_gb * KIB_PER_GIB:
+        bad(f"{free / KIB_PER_GIB:.1f} GiB free at {snap.free_path.get(key)} ({what}), {setting} asks for {need_gb}",
+            f"free space there, or lower {setting}")

@@ -1,0 +1,91 @@
+"""Waiting on readiness: the one poller behind the deploy's ready wait and soak, `gpufleet verify --wait` and
+`gpufleet status`.
+
+Both loops take a `check_once` (one look at the host: a HealthReport) and an optional `exited` (why the service no
+longer runs its container, or None): the container runs with --rm, so once `docker run` exits there is no
+container left to call dead, and only the service manager still knows it ended. Without `exited`, an image that
+exits at once reads as container-not-running until the timeout (30 min by default in the deploy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from gpufleet.health.api import DEFAULT_TIMEOUT_S
+from gpufleet.health.check import DEFAULT_GRACE_S, Expected, HealthReport, HealthState, check
+from gpufleet.health.transport import Transport, TransportError
+
+POLL_S = 2.0
+# Waiting cannot change these: return at once.
+FINAL_STATES = (HealthState.READY, HealthState.DEAD, HealthState.MISCONFIGURED)
+
+CheckOnce = Callable[[], HealthReport]
+Exited = Callable[[], "str | None"]
+
+
+def dead_if_exited(report: HealthReport, exited: Exited | None) -> HealthReport:
+    """container-not-running, and the service manager says `docker run` exited: dead, with its reason."""
+    if report.state is HealthState.CONTAINER_NOT_RUNNING and exited is not None:
+        why = exited()
+        if why:
+            return replace(report, state=HealthState.DEAD, detail=why)
+    return report
+
+
+def poll_ready(check_once: CheckOnce, timeout_s: float, poll_s: float = POLL_S, exited: Exited | None = None,
+               clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Any] = time.sleep) -> HealthReport:
+    """Poll until ready; return early on dead, misconfigured, or a service whose container exited."""
+    deadline = clock() + timeout_s
+    while True:
+        report = dead_if_exited(check_once(), exited)
+        if report.state in FINAL_STATES:
+            return report
+        if clock() + poll_s > deadline:
+            return replace(report, detail=f"{report.detail} (gave up after {timeout_s:.0f} s)")
+        sleep(poll_s)
+
+
+def soak(check_once: CheckOnce, ready: HealthReport, soak_s: float, poll_s: float = POLL_S,
+         exited: Exited | None = None, clock: Callable[[], float] = time.monotonic,
+         sleep: Callable[[float], Any] = time.sleep) -> HealthReport:
+    """Keep checking a just-ready service for soak_s: an engine that dies right after its first /health 200
+    (a bad kernel on the first batch, a crashing engine core) must fail the deploy, not the first client."""
+    start = clock()
+    report = ready
+    while clock() - start < soak_s:
+        sleep(min(poll_s, max(0.0, soak_s - (clock() - start))))
+        report = dead_if_exited(check_once(), exited)
+        if not report.ready:
+            return replace(report, detail=f"{report.detail} ({clock() - start:.0f} s after it was ready)")
+    return report
+
+
+def wait_until_ready(
+    transport: Transport,
+    expected: Expected,
+    timeout_s: float,
+    poll_s: float = POLL_S,
+    grace_s: float = DEFAULT_GRACE_S,
+    api_key: str | None = None,
+    request_timeout_s: float = DEFAULT_TIMEOUT_S,
+    exited: Exited | None = None,
+) -> HealthReport:
+    """Poll check() until ready. Returns early on dead or misconfigured (waiting cannot fix those), and on a
+    service whose container exited (exited: see the module docstring).
+
+    When the result is not ready, the report carries the container's last 30 log lines.
+    """
+    def check_once() -> HealthReport:
+        return check(transport, expected, grace_s=grace_s, api_key=api_key, timeout_s=request_timeout_s)
+
+    report = poll_ready(check_once, timeout_s, poll_s, exited)
+    if report.ready or report.state is HealthState.SSH_UNREACHABLE:
+        return report
+    try:
+        logs = tuple(transport.logs(expected.service, tail=30))
+    except TransportError:
+        logs = ()
+    return replace(report, logs=logs)

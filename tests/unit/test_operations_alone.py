@@ -1,0 +1,60 @@
+"""Each operation on its own: its inputs as arguments, a snapshot set for the host, its commands read back."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State
+from pyinfra.context import ctx_host, ctx_state
+
+from gpufleet.facts.host import HostSnapshot
+from gpufleet.operations import image, service
+from gpufleet.operations.layout import state_file
+from gpufleet.operations.secret import Hidden
+from gpufleet.operations.service import env_content
+from gpufleet.operations.snapshot import memo, remember
+from gpufleet.settings import build_spec
+from gpufleet.unit import render_unit, unit_path
+
+TAG = "reg:5000/vllm/vllm-openai:nightly"
+PINNED = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
+RESOLVED = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
+
+
+def run_alone(operation: Any, snap: HostSnapshot, resolved: str | None = None, **arguments: Any) -> list[Any]:
+    inventory = Inventory(([("gpu1", {})], {}))
+    target = inventory.get_host("gpu1")
+    state = State(inventory, Config())
+    remember(target, snap)
+    memo(target).resolved_image_ref = resolved
+    with ctx_state.use(state), ctx_host.use(target):
+        return list(operation._inner(**arguments))
+
+
+def test_env_file_takes_hidden_secrets_and_never_shows_them():
+    secrets = {"VLLM_API_KEY": Hidden("sk-s3cret"), "HF_TOKEN": None}
+    (command,) = run_alone(service.env_file, HostSnapshot(), path="/etc/gpufleet/v.env", secrets=secrets)
+    assert isinstance(command, FunctionCommand) and "s3cret" not in repr(command)
+    written = hashlib.sha256(env_content({"VLLM_API_KEY": "sk-s3cret"}).encode()).hexdigest()
+    assert run_alone(service.env_file, HostSnapshot(file_sha256={"/etc/gpufleet/v.env": written}),
+                     path="/etc/gpufleet/v.env", secrets=secrets) == []
+
+
+def test_pinned_reuses_the_recorded_digest_and_pulls_a_missing_one_by_digest():
+    recorded = {"current": {"image": TAG, "ref": PINNED}}
+    present = HostSnapshot(state=recorded, images=[("reg:5000/vllm/vllm-openai", "<none>", "sha256:" + "1" * 64)])
+    assert run_alone(image.pinned, present, image=TAG, state_file=state_file("v")) == []
+    (pull,) = run_alone(image.pinned, HostSnapshot(state=recorded), image=TAG, state_file=state_file("v"))
+    assert pull.args[:3] == (TAG, PINNED, "/var/lib/gpufleet/v.json")
+
+
+def test_unit_renders_the_digest_resolved_while_executing_over_the_recorded_one():
+    spec = build_spec("gpu1", {"vllm_image": TAG})
+    path = unit_path(spec.service)
+    snap = HostSnapshot(state={"current": {"image": TAG, "ref": PINNED}},
+                        file_sha256={path: hashlib.sha256(render_unit(spec, PINNED).encode()).hexdigest()})
+    assert run_alone(service.unit, snap, spec=spec, path=path) == []  # the recorded pin is what runs
+    commands = run_alone(service.unit, snap, resolved=RESOLVED, spec=spec, path=path)
+    (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
+    assert upload.src.getvalue().decode() == render_unit(spec, RESOLVED)
