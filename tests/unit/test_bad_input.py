@@ -729,14 +729,15 @@ def test_stop_timeouts_sit_above_vllm_shutdown_timeout(shutdown, docker_stop, ti
 def test_the_deploy_preflight_turns_setting_errors_into_lines_without_reading_the_host():
     from pyinfra.api import Config, Inventory, State
 
-    from gpufleet.deploys.qwen35 import _inspect
+    from gpufleet.deploys.preflight import Reading, read_host
+    from gpufleet.deploys.qwen35 import check_host, plan_for
 
     inventory = Inventory(([("box7", {"vllm_service": "sshd"}), ("box8", {"vllm_api_key": "sk-$HOME"})], {}))
     state = State(inventory, Config())
     # No connector is ever used: a host read would fail here, and would show as a "could not read" line.
-    assert [_inspect(state, host) for host in inventory] == [
-        (None, None, ["box7: vllm_service: 'sshd' names a system unit, which the deploy would replace and restart "
+    assert [read_host(state, host, plan_for, check_host) for host in inventory] == [
+        Reading(None, None, ["box7: vllm_service: 'sshd' names a system unit, which the deploy would replace and restart "
                       '(fix: use a name of its own, e.g. "vllm-qwen35")']),
-        (None, None, ["box8: vllm_api_key: holds characters an env file cannot carry unquoted (value not shown) "
+        Reading(None, None, ["box8: vllm_api_key: holds characters an env file cannot carry unquoted (value not shown) "
                       "(fix: use a value of letters, digits and ._+/=:@- only)"]),
     ]

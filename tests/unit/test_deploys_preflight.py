@@ -7,11 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from gpufleet.defaults import DEFAULTS
 from gpufleet.deploys.preflight import MANAGED_HEADER, check
 from gpufleet.facts.host import HostSnapshot, ServiceUnit
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion
-from gpufleet.settings import build_spec
+from gpufleet.settings import build_spec, merged_settings
 from gpufleet.unit import render_unit
 
 GIB = 1024 * 1024
@@ -32,7 +31,7 @@ def host(count: int = 3, cuda: str = "13.0", **over) -> HostSnapshot:
 
 
 def settings(**over):
-    return {**DEFAULTS, **over}
+    return merged_settings(over)
 
 
 def test_healthy_host_passes():

@@ -372,7 +372,9 @@ def test_a_dripping_server_cannot_hold_a_request_past_its_deadline(through):
 
 def test_one_bad_host_is_one_row_and_never_sinks_the_fleet(sshd):
     good = Server()
-    ssh = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key": str(sshd.client_key)}
+    # Its own known_hosts file: pyinfra's default accept-new would otherwise record this throwaway key in root's.
+    ssh = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key": str(sshd.client_key),
+           "ssh_known_hosts_file": str(sshd.dir / "known_hosts")}
     targets = [
         HostTarget("reachable", ssh, expected(good.port)),
         HostTarget("bad-key", {**ssh, "ssh_key": str(sshd.dir / "missing-key")}, expected(good.port)),

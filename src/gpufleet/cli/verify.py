@@ -17,6 +17,7 @@ from gpufleet.health import Expected, HealthState
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
 from gpufleet.health.probe import ProbeReport, resolved_block_sizes
 from gpufleet.inventory import load_host_specs
+from gpufleet.spec import ServeSpec
 
 _STATE_STYLE = {
     HealthState.READY: "green",
@@ -40,9 +41,9 @@ def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarge
     ]
 
 
-def _configured_int(spec: Any, flag: str) -> int | None:
+def _configured_int(spec: ServeSpec, flag: str) -> int | None:
     # The server does not expose --max-num-batched-tokens; the probe cites the configured value as evidence.
-    value = spec.arg(flag) if hasattr(spec, "arg") else None
+    value = spec.arg(flag)
     try:
         return int(str(value).replace("_", "")) if value not in (None, True, False) else None
     except ValueError:

@@ -24,7 +24,7 @@ from gpufleet.operations import docker, files, image, managed_paths, model, nvid
 from gpufleet.operations.layout import Layout
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.snapshot import snapshot
-from gpufleet.settings import build_spec, merged_settings
+from gpufleet.settings import resolve_host
 from gpufleet.spec import ServeSpec
 
 
@@ -41,8 +41,7 @@ class Plan:
 
 def plan_for(name: str, data: dict[str, Any]) -> Plan:
     """Host data -> Plan (raises SettingErrors, one line per bad setting)."""
-    spec = build_spec(name, data)
-    s = merged_settings(data)
+    spec, s = resolve_host(name, data)
     layout = Layout.of(spec, s["vllm_cache_dir"])
     managed = managed_paths(layout)
     paths = Paths(

@@ -79,8 +79,11 @@ def open_ssh(name: str, data: Mapping[str, Any]) -> SshTransport:
     attempts = 1 + int(host.data.get("ssh_connect_retries") or 0)
     try:
         # pyinfra bounds the TCP connect only: a host that accepts and then stalls (banner, login) is cut here.
-        with gevent.Timeout(SSH_TIMEOUT_S * attempts, False):
-            host.connect(show_errors=False, raise_exceptions=True)
+        try:
+            with gevent.Timeout(SSH_TIMEOUT_S * attempts):
+                host.connect(show_errors=False, raise_exceptions=True)
+        except gevent.Timeout:
+            pass  # not connected: reported just below
         if not host.connected:
             raise Unreachable(f"no SSH session within {SSH_TIMEOUT_S * attempts:g} s")
         return transport_from_pyinfra_host(host)
@@ -162,4 +165,4 @@ def check_fleet(
     pool = gevent.pool.Pool(min(len(targets), PARALLEL))
     jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key) for t in targets]
     gevent.joinall(jobs)
-    return [job.value for job in jobs]
+    return [job.get() for job in jobs]

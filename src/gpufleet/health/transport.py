@@ -6,8 +6,8 @@ Two transports share one small interface so every check runs unchanged through S
 - SshTransport: HTTP rides a paramiko ``direct-tcpip`` channel to 127.0.0.1:<port> on the host, so the server's
   port never has to be reachable from the operator's network; container state comes from ``docker ps``/``inspect``
   over the same SSH connection (containers have no name: they are found by their ``gpufleet.<service>`` label).
-- LoopbackTransport (tests/loopback.py): HTTP to a local port; the "container" is the server process and its
-  liveness.
+- The tests' LoopbackTransport (tests/loopback.py, test-only): HTTP to a local port; the "container" is the server
+  process and its liveness.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from datetime import datetime
 from typing import Any, Protocol
 
 import paramiko
+from pyinfra.api import Host
+
+from gpufleet.spec import container_label_key
 
 # What one HTTP answer may total: a 1 MiB body (vLLM's /metrics and /v1/models are tens of KiB), its headers, and
 # one read-ahead buffer. Past it the answer is a finding, not a read of whatever the server cares to send.
@@ -286,7 +289,7 @@ class SshTransport:
             raise Unreachable(f"{self.name}: SSH failed: {e}") from e
 
     def container(self, service: str) -> ContainerInfo | None:
-        label = f"gpufleet.{service}"
+        label = container_label_key(service)
         ids = f"$({self._sudo}docker ps -aq --filter label={shlex.quote(label)})"
         # One round trip: list by label, inspect what was found (inspect with no ids would fail). A failing
         # `docker ps` (daemon down, no sudo) must fail the command, not read as "no container".
@@ -315,12 +318,13 @@ def _peer_name(client: paramiko.SSHClient) -> str:
         return "?"
 
 
-def transport_from_pyinfra_host(host: Any) -> SshTransport:
+def transport_from_pyinfra_host(host: Host) -> SshTransport:
     """Reuse a pyinfra 3.x host's SSH connection (its paramiko client lives at host.connector.client).
 
     Connects the host first if pyinfra has not yet done so.
     """
-    connector = getattr(host, "connector", None)
+    connector = host.connector
+    # Only pyinfra's SSH connector has a paramiko client (@local, @docker and others have none).
     client = getattr(connector, "client", None)
     if client is None:
         host.connect(raise_exceptions=True)
