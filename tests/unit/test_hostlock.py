@@ -1,0 +1,163 @@
+"""The per-host lock against a real sshd on 127.0.0.1 (tests/sshd.py): real channels, a real flock on the host side.
+
+The lock file lives in the test's temp dir; the session is the local user's, so no sudo. The process runs under
+gevent's patch_all (tests/conftest.py imports gpufleet.inventory first), as the CLI does: the heartbeat is a greenlet.
+The holders that get killed run in a subprocess of their own, started and ended by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufleet.hostlock import Holder, HostLock, HostLockBusy, HostLockError, LockLost
+from tests.sshd import Sshd
+
+REPO = Path(__file__).resolve().parents[2]
+ALICE = Holder(user="alice", controller="laptop", pid=4242, since="2026-12-01T03:00:00Z")
+LEASE_S = 3.0
+
+
+@pytest.fixture
+def lock_file(tmp_path: Path) -> str:
+    return str(tmp_path / "locks" / "host.lock")
+
+
+def lock(server: Sshd, path: str, holder: Holder | None = None, lease_s: float = LEASE_S) -> HostLock:
+    return HostLock(server.client(), "gft-a", path=path, lease_s=lease_s, holder=holder)
+
+
+def test_a_second_run_is_refused_with_the_holder_and_the_fix(sshd, lock_file):
+    with lock(sshd, lock_file, ALICE).acquire():
+        with pytest.raises(HostLockBusy) as refused:
+            lock(sshd, lock_file).acquire()
+    assert str(refused.value) == (
+        "gft-a: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z (fix: wait for that run to end, or pass "
+        "--data gpufleet_lock_wait_s=SECONDS to wait for it)")
+    assert refused.value.holder == ALICE
+    # Released: the next run gets it at once.
+    with lock(sshd, lock_file).acquire() as again:
+        again.check()
+
+
+def test_a_refusal_after_waiting_says_how_long(sshd, lock_file):
+    with lock(sshd, lock_file, ALICE).acquire():
+        started = time.monotonic()
+        with pytest.raises(HostLockBusy, match=r"^gft-a: locked by alice@laptop pid 4242 .* after waiting 1 s \(fix"):
+            lock(sshd, lock_file).acquire(wait_s=1)
+        assert 0.9 < time.monotonic() - started < 5
+
+
+def test_a_waiting_run_gets_the_lock_when_the_holder_releases(sshd, lock_file):
+    first = lock(sshd, lock_file).acquire()
+    threading.Timer(1.0, first.release).start()
+    started = time.monotonic()
+    second = lock(sshd, lock_file).acquire(wait_s=20)
+    waited = time.monotonic() - started
+    try:
+        assert 0.9 < waited < 5, waited
+        assert second.held and not first.held
+    finally:
+        second.release()
+
+
+def test_heartbeats_keep_the_lock_past_its_lease(sshd, lock_file):
+    with lock(sshd, lock_file, ALICE, lease_s=1.0).acquire() as held:
+        time.sleep(2.5)
+        held.check()
+        with pytest.raises(HostLockBusy):
+            lock(sshd, lock_file).acquire()
+
+
+def test_closing_the_connection_frees_the_lock_at_once(sshd, lock_file):
+    first = lock(sshd, lock_file, ALICE)
+    first.acquire()
+    first.client.close()
+    started = time.monotonic()
+    second = lock(sshd, lock_file).acquire(wait_s=LEASE_S * 3)
+    try:
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(LockLost, match=r"^gft-a: lost the lock .* lease of 3 s ran out\)"):
+            first.check()
+    finally:
+        second.release()
+
+
+def test_a_host_that_cannot_take_the_lock_says_why_in_its_own_words(sshd, tmp_path):
+    (tmp_path / "not-a-dir").write_text("")
+    with pytest.raises(HostLockError) as err:
+        lock(sshd, str(tmp_path / "not-a-dir" / "host.lock")).acquire()
+    assert not isinstance(err.value, HostLockBusy)
+    assert str(err.value).startswith(f"gft-a: cannot take the lock {tmp_path}/not-a-dir/host.lock: mkdir: ")
+    assert "\n" not in str(err.value)
+
+
+HOLDER_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import gpufleet.inventory  # gevent's patch_all first, as in the CLI
+    import paramiko
+    from gpufleet.hostlock import HostLock
+    port, user, key, known_hosts, path, lease = sys.argv[1:]
+    client = paramiko.SSHClient()
+    client.load_host_keys(known_hosts)
+    client.connect("127.0.0.1", port=int(port), username=user, key_filename=key, look_for_keys=False,
+                   allow_agent=False, timeout=10)
+    HostLock(client, "gft-a", path=path, lease_s=float(lease)).acquire()
+    print("HELD", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture
+def holder_process(sshd, lock_file, tmp_path) -> Iterator[subprocess.Popen[str]]:
+    """A controller holding the lock in a process of its own (ended by PID, whatever the test did to it)."""
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(sshd.known_hosts_line())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER_SCRIPT, str(sshd.port), sshd.user, str(sshd.client_key), str(known_hosts),
+         lock_file, str(LEASE_S)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "HELD"
+        with pytest.raises(HostLockBusy, match=rf"locked by \S+ pid {proc.pid} since "):
+            lock(sshd, lock_file).acquire()
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_killed_controller_frees_the_lock_within_the_lease(sshd, lock_file, holder_process):
+    os.kill(holder_process.pid, signal.SIGKILL)
+    holder_process.wait()
+    started = time.monotonic()
+    taken = lock(sshd, lock_file).acquire(wait_s=LEASE_S * 3)
+    try:
+        # The kernel closed the dead controller's socket: sshd saw EOF, no need to wait for the lease.
+        assert time.monotonic() - started < LEASE_S
+    finally:
+        taken.release()
+
+
+def test_a_frozen_controller_loses_the_lock_when_its_lease_runs_out(sshd, lock_file, holder_process):
+    # SIGSTOP: the TCP connection stays open but no heartbeat comes, as with a dropped link or a closed laptop lid.
+    os.kill(holder_process.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    taken = lock(sshd, lock_file).acquire(wait_s=LEASE_S * 3)
+    waited = time.monotonic() - started
+    try:
+        # Freed by the lease (the last heartbeat came at most lease/4 before the stop), not before and not much later.
+        assert LEASE_S * 0.6 < waited < LEASE_S + 1.5, waited
+    finally:
+        taken.release()

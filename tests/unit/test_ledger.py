@@ -1,0 +1,395 @@
+"""The ledger's state machine (gpufleet.ledger): transitions, today's format migrated, corrupt files refused with
+their reason, the don't-retry rule, and the atomic-write command run for real with sh."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpufleet import ledger as L
+from gpufleet.ledger import (
+    Committed, CorruptLedger, DropPending, Failed, FinishPending, Ledger, LedgerStateError, Nothing, Observed,
+    Pending, RollBackPending, Version,
+)  # fmt: skip
+
+OLD_REF = "vllm/vllm-openai@sha256:" + "1" * 64
+NEW_REF = "vllm/vllm-openai@sha256:" + "2" * 64
+OLD = Version(image="vllm/vllm-openai:v0.11.0", ref=OLD_REF, unit_sha256="a" * 64, spec_hash="aaaaaaaaaaaaaaaa",
+              service="vllm", port=8000)
+NEW = Version(image="vllm/vllm-openai:nightly", ref=NEW_REF, unit_sha256="b" * 64, spec_hash="bbbbbbbbbbbbbbbb",
+              service="vllm", port=8001)
+OPERATOR = "ops@laptop pid 4242"
+T0, T1, T2 = "2026-12-01T03:00:00Z", "2026-12-01T03:05:00Z", "2026-12-01T03:35:00Z"
+
+COMMITTED_OLD = Ledger(committed=Committed(OLD, T0))
+
+
+def pending_new() -> Ledger:
+    return L.begin(COMMITTED_OLD, NEW, OPERATOR, T1)
+
+
+# ---- transitions -----------------------------------------------------------------------------------------------
+
+
+def test_begin_records_the_target_before_any_restart_and_keeps_the_committed_version():
+    got = pending_new()
+    assert got.pending == Pending(NEW, started_at=T1, operator=OPERATOR)
+    assert got.committed == COMMITTED_OLD.committed
+
+
+def test_begin_refuses_while_a_cut_change_is_unsettled():
+    with pytest.raises(LedgerStateError, match="a pending change from ops@laptop pid 4242 is not settled yet"):
+        L.begin(pending_new(), OLD, "other@desk pid 1", T2)
+
+
+def test_commit_makes_the_pending_version_the_rollback_target_and_keeps_the_old_one_in_history():
+    got = L.commit(pending_new(), T2)
+    assert got == Ledger(committed=Committed(NEW, T2), pending=None, failed=(), history=(Committed(OLD, T0),))
+
+
+def test_committing_the_same_version_again_adds_no_history():
+    again = L.commit(L.begin(COMMITTED_OLD, OLD, OPERATOR, T1), T2)
+    assert again.committed == Committed(OLD, T2) and again.history == ()
+
+
+def test_history_is_bounded():
+    ledger = COMMITTED_OLD
+    for i in range(L.HISTORY_LIMIT + 5):
+        ledger = L.commit(L.begin(ledger, replace(NEW, spec_hash=f"{i:016x}"), OPERATOR, T1), f"t{i}")
+    assert len(ledger.history) == L.HISTORY_LIMIT
+    assert ledger.history[-1].committed_at == f"t{L.HISTORY_LIMIT + 3}"  # newest kept, oldest dropped
+
+
+def test_roll_back_marks_the_pending_version_failed_and_keeps_the_committed_one():
+    got = L.roll_back(pending_new(), "died during the soak:\nexit 137", T2)
+    assert got.committed == COMMITTED_OLD.committed and got.pending is None
+    assert got.failed == (Failed(NEW_REF, "bbbbbbbbbbbbbbbb", "died during the soak:\\nexit 137", T2),)
+    # Failing again replaces the mark instead of piling up copies.
+    twice = L.roll_back(L.begin(L.retry_failed(got, NEW), NEW, OPERATOR, T2), "never ready", "t3")
+    assert twice.failed == (Failed(NEW_REF, "bbbbbbbbbbbbbbbb", "never ready", "t3"),)
+
+
+def test_commit_clears_the_failure_mark_of_the_version_it_commits():
+    failed = L.roll_back(pending_new(), "never ready", T2)
+    retried = L.commit(L.begin(L.retry_failed(failed, NEW), NEW, OPERATOR, "t3"), "t4")
+    assert retried.failed == () and retried.committed == Committed(NEW, "t4")
+
+
+@pytest.mark.parametrize("transition", [lambda l: L.commit(l, T2), lambda l: L.roll_back(l, "x", T2), L.drop_pending])
+def test_settling_needs_a_pending_change(transition):
+    with pytest.raises(LedgerStateError, match="^nothing pending to "):
+        transition(COMMITTED_OLD)
+
+
+def test_drop_pending_forgets_a_change_that_never_reached_the_host():
+    assert L.drop_pending(pending_new()) == COMMITTED_OLD
+
+
+# ---- the don't-retry rule --------------------------------------------------------------------------------------
+
+
+def test_a_failed_version_is_refused_until_its_settings_change_or_the_retry_setting_clears_it():
+    failed = L.roll_back(pending_new(), "never ready within 900 s", T2)
+    assert L.refused_target(failed, NEW) == (
+        f"{NEW_REF} with spec bbbbbbbbbbbbbbbb failed at {T2}: never ready within 900 s (fix: change vllm_image or "
+        "a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on purpose)")
+    assert L.refused_target(failed, replace(NEW, spec_hash="cccccccccccccccc")) is None  # a setting changed
+    assert L.refused_target(failed, OLD) is None
+    assert L.refused_target(L.retry_failed(failed, NEW), NEW) is None
+    assert L.retry_failed(failed, NEW).committed == failed.committed
+
+
+# ---- a run that finds a pending record -------------------------------------------------------------------------
+
+
+def observed(version: Version | None, unit: Version | None, active: bool = True, restarts: int = 0) -> Observed:
+    return Observed(unit_sha256=unit.unit_sha256 if unit else None, running_ref=version.ref if version else None,
+                    running_spec_hash=version.spec_hash if version else None, active=active, restarts=restarts)
+
+
+def test_resume_without_a_pending_change_does_nothing():
+    assert L.resume(COMMITTED_OLD, observed(OLD, OLD)) == Nothing("no pending change")
+
+
+def test_resume_restarts_a_unit_uploaded_but_never_restarted():
+    # Cut between the unit upload and the restart: the old container still runs under the new unit file.
+    got = L.resume(pending_new(), observed(OLD, NEW))
+    assert isinstance(got, FinishPending) and got.restart and got.pending.version == NEW
+    assert got.reason == f"cut change by {OPERATOR} since {T1}: the new unit is installed but not running"
+
+
+def test_resume_verifies_a_new_version_that_runs_but_was_never_verified():
+    got = L.resume(pending_new(), observed(NEW, NEW))
+    assert isinstance(got, FinishPending) and not got.restart
+
+
+def test_resume_rolls_back_a_new_version_that_keeps_dying():
+    # Cut during the soak of an image that dies: systemd restarts it in a loop.
+    got = L.resume(pending_new(), observed(NEW, NEW, restarts=4))
+    assert got == RollBackPending(pending_new().pending, COMMITTED_OLD.committed,
+                                  f"{NEW_REF} restarted 4 times after a cut change by {OPERATOR} since {T1}")
+
+
+def test_resume_drops_a_change_that_never_reached_the_unit():
+    got = L.resume(pending_new(), observed(OLD, OLD))
+    assert isinstance(got, DropPending)
+
+
+def test_resume_rolls_back_when_the_unit_is_neither_version():
+    stranger = replace(OLD, unit_sha256="c" * 64)
+    got = L.resume(pending_new(), observed(None, stranger, active=False))
+    assert isinstance(got, RollBackPending) and got.committed == COMMITTED_OLD.committed
+    assert got.reason.endswith("the unit on the host is neither the pending nor the committed version's")
+
+
+def test_resume_of_a_first_install_can_only_go_forward():
+    first = L.begin(Ledger(), NEW, OPERATOR, T1)
+    got = L.resume(first, observed(None, None, active=False))
+    assert isinstance(got, FinishPending) and got.restart
+
+
+# ---- text: render, parse, migrate ------------------------------------------------------------------------------
+
+
+def test_render_is_stable_and_parses_back():
+    ledger = L.roll_back(L.begin(L.commit(pending_new(), T2), OLD, OPERATOR, "t3"), "never ready", "t4")
+    text = L.render(ledger)
+    assert L.parse(text) == ledger
+    assert L.render(L.parse(text)) == text
+    doc = json.loads(text)
+    assert list(doc) == sorted(doc) and text.endswith("}\n")
+    assert doc["committed"] == {"committed_at": T2, "image": NEW.image, "port": 8001, "ref": NEW_REF,
+                                "service": "vllm", "spec_hash": "bbbbbbbbbbbbbbbb", "unit_sha256": "b" * 64}
+
+
+def test_render_of_a_pending_change_names_its_operator():
+    doc = json.loads(L.render(pending_new()))
+    assert doc["schema"] == 2
+    assert doc["pending"]["operator"] == OPERATOR and doc["pending"]["started_at"] == T1
+    assert doc["pending"]["unit_sha256"] == "b" * 64 and doc["pending"]["port"] == 8001
+
+
+# What the deploy writes today (operations/image.py's record() then rolled_back(), json.dumps(indent=2)): v0.11.0
+# pinned, then nightly pinned, failed its soak and was rolled back.
+TODAY_AFTER_ROLLBACK = """{
+  "current": {
+    "image": "vllm/vllm-openai:v0.11.0",
+    "ref": "vllm/vllm-openai@sha256:1111111111111111111111111111111111111111111111111111111111111111",
+    "pinned_at": "2026-11-20T10:00:00Z"
+  },
+  "previous": null,
+  "history": [
+    {
+      "image": "vllm/vllm-openai:v0.11.0",
+      "ref": "vllm/vllm-openai@sha256:1111111111111111111111111111111111111111111111111111111111111111",
+      "pinned_at": "2026-11-20T10:00:00Z"
+    },
+    {
+      "image": "vllm/vllm-openai:nightly",
+      "ref": "vllm/vllm-openai@sha256:2222222222222222222222222222222222222222222222222222222222222222",
+      "pinned_at": "2026-11-28T09:00:00Z",
+      "failed": "the service died during the 1800 s soak",
+      "failed_at": "2026-11-28T09:31:00Z"
+    }
+  ]
+}
+"""
+
+TODAY_TWO_PINS = """{
+  "current": {
+    "image": "vllm/vllm-openai:nightly",
+    "ref": "vllm/vllm-openai@sha256:2222222222222222222222222222222222222222222222222222222222222222",
+    "pinned_at": "2026-11-28T09:00:00Z"
+  },
+  "previous": {
+    "image": "vllm/vllm-openai:v0.11.0",
+    "ref": "vllm/vllm-openai@sha256:1111111111111111111111111111111111111111111111111111111111111111",
+    "pinned_at": "2026-11-20T10:00:00Z"
+  },
+  "history": [
+    {
+      "image": "vllm/vllm-openai:v0.11.0",
+      "ref": "vllm/vllm-openai@sha256:1111111111111111111111111111111111111111111111111111111111111111",
+      "pinned_at": "2026-11-20T10:00:00Z"
+    },
+    {
+      "image": "vllm/vllm-openai:nightly",
+      "ref": "vllm/vllm-openai@sha256:2222222222222222222222222222222222222222222222222222222222222222",
+      "pinned_at": "2026-11-28T09:00:00Z"
+    }
+  ]
+}
+"""
+
+
+def old_version(image: str, ref: str) -> Version:
+    return Version(image=image, ref=ref, unit_sha256=None, spec_hash=None, service=None, port=None)
+
+
+def test_todays_ledger_after_a_rollback_migrates_with_its_failure_mark():
+    got = L.parse(TODAY_AFTER_ROLLBACK)
+    assert got == Ledger(
+        committed=Committed(old_version("vllm/vllm-openai:v0.11.0", OLD_REF), "2026-11-20T10:00:00Z"),
+        pending=None,
+        failed=(Failed(NEW_REF, None, "the service died during the 1800 s soak", "2026-11-28T09:31:00Z"),),
+        history=(),
+    )  # fmt: skip
+    # The old format did not record settings: the mark holds the digest whatever the spec, until retried.
+    assert L.refused_target(got, NEW) is not None
+    assert L.refused_target(L.retry_failed(got, NEW), NEW) is None
+    # Migrated once: the new format round-trips.
+    assert L.parse(L.render(got)) == got
+
+
+def test_todays_ledger_after_two_pins_keeps_the_earlier_one_in_history():
+    got = L.parse(TODAY_TWO_PINS)
+    assert got.committed == Committed(old_version("vllm/vllm-openai:nightly", NEW_REF), "2026-11-28T09:00:00Z")
+    assert got.history == (Committed(old_version("vllm/vllm-openai:v0.11.0", OLD_REF), "2026-11-20T10:00:00Z"),)
+    assert got.failed == () and got.pending is None
+    # The first commit in the new format fills in what the old one did not know.
+    assert L.commit(L.begin(got, NEW, OPERATOR, T1), T2).committed == Committed(NEW, T2)
+
+
+def test_a_first_install_of_todays_format_has_no_current():
+    assert L.parse('{"current": null, "previous": null, "history": []}') == Ledger()
+
+
+VALID = json.loads(L.render(pending_new()))
+
+
+def broken(**changes: object) -> str:
+    return json.dumps({**VALID, **changes})
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("", "empty file"),
+    ("  \n", "empty file"),
+    (L.render(pending_new())[:120], "not JSON: Expecting ',' delimiter: line 5 column 17 (char 120)"),
+    ('{"current": {"image": "a", ', "not JSON: Expecting property name enclosed in double quotes: line 1 column 28 "
+                                    "(char 27)"),
+    ("[]", "not a JSON object but a list"),
+    ('"vllm"', "not a JSON object but a string"),
+    ("null", "not a JSON object but null"),
+    ("{}", "neither a 'schema' nor a 'current' key"),
+    (broken(schema=3), "schema: 3 is not 2 (a newer gpufleet wrote it?)"),
+    (broken(committed=[]), "committed: expected an object, got a list"),
+    (broken(committed={**VALID["committed"], "port": "8000"}), "committed.port: expected an integer or null, got a "
+                                                               "string"),
+    (broken(committed={**VALID["committed"], "port": True}), "committed.port: expected an integer or null, got a "
+                                                             "boolean"),
+    (broken(committed={**VALID["committed"], "ref": "vllm/vllm-openai:nightly"}),
+     "committed.ref: 'vllm/vllm-openai:nightly' is not a digest ref (repo@sha256:...)"),
+    (broken(pending={**VALID["pending"], "operator": None}), "pending.operator: expected a string, got null"),
+    (broken(failed={}), "ledger.failed: expected a list, got an object"),
+    (broken(failed=[{"ref": NEW_REF}]), "failed[0].spec_hash: missing"),
+    (broken(history=[{"image": "x"}]), "history[0].ref: missing"),
+    ('{"current": {"image": "a", "pinned_at": "t"}}', "current.ref: missing"),
+    ('{"current": "vllm/vllm-openai:v0.11.0"}', "current: expected an object, got a string"),
+    ('{"current": null, "history": [{"image": "a", "ref": "a@sha256:1", "pinned_at": 5}]}',
+     "history[0].pinned_at: expected a string, got a number"),
+])  # fmt: skip
+def test_a_corrupt_ledger_gives_its_one_line_reason(text, reason):
+    with pytest.raises(CorruptLedger) as err:
+        L.parse(text)
+    assert str(err.value) == reason
+
+
+def test_a_corrupt_ledger_is_a_refusal_naming_host_file_and_fix():
+    with pytest.raises(CorruptLedger) as err:
+        L.parse("[]")
+    assert L.corrupt_refusal("gft1", "/var/lib/gpufleet/vllm.json", err.value) == (
+        "gft1: /var/lib/gpufleet/vllm.json is corrupt: not a JSON object but a list (fix: repair it by hand, or move it "
+        "away to start a new ledger: the next converge then resolves vllm_image again and the rollback history is "
+        "lost)")
+
+
+# ---- atomic writes, run for real -------------------------------------------------------------------------------
+
+
+def sh(command: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["sh", "-c", command], input=stdin, capture_output=True, timeout=30)
+
+
+def owner() -> str:
+    return f"{os.getuid()}:{os.getgid()}"
+
+
+def test_atomic_write_from_stdin_creates_the_directory_and_sets_the_mode(tmp_path: Path):
+    path = tmp_path / "state" / "vllm.json"
+    done = sh(L.atomic_write_command(str(path), mode="0600", owner=owner()), b'{"schema": 2}\n')
+    assert done.returncode == 0, done.stderr
+    assert path.read_bytes() == b'{"schema": 2}\n'
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert os.listdir(path.parent) == ["vllm.json"]  # no temp file left
+
+
+def test_atomic_write_from_an_uploaded_file_replaces_and_removes_the_upload(tmp_path: Path):
+    path, upload = tmp_path / "vllm.service", tmp_path / "upload.tmp"
+    path.write_text("old\n")
+    upload.write_text("[Unit]\nDescription=it's \"quoted\" $HOME\n")
+    done = sh(L.atomic_write_command(str(path), owner=owner(), source=str(upload)))
+    assert done.returncode == 0, done.stderr
+    assert path.read_text() == "[Unit]\nDescription=it's \"quoted\" $HOME\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert sorted(os.listdir(tmp_path)) == ["vllm.service"]
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp_file(tmp_path: Path):
+    path = tmp_path / "daemon.json"
+    path.write_text("old\n")
+    done = sh(L.atomic_write_command(str(path), owner=owner(), source=str(tmp_path / "missing upload")))
+    assert done.returncode != 0
+    assert path.read_text() == "old\n"
+    assert os.listdir(tmp_path) == ["daemon.json"]
+
+
+def test_atomic_write_quotes_a_path_with_shell_characters(tmp_path: Path):
+    path = tmp_path / "a dir; touch pwned" / "it's $x.json"
+    done = sh(L.atomic_write_command(str(path), owner=owner()), b"ok\n")
+    assert done.returncode == 0, done.stderr
+    assert path.read_text() == "ok\n"
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+
+
+def read_while_written(path: Path, write: str, versions: list[bytes], rounds: int) -> set[bytes]:
+    """Everything a reader saw in `path` while `write` (a shell command reading stdin) replaced it `rounds` times."""
+    seen: set[bytes] = set()
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                seen.add(path.read_bytes())
+            except FileNotFoundError:
+                pass
+            time.sleep(0)  # under gevent (the CLI's patch_all) the reader is a greenlet: let the writer's wait run
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for i in range(rounds):
+            done = sh(write, versions[i % len(versions)])
+            assert done.returncode == 0, done.stderr
+    finally:
+        stop.set()
+        thread.join()
+    return seen
+
+
+def test_a_concurrent_reader_never_sees_a_partial_file(tmp_path: Path):
+    path = tmp_path / "vllm.json"
+    versions = [b"A" * 1_000_000, b"B" * 600_000]
+    path.write_bytes(versions[1])
+    # The check can fail: a writer that is not atomic is caught by the same reader.
+    torn = read_while_written(path, f"cat > {path}", versions, rounds=6)
+    assert torn - set(versions), "the reader never saw a partial write from a plain `cat >`: the check is blind"
+    seen = read_while_written(path, L.atomic_write_command(str(path), owner=owner()), versions, rounds=12)
+    assert seen <= set(versions) and len(seen) == 2
