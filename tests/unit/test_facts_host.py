@@ -191,11 +191,13 @@ def test_hostile_repo_urls_reach_curl_whole_and_never_the_shell(tmp_path):
     assert not marker.exists()
 
 
-def test_a_hanging_nvidia_smi_is_cut_off_by_the_snapshot_itself(tmp_path, monkeypatch):
-    # The real command, run here: a stand-in nvidia-smi that never answers, and a 1 s bound.
+@pytest.mark.parametrize("hang", ["sleep 60", "trap '' TERM; sleep 60"], ids=["stops-on-term", "ignores-term"])
+def test_a_hanging_nvidia_smi_is_cut_off_by_the_snapshot_itself(tmp_path, monkeypatch, hang):
+    # The real command, run here: a stand-in nvidia-smi that never answers, and a 1 s bound. One stuck in the
+    # kernel ignores SIGTERM: `timeout -k 2` kills it and exits 137, not 124; that is the same finding.
     monkeypatch.setattr(host_fact, "COMMAND_TIMEOUT_S", 1)
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\nsleep 60\n")
+    fake.write_text(f"#!/bin/sh\n{hang}\n")
     fake.chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/sbin:/usr/bin:/sbin:/bin"}
     start = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -14,6 +15,7 @@ from rich.text import Text
 
 from gpufleet.errors import GpufleetError
 from gpufleet.health import Expected, HealthState
+from gpufleet.health.check import spec_drift
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
 from gpufleet.health.probe import ProbeReport, resolved_block_sizes
 from gpufleet.inventory import load_host_specs
@@ -32,7 +34,7 @@ def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarge
         HostTarget(
             name=spec.host,
             ssh={k: v for k, v in data.items() if k.startswith("ssh_")},
-            expected=Expected.from_spec(spec),
+            expected=replace(Expected.from_spec(spec), spec_hash=spec.spec_hash),
             gpus=spec.gpus,
             max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
             api_key=data.get("vllm_api_key"),
@@ -85,7 +87,8 @@ def cache_units(cache_config: dict[str, str]) -> tuple[str, str]:
 
 def _table(results: list[HostResult]) -> Table:
     table = Table(title="gpufleet status", header_style="bold")
-    columns = ("host", "GPUs", "image", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits", "block", "unit")
+    columns = ("host", "GPUs", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
+               "block", "unit")
     for col in columns:
         table.add_column(col)
     for r in results:
@@ -95,6 +98,7 @@ def _table(results: list[HostResult]) -> Table:
             r.target.name,
             ",".join(map(str, r.target.gpus)) or "-",
             (c.image_short if c else None) or "-",
+            _spec_cell(r),
             h.version or "-",
             Text(str(h.state), style=style),
             h.served_model or "-",
@@ -104,6 +108,17 @@ def _table(results: list[HostResult]) -> Table:
             *cache_units(h.cache_config),
         ))
     return table
+
+
+def _spec_cell(r: HostResult) -> Text:
+    """The running container's spec hash (12 digits), red and marked when it is not the inventory's: drift."""
+    c = r.health.container
+    if c is None or not c.running:
+        return Text("-")
+    short = (c.spec_hash or "unlabelled")[:12]
+    if spec_drift(r.target.expected, c):
+        return Text(f"{short} (drift)", style="red")
+    return Text(short)
 
 
 def _probe_table(results: list[HostResult]) -> Table:

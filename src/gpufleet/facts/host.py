@@ -4,8 +4,9 @@ A no-op re-converge should cost little more than connecting (bench/deploy_bench.
 command per fact the deploy reads the host once: OS, GPUs (the exact nvidia-smi queries of gpufleet.facts.nvidia),
 free disk, Docker's daemon.json, package states, checksums of the files the deploy writes, the NVIDIA repo key as
 the repo serves it now (to notice a rotated key), the image state file, local images, the model directory, unit
-states, the unit file vllm_service names (its first line tells gpufleet's units from others) and a readiness
-probe. Sections are separated by marker lines; process() only parses.
+states, the unit file vllm_service names (its first line tells gpufleet's units from others), what really runs
+(systemd's view of the unit, the spec hash and digest its file pins, the running container's label and image) and a
+readiness probe. Sections are separated by marker lines; process() only parses.
 
 The command is read-only: nothing on the host changes (preflight relies on that). Every program in it that can
 hang on a broken host (nvidia-smi on a wedged driver, docker or systemctl waiting on their daemons, curl) runs
@@ -15,6 +16,7 @@ under `timeout`, so one bad host gives one preflight line instead of holding up 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,14 +27,16 @@ from pyinfra.api.exceptions import FactProcessError
 from gpufleet.facts.nvidia import QUERY_GPUS, QUERY_VERSION, Gpu, NvidiaVersion, parse_gpus, parse_version
 from gpufleet.health.check import served_models
 from gpufleet.health.metrics import CACHE_CONFIG, parse_metrics
-from gpufleet.unit import unit_name
+from gpufleet.spec import container_label_key
+from gpufleet.unit import unit_name, unit_path
 
 MARK = "@@gpufleet:"
 DAEMON_JSON = "/etc/docker/daemon.json"
 # Seconds any one program in the snapshot may take (nvidia-smi starts slowly on drivers without persistence mode;
-# a healthy host answers everything in well under a second). `timeout` exits 124 when it cut the program off.
+# a healthy host answers everything in well under a second). `timeout` exits 124 when it cut the program off, and
+# 128+9 when the program ignored SIGTERM and had to be killed (-k): both mean "did not answer in time".
 COMMAND_TIMEOUT_S = 20
-TIMED_OUT = 124
+TIMED_OUT = (124, 137)
 PACKAGES = ("docker.io", "containerd", "docker-ce", "docker-ce-cli", "containerd.io", "nvidia-container-toolkit",
             "curl", "ca-certificates")
 
@@ -68,6 +72,41 @@ class ServiceUnit:
         return self.load_state not in ("", "not-found")
 
 
+# The unit header's second line (templates/vllm.service.j2): what the unit file on disk runs.
+UNIT_PINS = re.compile(r"^# Spec (?P<spec>[0-9a-f]+); image pinned to (?P<image>\S+)\.$")
+
+
+@dataclass(frozen=True)
+class RunningService:
+    """What really runs for the service, next to what its unit file says should: a unit written but never loaded
+    (a run cut between the upload and daemon-reload), or a container started by hand or from an older unit,
+    differs here while every file checksum matches."""
+
+    active_state: str = ""  # systemd's ActiveState/SubState of the unit
+    sub_state: str = ""
+    need_daemon_reload: bool = False  # the file on disk is not what systemd loaded
+    unit_spec_hash: str | None = None  # pinned in the unit file's header (None: no gpufleet unit on disk)
+    unit_image: str | None = None
+    containers: tuple[tuple[str, str], ...] = ()  # running containers with the service's label: (label, image)
+
+    def drift(self) -> list[str]:
+        """How what runs differs from the unit on disk, one phrase each ([] = it runs what the unit says).
+        Only a gpufleet unit that systemd runs is compared: a stopped service is started by the deploy anyway."""
+        problems = []
+        if self.need_daemon_reload:
+            problems.append("systemd has not loaded the unit file on disk (NeedDaemonReload=yes)")
+        if self.unit_spec_hash is None or self.active_state != "active":
+            return problems
+        for label, image in self.containers:
+            if label != self.unit_spec_hash:
+                problems.append(f"the container runs spec {label or 'unlabelled'}, the unit spec {self.unit_spec_hash}")
+            if image != self.unit_image:
+                problems.append(f"the container runs {image}, the unit pins {self.unit_image}")
+        if len(self.containers) > 1:
+            problems.append(f"{len(self.containers)} containers carry the service's label")
+        return problems
+
+
 @dataclass
 class HostSnapshot:
     os: dict[str, str] = field(default_factory=dict)
@@ -92,6 +131,7 @@ class HostSnapshot:
     dirs: dict[str, tuple[str, str, str] | None] = field(default_factory=dict)  # path -> (user, group, mode)
     units: dict[str, tuple[str, str]] = field(default_factory=dict)  # unit -> (is-active, is-enabled)
     service_unit: ServiceUnit | None = None
+    running: RunningService = field(default_factory=RunningService)
     health_code: str | None = None
     served_models: list[tuple[str, int | None]] | None = None  # /v1/models: (id, max_model_len)
     cache_config: dict[str, str] = field(default_factory=dict)  # vllm:cache_config_info labels, when reported
@@ -128,13 +168,15 @@ def snapshot_command(paths: Paths) -> str:
         # rc and stderr are kept: a broken driver must surface as a message, not as "no GPUs".
         # After a timeout the driver is wedged: skip the other queries (each would wait as long again).
         return (f"{section(name)}; if [ $nv = 1 ]; then $t {query} 2>&1; r=$?; echo \"@@rc $r\"; "
-                f"[ $r = {TIMED_OUT} ] && nv=0; fi")
+                f"case $r in {'|'.join(map(str, TIMED_OUT))}) nv=0;; esac; fi")
 
     port = int(paths.port)  # an int, never text, in the curl URLs below
     dirs = " ".join(q(d) for d in paths.dirs)
     files = " ".join(q(f) for f in paths.files)
     model_dir = q(paths.model_dir)
     unit = q(unit_name(paths.service))
+    label = container_label_key(paths.service)
+    container_format = f'Container={{{{index .Config.Labels "{label}"}}}}|{{{{.Config.Image}}}}'
     lines = [
         "export LC_ALL=C",
         # -k: a program that ignores SIGTERM (nvidia-smi stuck in the kernel) is killed 2 s later.
@@ -178,6 +220,11 @@ def snapshot_command(paths: Paths) -> str:
         f"{section('service_unit')}; $t systemctl show -p Id -p LoadState -p FragmentPath {unit} "
         f"2>/dev/null; f=$($t systemctl show -p FragmentPath --value {unit} 2>/dev/null); "
         "if [ -n \"$f\" ]; then printf 'FirstLine=%s\\n' \"$(head -n 1 -- \"$f\" 2>/dev/null)\"; fi",
+        # What really runs: systemd's state of the unit, the pins in the unit file's header, the labelled containers.
+        f"{section('running')}; $t systemctl show -p ActiveState -p SubState -p NeedDaemonReload {unit} 2>/dev/null; "
+        f"printf 'Header=%s\\n' \"$(sed -n 2p {q(unit_path(paths.service))} 2>/dev/null)\"; "
+        f"command -v docker >/dev/null && ids=$($t docker ps -q --filter label={q(label)} 2>/dev/null) && "
+        f"[ -n \"$ids\" ] && $t docker inspect --format {q(container_format)} $ids 2>/dev/null",
         # Readiness without putting the API key on a command line: printf is a builtin, curl reads the header
         # from stdin.
         # (No is-active guard: with no service, curl is refused at once.)
@@ -216,7 +263,7 @@ def _nvidia_section(lines: list[str]) -> tuple[list[str], int]:
     if lines and lines[-1].startswith("@@rc "):
         rc = int(lines[-1].split()[1])
         lines = lines[:-1]
-    if rc == TIMED_OUT:
+    if rc in TIMED_OUT:
         raise FactProcessError(f"nvidia-smi did not answer within {COMMAND_TIMEOUT_S} s (a wedged driver or GPU)")
     return lines, rc
 
@@ -306,6 +353,7 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         snap.service_unit = ServiceUnit(name=fields["Id"], load_state=fields.get("LoadState", ""),
                                         fragment_path=fields.get("FragmentPath", ""),
                                         first_line=fields.get("FirstLine", ""))
+    snap.running = parse_running(s.get("running", []))
     health = s.get("health", [])
     if health and health[0].strip() not in ("", "000"):
         snap.health_code = health[0].strip()
@@ -319,6 +367,27 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
     except ValueError:
         snap.cache_config = {}
     return snap
+
+
+def parse_running(lines: list[str]) -> RunningService:
+    fields: dict[str, str] = {}
+    containers = []
+    for line in lines:
+        key, sep, value = line.partition("=")
+        if not sep:
+            continue
+        if key == "Container":
+            label, _, image = value.partition("|")
+            containers.append((label.strip(), image.strip()))
+        else:
+            fields[key] = value.strip()
+    pins = UNIT_PINS.match(fields.get("Header", ""))
+    return RunningService(
+        active_state=fields.get("ActiveState", ""), sub_state=fields.get("SubState", ""),
+        need_daemon_reload=fields.get("NeedDaemonReload") == "yes",
+        unit_spec_hash=pins["spec"] if pins else None, unit_image=pins["image"] if pins else None,
+        containers=tuple(containers),
+    )
 
 
 class GpufleetHost(FactBase[HostSnapshot]):

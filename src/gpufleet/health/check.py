@@ -53,6 +53,10 @@ class Expected:
     served_model_name: str
     max_model_len: int | None = None
     cache_config: dict[str, str] = field(default_factory=dict)
+    # The spec hash the container's gpufleet.<service> label must carry (`gpufleet verify` sets it from the
+    # inventory); None: not compared (the deploy's own waits, and its rollback to an older unit, compare identity
+    # only).
+    spec_hash: str | None = None
 
     @classmethod
     def from_spec(cls, spec: ServeSpec) -> Expected:
@@ -140,9 +144,30 @@ def check(
     report = HealthReport(HealthState.STARTING, "", host=transport.name)
     try:
         report = _check(transport, expected, report, grace_s, api_key, timeout_s)
+        report = _drift(report, expected)
     except Exception as e:  # the contract is a state for anything, even a case nobody foresaw
         report = replace(report, state=HealthState.DEAD, detail=f"the check failed: {type(e).__name__}: {e}")
     return replace(report, detail=excerpt(report.detail, DETAIL_CHARS))
+
+
+def spec_drift(expected: Expected, container: ContainerInfo | None) -> str | None:
+    """One line when the running container was started from another spec than the expected one (a unit edited by
+    hand, a manual `docker run`, a converge cut before its restart), else None."""
+    if expected.spec_hash is None or container is None or not container.running:
+        return None
+    if container.spec_hash == expected.spec_hash:
+        return None
+    return (f"drift: container {container.id} runs spec {container.spec_hash or 'unlabelled'}, the inventory's "
+            f"spec is {expected.spec_hash} (fix: converge the host)")
+
+
+def _drift(report: HealthReport, expected: Expected) -> HealthReport:
+    # Reported over whatever the server answers: a server that looks right but runs another spec is not ready.
+    drift = spec_drift(expected, report.container)
+    if drift is None:
+        return report
+    state = HealthState.MISCONFIGURED if report.ready else report.state
+    return replace(report, state=state, detail=f"{drift}; {report.detail}" if report.detail else drift)
 
 
 def _check(

@@ -8,6 +8,7 @@ from io import BytesIO
 
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, FunctionCommand, Host, State, StringCommand, operation
+from pyinfra.api.arguments import ConnectorArguments
 from pyinfra.operations import apt
 
 from gpufleet.operations.remote import Commands, use_sudo
@@ -23,8 +24,44 @@ def as_io(content: str | bytes) -> BytesIO:
     return BytesIO(content.encode() if isinstance(content, str) else content)
 
 
+def temp_path(path: str) -> str:
+    """Where a new version of `path` is written before it replaces it: the same directory (a rename within one
+    filesystem is atomic), a hidden name without a unit suffix (systemd ignores it if a run dies there)."""
+    directory, _, name = path.rpartition("/")
+    return f"{directory}/.{name}.gpufleet-tmp"
+
+
+def replace_command(tmp: str, path: str) -> str:
+    """Shell: flush `tmp` to disk, rename it over `path`, flush the directory. A cut at any point leaves the old
+    file or the new one, whole, never a truncated mix (and the next run's checksum decides)."""
+    directory = path.rpartition("/")[0] or "/"
+    return (f"sync {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(path)} && "
+            f"sync {shlex.quote(directory)}")
+
+
+class AtomicUpload(FileUploadCommand):
+    """Upload `src` to `dest` through a temp file beside it: owner and mode set on the temp file, then fsync and
+    rename. A plain upload writes the destination in place (SFTP as root), and an SSH cut leaves half a file."""
+
+    def __init__(self, src: BytesIO, dest: str, mode: str):
+        super().__init__(src, dest)
+        self.mode = mode
+
+    def execute(self, state: State, host: Host, connector_arguments: ConnectorArguments) -> bool:
+        connector_arguments.update(self.connector_arguments)
+        tmp = temp_path(self.dest)
+        shown = {"print_output": state.print_output, "print_input": state.print_input}
+        if not host.put_file(self.src, tmp, **shown, **connector_arguments):
+            return False
+        ok, _ = host.run_shell_command(
+            f"chown root:root {shlex.quote(tmp)} && chmod {shlex.quote(self.mode)} {shlex.quote(tmp)} && "
+            + replace_command(tmp, self.dest), **shown, **connector_arguments)
+        return bool(ok)
+
+
 def put_content(path: str, content: str | bytes, mode: str = "644") -> Commands:
-    """Yield the commands that make `path` hold `content` (root-owned), or nothing when it already does.
+    """Yield the commands that make `path` hold `content` (root-owned, replaced atomically), or nothing when it
+    already does.
 
     For use inside operations (`yield from put_content(...)`); the decision comes from the snapshot's sha256.
     """
@@ -32,13 +69,13 @@ def put_content(path: str, content: str | bytes, mode: str = "644") -> Commands:
         return
     directory = path.rsplit("/", 1)[0] or "/"
     yield StringCommand("install", "-d", "-m", "755", shlex.quote(directory))
-    yield FileUploadCommand(as_io(content), path)
-    yield StringCommand("chown", "root:root", shlex.quote(path), "&&", "chmod", shlex.quote(mode), shlex.quote(path))
+    yield AtomicUpload(as_io(content), path, mode)
 
 
 def _install_secret(state: State, host: Host, path: str, secret: Hidden) -> bool:
-    # Upload as the SSH user into a fresh 0700 directory, then install as root with 0600: the secret never sits in
-    # a world-readable temp file and never appears on a command line.
+    # Upload as the SSH user into a fresh 0700 directory, then install it as root with 0600 beside the target and
+    # rename it over: the secret never sits in a world-readable temp file, never appears on a command line, and
+    # the env file is never half written.
     ok, output = host.run_shell_command("umask 077 && mktemp -d")
     if not ok:
         raise RuntimeError(f"could not create a private temp dir: {output.stderr}")
@@ -47,9 +84,11 @@ def _install_secret(state: State, host: Host, path: str, secret: Hidden) -> bool
         if not host.put_file(as_io(secret.reveal()), f"{tmpdir}/secret"):
             raise RuntimeError("upload failed")
         directory = path.rsplit("/", 1)[0]
+        tmp = temp_path(path)
         ok, output = host.run_shell_command(
             f"install -d -m 700 -o root -g root {shlex.quote(directory)} && "
-            f"install -m 600 -o root -g root {shlex.quote(tmpdir + '/secret')} {shlex.quote(path)}",
+            f"install -m 600 -o root -g root {shlex.quote(tmpdir + '/secret')} {shlex.quote(tmp)} && "
+            + replace_command(tmp, path),
             _sudo=use_sudo(host),
         )
         if not ok:

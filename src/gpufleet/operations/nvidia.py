@@ -10,7 +10,8 @@ from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, State, StringCommand, operation
 from pyinfra.operations import apt
 
-from gpufleet.operations.files import as_io, put_content
+from gpufleet.facts.host import DAEMON_JSON
+from gpufleet.operations.files import as_io, put_content, replace_command, temp_path
 from gpufleet.operations.layout import Layout, Managed
 from gpufleet.operations.remote import Commands, use_sudo
 from gpufleet.operations.snapshot import snapshot
@@ -108,4 +109,14 @@ def docker_runtime() -> Commands:
         host.noop("daemon.json has runtimes.nvidia")
         return
     # Only when missing: nvidia-ctk rewrites the file, so running it every time would churn and restart Docker.
-    yield StringCommand("nvidia-ctk", "runtime", "configure", "--runtime=docker")
+    yield StringCommand(configure_runtime_command())
+
+
+def configure_runtime_command(path: str = DAEMON_JSON) -> str:
+    """nvidia-ctk merges the runtime into a copy beside daemon.json, which then replaces it atomically: nvidia-ctk
+    writes its --config in place, and a cut there would leave dockerd a truncated file it refuses to start with."""
+    tmp = temp_path(path)
+    q = shlex.quote
+    return (f"install -d -m 755 {q(path.rpartition('/')[0])} && rm -f {q(tmp)} && "
+            f"{{ [ ! -e {q(path)} ] || cp -p {q(path)} {q(tmp)}; }} && "
+            f"nvidia-ctk runtime configure --runtime=docker --config={q(tmp)} && " + replace_command(tmp, path))

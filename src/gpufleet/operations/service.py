@@ -104,24 +104,35 @@ def unit(spec: ServeSpec, path: str) -> Commands:
     yield StringCommand("systemctl", "daemon-reload")
 
 
-def _changed(ops: list[OperationMeta]) -> bool:
+def _executing() -> bool:
     state = ctx_state.get()
-    if state is not None and state.is_executing:
+    return state is not None and state.is_executing
+
+
+def _changed(ops: list[OperationMeta]) -> bool:
+    if _executing():
         return any(op.did_change() for op in ops)
     return any(op.will_change for op in ops)
 
 
 @operation(is_idempotent=False)
 def running(service: str, changes: list[OperationMeta], start: bool = True) -> Commands:
-    """Enable the vLLM service and (re)start it when its unit, secrets or image changed."""
+    """Enable the vLLM service and (re)start it when its unit, secrets or image changed, or when what runs is not
+    what the unit on disk says (snapshot's RunningService.drift: the file checksums alone cannot see that)."""
     name = unit_name(service)
     snap = snapshot()
     if not start:
         host.noop(f"{name} installed, not started: no GPU on this host (gpufleet_allow_no_gpu)")
         return
+    if snap.running.need_daemon_reload:
+        # A unit written by a run that was cut before its daemon-reload: load it before (re)starting.
+        yield StringCommand("systemctl", "daemon-reload")
     if not snap.unit_enabled(name):
         yield StringCommand("systemctl", "enable", shlex.quote(name))
-    if _changed(changes):
+    drift = snap.running.drift()
+    if drift and _executing():  # said once (pyinfra runs this generator to plan, and again to execute)
+        host.log_styled(f"{name} does not run what its unit says ({'; '.join(drift)}): restarting it", fg="yellow")
+    if _changed(changes) or drift:
         yield StringCommand("systemctl", "restart", shlex.quote(name))
     elif not snap.unit_active(name):
         yield StringCommand("systemctl", "start", shlex.quote(name))
@@ -164,7 +175,7 @@ def ready(spec: ServeSpec, layout: Layout, verify: Verify, changes: list[Operati
     if not start:
         host.noop("no GPU: the service is not started, nothing to verify")
         return
-    restarted = _changed(changes) or not snap.unit_active(unit_name(spec.service))
+    restarted = _changed(changes) or bool(snap.running.drift()) or not snap.unit_active(unit_name(spec.service))
     if not restarted and serves_expected(snap, Expected.from_spec(spec)):
         host.noop(f"ready: /health 200, /v1/models serves {spec.served_model_name}")
         return

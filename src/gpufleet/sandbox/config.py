@@ -26,13 +26,16 @@ class Gpus:
     memory_mib: int | None = None  # None: the recorded H200's 143771 MiB
     driver: str | None = None  # None: the recorded 580.159.04
     cuda: str | None = None  # None: the recorded 13.0
+    hang: bool = False  # nvidia-smi never answers (a wedged driver)
 
     def profile(self, seed: str) -> nvidia_smi.Profile | None:
         if self.count == 0:
             return None
-        return nvidia_smi.make_profile(
+        profile = nvidia_smi.make_profile(
             self.count, model=self.model, memory_mib=self.memory_mib, driver=self.driver, cuda=self.cuda, seed=seed
         )
+        profile.hang = self.hang
+        return profile
 
 
 H200x3 = Gpus(3)  # the write-up's box: vllm_gpus [0, 1, 2]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import signal
 import sys
 import time
 import uuid as uuidlib
@@ -61,6 +62,7 @@ class Profile:
     link: str  # what `topo -m` shows between two GPUs, e.g. NV18
     topo_legend: str  # the legend block after the matrix, verbatim from the recording
     valid_fields: list[str] = field(default_factory=list)  # from `nvidia-smi --help-query-gpu`
+    hang: bool = False  # a wedged driver: every call blocks forever and ignores SIGTERM, as in the kernel
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -331,6 +333,10 @@ def write_host_files(root: Path, profile: Profile | None) -> None:
 
 def main(argv: list[str]) -> int:
     profile = Profile.from_json(Path(argv[0]).read_text())
+    if profile.hang:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it (timeout -k)
+        while True:
+            time.sleep(3600)
     result = render(profile, argv[1:])
     sys.stdout.write(result.stdout)
     return result.rc
