@@ -77,6 +77,14 @@ DEFAULTS: dict[str, Any] = {
     # Allow a host without NVIDIA GPUs (a VM for trying the deploy): everything is installed, the service is not
     # started.
     "gpufleet_allow_no_gpu": False,
+    # --- one run per host at a time ---------------------------------------------------------------------------
+    # Seconds a run waits for another run's lock on a host before preflight refuses it; 0 refuses at once, naming
+    # the holder (user, controller host, pid, since when).
+    "gpufleet_lock_wait_s": 0,
+    # Seconds a host keeps a run's lock without hearing from its controller (heartbeats come every quarter of it):
+    # a lock left by a controller that froze or lost its link frees itself after this. A killed controller's lock
+    # frees at once.
+    "gpufleet_lock_lease_s": 90,
     # --- Docker engine --------------------------------------------------------------------------------------
     # "docker-ce" from Docker's official repo, or "distro" for the distribution's docker.io package.
     "docker_install": "docker-ce",

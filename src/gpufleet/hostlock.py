@@ -18,6 +18,9 @@ Use with pyinfra's connection (pyinfra 3.x: host.connector.client is a paramiko 
 
     with lock_host(host).acquire(wait_s=0) as lock:
         ...  # the whole run; lock.check() before a restart raises LockLost if the lease ran out
+
+The deploy's preflight takes each host's lock and keeps it for the run (keep_for_run); operations call
+check_run_lock(host) before a restart; the locks go when pyinfra disconnects from the hosts (release_run_locks).
 """
 
 from __future__ import annotations
@@ -29,21 +32,26 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Iterable
 from types import TracebackType
+from weakref import WeakKeyDictionary
 
 import paramiko
-from pyinfra.api import Host
+from pyinfra.api import Host, State
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.operations.remote import use_sudo
 
-LOCK_PATH = "/var/lib/gpufleet/host.lock"
+# On tmpfs (Debian's and Ubuntu's lock directory): a flock needs no file that outlives it, and a run that preflight
+# refuses must leave nothing behind on a host, not even a directory of ours.
+LOCK_PATH = "/run/lock/gpufleet.lock"
 LEASE_S = 90.0
 BUSY_EXIT = 75  # flock's exit status when the lock is held (EX_TEMPFAIL), distinct from the script's own
 LOCKED = "LOCKED"
 # Beyond the wait for the lock itself: time for sudo and the shell to start on a slow host.
 START_MARGIN_S = 30.0
 WAIT_SETTING = "gpufleet_lock_wait_s"  # seconds a run waits for the holder (pyinfra --data); 0: refuse at once
+LEASE_SETTING = "gpufleet_lock_lease_s"  # seconds without a heartbeat after which the host drops the lock
 
 
 class HostLockError(GpufleetError):
@@ -59,6 +67,11 @@ class HostLockBusy(HostLockError):
         waited = f" after waiting {waited_s:g} s" if waited_s else ""
         super().__init__(one_line(f"{host}: locked by {who}{waited} (fix: wait for that run to end, or pass "
                                   f"--data {WAIT_SETTING}=SECONDS to wait for it)"))
+
+
+class NotOverSsh(HostLockError):
+    """The host is not reached over pyinfra's SSH connector (@local, a container): there is no session to hold
+    a lock with."""
 
 
 class LockLost(HostLockError):
@@ -134,9 +147,12 @@ class HostLock:
         transport = self.client.get_transport()
         if transport is None or not transport.is_active():
             raise HostLockError(f"{self.host}: no SSH connection to take the lock over")
-        channel = transport.open_session()
-        channel.settimeout(max(wait_s, 0) + START_MARGIN_S)
-        channel.exec_command(lock_command(self.path, self.holder, self.lease_s, wait_s, self.sudo))
+        try:
+            channel = transport.open_session()
+            channel.settimeout(max(wait_s, 0) + START_MARGIN_S)
+            channel.exec_command(lock_command(self.path, self.holder, self.lease_s, wait_s, self.sudo))
+        except (OSError, EOFError, paramiko.SSHException) as error:
+            raise HostLockError(one_line(f"{self.host}: cannot start the lock command: {error}")) from None
         stdout = channel.makefile("r")
         try:
             first = stdout.readline().strip()
@@ -209,5 +225,32 @@ def lock_host(host: Host, path: str = LOCK_PATH, lease_s: float = LEASE_S) -> Ho
     """The lock for a connected pyinfra host, over the connection its operations use (sudo unless root's)."""
     client = getattr(host.connector, "client", None)
     if not isinstance(client, paramiko.SSHClient):
-        raise HostLockError(f"{host.name}: not connected over SSH: a host lock needs pyinfra's SSH connector")
+        raise NotOverSsh(f"{host.name}: not connected over SSH ({type(host.connector).__name__}): a host lock needs "
+                         "pyinfra's SSH connector")
     return HostLock(client, host.name, path=path, lease_s=lease_s, sudo=use_sudo(host))
+
+
+# The lock each run holds on each host, by run (dropped with its State) and host name: taken by the deploy's
+# preflight, checked by the operations before a restart, released when pyinfra disconnects from the host.
+_RUN_LOCKS: WeakKeyDictionary[State, dict[str, HostLock]] = WeakKeyDictionary()
+
+
+def keep_for_run(host: Host, lock: HostLock) -> None:
+    _RUN_LOCKS.setdefault(host.state, {})[host.name] = lock
+
+
+def check_run_lock(host: Host) -> None:
+    """Raise LockLost when this run took the host's lock and no longer holds it (no lock taken: nothing to check,
+    as for a host not reached over SSH)."""
+    lock = _RUN_LOCKS.get(host.state, {}).get(host.name)
+    if lock is not None:
+        lock.check()
+
+
+def release_run_locks(state: State, names: Iterable[str] | None = None) -> None:
+    """Let the run's host locks go: all of them, or those of the hosts named."""
+    locks = _RUN_LOCKS.get(state, {})
+    for name in list(locks) if names is None else names:
+        lock = locks.pop(name, None)
+        if lock is not None:
+            lock.release()

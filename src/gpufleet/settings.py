@@ -44,6 +44,8 @@ _URL = re.compile(
 MAX_ARG_BYTES = 131072
 # systemd refuses unit file lines longer than LONG_LINE_MAX (1 MiB); keep room for the pinned digest.
 MAX_UNIT_LINE_BYTES = 1024 * 1024 - 4096
+# Shortest host lock lease: a controller busy for a quarter of it (a slow fact, a large upload) must not lose its lock.
+MIN_LOCK_LEASE_S = 2
 
 # Flags whose value must be a whole number (argparse type=int in vLLM) and their lower bounds.
 _INT_FLAGS = {"max-num-batched-tokens": 1, "max-num-seqs": 1, "pipeline-parallel-size": 1,
@@ -375,10 +377,13 @@ def _check_plain_settings(s: Mapping[str, Any], fail: Fail) -> None:
         fail("vllm_model_revision", f"{shown(s['vllm_model_revision'])} is not a branch, tag or commit",
              'e.g. "main" or a commit hash, or None')
     for key in ("vllm_ready_timeout", "vllm_ready_soak_s", "gpufleet_min_free_gb_docker",
-                "gpufleet_min_free_gb_models"):
+                "gpufleet_min_free_gb_models", "gpufleet_lock_wait_s", "gpufleet_lock_lease_s"):
         value = s[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool) or _not_finite(value) or value < 0:
             fail(key, f"{shown(value)} is not a finite non-negative number", f"e.g. {DEFAULTS[key]}")
+        elif key == "gpufleet_lock_lease_s" and value < MIN_LOCK_LEASE_S:
+            # Heartbeats come every quarter of the lease: shorter, a busy controller would lose its own lock.
+            fail(key, f"{shown(value)} is below {MIN_LOCK_LEASE_S} s", f"e.g. {DEFAULTS[key]}")
     if not isinstance(s["gpufleet_min_cuda"], str) or not re.fullmatch(r"[0-9]+\.[0-9]+", s["gpufleet_min_cuda"]):
         fail("gpufleet_min_cuda", f"{shown(s['gpufleet_min_cuda'])} is not a CUDA version", 'use "MAJOR.MINOR", e.g. "13.0"')
     if not isinstance(s["gpufleet_allow_no_gpu"], bool):

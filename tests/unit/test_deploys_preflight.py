@@ -202,3 +202,59 @@ def test_a_host_that_never_answers_gets_one_line_within_the_bound_and_the_others
         "wedged: the host did not answer preflight's read within 0.5 s (fix: check that SSH, sudo, nvidia-smi, "
         "docker and systemctl answer on it, or leave it out with --limit)"]
     assert readings["bad"].problems == [str(SettingError("bad", "vllm_port", "is 0", "use 1-65535"))]
+
+
+# --- the host lock: another run's lock is one line per host, before the host is read -----------------------------
+def test_hosts_another_run_holds_are_refused_with_one_line_each_naming_it(sshd, tmp_path):
+    from pyinfra.api import Config, Inventory, State
+
+    from gpufleet.deploys.preflight import read_fleet
+    from gpufleet.deploys.qwen35 import plan_for
+    from gpufleet.hostlock import Holder, HostLock, LockLost, check_run_lock, release_run_locks
+
+    ssh = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key": str(sshd.client_key),
+           "ssh_known_hosts_file": str(tmp_path / "known_hosts")}
+    # Two inventory names for the one sshd: both are the same machine, so both find the other run's lock.
+    inventory = Inventory(([("gft-a", ssh), ("gft-b", {**ssh, "gpufleet_lock_wait_s": 0.5})], {}))
+    state = State(inventory, Config())
+    for target in inventory:
+        target.connect(raise_exceptions=True)
+        state.activate_host(target)
+    path = str(tmp_path / "host.lock")
+    alice = Holder(user="alice", controller="laptop", pid=4242, since="2026-12-01T03:00:00Z")
+    read: list[str] = []
+
+    def check_host(name, snap, plan):
+        read.append(name)
+        return []
+
+    try:
+        with HostLock(sshd.client(), "other-run", path=path, holder=alice).acquire():
+            readings = read_fleet(state, plan_for, check_host, lock_path=path)
+        fix = "(fix: wait for that run to end, or pass --data gpufleet_lock_wait_s=SECONDS to wait for it)"
+        assert readings["gft-a"].problems == [f"gft-a: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z {fix}"]
+        assert readings["gft-b"].problems == [
+            f"gft-b: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z after waiting 0.5 s {fix}"]
+        assert read == [] and all(r.snapshot is None for r in readings.values())
+        # The refused runs hold nothing: a restart step of theirs would stop there.
+        for target in inventory:
+            with pytest.raises(LockLost):
+                check_run_lock(target)
+    finally:
+        release_run_locks(state)
+        for target in inventory:
+            target.disconnect()
+            target.connector.client.close()
+
+
+def test_the_lock_settings_are_validated_like_the_other_numbers():
+    from gpufleet.errors import SettingErrors
+
+    for setting, value, problem in [("gpufleet_lock_wait_s", -1, "-1 is not a finite non-negative number"),
+                                    ("gpufleet_lock_wait_s", float("inf"), "inf is not a finite non-negative number"),
+                                    ("gpufleet_lock_lease_s", True, "True is not a finite non-negative number"),
+                                    ("gpufleet_lock_lease_s", 0.5, "0.5 is below 2 s")]:
+        with pytest.raises(SettingErrors) as bad:
+            build_spec("gpu1", {setting: value})
+        assert [str(e) for e in bad.value.errors] == [
+            f"gpu1: {setting}: {problem} (fix: e.g. {0 if setting == 'gpufleet_lock_wait_s' else 90})"]

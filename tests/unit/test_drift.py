@@ -75,6 +75,10 @@ def test_what_runs_is_read_under_timeout():
 
 
 # --- the deploy: drift is a change -------------------------------------------------------------------------------
+def described(command: StringCommand | FunctionCommand) -> str:
+    return command.get_raw_value() if isinstance(command, StringCommand) else command.function.__name__
+
+
 def converged(run: RunningService) -> HostSnapshot:
     snap = HostSnapshot(units={UNIT: ("active", "enabled")}, health_code="200",
                         served_models=[(SPEC.served_model_name, SPEC.max_model_len)], running=run)
@@ -83,8 +87,8 @@ def converged(run: RunningService) -> HostSnapshot:
 
 def test_a_unit_written_but_never_loaded_is_reloaded_restarted_and_verified_with_the_soak():
     snap = converged(RunningService("active", "running", True, SPEC.spec_hash, PINNED, (("old", PINNED),)))
-    commands = [c.get_raw_value() for c in run_alone(service.running, snap, service=SPEC.service, changes=[])]
-    assert commands == ["systemctl daemon-reload", f"systemctl restart {UNIT}"]
+    commands = [described(c) for c in run_alone(service.running, snap, service=SPEC.service, changes=[])]
+    assert commands == ["systemctl daemon-reload", "_still_locked", f"systemctl restart {UNIT}"]
     (verify,) = run_alone(service.ready, snap, spec=SPEC, layout=Layout.of(SPEC, "/var/cache/vllm"),
                           verify=lambda *a: True, changes=[], soak_s=20.0)
     assert isinstance(verify, FunctionCommand) and verify.args == (None, 20.0)  # no rollback: nothing was kept
@@ -92,8 +96,9 @@ def test_a_unit_written_but_never_loaded_is_reloaded_restarted_and_verified_with
 
 def test_a_container_from_another_spec_is_restarted():
     snap = converged(RunningService("active", "running", False, SPEC.spec_hash, PINNED, (("handmade", PINNED),)))
-    (restart,) = run_alone(service.running, snap, service=SPEC.service, changes=[])
-    assert isinstance(restart, StringCommand) and restart.get_raw_value() == f"systemctl restart {UNIT}"
+    commands = run_alone(service.running, snap, service=SPEC.service, changes=[])
+    # The restart comes right after the check that this run still holds the host's lock.
+    assert [described(c) for c in commands] == ["_still_locked", f"systemctl restart {UNIT}"]
 
 
 def test_what_the_unit_says_running_is_left_alone():

@@ -161,3 +161,34 @@ def test_a_frozen_controller_loses_the_lock_when_its_lease_runs_out(sshd, lock_f
         assert LEASE_S * 0.6 < waited < LEASE_S + 1.5, waited
     finally:
         taken.release()
+
+
+# --- the run's locks, as the deploy keeps them per host -----------------------------------------------------------
+def test_a_run_checks_and_releases_the_locks_it_keeps_and_a_host_not_over_ssh_has_none(sshd, lock_file, tmp_path):
+    from pyinfra.api import Config, Inventory, State
+
+    from gpufleet.hostlock import NotOverSsh, check_run_lock, keep_for_run, lock_host, release_run_locks
+
+    ssh = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key": str(sshd.client_key),
+           "ssh_known_hosts_file": str(tmp_path / "known_hosts")}
+    inventory = Inventory(([("gft-a", ssh), ("@local", {})], {}))
+    state = State(inventory, Config())
+    remote, local = inventory.get_host("gft-a"), inventory.get_host("@local")
+    for target in (remote, local):
+        target.connect(raise_exceptions=True)
+    try:
+        with pytest.raises(NotOverSsh, match=r"^@local: not connected over SSH \(LocalConnector\)"):
+            lock_host(local)
+        check_run_lock(local)  # no lock taken: nothing to lose
+        keep_for_run(remote, lock_host(remote, path=lock_file, lease_s=LEASE_S).acquire())
+        check_run_lock(remote)
+        with pytest.raises(HostLockBusy):
+            lock(sshd, lock_file).acquire()
+        release_run_locks(state)
+        check_run_lock(remote)  # released and forgotten: the run no longer claims the host
+        with lock(sshd, lock_file).acquire():  # and another run gets it at once
+            pass
+    finally:
+        release_run_locks(state)
+        remote.disconnect()
+        remote.connector.client.close()

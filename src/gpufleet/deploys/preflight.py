@@ -7,8 +7,11 @@ plan_for(name, host data) builds a deploy's plan (raising SettingErrors for bad 
 snapshot, plan) lists its refusals, so a second deploy reuses the harness with its own plan. Every problem on any
 host is one line naming the host, what is wrong and the fix, e.g.
     gpu2: vllm_gpus [0, 1, 2] needs GPU index 2, the host has 1 GPU(s) (...) (fix: list GPU indexes below 1 ...)
-and one refusal stops the whole run: nothing changes on any host. check() below holds the checks of a vLLM host
-(OS, GPUs and driver, Docker engine, the service's unit, free space); it is pure: snapshot + settings -> lines.
+and one refusal stops the whole run: nothing changes on any host. Each host is locked for the run before it is read
+(gpufleet.hostlock): a host another run holds is refused with one line naming that run, or waited for up to
+gpufleet_lock_wait_s; the lock goes when pyinfra disconnects from the host, or at once when preflight refuses.
+check() below holds the checks of a vLLM host (OS, GPUs and driver, Docker engine, the service's unit, free space);
+it is pure: snapshot + settings -> lines.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from weakref import WeakKeyDictionary
 
 import gevent
 from gevent.event import AsyncResult
+from pyinfra import logger
 from pyinfra.api import Host, State
 from pyinfra.api.exceptions import DeployError
+from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import ctx_config, ctx_host, ctx_state
 
+from gpufleet import hostlock
 from gpufleet.errors import SettingErrors
 from gpufleet.facts.host import COMMAND_TIMEOUT_S, GpufleetHost, HostSnapshot, Paths
 from gpufleet.facts.nvidia import version_tuple
@@ -31,6 +37,7 @@ from gpufleet.operations.image import pinned_ref
 from gpufleet.operations.model import missing_parts
 from gpufleet.operations.remote import use_sudo
 from gpufleet.operations.snapshot import remember
+from gpufleet.settings import merged_settings
 
 # How long preflight waits for all hosts' snapshots. A host's snapshot bounds each program in it (a wedged
 # nvidia-smi costs COMMAND_TIMEOUT_S, then the other GPU queries are skipped); this bounds the rest: SSH, sudo,
@@ -43,6 +50,9 @@ JOIN_TIMEOUT_S = READ_TIMEOUT_S + 10
 class Planned(Protocol):
     @property
     def paths(self) -> Paths: ...
+
+    @property
+    def settings(self) -> Mapping[str, Any]: ...
 
 
 P = TypeVar("P", bound=Planned)
@@ -59,13 +69,18 @@ class Reading(Generic[P]):
     problems: list[str]
 
 
-def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: CheckHost[P]) -> Reading[P]:
-    """Plan, read and check one host. Bad settings are reported without reading the host."""
+def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: CheckHost[P],
+              lock_path: str = hostlock.LOCK_PATH) -> Reading[P]:
+    """Plan, lock, read and check one host. Bad settings are reported without touching the host, a host another
+    run holds without reading it."""
     with ctx_config.use(state.config.copy()), ctx_host.use(target):
         try:
             plan = plan_for(target.name, target.data.dict())
         except SettingErrors as errors:
             return Reading(None, None, [str(e) for e in errors.errors])
+        refused = _lock(target, plan.settings, lock_path)
+        if refused:
+            return Reading(plan, None, [refused])
         try:
             snap = target.get_fact(GpufleetHost, paths=plan.paths, _sudo=use_sudo(target), _timeout=READ_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - any failure to read the host is a preflight refusal
@@ -73,12 +88,41 @@ def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: Chec
         return Reading(plan, snap, check_host(target.name, snap, plan))
 
 
-def read_fleet(state: State, plan_for: PlanFor[P], check_host: CheckHost[P],
-               timeout_s: float = JOIN_TIMEOUT_S) -> dict[str, Reading[P]]:
-    """read_host for every active host at once; a host not done within timeout_s gets one line."""
+def _lock(target: Host, settings: Mapping[str, Any], lock_path: str) -> str | None:
+    """Take the run's lock on the host (kept for the run); the refusal line when another run holds it."""
+    try:
+        lock = hostlock.lock_host(target, path=lock_path, lease_s=float(settings[hostlock.LEASE_SETTING]))
+    except hostlock.NotOverSsh as why:
+        # @local and other connectors: no SSH session to hold the lock with (nor a second operator's run to meet).
+        logger.warning(f"{why}; running without the host lock")
+        return None
+    hostlock.keep_for_run(target, lock)
+    try:
+        lock.acquire(wait_s=float(settings[hostlock.WAIT_SETTING]))
+    except hostlock.HostLockError as error:
+        return str(error)
+    return None
+
+
+def _lock_wait(data: Mapping[str, Any]) -> float:
+    """A host's gpufleet_lock_wait_s, 0 when it is not a valid number (plan_for refuses it then, without locking)."""
+    try:
+        wait = float(merged_settings(data)[hostlock.WAIT_SETTING])
+    except (TypeError, ValueError):
+        return 0.0
+    return wait if 0 <= wait < float("inf") else 0.0
+
+
+def read_fleet(state: State, plan_for: PlanFor[P], check_host: CheckHost[P], timeout_s: float | None = None,
+               lock_path: str = hostlock.LOCK_PATH) -> dict[str, Reading[P]]:
+    """read_host for every active host at once; a host not done within timeout_s gets one line. By default the
+    bound is JOIN_TIMEOUT_S plus the longest any host may wait for its lock."""
     hosts = list(state.inventory.get_active_hosts())
+    if timeout_s is None:
+        longest_wait = max((_lock_wait(h.data.dict()) for h in hosts), default=0.0)
+        timeout_s = JOIN_TIMEOUT_S + longest_wait + hostlock.START_MARGIN_S
     # Plain greenlets, not state.pool: this runs inside one of the pool's own greenlets.
-    jobs = {h.name: gevent.spawn(read_host, state, h, plan_for, check_host) for h in hosts}
+    jobs = {h.name: gevent.spawn(read_host, state, h, plan_for, check_host, lock_path) for h in hosts}
     gevent.joinall(list(jobs.values()), timeout=timeout_s)
     readings: dict[str, Reading[P]] = {}
     for name, job in jobs.items():
@@ -96,6 +140,12 @@ def read_fleet(state: State, plan_for: PlanFor[P], check_host: CheckHost[P],
 _RUNS: WeakKeyDictionary[State, dict[Callable[..., Any], AsyncResult[dict[str, Any]]]] = WeakKeyDictionary()
 
 
+class _ReleaseOnDisconnect(BaseStateCallback):
+    @staticmethod
+    def host_disconnect(state: State, host: Host) -> None:
+        hostlock.release_run_locks(state, [host.name])
+
+
 def preflight(plan_for: PlanFor[P], check_host: CheckHost[P]) -> P:
     """This host's plan, once every active host passed preflight; sets its snapshot for the operations
     (gpufleet.operations.snapshot). Raises DeployError listing every failing host's problems."""
@@ -104,6 +154,8 @@ def preflight(plan_for: PlanFor[P], check_host: CheckHost[P]) -> P:
     if plan_for not in runs:
         result: AsyncResult[dict[str, Any]] = AsyncResult()
         runs[plan_for] = result
+        if not any(isinstance(h, _ReleaseOnDisconnect) for h in state.callback_handlers):
+            state.add_callback_handler(_ReleaseOnDisconnect())
         try:
             result.set(read_fleet(state, plan_for, check_host))
         except BaseException as error:
@@ -112,6 +164,7 @@ def preflight(plan_for: PlanFor[P], check_host: CheckHost[P]) -> P:
     readings: dict[str, Reading[P]] = runs[plan_for].get() or {}
     problems = [line for reading in readings.values() for line in reading.problems]
     if problems:
+        hostlock.release_run_locks(state)  # nothing will run: another run may have the hosts now
         failing = sorted(name for name, reading in readings.items() if reading.problems)
         raise DeployError(f"preflight refused {len(failing)} of {len(readings)} host(s); nothing was changed "
                           "on any host:\n  " + "\n  ".join(problems))

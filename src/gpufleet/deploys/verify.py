@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pyinfra import logger
 from pyinfra.api import Host, State
 
+from gpufleet import hostlock
 from gpufleet.health import (
     Expected,
     HealthReport,
@@ -122,6 +123,10 @@ def roll_back(host: Host, spec: ServeSpec, report: HealthReport, rollback: Rollb
     prev_ref = previous.get("ref") or "the previous unit"
     what = f"new image {new_ref}" if new_ref != prev_ref else f"new settings (same image {new_ref})"
     failed = f"{what} failed verification ({report.state}: {report.detail})"
+    try:
+        hostlock.check_run_lock(host)  # the rollback restarts too: never interleaved with another run's restart
+    except hostlock.LockLost as lost:
+        return fail(host, f"{failed}; not rolled back: {lost}")
     host.log_styled(f"rolling back to {prev_ref}")
     ok, output = host.run_shell_command(
         f"install -m 644 {shlex.quote(rollback.backup)} {shlex.quote(rollback.unit_path)} && "

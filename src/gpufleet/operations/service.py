@@ -17,6 +17,7 @@ from pyinfra.api import FunctionCommand, Host, OperationValueError, State, Strin
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import ctx_state
 
+from gpufleet import hostlock
 from gpufleet.facts.host import HostSnapshot
 from gpufleet.health.check import Expected, identity_problems
 from gpufleet.operations.files import put_content, put_secret
@@ -115,6 +116,17 @@ def _changed(ops: list[OperationMeta]) -> bool:
     return any(op.will_change for op in ops)
 
 
+def _still_locked(state: State, host: Host) -> bool:
+    """A (re)start must not interleave with another run's: stop this host if its lock was lost (the lease ran out
+    while this run was stalled, and another run may hold the host now)."""
+    try:
+        hostlock.check_run_lock(host)
+    except hostlock.LockLost as lost:
+        host.log_styled(str(lost), fg="red")
+        return False
+    return True
+
+
 @operation(is_idempotent=False)
 def running(service: str, changes: list[OperationMeta], start: bool = True) -> Commands:
     """Enable the vLLM service and (re)start it when its unit, secrets or image changed, or when what runs is not
@@ -133,8 +145,10 @@ def running(service: str, changes: list[OperationMeta], start: bool = True) -> C
     if drift and _executing():  # said once (pyinfra runs this generator to plan, and again to execute)
         host.log_styled(f"{name} does not run what its unit says ({'; '.join(drift)}): restarting it", fg="yellow")
     if _changed(changes) or drift:
+        yield FunctionCommand(_still_locked, (), {})
         yield StringCommand("systemctl", "restart", shlex.quote(name))
     elif not snap.unit_active(name):
+        yield FunctionCommand(_still_locked, (), {})
         yield StringCommand("systemctl", "start", shlex.quote(name))
     elif snap.unit_enabled(name):
         host.noop(f"{name} is active and nothing it runs changed")
