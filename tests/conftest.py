@@ -38,6 +38,22 @@ def sshd(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+# A login-less system account on every Debian (home /nonexistent, shell nologin): a session as `nobody` shows in
+# what sshd answers when it starts the session's command, and it is never root.
+OTHER_USER = "nobody"
+
+
+@pytest.fixture(scope="module")
+def sshd_nobody(tmp_path_factory: pytest.TempPathFactory):
+    """A throwaway sshd on 127.0.0.1 that lets only OTHER_USER in: SSH settings that name another user."""
+    why = Sshd.available()
+    if why:
+        pytest.skip(f"no throwaway sshd: {why}")
+    server = Sshd(tmp_path_factory.mktemp("sshd-nobody"), user=OTHER_USER).start()
+    yield server
+    server.stop()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     tiers = [t for t in REQUIRED_TIERS if t in report.keywords]

@@ -6,24 +6,12 @@ only `nobody` in, reached with no ssh_user in the host data but an ssh config fi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from gpufleet.health.fleet import pyinfra_host
 from gpufleet.operations.remote import use_sudo
+from tests.conftest import OTHER_USER
 from tests.sshd import Sshd
-
-
-@pytest.fixture(scope="module")
-def sshd_nobody(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    why = Sshd.available()
-    if why:
-        pytest.skip(f"no throwaway sshd: {why}")
-    server = Sshd(tmp_path_factory.mktemp("sshd-nobody"), user="nobody").start()
-    yield server
-    server.stop()
 
 
 def connected(server: Sshd, tmp_path: Path, **extra: object):
@@ -36,7 +24,7 @@ def connected(server: Sshd, tmp_path: Path, **extra: object):
 
 def test_a_session_of_a_user_named_only_by_the_ssh_config_goes_through_sudo(sshd_nobody, tmp_path):
     config = tmp_path / "ssh_config"
-    config.write_text("Host 127.0.0.1\n  User nobody\n")
+    config.write_text(f"Host 127.0.0.1\n  User {OTHER_USER}\n")
     host = connected(sshd_nobody, tmp_path, ssh_config_file=str(config))
     try:
         assert "ssh_user" not in host.data.dict()  # host data alone would have read this as a root session

@@ -19,22 +19,8 @@ from click.testing import CliRunner
 
 from gpufleet.cli.verify import status, verify
 from gpufleet.health import fleet
+from tests.conftest import OTHER_USER
 from tests.sshd import Sshd
-
-# A login-less system account on every Debian (home /nonexistent, shell nologin): a session as `nobody` shows in
-# what sshd answers when it starts the session's command.
-OTHER_USER = "nobody"
-
-
-@pytest.fixture(scope="module")
-def sshd_nobody(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    why = Sshd.available()
-    if why:
-        pytest.skip(f"no throwaway sshd: {why}")
-    server = Sshd(tmp_path_factory.mktemp("sshd-nobody"), user=OTHER_USER).start()
-    yield server
-    server.stop()
-
 
 def login(server: Sshd, known_hosts: Path, strict: str, **extra: object) -> dict:
     """Host data reaching `server` with its client key, a known_hosts file of the test's and a checking policy."""
