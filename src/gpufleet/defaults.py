@@ -85,6 +85,21 @@ DEFAULTS: dict[str, Any] = {
     # a lock left by a controller that froze or lost its link frees itself after this. A killed controller's lock
     # frees at once.
     "gpufleet_lock_lease_s": 90,
+    # --- what one run does (a rollout passes these with `--data key=value`) ---------------------------------
+    # A digest "repo@sha256:<64 hex>" of vllm_image's repository to install instead of resolving vllm_image: pulled
+    # by digest if absent. The host's ledger records it under vllm_image, so a later converge without this setting
+    # keeps running it with no change.
+    "gpufleet_image_ref": None,
+    # "converge" does everything; "prepare" stops before the unit: preflight, engine, toolkit, directories, env
+    # file, the image pull, the model and the image's flag check, while the old version keeps serving (no unit
+    # write, no restart, no ledger change).
+    "gpufleet_stage": "converge",
+    # A version (digest + spec) that failed verification is not installed again by a plain converge; True tries it
+    # again on purpose, for this run.
+    "gpufleet_retry_failed": False,
+    # After ready and the soak, also run the prompt re-processing probe (`gpufleet verify --probe`); its failure is
+    # a failed verify (rolled back).
+    "gpufleet_verify_probe": False,
     # --- Docker engine --------------------------------------------------------------------------------------
     # "docker-ce" from Docker's official repo, or "distro" for the distribution's docker.io package.
     "docker_install": "docker-ce",

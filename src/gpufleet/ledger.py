@@ -70,6 +70,7 @@ class Version:
 class Committed:
     version: Version
     committed_at: str
+    ready_at: str | None = None  # when it first answered ready after its restart (None: migrated, or not measured)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Failed:
     spec_hash: str | None  # None: marked by the old format, which did not record it
     reason: str
     failed_at: str
+    image: str | None = None  # vllm_image as configured when it failed (a tag is not resolved again: pin())
 
     def matches(self, version: Version) -> bool:
         return self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
@@ -113,14 +115,15 @@ def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
     return replace(ledger, pending=Pending(version=target, started_at=now, operator=operator))
 
 
-def commit(ledger: Ledger, now: str) -> Ledger:
-    """The ledger after the pending version passed verify and the soak: it is the new rollback target."""
+def commit(ledger: Ledger, now: str, ready_at: str | None = None) -> Ledger:
+    """The ledger after the pending version passed verify and the soak: it is the new rollback target. ready_at:
+    when it first answered ready."""
     pending = _pending(ledger, "commit")
     history = ledger.history
     if ledger.committed is not None and ledger.committed.version != pending.version:
         history = (*history, ledger.committed)[-HISTORY_LIMIT:]
     failed = tuple(f for f in ledger.failed if not f.matches(pending.version))
-    return Ledger(committed=Committed(pending.version, now), pending=None, failed=failed, history=history)
+    return Ledger(committed=Committed(pending.version, now, ready_at), pending=None, failed=failed, history=history)
 
 
 def roll_back(ledger: Ledger, reason: str, now: str) -> Ledger:
@@ -128,7 +131,7 @@ def roll_back(ledger: Ledger, reason: str, now: str) -> Ledger:
     marked failed (a plain converge will not retry it), `committed` is unchanged."""
     pending = _pending(ledger, "roll back")
     mark = Failed(ref=pending.version.ref, spec_hash=pending.version.spec_hash, reason=one_line(reason),
-                  failed_at=now)
+                  failed_at=now, image=pending.version.image)
     failed = (*(f for f in ledger.failed if (f.ref, f.spec_hash) != (mark.ref, mark.spec_hash)), mark)
     return replace(ledger, pending=None, failed=failed[-FAILED_LIMIT:])
 
@@ -149,6 +152,17 @@ def refused_target(ledger: Ledger, target: Version) -> str | None:
     settings = "" if mark.spec_hash is None else f" with spec {mark.spec_hash}"
     return one_line(f"{mark.ref}{settings} failed at {mark.failed_at}: {mark.reason} (fix: change vllm_image or a "
                     f"setting, or pass --data {RETRY_SETTING}=true to one converge to try it again on purpose)")
+
+
+def pin(ledger: Ledger, image: str) -> str | None:
+    """The digest `image` (vllm_image as configured: a tag) stands for on this host, or None (resolve it): the
+    version a cut run was installing, else the committed one, else the newest that failed, which refused_target
+    then names (a tag is not resolved again only to reach another digest than the one that failed)."""
+    if ledger.pending is not None and ledger.pending.version.image == image:
+        return ledger.pending.version.ref
+    if ledger.committed is not None and ledger.committed.version.image == image:
+        return ledger.committed.version.ref
+    return next((f.ref for f in reversed(ledger.failed) if f.image == image), None)
 
 
 def retry_failed(ledger: Ledger, target: Version) -> Ledger:
@@ -268,8 +282,8 @@ def render(ledger: Ledger) -> str:
         "pending": None if ledger.pending is None else {
             **_version_doc(ledger.pending.version), "started_at": ledger.pending.started_at,
             "operator": ledger.pending.operator},
-        "failed": [{"ref": f.ref, "spec_hash": f.spec_hash, "reason": f.reason, "failed_at": f.failed_at}
-                   for f in ledger.failed],
+        "failed": [{"ref": f.ref, "spec_hash": f.spec_hash, "reason": f.reason, "failed_at": f.failed_at,
+                    "image": f.image} for f in ledger.failed],
         "history": [_committed_doc(c) for c in ledger.history],
     }
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
@@ -281,7 +295,7 @@ def _version_doc(v: Version) -> dict[str, Any]:
 
 
 def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
-    return None if c is None else {**_version_doc(c.version), "committed_at": c.committed_at}
+    return None if c is None else {**_version_doc(c.version), "committed_at": c.committed_at, "ready_at": c.ready_at}
 
 
 def _kind(value: object) -> str:
@@ -326,7 +340,8 @@ def _version(doc: dict[str, Any], where: str) -> Version:
 
 def _committed(value: Any, where: str) -> Committed:
     doc = _object(value, where)
-    return Committed(_version(doc, where), _field(doc, where, "committed_at", str))
+    ready_at = _field(doc, where, "ready_at", str, optional=True) if "ready_at" in doc else None
+    return Committed(_version(doc, where), _field(doc, where, "committed_at", str), ready_at)
 
 
 def _parse_v2(data: dict[str, Any]) -> Ledger:
@@ -340,8 +355,10 @@ def _parse_v2(data: dict[str, Any]) -> Ledger:
     for i, item in enumerate(_field(data, "ledger", "failed", list)):
         where = f"failed[{i}]"
         doc = _object(item, where)
+        image = _field(doc, where, "image", str, optional=True) if "image" in doc else None
         failed.append(Failed(ref=_field(doc, where, "ref", str), spec_hash=_field(doc, where, "spec_hash", str, True),
-                             reason=_field(doc, where, "reason", str), failed_at=_field(doc, where, "failed_at", str)))
+                             reason=_field(doc, where, "reason", str), failed_at=_field(doc, where, "failed_at", str),
+                             image=image))
     history = tuple(_committed(item, f"history[{i}]")
                     for i, item in enumerate(_field(data, "ledger", "history", list)))
     return Ledger(committed=committed, pending=pending, failed=tuple(failed), history=history)
@@ -356,7 +373,7 @@ def _old_entry(value: Any, where: str) -> tuple[Committed, Failed | None]:
     failed = None
     if doc.get("failed"):
         failed = Failed(ref=ref, spec_hash=None, reason=one_line(str(doc["failed"])),
-                        failed_at=_field(doc, where, "failed_at", str))
+                        failed_at=_field(doc, where, "failed_at", str), image=version.image)
     return Committed(version, pinned_at), failed
 
 

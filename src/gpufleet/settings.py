@@ -46,6 +46,11 @@ MAX_ARG_BYTES = 131072
 MAX_UNIT_LINE_BYTES = 1024 * 1024 - 4096
 # Shortest host lock lease: a controller busy for a quarter of it (a slow fact, a large upload) must not lose its lock.
 MIN_LOCK_LEASE_S = 2
+# Settings that change what one run does; their values may come from `--data key=value` on pyinfra's command line.
+RUN_FLAGS = ("gpufleet_retry_failed", "gpufleet_verify_probe")
+_BOOL_WORDS = {"true": True, "false": False}
+STAGES = ("converge", "prepare")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 # Flags whose value must be a whole number (argparse type=int in vLLM) and their lower bounds.
 _INT_FLAGS = {"max-num-batched-tokens": 1, "max-num-seqs": 1, "pipeline-parallel-size": 1,
@@ -191,6 +196,10 @@ def resolve_host(host: str, host_data: Mapping[str, Any]) -> tuple[ServeSpec, di
         raise SettingErrors(errors)
 
     image = _check_image(s["vllm_image"], fail)
+    if image:
+        s["gpufleet_image_ref"] = _check_image_ref(s["gpufleet_image_ref"], image, fail)
+    for key in RUN_FLAGS:  # `--data key=true` may arrive as the word: one meaning from here on
+        s[key] = _BOOL_WORDS.get(s[key].lower(), s[key]) if isinstance(s[key], str) else s[key]
     gpus = _check_gpus(s["vllm_gpus"], fail)
     port = _check_port(s["vllm_port"], fail)
     publish_address = _check_publish_address(s["vllm_publish_address"], fail)
@@ -291,6 +300,23 @@ def _check_unknown_settings(host_data: Mapping[str, Any], fail: Fail) -> None:
             fail(key, "unknown setting", f"did you mean {close[0]}?" if close else "see the settings table in README.md")
 
 
+def _check_image_ref(value: Any, image: str, fail: Fail) -> str | None:
+    """gpufleet_image_ref: None, or a digest of vllm_image's repository (what a rollout installs)."""
+    if value is None:
+        return None
+    ref = parse_image(value) if isinstance(value, str) else None
+    if ref is None or ref.digest is None or not _DIGEST.fullmatch(ref.digest):
+        fail("gpufleet_image_ref", f"{shown(value)} is not a digest reference",
+             'use "repo@sha256:<64 hex digits>", or None to install vllm_image')
+        return None
+    wanted = parse_image(image)
+    if wanted is not None and ref.repository != wanted.repository:
+        fail("gpufleet_image_ref", f"{shown(value)} is not of vllm_image's repository {wanted.repository}",
+             f"use {wanted.repository}@sha256:<digest>, or change vllm_image to that repository")
+        return None
+    return ref.pinned
+
+
 def _check_image(value: Any, fail: Fail) -> str:
     if not isinstance(value, str) or parse_image(value) is None:
         fail("vllm_image", f"{shown(value)} is not an image reference", 'use "repo:tag" or "repo@sha256:<digest>"')
@@ -388,6 +414,11 @@ def _check_plain_settings(s: Mapping[str, Any], fail: Fail) -> None:
         fail("gpufleet_min_cuda", f"{shown(s['gpufleet_min_cuda'])} is not a CUDA version", 'use "MAJOR.MINOR", e.g. "13.0"')
     if not isinstance(s["gpufleet_allow_no_gpu"], bool):
         fail("gpufleet_allow_no_gpu", f"{shown(s['gpufleet_allow_no_gpu'])} is not True/False", "set True or False")
+    for key in RUN_FLAGS:
+        if not isinstance(s[key], bool):
+            fail(key, f"{shown(s[key])} is not true/false", f"set True or False, or pass --data {key}=true")
+    if s["gpufleet_stage"] not in STAGES:
+        fail("gpufleet_stage", f"{shown(s['gpufleet_stage'])} is not a stage", f"use one of: {', '.join(STAGES)}")
     if s["docker_install"] not in ("docker-ce", "distro"):
         fail("docker_install", f"{shown(s['docker_install'])} is not an install method", 'use "docker-ce" or "distro"')
     for key in ("docker_repo_url", "nvidia_repo_url"):

@@ -20,6 +20,9 @@ OptionValue = bool | str | tuple[str, ...]  # True = bare flag, str = --name=val
 
 # Where the serving image's hf CLI keeps its download cache inside the container.
 HF_CACHE_CONTAINER_PATH = "/root/.cache/huggingface"
+# The --model of a flag check: a path that exists nowhere, so an accepted command line stops at model resolution
+# (vLLM names it in its error) before any weights, GPU or network are touched.
+FLAG_CHECK_MODEL = "/gpufleet-flag-check/no-model"
 
 
 def container_label_key(service: str) -> str:
@@ -125,9 +128,12 @@ class ServeSpec:
         return None
 
     # --- the invocation -----------------------------------------------------------------------------------
-    def vllm_argv(self) -> list[str]:
+    def vllm_argv(self, model: str | None = None) -> list[str]:
+        """The vLLM flags; `model` replaces --model's value (a flag check's placeholder)."""
         argv: list[str] = []
         for name, value in self.vllm_args:
+            if name == "model" and model is not None:
+                value = model
             if value is True:
                 argv.append(f"--{name}")
             elif value is False:
@@ -156,6 +162,14 @@ class ServeSpec:
             argv += ["-v", mount.volume_arg()]
         argv.append(image or self.image)
         return argv + self.vllm_argv()
+
+    def flag_check_argv(self, image: str, name: str, docker: str = "docker") -> list[str]:
+        """`docker run` of `image`'s own entrypoint (`vllm serve`) on this spec's flags, --model replaced by
+        FLAG_CHECK_MODEL: no GPU, no network, no mounts, no secrets. vLLM's argparse exits 2 naming a flag the
+        image does not accept; an accepted command line fails later, at model resolution, naming the placeholder.
+        `name` lets the caller remove a container whose check ran out of time."""
+        return [docker, "run", "--rm", "--name", name, "--network", "none", "-e", "HF_HUB_OFFLINE=1",
+                "-e", "VLLM_NO_USAGE_STATS=1", image, *self.vllm_argv(model=FLAG_CHECK_MODEL)]
 
     def hf_download_argv(self, image: str, repo: str, revision: str | None, hf_cache: str | None,
                          env_file: str | None, docker: str = "docker") -> list[str]:

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 from tests.integration.pyinfra_results import changed_ops, changes
-from tests.integration.test_deploy_qwen35 import SERVICE, STATE_FILE, TEST_DATA, deploy, running_image, sh, write_inventory
+from tests.integration.test_deploy_qwen35 import (
+    SERVICE, TEST_DATA, committed_ref, deploy, running_image, sh, write_inventory,
+)  # fmt: skip
 
 from gpufleet.facts.host import COMMAND_TIMEOUT_S
 from gpufleet.sandbox.image import image_ref
@@ -85,7 +87,7 @@ def wait_for_label(fleet, host, label: str, timeout_s: float = 60) -> None:
 def good(host, fleet, inventory, pyinfra):
     """The host converged and verified on the good image; its pinned digest."""
     deploy(pyinfra, inventory())
-    return json.loads(fleet.read_file(host, STATE_FILE))["current"]["ref"]
+    return committed_ref(fleet, host)
 
 
 def test_ssh_cut_after_the_unit_upload_before_the_restart(good, host, fleet, inventory, pyinfra):
@@ -138,7 +140,7 @@ def test_reboot_after_a_converge_comes_back_on_the_committed_digest(good, host, 
     inv = str(inventory(**CHANGED))
     ready = gpufleet("verify", inv, "--wait", "120")
     assert ready.returncode == 0, ready.stdout
-    committed = json.loads(fleet.read_file(host, STATE_FILE))["current"]["ref"]
+    committed = committed_ref(fleet, host)
     assert committed == good and running_image(fleet, host) == committed
     assert container_label(fleet, host) == spec_for(host, fleet, **CHANGED).spec_hash
 

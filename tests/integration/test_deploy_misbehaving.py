@@ -47,6 +47,6 @@ def test_an_image_whose_server_misbehaves_is_rolled_back(good, run, host, fleet,
     assert running_image(fleet, host) == good
     assert fleet.read_file(host, UNIT) == fleet.read_file(host, BACKUP)  # the kept unit is the one restored
     assert health_over_ssh(host, fleet)[0] is HealthState.READY
-    state = json.loads(fleet.read_file(host, STATE_FILE))
-    assert state["current"]["ref"] == good
-    assert state["history"][-1]["failed"].startswith(f"misconfigured: {caught}")
+    doc = json.loads(fleet.read_file(host, STATE_FILE))
+    assert doc["committed"]["ref"] == good and doc["pending"] is None
+    assert doc["failed"][-1]["reason"].startswith(f"misconfigured: {caught}")

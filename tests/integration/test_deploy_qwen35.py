@@ -6,6 +6,7 @@ on the running service. Preflight refusals use fresh hosts so "untouched" can be
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -66,6 +67,16 @@ def running_image(fleet, host) -> str:
     return sh(fleet, host, f"[ -n \"{ids}\" ] && docker inspect --format '{{{{.Config.Image}}}}' {ids} || true").strip()
 
 
+def ledger(fleet, host, service: str = SERVICE) -> dict:
+    """The host's ledger file (gpufleet.ledger's format) as JSON."""
+    return json.loads(fleet.read_file(host, f"/var/lib/gpufleet/{service}.json"))
+
+
+def committed_ref(fleet, host, service: str = SERVICE) -> str:
+    """The digest the host's ledger names committed (verified): the rollback target."""
+    return ledger(fleet, host, service)["committed"]["ref"]
+
+
 def fingerprint(fleet, host) -> str:
     """What a deploy could change: packages, apt sources, keyrings, docker config, units, our dirs and files."""
     return sh(fleet, host, "dpkg-query -W -f '${Package} ${Version}\\n' | sha256sum; "
@@ -100,11 +111,12 @@ def test_two_bare_hosts_converge_to_a_verified_service(converged, test_hosts, fl
     for host in test_hosts:
         assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"
         assert sh(fleet, host, f"systemctl is-enabled {SERVICE}").strip() == "enabled"
-        state = json.loads(fleet.read_file(host, STATE_FILE))
-        ref = state["current"]["ref"]
-        assert "@sha256:" in ref and state["history"][-1]["ref"] == ref
+        committed = ledger(fleet, host)["committed"]
+        ref = committed["ref"]
+        assert "@sha256:" in ref and committed["ready_at"] and ledger(fleet, host)["pending"] is None
         assert running_image(fleet, host) == ref  # the container runs the digest, not the tag
-        assert f" {ref} " in fleet.read_file(host, f"/etc/systemd/system/{SERVICE}.service").decode()
+        unit = fleet.read_file(host, f"/etc/systemd/system/{SERVICE}.service")
+        assert f" {ref} ".encode() in unit and committed["unit_sha256"] == hashlib.sha256(unit).hexdigest()
 
 
 def test_foreign_daemon_json_keys_survive(converged, test_hosts, fleet):
@@ -118,7 +130,7 @@ def test_foreign_daemon_json_keys_survive(converged, test_hosts, fleet):
 def test_second_converge_changes_nothing(converged, inventory_json, names, pyinfra, tmp_path):
     out = deploy(pyinfra, write_inventory(tmp_path, inventory_json, names)).stdout
     assert changes(out) == 0, changed_ops(out)
-    assert results(out)["Grand total"][0] == str(15 * len(names))
+    assert results(out)["Grand total"][0] == str(16 * len(names))
 
 
 def test_a_rotated_nvidia_key_is_replaced(converged, test_hosts, inventory_json, names, pyinfra, fleet, tmp_path):
@@ -171,7 +183,7 @@ def test_secrets_stay_out_of_unit_ps_and_output(converged, test_hosts, inventory
 def test_reboot_brings_the_service_back_on_the_same_digest(converged, test_hosts, fleet, inventory_json, pyinfra,
                                                           tmp_path):
     b = test_hosts[1]
-    ref = json.loads(fleet.read_file(b, STATE_FILE))["current"]["ref"]
+    ref = committed_ref(fleet, b)
     fleet.reboot(b)
     out = ""
     for _ in range(60):  # the unit starts at boot; the stand-in takes a few seconds to listen
@@ -183,7 +195,7 @@ def test_reboot_brings_the_service_back_on_the_same_digest(converged, test_hosts
                                     {b.name: {"vllm_args": {"max-num-seqs": 4}}})).stdout
     # Nothing to redo after a reboot; at most the readiness wait if the stand-in was still loading.
     assert set(changed_ops(out)) <= {"Verify vLLM is ready (/health, /v1/models)"}, changed_ops(out)
-    assert json.loads(fleet.read_file(b, STATE_FILE))["current"]["ref"] == ref
+    assert committed_ref(fleet, b) == ref
 
 
 @pytest.mark.parametrize("gpus, overrides, expected", [
@@ -230,15 +242,18 @@ def fleet_inventory_json(fleet):
     return fleet.write_inventory
 
 
-def test_a_service_that_never_gets_ready_fails_the_host_with_its_last_log_lines(fresh_hosts, fleet,
-                                                                               fleet_inventory_json, pyinfra, tmp_path):
+def test_a_first_install_that_dies_fails_the_host_with_its_last_log_lines(fresh_hosts, fleet, fleet_inventory_json,
+                                                                           pyinfra, tmp_path):
     (host,) = fresh_hosts(H200x3)
     doc = json.loads(Path(fleet_inventory_json()).read_text())
-    image = doc["host_data"]["vllm_image"].rsplit(":", 1)[0] + ":rejects-flag"  # an "older vLLM" without the flag
+    image = doc["host_data"]["vllm_image"].rsplit(":", 1)[0] + ":dies"  # ready ~8 s, then its engine dies
     inv = write_inventory(tmp_path, fleet_inventory_json(), [host.name],
-                          {host.name: {"vllm_image": image, "vllm_ready_timeout": 25}})
+                          {host.name: {"vllm_image": image, "vllm_ready_timeout": 60}})
     proc = deploy(pyinfra, inv, check=False)
     assert proc.returncode != 0
-    assert f"[{host.name}] vllm-qwen35 not ready" in proc.stdout
+    assert f"[{host.name}] vllm-qwen35 not ready (dead: " in proc.stdout, proc.stdout[-3000:]
     log_lines = [line for line in proc.stdout.splitlines() if f"[{host.name}]   | " in line]
-    assert any("performance-mode" in line for line in log_lines), proc.stdout[-3000:]
+    assert any("EngineDeadError" in line for line in log_lines), proc.stdout[-3000:]
+    # Nothing verified to go back to: no committed version, the digest marked failed (not retried by a re-run).
+    doc = ledger(fleet, host)
+    assert doc["committed"] is None and doc["pending"] is None and doc["failed"][0]["reason"].startswith("dead: ")

@@ -1,7 +1,8 @@
-"""A converge whose new image fails verification puts the version that was serving back (real test host, SSH).
+"""A converge whose new image fails verification puts the committed version back (real test host, SSH).
 
-One fresh host, three steps in file order (pytest keeps it): good image -> `rejects-flag` (exits 2 at once: rolled
-back) -> `dies` (ready, then its engine dies: caught by the soak, rolled back) -> the good image again: no change.
+One fresh host, three steps in file order (pytest keeps it): good image -> `rejects-flag` (its own parser rejects
+a serve flag: caught by the flag check before the unit changes) -> `dies` (ready, then its engine dies: caught by
+the soak, rolled back, marked failed in the ledger) -> the good image again: no change.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import (
     SERVICE,
     STATE_FILE,
+    committed_ref,
     deploy,
+    ledger,
     running_image,
     sh,
     write_inventory,
@@ -63,7 +66,7 @@ def good(run, host, fleet):
     """The host serving the good image; its pinned digest."""
     out, rc, _ = run("good")
     assert rc == 0, out[-4000:]
-    return json.loads(fleet.read_file(host, STATE_FILE))["current"]["ref"]
+    return committed_ref(fleet, host)
 
 
 def health_over_ssh(host, fleet) -> tuple[HealthState, str]:
@@ -93,25 +96,31 @@ def assert_rolled_back(out: str, rc: int, host, fleet, good: str, caught: str) -
     assert f" {good} " in fleet.read_file(host, UNIT).decode()
     assert fleet.read_file(host, UNIT) == fleet.read_file(host, BACKUP)  # the kept unit is the one restored
     assert health_over_ssh(host, fleet)[0] is HealthState.READY
-    state = json.loads(fleet.read_file(host, STATE_FILE))
-    assert state["current"]["ref"] == good
-    assert state["history"][-1]["ref"] != good and state["history"][-1]["failed"].startswith("dead: ")
-    return state
+    doc = ledger(fleet, host)
+    assert doc["committed"]["ref"] == good and doc["pending"] is None
+    assert doc["failed"][-1]["ref"] != good and doc["failed"][-1]["reason"].startswith("dead: ")
+    return doc
 
 
-def test_an_image_that_exits_at_once_is_rolled_back(good, run, host, fleet):
+def test_an_image_that_rejects_a_serve_flag_is_caught_before_the_unit_changes(good, run, host, fleet):
+    pid = sh(fleet, host, f"systemctl show -p MainPID --value {SERVICE}").strip()
+    before = fleet.read_file(host, STATE_FILE)
     out, rc, seconds = run("rejects-flag")
-    assert_rolled_back(out, rc, host, fleet, good, caught="docker run exited with status 2")
-    assert any("performance-mode" in line for line in out.splitlines() if f"[{host.name}]   | " in line)
-    # Noticed from systemd, not by waiting out vllm_ready_timeout (60 s here, 30 min by default).
+    assert rc != 0, out[-4000:]
+    lines = [line.strip() for line in out.splitlines() if f"{host.name}: image " in line and " rejects " in line]
+    assert lines and "--performance-mode" in lines[0], out[-4000:]
+    # The old version kept serving: same process, same unit, the ledger untouched.
+    assert sh(fleet, host, f"systemctl show -p MainPID --value {SERVICE}").strip() == pid
+    assert running_image(fleet, host) == good and f" {good} " in fleet.read_file(host, UNIT).decode()
+    assert fleet.read_file(host, STATE_FILE) == before
     assert seconds < DATA["vllm_ready_timeout"], seconds
 
 
 def test_an_image_whose_engine_dies_after_ready_is_caught_by_the_soak_and_rolled_back(good, run, host, fleet):
     out, rc, _ = run("dies")
     assert f"[{host.name}] ready: " in out and "watching it for 20 s" in out  # it did get ready first
-    state = assert_rolled_back(out, rc, host, fleet, good, caught=r"s after it was ready")
-    assert [h.get("failed", "")[:5] for h in state["history"]] == ["", "dead:", "dead:"]
+    doc = assert_rolled_back(out, rc, host, fleet, good, caught=r"s after it was ready")
+    assert [f["reason"][:5] for f in doc["failed"]] == ["dead:"] and doc["history"] == []
 
 
 def test_the_good_image_again_after_a_rollback_changes_nothing(good, run, host, fleet):
@@ -120,4 +129,4 @@ def test_the_good_image_again_after_a_rollback_changes_nothing(good, run, host, 
     assert rc == 0, out[-4000:]
     assert changes(out) == 0, changed_ops(out)
     assert sh(fleet, host, f"systemctl show -p MainPID --value {SERVICE}").strip() == pid
-    assert json.loads(fleet.read_file(host, STATE_FILE))["current"]["ref"] == good
+    assert committed_ref(fleet, host) == good

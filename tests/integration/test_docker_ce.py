@@ -82,7 +82,7 @@ def test_docker_ce_from_the_signed_repo_converges_a_bare_host(ce_converged, modu
     assert sh(fleet, host, "readlink /proc/$(systemctl show -p MainPID --value docker.service)/exe").strip() == (
         "/usr/bin/dockerd")
     assert "nvidia" in json.loads(sh(fleet, host, "docker info --format '{{json .Runtimes}}'"))
-    assert running_image(fleet, host) == json.loads(fleet.read_file(host, STATE_FILE))["current"]["ref"]
+    assert running_image(fleet, host) == json.loads(fleet.read_file(host, STATE_FILE))["committed"]["ref"]
 
 
 def test_docker_ce_second_converge_changes_nothing(ce_converged, ce_inventory, pyinfra):

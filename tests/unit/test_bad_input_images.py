@@ -7,6 +7,7 @@ import pytest
 
 from gpufleet.facts.host import MARK, parse_snapshot
 from gpufleet.image_ref import normalise, parse
+from gpufleet.ledger import Committed, Ledger, Version
 from gpufleet.operations.image import image_present, pick_digest, pinned_ref, repository
 from gpufleet.settings import build_spec
 
@@ -61,8 +62,9 @@ def test_a_pinned_reference_matches_the_local_image_by_digest(written, present):
 
 def test_the_pin_of_a_tag_and_digest_is_the_digest():
     assert pinned_ref(None, "docker.io/vllm/vllm-openai:nightly@" + D1) == "vllm/vllm-openai@" + D1
-    state = {"current": {"image": "docker.io/vllm/vllm-openai:nightly", "ref": "vllm/vllm-openai@" + D2}}
-    assert pinned_ref(state, "docker.io/vllm/vllm-openai:nightly") == "vllm/vllm-openai@" + D2
+    ledger = Ledger(committed=Committed(Version("docker.io/vllm/vllm-openai:nightly", "vllm/vllm-openai@" + D2, None,
+                                                None, None, None), "t0"))
+    assert pinned_ref(ledger, "docker.io/vllm/vllm-openai:nightly") == "vllm/vllm-openai@" + D2
 
 
 def test_repo_digests_of_a_docker_io_pull_are_found():

@@ -76,11 +76,10 @@ def test_low_disk(key, setting):
 
 def test_disk_not_required_for_what_is_already_there():
     ref = "vllm/vllm-openai@sha256:" + "a" * 64
-    snap = host(state={"current": {"image": "vllm/vllm-openai:nightly", "ref": ref}},
-                images=[("vllm/vllm-openai", "nightly", "sha256:" + "a" * 64)],
+    snap = host(images=[("vllm/vllm-openai", "nightly", "sha256:" + "a" * 64)],
                 model_files={"config.json": 1, "tokenizer.json": 1, "model.safetensors": 9})
     snap.free_kib.update(docker=GIB, models=GIB)
-    assert check("g", snap, settings(), (0, 1, 2)) == []
+    assert check("g", snap, settings(), (0, 1, 2), ref) == []
 
 
 def test_missing_model_without_repo():

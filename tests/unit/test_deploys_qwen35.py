@@ -17,7 +17,9 @@ from pyinfra.api.deploy import add_deploy
 from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.deploys import preflight
-from gpufleet.deploys.qwen35 import Plan, deploy_qwen35, plan_for
+from gpufleet.deploys.qwen35 import Plan, check_host, deploy_qwen35, host_ledger, plan_for, replaced_service
+from gpufleet.facts.host import RunningService
+from gpufleet.ledger import Committed, Ledger, Version, begin, render, roll_back
 from gpufleet.facts.host import HostSnapshot
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion
 from gpufleet.health.check import Expected
@@ -53,7 +55,7 @@ def prepare(snapshot: HostSnapshot, monkeypatch: pytest.MonkeyPatch) -> tuple[Pl
     state.activate_host(target)
     plan = plan_for("gpu1", target.data.dict())
     # Preflight's SSH read is the one thing replaced: this snapshot is what it would have read.
-    monkeypatch.setattr(preflight, "read_fleet", lambda *_: {"gpu1": preflight.Reading(plan, snapshot, [])})
+    monkeypatch.setattr(preflight, "read_fleet", lambda *_, **__: {"gpu1": preflight.Reading(plan, snapshot, [])})
     add_deploy(state, deploy_qwen35)
     ops = []
     with ctx_state.use(state), ctx_host.use(target):
@@ -99,7 +101,9 @@ def test_a_converged_host_gets_no_command_from_any_operation(monkeypatch):
     converged = bare_but_installed()
     converged.file_sha256 = {path: hashlib.sha256(content).hexdigest() for path, content in files.items()}
     converged.dirs = dict.fromkeys(dirs, ("root", "root", "755"))
-    converged.state = {"current": {"image": spec.image, "ref": REF}}
+    converged.ledger_text = render(Ledger(committed=Committed(
+        Version(spec.image, REF, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service, port=spec.port),
+        "t0")))
     converged.images = [(REF.split("@")[0], "<none>", REF.split("@")[1])]
     converged.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
     converged.units[unit_name(spec.service)] = ("active", "enabled")
@@ -125,3 +129,110 @@ def test_a_server_with_another_max_model_len_is_verified_not_taken_as_ready(monk
     _, ops = prepare(snap, monkeypatch)
     verify = next(cmds for name, cmds in ops if name == "Verify vLLM is ready (/health, /v1/models)")
     assert [c.function.__name__ for c in verify] == ["run"]
+
+
+def op_names(snap: HostSnapshot, monkeypatch: pytest.MonkeyPatch, **data: Any) -> list[str]:
+    monkeypatch.setitem(globals(), "DATA", {**DATA, **data})
+    return [name for name, _ in prepare(snap, monkeypatch)[1]]
+
+
+def test_prepare_stops_before_the_unit_and_settles_no_ledger(monkeypatch):
+    names = op_names(bare_but_installed(), monkeypatch, gpufleet_stage="prepare")
+    assert names[-3:] == ["Pull the vLLM image and pin its digest", "Check the image accepts the serve flags",
+                          "Download the model unless it is complete"]
+
+
+def pending_on(snap: HostSnapshot, plan: Plan, restarts: int, unit_is_pending: bool = True) -> HostSnapshot:
+    """The snapshot of a host whose last run was cut after it began `NEW` over a committed version."""
+    old = Version(plan.spec.image, REF, "a" * 64, "0" * 16, plan.spec.service, plan.spec.port)
+    new = Version(plan.spec.image, REF[:-1] + "2", "b" * 64, plan.spec.spec_hash, plan.spec.service, plan.spec.port)
+    ledger = begin(Ledger(committed=Committed(old, "t0")), new, "ops@laptop pid 7", "t1")
+    snap.ledger_text = render(ledger)
+    snap.file_sha256[plan.layout.unit_file] = (new if unit_is_pending else old).unit_sha256 or ""
+    snap.running = RunningService(active_state="active", containers=((new.spec_hash or "", new.ref),),
+                                  restarts=restarts)
+    return snap
+
+
+def test_a_cut_runs_failing_version_is_rolled_back_first_and_nothing_else_runs(monkeypatch):
+    plan = plan_for("gpu1", DATA)
+    _, ops = prepare(pending_on(bare_but_installed(), plan, restarts=2), monkeypatch)
+    assert [(name, [c.function.__name__ for c in cmds]) for name, cmds in ops] == [
+        ("Settle the change a cut run left pending", ["roll_back_cut"])]
+
+
+def test_a_cut_runs_version_that_never_reached_the_unit_is_dropped_and_the_deploy_goes_on(monkeypatch):
+    plan = plan_for("gpu1", DATA)
+    _, ops = prepare(pending_on(bare_but_installed(), plan, restarts=0, unit_is_pending=False), monkeypatch)
+    assert ops[0][0] == "Settle the change a cut run left pending"
+    assert [c.function.__name__ for c in ops[0][1]] == ["_drop"] and len(ops) > 10
+
+
+def test_router_hosts_are_neither_read_nor_deployed(monkeypatch):
+    inventory = Inventory(([("gpu1", DATA), ("router1", {"router_port": 8080})], {}), routers=(["router1"], {}))
+    state = State(inventory, Config())
+    gpu, router = inventory.get_host("gpu1"), inventory.get_host("router1")
+    state.activate_host(gpu)
+    state.activate_host(router)
+    plan = plan_for("gpu1", gpu.data.dict())
+    applies: list[Any] = []
+
+    def read_fleet(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        applies.append(kwargs["applies"])
+        return {"gpu1": preflight.Reading(plan, bare_but_installed(), [])}
+
+    monkeypatch.setattr(preflight, "read_fleet", read_fleet)
+    add_deploy(state, deploy_qwen35)
+    # One operation for the router, with no command (outside pyinfra's CLI, op hashes count per host: its one op
+    # shares the gpu host's first hash, so its name is among that op's names).
+    (op_hash,) = router.op_hash_order
+    assert "Deploy Qwen 3.5 on vLLM | Skip the vLLM deploy on a router host" in state.get_op_meta(op_hash).names
+    with ctx_state.use(state), ctx_host.use(router):
+        assert list(state.get_op_data_for_host(router, op_hash).command_generator()) == []
+    (only,) = applies  # one preflight, which leaves the router out
+    assert only(gpu) and not only(router)
+
+
+def test_a_corrupt_ledger_is_one_refusal_line_and_nothing_else_is_decided():
+    plan = plan_for("gpu1", DATA)
+    snap = bare_but_installed()
+    snap.ledger_text = '{"schema": 2, "committed": {"image": "x"'
+    (line,) = check_host("gpu1", snap, plan)
+    assert line.startswith(f"gpu1: {plan.layout.state_file} is corrupt: not JSON: ") and "(fix: repair it" in line
+
+
+def test_a_version_that_failed_is_refused_unless_retried_on_purpose():
+    plan = plan_for("gpu1", {**DATA, "gpufleet_image_ref": REF})
+    spec = plan.spec
+    target = Version(spec.image, REF, None, spec.spec_hash, spec.service, spec.port)
+    snap = bare_but_installed()
+    snap.free_kib.update(docker=10**9, models=10**9)
+    snap.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
+    snap.ledger_text = render(roll_back(begin(Ledger(), target, "ops@laptop pid 7", "t1"), "dead: exited 1", "t2"))
+    (line,) = check_host("gpu1", snap, plan)
+    assert line.startswith(f"gpu1: {REF} with spec {spec.spec_hash} failed at t2: dead: exited 1 (fix: ")
+    assert check_host("gpu1", snap, plan_for("gpu1", {**DATA, "gpufleet_image_ref": REF,
+                                                      "gpufleet_retry_failed": "true"})) == []
+    # Another setting is another version: not refused.
+    assert check_host("gpu1", snap, plan_for("gpu1", {**DATA, "gpufleet_image_ref": REF,
+                                                      "vllm_args": {"max-num-seqs": 3}})) == []
+
+
+def test_a_renamed_service_takes_over_the_ledger_of_the_one_service_on_its_port():
+    plan = plan_for("gpu1", {**DATA, "vllm_service": "renamed"})
+    old = Version(plan.spec.image, REF, "a" * 64, "0" * 16, "vllm-qwen35", plan.spec.port)
+    other_port = Version(plan.spec.image, REF, "a" * 64, "0" * 16, "elsewhere", plan.spec.port + 1)
+    snap = bare_but_installed()
+    snap.other_ledgers = {"/var/lib/gpufleet/vllm-qwen35.json": render(Ledger(committed=Committed(old, "t0"))),
+                          "/var/lib/gpufleet/elsewhere.json": render(Ledger(committed=Committed(other_port, "t0"))),
+                          "/var/lib/gpufleet/broken.json": "{"}
+    ledger = host_ledger(snap, plan)
+    assert replaced_service(ledger, plan.spec) == "vllm-qwen35" and ledger.committed == Committed(old, "t0")
+    snap.ledger_text = render(Ledger())  # the service's own ledger wins
+    assert host_ledger(snap, plan) == Ledger()
+    # A rename whose new version failed keeps the old service committed in the new service's ledger.
+    snap.ledger_text = render(Ledger(committed=Committed(old, "t0")))
+    assert replaced_service(host_ledger(snap, plan), plan.spec) == "vllm-qwen35"
+    migrated = '{"current": {"image": "%s", "ref": "%s", "pinned_at": "t0"}, "history": []}' % (old.image, old.ref)
+    snap.ledger_text, snap.other_ledgers = None, {"/var/lib/gpufleet/vllm-qwen35.json": migrated}
+    assert host_ledger(snap, plan) == Ledger()  # the old format has no port: not taken for a rename

@@ -6,9 +6,7 @@ import pytest
 
 from gpufleet.deploys.verify import exited_detail
 from gpufleet.health import HealthReport, HealthState, poll_ready, soak
-from gpufleet.operations.image import rolled_back
 
-G, B, O = "v@sha256:" + "a" * 64, "v@sha256:" + "b" * 64, "v@sha256:" + "c" * 64
 READY = HealthReport(HealthState.READY, "/health 200, serving qwen")
 STARTING = HealthReport(HealthState.STARTING, "port not answering yet")
 GONE = HealthReport(HealthState.CONTAINER_NOT_RUNNING, "no container labelled gpufleet.vllm")
@@ -94,19 +92,3 @@ def test_exited_detail(show, exited):
     assert (detail is not None) == exited
     if exited:
         assert "exited with status" in detail and show.splitlines()[-1].split("=")[1] in detail
-
-
-def test_rolled_back_restores_current_and_marks_the_failed_attempt():
-    old = {"image": "v:old", "ref": O, "pinned_at": "t0"}
-    good = {"image": "v:nightly", "ref": G, "pinned_at": "t1"}
-    bad = {"image": "v:rejects-flag", "ref": B, "pinned_at": "t2"}
-    on_host = {"current": bad, "previous": good, "history": [old, good, bad]}
-    state = rolled_back(on_host, B, good, "dead: exited 2", "t3")
-    assert state["current"] == good
-    assert state["history"][-1] == {**bad, "failed": "dead: exited 2", "failed_at": "t3"}
-    assert state["previous"] == old  # the next fallback: neither failed nor the one restored
-    assert on_host["history"][-1] == bad  # the input is not mutated
-    # A second failed attempt with the same image: only its newest entry is marked again, history kept.
-    again = rolled_back({**state, "current": bad, "history": [*state["history"], bad]}, B, good, "dead: x", "t4")
-    assert [h.get("failed") for h in again["history"]] == [None, None, "dead: exited 2", "dead: x"]
-    assert again["previous"] == old

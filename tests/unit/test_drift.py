@@ -23,7 +23,7 @@ from gpufleet.health.fleet import HostResult, HostTarget
 from gpufleet.health.transport import ContainerInfo
 from gpufleet.operations import nvidia, service
 from gpufleet.operations.files import replace_command, temp_path
-from gpufleet.operations.layout import Layout
+from gpufleet.operations.layout import state_file
 from gpufleet.settings import build_spec
 from gpufleet.unit import render_unit, unit_name
 from tests.loopback import LoopbackTransport
@@ -31,6 +31,7 @@ from tests.ports import free_port
 
 SPEC = build_spec("gpu1", {"vllm_image": TAG})
 UNIT = unit_name(SPEC.service)
+STATE_FILE = state_file(SPEC.service)
 HEADER = render_unit(SPEC, PINNED).splitlines()[1]
 STANDIN = Path(__file__).resolve().parents[2] / "src" / "gpufleet" / "sandbox" / "standin"
 
@@ -87,25 +88,24 @@ def converged(run: RunningService) -> HostSnapshot:
 
 def test_a_unit_written_but_never_loaded_is_reloaded_restarted_and_verified_with_the_soak():
     snap = converged(RunningService("active", "running", True, SPEC.spec_hash, PINNED, (("old", PINNED),)))
-    commands = [described(c) for c in run_alone(service.running, snap, service=SPEC.service, changes=[])]
-    assert commands == ["systemctl daemon-reload", "_still_locked", f"systemctl restart {UNIT}"]
-    (verify,) = run_alone(service.ready, snap, spec=SPEC, layout=Layout.of(SPEC, "/var/cache/vllm"),
-                          verify=lambda *a: True, changes=[], soak_s=20.0)
-    assert isinstance(verify, FunctionCommand) and verify.args == (None, 20.0)  # no rollback: nothing was kept
+    commands = [described(c) for c in run_alone(service.running, snap, spec=SPEC, state_file=STATE_FILE, changes=[])]
+    assert commands == ["systemctl daemon-reload", "_still_locked", "_begin", f"systemctl restart {UNIT}"]
+    (verify,) = run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, changes=[], soak_s=20.0)
+    assert isinstance(verify, FunctionCommand) and verify.args == (20.0,)  # verified with the soak
 
 
 def test_a_container_from_another_spec_is_restarted():
     snap = converged(RunningService("active", "running", False, SPEC.spec_hash, PINNED, (("handmade", PINNED),)))
-    commands = run_alone(service.running, snap, service=SPEC.service, changes=[])
-    # The restart comes right after the check that this run still holds the host's lock.
-    assert [described(c) for c in commands] == ["_still_locked", f"systemctl restart {UNIT}"]
+    commands = run_alone(service.running, snap, spec=SPEC, state_file=STATE_FILE, changes=[])
+    # The restart comes right after the check that this run still holds the host's lock, and the ledger's pending
+    # record (a no-op when what restarts is the committed version).
+    assert [described(c) for c in commands] == ["_still_locked", "_begin", f"systemctl restart {UNIT}"]
 
 
 def test_what_the_unit_says_running_is_left_alone():
     snap = converged(RunningService("active", "running", False, SPEC.spec_hash, PINNED, ((SPEC.spec_hash, PINNED),)))
-    assert run_alone(service.running, snap, service=SPEC.service, changes=[]) == []
-    assert run_alone(service.ready, snap, spec=SPEC, layout=Layout.of(SPEC, "/var/cache/vllm"),
-                     verify=lambda *a: True, changes=[], soak_s=20.0) == []
+    assert run_alone(service.running, snap, spec=SPEC, state_file=STATE_FILE, changes=[]) == []
+    assert run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, changes=[], soak_s=20.0) == []
 
 
 # --- verify and status: the label against the inventory's spec ---------------------------------------------------

@@ -42,7 +42,7 @@ def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
         free=["docker /var/lib/docker 104857600", "models /srv 52428800"],
         packages=["docker.io ii 20.10.24", "nvidia-container-toolkit ii 1.17.8-1", "docker-ce un <none>"],
         files=["a" * 64 + "  /etc/a"],
-        state=[json.dumps({"current": {"image": "img:tag", "ref": "img@sha256:" + "0" * 64}})],
+        state=["@@present", json.dumps({"current": {"image": "img:tag", "ref": "img@sha256:" + "0" * 64}})],
         images=["img|tag|sha256:" + "0" * 64, "other|<none>|<none>"],
         model=["config.json 120", "tokenizer.json 4000", "model-00001-of-00002.safetensors 10",
                "model-00002-of-00002.safetensors 10", "model.safetensors.index.json 300",
@@ -112,7 +112,21 @@ def test_bare_host_without_nvidia_smi():
     snap = parse_snapshot(healthy(nvidia_smi=["0"], gpus=[], driver=[], daemon_json=[], state=[],
                                   images=[], model=[], health=[]))
     assert snap.gpus == [] and snap.driver is None and snap.nvidia_error is None
-    assert snap.daemon_json is None and snap.state is None and snap.model_files == {} and snap.health_code is None
+    assert snap.daemon_json is None and snap.ledger_text is None and snap.model_files == {}
+    assert snap.health_code is None and snap.other_ledgers == {}
+
+
+def test_the_ledger_is_kept_as_text_an_empty_file_apart_from_none_and_other_services_ledgers_by_path():
+    snap = parse_snapshot(healthy())
+    assert json.loads(snap.ledger_text)["current"]["ref"] == "img@sha256:" + "0" * 64
+    assert parse_snapshot(healthy(state=["@@present"])).ledger_text == "\n"  # an empty file: corrupt, not absent
+    lines = healthy(**{"ledger /var/lib/gpufleet/old.json": ['{"schema": 2}']})
+    assert parse_snapshot(lines).other_ledgers == {"/var/lib/gpufleet/old.json": '{"schema": 2}\n'}
+
+
+def test_systemd_restarts_of_the_unit_are_read():
+    running = ["ActiveState=active", "SubState=running", "NeedDaemonReload=no", "NRestarts=3", "Header="]
+    assert parse_snapshot(healthy(running=running)).running.restarts == 3
 
 
 def test_no_devices_is_no_gpu_not_an_error():

@@ -71,10 +71,10 @@ def test_history_is_bounded():
 def test_roll_back_marks_the_pending_version_failed_and_keeps_the_committed_one():
     got = L.roll_back(pending_new(), "died during the soak:\nexit 137", T2)
     assert got.committed == COMMITTED_OLD.committed and got.pending is None
-    assert got.failed == (Failed(NEW_REF, "bbbbbbbbbbbbbbbb", "died during the soak:\\nexit 137", T2),)
+    assert got.failed == (Failed(NEW_REF, "bbbbbbbbbbbbbbbb", "died during the soak:\\nexit 137", T2, NEW.image),)
     # Failing again replaces the mark instead of piling up copies.
     twice = L.roll_back(L.begin(L.retry_failed(got, NEW), NEW, OPERATOR, T2), "never ready", "t3")
-    assert twice.failed == (Failed(NEW_REF, "bbbbbbbbbbbbbbbb", "never ready", "t3"),)
+    assert twice.failed == (Failed(NEW_REF, "bbbbbbbbbbbbbbbb", "never ready", "t3", NEW.image),)
 
 
 def test_commit_clears_the_failure_mark_of_the_version_it_commits():
@@ -167,7 +167,8 @@ def test_render_is_stable_and_parses_back():
     doc = json.loads(text)
     assert list(doc) == sorted(doc) and text.endswith("}\n")
     assert doc["committed"] == {"committed_at": T2, "image": NEW.image, "port": 8001, "ref": NEW_REF,
-                                "service": "vllm", "spec_hash": "bbbbbbbbbbbbbbbb", "unit_sha256": "b" * 64}
+                                "service": "vllm", "spec_hash": "bbbbbbbbbbbbbbbb", "unit_sha256": "b" * 64,
+                                "ready_at": None}
 
 
 def test_render_of_a_pending_change_names_its_operator():
@@ -239,7 +240,8 @@ def test_todays_ledger_after_a_rollback_migrates_with_its_failure_mark():
     assert got == Ledger(
         committed=Committed(old_version("vllm/vllm-openai:v0.11.0", OLD_REF), "2026-11-20T10:00:00Z"),
         pending=None,
-        failed=(Failed(NEW_REF, None, "the service died during the 1800 s soak", "2026-11-28T09:31:00Z"),),
+        failed=(Failed(NEW_REF, None, "the service died during the 1800 s soak", "2026-11-28T09:31:00Z",
+                       "vllm/vllm-openai:nightly"),),
         history=(),
     )  # fmt: skip
     # The old format did not record settings: the mark holds the digest whatever the spec, until retried.
@@ -393,3 +395,23 @@ def test_a_concurrent_reader_never_sees_a_partial_file(tmp_path: Path):
     assert torn - set(versions), "the reader never saw a partial write from a plain `cat >`: the check is blind"
     seen = read_while_written(path, L.atomic_write_command(str(path), owner=owner()), versions, rounds=12)
     assert seen <= set(versions) and len(seen) == 2
+
+
+def test_ready_at_is_kept_on_the_committed_record_and_optional_when_reading():
+    got = L.commit(pending_new(), T2, ready_at=T1)
+    assert got.committed == Committed(NEW, T2, ready_at=T1) and L.parse(L.render(got)) == got
+    doc = json.loads(L.render(got))
+    del doc["committed"]["ready_at"], doc["failed"]  # a file written before ready_at (and before failed's image)
+    doc["failed"] = [{"ref": NEW_REF, "spec_hash": None, "reason": "r", "failed_at": T0}]
+    again = L.parse(json.dumps(doc))
+    assert again.committed == Committed(NEW, T2) and again.failed == (Failed(NEW_REF, None, "r", T0),)
+
+
+def test_pin_is_the_digest_a_tag_stands_for_pending_then_committed_then_the_one_that_failed():
+    assert L.pin(Ledger(), NEW.image) is None
+    assert L.pin(COMMITTED_OLD, OLD.image) == OLD_REF and L.pin(COMMITTED_OLD, NEW.image) is None
+    assert L.pin(pending_new(), NEW.image) == NEW_REF
+    failed = L.roll_back(pending_new(), "dead", T2)
+    # The tag that failed keeps naming the digest that failed: refused_target refuses it instead of a new resolve.
+    assert L.pin(failed, NEW.image) == NEW_REF and L.refused_target(failed, NEW) is not None
+    assert L.pin(failed, OLD.image) == OLD_REF

@@ -9,6 +9,7 @@ from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, S
 from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.facts.host import HostSnapshot
+from gpufleet.ledger import Committed, Ledger, Version
 from gpufleet.operations import image, service
 from gpufleet.operations.layout import state_file
 from gpufleet.operations.secret import Hidden
@@ -22,12 +23,14 @@ PINNED = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
 RESOLVED = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
 
 
-def run_alone(operation: Any, snap: HostSnapshot, resolved: str | None = None, **arguments: Any) -> list[Any]:
+def run_alone(operation: Any, snap: HostSnapshot, resolved: str | None = None, ledger: Ledger | None = None,
+              **arguments: Any) -> list[Any]:
     inventory = Inventory(([("gpu1", {})], {}))
     target = inventory.get_host("gpu1")
     state = State(inventory, Config())
     remember(target, snap)
     memo(target).resolved_image_ref = resolved
+    memo(target).ledger = ledger or Ledger()
     with ctx_state.use(state), ctx_host.use(target):
         return list(operation._inner(**arguments))
 
@@ -41,20 +44,26 @@ def test_env_file_takes_hidden_secrets_and_never_shows_them():
                      path="/etc/gpufleet/v.env", secrets=secrets) == []
 
 
+def recorded(ref: str = PINNED) -> Ledger:
+    return Ledger(committed=Committed(Version(TAG, ref, None, None, "v", 5000), "t0"))
+
+
 def test_pinned_reuses_the_recorded_digest_and_pulls_a_missing_one_by_digest():
-    recorded = {"current": {"image": TAG, "ref": PINNED}}
-    present = HostSnapshot(state=recorded, images=[("reg:5000/vllm/vllm-openai", "<none>", "sha256:" + "1" * 64)])
-    assert run_alone(image.pinned, present, image=TAG, state_file=state_file("v")) == []
-    (pull,) = run_alone(image.pinned, HostSnapshot(state=recorded), image=TAG, state_file=state_file("v"))
-    assert pull.args[:3] == (TAG, PINNED, "/var/lib/gpufleet/v.json")
+    present = HostSnapshot(images=[("reg:5000/vllm/vllm-openai", "<none>", "sha256:" + "1" * 64)])
+    assert run_alone(image.pinned, present, image=TAG, ref=PINNED) == []
+    (pull,) = run_alone(image.pinned, HostSnapshot(), image=TAG, ref=PINNED)
+    assert pull.args == (TAG, PINNED)
+    (pull,) = run_alone(image.pinned, HostSnapshot(), image=TAG, ref=None)  # a tag never resolved on the host
+    assert pull.args == (TAG, TAG)
 
 
 def test_unit_renders_the_digest_resolved_while_executing_over_the_recorded_one():
     spec = build_spec("gpu1", {"vllm_image": TAG})
     path = unit_path(spec.service)
-    snap = HostSnapshot(state={"current": {"image": TAG, "ref": PINNED}},
-                        file_sha256={path: hashlib.sha256(render_unit(spec, PINNED).encode()).hexdigest()})
-    assert run_alone(service.unit, snap, spec=spec, path=path) == []  # the recorded pin is what runs
-    commands = run_alone(service.unit, snap, resolved=RESOLVED, spec=spec, path=path)
+    snap = HostSnapshot(file_sha256={path: hashlib.sha256(render_unit(spec, PINNED).encode()).hexdigest()})
+    # the recorded pin is what runs
+    assert run_alone(service.unit, snap, ledger=recorded(), spec=spec, path=path, state_file=state_file("v")) == []
+    commands = run_alone(service.unit, snap, resolved=RESOLVED, ledger=recorded(), spec=spec, path=path,
+                         state_file=state_file("v"))
     (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
     assert upload.src.getvalue().decode() == render_unit(spec, RESOLVED)

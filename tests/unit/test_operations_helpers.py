@@ -9,7 +9,8 @@ from pyinfra.api import OperationValueError
 
 from gpufleet.facts.host import HostSnapshot
 from gpufleet.operations.docker import repo_line
-from gpufleet.operations.image import pick_digest, pinned_ref, record, repository
+from gpufleet.ledger import Committed, Ledger, Version
+from gpufleet.operations.image import pick_digest, pinned_ref, repository
 from gpufleet.operations.model import missing_parts
 from gpufleet.operations.nvidia import dearmor, list_line
 from gpufleet.operations.secret import Hidden
@@ -35,19 +36,13 @@ def test_pick_digest_matches_the_repository():
 
 
 def test_pin_is_reused_only_for_the_same_image_setting():
-    state = {"current": {"image": "v:nightly", "ref": "v@" + D1}}
-    assert pinned_ref(state, "v:nightly") == "v@" + D1
-    assert pinned_ref(state, "v:latest") is None  # a new image setting resolves again
+    version = Version(image="v:nightly", ref="v@" + D1, unit_sha256=None, spec_hash=None, service="v", port=1)
+    ledger = Ledger(committed=Committed(version, "t1"))
+    assert pinned_ref(ledger, "v:nightly") == "v@" + D1
+    assert pinned_ref(ledger, "v:latest") is None  # a new image setting resolves again
     assert pinned_ref(None, "v@" + D2) == "v@" + D2  # a digest given by the user is its own pin
-
-
-def test_record_keeps_previous_and_history():
-    first = record(None, "v:nightly", "v@" + D1, "t1")
-    assert first["current"]["ref"] == "v@" + D1 and first["previous"] is None and len(first["history"]) == 1
-    second = record(first, "v:nightly", "v@" + D2, "t2")
-    assert second["current"]["ref"] == "v@" + D2 and second["previous"]["ref"] == "v@" + D1
-    assert [h["ref"] for h in second["history"]] == ["v@" + D1, "v@" + D2]
-    assert record(second, "v:nightly", "v@" + D2, "t3") == second  # same pin: nothing to record
+    # gpufleet_image_ref (what a rollout installs) wins over the ledger's pin and the tag.
+    assert pinned_ref(ledger, "v:nightly", "v@" + D2) == "v@" + D2
 
 
 def test_dearmor_equals_the_base64_body():

@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.errors import SettingErrors
-from gpufleet.settings import build_spec
+from gpufleet.settings import build_spec, resolve_host
 
 CASES = [
     # (host data, setting named in the error, words the problem or fix must contain)
+    ({"gpufleet_image_ref": "vllm/vllm-openai:nightly"}, "gpufleet_image_ref", "not a digest reference"),
+    ({"gpufleet_image_ref": "vllm/vllm-openai@sha256:abc"}, "gpufleet_image_ref", "64 hex digits"),
+    ({"gpufleet_image_ref": "other/image@sha256:" + "a" * 64}, "gpufleet_image_ref", "repository vllm/vllm-openai"),
+    ({"gpufleet_stage": "swap"}, "gpufleet_stage", "converge, prepare"),
+    ({"gpufleet_retry_failed": "yes"}, "gpufleet_retry_failed", "--data gpufleet_retry_failed=true"),
+    ({"gpufleet_verify_probe": 1}, "gpufleet_verify_probe", "True or False"),
     ({"vllm_profile": "llama"}, "vllm_profile", "qwen35"),
     ({"vllm_image": "Not An Image"}, "vllm_image", "repo:tag"),
     ({"vllm_gpus": []}, "vllm_gpus", "non-empty"),
@@ -104,3 +110,15 @@ def test_valid_variations_are_accepted():
     )
     assert spec.arg("pipeline-parallel-size") == "2" and spec.arg("max-model-len") == "128k"
     assert spec.arg("override-generation-config") == '{"temperature": 0.7}'
+
+
+@pytest.mark.parametrize("word, value", [("true", True), ("False", False), (True, True)])
+def test_run_flags_from_the_command_line_accept_the_words_true_and_false(word, value):
+    settings = resolve_host("gpu1", {"gpufleet_retry_failed": word, "gpufleet_verify_probe": word})[1]
+    assert settings["gpufleet_retry_failed"] is value and settings["gpufleet_verify_probe"] is value
+
+
+def test_an_image_ref_of_the_same_repository_is_kept_as_its_digest_ref():
+    ref = "docker.io/vllm/vllm-openai@sha256:" + "a" * 64
+    settings = resolve_host("gpu1", {"gpufleet_image_ref": ref})[1]
+    assert settings["gpufleet_image_ref"] == "vllm/vllm-openai@sha256:" + "a" * 64

@@ -33,7 +33,6 @@ from gpufleet import hostlock
 from gpufleet.errors import SettingErrors
 from gpufleet.facts.host import COMMAND_TIMEOUT_S, GpufleetHost, HostSnapshot, Paths
 from gpufleet.facts.nvidia import version_tuple
-from gpufleet.operations.image import pinned_ref
 from gpufleet.operations.model import missing_parts
 from gpufleet.operations.remote import use_sudo
 from gpufleet.operations.snapshot import remember
@@ -58,6 +57,8 @@ class Planned(Protocol):
 P = TypeVar("P", bound=Planned)
 PlanFor = Callable[[str, dict[str, Any]], P]
 CheckHost = Callable[[str, HostSnapshot, P], list[str]]
+# Which hosts a deploy is for (others are neither planned, locked nor read: another deploy configures them).
+Applies = Callable[[Host], bool]
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,10 @@ def _lock_wait(data: Mapping[str, Any]) -> float:
 
 
 def read_fleet(state: State, plan_for: PlanFor[P], check_host: CheckHost[P], timeout_s: float | None = None,
-               lock_path: str = hostlock.LOCK_PATH) -> dict[str, Reading[P]]:
-    """read_host for every active host at once; a host not done within timeout_s gets one line. By default the
-    bound is JOIN_TIMEOUT_S plus the longest any host may wait for its lock."""
-    hosts = list(state.inventory.get_active_hosts())
+               lock_path: str = hostlock.LOCK_PATH, applies: Applies | None = None) -> dict[str, Reading[P]]:
+    """read_host for every active host the deploy applies to, at once; a host not done within timeout_s gets one
+    line. By default the bound is JOIN_TIMEOUT_S plus the longest any host may wait for its lock."""
+    hosts = [h for h in state.inventory.get_active_hosts() if applies is None or applies(h)]
     if timeout_s is None:
         longest_wait = max((_lock_wait(h.data.dict()) for h in hosts), default=0.0)
         timeout_s = JOIN_TIMEOUT_S + longest_wait + hostlock.START_MARGIN_S
@@ -146,9 +147,9 @@ class _ReleaseOnDisconnect(BaseStateCallback):
         hostlock.release_run_locks(state, [host.name])
 
 
-def preflight(plan_for: PlanFor[P], check_host: CheckHost[P]) -> P:
-    """This host's plan, once every active host passed preflight; sets its snapshot for the operations
-    (gpufleet.operations.snapshot). Raises DeployError listing every failing host's problems."""
+def preflight(plan_for: PlanFor[P], check_host: CheckHost[P], applies: Applies | None = None) -> P:
+    """This host's plan, once every active host the deploy applies to passed preflight; sets its snapshot for the
+    operations (gpufleet.operations.snapshot). Raises DeployError listing every failing host's problems."""
     state, host = ctx_state.get(), ctx_host.get()
     runs = _RUNS.setdefault(state, {})
     if plan_for not in runs:
@@ -157,7 +158,7 @@ def preflight(plan_for: PlanFor[P], check_host: CheckHost[P]) -> P:
         if not any(isinstance(h, _ReleaseOnDisconnect) for h in state.callback_handlers):
             state.add_callback_handler(_ReleaseOnDisconnect())
         try:
-            result.set(read_fleet(state, plan_for, check_host))
+            result.set(read_fleet(state, plan_for, check_host, applies=applies))
         except BaseException as error:
             result.set_exception(error)
             raise
@@ -190,8 +191,10 @@ def _line(host: str, what: str, fix: str) -> str:
     return f"{host}: {what} (fix: {fix})"
 
 
-def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, ...]) -> list[str]:
-    """Problems that would make the deploy fail or serve wrongly on this host ([] = go)."""
+def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, ...],
+          ref: str | None = None) -> list[str]:
+    """Problems that would make the deploy fail or serve wrongly on this host ([] = go). ref: the digest the run
+    installs, when known before the pull."""
     problems: list[str] = []
 
     def bad(what: str, fix: str) -> None:
@@ -232,7 +235,6 @@ def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, 
         bad(snap.daemon_json_error, "repair /etc/docker/daemon.json (the deploy merges into it, never replaces it)")
 
     # Space is needed only for what still has to land: the image when it is not pulled, the model when incomplete.
-    ref = pinned_ref(snap.state, s["vllm_image"])
     if not (ref and snap.has_image_digest(ref)):
         _need_space(bad, snap, "docker", s["gpufleet_min_free_gb_docker"], "gpufleet_min_free_gb_docker", "Docker images")
     missing = missing_parts(snap)

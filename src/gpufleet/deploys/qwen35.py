@@ -4,26 +4,38 @@
     pyinfra inventories/lab.py deploys/qwen35.py --dry     # show what would change
     pyinfra inventories/lab.py deploys/qwen35.py --limit gpu2
 
+    pyinfra inventories/lab.py deploys/qwen35.py --limit gpu2 --data gpufleet_stage=prepare   # pull, no restart
+
 The playbook only: gpufleet.deploys.preflight reads and checks every host first (one SSH command each, in
-parallel) and refuses the whole run, before any operation executes, when any host fails a check;
-gpufleet.deploys.verify is the verify step's callback.
+parallel) and refuses the whole run, before any operation executes, when any host fails a check (a corrupt ledger,
+a version that failed before included); gpufleet.deploys.verify is the verify step's callback. The host's ledger
+(gpufleet.ledger) is settled first when a cut run left a pending version. Hosts in the `routers` group are
+skipped (deploys/router.py configures them).
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pyinfra.api import deploy
+from pyinfra import host
+from pyinfra.api import Host, deploy, operation
 
 from gpufleet.deploys import preflight
 from gpufleet.deploys.verify import Verification
 from gpufleet.facts.host import HostSnapshot, Paths
-from gpufleet.operations import docker, files, image, managed_paths, model, nvidia, service
+from gpufleet.ledger import (
+    CorruptLedger, DropPending, FinishPending, Ledger, Nothing, Observed, RollBackPending, Version, corrupt_refusal,
+    drop_pending, parse, refused_target, resume,
+)  # fmt: skip
+from gpufleet.operations import docker, files, flagcheck, image, managed_paths, model, nvidia, service
+from gpufleet.operations.image import pinned_ref
 from gpufleet.operations.layout import Layout
+from gpufleet.operations.remote import Commands
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.snapshot import snapshot
+from gpufleet.operations.snapshot import memo, snapshot
 from gpufleet.settings import resolve_host
 from gpufleet.spec import ServeSpec
 
@@ -53,15 +65,103 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
     return Plan(spec, s, layout, paths)
 
 
+# Hosts in this inventory group run vllm-router in front of the vLLM hosts: deploys/router.py configures them.
+ROUTERS = "routers"
+
+
+def is_vllm_host(target: Host) -> bool:
+    return ROUTERS not in target.groups
+
+
+def host_ledger(snap: HostSnapshot, plan: Plan) -> Ledger:
+    """The host's ledger for this service. A service with no ledger yet (a renamed vllm_service) takes over the one
+    other service's ledger on the same port: its committed version stays the rollback target. Raises CorruptLedger
+    for the service's own file."""
+    if snap.ledger_text is not None:
+        return parse(snap.ledger_text)
+    found = []
+    for path, text in snap.other_ledgers.items():
+        try:
+            other = parse(text)
+        except CorruptLedger:
+            continue  # another service's problem: its own deploy refuses it
+        committed = other.committed
+        if committed is not None and other.pending is None and committed.version.port == plan.spec.port:
+            # A ledger migrated from the old format does not name its service: its file does.
+            service = committed.version.service or posixpath.basename(path).removesuffix(".json")
+            found.append(replace(other, committed=replace(committed, version=replace(committed.version,
+                                                                                     service=service))))
+    return found[0] if len(found) == 1 else Ledger()
+
+
+def replaced_service(ledger: Ledger, spec: ServeSpec) -> str | None:
+    """The service a renamed vllm_service replaces: the committed version's, when it is another."""
+    service = ledger.committed.version.service if ledger.committed else None
+    return service if service and service != spec.service else None
+
+
+def observed(snap: HostSnapshot, plan: Plan) -> Observed:
+    running = snap.running
+    return Observed(unit_sha256=snap.file_sha256.get(plan.layout.unit_file), running_ref=running.running_image,
+                    running_spec_hash=running.running_spec_hash, active=running.active_state == "active",
+                    restarts=running.restarts)
+
+
 def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
-    return preflight.check(name, snap, plan.settings, plan.spec.gpus)
+    s, spec = plan.settings, plan.spec
+    try:
+        ledger = host_ledger(snap, plan)
+    except CorruptLedger as error:
+        # The deploy must not guess which digest runs: refused before anything changes, the file left as it is.
+        return [corrupt_refusal(name, plan.layout.state_file, error)]
+    ref = pinned_ref(ledger, spec.image, s["gpufleet_image_ref"])
+    problems = preflight.check(name, snap, s, spec.gpus, ref)
+    if ref and not s["gpufleet_retry_failed"]:
+        target = Version(image=spec.image, ref=ref, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service,
+                         port=spec.port)
+        refused = refused_target(ledger, target)
+        if refused:
+            problems.append(f"{name}: {refused}")
+    return problems
+
+
+@operation()
+def router_host() -> Commands:
+    host.noop("router host: deploys/router.py configures it")
+    return
+    yield  # a generator: pyinfra operations yield their commands
 
 
 @deploy("Deploy Qwen 3.5 on vLLM")
 def deploy_qwen35() -> None:
-    plan = preflight.preflight(plan_for, check_host)
+    if not is_vllm_host(host):
+        router_host(name="Skip the vLLM deploy on a router host")
+        return
+    plan = preflight.preflight(plan_for, check_host, applies=is_vllm_host)
     s, spec, layout = plan.settings, plan.spec, plan.layout
-    has_gpu = bool(snapshot().gpus)
+    snap = snapshot()
+    has_gpu = bool(snap.gpus)
+    ledger = host_ledger(snap, plan)  # preflight refused a corrupt one
+    prepare = s["gpufleet_stage"] == "prepare"
+    # A cut run's pending version is settled first: dropped, or rolled back (then nothing else runs), or finished
+    # below. A prepare run changes no ledger and restarts nothing: it leaves that to the converge.
+    decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
+    held = memo()
+    held.ledger, held.retry_failed = ledger, bool(s["gpufleet_retry_failed"])
+    # A dropped change never reached the unit: its digest is not this run's pin (a finished one's is).
+    held.pin = pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, spec.image,
+                          s["gpufleet_image_ref"])
+
+    api_key = s["vllm_api_key"]
+    served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
+    verify = Verification(spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None,
+                          layout.state_file, served[0] if served else spec.served_model_name,
+                          run_probe=bool(s["gpufleet_verify_probe"]))
+    if not isinstance(decision, Nothing):
+        service.settled(name="Settle the change a cut run left pending", decision=decision,
+                        state_file=layout.state_file, roll_back=verify.roll_back_cut)
+        if isinstance(decision, RollBackPending):
+            return
 
     files.prerequisites(name="Install apt prerequisites (ca-certificates, curl)")
     docker.engine(name="Install the Docker engine", install=s["docker_install"], repo_url=s["docker_repo_url"])
@@ -77,17 +177,21 @@ def deploy_qwen35() -> None:
                       paths=list(model.managed(layout).dirs), mode="755")
     secrets = service.env_file(name="Write the service's root-only secrets file", path=layout.env_file,
                                secrets=service.hidden_secrets(s))
-    pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image,
-                          state_file=layout.state_file)
+    pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=held.pin)
+    if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag
+        committed_ref = ledger.committed.version.ref if ledger.committed else None
+        flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref)
     model.present(name="Download the model unless it is complete", spec=spec, where=layout.model_dir,
                   repo=s["vllm_model_repo"], revision=s["vllm_model_revision"],
                   env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache)
-    unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file)
+    if prepare:
+        return  # gpufleet_stage=prepare: everything slow is done, the old version keeps serving
+    unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,
+                        state_file=layout.state_file)
     changes = [unit, secrets, pinned, runtime]
-    service.running(name="Enable and start the vLLM service", service=spec.service, changes=changes,
-                    start=has_gpu)
-    # After a (re)start: ready, then still ready for vllm_ready_soak_s, or the unit that was serving goes back.
-    api_key = s["vllm_api_key"]
-    verify = Verification(spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None)
-    service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec, layout=layout, verify=verify.run,
-                  changes=changes, start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), unit_op=unit)
+    finish = isinstance(decision, FinishPending)
+    service.running(name="Enable and start the vLLM service", spec=spec, state_file=layout.state_file,
+                    changes=changes, start=has_gpu, force=finish, replaces=replaced_service(ledger, spec))
+    # After a (re)start: ready, then still ready for vllm_ready_soak_s: committed, or the committed version goes back.
+    service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec, verify=verify.run, changes=changes,
+                  start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)

@@ -1,18 +1,18 @@
-"""The deploy's verify step: ready, soak, and roll back a failed new version. The deploy-side use of
-gpufleet.health (whose poller, check and notion of "ready" `gpufleet verify` shares).
+"""The deploy's verify step: ready, soak, then commit the pending version or roll back to the committed one. The
+deploy-side use of gpufleet.health (whose poller, check and notion of "ready" `gpufleet verify` shares).
 
 verify_rollout() runs inside the ready operation's FunctionCommand, while pyinfra executes: it waits for the
-restarted service, watches it for the soak, and, given a Rollback (the unit that was serving was kept), puts that
-unit back, points the state file's "current" back at it, waits until it is ready again and fails the host with
-one line naming both versions.
+restarted service and watches it for the soak. Passed: the ledger's pending version is committed (ledger.commit,
+with the time it first answered ready) and its unit kept as the next rollback target. Failed: the committed
+version's unit goes back (its own service name and port), the ledger marks the pending version failed
+(ledger.roll_back), the committed version is waited for, and the host fails with one line naming both digests.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pyinfra import logger
 from pyinfra.api import Host, State
@@ -21,6 +21,7 @@ from gpufleet import hostlock
 from gpufleet.health import (
     Expected,
     HealthReport,
+    HealthState,
     Transport,
     TransportError,
     check,
@@ -28,13 +29,19 @@ from gpufleet.health import (
     soak,
     transport_from_pyinfra_host,
 )
+from gpufleet.health.probe import probe
 from gpufleet.health.wait import Exited
-from gpufleet.operations.image import image_ref, now_utc, rolled_back, write_state
+from gpufleet.ledger import RETRY_SETTING, Ledger
+from gpufleet.ledger import commit as ledger_commit
+from gpufleet.ledger import roll_back as ledger_roll_back
+from gpufleet.operations.image import now_utc
+from gpufleet.operations.layout import state_file, unit_backup
 from gpufleet.operations.remote import fail, use_sudo
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.service import Rollback
+from gpufleet.operations.service import save_ledger
+from gpufleet.operations.snapshot import memo
 from gpufleet.spec import ServeSpec
-from gpufleet.unit import unit_name
+from gpufleet.unit import unit_name, unit_path
 
 
 def exited_detail(show: str) -> str | None:
@@ -73,90 +80,160 @@ def failed_logs(host: Host, transport: Transport, service: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Verification:
-    """The verify step of one host's deploy; pass its bound `run` to gpufleet.operations.service.ready (a bound
-    method: pyinfra names a FunctionCommand by its function's __name__)."""
+    """The verify step of one host's deploy; pass its bound `run` to gpufleet.operations.service.ready, and its
+    bound `roll_back_cut` to service.settled (bound methods: pyinfra names a FunctionCommand by its function's
+    __name__). served_before: the model name the host served before this run (the committed version is held to
+    it when it goes back)."""
 
     spec: ServeSpec
     timeout_s: float
     api_key: Hidden | None
+    state_file: str
+    served_before: str
+    run_probe: bool = False  # gpufleet_verify_probe
 
-    def run(self, state: State, host: Host, rollback: Rollback | None, soak_s: float) -> bool:
-        return verify_rollout(host, self.spec, self.timeout_s, self.api_key, rollback, soak_s)
+    def run(self, state: State, host: Host, soak_s: float) -> bool:
+        return verify_rollout(host, self, soak_s)
+
+    def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
+        """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one."""
+        ledger = memo(host).ledger
+        assert ledger.pending is not None and ledger.committed is not None  # what RollBackPending means
+        host.log_styled(f"{reason}: rolling it back", fg="yellow")
+        return roll_back(host, self, ledger, reason)
+
+    def check_once(self, host: Host, expected: Expected) -> Callable[[], HealthReport]:
+        transport = transport_from_pyinfra_host(host)
+        key = self.api_key.reveal() if self.api_key else None  # sent inside the SSH channel, never on a command line
+        return lambda: check(transport, expected, api_key=key)
 
 
-def verify_rollout(host: Host, spec: ServeSpec, timeout_s: float, api_key: Hidden | None, rollback: Rollback | None,
-                   soak_s: float) -> bool:
-    """Ready within timeout_s, then still ready for soak_s; else the logs, and the rollback if there is one."""
-    transport = transport_from_pyinfra_host(host)
-    key = api_key.reveal() if api_key else None  # sent inside the SSH channel, never on a command line
-    expected = Expected.from_spec(spec)
+def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
+    """Ready within timeout_s, then still ready for soak_s: commit the pending version. Else the logs, and the
+    rollback to the committed version when there is one to go back to."""
+    spec = v.spec
     exited = service_exited(host, spec.service)
-
-    def check_once(expected: Expected = expected) -> HealthReport:
-        return check(transport, expected, api_key=key)
-
-    host.log_styled(f"waiting up to {timeout_s:.0f} s for /health and /v1/models ({spec.served_model_name})")
-    report = poll_ready(check_once, timeout_s, exited=exited)
+    check_once = v.check_once(host, Expected.from_spec(spec))
+    host.log_styled(f"waiting up to {v.timeout_s:.0f} s for /health and /v1/models ({spec.served_model_name})")
+    report = poll_ready(check_once, v.timeout_s, exited=exited)
+    ready_at = now_utc()
     if report.ready and soak_s > 0:
         host.log_styled(f"ready: {report.detail}; watching it for {soak_s:.0f} s (vllm_ready_soak_s)")
         report = soak(check_once, report, soak_s, exited=exited)
+    if report.ready and v.run_probe:
+        report = probe_report(host, v)
     if report.ready:
         host.log_styled(f"ready: {report.detail}", fg="green")
-        return True
+        return commit_pending(host, v, ready_at)
 
-    for line in failed_logs(host, transport, spec.service)[-20:]:
+    for line in failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]:
         host.log_styled(f"  | {line}")
-    if rollback is None:
-        return fail(host, f"{spec.service} not ready ({report.state}): {report.detail} "
-                          f"(fix: see the container log above; `journalctl -u {spec.service}`)")
-    # The previous version is held to what it served before this run, not to the new settings' identity.
-    previous = replace(expected, served_model_name=rollback.served_model_name, max_model_len=None, cache_config={})
-    return roll_back(host, spec, report, rollback, lambda: check_once(previous), exited, timeout_s)
+    ledger = memo(host).ledger
+    failed = f"{report.state}: {report.detail}"
+    if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
+        # Nothing verified to go back to (a first install, or a restart of the committed version itself).
+        if ledger.pending is not None and not save_ledger(host, v.state_file, ledger_roll_back(ledger, failed,
+                                                                                                now_utc())):
+            return False
+        return fail(host, f"{spec.service} not ready ({failed}) (fix: see the container log above; "
+                          f"`journalctl -u {spec.service}`)")
+    return roll_back(host, v, ledger, failed)
 
 
-def roll_back(host: Host, spec: ServeSpec, report: HealthReport, rollback: Rollback,
-              check_previous: Callable[[], HealthReport], exited: Exited, timeout_s: float) -> bool:
-    """Put the kept unit back, point the state file at it, wait until it is ready; always False (the host
-    failed its rollout), with one line saying where it stands."""
-    new_ref = image_ref(spec.image, host) or spec.image
-    previous = rollback.previous or {}
-    prev_ref = previous.get("ref") or "the previous unit"
-    what = f"new image {new_ref}" if new_ref != prev_ref else f"new settings (same image {new_ref})"
-    failed = f"{what} failed verification ({report.state}: {report.detail})"
+def probe_report(host: Host, v: Verification) -> HealthReport:
+    """gpufleet_verify_probe: the prompt re-processing probe `gpufleet verify --probe` runs, after ready and the
+    soak. A prefix cache that does not work is a failed verify (misconfigured), so the version is rolled back."""
+    spec = v.spec
+    configured = spec.arg("max-num-batched-tokens")
+    chunk = int(str(configured).replace("_", "")) if str(configured).replace("_", "").isdigit() else None
+    host.log_styled("probing prompt re-processing (gpufleet_verify_probe)")
+    try:
+        found = probe(transport_from_pyinfra_host(host), Expected.from_spec(spec), max_num_batched_tokens=chunk,
+                      api_key=v.api_key.reveal() if v.api_key else None)
+    except Exception as error:  # noqa: BLE001 - a probe that cannot run is a verify that did not pass
+        return HealthReport(HealthState.MISCONFIGURED, f"the re-processing probe failed: {type(error).__name__}: "
+                                                       f"{error}", host=host.name)
+    if not found.ok:
+        fixes = f" (fixes: {'; '.join(found.fixes)})" if found.fixes else ""
+        return HealthReport(HealthState.MISCONFIGURED, f"probe {found.verdict}: {found.detail}{fixes}", host=host.name)
+    return HealthReport(HealthState.READY, f"probe {found.verdict}: {found.detail}", host=host.name)
+
+
+def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
+    """The pending version passed: it becomes the committed one (the rollback target, its unit kept beside the
+    ledger); a service it renamed is stopped, disabled and removed."""
+    ledger = memo(host).ledger
+    if ledger.pending is None:
+        return True  # a restart of the committed version (drift, secrets): verified, nothing new to commit
+    service = v.spec.service
+    before = ledger.committed.version.service if ledger.committed else None
+    sudo = use_sudo(host)
+    ok, output = host.run_shell_command(
+        f"install -D -m 644 {shlex.quote(unit_path(service))} {shlex.quote(unit_backup(service))}", _sudo=sudo)
+    if not ok:
+        return fail(host, f"{host.name}: could not keep a copy of the verified unit: {' | '.join(output.stderr_lines)}")
+    if not save_ledger(host, v.state_file, ledger_commit(ledger, now_utc(), ready_at)):
+        return False
+    if before and before != service:
+        old = unit_name(before)
+        ok, output = host.run_shell_command(
+            f"systemctl disable --now {shlex.quote(old)}; rm -f {shlex.quote(unit_path(before))} "
+            f"{shlex.quote(unit_backup(before))} {shlex.quote(state_file(before))} && systemctl daemon-reload",
+            _sudo=sudo)
+        if not ok:
+            return fail(host, f"{host.name}: {service} is committed, but removing the replaced {old} failed: "
+                              f"{' | '.join(output.stderr_lines[-3:])} (fix: `systemctl disable --now {old}`)")
+        host.log_styled(f"{old} replaced by {unit_name(service)}: stopped, disabled and removed")
+    host.log_styled(f"committed {ledger.pending.version.ref}")
+    return True
+
+
+def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -> bool:
+    """Put the committed version's unit back (under its own service name and port), restart it, mark the pending
+    version failed in the ledger, wait until the committed one is ready; always False (the host failed its
+    rollout), with one line naming both digests and where the host stands."""
+    assert ledger.pending is not None and ledger.committed is not None
+    spec, pending, committed = v.spec, ledger.pending.version, ledger.committed.version
+    service = committed.service or spec.service
+    unit, backup = unit_path(service), unit_backup(service)
+    what = (f"new image {pending.ref}" if pending.ref != committed.ref
+            else f"new settings (same image {pending.ref})")
+    failed = f"{what} failed verification ({failed_detail})"
     try:
         hostlock.check_run_lock(host)  # the rollback restarts too: never interleaved with another run's restart
     except hostlock.LockLost as lost:
-        return fail(host, f"{failed}; not rolled back: {lost}")
-    host.log_styled(f"rolling back to {prev_ref}")
-    ok, output = host.run_shell_command(
-        f"install -m 644 {shlex.quote(rollback.backup)} {shlex.quote(rollback.unit_path)} && "
-        f"systemctl daemon-reload && systemctl restart {shlex.quote(unit_name(spec.service))}", _sudo=use_sudo(host))
+        return fail(host, f"{host.name}: {failed}; not rolled back: {lost}")
+    host.log_styled(f"rolling back to {committed.ref}")
+    steps = []
+    if committed.unit_sha256:
+        # Only the committed unit goes back: a copy that is not it is refused, the host stays as it is.
+        steps.append(f"echo {shlex.quote(committed.unit_sha256 + '  ' + backup)} | sha256sum -c --status")
+    if service != spec.service:
+        # A rename going back: the new service's unit goes, so that one vLLM container runs.
+        steps.append(f"{{ systemctl disable --now {shlex.quote(unit_name(spec.service))}; "
+                     f"rm -f {shlex.quote(unit_path(spec.service))}; }}")
+    steps += [f"install -m 644 {shlex.quote(backup)} {shlex.quote(unit)}", "systemctl daemon-reload",
+              f"systemctl enable {shlex.quote(unit_name(service))}",
+              f"systemctl restart {shlex.quote(unit_name(service))}"]
+    ok, output = host.run_shell_command(" && ".join(steps), _sudo=use_sudo(host))
     if not ok:
-        return fail(host, f"{failed}; the rollback to {prev_ref} failed too: {' | '.join(output.stderr_lines[-3:])} "
-                          f"(fix: `systemctl status {spec.service}`; {rollback.backup} holds the unit that served)")
-    # Right after the unit goes back: "current" is what the unit runs, whether or not it gets ready.
-    if previous and new_ref != prev_ref and not restore_state(host, rollback, new_ref, report):
-        return fail(host, f"rolled back to {prev_ref}, but could not write {rollback.state_file}")
-    again = poll_ready(check_previous, timeout_s, exited=exited)
+        return fail(host, f"{host.name}: {failed}; the rollback to {committed.ref} failed too: "
+                          f"{' | '.join(output.stderr_lines[-3:]) or 'no copy of the committed unit at ' + backup} "
+                          f"(fix: `systemctl status {service}`; {backup} holds the unit that was committed)")
+    # Right after the unit goes back: the ledger says what runs, whether or not it gets ready.
+    if not save_ledger(host, v.state_file, ledger_roll_back(ledger, failed_detail, now_utc())):
+        return False
+    # Held to what it served before this run, on its own port: not to the new settings' identity.
+    previous = Expected(service=service, port=committed.port or spec.port, served_model_name=v.served_before)
+    again = poll_ready(v.check_once(host, previous), v.timeout_s, exited=service_exited(host, service))
     if not again.ready:
-        return fail(host, f"{failed}; rolled back to {prev_ref}, which is not ready either ({again.state}: "
-                          f"{again.detail}) (fix: `journalctl -u {spec.service}`; {rollback.backup} holds the unit "
-                          "that served)")
-    fix = (f"set vllm_image back to {previous['image']} or to an image that accepts these settings"
-           if new_ref != prev_ref and previous.get("image") else "revert the settings changed in this run")
+        return fail(host, f"{host.name}: {failed}; rolled back to {committed.ref}, which is not ready either "
+                          f"({again.state}: {again.detail}) (fix: `journalctl -u {service}`; {backup} holds the unit "
+                          "that was committed)")
+    fix = (f"set vllm_image back to {committed.image} or to an image that accepts these settings"
+           if pending.ref != committed.ref and committed.image != pending.image
+           else "revert the settings or the image changed in this run")
     # One line naming the host (not the "[host]" prefix): it reads the same in a summary or a grep of the log.
-    logger.error(f"{host.name}: {failed}; rolled back to {prev_ref}, which is ready (fix: {fix}, then converge "
-                 "again; the failed container's log is above)")
+    logger.error(f"{host.name}: {failed}; rolled back to {committed.ref}, which is ready (fix: {fix}, then converge "
+                 f"again; {RETRY_SETTING}=true tries the failed version again on purpose)")
     return False
-
-
-def restore_state(host: Host, rollback: Rollback, failed_ref: str, report: HealthReport) -> bool:
-    """Point the state file's "current" back at the version that served, marking failed_ref failed in history."""
-    ok, output = host.run_shell_command(f"cat {shlex.quote(rollback.state_file)}", _sudo=use_sudo(host))
-    try:
-        on_host = json.loads("\n".join(output.stdout_lines)) if ok else None
-    except ValueError:
-        on_host = None
-    reason = f"{report.state}: {report.detail}"
-    new_state = rolled_back(on_host, failed_ref, rollback.previous or {}, reason, now_utc())
-    return write_state(host, rollback.state_file, new_state)

@@ -16,6 +16,7 @@ under `timeout`, so one bad host gives one preflight line instead of holding up 
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -88,6 +89,16 @@ class RunningService:
     unit_spec_hash: str | None = None  # pinned in the unit file's header (None: no gpufleet unit on disk)
     unit_image: str | None = None
     containers: tuple[tuple[str, str], ...] = ()  # running containers with the service's label: (label, image)
+    restarts: int = 0  # systemd's NRestarts: automatic restarts (Restart=on-failure) since the last start
+
+    @property
+    def running_image(self) -> str | None:
+        """The one labelled container's image (None: none, or more than one)."""
+        return self.containers[0][1] if len(self.containers) == 1 else None
+
+    @property
+    def running_spec_hash(self) -> str | None:
+        return self.containers[0][0] if len(self.containers) == 1 else None
 
     def drift(self) -> list[str]:
         """How what runs differs from the unit on disk, one phrase each ([] = it runs what the unit says).
@@ -123,7 +134,8 @@ class HostSnapshot:
     file_sha256: dict[str, str | None] = field(default_factory=dict)
     nvidia_key: str | None = None  # armored key as served by nvidia_repo_url now
     docker_key: str | None = None
-    state: dict[str, Any] | None = None
+    ledger_text: str | None = None  # the service's ledger file (gpufleet.ledger parses it); None: no file
+    other_ledgers: dict[str, str] = field(default_factory=dict)  # path -> text: the state dir's other ledgers
     images: list[tuple[str, str, str]] = field(default_factory=list)  # (repository, tag, digest)
     model_files: dict[str, int] = field(default_factory=dict)  # name -> size, top level of the model dir
     model_shards: list[str] = field(default_factory=list)  # shards listed by model.safetensors.index.json
@@ -205,7 +217,12 @@ def snapshot_command(paths: Paths) -> str:
         lines.append(f"{section('docker_key')}; command -v curl >/dev/null && (. /etc/os-release; "
                      f"curl -fsSL --max-time 15 {q(paths.docker_repo_url)}/\"$ID\"/gpg 2>/dev/null)")
     lines += [
-        f"{section('state')}; cat {q(paths.state_file)} 2>/dev/null",
+        # A marker line first: an empty ledger file is corrupt, a missing one is a host gpufleet never converged.
+        f"{section('state')}; [ -f {q(paths.state_file)} ] && echo @@present && cat {q(paths.state_file)}",
+        # The other services' ledgers: a renamed vllm_service finds its committed version (and old unit) there.
+        f"{section('other_ledgers')}; for f in {q(posixpath.dirname(paths.state_file))}/*.json; do "
+        f"[ -f \"$f\" ] && [ \"$f\" != {q(paths.state_file)} ] && printf '\\n{MARK}ledger %s\\n' \"$f\" && cat \"$f\"; "
+        "done",
         f"{section('images')}; command -v docker >/dev/null && $t docker images --digests --no-trunc "
         "--format '{{.Repository}}|{{.Tag}}|{{.Digest}}' 2>/dev/null",
         f"{section('model')}; if [ -d {model_dir} ]; then cd {model_dir} && "
@@ -221,7 +238,8 @@ def snapshot_command(paths: Paths) -> str:
         f"2>/dev/null; f=$($t systemctl show -p FragmentPath --value {unit} 2>/dev/null); "
         "if [ -n \"$f\" ]; then printf 'FirstLine=%s\\n' \"$(head -n 1 -- \"$f\" 2>/dev/null)\"; fi",
         # What really runs: systemd's state of the unit, the pins in the unit file's header, the labelled containers.
-        f"{section('running')}; $t systemctl show -p ActiveState -p SubState -p NeedDaemonReload {unit} 2>/dev/null; "
+        f"{section('running')}; $t systemctl show -p ActiveState -p SubState -p NeedDaemonReload -p NRestarts {unit} "
+        "2>/dev/null; "
         f"printf 'Header=%s\\n' \"$(sed -n 2p {q(unit_path(paths.service))} 2>/dev/null)\"; "
         f"command -v docker >/dev/null && ids=$($t docker ps -q --filter label={q(label)} 2>/dev/null) && "
         f"[ -n \"$ids\" ] && $t docker inspect --format {q(container_format)} $ids 2>/dev/null",
@@ -316,12 +334,11 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         text = "\n".join(s.get(name, [])).strip()
         if "BEGIN PGP PUBLIC KEY BLOCK" in text:
             setattr(snap, name, text + "\n")
-    text = "\n".join(s.get("state", [])).strip()
-    if text:
-        try:
-            snap.state = json.loads(text)
-        except ValueError:
-            snap.state = {"unreadable": text[:200]}
+    state = s.get("state", [])
+    if state and state[0] == "@@present":
+        snap.ledger_text = "\n".join(state[1:]) + "\n"
+    snap.other_ledgers = {name[len("ledger "):]: "\n".join(body) + "\n" for name, body in s.items()
+                          if name.startswith("ledger ")}
     for line in s.get("images", []):
         parts = line.split("|")
         if len(parts) == 3 and parts[2].startswith("sha256:"):
@@ -385,6 +402,7 @@ def parse_running(lines: list[str]) -> RunningService:
     return RunningService(
         active_state=fields.get("ActiveState", ""), sub_state=fields.get("SubState", ""),
         need_daemon_reload=fields.get("NeedDaemonReload") == "yes",
+        restarts=int(fields["NRestarts"]) if fields.get("NRestarts", "").isdigit() else 0,
         unit_spec_hash=pins["spec"] if pins else None, unit_image=pins["image"] if pins else None,
         containers=tuple(containers),
     )

@@ -11,6 +11,7 @@ from pyinfra.api import FileUploadCommand, FunctionCommand, Host, State, StringC
 from pyinfra.api.arguments import ConnectorArguments
 from pyinfra.operations import apt
 
+from gpufleet.ledger import atomic_write_command
 from gpufleet.operations.remote import Commands, use_sudo
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.snapshot import snapshot
@@ -57,6 +58,19 @@ class AtomicUpload(FileUploadCommand):
             f"chown root:root {shlex.quote(tmp)} && chmod {shlex.quote(self.mode)} {shlex.quote(tmp)} && "
             + replace_command(tmp, self.dest), **shown, **connector_arguments)
         return bool(ok)
+
+
+def write_file(host: Host, path: str, content: str, mode: str = "0644") -> bool:
+    """From a FunctionCommand: replace the root-owned `path` with `content` atomically (gpufleet.ledger's
+    atomic_write_command: temp file beside it, fsync, rename, directory fsync). For files written while executing,
+    whose content is known only then (the ledger)."""
+    sudo = use_sudo(host)
+    directory, _, name = path.rpartition("/")
+    upload = f"{directory}/.{name}.upload"
+    ok = host.run_shell_command(f"install -d -m 755 {shlex.quote(directory)}", _sudo=sudo)[0]
+    if not (ok and host.put_file(as_io(content), upload, _sudo=sudo)):
+        return False
+    return bool(host.run_shell_command(atomic_write_command(path, mode=mode, source=upload), _sudo=sudo)[0])
 
 
 def put_content(path: str, content: str | bytes, mode: str = "644") -> Commands:

@@ -1,12 +1,11 @@
-"""The serving image: pulled, its tag resolved to a digest, recorded on the host; the unit runs the digest.
+"""The serving image: pulled, its tag resolved to a digest; the unit runs the digest.
 
-State file /var/lib/gpufleet/<service>.json:
-    {"current": {"image": "repo:tag", "ref": "repo@sha256:...", "pinned_at": "..."},
-     "previous": {...} | null, "history": [{...}, ...]}
-"current" is what the unit runs. A rollback (gpufleet.deploys.verify) puts the entry that was serving back as
-"current" and marks the failed attempt in "history" with "failed" (the reason) and "failed_at".
-A tag is resolved once: later converges reuse the recorded digest (so a reboot or a re-converge never silently
-moves to a newer nightly). Changing vllm_image, or removing the state file, resolves again.
+A tag is resolved once: the host's ledger (gpufleet.ledger, /var/lib/gpufleet/<service>.json) records the digest
+each version ran, and later converges reuse it (a reboot or a re-converge never silently moves to a newer nightly).
+Changing vllm_image resolves again; `gpufleet_image_ref` installs a given digest of the same repository instead.
+This module writes no ledger: a resolved digest lives in this run's memory (gpufleet.operations.snapshot) until the
+unit that runs it is begun (gpufleet.operations.service), so a run that fails after the pull leaves the ledger
+naming what runs.
 """
 
 from __future__ import annotations
@@ -14,18 +13,14 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from io import BytesIO
-from typing import Any
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.image_ref import parse
-from gpufleet.operations.layout import STATE_DIR
+from gpufleet.ledger import Ledger, pin
 from gpufleet.operations.remote import Commands, fail, use_sudo
 from gpufleet.operations.snapshot import memo
-
-HISTORY_LIMIT = 20
 
 
 def repository(image: str) -> str:
@@ -39,51 +34,16 @@ def repository(image: str) -> str:
     return name[: len(name) - len(last)] + last.split(":", 1)[0]
 
 
-def pinned_ref(state: dict[str, Any] | None, image: str) -> str | None:
-    """The digest ref recorded for this exact image setting, if any."""
+def pinned_ref(ledger: Ledger | None, image: str, image_ref_setting: str | None = None) -> str | None:
+    """The digest this run installs for `image` when it is known before any pull: gpufleet_image_ref, a digest in
+    the image setting itself, or the one the ledger has for this exact image setting (ledger.pin)."""
+    if image_ref_setting:
+        return image_ref_setting
     ref = parse(image)
     if ref is not None and ref.pinned:
         # Pinned by the user; "repo:tag@sha256:..." runs (and is listed by docker) as "repo@sha256:...".
         return ref.pinned
-    current = (state or {}).get("current") or {}
-    if current.get("image") == image and isinstance(current.get("ref"), str) and "@sha256:" in current["ref"]:
-        return current["ref"]
-    return None
-
-
-def record(state: dict[str, Any] | None, image: str, ref: str, now: str) -> dict[str, Any]:
-    """The state file's new content after pinning `image` to `ref`."""
-    state = dict(state or {})
-    current = state.get("current")
-    if current and current.get("ref") == ref and current.get("image") == image:
-        return state
-    entry = {"image": image, "ref": ref, "pinned_at": now}
-    history = [*(state.get("history") or []), entry][-HISTORY_LIMIT:]
-    return {"current": entry, "previous": current, "history": history}
-
-
-def rolled_back(state: dict[str, Any] | None, failed_ref: str, restored: dict[str, Any], reason: str,
-                now: str) -> dict[str, Any]:
-    """The state file's content after the unit went back to `restored` (the entry that was current before the
-    failed attempt): the newest history entry for `failed_ref` is marked failed; "previous" becomes the newest
-    earlier entry that neither failed nor is the restored one (the next thing to fall back to)."""
-    state = dict(state or {})
-    history = [dict(entry) for entry in state.get("history") or []]
-    for entry in reversed(history):
-        if entry.get("ref") == failed_ref:
-            entry.update(failed=reason, failed_at=now)
-            break
-    previous = next((e for e in reversed(history)
-                     if not e.get("failed") and e.get("ref") != restored.get("ref")), None)
-    return {"current": dict(restored), "previous": previous, "history": history}
-
-
-def write_state(host: Host, path: str, state: dict[str, Any]) -> bool:
-    """Upload the state file (root-owned, in STATE_DIR) from a FunctionCommand."""
-    content = json.dumps(state, indent=2) + "\n"
-    sudo = use_sudo(host)
-    ok = host.run_shell_command(f"install -d -m 755 {shlex.quote(STATE_DIR)}", _sudo=sudo)[0]
-    return bool(ok and host.put_file(BytesIO(content.encode()), path, _sudo=sudo))
+    return pin(ledger or Ledger(), image)
 
 
 def now_utc() -> str:
@@ -104,7 +64,7 @@ def image_present(images: list[tuple[str, str, str]], ref: str) -> bool:
     return bool(digest) and any(d == digest and repository(r) == repo for r, _, d in images)
 
 
-def _pull_and_pin(state: State, host: Host, image: str, pull: str, path: str, previous: dict[str, Any] | None) -> bool:
+def _pull(state: State, host: Host, image: str, pull: str) -> bool:
     sudo = use_sudo(host)
     # print_output: docker's per-layer progress lines stream to the terminal as they come.
     ok, output = host.run_shell_command(f"docker pull {shlex.quote(pull)}", _sudo=sudo, print_output=True)
@@ -116,26 +76,24 @@ def _pull_and_pin(state: State, host: Host, image: str, pull: str, path: str, pr
     if not ref:
         return fail(host, f"{image} has no registry digest after the pull (fix: pull it from a registry, "
                           "or set vllm_image to repo@sha256:<digest>)")
-    memo(host).resolved_image_ref = ref  # for the unit and the model download (gpufleet.operations.snapshot)
-    if not write_state(host, path, record(previous, image, ref, now_utc())):
-        return fail(host, f"could not write {path}")
+    memo(host).resolved_image_ref = ref  # for the unit, the flag check and the model download
     host.log_styled(f"pinned {image} -> {ref}")
     return True
 
 
 def image_ref(image: str, host: Host | None = None) -> str | None:
-    """The digest ref the unit must run: resolved by pinned() while executing, or recorded before this deploy."""
+    """The digest ref the unit must run: resolved by pinned() while executing, or known before this deploy
+    (gpufleet_image_ref, or the ledger's pin for this image setting)."""
     held = memo(host)
-    return held.resolved_image_ref or pinned_ref(held.snapshot.state, image)
+    return held.resolved_image_ref or held.pin or pinned_ref(held.ledger, image)
 
 
 @operation()
-def pinned(image: str, state_file: str) -> Commands:
-    """Pull the image and pin its tag to a digest, recorded in state_file."""
+def pinned(image: str, ref: str | None) -> Commands:
+    """Pull the image (by `ref`, the digest this run installs, when known) and resolve its tag to a digest."""
     snap = memo().snapshot
-    ref = pinned_ref(snap.state, image)
     if ref and image_present(snap.images, ref):
         host.noop(f"{image} is pinned to {ref.rsplit('@', 1)[1][:19]} and present")
         return
-    # A recorded digest whose image went missing is pulled by digest: the pin does not move.
-    yield FunctionCommand(_pull_and_pin, (image, ref or image, state_file, snap.state), {})
+    # A known digest whose image is missing is pulled by digest: the pin does not move.
+    yield FunctionCommand(_pull, (image, ref or image), {})

@@ -1,15 +1,16 @@
 """The vLLM systemd service: secrets file, unit (running the pinned digest), enabled, (re)started, verified.
 
-Never break a serving host: when a converge replaces the unit of a service that was answering /health, the old
-unit is kept (layout.unit_backup) and the verify step gets a Rollback; the deploy's verify callback
-(gpufleet.deploys.verify) puts the old unit back if the new one never gets ready or dies during the soak.
+Never break a serving host: the host's ledger (gpufleet.ledger) names the new version `pending` before its unit is
+written or the service restarts; the deploy's verify callback (gpufleet.deploys.verify) commits it after ready and
+the soak, or puts the committed version's unit back (kept at layout.unit_backup when it was committed). A run cut
+anywhere in between leaves the pending record for the next run to settle first (settled()).
 """
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from pyinfra import host
@@ -20,15 +21,19 @@ from pyinfra.context import ctx_state
 from gpufleet import hostlock
 from gpufleet.facts.host import HostSnapshot
 from gpufleet.health.check import Expected, identity_problems
-from gpufleet.operations.files import put_content, put_secret
-from gpufleet.operations.image import image_ref
+from gpufleet.ledger import (
+    DropPending, FinishPending, Ledger, Nothing, Resume, Version, begin, drop_pending, refused_target, render,
+    retry_failed,
+)  # fmt: skip
+from gpufleet.operations.files import put_content, put_secret, sha256, write_file
+from gpufleet.operations.image import image_ref, now_utc
 from gpufleet.operations.layout import Layout, Managed, unit_backup
-from gpufleet.operations.remote import Commands
+from gpufleet.operations.remote import Commands, fail
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.snapshot import snapshot
+from gpufleet.operations.snapshot import memo, snapshot
 from gpufleet.settings import SECRET_VALUE
 from gpufleet.spec import ServeSpec
-from gpufleet.unit import render_unit, unit_name
+from gpufleet.unit import render_unit, unit_name, unit_path
 
 # Secrets every service's env file may carry: env var -> the setting holding it (vllm_secret_env adds more).
 ENV_SECRETS = {"VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token"}
@@ -77,19 +82,59 @@ def env_file(path: str, secrets: Mapping[str, Hidden | None]) -> Commands:
     yield from commands
 
 
-def was_serving(snap: HostSnapshot, service: str) -> bool:
-    """Did the service answer /health before this run? Only such a unit is worth keeping to roll back to."""
-    return snap.unit_active(unit_name(service)) and snap.health_code == "200"
+def target_version(spec: ServeSpec, host: Host) -> Version:
+    """The version this run installs, while executing (the digest may only be known after the pull)."""
+    ref = image_ref(spec.image, host) or spec.image
+    return Version(image=spec.image, ref=ref, unit_sha256=sha256(render_unit(spec, ref)), spec_hash=spec.spec_hash,
+                   service=spec.service, port=spec.port)
 
 
-def _keeps_backup(snap: HostSnapshot, service: str, path: str) -> bool:
-    # One decision for the unit operation (which copies the unit) and the verify step (which restores it).
-    return bool(snap.file_sha256.get(path)) and was_serving(snap, service)
+def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
+    """Write the host's ledger (atomically) and keep it as this run's view of it."""
+    if not write_file(host, path, render(ledger)):
+        return fail(host, f"{host.name}: could not write {path} (fix: check free space and permissions there)")
+    memo(host).ledger = ledger
+    return True
+
+
+def _begin(state: State, host: Host, spec: ServeSpec, path: str) -> bool:
+    """Record the target as pending before the unit changes or the service restarts: a run cut after this point is
+    finished or rolled back by the next one (ledger.resume). Nothing to record when the target is what is pending
+    already, or the committed version itself (a restart of what was verified)."""
+    held = memo(host)
+    target, ledger = target_version(spec, host), held.ledger
+    if ledger.pending is not None and ledger.pending.version == target:
+        return True
+    if ledger.pending is None and ledger.committed is not None and ledger.committed.version == target:
+        return True
+    if ledger.pending is not None:
+        # A cut run's version this run does not install: it was never verified, the committed one stays the target.
+        ledger = drop_pending(ledger)
+    if held.retry_failed:
+        ledger = retry_failed(ledger, target)
+    refused = refused_target(ledger, target)
+    if refused:
+        # The digest is known only now (a tag resolved by this run's pull): refused here instead of at preflight.
+        return fail(host, f"{host.name}: {refused}")
+    return save_ledger(host, path, begin(ledger, target, hostlock.Holder.this_process().operator(), now_utc()))
+
+
+def _backup_commands(spec: ServeSpec) -> Commands:
+    """Keep a copy of the committed unit to roll back to, for a ledger migrated from the old format (no copy was
+    made at its commit): the unit that was serving, as before."""
+    committed = memo().ledger.committed
+    if committed is None or committed.version.unit_sha256 is not None:
+        return  # none to go back to, or its copy was made when it was committed (gpufleet.deploys.verify)
+    snap = snapshot()
+    if snap.unit_active(unit_name(spec.service)) and snap.health_code == "200" and snap.file_sha256.get(
+            unit_path(spec.service)):
+        yield StringCommand("install", "-D", "-m", "644", shlex.quote(unit_path(spec.service)),
+                            shlex.quote(unit_backup(spec.service)))
 
 
 @operation()
-def unit(spec: ServeSpec, path: str) -> Commands:
-    """Install the systemd unit that runs the pinned image; keep the replaced unit if it was serving."""
+def unit(spec: ServeSpec, path: str, state_file: str) -> Commands:
+    """Install the systemd unit that runs the pinned image; the ledger names it pending first."""
     ref = image_ref(spec.image)
     # Before the pin exists (cold host, or a new vllm_image) the unit will change; while executing, the image
     # operation has resolved the digest and the real text is rendered.
@@ -98,9 +143,8 @@ def unit(spec: ServeSpec, path: str) -> Commands:
     if not commands:
         host.noop(f"{path} runs {ref}")
         return
-    if _keeps_backup(snapshot(), spec.service, path):
-        # The verify step puts this unit back if the new one never gets ready or dies during the soak.
-        yield StringCommand("install", "-D", "-m", "644", shlex.quote(path), shlex.quote(unit_backup(spec.service)))
+    yield from _backup_commands(spec)
+    yield FunctionCommand(_begin, (spec, state_file), {})
     yield from commands
     yield StringCommand("systemctl", "daemon-reload")
 
@@ -128,10 +172,13 @@ def _still_locked(state: State, host: Host) -> bool:
 
 
 @operation(is_idempotent=False)
-def running(service: str, changes: list[OperationMeta], start: bool = True) -> Commands:
-    """Enable the vLLM service and (re)start it when its unit, secrets or image changed, or when what runs is not
-    what the unit on disk says (snapshot's RunningService.drift: the file checksums alone cannot see that)."""
-    name = unit_name(service)
+def running(spec: ServeSpec, state_file: str, changes: list[OperationMeta], start: bool = True,
+            force: bool = False, replaces: str | None = None) -> Commands:
+    """Enable the vLLM service and (re)start it when its unit, secrets or image changed, when what runs is not what
+    the unit on disk says (snapshot's RunningService.drift: the file checksums alone cannot see that), or when a cut
+    run's version is to be finished (force). replaces: the service a renamed vllm_service replaces, stopped first
+    (both would hold the same GPUs); the verify step removes it once the new one is committed."""
+    name = unit_name(spec.service)
     snap = snapshot()
     if not start:
         host.noop(f"{name} installed, not started: no GPU on this host (gpufleet_allow_no_gpu)")
@@ -144,30 +191,19 @@ def running(service: str, changes: list[OperationMeta], start: bool = True) -> C
     drift = snap.running.drift()
     if drift and _executing():  # said once (pyinfra runs this generator to plan, and again to execute)
         host.log_styled(f"{name} does not run what its unit says ({'; '.join(drift)}): restarting it", fg="yellow")
-    if _changed(changes) or drift:
+    if _changed(changes) or drift or force or not snap.unit_active(name):
         yield FunctionCommand(_still_locked, (), {})
-        yield StringCommand("systemctl", "restart", shlex.quote(name))
-    elif not snap.unit_active(name):
-        yield FunctionCommand(_still_locked, (), {})
-        yield StringCommand("systemctl", "start", shlex.quote(name))
+        yield FunctionCommand(_begin, (spec, state_file), {})
+        if replaces:
+            yield StringCommand("systemctl", "stop", shlex.quote(unit_name(replaces)), "||", "true")
+        yield StringCommand("systemctl", "restart" if snap.unit_active(name) else "start", shlex.quote(name))
     elif snap.unit_enabled(name):
         host.noop(f"{name} is active and nothing it runs changed")
 
 
-@dataclass(frozen=True)
-class Rollback:
-    """What the verify step needs to put the serving version back: the kept unit, the state entry it ran and the
-    model name it served (the failed change may have renamed it)."""
-
-    unit_path: str
-    backup: str
-    state_file: str
-    previous: dict[str, Any] | None  # the state file's "current" before this run
-    served_model_name: str
-
-
-# The deploy's verify step, run while executing: (state, host, rollback or None, soak seconds) -> ready.
-Verify = Callable[[State, Host, "Rollback | None", float], bool]
+# The deploy's verify step, run while executing: (state, host, soak seconds) -> ready. It commits the pending
+# version, or rolls back to the committed one (gpufleet.deploys.verify).
+Verify = Callable[[State, Host, float], bool]
 
 
 def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
@@ -181,22 +217,40 @@ def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
 
 
 @operation(is_idempotent=False)
-def ready(spec: ServeSpec, layout: Layout, verify: Verify, changes: list[OperationMeta], start: bool = True,
-          soak_s: float = 0.0, unit_op: OperationMeta | None = None) -> Commands:
-    """Verify the vLLM service serves what its spec says; after a (re)start, verify with a soak of soak_s and
-    hand verify a Rollback when the unit that was serving was kept (unit_op: the unit operation)."""
+def ready(spec: ServeSpec, verify: Verify, changes: list[OperationMeta], start: bool = True, soak_s: float = 0.0,
+          force: bool = False) -> Commands:
+    """Verify the vLLM service serves what its spec says; after a (re)start (or with force: a cut run's version to
+    finish), verify with a soak of soak_s, then commit or roll back."""
     snap = snapshot()
     if not start:
         host.noop("no GPU: the service is not started, nothing to verify")
         return
-    restarted = _changed(changes) or bool(snap.running.drift()) or not snap.unit_active(unit_name(spec.service))
+    restarted = (force or _changed(changes) or bool(snap.running.drift())
+                 or not snap.unit_active(unit_name(spec.service)))
     if not restarted and serves_expected(snap, Expected.from_spec(spec)):
         host.noop(f"ready: /health 200, /v1/models serves {spec.served_model_name}")
         return
-    rollback = None
-    if unit_op is not None and _changed([unit_op]) and _keeps_backup(snap, spec.service, layout.unit_file):
-        served = [model_id for model_id, _ in snap.served_models or []] or [spec.served_model_name]
-        rollback = Rollback(unit_path=layout.unit_file, backup=unit_backup(spec.service),
-                            state_file=layout.state_file, previous=(snap.state or {}).get("current"),
-                            served_model_name=served[0])
-    yield FunctionCommand(verify, (rollback, soak_s if restarted else 0.0), {})
+    yield FunctionCommand(verify, (soak_s if restarted else 0.0,), {})
+
+
+@operation(is_idempotent=False)
+def settled(decision: Resume, state_file: str, roll_back: Callable[[State, Host, str], bool]) -> Commands:
+    """Settle what a cut run left pending (ledger.resume's decision) before anything else changes: drop a change
+    that never reached the unit, or roll back to the committed version (roll_back: the verify step's). A version to
+    finish is restarted, verified and committed by the steps after this one."""
+    if isinstance(decision, Nothing):
+        host.noop("no change left pending by a cut run")
+    elif isinstance(decision, FinishPending):
+        if _executing():  # said once (pyinfra runs this generator to plan, and again to execute)
+            host.log_styled(f"{decision.reason}: restarting and verifying it", fg="yellow")
+        host.noop(f"{decision.reason}: restarting and verifying it")
+    elif isinstance(decision, DropPending):
+        yield FunctionCommand(_drop, (state_file, decision.reason), {})
+    else:
+        yield FunctionCommand(roll_back, (decision.reason,), {})
+
+
+def _drop(state: State, host: Host, path: str, reason: str) -> bool:
+    host.log_styled(f"{reason}: dropping it", fg="yellow")
+    ledger = memo(host).ledger
+    return save_ledger(host, path, drop_pending(ledger)) if ledger.pending is not None else True

@@ -6,6 +6,10 @@ per host (gpufleet.deploys.preflight), sets it here, and every operation decides
 operation then see the same snapshot, and execute the commands the plan announced. Everything else an operation
 needs is an argument.
 
+The host's ledger (gpufleet.ledger) is read with the snapshot and kept here too: the deploy settles it before
+anything runs, and the functions that begin, commit or roll back a version while executing write it and keep the
+new value here, so every later step of the run decides from what is on the host now.
+
 The digest a tag resolves to exists only once `docker pull` ran, inside the image operation's FunctionCommand.
 The unit must run that digest, and the unit operation's generator runs again at execution time, after the pull:
 so the image operation records the digest here (`resolved_image_ref`) and the unit operation renders from it.
@@ -14,19 +18,23 @@ Passing it as an argument cannot work: arguments are fixed when the deploy file 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
 from pyinfra.api import Host, State
 from pyinfra.context import ctx_host
 
 from gpufleet.facts.host import HostSnapshot
+from gpufleet.ledger import Ledger
 
 
 @dataclass
 class HostMemo:
     snapshot: HostSnapshot
     resolved_image_ref: str | None = None  # repo@sha256:..., set by gpufleet.operations.image while executing
+    ledger: Ledger = field(default_factory=Ledger)  # the host's ledger as this run last read or wrote it
+    pin: str | None = None  # the digest this run installs when known before the pull (gpufleet.operations.image)
+    retry_failed: bool = False  # gpufleet_retry_failed: begin() clears the target's failure marks
 
 
 # Keyed by the run's State (dropped with it), then by host name.

@@ -27,6 +27,8 @@ MODEL_REPO = "gpufleet-sandbox/Qwen3.5-tiny"  # what the image's `hf download` s
 # tag -> image env: each tag is one behaviour of the stand-in, so each has its own config and digest.
 TAGS: dict[str, dict[str, str]] = {
     "good": {"STANDIN_VLLM_VERSION": "0.32.1.dev20+gstandin"},
+    # the same behaviour as "good" under another digest: tonight's nightly, for rollouts
+    "good-next": {"STANDIN_VLLM_VERSION": "0.32.1.dev30+gstandin"},
     # an older vLLM (before PR #34936) that does not know a flag the seed invocation uses
     "rejects-flag": {"STANDIN_VLLM_VERSION": "0.16.0", "STANDIN_UNKNOWN_FLAGS": "--performance-mode"},
     # starts, serves briefly, then its engine dies: /health 503, then the container exits 1

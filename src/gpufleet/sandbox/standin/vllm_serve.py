@@ -113,7 +113,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.print_usage()
         print("\n".join(", ".join(f["names"]) for f in spec["flags"] if not set(f["names"]) & unknown))
         sys.exit(0)
-    return parser.parse_args(normalise(argv))
+    argv = normalise(argv)
+    extras = unrecognized(argv, set(parser._option_string_actions))
+    if extras:
+        # Listed with their values, as vLLM lists them (its top-level parser words it "vllm: error: ...").
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    return parser.parse_args(argv)
+
+
+def unrecognized(argv: list[str], known: set[str]) -> list[str]:
+    """The unknown options and the values that follow them, as argparse lists them for vLLM."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--") and arg.split("=", 1)[0] not in known:
+            out.append(arg)
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            if "=" not in arg and value and not value.startswith("-"):
+                out.append(value)
+    return out
 
 
 def human_int(value: str | None) -> int | None:
