@@ -85,7 +85,9 @@ def test_closing_the_connection_frees_the_lock_at_once(sshd, lock_file):
     started = time.monotonic()
     second = lock(sshd, lock_file).acquire(wait_s=LEASE_S * 3)
     try:
-        assert time.monotonic() - started < 1.0
+        # Well under the lease: the closed channel freed it, not the lease running out (a loaded machine may take
+        # a second or more to run the remote flock, so no tighter bound).
+        assert time.monotonic() - started < LEASE_S * 2 / 3
         with pytest.raises(LockLost, match=r"^gft-a: lost the lock .* lease of 3 s ran out\)"):
             first.check()
     finally:
