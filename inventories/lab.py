@@ -24,3 +24,9 @@ gpu_boxes = [
         "vllm_args": {"tensor-parallel-size": 2, "pipeline-parallel-size": 2},
     }),
 ]
+
+# One endpoint for every agent: vllm-router on a small CPU box in front of the boxes above (deploys/router.py,
+# docs/router.md). Uncomment to use it; clients then talk to http://192.168.1.40:8000/v1.
+# routers = [
+#     ("router-1", {"ssh_hostname": "192.168.1.40", "router_policy": "cache_aware"}),
+# ]

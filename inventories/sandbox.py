@@ -17,3 +17,4 @@ if not _INVENTORY.exists():
     raise SystemExit(f"no sandbox inventory at {_INVENTORY}: run `sudo gpufleet sandbox up` first")
 
 gpuhosts = pyinfra_hosts(_INVENTORY)
+routers = pyinfra_hosts(_INVENTORY, routers=True)  # `gpufleet sandbox up N --routers 1`; deploys/router.py

@@ -54,3 +54,25 @@ def test_inventory_points_the_deploy_at_the_local_services(tmp_path):
         "/dev/null",
         "off",
     )
+
+
+def test_router_hosts_are_their_own_group_with_the_local_package_index(tmp_path):
+    import json
+
+    from gpufleet.sandbox.config import NO_GPU, H200x3, sandbox_config
+    from gpufleet.sandbox.hosts import make
+    from gpufleet.sandbox.inventory import inventory_document, pyinfra_hosts, write_pyinfra_inventory
+
+    cfg = sandbox_config()
+    hosts = [make(cfg, 1, H200x3), make(cfg, 2, H200x3), make(cfg, 3, NO_GPU, role="router")]
+    (tmp_path / "inventory.json").write_text(json.dumps(inventory_document(cfg, hosts, tmp_path / "id_ed25519")))
+    assert [n for n, _ in pyinfra_hosts(tmp_path / "inventory.json")] == ["gpuhost1", "gpuhost2"]
+    (name, data), = pyinfra_hosts(tmp_path / "inventory.json", routers=True)
+    assert name == "gpuhost3" and data["router_index_url"] == "http://10.213.0.1:8080/pypi/simple"
+    text = write_pyinfra_inventory(tmp_path / "inventory.json", tmp_path / "inv.py").read_text()
+    assert "routers = pyinfra_hosts(" in text and "routers=True" in text
+
+
+def test_up_offers_router_hosts():
+    result = CliRunner().invoke(sandbox, ["up", "--help"])
+    assert result.exit_code == 0 and "--routers" in result.output

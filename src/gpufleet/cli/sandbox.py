@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from gpufleet.sandbox.config import H200x3, sandbox_config
+from gpufleet.sandbox.config import NO_GPU, H200x3, sandbox_config
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.procs import SandboxError
 
@@ -20,7 +20,9 @@ def sandbox() -> None:
 
 @sandbox.command()
 @click.argument("count", type=click.IntRange(1, 200), default=2)
-def up(count: int) -> None:
+@click.option("--routers", type=click.IntRange(0, 8), default=0, show_default=True,
+              help="Also boot this many GPU-less hosts in the inventory's routers group (deploys/router.py).")
+def up(count: int, routers: int) -> None:
     """Boot COUNT hosts (gpuhost1..COUNT, each 3x H200) and write the inventory inventories/sandbox.py reads.
 
     An earlier sandbox (even one whose run was killed) is cleared first."""
@@ -28,13 +30,15 @@ def up(count: int) -> None:
     try:
         fleet.start()
         hosts = fleet.add_hosts([H200x3] * count)
+        if routers:
+            hosts += fleet.add_hosts([NO_GPU] * routers, role="router")
         inventory = fleet.write_inventory()
     except SandboxError as err:
         raise click.ClickException(str(err)) from None
     for h in hosts:
-        click.echo(f"{h.name}\t{h.ip}\t{h.gpus.count}x {h.gpus.model}")
+        click.echo(f"{h.name}\t{h.ip}\t" + ("router" if h.role == "router" else f"{h.gpus.count}x {h.gpus.model}"))
     click.echo(f"inventory: {inventory}  (pyinfra inventories/sandbox.py ...)")
-    click.echo(f"booted {len(hosts)} host(s) in {fleet.timings[f'boot_{len(hosts)}']:.1f}s; stop with: gpufleet sandbox down")
+    click.echo(f"booted {len(hosts)} host(s); stop with: gpufleet sandbox down")
 
 
 @sandbox.command()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import replace
 from typing import Any
 
 import click
@@ -14,12 +13,13 @@ from rich.table import Table
 from rich.text import Text
 
 from gpufleet.errors import GpufleetError
-from gpufleet.health import Expected, HealthState
+from gpufleet.health import HealthState
 from gpufleet.health.check import spec_drift
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
 from gpufleet.health.probe import ProbeReport, resolved_block_sizes
 from gpufleet.inventory import load_host_specs
-from gpufleet.spec import ServeSpec
+from gpufleet.router import inventory as router_inventory
+from gpufleet.router.status import RouterStatus, read_host
 
 _STATE_STYLE = {
     HealthState.READY: "green",
@@ -29,27 +29,11 @@ _STATE_STYLE = {
 
 
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
-    """Inventory -> what to check on each host. Raises GpufleetError (one line per problem)."""
-    return [
-        HostTarget(
-            name=spec.host,
-            ssh={k: v for k, v in data.items() if k.startswith("ssh_")},
-            expected=replace(Expected.from_spec(spec), spec_hash=spec.spec_hash),
-            gpus=spec.gpus,
-            max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
-            api_key=data.get("vllm_api_key"),
-        )
-        for spec, data in load_host_specs(inventory, only_host)
-    ]
-
-
-def _configured_int(spec: ServeSpec, flag: str) -> int | None:
-    # The server does not expose --max-num-batched-tokens; the probe cites the configured value as evidence.
-    value = spec.arg(flag)
-    try:
-        return int(str(value).replace("_", "")) if value not in (None, True, False) else None
-    except ValueError:
-        return None
+    """Inventory -> what to check on each vLLM host (routers have rows of their own). Raises GpufleetError (one
+    line per problem)."""
+    routers = {name for name, _ in router_inventory.load(inventory)[0]}
+    return [HostTarget.for_spec(spec, data) for spec, data in load_host_specs(inventory, only_host)
+            if spec.host not in routers]
 
 
 def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]:
@@ -159,7 +143,7 @@ def _session_cell(p: ProbeReport) -> str:
     return "\n".join(f"N+{t.turn}: {t.reprocessed_tokens} of {t.prompt_tokens} ({t.reprocessed_share:.0%})" for t in later)
 
 
-def _as_json(results: list[HostResult]) -> str:
+def _as_json(results: list[HostResult], routers: list[RouterStatus] | None = None) -> str:
     out = []
     for r in results:
         block, unit = cache_units(r.health.cache_config)
@@ -175,6 +159,8 @@ def _as_json(results: list[HostResult]) -> str:
         if r.probe_error:
             item["probe_error"] = r.probe_error
         out.append(item)
+    # Router hosts are items of the same list, marked by "role": a list consumer keeps working.
+    out += [{"host": r.name, "role": "router"} | r.as_dict() for r in routers or []]
     return json.dumps(out, indent=2)
 
 
@@ -195,11 +181,39 @@ def status(inventory: str, host: str | None, as_json: bool) -> None:
         gpufleet status inventories/lab.py
         gpufleet status inventories/lab.py --json | jq '.[].state'
     """
-    results = _gather(inventory, host)
+    try:
+        routers = [(name, data) for name, data in router_inventory.load(inventory)[0] if host in (None, name)]
+    except GpufleetError as e:
+        raise click.ClickException(str(e)) from None
+    results = _gather(inventory, host) if not (host and routers) else []
+    router_rows = [read_host(name, data) for name, data in routers]
     if as_json:
-        click.echo(_as_json(results))
+        click.echo(_as_json(results, router_rows))
     else:
-        _console().print(_table(results))
+        if results:
+            _console().print(_table(results))
+        if router_rows:
+            _console().print(_router_table(router_rows))
+
+
+def _router_table(rows: list[RouterStatus]) -> Table:
+    table = Table(title="routers", header_style="bold")
+    for col in ("router", "policy", "state", "worker", "healthy", "routed", "in flight", "requests", "prefix routing"):
+        table.add_column(col)
+    for r in rows:
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(r.prefix_outcomes.items())) or "-"
+        head = (r.name, r.policy or "-", Text(r.state, style="green" if r.state == "ready" else "red"))
+        if not r.workers:
+            table.add_row(*_plain(*head, r.detail or "-", "-", "-", "-", str(r.requests or 0), outcomes))
+        for i, w in enumerate(r.workers):
+            first = i == 0
+            table.add_row(*_plain(
+                *(head if first else ("", "", "")), w.url,
+                Text("yes", style="green") if w.healthy else Text("no", style="red"),
+                str(w.routed), "-" if w.running is None else str(w.running),
+                str(r.requests or 0) if first else "", outcomes if first else "",
+            ))
+    return table
 
 
 @click.command()

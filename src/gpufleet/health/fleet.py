@@ -9,7 +9,7 @@ key is not known). Hosts are checked at once, each in a greenlet, as a pyinfra d
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import gevent
@@ -26,6 +26,7 @@ from gpufleet.health.check import DETAIL_CHARS, Expected, HealthReport, HealthSt
 from gpufleet.health.probe import ProbeReport, probe
 from gpufleet.health.transport import SshTransport, Transport, Unreachable, transport_from_pyinfra_host
 from gpufleet.health.wait import wait_until_ready
+from gpufleet.spec import ServeSpec
 
 SSH_TIMEOUT_S = 10.0  # per connection attempt: TCP connect, banner, key exchange and login together
 PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and paramiko's reader)
@@ -41,6 +42,27 @@ class HostTarget:
     gpus: tuple[int, ...] = ()
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
+
+    @classmethod
+    def for_spec(cls, spec: ServeSpec, data: Mapping[str, Any]) -> HostTarget:
+        """What `gpufleet verify` checks on a host: its spec (drift included), reached with its ssh_* data."""
+        return cls(
+            name=spec.host,
+            ssh={k: v for k, v in data.items() if k.startswith("ssh_")},
+            expected=replace(Expected.from_spec(spec), spec_hash=spec.spec_hash),
+            gpus=spec.gpus,
+            max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
+            api_key=data.get("vllm_api_key"),
+        )
+
+
+def _configured_int(spec: ServeSpec, flag: str) -> int | None:
+    # The server does not expose --max-num-batched-tokens; the probe cites the configured value as evidence.
+    value = spec.arg(flag)
+    try:
+        return int(str(value).replace("_", "")) if value not in (None, True, False) else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -20,3 +24,15 @@ def publish(tmp: Path, entry: Path, started: float) -> float:
     shutil.rmtree(entry, ignore_errors=True)
     tmp.rename(entry)
     return seconds
+
+
+@contextmanager
+def building(lock: Path) -> Iterator[None]:
+    """Hold `lock` (an flock, freed when this process dies) while building one cache entry."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -87,6 +87,11 @@ class FleetConfig:
         return f"{self.mirror_url}/nvidia"
 
     @property
+    def router_index_url(self) -> str:
+        """The PEP 503 index of the real vllm-router wheels (gpufleet.sandbox.router_index)."""
+        return f"{self.mirror_url}/pypi/simple"
+
+    @property
     def docker_repo_url(self) -> str:
         """Like https://download.docker.com/linux: the OS id (debian/) follows, as Docker documents."""
         return f"{self.mirror_url}/docker/linux"

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gpufleet.sandbox import docker_repo, image, network, nvidia_repo, procs, rootfs, services
+from gpufleet.sandbox import docker_repo, image, network, nvidia_repo, procs, rootfs, router_index, services
 from gpufleet.sandbox import hosts as hostmod
 from gpufleet.sandbox.config import FleetConfig, Gpus
 from gpufleet.sandbox.hosts import Host
@@ -111,7 +111,8 @@ class Fleet:
         t0 = time.monotonic()
         docker = docker_repo.ensure_repo(cfg.cache_dir, base.debs)
         self.timings["docker_repo"] = time.monotonic() - t0
-        services.serve_files(cfg, self.state, {"debian": base.debs, "nvidia": repo, "docker": docker})
+        pypi = router_index.ensure_index(cfg.cache_dir)
+        services.serve_files(cfg, self.state, {"debian": base.debs, "nvidia": repo, "docker": docker, "pypi": pypi})
         services.serve_registry(cfg, self.state)
         t0 = time.monotonic()
         image.ensure_images(cfg, self.state, base.rootfs)
@@ -124,10 +125,11 @@ class Fleet:
     def host(self, name: str) -> Host:
         return next(h for h in self.hosts() if h.name == name)
 
-    def add_hosts(self, gpus: list[Gpus], first: int | None = None) -> list[Host]:
-        """Create and boot len(gpus) hosts in parallel (numbered from `first`, default after the last one)."""
+    def add_hosts(self, gpus: list[Gpus], first: int | None = None, role: str = "replica") -> list[Host]:
+        """Create and boot len(gpus) hosts in parallel (numbered from `first`, default after the last one); role
+        "router" puts them in the inventory's routers group."""
         start = first or 1 + max((h.index for h in self.hosts()), default=0)
-        new = [hostmod.make(self.cfg, start + i, g) for i, g in enumerate(gpus)]
+        new = [hostmod.make(self.cfg, start + i, g, role) for i, g in enumerate(gpus)]
         base = Path(self.state.get("base_rootfs"))
         t0 = time.monotonic()
 

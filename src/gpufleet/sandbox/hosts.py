@@ -30,6 +30,7 @@ class Host:
     netns: str
     dir: Path  # per-host state: upper/work/merged of the overlay, docker/containerd bind dirs, console.log
     gpus: Gpus
+    role: str = "replica"  # or "router": the inventory puts it in the routers group
 
     @property
     def root(self) -> Path:
@@ -44,9 +45,10 @@ class Host:
         return cls(**{**d, "dir": Path(d["dir"]), "gpus": Gpus(**d["gpus"])})
 
 
-def make(cfg: FleetConfig, i: int, gpus: Gpus) -> Host:
+def make(cfg: FleetConfig, i: int, gpus: Gpus, role: str = "replica") -> Host:
     name = cfg.host_name(i)
-    return Host(name=name, index=i, ip=cfg.host_ip(i), netns=cfg.netns(name), dir=cfg.state_dir / "hosts" / name, gpus=gpus)
+    return Host(name=name, index=i, ip=cfg.host_ip(i), netns=cfg.netns(name), dir=cfg.state_dir / "hosts" / name, gpus=gpus,
+                role=role)
 
 
 def ssh_argv(host: Host, key: Path, *command: str, user: str = "deploy") -> list[str]:

@@ -31,8 +31,9 @@ BASE_PACKAGES = (
     "procps",
     "gnupg",
 )
-# What the deploy apt-installs (docker via the distro package): served by the local mirror, with their closure.
-MIRROR_PACKAGES = ("docker.io", "gnupg", "curl", "ca-certificates", "jq")
+# What the deploys apt-install (docker via the distro package; python3-venv for the router's venv): served by the
+# local mirror, with their closure.
+MIRROR_PACKAGES = ("docker.io", "gnupg", "curl", "ca-certificates", "jq", "python3-venv")
 # Bump when the customisation below changes: it is part of the cache key.
 RECIPE = "3"
 
@@ -69,16 +70,21 @@ def ensure_base(cache_dir: Path) -> Base:
     base = Base(rootfs=root / "rootfs", debs=root / "debian")
     if cache.is_done(root):
         return base
-    t0 = time.monotonic()
-    tmp = cache_dir / f".base-{cache_key()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    mirror = debian_mirror_url()
-    log.info("debootstrap %s from %s (once, cached as %s)", SUITE, mirror, root)
-    run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(tmp / "rootfs"), mirror])
-    _customise(tmp / "rootfs")
-    _download_debs(tmp / "rootfs", tmp / "debian", mirror)
-    log.info("base rootfs built in %.0fs", cache.publish(tmp, root, t0))
+    # Two sessions starting cold at once (two pytest runs) would build in, and delete, the same temp dir.
+    with cache.building(cache_dir / f".base-{cache_key()}.lock"):
+        if cache.is_done(root):
+            return base  # the other session built it while this one waited
+        t0 = time.monotonic()
+        tmp = cache_dir / f".base-{cache_key()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        mirror = debian_mirror_url()
+        log.info("debootstrap %s from %s (once, cached as %s)", SUITE, mirror, root)
+        run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(tmp / "rootfs"),
+             mirror])
+        _customise(tmp / "rootfs")
+        _download_debs(tmp / "rootfs", tmp / "debian", mirror)
+        log.info("base rootfs built in %.0fs", cache.publish(tmp, root, t0))
     return base
 
 

@@ -1,0 +1,86 @@
+"""vllm-router's own HTTP API, reached through a health transport (SSH to the router host, then its loopback).
+
+What it answers (vllm-router 0.1.17, measured; docs/router.md): GET /workers (url, is_healthy, load per worker),
+GET /list_workers, GET /readiness, POST /add_worker?url= (blocks until the worker answers /health, up to
+--worker-startup-timeout-secs), POST /remove_worker?url=; Prometheus text on its metrics port.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from gpufleet.errors import GpufleetError, one_line
+from gpufleet.health.api import excerpt, fetch
+from gpufleet.health.transport import Transport
+
+TIMEOUT_S = 10.0
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)', re.M)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+class RouterError(GpufleetError):
+    """The router refused or did not answer a request (one line: what, the router's answer)."""
+
+
+@dataclass(frozen=True)
+class Router:
+    """One router: a transport to its host, its client port and its metrics port (on that host's loopback)."""
+
+    name: str
+    transport: Transport
+    port: int
+    metrics_port: int
+
+    def get_json(self, path: str, timeout: float = TIMEOUT_S) -> Any:
+        answer = fetch(self.transport, self.port, path, timeout)
+        if answer.status != 200:
+            raise RouterError(one_line(f"{self.name}: GET {path}: HTTP {answer.status}: {excerpt(answer.text)}"))
+        try:
+            return json.loads(answer.text)
+        except json.JSONDecodeError:
+            raise RouterError(one_line(f"{self.name}: GET {path}: not JSON: {excerpt(answer.text)}")) from None
+
+    def post(self, path: str, timeout: float = TIMEOUT_S) -> str:
+        conn = self.transport.http(self.port, timeout)
+        try:
+            conn.request("POST", path, headers={"Content-Length": "0"})
+            resp = conn.getresponse()
+            body = resp.read(1 << 16).decode(errors="replace")
+        except OSError as error:
+            raise RouterError(one_line(f"{self.name}: POST {path}: {error}")) from None
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise RouterError(one_line(f"{self.name}: POST {path}: HTTP {resp.status}: {excerpt(body)}"))
+        return body
+
+    def add_worker(self, url: str, timeout: float) -> None:
+        self.post(f"/add_worker?url={quote(url, safe='')}", timeout)
+
+    def remove_worker(self, url: str) -> None:
+        self.post(f"/remove_worker?url={quote(url, safe='')}")
+
+    def list_workers(self) -> list[str]:
+        return [str(u) for u in self.get_json("/list_workers").get("urls", [])]
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        answer = fetch(self.transport, self.metrics_port, "/metrics", TIMEOUT_S)
+        if answer.status != 200:
+            raise RouterError(one_line(f"{self.name}: GET /metrics: HTTP {answer.status}"))
+        return parse_metrics(answer.text)
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text -> [(name, labels, value)] (comments and unparsable values skipped)."""
+    samples = []
+    for m in _SAMPLE.finditer(text):
+        try:
+            value = float(m["value"])
+        except ValueError:
+            continue
+        samples.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), value))
+    return samples

@@ -1,0 +1,94 @@
+"""What is on a router host, read in one command: the pinned package, the unit, systemd's view, the running
+router's worker set, and whether each candidate worker answers /health from this host (where the router runs)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+
+from pyinfra.api import FactBase
+
+from gpufleet.router.spec import RouterSpec
+from gpufleet.router.unit import unit_path
+
+
+@dataclass(frozen=True)
+class RouterHost:
+    venv_python: bool = False
+    installed_version: str | None = None  # vllm-router's version in the venv, None when not installed
+    python3_venv: bool = False  # Debian's python3-venv (ensurepip) is installed
+    unit_sha256: str | None = None
+    active_state: str | None = None
+    need_daemon_reload: bool = False
+    enabled: bool = False
+    live_workers: tuple[str, ...] | None = None  # the running router's /list_workers; None when it does not answer
+    reach: dict[str, str] = field(default_factory=dict)  # worker URL -> HTTP code of its /health from this host
+
+    @property
+    def running(self) -> bool:
+        return self.active_state == "active"
+
+
+def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
+    venv, unit = shlex.quote(spec.venv), shlex.quote(unit_path(spec.service))
+    lines = [
+        f"test -x {venv}/bin/python && echo venv_python=yes",
+        # the dist-info directory names the installed version: vllm_router-0.1.17.dist-info
+        f"for d in {venv}/lib/python3*/site-packages/vllm_router-*.dist-info; do test -d \"$d\" && echo dist=${{d##*/}}; done",
+        "echo python3_venv=$(dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | tr ' ' _)",
+        f"echo unit_sha256=$(sha256sum {unit} 2>/dev/null | cut -d' ' -f1)",
+        f"systemctl show {shlex.quote(spec.service + '.service')} -p ActiveState -p NeedDaemonReload -p UnitFileState "
+        "2>/dev/null",
+        f"echo workers=$(curl -sS --max-time 3 {shlex.quote(spec.control_url + '/list_workers')} 2>/dev/null | tr -d '\\n')",
+    ]
+    for url in candidates:
+        lines.append(f"echo reach {shlex.quote(url)} $(curl -s -o /dev/null -w '%{{http_code}}' --max-time 3 "
+                     f"{shlex.quote(url + '/health')})")
+    return "; ".join(lines) + "; true"
+
+
+def parse(output: list[str]) -> RouterHost:
+    values: dict[str, str] = {}
+    reach: dict[str, str] = {}
+    for line in output:
+        if line.startswith("reach "):
+            _, url, *code = line.split(" ")
+            reach[url] = code[0] if code else "000"
+        elif "=" in line:
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    dist = values.get("dist", "")
+    version = dist.removeprefix("vllm_router-").removesuffix(".dist-info") if dist else None
+    live: tuple[str, ...] | None = None
+    try:
+        urls = json.loads(values.get("workers") or "null")
+        if isinstance(urls, dict) and isinstance(urls.get("urls"), list):
+            live = tuple(str(u) for u in urls["urls"])
+    except json.JSONDecodeError:
+        live = None
+    return RouterHost(
+        venv_python=values.get("venv_python") == "yes",
+        installed_version=version or None,
+        python3_venv=values.get("python3_venv") == "install_ok_installed",
+        unit_sha256=values.get("unit_sha256") or None,
+        active_state=values.get("ActiveState") or None,
+        need_daemon_reload=values.get("NeedDaemonReload") == "yes",
+        enabled=values.get("UnitFileState") == "enabled",
+        live_workers=live,
+        reach=reach,
+    )
+
+
+class RouterHostFact(FactBase[RouterHost]):
+    """Everything the router deploy decides from, in one command."""
+
+    def command(self, spec: RouterSpec, candidates: tuple[str, ...]) -> str:
+        return command(spec, candidates)
+
+    @staticmethod
+    def default() -> RouterHost:
+        return RouterHost()
+
+    def process(self, output: list[str]) -> RouterHost:
+        return parse(output)

@@ -1,0 +1,95 @@
+"""pyinfra operations for a router host: arguments in (the spec, the host's RouterHost read), commands or
+host.noop(why) out."""
+
+from __future__ import annotations
+
+import shlex
+from urllib.parse import quote
+
+from pyinfra import host
+from pyinfra.api import StringCommand, operation
+from pyinfra.operations import apt
+
+from gpufleet.operations.files import AtomicUpload, as_io, sha256
+from gpufleet.operations.remote import Commands
+from gpufleet.router.facts import RouterHost
+from gpufleet.router.spec import RouterSpec
+from gpufleet.router.unit import render_unit, unit_path
+
+
+@operation()
+def package(spec: RouterSpec, seen: RouterHost) -> Commands:
+    """python3-venv, the venv, and exactly spec.version of vllm-router in it."""
+    if seen.installed_version == spec.version and seen.venv_python:
+        host.noop(f"vllm-router {spec.version} installed in {spec.venv}")
+        return
+    if not seen.venv_python:
+        if not seen.python3_venv:
+            yield from apt.packages._inner(packages=["python3-venv"], update=True, no_recommends=True)
+        yield StringCommand("python3", "-m", "venv", shlex.quote(spec.venv))
+    yield StringCommand(*map(shlex.quote, spec.pip_install_argv()))
+
+
+@operation()
+def unit(spec: RouterSpec, seen: RouterHost) -> Commands:
+    """The router's systemd unit, replaced atomically when its content differs."""
+    content = render_unit(spec)
+    if seen.unit_sha256 == sha256(content):
+        host.noop(f"{unit_path(spec.service)} is up to date")
+        return
+    yield AtomicUpload(as_io(content), unit_path(spec.service), "644")
+
+
+def _router_snapshot_changes(spec: RouterSpec, seen: RouterHost) -> bool:
+    """Does this run change what the router runs (its unit or its package)? Then it restarts."""
+    return seen.unit_sha256 != sha256(render_unit(spec)) or seen.installed_version != spec.version
+
+
+@operation()
+def running(spec: RouterSpec, seen: RouterHost) -> Commands:
+    """Enabled and running; restarted when its unit or its package changed (the router keeps no state worth a
+    restart otherwise: its prefix trees rebuild from traffic)."""
+    name = shlex.quote(f"{spec.service}.service")
+    changed = _router_snapshot_changes(spec, seen)
+    if not changed and seen.running and seen.enabled and not seen.need_daemon_reload:
+        host.noop(f"{spec.service} running, enabled")
+        return
+    if changed or seen.need_daemon_reload:
+        yield StringCommand("systemctl", "daemon-reload")
+    if not seen.enabled:
+        yield StringCommand("systemctl", "enable", name)
+    yield StringCommand("systemctl", "restart" if changed or seen.running else "start", name)
+
+
+@operation()
+def ready(spec: RouterSpec, seen: RouterHost, timeout_s: int) -> Commands:
+    """After a (re)start: wait until the router answers /readiness (it listens once every worker answered)."""
+    if not _router_snapshot_changes(spec, seen) and seen.running and seen.live_workers is not None:
+        host.noop(f"{spec.service} answers on {spec.control_url}")
+        return
+    url = shlex.quote(f"{spec.control_url}/readiness")
+    yield StringCommand("sh", "-c", shlex.quote(
+        f"i=0; until curl -fsS --max-time 3 -o /dev/null {url}; do i=$((i+1)); "
+        f"if [ $i -ge {timeout_s} ]; then echo 'the router did not answer /readiness within {timeout_s} s' >&2; "
+        f"exit 1; fi; sleep 1; done"))
+
+
+@operation()
+def workers_in_step(spec: RouterSpec, seen: RouterHost) -> Commands:
+    """A router that kept running (no restart) holds the inventory's worker set: a worker left out (a cut
+    rollout) is added back, one no longer in the inventory removed, through the router's own worker API."""
+    if _router_snapshot_changes(spec, seen) or not seen.running or seen.live_workers is None:
+        host.noop("the router (re)starts with the worker set in its unit")
+        return
+    live, wanted = set(seen.live_workers), set(spec.workers)
+    if live == wanted:
+        host.noop(f"the router routes to its {len(wanted)} workers")
+        return
+    for url in spec.workers:
+        if url not in live:
+            yield StringCommand("curl", "-fsS", "-X", "POST", "--max-time", str(spec.worker_startup_timeout_s + 10),
+                                shlex.quote(f"{spec.control_url}/add_worker?url={quote(url, safe='')}"))
+    for url in seen.live_workers:
+        if url not in wanted:
+            yield StringCommand("curl", "-fsS", "-X", "POST", "--max-time", "30",
+                                shlex.quote(f"{spec.control_url}/remove_worker?url={quote(url, safe='')}"))

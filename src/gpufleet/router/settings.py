@@ -1,0 +1,169 @@
+"""Router host data -> RouterSpec, and the replicas it routes to; every problem one line (host, setting, fix).
+
+Router settings live in the inventory like the vLLM ones (host data > group data > DEFAULTS here). A replica's
+address for the router is chosen per replica (worker_url): see docs/router.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from gpufleet.errors import SettingError, SettingErrors
+from gpufleet.router.spec import RouterSpec
+from gpufleet.settings import control_character, merged_settings, shown
+
+DEFAULTS: dict[str, Any] = {
+    # Port the router listens on for clients (OpenAI API, same paths as vLLM).
+    "router_port": 8000,
+    # Address it listens on: "0.0.0.0" = every interface. Its worker management API shares this port.
+    "router_address": "0.0.0.0",
+    # vllm-router policy: cache_aware (longest cached prefix, load-balanced fallback), consistent_hash (a session
+    # header such as X-Session-ID), round_robin, power_of_two, random.
+    "router_policy": "cache_aware",
+    # vllm-router version from the index: pinned, so a re-run or a new host never moves it silently.
+    "router_version": "0.1.17",
+    # PEP 503 package index pip installs vllm-router and its dependencies from (a lab mirror works).
+    "router_index_url": "https://pypi.org/simple",
+    # The router's own virtualenv (absolute).
+    "router_venv": "/opt/vllm-router",
+    # Name of its systemd unit (<name>.service).
+    "router_service": "vllm-router",
+    # Its Prometheus metrics port, on the router host's loopback (status reads it over SSH).
+    "router_metrics_port": 29000,
+    # Seconds between the router's own /health checks of each worker.
+    "router_health_check_interval_s": 10,
+    # Seconds the router waits for a worker's /health at its start and when a worker is added.
+    "router_worker_startup_timeout_s": 120,
+    # Seconds the deploy waits for a (re)started router to answer /readiness.
+    "router_ready_timeout": 180,
+    # On a replica's host data: the address the router reaches its vLLM at (None: vllm_publish_address when it is
+    # one address, else ssh_hostname, else the host name).
+    "router_worker_address": None,
+}
+POLICIES = ("cache_aware", "consistent_hash", "round_robin", "power_of_two", "random")
+_VERSION = re.compile(r"[0-9]+(\.[0-9]+)*([a-z]+[0-9]*)?(\.post[0-9]+)?(\.dev[0-9]+)?")
+_SERVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+_ROUTER_KEYS = tuple(k for k in DEFAULTS if k != "router_worker_address")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A vLLM host the router may route to."""
+
+    name: str
+    url: str  # http://<address>:<vllm_port>
+    data: Mapping[str, Any]  # its host data (status/verify reach it over SSH with it)
+
+
+def router_settings(host_data: Mapping[str, Any]) -> dict[str, Any]:
+    return {**DEFAULTS, **{k: v for k, v in host_data.items() if k in DEFAULTS}}
+
+
+def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence[str]) -> RouterSpec:
+    """Validated RouterSpec for a router host; raises SettingErrors (one line per bad setting)."""
+    errors: list[SettingError] = []
+
+    def fail(setting: str, problem: str, fix: str) -> None:
+        errors.append(SettingError(host, setting, problem, fix))
+
+    for key in host_data:
+        if isinstance(key, str) and key.startswith("router_") and key not in DEFAULTS:
+            close = difflib.get_close_matches(key, DEFAULTS, n=1)
+            fail(key, "unknown setting", f"did you mean {close[0]}?" if close else "see docs/router.md")
+    s = router_settings(host_data)
+    for key in _ROUTER_KEYS:
+        if isinstance(s[key], str) and control_character(s[key]):
+            fail(key, "holds a control character", "remove it")
+    for key in ("router_port", "router_metrics_port"):
+        if not _port(s[key]):
+            fail(key, f"{shown(s[key])} is not a TCP port", "use a number from 1 to 65535")
+    if _port(s["router_port"]) and s["router_port"] == s["router_metrics_port"]:
+        fail("router_metrics_port", "is the same as router_port", "use another port")
+    for key in ("router_health_check_interval_s", "router_worker_startup_timeout_s", "router_ready_timeout"):
+        if not (isinstance(s[key], int) and not isinstance(s[key], bool) and s[key] > 0):
+            fail(key, f"{shown(s[key])} is not a positive whole number of seconds", "use e.g. 10")
+    if s["router_policy"] not in POLICIES:
+        fail("router_policy", f"{shown(s['router_policy'])} is not a policy gpufleet runs", f"use one of {', '.join(POLICIES)}")
+    if not (isinstance(s["router_version"], str) and _VERSION.fullmatch(s["router_version"])):
+        fail("router_version", f"{shown(s['router_version'])} is not a release version", 'pin one, e.g. "0.1.17"')
+    url = urlsplit(s["router_index_url"]) if isinstance(s["router_index_url"], str) else None
+    if url is None or url.scheme not in ("http", "https") or not url.hostname or " " in s["router_index_url"]:
+        fail("router_index_url", f"{shown(s['router_index_url'])} is not an http(s) URL",
+             'use a PEP 503 index such as "https://pypi.org/simple"')
+    venv = s["router_venv"]
+    if not (isinstance(venv, str) and venv.startswith("/") and venv.rstrip("/") not in ("", "/usr", "/opt", "/etc")
+            and ".." not in venv.split("/") and re.fullmatch(r"[A-Za-z0-9_./+-]+", venv)):
+        fail("router_venv", f"{shown(venv)} is not a directory of its own", 'use an absolute path like "/opt/vllm-router"')
+    if not (isinstance(s["router_service"], str) and _SERVICE.fullmatch(s["router_service"])):
+        fail("router_service", f"{shown(s['router_service'])} is not a unit name", 'use letters, digits and "-", e.g. "vllm-router"')
+    address = s["router_address"]
+    if not _ip(address):
+        fail("router_address", f"{shown(address)} is not an IP address", 'use "0.0.0.0" (every interface) or one address')
+    if errors:
+        raise SettingErrors(errors)
+    return RouterSpec(
+        host=host, service=s["router_service"], venv=venv.rstrip("/"), version=s["router_version"],
+        index_url=s["router_index_url"], address=address, port=s["router_port"], metrics_port=s["router_metrics_port"],
+        policy=s["router_policy"], workers=tuple(workers),
+        health_check_interval_s=s["router_health_check_interval_s"],
+        worker_startup_timeout_s=s["router_worker_startup_timeout_s"],
+    )
+
+
+def worker_url(name: str, data: Mapping[str, Any]) -> str:
+    """http://<address>:<vllm_port> the router reaches a replica at; raises SettingError when it cannot.
+
+    The address: router_worker_address if set; else vllm_publish_address when the port is published on one
+    address (only that address answers); else the address the inventory reaches the host by (ssh_hostname, or the
+    host name): the one address an operator already wrote down for that box."""
+    s = merged_settings(data)
+    port = s["vllm_port"]
+    chosen = data.get("router_worker_address")
+    publish = s["vllm_publish_address"]
+    if chosen is None and publish is not None:
+        ip = _ip(publish)
+        if ip is not None and ip.is_loopback:
+            raise SettingError(name, "vllm_publish_address", f"{publish} keeps vLLM off the network, so no router can "
+                               "reach it", "set it to None or to an address the router reaches, or leave this host "
+                               "out of the router's inventory")
+        if ip is not None and not ip.is_unspecified:
+            chosen = publish
+    if chosen is None:
+        chosen = data.get("ssh_hostname") or name
+    if not (isinstance(chosen, str) and (_ip(chosen) or _HOSTNAME.fullmatch(chosen))):
+        raise SettingError(name, "router_worker_address", f"{shown(chosen)} is not a host name or IP address",
+                           "set router_worker_address to the address the router reaches this host at")
+    host = f"[{chosen}]" if ":" in chosen else chosen
+    return f"http://{host}:{port}"
+
+
+def replicas(hosts: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Replica]:
+    """The replicas among (name, data) pairs (the inventory's hosts not in the routers group), each with its URL;
+    raises SettingErrors naming every replica the router cannot address."""
+    found, errors = [], []
+    for name, data in hosts:
+        try:
+            found.append(Replica(name, worker_url(name, data), data))
+        except SettingError as error:
+            errors.append(error)
+    if errors:
+        raise SettingErrors(errors)
+    return found
+
+
+def _port(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
+
+
+def _ip(value: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(value) if isinstance(value, str) else None
+    except ValueError:
+        return None

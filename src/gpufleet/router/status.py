@@ -1,0 +1,93 @@
+"""What a router is doing, for `gpufleet status`: its workers, which are healthy, and its routing metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gpufleet.health.api import excerpt
+from gpufleet.health.fleet import open_ssh
+from gpufleet.health.transport import Unreachable
+from gpufleet.router.api import Router, RouterError
+from gpufleet.router.settings import router_settings
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    url: str
+    healthy: bool
+    load: int | None
+    routed: int  # requests the policy sent there (vllm_router_policy_decisions_total)
+    running: int | None  # requests in flight there now (vllm_router_running_requests)
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    name: str
+    state: str  # ready, not-ready, unreachable (SSH), down (the router does not answer)
+    detail: str = ""
+    policy: str | None = None
+    workers: tuple[WorkerRow, ...] = ()
+    requests: int | None = None  # requests the router received (vllm_router_requests_total, all routes)
+    prefix_outcomes: dict[str, int] = field(default_factory=dict)  # cache_aware: hit / miss / ... -> count
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read(router: Router, policy: str | None = None) -> RouterStatus:
+    """One look at a router; never raises: whatever fails is the row's state."""
+    try:
+        listed = router.get_json("/workers").get("workers", [])
+    except (RouterError, OSError) as error:
+        return RouterStatus(router.name, "down", excerpt(str(error), 160), policy)
+    try:
+        samples = router.metrics()
+    except (RouterError, OSError):
+        samples = []  # metrics are extra: the worker list stands without them
+    routed: dict[str, int] = {}
+    running: dict[str, int] = {}
+    outcomes: dict[str, int] = {}
+    requests = None
+    for name, labels, value in samples:
+        if name == "vllm_router_policy_decisions_total" and "worker" in labels:
+            routed[labels["worker"]] = routed.get(labels["worker"], 0) + int(value)
+            policy = labels.get("policy") or policy  # what the running router decides with, over the inventory's
+        elif name == "vllm_router_running_requests" and "worker" in labels:
+            running[labels["worker"]] = int(value)
+        elif name == "vllm_router_prefix_routing_decisions_total" and "outcome" in labels:
+            outcomes[labels["outcome"]] = outcomes.get(labels["outcome"], 0) + int(value)
+        elif name == "vllm_router_requests_total":
+            requests = (requests or 0) + int(value)
+    rows = tuple(
+        WorkerRow(url=str(w.get("url")), healthy=bool(w.get("is_healthy")),
+                  load=w.get("load") if isinstance(w.get("load"), int) else None,
+                  routed=routed.get(str(w.get("url")), 0), running=running.get(str(w.get("url"))))
+        for w in listed if isinstance(w, dict)
+    )
+    ready = bool(rows) and any(r.healthy for r in rows)
+    detail = "" if ready else ("no workers" if not rows else "no healthy worker")
+    return RouterStatus(router.name, "ready" if ready else "not-ready", detail, policy, rows, requests, outcomes)
+
+
+def connect(name: str, data: Mapping[str, Any]) -> Router:
+    """A Router over the host's SSH connection (its inventory data); raises Unreachable. The caller closes
+    router.transport.client."""
+    s = router_settings(data)
+    return Router(name, open_ssh(name, data), int(s["router_port"]), int(s["router_metrics_port"]))
+
+
+def read_host(name: str, data: Mapping[str, Any]) -> RouterStatus:
+    """Connect, read, close: a router row for `gpufleet status`."""
+    policy = str(router_settings(data)["router_policy"])
+    try:
+        router = connect(name, data)
+    except Unreachable as error:
+        return RouterStatus(name, "unreachable", excerpt(str(error), 160), policy)
+    try:
+        return read(router, policy)
+    finally:
+        client = getattr(router.transport, "client", None)
+        if client is not None:
+            client.close()

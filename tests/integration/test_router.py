@@ -1,0 +1,213 @@
+"""deploys/router.py on a real GPU-less test host in front of 3 real test-host replicas (stand-in vLLM), over SSH.
+
+Its own fleet (gf-rtr, 10.213.7.0/24), so it never waits on, or clears, the session's test fleet. Order matters:
+the replicas converge, then the router; later tests use the running router.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tests.integration.pyinfra_results import changed_ops, changes
+
+from gpufleet.sandbox.config import NO_GPU, FleetConfig, H200x3
+from gpufleet.sandbox.fleet import Fleet, check_prerequisites
+from gpufleet.sandbox.procs import SandboxError
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN35 = str(REPO / "deploys" / "qwen35.py")
+ROUTER = str(REPO / "deploys" / "router.py")
+ROUTER_PORT = 8000
+GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
+TEST_DATA = {"vllm_ready_timeout": 120}
+
+
+def router_config() -> FleetConfig:
+    return FleetConfig(name="rtr", bridge="gf-rtr", net="10.213.7", host_prefix="gfr",
+                       state_dir=Path(os.environ.get("GPUFLEET_ROUTER_FLEET_DIR", "/var/lib/gpufleet/rtr")))
+
+
+@pytest.fixture(scope="module")
+def rfleet():
+    try:
+        check_prerequisites()
+    except SandboxError as err:
+        pytest.skip(f"test hosts unavailable: {err}")
+    fleet = Fleet(router_config())
+    fleet.start()
+    fleet.add_hosts([H200x3] * 3, first=1)
+    fleet.add_hosts([NO_GPU], first=4, role="router")
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def inventory(rfleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    doc = rfleet.write_inventory()
+    path = tmp_path_factory.mktemp("router") / "inventory.py"
+    path.write_text(
+        "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
+        f"gpuhosts = [(n, {{**{TEST_DATA!r}, **d}}) for n, d in pyinfra_hosts({str(doc)!r})]\n"
+        f"routers = pyinfra_hosts({str(doc)!r}, routers=True)\n")
+    return path
+
+
+def run(pyinfra, inventory: Path, deploy: str, *args: str, check: bool = True):
+    """The deploy; retried when SSH to a just-booted host was refused (nothing ran then)."""
+    for _ in range(3):
+        proc = pyinfra(inventory, deploy, *args, check=False)
+        if not re.search(r"Could not connect|Connection reset by peer|Command socket/SSH error", proc.stdout):
+            break
+        time.sleep(3)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{deploy} failed:\n{proc.stdout[-5000:]}")
+    return proc
+
+
+def router_host(rfleet: Fleet):
+    return next(h for h in rfleet.hosts() if h.role == "router")
+
+
+def replicas(rfleet: Fleet):
+    return [h for h in rfleet.hosts() if h.role != "router"]
+
+
+def served_prompt_tokens(rfleet: Fleet, host) -> float:
+    """The replica's own count of prompt tokens (vLLM's vllm:prompt_tokens_total): proof it served requests."""
+    text = rfleet.run_in(host, "curl -fsS --max-time 5 http://127.0.0.1:5000/metrics").stdout
+    return sum(float(m) for m in re.findall(r"^vllm:prompt_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def chat(base: str, model: str, text: str, timeout: float = 30, headers: dict[str, str] | None = None) -> int:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"{base}/v1/chat/completions", body,
+                                 {"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        resp.read()
+        return resp.status
+
+
+def test_router_deploys_in_front_of_three_replicas(rfleet, inventory, pyinfra):
+    run(pyinfra, inventory, QWEN35)
+    proc = run(pyinfra, inventory, ROUTER)
+    ops = changed_ops(proc.stdout)
+    assert ops.get("Install vllm-router into its venv") == 1 and ops.get("Enable and start vllm-router") == 1, ops
+    router = router_host(rfleet)
+    unit = rfleet.run_in(router, "cat /etc/systemd/system/vllm-router.service").stdout
+    for h in replicas(rfleet):
+        assert f"http://{h.ip}:5000" in unit
+    assert "--policy cache_aware" in unit
+
+
+def test_second_router_run_changes_nothing(rfleet, inventory, pyinfra):
+    proc = run(pyinfra, inventory, ROUTER)
+    assert changes(proc.stdout) == 0, changed_ops(proc.stdout)
+
+
+def test_a_replica_the_router_cannot_reach_refuses_the_run_naming_it(rfleet, inventory, pyinfra):
+    router = router_host(rfleet)
+    unit = "cat /etc/systemd/system/vllm-router.service; systemctl show -p MainPID vllm-router.service"
+    before = rfleet.run_in(router, unit).stdout
+    proc = run(pyinfra, inventory, ROUTER, "--data", "vllm_publish_address=127.0.0.1", check=False)
+    assert proc.returncode != 0
+    assert re.search(r"gfr1: vllm_publish_address: 127\.0\.0\.1 keeps vLLM off the network.*\(fix: ", proc.stdout), \
+        proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout
+    assert rfleet.run_in(router, unit).stdout == before
+
+
+def served_model(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as resp:
+        return str(json.loads(resp.read())["data"][0]["id"])
+
+
+def test_requests_through_the_router_succeed(rfleet, inventory):
+    router = router_host(rfleet)
+    base = f"http://{router.ip}:{ROUTER_PORT}"
+    model = served_model(base)
+    before = sum(served_prompt_tokens(rfleet, h) for h in replicas(rfleet))
+    codes = [chat(base, model, f"conversation {i}: " + "lorem ipsum " * (5 + i)) for i in range(12)]
+    assert codes == [200] * 12
+    assert sum(served_prompt_tokens(rfleet, h) for h in replicas(rfleet)) > before
+
+
+def test_consistent_hash_spreads_sessions_over_every_replica(rfleet, inventory, pyinfra):
+    # A policy change rewrites the unit and restarts the router (and only the router).
+    proc = run(pyinfra, inventory, ROUTER, "--data", "router_policy=consistent_hash")
+    assert changed_ops(proc.stdout).get("Enable and start vllm-router") == 1, changed_ops(proc.stdout)
+    router = router_host(rfleet)
+    base = f"http://{router.ip}:{ROUTER_PORT}"
+    model = served_model(base)
+    before = {h.name: served_prompt_tokens(rfleet, h) for h in replicas(rfleet)}
+    # 30 sessions hashed over 3 workers: the chance one worker gets none is 3 * (2/3)^30, about 1e-5.
+    codes = [chat(base, model, f"session {i} turn 1", headers={"X-Session-ID": f"agent-{i}"}) for i in range(30)]
+    assert codes == [200] * 30
+    after = {h.name: served_prompt_tokens(rfleet, h) for h in replicas(rfleet)}
+    assert all(after[n] > before[n] for n in before), (before, after)
+
+
+def test_status_shows_the_router_and_its_workers(rfleet, inventory):
+    proc = subprocess.run([GPUFLEET, "status", str(inventory), "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    (router,) = [r for r in rows if r.get("role") == "router"]
+    assert router["state"] == "ready" and router["policy"] == "consistent_hash"
+    assert sorted(w["url"] for w in router["workers"]) == sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
+    assert all(w["healthy"] for w in router["workers"])
+    assert sum(w["routed"] for w in router["workers"]) >= 30
+    assert {r["host"] for r in rows if r.get("role") != "router"} == {h.name for h in replicas(rfleet)}
+
+
+def test_replica_leaves_restarts_and_rejoins_with_zero_failed_requests(rfleet, inventory):
+    from gpufleet.router import status, workers
+    from gpufleet.sandbox.inventory import pyinfra_hosts
+
+    router_h = router_host(rfleet)
+    base = f"http://{router_h.ip}:{ROUTER_PORT}"
+    model = served_model(base)
+    ok, failed, stop = [], [], threading.Event()
+
+    def client(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                chat(base, model, f"agent {k} turn {i}", headers={"X-Session-ID": f"loop-{k}"})
+                ok.append(k)
+            except (urllib.error.URLError, OSError) as error:
+                failed.append(f"agent {k} turn {i}: {error}")
+
+    # Enough sessions that every replica carries some of the loop's traffic.
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(6)]
+    for th in threads:
+        th.start()
+    (name, data), = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
+    router = status.connect(name, data)
+    try:
+        time.sleep(2)
+        for replica in replicas(rfleet):
+            url = f"http://{replica.ip}:5000"
+            with workers.out_of_rotation(router, url, drain_timeout_s=30) as drained:
+                assert url not in router.list_workers() and drained < 30
+                rfleet.run_in(replica, "systemctl restart vllm-qwen35")
+                rfleet.run_in(replica, "for i in $(seq 120); do curl -fs -o /dev/null --max-time 2 "
+                                       "http://127.0.0.1:5000/health && exit 0; sleep 0.5; done; exit 1")
+            assert url in router.list_workers()
+        time.sleep(2)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=40)
+        router.transport.client.close()  # type: ignore[attr-defined]
+    assert failed == [], failed[:5]
+    assert len(ok) > 50

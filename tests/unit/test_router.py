@@ -1,0 +1,227 @@
+"""The router package offline: settings -> RouterSpec (one-line errors), the argv and unit, the host fact's parser,
+the router's API answers and metrics as the real vllm-router 0.1.17 gave them (tests/fixtures/router/)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gpufleet.errors import SettingError, SettingErrors
+from gpufleet.router import facts, status
+from gpufleet.router.api import Router, parse_metrics
+from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, replicas, worker_url
+from gpufleet.router.spec import RouterSpec
+from gpufleet.router.unit import render_unit
+from gpufleet.sandbox.router_index import project_name, write_simple_index
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "router"
+WORKERS = ("http://10.0.0.11:5000", "http://10.0.0.12:5000")
+
+
+def spec(**data: object) -> RouterSpec:
+    return build_router_spec("router1", data, WORKERS)
+
+
+# --- settings ----------------------------------------------------------------------------------------------------
+def test_defaults_make_a_cache_aware_router_on_port_8000():
+    s = spec()
+    assert (s.policy, s.port, s.version, s.index_url) == ("cache_aware", 8000, "0.1.17", "https://pypi.org/simple")
+    assert s.workers == WORKERS
+
+
+@pytest.mark.parametrize(("setting", "value", "words"), [
+    ("router_port", 0, "not a TCP port"),
+    ("router_port", "8000", "not a TCP port"),
+    ("router_policy", "kv_aware", "not a policy"),
+    ("router_version", "latest", "not a release version"),
+    ("router_index_url", "ftp://mirror/simple", "not an http(s) URL"),
+    ("router_venv", "/usr", "not a directory of its own"),
+    ("router_venv", "venv", "not a directory of its own"),
+    ("router_service", "../evil", "not a unit name"),
+    ("router_address", "everywhere", "not an IP address"),
+    ("router_health_check_interval_s", 0, "positive whole number"),
+    ("router_service", "a\nExecStartPre=/bin/sh", "control character"),
+])
+def test_a_bad_setting_is_one_line_naming_host_setting_and_fix(setting, value, words):
+    with pytest.raises(SettingErrors) as caught:
+        spec(**{setting: value})
+    lines = str(caught.value).splitlines()
+    assert any(line.startswith(f"router1: {setting}: ") and words in line and "(fix: " in line for line in lines), lines
+    assert all("\n" not in str(e) for e in caught.value.errors)
+
+
+def test_an_unknown_router_setting_suggests_the_close_one():
+    with pytest.raises(SettingErrors, match=r"router1: router_polcy: unknown setting \(fix: did you mean router_policy\?\)"):
+        spec(router_polcy="round_robin")
+
+
+def test_the_metrics_port_cannot_be_the_client_port():
+    with pytest.raises(SettingErrors, match="router_metrics_port: is the same as router_port"):
+        spec(router_port=9000, router_metrics_port=9000)
+
+
+def test_every_policy_gpufleet_accepts_is_one_the_router_accepts():
+    help_text = (FIXTURES / "vllm-router-0.1.17-help.txt").read_text()
+    accepted = re.search(r"--policy \{([a-z_,]+)\}", help_text)[1].split(",")
+    assert set(POLICIES) <= set(accepted)
+
+
+# --- worker addresses ----------------------------------------------------------------------------------------------
+def test_a_replica_is_reached_at_its_ssh_hostname_and_vllm_port():
+    assert worker_url("gpu1", {"ssh_hostname": "10.0.0.11", "vllm_port": 8001}) == "http://10.0.0.11:8001"
+    assert worker_url("gpu1.lab", {}) == "http://gpu1.lab:5000"
+
+
+def test_a_port_published_on_one_address_is_reached_there():
+    assert worker_url("gpu1", {"ssh_hostname": "bastion", "vllm_publish_address": "192.168.5.11"}) \
+        == "http://192.168.5.11:5000"
+    assert worker_url("gpu1", {"ssh_hostname": "10.0.0.11", "vllm_publish_address": "0.0.0.0"}) == "http://10.0.0.11:5000"
+
+
+def test_router_worker_address_wins_and_ipv6_is_bracketed():
+    assert worker_url("gpu1", {"ssh_hostname": "a", "router_worker_address": "fd00::11"}) == "http://[fd00::11]:5000"
+
+
+def test_a_replica_on_loopback_only_is_refused_naming_the_fix():
+    with pytest.raises(SettingError, match=r"gpu1: vllm_publish_address: 127\.0\.0\.1 keeps vLLM off the network.*fix: "):
+        worker_url("gpu1", {"vllm_publish_address": "127.0.0.1"})
+
+
+def test_replicas_lists_every_problem_at_once():
+    with pytest.raises(SettingErrors) as caught:
+        replicas([("a", {"vllm_publish_address": "127.0.0.1"}), ("b", {"router_worker_address": "bad host!"}),
+                  ("c", {})])
+    assert [e.host for e in caught.value.errors] == ["a", "b"]
+
+
+# --- argv, install, unit -------------------------------------------------------------------------------------------
+def test_argv_names_policy_port_metrics_and_workers():
+    argv = spec(router_policy="consistent_hash").argv()
+    assert argv[0] == "/opt/vllm-router/bin/vllm-router"
+    joined = " ".join(argv)
+    for part in ("--policy consistent_hash", "--port 8000", "--host 0.0.0.0", "--prometheus-host 127.0.0.1",
+                 "--prometheus-port 29000", "--worker-urls http://10.0.0.11:5000 http://10.0.0.12:5000"):
+        assert part in joined
+
+
+def test_every_argument_is_one_the_router_knows():
+    help_text = (FIXTURES / "vllm-router-0.1.17-help.txt").read_text()
+    for arg in spec().argv()[1:]:
+        if arg.startswith("--"):
+            assert f"[{arg} " in help_text or f"[{arg}]" in help_text, arg
+
+
+def test_the_api_key_never_reaches_the_router():
+    s = build_router_spec("router1", {"vllm_api_key": "sk-secret-123"}, WORKERS)
+    assert "sk-secret-123" not in " ".join(s.argv()) + render_unit(s)
+
+
+def test_pip_trusts_a_plain_http_mirror_by_name_only():
+    assert "--trusted-host" not in spec().pip_install_argv()
+    argv = spec(router_index_url="http://10.213.0.1:8080/pypi/simple").pip_install_argv()
+    assert argv[argv.index("--trusted-host") + 1] == "10.213.0.1"
+    assert argv[-1] == "vllm-router==0.1.17"
+
+
+def test_the_unit_runs_exactly_the_argv():
+    s = spec()
+    unit = render_unit(s)
+    exec_start = re.search(r"^ExecStart=(.*)$", unit, re.M)[1]
+    assert shlex.split(exec_start) == s.argv()
+    assert unit.startswith("# Managed by gpufleet (router1)") and s.spec_hash in unit
+
+
+def test_spec_hash_follows_what_runs():
+    assert spec().spec_hash == spec().spec_hash
+    assert spec().spec_hash != spec(router_policy="round_robin").spec_hash
+    assert spec().spec_hash != build_router_spec("router1", {}, WORKERS[:1]).spec_hash
+
+
+def test_control_url_is_loopback_when_listening_everywhere():
+    assert spec().control_url == "http://127.0.0.1:8000"
+    assert spec(router_address="10.0.0.5").control_url == "http://10.0.0.5:8000"
+
+
+# --- the host fact ---------------------------------------------------------------------------------------------------
+def test_fact_parses_a_converged_router_host():
+    out = ["venv_python=yes", "dist=vllm_router-0.1.17.dist-info", "python3_venv=install_ok_installed",
+           "unit_sha256=abc", "ActiveState=active", "NeedDaemonReload=no", "UnitFileState=enabled",
+           'workers={"urls":["http://10.0.0.11:5000","http://10.0.0.12:5000"]}',
+           "reach http://10.0.0.11:5000 200", "reach http://10.0.0.12:5000 000"]
+    seen = facts.parse(out)
+    assert seen.installed_version == "0.1.17" and seen.venv_python and seen.python3_venv and seen.running
+    assert seen.enabled and not seen.need_daemon_reload
+    assert seen.live_workers == WORKERS
+    assert seen.reach == {WORKERS[0]: "200", WORKERS[1]: "000"}
+
+
+def test_fact_parses_a_bare_host():
+    seen = facts.parse(["python3_venv=", "unit_sha256=", "ActiveState=inactive", "NeedDaemonReload=no",
+                        "UnitFileState=", "workers="])
+    assert seen.installed_version is None and not seen.venv_python and not seen.python3_venv
+    assert seen.live_workers is None and not seen.running
+
+
+def test_fact_command_is_one_valid_shell_line_quoting_what_it_reads():
+    cmd = facts.command(spec(), ("http://x:5000/$(reboot)",))
+    assert "'http://x:5000/$(reboot)/health'" in cmd
+    assert subprocess.run(["sh", "-n", "-c", cmd]).returncode == 0
+
+
+# --- the router's answers, recorded ------------------------------------------------------------------------------------
+def test_metrics_parse_the_real_router_exposition():
+    samples = parse_metrics((FIXTURES / "metrics.txt").read_text())
+    decisions = [(labels, v) for name, labels, v in samples if name == "vllm_router_policy_decisions_total"]
+    assert decisions == [({"policy": "cache_aware", "worker": "http://127.0.0.1:18102"}, 3.0)]
+
+
+class RecordedRouter(Router):
+    """The Router interface answering from the recorded files (the parsing under test is status.read's)."""
+
+    def get_json(self, path: str, timeout: float = 10.0):
+        return json.loads((FIXTURES / {"/workers": "workers.json", "/list_workers": "list_workers.json"}[path]).read_text())
+
+    def metrics(self):
+        return parse_metrics((FIXTURES / "metrics.txt").read_text())
+
+
+def test_status_reads_workers_health_and_routing():
+    row = status.read(RecordedRouter("router1", None, 8000, 29000), "round_robin")  # type: ignore[arg-type]
+    assert row.state == "ready" and row.policy == "cache_aware"  # the running router's, over the inventory's
+    by_url = {w.url: w for w in row.workers}
+    assert set(by_url) == {"http://127.0.0.1:18101", "http://127.0.0.1:18102"}
+    assert by_url["http://127.0.0.1:18102"].routed == 3 and by_url["http://127.0.0.1:18101"].routed == 0
+    assert all(w.healthy for w in row.workers) and row.requests == 3
+    assert row.prefix_outcomes == {"missing_tokens": 3}
+
+
+class DownRouter(Router):
+    def get_json(self, path: str, timeout: float = 10.0):
+        raise ConnectionRefusedError("connection refused")
+
+
+def test_status_of_a_router_that_does_not_answer_is_a_row_not_a_crash():
+    row = status.read(DownRouter("router1", None, 8000, 29000))  # type: ignore[arg-type]
+    assert row.state == "down" and "refused" in row.detail
+
+
+# --- the sandbox's package index ------------------------------------------------------------------------------------
+def test_simple_index_links_every_wheel_with_its_hash(tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "vllm_router-0.1.17-cp38-abi3-manylinux_2_28_x86_64.whl").write_bytes(b"wheel")
+    (files / "pydantic_core-2.50.5-cp311-cp311-manylinux2014_x86_64.whl").write_bytes(b"core")
+    write_simple_index(files, tmp_path / "simple")
+    page = (tmp_path / "simple" / "vllm-router" / "index.html").read_text()
+    assert 'href="../../files/vllm_router-0.1.17-cp38-abi3-manylinux_2_28_x86_64.whl#sha256=' in page
+    assert (tmp_path / "simple" / "pydantic-core" / "index.html").exists()
+    assert project_name("typing_extensions-4.16.0-py3-none-any.whl") == "typing-extensions"
+
+
+def test_defaults_are_all_router_settings():
+    assert all(k.startswith("router_") for k in DEFAULTS)
