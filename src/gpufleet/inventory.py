@@ -1,23 +1,31 @@
-"""Read a pyinfra inventory offline (no SSH), with its group_data, exactly as pyinfra itself merges it."""
+"""Read a pyinfra inventory offline (no SSH), with its group_data, exactly as pyinfra itself merges it.
+
+Hosts in the `routers` group run vllm-router (gpufleet.router); every other host is a vLLM replica. The vLLM views
+(render, lint, status, verify, rollout) read the replicas; the router deploy and status read both."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 # Importing pyinfra_cli runs gevent's monkey.patch_all(), which must happen before any thread or pyinfra State
 # exists in the process ("cannot release un-acquired lock" otherwise): import it with this module, early.
-from pyinfra.api import State
+from pyinfra.api import Host, State
 from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory
 
 from gpufleet.errors import GpufleetError, SettingErrors, one_line
+from gpufleet.router import ROUTERS_GROUP
 from gpufleet.settings import build_spec
 from gpufleet.spec import ServeSpec
 
 
-def load_hosts(inventory_path: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """[(host name, merged host data)] in inventory order, using pyinfra's own inventory loader."""
+HostData = tuple[str, dict[str, Any]]
+
+
+def load_pyinfra_hosts(inventory_path: str | Path) -> list[Host]:
+    """Every host of the inventory, in order, as pyinfra's own loader makes them (groups and merged data)."""
     path = Path(inventory_path)
     if not path.is_file():
         raise GpufleetError(f"{inventory_path}: inventory file not found (fix: pass a path like inventories/lab.py)")
@@ -30,7 +38,26 @@ def load_hosts(inventory_path: str | Path) -> list[tuple[str, dict[str, Any]]]:
             cause = getattr(exc, "exception", exc)
             raise GpufleetError(one_line(f"{inventory_path}: cannot load inventory: {type(cause).__name__}: {cause}")) \
                 from exc
-        return [(host.name, host.data.dict()) for host in inventory]
+        return list(inventory)
+
+
+def split_roles(hosts: Iterable[Host]) -> tuple[list[HostData], list[HostData]]:
+    """(routers, replicas) of pyinfra hosts, in inventory order, each as (name, merged host data)."""
+    routers: list[HostData] = []
+    replicas: list[HostData] = []
+    for h in hosts:
+        (routers if ROUTERS_GROUP in h.groups else replicas).append((h.name, h.data.dict()))
+    return routers, replicas
+
+
+def load_roles(inventory_path: str | Path) -> tuple[list[HostData], list[HostData]]:
+    """(routers, replicas) of an inventory file."""
+    return split_roles(load_pyinfra_hosts(inventory_path))
+
+
+def load_hosts(inventory_path: str | Path) -> list[HostData]:
+    """[(host name, merged host data)] of the vLLM replicas (router hosts left out), in inventory order."""
+    return load_roles(inventory_path)[1]
 
 
 def load_host_specs(inventory_path: str | Path, only_host: str | None = None) -> list[tuple[ServeSpec, dict[str, Any]]]:

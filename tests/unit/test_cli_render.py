@@ -124,3 +124,18 @@ def test_an_inventory_raising_a_multi_line_error_is_still_one_line(inventory):
     result = run("render", path)
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.splitlines() == [f"Error: {path}: cannot load inventory: ValueError: first line\\nExecStartPre=/bin/id"]
+
+
+def test_router_hosts_are_neither_rendered_nor_linted(inventory):
+    # A router host carries router_* settings that a vLLM host would refuse as unknown: the vLLM views skip it.
+    inv = inventory(
+        'boxes = [("a", {}), ("b", {"vllm_port": 5001})]\n'
+        'routers = [("front", {"router_policy": "consistent_hash"})]\n',
+        'vllm_image = "registry.local/vllm/vllm-openai:nightly"\n',
+    )
+    rendered = run("render", inv)
+    assert rendered.exit_code == 0, rendered.output
+    assert [line for line in rendered.output.splitlines() if line.startswith("# host:")] == ["# host: a", "# host: b"]
+    linted = run("lint", inv)
+    assert linted.exit_code == 0, linted.output
+    assert "2 host(s)" in linted.output

@@ -17,8 +17,7 @@ from gpufleet.health import HealthState
 from gpufleet.health.check import spec_drift
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
 from gpufleet.health.probe import ProbeReport, resolved_block_sizes
-from gpufleet.inventory import load_host_specs
-from gpufleet.router import inventory as router_inventory
+from gpufleet.inventory import load_host_specs, load_roles
 from gpufleet.router.status import RouterStatus, read_host
 
 _STATE_STYLE = {
@@ -31,9 +30,7 @@ _STATE_STYLE = {
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
     """Inventory -> what to check on each vLLM host (routers have rows of their own). Raises GpufleetError (one
     line per problem)."""
-    routers = {name for name, _ in router_inventory.load(inventory)[0]}
-    return [HostTarget.for_spec(spec, data) for spec, data in load_host_specs(inventory, only_host)
-            if spec.host not in routers]
+    return [HostTarget.for_spec(spec, data) for spec, data in load_host_specs(inventory, only_host)]
 
 
 def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]:
@@ -182,7 +179,7 @@ def status(inventory: str, host: str | None, as_json: bool) -> None:
         gpufleet status inventories/lab.py --json | jq '.[].state'
     """
     try:
-        routers = [(name, data) for name, data in router_inventory.load(inventory)[0] if host in (None, name)]
+        routers = [(name, data) for name, data in load_roles(inventory)[0] if host in (None, name)]
     except GpufleetError as e:
         raise click.ClickException(str(e)) from None
     results = _gather(inventory, host) if not (host and routers) else []

@@ -25,7 +25,7 @@ from gpufleet.health.fleet import HostTarget, check_fleet
 from gpufleet.operations.remote import Commands
 from gpufleet.router import ROUTERS_GROUP, operations
 from gpufleet.router.facts import RouterHostFact
-from gpufleet.router.inventory import split
+from gpufleet.inventory import split_roles
 from gpufleet.router.settings import Replica, build_router_spec, replicas, router_settings
 from gpufleet.settings import build_spec
 
@@ -43,7 +43,7 @@ def ready_workers(state: State) -> Workers:
     """The inventory's replicas, verified once per run; raises DeployError for bad settings or no ready one."""
     if state in _WORKERS:
         return _WORKERS[state]
-    _, found = split(state.inventory)
+    _, found = split_roles(state.inventory)
     try:
         candidates = replicas(found)
         targets = [HostTarget.for_spec(build_spec(r.name, r.data), r.data) for r in candidates]
