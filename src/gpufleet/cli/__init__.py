@@ -6,6 +6,7 @@ import click
 
 from gpufleet import __version__
 from gpufleet.cli.render import lint, render
+from gpufleet.cli.rollout import history_command, rollback, rollout
 from gpufleet.cli.sandbox import sandbox
 from gpufleet.cli.verify import status
 from gpufleet.cli.verify import verify as verify_command  # keep gpufleet.cli.verify the module
@@ -17,5 +18,5 @@ def main() -> None:
     """Provision GPU hosts into fast vLLM servers for Qwen 3.5 and keep the fleet current."""
 
 
-for command in (render, lint, status, verify_command, sandbox):
+for command in (render, lint, status, verify_command, sandbox, rollout, history_command, rollback):
     main.add_command(command)

@@ -190,8 +190,10 @@ def deploy_qwen35() -> None:
                         state_file=layout.state_file)
     changes = [unit, secrets, pinned, runtime]
     finish = isinstance(decision, FinishPending)
+    # A pending version that already runs (the cut came after its restart) is verified, not restarted again.
+    restart_pending = isinstance(decision, FinishPending) and decision.restart
     service.running(name="Enable and start the vLLM service", spec=spec, state_file=layout.state_file,
-                    changes=changes, start=has_gpu, force=finish, replaces=replaced_service(ledger, spec))
+                    changes=changes, start=has_gpu, force=restart_pending, replaces=replaced_service(ledger, spec))
     # After a (re)start: ready, then still ready for vllm_ready_soak_s: committed, or the committed version goes back.
     service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec, verify=verify.run, changes=changes,
                   start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)

@@ -20,6 +20,7 @@ from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.errors import one_line
 from gpufleet.operations.image import image_ref
+from gpufleet.operations.layout import STATE_DIR
 from gpufleet.operations.remote import Commands, fail, use_sudo
 from gpufleet.spec import FLAG_CHECK_MODEL, ServeSpec
 
@@ -91,11 +92,23 @@ def rejection_line(host_name: str, ref: str, rejected: Rejected) -> str:
                     "rename the flag in vllm_args for this image, or roll out another image; nothing was changed)")
 
 
+def accepted_file(service: str) -> str:
+    """Where the last accepted (digest, spec hash) is noted: a rollout's swap run finds what its prepare run
+    checked and does not import vLLM again between the drain and the restart."""
+    return f"{STATE_DIR}/{service}.flags-accepted"
+
+
 def _check(state: State, host: Host, spec: ServeSpec, committed_ref: str | None) -> bool:
     ref = image_ref(spec.image, host) or spec.image
     if ref == committed_ref:
         return True
-    ok, output = host.run_shell_command(check_command(spec, ref), _sudo=use_sudo(host))
+    sudo, noted = use_sudo(host), shlex.quote(accepted_file(spec.service))
+    key = f"{ref} {spec.spec_hash}"
+    ok, output = host.run_shell_command(f"cat {noted} 2>/dev/null || true", _sudo=sudo)
+    if ok and key in output.stdout_lines:
+        host.log_styled(f"{ref.rsplit('@', 1)[-1][:19]} accepted the serve flags in an earlier run (same spec)")
+        return True
+    ok, output = host.run_shell_command(check_command(spec, ref), _sudo=sudo)
     lines = output.stdout_lines
     mark = lines[-1] if lines and lines[-1].startswith(RC_MARK) else None
     if not ok or mark is None:
@@ -107,6 +120,8 @@ def _check(state: State, host: Host, spec: ServeSpec, committed_ref: str | None)
         return fail(host, f"{host.name}: cannot tell whether image {ref} accepts vllm_args: {result.reason} "
                           "(fix: `docker run --rm " + ref + " --help` on the host; nothing was changed)")
     host.log_styled(f"{ref.rsplit('@', 1)[-1][:19]} accepts the serve flags")
+    # A note, not state: lost or torn, the next run checks again.
+    host.run_shell_command(f"mkdir -p {shlex.quote(STATE_DIR)} && echo {shlex.quote(key)} > {noted}", _sudo=sudo)
     return True
 
 

@@ -241,9 +241,10 @@ def settled(decision: Resume, state_file: str, roll_back: Callable[[State, Host,
     if isinstance(decision, Nothing):
         host.noop("no change left pending by a cut run")
     elif isinstance(decision, FinishPending):
+        what = "restarting and verifying it" if decision.restart else "verifying it"
         if _executing():  # said once (pyinfra runs this generator to plan, and again to execute)
-            host.log_styled(f"{decision.reason}: restarting and verifying it", fg="yellow")
-        host.noop(f"{decision.reason}: restarting and verifying it")
+            host.log_styled(f"{decision.reason}: {what}", fg="yellow")
+        host.noop(f"{decision.reason}: {what}")
     elif isinstance(decision, DropPending):
         yield FunctionCommand(_drop, (state_file, decision.reason), {})
     else:

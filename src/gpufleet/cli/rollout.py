@@ -1,0 +1,166 @@
+"""`gpufleet rollout`, `gpufleet history`, `gpufleet rollback`: thin click commands over gpufleet.rollout."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gpufleet.errors import GpufleetError
+from gpufleet.ledger import Ledger
+from gpufleet.rollout.deploy import default_deploy_file
+from gpufleet.rollout.ledgers import HostLedger
+from gpufleet.rollout.progress import Progress
+from gpufleet.rollout.report import document, short, succeeded, table
+from gpufleet.rollout.run import Result, history, roll_back, roll_out
+from gpufleet.rollout.swap import SwapOptions
+
+
+def _console() -> Console:
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _options(deploy: str | None, log: str | None, **kwargs: Any) -> SwapOptions:
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    log_path = Path(log) if log else Path(tempfile.gettempdir()) / f"gpufleet-rollout-{stamp}.log"
+    return SwapOptions(deploy_file=Path(deploy) if deploy else default_deploy_file(), log=log_path, **kwargs)
+
+
+def _confirm(yes: bool) -> Any:
+    def ask(what: str, hosts: Sequence[str]) -> bool:
+        if yes:
+            return True
+        return click.confirm(f"Swap {len(hosts)} host(s) ({', '.join(hosts)}) to {what}?", err=True)
+    return ask
+
+
+def _finish(result: Result, as_json: bool, log: Path | None) -> None:
+    err = Console(stderr=True)
+    if result.message:
+        err.print(Text(result.message))
+    if as_json:
+        click.echo(json.dumps(document(result.target, result.outcomes), indent=2))
+    else:
+        _console().print(table(result.outcomes, title=f"target {result.target}"))
+    if log is not None and log.exists():
+        err.print(Text(f"deploy output: {log}"))
+    if not succeeded(result.outcomes):
+        sys.exit(1)
+
+
+def _common(fn: Any) -> Any:
+    for option in reversed([
+        click.option("--probe", is_flag=True, help="Gate each host on the prompt re-processing probe too."),
+        click.option("--drain-timeout", type=click.FloatRange(min=0), default=120.0, show_default=True,
+                     help="Seconds to wait for a host's running requests to finish before its restart."),
+        click.option("--retry-failed", is_flag=True, help="Install a digest a host's ledger marks failed, on purpose."),
+        click.option("--yes", "-y", is_flag=True, help="Do not ask before swapping."),
+        click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout (progress stays on stderr)."),
+        click.option("--deploy", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="The deploy file (default: deploys/qwen35.py of the checkout)."),
+        click.option("--log", type=click.Path(dir_okay=False), default=None,
+                     help="Where each deploy run's output goes (default: a new file in the temp directory)."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+@click.command()
+@click.argument("inventory", type=click.Path(exists=True, dir_okay=False))
+@click.option("--image", default=None, help="A tag or digest of vllm_image's repository (default: vllm_image).")
+@click.option("--canary", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Hosts swapped (and gated) first.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Hosts swapped at once: the most out of service at any moment, the canary included.")
+@_common
+def rollout(inventory: str, image: str | None, canary: int, batch: int, probe: bool, drain_timeout: float,
+            retry_failed: bool, yes: bool, as_json: bool, deploy: str | None, log: str | None) -> None:
+    """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate."""
+    try:
+        options = _options(deploy, log, canary=canary, batch=batch, probe=probe, retry_failed=retry_failed,
+                           drain_timeout_s=drain_timeout)
+        result = roll_out(inventory, image, options, _confirm(yes), Progress)
+    except GpufleetError as e:
+        raise click.ClickException(str(e)) from None
+    _finish(result, as_json, options.log)
+
+
+@click.command()
+@click.argument("inventory", type=click.Path(exists=True, dir_okay=False))
+@click.option("--host", default=None, help="Only this host (default: every host, one at a time).")
+@click.option("--to", default=None, help="repo@sha256:<digest> to go to (default: the previous committed digest).")
+@_common
+def rollback(inventory: str, host: str | None, to: str | None, probe: bool, drain_timeout: float,
+             retry_failed: bool, yes: bool, as_json: bool, deploy: str | None, log: str | None) -> None:
+    """Return hosts to their previous committed digest (or --to), gated like a rollout."""
+    try:
+        options = _options(deploy, log, probe=probe, retry_failed=retry_failed, drain_timeout_s=drain_timeout)
+        result = roll_back(inventory, host, to, options, _confirm(yes), Progress)
+    except GpufleetError as e:
+        raise click.ClickException(str(e)) from None
+    _finish(result, as_json, options.log)
+
+
+def ledger_rows(lg: Ledger) -> list[tuple[str, str, str, str, str]]:
+    """(state, digest, image, when, detail) rows, newest first."""
+    rows = []
+    if lg.pending is not None:
+        p = lg.pending
+        rows.append(("pending", p.version.ref, p.version.image, p.started_at, f"by {p.operator} (a cut run)"))
+    if lg.committed is not None:
+        c = lg.committed
+        ready = f"ready {c.ready_at}" if c.ready_at else ""
+        rows.append(("committed", c.version.ref, c.version.image, c.committed_at, ready))
+    for f in reversed(lg.failed):
+        rows.append(("failed", f.ref, f.image or "", f.failed_at, f.reason))
+    for c in reversed(lg.history):
+        rows.append(("earlier", c.version.ref, c.version.image, c.committed_at, ""))
+    return rows
+
+
+def _history_table(host: str, lg: HostLedger) -> Table:
+    t = Table(title=f"{host}  {lg.path}", title_justify="left")
+    for column in ("state", "digest", "image", "at", "detail"):
+        t.add_column(column, overflow="fold")
+    if lg.error:
+        t.add_row(Text("unreadable", style="red"), Text("-"), Text("-"), Text("-"), Text(lg.error))
+    elif lg.ledger is None:
+        t.add_row(Text("none"), Text("-"), Text("-"), Text("-"), Text("no ledger: never converged"))
+    else:
+        style = {"pending": "yellow", "committed": "green", "failed": "red", "earlier": "dim"}
+        for state, ref, image, at, detail in ledger_rows(lg.ledger):
+            t.add_row(Text(state, style=style[state]), Text(short(ref)), Text(image), Text(at), Text(detail))
+    return t
+
+
+@click.command(name="history")
+@click.argument("inventory", type=click.Path(exists=True, dir_okay=False))
+@click.option("--host", default=None, help="Only this host.")
+@click.option("--json", "as_json", is_flag=True, help="Each host's ledger as JSON on stdout.")
+def history_command(inventory: str, host: str | None, as_json: bool) -> None:
+    """Each host's ledger: what runs (committed), what ran before, what failed and why, a cut run's pending change."""
+    try:
+        ledgers = history(inventory, host)
+    except GpufleetError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        doc = {h.name: {"path": lg.path, "error": lg.error,
+                        "rows": [dict(zip(("state", "ref", "image", "at", "detail"), row, strict=True))
+                                 for row in (ledger_rows(lg.ledger) if lg.ledger else [])]}
+               for h, lg in ledgers}
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        console = _console()
+        for h, lg in ledgers:
+            console.print(_history_table(h.name, lg))
+    if any(lg.error for _, lg in ledgers):
+        sys.exit(1)

@@ -1,0 +1,14 @@
+"""`gpufleet rollout`, `history` and `rollback`: move a fleet to one image digest, host by host, in place.
+
+One module per responsibility:
+    fleet.py     the inventory's hosts (spec + host data) and how to reach each one (SSH, like `gpufleet status`)
+    ledgers.py   read each host's ledger (gpufleet.ledger) over SSH: what is committed, pending, failed
+    target.py    the target digest: a digest as given, or a tag resolved ONCE by pulling it on one host
+    deploy.py    one run of the deploy (pyinfra, deploys/qwen35.py) on some hosts with the rollout's settings
+    prepare.py   the prepare stage on every host to swap (pull, model, flag check), while the old version serves
+    drain.py     wait for a host's running requests to reach 0 before its restart
+    downtime.py  a host's /health watched from the controller while it swaps: its downtime, measured
+    swap.py      canary then batches: drain, deploy, outcome from the ledger; stop on the first failed gate
+    report.py    per-host outcomes, the final table and the --json document
+    progress.py  the live per-host view on stderr
+"""

@@ -1,0 +1,58 @@
+"""Drain: before a host restarts, wait until its vLLM runs no request (`vllm:num_requests_running` 0 on /metrics,
+through the SSH session), up to --drain-timeout. Moving new clients elsewhere is the load balancer's job; what is
+still running after the timeout is left to vLLM's own graceful stop (--shutdown-timeout, under the unit's stop
+timeout)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gevent
+
+from gpufleet.health.api import get
+from gpufleet.health.metrics import RUNNING, parse_metrics
+from gpufleet.health.transport import Transport
+
+POLL_S = 0.5
+REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Drained:
+    drained: bool  # False: the timeout passed with requests still running
+    waited_s: float
+    running: int | None  # at the last look (None: /metrics did not answer: nothing to wait for)
+
+    @property
+    def detail(self) -> str:
+        if self.drained:
+            return f"drained in {self.waited_s:.1f} s"
+        return f"{self.running} request(s) still running after {self.waited_s:.0f} s (left to vLLM's shutdown)"
+
+
+def running_requests(transport: Transport, port: int) -> int | None:
+    """vllm:num_requests_running now; None when /metrics does not answer with it (a server that is down or
+    starting runs nothing a restart could cut)."""
+    try:
+        status, body = get(transport, port, "/metrics", timeout=REQUEST_TIMEOUT_S)
+        value = parse_metrics(body).get(RUNNING) if status == 200 else None
+    except Exception:  # refused, reset, not Prometheus text: "nothing to wait for", never a crash of the rollout
+        return None
+    return None if value is None else int(value)
+
+
+def drain(transport: Transport, port: int, timeout_s: float, poll_s: float = POLL_S,
+          on_wait: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic) -> Drained:
+    start = clock()
+    while True:
+        running = running_requests(transport, port)
+        waited = clock() - start
+        if not running:
+            return Drained(True, waited, running)
+        if waited >= timeout_s:
+            return Drained(False, waited, running)
+        if on_wait is not None:
+            on_wait(running)
+        gevent.sleep(poll_s)

@@ -1,0 +1,68 @@
+"""What a rollout did to each host: the outcomes, the final table and the one JSON document of --json."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+
+class Outcome(str, Enum):
+    UPDATED = "updated"  # restarted on the target, verified, committed
+    UNCHANGED = "unchanged"  # already committed on the target: not restarted
+    ROLLED_BACK = "rolled-back"  # the target failed its gate; the committed version serves again
+    NOT_STARTED = "not-started"  # untouched: the rollout stopped before this host
+    FAILED_PREPARE = "failed-prepare"  # the target could not be prepared here; no host was swapped
+    FAILED = "failed"  # the swap failed and the ledger shows neither the target nor a rollback (see detail)
+
+
+OK = (Outcome.UPDATED, Outcome.UNCHANGED)
+STYLE = {Outcome.UPDATED: "green", Outcome.UNCHANGED: "dim", Outcome.ROLLED_BACK: "yellow",
+         Outcome.NOT_STARTED: "dim", Outcome.FAILED_PREPARE: "red", Outcome.FAILED: "red"}
+
+
+@dataclass(frozen=True)
+class HostOutcome:
+    host: str
+    from_ref: str | None  # the committed digest before the rollout (None: nothing committed)
+    to_ref: str
+    outcome: Outcome
+    downtime_s: float | None = None  # stop to ready, measured from the controller; None: not restarted
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "from": self.from_ref, "to": self.to_ref, "outcome": self.outcome.value,
+                "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 2), "detail": self.detail}
+
+
+def succeeded(outcomes: Sequence[HostOutcome]) -> bool:
+    return all(o.outcome in OK for o in outcomes)
+
+
+def document(target: str, outcomes: Sequence[HostOutcome]) -> dict[str, Any]:
+    """--json: {"target": ..., "hosts": [{"host", "from", "to", "outcome", "downtime_s", "detail"}]}."""
+    return {"target": target, "hosts": [o.as_dict() for o in outcomes]}
+
+
+def short(ref: str | None) -> str:
+    """repo@sha256:0123456789ab... -> sha256:0123456789ab (what a table can show)."""
+    if not ref:
+        return "-"
+    digest = ref.rsplit("@", 1)[-1]
+    return digest[:19] if digest.startswith("sha256:") else ref
+
+
+def table(outcomes: Sequence[HostOutcome], title: str | None = None) -> Table:
+    t = Table(title=title, show_lines=False)
+    for column in ("host", "from", "to", "outcome", "downtime", "detail"):
+        t.add_column(column, overflow="fold")
+    for o in outcomes:
+        downtime = "-" if o.downtime_s is None else f"{o.downtime_s:.1f} s"
+        # Text, never markup: a detail quotes server output and image names ("[...]" must not be parsed).
+        t.add_row(Text(o.host), Text(short(o.from_ref)), Text(short(o.to_ref)),
+                  Text(o.outcome.value, style=STYLE[o.outcome]), Text(downtime), Text(o.detail))
+    return t

@@ -1,0 +1,146 @@
+"""The three commands end to end, as library calls the CLI renders: roll_out (target, ledgers, prepare, swap),
+roll_back (each host to its previous committed digest, or one given) and history (each host's ledger)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpufleet.errors import GpufleetError, one_line
+from gpufleet.rollout.fleet import FleetHost, Sessions, load_fleet
+from gpufleet.rollout.ledgers import HostLedger, read_ledgers
+from gpufleet.rollout.prepare import prepare
+from gpufleet.rollout.progress import Progress
+from gpufleet.rollout.report import HostOutcome, Outcome, short
+from gpufleet.rollout.swap import SwapOptions, swap
+from gpufleet.rollout.target import Target, requested_image, resolve
+
+# Asked once the plan is known, before anything changes: (what, hosts to swap) -> go on?
+Confirm = Callable[[str, Sequence[str]], bool]
+
+
+@dataclass(frozen=True)
+class Result:
+    target: str  # the digest (rollout), or "previous" (rollback to each host's own)
+    outcomes: list[HostOutcome]
+    message: str = ""  # one line for the user: what was decided before any host changed, if anything
+
+
+def _unreadable(ledgers: Mapping[str, HostLedger], targets: Mapping[str, str]) -> list[HostOutcome] | None:
+    """A host whose ledger cannot be read cannot be judged before or after its swap: nothing is started."""
+    bad = {h: lg.error for h, lg in ledgers.items() if lg.error}
+    if not bad:
+        return None
+    return [HostOutcome(h, lg.committed_ref, targets[h], Outcome.FAILED_PREPARE if h in bad else Outcome.NOT_STARTED,
+                        None, bad.get(h) or "not started: another host's ledger could not be read")
+            for h, lg in ledgers.items()]
+
+
+def _refused(ledgers: Mapping[str, HostLedger], targets: Mapping[str, str]) -> str | None:
+    """The target failed on a host before: a rollout does not retry it unless asked to (--retry-failed)."""
+    for h, lg in ledgers.items():
+        mark = lg.failed_mark(targets[h])
+        if mark is not None:
+            return one_line(f"{h}: {targets[h]} failed there at {mark.failed_at}: {mark.reason} (fix: roll out "
+                            "another image, or pass --retry-failed to try this one again on purpose)")
+    return None
+
+
+def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, targets: Mapping[str, str],
+              what: str, options: SwapOptions, confirm: Confirm, progress: Progress) -> Result:
+    names = [h.name for h in hosts]
+    progress.note("reading each host's ledger")
+    ledgers = read_ledgers(sessions, names)
+    unreadable = _unreadable(ledgers, targets)
+    if unreadable is not None:
+        return Result(what, unreadable, "a ledger could not be read: nothing was changed")
+    if not options.retry_failed and (refusal := _refused(ledgers, targets)):
+        raise GpufleetError(refusal)
+    done = {h for h in names if ledgers[h].committed_ref == targets[h] and ledgers[h].pending_ref is None}
+    outcomes = {h: HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.UNCHANGED, None,
+                               "already committed on the target: not restarted") for h in done}
+    order = [h for h in names if h not in done]
+    if not order:
+        return Result(what, [outcomes[h] for h in names], f"every host already runs {what}: nothing to do")
+    for h in done:
+        progress.phase(h, "unchanged (already on the target)")
+    if not confirm(what, order):
+        raise GpufleetError("not confirmed: nothing was changed")
+    prepared: dict[str, str] = {}
+    for target in dict.fromkeys(targets[h] for h in order):
+        group = [h for h in order if targets[h] == target]
+        for h in group:
+            progress.phase(h, f"preparing {short(target)} (pull, model, flag check)")
+        _, failures = prepare(inventory, group, target, options.deploy_file, log=options.log)
+        prepared.update(failures)
+        if failures:
+            break
+    if prepared:
+        for h in order:
+            outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, targets[h],
+                                      Outcome.FAILED_PREPARE if h in prepared else Outcome.NOT_STARTED, None,
+                                      prepared.get(h) or "not started: another host failed to prepare")
+            progress.phase(h, outcomes[h].outcome.value)
+        return Result(what, [outcomes[h] for h in names], "prepare failed: no host was swapped")
+    for h in order:
+        progress.phase(h, "prepared; waiting for its turn")
+    by_name = {h.name: h for h in hosts}
+    for outcome in swap(inventory, order, targets, ledgers, by_name, sessions, options, progress):
+        outcomes[outcome.host] = outcome
+    return Result(what, [outcomes[h] for h in names])
+
+
+def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: Confirm,
+             progress_for: Callable[[Sequence[str]], Progress]) -> Result:
+    hosts = load_fleet(inventory)
+    requested = requested_image(hosts, image)  # bad input: one line before any host is contacted
+    with Sessions(hosts) as sessions, progress_for([h.name for h in hosts]) as progress:
+        progress.note(f"resolving {requested} to one digest")
+        target: Target = resolve(hosts, sessions, image)
+        where = f" (pulled on {target.resolved_on})" if target.resolved_on else ""
+        progress.note(f"target: {target.ref}{where}")
+        targets = {h.name: target.ref for h in hosts}
+        return _converge(inventory, hosts, sessions, targets, target.ref, options, confirm, progress)
+
+
+def previous_targets(ledgers: Mapping[str, HostLedger], to: str | None) -> dict[str, str]:
+    """Each host's rollback target: `to`, else the newest earlier committed digest of its ledger."""
+    targets, missing = {}, []
+    for h, lg in ledgers.items():
+        ref = to or lg.previous_ref()
+        if ref is None:
+            missing.append(h)
+        else:
+            targets[h] = ref
+    if missing:
+        raise GpufleetError(one_line(f"{', '.join(missing)}: no earlier committed version in the ledger (fix: pass "
+                                     "--to repo@sha256:<digest>; `gpufleet history` lists what ran)"))
+    return targets
+
+
+def roll_back(inventory: str, host: str | None, to: str | None, options: SwapOptions, confirm: Confirm,
+              progress_for: Callable[[Sequence[str]], Progress]) -> Result:
+    hosts = load_fleet(inventory, host)
+    if to is not None:
+        requested_image(hosts, to)  # same repository, a valid reference
+        if "@sha256:" not in to:
+            raise GpufleetError(one_line(f"--to {to}: not a digest (fix: pass repo@sha256:<digest>, as `gpufleet "
+                                         "history` shows it)"))
+    with Sessions(hosts) as sessions, progress_for([h.name for h in hosts]) as progress:
+        ledgers = read_ledgers(sessions, [h.name for h in hosts])
+        bad = [lg.error for lg in ledgers.values() if lg.error]
+        if bad:
+            raise GpufleetError("; ".join(e for e in bad if e))
+        targets = previous_targets(ledgers, to)
+        rollback = SwapOptions(options.deploy_file, canary=0, batch=1, probe=options.probe,
+                               retry_failed=options.retry_failed, drain_timeout_s=options.drain_timeout_s,
+                               log=options.log)
+        what = to or "each host's previous committed digest"
+        return _converge(inventory, hosts, sessions, targets, what, rollback, confirm, progress)
+
+
+def history(inventory: str, host: str | None) -> list[tuple[FleetHost, HostLedger]]:
+    hosts = load_fleet(inventory, host)
+    with Sessions(hosts) as sessions:
+        ledgers = read_ledgers(sessions, [h.name for h in hosts])
+    return [(h, ledgers[h.name]) for h in hosts]

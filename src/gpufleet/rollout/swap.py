@@ -1,0 +1,122 @@
+"""The swap loop: the canary first, then batches of --batch hosts. Per batch: drain each host, one deploy run
+limited to the batch with gpufleet_image_ref = the target (restart, the deploy's verify and soak, commit or roll
+back, all by the deploy), its downtime watched from here, then each host's outcome read from its ledger. The first
+host that is not updated stops the rollout: the hosts after it are not touched."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufleet.health.transport import SshTransport, TransportError
+from gpufleet.rollout.deploy import DeployRun, run_deploy
+from gpufleet.rollout.downtime import DowntimeWatch
+from gpufleet.rollout.drain import Drained, drain
+from gpufleet.rollout.fleet import FleetHost, Sessions
+from gpufleet.rollout.ledgers import HostLedger, read_ledgers
+from gpufleet.rollout.prepare import IMAGE_REF
+from gpufleet.rollout.progress import Progress
+from gpufleet.rollout.report import OK, HostOutcome, Outcome, short
+
+PROBE = "gpufleet_verify_probe"
+RETRY_FAILED = "gpufleet_retry_failed"
+
+
+@dataclass(frozen=True)
+class SwapOptions:
+    deploy_file: Path
+    canary: int = 1
+    batch: int = 1
+    probe: bool = False
+    retry_failed: bool = False
+    drain_timeout_s: float = 120.0
+    log: Path | None = None
+
+    def settings(self, target_ref: str) -> dict[str, object]:
+        settings: dict[str, object] = {IMAGE_REF: target_ref}
+        if self.probe:
+            settings[PROBE] = True
+        if self.retry_failed:
+            settings[RETRY_FAILED] = True
+        return settings
+
+
+def batches(names: Sequence[str], canary: int, batch: int) -> list[list[str]]:
+    """The canary hosts, then the rest, in groups of at most `batch`: never more than `batch` hosts out of service,
+    the canary included."""
+    if batch < 1 or canary < 0:
+        raise ValueError("batch must be >= 1 and canary >= 0")
+    first, rest = list(names[:canary]), list(names[canary:])
+    return [first[i:i + batch] for i in range(0, len(first), batch)] + \
+           [rest[i:i + batch] for i in range(0, len(rest), batch)]
+
+
+def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
+          downtime_s: float | None, drained: Drained | str | None) -> HostOutcome:
+    """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak)."""
+    from_ref = before.committed_ref
+    drain_note = drained.detail if isinstance(drained, Drained) else (f"drain: {drained}" if drained else "")
+    if after.error:
+        return HostOutcome(host, from_ref, target, Outcome.FAILED, downtime_s,
+                           f"{after.error}; deploy: {run.summary(host)}")
+    if after.committed_ref == target and after.pending_ref is None:
+        return HostOutcome(host, from_ref, target, Outcome.UPDATED, downtime_s, drain_note)
+    mark = after.failed_mark(target)
+    if mark is not None and after.pending_ref is None and after.committed_ref == from_ref:
+        return HostOutcome(host, from_ref, target, Outcome.ROLLED_BACK, downtime_s,
+                           f"rolled back to {short(from_ref)}: {mark.reason}")
+    state = f"ledger: committed {short(after.committed_ref)}, pending {short(after.pending_ref)}"
+    return HostOutcome(host, from_ref, target, Outcome.FAILED, downtime_s, f"{run.summary(host)} ({state})")
+
+
+def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], before: Mapping[str, HostLedger],
+         hosts: Mapping[str, FleetHost], sessions: Sessions, options: SwapOptions,
+         progress: Progress) -> list[HostOutcome]:
+    """Swap `order`'s hosts (each to targets[host]); returns an outcome for every one of them."""
+    outcomes: dict[str, HostOutcome] = {}
+    canaries = set(order[:options.canary])
+    for group in batches(order, options.canary, options.batch):
+        role = "canary" if set(group) <= canaries else "batch"
+        # One deploy run per target digest (a rollout has one; `rollback` may send hosts to different ones).
+        for target in dict.fromkeys(targets[h] for h in group):
+            members = [h for h in group if targets[h] == target]
+            outcomes.update(_swap_group(inventory, members, target, before, hosts, sessions, options, progress,
+                                        role))
+        if any(outcomes[h].outcome not in OK for h in group):
+            for h in order:
+                if h not in outcomes:
+                    outcomes[h] = HostOutcome(h, before[h].committed_ref, targets[h], Outcome.NOT_STARTED, None,
+                                              "not touched: the rollout stopped at a failed gate")
+                    progress.phase(h, "not started")
+            break
+    return [outcomes[h] for h in order]
+
+
+def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[str, HostLedger],
+                hosts: Mapping[str, FleetHost], sessions: Sessions, options: SwapOptions, progress: Progress,
+                role: str) -> dict[str, HostOutcome]:
+    def drain_one(host: FleetHost, transport: SshTransport) -> Drained:
+        return drain(transport, host.spec.port, options.drain_timeout_s,
+                     on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"))
+
+    for h in group:
+        progress.phase(h, f"{role}: draining")
+    drained = sessions.each(group, drain_one)
+    watches: dict[str, DowntimeWatch] = {}
+    for h in group:
+        try:
+            watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port).start()
+        except TransportError:  # no session to watch through: the downtime is reported as not measured
+            pass
+        progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
+    run = run_deploy(inventory, group, options.settings(target), options.deploy_file, log=options.log)
+    downtime = {h: watch.stop() for h, watch in watches.items()}
+    after = read_ledgers(sessions, group)
+    result = {}
+    for h in group:
+        outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h))
+        result[h] = outcome
+        progress.phase(h, outcome.outcome.value + (f" ({outcome.downtime_s:.1f} s down)"
+                                                   if outcome.downtime_s is not None else ""))
+    return result

@@ -1,0 +1,347 @@
+"""`gpufleet rollout / history / rollback` on three real test hosts (nspawn, SSH, systemd, dockerd, the stand-in
+vLLM image), with the hosts' vllm_image on a tag of this module's own that the test moves in the fleet's registry
+(a manifest copied through the registry's HTTP API), as a nightly tag moves. Steps in file order (pytest keeps it):
+
+1. converge on the tag (= `good`); move it to `good-next`; roll out: every host updated, never more than one host
+   not ready (a background poller), no pull inside a swap; a re-run and a plain converge change nothing;
+2. the tag on `rejects-flag`: caught in prepare, no host swapped (same containers);
+3. the tag on `dies`: the canary rolled back and serving the old digest, the others untouched, exit 1; `history`
+   shows the failure; a plain converge changes nothing;
+4. the tag back on `good` (an earlier committed digest); the controller killed mid-rollout; the re-run completes
+   and no host was started twice;
+5. `rollback --host` returns a host to its previous digest, gated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from tests.integration.pyinfra_results import changed_ops, changes
+
+from gpufleet.health.api import get
+from gpufleet.health.fleet import open_ssh
+from gpufleet.sandbox.config import FleetConfig, H200x3
+from gpufleet.sandbox.fleet import Fleet, check_prerequisites
+from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.procs import SandboxError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")
+GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
+SERVICE = "vllm-qwen35"
+PORT = 5000
+# The stand-in is ready in seconds; `dies` dies 8 s after serving: a 15 s soak catches it.
+DATA = {"vllm_ready_timeout": 90, "vllm_ready_soak_s": 15}
+MANIFEST_TYPES = ("application/vnd.docker.distribution.manifest.v2+json, "
+                  "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.list.v2+json")
+
+
+# --- the registry: a tag of our own, moved by copying another tag's manifest ---------------------------------
+def manifest(registry: str, tag: str) -> tuple[bytes, str, str]:
+    """(body, content type, digest) of a tag's manifest."""
+    req = urllib.request.Request(f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}", headers={"Accept": MANIFEST_TYPES})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.read(), r.headers["Content-Type"], r.headers["Docker-Content-Digest"]
+
+
+def move_tag(registry: str, tag: str, to: str) -> str:
+    """Point `tag` at what `to` names (same repository); returns the digest ref it now stands for."""
+    body, content_type, digest = manifest(registry, to)
+    req = urllib.request.Request(f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}", data=body, method="PUT",
+                                 headers={"Content-Type": content_type})
+    urllib.request.urlopen(req, timeout=30).read()
+    assert manifest(registry, tag)[2] == digest
+    return f"{registry}/{REPOSITORY}@{digest}"
+
+
+# --- helpers ---------------------------------------------------------------------------------------------------
+def gpufleet(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GPUFLEET, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+
+
+def rollout_json(proc: subprocess.CompletedProcess[str]) -> dict:
+    assert proc.stdout.strip(), proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def outcomes(doc: dict) -> dict[str, str]:
+    return {h["host"]: h["outcome"] for h in doc["hosts"]}
+
+
+def sh(fleet, host, command: str) -> str:
+    return fleet.run_in(host, command).stdout
+
+
+def container_id(fleet, host) -> str:
+    return sh(fleet, host, f"docker ps -q --no-trunc --filter label=gpufleet.{SERVICE}").strip()
+
+
+def running_image(fleet, host) -> str:
+    cid = container_id(fleet, host)
+    return sh(fleet, host, f"docker inspect --format '{{{{.Config.Image}}}}' {cid}").strip() if cid else ""
+
+
+def starts_since(fleet, host, since: float) -> int:
+    """How many times systemd started the service since `since` (epoch seconds)."""
+    out = sh(fleet, host, f"journalctl -u {SERVICE} --since @{int(since)} -o cat --no-pager | "
+                          f"grep -c '^Started ' || true")
+    return int(out.strip() or 0)
+
+
+class ReadinessPoller:
+    """Every host's /health through its SSH session, every 0.2 s, in a thread: the most hosts not ready at once."""
+
+    def __init__(self, names: list[str], data: dict[str, dict]):
+        self.sessions = {n: open_ssh(n, data[n]) for n in names}
+        self.max_down, self.samples, self.down_sets = 0, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _ready(self, name: str) -> bool:
+        try:
+            return get(self.sessions[name], PORT, "/health", timeout=2)[0] == 200
+        except Exception:
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            down = [n for n in self.sessions if not self._ready(n)]
+            self.samples += 1
+            if down:
+                self.down_sets.append(tuple(down))
+            self.max_down = max(self.max_down, len(down))
+            time.sleep(0.2)
+
+    def __enter__(self) -> ReadinessPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for t in self.sessions.values():
+            t.client.close()
+
+
+def swap_runs(log: Path) -> list[str]:
+    """The outputs of the deploy runs that swapped hosts (not the prepare runs), from the rollout's log."""
+    runs = re.split(r"^\$ ", log.read_text(), flags=re.MULTILINE)[1:]
+    return [r for r in runs if "gpufleet_image_ref=" in r.splitlines()[0] and "gpufleet_stage=prepare" not in
+            r.splitlines()[0]]
+
+
+# --- fixtures --------------------------------------------------------------------------------------------------
+def rollout_config() -> FleetConfig:
+    return FleetConfig(name="roll", bridge="gf-roll", net="10.213.5", host_prefix="gfo",
+                       state_dir=Path(os.environ.get("GPUFLEET_ROLLOUT_FLEET_DIR", "/var/lib/gpufleet/roll")))
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """Its own fleet (gf-roll, 10.213.5.0/24) and registry: it never waits on the session's test fleet, and the
+    tags it moves are nobody else's."""
+    try:
+        check_prerequisites()
+    except SandboxError as err:
+        pytest.skip(f"test hosts unavailable: {err}")
+    f = Fleet(rollout_config())
+    f.start()
+    yield f
+    f.stop()
+
+
+@pytest.fixture(scope="module")
+def hosts(fleet):
+    """Three 3x H200 hosts for the module's steps."""
+    return fleet.add_hosts([H200x3, H200x3, H200x3], first=1)
+
+
+@pytest.fixture(scope="module")
+def logs(fleet) -> Path:
+    """The rollouts' deploy output, kept with the fleet's state for a look after a failure."""
+    path = fleet.cfg.state_dir / "rollout-logs"
+    shutil.rmtree(path, ignore_errors=True)  # an earlier session's
+    path.mkdir()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tag() -> str:
+    return f"rollout-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def inventory(hosts, fleet, tag, tmp_path_factory) -> Path:
+    """A pyinfra inventory of the three hosts, vllm_image on the module's own tag."""
+    image = f"{fleet.cfg.registry}/{REPOSITORY}:{tag}"
+    path = tmp_path_factory.mktemp("rollout") / "rollout_hosts.py"
+    names = [h.name for h in hosts]
+    path.write_text(
+        "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
+        f"gpuhosts = [(n, {{**d, **{DATA!r}, 'vllm_image': {image!r}}}) for n, d in "
+        f"pyinfra_hosts({str(fleet.write_inventory())!r}) if n in {names!r}]\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def host_data(inventory) -> dict[str, dict]:
+    from gpufleet.inventory import load_hosts
+
+    return dict(load_hosts(inventory))
+
+
+def converge(pyinfra, inventory: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    for _ in range(3):  # a just-booted host may refuse the first SSH connection (nothing ran then)
+        proc = pyinfra(inventory, DEPLOY, *args, check=False)
+        if not re.search(r"Could not connect|Connection reset by peer|Command socket/SSH error", proc.stdout):
+            break
+        time.sleep(3)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def digests(fleet, tag, inventory, pyinfra, hosts) -> dict[str, str]:
+    """The hosts converged on the module's tag (= good); the digest refs of the stand-in tags."""
+    registry = fleet.cfg.registry
+    refs = {name: f"{registry}/{REPOSITORY}@{manifest(registry, name)[2]}"
+            for name in ("good", "good-next", "rejects-flag", "dies")}
+    assert move_tag(registry, tag, "good") == refs["good"]
+    converge(pyinfra, inventory)
+    for h in hosts:
+        assert running_image(fleet, h) == refs["good"]
+    return refs
+
+
+# --- 1. a good new digest ----------------------------------------------------------------------------------------
+def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory, pyinfra, hosts, digests, host_data,
+                                                          logs):
+    names = [h.name for h in hosts]
+    assert move_tag(fleet.cfg.registry, tag, "good-next") == digests["good-next"]
+    log = logs / "good.log"
+    with ReadinessPoller(names, host_data) as poller:
+        proc = gpufleet("rollout", str(inventory), "--yes", "--json", "--log", str(log))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = rollout_json(proc)
+    assert doc["target"] == digests["good-next"]
+    assert outcomes(doc) == {n: "updated" for n in names}
+    for row in doc["hosts"]:
+        assert row["from"] == digests["good"] and row["to"] == digests["good-next"]
+        assert row["downtime_s"] is not None and 0 < row["downtime_s"] < 60
+    for h in hosts:
+        assert running_image(fleet, h) == digests["good-next"]
+    # Never more than one host (--batch 1) out of service, and each one was out at some point.
+    assert poller.samples > 20 and poller.max_down == 1, poller.down_sets
+    assert {n for s in poller.down_sets for n in s} == set(names)
+    # No pull inside any downtime window: the swap runs pulled nothing (prepare did).
+    runs = swap_runs(log)
+    assert len(runs) == 3
+    for run in runs:
+        assert not [op for op in changed_ops(run) if "pull" in op.lower()], run[-3000:]
+        assert "Pulling from" not in run
+        # ... nor the image's flag check: prepare did it, and the swap run (after the drain) found its note.
+        assert "accepted the serve flags in an earlier run" in run
+        assert not re.search(r"\] sha256:\w+ accepts the serve flags", run)
+
+    ids = {h.name: container_id(fleet, h) for h in hosts}
+    again = gpufleet("rollout", str(inventory), "--yes", "--json")
+    assert again.returncode == 0 and outcomes(rollout_json(again)) == {n: "unchanged" for n in names}
+    assert "already runs" in again.stderr
+    assert changes(converge(pyinfra, inventory).stdout) == 0
+    assert {h.name: container_id(fleet, h) for h in hosts} == ids
+
+
+# --- 2. a flag the new image rejects -----------------------------------------------------------------------------
+def test_a_rejected_flag_is_caught_in_prepare_and_no_host_is_swapped(fleet, tag, inventory, hosts, digests):
+    ids = {h.name: container_id(fleet, h) for h in hosts}
+    move_tag(fleet.cfg.registry, tag, "rejects-flag")
+    proc = gpufleet("rollout", str(inventory), "--yes", "--json")
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    doc = rollout_json(proc)
+    assert doc["target"] == digests["rejects-flag"]
+    assert set(outcomes(doc).values()) == {"failed-prepare"}  # every host's image check refuses it
+    for row in doc["hosts"]:
+        assert "--performance-mode" in row["detail"] and digests["rejects-flag"] in row["detail"]
+    for h in hosts:
+        assert container_id(fleet, h) == ids[h.name] and running_image(fleet, h) == digests["good-next"]
+
+
+# --- 3. an image that starts, then dies ----------------------------------------------------------------------------
+def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, pyinfra, hosts, digests):
+    canary, *others = hosts
+    ids = {h.name: container_id(fleet, h) for h in hosts}
+    move_tag(fleet.cfg.registry, tag, "dies")
+    proc = gpufleet("rollout", str(inventory), "--yes", "--json")
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    doc = rollout_json(proc)
+    assert outcomes(doc) == {canary.name: "rolled-back", **{h.name: "not-started" for h in others}}
+    assert running_image(fleet, canary) == digests["good-next"]
+    for h in others:
+        assert container_id(fleet, h) == ids[h.name]  # untouched: the same container, never restarted
+
+    history = gpufleet("history", str(inventory), "--host", canary.name, "--json")
+    assert history.returncode == 0, history.stderr
+    rows = json.loads(history.stdout)[canary.name]["rows"]
+    assert rows[0]["state"] == "committed" and rows[0]["ref"] == digests["good-next"]
+    failed = [r for r in rows if r["state"] == "failed"]
+    assert [r["ref"] for r in failed] == [digests["dies"]] and failed[0]["detail"]
+    table = gpufleet("history", str(inventory), "--host", canary.name)
+    assert "failed" in table.stdout and digests["dies"].rsplit("@", 1)[1][:19] in table.stdout
+
+    ids = {h.name: container_id(fleet, h) for h in hosts}
+    assert changes(converge(pyinfra, inventory).stdout) == 0  # the failed digest is not tried again
+    assert {h.name: container_id(fleet, h) for h in hosts} == ids
+    # A rollout of the same digest is refused up front, naming the failure and how to retry on purpose.
+    again = gpufleet("rollout", str(inventory), "--yes")
+    assert again.returncode == 1 and "--retry-failed" in again.stderr and canary.name in again.stderr
+
+
+# --- 4. the controller killed mid-rollout --------------------------------------------------------------------------
+def test_a_killed_rollout_resumes_and_no_host_restarts_twice(fleet, tag, inventory, hosts, digests, logs):
+    move_tag(fleet.cfg.registry, tag, "good")  # committed before on every host: not marked failed
+    since = time.time() - 1
+    log = logs / "killed.log"
+    proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--yes", "--json", "--log", str(log)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    # Killed while the first host swaps: after its restart began (its old container gone).
+    first = hosts[0]
+    old = container_id(fleet, first)
+    deadline = time.monotonic() + 300
+    while container_id(fleet, first) in (old, "") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.3)
+    assert proc.poll() is None, "the rollout ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+
+    resumed = gpufleet("rollout", str(inventory), "--yes", "--json")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert set(outcomes(rollout_json(resumed)).values()) <= {"updated", "unchanged"}
+    for h in hosts:
+        assert running_image(fleet, h) == digests["good"]
+        assert starts_since(fleet, h, since) == 1, h.name
+
+
+# --- 5. rollback ---------------------------------------------------------------------------------------------------
+def test_rollback_returns_a_host_to_its_previous_digest_gated(fleet, inventory, hosts, digests):
+    host, *others = hosts
+    ids = {h.name: container_id(fleet, h) for h in others}
+    proc = gpufleet("rollback", str(inventory), "--host", host.name, "--yes", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (row,) = rollout_json(proc)["hosts"]
+    assert (row["host"], row["from"], row["to"], row["outcome"]) == (host.name, digests["good"],
+                                                                      digests["good-next"], "updated")
+    assert running_image(fleet, host) == digests["good-next"]
+    assert {h.name: container_id(fleet, h) for h in others} == ids

@@ -1,0 +1,279 @@
+"""gpufleet.rollout's decisions without test hosts: batches, outcomes from ledgers, the JSON document, the target
+from --image / vllm_image, the ledger read's parsing, and drain/downtime against a real stand-in vLLM process on
+loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpufleet import ledger
+from gpufleet.cli import main
+from gpufleet.cli.rollout import ledger_rows
+from gpufleet.errors import GpufleetError
+from gpufleet.rollout.deploy import DeployRun, settings_args
+from gpufleet.rollout.downtime import DowntimeWatch
+from gpufleet.rollout.drain import drain, running_requests
+from gpufleet.rollout.fleet import FleetHost
+from gpufleet.rollout.ledgers import PRESENT, parse_read
+from gpufleet.rollout.prepare import failures
+from gpufleet.rollout.report import HostOutcome, Outcome, document, succeeded
+from gpufleet.rollout.run import previous_targets
+from gpufleet.rollout.swap import SwapOptions, batches, judge
+from gpufleet.rollout.target import digest_from_inspect, requested_image
+from gpufleet.sandbox.image import write_tiny_model
+from gpufleet.settings import build_spec
+from tests.loopback import LoopbackTransport
+from tests.ports import free_port
+
+REPO = "reg:5000/vllm/vllm-openai"
+OLD, NEW, OLDER = (f"{REPO}@sha256:" + c * 64 for c in "abc")
+SERVE = Path(__file__).resolve().parents[2] / "src" / "gpufleet" / "sandbox" / "standin" / "vllm_serve.py"
+
+
+def version(ref: str) -> ledger.Version:
+    return ledger.Version(image=f"{REPO}:nightly", ref=ref, unit_sha256="u" * 64, spec_hash="s" * 16,
+                          service="vllm-qwen35", port=5000)
+
+
+def committed_on(*refs: str) -> ledger.Ledger:
+    """A ledger whose versions were committed in this order (the last one runs)."""
+    lg = ledger.Ledger()
+    for i, ref in enumerate(refs):
+        lg = ledger.commit(ledger.begin(lg, version(ref), "ops@ctl pid 1", f"2026-12-01T0{i}:00:00Z"),
+                           f"2026-12-01T0{i}:01:00Z", ready_at=f"2026-12-01T0{i}:00:30Z")
+    return lg
+
+
+def read(lg: ledger.Ledger | None, host: str = "h1"):
+    out = "" if lg is None else f"{PRESENT}\n{ledger.render(lg)}"
+    return parse_read(host, "/var/lib/gpufleet/vllm-qwen35.json", 0, out, "")
+
+
+def run_of(rc: int, output: str = "", hosts=("h1",)) -> DeployRun:
+    return DeployRun(tuple(hosts), rc, output, 1.0)
+
+
+# --- plan -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("canary, batch, expected", [
+    (1, 1, [["a"], ["b"], ["c"], ["d"]]),
+    (1, 2, [["a"], ["b", "c"], ["d"]]),
+    (2, 1, [["a"], ["b"], ["c"], ["d"]]),
+    (3, 2, [["a", "b"], ["c"], ["d"]]),  # never more than --batch at once, the canary included
+    (0, 3, [["a", "b", "c"], ["d"]]),
+])
+def test_batches_put_the_canary_first_and_never_exceed_batch(canary, batch, expected):
+    assert batches(["a", "b", "c", "d"], canary, batch) == expected
+
+
+def test_rollout_settings_name_the_digest_and_only_the_asked_extras():
+    options = SwapOptions(Path("deploys/qwen35.py"))
+    assert settings_args(options.settings(NEW)) == ["--data", f"gpufleet_image_ref={NEW}"]
+    probing = SwapOptions(Path("d.py"), probe=True, retry_failed=True)
+    assert settings_args(probing.settings(NEW))[2:] == ["--data", "gpufleet_verify_probe=true", "--data",
+                                                         "gpufleet_retry_failed=true"]
+
+
+# --- outcomes from the ledger -----------------------------------------------------------------------------------
+def test_committed_on_the_target_is_updated():
+    outcome = judge("h1", NEW, read(committed_on(OLD)), read(committed_on(OLD, NEW)), run_of(0), 4.2, None)
+    assert (outcome.outcome, outcome.from_ref, outcome.to_ref, outcome.downtime_s) == (Outcome.UPDATED, OLD, NEW, 4.2)
+
+
+def test_a_failed_mark_with_the_old_version_committed_is_rolled_back():
+    failed = ledger.roll_back(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "dead: engine died", "t2")
+    outcome = judge("h1", NEW, read(committed_on(OLD)), read(failed), run_of(1), 9.0, None)
+    assert outcome.outcome is Outcome.ROLLED_BACK and "engine died" in outcome.detail
+
+
+def test_anything_else_is_failed_with_what_the_ledger_and_the_run_say():
+    cut = ledger.begin(committed_on(OLD), version(NEW), "x", "t1")  # pending left: the run did not settle it
+    output = "[h1] Error: lost the SSH connection\n"
+    outcome = judge("h1", NEW, read(committed_on(OLD)), read(cut), run_of(1, output), None, None)
+    assert outcome.outcome is Outcome.FAILED
+    assert "lost the SSH connection" in outcome.detail and "pending sha256:bbbbbbbbbbbb" in outcome.detail
+    unreadable = parse_read("h1", "/p", 255, "", "Connection reset")
+    assert judge("h1", NEW, read(committed_on(OLD)), unreadable, run_of(1), None, None).outcome is Outcome.FAILED
+
+
+def test_json_document_has_the_issue_shape():
+    outcomes = [HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.14159, ""),
+                HostOutcome("h2", OLD, NEW, Outcome.NOT_STARTED, None, "not touched")]
+    doc = json.loads(json.dumps(document(NEW, outcomes)))
+    assert doc == {"target": NEW, "hosts": [
+        {"host": "h1", "from": OLD, "to": NEW, "outcome": "updated", "downtime_s": 3.14, "detail": ""},
+        {"host": "h2", "from": OLD, "to": NEW, "outcome": "not-started", "downtime_s": None, "detail": "not touched"}]}
+    assert not succeeded(outcomes) and succeeded(outcomes[:1])
+
+
+def test_prepare_failures_are_attributed_to_the_host_the_output_names():
+    output = ("[h1] Success\n[h2] h2: image x rejects --performance-mode of vllm_args: unrecognized arguments "
+              "(fix: ...)\n--> Results\n")
+    assert list(failures(run_of(1, output, hosts=("h1", "h2")))) == ["h2"]
+    # A run that fails as a whole (preflight refused it before any host ran) fails every host.
+    assert set(failures(run_of(1, "DeployError: preflight refused\n", hosts=("h1", "h2")))) == {"h1", "h2"}
+    assert failures(run_of(0, "", hosts=("h1", "h2"))) == {}
+
+
+# --- ledgers ----------------------------------------------------------------------------------------------------
+def test_ledger_read_distinguishes_none_corrupt_and_unreachable():
+    assert read(None).ledger is None and read(None).error is None
+    assert read(committed_on(OLDER, OLD)).previous_ref() == OLDER
+    corrupt = parse_read("h1", "/var/lib/gpufleet/v.json", 0, f"{PRESENT}\n{{not json", "")
+    assert corrupt.ledger is None and corrupt.error.startswith("h1: /var/lib/gpufleet/v.json is corrupt: not JSON")
+    assert "Permission denied" in parse_read("h1", "/p", 1, "", "cat: /p: Permission denied").error
+
+
+def test_rollback_targets_are_each_hosts_previous_committed_digest_or_to():
+    ledgers = {"h1": read(committed_on(OLDER, OLD)), "h2": read(committed_on(OLD, NEW), "h2")}
+    assert previous_targets(ledgers, None) == {"h1": OLDER, "h2": OLD}
+    assert previous_targets(ledgers, NEW) == {"h1": NEW, "h2": NEW}
+    with pytest.raises(GpufleetError, match=r"^h3: no earlier committed version .*--to"):
+        previous_targets({"h3": read(committed_on(OLD), "h3")}, None)
+
+
+def test_history_rows_newest_first_with_failures_and_their_reasons():
+    lg = ledger.roll_back(ledger.begin(committed_on(OLDER, OLD), version(NEW), "x", "t1"), "dead: exited 1", "t2")
+    rows = ledger_rows(lg)
+    assert [r[0] for r in rows] == ["committed", "failed", "earlier"]
+    assert rows[0][1] == OLD and rows[0][4] == "ready 2026-12-01T01:00:30Z"
+    assert rows[1][1] == NEW and rows[1][4] == "dead: exited 1"
+
+
+# --- target -----------------------------------------------------------------------------------------------------
+def fleet(*images: str) -> list[FleetHost]:
+    return [FleetHost(f"h{i}", build_spec(f"h{i}", {"vllm_image": image}), {}) for i, image in enumerate(images, 1)]
+
+
+def test_target_is_the_inventory_image_or_image_of_the_same_repository():
+    hosts = fleet(f"{REPO}:nightly", f"{REPO}:nightly")
+    assert requested_image(hosts, None) == f"{REPO}:nightly"
+    assert requested_image(hosts, NEW) == NEW
+    with pytest.raises(GpufleetError, match="is not of the fleet's repository reg:5000/vllm/vllm-openai"):
+        requested_image(hosts, "docker.io/vllm/vllm-openai:nightly")
+    with pytest.raises(GpufleetError, match="vllm_image names 2 repositories"):
+        requested_image(fleet(f"{REPO}:nightly", "other:5000/vllm:nightly"), None)
+
+
+def test_a_pulled_tag_resolves_to_the_repo_digest_of_its_repository():
+    out = json.dumps([f"mirror:5000/vllm/vllm-openai@sha256:{'d' * 64}", NEW]) + "\n"
+    assert digest_from_inspect(f"{REPO}:nightly", 0, out, "", "h1") == NEW
+    with pytest.raises(GpufleetError, match=r"^h1: docker pull .* failed: .*manifest unknown \(fix: "):
+        digest_from_inspect(f"{REPO}:nope", 1, "", "Error response from daemon: manifest unknown", "h1")
+
+
+# --- drain and downtime, against a real stand-in vLLM ------------------------------------------------------------
+@pytest.fixture
+def server(tmp_path):
+    model = tmp_path / "tiny"
+    write_tiny_model(model)
+    port = free_port()
+    env = {**os.environ, "STANDIN_LOAD_SECONDS": "0", "STANDIN_PREFILL_SECONDS_PER_TOKEN": "0.01"}
+    proc = subprocess.Popen([sys.executable, str(SERVE), "serve", str(model), "--host", "127.0.0.1", "--port",
+                             str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    transport = LoopbackTransport(proc)
+    deadline = time.monotonic() + 10
+    while running_requests(transport, port) is None:
+        assert time.monotonic() < deadline, "stand-in never served /metrics"
+        time.sleep(0.05)
+    yield proc, transport, port, str(model)
+    proc.terminate()
+    proc.wait(10)
+
+
+def chat(port: int, model: str, prompt: str) -> None:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    urllib.request.urlopen(req, timeout=30).read()
+
+
+def one_running(transport, port) -> None:
+    deadline = time.monotonic() + 5
+    while running_requests(transport, port) != 1:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.02)
+
+
+def test_drain_waits_for_the_running_request_to_finish(server):
+    _, transport, port, model = server
+    request = threading.Thread(target=chat, args=(port, model, "x" * 150))  # ~1.9 s of "prefill"
+    request.start()
+    one_running(transport, port)
+    seen = []
+    result = drain(transport, port, timeout_s=20, poll_s=0.1, on_wait=seen.append)
+    request.join()
+    assert result.drained and result.running == 0 and seen and set(seen) == {1}
+    assert 0.5 < result.waited_s < 10
+
+
+def test_drain_gives_up_at_its_timeout_and_says_how_many_still_run(server):
+    _, transport, port, model = server
+    request = threading.Thread(target=chat, args=(port, model, "y" * 400))  # ~4.5 s
+    request.start()
+    one_running(transport, port)
+    result = drain(transport, port, timeout_s=0.5, poll_s=0.1)
+    request.join()
+    assert not result.drained and result.running == 1 and "1 request(s) still running" in result.detail
+
+
+def test_a_stopped_server_has_nothing_to_drain_and_its_outage_is_downtime(server):
+    proc, transport, port, _ = server
+    watch = DowntimeWatch(transport, port, poll_s=0.05).start()
+    time.sleep(0.3)
+    proc.terminate()
+    proc.wait(10)
+    time.sleep(1.0)
+    assert drain(transport, port, timeout_s=5).drained
+    down = watch.stop()
+    assert down is not None and 0.8 < down < 3.0
+
+
+# --- CLI --------------------------------------------------------------------------------------------------------
+def test_cli_refuses_bad_input_with_one_line_before_anything(tmp_path):
+    inventory = tmp_path / "inv.py"
+    inventory.write_text(f"gpuhosts = [('h1', {{'vllm_image': '{REPO}:nightly', 'ssh_hostname': '127.0.0.1'}})]\n")
+    result = CliRunner().invoke(main, ["rollout", str(inventory), "--image", "other/repo:tag", "--yes"])
+    assert result.exit_code == 1 and "is not of the fleet's repository" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(main, ["rollback", str(inventory), "--to", f"{REPO}:nightly", "--yes"])
+    assert result.exit_code == 1 and "not a digest" in result.output
+
+
+# --- the deploy run, through the real pyinfra CLI (hosts @local: nothing leaves this machine) --------------------
+def test_deploy_run_limits_to_each_named_host_and_a_limit_matching_nothing_fails(tmp_path):
+    from gpufleet.rollout.deploy import run_deploy
+
+    inventory = tmp_path / "inv.py"
+    inventory.write_text("hosts = [('@local', {'marker': 'one'})]\n")
+    deploy = tmp_path / "noop.py"
+    deploy.write_text("from pyinfra import host, logger\nlogger.warning(f'ran on {host.name} "
+                      "ref={host.data.get(\"gpufleet_image_ref\")}')\n")
+    log = tmp_path / "deploy.log"
+    ran = run_deploy(str(inventory), ["@local"], {"gpufleet_image_ref": NEW}, deploy, log=log)
+    assert ran.ok and f"ran on @local ref={NEW}" in ran.output, ran.output[-2000:]
+    # A host the run was meant for and pyinfra did not find: never read as done, even if the others ran.
+    missed = run_deploy(str(inventory), ["@local", "gpu9"], {}, deploy, log=log)
+    assert not missed.ok and "No host matches found" in missed.summary("gpu9")
+    nothing = run_deploy(str(inventory), ["gpu9"], {}, deploy, log=log)
+    assert not nothing.ok
+    assert log.read_text().count("[exit ") == 3 and "; started " in log.read_text()
+
+
+def test_the_fleet_is_the_vllm_hosts_router_hosts_are_left_out(tmp_path):
+    from gpufleet.rollout.fleet import load_fleet
+
+    inventory = tmp_path / "inv.py"
+    inventory.write_text(f"gpuhosts = [('h1', {{'vllm_image': '{REPO}:nightly'}}), ('h2', {{}})]\n"
+                         "routers = [('r1', {'router_port': 8000})]\n")
+    assert [h.name for h in load_fleet(str(inventory))] == ["h1", "h2"]
+    assert [h.name for h in load_fleet(str(inventory), "h2")] == ["h2"]
