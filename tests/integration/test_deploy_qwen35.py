@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 from tests.integration.pyinfra_results import changed_ops, changes, results
+from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, H200x1, H200x3
 
@@ -41,16 +41,7 @@ def write_inventory(tmp_path: Path, inventory_json: Path, names: list[str], over
 
 
 def deploy(pyinfra, inventory: Path, *args: str, check: bool = True):
-    """Run the deploy; retry when SSH to a just-booted host was refused or reset (nothing ran on any host then:
-    pyinfra connects, and preflight reads, before any operation executes)."""
-    for _ in range(3):
-        proc = pyinfra(inventory, DEPLOY, *args, check=False)
-        if not re.search(r"Could not connect|Connection reset by peer|Command socket/SSH error", proc.stdout):
-            break
-        time.sleep(3)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"deploy failed:\n{proc.stdout[-4000:]}")
-    return proc
+    return run_deploy(pyinfra, inventory, DEPLOY, *args, check=check)
 
 
 def sh(fleet, host, command: str) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.health.api import get
 from gpufleet.health.fleet import open_ssh
@@ -203,14 +204,7 @@ def host_data(inventory) -> dict[str, dict]:
 
 
 def converge(pyinfra, inventory: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    for _ in range(3):  # a just-booted host may refuse the first SSH connection (nothing ran then)
-        proc = pyinfra(inventory, DEPLOY, *args, check=False)
-        if not re.search(r"Could not connect|Connection reset by peer|Command socket/SSH error", proc.stdout):
-            break
-        time.sleep(3)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc
+    return run_deploy(pyinfra, inventory, DEPLOY, *args, check=check)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.sandbox.config import NO_GPU, FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet, check_prerequisites
@@ -62,16 +63,7 @@ def inventory(rfleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def run(pyinfra, inventory: Path, deploy: str, *args: str, check: bool = True):
-    """The deploy; retried when SSH to a just-booted host was refused (nothing ran then)."""
-    for _ in range(3):
-        proc = pyinfra(inventory, deploy, *args, check=False)
-        if not re.search(r"Could not connect|Connection reset by peer|Command socket/SSH error", proc.stdout):
-            break
-        time.sleep(3)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{deploy} failed:\n{proc.stdout[-5000:]}")
-    return proc
+run = run_deploy
 
 
 def router_host(rfleet: Fleet):
