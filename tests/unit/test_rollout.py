@@ -277,3 +277,31 @@ def test_the_fleet_is_the_vllm_hosts_router_hosts_are_left_out(tmp_path):
                          "routers = [('r1', {'router_port': 8000})]\n")
     assert [h.name for h in load_fleet(str(inventory))] == ["h1", "h2"]
     assert [h.name for h in load_fleet(str(inventory), "h2")] == ["h2"]
+
+
+# --- routers ------------------------------------------------------------------------------------------------
+def test_an_unreachable_router_is_one_line_naming_it_before_any_swap():
+    from gpufleet.rollout.routers import Routers
+
+    port = free_port()  # nothing listens: the SSH connection is refused
+    router = ("r1", {"ssh_hostname": "127.0.0.1", "ssh_port": port, "ssh_user": "root"})
+    with pytest.raises(GpufleetError) as caught:
+        Routers.connect([router], [("h1", {"ssh_hostname": "10.0.0.1"})])
+    message = str(caught.value)
+    assert message.startswith("router r1: ") and "\n" not in message
+    assert "fix: bring the router back, or take it out of the inventory's routers group" in message
+
+
+def test_without_routers_nothing_is_reached_and_a_loopback_replica_is_fine():
+    from gpufleet.rollout.routers import Routers
+
+    with Routers.connect([], [("h1", {"vllm_publish_address": "127.0.0.1"})]) as routers:
+        assert routers.routers == [] and routers.urls == {}
+
+
+def test_a_replica_a_router_cannot_address_is_refused_when_there_is_a_router():
+    from gpufleet.errors import SettingError
+    from gpufleet.rollout.routers import Routers
+
+    with pytest.raises(SettingError, match=r"h1: vllm_publish_address: 127\.0\.0\.1 keeps vLLM off the network"):
+        Routers.connect([("r1", {})], [("h1", {"vllm_publish_address": "127.0.0.1"})])

@@ -7,11 +7,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpufleet.errors import GpufleetError, one_line
+from gpufleet.inventory import load_roles
 from gpufleet.rollout.fleet import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.prepare import prepare
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.report import HostOutcome, Outcome, short
+from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.swap import SwapOptions, swap
 from gpufleet.rollout.target import Target, requested_image, resolve
 
@@ -64,8 +66,22 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         return Result(what, [outcomes[h] for h in names], f"every host already runs {what}: nothing to do")
     for h in done:
         progress.phase(h, "unchanged (already on the target)")
-    if not confirm(what, order):
-        raise GpufleetError("not confirmed: nothing was changed")
+    # Before anything changes: a router that cannot be reached might still send traffic to a host being swapped.
+    by_name = {h.name: h for h in hosts}
+    router_hosts = load_roles(inventory)[0]
+    if router_hosts:
+        progress.note(f"reaching the routers: {', '.join(name for name, _ in router_hosts)}")
+    with Routers.connect(router_hosts, [(h, dict(by_name[h].data)) for h in order]) as routers:
+        if not confirm(what, order):
+            raise GpufleetError("not confirmed: nothing was changed")
+        return _prepare_and_swap(inventory, what, ledgers, outcomes, names, order, by_name, sessions, routers,
+                                 targets, options, progress)
+
+
+def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedger], outcomes: dict[str, HostOutcome],
+                      names: Sequence[str], order: Sequence[str], by_name: Mapping[str, FleetHost],
+                      sessions: Sessions, routers: Routers, targets: Mapping[str, str], options: SwapOptions,
+                      progress: Progress) -> Result:
     prepared: dict[str, str] = {}
     for target in dict.fromkeys(targets[h] for h in order):
         group = [h for h in order if targets[h] == target]
@@ -84,8 +100,7 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         return Result(what, [outcomes[h] for h in names], "prepare failed: no host was swapped")
     for h in order:
         progress.phase(h, "prepared; waiting for its turn")
-    by_name = {h.name: h for h in hosts}
-    for outcome in swap(inventory, order, targets, ledgers, by_name, sessions, options, progress):
+    for outcome in swap(inventory, order, targets, ledgers, by_name, sessions, routers, options, progress):
         outcomes[outcome.host] = outcome
     return Result(what, [outcomes[h] for h in names])
 

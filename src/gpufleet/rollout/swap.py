@@ -1,14 +1,17 @@
 """The swap loop: the canary first, then batches of --batch hosts. Per batch: drain each host, one deploy run
 limited to the batch with gpufleet_image_ref = the target (restart, the deploy's verify and soak, commit or roll
-back, all by the deploy), its downtime watched from here, then each host's outcome read from its ledger. The first
-host that is not updated stops the rollout: the hosts after it are not touched."""
+back, all by the deploy), its downtime watched from here, then each host's outcome read from its ledger. Around
+all of that, the batch is out of every router's worker set (gpufleet.rollout.routers). The first host that is not
+updated stops the rollout: the hosts after it are not touched."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
+from gpufleet.errors import one_line
 from gpufleet.health.transport import SshTransport, TransportError
 from gpufleet.rollout.deploy import DeployRun, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
@@ -18,6 +21,8 @@ from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.prepare import IMAGE_REF
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.report import OK, HostOutcome, Outcome, short
+from gpufleet.rollout.routers import Routers
+from gpufleet.router.api import RouterError
 
 PROBE = "gpufleet_verify_probe"
 RETRY_FAILED = "gpufleet_retry_failed"
@@ -71,7 +76,7 @@ def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: De
 
 
 def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], before: Mapping[str, HostLedger],
-         hosts: Mapping[str, FleetHost], sessions: Sessions, options: SwapOptions,
+         hosts: Mapping[str, FleetHost], sessions: Sessions, routers: Routers, options: SwapOptions,
          progress: Progress) -> list[HostOutcome]:
     """Swap `order`'s hosts (each to targets[host]); returns an outcome for every one of them."""
     outcomes: dict[str, HostOutcome] = {}
@@ -81,8 +86,9 @@ def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], befor
         # One deploy run per target digest (a rollout has one; `rollback` may send hosts to different ones).
         for target in dict.fromkeys(targets[h] for h in group):
             members = [h for h in group if targets[h] == target]
-            outcomes.update(_swap_group(inventory, members, target, before, hosts, sessions, options, progress,
-                                        role))
+            swap_group = partial(_swap_group, inventory, members, target, before, hosts, sessions, options, progress,
+                                 role)
+            outcomes.update(_out_of_routers(routers, members, target, before, options, progress, swap_group))
         if any(outcomes[h].outcome not in OK for h in group):
             for h in order:
                 if h not in outcomes:
@@ -91,6 +97,32 @@ def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], befor
                     progress.phase(h, "not started")
             break
     return [outcomes[h] for h in order]
+
+
+def _out_of_routers(routers: Routers, group: list[str], target: str, before: Mapping[str, HostLedger],
+                    options: SwapOptions, progress: Progress,
+                    swap_group: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
+    """swap_group() with the group out of every router; a host a router did not let go is not swapped (the
+    group fails), one it did not take back fails after its swap (the rollout stops: it would run short)."""
+    if routers.routers:
+        for h in group:
+            progress.phase(h, "leaving the router's workers")
+    rejoin_failed: dict[str, str] = {}
+    swapping = False
+    try:
+        with routers.out(group, options.drain_timeout_s, rejoin_failed):
+            swapping = True
+            result = swap_group()
+    except (RouterError, OSError) as error:
+        if swapping:  # the swap's own error, not the routers'
+            raise
+        return {h: HostOutcome(h, before[h].committed_ref, target, Outcome.FAILED, None,
+                               one_line(f"not swapped: {error}")) for h in group}
+    for h, problem in rejoin_failed.items():
+        result[h] = replace(result[h], outcome=Outcome.FAILED,
+                            detail=one_line(f"{result[h].outcome.value}, but {problem}; {result[h].detail}"))
+        progress.phase(h, result[h].outcome.value)
+    return result
 
 
 def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[str, HostLedger],
