@@ -8,7 +8,9 @@ Boots the bench fleet (see deploy_bench.py) with N hosts, converges them once, t
   how many per host, and each one's round trip as the controller sees it;
 - times each of those commands on the host itself (clock read on the host before and after, so SSH is not in it):
   on one host alone, then on all N hosts at once, --repeat times;
-- times the no-op converge on 1 and on N hosts (wall and controller CPU) beside the floor, for context.
+- times the no-op converge on 1 and on N hosts (wall and controller CPU) beside the floor, for context;
+- times each section of the snapshot command (gpufleet.facts.host, as the working tree builds it) on one host alone:
+  where its host time goes.
 Writes bench/results/noop-breakdown-<UTC time>.md.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -23,10 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-from deploy_bench import (REPO, Runner, boot, bench_config, code_state, ensure_ansible, ensure_peer_debs,
+from deploy_bench import (BENCH_DATA, REPO, Runner, boot, bench_config, code_state, ensure_ansible, ensure_peer_debs,
                           export_revision, loadavg)
+from gpufleet.deploys.qwen35 import plan_for
+from gpufleet.facts.host import MARK, snapshot_command
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.hosts import Host
+from gpufleet.sandbox.inventory import pyinfra_hosts
 
 TRACED = Path(__file__).with_name("pyinfra_traced.py")
 
@@ -49,6 +55,31 @@ def time_on_host(fleet: Fleet, host: Host, command: str) -> float:
     """Seconds the command takes on the host, read with the host's clock (no SSH setup in it)."""
     script = f"s=$(date +%s%N); {{ {command} ; }} >/dev/null 2>&1; e=$(date +%s%N); echo $((e - s))"
     return int(fleet.ssh(host, script).stdout.strip().splitlines()[-1]) / 1e9
+
+
+def section_times(fleet: Fleet, host: Host, repeat: int) -> list[tuple[str, float]]:
+    """(section, median seconds) for each line of the host's snapshot command, timed in one shell on the host
+    (so the lines keep the variables earlier ones set), `date` read around each."""
+    data = dict(pyinfra_hosts(str(fleet.cfg.state_dir / "inventory.json")))[host.name]
+    lines = snapshot_command(plan_for(host.name, {**BENCH_DATA, **data}).paths).splitlines()
+    # A line without a marker prepares the next section (its shell variables): counted with it; "(setup)" before
+    # the first section is the part every section shares.
+    marked = [line.split(MARK, 1)[1].split("\\n", 1)[0] if MARK in line else None for line in lines]
+    first = next(i for i, name in enumerate(marked) if name)
+    names = ["(setup)" if i < first else next(n for n in marked[i:] if n) for i in range(len(lines))]
+    script = "\n".join(f"s=$(date +%s%N); {{ {line}\n}} >/dev/null 2>&1; e=$(date +%s%N); echo \"@@t {i} $((e - s))\""
+                       for i, line in enumerate(lines))
+    runs: list[list[float]] = [[] for _ in lines]
+    for _ in range(repeat):
+        for out in fleet.ssh(host, f"sudo sh -c {shlex.quote(script)}").stdout.splitlines():
+            if out.startswith("@@t "):
+                _, i, ns = out.split()
+                runs[int(i)].append(int(ns) / 1e9)
+    totals: dict[str, list[float]] = {}
+    for name, times in zip(names, runs):  # setup lines summed per run
+        totals.setdefault(name, [0.0] * repeat)
+        totals[name] = [a + b for a, b in zip(totals[name], times)]
+    return [(name, statistics.median(times)) for name, times in totals.items()]
 
 
 def main() -> int:
@@ -93,6 +124,7 @@ def main() -> int:
                 f"| {' + '.join(f'{statistics.median(t):.3f}' for t in alone)} "
                 f"| {' + '.join(f'{statistics.median(t):.3f}' for t in together)} |")
             print(table[-1], flush=True)
+        sections = section_times(fleet, hosts[0], args.repeat)
         lines = [
             f"# no-op breakdown {started}", "",
             f"{args.hosts} nspawn test hosts on this machine; load average at start {load_start}, at end "
@@ -102,6 +134,11 @@ def main() -> int:
             "over hosts). Command times: the same commands run again over SSH but timed with the host's own clock "
             "(no SSH in it), on the first host alone and on every host of the run at once (median over hosts and "
             "runs).", "", *table, "",
+            f"The snapshot command's sections on {hosts[0].name} alone (host clock around each line, medians of "
+            f"{args.repeat}; `(setup)`: the lines before the first section; a `date` pair costs about 1 ms):", "",
+            "| section | host time (ms) |", "|---|---:|",
+            *(f"| {name} | {seconds * 1000:.1f} |" for name, seconds in sections),
+            f"| total | {sum(s for _, s in sections) * 1000:.1f} |", "",
         ]
     finally:
         fleet.stop()

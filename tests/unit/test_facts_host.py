@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts import host as host_fact
 from gpufleet.facts.host import MARK, PACKAGES, GpufleetHost, Paths, ServiceUnit, parse_snapshot, snapshot_command
+from tests.ports import free_port
 
 NV = Path(__file__).parent.parent / "fixtures" / "nvidia-smi"
 PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model_dir="/srv/vllm/models/qwen3.5-awq",
@@ -86,12 +89,15 @@ def test_a_wedged_nvidia_smi_is_a_problem_with_its_bound_not_a_hang():
 
 def test_every_program_that_can_hang_runs_under_timeout():
     command = snapshot_command(PATHS)
-    for program in ("nvidia-smi --query-gpu", "nvidia-smi --version", "docker images", "df -Pk",
-                    "systemctl show -p Id -p ActiveState"):
+    for program in ("nvidia-smi --query-gpu", "nvidia-smi --version", "docker images", "docker ps", "df -Pk",
+                    "systemctl show -p Id"):
         line = next(line for line in command.splitlines() if program in line)
-        assert f"$t {program.split()[0]}" in line, line
+        assert f"$t {program}" in line, line
     assert "t='timeout -k 2 20'" in command
-    assert all("--max-time" in line for line in command.splitlines() if "curl -" in line)
+    # curl bounds itself: every request of its one call (each --next starts one) has its own --max-time.
+    requests = [r for line in command.splitlines() if "curl -" in line
+                for r in line.split("curl -", 1)[1].split("--next")]
+    assert len(requests) == 4 and all("--max-time" in r for r in requests), requests  # key, health, models, metrics
 
 
 def test_daemon_json_without_final_newline_keeps_the_next_section():
@@ -193,7 +199,7 @@ def test_hostile_repo_urls_reach_curl_whole_and_never_the_shell(tmp_path):
     hostile = HOSTILE.format(marker=marker)
     paths = dataclasses.replace(PATHS, nvidia_key_url=f"{hostile}/gpgkey", docker_repo_url=hostile)
     lines = [line for line in snapshot_command(paths).splitlines() if "repo.example" in line]
-    assert len(lines) == 2
+    assert len(lines) == 1  # one curl for both keys (and the service's own endpoints)
     argv_log = tmp_path / "argv"
     record = f"curl() {{ for a in \"$@\"; do printf '%s\\n' \"$a\"; done >> {argv_log}; }}"
     for line in lines:
@@ -220,3 +226,58 @@ def test_a_hanging_nvidia_smi_is_cut_off_by_the_snapshot_itself(tmp_path, monkey
     snap = parse_snapshot(out.stdout.splitlines())
     # One bound, not two: the driver query is skipped once the GPU query timed out.
     assert snap.nvidia_error == "nvidia-smi did not answer within 1 s (a wedged driver or GPU)" and elapsed < 10
+
+
+KEY = "-----BEGIN PGP PUBLIC KEY BLOCK-----\n\nmQINBF\n=abcd\n-----END PGP PUBLIC KEY BLOCK-----"
+
+
+class _Repo(BaseHTTPRequestHandler):
+    """The repos' keys and a vLLM server's /health, /v1/models and /metrics, on one loopback port."""
+
+    seen: list[tuple[str, str | None]] = []
+    health = 200
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.seen.append((self.path, self.headers.get("Authorization")))
+        bodies = {"/gpgkey": KEY, "/health": "", "/v1/models": json.dumps(
+            {"object": "list", "data": [{"id": "qwen3.5-awq", "max_model_len": 32768}]}),
+            "/metrics": '# HELP x\nvllm:num_requests_running{engine="0"} 0.0\n'
+                        'vllm:cache_config_info{block_size="16",engine="0"} 1.0\nvllm:other 2\n'}
+        body = KEY if self.path.endswith("/gpg") else bodies.get(self.path)
+        code = self.health if self.path == "/health" else 200 if body is not None else 404
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write((body or "").encode())
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("health", [200, 503])
+def test_one_curl_reads_the_keys_and_the_server_and_only_v1_models_gets_the_api_key(tmp_path, health):
+    """The snapshot's HTTP line, run by a real shell and curl against a real local server."""
+    _Repo.seen, _Repo.health = [], health
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Repo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        env_file = tmp_path / "vllm.env"
+        env_file.write_text("VLLM_API_KEY=sekrit-123\n")
+        paths = dataclasses.replace(PATHS, port=port, env_file=str(env_file),
+                                    nvidia_key_url=f"http://127.0.0.1:{port}/gpgkey",
+                                    docker_repo_url=f"http://127.0.0.1:{port}/linux")
+        line = next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line)
+        out = subprocess.run(["sh", "-c", f"{line}\nprintf '\\n{MARK}end\\n'"], capture_output=True, text=True,
+                             timeout=60)
+    finally:
+        server.shutdown()
+    snap = parse_snapshot(out.stdout.splitlines())
+    assert snap.nvidia_key == KEY + "\n" and snap.docker_key == KEY + "\n"
+    assert snap.health_code == str(health)
+    if health == 200:
+        assert snap.served_models == [("qwen3.5-awq", 32768)]
+        assert snap.cache_config["block_size"] == "16"
+    assert "vllm:other" not in out.stdout and "num_requests_running" not in out.stdout  # awk kept only cache config
+    assert {path for path, auth in _Repo.seen if auth} == {"/v1/models"}
+    assert ("/v1/models", "Bearer sekrit-123") in _Repo.seen
+    assert "sekrit" not in line

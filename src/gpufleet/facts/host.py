@@ -38,6 +38,9 @@ DAEMON_JSON = "/etc/docker/daemon.json"
 # 128+9 when the program ignored SIGTERM and had to be killed (-k): both mean "did not answer in time".
 COMMAND_TIMEOUT_S = 20
 TIMED_OUT = (124, 137)
+# What the snapshot asks systemd of docker.service and of the service's unit (one `systemctl show` for both).
+SYSTEMD_PROPERTIES = ("Id", "LoadState", "ActiveState", "SubState", "UnitFileState", "FragmentPath",
+                      "NeedDaemonReload", "NRestarts")
 PACKAGES = ("docker.io", "containerd", "docker-ce", "docker-ce-cli", "containerd.io", "nvidia-container-toolkit",
             "curl", "ca-certificates")
 
@@ -188,9 +191,24 @@ def snapshot_command(paths: Paths) -> str:
     model_dir = q(paths.model_dir)
     unit = q(unit_name(paths.service))
     label = container_label_key(paths.service)
-    container_format = f'Container={{{{index .Config.Labels "{label}"}}}}|{{{{.Config.Image}}}}'
+    # docker ps's Image is the reference the container was started from while that still names the container's
+    # image (always, for the digest references gpufleet's units run), else the image ID: either way it differs
+    # from the unit's pin exactly when the container runs something else.
+    container_format = f'Container={{{{.Label "{label}"}}}}|{{{{.Image}}}}'
+
+    def next_mark(name: str) -> str:  # curl -w: after a transfer, the marker of the section that follows
+        return q(f"\\n{MARK}{name}\\n")
+
+    if paths.docker_repo_url:  # docker-ce: its key lives at <url>/<os id>/gpg
+        docker_key, first_after_nvidia = "ID=; . /etc/os-release; ", "docker_key"
+        docker_get = (f"--next -fsSL --max-time 15 {q(paths.docker_repo_url)}/\"$ID\"/gpg "
+                      f"-w {next_mark('health')} ")
+    else:
+        docker_key, first_after_nvidia, docker_get = "", "health", ""
     lines = [
         "export LC_ALL=C",
+        # A newline, for cutting systemctl's output with the shell's own ${...%%...} (printf is a builtin).
+        "nl=$(printf '\\n.'); nl=${nl%.}",
         # -k: a program that ignores SIGTERM (nvidia-smi stuck in the kernel) is killed 2 s later.
         f"t='timeout -k 2 {COMMAND_TIMEOUT_S}'; command -v timeout >/dev/null 2>&1 || t=",
         "nv=0; command -v nvidia-smi >/dev/null 2>&1 && nv=1",
@@ -211,12 +229,6 @@ def snapshot_command(paths: Paths) -> str:
         f"{section('packages')}; dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}} ${{Version}}\\n' "
         f"{' '.join(PACKAGES)} 2>/dev/null",
         f"{section('files')}; sha256sum {files} 2>/dev/null",  # a missing file is simply not listed
-        f"{section('nvidia_key')}; command -v curl >/dev/null && curl -fsSL --max-time 15 {q(paths.nvidia_key_url)} 2>/dev/null",
-    ]
-    if paths.docker_repo_url:
-        lines.append(f"{section('docker_key')}; command -v curl >/dev/null && (. /etc/os-release; "
-                     f"curl -fsSL --max-time 15 {q(paths.docker_repo_url)}/\"$ID\"/gpg 2>/dev/null)")
-    lines += [
         # A marker line first: an empty ledger file is corrupt, a missing one is a host gpufleet never converged.
         f"{section('state')}; [ -f {q(paths.state_file)} ] && echo @@present && cat {q(paths.state_file)}",
         # The other services' ledgers: a renamed vllm_service finds its committed version (and old unit) there.
@@ -232,28 +244,32 @@ def snapshot_command(paths: Paths) -> str:
         "find . -path '*huggingface/download*' -name '*.incomplete' 2>/dev/null | head -3 | sed 's/^/incomplete /'; "
         "cd /; fi",
         f"{section('dirs')}; stat -c '%U %G %a %n' {dirs} 2>/dev/null",
-        f"{section('units')}; $t systemctl show -p Id -p ActiveState -p UnitFileState docker.service {unit} 2>/dev/null",
-        # Whose unit the service name is: the first line of the file systemd loads for it (our header, or not).
-        f"{section('service_unit')}; $t systemctl show -p Id -p LoadState -p FragmentPath {unit} "
-        f"2>/dev/null; f=$($t systemctl show -p FragmentPath --value {unit} 2>/dev/null); "
-        "if [ -n \"$f\" ]; then printf 'FirstLine=%s\\n' \"$(head -n 1 -- \"$f\" 2>/dev/null)\"; fi",
-        # What really runs: systemd's state of the unit, the pins in the unit file's header, the labelled containers.
-        f"{section('running')}; $t systemctl show -p ActiveState -p SubState -p NeedDaemonReload -p NRestarts {unit} "
-        "2>/dev/null; "
-        f"printf 'Header=%s\\n' \"$(sed -n 2p {q(unit_path(paths.service))} 2>/dev/null)\"; "
-        f"command -v docker >/dev/null && ids=$($t docker ps -q --filter label={q(label)} 2>/dev/null) && "
-        f"[ -n \"$ids\" ] && $t docker inspect --format {q(container_format)} $ids 2>/dev/null",
-        # Readiness without putting the API key on a command line: printf is a builtin, curl reads the header
-        # from stdin.
-        # (No is-active guard: with no service, curl is refused at once.)
-        f"{section('health')}; if command -v curl >/dev/null; "
-        f"then curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 3 http://127.0.0.1:{port}/health; "
+        # systemd's view of docker.service and the service's unit, in one call (one block each, in this order: the
+        # parser takes the second for the service); then, with shell builtins only, the first line of the unit
+        # file systemd loaded (our header, or not) and the pins in the header of the file gpufleet writes.
+        f"{section('units')}; sd=$($t systemctl show -p {' -p '.join(SYSTEMD_PROPERTIES)} docker.service {unit} "
+        "2>/dev/null); printf '%s\\n' \"$sd\"",
+        f"{section('service_unit')}; f=${{sd##*FragmentPath=}}; f=${{f%%\"$nl\"*}}; l=; "
+        "if [ -n \"$f\" ]; then { IFS= read -r l < \"$f\"; } 2>/dev/null; printf 'FirstLine=%s\\n' \"$l\"; fi",
+        # What really runs: the labelled containers, each with its label and the image it was started from.
+        f"{section('running')}; h=; {{ read -r h; IFS= read -r h; }} < {q(unit_path(paths.service))} 2>/dev/null; "
+        "printf 'Header=%s\\n' \"$h\"; "
+        f"command -v docker >/dev/null && $t docker ps --no-trunc --filter label={q(label)} "
+        f"--format {q(container_format)} 2>/dev/null",
+        # One curl for every HTTP read (each --next is its own request with its own options; -w prints the next
+        # section's marker after each): the repo keys as the repos serve them now, so a rotated key is noticed,
+        # then readiness, the served models and the cache config labels (vLLM's /metrics needs no key). The API
+        # key never reaches a command line: printf is a builtin, curl reads the header from stdin, and sends it
+        # to /v1/models only. awk keeps only the cache config lines of /metrics.
+        f"{section('nvidia_key')}; if command -v curl >/dev/null; then "
         f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
         "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
-        f"curl -s --max-time 3 -H @- http://127.0.0.1:{port}/v1/models; echo; fi",
-        # The cache config labels only (vLLM's /metrics needs no key): what check() also holds the server to.
-        f"{section('cache_config')}; command -v curl >/dev/null && curl -s --max-time 3 "
-        f"http://127.0.0.1:{port}/metrics 2>/dev/null | grep '^{CACHE_CONFIG}{{'",
+        f"({docker_key}curl -fsSL --max-time 15 {q(paths.nvidia_key_url)} -w {next_mark(first_after_nvidia)} "
+        f"{docker_get}"
+        f"--next -s --max-time 3 -o /dev/null -w '%{{http_code}}\\n' http://127.0.0.1:{port}/health "
+        f"--next -s --max-time 3 -H @- http://127.0.0.1:{port}/v1/models -w {next_mark('cache_config')} "
+        f"--next -s --max-time 3 http://127.0.0.1:{port}/metrics) 2>/dev/null | "
+        f"awk '$0 == \"{MARK}cache_config\" {{ c = 1; print; next }} !c || index($0, \"{CACHE_CONFIG}{{\") == 1'; fi",
         section("end"),
     ]
     return "\n".join(lines)
@@ -357,20 +373,17 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         parts = line.split(" ", 3)
         if len(parts) == 4:
             snap.dirs[parts[3]] = (parts[0], parts[1], parts[2])
-    unit: dict[str, str] = {}
-    for line in [*s.get("units", []), ""]:  # `systemctl show` blocks, one per unit, blank-line separated
-        key, sep, value = line.partition("=")
-        if sep:
-            unit[key.strip()] = value.strip()
-        elif unit:
-            snap.units[unit.get("Id", "?")] = (unit.get("ActiveState", ""), unit.get("UnitFileState", ""))
-            unit = {}
-    fields = dict(line.partition("=")[::2] for line in s.get("service_unit", []) if "=" in line)
+    blocks = systemd_blocks(s.get("units", []))
+    for block in blocks:
+        snap.units[block.get("Id", "?")] = (block.get("ActiveState", ""), block.get("UnitFileState", ""))
+    # The service's block (the second: docker.service comes first), completed by the lines read from its files.
+    service = blocks[1] if len(blocks) > 1 else {}
+    fields = {**service, **dict(line.partition("=")[::2] for line in s.get("service_unit", []) if "=" in line)}
     if fields.get("Id"):
         snap.service_unit = ServiceUnit(name=fields["Id"], load_state=fields.get("LoadState", ""),
                                         fragment_path=fields.get("FragmentPath", ""),
                                         first_line=fields.get("FirstLine", ""))
-    snap.running = parse_running(s.get("running", []))
+    snap.running = parse_running(s.get("running", []), service)
     health = s.get("health", [])
     if health and health[0].strip() not in ("", "000"):
         snap.health_code = health[0].strip()
@@ -386,8 +399,23 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
     return snap
 
 
-def parse_running(lines: list[str]) -> RunningService:
-    fields: dict[str, str] = {}
+def systemd_blocks(lines: list[str]) -> list[dict[str, str]]:
+    """`systemctl show` of several units: one block of Key=value lines per unit, blank-line separated."""
+    blocks: list[dict[str, str]] = []
+    block: dict[str, str] = {}
+    for line in [*lines, ""]:
+        key, sep, value = line.partition("=")
+        if sep:
+            block[key.strip()] = value.strip()
+        elif block:
+            blocks.append(block)
+            block = {}
+    return blocks
+
+
+def parse_running(lines: list[str], unit: dict[str, str] | None = None) -> RunningService:
+    """unit: systemd's properties of the service's unit; the section's own lines (Header, Container) add to them."""
+    fields: dict[str, str] = dict(unit or {})
     containers = []
     for line in lines:
         key, sep, value = line.partition("=")
