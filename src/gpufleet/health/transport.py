@@ -306,8 +306,10 @@ class SshTransport:
         info = self.container(service)
         if info is None:
             return []
-        _, out, err = self.run(f"{self._sudo}docker logs --tail {int(tail)} {shlex.quote(info.id)} 2>&1")
-        return (out + err).splitlines()[-tail:]
+        status, out, err = self.run(f"{self._sudo}docker logs --tail {int(tail)} {shlex.quote(info.id)} 2>&1")
+        # A --rm container gone between the two commands: docker's "No such container" is not its log (the
+        # caller then reads the unit's journal, which has the container's output).
+        return (out + err).splitlines()[-tail:] if status == 0 else []
 
 
 def _peer_name(client: paramiko.SSHClient) -> str:
