@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pyinfra import host
-from pyinfra.api import Host, deploy, operation
+from pyinfra.api import Host, deploy
 
 from gpufleet.deploys import preflight
 from gpufleet.deploys.verify import Verification
@@ -33,7 +33,7 @@ from gpufleet.ledger import (
 from gpufleet.operations import docker, files, flagcheck, image, managed_paths, model, nvidia, service
 from gpufleet.operations.image import pinned_ref
 from gpufleet.operations.layout import Layout
-from gpufleet.operations.remote import Commands
+from gpufleet.operations.remote import not_for_this_host
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.snapshot import memo, snapshot
 from gpufleet.settings import resolve_host
@@ -125,17 +125,11 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     return problems
 
 
-@operation()
-def router_host() -> Commands:
-    host.noop("router host: deploys/router.py configures it")
-    return
-    yield  # a generator: pyinfra operations yield their commands
-
-
 @deploy("Deploy Qwen 3.5 on vLLM")
 def deploy_qwen35() -> None:
     if not is_vllm_host(host):
-        router_host(name="Skip the vLLM deploy on a router host")
+        not_for_this_host(name="Skip the vLLM deploy on a router host",
+                          why="router host: deploys/router.py configures it")
         return
     plan = preflight.preflight(plan_for, check_host, applies=is_vllm_host)
     s, spec, layout = plan.settings, plan.spec, plan.layout

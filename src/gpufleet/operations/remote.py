@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Generator
 
 import paramiko
+from pyinfra import host as current_host
 from pyinfra import logger
-from pyinfra.api import Host
+from pyinfra.api import Host, operation
 from pyinfra.api.command import PyinfraCommand
 
 from gpufleet.health.transport import needs_sudo
@@ -32,3 +33,11 @@ def fail(host: Host, message: str) -> bool:
     """Report a failure of a Python callback on one line (pyinfra marks the host failed on False)."""
     host.log_styled(message, fg="red", log_func=logger.error)
     return False
+
+
+@operation()
+def not_for_this_host(why: str) -> Commands:
+    """A deploy's single step on a host of the inventory that another deploy configures: says why, changes nothing."""
+    current_host.noop(why)
+    return
+    yield  # a generator: pyinfra operations yield their commands

@@ -16,16 +16,16 @@ from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 from pyinfra import host, logger
-from pyinfra.api import State, deploy, operation
+from pyinfra.api import State, deploy
 from pyinfra.api.exceptions import DeployError
 from pyinfra.context import ctx_state
 
 from gpufleet.errors import SettingErrors
 from gpufleet.health.fleet import HostTarget, check_fleet
-from gpufleet.operations.remote import Commands
+from gpufleet.inventory import split_roles
+from gpufleet.operations.remote import not_for_this_host
 from gpufleet.router import ROUTERS_GROUP, operations
 from gpufleet.router.facts import RouterHostFact
-from gpufleet.inventory import split_roles
 from gpufleet.router.settings import Replica, build_router_spec, replicas, router_settings
 from gpufleet.settings import build_spec
 
@@ -63,17 +63,11 @@ def ready_workers(state: State) -> Workers:
     return _WORKERS[state]
 
 
-@operation()
-def replica_host() -> Commands:
-    host.noop("a replica: deploys/qwen35.py configures it")
-    return
-    yield  # a generator: pyinfra operations yield their commands
-
-
 @deploy("Deploy vllm-router in front of the replicas")
 def deploy_router() -> None:
     if ROUTERS_GROUP not in host.groups:
-        replica_host(name="Skip the router deploy on a replica")
+        not_for_this_host(name="Skip the router deploy on a replica",
+                          why="a replica: deploys/qwen35.py configures it")
         return
     workers = ready_workers(ctx_state.get())
     try:
