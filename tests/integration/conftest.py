@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from gpufleet.sandbox.config import Gpus, H200x3, test_config
-from gpufleet.sandbox.fleet import Fleet, check_prerequisites
+from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.inventory import inventory_document, write_pyinfra_inventory
-from gpufleet.sandbox.procs import SandboxError
+from tests.integration.fleets import running_fleet
 
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 # Fresh hosts are numbered from here, so they never collide with the session's hosts.
@@ -41,14 +41,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
     """The session's test fleet with its services up (no hosts yet); stopped, leaving nothing, at session end."""
-    try:
-        check_prerequisites()
-    except SandboxError as err:
-        pytest.skip(f"test hosts unavailable: {err}")
-    f = Fleet(test_config(Path(os.environ.get("GPUFLEET_TEST_FLEET_DIR", "/var/lib/gpufleet/test"))))
-    f.start()
-    yield f
-    f.stop()
+    with running_fleet(test_config(Path(os.environ.get("GPUFLEET_TEST_FLEET_DIR", "/var/lib/gpufleet/test")))) as f:
+        yield f
 
 
 @pytest.fixture(scope="session")

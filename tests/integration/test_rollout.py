@@ -29,14 +29,13 @@ from pathlib import Path
 
 import pytest
 from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.fleets import running_fleet
 from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.health.api import get
 from gpufleet.health.fleet import open_ssh
 from gpufleet.sandbox.config import FleetConfig, H200x3
-from gpufleet.sandbox.fleet import Fleet, check_prerequisites
 from gpufleet.sandbox.image import REPOSITORY
-from gpufleet.sandbox.procs import SandboxError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")
@@ -153,14 +152,8 @@ def rollout_config() -> FleetConfig:
 def fleet():
     """Its own fleet (gf-roll, 10.213.5.0/24) and registry: it never waits on the session's test fleet, and the
     tags it moves are nobody else's."""
-    try:
-        check_prerequisites()
-    except SandboxError as err:
-        pytest.skip(f"test hosts unavailable: {err}")
-    f = Fleet(rollout_config())
-    f.start()
-    yield f
-    f.stop()
+    with running_fleet(rollout_config()) as f:
+        yield f
 
 
 @pytest.fixture(scope="module")

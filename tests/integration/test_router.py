@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.fleets import running_fleet
 from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.sandbox.config import NO_GPU, FleetConfig, H200x3
-from gpufleet.sandbox.fleet import Fleet, check_prerequisites
-from gpufleet.sandbox.procs import SandboxError
+from gpufleet.sandbox.fleet import Fleet
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN35 = str(REPO / "deploys" / "qwen35.py")
@@ -40,16 +40,10 @@ def router_config() -> FleetConfig:
 
 @pytest.fixture(scope="module")
 def rfleet():
-    try:
-        check_prerequisites()
-    except SandboxError as err:
-        pytest.skip(f"test hosts unavailable: {err}")
-    fleet = Fleet(router_config())
-    fleet.start()
-    fleet.add_hosts([H200x3] * 3, first=1)
-    fleet.add_hosts([NO_GPU], first=4, role="router")
-    yield fleet
-    fleet.stop()
+    with running_fleet(router_config()) as fleet:
+        fleet.add_hosts([H200x3] * 3, first=1)
+        fleet.add_hosts([NO_GPU], first=4, role="router")
+        yield fleet
 
 
 @pytest.fixture(scope="module")
