@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from gpufleet.facts.nvidia import QUERY_GPUS, QUERY_VERSION
 from gpufleet.sandbox import nvidia_smi as smi
 
 RECORDINGS = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
@@ -87,17 +93,90 @@ def test_unknown_arguments_exit_2(argv: list[str]) -> None:
     assert smi.render(smi.make_profile(1), argv).rc == 2
 
 
+def _host_argv(root: Path, *args: str) -> list[str]:
+    """The installed wrapper's command line under root, with this interpreter for the host's /usr/bin/python3."""
+    wrapper = shlex.split((root / "usr/bin/nvidia-smi").read_text().splitlines()[-1])  # exec python3 FLAGS... "$@"
+    return [sys.executable, *(str(root / a[1:]) if a.startswith("/") else a for a in wrapper[2:-1]), *args]
+
+
 def test_host_files_run_as_nvidia_smi(tmp_path: Path) -> None:
     """What a host runs: the installed wrapper's profile, through this file as a script (stdlib only)."""
     smi.write_host_files(tmp_path, smi.make_profile(2, seed="h"))
-    profile = tmp_path / smi.HOST_PROFILE.lstrip("/")
-    out = subprocess.run(
-        [sys.executable, str(tmp_path / smi.HOST_MODULE.lstrip("/")), str(profile), "--query-gpu=bogus", "--format=csv"],
-        capture_output=True,
-        text=True,
-    )
+    out = subprocess.run(_host_argv(tmp_path, "--query-gpu=bogus", "--format=csv"), capture_output=True, text=True)
     assert (out.stdout, out.returncode) == smi._read(RECORDINGS / "h200-2gpu", "bad-field.txt")
     assert "/usr/bin/python3" in (tmp_path / "usr/bin/nvidia-smi").read_text()
+
+
+def _imported(stderr: str) -> set[str]:
+    return {line.split("|")[-1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("command", [QUERY_GPUS, QUERY_VERSION])
+def test_host_answers_a_converge_query_without_heavy_imports(tmp_path: Path, command: str) -> None:
+    """The real tool answers in ~20 ms; the stand-in's share of that is an interpreter start plus builtins."""
+    profile = smi.make_profile(2, seed="h")
+    smi.write_host_files(tmp_path, profile)
+    args = shlex.split(command)[1:]
+    python, *flags, module, prof = _host_argv(tmp_path)
+    out = subprocess.run([python, *flags, "-X", "importtime", module, prof, *args], capture_output=True, text=True)
+    assert (out.stdout, out.returncode) == (smi.render(profile, args).stdout, 0)
+    bare = subprocess.run([python, *flags, "-X", "importtime", "-c", "pass"], capture_output=True, text=True)
+    assert _imported(out.stderr) - _imported(bare.stderr) <= {"__future__", "_json", "time"}
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_host_rows_render_like_the_profile(name: str) -> None:
+    """The host half reads the profile as plain rows: every answer is the same as from the dataclasses."""
+    profile = smi.make_profile(3, seed="h", driver="535.104.05", cuda="12.2")
+    assert smi.render(smi.host_profile(profile.to_json()), COMMANDS[name]) == smi.render(profile, COMMANDS[name])
+
+
+def test_host_rows_have_the_dataclass_fields_and_defaults() -> None:
+    full = json.loads(smi.make_profile(2).to_json())
+    defaults = {f.name for f in dataclasses.fields(smi.Profile) if f.default is not dataclasses.MISSING
+                or f.default_factory is not dataclasses.MISSING}
+    gpu_defaults = {f.name for f in dataclasses.fields(smi.Gpu) if f.default is not dataclasses.MISSING}
+    bare = {k: v for k, v in full.items() if k not in defaults}
+    bare["gpus"] = [{k: v for k, v in g.items() if k not in gpu_defaults} for g in full["gpus"]]
+    rows = smi.host_profile(json.dumps(bare))
+    expected = smi.Profile.from_json(json.dumps(bare))
+    assert {k: v for k, v in vars(rows).items() if k != "gpus"} == {
+        k: v for k, v in dataclasses.asdict(expected).items() if k != "gpus"}
+    assert [vars(g) for g in rows.gpus] == [dataclasses.asdict(g) for g in expected.gpus]
+
+
+@pytest.mark.parametrize("text", ["", " {", "{\"gpus\": []} x", "\ufeff{}", "{'gpus': []}"])
+def test_a_broken_profile_fails_with_json_s_own_error(text: str) -> None:
+    with pytest.raises(json.JSONDecodeError) as host:
+        smi.host_profile(text)
+    with pytest.raises(json.JSONDecodeError) as machine:
+        json.loads(text)
+    assert str(host.value) == str(machine.value)
+
+
+def test_hanging_host_ignores_sigterm(tmp_path: Path) -> None:
+    """A wedged driver: the call blocks and only SIGKILL ends it, as `timeout -k` expects."""
+    smi.write_host_files(tmp_path, dataclasses.replace(smi.make_profile(1), hang=True))
+    proc = subprocess.Popen(_host_argv(tmp_path, "--version"), stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10
+        # SigIgn is a hex mask: bit 14 is SIGTERM (15)
+        while not int(_status(proc.pid).get("SigIgn", "0"), 16) & (1 << (signal.SIGTERM - 1)):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.5)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL and proc.stdout is not None and proc.stdout.read() == b""
+    proc.stdout.close()
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
 
 
 def test_no_gpu_box_has_no_nvidia_smi(tmp_path: Path) -> None:

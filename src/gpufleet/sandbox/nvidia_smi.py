@@ -1,10 +1,15 @@
 """Host-side `nvidia-smi` stand-in, generated from real recordings (tests/fixtures/nvidia-smi/).
 
-Two halves in one stdlib-only file, because the second half runs inside the test hosts (python3, no venv):
-- on the machine, `profile_from_recording()` / `make_profile()` turn the real recordings into a per-host Profile
-  (GPU rows replicated and substituted: count, model, memory, driver, CUDA) and `write_host_files()` installs it;
+Two halves in one stdlib-only file, because the host half runs inside the test hosts (python3, no venv):
 - on the host, `/usr/bin/nvidia-smi` runs this file as a script: `render(profile, argv)` answers each supported
-  command in the recorded byte layout; anything else fails with the exit status the real tool uses.
+  command in the recorded byte layout; anything else fails with the exit status the real tool uses;
+- on the machine, `profile_from_recording()` / `make_profile()` turn the real recordings into a per-host Profile
+  (GPU rows replicated and substituted: count, model, memory, driver, CUDA) and `write_host_files()` installs it.
+
+The host half comes first and the script exits before the machine half's imports: the real tool answers a query
+in about 20 ms (H200, persistence mode on) and every converge calls it, so the stand-in must cost no more. It runs
+with `python3 -I -S`, reads the profile with json's C scanner into plain rows and imports nothing but builtins:
+~12 ms a call on a test host, where importing dataclasses, json, pathlib, hashlib and uuid alone took ~27 ms.
 
     >>> p = make_profile(3, seed="gpuhost1")
     >>> render(p, ["--query-gpu=count", "--format=csv,noheader"]).stdout
@@ -13,166 +18,37 @@ Two halves in one stdlib-only file, because the second half runs inside the test
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import signal
 import sys
 import time
-import uuid as uuidlib
-from dataclasses import dataclass, field
-from pathlib import Path
 
 HOST_MODULE = "/usr/lib/gpufleet-standin/nvidia_smi.py"
 HOST_PROFILE = "/etc/gpufleet-standin/nvidia-smi.json"
+# Isolated (no PYTHON* variables, no script directory on sys.path: the real tool ignores them too) and without
+# site (its imports are most of an empty interpreter's startup; the stand-in needs no site-packages).
+HOST_PYTHON_FLAGS = "-I -S"
 # The recording every generated profile is derived from (the richest one: NVLink, two GPUs, field help).
 TEMPLATE = "h200-2gpu"
 
 INVALID_ARGS = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n"
 
 
-@dataclass
-class Gpu:
-    index: int
-    uuid: str
-    name: str
-    bus_id: str
-    memory_total: int  # MiB
-    memory_used: int
-    memory_reserved: int  # what the driver keeps: total - used - free in the recordings
-    compute_cap: str
-    persistence: bool
-    temperature: int
-    utilization: int
-    power_draw: float
-    power_limit: float
-    perf: str = "P0"
-    ecc: str = "0"
-    compute_mode: str = "Default"
-    mig: str = "Disabled"
-
-
-@dataclass
-class Profile:
-    driver: str
-    cuda: str
-    gpus: list[Gpu]
-    cpu_affinity: str
-    numa: str
-    link: str  # what `topo -m` shows between two GPUs, e.g. NV18
-    topo_legend: str  # the legend block after the matrix, verbatim from the recording
-    valid_fields: list[str] = field(default_factory=list)  # from `nvidia-smi --help-query-gpu`
-    hang: bool = False  # a wedged driver: every call blocks forever and ignores SIGTERM, as in the kernel
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Profile":
-        data = json.loads(text)
-        data["gpus"] = [Gpu(**g) for g in data["gpus"]]
-        return cls(**data)
-
-
-@dataclass(frozen=True)
 class Result:
-    stdout: str
-    rc: int = 0
+    """What one call prints and its exit status (a plain class: the host half must not import dataclasses)."""
 
+    __slots__ = ("stdout", "rc")
 
-# ----------------------------------------------------------------------------------------------- from recordings
-def _read(d: Path, name: str) -> tuple[str, int]:
-    """A recording and its exit status (files of commands that can fail end with `rc=N`)."""
-    text = (d / name).read_text()
-    lines = text.splitlines(keepends=True)
-    if lines and lines[-1].startswith("rc="):
-        return "".join(lines[:-1]), int(lines[-1][3:])
-    return text, 0
+    def __init__(self, stdout: str, rc: int = 0) -> None:
+        self.stdout = stdout
+        self.rc = rc
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Result) and (self.stdout, self.rc) == (other.stdout, other.rc)
 
-def profile_from_recording(d: Path) -> Profile:
-    """The Profile of the recorded host: every value comes from its query-gpu.csv, version.txt and topo.txt."""
-    gpus = []
-    for line in (d / "query-gpu.csv").read_text().splitlines():
-        (idx, uuid, name, total, used, free, _drv, bus, cc, pm, temp, util, power, limit) = line.split(", ")
-        gpus.append(
-            Gpu(
-                index=int(idx),
-                uuid=uuid,
-                name=name,
-                bus_id=bus,
-                memory_total=int(total),
-                memory_used=int(used),
-                memory_reserved=int(total) - int(used) - int(free),
-                compute_cap=cc,
-                persistence=pm == "Enabled",
-                temperature=int(temp),
-                utilization=int(util),
-                power_draw=float(power),
-                power_limit=float(limit),
-            )
-        )
-    version = {k.strip(): v.strip() for k, v in (line.split(" : ", 1) for line in (d / "version.txt").read_text().splitlines())}
-    topo, _ = _read(d, "topo.txt")
-    matrix, legend = topo.split("\n\n", 1)
-    row0 = matrix.splitlines()[1].split("\t")
-    n = len(gpus)
-    help_file = d / "help-query-gpu.txt"
-    if not help_file.exists():
-        help_file = d.parent / TEMPLATE / "help-query-gpu.txt"
-    return Profile(
-        driver=version["DRIVER version"],
-        cuda=version["CUDA Version"],
-        gpus=gpus,
-        cpu_affinity=row0[n + 1],
-        numa=row0[n + 2],
-        link=row0[2] if n > 1 else "NV18",
-        topo_legend=legend,
-        valid_fields=_fields_from_help(help_file.read_text()),
-    )
+    def __hash__(self) -> int:
+        return hash((self.stdout, self.rc))
 
-
-def _fields_from_help(text: str) -> list[str]:
-    # Field lines look like: "name" or "gpu_name"
-    return [part.strip().strip('"') for line in text.splitlines() if line.startswith('"') for part in line.split(" or ")]
-
-
-def make_profile(
-    count: int,
-    *,
-    model: str = "NVIDIA H200",
-    memory_mib: int | None = None,
-    driver: str | None = None,
-    cuda: str | None = None,
-    seed: str = "gpufleet",
-    recordings: Path | None = None,
-) -> Profile:
-    """A `count`-GPU box derived from the real recording: rows replicated, identities and the asked values swapped.
-
-    UUIDs are derived from `seed` (the host name) so two hosts never share a GPU and a host keeps its GPUs across
-    reboots; bus ids continue the recorded sequence (00:06.0, 00:07.0, ...).
-    """
-    base = profile_from_recording(recordings or default_recordings() / TEMPLATE)
-    proto = base.gpus
-    start_bus = int(proto[0].bus_id.rsplit(":", 1)[1].split(".")[0], 16)
-    gpus = []
-    for i in range(count):
-        g = dataclasses.replace(
-            proto[i % len(proto)],
-            index=i,
-            name=model,
-            uuid="GPU-" + str(uuidlib.UUID(hashlib.sha256(f"{seed}/{i}".encode()).hexdigest()[:32])),
-            bus_id=f"{proto[0].bus_id.rsplit(':', 1)[0]}:{start_bus + i:02X}.0",
-        )
-        if memory_mib is not None:
-            g.memory_total = memory_mib
-        gpus.append(g)
-    return dataclasses.replace(base, gpus=gpus, driver=driver or base.driver, cuda=cuda or base.cuda)
-
-
-def default_recordings() -> Path:
-    """tests/fixtures/nvidia-smi of the source tree this module lives in."""
-    return Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "nvidia-smi"
+    def __repr__(self) -> str:
+        return f"Result(stdout={self.stdout!r}, rc={self.rc!r})"
 
 
 # ------------------------------------------------------------------------------------------------------ render
@@ -314,6 +190,222 @@ def render(p: Profile, argv: list[str], now: float | None = None) -> Result:
     return Result(INVALID_ARGS, 2)
 
 
+# ------------------------------------------------------------------------------------------------------ host run
+class _JsonContext:
+    """json.loads' own settings, for json's C scanner (`import json` would also import re and enum: ~10 ms)."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
+
+
+def _json_loads(text: str) -> object:
+    """json.loads(text); whatever the C scanner does not take whole (leading space, a BOM, an error) goes to json."""
+    try:
+        from _json import make_scanner
+
+        # typeshed asks for a JSONDecoder-like object; the scanner reads only _JsonContext's attributes
+        value, end = make_scanner(_JsonContext)(text, 0)  # type: ignore[arg-type]
+        if not text[end:].strip(" \t\n\r"):
+            return value
+    except (ImportError, StopIteration, ValueError):
+        pass
+    import json
+
+    return json.loads(text)
+
+
+class _Row:
+    """A Gpu or Profile as the host half reads it: the same attributes, without importing dataclasses."""
+
+    def __init__(self, defaults: dict[str, object], fields: dict[str, object]) -> None:
+        self.__dict__.update(defaults)
+        self.__dict__.update(fields)
+
+
+# The dataclasses' defaults (a unit test keeps them equal), for profiles written without them.
+_GPU_DEFAULTS: dict[str, object] = {"perf": "P0", "ecc": "0", "compute_mode": "Default", "mig": "Disabled"}
+_PROFILE_DEFAULTS: dict[str, object] = {"valid_fields": [], "hang": False}
+
+
+def host_profile(text: str) -> Profile:
+    """The profile file as rows with Profile's and Gpu's attributes, which is all render() reads."""
+    data = _json_loads(text)
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+        raise TypeError(f"{HOST_PROFILE}: not a stand-in profile (rewrite it with Profile.to_json())")
+    data["gpus"] = [_Row(_GPU_DEFAULTS, g) for g in data["gpus"]]
+    return _Row(_PROFILE_DEFAULTS, data)  # type: ignore[return-value]  # duck-typed: render() reads attributes
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[0]) as f:
+        profile = host_profile(f.read())
+    if profile.hang:
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it (timeout -k)
+        while True:
+            time.sleep(3600)
+    result = render(profile, argv[1:])
+    sys.stdout.write(result.stdout)
+    return result.rc
+
+
+if __name__ == "__main__":
+    # The host answers here, before the machine half below imports dataclasses, json, hashlib, uuid and pathlib.
+    sys.exit(main(sys.argv[1:]))
+
+
+# ------------------------------------------------------------------------------------------------- machine half
+import dataclasses  # noqa: E402  (below the host's exit on purpose: see the module docstring)
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import uuid as uuidlib  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+@dataclass
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    bus_id: str
+    memory_total: int  # MiB
+    memory_used: int
+    memory_reserved: int  # what the driver keeps: total - used - free in the recordings
+    compute_cap: str
+    persistence: bool
+    temperature: int
+    utilization: int
+    power_draw: float
+    power_limit: float
+    perf: str = "P0"
+    ecc: str = "0"
+    compute_mode: str = "Default"
+    mig: str = "Disabled"
+
+
+@dataclass
+class Profile:
+    driver: str
+    cuda: str
+    gpus: list[Gpu]
+    cpu_affinity: str
+    numa: str
+    link: str  # what `topo -m` shows between two GPUs, e.g. NV18
+    topo_legend: str  # the legend block after the matrix, verbatim from the recording
+    valid_fields: list[str] = field(default_factory=list)  # from `nvidia-smi --help-query-gpu`
+    hang: bool = False  # a wedged driver: every call blocks forever and ignores SIGTERM, as in the kernel
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        data = json.loads(text)
+        data["gpus"] = [Gpu(**g) for g in data["gpus"]]
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------------------------- from recordings
+def _read(d: Path, name: str) -> tuple[str, int]:
+    """A recording and its exit status (files of commands that can fail end with `rc=N`)."""
+    text = (d / name).read_text()
+    lines = text.splitlines(keepends=True)
+    if lines and lines[-1].startswith("rc="):
+        return "".join(lines[:-1]), int(lines[-1][3:])
+    return text, 0
+
+
+def profile_from_recording(d: Path) -> Profile:
+    """The Profile of the recorded host: every value comes from its query-gpu.csv, version.txt and topo.txt."""
+    gpus = []
+    for line in (d / "query-gpu.csv").read_text().splitlines():
+        (idx, uuid, name, total, used, free, _drv, bus, cc, pm, temp, util, power, limit) = line.split(", ")
+        gpus.append(
+            Gpu(
+                index=int(idx),
+                uuid=uuid,
+                name=name,
+                bus_id=bus,
+                memory_total=int(total),
+                memory_used=int(used),
+                memory_reserved=int(total) - int(used) - int(free),
+                compute_cap=cc,
+                persistence=pm == "Enabled",
+                temperature=int(temp),
+                utilization=int(util),
+                power_draw=float(power),
+                power_limit=float(limit),
+            )
+        )
+    version = {k.strip(): v.strip() for k, v in (line.split(" : ", 1) for line in (d / "version.txt").read_text().splitlines())}
+    topo, _ = _read(d, "topo.txt")
+    matrix, legend = topo.split("\n\n", 1)
+    row0 = matrix.splitlines()[1].split("\t")
+    n = len(gpus)
+    help_file = d / "help-query-gpu.txt"
+    if not help_file.exists():
+        help_file = d.parent / TEMPLATE / "help-query-gpu.txt"
+    return Profile(
+        driver=version["DRIVER version"],
+        cuda=version["CUDA Version"],
+        gpus=gpus,
+        cpu_affinity=row0[n + 1],
+        numa=row0[n + 2],
+        link=row0[2] if n > 1 else "NV18",
+        topo_legend=legend,
+        valid_fields=_fields_from_help(help_file.read_text()),
+    )
+
+
+def _fields_from_help(text: str) -> list[str]:
+    # Field lines look like: "name" or "gpu_name"
+    return [part.strip().strip('"') for line in text.splitlines() if line.startswith('"') for part in line.split(" or ")]
+
+
+def make_profile(
+    count: int,
+    *,
+    model: str = "NVIDIA H200",
+    memory_mib: int | None = None,
+    driver: str | None = None,
+    cuda: str | None = None,
+    seed: str = "gpufleet",
+    recordings: Path | None = None,
+) -> Profile:
+    """A `count`-GPU box derived from the real recording: rows replicated, identities and the asked values swapped.
+
+    UUIDs are derived from `seed` (the host name) so two hosts never share a GPU and a host keeps its GPUs across
+    reboots; bus ids continue the recorded sequence (00:06.0, 00:07.0, ...).
+    """
+    base = profile_from_recording(recordings or default_recordings() / TEMPLATE)
+    proto = base.gpus
+    start_bus = int(proto[0].bus_id.rsplit(":", 1)[1].split(".")[0], 16)
+    gpus = []
+    for i in range(count):
+        g = dataclasses.replace(
+            proto[i % len(proto)],
+            index=i,
+            name=model,
+            uuid="GPU-" + str(uuidlib.UUID(hashlib.sha256(f"{seed}/{i}".encode()).hexdigest()[:32])),
+            bus_id=f"{proto[0].bus_id.rsplit(':', 1)[0]}:{start_bus + i:02X}.0",
+        )
+        if memory_mib is not None:
+            g.memory_total = memory_mib
+        gpus.append(g)
+    return dataclasses.replace(base, gpus=gpus, driver=driver or base.driver, cuda=cuda or base.cuda)
+
+
+def default_recordings() -> Path:
+    """tests/fixtures/nvidia-smi of the source tree this module lives in."""
+    return Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "nvidia-smi"
+
+
 # ------------------------------------------------------------------------------------------------ install / run
 def write_host_files(root: Path, profile: Profile | None) -> None:
     """Install the stand-in into a host root; no profile = a box without the driver (no nvidia-smi at all)."""
@@ -327,20 +419,5 @@ def write_host_files(root: Path, profile: Profile | None) -> None:
     prof.write_text(profile.to_json())
     exe = root / "usr/bin/nvidia-smi"
     exe.parent.mkdir(parents=True, exist_ok=True)
-    exe.write_text(f'#!/bin/sh\nexec /usr/bin/python3 {HOST_MODULE} {HOST_PROFILE} "$@"\n')
+    exe.write_text(f'#!/bin/sh\nexec /usr/bin/python3 {HOST_PYTHON_FLAGS} {HOST_MODULE} {HOST_PROFILE} "$@"\n')
     exe.chmod(0o755)
-
-
-def main(argv: list[str]) -> int:
-    profile = Profile.from_json(Path(argv[0]).read_text())
-    if profile.hang:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it (timeout -k)
-        while True:
-            time.sleep(3600)
-    result = render(profile, argv[1:])
-    sys.stdout.write(result.stdout)
-    return result.rc
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
