@@ -244,6 +244,11 @@ def measure(fleet: Fleet, runner: Runner, n: int, debs: list[Path], repeat: int,
         print(f"  {n} host(s): ansible cold {cold.wall:.2f}s ({cold.changes} changed)", flush=True)
         if i < cold_repeat - 1:
             fleet.remove_hosts()
+    if not cold_repeat:  # --cold-repeat 0: no-op figures only, on hosts the peer converges first (untimed)
+        hosts = boot(fleet, n, debs)
+        runner.use(hosts)
+        runner.floor()
+        runner.ansible()
     # Both tools' end states on the same hosts: gpufleet converges the peer's hosts once (untimed), then each tool
     # re-runs once to show it is at rest before the timed, interleaved runs.
     runner.gpufleet()
@@ -286,7 +291,7 @@ def report(rows: list[dict], args: argparse.Namespace, load: tuple[str, str], st
     for r in rows:
         f, g, a = (med(x.wall for x in r[k]) for k in ("floor", "gf_noop", "ans_noop"))
         lines.append(f"| {r['n']} | {f:.2f} | {g:.2f} | {g / f:.2f}x | {a:.2f} | {a / f:.2f}x "
-                     f"| {med(r['gf_cold']):.2f} | {med(r['ans_cold']):.2f} |")
+                     f"| {cold(r['gf_cold'])} | {cold(r['ans_cold'])} |")
     lines += [
         "", "Where the no-op time goes: controller CPU (user+sys seconds of the tool's process tree, median of the "
         "same runs) and commands run as root on each host per run (sudo lines in the host's journal, one extra "
@@ -304,9 +309,13 @@ def report(rows: list[dict], args: argparse.Namespace, load: tuple[str, str], st
     for r in rows:
         lines.append(f"- {r['n']} host(s): floor {fmt(r['floor'])}; gpufleet no-op {fmt(r['gf_noop'])}; "
                      f"ansible no-op {fmt(r['ans_noop'])}; gpufleet cold {fmt(r['gf_cold'])} "
-                     f"({r['gf_cold_changes']} changes); ansible cold {fmt(r['ans_cold'])} "
-                     f"(changed={r['ans_cold_changes']})")
+                     f"({r.get('gf_cold_changes', '-')} changes); ansible cold {fmt(r['ans_cold'])} "
+                     f"(changed={r.get('ans_cold_changes', '-')})")
     return "\n".join(lines) + "\n"
+
+
+def cold(walls: list[float]) -> str:
+    return f"{statistics.median(walls):.2f}" if walls else "not run"
 
 
 def fmt(xs: list) -> str:
@@ -333,7 +342,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeat", type=int, default=7, help="interleaved floor / no-op runs per size (median)")
-    parser.add_argument("--cold-repeat", type=int, default=1, help="cold runs per tool per size, fresh hosts each")
+    parser.add_argument("--cold-repeat", type=int, default=1, help="cold runs per tool per size, fresh hosts each (0: no-op figures only)")
     parser.add_argument("--note", default="", help="a line for the result file's header (e.g. what else ran)")
     parser.add_argument("--rev", help="time this git revision (e.g. HEAD) instead of the working tree")
     args = parser.parse_args()
