@@ -50,6 +50,10 @@ BUSY_EXIT = 75  # flock's exit status when the lock is held (EX_TEMPFAIL), disti
 LOCKED = "LOCKED"
 # Beyond the wait for the lock itself: time for sudo and the shell to start on a slow host.
 START_MARGIN_S = 30.0
+# How long a run waits for the lock of a run of this controller that has exited: a run lets its locks go as it
+# disconnects, without waiting for each host's shell to see the EOF, so its successor may find them still held for
+# a moment (a round trip and a process exit on the host).
+LETTING_GO_S = 5.0
 WAIT_SETTING = "gpufleet_lock_wait_s"  # seconds a run waits for the holder (pyinfra --data); 0: refuse at once
 LEASE_SETTING = "gpufleet_lock_lease_s"  # seconds without a heartbeat after which the host drops the lock
 
@@ -97,6 +101,18 @@ class Holder:
     def describe(self) -> str:
         return f"{self.operator()} since {self.since}"
 
+    def exited_here(self) -> bool:
+        """Is this an earlier run of this user on this controller whose process has ended?"""
+        if (self.user, self.controller) != (getpass.getuser(), socket.gethostname()) or self.pid == os.getpid():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False  # alive, another user's
+        return False
+
     def line(self) -> str:
         return one_line(f"user={self.user} controller={self.controller} pid={self.pid} since={self.since}")
 
@@ -140,8 +156,16 @@ class HostLock:
         return self._channel is not None and not self._channel.exit_status_ready() and not self._channel.closed
 
     def acquire(self, wait_s: float = 0) -> HostLock:
-        """Take the lock, waiting up to wait_s seconds for a holder to finish. Raises HostLockBusy naming the holder,
-        or HostLockError with the host's own words."""
+        """Take the lock, waiting up to wait_s seconds for a holder to finish (at least LETTING_GO_S for an exited
+        run of this controller). Raises HostLockBusy naming the holder, or HostLockError with the host's own words."""
+        try:
+            return self._acquire(wait_s)
+        except HostLockBusy as busy:
+            if wait_s >= LETTING_GO_S or busy.holder is None or not busy.holder.exited_here():
+                raise
+        return self._acquire(LETTING_GO_S)
+
+    def _acquire(self, wait_s: float) -> HostLock:
         if self._channel is not None:
             raise HostLockError(f"{self.host}: the lock is already held by this run")
         transport = self.client.get_transport()
@@ -183,16 +207,17 @@ class HostLock:
             raise LockLost(f"{self.host}: lost the lock {self.path} (its SSH channel closed or its lease of "
                            f"{self.lease_s:g} s ran out): another run may be changing the host, re-run to check")
 
-    def release(self) -> None:
-        """Let the lock go: EOF on the channel ends the remote loop and the kernel drops the flock."""
+    def release(self, wait: bool = True) -> None:
+        """Let the lock go: EOF on the channel ends the remote loop and the kernel drops the flock. wait: until the
+        host's side has ended, so the next lock taken in this process finds it free; a run that is disconnecting
+        need not wait (a later run of this controller waits for an exited one's lock: LETTING_GO_S)."""
         channel, self._channel = self._channel, None
         self._stop.set()
         if channel is None:
             return
         try:
             channel.shutdown_write()
-            # Wait (briefly) for the remote loop to end, so the next run on this connection finds the lock free.
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + (5 if wait else 0)
             while not channel.exit_status_ready() and time.monotonic() < deadline:
                 time.sleep(0.02)
         except (OSError, EOFError, paramiko.SSHException):
@@ -247,10 +272,10 @@ def check_run_lock(host: Host) -> None:
         lock.check()
 
 
-def release_run_locks(state: State, names: Iterable[str] | None = None) -> None:
-    """Let the run's host locks go: all of them, or those of the hosts named."""
+def release_run_locks(state: State, names: Iterable[str] | None = None, wait: bool = True) -> None:
+    """Let the run's host locks go: all of them, or those of the hosts named (HostLock.release's wait)."""
     locks = _RUN_LOCKS.get(state, {})
     for name in list(locks) if names is None else names:
         lock = locks.pop(name, None)
         if lock is not None:
-            lock.release()
+            lock.release(wait=wait)

@@ -70,6 +70,43 @@ def test_a_waiting_run_gets_the_lock_when_the_holder_releases(sshd, lock_file):
         second.release()
 
 
+def exited_pid() -> int:
+    """The PID of a process of ours that has ended (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_the_lock_of_an_exited_run_of_this_controller_is_waited_for(sshd, lock_file):
+    # A run lets its locks go as it disconnects, without waiting for the host's side: the next run of the same
+    # controller may find the lock still held by it for a moment, and waits rather than refusing.
+    predecessor = Holder.this_process()
+    predecessor = Holder(predecessor.user, predecessor.controller, exited_pid(), predecessor.since)
+    assert predecessor.exited_here()
+    first = lock(sshd, lock_file, predecessor).acquire()
+    threading.Timer(1.0, first.release, kwargs={"wait": False}).start()
+    started = time.monotonic()
+    second = lock(sshd, lock_file).acquire(wait_s=0)
+    try:
+        assert 0.9 < time.monotonic() - started < 5
+        assert second.held
+    finally:
+        second.release()
+
+
+def test_only_an_exited_run_of_this_controller_is_waited_for(sshd, lock_file):
+    me = Holder.this_process()
+    alive_here = Holder(me.user, me.controller, os.getppid(), me.since)
+    elsewhere = Holder(me.user, "another-laptop", exited_pid(), me.since)
+    for holder in (ALICE, alive_here, elsewhere, me):
+        assert not holder.exited_here()
+    with lock(sshd, lock_file, elsewhere).acquire():
+        started = time.monotonic()
+        with pytest.raises(HostLockBusy, match="locked by .*another-laptop"):
+            lock(sshd, lock_file).acquire()
+        assert time.monotonic() - started < 3  # refused at once, not after LETTING_GO_S
+
+
 def test_heartbeats_keep_the_lock_past_its_lease(sshd, lock_file):
     with lock(sshd, lock_file, ALICE, lease_s=1.0).acquire() as held:
         time.sleep(2.5)

@@ -144,7 +144,8 @@ _RUNS: WeakKeyDictionary[State, dict[Callable[..., Any], AsyncResult[dict[str, A
 class _ReleaseOnDisconnect(BaseStateCallback):
     @staticmethod
     def host_disconnect(state: State, host: Host) -> None:
-        hostlock.release_run_locks(state, [host.name])
+        # The run is ending: no lock of this process follows, so no need to wait for the host to let go.
+        hostlock.release_run_locks(state, [host.name], wait=False)
 
 
 def preflight(plan_for: PlanFor[P], check_host: CheckHost[P], applies: Applies | None = None) -> P:
