@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import socketserver
 import subprocess
 import threading
 import time
@@ -14,10 +16,13 @@ import pytest
 from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts import host as host_fact
-from gpufleet.facts.host import MARK, PACKAGES, GpufleetHost, Paths, ServiceUnit, parse_snapshot, snapshot_command
+from gpufleet.facts.host import (MARK, PACKAGES, GpufleetHost, HostSnapshot, Paths, ServiceUnit, parse_snapshot,
+                                 snapshot_command)
+from gpufleet.operations.image import image_present
 from tests.ports import free_port
 
 NV = Path(__file__).parent.parent / "fixtures" / "nvidia-smi"
+DOCKER_API = Path(__file__).parent.parent / "fixtures" / "docker-api"
 PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model_dir="/srv/vllm/models/qwen3.5-awq",
               dirs=("/var/cache/vllm/qwen35/vllm", "/srv/vllm/models"), files=("/etc/a", "/etc/b"),
               state_file="/var/lib/gpufleet/vllm-qwen35.json", env_file="/etc/gpufleet/vllm-qwen35.env", port=5000,
@@ -46,7 +51,8 @@ def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
         packages=["docker.io ii 20.10.24", "nvidia-container-toolkit ii 1.17.8-1", "docker-ce un <none>"],
         files=["a" * 64 + "  /etc/a"],
         state=["@@present", json.dumps({"current": {"image": "img:tag", "ref": "img@sha256:" + "0" * 64}})],
-        images=["img|tag|sha256:" + "0" * 64, "other|<none>|<none>"],
+        docker_images=[json.dumps([{"RepoTags": ["img:tag"], "RepoDigests": ["img@sha256:" + "0" * 64]},
+                                   {"RepoTags": ["other:latest"], "RepoDigests": []}])],
         model=["config.json 120", "tokenizer.json 4000", "model-00001-of-00002.safetensors 10",
                "model-00002-of-00002.safetensors 10", "model.safetensors.index.json 300",
                "shard model-00001-of-00002.safetensors", "shard model-00002-of-00002.safetensors"],
@@ -97,7 +103,16 @@ def test_every_program_that_can_hang_runs_under_timeout():
     # curl bounds itself: every request of its one call (each --next starts one) has its own --max-time.
     requests = [r for line in command.splitlines() if "curl -" in line
                 for r in line.split("curl -", 1)[1].split("--next")]
-    assert len(requests) == 4 and all("--max-time" in r for r in requests), requests  # key, health, models, metrics
+    # key, docker's images and containers, health, models, metrics
+    assert len(requests) == 6 and all("--max-time" in r for r in requests), requests
+    assert sum("--unix-socket /var/run/docker.sock" in r for r in requests) == 2
+
+
+def test_the_docker_cli_runs_only_on_a_host_without_curl():
+    # It costs more CPU than all the rest of the snapshot but nvidia-smi: docker's API answers through curl.
+    for line in snapshot_command(PATHS).splitlines():
+        if "docker images" in line or "docker ps" in line:
+            assert "! command -v curl >/dev/null && command -v docker >/dev/null && $t docker" in line, line
 
 
 def test_daemon_json_without_final_newline_keeps_the_next_section():
@@ -116,7 +131,7 @@ def test_units_not_installed():
 
 def test_bare_host_without_nvidia_smi():
     snap = parse_snapshot(healthy(nvidia_smi=["0"], gpus=[], driver=[], daemon_json=[], state=[],
-                                  images=[], model=[], health=[]))
+                                  docker_images=[], model=[], health=[]))
     assert snap.gpus == [] and snap.driver is None and snap.nvidia_error is None
     assert snap.daemon_json is None and snap.ledger_text is None and snap.model_files == {}
     assert snap.health_code is None and snap.other_ledgers == {}
@@ -281,3 +296,213 @@ def test_one_curl_reads_the_keys_and_the_server_and_only_v1_models_gets_the_api_
     assert {path for path, auth in _Repo.seen if auth} == {"/v1/models"}
     assert ("/v1/models", "Bearer sekrit-123") in _Repo.seen
     assert "sekrit" not in line
+
+
+
+# --- docker: the Engine API on its socket, through the one curl ---------------------------------------------------
+LABEL = "gpufleet.vllm-qwen35"
+
+
+def recorded(name: str) -> list[str]:
+    return (DOCKER_API / name).read_text().splitlines()
+
+
+def from_api(images: str = "[]\n", containers: str = "[]\n", label: str = LABEL) -> list[str]:
+    return healthy(docker_images=images.splitlines(), **{f"docker_containers {label}": containers.splitlines()})
+
+
+def from_cli(images: list[str], containers: list[str]) -> list[str]:
+    """What the docker CLI printed for the same engine at the same moment (the snapshot's fallback without curl)."""
+    return healthy(docker_images=[], images=images, running=containers)
+
+
+@pytest.mark.parametrize("recording", sorted(p.name.removesuffix(".json") for p in DOCKER_API.glob("*images*.json")))
+def test_images_from_the_api_are_the_rows_docker_images_prints(recording):
+    api = parse_snapshot(healthy(docker_images=recorded(f"{recording}.json"))).images
+    cli = parse_snapshot(from_cli(recorded(f"{recording}.cli.txt"), [])).images
+    assert sorted(api) == sorted(cli) and len(api) == len(set(api))
+
+
+@pytest.mark.parametrize("recording", sorted(p.name.removesuffix(".json")
+                                             for p in DOCKER_API.glob("*containers*.json")))
+def test_containers_from_the_api_are_what_docker_ps_prints(recording):
+    api = parse_snapshot(healthy(**{f"docker_containers {LABEL}": recorded(f"{recording}.json")})).running
+    cli = parse_snapshot(from_cli([], recorded(f"{recording}.cli.txt"))).running
+    assert api.containers == cli.containers
+
+
+def test_the_recorded_converged_host_runs_what_its_unit_pins():
+    snap = parse_snapshot(from_api((DOCKER_API / "api1.41-images.json").read_text(),
+                                   (DOCKER_API / "api1.41-containers-labelled.json").read_text()))
+    ref = "10.213.0.1:5000/vllm/vllm-openai@sha256:5afcd0f2c8578993dfda065fd4e60be972ded12cf57d780949f677b04473dadc"
+    assert snap.running.containers == (("21b31c1165baae9c", ref),)
+    assert snap.running.running_image == ref and snap.running.running_spec_hash == "21b31c1165baae9c"
+    assert snap.has_image_digest(ref) and image_present(snap.images, ref)
+
+
+def test_the_recorded_hand_started_container_is_drift_and_the_stopped_one_is_not_listed():
+    pinned = "10.213.19.1:5000/vllm/vllm-openai@sha256:d28ceff4b10e0a2b93abf6f09c848f61da1d7cb89419d7aa59aeeb42f52d08c6"
+    running = ["ActiveState=active", "NeedDaemonReload=no", f"Header=# Spec d55964a1c154b307; image pinned to {pinned}."]
+    lines = healthy(running=running, **{f"docker_containers {LABEL}": recorded("api1.41-containers-two.json")})
+    snap = parse_snapshot(lines).running
+    assert snap.containers == (("handmade", "10.213.19.1:5000/vllm/vllm-openai:nightly"), ("d55964a1c154b307", pinned))
+    assert snap.drift() == ["the container runs spec handmade, the unit spec d55964a1c154b307",
+                            f"the container runs 10.213.19.1:5000/vllm/vllm-openai:nightly, the unit pins {pinned}",
+                            "2 containers carry the service's label"]
+    images = parse_snapshot(healthy(docker_images=recorded("api1.41-images-mixed.json"))).images
+    assert image_present(images, pinned) and image_present(
+        images, "10.213.19.1:5000/vllm/vllm-openai@sha256:03ff8b703ec099371e1bce2bfc2f247de24bd99aa62c6cf2fc99c8ffa4805237")
+    assert not any(repo in ("gpufleet/local", "ubuntu", "<none>") for repo, _, _ in images)
+
+
+def test_a_docker_daemon_that_is_down_lists_nothing():
+    # curl still prints each marker after a request that could not connect: the sections are there, empty.
+    snap = parse_snapshot(from_api(images="", containers=""))
+    assert snap.images == [] and snap.running.containers == () and snap.running.running_image is None
+    # an error answer (curl -f prints none) or an answer cut off by --max-time: no listing either
+    assert parse_snapshot(from_api(images='[{"RepoTags": ["a:b"], "RepoDi')).images == []
+
+
+def test_an_image_is_listed_once_per_tag_of_its_digest_and_digest_only_pulls_as_none():
+    d1, d2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    images = json.dumps([
+        {"RepoTags": ["reg:5000/v/vllm:nightly", "reg:5000/v/vllm:latest", "mirror/vllm:x"],
+         "RepoDigests": ["reg:5000/v/vllm@" + d1]},
+        {"RepoTags": None, "RepoDigests": ["vllm/vllm-openai@" + d2]},  # pulled by digest only
+        {"RepoTags": ["built:here"], "RepoDigests": []},  # no registry digest: never a pin
+        {"RepoTags": ["<none>:<none>"], "RepoDigests": ["<none>@<none>"]},  # dangling, as old engines list it
+    ])
+    assert sorted(parse_snapshot(from_api(images)).images) == [
+        ("reg:5000/v/vllm", "latest", d1), ("reg:5000/v/vllm", "nightly", d1), ("vllm/vllm-openai", "<none>", d2)]
+
+
+def test_a_container_from_another_image_or_a_second_container_is_drift():
+    def container(image: str, spec: str = "abc") -> dict[str, object]:
+        return {"Image": image, "Labels": {LABEL: spec, "other": "x"}, "State": "running"}
+
+    pinned, other = "reg/v@sha256:" + "1" * 64, "reg/v:nightly"
+    running = ["ActiveState=active", "NeedDaemonReload=no", f"Header=# Spec abc; image pinned to {pinned}."]
+    lines = healthy(running=running, **{f"docker_containers {LABEL}": [json.dumps([container(other)])]})
+    assert parse_snapshot(lines).running.drift() == [f"the container runs {other}, the unit pins {pinned}"]
+    lines = healthy(running=running, **{f"docker_containers {LABEL}": [json.dumps([container(pinned)] * 2)]})
+    two = parse_snapshot(lines).running
+    assert two.containers == (("abc", pinned), ("abc", pinned)) and two.running_image is None
+    assert two.drift() == ["2 containers carry the service's label"]
+    # The label filter lets only labelled containers through; one without the label would read "", as in docker ps.
+    unlabelled = {"Image": pinned, "Labels": {}}
+    assert parse_snapshot(from_api(containers=json.dumps([unlabelled]))).running.containers == (("", pinned),)
+
+
+class _UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+
+
+class _Docker(BaseHTTPRequestHandler):
+    """dockerd's answers to the snapshot's two listings, on a unix socket, from the recordings."""
+
+    seen: list[str] = []
+    hang = False
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.seen.append(self.path)
+        if self.hang:
+            time.sleep(5)
+        name = "api1.41-images.json" if self.path == "/images/json" else "api1.41-containers-labelled.json"
+        body = (DOCKER_API / name).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def address_string(self) -> str:
+        return "unix"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _curl_line(monkeypatch, socket: Path) -> str:
+    monkeypatch.setattr(host_fact, "DOCKER_SOCKET", str(socket))
+    paths = dataclasses.replace(PATHS, nvidia_key_url="http://127.0.0.1:9/gpgkey", port=9)  # nothing listens
+    return next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line)
+
+
+def _run(line: str) -> HostSnapshot:
+    out = subprocess.run(["sh", "-c", f"{line}\nprintf '\\n{MARK}end\\n'"], capture_output=True, text=True, timeout=60)
+    return parse_snapshot(out.stdout.splitlines())
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["answers", "hangs"])
+def test_one_curl_reads_dockers_listings_from_its_socket(tmp_path, monkeypatch, hang):
+    """The snapshot's HTTP line, run by a real shell and curl against a docker stand-in on a unix socket."""
+    socket = tmp_path / "docker.sock"
+    _Docker.seen, _Docker.hang = [], hang
+    server = _UnixHTTPServer(str(socket), _Docker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    if hang:
+        monkeypatch.setattr(host_fact, "COMMAND_TIMEOUT_S", 1)
+    try:
+        start = time.monotonic()
+        snap = _run(_curl_line(monkeypatch, socket))
+        elapsed = time.monotonic() - start
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert _Docker.seen == ["/images/json", "/containers/json?filters=%7B%22label%22%3A%5B%22gpufleet.vllm-qwen35%22%5D%7D"]
+    if hang:  # each request bounded by its own --max-time: nothing listed, not a hung snapshot
+        assert snap.images == [] and snap.running.containers == () and elapsed < 5
+    else:
+        assert snap.images == parse_snapshot(from_cli(recorded("api1.41-images.cli.txt"), [])).images
+        assert snap.running.containers == (("21b31c1165baae9c", snap.images[0][0] + "@" + snap.images[0][2]),)
+
+
+def test_no_docker_socket_is_no_images_and_no_containers(tmp_path, monkeypatch):
+    snap = _run(_curl_line(monkeypatch, tmp_path / "absent.sock"))
+    assert snap.images == [] and snap.running.containers == ()
+
+
+def test_the_model_directory_is_read_with_one_find_and_one_awk(tmp_path):
+    model = tmp_path / "m"
+    (model / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (model / "sub").mkdir()
+    index = {"weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+                            "c": "model-00001-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    (model / "config.json").write_text("{}")
+    (model / "name with space.bin").write_text("xx")
+    (model / "sub" / "deeper.bin").write_text("x")
+    (model / "top.incomplete").write_text("")  # not hf's: an ordinary file
+    for i in range(5):
+        (model / ".cache" / "huggingface" / "download" / f"f{i}.incomplete").write_text("")
+    paths = dataclasses.replace(PATHS, model_dir=str(model))
+    line = next(line for line in snapshot_command(paths).splitlines() if f"{MARK}model" in line)
+    assert line.count("find ") == 1 and "grep" not in line and "sort" not in line and "head" not in line
+    snap = _run(line)
+    assert snap.model_files == {"model.safetensors.index.json": len(json.dumps(index)), "config.json": 2,
+                                "name with space.bin": 2, "top.incomplete": 0}
+    assert snap.model_shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert len(snap.model_incomplete) == 3
+    assert all(p.startswith("./.cache/huggingface/download/f") for p in snap.model_incomplete)
+
+
+@pytest.mark.parametrize("daemon_json, measured", [
+    ('{"data-root": "%s"}', "data-root"),  # no final newline, as json.dump writes it
+    ('{\n  "runtimes": {},\n  "data-root"  :  "%s"\n}\n', "data-root"),
+    ('{"runtimes": {}}', "default"),
+])
+def test_docker_space_is_measured_at_data_root(tmp_path, monkeypatch, daemon_json, measured):
+    root = tmp_path / "docker root"
+    root.mkdir()
+    config = tmp_path / "daemon.json"
+    config.write_text(daemon_json % root if "%s" in daemon_json else daemon_json)
+    monkeypatch.setattr(host_fact, "DAEMON_JSON", str(config))
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    out = subprocess.run(["sh", "-c", snapshot_command(PATHS)], env=env, capture_output=True, text=True, timeout=60)
+    snap = parse_snapshot(out.stdout.splitlines())
+    assert snap.daemon_json == json.loads(config.read_text())
+    expected = str(root) if measured == "data-root" else "/var/lib/docker"
+    while not os.path.exists(expected):
+        expected = os.path.dirname(expected)
+    assert snap.free_path["docker"] == expected and snap.free_kib["docker"] > 0 and snap.free_kib["models"] > 0
+    assert snap.os["ID"]

@@ -8,9 +8,15 @@ states, the unit file vllm_service names (its first line tells gpufleet's units 
 (systemd's view of the unit, the spec hash and digest its file pins, the running container's label and image) and a
 readiness probe. Sections are separated by marker lines; process() only parses.
 
+Its cost is paid on every host at every converge, and the hosts' CPU is what a fleet converge waits for: so it
+starts few programs. Docker's images and containers come from the Engine API through the one curl that reads
+everything else over HTTP (the docker CLI costs more CPU than the rest of the snapshot but nvidia-smi), and small
+pipelines are one program each.
+
 The command is read-only: nothing on the host changes (preflight relies on that). Every program in it that can
-hang on a broken host (nvidia-smi on a wedged driver, docker or systemctl waiting on their daemons, curl) runs
-under `timeout`, so one bad host gives one preflight line instead of holding up the fleet.
+hang on a broken host (nvidia-smi on a wedged driver, systemctl waiting on its daemon, df on a dead mount) runs
+under `timeout`, and each of curl's requests (docker's API, the repos, the server) has its own --max-time, so one
+bad host gives one preflight line instead of holding up the fleet.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import posixpath
 import re
 import shlex
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,11 +40,17 @@ from gpufleet.unit import unit_name, unit_path
 
 MARK = "@@gpufleet:"
 DAEMON_JSON = "/etc/docker/daemon.json"
+# Where dockerd listens unless daemon.json's "hosts" says otherwise (the docker CLI, without DOCKER_HOST, uses it too).
+DOCKER_SOCKET = "/var/run/docker.sock"
+# The sections of the Engine API's answers (the docker CLI's, on a host without curl, are "images" and "running").
+DOCKER_IMAGES, DOCKER_CONTAINERS = "docker_images", "docker_containers"
 # Seconds any one program in the snapshot may take (nvidia-smi starts slowly on drivers without persistence mode;
 # a healthy host answers everything in well under a second). `timeout` exits 124 when it cut the program off, and
 # 128+9 when the program ignored SIGTERM and had to be killed (-k): both mean "did not answer in time".
 COMMAND_TIMEOUT_S = 20
 TIMED_OUT = (124, 137)
+# hf's partial downloads the snapshot keeps: one is enough to name the problem.
+MAX_INCOMPLETE = 3
 # What the snapshot asks systemd of docker.service and of the service's unit (one `systemctl show` for both).
 SYSTEMD_PROPERTIES = ("Id", "LoadState", "ActiveState", "SubState", "UnitFileState", "FragmentPath",
                       "NeedDaemonReload", "NRestarts")
@@ -185,6 +198,12 @@ def snapshot_command(paths: Paths) -> str:
         return (f"{section(name)}; if [ $nv = 1 ]; then $t {query} 2>&1; r=$?; echo \"@@rc $r\"; "
                 f"case $r in {'|'.join(map(str, TIMED_OUT))}) nv=0;; esac; fi")
 
+    def cat(path: str, then: str = "") -> str:
+        # A small file printed with shell builtins (one program less than cat); `|| [ -n ... ]` keeps a last line
+        # without a newline. then: more shell run on each line ($l).
+        return (f"while IFS= read -r l || [ -n \"$l\" ]; do printf '%s\\n' \"$l\"; {then}done 2>/dev/null "
+                f"< {q(path)}")
+
     port = int(paths.port)  # an int, never text, in the curl URLs below
     dirs = " ".join(q(d) for d in paths.dirs)
     files = " ".join(q(f) for f in paths.files)
@@ -193,18 +212,29 @@ def snapshot_command(paths: Paths) -> str:
     label = container_label_key(paths.service)
     # docker ps's Image is the reference the container was started from while that still names the container's
     # image (always, for the digest references gpufleet's units run), else the image ID: either way it differs
-    # from the unit's pin exactly when the container runs something else.
+    # from the unit's pin exactly when the container runs something else. The Engine API's "Image" is the same.
     container_format = f'Container={{{{.Label "{label}"}}}}|{{{{.Image}}}}'
+    labelled = urllib.parse.quote(json.dumps({"label": [label]}, separators=(",", ":")), safe="")
 
     def next_mark(name: str) -> str:  # curl -w: after a transfer, the marker of the section that follows
         return q(f"\\n{MARK}{name}\\n")
 
+    # Docker's Engine API on its socket, in the one curl below: the listings `docker images` and `docker ps` make
+    # (unversioned paths: every engine serves them), at a fraction of the CLI's CPU. -f: an error answer is no
+    # listing; a daemon that is down or hangs gives an empty section, as the CLI's empty output did. --noproxy: a
+    # proxy set in root's environment must not take a request meant for the socket. The label's key travels in
+    # the marker: process() needs it to read the containers' label values.
+    docker_api = f"--next -fs --max-time {COMMAND_TIMEOUT_S} --noproxy '*' --unix-socket {DOCKER_SOCKET} http://localhost"
+    docker_gets = (f"{docker_api}/images/json -w {next_mark(DOCKER_CONTAINERS + ' ' + label)} "
+                   f"{docker_api}{q('/containers/json?filters=' + labelled)} -w {next_mark('health')} ")
     if paths.docker_repo_url:  # docker-ce: its key lives at <url>/<os id>/gpg
         docker_key, first_after_nvidia = "ID=; . /etc/os-release; ", "docker_key"
         docker_get = (f"--next -fsSL --max-time 15 {q(paths.docker_repo_url)}/\"$ID\"/gpg "
-                      f"-w {next_mark('health')} ")
+                      f"-w {next_mark(DOCKER_IMAGES)} ")
     else:
-        docker_key, first_after_nvidia, docker_get = "", "health", ""
+        docker_key, first_after_nvidia, docker_get = "", DOCKER_IMAGES, ""
+    # The docker CLI is the fallback for a host without curl (the deploy installs curl): the same listings.
+    no_curl = "! command -v curl >/dev/null && command -v docker >/dev/null &&"
     lines = [
         "export LC_ALL=C",
         # A newline, for cutting systemctl's output with the shell's own ${...%%...} (printf is a builtin).
@@ -212,20 +242,22 @@ def snapshot_command(paths: Paths) -> str:
         # -k: a program that ignores SIGTERM (nvidia-smi stuck in the kernel) is killed 2 s later.
         f"t='timeout -k 2 {COMMAND_TIMEOUT_S}'; command -v timeout >/dev/null 2>&1 || t=",
         "nv=0; command -v nvidia-smi >/dev/null 2>&1 && nv=1",
-        f"{section('os')}; cat /etc/os-release 2>/dev/null",
+        f"{section('os')}; {cat('/etc/os-release')}",
         f"{section('arch')}; dpkg --print-architecture 2>/dev/null || uname -m",
         f"{section('nvidia_smi')}; echo $nv",
         nvidia("gpus", QUERY_GPUS),
         nvidia("driver", QUERY_VERSION),
-        f"{section('daemon_json')}; cat {DAEMON_JSON} 2>/dev/null",
-        # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon.
-        f"root=$(sed -n 's/.*\"data-root\"[[:space:]]*:[[:space:]]*\"\\([^\"]*\\)\".*/\\1/p' {DAEMON_JSON} 2>/dev/null)",
+        f"{section('daemon_json')}; dr=; {cat(DAEMON_JSON, 'case $l in *data-root*) dr=1;; esac; ')}",
+        # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon (sed only
+        # when a line names it: most files do not).
+        "root=; [ -n \"$dr\" ] && "
+        f"root=$(sed -n 's/.*\"data-root\"[[:space:]]*:[[:space:]]*\"\\([^\"]*\\)\".*/\\1/p' {q(DAEMON_JSON)} 2>/dev/null)",
         # df of the nearest existing ancestor of each place (one df for both).
         f"d=${{root:-/var/lib/docker}}; while [ ! -e \"$d\" ]; do d=$(dirname \"$d\"); done; m={q(paths.models_dir)}; "
         "while [ ! -e \"$m\" ]; do m=$(dirname \"$m\"); done",
-        # df hangs on a dead network mount.
-        f"{section('free')}; set -- $($t df -Pk \"$d\" \"$m\" | awk 'NR>1{{print $4}}'); "
-        "echo \"docker $d $1\"; echo \"models $m $2\"",
+        # df hangs on a dead network mount. Its 4th column is the free KiB (the shell's read splits the rows).
+        f"{section('free')}; $t df -Pk \"$d\" \"$m\" | {{ read -r _; read -r _ _ _ a _; read -r _ _ _ b _; "
+        "echo \"docker $d $a\"; echo \"models $m $b\"; }",
         f"{section('packages')}; dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}} ${{Version}}\\n' "
         f"{' '.join(PACKAGES)} 2>/dev/null",
         f"{section('files')}; sha256sum {files} 2>/dev/null",  # a missing file is simply not listed
@@ -235,14 +267,16 @@ def snapshot_command(paths: Paths) -> str:
         f"{section('other_ledgers')}; for f in {q(posixpath.dirname(paths.state_file))}/*.json; do "
         f"[ -f \"$f\" ] && [ \"$f\" != {q(paths.state_file)} ] && printf '\\n{MARK}ledger %s\\n' \"$f\" && cat \"$f\"; "
         "done",
-        f"{section('images')}; command -v docker >/dev/null && $t docker images --digests --no-trunc "
+        f"{section('images')}; {no_curl} $t docker images --digests --no-trunc "
         "--format '{{.Repository}}|{{.Tag}}|{{.Digest}}' 2>/dev/null",
+        # One find for the top-level files and hf's partial downloads (any depth), one awk for the shards the index
+        # names (process() sorts them and keeps the first partial downloads).
         f"{section('model')}; if [ -d {model_dir} ]; then cd {model_dir} && "
-        "find . -maxdepth 1 -type f -printf '%f %s\\n'; "
-        "[ -f model.safetensors.index.json ] && grep -o '\"[^\"]*\\.safetensors\"' model.safetensors.index.json "
-        "| sort -u | sed 's/\"//g; s/^/shard /'; "
-        "find . -path '*huggingface/download*' -name '*.incomplete' 2>/dev/null | head -3 | sed 's/^/incomplete /'; "
-        "cd /; fi",
+        "find . \\( -path '*huggingface/download*' -name '*.incomplete' -printf 'incomplete %p\\n' \\) -o "
+        "\\( -path './*' ! -path './*/*' -type f -printf '%f %s\\n' \\) 2>/dev/null; "
+        "[ -f model.safetensors.index.json ] && awk '{ while (match($0, /\"[^\"]*\\.safetensors\"/)) { "
+        "s[substr($0, RSTART + 1, RLENGTH - 2)] = 1; $0 = substr($0, RSTART + RLENGTH) } } "
+        "END { for (n in s) print \"shard \" n }' model.safetensors.index.json; cd /; fi",
         f"{section('dirs')}; stat -c '%U %G %a %n' {dirs} 2>/dev/null",
         # systemd's view of docker.service and the service's unit, in one call (one block each, in this order: the
         # parser takes the second for the service); then, with shell builtins only, the first line of the unit
@@ -251,21 +285,20 @@ def snapshot_command(paths: Paths) -> str:
         "2>/dev/null); printf '%s\\n' \"$sd\"",
         f"{section('service_unit')}; f=${{sd##*FragmentPath=}}; f=${{f%%\"$nl\"*}}; l=; "
         "if [ -n \"$f\" ]; then { IFS= read -r l < \"$f\"; } 2>/dev/null; printf 'FirstLine=%s\\n' \"$l\"; fi",
-        # What really runs: the labelled containers, each with its label and the image it was started from.
+        # What really runs: the labelled containers (docker's API below), each with its label and its image.
         f"{section('running')}; h=; {{ read -r h; IFS= read -r h; }} < {q(unit_path(paths.service))} 2>/dev/null; "
         "printf 'Header=%s\\n' \"$h\"; "
-        f"command -v docker >/dev/null && $t docker ps --no-trunc --filter label={q(label)} "
-        f"--format {q(container_format)} 2>/dev/null",
+        f"{no_curl} $t docker ps --no-trunc --filter label={q(label)} --format {q(container_format)} 2>/dev/null",
         # One curl for every HTTP read (each --next is its own request with its own options; -w prints the next
         # section's marker after each): the repo keys as the repos serve them now, so a rotated key is noticed,
-        # then readiness, the served models and the cache config labels (vLLM's /metrics needs no key). The API
-        # key never reaches a command line: printf is a builtin, curl reads the header from stdin, and sends it
-        # to /v1/models only. awk keeps only the cache config lines of /metrics.
+        # docker's listings, then readiness, the served models and the cache config labels (vLLM's /metrics needs
+        # no key). The API key never reaches a command line: printf is a builtin, curl reads the header from stdin,
+        # and sends it to /v1/models only. awk keeps only the cache config lines of /metrics.
         f"{section('nvidia_key')}; if command -v curl >/dev/null; then "
         f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
         "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
         f"({docker_key}curl -fsSL --max-time 15 {q(paths.nvidia_key_url)} -w {next_mark(first_after_nvidia)} "
-        f"{docker_get}"
+        f"{docker_get}{docker_gets}"
         f"--next -s --max-time 3 -o /dev/null -w '%{{http_code}}\\n' http://127.0.0.1:{port}/health "
         f"--next -s --max-time 3 -H @- http://127.0.0.1:{port}/v1/models -w {next_mark('cache_config')} "
         f"--next -s --max-time 3 http://127.0.0.1:{port}/metrics) 2>/dev/null | "
@@ -333,10 +366,11 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         except ValueError as error:
             snap.daemon_json_error = f"{DAEMON_JSON} is not valid JSON ({error})"
     for line in s.get("free", []):
-        parts = line.split()
-        if len(parts) == 3 and parts[2].isdigit():
-            snap.free_kib[parts[0]] = int(parts[2])
-            snap.free_path[parts[0]] = parts[1]
+        place, _, rest = line.partition(" ")
+        path, _, kib = rest.rpartition(" ")  # the path may hold spaces
+        if path and kib.isdigit():
+            snap.free_kib[place] = int(kib)
+            snap.free_path[place] = path
     for line in s.get("packages", []):
         parts = line.split()
         # "ii" = installed; "rc" (removed, config left) and "un" are not.
@@ -355,20 +389,24 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         snap.ledger_text = "\n".join(state[1:]) + "\n"
     snap.other_ledgers = {name[len("ledger "):]: "\n".join(body) + "\n" for name, body in s.items()
                           if name.startswith("ledger ")}
-    for line in s.get("images", []):
+    snap.images = docker_images(s.get(DOCKER_IMAGES, []))
+    for line in s.get("images", []):  # the docker CLI's rows (a host without curl)
         parts = line.split("|")
         if len(parts) == 3 and parts[2].startswith("sha256:"):
             snap.images.append((parts[0], parts[1], parts[2]))
+    shards = set()
     for line in s.get("model", []):
         kind, _, rest = line.partition(" ")
         if kind == "shard":
-            snap.model_shards.append(rest)
+            shards.add(rest)
         elif kind == "incomplete":
-            snap.model_incomplete.append(rest)
+            if len(snap.model_incomplete) < MAX_INCOMPLETE:
+                snap.model_incomplete.append(rest)
         else:
             name, _, size = line.rpartition(" ")
             if size.isdigit():
                 snap.model_files[name] = int(size)
+    snap.model_shards = sorted(shards)
     for line in s.get("dirs", []):
         parts = line.split(" ", 3)
         if len(parts) == 4:
@@ -383,7 +421,9 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         snap.service_unit = ServiceUnit(name=fields["Id"], load_state=fields.get("LoadState", ""),
                                         fragment_path=fields.get("FragmentPath", ""),
                                         first_line=fields.get("FirstLine", ""))
-    snap.running = parse_running(s.get("running", []), service)
+    api_containers = next((docker_containers(body, name.partition(" ")[2]) for name, body in s.items()
+                           if name.startswith(DOCKER_CONTAINERS + " ")), [])
+    snap.running = parse_running(s.get("running", []), service, api_containers)
     health = s.get("health", [])
     if health and health[0].strip() not in ("", "000"):
         snap.health_code = health[0].strip()
@@ -413,10 +453,50 @@ def systemd_blocks(lines: list[str]) -> list[dict[str, str]]:
     return blocks
 
 
-def parse_running(lines: list[str], unit: dict[str, str] | None = None) -> RunningService:
-    """unit: systemd's properties of the service's unit; the section's own lines (Header, Container) add to them."""
+def _json_list(lines: list[str]) -> list[dict[str, Any]]:
+    """An Engine API listing; [] when there is none (the daemon is down, did not answer in time, or refused)."""
+    try:
+        value = json.loads("\n".join(lines))
+    except ValueError:
+        return []
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def docker_images(lines: list[str]) -> list[tuple[str, str, str]]:
+    """/images/json as the (repository, tag, digest) rows `docker images --digests` prints, the rows with a
+    registry digest only: each digest once per tag of its repository, or with tag "<none>" when the image has no
+    tag there (pulled by digest only). The daemon lists both in docker's short form, as the CLI shows them.
+
+    >>> docker_images(['[{"RepoTags": ["reg:5000/v:nightly"], "RepoDigests": ["reg:5000/v@sha256:ab", "w@sha256:cd"]}]'])
+    [('reg:5000/v', 'nightly', 'sha256:ab'), ('w', '<none>', 'sha256:cd')]
+    """
+    rows = []
+    for image in _json_list(lines):
+        tags: dict[str, list[str]] = {}
+        for name in image.get("RepoTags") or []:
+            repository, _, tag = str(name).rpartition(":")
+            if repository and tag and "/" not in tag:  # "/": a registry port, not a tag
+                tags.setdefault(repository, []).append(tag)
+        for name in image.get("RepoDigests") or []:
+            repository, _, digest = str(name).partition("@")
+            if repository and digest.startswith("sha256:"):  # "<none>@<none>": no digest
+                rows += [(repository, tag, digest) for tag in tags.get(repository, ["<none>"])]
+    return rows
+
+
+def docker_containers(lines: list[str], label_key: str) -> list[tuple[str, str]]:
+    """/containers/json (running containers, filtered by the label) as (label value, image): what
+    `docker ps --no-trunc --format '{{.Label "<key>"}}|{{.Image}}'` prints for them."""
+    return [(str((c.get("Labels") or {}).get(label_key, "")), str(c.get("Image") or "<no image>"))
+            for c in _json_list(lines)]
+
+
+def parse_running(lines: list[str], unit: dict[str, str] | None = None,
+                  containers: list[tuple[str, str]] | None = None) -> RunningService:
+    """unit: systemd's properties of the service's unit; the section's own lines (Header, and Container from the
+    docker CLI on a host without curl) add to them, and containers: docker's API's (label, image) of each."""
     fields: dict[str, str] = dict(unit or {})
-    containers = []
+    containers = list(containers or [])
     for line in lines:
         key, sep, value = line.partition("=")
         if not sep:
