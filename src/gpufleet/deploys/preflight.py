@@ -79,30 +79,38 @@ def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: Chec
             plan = plan_for(target.name, target.data.dict())
         except SettingErrors as errors:
             return Reading(None, None, [str(e) for e in errors.errors])
-        refused = _lock(target, plan.settings, lock_path)
+        snapshot = GpufleetHost()
+        refused, output = _lock(target, plan.settings, lock_path, read=snapshot.command(plan.paths))
         if refused:
             return Reading(plan, None, [refused])
         try:
-            snap = target.get_fact(GpufleetHost, paths=plan.paths, _sudo=use_sudo(target), _timeout=READ_TIMEOUT_S)
+            if output is None:  # no lock (not over SSH): the snapshot is a command of its own
+                snap = target.get_fact(GpufleetHost, paths=plan.paths, _sudo=use_sudo(target),
+                                       _timeout=READ_TIMEOUT_S)
+            else:
+                snap = snapshot.process(output)
         except Exception as error:  # noqa: BLE001 - any failure to read the host is a preflight refusal
             return Reading(plan, None, [f"{target.name}: could not read the host: {error} (fix: check SSH and sudo)"])
         return Reading(plan, snap, check_host(target.name, snap, plan))
 
 
-def _lock(target: Host, settings: Mapping[str, Any], lock_path: str) -> str | None:
-    """Take the run's lock on the host (kept for the run); the refusal line when another run holds it."""
+def _lock(target: Host, settings: Mapping[str, Any], lock_path: str,
+          read: str) -> tuple[str | None, list[str] | None]:
+    """Take the run's lock on the host (kept for the run) and run `read` under it, in the lock's own shell (one
+    sudo and one round trip less per host than a fact of its own): (the refusal line when another run holds it,
+    read's output). (None, None) for a host not reached over SSH: no lock, nothing read."""
     try:
         lock = hostlock.lock_host(target, path=lock_path, lease_s=float(settings[hostlock.LEASE_SETTING]))
     except hostlock.NotOverSsh as why:
         # @local and other connectors: no SSH session to hold the lock with (nor a second operator's run to meet).
         logger.warning(f"{why}; running without the host lock")
-        return None
+        return None, None
     hostlock.keep_for_run(target, lock)
     try:
-        lock.acquire(wait_s=float(settings[hostlock.WAIT_SETTING]))
+        lock.acquire(wait_s=float(settings[hostlock.WAIT_SETTING]), read=read, read_timeout_s=READ_TIMEOUT_S)
     except hostlock.HostLockError as error:
-        return str(error)
-    return None
+        return str(error), None
+    return None, lock.read_lines
 
 
 def _lock_wait(data: Mapping[str, Any]) -> float:
