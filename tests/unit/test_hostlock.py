@@ -107,6 +107,27 @@ def test_only_an_exited_run_of_this_controller_is_waited_for(sshd, lock_file):
         assert time.monotonic() - started < 3  # refused at once, not after LETTING_GO_S
 
 
+def test_a_read_runs_under_the_lock_and_its_output_comes_back(sshd, lock_file):
+    # What preflight reads (the host snapshot) runs in the lock's shell: only while the lock is held.
+    read = f"echo first; printf 'no final newline'; echo; cat {lock_file}"
+    with lock(sshd, lock_file, ALICE).acquire(read=read) as held:
+        assert held.read_lines == ["first", "no final newline", ALICE.line()]
+        held.check()
+
+
+def test_a_read_that_does_not_finish_in_time_lets_the_lock_go(sshd, lock_file):
+    slow = lock(sshd, lock_file)
+    with pytest.raises(HostLockError, match=r"^gft-a: the host did not finish reading its state within 1 s"):
+        slow.acquire(read="sleep 3", read_timeout_s=1)
+    assert not slow.held
+    # The host's side lets go when the read ends (its programs are bounded: the snapshot's each run under
+    # `timeout`), as its shell then finds the channel closed; not after the lease.
+    started = time.monotonic()
+    with lock(sshd, lock_file).acquire(wait_s=LEASE_S * 3) as next_run:
+        next_run.check()
+    assert time.monotonic() - started < LEASE_S * 2
+
+
 def test_heartbeats_keep_the_lock_past_its_lease(sshd, lock_file):
     with lock(sshd, lock_file, ALICE, lease_s=1.0).acquire() as held:
         time.sleep(2.5)
