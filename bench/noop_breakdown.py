@@ -57,11 +57,16 @@ def time_on_host(fleet: Fleet, host: Host, command: str) -> float:
     return int(fleet.ssh(host, script).stdout.strip().splitlines()[-1]) / 1e9
 
 
+def host_snapshot_command(fleet: Fleet, host: Host) -> str:
+    """The snapshot command the deploy runs on the host (in its lock's shell: pyinfra does not send it)."""
+    data = dict(pyinfra_hosts(str(fleet.cfg.state_dir / "inventory.json")))[host.name]
+    return snapshot_command(plan_for(host.name, {**BENCH_DATA, **data}).paths)
+
+
 def section_times(fleet: Fleet, host: Host, repeat: int) -> list[tuple[str, float]]:
     """(section, median seconds) for each line of the host's snapshot command, timed in one shell on the host
     (so the lines keep the variables earlier ones set), `date` read around each."""
-    data = dict(pyinfra_hosts(str(fleet.cfg.state_dir / "inventory.json")))[host.name]
-    lines = snapshot_command(plan_for(host.name, {**BENCH_DATA, **data}).paths).splitlines()
+    lines = host_snapshot_command(fleet, host).splitlines()
     # A line without a marker prepares the next section (its shell variables): counted with it; "(setup)" before
     # the first section is the part every section shares.
     marked = [line.split(MARK, 1)[1].split("\\n", 1)[0] if MARK in line else None for line in lines]
@@ -106,13 +111,16 @@ def main() -> int:
         for subset in (hosts[:1], hosts):
             runner.use(subset)
             sent = commands_sent(runner)
-            counts = sorted({len(c) for c in sent.values()})
+            counts = sorted({len(sent.get(h.name, [])) for h in subset})
             floor = statistics.median(runner.floor().wall for _ in range(args.repeat))
             noops = [runner.gpufleet() for _ in range(args.repeat)]
-            first, commands = subset[0], [e["command"] for e in sent[subset[0].name]]
+            # The commands pyinfra sent, then the snapshot (sent on the host lock's own channel, so not traced).
+            first = subset[0]
+            traced = [e["command"] for e in sent.get(first.name, [])]
+            commands = traced + [f"sudo sh -c {shlex.quote(host_snapshot_command(fleet, first))}"]
             # per command position: median over the hosts of the traced run
-            trips = [statistics.median(sent[h.name][i]["seconds"] for h in subset if len(sent[h.name]) > i)
-                     for i in range(len(commands))]
+            trips = [statistics.median(sent[h.name][i]["seconds"] for h in subset
+                                       if len(sent.get(h.name, [])) > i) for i in range(len(traced))]
             alone = [[time_on_host(fleet, first, c) for _ in range(args.repeat)] for c in commands]
             with ThreadPoolExecutor(len(subset)) as pool:
                 together = [[t for _ in range(args.repeat)
@@ -120,7 +128,7 @@ def main() -> int:
             table.append(
                 f"| {len(subset)} | {floor:.2f} | {statistics.median(r.wall for r in noops):.2f} "
                 f"| {statistics.median(r.cpu for r in noops):.2f} | {'/'.join(map(str, counts))} "
-                f"| {' + '.join(f'{t:.3f}' for t in trips)} "
+                f"| {' + '.join(f'{t:.3f}' for t in trips) or '-'} "
                 f"| {' + '.join(f'{statistics.median(t):.3f}' for t in alone)} "
                 f"| {' + '.join(f'{statistics.median(t):.3f}' for t in together)} |")
             print(table[-1], flush=True)
@@ -129,11 +137,12 @@ def main() -> int:
             f"# no-op breakdown {started}", "",
             f"{args.hosts} nspawn test hosts on this machine; load average at start {load_start}, at end "
             f"{loadavg()}. Code: {code}. Medians of {args.repeat}.", "",
-            "Commands per host: what a no-op `pyinfra -y INV deploys/qwen35.py` sent each host (recorded in "
-            "pyinfra's SSH connector); round trip: from sending each to its exit status, as pyinfra saw it (median "
-            "over hosts). Command times: the same commands run again over SSH but timed with the host's own clock "
-            "(no SSH in it), on the first host alone and on every host of the run at once (median over hosts and "
-            "runs).", "", *table, "",
+            "Commands per host: what a no-op `pyinfra -y INV deploys/qwen35.py` sent each host through pyinfra "
+            "(recorded in pyinfra's SSH connector; the host lock's channel, which also runs the snapshot, is not "
+            "in it); round trip: from sending each to its exit status, as pyinfra saw it (median over hosts). "
+            "Command times: those commands and then the snapshot run again over SSH but timed with the host's own "
+            "clock (no SSH in it), on the first host alone and on every host of the run at once (median over "
+            "hosts and runs).", "", *table, "",
             f"The snapshot command's sections on {hosts[0].name} alone (host clock around each line, medians of "
             f"{args.repeat}; `(setup)`: the lines before the first section; a `date` pair costs about 1 ms):", "",
             "| section | host time (ms) |", "|---|---:|",
