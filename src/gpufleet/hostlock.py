@@ -32,12 +32,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
+from typing import Any
 from weakref import WeakKeyDictionary
 
 import paramiko
+from pyinfra import logger
 from pyinfra.api import Host, State
+from pyinfra.api.state import BaseStateCallback
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.operations.remote import use_sudo
@@ -292,6 +295,31 @@ _RUN_LOCKS: WeakKeyDictionary[State, dict[str, HostLock]] = WeakKeyDictionary()
 
 def keep_for_run(host: Host, lock: HostLock) -> None:
     _RUN_LOCKS.setdefault(host.state, {})[host.name] = lock
+    if not any(isinstance(h, _ReleaseOnDisconnect) for h in host.state.callback_handlers):
+        host.state.add_callback_handler(_ReleaseOnDisconnect())
+
+
+class _ReleaseOnDisconnect(BaseStateCallback):
+    @staticmethod
+    def host_disconnect(state: State, host: Host) -> None:
+        # The run is ending: no lock of this process follows, so no need to wait for the host to let go.
+        release_run_locks(state, [host.name], wait=False)
+
+
+def take_run_lock(host: Host, settings: Mapping[str, Any], path: str = LOCK_PATH, read: str = "",
+                  read_timeout_s: float = START_MARGIN_S) -> list[str] | None:
+    """Take the host's lock for the whole run (let go when pyinfra disconnects from the host), waiting as long as
+    its WAIT_SETTING says, and run `read` under it (HostLock.acquire): read's output lines. None for a host not
+    reached over SSH: no lock, nothing read. Raises HostLockError (HostLockBusy naming the holder) when refused."""
+    try:
+        lock = lock_host(host, path=path, lease_s=float(settings[LEASE_SETTING]))
+    except NotOverSsh as why:
+        # @local and other connectors: no SSH session to hold the lock with (nor a second operator's run to meet).
+        logger.warning(f"{why}; running without the host lock")
+        return None
+    keep_for_run(host, lock)
+    lock.acquire(wait_s=float(settings[WAIT_SETTING]), read=read, read_timeout_s=read_timeout_s)
+    return lock.read_lines
 
 
 def check_run_lock(host: Host) -> None:

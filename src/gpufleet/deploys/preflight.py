@@ -23,10 +23,8 @@ from weakref import WeakKeyDictionary
 
 import gevent
 from gevent.event import AsyncResult
-from pyinfra import logger
 from pyinfra.api import Host, State
 from pyinfra.api.exceptions import DeployError
-from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import ctx_config, ctx_host, ctx_state
 
 from gpufleet import hostlock
@@ -96,21 +94,13 @@ def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: Chec
 
 def _lock(target: Host, settings: Mapping[str, Any], lock_path: str,
           read: str) -> tuple[str | None, list[str] | None]:
-    """Take the run's lock on the host (kept for the run) and run `read` under it, in the lock's own shell (one
-    sudo and one round trip less per host than a fact of its own): (the refusal line when another run holds it,
-    read's output). (None, None) for a host not reached over SSH: no lock, nothing read."""
+    """Take the run's lock on the host and run `read` under it, in the lock's own shell (one sudo and one round
+    trip less per host than a fact of its own): (the refusal line when another run holds it, read's output).
+    (None, None) for a host not reached over SSH: no lock, nothing read."""
     try:
-        lock = hostlock.lock_host(target, path=lock_path, lease_s=float(settings[hostlock.LEASE_SETTING]))
-    except hostlock.NotOverSsh as why:
-        # @local and other connectors: no SSH session to hold the lock with (nor a second operator's run to meet).
-        logger.warning(f"{why}; running without the host lock")
-        return None, None
-    hostlock.keep_for_run(target, lock)
-    try:
-        lock.acquire(wait_s=float(settings[hostlock.WAIT_SETTING]), read=read, read_timeout_s=READ_TIMEOUT_S)
+        return None, hostlock.take_run_lock(target, settings, lock_path, read=read, read_timeout_s=READ_TIMEOUT_S)
     except hostlock.HostLockError as error:
         return str(error), None
-    return None, lock.read_lines
 
 
 def _lock_wait(data: Mapping[str, Any]) -> float:
@@ -149,13 +139,6 @@ def read_fleet(state: State, plan_for: PlanFor[P], check_host: CheckHost[P], tim
 _RUNS: WeakKeyDictionary[State, dict[Callable[..., Any], AsyncResult[dict[str, Any]]]] = WeakKeyDictionary()
 
 
-class _ReleaseOnDisconnect(BaseStateCallback):
-    @staticmethod
-    def host_disconnect(state: State, host: Host) -> None:
-        # The run is ending: no lock of this process follows, so no need to wait for the host to let go.
-        hostlock.release_run_locks(state, [host.name], wait=False)
-
-
 def preflight(plan_for: PlanFor[P], check_host: CheckHost[P], applies: Applies | None = None) -> P:
     """This host's plan, once every active host the deploy applies to passed preflight; sets its snapshot for the
     operations (gpufleet.operations.snapshot). Raises DeployError listing every failing host's problems."""
@@ -164,8 +147,6 @@ def preflight(plan_for: PlanFor[P], check_host: CheckHost[P], applies: Applies |
     if plan_for not in runs:
         result: AsyncResult[dict[str, Any]] = AsyncResult()
         runs[plan_for] = result
-        if not any(isinstance(h, _ReleaseOnDisconnect) for h in state.callback_handlers):
-            state.add_callback_handler(_ReleaseOnDisconnect())
         try:
             result.set(read_fleet(state, plan_for, check_host, applies=applies))
         except BaseException as error:

@@ -20,6 +20,7 @@ from pyinfra.api import State, deploy
 from pyinfra.api.exceptions import DeployError
 from pyinfra.context import ctx_state
 
+from gpufleet import hostlock
 from gpufleet.errors import SettingErrors
 from gpufleet.health.fleet import HostTarget, check_fleet
 from gpufleet.inventory import split_roles
@@ -27,7 +28,7 @@ from gpufleet.operations.remote import not_for_this_host
 from gpufleet.router import ROUTERS_GROUP, operations
 from gpufleet.router.facts import RouterHostFact
 from gpufleet.router.settings import Replica, build_router_spec, replicas, router_settings
-from gpufleet.settings import build_spec
+from gpufleet.settings import build_spec, merged_settings
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,17 @@ def deploy_router() -> None:
         spec = build_router_spec(host.name, host.data.dict(), [r.url for r in workers.ready])
     except SettingErrors as error:
         raise DeployError(f"invalid router settings; nothing was changed on {host.name}:\n  {error}") from None
+    # One operator at a time, as on the replicas: a second run would rewrite and restart the same router.
+    lock_settings = merged_settings(host.data.dict())
+    try:
+        hostlock.take_run_lock(host, lock_settings)
+    except hostlock.HostLockError as error:
+        raise DeployError(f"nothing was changed: {error}") from None
+    except (TypeError, ValueError):
+        raise DeployError(f"{host.name}: {hostlock.WAIT_SETTING} and {hostlock.LEASE_SETTING} must be numbers of "
+                          f"seconds, got {lock_settings[hostlock.WAIT_SETTING]!r} and "
+                          f"{lock_settings[hostlock.LEASE_SETTING]!r}; nothing was changed (fix: set them to numbers)"
+                          ) from None
     seen = host.get_fact(RouterHostFact, spec=spec, candidates=spec.workers)
     unreachable = [f"{host.name}: worker {r.name} ({r.url}) does not answer /health from the router host "
                    f"(HTTP {seen.reach.get(r.url, '000')}) (fix: publish vllm_port where the router reaches it, or "

@@ -10,6 +10,7 @@ from pyinfra import host
 from pyinfra.api import StringCommand, operation
 from pyinfra.operations import apt
 
+from gpufleet import hostlock
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
 from gpufleet.operations.remote import Commands
 from gpufleet.router.facts import RouterHost
@@ -54,6 +55,7 @@ def running(spec: RouterSpec, seen: RouterHost) -> Commands:
     if not changed and seen.running and seen.enabled and not seen.need_daemon_reload:
         host.noop(f"{spec.service} running, enabled")
         return
+    hostlock.check_run_lock(host)  # never restart it while another run may be changing it
     if changed or seen.need_daemon_reload:
         yield StringCommand("systemctl", "daemon-reload")
     if not seen.enabled:
