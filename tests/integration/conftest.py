@@ -1,6 +1,6 @@
-"""Fixtures for the real test-host tier: nspawn hosts on bridge gf-test (10.213.1.0/24), booted over the same code
-as `gpufleet sandbox up` (gpufleet.sandbox), with SSH as `deploy` + sudo, apt from the local mirror, the stand-in
-NVIDIA repo and registry.
+"""Fixtures for the real test-host tier: nspawn hosts on bridge gf-test (10.213.1.0/24; under pytest-xdist each
+worker has its own session fleet: tests/integration/fleets.py), booted over the same code as `gpufleet sandbox up`
+(gpufleet.sandbox), with SSH as `deploy` + sudo, apt from the local mirror, the stand-in NVIDIA repo and registry.
 
     def test_x(test_hosts, pyinfra_inventory, fleet): ...        # 2 hosts booted once per session
     def test_y(fresh_hosts):  a, b = fresh_hosts(OLD_DRIVER, NO_GPU)  # new hosts, deleted after the test
@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gpufleet.sandbox.config import Gpus, H200x3, test_config
+from gpufleet.sandbox.config import Gpus, H200x3
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.inventory import inventory_document, write_pyinfra_inventory
-from tests.integration.fleets import running_fleet
+from tests.integration.fleets import running_fleet, session_fleet_config
 
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 # Fresh hosts are numbered from here, so they never collide with the session's hosts.
@@ -41,13 +40,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
     """The session's test fleet with its services up (no hosts yet); stopped, leaving nothing, at session end."""
-    with running_fleet(test_config(Path(os.environ.get("GPUFLEET_TEST_FLEET_DIR", "/var/lib/gpufleet/test")))) as f:
+    with running_fleet(session_fleet_config()) as f:
         yield f
 
 
 @pytest.fixture(scope="session")
 def test_hosts(fleet: Fleet) -> list[Host]:
-    """Two 3x H200 hosts (gft1, gft2), booted once per session."""
+    """Two 3x H200 hosts (gft1, gft2; gw<n>t1, gw<n>t2 on xdist worker gw<n>), booted once per session."""
     return fleet.add_hosts([H200x3, H200x3], first=1)
 
 

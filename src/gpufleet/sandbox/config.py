@@ -15,6 +15,7 @@ from gpufleet.sandbox import nvidia_smi
 CACHE_DIR = Path(os.environ.get("GPUFLEET_CACHE_DIR", "/var/cache/gpufleet"))
 MIRROR_PORT = 8080
 REGISTRY_PORT = 5000
+MAX_BRIDGE_NAME = 11
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class FleetConfig:
     host_prefix: str
     state_dir: Path
     cache_dir: Path = field(default=CACHE_DIR)
+
+    def __post_init__(self) -> None:
+        # Interface names have at most 15 characters (IFNAMSIZ): the bridge, and each host's veth <bridge>-<i>.
+        if len(self.bridge) > MAX_BRIDGE_NAME:
+            raise ValueError(f"fleet {self.name}: bridge name {self.bridge!r} is longer than {MAX_BRIDGE_NAME} "
+                             f"characters (fix: a shorter one, so its hosts' links <bridge>-<i> fit 15)")
 
     @property
     def gateway(self) -> str:

@@ -176,6 +176,14 @@ def ensure_repo(cache_dir: Path, mirror: Path) -> Path:
     root = cache_dir / f"docker-repo-{_key(sources)}"
     if cache.is_done(root):
         return root
+    # Fleets starting at once (pytest-xdist workers, a sandbox) share this entry: one builds, the others wait.
+    with cache.building(cache_dir / f".{root.name}.lock"):
+        if not cache.is_done(root):
+            _build_repo(cache_dir, root, sources, arch)
+    return root
+
+
+def _build_repo(cache_dir: Path, root: Path, sources: dict[str, Path], arch: str) -> None:
     t0 = time.monotonic()
     log.info("building the stand-in Docker repo from %s", ", ".join(d.name for d in sources.values()))
     tmp = root.with_name(root.name + ".tmp")
@@ -192,7 +200,6 @@ def ensure_repo(cache_dir: Path, mirror: Path) -> Path:
     _index(debian, arch)
     key.sign_release(debian / "dists" / SUITE)
     log.info("Docker repo stand-in built in %.1fs", cache.publish(tmp, root, t0))
-    return root
 
 
 def _deb_field(deb: Path, field: str) -> str:

@@ -14,7 +14,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from gpufleet.sandbox import procs
+from gpufleet.sandbox import cache, procs
 from gpufleet.sandbox.config import FleetConfig
 from gpufleet.sandbox.procs import log, run
 from gpufleet.sandbox.services import registry_storage
@@ -136,7 +136,14 @@ def _image_tar(cache_dir: Path, base: Path, key: str) -> Path:
     out = cache_dir / f"vllm-image-{key}.tar"
     if out.exists():
         return out
-    root = cache_dir / f"vllm-image-{key}.root"
+    # Fleets starting at once (pytest-xdist workers, a sandbox) would build in, and delete, the same root dir.
+    with cache.building(cache_dir / f".vllm-image-{key}.lock"):
+        if not out.exists():  # else another fleet built it while this one waited
+            _build_image_tar(base, cache_dir / f"vllm-image-{key}.root", out)
+    return out
+
+
+def _build_image_tar(base: Path, root: Path, out: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
     for d in ("usr/bin", "usr/lib", "usr/lib64", "tmp", "etc", "root", "opt/gpufleet-standin"):
         (root / d).mkdir(parents=True)
@@ -181,7 +188,6 @@ def _image_tar(cache_dir: Path, base: Path, key: str) -> Path:
     run(["tar", "-C", str(root), "--numeric-owner", "--owner=0", "--group=0", "-cf", str(out) + ".tmp", "."])
     Path(str(out) + ".tmp").rename(out)
     shutil.rmtree(root)
-    return out
 
 
 def _copy_libraries(base: Path, root: Path) -> None:

@@ -44,6 +44,14 @@ def ensure_repo(cache_dir: Path, base_url: str) -> Path:
     root = cache_dir / f"nvidia-repo-{_key(base_url)}"
     if cache.is_done(root):
         return root
+    # Two fleets on one base URL starting at once (a rerun beside a leftover) must not build in the same tmp dir.
+    with cache.building(cache_dir / f".{root.name}.lock"):
+        if not cache.is_done(root):
+            _build_repo(root, base_url)
+    return root
+
+
+def _build_repo(root: Path, base_url: str) -> None:
     t0 = time.monotonic()
     log.info("building the stand-in NVIDIA repo for %s", base_url)
     tmp = root.with_name(root.name + ".tmp")
@@ -76,7 +84,6 @@ def ensure_repo(cache_dir: Path, base_url: str) -> Path:
     key.sign_release(arch)
     shutil.rmtree(tmp / "pkg")
     cache.publish(tmp, root, t0)
-    return root
 
 
 def _build_deb(pkg: Path, out: Path) -> None:
