@@ -22,6 +22,7 @@ from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.fleets import running_fleet
 from tests.integration.pyinfra_run import run_deploy
 
+from gpufleet.hostlock import LOCK_PATH
 from gpufleet.sandbox.config import NO_GPU, FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
 
@@ -97,6 +98,31 @@ def test_router_deploys_in_front_of_three_replicas(rfleet, inventory, pyinfra):
 
 def test_second_router_run_changes_nothing(rfleet, inventory, pyinfra):
     proc = run(pyinfra, inventory, ROUTER)
+    assert changes(proc.stdout) == 0, changed_ops(proc.stdout)
+
+
+def test_a_router_host_another_run_holds_is_refused_naming_it(rfleet, inventory, pyinfra):
+    router = router_host(rfleet)
+    unit = "cat /etc/systemd/system/vllm-router.service; systemctl show -p MainPID vllm-router.service"
+    before = rfleet.run_in(router, unit).stdout
+    # Another operator's run, as gpufleet.hostlock holds a host: a flock on the lock file, its holder line in it.
+    holder = "user=alice controller=laptop pid=4242 since=2026-12-01T03:00:00Z"
+    pid = rfleet.run_in(router, f"setsid bash -c 'exec 9>>{LOCK_PATH}; flock 9; echo {holder} > {LOCK_PATH}; "
+                                f"exec sleep 300' >/dev/null 2>&1 < /dev/null & echo $!").stdout.strip()
+    try:
+        deadline = time.monotonic() + 30
+        while holder not in rfleet.run_in(router, f"cat {LOCK_PATH}", check=False).stdout:
+            assert time.monotonic() < deadline, "the stand-in holder did not take the lock"
+            time.sleep(0.2)
+        proc = run(pyinfra, inventory, ROUTER, check=False)
+        assert proc.returncode != 0
+        assert re.search(r"gfr4: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z \(fix: ", proc.stdout), \
+            proc.stdout[-3000:]
+        assert "Traceback" not in proc.stdout
+        assert rfleet.run_in(router, unit).stdout == before
+    finally:
+        rfleet.run_in(router, f"kill {int(pid)}", check=False)
+    proc = run(pyinfra, inventory, ROUTER)  # the holder gone, the next run goes ahead
     assert changes(proc.stdout) == 0, changed_ops(proc.stdout)
 
 
