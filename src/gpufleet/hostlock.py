@@ -19,8 +19,9 @@ Use with pyinfra's connection (pyinfra 3.x: host.connector.client is a paramiko 
     with lock_host(host).acquire(wait_s=0) as lock:
         ...  # the whole run; lock.check() before a restart raises LockLost if the lease ran out
 
-The deploy's preflight takes each host's lock and keeps it for the run (keep_for_run); operations call
-check_run_lock(host) before a restart; the locks go when pyinfra disconnects from the hosts (release_run_locks).
+The deploys take each host's lock for the run (take_run_lock: the vLLM deploy's preflight, which also reads the host
+snapshot in the lock's shell, and the router deploy); operations call check_run_lock(host) before a restart; the
+locks go when pyinfra disconnects from the hosts (release_run_locks), without waiting for the hosts' shells to end.
 """
 
 from __future__ import annotations
