@@ -7,10 +7,11 @@ import subprocess
 import sys
 import time
 
+import paramiko
 import pytest
 
 from gpufleet.health import Expected, HealthState, check, wait_until_ready
-from gpufleet.health.transport import _parse_docker_time, pick_container
+from gpufleet.health.transport import SshTransport, _parse_docker_time, pick_container
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 
@@ -133,3 +134,28 @@ def test_a_close_delimited_answer_is_read_whole_after_http_client_lets_go_of_the
         httpd.shutdown()
         httpd.server_close()
     assert (answer.status, answer.body) == (200, body)
+
+
+class _RefusingTunnels:
+    """An SSH client whose sshd fails every tunnel with code 2 (Connect failed) and the given reason."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def get_transport(self):
+        return self
+
+    def is_active(self) -> bool:
+        return True
+
+    def open_channel(self, *args, **kwargs):
+        raise paramiko.ChannelException(paramiko.common.OPEN_FAILED_CONNECT_FAILED, self.reason)
+
+
+@pytest.mark.parametrize(("reason", "error"), [("Connection refused", ConnectionRefusedError),
+                                                ("Connection reset by peer", ConnectionResetError)])
+def test_sshds_connect_failure_keeps_its_reason(reason, error):
+    # Through the tunnel, a listener that accepts and resets at once is reported by sshd as a failed connect: it
+    # must read as a reset (as it does without the tunnel), not as a refusal.
+    with pytest.raises(error, match=r"^lo: 127\.0\.0\.1:8000 "):
+        SshTransport(_RefusingTunnels(reason), name="lo").http(8000, timeout=1)

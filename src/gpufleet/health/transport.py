@@ -268,8 +268,12 @@ class SshTransport:
         try:
             chan = self._transport().open_channel("direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0), timeout=timeout)
         except paramiko.ChannelException as e:
-            # sshd answers "Connect failed" (code 2) when its own connect() to 127.0.0.1:port is refused.
+            # sshd answers "Connect failed" (code 2) when its own connect() to 127.0.0.1:port fails, with the
+            # reason as text: refused, or reset (a listener that accepted and dropped it at once, as a proxy in
+            # front of a server still loading may: the same as a reset seen without the tunnel).
             if e.code == paramiko.common.OPEN_FAILED_CONNECT_FAILED:
+                if "reset" in (e.text or "").lower():
+                    raise ConnectionResetError(f"{self.name}: 127.0.0.1:{port} reset the connection") from e
                 raise ConnectionRefusedError(f"{self.name}: 127.0.0.1:{port} refused the connection") from e
             raise TransportError(f"{self.name}: sshd refused the tunnel to port {port}: {e.text}") from e
         except (paramiko.SSHException, OSError, EOFError) as e:
