@@ -49,7 +49,7 @@ DOCKER_IMAGES, DOCKER_CONTAINERS = "docker_images", "docker_containers"
 # 128+9 when the program ignored SIGTERM and had to be killed (-k): both mean "did not answer in time".
 COMMAND_TIMEOUT_S = 20
 TIMED_OUT = (124, 137)
-# hf's partial downloads the snapshot keeps: one is enough to name the problem.
+# How many of hf's partial downloads the snapshot keeps: a few name the problem; a failed download may leave many.
 MAX_INCOMPLETE = 3
 # What the snapshot asks systemd of docker.service and of the service's unit (one `systemctl show` for both).
 SYSTEMD_PROPERTIES = ("Id", "LoadState", "ActiveState", "SubState", "UnitFileState", "FragmentPath",
