@@ -1,0 +1,189 @@
+"""pyinfra_speedups: the cheaper operation ordering and argument hints give exactly what pyinfra's own give."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pyinfra
+import pytest
+
+from gpufleet.deploys import pyinfra_speedups
+
+util = importlib.import_module("pyinfra.api.util")
+arguments = importlib.import_module("pyinfra.api.arguments")
+
+# A deploy file as people write them: operations called from nested functions, in a loop, across several lines.
+DEPLOY = '''\
+def inner(i):
+    return probe(
+        i,
+    )
+
+
+def outer():
+    found = []
+    for i in range(2):
+        found.append(
+            inner(i))
+    return found
+
+
+FOUND = outer()
+FOUND.append(probe(99))
+'''
+
+
+@pytest.fixture
+def pyinfra_functions() -> Iterator[None]:
+    """Put back every binding install() may replace (other tests must see pyinfra as it is installed)."""
+    saved = {(user, name.rpartition(".")[2]): getattr(importlib.import_module(user), name.rpartition(".")[2])
+             for name, users in pyinfra_speedups.USERS.items() for user in users}
+    yield
+    for (user, attribute), value in saved.items():
+        setattr(importlib.import_module(user), attribute, value)
+
+
+def pyinfras_own(name: str) -> Any:
+    module_name, _, attribute = name.rpartition(".")
+    current = getattr(importlib.import_module(module_name), attribute)
+    return getattr(current, "__wrapped__", current)
+
+
+# What stands between a deploy file and the walk: pyinfra's operation machinery, whose frames (in pyinfra's own
+# directory) neither walk counts. Compiled under a file name in that directory, as pyinfra's own code is.
+PYINFRA_CALLER = '''\
+def probe(_):
+    return original(state), ours(state)
+'''
+
+
+def run_deploy_file(path: Path, state: Any) -> list[tuple[list[int], list[int]]]:
+    """Exec the file as pyinfra_cli.util.exec_file does; each probe() call returns (pyinfra's order, ours)."""
+    machinery: dict[str, Any] = {"original": pyinfras_own("pyinfra.api.util.get_operation_order_from_stack"),
+                                 "ours": pyinfra_speedups._operation_order_from_caller, "state": state}
+    exec(compile(PYINFRA_CALLER, f"{pyinfra_speedups.PYINFRA_DIR}/api/operation_machinery.py", "exec"), machinery)
+    scope: dict[str, Any] = {"probe": machinery["probe"]}
+    exec(compile(path.read_text(), str(path), "exec"), scope)
+    return scope["FOUND"]
+
+
+@pytest.mark.parametrize("deploy_file_in_stack", [True, False])
+@pytest.mark.parametrize("cli", [True, False])
+def test_operation_order_is_pyinfras_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         deploy_file_in_stack: bool, cli: bool) -> None:
+    path = tmp_path / "deploy.py"
+    path.write_text(DEPLOY)
+    monkeypatch.setattr(pyinfra, "is_cli", cli)
+    state = SimpleNamespace(current_deploy_filename=str(path) if deploy_file_in_stack else str(tmp_path / "other.py"),
+                            current_op_file_number=3)
+    found = run_deploy_file(path, state)
+    assert len(found) == 3
+    for theirs, ours in found:
+        assert ours == theirs
+    if deploy_file_in_stack:
+        # The lines of the calls in the deploy file, outermost first, after the file's number in CLI mode (a loop's
+        # calls share their lines: pyinfra tells them apart by loop position and its duplicate counter).
+        file_number = [3] if cli else []
+        assert [ours for _, ours in found] == [file_number + [15, 11, 2]] * 2 + [file_number + [16]]
+
+
+def test_operation_order_without_a_deploy_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = tmp_path / "deploy.py"
+    path.write_text(DEPLOY)
+    monkeypatch.setattr(pyinfra, "is_cli", True)
+    state = SimpleNamespace(current_deploy_filename=None, current_op_file_number=0)
+    for theirs, ours in run_deploy_file(path, state):
+        assert ours == theirs
+
+
+def test_global_arguments_are_pyinfras_own_and_a_fresh_list() -> None:
+    original = pyinfras_own("pyinfra.api.arguments.all_global_arguments")
+    cached = pyinfra_speedups._cached_global_arguments(original)
+    first = cached()
+    assert first == original() and len(first) > 10
+    first.clear()
+    assert cached() == original()
+
+
+def test_install_replaces_the_checked_functions_everywhere_they_are_bound(pyinfra_functions: None) -> None:
+    installed = pyinfra_speedups.install()
+    # The pyinfra this project pins is the one the speedups were checked against: if this fails after a pyinfra
+    # upgrade, compare the new source with the walk above, then record its sha256 in KNOWN_SOURCES.
+    assert installed == list(pyinfra_speedups.KNOWN_SOURCES)
+    for name, users in pyinfra_speedups.USERS.items():
+        attribute = name.rpartition(".")[2]
+        for user in users:
+            assert getattr(importlib.import_module(user), attribute)._gpufleet_speedup
+    assert pyinfra_speedups.install() == installed  # every host's deploy file calls it: the second is a no-op
+    assert importlib.import_module("pyinfra.api.operation").get_operation_order_from_stack.__wrapped__ \
+        is pyinfras_own("pyinfra.api.util.get_operation_order_from_stack")
+
+
+def test_install_leaves_a_different_pyinfra_alone(pyinfra_functions: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(pyinfra_speedups.KNOWN_SOURCES, "pyinfra.api.util.get_operation_order_from_stack", "0" * 64)
+    before = util.get_operation_order_from_stack
+    installed = pyinfra_speedups.install()
+    assert "pyinfra.api.util.get_operation_order_from_stack" not in installed
+    assert util.get_operation_order_from_stack is before
+    assert not getattr(importlib.import_module("pyinfra.api.operation").get_operation_order_from_stack,
+                       "_gpufleet_speedup", False) or getattr(before, "_gpufleet_speedup", False)
+
+
+def test_frames_of_this_test_are_counted_like_pyinfras(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No deploy file, walked from here: every frame outside pyinfra's directory counts, pytest's included.
+    monkeypatch.setattr(pyinfra, "is_cli", False)
+    state = SimpleNamespace(current_deploy_filename=None, current_op_file_number=0)
+    original = pyinfras_own("pyinfra.api.util.get_operation_order_from_stack")
+    assert pyinfra_speedups.operation_order(state, sys._getframe()) == original(state)
+
+
+# Operations called in an order only the stack walk gets right (by line alone `second` would come last); each runs
+# `true` on this machine.
+ORDERED_DEPLOY = '''\
+import os
+
+from pyinfra.operations import server
+
+from gpufleet.deploys import pyinfra_speedups
+
+if os.environ.get("SPEEDUPS"):
+    assert pyinfra_speedups.install(), "the speedups must be active in this run"
+
+
+def second(n):
+    server.shell(name=f"second {n}", commands=["true"])
+
+
+def first():
+    server.shell(name="first", commands=["true"])
+    for n in range(2):
+        second(n)
+    server.shell(name="third", commands=["true"])
+
+
+first()
+server.shell(name="fourth", commands=["true"])
+'''
+
+
+def test_a_real_pyinfra_run_orders_operations_the_same(tmp_path: Path) -> None:
+    deploy = tmp_path / "deploy.py"
+    deploy.write_text(ORDERED_DEPLOY)
+
+    def operations(speedups: bool) -> list[str]:
+        env = {**os.environ, "SPEEDUPS": "1" if speedups else ""}
+        proc = subprocess.run([sys.executable, "-m", "pyinfra", "-y", "@local", str(deploy)],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return [line.split("Starting operation:", 1)[1].strip() for line in (proc.stdout + proc.stderr).splitlines()
+                if "Starting operation:" in line]
+
+    assert operations(speedups=False) == operations(speedups=True) == [
+        "first", "second 0", "second 1", "third", "fourth"]
