@@ -6,6 +6,7 @@ on the running service. Preflight refusals use fresh hosts so "untouched" can be
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
@@ -15,7 +16,9 @@ import pytest
 from tests.integration.pyinfra_results import changed_ops, changes, results
 from tests.integration.pyinfra_run import run_deploy
 
+from gpufleet.operations.nvidia import VERSION_FILE
 from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, H200x1, H200x3
+from gpufleet.sandbox.nvidia_smi import HOST_PROFILE
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO / "deploys" / "qwen35.py")
@@ -121,7 +124,51 @@ def test_foreign_daemon_json_keys_survive(converged, test_hosts, fleet):
 def test_second_converge_changes_nothing(converged, inventory_json, names, pyinfra, tmp_path):
     out = deploy(pyinfra, write_inventory(tmp_path, inventory_json, names)).stdout
     assert changes(out) == 0, changed_ops(out)
-    assert results(out)["Grand total"][0] == str(16 * len(names))
+    assert results(out)["Grand total"][0] == str(17 * len(names))
+
+
+def put_file(fleet, host, path: str, content: bytes) -> None:
+    """Write content to path in place (its owner and mode stay), as a hand edit does."""
+    fleet.run_in(host, f"echo {base64.b64encode(content).decode()} | base64 -d > {path}")
+
+
+def set_driver(fleet, host, profile: bytes, driver: str, cuda: str) -> None:
+    """The host's stand-in nvidia-smi answers for another driver from now on, as after a driver install."""
+    put_file(fleet, host, HOST_PROFILE, json.dumps({**json.loads(profile), "driver": driver, "cuda": cuda}).encode())
+
+
+def test_the_driver_version_file_spares_a_call_and_follows_the_driver(converged, test_hosts, inventory_json, names,
+                                                                     pyinfra, fleet, tmp_path):
+    a = test_hosts[0]
+    for host in test_hosts:  # written by the first converge: what the stand-in answers, root's, 0644
+        assert fleet.read_file(host, VERSION_FILE).decode() == sh(fleet, host, "nvidia-smi --version")
+        assert sh(fleet, host, f"stat -c '%U %G %a' {VERSION_FILE}").strip() == "root root 644"
+    inv = write_inventory(tmp_path, inventory_json, [a.name])
+    profile, recorded = fleet.read_file(a, HOST_PROFILE), fleet.read_file(a, VERSION_FILE)
+    calls = "/tmp/nvidia-smi-calls"
+    # Each nvidia-smi call logged on the host: a no-op converge asks for the GPUs, never again for the version.
+    fleet.run_in(a, f"rm -f {calls}; sed -i '1a echo \"$1\" >> {calls}' /usr/bin/nvidia-smi")
+    try:
+        assert changes(deploy(pyinfra, inv).stdout) == 0
+        assert [c.split("=")[0] for c in sh(fleet, a, f"cat {calls}").split()] == ["--query-gpu"]
+        # A driver too old for the image, on a host whose file names the newer one: preflight sees the old one.
+        set_driver(fleet, a, profile, "535.104.05", "12.2")
+        proc = deploy(pyinfra, inv, check=False)
+        assert proc.returncode != 0
+        assert re.search(rf"{a.name}: driver 535\.104\.05 supports CUDA 12\.2, the image needs CUDA >= 13\.0",
+                         proc.stdout), proc.stdout[-2000:]
+        assert fleet.read_file(a, VERSION_FILE) == recorded  # refused: nothing changed
+        # A newer driver: the run proceeds and records it; the next converge is a no-op again.
+        set_driver(fleet, a, profile, "590.48.01", "13.1")
+        out = deploy(pyinfra, inv).stdout
+        assert changed_ops(out) == {"Record the NVIDIA driver's CUDA version": 1}, changed_ops(out)
+        assert "CUDA Version        : 13.1" in fleet.read_file(a, VERSION_FILE).decode()
+        assert fleet.read_file(a, VERSION_FILE).decode() == sh(fleet, a, "nvidia-smi --version")
+        assert changes(deploy(pyinfra, inv).stdout) == 0
+    finally:  # the module's later tests expect the converged host as it was
+        fleet.run_in(a, f"sed -i '2d' /usr/bin/nvidia-smi; rm -f {calls}")
+        put_file(fleet, a, HOST_PROFILE, profile)
+        put_file(fleet, a, VERSION_FILE, recorded)
 
 
 def test_a_rotated_nvidia_key_is_replaced(converged, test_hosts, inventory_json, names, pyinfra, fleet, tmp_path):

@@ -24,7 +24,7 @@ from gpufleet.facts.host import HostSnapshot
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion
 from gpufleet.health.check import Expected
 from gpufleet.operations.docker import CE_PACKAGES
-from gpufleet.operations.nvidia import PACKAGE
+from gpufleet.operations.nvidia import PACKAGE, VERSION_FILE
 from gpufleet.unit import unit_name
 
 KEY = ("-----BEGIN PGP PUBLIC KEY BLOCK-----\n\n" + base64.b64encode(b"key" * 40).decode()
@@ -32,6 +32,7 @@ KEY = ("-----BEGIN PGP PUBLIC KEY BLOCK-----\n\n" + base64.b64encode(b"key" * 40
 DATA = {"docker_install": "docker-ce", "vllm_api_key": "sk-test", "vllm_hf_token": "hf_test",
         "vllm_image": "reg:5000/vllm/vllm-openai:nightly"}
 REF = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
+VERSION = "NVIDIA-SMI version  : 580.159.04\nDRIVER version      : 580.159.04\nCUDA Version        : 13.0\n"
 
 
 def bare_but_installed() -> HostSnapshot:
@@ -41,7 +42,7 @@ def bare_but_installed() -> HostSnapshot:
                 80.0, 700.0) for i in range(3)]
     installed = [*CE_PACKAGES, PACKAGE, "curl", "ca-certificates"]
     return HostSnapshot(os={"ID": "debian", "VERSION_CODENAME": "bookworm"}, arch="amd64", nvidia_smi=True,
-                        gpus=gpus, driver=NvidiaVersion("580.159.04", "13.0"),
+                        gpus=gpus, driver=NvidiaVersion("580.159.04", "13.0"), driver_output=VERSION,
                         packages=dict.fromkeys(installed, "1"), nvidia_key=KEY, docker_key=KEY,
                         daemon_json={"runtimes": {"nvidia": {}}},
                         units={"docker.service": ("active", "enabled")})
@@ -87,7 +88,8 @@ def writes(ops: list[tuple[str, list[Any]]]) -> tuple[dict[str, bytes], list[str
 def test_every_path_an_operation_writes_is_read_by_the_snapshot(monkeypatch):
     plan, ops = prepare(bare_but_installed(), monkeypatch)
     files, dirs = writes(ops)
-    assert {plan.layout.unit_file, plan.layout.env_file, "/etc/apt/keyrings/docker.asc"} <= set(files)
+    assert {plan.layout.unit_file, plan.layout.env_file, "/etc/apt/keyrings/docker.asc", VERSION_FILE} <= set(files)
+    assert plan.paths.nvidia_version_file == VERSION_FILE and files[VERSION_FILE] == VERSION.encode()
     assert set(files) <= set(plan.paths.files), set(files) - set(plan.paths.files)
     assert plan.layout.models_dir in dirs and plan.layout.hf_cache in dirs
     assert set(dirs) <= set(plan.paths.dirs), set(dirs) - set(plan.paths.dirs)
@@ -236,3 +238,25 @@ def test_a_renamed_service_takes_over_the_ledger_of_the_one_service_on_its_port(
     migrated = '{"current": {"image": "%s", "ref": "%s", "pinned_at": "t0"}, "history": []}' % (old.image, old.ref)
     snap.ledger_text, snap.other_ledgers = None, {"/var/lib/gpufleet/vllm-qwen35.json": migrated}
     assert host_ledger(snap, plan) == Ledger()  # the old format has no port: not taken for a rename
+
+
+def test_the_driver_version_is_recorded_right_after_the_nvidia_steps_and_only_when_read_live(monkeypatch):
+    names = [name for name, _ in prepare(bare_but_installed(), monkeypatch)[1]]
+    at = names.index("Record the NVIDIA driver's CUDA version")
+    assert names[at - 1] == "Register the nvidia runtime with Docker"
+    from_file = bare_but_installed()
+    from_file.driver_output, from_file.driver_from_file = None, True
+    ops = dict(prepare(from_file, monkeypatch)[1])
+    assert ops["Record the NVIDIA driver's CUDA version"] == []
+
+
+def test_preflight_holds_the_driver_to_the_cuda_version_wherever_it_was_read():
+    plan = plan_for("gpu1", DATA)
+    for from_file in (False, True):
+        snap = bare_but_installed()
+        snap.free_kib.update(docker=10**9, models=10**9)
+        snap.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
+        snap.driver, snap.driver_from_file = NvidiaVersion("535.104.05", "12.2"), from_file
+        snap.driver_output = None if from_file else VERSION.replace("580.159.04", "535.104.05").replace("13.0", "12.2")
+        (line,) = check_host("gpu1", snap, plan)
+        assert "driver 535.104.05 supports CUDA 12.2, the image needs CUDA >= 13.0" in line

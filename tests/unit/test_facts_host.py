@@ -16,8 +16,9 @@ import pytest
 from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts import host as host_fact
-from gpufleet.facts.host import (MARK, PACKAGES, GpufleetHost, HostSnapshot, Paths, ServiceUnit, parse_snapshot,
-                                 snapshot_command)
+from gpufleet.facts.host import (DRIVER_FILE, MARK, PACKAGES, GpufleetHost, HostSnapshot, Paths, ServiceUnit,
+                                 parse_snapshot, snapshot_command)
+from gpufleet.facts.nvidia import GPU_FIELDS, NvidiaVersion
 from gpufleet.operations.image import image_present
 from tests.ports import free_port
 
@@ -26,7 +27,8 @@ DOCKER_API = Path(__file__).parent.parent / "fixtures" / "docker-api"
 PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model_dir="/srv/vllm/models/qwen3.5-awq",
               dirs=("/var/cache/vllm/qwen35/vllm", "/srv/vllm/models"), files=("/etc/a", "/etc/b"),
               state_file="/var/lib/gpufleet/vllm-qwen35.json", env_file="/etc/gpufleet/vllm-qwen35.env", port=5000,
-              nvidia_key_url="http://repo/gpgkey", docker_repo_url=None)
+              nvidia_key_url="http://repo/gpgkey", docker_repo_url=None,
+              nvidia_version_file="/var/lib/gpufleet/nvidia-version")
 
 
 def fixture(kind: str, name: str) -> list[str]:
@@ -506,3 +508,123 @@ def test_docker_space_is_measured_at_data_root(tmp_path, monkeypatch, daemon_jso
         expected = os.path.dirname(expected)
     assert snap.free_path["docker"] == expected and snap.free_kib["docker"] > 0 and snap.free_kib["models"] > 0
     assert snap.os["ID"]
+
+
+# --- the driver's version file: one nvidia-smi call per snapshot while the driver stays -----------------------
+VERSION = (NV / "h200-2gpu" / "version.txt").read_text()
+OLD_VERSION = VERSION.replace("580.159.04", "535.104.05").replace("580.159", "535.104").replace("13.0", "12.2")
+
+
+def test_the_driver_read_live_is_kept_as_the_version_files_content():
+    snap = parse_snapshot(healthy())
+    assert snap.driver == NvidiaVersion("580.159.04", "13.0") and not snap.driver_from_file
+    assert snap.driver_output == VERSION
+
+
+def test_the_driver_read_from_the_version_file_is_parsed_alike_and_marked():
+    lines = healthy(driver=[])
+    at = lines.index(MARK + "driver")
+    lines[at:at + 1] = [MARK + DRIVER_FILE, *VERSION.splitlines()]
+    snap = parse_snapshot(lines)
+    assert snap.driver == NvidiaVersion("580.159.04", "13.0") and snap.driver_from_file
+    assert snap.driver_output is None  # nothing to write: the file is what said it
+
+
+def fake_nvidia_smi(tmp_path: Path, query: str, rc: int = 0) -> None:
+    """A stand-in nvidia-smi that logs each call's first argument and answers the GPU query with `query` (exit rc) and
+    --version with the recorded H200's answer."""
+    (tmp_path / "query").write_text(query)
+    (tmp_path / "version").write_text(VERSION)
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\necho \"$1\" >> {tmp_path}/calls\n"
+                    f"case $1 in --version) cat {tmp_path}/version;; *) cat {tmp_path}/query; exit {rc};; esac\n")
+    fake.chmod(0o755)
+
+
+def snapshot_with(tmp_path: Path, version_file: str | None) -> tuple[HostSnapshot, list[str]]:
+    """The real snapshot command in the local sh, the stand-in first on PATH; the nvidia-smi calls it made."""
+    calls = tmp_path / "calls"
+    calls.unlink(missing_ok=True)
+    paths = dataclasses.replace(PATHS, nvidia_version_file=version_file, nvidia_key_url="http://127.0.0.1:9/gpgkey",
+                                port=9)  # nothing listens: curl gives up at once
+    env = {"PATH": f"{tmp_path}:/usr/sbin:/usr/bin:/sbin:/bin"}
+    out = subprocess.run(["sh", "-c", snapshot_command(paths)], env=env, capture_output=True, text=True, timeout=60)
+    return parse_snapshot(out.stdout.splitlines()), calls.read_text().split() if calls.exists() else []
+
+
+QUERY = (NV / "h200-2gpu" / "query-gpu.csv").read_text()
+LIVE = [f"--query-gpu={','.join(GPU_FIELDS)}", "--version"]  # the stand-in logs each call's first argument
+
+
+def test_a_version_file_naming_the_driver_spares_the_version_call(tmp_path):
+    fake_nvidia_smi(tmp_path, QUERY)
+    version_file = tmp_path / "nvidia-version"
+    snap, calls = snapshot_with(tmp_path, str(version_file))  # no file yet: asked live
+    assert calls == LIVE and snap.driver == NvidiaVersion("580.159.04", "13.0") and snap.driver_output == VERSION
+    version_file.write_text(snap.driver_output)  # what the version_file operation writes
+    snap, calls = snapshot_with(tmp_path, str(version_file))
+    assert calls == LIVE[:1], calls
+    assert snap.driver == NvidiaVersion("580.159.04", "13.0") and snap.driver_from_file and len(snap.gpus) == 2
+    assert snap.nvidia_error is None and snap.driver_output is None
+
+
+def test_a_version_file_of_another_driver_is_not_believed(tmp_path):
+    # The driver was upgraded since the file was written: the CUDA version it names is the old driver's.
+    fake_nvidia_smi(tmp_path, QUERY)
+    (tmp_path / "nvidia-version").write_text(OLD_VERSION)
+    snap, calls = snapshot_with(tmp_path, str(tmp_path / "nvidia-version"))
+    assert calls == LIVE and snap.driver == NvidiaVersion("580.159.04", "13.0") and not snap.driver_from_file
+    assert snap.driver_output == VERSION  # to be written
+    # ... and the other way: a downgrade to a driver too old for the image shows its own CUDA version.
+    fake_nvidia_smi(tmp_path, QUERY.replace("580.159.04", "535.104.05"))
+    (tmp_path / "version").write_text(OLD_VERSION)
+    (tmp_path / "nvidia-version").write_text(VERSION)
+    snap, calls = snapshot_with(tmp_path, str(tmp_path / "nvidia-version"))
+    assert calls == LIVE and snap.driver == NvidiaVersion("535.104.05", "12.2")
+
+
+@pytest.mark.parametrize("content", [
+    None,  # no file
+    "",
+    VERSION.replace("CUDA Version        : 13.0\n", ""),  # cut short
+    VERSION.replace(": 13.0", ": thirteen"),
+    VERSION.replace("DRIVER version      : 580.159.04", "DRIVER version      : 580.159.041"),
+    VERSION.replace("DRIVER", "driver"),
+    VERSION + VERSION,  # two answers: not what nvidia-smi says
+], ids=["missing", "empty", "no-cuda-line", "cuda-not-a-version", "longer-driver", "renamed-key", "twice"])
+def test_a_missing_or_garbled_version_file_means_asking_nvidia_smi(tmp_path, content):
+    fake_nvidia_smi(tmp_path, QUERY)
+    if content is not None:
+        (tmp_path / "nvidia-version").write_text(content)
+    snap, calls = snapshot_with(tmp_path, str(tmp_path / "nvidia-version"))
+    assert calls == LIVE and snap.driver == NvidiaVersion("580.159.04", "13.0") and snap.driver_output == VERSION
+
+
+def test_no_version_file_setting_always_asks(tmp_path):
+    fake_nvidia_smi(tmp_path, QUERY)
+    (tmp_path / "nvidia-version").write_text(VERSION)
+    assert snapshot_with(tmp_path, None)[1] == LIVE
+
+
+def test_a_failing_gpu_query_is_reported_whatever_the_version_file_says(tmp_path):
+    # A broken driver must surface: the file's driver is never taken for the GPU query's.
+    failed = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"
+    fake_nvidia_smi(tmp_path, failed, rc=9)
+    (tmp_path / "nvidia-version").write_text(VERSION)
+    snap, calls = snapshot_with(tmp_path, str(tmp_path / "nvidia-version"))
+    assert calls == LIVE and "couldn't communicate with the NVIDIA driver" in snap.nvidia_error
+    assert snap.driver is None and snap.driver_output is None and not snap.driver_from_file
+
+
+def test_no_gpu_means_no_driver_to_record(tmp_path):
+    fake_nvidia_smi(tmp_path, "No devices were found\n", rc=6)
+    (tmp_path / "nvidia-version").write_text(VERSION)
+    snap, calls = snapshot_with(tmp_path, str(tmp_path / "nvidia-version"))
+    assert calls == LIVE and snap.gpus == [] and snap.nvidia_error is None and snap.driver_output is None
+
+
+def test_the_version_file_is_read_with_shell_builtins_only():
+    command = snapshot_command(PATHS)
+    lines = [line for line in command.splitlines() if "nvidia-version" in line]
+    # No program, no subshell, no pipe: a hit costs the host nothing but the shell's own reads.
+    assert len(lines) == 1 and not any(word in lines[0] for word in ("cat ", "$(", "`", " | ", "grep", "sed"))

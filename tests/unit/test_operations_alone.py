@@ -9,8 +9,9 @@ from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, S
 from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.facts.host import HostSnapshot
+from gpufleet.facts.nvidia import NvidiaVersion
 from gpufleet.ledger import Committed, Ledger, Version
-from gpufleet.operations import image, service
+from gpufleet.operations import image, nvidia, service
 from gpufleet.operations.layout import state_file
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.service import env_content
@@ -67,3 +68,25 @@ def test_unit_renders_the_digest_resolved_while_executing_over_the_recorded_one(
                          state_file=state_file("v"))
     (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
     assert upload.src.getvalue().decode() == render_unit(spec, RESOLVED)
+
+
+VERSION = "NVIDIA-SMI version  : 580.159.04\nDRIVER version      : 580.159.04\nCUDA Version        : 13.0\n"
+
+
+def test_version_file_records_what_nvidia_smi_answered_live_when_the_file_differs():
+    live = HostSnapshot(nvidia_smi=True, driver=NvidiaVersion("580.159.04", "13.0"), driver_output=VERSION)
+    mkdir, upload = run_alone(nvidia.version_file, live)
+    assert mkdir.get_raw_value() == "install -d -m 755 /var/lib/gpufleet"  # a host gpufleet never converged
+    assert isinstance(upload, FileUploadCommand) and upload.dest == nvidia.VERSION_FILE == "/var/lib/gpufleet/nvidia-version"
+    assert upload.src.getvalue() == VERSION.encode() and upload.mode == "644"
+    live.file_sha256[nvidia.VERSION_FILE] = hashlib.sha256(b"DRIVER version : 535.104.05\n").hexdigest()
+    assert len(run_alone(nvidia.version_file, live)) == 2  # another driver's answer is replaced
+    live.file_sha256[nvidia.VERSION_FILE] = hashlib.sha256(VERSION.encode()).hexdigest()
+    assert run_alone(nvidia.version_file, live) == []
+
+
+def test_version_file_writes_nothing_when_read_from_it_or_without_a_usable_answer():
+    from_file = HostSnapshot(nvidia_smi=True, driver=NvidiaVersion("580.159.04", "13.0"), driver_from_file=True)
+    broken = HostSnapshot(nvidia_smi=True, nvidia_error="nvidia-smi failed: NVIDIA-SMI has failed")
+    for snap in (from_file, broken, HostSnapshot()):  # HostSnapshot(): no nvidia-smi
+        assert run_alone(nvidia.version_file, snap) == []

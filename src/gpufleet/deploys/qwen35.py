@@ -59,7 +59,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
     paths = Paths(
         service=spec.service, models_dir=layout.models_dir, model_dir=layout.model_dir, dirs=managed.dirs,
         files=managed.files, state_file=layout.state_file, env_file=layout.env_file, port=spec.port,
-        nvidia_key_url=nvidia.key_url(s["nvidia_repo_url"]),
+        nvidia_key_url=nvidia.key_url(s["nvidia_repo_url"]), nvidia_version_file=nvidia.VERSION_FILE,
         docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
     )
     return Plan(spec, s, layout, paths)
@@ -162,6 +162,7 @@ def deploy_qwen35() -> None:
     nvidia.repository(name="Add the NVIDIA container toolkit apt repository", repo_url=s["nvidia_repo_url"])
     nvidia.toolkit(name="Install the NVIDIA container toolkit")
     runtime = nvidia.docker_runtime(name="Register the nvidia runtime with Docker")
+    nvidia.version_file(name="Record the NVIDIA driver's CUDA version")
     docker.running(name="Start the Docker engine")
     docker.restarted(name="Restart Docker to load its new configuration", _if=runtime.did_change)
 

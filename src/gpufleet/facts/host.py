@@ -10,8 +10,9 @@ readiness probe. Sections are separated by marker lines; process() only parses.
 
 Its cost is paid on every host at every converge, and the hosts' CPU is what a fleet converge waits for: so it
 starts few programs. Docker's images and containers come from the Engine API through the one curl that reads
-everything else over HTTP (the docker CLI costs more CPU than the rest of the snapshot but nvidia-smi), and small
-pipelines are one program each.
+everything else over HTTP (the docker CLI costs more CPU than the rest of the snapshot but nvidia-smi), small
+pipelines are one program each, and nvidia-smi runs once, not twice, while the driver's version file (driver_lines)
+names the driver its GPU query reports.
 
 The command is read-only: nothing on the host changes (preflight relies on that). Every program in it that can
 hang on a broken host (nvidia-smi on a wedged driver, systemctl waiting on its daemon, df on a dead mount) runs
@@ -44,6 +45,8 @@ DAEMON_JSON = "/etc/docker/daemon.json"
 DOCKER_SOCKET = "/var/run/docker.sock"
 # The sections of the Engine API's answers (the docker CLI's, on a host without curl, are "images" and "running").
 DOCKER_IMAGES, DOCKER_CONTAINERS = "docker_images", "docker_containers"
+# The section of `nvidia-smi --version` when read from Paths.nvidia_version_file instead of nvidia-smi.
+DRIVER_FILE = "driver_file"
 # Seconds any one program in the snapshot may take (nvidia-smi starts slowly on drivers without persistence mode;
 # a healthy host answers everything in well under a second). `timeout` exits 124 when it cut the program off, and
 # 128+9 when the program ignored SIGTERM and had to be killed (-k): both mean "did not answer in time".
@@ -73,6 +76,9 @@ class Paths:
     port: int
     nvidia_key_url: str
     docker_repo_url: str | None  # docker-ce only: its key lives at <url>/<os id>/gpg
+    # `nvidia-smi --version` as last read live (gpufleet.operations.nvidia writes it): printed instead of running
+    # it again while it names the driver the GPU query reports. None: always ask nvidia-smi.
+    nvidia_version_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,10 @@ class HostSnapshot:
     nvidia_smi: bool = False  # nvidia-smi is on PATH
     gpus: list[Gpu] = field(default_factory=list)
     driver: NvidiaVersion | None = None
+    # `nvidia-smi --version` as it answered now; None when not asked (the version file named the same driver) or
+    # when its answer was unusable. What the version file must hold.
+    driver_output: str | None = None
+    driver_from_file: bool = False  # driver came from Paths.nvidia_version_file, not from nvidia-smi
     nvidia_error: str | None = None  # nvidia-smi present but its output unusable
     daemon_json: dict[str, Any] | None = None  # None: no file
     daemon_json_error: str | None = None
@@ -192,11 +202,13 @@ def snapshot_command(paths: Paths) -> str:
         # Leading newline: a file without a final newline (json.dump writes none) must not swallow the marker.
         return f"printf '\\n{MARK}{name}\\n'"
 
+    timed_out = "|".join(map(str, TIMED_OUT))
+
     def nvidia(name: str, query: str) -> str:
         # rc and stderr are kept: a broken driver must surface as a message, not as "no GPUs".
         # After a timeout the driver is wedged: skip the other queries (each would wait as long again).
         return (f"{section(name)}; if [ $nv = 1 ]; then $t {query} 2>&1; r=$?; echo \"@@rc $r\"; "
-                f"case $r in {'|'.join(map(str, TIMED_OUT))}) nv=0;; esac; fi")
+                f"case $r in {timed_out}) nv=0;; esac; fi")
 
     def cat(path: str, then: str = "") -> str:
         # A small file printed with shell builtins (one program less than cat); `|| [ -n ... ]` keeps a last line
@@ -245,8 +257,11 @@ def snapshot_command(paths: Paths) -> str:
         f"{section('os')}; {cat('/etc/os-release')}",
         f"{section('arch')}; dpkg --print-architecture 2>/dev/null || uname -m",
         f"{section('nvidia_smi')}; echo $nv",
-        nvidia("gpus", QUERY_GPUS),
-        nvidia("driver", QUERY_VERSION),
+        # The GPU query's output is kept ($g) for its first row's driver_version (the 7th field: GPU_FIELDS).
+        f"{section('gpus')}; gd=; if [ $nv = 1 ]; then g=$($t {QUERY_GPUS} 2>&1); r=$?; "
+        f"printf '%s\\n@@rc %s\\n' \"$g\" \"$r\"; case $r in {timed_out}) nv=0;; 0) gd=${{g%%\"$nl\"*}}; "
+        "gd=${gd#*, *, *, *, *, *, }; gd=${gd%%,*}; case $gd in ''|*[!0-9.]*) gd=;; esac;; esac; fi",
+        *driver_lines(paths.nvidia_version_file, nvidia("driver", QUERY_VERSION)),
         f"{section('daemon_json')}; dr=; {cat(DAEMON_JSON, 'case $l in *data-root*) dr=1;; esac; ')}",
         # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon (sed only
         # when a line names it: most files do not).
@@ -308,6 +323,26 @@ def snapshot_command(paths: Paths) -> str:
     return "\n".join(lines)
 
 
+def driver_lines(version_file: str | None, live: str) -> list[str]:
+    """The snapshot's driver section: `live` (nvidia-smi --version), or the version file's lines when it names the
+    driver the GPU query just reported ($gd) with a CUDA version. The CUDA version nvidia-smi reports comes with
+    the driver (its libcuda), so it changes only with the driver; one nvidia-smi call less per converge, each
+    costing the host more CPU than most of the snapshot. Shell builtins only: no program runs for a file hit.
+    A file that names another driver, lacks a line or is missing means asking nvidia-smi, as without the file.
+    """
+    if version_file is None:
+        return [live]
+    # vk collects "d" for the matching DRIVER line and "c" for a numeric CUDA line: "dc", in nvidia-smi's order.
+    return [
+        f"vf=; vk=; if [ -n \"$gd\" ]; then while IFS= read -r l || [ -n \"$l\" ]; do vf=$vf$l$nl; case $l in "
+        "'DRIVER version'*:*) [ \"${l##* }\" = \"$gd\" ] && vk=${vk}d;; "
+        "'CUDA Version'*:*) case ${l##* } in ''|*[!0-9.]*) ;; *) vk=${vk}c;; esac;; esac; "
+        f"done 2>/dev/null < {shlex.quote(version_file)}; fi",
+        # The live branch first: a line is timed under its first marker's section (bench/noop_breakdown.py).
+        f"if [ \"$vk\" != dc ]; then {live}; else printf '\\n{MARK}{DRIVER_FILE}\\n%s' \"$vf\"; fi",
+    ]
+
+
 def split_sections(lines: list[str]) -> dict[str, list[str]]:
     sections: dict[str, list[str]] = {}
     current = None
@@ -353,7 +388,12 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
                 snap.gpus = parse_gpus(gpus)
                 if rc:
                     raise FactProcessError(f"nvidia-smi --query-gpu exited {rc}")
-                snap.driver = parse_version(_nvidia_section(s.get("driver", []))[0])
+                if DRIVER_FILE in s:
+                    snap.driver, snap.driver_from_file = parse_version(s[DRIVER_FILE]), True
+                else:
+                    driver = _nvidia_section(s.get("driver", []))[0]
+                    snap.driver = parse_version(driver)
+                    snap.driver_output = "\n".join(driver) + "\n"
         except FactProcessError as error:
             snap.nvidia_error = str(error)
     text = "\n".join(s.get("daemon_json", [])).strip()

@@ -1,4 +1,5 @@
-"""NVIDIA container toolkit: signed apt repo, package, and Docker's nvidia runtime (merged into daemon.json)."""
+"""NVIDIA container toolkit: signed apt repo, package, and Docker's nvidia runtime (merged into daemon.json); the
+driver's version file, which spares the host snapshot one nvidia-smi call."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ from pyinfra.operations import apt
 
 from gpufleet.facts.host import DAEMON_JSON
 from gpufleet.operations.files import as_io, put_content, replace_command, temp_path
-from gpufleet.operations.layout import Layout, Managed
+from gpufleet.operations.layout import STATE_DIR, Layout, Managed
 from gpufleet.operations.remote import Commands, use_sudo
 from gpufleet.operations.snapshot import snapshot
 
 KEYRING = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
 LIST = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
 PACKAGE = "nvidia-container-toolkit"
+# `nvidia-smi --version` as the snapshot last read it live (gpufleet.facts.host.driver_lines reads it back). Not
+# *.json: the snapshot takes the state dir's JSON files for ledgers.
+VERSION_FILE = f"{STATE_DIR}/nvidia-version"
 
 
 def managed(layout: Layout) -> Managed:
-    return Managed(files=(KEYRING, LIST))
+    return Managed(files=(KEYRING, LIST, VERSION_FILE))
 
 
 def key_url(repo_url: str) -> str:
@@ -110,6 +114,25 @@ def docker_runtime() -> Commands:
         return
     # Only when missing: nvidia-ctk rewrites the file, so running it every time would churn and restart Docker.
     yield StringCommand(configure_runtime_command())
+
+
+@operation()
+def version_file() -> Commands:
+    """Record the driver's version and CUDA version on the host: the next snapshots print the file instead of
+    running `nvidia-smi --version`, for as long as the GPU query reports the driver it names."""
+    snap = snapshot()
+    if snap.driver_output is None:
+        if snap.driver_from_file and snap.driver is not None:
+            host.noop(f"{VERSION_FILE} names driver {snap.driver.driver_version}, the one the GPUs report")
+        else:
+            host.noop("no usable `nvidia-smi --version` on this host: nothing to record")
+        return
+    changed = False
+    for command in put_content(VERSION_FILE, snap.driver_output):
+        changed = True
+        yield command
+    if not changed:
+        host.noop(f"{VERSION_FILE} holds what nvidia-smi --version answered")
 
 
 def configure_runtime_command(path: str = DAEMON_JSON) -> str:
