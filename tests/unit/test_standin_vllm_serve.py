@@ -1,9 +1,11 @@
-"""The stand-in `vllm serve` on loopback: argparse rejections, loading, endpoints, auth, prefix caching, death."""
+"""The stand-in `vllm serve` on loopback: argparse rejections, loading, endpoints, auth, prefix caching, death, keep-alive."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -304,3 +306,111 @@ def test_misbehaving_modes_are_what_the_health_checks_call_misconfigured(server,
     report = check(LoopbackTransport(s.proc), Expected("vllm", s.port, "m"), timeout_s=5)
     assert report.state is HealthState.MISCONFIGURED, report.detail
     assert report.detail.startswith(detail), report.detail
+
+
+# --- keep-alive, as uvicorn: the host snapshot's curl --next asks /health, /v1/models and /metrics on one connection
+def _ask(conn: http.client.HTTPConnection, method: str, path: str, body: dict | bytes | None = None, **headers: str):
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    conn.request(method, path, body=data, headers=headers)
+    r = conn.getresponse()
+    return r.status, r.read(), r
+
+
+def test_one_connection_carries_every_request(server):
+    s = server("--served-model-name", "m", env={"VLLM_API_KEY": "sekrit"}).wait()
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=5)
+    auth = {"Authorization": "Bearer sekrit"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert _ask(conn, "GET", "/health")[0] == 200
+    sock = conn.sock
+    assert json.loads(_ask(conn, "GET", "/v1/models", **auth)[1])["data"][0]["id"] == "m"
+    assert b"vllm:cache_config_info{" in _ask(conn, "GET", "/metrics")[1]
+    assert json.loads(_ask(conn, "POST", "/v1/chat/completions", chat, **auth)[1])["usage"]["completion_tokens"] == 2
+    # answers given before the body was looked at still read it all: it must not be parsed as the next request
+    assert _ask(conn, "POST", "/v1/chat/completions", chat)[0] == 401
+    assert _ask(conn, "POST", "/v1/completions", chat, **auth)[0] == 404
+    assert _ask(conn, "POST", "/v1/chat/completions", b"{not json", **auth)[0] == 400
+    assert _ask(conn, "POST", "/v1/chat/completions", {**chat, "model": "x"}, **auth)[0] == 404
+    assert _ask(conn, "GET", "/nowhere")[0] == 404
+    status, body, r = _ask(conn, "GET", "/health")
+    assert (status, body, r.will_close) == (200, b"", False)
+    assert conn.sock is sock  # http.client reconnects when the server closes: it never had to
+
+
+def test_kept_alive_answers_are_not_delayed(server):
+    # Head and body written apart waited for the client's delayed ACK: ~40 ms a request on a kept-alive connection.
+    s = server("--served-model-name", "m").wait()
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=5)
+    start = time.monotonic()
+    for _ in range(30):
+        for path in ("/health", "/v1/models", "/metrics"):
+            assert _ask(conn, "GET", path)[0] == 200
+    assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.skipif(not shutil.which("curl"), reason="no curl here")
+def test_curl_next_asks_everything_on_one_connection(server):
+    s = server("--served-model-name", "m").wait()
+    out = subprocess.run(
+        ["curl", "-sv", "--max-time", "5", "-o", "/dev/null", "-w", "%{http_code}\\n", f"{s.base}/health",
+         "--next", "-s", "--max-time", "5", f"{s.base}/v1/models", "--next", "-s", "--max-time", "5", f"{s.base}/metrics"],
+        capture_output=True, text=True, timeout=20,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("200\n{") and "vllm:cache_config_info{" in out.stdout
+    assert out.stderr.count("Re-using existing connection") == 2
+    assert out.stderr.count("Connected to") == 1
+
+
+def test_streaming_closes_its_connection(server):
+    s = server("--served-model-name", "m").wait()
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=5)
+    assert _ask(conn, "GET", "/health")[0] == 200
+    body = {"model": "m", "stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    status, raw, r = _ask(conn, "POST", "/v1/chat/completions", body)
+    assert status == 200 and r.will_close and raw.endswith(b"data: [DONE]\n\n")
+    assert r.getheader("content-length") is None and r.getheader("connection") == "close"
+    assert _ask(conn, "GET", "/health")[0] == 200  # on a new connection
+
+
+def _exchange(port: int, data: bytes) -> bytes:
+    """What the server sends on one raw connection, up to its close."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_body_that_cannot_be_framed_closes_the_connection(server):
+    s = server("--served-model-name", "m").wait()
+    then = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"  # never answered: the connection closed before it
+    bad_length = _exchange(s.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: lots\r\n\r\n" + then)
+    assert bad_length.startswith(b"HTTP/1.1 400 ") and bad_length.count(b"HTTP/1.1") == 1
+    chunked = _exchange(
+        s.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n" + then
+    )
+    assert chunked.startswith(b"HTTP/1.1 404 ") and chunked.count(b"HTTP/1.1") == 1
+
+
+def test_idle_connections_are_dropped_and_do_not_delay_the_stop(server):
+    s = server("--served-model-name", "m", env={"STANDIN_KEEP_ALIVE_S": "0.5"}).wait()
+    idle = socket.create_connection(("127.0.0.1", s.port), timeout=5)  # never sends anything
+    answered = _exchange(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # returns once the server closes
+    assert answered.startswith(b"HTTP/1.1 200 ") and answered.endswith(b"\r\n\r\n")
+    assert idle.recv(1) == b""
+    kept = [http.client.HTTPConnection("127.0.0.1", s.port, timeout=5) for _ in range(3)]
+    for conn in kept:
+        assert _ask(conn, "GET", "/health")[0] == 200
+    start = time.monotonic()
+    s.proc.terminate()  # docker stop: SIGTERM, with kept-alive connections still open
+    assert s.proc.wait(5) == 0 and time.monotonic() - start < 1
+    log = s.proc.stdout.read()
+    assert "Traceback" not in log and "timed out" not in log
+
+
+def test_not_http_answers_one_line_then_closes(server):
+    s = server("--served-model-name", "m", env={"STANDIN_MISBEHAVE": "not-http"}).wait()
+    two = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert _exchange(s.port, two) == b"-ERR unknown command 'GET', with args beginning with: '/health'\r\n"

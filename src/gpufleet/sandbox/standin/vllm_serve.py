@@ -12,6 +12,8 @@ Behaves like vLLM where gpufleet depends on it:
 - nothing listens while the engine "loads" (STANDIN_LOAD_SECONDS, default 2): connections are refused;
 - then /health, /ping, /version, /metrics (vLLM's metric names), /v1/models and /v1/chat/completions (also SSE),
   with prefix caching simulated on block-aligned prefixes (tokens = UTF-8 bytes of the chat-formatted prompt);
+- HTTP/1.1 with keep-alive, as uvicorn: several requests on one connection (curl --next) are all answered on it,
+  and a connection idle for STANDIN_KEEP_ALIVE_S (default 5, uvicorn's) is closed;
 - VLLM_API_KEY or --api-key guards /v1/* (health, metrics, version stay open);
 - STANDIN_DIE_AFTER=S: the engine dies S seconds after serving starts (/health 503, then the server exits 1);
 - STANDIN_UNKNOWN_FLAGS=--a,--b: flags this "older vLLM" does not know (exit 2 if used);
@@ -41,6 +43,7 @@ FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS") or next(
 ))
 VERSION = os.environ.get("STANDIN_VLLM_VERSION", "0.32.0")
 MISBEHAVE = os.environ.get("STANDIN_MISBEHAVE", "")
+KEEP_ALIVE_S = float(os.environ.get("STANDIN_KEEP_ALIVE_S", "5"))  # uvicorn's default --timeout-keep-alive
 TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -313,19 +316,56 @@ class Handler(BaseHTTPRequestHandler):
     engine: Engine
     server_version = "uvicorn"
     sys_version = ""
+    # Keep-alive like uvicorn: every answer is framed (content-length, or connection: close) so the connection can
+    # carry the next request. A socket idle this long is dropped (a request stalled mid-way too), so idle clients
+    # do not keep threads forever.
+    protocol_version = "HTTP/1.1"
+    timeout = KEEP_ALIVE_S
+    # A response's head and body leave in one write (wfile is flushed after each request and each SSE event):
+    # written apart on a kept-alive connection, the body waited ~40 ms for the client's delayed ACK (Nagle).
+    # TCP_NODELAY, as asyncio sets it for uvicorn, covers a body larger than the buffer.
+    wbufsize = -1
+    disable_nagle_algorithm = True
 
     def handle(self) -> None:
         if MISBEHAVE != "not-http":
             super().handle()
             return
         # Another protocol on vLLM's port. The request is read first, so the close is clean, not a reset.
-        while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
-            pass
+        try:
+            while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
+                pass
+        except TimeoutError:
+            return
         self.wfile.write(b"-ERR unknown command 'GET', with args beginning with: '/health'\r\n")
         print("INFO:     answered a request with a line of another protocol (STANDIN_MISBEHAVE=not-http)", flush=True)
 
     def log_message(self, fmt: str, *args: Any) -> None:  # one access-log line per request, like uvicorn's
-        print(f'INFO:     {self.client_address[0]} - "{self.requestline}" {args[1] if len(args) > 1 else ""}', flush=True)
+        line = getattr(self, "requestline", "")
+        print(f'INFO:     {self.client_address[0]} - "{line}" {args[1] if len(args) > 1 else ""}', flush=True)
+
+    def log_error(self, fmt: str, *args: Any) -> None:
+        if args and isinstance(args[0], TimeoutError):
+            return  # an idle keep-alive connection timed out: uvicorn closes those silently
+        super().log_error(fmt, *args)
+
+    def _body(self) -> bytes | None:
+        """The request's body, read in full so that the next request on the connection starts where it should.
+
+        None when it cannot be framed: a 400 is sent and the connection closes. A chunked body is not read (the
+        stand-in never needed one): the request is answered as if it had none, then the connection closes.
+        """
+        if self.headers.get("transfer-encoding"):
+            self.close_connection = True
+            return b""
+        try:
+            length = int(self.headers.get("content-length") or 0)
+            if length < 0:
+                raise ValueError(length)
+        except ValueError:
+            self.send_error(400, "Invalid HTTP request received.")
+            return None
+        return self.rfile.read(length) if length else b""
 
     def _json(self, status: int, body: object) -> None:
         data = json.dumps(body).encode()
@@ -346,6 +386,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         e = self.engine
+        if self._body() is None:
+            return
         path = self.path.split("?", 1)[0]
         if path in ("/health", "/ping"):
             self.send_response(503 if e.dead else 200)
@@ -406,13 +448,17 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         e = self.engine
+        # Read before any answer, even a 404 or a 401: an unread body would be parsed as the next request.
+        body = self._body()
+        if body is None:
+            return
         if self.path.split("?", 1)[0] != "/v1/chat/completions":
             self._json(404, {"detail": "Not Found"})
             return
         if not self._authorised():
             return
         try:
-            req = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+            req = json.loads(body or b"{}")
         except json.JSONDecodeError as err:
             self._json(
                 400, {"error": {"message": f"JSON decode error: {err}", "type": "BadRequestError", "param": None, "code": 400}}
