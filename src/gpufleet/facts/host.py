@@ -210,11 +210,11 @@ def snapshot_command(paths: Paths) -> str:
         return (f"{section(name)}; if [ $nv = 1 ]; then $t {query} 2>&1; r=$?; echo \"@@rc $r\"; "
                 f"case $r in {timed_out}) nv=0;; esac; fi")
 
-    def cat(path: str, then: str = "") -> str:
-        # A small file printed with shell builtins (one program less than cat); `|| [ -n ... ]` keeps a last line
-        # without a newline. then: more shell run on each line ($l).
+    def cat(file: str, then: str = "") -> str:
+        # A small file (a shell word: a quoted path or "$f") printed with shell builtins (one program less than
+        # cat); `|| [ -n ... ]` keeps a last line without a newline. then: more shell run on each line ($l).
         return (f"while IFS= read -r l || [ -n \"$l\" ]; do printf '%s\\n' \"$l\"; {then}done 2>/dev/null "
-                f"< {q(path)}")
+                f"< {file}")
 
     port = int(paths.port)  # an int, never text, in the curl URLs below
     dirs = " ".join(q(d) for d in paths.dirs)
@@ -247,6 +247,7 @@ def snapshot_command(paths: Paths) -> str:
         docker_key, first_after_nvidia, docker_get = "", DOCKER_IMAGES, ""
     # The docker CLI is the fallback for a host without curl (the deploy installs curl): the same listings.
     no_curl = "! command -v curl >/dev/null && command -v docker >/dev/null &&"
+    cat_each_ledger = cat('"$f"')
     lines = [
         "export LC_ALL=C",
         # A newline, for cutting systemctl's output with the shell's own ${...%%...} (printf is a builtin).
@@ -254,7 +255,7 @@ def snapshot_command(paths: Paths) -> str:
         # -k: a program that ignores SIGTERM (nvidia-smi stuck in the kernel) is killed 2 s later.
         f"t='timeout -k 2 {COMMAND_TIMEOUT_S}'; command -v timeout >/dev/null 2>&1 || t=",
         "nv=0; command -v nvidia-smi >/dev/null 2>&1 && nv=1",
-        f"{section('os')}; {cat('/etc/os-release')}",
+        f"{section('os')}; {cat(q('/etc/os-release'))}",
         f"{section('arch')}; dpkg --print-architecture 2>/dev/null || uname -m",
         f"{section('nvidia_smi')}; echo $nv",
         # The GPU query's output is kept ($g) for its first row's driver_version (the 7th field: GPU_FIELDS).
@@ -262,7 +263,7 @@ def snapshot_command(paths: Paths) -> str:
         f"printf '%s\\n@@rc %s\\n' \"$g\" \"$r\"; case $r in {timed_out}) nv=0;; 0) gd=${{g%%\"$nl\"*}}; "
         "gd=${gd#*, *, *, *, *, *, }; gd=${gd%%,*}; case $gd in ''|*[!0-9.]*) gd=;; esac;; esac; fi",
         *driver_lines(paths.nvidia_version_file, nvidia("driver", QUERY_VERSION)),
-        f"{section('daemon_json')}; dr=; {cat(DAEMON_JSON, 'case $l in *data-root*) dr=1;; esac; ')}",
+        f"{section('daemon_json')}; dr=; {cat(q(DAEMON_JSON), 'case $l in *data-root*) dr=1;; esac; ')}",
         # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon (sed only
         # when a line names it: most files do not).
         "root=; [ -n \"$dr\" ] && "
@@ -277,10 +278,10 @@ def snapshot_command(paths: Paths) -> str:
         f"{' '.join(PACKAGES)} 2>/dev/null",
         f"{section('files')}; sha256sum {files} 2>/dev/null",  # a missing file is simply not listed
         # A marker line first: an empty ledger file is corrupt, a missing one is a host gpufleet never converged.
-        f"{section('state')}; [ -f {q(paths.state_file)} ] && echo @@present && cat {q(paths.state_file)}",
+        f"{section('state')}; [ -f {q(paths.state_file)} ] && echo @@present && {cat(q(paths.state_file))}",
         # The other services' ledgers: a renamed vllm_service finds its committed version (and old unit) there.
         f"{section('other_ledgers')}; for f in {q(posixpath.dirname(paths.state_file))}/*.json; do "
-        f"[ -f \"$f\" ] && [ \"$f\" != {q(paths.state_file)} ] && printf '\\n{MARK}ledger %s\\n' \"$f\" && cat \"$f\"; "
+        f"[ -f \"$f\" ] && [ \"$f\" != {q(paths.state_file)} ] && printf '\\n{MARK}ledger %s\\n' \"$f\" && {cat_each_ledger}; "
         "done",
         f"{section('images')}; {no_curl} $t docker images --digests --no-trunc "
         "--format '{{.Repository}}|{{.Tag}}|{{.Digest}}' 2>/dev/null",
