@@ -8,8 +8,8 @@ For each host count N:
 - cold: boot N fresh hosts, time `pyinfra -y INV deploys/qwen35.py`; boot N fresh hosts again, time the peer's
   `ansible-playbook` (each --cold-repeat times, fresh hosts each time);
 - no-op: on the peer's hosts, converge once more with gpufleet (so both tools' end states are on the hosts), then
-  run floor (`pyinfra -y INV exec -- true`), gpufleet no-op, Ansible no-op interleaved --repeat times (A B C A B C),
-  and report medians. Every no-op run must report zero changes (pyinfra's Grand total, Ansible's changed=0), or the
+  run floor (`pyinfra -y INV exec -- true`) and gpufleet no-op in --repeat adjacent pairs (which goes first
+  alternating: A B B A ...), then the Ansible no-op --repeat times, and report medians. Every no-op run must report zero changes (pyinfra's Grand total, Ansible's changed=0), or the
   bench stops.
 
 Boots its own fleet (bridge gf-bench, 10.213.3.0/24, state /var/lib/gpufleet/bench) with gpufleet.sandbox, so it
@@ -258,10 +258,18 @@ def measure(fleet: Fleet, runner: Runner, n: int, debs: list[Path], repeat: int,
     runner.gpufleet()
     must_be_noop("gpufleet", n, runner.gpufleet())
     must_be_noop("ansible", n, runner.ansible())
+    # The floor and gpufleet in adjacent pairs, which goes first alternating, and Ansible's runs after all pairs:
+    # an Ansible run loads the machine for tens of seconds after it ends (its forks, sudo lines, ControlPersist
+    # masters), which slowed whichever run came next, the floor, when the three ran A B C A B C.
     floor, gf, ans = [], [], []
+    for i in range(repeat):
+        if i % 2:
+            gf.append(must_be_noop("gpufleet", n, runner.gpufleet()))
+            floor.append(runner.floor())
+        else:
+            floor.append(runner.floor())
+            gf.append(must_be_noop("gpufleet", n, runner.gpufleet()))
     for _ in range(repeat):
-        floor.append(runner.floor())
-        gf.append(must_be_noop("gpufleet", n, runner.gpufleet()))
         ans.append(must_be_noop("ansible", n, runner.ansible()))
     row.update(floor=floor, gf_noop=gf, ans_noop=ans, sudo={
         "floor": runner.sudo_per_host(hosts, runner.floor),
@@ -284,17 +292,19 @@ def report(rows: list[dict], args: argparse.Namespace, load: tuple[str, str], st
         *([args.note, ""] if args.note else []),
         f"- floor: `pyinfra -y INV exec -- true`; gpufleet: `pyinfra -y INV deploys/qwen35.py`; ansible: "
         f"bench/ansible-peer/playbook.yml (ansible {ANSIBLE_VERSION}, forks 16, pipelining, ControlPersist 60s).",
-        f"- no-op columns: medians of {args.repeat} runs, floor / gpufleet / ansible interleaved on the same hosts "
-        "(which carry both tools' end states); every no-op run reported 0 changes (checked).",
+        f"- no-op columns: medians of {args.repeat} runs on the same hosts (which carry both tools' end states): floor "
+        "and gpufleet in adjacent pairs (which goes first alternating), then Ansible's runs; `paired` is the median "
+        "of each pair's gpufleet / floor; every no-op run reported 0 changes (checked).",
         f"- cold: {args.cold_repeat} run(s) per tool per host count, each on freshly booted hosts (median shown).",
         "",
-        "| hosts | floor (s) | gpufleet no-op (s) | gpufleet / floor | ansible no-op (s) | ansible / floor "
+        "| hosts | floor (s) | gpufleet no-op (s) | gpufleet / floor | paired | ansible no-op (s) | ansible / floor "
         "| gpufleet cold (s) | ansible cold (s) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         f, g, a = (med(x.wall for x in r[k]) for k in ("floor", "gf_noop", "ans_noop"))
-        lines.append(f"| {r['n']} | {f:.2f} | {g:.2f} | {g / f:.2f}x | {a:.2f} | {a / f:.2f}x "
+        paired = med(gx.wall / fx.wall for fx, gx in zip(r["floor"], r["gf_noop"]))
+        lines.append(f"| {r['n']} | {f:.2f} | {g:.2f} | {g / f:.2f}x | {paired:.2f}x | {a:.2f} | {a / f:.2f}x "
                      f"| {cold(r['gf_cold'])} | {cold(r['ans_cold'])} |")
     lines += [
         "", "Where the no-op time goes: controller CPU (user+sys seconds of the tool's process tree, median of the "
