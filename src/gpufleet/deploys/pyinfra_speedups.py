@@ -1,6 +1,6 @@
 """pyinfra's per-operation-call bookkeeping at a fraction of its cost, with results equal to pyinfra's own.
 
-Every operation call in a CLI run (16 per host in the Qwen 3.5 deploy) costs pyinfra, before the operation itself:
+Every operation call in a CLI run (17 per host in the Qwen 3.5 deploy) costs pyinfra, before the operation itself:
 - ordering: `pyinfra.api.util.get_operation_order_from_stack` builds `inspect.stack()` (every frame's file, module
   and source line, read from disk) and then calls `inspect.getframeinfo` again on each frame, to keep only two
   things per frame: its file name and its line number. Walking `frame.f_back` gives both directly.
