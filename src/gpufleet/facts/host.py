@@ -204,11 +204,12 @@ def snapshot_command(paths: Paths) -> str:
 
     timed_out = "|".join(map(str, TIMED_OUT))
 
-    def nvidia(name: str, query: str) -> str:
+    def nvidia(name: str, query: str, answered: str = "") -> str:
         # rc and stderr are kept: a broken driver must surface as a message, not as "no GPUs".
         # After a timeout the driver is wedged: skip the other queries (each would wait as long again).
-        return (f"{section(name)}; if [ $nv = 1 ]; then $t {query} 2>&1; r=$?; echo \"@@rc $r\"; "
-                f"case $r in {timed_out}) nv=0;; esac; fi")
+        # answered: shell run when the query exited 0, its output in $g.
+        return (f"{section(name)}; if [ $nv = 1 ]; then g=$($t {query} 2>&1); r=$?; "
+                f"printf '%s\\n@@rc %s\\n' \"$g\" \"$r\"; case $r in {timed_out}) nv=0;; 0) {answered};; esac; fi")
 
     def cat(file: str, then: str = "") -> str:
         # A small file (a shell word: a quoted path or "$f") printed with shell builtins (one program less than
@@ -259,9 +260,8 @@ def snapshot_command(paths: Paths) -> str:
         f"{section('arch')}; dpkg --print-architecture 2>/dev/null || uname -m",
         f"{section('nvidia_smi')}; echo $nv",
         # The GPU query's output is kept ($g) for its first row's driver_version (the 7th field: GPU_FIELDS).
-        f"{section('gpus')}; gd=; if [ $nv = 1 ]; then g=$($t {QUERY_GPUS} 2>&1); r=$?; "
-        f"printf '%s\\n@@rc %s\\n' \"$g\" \"$r\"; case $r in {timed_out}) nv=0;; 0) gd=${{g%%\"$nl\"*}}; "
-        "gd=${gd#*, *, *, *, *, *, }; gd=${gd%%,*}; case $gd in ''|*[!0-9.]*) gd=;; esac;; esac; fi",
+        "gd=; " + nvidia("gpus", QUERY_GPUS, answered="gd=${g%%\"$nl\"*}; gd=${gd#*, *, *, *, *, *, }; gd=${gd%%,*}; "
+                          "case $gd in ''|*[!0-9.]*) gd=;; esac"),
         *driver_lines(paths.nvidia_version_file, nvidia("driver", QUERY_VERSION)),
         f"{section('daemon_json')}; dr=; {cat(q(DAEMON_JSON), 'case $l in *data-root*) dr=1;; esac; ')}",
         # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon (sed only
