@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import subprocess
@@ -113,6 +114,88 @@ def test_global_arguments_are_pyinfras_own_and_a_fresh_list() -> None:
     assert first == original() and len(first) > 10
     first.clear()
     assert cached() == original()
+
+
+def a_host(host_data: dict[str, Any], group_data: dict[str, Any], fleet_data: dict[str, Any]) -> tuple[Any, Any]:
+    """A real pyinfra state and host with data in every layer: host, two groups, the inventory's, overrides."""
+    from pyinfra.api import Config, Inventory, State
+
+    inventory = Inventory(([("gpu1", host_data)], fleet_data), gpus=([("gpu1", {})], group_data),
+                          lab=(["gpu1"], {"_chdir": "/srv", "name": "from the lab group"}))
+    state = State(inventory, Config())
+    return state, inventory.get_host("gpu1")
+
+
+def pop_both(state: Any, host: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """(pyinfra's result, ours) for the same call; each gets its own copy of kwargs, and what each left in it."""
+    original = pyinfras_own("pyinfra.api.arguments.pop_global_arguments")
+    ours = pyinfra_speedups._data_resolved_once(original)
+    theirs_kwargs, our_kwargs = dict(kwargs), dict(kwargs)
+    return (original(state, host, theirs_kwargs), theirs_kwargs), (ours(state, host, our_kwargs), our_kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"name": "Install", "_sudo": False, "packages": ["curl"]},
+                                    {"_env": {"A": "1"}, "_timeout": 9, "_if": [], "other": 1}])
+def test_global_argument_defaults_are_pyinfras_own(kwargs: dict[str, Any]) -> None:
+    state, host = a_host({"_sudo": True, "_env": {"HOST": "1"}, "ssh_user": "deploy"},
+                         {"_timeout": 5, "_sudo_user": "svc", "_env": {"GROUP": "1"}}, {"_retries": 2})
+    host.data._shell_executable = "bash"  # an override set during the deploy: the first layer
+    theirs, ours = pop_both(state, host, kwargs)
+    assert ours == theirs
+    arguments_found = ours[0][0]
+    assert (arguments_found["_sudo_user"], arguments_found["_retries"], arguments_found["_shell_executable"]) == (
+        "svc", 2, "bash")
+
+
+def test_global_argument_defaults_inside_a_deploy_use_its_kwargs_and_data() -> None:
+    state, host = a_host({"_sudo": True}, {}, {})
+    with inside_deploy(host, kwargs={"_sudo": False, "_if": []}, data={"_timeout": 30, "_retries": 1}):
+        theirs, ours = pop_both(state, host, {"name": "x"})
+    assert ours == theirs and ours[0][0]["_sudo"] is False and ours[0][0]["_timeout"] == 30
+
+
+@contextlib.contextmanager
+def inside_deploy(host: Any, kwargs: dict[str, Any], data: dict[str, Any]) -> Iterator[None]:
+    """The host as pyinfra's @deploy leaves it for the operations it calls (Host.deploy)."""
+    host.current_deploy_kwargs, host.current_deploy_data = kwargs, data
+    try:
+        yield
+    finally:
+        host.current_deploy_kwargs = host.current_deploy_data = None
+
+
+def test_global_argument_defaults_are_copies_as_pyinfras() -> None:
+    state, host = a_host({"_env": {"HOST": "1"}, "_success_exit_codes": [0, 3]}, {}, {})
+    ours = pyinfra_speedups._data_resolved_once(pyinfras_own("pyinfra.api.arguments.pop_global_arguments"))
+    found, _ = ours(state, host, {})
+    found["_success_exit_codes"].append(99)
+    assert host.data._success_exit_codes == [0, 3]
+
+
+def test_a_bad_global_argument_type_is_refused_as_pyinfra_refuses_it() -> None:
+    from pyinfra.api.exceptions import ArgumentTypeError
+
+    state, host = a_host({}, {}, {})
+    original = pyinfras_own("pyinfra.api.arguments.pop_global_arguments")
+    ours = pyinfra_speedups._data_resolved_once(original)
+    with pytest.raises(ArgumentTypeError) as theirs:
+        original(state, host, {"_timeout": "soon"})
+    with pytest.raises(ArgumentTypeError) as our_error:
+        ours(state, host, {"_timeout": "soon"})
+    assert str(our_error.value) == str(theirs.value)
+
+
+def test_data_pyinfras_lookup_must_read_goes_to_pyinfra(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Layer:  # a mapping-like layer that is not a dict: only HostData's own try/except reads it right
+        def __getitem__(self, key: str) -> Any:
+            if key == "_timeout":
+                return 7
+            raise KeyError(key)
+
+    state, host = a_host({}, {}, {})
+    monkeypatch.setitem(host.data.__dict__, "datas", (*host.data.datas, Layer()))
+    theirs, ours = pop_both(state, host, {})
+    assert ours == theirs and ours[0][0]["_timeout"] == 7
 
 
 def test_install_replaces_the_checked_functions_everywhere_they_are_bound(pyinfra_functions: None) -> None:
