@@ -9,8 +9,11 @@ For each host count N:
   `ansible-playbook` (each --cold-repeat times, fresh hosts each time);
 - no-op: on the peer's hosts, converge once more with gpufleet (so both tools' end states are on the hosts), then
   run floor (`pyinfra -y INV exec -- true`) and gpufleet no-op in --repeat adjacent pairs (which goes first
-  alternating: A B B A ...), then the Ansible no-op --repeat times, and report medians. Every no-op run must report zero changes (pyinfra's Grand total, Ansible's changed=0), or the
-  bench stops.
+  alternating: A B B A ...), then the Ansible no-op --repeat times, and report medians. Every no-op run must
+  report zero changes (pyinfra's Grand total, Ansible's changed=0), or the bench stops.
+- each run's CPU: the tool's process tree (the controller), and the whole machine's busy CPU meanwhile (/proc/stat):
+  the hosts share this machine's cores, so what their reads cost shows there, and how close the machine was to
+  running out of cores.
 
 Boots its own fleet (bridge gf-bench, 10.213.3.0/24, state /var/lib/gpufleet/bench) with gpufleet.sandbox, so it
 never touches the sandbox (10.213.0), test (10.213.1) or teardown-test (10.213.2) fleets, and stops it at the end,
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -132,11 +136,21 @@ class Run(NamedTuple):
     wall: float
     cpu: float  # user + system seconds of the tool's process tree on this machine (the controller)
     changes: int
+    machine: float = 0.0  # busy CPU seconds of the whole machine meanwhile: controller, hosts, their services
 
 
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def machine_busy() -> float:
+    """CPU seconds this machine spent busy since boot, all cores (user, nice, system, irq, softirq, steal): the
+    test hosts share its kernel, so their programs, sshd and services count here too."""
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
+    ticks = sum(int(fields[i]) for i in (1, 2, 3, 6, 7, 8))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def export_revision(rev: str, state_dir: Path) -> Path:
@@ -172,27 +186,28 @@ class Runner:
         self.n = len(hosts)
         self.pyinfra_inv, self.ansible_inv = write_inventories(self.fleet, hosts)
 
-    def _timed(self, argv: list[str], env: dict | None = None, cwd: Path | None = None) -> tuple[float, float, str]:
-        cpu0, t0 = children_cpu(), time.monotonic()
+    def _timed(self, argv: list[str], parse_changes: Callable[[str], int], env: dict | None = None,
+               cwd: Path | None = None) -> Run:
+        cpu0, busy0, t0 = children_cpu(), machine_busy(), time.monotonic()
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
                               env=env, cwd=cwd)
-        elapsed, cpu = time.monotonic() - t0, children_cpu() - cpu0
+        elapsed, cpu, busy = time.monotonic() - t0, children_cpu() - cpu0, machine_busy() - busy0
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(argv)} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}")
-        return elapsed, cpu, proc.stdout
+        return Run(elapsed, cpu, parse_changes(proc.stdout), busy)
 
     def floor(self) -> Run:
-        return Run(*self._timed([PYINFRA, "-y", str(self.pyinfra_inv), "exec", "--", "true"],
-                                env=self.pyinfra_env)[:2], 0)
+        return self._timed([PYINFRA, "-y", str(self.pyinfra_inv), "exec", "--", "true"], lambda _out: 0,
+                           env=self.pyinfra_env)
 
     def gpufleet(self) -> Run:
-        elapsed, cpu, out = self._timed([PYINFRA, "-y", str(self.pyinfra_inv), self.deploy], env=self.pyinfra_env)
-        return Run(elapsed, cpu, pyinfra_changes(out))
+        return self._timed([PYINFRA, "-y", str(self.pyinfra_inv), self.deploy], pyinfra_changes,
+                           env=self.pyinfra_env)
 
     def ansible(self) -> Run:
-        elapsed, cpu, out = self._timed([str(self.playbook_bin), "-i", str(self.ansible_inv), "playbook.yml",
-                                         "-e", f"@{self.vars_file}"], env=self.ansible_env, cwd=PEER)
-        return Run(elapsed, cpu, ansible_changes(out, self.n))
+        return self._timed([str(self.playbook_bin), "-i", str(self.ansible_inv), "playbook.yml", "-e",
+                            f"@{self.vars_file}"], lambda out: ansible_changes(out, self.n), env=self.ansible_env,
+                           cwd=PEER)
 
     def sudo_per_host(self, hosts: list[Host], tool) -> float:
         """Run `tool` once more and count the sudo invocations it made on each host (the hosts' journals): the
@@ -319,6 +334,19 @@ def report(rows: list[dict], args: argparse.Namespace, load: tuple[str, str], st
         sudo = r["sudo"]
         lines.append(f"| {r['n']} | {f:.2f} | {g:.2f} | {a:.2f} | {sudo['floor']:.1f} | {sudo['gpufleet']:.1f} "
                      f"| {sudo['ansible']:.1f} |")
+    lines += [
+        "", "The whole machine's busy CPU during the same runs (median, seconds over all cores: the controller, the "
+        "hosts' programs, sshd and services, which share this machine's cores) and how many of its "
+        f"{os.cpu_count()} cores that kept busy on average over the run (CPU / wall).", "",
+        "| hosts | floor machine CPU (s) | gpufleet machine CPU (s) | of which not the controller | floor cores busy "
+        "| gpufleet cores busy |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        fm, gm = (med(x.machine for x in r[k]) for k in ("floor", "gf_noop"))
+        hosts_share = med(x.machine - x.cpu for x in r["gf_noop"])
+        fb, gb = (med(x.machine / x.wall for x in r[k]) for k in ("floor", "gf_noop"))
+        lines.append(f"| {r['n']} | {fm:.2f} | {gm:.2f} | {hosts_share:.2f} | {fb:.2f} | {gb:.2f} |")
     lines += ["", "Raw runs (wall seconds):", ""]
     for r in rows:
         lines.append(f"- {r['n']} host(s): floor {fmt(r['floor'])}; gpufleet no-op {fmt(r['gf_noop'])}; "
