@@ -223,3 +223,40 @@ def test_replica_leaves_restarts_and_rejoins_with_zero_failed_requests(rfleet, i
         router.transport.client.close()  # type: ignore[attr-defined]
     assert failed == [], failed[:5]
     assert len(ok) > 50
+
+
+def verify_cli(inventory: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GPUFLEET, "verify", str(inventory), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_verify_checks_the_router_and_names_the_replica_it_lost(rfleet, inventory):
+    # Last in the module: it stops one replica's vLLM and leaves the fleet as it found it (the replica ready and
+    # healthy in the router again), checked by verify itself.
+    proc = verify_cli(inventory)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "routers" in proc.stdout
+    router, gone = router_host(rfleet), replicas(rfleet)[1]
+    url = f"http://{gone.ip}:5000"
+    rfleet.run_in(gone, "systemctl stop vllm-qwen35")
+    try:
+        # The router finds out at its own health checks (router_health_check_interval_s, several misses in a row).
+        start, problems = time.monotonic(), []
+        while not problems:
+            assert time.monotonic() - start < 120, "the router still calls the stopped replica healthy"
+            time.sleep(2)
+            proc = verify_cli(inventory, "--host", router.name, "--json")
+            (row,) = json.loads(proc.stdout)
+            problems = row["problems"]
+        print(f"the router saw the stopped replica after {time.monotonic() - start:.0f} s: {problems}")
+        assert proc.returncode == 1 and row["ok"] is False
+        proc = verify_cli(inventory)
+        assert proc.returncode == 1
+        assert re.search(rf"^{router.name}: worker {re.escape(url)} \({gone.name}\) is not (healthy in the router|in "
+                         r"the router's worker set) \(fix: ", proc.stdout, re.M), proc.stdout
+        assert re.search(rf"verify failed on 2 of 4 host\(s\): ({gone.name}, {router.name})", proc.stderr), proc.stderr
+    finally:
+        rfleet.run_in(gone, "systemctl start vllm-qwen35")
+    start = time.monotonic()
+    proc = verify_cli(inventory, "--wait", "120")  # the replica ready, and healthy in the router again
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(f"verify --wait passed {time.monotonic() - start:.0f} s after the replica's start")

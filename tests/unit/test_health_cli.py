@@ -187,3 +187,103 @@ def test_server_strings_are_shown_as_text_never_read_as_markup(inventory, monkey
     result = CliRunner().invoke(status, [str(inventory), "--host", "box-b"])
     assert result.exit_code == 0, result.output
     assert "[/x]" in result.output and "[bold]0.32" in result.output
+
+
+# --- routers: verify checks each router of the inventory against its replicas ----------------------------------------
+@pytest.fixture
+def fleet_inventory(tmp_path):
+    """Two replicas and a router (group `routers`); nothing is reached: the tests fake the reads at the CLI's seams."""
+    path = tmp_path / "fleet.py"
+    one_gpu = {"vllm_gpus": [0], "vllm_args": {"pipeline-parallel-size": 1}}
+    gpuhosts = [("gpu1", {"ssh_hostname": "10.0.0.11", **one_gpu}), ("gpu2", {"ssh_hostname": "10.0.0.12", **one_gpu})]
+    routers = [("rtr1", {"ssh_hostname": "10.0.0.5", "router_health_check_interval_s": 7})]
+    path.write_text(f"gpuhosts = {gpuhosts!r}\nrouters = {routers!r}\n")
+    return path
+
+
+GPU1, GPU2 = "http://10.0.0.11:5000", "http://10.0.0.12:5000"
+
+
+def _fake_fleet(monkeypatch, *router_rows):
+    """Every replica ready; the router read (gpufleet.router.status.read_host) answers router_rows in turn."""
+    from gpufleet.router.status import RouterStatus, WorkerRow
+
+    cli = sys.modules[load_targets.__module__]
+    checked: list[str] = []
+
+    def check_fleet(targets, **kw):
+        checked.extend(t.name for t in targets)
+        return [HostResult(t, HealthReport(HealthState.READY, "/health 200", host=t.name)) for t in targets]
+
+    rows = iter(router_rows)
+    reads: list[str] = []
+
+    def read_host(name, data):
+        reads.append(name)
+        workers = tuple(WorkerRow(url, healthy, 0, 0, 0) for url, healthy in next(rows))
+        return RouterStatus(name, "ready" if workers else "down", "" if workers else "connection refused",
+                            "cache_aware", workers)
+
+    monkeypatch.setattr(cli, "check_fleet", check_fleet)
+    monkeypatch.setattr(cli, "read_host", read_host)
+    return checked, reads
+
+
+def test_verify_passes_when_the_router_routes_to_every_replica(fleet_inventory, monkeypatch):
+    checked, reads = _fake_fleet(monkeypatch, [(GPU1, True), (GPU2, True)])
+    result = CliRunner().invoke(verify, [str(fleet_inventory)])
+    assert result.exit_code == 0, result.output
+    assert (checked, reads) == (["gpu1", "gpu2"], ["rtr1"])
+    assert "routers" in result.output and GPU2 in result.output  # status's router table
+
+
+def test_verify_fails_naming_the_router_the_replica_and_the_fix(fleet_inventory, monkeypatch):
+    _fake_fleet(monkeypatch, [(GPU1, True), (GPU2, False)])
+    result = CliRunner().invoke(verify, [str(fleet_inventory)])
+    assert result.exit_code == 1
+    assert (f"rtr1: worker {GPU2} (gpu2) is not healthy in the router (fix: gpufleet verify {fleet_inventory} "
+            "--host gpu2; the router re-checks it every 7 s)") in result.output
+    assert "verify failed on 1 of 3 host(s): rtr1" in result.output and "Traceback" not in result.output
+
+
+def test_verify_of_a_router_that_lost_a_replica_and_routes_to_a_stranger_fails(fleet_inventory, monkeypatch):
+    _fake_fleet(monkeypatch, [(GPU1, True), ("http://10.0.0.99:5000", True)])
+    out = CliRunner().invoke(verify, [str(fleet_inventory)]).output
+    assert f"rtr1: worker {GPU2} (gpu2) is not in the router's worker set" in out
+    assert "rtr1: worker http://10.0.0.99:5000 is not a replica of the inventory" in out
+
+
+def test_verify_host_selects_the_router_alone(fleet_inventory, monkeypatch):
+    checked, reads = _fake_fleet(monkeypatch, [])
+    result = CliRunner().invoke(verify, [str(fleet_inventory), "--host", "rtr1"])
+    assert result.exit_code == 1 and (checked, reads) == ([], ["rtr1"])
+    assert "rtr1: the router does not answer: connection refused (fix: `systemctl status vllm-router` on rtr1" \
+        in result.output
+    assert "verify failed on 1 of 1 host(s): rtr1" in result.output
+    checked, reads = _fake_fleet(monkeypatch)
+    assert CliRunner().invoke(verify, [str(fleet_inventory), "--host", "gpu2"]).exit_code == 0
+    assert (checked, reads) == (["gpu2"], [])  # a replica alone: no router read
+
+
+def test_verify_json_has_router_rows_with_ok_and_problems(fleet_inventory, monkeypatch):
+    _fake_fleet(monkeypatch, [(GPU1, True)])
+    result = CliRunner().invoke(verify, [str(fleet_inventory), "--json"])
+    assert result.exit_code == 1
+    rows = json.loads(result.stdout)
+    (router,) = [r for r in rows if r.get("role") == "router"]
+    assert (router["host"], router["state"], router["ok"]) == ("rtr1", "ready", False)
+    assert [w["url"] for w in router["workers"]] == [GPU1]
+    assert router["problems"] == [f"rtr1: worker {GPU2} (gpu2) is not in the router's worker set (fix: once gpu2 "
+                                  f"verifies ready, pyinfra {fleet_inventory} deploys/router.py adds it back)"]
+    assert [r["host"] for r in rows if r.get("role") != "router"] == ["gpu1", "gpu2"]
+
+
+def test_verify_refuses_a_replica_no_router_can_reach_before_any_ssh(tmp_path, monkeypatch):
+    path = tmp_path / "loop.py"
+    path.write_text("gpuhosts = [('gpu1', {'vllm_gpus': [0, 1, 2], 'vllm_publish_address': '127.0.0.1'})]\n"
+                    "routers = [('rtr1', {})]\n")
+    checked, reads = _fake_fleet(monkeypatch)
+    result = CliRunner().invoke(verify, [str(path)])
+    assert result.exit_code == 1 and (checked, reads) == ([], [])
+    assert "gpu1: vllm_publish_address: 127.0.0.1 keeps vLLM off the network" in result.output
+    assert "Traceback" not in result.output

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
+from functools import partial
 from typing import Any
 
 import click
@@ -17,7 +19,9 @@ from gpufleet.health import HealthState
 from gpufleet.health.check import spec_drift
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
 from gpufleet.health.probe import ProbeReport, resolved_block_sizes
-from gpufleet.inventory import load_host_specs, load_roles
+from gpufleet.inventory import HostData, load_host_specs, load_roles
+from gpufleet.router.check import RouterExpected, RouterVerdict, verify_router
+from gpufleet.router.settings import replicas
 from gpufleet.router.status import RouterStatus, read_host
 
 _STATE_STYLE = {
@@ -140,7 +144,8 @@ def _session_cell(p: ProbeReport) -> str:
     return "\n".join(f"N+{t.turn}: {t.reprocessed_tokens} of {t.prompt_tokens} ({t.reprocessed_share:.0%})" for t in later)
 
 
-def _as_json(results: list[HostResult], routers: list[RouterStatus] | None = None) -> str:
+def _as_json(results: list[HostResult], routers: list[RouterStatus] | None = None,
+             verdicts: list[RouterVerdict] | None = None) -> str:
     out = []
     for r in results:
         block, unit = cache_units(r.health.cache_config)
@@ -158,6 +163,7 @@ def _as_json(results: list[HostResult], routers: list[RouterStatus] | None = Non
         out.append(item)
     # Router hosts are items of the same list, marked by "role": a list consumer keeps working.
     out += [{"host": r.name, "role": "router"} | r.as_dict() for r in routers or []]
+    out += [v.as_dict() for v in verdicts or []]  # verify's rows: the same, with ok and the problems
     return json.dumps(out, indent=2)
 
 
@@ -178,10 +184,7 @@ def status(inventory: str, host: str | None, as_json: bool) -> None:
         gpufleet status inventories/lab.py
         gpufleet status inventories/lab.py --json | jq '.[].state'
     """
-    try:
-        routers = [(name, data) for name, data in load_roles(inventory)[0] if host in (None, name)]
-    except GpufleetError as e:
-        raise click.ClickException(str(e)) from None
+    routers, _ = _roles(inventory, host)
     results = _gather(inventory, host) if not (host and routers) else []
     router_rows = [read_host(name, data) for name, data in routers]
     if as_json:
@@ -191,6 +194,15 @@ def status(inventory: str, host: str | None, as_json: bool) -> None:
             _console().print(_table(results))
         if router_rows:
             _console().print(_router_table(router_rows))
+
+
+def _roles(inventory: str, host: str | None) -> tuple[list[HostData], list[HostData]]:
+    """(the routers `--host` selects, every replica) of the inventory."""
+    try:
+        routers, found = load_roles(inventory)
+    except GpufleetError as e:
+        raise click.ClickException(str(e)) from None
+    return [(name, data) for name, data in routers if host in (None, name)], found
 
 
 def _router_table(rows: list[RouterStatus]) -> Table:
@@ -219,7 +231,7 @@ def _router_table(rows: list[RouterStatus]) -> Table:
 @_json_opt
 @click.option("--probe", "run_probe", is_flag=True, help="Also measure prompt re-processing on turn N+1.")
 @click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
-              help="Seconds to wait for hosts to become ready.")  # fmt: skip
+              help="Seconds to wait for hosts and routers to become ready.")  # fmt: skip
 @click.option("--api-key", envvar="VLLM_API_KEY", default=None,
               help="For servers run with --api-key (default: each host's vllm_api_key).")  # fmt: skip
 @click.pass_context
@@ -227,26 +239,49 @@ def verify(
     ctx: click.Context, inventory: str, host: str | None, as_json: bool, run_probe: bool, wait_s: float,
     api_key: str | None,
 ) -> None:  # fmt: skip
-    """Exit non-zero unless every host is ready (and, with --probe, reuses its prefix cache).
+    """Exit non-zero unless every host is ready (and, with --probe, reuses its prefix cache), and every router
+    answers and routes to every replica of the inventory, healthy, and to nothing else.
 
     \b
     Example:
         gpufleet verify inventories/lab.py --probe
     """
-    results = _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key)
+    deadline = time.monotonic() + wait_s  # routers get what is left of --wait after the hosts
+    routers, found = _roles(inventory, host)
+    expected = _router_expectations(inventory, routers, found)  # a bad setting stops verify before any SSH
+    results = [] if host and routers else _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key)
+    verdicts = [verify_router(partial(read_host, name, data), exp, deadline) for (name, data), exp in
+                zip(routers, expected)]
     if as_json:
-        click.echo(_as_json(results))
+        click.echo(_as_json(results, verdicts=verdicts))
     else:
         console = _console()
-        console.print(_table(results))
+        if results:
+            console.print(_table(results))
         if any(r.probe is not None for r in results):
             console.print(_probe_table(results))
+        if verdicts:
+            console.print(_router_table([v.status for v in verdicts]))
         for r in results:
             _explain(console, r)
-    failed = [r.target.name for r in results if not r.ok]
+        for line in (line for v in verdicts for line in v.problems):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+    failed = [r.target.name for r in results if not r.ok] + [v.status.name for v in verdicts if not v.ok]
     if failed:
-        click.echo(f"verify failed on {len(failed)} of {len(results)} host(s): {', '.join(failed)}", err=True)
+        total = len(results) + len(verdicts)
+        click.echo(f"verify failed on {len(failed)} of {total} host(s): {', '.join(failed)}", err=True)
         ctx.exit(1)
+
+
+def _router_expectations(inventory: str, routers: list[HostData], found: list[HostData]) -> list[RouterExpected]:
+    """What each router should route to: every replica of the inventory, at the URL the router deploy gives it."""
+    if not routers:
+        return []  # a fleet without a router may keep vLLM on loopback: no worker addresses to check then
+    try:
+        workers = replicas(found)
+    except GpufleetError as e:
+        raise click.ClickException(str(e)) from None
+    return [RouterExpected.for_router(data, workers, inventory) for _, data in routers]
 
 
 def _explain(console: Console, r: HostResult) -> None:

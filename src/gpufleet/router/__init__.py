@@ -2,7 +2,7 @@
 
 The router is vLLM's own (PyPI `vllm-router`, a Rust binary in a wheel); gpufleet installs it into a venv on the
 inventory's `routers` hosts, runs it as a systemd unit in front of the replicas that verify ready, reads its state
-for `gpufleet status`, and takes a replica out of its worker set and back for a rollout. What the router is and
+for `gpufleet status` and `gpufleet verify`, and takes a replica out of its worker set and back for a rollout. What the router is and
 does, measured: docs/router.md.
 
     settings.py    host data -> RouterSpec (one-line errors), the workers from the inventory
@@ -12,6 +12,7 @@ does, measured: docs/router.md.
     operations.py  pyinfra operations: venv + package, unit, running, workers in step, ready
     deploy.py      the deploy (deploys/router.py is its entry point)
     status.py      the router's workers, their health and its routing metrics, read over SSH
+    check.py       is a router serving the fleet? (gpufleet verify)
     workers.py     take a replica out of the worker set and put it back (rollouts)
 """
 
