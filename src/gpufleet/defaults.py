@@ -100,6 +100,9 @@ DEFAULTS: dict[str, Any] = {
     # After ready and the soak, also run the prompt re-processing probe (`gpufleet verify --probe`); its failure is
     # a failed verify (rolled back).
     "gpufleet_verify_probe": False,
+    # Fetch the Docker and NVIDIA repo keys even where a keyring is installed, and replace a key that rotated. Off,
+    # an installed key stands (no request leaves the host) until apt installs from its repo, which fetches it first.
+    "gpufleet_refresh_keys": False,
     # --- Docker engine --------------------------------------------------------------------------------------
     # "docker-ce" from Docker's official repo, or "distro" for the distribution's docker.io package.
     "docker_install": "docker-ce",

@@ -47,7 +47,7 @@ MAX_UNIT_LINE_BYTES = 1024 * 1024 - 4096
 # Shortest host lock lease: a controller busy for a quarter of it (a slow fact, a large upload) must not lose its lock.
 MIN_LOCK_LEASE_S = 2
 # Settings that change what one run does; their values may come from `--data key=value` on pyinfra's command line.
-RUN_FLAGS = ("gpufleet_retry_failed", "gpufleet_verify_probe")
+RUN_FLAGS = ("gpufleet_retry_failed", "gpufleet_verify_probe", "gpufleet_refresh_keys")
 _BOOL_WORDS = {"true": True, "false": False}
 STAGES = ("converge", "prepare")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")

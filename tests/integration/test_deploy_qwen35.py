@@ -9,13 +9,19 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from tests.integration.pyinfra_results import changed_ops, changes, results
 from tests.integration.pyinfra_run import run_deploy
 
+from gpufleet.operations import nvidia
+from gpufleet.operations.docker import DOCKER_KEY
+from gpufleet.operations.nvidia import KEYRING as NVIDIA_KEYRING
 from gpufleet.operations.nvidia import VERSION_FILE
 from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, H200x1, H200x3
 from gpufleet.sandbox.nvidia_smi import HOST_PROFILE
@@ -171,16 +177,145 @@ def test_the_driver_version_file_spares_a_call_and_follows_the_driver(converged,
         put_file(fleet, a, VERSION_FILE, recorded)
 
 
-def test_a_rotated_nvidia_key_is_replaced(converged, test_hosts, inventory_json, names, pyinfra, fleet, tmp_path):
+# --- repo keys: the installed keyring stands; gpufleet_refresh_keys fetches and compares ----------------------------
+KEY_PATHS = ("nvidia/gpgkey", "docker/linux/debian/gpg")  # under the fleet's web root (gpufleet.sandbox.services)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextmanager
+def key_server(fleet, keys: dict[str, bytes | None]):
+    """The fleet's stand-in repos answer `keys` (path under the web root -> content, None: 404) for their keys while
+    everything else they serve stays: each repo's link in the web root is swapped for a tree of links to its files
+    (the shared cache the links point into is never written), and put back after."""
+    www = fleet.cfg.state_dir / "www"
+    tops = {path.split("/", 1)[0] for path in keys}
+    saved = {top: os.readlink(www / top) for top in tops}
+    shadow = fleet.cfg.state_dir / "www-keys"
+    shutil.rmtree(shadow, ignore_errors=True)
+
+    def mirror(real: Path, at: Path, prefix: str) -> None:
+        at.mkdir(parents=True)
+        for entry in real.iterdir():
+            path = f"{prefix}/{entry.name}"
+            if path in keys:
+                if keys[path] is not None:
+                    (at / entry.name).write_bytes(keys[path])
+            elif any(key.startswith(path + "/") for key in keys):
+                mirror(entry, at / entry.name, path)
+            else:
+                (at / entry.name).symlink_to(entry)
+
+    try:
+        for top, target in saved.items():
+            mirror(Path(target), shadow / top, top)
+            (www / top).unlink()
+            (www / top).symlink_to(shadow / top)
+        yield
+    finally:
+        for top, target in saved.items():
+            (www / top).unlink(missing_ok=True)
+            (www / top).symlink_to(target)
+        shutil.rmtree(shadow, ignore_errors=True)
+
+
+def mirror_log(fleet) -> Path:
+    return fleet.cfg.state_dir / "logs" / "mirror.log"
+
+
+def key_requests(fleet, since: int) -> list[str]:
+    """The key requests the fleet's web server logged after byte `since` of its log."""
+    with mirror_log(fleet).open("rb") as log:
+        log.seek(since)
+        return [line for line in log.read().decode(errors="replace").splitlines()
+                if any(f"GET /{path} " in line for path in KEY_PATHS)]
+
+
+def test_a_no_op_converge_asks_no_key_server(converged, test_hosts, inventory_json, pyinfra, fleet, tmp_path):
+    """An offline fleet: the keys answer 404. A converged host keeps its keyrings and sends no key request."""
     a = test_hosts[0]
-    keyring = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
-    good = fleet.read_file(a, keyring)
-    fleet.run_in(a, f"printf 'an old key' > {keyring}")  # what a host holds after NVIDIA rotates its key
-    inv = write_inventory(tmp_path, inventory_json, names)
-    out = deploy(pyinfra, inv).stdout
-    assert changed_ops(out) == {"Add the NVIDIA container toolkit apt repository": 1}
-    assert fleet.read_file(a, keyring) == good
-    assert changes(deploy(pyinfra, inv).stdout) == 0
+    before = {path: fleet.read_file(a, path) for path in (NVIDIA_KEYRING, DOCKER_KEY)}
+    with key_server(fleet, dict.fromkeys(KEY_PATHS)):
+        since = mirror_log(fleet).stat().st_size
+        out = deploy(pyinfra, write_inventory(tmp_path, inventory_json, [a.name])).stdout
+        assert changes(out) == 0, changed_ops(out)
+        assert key_requests(fleet, since) == []
+    assert {path: fleet.read_file(a, path) for path in before} == before
+
+
+def test_a_rotated_key_is_picked_up_with_refresh_keys_only(converged, test_hosts, inventory_json, pyinfra, fleet,
+                                                          tmp_path):
+    """NVIDIA rotates its key (the stand-in serves another armored key): a plain converge keeps the installed
+    keyring, gpufleet_refresh_keys=True replaces it (one change), and the next refresh changes nothing."""
+    a = test_hosts[0]
+    good = fleet.read_file(a, NVIDIA_KEYRING)
+    rotated = fleet.read_file(a, DOCKER_KEY)  # another real key, armored as NVIDIA serves its own
+    plain = write_inventory(tmp_path, inventory_json, [a.name])
+    refresh = write_inventory(tmp_path, inventory_json, [a.name], {a.name: {"gpufleet_refresh_keys": True}})
+    try:
+        with key_server(fleet, {"nvidia/gpgkey": rotated}):
+            assert changes(deploy(pyinfra, plain).stdout) == 0
+            assert fleet.read_file(a, NVIDIA_KEYRING) == good
+            out = deploy(pyinfra, refresh).stdout
+            assert changed_ops(out) == {"Add the NVIDIA container toolkit apt repository": 1}, changed_ops(out)
+            assert fleet.read_file(a, NVIDIA_KEYRING) == nvidia.dearmor(rotated.decode())
+            assert sh(fleet, a, f"stat -c '%U %G %a' {NVIDIA_KEYRING}").strip() == "root root 644"
+            assert changes(deploy(pyinfra, refresh).stdout) == 0
+        # the key served again: a refresh puts it back; a plain converge is a no-op after it
+        out = deploy(pyinfra, refresh).stdout
+        assert changed_ops(out) == {"Add the NVIDIA container toolkit apt repository": 1}, changed_ops(out)
+        assert fleet.read_file(a, NVIDIA_KEYRING) == good
+        assert changes(deploy(pyinfra, plain).stdout) == 0
+    finally:  # the module's later tests expect the converged host as it was
+        put_file(fleet, a, NVIDIA_KEYRING, good)
+
+
+def test_a_refresh_with_the_key_server_down_keeps_the_installed_keys_and_warns(converged, test_hosts,
+                                                                               inventory_json, pyinfra, fleet,
+                                                                               tmp_path):
+    a = test_hosts[0]
+    before = {path: fleet.read_file(a, path) for path in (NVIDIA_KEYRING, DOCKER_KEY)}
+    refresh = write_inventory(tmp_path, inventory_json, [a.name], {a.name: {"gpufleet_refresh_keys": True}})
+    with key_server(fleet, dict.fromkeys(KEY_PATHS)):
+        since = mirror_log(fleet).stat().st_size
+        out = deploy(pyinfra, refresh).stdout  # succeeds
+        assert len(key_requests(fleet, since)) == 2  # asked for both, answered 404
+    assert changes(out) == 0, changed_ops(out)
+    cfg = fleet.cfg
+    warnings = [ANSI.sub("", line).split("] ", 1)[-1].strip() for line in out.splitlines()
+                if "to check for a rotated key" in line]
+    assert warnings == [
+        f"{a.name}: could not fetch {cfg.docker_repo_url}/debian/gpg to check for a rotated key; kept the installed "
+        f"{DOCKER_KEY}",
+        f"{a.name}: could not fetch {cfg.nvidia_repo_url}/gpgkey to check for a rotated key; kept the installed "
+        f"{NVIDIA_KEYRING}"], out[-3000:]
+    assert {path: fleet.read_file(a, path) for path in before} == before
+
+
+def test_a_package_to_install_fetches_the_key_first_and_fails_the_host_on_one_line_without_it(
+        converged, test_hosts, inventory_json, pyinfra, fleet, tmp_path):
+    """apt is about to read NVIDIA's repo (the toolkit is missing): the key is fetched first, while executing; with the
+    key server down that fails the host on one line, and with it back the toolkit is installed under the same key."""
+    a = test_hosts[0]
+    good = fleet.read_file(a, NVIDIA_KEYRING)
+    inv = write_inventory(tmp_path, inventory_json, [a.name])
+    url = f"{fleet.cfg.nvidia_repo_url}/gpgkey"
+    fleet.run_in(a, f"dpkg -r {nvidia.PACKAGE}")
+    try:
+        with key_server(fleet, {"nvidia/gpgkey": None}):
+            proc = deploy(pyinfra, inv, check=False)
+        assert proc.returncode != 0
+        lines = [ANSI.sub("", line).split("] ", 1)[-1].strip() for line in proc.stdout.splitlines()
+                 if "could not fetch the repo key" in line]
+        assert lines == [f"{a.name}: could not fetch the repo key {url}: curl: (22) The requested URL returned error: "
+                         f"404 (fix: make {url} reachable from {a.name}, or set nvidia_repo_url to a mirror that "
+                         "serves it)"], proc.stdout[-3000:]
+        out = deploy(pyinfra, inv).stdout
+        assert changed_ops(out) == {"Add the NVIDIA container toolkit apt repository": 1,
+                                    "Install the NVIDIA container toolkit": 1}, changed_ops(out)
+        assert fleet.read_file(a, NVIDIA_KEYRING) == good
+        assert changes(deploy(pyinfra, inv).stdout) == 0
+    finally:  # the module's later tests expect the converged host as it was
+        fleet.run_in(a, f"dpkg -s {nvidia.PACKAGE} >/dev/null 2>&1 || apt-get install -y -q {nvidia.PACKAGE}")
 
 
 def test_changing_one_hosts_setting_restarts_only_that_host(converged, test_hosts, inventory_json, names, pyinfra,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socketserver
 import subprocess
 import threading
@@ -28,6 +29,7 @@ PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model_dir="/
               dirs=("/var/cache/vllm/qwen35/vllm", "/srv/vllm/models"), files=("/etc/a", "/etc/b"),
               state_file="/var/lib/gpufleet/vllm-qwen35.json", env_file="/etc/gpufleet/vllm-qwen35.env", port=5000,
               nvidia_key_url="http://repo/gpgkey", docker_repo_url=None,
+              nvidia_keyring="/nonexistent/nvidia.gpg", docker_keyring="/nonexistent/docker.asc",  # missing: fetched
               nvidia_version_file="/var/lib/gpufleet/nvidia-version")
 
 
@@ -102,11 +104,13 @@ def test_every_program_that_can_hang_runs_under_timeout():
         line = next(line for line in command.splitlines() if program in line)
         assert f"$t {program}" in line, line
     assert "t='timeout -k 2 20'" in command
-    # curl bounds itself: every request of its one call (each --next starts one) has its own --max-time.
-    requests = [r for line in command.splitlines() if "curl -" in line
-                for r in line.split("curl -", 1)[1].split("--next")]
+    # curl bounds itself: every request of its one call (each --next starts one) has its own --max-time, the key
+    # requests put before the others by `set --` included.
+    line = next(line for line in command.splitlines() if 'curl "$@"' in line)
+    keys = re.findall(r'set -- (.*?) --next "\$@"', line)
+    requests = [*keys, *line.split('curl "$@"', 1)[1].split("--next")]
     # key, docker's images and containers, health, models, metrics
-    assert len(requests) == 6 and all("--max-time" in r for r in requests), requests
+    assert len(keys) == 1 and len(requests) == 6 and all("--max-time" in r for r in requests), requests
     assert sum("--unix-socket /var/run/docker.sock" in r for r in requests) == 2
 
 
@@ -628,3 +632,98 @@ def test_the_version_file_is_read_with_shell_builtins_only():
     lines = [line for line in command.splitlines() if "nvidia-version" in line]
     # No program, no subshell, no pipe: a hit costs the host nothing but the shell's own reads.
     assert len(lines) == 1 and not any(word in lines[0] for word in ("cat ", "$(", "`", " | ", "grep", "sed"))
+
+
+# --- repo keys: fetched only for a missing keyring, or with refresh_keys ------------------------------------------
+def key_paths(tmp_path: Path, installed: set[str], refresh: bool = False) -> Paths:
+    """PATHS with docker-ce, both keyrings under tmp_path (those named in `installed` exist), nothing listening."""
+    keyrings = {name: tmp_path / f"{name}.keyring" for name in ("nvidia", "docker")}
+    for name in installed:
+        keyrings[name].write_text("an installed key")
+    return dataclasses.replace(PATHS, nvidia_key_url="http://nv.example/gpgkey",
+                               docker_repo_url="http://docker.example/linux", nvidia_keyring=str(keyrings["nvidia"]),
+                               docker_keyring=str(keyrings["docker"]), refresh_keys=refresh, port=9)
+
+
+def curl_argv(paths: Paths, tmp_path: Path) -> list[str]:
+    """The argv of the snapshot's one curl, run by the real shell (dash) with curl replaced by a recorder."""
+    log = tmp_path / "argv"
+    log.unlink(missing_ok=True)
+    record = f"curl() {{ for a in \"$@\"; do printf '%s\\0' \"$a\"; done >> {log}; }}"
+    line = next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line)
+    subprocess.run(["sh", "-c", f"{record}\n{line}"], check=True, capture_output=True, timeout=10)
+    return log.read_text().split("\0")[:-1]
+
+
+OS_ID = next(line.split("=", 1)[1].strip('"') for line in Path("/etc/os-release").read_text().splitlines()
+             if line.startswith("ID="))
+NV_GET = ["-fsSL", "--max-time", "15", "http://nv.example/gpgkey", "-w"]
+DOCKER_GET = ["-fsSL", "--max-time", "15", f"http://docker.example/linux/{OS_ID}/gpg", "-w"]
+
+
+@pytest.mark.parametrize("installed, refresh, gets", [
+    ({"nvidia", "docker"}, False, []),  # a converged host: nothing leaves it
+    ({"docker"}, False, [NV_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
+    ({"nvidia"}, False, [DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
+    (set(), False, [NV_GET + [f"\\n{MARK}docker_key\\n", "--next"], DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
+    ({"nvidia", "docker"}, True, [NV_GET + [f"\\n{MARK}docker_key\\n", "--next"],
+                                  DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
+], ids=["both-installed", "nvidia-missing", "docker-missing", "both-missing", "refresh"])
+def test_a_key_is_requested_only_for_a_missing_keyring_or_a_refresh(tmp_path, installed, refresh, gets):
+    argv = curl_argv(key_paths(tmp_path, installed, refresh), tmp_path)
+    expected_keys = [word for get in gets for word in get]
+    assert argv[:len(expected_keys)] == expected_keys
+    # then Docker's socket, the first request when no key is asked for (no --next before it)
+    assert argv[len(expected_keys):len(expected_keys) + 2] == ["-fs", "--max-time"]
+    assert not any(word.endswith(("/gpgkey", "/gpg")) for word in argv[len(expected_keys):])
+
+
+def test_the_key_decision_starts_no_program(tmp_path):
+    # `[ -f ]` and `set --` are builtins: a no-op host starts curl and nothing else for it (`command -v` is one too).
+    line = next(line for line in snapshot_command(key_paths(tmp_path, set())).splitlines() if f"{MARK}nvidia_key" in line)
+    keys = line.split("n=docker_images; ", 1)[1].split('curl "$@"', 1)[0]
+    assert keys.count("[ -f ") == 2 and "$(" not in keys and "|" not in keys.replace("||", ""), keys
+
+
+@pytest.mark.parametrize("installed, refresh", [({"nvidia", "docker"}, False), ({"docker"}, False),
+                                                ({"nvidia"}, False), (set(), False), ({"nvidia", "docker"}, True)],
+                         ids=["both-installed", "nvidia-missing", "docker-missing", "both-missing", "refresh"])
+def test_every_section_keeps_its_marker_whichever_keys_are_fetched(tmp_path, monkeypatch, installed, refresh):
+    """The HTTP line with real curl against the key server, Docker's socket and the service: the keys asked for
+    land in their sections, the others are None, and the sections after them parse as always."""
+    socket = tmp_path / "docker.sock"
+    _Docker.seen, _Docker.hang = [], False
+    _Repo.seen, _Repo.health = [], 200
+    docker = _UnixHTTPServer(str(socket), _Docker)
+    web = ThreadingHTTPServer(("127.0.0.1", free_port()), _Repo)
+    for server in (docker, web):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(host_fact, "DOCKER_SOCKET", str(socket))
+    try:
+        port = web.server_address[1]
+        paths = dataclasses.replace(key_paths(tmp_path, installed, refresh), port=port,
+                                    nvidia_key_url=f"http://127.0.0.1:{port}/gpgkey",
+                                    docker_repo_url=f"http://127.0.0.1:{port}/linux")
+        snap = _run(next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line))
+    finally:
+        for server in (docker, web):
+            server.shutdown()
+            server.server_close()
+    fetched = {"nvidia", "docker"} if refresh else {"nvidia", "docker"} - installed
+    assert snap.nvidia_key == (KEY + "\n" if "nvidia" in fetched else None)
+    assert snap.docker_key == (KEY + "\n" if "docker" in fetched else None)
+    key_paths_asked = {"nvidia": "/gpgkey", "docker": f"/linux/{OS_ID}/gpg"}
+    assert {path for path, _ in _Repo.seen} == {key_paths_asked[name] for name in fetched} | {"/health", "/v1/models",
+                                                                                          "/metrics"}
+    assert snap.images == parse_snapshot(from_cli(recorded("api1.41-images.cli.txt"), [])).images
+    assert snap.health_code == "200" and snap.served_models == [("qwen3.5-awq", 32768)]
+    assert snap.cache_config["block_size"] == "16"
+
+
+@pytest.mark.parametrize("installed", [{"nvidia", "docker"}, set()], ids=["installed", "missing"])
+def test_a_key_server_that_is_down_leaves_the_keys_none_and_the_rest_intact(tmp_path, monkeypatch, installed):
+    monkeypatch.setattr(host_fact, "DOCKER_SOCKET", str(tmp_path / "absent.sock"))
+    paths = dataclasses.replace(key_paths(tmp_path, installed, refresh=True), nvidia_key_url="http://127.0.0.1:9/gpgkey",
+                                docker_repo_url="http://127.0.0.1:9/linux")
+    snap = _run(next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line))
+    assert snap.nvidia_key is None and snap.docker_key is None and snap.images == [] and snap.health_code is None

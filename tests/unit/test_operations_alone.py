@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import logging
+import re
+from types import SimpleNamespace
 from typing import Any
 
-from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State
+import pytest
+from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State, StringCommand
 from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.facts.host import HostSnapshot
 from gpufleet.facts.nvidia import NvidiaVersion
 from gpufleet.ledger import Committed, Ledger, Version
-from gpufleet.operations import image, nvidia, service
+from gpufleet.operations import docker, image, nvidia, service
 from gpufleet.operations.layout import state_file
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.service import env_content
@@ -25,10 +30,11 @@ RESOLVED = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
 
 
 def run_alone(operation: Any, snap: HostSnapshot, resolved: str | None = None, ledger: Ledger | None = None,
-              **arguments: Any) -> list[Any]:
+              executing: bool = False, **arguments: Any) -> list[Any]:
     inventory = Inventory(([("gpu1", {})], {}))
     target = inventory.get_host("gpu1")
     state = State(inventory, Config())
+    state.is_executing = executing
     remember(target, snap)
     memo(target).resolved_image_ref = resolved
     memo(target).ledger = ledger or Ledger()
@@ -90,3 +96,152 @@ def test_version_file_writes_nothing_when_read_from_it_or_without_a_usable_answe
     broken = HostSnapshot(nvidia_smi=True, nvidia_error="nvidia-smi failed: NVIDIA-SMI has failed")
     for snap in (from_file, broken, HostSnapshot()):  # HostSnapshot(): no nvidia-smi
         assert run_alone(nvidia.version_file, snap) == []
+
+
+# --- repo keys: the installed keyring stands; fetched while executing only when apt reads the repo -------------------
+ARMORED = ("-----BEGIN PGP PUBLIC KEY BLOCK-----\n\n" + base64.b64encode(b"key" * 40).decode()
+           + "\n-----END PGP PUBLIC KEY BLOCK-----\n")
+ROTATED = ARMORED.replace("a2V5", "S0VZ", 1)  # another key: "KEY" where the first "key" was
+NVIDIA_URL = "http://repo.example/nvidia"
+DOCKER_URL = "http://repo.example/docker/linux"
+DEBIAN = {"ID": "debian", "VERSION_CODENAME": "bookworm"}
+
+
+def converged_keys(**over: Any) -> HostSnapshot:
+    """A converged host's snapshot as a no-op converge reads it: keyrings and lists installed, packages installed,
+    no key fetched (the snapshot asks for none while the keyrings exist)."""
+    files = {nvidia.KEYRING: nvidia.dearmor(ARMORED), nvidia.LIST: nvidia.list_line(NVIDIA_URL).encode(),
+             docker.DOCKER_KEY: ARMORED.encode(),
+             docker.DOCKER_LIST: docker.repo_line(DOCKER_URL, "debian", "bookworm", "amd64").encode()}
+    return HostSnapshot(os=dict(DEBIAN), arch="amd64",
+                        packages=dict.fromkeys([nvidia.PACKAGE, *docker.CE_PACKAGES, "curl"], "1"),
+                        file_sha256={path: hashlib.sha256(content).hexdigest() for path, content in files.items()},
+                        **over)
+
+
+def fetches(commands: list[Any]) -> list[tuple[Any, ...]]:
+    return [c.args for c in commands if isinstance(c, FunctionCommand) and c.function is nvidia.install_fetched_key]
+
+
+def test_a_converged_host_is_a_no_op_whatever_the_key_servers_do():
+    # The bug this fixes: the snapshot fetched both keys on every converge, and a key server that did not answer
+    # (an offline fleet) made every host fetch again while executing, report a change and fail.
+    snap = converged_keys()
+    assert run_alone(nvidia.repository, snap, repo_url=NVIDIA_URL) == []
+    assert run_alone(docker.engine, snap, repo_url=DOCKER_URL) == []
+
+
+@pytest.fixture
+def apt_installs(monkeypatch):
+    """pyinfra's apt.packages reads its own facts over SSH: stood in for by one command naming the packages."""
+    def packages(packages: list[str], **_: Any):
+        yield StringCommand("apt-install", *packages)
+    monkeypatch.setattr(docker.apt.packages, "_inner", packages)
+    monkeypatch.setattr(nvidia.apt.packages, "_inner", packages)
+
+
+def test_a_missing_keyring_is_fetched_while_executing_when_the_snapshot_got_none():
+    # No curl when the snapshot ran (the deploy installs it first), or the key server did not answer then.
+    snap = converged_keys()
+    del snap.file_sha256[nvidia.KEYRING], snap.file_sha256[docker.DOCKER_KEY]
+    (fetch,) = run_alone(nvidia.repository, snap, repo_url=NVIDIA_URL)
+    assert fetches([fetch]) == [(f"{NVIDIA_URL}/gpgkey", nvidia.KEYRING, nvidia.dearmor, None, "nvidia_repo_url")]
+    fetch, update = run_alone(docker.engine, snap, repo_url=DOCKER_URL)
+    assert fetches([fetch]) == [(f"{DOCKER_URL}/debian/gpg", docker.DOCKER_KEY, docker.armored, None,
+                                 "docker_repo_url")]
+    assert update.get_raw_value() == "apt-get update -q"  # the new key reaches apt's lists
+
+
+def test_a_package_to_install_fetches_the_key_first_so_a_rotated_key_is_picked_up(apt_installs):
+    snap = converged_keys()
+    del snap.packages[nvidia.PACKAGE], snap.packages["containerd.io"]
+    (fetch,) = run_alone(nvidia.repository, snap, repo_url=NVIDIA_URL)
+    assert fetches([fetch])[0][3] == snap.file_sha256[nvidia.KEYRING]  # rewritten only if the served one differs
+    fetch, install = run_alone(docker.engine, snap, repo_url=DOCKER_URL)
+    assert fetches([fetch])[0][:2] == (f"{DOCKER_URL}/debian/gpg", docker.DOCKER_KEY)
+    assert install.get_raw_value() == "apt-install containerd.io"
+
+
+def test_a_changed_repo_fetches_its_key_before_its_source_line():
+    snap = converged_keys()
+    commands = run_alone(nvidia.repository, snap, repo_url="http://mirror.example/nvidia")
+    assert fetches(commands)[0][0] == "http://mirror.example/nvidia/gpgkey"
+    assert isinstance(commands[0], FunctionCommand) and commands[-1].dest == nvidia.LIST
+    commands = run_alone(docker.engine, snap, repo_url="http://mirror.example/linux")
+    assert fetches(commands)[0][0] == "http://mirror.example/linux/debian/gpg"
+    assert [c.dest for c in commands if isinstance(c, FileUploadCommand)] == [docker.DOCKER_LIST]
+
+
+def test_a_refresh_replaces_a_rotated_key_and_nothing_else():
+    same = converged_keys(nvidia_key=ARMORED, docker_key=ARMORED)
+    assert run_alone(nvidia.repository, same, repo_url=NVIDIA_URL, refresh_keys=True) == []
+    assert run_alone(docker.engine, same, repo_url=DOCKER_URL, refresh_keys=True) == []
+    rotated = converged_keys(nvidia_key=ROTATED, docker_key=ROTATED)
+    mkdir, upload = run_alone(nvidia.repository, rotated, repo_url=NVIDIA_URL, refresh_keys=True)
+    assert upload.dest == nvidia.KEYRING and upload.src.getvalue() == nvidia.dearmor(ROTATED)
+    mkdir, upload, update = run_alone(docker.engine, rotated, repo_url=DOCKER_URL, refresh_keys=True)
+    assert upload.dest == docker.DOCKER_KEY and upload.src.getvalue() == ROTATED.encode()
+    assert update.get_raw_value() == "apt-get update -q"
+
+
+def test_a_refresh_whose_fetch_failed_keeps_the_installed_key_and_says_so(caplog):
+    snap = converged_keys()  # refresh asked, the key server did not answer: no key in the snapshot
+    with caplog.at_level(logging.WARNING):
+        assert run_alone(nvidia.repository, snap, repo_url=NVIDIA_URL, refresh_keys=True) == []  # the plan: silent
+        assert run_alone(nvidia.repository, snap, executing=True, repo_url=NVIDIA_URL, refresh_keys=True) == []
+        assert run_alone(docker.engine, snap, executing=True, repo_url=DOCKER_URL, refresh_keys=True) == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [re.sub(r"\x1b\[[0-9;]*m", "", w).split("] ", 1)[-1] for w in warnings] == [
+        f"gpu1: could not fetch {NVIDIA_URL}/gpgkey to check for a rotated key; kept the installed {nvidia.KEYRING}",
+        f"gpu1: could not fetch {DOCKER_URL}/debian/gpg to check for a rotated key; kept the installed "
+        f"{docker.DOCKER_KEY}"]
+
+
+class KeyHost:
+    """What install_fetched_key uses of a pyinfra Host: commands answered from `answers`, uploads and logs kept."""
+
+    name, data, connector = "gpu1", {"ssh_user": "root"}, None
+
+    def __init__(self, fetched: tuple[bool, str, str]):
+        self.fetched, self.commands, self.uploads, self.logged = fetched, [], [], []
+
+    def run_shell_command(self, command: str, **_: Any):
+        self.commands.append(str(command))
+        ok, out, err = self.fetched if str(command).startswith("curl ") else (True, "", "")
+        return ok, SimpleNamespace(stdout_lines=out.splitlines(), stderr_lines=err.splitlines())
+
+    def put_file(self, src: Any, dest: str, **_: Any) -> bool:
+        self.uploads.append((dest, src.getvalue()))
+        return True
+
+    def log_styled(self, message: str, **_: Any) -> None:
+        self.logged.append(message)
+
+
+def test_the_execute_time_fetch_writes_a_different_key_and_skips_the_same():
+    target = KeyHost((True, ROTATED, ""))
+    assert nvidia.install_fetched_key(None, target, "http://r/gpgkey", nvidia.KEYRING, nvidia.dearmor,
+                                      hashlib.sha256(nvidia.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")
+    assert target.uploads == [(f"/usr/share/keyrings/.{nvidia.KEYRING.rsplit('/', 1)[1]}.gpufleet-tmp",
+                               nvidia.dearmor(ROTATED))]
+    assert target.commands[-1].endswith(f"mv -f /usr/share/keyrings/.nvidia-container-toolkit-keyring.gpg.gpufleet-tmp "
+                                        f"{nvidia.KEYRING} && sync /usr/share/keyrings")
+    same = KeyHost((True, ARMORED, ""))
+    assert nvidia.install_fetched_key(None, same, "http://r/gpgkey", nvidia.KEYRING, nvidia.dearmor,
+                                      hashlib.sha256(nvidia.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")
+    assert same.uploads == [] and len(same.commands) == 1
+
+
+@pytest.mark.parametrize("fetched, reason", [
+    ((False, "", "curl: (7) Failed to connect to r port 80: Connection refused"),
+     "curl: (7) Failed to connect to r port 80: Connection refused"),
+    ((True, "<html>not found</html>", ""), "not an ASCII-armored PGP public key block"),
+], ids=["unreachable", "not-a-key"])
+def test_a_failed_execute_time_fetch_fails_the_host_on_one_line(fetched, reason):
+    target = KeyHost(fetched)
+    assert not nvidia.install_fetched_key(None, target, "http://r/linux/debian/gpg", docker.DOCKER_KEY,
+                                          docker.armored, None, "docker_repo_url")
+    assert target.logged == [f"gpu1: could not fetch the repo key http://r/linux/debian/gpg: {reason} (fix: make "
+                             "http://r/linux/debian/gpg reachable from gpu1, or set docker_repo_url to a mirror that "
+                             "serves it)"]
+    assert target.uploads == []

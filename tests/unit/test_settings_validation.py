@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.errors import SettingErrors
-from gpufleet.settings import build_spec, resolve_host
+from gpufleet.settings import RUN_FLAGS, build_spec, resolve_host
 
 CASES = [
     # (host data, setting named in the error, words the problem or fix must contain)
@@ -15,6 +15,7 @@ CASES = [
     ({"gpufleet_stage": "swap"}, "gpufleet_stage", "converge, prepare"),
     ({"gpufleet_retry_failed": "yes"}, "gpufleet_retry_failed", "--data gpufleet_retry_failed=true"),
     ({"gpufleet_verify_probe": 1}, "gpufleet_verify_probe", "True or False"),
+    ({"gpufleet_refresh_keys": "yes"}, "gpufleet_refresh_keys", "true/false"),
     ({"vllm_profile": "llama"}, "vllm_profile", "qwen35"),
     ({"vllm_image": "Not An Image"}, "vllm_image", "repo:tag"),
     ({"vllm_gpus": []}, "vllm_gpus", "non-empty"),
@@ -114,8 +115,9 @@ def test_valid_variations_are_accepted():
 
 @pytest.mark.parametrize("word, value", [("true", True), ("False", False), (True, True)])
 def test_run_flags_from_the_command_line_accept_the_words_true_and_false(word, value):
-    settings = resolve_host("gpu1", {"gpufleet_retry_failed": word, "gpufleet_verify_probe": word})[1]
-    assert settings["gpufleet_retry_failed"] is value and settings["gpufleet_verify_probe"] is value
+    settings = resolve_host("gpu1", {flag: word for flag in RUN_FLAGS})[1]
+    assert {flag: settings[flag] for flag in RUN_FLAGS} == dict.fromkeys(RUN_FLAGS, value)
+    assert "gpufleet_refresh_keys" in RUN_FLAGS
 
 
 def test_an_image_ref_of_the_same_repository_is_kept_as_its_digest_ref():

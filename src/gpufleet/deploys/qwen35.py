@@ -61,6 +61,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
         files=managed.files, state_file=layout.state_file, env_file=layout.env_file, port=spec.port,
         nvidia_key_url=nvidia.key_url(s["nvidia_repo_url"]), nvidia_version_file=nvidia.VERSION_FILE,
         docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
+        nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s["gpufleet_refresh_keys"]),
     )
     return Plan(spec, s, layout, paths)
 
@@ -158,8 +159,11 @@ def deploy_qwen35() -> None:
             return
 
     files.prerequisites(name="Install apt prerequisites (ca-certificates, curl)")
-    docker.engine(name="Install the Docker engine", install=s["docker_install"], repo_url=s["docker_repo_url"])
-    nvidia.repository(name="Add the NVIDIA container toolkit apt repository", repo_url=s["nvidia_repo_url"])
+    refresh_keys = bool(s["gpufleet_refresh_keys"])
+    docker.engine(name="Install the Docker engine", install=s["docker_install"], repo_url=s["docker_repo_url"],
+                  refresh_keys=refresh_keys)
+    nvidia.repository(name="Add the NVIDIA container toolkit apt repository", repo_url=s["nvidia_repo_url"],
+                      refresh_keys=refresh_keys)
     nvidia.toolkit(name="Install the NVIDIA container toolkit")
     runtime = nvidia.docker_runtime(name="Register the nvidia runtime with Docker")
     nvidia.version_file(name="Record the NVIDIA driver's CUDA version")

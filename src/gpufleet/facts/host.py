@@ -2,11 +2,11 @@
 
 A no-op re-converge should cost little more than connecting (bench/deploy_bench.py measures it), so instead of one
 command per fact the deploy reads the host once: OS, GPUs (the exact nvidia-smi queries of gpufleet.facts.nvidia),
-free disk, Docker's daemon.json, package states, checksums of the files the deploy writes, the NVIDIA repo key as
-the repo serves it now (to notice a rotated key), the image state file, local images, the model directory, unit
-states, the unit file vllm_service names (its first line tells gpufleet's units from others), what really runs
-(systemd's view of the unit, the spec hash and digest its file pins, the running container's label and image) and a
-readiness probe. Sections are separated by marker lines; process() only parses.
+free disk, Docker's daemon.json, package states, checksums of the files the deploy writes, the repos' keys as they
+serve them now (only where a keyring is missing, or with refresh_keys), the image state file, local images, the
+model directory, unit states, the unit file vllm_service names (its first line tells gpufleet's units from others),
+what really runs (systemd's view of the unit, the spec hash and digest its file pins, the running container's label
+and image) and a readiness probe. Sections are separated by marker lines; process() only parses.
 
 Its cost is paid on every host at every converge, and the hosts' CPU is what a fleet converge waits for: so it
 starts few programs. Docker's images and containers come from the Engine API through the one curl that reads
@@ -76,9 +76,14 @@ class Paths:
     port: int
     nvidia_key_url: str
     docker_repo_url: str | None  # docker-ce only: its key lives at <url>/<os id>/gpg
+    # Where each repo's key is installed: a key is fetched only when its file is missing or refresh_keys is set,
+    # so a no-op converge sends no request off the host (the keys rotate once in years).
+    nvidia_keyring: str
+    docker_keyring: str
     # `nvidia-smi --version` as last read live (gpufleet.operations.nvidia writes it): printed instead of running
     # it again while it names the driver the GPU query reports. None: always ask nvidia-smi.
     nvidia_version_file: str | None = None
+    refresh_keys: bool = False  # gpufleet_refresh_keys: fetch both keys even where installed (a rotated key)
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,9 @@ class HostSnapshot:
     free_path: dict[str, str] = field(default_factory=dict)  # the directory actually measured
     packages: dict[str, str] = field(default_factory=dict)  # installed package -> version
     file_sha256: dict[str, str | None] = field(default_factory=dict)
-    nvidia_key: str | None = None  # armored key as served by nvidia_repo_url now
+    # Armored keys as the repos serve them now; fetched only for a missing keyring or with refresh_keys, so None
+    # also means "not asked" (an installed keyring then stands) or "the key server did not answer".
+    nvidia_key: str | None = None
     docker_key: str | None = None
     ledger_text: str | None = None  # the service's ledger file (gpufleet.ledger parses it); None: no file
     other_ledgers: dict[str, str] = field(default_factory=dict)  # path -> text: the state dir's other ledgers
@@ -237,15 +244,26 @@ def snapshot_command(paths: Paths) -> str:
     # listing; a daemon that is down or hangs gives an empty section, as the CLI's empty output did. --noproxy: a
     # proxy set in root's environment must not take a request meant for the socket. The label's key travels in
     # the marker: process() needs it to read the containers' label values.
-    docker_api = f"--next -fs --max-time {COMMAND_TIMEOUT_S} --noproxy '*' --unix-socket {DOCKER_SOCKET} http://localhost"
+    docker_api = f"-fs --max-time {COMMAND_TIMEOUT_S} --noproxy '*' --unix-socket {DOCKER_SOCKET} http://localhost"
     docker_gets = (f"{docker_api}/images/json -w {next_mark(DOCKER_CONTAINERS + ' ' + label)} "
-                   f"{docker_api}{q('/containers/json?filters=' + labelled)} -w {next_mark('health')} ")
+                   f"--next {docker_api}{q('/containers/json?filters=' + labelled)} -w {next_mark('health')} ")
+
+    # The repo keys come first, each only when its keyring is missing or refresh_keys asks: an installed key
+    # stands (it rotates once in years), so a no-op converge sends nothing off the host and does not depend on
+    # the key servers. The decision uses shell builtins only (`[ -f ]`, `set --`): curl's argument list is built
+    # back to front, so each key request's -w names the section that follows it ($n), and the marker of the
+    # section curl's first answer belongs to is printed before curl starts.
+    def key_get(name: str, keyring: str, url: str, prepare: str = "") -> str:
+        get = f"{prepare}set -- -fsSL --max-time 15 {url} -w \"\\n{MARK}$n\\n\" --next \"$@\"; n={name}"
+        return f"{{ {get}; }}; " if paths.refresh_keys else f"[ -f {q(keyring)} ] || {{ {get}; }}; "
+
+    keys = f"n={DOCKER_IMAGES}; set --; "
     if paths.docker_repo_url:  # docker-ce: its key lives at <url>/<os id>/gpg
-        docker_key, first_after_nvidia = "ID=; . /etc/os-release; ", "docker_key"
-        docker_get = (f"--next -fsSL --max-time 15 {q(paths.docker_repo_url)}/\"$ID\"/gpg "
-                      f"-w {next_mark(DOCKER_IMAGES)} ")
-    else:
-        docker_key, first_after_nvidia, docker_get = "", DOCKER_IMAGES, ""
+        keys += key_get("docker_key", paths.docker_keyring, f"{q(paths.docker_repo_url)}/\"$ID\"/gpg",
+                        prepare="ID=; . /etc/os-release; ")
+    keys += key_get("nvidia_key", paths.nvidia_keyring, q(paths.nvidia_key_url))
+    keys += f"[ $n = nvidia_key ] || printf '\\n{MARK}%s\\n' \"$n\"; "
+
     # The docker CLI is the fallback for a host without curl (the deploy installs curl): the same listings.
     no_curl = "! command -v curl >/dev/null && command -v docker >/dev/null &&"
     cat_each_ledger = cat('"$f"')
@@ -306,15 +324,14 @@ def snapshot_command(paths: Paths) -> str:
         "printf 'Header=%s\\n' \"$h\"; "
         f"{no_curl} $t docker ps --no-trunc --filter label={q(label)} --format {q(container_format)} 2>/dev/null",
         # One curl for every HTTP read (each --next is its own request with its own options; -w prints the next
-        # section's marker after each): the repo keys as the repos serve them now, so a rotated key is noticed,
-        # docker's listings, then readiness, the served models and the cache config labels (vLLM's /metrics needs
-        # no key). The API key never reaches a command line: printf is a builtin, curl reads the header from stdin,
-        # and sends it to /v1/models only. awk keeps only the cache config lines of /metrics.
+        # section's marker after each): the repo keys that are needed (above), docker's listings, then readiness,
+        # the served models and the cache config labels (vLLM's /metrics needs no key). The API key never reaches
+        # a command line: printf is a builtin, curl reads the header from stdin, and sends it to /v1/models only.
+        # awk keeps only the cache config lines of /metrics.
         f"{section('nvidia_key')}; if command -v curl >/dev/null; then "
         f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
         "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
-        f"({docker_key}curl -fsSL --max-time 15 {q(paths.nvidia_key_url)} -w {next_mark(first_after_nvidia)} "
-        f"{docker_get}{docker_gets}"
+        f"({keys}curl \"$@\" {docker_gets}"
         f"--next -s --max-time 3 -o /dev/null -w '%{{http_code}}\\n' http://127.0.0.1:{port}/health "
         f"--next -s --max-time 3 -H @- http://127.0.0.1:{port}/v1/models -w {next_mark('cache_config')} "
         f"--next -s --max-time 3 http://127.0.0.1:{port}/metrics) 2>/dev/null | "

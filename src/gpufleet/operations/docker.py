@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import shlex
-
 from pyinfra import host
-from pyinfra.api import StringCommand, operation
+from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.operations import apt
 
 from gpufleet.operations.files import put_content
 from gpufleet.operations.layout import Layout, Managed
+from gpufleet.operations.nvidia import dearmor, install_fetched_key, key_commands
 from gpufleet.operations.remote import Commands
 from gpufleet.operations.snapshot import snapshot
 
@@ -27,9 +26,10 @@ def key_url(repo_url: str, os_id: str) -> str:
     return f"{repo_url.rstrip('/')}/{os_id}/gpg"
 
 
-def fetch_key_command(repo_url: str, os_id: str) -> StringCommand:
-    # The URL is a setting: quoted, so `&`, `;` or `$(` in it can never reach the root shell as syntax.
-    return StringCommand("curl", "-fsSL", shlex.quote(key_url(repo_url, os_id)), "-o", DOCKER_KEY)
+def armored(text: str) -> bytes:
+    """Docker's key file is the armored key as served (apt reads .asc keyrings): checked, stored as it is."""
+    dearmor(text)  # raises ValueError for anything but an armored public key block (an HTML error page)
+    return text.encode()
 
 
 def repo_line(repo_url: str, os_id: str, codename: str, arch: str) -> str:
@@ -38,8 +38,17 @@ def repo_line(repo_url: str, os_id: str, codename: str, arch: str) -> str:
 
 
 @operation()
-def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.com/linux") -> Commands:
-    """Install the Docker engine: docker-ce from Docker's repo, or the distribution's docker.io ("distro")."""
+def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.com/linux",
+           refresh_keys: bool = False) -> Commands:
+    """Install the Docker engine: docker-ce from Docker's repo, or the distribution's docker.io ("distro").
+
+    docker-ce's key (`<repo_url>/<os id>/gpg`, kept as /etc/apt/keyrings/docker.asc) is decided as the NVIDIA
+    repo's is (gpufleet.operations.nvidia.key_commands): the installed key stands unless refresh_keys
+    (gpufleet_refresh_keys) fetched a different one; it is fetched while executing when missing, or when apt is
+    about to read the repo (a package to install, a changed source line).
+
+        docker.engine(install="docker-ce", repo_url="https://download.docker.com/linux", refresh_keys=False)
+    """
     snap = snapshot()
     if install == "distro":
         # docker-ce on the host with docker_install "distro" never gets here: preflight refuses the swap.
@@ -49,24 +58,22 @@ def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.
         yield from apt.packages._inner(packages=["docker.io"], update=True, no_recommends=True)
         return
 
+    os_id = snap.os.get("ID", "debian")
+    url = key_url(repo_url, os_id)
+    line = repo_line(repo_url, os_id, snap.os.get("VERSION_CODENAME", ""), snap.arch)
+    list_commands = list(put_content(DOCKER_LIST, line))
+    missing = [p for p in CE_PACKAGES if not snap.installed(p)]
+    fetch = FunctionCommand(install_fetched_key, (url, DOCKER_KEY, armored, snap.file_sha256.get(DOCKER_KEY),
+                                                  "docker_repo_url"), {})
     changed = False
-    if snap.docker_key is None:
-        # The snapshot could not fetch the key (no curl yet): fetch it on the host once curl is installed.
-        yield StringCommand("install", "-d", "-m", "755", "/etc/apt/keyrings")
-        yield fetch_key_command(repo_url, snap.os.get("ID", "debian"))
-        changed = True
-    else:
-        for command in put_content(DOCKER_KEY, snap.docker_key):
-            changed = True
-            yield command
-    line = repo_line(repo_url, snap.os.get("ID", "debian"), snap.os.get("VERSION_CODENAME", ""), snap.arch)
-    for command in put_content(DOCKER_LIST, line):
+    for command in key_commands(snap, DOCKER_KEY, snap.docker_key.encode() if snap.docker_key else None, fetch,
+                                bool(missing or list_commands), refresh_keys, url):
         changed = True
         yield command
-    missing = [p for p in CE_PACKAGES if not snap.installed(p)]
+    yield from list_commands
     if missing:
         yield from apt.packages._inner(packages=missing, update=True, no_recommends=True)
-    elif changed:
+    elif changed or list_commands:
         yield StringCommand("apt-get", "update", "-q")
     else:
         host.noop("docker-ce is installed from " + repo_url)

@@ -6,15 +6,16 @@ from __future__ import annotations
 import base64
 import binascii
 import shlex
+from collections.abc import Callable
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, Host, State, StringCommand, operation
 from pyinfra.operations import apt
 
-from gpufleet.facts.host import DAEMON_JSON
-from gpufleet.operations.files import as_io, put_content, replace_command, temp_path
+from gpufleet.facts.host import DAEMON_JSON, HostSnapshot
+from gpufleet.operations.files import as_io, put_content, replace_command, sha256, temp_path
 from gpufleet.operations.layout import STATE_DIR, Layout, Managed
-from gpufleet.operations.remote import Commands, use_sudo
+from gpufleet.operations.remote import Commands, fail, use_sudo
 from gpufleet.operations.snapshot import snapshot
 
 KEYRING = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
@@ -64,33 +65,71 @@ def fetch_key_command(url: str) -> str:
     return f"curl -fsSL --max-time 60 {shlex.quote(url)}"
 
 
-def _fetch_and_install_keyring(state: State, host: Host, url: str) -> bool:
-    sudo = use_sudo(host)
+def install_fetched_key(state: State, host: Host, url: str, path: str, as_file: Callable[[str], bytes],
+                        installed_sha256: str | None, setting: str) -> bool:
+    """FunctionCommand: fetch the repo key at `url` on the host and make `path` hold what as_file makes of the
+    armored text (it raises ValueError for anything else), unless the installed file already does. A fetch that
+    fails ends the host's run on one line naming host, URL and fix: apt is about to read the repo with that key."""
     ok, output = host.run_shell_command(fetch_key_command(url))
-    if not ok:
-        raise RuntimeError(f"could not fetch {url}: {' '.join(output.stderr_lines)[:200]}")
-    keyring = dearmor("\n".join(output.stdout_lines))
-    return host.put_file(as_io(keyring), KEYRING, _sudo=sudo) and host.run_shell_command(
-        f"chmod 644 {KEYRING}", _sudo=sudo)[0]
+    try:
+        if not ok:
+            raise ValueError(" ".join(output.stderr_lines).strip()[:200] or "curl failed")
+        content = as_file("\n".join(output.stdout_lines).strip() + "\n")
+    except ValueError as error:
+        return fail(host, f"{host.name}: could not fetch the repo key {url}: {error} (fix: make {url} reachable "
+                          f"from {host.name}, or set {setting} to a mirror that serves it)")
+    if sha256(content) == installed_sha256:
+        return True  # the installed key is the one served: nothing to write
+    sudo, tmp = use_sudo(host), temp_path(path)
+    q = shlex.quote
+    return bool(host.run_shell_command(f"install -d -m 755 {q(path.rpartition('/')[0])}", _sudo=sudo)[0]
+                and host.put_file(as_io(content), tmp, _sudo=sudo)
+                and host.run_shell_command(f"chown root:root {q(tmp)} && chmod 644 {q(tmp)} && "
+                                           + replace_command(tmp, path), _sudo=sudo)[0])
+
+
+def key_commands(snap: HostSnapshot, path: str, served: bytes | None, fetch: FunctionCommand, apt_reads_repo: bool,
+                 refresh: bool, url: str) -> Commands:
+    """The commands that keep a repo's key file current, decided from the snapshot: the key as served (`served`,
+    when the snapshot fetched it: a missing file, or refresh) replaces a different file; without it, `fetch` runs
+    while executing when there is no file yet (the snapshot had no curl, or the key server did not answer) or apt
+    is about to read the repo anyway (a package to install, a changed source line), so a rotated key is picked up
+    whenever gpufleet installs; otherwise the installed key stands. A refresh whose fetch failed keeps it, saying
+    so once."""
+    if served is not None:
+        yield from put_content(path, served)
+    elif path not in snap.file_sha256 or apt_reads_repo:
+        yield fetch
+    elif refresh and host.state.is_executing:  # said while executing: a plan that checks for changes runs this too
+        host.log_styled(f"{host.name}: could not fetch {url} to check for a rotated key; kept the installed "
+                        f"{path}", fg="yellow", log_func=logger.warning)
 
 
 @operation()
-def repository(repo_url: str = "https://nvidia.github.io/libnvidia-container") -> Commands:
-    """Add NVIDIA's container-toolkit apt repo, signed by its current key (a rotated key is replaced)."""
+def repository(repo_url: str = "https://nvidia.github.io/libnvidia-container", refresh_keys: bool = False) -> Commands:
+    """Add NVIDIA's container-toolkit apt repo, signed by its key.
+
+    The installed keyring stands: the snapshot fetches `<repo_url>/gpgkey` only when the keyring is missing or
+    refresh_keys (gpufleet_refresh_keys) asks, and a key fetched that way replaces a different keyring (a rotated
+    key). When the toolkit is still to be installed or the list file changes, apt reads the repo in this run: the
+    key is fetched first, while executing, and a failed fetch fails the host. A refresh whose fetch failed keeps
+    the installed keyring with a warning.
+
+        nvidia.repository(repo_url="https://nvidia.github.io/libnvidia-container", refresh_keys=False)
+    """
     snap = snapshot()
+    url = key_url(repo_url)
+    list_commands = list(put_content(LIST, list_line(repo_url)))
+    fetch = FunctionCommand(install_fetched_key, (url, KEYRING, dearmor, snap.file_sha256.get(KEYRING),
+                                                  "nvidia_repo_url"), {})
+    served = dearmor(snap.nvidia_key) if snap.nvidia_key is not None else None
     changed = False
-    if snap.nvidia_key is None:
-        # curl was missing when the snapshot ran (it is installed earlier in this deploy): fetch at execute time.
-        yield FunctionCommand(_fetch_and_install_keyring, (key_url(repo_url),), {})
-        changed = True
-    else:
-        for command in put_content(KEYRING, dearmor(snap.nvidia_key)):
-            changed = True
-            yield command
-    for command in put_content(LIST, list_line(repo_url)):
+    for command in key_commands(snap, KEYRING, served, fetch, not snap.installed(PACKAGE) or bool(list_commands),
+                                refresh_keys, url):
         changed = True
         yield command
-    if not changed:
+    yield from list_commands
+    if not changed and not list_commands:
         host.noop(f"{LIST} and its keyring match {repo_url}")
 
 
