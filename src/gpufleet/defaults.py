@@ -97,6 +97,9 @@ DEFAULTS: dict[str, Any] = {
     # A version (digest + spec) that failed verification is not installed again by a plain converge; True tries it
     # again on purpose, for this run.
     "gpufleet_retry_failed": False,
+    # {host: the digest its ledger had committed (None: nothing)} as the rollout read it when it started: a host whose
+    # ledger says otherwise now (another run changed it meanwhile) is refused before anything changes.
+    "gpufleet_expect_committed": None,
     # After ready and the soak, also run the prompt re-processing probe (`gpufleet verify --probe`); its failure is
     # a failed verify (rolled back).
     "gpufleet_verify_probe": False,

@@ -198,6 +198,7 @@ def resolve_host(host: str, host_data: Mapping[str, Any]) -> tuple[ServeSpec, di
     image = _check_image(s["vllm_image"], fail)
     if image:
         s["gpufleet_image_ref"] = _check_image_ref(s["gpufleet_image_ref"], image, fail)
+    _check_expect_committed(s["gpufleet_expect_committed"], fail)
     for key in RUN_FLAGS:  # `--data key=true` may arrive as the word: one meaning from here on
         s[key] = _BOOL_WORDS.get(s[key].lower(), s[key]) if isinstance(s[key], str) else s[key]
     gpus = _check_gpus(s["vllm_gpus"], fail)
@@ -315,6 +316,16 @@ def _check_image_ref(value: Any, image: str, fail: Fail) -> str | None:
              f"use {wanted.repository}@sha256:<digest>, or change vllm_image to that repository")
         return None
     return ref.pinned
+
+
+def _check_expect_committed(value: Any, fail: Fail) -> None:
+    """gpufleet_expect_committed: None, or {host name: committed digest or None} (pyinfra's --data parses JSON)."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
+                                              for k, v in value.items()):
+        fail("gpufleet_expect_committed", f"{shown(value)} is not a map of host name to digest",
+             'pass --data \'gpufleet_expect_committed={"gpu1": "repo@sha256:...", "gpu2": null}\', or leave it unset')
 
 
 def _check_image(value: Any, fail: Fail) -> str:

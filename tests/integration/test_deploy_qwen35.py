@@ -318,6 +318,25 @@ def test_a_package_to_install_fetches_the_key_first_and_fails_the_host_on_one_li
         fleet.run_in(a, f"dpkg -s {nvidia.PACKAGE} >/dev/null 2>&1 || apt-get install -y -q {nvidia.PACKAGE}")
 
 
+def test_a_host_whose_committed_version_changed_since_a_rollout_read_it_is_refused(converged, test_hosts,
+                                                                                 inventory_json, names, pyinfra,
+                                                                                 fleet, tmp_path):
+    # What a rollout's swap run passes (gpufleet.rollout.swap): each host's committed digest as it read it.
+    inv = write_inventory(tmp_path, inventory_json, names)
+    first, *others = test_hosts
+    read = {h.name: committed_ref(fleet, h) for h in test_hosts}
+    before = {h.name: fingerprint(fleet, h) for h in test_hosts}
+    stale = {**read, first.name: read[first.name].rsplit(":", 1)[0] + ":" + "0" * 64}
+    refused = deploy(pyinfra, inv, "--data", f"gpufleet_expect_committed={json.dumps(stale)}", check=False)
+    assert refused.returncode != 0
+    out = refused.stdout
+    assert f"{first.name}: its ledger has {read[first.name]} committed, the rollout read {stale[first.name]}" in out
+    assert not any(f"{h.name}: its ledger has" in out for h in others)
+    assert {h.name: fingerprint(fleet, h) for h in test_hosts} == before  # refused before anything changed
+    agreed = deploy(pyinfra, inv, "--data", f"gpufleet_expect_committed={json.dumps(read)}").stdout
+    assert changes(agreed) == 0, changed_ops(agreed)
+
+
 def test_changing_one_hosts_setting_restarts_only_that_host(converged, test_hosts, inventory_json, names, pyinfra,
                                                            fleet, tmp_path):
     a, b = test_hosts

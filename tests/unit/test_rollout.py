@@ -83,6 +83,29 @@ def test_rollout_settings_name_the_digest_and_only_the_asked_extras():
                                                          "gpufleet_retry_failed=true"]
 
 
+def test_a_swap_run_names_each_hosts_committed_digest_as_the_deploy_reads_it():
+    from pyinfra_cli.util import parse_cli_arg
+
+    from gpufleet.deploys.qwen35 import changed_since_read
+
+    read = {"gpu1": OLD, "gpu2": None}
+    args = settings_args(SwapOptions(Path("deploys/qwen35.py")).settings(NEW, read))
+    key, _, value = args[args.index("--data", 2) + 1].partition("=")
+    expected = parse_cli_arg(value)  # what pyinfra's --data hands the deploy
+    assert (key, expected) == ("gpufleet_expect_committed", read)
+    assert build_spec("gpu1", {"gpufleet_expect_committed": expected}) is not None  # a valid setting
+
+    on_old = committed_on(OLD)
+    assert changed_since_read("gpu1", on_old, expected) is None
+    assert changed_since_read("gpu3", ledger.Ledger(), expected) is None  # not swapped by this run: no check
+    assert changed_since_read("gpu2", ledger.Ledger(), expected) is None  # nothing committed, as read
+    line = changed_since_read("gpu1", committed_on(OLD, OLDER), expected)  # another run committed OLDER meanwhile
+    assert line == (f"gpu1: its ledger has {OLDER} committed, the rollout read {OLD} when it started: another run "
+                    "changed the host since (fix: run the rollout again: it reads every host anew)")
+    assert str(changed_since_read("gpu2", on_old, expected)).startswith(
+        f"gpu2: its ledger has {OLD} committed, the rollout read none")
+
+
 # --- outcomes from the ledger -----------------------------------------------------------------------------------
 def test_committed_on_the_target_is_updated():
     outcome = judge("h1", NEW, read(committed_on(OLD)), read(committed_on(OLD, NEW)), run_of(0), 4.2, None)

@@ -16,6 +16,8 @@ CASES = [
     ({"gpufleet_retry_failed": "yes"}, "gpufleet_retry_failed", "--data gpufleet_retry_failed=true"),
     ({"gpufleet_verify_probe": 1}, "gpufleet_verify_probe", "True or False"),
     ({"gpufleet_refresh_keys": "yes"}, "gpufleet_refresh_keys", "true/false"),
+    ({"gpufleet_expect_committed": "gpu1=repo@sha256:0"}, "gpufleet_expect_committed", "map of host name"),
+    ({"gpufleet_expect_committed": {"gpu1": 3}}, "gpufleet_expect_committed", "gpufleet_expect_committed={"),
     ({"vllm_profile": "llama"}, "vllm_profile", "qwen35"),
     ({"vllm_image": "Not An Image"}, "vllm_image", "repo:tag"),
     ({"vllm_gpus": []}, "vllm_gpus", "non-empty"),

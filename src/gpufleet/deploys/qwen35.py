@@ -117,6 +117,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         return [corrupt_refusal(name, plan.layout.state_file, error)]
     ref = pinned_ref(ledger, spec.image, s["gpufleet_image_ref"])
     problems = preflight.check(name, snap, s, spec.gpus, ref)
+    changed = changed_since_read(name, ledger, s["gpufleet_expect_committed"])
+    if changed:
+        problems.append(changed)
     if ref and not s["gpufleet_retry_failed"]:
         target = Version(image=spec.image, ref=ref, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service,
                          port=spec.port)
@@ -124,6 +127,19 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         if refused:
             problems.append(f"{name}: {refused}")
     return problems
+
+
+def changed_since_read(name: str, ledger: Ledger, expected: Mapping[str, str | None] | None) -> str | None:
+    """The refusal for a host whose committed version is not the one a rollout read when it started (None: no
+    expectation for this host, or it holds). Checked under the run's lock: nothing can change it before the swap."""
+    if expected is None or name not in expected:
+        return None
+    have = ledger.committed.version.ref if ledger.committed else None
+    if have == expected[name]:
+        return None
+    return (f"{name}: its ledger has {have or 'no version'} committed, the rollout read {expected[name] or 'none'} "
+            "when it started: another run changed the host since (fix: run the rollout again: it reads every host "
+            "anew)")
 
 
 @deploy("Deploy Qwen 3.5 on vLLM")

@@ -6,6 +6,7 @@ updated stops the rollout: the hosts after it are not touched."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -26,6 +27,9 @@ from gpufleet.router.api import RouterError
 
 PROBE = "gpufleet_verify_probe"
 RETRY_FAILED = "gpufleet_retry_failed"
+# Each swapped host's committed digest as the rollout read it: the deploy refuses a host whose ledger now says
+# otherwise (another run changed it between this rollout's read and its swap), under the host's lock.
+EXPECT_COMMITTED = "gpufleet_expect_committed"
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,11 @@ class SwapOptions:
     drain_timeout_s: float = 120.0
     log: Path | None = None
 
-    def settings(self, target_ref: str) -> dict[str, object]:
+    def settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None) -> dict[str, object]:
+        """The deploy run's --data; committed: host -> the digest the rollout read as committed there."""
         settings: dict[str, object] = {IMAGE_REF: target_ref}
+        if committed is not None:
+            settings[EXPECT_COMMITTED] = json.dumps(dict(committed), separators=(",", ":"))  # pyinfra parses JSON
         if self.probe:
             settings[PROBE] = True
         if self.retry_failed:
@@ -142,7 +149,8 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
         except TransportError:  # no session to watch through: the downtime is reported as not measured
             pass
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
-    run = run_deploy(inventory, group, options.settings(target), options.deploy_file, log=options.log)
+    committed = {h: before[h].committed_ref for h in group if before[h].error is None}
+    run = run_deploy(inventory, group, options.settings(target, committed), options.deploy_file, log=options.log)
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, group)
     result = {}
