@@ -117,7 +117,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         return [corrupt_refusal(name, plan.layout.state_file, error)]
     ref = pinned_ref(ledger, spec.image, s["gpufleet_image_ref"])
     problems = preflight.check(name, snap, s, spec.gpus, ref)
-    changed = changed_since_read(name, ledger, s["gpufleet_expect_committed"])
+    # The service's own ledger file, as a rollout reads it (not the one a renamed service takes over).
+    own = parse(snap.ledger_text) if snap.ledger_text is not None else Ledger()
+    changed = changed_since_read(name, own, s["gpufleet_expect_committed"])
     if changed:
         problems.append(changed)
     if ref and not s["gpufleet_retry_failed"]:
