@@ -3,8 +3,8 @@ fault of docs/crash-safety.md that the ledger settles, injected as it happens in
 
 One fresh host, steps in file order (pytest keeps it): converge on `good` -> a corrupt ledger -> a pull whose model
 step fails -> gpufleet_image_ref pins a digest -> gpufleet_stage=prepare -> the controller killed during the soak
-of an image that dies -> gpufleet_verify_probe -> a port change that fails verification -> a service rename (last:
-it renames the service).
+of an image that dies -> gpufleet_verify_probe -> a port change that fails verification -> a service rename that
+fails verification (the host ends on its old name) -> a service rename (last: it renames the service).
 """
 
 from __future__ import annotations
@@ -162,6 +162,21 @@ def test_prepare_pulls_and_checks_without_restarting_or_touching_the_ledger(good
     assert changes(again) == 0, changed_ops(again)
 
 
+def at_rest_and_refusing_again(fleet, host, pyinfra, plain_inventory, failed_inventory, failed: str,
+                               committed: str) -> str:
+    """After a rollback: a plain converge changes nothing, and the failed version asked for again is refused at
+    preflight with the service untouched. Returns the refusal line."""
+    plain = deploy(pyinfra, plain_inventory).stdout
+    assert changes(plain) == 0, changed_ops(plain)
+    pid = main_pid(fleet, host)
+    again = deploy(pyinfra, failed_inventory, check=False)
+    assert again.returncode != 0
+    refused = one_line(again.stdout, host, f"{failed} with spec ", " failed at ")
+    assert "gpufleet_retry_failed=true" in refused and "nothing was changed" in again.stdout
+    assert main_pid(fleet, host) == pid and running_image(fleet, host) == committed
+    return refused
+
+
 def test_killed_during_the_soak_of_an_image_that_dies_is_rolled_back_by_the_next_run(good, host, fleet, inventory,
                                                                                    pyinfra):
     committed, dies = committed_ref(fleet, host), digest_of(fleet, "dies")  # `dies`: ready ~8 s, then exits 1
@@ -197,14 +212,7 @@ def test_killed_during_the_soak_of_an_image_that_dies_is_rolled_back_by_the_next
     doc = ledger(fleet, host)
     assert doc["pending"] is None and doc["committed"]["ref"] == committed and doc["failed"][-1]["ref"] == dies
 
-    plain = deploy(pyinfra, inventory()).stdout  # the inventory's own version: nothing to do
-    assert changes(plain) == 0, changed_ops(plain)
-    pid = main_pid(fleet, host)
-    again = deploy(pyinfra, inv, check=False)  # the failed version asked for again: refused, not retried
-    assert again.returncode != 0
-    refused = one_line(again.stdout, host, f"{dies} with spec ", " failed at ")
-    assert "gpufleet_retry_failed=true" in refused and "nothing was changed" in again.stdout
-    assert main_pid(fleet, host) == pid and running_image(fleet, host) == committed
+    at_rest_and_refusing_again(fleet, host, pyinfra, inventory(), inv, dies, committed)
 
 
 def test_verify_probe_rolls_back_a_version_whose_prefix_cache_does_not_work(good, host, fleet, inventory, pyinfra):
@@ -234,6 +242,41 @@ def test_a_port_change_that_fails_verification_rolls_back_to_the_old_ports_unit(
     assert ledger(fleet, host)["committed"]["port"] == PORT and ledger(fleet, host)["pending"] is None
 
 
+def test_a_renamed_service_that_fails_verification_puts_the_old_service_back(good, host, fleet, inventory, pyinfra):
+    """vllm_service renamed together with an image that dies after ready: the old service serves again from its
+    own unit, the new one is gone, the old ledger marks the failed version, and asking for it again is refused."""
+    deploy(pyinfra, inventory())  # the inventory's own settings committed (earlier steps leave others)
+    committed, dies, renamed = committed_ref(fleet, host), digest_of(fleet, "dies"), "vllm-renamed"
+    unit, before = fleet.read_file(host, UNIT), ledger(fleet, host)
+    new_unit = f"/etc/systemd/system/{renamed}.service"
+    inv = inventory(vllm_service=renamed, gpufleet_image_ref=dies, vllm_ready_soak_s=20)
+    proc = deploy(pyinfra, inv, check=False)
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    line = one_line(proc.stdout, host, f"new image {dies} failed verification")
+    assert f"rolled back to {committed}, which is ready" in line
+    # The old service serves again: its own unit byte for byte, enabled and active, the committed digest on its port.
+    assert fleet.read_file(host, UNIT) == unit
+    assert sh(fleet, host, f"systemctl is-enabled {SERVICE}; systemctl is-active {SERVICE}").split() == [
+        "enabled", "active"]
+    assert running_image(fleet, host) == committed and health_on(fleet, host, PORT) == "200"
+    # The new service is gone: no unit file, nothing systemd still loads or runs of it; one vLLM container runs.
+    assert sh(fleet, host, f"test -e {new_unit} && echo left || echo gone").strip() == "gone"
+    assert sh(fleet, host, f"systemctl show -p LoadState -p ActiveState {renamed}").split() == [
+        "LoadState=not-found", "ActiveState=inactive"]
+    assert len(container_ids(fleet, host)) == 1
+    doc = ledger(fleet, host)
+    assert doc["committed"] == before["committed"] and doc["pending"] is None
+
+    refused = at_rest_and_refusing_again(fleet, host, pyinfra, inventory(), inv, dies, committed)  # the old name
+    assert sh(fleet, host, f"test -e {new_unit} && echo left || echo gone").strip() == "gone"
+    # The failure is marked where the committed version lives, and the new service keeps no file of its own (it
+    # never committed anything): a later run of either name reads the one ledger.
+    failed = ledger(fleet, host)["failed"]  # earlier steps marked dies under the old name's specs: one mark more
+    assert failed[:-1] == before["failed"] and [f["ref"] for f in failed[len(before["failed"]):]] == [dies], failed
+    assert f"{dies} with spec {failed[-1]['spec_hash']} failed at " in refused
+    assert sh(fleet, host, f"ls /var/lib/gpufleet/{renamed}.* /etc/gpufleet/{renamed}.* 2>/dev/null || true") == ""
+
+
 def test_a_renamed_service_replaces_the_old_unit_once_verified_and_one_container_runs(good, host, fleet, inventory,
                                                                                      pyinfra):
     committed, renamed = committed_ref(fleet, host), "vllm-renamed"
@@ -243,6 +286,8 @@ def test_a_renamed_service_replaces_the_old_unit_once_verified_and_one_container
     assert sh(fleet, host, f"systemctl show -p LoadState --value {SERVICE}").strip() == "not-found"
     assert sh(fleet, host, f"test -e {UNIT} && echo left || echo gone").strip() == "gone"
     assert sh(fleet, host, f"test -e {STATE_FILE} && echo left || echo gone").strip() == "gone"
+    # Nothing of the old service is left: its secrets file and flag check note go with its unit and ledger.
+    assert sh(fleet, host, f"ls /var/lib/gpufleet/{SERVICE}.* /etc/gpufleet/{SERVICE}.* 2>/dev/null || true") == ""
     assert len(container_ids(fleet, host)) == 1 and running_image(fleet, host) == ""  # none under the old label
     doc = ledger(fleet, host, renamed)
     assert doc["committed"]["service"] == renamed and doc["committed"]["ref"] == committed

@@ -34,6 +34,7 @@ from gpufleet.health.wait import Exited
 from gpufleet.ledger import RETRY_SETTING, Ledger
 from gpufleet.ledger import commit as ledger_commit
 from gpufleet.ledger import roll_back as ledger_roll_back
+from gpufleet.operations.flagcheck import accepted_file
 from gpufleet.operations.image import now_utc
 from gpufleet.operations.layout import state_file, unit_backup
 from gpufleet.operations.remote import fail, use_sudo
@@ -41,7 +42,7 @@ from gpufleet.operations.secret import Hidden
 from gpufleet.operations.service import save_ledger
 from gpufleet.operations.snapshot import memo
 from gpufleet.spec import ServeSpec
-from gpufleet.unit import unit_name, unit_path
+from gpufleet.unit import env_file_path, unit_name, unit_path
 
 
 def exited_detail(show: str) -> str | None:
@@ -178,7 +179,8 @@ def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
         old = unit_name(before)
         ok, output = host.run_shell_command(
             f"systemctl disable --now {shlex.quote(old)}; rm -f {shlex.quote(unit_path(before))} "
-            f"{shlex.quote(unit_backup(before))} {shlex.quote(state_file(before))} && systemctl daemon-reload",
+            f"{shlex.quote(unit_backup(before))} {shlex.quote(state_file(before))} "
+            f"{shlex.quote(env_file_path(before))} {shlex.quote(accepted_file(before))} && systemctl daemon-reload",
             _sudo=sudo)
         if not ok:
             return fail(host, f"{host.name}: {service} is committed, but removing the replaced {old} failed: "
@@ -208,7 +210,8 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
     if committed.unit_sha256:
         # Only the committed unit goes back: a copy that is not it is refused, the host stays as it is.
         steps.append(f"echo {shlex.quote(committed.unit_sha256 + '  ' + backup)} | sha256sum -c --status")
-    if service != spec.service:
+    renamed = service != spec.service
+    if renamed:
         # A rename going back: the new service's unit goes, so that one vLLM container runs.
         steps.append(f"{{ systemctl disable --now {shlex.quote(unit_name(spec.service))}; "
                      f"rm -f {shlex.quote(unit_path(spec.service))}; }}")
@@ -220,9 +223,19 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
         return fail(host, f"{host.name}: {failed}; the rollback to {committed.ref} failed too: "
                           f"{' | '.join(output.stderr_lines[-3:]) or 'no copy of the committed unit at ' + backup} "
                           f"(fix: `systemctl status {service}`; {backup} holds the unit that was committed)")
-    # Right after the unit goes back: the ledger says what runs, whether or not it gets ready.
-    if not save_ledger(host, v.state_file, ledger_roll_back(ledger, failed_detail, now_utc())):
+    # Right after the unit goes back: the ledger says what runs, whether or not it gets ready. It is the committed
+    # service's own ledger: a rename going back marks the failure there, where a later run of either name reads it.
+    if not save_ledger(host, state_file(service), ledger_roll_back(ledger, failed_detail, now_utc())):
         return False
+    if renamed:
+        # The new service never committed anything: its ledger (the pending record, settled now), secrets and flag
+        # check note go. Only after the mark is written: a run cut before it finds the pending record and settles it.
+        left = (v.state_file, env_file_path(spec.service), accepted_file(spec.service))
+        ok, output = host.run_shell_command(f"rm -f {' '.join(shlex.quote(path) for path in left)}",
+                                            _sudo=use_sudo(host))
+        if not ok:
+            host.log_styled(f"could not remove {', '.join(left)}: {' | '.join(output.stderr_lines[-3:])}",
+                            fg="yellow")
     # Held to what it served before this run, on its own port: not to the new settings' identity.
     previous = Expected(service=service, port=committed.port or spec.port, served_model_name=v.served_before)
     again = poll_ready(v.check_once(host, previous), v.timeout_s, exited=service_exited(host, service))

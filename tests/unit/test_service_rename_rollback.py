@@ -1,0 +1,109 @@
+"""The rollback of a renamed vllm_service whose new version failed verification (gpufleet.deploys.verify.roll_back):
+the old service's unit goes back and restarts, the new service's unit is disabled and removed, the failure is marked
+in the old service's ledger (the one a later run of either name reads), and the new service's own files go, only
+after that mark is written. A rollback that renames nothing writes its own ledger and removes nothing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gpufleet.deploys import verify
+from gpufleet.facts.host import HostSnapshot
+from gpufleet.health import HealthReport, HealthState
+from gpufleet.ledger import Committed, Ledger, Version, begin, parse
+from gpufleet.operations.layout import state_file, unit_backup
+from gpufleet.operations.snapshot import memo, remember
+from gpufleet.settings import build_spec
+from gpufleet.unit import unit_path
+
+TAG = "reg:5000/vllm/vllm-openai:good"
+GOOD = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
+DIES = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
+OLD, NEW = "vllm-qwen35", "vllm-renamed"
+
+
+class RunState:
+    """Stands for pyinfra's State: the host memos are kept per state (weakly)."""
+
+
+class RollbackHost:
+    """What the rollback uses of a pyinfra Host: every command succeeds and is kept, with the uploads, in order."""
+
+    name, data, connector = "gpu1", {"ssh_user": "root"}, None
+
+    def __init__(self) -> None:
+        self.state = RunState()
+        self.done: list[tuple[str, Any]] = []  # ("run", command) or ("put", (path, text))
+
+    def run_shell_command(self, command: str, **_: Any):
+        self.done.append(("run", str(command)))
+        return True, SimpleNamespace(stdout_lines=[], stderr_lines=[])
+
+    def put_file(self, src: Any, dest: str, **_: Any) -> bool:
+        self.done.append(("put", (dest, src.getvalue())))
+        return True
+
+    def log_styled(self, message: str, **_: Any) -> None:
+        pass
+
+    def commands(self) -> list[str]:
+        return [what for kind, what in self.done if kind == "run"]
+
+    def ledger_written(self) -> tuple[int, str, Ledger]:
+        """(where in `done`, the ledger's path, its content) of the one ledger the rollback wrote."""
+        [(at, path, text)] = [(i, what[0], what[1]) for i, (kind, what) in enumerate(self.done)
+                              if kind == "put" and what[0].endswith(".json.upload")]
+        # The upload goes to a hidden file beside the ledger, renamed over it: /var/lib/gpufleet/.<name>.upload
+        directory, _, name = path.rpartition("/")
+        text = text.decode() if isinstance(text, bytes) else text
+        return at, f"{directory}/{name.removeprefix('.').removesuffix('.upload')}", parse(text)
+
+
+def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000) -> tuple[RollbackHost, Ledger]:
+    """A host whose committed version is OLD's on port 5000 and whose pending one (`service` on `port`, the dies
+    digest) failed: the rollback run with the committed version ready again."""
+    monkeypatch.setattr(verify, "transport_from_pyinfra_host", lambda host: None)
+    monkeypatch.setattr(verify, "poll_ready", lambda *_, **__: HealthReport(HealthState.READY, "ready"))
+    spec = build_spec("gpu1", {"vllm_image": TAG, "vllm_service": service, "vllm_port": port})
+    committed = Version(image=TAG, ref=GOOD, unit_sha256="a" * 64, spec_hash="0123456789abcdef", service=OLD,
+                        port=5000)
+    pending = Version(image=TAG, ref=DIES, unit_sha256="b" * 64, spec_hash=spec.spec_hash, service=service,
+                      port=port)
+    ledger = begin(Ledger(committed=Committed(committed, "t0", "t0")), pending, "ops@laptop pid 7", "t1")
+    host = RollbackHost()
+    remember(host, HostSnapshot())
+    memo(host).ledger = ledger
+    v = verify.Verification(spec, 5.0, None, state_file(service), "qwen35")
+    assert verify.roll_back(host, v, ledger, "dead: exited 1") is False  # the host failed its rollout either way
+    return host, ledger
+
+
+def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_service(monkeypatch):
+    host, before = rolled_back(monkeypatch, NEW)
+    restore = host.commands()[0]
+    assert (f"systemctl disable --now {NEW}.service; rm -f {unit_path(NEW)}; }} && install -m 644 {unit_backup(OLD)} "
+            f"{unit_path(OLD)} && systemctl daemon-reload && systemctl enable {OLD}.service && systemctl restart "
+            f"{OLD}.service") in restore
+    at, path, written = host.ledger_written()
+    assert path == state_file(OLD)
+    assert written.committed == before.committed and written.pending is None
+    assert before.pending is not None
+    assert [(f.ref, f.spec_hash) for f in written.failed] == [(DIES, before.pending.version.spec_hash)]
+    # The new service's ledger (its pending record), secrets and flag note go, after the mark is written: a run cut
+    # before that finds the pending record and settles it again.
+    removed = [(i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and what.startswith("rm -f ")]
+    assert removed == [(removed[0][0], f"rm -f {state_file(NEW)} /etc/gpufleet/{NEW}.env "
+                                       f"/var/lib/gpufleet/{NEW}.flags-accepted")]
+    assert removed[0][0] > at
+
+
+def test_a_rollback_that_renames_nothing_writes_its_own_ledger_and_removes_nothing(monkeypatch):
+    host, before = rolled_back(monkeypatch, OLD, port=5001)  # a port change that failed
+    assert "disable" not in host.commands()[0]
+    _, path, written = host.ledger_written()
+    assert path == state_file(OLD)
+    assert written.committed == before.committed and written.pending is None and written.failed[-1].ref == DIES
+    assert not [what for what in host.commands() if what.startswith("rm -f ")]
