@@ -4,7 +4,8 @@ fault of docs/crash-safety.md that the ledger settles, injected as it happens in
 One fresh host, steps in file order (pytest keeps it): converge on `good` -> a corrupt ledger -> a pull whose model
 step fails -> gpufleet_image_ref pins a digest -> gpufleet_stage=prepare -> the controller killed during the soak
 of an image that dies -> gpufleet_verify_probe -> a port change that fails verification -> a service rename that
-fails verification (the host ends on its old name) -> a service rename (last: it renames the service).
+fails verification (the host ends on its old name) -> a service rename -> a rename back cut during its soak (the
+host ends on its first name).
 """
 
 from __future__ import annotations
@@ -177,21 +178,26 @@ def at_rest_and_refusing_again(fleet, host, pyinfra, plain_inventory, failed_inv
     return refused
 
 
-def test_killed_during_the_soak_of_an_image_that_dies_is_rolled_back_by_the_next_run(good, host, fleet, inventory,
-                                                                                   pyinfra):
-    committed, dies = committed_ref(fleet, host), digest_of(fleet, "dies")  # `dies`: ready ~8 s, then exits 1
-    inv = inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=120)
+def killed_during_the_soak(inv, soak_s: int) -> None:
+    """Converge `inv` and SIGKILL the controller once the new version is on probation (its soak began)."""
     proc = subprocess.Popen([PYINFRA, "-y", str(inv), DEPLOY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     seen = []
     assert proc.stdout is not None
     for line in proc.stdout:
         seen.append(line)
-        if "watching it for 120 s" in line:
-            os.kill(proc.pid, signal.SIGKILL)  # the controller dies while the new version is on probation
+        if f"watching it for {soak_s} s" in line:
+            os.kill(proc.pid, signal.SIGKILL)
             break
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "".join(seen)[-4000:]
+
+
+def test_killed_during_the_soak_of_an_image_that_dies_is_rolled_back_by_the_next_run(good, host, fleet, inventory,
+                                                                                   pyinfra):
+    committed, dies = committed_ref(fleet, host), digest_of(fleet, "dies")  # `dies`: ready ~8 s, then exits 1
+    inv = inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=120)
+    killed_during_the_soak(inv, 120)
     doc = ledger(fleet, host)
     assert doc["pending"]["ref"] == dies and doc["committed"]["ref"] == committed
     # The engine dies and systemd restarts it: the unverified version is failing on its own.
@@ -295,4 +301,33 @@ def test_a_renamed_service_replaces_the_old_unit_once_verified_and_one_container
     unit = fleet.read_file(host, f"/etc/systemd/system/{renamed}.service")
     assert doc["committed"]["unit_sha256"] == hashlib.sha256(unit).hexdigest()
     again = deploy(pyinfra, inventory(vllm_service=renamed)).stdout
+    assert changes(again) == 0, changed_ops(again)
+
+
+def test_a_cut_rename_is_refused_for_the_name_it_left_and_finished_by_the_new_one(good, host, fleet, inventory,
+                                                                                  pyinfra):
+    # The host runs vllm-renamed (the step above). Renaming back to SERVICE is cut while SERVICE is on probation:
+    # SERVICE's ledger (the old one taken over) holds vllm-renamed committed and SERVICE pending.
+    renamed = "vllm-renamed"
+    committed = committed_ref(fleet, host, renamed)
+    killed_during_the_soak(inventory(vllm_ready_soak_s=120), 120)
+    doc = ledger(fleet, host)
+    assert (doc["committed"]["service"], doc["pending"]["service"]) == (renamed, SERVICE)
+    assert sh(fleet, host, f"systemctl is-active {SERVICE} {renamed} || true").split() == ["active", "inactive"]
+
+    # Converging the name the rename left would start it next to SERVICE, on the same GPUs: refused.
+    refused = deploy(pyinfra, inventory(vllm_service=renamed), check=False)
+    assert refused.returncode != 0 and "nothing was changed" in refused.stdout
+    line = one_line(refused.stdout, host, f"a run renaming vllm_service '{renamed}' to '{SERVICE}' was cut")
+    assert f"converge once with vllm_service='{SERVICE}'" in line
+    assert sh(fleet, host, f"systemctl is-active {SERVICE} {renamed} || true").split() == ["active", "inactive"]
+    assert len(container_ids(fleet, host)) == 1
+
+    # The new name finishes it: verified, committed, the old service removed; then nothing to do.
+    deploy(pyinfra, inventory())
+    doc = ledger(fleet, host)
+    assert doc["committed"]["service"] == SERVICE and doc["committed"]["ref"] == committed and doc["pending"] is None
+    assert sh(fleet, host, f"ls /var/lib/gpufleet/{renamed}.* /etc/gpufleet/{renamed}.* 2>/dev/null || true") == ""
+    assert len(container_ids(fleet, host)) == 1 and health_on(fleet, host, PORT) == "200"
+    again = deploy(pyinfra, inventory()).stdout
     assert changes(again) == 0, changed_ops(again)

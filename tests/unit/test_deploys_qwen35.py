@@ -240,6 +240,35 @@ def test_a_renamed_service_takes_over_the_ledger_of_the_one_service_on_its_port(
     assert host_ledger(snap, plan) == Ledger()  # the old format has no port: not taken for a rename
 
 
+def test_a_rename_away_that_was_cut_is_refused_for_the_old_name_and_settled_by_the_new():
+    plan = plan_for("gpu1", DATA)  # the old name, vllm-qwen35
+    old = Version(plan.spec.image, REF, "a" * 64, "0" * 16, "vllm-qwen35", plan.spec.port)
+    new = Version(plan.spec.image, REF, "b" * 64, "1" * 16, "renamed", plan.spec.port)
+    snap = bare_but_installed()
+    snap.free_kib.update(docker=10**9, models=10**9)
+    snap.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
+    snap.ledger_text = render(Ledger(committed=Committed(old, "t0")))
+    # What the cut run left: the new service took the old ledger over and wrote its version pending there.
+    cut = render(begin(Ledger(committed=Committed(old, "t0")), new, "ops@laptop pid 7", "t1"))
+    snap.other_ledgers = {"/var/lib/gpufleet/renamed.json": cut, "/var/lib/gpufleet/broken.json": "{"}
+    (line,) = check_host("gpu1", snap, plan)
+    assert line == ("gpu1: a run renaming vllm_service 'vllm-qwen35' to 'renamed' was cut before it finished (renamed "
+                    f"has {REF} pending): converging 'vllm-qwen35' now would start a second vLLM on the same GPUs "
+                    "(fix: converge once with vllm_service='renamed': it finishes the rename, or rolls it back to "
+                    "'vllm-qwen35'; then converge with the name you want)")
+    # The new name settles it (its own ledger, the pending record): not refused.
+    renamed = plan_for("gpu1", {**DATA, "vllm_service": "renamed"})
+    snap.ledger_text = cut
+    snap.other_ledgers = {"/var/lib/gpufleet/vllm-qwen35.json": render(Ledger(committed=Committed(old, "t0")))}
+    assert check_host("gpu1", snap, renamed) == []
+    # Another service with its own run cut (not a rename of this one) is its own deploy's business.
+    elsewhere = Version(plan.spec.image, REF, "c" * 64, "2" * 16, "elsewhere", plan.spec.port + 1)
+    snap.ledger_text = render(Ledger(committed=Committed(old, "t0")))
+    snap.other_ledgers = {"/var/lib/gpufleet/elsewhere.json": render(begin(
+        Ledger(committed=Committed(elsewhere, "t0")), elsewhere, "ops@laptop pid 8", "t1"))}
+    assert check_host("gpu1", snap, plan) == []
+
+
 def test_the_driver_version_is_recorded_right_after_the_nvidia_steps_and_only_when_read_live(monkeypatch):
     names = [name for name, _ in prepare(bare_but_installed(), monkeypatch)[1]]
     at = names.index("Record the NVIDIA driver's CUDA version")

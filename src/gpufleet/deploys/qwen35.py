@@ -117,6 +117,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         return [corrupt_refusal(name, plan.layout.state_file, error)]
     ref = pinned_ref(ledger, spec.image, s["gpufleet_image_ref"])
     problems = preflight.check(name, snap, s, spec.gpus, ref)
+    cut = cut_rename_away(name, snap, spec.service)
+    if cut:
+        problems.append(cut)
     # The service's own ledger file, as a rollout reads it (not the one a renamed service takes over).
     own = parse(snap.ledger_text) if snap.ledger_text is not None else Ledger()
     changed = changed_since_read(name, own, s["gpufleet_expect_committed"])
@@ -129,6 +132,27 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         if refused:
             problems.append(f"{name}: {refused}")
     return problems
+
+
+def cut_rename_away(name: str, snap: HostSnapshot, service: str) -> str | None:
+    """The refusal for a host where a run renaming `service` to another name was cut before it finished: the other
+    service's ledger holds this service's version committed (it took this ledger over) and its own version pending,
+    its unit is installed and maybe running. Converging `service` now would start a second vLLM on the same GPUs
+    with nothing to roll back to; converging the other name settles the rename (finished, or rolled back to this
+    service)."""
+    for path, text in sorted(snap.other_ledgers.items()):
+        try:
+            other = parse(text)
+        except CorruptLedger:
+            continue  # another service's problem: its own deploy refuses it
+        if other.pending is None or other.committed is None or other.committed.version.service != service:
+            continue
+        renamed_to = other.pending.version.service or posixpath.basename(path).removesuffix(".json")
+        return (f"{name}: a run renaming vllm_service {service!r} to {renamed_to!r} was cut before it finished "
+                f"({renamed_to} has {other.pending.version.ref} pending): converging {service!r} now would start a "
+                f"second vLLM on the same GPUs (fix: converge once with vllm_service={renamed_to!r}: it finishes the "
+                f"rename, or rolls it back to {service!r}; then converge with the name you want)")
+    return None
 
 
 def changed_since_read(name: str, ledger: Ledger, expected: Mapping[str, str | None] | None) -> str | None:
