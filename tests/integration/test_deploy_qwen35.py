@@ -19,7 +19,7 @@ import pytest
 from tests.integration.pyinfra_results import changed_ops, changes, results
 from tests.integration.pyinfra_run import run_deploy
 
-from gpufleet.operations import nvidia
+from gpufleet.operations import nvidia, repo_keys
 from gpufleet.operations.docker import DOCKER_KEY
 from gpufleet.operations.nvidia import KEYRING as NVIDIA_KEYRING
 from gpufleet.operations.nvidia import VERSION_FILE
@@ -257,7 +257,7 @@ def test_a_rotated_key_is_picked_up_with_refresh_keys_only(converged, test_hosts
             assert fleet.read_file(a, NVIDIA_KEYRING) == good
             out = deploy(pyinfra, refresh).stdout
             assert changed_ops(out) == {"Add the NVIDIA container toolkit apt repository": 1}, changed_ops(out)
-            assert fleet.read_file(a, NVIDIA_KEYRING) == nvidia.dearmor(rotated.decode())
+            assert fleet.read_file(a, NVIDIA_KEYRING) == repo_keys.dearmor(rotated.decode())
             assert sh(fleet, a, f"stat -c '%U %G %a' {NVIDIA_KEYRING}").strip() == "root root 644"
             assert changes(deploy(pyinfra, refresh).stdout) == 0
         # the key served again: a refresh puts it back; a plain converge is a no-op after it

@@ -16,7 +16,7 @@ from pyinfra.context import ctx_host, ctx_state
 from gpufleet.facts.host import HostSnapshot
 from gpufleet.facts.nvidia import NvidiaVersion
 from gpufleet.ledger import Committed, Ledger, Version
-from gpufleet.operations import docker, image, nvidia, service
+from gpufleet.operations import docker, image, nvidia, repo_keys, service
 from gpufleet.operations.layout import state_file
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.service import env_content
@@ -110,7 +110,7 @@ DEBIAN = {"ID": "debian", "VERSION_CODENAME": "bookworm"}
 def converged_keys(**over: Any) -> HostSnapshot:
     """A converged host's snapshot as a no-op converge reads it: keyrings and lists installed, packages installed,
     no key fetched (the snapshot asks for none while the keyrings exist)."""
-    files = {nvidia.KEYRING: nvidia.dearmor(ARMORED), nvidia.LIST: nvidia.list_line(NVIDIA_URL).encode(),
+    files = {nvidia.KEYRING: repo_keys.dearmor(ARMORED), nvidia.LIST: nvidia.list_line(NVIDIA_URL).encode(),
              docker.DOCKER_KEY: ARMORED.encode(),
              docker.DOCKER_LIST: docker.repo_line(DOCKER_URL, "debian", "bookworm", "amd64").encode()}
     return HostSnapshot(os=dict(DEBIAN), arch="amd64",
@@ -120,7 +120,7 @@ def converged_keys(**over: Any) -> HostSnapshot:
 
 
 def fetches(commands: list[Any]) -> list[tuple[Any, ...]]:
-    return [c.args for c in commands if isinstance(c, FunctionCommand) and c.function is nvidia.install_fetched_key]
+    return [c.args for c in commands if isinstance(c, FunctionCommand) and c.function is repo_keys.install_fetched_key]
 
 
 def test_a_converged_host_is_a_no_op_whatever_the_key_servers_do():
@@ -145,7 +145,7 @@ def test_a_missing_keyring_is_fetched_while_executing_when_the_snapshot_got_none
     snap = converged_keys()
     del snap.file_sha256[nvidia.KEYRING], snap.file_sha256[docker.DOCKER_KEY]
     (fetch,) = run_alone(nvidia.repository, snap, repo_url=NVIDIA_URL)
-    assert fetches([fetch]) == [(f"{NVIDIA_URL}/gpgkey", nvidia.KEYRING, nvidia.dearmor, None, "nvidia_repo_url")]
+    assert fetches([fetch]) == [(f"{NVIDIA_URL}/gpgkey", nvidia.KEYRING, repo_keys.dearmor, None, "nvidia_repo_url")]
     fetch, update = run_alone(docker.engine, snap, repo_url=DOCKER_URL)
     assert fetches([fetch]) == [(f"{DOCKER_URL}/debian/gpg", docker.DOCKER_KEY, docker.armored, None,
                                  "docker_repo_url")]
@@ -178,7 +178,7 @@ def test_a_refresh_replaces_a_rotated_key_and_nothing_else():
     assert run_alone(docker.engine, same, repo_url=DOCKER_URL, refresh_keys=True) == []
     rotated = converged_keys(nvidia_key=ROTATED, docker_key=ROTATED)
     mkdir, upload = run_alone(nvidia.repository, rotated, repo_url=NVIDIA_URL, refresh_keys=True)
-    assert upload.dest == nvidia.KEYRING and upload.src.getvalue() == nvidia.dearmor(ROTATED)
+    assert upload.dest == nvidia.KEYRING and upload.src.getvalue() == repo_keys.dearmor(ROTATED)
     mkdir, upload, update = run_alone(docker.engine, rotated, repo_url=DOCKER_URL, refresh_keys=True)
     assert upload.dest == docker.DOCKER_KEY and upload.src.getvalue() == ROTATED.encode()
     assert update.get_raw_value() == "apt-get update -q"
@@ -220,15 +220,15 @@ class KeyHost:
 
 def test_the_execute_time_fetch_writes_a_different_key_and_skips_the_same():
     target = KeyHost((True, ROTATED, ""))
-    assert nvidia.install_fetched_key(None, target, "http://r/gpgkey", nvidia.KEYRING, nvidia.dearmor,
-                                      hashlib.sha256(nvidia.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")
+    assert repo_keys.install_fetched_key(None, target, "http://r/gpgkey", nvidia.KEYRING, repo_keys.dearmor,
+                                      hashlib.sha256(repo_keys.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")
     assert target.uploads == [(f"/usr/share/keyrings/.{nvidia.KEYRING.rsplit('/', 1)[1]}.gpufleet-tmp",
-                               nvidia.dearmor(ROTATED))]
+                               repo_keys.dearmor(ROTATED))]
     assert target.commands[-1].endswith(f"mv -f /usr/share/keyrings/.nvidia-container-toolkit-keyring.gpg.gpufleet-tmp "
                                         f"{nvidia.KEYRING} && sync /usr/share/keyrings")
     same = KeyHost((True, ARMORED, ""))
-    assert nvidia.install_fetched_key(None, same, "http://r/gpgkey", nvidia.KEYRING, nvidia.dearmor,
-                                      hashlib.sha256(nvidia.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")
+    assert repo_keys.install_fetched_key(None, same, "http://r/gpgkey", nvidia.KEYRING, repo_keys.dearmor,
+                                      hashlib.sha256(repo_keys.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")
     assert same.uploads == [] and len(same.commands) == 1
 
 
@@ -239,7 +239,7 @@ def test_the_execute_time_fetch_writes_a_different_key_and_skips_the_same():
 ], ids=["unreachable", "not-a-key"])
 def test_a_failed_execute_time_fetch_fails_the_host_on_one_line(fetched, reason):
     target = KeyHost(fetched)
-    assert not nvidia.install_fetched_key(None, target, "http://r/linux/debian/gpg", docker.DOCKER_KEY,
+    assert not repo_keys.install_fetched_key(None, target, "http://r/linux/debian/gpg", docker.DOCKER_KEY,
                                           docker.armored, None, "docker_repo_url")
     assert target.logged == [f"gpu1: could not fetch the repo key http://r/linux/debian/gpg: {reason} (fix: make "
                              "http://r/linux/debian/gpg reachable from gpu1, or set docker_repo_url to a mirror that "

@@ -12,7 +12,8 @@ from gpufleet.operations.docker import repo_line
 from gpufleet.ledger import Committed, Ledger, Version
 from gpufleet.operations.image import pick_digest, pinned_ref, repository
 from gpufleet.operations.model import missing_parts
-from gpufleet.operations.nvidia import dearmor, list_line
+from gpufleet.operations.nvidia import list_line
+from gpufleet.operations.repo_keys import dearmor
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.service import env_content
 

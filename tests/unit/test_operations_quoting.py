@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.operations import docker, nvidia
+from gpufleet.operations import docker, repo_keys
 
 HOSTILE = "https://repo.example/$(touch {m})`touch {m}`;touch {m}&touch {m}|touch {m} 'x\"y\nz"
 
@@ -30,10 +30,10 @@ def hostile(tmp_path):
 
 def test_docker_key_fetch_passes_the_url_as_one_word(hostile, tmp_path):
     # Docker's key is fetched as NVIDIA's is (one function): its URL, built from the setting, stays one word.
-    command = nvidia.fetch_key_command(docker.key_url(hostile, "debian"))
+    command = repo_keys.fetch_key_command(docker.key_url(hostile, "debian"))
     assert run_recording_curl(command, tmp_path) == ["-fsSL", "--max-time", "60", f"{hostile}/debian/gpg"]
 
 
 def test_nvidia_key_fetch_passes_the_url_as_one_word(hostile, tmp_path):
-    command = nvidia.fetch_key_command(f"{hostile}/gpgkey")
+    command = repo_keys.fetch_key_command(f"{hostile}/gpgkey")
     assert run_recording_curl(command, tmp_path) == ["-fsSL", "--max-time", "60", f"{hostile}/gpgkey"]

@@ -8,8 +8,8 @@ from pyinfra.operations import apt
 
 from gpufleet.operations.files import put_content
 from gpufleet.operations.layout import Layout, Managed
-from gpufleet.operations.nvidia import dearmor, install_fetched_key, key_commands
 from gpufleet.operations.remote import Commands
+from gpufleet.operations.repo_keys import dearmor, install_fetched_key, key_commands
 from gpufleet.operations.snapshot import snapshot
 
 DOCKER_KEY = "/etc/apt/keyrings/docker.asc"
@@ -43,7 +43,7 @@ def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.
     """Install the Docker engine: docker-ce from Docker's repo, or the distribution's docker.io ("distro").
 
     docker-ce's key (`<repo_url>/<os id>/gpg`, kept as /etc/apt/keyrings/docker.asc) is decided as the NVIDIA
-    repo's is (gpufleet.operations.nvidia.key_commands): the installed key stands unless refresh_keys
+    repo's is (gpufleet.operations.repo_keys.key_commands): the installed key stands unless refresh_keys
     (gpufleet_refresh_keys) fetched a different one; it is fetched while executing when missing, or when apt is
     about to read the repo (a package to install, a changed source line).
 
