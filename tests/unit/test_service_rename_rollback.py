@@ -84,7 +84,9 @@ def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000)
 def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_service(monkeypatch):
     host, before = rolled_back(monkeypatch, NEW)
     restore = host.commands()[0]
-    assert (f"systemctl disable --now {NEW}.service; rm -f {unit_path(NEW)}; }} && install -m 644 {unit_backup(OLD)} "
+    # reset-failed: a new unit whose engine died is not left listed as failed once it is gone.
+    assert (f"systemctl disable --now {NEW}.service; rm -f {unit_path(NEW)}; systemctl reset-failed {NEW}.service "
+            f"2>/dev/null; true; }} && install -m 644 {unit_backup(OLD)} "
             f"{unit_path(OLD)} && systemctl daemon-reload && systemctl enable {OLD}.service && systemctl restart "
             f"{OLD}.service") in restore
     at, path, written = host.ledger_written()

@@ -178,7 +178,8 @@ def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     if before and before != service:
         old = unit_name(before)
         ok, output = host.run_shell_command(
-            f"systemctl disable --now {shlex.quote(old)}; rm -f {shlex.quote(unit_path(before))} "
+            f"systemctl disable --now {shlex.quote(old)}; systemctl reset-failed {shlex.quote(old)} 2>/dev/null; "
+            f"rm -f {shlex.quote(unit_path(before))} "
             f"{shlex.quote(unit_backup(before))} {shlex.quote(state_file(before))} "
             f"{shlex.quote(env_file_path(before))} {shlex.quote(accepted_file(before))} && systemctl daemon-reload",
             _sudo=sudo)
@@ -212,9 +213,11 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
         steps.append(f"echo {shlex.quote(committed.unit_sha256 + '  ' + backup)} | sha256sum -c --status")
     renamed = service != spec.service
     if renamed:
-        # A rename going back: the new service's unit goes, so that one vLLM container runs.
-        steps.append(f"{{ systemctl disable --now {shlex.quote(unit_name(spec.service))}; "
-                     f"rm -f {shlex.quote(unit_path(spec.service))}; }}")
+        # A rename going back: the new service's unit goes, so that one vLLM container runs. reset-failed: a unit
+        # whose engine died before the stop stays listed as failed (`systemctl --failed`, monitoring) until cleared.
+        new = shlex.quote(unit_name(spec.service))
+        steps.append(f"{{ systemctl disable --now {new}; rm -f {shlex.quote(unit_path(spec.service))}; "
+                     f"systemctl reset-failed {new} 2>/dev/null; true; }}")
     steps += [f"install -m 644 {shlex.quote(backup)} {shlex.quote(unit)}", "systemctl daemon-reload",
               f"systemctl enable {shlex.quote(unit_name(service))}",
               f"systemctl restart {shlex.quote(unit_name(service))}"]
