@@ -120,8 +120,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     cut = cut_rename_away(name, snap, spec.service)
     if cut:
         problems.append(cut)
-    # The service's own ledger file, as a rollout reads it (not the one a renamed service takes over).
-    own = parse(snap.ledger_text) if snap.ledger_text is not None else Ledger()
+    # The service's own ledger file, as a rollout reads it (not the one a renamed service takes over): host_ledger
+    # parsed it above when there is one.
+    own = ledger if snap.ledger_text is not None else Ledger()
     changed = changed_since_read(name, own, s["gpufleet_expect_committed"])
     if changed:
         problems.append(changed)
