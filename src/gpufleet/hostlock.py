@@ -27,6 +27,7 @@ locks go when pyinfra disconnects from the hosts (release_run_locks), without wa
 from __future__ import annotations
 
 import getpass
+import math
 import os
 import shlex
 import socket
@@ -132,6 +133,12 @@ class Holder:
             return None
 
 
+def whole_seconds(seconds: float) -> str:
+    """Seconds as `read -t` and `flock -w` take them: a whole number, rounded up (Python's `{:g}` writes 1000000 as
+    1e+06, which `read -t` rejects: the lock would drop at once)."""
+    return str(math.ceil(seconds))
+
+
 def lock_command(path: str, holder: Holder, lease_s: float, wait_s: float, sudo: bool, read: str = "") -> str:
     """The remote command: take the lock (or wait up to wait_s), announce it, run `read` (a read-only sh script:
     its stdout follows the announcement, then READ_DONE), hold the lock while heartbeats come; when busy, print
@@ -140,9 +147,9 @@ def lock_command(path: str, holder: Holder, lease_s: float, wait_s: float, sudo:
     hold = ('printf "%s\\n" "$1" > "$2"; echo ' + LOCKED + '; '
             'if [ -n "$4" ]; then sh -c "$4" </dev/null 2>/dev/null; echo ' + READ_DONE + '; fi; '
             'while read -r -t "$3" _; do :; done')
-    wait = "-n" if wait_s <= 0 else f"-w {wait_s:g}"
+    wait = "-n" if wait_s <= 0 else f"-w {whole_seconds(wait_s)}"
     flock = (f"flock {wait} -E {BUSY_EXIT} {q(path)} bash -c {q(hold)} hold {q(holder.line())} {q(path)} "
-             f"{lease_s:g} {q(read)}")
+             f"{whole_seconds(lease_s)} {q(read)}")
     directory = q(os.path.dirname(path) or ".")
     script = (f"{{ [ -d {directory} ] || mkdir -p {directory}; }} && {flock}; rc=$?; "
               f"if [ $rc -eq {BUSY_EXIT} ]; then echo BUSY; cat {q(path)} 2>/dev/null; fi; exit $rc")

@@ -136,6 +136,15 @@ def test_heartbeats_keep_the_lock_past_its_lease(sshd, lock_file):
             lock(sshd, lock_file).acquire()
 
 
+def test_a_lease_of_a_million_seconds_holds(sshd, lock_file):
+    # Rendered as 1e+06, `read -t` refused it and the lock dropped at once; no heartbeat comes in this test's time.
+    with lock(sshd, lock_file, ALICE, lease_s=1_000_000).acquire() as held:
+        time.sleep(1.5)
+        held.check()
+        with pytest.raises(HostLockBusy):
+            lock(sshd, lock_file).acquire()
+
+
 def test_closing_the_connection_frees_the_lock_at_once(sshd, lock_file):
     first = lock(sshd, lock_file, ALICE)
     first.acquire()
