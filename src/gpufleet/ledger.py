@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 import shlex
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gpufleet.errors import GpufleetError, one_line
+from gpufleet.spec import SERVICE_NAME
 
 SCHEMA = 2
 HISTORY_LIMIT = 20
@@ -325,17 +327,32 @@ def _object(value: Any, where: str) -> dict[str, Any]:
 
 def _digest_ref(doc: dict[str, Any], where: str) -> str:
     ref: str = _field(doc, where, "ref", str)
-    if "@sha256:" not in ref:
-        raise CorruptLedger(f"{where}.ref: {ref!r} is not a digest ref (repo@sha256:...)")
+    if not _DIGEST_REF.fullmatch(ref):
+        raise CorruptLedger(f"{where}.ref: {ref!r} is not a digest ref (repo@sha256:<64 hex digits>)")
     return ref
 
 
+# What root acts on: file and unit names are made of the service, docker's arguments of the ref, so each must be what
+# gpufleet writes (a service named ../../etc/cron.d/x would reach rm -f and install); else the ledger is corrupt.
+_DIGEST_REF = re.compile(r"[^\s@]+@sha256:[0-9a-f]{64}")
+
+
+def _matching(doc: dict[str, Any], where: str, key: str, pattern: re.Pattern[str], what: str) -> str | None:
+    value: str | None = _field(doc, where, key, str, optional=True)
+    if value is not None and not pattern.fullmatch(value):
+        raise CorruptLedger(f"{where}.{key}: {one_line(repr(value))[:80]} is not {what}")
+    return value
+
+
 def _version(doc: dict[str, Any], where: str) -> Version:
-    return Version(image=_field(doc, where, "image", str), ref=_digest_ref(doc, where),
-                   unit_sha256=_field(doc, where, "unit_sha256", str, optional=True),
-                   spec_hash=_field(doc, where, "spec_hash", str, optional=True),
-                   service=_field(doc, where, "service", str, optional=True),
-                   port=_field(doc, where, "port", int, optional=True))
+    image, ref = _field(doc, where, "image", str), _digest_ref(doc, where)
+    unit_sha256 = _field(doc, where, "unit_sha256", str, optional=True)
+    spec_hash = _field(doc, where, "spec_hash", str, optional=True)
+    service = _matching(doc, where, "service", SERVICE_NAME, "a service name (letters, digits, '-', '_', '.')")
+    port = _field(doc, where, "port", int, optional=True)
+    if port is not None and not 1 <= port <= 65535:
+        raise CorruptLedger(f"{where}.port: {port} is not a TCP port (1-65535)")
+    return Version(image=image, ref=ref, unit_sha256=unit_sha256, spec_hash=spec_hash, service=service, port=port)
 
 
 def _committed(value: Any, where: str) -> Committed:

@@ -21,7 +21,7 @@ from gpufleet.errors import CONTROL_CHARACTERS, SettingError, SettingErrors
 from gpufleet.image_ref import parse as parse_image
 from gpufleet.profiles import PROFILES, Profile
 from gpufleet.quoting import systemd_exec
-from gpufleet.spec import ArgValue, Mount, OptionValue, ServeSpec, parse_token_count
+from gpufleet.spec import SERVICE_NAME, ArgValue, Mount, OptionValue, ServeSpec, parse_token_count
 from gpufleet.unit import DOCKER
 from gpufleet.vllm_flags import FlagInfo, known_flags
 
@@ -29,7 +29,6 @@ from gpufleet.vllm_flags import FlagInfo, known_flags
 Fail = Callable[[str, str, str], None]
 # Prefixes of our settings: other host data (ssh_*, pyinfra's own keys, users' extras) is not ours to judge.
 _OUR_PREFIXES = ("vllm_", "gpufleet_", "docker_", "nvidia_")
-_SERVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Secrets go into an env file read by systemd, docker --env-file and sh alike: only characters all three read
 # the same unquoted (no spaces, quotes, $, backslashes).
@@ -369,7 +368,7 @@ def _check_publish_address(value: Any, fail: Fail) -> str | None:
 
 
 def _check_service(value: Any, fail: Fail) -> str:
-    if not isinstance(value, str) or not _SERVICE_NAME.fullmatch(value):
+    if not isinstance(value, str) or not SERVICE_NAME.fullmatch(value):
         fail("vllm_service", f"{shown(value)} is not a valid unit/label name", "use letters, digits, '-', '_' and '.'")
     elif value.endswith(_UNIT_SUFFIXES):
         bare = value.rsplit(".", 1)[0]

@@ -23,6 +23,9 @@ HF_CACHE_CONTAINER_PATH = "/root/.cache/huggingface"
 # The --model of a flag check: a path that exists nowhere, so an accepted command line stops at model resolution
 # (vLLM names it in its error) before any weights, GPU or network are touched.
 FLAG_CHECK_MODEL = "/gpufleet-flag-check/no-model"
+# A service name: a systemd unit, a container label and file names under /etc and /var/lib are made of it, so it has
+# no path separator and starts with a letter or digit (settings refuse others; a ledger naming another is corrupt).
+SERVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def container_label_key(service: str) -> str:

@@ -288,14 +288,25 @@ def broken(**changes: object) -> str:
     (broken(committed={**VALID["committed"], "port": True}), "committed.port: expected an integer or null, got a "
                                                              "boolean"),
     (broken(committed={**VALID["committed"], "ref": "vllm/vllm-openai:nightly"}),
-     "committed.ref: 'vllm/vllm-openai:nightly' is not a digest ref (repo@sha256:...)"),
+     "committed.ref: 'vllm/vllm-openai:nightly' is not a digest ref (repo@sha256:<64 hex digits>)"),
+    (broken(committed={**VALID["committed"], "ref": "x@sha256:abc"}),
+     "committed.ref: 'x@sha256:abc' is not a digest ref (repo@sha256:<64 hex digits>)"),
+    (broken(committed={**VALID["committed"], "ref": "x;rm -rf /@sha256:" + "a" * 64}),
+     f"committed.ref: 'x;rm -rf /@sha256:{'a' * 64}' is not a digest ref (repo@sha256:<64 hex digits>)"),
+    # Fields root turns into paths and ports: what gpufleet never writes is refused before anything is touched.
+    (broken(committed={**VALID["committed"], "service": "../../../etc/cron.d/x"}),
+     "committed.service: '../../../etc/cron.d/x' is not a service name (letters, digits, '-', '_', '.')"),
+    (broken(pending={**VALID["pending"], "service": "vllm/x"}),
+     "pending.service: 'vllm/x' is not a service name (letters, digits, '-', '_', '.')"),
+    (broken(committed={**VALID["committed"], "port": 0}), "committed.port: 0 is not a TCP port (1-65535)"),
+    (broken(committed={**VALID["committed"], "port": 70000}), "committed.port: 70000 is not a TCP port (1-65535)"),
     (broken(pending={**VALID["pending"], "operator": None}), "pending.operator: expected a string, got null"),
     (broken(failed={}), "ledger.failed: expected a list, got an object"),
     (broken(failed=[{"ref": NEW_REF}]), "failed[0].spec_hash: missing"),
     (broken(history=[{"image": "x"}]), "history[0].ref: missing"),
     ('{"current": {"image": "a", "pinned_at": "t"}}', "current.ref: missing"),
     ('{"current": "vllm/vllm-openai:v0.11.0"}', "current: expected an object, got a string"),
-    ('{"current": null, "history": [{"image": "a", "ref": "a@sha256:1", "pinned_at": 5}]}',
+    ('{"current": null, "history": [{"image": "a", "ref": "a@sha256:' + "1" * 64 + '", "pinned_at": 5}]}',
      "history[0].pinned_at: expected a string, got a number"),
 ])  # fmt: skip
 def test_a_corrupt_ledger_gives_its_one_line_reason(text, reason):
