@@ -47,9 +47,10 @@ from pyinfra.api.state import BaseStateCallback
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.operations.remote import use_sudo
 
-# On tmpfs (Debian's and Ubuntu's lock directory): a flock needs no file that outlives it, and a run that preflight
-# refuses must leave nothing behind on a host, not even a directory of ours.
-LOCK_PATH = "/run/lock/gpufleet.lock"
+# On tmpfs (/run): a flock needs no file that outlives it, and a run that preflight refuses leaves nothing on disk.
+# In a directory of root's own (0700), not in world-writable /run/lock: there any local user could hold the lock
+# (every deploy refused) or write the holder line the refusal quotes.
+LOCK_PATH = "/run/gpufleet/lock"
 LEASE_S = 90.0
 BUSY_EXIT = 75  # flock's exit status when the lock is held (EX_TEMPFAIL), distinct from the script's own
 LOCKED = "LOCKED"
@@ -151,7 +152,7 @@ def lock_command(path: str, holder: Holder, lease_s: float, wait_s: float, sudo:
     flock = (f"flock {wait} -E {BUSY_EXIT} {q(path)} bash -c {q(hold)} hold {q(holder.line())} {q(path)} "
              f"{whole_seconds(lease_s)} {q(read)}")
     directory = q(os.path.dirname(path) or ".")
-    script = (f"{{ [ -d {directory} ] || mkdir -p {directory}; }} && {flock}; rc=$?; "
+    script = (f"{{ [ -d {directory} ] || mkdir -p -m 0700 {directory}; }} && {flock}; rc=$?; "
               f"if [ $rc -eq {BUSY_EXIT} ]; then echo BUSY; cat {q(path)} 2>/dev/null; fi; exit $rc")
     command = f"bash -c {q(script)}"
     return f"sudo -n {command}" if sudo else command

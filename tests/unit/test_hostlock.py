@@ -136,6 +136,11 @@ def test_heartbeats_keep_the_lock_past_its_lease(sshd, lock_file):
             lock(sshd, lock_file).acquire()
 
 
+def test_the_lock_directory_is_made_for_its_owner_alone(sshd, lock_file):
+    with lock(sshd, lock_file).acquire():
+        assert Path(lock_file).parent.stat().st_mode & 0o777 == 0o700
+
+
 def test_a_lease_of_a_million_seconds_holds(sshd, lock_file):
     # Rendered as 1e+06, `read -t` refused it and the lock dropped at once; no heartbeat comes in this test's time.
     with lock(sshd, lock_file, ALICE, lease_s=1_000_000).acquire() as held:
