@@ -240,6 +240,20 @@ def test_a_renamed_service_takes_over_the_ledger_of_the_one_service_on_its_port(
     assert host_ledger(snap, plan) == Ledger()  # the old format has no port: not taken for a rename
 
 
+def test_a_rename_disables_the_replaced_service_before_the_new_one_starts(monkeypatch):
+    # Stopped only, the old unit stayed enabled: a reboot during the new one's soak started both on one GPU set.
+    old = Version(DATA["vllm_image"], REF, "a" * 64, "0" * 16, "vllm-qwen35", 5000)
+    snap = bare_but_installed()
+    snap.other_ledgers = {"/var/lib/gpufleet/vllm-qwen35.json": render(Ledger(committed=Committed(old, "t0")))}
+    snap.units["vllm-qwen35.service"] = ("active", "enabled")
+    monkeypatch.setitem(globals(), "DATA", {**DATA, "vllm_service": "renamed"})
+    _, ops = prepare(snap, monkeypatch)
+    started = next(cmds for name, cmds in ops if name == "Enable and start the vLLM service")
+    shell = [c.get_raw_value() for c in started if isinstance(c, StringCommand)]
+    assert shell.index("systemctl disable --now vllm-qwen35.service || true") < shell.index(
+        "systemctl start renamed.service"), shell
+
+
 def test_a_rename_away_that_was_cut_is_refused_for_the_old_name_and_settled_by_the_new():
     plan = plan_for("gpu1", DATA)  # the old name, vllm-qwen35
     old = Version(plan.spec.image, REF, "a" * 64, "0" * 16, "vllm-qwen35", plan.spec.port)

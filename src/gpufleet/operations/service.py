@@ -176,8 +176,9 @@ def running(spec: ServeSpec, state_file: str, changes: list[OperationMeta], star
             force: bool = False, replaces: str | None = None) -> Commands:
     """Enable the vLLM service and (re)start it when its unit, secrets or image changed, when what runs is not what
     the unit on disk says (snapshot's RunningService.drift: the file checksums alone cannot see that), or when a cut
-    run's version is to be finished (force). replaces: the service a renamed vllm_service replaces, stopped first
-    (both would hold the same GPUs); the verify step removes it once the new one is committed."""
+    run's version is to be finished (force). replaces: the service a renamed vllm_service replaces, stopped and
+    disabled first (both would hold the same GPUs and port: a reboot during the new one's soak must not start both);
+    the verify step removes it once the new one is committed, and a rollback enables it again."""
     name = unit_name(spec.service)
     snap = snapshot()
     if not start:
@@ -195,7 +196,7 @@ def running(spec: ServeSpec, state_file: str, changes: list[OperationMeta], star
         yield FunctionCommand(_still_locked, (), {})
         yield FunctionCommand(_begin, (spec, state_file), {})
         if replaces:
-            yield StringCommand("systemctl", "stop", shlex.quote(unit_name(replaces)), "||", "true")
+            yield StringCommand("systemctl", "disable", "--now", shlex.quote(unit_name(replaces)), "||", "true")
         yield StringCommand("systemctl", "restart" if snap.unit_active(name) else "start", shlex.quote(name))
     elif snap.unit_enabled(name):
         host.noop(f"{name} is active and nothing it runs changed")
