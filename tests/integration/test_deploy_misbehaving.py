@@ -1,8 +1,11 @@
-"""A converge whose new image's server misbehaves (answers that are not vLLM's) is rolled back like any failed
-verification: one line, the previous version serving again, no traceback (real test host, SSH).
+"""A converge whose new image's server misbehaves (answers that are not vLLM's, or that fail its clients while
+/health, /v1/models and /metrics look fine) is rolled back like any failed verification: one line naming the check
+and its evidence, the previous version serving again, the version marked failed, no traceback (real test host, SSH).
+Afterwards a plain converge changes nothing, and the failed version asked for again is refused before any change.
 
 One fresh host, steps in file order: good image -> `models-not-json` (/health 200, /v1/models an HTML page) ->
-`not-http` (another protocol on the port), each rolled back to the good image.
+`not-http` (another protocol on the port) -> `completions-fail` (every completion answers 500) -> `stream-broken` (a
+streamed completion breaks off in a chunk that does not parse), each rolled back to the good image.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import re
 
 import pytest
+from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import SERVICE, STATE_FILE, running_image, sh
 from tests.integration.test_deploy_rollback import (  # noqa: F401  fixtures: one fresh host, converge(tag), its good digest
     API_KEY,
@@ -30,8 +34,10 @@ from gpufleet.health import HealthState
     [
         ("models-not-json", "/v1/models is not JSON: <html><head><title>502 Bad Gateway</title>"),
         ("not-http", "GET /health: the port does not answer HTTP: -ERR unknown command 'GET'"),
+        ("completions-fail", "answers: completion: POST /v1/chat/completions answered 500: "),
+        ("stream-broken", "answers: stream: POST /v1/chat/completions: not an OpenAI stream chunk: "),
     ],
-    ids=["models-not-json", "not-http"],
+    ids=["models-not-json", "not-http", "completions-fail", "stream-broken"],
 )
 def test_an_image_whose_server_misbehaves_is_rolled_back(good, run, host, fleet, tag, caught):
     out, rc, _ = run(tag)
@@ -50,3 +56,12 @@ def test_an_image_whose_server_misbehaves_is_rolled_back(good, run, host, fleet,
     doc = json.loads(fleet.read_file(host, STATE_FILE))
     assert doc["committed"]["ref"] == good and doc["pending"] is None
     assert doc["failed"][-1]["reason"].startswith(f"misconfigured: {caught}")
+
+    # At rest: the committed version again changes nothing; the failed one asked for again is refused untouched.
+    pid = sh(fleet, host, f"systemctl show -p MainPID --value {SERVICE}").strip()
+    out, rc, _ = run("good")
+    assert rc == 0 and changes(out) == 0, changed_ops(out)
+    out, rc, _ = run(tag)
+    assert rc != 0 and "gpufleet_retry_failed=true" in out and "nothing was changed" in out, out[-3000:]
+    assert sh(fleet, host, f"systemctl show -p MainPID --value {SERVICE}").strip() == pid
+    assert running_image(fleet, host) == good

@@ -6,7 +6,8 @@ vLLM image), with the hosts' vllm_image on a tag of this module's own that the t
    not ready (a background poller), no pull inside a swap; a re-run and a plain converge change nothing;
 2. the tag on `rejects-flag`: caught in prepare, no host swapped (same containers);
 3. the tag on `dies`: the canary rolled back and serving the old digest, the others untouched, exit 1; `history`
-   shows the failure; a plain converge changes nothing;
+   shows the failure; a plain converge changes nothing; the same with `completions-fail` (up, and every completion
+   answers 500), the canary's row naming the answer check;
 4. the tag back on `good` (an earlier committed digest); the controller killed mid-rollout; the re-run completes
    and no host was started twice;
 5. `rollback --host` returns a host to its previous digest, gated.
@@ -294,6 +295,25 @@ def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, py
     # A rollout of the same digest is refused up front, naming the failure and how to retry on purpose.
     again = gpufleet("rollout", str(inventory), "--yes")
     assert again.returncode == 1 and "--retry-failed" in again.stderr and canary.name in again.stderr
+
+
+# --- 3b. an image that is up but fails its clients ----------------------------------------------------------------
+def test_an_image_that_fails_every_completion_rolls_the_canary_back_naming_the_check(fleet, tag, inventory, hosts,
+                                                                                     digests):
+    # /health, /v1/models and /metrics all pass: only a real completion shows the nightly is broken.
+    canary, *others = hosts
+    ids = {h.name: container_id(fleet, h) for h in hosts}
+    broken = move_tag(fleet.cfg.registry, tag, "completions-fail")
+    proc = gpufleet("rollout", str(inventory), "--yes", "--json")
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    doc = rollout_json(proc)
+    assert doc["target"] == broken
+    assert outcomes(doc) == {canary.name: "rolled-back", **{h.name: "not-started" for h in others}}
+    (row,) = [r for r in doc["hosts"] if r["host"] == canary.name]
+    assert "answers: completion: POST /v1/chat/completions answered 500" in row["detail"], row
+    assert running_image(fleet, canary) == digests["good-next"]
+    for h in others:
+        assert container_id(fleet, h) == ids[h.name]
 
 
 # --- 4. the controller killed mid-rollout --------------------------------------------------------------------------

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.deploys.verify import exited_detail
-from gpufleet.health import HealthReport, HealthState, poll_ready, soak
+from gpufleet.deploys.verify import exited_detail, installed_problem, with_traffic
+from gpufleet.health.answers import AnswerCheck
+from gpufleet.health import ContainerInfo, HealthReport, HealthState, poll_ready, soak
+from gpufleet.ledger import Version
 
 READY = HealthReport(HealthState.READY, "/health 200, serving qwen")
 STARTING = HealthReport(HealthState.STARTING, "port not answering yet")
@@ -92,3 +94,57 @@ def test_exited_detail(show, exited):
     assert (detail is not None) == exited
     if exited:
         assert "exited with status" in detail and show.splitlines()[-1].split("=")[1] in detail
+
+
+PENDING = Version(image="vllm/vllm-openai:nightly", ref="vllm/vllm-openai@sha256:" + "b" * 64, unit_sha256=None,
+                  spec_hash="c" * 64,
+                  service="vllm", port=8000)
+OLD_REF = "vllm/vllm-openai@sha256:" + "a" * 64
+
+
+@pytest.mark.parametrize(("container", "problem"), [
+    (ContainerInfo("new", "running", image=PENDING.ref, spec_hash=PENDING.spec_hash), None),
+    # the replacement never started and the old container still answers on the port
+    (ContainerInfo("old", "running", image=OLD_REF, spec_hash=PENDING.spec_hash),
+     f"the container answering runs {OLD_REF}, not {PENDING.ref}, which this run installed"),
+    # new settings on the same image: the old container has the old spec's label
+    (ContainerInfo("old", "running", image=PENDING.ref, spec_hash="d" * 64),
+     f"the container answering has spec {'d' * 64}, not {PENDING.spec_hash}, which this run installed"),
+    (ContainerInfo("old", "running", image=PENDING.ref, spec_hash=None),
+     f"the container answering has spec unlabelled, not {PENDING.spec_hash}, which this run installed"),
+    (ContainerInfo("new", "exited", image=PENDING.ref, spec_hash=PENDING.spec_hash),
+     "no running container of vllm answered"),
+    (None, "no running container of vllm answered"),
+])  # fmt: skip
+def test_only_the_version_this_run_installed_may_be_committed(container, problem):
+    assert installed_problem(PENDING, container) == problem
+
+
+def test_the_soak_sends_a_request_at_a_bounded_rate_and_a_failed_one_ends_it():
+    clock = Clock()
+    sent: list[float] = []
+    answers = iter([AnswerCheck("completion", True, "2 tokens"), AnswerCheck("completion", True, "2 tokens"),
+                    AnswerCheck("completion", False, "POST /v1/chat/completions answered 500: engine dead")])
+
+    def send() -> AnswerCheck:
+        sent.append(clock.now)
+        return next(answers)
+
+    look = with_traffic(lambda: READY, send, every_s=5.0, clock=clock)
+    report = soak(look, READY, 60, exited=lambda: None, clock=clock, sleep=clock.sleep)
+    # Polled every 2 s, a request at most every 5 s: at 2, 8 and 14 s; the third failed and ended the soak there.
+    assert sent == [2.0, 8.0, 14.0]
+    assert report.state is HealthState.MISCONFIGURED
+    assert report.detail == "answers: completion: POST /v1/chat/completions answered 500: engine dead (14 s after it was ready)"
+
+
+def test_the_soak_sends_nothing_while_the_host_is_not_ready():
+    sent = []
+    look = with_traffic(lambda: DEAD, lambda: sent.append(1) or AnswerCheck("completion", True, ""), every_s=0)
+    assert look().state is HealthState.DEAD and not sent
+
+
+def test_a_failed_soak_request_from_an_engine_that_just_died_reads_dead():
+    looks = iter([READY, DEAD])
+    look = with_traffic(lambda: next(looks), lambda: AnswerCheck("completion", False, "answered 500"), every_s=0)
+    assert look() is DEAD

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from gpufleet.health import Expected, HealthState, SshTransport, check, wait_until_ready
+from gpufleet.health.answers import check_answers, failed
 from gpufleet.health.probe import Verdict, probe
 from tests.vllm.servers import ServerSpec, Started, expected
 from tests.vllm_peer import models
@@ -96,6 +97,22 @@ def test_reasoning_parser_leaves_content_empty_and_probe_still_reads_reply(dense
     assert message.get("reasoning")
 
 
+def test_answer_checks_pass_on_real_vllm_twenty_runs_in_a_row(dense):
+    # Both servers: the reasoning parser's (content null, text in reasoning) and the key-guarded one.
+    for s in dense.values():
+        for run in range(20):
+            checks = check_answers(s.transport, s.expected, api_key=s.api_key)
+            assert failed(checks) is None, (s.transport.name, run, checks)
+
+
+def test_answer_checks_fail_on_real_vllm_when_the_request_cannot_be_served(dense):
+    s = dense["off"]
+    wrong_key = check_answers(s.transport, s.expected, api_key="sk-wrong")
+    assert [c.ok for c in wrong_key] == [False, False] and all("401" in c.detail for c in wrong_key), wrong_key
+    other_model = check_answers(s.transport, Expected("vllm", s.server.port, "qwen35"), api_key=API_KEY)
+    assert [c.ok for c in other_model] == [False, False] and all("404" in c.detail for c in other_model), other_model
+
+
 def test_probe_reports_hits_on_turn_n_plus_1_with_prefix_caching(dense):
     s = dense["on"]
     report = probe(s.transport, s.expected, max_num_batched_tokens=CPU_DEFAULT_BATCH)
@@ -153,6 +170,7 @@ def test_checks_and_probe_through_ssh(dense, sshd):
         assert (r.served_model, r.max_model_len, r.version) == ("tiny", 4096, "0.32.0")
         wrong = Expected("vllm", s.server.port, "qwen35", 4096, {})
         assert check(t, wrong).state is HealthState.MISCONFIGURED
+        assert failed(check_answers(t, s.expected)) is None  # a client's requests, through the SSH channel
         report = probe(t, s.expected, lengths_in_units=(1.5, 2.5), lengths_in_chunks=(), session_turns=0)
         assert report.verdict is Verdict.EFFECTIVE, report.evidence
         # Nothing listens on another port: refused through the tunnel -> starting (the process runs).

@@ -160,6 +160,8 @@ def _as_json(results: list[HostResult], routers: list[RouterStatus] | None = Non
             item["probe"] = r.probe.as_dict()
         if r.probe_error:
             item["probe_error"] = r.probe_error
+        if r.answers:
+            item["answers"] = [a.as_dict() for a in r.answers]
         out.append(item)
     # Router hosts are items of the same list, marked by "role": a list consumer keeps working.
     out += [{"host": r.name, "role": "router"} | r.as_dict() for r in routers or []]
@@ -239,8 +241,9 @@ def verify(
     ctx: click.Context, inventory: str, host: str | None, as_json: bool, run_probe: bool, wait_s: float,
     api_key: str | None,
 ) -> None:  # fmt: skip
-    """Exit non-zero unless every host is ready (and, with --probe, reuses its prefix cache), and every router
-    answers and routes to every replica of the inventory, healthy, and to nothing else.
+    """Exit non-zero unless every host is ready and answers a chat completion, plain and streamed (and, with
+    --probe, reuses its prefix cache), and every router answers and routes to every replica of the inventory,
+    healthy, and to nothing else.
 
     \b
     Example:
@@ -249,7 +252,8 @@ def verify(
     deadline = time.monotonic() + wait_s  # routers get what is left of --wait after the hosts
     routers, found = _roles(inventory, host)
     expected = _router_expectations(inventory, routers, found)  # a bad setting stops verify before any SSH
-    results = [] if host and routers else _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key)
+    results = [] if host and routers else _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key,
+                                                  answer=True)
     verdicts = [verify_router(partial(read_host, name, data), exp, deadline) for (name, data), exp in
                 zip(routers, expected)]
     if as_json:
@@ -294,6 +298,10 @@ def _explain(console: Console, r: HostResult) -> None:
         say(f"{name}: {r.health.state}: {r.health.detail}")
         for line in r.health.logs:
             say(f"  | {line}")
+    for a in r.answers:
+        if not a.ok:
+            say(f"{name}: answer check {a.line()} (fix: read `journalctl -u {r.target.expected.service}` on the host; "
+                f"if a new image broke it, `gpufleet rollback INVENTORY --host {name}`)")
     if r.probe_error:
         say(f"{name}: probe failed: {r.probe_error}")
     p = r.probe

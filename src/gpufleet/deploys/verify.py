@@ -1,24 +1,31 @@
-"""The deploy's verify step: ready, soak, then commit the pending version or roll back to the committed one. The
-deploy-side use of gpufleet.health (whose poller, check and notion of "ready" `gpufleet verify` shares).
+"""The deploy's verify step: ready, soak, real answers, then commit the pending version or roll back to the
+committed one. The deploy-side use of gpufleet.health (whose poller, check and notion of "ready" `gpufleet verify`
+shares).
 
 verify_rollout() runs inside the ready operation's FunctionCommand, while pyinfra executes: it waits for the
-restarted service and watches it for the soak. Passed: the ledger's pending version is committed (ledger.commit,
-with the time it first answered ready) and its unit kept as the next rollback target. Failed: the committed
-version's unit goes back (its own service name and port), the ledger marks the pending version failed
-(ledger.roll_back), the committed version is waited for, and the host fails with one line naming both digests.
+restarted service, watches it for the soak (sending it a completion now and then), checks that the container
+answering is the version this run installed (its image is the pending digest, its label the pending spec), and sends
+it the requests a client sends (gpufleet.health.answers: a chat completion, plain and streamed). Passed: the
+ledger's pending version is committed (ledger.commit, with the time it first answered ready) and its unit kept as
+the next rollback target. Failed: the committed version's unit goes back (its own service name and port), the
+ledger marks the pending version failed (ledger.roll_back), the committed version is waited for, and the host fails
+with one line naming both digests.
 """
 
 from __future__ import annotations
 
 import shlex
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 from pyinfra import logger
 from pyinfra.api import Host, State
 
 from gpufleet import hostlock
 from gpufleet.health import (
+    ContainerInfo,
     Expected,
     HealthReport,
     HealthState,
@@ -29,9 +36,11 @@ from gpufleet.health import (
     soak,
     transport_from_pyinfra_host,
 )
+from gpufleet.health.answers import AnswerCheck, check_answers, check_completion
+from gpufleet.health.answers import failed as failed_answers
 from gpufleet.health.probe import probe
 from gpufleet.health.wait import Exited
-from gpufleet.ledger import RETRY_SETTING, Ledger
+from gpufleet.ledger import RETRY_SETTING, Ledger, Version
 from gpufleet.ledger import commit as ledger_commit
 from gpufleet.ledger import roll_back as ledger_roll_back
 from gpufleet.operations.flagcheck import accepted_file
@@ -109,6 +118,33 @@ class Verification:
         return lambda: check(transport, expected, api_key=key)
 
 
+# The soak's own traffic: a short completion at most this often, so an engine that dies under its first batches is
+# caught even when nothing else (the router, a client) sends it a request during the soak.
+SOAK_REQUEST_EVERY_S = 5.0
+
+
+def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], AnswerCheck], every_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> Callable[[], HealthReport]:  # fmt: skip
+    """check_once, plus a request sent (at most every `every_s`) while the host reads ready: a failed answer makes
+    the look misconfigured, with the check's line as its evidence; unless a look right after it finds the host no
+    longer ready (its engine died meanwhile), which says more."""
+    last_sent: list[float] = []
+
+    def look() -> HealthReport:
+        report = check_once()
+        if report.ready and (not last_sent or clock() - last_sent[-1] >= every_s):
+            last_sent[:] = [clock()]
+            answer = send()
+            if not answer.ok:
+                again = check_once()
+                if not again.ready:
+                    return again
+                return replace(again, state=HealthState.MISCONFIGURED, detail=f"answers: {answer.line()}")
+        return report
+
+    return look
+
+
 def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
     """Ready within timeout_s, then still ready for soak_s: commit the pending version. Else the logs, and the
     rollback to the committed version when there is one to go back to."""
@@ -119,8 +155,17 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
     report = poll_ready(check_once, v.timeout_s, exited=exited)
     ready_at = now_utc()
     if report.ready and soak_s > 0:
-        host.log_styled(f"ready: {report.detail}; watching it for {soak_s:.0f} s (vllm_ready_soak_s)")
-        report = soak(check_once, report, soak_s, exited=exited)
+        host.log_styled(f"ready: {report.detail}; watching it for {soak_s:.0f} s (vllm_ready_soak_s), with a "
+                        f"completion every {SOAK_REQUEST_EVERY_S:.0f} s")
+        send = partial(check_completion, transport_from_pyinfra_host(host), Expected.from_spec(spec),
+                       api_key=v.api_key.reveal() if v.api_key else None)
+        report = soak(with_traffic(check_once, send, SOAK_REQUEST_EVERY_S), report, soak_s, exited=exited)
+    pending = memo(host).ledger.pending  # None: a restart of the committed version, nothing new to tell apart
+    problem = installed_problem(pending.version, report.container) if report.ready and pending else None
+    if problem:
+        report = replace(report, state=HealthState.MISCONFIGURED, detail=problem)
+    if report.ready:
+        report = answers_report(host, v, check_once)
     if report.ready and v.run_probe:
         report = probe_report(host, v)
     if report.ready:
@@ -139,6 +184,35 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
         return fail(host, f"{spec.service} not ready ({failed}) (fix: see the container log above; "
                           f"`journalctl -u {spec.service}`)")
     return roll_back(host, v, ledger, failed)
+
+
+def installed_problem(version: Version, container: ContainerInfo | None) -> str | None:
+    """What answers must be what this run installed: the running container started from the pending digest with the
+    pending spec's label. An older container still answering on the port (its replacement never started) is not the
+    version to commit: one line saying what runs instead, or None."""
+    if container is None or not container.running:
+        return f"no running container of {version.service or 'the service'} answered"
+    if container.image != version.ref:
+        return f"the container answering runs {container.image}, not {version.ref}, which this run installed"
+    if version.spec_hash and container.spec_hash != version.spec_hash:
+        return (f"the container answering has spec {container.spec_hash or 'unlabelled'}, not {version.spec_hash}, "
+                "which this run installed")
+    return None
+
+
+def answers_report(host: Host, v: Verification, check_once: Callable[[], HealthReport]) -> HealthReport:
+    """The requests a client sends (gpufleet.health.answers), each bounded in time, with the host's key: a version
+    that is up but does not answer them is a failed verify (misconfigured), rolled back like one that dies (and
+    reported as dead when a look right after the failed request finds its engine gone)."""
+    checks = check_answers(transport_from_pyinfra_host(host), Expected.from_spec(v.spec),
+                           api_key=v.api_key.reveal() if v.api_key else None)
+    for c in checks:
+        host.log_styled(f"answer check {c.line()}", fg="green" if c.ok else "red")
+    bad = failed_answers(checks)
+    if bad:
+        again = check_once()
+        return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=f"answers: {bad}")
+    return HealthReport(HealthState.READY, "answered a chat completion, plain and streamed", host=host.name)
 
 
 def probe_report(host: Host, v: Verification) -> HealthReport:

@@ -123,13 +123,20 @@ def fetch(
     timeout: float = DEFAULT_TIMEOUT_S,
     api_key: str | None = None,
     max_body: int = MAX_BODY_BYTES,
+    json_body: dict[str, Any] | None = None,
 ) -> Answer:
-    """GET path within `timeout` seconds overall; a body over max_body bytes is AnswerTooLarge, never read whole."""
+    """GET path (POST json_body to it, when given) within `timeout` seconds overall; a body over max_body bytes is
+    AnswerTooLarge, never read whole."""
+    method = "GET" if json_body is None else "POST"
     conn = transport.http(port, timeout)
     resp = None
     try:
-        with _translated(f"GET {path}", conn):
-            conn.request("GET", path, headers={"Accept": "*/*", **_headers(api_key)})
+        with _translated(f"{method} {path}", conn):
+            if json_body is None:
+                conn.request("GET", path, headers={"Accept": "*/*", **_headers(api_key)})
+            else:
+                conn.request("POST", path, json.dumps(json_body),
+                             {"Accept": "application/json", "Content-Type": "application/json", **_headers(api_key)})
             resp = conn.getresponse()
             body = resp.read(max_body + 1)
             if len(body) > max_body:
@@ -161,6 +168,9 @@ class Completion:
     prompt_tokens: int | None
     completion_tokens: int | None
     cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens; None when the server does not report it
+    finish_reason: str | None = None  # the last finish_reason a choice carried
+    done: bool = False  # the stream ended with "data: [DONE]", as an OpenAI stream does
+    chunks: int = 0  # chunks that carried a choice
 
 
 def stream_chat(
@@ -186,16 +196,21 @@ def stream_chat(
             parts: list[str] = []
             usage: dict[str, Any] = {}  # the latest usage seen: include_usage puts it in the final chunk
             details: dict[str, Any] = {}
+            finish_reason: str | None = None
+            done, chunks = False, 0
             for raw in resp:  # the wire's cap bounds the stream, however long its lines
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
+                    done = True
                     break
                 try:
                     chunk = json.loads(data)
                     for choice in chunk.get("choices") or []:
+                        chunks += 1
+                        finish_reason = choice.get("finish_reason") or finish_reason
                         if ttft is None:
                             ttft = time.monotonic() - start
                         delta = choice.get("delta") or {}
@@ -215,4 +230,7 @@ def stream_chat(
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
         cached_tokens=details.get("cached_tokens"),
+        finish_reason=finish_reason,
+        done=done,
+        chunks=chunks,
     )

@@ -1,4 +1,5 @@
-"""Check a whole fleet in parallel over the deploy's own SSH stack, then check() and optionally probe() each host.
+"""Check a whole fleet in parallel over the deploy's own SSH stack, then check() each host and, as asked, send it a
+client's requests (answers) and probe() it.
 
 Hosts are connected by pyinfra's SSH connector from their inventory data, so `status` and `verify` log in exactly
 as the deploy does: ssh_hostname, ssh_port, ssh_user, ssh_key (and its password), ~/.ssh/config or ssh_config_file,
@@ -21,6 +22,7 @@ from pyinfra.api.host import Host
 # pyinfra's connector is gevent code: hosts connect in parallel only over gevent's sockets, so pyinfra_cli's
 # monkey.patch_all() (run by gpufleet.inventory) must precede any thread.
 import gpufleet.inventory  # noqa: F401
+from gpufleet.health.answers import AnswerCheck, check_answers
 from gpufleet.health.api import excerpt
 from gpufleet.health.check import DETAIL_CHARS, Expected, HealthReport, HealthState, check
 from gpufleet.health.probe import ProbeReport, probe
@@ -71,10 +73,12 @@ class HostResult:
     health: HealthReport
     probe: ProbeReport | None = None
     probe_error: str | None = None
+    answers: tuple[AnswerCheck, ...] = ()  # gpufleet.health.answers, when asked for and the host was ready
 
     @property
     def ok(self) -> bool:
-        return self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
+        return (self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
+                and all(a.ok for a in self.answers))
 
 
 def pyinfra_host(name: str, data: Mapping[str, Any]) -> Host:
@@ -133,27 +137,30 @@ def check_host(
     wait_s: float = 0.0,
     api_key: str | None = None,
     transport: Transport | None = None,
+    answer: bool = False,
 ) -> HostResult:
-    """Health (and the probe, when the host is ready) of one host. Never raises: whatever goes wrong with this
-    host (SSH, its server, a case nobody foresaw) is this host's result, so one host never sinks the others.
+    """Health (and, when the host is ready, the answer checks and the probe, as asked) of one host. Never raises:
+    whatever goes wrong with this host (SSH, its server, a case nobody foresaw) is this host's result, so one host
+    never sinks the others.
 
     Without a transport the host is connected by pyinfra's connector from target.ssh. api_key overrides the
     target's own key."""
     try:
         if transport is not None:
-            return _check_host(target, transport, run_probe, wait_s, api_key)
-        return _check_over_ssh(target, run_probe, wait_s, api_key)
+            return _check_host(target, transport, run_probe, wait_s, api_key, answer)
+        return _check_over_ssh(target, run_probe, wait_s, api_key, answer)
     except Exception as e:
         return _failed(target, e)
 
 
-def _check_over_ssh(target: HostTarget, run_probe: bool, wait_s: float, api_key: str | None) -> HostResult:
+def _check_over_ssh(target: HostTarget, run_probe: bool, wait_s: float, api_key: str | None,
+                    answer: bool) -> HostResult:  # fmt: skip
     try:
         transport = open_ssh(target.name, target.ssh)
     except Unreachable as e:
         return HostResult(target, HealthReport(HealthState.SSH_UNREACHABLE, str(e), host=target.name))
     try:
-        return _check_host(target, transport, run_probe, wait_s, api_key)
+        return _check_host(target, transport, run_probe, wait_s, api_key, answer)
     finally:
         transport.client.close()
 
@@ -163,28 +170,31 @@ def _failed(target: HostTarget, e: Exception) -> HostResult:
     return HostResult(target, HealthReport(HealthState.DEAD, detail, host=target.name))
 
 
-def _check_host(target: HostTarget, transport: Transport, run_probe: bool, wait_s: float, api_key: str | None) -> HostResult:
+def _check_host(target: HostTarget, transport: Transport, run_probe: bool, wait_s: float, api_key: str | None,
+                answer: bool = False) -> HostResult:  # fmt: skip
     api_key = api_key or target.api_key
     if wait_s > 0:
         health = wait_until_ready(transport, target.expected, timeout_s=wait_s, api_key=api_key)
     else:
         health = check(transport, target.expected, api_key=api_key)
+    answers = check_answers(transport, target.expected, api_key=api_key) if answer and health.ready else ()
     report, error = None, None
     if run_probe and health.ready:
         try:
             report = probe(transport, target.expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-    return HostResult(target, health, report, error)
+    return HostResult(target, health, report, error, answers)
 
 
 def check_fleet(
-    targets: Sequence[HostTarget], run_probe: bool = False, wait_s: float = 0.0, api_key: str | None = None
+    targets: Sequence[HostTarget], run_probe: bool = False, wait_s: float = 0.0, api_key: str | None = None,
+    answer: bool = False,
 ) -> list[HostResult]:
     """All hosts in parallel (network-bound), results in inventory order, one per host whatever happens."""
     if not targets:
         return []
     pool = gevent.pool.Pool(min(len(targets), PARALLEL))
-    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key) for t in targets]
+    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer) for t in targets]
     gevent.joinall(jobs)
     return [job.get() for job in jobs]

@@ -37,6 +37,10 @@ TAGS: dict[str, dict[str, str]] = {
     "models-not-json": {"STANDIN_VLLM_VERSION": "0.32.1.dev22+gstandin", "STANDIN_MISBEHAVE": "models-not-json"},
     # starts, then answers every connection on its port with a line of another protocol
     "not-http": {"STANDIN_VLLM_VERSION": "0.32.1.dev23+gstandin", "STANDIN_MISBEHAVE": "not-http"},
+    # passes /health, /v1/models and /metrics, and answers every completion with a 500
+    "completions-fail": {"STANDIN_VLLM_VERSION": "0.32.1.dev24+gstandin", "STANDIN_MISBEHAVE": "completions-fail"},
+    # passes the surface checks and plain completions; a streamed one breaks off in a chunk that does not parse
+    "stream-broken": {"STANDIN_VLLM_VERSION": "0.32.1.dev25+gstandin", "STANDIN_MISBEHAVE": "stream-broken"},
 }
 # more tags for the same image (same digest): what the deploy's default image ref names
 ALIASES = {"nightly": "good"}

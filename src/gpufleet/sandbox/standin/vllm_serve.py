@@ -18,7 +18,10 @@ Behaves like vLLM where gpufleet depends on it:
 - STANDIN_DIE_AFTER=S: the engine dies S seconds after serving starts (/health 503, then the server exits 1);
 - STANDIN_UNKNOWN_FLAGS=--a,--b: flags this "older vLLM" does not know (exit 2 if used);
 - STANDIN_MISBEHAVE: a server the health checks must survive, once serving starts: "models-not-json" (/health
-  200, /v1/models 200 with an HTML page) or "not-http" (every connection gets a line of another protocol).
+  200, /v1/models 200 with an HTML page) or "not-http" (every connection gets a line of another protocol); or one
+  that passes every surface check and fails its clients: "completions-fail" (every completion answers 500, as an
+  engine that crashes in its first batch) or "stream-broken" (a streamed completion sends a chunk that does not
+  parse, then closes).
 """
 
 from __future__ import annotations
@@ -506,6 +509,11 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
             return
+        if MISBEHAVE == "completions-fail":
+            print("ERROR engine step failed (STANDIN_MISBEHAVE=completions-fail)", flush=True)
+            self._json(500, {"error": {"message": "EngineCore encountered an issue. See stack trace for the root cause.",
+                                       "type": "InternalServerError", "param": None, "code": 500}})
+            return
         with e.lock:
             e.running += 1
         try:
@@ -574,6 +582,10 @@ class Handler(BaseHTTPRequestHandler):
 
         send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         e.account(len(tokens), cached, n_out, time.monotonic() - t0)
+        if MISBEHAVE == "stream-broken":
+            self.wfile.write(b'data: {"id": "' + rid.encode() + b'", "choices": [{"index": 0, "delta": {"content": "st\n\n')
+            self.close_connection = True
+            return
         for i, w in enumerate(words):
             send(
                 [
