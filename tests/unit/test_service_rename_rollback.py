@@ -1,7 +1,7 @@
 """The rollback of a renamed vllm_service whose new version failed verification (gpufleet.deploys.verify.roll_back):
-the old service's unit goes back and restarts, the new service's unit is disabled and removed, the failure is marked
-in the old service's ledger (the one a later run of either name reads), and the new service's own files go, only
-after that mark is written. A rollback that renames nothing writes its own ledger and removes nothing."""
+the failure is marked in the old service's ledger (the one a later run of either name reads) first, then the old
+service's unit goes back and restarts, the new service's unit is disabled and removed, and the new service's own
+files go. A rollback that renames nothing writes its own ledger and removes nothing."""
 
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000)
 
 def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_service(monkeypatch):
     host, before = rolled_back(monkeypatch, NEW)
-    restore = host.commands()[0]
+    [(restored_at, restore)] = [(i, what) for i, (kind, what) in enumerate(host.done)
+                                if kind == "run" and "systemctl restart" in what]
     # reset-failed: a new unit whose engine died is not left listed as failed once it is gone.
     assert (f"systemctl disable --now {NEW}.service; rm -f {unit_path(NEW)}; systemctl reset-failed {NEW}.service "
             f"2>/dev/null; true; }} && install -m 644 {unit_backup(OLD)} "
@@ -100,12 +101,15 @@ def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_
     assert removed == [(removed[0][0], f"rm -f {state_file(NEW)} /etc/gpufleet/{NEW}.env "
                                        f"/var/lib/gpufleet/{NEW}.flags-accepted")]
     assert removed[0][0] > at
+    # The mark comes before the unit goes back: a run cut in between does not try the failed version again.
+    assert at < restored_at
 
 
 def test_a_rollback_that_renames_nothing_writes_its_own_ledger_and_removes_nothing(monkeypatch):
     host, before = rolled_back(monkeypatch, OLD, port=5001)  # a port change that failed
-    assert "disable" not in host.commands()[0]
-    _, path, written = host.ledger_written()
+    assert not [what for what in host.commands() if "disable" in what]
+    at, path, written = host.ledger_written()
+    assert at < next(i for i, (kind, what) in enumerate(host.done) if kind == "run" and "systemctl restart" in what)
     assert path == state_file(OLD)
     assert written.committed == before.committed and written.pending is None and written.failed[-1].ref == DIES
     assert not [what for what in host.commands() if what.startswith("rm -f ")]

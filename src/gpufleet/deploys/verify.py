@@ -280,6 +280,11 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
         hostlock.check_run_lock(host)  # the rollback restarts too: never interleaved with another run's restart
     except hostlock.LockLost as lost:
         return fail(host, f"{host.name}: {failed}; not rolled back: {lost}")
+    # The mark first: a run cut anywhere after this line finds the pending version failed (never to be tried again
+    # by a re-run rollout) and the committed one to converge to (a plain converge puts its unit back). Marked in the
+    # committed service's own ledger: a rename going back marks it there, where a later run of either name reads it.
+    if not save_ledger(host, state_file(service), ledger_roll_back(ledger, failed_detail, now_utc())):
+        return False
     host.log_styled(f"rolling back to {committed.ref}")
     steps = []
     if committed.unit_sha256:
@@ -300,10 +305,6 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
         return fail(host, f"{host.name}: {failed}; the rollback to {committed.ref} failed too: "
                           f"{' | '.join(output.stderr_lines[-3:]) or 'no copy of the committed unit at ' + backup} "
                           f"(fix: `systemctl status {service}`; {backup} holds the unit that was committed)")
-    # Right after the unit goes back: the ledger says what runs, whether or not it gets ready. It is the committed
-    # service's own ledger: a rename going back marks the failure there, where a later run of either name reads it.
-    if not save_ledger(host, state_file(service), ledger_roll_back(ledger, failed_detail, now_utc())):
-        return False
     if renamed:
         # The new service never committed anything: its ledger (the pending record, settled now), secrets and flag
         # check note go. Only after the mark is written: a run cut before it finds the pending record and settles it.
