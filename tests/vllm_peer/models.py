@@ -102,10 +102,12 @@ def build_dense(out: Path, max_position_embeddings: int = 8192) -> Path:
     )
 
 
-def build_hybrid(out: Path, max_position_embeddings: int = 8192) -> Path:
+def build_hybrid(out: Path, max_position_embeddings: int = 8192, linear_num_value_heads: int = 4) -> Path:
     """A Qwen-3.5-style hybrid on the Qwen3-Next architecture: 3 Gated DeltaNet layers + 1 full-attention layer.
 
     linear_key_head_dim must be 128: 32 passes /health but kills the engine at the first request.
+    linear_num_value_heads sizes each sequence's linear-attention state, and so the attention block vLLM resolves
+    in align mode (the block grows until its page holds the state): 2 heads give a smaller block than 4, on any CPU.
     """
     return _write(
         out,
@@ -124,7 +126,7 @@ def build_hybrid(out: Path, max_position_embeddings: int = 8192) -> Path:
             "linear_key_head_dim": 128,
             "linear_value_head_dim": 128,
             "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
+            "linear_num_value_heads": linear_num_value_heads,
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 128,
