@@ -127,6 +127,20 @@ def test_resolve_host_returns_the_spec_and_the_settings_it_was_built_from():
     assert spec.service == settings["vllm_service"] == "vllm-qwen35-1gpu"
 
 
+def test_the_example_inventory_leaves_each_hosts_model_to_its_profile(tmp_path):
+    # The shipped group data set vllm_model, vllm_model_repo and vllm_cache_dir for the whole fleet: a host the
+    # README told to use "qwen35-1gpu" then rendered the 3-GPU AWQ model and shared the other service's caches.
+    (tmp_path / "group_data").mkdir()
+    (tmp_path / "group_data" / "all.py").write_text((REPO / "inventories" / "group_data" / "all.py").read_text())
+    lab = (REPO / "inventories" / "lab.py").read_text()
+    (tmp_path / "lab.py").write_text(lab + '\ngpu_boxes.append(("one-gpu", {"vllm_profile": "qwen35-1gpu"}))\n')
+    hosts = dict(load_hosts(str(tmp_path / "lab.py")))
+    one, three = merged_settings(hosts["one-gpu"]), merged_settings(hosts["gpu-box-1"])
+    assert one == merged_settings({**hosts["one-gpu"], **PROFILES["qwen35-1gpu"].settings}), "a group value won"
+    assert (one["vllm_model"], one["vllm_cache_dir"]) == ("qwen3.5-35b-a3b-fp8", "/var/cache/vllm/qwen35-1gpu")
+    assert (three["vllm_model"], three["vllm_cache_dir"]) == ("qwen3.5-awq", "/var/cache/vllm/qwen35")
+
+
 def test_an_unknown_profile_is_one_line_naming_the_profiles():
     with pytest.raises(SettingErrors) as raised:
         build_spec("box", {"vllm_profile": "qwen35-2gpu", "vllm_model": "x"})
