@@ -287,3 +287,20 @@ def test_verify_refuses_a_replica_no_router_can_reach_before_any_ssh(tmp_path, m
     assert result.exit_code == 1 and (checked, reads) == ([], [])
     assert "gpu1: vllm_publish_address: 127.0.0.1 keeps vLLM off the network" in result.output
     assert "Traceback" not in result.output
+
+
+def test_verify_uses_each_hosts_own_key_whatever_the_callers_environment_holds(inventory, monkeypatch):
+    # VLLM_API_KEY in the caller's environment (set for a client) overrode every host's vllm_api_key.
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    seen = []
+
+    def fleet(targets, **kw):
+        seen.append(kw.get("api_key"))
+        return [HostResult(target, HealthReport(HealthState.READY, "/health 200", host="box-b"))]
+
+    monkeypatch.setattr(cli, "check_fleet", fleet)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-callers-own")
+    assert CliRunner().invoke(verify, [str(inventory), "--host", "box-b"]).exit_code == 0
+    assert CliRunner().invoke(verify, [str(inventory), "--host", "box-b", "--api-key", "sk-given"]).exit_code == 0
+    assert seen == [None, "sk-given"]  # None: each target's own key (HostTarget.api_key)

@@ -234,8 +234,9 @@ def _router_table(rows: list[RouterStatus]) -> Table:
 @click.option("--probe", "run_probe", is_flag=True, help="Also measure prompt re-processing on turn N+1.")
 @click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
               help="Seconds to wait for hosts and routers to become ready.")  # fmt: skip
-@click.option("--api-key", envvar="VLLM_API_KEY", default=None,
-              help="For servers run with --api-key (default: each host's vllm_api_key).")  # fmt: skip
+# No envvar: a VLLM_API_KEY in the caller's environment (set for a client) silently overrode every host's own key.
+@click.option("--api-key", default=None,
+              help="For servers run with --api-key; overrides every host's vllm_api_key (default: each host's own).")  # fmt: skip
 @click.pass_context
 def verify(
     ctx: click.Context, inventory: str, host: str | None, as_json: bool, run_probe: bool, wait_s: float,
