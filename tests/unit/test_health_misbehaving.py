@@ -313,8 +313,10 @@ CASES = [
     ("http2", None, raw(b"HTTP/2.0 200 OK\r\n\r\n"), M, r"^GET /health: the port answers HTTP/2.0, not HTTP/1.x$"),
     ("hangs-up", None, hang_up, S, r"^container running, port \d+ not answering yet: the connection (closed|was reset) "
                                      r"before any answer$"),
-    ("resets", None, reset, S, r"^container running, port \d+ not answering yet: the connection (closed|was reset) "
-                                 r"before any answer$"),
+    # Through the tunnel sshd reports the failure of its own connect: on a loaded machine it has seen the listener's
+    # reset as a refusal (seen here and on a 2-core AVX2 machine); either is a server not answering yet.
+    ("resets", None, reset, S, r"^container running, port \d+ not answering yet: (the connection (closed|was reset) "
+                                 r"before any answer|connection refused)$"),
     ("silent", None, silent, S, r"^container running, port \d+ not answering in time: GET /health: no complete answer "
                                   r"within 1 s \(nothing received\)$"),
     ("drips", None, drip(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"), S,
