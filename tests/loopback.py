@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from gpufleet.health.transport import MAX_ANSWER_BYTES, ContainerInfo, DeadlineHTTPConnection
+from gpufleet.health.transport import LOOPBACK, MAX_ANSWER_BYTES, ContainerInfo, DeadlineHTTPConnection
 
 
 class LoopbackTransport:
@@ -32,10 +32,11 @@ class LoopbackTransport:
     ):
         self.process, self.log_path, self.host, self.name = process, log_path, host, name
 
-    def http(self, port: int, timeout: float, max_bytes: int = MAX_ANSWER_BYTES) -> DeadlineHTTPConnection:
+    def http(self, port: int, timeout: float, max_bytes: int = MAX_ANSWER_BYTES,
+             address: str = LOOPBACK) -> DeadlineHTTPConnection:  # fmt: skip
         deadline = time.monotonic() + timeout
         # Raises ConnectionRefusedError while the server is loading (it does not listen yet).
-        sock = socket.create_connection((self.host, port), timeout=timeout)
+        sock = socket.create_connection((self.host if address == LOOPBACK else address, port), timeout=timeout)
         return DeadlineHTTPConnection(sock, port, timeout, deadline, max_bytes)
 
     def container(self, service: str) -> ContainerInfo | None:

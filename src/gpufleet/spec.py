@@ -91,6 +91,13 @@ class ServeSpec:
             return f"{self.port}:{self.port}"
         return f"{f'[{address}]' if ':' in address else address}:{self.port}:{self.port}"
 
+    @property
+    def reach_address(self) -> str:
+        """Where the host itself reaches the published port: the loopback, unless the port is published on one
+        address only (vllm_publish_address), where nothing answers on the loopback."""
+        address = self.publish_address
+        return "127.0.0.1" if address in (None, "0.0.0.0", "::") else address
+
     # --- what the server will report ----------------------------------------------------------------------
     def arg(self, name: str) -> ArgValue | None:
         return dict(self.vllm_args).get(name)

@@ -3,6 +3,8 @@ render` shows, `gpufleet verify` passes over SSH, and a second converge changes 
 
 The host's only profile-related setting is vllm_profile: GPUs, model directory, service name and cache dir all
 come from the profile (the sandbox's host data points vllm_model_repo at its stand-in repo, as for every test host).
+Last, the same host with its port published on the host's own address only (vllm_publish_address): converged,
+verified and a no-op again, the checks reaching it there.
 """
 
 from __future__ import annotations
@@ -70,3 +72,19 @@ def test_second_converge_changes_nothing(converged, pyinfra):
     _, inv, _ = converged
     out = deploy(pyinfra, inv).stdout
     assert changes(out) == 0, changed_ops(out)
+
+
+def test_a_port_published_on_the_hosts_own_address_is_checked_there(converged, fleet, pyinfra, tmp_path):
+    # docker then publishes on that address only: the deploy's checks (and verify's) dialled 127.0.0.1, got
+    # "connection refused" from a serving host, and waited out vllm_ready_timeout towards a rollback.
+    host, _, _ = converged
+    inv = write_inventory(tmp_path, fleet.write_inventory(), [host.name],
+                          {host.name: {"vllm_profile": PROFILE.name, "vllm_publish_address": host.ip,
+                                       "vllm_ready_timeout": 120}})
+    out = deploy(pyinfra, inv).stdout
+    assert "ready: /health 200" in out and "answer check stream: " in out, out[-3000:]
+    published = sh(fleet, host, "docker ps --format '{{.Ports}}'").strip()
+    assert published.startswith(f"{host.ip}:") and "0.0.0.0" not in published, published
+    result = gpufleet("verify", str(inv), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert changes(deploy(pyinfra, inv).stdout) == 0

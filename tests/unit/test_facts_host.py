@@ -727,3 +727,10 @@ def test_a_key_server_that_is_down_leaves_the_keys_none_and_the_rest_intact(tmp_
                                 docker_repo_url="http://127.0.0.1:9/linux")
     snap = _run(next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line))
     assert snap.nvidia_key is None and snap.docker_key is None and snap.images == [] and snap.health_code is None
+
+
+@pytest.mark.parametrize(("address", "url"), [("127.0.0.1", "http://127.0.0.1:5000/"), ("10.0.0.12", "http://10.0.0.12:5000/"),
+                                              ("fd00::12", "http://[fd00::12]:5000/")])
+def test_the_snapshot_asks_the_server_where_the_port_is_published(address, url):
+    command = snapshot_command(dataclasses.replace(PATHS, port=5000, address=address))
+    assert all(f"{url}{path}" in command for path in ("health", "v1/models", "metrics")), command

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import paramiko
@@ -159,3 +161,33 @@ def test_sshds_connect_failure_keeps_its_reason(reason, error):
     # must read as a reset (as it does without the tunnel), not as a refusal.
     with pytest.raises(error, match=r"^lo: 127\.0\.0\.1:8000 "):
         SshTransport(_RefusingTunnels(reason), name="lo").http(8000, timeout=1)
+
+
+def test_a_server_published_on_one_address_is_checked_there_through_the_tunnel(sshd):
+    # docker -p 10.0.0.12:5000:5000 leaves nothing on 127.0.0.1:5000: through sshd, the checks dial the address the
+    # spec publishes on (127.0.0.2 here: the whole 127/8 is this machine's loopback).
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.2", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = sshd.client()
+    try:
+        transport = SshTransport(client, name="lo")
+        port = server.server_address[1]
+        conn = transport.http(port, 5, address="127.0.0.2")
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+        with pytest.raises(ConnectionRefusedError, match=rf"^lo: 127\.0\.0\.1:{port} refused"):
+            transport.http(port, 5)
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()

@@ -138,6 +138,13 @@ def test_publish_address_renders_dockers_p_value(address, publish):
     assert argv[argv.index("-p") + 1] == publish
 
 
+@pytest.mark.parametrize(("address", "reach"), [(None, "127.0.0.1"), ("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"),
+                                               ("127.0.0.1", "127.0.0.1"), ("10.0.0.12", "10.0.0.12"), ("::1", "::1")])
+def test_the_host_reaches_a_port_published_on_one_address_there(address, reach):
+    # Published on one host address, nothing answers on the loopback: the checks must dial that address.
+    assert build_spec("a", {"vllm_publish_address": address}).reach_address == reach
+
+
 def test_publish_address_unset_keeps_the_hash_so_upgrading_restarts_nothing():
     unset = build_spec("a", {})
     assert build_spec("a", {"vllm_publish_address": None}).spec_hash == unset.spec_hash

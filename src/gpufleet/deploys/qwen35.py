@@ -62,6 +62,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
         nvidia_key_url=nvidia.key_url(s["nvidia_repo_url"]), nvidia_version_file=nvidia.VERSION_FILE,
         docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
         nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s["gpufleet_refresh_keys"]),
+        address=spec.reach_address,
     )
     return Plan(spec, s, layout, paths)
 

@@ -315,7 +315,9 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
             host.log_styled(f"could not remove {', '.join(left)}: {' | '.join(output.stderr_lines[-3:])}",
                             fg="yellow")
     # Held to what it served before this run, on its own port: not to the new settings' identity.
-    previous = Expected(service=service, port=committed.port or spec.port, served_model_name=v.served_before)
+    # Reached where this run's spec publishes (the ledger keeps the committed version's port, not its address).
+    previous = Expected(service=service, port=committed.port or spec.port, served_model_name=v.served_before,
+                        address=spec.reach_address)
     again = poll_ready(v.check_once(host, previous), v.timeout_s, exited=service_exited(host, service))
     if not again.ready:
         return fail(host, f"{host.name}: {failed}; rolled back to {committed.ref}, which is not ready either "

@@ -22,6 +22,7 @@ bad host gives one preflight line instead of holding up the fleet.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import posixpath
 import re
@@ -84,6 +85,7 @@ class Paths:
     # it again while it names the driver the GPU query reports. None: always ask nvidia-smi.
     nvidia_version_file: str | None = None
     refresh_keys: bool = False  # gpufleet_refresh_keys: fetch both keys even where installed (a rotated key)
+    address: str = "127.0.0.1"  # where the host reaches the port (ServeSpec.reach_address)
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,9 @@ def snapshot_command(paths: Paths) -> str:
                 f"< {file}")
 
     port = int(paths.port)  # an int, never text, in the curl URLs below
+    # An IP address (settings refuse anything else), bracketed for curl when it is IPv6.
+    ip = ipaddress.ip_address(paths.address)
+    address = f"[{ip}]" if ip.version == 6 else str(ip)
     dirs = " ".join(q(d) for d in paths.dirs)
     files = " ".join(q(f) for f in paths.files)
     model_dir = q(paths.model_dir)
@@ -332,9 +337,9 @@ def snapshot_command(paths: Paths) -> str:
         f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
         "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
         f"({keys}curl \"$@\" {docker_gets}"
-        f"--next -s --max-time 3 -o /dev/null -w '%{{http_code}}\\n' http://127.0.0.1:{port}/health "
-        f"--next -s --max-time 3 -H @- http://127.0.0.1:{port}/v1/models -w {next_mark('cache_config')} "
-        f"--next -s --max-time 3 http://127.0.0.1:{port}/metrics) 2>/dev/null | "
+        f"--next -s --max-time 3 -o /dev/null -w '%{{http_code}}\\n' http://{address}:{port}/health "
+        f"--next -s --max-time 3 -H @- http://{address}:{port}/v1/models -w {next_mark('cache_config')} "
+        f"--next -s --max-time 3 http://{address}:{port}/metrics) 2>/dev/null | "
         f"awk '$0 == \"{MARK}cache_config\" {{ c = 1; print; next }} !c || index($0, \"{CACHE_CONFIG}{{\") == 1'; fi",
         section("end"),
     ]

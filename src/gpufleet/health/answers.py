@@ -100,7 +100,8 @@ def _run(name: str, fn: Any, transport: Transport, expected: Expected, api_key: 
 
 
 def _completion(transport: Transport, expected: Expected, api_key: str | None, timeout_s: float) -> str:
-    answer = fetch(transport, expected.port, PATH, timeout_s, api_key, json_body=request_body(expected))
+    answer = fetch(transport, expected.port, PATH, timeout_s, api_key, json_body=request_body(expected),
+                   address=expected.address)
     if answer.status != 200:
         raise _Wrong(f"POST {PATH} answered {answer.status}: {excerpt(answer.text)}")
     try:
@@ -129,7 +130,8 @@ def _completion(transport: Transport, expected: Expected, api_key: str | None, t
 
 def _stream(transport: Transport, expected: Expected, api_key: str | None, timeout_s: float) -> str:
     # stream_chat raises BrokenAnswer for a chunk that does not parse, HttpStatusError for another status than 200.
-    got = stream_chat(transport, expected.port, request_body(expected), api_key=api_key, timeout=timeout_s)
+    got = stream_chat(transport, expected.port, request_body(expected), api_key=api_key, timeout=timeout_s,
+                      address=expected.address)
     if not got.chunks:
         raise _Wrong(f"POST {PATH} (stream) sent no chunk with a choice")
     finish = _finish_reason(got.finish_reason)

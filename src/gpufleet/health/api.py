@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufleet.health.transport import (
+    LOOPBACK,
     MAX_BODY_BYTES,
     AnswerTooLarge,
     BadAnswer,
@@ -124,11 +125,12 @@ def fetch(
     api_key: str | None = None,
     max_body: int = MAX_BODY_BYTES,
     json_body: dict[str, Any] | None = None,
+    address: str = LOOPBACK,
 ) -> Answer:
-    """GET path (POST json_body to it, when given) within `timeout` seconds overall; a body over max_body bytes is
-    AnswerTooLarge, never read whole."""
+    """GET path (POST json_body to it, when given) within `timeout` seconds overall, at address:port on the host; a
+    body over max_body bytes is AnswerTooLarge, never read whole."""
     method = "GET" if json_body is None else "POST"
-    conn = transport.http(port, timeout)
+    conn = transport.http(port, timeout, address=address)
     resp = None
     try:
         with _translated(f"{method} {path}", conn):
@@ -151,10 +153,11 @@ def fetch(
 
 
 def get(
-    transport: Transport, port: int, path: str, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None
+    transport: Transport, port: int, path: str, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None,
+    address: str = LOOPBACK,
 ) -> tuple[int, str]:
     """(status, body) of fetch()."""
-    answer = fetch(transport, port, path, timeout, api_key)
+    answer = fetch(transport, port, path, timeout, api_key, address=address)
     return answer.status, answer.text
 
 
@@ -179,12 +182,13 @@ def stream_chat(
     body: dict[str, Any],
     api_key: str | None = None,
     timeout: float = 120.0,
+    address: str = LOOPBACK,
 ) -> Completion:
     """POST /v1/chat/completions with stream=True and usage in the final chunk, within `timeout` overall."""
     path = "/v1/chat/completions"
     payload = body | {"stream": True, "stream_options": {"include_usage": True}}
     headers = {"Content-Type": "application/json", **_headers(api_key)}
-    conn = transport.http(port, timeout)
+    conn = transport.http(port, timeout, address=address)
     try:
         with _translated(f"POST {path}", conn):
             start = time.monotonic()

@@ -17,6 +17,7 @@ from typing import Any
 from gpufleet.health.api import DEFAULT_TIMEOUT_S, Answer, NotHttp, excerpt, fetch
 from gpufleet.health.metrics import KV_USAGE, RUNNING, WAITING, Metrics, parse_metrics
 from gpufleet.health.transport import (
+    LOOPBACK,
     AnswerTooLarge,
     BadAnswer,
     ContainerInfo,
@@ -57,6 +58,7 @@ class Expected:
     # inventory); None: not compared (the deploy's own waits, and its rollback to an older unit, compare identity
     # only).
     spec_hash: str | None = None
+    address: str = LOOPBACK  # where the host reaches the port (ServeSpec.reach_address)
 
     @classmethod
     def from_spec(cls, spec: ServeSpec) -> Expected:
@@ -70,6 +72,7 @@ class Expected:
             served_model_name=spec.served_model_name,
             max_model_len=spec.max_model_len,
             cache_config=cache,
+            address=spec.reach_address,
         )
 
 
@@ -240,7 +243,7 @@ def _check_http(
     transport: Transport, expected: Expected, report: HealthReport, api_key: str | None, timeout_s: float
 ) -> HealthReport:
     def fetch_(path: str, key: str | None = None) -> Answer:
-        return fetch(transport, expected.port, path, timeout_s, api_key=key)
+        return fetch(transport, expected.port, path, timeout_s, api_key=key, address=expected.address)
 
     health = fetch_("/health")
     if health.status != 200:

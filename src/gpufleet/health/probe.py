@@ -416,6 +416,7 @@ class _Run:
     def __init__(self, transport: Transport, expected: Expected, api_key: str | None, timeout_s: float, run_id: str,
                  budget_s: float):
         self.transport, self.port, self.model = transport, expected.port, expected.served_model_name
+        self.address = expected.address
         self.api_key, self.timeout_s, self.run_id, self.budget_s = api_key, timeout_s, run_id, budget_s
         self.limit = (expected.max_model_len or 1 << 30) - 2 * REPLY_TOKENS - 64  # room for the turns' growth
         self.started = time.monotonic()
@@ -428,10 +429,11 @@ class _Run:
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Completion:
         self.requests += 1
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
-        return stream_chat(self.transport, self.port, body, api_key=self.api_key, timeout=self.timeout_s)
+        return stream_chat(self.transport, self.port, body, api_key=self.api_key, timeout=self.timeout_s,
+                           address=self.address)
 
     def metrics(self) -> Metrics:
-        return _metrics(self.transport, self.port)
+        return _metrics(self.transport, self.port, self.address)
 
     def calibrate(self) -> None:
         """Two requests: they warm the server up (the first request after a start is ~4x slower) and give tokens
@@ -548,8 +550,8 @@ def _warn_if_busy(before: Metrics, warnings: list[str]) -> None:
         warnings.append("other requests were in flight: /metrics deltas are not attributable")
 
 
-def _metrics(transport: Transport, port: int) -> Metrics:
-    status, body = get(transport, port, "/metrics")
+def _metrics(transport: Transport, port: int, address: str) -> Metrics:
+    status, body = get(transport, port, "/metrics", address=address)
     if status != 200:
         raise ValueError(f"{transport.name}: /metrics answered {status}")
     return parse_metrics(body)

@@ -67,11 +67,17 @@ class ContainerInfo:
         return source.split(":", 1)[-1][:12] if source else None
 
 
+# Where the checks reach a server on its host: the loopback, unless the service is published on one host address
+# only (ServeSpec.reach_address), where nothing answers on the loopback.
+LOOPBACK = "127.0.0.1"
+
+
 class Transport(Protocol):
     name: str
 
-    def http(self, port: int, timeout: float, max_bytes: int = MAX_ANSWER_BYTES) -> DeadlineHTTPConnection:
-        """A connected, single-use HTTP connection to 127.0.0.1:port on the host.
+    def http(self, port: int, timeout: float, max_bytes: int = MAX_ANSWER_BYTES,
+             address: str = LOOPBACK) -> DeadlineHTTPConnection:  # fmt: skip
+        """A connected, single-use HTTP connection to address:port on the host (the loopback by default).
 
         timeout: one deadline, from this call, for connecting and for the whole answer. max_bytes: what the
         answer may total (status line, headers, body). Raises ConnectionRefusedError when nothing listens there,
@@ -263,18 +269,19 @@ class SshTransport:
             raise Unreachable(f"{self.name}: SSH connection is not open")
         return t
 
-    def http(self, port: int, timeout: float, max_bytes: int = MAX_ANSWER_BYTES) -> DeadlineHTTPConnection:
+    def http(self, port: int, timeout: float, max_bytes: int = MAX_ANSWER_BYTES,
+             address: str = LOOPBACK) -> DeadlineHTTPConnection:  # fmt: skip
         deadline = time.monotonic() + timeout
         try:
-            chan = self._transport().open_channel("direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0), timeout=timeout)
+            chan = self._transport().open_channel("direct-tcpip", (address, port), (LOOPBACK, 0), timeout=timeout)
         except paramiko.ChannelException as e:
-            # sshd answers "Connect failed" (code 2) when its own connect() to 127.0.0.1:port fails, with the
+            # sshd answers "Connect failed" (code 2) when its own connect() to address:port fails, with the
             # reason as text: refused, or reset (a listener that accepted and dropped it at once, as a proxy in
             # front of a server still loading may: the same as a reset seen without the tunnel).
             if e.code == paramiko.common.OPEN_FAILED_CONNECT_FAILED:
                 if "reset" in (e.text or "").lower():
-                    raise ConnectionResetError(f"{self.name}: 127.0.0.1:{port} reset the connection") from e
-                raise ConnectionRefusedError(f"{self.name}: 127.0.0.1:{port} refused the connection") from e
+                    raise ConnectionResetError(f"{self.name}: {address}:{port} reset the connection") from e
+                raise ConnectionRefusedError(f"{self.name}: {address}:{port} refused the connection") from e
             raise TransportError(f"{self.name}: sshd refused the tunnel to port {port}: {e.text}") from e
         except (paramiko.SSHException, OSError, EOFError) as e:
             if time.monotonic() >= deadline:  # paramiko says "Unable to open channel." for its own timeout

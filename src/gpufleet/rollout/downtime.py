@@ -10,15 +10,15 @@ from collections.abc import Callable
 import gevent
 
 from gpufleet.health.api import get
-from gpufleet.health.transport import Transport
+from gpufleet.health.transport import LOOPBACK, Transport
 
 POLL_S = 0.25
 REQUEST_TIMEOUT_S = 2.0
 
 
-def healthy(transport: Transport, port: int) -> bool:
+def healthy(transport: Transport, port: int, address: str = LOOPBACK) -> bool:
     try:
-        return get(transport, port, "/health", timeout=REQUEST_TIMEOUT_S)[0] == 200
+        return get(transport, port, "/health", timeout=REQUEST_TIMEOUT_S, address=address)[0] == 200
     except Exception:  # refused, reset, timed out, not HTTP: all "not serving" for this measure
         return False
 
@@ -28,15 +28,16 @@ class DowntimeWatch:
     watch could not look at all)."""
 
     def __init__(self, transport: Transport, port: int, poll_s: float = POLL_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, address: str = LOOPBACK):
         self.transport, self.port, self.poll_s, self.clock = transport, port, poll_s, clock
+        self.address = address
         self.down_s = 0.0
         self.looks = 0
         self._down_since: float | None = None
         self._greenlet: gevent.Greenlet[[], None] | None = None
 
     def _look(self) -> None:
-        up = healthy(self.transport, self.port)
+        up = healthy(self.transport, self.port, self.address)
         now = self.clock()
         self.looks += 1
         if not up and self._down_since is None:

@@ -13,7 +13,7 @@ import gevent
 
 from gpufleet.health.api import get
 from gpufleet.health.metrics import RUNNING, parse_metrics
-from gpufleet.health.transport import Transport
+from gpufleet.health.transport import LOOPBACK, Transport
 
 POLL_S = 0.5
 REQUEST_TIMEOUT_S = 5.0
@@ -32,11 +32,11 @@ class Drained:
         return f"{self.running} request(s) still running after {self.waited_s:.0f} s (left to vLLM's shutdown)"
 
 
-def running_requests(transport: Transport, port: int) -> int | None:
+def running_requests(transport: Transport, port: int, address: str = LOOPBACK) -> int | None:
     """vllm:num_requests_running now; None when /metrics does not answer with it (a server that is down or
     starting runs nothing a restart could cut)."""
     try:
-        status, body = get(transport, port, "/metrics", timeout=REQUEST_TIMEOUT_S)
+        status, body = get(transport, port, "/metrics", timeout=REQUEST_TIMEOUT_S, address=address)
         value = parse_metrics(body).get(RUNNING) if status == 200 else None
     except Exception:  # refused, reset, not Prometheus text: "nothing to wait for", never a crash of the rollout
         return None
@@ -44,10 +44,11 @@ def running_requests(transport: Transport, port: int) -> int | None:
 
 
 def drain(transport: Transport, port: int, timeout_s: float, poll_s: float = POLL_S,
-          on_wait: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic) -> Drained:
+          on_wait: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
+          address: str = LOOPBACK) -> Drained:
     start = clock()
     while True:
-        running = running_requests(transport, port)
+        running = running_requests(transport, port, address)
         waited = clock() - start
         if not running:
             return Drained(True, waited, running)

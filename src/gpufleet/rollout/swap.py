@@ -137,7 +137,8 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
                 role: str) -> dict[str, HostOutcome]:
     def drain_one(host: FleetHost, transport: SshTransport) -> Drained:
         return drain(transport, host.spec.port, options.drain_timeout_s,
-                     on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"))
+                     on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"),
+                     address=host.spec.reach_address)
 
     for h in group:
         progress.phase(h, f"{role}: draining")
@@ -145,7 +146,7 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
     watches: dict[str, DowntimeWatch] = {}
     for h in group:
         try:
-            watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port).start()
+            watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port, address=hosts[h].spec.reach_address).start()
         except TransportError:  # no session to watch through: the downtime is reported as not measured
             pass
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
