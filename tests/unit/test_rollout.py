@@ -20,12 +20,13 @@ from gpufleet import ledger
 from gpufleet.cli import main
 from gpufleet.cli.rollout import ledger_rows
 from gpufleet.errors import GpufleetError
+from gpufleet.rollout import deploy as rollout_deploy
 from gpufleet.rollout.deploy import DeployRun, settings_args
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
 from gpufleet.rollout.fleet import FleetHost
 from gpufleet.rollout.ledgers import PRESENT, parse_read
-from gpufleet.rollout.prepare import failures
+from gpufleet.rollout.prepare import failures, prepare
 from gpufleet.rollout.report import HostOutcome, Outcome, document, succeeded
 from gpufleet.rollout.run import previous_targets
 from gpufleet.rollout.swap import SwapOptions, batches, judge
@@ -328,3 +329,21 @@ def test_a_replica_a_router_cannot_address_is_refused_when_there_is_a_router():
 
     with pytest.raises(SettingError, match=r"h1: vllm_publish_address: 127\.0\.0\.1 keeps vLLM off the network"):
         Routers.connect([("r1", {})], [("h1", {"vllm_publish_address": "127.0.0.1"})])
+
+
+def test_a_deploy_run_past_its_time_limit_is_ended_by_its_pid_and_fails_its_hosts(tmp_path, monkeypatch):
+    # A hung prepare (a stalled pull, a host that stopped answering) held every host's lock for as long as it hung.
+    pid_file = tmp_path / "pid"
+    hung = tmp_path / "pyinfra"
+    hung.write_text(f"#!/bin/sh\necho $$ > {pid_file}\necho '--> Preparing operations...'\nexec sleep 600\n")
+    hung.chmod(0o755)
+    monkeypatch.setattr(rollout_deploy, "pyinfra_command", lambda: str(hung))
+    started = time.monotonic()
+    run, failures = prepare("inv.py", ["gpu1", "gpu2"], "repo@sha256:" + "a" * 64, tmp_path / "deploy.py",
+                            log=tmp_path / "log", timeout_s=1)
+    assert time.monotonic() - started < 10
+    assert run.returncode == 124 and "Preparing operations" in run.output
+    pid = int(pid_file.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert set(failures) == {"gpu1", "gpu2"}
+    assert all("passed its time limit of 1 s and was ended" in why for why in failures.values()), failures

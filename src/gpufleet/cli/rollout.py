@@ -22,7 +22,7 @@ from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.report import document, short, succeeded, table
 from gpufleet.rollout.run import Result, history, roll_back, roll_out
-from gpufleet.rollout.swap import SwapOptions
+from gpufleet.rollout.swap import STAGE_TIMEOUT_S, SwapOptions
 
 
 def _console() -> Console:
@@ -63,6 +63,9 @@ def _common(fn: Any) -> Any:
         click.option("--drain-timeout", type=click.FloatRange(min=0), default=120.0, show_default=True,
                      help="Seconds to wait for a host's running requests to finish before its restart."),
         click.option("--retry-failed", is_flag=True, help="Install a digest a host's ledger marks failed, on purpose."),
+        click.option("--stage-timeout", type=click.FloatRange(min=1), default=STAGE_TIMEOUT_S, show_default=True,
+                     help="Seconds one deploy run (a prepare, a batch's swap) may take; past it the run is ended "
+                          "and its hosts' locks freed."),
         click.option("--yes", "-y", is_flag=True, help="Do not ask before swapping."),
         click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout (progress stays on stderr)."),
         click.option("--deploy", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -83,11 +86,12 @@ def _common(fn: Any) -> Any:
               help="Hosts swapped at once: the most out of service at any moment, the canary included.")
 @_common
 def rollout(inventory: str, image: str | None, canary: int, batch: int, probe: bool, drain_timeout: float,
-            retry_failed: bool, yes: bool, as_json: bool, deploy: str | None, log: str | None) -> None:
+            retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool, deploy: str | None,
+            log: str | None) -> None:
     """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate."""
     try:
         options = _options(deploy, log, canary=canary, batch=batch, probe=probe, retry_failed=retry_failed,
-                           drain_timeout_s=drain_timeout)
+                           drain_timeout_s=drain_timeout, stage_timeout_s=stage_timeout)
         result = roll_out(inventory, image, options, _confirm(yes), Progress)
     except GpufleetError as e:
         raise click.ClickException(str(e)) from None
@@ -100,10 +104,12 @@ def rollout(inventory: str, image: str | None, canary: int, batch: int, probe: b
 @click.option("--to", default=None, help="repo@sha256:<digest> to go to (default: the previous committed digest).")
 @_common
 def rollback(inventory: str, host: str | None, to: str | None, probe: bool, drain_timeout: float,
-             retry_failed: bool, yes: bool, as_json: bool, deploy: str | None, log: str | None) -> None:
+             retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool, deploy: str | None,
+             log: str | None) -> None:
     """Return hosts to their previous committed digest (or --to), gated like a rollout."""
     try:
-        options = _options(deploy, log, probe=probe, retry_failed=retry_failed, drain_timeout_s=drain_timeout)
+        options = _options(deploy, log, probe=probe, retry_failed=retry_failed, drain_timeout_s=drain_timeout,
+                           stage_timeout_s=stage_timeout)
         result = roll_back(inventory, host, to, options, _confirm(yes), Progress)
     except GpufleetError as e:
         raise click.ClickException(str(e)) from None

@@ -95,8 +95,12 @@ def run_deploy(inventory: str, hosts: Sequence[str], settings: Mapping[str, obje
                               timeout=timeout_s, preexec_fn=_die_with_parent)
         rc, output = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as e:
+        # subprocess.run has killed the run by its PID: its SSH sessions closed, so each host's lock went with them.
         raw = e.stdout or ""
         rc, output = 124, (raw.decode(errors="replace") if isinstance(raw, bytes) else raw)
+        output += "".join(f"\n{host}: failed: the deploy run passed its time limit of {timeout_s:g} s and was ended, "
+                          "releasing the host's lock (fix: see why in the log; --stage-timeout raises the limit)"
+                          for host in hosts) + "\n"
     output = _ANSI.sub("", output)
     if rc == 0 and NO_MATCH in output:
         # pyinfra exits 0 having run nothing: never read as "prepared" or "swapped".

@@ -15,9 +15,11 @@ STAGE = "gpufleet_stage"
 
 
 def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: Path,
-            log: Path | None = None) -> tuple[DeployRun, dict[str, str]]:
-    """(the run, host -> why it failed to prepare); an empty dict when every host is prepared."""
-    run = run_deploy(inventory, hosts, {IMAGE_REF: target_ref, STAGE: "prepare"}, deploy_file, log=log)
+            log: Path | None = None, timeout_s: float | None = None) -> tuple[DeployRun, dict[str, str]]:
+    """(the run, host -> why it failed to prepare); an empty dict when every host is prepared. A run past timeout_s
+    is ended by its PID (its hosts' locks go with its SSH sessions) and fails every host it ran on."""
+    run = run_deploy(inventory, hosts, {IMAGE_REF: target_ref, STAGE: "prepare"}, deploy_file, log=log,
+                     timeout_s=timeout_s)
     return run, failures(run)
 
 

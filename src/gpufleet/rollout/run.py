@@ -4,7 +4,7 @@ roll_back (each host to its previous committed digest, or one given) and history
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.inventory import load_roles
@@ -87,7 +87,8 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
         group = [h for h in order if targets[h] == target]
         for h in group:
             progress.phase(h, f"preparing {short(target)} (pull, model, flag check)")
-        _, failures = prepare(inventory, group, target, options.deploy_file, log=options.log)
+        _, failures = prepare(inventory, group, target, options.deploy_file, log=options.log,
+                              timeout_s=options.stage_timeout_s)
         prepared.update(failures)
         if failures:
             break
@@ -147,9 +148,7 @@ def roll_back(inventory: str, host: str | None, to: str | None, options: SwapOpt
         if bad:
             raise GpufleetError("; ".join(e for e in bad if e))
         targets = previous_targets(ledgers, to)
-        rollback = SwapOptions(options.deploy_file, canary=0, batch=1, probe=options.probe,
-                               retry_failed=options.retry_failed, drain_timeout_s=options.drain_timeout_s,
-                               log=options.log)
+        rollback = replace(options, canary=0, batch=1)
         what = to or "each host's previous committed digest"
         return _converge(inventory, hosts, sessions, targets, what, rollback, confirm, progress)
 

@@ -30,6 +30,7 @@ RETRY_FAILED = "gpufleet_retry_failed"
 # Each swapped host's committed digest as the rollout read it: the deploy refuses a host whose ledger now says
 # otherwise (another run changed it between this rollout's read and its swap), under the host's lock.
 EXPECT_COMMITTED = "gpufleet_expect_committed"
+STAGE_TIMEOUT_S = 4 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class SwapOptions:
     retry_failed: bool = False
     drain_timeout_s: float = 120.0
     log: Path | None = None
+    # The most one deploy run (a prepare, a batch's swap) may take before it is ended by its PID: a hung pull or a
+    # stalled host must not hold every host's lock forever. Long enough for a 28 GB pull on a home line.
+    stage_timeout_s: float = STAGE_TIMEOUT_S
 
     def settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None) -> dict[str, object]:
         """The deploy run's --data; committed: host -> the digest the rollout read as committed there."""
@@ -151,7 +155,8 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
             pass
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
     committed = {h: before[h].committed_ref for h in group if before[h].error is None}
-    run = run_deploy(inventory, group, options.settings(target, committed), options.deploy_file, log=options.log)
+    run = run_deploy(inventory, group, options.settings(target, committed), options.deploy_file, log=options.log,
+                     timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, group)
     result = {}
