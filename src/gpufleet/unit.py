@@ -59,12 +59,17 @@ def _environment() -> jinja2.Environment:
     return environment
 
 
+def render_template(name: str, **context: object) -> str:
+    """templates/<name> rendered with context (undefined names are errors)."""
+    return _environment().get_template(name).render(**context)
+
+
 def render_unit(spec: ServeSpec, image_ref: str | None = None) -> str:
     """The unit text for spec, running image_ref (the pinned digest at deploy time; the spec's image if None)."""
     image_ref = image_ref or spec.image
     docker_stop_s, timeout_stop_s = stop_timeouts(spec)
-    return _environment().get_template("vllm.service.j2").render(
-        spec=spec, image_ref=image_ref, env_file=env_file_path(spec.service),
+    return render_template(
+        "vllm.service.j2", spec=spec, image_ref=image_ref, env_file=env_file_path(spec.service),
         exec_start=systemd_exec(spec.docker_run_argv(image=image_ref, docker=DOCKER)),
         docker_stop_s=docker_stop_s, timeout_stop_s=timeout_stop_s, start_timeout_s=START_TIMEOUT_S,
     )

@@ -153,6 +153,35 @@ def test_requests_through_the_router_succeed(rfleet, inventory):
     assert sum(served_prompt_tokens(rfleet, h) for h in replicas(rfleet)) > before
 
 
+def test_clients_reach_the_client_api_only_and_the_router_runs_unprivileged(rfleet, inventory):
+    # vllm-router serves its worker management API on the port it listens on, without authentication: from the LAN
+    # anyone could empty its worker set or add a worker of their own and receive every client's prompts and key.
+    router, neighbour = router_host(rfleet), replicas(rfleet)[0]
+    base = f"http://{router.ip}:{ROUTER_PORT}"
+
+    def from_neighbour(method: str, url: str) -> str:
+        return rfleet.run_in(neighbour, f"curl -s --path-as-is -o /dev/null -w '%{{http_code}}' -X {method} --max-time 10 "
+                                        f"'{url}'", check=False).stdout.strip()
+
+    workers = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
+    listed = "curl -fsS --max-time 5 http://127.0.0.1:28000/list_workers"
+    assert sorted(json.loads(rfleet.run_in(router, listed).stdout)["urls"]) == workers
+    for method, path in [("POST", f"/remove_worker?url={workers[0]}"), ("POST", "/add_worker?url=http://10.213.7.99:5000"),
+                         ("GET", "/list_workers"), ("GET", "/workers"), ("GET", "/metrics"),
+                         ("POST", f"/v1/../remove_worker?url={workers[1]}"),
+                         ("POST", f"/v1/%2e%2e/remove_worker?url={workers[1]}")]:
+        assert from_neighbour(method, base + path) == "404", (method, path)
+    # The router's own port is on its loopback: nothing answers there from the LAN.
+    assert from_neighbour("GET", f"http://{router.ip}:28000/list_workers") == "000"
+    # Nothing changed, and clients still get their API.
+    assert sorted(json.loads(rfleet.run_in(router, listed).stdout)["urls"]) == workers
+    assert from_neighbour("GET", base + "/health") == "200" and from_neighbour("GET", base + "/v1/models") == "200"
+    assert chat(base, served_model(base), "through the front door") == 200
+    # The router process: a user systemd made for it, not root.
+    user = rfleet.run_in(router, "ps -o user= -p $(systemctl show -p MainPID --value vllm-router.service)").stdout
+    assert user.strip() not in ("", "root"), user
+
+
 def test_consistent_hash_spreads_sessions_over_every_replica(rfleet, inventory, pyinfra):
     # A policy change rewrites the unit and restarts the router (and only the router).
     proc = run(pyinfra, inventory, ROUTER, "--data", "router_policy=consistent_hash")

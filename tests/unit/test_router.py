@@ -16,7 +16,7 @@ from gpufleet.router import facts, status
 from gpufleet.router.api import Router, parse_metrics
 from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, replicas, worker_url
 from gpufleet.router.spec import RouterSpec
-from gpufleet.router.unit import render_unit
+from gpufleet.router.unit import render_proxy, render_unit
 from gpufleet.sandbox.router_index import project_name, write_simple_index
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "router"
@@ -104,7 +104,8 @@ def test_argv_names_policy_port_metrics_and_workers():
     argv = spec(router_policy="consistent_hash").argv()
     assert argv[0] == "/opt/vllm-router/bin/vllm-router"
     joined = " ".join(argv)
-    for part in ("--policy consistent_hash", "--port 8000", "--host 0.0.0.0", "--prometheus-host 127.0.0.1",
+    # vllm-router itself listens on the loopback only: its worker management API shares its port.
+    for part in ("--policy consistent_hash", "--port 28000", "--host 127.0.0.1", "--prometheus-host 127.0.0.1",
                  "--prometheus-port 29000", "--worker-urls http://10.0.0.11:5000 http://10.0.0.12:5000"):
         assert part in joined
 
@@ -142,9 +143,54 @@ def test_spec_hash_follows_what_runs():
     assert spec().spec_hash != build_router_spec("router1", {}, WORKERS[:1]).spec_hash
 
 
-def test_control_url_is_loopback_when_listening_everywhere():
-    assert spec().control_url == "http://127.0.0.1:8000"
-    assert spec(router_address="10.0.0.5").control_url == "http://10.0.0.5:8000"
+def test_the_router_is_controlled_on_its_loopback_port_and_clients_use_the_front_door():
+    assert spec().control_url == "http://127.0.0.1:28000"
+    assert spec(router_address="10.0.0.5").control_url == "http://127.0.0.1:28000"
+    assert spec(router_internal_port=18000).control_url == "http://127.0.0.1:18000"
+    assert spec().client_url == "http://127.0.0.1:8000"
+    assert spec(router_address="10.0.0.5").client_url == "http://10.0.0.5:8000"
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    ({"router_internal_port": 8000}, "router_internal_port: is the same as router_port or router_metrics_port"),
+    ({"router_internal_port": 29000}, "router_internal_port: is the same as router_port or router_metrics_port"),
+    ({"router_internal_port": 70000}, "router_internal_port: 70000 is not a TCP port"),
+])  # fmt: skip
+def test_the_internal_port_is_a_port_of_its_own(data, problem):
+    with pytest.raises(SettingErrors, match=re.escape(problem)):
+        spec(**data)
+
+
+def test_the_front_door_passes_on_the_client_api_only():
+    site = render_proxy(spec())
+    assert re.search(r"^\s*listen 8000;$", site, re.M)
+    locations = dict(re.findall(r"location ([^{]+?) \{\s*(.*?)\s*\}", site, re.S))
+    assert locations == {"/v1/": "proxy_pass http://127.0.0.1:28000/v1/;",
+                         "= /health": "proxy_pass http://127.0.0.1:28000/health;",
+                         "/": "return 404;"}
+    assert "listen 10.0.0.5:8000;" in render_proxy(spec(router_address="10.0.0.5"))
+    assert "listen [fd00::5]:8000;" in render_proxy(spec(router_address="fd00::5"))
+
+
+def test_the_front_door_site_is_one_nginx_accepts(tmp_path):
+    import shutil
+
+    if not shutil.which("nginx"):
+        pytest.skip("no nginx on this machine (the integration tier runs it on the router hosts)")
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(f"pid {tmp_path}/nginx.pid; error_log stderr; events {{}} http {{ access_log off; "
+                    f"{render_proxy(spec(router_port=18080))} }}")
+    proc = subprocess.run(["nginx", "-t", "-q", "-c", str(conf), "-p", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_router_runs_unprivileged_and_sandboxed():
+    unit = render_unit(spec())
+    settings = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
+    for key, value in {"DynamicUser": "yes", "NoNewPrivileges": "yes", "ProtectSystem": "strict",
+                       "ProtectHome": "yes", "PrivateTmp": "yes", "CapabilityBoundingSet": ""}.items():
+        assert settings.get(key) == value, key
+    assert "User" not in settings  # no fixed account: systemd makes one for each start
 
 
 # --- the host fact ---------------------------------------------------------------------------------------------------

@@ -5,9 +5,10 @@
 Before anything changes: every replica is checked as `gpufleet verify` checks it (in parallel, over SSH, once per
 run); the ready ones are the workers, the others are left out with one line each; no ready replica refuses the
 run. Each ready worker must answer /health from the router host itself (the path the router uses), else the run
-is refused naming it. Then, per router host: python3-venv, the venv and the pinned package, the unit, running
-(restarted only when its unit or package changed), ready, and a router that kept running put in step with the
-worker set through its own worker API.
+is refused naming it. Then, per router host: python3-venv, the venv and the pinned package, the unit (vllm-router
+unprivileged and sandboxed, on the loopback), running (restarted only when its unit or package changed), ready, a
+router that kept running put in step with the worker set through its own worker API, and nginx on the client port
+passing on the client API only (the worker management API stays on the loopback).
 """
 
 from __future__ import annotations
@@ -101,3 +102,5 @@ def deploy_router() -> None:
     operations.ready(name="Wait for vllm-router to answer /readiness", spec=spec, seen=seen,
                      timeout_s=int(router_settings(host.data.dict())["router_ready_timeout"]))
     operations.workers_in_step(name="Put the running router's worker set in step", spec=spec, seen=seen)
+    operations.front_door(name="Serve the client API (and nothing else) on the client port with nginx", spec=spec,
+                          seen=seen)

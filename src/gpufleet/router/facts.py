@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pyinfra.api import FactBase
 
 from gpufleet.router.spec import RouterSpec
-from gpufleet.router.unit import unit_path
+from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, unit_path
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,10 @@ class RouterHost:
     enabled: bool = False
     live_workers: tuple[str, ...] | None = None  # the running router's /list_workers; None when it does not answer
     reach: dict[str, str] = field(default_factory=dict)  # worker URL -> HTTP code of its /health from this host
+    nginx: bool = False  # Debian's nginx is installed
+    proxy_sha256: str | None = None  # of the front door's nginx site
+    default_site: bool = False  # Debian's default nginx site is enabled
+    nginx_active: bool = False
 
     @property
     def running(self) -> bool:
@@ -41,6 +45,10 @@ def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
         f"systemctl show {shlex.quote(spec.service + '.service')} -p ActiveState -p NeedDaemonReload -p UnitFileState "
         "2>/dev/null",
         f"echo workers=$(curl -sS --max-time 3 {shlex.quote(spec.control_url + '/list_workers')} 2>/dev/null | tr -d '\\n')",
+        "echo nginx=$(dpkg-query -W -f='${Status}' nginx 2>/dev/null | tr ' ' _)",
+        f"echo proxy_sha256=$(sha256sum {shlex.quote(proxy_path(spec.service))} 2>/dev/null | cut -d' ' -f1)",
+        f"test -e {NGINX_DEFAULT_SITE} && echo default_site=yes",
+        "echo nginx_active=$(systemctl is-active nginx 2>/dev/null)",
     ]
     for url in candidates:
         lines.append(f"echo reach {shlex.quote(url)} $(curl -s -o /dev/null -w '%{{http_code}}' --max-time 3 "
@@ -77,6 +85,10 @@ def parse(output: list[str]) -> RouterHost:
         enabled=values.get("UnitFileState") == "enabled",
         live_workers=live,
         reach=reach,
+        nginx=values.get("nginx") == "install_ok_installed",
+        proxy_sha256=values.get("proxy_sha256") or None,
+        default_site=values.get("default_site") == "yes",
+        nginx_active=values.get("nginx_active") == "active",
     )
 
 

@@ -15,7 +15,7 @@ from gpufleet.operations.files import AtomicUpload, as_io, sha256
 from gpufleet.operations.remote import Commands
 from gpufleet.router.facts import RouterHost
 from gpufleet.router.spec import RouterSpec
-from gpufleet.router.unit import render_unit, unit_path
+from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, render_proxy, render_unit, unit_path
 
 
 @operation()
@@ -74,6 +74,27 @@ def ready(spec: RouterSpec, seen: RouterHost, timeout_s: int) -> Commands:
         f"i=0; until curl -fsS --max-time 3 -o /dev/null {url}; do i=$((i+1)); "
         f"if [ $i -ge {timeout_s} ]; then echo 'the router did not answer /readiness within {timeout_s} s' >&2; "
         f"exit 1; fi; sleep 1; done"))
+
+
+@operation()
+def front_door(spec: RouterSpec, seen: RouterHost) -> Commands:
+    """nginx on the client port, passing on the client API only (the router itself listens on the loopback):
+    installed, its site written when it differs, Debian's default site disabled, checked, then reloaded."""
+    content = render_proxy(spec)
+    changed = seen.proxy_sha256 != sha256(content)
+    if seen.nginx and not changed and not seen.default_site and seen.nginx_active:
+        host.noop(f"nginx serves {spec.service}'s client API on port {spec.port}, and nothing else")
+        return
+    if not seen.nginx:
+        yield from apt.packages._inner(packages=["nginx"], update=True, no_recommends=True)
+    if changed:
+        yield AtomicUpload(as_io(content), proxy_path(spec.service), "644")
+    if seen.default_site or not seen.nginx:
+        yield StringCommand("rm", "-f", NGINX_DEFAULT_SITE)
+    # A site nginx refuses is not loaded: the running nginx keeps serving what it had.
+    yield StringCommand("nginx", "-t", "-q")
+    yield StringCommand("systemctl", "enable", "nginx")
+    yield StringCommand("systemctl", "reload-or-restart", "nginx")
 
 
 @operation()

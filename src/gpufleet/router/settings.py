@@ -19,10 +19,14 @@ from gpufleet.router.spec import RouterSpec
 from gpufleet.settings import control_character, merged_settings, shown
 
 DEFAULTS: dict[str, Any] = {
-    # Port the router listens on for clients (OpenAI API, same paths as vLLM).
+    # Port clients reach the router at (OpenAI API, same paths as vLLM): nginx listens there and passes on only the
+    # client API (/v1/*, /health); vllm-router's worker management API is never served on it.
     "router_port": 8000,
-    # Address it listens on: "0.0.0.0" = every interface. Its worker management API shares this port.
+    # Address clients reach it at: "0.0.0.0" = every interface.
     "router_address": "0.0.0.0",
+    # vllm-router's own port, on the router host's loopback only: nginx forwards clients to it, and gpufleet's own
+    # calls to its worker management API (/add_worker, /remove_worker, /list_workers) come over SSH.
+    "router_internal_port": 28000,
     # vllm-router policy: cache_aware (longest cached prefix, load-balanced fallback), consistent_hash (a session
     # header such as X-Session-ID), round_robin, power_of_two, random.
     "router_policy": "cache_aware",
@@ -81,11 +85,13 @@ def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence
     for key in _ROUTER_KEYS:
         if isinstance(s[key], str) and control_character(s[key]):
             fail(key, "holds a control character", "remove it")
-    for key in ("router_port", "router_metrics_port"):
+    for key in ("router_port", "router_internal_port", "router_metrics_port"):
         if not _port(s[key]):
             fail(key, f"{shown(s[key])} is not a TCP port", "use a number from 1 to 65535")
     if _port(s["router_port"]) and s["router_port"] == s["router_metrics_port"]:
         fail("router_metrics_port", "is the same as router_port", "use another port")
+    if _port(s["router_internal_port"]) and s["router_internal_port"] in (s["router_port"], s["router_metrics_port"]):
+        fail("router_internal_port", "is the same as router_port or router_metrics_port", "use another port")
     for key in ("router_health_check_interval_s", "router_worker_startup_timeout_s", "router_ready_timeout"):
         if not (isinstance(s[key], int) and not isinstance(s[key], bool) and s[key] > 0):
             fail(key, f"{shown(s[key])} is not a positive whole number of seconds", "use e.g. 10")
@@ -111,6 +117,7 @@ def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence
     return RouterSpec(
         host=host, service=s["router_service"], venv=venv.rstrip("/"), version=s["router_version"],
         index_url=s["router_index_url"], address=address, port=s["router_port"], metrics_port=s["router_metrics_port"],
+        internal_port=s["router_internal_port"],
         policy=s["router_policy"], workers=tuple(workers),
         health_check_interval_s=s["router_health_check_interval_s"],
         worker_startup_timeout_s=s["router_worker_startup_timeout_s"],

@@ -8,9 +8,11 @@ from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
 PACKAGE = "vllm-router"
-# vllm-router's launcher binds its Prometheus exporter here unless told otherwise; gpufleet keeps it on loopback
-# (status reads it over SSH) and says so in the argv.
-METRICS_ADDRESS = "127.0.0.1"
+# vllm-router listens here only, its Prometheus exporter too: its worker management API shares its port and has no
+# authentication, so nothing but the router host itself (nginx in front, gpufleet's calls over SSH) may reach it.
+LOOPBACK = "127.0.0.1"
+# Where clients are served: nginx passes these on to the router and answers 404 to anything else.
+CLIENT_PATHS = ("/v1/", "/health")
 
 
 @dataclass(frozen=True)
@@ -20,22 +22,23 @@ class RouterSpec:
     venv: str  # absolute path of the router's own virtualenv
     version: str  # vllm-router version installed (pinned: a re-run never moves it)
     index_url: str  # PEP 503 index pip installs from (PyPI or a lab mirror)
-    address: str  # where the router listens for clients
+    address: str  # where clients reach the router (nginx listens there)
     port: int
     metrics_port: int
     policy: str
     workers: tuple[str, ...]  # http://<address>:<port> of each replica, in inventory order
     health_check_interval_s: int
     worker_startup_timeout_s: int
+    internal_port: int = 28000  # vllm-router's own listener, on the loopback
 
     def argv(self) -> list[str]:
         """The router's command line (no secret: clients' Authorization headers pass through to vLLM)."""
         argv = [
             f"{self.venv}/bin/vllm-router",
-            "--host", self.address,
-            "--port", str(self.port),
+            "--host", LOOPBACK,
+            "--port", str(self.internal_port),
             "--policy", self.policy,
-            "--prometheus-host", METRICS_ADDRESS,
+            "--prometheus-host", LOOPBACK,
             "--prometheus-port", str(self.metrics_port),
             "--health-check-interval-secs", str(self.health_check_interval_s),
             "--worker-startup-timeout-secs", str(self.worker_startup_timeout_s),
@@ -56,9 +59,15 @@ class RouterSpec:
 
     @property
     def control_url(self) -> str:
-        """Where the router host itself reaches the router (its worker management API, readiness)."""
-        address = "127.0.0.1" if self.address in ("0.0.0.0", "::") else self.address
-        return f"http://{address}:{self.port}"
+        """Where the router host itself reaches the router (its worker management API, readiness): its loopback
+        listener, which nothing off the host reaches."""
+        return f"http://{LOOPBACK}:{self.internal_port}"
+
+    @property
+    def client_url(self) -> str:
+        """Where the router host reaches the front door clients use (nginx)."""
+        address = LOOPBACK if self.address in ("0.0.0.0", "::") else self.address
+        return f"http://{f'[{address}]' if ':' in address else address}:{self.port}"
 
     @property
     def spec_hash(self) -> str:

@@ -75,7 +75,8 @@ def connect(name: str, data: Mapping[str, Any]) -> Router:
     """A Router over the host's SSH connection (its inventory data); raises Unreachable. The caller closes
     router.transport.client."""
     s = router_settings(data)
-    return Router(name, open_ssh(name, data), int(s["router_port"]), int(s["router_metrics_port"]))
+    # Its own loopback listener: the client port (nginx) does not serve the worker management API.
+    return Router(name, open_ssh(name, data), int(s["router_internal_port"]), int(s["router_metrics_port"]))
 
 
 def read_host(name: str, data: Mapping[str, Any]) -> RouterStatus:

@@ -1,36 +1,35 @@
-"""The router's systemd unit."""
+"""The router's systemd unit (templates/vllm-router.service.j2) and its front door's nginx site
+(templates/vllm-router-nginx.conf.j2)."""
 
 from __future__ import annotations
 
-from gpufleet.quoting import systemd_exec, systemd_text
+from gpufleet.quoting import systemd_exec
 from gpufleet.router.spec import RouterSpec
+from gpufleet.unit import render_template
+
+NGINX_SITES = "/etc/nginx/conf.d"
+# Debian's own site (a welcome page on port 80): a router host serves nothing but its front door.
+NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
 
 
 def unit_path(service: str) -> str:
     return f"/etc/systemd/system/{service}.service"
 
 
+def proxy_path(service: str) -> str:
+    return f"{NGINX_SITES}/gpufleet-{service}.conf"
+
+
 def render_unit(spec: RouterSpec) -> str:
-    workers = len(spec.workers)
-    return f"""# Managed by gpufleet ({systemd_text(spec.host)}): changes here are overwritten by the next deploy.
-# Spec {spec.spec_hash}; vllm-router {systemd_text(spec.version)} from {systemd_text(spec.index_url)}.
-[Unit]
-Description=vLLM router {systemd_text(spec.service)} ({spec.policy}, port {spec.port}, {workers} workers)
-Documentation=https://github.com/vllm-project/router
-After=network-online.target
-Wants=network-online.target
-StartLimitIntervalSec=0
+    return render_template("vllm-router.service.j2", spec=spec, exec_start=systemd_exec(spec.argv()))
 
-[Service]
-Type=simple
-# No secret here: clients' Authorization headers pass through the router to vLLM, which checks them.
-ExecStart={systemd_exec(spec.argv())}
-Restart=on-failure
-RestartSec=5s
-# The router waits for every listed worker to answer /health before it listens (--worker-startup-timeout-secs).
-TimeoutStartSec={spec.worker_startup_timeout_s + 30}
-TimeoutStopSec=30
 
-[Install]
-WantedBy=multi-user.target
-"""
+def render_proxy(spec: RouterSpec) -> str:
+    """The nginx site in front of the router: the client port passes on the client API only."""
+    if spec.address in ("0.0.0.0",):
+        listen = str(spec.port)
+    elif ":" in spec.address:
+        listen = f"[{spec.address}]:{spec.port}"
+    else:
+        listen = f"{spec.address}:{spec.port}"
+    return render_template("vllm-router-nginx.conf.j2", spec=spec, listen=listen)
