@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
@@ -121,3 +123,12 @@ def test_verify_waits_for_a_router_until_it_passes_or_the_deadline(deadline, loo
 
     verdict = verify_router(look, EXPECTED, deadline, clock=clock, sleep=clock.sleep)
     assert (len(read), verdict.ok) == (looks, ok)
+
+
+def test_a_client_port_that_does_not_answer_is_a_problem_even_with_every_worker_healthy():
+    # The router routes fine on its loopback, but clients reach it through nginx on the client port.
+    row = dataclasses.replace(ready(worker(GPU1), worker(GPU2)), front_door="502")
+    (line,) = problems(row, EXPECTED)
+    assert line == ("rtr1: the client port does not answer /health (502): clients cannot reach the router (fix: "
+                    "`systemctl status nginx` on rtr1; pyinfra inventories/lab.py deploys/router.py configures it)")
+    assert problems(dataclasses.replace(row, front_door="200"), EXPECTED) == ()

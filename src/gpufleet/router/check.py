@@ -71,6 +71,9 @@ def problems(row: RouterStatus, expected: RouterExpected) -> tuple[str, ...]:
         return (one_line(f"{name}: the router does not answer: {row.detail or row.state} (fix: `systemctl status "
                          f"{expected.service}` on {name}; {deploy} starts it)"),)
     found: list[str] = []
+    if row.front_door and row.front_door != "200":
+        found.append(f"{name}: the client port does not answer /health ({row.front_door}): clients cannot reach the "
+                     f"router (fix: `systemctl status nginx` on {name}; {deploy} configures it)")
     listed = {_norm(w.url): w for w in row.workers}
     for url, replica in expected.workers.items():
         worker: WorkerRow | None = listed.get(url)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from gpufleet.health.api import excerpt
+from gpufleet.health.api import excerpt, fetch
 from gpufleet.health.fleet import open_ssh
-from gpufleet.health.transport import Unreachable
+from gpufleet.health.transport import LOOPBACK, Transport, Unreachable
 from gpufleet.router.api import Router, RouterError
 from gpufleet.router.settings import router_settings
 
@@ -31,6 +31,9 @@ class RouterStatus:
     workers: tuple[WorkerRow, ...] = ()
     requests: int | None = None  # requests the router received (vllm_router_requests_total, all routes)
     prefix_outcomes: dict[str, int] = field(default_factory=dict)  # cache_aware: hit / miss / ... -> count
+    # What the client port (nginx) answered to /health, from the router host: "200", another status, or why nothing
+    # answered; "" when not looked at.
+    front_door: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,6 +74,16 @@ def read(router: Router, policy: str | None = None) -> RouterStatus:
     return RouterStatus(router.name, "ready" if ready else "not-ready", detail, policy, rows, requests, outcomes)
 
 
+def front_door(transport: Transport, data: Mapping[str, Any]) -> str:
+    """GET /health on the client port (nginx, in front of the router), from the router host itself."""
+    s = router_settings(data)
+    address = LOOPBACK if s["router_address"] in ("0.0.0.0", "::") else str(s["router_address"])
+    try:
+        return str(fetch(transport, int(s["router_port"]), "/health", timeout=5, address=address).status)
+    except Exception as error:  # refused, reset, not HTTP: the row says so, it never raises
+        return excerpt(f"{type(error).__name__}: {error}", 120)
+
+
 def connect(name: str, data: Mapping[str, Any]) -> Router:
     """A Router over the host's SSH connection (its inventory data); raises Unreachable. The caller closes
     router.transport.client."""
@@ -87,7 +100,7 @@ def read_host(name: str, data: Mapping[str, Any]) -> RouterStatus:
     except Unreachable as error:
         return RouterStatus(name, "unreachable", excerpt(str(error), 160), policy)
     try:
-        return read(router, policy)
+        return replace(read(router, policy), front_door=front_door(router.transport, data))
     finally:
         client = getattr(router.transport, "client", None)
         if client is not None:
