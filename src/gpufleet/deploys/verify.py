@@ -165,7 +165,7 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
     if problem:
         report = replace(report, state=HealthState.MISCONFIGURED, detail=problem)
     if report.ready:
-        report = answers_report(host, v, check_once)
+        report = answers_report(host, v, report, check_once)
     if report.ready and v.run_probe:
         report = probe_report(host, v)
     if report.ready:
@@ -200,10 +200,11 @@ def installed_problem(version: Version, container: ContainerInfo | None) -> str 
     return None
 
 
-def answers_report(host: Host, v: Verification, check_once: Callable[[], HealthReport]) -> HealthReport:
+def answers_report(host: Host, v: Verification, ready: HealthReport,
+                   check_once: Callable[[], HealthReport]) -> HealthReport:  # fmt: skip
     """The requests a client sends (gpufleet.health.answers), each bounded in time, with the host's key: a version
     that is up but does not answer them is a failed verify (misconfigured), rolled back like one that dies (and
-    reported as dead when a look right after the failed request finds its engine gone)."""
+    reported as dead when a look right after the failed request finds its engine gone). Passed: `ready` as it was."""
     checks = check_answers(transport_from_pyinfra_host(host), Expected.from_spec(v.spec),
                            api_key=v.api_key.reveal() if v.api_key else None)
     for c in checks:
@@ -212,7 +213,7 @@ def answers_report(host: Host, v: Verification, check_once: Callable[[], HealthR
     if bad:
         again = check_once()
         return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=f"answers: {bad}")
-    return HealthReport(HealthState.READY, "answered a chat completion, plain and streamed", host=host.name)
+    return ready
 
 
 def probe_report(host: Host, v: Verification) -> HealthReport:
