@@ -7,6 +7,7 @@ import pytest
 from gpufleet.deploys.verify import exited_detail, installed_problem, with_traffic
 from gpufleet.health.answers import AnswerCheck
 from gpufleet.health import ContainerInfo, HealthReport, HealthState, poll_ready, soak
+from gpufleet.health.wait import transient
 from gpufleet.ledger import Version
 
 READY = HealthReport(HealthState.READY, "/health 200, serving qwen")
@@ -148,3 +149,25 @@ def test_a_failed_soak_request_from_an_engine_that_just_died_reads_dead():
     looks = iter([READY, DEAD])
     look = with_traffic(lambda: next(looks), lambda: AnswerCheck("completion", False, "answered 500"), every_s=0)
     assert look() is DEAD
+
+
+LINK_LOST = HealthReport(HealthState.SSH_UNREACHABLE, "gpu1: SSH failed: timed out")
+DOCKER_UNASKED = HealthReport(HealthState.CONTAINER_NOT_RUNNING, "cannot read container state: docker inspect failed")
+
+
+def test_the_soak_looks_past_a_lost_link_and_still_passes_a_server_that_stayed_up():
+    clock = Clock()
+    report = soak(scripted(READY, LINK_LOST, DOCKER_UNASKED, LINK_LOST, READY, READY), READY, 12,
+                  exited=lambda: None, clock=clock, sleep=clock.sleep)
+    assert report.ready and clock.now == 12.0
+
+
+def test_a_soak_that_ends_on_a_lost_link_is_not_ready_and_not_the_servers_fault():
+    clock = Clock()
+    report = soak(scripted(READY, LINK_LOST), READY, 4, exited=lambda: None, clock=clock, sleep=clock.sleep)
+    assert report.state is HealthState.SSH_UNREACHABLE and transient(report)
+
+
+def test_only_the_hosts_own_answers_are_not_transient():
+    assert transient(LINK_LOST) and transient(DOCKER_UNASKED)
+    assert not any(transient(r) for r in (READY, STARTING, GONE, DEAD))

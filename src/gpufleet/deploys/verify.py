@@ -39,7 +39,7 @@ from gpufleet.health import (
 from gpufleet.health.answers import AnswerCheck, check_answers, check_completion
 from gpufleet.health.answers import failed as failed_answers
 from gpufleet.health.probe import probe
-from gpufleet.health.wait import Exited
+from gpufleet.health.wait import Exited, transient
 from gpufleet.ledger import RETRY_SETTING, Ledger, Version
 from gpufleet.ledger import commit as ledger_commit
 from gpufleet.ledger import roll_back as ledger_roll_back
@@ -171,6 +171,12 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
     if report.ready:
         host.log_styled(f"ready: {report.detail}", fg="green")
         return commit_pending(host, v, ready_at)
+    if transient(report) and memo(host).ledger.pending is not None:
+        # The controller lost sight of the host; the host said nothing against the version. Neither committed nor
+        # rolled back, nor marked failed: it stays pending, and the next run (ledger.resume) verifies it again.
+        return fail(host, f"{host.name}: could not finish verifying {spec.service} ({report.state}: {report.detail}); "
+                          "nothing was committed or rolled back, the new version stays pending (fix: restore the "
+                          "link to the host, then converge again: the next run verifies it)")
 
     for line in failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]:
         host.log_styled(f"  | {line}")

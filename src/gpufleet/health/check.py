@@ -28,6 +28,8 @@ from gpufleet.health.transport import (
 )
 from gpufleet.spec import ServeSpec, container_label_key
 
+# The detail of a look whose docker query failed (container-not-running, though nothing is known of the container).
+UNREADABLE = "cannot read container state"
 # vLLM waits up to VLLM_ENGINE_READY_TIMEOUT_S (600 s) for the engine, after loading weights: past this much time
 # a running container that still refuses connections is not "starting" any more.
 DEFAULT_GRACE_S = 900.0
@@ -181,7 +183,7 @@ def _check(
     except Unreachable as e:
         return replace(report, state=HealthState.SSH_UNREACHABLE, detail=str(e))
     except TransportError as e:
-        return replace(report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"cannot read container state: {e}")
+        return replace(report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"{UNREADABLE}: {e}")
     report = replace(report, container=container)
     if container is None:
         return replace(

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from gpufleet.health.api import DEFAULT_TIMEOUT_S
-from gpufleet.health.check import DEFAULT_GRACE_S, Expected, HealthReport, HealthState, check
+from gpufleet.health.check import DEFAULT_GRACE_S, UNREADABLE, Expected, HealthReport, HealthState, check
 from gpufleet.health.transport import Transport, TransportError
 
 POLL_S = 2.0
@@ -24,6 +24,13 @@ FINAL_STATES = (HealthState.READY, HealthState.DEAD, HealthState.MISCONFIGURED)
 
 CheckOnce = Callable[[], HealthReport]
 Exited = Callable[[], "str | None"]
+
+
+def transient(report: HealthReport) -> bool:
+    """A look that says nothing about the server: the way to the host failed (SSH), or docker could not be asked.
+    The host's own answers decide a version; a blip on the controller's side must not."""
+    return report.state is HealthState.SSH_UNREACHABLE or (
+        report.state is HealthState.CONTAINER_NOT_RUNNING and report.detail.startswith(UNREADABLE))
 
 
 def dead_if_exited(report: HealthReport, exited: Exited | None) -> HealthReport:
@@ -52,13 +59,15 @@ def soak(check_once: CheckOnce, ready: HealthReport, soak_s: float, poll_s: floa
          exited: Exited | None = None, clock: Callable[[], float] = time.monotonic,
          sleep: Callable[[float], Any] = time.sleep) -> HealthReport:
     """Keep checking a just-ready service for soak_s: an engine that dies right after its first /health 200
-    (a bad kernel on the first batch, a crashing engine core) must fail the deploy, not the first client."""
+    (a bad kernel on the first batch, a crashing engine core) must fail the deploy, not the first client. A
+    transient look (the link to the host, or docker, did not answer) is looked past within soak_s; a soak that
+    ends on one returns it (not ready, and not the server's fault: see transient())."""
     start = clock()
     report = ready
     while clock() - start < soak_s:
         sleep(min(poll_s, max(0.0, soak_s - (clock() - start))))
         report = dead_if_exited(check_once(), exited)
-        if not report.ready:
+        if not report.ready and not transient(report):
             return replace(report, detail=f"{report.detail} ({clock() - start:.0f} s after it was ready)")
     return report
 
