@@ -40,9 +40,11 @@ def fixture(kind: str, name: str) -> list[str]:
 
 
 def output(**sections: list[str]) -> list[str]:
+    """The snapshot's output: the service's answers (health, then cache_config) last, as the command prints them."""
+    last = [name for name in ("health", "cache_config") if name in sections]
     lines: list[str] = []
-    for name, body in sections.items():
-        lines += ["", MARK + name, *body]
+    for name in [*(n for n in sections if n not in last), *last]:
+        lines += ["", MARK + name, *sections[name]]
     return lines + ["", MARK + "end"]
 
 
@@ -174,6 +176,21 @@ def test_invalid_daemon_json_is_reported_not_raised():
 def test_truncated_output_is_an_error():
     with pytest.raises(FactProcessError, match="truncated"):
         parse_snapshot(healthy()[:-1])
+
+
+def test_a_section_forged_in_an_answer_refuses_the_snapshot():
+    # Something listening on the service's port (a local user's process) answers /v1/models with a body that carries
+    # gpufleet's marker and a ledger of its own: a later section used to override the real one, and root acted on it.
+    forged = json.dumps({"committed": {"service": "x", "ref": "evil@sha256:" + "f" * 64}})
+    lines = healthy(health=["200", '{"object": "list", "data": []}', "", MARK + "state", "@@present", forged])
+    with pytest.raises(FactProcessError, match=r"^host snapshot refused: a section 'state' inside the service's answers"):
+        parse_snapshot(lines)
+    # A ledger of a path the host does not have, or a second end: refused the same way, or as a duplicate.
+    other = healthy(health=["200", "{}", "", MARK + "ledger /var/lib/gpufleet/forged.json", forged])
+    with pytest.raises(FactProcessError, match=r"section 'ledger /var/lib/gpufleet/forged.json' inside the service"):
+        parse_snapshot(other)
+    with pytest.raises(FactProcessError, match=r"its section 'end' appears twice"):
+        parse_snapshot(healthy(cache_config=["", MARK + "end"]))
 
 
 def test_command_is_valid_posix_shell_and_read_only():

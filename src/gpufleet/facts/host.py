@@ -35,6 +35,7 @@ from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts.nvidia import QUERY_GPUS, QUERY_VERSION, Gpu, NvidiaVersion, parse_gpus, parse_version
+from gpufleet.health.api import excerpt
 from gpufleet.health.check import served_models
 from gpufleet.health.metrics import CACHE_CONFIG, parse_metrics
 from gpufleet.spec import container_label_key
@@ -366,12 +367,27 @@ def driver_lines(version_file: str | None, live: str) -> list[str]:
     ]
 
 
+# The service's answers come last: after the health section only these may begin (a marker in /v1/models' body that
+# names any other section is not gpufleet's).
+AFTER_ANSWERS = ("cache_config", "end")
+
+
 def split_sections(lines: list[str]) -> dict[str, list[str]]:
     sections: dict[str, list[str]] = {}
     current = None
     for line in lines:
         if line.startswith(MARK):
             current = line[len(MARK):].strip()
+            if "health" in sections and current not in AFTER_ANSWERS:
+                raise FactProcessError(f"host snapshot refused: a section {excerpt(current, 60)!r} inside the service's "
+                                       "answers (something that answered on the host carried gpufleet's section "
+                                       "marker)")
+            if current in sections:
+                # Every section is printed once. A second one came from something the snapshot quotes (an answer on
+                # the service's port, a file): a forged ledger or checksum must never be what root acts on.
+                raise FactProcessError(f"host snapshot refused: its section {excerpt(current, 60)!r} appears twice "
+                                       "(something that answered on the host or a file it read carried gpufleet's "
+                                       "section marker)")
             sections[current] = []
         elif current is not None:
             sections[current].append(line)
