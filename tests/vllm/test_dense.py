@@ -199,9 +199,16 @@ def test_killed_engine_is_dead_then_exited(dense):
         r = check(s.transport, s.expected)
         seen.append((r.state, r.detail))
         time.sleep(0.1)
-    # The API server answers 503 (EngineDeadError) for a few seconds, then exits.
-    assert any(st is HealthState.DEAD and "503" in d for st, d in seen), seen[-5:]
+    # The API server answers 503 (EngineDeadError) for a few seconds, then closes its port and exits. On a loaded
+    # machine the 503 window can pass between two looks (seen once in a CI run: refused, then exited), so the looks
+    # are held to that order of states, not to catching the window; the 503 -> dead mapping is unit-tested.
     assert s.server.proc.poll() is not None, "the API server did not exit after its engine died"
+    allowed = {HealthState.READY, HealthState.DEAD, HealthState.STARTING}
+    assert all(st in allowed for st, _ in seen), seen[-5:]
+    assert all("503" in d or "exited" in d for st, d in seen if st is HealthState.DEAD), seen[-5:]
+    first_dead = next((i for i, (st, _) in enumerate(seen) if st is HealthState.DEAD), None)
+    # Once dead, never ready again.
+    assert first_dead is None or all(st is not HealthState.READY for st, _ in seen[first_dead:]), seen[-5:]
     final = wait_until_ready(s.transport, s.expected, timeout_s=30)
     assert final.state is HealthState.DEAD and "exited" in final.detail
     assert final.logs, "a failed wait must carry the server's last log lines"
