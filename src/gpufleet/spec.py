@@ -26,6 +26,18 @@ FLAG_CHECK_MODEL = "/gpufleet-flag-check/no-model"
 # A service name: a systemd unit, a container label and file names under /etc and /var/lib are made of it, so it has
 # no path separator and starts with a letter or digit (settings refuse others; a ledger naming another is corrupt).
 SERVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+LOOPBACK = "127.0.0.1"
+
+
+def reach_address(published_on: str | None) -> str:
+    """Where a host itself reaches a port published on `published_on`: the loopback when it listens on every
+    interface (None, 0.0.0.0, ::), else that one address (nothing then answers on the loopback)."""
+    return LOOPBACK if published_on in (None, "0.0.0.0", "::") else published_on
+
+
+def url_host(address: str) -> str:
+    """An IP address as the host part of a URL or listen address: IPv6 in brackets."""
+    return f"[{address}]" if ":" in address else address
 
 
 def container_label_key(service: str) -> str:
@@ -89,14 +101,12 @@ class ServeSpec:
         address = self.publish_address
         if address is None:
             return f"{self.port}:{self.port}"
-        return f"{f'[{address}]' if ':' in address else address}:{self.port}:{self.port}"
+        return f"{url_host(address)}:{self.port}:{self.port}"
 
     @property
     def reach_address(self) -> str:
-        """Where the host itself reaches the published port: the loopback, unless the port is published on one
-        address only (vllm_publish_address), where nothing answers on the loopback."""
-        address = self.publish_address
-        return "127.0.0.1" if address in (None, "0.0.0.0", "::") else address
+        """Where the host itself reaches the published port (vllm_publish_address): see reach_address()."""
+        return reach_address(self.publish_address)
 
     # --- what the server will report ----------------------------------------------------------------------
     def arg(self, name: str) -> ArgValue | None:

@@ -17,6 +17,7 @@ from gpufleet.router.api import Router, parse_metrics
 from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, replicas, worker_url
 from gpufleet.router.spec import RouterSpec
 from gpufleet.router.unit import render_proxy, render_unit
+from gpufleet.spec import reach_address
 from gpufleet.sandbox.router_index import project_name, write_simple_index
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "router"
@@ -147,8 +148,9 @@ def test_the_router_is_controlled_on_its_loopback_port_and_clients_use_the_front
     assert spec().control_url == "http://127.0.0.1:28000"
     assert spec(router_address="10.0.0.5").control_url == "http://127.0.0.1:28000"
     assert spec(router_internal_port=18000).control_url == "http://127.0.0.1:18000"
-    assert spec().client_url == "http://127.0.0.1:8000"
-    assert spec(router_address="10.0.0.5").client_url == "http://10.0.0.5:8000"
+    # The front door (status' and verify's look at it) is reached on the loopback when it listens everywhere.
+    assert reach_address(spec().address) == "127.0.0.1"
+    assert reach_address(spec(router_address="10.0.0.5").address) == "10.0.0.5"
 
 
 @pytest.mark.parametrize(("data", "problem"), [

@@ -38,7 +38,7 @@ from gpufleet.facts.nvidia import QUERY_GPUS, QUERY_VERSION, Gpu, NvidiaVersion,
 from gpufleet.health.api import excerpt
 from gpufleet.health.check import served_models
 from gpufleet.health.metrics import CACHE_CONFIG, parse_metrics
-from gpufleet.spec import container_label_key
+from gpufleet.spec import LOOPBACK, container_label_key, url_host
 from gpufleet.unit import unit_name, unit_path
 
 MARK = "@@gpufleet:"
@@ -86,7 +86,7 @@ class Paths:
     # it again while it names the driver the GPU query reports. None: always ask nvidia-smi.
     nvidia_version_file: str | None = None
     refresh_keys: bool = False  # gpufleet_refresh_keys: fetch both keys even where installed (a rotated key)
-    address: str = "127.0.0.1"  # where the host reaches the port (ServeSpec.reach_address)
+    address: str = LOOPBACK  # where the host reaches the port (ServeSpec.reach_address)
 
 
 @dataclass(frozen=True)
@@ -228,9 +228,7 @@ def snapshot_command(paths: Paths) -> str:
                 f"< {file}")
 
     port = int(paths.port)  # an int, never text, in the curl URLs below
-    # An IP address (settings refuse anything else), bracketed for curl when it is IPv6.
-    ip = ipaddress.ip_address(paths.address)
-    address = f"[{ip}]" if ip.version == 6 else str(ip)
+    address = url_host(str(ipaddress.ip_address(paths.address)))  # an IP address (settings refuse anything else)
     dirs = " ".join(q(d) for d in paths.dirs)
     files = " ".join(q(f) for f in paths.files)
     model_dir = q(paths.model_dir)

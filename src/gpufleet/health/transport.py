@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import paramiko
 from pyinfra.api import Host
 
-from gpufleet.spec import container_label_key
+from gpufleet.spec import LOOPBACK, container_label_key
 
 # What one HTTP answer may total: a 1 MiB body (vLLM's /metrics and /v1/models are tens of KiB), its headers, and
 # one read-ahead buffer. Past it the answer is a finding, not a read of whatever the server cares to send.
@@ -65,11 +65,6 @@ class ContainerInfo:
         else the local image id."""
         source = self.image.rsplit("@", 1)[1] if self.image and "@" in self.image else self.image_id
         return source.split(":", 1)[-1][:12] if source else None
-
-
-# Where the checks reach a server on its host: the loopback, unless the service is published on one host address
-# only (ServeSpec.reach_address), where nothing answers on the loopback.
-LOOPBACK = "127.0.0.1"
 
 
 class Transport(Protocol):

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.router.spec import RouterSpec
 from gpufleet.settings import control_character, merged_settings, shown
+from gpufleet.spec import url_host
 
 DEFAULTS: dict[str, Any] = {
     # Port clients reach the router at (OpenAI API, same paths as vLLM): nginx listens there and passes on only the
@@ -147,8 +148,7 @@ def worker_url(name: str, data: Mapping[str, Any]) -> str:
     if not (isinstance(chosen, str) and (_ip(chosen) or _HOSTNAME.fullmatch(chosen))):
         raise SettingError(name, "router_worker_address", f"{shown(chosen)} is not a host name or IP address",
                            "set router_worker_address to the address the router reaches this host at")
-    host = f"[{chosen}]" if ":" in chosen else chosen
-    return f"http://{host}:{port}"
+    return f"http://{url_host(chosen)}:{port}"
 
 
 def replicas(hosts: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Replica]:

@@ -7,12 +7,11 @@ import json
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
+from gpufleet.spec import LOOPBACK
+
 PACKAGE = "vllm-router"
-# vllm-router listens here only, its Prometheus exporter too: its worker management API shares its port and has no
-# authentication, so nothing but the router host itself (nginx in front, gpufleet's calls over SSH) may reach it.
-LOOPBACK = "127.0.0.1"
-# Where clients are served: nginx passes these on to the router and answers 404 to anything else.
-CLIENT_PATHS = ("/v1/", "/health")
+# vllm-router listens on the LOOPBACK only, its Prometheus exporter too: its worker management API shares its port and
+# has no authentication, so nothing but the router host itself (nginx in front, gpufleet's calls over SSH) may reach it.
 
 
 @dataclass(frozen=True)
@@ -62,12 +61,6 @@ class RouterSpec:
         """Where the router host itself reaches the router (its worker management API, readiness): its loopback
         listener, which nothing off the host reaches."""
         return f"http://{LOOPBACK}:{self.internal_port}"
-
-    @property
-    def client_url(self) -> str:
-        """Where the router host reaches the front door clients use (nginx)."""
-        address = LOOPBACK if self.address in ("0.0.0.0", "::") else self.address
-        return f"http://{f'[{address}]' if ':' in address else address}:{self.port}"
 
     @property
     def spec_hash(self) -> str:

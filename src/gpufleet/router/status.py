@@ -8,9 +8,10 @@ from typing import Any
 
 from gpufleet.health.api import excerpt, fetch
 from gpufleet.health.fleet import open_ssh
-from gpufleet.health.transport import LOOPBACK, Transport, Unreachable
+from gpufleet.health.transport import Transport, Unreachable
 from gpufleet.router.api import Router, RouterError
 from gpufleet.router.settings import router_settings
+from gpufleet.spec import reach_address
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,9 @@ def read(router: Router, policy: str | None = None) -> RouterStatus:
 def front_door(transport: Transport, data: Mapping[str, Any]) -> str:
     """GET /health on the client port (nginx, in front of the router), from the router host itself."""
     s = router_settings(data)
-    address = LOOPBACK if s["router_address"] in ("0.0.0.0", "::") else str(s["router_address"])
     try:
-        return str(fetch(transport, int(s["router_port"]), "/health", timeout=5, address=address).status)
+        return str(fetch(transport, int(s["router_port"]), "/health", timeout=5,
+                         address=reach_address(s["router_address"])).status)
     except Exception as error:  # refused, reset, not HTTP: the row says so, it never raises
         return excerpt(f"{type(error).__name__}: {error}", 120)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gpufleet.quoting import systemd_exec
 from gpufleet.router.spec import RouterSpec
+from gpufleet.spec import url_host
 from gpufleet.unit import render_template
 
 NGINX_SITES = "/etc/nginx/conf.d"
@@ -26,10 +27,5 @@ def render_unit(spec: RouterSpec) -> str:
 
 def render_proxy(spec: RouterSpec) -> str:
     """The nginx site in front of the router: the client port passes on the client API only."""
-    if spec.address in ("0.0.0.0",):
-        listen = str(spec.port)
-    elif ":" in spec.address:
-        listen = f"[{spec.address}]:{spec.port}"
-    else:
-        listen = f"{spec.address}:{spec.port}"
+    listen = str(spec.port) if spec.address == "0.0.0.0" else f"{url_host(spec.address)}:{spec.port}"
     return render_template("vllm-router-nginx.conf.j2", spec=spec, listen=listen)
