@@ -112,9 +112,14 @@ class Verification:
         host.log_styled(f"{reason}: rolling it back", fg="yellow")
         return roll_back(host, self, ledger, reason)
 
+    @property
+    def key(self) -> str | None:
+        """The API key, sent inside the SSH channel, never on a command line."""
+        return self.api_key.reveal() if self.api_key else None
+
     def check_once(self, host: Host, expected: Expected) -> Callable[[], HealthReport]:
         transport = transport_from_pyinfra_host(host)
-        key = self.api_key.reveal() if self.api_key else None  # sent inside the SSH channel, never on a command line
+        key = self.key
         return lambda: check(transport, expected, api_key=key)
 
 
@@ -136,13 +141,17 @@ def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], Answ
             last_sent[:] = [clock()]
             answer = send()
             if not answer.ok:
-                again = check_once()
-                if not again.ready:
-                    return again
-                return replace(again, state=HealthState.MISCONFIGURED, detail=f"answers: {answer.line()}")
+                return answer_failed(check_once, answer.line())
         return report
 
     return look
+
+
+def answer_failed(check_once: Callable[[], HealthReport], line: str) -> HealthReport:
+    """A request failed: misconfigured with `line` as the evidence, unless a look right after it finds the host no
+    longer ready (its engine died meanwhile, or the link went), which says more."""
+    again = check_once()
+    return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=f"answers: {line}")
 
 
 def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
@@ -157,8 +166,7 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
     if report.ready and soak_s > 0:
         host.log_styled(f"ready: {report.detail}; watching it for {soak_s:.0f} s (vllm_ready_soak_s), with a "
                         f"completion every {SOAK_REQUEST_EVERY_S:.0f} s")
-        send = partial(check_completion, transport_from_pyinfra_host(host), Expected.from_spec(spec),
-                       api_key=v.api_key.reveal() if v.api_key else None)
+        send = partial(check_completion, transport_from_pyinfra_host(host), Expected.from_spec(spec), api_key=v.key)
         report = soak(with_traffic(check_once, send, SOAK_REQUEST_EVERY_S), report, soak_s, exited=exited)
     pending = memo(host).ledger.pending  # None: a restart of the committed version, nothing new to tell apart
     problem = installed_problem(pending.version, report.container) if report.ready and pending else None
@@ -171,7 +179,7 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
     if report.ready:
         host.log_styled(f"ready: {report.detail}", fg="green")
         return commit_pending(host, v, ready_at)
-    if transient(report) and memo(host).ledger.pending is not None:
+    if transient(report) and pending is not None:
         # The controller lost sight of the host; the host said nothing against the version. Neither committed nor
         # rolled back, nor marked failed: it stays pending, and the next run (ledger.resume) verifies it again.
         return fail(host, f"{host.name}: could not finish verifying {spec.service} ({report.state}: {report.detail}); "
@@ -211,15 +219,11 @@ def answers_report(host: Host, v: Verification, ready: HealthReport,
     """The requests a client sends (gpufleet.health.answers), each bounded in time, with the host's key: a version
     that is up but does not answer them is a failed verify (misconfigured), rolled back like one that dies (and
     reported as dead when a look right after the failed request finds its engine gone). Passed: `ready` as it was."""
-    checks = check_answers(transport_from_pyinfra_host(host), Expected.from_spec(v.spec),
-                           api_key=v.api_key.reveal() if v.api_key else None)
+    checks = check_answers(transport_from_pyinfra_host(host), Expected.from_spec(v.spec), api_key=v.key)
     for c in checks:
         host.log_styled(f"answer check {c.line()}", fg="green" if c.ok else "red")
     bad = failed_answers(checks)
-    if bad:
-        again = check_once()
-        return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=f"answers: {bad}")
-    return ready
+    return answer_failed(check_once, bad) if bad else ready
 
 
 def probe_report(host: Host, v: Verification) -> HealthReport:
@@ -231,7 +235,7 @@ def probe_report(host: Host, v: Verification) -> HealthReport:
     host.log_styled("probing prompt re-processing (gpufleet_verify_probe)")
     try:
         found = probe(transport_from_pyinfra_host(host), Expected.from_spec(spec), max_num_batched_tokens=chunk,
-                      api_key=v.api_key.reveal() if v.api_key else None)
+                      api_key=v.key)
     except Exception as error:  # noqa: BLE001 - a probe that cannot run is a verify that did not pass
         return HealthReport(HealthState.MISCONFIGURED, f"the re-processing probe failed: {type(error).__name__}: "
                                                        f"{error}", host=host.name)
