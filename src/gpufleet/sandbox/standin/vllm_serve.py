@@ -480,7 +480,8 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
             return
-        if e.dead:
+        # A dead engine, or one that crashes in every batch (STANDIN_MISBEHAVE=completions-fail): vLLM's 500.
+        if e.dead or MISBEHAVE == "completions-fail":
             self._json(
                 500,
                 {
@@ -508,11 +509,6 @@ class Handler(BaseHTTPRequestHandler):
                     }
                 },
             )
-            return
-        if MISBEHAVE == "completions-fail":
-            print("ERROR engine step failed (STANDIN_MISBEHAVE=completions-fail)", flush=True)
-            self._json(500, {"error": {"message": "EngineCore encountered an issue. See stack trace for the root cause.",
-                                       "type": "InternalServerError", "param": None, "code": 500}})
             return
         with e.lock:
             e.running += 1
