@@ -7,7 +7,7 @@ from pyinfra import host
 
 from gpufleet.deploys import register_deploy_file
 from gpufleet.deploys.qwen35 import deploy_qwen35
-from gpufleet.operations.remote import use_sudo
+from gpufleet.remote.ssh import use_sudo
 
 register_deploy_file(__file__)  # keeps pyinfra's per-operation stack walk cheap
 deploy_qwen35(_sudo=use_sudo(host))

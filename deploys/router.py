@@ -7,7 +7,7 @@ Thin entry point; the work lives in gpufleet.router.deploy (docs/router.md). Rou
 from pyinfra import host
 
 from gpufleet.deploys import register_deploy_file
-from gpufleet.operations.remote import use_sudo
+from gpufleet.remote.ssh import use_sudo
 from gpufleet.router.deploy import deploy_router
 
 register_deploy_file(__file__)  # keeps pyinfra's per-operation stack walk cheap

@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from gpufleet.health.transport import LOOPBACK, MAX_ANSWER_BYTES, ContainerInfo, DeadlineHTTPConnection
+from gpufleet.remote.transport import LOOPBACK, MAX_ANSWER_BYTES, ContainerInfo, DeadlineHTTPConnection
 
 
 class LoopbackTransport:

@@ -33,8 +33,8 @@ import shlex
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -45,7 +45,7 @@ from pyinfra.api import Host, State
 from pyinfra.api.state import BaseStateCallback
 
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.operations.remote import use_sudo
+from gpufleet.remote.ssh import use_sudo
 
 # On tmpfs (/run): a flock needs no file that outlives it, and a run that preflight refuses leaves nothing on disk.
 # In a directory of root's own (0700), not in world-writable /run/lock: there any local user could hold the lock

@@ -16,10 +16,11 @@ from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory
 
 from gpufleet.errors import GpufleetError, SettingErrors, one_line
-from gpufleet.router import ROUTERS_GROUP
 from gpufleet.settings import build_spec
 from gpufleet.spec import ServeSpec
 
+# Hosts in this pyinfra inventory group run the router (gpufleet.router); every other host is a vLLM replica.
+ROUTERS_GROUP = "routers"
 
 HostData = tuple[str, dict[str, Any]]
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from gpufleet.health.probe import PREFERRED_UNIT, legal_prefix_match_unit, resolved_block_sizes
 from gpufleet.spec import ArgValue, OptionValue, ServeSpec
+from gpufleet.wire.geometry import PREFERRED_UNIT, legal_prefix_match_unit, resolved_block_sizes
 
 # What --shutdown-timeout the fix proposes: long enough for a typical coding-agent turn to finish streaming.
 SHUTDOWN_TIMEOUT_S = 60

@@ -25,11 +25,13 @@ from tests.integration.test_deploy_qwen35 import (
     write_inventory,
 )
 
-from gpufleet.health import Expected, HealthState, SshTransport, check
-from gpufleet.health.fleet import connect
+from gpufleet.health import HealthState, check
+from gpufleet.remote.ssh import open_ssh
+from gpufleet.remote.transport import SshTransport
 from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.image import image_ref
 from gpufleet.settings import build_spec
+from gpufleet.wire.identity import Expected
 
 BACKUP = f"/var/lib/gpufleet/{SERVICE}.service.previous"
 UNIT = f"/etc/systemd/system/{SERVICE}.service"
@@ -73,7 +75,7 @@ def health_over_ssh(host, fleet) -> tuple[HealthState, str]:
     """gpufleet.health.check through the host's SSH (the deploy's own view), with the API key."""
     doc = json.loads(Path(fleet.write_inventory()).read_text())
     data = {**doc["host_data"], "ssh_hostname": host.ip, **DATA}
-    client = connect(host.name, data)
+    client = open_ssh(host.name, data).client
     try:
         report = check(SshTransport(client, name=host.name), Expected.from_spec(build_spec(host.name, data)),
                        api_key=API_KEY)

@@ -20,20 +20,14 @@ import paramiko
 import pytest
 from tests.ports import free_port
 
-from gpufleet.health import (
-    Expected,
-    HealthState,
-    SshTransport,
-    TransportError,
-    check,
-    transport_from_pyinfra_host,
-    wait_until_ready,
-)
+from gpufleet.health import HealthState, check, wait_until_ready
 from gpufleet.health.api import get
-from gpufleet.health.fleet import connect
+from gpufleet.remote.ssh import open_ssh, transport_from_pyinfra_host
+from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.sandbox.image import image_ref
 from gpufleet.settings import build_spec
 from gpufleet.unit import render_unit, unit_path
+from gpufleet.wire.identity import Expected
 
 
 @pytest.fixture
@@ -186,7 +180,7 @@ def test_stopped_then_started_service_states_over_ssh(served, fleet):
     name, _, data = served
     spec = build_spec(name, data)
     expected = Expected.from_spec(spec)
-    client = connect(name, data)
+    client = open_ssh(name, data).client
     try:
         t = SshTransport(client, name=name)
         fleet.run_in(name, f"systemctl stop {spec.service}")
@@ -211,7 +205,7 @@ def test_engine_death_is_dead_with_docker_logs_over_ssh(served, fleet):
     fleet.run_in(name, f"docker pull -q {dies_ref} >/dev/null && cat > {unit_path(spec.service)} <<'UNIT'\n"
                        f"{render_unit(spec, dies_ref)}UNIT\nsystemctl daemon-reload && systemctl restart {spec.service}")
     expected = Expected.from_spec(spec)
-    client = connect(name, data)
+    client = open_ssh(name, data).client
     try:
         t = SshTransport(client, name=name)
         # The unit restarts it (on-failure, 15 s): serving ~8 s, then 503 for ~1 s, then gone (docker run --rm).

@@ -29,12 +29,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.fleets import running_fleet
+from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.health.api import get
-from gpufleet.health.fleet import open_ssh
+from gpufleet.remote.ssh import open_ssh
 from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.image import REPOSITORY
 

@@ -18,8 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.fleets import running_fleet
+from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.hostlock import LOCK_PATH
@@ -238,11 +238,12 @@ def test_replica_leaves_restarts_and_rejoins_with_zero_failed_requests(rfleet, i
         time.sleep(2)
         for replica in replicas(rfleet):
             url = f"http://{replica.ip}:5000"
-            with workers.out_of_rotation(router, url, drain_timeout_s=30) as drained:
-                assert url not in router.list_workers() and drained < 30
-                rfleet.run_in(replica, "systemctl restart vllm-qwen35")
-                rfleet.run_in(replica, "for i in $(seq 120); do curl -fs -o /dev/null --max-time 2 "
-                                       "http://127.0.0.1:5000/health && exit 0; sleep 0.5; done; exit 1")
+            drained = workers.leave(router, url, drain_timeout_s=30)
+            assert url not in router.list_workers() and drained < 30
+            rfleet.run_in(replica, "systemctl restart vllm-qwen35")
+            rfleet.run_in(replica, "for i in $(seq 120); do curl -fs -o /dev/null --max-time 2 "
+                                   "http://127.0.0.1:5000/health && exit 0; sleep 0.5; done; exit 1")
+            workers.join(router, url)
             assert url in router.list_workers()
         time.sleep(2)
     finally:

@@ -18,14 +18,13 @@ from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.deploys import preflight
 from gpufleet.deploys.qwen35 import Plan, check_host, deploy_qwen35, host_ledger, plan_for, replaced_service
-from gpufleet.facts.host import RunningService
-from gpufleet.ledger import Committed, Ledger, Version, begin, render, roll_back
-from gpufleet.facts.host import HostSnapshot
+from gpufleet.facts.host import HostSnapshot, RunningService
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion
-from gpufleet.health.check import Expected
+from gpufleet.ledger import Committed, Ledger, Version, begin, render, roll_back
 from gpufleet.operations.docker import CE_PACKAGES
 from gpufleet.operations.nvidia import PACKAGE, VERSION_FILE
 from gpufleet.unit import unit_name
+from gpufleet.wire.identity import Expected
 
 KEY = ("-----BEGIN PGP PUBLIC KEY BLOCK-----\n\n" + base64.b64encode(b"key" * 40).decode()
        + "\n-----END PGP PUBLIC KEY BLOCK-----\n")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.deploys.verify import exited_detail, installed_problem, with_traffic
+from gpufleet.health import HealthReport, HealthState, poll_ready, soak
 from gpufleet.health.answers import AnswerCheck
-from gpufleet.health import ContainerInfo, HealthReport, HealthState, poll_ready, soak
 from gpufleet.health.wait import transient
 from gpufleet.ledger import Version
+from gpufleet.remote.transport import ContainerInfo
 
 READY = HealthReport(HealthState.READY, "/health 200, serving qwen")
 STARTING = HealthReport(HealthState.STARTING, "port not answering yet")

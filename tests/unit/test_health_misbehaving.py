@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.health import Expected, HealthState, SshTransport, check
+from gpufleet.health import HealthState, check
 from gpufleet.health.api import fetch
 from gpufleet.health.fleet import HostTarget, check_fleet, check_host
-from gpufleet.health.transport import MAX_BODY_BYTES, DeadlineExceeded
+from gpufleet.remote.transport import MAX_BODY_BYTES, DeadlineExceeded, SshTransport
+from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 

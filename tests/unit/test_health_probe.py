@@ -5,21 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpufleet.health.api import Completion
-from gpufleet.health.metrics import Metrics, parse_metrics
 from gpufleet.health.probe import (
     HITS,
     PREFILL_COMPUTED,
-    LegalFixes,
     ProbePoint,
     SessionTurn,
     Verdict,
     _cached,
     _Conversation,
     judge,
-    legal_prefix_match_unit,
     request_bound,
-    resolved_block_sizes,
 )
+from gpufleet.wire.geometry import LegalFixes, legal_prefix_match_unit, resolved_block_sizes
+from gpufleet.wire.metrics import Metrics, parse_metrics
 
 RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"
 

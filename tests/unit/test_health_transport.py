@@ -12,8 +12,9 @@ import time
 import paramiko
 import pytest
 
-from gpufleet.health import Expected, HealthState, check, wait_until_ready
-from gpufleet.health.transport import SshTransport, _parse_docker_time, pick_container
+from gpufleet.health import HealthState, check, wait_until_ready
+from gpufleet.remote.transport import SshTransport, _parse_docker_time, pick_container
+from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.health.metrics import parse_metrics
 from gpufleet.lint import RULES, lint_spec
 from gpufleet.settings import build_spec, merged_settings
+from gpufleet.wire.metrics import parse_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"

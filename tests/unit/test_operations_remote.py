@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpufleet.health.fleet import pyinfra_host
-from gpufleet.operations.remote import use_sudo
+from gpufleet.remote.ssh import pyinfra_host, use_sudo
 from tests.conftest import OTHER_USER
 from tests.sshd import Sshd
 

@@ -13,12 +13,12 @@ import pytest
 
 from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.router import facts, status
-from gpufleet.router.api import Router, parse_metrics
+from gpufleet.router.api import Router, RouterError, router_samples
 from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, replicas, worker_url
 from gpufleet.router.spec import RouterSpec
 from gpufleet.router.unit import render_proxy, render_unit
-from gpufleet.spec import reach_address
 from gpufleet.sandbox.router_index import project_name, write_simple_index
+from gpufleet.spec import reach_address
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "router"
 WORKERS = ("http://10.0.0.11:5000", "http://10.0.0.12:5000")
@@ -223,9 +223,16 @@ def test_fact_command_is_one_valid_shell_line_quoting_what_it_reads():
 
 # --- the router's answers, recorded ------------------------------------------------------------------------------------
 def test_metrics_parse_the_real_router_exposition():
-    samples = parse_metrics((FIXTURES / "metrics.txt").read_text())
+    samples = router_samples((FIXTURES / "metrics.txt").read_text())
     decisions = [(labels, v) for name, labels, v in samples if name == "vllm_router_policy_decisions_total"]
     assert decisions == [({"policy": "cache_aware", "worker": "http://127.0.0.1:18102"}, 3.0)]
+
+
+def test_router_metrics_leave_out_what_is_not_a_count_and_refuse_what_is_not_prometheus():
+    text = 'vllm_router_running_requests{worker="http://a:1"} NaN\nvllm_router_running_requests{worker="http://b:1"} 2\n'
+    assert router_samples(text) == [("vllm_router_running_requests", {"worker": "http://b:1"}, 2.0)]
+    with pytest.raises(RouterError, match="router1: GET /metrics: is not Prometheus text"):
+        router_samples("<html>oops</html>", "router1")
 
 
 class RecordedRouter(Router):
@@ -235,7 +242,7 @@ class RecordedRouter(Router):
         return json.loads((FIXTURES / {"/workers": "workers.json", "/list_workers": "list_workers.json"}[path]).read_text())
 
     def metrics(self):
-        return parse_metrics((FIXTURES / "metrics.txt").read_text())
+        return router_samples((FIXTURES / "metrics.txt").read_text())
 
 
 def test_status_reads_workers_health_and_routing():

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from gpufleet import sandbox, vllm_flags
-from gpufleet.health import Expected, HealthState, check
+from gpufleet.health import HealthState, check
 from gpufleet.sandbox.image import write_tiny_model
+from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 

@@ -18,9 +18,10 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.cli.verify import status, verify
-from gpufleet.health import fleet
+from gpufleet.remote import ssh
 from tests.conftest import OTHER_USER
 from tests.sshd import Sshd
+
 
 def login(server: Sshd, known_hosts: Path, strict: str, **extra: object) -> dict:
     """Host data reaching `server` with its client key, a known_hosts file of the test's and a checking policy."""
@@ -119,7 +120,7 @@ def silent_port() -> Iterator[int]:
 
 def test_stalled_hosts_are_cut_at_the_connect_bound_in_parallel(silent_port, sshd, tmp_path, monkeypatch):
     bound_s, stalled = 1.0, 6
-    monkeypatch.setattr(fleet, "SSH_TIMEOUT_S", bound_s)
+    monkeypatch.setattr(ssh, "SSH_TIMEOUT_S", bound_s)
     known_hosts = tmp_path / "known_hosts"
     known_hosts.write_text(sshd.known_hosts_line())
     hosts = [(f"stalled-{i}", {"ssh_hostname": "127.0.0.1", "ssh_port": silent_port}) for i in range(stalled)]

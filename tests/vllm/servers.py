@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet.health import Expected, HealthReport, check, wait_until_ready
+from gpufleet.health import HealthReport, check, wait_until_ready
+from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.vllm_peer import models
 from tests.vllm_peer.server import VllmServer, base_args

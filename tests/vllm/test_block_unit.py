@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from gpufleet.health import HealthState, check
-from gpufleet.health.metrics import parse_metrics
 from gpufleet.health.probe import Verdict, probe
 from gpufleet.lint import lint_spec
 from gpufleet.settings import build_spec, merged_settings
+from gpufleet.wire.metrics import parse_metrics
 from tests.vllm.servers import ALIGN, ALIGN_FLAGS, ServerSpec, expected
 from tests.vllm_peer import models
 

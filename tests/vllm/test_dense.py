@@ -9,9 +9,11 @@ import time
 
 import pytest
 
-from gpufleet.health import Expected, HealthState, SshTransport, check, wait_until_ready
+from gpufleet.health import HealthState, check, wait_until_ready
 from gpufleet.health.answers import check_answers, failed
 from gpufleet.health.probe import Verdict, probe
+from gpufleet.remote.transport import SshTransport
+from gpufleet.wire.identity import Expected
 from tests.vllm.servers import ServerSpec, Started, expected
 from tests.vllm_peer import models
 

@@ -18,11 +18,12 @@ from gpufleet.errors import GpufleetError
 from gpufleet.health import HealthState
 from gpufleet.health.check import spec_drift
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
-from gpufleet.health.probe import ProbeReport, resolved_block_sizes
+from gpufleet.health.probe import ProbeReport
 from gpufleet.inventory import HostData, load_host_specs, load_roles
 from gpufleet.router.check import RouterExpected, RouterVerdict, verify_router
 from gpufleet.router.settings import replicas
 from gpufleet.router.status import RouterStatus, read_host
+from gpufleet.wire.geometry import resolved_block_sizes
 
 _STATE_STYLE = {
     HealthState.READY: "green",

@@ -32,8 +32,8 @@ from gpufleet.errors import SettingErrors
 from gpufleet.facts.host import COMMAND_TIMEOUT_S, GpufleetHost, HostSnapshot, Paths
 from gpufleet.facts.nvidia import version_tuple
 from gpufleet.operations.model import missing_parts
-from gpufleet.operations.remote import use_sudo
 from gpufleet.operations.snapshot import remember
+from gpufleet.remote.ssh import use_sudo
 from gpufleet.settings import merged_settings
 
 # How long preflight waits for all hosts' snapshots. A host's snapshot bounds each program in it (a wedged

@@ -27,13 +27,24 @@ from gpufleet.deploys import preflight
 from gpufleet.deploys.verify import Verification
 from gpufleet.facts.host import HostSnapshot, Paths
 from gpufleet.ledger import (
-    CorruptLedger, DropPending, FinishPending, Ledger, Nothing, Observed, RollBackPending, Version, corrupt_refusal,
-    drop_pending, parse, refused_target, resume,
+    CorruptLedger,
+    DropPending,
+    FinishPending,
+    Ledger,
+    Nothing,
+    Observed,
+    RollBackPending,
+    Version,
+    corrupt_refusal,
+    drop_pending,
+    parse,
+    refused_target,
+    resume,
 )  # fmt: skip
 from gpufleet.operations import docker, files, flagcheck, image, managed_paths, model, nvidia, service
+from gpufleet.operations.base import not_for_this_host
 from gpufleet.operations.image import pinned_ref
 from gpufleet.operations.layout import Layout
-from gpufleet.operations.remote import not_for_this_host
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.snapshot import memo, snapshot
 from gpufleet.settings import resolve_host

@@ -24,18 +24,7 @@ from pyinfra import logger
 from pyinfra.api import Host, State
 
 from gpufleet import hostlock
-from gpufleet.health import (
-    ContainerInfo,
-    Expected,
-    HealthReport,
-    HealthState,
-    Transport,
-    TransportError,
-    check,
-    poll_ready,
-    soak,
-    transport_from_pyinfra_host,
-)
+from gpufleet.health import HealthReport, HealthState, check, poll_ready, soak
 from gpufleet.health.answers import AnswerCheck, check_answers, check_completion
 from gpufleet.health.answers import failed as failed_answers
 from gpufleet.health.probe import probe
@@ -43,15 +32,18 @@ from gpufleet.health.wait import Exited, transient
 from gpufleet.ledger import RETRY_SETTING, Ledger, Version
 from gpufleet.ledger import commit as ledger_commit
 from gpufleet.ledger import roll_back as ledger_roll_back
+from gpufleet.operations.base import fail
 from gpufleet.operations.flagcheck import accepted_file
 from gpufleet.operations.image import now_utc
 from gpufleet.operations.layout import state_file, unit_backup
-from gpufleet.operations.remote import fail, use_sudo
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.service import save_ledger
 from gpufleet.operations.snapshot import memo
+from gpufleet.remote.ssh import transport_from_pyinfra_host, use_sudo
+from gpufleet.remote.transport import ContainerInfo, Transport, TransportError
 from gpufleet.spec import ServeSpec
 from gpufleet.unit import env_file_path, unit_name, unit_path
+from gpufleet.wire.identity import Expected
 
 
 def exited_detail(show: str) -> str | None:

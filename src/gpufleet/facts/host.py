@@ -35,11 +35,11 @@ from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts.nvidia import QUERY_GPUS, QUERY_VERSION, Gpu, NvidiaVersion, parse_gpus, parse_version
-from gpufleet.health.api import excerpt
-from gpufleet.health.check import served_models
-from gpufleet.health.metrics import CACHE_CONFIG, parse_metrics
 from gpufleet.spec import LOOPBACK, container_label_key, url_host
 from gpufleet.unit import unit_name, unit_path
+from gpufleet.wire.evidence import excerpt
+from gpufleet.wire.identity import served_models
+from gpufleet.wire.metrics import CACHE_CONFIG, parse_metrics
 
 MARK = "@@gpufleet:"
 DAEMON_JSON = "/etc/docker/daemon.json"

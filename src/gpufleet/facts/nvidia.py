@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
 GPU_FIELDS = (
@@ -176,54 +175,3 @@ def parse_topology(lines: list[str]) -> Topology:
                 raise FactProcessError(f"nvidia-smi topo -m: row {cells[0].strip()} is short: {row!r}")
             links[(this, other)] = cells[pos + 1].strip()
     return Topology(gpus=tuple(gpus), links=links)
-
-
-class NvidiaGpus(FactBase[list[Gpu]]):
-    """The host's GPUs; [] when nvidia-smi is absent (a GPU-less host)."""
-
-    def requires_command(self) -> str:
-        return "nvidia-smi"
-
-    def command(self) -> str:
-        return QUERY_GPUS
-
-    @staticmethod
-    def default() -> list[Gpu]:
-        return []
-
-    def process(self, output: list[str]) -> list[Gpu]:
-        return parse_gpus(output)
-
-
-class NvidiaDriver(FactBase["NvidiaVersion | None"]):
-    """Driver version and the newest CUDA it supports; None when nvidia-smi is absent."""
-
-    def requires_command(self) -> str:
-        return "nvidia-smi"
-
-    def command(self) -> str:
-        return QUERY_VERSION
-
-    @staticmethod
-    def default() -> NvidiaVersion | None:
-        return None
-
-    def process(self, output: list[str]) -> NvidiaVersion:
-        return parse_version(output)
-
-
-class NvidiaTopology(FactBase["Topology | None"]):
-    """GPU-to-GPU links (NVLink bonds or PCIe paths); None when nvidia-smi is absent."""
-
-    def requires_command(self) -> str:
-        return "nvidia-smi"
-
-    def command(self) -> str:
-        return QUERY_TOPOLOGY
-
-    @staticmethod
-    def default() -> Topology | None:
-        return None
-
-    def process(self, output: list[str]) -> Topology:
-        return parse_topology(output)

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.health.api import HttpStatusError, excerpt, fetch, stream_chat
-from gpufleet.health.check import Expected
-from gpufleet.health.transport import BadAnswer, Transport
+from gpufleet.health.api import HttpStatusError, fetch, stream_chat
+from gpufleet.remote.transport import BadAnswer, Transport
+from gpufleet.wire.evidence import excerpt
+from gpufleet.wire.identity import Expected
 
 ANSWER_TIMEOUT_S = 60.0  # per request: a few tokens from a served model, even the first batch after a cold start
 MAX_TOKENS = 8

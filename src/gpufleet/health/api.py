@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.health.transport import (
+from gpufleet.remote.transport import (
     LOOPBACK,
     MAX_BODY_BYTES,
     AnswerTooLarge,
@@ -30,6 +30,7 @@ from gpufleet.health.transport import (
     DeadlineHTTPConnection,
     Transport,
 )
+from gpufleet.wire.evidence import excerpt
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -58,20 +59,6 @@ class Answer:
     @property
     def text(self) -> str:
         return self.body.decode(errors="replace")
-
-
-def excerpt(text: str | bytes, limit: int = 80) -> str:
-    """Server-sent text quoted as evidence in a one-line detail: control and other non-printable characters
-    escaped (no line breaks, no terminal escapes), at most `limit` characters.
-
-    >>> excerpt("ok\\r\\nX-Evil: 1\\x1b[2J")
-    'ok\\\\r\\\\nX-Evil: 1\\\\x1b[2J'
-    """
-    if isinstance(text, bytes):
-        text = text[: limit + 1].decode("utf-8", errors="backslashreplace")
-    # Escaping only lengthens, so the first limit + 1 characters decide the result.
-    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text[: limit + 1])
-    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

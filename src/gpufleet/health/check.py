@@ -14,10 +14,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from gpufleet.health.api import DEFAULT_TIMEOUT_S, Answer, NotHttp, excerpt, fetch
-from gpufleet.health.metrics import KV_USAGE, RUNNING, WAITING, Metrics, parse_metrics
-from gpufleet.health.transport import (
-    LOOPBACK,
+from gpufleet.health.api import DEFAULT_TIMEOUT_S, Answer, NotHttp, fetch
+from gpufleet.remote.transport import (
     AnswerTooLarge,
     BadAnswer,
     ContainerInfo,
@@ -26,7 +24,10 @@ from gpufleet.health.transport import (
     TransportError,
     Unreachable,
 )
-from gpufleet.spec import ServeSpec, container_label_key
+from gpufleet.spec import container_label_key
+from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
+from gpufleet.wire.identity import Expected, identity_problems, reported_max_model_len, served_models
+from gpufleet.wire.metrics import KV_USAGE, RUNNING, WAITING, Metrics, parse_metrics
 
 # The detail of a look whose docker query failed (container-not-running, though nothing is known of the container).
 UNREADABLE = "cannot read container state"
@@ -42,40 +43,6 @@ class HealthState(StrEnum):
     DEAD = "dead"
     MISCONFIGURED = "misconfigured"
     READY = "ready"
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What a host should serve, taken from its spec (Expected.from_spec) or written by hand in tests.
-
-    cache_config: vllm:cache_config_info labels that must match exactly, e.g. {"enable_prefix_caching": "True"}.
-    """
-
-    service: str
-    port: int
-    served_model_name: str
-    max_model_len: int | None = None
-    cache_config: dict[str, str] = field(default_factory=dict)
-    # The spec hash the container's gpufleet.<service> label must carry (`gpufleet verify` sets it from the
-    # inventory); None: not compared (the deploy's own waits, and its rollback to an older unit, compare identity
-    # only).
-    spec_hash: str | None = None
-    address: str = LOOPBACK  # where the host reaches the port (ServeSpec.reach_address)
-
-    @classmethod
-    def from_spec(cls, spec: ServeSpec) -> Expected:
-        """From a gpufleet.spec.ServeSpec: the identity the deploy configured."""
-        cache = {"enable_prefix_caching": str(bool(spec.prefix_caching))}
-        if spec.mamba_cache_mode:
-            cache["mamba_cache_mode"] = str(spec.mamba_cache_mode)
-        return cls(
-            service=spec.service,
-            port=int(spec.port),
-            served_model_name=spec.served_model_name,
-            max_model_len=spec.max_model_len,
-            cache_config=cache,
-            address=spec.reach_address,
-        )
 
 
 @dataclass(frozen=True)
@@ -130,7 +97,6 @@ _NO_LISTENER_WHY = {
     ConnectionResetError: "the connection was reset before any answer",
     BrokenPipeError: "the connection closed before the request was sent",
 }
-DETAIL_CHARS = 400  # a detail is one line of evidence, not a dump of what the server sent
 
 
 def check(
@@ -281,64 +247,6 @@ def _check_http(
     if problems:
         return replace(report, state=HealthState.MISCONFIGURED, detail="; ".join(problems))
     return replace(report, state=HealthState.READY, detail=f"/health 200, serving {expected.served_model_name} (vLLM {version})")
-
-
-def reported_max_model_len(expected: Expected, models: list[tuple[str, int | None]]) -> int | None:
-    """The max_model_len of the expected model, or of the first one listed when it is not served."""
-    served = next((m for m in models if m[0] == expected.served_model_name), None)
-    return (served or (models[0] if models else (None, None)))[1]
-
-
-def identity_problems(expected: Expected, models: list[tuple[str, int | None]], cache_config: dict[str, str]) -> list[str]:
-    """How a server that answers /health 200 differs from what it should serve ([] = it is the expected one).
-
-    The one definition of "serving what it should" once /health is 200: the deploy's no-op decision (from the host
-    snapshot) and check() both use it. models: /v1/models' (id, max_model_len) pairs; cache_config: the
-    vllm:cache_config_info labels.
-    """
-    ids = [model_id for model_id, _ in models]
-    max_model_len = reported_max_model_len(expected, models)
-    problems = []
-    if expected.served_model_name not in ids:
-        listed = ", ".join(excerpt(i) for i in ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
-        problems.append(f"serves {listed or 'nothing'}, expected {expected.served_model_name}")
-    if expected.max_model_len is not None and max_model_len != expected.max_model_len:
-        problems.append(f"max_model_len {max_model_len}, expected {expected.max_model_len}")
-    for key, want in expected.cache_config.items():
-        got = cache_config.get(key)
-        if got != want:
-            problems.append(f"{key}={excerpt(got) if got is not None else None}, expected {want}")
-    return problems
-
-
-def served_models(body: bytes) -> list[tuple[str, int | None]]:
-    """/v1/models -> [(id, max_model_len)], in the server's order. ValueError saying how the body differs from
-    vLLM's {"object": "list", "data": [{"id": ..., "max_model_len": ...}, ...]}."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested past the parser's limit
-        raise ValueError(f"is not JSON: {excerpt(body) or 'an empty body'}") from e
-    if not isinstance(doc, dict):
-        raise ValueError(f'is a JSON {_json_type(doc)}, not an object with a "data" list')
-    data = doc.get("data")
-    if not isinstance(data, list):
-        raise ValueError('has no "data" list' if data is None else f'has "data" as a JSON {_json_type(data)}, not a list')
-    models = []
-    for i, item in enumerate(data):
-        if not isinstance(item, dict):
-            raise ValueError(f"item {i} is a JSON {_json_type(item)}, not a model object")
-        model_id, limit = item.get("id"), item.get("max_model_len")
-        if not isinstance(model_id, str):
-            raise ValueError(f'item {i} has {"no id" if model_id is None else "an id that is a JSON " + _json_type(model_id)}')
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
-            raise ValueError(f"item {i} ({excerpt(model_id)}) has a max_model_len that is a JSON {_json_type(limit)}")
-        models.append((model_id, limit))
-    return models
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _version(answer: Answer) -> str | None:

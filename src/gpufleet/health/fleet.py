@@ -15,22 +15,17 @@ from typing import Any
 
 import gevent
 import gevent.pool
-import paramiko
-from pyinfra.api import Config, Inventory, State
-from pyinfra.api.host import Host
 
-# pyinfra's connector is gevent code: hosts connect in parallel only over gevent's sockets, so pyinfra_cli's
-# monkey.patch_all() (run by gpufleet.inventory) must precede any thread.
-import gpufleet.inventory  # noqa: F401
 from gpufleet.health.answers import AnswerCheck, check_answers
-from gpufleet.health.api import excerpt
-from gpufleet.health.check import DETAIL_CHARS, Expected, HealthReport, HealthState, check
+from gpufleet.health.check import HealthReport, HealthState, check
 from gpufleet.health.probe import ProbeReport, probe
-from gpufleet.health.transport import SshTransport, Transport, Unreachable, transport_from_pyinfra_host
 from gpufleet.health.wait import wait_until_ready
+from gpufleet.remote.ssh import open_ssh
+from gpufleet.remote.transport import Transport, Unreachable
 from gpufleet.spec import ServeSpec
+from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
+from gpufleet.wire.identity import Expected
 
-SSH_TIMEOUT_S = 10.0  # per connection attempt: TCP connect, banner, key exchange and login together
 PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and paramiko's reader)
 
 
@@ -79,56 +74,6 @@ class HostResult:
     def ok(self) -> bool:
         return (self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
                 and all(a.ok for a in self.answers))
-
-
-def pyinfra_host(name: str, data: Mapping[str, Any]) -> Host:
-    """A pyinfra Host for this host data, in a State of its own: pyinfra checks the connector data (types) here,
-    and one host's bad data must not take the others' rows down."""
-    inventory = Inventory(([(name, dict(data))], {}))
-    State(inventory, Config(CONNECT_TIMEOUT=SSH_TIMEOUT_S))  # initialises the host's connector
-    return inventory.get_host(name)
-
-
-def connect(name: str, data: Mapping[str, Any]) -> paramiko.SSHClient:
-    """One host's SSH connection, opened as the deploy opens it (see open_ssh). The caller closes it."""
-    return open_ssh(name, data).client
-
-
-def open_ssh(name: str, data: Mapping[str, Any]) -> SshTransport:
-    """A transport over the host's SSH connection, opened by pyinfra's connector from its host data; the caller
-    closes its client. Raises Unreachable with one line saying why, within SSH_TIMEOUT_S per attempt (the
-    connector's ssh_connect_retries are honoured)."""
-    try:
-        host = pyinfra_host(name, data)
-    except Exception as e:  # host data the connector refuses (an ssh_port that is not a number)
-        raise Unreachable(_unreachable_line(name, data, e)) from e
-    attempts = 1 + int(host.data.get("ssh_connect_retries") or 0)
-    try:
-        # pyinfra bounds the TCP connect only: a host that accepts and then stalls (banner, login) is cut here.
-        try:
-            with gevent.Timeout(SSH_TIMEOUT_S * attempts):
-                host.connect(show_errors=False, raise_exceptions=True)
-        except gevent.Timeout:
-            pass  # not connected: reported just below
-        if not host.connected:
-            raise Unreachable(f"no SSH session within {SSH_TIMEOUT_S * attempts:g} s")
-        return transport_from_pyinfra_host(host)
-    except Exception as e:  # the connector raises more than ConnectError (key files, odd host data)
-        client = getattr(host.connector, "client", None)
-        if client is not None:  # a half-open session (timed out, refused key) holds a socket and a thread
-            client.close()
-        raise Unreachable(_unreachable_line(name, data, e)) from e
-
-
-def _unreachable_line(name: str, data: Mapping[str, Any], e: Exception) -> str:
-    port = data.get("ssh_port")
-    where = f"{data.get('ssh_hostname') or name}" + (f":{port}" if port else "")
-    why = str(e) or type(e).__name__
-    line = f"cannot SSH to {where}: {why}"
-    if "No host key for" in why:  # pyinfra's StrictPolicy: strict checking on, key not in known_hosts
-        known = data.get("ssh_known_hosts_file") or "~/.ssh/known_hosts"
-        line += f" (fix: add the host's key to {known}, e.g. with ssh-keyscan, or set ssh_strict_host_key_checking)"
-    return excerpt(line, DETAIL_CHARS)
 
 
 def check_host(

@@ -19,21 +19,21 @@ resolved (vllm:cache_config_info), so they are legal on this server (see docs/ve
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
 from typing import Any
 
 from gpufleet.health.api import Completion, get, stream_chat
-from gpufleet.health.check import Expected
-from gpufleet.health.metrics import HITS, PREFILL_COMPUTED, QUERIES, RUNNING, WAITING, Metrics, parse_metrics
-from gpufleet.health.transport import Transport
+from gpufleet.remote.transport import Transport
+from gpufleet.wire.geometry import LegalFixes, legal_prefix_match_unit
+from gpufleet.wire.identity import Expected
+from gpufleet.wire.metrics import HITS, PREFILL_COMPUTED, QUERIES, RUNNING, WAITING, Metrics, parse_metrics
 
 # Conversation lengths, in cache units: fractional parts spread L mod U over the unit so the trap shows up.
 # Measured on a hybrid (B=640, default batching): only lengths just past a block boundary hit, so two points sit
@@ -49,8 +49,6 @@ SESSION_MESSAGE_UNITS = 0.4  # each later turn adds a tool-output-sized user mes
 REPLY_TOKENS = 16
 MAX_TWINS = 3  # length measurements per point before turn N (bounds the request count)
 TOLERANCE_TOKENS = 4
-# The unit measured to remove the trap on a 640-token block; never recommend a coarser one.
-PREFERRED_UNIT = 128
 _WORDS = (
     "the server keeps a cache of every block it has seen so a long conversation should not be processed again "
     "when the next question arrives and the operator wants to know that this really happens on each host"
@@ -61,73 +59,6 @@ class Verdict(StrEnum):
     EFFECTIVE = "effective"
     INEFFECTIVE = "ineffective"
     CHUNK_ALIGNMENT_TRAP = "chunk-alignment-trap"
-
-
-# --- what is legal on this server ---------------------------------------------------------------------------
-
-
-def resolved_block_sizes(cache_config: Mapping[str, str]) -> tuple[int, ...]:
-    """The KV cache block sizes a server resolved at start, from its vllm:cache_config_info labels.
-
-    block_size is the attention block after vLLM enlarged it for the model's state size; effective_attention_block
-    _size is the same including context parallelism. mamba_block_size is not read: in align mode vLLM gives the
-    state groups the attention block (platforms/interface.py, Platform._align_hybrid_block_size), and the label
-    can still show the value from before that (16 on vLLM 0.32).
-    """
-    sizes = []
-    for key in ("block_size", "effective_attention_block_size"):
-        value = cache_config.get(key)
-        if value and value.isdigit() and int(value) > 0:
-            sizes.append(int(value))
-    return tuple(sorted(set(sizes)))
-
-
-def legal_prefix_match_unit(block_sizes: Sequence[int], ceiling: int = PREFERRED_UNIT) -> int | None:
-    """The largest unit not above `ceiling` that divides every block size (vLLM refuses any other:
-    v1/core/kv_cache_utils.py, resolve_kv_cache_block_sizes). None when no block size is known.
-
-    >>> legal_prefix_match_unit([640]), legal_prefix_match_unit([2096]), legal_prefix_match_unit([544])
-    (128, 16, 68)
-    """
-    if not block_sizes:
-        return None
-    common = math.gcd(*block_sizes)
-    return max(d for d in range(1, min(common, ceiling) + 1) if common % d == 0)
-
-
-def legal_max_num_batched_tokens(block_sizes: Sequence[int]) -> int | None:
-    """A --max-num-batched-tokens whose chunks end on every group's block boundary: their least common multiple."""
-    return math.lcm(*block_sizes) if block_sizes else None
-
-
-@dataclass(frozen=True)
-class LegalFixes:
-    """Settings that vLLM accepts on this server, computed from the block sizes it resolved."""
-
-    block_sizes: tuple[int, ...]
-    prefix_match_unit: int | None  # None: a single KV cache group (dense), where only the block size is accepted
-    max_num_batched_tokens: int | None
-
-    @classmethod
-    def from_cache_config(cls, cache_config: Mapping[str, str]) -> LegalFixes:
-        blocks = resolved_block_sizes(cache_config)
-        hybrid = cache_config.get("mamba_cache_mode") not in (None, "None", "none")
-        return cls(blocks, legal_prefix_match_unit(blocks) if hybrid else None, legal_max_num_batched_tokens(blocks))
-
-    def lines(self) -> tuple[str, ...]:
-        blocks = "/".join(map(str, self.block_sizes)) or "?"
-        out = []
-        if self.prefix_match_unit:
-            out.append(
-                f"--prefix-match-unit {self.prefix_match_unit} (divides the block size {blocks}: hits align to "
-                f"{self.prefix_match_unit} tokens instead of whole blocks; measured fix)"
-            )
-        if self.max_num_batched_tokens:
-            out.append(
-                f"--max-num-batched-tokens {self.max_num_batched_tokens} (equal to the block size: every prefill "
-                "chunk ends on a block boundary; measured fix, but long prompts then prefill in small chunks)"
-            )
-        return tuple(out)
 
 
 # --- measurements -------------------------------------------------------------------------------------------

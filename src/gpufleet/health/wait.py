@@ -15,8 +15,9 @@ from dataclasses import replace
 from typing import Any
 
 from gpufleet.health.api import DEFAULT_TIMEOUT_S
-from gpufleet.health.check import DEFAULT_GRACE_S, UNREADABLE, Expected, HealthReport, HealthState, check
-from gpufleet.health.transport import Transport, TransportError
+from gpufleet.health.check import DEFAULT_GRACE_S, UNREADABLE, HealthReport, HealthState, check
+from gpufleet.remote.transport import Transport, TransportError
+from gpufleet.wire.identity import Expected
 
 POLL_S = 2.0
 # Waiting cannot change these: return at once.

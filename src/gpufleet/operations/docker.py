@@ -6,9 +6,9 @@ from pyinfra import host
 from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.operations import apt
 
+from gpufleet.operations.base import Commands
 from gpufleet.operations.files import put_content
 from gpufleet.operations.layout import Layout, Managed
-from gpufleet.operations.remote import Commands
 from gpufleet.operations.repo_keys import dearmor, install_fetched_key, key_commands
 from gpufleet.operations.snapshot import snapshot
 

@@ -12,9 +12,10 @@ from pyinfra.api.arguments import ConnectorArguments
 from pyinfra.operations import apt
 
 from gpufleet.ledger import atomic_write_command
-from gpufleet.operations.remote import Commands, use_sudo
+from gpufleet.operations.base import Commands
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.snapshot import snapshot
+from gpufleet.remote.ssh import use_sudo
 
 
 def sha256(content: str | bytes) -> str:

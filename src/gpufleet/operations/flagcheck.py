@@ -19,9 +19,10 @@ from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.errors import one_line
+from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.image import image_ref
 from gpufleet.operations.layout import STATE_DIR
-from gpufleet.operations.remote import Commands, fail, use_sudo
+from gpufleet.remote.ssh import use_sudo
 from gpufleet.spec import FLAG_CHECK_MODEL, ServeSpec
 
 TIMEOUT_S = 120  # importing vLLM (torch) takes tens of seconds on a busy host; argparse runs right after

@@ -19,8 +19,9 @@ from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.image_ref import parse
 from gpufleet.ledger import Ledger, pin
-from gpufleet.operations.remote import Commands, fail, use_sudo
+from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.snapshot import memo
+from gpufleet.remote.ssh import use_sudo
 
 
 def repository(image: str) -> str:

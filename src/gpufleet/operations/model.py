@@ -8,10 +8,11 @@ from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.facts.host import HostSnapshot
+from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.image import image_ref
 from gpufleet.operations.layout import Layout, Managed
-from gpufleet.operations.remote import Commands, fail, use_sudo
 from gpufleet.operations.snapshot import snapshot
+from gpufleet.remote.ssh import use_sudo
 from gpufleet.spec import ServeSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")

@@ -10,9 +10,9 @@ from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.operations import apt
 
 from gpufleet.facts.host import DAEMON_JSON
+from gpufleet.operations.base import Commands
 from gpufleet.operations.files import put_content, replace_command, temp_path
 from gpufleet.operations.layout import STATE_DIR, Layout, Managed
-from gpufleet.operations.remote import Commands
 from gpufleet.operations.repo_keys import dearmor, install_fetched_key, key_commands
 from gpufleet.operations.snapshot import snapshot
 

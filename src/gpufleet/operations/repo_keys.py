@@ -13,8 +13,9 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, Host, State
 
 from gpufleet.facts.host import HostSnapshot
+from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import as_io, put_content, replace_command, sha256, temp_path
-from gpufleet.operations.remote import Commands, fail, use_sudo
+from gpufleet.remote.ssh import use_sudo
 
 
 def dearmor(armored: str) -> bytes:

@@ -20,20 +20,29 @@ from pyinfra.context import ctx_state
 
 from gpufleet import hostlock
 from gpufleet.facts.host import HostSnapshot
-from gpufleet.health.check import Expected, identity_problems
 from gpufleet.ledger import (
-    DropPending, FinishPending, Ledger, Nothing, Resume, Version, begin, drop_pending, refused_target, render,
+    DropPending,
+    FinishPending,
+    Ledger,
+    Nothing,
+    Resume,
+    Version,
+    begin,
+    drop_pending,
+    refused_target,
+    render,
     retry_failed,
 )  # fmt: skip
+from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import put_content, put_secret, sha256, write_file
 from gpufleet.operations.image import image_ref, now_utc
 from gpufleet.operations.layout import Layout, Managed, unit_backup
-from gpufleet.operations.remote import Commands, fail
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.snapshot import memo, snapshot
 from gpufleet.settings import SECRET_VALUE
 from gpufleet.spec import ServeSpec
 from gpufleet.unit import render_unit, unit_name, unit_path
+from gpufleet.wire.identity import Expected, identity_problems
 
 # Secrets every service's env file may carry: env var -> the setting holding it (vllm_secret_env adds more).
 ENV_SECRETS = {"VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token"}

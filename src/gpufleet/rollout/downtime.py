@@ -10,7 +10,7 @@ from collections.abc import Callable
 import gevent
 
 from gpufleet.health.api import get
-from gpufleet.health.transport import LOOPBACK, Transport
+from gpufleet.remote.transport import LOOPBACK, Transport
 
 POLL_S = 0.25
 REQUEST_TIMEOUT_S = 2.0

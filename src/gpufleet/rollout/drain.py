@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import gevent
 
 from gpufleet.health.api import get
-from gpufleet.health.metrics import RUNNING, parse_metrics
-from gpufleet.health.transport import LOOPBACK, Transport
+from gpufleet.remote.transport import LOOPBACK, Transport
+from gpufleet.wire.metrics import RUNNING, parse_metrics
 
 POLL_S = 0.5
 REQUEST_TIMEOUT_S = 5.0

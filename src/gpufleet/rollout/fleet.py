@@ -11,9 +11,10 @@ from typing import Any, TypeVar
 import gevent.pool
 
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.health.fleet import PARALLEL, open_ssh
-from gpufleet.health.transport import SshTransport, Unreachable, needs_sudo
+from gpufleet.health.fleet import PARALLEL
 from gpufleet.inventory import load_host_specs
+from gpufleet.remote.ssh import needs_sudo, open_ssh
+from gpufleet.remote.transport import SshTransport, Unreachable
 from gpufleet.spec import ServeSpec
 
 T = TypeVar("T")

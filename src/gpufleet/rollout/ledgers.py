@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpufleet.ledger import CorruptLedger, Failed, Ledger, corrupt_refusal, parse
-from gpufleet.health.transport import SshTransport
 from gpufleet.operations.layout import state_file
+from gpufleet.remote.transport import SshTransport
 from gpufleet.rollout.fleet import FleetHost, Sessions, run
 
 PRESENT = "@@gpufleet-ledger"

@@ -8,8 +8,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.health.transport import Unreachable
 from gpufleet.inventory import HostData
+from gpufleet.remote.transport import Unreachable
 from gpufleet.router.api import Router, RouterError
 from gpufleet.router.settings import router_settings, worker_url
 from gpufleet.router.status import connect

@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from gpufleet.errors import one_line
-from gpufleet.health.transport import SshTransport, TransportError
+from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout.deploy import DeployRun, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.health.transport import TransportError
 from gpufleet.image_ref import parse
 from gpufleet.operations.image import pick_digest
+from gpufleet.remote.transport import TransportError
 from gpufleet.rollout.fleet import FleetHost, Sessions, run
 
 PULL_TIMEOUT_S = 3600.0  # a nightly vLLM image is ~10 GB

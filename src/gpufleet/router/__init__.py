@@ -15,6 +15,3 @@ does, measured: docs/router.md.
     check.py       is a router serving the fleet? (gpufleet verify)
     workers.py     take a replica out of the worker set and put it back (rollouts)
 """
-
-# Hosts in this pyinfra inventory group run the router; every other host of the inventory is a replica.
-ROUTERS_GROUP = "routers"

@@ -8,18 +8,18 @@ GET /list_workers, GET /readiness, POST /add_worker?url= (blocks until the worke
 from __future__ import annotations
 
 import json
-import re
+import math
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.health.api import excerpt, fetch
-from gpufleet.health.transport import Transport
+from gpufleet.health.api import fetch
+from gpufleet.remote.transport import Transport
+from gpufleet.wire.evidence import excerpt
+from gpufleet.wire.metrics import Sample, samples
 
 TIMEOUT_S = 10.0
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)', re.M)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 class RouterError(GpufleetError):
@@ -67,20 +67,18 @@ class Router:
     def list_workers(self) -> list[str]:
         return [str(u) for u in self.get_json("/list_workers").get("urls", [])]
 
-    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+    def metrics(self) -> list[Sample]:
+        """The router's metric samples; RouterError when they cannot be read."""
         answer = fetch(self.transport, self.metrics_port, "/metrics", TIMEOUT_S)
         if answer.status != 200:
             raise RouterError(one_line(f"{self.name}: GET /metrics: HTTP {answer.status}"))
-        return parse_metrics(answer.text)
+        return router_samples(answer.text, self.name)
 
 
-def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Prometheus text -> [(name, labels, value)] (comments and unparsable values skipped)."""
-    samples = []
-    for m in _SAMPLE.finditer(text):
-        try:
-            value = float(m["value"])
-        except ValueError:
-            continue
-        samples.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), value))
-    return samples
+def router_samples(text: str, router: str = "router") -> list[Sample]:
+    """The finite samples of the router's Prometheus text (a NaN or infinite count says nothing: left out); a text
+    that is not Prometheus is a RouterError."""
+    try:
+        return [s for s in samples(text) if math.isfinite(s[2])]
+    except ValueError as error:
+        raise RouterError(one_line(f"{router}: GET /metrics: {error}")) from None

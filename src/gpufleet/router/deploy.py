@@ -24,9 +24,9 @@ from pyinfra.context import ctx_state
 from gpufleet import hostlock
 from gpufleet.errors import SettingErrors
 from gpufleet.health.fleet import HostTarget, check_fleet
-from gpufleet.inventory import split_roles
-from gpufleet.operations.remote import not_for_this_host
-from gpufleet.router import ROUTERS_GROUP, operations
+from gpufleet.inventory import ROUTERS_GROUP, split_roles
+from gpufleet.operations.base import not_for_this_host
+from gpufleet.router import operations
 from gpufleet.router.facts import RouterHostFact
 from gpufleet.router.settings import Replica, build_router_spec, replicas, router_settings
 from gpufleet.settings import build_spec, merged_settings

@@ -11,8 +11,8 @@ from pyinfra.api import StringCommand, operation
 from pyinfra.operations import apt
 
 from gpufleet import hostlock
+from gpufleet.operations.base import Commands
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
-from gpufleet.operations.remote import Commands
 from gpufleet.router.facts import RouterHost
 from gpufleet.router.spec import RouterSpec
 from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, render_proxy, render_unit, unit_path

@@ -6,12 +6,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from gpufleet.health.api import excerpt, fetch
-from gpufleet.health.fleet import open_ssh
-from gpufleet.health.transport import Transport, Unreachable
+from gpufleet.health.api import fetch
+from gpufleet.remote.ssh import open_ssh
+from gpufleet.remote.transport import Transport, Unreachable
 from gpufleet.router.api import Router, RouterError
 from gpufleet.router.settings import router_settings
 from gpufleet.spec import reach_address
+from gpufleet.wire.evidence import excerpt
 
 
 @dataclass(frozen=True)

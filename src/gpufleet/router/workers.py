@@ -3,17 +3,13 @@
 Through the router's own worker API (vllm-router has one): /remove_worker stops new requests going there at
 once, while requests already proxied there finish on their open connections; leave() then waits until the
 router has none in flight there. /add_worker re-adds it once it answers /health (call join() after the replica
-verified ready). Clients of the router see no error: measured in tests/integration/test_router.py.
-
-    with out_of_rotation(router, url, drain_timeout_s=60):
-        ...   # stop, swap, start, verify the replica
+verified ready). Clients of the router see no error: measured in tests/integration/test_router.py. The rollout
+uses them through gpufleet.rollout.routers (every router, a failed rejoin recorded per host).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from gpufleet.router.api import Router, RouterError
 
@@ -47,15 +43,3 @@ def join(router: Router, url: str, timeout_s: float = 120.0) -> None:
     router.add_worker(url, timeout_s + 10)
     if url not in router.list_workers():
         raise RouterError(f"{router.name}: {url} is not in its worker set after /add_worker")
-
-
-@contextmanager
-def out_of_rotation(router: Router, url: str, drain_timeout_s: float = 60.0, join_timeout_s: float = 120.0
-                    ) -> Iterator[float]:
-    """leave() before the block (yields the drain's seconds), join() after it, also when the block raised (a
-    rolled-back replica serves again): a replica is never left out by accident."""
-    drained = leave(router, url, drain_timeout_s)
-    try:
-        yield drained
-    finally:
-        join(router, url, join_timeout_s)

@@ -66,11 +66,3 @@ http: {{addr: "{cfg.gateway}:{REGISTRY_PORT}"}}
         pid = procs.spawn(["docker-registry", "serve", str(conf)], cfg.state_dir / "logs" / "registry.log")
         state.add_pid("registry", pid)
     _wait_serving(state, "registry", f"http://{cfg.registry}/v2/", cfg.registry)
-
-
-def stop_all(state: State) -> None:
-    for name in ("mirror", "registry", "dockerd"):
-        entry = state.pid(name)
-        if entry:
-            procs.stop(entry[0], grace=20, started=entry[1])
-        state.drop_pid(name)

@@ -1,4 +1,5 @@
-"""vLLM's /metrics, parsed with prometheus_client (never by hand), reduced to what the checks need."""
+"""Prometheus text (vLLM's and vllm-router's /metrics), parsed with prometheus_client (never by hand); vLLM's reduced
+to what the checks need."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufleet.health.api import excerpt
+from gpufleet.wire.evidence import excerpt
 
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -16,6 +17,8 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 CACHE_CONFIG = "vllm:cache_config_info"
+
+Sample = tuple[str, dict[str, str], float]  # name, labels, value
 
 
 @dataclass(frozen=True)
@@ -45,19 +48,25 @@ class Metrics:
         return _int_label(self.cache_config.get("prefix_match_unit"))
 
 
-def parse_metrics(text: str) -> Metrics:
-    """Raises ValueError, quoting the parser's complaint, when the text is not the Prometheus exposition format."""
-    values: dict[str, float] = {}
-    cache_config: dict[str, str] = {}
+def samples(text: str) -> list[Sample]:
+    """Prometheus text -> every sample as (name, labels, value), in order, through prometheus_client's parser.
+    Raises ValueError, quoting the parser's complaint, when the text is not the Prometheus exposition format."""
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-                if sample.name == CACHE_CONFIG and not cache_config:
-                    # Info metrics are gauges fixed at 1; the config lives in the labels. Engines share one config.
-                    cache_config = {k: v for k, v in sample.labels.items() if k != "engine"}
+        return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text)
+                for s in family.samples]
     except ValueError as e:  # the parser's one complaint, sometimes with an empty message
         raise ValueError(f"is not Prometheus text: {excerpt(str(e) or 'unparsable', 100)}") from e
+
+
+def parse_metrics(text: str) -> Metrics:
+    """vLLM's /metrics reduced to summed values and the cache config labels. Raises ValueError like samples()."""
+    values: dict[str, float] = {}
+    cache_config: dict[str, str] = {}
+    for name, labels, value in samples(text):
+        values[name] = values.get(name, 0.0) + value
+        if name == CACHE_CONFIG and not cache_config:
+            # Info metrics are gauges fixed at 1; the config lives in the labels. Engines share one config.
+            cache_config = {k: v for k, v in labels.items() if k != "engine"}
     return Metrics(values, cache_config)
 
 

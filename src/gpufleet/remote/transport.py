@@ -24,7 +24,6 @@ from datetime import datetime
 from typing import Any, Protocol
 
 import paramiko
-from pyinfra.api import Host
 
 from gpufleet.spec import LOOPBACK, container_label_key
 
@@ -248,7 +247,7 @@ class SshTransport:
     """Checks through an open paramiko.SSHClient. sudo must not prompt (the deploy user has NOPASSWD).
 
     Open one as the deploy does (pyinfra's connector, the inventory's SSH settings) with transport_from_pyinfra_host
-    or gpufleet.health.fleet.open_ssh:
+    or gpufleet.remote.ssh.open_ssh:
 
     >>> check(open_ssh("gpu1", {"ssh_user": "deploy"}), expected)
     """
@@ -326,30 +325,6 @@ def _peer_name(client: paramiko.SSHClient) -> str:
         return "?"
 
 
-def transport_from_pyinfra_host(host: Host) -> SshTransport:
-    """Reuse a pyinfra 3.x host's SSH connection (its paramiko client lives at host.connector.client).
-
-    Connects the host first if pyinfra has not yet done so.
-    """
-    connector = host.connector
-    # Only pyinfra's SSH connector has a paramiko client (@local, @docker and others have none).
-    client = getattr(connector, "client", None)
-    if client is None:
-        host.connect(raise_exceptions=True)
-        client = getattr(host.connector, "client", None)
-    if not isinstance(client, paramiko.SSHClient):
-        raise TransportError(f"{host.name}: not an SSH host (connector {type(connector).__name__})")
-    return SshTransport(client, name=host.name, sudo=needs_sudo(client))
-
-
-def needs_sudo(client: paramiko.SSHClient) -> bool:
-    """Root-level commands (docker) go through sudo unless the session is root's: sudo may not even exist on a host
-    managed as root. The user is the one the session logged in as, whatever named it (ssh_user, ~/.ssh/config, the
-    local user)."""
-    session = client.get_transport()
-    return session is None or session.get_username() != "root"
-
-
 __all__ = [
     "MAX_ANSWER_BYTES",
     "MAX_BODY_BYTES",
@@ -362,7 +337,5 @@ __all__ = [
     "Transport",
     "TransportError",
     "Unreachable",
-    "needs_sudo",
     "pick_container",
-    "transport_from_pyinfra_host",
 ]

@@ -1,0 +1,139 @@
+"""The package's layers (docs/architecture.md): every module imports, and no import runs back up.
+
+Each top-level room of gpufleet has a rank; a module may import from its own room and from rooms of a lower rank,
+never from a room of the same or a higher rank. That one rule keeps, among others, facts and operations off the
+network client (health), the health checks off the inventory, the ledger and the lock off the operations, the
+inventory off the router and the offline lint off health; and it rules out import cycles between rooms. Imports
+inside functions and under TYPE_CHECKING count like any other.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import gpufleet
+
+PACKAGE = Path(gpufleet.__file__).parent
+
+# Lowest first. Rooms of one rank never import each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors",),
+    ("quoting", "defaults", "image_ref", "vllm_flags", "data"),
+    ("profiles", "spec"),
+    ("unit", "wire"),  # wire: pure rules over what vLLM and hosts send
+    ("settings", "lint", "remote"),  # remote: SSH through pyinfra's connector, sudo, the transport
+    ("ledger", "hostlock", "facts"),
+    ("operations",),
+    ("health",),  # the network client: checks, waits, answers, the probe
+    ("inventory",),
+    ("deploys",),
+    ("router",),
+    ("rollout",),
+    ("sandbox",),
+    ("cli",),
+    ("__main__",),
+)
+RANK = {room: rank for rank, rooms in enumerate(LAYERS) for room in rooms}
+
+
+def modules() -> list[str]:
+    return ["gpufleet"] + [m.name for m in pkgutil.walk_packages([str(PACKAGE)], "gpufleet.")]
+
+
+def room(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def source(module: str) -> Path:
+    path = PACKAGE.joinpath(*module.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def imported(module: str) -> list[tuple[str, int]]:
+    """(gpufleet module imported, line) for every import in the module's source, relative ones resolved; `from
+    gpufleet.x import y` names the submodule gpufleet.x.y when there is one."""
+    path = source(module)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub if importlib.util.find_spec(sub.split(".")[0]) and _is_module(sub) else base,
+                              node.lineno))
+    return [(name, line) for name, line in found if name == "gpufleet" or name.startswith("gpufleet.")]
+
+
+def _is_module(name: str) -> bool:
+    if not name.startswith("gpufleet."):
+        return False
+    path = PACKAGE.joinpath(*name.split(".")[1:])
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
+def test_every_room_has_a_rank():
+    rooms = {room(m) for m in modules()} - {""}
+    assert rooms - set(RANK) == set(), "a new room needs its place in LAYERS (and in docs/architecture.md)"
+    assert set(RANK) - rooms <= {"data"}, "LAYERS names a room that is gone"
+
+
+@pytest.mark.parametrize("module", [m for m in modules() if not m.endswith("__main__")])  # those run the CLI
+def test_module_imports(module):
+    importlib.import_module(module)
+
+
+def test_no_import_runs_back_up_the_layers():
+    broken = []
+    for module in modules():
+        here = room(module)
+        for target, line in imported(module):
+            there = room(target)
+            if there == here or there == "" or here == "":
+                continue  # within a room; the package's own __init__ (its version) sits below every room
+            if RANK[there] >= RANK[here]:
+                broken.append(f"{source(module).relative_to(PACKAGE.parent)}:{line}: {module} imports {target} "
+                              f"({here} is rank {RANK[here]}, {there} rank {RANK[there]})")
+    assert broken == [], "\n".join(broken)
+
+
+def test_the_rule_is_checked_against_real_imports():
+    # The reader finds imports the rule is about (so the test above cannot pass by reading nothing).
+    found = dict(imported("gpufleet.health.check"))
+    assert "gpufleet.wire.identity" in found and "gpufleet.remote.transport" in found
+    assert "gpufleet.hostlock" in dict(imported("gpufleet.router.operations"))
+
+
+@pytest.mark.parametrize("module, forbidden", [
+    ("gpufleet.facts.host", "gpufleet.health"),
+    ("gpufleet.operations.service", "gpufleet.health"),
+    ("gpufleet.health.fleet", "gpufleet.inventory"),
+    ("gpufleet.hostlock", "gpufleet.operations"),
+    ("gpufleet.inventory", "gpufleet.router"),
+    ("gpufleet.lint", "gpufleet.health"),
+])
+def test_the_named_layer_rules(module, forbidden):
+    assert not [t for t, _ in imported(module) if t == forbidden or t.startswith(forbidden + ".")]
+    assert RANK[room(forbidden)] > RANK[room(module)]
+
+
+def test_hosts_are_reached_only_through_remote():
+    # SSH is opened in one place: nothing outside gpufleet.remote imports paramiko's client or pyinfra's connector.
+    openers = []
+    for module in modules():
+        if room(module) in ("remote", "sandbox"):
+            continue
+        text = source(module).read_text()
+        if "SSHClient(" in text or "pyinfra.connectors" in text:
+            openers.append(module)
+    assert openers == []
