@@ -10,6 +10,8 @@ target is the stand-in tag `good-next` (never moved by any test); the replicas f
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -17,7 +19,17 @@ import urllib.error
 
 from tests.integration.pyinfra_run import run_deploy
 from tests.integration.test_router import (
-    GPUFLEET, QWEN35, REPO, ROUTER, ROUTER_PORT, chat, inventory, replicas, rfleet, router_host, served_model,
+    GPUFLEET,
+    QWEN35,
+    REPO,
+    ROUTER,
+    ROUTER_PORT,
+    chat,
+    inventory,
+    replicas,
+    rfleet,
+    router_host,
+    served_model,
 )
 
 from gpufleet.sandbox.fleet import Fleet
@@ -139,3 +151,50 @@ def test_rollout_behind_the_router_fails_no_client_request(rfleet, inventory, py
     assert sorted(router_workers(rfleet)) == urls
     # Each replica left the router's set for its swap, one at a time (--batch 1).
     assert watch.ever_out == set(urls) and watch.most_out == 1, (watch.ever_out, watch.most_out)
+
+
+def rollout(inventory, image: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GPUFLEET, "rollout", str(inventory), "--image", image, "--yes", "--json"],
+                          capture_output=True, text=True, timeout=900, cwd=REPO, **kwargs)
+
+
+def test_a_controller_killed_after_a_replica_left_the_router_strands_nothing(rfleet, inventory):
+    # After the test above every replica runs good-next; this rollout goes back to good (committed before, not
+    # failed). The controller is killed (SIGKILL, its deploy run dies with it) right after the first replica left
+    # the router's worker set: the laptop that died mid-rollout.
+    urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
+    assert sorted(router_workers(rfleet)) == urls
+    image = f"{rfleet.cfg.registry}/{REPOSITORY}:good"
+    proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--image", image, "--yes", "--json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    router = connect_router(rfleet)
+    try:
+        deadline = time.monotonic() + 300
+        stranded: set[str] = set()
+        while not stranded and time.monotonic() < deadline and proc.poll() is None:
+            stranded = set(urls) - set(router.list_workers())
+            time.sleep(0.1)
+        assert stranded and proc.poll() is None, "the rollout ended before a replica left the router"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        time.sleep(1)
+        assert set(urls) - set(router.list_workers()) == stranded, "the kill must leave the replica out"
+
+        resumed = rollout(inventory, image)
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        assert {h["outcome"] for h in json.loads(resumed.stdout)["hosts"]} <= {"updated", "unchanged"}
+        assert sorted(router.list_workers()) == urls, resumed.stderr[-3000:]
+
+        # Killed later, after a swap committed but before its rejoin: the next run has nothing to swap, and still
+        # puts the replica back (a run with nothing to do reconciles the routers too).
+        left = urls[0]
+        router.remove_worker(left)
+        again = rollout(inventory, image)
+        assert again.returncode == 0, again.stderr[-4000:]
+        assert {h["outcome"] for h in json.loads(again.stdout)["hosts"]} == {"unchanged"}
+        assert sorted(router.list_workers()) == urls
+        assert "put back in router" in again.stderr, again.stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        router.transport.client.close()  # type: ignore[attr-defined]

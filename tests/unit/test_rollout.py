@@ -20,17 +20,21 @@ from gpufleet import ledger
 from gpufleet.cli import main
 from gpufleet.cli.rollout import ledger_rows
 from gpufleet.errors import GpufleetError
+from gpufleet.health.check import HealthState
 from gpufleet.rollout import deploy as rollout_deploy
 from gpufleet.rollout.deploy import DeployRun, settings_args
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
 from gpufleet.rollout.fleet import FleetHost
 from gpufleet.rollout.ledgers import PRESENT, parse_read
+from gpufleet.rollout.membership import belongs
 from gpufleet.rollout.prepare import failures, prepare
 from gpufleet.rollout.report import HostOutcome, Outcome, document, succeeded
+from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.run import previous_targets
 from gpufleet.rollout.swap import SwapOptions, batches, judge
 from gpufleet.rollout.target import digest_from_inspect, requested_image
+from gpufleet.router.api import Router, RouterError
 from gpufleet.sandbox.image import write_tiny_model
 from gpufleet.settings import build_spec
 from tests.loopback import LoopbackTransport
@@ -329,6 +333,94 @@ def test_a_replica_a_router_cannot_address_is_refused_when_there_is_a_router():
 
     with pytest.raises(SettingError, match=r"h1: vllm_publish_address: 127\.0\.0\.1 keeps vLLM off the network"):
         Routers.connect([("r1", {})], [("h1", {"vllm_publish_address": "127.0.0.1"})])
+
+
+class FakeRouter(Router):
+    """A router's worker API in memory: what gpufleet asks of it, and a failure to raise where told."""
+
+    def __init__(self, name: str, workers=(), fail: dict[str, BaseException] | None = None):
+        super().__init__(name, None, 8000, 29000)  # type: ignore[arg-type]
+        object.__setattr__(self, "workers", set(workers))
+        object.__setattr__(self, "fail", fail or {})
+
+    def _maybe_fail(self, what: str) -> None:
+        if what in self.fail:
+            raise self.fail[what]
+
+    def list_workers(self) -> list[str]:
+        self._maybe_fail("list")
+        return sorted(self.workers)
+
+    def add_worker(self, url: str, timeout: float) -> None:
+        self._maybe_fail("add")
+        self.workers.add(url)
+
+    def remove_worker(self, url: str) -> None:
+        self._maybe_fail("remove")
+        self.workers.discard(url)
+
+    def metrics(self):
+        return []
+
+
+URLS = {"h1": "http://10.0.0.1:5000", "h2": "http://10.0.0.2:5000", "h3": "http://10.0.0.3:5000"}
+
+
+def test_a_replica_belongs_in_the_routers_when_committed_with_nothing_pending_and_ready():
+    cut = ledger.begin(committed_on(OLD), version(NEW), "x", "t1")
+    assert belongs(read(committed_on(OLD)), HealthState.READY) is True
+    assert belongs(read(committed_on(OLD)), HealthState.DEAD) is False
+    assert belongs(read(committed_on(OLD)), HealthState.MISCONFIGURED) is False
+    assert belongs(read(cut), HealthState.READY) is False  # a swap that ended neither committed nor rolled back
+    assert belongs(read(None), HealthState.READY) is False  # never committed
+    # What says nothing either way leaves the replica as it is: a blip, a start under way, an unreadable ledger.
+    assert belongs(read(committed_on(OLD)), HealthState.SSH_UNREACHABLE) is None
+    assert belongs(read(committed_on(OLD)), HealthState.STARTING) is None
+    assert belongs(read(committed_on(OLD)), None) is None
+    assert belongs(parse_read("h1", "/p", 255, "", "Connection reset"), HealthState.READY) is None
+
+
+def test_reconcile_puts_back_what_belongs_takes_out_what_does_not_and_leaves_the_unknown():
+    router = FakeRouter("r1", [URLS["h1"], "http://10.9.9.9:5000"])  # h2 stranded by a killed controller
+    routers = Routers([(router, 30.0)], URLS)
+    lines = routers.reconcile({"h1": False, "h2": True, "h3": None})
+    assert router.workers == {URLS["h2"]}
+    assert lines == {"h1": "taken out of router r1", "h2": "put back in router r1",
+                     "r1": "removed http://10.9.9.9:5000: no replica of the inventory"}
+    assert routers.reconcile({"h1": False, "h2": True, "h3": None}) == {}  # settled: a second pass changes nothing
+
+
+def test_reconcile_never_raises_a_router_error_is_its_line():
+    nan = FakeRouter("r1", [], fail={"list": ValueError("cannot convert float NaN to integer")})
+    cut = FakeRouter("r2", [], fail={"add": EOFError()})
+    lines = Routers([(nan, 30.0), (cut, 30.0)], URLS).reconcile({"h1": True})
+    assert lines == {"r1": "router r1: worker list: cannot convert float NaN to integer",
+                     "h1": "router r2: EOFError"}
+
+
+def test_a_router_that_does_not_let_a_replica_go_is_one_line_and_the_ones_taken_come_back():
+    import paramiko
+
+    first = FakeRouter("r1", [URLS["h1"]])
+    second = FakeRouter("r2", [URLS["h1"]], fail={"remove": paramiko.SSHException("SSH session not active")})
+    routers = Routers([(first, 30.0), (second, 30.0)], URLS)
+    with pytest.raises(RouterError) as caught:
+        with routers.out(["h1"], drain_timeout_s=5):
+            raise AssertionError("the block must not run")
+    assert str(caught.value) == "taking h1 out of the routers: SSH session not active"
+    assert first.workers == {URLS["h1"]}  # not swapped: back where it was
+
+
+def test_after_the_block_a_replica_stays_out_until_rejoin_and_a_refused_rejoin_is_a_line():
+    router = FakeRouter("r1", [URLS["h1"], URLS["h2"]])
+    routers = Routers([(router, 30.0)], URLS)
+    with routers.out(["h1"], drain_timeout_s=5):
+        assert router.workers == {URLS["h2"]}
+    assert router.workers == {URLS["h2"]}  # its outcome decides: committed or rolled back rejoin, others stay out
+    assert routers.rejoin("h1") is None and router.workers == {URLS["h1"], URLS["h2"]}
+    refusing = FakeRouter("r2", [], fail={"add": RouterError("r2: POST /add_worker: HTTP 400: Timeout")})
+    assert Routers([(refusing, 30.0)], URLS).rejoin("h1") == \
+        "did not rejoin router r2: r2: POST /add_worker: HTTP 400: Timeout"
 
 
 def test_a_deploy_run_past_its_time_limit_is_ended_by_its_pid_and_fails_its_hosts(tmp_path, monkeypatch):

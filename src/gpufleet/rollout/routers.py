@@ -1,11 +1,13 @@
 """The routers in front of the replicas (the inventory's routers group), as a rollout uses them: a replica leaves
-every router's worker set before its drain and rejoins after its outcome (a rolled-back replica serves the old
-version, so it rejoins too), so clients of a router never reach a replica while it restarts."""
+every router's worker set before its drain and rejoins once its outcome is committed or rolled back (a rolled-back
+replica serves the old version, so it rejoins too), so clients of a router never reach a replica while it restarts.
+At the start and the end of every rollout the worker sets are reconciled with the replicas' ledgers and health, so a
+controller killed between a leave and a rejoin leaves nothing stranded for the next run."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.inventory import HostData
@@ -50,41 +52,74 @@ class Routers:
         return opened
 
     @contextmanager
-    def out(self, hosts: Sequence[str], drain_timeout_s: float, rejoin_failed: dict[str, str]) -> Iterator[None]:
-        """The hosts out of every router that routes to them, for the block; back in after it, also when it raised.
-        A router that refuses to let one go raises RouterError before the block (the ones already out rejoin); one
-        that does not take one back is recorded in rejoin_failed[host], never raised over the block's outcome."""
-        with ExitStack() as stack:
+    def out(self, hosts: Sequence[str], drain_timeout_s: float) -> Iterator[None]:
+        """The hosts out of every router, drained, for the block. They do not come back by themselves: rejoin() puts
+        a host back once its swap ended committed or rolled back (a replica that ended neither stays out), and
+        reconcile() at the end of the rollout settles whatever a raised block left. A router that refuses to let
+        one go raises RouterError before the block, after putting back the ones this call took out."""
+        taken: list[tuple[Router, str, float]] = []
+        try:
             for router, join_timeout_s in self.routers:
                 members = set(router.list_workers())
                 for host in hosts:
-                    if self.urls[host] in members:  # a replica the router does not route to stays out of it
-                        stack.enter_context(self._rotation(router, host, drain_timeout_s, join_timeout_s,
-                                                           rejoin_failed))
-            yield
+                    url = self.urls[host]
+                    if url in members:  # one the router does not list has nothing to drain there
+                        taken.append((router, url, join_timeout_s))
+                        leave(router, url, drain_timeout_s)
+        except Exception as error:  # SSH cut, a refusal, an answer that is not the router's: one line
+            for router, url, join_timeout_s in taken:
+                try:
+                    join(router, url, join_timeout_s)  # not swapped: back where it was
+                except Exception:
+                    pass  # the error that stops the rollout is the leave's
+            raise RouterError(one_line(f"taking {', '.join(hosts)} out of the routers: {_why(error)}")) from None
+        yield
 
-    @contextmanager
-    def _rotation(self, router: Router, host: str, drain_timeout_s: float, join_timeout_s: float,
-                  rejoin_failed: dict[str, str]) -> Iterator[None]:
-        # workers.out_of_rotation's steps, with a failed rejoin attributed to its host instead of raised over the
-        # block (or over another host's failed leave, which must reach the caller).
-        url = self.urls[host]
-        try:
-            leave(router, url, drain_timeout_s)
-        except (RouterError, OSError) as error:
-            # leave() may fail after the removal (requests still in flight at its deadline): not swapped, so back.
+    def rejoin(self, host: str) -> str | None:
+        """The host back in every router; None, or one line saying which router did not take it back."""
+        problems = []
+        for router, join_timeout_s in self.routers:
             try:
-                join(router, url, join_timeout_s)
-            except (RouterError, OSError):
-                pass  # the error that stops the rollout is the leave's
-            raise RouterError(one_line(f"{router.name}: taking {url} out: {error}")) from None
-        try:
-            yield
-        finally:
+                join(router, self.urls[host], join_timeout_s)
+            except Exception as error:
+                problems.append(f"did not rejoin router {router.name}: {_why(error)}")
+        return one_line("; ".join(problems)) if problems else None
+
+    def reconcile(self, belongs: Mapping[str, bool | None]) -> dict[str, str]:
+        """Every router's worker set made what the ledgers and the replicas say: a replica that belongs (committed,
+        nothing pending, verifies ready) is in, one that does not is out, and a worker that is no replica of the
+        inventory is out; a replica whose state could not be read (None) is left as it is. Returns host (or
+        router) -> one line of what changed or failed there; never raises."""
+        if not self.routers:
+            return {}
+        by_url = {url: host for host, url in self.urls.items()}
+        changed: dict[str, list[str]] = {}
+        for router, join_timeout_s in self.routers:
             try:
-                join(router, url, join_timeout_s)
-            except (RouterError, OSError) as error:
-                rejoin_failed[host] = one_line(f"did not rejoin router {router.name}: {error}")
+                members = set(router.list_workers())
+            except Exception as error:
+                changed.setdefault(router.name, []).append(f"router {router.name}: worker list: {_why(error)}")
+                continue
+            for host, wanted in belongs.items():
+                url = self.urls.get(host)
+                if url is None or wanted is None or (url in members) == wanted:
+                    continue
+                try:
+                    if wanted:
+                        join(router, url, join_timeout_s)
+                        changed.setdefault(host, []).append(f"put back in router {router.name}")
+                    else:
+                        router.remove_worker(url)
+                        changed.setdefault(host, []).append(f"taken out of router {router.name}")
+                except Exception as error:
+                    changed.setdefault(host, []).append(f"router {router.name}: {_why(error)}")
+            for url in sorted(members - set(by_url)):
+                try:
+                    router.remove_worker(url)
+                    changed.setdefault(router.name, []).append(f"removed {url}: no replica of the inventory")
+                except Exception as error:
+                    changed.setdefault(router.name, []).append(f"removing {url}: {_why(error)}")
+        return {name: one_line("; ".join(lines)) for name, lines in changed.items()}
 
     def close(self) -> None:
         for router, _ in self.routers:
@@ -98,3 +133,7 @@ class Routers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _why(error: BaseException) -> str:
+    return str(error) or type(error).__name__

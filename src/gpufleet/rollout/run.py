@@ -10,6 +10,7 @@ from gpufleet.errors import GpufleetError, one_line
 from gpufleet.inventory import load_roles
 from gpufleet.rollout.fleet import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
+from gpufleet.rollout.membership import members
 from gpufleet.rollout.prepare import prepare
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.report import HostOutcome, Outcome, short
@@ -62,8 +63,6 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
     outcomes = {h: HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.UNCHANGED, None,
                                "already committed on the target: not restarted") for h in done}
     order = [h for h in names if h not in done]
-    if not order:
-        return Result(what, [outcomes[h] for h in names], f"every host already runs {what}: nothing to do")
     for h in done:
         progress.phase(h, "unchanged (already on the target)")
     # Before anything changes: a router that cannot be reached might still send traffic to a host being swapped.
@@ -71,11 +70,32 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
     router_hosts = load_roles(inventory)[0]
     if router_hosts:
         progress.note(f"reaching the routers: {', '.join(name for name, _ in router_hosts)}")
-    with Routers.connect(router_hosts, [(h, dict(by_name[h].data)) for h in order]) as routers:
+    if not order:
+        message = f"every host already runs {what}: nothing to do"
+        try:
+            with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
+                _reconcile(routers, sessions, names, ledgers, progress)
+        except GpufleetError as error:  # nothing to swap: a router out of reach is a warning, not a failure
+            message += f"; the routers were not reconciled: {error}"
+        return Result(what, [outcomes[h] for h in names], message)
+    with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
         if not confirm(what, order):
             raise GpufleetError("not confirmed: nothing was changed")
-        return _prepare_and_swap(inventory, what, ledgers, outcomes, names, order, by_name, sessions, routers,
-                                 targets, options, progress)
+        _reconcile(routers, sessions, names, ledgers, progress)
+        try:
+            return _prepare_and_swap(inventory, what, ledgers, outcomes, names, order, by_name, sessions, routers,
+                                     targets, options, progress)
+        finally:
+            _reconcile(routers, sessions, names, read_ledgers(sessions, names), progress)
+
+
+def _reconcile(routers: Routers, sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, HostLedger],
+               progress: Progress) -> None:
+    """Every router's worker set made what the replicas' ledgers and health say (gpufleet.rollout.membership)."""
+    if not routers.routers:
+        return
+    for name, line in routers.reconcile(members(sessions, names, ledgers)).items():
+        progress.note(f"{name}: {line}")
 
 
 def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedger], outcomes: dict[str, HostOutcome],

@@ -31,6 +31,8 @@ RETRY_FAILED = "gpufleet_retry_failed"
 # otherwise (another run changed it between this rollout's read and its swap), under the host's lock.
 EXPECT_COMMITTED = "gpufleet_expect_committed"
 STAGE_TIMEOUT_S = 4 * 3600.0
+# Outcomes whose ledger says committed (the target, or the version before it): such a replica serves again.
+SETTLED = (Outcome.UPDATED, Outcome.UNCHANGED, Outcome.ROLLED_BACK)
 
 
 @dataclass(frozen=True)
@@ -113,15 +115,15 @@ def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], befor
 def _out_of_routers(routers: Routers, group: list[str], target: str, before: Mapping[str, HostLedger],
                     options: SwapOptions, progress: Progress,
                     swap_group: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
-    """swap_group() with the group out of every router; a host a router did not let go is not swapped (the
-    group fails), one it did not take back fails after its swap (the rollout stops: it would run short)."""
+    """swap_group() with the group out of every router; a host a router did not let go is not swapped (the group
+    fails). After the swap a host rejoins only once its ledger says committed or rolled back; one that ended neither
+    stays out, and one a router did not take back fails (the rollout stops: it would run short)."""
     if routers.routers:
         for h in group:
             progress.phase(h, "leaving the router's workers")
-    rejoin_failed: dict[str, str] = {}
     swapping = False
     try:
-        with routers.out(group, options.drain_timeout_s, rejoin_failed):
+        with routers.out(group, options.drain_timeout_s):
             swapping = True
             result = swap_group()
     except (RouterError, OSError) as error:
@@ -129,10 +131,18 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
             raise
         return {h: HostOutcome(h, before[h].committed_ref, target, Outcome.FAILED, None,
                                one_line(f"not swapped: {error}")) for h in group}
-    for h, problem in rejoin_failed.items():
-        result[h] = replace(result[h], outcome=Outcome.FAILED,
-                            detail=one_line(f"{result[h].outcome.value}, but {problem}; {result[h].detail}"))
-        progress.phase(h, result[h].outcome.value)
+    if not routers.routers:
+        return result
+    for h in group:
+        if result[h].outcome not in SETTLED:
+            result[h] = replace(result[h], detail=one_line(f"{result[h].detail}; left out of the routers: neither "
+                                                           "committed nor rolled back"))
+            continue
+        problem = routers.rejoin(h)
+        if problem is not None:
+            result[h] = replace(result[h], outcome=Outcome.FAILED,
+                                detail=one_line(f"{result[h].outcome.value}, but {problem}; {result[h].detail}"))
+            progress.phase(h, result[h].outcome.value)
     return result
 
 
