@@ -26,6 +26,7 @@ from tests.integration.test_deploy_qwen35 import (
 )
 
 from gpufleet.health import HealthState, check
+from gpufleet.operations.layout import committed_unit
 from gpufleet.remote.ssh import open_ssh
 from gpufleet.remote.transport import SshTransport
 from gpufleet.sandbox.config import H200x3
@@ -33,7 +34,6 @@ from gpufleet.sandbox.image import image_ref
 from gpufleet.settings import build_spec
 from gpufleet.wire.identity import Expected
 
-BACKUP = f"/var/lib/gpufleet/{SERVICE}.service.previous"
 UNIT = f"/etc/systemd/system/{SERVICE}.service"
 API_KEY = "sk-gf-rollback-51d0e2"  # /v1/models is key-guarded: the checks must send it inside the SSH channel
 # A short deadline: the broken images fail in seconds; a bug that waits for the timeout fails the test quickly.
@@ -96,9 +96,10 @@ def assert_rolled_back(out: str, rc: int, host, fleet, good: str, caught: str) -
     assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"
     assert running_image(fleet, host) == good
     assert f" {good} " in fleet.read_file(host, UNIT).decode()
-    assert fleet.read_file(host, UNIT) == fleet.read_file(host, BACKUP)  # the kept unit is the one restored
     assert health_over_ssh(host, fleet)[0] is HealthState.READY
     doc = ledger(fleet, host)
+    # The unit restored is the copy the ledger names by its checksum.
+    assert fleet.read_file(host, UNIT) == fleet.read_file(host, committed_unit(SERVICE, doc["committed"]["unit_sha256"]))
     assert doc["committed"]["ref"] == good and doc["pending"] is None
     assert doc["failed"][-1]["ref"] != good and doc["failed"][-1]["reason"].startswith("dead: ")
     return doc

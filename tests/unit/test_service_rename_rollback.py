@@ -5,6 +5,7 @@ files go. A rollback that renames nothing writes its own ledger and removes noth
 
 from __future__ import annotations
 
+import shlex
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,8 +14,8 @@ import pytest
 from gpufleet.deploys import verify
 from gpufleet.facts.host import HostSnapshot
 from gpufleet.health import HealthReport, HealthState
-from gpufleet.ledger import Committed, Ledger, Version, begin, parse
-from gpufleet.operations.layout import state_file, unit_backup
+from gpufleet.ledger import Committed, Ledger, Version, atomic_write_command, begin, parse
+from gpufleet.operations.layout import committed_unit, state_file, unit_backup
 from gpufleet.operations.snapshot import memo, remember
 from gpufleet.settings import build_spec
 from gpufleet.unit import unit_path
@@ -86,9 +87,13 @@ def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_
     [(restored_at, restore)] = [(i, what) for i, (kind, what) in enumerate(host.done)
                                 if kind == "run" and "systemctl restart" in what]
     # reset-failed: a new unit whose engine died is not left listed as failed once it is gone.
+    # The committed unit's copy is the one its ledger names by checksum (the old place for a ledger from before);
+    # it goes back only if it is that unit, written atomically.
+    assert restore.startswith(f'b={committed_unit(OLD, "a" * 64)}; [ -e "$b" ] || b={unit_backup(OLD)} && '
+                              f'echo "{"a" * 64}  $b" | sha256sum -c --status && ')
     assert (f"systemctl disable --now {NEW}.service; rm -f {unit_path(NEW)}; systemctl reset-failed {NEW}.service "
-            f"2>/dev/null; true; }} && install -m 644 {unit_backup(OLD)} "
-            f"{unit_path(OLD)} && systemctl daemon-reload && systemctl enable {OLD}.service && systemctl restart "
+            f"2>/dev/null; true; }} && sh -c {shlex.quote(atomic_write_command(unit_path(OLD)))} < \"$b\" "
+            f"&& systemctl daemon-reload && systemctl enable {OLD}.service && systemctl restart "
             f"{OLD}.service") in restore
     at, path, written = host.ledger_written()
     assert path == state_file(OLD)
@@ -113,3 +118,48 @@ def test_a_rollback_that_renames_nothing_writes_its_own_ledger_and_removes_nothi
     assert path == state_file(OLD)
     assert written.committed == before.committed and written.pending is None and written.failed[-1].ref == DIES
     assert not [what for what in host.commands() if what.startswith("rm -f ")]
+
+
+class FailingCopyHost(RollbackHost):
+    """A host whose disk is full: the copy of the unit fails."""
+
+    def run_shell_command(self, command: str, **_: Any):
+        self.done.append(("run", str(command)))
+        ok = "sha256sum -c" not in command
+        return ok, SimpleNamespace(stdout_lines=[], stderr_lines=[] if ok else ["No space left on device"])
+
+
+def committing(host: RollbackHost) -> tuple[verify.Verification, Ledger]:
+    spec = build_spec("gpu1", {"vllm_image": TAG, "vllm_service": OLD})
+    committed = Version(image=TAG, ref=GOOD, unit_sha256="a" * 64, spec_hash="0123456789abcdef", service=OLD, port=5000)
+    pending = Version(image=TAG, ref=DIES, unit_sha256="b" * 64, spec_hash=spec.spec_hash, service=OLD, port=5000)
+    ledger = begin(Ledger(committed=Committed(committed, "t0", "t0")), pending, "ops@laptop pid 7", "t1")
+    remember(host, HostSnapshot())
+    memo(host).ledger = ledger
+    return verify.Verification(spec, 5.0, None, state_file(OLD), "qwen35"), ledger
+
+
+def test_a_commit_keeps_a_checked_copy_named_by_the_ledger_first_and_prunes_old_copies_only_after():
+    host = RollbackHost()
+    v, _ = committing(host)
+    assert verify.commit_pending(host, v, "t2") is True
+    copy = committed_unit(OLD, "b" * 64)
+    [(copied_at, copied)] = [(i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and copy in what
+                             and "sha256sum" in what]
+    # Written atomically from the unit on disk, then checked against the checksum the ledger will name.
+    assert copied == (f"sh -c {shlex.quote(atomic_write_command(copy))} < {unit_path(OLD)} && "
+                      f"echo {shlex.quote('b' * 64 + '  ' + copy)} | sha256sum -c --status")
+    at, path, written = host.ledger_written()
+    assert path == state_file(OLD) and written.committed is not None
+    assert written.committed.version.unit_sha256 == "b" * 64
+    [(pruned_at, pruned)] = [(i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and "find " in what]
+    assert copied_at < at < pruned_at
+    assert f"! -name {OLD}-{'b' * 64}.service -delete" in pruned and f"rm -f {unit_backup(OLD)}" in pruned
+
+
+def test_a_copy_that_fails_commits_nothing_and_prunes_nothing():
+    host = FailingCopyHost()
+    v, before = committing(host)
+    assert verify.commit_pending(host, v, "t2") is False
+    assert [kind for kind, _ in host.done] == ["run"]  # the copy, and nothing after it
+    assert memo(host).ledger == before  # still pending: the next run verifies it again

@@ -14,6 +14,7 @@ with one line naming both digests.
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 import time
 from collections.abc import Callable
@@ -29,13 +30,13 @@ from gpufleet.health.answers import AnswerCheck, check_answers, check_completion
 from gpufleet.health.answers import failed as failed_answers
 from gpufleet.health.probe import probe
 from gpufleet.health.wait import Exited, transient
-from gpufleet.ledger import RETRY_SETTING, Ledger, Version
+from gpufleet.ledger import RETRY_SETTING, Ledger, Version, atomic_write_command
 from gpufleet.ledger import commit as ledger_commit
 from gpufleet.ledger import roll_back as ledger_roll_back
 from gpufleet.operations.base import fail
 from gpufleet.operations.flagcheck import accepted_file
 from gpufleet.operations.image import now_utc
-from gpufleet.operations.layout import state_file, unit_backup
+from gpufleet.operations.layout import UNITS_DIR, committed_unit, state_file, unit_backup
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.service import save_ledger
 from gpufleet.operations.snapshot import memo
@@ -243,21 +244,38 @@ def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     ledger = memo(host).ledger
     if ledger.pending is None:
         return True  # a restart of the committed version (drift, secrets): verified, nothing new to commit
-    service = v.spec.service
+    service, unit_sha256 = v.spec.service, ledger.pending.version.unit_sha256
     before = ledger.committed.version.service if ledger.committed else None
     sudo = use_sudo(host)
+    if unit_sha256 is None:  # every pending record since unit checksums has one; refuse rather than guess
+        return fail(host, f"{host.name}: the pending record names no unit checksum: not committed (fix: converge "
+                          "again: the run writes a new pending record)")
+    # The copy is written (atomically, synced) and checked against the ledger's checksum before the commit names it:
+    # a cut or a full disk here leaves the committed version and its own copy as they were.
+    copy = committed_unit(service, unit_sha256)
     ok, output = host.run_shell_command(
-        f"install -D -m 644 {shlex.quote(unit_path(service))} {shlex.quote(unit_backup(service))}", _sudo=sudo)
+        f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
+        f"echo {shlex.quote(unit_sha256 + '  ' + copy)} | sha256sum -c --status", _sudo=sudo)
     if not ok:
-        return fail(host, f"{host.name}: could not keep a copy of the verified unit: {' | '.join(output.stderr_lines)}")
+        return fail(host, f"{host.name}: could not keep a copy of the verified unit at {copy}: "
+                          f"{' | '.join(output.stderr_lines) or 'it is not the unit the ledger names'} (fix: check "
+                          f"the free space of {UNITS_DIR}, then converge again)")
     if not save_ledger(host, v.state_file, ledger_commit(ledger, now_utc(), ready_at)):
         return False
+    # Only now, with the commit on disk, may copies of units no longer committed go.
+    ok, output = host.run_shell_command(
+        f"find {shlex.quote(UNITS_DIR)} -maxdepth 1 -name {shlex.quote(service + '-*.service')} "
+        f"! -name {shlex.quote(posixpath.basename(copy))} -delete; rm -f {shlex.quote(unit_backup(service))}",
+        _sudo=sudo)
+    if not ok:
+        host.log_styled(f"could not prune old unit copies: {' | '.join(output.stderr_lines[-2:])}", fg="yellow")
     if before and before != service:
         old = unit_name(before)
         ok, output = host.run_shell_command(
             f"systemctl disable --now {shlex.quote(old)}; systemctl reset-failed {shlex.quote(old)} 2>/dev/null; "
             f"rm -f {shlex.quote(unit_path(before))} "
-            f"{shlex.quote(unit_backup(before))} {shlex.quote(state_file(before))} "
+            f"{shlex.quote(unit_backup(before))} {shlex.quote(UNITS_DIR)}/{shlex.quote(before + '-')}*.service "
+            f"{shlex.quote(state_file(before))} "
             f"{shlex.quote(env_file_path(before))} {shlex.quote(accepted_file(before))} && systemctl daemon-reload",
             _sudo=sudo)
         if not ok:
@@ -275,7 +293,8 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
     assert ledger.pending is not None and ledger.committed is not None
     spec, pending, committed = v.spec, ledger.pending.version, ledger.committed.version
     service = committed.service or spec.service
-    unit, backup = unit_path(service), unit_backup(service)
+    unit = unit_path(service)
+    backup = committed_unit(service, committed.unit_sha256) if committed.unit_sha256 else unit_backup(service)
     what = (f"new image {pending.ref}" if pending.ref != committed.ref
             else f"new settings (same image {pending.ref})")
     failed = f"{what} failed verification ({failed_detail})"
@@ -291,8 +310,13 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
     host.log_styled(f"rolling back to {committed.ref}")
     steps = []
     if committed.unit_sha256:
-        # Only the committed unit goes back: a copy that is not it is refused, the host stays as it is.
-        steps.append(f"echo {shlex.quote(committed.unit_sha256 + '  ' + backup)} | sha256sum -c --status")
+        # Only the committed unit goes back: a copy that is not it is refused, the host stays as it is. A ledger
+        # committed before content-addressed copies kept its copy at the old place.
+        steps.append(f"b={shlex.quote(backup)}; [ -e \"$b\" ] || b={shlex.quote(unit_backup(service))}")
+        steps.append(f"echo \"{committed.unit_sha256}  $b\" | sha256sum -c --status")
+        source = '"$b"'
+    else:
+        source = shlex.quote(backup)
     renamed = service != spec.service
     if renamed:
         # A rename going back: the new service's unit goes, so that one vLLM container runs. reset-failed: a unit
@@ -300,7 +324,7 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
         new = shlex.quote(unit_name(spec.service))
         steps.append(f"{{ systemctl disable --now {new}; rm -f {shlex.quote(unit_path(spec.service))}; "
                      f"systemctl reset-failed {new} 2>/dev/null; true; }}")
-    steps += [f"install -m 644 {shlex.quote(backup)} {shlex.quote(unit)}", "systemctl daemon-reload",
+    steps += [f"sh -c {shlex.quote(atomic_write_command(unit))} < {source}", "systemctl daemon-reload",
               f"systemctl enable {shlex.quote(unit_name(service))}",
               f"systemctl restart {shlex.quote(unit_name(service))}"]
     ok, output = host.run_shell_command(" && ".join(steps), _sudo=use_sudo(host))

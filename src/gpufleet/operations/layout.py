@@ -24,9 +24,19 @@ def state_file(service: str) -> str:
     return f"{STATE_DIR}/{service}.json"
 
 
+UNITS_DIR = f"{STATE_DIR}/units"
+
+
+def committed_unit(service: str, unit_sha256: str) -> str:
+    """Where the committed unit is kept, named by its content: the ledger's committed version (service, unit_sha256)
+    names its copy, so a copy is never overwritten by another unit, and the rollback target is found from the
+    ledger alone. In gpufleet's state dir, not next to the unit: /etc/systemd/system is for units only."""
+    return f"{UNITS_DIR}/{service}-{unit_sha256}.service"
+
+
 def unit_backup(service: str) -> str:
-    """Where the unit that was serving is kept while a replacement is verified. In gpufleet's state dir, not next
-    to the unit: /etc/systemd/system is for units only."""
+    """Where a ledger from before content-addressed copies (no unit_sha256, or no copy under committed_unit) keeps
+    the unit that was serving."""
     return f"{STATE_DIR}/{service}.service.previous"
 
 
