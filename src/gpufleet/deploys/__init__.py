@@ -6,7 +6,9 @@ import os
 import sys
 import types
 
-from gpufleet.deploys import pyinfra_speedups
+from pyinfra.context import ctx_state
+
+from gpufleet.deploys import pyinfra_speedups, summary
 
 
 def register_deploy_file(path: str) -> None:
@@ -16,9 +18,12 @@ def register_deploy_file(path: str) -> None:
     inspect maps each frame's file to its module: for a file no module claims it rescans all of sys.modules (some
     1,500 here), three times per operation call, on every host. With the entry, each lookup is a dict hit. Also
     installs the cheaper walk itself where this pyinfra's is the one it was checked against (pyinfra_speedups);
-    the entry keeps pyinfra's own walk affordable where it is not.
+    the entry keeps pyinfra's own walk affordable where it is not. And it makes the run's last lines name every host
+    that failed or could not be reached, with the fix (gpufleet.deploys.summary).
     """
     pyinfra_speedups.install()
+    if ctx_state.isset():
+        summary.print_at_exit(ctx_state.get())
     absolute = os.path.abspath(path)
     name = f"gpufleet-deploy-file:{absolute}"  # not an importable name: nothing can import it by accident
     if name not in sys.modules:

@@ -1,0 +1,52 @@
+"""The run's last lines: every host that failed or could not be reached, each with its fix, printed after pyinfra's
+own results. pyinfra names an unreachable host only in its early connect line, and a failed one in the middle of its
+operations' output; a user should not have to scroll back to find either."""
+
+from __future__ import annotations
+
+import atexit
+import shlex
+import sys
+from weakref import WeakSet
+
+from pyinfra.api import Host, State
+
+_REGISTERED: WeakSet[State] = WeakSet()  # one summary per run, however many deploy files register it
+
+
+def lines(state: State) -> list[str]:
+    """One line per failed host, in inventory order: why, and what to do about it."""
+    out = []
+    for host in state.inventory:
+        if host not in state.failed_hosts:
+            continue
+        if host not in state.activated_hosts:
+            out.append(f"{host.name}: could not be reached over SSH (fix: check that it is up and that "
+                       f"`{_ssh_command(host)} true` logs in with the inventory's ssh_* settings, then run again)")
+        else:
+            out.append(f"{host.name}: failed; its error is in the [{host.name}] lines above (fix: correct what they "
+                       "name, then run again: a converge goes on from where the host stands)")
+    return out
+
+
+def _ssh_command(host: Host) -> str:
+    user, port = host.data.get("ssh_user"), host.data.get("ssh_port")
+    target = f"{user}@" if user else ""
+    target += str(host.data.get("ssh_hostname") or host.name)
+    return "ssh " + (f"-p {port} " if port and str(port) != "22" else "") + shlex.quote(target)
+
+
+def print_at_exit(state: State) -> None:
+    """Print lines(state) on stderr when the run's process ends (pyinfra exits 1 when a host failed)."""
+    if state in _REGISTERED:
+        return
+    _REGISTERED.add(state)
+
+    def summary() -> None:
+        failed = lines(state)
+        if failed:
+            print(f"\n{len(failed)} host(s) did not converge:", file=sys.stderr)
+            for line in failed:
+                print(f"  {line}", file=sys.stderr)
+
+    atexit.register(summary)
