@@ -32,6 +32,7 @@ ROUTER = str(REPO / "deploys" / "router.py")
 ROUTER_PORT = 8000
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 TEST_DATA = {"vllm_ready_timeout": 120}
+MEMBERS = "/var/lib/gpufleet-router/vllm-router.workers"
 
 
 def router_config() -> FleetConfig:
@@ -91,9 +92,12 @@ def test_router_deploys_in_front_of_three_replicas(rfleet, inventory, pyinfra):
     assert ops.get("Install vllm-router into its venv") == 1 and ops.get("Enable and start vllm-router") == 1, ops
     router = router_host(rfleet)
     unit = rfleet.run_in(router, "cat /etc/systemd/system/vllm-router.service").stdout
-    for h in replicas(rfleet):
-        assert f"http://{h.ip}:5000" in unit
-    assert "--policy cache_aware" in unit
+    [exec_start] = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+    assert "--policy cache_aware" in exec_start and "--worker-urls" not in exec_start
+    # The membership lives in the router (its API) and in the file its unit replays after a restart.
+    urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
+    assert sorted(rfleet.run_in(router, f"cat {MEMBERS}").stdout.split()) == urls
+    assert live_workers(rfleet) == urls
 
 
 def test_second_router_run_changes_nothing(rfleet, inventory, pyinfra):
@@ -136,6 +140,88 @@ def test_a_replica_the_router_cannot_reach_refuses_the_run_naming_it(rfleet, inv
         proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout
     assert rfleet.run_in(router, unit).stdout == before
+
+
+def live_workers(rfleet: Fleet) -> list[str]:
+    listed = "curl -fsS --max-time 5 http://127.0.0.1:28000/list_workers"
+    return sorted(json.loads(rfleet.run_in(router_host(rfleet), listed).stdout)["urls"])
+
+
+def main_pid(rfleet: Fleet) -> str:
+    return rfleet.run_in(router_host(rfleet), "systemctl show -p MainPID --value vllm-router.service").stdout.strip()
+
+
+def test_a_router_deploy_with_a_replica_down_neither_rewrites_nor_restarts_the_router(rfleet, inventory, pyinfra):
+    router, down = router_host(rfleet), replicas(rfleet)[2]
+    base = f"http://{router.ip}:{ROUTER_PORT}"
+    model = served_model(base)
+    down_url = f"http://{down.ip}:5000"
+    pid = main_pid(rfleet)
+    rfleet.run_in(down, "systemctl stop vllm-qwen35")
+    try:
+        # The router's own health checks take it out of routing first (what it does without gpufleet).
+        health = "curl -fsS --max-time 5 http://127.0.0.1:28000/workers"
+        deadline = time.monotonic() + 90
+        while any(w["url"] == down_url and w["is_healthy"]
+                  for w in json.loads(rfleet.run_in(router, health).stdout)["workers"]):
+            assert time.monotonic() < deadline, "the router never saw the stopped replica as unhealthy"
+            time.sleep(1)
+        failed: list[str] = []
+        ok: list[int] = []
+        stop = threading.Event()
+
+        def client(k: int) -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    ok.append(chat(base, model, f"agent {k} turn {i}", headers={"X-Session-ID": f"down-{k}"}))
+                except (urllib.error.URLError, OSError) as error:
+                    failed.append(f"agent {k} turn {i}: {error}")
+
+        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
+        for th in threads:
+            th.start()
+        try:
+            proc = run(pyinfra, inventory, ROUTER)
+        finally:
+            stop.set()
+            for th in threads:
+                th.join(timeout=40)
+        assert "left out of the router's workers (not ready)" in proc.stdout
+        ops = changed_ops(proc.stdout)
+        assert "Install the vllm-router systemd unit" not in ops and "Enable and start vllm-router" not in ops, ops
+        assert main_pid(rfleet) == pid  # not restarted: no open stream was cut
+        assert failed == [], failed[:5]
+        assert len(ok) > 10
+        assert down_url not in live_workers(rfleet)
+        assert down_url not in rfleet.run_in(router, f"cat {MEMBERS}").stdout
+    finally:
+        rfleet.run_in(down, "systemctl start vllm-qwen35")
+        rfleet.run_in(down, "for i in $(seq 120); do curl -fs -o /dev/null --max-time 2 "
+                            "http://127.0.0.1:5000/health && exit 0; sleep 0.5; done; exit 1")
+    # Ready again: the next router deploy adds it back through the router's API, still without a restart.
+    proc = run(pyinfra, inventory, ROUTER)
+    assert main_pid(rfleet) == pid
+    assert down_url in live_workers(rfleet) and down_url in rfleet.run_in(router, f"cat {MEMBERS}").stdout
+
+
+def test_a_restarted_router_comes_back_with_its_members(rfleet, inventory):
+    # A reboot or a crash of the router: no gpufleet run follows, the unit replays its members file itself.
+    before = live_workers(rfleet)
+    assert len(before) == 3
+    rfleet.run_in(router_host(rfleet), "systemctl restart vllm-router.service")
+    deadline = time.monotonic() + 60
+    while live_workers_or_none(rfleet) != before:
+        assert time.monotonic() < deadline, live_workers_or_none(rfleet)
+        time.sleep(0.5)
+
+
+def live_workers_or_none(rfleet: Fleet) -> list[str] | None:
+    try:
+        return live_workers(rfleet)
+    except Exception:  # still starting
+        return None
 
 
 def served_model(base: str) -> str:

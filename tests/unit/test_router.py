@@ -101,14 +101,31 @@ def test_replicas_lists_every_problem_at_once():
 
 
 # --- argv, install, unit -------------------------------------------------------------------------------------------
-def test_argv_names_policy_port_metrics_and_workers():
+def test_argv_names_policy_port_and_metrics_and_never_the_workers():
     argv = spec(router_policy="consistent_hash").argv()
     assert argv[0] == "/opt/vllm-router/bin/vllm-router"
     joined = " ".join(argv)
     # vllm-router itself listens on the loopback only: its worker management API shares its port.
     for part in ("--policy consistent_hash", "--port 28000", "--host 127.0.0.1", "--prometheus-host 127.0.0.1",
-                 "--prometheus-port 29000", "--worker-urls http://10.0.0.11:5000 http://10.0.0.12:5000"):
+                 "--prometheus-port 29000"):
         assert part in joined
+    # Membership is kept through the router's API and its members file, never in what the unit runs: a replica's
+    # readiness must not rewrite or restart the router (nor keep it from listening until every worker answers).
+    assert "--worker-urls" not in joined and "10.0.0.11" not in render_unit(spec()).split("ExecStartPost")[0]
+
+
+def test_the_unit_replays_the_members_file_after_each_start_without_waiting_on_a_worker():
+    s = spec()
+    assert s.members_text() == "http://10.0.0.11:5000\nhttp://10.0.0.12:5000\n"
+    [line] = [line for line in render_unit(s).splitlines() if line.startswith("ExecStartPost=")]
+    assert line.startswith('ExecStartPost=/bin/sh -c "')
+    script = s.rejoin_argv()[2]
+    assert f"< {s.members_file}" in script and "/var/lib/gpufleet-router/vllm-router.workers" == s.members_file
+    # Each add in the background: one replica that is down never holds the start.
+    assert '--data-urlencode \"url=$u\" http://127.0.0.1:28000/add_worker & }' in script
+    assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0
+    # The same unit, whoever is ready: the membership is not what the unit runs.
+    assert render_unit(s) == render_unit(build_router_spec("router1", {}, WORKERS[:1]))
 
 
 def test_every_argument_is_one_the_router_knows():
@@ -141,7 +158,7 @@ def test_the_unit_runs_exactly_the_argv():
 def test_spec_hash_follows_what_runs():
     assert spec().spec_hash == spec().spec_hash
     assert spec().spec_hash != spec(router_policy="round_robin").spec_hash
-    assert spec().spec_hash != build_router_spec("router1", {}, WORKERS[:1]).spec_hash
+    assert spec().spec_hash == build_router_spec("router1", {}, WORKERS[:1]).spec_hash  # membership is not run
 
 
 def test_the_router_is_controlled_on_its_loopback_port_and_clients_use_the_front_door():

@@ -34,6 +34,7 @@ class Router:
     transport: Transport
     port: int
     metrics_port: int
+    members_file: str | None = None  # on the router host: its worker set, replayed after a restart (router.spec)
 
     def get_json(self, path: str, timeout: float = TIMEOUT_S) -> Any:
         answer = fetch(self.transport, self.port, path, timeout)

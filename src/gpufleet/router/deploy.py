@@ -97,9 +97,10 @@ def deploy_router() -> None:
         host.log(f"left out of the router's workers (not ready): {line}", log_func=logger.warning)
 
     operations.package(name="Install vllm-router into its venv", spec=spec, seen=seen)
+    operations.members(name="Record the router's workers for its restarts", spec=spec, seen=seen)
     operations.unit(name="Install the vllm-router systemd unit", spec=spec, seen=seen)
     operations.running(name="Enable and start vllm-router", spec=spec, seen=seen)
-    operations.ready(name="Wait for vllm-router to answer /readiness", spec=spec, seen=seen,
+    operations.ready(name="Wait for vllm-router to listen", spec=spec, seen=seen,
                      timeout_s=int(router_settings(host.data.dict())["router_ready_timeout"]))
     operations.workers_in_step(name="Put the running router's worker set in step", spec=spec, seen=seen)
     operations.front_door(name="Serve the client API (and nothing else) on the client port with nginx", spec=spec,

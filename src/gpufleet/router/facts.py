@@ -19,6 +19,7 @@ class RouterHost:
     installed_version: str | None = None  # vllm-router's version in the venv, None when not installed
     python3_venv: bool = False  # Debian's python3-venv (ensurepip) is installed
     unit_sha256: str | None = None
+    members_sha256: str | None = None  # of the members file the unit replays after a start
     active_state: str | None = None
     need_daemon_reload: bool = False
     enabled: bool = False
@@ -42,6 +43,7 @@ def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
         f"for d in {venv}/lib/python3*/site-packages/vllm_router-*.dist-info; do test -d \"$d\" && echo dist=${{d##*/}}; done",
         "echo python3_venv=$(dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | tr ' ' _)",
         f"echo unit_sha256=$(sha256sum {unit} 2>/dev/null | cut -d' ' -f1)",
+        f"echo members_sha256=$(sha256sum {shlex.quote(spec.members_file)} 2>/dev/null | cut -d' ' -f1)",
         f"systemctl show {shlex.quote(spec.service + '.service')} -p ActiveState -p NeedDaemonReload -p UnitFileState "
         "2>/dev/null",
         f"echo workers=$(curl -sS --max-time 3 {shlex.quote(spec.control_url + '/list_workers')} 2>/dev/null | tr -d '\\n')",
@@ -80,6 +82,7 @@ def parse(output: list[str]) -> RouterHost:
         installed_version=version or None,
         python3_venv=values.get("python3_venv") == "install_ok_installed",
         unit_sha256=values.get("unit_sha256") or None,
+        members_sha256=values.get("members_sha256") or None,
         active_state=values.get("ActiveState") or None,
         need_daemon_reload=values.get("NeedDaemonReload") == "yes",
         enabled=values.get("UnitFileState") == "enabled",

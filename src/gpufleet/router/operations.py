@@ -3,6 +3,7 @@ host.noop(why) out."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from urllib.parse import quote
 
@@ -14,7 +15,7 @@ from gpufleet import hostlock
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
 from gpufleet.router.facts import RouterHost
-from gpufleet.router.spec import RouterSpec
+from gpufleet.router.spec import MEMBERS_DIR, RouterSpec
 from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, render_proxy, render_unit, unit_path
 
 
@@ -65,14 +66,14 @@ def running(spec: RouterSpec, seen: RouterHost) -> Commands:
 
 @operation()
 def ready(spec: RouterSpec, seen: RouterHost, timeout_s: int) -> Commands:
-    """After a (re)start: wait until the router answers /readiness (it listens once every worker answered)."""
+    """After a (re)start: wait until the router listens (/liveness: it listens at once, its workers come after)."""
     if not _router_snapshot_changes(spec, seen) and seen.running and seen.live_workers is not None:
         host.noop(f"{spec.service} answers on {spec.control_url}")
         return
-    url = shlex.quote(f"{spec.control_url}/readiness")
+    url = shlex.quote(f"{spec.control_url}/liveness")
     yield StringCommand("sh", "-c", shlex.quote(
         f"i=0; until curl -fsS --max-time 3 -o /dev/null {url}; do i=$((i+1)); "
-        f"if [ $i -ge {timeout_s} ]; then echo 'the router did not answer /readiness within {timeout_s} s' >&2; "
+        f"if [ $i -ge {timeout_s} ]; then echo 'the router did not answer /liveness within {timeout_s} s' >&2; "
         f"exit 1; fi; sleep 1; done"))
 
 
@@ -98,21 +99,39 @@ def front_door(spec: RouterSpec, seen: RouterHost) -> Commands:
 
 
 @operation()
-def workers_in_step(spec: RouterSpec, seen: RouterHost) -> Commands:
-    """A router that kept running (no restart) holds the inventory's worker set: a worker left out (a cut
-    rollout) is added back, one no longer in the inventory removed, through the router's own worker API."""
-    if _router_snapshot_changes(spec, seen) or not seen.running or seen.live_workers is None:
-        host.noop("the router (re)starts with the worker set in its unit")
+def members(spec: RouterSpec, seen: RouterHost) -> Commands:
+    """The members file the unit replays after a (re)start: this run's workers (the replicas that verify ready).
+    Written before any restart, so a router restarted by this run comes back with exactly them."""
+    content = spec.members_text()
+    if seen.members_sha256 == sha256(content):
+        host.noop(f"{spec.members_file} lists the {len(spec.workers)} workers")
         return
-    live, wanted = set(seen.live_workers), set(spec.workers)
-    if live == wanted:
+    if seen.members_sha256 is None:
+        yield StringCommand("install", "-d", "-m", "755", shlex.quote(MEMBERS_DIR))
+    yield AtomicUpload(as_io(content), spec.members_file, "644")
+
+
+@operation()
+def workers_in_step(spec: RouterSpec, seen: RouterHost) -> Commands:
+    """The running router's worker set made this run's workers, through its own worker API: a worker left out (a
+    cut rollout, a replica ready again) added, one not ready or no longer in the inventory removed. The router is
+    never restarted for it. After a (re)start the unit adds the members back itself, in the background; here each
+    is waited for (/add_worker returns once the worker answers /health)."""
+    restarted = _router_snapshot_changes(spec, seen) or not seen.running or seen.live_workers is None
+    live = set() if restarted else set(seen.live_workers or ())
+    wanted = set(spec.workers)
+    if not restarted and live == wanted:
         host.noop(f"the router routes to its {len(wanted)} workers")
         return
+    listed = shlex.quote(f"{spec.control_url}/list_workers")
     for url in spec.workers:
-        if url not in live:
-            yield StringCommand("curl", "-fsS", "-X", "POST", "--max-time", str(spec.worker_startup_timeout_s + 10),
-                                shlex.quote(f"{spec.control_url}/add_worker?url={quote(url, safe='')}"))
-    for url in seen.live_workers:
-        if url not in wanted:
-            yield StringCommand("curl", "-fsS", "-X", "POST", "--max-time", "30",
-                                shlex.quote(f"{spec.control_url}/remove_worker?url={quote(url, safe='')}"))
+        if url in live:
+            continue
+        add = shlex.quote(f"{spec.control_url}/add_worker?url={quote(url, safe='')}")
+        # Listed already (the unit's own rejoin may have been first): nothing to add.
+        yield StringCommand("sh", "-c", shlex.quote(
+            f"curl -fsS --max-time 5 {listed} | grep -qF {shlex.quote(json.dumps(url))} || "
+            f"curl -fsS -X POST --max-time {spec.worker_startup_timeout_s + 10} {add}"))
+    for url in sorted(live - wanted):
+        yield StringCommand("curl", "-fsS", "-X", "POST", "--max-time", "30",
+                            shlex.quote(f"{spec.control_url}/remove_worker?url={quote(url, safe='')}"))

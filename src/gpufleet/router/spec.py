@@ -10,6 +10,14 @@ from urllib.parse import urlsplit
 from gpufleet.spec import LOOPBACK
 
 PACKAGE = "vllm-router"
+# The router's worker set, one URL per line, kept by the deploy and the rollouts in step with the live set, and
+# replayed by the unit after every (re)start: membership is not in the unit, so a replica's readiness never rewrites
+# or restarts it. Readable by the router's own (dynamic) user.
+MEMBERS_DIR = "/var/lib/gpufleet-router"
+
+
+def members_path(service: str) -> str:
+    return f"{MEMBERS_DIR}/{service}.workers"
 # vllm-router listens on the LOOPBACK only, its Prometheus exporter too: its worker management API shares its port and
 # has no authentication, so nothing but the router host itself (nginx in front, gpufleet's calls over SSH) may reach it.
 
@@ -25,14 +33,16 @@ class RouterSpec:
     port: int
     metrics_port: int
     policy: str
-    workers: tuple[str, ...]  # http://<address>:<port> of each replica, in inventory order
+    workers: tuple[str, ...]  # http://<address>:<port> of each replica that verified ready, in inventory order:
+    # its membership, kept through the router's API and members_file, never in its argv or unit
     health_check_interval_s: int
     worker_startup_timeout_s: int
     internal_port: int = 28000  # vllm-router's own listener, on the loopback
 
     def argv(self) -> list[str]:
-        """The router's command line (no secret: clients' Authorization headers pass through to vLLM)."""
-        argv = [
+        """The router's command line (no secret: clients' Authorization headers pass through to vLLM). No worker:
+        vllm-router then listens at once, and its members are added through its API (rejoin_argv)."""
+        return [
             f"{self.venv}/bin/vllm-router",
             "--host", LOOPBACK,
             "--port", str(self.internal_port),
@@ -42,9 +52,25 @@ class RouterSpec:
             "--health-check-interval-secs", str(self.health_check_interval_s),
             "--worker-startup-timeout-secs", str(self.worker_startup_timeout_s),
         ]
-        if self.workers:
-            argv += ["--worker-urls", *self.workers]
-        return argv
+
+    def rejoin_argv(self) -> list[str]:
+        """Run after each (re)start: once the router listens, every worker in members_file is added back, each in
+        the background (/add_worker waits until that worker answers /health), so the start never waits on one."""
+        add = (f"curl -fsS -o /dev/null -G -X POST --max-time {self.worker_startup_timeout_s + 10} "
+               f"--data-urlencode \"url=$u\" {self.control_url}/add_worker")
+        script = (f"i=0; until curl -fs -o /dev/null --max-time 2 {self.control_url}/liveness; do i=$((i+1)); "
+                  f"[ $i -lt 60 ] || exit 0; sleep 0.5; done; "
+                  f"[ -r {self.members_file} ] || exit 0; "
+                  f"while read -r u; do [ -n \"$u\" ] && {{ {add} & }}; done < {self.members_file}; exit 0")
+        return ["/bin/sh", "-c", script]
+
+    @property
+    def members_file(self) -> str:
+        return members_path(self.service)
+
+    def members_text(self) -> str:
+        """members_file's content for this spec's workers."""
+        return "".join(f"{url}\n" for url in self.workers)
 
     def pip_install_argv(self) -> list[str]:
         """Install exactly `version` from `index_url` into the venv; a plain-HTTP lab mirror is trusted by name
@@ -64,4 +90,6 @@ class RouterSpec:
 
     @property
     def spec_hash(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        """What the unit runs, hashed: everything but the membership (which never restarts the router)."""
+        runs = {k: v for k, v in asdict(self).items() if k != "workers"}
+        return hashlib.sha256(json.dumps(runs, sort_keys=True).encode()).hexdigest()[:16]

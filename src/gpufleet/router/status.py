@@ -11,6 +11,7 @@ from gpufleet.remote.ssh import open_ssh
 from gpufleet.remote.transport import Transport, Unreachable
 from gpufleet.router.api import Router, RouterError
 from gpufleet.router.settings import router_settings
+from gpufleet.router.spec import members_path
 from gpufleet.spec import reach_address
 from gpufleet.wire.evidence import excerpt
 
@@ -91,7 +92,8 @@ def connect(name: str, data: Mapping[str, Any]) -> Router:
     router.transport.client."""
     s = router_settings(data)
     # Its own loopback listener: the client port (nginx) does not serve the worker management API.
-    return Router(name, open_ssh(name, data), int(s["router_internal_port"]), int(s["router_metrics_port"]))
+    return Router(name, open_ssh(name, data), int(s["router_internal_port"]), int(s["router_metrics_port"]),
+                  members_path(str(s["router_service"])))
 
 
 def read_host(name: str, data: Mapping[str, Any]) -> RouterStatus:

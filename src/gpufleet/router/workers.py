@@ -9,8 +9,14 @@ uses them through gpufleet.rollout.routers (every router, a failed rejoin record
 
 from __future__ import annotations
 
+import posixpath
+import shlex
 import time
 
+from gpufleet.errors import one_line
+from gpufleet.ledger import atomic_write_command
+from gpufleet.remote.ssh import needs_sudo
+from gpufleet.remote.transport import SshTransport
 from gpufleet.router.api import Router, RouterError
 
 POLL_S = 0.5
@@ -28,6 +34,7 @@ def leave(router: Router, url: str, drain_timeout_s: float = 60.0) -> float:
     router.remove_worker(url)
     if url in router.list_workers():
         raise RouterError(f"{router.name}: {url} is still in its worker set after /remove_worker")
+    record(router)  # a router restarted now must not take it back mid-swap
     start = time.monotonic()
     while (left := in_flight(router, url)) > 0:
         if time.monotonic() - start > drain_timeout_s:
@@ -38,8 +45,25 @@ def leave(router: Router, url: str, drain_timeout_s: float = 60.0) -> float:
 
 def join(router: Router, url: str, timeout_s: float = 120.0) -> None:
     """Put `url` back (the router waits for its /health); a no-op when it is in the set already."""
-    if url in router.list_workers():
-        return
-    router.add_worker(url, timeout_s + 10)
     if url not in router.list_workers():
-        raise RouterError(f"{router.name}: {url} is not in its worker set after /add_worker")
+        router.add_worker(url, timeout_s + 10)
+        if url not in router.list_workers():
+            raise RouterError(f"{router.name}: {url} is not in its worker set after /add_worker")
+    record(router)
+
+
+def record(router: Router) -> None:
+    """Write the router's live worker set to its members file on the router host (atomically, as root), which its
+    unit replays after a restart: a router restarted or rebooted mid-rollout comes back with the replicas that were
+    in, not the one being swapped. Raises RouterError with one line."""
+    if router.members_file is None or not isinstance(router.transport, SshTransport):
+        return
+    text = "".join(f"{url}\n" for url in router.list_workers())
+    sudo = "sudo -n " if needs_sudo(router.transport.client) else ""
+    directory = posixpath.dirname(router.members_file)
+    status, _, err = router.transport.run(
+        f"printf %s {shlex.quote(text)} | {sudo}sh -c "
+        f"{shlex.quote(f'install -d -m 755 {shlex.quote(directory)} && ' + atomic_write_command(router.members_file))}")
+    if status != 0:
+        raise RouterError(one_line(f"{router.name}: could not record its workers in {router.members_file}: "
+                                   f"{err.strip() or f'exit status {status}'}"))
