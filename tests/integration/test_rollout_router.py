@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -124,14 +125,29 @@ def test_rollout_behind_the_router_fails_no_client_request(rfleet, inventory, py
     registry = rfleet.cfg.registry
     base = f"http://{router_host(rfleet).ip}:{ROUTER_PORT}"
     log = tmp_path / "rollout.log"
+    # Every replica at once behind the router is refused before anything changes.
+    whole = subprocess.run([GPUFLEET, "rollout", str(inventory), "--image", f"{registry}/{REPOSITORY}:good-next",
+                            "--yes", "--canary", "0", "--batch", "3"], capture_output=True, text=True, timeout=300,
+                           cwd=REPO)
+    assert whole.returncode != 0 and "would leave it no replica in service" in whole.stderr, whole.stderr[-2000:]
+    assert "Traceback" not in whole.stderr
+    assert sorted(router_workers(rfleet)) == urls
     with ClientLoop(base, served_model(base)) as clients, WorkerWatch(rfleet, urls) as watch:
         time.sleep(2)
         started = time.monotonic()
-        proc = subprocess.run([GPUFLEET, "rollout", str(inventory), "--image", f"{registry}/{REPOSITORY}:good-next",
-                               "--yes", "--json", "--log", str(log)],
-                              capture_output=True, text=True, timeout=900, cwd=REPO)
+        rolling = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--image",
+                                    f"{registry}/{REPOSITORY}:good-next", "--yes", "--json", "--log", str(log)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        # While it runs it holds the router host's lock: a router deploy now is refused, naming the rollout.
+        while not watch.ever_out and rolling.poll() is None:
+            time.sleep(0.2)
+        during = run_deploy(pyinfra, inventory, ROUTER, check=False)
+        stdout, stderr = rolling.communicate(timeout=900)
+        proc = subprocess.CompletedProcess(rolling.args, rolling.returncode, stdout, stderr)
         seconds = time.monotonic() - started
         time.sleep(2)
+    assert during.returncode != 0 and re.search(rf"{router_host(rfleet).name}: locked by \S+ pid {rolling.pid} ",
+                                                during.stdout), during.stdout[-3000:]
     print(f"rollout of 3 replicas behind the router: {seconds:.0f} s; client requests: {len(clients.ok)} ok, "
           f"{len(clients.failed)} failed")
     assert proc.returncode == 0, proc.stderr[-4000:]

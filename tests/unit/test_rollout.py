@@ -439,3 +439,18 @@ def test_a_deploy_run_past_its_time_limit_is_ended_by_its_pid_and_fails_its_host
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
     assert set(failures) == {"gpu1", "gpu2"}
     assert all("passed its time limit of 1 s and was ended" in why for why in failures.values()), failures
+
+
+def test_a_batch_that_would_leave_a_router_no_replica_is_refused_counting_those_already_out():
+    router = FakeRouter("r1", URLS.values())
+    routers = Routers([(router, 30.0)], URLS)
+    assert routers.capacity_problem(batches(["h1", "h2", "h3"], canary=1, batch=1)) is None
+    assert routers.capacity_problem(batches(["h1", "h2", "h3"], canary=1, batch=2)) is None
+    problem = routers.capacity_problem(batches(["h1", "h2", "h3"], canary=0, batch=3))
+    assert problem == ("router r1: swapping h1, h2, h3 at once would leave it no replica in service (it routes to 3: "
+                       "h1, h2, h3); nothing was changed (fix: a smaller --batch, or --canary 1, so that one replica "
+                       "always serves)")
+    # h3 already out of the router (stopped, or left out at its deploy): a batch of the other two takes the last.
+    router.workers.discard(URLS["h3"])
+    assert "swapping h1, h2 at once" in routers.capacity_problem(batches(["h1", "h2", "h3"], canary=0, batch=2))
+    assert Routers([], URLS).capacity_problem([["h1", "h2", "h3"]]) is None  # no router: the batch is the user's call

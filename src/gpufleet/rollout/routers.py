@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from gpufleet.errors import GpufleetError, one_line
+from gpufleet.hostlock import LEASE_SETTING, WAIT_SETTING, HostLock, HostLockError
 from gpufleet.inventory import HostData
+from gpufleet.remote.ssh import needs_sudo
 from gpufleet.remote.transport import Unreachable
 from gpufleet.router.api import Router, RouterError
 from gpufleet.router.settings import router_settings, worker_url
 from gpufleet.router.status import connect
-from gpufleet.router.workers import join, leave
+from gpufleet.router.workers import join, leave, record
+from gpufleet.settings import merged_settings
 
 
 class Routers:
@@ -24,6 +28,7 @@ class Routers:
     def __init__(self, routers: Sequence[tuple[Router, float]], urls: Mapping[str, str]):
         self.routers = list(routers)  # (router, seconds it waits for a re-added worker's /health)
         self.urls = dict(urls)  # replica name -> the URL the routers know it by
+        self.locks: list[HostLock] = []  # each router host's lock, held for the rollout
 
     @classmethod
     def connect(cls, routers: Sequence[HostData], replicas: Sequence[HostData]) -> Routers:
@@ -46,10 +51,24 @@ class Routers:
                     raise GpufleetError(one_line(f"router {name}: its worker list does not answer: {error} (fix: "
                                                  "`gpufleet status` shows the router; start it, or take it out of "
                                                  "the inventory's routers group)")) from None
+                opened.locks.append(_lock(router, data))
         except BaseException:
             opened.close()
             raise
         return opened
+
+    def capacity_problem(self, groups: Sequence[Sequence[str]]) -> str | None:
+        """One line when a group would leave a router with no replica in service, counting those already out of
+        it; None when every group leaves at least one (or there is no router)."""
+        for router, _ in self.routers:
+            serving = {host for host, url in self.urls.items() if url in set(router.list_workers())}
+            for group in groups:
+                if serving and not serving - set(group):
+                    return one_line(
+                        f"router {router.name}: swapping {', '.join(group)} at once would leave it no replica in "
+                        f"service (it routes to {len(serving)}: {', '.join(sorted(serving))}); nothing was changed "
+                        "(fix: a smaller --batch, or --canary 1, so that one replica always serves)")
+        return None
 
     @contextmanager
     def out(self, hosts: Sequence[str], drain_timeout_s: float) -> Iterator[None]:
@@ -95,6 +114,7 @@ class Routers:
         by_url = {url: host for host, url in self.urls.items()}
         changed: dict[str, list[str]] = {}
         for router, join_timeout_s in self.routers:
+            before = sum(map(len, changed.values()))
             try:
                 members = set(router.list_workers())
             except Exception as error:
@@ -119,9 +139,17 @@ class Routers:
                     changed.setdefault(router.name, []).append(f"removed {url}: no replica of the inventory")
                 except Exception as error:
                     changed.setdefault(router.name, []).append(f"removing {url}: {_why(error)}")
+            if sum(map(len, changed.values())) > before:  # it changed (or failed to): keep its file in step
+                try:
+                    record(router)  # what it holds now is what it comes back with after a restart
+                except Exception as error:
+                    changed.setdefault(router.name, []).append(_why(error))
         return {name: one_line("; ".join(lines)) for name, lines in changed.items()}
 
     def close(self) -> None:
+        for lock in self.locks:
+            lock.release(wait=False)
+        self.locks.clear()
         for router, _ in self.routers:
             client = getattr(router.transport, "client", None)
             if client is not None:
@@ -137,3 +165,18 @@ class Routers:
 
 def _why(error: BaseException) -> str:
     return str(error) or type(error).__name__
+
+
+def _lock(router: Router, data: Mapping[str, Any]) -> HostLock:
+    """The router host's lock, taken over the rollout's own session to it and held until close(): a router deploy
+    (or another rollout) meanwhile is refused, naming this one."""
+    settings = merged_settings(dict(data))
+    client = router.transport.client  # type: ignore[attr-defined]  # status.connect opens an SshTransport
+    lock = HostLock(client, router.name, lease_s=float(settings[LEASE_SETTING]), sudo=needs_sudo(client))
+    try:
+        return lock.acquire(wait_s=float(settings[WAIT_SETTING]))
+    except HostLockError as error:
+        raise GpufleetError(one_line(f"router {router.name}: {error}")) from None
+    except (TypeError, ValueError):
+        raise GpufleetError(one_line(f"router {router.name}: {WAIT_SETTING} and {LEASE_SETTING} must be numbers of "
+                                     "seconds (fix: set them to numbers)")) from None

@@ -15,7 +15,7 @@ from gpufleet.rollout.prepare import prepare
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.report import HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
-from gpufleet.rollout.swap import SwapOptions, swap
+from gpufleet.rollout.swap import SwapOptions, batches, swap
 from gpufleet.rollout.target import Target, requested_image, resolve
 
 # Asked once the plan is known, before anything changes: (what, hosts to swap) -> go on?
@@ -79,6 +79,9 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
             message += f"; the routers were not reconciled: {error}"
         return Result(what, [outcomes[h] for h in names], message)
     with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
+        # Counting the replicas already out of a router: a batch must leave it one in service.
+        if problem := routers.capacity_problem(batches(order, options.canary, options.batch)):
+            raise GpufleetError(problem)
         if not confirm(what, order):
             raise GpufleetError("not confirmed: nothing was changed")
         _reconcile(routers, sessions, names, ledgers, progress)
