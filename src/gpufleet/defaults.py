@@ -106,6 +106,10 @@ DEFAULTS: dict[str, Any] = {
     # Fetch the Docker and NVIDIA repo keys even where a keyring is installed, and replace a key that rotated. Off,
     # an installed key stands (no request leaves the host) until apt installs from its repo, which fetches it first.
     "gpufleet_refresh_keys": False,
+    # --- gpufleet lint --------------------------------------------------------------------------------------
+    # Lint rule ids this host (or group) accepts on purpose, e.g. ["open-without-api-key"]: `gpufleet lint` lists
+    # them as accepted and leaves them out of its exit status. Say why in a comment next to it (docs/lint.md).
+    "gpufleet_accept": [],
     # --- Docker engine --------------------------------------------------------------------------------------
     # "docker-ce" from Docker's official repo, or "distro" for the distribution's docker.io package.
     "docker_install": "docker-ce",

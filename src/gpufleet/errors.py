@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 # Anything that ends or breaks a line somewhere: systemd ends unit lines at LF, CR and NUL, terminals and logs
 # at the rest of C0/C1, some readers at Unicode's line and paragraph separators. Settings refuse them; messages
 # show them escaped ("\\n").
 CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """repr(value) for a message, cut short: a 10**400 or a 128 KiB string must not flood the terminal."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def one_line(text: str) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gpufleet.defaults import DEFAULTS
-from gpufleet.errors import CONTROL_CHARACTERS, SettingError, SettingErrors
+from gpufleet.errors import CONTROL_CHARACTERS, SettingError, SettingErrors, shown
 from gpufleet.image_ref import parse as parse_image
 from gpufleet.profiles import PROFILES, Profile
 from gpufleet.quoting import systemd_exec
@@ -157,12 +157,6 @@ def says_secret(name: str) -> bool:
     """Does a flag or env var name say it carries a secret? ("WANDB_API_KEY", "hf-token", "PGPASSWORD": yes)"""
     lowered = name.lower()
     return bool(_SECRET_WORDS.intersection(re.split(r"[-_.]", lowered))) or any(p in lowered for p in _SECRET_PARTS)
-
-
-def shown(value: Any, limit: int = 80) -> str:
-    """repr(value) for a message, cut short: a 10**400 or a 128 KiB string must not flood the terminal."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def control_character(text: str) -> str | None:

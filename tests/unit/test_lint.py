@@ -159,10 +159,11 @@ def test_publishing_on_the_host_loopback_silences_the_open_port_rule_and_renders
     assert argv[argv.index("-p") + 1] == "127.0.0.1:5000:5000"
 
 
-def test_findings_are_one_line_with_host_rule_and_fix():
+def test_findings_are_one_line_with_host_severity_rule_and_fix():
     for finding in lint_spec(build_spec("gpu-box-1", {}), merged_settings({})):
         text = str(finding)
-        assert text.startswith("gpu-box-1: warning [") and "(fix: " in text and "\n" not in text
+        assert text.startswith(f"gpu-box-1: {finding.severity} [{finding.rule.id}] ")
+        assert "(fix: " in text and "\n" not in text
 
 
 def test_pipeline_rule_knows_every_qwen35_profile_whatever_the_model_dir_is_called():

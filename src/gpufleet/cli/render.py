@@ -1,14 +1,30 @@
-"""`gpufleet render` and `gpufleet lint`: offline views of what each host will run."""
+"""`gpufleet render` and `gpufleet lint`: offline views of what each host will run (lint: vLLM hosts and routers)."""
 
 from __future__ import annotations
 
+import json
+import sys
+from typing import Any
+
 import click
 
-from gpufleet.errors import GpufleetError
-from gpufleet.inventory import load_host_specs, load_specs
-from gpufleet.lint import lint_spec
+from gpufleet.defaults import DEFAULTS
+from gpufleet.errors import GpufleetError, SettingError, SettingErrors
+from gpufleet.inventory import load_roles, load_specs
+from gpufleet.lint import (
+    ACCEPT_SETTING,
+    SEVERITIES,
+    LintReport,
+    accepted_rule_ids,
+    fleet_report,
+    invalid_settings_report,
+    lint_router,
+    lint_spec,
+)
 from gpufleet.quoting import shell_line
-from gpufleet.settings import merged_settings
+from gpufleet.router.settings import build_router_spec, router_settings
+from gpufleet.router.settings import replicas as replica_addresses
+from gpufleet.settings import resolve_host
 from gpufleet.unit import render_unit
 
 
@@ -32,18 +48,101 @@ def render(inventory: str, host_name: str | None, unit: bool) -> None:
         click.echo(render_unit(spec) if unit else shell_line(spec.docker_run_argv()), nl=not unit)
 
 
+class BadInput(click.ClickException):
+    """lint could not read the inventory at all (missing, not loadable, empty): exit status 2, apart from the 1 that
+    says it found errors."""
+
+    exit_code = 2
+
+
+# What lint prints each severity in, on a terminal.
+_SEVERITY_COLOUR = {"error": "red", "warning": "yellow", "info": "cyan"}
+
+
 @click.command()
 @click.argument("inventory", type=click.Path(dir_okay=False))
-def lint(inventory: str) -> None:
-    """Warn about known vLLM traps in each host's settings, with the fix.
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout: ok, findings, accepted.")
+@click.option("--strict", is_flag=True, help="Exit 1 on warnings too (for CI).")
+def lint(inventory: str, as_json: bool, strict: bool) -> None:
+    """Find known traps in each host's settings (vLLM hosts and routers), with the fix.
 
-    Exit status: 0 with warnings only, 1 when a setting is invalid.
+    A finding that fires alike on several hosts is one line naming them. A host accepts a finding on purpose with
+    gpufleet_accept = ["rule-id", ...] in its data (say why in a comment): it is listed as accepted and does not
+    count. Severities: error (vLLM or the deploy refuses it, or it breaks at runtime), warning (it runs but loses
+    something: answers, prefix-cache hits, isolation), info (advice).
+
+    \b
+    Exit status: 0  no errors (warnings and info allowed; --strict: no warnings either)
+                 1  errors found (invalid settings included)
+                 2  the inventory cannot be read
+
+    \b
+    Example:
+        gpufleet lint inventories/lab.py --strict
     """
     try:
-        specs = load_host_specs(inventory)
+        routers, replicas = load_roles(inventory)
     except GpufleetError as exc:
-        raise click.ClickException(str(exc)) from None
-    findings = [finding for spec, data in specs for finding in lint_spec(spec, merged_settings(data))]
-    for finding in findings:
-        click.echo(str(finding))
-    click.echo(f"{len(specs)} host(s), {len(findings)} warning(s)", err=True)
+        raise BadInput(str(exc)) from None
+    if not routers and not replicas:
+        raise BadInput(f"{inventory}: no hosts in the inventory (fix: list hosts in it, as in inventories/lab.py)")
+    hosts, router_names = [name for name, _ in replicas], [name for name, _ in routers]
+    specs, errors = [], []
+    accepted: dict[str, frozenset[str]] = {}
+    for name, data in replicas:
+        try:
+            specs.append(resolve_host(name, data))
+        except SettingErrors as exc:
+            errors += exc.errors
+        errors += _read_accept(name, data, accepted)
+    # The router is checked as its deploy checks it: its settings, and an address for every replica.
+    workers: list[str] = []
+    if routers:
+        try:
+            workers = [replica.url for replica in replica_addresses(replicas)]
+        except SettingErrors as exc:
+            errors += exc.errors
+    for name, data in routers:
+        try:
+            build_router_spec(name, data, workers)
+        except SettingErrors as exc:
+            errors += exc.errors
+        errors += _read_accept(name, data, accepted)
+
+    if errors:  # the rules read valid settings, and a fleet-wide line needs every host: these first, alone
+        report = invalid_settings_report(errors, hosts, router_names)
+        if not as_json:
+            raise click.ClickException("\n".join(report.line(finding) for finding in report.findings))
+    else:
+        findings = [f for spec, settings in specs for f in lint_spec(spec, settings)]
+        findings += [f for name, data in routers for f in lint_router(name, router_settings(data), len(replicas))]
+        report = fleet_report(findings, accepted, hosts, router_names)
+    if as_json:
+        click.echo(json.dumps(report.as_json(strict), indent=2))
+    else:
+        _print_report(report)
+    sys.exit(report.exit_code(strict))
+
+
+def _read_accept(host: str, data: dict[str, Any], accepted: dict[str, frozenset[str]]) -> list[SettingError]:
+    try:
+        accepted[host] = accepted_rule_ids(host, data.get(ACCEPT_SETTING, DEFAULTS[ACCEPT_SETTING]))
+    except SettingError as error:
+        return [error]
+    return []
+
+
+def _print_report(report: LintReport) -> None:
+    for finding in report.findings:
+        line = report.line(finding)
+        # Only the severity word is coloured: the line stays the same text a pipe or a log gets.
+        word = f": {finding.severity} ["
+        head, _, tail = line.partition(word)
+        coloured = click.style(finding.severity, fg=_SEVERITY_COLOUR[finding.severity], bold=True)
+        click.echo(f"{head}: {coloured} [{tail}" if tail else line)
+    for finding in report.accepted:
+        click.echo(click.style(report.line(finding, accepted=True), dim=True))
+    counts = ", ".join(f"{report.count(severity)} {severity}" + ("" if severity == "info" else "(s)")
+                       for severity in SEVERITIES)
+    routers = f", {len(report.routers)} router(s)" if report.routers else ""
+    click.echo(f"{len(report.hosts)} host(s){routers}: {counts}, {len(report.accepted)} accepted", err=True)

@@ -43,7 +43,10 @@ def print_at_exit(state: State) -> None:
     _REGISTERED.add(state)
 
     def summary() -> None:
-        failed = lines(state)
+        try:
+            failed = lines(state)
+        except Exception:  # the run's state half gone at exit (an API run that ended abnormally): nothing to say
+            return
         if failed:
             print(f"\n{len(failed)} host(s) did not converge:", file=sys.stderr)
             for line in failed:

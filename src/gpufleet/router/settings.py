@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpufleet.errors import SettingError, SettingErrors
+from gpufleet.errors import SettingError, SettingErrors, shown
 from gpufleet.router.spec import RouterSpec
-from gpufleet.settings import control_character, merged_settings, shown
+from gpufleet.settings import control_character, merged_settings
 from gpufleet.spec import url_host
 
 DEFAULTS: dict[str, Any] = {
