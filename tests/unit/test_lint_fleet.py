@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import textwrap
 
 import pytest
 from click.testing import CliRunner
@@ -23,23 +22,10 @@ from gpufleet.lint import (
 )
 from gpufleet.settings import build_spec, merged_settings
 from tests.conftest import REPO
+from tests.unit.test_cli_render import inventory  # noqa: F401 - the fixture
 
 # Host data that leaves the seed with warnings only (no error): the seed itself has none either.
 QUIET = '{"vllm_api_key": "sk-test", "vllm_args": {"shutdown-timeout": 60}}'
-
-
-@pytest.fixture
-def inventory(tmp_path):
-    def write(hosts: str, group_all: str = "") -> str:
-        # A fresh directory per inventory: pyinfra caches compiled inventory files by path within a process.
-        directory = tmp_path / f"inv{len(list(tmp_path.iterdir()))}"
-        (directory / "group_data").mkdir(parents=True)
-        (directory / "group_data" / "all.py").write_text(textwrap.dedent(group_all))
-        path = directory / "inventory.py"
-        path.write_text(textwrap.dedent(hosts))
-        return str(path)
-
-    return write
 
 
 def run(*args: str):
