@@ -61,9 +61,15 @@ def load_hosts(inventory_path: str | Path) -> list[HostData]:
     return load_roles(inventory_path)[1]
 
 
+def behind_router(hosts: Iterable[Host]) -> bool:
+    """Is there a router in front of the replicas (a host in the routers group)? Then each replica's spec takes
+    gpufleet.settings.BEHIND_ROUTER_ARGS."""
+    return any(ROUTERS_GROUP in h.groups for h in hosts)
+
+
 def load_host_specs(inventory_path: str | Path, only_host: str | None = None) -> list[tuple[ServeSpec, dict[str, Any]]]:
     """[(validated spec, host data)] for every host (or one); raises SettingErrors listing every invalid setting."""
-    hosts = load_hosts(inventory_path)
+    routers, hosts = load_roles(inventory_path)
     if only_host is not None:
         hosts = [(name, data) for name, data in hosts if name == only_host]
         if not hosts:
@@ -71,7 +77,7 @@ def load_host_specs(inventory_path: str | Path, only_host: str | None = None) ->
     specs, errors = [], []
     for name, data in hosts:
         try:
-            specs.append((build_spec(name, data), data))
+            specs.append((build_spec(name, data, behind_router=bool(routers)), data))
         except SettingErrors as exc:
             errors += exc.errors
     if errors:

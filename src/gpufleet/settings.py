@@ -165,12 +165,25 @@ def control_character(text: str) -> str | None:
     return f"U+{ord(found.group()):04X}" if found else None
 
 
-def build_spec(host: str, host_data: Mapping[str, Any]) -> ServeSpec:
-    """Validate a host's settings and build its ServeSpec; raise SettingErrors listing every problem."""
-    return resolve_host(host, host_data)[0]
+# What a replica adds to its profile's vLLM flags when a router is in front of it (the inventory has a `routers`
+# group). The router's default policy, cache_aware, places each request by the token ids it asks the replica for
+# (POST /v1/chat/completions/render), which vLLM serves only with --enable-scale-out (403 otherwise): without it,
+# measured on 2 real vLLM replicas, the router kept 82-92% of one server's later-turn prefix hits and sent up to all
+# of a run's requests to one replica; with it, 98.8% and an even split in every run (docs/router.md). The flag also
+# opens vLLM's /render, /derender, /inference/v1/generate and /inference/v1/abort_requests endpoints, which vLLM's
+# --api-key guards like /v1/*: so it goes only where a router is in front. A host's vllm_args may still remove it
+# ({"enable-scale-out": None}).
+BEHIND_ROUTER_ARGS: dict[str, ArgValue] = {"enable-scale-out": True}
 
 
-def resolve_host(host: str, host_data: Mapping[str, Any]) -> tuple[ServeSpec, dict[str, Any]]:
+def build_spec(host: str, host_data: Mapping[str, Any], behind_router: bool = False) -> ServeSpec:
+    """Validate a host's settings and build its ServeSpec; raise SettingErrors listing every problem.
+    behind_router: the inventory has a router in front of this replica (BEHIND_ROUTER_ARGS)."""
+    return resolve_host(host, host_data, behind_router)[0]
+
+
+def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = False
+                 ) -> tuple[ServeSpec, dict[str, Any]]:
     """build_spec, and the merged settings it was built from: callers that need both merge once."""
     errors: list[SettingError] = []
 
@@ -207,7 +220,8 @@ def resolve_host(host: str, host_data: Mapping[str, Any]) -> tuple[ServeSpec, di
 
     substitutions = {"model_path": posixpath.join(profile.models_mount, str(model)),
                      "served_model_name": str(model), "port": str(port)}
-    vllm_args = _merge_vllm_args(profile, s["vllm_args"], substitutions, fail)
+    vllm_args = _merge_vllm_args(profile, s["vllm_args"], substitutions, fail,
+                                 BEHIND_ROUTER_ARGS if behind_router else {})
     env = _merge_env(profile, s["vllm_env"], fail)
     secret_names = _check_secret_env(s["vllm_secret_env"], env, fail)
     options = _merge_docker_options(profile, s["vllm_docker_options"], fail)
@@ -448,9 +462,11 @@ def _check_secret_value(setting: str, value: Any, fail: Fail, optional: bool = F
 
 
 # --- vLLM flags, env, docker options -----------------------------------------------------------------------
-def _merge_vllm_args(profile: Profile, overrides: Any, subs: dict[str, str], fail: Fail) -> dict[str, ArgValue]:
+def _merge_vllm_args(profile: Profile, overrides: Any, subs: dict[str, str], fail: Fail,
+                     defaults: Mapping[str, ArgValue]) -> dict[str, ArgValue]:
+    """The profile's flags, then `defaults` (as if the profile had them), then the host's vllm_args over both."""
     merged: dict[str, ArgValue] = {}
-    for name, value in profile.vllm_args.items():
+    for name, value in {**profile.vllm_args, **defaults}.items():
         merged[name] = value if isinstance(value, bool) else _substitute(str(value), subs)
     if not isinstance(overrides, Mapping):
         fail("vllm_args", f"{shown(overrides)} is not a mapping", 'use e.g. {"max-model-len": 131072}')

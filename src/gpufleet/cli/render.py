@@ -91,7 +91,7 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
     accepted: dict[str, frozenset[str]] = {}
     for name, data in replicas:
         try:
-            specs.append(resolve_host(name, data))
+            specs.append(resolve_host(name, data, behind_router=bool(routers)))
         except SettingErrors as exc:
             errors += exc.errors
         errors += _read_accept(name, data, accepted)

@@ -22,10 +22,12 @@ from typing import Any
 
 from pyinfra import host
 from pyinfra.api import Host, deploy
+from pyinfra.context import ctx_state
 
 from gpufleet.deploys import preflight
 from gpufleet.deploys.verify import Verification
 from gpufleet.facts.host import HostSnapshot, Paths
+from gpufleet.inventory import ROUTERS_GROUP, behind_router
 from gpufleet.ledger import (
     CorruptLedger,
     DropPending,
@@ -64,7 +66,11 @@ class Plan:
 
 def plan_for(name: str, data: dict[str, Any]) -> Plan:
     """Host data -> Plan (raises SettingErrors, one line per bad setting)."""
-    spec, s = resolve_host(name, data)
+    # A router in front (the run's inventory has one) adds its flags, as for every offline view of the inventory.
+    # (A State made without an inventory, as pyinfra's inventory loader makes one, has no attribute for it.)
+    inventory = getattr(ctx_state.get(), "inventory", None) if ctx_state.isset() else None
+    fronted = inventory is not None and behind_router(inventory)
+    spec, s = resolve_host(name, data, behind_router=fronted)
     layout = Layout.of(spec, s["vllm_cache_dir"])
     managed = managed_paths(layout)
     paths = Paths(
@@ -78,12 +84,9 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
     return Plan(spec, s, layout, paths)
 
 
-# Hosts in this inventory group run vllm-router in front of the vLLM hosts: deploys/router.py configures them.
-ROUTERS = "routers"
-
-
 def is_vllm_host(target: Host) -> bool:
-    return ROUTERS not in target.groups
+    """Not a router host (those run vllm-router in front of the vLLM hosts: deploys/router.py configures them)."""
+    return ROUTERS_GROUP not in target.groups
 
 
 def host_ledger(snap: HostSnapshot, plan: Plan) -> Ledger:

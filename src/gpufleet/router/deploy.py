@@ -48,7 +48,7 @@ def ready_workers(state: State) -> Workers:
     _, found = split_roles(state.inventory)
     try:
         candidates = replicas(found)
-        targets = [HostTarget.for_spec(build_spec(r.name, r.data), r.data) for r in candidates]
+        targets = [HostTarget.for_spec(build_spec(r.name, r.data, behind_router=True), r.data) for r in candidates]
     except SettingErrors as error:
         raise DeployError(f"the router's replicas have invalid settings; nothing was changed:\n  {error}") from None
     if not candidates:
