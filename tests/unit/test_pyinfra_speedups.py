@@ -273,3 +273,33 @@ def test_a_real_pyinfra_run_orders_operations_the_same(tmp_path: Path) -> None:
 
     assert operations(speedups=False) == operations(speedups=True) == [
         "first", "second 0", "second 1", "third", "fourth"]
+
+
+def test_the_guard_covers_what_the_argument_defaults_rely_on(monkeypatch):
+    name = "pyinfra.api.arguments.pop_global_arguments"
+    original = getattr(importlib.import_module("pyinfra.api.arguments"), "pop_global_arguments")
+    original = getattr(original, "__wrapped__", original)  # pyinfra's own, under the speedup if installed
+    assert pyinfra_speedups.checked(name, original)
+    # pyinfra's host data lookup changed under an unchanged pop_global_arguments: the speedup no longer applies.
+    changed = {**pyinfra_speedups.RELIED_ON[name], "pyinfra.api.host.HostData.__getattr__": "0" * 64}
+    monkeypatch.setitem(pyinfra_speedups.RELIED_ON, name, changed)
+    assert not pyinfra_speedups.checked(name, original)
+
+
+def test_what_install_did_is_said_once_an_info_line_or_a_warning_naming_pyinfra(monkeypatch, caplog):
+    monkeypatch.setattr(pyinfra_speedups, "_REPORTED", set())
+    with caplog.at_level("INFO", logger="pyinfra"):
+        pyinfra_speedups.install_and_say()
+        pyinfra_speedups.install_and_say()
+    [applied] = [r for r in caplog.records if "speedups" in r.getMessage() or "bookkeeping" in r.getMessage()]
+    assert applied.levelname == "INFO" and "faster operation bookkeeping is on (3 functions" in applied.getMessage()
+    caplog.clear()
+    monkeypatch.setattr(pyinfra_speedups, "install", lambda: ["pyinfra.api.util.get_operation_order_from_stack"])
+    monkeypatch.setattr(pyinfra_speedups, "pyinfra_version", lambda: "3.99.0")
+    with caplog.at_level("INFO", logger="pyinfra"):
+        pyinfra_speedups.install_and_say()
+    [skipped] = caplog.records
+    assert skipped.levelname == "WARNING"
+    assert skipped.getMessage() == ("pyinfra 3.99.0 differs from the 3.10.0 gpufleet's speedups were checked against: "
+                                    "pyinfra's own all_global_arguments, pop_global_arguments run unchanged (slower, "
+                                    "correct)")

@@ -21,7 +21,7 @@ def register_deploy_file(path: str) -> None:
     the entry keeps pyinfra's own walk affordable where it is not. And it makes the run's last lines name every host
     that failed or could not be reached, with the fix (gpufleet.deploys.summary).
     """
-    pyinfra_speedups.install()
+    pyinfra_speedups.install_and_say()
     if ctx_state.isset():
         summary.print_at_exit(ctx_state.get())
     absolute = os.path.abspath(path)

@@ -26,6 +26,7 @@ import copy
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import linecache
 import sys
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from types import FrameType, SimpleNamespace
 from typing import Any
 
 import pyinfra
+from pyinfra import logger
 from pyinfra.api.host import Host, HostData
 from pyinfra.api.state import State
 
@@ -45,6 +47,16 @@ KNOWN_SOURCES = {
     "pyinfra.api.arguments.pop_global_arguments":
         "a12a311539ff5068152b1c9c4578d77a8a893239a570f912768050a623069faf",
 }
+# What else each speedup relies on, checked the same way: the data-layer lookup the argument defaults re-implement
+# (HostData's layers, as its constructor stacks them, read first to last, callables called, each value copied).
+RELIED_ON = {
+    "pyinfra.api.arguments.pop_global_arguments": {
+        "pyinfra.api.host.HostData.__init__": "e55c67621dac45d87a4319502a2cae8b46218cef075e23771f034780514a8095",
+        "pyinfra.api.host.HostData.__getattr__": "87152f64f2a65e537473f169b0cfa4e0c39547ee4054d73bad6bbf97af313433",
+        "pyinfra.api.host.extract_callable_datas": "5f05d834948d82be4917f1685050df712c459fe9ad4bb9f61ee05c041246b0d4",
+    },
+}
+CHECKED_AGAINST = "3.10.0"  # the pyinfra whose sources the sums above are of
 # pyinfra's own frames (pyinfra_cli's too: the same prefix), left out of the order as pyinfra leaves them out.
 PYINFRA_DIR: str = importlib.import_module("pyinfra.api.util").PYINFRA_INSTALL_DIR
 # The modules that bound each function by name at import (`from .util import get_operation_order_from_stack`).
@@ -140,7 +152,7 @@ def install() -> list[str]:
         if getattr(original, "_gpufleet_speedup", False):
             installed.append(name)
             continue
-        if _source_sha256(original) != KNOWN_SOURCES[name]:
+        if not checked(name, original):
             continue
         faster = replace(original)
         faster._gpufleet_speedup = True  # type: ignore[attr-defined]
@@ -151,6 +163,52 @@ def install() -> list[str]:
                 setattr(module, attribute, faster)
         installed.append(name)
     return installed
+
+
+def checked(name: str, original: Callable[..., Any]) -> bool:
+    """Is pyinfra's function, and everything its speedup relies on, the code the speedup was checked against?"""
+    return _source_sha256(original) == KNOWN_SOURCES[name] and all(
+        _source_sha256(_resolve(dotted)) == digest for dotted, digest in RELIED_ON.get(name, {}).items())
+
+
+def _resolve(dotted: str) -> Callable[..., Any]:
+    """A function by its dotted name: module, then attributes (a class's method included)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            found = getattr(found, attribute)
+        return found
+    raise ImportError(dotted)
+
+
+_REPORTED: set[str] = set()  # said once per process, however many deploy files install
+
+
+def install_and_say() -> list[str]:
+    """install(), saying once per process what it did: one info line when every speedup applies, one warning
+    naming this pyinfra and what runs unchanged when some do not (pyinfra's own code: slower, still correct)."""
+    installed = install()
+    skipped = sorted(set(KNOWN_SOURCES) - set(installed))
+    line = (f"pyinfra {pyinfra_version()} differs from the {CHECKED_AGAINST} gpufleet's speedups were checked against: "
+            f"pyinfra's own {', '.join(name.rpartition('.')[2] for name in skipped)} run unchanged (slower, correct)"
+            if skipped else
+            f"pyinfra {pyinfra_version()}: gpufleet's faster operation bookkeeping is on "
+            f"({len(installed)} functions, gpufleet.deploys.pyinfra_speedups)")
+    if line not in _REPORTED:
+        _REPORTED.add(line)
+        (logger.warning if skipped else logger.info)(line)
+    return installed
+
+
+def pyinfra_version() -> str:
+    try:
+        return importlib.metadata.version("pyinfra")
+    except importlib.metadata.PackageNotFoundError:
+        return "(unknown version)"
 
 
 @functools.cache  # every host's deploy file calls install(): read each source once per run
