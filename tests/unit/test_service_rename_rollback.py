@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from gpufleet import hostlock
 from gpufleet.deploys import verify
 from gpufleet.facts.host import HostSnapshot
 from gpufleet.health import HealthReport, HealthState
@@ -163,3 +164,19 @@ def test_a_copy_that_fails_commits_nothing_and_prunes_nothing():
     assert verify.commit_pending(host, v, "t2") is False
     assert [kind for kind, _ in host.done] == ["run"]  # the copy, and nothing after it
     assert memo(host).ledger == before  # still pending: the next run verifies it again
+
+
+class LostLock:
+    """A run lock whose lease ran out while the run was stalled: another run may hold the host now."""
+
+    def check(self) -> None:
+        raise hostlock.LockLost("gpu1: this run's lock on the host is gone (its lease of 90 s ran out)")
+
+
+def test_a_run_that_lost_the_hosts_lock_writes_no_ledger(monkeypatch):
+    host = RollbackHost()
+    v, before = committing(host)
+    monkeypatch.setitem(hostlock._RUN_LOCKS, host.state, {host.name: LostLock()})
+    assert verify.commit_pending(host, v, "t2") is False
+    assert [kind for kind, _ in host.done if kind == "put"] == []  # no ledger upload
+    assert memo(host).ledger == before

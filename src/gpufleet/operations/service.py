@@ -99,7 +99,10 @@ def target_version(spec: ServeSpec, host: Host) -> Version:
 
 
 def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
-    """Write the host's ledger (atomically) and keep it as this run's view of it."""
+    """Write the host's ledger (atomically) and keep it as this run's view of it; only while this run holds the
+    host's lock (a run stalled past its lease must not overwrite the record of the run that holds the host now)."""
+    if not _still_locked(host.state, host):
+        return fail(host, f"{host.name}: {path} not written: this run no longer holds the host (fix: run again)")
     if not write_file(host, path, render(ledger)):
         return fail(host, f"{host.name}: could not write {path} (fix: check free space and permissions there)")
     memo(host).ledger = ledger
