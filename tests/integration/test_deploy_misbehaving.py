@@ -18,11 +18,11 @@ from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import SERVICE, STATE_FILE, running_image, sh
 from tests.integration.test_deploy_rollback import (  # noqa: F401  fixtures: one fresh host, converge(tag), its good digest
     API_KEY,
-    BACKUP,
     UNIT,
     good,
     health_over_ssh,
     host,
+    kept_unit,
     run,
 )
 
@@ -51,7 +51,7 @@ def test_an_image_whose_server_misbehaves_is_rolled_back(good, run, host, fleet,
     # Serving the previous digest again, through the same checks the deploy uses.
     assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"
     assert running_image(fleet, host) == good
-    assert fleet.read_file(host, UNIT) == fleet.read_file(host, BACKUP)  # the kept unit is the one restored
+    assert fleet.read_file(host, UNIT) == kept_unit(fleet, host)  # the kept unit is the one restored
     assert health_over_ssh(host, fleet)[0] is HealthState.READY
     doc = json.loads(fleet.read_file(host, STATE_FILE))
     assert doc["committed"]["ref"] == good and doc["pending"] is None

@@ -84,6 +84,12 @@ def health_over_ssh(host, fleet) -> tuple[HealthState, str]:
         client.close()
 
 
+def kept_unit(fleet, host) -> bytes:
+    """The committed unit's copy, the one the ledger names by its checksum."""
+    doc = ledger(fleet, host)
+    return fleet.read_file(host, committed_unit(SERVICE, doc["committed"]["unit_sha256"]))
+
+
 def assert_rolled_back(out: str, rc: int, host, fleet, good: str, caught: str) -> dict:
     assert rc != 0, out[-4000:]
     lines = [line.strip() for line in out.splitlines() if line.strip().startswith(f"{host.name}: new image ")]
@@ -98,8 +104,7 @@ def assert_rolled_back(out: str, rc: int, host, fleet, good: str, caught: str) -
     assert f" {good} " in fleet.read_file(host, UNIT).decode()
     assert health_over_ssh(host, fleet)[0] is HealthState.READY
     doc = ledger(fleet, host)
-    # The unit restored is the copy the ledger names by its checksum.
-    assert fleet.read_file(host, UNIT) == fleet.read_file(host, committed_unit(SERVICE, doc["committed"]["unit_sha256"]))
+    assert fleet.read_file(host, UNIT) == kept_unit(fleet, host)  # the kept unit is the one restored
     assert doc["committed"]["ref"] == good and doc["pending"] is None
     assert doc["failed"][-1]["ref"] != good and doc["failed"][-1]["reason"].startswith("dead: ")
     return doc

@@ -150,6 +150,11 @@ def test_prepare_failures_are_attributed_to_the_host_the_output_names():
     # A run that fails as a whole (preflight refused it before any host ran) fails every host.
     assert set(failures(run_of(1, "DeployError: preflight refused\n", hosts=("h1", "h2")))) == {"h1", "h2"}
     assert failures(run_of(0, "", hosts=("h1", "h2"))) == {}
+    # The run's closing summary names the host again without its reason: the reason is what came before it.
+    summarised = (output + "[h2] Error: executed 0 commands\n\n1 host(s) did not converge:\n  h2: failed; its error "
+                  "is in the [h2] lines above (fix: correct what they name, then run again)\n")
+    reason = failures(run_of(1, summarised, hosts=("h1", "h2")))["h2"]
+    assert "--performance-mode" in reason and "did not converge" not in reason and "lines above" not in reason
 
 
 # --- ledgers ----------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from weakref import WeakSet
 
 from pyinfra.api import Host, State
 
+HEADER = "host(s) did not converge:"  # after "<N> ", the summary's first line
 _REGISTERED: WeakSet[State] = WeakSet()  # one summary per run, however many deploy files register it
 
 
@@ -48,8 +49,14 @@ def print_at_exit(state: State) -> None:
         except Exception:  # the run's state half gone at exit (an API run that ended abnormally): nothing to say
             return
         if failed:
-            print(f"\n{len(failed)} host(s) did not converge:", file=sys.stderr)
+            print(f"\n{len(failed)} {HEADER}", file=sys.stderr)
             for line in failed:
                 print(f"  {line}", file=sys.stderr)
 
     atexit.register(summary)
+
+
+def without_summary(output: str) -> str:
+    """A run's output up to its summary: what the hosts and pyinfra said, for a reader that looks for them."""
+    head, found, _ = output.rpartition(f" {HEADER}\n")
+    return head.rpartition("\n")[0] if found else output

@@ -24,6 +24,8 @@ POLL_S = 2.0
 FINAL_STATES = (HealthState.READY, HealthState.DEAD, HealthState.MISCONFIGURED)
 
 CheckOnce = Callable[[], HealthReport]
+# How long a soak waits for the service manager's reason after the container it watched went away.
+EXIT_SETTLE_S = 10.0
 Exited = Callable[[], "str | None"]
 
 
@@ -40,6 +42,19 @@ def dead_if_exited(report: HealthReport, exited: Exited | None) -> HealthReport:
         why = exited()
         if why:
             return replace(report, state=HealthState.DEAD, detail=why)
+    return report
+
+
+def _exit_reason(report: HealthReport, exited: Exited | None, clock: Callable[[], float],
+                 sleep: Callable[[float], Any]) -> HealthReport:
+    """dead_if_exited, asked again for up to EXIT_SETTLE_S: a container that went away mid-soak is dead once the
+    service manager has its reason."""
+    deadline = clock() + EXIT_SETTLE_S
+    while exited is not None and clock() < deadline:
+        sleep(1.0)
+        settled = dead_if_exited(report, exited)
+        if settled.state is HealthState.DEAD:
+            return settled
     return report
 
 
@@ -68,6 +83,10 @@ def soak(check_once: CheckOnce, ready: HealthReport, soak_s: float, poll_s: floa
     while clock() - start < soak_s:
         sleep(min(poll_s, max(0.0, soak_s - (clock() - start))))
         report = dead_if_exited(check_once(), exited)
+        if report.state is HealthState.CONTAINER_NOT_RUNNING and not transient(report):
+            # Ready before, gone now: its process ended, and the service manager says why a moment later (docker
+            # is still removing the --rm container while `docker run` returns). Wait for that, briefly.
+            report = _exit_reason(report, exited, clock, sleep)
         if not report.ready and not transient(report):
             return replace(report, detail=f"{report.detail} ({clock() - start:.0f} s after it was ready)")
     return report

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufleet.deploys.summary import without_summary
 from gpufleet.errors import GpufleetError, one_line
 
 DEPLOY_FILE = Path("deploys") / "qwen35.py"
@@ -53,7 +54,8 @@ class DeployRun:
 
     def problems(self, host: str, last: int = 2) -> list[str]:
         """The run's last lines about `host` that report a problem ("[host] ..." or "host: ...")."""
-        lines = [line.strip() for line in self.output.splitlines()
+        # The summary's lines at the end repeat each failed host without its reason: read what came before them.
+        lines = [line.strip() for line in without_summary(self.output).splitlines()
                  if (f"[{host}]" in line or line.strip().startswith(f"{host}:")) and _PROBLEM.search(line)]
         return [one_line(line) for line in lines[-last:]]
 
