@@ -14,7 +14,7 @@ import pytest
 from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.router import facts, status
 from gpufleet.router.api import Router, parse_metrics
-from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, replicas, worker_url
+from gpufleet.router.settings import DEFAULTS, POLICIES, REPLICA_FLAGS, build_router_spec, replica_flags, replicas, worker_url
 from gpufleet.router.spec import RouterSpec
 from gpufleet.router.unit import render_proxy, render_unit
 from gpufleet.spec import reach_address
@@ -70,6 +70,32 @@ def test_every_policy_gpufleet_accepts_is_one_the_router_accepts():
     help_text = (FIXTURES / "vllm-router-0.1.17-help.txt").read_text()
     accepted = re.search(r"--policy \{([a-z_,]+)\}", help_text)[1].split(",")
     assert set(POLICIES) <= set(accepted)
+
+
+def test_sticky_least_loaded_is_a_policy_gpufleet_runs():
+    assert spec(router_policy="sticky_least_loaded").policy == "sticky_least_loaded"
+
+
+def test_the_default_policy_needs_its_replicas_to_serve_render():
+    # cache_aware routes on token ids from the worker's POST /v1/chat/completions/render, which vLLM serves only with
+    # --enable-scale-out (measured: docs/router.md); the other policies need nothing of the replicas.
+    assert replica_flags(DEFAULTS["router_policy"]) == ("--enable-scale-out",)
+    assert replica_flags("sticky_least_loaded") == replica_flags("consistent_hash") == ()
+    assert set(REPLICA_FLAGS) <= set(POLICIES)
+
+
+def test_every_replica_flag_is_one_vllm_knows():
+    help_text = (FIXTURES.parent / "vllm" / "serve-help-all.txt").read_text()
+    for flags in REPLICA_FLAGS.values():
+        for flag in flags:
+            assert re.search(rf"^  {re.escape(flag)}[ ,\n]", help_text, re.M), flag
+
+
+def test_the_router_argv_adds_no_routing_argument_beyond_the_policy():
+    # The default is cache_aware at the router's own thresholds: the measured fix is on the replicas, not the router.
+    argv = spec().argv()
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert not {"--cache-threshold", "--balance-abs-threshold", "--balance-rel-threshold"} & set(argv)
 
 
 # --- worker addresses ----------------------------------------------------------------------------------------------

