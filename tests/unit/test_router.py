@@ -18,6 +18,7 @@ from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, repl
 from gpufleet.router.spec import RouterSpec
 from gpufleet.router.unit import render_proxy, render_unit
 from gpufleet.sandbox.router_index import project_name, write_simple_index
+from gpufleet.settings import BEHIND_ROUTER_ARGS
 from gpufleet.spec import reach_address
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "router"
@@ -70,6 +71,30 @@ def test_every_policy_gpufleet_accepts_is_one_the_router_accepts():
     help_text = (FIXTURES / "vllm-router-0.1.17-help.txt").read_text()
     accepted = re.search(r"--policy \{([a-z_,]+)\}", help_text)[1].split(",")
     assert set(POLICIES) <= set(accepted)
+
+
+def test_sticky_least_loaded_is_a_policy_gpufleet_runs():
+    assert spec(router_policy="sticky_least_loaded").policy == "sticky_least_loaded"
+
+
+def test_the_default_policy_gets_what_it_needs_of_the_replicas_behind_a_router():
+    # cache_aware routes on token ids from the worker's POST /v1/chat/completions/render, which vLLM serves only with
+    # --enable-scale-out (measured: docs/router.md): replicas behind a router get it (gpufleet.settings).
+    assert DEFAULTS["router_policy"] == "cache_aware"
+    assert BEHIND_ROUTER_ARGS == {"enable-scale-out": True}
+
+
+def test_every_flag_a_replica_behind_a_router_gets_is_one_vllm_knows():
+    help_text = (FIXTURES.parent / "vllm" / "serve-help-all.txt").read_text()
+    for flag in BEHIND_ROUTER_ARGS:
+        assert re.search(rf"^  --{re.escape(flag)}[ ,\n]", help_text, re.M), flag
+
+
+def test_the_router_argv_adds_no_routing_argument_beyond_the_policy():
+    # The default is cache_aware at the router's own thresholds: the measured fix is on the replicas, not the router.
+    argv = spec().argv()
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert not {"--cache-threshold", "--balance-abs-threshold", "--balance-rel-threshold"} & set(argv)
 
 
 # --- worker addresses ----------------------------------------------------------------------------------------------

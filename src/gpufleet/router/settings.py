@@ -28,8 +28,12 @@ DEFAULTS: dict[str, Any] = {
     # vllm-router's own port, on the router host's loopback only: nginx forwards clients to it, and gpufleet's own
     # calls to its worker management API (/add_worker, /remove_worker, /list_workers) come over SSH.
     "router_internal_port": 28000,
-    # vllm-router policy: cache_aware (longest cached prefix, load-balanced fallback), consistent_hash (a session
-    # header such as X-Session-ID), round_robin, power_of_two, random.
+    # vllm-router policy: cache_aware (a new conversation to the replica with the fewest requests in flight, each
+    # later turn to the replica holding its longest prefix; needs the replicas'
+    # --enable-scale-out, which every replica behind a router gets: gpufleet.settings.BEHIND_ROUTER_ARGS;
+    # new conversations that arrive while the fleet is idle all go to one replica), sticky_least_loaded (a new
+    # X-Session-ID to the replica with the fewest sessions, then always there; requests without one all go to one
+    # replica), consistent_hash (a hash of X-Session-ID), round_robin, power_of_two, random. Measured: docs/router.md.
     "router_policy": "cache_aware",
     # vllm-router version from the index: pinned, so a re-run or a new host never moves it silently.
     "router_version": "0.1.17",
@@ -51,7 +55,7 @@ DEFAULTS: dict[str, Any] = {
     # one address, else ssh_hostname, else the host name).
     "router_worker_address": None,
 }
-POLICIES = ("cache_aware", "consistent_hash", "round_robin", "power_of_two", "random")
+POLICIES = ("cache_aware", "sticky_least_loaded", "consistent_hash", "round_robin", "power_of_two", "random")
 _VERSION = re.compile(r"[0-9]+(\.[0-9]+)*([a-z]+[0-9]*)?(\.post[0-9]+)?(\.dev[0-9]+)?")
 _SERVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
