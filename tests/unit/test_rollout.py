@@ -459,3 +459,34 @@ def test_a_batch_that_would_leave_a_router_no_replica_is_refused_counting_those_
     router.workers.discard(URLS["h3"])
     assert "swapping h1, h2 at once" in routers.capacity_problem(batches(["h1", "h2", "h3"], canary=0, batch=2))
     assert Routers([], URLS).capacity_problem([["h1", "h2", "h3"]]) is None  # no router: the batch is the user's call
+    cut = FakeRouter("r2", fail={"list": EOFError()})
+    assert Routers([(cut, 30.0)], URLS).capacity_problem([["h1"]]) == (
+        "router r2: its worker list does not answer: EOFError; nothing was changed (fix: `gpufleet status` shows the "
+        "router; run again once it answers)")
+
+
+class Phases:
+    """What the rollout's live view was told."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def phase(self, host: str, text: str) -> None:
+        self.seen.append((host, text))
+
+
+def test_after_its_swap_a_replica_rejoins_only_when_committed_or_rolled_back():
+    from gpufleet.rollout.swap import _out_of_routers
+
+    router = FakeRouter("r1", URLS.values())
+    routers = Routers([(router, 30.0)], URLS)
+    before = {h: read(committed_on(OLD), h) for h in URLS}
+    outcomes = {"h1": HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.0),
+                "h2": HostOutcome("h2", OLD, NEW, Outcome.ROLLED_BACK, 3.0, "rolled back to ...: dead"),
+                "h3": HostOutcome("h3", OLD, NEW, Outcome.FAILED, None, "lost the SSH connection (ledger: pending)")}
+    options = SwapOptions(deploy_file=Path("deploys/qwen35.py"))
+    result = _out_of_routers(routers, ["h1", "h2", "h3"], NEW, before, options, Phases(), lambda: dict(outcomes))
+    assert router.workers == {URLS["h1"], URLS["h2"]}  # the one that ended neither stays out
+    assert result["h1"] == outcomes["h1"] and result["h2"] == outcomes["h2"]
+    assert result["h3"].outcome is Outcome.FAILED
+    assert result["h3"].detail.endswith("; left out of the routers: neither committed nor rolled back")

@@ -61,7 +61,12 @@ class Routers:
         """One line when a group would leave a router with no replica in service, counting those already out of
         it; None when every group leaves at least one (or there is no router)."""
         for router, _ in self.routers:
-            serving = {host for host, url in self.urls.items() if url in set(router.list_workers())}
+            try:
+                listed = set(router.list_workers())
+            except Exception as error:  # an SSH cut, a refusal: one line, before anything changes
+                return one_line(f"router {router.name}: its worker list does not answer: {_why(error)}; nothing was "
+                                "changed (fix: `gpufleet status` shows the router; run again once it answers)")
+            serving = {host for host, url in self.urls.items() if url in listed}
             for group in groups:
                 if serving and not serving - set(group):
                     return one_line(
