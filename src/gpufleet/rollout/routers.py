@@ -119,12 +119,12 @@ class Routers:
         by_url = {url: host for host, url in self.urls.items()}
         changed: dict[str, list[str]] = {}
         for router, join_timeout_s in self.routers:
-            before = sum(map(len, changed.values()))
             try:
                 members = set(router.list_workers())
             except Exception as error:
                 changed.setdefault(router.name, []).append(f"router {router.name}: worker list: {_why(error)}")
                 continue
+            removed = False  # join() records the file itself; a removal here is recorded once, below
             for host, wanted in belongs.items():
                 url = self.urls.get(host)
                 if url is None or wanted is None or (url in members) == wanted:
@@ -135,16 +135,18 @@ class Routers:
                         changed.setdefault(host, []).append(f"put back in router {router.name}")
                     else:
                         router.remove_worker(url)
+                        removed = True
                         changed.setdefault(host, []).append(f"taken out of router {router.name}")
                 except Exception as error:
                     changed.setdefault(host, []).append(f"router {router.name}: {_why(error)}")
             for url in sorted(members - set(by_url)):
                 try:
                     router.remove_worker(url)
+                    removed = True
                     changed.setdefault(router.name, []).append(f"removed {url}: no replica of the inventory")
                 except Exception as error:
                     changed.setdefault(router.name, []).append(f"removing {url}: {_why(error)}")
-            if sum(map(len, changed.values())) > before:  # it changed (or failed to): keep its file in step
+            if removed:
                 try:
                     record(router)  # what it holds now is what it comes back with after a restart
                 except Exception as error:

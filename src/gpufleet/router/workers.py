@@ -45,10 +45,11 @@ def leave(router: Router, url: str, drain_timeout_s: float = 60.0) -> float:
 
 def join(router: Router, url: str, timeout_s: float = 120.0) -> None:
     """Put `url` back (the router waits for its /health); a no-op when it is in the set already."""
+    if url in router.list_workers():
+        return
+    router.add_worker(url, timeout_s + 10)
     if url not in router.list_workers():
-        router.add_worker(url, timeout_s + 10)
-        if url not in router.list_workers():
-            raise RouterError(f"{router.name}: {url} is not in its worker set after /add_worker")
+        raise RouterError(f"{router.name}: {url} is not in its worker set after /add_worker")
     record(router)
 
 
