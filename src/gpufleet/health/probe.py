@@ -242,7 +242,7 @@ class ProbeReport:
 
 
 @dataclass
-class _Conversation:
+class Conversation:
     """A deterministic synthetic conversation: (seed, filler, words) -> the same messages every time.
 
     The seed opens the system prompt, so conversations with different seeds differ inside their first cache
@@ -364,15 +364,15 @@ class _Run:
                            address=self.address)
 
     def metrics(self) -> Metrics:
-        return _metrics(self.transport, self.port, self.address)
+        return read_metrics(self.transport, self.port, self.address)
 
     def calibrate(self) -> None:
         """Two requests: they warm the server up (the first request after a start is ~4x slower) and give tokens
         per filler word, so lengths can be crafted without a tokenizer. The long one goes first, so the short
         one's TTFT is a warm server's baseline for a tiny prompt."""
         short_words, long_words = self.CALIBRATION_WORDS
-        long = self.chat(_Conversation(f"{self.run_id}-c2", "calibration", long_words).messages, 1)
-        short = self.chat(_Conversation(f"{self.run_id}-c1", "calibration", short_words).messages, 1)
+        long = self.chat(Conversation(f"{self.run_id}-c2", "calibration", long_words).messages, 1)
+        short = self.chat(Conversation(f"{self.run_id}-c1", "calibration", short_words).messages, 1)
         if not (short.prompt_tokens and long.prompt_tokens):
             raise ValueError(f"{self.transport.name}: the server reports no usage.prompt_tokens in streamed responses")
         self._long_prompt_tokens = long.prompt_tokens
@@ -391,18 +391,18 @@ class _Run:
             return True
         return False
 
-    def conversation(self, seed: str, filler: str, target: int) -> _Conversation:
+    def conversation(self, seed: str, filler: str, target: int) -> Conversation:
         """A conversation of `target` prompt tokens (within TOLERANCE_TOKENS). Re-measured on twins (another
         seed: nothing of theirs is reusable by the real turn N), so each point covers the L mod U it aims at."""
         long_words = self.CALIBRATION_WORDS[1]
         words = max(1, round(long_words + (target - self._long_prompt_tokens) / self.per_word))
         for attempt in range(MAX_TWINS):
-            twin = self.chat(_Conversation(f"{seed}t{attempt}", filler, words).messages, 1)
+            twin = self.chat(Conversation(f"{seed}t{attempt}", filler, words).messages, 1)
             miss = target - (twin.prompt_tokens or target)
             if abs(miss) <= TOLERANCE_TOKENS:
                 break
             words = max(1, words + round(miss / self.per_word))
-        return _Conversation(f"{seed}r", filler, words)
+        return Conversation(f"{seed}r", filler, words)
 
     def point(self, i: int, kind: str, target: int, unit: int, chunk: int) -> ProbePoint:
         """Turn N of a fresh conversation, then turn N+1."""
@@ -481,7 +481,7 @@ def _warn_if_busy(before: Metrics, warnings: list[str]) -> None:
         warnings.append("other requests were in flight: /metrics deltas are not attributable")
 
 
-def _metrics(transport: Transport, port: int, address: str) -> Metrics:
+def read_metrics(transport: Transport, port: int, address: str) -> Metrics:
     status, body = get(transport, port, "/metrics", address=address)
     if status != 200:
         raise ValueError(f"{transport.name}: /metrics answered {status}")
