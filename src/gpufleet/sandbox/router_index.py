@@ -1,5 +1,7 @@
-"""The sandbox's package index for vllm-router: the real wheels from PyPI (vllm-router and its dependencies, for
-the test hosts' Python), cached by version, laid out as a PEP 503 "simple" index the fleet's file server serves.
+"""The sandbox's package index for vllm-router: exactly the wheels gpufleet's lock names for the test hosts' Python
+and machine (src/gpufleet/data/vllm-router-lock.json), fetched from PyPI with pip's hash-checking mode, cached by
+lock entry, laid out as a PEP 503 "simple" index the fleet's file server serves. The router deploy then installs
+from it with --require-hashes, as on a real host.
 
     python -m gpufleet.sandbox.router_index     # fetch into the cache (CI does this before the tests)
 """
@@ -8,29 +10,37 @@ from __future__ import annotations
 
 import hashlib
 import html
+import platform
 import re
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from gpufleet.router import lock
 from gpufleet.router.settings import DEFAULTS
 from gpufleet.sandbox import cache
 from gpufleet.sandbox.config import CACHE_DIR
 from gpufleet.sandbox.procs import log, run
 
 VERSION = DEFAULTS["router_version"]
-# The test hosts' Python (Debian bookworm's python3) and platform: wheels are fetched for them, not for this machine.
+# The test hosts' Python (Debian bookworm's python3, gpufleet.sandbox.rootfs.SUITE) and machine (this one's: they
+# are containers): wheels are fetched for them, not for this machine's Python.
 PYTHON = "3.11"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "linux_x86_64")
+MACHINE = platform.machine()
+
+
+def locked(version: str = VERSION) -> lock.LockedInstall:
+    return lock.locked_install("sandbox", version, PYTHON, MACHINE)
 
 
 def entry(cache_dir: Path, version: str = VERSION) -> Path:
-    return cache_dir / f"router-index-{version}-py{PYTHON}"
+    return cache_dir / f"router-index-{version}-py{PYTHON}-{locked(version).key[:12]}"
 
 
 def ensure_index(cache_dir: Path = CACHE_DIR, version: str = VERSION) -> Path:
-    """The cached index root (serve it; pip's index URL is <root>/simple), fetched from PyPI on a cold cache."""
+    """The cached index root (serve it; pip's index URL is <root>/simple), fetched on a cold cache: the lock's
+    wheels and nothing else, each checked against the lock's sha256 by pip and again here."""
     root = entry(cache_dir, version)
     if cache.is_done(root):
         return root
@@ -42,14 +52,28 @@ def ensure_index(cache_dir: Path = CACHE_DIR, version: str = VERSION) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         wheels = tmp / "files"
         wheels.mkdir(parents=True)
-        log.info("fetching vllm-router %s and its dependencies for Python %s (once, cached as %s)", version, PYTHON, root)
-        platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+        install = locked(version)
+        requirements = tmp / "requirements.txt"
+        requirements.write_text(install.requirements())
+        log.info("fetching the %d locked wheels of %s (once, cached as %s)", len(install.wheels), install.describe(),
+                 root)
+        platforms = [arg for p in lock.platforms(MACHINE) for arg in ("--platform", p)]
         run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet", "--dest", str(wheels),
-             "--only-binary=:all:", "--python-version", PYTHON, "--implementation", "cp", *platforms,
-             f"vllm-router=={version}"], timeout=900)
+             "--require-hashes", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON,
+             "--implementation", "cp", *platforms, "-r", str(requirements)], timeout=900)
+        check_files(wheels, install)
         write_simple_index(wheels, tmp / "simple")
         log.info("router index built in %.0fs", cache.publish(tmp, root, t0))
     return root
+
+
+def check_files(files: Path, install: lock.LockedInstall) -> None:
+    """The directory holds exactly the lock's wheels, each with the lock's sha256; raises otherwise."""
+    want = {w.filename: w.sha256 for w in install.wheels}
+    have = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files.iterdir()}
+    if have != want:
+        wrong = sorted(set(have.items()) ^ set(want.items()))
+        raise RuntimeError(f"the router index does not hold exactly the locked wheels: {wrong[:4]}")
 
 
 def project_name(wheel: str) -> str:
