@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,9 @@ from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.hostlock import LOCK_PATH
+from gpufleet.router import lock, operations
+from gpufleet.router.settings import build_router_spec
+from gpufleet.router.spec import MARKER, RouterSpec
 from gpufleet.sandbox.config import NO_GPU, FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
 
@@ -98,11 +103,53 @@ def test_router_deploys_in_front_of_three_replicas(rfleet, inventory, pyinfra):
     urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
     assert sorted(rfleet.run_in(router, f"cat {MEMBERS}").stdout.split()) == urls
     assert live_workers(rfleet) == urls
+    # Exactly the lock's wheels, in a venv of their own that the unit's stable path links to.
+    s, install = router_spec(rfleet), locked(rfleet)
+    assert rfleet.run_in(router, f"readlink {s.venv}").stdout.strip() == s.venv_dir(install.key)
+    assert rfleet.run_in(router, f"cat {s.venv}/{MARKER}").stdout.strip() == install.key
+    frozen = set(rfleet.run_in(router, f"{s.venv}/bin/pip list --format=freeze").stdout.lower().replace("_", "-").split())
+    assert {f"{w.name}=={w.version}" for w in install.wheels} <= frozen
+
+
+def router_spec(rfleet: Fleet) -> RouterSpec:
+    from gpufleet.sandbox.inventory import pyinfra_hosts
+
+    (name, data), = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
+    return build_router_spec(name, data, ())
+
+
+def locked(rfleet: Fleet) -> lock.LockedInstall:
+    router = router_host(rfleet)
+    python = rfleet.run_in(router, "python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])'").stdout.strip()
+    s = router_spec(rfleet)
+    return lock.locked_install(router.name, s.version, python, rfleet.run_in(router, "uname -m").stdout.strip())
 
 
 def test_second_router_run_changes_nothing(rfleet, inventory, pyinfra):
     proc = run(pyinfra, inventory, ROUTER)
     assert changes(proc.stdout) == 0, changed_ops(proc.stdout)
+
+
+def test_a_wheel_whose_hash_is_not_the_locks_is_refused_and_the_router_keeps_its_venv(rfleet):
+    # The deploy's own install commands, from the sandbox's index of the real wheels, with vllm-router's sha256 in
+    # the requirements changed by one digit: pip refuses the wheel, the venv is never switched to, nothing restarts.
+    router, s, good = router_host(rfleet), router_spec(rfleet), locked(rfleet)
+    wheels = tuple(w if w.name != "vllm-router" else replace(w, sha256=f"{(int(w.sha256[0], 16) + 1) % 16:x}"
+                                                                       + w.sha256[1:]) for w in good.wheels)
+    bad = replace(good, wheels=wheels)
+    target, pid = s.venv_dir(bad.key), main_pid(rfleet)
+    try:
+        rfleet.run_in(router, f"install -d {s.venvs_dir} && python3 -m venv {target} && cat > "
+                              f"{target}/{operations.REQUIREMENTS} <<'EOF'\n{bad.requirements()}EOF")
+        # As the deploy runs it (over SSH): none of this machine's environment (its pip settings) in it.
+        clean = f"env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin sh -c {shlex.quote(operations.install_script(s, bad))}"
+        proc = rfleet.run_in(router, clean, check=False)
+        assert proc.returncode != 0 and "DO NOT MATCH THE HASHES" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+        assert rfleet.run_in(router, f"test -e {target}/{MARKER}", check=False).returncode != 0
+        assert rfleet.run_in(router, f"readlink {s.venv}").stdout.strip() == s.venv_dir(good.key)
+        assert main_pid(rfleet) == pid
+    finally:
+        rfleet.run_in(router, f"rm -rf {target}")
 
 
 def test_a_router_host_another_run_holds_is_refused_naming_it(rfleet, inventory, pyinfra):

@@ -166,10 +166,10 @@ def test_the_api_key_never_reaches_the_router():
 
 
 def test_pip_trusts_a_plain_http_mirror_by_name_only():
-    assert "--trusted-host" not in spec().pip_install_argv()
-    argv = spec(router_index_url="http://10.213.0.1:8080/pypi/simple").pip_install_argv()
+    assert "--trusted-host" not in spec().pip_install_argv("/v", "/v/r.txt")
+    argv = spec(router_index_url="http://10.213.0.1:8080/pypi/simple").pip_install_argv("/v", "/v/r.txt")
     assert argv[argv.index("--trusted-host") + 1] == "10.213.0.1"
-    assert argv[-1] == "vllm-router==0.1.17"
+    assert argv[-2:] == ["-r", "/v/r.txt"]
 
 
 def test_the_unit_runs_exactly_the_argv():
@@ -239,12 +239,12 @@ def test_the_router_runs_unprivileged_and_sandboxed():
 
 # --- the host fact ---------------------------------------------------------------------------------------------------
 def test_fact_parses_a_converged_router_host():
-    out = ["venv_python=yes", "dist=vllm_router-0.1.17.dist-info", "python3_venv=install_ok_installed",
+    out = ["dist=vllm_router-0.1.17.dist-info", "python3_venv=install_ok_installed",
            "unit_sha256=abc", "ActiveState=active", "NeedDaemonReload=no", "UnitFileState=enabled",
            'workers={"urls":["http://10.0.0.11:5000","http://10.0.0.12:5000"]}',
            "reach http://10.0.0.11:5000 200", "reach http://10.0.0.12:5000 000"]
     seen = facts.parse(out)
-    assert seen.installed_version == "0.1.17" and seen.venv_python and seen.python3_venv and seen.running
+    assert seen.installed_version == "0.1.17" and seen.python3_venv and seen.running
     assert seen.enabled and not seen.need_daemon_reload
     assert seen.live_workers == WORKERS
     assert seen.reach == {WORKERS[0]: "200", WORKERS[1]: "000"}
@@ -253,7 +253,7 @@ def test_fact_parses_a_converged_router_host():
 def test_fact_parses_a_bare_host():
     seen = facts.parse(["python3_venv=", "unit_sha256=", "ActiveState=inactive", "NeedDaemonReload=no",
                         "UnitFileState=", "workers="])
-    assert seen.installed_version is None and not seen.venv_python and not seen.python3_venv
+    assert seen.installed_version is None and seen.venv_key is None and not seen.python3_venv
     assert seen.live_workers is None and not seen.running
 
 

@@ -5,9 +5,11 @@
 Before anything changes: every replica is checked as `gpufleet verify` checks it (in parallel, over SSH, once per
 run); the ready ones are the workers, the others are left out with one line each; no ready replica refuses the
 run. Each ready worker must answer /health from the router host itself (the path the router uses), else the run
-is refused naming it. Then, per router host: python3-venv, the venv and the pinned package, the unit (vllm-router
-unprivileged and sandboxed, on the loopback), running (restarted only when its unit or package changed), ready, a
-router that kept running put in step with the worker set through its own worker API, and nginx on the client port
+is refused naming it, and so is a host whose Python or machine gpufleet's lock of router wheels does not cover.
+Then, per router host: python3-venv, the lock's wheels (hash-checked) in a venv of their own, switched in by
+one rename of the router_venv symlink; the unit (vllm-router unprivileged and sandboxed, on the loopback);
+running (restarted only when its unit or its venv changed); ready; the old venvs pruned; a router that kept running
+put in step with the worker set through its own worker API; and nginx on the client port
 passing on the client API only (the worker management API stays on the loopback).
 """
 
@@ -22,11 +24,11 @@ from pyinfra.api.exceptions import DeployError
 from pyinfra.context import ctx_state
 
 from gpufleet import hostlock
-from gpufleet.errors import SettingErrors
+from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.health.fleet import HostTarget, check_fleet
 from gpufleet.inventory import ROUTERS_GROUP, split_roles
 from gpufleet.operations.base import not_for_this_host
-from gpufleet.router import operations
+from gpufleet.router import lock, operations
 from gpufleet.router.facts import RouterHostFact
 from gpufleet.router.settings import Replica, build_router_spec, replicas, router_settings
 from gpufleet.settings import build_spec, merged_settings
@@ -93,15 +95,21 @@ def deploy_router() -> None:
                    "set router_worker_address on that host)" for r in workers.ready if seen.reach.get(r.url) != "200"]
     if unreachable:
         raise DeployError("the router cannot reach its workers; nothing was changed:\n  " + "\n  ".join(unreachable))
+    try:  # the lock's wheels for this host's Python and machine, or one line before anything changes
+        install = lock.locked_install(host.name, spec.version, seen.python, seen.machine)
+    except SettingError as error:
+        raise DeployError(f"{error}; nothing was changed") from None
     for line in workers.left_out:
         host.log(f"left out of the router's workers (not ready): {line}", log_func=logger.warning)
 
-    operations.package(name="Install vllm-router into its venv", spec=spec, seen=seen)
+    operations.package(name="Install vllm-router into its venv", spec=spec, seen=seen, install=install)
     operations.members(name="Record the router's workers for its restarts", spec=spec, seen=seen)
     operations.unit(name="Install the vllm-router systemd unit", spec=spec, seen=seen)
-    operations.running(name="Enable and start vllm-router", spec=spec, seen=seen)
-    operations.ready(name="Wait for vllm-router to listen", spec=spec, seen=seen,
+    operations.running(name="Enable and start vllm-router", spec=spec, seen=seen, install=install)
+    operations.ready(name="Wait for vllm-router to listen", spec=spec, seen=seen, install=install,
                      timeout_s=int(router_settings(host.data.dict())["router_ready_timeout"]))
-    operations.workers_in_step(name="Put the running router's worker set in step", spec=spec, seen=seen)
+    operations.old_venvs(name="Remove the router's old venvs", spec=spec, seen=seen, install=install)
+    operations.workers_in_step(name="Put the running router's worker set in step", spec=spec, seen=seen,
+                               install=install)
     operations.front_door(name="Serve the client API (and nothing else) on the client port with nginx", spec=spec,
                           seen=seen)

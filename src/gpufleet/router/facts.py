@@ -1,23 +1,31 @@
-"""What is on a router host, read in one command: the pinned package, the unit, systemd's view, the running
+"""What is on a router host, read in one command: its Python and machine (which lock entry it installs), the venv
+in use and the locked venvs beside it, the unit, systemd's view, the running
 router's worker set, and whether each candidate worker answers /health from this host (where the router runs)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
-from gpufleet.router.spec import RouterSpec
+from gpufleet.router.spec import MARKER, RouterSpec
 from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, unit_path
 
 
 @dataclass(frozen=True)
 class RouterHost:
-    venv_python: bool = False
     installed_version: str | None = None  # vllm-router's version in the venv, None when not installed
     python3_venv: bool = False  # Debian's python3-venv (ensurepip) is installed
+    python: str | None = None  # python3's "3.11", else apt's candidate for it, None when neither is known
+    machine: str | None = None  # uname -m
+    venv_link: str | None = None  # where the router_venv symlink points; None when it is not a symlink
+    venv_previous: str | None = None  # <router_venv>.venvs/previous: the venv in use before the last switch
+    venv_legacy: bool = False  # router_venv is a directory (installed before the lock): replaced by a symlink
+    venvs: dict[str, str] = field(default_factory=dict)  # <router_venv>.venvs/<name> -> its marker (the lock key it
+    # holds, written after its install succeeded; "" when the install never finished)
     unit_sha256: str | None = None
     members_sha256: str | None = None  # of the members file the unit replays after a start
     active_state: str | None = None
@@ -34,11 +42,35 @@ class RouterHost:
     def running(self) -> bool:
         return self.active_state == "active"
 
+    @property
+    def venv_key(self) -> str | None:
+        """The lock key of the venv the router runs from (router_venv's target, complete); None otherwise."""
+        if self.venv_link is None:
+            return None
+        return self.venvs.get(self.venv_link.rstrip("/").rpartition("/")[2]) or None
+
+
+def venv_lines(spec: RouterSpec) -> list[str]:
+    """The shell lines that read the host's Python and machine, router_venv's link, and the locked venvs with
+    their markers."""
+    venv, venvs = shlex.quote(spec.venv), shlex.quote(spec.venvs_dir)
+    return [
+        "echo python=$(python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])' 2>/dev/null)",
+        "command -v python3 >/dev/null || "
+        "echo python_candidate=$(apt-cache policy python3 2>/dev/null | sed -n 's/^ *Candidate: *//p')",
+        "echo machine=$(uname -m)",
+        f"test -L {venv} && echo venv_link=$(readlink {venv})",
+        f"test -d {venv} && ! test -L {venv} && echo venv_legacy=yes",
+        f"test -L {venvs}/previous && echo venv_previous=$(readlink {venvs}/previous)",
+        f"for d in {venvs}/*/; do n=${{d%/}}; test -d \"$d\" && ! test -L \"$n\" && "
+        f"echo \"venvs ${{n##*/}} $(cat \"${{d}}{MARKER}\" 2>/dev/null)\"; done",
+    ]
+
 
 def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
     venv, unit = shlex.quote(spec.venv), shlex.quote(unit_path(spec.service))
     lines = [
-        f"test -x {venv}/bin/python && echo venv_python=yes",
+        *venv_lines(spec),
         # the dist-info directory names the installed version: vllm_router-0.1.17.dist-info
         f"for d in {venv}/lib/python3*/site-packages/vllm_router-*.dist-info; do test -d \"$d\" && echo dist=${{d##*/}}; done",
         "echo python3_venv=$(dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | tr ' ' _)",
@@ -61,8 +93,12 @@ def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
 def parse(output: list[str]) -> RouterHost:
     values: dict[str, str] = {}
     reach: dict[str, str] = {}
+    venvs: dict[str, str] = {}
     for line in output:
-        if line.startswith("reach "):
+        if line.startswith("venvs "):
+            _, name, *marker = line.split(" ")
+            venvs[name] = marker[0] if marker else ""
+        elif line.startswith("reach "):
             _, url, *code = line.split(" ")
             reach[url] = code[0] if code else "000"
         elif "=" in line:
@@ -78,9 +114,14 @@ def parse(output: list[str]) -> RouterHost:
     except json.JSONDecodeError:
         live = None
     return RouterHost(
-        venv_python=values.get("venv_python") == "yes",
         installed_version=version or None,
         python3_venv=values.get("python3_venv") == "install_ok_installed",
+        python=values.get("python") or _minor(values.get("python_candidate", "")),
+        machine=values.get("machine") or None,
+        venv_link=values.get("venv_link") or None,
+        venv_previous=values.get("venv_previous") or None,
+        venv_legacy=values.get("venv_legacy") == "yes",
+        venvs=venvs,
         unit_sha256=values.get("unit_sha256") or None,
         members_sha256=values.get("members_sha256") or None,
         active_state=values.get("ActiveState") or None,
@@ -93,6 +134,12 @@ def parse(output: list[str]) -> RouterHost:
         default_site=values.get("default_site") == "yes",
         nginx_active=values.get("nginx_active") == "active",
     )
+
+
+def _minor(debian_version: str) -> str | None:
+    """apt's candidate for python3 ("3.11.2-1+b1") -> "3.11"; None when apt names none."""
+    m = re.match(r"([0-9]+\.[0-9]+)\.", debian_version)
+    return m[1] if m else None
 
 
 class RouterHostFact(FactBase[RouterHost]):

@@ -15,21 +15,72 @@ from gpufleet import hostlock
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
 from gpufleet.router.facts import RouterHost
-from gpufleet.router.spec import MEMBERS_DIR, RouterSpec
+from gpufleet.router.lock import LockedInstall
+from gpufleet.router.spec import MARKER, MEMBERS_DIR, RouterSpec
 from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, render_proxy, render_unit, unit_path
+
+REQUIREMENTS = "gpufleet-requirements.txt"  # in each locked venv: the requirements it was installed from
+
+
+def install_script(spec: RouterSpec, install: LockedInstall) -> str:
+    """Shell: into its own venv (made empty before), exactly the lock's wheels, pip checking each one's sha256;
+    the router's entry point run once; then the marker that says the venv is whole. Any failure stops it before the
+    marker, and the venv in use is not touched."""
+    target = spec.venv_dir(install.key)
+    pip = " ".join(map(shlex.quote, spec.pip_install_argv(target, f"{target}/{REQUIREMENTS}")))
+    marker = shlex.quote(f"{target}/{MARKER}")
+    return (f"{pip} && {shlex.quote(target)}/bin/vllm-router --help >/dev/null && "
+            f"printf '%s\\n' {install.key} > {marker}.tmp && sync {marker}.tmp && mv -f {marker}.tmp {marker}")
+
+
+def switch_script(spec: RouterSpec, install: LockedInstall) -> str:
+    """Shell: router_venv made a symlink to the locked venv by one rename (the unit runs <router_venv>/bin/...,
+    which is one venv or the other, never none); the venv it pointed to kept as `previous` (a running router keeps
+    its files, and a rollback has them). A venv installed before the lock (a directory at router_venv) is moved
+    aside first, into the venvs directory, where the next prune removes it."""
+    venv, venvs, target = (shlex.quote(p) for p in (spec.venv, spec.venvs_dir, spec.venv_dir(install.key)))
+    return (f"old=$(readlink {venv} || true); ln -sfn {target} {venv}.gpufleet-tmp && "
+            f"{{ test -L {venv} || ! test -d {venv} || {{ rm -rf {venvs}/legacy && mv -T {venv} {venvs}/legacy; }}; }} && "
+            f"mv -T {venv}.gpufleet-tmp {venv} && sync {shlex.quote(spec.venv.rpartition('/')[0] or '/')} && "
+            f"if [ -n \"$old\" ] && [ \"$old\" != {target} ]; then ln -sfn \"$old\" {venvs}/previous.tmp && "
+            f"mv -T {venvs}/previous.tmp {venvs}/previous; fi")
 
 
 @operation()
-def package(spec: RouterSpec, seen: RouterHost) -> Commands:
-    """python3-venv, the venv, and exactly spec.version of vllm-router in it."""
-    if seen.installed_version == spec.version and seen.venv_python:
-        host.noop(f"vllm-router {spec.version} installed in {spec.venv}")
+def package(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
+    """python3-venv, then the lock's wheels for the host's Python in a venv of their own (hash-checked, wheels only,
+    no dependency resolution on the host), switched in by renaming the router_venv symlink. A venv of this lock
+    entry already whole (a rollback to it, a switch that was cut) is switched to without reinstalling."""
+    target = spec.venv_dir(install.key)
+    if seen.venv_key == install.key and seen.venv_link == target:
+        host.noop(f"{install.describe()} installed in {spec.venv}")
         return
-    if not seen.venv_python:
+    if seen.venvs.get(target.rpartition("/")[2]) != install.key:
         if not seen.python3_venv:
             yield from apt.packages._inner(packages=["python3-venv"], update=True, no_recommends=True)
-        yield StringCommand("python3", "-m", "venv", shlex.quote(spec.venv))
-    yield StringCommand(*map(shlex.quote, spec.pip_install_argv()))
+        # A venv left by a cut or failed install of this entry is made again from nothing.
+        yield StringCommand("sh", "-c", shlex.quote(
+            f"install -d -m 755 {shlex.quote(spec.venvs_dir)} && rm -rf {shlex.quote(target)} && "
+            f"python3 -m venv {shlex.quote(target)}"))
+        yield AtomicUpload(as_io(install.requirements()), f"{target}/{REQUIREMENTS}", "644")
+        yield StringCommand("sh", "-c", shlex.quote(install_script(spec, install)))
+    yield StringCommand("sh", "-c", shlex.quote(switch_script(spec, install)))
+
+
+@operation()
+def old_venvs(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
+    """After the router runs from the new venv: every locked venv but it and the previous one removed (and a
+    venv from before the lock, moved aside by the switch)."""
+    keep = {spec.venv_dir(install.key).rpartition("/")[2]}
+    if seen.venv_key == install.key and seen.venv_previous:
+        keep.add(seen.venv_previous.rstrip("/").rpartition("/")[2])
+    elif seen.venv_link and seen.venv_link != spec.venv_dir(install.key):
+        keep.add(seen.venv_link.rstrip("/").rpartition("/")[2])  # the switch made it `previous`
+    stale = sorted(set(seen.venvs) - keep)
+    if not stale:
+        host.noop(f"no old venv beside {spec.venv}")
+        return
+    yield StringCommand("rm", "-rf", *(shlex.quote(f"{spec.venvs_dir}/{name}") for name in stale))
 
 
 @operation()
@@ -42,17 +93,17 @@ def unit(spec: RouterSpec, seen: RouterHost) -> Commands:
     yield AtomicUpload(as_io(content), unit_path(spec.service), "644")
 
 
-def _router_snapshot_changes(spec: RouterSpec, seen: RouterHost) -> bool:
-    """Does this run change what the router runs (its unit or its package)? Then it restarts."""
-    return seen.unit_sha256 != sha256(render_unit(spec)) or seen.installed_version != spec.version
+def _router_snapshot_changes(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> bool:
+    """Does this run change what the router runs (its unit or its venv)? Then it restarts."""
+    return seen.unit_sha256 != sha256(render_unit(spec)) or seen.venv_key != install.key
 
 
 @operation()
-def running(spec: RouterSpec, seen: RouterHost) -> Commands:
+def running(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
     """Enabled and running; restarted when its unit or its package changed (the router keeps no state worth a
     restart otherwise: its prefix trees rebuild from traffic)."""
     name = shlex.quote(f"{spec.service}.service")
-    changed = _router_snapshot_changes(spec, seen)
+    changed = _router_snapshot_changes(spec, seen, install)
     if not changed and seen.running and seen.enabled and not seen.need_daemon_reload:
         host.noop(f"{spec.service} running, enabled")
         return
@@ -65,9 +116,9 @@ def running(spec: RouterSpec, seen: RouterHost) -> Commands:
 
 
 @operation()
-def ready(spec: RouterSpec, seen: RouterHost, timeout_s: int) -> Commands:
+def ready(spec: RouterSpec, seen: RouterHost, install: LockedInstall, timeout_s: int) -> Commands:
     """After a (re)start: wait until the router listens (/liveness: it listens at once, its workers come after)."""
-    if not _router_snapshot_changes(spec, seen) and seen.running and seen.live_workers is not None:
+    if not _router_snapshot_changes(spec, seen, install) and seen.running and seen.live_workers is not None:
         host.noop(f"{spec.service} answers on {spec.control_url}")
         return
     url = shlex.quote(f"{spec.control_url}/liveness")
@@ -112,12 +163,12 @@ def members(spec: RouterSpec, seen: RouterHost) -> Commands:
 
 
 @operation()
-def workers_in_step(spec: RouterSpec, seen: RouterHost) -> Commands:
+def workers_in_step(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
     """The running router's worker set made this run's workers, through its own worker API: a worker left out (a
     cut rollout, a replica ready again) added, one not ready or no longer in the inventory removed. The router is
     never restarted for it. After a (re)start the unit adds the members back itself, in the background; here each
     is waited for (/add_worker returns once the worker answers /health)."""
-    restarted = _router_snapshot_changes(spec, seen) or not seen.running or seen.live_workers is None
+    restarted = _router_snapshot_changes(spec, seen, install) or not seen.running or seen.live_workers is None
     live = set() if restarted else set(seen.live_workers or ())
     wanted = set(spec.workers)
     if not restarted and live == wanted:

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gpufleet.errors import SettingError, SettingErrors, shown
+from gpufleet.router import lock
 from gpufleet.router.spec import RouterSpec
 from gpufleet.settings import control_character, merged_settings
 from gpufleet.spec import url_host
@@ -35,9 +36,10 @@ DEFAULTS: dict[str, Any] = {
     # X-Session-ID to the replica with the fewest sessions, then always there; requests without one all go to one
     # replica), consistent_hash (a hash of X-Session-ID), round_robin, power_of_two, random. Measured: docs/router.md.
     "router_policy": "cache_aware",
-    # vllm-router version from the index: pinned, so a re-run or a new host never moves it silently.
+    # vllm-router version: pinned, so a re-run or a new host never moves it silently; installed with exactly the
+    # wheels gpufleet's lock names for it (src/gpufleet/data/vllm-router-lock.json, each by sha256).
     "router_version": "0.1.17",
-    # PEP 503 package index pip installs vllm-router and its dependencies from (a lab mirror works).
+    # PEP 503 package index pip fetches the locked wheels from (a lab mirror works: pip checks each one's sha256).
     "router_index_url": "https://pypi.org/simple",
     # The router's own virtualenv (absolute).
     "router_venv": "/opt/vllm-router",
@@ -104,6 +106,10 @@ def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence
         fail("router_policy", f"{shown(s['router_policy'])} is not a policy gpufleet runs", f"use one of {', '.join(POLICIES)}")
     if not (isinstance(s["router_version"], str) and _VERSION.fullmatch(s["router_version"])):
         fail("router_version", f"{shown(s['router_version'])} is not a release version", 'pin one, e.g. "0.1.17"')
+    elif s["router_version"] not in lock.releases():
+        fail("router_version", f"{s['router_version']} is not in gpufleet's lock of router wheels ({lock.LOCK_SHOWN} "
+             f"has {', '.join(lock.releases())})", f"pin a locked version, or lock it: {lock.REGENERATE} --version "
+             f"{s['router_version']} (docs/router.md)")
     url = urlsplit(s["router_index_url"]) if isinstance(s["router_index_url"], str) else None
     if url is None or url.scheme not in ("http", "https") or not url.hostname or " " in s["router_index_url"]:
         fail("router_index_url", f"{shown(s['router_index_url'])} is not an http(s) URL",

@@ -16,6 +16,10 @@ PACKAGE = "vllm-router"
 MEMBERS_DIR = "/var/lib/gpufleet-router"
 
 
+# In each locked venv, written once its install succeeded: the lock key (sha256 of the requirements) it holds.
+MARKER = "gpufleet-lock.sha256"
+
+
 def members_path(service: str) -> str:
     return f"{MEMBERS_DIR}/{service}.workers"
 # vllm-router listens on the LOOPBACK only, its Prometheus exporter too: its worker management API shares its port and
@@ -72,15 +76,25 @@ class RouterSpec:
         """members_file's content for this spec's workers."""
         return "".join(f"{url}\n" for url in self.workers)
 
-    def pip_install_argv(self) -> list[str]:
-        """Install exactly `version` from `index_url` into the venv; a plain-HTTP lab mirror is trusted by name
-        (pip ignores http:// indexes otherwise)."""
-        argv = [f"{self.venv}/bin/pip", "install", "--disable-pip-version-check", "--no-input", "--quiet",
-                "--index-url", self.index_url]
+    @property
+    def venvs_dir(self) -> str:
+        """Where each locked install gets a venv of its own; `venv` is a symlink to the one in use."""
+        return f"{self.venv}.venvs"
+
+    def venv_dir(self, key: str) -> str:
+        """The venv of the lock entry whose requirements hash to `key` (gpufleet.router.lock.LockedInstall.key)."""
+        return f"{self.venvs_dir}/{key[:16]}"
+
+    def pip_install_argv(self, venv_dir: str, requirements: str) -> list[str]:
+        """Install exactly the lock's wheels into venv_dir from `index_url`: every one pinned by sha256
+        (--require-hashes), wheels only, nothing the requirements do not name (--no-deps). A plain-HTTP lab mirror
+        is trusted by name (pip ignores http:// indexes otherwise): the hashes, not the transport, vouch for it."""
+        argv = [f"{venv_dir}/bin/pip", "install", "--disable-pip-version-check", "--no-input", "--quiet",
+                "--require-hashes", "--only-binary", ":all:", "--no-deps", "--index-url", self.index_url]
         url = urlsplit(self.index_url)
         if url.scheme == "http" and url.hostname:
             argv += ["--trusted-host", url.hostname]
-        return [*argv, f"{PACKAGE}=={self.version}"]
+        return [*argv, "-r", requirements]
 
     @property
     def control_url(self) -> str:
