@@ -130,6 +130,24 @@ def test_second_router_run_changes_nothing(rfleet, inventory, pyinfra):
     assert changes(proc.stdout) == 0, changed_ops(proc.stdout)
 
 
+def test_a_venv_from_before_the_lock_is_switched_to_the_locked_one_then_pruned(rfleet, inventory, pyinfra):
+    # A router installed before the lock: router_venv a directory of its own. The next run moves it aside, links
+    # the locked venv (whole already here: no reinstall), restarts the router on it, and removes the old one.
+    router, s, install = router_host(rfleet), router_spec(rfleet), locked(rfleet)
+    rfleet.run_in(router, f"rm {s.venv} && cp -a {s.venv_dir(install.key)} {s.venv}")
+    pid = main_pid(rfleet)
+    proc = run(pyinfra, inventory, ROUTER)
+    ops = changed_ops(proc.stdout)
+    assert ops.get("Install vllm-router into its venv") == 1 and ops.get("Enable and start vllm-router") == 1, ops
+    assert ops.get("Remove the router's old venvs") == 1, ops
+    assert main_pid(rfleet) != pid
+    assert rfleet.run_in(router, f"readlink {s.venv}").stdout.strip() == s.venv_dir(install.key)
+    assert rfleet.run_in(router, f"ls {s.venvs_dir}").stdout.split() == [install.key[:16]]
+    assert live_workers(rfleet) == sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
+    proc = run(pyinfra, inventory, ROUTER)
+    assert changes(proc.stdout) == 0, changed_ops(proc.stdout)
+
+
 def test_a_wheel_whose_hash_is_not_the_locks_is_refused_and_the_router_keeps_its_venv(rfleet):
     # The deploy's own install commands, from the sandbox's index of the real wheels, with vllm-router's sha256 in
     # the requirements changed by one digit: pip refuses the wheel, the venv is never switched to, nothing restarts.
