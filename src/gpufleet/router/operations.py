@@ -76,7 +76,8 @@ def old_venvs(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Com
         keep.add(seen.venv_previous.rstrip("/").rpartition("/")[2])
     elif seen.venv_link and seen.venv_link != spec.venv_dir(install.key):
         keep.add(seen.venv_link.rstrip("/").rpartition("/")[2])  # the switch made it `previous`
-    stale = sorted(set(seen.venvs) - keep)
+    # A venv from before the lock is moved to <venvs>/legacy by this run's switch, after the facts were read.
+    stale = sorted((set(seen.venvs) | ({"legacy"} if seen.venv_legacy else set())) - keep)
     if not stale:
         host.noop(f"no old venv beside {spec.venv}")
         return
