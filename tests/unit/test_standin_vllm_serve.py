@@ -259,8 +259,12 @@ def test_streaming_sse_with_usage(server):
     assert status == 200 and events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]).count("stand-in") == 3
+    deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]][1:]
+    assert len(deltas) == 3 and all(deltas)  # one token a chunk
     assert chunks[-1]["usage"]["completion_tokens"] == 3
+    # the same greedy answer as without streaming
+    plain = json.loads(s.chat({"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})[1])
+    assert "".join(deltas) == plain["choices"][0]["message"]["content"]
 
 
 def test_api_key_guards_v1_only(server):
@@ -288,10 +292,11 @@ def test_engine_death_503_then_exit_1(server):
 
 def test_a_different_suffix_reuses_only_the_common_whole_blocks(server):
     s = server("--served-model-name", "m", "--enable-prompt-tokens-details").wait()
-    header = len("<|im_start|>user\n")
-    s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 100}]})
-    usage = json.loads(s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 60 + "z" * 40}]})[1])["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] == (header + 60) // 16 * 16
+    header = 3  # "<|im_start|>", "user", "\n"
+    s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 160}]})
+    usage = json.loads(s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 120 + "z" * 40}]})[1])["usage"]
+    # the stand-in's words are tokens of up to 4 characters: 30 tokens of "xxxx" in common after the header
+    assert usage["prompt_tokens_details"]["cached_tokens"] == (header + 120 // 4) // 16 * 16 == 32
 
 
 @pytest.mark.parametrize(

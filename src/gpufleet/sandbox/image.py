@@ -41,6 +41,11 @@ TAGS: dict[str, dict[str, str]] = {
     "completions-fail": {"STANDIN_VLLM_VERSION": "0.32.1.dev24+gstandin", "STANDIN_MISBEHAVE": "completions-fail"},
     # passes the surface checks and plain completions; a streamed one breaks off in a chunk that does not parse
     "stream-broken": {"STANDIN_VLLM_VERSION": "0.32.1.dev25+gstandin", "STANDIN_MISBEHAVE": "stream-broken"},
+    # passes the surface and answer checks; an answer whose prefix comes from the prefix cache is computed from a
+    # wrong cached state (other tokens, as confident): the serving checks' cached-cold and sessions fail
+    "cache-corrupt": {"STANDIN_VLLM_VERSION": "0.32.1.dev26+gstandin", "STANDIN_MISBEHAVE": "cache-corrupt"},
+    # passes everything but tool calling: the tool parser leaves each call in the text as <tool_call> JSON
+    "tools-broken": {"STANDIN_VLLM_VERSION": "0.32.1.dev27+gstandin", "STANDIN_MISBEHAVE": "tools-broken"},
 }
 # more tags for the same image (same digest): what the deploy's default image ref names
 ALIASES = {"nightly": "good"}

@@ -11,7 +11,19 @@ Behaves like vLLM where gpufleet depends on it:
 - the model (positional or --model) must be a directory with config.json, else exit 1 with vLLM's message;
 - nothing listens while the engine "loads" (STANDIN_LOAD_SECONDS, default 2): connections are refused;
 - then /health, /ping, /version, /metrics (vLLM's metric names), /v1/models and /v1/chat/completions (also SSE),
-  with prefix caching simulated on block-aligned prefixes (tokens = UTF-8 bytes of the chat-formatted prompt);
+  with prefix caching simulated on block-aligned prefixes of the chat-formatted prompt (Qwen's ChatML; its tokens are
+  a crude sub-word split: a chat marker is one token, a word is cut in pieces of up to 4 letters or digits, any
+  other character is one token); prefill sleeps STANDIN_PREFILL_SECONDS_PER_TOKEN (default 5e-6) per uncached
+  prompt character, as when a token was a character;
+- greedy answers: the generated tokens, their logprobs and top alternatives (`logprobs`, `top_logprobs`, also per
+  streamed chunk) are a function of the whole prompt and the position, so a prompt gets the same answer whether
+  its prefix was cached or not, and prompts that differ anywhere get different answers; the chosen token leads its
+  alternatives by about one nat;
+- --reasoning-parser: the answer is the reasoning (`message.reasoning`, `delta.reasoning`; content null) unless
+  `chat_template_kwargs` (or --default-chat-template-kwargs) sets enable_thinking false;
+- tools: `tool_choice` "required" (or a named function) returns a parsed call of the (first) tool, its required
+  parameters filled in (an enum's first value, else a short value of its type); "auto" (the default with tools)
+  answers 400 unless --enable-auto-tool-choice and --tool-call-parser are both set, as vLLM, then answers text;
 - HTTP/1.1 with keep-alive, as uvicorn: several requests on one connection (curl --next) are all answered on it,
   and a connection idle for STANDIN_KEEP_ALIVE_S (default 5, uvicorn's) is closed;
 - VLLM_API_KEY or --api-key guards /v1/* (health, metrics, version stay open);
@@ -20,8 +32,10 @@ Behaves like vLLM where gpufleet depends on it:
 - STANDIN_MISBEHAVE: a server the health checks must survive, once serving starts: "models-not-json" (/health
   200, /v1/models 200 with an HTML page) or "not-http" (every connection gets a line of another protocol); or one
   that passes every surface check and fails its clients: "completions-fail" (every completion answers 500, as an
-  engine that crashes in its first batch) or "stream-broken" (a streamed completion sends a chunk that does not
-  parse, then closes).
+  engine that crashes in its first batch), "stream-broken" (a streamed completion sends a chunk that does not
+  parse, then closes), "cache-corrupt" (a request whose prefix comes from the cache is answered from a wrong
+  state: other tokens, as confident) or "tools-broken" (the tool parser leaves every tool call in the text:
+  `<tool_call>` JSON in the content, no `tool_calls`).
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import re
 import sys
 import threading
@@ -179,6 +194,11 @@ class Engine:
         self.block_size = int(args.block_size or 16)
         self.match_unit = int(args.prefix_match_unit) if getattr(args, "prefix_match_unit", None) else None
         self.api_keys = list(args.api_key or []) or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
+        try:  # --default-chat-template-kwargs '{"enable_thinking": false}': what a request's own kwargs override
+            self.template_kwargs = dict(json.loads(args.default_chat_template_kwargs or "{}"))
+        except (ValueError, TypeError):
+            fail(2, f"vllm serve: error: argument --default-chat-template-kwargs: invalid loads value: "
+                    f"'{args.default_chat_template_kwargs}'")
         self.seen: set[str] = set()
         self.lock = threading.Lock()
         self.dead = False
@@ -193,14 +213,20 @@ class Engine:
             "kv_count": 0,
         }
         self.ttft: list[float] = []
-        self.seconds_per_token = float(os.environ.get("STANDIN_PREFILL_SECONDS_PER_TOKEN", "0.00002"))
+        # Per prompt character (tokens were characters once: a rate that callers set keeps its meaning).
+        self.seconds_per_char = float(os.environ.get("STANDIN_PREFILL_SECONDS_PER_TOKEN", "0.000005"))
 
-    def cached_tokens(self, tokens: bytes) -> int:
+    def cached_tokens(self, tokens: list[str]) -> int:
         """Longest previously seen block-aligned prefix, never the whole prompt: floor((L-1)/B)*B at most."""
         if not self.prefix_caching:
             return 0
         unit = self.match_unit or self.block_size
-        hashes = [hashlib.sha256(tokens[:k]).hexdigest() for k in range(unit, len(tokens), unit)]
+        running, hashes = hashlib.sha256(), []
+        for k in range(unit, len(tokens), unit):  # a block's hash covers every token before it, as vLLM's chain
+            for t in tokens[k - unit : k]:
+                b = t.encode()
+                running.update(len(b).to_bytes(4, "little") + b)
+            hashes.append(running.hexdigest())
         with self.lock:
             hit = 0
             for k, h in zip(range(unit, len(tokens), unit), hashes, strict=False):
@@ -303,15 +329,92 @@ class Engine:
         return "".join(out)
 
 
-def chat_prompt(messages: list[dict[str, Any]]) -> str:
-    """A ChatML rendering (Qwen's template shape): what the token count and prefix matching run on."""
+def chat_prompt(messages: list[dict[str, Any]], tools: list[Any] | None = None, thinking: bool = True) -> str:
+    """A ChatML rendering (Qwen3's template shape): what the token count, prefix matching and answers run on.
+
+    Tools go into the system prompt; enable_thinking false closes an empty think block after the assistant header.
+    """
     parts = []
+    if tools:
+        listed = "\n".join(json.dumps(t) for t in tools)
+        system = ""
+        if messages and messages[0].get("role") == "system":
+            system, messages = f"{_text(messages[0])}\n\n", messages[1:]
+        parts.append(f"<|im_start|>system\n{system}# Tools\n\nYou may call one or more functions to assist with the user "
+                     f"query.\n\n<tools>\n{listed}\n</tools><|im_end|>\n")
     for m in messages:
-        content = m.get("content") or ""
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(f"<|im_start|>{m.get('role', 'user')}\n{content}<|im_end|>\n")
-    return "".join(parts) + "<|im_start|>assistant\n"
+        parts.append(f"<|im_start|>{m.get('role', 'user')}\n{_text(m)}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+
+
+def _text(message: dict[str, Any]) -> str:
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+# A chat marker is one token, a word (letters and digits) is cut in pieces of up to 4 characters (about a real BPE's
+# rate on English), any other character is a token of its own.
+_TOKEN = re.compile(r"<\|[a-z_]+\|>|</?think>|</?tool_call>| ?[A-Za-z0-9]{1,4}|.", re.S)
+
+
+def tokenize(text: str) -> list[str]:
+    return _TOKEN.findall(text)
+
+
+# What the stand-in "model" says: words of this vocabulary, one token each.
+VOCABULARY = (
+    "the a cache river garden answer model token light paper window silver morning quiet table bridge number "
+    "engine north summer stone letter orange music simple careful early second people field market harbour "
+    "winter yellow forest signal motor valley copper island planet rain blue green seven eleven ninety open "
+    "closed ready steady small large warm cold fast slow bright dark left right upper lower inner outer"
+).split()
+MAX_TOP_LOGPROBS = 20
+
+
+def greedy_tokens(prompt: str, n: int, top: int, state: bytes = b"") -> list[dict[str, Any]]:
+    """The greedy answer to `prompt`: n logprob entries as vLLM returns them (token, logprob, bytes, top_logprobs).
+
+    Each position's distribution comes from sha256 of the prompt (and `state`: b"" is the right one) and the
+    position: the chosen token is the argmax, its logprob in [-0.9, -0.5], each next alternative ~1 nat lower.
+    """
+    base = hashlib.sha256(b"standin-greedy\0" + state + b"\0" + prompt.encode()).digest()
+    entries = []
+    for i in range(n):
+        rng = random.Random(hashlib.sha256(base + i.to_bytes(4, "big")).digest())
+        picks = rng.sample(range(len(VOCABULARY)), MAX_TOP_LOGPROBS)  # always as many: the answer must not vary with top
+        logprob = -(0.5 + 0.4 * rng.random())
+        ranked = []
+        for index in picks:
+            word = VOCABULARY[index]
+            token = word.capitalize() if i == 0 else f" {word}"
+            ranked.append({"token": token, "logprob": round(logprob, 4), "bytes": list(token.encode())})
+            logprob -= 1.0 + 0.2 * rng.random()
+        entries.append({**ranked[0], "top_logprobs": ranked[:top]})
+    return entries
+
+
+def stale_tokens(prompt: str, n: int, top: int) -> list[dict[str, Any]]:
+    """STANDIN_MISBEHAVE=cache-corrupt: the answer of a wrong cached state, as confident, never the right first token."""
+    right = greedy_tokens(prompt, 1, 1)[0]["token"]
+    for attempt in range(8):
+        wrong = greedy_tokens(prompt, n, top, state=f"stale-{attempt}".encode())
+        if not wrong or wrong[0]["token"] != right:
+            break
+    return wrong
+
+
+def tool_arguments(tool: dict[str, Any]) -> dict[str, Any]:
+    """Each required parameter of the tool's JSON schema filled in: an enum's first value, else a short value."""
+    schema = (tool.get("function") or {}).get("parameters") or {}
+    properties = schema.get("properties") or {}
+    examples = {"integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}
+    out: dict[str, Any] = {}
+    for name in schema.get("required") or []:
+        spec = properties.get(name) or {}
+        out[name] = spec["enum"][0] if spec.get("enum") else examples.get(str(spec.get("type")), "example")
+    return out
 
 
 # -------------------------------------------------------------------------------------------------------- HTTP
@@ -480,6 +583,10 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
             return
+        problem = self._tool_problem(req)
+        if problem:
+            self._json(400, {"error": {"message": problem, "type": "BadRequestError", "param": None, "code": 400}})
+            return
         # A dead engine, or one that crashes in every batch (STANDIN_MISBEHAVE=completions-fail): vLLM's 500.
         if e.dead or MISBEHAVE == "completions-fail":
             self._json(
@@ -494,7 +601,10 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
             return
-        tokens = chat_prompt(req.get("messages") or []).encode()
+        kwargs = {**e.template_kwargs, **(req.get("chat_template_kwargs") or {})}
+        thinking = kwargs.get("enable_thinking", True) is not False
+        text = chat_prompt(req.get("messages") or [], req.get("tools"), thinking)
+        tokens = tokenize(text)
         max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 16)
         if len(tokens) + max_tokens > e.max_model_len:
             self._json(
@@ -513,26 +623,77 @@ class Handler(BaseHTTPRequestHandler):
         with e.lock:
             e.running += 1
         try:
-            self._complete(req, tokens, min(max_tokens, 16))
+            self._complete(req, text, tokens, max_tokens, thinking)
         finally:
             with e.lock:
                 e.running -= 1
 
-    def _complete(self, req: dict[str, Any], tokens: bytes, n_out: int) -> None:
+    def _tool_problem(self, req: dict[str, Any]) -> str | None:
+        """vLLM's 400s for tool use: a tool_choice without tools, "auto" without the parser flags, an unknown name."""
+        tools, choice = req.get("tools") or [], req.get("tool_choice")
+        if choice in (None, "none"):
+            if not tools or choice == "none":
+                return None
+            choice = "auto"  # vLLM's default when tools are given
+        if not tools:
+            return "When using `tool_choice`, `tools` must be set."
+        args = self.engine.args
+        if choice == "auto" and not (args.enable_auto_tool_choice and args.tool_call_parser):
+            return '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        if choice not in ("auto", "required") and _named_tool(req) is None:
+            return "The tool specified in `tool_choice` does not match any of the specified `tools`"
+        return None
+
+    def _complete(self, req: dict[str, Any], text: str, tokens: list[str], max_tokens: int, thinking: bool) -> None:
         e = self.engine
         t0 = time.monotonic()
         cached = e.cached_tokens(tokens)
-        time.sleep((len(tokens) - cached) * e.seconds_per_token)  # prefill: only the uncached part costs time
-        words = ["stand-in"] * n_out
-        usage = {
+        time.sleep(len("".join(tokens[cached:])) * e.seconds_per_char)  # prefill: only the uncached part costs time
+        want_logprobs = bool(req.get("logprobs"))
+        top = int(req.get("top_logprobs") or 0) if want_logprobs else 0
+        tools = req.get("tools") or []
+        forced = _named_tool(req) if req.get("tool_choice") != "required" else tools[0]
+        auto = bool(tools) and req.get("tool_choice") in (None, "auto")
+        calls: list[dict[str, Any]] = []
+        entries: list[dict[str, Any]] = []
+        content: str | None = None
+        reasoning: str | None = None
+        if forced is not None or (auto and MISBEHAVE == "tools-broken"):
+            # The model "writes" the call as Qwen does; the tool parser takes it out of the text (unless broken).
+            tool = forced or tools[0]
+            name, arguments = (tool.get("function") or {}).get("name"), tool_arguments(tool)
+            written = json.dumps({"name": name, "arguments": arguments})
+            n_out = min(len(tokenize(written)), max_tokens)
+            if MISBEHAVE == "tools-broken":
+                content, finish = f"<tool_call>\n{written}\n</tool_call>", "stop"
+                pieces = tokenize(content)
+            else:
+                call = {"name": name, "arguments": json.dumps(arguments)}
+                calls = [{"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function", "function": call}]
+                content, pieces, finish = "", [], "tool_calls"
+        else:
+            n_out = min(max_tokens, 16)
+            answer = stale_tokens if MISBEHAVE == "cache-corrupt" and cached else greedy_tokens
+            entries = answer(text, n_out, top)
+            pieces = [entry["token"] for entry in entries]
+            if e.args.reasoning_parser and thinking:  # the parser finds no end of thinking: all of it is reasoning
+                reasoning = "".join(pieces)
+            else:
+                content = "".join(pieces)
+            finish = "length" if n_out == max_tokens else "stop"
+        usage: dict[str, Any] = {
             "prompt_tokens": len(tokens),
             "total_tokens": len(tokens) + n_out,
             "completion_tokens": n_out,
             "prompt_tokens_details": {"cached_tokens": cached} if e.args.enable_prompt_tokens_details else None,
         }
+        if reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": n_out}
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req["model"]
         if not req.get("stream"):
             e.account(len(tokens), cached, n_out, time.monotonic() - t0)
+            message = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
+                       "function_call": None, "tool_calls": calls, "reasoning": reasoning}  # fmt: skip
             self._json(
                 200,
                 {
@@ -543,14 +704,9 @@ class Handler(BaseHTTPRequestHandler):
                     "choices": [
                         {
                             "index": 0,
-                            "message": {
-                                "role": "assistant",
-                                "content": " ".join(words),
-                                "reasoning_content": None,
-                                "tool_calls": [],
-                            },
-                            "logprobs": None,
-                            "finish_reason": "length",
+                            "message": message,
+                            "logprobs": {"content": entries} if want_logprobs and entries else None,
+                            "finish_reason": finish,
                             "stop_reason": None,
                         }
                     ],
@@ -582,21 +738,27 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b'data: {"id": "' + rid.encode() + b'", "choices": [{"index": 0, "delta": {"content": "st\n\n')
             self.close_connection = True
             return
-        for i, w in enumerate(words):
-            send(
-                [
-                    {
-                        "index": 0,
-                        "delta": {"content": w if i == 0 else " " + w},
-                        "logprobs": None,
-                        "finish_reason": "length" if i == len(words) - 1 else None,
-                    }
-                ]
-            )
+        if calls:
+            delta = {"tool_calls": [{"index": 0, **calls[0]}]}
+            send([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
+        field = "reasoning" if reasoning is not None else "content"
+        for i, piece in enumerate(pieces):
+            logprobs = {"content": [entries[i]]} if want_logprobs and entries else None
+            last = i == len(pieces) - 1
+            send([{"index": 0, "delta": {field: piece}, "logprobs": logprobs, "finish_reason": finish if last else None}])
         if (req.get("stream_options") or {}).get("include_usage"):
             send([], usage=usage)
         self.wfile.write(b"data: [DONE]\n\n")
         self.close_connection = True
+
+
+def _named_tool(req: dict[str, Any]) -> dict[str, Any] | None:
+    """The tool a `tool_choice: {"type": "function", "function": {"name": ...}}` names, among the request's tools."""
+    choice = req.get("tool_choice")
+    if not isinstance(choice, dict):
+        return None
+    name = (choice.get("function") or {}).get("name")
+    return next((t for t in req.get("tools") or [] if (t.get("function") or {}).get("name") == name), None)
 
 
 # -------------------------------------------------------------------------------------------------------- main
