@@ -103,6 +103,10 @@ DEFAULTS: dict[str, Any] = {
     # After ready and the soak, also run the prompt re-processing probe (`gpufleet verify --probe`); its failure is
     # a failed verify (rolled back).
     "gpufleet_verify_probe": False,
+    # The serving checks a new version must pass before it is committed, beside a completion plain and streamed
+    # (docs/verify.md): a list of names, "all" or "none". Each runs only where the settings give it something to
+    # check. "prefix-cache" (the probe, up to 49 requests) is left to gpufleet_verify_probe and a rollout's canary.
+    "gpufleet_verify_checks": ("cached-cold", "sessions", "tools", "reasoning"),
     # Fetch the Docker and NVIDIA repo keys even where a keyring is installed, and replace a key that rotated. Off,
     # an installed key stands (no request leaves the host) until apt installs from its repo, which fetches it first.
     "gpufleet_refresh_keys": False,

@@ -89,6 +89,7 @@ class Failed:
     reason: str
     failed_at: str
     image: str | None = None  # vllm_image as configured when it failed (a tag is not resolved again: pin())
+    check: str | None = None  # the verify check it failed (gpufleet.health: "completion", "cached-cold", ...), if one
 
     def matches(self, version: Version) -> bool:
         return self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
@@ -128,12 +129,13 @@ def commit(ledger: Ledger, now: str, ready_at: str | None = None) -> Ledger:
     return Ledger(committed=Committed(pending.version, now, ready_at), pending=None, failed=failed, history=history)
 
 
-def roll_back(ledger: Ledger, reason: str, now: str) -> Ledger:
+def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None) -> Ledger:
     """The ledger after the pending version failed and the committed one was put back: the pending version is
-    marked failed (a plain converge will not retry it), `committed` is unchanged."""
+    marked failed (a plain converge will not retry it), `committed` is unchanged. check: the verify check that
+    failed, when one did."""
     pending = _pending(ledger, "roll back")
     mark = Failed(ref=pending.version.ref, spec_hash=pending.version.spec_hash, reason=one_line(reason),
-                  failed_at=now, image=pending.version.image)
+                  failed_at=now, image=pending.version.image, check=check)
     failed = (*(f for f in ledger.failed if (f.ref, f.spec_hash) != (mark.ref, mark.spec_hash)), mark)
     return replace(ledger, pending=None, failed=failed[-FAILED_LIMIT:])
 
@@ -285,7 +287,7 @@ def render(ledger: Ledger) -> str:
             **_version_doc(ledger.pending.version), "started_at": ledger.pending.started_at,
             "operator": ledger.pending.operator},
         "failed": [{"ref": f.ref, "spec_hash": f.spec_hash, "reason": f.reason, "failed_at": f.failed_at,
-                    "image": f.image} for f in ledger.failed],
+                    "image": f.image, **({"check": f.check} if f.check else {})} for f in ledger.failed],
         "history": [_committed_doc(c) for c in ledger.history],
     }
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
@@ -373,9 +375,10 @@ def _parse_v2(data: dict[str, Any]) -> Ledger:
         where = f"failed[{i}]"
         doc = _object(item, where)
         image = _field(doc, where, "image", str, optional=True) if "image" in doc else None
+        check = _field(doc, where, "check", str, optional=True) if "check" in doc else None
         failed.append(Failed(ref=_field(doc, where, "ref", str), spec_hash=_field(doc, where, "spec_hash", str, True),
                              reason=_field(doc, where, "reason", str), failed_at=_field(doc, where, "failed_at", str),
-                             image=image))
+                             image=image, check=check))
     history = tuple(_committed(item, f"history[{i}]")
                     for i, item in enumerate(_field(data, "ledger", "history", list)))
     return Ledger(committed=committed, pending=pending, failed=tuple(failed), history=history)

@@ -24,6 +24,7 @@ from gpufleet.quoting import systemd_exec
 from gpufleet.spec import SERVICE_NAME, ArgValue, Mount, OptionValue, ServeSpec, parse_token_count
 from gpufleet.unit import DOCKER
 from gpufleet.vllm_flags import FlagInfo, known_flags
+from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
 
 # Records one problem of the host being resolved: (setting, problem, fix).
 Fail = Callable[[str, str, str], None]
@@ -210,6 +211,11 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
     _check_expect_committed(s["gpufleet_expect_committed"], fail)
     for key in RUN_FLAGS:  # `--data key=true` may arrive as the word: one meaning from here on
         s[key] = _BOOL_WORDS.get(s[key].lower(), s[key]) if isinstance(s[key], str) else s[key]
+    try:
+        s["gpufleet_verify_checks"] = parse_checks(s["gpufleet_verify_checks"])
+    except (ValueError, TypeError) as error:
+        fail("gpufleet_verify_checks", f"{shown(s['gpufleet_verify_checks'])}: {error}",
+             f'list some of {", ".join(SERVING_CHECKS)}, or "all" or "none"')
     gpus = _check_gpus(s["vllm_gpus"], fail)
     port = _check_port(s["vllm_port"], fail)
     publish_address = _check_publish_address(s["vllm_publish_address"], fail)

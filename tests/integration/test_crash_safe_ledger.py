@@ -225,13 +225,15 @@ def test_verify_probe_rolls_back_a_version_whose_prefix_cache_does_not_work(good
     committed, unit = committed_ref(fleet, host), fleet.read_file(host, UNIT)
     out = deploy(pyinfra, inventory(gpufleet_verify_probe=True, vllm_args={"enable-prefix-caching": False}),
                  check=False).stdout
-    line = one_line(out, host, f"new settings (same image {committed}) failed verification (misconfigured: probe "
-                               "ineffective")
+    line = one_line(out, host, f"new settings (same image {committed}) failed verification (misconfigured: check "
+                               "prefix-cache: probe ineffective")
     assert f"rolled back to {committed}, which is ready" in line
-    assert fleet.read_file(host, UNIT) == unit and ledger(fleet, host)["failed"][-1]["reason"].startswith(
-        "misconfigured: probe ineffective")
+    mark = ledger(fleet, host)["failed"][-1]
+    assert fleet.read_file(host, UNIT) == unit and mark["reason"].startswith(
+        "misconfigured: check prefix-cache: probe ineffective") and mark["check"] == "prefix-cache"
     passed = deploy(pyinfra, inventory(gpufleet_verify_probe=True, vllm_args={"max-num-seqs": 6})).stdout
-    assert f"[{host.name}] ready: probe effective" in passed and f"committed {committed}" in passed
+    assert f"[{host.name}] serving check prefix-cache: probe effective" in passed
+    assert f"committed {committed}" in passed
 
 
 def test_a_port_change_that_fails_verification_rolls_back_to_the_old_ports_unit(good, host, fleet, inventory,

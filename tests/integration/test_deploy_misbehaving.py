@@ -5,7 +5,8 @@ Afterwards a plain converge changes nothing, and the failed version asked for ag
 
 One fresh host, steps in file order: good image -> `models-not-json` (/health 200, /v1/models an HTML page) ->
 `not-http` (another protocol on the port) -> `completions-fail` (every completion answers 500) -> `stream-broken` (a
-streamed completion breaks off in a chunk that does not parse), each rolled back to the good image.
+streamed completion breaks off in a chunk that does not parse) -> `cache-corrupt` (answers change once the prefix is
+cached) -> `tools-broken` (tool calls come back as text), each rolled back to the good image.
 """
 
 from __future__ import annotations
@@ -30,16 +31,20 @@ from gpufleet.health import HealthState
 
 
 @pytest.mark.parametrize(
-    "tag, caught",
+    "tag, caught, check",
     [
-        ("models-not-json", "/v1/models is not JSON: <html><head><title>502 Bad Gateway</title>"),
-        ("not-http", "GET /health: the port does not answer HTTP: -ERR unknown command 'GET'"),
-        ("completions-fail", "answers: completion: POST /v1/chat/completions answered 500: "),
-        ("stream-broken", "answers: stream: POST /v1/chat/completions: not an OpenAI stream chunk: "),
+        ("models-not-json", "/v1/models is not JSON: <html><head><title>502 Bad Gateway</title>", None),
+        ("not-http", "GET /health: the port does not answer HTTP: -ERR unknown command 'GET'", None),
+        ("completions-fail", "answers: completion: POST /v1/chat/completions answered 500: ", "completion"),
+        ("stream-broken", "answers: stream: POST /v1/chat/completions: not an OpenAI stream chunk: ", "stream"),
+        # Serving checks (gpufleet_verify_checks, on by default): up, answering, and wrong.
+        ("cache-corrupt", "check cached-cold: the cached answer differs from the cold one: token ", "cached-cold"),
+        ("tools-broken", 'check tools: tool_choice "required": no parsed tool call; the text was \'<tool_call>',
+         "tools"),
     ],
-    ids=["models-not-json", "not-http", "completions-fail", "stream-broken"],
+    ids=["models-not-json", "not-http", "completions-fail", "stream-broken", "cache-corrupt", "tools-broken"],
 )
-def test_an_image_whose_server_misbehaves_is_rolled_back(good, run, host, fleet, tag, caught):
+def test_an_image_whose_server_misbehaves_is_rolled_back(good, run, host, fleet, tag, caught, check):
     out, rc, _ = run(tag)
     assert rc != 0, out[-4000:]
     assert "Traceback" not in out and "Unexpected error" not in out, out[-4000:]
@@ -56,6 +61,7 @@ def test_an_image_whose_server_misbehaves_is_rolled_back(good, run, host, fleet,
     doc = json.loads(fleet.read_file(host, STATE_FILE))
     assert doc["committed"]["ref"] == good and doc["pending"] is None
     assert doc["failed"][-1]["reason"].startswith(f"misconfigured: {caught}")
+    assert doc["failed"][-1].get("check") == check  # the check it failed, for the rollout's table and history
 
     # At rest: the committed version again changes nothing; the failed one asked for again is refused untouched.
     pid = sh(fleet, host, f"systemctl show -p MainPID --value {SERVICE}").strip()

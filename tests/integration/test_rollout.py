@@ -229,6 +229,13 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
     for row in doc["hosts"]:
         assert row["from"] == digests["good"] and row["to"] == digests["good-next"]
         assert row["downtime_s"] is not None and 0 < row["downtime_s"] < 60
+    # The canary was held to every serving check its settings apply to; the hosts after it to the answers.
+    checks = {row["host"]: [(c["check"], c["ok"]) for c in row["checks"]] for row in doc["hosts"]}
+    assert [name for name, _ in checks[names[0]]][:3] == ["completion", "stream", "prefix-cache"]
+    assert {"cached-cold", "sessions"} <= {name for name, _ in checks[names[0]]}
+    assert all(ok for _, ok in checks[names[0]]) and all(checks[n] == [("completion", True), ("stream", True)]
+                                                         for n in names[1:]), checks
+    assert "serving check cached-cold: the same" in log.read_text()
     for h in hosts:
         assert running_image(fleet, h) == digests["good-next"]
     # Never more than one host (--batch 1) out of service, and each one was out at some point.
@@ -298,19 +305,26 @@ def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, py
 
 
 # --- 3b. an image that is up but fails its clients ----------------------------------------------------------------
-def test_an_image_that_fails_every_completion_rolls_the_canary_back_naming_the_check(fleet, tag, inventory, hosts,
-                                                                                     digests):
-    # /health, /v1/models and /metrics all pass: only a real completion shows the nightly is broken.
+@pytest.mark.parametrize("broken_tag, check, caught", [
+    ("completions-fail", "completion", "answers: completion: POST /v1/chat/completions answered 500"),
+    # Serving checks the canary is held to: answers that change once cached, tool calls that come back as text.
+    ("cache-corrupt", "cached-cold", "check cached-cold: the cached answer differs from the cold one"),
+    ("tools-broken", "tools", 'check tools: tool_choice "required": no parsed tool call'),
+])  # fmt: skip
+def test_an_image_that_fails_its_clients_rolls_the_canary_back_naming_the_check(fleet, tag, inventory, hosts, digests,
+                                                                                broken_tag, check, caught):
+    # /health, /v1/models and /metrics all pass: only real requests show the nightly is broken.
     canary, *others = hosts
     ids = {h.name: container_id(fleet, h) for h in hosts}
-    broken = move_tag(fleet.cfg.registry, tag, "completions-fail")
+    broken = move_tag(fleet.cfg.registry, tag, broken_tag)
     proc = gpufleet("rollout", str(inventory), "--yes", "--json")
     assert proc.returncode == 1, proc.stderr[-4000:]
     doc = rollout_json(proc)
     assert doc["target"] == broken
     assert outcomes(doc) == {canary.name: "rolled-back", **{h.name: "not-started" for h in others}}
     (row,) = [r for r in doc["hosts"] if r["host"] == canary.name]
-    assert "answers: completion: POST /v1/chat/completions answered 500" in row["detail"], row
+    assert caught in row["detail"], row
+    assert row["checks"][-1] == {"check": check, "ok": False} and all(c["ok"] for c in row["checks"][:-1]), row
     assert running_image(fleet, canary) == digests["good-next"]
     for h in others:
         assert container_id(fleet, h) == ids[h.name]

@@ -12,7 +12,7 @@ from gpufleet.health.probe import (
     SessionTurn,
     Verdict,
     _cached,
-    _Conversation,
+    Conversation,
     judge,
     request_bound,
 )
@@ -96,8 +96,8 @@ def test_metrics_fallback_uses_counter_deltas():
 
 
 def test_conversations_are_deterministic_and_differ_in_the_first_block_only_by_seed():
-    a, b = _Conversation("s1", "filler-0", 300), _Conversation("s2", "filler-0", 300)
-    assert a.messages == _Conversation("s1", "filler-0", 300).messages
+    a, b = Conversation("s1", "filler-0", 300), Conversation("s2", "filler-0", 300)
+    assert a.messages == Conversation("s1", "filler-0", 300).messages
     assert a.messages[0] != b.messages[0] and a.messages[0]["content"].startswith("Conversation s1.")
     assert a.messages[1:] == b.messages[1:]  # same filler: a twin measures the same length
     nxt = a.next_turn("reply")

@@ -82,10 +82,42 @@ def test_batches_put_the_canary_first_and_never_exceed_batch(canary, batch, expe
 
 def test_rollout_settings_name_the_digest_and_only_the_asked_extras():
     options = SwapOptions(Path("deploys/qwen35.py"))
-    assert settings_args(options.settings(NEW)) == ["--data", f"gpufleet_image_ref={NEW}"]
+    assert settings_args(options.settings(NEW)) == ["--data", f"gpufleet_image_ref={NEW}", "--data",
+                                                    "gpufleet_verify_checks=none"]
     probing = SwapOptions(Path("d.py"), probe=True, retry_failed=True)
-    assert settings_args(probing.settings(NEW))[2:] == ["--data", "gpufleet_verify_probe=true", "--data",
+    assert settings_args(probing.settings(NEW))[4:] == ["--data", "gpufleet_verify_probe=true", "--data",
                                                          "gpufleet_retry_failed=true"]
+
+
+def test_the_canary_is_held_to_every_serving_check_and_the_batches_to_the_answers():
+    from pyinfra_cli.util import parse_cli_arg
+
+    from gpufleet.rollout.swap import held_to
+    from gpufleet.wire.checks import parse_checks
+
+    options = SwapOptions(Path("deploys/qwen35.py"))
+    data = dict(arg.partition("=")[::2] for arg in settings_args(options.settings(NEW, canary=True))[1::2])
+    checks = parse_checks(parse_cli_arg(data["gpufleet_verify_checks"]))  # as pyinfra hands it to the settings
+    assert checks == ("prefix-cache", "cached-cold", "sessions", "tools", "reasoning")
+    spec = build_spec("gpu1", {})  # the qwen35 profile: tool and reasoning parsers, prefix caching
+    assert held_to(spec, options, canary=True) == ("completion", "stream", *checks)
+    assert held_to(spec, options, canary=False) == ("completion", "stream")
+    skipping = SwapOptions(Path("d.py"), canary_checks=("cached-cold", "reasoning"))
+    assert held_to(spec, skipping, canary=True) == ("completion", "stream", "cached-cold", "reasoning")
+    assert held_to(spec, SwapOptions(Path("d.py"), probe=True), canary=False) == ("completion", "stream",
+                                                                                   "prefix-cache")
+
+
+def test_each_checks_result_comes_from_the_outcome_and_the_failure_mark():
+    from gpufleet.rollout.swap import check_results
+
+    held = ("completion", "stream", "cached-cold", "tools")
+    assert check_results(held, Outcome.UPDATED, None) == tuple((name, True) for name in held)
+    assert check_results(held, Outcome.ROLLED_BACK, "cached-cold") == (
+        ("completion", True), ("stream", True), ("cached-cold", False))
+    assert check_results(held, Outcome.ROLLED_BACK, None) == ()  # its engine died: no check said anything
+    assert HostOutcome("h", OLD, NEW, Outcome.ROLLED_BACK, checks=check_results(
+        held, Outcome.ROLLED_BACK, "tools")).checks_cell == "3 passed, tools failed"
 
 
 def test_a_swap_run_names_each_hosts_committed_digest_as_the_deploy_reads_it():
@@ -95,7 +127,7 @@ def test_a_swap_run_names_each_hosts_committed_digest_as_the_deploy_reads_it():
 
     read = {"gpu1": OLD, "gpu2": None}
     args = settings_args(SwapOptions(Path("deploys/qwen35.py")).settings(NEW, read))
-    key, _, value = args[args.index("--data", 2) + 1].partition("=")
+    key, _, value = args[args.index("--data", 4) + 1].partition("=")
     expected = parse_cli_arg(value)  # what pyinfra's --data hands the deploy
     assert (key, expected) == ("gpufleet_expect_committed", read)
     assert build_spec("gpu1", {"gpufleet_expect_committed": expected}) is not None  # a valid setting
@@ -138,8 +170,9 @@ def test_json_document_has_the_issue_shape():
                 HostOutcome("h2", OLD, NEW, Outcome.NOT_STARTED, None, "not touched")]
     doc = json.loads(json.dumps(document(NEW, outcomes)))
     assert doc == {"target": NEW, "hosts": [
-        {"host": "h1", "from": OLD, "to": NEW, "outcome": "updated", "downtime_s": 3.14, "detail": ""},
-        {"host": "h2", "from": OLD, "to": NEW, "outcome": "not-started", "downtime_s": None, "detail": "not touched"}]}
+        {"host": "h1", "from": OLD, "to": NEW, "outcome": "updated", "downtime_s": 3.14, "detail": "", "checks": []},
+        {"host": "h2", "from": OLD, "to": NEW, "outcome": "not-started", "downtime_s": None, "detail": "not touched",
+         "checks": []}]}
     assert not succeeded(outcomes) and succeeded(outcomes[:1])
 
 

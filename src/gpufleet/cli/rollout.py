@@ -23,6 +23,7 @@ from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.report import document, short, succeeded, table
 from gpufleet.rollout.run import Result, history, roll_back, roll_out
 from gpufleet.rollout.swap import STAGE_TIMEOUT_S, SwapOptions
+from gpufleet.wire.checks import SERVING_CHECKS
 
 
 def _console() -> Console:
@@ -84,14 +85,19 @@ def _common(fn: Any) -> Any:
               help="Hosts swapped (and gated) first.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Hosts swapped at once: the most out of service at any moment, the canary included.")
+@click.option("--no-check", "skipped", multiple=True, type=click.Choice(SERVING_CHECKS),
+              help="Leave this serving check out of the canary's gate (repeatable; docs/verify.md says what each "
+                   "one sends).")
 @_common
-def rollout(inventory: str, image: str | None, canary: int, batch: int, probe: bool, drain_timeout: float,
-            retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool, deploy: str | None,
-            log: str | None) -> None:
-    """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate."""
+def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped: tuple[str, ...], probe: bool,
+            drain_timeout: float, retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool,
+            deploy: str | None, log: str | None) -> None:
+    """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate. The
+    canary is held to every serving check (cached equals cold, sessions apart, the parsers, the probe)."""
     try:
         options = _options(deploy, log, canary=canary, batch=batch, probe=probe, retry_failed=retry_failed,
-                           drain_timeout_s=drain_timeout, stage_timeout_s=stage_timeout)
+                           drain_timeout_s=drain_timeout, stage_timeout_s=stage_timeout,
+                           canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped))
         result = roll_out(inventory, image, options, _confirm(yes), Progress)
     except GpufleetError as e:
         raise click.ClickException(str(e)) from None

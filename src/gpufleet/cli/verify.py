@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -23,6 +24,7 @@ from gpufleet.inventory import HostData, load_host_specs, load_roles
 from gpufleet.router.check import RouterExpected, RouterVerdict, verify_router
 from gpufleet.router.settings import replicas
 from gpufleet.router.status import RouterStatus, read_host
+from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
 from gpufleet.wire.geometry import resolved_block_sizes
 
 _STATE_STYLE = {
@@ -163,6 +165,8 @@ def _as_json(results: list[HostResult], routers: list[RouterStatus] | None = Non
             item["probe_error"] = r.probe_error
         if r.answers:
             item["answers"] = [a.as_dict() for a in r.answers]
+        if r.checks:
+            item["checks"] = [c.as_dict() for c in r.checks]
         out.append(item)
     # Router hosts are items of the same list, marked by "role": a list consumer keeps working.
     out += [{"host": r.name, "role": "router"} | r.as_dict() for r in routers or []]
@@ -233,6 +237,9 @@ def _router_table(rows: list[RouterStatus]) -> Table:
 @_host_opt
 @_json_opt
 @click.option("--probe", "run_probe", is_flag=True, help="Also measure prompt re-processing on turn N+1.")
+@click.option("--checks", "checks", default="none", show_default=True, metavar="LIST",
+              help=f"Serving checks to run on each ready host, where its settings apply: a comma list of "
+                   f"{', '.join(SERVING_CHECKS)}, or all (docs/verify.md).")
 @click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
               help="Seconds to wait for hosts and routers to become ready.")  # fmt: skip
 # No envvar: a VLLM_API_KEY in the caller's environment (set for a client) silently overrode every host's own key.
@@ -240,8 +247,8 @@ def _router_table(rows: list[RouterStatus]) -> Table:
               help="For servers run with --api-key; overrides every host's vllm_api_key (default: each host's own).")  # fmt: skip
 @click.pass_context
 def verify(
-    ctx: click.Context, inventory: str, host: str | None, as_json: bool, run_probe: bool, wait_s: float,
-    api_key: str | None,
+    ctx: click.Context, inventory: str, host: str | None, as_json: bool, run_probe: bool, checks: str,
+    wait_s: float, api_key: str | None,
 ) -> None:  # fmt: skip
     """Exit non-zero unless every host is ready and answers a chat completion, plain and streamed (and, with
     --probe, reuses its prefix cache), and every router answers and routes to every replica of the inventory,
@@ -250,12 +257,17 @@ def verify(
     \b
     Example:
         gpufleet verify inventories/lab.py --probe
+        gpufleet verify inventories/lab.py --checks cached-cold,tools
     """
+    try:
+        names = parse_checks(checks)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--checks") from None
     deadline = time.monotonic() + wait_s  # routers get what is left of --wait after the hosts
     routers, found = _roles(inventory, host)
     expected = _router_expectations(inventory, routers, found)  # a bad setting stops verify before any SSH
     results = [] if host and routers else _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key,
-                                                  answer=True)
+                                                  answer=True, checks=names)
     verdicts = [verify_router(partial(read_host, name, data), exp, deadline) for (name, data), exp in
                 zip(routers, expected)]
     if as_json:
@@ -264,6 +276,8 @@ def verify(
         console = _console()
         if results:
             console.print(_table(results))
+        if any(r.checks for r in results):
+            console.print(_checks_table(results, names))
         if any(r.probe is not None for r in results):
             console.print(_probe_table(results))
         if verdicts:
@@ -277,6 +291,21 @@ def verify(
         total = len(results) + len(verdicts)
         click.echo(f"verify failed on {len(failed)} of {total} host(s): {', '.join(failed)}", err=True)
         ctx.exit(1)
+
+
+def _checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
+    """One row per host, one column per serving check: passed, failed, or "-" where the host's settings give the
+    check nothing to check (no tool parser, no reasoning parser) or it was not reached."""
+    table = Table(title="serving checks", header_style="bold")
+    table.add_column("host")
+    for name in names:
+        table.add_column(name)
+    for r in results:
+        got = {c.name: c.ok for c in r.checks}
+        cells = [Text("-") if name not in got else Text("passed", style="green") if got[name]
+                 else Text("FAILED", style="red") for name in names]
+        table.add_row(Text(r.target.name), *cells)
+    return table
 
 
 def _router_expectations(inventory: str, routers: list[HostData], found: list[HostData]) -> list[RouterExpected]:
@@ -304,6 +333,10 @@ def _explain(console: Console, r: HostResult) -> None:
         if not a.ok:
             say(f"{name}: answer check {a.line()} (fix: read `journalctl -u {r.target.expected.service}` on the host; "
                 f"if a new image broke it, `gpufleet rollback INVENTORY --host {name}`)")
+    for c in r.checks:
+        if not c.ok:
+            say(f"{name}: serving check {c.line()} (fix: if a new image broke it, `gpufleet rollback INVENTORY "
+                f"--host {name}`; if the settings did, see docs/verify.md for what {c.name} needs)")
     if r.probe_error:
         say(f"{name}: probe failed: {r.probe_error}")
     p = r.probe

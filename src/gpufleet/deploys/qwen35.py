@@ -51,6 +51,7 @@ from gpufleet.operations.secret import Hidden
 from gpufleet.operations.snapshot import memo, snapshot
 from gpufleet.settings import resolve_host
 from gpufleet.spec import ServeSpec
+from gpufleet.wire.checks import verify_checks
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def deploy_qwen35() -> None:
     served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
     verify = Verification(spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None,
                           layout.state_file, served[0] if served else spec.served_model_name,
-                          run_probe=bool(s["gpufleet_verify_probe"]))
+                          checks=verify_checks(s["gpufleet_verify_checks"], bool(s["gpufleet_verify_probe"])))
     if not isinstance(decision, Nothing):
         service.settled(name="Settle the change a cut run left pending", decision=decision,
                         state_file=layout.state_file, roll_back=verify.roll_back_cut)

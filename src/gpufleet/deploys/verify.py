@@ -17,7 +17,7 @@ from __future__ import annotations
 import posixpath
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -28,7 +28,8 @@ from gpufleet import hostlock
 from gpufleet.health import HealthReport, HealthState, check, poll_ready, soak
 from gpufleet.health.answers import AnswerCheck, check_answers, check_completion
 from gpufleet.health.answers import failed as failed_answers
-from gpufleet.health.probe import probe
+from gpufleet.health.serving import Served, run_checks
+from gpufleet.health.serving import failed as failed_serving
 from gpufleet.health.wait import Exited, transient
 from gpufleet.ledger import RETRY_SETTING, Ledger, Version, atomic_write_command
 from gpufleet.ledger import commit as ledger_commit
@@ -93,7 +94,9 @@ class Verification:
     api_key: Hidden | None
     state_file: str
     served_before: str
-    run_probe: bool = False  # gpufleet_verify_probe
+    # gpufleet_verify_checks (with "prefix-cache" when gpufleet_verify_probe): the serving checks a new version must
+    # pass, where its settings give them something to check (gpufleet.health.serving)
+    checks: tuple[str, ...] = ()
 
     def run(self, state: State, host: Host, soak_s: float) -> bool:
         return verify_rollout(host, self, soak_s)
@@ -134,7 +137,7 @@ def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], Answ
             last_sent[:] = [clock()]
             answer = send()
             if not answer.ok:
-                return answer_failed(check_once, answer.line())
+                return answer_failed(check_once, f"answers: {answer.line()}")
         return report
 
     return look
@@ -144,7 +147,7 @@ def answer_failed(check_once: Callable[[], HealthReport], line: str) -> HealthRe
     """A request failed: misconfigured with `line` as the evidence, unless a look right after it finds the host no
     longer ready (its engine died meanwhile, or the link went), which says more."""
     again = check_once()
-    return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=f"answers: {line}")
+    return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=line)
 
 
 def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
@@ -161,14 +164,16 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
                         f"completion every {SOAK_REQUEST_EVERY_S:.0f} s")
         send = partial(check_completion, transport_from_pyinfra_host(host), Expected.from_spec(spec), api_key=v.key)
         report = soak(with_traffic(check_once, send, SOAK_REQUEST_EVERY_S), report, soak_s, exited=exited)
+    # A completion the soak sent failed (and the engine still answers /health): the check it failed is named.
+    failed_check = "completion" if report.detail.startswith("answers: completion:") else None
     pending = memo(host).ledger.pending  # None: a restart of the committed version, nothing new to tell apart
     problem = installed_problem(pending.version, report.container) if report.ready and pending else None
     if problem:
         report = replace(report, state=HealthState.MISCONFIGURED, detail=problem)
     if report.ready:
-        report = answers_report(host, v, report, check_once)
-    if report.ready and v.run_probe:
-        report = probe_report(host, v)
+        report, failed_check = answers_report(host, v, report, check_once)
+    if report.ready and pending is not None and v.checks:
+        report, failed_check = serving_report(host, v, report, check_once)
     if report.ready:
         host.log_styled(f"ready: {report.detail}", fg="green")
         return commit_pending(host, v, ready_at)
@@ -183,14 +188,15 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
         host.log_styled(f"  | {line}")
     ledger = memo(host).ledger
     failed = f"{report.state}: {report.detail}"
+    failed_check = failed_check if report.state == HealthState.MISCONFIGURED else None  # not when the engine died
     if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
         # Nothing verified to go back to (a first install, or a restart of the committed version itself).
-        if ledger.pending is not None and not save_ledger(host, v.state_file, ledger_roll_back(ledger, failed,
-                                                                                                now_utc())):
+        if ledger.pending is not None and not save_ledger(host, v.state_file, ledger_roll_back(
+                ledger, failed, now_utc(), check=failed_check)):
             return False
         return fail(host, f"{spec.service} not ready ({failed}) (fix: see the container log above; "
                           f"`journalctl -u {spec.service}`)")
-    return roll_back(host, v, ledger, failed)
+    return roll_back(host, v, ledger, failed, check=failed_check)
 
 
 def installed_problem(version: Version, container: ContainerInfo | None) -> str | None:
@@ -208,34 +214,37 @@ def installed_problem(version: Version, container: ContainerInfo | None) -> str 
 
 
 def answers_report(host: Host, v: Verification, ready: HealthReport,
-                   check_once: Callable[[], HealthReport]) -> HealthReport:  # fmt: skip
+                   check_once: Callable[[], HealthReport]) -> tuple[HealthReport, str | None]:  # fmt: skip
     """The requests a client sends (gpufleet.health.answers), each bounded in time, with the host's key: a version
     that is up but does not answer them is a failed verify (misconfigured), rolled back like one that dies (and
-    reported as dead when a look right after the failed request finds its engine gone). Passed: `ready` as it was."""
+    reported as dead when a look right after the failed request finds its engine gone). Returns the report (`ready`
+    as it was when all passed) and the failed check's name."""
     checks = check_answers(transport_from_pyinfra_host(host), Expected.from_spec(v.spec), api_key=v.key)
-    for c in checks:
-        host.log_styled(f"answer check {c.line()}", fg="green" if c.ok else "red")
     bad = failed_answers(checks)
-    return answer_failed(check_once, bad) if bad else ready
+    return _judged(host, "answer check", checks, ready, check_once, bad and f"answers: {bad}")
 
 
-def probe_report(host: Host, v: Verification) -> HealthReport:
-    """gpufleet_verify_probe: the prompt re-processing probe `gpufleet verify --probe` runs, after ready and the
-    soak. A prefix cache that does not work is a failed verify (misconfigured), so the version is rolled back."""
-    spec = v.spec
-    configured = spec.arg("max-num-batched-tokens")
-    chunk = int(str(configured).replace("_", "")) if str(configured).replace("_", "").isdigit() else None
-    host.log_styled("probing prompt re-processing (gpufleet_verify_probe)")
-    try:
-        found = probe(transport_from_pyinfra_host(host), Expected.from_spec(spec), max_num_batched_tokens=chunk,
-                      api_key=v.key)
-    except Exception as error:  # noqa: BLE001 - a probe that cannot run is a verify that did not pass
-        return HealthReport(HealthState.MISCONFIGURED, f"the re-processing probe failed: {type(error).__name__}: "
-                                                       f"{error}", host=host.name)
-    if not found.ok:
-        fixes = f" (fixes: {'; '.join(found.fixes)})" if found.fixes else ""
-        return HealthReport(HealthState.MISCONFIGURED, f"probe {found.verdict}: {found.detail}{fixes}", host=host.name)
-    return HealthReport(HealthState.READY, f"probe {found.verdict}: {found.detail}", host=host.name)
+def serving_report(host: Host, v: Verification, ready: HealthReport,
+                   check_once: Callable[[], HealthReport]) -> tuple[HealthReport, str | None]:  # fmt: skip
+    """The serving checks (gpufleet.health.serving) a new version is held to: the prefix cache, cached equals cold,
+    sessions kept apart, the tool and reasoning parsers. A failed one is a failed verify, like a failed answer."""
+    served = Served.from_spec(v.spec)
+    names = served.applicable(v.checks)
+    if not names:
+        return ready, None
+    host.log_styled(f"serving checks: {', '.join(names)} (gpufleet_verify_checks)")
+    checks = run_checks(transport_from_pyinfra_host(host), Expected.from_spec(v.spec), served, names,
+                        api_key=v.key)
+    return _judged(host, "serving check", checks, ready, check_once, failed_serving(checks))
+
+
+def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthReport,
+            check_once: Callable[[], HealthReport], bad: str | None) -> tuple[HealthReport, str | None]:
+    for c in checks:
+        host.log_styled(f"{kind} {c.line()}", fg="green" if c.ok else "red")
+    if bad is None:
+        return ready, None
+    return answer_failed(check_once, bad), next(c.name for c in checks if not c.ok)
 
 
 def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
@@ -286,10 +295,11 @@ def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     return True
 
 
-def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -> bool:
+def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str, check: str | None = None) -> bool:
     """Put the committed version's unit back (under its own service name and port), restart it, mark the pending
-    version failed in the ledger, wait until the committed one is ready; always False (the host failed its
-    rollout), with one line naming both digests and where the host stands."""
+    version failed in the ledger (naming the failed `check`, when one failed), wait until the committed one is
+    ready; always False (the host failed its rollout), with one line naming both digests and where the host
+    stands."""
     assert ledger.pending is not None and ledger.committed is not None
     spec, pending, committed = v.spec, ledger.pending.version, ledger.committed.version
     service = committed.service or spec.service
@@ -305,7 +315,7 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str) -
     # The mark first: a run cut anywhere after this line finds the pending version failed (never to be tried again
     # by a re-run rollout) and the committed one to converge to (a plain converge puts its unit back). Marked in the
     # committed service's own ledger: a rename going back marks it there, where a later run of either name reads it.
-    if not save_ledger(host, state_file(service), ledger_roll_back(ledger, failed_detail, now_utc())):
+    if not save_ledger(host, state_file(service), ledger_roll_back(ledger, failed_detail, now_utc(), check=check)):
         return False
     host.log_styled(f"rolling back to {committed.ref}")
     steps = []

@@ -19,6 +19,7 @@ import gevent.pool
 from gpufleet.health.answers import AnswerCheck, check_answers
 from gpufleet.health.check import HealthReport, HealthState, check
 from gpufleet.health.probe import ProbeReport, probe
+from gpufleet.health.serving import Served, run_checks
 from gpufleet.health.wait import wait_until_ready
 from gpufleet.remote.ssh import open_ssh
 from gpufleet.remote.transport import Transport, Unreachable
@@ -39,6 +40,7 @@ class HostTarget:
     gpus: tuple[int, ...] = ()
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
+    served: Served = Served()  # its parsers and prefix caching: which serving checks apply
 
     @classmethod
     def for_spec(cls, spec: ServeSpec, data: Mapping[str, Any]) -> HostTarget:
@@ -50,6 +52,7 @@ class HostTarget:
             gpus=spec.gpus,
             max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
             api_key=data.get("vllm_api_key"),
+            served=Served.from_spec(spec),
         )
 
 
@@ -69,11 +72,12 @@ class HostResult:
     probe: ProbeReport | None = None
     probe_error: str | None = None
     answers: tuple[AnswerCheck, ...] = ()  # gpufleet.health.answers, when asked for and the host was ready
+    checks: tuple[AnswerCheck, ...] = ()  # gpufleet.health.serving, those asked for that apply to the host
 
     @property
     def ok(self) -> bool:
         return (self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
-                and all(a.ok for a in self.answers))
+                and all(a.ok for a in (*self.answers, *self.checks)))
 
 
 def check_host(
@@ -83,29 +87,39 @@ def check_host(
     api_key: str | None = None,
     transport: Transport | None = None,
     answer: bool = False,
+    checks: Sequence[str] = (),
 ) -> HostResult:
     """Health (and, when the host is ready, the answer checks and the probe, as asked) of one host. Never raises:
     whatever goes wrong with this host (SSH, its server, a case nobody foresaw) is this host's result, so one host
     never sinks the others.
 
     Without a transport the host is connected by pyinfra's connector from target.ssh. api_key overrides the
-    target's own key."""
+    target's own key. checks: serving checks (gpufleet.health.serving) to run once the answers passed."""
+    asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks))
     try:
         if transport is not None:
-            return _check_host(target, transport, run_probe, wait_s, api_key, answer)
-        return _check_over_ssh(target, run_probe, wait_s, api_key, answer)
+            return _check_host(target, transport, asked)
+        return _check_over_ssh(target, asked)
     except Exception as e:
         return _failed(target, e)
 
 
-def _check_over_ssh(target: HostTarget, run_probe: bool, wait_s: float, api_key: str | None,
-                    answer: bool) -> HostResult:  # fmt: skip
+@dataclass(frozen=True)
+class _Asked:
+    run_probe: bool
+    wait_s: float
+    api_key: str | None
+    answer: bool
+    checks: tuple[str, ...]
+
+
+def _check_over_ssh(target: HostTarget, asked: _Asked) -> HostResult:
     try:
         transport = open_ssh(target.name, target.ssh)
     except Unreachable as e:
         return HostResult(target, HealthReport(HealthState.SSH_UNREACHABLE, str(e), host=target.name))
     try:
-        return _check_host(target, transport, run_probe, wait_s, api_key, answer)
+        return _check_host(target, transport, asked)
     finally:
         transport.client.close()
 
@@ -115,31 +129,33 @@ def _failed(target: HostTarget, e: Exception) -> HostResult:
     return HostResult(target, HealthReport(HealthState.DEAD, detail, host=target.name))
 
 
-def _check_host(target: HostTarget, transport: Transport, run_probe: bool, wait_s: float, api_key: str | None,
-                answer: bool = False) -> HostResult:  # fmt: skip
-    api_key = api_key or target.api_key
-    if wait_s > 0:
-        health = wait_until_ready(transport, target.expected, timeout_s=wait_s, api_key=api_key)
+def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> HostResult:
+    api_key = asked.api_key or target.api_key
+    if asked.wait_s > 0:
+        health = wait_until_ready(transport, target.expected, timeout_s=asked.wait_s, api_key=api_key)
     else:
         health = check(transport, target.expected, api_key=api_key)
-    answers = check_answers(transport, target.expected, api_key=api_key) if answer and health.ready else ()
+    answers = check_answers(transport, target.expected, api_key=api_key) if asked.answer and health.ready else ()
+    checks: tuple[AnswerCheck, ...] = ()
+    if asked.checks and health.ready and all(a.ok for a in answers):
+        checks = run_checks(transport, target.expected, target.served, asked.checks, api_key=api_key)
     report, error = None, None
-    if run_probe and health.ready:
+    if asked.run_probe and health.ready:
         try:
             report = probe(transport, target.expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-    return HostResult(target, health, report, error, answers)
+    return HostResult(target, health, report, error, answers, checks)
 
 
 def check_fleet(
     targets: Sequence[HostTarget], run_probe: bool = False, wait_s: float = 0.0, api_key: str | None = None,
-    answer: bool = False,
+    answer: bool = False, checks: Sequence[str] = (),
 ) -> list[HostResult]:
     """All hosts in parallel (network-bound), results in inventory order, one per host whatever happens."""
     if not targets:
         return []
     pool = gevent.pool.Pool(min(len(targets), PARALLEL))
-    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer) for t in targets]
+    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks) for t in targets]
     gevent.joinall(jobs)
     return [job.get() for job in jobs]

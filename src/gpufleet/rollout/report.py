@@ -33,10 +33,23 @@ class HostOutcome:
     outcome: Outcome
     downtime_s: float | None = None  # stop to ready, measured from the controller; None: not restarted
     detail: str = ""
+    # The verify checks the new version was held to, in order, each passed (True) or failed (False); the ones after
+    # a failed check did not run. Empty: none known (not swapped, or its engine died before any was sent).
+    checks: tuple[tuple[str, bool], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {"host": self.host, "from": self.from_ref, "to": self.to_ref, "outcome": self.outcome.value,
-                "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 2), "detail": self.detail}
+                "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 2), "detail": self.detail,
+                "checks": [{"check": name, "ok": ok} for name, ok in self.checks]}
+
+    @property
+    def checks_cell(self) -> str:
+        """The table's view: "7 passed", or the failed check after the passed count."""
+        if not self.checks:
+            return "-"
+        passed = sum(ok for _, ok in self.checks)
+        bad = [name for name, ok in self.checks if not ok]
+        return f"{passed} passed" + (f", {bad[0]} failed" if bad else "")
 
 
 def succeeded(outcomes: Sequence[HostOutcome]) -> bool:
@@ -44,7 +57,7 @@ def succeeded(outcomes: Sequence[HostOutcome]) -> bool:
 
 
 def document(target: str, outcomes: Sequence[HostOutcome]) -> dict[str, Any]:
-    """--json: {"target": ..., "hosts": [{"host", "from", "to", "outcome", "downtime_s", "detail"}]}."""
+    """--json: {"target": ..., "hosts": [{"host", "from", "to", "outcome", "downtime_s", "detail", "checks"}]}."""
     return {"target": target, "hosts": [o.as_dict() for o in outcomes]}
 
 
@@ -58,11 +71,12 @@ def short(ref: str | None) -> str:
 
 def table(outcomes: Sequence[HostOutcome], title: str | None = None) -> Table:
     t = Table(title=title, show_lines=False)
-    for column in ("host", "from", "to", "outcome", "downtime", "detail"):
+    for column in ("host", "from", "to", "outcome", "downtime", "checks", "detail"):
         t.add_column(column, overflow="fold")
     for o in outcomes:
         downtime = "-" if o.downtime_s is None else f"{o.downtime_s:.1f} s"
         # Text, never markup: a detail quotes server output and image names ("[...]" must not be parsed).
         t.add_row(Text(o.host), Text(short(o.from_ref)), Text(short(o.to_ref)),
-                  Text(o.outcome.value, style=STYLE[o.outcome]), Text(downtime), Text(o.detail))
+                  Text(o.outcome.value, style=STYLE[o.outcome]), Text(downtime),
+                  Text(o.checks_cell, style="red" if any(not ok for _, ok in o.checks) else ""), Text(o.detail))
     return t

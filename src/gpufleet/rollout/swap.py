@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from gpufleet.errors import one_line
+from gpufleet.health.serving import Served
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout.deploy import DeployRun, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
@@ -24,8 +25,11 @@ from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.report import OK, HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.router.api import RouterError
+from gpufleet.spec import ServeSpec
+from gpufleet.wire.checks import ANSWER_CHECKS, SERVING_CHECKS, verify_checks
 
 PROBE = "gpufleet_verify_probe"
+CHECKS = "gpufleet_verify_checks"
 RETRY_FAILED = "gpufleet_retry_failed"
 # Each swapped host's committed digest as the rollout read it: the deploy refuses a host whose ledger now says
 # otherwise (another run changed it between this rollout's read and its swap), under the host's lock.
@@ -40,7 +44,10 @@ class SwapOptions:
     deploy_file: Path
     canary: int = 1
     batch: int = 1
-    probe: bool = False
+    probe: bool = False  # every host gated on the prompt re-processing probe too
+    # The serving checks the canary is held to (gpufleet.health.serving), each where its settings apply; the hosts
+    # after it, which run the version the canary proved, are held to a completion, plain and streamed, and the soak.
+    canary_checks: tuple[str, ...] = SERVING_CHECKS
     retry_failed: bool = False
     drain_timeout_s: float = 120.0
     log: Path | None = None
@@ -48,9 +55,11 @@ class SwapOptions:
     # stalled host must not hold every host's lock forever. Long enough for a 28 GB pull on a home line.
     stage_timeout_s: float = STAGE_TIMEOUT_S
 
-    def settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None) -> dict[str, object]:
+    def settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None,
+                 canary: bool = False) -> dict[str, object]:
         """The deploy run's --data; committed: host -> the digest the rollout read as committed there."""
-        settings: dict[str, object] = {IMAGE_REF: target_ref}
+        settings: dict[str, object] = {IMAGE_REF: target_ref,
+                                       CHECKS: ",".join(self.canary_checks if canary else ()) or "none"}
         if committed is not None:
             settings[EXPECT_COMMITTED] = json.dumps(dict(committed), separators=(",", ":"))  # pyinfra parses JSON
         if self.probe:
@@ -70,9 +79,34 @@ def batches(names: Sequence[str], canary: int, batch: int) -> list[list[str]]:
            [rest[i:i + batch] for i in range(0, len(rest), batch)]
 
 
+def held_to(spec: ServeSpec, options: SwapOptions, canary: bool) -> tuple[str, ...]:
+    """The checks a swapped host's deploy run holds the new version to, in the order it sends them."""
+    serving = verify_checks(options.canary_checks if canary else (), options.probe)
+    return (*ANSWER_CHECKS, *Served.from_spec(spec).applicable(serving))
+
+
+def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | None) -> tuple[tuple[str, bool], ...]:
+    """Per check, passed or failed, from the outcome: all passed when committed; on a rollback that names its
+    check, the ones before it passed and the ones after it never ran; otherwise unknown."""
+    if outcome == Outcome.UPDATED:
+        return tuple((name, True) for name in held)
+    if failed_check is not None and failed_check in held:
+        at = held.index(failed_check)
+        return (*((name, True) for name in held[:at]), (failed_check, False))
+    return ()
+
+
 def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
-          downtime_s: float | None, drained: Drained | str | None) -> HostOutcome:
-    """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak)."""
+          downtime_s: float | None, drained: Drained | str | None, held: Sequence[str] = ()) -> HostOutcome:
+    """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak);
+    held: the checks the run held it to."""
+    outcome = _judged(host, target, before, after, run, downtime_s, drained)
+    mark = after.failed_mark(target) if outcome.outcome == Outcome.ROLLED_BACK else None
+    return replace(outcome, checks=check_results(held, outcome.outcome, mark.check if mark else None))
+
+
+def _judged(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
+            downtime_s: float | None, drained: Drained | str | None) -> HostOutcome:
     from_ref = before.committed_ref
     drain_note = drained.detail if isinstance(drained, Drained) else (f"drain: {drained}" if drained else "")
     if after.error:
@@ -165,13 +199,15 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
             pass
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
     committed = {h: before[h].committed_ref for h in group if before[h].error is None}
-    run = run_deploy(inventory, group, options.settings(target, committed), options.deploy_file, log=options.log,
-                     timeout_s=options.stage_timeout_s)
+    canary = role == "canary"
+    run = run_deploy(inventory, group, options.settings(target, committed, canary=canary), options.deploy_file,
+                     log=options.log, timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, group)
     result = {}
     for h in group:
-        outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h))
+        outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h),
+                        held_to(hosts[h].spec, options, canary))
         result[h] = outcome
         progress.phase(h, outcome.outcome.value + (f" ({outcome.downtime_s:.1f} s down)"
                                                    if outcome.downtime_s is not None else ""))
