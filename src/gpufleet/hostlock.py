@@ -339,6 +339,16 @@ def check_run_lock(host: Host) -> None:
         lock.check()
 
 
+def still_held_test(host: Host) -> str | None:
+    """A shell test that is true on the host while this run's holder line is still the lock file's, or None when
+    this run took no lock there. Run in the same shell as a write, it refuses, at execution time and on the host
+    itself, the write of a run that was stalled past its lease and whose lock another run has taken since."""
+    lock = _RUN_LOCKS.get(host.state, {}).get(host.name)
+    if lock is None:
+        return None
+    return f'[ "$(cat {shlex.quote(lock.path)} 2>/dev/null)" = {shlex.quote(lock.holder.line())} ]'
+
+
 def release_run_locks(state: State, names: Iterable[str] | None = None, wait: bool = True) -> None:
     """Let the run's host locks go: all of them, or those of the hosts named (HostLock.release's wait)."""
     locks = _RUN_LOCKS.get(state, {})

@@ -76,7 +76,8 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
     managed = managed_paths(layout)
     paths = Paths(
         service=spec.service, models_dir=layout.models_dir, model_dir=layout.model_dir, dirs=managed.dirs,
-        files=managed.files, state_file=layout.state_file, env_file=layout.env_file, port=spec.port,
+        # The ledger's checksum too: its writes are compare-and-swap on what this run read (under the lock).
+        files=(*managed.files, layout.state_file), state_file=layout.state_file, env_file=layout.env_file, port=spec.port,
         nvidia_key_url=nvidia.key_url(s["nvidia_repo_url"]), nvidia_version_file=nvidia.VERSION_FILE,
         docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
         nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s["gpufleet_refresh_keys"]),
@@ -202,6 +203,7 @@ def deploy_qwen35() -> None:
     decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
     held = memo()
     held.ledger, held.retry_failed = ledger, bool(s["gpufleet_retry_failed"])
+    held.ledger_sha256[plan.layout.state_file] = snap.file_sha256.get(plan.layout.state_file)
     # A dropped change never reached the unit: its digest is not this run's pin (a finished one's is).
     held.pin = pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, spec.image,
                           s["gpufleet_image_ref"])

@@ -332,7 +332,9 @@ class _Checks:
     def _cold(self, label: str) -> tuple[Conversation, Greedy]:
         """Session `label`'s conversation (a fresh seed: nothing of it is cached) and its cold answer, once."""
         if label not in self.cold:
-            conversation = Conversation(f"{self.run_id}-{label}", f"serving-{label}", self._words())
+            # The label before the run id: the sessions of one run part within their first tokens, so no block of one
+            # (16 tokens on a GPU's dense model) is a block of the other, however the run id tokenizes.
+            conversation = Conversation(f"{label}-{self.run_id}", f"serving-{label}", self._words())
             cold = self._greedy(conversation.messages)
             if cold.cached_tokens:
                 raise _Wrong(f"session {label}'s fresh prefix was served from the cache ({cold.cached_tokens} "
@@ -370,7 +372,7 @@ class _Checks:
             room = (self.expected.max_model_len or 1 << 30) - GREEDY_TOKENS - 16
             if target > room:
                 raise _Wrong(f"max_model_len leaves {room} prompt tokens, a prompt that can hit needs {target}")
-            sample = self._greedy(Conversation(f"{self.run_id}-calibration", "calibration",
+            sample = self._greedy(Conversation(f"calibration-{self.run_id}", "calibration",
                                                CALIBRATION_WORDS).messages)
             per_word = max(sample.prompt_tokens / CALIBRATION_WORDS, 0.1)
             self.words = max(1, math.ceil(target / per_word))

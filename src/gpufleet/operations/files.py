@@ -61,17 +61,28 @@ class AtomicUpload(FileUploadCommand):
         return bool(ok)
 
 
-def write_file(host: Host, path: str, content: str, mode: str = "0644") -> bool:
+# What write_file's `only_if` guard prints when it refuses: the caller tells that refusal from a failed write.
+REFUSED = "@@gpufleet:write-refused"
+
+
+def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if: str | None = None) -> bool | None:
     """From a FunctionCommand: replace the root-owned `path` with `content` atomically (gpufleet.ledger's
     atomic_write_command: temp file beside it, fsync, rename, directory fsync). For files written while executing,
-    whose content is known only then (the ledger)."""
+    whose content is known only then (the ledger). only_if: a shell test run in the same command right before the
+    rename; when it is false nothing is replaced and the answer is None (False: the write itself failed)."""
     sudo = use_sudo(host)
     directory, _, name = path.rpartition("/")
     upload = f"{directory}/.{name}.upload"
     ok = host.run_shell_command(f"install -d -m 755 {shlex.quote(directory)}", _sudo=sudo)[0]
     if not (ok and host.put_file(as_io(content), upload, _sudo=sudo)):
         return False
-    return bool(host.run_shell_command(atomic_write_command(path, mode=mode, source=upload), _sudo=sudo)[0])
+    write = atomic_write_command(path, mode=mode, source=upload)
+    if only_if is not None:
+        write = (f"if ! {{ {only_if}; }}; then rm -f {shlex.quote(upload)}; echo {REFUSED}; exit 3; fi; {write}")
+    ok, output = host.run_shell_command(write, _sudo=sudo)
+    if not ok and REFUSED in output.stdout_lines:
+        return None
+    return bool(ok)
 
 
 def put_content(path: str, content: str | bytes, mode: str = "644") -> Commands:

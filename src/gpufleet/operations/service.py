@@ -100,13 +100,32 @@ def target_version(spec: ServeSpec, host: Host) -> Version:
 
 def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
     """Write the host's ledger (atomically) and keep it as this run's view of it; only while this run holds the
-    host's lock (a run stalled past its lease must not overwrite the record of the run that holds the host now)."""
+    host's lock (a run stalled past its lease must not overwrite the record of the run that holds the host now).
+    Checked twice: from here before the write, and on the host in the write's own command (the lock file still
+    names this run, and the ledger file is still what this run read or last wrote: compare-and-swap)."""
     if not _still_locked(host.state, host):
         return fail(host, f"{host.name}: {path} not written: this run no longer holds the host (fix: run again)")
-    if not write_file(host, path, render(ledger)):
+    held = memo(host)
+    content = render(ledger)
+    guards = [test for test in (hostlock.still_held_test(host), _unchanged_test(path, held.ledger_sha256))
+              if test is not None]
+    written = write_file(host, path, content, only_if=" && ".join(guards) if guards else None)
+    if written is None:
+        return fail(host, f"{host.name}: {path} not written: another run holds the host now or changed it since "
+                          "this run read it (fix: run again; it reads the host anew)")
+    if not written:
         return fail(host, f"{host.name}: could not write {path} (fix: check free space and permissions there)")
-    memo(host).ledger = ledger
+    held.ledger, held.ledger_sha256[path] = ledger, sha256(content)
     return True
+
+
+def _unchanged_test(path: str, read: Mapping[str, str | None]) -> str | None:
+    """A shell test: the file's sha256 is what this run read or last wrote (no file: still none). None: not read."""
+    if path not in read:
+        return None
+    now = f"$(sha256sum < {shlex.quote(path)} 2>/dev/null | cut -c1-64)"
+    return f'[ "{now}" = "{read[path] or ""}" ]'
+
 
 
 def _begin(state: State, host: Host, spec: ServeSpec, path: str) -> bool:

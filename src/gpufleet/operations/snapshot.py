@@ -33,6 +33,10 @@ class HostMemo:
     snapshot: HostSnapshot
     resolved_image_ref: str | None = None  # repo@sha256:..., set by gpufleet.operations.image while executing
     ledger: Ledger = field(default_factory=Ledger)  # the host's ledger as this run last read or wrote it
+    # path -> sha256 of each ledger file as this run read it under the host's lock or last wrote it (None: no file):
+    # a ledger write is compare-and-swap on it (gpufleet.operations.service.save_ledger). A path not listed is
+    # written without the comparison.
+    ledger_sha256: dict[str, str | None] = field(default_factory=dict)
     pin: str | None = None  # the digest this run installs when known before the pull (gpufleet.operations.image)
     retry_failed: bool = False  # gpufleet_retry_failed: begin() clears the target's failure marks
 
