@@ -1,28 +1,63 @@
 """The rollout's target: ONE digest for every host. A digest given as --image is used as it is; a tag (--image, or
-the inventory's vllm_image) is resolved once, at the start, by pulling it on one host while the old version keeps
-serving: every host then gets exactly that digest, even if the tag moves during the rollout."""
+the inventory's vllm_image) is resolved once, at the start, by asking its registry for the tag's digest from one host
+(the first that answers, over the rollout's SSH session), without pulling a layer: every host then gets exactly that
+digest, even if the tag moves during the rollout. The pull itself is prepare's (under each host's lock, after its
+disk check).
+
+The registry is asked with a tool the host's docker has, as root (the credentials `docker pull` uses there):
+  docker buildx imagetools inspect --format '{{json .Manifest}}' REF   (docker-buildx-plugin) the digest of what
+      the tag names: a manifest list / index for a multi-platform image, as `docker pull` pins it;
+  docker manifest inspect -v [--insecure] REF   (docker-ce-cli, docker.io >= 20.10) the manifest's digest; for a
+      multi-platform list it prints each platform's manifest but not the list's own digest, so it cannot pin one.
+--insecure is passed when the host's dockerd treats the registry as insecure (insecure-registries, or an address in
+an insecure CIDR, 127.0.0.0/8 by default), so the lookup speaks to the registry as the pull would. buildx is asked
+first, except for such a registry (buildx does not read dockerd's insecure-registries). When neither tool can pin
+the tag on the host (neither installed, or a multi-platform list and no buildx), the tag is pulled there as before,
+and the target says so."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.image_ref import parse
 from gpufleet.operations.image import pick_digest
-from gpufleet.remote.transport import TransportError
+from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout.fleet import FleetHost, Sessions, run
 
-PULL_TIMEOUT_S = 3600.0  # a nightly vLLM image is ~10 GB
+PULL_TIMEOUT_S = 3600.0  # a nightly vLLM image is ~10 GB: only when no lookup tool works on the host
+LOOKUP_TIMEOUT_S = 120  # a lookup is a few small HTTP requests; `timeout` on the host ends one that hangs
+PROBE_TIMEOUT_S = 60.0
+
+BUILDX, MANIFEST = "buildx", "manifest"
+TOOL_NAMES = {BUILDX: "docker buildx imagetools inspect", MANIFEST: "docker manifest inspect"}
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
 class Target:
     ref: str  # repo@sha256:<digest>
     requested: str  # what named it: --image, or vllm_image
-    resolved_on: str | None = None  # the host the tag was pulled on (None: a digest was given)
+    # The host the tag was resolved on (None: a digest was given): its registry asked with `tool` from there, or,
+    # where no lookup tool could pin the tag (tool None), the tag pulled there (`pulled_because` says why).
+    resolved_on: str | None = None
+    tool: str | None = None  # BUILDX or MANIFEST
+    pulled_because: str | None = None
+
+    @property
+    def where(self) -> str:
+        """One line for the progress: on which host and how the tag became this digest ("" for a given digest)."""
+        if self.resolved_on is None:
+            return ""
+        if self.tool is not None:
+            return f"looked up on {self.resolved_on} with {TOOL_NAMES[self.tool]}: nothing pulled"
+        return f"pulled on {self.resolved_on}: {self.pulled_because or 'no registry lookup'}"
 
 
 def repository(hosts: Sequence[FleetHost]) -> str:
@@ -54,6 +89,173 @@ def requested_image(hosts: Sequence[FleetHost], image: str | None) -> str:
     return image
 
 
+
+
+
+# --- the registry lookup -------------------------------------------------------------------------------------------
+# One round trip: which lookup tools work here (a missing, stand-in or broken buildx plugin fails `version`; docker
+# before 20.10 has `manifest` only as an experimental command), and dockerd's registry settings.
+PROBE_COMMAND = ("docker buildx version >/dev/null 2>&1 && echo tool=buildx; "
+                 "docker manifest inspect --help >/dev/null 2>&1 && echo tool=manifest; "
+                 "echo registry-config=$(docker info --format '{{json .RegistryConfig}}' 2>/dev/null)")
+
+
+@dataclass(frozen=True)
+class Probe:
+    tools: frozenset[str]
+    registry_config: Mapping[str, Any] | None  # `docker info`'s RegistryConfig; None when unreadable
+
+
+def parse_probe(out: str) -> Probe:
+    tools, config = set(), None
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key == "tool" and value.strip() in TOOL_NAMES:
+            tools.add(value.strip())
+        elif key == "registry-config":
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                parsed = None
+            config = parsed if isinstance(parsed, dict) else None
+    return Probe(frozenset(tools), config)
+
+
+def registry_of(image: str) -> str:
+    """The registry (host[:port]) docker contacts for `image`: "docker.io" for Docker Hub's short names."""
+    first, slash, _ = image.partition("/")
+    return first if slash and ("." in first or ":" in first or first == "localhost") else "docker.io"
+
+
+def _host_part(registry: str) -> str:
+    if registry.startswith("["):  # [v6]:port
+        return registry[1:].split("]", 1)[0]
+    return registry.rsplit(":", 1)[0] if ":" in registry else registry
+
+
+def insecure(registry: str, config: Mapping[str, Any] | None) -> bool:
+    """Does dockerd treat `registry` as insecure (plain HTTP, unverified TLS), so that its pull would? An entry of
+    its insecure-registries (IndexConfigs, Secure false), or an IP address (or localhost) in InsecureRegistryCIDRs.
+    A host name is not resolved here (dockerd would): one that resolves into such a CIDR needs an entry."""
+    if not config:
+        return False
+    index = (config.get("IndexConfigs") or {}).get(registry)
+    if isinstance(index, dict) and isinstance(index.get("Secure"), bool):
+        return not index["Secure"]
+    host = _host_part(registry)
+    try:
+        address = ipaddress.ip_address("127.0.0.1" if host == "localhost" else host)
+    except ValueError:
+        return False
+    for cidr in config.get("InsecureRegistryCIDRs") or []:
+        try:
+            if address in ipaddress.ip_network(str(cidr), strict=False):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def tool_order(probe: Probe, image: str) -> list[str]:
+    """The tools to ask, best first: buildx (it pins multi-platform lists), except for a registry dockerd treats
+    as insecure: only `docker manifest` can be told so (--insecure), buildx does not read dockerd's settings."""
+    order = [MANIFEST, BUILDX] if insecure(registry_of(image), probe.registry_config) else [BUILDX, MANIFEST]
+    return [t for t in order if t in probe.tools]
+
+
+def lookup_command(tool: str, image: str, insecure_registry: bool = False) -> str:
+    q = shlex.quote(image)
+    if tool == BUILDX:
+        return f"timeout {LOOKUP_TIMEOUT_S} docker buildx imagetools inspect --format '{{{{json .Manifest}}}}' {q}"
+    return f"timeout {LOOKUP_TIMEOUT_S} docker manifest inspect -v{' --insecure' if insecure_registry else ''} {q}"
+
+
+class MultiPlatform(Exception):
+    """The tag names a multi-platform list whose own digest this tool does not print."""
+
+
+def _digest(value: object) -> str | None:
+    return value if isinstance(value, str) and _DIGEST.fullmatch(value) else None
+
+
+def digest_from_lookup(tool: str, out: str) -> str:
+    """The digest `docker pull` pins for the tag, from a successful lookup's output; raises MultiPlatform (docker
+    manifest on a list) or ValueError (output not understood)."""
+    doc = json.loads(out)
+    if tool == BUILDX:  # the descriptor of what the tag names, list or manifest: {"mediaType", "digest", ...}
+        digest = _digest(doc.get("digest")) if isinstance(doc, dict) else None
+    elif isinstance(doc, list):  # one entry per platform manifest: the list's own digest is not among them
+        raise MultiPlatform(f"a multi-platform list ({len(doc)} platforms), whose digest {TOOL_NAMES[tool]} does "
+                            "not print")
+    else:  # {"Ref", "Descriptor": {"digest", ...}, "SchemaV2Manifest" | "OCIManifest"}
+        descriptor = doc.get("Descriptor") if isinstance(doc, dict) else None
+        digest = _digest(descriptor.get("digest")) if isinstance(descriptor, dict) else None
+    if digest is None:
+        raise ValueError(f"no digest in {TOOL_NAMES[tool]}'s output: {out.strip()[:120]!r}")
+    return digest
+
+
+# What a failed lookup said -> the fix (first match wins). The docker CLI's and buildx's own words: "no such
+# manifest: REF", "REF: not found", "unauthorized: authentication required", "failed to configure transport: error
+# pinging v2 registry: ... connection refused", "http: server gave HTTP response to HTTPS client".
+_FIXES = (
+    (re.compile(r"unauthori[sz]ed|authentication required|access to the resource is denied|\b40[13]\b|forbidden|"
+                r"no basic auth", re.I),
+     "the registry refused the lookup: log in as root on {host} (`docker login {registry}`; prepare's pull uses "
+     "the same credentials); Docker Hub answers so for a repository that does not exist too"),
+    (re.compile(r"no such manifest|manifest unknown|\bnot found\b|\b404\b|name unknown", re.I),
+     "check that the tag exists in {registry}: push it, or pass --image with an existing tag or a digest"),
+    (re.compile(r"dial tcp|connection refused|no such host|i/o timeout|timed out|no answer within|network is "
+                r"unreachable|\btls\b|x509|certificate|HTTP response to HTTPS client|error pinging|\bEOF\b", re.I),
+     "check that {host} reaches {registry} (DNS, proxy, firewall); a plain-HTTP registry must be in dockerd's "
+     "insecure-registries there, as the pull needs"),
+)
+
+
+def lookup_error(tool: str, image: str, host: str, rc: int, out: str, err: str) -> str:
+    """One line for a failed lookup: the host, the image, what the registry (or the tool) said, and the fix."""
+    said = f"no answer within {LOOKUP_TIMEOUT_S} s" if rc == 124 else (
+        " ".join((err or out).split())[-300:] or f"exit status {rc}")
+    fix = next((f for pattern, f in _FIXES if pattern.search(said)),
+               "check the registry and docker on {host}, or pass --image repo@sha256:<digest>")
+    return one_line(f"{host}: cannot look up {image} in its registry ({TOOL_NAMES[tool]}): {said} (fix: "
+                    f"{fix.format(host=host, registry=registry_of(image))})")
+
+
+def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Target:
+    """The tag's digest through one host's session; raises GpufleetError (one line) for the registry's refusal,
+    TransportError when the host cannot be used."""
+    rc, out, err = run(session, PROBE_COMMAND, timeout=PROBE_TIMEOUT_S, root=True)
+    if rc != 0:  # the shell's last word is an echo: only a refused sudo (or a dead shell) fails it
+        raise GpufleetError(one_line(f"{host}: cannot run docker as root to look up {image}: "
+                                     f"{(err or out).strip()[-200:]} (fix: let the SSH user run sudo -n, as the "
+                                     "deploy needs)"))
+    probe = parse_probe(out)
+    listed, failures = None, []
+    for tool in tool_order(probe, image):
+        command = lookup_command(tool, image, insecure(registry_of(image), probe.registry_config))
+        rc, out, err = run(session, command, timeout=LOOKUP_TIMEOUT_S + 30, root=True)
+        if rc != 0:
+            failures.append(lookup_error(tool, image, host, rc, out, err))
+            continue
+        try:
+            return Target(f"{repo}@{digest_from_lookup(tool, out)}", image, host, tool)
+        except MultiPlatform as e:
+            listed = f"{image} is {e}"
+        except ValueError as e:
+            failures.append(one_line(f"{host}: {e}"))
+    if failures and listed is None:  # the registry's answer (no such tag, refused, unreachable): nothing to pull
+        raise GpufleetError(failures[0])
+    if listed is not None:
+        because = f"{listed} and docker buildx imagetools {'failed: ' + failures[0] if failures else 'is not there'}"
+    else:
+        because = ("neither docker buildx imagetools nor docker manifest inspect works there (fix: install "
+                   "docker-buildx-plugin)")
+    rc, out, err = run(session, resolve_command(image), timeout=PULL_TIMEOUT_S, root=True)
+    return Target(digest_from_inspect(image, rc, out, err, host), image, host, None, one_line(because))
+
+
+# --- the fallback: a pull ------------------------------------------------------------------------------------------
 def resolve_command(image: str) -> str:
     q = shlex.quote(image)
     return f"docker pull -q {q} >/dev/null && docker image inspect --format '{{{{json .RepoDigests}}}}' {q}"
@@ -75,17 +277,17 @@ def digest_from_inspect(image: str, rc: int, out: str, err: str, host: str) -> s
 
 
 def resolve(hosts: Sequence[FleetHost], sessions: Sessions, image: str | None) -> Target:
-    """The target digest; raises GpufleetError with one line."""
+    """The target digest; raises GpufleetError with one line. Pulls nothing where the host has a lookup tool."""
     requested = requested_image(hosts, image)
     pinned = parse(requested)
     if pinned is not None and pinned.pinned:
         return Target(pinned.pinned, requested)
+    repo = pinned.repository if pinned is not None else repository(hosts)
     errors = []
     for host in hosts:  # the first host that answers resolves it; the others get it by digest in prepare
         try:
-            rc, out, err = run(sessions.get(host.name), resolve_command(requested), timeout=PULL_TIMEOUT_S, root=True)
+            return _resolve_on(sessions.get(host.name), host.name, requested, repo)
         except TransportError as e:  # unreachable: the next host resolves it
             errors.append(one_line(f"{host.name}: {e}"))
-            continue
-        return Target(digest_from_inspect(requested, rc, out, err, host.name), requested, host.name)
-    raise GpufleetError(one_line(f"cannot resolve {requested}: no host could pull it ({'; '.join(errors)})"))
+    raise GpufleetError(one_line(f"cannot resolve {requested}: no host could be reached to look it up "
+                                 f"({'; '.join(errors)})"))
