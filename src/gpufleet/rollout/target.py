@@ -185,8 +185,8 @@ def digest_from_lookup(tool: str, out: str) -> str:
     if tool == BUILDX:  # the descriptor of what the tag names, list or manifest: {"mediaType", "digest", ...}
         digest = _digest(doc.get("digest")) if isinstance(doc, dict) else None
     elif isinstance(doc, list):  # one entry per platform manifest: the list's own digest is not among them
-        raise MultiPlatform(f"a multi-platform list ({len(doc)} platforms), whose digest {TOOL_NAMES[tool]} does "
-                            "not print")
+        platforms = f"{len(doc)} platform{'' if len(doc) == 1 else 's'}"
+        raise MultiPlatform(f"a multi-platform list ({platforms}), whose digest {TOOL_NAMES[tool]} does not print")
     else:  # {"Ref", "Descriptor": {"digest", ...}, "SchemaV2Manifest" | "OCIManifest"}
         descriptor = doc.get("Descriptor") if isinstance(doc, dict) else None
         digest = _digest(descriptor.get("digest")) if isinstance(descriptor, dict) else None
@@ -247,7 +247,8 @@ def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Targ
     if failures and listed is None:  # the registry's answer (no such tag, refused, unreachable): nothing to pull
         raise GpufleetError(failures[0])
     if listed is not None:
-        because = f"{listed} and docker buildx imagetools {'failed: ' + failures[0] if failures else 'is not there'}"
+        because = (f"{listed}, and docker buildx imagetools failed: {failures[0]}" if failures else
+                   f"{listed}, and docker buildx imagetools is not there (fix: install docker-buildx-plugin)")
     else:
         because = ("neither docker buildx imagetools nor docker manifest inspect works there (fix: install "
                    "docker-buildx-plugin)")
