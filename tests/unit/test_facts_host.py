@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import socketserver
 import subprocess
 import threading
@@ -17,8 +18,17 @@ import pytest
 from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts import host as host_fact
-from gpufleet.facts.host import (DRIVER_FILE, MARK, PACKAGES, GpufleetHost, HostSnapshot, Paths, ServiceUnit,
-                                 parse_snapshot, snapshot_command)
+from gpufleet.facts.host import (
+    DRIVER_FILE,
+    MARK,
+    PACKAGES,
+    GpufleetHost,
+    HostSnapshot,
+    Paths,
+    ServiceUnit,
+    parse_snapshot,
+    snapshot_command,
+)
 from gpufleet.facts.nvidia import GPU_FIELDS, NvidiaVersion
 from gpufleet.operations.image import image_present
 from tests.ports import free_port
@@ -291,6 +301,12 @@ class _Repo(BaseHTTPRequestHandler):
         pass
 
 
+# What the line before the snapshot's HTTP line leaves from docker's API: the labelled container that runs, with its
+# own address (the server is read there; here the test's server on the loopback), or none.
+RUNNING_CONTAINER = ("cj='[{\"Id\":\"c0ffee\",\"NetworkSettings\":{\"Networks\":{\"bridge\":"
+                     "{\"IPAddress\":\"127.0.0.1\"}}}}]'; cip=127.0.0.1")
+
+
 @pytest.mark.parametrize("health", [200, 503])
 def test_one_curl_reads_the_keys_and_the_server_and_only_v1_models_gets_the_api_key(tmp_path, health):
     """The snapshot's HTTP line, run by a real shell and curl against a real local server."""
@@ -305,8 +321,8 @@ def test_one_curl_reads_the_keys_and_the_server_and_only_v1_models_gets_the_api_
                                     nvidia_key_url=f"http://127.0.0.1:{port}/gpgkey",
                                     docker_repo_url=f"http://127.0.0.1:{port}/linux")
         line = next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line)
-        out = subprocess.run(["sh", "-c", f"{line}\nprintf '\\n{MARK}end\\n'"], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(["sh", "-c", f"{RUNNING_CONTAINER}\n{line}\nprintf '\\n{MARK}end\\n'"],
+                             capture_output=True, text=True, timeout=60)
     finally:
         server.shutdown()
     snap = parse_snapshot(out.stdout.splitlines())
@@ -749,5 +765,46 @@ def test_a_key_server_that_is_down_leaves_the_keys_none_and_the_rest_intact(tmp_
 @pytest.mark.parametrize(("address", "url"), [("127.0.0.1", "http://127.0.0.1:5000/"), ("10.0.0.12", "http://10.0.0.12:5000/"),
                                               ("fd00::12", "http://[fd00::12]:5000/")])
 def test_the_snapshot_asks_the_server_where_the_port_is_published(address, url):
+    """Without a container address of its own (host networking), where the port is published."""
     command = snapshot_command(dataclasses.replace(PATHS, port=5000, address=address))
-    assert all(f"{url}{path}" in command for path in ("health", "v1/models", "metrics")), command
+    line = next(line for line in command.splitlines() if f"{MARK}nvidia_key" in line)
+    record = "curl() { for a in \"$@\"; do printf '%s\\n' \"$a\"; done; }"
+    argv = subprocess.run(["sh", "-c", f"{record}\ncj=; cip=\n{line}"], capture_output=True, text=True,
+                          timeout=30).stdout.splitlines()
+    assert all(f"{url}{path}" in argv for path in ("health", "v1/models", "metrics")), argv
+
+
+def test_the_key_goes_only_to_a_running_labelled_container_at_its_own_address(tmp_path):
+    """A local user's listener on the published port (nothing of ours runs) gets no key; a running container is
+    read at its own address, never at the port."""
+    env_file = tmp_path / "vllm.env"
+    env_file.write_text("VLLM_API_KEY=sekrit-123\n")
+    line = next(line for line in snapshot_command(dataclasses.replace(PATHS, port=5000, env_file=str(env_file)))
+                .splitlines() if f"{MARK}nvidia_key" in line)
+    # curl records its argv and what it reads on stdin (the header -H @- takes).
+    record = "curl() { for a in \"$@\"; do printf 'arg %s\\n' \"$a\"; done; sed 's/^/stdin /'; }"
+    seen = {}
+    for case, known in (("none running", "cj='[]'; cip="),
+                        ("running", "cj='[{\"Id\":\"c0\",\"IPAddress\":\"172.17.0.9\"}]'; cip=172.17.0.9")):
+        seen[case] = subprocess.run(["sh", "-c", f"{record}\n{known}\n{line}"], capture_output=True, text=True,
+                                    timeout=30).stdout
+    assert "sekrit" not in seen["none running"] and "arg http://127.0.0.1:5000/v1/models" in seen["none running"]
+    assert "stdin Authorization: Bearer sekrit-123" in seen["running"]
+    assert "arg http://172.17.0.9:5000/v1/models" in seen["running"] and "127.0.0.1:5000" not in seen["running"]
+
+
+def test_the_container_address_comes_from_dockers_listing():
+    """The line before the HTTP line, on what docker's API answers (the shape of a real /containers/json)."""
+    lookup = next(line for line in snapshot_command(PATHS).splitlines() if line.startswith("cj=; cip="))
+    listing = ('[{"Id":"4f2a","Names":["/x"],"Ports":[{"IP":"0.0.0.0","PrivatePort":5000,"PublicPort":5000}],'
+               '"NetworkSettings":{"Networks":{"bridge":{"IPAMConfig":null,"Gateway":"172.17.0.1",'
+               '"IPAddress":"172.17.0.3","IPPrefixLen":16}}}}]')
+    fake = f"curl() {{ printf '%s' {shlex.quote(listing)}; }}"
+    out = subprocess.run(["sh", "-c", f"{fake}\n{lookup}\necho \"$cip\""], capture_output=True, text=True,
+                         timeout=30).stdout.strip()
+    assert out == "172.17.0.3"
+    host_network = listing.replace('"bridge":{"IPAMConfig":null,"Gateway":"172.17.0.1","IPAddress":"172.17.0.3"',
+                                   '"host":{"IPAMConfig":null,"Gateway":"","IPAddress":""')
+    fake = f"curl() {{ printf '%s' {shlex.quote(host_network)}; }}"
+    assert subprocess.run(["sh", "-c", f"{fake}\n{lookup}\necho \"[$cip]\""], capture_output=True, text=True,
+                          timeout=30).stdout.strip() == "[]"

@@ -28,6 +28,7 @@ from gpufleet import hostlock
 from gpufleet.health import HealthReport, HealthState, check, poll_ready, soak
 from gpufleet.health.answers import AnswerCheck, check_answers, check_completion
 from gpufleet.health.answers import failed as failed_answers
+from gpufleet.health.check import reached
 from gpufleet.health.serving import Served, run_checks
 from gpufleet.health.serving import failed as failed_serving
 from gpufleet.health.wait import Exited, transient
@@ -162,7 +163,8 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
     if report.ready and soak_s > 0:
         host.log_styled(f"ready: {report.detail}; watching it for {soak_s:.0f} s (vllm_ready_soak_s), with a "
                         f"completion every {SOAK_REQUEST_EVERY_S:.0f} s")
-        send = partial(check_completion, transport_from_pyinfra_host(host), Expected.from_spec(spec), api_key=v.key)
+        send = partial(check_completion, transport_from_pyinfra_host(host), reached(Expected.from_spec(spec),
+                                                                                 report.container), api_key=v.key)
         report = soak(with_traffic(check_once, send, SOAK_REQUEST_EVERY_S), report, soak_s, exited=exited)
     # A completion the soak sent failed (and the engine still answers /health): the check it failed is named.
     failed_check = "completion" if report.detail.startswith("answers: completion:") else None
@@ -219,7 +221,8 @@ def answers_report(host: Host, v: Verification, ready: HealthReport,
     that is up but does not answer them is a failed verify (misconfigured), rolled back like one that dies (and
     reported as dead when a look right after the failed request finds its engine gone). Returns the report (`ready`
     as it was when all passed) and the failed check's name."""
-    checks = check_answers(transport_from_pyinfra_host(host), Expected.from_spec(v.spec), api_key=v.key)
+    checks = check_answers(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
+                           api_key=v.key)
     bad = failed_answers(checks)
     return _judged(host, "answer check", checks, ready, check_once, bad and f"answers: {bad}")
 
@@ -233,8 +236,8 @@ def serving_report(host: Host, v: Verification, ready: HealthReport,
     if not names:
         return ready, None
     host.log_styled(f"serving checks: {', '.join(names)} (gpufleet_verify_checks)")
-    checks = run_checks(transport_from_pyinfra_host(host), Expected.from_spec(v.spec), served, names,
-                        api_key=v.key)
+    checks = run_checks(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
+                        served, names, api_key=v.key)
     return _judged(host, "serving check", checks, ready, check_once, failed_serving(checks))
 
 

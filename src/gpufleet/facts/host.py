@@ -332,13 +332,22 @@ def snapshot_command(paths: Paths) -> str:
         # the served models and the cache config labels (vLLM's /metrics needs no key). The API key never reaches
         # a command line: printf is a builtin, curl reads the header from stdin, and sends it to /v1/models only.
         # awk keeps only the cache config lines of /metrics.
-        f"{section('nvidia_key')}; if command -v curl >/dev/null; then "
+        # The server is read at the labelled container's own address (docker's API names it; sed keeps an IPv4
+        # one), inside its network namespace: a local user's listener that bound the published port first never
+        # gets the key, nor a say in the answers. The key goes only to a running labelled container; with host
+        # networking (no address of its own) to the published port, as before.
+        "cj=; cip=; if command -v curl >/dev/null; then "
+        f"cj=$(curl -fs --max-time {COMMAND_TIMEOUT_S} --noproxy '*' --unix-socket {DOCKER_SOCKET} "
+        f"{q('http://localhost/containers/json?filters=' + labelled)} 2>/dev/null); "
+        "cip=$(printf '%s' \"$cj\" | sed -n 's/.*\"IPAddress\":\"\\([0-9][0-9.]*[0-9]\\)\".*/\\1/p' | head -n 1); fi",
+        f"{section('nvidia_key')}; if command -v curl >/dev/null; then svc=${{cip:-{address}}}; "
         f"(VLLM_API_KEY=; [ -f {q(paths.env_file)} ] && . {q(paths.env_file)}; "
+        "case \"$cj\" in *'\"Id\"'*) ;; *) VLLM_API_KEY= ;; esac; "
         "if [ -n \"$VLLM_API_KEY\" ]; then printf 'Authorization: Bearer %s\\n' \"$VLLM_API_KEY\"; fi) | "
         f"({keys}curl \"$@\" {docker_gets}"
-        f"--next -s --max-time 3 -o /dev/null -w '%{{http_code}}\\n' http://{address}:{port}/health "
-        f"--next -s --max-time 3 -H @- http://{address}:{port}/v1/models -w {next_mark('cache_config')} "
-        f"--next -s --max-time 3 http://{address}:{port}/metrics) 2>/dev/null | "
+        f"--next -s --max-time 3 -o /dev/null -w '%{{http_code}}\\n' \"http://$svc:{port}/health\" "
+        f"--next -s --max-time 3 -H @- \"http://$svc:{port}/v1/models\" -w {next_mark('cache_config')} "
+        f"--next -s --max-time 3 \"http://$svc:{port}/metrics\") 2>/dev/null | "
         f"awk '$0 == \"{MARK}cache_config\" {{ c = 1; print; next }} !c || index($0, \"{CACHE_CONFIG}{{\") == 1'; fi",
         section("end"),
     ]

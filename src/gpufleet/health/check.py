@@ -163,7 +163,7 @@ def _check(
     if not container.running:
         return replace(report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"container {container.id} is {container.state}")
     try:
-        return _check_http(transport, expected, report, api_key, timeout_s)
+        return _check_http(transport, reached(expected, container), report, api_key, timeout_s)
     except TransportError as e:  # the SSH connection, or sshd's tunnel to the port, failed
         return replace(report, state=HealthState.SSH_UNREACHABLE, detail=str(e))
     except (NotHttp, AnswerTooLarge) as e:  # something answers, and it is not vLLM's API
@@ -172,6 +172,15 @@ def _check(
         return replace(report, state=HealthState.DEAD, detail=str(e))
     except OSError as e:  # refused, closed or reset before any answer, or no complete answer in time
         return _not_answering(report, expected.port, container, grace_s, e)
+
+
+def reached(expected: Expected, container: ContainerInfo | None) -> Expected:
+    """Where the server's checks go: the running container's own address (its port inside the container is the
+    published one, docker -p PORT:PORT), so that what answers is that container; else where the host reaches the
+    published port (host networking, or a transport that knows no container address)."""
+    if container is None or not container.running or not container.address:
+        return expected
+    return replace(expected, address=container.address)
 
 
 def _not_answering(report: HealthReport, port: int, container: ContainerInfo, grace_s: float, e: OSError) -> HealthReport:

@@ -17,7 +17,7 @@ import gevent
 import gevent.pool
 
 from gpufleet.health.answers import AnswerCheck, check_answers
-from gpufleet.health.check import HealthReport, HealthState, check
+from gpufleet.health.check import HealthReport, HealthState, check, reached
 from gpufleet.health.probe import ProbeReport, probe
 from gpufleet.health.serving import Served, run_checks
 from gpufleet.health.wait import wait_until_ready
@@ -135,14 +135,15 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         health = wait_until_ready(transport, target.expected, timeout_s=asked.wait_s, api_key=api_key)
     else:
         health = check(transport, target.expected, api_key=api_key)
-    answers = check_answers(transport, target.expected, api_key=api_key) if asked.answer and health.ready else ()
+    expected = reached(target.expected, health.container)  # the container that answered, not the port's listener
+    answers = check_answers(transport, expected, api_key=api_key) if asked.answer and health.ready else ()
     checks: tuple[AnswerCheck, ...] = ()
     if asked.checks and health.ready and all(a.ok for a in answers):
-        checks = run_checks(transport, target.expected, target.served, asked.checks, api_key=api_key)
+        checks = run_checks(transport, expected, target.served, asked.checks, api_key=api_key)
     report, error = None, None
     if asked.run_probe and health.ready:
         try:
-            report = probe(transport, target.expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
+            report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
     return HostResult(target, health, report, error, answers, checks)

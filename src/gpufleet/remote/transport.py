@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import io
+import ipaddress
 import json
 import re
 import shlex
@@ -53,6 +54,10 @@ class ContainerInfo:
     image: str | None = None  # the ref it was started from
     image_id: str | None = None  # sha256:... of the image actually running
     spec_hash: str | None = None  # value of the gpufleet.<service> label
+    # Its own IP address on its docker network (None: host networking, or not known). The checks reach the server
+    # there, inside the container's network namespace: what answers is this container, never a local user's
+    # listener that bound the published port first (it would get the API key and could fake readiness).
+    address: str | None = None
 
     @property
     def running(self) -> bool:
@@ -227,7 +232,21 @@ def _from_inspect(obj: dict[str, Any], label: str) -> ContainerInfo:
         image=config.get("Image"),
         image_id=obj.get("Image"),
         spec_hash=(config.get("Labels") or {}).get(label),
+        address=_network_address(obj.get("NetworkSettings")),
     )
+
+
+def _network_address(settings: object) -> str | None:
+    """The container's first IP address on its docker networks (bridge or user-defined), else None."""
+    networks = settings.get("Networks") if isinstance(settings, dict) else None
+    for network in (networks or {}).values() if isinstance(networks, dict) else ():
+        address = network.get("IPAddress") if isinstance(network, dict) else None
+        if isinstance(address, str) and address:
+            try:
+                return str(ipaddress.ip_address(address))
+            except ValueError:
+                continue
+    return None
 
 
 def _parse_docker_time(text: str | None) -> float | None:
