@@ -366,3 +366,37 @@ def test_rollback_returns_a_host_to_its_previous_digest_gated(fleet, inventory, 
                                                                       digests["good-next"], "updated")
     assert running_image(fleet, host) == digests["good-next"]
     assert {h.name: container_id(fleet, h) for h in others} == ids
+
+
+# --- 6. the target: a moved tag is looked up in the registry, nothing pulled before the prompt ----------------------
+def test_a_moved_tag_is_looked_up_in_the_registry_and_nothing_is_pulled_before_the_prompt(fleet, tag, inventory,
+                                                                                           hosts, digests):
+    from gpufleet.sandbox.image import TAGS
+
+    registry = fleet.cfg.registry
+
+    def present(host, ref: str) -> bool:
+        return fleet.run_in(host, f"docker image inspect {ref} >/dev/null 2>&1", check=False).returncode == 0
+
+    # A stand-in tag whose digest no host has pulled: its image can only get there by a pull.
+    fresh = {name: f"{registry}/{REPOSITORY}@{manifest(registry, name)[2]}" for name in TAGS}
+    unseen = [name for name, ref in fresh.items() if not any(present(h, ref) for h in hosts)]
+    assert unseen, "every stand-in tag's image is on some host already"
+    moved = move_tag(registry, tag, unseen[0])
+    # COLUMNS: the progress lines are not wrapped; the prompt is answered "n".
+    proc = subprocess.run([GPUFLEET, "rollout", str(inventory)], input="n\n", capture_output=True, text=True,
+                          timeout=300, cwd=REPO_ROOT, env={**os.environ, "COLUMNS": "400"})
+    assert proc.returncode == 1 and "not confirmed: nothing was changed" in proc.stderr, proc.stderr[-3000:]
+    named = re.search(r"^target: (\S+)", proc.stderr, re.MULTILINE)
+    assert named is not None and named[1] == moved, proc.stderr[-3000:]  # the registry's digest for the tag
+    assert f"to {moved}? [y/N]" in proc.stderr
+    for h in hosts:  # the lookup pulled nothing, anywhere
+        assert not present(h, moved), h.name
+    # ... and named the digest `docker pull` of the tag pins (RepoDigests).
+    first, by_tag = hosts[0], f"{registry}/{REPOSITORY}:{tag}"
+    try:
+        fleet.run_in(first, f"docker pull -q {by_tag}")
+        pinned = json.loads(sh(fleet, first, f"docker image inspect --format '{{{{json .RepoDigests}}}}' {by_tag}"))
+        assert moved in pinned, pinned
+    finally:
+        fleet.run_in(first, f"docker rmi {by_tag}", check=False)
