@@ -136,7 +136,7 @@ def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: C
     with Sessions(hosts) as sessions, progress_for([h.name for h in hosts]) as progress:
         progress.note(f"resolving {requested} to one digest")
         target: Target = resolve(hosts, sessions, image)
-        where = f" (pulled on {target.resolved_on})" if target.resolved_on else ""
+        where = f" ({target.where})" if target.where else ""
         progress.note(f"target: {target.ref}{where}")
         targets = {h.name: target.ref for h in hosts}
         return _converge(inventory, hosts, sessions, targets, target.ref, options, confirm, progress)
