@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 
 from gpufleet import __version__
+from gpufleet.cli.deploy import deploy as deploy_command  # keep gpufleet.cli.deploy the module
+from gpufleet.cli.init import init as init_command  # keep gpufleet.cli.init the module
 from gpufleet.cli.render import lint, render
 from gpufleet.cli.rollout import history_command, rollback, rollout
 from gpufleet.cli.sandbox import sandbox
@@ -15,8 +17,14 @@ from gpufleet.cli.verify import verify as verify_command  # keep gpufleet.cli.ve
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpufleet")
 def main() -> None:
-    """Provision GPU hosts into fast vLLM servers for Qwen 3.5 and keep the fleet current."""
+    """Provision GPU hosts into fast vLLM servers for Qwen 3.5 and keep the fleet current.
+
+    \b
+    Start:    gpufleet init fleet --host gpu-box-1=192.168.1.50   (a starter inventory)
+    Deploy:   gpufleet deploy fleet/inventory.py   (the main job: converge every host; --dry, --limit HOST, -y)
+    Nightly:  gpufleet rollout fleet/inventory.py --yes
+    """
 
 
-for command in (render, lint, status, verify_command, sandbox, rollout, history_command, rollback):
+for command in (init_command, deploy_command, render, lint, status, verify_command, sandbox, rollout, history_command, rollback):
     main.add_command(command)

@@ -5,10 +5,20 @@ from __future__ import annotations
 import os
 import sys
 import types
+from pathlib import Path
 
 from pyinfra.context import ctx_state
 
 from gpufleet.deploys import pyinfra_speedups, summary
+
+# The deploy entry points shipped in the package (the checkout's deploys/*.py, statement for statement): pyinfra
+# executes them by path, so `gpufleet deploy` and `gpufleet rollout` need no checkout. Not importable modules.
+PACKAGED_DEPLOYS = Path(__file__).resolve().parent.parent / "data" / "deploys"
+
+
+def packaged_deploy_file(name: str) -> Path:
+    """The installed package's deploy file `name` ("qwen35": the vLLM hosts, "router": the routers group)."""
+    return PACKAGED_DEPLOYS / f"{name}.py"
 
 
 def register_deploy_file(path: str) -> None:

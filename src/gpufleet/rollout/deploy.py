@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufleet.deploys import packaged_deploy_file
 from gpufleet.deploys.summary import without_summary
 from gpufleet.errors import GpufleetError, one_line
 
@@ -26,14 +27,18 @@ NO_MATCH = "No host matches found for --limit"
 
 def default_deploy_file() -> Path:
     """deploys/qwen35.py of the working directory (a checkout, as the README runs pyinfra), else of the checkout
-    this package is installed from."""
+    this package is installed from, else the copy shipped in the package (an installed wheel, no checkout)."""
     here = DEPLOY_FILE
     if here.is_file():
         return here
     beside = Path(__file__).resolve().parents[3] / DEPLOY_FILE
     if beside.is_file():
         return beside
-    raise GpufleetError(f"{DEPLOY_FILE} not found (fix: run from the gpufleet checkout, or pass --deploy PATH)")
+    packaged = packaged_deploy_file("qwen35")
+    if packaged.is_file():
+        return packaged
+    raise GpufleetError(f"{DEPLOY_FILE} not found, nor the package's own copy at {packaged} (fix: reinstall "
+                        "gpufleet, or pass --deploy PATH)")
 
 
 def pyinfra_command() -> str:

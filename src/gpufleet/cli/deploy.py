@@ -1,0 +1,114 @@
+"""`gpufleet deploy`: the main job (converge the fleet) from an installed gpufleet, no checkout needed.
+
+It runs pyinfra, from the venv gpufleet runs in, on the deploy files shipped in the package: first the vLLM hosts
+(the packaged deploys/qwen35.py), then, when the inventory has a `routers` group, the routers (deploys/router.py),
+which route only to replicas that already verify ready, hence a run of its own after the first. pyinfra's own
+options pass through unchanged to both runs; the exit status is pyinfra's.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+
+from gpufleet.deploys import packaged_deploy_file
+from gpufleet.errors import GpufleetError
+from gpufleet.inventory import ROUTERS_GROUP, load_pyinfra_hosts
+from gpufleet.rollout.deploy import pyinfra_command
+
+ONLY = ("vllm", "router")
+
+
+def limits(args: Sequence[str]) -> list[str]:
+    """The --limit patterns among pyinfra's options (`--limit X` or `--limit=X`; a comma-separated list counts as
+    one pattern per name, as the router step reads it)."""
+    found: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--limit" and i + 1 < len(args):
+            found += args[i + 1].split(",")
+        elif arg.startswith("--limit="):
+            found += arg.removeprefix("--limit=").split(",")
+    return [pattern for pattern in found if pattern]
+
+
+def router_hosts(inventory: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, groups) of the inventory's hosts in the routers group; none when INVENTORY is no file (pyinfra also
+    takes `@local`, `host1,host2`...) or does not load (pyinfra then says why in its own run)."""
+    if not Path(inventory).is_file():
+        return []
+    try:
+        hosts = load_pyinfra_hosts(inventory)
+    except GpufleetError:
+        return []
+    return [(h.name, tuple(h.groups)) for h in hosts if ROUTERS_GROUP in h.groups]
+
+
+def routers_in_limit(routers: Sequence[tuple[str, tuple[str, ...]]], patterns: Sequence[str]) -> bool:
+    """Does pyinfra's --limit (none: every host) reach a router? A pattern matches a host name or a group name."""
+    if not patterns:
+        return bool(routers)
+    return any(fnmatch.fnmatch(name, p) or p in groups for name, groups in routers for p in patterns)
+
+
+def run_pyinfra(inventory: str, deploy_file: Path, args: Sequence[str]) -> int:
+    argv = [pyinfra_command(), inventory, str(deploy_file), *args]
+    click.echo(f"gpufleet deploy: $ {' '.join(argv)}", err=True)
+    # stdin, stdout and stderr stay the terminal's: pyinfra asks before it changes anything (unless -y).
+    try:
+        return subprocess.run(argv).returncode
+    except KeyboardInterrupt:  # Ctrl-C reached pyinfra too (same terminal); a cut run resumes on the next one
+        return 130
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True})
+@click.argument("inventory")
+@click.option("--only", type=click.Choice(ONLY), default=None,
+              help="Only the vLLM hosts (deploys/qwen35.py) or only the routers group (deploys/router.py).")
+@click.argument("pyinfra_args", nargs=-1, type=click.UNPROCESSED, metavar="[PYINFRA OPTIONS]...")
+def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> None:
+    """Converge the fleet: run pyinfra with the deploy shipped in gpufleet (no checkout needed).
+
+    First the vLLM hosts (as `pyinfra INVENTORY deploys/qwen35.py` from a checkout); then, when INVENTORY has a
+    `routers` group reached by --limit, the routers (deploys/router.py), in front of the replicas that verify
+    ready. The router run is skipped when the first one fails. pyinfra's own options (--dry, --limit HOST, -y,
+    --data key=value, ...) pass through to both runs; the exit status is pyinfra's. docs/cli.md.
+
+    \b
+    Examples:
+        gpufleet deploy inventories/lab.py              # show the changes, ask, converge
+        gpufleet deploy inventories/lab.py --dry        # show the changes and stop
+        gpufleet deploy inventories/lab.py -y --limit gpu-box-2
+    """
+    args = list(pyinfra_args)
+    takes_value = _options_taking_a_value()
+    stray = [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] not in takes_value)]
+    if stray:
+        raise click.UsageError(f"{stray[0]}: gpufleet deploy takes one INVENTORY and pyinfra's options; the deploy "
+                               "file is its own (fix: drop it, or give the option it is the value of)")
+    runs: list[str] = []
+    if only in (None, "vllm"):
+        runs.append("qwen35")
+    if only == "router" or (only is None and routers_in_limit(router_hosts(inventory), limits(args))):
+        runs.append("router")
+    rc = 0
+    for i, name in enumerate(runs):
+        rc = run_pyinfra(inventory, packaged_deploy_file(name), args)
+        if rc != 0:
+            if i + 1 < len(runs):
+                click.echo(f"gpufleet deploy: the {ROUTERS_GROUP} group was not deployed: the vLLM hosts' run "
+                           f"exited {rc} (fix: see above, then run it again)", err=True)
+            break
+    sys.exit(rc)
+
+
+def _options_taking_a_value() -> frozenset[str]:
+    """pyinfra's options that take a value (`--limit HOST`): read from its CLI, so a new one is known too."""
+    from pyinfra_cli.main import cli as pyinfra_cli
+
+    return frozenset(name for p in pyinfra_cli.params if isinstance(p, click.Option) and not p.is_flag
+                     and not p.count for name in p.opts)
