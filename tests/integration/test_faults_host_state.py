@@ -1,0 +1,328 @@
+"""Faults of the host's own state on a real test host (nspawn, SSH, systemd, dockerd, the stand-in images): a full
+disk before the commit, a controller killed right after its rollback put the committed unit back, a controller
+frozen past its lease, a local user holding a lock file, and a ledger naming a service outside its directory.
+
+One fresh host, steps in file order (pytest keeps it), each starting from a host serving a committed version:
+converge on `good` -> disk full before the commit of `good-next`, then `dies` rolled back -> `dies` (other settings)
+with the controller killed after the rollback restored the unit -> a controller SIGSTOPped past its lease while
+another run commits, then a million-second lease held for the run -> a local user's flocks -> a ledger whose service
+is `../x`.
+
+The controllers are the real CLI (`pyinfra INVENTORY deploys/qwen35.py`) in processes of their own, signalled by the
+PID this test started. Files that a tmpfs mounted inside the host may hide are read inside the host (`base64`), not
+from the host's root directory seen from outside.
+"""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from tests.integration.conftest import PYINFRA
+from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.test_crash_safe_ledger import digest_of, health_on, main_pid, one_line
+from tests.integration.test_deploy_qwen35 import DEPLOY, SERVICE, STATE_FILE, deploy, running_image, sh, write_inventory
+
+from gpufleet.hostlock import LOCK_PATH
+from gpufleet.operations.layout import STATE_DIR, UNITS_DIR, committed_unit
+from gpufleet.sandbox.image import image_ref
+
+UNIT = f"/etc/systemd/system/{SERVICE}.service"
+DATA = {"vllm_ready_timeout": 60, "vllm_ready_soak_s": 5}
+PORT = 5000  # the sandbox's vllm_port (the default)
+LEASE_S = 6  # short, so a frozen controller loses the host within the test (heartbeats every LEASE_S / 4)
+OLD_LOCK_PATH = "/run/lock/gpufleet.lock"  # where gpufleet kept the lock before /run/gpufleet (git log -S /run/lock)
+LOCAL_USER = "nobody"
+
+
+@pytest.fixture(scope="module")
+def host(module_host):
+    return module_host
+
+
+@pytest.fixture(scope="module")
+def inventory(host, fleet, tmp_path_factory):
+    """inventory(**settings) -> a pyinfra inventory of the host with these settings over DATA (vllm_image: good)."""
+    tmp = tmp_path_factory.mktemp("faults")
+
+    def write(**settings):
+        data = {**DATA, "vllm_image": image_ref(fleet.cfg, "good"), **settings}
+        return write_inventory(tmp, fleet.write_inventory(), [host.name], {host.name: data})
+
+    return write
+
+
+@pytest.fixture(scope="module")
+def good(host, fleet, inventory, pyinfra):
+    """The host converged and verified on the good image; its committed digest."""
+    deploy(pyinfra, inventory())
+    return ledger_doc(fleet, host)["committed"]["ref"]
+
+
+# --- helpers -------------------------------------------------------------------------------------------------
+def read(fleet, host, path: str) -> bytes:
+    """A file as the host's own processes see it (through any mount inside the host)."""
+    return base64.b64decode(sh(fleet, host, f"base64 -w0 {path}"))
+
+
+def ledger_doc(fleet, host) -> dict:
+    return json.loads(read(fleet, host, STATE_FILE))
+
+
+def kept_unit(fleet, host) -> bytes:
+    """The committed unit's copy, the one the ledger names by its checksum."""
+    return read(fleet, host, committed_unit(SERVICE, ledger_doc(fleet, host)["committed"]["unit_sha256"]))
+
+
+def stamp(fleet, host, *paths: str) -> str:
+    """Every file under paths with its modification time (ns), size and sha256: what a write would change."""
+    return sh(fleet, host, f"find {' '.join(paths)} -type f -printf '%p %T@ %s ' -exec sha256sum {{}} \\; | sort")
+
+
+def start(inv: Path, log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen([PYINFRA, "-y", str(inv), DEPLOY], stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, f"never saw {text!r}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.05)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> str:
+    proc.wait(timeout=timeout_s)
+    return log.read_text()
+
+
+def host_line(out: str, host, *parts: str) -> str:
+    """The one line naming the host (`host: ...`, after pyinfra's `[host]` prefix when it has one) with parts."""
+    lines = [line.strip().removeprefix(f"[{host.name}]").strip() for line in out.splitlines()]
+    found = [line for line in lines if line.startswith(f"{host.name}: ") and all(p in line for p in parts)]
+    assert len(found) == 1, out[-4000:]
+    return found[0]
+
+
+def at_rest(fleet, host, pyinfra, inv, committed: str) -> None:
+    """The host serves the committed digest on its port, and a converge of `inv` changes nothing."""
+    assert running_image(fleet, host) == committed and health_on(fleet, host, PORT) == "200"
+    out = deploy(pyinfra, inv).stdout
+    assert changes(out) == 0, changed_ops(out)
+
+
+# --- 1. disk full before the commit ----------------------------------------------------------------------------
+FILL = f"{STATE_DIR}/fill"
+
+
+def fill_state_dir(fleet, host) -> None:
+    """A small tmpfs over /var/lib/gpufleet holding the files that were there, then filled up: writes there get
+    ENOSPC, as on a full disk."""
+    fleet.run_in(host, f"rm -rf /tmp/gf-seed && cp -a {STATE_DIR} /tmp/gf-seed && "
+                       f"mount -t tmpfs -o size=2m,mode=0755 gf-full {STATE_DIR} && cp -a /tmp/gf-seed/. {STATE_DIR}/ && "
+                       f"rm -rf /tmp/gf-seed && {{ dd if=/dev/zero of={FILL} bs=4k 2>/dev/null; true; }}")
+    probe = fleet.run_in(host, f"dd if=/dev/zero of={STATE_DIR}/.probe bs=4k count=1", check=False)
+    assert probe.returncode != 0 and "No space left on device" in probe.stderr, probe
+
+
+def unmount_state_dir(fleet, host) -> None:
+    """The state back on the host's disk (the tmpfs's files copied under it), the tmpfs gone."""
+    fleet.run_in(host, f"if mountpoint -q {STATE_DIR}; then rm -f {FILL} {STATE_DIR}/.probe && "
+                       f"rm -rf /tmp/gf-state && cp -a {STATE_DIR} /tmp/gf-state && umount {STATE_DIR} && "
+                       f"find {STATE_DIR} -mindepth 1 -delete && cp -a /tmp/gf-state/. {STATE_DIR}/ && "
+                       "rm -rf /tmp/gf-state; fi")
+
+
+def test_a_full_disk_before_the_commit_fails_without_committing_and_a_later_rollback_restores_the_unit(
+        good, host, fleet, inventory, pyinfra, tmp_path):
+    nxt, dies = digest_of(fleet, "good-next"), digest_of(fleet, "dies")
+    unit = read(fleet, host, UNIT)
+    assert kept_unit(fleet, host) == unit
+    log = tmp_path / "full.log"
+    proc = start(inventory(gpufleet_image_ref=nxt, vllm_ready_soak_s=20), log)
+    try:
+        wait_for(log, "watching it for 20 s", proc)  # pending written, unit replaced, restarted: on probation
+        fill_state_dir(fleet, host)
+        at_fill = read(fleet, host, STATE_FILE)
+        out = finish(proc, log)
+        assert proc.returncode != 0, out[-4000:]
+        line = host_line(out, host, "could not keep a copy of the verified unit")
+        assert "No space left on device" in line and "(fix: check the free space of" in line, line
+        print(line)
+        assert "Traceback" not in out and f"committed {nxt}" not in out
+        # Not committed: the ledger is what it was when the disk filled (the new version pending), no copy of its unit.
+        assert read(fleet, host, STATE_FILE) == at_fill
+        doc = json.loads(at_fill)
+        assert doc["committed"]["ref"] == good and doc["pending"]["ref"] == nxt
+        assert sh(fleet, host, f"ls -A {UNITS_DIR}").split() == [
+            committed_unit(SERVICE, doc["committed"]["unit_sha256"]).rsplit("/", 1)[1]]
+
+        fleet.run_in(host, f"rm -f {FILL}")  # the space freed
+        out = deploy(pyinfra, inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=20), check=False).stdout
+        line = one_line(out, host, f"new image {dies} failed verification")
+        assert f"; rolled back to {good}, which is ready (fix: " in line, line
+        assert read(fleet, host, UNIT) == unit == kept_unit(fleet, host)  # byte for byte
+        assert running_image(fleet, host) == good and health_on(fleet, host, PORT) == "200"
+        doc = ledger_doc(fleet, host)
+        assert doc["committed"]["ref"] == good and doc["pending"] is None and doc["failed"][-1]["ref"] == dies
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        unmount_state_dir(fleet, host)
+    at_rest(fleet, host, pyinfra, inventory(), good)
+
+
+# --- 2. SIGKILL right after the rollback restored the unit -------------------------------------------------------
+def test_killed_right_after_the_rollback_restored_the_unit_keeps_the_failure_mark(good, host, fleet, inventory,
+                                                                                  pyinfra, tmp_path):
+    dies, unit = digest_of(fleet, "dies"), read(fleet, host, UNIT)
+    inv = inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=20, vllm_args={"max-num-seqs": 3})  # a spec not failed
+    log = tmp_path / "killed.log"
+    proc = start(inv, log)
+    try:
+        wait_for(log, f"rolling back to {good}", proc)  # the failure mark is written; the unit goes back next
+        deadline = time.monotonic() + 60
+        while fleet.read_file(host, UNIT) != unit:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-4000:]
+    print("at the kill:", sh(fleet, host, f"systemctl show -p ActiveState -p NeedDaemonReload -p MainPID {SERVICE}"),
+          running_image(fleet, host))
+    doc = ledger_doc(fleet, host)
+    assert doc["committed"]["ref"] == good and doc["pending"] is None
+    assert doc["failed"][-1]["ref"] == dies and doc["failed"][-1]["reason"].startswith("dead: ")
+
+    # The re-run of the same converge does not try dies again: refused at preflight, nothing changed.
+    again = deploy(pyinfra, inv, check=False)
+    assert again.returncode != 0, again.stdout[-4000:]
+    refused = one_line(again.stdout, host, f"{dies} with spec {doc['failed'][-1]['spec_hash']} failed at ")
+    assert "gpufleet_retry_failed=true" in refused and "nothing was changed" in again.stdout
+    print(refused)
+    assert ledger_doc(fleet, host) == doc
+    # A plain converge settles what the kill left (a restart the rollback may not have finished), then rests.
+    deploy(pyinfra, inventory())
+    assert read(fleet, host, UNIT) == unit == kept_unit(fleet, host)
+    assert ledger_doc(fleet, host)["failed"] == doc["failed"]
+    at_rest(fleet, host, pyinfra, inventory(), good)
+
+
+# --- 3. a controller frozen past its lease; a lease of a million seconds -----------------------------------------
+def test_a_controller_stopped_past_its_lease_writes_nothing_after_another_run_committed(good, host, fleet,
+                                                                                      inventory, pyinfra, tmp_path):
+    nxt = digest_of(fleet, "good-next")
+    log = tmp_path / "stopped.log"
+    a = start(inventory(gpufleet_image_ref=nxt, vllm_ready_soak_s=60, gpufleet_lock_lease_s=LEASE_S), log)
+    try:
+        wait_for(log, "watching it for 60 s", a)
+        os.kill(a.pid, signal.SIGSTOP)
+        time.sleep(LEASE_S + 4)  # past the lease: the host's side of A's lock gave up waiting for a heartbeat
+        b = deploy(pyinfra, inventory(gpufleet_image_ref=nxt, gpufleet_lock_wait_s=LEASE_S)).stdout
+        assert f"committed {nxt}" in b and "locked by" not in b, b[-4000:]
+        assert f"pid={a.pid} " not in sh(fleet, host, f"cat {LOCK_PATH}")
+        after_b = stamp(fleet, host, STATE_DIR, UNIT)
+        pid, committed = main_pid(fleet, host), ledger_doc(fleet, host)["committed"]
+        assert committed["ref"] == nxt
+        os.kill(a.pid, signal.SIGCONT)
+        out = finish(a, log)
+    finally:
+        if a.poll() is None:
+            os.kill(a.pid, signal.SIGCONT)
+            a.kill()
+            a.wait()
+    assert a.returncode != 0, out[-4000:]
+    print(host_line(out, host, f"{STATE_FILE} not written: this run no longer holds the host"))
+    # A wrote nothing: the ledger (bytes and mtime), the kept unit and the unit file are as B left them.
+    now = stamp(fleet, host, STATE_DIR, UNIT)
+    assert now == after_b, "written by A after it lost the host (path mtime size sha256):\n" + "\n".join(
+        sorted(set(now.splitlines()) - set(after_b.splitlines())))
+    assert main_pid(fleet, host) == pid and running_image(fleet, host) == nxt
+    at_rest(fleet, host, pyinfra, inventory(gpufleet_image_ref=nxt), nxt)
+
+
+def test_a_million_second_lease_holds_the_lock_for_the_run(good, host, fleet, inventory, pyinfra, tmp_path):
+    nxt = digest_of(fleet, "good-next")
+    log = tmp_path / "long-lease.log"
+    held = start(inventory(gpufleet_image_ref=nxt, vllm_ready_soak_s=20, vllm_args={"max-num-seqs": 5},
+                           gpufleet_lock_lease_s=1000000), log)
+    try:
+        wait_for(log, "watching it for 20 s", held)
+        time.sleep(3)
+        assert f"pid={held.pid} " in sh(fleet, host, f"cat {LOCK_PATH}")
+        other = deploy(pyinfra, inventory(gpufleet_image_ref=nxt), check=False)
+        assert held.poll() is None, log.read_text()[-4000:]  # refused while the long-lease run was still running
+        out = finish(held, log)
+    finally:
+        if held.poll() is None:
+            held.kill()
+            held.wait()
+    assert other.returncode != 0, other.stdout[-4000:]
+    line = one_line(other.stdout, host, "locked by")
+    assert line.startswith(f"{host.name}: locked by {getpass.getuser()}@{socket.gethostname()} pid {held.pid} since ")
+    assert "nothing was changed on any host" in other.stdout
+    assert held.returncode == 0 and f"committed {nxt}" in out, out[-4000:]
+    assert " --max-num-seqs 5 " in read(fleet, host, UNIT).decode()
+
+
+# --- 4. a local user holding flock on the lock paths -------------------------------------------------------------
+def test_a_local_users_flock_on_the_old_lock_path_does_not_block_a_converge(good, host, fleet, inventory, pyinfra):
+    nxt = digest_of(fleet, "good-next")
+    inv = inventory(gpufleet_image_ref=nxt, vllm_args={"max-num-seqs": 5})
+    # The lock's directory is root's alone: a local user can neither open the lock there nor make the directory.
+    assert sh(fleet, host, "stat -c '%U %a' /run/gpufleet").split() == ["root", "700"]
+    for attempt in (f"flock -n {LOCK_PATH} true", "flock -n /run/gpufleet true"):
+        denied = fleet.run_in(host, f"runuser -u {LOCAL_USER} -- {attempt}", check=False)
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied
+    # In world-writable /run/lock, where gpufleet locked before, any local user can hold a flock.
+    fleet.run_in(host, f"systemd-run --quiet --unit=gf-squatter --uid={LOCAL_USER} flock {OLD_LOCK_PATH} sleep 600")
+    try:
+        deadline = time.monotonic() + 30
+        while fleet.run_in(host, f"flock -n {OLD_LOCK_PATH} true", check=False).returncode == 0:
+            assert time.monotonic() < deadline, "the local user never took the old lock"
+            time.sleep(0.2)
+        out = deploy(pyinfra, inv).stdout
+        assert "locked by" not in out and changes(out) == 0, changed_ops(out)
+        out = deploy(pyinfra, inventory(gpufleet_image_ref=nxt, vllm_args={"max-num-seqs": 6})).stdout
+        assert "locked by" not in out and f"committed {nxt}" in out, out[-4000:]
+        assert fleet.run_in(host, f"flock -n {OLD_LOCK_PATH} true", check=False).returncode != 0  # still held
+    finally:
+        fleet.run_in(host, "systemctl stop gf-squatter", check=False)
+
+
+# --- 5. a ledger naming service ../x ----------------------------------------------------------------------------
+def test_a_ledger_naming_a_service_outside_its_directory_is_refused_and_nothing_touched(good, host, fleet,
+                                                                                       inventory, pyinfra):
+    whole = read(fleet, host, STATE_FILE)
+    doc = json.loads(whole)
+    doc["committed"]["service"] = "../x"
+    edited = json.dumps(doc, indent=2).encode() + b"\n"
+    fleet.run_in(host, f"echo {base64.b64encode(edited).decode()} | base64 -d > {STATE_FILE}")
+    unit, pid = read(fleet, host, UNIT), main_pid(fleet, host)
+    try:
+        proc = deploy(pyinfra, inventory(gpufleet_image_ref=doc["committed"]["ref"], vllm_args={"max-num-seqs": 4}),
+                      check=False)
+        assert proc.returncode != 0, proc.stdout[-4000:]
+        line = one_line(proc.stdout, host, f"{STATE_FILE} is corrupt", "'../x'")
+        assert "is not a service name" in line and "(fix: repair it by hand, or move it away" in line, line
+        print(line)
+        assert "nothing was changed on any host" in proc.stdout and "Traceback" not in proc.stdout
+        assert read(fleet, host, STATE_FILE) == edited and read(fleet, host, UNIT) == unit
+        assert main_pid(fleet, host) == pid
+        assert sh(fleet, host, "ls /var/lib/x.json /etc/systemd/x.service 2>/dev/null || true") == ""
+    finally:
+        fleet.run_in(host, f"echo {base64.b64encode(whole).decode()} | base64 -d > {STATE_FILE}")
+    assert read(fleet, host, STATE_FILE) == whole
