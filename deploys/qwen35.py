@@ -1,13 +1,1 @@
-"""pyinfra deploy: Qwen 3.5 on vLLM. Usage: pyinfra inventories/lab.py deploys/qwen35.py [--dry] [--limit HOST]
-
-Thin entry point; the work lives in gpufleet.deploys.qwen35 (docs/deploy.md).
-"""
-
-from pyinfra import host
-
-from gpufleet.deploys import register_deploy_file
-from gpufleet.deploys.qwen35 import deploy_qwen35
-from gpufleet.remote.ssh import use_sudo
-
-register_deploy_file(__file__)  # keeps pyinfra's per-operation stack walk cheap
-deploy_qwen35(_sudo=use_sudo(host))
+../src/gpufleet/data/deploys/qwen35.py

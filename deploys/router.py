@@ -1,14 +1,1 @@
-"""pyinfra deploy: vllm-router in front of the fleet. Usage: pyinfra inventories/lab.py deploys/router.py [--dry]
-
-Thin entry point; the work lives in gpufleet.router.deploy (docs/router.md). Router hosts are the inventory's
-`routers` group; every other host is a replica, routed to when it verifies ready.
-"""
-
-from pyinfra import host
-
-from gpufleet.deploys import register_deploy_file
-from gpufleet.remote.ssh import use_sudo
-from gpufleet.router.deploy import deploy_router
-
-register_deploy_file(__file__)  # keeps pyinfra's per-operation stack walk cheap
-deploy_router(_sudo=use_sudo(host))
+../src/gpufleet/data/deploys/router.py

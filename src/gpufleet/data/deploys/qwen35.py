@@ -1,8 +1,9 @@
-"""pyinfra deploy: Qwen 3.5 on vLLM, as installed with the package. Usage: gpufleet deploy INVENTORY [--dry] [--limit HOST]
+"""pyinfra deploy: Qwen 3.5 on vLLM. Usage: pyinfra inventories/lab.py deploys/qwen35.py [--dry] [--limit HOST]
+from a checkout, or `gpufleet deploy INVENTORY [--dry] [--limit HOST]` from an installed gpufleet.
 
-The packaged copy of the checkout's deploys/qwen35.py (the same statements: tests/unit/test_cli_deploy_init.py),
-so the deploy runs from an installed gpufleet without a checkout; `gpufleet deploy` and `gpufleet rollout` run it.
-The work lives in gpufleet.deploys.qwen35 (docs/deploy.md). Not a module to import: pyinfra executes it.
+Thin entry point; the work lives in gpufleet.deploys.qwen35 (docs/deploy.md). Shipped in the package (the
+checkout's deploys/qwen35.py is a link to this file), so `gpufleet deploy` and `gpufleet rollout` find it without a
+checkout. Not a module to import: pyinfra executes it.
 """
 
 from pyinfra import host

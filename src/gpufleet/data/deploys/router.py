@@ -1,8 +1,10 @@
-"""pyinfra deploy: vllm-router in front of the fleet, as installed with the package. Usage: gpufleet deploy INVENTORY
+"""pyinfra deploy: vllm-router in front of the fleet. Usage: pyinfra inventories/lab.py deploys/router.py [--dry]
+from a checkout; `gpufleet deploy INVENTORY` runs it after the vLLM hosts converged, when the inventory has a
+`routers` group.
 
-The packaged copy of the checkout's deploys/router.py (the same statements: tests/unit/test_cli_deploy_init.py);
-`gpufleet deploy` runs it after the vLLM hosts converged, when the inventory has a `routers` group. The work lives
-in gpufleet.router.deploy (docs/router.md). Not a module to import: pyinfra executes it.
+Thin entry point; the work lives in gpufleet.router.deploy (docs/router.md). Router hosts are the inventory's
+`routers` group; every other host is a replica, routed to when it verifies ready. Shipped in the package (the
+checkout's deploys/router.py is a link to this file). Not a module to import: pyinfra executes it.
 """
 
 from pyinfra import host
