@@ -250,6 +250,9 @@ def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthR
     return answer_failed(check_once, bad), next(c.name for c in checks if not c.ok)
 
 
+LOST = "@@gpufleet:lock-lost"  # what the commit's host-side lock test prints when another run holds the host
+
+
 def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     """The pending version passed: it becomes the committed one (the rollback target, its unit kept beside the
     ledger); a service it renamed is stopped, disabled and removed."""
@@ -262,12 +265,23 @@ def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     if unit_sha256 is None:  # every pending record since unit checksums has one; refuse rather than guess
         return fail(host, f"{host.name}: the pending record names no unit checksum: not committed (fix: converge "
                           "again: the run writes a new pending record)")
+    # Nothing is written by a run that lost the host (its lease ran out while it stalled): checked from here, and on
+    # the host in the copy's own command, as every ledger write is (operations.service.save_ledger).
+    try:
+        hostlock.check_run_lock(host)
+    except hostlock.LockLost:
+        return fail(host, f"{host.name}: {v.state_file} not written: this run no longer holds the host (fix: run "
+                          "again)")
+    held = hostlock.still_held_test(host)
     # The copy is written (atomically, synced) and checked against the ledger's checksum before the commit names it:
     # a cut or a full disk here leaves the committed version and its own copy as they were.
     copy = committed_unit(service, unit_sha256)
     ok, output = host.run_shell_command(
-        f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
+        (f"if ! {{ {held}; }}; then echo {LOST}; exit 3; fi; " if held else "")
+        + f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
         f"echo {shlex.quote(unit_sha256 + '  ' + copy)} | sha256sum -c --status", _sudo=sudo)
+    if not ok and LOST in output.stdout_lines:
+        return fail(host, f"{host.name}: {v.state_file} not written: another run holds the host now (fix: run again)")
     if not ok:
         return fail(host, f"{host.name}: could not keep a copy of the verified unit at {copy}: "
                           f"{' | '.join(output.stderr_lines) or 'it is not the unit the ledger names'} (fix: check "
