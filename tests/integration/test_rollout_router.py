@@ -25,6 +25,7 @@ from tests.integration.test_router import (
     REPO,
     ROUTER,
     ROUTER_PORT,
+    TEST_DATA,
     chat,
     inventory,
     replicas,
@@ -33,6 +34,8 @@ from tests.integration.test_router import (
     served_model,
 )
 
+from gpufleet.hostlock import LOCK_PATH
+from gpufleet.router.settings import router_settings
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.inventory import pyinfra_hosts
@@ -214,3 +217,182 @@ def test_a_controller_killed_after_a_replica_left_the_router_strands_nothing(rfl
         if proc.poll() is None:
             proc.kill()
         router.transport.client.close()  # type: ignore[attr-defined]
+
+
+# --- faults at the router while a replica is out of it -----------------------------------------------------------
+# The progress lines go to stderr through rich, which wraps at 80 columns off a terminal: wide, so a line stays one.
+WIDE = {**os.environ, "COLUMNS": "400"}
+
+
+def ssh_sessions(pid: int, address: str) -> list[str]:
+    """The local ports of process `pid`'s SSH connections to address:22, as ss lists them."""
+    listed = subprocess.run(["ss", "-tnpH", "state", "established", "dst", address, "dport", "=", ":22"],
+                            capture_output=True, text=True, check=True).stdout
+    return [line.split()[2].rsplit(":", 1)[1] for line in listed.splitlines() if f"pid={pid}," in line]
+
+
+def wait_until_one_leaves(router, urls: list[str], proc: subprocess.Popen[str]) -> set[str]:
+    deadline = time.monotonic() + 300
+    out: set[str] = set()
+    while not out and time.monotonic() < deadline and proc.poll() is None:
+        out = set(urls) - set(router.list_workers())
+        time.sleep(0.1)
+    assert out and proc.poll() is None, "the rollout ended before a replica left the router"
+    return out
+
+
+def netns(rfleet: Fleet, host, *argv: str) -> subprocess.CompletedProcess[str]:
+    """A command of this machine's own in the test host's network namespace only (its firewall, its sockets)."""
+    from gpufleet.sandbox.hosts import leader_pid
+
+    return subprocess.run(["nsenter", "-t", str(leader_pid(rfleet.state, host)), "-n", "--", *argv],
+                          capture_output=True, text=True, check=True, timeout=60)
+
+
+def test_the_routers_ssh_cut_after_a_replica_left_it_is_one_line_and_the_replica_rejoins(rfleet, inventory):
+    # The rollout's own SSH connection to the router host is reset (ss -K: the kernel aborts the socket and sends
+    # the router host a RST, as a NAT or firewall dropping the flow would) a second after the first replica left the
+    # router's worker set, while it swaps. Then, going back, the router host refuses the controller's SSH (a
+    # firewall rule in its netns, REJECT with a reset) from the first leave to the end of the run.
+    urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
+    host = router_host(rfleet)
+    router = connect_router(rfleet)
+    try:
+        assert sorted(router.list_workers()) == urls
+        proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--image",
+                                 f"{rfleet.cfg.registry}/{REPOSITORY}:good-next", "--yes"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=WIDE)
+        out = wait_until_one_leaves(router, urls, proc)
+        time.sleep(1)  # its leave (the drain's metrics read, the members file) is over: the swap is under way
+        ports = ssh_sessions(proc.pid, host.ip)
+        assert len(ports) == 1, ports  # one session per router: worker API, members file and lock all ride it
+        killed = subprocess.run(["ss", "-K", "-tnH", "state", "established", "dst", host.ip, "dport", "=", ":22",
+                                 "sport", "=", f":{ports[0]}"], capture_output=True, text=True, check=True)
+        print(f"cut with {out} out of the router: {killed.stdout.strip()}")
+        stdout, stderr = proc.communicate(timeout=900)
+        print(stderr[-3000:])
+        assert "Traceback" not in stderr and "Traceback" not in stdout
+        broke = [line for line in stderr.splitlines() if "SSH session broke" in line]
+        assert broke == [f"{host.name}: the router's SSH session broke; reached it again, its lock taken again"], \
+            stderr[-3000:]
+        assert proc.returncode == 0, stderr[-3000:]
+        for h in replicas(rfleet):  # the outcome table
+            assert re.search(rf"{h.name}\s.*updated", stdout), stdout
+        assert sorted(router.list_workers()) == urls  # rejoined in the same run, over the new session
+
+        # The router stays out of reach from the first leave to the end: the replica it let go stays out (it was
+        # swapped, but the router did not take it back), the rollout stops there with one line for the router and
+        # the table; the next run, with the router back, puts it back and swaps the rest.
+        rule = ["-s", rfleet.cfg.gateway, "-p", "tcp", "--dport", "22", "-j", "REJECT", "--reject-with", "tcp-reset"]
+        image = f"{rfleet.cfg.registry}/{REPOSITORY}:good"
+        proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--image", image, "--yes", "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=WIDE)
+        blocked = False
+        try:
+            out = wait_until_one_leaves(router, urls, proc)
+            time.sleep(1)  # its leave is over: the swap is under way
+            netns(rfleet, host, "iptables", "-I", "INPUT", *rule)
+            blocked = True
+            stdout, stderr = proc.communicate(timeout=900)
+        finally:
+            if blocked:
+                netns(rfleet, host, "iptables", "-D", "INPUT", *rule)
+        print(stdout[-3000:], stderr[-3000:])
+        assert "Traceback" not in stderr and "Traceback" not in stdout
+        assert proc.returncode != 0
+        [left] = [h.name for h in replicas(rfleet) if f"http://{h.ip}:5000" in out]
+        outcomes = {h["host"]: h for h in json.loads(stdout)["hosts"]}  # the --json document
+        assert outcomes[left]["outcome"] == "failed", outcomes
+        assert f"did not rejoin router {host.name}: " in outcomes[left]["detail"], outcomes
+        assert {o["outcome"] for name, o in outcomes.items() if name != left} == {"not-started"}, outcomes
+        unreachable = [line for line in stderr.splitlines() if f"router {host.name}: worker list:" in line]
+        assert len(unreachable) == 1, stderr[-3000:]
+        router.transport.client.close()  # type: ignore[attr-defined]  # the block reset it too
+        router = connect_router(rfleet)
+        assert set(urls) - set(router.list_workers()) == out
+        # The router host never saw the link go (the reject answered the controller, not it): the lock's shell there
+        # holds the lock until its lease runs out without heartbeats, and a run meanwhile is refused naming it.
+        started = time.monotonic()
+        while rfleet.run_in(host, f"flock -n -E 75 {LOCK_PATH} true", check=False).returncode == 75:
+            assert time.monotonic() - started < 150, "the lock outlived its lease"
+            time.sleep(2)
+        print(f"the blocked run's lock on {host.name} went {time.monotonic() - started:.0f} s after the run")
+        again = rollout(inventory, image)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert {h["outcome"] for h in json.loads(again.stdout)["hosts"]} <= {"updated", "unchanged"}
+        assert "put back in router" in again.stderr, again.stderr[-3000:]
+        assert sorted(router.list_workers()) == urls
+    finally:
+        router.transport.client.close()  # type: ignore[attr-defined]
+
+
+NAN_PORT = 29001  # beside the router's own metrics port (router_metrics_port, 29000)
+NAN_METRICS = r"""
+import http.server, sys, urllib.request
+real, urls, log = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+FAMILY = "vllm_router_running_requests"
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        text = urllib.request.urlopen(real, timeout=5).read().decode()
+        kept = [line for line in text.splitlines() if not line.startswith(FAMILY) and FAMILY not in line.split()[:3]]
+        body = "\n".join(kept + [f"# TYPE {FAMILY} gauge"] + [f'{FAMILY}{{worker="{u}"}} NaN' for u in urls]) + "\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body.encode())))
+        self.end_headers()
+        self.wfile.write(body.encode())
+        with open(log, "a") as f:
+            f.write("GET\n")
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[4])), Handler).serve_forever()
+"""
+
+
+def test_a_router_whose_metrics_say_nan_is_one_line_and_every_replica_rejoins(rfleet, inventory, tmp_path):
+    # vllm-router 0.1.17's series are counts (requests, running requests, decisions, worker health, circuit state)
+    # and a histogram with buckets: none is a ratio, so it has no NaN to give. Its exposition, read live, with every
+    # running-requests sample NaN (one per replica) is served beside it on the router host; the rollout's inventory
+    # points router_metrics_port there, the setting gpufleet reads the router's metrics at.
+    urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
+    host = router_host(rfleet)
+    (_, data), = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
+    real = f"http://127.0.0.1:{router_settings(data)['router_metrics_port']}/metrics"
+    rfleet.run_in(host, f"cat > /tmp/gf-nan-metrics.py <<'EOF'\n{NAN_METRICS}\nEOF\n: > /tmp/gf-nan-metrics.log")
+    pid = rfleet.run_in(host, f"nohup python3 /tmp/gf-nan-metrics.py {real} {','.join(urls)} /tmp/gf-nan-metrics.log "
+                              f"{NAN_PORT} >/tmp/gf-nan-metrics.out 2>&1 </dev/null & echo $!").stdout.strip()
+    doc = rfleet.cfg.state_dir / "inventory.json"
+    nan_inventory = tmp_path / "inventory.py"
+    nan_inventory.write_text(
+        "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
+        f"gpuhosts = [(n, {{**{TEST_DATA!r}, **d}}) for n, d in pyinfra_hosts({str(doc)!r})]\n"
+        f"routers = [(n, {{**d, 'router_metrics_port': {NAN_PORT}}}) for n, d in pyinfra_hosts({str(doc)!r}, "
+        "routers=True)]\n")
+    try:
+        for _ in range(50):
+            served = rfleet.run_in(host, "python3 -c 'import urllib.request; print(urllib.request.urlopen("
+                                         f"\"http://127.0.0.1:{NAN_PORT}/metrics\", timeout=5).read().decode())'",
+                                   check=False)
+            if served.returncode == 0:
+                break
+            time.sleep(0.2)
+        assert f'vllm_router_running_requests{{worker="{urls[0]}"}} NaN' in served.stdout, served
+        assert "vllm_router_requests_total" in served.stdout  # the rest is the real router's
+        rfleet.run_in(host, ": > /tmp/gf-nan-metrics.log")
+        proc = rollout(nan_inventory, f"{rfleet.cfg.registry}/{REPOSITORY}:good-next", env=WIDE)
+        print(proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        doc_out = json.loads(proc.stdout)  # the --json document
+        assert {h["host"]: h["outcome"] for h in doc_out["hosts"]} == {h.name: "updated" for h in replicas(rfleet)}
+        said = [line for line in proc.stderr.splitlines() if "not a number" in line]
+        assert len(said) == 1 and said[0].startswith(f"{host.name}: the router's metrics gave 3 sample(s)"), \
+            proc.stderr[-3000:]
+        reads = rfleet.run_in(host, "cat /tmp/gf-nan-metrics.log").stdout.split()
+        assert len(reads) >= 3, reads  # each leave's drain read them
+        assert sorted(router_workers(rfleet)) == urls
+    finally:
+        rfleet.run_in(host, f"kill {pid}", check=False)

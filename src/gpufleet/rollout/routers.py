@@ -2,33 +2,47 @@
 every router's worker set before its drain and rejoins once its outcome is committed or rolled back (a rolled-back
 replica serves the old version, so it rejoins too), so clients of a router never reach a replica while it restarts.
 At the start and the end of every rollout the worker sets are reconciled with the replicas' ledgers and health, so a
-controller killed between a leave and a rejoin leaves nothing stranded for the next run."""
+controller killed between a leave and a rejoin leaves nothing stranded for the next run.
+
+A router whose SSH session broke during the rollout (a reset, a link that came back) is reached again, and its lock
+taken again, by the next call that needs it (the rejoin, the reconcile at the end), so a replica that left it comes
+back in the same run; one that stays out of reach leaves that replica out, said in one line, for the next run's
+reconcile. What happened to a router's session or metrics is said once, by the next reconcile."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.hostlock import LEASE_SETTING, WAIT_SETTING, HostLock, HostLockError
+from gpufleet.hostlock import LEASE_SETTING, WAIT_SETTING, HostLock, HostLockBusy, HostLockError
 from gpufleet.inventory import HostData
 from gpufleet.remote.ssh import needs_sudo
-from gpufleet.remote.transport import Unreachable
+from gpufleet.remote.transport import SshTransport, Unreachable
 from gpufleet.router.api import Router, RouterError
 from gpufleet.router.settings import router_settings, worker_url
 from gpufleet.router.status import connect
 from gpufleet.router.workers import join, leave, record
 from gpufleet.settings import merged_settings
 
+T = TypeVar("T")
+# Seconds a router reached again waits for its lock: the shell that held it over the broken session ends when the
+# host sees the break (at once for a reset; otherwise by the lock's lease, and meanwhile it names this run).
+RELOCK_WAIT_S = 5.0
+
 
 class Routers:
     """Open sessions to every router; close() ends them."""
 
-    def __init__(self, routers: Sequence[tuple[Router, float]], urls: Mapping[str, str]):
+    def __init__(self, routers: Sequence[tuple[Router, float]], urls: Mapping[str, str],
+                 hosts: Mapping[str, Mapping[str, Any]] | None = None):
         self.routers = list(routers)  # (router, seconds it waits for a re-added worker's /health)
         self.urls = dict(urls)  # replica name -> the URL the routers know it by
-        self.locks: list[HostLock] = []  # each router host's lock, held for the rollout
+        self.locks: dict[str, HostLock] = {}  # each router host's lock, held for the rollout
+        self.hosts = dict(hosts or {})  # router name -> its inventory data: how to reach it again
+        self.notes: dict[str, list[str]] = {}  # router name -> what happened to it, for the next reconcile to say
 
     @classmethod
     def connect(cls, routers: Sequence[HostData], replicas: Sequence[HostData]) -> Routers:
@@ -36,7 +50,7 @@ class Routers:
         first that is not (a replica must not restart while a router may still send it traffic)."""
         # Addresses only when there is a router to address them: a fleet without one may keep vLLM on loopback.
         urls = {name: worker_url(name, data) for name, data in replicas} if routers else {}
-        opened = cls([], urls)
+        opened = cls([], urls, dict(routers))
         try:
             for name, data in routers:
                 try:
@@ -51,7 +65,7 @@ class Routers:
                     raise GpufleetError(one_line(f"router {name}: its worker list does not answer: {error} (fix: "
                                                  "`gpufleet status` shows the router; start it, or take it out of "
                                                  "the inventory's routers group)")) from None
-                opened.locks.append(_lock(router, data))
+                opened.locks[name] = _lock(router, data)
         except BaseException:
             opened.close()
             raise
@@ -60,9 +74,9 @@ class Routers:
     def capacity_problem(self, groups: Sequence[Sequence[str]]) -> str | None:
         """One line when a group would leave a router with no replica in service, counting those already out of
         it; None when every group leaves at least one (or there is no router)."""
-        for router, _ in self.routers:
+        for i, (router, _) in enumerate(self.routers):
             try:
-                listed = set(router.list_workers())
+                listed = set(self._call(i, lambda r: r.list_workers()))
             except Exception as error:  # an SSH cut, a refusal: one line, before anything changes
                 return one_line(f"router {router.name}: its worker list does not answer: {_why(error)}; nothing was "
                                 "changed (fix: `gpufleet status` shows the router; run again once it answers)")
@@ -81,30 +95,31 @@ class Routers:
         a host back once its swap ended committed or rolled back (a replica that ended neither stays out), and
         reconcile() at the end of the rollout settles whatever a raised block left. A router that refuses to let
         one go raises RouterError before the block, after putting back the ones this call took out."""
-        taken: list[tuple[Router, str, float]] = []
+        taken: list[tuple[int, str, float]] = []
         try:
-            for router, join_timeout_s in self.routers:
-                members = set(router.list_workers())
+            for i, (_, join_timeout_s) in enumerate(self.routers):
+                members = set(self._call(i, lambda r: r.list_workers()))
+                router = self.routers[i][0]  # the session that answered (reached again if it had broken)
                 for host in hosts:
                     url = self.urls[host]
                     if url in members:  # one the router does not list has nothing to drain there
-                        taken.append((router, url, join_timeout_s))
-                        leave(router, url, drain_timeout_s)
+                        taken.append((i, url, join_timeout_s))
+                        leave(router, url, drain_timeout_s)  # not retried: a cut mid-leave fails the group
         except Exception as error:  # SSH cut, a refusal, an answer that is not the router's: one line
-            for router, url, join_timeout_s in taken:
+            for i, url, join_timeout_s in taken:
                 try:
-                    join(router, url, join_timeout_s)  # not swapped: back where it was
+                    self._call(i, partial(_join, url=url, timeout_s=join_timeout_s))  # not swapped: back in
                 except Exception:
-                    pass  # the error that stops the rollout is the leave's
+                    pass  # the error that stops the rollout is the leave's; the reconcile at the end tries again
             raise RouterError(one_line(f"taking {', '.join(hosts)} out of the routers: {_why(error)}")) from None
         yield
 
     def rejoin(self, host: str) -> str | None:
         """The host back in every router; None, or one line saying which router did not take it back."""
         problems = []
-        for router, join_timeout_s in self.routers:
+        for i, (router, join_timeout_s) in enumerate(self.routers):
             try:
-                join(router, self.urls[host], join_timeout_s)
+                self._call(i, partial(_join, url=self.urls[host], timeout_s=join_timeout_s))
             except Exception as error:
                 problems.append(f"did not rejoin router {router.name}: {_why(error)}")
         return one_line("; ".join(problems)) if problems else None
@@ -118,12 +133,15 @@ class Routers:
             return {}
         by_url = {url: host for host, url in self.urls.items()}
         changed: dict[str, list[str]] = {}
-        for router, join_timeout_s in self.routers:
+        for i, (router, join_timeout_s) in enumerate(self.routers):
             try:
-                members = set(router.list_workers())
+                members = set(self._call(i, lambda r: r.list_workers()))
             except Exception as error:
                 changed.setdefault(router.name, []).append(f"router {router.name}: worker list: {_why(error)}")
                 continue
+            finally:
+                changed.setdefault(router.name, [])[:0] = self._said(i)
+            router = self.routers[i][0]  # the session that answered (reached again if it had broken)
             removed = False  # join() records the file itself; a removal here is recorded once, below
             for host, wanted in belongs.items():
                 url = self.urls.get(host)
@@ -151,16 +169,66 @@ class Routers:
                     record(router)  # what it holds now is what it comes back with after a restart
                 except Exception as error:
                     changed.setdefault(router.name, []).append(_why(error))
-        return {name: one_line("; ".join(lines)) for name, lines in changed.items()}
+        return {name: one_line("; ".join(lines)) for name, lines in changed.items() if lines}
+
+    def _call(self, i: int, call: Callable[[Router], T]) -> T:
+        """call(router i) over a live session: a router whose SSH session broke (before or during the call) is
+        reached again, its lock taken again, and the call made once more. For calls that can be repeated (a
+        read, a join); raises what the call, or reaching the router again, raised."""
+        router = self.routers[i][0]
+        if _broken(router):
+            router = self._reach_again(i)
+        try:
+            return call(router)
+        except Exception:
+            if not _broken(router):
+                raise  # the router's own answer, not the session's
+        return call(self._reach_again(i))
+
+    def _reach_again(self, i: int) -> Router:
+        """Router i over a new SSH session with its lock taken again; raises Unreachable or GpufleetError (one
+        line, naming the router) when it cannot be reached or locked."""
+        old, join_timeout_s = self.routers[i]
+        data = self.hosts.get(old.name)
+        if data is None:  # not opened by connect(): nothing to reach it again with
+            raise Unreachable(f"{old.name}: SSH connection is not open")
+        lock = self.locks.pop(old.name, None)
+        if lock is not None:
+            lock.release(wait=False)
+        _close(old)
+        fresh = connect(old.name, data)
+        try:
+            self.locks[old.name] = _relock(fresh, data)
+        except BaseException:
+            _close(fresh)
+            raise
+        fresh.non_finite.extend(old.non_finite)
+        self.routers[i] = (fresh, join_timeout_s)
+        self._note(old.name, "the router's SSH session broke; reached it again, its lock taken again")
+        return fresh
+
+    def _note(self, router: str, line: str) -> None:
+        if line not in self.notes.setdefault(router, []):
+            self.notes[router].append(line)
+
+    def _said(self, i: int) -> list[str]:
+        """Router i's notes and the metrics it did not count, each once: the lines a reconcile says first."""
+        router = self.routers[i][0]
+        lines = self.notes.pop(router.name, [])
+        if router.non_finite:
+            lines.append(f"the router's metrics gave {len(router.non_finite)} sample(s) that are not a "
+                         f"number ({', '.join(router.non_finite[:3])}{', ...' if len(router.non_finite) > 3 else ''})"
+                         ": not counted, so a drain counted no request in flight there (the replica's own drain "
+                         "still waits for its requests)")
+            router.non_finite.clear()
+        return lines
 
     def close(self) -> None:
-        for lock in self.locks:
+        for lock in self.locks.values():
             lock.release(wait=False)
         self.locks.clear()
         for router, _ in self.routers:
-            client = getattr(router.transport, "client", None)
-            if client is not None:
-                client.close()
+            _close(router)
         self.routers.clear()
 
     def __enter__(self) -> Routers:
@@ -172,6 +240,43 @@ class Routers:
 
 def _why(error: BaseException) -> str:
     return str(error) or type(error).__name__
+
+
+def _join(router: Router, url: str, timeout_s: float) -> None:
+    join(router, url, timeout_s)
+
+
+def _broken(router: Router) -> bool:
+    """Is the router's SSH session gone (reset, closed)? A transport that is not SSH never is."""
+    if not isinstance(router.transport, SshTransport):
+        return False
+    session = router.transport.client.get_transport()
+    return session is None or not session.is_active()
+
+
+def _close(router: Router) -> None:
+    client = getattr(router.transport, "client", None)
+    if client is not None:
+        client.close()
+
+
+def _relock(router: Router, data: Mapping[str, Any]) -> HostLock:
+    """The lock again, over a router's new session. The shell that held it over the broken one may hold it still
+    (the host has not seen the break yet): it names this very run, and ends by the lease, so the router is this
+    run's meanwhile; taken again when it frees within RELOCK_WAIT_S, else used under that shell's hold."""
+    settings = merged_settings(dict(data))
+    client = router.transport.client  # type: ignore[attr-defined]  # status.connect opens an SshTransport
+    lock = HostLock(client, router.name, lease_s=float(settings[LEASE_SETTING]), sudo=needs_sudo(client))
+    try:
+        return lock.acquire(wait_s=RELOCK_WAIT_S)
+    except HostLockBusy as busy:
+        mine = lock.holder
+        if busy.holder is None or (busy.holder.user, busy.holder.controller, busy.holder.pid) != (
+                mine.user, mine.controller, mine.pid):
+            raise GpufleetError(one_line(f"router {router.name}: reached again, but {busy}")) from None
+        return lock  # not held by this object: close() lets nothing go, the old shell ends by its lease
+    except HostLockError as error:
+        raise GpufleetError(one_line(f"router {router.name}: reached again, but {error}")) from None
 
 
 def _lock(router: Router, data: Mapping[str, Any]) -> HostLock:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -35,6 +35,9 @@ class Router:
     port: int
     metrics_port: int
     members_file: str | None = None  # on the router host: its worker set, replayed after a restart (router.spec)
+    # What metrics() left out because it was not a number (NaN, infinite): name{labels}, once each, for the caller
+    # to say (a rollout's reconcile does); kept out of comparisons, and cleared by whoever says it.
+    non_finite: list[str] = field(default_factory=list, compare=False, repr=False)
 
     def get_json(self, path: str, timeout: float = TIMEOUT_S) -> Any:
         answer = fetch(self.transport, self.port, path, timeout)
@@ -69,17 +72,31 @@ class Router:
         return [str(u) for u in self.get_json("/list_workers").get("urls", [])]
 
     def metrics(self) -> list[Sample]:
-        """The router's metric samples; RouterError when they cannot be read."""
+        """The router's finite metric samples; RouterError when they cannot be read. A sample that is NaN or
+        infinite says nothing (a running-requests gauge of NaN is no count): left out, and named in non_finite."""
         answer = fetch(self.transport, self.metrics_port, "/metrics", TIMEOUT_S)
         if answer.status != 200:
             raise RouterError(one_line(f"{self.name}: GET /metrics: HTTP {answer.status}"))
-        return router_samples(answer.text, self.name)
+        every = _parsed(answer.text, self.name)
+        for name, labels, value in every:
+            if not math.isfinite(value) and (key := _key(name, labels, value)) not in self.non_finite:
+                self.non_finite.append(key)
+        return [s for s in every if math.isfinite(s[2])]
 
 
 def router_samples(text: str, router: str = "router") -> list[Sample]:
     """The finite samples of the router's Prometheus text (a NaN or infinite count says nothing: left out); a text
     that is not Prometheus is a RouterError."""
+    return [s for s in _parsed(text, router) if math.isfinite(s[2])]
+
+
+def _parsed(text: str, router: str) -> list[Sample]:
     try:
-        return [s for s in samples(text) if math.isfinite(s[2])]
+        return samples(text)
     except ValueError as error:
         raise RouterError(one_line(f"{router}: GET /metrics: {error}")) from None
+
+
+def _key(name: str, labels: dict[str, str], value: float) -> str:
+    inside = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{inside}}} {value:g}" if inside else f"{name} {value:g}"
