@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gpufleet.cli.logs import quiet_ssh_logs
 from gpufleet.errors import GpufleetError
 from gpufleet.ledger import Ledger
 from gpufleet.rollout.deploy import default_deploy_file
@@ -94,6 +95,7 @@ def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped:
             deploy: str | None, log: str | None) -> None:
     """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate. The
     canary is held to every serving check (cached equals cold, sessions apart, the parsers, the probe)."""
+    quiet_ssh_logs()
     try:
         options = _options(deploy, log, canary=canary, batch=batch, probe=probe, retry_failed=retry_failed,
                            drain_timeout_s=drain_timeout, stage_timeout_s=stage_timeout,
@@ -113,6 +115,7 @@ def rollback(inventory: str, host: str | None, to: str | None, probe: bool, drai
              retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool, deploy: str | None,
              log: str | None) -> None:
     """Return hosts to their previous committed digest (or --to), gated like a rollout."""
+    quiet_ssh_logs()
     try:
         options = _options(deploy, log, probe=probe, retry_failed=retry_failed, drain_timeout_s=drain_timeout,
                            stage_timeout_s=stage_timeout)
@@ -160,6 +163,7 @@ def _history_table(host: str, lg: HostLedger) -> Table:
 @click.option("--json", "as_json", is_flag=True, help="Each host's ledger as JSON on stdout.")
 def history_command(inventory: str, host: str | None, as_json: bool) -> None:
     """Each host's ledger: what runs (committed), what ran before, what failed and why, a cut run's pending change."""
+    quiet_ssh_logs()
     try:
         ledgers = history(inventory, host)
     except GpufleetError as e:

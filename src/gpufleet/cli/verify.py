@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gpufleet.cli.logs import quiet_ssh_logs
 from gpufleet.errors import GpufleetError
 from gpufleet.health import HealthState
 from gpufleet.health.check import spec_drift
@@ -47,13 +47,9 @@ def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]
         raise click.ClickException(str(e)) from None
     if not targets:
         raise click.ClickException(f"{inventory}: no hosts in the inventory")
-    # paramiko logs connection failures with tracebacks, pyinfra's connector its host key decisions: each host's
-    # row already says "ssh-unreachable" and why.
-    for logger in map(logging.getLogger, ("paramiko", "pyinfra")):
-        if logger.propagate:
-            logger.addHandler(logging.NullHandler())
-            logger.propagate = False
+    quiet_ssh_logs()
     return check_fleet(targets, **kwargs)
+
 
 
 def _console() -> Console:
@@ -269,7 +265,7 @@ def verify(
     results = [] if host and routers else _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key,
                                                   answer=True, checks=names)
     verdicts = [verify_router(partial(read_host, name, data), exp, deadline) for (name, data), exp in
-                zip(routers, expected)]
+                zip(routers, expected, strict=True)]
     if as_json:
         click.echo(_as_json(results, verdicts=verdicts))
     else:

@@ -36,13 +36,14 @@ class Progress:
         if self._live is not None:
             self._live.update(self._table())
         else:
-            self.console.print(Text(f"{host}: {text}"), highlight=False)
+            # Piped: one line per change however long (a log line wrapped at 80 columns reads as several).
+            self.console.print(Text(f"{host}: {text}"), highlight=False, soft_wrap=True)
 
     def note(self, text: str) -> None:
         if self._live is not None:
             self._live.console.print(Text(text), highlight=False)
         else:
-            self.console.print(Text(text), highlight=False)
+            self.console.print(Text(text), highlight=False, soft_wrap=True)
 
     def __enter__(self) -> Progress:
         if self.console.is_terminal:
