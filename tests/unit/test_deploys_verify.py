@@ -183,3 +183,20 @@ def test_a_soak_that_ends_on_a_lost_link_is_not_ready_and_not_the_servers_fault(
 def test_only_the_hosts_own_answers_are_not_transient():
     assert transient(LINK_LOST) and transient(DOCKER_UNASKED)
     assert not any(transient(r) for r in (READY, STARTING, GONE, DEAD))
+
+
+@pytest.mark.parametrize("line", [
+    # docker-ce 27 (the journal of `docker run`, exit 125), and the older daemon's wording
+    "docker: Error response from daemon: driver failed programming external connectivity on endpoint x (1f2e): "
+    "failed to bind host port for 0.0.0.0:5000:172.17.0.2:5000/tcp: listen tcp4 0.0.0.0:5000: bind: address already "
+    "in use.",
+    "docker: Error response from daemon: driver failed programming external connectivity on endpoint x: Bind for "
+    "0.0.0.0:5000 failed: port is already allocated.",
+])  # fmt: skip
+def test_a_port_docker_could_not_publish_is_named_from_its_own_words(line):
+    from gpufleet.deploys.verify import port_taken
+
+    found = port_taken(["Starting vllm-qwen35.service...", line, "vllm-qwen35.service: Main process exited"], 5000)
+    assert found is not None and "5000" in found and ("already in use" in found or "already allocated" in found)
+    assert port_taken([line], 8000) is None  # another port's trouble is not this one's
+    assert port_taken(["INFO: Uvicorn running on http://0.0.0.0:5000"], 5000) is None

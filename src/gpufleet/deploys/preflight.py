@@ -29,7 +29,7 @@ from pyinfra.context import ctx_config, ctx_host, ctx_state
 
 from gpufleet import hostlock
 from gpufleet.errors import SettingErrors
-from gpufleet.facts.host import COMMAND_TIMEOUT_S, GpufleetHost, HostSnapshot, Paths
+from gpufleet.facts.host import COMMAND_TIMEOUT_S, SNAPSHOT_REFUSED, GpufleetHost, HostSnapshot, Paths
 from gpufleet.facts.nvidia import version_tuple
 from gpufleet.operations.model import missing_parts
 from gpufleet.operations.snapshot import remember
@@ -88,7 +88,10 @@ def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: Chec
             else:
                 snap = snapshot.process(output)
         except Exception as error:  # noqa: BLE001 - any failure to read the host is a preflight refusal
-            return Reading(plan, None, [f"{target.name}: could not read the host: {error} (fix: check SSH and sudo)"])
+            port = plan.paths.port
+            fix = (f"something on the host answers in gpufleet's own words: `ss -ltnp 'sport = :{port}'` shows what "
+                   f"listens on port {port}; stop it" if SNAPSHOT_REFUSED in str(error) else "check SSH and sudo")
+            return Reading(plan, None, [f"{target.name}: could not read the host: {error} (fix: {fix})"])
         return Reading(plan, snap, check_host(target.name, snap, plan))
 
 

@@ -46,6 +46,7 @@ from gpufleet.remote.ssh import transport_from_pyinfra_host, use_sudo
 from gpufleet.remote.transport import ContainerInfo, Transport, TransportError
 from gpufleet.spec import ServeSpec
 from gpufleet.unit import env_file_path, unit_name, unit_path
+from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected
 
 
@@ -186,19 +187,38 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
                           "nothing was committed or rolled back, the new version stays pending (fix: restore the "
                           "link to the host, then converge again: the next run verifies it)")
 
-    for line in failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]:
+    logs = failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]
+    for line in logs:
         host.log_styled(f"  | {line}")
     ledger = memo(host).ledger
     failed = f"{report.state}: {report.detail}"
+    taken = port_taken(logs, spec.port)
+    if taken:  # docker could not publish the port: that is the cause, not the exit status it led to
+        failed += f"; port {spec.port} is taken on the host ({taken})"
     failed_check = failed_check if report.state == HealthState.MISCONFIGURED else None  # not when the engine died
     if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
         # Nothing verified to go back to (a first install, or a restart of the committed version itself).
         if ledger.pending is not None and not save_ledger(host, v.state_file, ledger_roll_back(
                 ledger, failed, now_utc(), check=failed_check)):
             return False
-        return fail(host, f"{spec.service} not ready ({failed}) (fix: see the container log above; "
-                          f"`journalctl -u {spec.service}`)")
+        fix = (f"`ss -ltnp 'sport = :{spec.port}'` on the host shows what holds it: stop that, or set vllm_port to a "
+               "free port" if taken else f"see the container log above; `journalctl -u {spec.service}`")
+        return fail(host, f"{host.name}: {spec.service} not ready ({failed}) (fix: {fix})")
     return roll_back(host, v, ledger, failed, check=failed_check)
+
+
+_PORT_TAKEN = ("address already in use", "port is already allocated")
+
+
+def port_taken(logs: Sequence[str], port: int) -> str | None:
+    """docker's own words when `docker run` could not publish `port` (something else listens there: `listen tcp4
+    0.0.0.0:5000: bind: address already in use`, `Bind for 0.0.0.0:5000 failed: port is already allocated`), else
+    None."""
+    for line in reversed(logs):
+        if f":{port}" in line and any(words in line for words in _PORT_TAKEN):
+            start = line.find("Bind for") if "Bind for" in line else line.find("listen ")
+            return excerpt(line[start:] if start >= 0 else line, 120)
+    return None
 
 
 def installed_problem(version: Version, container: ContainerInfo | None) -> str | None:

@@ -45,6 +45,8 @@ MARK = "@@gpufleet:"
 DAEMON_JSON = "/etc/docker/daemon.json"
 # Where dockerd listens unless daemon.json's "hosts" says otherwise (the docker CLI, without DOCKER_HOST, uses it too).
 DOCKER_SOCKET = "/var/run/docker.sock"
+# How a snapshot that carried a forged section is refused (preflight names the port's listener in its fix).
+SNAPSHOT_REFUSED = "host snapshot refused"
 # The sections of the Engine API's answers (the docker CLI's, on a host without curl, are "images" and "running").
 DOCKER_IMAGES, DOCKER_CONTAINERS = "docker_images", "docker_containers"
 # The section of `nvidia-smi --version` when read from Paths.nvidia_version_file instead of nvidia-smi.
@@ -386,13 +388,13 @@ def split_sections(lines: list[str]) -> dict[str, list[str]]:
         if line.startswith(MARK):
             current = line[len(MARK):].strip()
             if "health" in sections and current not in AFTER_ANSWERS:
-                raise FactProcessError(f"host snapshot refused: a section {excerpt(current, 60)!r} inside the service's "
+                raise FactProcessError(f"{SNAPSHOT_REFUSED}: a section {excerpt(current, 60)!r} inside the service's "
                                        "answers (something that answered on the host carried gpufleet's section "
                                        "marker)")
             if current in sections:
                 # Every section is printed once. A second one came from something the snapshot quotes (an answer on
                 # the service's port, a file): a forged ledger or checksum must never be what root acts on.
-                raise FactProcessError(f"host snapshot refused: its section {excerpt(current, 60)!r} appears twice "
+                raise FactProcessError(f"{SNAPSHOT_REFUSED}: its section {excerpt(current, 60)!r} appears twice "
                                        "(something that answered on the host or a file it read carried gpufleet's "
                                        "section marker)")
             sections[current] = []
