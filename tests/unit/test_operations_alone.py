@@ -44,7 +44,8 @@ def run_alone(operation: Any, snap: HostSnapshot, resolved: str | None = None, l
 
 def test_env_file_takes_hidden_secrets_and_never_shows_them():
     secrets = {"VLLM_API_KEY": Hidden("sk-s3cret"), "HF_TOKEN": None}
-    (command,) = run_alone(service.env_file, HostSnapshot(), path="/etc/gpufleet/v.env", secrets=secrets)
+    locked, command = run_alone(service.env_file, HostSnapshot(), path="/etc/gpufleet/v.env", secrets=secrets)
+    assert locked.function.__name__ == "_still_locked"  # checked at execution time, before the secret is written
     assert isinstance(command, FunctionCommand) and "s3cret" not in repr(command)
     written = hashlib.sha256(env_content({"VLLM_API_KEY": "sk-s3cret"}).encode()).hexdigest()
     assert run_alone(service.env_file, HostSnapshot(file_sha256={"/etc/gpufleet/v.env": written}),

@@ -88,6 +88,7 @@ def env_file(path: str, secrets: Mapping[str, Hidden | None]) -> Commands:
     if not commands:
         host.noop(f"{path} is up to date (0600 root)")
         return
+    yield FunctionCommand(_still_locked, (), {})  # at execution time: a run that lost the host writes nothing
     yield from commands
 
 
@@ -176,6 +177,7 @@ def unit(spec: ServeSpec, path: str, state_file: str) -> Commands:
         return
     yield from _backup_commands(spec)
     yield FunctionCommand(_begin, (spec, state_file), {})
+    yield FunctionCommand(_still_locked, (), {})  # _begin may have had nothing to record: checked here either way
     yield from commands
     yield StringCommand("systemctl", "daemon-reload")
 
@@ -192,8 +194,8 @@ def _changed(ops: list[OperationMeta]) -> bool:
 
 
 def _still_locked(state: State, host: Host) -> bool:
-    """A (re)start must not interleave with another run's: stop this host if its lock was lost (the lease ran out
-    while this run was stalled, and another run may hold the host now)."""
+    """A write or a (re)start must not interleave with another run's: stop this host if its lock was lost (the lease
+    ran out while this run was stalled, and another run may hold the host now)."""
     try:
         hostlock.check_run_lock(host)
     except hostlock.LockLost as lost:
