@@ -445,7 +445,8 @@ def test_a_first_install_that_dies_fails_the_host_with_its_last_log_lines(fresh_
     assert proc.returncode != 0
     # dead, or caught by the soak while its container was going away (the engine dies ~8 s after ready): either way
     # not ready, with the engine's own last words from its log.
-    assert re.search(rf"\[{host.name}\] vllm-qwen35 not ready \((dead|starting): ", proc.stdout), proc.stdout[-3000:]
+    assert re.search(rf"\[{host.name}\] {host.name}: vllm-qwen35 not ready \((dead|starting): ", proc.stdout), \
+        proc.stdout[-3000:]
     log_lines = [line for line in proc.stdout.splitlines() if f"[{host.name}]   | " in line]
     assert any("EngineDeadError" in line for line in log_lines), proc.stdout[-3000:]
     # Nothing verified to go back to: no committed version, the digest marked failed (not retried by a re-run).
