@@ -71,7 +71,8 @@ def _common(fn: Any) -> Any:
         click.option("--yes", "-y", is_flag=True, help="Do not ask before swapping."),
         click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout (progress stays on stderr)."),
         click.option("--deploy", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="The deploy file (default: deploys/qwen35.py of the checkout)."),
+                     help="The deploy file (default: deploys/qwen35.py of the checkout, else the one shipped in "
+                          "the package)."),
         click.option("--log", type=click.Path(dir_okay=False), default=None,
                      help="Where each deploy run's output goes (default: a new file in the temp directory)."),
     ]):
