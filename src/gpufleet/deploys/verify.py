@@ -36,6 +36,7 @@ from gpufleet.ledger import RETRY_SETTING, Ledger, Version, atomic_write_command
 from gpufleet.ledger import commit as ledger_commit
 from gpufleet.ledger import roll_back as ledger_roll_back
 from gpufleet.operations.base import fail
+from gpufleet.operations.files import REFUSED, guarded
 from gpufleet.operations.flagcheck import accepted_file
 from gpufleet.operations.image import now_utc
 from gpufleet.operations.layout import UNITS_DIR, committed_unit, state_file, unit_backup
@@ -270,9 +271,6 @@ def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthR
     return answer_failed(check_once, bad), next(c.name for c in checks if not c.ok)
 
 
-LOST = "@@gpufleet:lock-lost"  # what the commit's host-side lock test prints when another run holds the host
-
-
 def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     """The pending version passed: it becomes the committed one (the rollback target, its unit kept beside the
     ledger); a service it renamed is stopped, disabled and removed."""
@@ -292,15 +290,14 @@ def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     except hostlock.LockLost:
         return fail(host, f"{host.name}: {v.state_file} not written: this run no longer holds the host (fix: run "
                           "again)")
-    held = hostlock.still_held_test(host)
     # The copy is written (atomically, synced) and checked against the ledger's checksum before the commit names it:
     # a cut or a full disk here leaves the committed version and its own copy as they were.
     copy = committed_unit(service, unit_sha256)
-    ok, output = host.run_shell_command(
-        (f"if ! {{ {held}; }}; then echo {LOST}; exit 3; fi; " if held else "")
-        + f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
-        f"echo {shlex.quote(unit_sha256 + '  ' + copy)} | sha256sum -c --status", _sudo=sudo)
-    if not ok and LOST in output.stdout_lines:
+    ok, output = host.run_shell_command(guarded(
+        f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
+        f"echo {shlex.quote(unit_sha256 + '  ' + copy)} | sha256sum -c --status", hostlock.still_held_test(host)),
+        _sudo=sudo)
+    if not ok and REFUSED in output.stdout_lines:
         return fail(host, f"{host.name}: {v.state_file} not written: another run holds the host now (fix: run again)")
     if not ok:
         return fail(host, f"{host.name}: could not keep a copy of the verified unit at {copy}: "

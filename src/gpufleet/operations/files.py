@@ -61,8 +61,16 @@ class AtomicUpload(FileUploadCommand):
         return bool(ok)
 
 
-# What write_file's `only_if` guard prints when it refuses: the caller tells that refusal from a failed write.
+# What a guarded command prints when its guard refuses: the caller tells that refusal from a failed write.
 REFUSED = "@@gpufleet:write-refused"
+
+
+def guarded(command: str, only_if: str | None, cleanup: str = "") -> str:
+    """`command`, run only when the shell test `only_if` holds on the host (None: always); else `cleanup` runs, REFUSED
+    is printed and the shell exits 3."""
+    if only_if is None:
+        return command
+    return f"if ! {{ {only_if}; }}; then {cleanup}echo {REFUSED}; exit 3; fi; {command}"
 
 
 def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if: str | None = None) -> bool | None:
@@ -76,9 +84,8 @@ def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if:
     ok = host.run_shell_command(f"install -d -m 755 {shlex.quote(directory)}", _sudo=sudo)[0]
     if not (ok and host.put_file(as_io(content), upload, _sudo=sudo)):
         return False
-    write = atomic_write_command(path, mode=mode, source=upload)
-    if only_if is not None:
-        write = (f"if ! {{ {only_if}; }}; then rm -f {shlex.quote(upload)}; echo {REFUSED}; exit 3; fi; {write}")
+    write = guarded(atomic_write_command(path, mode=mode, source=upload), only_if,
+                    cleanup=f"rm -f {shlex.quote(upload)}; ")
     ok, output = host.run_shell_command(write, _sudo=sudo)
     if not ok and REFUSED in output.stdout_lines:
         return None
