@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from types import TracebackType
 
 from gpufleet.sandbox.procs import run
 
 
 class ThrowawayKey:
-    """An ed25519 signing key in its own GNUPGHOME (never inside a served tree)."""
+    """An ed25519 signing key in its own GNUPGHOME (never inside a served tree), used as a context manager: gpg
+    starts a gpg-agent daemon for the home on first use, and leaving the block ends that agent and deletes the home
+    (a repo is signed once, when it is built; a rebuild makes a new key), so nothing outlives the build."""
 
     def __init__(self, home: Path, uid: str):
         self.home = home
@@ -19,6 +22,14 @@ class ThrowawayKey:
         home.mkdir(mode=0o700, parents=True)
         self._env = {**os.environ, "GNUPGHOME": str(home)}
         run(["gpg", "--batch", "--passphrase", "", "--quick-gen-key", uid, "ed25519", "sign", "never"], env=self._env)
+
+    def __enter__(self) -> ThrowawayKey:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        run(["gpgconf", "--homedir", str(self.home), "--kill", "all"], env=self._env, check=False)
+        shutil.rmtree(self.home, ignore_errors=True)
 
     def armored_public_key(self) -> str:
         return run(["gpg", "--armor", "--export"], env=self._env).stdout

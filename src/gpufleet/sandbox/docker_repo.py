@@ -194,11 +194,11 @@ def _build_repo(cache_dir: Path, root: Path, sources: dict[str, Path], arch: str
     with tempfile.TemporaryDirectory(dir=cache_dir) as work:
         _build_packages(Path(work), sources, arch, pool)
     # The private key stays out of the served tree.
-    key = ThrowawayKey(root.with_name(root.name + ".gnupg"),
-                       "Docker repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>")
-    (debian / "gpg").write_text(key.armored_public_key())
-    _index(debian, arch)
-    key.sign_release(debian / "dists" / SUITE)
+    with ThrowawayKey(root.with_name(root.name + ".gnupg"),
+                      "Docker repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>") as key:
+        (debian / "gpg").write_text(key.armored_public_key())
+        _index(debian, arch)
+        key.sign_release(debian / "dists" / SUITE)
     log.info("Docker repo stand-in built in %.1fs", cache.publish(tmp, root, t0))
 
 

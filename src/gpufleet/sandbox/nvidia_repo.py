@@ -58,10 +58,6 @@ def _build_repo(root: Path, base_url: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     arch = tmp / "stable/deb/amd64"
     arch.mkdir(parents=True)
-    # The private key stays out of the served tree: a repo is only as trustworthy as its key is private.
-    key = ThrowawayKey(root.with_name(root.name + ".gnupg"),
-                       "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>")
-    (tmp / "gpgkey").write_text(key.armored_public_key())
     (tmp / "stable/deb/nvidia-container-toolkit.list").write_text(
         f"deb [signed-by={KEYRING}] {base_url}/stable/deb/$(ARCH) /\n"
         f"#deb [signed-by={KEYRING}] {base_url}/experimental/deb/$(ARCH) /\n"
@@ -81,7 +77,11 @@ def _build_repo(root: Path, base_url: str) -> None:
         cwd=arch,
     ).stdout
     (arch / "Release").write_text(release)
-    key.sign_release(arch)
+    # The private key stays out of the served tree: a repo is only as trustworthy as its key is private.
+    with ThrowawayKey(root.with_name(root.name + ".gnupg"),
+                      "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>") as key:
+        (tmp / "gpgkey").write_text(key.armored_public_key())
+        key.sign_release(arch)
     shutil.rmtree(tmp / "pkg")
     cache.publish(tmp, root, t0)
 
