@@ -26,7 +26,7 @@ class Profile:
     gpus: tuple[int, ...]  # vllm_gpus: their count must equal DP x TP x PP in vllm_args
     # --- what the container runs -----------------------------------------------------------------------------
     # docker run options in order; value True = bare flag, str = "--name=value", list = repeated "--name v".
-    # "runtime" always renders first and --gpus right after it, as in the write-up.
+    # "runtime" always renders first and --gpus right after it, as in the published invocation.
     docker_options: dict[str, DockerOptionDefault]
     env: dict[str, str]
     # container paths of the mounts; host paths come from the settings (see settings.py).

@@ -1,4 +1,4 @@
-"""`qwen35`: the write-up's invocation (docs/profiles.md), flag for flag and value for value.
+"""`qwen35`: the published invocation (docs/profiles.md), flag for flag and value for value.
 
 Where that invocation has known problems, `gpufleet lint` warns and offers the fix; the profile does not silently
 change what users asked for. Its rendered docker run and unit are fixed by tests (the seed golden test and
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from gpufleet.profiles._profile import Profile
 
-# Qwen's sampling for thinking mode and precise coding, kept as the write-up's exact text (spacing and 0.60
+# Qwen's sampling for thinking mode and precise coding, kept as the published exact text (spacing and 0.60
 # included), not re-serialised: re-serialising would change every existing host's unit.
 GENERATION_CONFIG = ('{ "temperature": 0.60, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0, '
                      '"repetition_penalty": 1.0, "max_tokens": 16384 }')
