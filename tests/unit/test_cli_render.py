@@ -55,10 +55,10 @@ def test_render_unit_for_one_host(inventory):
     assert "6000:6000" in split_exec(exec_line[len("ExecStart=") :])
 
 
-def test_invalid_data_exits_1_with_one_line_errors_and_no_traceback(inventory):
+def test_invalid_data_exits_2_with_one_line_errors_and_no_traceback(inventory):
     inv = inventory('boxes = [("a", {"vllm_port": 0}), ("b", {"vllm_args": {"kv-cache-dtype": "fp7"}})]\n')
     result = run("render", inv)
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input
     lines = [l for l in result.output.splitlines() if l]
     assert lines[0].startswith("Error: a: vllm_port: ") and lines[1].startswith("b: vllm_args['kv-cache-dtype']: ")
     assert "Traceback" not in result.output
@@ -74,9 +74,9 @@ def test_lint_warns_with_exit_0_and_errors_with_exit_1(inventory):
 
 def test_missing_inventory_and_broken_inventory_are_one_liners(inventory, tmp_path):
     result = run("render", str(tmp_path / "nope.py"))
-    assert result.exit_code == 1 and "inventory file not found" in result.output
+    assert result.exit_code == 2 and "inventory file not found" in result.output
     result = run("render", inventory("boxes = [(\n"))
-    assert result.exit_code == 1 and "cannot load inventory: SyntaxError" in result.output
+    assert result.exit_code == 2 and "cannot load inventory: SyntaxError" in result.output
 
 
 def test_console_script_runs_on_the_shipped_example_inventory():
@@ -105,9 +105,9 @@ def test_hostile_settings_are_one_line_each_from_render_and_lint(inventory):
         "c\\rd: inventory host name: holds a control character (U+000D), which would break the unit's header and "
         "every log line (fix: rename the host in the inventory)",
     ]
-    for command in ("render", "lint"):
+    for command, code in (("render", 2), ("lint", 1)):  # lint finds invalid settings: its errors (docs/cli.md)
         result = run(command, inv)
-        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert result.exit_code == code and "Traceback" not in result.output
         assert result.output.removeprefix("Error: ").splitlines() == expected
 
 
@@ -122,8 +122,9 @@ def test_render_shows_secret_env_names_never_values(inventory):
 def test_an_inventory_raising_a_multi_line_error_is_still_one_line(inventory):
     path = inventory('raise ValueError("first line\\nExecStartPre=/bin/id")\n')
     result = run("render", path)
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    assert result.output.splitlines() == [f"Error: {path}: cannot load inventory: ValueError: first line\\nExecStartPre=/bin/id"]
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.splitlines() == [f"Error: {path}: cannot load inventory: ValueError: first line\\nExecStartPre=/bin/id "
+                                          f"(fix: correct {path}: `python3 {path}` shows the whole error)"]
 
 
 def test_router_hosts_are_neither_rendered_nor_linted(inventory):

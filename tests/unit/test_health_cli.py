@@ -45,21 +45,28 @@ def test_targets_carry_ssh_data_gpus_and_configured_batching(inventory):
     assert b.max_num_batched_tokens == 1152
 
 
-def test_status_json_reports_unreachable_hosts(inventory):
+def test_status_json_reports_unreachable_hosts_as_problems_with_the_reason_and_a_fix(inventory):
     result = CliRunner().invoke(status, [str(inventory), "--json"])
-    assert result.exit_code == 0, result.output
-    rows = json.loads(result.output)
+    assert result.exit_code == 1, result.output  # problems found
+    doc = json.loads(result.stdout)
+    assert (doc["command"], doc["ok"], doc["routers"]) == ("status", False, [])
+    rows = doc["hosts"]
     assert [r["host"] for r in rows] == ["box-a", "box-b"]
-    assert {r["state"] for r in rows} == {"ssh-unreachable"}
+    assert {r["state"] for r in rows} == {"ssh-unreachable"} and not any(r["ok"] for r in rows)
     assert rows[0]["gpus"] == [0, 1]
+    (problem,) = rows[0]["problems"]
+    assert problem["id"] == "ssh-unreachable" and "cannot SSH to 127.0.0.1" in problem["message"]
+    assert problem["fix"] and "box-a" in problem["fix"]
 
 
-def test_status_table_has_the_fleet_columns(inventory):
+def test_status_table_has_the_fleet_columns_and_says_why_a_host_is_unreachable(inventory):
     result = CliRunner().invoke(status, [str(inventory)])
-    assert result.exit_code == 0
+    assert result.exit_code == 1
     for col in ("host", "GPUs", "image", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits", "block", "unit"):
-        assert col in result.output
-    assert "ssh-unreachable" in result.output
+        assert col in result.stdout
+    assert "ssh-unreachable" in result.stdout
+    assert "box-a: ssh-unreachable: cannot SSH to 127.0.0.1" in result.stdout and "(fix: " in result.stdout
+    assert "status found problems on 2 of 2 host(s): box-a, box-b" in result.stderr
 
 
 def test_verify_fails_when_a_host_is_not_ready(inventory):
@@ -79,7 +86,7 @@ def test_verify_fails_when_a_host_is_not_ready(inventory):
 def test_user_errors_are_one_line_without_traceback(inventory, args, message):
     args = [str(inventory) if a == "INV" else a for a in args]
     result = CliRunner().invoke(verify, args)
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input
     assert message in result.output and "Traceback" not in result.output
 
 
@@ -87,7 +94,7 @@ def test_invalid_settings_are_reported_per_host(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text('hosts = [("box", {"vllm_gpus": "zero"})]\n')
     result = CliRunner().invoke(status, [str(path)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input
     assert "box: vllm_gpus" in result.output and "Traceback" not in result.output
 
 
@@ -157,8 +164,8 @@ def test_status_shows_the_resolved_block_and_unit(inventory, monkeypatch):
     monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [_odd_block_result(target)])
     out = CliRunner().invoke(status, [str(inventory), "--host", "box-b"]).output
     assert "544" in out and "=block" in out
-    (row,) = json.loads(CliRunner().invoke(status, [str(inventory), "--host", "box-b", "--json"]).output)
-    assert (row["block_size"], row["prefix_match_unit"]) == ("544", "=block")
+    (row,) = json.loads(CliRunner().invoke(status, [str(inventory), "--host", "box-b", "--json"]).stdout)["hosts"]
+    assert (row["block_sizes"], row["prefix_match_unit"]) == ([544], None)  # null, never the table's "=block"
     assert row["cache_config"]["block_size"] == "544"
 
 
@@ -174,7 +181,10 @@ def test_verify_probe_prints_the_per_host_table_with_legal_fixes(inventory, monk
     assert "3300 (multi-chunk): 0%" in out and "569: 89%" in out  # hit ratio per length
     assert "--prefix-match-unit 68" in out and "--prefix-match-unit 128" not in out
     assert "34/39 in 6 s" in out  # requests sent / bound, and time
-    (row,) = json.loads(CliRunner().invoke(verify, [str(inventory), "--host", "box-b", "--probe", "--json"]).stdout)
+    (row,) = json.loads(CliRunner().invoke(verify, [str(inventory), "--host", "box-b", "--probe", "--json"]).stdout)[
+        "hosts"]
+    assert (row["ok"], [p["id"] for p in row["problems"]]) == (False, ["probe"])
+    assert "--prefix-match-unit 68" in row["problems"][0]["fix"]
     assert row["probe"]["legal"]["prefix_match_unit"] == 68
     assert [t["reprocessed"] for t in row["probe"]["session"]] == [1251, 454]
     assert row["probe"]["points"][2]["chunks"] == 2
@@ -271,13 +281,16 @@ def test_verify_json_has_router_rows_with_ok_and_problems(fleet_inventory, monke
     _fake_fleet(monkeypatch, [(GPU1, True)])
     result = CliRunner().invoke(verify, [str(fleet_inventory), "--json"])
     assert result.exit_code == 1
-    rows = json.loads(result.stdout)
-    (router,) = [r for r in rows if r.get("role") == "router"]
+    doc = json.loads(result.stdout)
+    (router,) = doc["routers"]
     assert (router["host"], router["state"], router["ok"]) == ("rtr1", "ready", False)
     assert [w["url"] for w in router["workers"]] == [GPU1]
-    assert router["problems"] == [f"rtr1: worker {GPU2} (gpu2) is not in the router's worker set (fix: once gpu2 "
-                                  f"verifies ready, pyinfra {fleet_inventory} deploys/router.py adds it back)"]
-    assert [r["host"] for r in rows if r.get("role") != "router"] == ["gpu1", "gpu2"]
+    assert router["problems"] == [{"id": "worker-missing",
+                                   "message": f"worker {GPU2} (gpu2) is not in the router's worker set",
+                                   "fix": f"once gpu2 verifies ready, pyinfra {fleet_inventory} deploys/router.py "
+                                          "adds it back"}]
+    assert [r["host"] for r in doc["hosts"]] == ["gpu1", "gpu2"] and all(r["ok"] for r in doc["hosts"])
+    assert doc["ok"] is False
 
 
 def test_verify_refuses_a_replica_no_router_can_reach_before_any_ssh(tmp_path, monkeypatch):
@@ -286,7 +299,7 @@ def test_verify_refuses_a_replica_no_router_can_reach_before_any_ssh(tmp_path, m
                     "routers = [('rtr1', {})]\n")
     checked, reads = _fake_fleet(monkeypatch)
     result = CliRunner().invoke(verify, [str(path)])
-    assert result.exit_code == 1 and (checked, reads) == ([], [])
+    assert result.exit_code == 2 and (checked, reads) == ([], [])  # a bad setting: bad input
     assert "gpu1: vllm_publish_address: 127.0.0.1 keeps vLLM off the network" in result.output
     assert "Traceback" not in result.output
 

@@ -93,7 +93,10 @@ def test_the_report_lists_the_most_severe_first(inventory):
 # --- --json and --strict ---------------------------------------------------------------------------------------
 def test_json_is_one_document_with_every_host_named(inventory):
     code, doc = as_json(inventory('boxes = [("a", {}), ("b", {})]\n'))
-    assert code == 0 and set(doc) == {"ok", "findings", "accepted"} and doc["ok"] is True
+    assert code == 0 and set(doc) == {"command", "ok", "error", "findings", "accepted", "hosts", "routers"}
+    assert doc["ok"] is True and doc["error"] is None
+    assert doc["command"] == "lint" and [(r["host"], r["ok"], r["problems"]) for r in doc["hosts"]] == [
+        ("a", True, []), ("b", True, [])]  # warnings do not count without --strict
     assert doc["findings"] and doc["accepted"] == []
     for finding in doc["findings"]:
         assert set(finding) == {"id", "severity", "message", "fix", "hosts"}
@@ -109,6 +112,8 @@ def test_warnings_pass_by_default_and_fail_under_strict(inventory):
     assert run(inv, "--strict").exit_code == 1
     code, doc = as_json(inv, "--strict")
     assert code == 1 and doc["ok"] is False
+    (host,) = doc["hosts"]
+    assert host["ok"] is False and {"id", "message", "fix"} == set(host["problems"][0])
 
 
 def test_an_error_fails_without_strict(inventory):

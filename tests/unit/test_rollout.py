@@ -29,7 +29,7 @@ from gpufleet.rollout.fleet import FleetHost
 from gpufleet.rollout.ledgers import PRESENT, parse_read
 from gpufleet.rollout.membership import belongs
 from gpufleet.rollout.prepare import failures, prepare
-from gpufleet.rollout.report import HostOutcome, Outcome, document, succeeded
+from gpufleet.rollout.report import HostOutcome, Outcome, succeeded
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.run import previous_targets
 from gpufleet.rollout.swap import SwapOptions, batches, judge
@@ -165,14 +165,17 @@ def test_anything_else_is_failed_with_what_the_ledger_and_the_run_say():
     assert judge("h1", NEW, read(committed_on(OLD)), unreadable, run_of(1), None, None).outcome is Outcome.FAILED
 
 
-def test_json_document_has_the_issue_shape():
+def test_a_hosts_json_row_has_ok_problems_and_the_rollouts_fields():
     outcomes = [HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.14159, ""),
                 HostOutcome("h2", OLD, NEW, Outcome.NOT_STARTED, None, "not touched")]
-    doc = json.loads(json.dumps(document(NEW, outcomes)))
-    assert doc == {"target": NEW, "hosts": [
-        {"host": "h1", "from": OLD, "to": NEW, "outcome": "updated", "downtime_s": 3.14, "detail": "", "checks": []},
-        {"host": "h2", "from": OLD, "to": NEW, "outcome": "not-started", "downtime_s": None, "detail": "not touched",
-         "checks": []}]}
+    rows = json.loads(json.dumps([o.as_dict() for o in outcomes]))
+    assert rows[0] == {"host": "h1", "ok": True, "problems": [], "from": OLD, "to": NEW, "outcome": "updated",
+                       "downtime_s": 3.14, "detail": "", "checks": []}
+    (problem,) = rows[1].pop("problems")
+    assert rows[1] == {"host": "h2", "ok": False, "from": OLD, "to": NEW, "outcome": "not-started",
+                       "downtime_s": None, "detail": "not touched", "checks": []}
+    assert (problem["id"], problem["message"]) == ("not-started", "not touched")
+    assert problem["fix"].startswith("nothing changed on h2: ")
     assert not succeeded(outcomes) and succeeded(outcomes[:1])
 
 
@@ -309,10 +312,10 @@ def test_cli_refuses_bad_input_with_one_line_before_anything(tmp_path):
     inventory = tmp_path / "inv.py"
     inventory.write_text(f"gpuhosts = [('h1', {{'vllm_image': '{REPO}:nightly', 'ssh_hostname': '127.0.0.1'}})]\n")
     result = CliRunner().invoke(main, ["rollout", str(inventory), "--image", "other/repo:tag", "--yes"])
-    assert result.exit_code == 1 and "is not of the fleet's repository" in result.output
+    assert result.exit_code == 2 and "is not of the fleet's repository" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
     result = CliRunner().invoke(main, ["rollback", str(inventory), "--to", f"{REPO}:nightly", "--yes"])
-    assert result.exit_code == 1 and "not a digest" in result.output
+    assert result.exit_code == 2 and "not a digest" in result.output
 
 
 # --- the deploy run, through the real pyinfra CLI (hosts @local: nothing leaves this machine) --------------------

@@ -1,3 +1,3 @@
 from gpufleet.cli import main
 
-main()
+main(prog_name="gpufleet")

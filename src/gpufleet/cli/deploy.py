@@ -16,6 +16,8 @@ from pathlib import Path
 
 import click
 
+from gpufleet.cli.envelope import BadInput, unreadable
+from gpufleet.cli.logs import quiet
 from gpufleet.deploys import packaged_deploy_file
 from gpufleet.errors import GpufleetError
 from gpufleet.inventory import ROUTERS_GROUP, load_pyinfra_hosts
@@ -55,9 +57,25 @@ def routers_in_limit(routers: Sequence[tuple[str, tuple[str, ...]]], patterns: S
     return any(fnmatch.fnmatch(name, p) or p in groups for name, groups in routers for p in patterns)
 
 
+def check_inventory(inventory: str) -> None:
+    """An inventory file that is missing, does not load or lists no host is bad input (exit status 2) before pyinfra
+    runs; anything else pyinfra takes as an inventory (`@local`, `host1,host2`) is pyinfra's to judge."""
+    if not Path(inventory).is_file():
+        if inventory.endswith(".py") or "/" in inventory:
+            raise BadInput(f"{inventory}: inventory file not found (fix: pass a path like inventories/lab.py)")
+        return
+    try:
+        hosts = load_pyinfra_hosts(inventory)
+    except GpufleetError as e:
+        raise unreadable(inventory, e) from None
+    if not hosts:
+        raise BadInput(f"{inventory}: no hosts in the inventory (fix: list hosts in it, as in inventories/lab.py)")
+
+
 def run_pyinfra(inventory: str, deploy_file: Path, args: Sequence[str]) -> int:
     argv = [pyinfra_command(), inventory, str(deploy_file), *args]
-    click.echo(f"gpufleet deploy: $ {' '.join(argv)}", err=True)
+    if not quiet():
+        click.echo(f"gpufleet deploy: $ {' '.join(argv)}", err=True)
     # stdin, stdout and stderr stay the terminal's: pyinfra asks before it changes anything (unless -y).
     try:
         return subprocess.run(argv).returncode
@@ -76,7 +94,8 @@ def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> N
     First the vLLM hosts (as `pyinfra INVENTORY deploys/qwen35.py` from a checkout); then, when INVENTORY has a
     `routers` group reached by --limit, the routers (deploys/router.py), in front of the replicas that verify
     ready. The router run is skipped when the first one fails. pyinfra's own options (--dry, --limit HOST, -y,
-    --data key=value, ...) pass through to both runs; the exit status is pyinfra's. docs/cli.md.
+    --data key=value, ...) pass through to both runs; the exit status is pyinfra's (2 before it runs for an
+    inventory file that is missing, does not load or lists no host). docs/cli.md.
 
     \b
     Examples:
@@ -90,6 +109,7 @@ def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> N
     if stray:
         raise click.UsageError(f"{stray[0]}: gpufleet deploy takes one INVENTORY and pyinfra's options; the deploy "
                                "file is its own (fix: drop it, or give the option it is the value of)")
+    check_inventory(inventory)
     runs: list[str] = []
     if only in (None, "vllm"):
         runs.append("qwen35")

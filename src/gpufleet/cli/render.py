@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 import click
 
+from gpufleet.cli.envelope import BadInput, Problem, emit, load_inventory, row
+from gpufleet.cli.logs import quiet
 from gpufleet.defaults import DEFAULTS
 from gpufleet.errors import GpufleetError, SettingError, SettingErrors
-from gpufleet.inventory import load_roles, load_specs
+from gpufleet.inventory import load_specs
 from gpufleet.lint import (
     ACCEPT_SETTING,
     SEVERITIES,
@@ -36,23 +37,20 @@ def render(inventory: str, host_name: str | None, unit: bool) -> None:
     """Print each host's `docker run` command (or systemd unit) without connecting to it.
 
     \b
+    Exit status: 0, or 2 when the inventory cannot be read or a setting is invalid (one line each).
+
+    \b
     Example:
         gpufleet render inventories/lab.py --host gpu-box-1
     """
+    load_inventory(inventory, host_name)
     try:
         specs = load_specs(inventory, host_name)
     except GpufleetError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise BadInput(str(exc)) from None
     for spec in specs:
         click.echo(f"# host: {spec.host}")
         click.echo(render_unit(spec) if unit else shell_line(spec.docker_run_argv()), nl=not unit)
-
-
-class BadInput(click.ClickException):
-    """lint could not read the inventory at all (missing, not loadable, empty): exit status 2, apart from the 1 that
-    says it found errors."""
-
-    exit_code = 2
 
 
 # What lint prints each severity in, on a terminal.
@@ -61,7 +59,8 @@ _SEVERITY_COLOUR = {"error": "red", "warning": "yellow", "info": "cyan"}
 
 @click.command()
 @click.argument("inventory", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout: ok, findings, accepted.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON document on stdout: command, ok, findings, accepted, and hosts and routers rows.")
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too (for CI).")
 def lint(inventory: str, as_json: bool, strict: bool) -> None:
     """Find known traps in each host's settings (vLLM hosts and routers), with the fix.
@@ -80,12 +79,7 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
     Example:
         gpufleet lint inventories/lab.py --strict
     """
-    try:
-        routers, replicas = load_roles(inventory)
-    except GpufleetError as exc:
-        raise BadInput(str(exc)) from None
-    if not routers and not replicas:
-        raise BadInput(f"{inventory}: no hosts in the inventory (fix: list hosts in it, as in inventories/lab.py)")
+    routers, replicas = load_inventory(inventory)
     hosts, router_names = [name for name, _ in replicas], [name for name, _ in routers]
     specs, errors = [], []
     accepted: dict[str, frozenset[str]] = {}
@@ -118,10 +112,23 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
         findings += [f for name, data in routers for f in lint_router(name, router_settings(data), len(replicas))]
         report = fleet_report(findings, accepted, hosts, router_names)
     if as_json:
-        click.echo(json.dumps(report.as_json(strict), indent=2))
+        emit(json_document(report, strict))
     else:
         _print_report(report)
     sys.exit(report.exit_code(strict))
+
+
+def json_document(report: LintReport, strict: bool) -> dict[str, Any]:
+    """lint's own document (findings folded over the fleet, docs/lint.md) in the envelope of the other commands: a
+    row per host and router with ok and its problems (the findings on it that count)."""
+    failing = ("error", "warning") if strict else ("error",)
+
+    def host_row(name: str) -> dict[str, Any]:
+        return row(name, [Problem(f.id, f.message, f.fix) for f in report.findings
+                          if name in f.hosts and f.severity in failing])
+
+    return {"command": "lint", **report.as_json(strict), "error": None, "hosts": [host_row(h) for h in report.hosts],
+            "routers": [host_row(r) for r in report.routers]}
 
 
 def _read_accept(host: str, data: dict[str, Any], accepted: dict[str, frozenset[str]]) -> list[SettingError]:
@@ -145,4 +152,5 @@ def _print_report(report: LintReport) -> None:
     counts = ", ".join(f"{report.count(severity)} {severity}" + ("" if severity == "info" else "(s)")
                        for severity in SEVERITIES)
     routers = f", {len(report.routers)} router(s)" if report.routers else ""
-    click.echo(f"{len(report.hosts)} host(s){routers}: {counts}, {len(report.accepted)} accepted", err=True)
+    if not quiet():
+        click.echo(f"{len(report.hosts)} host(s){routers}: {counts}, {len(report.accepted)} accepted", err=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -15,15 +14,18 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpufleet.cli.logs import quiet_ssh_logs
+from gpufleet.cli.envelope import BadInput, Problem, document, emit, exit_status, load_inventory, row, stopped
+from gpufleet.cli.logs import quiet, quiet_ssh_logs, stderr
 from gpufleet.errors import GpufleetError
 from gpufleet.ledger import Ledger
 from gpufleet.rollout.deploy import default_deploy_file
+from gpufleet.rollout.fleet import load_fleet
 from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.progress import Progress
-from gpufleet.rollout.report import document, short, succeeded, table
+from gpufleet.rollout.report import short, table
 from gpufleet.rollout.run import Result, history, roll_back, roll_out
 from gpufleet.rollout.swap import STAGE_TIMEOUT_S, SwapOptions
+from gpufleet.rollout.target import requested_image
 from gpufleet.wire.checks import SERVING_CHECKS
 
 
@@ -45,18 +47,42 @@ def _confirm(yes: bool) -> Any:
     return ask
 
 
-def _finish(result: Result, as_json: bool, log: Path | None) -> None:
+def _checked(inventory: str, host: str | None = None, image: str | None = None) -> None:
+    """Bad input (exit status 2) before any host is reached: the inventory, its settings, --image."""
+    load_inventory(inventory, host)
+    try:
+        requested_image(load_fleet(inventory, host), image)
+    except GpufleetError as e:
+        raise BadInput(str(e)) from None
+
+
+def _progress(hosts: Sequence[str]) -> Progress:
+    return Progress(hosts, stderr())
+
+
+def _finish(command: str, result: Result, as_json: bool, log: Path | None) -> None:
+    doc = document(command, [o.as_dict() for o in result.outcomes], [], target=result.target,
+                   message=result.message or None)
     err = Console(stderr=True)
     if result.message:
-        err.print(Text(result.message))
+        err.print(Text(result.message), soft_wrap=True)
     if as_json:
-        click.echo(json.dumps(document(result.target, result.outcomes), indent=2))
+        emit(doc)
     else:
         _console().print(table(result.outcomes, title=f"target {result.target}"))
-    if log is not None and log.exists():
-        err.print(Text(f"deploy output: {log}"))
-    if not succeeded(result.outcomes):
-        sys.exit(1)
+        for outcome in result.outcomes:
+            for problem in outcome.problems():
+                click.echo(Problem(**problem).line(outcome.host))
+    if log is not None and log.exists() and (not quiet() or not doc["ok"]):
+        err.print(Text(f"deploy output: {log}"), soft_wrap=True)
+    sys.exit(exit_status(doc))
+
+
+def _to_digest(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and "@sha256:" not in value:
+        raise click.BadParameter(f"{value}: not a digest (fix: pass repo@sha256:<digest>, as `gpufleet history` "
+                                 "shows it)")
+    return value
 
 
 def _common(fn: Any) -> Any:
@@ -80,8 +106,11 @@ def _common(fn: Any) -> Any:
     return fn
 
 
+_inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
+
+
 @click.command()
-@click.argument("inventory", type=click.Path(exists=True, dir_okay=False))
+@_inventory_arg
 @click.option("--image", default=None, help="A tag or digest of vllm_image's repository (default: vllm_image).")
 @click.option("--canary", type=click.IntRange(min=0), default=1, show_default=True,
               help="Hosts swapped (and gated) first.")
@@ -95,35 +124,47 @@ def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped:
             drain_timeout: float, retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool,
             deploy: str | None, log: str | None) -> None:
     """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate. The
-    canary is held to every serving check (cached equals cold, sessions apart, the parsers, the probe)."""
+    canary is held to every serving check (cached equals cold, sessions apart, the parsers, the probe).
+
+    \b
+    Exit status: 0 every host updated or unchanged, 1 problems found (a host rolled back, failed, not started;
+    a refusal), 2 bad input (docs/cli.md). Progress goes to stderr, the result to stdout.
+    """
+    _checked(inventory, image=image)
     quiet_ssh_logs()
     try:
         options = _options(deploy, log, canary=canary, batch=batch, probe=probe, retry_failed=retry_failed,
                            drain_timeout_s=drain_timeout, stage_timeout_s=stage_timeout,
                            canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped))
-        result = roll_out(inventory, image, options, _confirm(yes), Progress)
+        result = roll_out(inventory, image, options, _confirm(yes), _progress)
     except GpufleetError as e:
-        raise click.ClickException(str(e)) from None
-    _finish(result, as_json, options.log)
+        raise stopped("rollout", str(e), as_json) from None
+    _finish("rollout", result, as_json, options.log)
 
 
 @click.command()
-@click.argument("inventory", type=click.Path(exists=True, dir_okay=False))
+@_inventory_arg
 @click.option("--host", default=None, help="Only this host (default: every host, one at a time).")
-@click.option("--to", default=None, help="repo@sha256:<digest> to go to (default: the previous committed digest).")
+@click.option("--to", default=None, callback=_to_digest,
+              help="repo@sha256:<digest> to go to (default: the previous committed digest).")
 @_common
 def rollback(inventory: str, host: str | None, to: str | None, probe: bool, drain_timeout: float,
              retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool, deploy: str | None,
              log: str | None) -> None:
-    """Return hosts to their previous committed digest (or --to), gated like a rollout."""
+    """Return hosts to their previous committed digest (or --to), gated like a rollout.
+
+    \b
+    Exit status: 0 every host back or unchanged, 1 problems found, 2 bad input (docs/cli.md).
+    """
+    _checked(inventory, host, to)
     quiet_ssh_logs()
     try:
         options = _options(deploy, log, probe=probe, retry_failed=retry_failed, drain_timeout_s=drain_timeout,
                            stage_timeout_s=stage_timeout)
-        result = roll_back(inventory, host, to, options, _confirm(yes), Progress)
+        result = roll_back(inventory, host, to, options, _confirm(yes), _progress)
     except GpufleetError as e:
-        raise click.ClickException(str(e)) from None
-    _finish(result, as_json, options.log)
+        raise stopped("rollback", str(e), as_json) from None
+    _finish("rollback", result, as_json, options.log)
 
 
 def ledger_rows(lg: Ledger) -> list[tuple[str, str, str, str, str]]:
@@ -158,26 +199,46 @@ def _history_table(host: str, lg: HostLedger) -> Table:
     return t
 
 
+def _ledger_problems(inventory: str, host: str, lg: HostLedger) -> list[Problem]:
+    if not lg.error:
+        return []
+    return [Problem.from_line("ledger-unreadable", lg.error, host,
+                              f"check that {host} is up and that its ssh_* data in {inventory} reach it, and that "
+                              f"{lg.path} is readable by root there")]
+
+
+def _history_row(inventory: str, host: str, lg: HostLedger) -> dict[str, Any]:
+    rows = [{"state": state, "ref": ref, "image": image or None, "at": at, "detail": detail or None}
+            for state, ref, image, at, detail in (ledger_rows(lg.ledger) if lg.ledger else [])]
+    return row(host, _ledger_problems(inventory, host, lg), path=lg.path, rows=rows)
+
+
 @click.command(name="history")
-@click.argument("inventory", type=click.Path(exists=True, dir_okay=False))
+@_inventory_arg
 @click.option("--host", default=None, help="Only this host.")
-@click.option("--json", "as_json", is_flag=True, help="Each host's ledger as JSON on stdout.")
-def history_command(inventory: str, host: str | None, as_json: bool) -> None:
-    """Each host's ledger: what runs (committed), what ran before, what failed and why, a cut run's pending change."""
+@click.option("--json", "as_json", is_flag=True,
+              help='One JSON document on stdout: {"command", "ok", "hosts", "routers"}, each host\'s ledger rows.')
+@click.pass_context
+def history_command(ctx: click.Context, inventory: str, host: str | None, as_json: bool) -> None:
+    """Each host's ledger: what runs (committed), what ran before, what failed and why, a cut run's pending change.
+
+    \b
+    Exit status: 0 every ledger read, 1 a ledger could not be read, 2 bad input (docs/cli.md).
+    """
+    load_inventory(inventory, host)
     quiet_ssh_logs()
     try:
         ledgers = history(inventory, host)
-    except GpufleetError as e:
-        raise click.ClickException(str(e)) from None
+    except GpufleetError as e:  # an invalid setting, before any host is reached
+        raise BadInput(str(e)) from None
+    doc = document("history", [_history_row(inventory, h.name, lg) for h, lg in ledgers], [])
     if as_json:
-        doc = {h.name: {"path": lg.path, "error": lg.error,
-                        "rows": [dict(zip(("state", "ref", "image", "at", "detail"), row, strict=True))
-                                 for row in (ledger_rows(lg.ledger) if lg.ledger else [])]}
-               for h, lg in ledgers}
-        click.echo(json.dumps(doc, indent=2))
+        emit(doc)
     else:
         console = _console()
         for h, lg in ledgers:
             console.print(_history_table(h.name, lg))
-    if any(lg.error for _, lg in ledgers):
-        sys.exit(1)
+        for h, lg in ledgers:
+            for problem in _ledger_problems(inventory, h.name, lg):
+                click.echo(problem.line(h.name))
+    ctx.exit(exit_status(doc))

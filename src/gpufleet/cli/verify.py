@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -14,14 +13,16 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpufleet.cli.logs import quiet_ssh_logs
+from gpufleet.cli.envelope import BadInput, Problem, document, emit, exit_status, load_inventory, row
+from gpufleet.cli.logs import quiet_ssh_logs, stderr
+from gpufleet.cli.progress import FleetProgress
 from gpufleet.errors import GpufleetError
 from gpufleet.health import HealthState
 from gpufleet.health.check import spec_drift
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
 from gpufleet.health.probe import ProbeReport
-from gpufleet.inventory import HostData, load_host_specs, load_roles
-from gpufleet.router.check import RouterExpected, RouterVerdict, verify_router
+from gpufleet.inventory import HostData, load_host_specs
+from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import replicas
 from gpufleet.router.status import RouterStatus, read_host
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
@@ -43,13 +44,10 @@ def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarge
 def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]:
     try:
         targets = load_targets(inventory, host)
-    except GpufleetError as e:
-        raise click.ClickException(str(e)) from None
-    if not targets:
-        raise click.ClickException(f"{inventory}: no hosts in the inventory")
+    except GpufleetError as e:  # an invalid setting: bad input, before any host is reached
+        raise BadInput(str(e)) from None
     quiet_ssh_logs()
     return check_fleet(targets, **kwargs)
-
 
 
 def _console() -> Console:
@@ -62,15 +60,20 @@ def _pct(value: float | None) -> str:
 
 
 def cache_units(cache_config: dict[str, str]) -> tuple[str, str]:
-    """(block size(s), prefix-match unit) as the server resolved them: what a --prefix-match-unit must divide,
-    and what hits align to ("=block" when no unit is set: hits then land on whole blocks)."""
+    """(block size(s), prefix-match unit) as the server resolved them, for the table: what a --prefix-match-unit
+    must divide, and what hits align to ("=block" when no unit is set: hits then land on whole blocks)."""
     blocks = resolved_block_sizes(cache_config)
+    unit = _unit(cache_config)
+    return "/".join(map(str, blocks)) or "-", str(unit) if unit else ("=block" if blocks else "-")
+
+
+def _unit(cache_config: dict[str, str]) -> int | None:
     unit = cache_config.get("prefix_match_unit")
-    return "/".join(map(str, blocks)) or "-", unit if unit and unit.isdigit() else ("=block" if blocks else "-")
+    return int(unit) if unit and unit.isdigit() else None
 
 
-def _table(results: list[HostResult]) -> Table:
-    table = Table(title="gpufleet status", header_style="bold")
+def _table(results: list[HostResult], title: str) -> Table:
+    table = Table(title=title, header_style="bold")
     columns = ("host", "GPUs", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
                "block", "unit")
     for col in columns:
@@ -143,68 +146,153 @@ def _session_cell(p: ProbeReport) -> str:
     return "\n".join(f"N+{t.turn}: {t.reprocessed_tokens} of {t.prompt_tokens} ({t.reprocessed_share:.0%})" for t in later)
 
 
-def _as_json(results: list[HostResult], routers: list[RouterStatus] | None = None,
-             verdicts: list[RouterVerdict] | None = None) -> str:
-    out = []
-    for r in results:
-        block, unit = cache_units(r.health.cache_config)
-        item = r.health.as_dict() | {
-            "host": r.target.name,
-            "gpus": list(r.target.gpus),
-            "block_size": block,
-            "prefix_match_unit": unit,
-            "cache_config": dict(r.health.cache_config),
-        }
-        if r.probe is not None:
-            item["probe"] = r.probe.as_dict()
-        if r.probe_error:
-            item["probe_error"] = r.probe_error
-        if r.answers:
-            item["answers"] = [a.as_dict() for a in r.answers]
-        if r.checks:
-            item["checks"] = [c.as_dict() for c in r.checks]
-        out.append(item)
-    # Router hosts are items of the same list, marked by "role": a list consumer keeps working.
-    out += [{"host": r.name, "role": "router"} | r.as_dict() for r in routers or []]
-    out += [v.as_dict() for v in verdicts or []]  # verify's rows: the same, with ok and the problems
-    return json.dumps(out, indent=2)
+# --- problems: what each row of status and verify finds wrong, with the fix ------------------------------------------
+def _state_fix(state: HealthState, name: str, service: str, inventory: str) -> str:
+    journal = f"read `journalctl -u {service}` on {name}"
+    return {
+        HealthState.SSH_UNREACHABLE: f"check that {name} is up and that its ssh_* data in {inventory} reach it",
+        HealthState.CONTAINER_NOT_RUNNING: f"{journal}; `gpufleet deploy {inventory} --limit {name}` starts it",
+        HealthState.STARTING: f"wait for it (`gpufleet verify {inventory} --host {name} --wait 900`); if it stays "
+                              f"starting, {journal}",
+        HealthState.DEAD: f"{journal}; if a new image broke it, `gpufleet rollback {inventory} --host {name}`",
+        HealthState.MISCONFIGURED: f"`gpufleet deploy {inventory} --limit {name}` converges it to the inventory; if "
+                                   "it still differs, the detail names what",
+    }.get(state, journal)
+
+
+def host_problems(r: HostResult, inventory: str) -> list[Problem]:
+    """Every reason the host's row is not ok, each with its fix (the text lines and --json's problems)."""
+    name, service, h = r.target.name, r.target.expected.service, r.health
+    found = []
+    if not h.ready:
+        found.append(Problem.from_line(str(h.state), f"{h.state}: {h.detail}", name,
+                                       _state_fix(h.state, name, service, inventory)))
+    rollback = f"if a new image broke it, `gpufleet rollback {inventory} --host {name}`"
+    found += [Problem("answer", f"answer check {a.line()}", f"read `journalctl -u {service}` on {name}; {rollback}")
+              for a in r.answers if not a.ok]
+    found += [Problem("serving-check", f"serving check {c.line()}",
+                      f"{rollback}; if the settings did, see docs/verify.md for what {c.name} needs")
+              for c in r.checks if not c.ok]
+    if r.probe_error:
+        found.append(Problem("probe-error", f"probe failed: {r.probe_error}",
+                             f"run it again (`gpufleet verify {inventory} --host {name} --probe`); if it fails "
+                             f"again, read `journalctl -u {service}` on {name}"))
+    p = r.probe
+    if p is not None and not p.ok:
+        fixes = p.fixes or (p.legal.lines() if p.legal else ())
+        found.append(Problem("probe", f"probe {p.verdict}: {p.detail}",
+                             "; ".join(fixes) or "see docs/verify.md (prefix-cache) for what the probe needs"))
+    return found
+
+
+# A router's problem lines come from gpufleet.router.check, each naming its fix; their ids, by what they say.
+_ROUTER_PROBLEM_IDS = (
+    ("cannot SSH to the router host", "ssh-unreachable"),
+    ("the router does not answer", "router-down"),
+    ("the client port does not answer", "front-door"),
+    ("is not in the router's worker set", "worker-missing"),
+    ("is not healthy in the router", "worker-unhealthy"),
+    ("is not a replica of the inventory", "worker-unknown"),
+)
+
+
+def router_problems(verdict: RouterVerdict) -> list[Problem]:
+    name = verdict.status.name
+    return [Problem.from_line(next((id for words, id in _ROUTER_PROBLEM_IDS if words in line), "router-not-ready"),
+                              line, name, f"`gpufleet status` and the router's journal on {name}")
+            for line in verdict.problems]
+
+
+# --- the one JSON document (docs/cli.md) -------------------------------------------------------------------------
+def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
+    fields = {k: v for k, v in r.health.as_dict().items() if k != "host"} | {
+        "gpus": list(r.target.gpus),
+        "block_sizes": resolved_block_sizes(r.health.cache_config),
+        "prefix_match_unit": _unit(r.health.cache_config),  # null: none set (hits land on whole blocks) or unknown
+        "cache_config": dict(r.health.cache_config),
+    }
+    if r.probe is not None:
+        fields["probe"] = r.probe.as_dict()
+    if r.probe_error:
+        fields["probe_error"] = r.probe_error
+    if r.answers:
+        fields["answers"] = [a.as_dict() for a in r.answers]
+    if r.checks:
+        fields["checks"] = [c.as_dict() for c in r.checks]
+    return row(r.target.name, found, **fields)
+
+
+def _router_row(verdict: RouterVerdict) -> dict[str, Any]:
+    fields = {k: v for k, v in verdict.status.as_dict().items() if k != "name"}
+    fields["front_door"] = fields["front_door"] or None  # "": not looked at
+    return row(verdict.status.name, router_problems(verdict), **fields)
+
+
+def _report(command: str, inventory: str, results: list[HostResult], verdicts: list[RouterVerdict],
+            as_json: bool, console: Console, tables: Callable[[Console], None]) -> int:
+    """Print the result (tables and problem lines, or the JSON document); the exit status."""
+    found = {r.target.name: host_problems(r, inventory) for r in results}
+    doc = document(command, [_host_row(r, found[r.target.name]) for r in results],
+                   [_router_row(v) for v in verdicts])
+    if as_json:
+        emit(doc)
+    else:
+        tables(console)
+        for r in results:
+            _explain(console, r, found[r.target.name])
+        for v in verdicts:
+            for problem in router_problems(v):
+                _say(console, problem.line(v.status.name))
+    failed = [r["host"] for r in (*doc["hosts"], *doc["routers"]) if not r["ok"]]
+    if failed:
+        total = len(doc["hosts"]) + len(doc["routers"])
+        verb = "failed on" if command == "verify" else "found problems on"
+        click.echo(f"{command} {verb} {len(failed)} of {total} host(s): {', '.join(failed)}", err=True)
+    return exit_status(doc)
 
 
 _inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
 _host_opt = click.option("--host", "host", default=None, help="Only this inventory host.")
-_json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+_json_opt = click.option("--json", "as_json", is_flag=True,
+                         help='One JSON document on stdout: {"command", "ok", "hosts", "routers"} (docs/cli.md).')
 
 
 @click.command()
 @_inventory_arg
 @_host_opt
 @_json_opt
-def status(inventory: str, host: str | None, as_json: bool) -> None:
-    """Show each host's serving state: image, vLLM version, model, KV cache use, load, prefix-cache hits.
+@click.pass_context
+def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool) -> None:
+    """Show each host's serving state: image, vLLM version, model, KV cache use, load, prefix-cache hits; and each
+    router's workers. Every problem is one line with its fix.
+
+    \b
+    Exit status: 0 every host and router ready, 1 problems found, 2 bad input (docs/cli.md).
 
     \b
     Example:
         gpufleet status inventories/lab.py
-        gpufleet status inventories/lab.py --json | jq '.[].state'
+        gpufleet status inventories/lab.py --json | jq '.hosts[].state'
     """
-    routers, _ = _roles(inventory, host)
+    routers, found = _roles(inventory, host)
+    expected = _router_expectations(inventory, routers, found)  # a bad setting stops status before any SSH
     results = _gather(inventory, host) if not (host and routers) else []
-    router_rows = [read_host(name, data) for name, data in routers]
-    if as_json:
-        click.echo(_as_json(results, router_rows))
-    else:
+    verdicts = [RouterVerdict(look, problems(look, exp))
+                for look, exp in zip((read_host(name, data) for name, data in routers), expected, strict=True)]
+
+    def tables(console: Console) -> None:
         if results:
-            _console().print(_table(results))
-        if router_rows:
-            _console().print(_router_table(router_rows))
+            console.print(_table(results, "gpufleet status"))
+        if verdicts:
+            console.print(_router_table([v.status for v in verdicts]))
+
+    ctx.exit(_report("status", inventory, results, verdicts, as_json, _console(), tables))
 
 
 def _roles(inventory: str, host: str | None) -> tuple[list[HostData], list[HostData]]:
-    """(the routers `--host` selects, every replica) of the inventory."""
-    try:
-        routers, found = load_roles(inventory)
-    except GpufleetError as e:
-        raise click.ClickException(str(e)) from None
+    """(the routers `--host` selects, every replica) of the inventory; bad input when it cannot be read, is empty or
+    has no such host."""
+    routers, found = load_inventory(inventory, host)
     return [(name, data) for name, data in routers if host in (None, name)], found
 
 
@@ -236,7 +324,7 @@ def _router_table(rows: list[RouterStatus]) -> Table:
 @click.option("--checks", "checks", default="none", show_default=True, metavar="LIST",
               help=f"Serving checks to run on each ready host, where its settings apply: a comma list of "
                    f"{', '.join(SERVING_CHECKS)}, or all (docs/verify.md).")
-@click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Seconds to wait for hosts and routers to become ready.")  # fmt: skip
 # No envvar: a VLLM_API_KEY in the caller's environment (set for a client) silently overrode every host's own key.
 @click.option("--api-key", default=None,
@@ -248,7 +336,10 @@ def verify(
 ) -> None:  # fmt: skip
     """Exit non-zero unless every host is ready and answers a chat completion, plain and streamed (and, with
     --probe, reuses its prefix cache), and every router answers and routes to every replica of the inventory,
-    healthy, and to nothing else.
+    healthy, and to nothing else. Every problem is one line with its fix; progress goes to stderr.
+
+    \b
+    Exit status: 0 all verified, 1 problems found, 2 bad input (docs/cli.md).
 
     \b
     Example:
@@ -262,31 +353,39 @@ def verify(
     deadline = time.monotonic() + wait_s  # routers get what is left of --wait after the hosts
     routers, found = _roles(inventory, host)
     expected = _router_expectations(inventory, routers, found)  # a bad setting stops verify before any SSH
-    results = [] if host and routers else _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key,
-                                                  answer=True, checks=names)
-    verdicts = [verify_router(partial(read_host, name, data), exp, deadline) for (name, data), exp in
-                zip(routers, expected, strict=True)]
-    if as_json:
-        click.echo(_as_json(results, verdicts=verdicts))
-    else:
-        console = _console()
+    results: list[HostResult] = []
+    verdicts: list[RouterVerdict] = []
+    with FleetProgress(stderr()) as progress:
+        if not (host and routers):
+            progress.note(_what_verify_does(wait_s, run_probe, names))
+            results = _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key, answer=True,
+                              checks=names, progress=progress.phase)
+        for (name, data), exp in zip(routers, expected, strict=True):
+            progress.phase(name, "reading the router" + (" (waiting for it to pass)" if wait_s else ""))
+            verdicts.append(verify_router(partial(read_host, name, data), exp, deadline))
+            progress.phase(name, "ok" if verdicts[-1].ok else "not ok")
+
+    def tables(console: Console) -> None:
         if results:
-            console.print(_table(results))
+            console.print(_table(results, "gpufleet verify"))
         if any(r.checks for r in results):
             console.print(_checks_table(results, names))
         if any(r.probe is not None for r in results):
             console.print(_probe_table(results))
         if verdicts:
             console.print(_router_table([v.status for v in verdicts]))
-        for r in results:
-            _explain(console, r)
-        for line in (line for v in verdicts for line in v.problems):
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-    failed = [r.target.name for r in results if not r.ok] + [v.status.name for v in verdicts if not v.ok]
-    if failed:
-        total = len(results) + len(verdicts)
-        click.echo(f"verify failed on {len(failed)} of {total} host(s): {', '.join(failed)}", err=True)
-        ctx.exit(1)
+
+    ctx.exit(_report("verify", inventory, results, verdicts, as_json, _console(), tables))
+
+
+def _what_verify_does(wait_s: float, run_probe: bool, checks: Sequence[str]) -> str:
+    steps = [f"waiting up to {wait_s:.0f} s for each host to be ready" if wait_s else "one look at each host",
+             "a chat completion, plain and streamed"]
+    if checks:
+        steps.append(f"serving checks {', '.join(checks)}")
+    if run_probe:
+        steps.append("the prompt re-processing probe (up to a few minutes a host)")
+    return "verify: " + "; ".join(steps)
 
 
 def _checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
@@ -311,30 +410,29 @@ def _router_expectations(inventory: str, routers: list[HostData], found: list[Ho
     try:
         workers = replicas(found)
     except GpufleetError as e:
-        raise click.ClickException(str(e)) from None
+        raise BadInput(str(e)) from None
     return [RouterExpected.for_router(data, workers, inventory) for _, data in routers]
 
 
-def _explain(console: Console, r: HostResult) -> None:
+def _say(console: Console, text: str) -> None:
     # Hosts' details, logs and fixes come from the hosts: plain text (never markup), a line each however long.
-    def say(text: str) -> None:
-        console.print(text, markup=False, highlight=False, soft_wrap=True)
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
+
+def _explain(console: Console, r: HostResult, found: list[Problem]) -> None:
+    """The host's problem lines (each with its fix), the container's last log lines, and the probe's evidence."""
     name = r.target.name
-    if not r.health.ready:
-        say(f"{name}: {r.health.state}: {r.health.detail}")
-        for line in r.health.logs:
-            say(f"  | {line}")
-    for a in r.answers:
-        if not a.ok:
-            say(f"{name}: answer check {a.line()} (fix: read `journalctl -u {r.target.expected.service}` on the host; "
-                f"if a new image broke it, `gpufleet rollback INVENTORY --host {name}`)")
-    for c in r.checks:
-        if not c.ok:
-            say(f"{name}: serving check {c.line()} (fix: if a new image broke it, `gpufleet rollback INVENTORY "
-                f"--host {name}`; if the settings did, see docs/verify.md for what {c.name} needs)")
-    if r.probe_error:
-        say(f"{name}: probe failed: {r.probe_error}")
+
+    def say(text: str) -> None:
+        _say(console, text)
+
+    for problem in found:
+        if problem.id == "probe":
+            continue  # said below, with its evidence
+        say(problem.line(name))
+        if problem.id == str(r.health.state):
+            for line in r.health.logs:
+                say(f"  | {line}")
     p = r.probe
     if p is None:
         return
@@ -352,5 +450,6 @@ def _explain(console: Console, r: HostResult) -> None:
         mnbt = p.max_num_batched_tokens
         if p.fixes:
             say(f"  server --max-num-batched-tokens: {mnbt or 'default (not set)'}")
-            for fix in p.fixes:
-                say(f"  fix: {fix}")
+        (problem,) = [f for f in found if f.id == "probe"]
+        for fix in p.fixes or (problem.fix,):
+            say(f"  fix: {fix}")

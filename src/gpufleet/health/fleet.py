@@ -9,8 +9,9 @@ key is not known). Hosts are checked at once, each in a greenlet, as a pyinfra d
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import gevent
@@ -28,6 +29,13 @@ from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
 from gpufleet.wire.identity import Expected
 
 PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and paramiko's reader)
+
+# Told (host, what it is doing now) as a host's check moves on: the CLI's progress on stderr.
+Phase = Callable[[str, str], None]
+
+
+def _silent(host: str, text: str) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -88,20 +96,26 @@ def check_host(
     transport: Transport | None = None,
     answer: bool = False,
     checks: Sequence[str] = (),
+    progress: Phase = _silent,
 ) -> HostResult:
     """Health (and, when the host is ready, the answer checks and the probe, as asked) of one host. Never raises:
     whatever goes wrong with this host (SSH, its server, a case nobody foresaw) is this host's result, so one host
     never sinks the others.
 
     Without a transport the host is connected by pyinfra's connector from target.ssh. api_key overrides the
-    target's own key. checks: serving checks (gpufleet.health.serving) to run once the answers passed."""
-    asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks))
+    target's own key. checks: serving checks (gpufleet.health.serving) to run once the answers passed. progress is
+    told what the check is doing, then how it ended."""
+    asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks), progress)
     try:
         if transport is not None:
-            return _check_host(target, transport, asked)
-        return _check_over_ssh(target, asked)
+            result = _check_host(target, transport, asked)
+        else:
+            result = _check_over_ssh(target, asked)
     except Exception as e:
-        return _failed(target, e)
+        result = _failed(target, e)
+    why = "a check failed" if result.health.ready else str(result.health.state)
+    progress(target.name, "ok" if result.ok else f"not ok ({why})")
+    return result
 
 
 @dataclass(frozen=True)
@@ -111,9 +125,11 @@ class _Asked:
     api_key: str | None
     answer: bool
     checks: tuple[str, ...]
+    progress: Phase = _silent
 
 
 def _check_over_ssh(target: HostTarget, asked: _Asked) -> HostResult:
+    asked.progress(target.name, "connecting over SSH")
     try:
         transport = open_ssh(target.name, target.ssh)
     except Unreachable as e:
@@ -130,18 +146,25 @@ def _failed(target: HostTarget, e: Exception) -> HostResult:
 
 
 def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> HostResult:
-    api_key = asked.api_key or target.api_key
+    api_key, say = asked.api_key or target.api_key, partial(asked.progress, target.name)
     if asked.wait_s > 0:
+        say(f"waiting for it to be ready (up to {asked.wait_s:.0f} s)")
         health = wait_until_ready(transport, target.expected, timeout_s=asked.wait_s, api_key=api_key)
     else:
+        say("checking")
         health = check(transport, target.expected, api_key=api_key)
     expected = reached(target.expected, health.container)  # the container that answered, not the port's listener
-    answers = check_answers(transport, expected, api_key=api_key) if asked.answer and health.ready else ()
+    answers: tuple[AnswerCheck, ...] = ()
+    if asked.answer and health.ready:
+        say("sending a chat completion, plain and streamed")
+        answers = check_answers(transport, expected, api_key=api_key)
     checks: tuple[AnswerCheck, ...] = ()
     if asked.checks and health.ready and all(a.ok for a in answers):
+        say(f"serving checks: {', '.join(asked.checks)}")
         checks = run_checks(transport, expected, target.served, asked.checks, api_key=api_key)
     report, error = None, None
     if asked.run_probe and health.ready:
+        say("probing prompt re-processing (up to a few minutes)")
         try:
             report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
@@ -151,12 +174,12 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
 
 def check_fleet(
     targets: Sequence[HostTarget], run_probe: bool = False, wait_s: float = 0.0, api_key: str | None = None,
-    answer: bool = False, checks: Sequence[str] = (),
+    answer: bool = False, checks: Sequence[str] = (), progress: Phase = _silent,
 ) -> list[HostResult]:
     """All hosts in parallel (network-bound), results in inventory order, one per host whatever happens."""
     if not targets:
         return []
     pool = gevent.pool.Pool(min(len(targets), PARALLEL))
-    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks) for t in targets]
+    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks, progress) for t in targets]
     gevent.joinall(jobs)
     return [job.get() for job in jobs]

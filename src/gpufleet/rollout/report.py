@@ -1,4 +1,4 @@
-"""What a rollout did to each host: the outcomes, the final table and the one JSON document of --json."""
+"""What a rollout did to each host: the outcomes, the final table and each host's row of the --json document."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ class Outcome(str, Enum):
 OK = (Outcome.UPDATED, Outcome.UNCHANGED)
 STYLE = {Outcome.UPDATED: "green", Outcome.UNCHANGED: "dim", Outcome.ROLLED_BACK: "yellow",
          Outcome.NOT_STARTED: "dim", Outcome.FAILED_PREPARE: "red", Outcome.FAILED: "red"}
+# What a host that did not end on the target needs (its problem's fix; {host} is the host's name).
+FIX = {
+    Outcome.ROLLED_BACK: "its committed version serves again and the target is marked failed there: fix what the "
+                         "failed check names (docs/verify.md) or roll out another image; --retry-failed tries this "
+                         "one again on purpose",
+    Outcome.NOT_STARTED: "nothing changed on {host}: fix the host that stopped the rollout, then run it again",
+    Outcome.FAILED_PREPARE: "nothing was swapped: fix what the detail names (the deploy output, --log, has the "
+                            "whole run), then run the rollout again",
+    Outcome.FAILED: "`gpufleet history INVENTORY --host {host}` shows its ledger and the deploy output (--log) why; "
+                    "run the rollout again (a cut run resumes) or `gpufleet rollback INVENTORY --host {host}`",
+}
 
 
 @dataclass(frozen=True)
@@ -37,10 +48,31 @@ class HostOutcome:
     # a failed check did not run. Empty: none known (not swapped, or its engine died before any was sent).
     checks: tuple[tuple[str, bool], ...] = ()
 
+    @property
+    def ok(self) -> bool:
+        return self.outcome in OK
+
+    def problems(self) -> list[dict[str, str]]:
+        """[] on the target; else one problem: the outcome, what happened, the fix."""
+        if self.ok:
+            return []
+        return [{"id": self.outcome.value, "message": self.detail or self.outcome.value,
+                 "fix": FIX[self.outcome].format(host=self.host)}]
+
     def as_dict(self) -> dict[str, Any]:
-        return {"host": self.host, "from": self.from_ref, "to": self.to_ref, "outcome": self.outcome.value,
-                "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 2), "detail": self.detail,
-                "checks": [{"check": name, "ok": ok} for name, ok in self.checks]}
+        """The host's row of the --json document (docs/cli.md): host, ok, problems, then the rollout's own fields.
+        A new per-host field is one line here."""
+        return {
+            "host": self.host,
+            "ok": self.ok,
+            "problems": self.problems(),
+            "from": self.from_ref,
+            "to": self.to_ref,
+            "outcome": self.outcome.value,
+            "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 2),
+            "detail": self.detail,
+            "checks": [{"check": name, "ok": ok} for name, ok in self.checks],
+        }
 
     @property
     def checks_cell(self) -> str:
@@ -53,12 +85,7 @@ class HostOutcome:
 
 
 def succeeded(outcomes: Sequence[HostOutcome]) -> bool:
-    return all(o.outcome in OK for o in outcomes)
-
-
-def document(target: str, outcomes: Sequence[HostOutcome]) -> dict[str, Any]:
-    """--json: {"target": ..., "hosts": [{"host", "from", "to", "outcome", "downtime_s", "detail", "checks"}]}."""
-    return {"target": target, "hosts": [o.as_dict() for o in outcomes]}
+    return all(o.ok for o in outcomes)
 
 
 def short(ref: str | None) -> str:
