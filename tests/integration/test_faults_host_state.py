@@ -480,7 +480,7 @@ def test_a_local_users_listener_on_the_port_gets_no_key_fakes_no_readiness_and_f
         # A verify of the host with no container running is not ready, whatever answers on 127.0.0.1:<port>.
         verify = gpufleet("verify", str(inv), "--json")
         assert verify.returncode != 0, verify.stdout[-4000:] + verify.stderr[-2000:]
-        state = {h["host"]: (h.get("state"), h.get("detail")) for h in json.loads(verify.stdout)}
+        state = {h["host"]: (h.get("state"), h.get("detail")) for h in json.loads(verify.stdout)["hosts"]}
         print("verify:", state[host.name])
         assert state[host.name][0] == "container-not-running", verify.stdout[-4000:]
 
@@ -505,7 +505,7 @@ def test_a_local_users_listener_on_the_port_gets_no_key_fakes_no_readiness_and_f
         after = ledger_doc(fleet, host)
         assert after["committed"] == doc["committed"] and after["failed"] == doc["failed"]  # nothing faked, no mark
         verify = gpufleet("verify", str(inv), "--json")
-        state = {h["host"]: (h.get("state"), h.get("detail")) for h in json.loads(verify.stdout)}
+        state = {h["host"]: (h.get("state"), h.get("detail")) for h in json.loads(verify.stdout)["hosts"]}
         print("converge exited", out.returncode, "; verify after it:", verify.returncode, state[host.name])
         assert (verify.returncode == 0) == (out.returncode == 0) == (state[host.name][0] == "ready"), state
         if out.returncode == 0:  # the container started despite the listener: verified at its own address

@@ -159,7 +159,8 @@ def test_status_reads_container_identity_over_ssh(served):
     spec = build_spec(name, data)
     result = gpufleet("status", str(inv), "--json")
     assert result.returncode == 0, result.stderr
-    (row,) = json.loads(result.stdout)
+    (row,) = json.loads(result.stdout)["hosts"]
+    assert row["ok"] is True and row["problems"] == []
     assert row["state"] == "ready", row["detail"]
     assert row["served_model"] == spec.served_model_name
     assert row["container"]["spec_hash"] == spec.spec_hash  # the label the unit put on the container
@@ -171,7 +172,7 @@ def test_verify_probe_passes_over_ssh(served):
     _, inv, _ = served
     result = gpufleet("verify", str(inv), "--probe", "--json")
     assert result.returncode == 0, result.stdout + result.stderr
-    (row,) = json.loads(result.stdout)
+    (row,) = json.loads(result.stdout)["hosts"]
     assert row["probe"]["verdict"] == "effective", row["probe"]["evidence"]
     assert row["probe"]["points"] and all(p["cached"] >= p["due"] > 0 for p in row["probe"]["points"])
 

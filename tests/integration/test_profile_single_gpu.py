@@ -61,7 +61,7 @@ def test_verify_passes_with_the_profiles_model_and_cache_config(converged):
     _, inv, _ = converged
     result = gpufleet("verify", str(inv), "--json")
     assert result.returncode == 0, result.stdout + result.stderr
-    (row,) = json.loads(result.stdout)
+    (row,) = json.loads(result.stdout)["hosts"]
     assert row["state"] == "ready", row["detail"]
     assert row["served_model"] == PROFILE.model and row["max_model_len"] == 262144
     assert row["gpus"] == [0]

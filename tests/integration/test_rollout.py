@@ -289,7 +289,9 @@ def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, py
 
     history = gpufleet("history", str(inventory), "--host", canary.name, "--json")
     assert history.returncode == 0, history.stderr
-    rows = json.loads(history.stdout)[canary.name]["rows"]
+    (entry,) = json.loads(history.stdout)["hosts"]
+    assert entry["host"] == canary.name and entry["ok"] is True
+    rows = entry["rows"]
     assert rows[0]["state"] == "committed" and rows[0]["ref"] == digests["good-next"]
     failed = [r for r in rows if r["state"] == "failed"]
     assert [r["ref"] for r in failed] == [digests["dies"]] and failed[0]["detail"]

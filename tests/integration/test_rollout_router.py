@@ -165,8 +165,8 @@ def test_rollout_behind_the_router_fails_no_client_request(rfleet, inventory, py
     history = subprocess.run([GPUFLEET, "history", str(inventory), "--json"], capture_output=True, text=True,
                              timeout=120, cwd=REPO)
     assert history.returncode == 0, history.stderr[-2000:]
-    for name, entry in json.loads(history.stdout).items():
-        assert entry["rows"][0]["state"] == "committed" and entry["rows"][0]["ref"] == target, (name, entry)
+    for entry in json.loads(history.stdout)["hosts"]:
+        assert entry["rows"][0]["state"] == "committed" and entry["rows"][0]["ref"] == target, entry
     assert sorted(router_workers(rfleet)) == urls
     # Each replica left the router's set for its swap, one at a time (--batch 1).
     assert watch.ever_out == set(urls) and watch.most_out == 1, (watch.ever_out, watch.most_out)

@@ -351,13 +351,13 @@ def test_consistent_hash_spreads_sessions_over_every_replica(rfleet, inventory, 
 def test_status_shows_the_router_and_its_workers(rfleet, inventory):
     proc = subprocess.run([GPUFLEET, "status", str(inventory), "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    rows = json.loads(proc.stdout)
-    (router,) = [r for r in rows if r.get("role") == "router"]
-    assert router["state"] == "ready" and router["policy"] == "consistent_hash"
+    doc = json.loads(proc.stdout)
+    (router,) = doc["routers"]
+    assert router["state"] == "ready" and router["policy"] == "consistent_hash" and router["ok"] is True
     assert sorted(w["url"] for w in router["workers"]) == sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
     assert all(w["healthy"] for w in router["workers"])
     assert sum(w["routed"] for w in router["workers"]) >= 30
-    assert {r["host"] for r in rows if r.get("role") != "router"} == {h.name for h in replicas(rfleet)}
+    assert {r["host"] for r in doc["hosts"]} == {h.name for h in replicas(rfleet)} and doc["ok"] is True
 
 
 def test_replica_leaves_restarts_and_rejoins_with_zero_failed_requests(rfleet, inventory):
@@ -426,7 +426,7 @@ def test_verify_checks_the_router_and_names_the_replica_it_lost(rfleet, inventor
             assert time.monotonic() - start < 120, "the router still calls the stopped replica healthy"
             time.sleep(2)
             proc = verify_cli(inventory, "--host", router.name, "--json")
-            (row,) = json.loads(proc.stdout)
+            (row,) = json.loads(proc.stdout)["routers"]
             problems = row["problems"]
         print(f"the router saw the stopped replica after {time.monotonic() - start:.0f} s: {problems}")
         assert proc.returncode == 1 and row["ok"] is False
