@@ -242,3 +242,24 @@ def test_completion_offers_the_commands():
     env = {"_GPUFLEET_COMPLETE": "bash_complete", "COMP_WORDS": "gpufleet ro", "COMP_CWORD": "1"}
     result = CliRunner().invoke(main, [], prog_name="gpufleet", env=env)
     assert sorted(result.output.split()) == ["plain,rollback", "plain,rollout"]
+
+
+def test_each_router_problem_gets_its_own_id_and_keeps_its_fix():
+    from gpufleet.cli.verify import router_problems
+    from gpufleet.router.check import RouterExpected, RouterVerdict, problems
+    from gpufleet.router.status import RouterStatus, WorkerRow
+
+    mine, stranger = "http://10.0.0.11:5000", "http://10.0.0.99:5000"
+    expected = RouterExpected({mine: "gpu1", "http://10.0.0.12:5000": "gpu2"}, inventory="fleet.py")
+    looks = {
+        "ssh-unreachable": RouterStatus("rtr", "unreachable", "cannot SSH to 10.0.0.5:22: refused"),
+        "router-down": RouterStatus("rtr", "down", "connection refused"),
+        "front-door": RouterStatus("rtr", "ready", front_door="502", workers=(WorkerRow(mine, True, 0, 0, 0),)),
+        "worker-missing": RouterStatus("rtr", "ready", workers=(WorkerRow(mine, True, 0, 0, 0),)),
+        "worker-unhealthy": RouterStatus("rtr", "ready", workers=(WorkerRow(mine, False, 0, 0, 0),)),
+        "worker-unknown": RouterStatus("rtr", "ready", workers=(WorkerRow(stranger, True, 0, 0, 0),)),
+    }
+    for id, look in looks.items():
+        found = router_problems(RouterVerdict(look, problems(look, expected)))
+        assert id in {p.id for p in found}, (id, found)
+        assert all(p.fix and "(fix: " not in p.message and not p.message.startswith("rtr: ") for p in found), found

@@ -64,7 +64,7 @@ def _finish(command: str, result: Result, as_json: bool, log: Path | None) -> No
     doc = document(command, [o.as_dict() for o in result.outcomes], [], target=result.target,
                    message=result.message or None)
     err = Console(stderr=True)
-    if result.message:
+    if result.message and (not quiet() or not doc["ok"]):
         err.print(Text(result.message), soft_wrap=True)
     if as_json:
         emit(doc)
