@@ -4,10 +4,11 @@ roll_back (each host to its previous committed digest, or one given) and history
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.inventory import load_roles
+from gpufleet.rollout.carry import Carry, CarryResult
 from gpufleet.rollout.fleet import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import members
@@ -27,6 +28,8 @@ class Result:
     target: str  # the digest (rollout), or "previous" (rollback to each host's own)
     outcomes: list[HostOutcome]
     message: str = ""  # one line for the user: what was decided before any host changed, if anything
+    # Per swapped host: the compile cache carried from the canary (or why not), warm start, time to ready.
+    carried: Mapping[str, CarryResult] = field(default_factory=dict)
 
 
 def _unreadable(ledgers: Mapping[str, HostLedger], targets: Mapping[str, str]) -> list[HostOutcome] | None:
@@ -124,9 +127,10 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
         return Result(what, [outcomes[h] for h in names], "prepare failed: no host was swapped")
     for h in order:
         progress.phase(h, "prepared; waiting for its turn")
-    for outcome in swap(inventory, order, targets, ledgers, by_name, sessions, routers, options, progress):
+    carry = Carry(sessions, by_name, note=progress.note) if options.carry else None
+    for outcome in swap(inventory, order, targets, ledgers, by_name, sessions, routers, options, progress, carry):
         outcomes[outcome.host] = outcome
-    return Result(what, [outcomes[h] for h in names])
+    return Result(what, [outcomes[h] for h in names], carried=dict(carry.results) if carry else {})
 
 
 def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: Confirm,

@@ -15,6 +15,7 @@ from pathlib import Path
 from gpufleet.errors import one_line
 from gpufleet.health.serving import Served
 from gpufleet.remote.transport import SshTransport, TransportError
+from gpufleet.rollout.carry import Carry
 from gpufleet.rollout.deploy import DeployRun, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain
@@ -54,6 +55,8 @@ class SwapOptions:
     # The most one deploy run (a prepare, a batch's swap) may take before it is ended by its PID: a hung pull or a
     # stalled host must not hold every host's lock forever. Long enough for a 28 GB pull on a home line.
     stage_timeout_s: float = STAGE_TIMEOUT_S
+    # Carry the canary's new compile-cache entries to each later host before its swap (gpufleet.rollout.carry).
+    carry: bool = True
 
     def settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None,
                  canary: bool = False) -> dict[str, object]:
@@ -124,18 +127,29 @@ def _judged(host: str, target: str, before: HostLedger, after: HostLedger, run: 
 
 def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], before: Mapping[str, HostLedger],
          hosts: Mapping[str, FleetHost], sessions: Sessions, routers: Routers, options: SwapOptions,
-         progress: Progress) -> list[HostOutcome]:
-    """Swap `order`'s hosts (each to targets[host]); returns an outcome for every one of them."""
+         progress: Progress, carry: Carry | None = None) -> list[HostOutcome]:
+    """Swap `order`'s hosts (each to targets[host]); returns an outcome for every one of them. carry: the first
+    canary's new compile-cache entries go to each later host before its swap (none without a canary)."""
     outcomes: dict[str, HostOutcome] = {}
     canaries = set(order[:options.canary])
+    carry = carry if canaries else None
     for group in batches(order, options.canary, options.batch):
         role = "canary" if set(group) <= canaries else "batch"
+        if carry is not None:
+            if order[0] in group:
+                carry.before_canary(order[0])
+            elif role == "batch":
+                carry.into(group)
         # One deploy run per target digest (a rollout has one; `rollback` may send hosts to different ones).
         for target in dict.fromkeys(targets[h] for h in group):
             members = [h for h in group if targets[h] == target]
             swap_group = partial(_swap_group, inventory, members, target, before, hosts, sessions, options, progress,
                                  role)
             outcomes.update(_out_of_routers(routers, members, target, before, options, progress, swap_group))
+        if carry is not None:
+            if order[0] in group:
+                carry.after_canary(outcomes[order[0]].outcome == Outcome.UPDATED)
+            carry.observe([h for h in group if outcomes[h].outcome == Outcome.UPDATED])
         if any(outcomes[h].outcome not in OK for h in group):
             for h in order:
                 if h not in outcomes:

@@ -1,0 +1,228 @@
+"""The compile-cache carry (gpufleet.rollout.carry): which entries, who takes them, what is refused; the stream and
+the placement over real SSH channels to a throwaway sshd (two cache dirs on this machine stand for two hosts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gpufleet.remote.transport import SshTransport
+from gpufleet.rollout import carry as carry_mod
+from gpufleet.rollout.carry import (
+    Carry,
+    CarryResult,
+    Gpus,
+    carried_dir,
+    gpu_refusal,
+    new_files,
+    parse_gpus,
+    parse_listing,
+    placements,
+    start_report,
+    stream_problem,
+)
+from gpufleet.spec import Mount
+
+SHA = "a" * 64
+H200 = Gpus(("NVIDIA H200",) * 3, "580.159.04")
+
+
+# --- decisions -----------------------------------------------------------------------------------------------------
+def test_the_new_versions_entries_are_the_files_new_since_the_canarys_swap():
+    before = parse_listing("d torch_compile_cache\0d torch_compile_cache/torch_aot_compile\0"
+                           "d torch_compile_cache/torch_aot_compile/old\0f torch_compile_cache/torch_aot_compile/old/m\0"
+                           "f modelinfos/x.json\0")
+    after = {**before, "torch_compile_cache/torch_aot_compile/new": "d",
+             "torch_compile_cache/torch_aot_compile/new/rank_0_0": "d",
+             "torch_compile_cache/torch_aot_compile/new/rank_0_0/model": "f",
+             "torch_compile_cache/torch_aot_compile/new/inductor_cache/ab/c.so": "f",
+             "modelinfos/x.json": "f"}  # rewritten in place: not new, not carried
+    assert new_files(before, after) == ["torch_compile_cache/torch_aot_compile/new/inductor_cache/ab/c.so",
+                                        "torch_compile_cache/torch_aot_compile/new/rank_0_0/model"]
+
+
+def test_placements_are_the_shallowest_paths_the_host_lacks_and_never_an_existing_file():
+    files = ["tc/aot/new/rank_0_0/model", "tc/aot/new/inductor_cache/c.so", "modelinfos/y.json", "modelinfos/x.json"]
+    # a host whose old version compiled too: only the new hash dir goes in, in one rename
+    assert placements(files, {"tc": "d", "tc/aot": "d", "tc/aot/old": "d", "modelinfos": "d",
+                              "modelinfos/x.json": "f"}) == ["modelinfos/y.json", "tc/aot/new"]
+    # a host that never compiled: the whole tree
+    assert placements(files, {}) == ["modelinfos", "tc"]
+    # a host that has the entry already (a re-run): nothing
+    assert placements(files, {p: "f" for p in files}) == []
+
+
+def test_only_the_vllm_cache_mount_is_carried():
+    spec = SimpleNamespace(mounts=(Mount("/models", "/models"), Mount("/var/cache/vllm/q/torch", "/root/.cache/torch"),
+                                   Mount("/var/cache/vllm/q/vllm/", "/root/.cache/vllm")))
+    assert carried_dir(spec) == "/var/cache/vllm/q/vllm"  # type: ignore[arg-type]
+    assert carried_dir(SimpleNamespace(mounts=(Mount("/m", "/models"),))) is None  # type: ignore[arg-type]
+
+
+def test_gpus_and_driver_must_match_the_canarys():
+    assert parse_gpus(0, "NVIDIA H200, 580.159.04\n" * 3, "") == H200
+    assert parse_gpus(127, "", "sh: nvidia-smi: not found") == "nvidia-smi failed: sh: nvidia-smi: not found"
+    assert gpu_refusal("c", H200, H200) is None
+    assert gpu_refusal("c", H200, Gpus(("NVIDIA H100 80GB HBM3",) * 3, "580.159.04")) == (
+        "its GPUs (3x NVIDIA H100 80GB HBM3, driver 580.159.04) differ from canary c's (3x NVIDIA H200, driver "
+        "580.159.04)")
+    assert "differ" in (gpu_refusal("c", H200, Gpus(("NVIDIA H200",) * 8, "580.159.04")) or "")
+    assert "driver 535.104.05" in (gpu_refusal("c", H200, Gpus(("NVIDIA H200",) * 3, "535.104.05")) or "")
+    assert gpu_refusal("c", H200, "nvidia-smi failed: x") == "its GPUs unknown (nvidia-smi failed: x)"
+
+
+def test_the_stream_is_taken_only_when_both_tars_ended_well_and_three_checksums_agree():
+    good = f"tar-rc 0\n{SHA}  -\n"
+    assert stream_problem(good, SHA, good) is None
+    assert stream_problem(good, SHA, f"tar-rc 0\n{'b' * 64}  -\n") == (
+        "checksum mismatch (canary aaaaaaaaaaaa, relayed aaaaaaaaaaaa, host bbbbbbbbbbbb)")
+    assert "checksum mismatch" in (stream_problem(good, "c" * 64, good) or "")
+    assert stream_problem(f"tar: x: Cannot stat\ntar-rc 2\n{SHA}  -\n", SHA, good) == (
+        "tar on the canary failed (tar: x: Cannot stat)")
+    assert stream_problem(good, SHA, "mkdir: cannot create directory\n") == (
+        "tar on the host failed (mkdir: cannot create directory); a checksum is missing")
+
+
+def test_a_start_is_warm_when_the_engine_says_it_loaded_its_compiled_artifacts():
+    started = 1_700_000_000.0
+    warm = ["2023-11-14T22:13:20.100000000Z INFO vLLM API server version 0.32.0",
+            "2023-11-14T22:13:21.000000000Z (Worker pid=1) INFO [decorators.py:320] [backbone] Directly load AOT "
+            "compilation from path /root/.cache/vllm/torch_compile_cache/torch_aot_compile/k/rank_0_0/model",
+            "2023-11-14T22:13:22.500000000Z INFO:     Uvicorn running on http://0.0.0.0:8000 (Press CTRL+C to quit)"]
+    assert start_report(warm, started) == (True, 2.5)
+    cold = [warm[0], "2023-11-14T22:13:30.000000000Z INFO [decorators.py:743] [backbone] saved AOT compiled "
+            "function to /x", warm[2].replace("22:13:22", "22:13:31")]
+    assert start_report(cold, started) == (False, 11.5)
+    assert start_report(["no stamps here"], None) == (None, None)
+
+
+# --- over SSH: two cache dirs on this machine, one sshd ------------------------------------------------------------
+@pytest.fixture
+def fleet(sshd, tmp_path, monkeypatch):
+    """Hosts c (the canary), t and u: each one SSH session to the throwaway sshd, each its own cache dir."""
+    transports = {}
+    hosts = {}
+    for name in ("c", "t", "u"):
+        cache = tmp_path / name / "vllm"
+        cache.mkdir(parents=True)
+        spec = SimpleNamespace(mounts=(Mount(str(cache), "/root/.cache/vllm"),), service="vllm-qwen35")
+        hosts[name] = SimpleNamespace(name=name, spec=spec)
+        transports[name] = SshTransport(sshd.client(), name=name, sudo=False)
+    gpus = {"c": H200, "t": H200, "u": Gpus(("NVIDIA H100 80GB HBM3",) * 3, "580.159.04")}
+    monkeypatch.setattr(Carry, "_gpus_of", lambda self, host: gpus[host])
+    sessions = SimpleNamespace(get=lambda name: transports[name])
+    yield SimpleNamespace(sessions=sessions, hosts=hosts, dir=lambda n: tmp_path / n / "vllm", root=tmp_path)
+    for t in transports.values():
+        t.client.close()
+
+
+def write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def compiled(cache: Path, key: str, data: bytes) -> list[Path]:
+    files = [cache / "torch_compile_cache" / "torch_aot_compile" / key / "rank_0_0" / "model",
+             cache / "torch_compile_cache" / "torch_aot_compile" / key / "inductor_cache" / "ab" / "c.so"]
+    for f in files:
+        write(f, data + f.name.encode())
+    return files
+
+
+def new_carry(fleet, lines: list[str], **kw) -> Carry:
+    return Carry(fleet.sessions, fleet.hosts, note=lines.append, **kw)  # type: ignore[arg-type]
+
+
+def test_a_host_takes_the_new_entries_into_its_cache_and_keeps_its_own(fleet):
+    canary, host = fleet.dir("c"), fleet.dir("t")
+    compiled(canary, "old", b"old version on the canary ")
+    compiled(host, "old", b"old version on the host ")
+    write(host / "modelinfos" / "x.json", b"the host's own")
+    lines: list[str] = []
+    carry = new_carry(fleet, lines)
+    carry.before_canary("c")
+    new = compiled(canary, "new", b"new version " * 5000)  # what the canary's start compiled
+    write(canary / "modelinfos" / "x.json", b"the canary's")  # new on the canary, but the host has its own
+    carry.after_canary(committed=True)
+    assert carry.results["c"].entries == ("modelinfos/x.json", "torch_compile_cache/torch_aot_compile/new/"
+                                          "inductor_cache/ab/c.so", "torch_compile_cache/torch_aot_compile/new/"
+                                          "rank_0_0/model")
+    carry.into(["t"])
+    result = carry.results["t"]
+    assert result.skipped_reason is None, result
+    assert result.entries == ("torch_compile_cache/torch_aot_compile/new",)
+    assert result.carried_bytes > 60_000
+    for f in new:
+        assert (host / f.relative_to(canary)).read_bytes() == f.read_bytes()
+    assert (host / "modelinfos" / "x.json").read_bytes() == b"the host's own"  # never overwritten
+    assert (host / "torch_compile_cache" / "torch_aot_compile" / "old" / "rank_0_0" / "model").exists()
+    assert not list((fleet.root / "t").glob(".*gpufleet-carry*"))  # the temp dir is gone
+    # again (a re-run): it has every entry, nothing is streamed
+    carry.into(["t"])
+    assert carry.results["t"] == CarryResult(skipped_reason="it has every entry already")
+
+
+def test_a_stream_changed_in_flight_is_refused_and_nothing_is_put_in_place(fleet):
+    canary, host = fleet.dir("c"), fleet.dir("t")
+    lines: list[str] = []
+    carry = new_carry(fleet, lines, tamper=lambda chunk: chunk[:-1] + bytes([chunk[-1] ^ 1]))
+    carry.before_canary("c")
+    compiled(canary, "new", b"new version " * 100)
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    reason = carry.results["t"].skipped_reason or ""
+    assert reason.startswith("refused: ") and "checksum mismatch" in reason, reason
+    assert carry.results["t"].carried_bytes == 0
+    assert not list(host.rglob("*"))
+    assert not list((fleet.root / "t").glob(".*gpufleet-carry*"))
+    assert lines[-1].startswith("t: compile cache not carried: refused: ")
+
+
+def test_a_host_with_other_gpus_does_not_take_them(fleet):
+    canary, other = fleet.dir("c"), fleet.dir("u")
+    lines: list[str] = []
+    carry = new_carry(fleet, lines)
+    carry.before_canary("c")
+    compiled(canary, "new", b"x")
+    carry.after_canary(committed=True)
+    carry.into(["t", "u"])
+    assert carry.results["t"].skipped_reason is None
+    assert carry.results["u"].skipped_reason == ("its GPUs (3x NVIDIA H100 80GB HBM3, driver 580.159.04) differ "
+                                                 "from canary c's (3x NVIDIA H200, driver 580.159.04)")
+    assert not list(other.rglob("*"))
+    assert [ln for ln in lines if ln.startswith("u: ")] == [f"u: compile cache not carried: "
+                                                            f"{carry.results['u'].skipped_reason}"]
+
+
+def test_a_canary_that_was_not_committed_carries_nothing(fleet):
+    carry = new_carry(fleet, [])
+    carry.before_canary("c")
+    compiled(fleet.dir("c"), "new", b"x")
+    carry.after_canary(committed=False)
+    carry.into(["t"])
+    assert carry.results["t"].carried_bytes == 0
+    assert "was not committed" in (carry.results["t"].skipped_reason or "")
+    assert not list(fleet.dir("t").rglob("*"))
+
+
+def test_nothing_new_on_the_canary_is_said_once_and_nothing_is_streamed(fleet):
+    lines: list[str] = []
+    carry = new_carry(fleet, lines)
+    carry.before_canary("c")
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    assert carry.results["t"].skipped_reason == f"canary c wrote no new entry in {fleet.dir('c')}"
+
+
+def test_relay_hashes_what_it_relays(sshd, tmp_path):
+    a, b = SshTransport(sshd.client(), "a", sudo=False), SshTransport(sshd.client(), "b", sudo=False)
+    try:
+        total, sha, sent, received = carry_mod.relay(
+            a, "{ head -c 300000 /dev/urandom | tee /dev/fd/3 | sha256sum >&2; } 3>&1", b"", b, "sha256sum >&2")
+    finally:
+        a.client.close()
+        b.client.close()
+    assert total == 300000
+    assert sent.split()[0] == sha == received.split()[0]
