@@ -234,3 +234,19 @@ def test_init_bad_input_is_one_line_naming_the_option_and_the_fix(tmp_path, opti
 def test_parallel_sizes_keep_pipeline_parallel_to_three_stages():
     assert {n: parallel_sizes(n) for n in (1, 2, 3, 4, 5, 6, 8)} == {
         1: (1, 1), 2: (1, 2), 3: (1, 3), 4: (2, 2), 5: None, 6: (2, 3), 8: (4, 2)}
+
+
+def test_deploy_under_verbose_passes_v_to_pyinfra_and_under_quiet_shows_no_command_line(tmp_path, pyinfra_runs):
+    from gpufleet.cli.logs import NORMAL, set_verbosity
+
+    runs, _ = pyinfra_runs
+    inventory = write_fleet(tmp_path, router=False)
+    try:
+        code, _ = invoke("-v", "deploy", inventory, "-y")
+        assert code == 0 and runs[-1][3:] == ["-v", "-y"]
+        code, _ = invoke("-v", "deploy", inventory, "-vv")
+        assert code == 0 and runs[-1][3:] == ["-vv"]  # the user's own verbosity stands
+        code, out = invoke("-q", "deploy", inventory, "-y")
+        assert code == 0 and runs[-1][3:] == ["-y"] and "$ " not in out
+    finally:
+        set_verbosity(NORMAL)

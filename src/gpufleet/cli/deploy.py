@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from gpufleet.cli.envelope import BadInput, unreadable
-from gpufleet.cli.logs import quiet
+from gpufleet.cli.logs import quiet, verbose
 from gpufleet.deploys import packaged_deploy_file
 from gpufleet.errors import GpufleetError
 from gpufleet.inventory import ROUTERS_GROUP, load_pyinfra_hosts
@@ -110,6 +110,8 @@ def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> N
         raise click.UsageError(f"{stray[0]}: gpufleet deploy takes one INVENTORY and pyinfra's options; the deploy "
                                "file is its own (fix: drop it, or give the option it is the value of)")
     check_inventory(inventory)
+    if verbose() and not any(arg.startswith("-v") and set(arg[1:]) == {"v"} for arg in args):
+        args.insert(0, "-v")  # `gpufleet -v deploy`: pyinfra's meta lines too
     runs: list[str] = []
     if only in (None, "vllm"):
         runs.append("qwen35")
