@@ -122,6 +122,20 @@ DEFAULTS: dict[str, Any] = {
     # --- NVIDIA container toolkit ---------------------------------------------------------------------------
     # Base URL of NVIDIA's libnvidia-container repo (gpgkey and stable/deb/ live under it).
     "nvidia_repo_url": "https://nvidia.github.io/libnvidia-container",
+    # --- site cache: one download per site (docs/site-cache.md) ------------------------------------------------
+    # The inventory group `site_cache` names the host that runs it (Debian's docker-registry as a pull-through
+    # cache); every other host pulls a digest known before the pull (a rollout's, a pinned one) through it first.
+    # Port the site cache listens on (on the site_cache host). Not vllm_port: a GPU box may be both.
+    "site_cache_port": 5001,
+    # Registry the site cache proxies: "" = vllm_image's registry (https://registry-1.docker.io for Docker Hub).
+    # One cache proxies one registry: a host whose vllm_image comes from another pulls from it directly.
+    "site_cache_upstream": "",
+    # Where this host pulls through: "" = the inventory's site_cache host (its ssh_hostname) at its
+    # site_cache_port, "host:port" another cache (a second site), "off" = never.
+    "site_cache_address": "",
+    # Seconds a pull through the site cache may take before the host pulls from upstream instead. The first host
+    # of a site pulls through the cache at upstream speed (the cache fetches as it serves).
+    "site_cache_pull_timeout_s": 7200,
 }
 
 # Settings whose default the host's profile supplies.

@@ -226,6 +226,7 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
     if not isinstance(model, str) or not model or model.startswith("/") or ".." in model.split("/"):
         fail("vllm_model", f"{shown(model)} is not a directory name under vllm_models_dir", 'set e.g. "qwen3.5-awq"')
     _check_plain_settings(s, fail)
+    _check_site_cache(s, fail)
 
     substitutions = {"model_path": posixpath.join(profile.models_mount, str(model)),
                      "served_model_name": str(model), "port": str(port)}
@@ -453,6 +454,29 @@ def _check_plain_settings(s: Mapping[str, Any], fail: Fail) -> None:
         if not isinstance(s[key], str) or not _URL.fullmatch(s[key]):
             fail(key, f"{shown(s[key])} is not a plain http(s) URL",
                  f"use http(s)://host[:port]/path of letters, digits and ._~+-, e.g. {DEFAULTS[key]}")
+
+
+# host:port of a site cache: a DNS name or IPv4 address (docker's insecure-registries entry and a pull reference).
+_CACHE_ADDRESS = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?:[0-9]{1,5}")
+
+
+def _check_site_cache(s: Mapping[str, Any], fail: Fail) -> None:
+    port = s["site_cache_port"]
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        fail("site_cache_port", f"{shown(port)} is not a TCP port", f"e.g. {DEFAULTS['site_cache_port']}")
+    upstream = s["site_cache_upstream"]
+    if upstream != "" and (not isinstance(upstream, str) or not _URL.fullmatch(upstream)):
+        fail("site_cache_upstream", f"{shown(upstream)} is not a plain http(s) URL",
+             'use "" (vllm_image\'s registry) or http(s)://host[:port], e.g. "https://registry-1.docker.io"')
+    address = s["site_cache_address"]
+    if address not in ("", "off") and (not isinstance(address, str) or not _CACHE_ADDRESS.fullmatch(address)
+                                        or not 1 <= int(address.rpartition(":")[2]) <= 65535):
+        fail("site_cache_address", f"{shown(address)} is not host:port",
+             'use "" (the inventory\'s site_cache host), "off", or e.g. "10.0.0.5:5001"')
+    timeout = s["site_cache_pull_timeout_s"]
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or _not_finite(timeout) or timeout <= 0:
+        fail("site_cache_pull_timeout_s", f"{shown(timeout)} is not a positive number of seconds",
+             f"e.g. {DEFAULTS['site_cache_pull_timeout_s']}")
 
 
 def _check_secret_value(setting: str, value: Any, fail: Fail, optional: bool = False) -> bool:

@@ -24,7 +24,7 @@ from pyinfra import host
 from pyinfra.api import Host, deploy
 from pyinfra.context import ctx_state
 
-from gpufleet.deploys import preflight
+from gpufleet.deploys import preflight, site_cache
 from gpufleet.deploys.verify import Verification
 from gpufleet.facts.host import HostSnapshot, Paths
 from gpufleet.inventory import ROUTERS_GROUP, behind_router
@@ -72,6 +72,8 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
     inventory = getattr(ctx_state.get(), "inventory", None) if ctx_state.isset() else None
     fronted = inventory is not None and behind_router(inventory)
     spec, s = resolve_host(name, data, behind_router=fronted)
+    if inventory is not None:
+        site_cache.check_port(inventory, name, s, spec.port)
     layout = Layout.of(spec, s["vllm_cache_dir"])
     managed = managed_paths(layout)
     paths = Paths(
@@ -237,7 +239,14 @@ def deploy_qwen35() -> None:
                       paths=list(model.managed(layout).dirs), mode="755")
     secrets = service.env_file(name="Write the service's root-only secrets file", path=layout.env_file,
                                secrets=service.hidden_secrets(s))
-    pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=held.pin)
+    # Before the pull, on every host: the site cache runs (its host) and is trusted (every host pulling through it).
+    if site_cache.serves_site(host):
+        site_cache.deploy_site_cache(host, s, spec.image)
+    cache = site_cache.cache_pull(host, s, spec.image)
+    if cache is not None:
+        site_cache.trust_site_cache(cache)
+    pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=held.pin,
+                          service=spec.service, cache=cache)
     if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag
         committed_ref = ledger.committed.version.ref if ledger.committed else None
         flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref)

@@ -17,11 +17,14 @@ from gpufleet.sandbox.config import FleetConfig
 from gpufleet.sandbox.hosts import Host
 
 
-def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path) -> dict[str, Any]:
+def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path, site_cache: tuple[str, ...] = ()
+                       ) -> dict[str, Any]:
+    """site_cache: the hosts of the inventory group `site_cache` (docs/site-cache.md), replicas too."""
     return {
         "fleet": cfg.name,
         "hosts": [{"name": h.name, "ip": h.ip, "gpus": h.gpus.count, "gpu_model": h.gpus.model} for h in hosts],
         "routers": [h.name for h in hosts if h.role == "router"],
+        "site_cache": list(site_cache),
         "host_data": {
             "ssh_user": "deploy",
             "ssh_key": str(key),
@@ -33,6 +36,8 @@ def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path) -> dict[s
             "docker_repo_url": cfg.docker_repo_url,
             "vllm_model_repo": image.MODEL_REPO,
             "router_index_url": cfg.router_index_url,
+            # The fleet's registry is the sandbox's "upstream", over plain HTTP (a real one is https).
+            "site_cache_upstream": f"http://{cfg.registry}",
         },
     }
 
@@ -46,6 +51,14 @@ def pyinfra_hosts(path: Path | str, routers: bool = False, **overrides: Any) -> 
             if (h["name"] in router_names) == routers]
 
 
+def site_cache_hosts(path: Path | str, **overrides: Any) -> list[tuple[str, dict[str, Any]]]:
+    """[(name, host data)] of the inventory.json's site cache hosts (pyinfra group `site_cache`)."""
+    doc = json.loads(Path(path).read_text())
+    names = set(doc.get("site_cache", []))
+    return [(h["name"], {"ssh_hostname": h["ip"], **doc["host_data"], **overrides}) for h in doc["hosts"]
+            if h["name"] in names]
+
+
 def write_pyinfra_inventory(inventory_json: Path, out: Path, group: str = "gpuhosts") -> Path:
     """A pyinfra inventory file (Python) for the hosts in inventory_json, for `pyinfra <file> ...`; router hosts,
     if any, in the group `routers`."""
@@ -55,4 +68,8 @@ def write_pyinfra_inventory(inventory_json: Path, out: Path, group: str = "gpuho
         f"{group} = pyinfra_hosts({str(inventory_json)!r})\n"
         f"routers = pyinfra_hosts({str(inventory_json)!r}, routers=True)\n"
     )
+    if json.loads(inventory_json.read_text()).get("site_cache"):
+        with out.open("a") as f:
+            f.write("from gpufleet.sandbox.inventory import site_cache_hosts\n"
+                    f"site_cache = site_cache_hosts({str(inventory_json)!r})\n")
     return out

@@ -4,6 +4,7 @@ file; nothing else on the machine is touched."""
 
 from __future__ import annotations
 
+import re
 import sys
 import urllib.request
 from pathlib import Path
@@ -66,3 +67,36 @@ http: {{addr: "{cfg.gateway}:{REGISTRY_PORT}"}}
         pid = procs.spawn(["docker-registry", "serve", str(conf)], cfg.state_dir / "logs" / "registry.log")
         state.add_pid("registry", pid)
     _wait_serving(state, "registry", f"http://{cfg.registry}/v2/", cfg.registry)
+
+
+def registry_log(cfg: FleetConfig) -> Path:
+    """The fleet registry's log: distribution writes one access line per request (combined log format), the
+    upstream's view of what every host and site cache pulled."""
+    return cfg.state_dir / "logs" / "registry.log"
+
+
+# 10.213.6.11 - - [01/Dec/2026:05:34:00 +0000] "GET /v2/vllm/vllm-openai/blobs/sha256:... HTTP/1.1" 200 1234 ...
+_ACCESS = re.compile(r'^(?P<ip>\S+) \S+ \S+ \[[^\]]+\] "(?P<method>\S+) (?P<path>\S+) [^"]*" (?P<status>\d+) '
+                     r'(?P<bytes>\d+|-)')
+
+
+def log_offset(cfg: FleetConfig) -> int:
+    """Where the registry's log ends now: blob_bytes(cfg, since=...) counts what is served after it."""
+    path = registry_log(cfg)
+    return path.stat().st_size if path.exists() else 0
+
+
+def blob_bytes(cfg: FleetConfig, since: int = 0) -> dict[str, int]:
+    """Client address -> bytes of blobs (layers and configs) the registry served it after log offset `since`."""
+    path = registry_log(cfg)
+    if not path.exists():
+        return {}
+    with path.open("rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    served: dict[str, int] = {}
+    for line in text.splitlines():
+        m = _ACCESS.match(line)
+        if m and m["method"] == "GET" and "/blobs/" in m["path"] and m["bytes"] != "-":
+            served[m["ip"]] = served.get(m["ip"], 0) + int(m["bytes"])
+    return served

@@ -1,0 +1,137 @@
+"""One download per site (docs/site-cache.md), on three fresh test hosts of the session fleet: the first also the
+site cache (inventory group `site_cache`), the fleet's registry the "upstream", the stand-in nightlies carrying
+100 MiB of incompressible bytes each. Steps in file order (each builds on the one before):
+
+1. a rollout's prepare of nightly-1 on all three (the cache host alone, then the other two): the upstream serves
+   the big layer once (the cache), each host's record says its layers came from the site; every host lists the
+   image under the upstream name only; the cache setup converges to no change;
+2. the cache host off the network: a prepare of nightly-2 on the other two still succeeds, from upstream, with one
+   warning line per host naming the cache;
+3. a blob of nightly-1 tampered with in the cache's storage: a host pulling nightly-1 again is refused, nothing is
+   installed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from tests.integration.pyinfra_results import changed_ops
+
+from gpufleet.facts.pull import PullStats
+from gpufleet.operations.image import pull_stats_file
+from gpufleet.rollout.prepare import prepare, pull_order
+from gpufleet.sandbox import image as sandbox_image
+from gpufleet.sandbox import services
+from gpufleet.sandbox.config import H200x3
+from gpufleet.sandbox.fleet import Fleet
+from gpufleet.sandbox.hosts import Host
+from gpufleet.sandbox.inventory import inventory_document, write_pyinfra_inventory
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = REPO_ROOT / "deploys" / "qwen35.py"
+SERVICE = "vllm-qwen35"
+CACHE_PORT = 5001
+STORAGE = "/var/lib/docker-registry/docker/registry/v2/blobs/sha256"
+
+
+@pytest.fixture(scope="module")
+def site(fleet: Fleet, _fresh_numbers, tmp_path_factory: pytest.TempPathFactory):
+    first = next(_fresh_numbers)
+    next(_fresh_numbers), next(_fresh_numbers)
+    hosts = fleet.add_hosts([H200x3] * 3, first=first)
+    try:
+        yield from _site(fleet, hosts, tmp_path_factory)
+    finally:
+        fleet.remove_hosts([h.name for h in hosts])
+
+
+def _site(fleet: Fleet, hosts: list[Host], tmp_path_factory: pytest.TempPathFactory):
+    refs = sandbox_image.ensure_nightlies(fleet.cfg)
+    doc = inventory_document(fleet.cfg, hosts, fleet.key, site_cache=(hosts[0].name,))
+    path = tmp_path_factory.mktemp("site") / "inventory.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    inventory = write_pyinfra_inventory(path, path.with_name("site_cache.py"))
+    yield fleet, hosts, refs, inventory, path.with_name("prepare.log")
+
+
+def records(fleet: Fleet, hosts: list[Host]) -> dict[str, PullStats | None]:
+    return {h.name: PullStats.from_json(fleet.run_in(h, f"cat {pull_stats_file(SERVICE)}").stdout) for h in hosts}
+
+
+def listed(fleet: Fleet, host: Host) -> list[str]:
+    return fleet.run_in(host, "docker images --digests --format '{{.Repository}}@{{.Digest}}'").stdout.split()
+
+
+def big_layer(fleet: Fleet, tag: str) -> tuple[str, int]:
+    """(digest, size) of a nightly's own layer, from the fleet registry's manifest."""
+    _, _, body = sandbox_image._registry(fleet.cfg, f"/v2/{sandbox_image.REPOSITORY}/manifests/{tag}",
+                                         headers={"Accept": sandbox_image._MANIFEST})
+    layer = json.loads(body)["layers"][-1]
+    return layer["digest"], layer["size"]
+
+
+def test_prepare_downloads_each_layer_from_upstream_once_per_site(site):
+    fleet, hosts, refs, inventory, log = site
+    names = [h.name for h in hosts]
+    # The cache host first, alone (here it is the canary too), then the other two at once.
+    assert pull_order(str(inventory), names[::-1]) == [[names[0]], [names[2], names[1]]]
+    before = services.log_offset(fleet.cfg)
+    run, failed = prepare(str(inventory), names, refs["nightly-1"], DEPLOY, log=log, timeout_s=600)
+    assert failed == {}, run.output[-4000:]
+    served = services.blob_bytes(fleet.cfg, since=before)
+    _, size = big_layer(fleet, "nightly-1")
+    # Everything upstream served went to the cache host (the cache), and the big layer once: not once per host.
+    assert set(served) == {hosts[0].ip}, served
+    assert size <= served[hosts[0].ip] < 1.25 * size, (served, size)
+    print(f"upstream served {served} for a {size}-byte layer")
+    stats = records(fleet, hosts)
+    for h in hosts:
+        got = stats[h.name]
+        assert got is not None and got.ref == refs["nightly-1"] and not got.fell_back, (h.name, got)
+        assert got.cache == f"{hosts[0].ip}:{CACHE_PORT}"
+        assert got.site_bytes is not None and got.site_bytes >= size and got.upstream_bytes == 0, (h.name, got)
+        # The unit's reference is the upstream one; nothing on the host names the cache.
+        assert refs["nightly-1"] in listed(fleet, h) and not any(f":{CACHE_PORT}/" in r for r in listed(fleet, h))
+    # A second prepare on the cache host: its setup and the trust in it change nothing; nothing is pulled.
+    again = prepare(str(inventory), [names[0]], refs["nightly-1"], DEPLOY, log=log, timeout_s=600)[0]
+    assert again.ok, again.output[-3000:]
+    changed = changed_ops(again.output)
+    assert not any("site cache" in op or "Pull" in op for op in changed), changed
+
+
+def test_cache_host_down_every_host_prepares_from_upstream_with_one_warning(site):
+    fleet, hosts, refs, inventory, log = site
+    others = hosts[1:]
+    # The cache host off the network (a converge of the cache host itself would start a stopped registry again).
+    fleet.set_connected(hosts[0], False)
+    try:
+        run, failed = prepare(str(inventory), [h.name for h in others], refs["nightly-2"], DEPLOY, log=log,
+                              timeout_s=600)
+    finally:
+        fleet.set_connected(hosts[0], True)
+    assert failed == {}, run.output[-4000:]
+    cache = f"{hosts[0].ip}:{CACHE_PORT}"
+    for h in others:
+        warnings = [line for line in run.output.splitlines()
+                    if re.search(rf"{h.name}: warning: the site cache {re.escape(cache)} \({hosts[0].name}\)", line)]
+        assert len(warnings) == 1, (h.name, run.output[-4000:])
+        got = records(fleet, hosts)[h.name]
+        assert got is not None and got.ref == refs["nightly-2"] and got.fell_back and got.cache is None, got
+        assert refs["nightly-2"] in listed(fleet, h)
+
+
+def test_tampered_blob_on_the_cache_is_refused_and_nothing_installed(site):
+    fleet, hosts, refs, inventory, log = site
+    victim = hosts[2]
+    digest, _ = big_layer(fleet, "nightly-1")
+    hexd = digest.removeprefix("sha256:")
+    fleet.run_in(hosts[0], f"printf XXXXXXXX | dd of={STORAGE}/{hexd[:2]}/{hexd}/data bs=1 seek=4096 conv=notrunc")
+    fleet.run_in(victim, f"docker rmi {refs['nightly-1']}")
+    run, failed = prepare(str(inventory), [victim.name], refs["nightly-1"], DEPLOY, log=log, timeout_s=600)
+    assert set(failed) == {victim.name}, run.output[-4000:]
+    assert "served content that does not match its digest" in failed[victim.name], failed
+    assert refs["nightly-1"] not in listed(fleet, victim)
+    assert not any(f":{CACHE_PORT}/" in r for r in listed(fleet, victim))
