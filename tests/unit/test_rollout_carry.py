@@ -226,3 +226,61 @@ def test_relay_hashes_what_it_relays(sshd, tmp_path):
         b.client.close()
     assert total == 300000
     assert sent.split()[0] == sha == received.split()[0]
+
+
+# --- where the swap calls it ---------------------------------------------------------------------------------------
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def before_canary(self, host):
+        self.calls.append(("before_canary", host))
+
+    def after_canary(self, committed):
+        self.calls.append(("after_canary", committed))
+
+    def into(self, group):
+        self.calls.append(("into", list(group)))
+
+    def observe(self, group):
+        self.calls.append(("observe", list(group)))
+
+
+def swapped(monkeypatch, canary_outcome, canary: int = 1):
+    from gpufleet.rollout import swap as swap_mod
+    from gpufleet.rollout.report import HostOutcome, Outcome
+    from gpufleet.rollout.routers import Routers
+
+    def fake_group(inventory, members, target, before, hosts, sessions, options, progress, role):
+        return {h: HostOutcome(h, "old", target, canary_outcome if role == "canary" else Outcome.UPDATED, 1.0)
+                for h in members}
+
+    monkeypatch.setattr(swap_mod, "_swap_group", fake_group)
+    recorder = Recorder()
+    order = ["h1", "h2", "h3", "h4"]
+    options = swap_mod.SwapOptions(Path("d.py"), canary=canary, batch=2)
+    before = {h: SimpleNamespace(committed_ref="old") for h in order}
+    swap_mod.swap("inv", order, dict.fromkeys(order, "new"), before, {}, None, Routers([], {}),  # type: ignore[arg-type]
+                  options, SimpleNamespace(phase=lambda *a: None), recorder)  # type: ignore[arg-type]
+    return recorder.calls
+
+
+def test_the_swap_lists_around_the_canary_and_carries_before_each_batch(monkeypatch):
+    from gpufleet.rollout.report import Outcome
+
+    assert swapped(monkeypatch, Outcome.UPDATED) == [
+        ("before_canary", "h1"), ("after_canary", True), ("observe", ["h1"]),
+        ("into", ["h2", "h3"]), ("observe", ["h2", "h3"]), ("into", ["h4"]), ("observe", ["h4"])]
+
+
+def test_a_canary_that_is_rolled_back_stops_the_swap_before_any_carry(monkeypatch):
+    from gpufleet.rollout.report import Outcome
+
+    assert swapped(monkeypatch, Outcome.ROLLED_BACK) == [("before_canary", "h1"), ("after_canary", False),
+                                                         ("observe", [])]
+
+
+def test_without_a_canary_nothing_is_carried(monkeypatch):
+    from gpufleet.rollout.report import Outcome
+
+    assert swapped(monkeypatch, Outcome.UPDATED, canary=0) == []
