@@ -6,7 +6,7 @@ GPU model), the stand-in vLLM compiling for STANDIN_COMPILE_SECONDS when its ver
    does not take it (one line) and compiles its own;
 2. the tag on completions-fail: the canary is rolled back and nothing is carried (no host's cache changes).
 
-Its own fleet (gf-carry, 10.213.8.0/24, hosts gfc1..3): it never waits on the session's fleet or `roll`.
+Its own fleet (gf-carry, 10.213.4.0/24, hosts gfc1..3): it never waits on the session's fleet or `roll`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ NVL = Gpus(3, model="NVIDIA H200 NVL")
 
 
 def carry_config() -> FleetConfig:
-    return FleetConfig(name="carry", bridge="gf-carry", net="10.213.8", host_prefix="gfc",
+    return FleetConfig(name="carry", bridge="gf-carry", net="10.213.4", host_prefix="gfc",
                        state_dir=Path(os.environ.get("GPUFLEET_CARRY_FLEET_DIR", "/var/lib/gpufleet/carry")))
 
 
