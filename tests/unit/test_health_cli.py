@@ -275,6 +275,11 @@ def test_verify_host_selects_the_router_alone(fleet_inventory, monkeypatch):
     checked, reads = _fake_fleet(monkeypatch)
     assert CliRunner().invoke(verify, [str(fleet_inventory), "--host", "gpu2"]).exit_code == 0
     assert (checked, reads) == (["gpu2"], [])  # a replica alone: no router read
+    # The router alone is still held to every replica of the inventory, not to the ones --host selects.
+    checked, reads = _fake_fleet(monkeypatch, [(GPU1, True), (GPU2, True)])
+    result = CliRunner().invoke(verify, [str(fleet_inventory), "--host", "rtr1", "--json"])
+    assert result.exit_code == 0 and (checked, reads) == ([], ["rtr1"]), result.output
+    assert json.loads(result.stdout)["routers"][0]["problems"] == []
 
 
 def test_verify_json_has_router_rows_with_ok_and_problems(fleet_inventory, monkeypatch):

@@ -12,7 +12,7 @@ own usage errors; an inventory missing, unloadable or empty; a --host it does no
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,18 +93,16 @@ def exit_status(doc: Mapping[str, Any]) -> int:
 
 
 def load_inventory(inventory: str, host: str | None = None) -> tuple[list[HostData], list[HostData]]:
-    """(routers, replicas) of the inventory, as `--host` selects them; BadInput when the file is missing, does not
-    load, lists no host, or has no host of that name."""
+    """(routers, replicas): every one of the inventory (a router is checked against all the replicas, whatever
+    `--host` selects); BadInput when the file is missing, does not load, lists no host, or has no `host`."""
     try:
         routers, replicas = load_roles(inventory)
     except GpufleetError as e:
         raise unreadable(inventory, e) from None
     if not routers and not replicas:
         raise BadInput(f"{inventory}: no hosts in the inventory (fix: list hosts in it, as in inventories/lab.py)")
-    if host is not None:
-        routers, replicas = _only(routers, host), _only(replicas, host)
-        if not routers and not replicas:
-            raise BadInput(one_line(f"{host}: no such host in {inventory} (fix: check --host)"))
+    if host is not None and host not in {name for name, _ in (*routers, *replicas)}:
+        raise BadInput(one_line(f"{host}: no such host in {inventory} (fix: check --host)"))
     return routers, replicas
 
 
@@ -114,7 +112,3 @@ def unreadable(inventory: str, error: GpufleetError) -> BadInput:
     if "(fix: " not in line:
         line += f" (fix: correct {inventory}: `python3 {inventory}` shows the whole error)"
     return BadInput(line)
-
-
-def _only(hosts: Iterable[HostData], name: str) -> list[HostData]:
-    return [(n, data) for n, data in hosts if n == name]
