@@ -263,3 +263,12 @@ def test_each_router_problem_gets_its_own_id_and_keeps_its_fix():
         found = router_problems(RouterVerdict(look, problems(look, expected)))
         assert id in {p.id for p in found}, (id, found)
         assert all(p.fix and "(fix: " not in p.message and not p.message.startswith("rtr: ") for p in found), found
+
+
+def test_a_routers_invalid_setting_is_bad_input_for_status_and_verify(tmp_path):
+    inventory = tmp_path / "inv.py"
+    inventory.write_text('gpuhosts = [("gpu-a", {"ssh_hostname": "10.0.0.11"})]\n'
+                         'routers = [("rtr", {"router_prot": 8001})]\n')
+    for command in ("status", "verify"):
+        result = gpufleet(command, str(inventory))
+        assert result.exit_code == 2 and "rtr: router_prot: unknown setting (fix: " in result.stderr, result.output

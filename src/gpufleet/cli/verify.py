@@ -23,7 +23,7 @@ from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
 from gpufleet.health.probe import ProbeReport
 from gpufleet.inventory import HostData, load_host_specs
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
-from gpufleet.router.settings import replicas
+from gpufleet.router.settings import build_router_spec, replicas
 from gpufleet.router.status import RouterStatus, read_host
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
 from gpufleet.wire.geometry import resolved_block_sizes
@@ -411,6 +411,14 @@ def _router_expectations(inventory: str, routers: list[HostData], found: list[Ho
         workers = replicas(found)
     except GpufleetError as e:
         raise BadInput(str(e)) from None
+    refused = []
+    for name, data in routers:  # the router's settings, as its deploy and lint check them
+        try:
+            build_router_spec(name, data, [replica.url for replica in workers])
+        except GpufleetError as e:
+            refused.append(str(e))
+    if refused:
+        raise BadInput("\n".join(refused))
     return [RouterExpected.for_router(data, workers, inventory) for _, data in routers]
 
 
