@@ -284,3 +284,17 @@ def test_without_a_canary_nothing_is_carried(monkeypatch):
     from gpufleet.rollout.report import Outcome
 
     assert swapped(monkeypatch, Outcome.UPDATED, canary=0) == []
+
+
+@pytest.mark.timeout(60)
+def test_relay_streams_while_the_source_still_reads_its_list(sshd):
+    # tar writes an archive while it reads its list of names: both must move at once (each beyond the SSH window).
+    a, b = SshTransport(sshd.client(), "a", sudo=False), SshTransport(sshd.client(), "b", sudo=False)
+    source = "{ { head -c 6000000 /dev/urandom; cat > /dev/null; } | tee /dev/fd/3 | sha256sum >&2; } 3>&1"
+    try:
+        total, sha, sent, received = carry_mod.relay(a, source, b"n" * 4_000_000, b, "sha256sum >&2")
+    finally:
+        a.client.close()
+        b.client.close()
+    assert total == 6_000_000
+    assert sent.split()[0] == sha == received.split()[0]

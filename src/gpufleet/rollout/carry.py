@@ -26,6 +26,7 @@ import hashlib
 import posixpath
 import re
 import shlex
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -236,9 +237,16 @@ def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: Ss
     dst_err: list[bytes] = []
     digest = hashlib.sha256()
     total = 0
+    def feed() -> None:  # beside the reading below: tar writes while it still reads its list
+        try:
+            src.sendall(source_input)
+            src.shutdown_write()
+        except OSError:
+            pass  # the source ended early: its exit status and stderr say why
+
+    writer = threading.Thread(target=feed, daemon=True)
     try:
-        src.sendall(source_input)
-        src.shutdown_write()
+        writer.start()
         while True:
             chunk = src.recv(STREAM_CHUNK)
             if not chunk:
@@ -249,6 +257,7 @@ def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: Ss
             _drain_stderr(src, src_err)
             _drain_stderr(dst, dst_err)
         dst.shutdown_write()
+        writer.join(STREAM_TIMEOUT_S)
         for channel, into in ((src, src_err), (dst, dst_err)):  # the rest of each end's stderr, to its EOF
             while chunk := channel.recv_stderr(65536):
                 into.append(chunk)
@@ -376,23 +385,24 @@ class Carry:
         refusal = gpu_refusal(self.canary, self._gpus, self._gpus_of(host))
         if refusal is not None:
             return CarryResult(skipped_reason=refusal)
+        tmp = temp_dir(directory)
         try:
             present = self._list(host, directory)
             roots = placements(self._files, present)
             if not roots:
                 return CarryResult(skipped_reason="it has every entry already")
             files = files_under(self._files, roots)
-            tmp = temp_dir(directory)
-            target = self.sessions.get(host)
             total, relayed, sent, received = relay(
                 self.sessions.get(self.canary), send_command(source), "\0".join(files).encode() + b"\0",
-                target, receive_command(directory, tmp), self.tamper)
+                self.sessions.get(host), receive_command(directory, tmp), self.tamper)
             problem = stream_problem(sent, relayed, received)
             if problem is not None:
-                run(target, f"rm -rf {shlex.quote(tmp)}", timeout=LIST_TIMEOUT_S, root=True)
+                self._remove(host, tmp)
                 return CarryResult(skipped_reason=f"refused: {problem}")
-            rc, out, err = run(target, place_command(directory, tmp, roots), timeout=LIST_TIMEOUT_S, root=True)
+            rc, out, err = run(self.sessions.get(host), place_command(directory, tmp, roots), timeout=LIST_TIMEOUT_S,
+                               root=True)
         except (TransportError, OSError, paramiko.SSHException, EOFError) as e:
+            self._remove(host, tmp)
             return CarryResult(skipped_reason=one_line(f"carry failed: {e}"))
         placed = tuple(line.removeprefix("placed ") for line in out.splitlines() if line.startswith("placed "))
         if rc != 0:
@@ -400,6 +410,14 @@ class Carry:
                 f"putting the entries in place failed: {(err or out).strip()[:160] or f'exit {rc}'}"))
         return CarryResult(carried_bytes=total if placed else 0, entries=placed,
                            skipped_reason=None if placed else "it has every entry already")
+
+    def _remove(self, host: str, tmp: str) -> None:
+        """The temp dir gone, as far as the host can still be reached (a lost one keeps a hidden dir, never an entry
+        in its cache dir)."""
+        try:
+            run(self.sessions.get(host), f"rm -rf {shlex.quote(tmp)}", timeout=LIST_TIMEOUT_S, root=True)
+        except (TransportError, OSError, paramiko.SSHException, EOFError):
+            pass
 
     def observe(self, group: Sequence[str]) -> None:
         """Each swapped host's start, from its container: warm or cold, and its time to ready."""
