@@ -24,7 +24,7 @@ from gpufleet.inventory import load_pyinfra_hosts
 from gpufleet.operations import site_cache
 from gpufleet.operations.files import sha256
 from gpufleet.operations.snapshot import remember
-from gpufleet.rollout.prepare import pull_order
+from gpufleet.rollout.prepare import pull_order, pull_stats
 from gpufleet.settings import build_spec
 
 BIG = "9f3c2a7d1e55"
@@ -202,3 +202,22 @@ def test_a_bad_site_cache_setting_is_one_line_with_its_fix(setting: str, value: 
         build_spec("gpu1", {setting: value})
     (line,) = str(raised.value).splitlines()
     assert line.startswith(f"gpu1: {expected}") and "(fix: " in line
+
+
+class RecordedSessions:
+    """What Sessions.each gives: each host's value, or the line saying why it could not be read."""
+
+    def __init__(self, values: dict[str, Any]):
+        self.values = values
+
+    def each(self, names: list[str], fn: Any) -> dict[str, Any]:
+        return {n: self.values[n] for n in names}
+
+
+def test_the_rollout_reads_each_hosts_record_of_its_target_only():
+    target = "reg/x@sha256:" + "1" * 64
+    mine = PullStats(target, 100, 0, False, "10.0.0.5:5001")
+    sessions = RecordedSessions({"a": mine, "b": PullStats("reg/x@sha256:" + "2" * 64, 0, 9, True), "c": None,
+                                 "d": "d: could not connect"})
+    got = pull_stats(sessions, ["a", "b", "c", "d"], target)  # type: ignore[arg-type]
+    assert got == {"a": mine, "b": None, "c": None, "d": None}

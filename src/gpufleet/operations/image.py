@@ -140,16 +140,21 @@ def _warm(host: Host, cache: CachePull, digest: str) -> None:
              if isinstance(d, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", d)]
     if not blobs:
         return
+    # A layer this host's docker holds already (it pulled it from a registry: docker maps the blob's digest to its
+    # layer) is not fetched: the last nightly's base layers stay out of the cache until a host without them asks.
+    root = shlex.quote(str((memo(host).snapshot.daemon_json or {}).get("data-root") or "/var/lib/docker"))
+    held = {d: f"{root}/image/*/distribution/diffid-by-digest/sha256/{d[7:]}" for d in blobs}
     files = {d: f"{STORAGE}/docker/registry/v2/blobs/sha256/{d[7:9]}/{d[7:]}/data" for d in blobs}
     base = f"http://{cache.address}/v2/{cache.path}/blobs/"
-    start = "; ".join(f"[ -f {files[d]} ] || {{ curl -s --noproxy '*' --max-time 30 {shlex.quote(base + d)} | "
-                      "head -c 1 >/dev/null; }" for d in blobs)
-    wait = " && ".join(f"[ -f {files[d]} ]" for d in blobs)
+    start = "; ".join(f"[ -f {files[d]} ] || ls {held[d]} >/dev/null 2>&1 || {{ w=\"$w {files[d]}\"; "
+                      f"curl -s --noproxy '*' --max-time 30 {shlex.quote(base + d)} | head -c 1 >/dev/null; }}"
+                      for d in blobs)
+    wait = "for f in $w; do [ -f $f ] || exit 1; done"
     deadline = max(1, int(cache.timeout_s))
     # Given up after the deadline, or once the storage stops growing for WARM_STALL_S (an upstream that failed
     # the cache's fetch: the pull below then says why).
     host.run_shell_command(
-        f"{start}; end=$(( $(date +%s) + {deadline} )); last=; still=0; until {wait}; do "
+        f"w=; {start}; end=$(( $(date +%s) + {deadline} )); last=; still=0; until ( {wait} ); do "
         "[ $(date +%s) -lt $end ] || exit 1; "
         f"now=$(du -s {STORAGE} 2>/dev/null | cut -f1); if [ \"$now\" = \"$last\" ]; then "
         f"still=$((still + 1)); [ $still -lt {WARM_STALL_S} ] || exit 1; else still=0; last=$now; fi; sleep 1; done",
