@@ -96,6 +96,11 @@ def test_a_start_is_warm_when_the_engine_says_it_loaded_its_compiled_artifacts()
             "function to /x", warm[2].replace("22:13:22", "22:13:31")]
     assert start_report(cold, started) == (False, 11.5)
     assert start_report(["no stamps here"], None) == (None, None)
+    # vLLM's piecewise backend (VLLM_USE_AOT_COMPILE=0) says it in its own words
+    piecewise = "2023-11-14T22:13:21Z INFO [backends.py:295] [backbone] Directly load the compiled graph(s) for "
+    assert start_report([piecewise + "compile range (1, 8192) from the cache, took 1.2 s", warm[2]], started)[0] is True
+    assert start_report(["2023-11-14T22:13:21Z INFO [backends.py:398] Compiling a graph for compile range (1, 8192) "
+                         "takes 40.1 s", warm[2]], started)[0] is False
 
 
 # --- over SSH: two cache dirs on this machine, one sshd ------------------------------------------------------------
@@ -298,3 +303,13 @@ def test_relay_streams_while_the_source_still_reads_its_list(sshd):
         b.client.close()
     assert total == 6_000_000
     assert sent.split()[0] == sha == received.split()[0]
+
+
+def test_a_hosts_result_as_a_json_row_and_a_table_cell():
+    warm = CarryResult(carried_bytes=92160, entries=("a",), warm=True, time_to_ready_s=2.24)
+    assert warm.as_dict() == {"warm": True, "time_to_ready_s": 2.24, "carried_bytes": 92160, "carry_skipped": None}
+    assert warm.cell() == "warm, 2.2 s (90 KiB carried)"
+    assert CarryResult(warm=False, time_to_ready_s=17.24, canary=True).cell() == "cold, 17.2 s (canary)"
+    other = CarryResult(skipped_reason="its GPUs (...) differ from canary c's (...)", warm=False, time_to_ready_s=8.4)
+    assert other.cell() == "cold, 8.4 s (not carried: its GPUs (...) differ from canary c's (...))"
+    assert CarryResult().cell() == "-"

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import paramiko
 
@@ -42,9 +43,11 @@ from gpufleet.spec import ServeSpec
 
 CARRIED_MOUNT = "/root/.cache/vllm"  # the container side of the one mount whose new entries are carried
 GPU_QUERY = "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader"
-# The engine's own lines: vLLM 0.32 on loading its torch.compile artifact from the cache, and on compiling again.
-LOADED = "Directly load AOT compilation from path"
-RECOMPILED = ("saved AOT compiled function to", "Compiling model again due to a load failure")
+# The engine's own lines (vLLM 0.32) on loading its torch.compile artifacts from the cache, and on compiling: the AOT
+# path (torch >= 2.10, the default), then the piecewise backend's own cache (VLLM_USE_AOT_COMPILE=0).
+LOADED = ("Directly load AOT compilation from path", "Directly load the compiled graph(s)")
+RECOMPILED = ("saved AOT compiled function to", "Compiling model again due to a load failure",
+              "Compiling a graph for compile range")
 # The first line once the server listens (uvicorn's; vLLM's API server, and the stand-in, print it).
 LISTENING = ("Uvicorn running on", "Application startup complete", "Starting vLLM server on")
 STREAM_CHUNK = 256 * 1024
@@ -65,6 +68,23 @@ class CarryResult:
     warm: bool | None = None
     time_to_ready_s: float | None = None
     canary: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields a rollout's JSON row takes."""
+        return {"warm": self.warm, "time_to_ready_s": self.time_to_ready_s, "carried_bytes": self.carried_bytes,
+                "carry_skipped": self.skipped_reason}
+
+    def cell(self) -> str:
+        """One table cell: how the host started and why, e.g. "warm, 2.2 s (90 KiB carried)"."""
+        start = {True: "warm", False: "cold", None: "-"}[self.warm]
+        ready = f", {self.time_to_ready_s:.1f} s" if self.time_to_ready_s is not None else ""
+        if self.canary:
+            why = "canary"
+        elif self.carried_bytes:
+            why = f"{self.carried_bytes / 1024:.0f} KiB carried"
+        else:
+            why = f"not carried: {self.skipped_reason}" if self.skipped_reason else ""
+        return f"{start}{ready}" + (f" ({why})" if why else "")
 
 
 @dataclass(frozen=True)
@@ -188,7 +208,7 @@ def start_report(lines: Sequence[str], started_at: float | None) -> tuple[bool |
     warm: bool | None = None
     ready: float | None = None
     for line in lines:
-        if LOADED in line:
+        if any(mark in line for mark in LOADED):
             warm = True
         elif any(mark in line for mark in RECOMPILED):
             warm = False
