@@ -103,3 +103,10 @@ def test_outside_the_image_nothing_is_compiled_or_written_unless_asked(model, tm
     _, log = start(model, tmp_path / "e", tmp_path / "1.log", compile_s=None)
     assert SAVED not in log and LOADED not in log
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("flags", [("-O0",), ("--enforce-eager",)])
+def test_no_compile_without_torch_compile(model, tmp_path, flags):
+    seconds, log = start(model, tmp_path / "f", tmp_path / "1.log", "0.32.1.dev30+gstandin", COMPILE_S, *flags)
+    assert SAVED not in log and LOADED not in log and seconds < COMPILE_S
+    assert not (tmp_path / "f").exists()

@@ -32,7 +32,8 @@ Behaves like vLLM where gpufleet depends on it:
   for STANDIN_COMPILE_SECONDS (default 2 in the image, 0 = no compile cache elsewhere) before it listens, and writes
   the entry as vLLM 0.32 does (torch_compile_cache/torch_aot_compile/<hash>/rank_0_0/model and an inductor_cache/
   beside it: written to a temp dir, then renamed); a start that finds a valid entry logs vLLM's "Directly load AOT
-  compilation from path ..." and skips the compile; a damaged one is compiled again, with vLLM's warning;
+  compilation from path ..." and skips the compile; a damaged one is compiled again, with vLLM's warning; -O0
+  and --enforce-eager compile nothing;
 - STANDIN_DIE_AFTER=S: the engine dies S seconds after serving starts (/health 503, then the server exits 1);
 - STANDIN_UNKNOWN_FLAGS=--a,--b: flags this "older vLLM" does not know (exit 2 if used);
 - STANDIN_MISBEHAVE: a server the health checks must survive, once serving starts: "models-not-json" (/health
@@ -801,7 +802,7 @@ def artifact(key: str) -> bytes:
 def warm_or_compile(args: argparse.Namespace, config: dict[str, Any]) -> None:
     """Load this version's compiled artifact from the cache, or "compile" (sleep) and save it, as vLLM logs it."""
     seconds = compile_seconds()
-    if seconds <= 0:
+    if seconds <= 0 or args.enforce_eager or args.optimization_level == 0:  # vLLM compiles nothing then either
         return
     key = compile_key(args, config)
     aot = cache_root() / "torch_compile_cache" / "torch_aot_compile"
