@@ -15,6 +15,7 @@ from gpufleet.rollout.carry import (
     CarryResult,
     Gpus,
     carried_dir,
+    config_refusal,
     gpu_refusal,
     new_files,
     parse_gpus,
@@ -73,6 +74,23 @@ def test_gpus_and_driver_must_match_the_canarys():
     assert gpu_refusal("c", H200, "nvidia-smi failed: x") == "its GPUs unknown (nvidia-smi failed: x)"
 
 
+def test_only_hosts_serving_the_canarys_config_take_its_artifacts():
+    def spec(env=(("VLLM_SLEEP_WHEN_IDLE", "1"),), gpus=(0, 1, 2), **args):
+        flags = {"model": "/models/q", "host": "0.0.0.0", "port": 5000, "served-model-name": "q",
+                 "pipeline-parallel-size": 3, "kv-cache-dtype": "fp8_e4m3", **args}
+        return SimpleNamespace(vllm_args=tuple(flags.items()), env=env, gpus=gpus)
+
+    canary = spec()
+    assert config_refusal("c", canary, spec(port=5001, **{"served-model-name": "other"})) is None  # type: ignore[arg-type]
+    assert config_refusal("c", canary, spec(**{"pipeline-parallel-size": 2})) == (  # type: ignore[arg-type]
+        "its serve config differs from canary c's (pipeline-parallel-size)")
+    assert config_refusal("c", canary, spec(env=(), gpus=(0, 1))) == (  # type: ignore[arg-type]
+        "its serve config differs from canary c's (env VLLM_SLEEP_WHEN_IDLE, the number of GPUs it serves on)")
+    many = spec(**{"kv-cache-dtype": "auto", "pipeline-parallel-size": 1, "max-num-seqs": 4, "model": "/m/x"})
+    assert config_refusal("c", canary, many) == (  # type: ignore[arg-type]
+        "its serve config differs from canary c's (kv-cache-dtype, max-num-seqs, model and 1 more)")
+
+
 def test_the_stream_is_taken_only_when_both_tars_ended_well_and_three_checksums_agree():
     good = f"tar-rc 0\n{SHA}  -\n"
     assert stream_problem(good, SHA, good) is None
@@ -109,13 +127,15 @@ def fleet(sshd, tmp_path, monkeypatch):
     """Hosts c (the canary), t and u: each one SSH session to the throwaway sshd, each its own cache dir."""
     transports = {}
     hosts = {}
-    for name in ("c", "t", "u"):
+    for name in ("c", "t", "u", "w"):
         cache = tmp_path / name / "vllm"
         cache.mkdir(parents=True)
-        spec = SimpleNamespace(mounts=(Mount(str(cache), "/root/.cache/vllm"),), service="vllm-qwen35")
+        args = (("model", "/models/q"), ("port", 5000 + len(name)), ("pipeline-parallel-size", 2 if name == "w" else 3))
+        spec = SimpleNamespace(mounts=(Mount(str(cache), "/root/.cache/vllm"),), service="vllm-qwen35",
+                               vllm_args=args, env=(("VLLM_SLEEP_WHEN_IDLE", "1"),), gpus=(0, 1, 2))
         hosts[name] = SimpleNamespace(name=name, spec=spec)
         transports[name] = SshTransport(sshd.client(), name=name, sudo=False)
-    gpus = {"c": H200, "t": H200, "u": Gpus(("NVIDIA H100 80GB HBM3",) * 3, "580.159.04")}
+    gpus = {"c": H200, "t": H200, "u": Gpus(("NVIDIA H100 80GB HBM3",) * 3, "580.159.04"), "w": H200}
     monkeypatch.setattr(Carry, "_gpus_of", lambda self, host: gpus[host])
     sessions = SimpleNamespace(get=lambda name: transports[name])
     yield SimpleNamespace(sessions=sessions, hosts=hosts, dir=lambda n: tmp_path / n / "vllm", root=tmp_path)
@@ -199,6 +219,17 @@ def test_a_host_with_other_gpus_does_not_take_them(fleet):
     assert not list(other.rglob("*"))
     assert [ln for ln in lines if ln.startswith("u: ")] == [f"u: compile cache not carried: "
                                                             f"{carry.results['u'].skipped_reason}"]
+
+
+def test_a_host_with_another_serve_config_does_not_take_them(fleet):
+    carry = new_carry(fleet, [])
+    carry.before_canary("c")
+    compiled(fleet.dir("c"), "new", b"x")
+    carry.after_canary(committed=True)
+    carry.into(["w"])
+    assert carry.results["w"].skipped_reason == ("its serve config differs from canary c's "
+                                                 "(pipeline-parallel-size)")
+    assert not list(fleet.dir("w").rglob("*"))
 
 
 def test_a_canary_that_was_not_committed_carries_nothing(fleet):

@@ -12,9 +12,9 @@ wrote on it are carried to each later host's cache dir before that host's swap, 
   (sha256 each); the host unpacks into a temp dir beside its cache dir, and only when all three agree are the
   entries renamed into place. An entry the host already has is never overwritten: the host still runs the old
   version, which writes its own version's entries there, never the new one's.
-- Who does not take it: a host whose GPUs (model, count) or driver differ from the canary's, one whose listing or
-  GPU query fails (one line each, the rollout goes on: that host just starts cold); a rollout whose canary is not
-  committed carries nothing.
+- Who does not take it: a host whose GPUs (model, count) or driver differ from the canary's, or whose serve flags
+  (other than where it listens and its served name) or env differ; one whose listing or GPU query fails (one line
+  each, the rollout goes on: that host just starts cold); a rollout whose canary is not committed carries nothing.
 
 Per host, CarryResult says what was carried (or why not), whether its start loaded compiled artifacts (the
 engine's own log line) and its time to ready (container start to its first "listening" log line, both from docker
@@ -175,6 +175,29 @@ def gpu_refusal(canary: str, canary_gpus: Gpus | str, host_gpus: Gpus | str) -> 
     if sorted(canary_gpus.names) != sorted(host_gpus.names) or canary_gpus.driver != host_gpus.driver:
         return f"its GPUs ({host_gpus.describe()}) differ from canary {canary}'s ({canary_gpus.describe()})"
     return None
+
+
+# Flags that do not reach vLLM's compile (where it listens, what it is called): hosts may differ in them.
+NOT_COMPILED = frozenset({"host", "port", "served-model-name", "api-key", "uvicorn-log-level"})
+
+
+def config_refusal(canary: str, canary_spec: ServeSpec, host_spec: ServeSpec) -> str | None:
+    """Why a host whose serve flags, env or GPU count differ from the canary's may not take its artifacts (vLLM's
+    cache key has missed a config field before and loaded a wrong artifact: carried only between identical
+    configs), or None."""
+    def flags(spec: ServeSpec) -> dict[str, object]:
+        return {k: v for k, v in spec.vllm_args if k not in NOT_COMPILED}
+
+    a, b = flags(canary_spec), flags(host_spec)
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    env_a, env_b = dict(canary_spec.env), dict(host_spec.env)
+    differ += sorted(f"env {k}" for k in env_a.keys() | env_b.keys() if env_a.get(k) != env_b.get(k))
+    if len(canary_spec.gpus) != len(host_spec.gpus):
+        differ.append("the number of GPUs it serves on")
+    if not differ:
+        return None
+    shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    return f"its serve config differs from canary {canary}'s ({shown})"
 
 
 SHA_LINE = re.compile(r"^([0-9a-f]{64})\s+-$", re.MULTILINE)
@@ -402,7 +425,8 @@ class Carry:
         source = carried_dir(self.hosts[self.canary].spec)
         if directory is None or source is None:
             return CarryResult(skipped_reason=f"it mounts no {CARRIED_MOUNT}")
-        refusal = gpu_refusal(self.canary, self._gpus, self._gpus_of(host))
+        refusal = config_refusal(self.canary, self.hosts[self.canary].spec, self.hosts[host].spec) or \
+            gpu_refusal(self.canary, self._gpus, self._gpus_of(host))
         if refusal is not None:
             return CarryResult(skipped_reason=refusal)
         tmp = temp_dir(directory)
