@@ -119,7 +119,7 @@ def main() -> None:
     rows = []
     try:
         sandbox_image.ensure_nightlies(fleet.cfg)
-        layer = json.loads(sandbox_image._registry(fleet.cfg, f"/v2/{REPOSITORY}/manifests/nightly-1",
+        layer = json.loads(sandbox_image.registry_request(fleet.cfg, f"/v2/{REPOSITORY}/manifests/nightly-1",
                                                    headers={"Accept": ACCEPT})[2])["layers"]
         image_bytes = sum(layer_["size"] for layer_ in layer)
         new_bytes = layer[-1]["size"]  # what a host on `good` lacks: the nightly's own layer

@@ -67,8 +67,8 @@ def listed(fleet: Fleet, host: Host) -> list[str]:
 
 def big_layer(fleet: Fleet, tag: str) -> tuple[str, int]:
     """(digest, size) of a nightly's own layer, from the fleet registry's manifest."""
-    _, _, body = sandbox_image._registry(fleet.cfg, f"/v2/{sandbox_image.REPOSITORY}/manifests/{tag}",
-                                         headers={"Accept": sandbox_image._MANIFEST})
+    _, _, body = sandbox_image.registry_request(fleet.cfg, f"/v2/{sandbox_image.REPOSITORY}/manifests/{tag}",
+                                         headers={"Accept": sandbox_image.MANIFEST_TYPE})
     layer = json.loads(body)["layers"][-1]
     return layer["digest"], layer["size"]
 

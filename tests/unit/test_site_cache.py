@@ -13,7 +13,7 @@ import pytest
 from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State, StringCommand
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet.deploys.site_cache import cache_pull, serves_site
+from gpufleet.deploys.site_cache import cache_pull, check_port, serves_site
 from gpufleet.errors import SettingErrors
 from gpufleet.facts import pull
 from gpufleet.facts.host import HostSnapshot
@@ -221,3 +221,12 @@ def test_the_rollout_reads_each_hosts_record_of_its_target_only():
                                  "d": "d: could not connect"})
     got = pull_stats(sessions, ["a", "b", "c", "d"], target)  # type: ignore[arg-type]
     assert got == {"a": mine, "b": None, "c": None, "d": None}
+
+
+def test_the_cache_host_cannot_take_its_own_vllm_port(inventory: Path):
+    loaded = Inventory((
+        [("gpu1", {}), ("gpu2", {})], {}), site_cache=([("gpu1", {})], {}))
+    check_port(loaded, "gpu2", {"site_cache_port": 5000}, 5000)  # not the cache host: no clash
+    with pytest.raises(SettingErrors) as raised:
+        check_port(loaded, "gpu1", {"site_cache_port": 5000}, 5000)
+    assert str(raised.value).startswith("gpu1: site_cache_port: 5000 is vllm_port too")

@@ -96,13 +96,16 @@ def _run(host: Host, command: str, timeout_s: float | None = None) -> tuple[bool
 
 def _cache_answers(host: Host, cache: CachePull) -> str | None:
     """None when the cache's registry API answers, else why not (one phrase)."""
+    # A refused connection is tried again twice, a second apart: a cache (re)started earlier in this run may not
+    # be listening yet. No answer at all (curl's exit 28) is not: the host is down or cut off.
     ok, output = host.run_shell_command(
-        f"curl -s -o /dev/null --noproxy '*' --connect-timeout 3 --max-time 5 -w '%{{http_code}}' "
-        f"http://{cache.address}/v2/", _sudo=False)
+        "for i in 1 2 3; do c=$(curl -s -o /dev/null --noproxy '*' --connect-timeout 3 --max-time 5 "
+        f"-w '%{{http_code}}' http://{cache.address}/v2/); r=$?; [ \"$c\" = 200 ] && break; "
+        "[ $r = 7 ] && [ $i != 3 ] || break; sleep 1; done; echo \"$c\"", _sudo=False)
     code = (output.stdout or "").strip()
     if ok and code == "200":
         return None
-    return f"its registry API answered HTTP {code}" if code not in ("", "000") else "it did not answer within 5 s"
+    return f"its registry API answered HTTP {code}" if code not in ("", "000") else "it did not answer"
 
 
 def _manifest(host: Host, cache: CachePull, digest: str) -> dict[str, Any] | None:

@@ -227,10 +227,12 @@ class Fleet:
     def _h(self, host: Host | str) -> Host:
         return self.host(host) if isinstance(host, str) else host
 
-    def write_inventory(self) -> Path:
-        """<state dir>/inventory.json: what inventories/sandbox.py (and the test inventories) turn into hosts."""
+    def write_inventory(self, site_cache: tuple[str, ...] = ()) -> Path:
+        """<state dir>/inventory.json: what inventories/sandbox.py (and the test inventories) turn into hosts;
+        site_cache: the hosts of the group `site_cache` (docs/site-cache.md)."""
         from gpufleet.sandbox.inventory import inventory_document
 
         path = self.cfg.state_dir / "inventory.json"
-        path.write_text(json.dumps(inventory_document(self.cfg, self.hosts(), self.key), indent=2) + "\n")
+        doc = inventory_document(self.cfg, self.hosts(), self.key, site_cache=site_cache)
+        path.write_text(json.dumps(doc, indent=2) + "\n")
         return path

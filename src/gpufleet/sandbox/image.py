@@ -284,7 +284,7 @@ def write_tiny_model(d: Path) -> None:
 # neither builds nor stores them.
 NIGHTLY_LAYER_BYTES = 100 * 1024 * 1024
 NIGHTLIES = {"nightly-1": "0.32.1.dev41+gstandin", "nightly-2": "0.32.1.dev42+gstandin"}
-_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 _LAYER = "application/vnd.docker.image.rootfs.diff.tar.gzip"
 
 
@@ -310,8 +310,9 @@ def nightly_layer(cache_dir: Path, tag: str, size: int = NIGHTLY_LAYER_BYTES) ->
     return out, diff_file.read_text()
 
 
-def _registry(cfg: FleetConfig, path: str, data: bytes | None = None, method: str = "GET",
-              headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+def registry_request(cfg: FleetConfig, path: str, data: bytes | None = None, method: str = "GET",
+                     headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one request to the fleet's registry API; an HTTP error is an answer too."""
     request = urllib.request.Request(f"http://{cfg.registry}{path}", data=data, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=300) as r:
@@ -323,12 +324,12 @@ def _registry(cfg: FleetConfig, path: str, data: bytes | None = None, method: st
 def _push_blob(cfg: FleetConfig, data: bytes | Path) -> tuple[str, int]:
     body = data.read_bytes() if isinstance(data, Path) else data
     digest = "sha256:" + hashlib.sha256(body).hexdigest()
-    if _registry(cfg, f"/v2/{REPOSITORY}/blobs/{digest}", method="HEAD")[0] != 200:
-        status, headers, _ = _registry(cfg, f"/v2/{REPOSITORY}/blobs/uploads/", data=b"", method="POST")
+    if registry_request(cfg, f"/v2/{REPOSITORY}/blobs/{digest}", method="HEAD")[0] != 200:
+        status, headers, _ = registry_request(cfg, f"/v2/{REPOSITORY}/blobs/uploads/", data=b"", method="POST")
         location = headers["Location"]
         location = location if location.startswith("/") else "/" + location.split("/", 3)[3]
         sep = "&" if "?" in location else "?"
-        status, _, text = _registry(cfg, f"{location}{sep}digest={digest}", data=body, method="PUT",
+        status, _, text = registry_request(cfg, f"{location}{sep}digest={digest}", data=body, method="PUT",
                                     headers={"Content-Type": "application/octet-stream"})
         if status != 201:
             raise procs.SandboxError(f"pushing a blob to {cfg.registry} failed: HTTP {status} {text[:200]!r}")
@@ -337,8 +338,8 @@ def _push_blob(cfg: FleetConfig, data: bytes | Path) -> tuple[str, int]:
 
 def nightly_ref(cfg: FleetConfig, tag: str) -> str:
     """The digest reference of a stand-in nightly in the fleet's registry (ensure_nightlies pushed it)."""
-    status, headers, _ = _registry(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="HEAD",
-                                   headers={"Accept": _MANIFEST})
+    status, headers, _ = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="HEAD",
+                                   headers={"Accept": MANIFEST_TYPE})
     if status != 200:
         raise procs.SandboxError(f"{image_ref(cfg, tag)} is not in the registry (fix: ensure_nightlies first)")
     return f"{cfg.registry}/{REPOSITORY}@{headers['Docker-Content-Digest']}"
@@ -351,11 +352,12 @@ def ensure_nightlies(cfg: FleetConfig, tags: tuple[str, ...] = tuple(NIGHTLIES),
     no docker needed."""
     refs = {}
     for tag in tags:
-        status, _, _ = _registry(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="HEAD", headers={"Accept": _MANIFEST})
+        status, _, _ = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="HEAD",
+                                        headers={"Accept": MANIFEST_TYPE})
         if status != 200:
-            _, _, body = _registry(cfg, f"/v2/{REPOSITORY}/manifests/good", headers={"Accept": _MANIFEST})
+            _, _, body = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/good", headers={"Accept": MANIFEST_TYPE})
             manifest = json.loads(body)
-            config = json.loads(_registry(cfg, f"/v2/{REPOSITORY}/blobs/{manifest['config']['digest']}")[2])
+            config = json.loads(registry_request(cfg, f"/v2/{REPOSITORY}/blobs/{manifest['config']['digest']}")[2])
             layer, diff_id = nightly_layer(cfg.cache_dir, tag, size)
             layer_digest, layer_size = _push_blob(cfg, layer)
             config["rootfs"]["diff_ids"].append(diff_id)
@@ -366,9 +368,9 @@ def ensure_nightlies(cfg: FleetConfig, tags: tuple[str, ...] = tuple(NIGHTLIES),
             config_digest, config_size = _push_blob(cfg, json.dumps(config, sort_keys=True).encode())
             manifest["config"] = {**manifest["config"], "digest": config_digest, "size": config_size}
             manifest["layers"] = [*manifest["layers"], {"mediaType": _LAYER, "size": layer_size, "digest": layer_digest}]
-            status, _, text = _registry(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="PUT",
+            status, _, text = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="PUT",
                                         data=json.dumps(manifest, indent=3).encode(),
-                                        headers={"Content-Type": _MANIFEST})
+                                        headers={"Content-Type": MANIFEST_TYPE})
             if status != 201:
                 raise procs.SandboxError(f"pushing {image_ref(cfg, tag)} failed: HTTP {status} {text[:200]!r}")
         refs[tag] = nightly_ref(cfg, tag)
