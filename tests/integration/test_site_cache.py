@@ -4,7 +4,7 @@ site cache (inventory group `site_cache`), the fleet's registry the "upstream", 
 
 1. a rollout's prepare of nightly-1 on all three (the cache host alone, then the other two): the upstream serves
    the big layer once (the cache), each host's record says its layers came from the site; every host lists the
-   image under the upstream name only; the cache setup converges to no change;
+   image under the upstream name only; the cache refuses a push; its setup converges to no change;
 2. the cache host off the network: a prepare of nightly-2 on the other two still succeeds, from upstream, with one
    warning line per host naming the cache;
 3. a blob of nightly-1 tampered with in the cache's storage: a host pulling nightly-1 again is refused, nothing is
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,12 @@ def test_prepare_downloads_each_layer_from_upstream_once_per_site(site):
         assert got.site_bytes is not None and got.site_bytes >= size and got.upstream_bytes == 0, (h.name, got)
         # The unit's reference is the upstream one; nothing on the host names the cache.
         assert refs["nightly-1"] in listed(fleet, h) and not any(f":{CACHE_PORT}/" in r for r in listed(fleet, h))
+    # Read-only for clients: proxy mode refuses a push.
+    push = urllib.request.Request(f"http://{hosts[0].ip}:{CACHE_PORT}/v2/{sandbox_image.REPOSITORY}/blobs/uploads/",
+                                  data=b"", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(push, timeout=10)
+    assert refused.value.code in (401, 403, 405), refused.value.code
     # A second prepare on the cache host: its setup and the trust in it change nothing; nothing is pulled.
     again = prepare(str(inventory), [names[0]], refs["nightly-1"], DEPLOY, log=log, timeout_s=600)[0]
     assert again.ok, again.output[-3000:]
