@@ -14,7 +14,7 @@ from gpufleet.sandbox.fleet import Fleet, check_prerequisites
 from gpufleet.sandbox.procs import SandboxError
 
 # Session fleets of xdist workers take 10.213.<10+n>.0/24 (gw0 -> 10.213.10); 10.213.0-9 are the sandbox's and the
-# fixed test fleets' (test 1, tdown 2, roll 5, rtr 7).
+# fixed fleets' (test 1, tdown 2, bench 3, carry 4, roll 5, rbench 6, rtr 7, scbench 8, cbench 9).
 WORKER_NET_FROM = 10
 MAX_WORKERS = 90
 
