@@ -15,13 +15,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
 
 from gpufleet import ledger
 from gpufleet.cli import main
 from gpufleet.cli.rollout import ledger_rows
 from gpufleet.errors import GpufleetError
+from gpufleet.facts.pull import PullStats
 from gpufleet.health.check import HealthState
 from gpufleet.rollout import deploy as rollout_deploy
+from gpufleet.rollout.carry import CarryResult
 from gpufleet.rollout.deploy import DeployRun, settings_args
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
@@ -29,7 +32,7 @@ from gpufleet.rollout.fleet import FleetHost
 from gpufleet.rollout.ledgers import PRESENT, parse_read
 from gpufleet.rollout.membership import belongs
 from gpufleet.rollout.prepare import failures, prepare
-from gpufleet.rollout.report import HostOutcome, Outcome, succeeded
+from gpufleet.rollout.report import HostOutcome, Outcome, succeeded, table
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.run import previous_targets
 from gpufleet.rollout.swap import SwapOptions, batches, judge
@@ -166,17 +169,40 @@ def test_anything_else_is_failed_with_what_the_ledger_and_the_run_say():
 
 
 def test_a_hosts_json_row_has_ok_problems_and_the_rollouts_fields():
-    outcomes = [HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.14159, ""),
+    pull = PullStats(ref=NEW, site_bytes=104_889_802, upstream_bytes=0, fell_back=False, cache="10.0.0.11:5001")
+    start = CarryResult(carried_bytes=92_160, warm=True, time_to_ready_s=2.2)
+    outcomes = [HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.14159, "", pull=pull, start=start),
                 HostOutcome("h2", OLD, NEW, Outcome.NOT_STARTED, None, "not touched")]
     rows = json.loads(json.dumps([o.as_dict() for o in outcomes]))
     assert rows[0] == {"host": "h1", "ok": True, "problems": [], "from": OLD, "to": NEW, "outcome": "updated",
-                       "downtime_s": 3.14, "detail": "", "checks": []}
+                       "downtime_s": 3.14, "detail": "", "checks": [], "site_bytes": 104_889_802,
+                       "upstream_bytes": 0, "fell_back": False, "warm": True, "time_to_ready_s": 2.2,
+                       "carried_bytes": 92_160, "carry_skipped": None}
     (problem,) = rows[1].pop("problems")
+    # Not pulled, not started: every per-host measurement is null, never a table's placeholder.
     assert rows[1] == {"host": "h2", "ok": False, "from": OLD, "to": NEW, "outcome": "not-started",
-                       "downtime_s": None, "detail": "not touched", "checks": []}
+                       "downtime_s": None, "detail": "not touched", "checks": [], "site_bytes": None,
+                       "upstream_bytes": None, "fell_back": None, "warm": None, "time_to_ready_s": None,
+                       "carried_bytes": None, "carry_skipped": None}
     assert (problem["id"], problem["message"]) == ("not-started", "not touched")
     assert problem["fix"].startswith("nothing changed on h2: ")
     assert not succeeded(outcomes) and succeeded(outcomes[:1])
+
+
+def test_the_table_shows_what_each_host_pulled_and_how_it_started():
+    pull = PullStats(ref=NEW, site_bytes=104_889_802, upstream_bytes=0, fell_back=False, cache="10.0.0.11:5001")
+    missed = PullStats(ref=NEW, site_bytes=0, upstream_bytes=None, fell_back=True)
+    outcomes = [HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 17.0, "", pull=pull,
+                            start=CarryResult(warm=False, time_to_ready_s=17.2, canary=True)),
+                HostOutcome("h2", OLD, NEW, Outcome.UPDATED, 3.0, "", pull=missed,
+                            start=CarryResult(carried_bytes=92_160, warm=True, time_to_ready_s=2.2)),
+                HostOutcome("h3", OLD, NEW, Outcome.NOT_STARTED, None, "not touched")]
+    console = Console(width=300, record=True)
+    console.print(table(outcomes))
+    lines = {line.split()[1]: line for line in console.export_text().splitlines() if line.startswith("│ h")}
+    assert "104.9 MB site, 0 bytes upstream" in lines["h1"] and "cold, 17.2 s (canary)" in lines["h1"]
+    assert "0 bytes site, site cache missed" in lines["h2"] and "warm, 2.2 s (90 KiB carried)" in lines["h2"]
+    assert lines["h3"].count(" - ") >= 3  # nothing pulled, not started, no downtime
 
 
 def test_prepare_failures_are_attributed_to_the_host_the_output_names():
@@ -526,3 +552,25 @@ def test_after_its_swap_a_replica_rejoins_only_when_committed_or_rolled_back():
     assert result["h1"] == outcomes["h1"] and result["h2"] == outcomes["h2"]
     assert result["h3"].outcome is Outcome.FAILED
     assert result["h3"].detail.endswith("; left out of the routers: neither committed nor rolled back")
+
+
+@pytest.mark.parametrize("flags, carry", [((), True), (("--no-carry",), False)])
+def test_rollout_carries_the_canarys_compile_cache_unless_told_not_to(tmp_path, monkeypatch, flags, carry):
+    import importlib
+
+    from gpufleet.rollout.run import Result
+
+    cli_rollout = importlib.import_module("gpufleet.cli.rollout")  # the module, not the click command it defines
+
+    seen = []
+
+    def roll_out(inventory, image, options, confirm, progress_for):
+        seen.append(options)
+        return Result(NEW, [HostOutcome("gpu-a", OLD, NEW, Outcome.UNCHANGED, None, "")])
+
+    monkeypatch.setattr(cli_rollout, "roll_out", roll_out)
+    inventory = tmp_path / "inv.py"
+    inventory.write_text('gpuhosts = [("gpu-a", {"ssh_hostname": "10.0.0.11"})]\n')
+    result = CliRunner().invoke(main, ["rollout", str(inventory), "-y", "--json", *flags])
+    assert result.exit_code == 0, result.output
+    assert [o.carry for o in seen] == [carry]

@@ -119,9 +119,12 @@ _inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
 @click.option("--no-check", "skipped", multiple=True, type=click.Choice(SERVING_CHECKS),
               help="Leave this serving check out of the canary's gate (repeatable; docs/verify.md says what each "
                    "one sends).")
+@click.option("--no-carry", is_flag=True,
+              help="Start every host cold: do not carry the canary's compile cache to the others "
+                   "(docs/compile-cache.md).")
 @_common
-def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped: tuple[str, ...], probe: bool,
-            drain_timeout: float, retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool,
+def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped: tuple[str, ...], no_carry: bool,
+            probe: bool, drain_timeout: float, retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool,
             deploy: str | None, log: str | None) -> None:
     """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate. The
     canary is held to every serving check (cached equals cold, sessions apart, the parsers, the probe).
@@ -135,7 +138,7 @@ def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped:
     try:
         options = _options(deploy, log, canary=canary, batch=batch, probe=probe, retry_failed=retry_failed,
                            drain_timeout_s=drain_timeout, stage_timeout_s=stage_timeout,
-                           canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped))
+                           canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped), carry=not no_carry)
         result = roll_out(inventory, image, options, _confirm(yes), _progress)
     except GpufleetError as e:
         raise stopped("rollout", str(e), as_json) from None

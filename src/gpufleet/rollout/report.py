@@ -7,8 +7,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from rich.filesize import decimal
 from rich.table import Table
 from rich.text import Text
+
+from gpufleet.facts.pull import PullStats
+from gpufleet.rollout.carry import CarryResult
 
 
 class Outcome(str, Enum):
@@ -47,6 +51,10 @@ class HostOutcome:
     # The verify checks the new version was held to, in order, each passed (True) or failed (False); the ones after
     # a failed check did not run. Empty: none known (not swapped, or its engine died before any was sent).
     checks: tuple[tuple[str, bool], ...] = ()
+    # What its prepare pulled (bytes from the site cache and from upstream); None: nothing pulled or no record.
+    pull: PullStats | None = None
+    # How it started on the target: warm from the canary's carried cache or cold, time to ready; None: not swapped.
+    start: CarryResult | None = None
 
     @property
     def ok(self) -> bool:
@@ -72,7 +80,22 @@ class HostOutcome:
             "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 2),
             "detail": self.detail,
             "checks": [{"check": name, "ok": ok} for name, ok in self.checks],
+            "site_bytes": self.pull.site_bytes if self.pull else None,
+            "upstream_bytes": self.pull.upstream_bytes if self.pull else None,
+            "fell_back": self.pull.fell_back if self.pull else None,
+            **(self.start.as_dict() if self.start else dict.fromkeys(CarryResult().as_dict())),
         }
+
+    @property
+    def pulled_cell(self) -> str:
+        """The table's view of the pull: "105 MB site, 0 B upstream"; "-" when nothing was pulled or not known."""
+        if self.pull is None:
+            return "-"
+        parts = [f"{decimal(n)} {where}" for n, where in ((self.pull.site_bytes, "site"),
+                                                           (self.pull.upstream_bytes, "upstream")) if n is not None]
+        if self.pull.fell_back:
+            parts.append("site cache missed")
+        return ", ".join(parts) or "-"
 
     @property
     def checks_cell(self) -> str:
@@ -98,12 +121,13 @@ def short(ref: str | None) -> str:
 
 def table(outcomes: Sequence[HostOutcome], title: str | None = None) -> Table:
     t = Table(title=title, show_lines=False)
-    for column in ("host", "from", "to", "outcome", "downtime", "checks", "detail"):
+    for column in ("host", "from", "to", "outcome", "downtime", "checks", "pulled", "start", "detail"):
         t.add_column(column, overflow="fold")
     for o in outcomes:
         downtime = "-" if o.downtime_s is None else f"{o.downtime_s:.1f} s"
         # Text, never markup: a detail quotes server output and image names ("[...]" must not be parsed).
         t.add_row(Text(o.host), Text(short(o.from_ref)), Text(short(o.to_ref)),
                   Text(o.outcome.value, style=STYLE[o.outcome]), Text(downtime),
-                  Text(o.checks_cell, style="red" if any(not ok for _, ok in o.checks) else ""), Text(o.detail))
+                  Text(o.checks_cell, style="red" if any(not ok for _, ok in o.checks) else ""), Text(o.pulled_cell),
+                  Text(o.start.cell() if o.start else "-"), Text(o.detail))
     return t

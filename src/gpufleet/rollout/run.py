@@ -4,15 +4,16 @@ roll_back (each host to its previous committed digest, or one given) and history
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from gpufleet.errors import GpufleetError, one_line
+from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_roles
 from gpufleet.rollout.carry import Carry, CarryResult
 from gpufleet.rollout.fleet import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import members
-from gpufleet.rollout.prepare import prepare
+from gpufleet.rollout.prepare import prepare, pull_stats
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.report import HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
@@ -28,8 +29,11 @@ class Result:
     target: str  # the digest (rollout), or "previous" (rollback to each host's own)
     outcomes: list[HostOutcome]
     message: str = ""  # one line for the user: what was decided before any host changed, if anything
-    # Per swapped host: the compile cache carried from the canary (or why not), warm start, time to ready.
-    carried: Mapping[str, CarryResult] = field(default_factory=dict)
+
+    @property
+    def carried(self) -> dict[str, CarryResult]:
+        """Per swapped host: the compile cache carried from the canary (or why not), warm start, time to ready."""
+        return {o.host: o.start for o in self.outcomes if o.start is not None}
 
 
 def _unreadable(ledgers: Mapping[str, HostLedger], targets: Mapping[str, str]) -> list[HostOutcome] | None:
@@ -109,12 +113,14 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
                       sessions: Sessions, routers: Routers, targets: Mapping[str, str], options: SwapOptions,
                       progress: Progress) -> Result:
     prepared: dict[str, str] = {}
+    pulls: dict[str, PullStats | None] = {}
     for target in dict.fromkeys(targets[h] for h in order):
         group = [h for h in order if targets[h] == target]
         for h in group:
             progress.phase(h, f"preparing {short(target)} (pull, model, flag check)")
         _, failures = prepare(inventory, group, target, options.deploy_file, log=options.log,
                               timeout_s=options.stage_timeout_s)
+        pulls.update(pull_stats(sessions, group, target))  # each host's own record of what its pull moved
         prepared.update(failures)
         if failures:
             break
@@ -122,7 +128,8 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
         for h in order:
             outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, targets[h],
                                       Outcome.FAILED_PREPARE if h in prepared else Outcome.NOT_STARTED, None,
-                                      prepared.get(h) or "not started: another host failed to prepare")
+                                      prepared.get(h) or "not started: another host failed to prepare",
+                                      pull=pulls.get(h))
             progress.phase(h, outcomes[h].outcome.value)
         return Result(what, [outcomes[h] for h in names], "prepare failed: no host was swapped")
     for h in order:
@@ -130,7 +137,10 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
     carry = Carry(sessions, by_name, note=progress.note) if options.carry else None
     for outcome in swap(inventory, order, targets, ledgers, by_name, sessions, routers, options, progress, carry):
         outcomes[outcome.host] = outcome
-    return Result(what, [outcomes[h] for h in names], carried=dict(carry.results) if carry else {})
+    started = carry.results if carry else {}
+    for h in order:
+        outcomes[h] = replace(outcomes[h], pull=pulls.get(h), start=started.get(h))
+    return Result(what, [outcomes[h] for h in names])
 
 
 def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: Confirm,
