@@ -10,7 +10,7 @@ stand-in model repo); see gpufleet.sandbox.inventory.
 import os
 from pathlib import Path
 
-from gpufleet.sandbox.inventory import pyinfra_hosts
+from gpufleet.sandbox.inventory import pyinfra_hosts, site_cache_hosts
 
 _INVENTORY = Path(os.environ.get("GPUFLEET_SANDBOX_DIR", "/var/lib/gpufleet/sandbox")) / "inventory.json"
 if not _INVENTORY.exists():
@@ -18,3 +18,4 @@ if not _INVENTORY.exists():
 
 gpuhosts = pyinfra_hosts(_INVENTORY)
 routers = pyinfra_hosts(_INVENTORY, routers=True)  # `gpufleet sandbox up N --routers 1`; deploys/router.py
+site_cache = site_cache_hosts(_INVENTORY)  # `gpufleet sandbox up N --site-cache`: gpuhost1 (docs/site-cache.md)

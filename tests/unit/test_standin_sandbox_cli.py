@@ -73,6 +73,33 @@ def test_router_hosts_are_their_own_group_with_the_local_package_index(tmp_path)
     assert "routers = pyinfra_hosts(" in text and "routers=True" in text
 
 
-def test_up_offers_router_hosts():
+def test_up_offers_router_hosts_and_a_site_cache():
     result = CliRunner().invoke(sandbox, ["up", "--help"])
-    assert result.exit_code == 0 and "--routers" in result.output
+    assert result.exit_code == 0 and "--routers" in result.output and "--site-cache" in result.output
+
+
+def test_the_sandbox_inventory_puts_the_site_cache_host_in_its_group(tmp_path, monkeypatch):
+    """`gpufleet sandbox up --site-cache` names gpuhost1; inventories/sandbox.py (what the README's commands load)
+    gives pyinfra the group, and the rollout's prepare pulls on that host first. Without it: no group member."""
+    import json
+    from pathlib import Path
+
+    from gpufleet.inventory import load_pyinfra_hosts
+    from gpufleet.operations.site_cache import SITE_CACHE_GROUP
+    from gpufleet.rollout.prepare import pull_order
+    from gpufleet.sandbox.config import H200x3, sandbox_config
+    from gpufleet.sandbox.hosts import make
+    from gpufleet.sandbox.inventory import inventory_document
+
+    inventory = Path(__file__).parents[2] / "inventories" / "sandbox.py"
+    cfg = sandbox_config()
+    hosts = [make(cfg, i, H200x3) for i in (1, 2, 3)]
+    monkeypatch.setenv("GPUFLEET_SANDBOX_DIR", str(tmp_path))
+    for site_cache, members, order in [((), [], [["gpuhost3", "gpuhost2", "gpuhost1"]]),
+                                       (("gpuhost1",), ["gpuhost1"], [["gpuhost1"], ["gpuhost3", "gpuhost2"]])]:
+        doc = inventory_document(cfg, hosts, tmp_path / "id_ed25519", site_cache=site_cache)
+        (tmp_path / "inventory.json").write_text(json.dumps(doc))
+        loaded = load_pyinfra_hosts(inventory)
+        assert [h.name for h in loaded if SITE_CACHE_GROUP in h.groups] == members
+        assert [h.name for h in loaded] == ["gpuhost1", "gpuhost2", "gpuhost3"]
+        assert pull_order(str(inventory), ["gpuhost3", "gpuhost2", "gpuhost1"]) == order

@@ -22,7 +22,10 @@ def sandbox() -> None:
 @click.argument("count", type=click.IntRange(1, 200), default=2)
 @click.option("--routers", type=click.IntRange(0, 8), default=0, show_default=True,
               help="Also boot this many GPU-less hosts in the inventory's routers group (deploys/router.py).")
-def up(count: int, routers: int) -> None:
+@click.option("--site-cache", is_flag=True,
+              help="Put gpuhost1 in the inventory's site_cache group: it runs the site's pull-through registry "
+                   "cache and the other hosts pull through it (docs/site-cache.md).")
+def up(count: int, routers: int, site_cache: bool) -> None:
     """Boot COUNT hosts (gpuhost1..COUNT, each 3x H200) and write the inventory inventories/sandbox.py reads.
 
     An earlier sandbox (even one whose run was killed) is cleared first."""
@@ -32,11 +35,12 @@ def up(count: int, routers: int) -> None:
         hosts = fleet.add_hosts([H200x3] * count)
         if routers:
             hosts += fleet.add_hosts([NO_GPU] * routers, role="router")
-        inventory = fleet.write_inventory()
+        inventory = fleet.write_inventory(site_cache=(hosts[0].name,) if site_cache else ())
     except SandboxError as err:
         raise click.ClickException(str(err)) from None
     for h in hosts:
-        click.echo(f"{h.name}\t{h.ip}\t" + ("router" if h.role == "router" else f"{h.gpus.count}x {h.gpus.model}"))
+        role = "router" if h.role == "router" else f"{h.gpus.count}x {h.gpus.model}"
+        click.echo(f"{h.name}\t{h.ip}\t{role}" + (", site cache" if site_cache and h is hosts[0] else ""))
     click.echo(f"inventory: {inventory}  (pyinfra inventories/sandbox.py ...)")
     click.echo(f"booted {len(hosts)} host(s); stop with: gpufleet sandbox down")
 
