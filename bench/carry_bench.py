@@ -20,7 +20,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,12 +28,11 @@ from gpufleet.rollout.run import roll_out
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
-from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.image import REPOSITORY, move_tag
 
 REPO = Path(__file__).resolve().parents[1]
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 DEPLOY = REPO / "deploys" / "qwen35.py"
-ACCEPT = "application/vnd.docker.distribution.manifest.v2+json, application/vnd.oci.image.manifest.v1+json"
 
 
 def config() -> FleetConfig:
@@ -42,13 +40,6 @@ def config() -> FleetConfig:
                        state_dir=Path("/var/lib/gpufleet/cbench"))
 
 
-def move_tag(registry: str, tag: str, to: str) -> str:
-    base = f"http://{registry}/v2/{REPOSITORY}/manifests/"
-    with urllib.request.urlopen(urllib.request.Request(base + to, headers={"Accept": ACCEPT}), timeout=30) as r:
-        body, content_type, digest = r.read(), r.headers["Content-Type"], r.headers["Docker-Content-Digest"]
-    urllib.request.urlopen(urllib.request.Request(base + tag, data=body, method="PUT",
-                                                  headers={"Content-Type": content_type}), timeout=30).read()
-    return digest
 
 
 def main() -> int:

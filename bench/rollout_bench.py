@@ -24,19 +24,17 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
-from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.image import REPOSITORY, move_tag
 
 REPO = Path(__file__).resolve().parents[1]
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 DATA = {"vllm_ready_timeout": 120, "vllm_ready_soak_s": 10}
-ACCEPT = "application/vnd.docker.distribution.manifest.v2+json, application/vnd.oci.image.manifest.v1+json"
 # 10.213.6.11 - - [01/Dec/2026:05:34:00 +0000] "GET /v2/vllm/vllm-openai/blobs/sha256:... HTTP/1.1" 200 1234 ...
 ACCESS = re.compile(r'^(?P<ip>\S+) \S+ \S+ \[(?P<when>[^\]]+)\] "(?P<method>\S+) (?P<path>\S+) [^"]*" (?P<status>\d+) '
                     r'(?P<bytes>\d+|-)')
@@ -49,13 +47,6 @@ def config() -> FleetConfig:
                        state_dir=Path("/var/lib/gpufleet/rbench"))
 
 
-def move_tag(registry: str, tag: str, to: str) -> str:
-    base = f"http://{registry}/v2/{REPOSITORY}/manifests/"
-    with urllib.request.urlopen(urllib.request.Request(base + to, headers={"Accept": ACCEPT}), timeout=30) as r:
-        body, content_type, digest = r.read(), r.headers["Content-Type"], r.headers["Docker-Content-Digest"]
-    urllib.request.urlopen(urllib.request.Request(base + tag, data=body, method="PUT",
-                                                  headers={"Content-Type": content_type}), timeout=30).read()
-    return digest
 
 
 def deploy_runs(log: Path) -> list[tuple[list[str], bool, float, float]]:

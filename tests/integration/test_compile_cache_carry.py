@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from tests.integration.fleets import running_fleet
 from tests.integration.pyinfra_run import run_deploy
-from tests.integration.test_rollout import move_tag
 
 from gpufleet.rollout.carry import carried_dir
 from gpufleet.rollout.fleet import load_fleet
@@ -28,7 +27,7 @@ from gpufleet.rollout.report import Outcome
 from gpufleet.rollout.run import roll_out
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.sandbox.config import FleetConfig, Gpus, H200x3
-from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.image import REPOSITORY, move_tag
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploys" / "qwen35.py"

@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import committed_ref, write_inventory
-from tests.integration.test_rollout import move_tag
 
 from gpufleet.sandbox.config import H200x3
-from gpufleet.sandbox.image import image_ref
+from gpufleet.sandbox.image import image_ref, move_tag
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGED_DEPLOY = "site-packages/gpufleet/data/deploys/qwen35.py"

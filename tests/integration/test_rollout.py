@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from tests.integration.pyinfra_run import run_deploy
 from gpufleet.health.api import get
 from gpufleet.remote.ssh import open_ssh
 from gpufleet.sandbox.config import FleetConfig, H200x3
-from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.image import REPOSITORY, move_tag, tag_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")
@@ -45,26 +44,6 @@ SERVICE = "vllm-qwen35"
 PORT = 5000
 # The stand-in is ready in seconds; `dies` dies 8 s after serving: a 15 s soak catches it.
 DATA = {"vllm_ready_timeout": 90, "vllm_ready_soak_s": 15}
-MANIFEST_TYPES = ("application/vnd.docker.distribution.manifest.v2+json, "
-                  "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.list.v2+json")
-
-
-# --- the registry: a tag of our own, moved by copying another tag's manifest ---------------------------------
-def manifest(registry: str, tag: str) -> tuple[bytes, str, str]:
-    """(body, content type, digest) of a tag's manifest."""
-    req = urllib.request.Request(f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}", headers={"Accept": MANIFEST_TYPES})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return r.read(), r.headers["Content-Type"], r.headers["Docker-Content-Digest"]
-
-
-def move_tag(registry: str, tag: str, to: str) -> str:
-    """Point `tag` at what `to` names (same repository); returns the digest ref it now stands for."""
-    body, content_type, digest = manifest(registry, to)
-    req = urllib.request.Request(f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}", data=body, method="PUT",
-                                 headers={"Content-Type": content_type})
-    urllib.request.urlopen(req, timeout=30).read()
-    assert manifest(registry, tag)[2] == digest
-    return f"{registry}/{REPOSITORY}@{digest}"
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
@@ -205,7 +184,7 @@ def converge(pyinfra, inventory: Path, *args: str, check: bool = True) -> subpro
 def digests(fleet, tag, inventory, pyinfra, hosts) -> dict[str, str]:
     """The hosts converged on the module's tag (= good); the digest refs of the stand-in tags."""
     registry = fleet.cfg.registry
-    refs = {name: f"{registry}/{REPOSITORY}@{manifest(registry, name)[2]}"
+    refs = {name: f"{registry}/{REPOSITORY}@{tag_manifest(registry, name)[2]}"
             for name in ("good", "good-next", "rejects-flag", "dies")}
     assert move_tag(registry, tag, "good") == refs["good"]
     converge(pyinfra, inventory)
@@ -381,7 +360,7 @@ def test_a_moved_tag_is_looked_up_in_the_registry_and_nothing_is_pulled_before_t
         return fleet.run_in(host, f"docker image inspect {ref} >/dev/null 2>&1", check=False).returncode == 0
 
     # A stand-in tag whose digest no host has pulled: its image can only get there by a pull.
-    fresh = {name: f"{registry}/{REPOSITORY}@{manifest(registry, name)[2]}" for name in TAGS}
+    fresh = {name: f"{registry}/{REPOSITORY}@{tag_manifest(registry, name)[2]}" for name in TAGS}
     unseen = [name for name, ref in fresh.items() if not any(present(h, ref) for h in hosts)]
     assert unseen, "every stand-in tag's image is on some host already"
     moved = move_tag(registry, tag, unseen[0])

@@ -321,6 +321,30 @@ def registry_request(cfg: FleetConfig, path: str, data: bytes | None = None, met
         return e.code, dict(e.headers), e.read()
 
 
+# Every manifest type the fleet registry may hold for a tag (the stand-ins are v2; an index for a multi-platform one).
+ANY_MANIFEST = ", ".join((MANIFEST_TYPE, "application/vnd.oci.image.manifest.v1+json",
+                          "application/vnd.docker.distribution.manifest.list.v2+json"))
+
+
+def tag_manifest(registry: str, tag: str) -> tuple[bytes, str, str]:
+    """(body, content type, digest) of a tag's manifest in the registry at `registry` ("host:port")."""
+    req = urllib.request.Request(f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}", headers={"Accept": ANY_MANIFEST})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.read(), r.headers["Content-Type"], r.headers["Docker-Content-Digest"]
+
+
+def move_tag(registry: str, tag: str, to: str) -> str:
+    """Point `tag` at what `to` names (a tag of the same repository) by copying its manifest, as a new nightly
+    moves `nightly` upstream; returns the digest ref ("registry/repo@sha256:...") the tag now stands for."""
+    body, content_type, digest = tag_manifest(registry, to)
+    req = urllib.request.Request(f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}", data=body, method="PUT",
+                                 headers={"Content-Type": content_type})
+    urllib.request.urlopen(req, timeout=30).read()
+    if tag_manifest(registry, tag)[2] != digest:
+        raise procs.SandboxError(f"{registry}: {REPOSITORY}:{tag} does not name {digest} after the push")
+    return f"{registry}/{REPOSITORY}@{digest}"
+
+
 def _push_blob(cfg: FleetConfig, data: bytes | Path) -> tuple[str, int]:
     body = data.read_bytes() if isinstance(data, Path) else data
     digest = "sha256:" + hashlib.sha256(body).hexdigest()
