@@ -103,3 +103,21 @@ def test_the_sandbox_inventory_puts_the_site_cache_host_in_its_group(tmp_path, m
         assert [h.name for h in loaded if SITE_CACHE_GROUP in h.groups] == members
         assert [h.name for h in loaded] == ["gpuhost1", "gpuhost2", "gpuhost3"]
         assert pull_order(str(inventory), ["gpuhost3", "gpuhost2", "gpuhost1"]) == order
+
+
+def test_the_sandbox_inventory_says_when_its_state_is_not_readable(tmp_path, monkeypatch):
+    """As a user other than root, the state dir (0700: it holds the fleet's SSH key) cannot be read: the inventory
+    says so instead of claiming there is no sandbox."""
+    import os
+    import runpy
+    from pathlib import Path
+
+    import pytest
+
+    inventory = Path(__file__).parents[2] / "inventories" / "sandbox.py"
+    monkeypatch.setenv("GPUFLEET_SANDBOX_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="no sandbox inventory at .*: run `gpufleet sandbox up` \\(as root\\) first"):
+        runpy.run_path(str(inventory))
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(SystemExit, match="is root's \\(it holds the sandbox's SSH key\\): run pyinfra in the root shell"):
+        runpy.run_path(str(inventory))
