@@ -129,20 +129,24 @@ def _manifest(host: Host, cache: CachePull, digest: str) -> dict[str, Any] | Non
     return None
 
 
-def _warm(host: Host, cache: CachePull, digest: str) -> None:
+FETCHED = "@@gpufleet:fetched "  # the warm-up's line for each blob it had the cache fetch from upstream
+
+
+def _warm(host: Host, cache: CachePull, digest: str) -> set[str]:
     """On the cache host, before its own pull: have the cache store every blob of the image, fetched from upstream
     once. distribution's proxy answers a blob it lacks by fetching it twice at once (one stream to the client, one
     into its storage): a request cut after its first byte leaves only the fetch into storage (plus what was in
     flight, a few MB), and the host, which sees the cache's storage, waits for each blob to land there. A blob that
-    does not land in time is pulled through the cache as usual."""
+    does not land in time is pulled through the cache as usual. Returns the short ids (as docker pull prints them)
+    of the blobs it had the cache fetch from upstream: what this site downloaded for this image."""
     manifest = _manifest(host, cache, digest)
     if manifest is None:
-        return
+        return set()
     blobs = [d for d in [(manifest.get("config") or {}).get("digest"),
                          *((layer or {}).get("digest") for layer in manifest.get("layers") or ())]
              if isinstance(d, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", d)]
     if not blobs:
-        return
+        return set()
     # A layer this host's docker holds already (it pulled it from a registry: docker maps the blob's digest to its
     # layer) is not fetched: the last nightly's base layers stay out of the cache until a host without them asks.
     root = shlex.quote(str((memo(host).snapshot.daemon_json or {}).get("data-root") or "/var/lib/docker"))
@@ -150,32 +154,36 @@ def _warm(host: Host, cache: CachePull, digest: str) -> None:
     files = {d: f"{STORAGE}/docker/registry/v2/blobs/sha256/{d[7:9]}/{d[7:]}/data" for d in blobs}
     base = f"http://{cache.address}/v2/{cache.path}/blobs/"
     start = "; ".join(f"[ -f {files[d]} ] || ls {held[d]} >/dev/null 2>&1 || {{ w=\"$w {files[d]}\"; "
+                      f"echo {shlex.quote(FETCHED + d)}; "
                       f"curl -s --noproxy '*' --max-time 30 {shlex.quote(base + d)} | head -c 1 >/dev/null; }}"
                       for d in blobs)
     wait = "for f in $w; do [ -f $f ] || exit 1; done"
     deadline = max(1, int(cache.timeout_s))
     # Given up after the deadline, or once the storage stops growing for WARM_STALL_S (an upstream that failed
     # the cache's fetch: the pull below then says why).
-    host.run_shell_command(
+    _, output = host.run_shell_command(
         f"w=; {start}; end=$(( $(date +%s) + {deadline} )); last=; still=0; until ( {wait} ); do "
         "[ $(date +%s) -lt $end ] || exit 1; "
         f"now=$(du -s {STORAGE} 2>/dev/null | cut -f1); if [ \"$now\" = \"$last\" ]; then "
         f"still=$((still + 1)); [ $still -lt {WARM_STALL_S} ] || exit 1; else still=0; last=$now; fi; sleep 1; done",
         _sudo=use_sudo(host))
+    return {line[len(FETCHED) + 7:][:12] for line in output.stdout_lines if line.startswith(FETCHED + "sha256:")}
 
 
-def _through_cache(host: Host, cache: CachePull, digest: str) -> tuple[str, set[str] | None, str | None]:
-    """Pull `digest` from the site cache: ("ok", layers fetched, None), ("fallback", None, the warning line) or
-    ("refused", None, the failure line)."""
+def _through_cache(host: Host, cache: CachePull, digest: str
+                   ) -> tuple[str, set[str] | None, str | None, set[str]]:
+    """Pull `digest` from the site cache: ("ok", layers fetched, None, ...), ("fallback", None, the warning line,
+    ...) or ("refused", None, the failure line, ...); last, the layers the cache fetched from upstream for it
+    (known on the cache host: its warm-up)."""
     where = f"the site cache {cache.address} ({cache.cache_host})"
     why = _cache_answers(host, cache)
     if why is not None:
-        return "fallback", None, f"{host.name}: warning: {where} is not reachable ({why}): pulling from upstream"
-    if cache.on_this_host:
-        _warm(host, cache, digest)
+        return ("fallback", None, f"{host.name}: warning: {where} is not reachable ({why}): pulling from upstream",
+                set())
+    fetched = _warm(host, cache, digest) if cache.on_this_host else set()
     ok, lines = _run(host, f"docker pull {shlex.quote(cache.ref(digest))}", cache.timeout_s)
     if ok:
-        return "ok", pull_facts.downloaded(lines), None
+        return "ok", pull_facts.downloaded(lines), None, fetched
     text = "\n".join(lines)
     bad = pull_facts.tampered(text)
     if bad:
@@ -184,12 +192,13 @@ def _through_cache(host: Host, cache: CachePull, digest: str) -> tuple[str, set[
         return "refused", None, (f"{host.name}: refused {digest[:19]}: {where} served content that does not match "
                                  f"its digest ({one_line(bad)}): nothing was installed (fix: on {cache.cache_host}, "
                                  f"delete the bad blob from {STORAGE}/docker/registry/v2/blobs (or the whole "
-                                 "directory: it is a cache) and restart docker-registry, then run again)")
+                                 "directory: it is a cache) and restart docker-registry, then run again)"), fetched
     if lines and lines[-1].strip() == TIMED_OUT:
         why = f"it took over site_cache_pull_timeout_s = {cache.timeout_s:g} s"
     else:
         why = one_line(" | ".join(lines[-2:])) or "no output"
-    return "fallback", None, f"{host.name}: warning: pulling through {where} failed ({why}): pulling from upstream"
+    return ("fallback", None, f"{host.name}: warning: pulling through {where} failed ({why}): pulling from upstream",
+            fetched)
 
 
 def _pull(state: State, host: Host, image: str, pull: str, service: str | None = None,
@@ -197,11 +206,12 @@ def _pull(state: State, host: Host, image: str, pull: str, service: str | None =
     sudo = use_sudo(host)
     digest = pull.rpartition("@")[2] if "@sha256:" in pull else None
     from_cache: set[str] = set()
+    fetched: set[str] = set()  # layers the site cache fetched from upstream for this pull (on the cache host)
     fell_back, warning, used = False, None, None
     if cache is not None and digest is not None:
         # Only a digest known before the pull goes through the cache: a tag would be resolved by the cache (a
         # different moment's answer than upstream's), and the unit must run what upstream names.
-        outcome, layers, line = _through_cache(host, cache, digest)
+        outcome, layers, line, fetched = _through_cache(host, cache, digest)
         if outcome == "refused":
             return fail(host, line or "refused")
         if outcome == "fallback":
@@ -229,8 +239,10 @@ def _pull(state: State, host: Host, image: str, pull: str, service: str | None =
     if service is not None:
         manifest = _manifest(host, cache, ref.rpartition("@")[2]) if cache is not None and not fell_back else None
         sizes = pull_facts.layer_sizes(manifest) if manifest is not None else None
-        stats = PullStats(ref=ref, site_bytes=pull_facts.pulled_bytes(from_cache, sizes) if used else 0,
-                          upstream_bytes=pull_facts.pulled_bytes(pull_facts.downloaded(lines), sizes),
+        # What the cache had to fetch from upstream for this host (its warm-up) came from upstream, not the site.
+        from_site, via_cache = from_cache - fetched, from_cache & fetched
+        stats = PullStats(ref=ref, site_bytes=pull_facts.pulled_bytes(from_site, sizes) if used else 0,
+                          upstream_bytes=pull_facts.pulled_bytes(pull_facts.downloaded(lines) | via_cache, sizes),
                           fell_back=fell_back, cache=used, warning=warning)
         # A record, not a decision: a failed write costs the report its bytes, never the pull.
         write_file(host, pull_stats_file(service), stats.to_json())
