@@ -243,6 +243,17 @@ def test_a_canary_that_was_not_committed_carries_nothing(fleet):
     assert not list(fleet.dir("t").rglob("*"))
 
 
+def test_a_carry_turned_off_carries_nothing_and_says_why_on_each_host(fleet):
+    carry = new_carry(fleet, [], turned_off="the carry is turned off (--no-carry)")
+    carry.before_canary("c")
+    compiled(fleet.dir("c"), "new", b"x")
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    assert carry.results["t"].carried_bytes == 0
+    assert carry.results["t"].skipped_reason == "the carry is turned off (--no-carry)"
+    assert not list(fleet.dir("t").rglob("*"))
+
+
 def test_nothing_new_on_the_canary_is_said_once_and_nothing_is_streamed(fleet):
     lines: list[str] = []
     carry = new_carry(fleet, lines)
@@ -316,10 +327,10 @@ def test_a_canary_that_is_rolled_back_stops_the_swap_before_any_carry(monkeypatc
                                                          ("observe", [])]
 
 
-def test_without_a_canary_nothing_is_carried(monkeypatch):
+def test_without_a_canary_nothing_is_carried_and_each_start_is_still_read(monkeypatch):
     from gpufleet.rollout.report import Outcome
 
-    assert swapped(monkeypatch, Outcome.UPDATED, canary=0) == []
+    assert swapped(monkeypatch, Outcome.UPDATED, canary=0) == [("observe", ["h1", "h2"]), ("observe", ["h3", "h4"])]
 
 
 @pytest.mark.timeout(60)

@@ -354,6 +354,8 @@ class Carry:
     hosts: Mapping[str, FleetHost]
     note: Callable[[str], None] = lambda line: None
     tamper: Callable[[bytes], bytes] | None = None  # tests only: the bytes changed in flight
+    turned_off: str | None = None  # why this rollout carries nothing by choice (`rollout --no-carry`); starts are
+    # still observed, so the report says how each host started either way
     results: dict[str, CarryResult] = field(default_factory=dict)
     canary: str | None = None
     _before: dict[str, str] | None = None
@@ -375,6 +377,9 @@ class Carry:
 
     def before_canary(self, canary: str) -> None:
         self.canary = canary
+        if self.turned_off is not None:
+            self._off = self.turned_off
+            return
         directory = carried_dir(self.hosts[canary].spec)
         if directory is None:
             self._off = f"canary {canary} mounts no {CARRIED_MOUNT}"

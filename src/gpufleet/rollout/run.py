@@ -134,12 +134,12 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
         return Result(what, [outcomes[h] for h in names], "prepare failed: no host was swapped")
     for h in order:
         progress.phase(h, "prepared; waiting for its turn")
-    carry = Carry(sessions, by_name, note=progress.note) if options.carry else None
+    carry = Carry(sessions, by_name, note=progress.note,
+                  turned_off=None if options.carry else "the carry is turned off (--no-carry)")
     for outcome in swap(inventory, order, targets, ledgers, by_name, sessions, routers, options, progress, carry):
         outcomes[outcome.host] = outcome
-    started = carry.results if carry else {}
     for h in order:
-        outcomes[h] = replace(outcomes[h], pull=pulls.get(h), start=started.get(h))
+        outcomes[h] = replace(outcomes[h], pull=pulls.get(h), start=carry.results.get(h))
     return Result(what, [outcomes[h] for h in names])
 
 

@@ -129,26 +129,27 @@ def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], befor
          hosts: Mapping[str, FleetHost], sessions: Sessions, routers: Routers, options: SwapOptions,
          progress: Progress, carry: Carry | None = None) -> list[HostOutcome]:
     """Swap `order`'s hosts (each to targets[host]); returns an outcome for every one of them. carry: the first
-    canary's new compile-cache entries go to each later host before its swap (none without a canary)."""
+    canary's new compile-cache entries go to each later host before its swap (none without a canary), and each
+    swapped host's start (warm or cold, time to ready) is read after it."""
     outcomes: dict[str, HostOutcome] = {}
     canaries = set(order[:options.canary])
-    carry = carry if canaries else None
+    carrying = carry if canaries else None  # without a canary nothing is carried; each start is still observed
     for group in batches(order, options.canary, options.batch):
         role = "canary" if set(group) <= canaries else "batch"
-        if carry is not None:
+        if carrying is not None:
             if order[0] in group:
-                carry.before_canary(order[0])
+                carrying.before_canary(order[0])
             elif role == "batch":
-                carry.into(group)
+                carrying.into(group)
         # One deploy run per target digest (a rollout has one; `rollback` may send hosts to different ones).
         for target in dict.fromkeys(targets[h] for h in group):
             members = [h for h in group if targets[h] == target]
             swap_group = partial(_swap_group, inventory, members, target, before, hosts, sessions, options, progress,
                                  role)
             outcomes.update(_out_of_routers(routers, members, target, before, options, progress, swap_group))
+        if carrying is not None and order[0] in group:
+            carrying.after_canary(outcomes[order[0]].outcome == Outcome.UPDATED)
         if carry is not None:
-            if order[0] in group:
-                carry.after_canary(outcomes[order[0]].outcome == Outcome.UPDATED)
             carry.observe([h for h in group if outcomes[h].outcome == Outcome.UPDATED])
         if any(outcomes[h].outcome not in OK for h in group):
             for h in order:
