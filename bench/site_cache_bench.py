@@ -152,8 +152,8 @@ def main() -> None:
     lines = [
         f"# gpufleet site cache bench {stamp}", "",
         f"`gpufleet rollout INV --yes --json` (canary 1, batch 1) of {args.hosts} stand-in hosts to a new nightly "
-        f"(`good`'s files + one layer of 100 MiB of incompressible bytes, {new_bytes} bytes compressed; the whole "
-        f"image {image_bytes} bytes: hosts on `good` lack all of it, hosts on the other nightly only its own layer), "
+        f"(`good` + one layer of 100 MiB of incompressible bytes, {new_bytes} bytes compressed; the whole image "
+        f"{image_bytes} bytes), "
         "first from `good` to nightly-1 with the site cache on the first host and the compile-cache carry, then to "
         "nightly-2 with site_cache_address \"off\" and "
         f"--no-carry (bench/site_cache_bench.py; settings {DATA}; the stand-in compiles for {args.compile_seconds:g} s "

@@ -375,12 +375,15 @@ def ensure_nightlies(cfg: FleetConfig, tags: tuple[str, ...] = tuple(NIGHTLIES),
     digest reference. Through the registry's HTTP API: the image is `good`'s manifest and config plus one layer,
     no docker needed."""
     refs = {}
+    good = json.loads(registry_request(cfg, f"/v2/{REPOSITORY}/manifests/good", headers={"Accept": MANIFEST_TYPE})[2])
     for tag in tags:
-        status, _, _ = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="HEAD",
-                                        headers={"Accept": MANIFEST_TYPE})
-        if status != 200:
-            _, _, body = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/good", headers={"Accept": MANIFEST_TYPE})
-            manifest = json.loads(body)
+        status, _, body = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", headers={"Accept": MANIFEST_TYPE})
+        # The fleet's registry outlives a change of the stand-in image: a nightly built on an earlier `good` would
+        # share no layer with the hosts' `good` (a host would pull the whole image, not the nightly's own layer).
+        current = status == 200 and [d["digest"] for d in json.loads(body)["layers"][:-1]] == [
+            d["digest"] for d in good["layers"]]
+        if not current:
+            manifest = json.loads(json.dumps(good))
             config = json.loads(registry_request(cfg, f"/v2/{REPOSITORY}/blobs/{manifest['config']['digest']}")[2])
             layer, diff_id = nightly_layer(cfg.cache_dir, tag, size)
             layer_digest, layer_size = _push_blob(cfg, layer)
