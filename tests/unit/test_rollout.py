@@ -20,6 +20,7 @@ from rich.console import Console
 from gpufleet import ledger
 from gpufleet.cli import main
 from gpufleet.cli.rollout import ledger_rows
+from gpufleet.deploys.summary import HostResult
 from gpufleet.errors import GpufleetError
 from gpufleet.facts.pull import PullStats
 from gpufleet.health.check import HealthState
@@ -67,8 +68,8 @@ def read(lg: ledger.Ledger | None, host: str = "h1"):
     return parse_read(host, "/var/lib/gpufleet/vllm-qwen35.json", 0, out, "")
 
 
-def run_of(rc: int, output: str = "", hosts=("h1",)) -> DeployRun:
-    return DeployRun(tuple(hosts), rc, output, 1.0)
+def run_of(rc: int, output: str = "", hosts=("h1",), results=None) -> DeployRun:
+    return DeployRun(tuple(hosts), rc, output, 1.0, results or {})
 
 
 # --- plan -------------------------------------------------------------------------------------------------
@@ -160,8 +161,8 @@ def test_a_failed_mark_with_the_old_version_committed_is_rolled_back():
 
 def test_anything_else_is_failed_with_what_the_ledger_and_the_run_say():
     cut = ledger.begin(committed_on(OLD), version(NEW), "x", "t1")  # pending left: the run did not settle it
-    output = "[h1] Error: lost the SSH connection\n"
-    outcome = judge("h1", NEW, read(committed_on(OLD)), read(cut), run_of(1, output), None, None)
+    lost = {"h1": HostResult("h1", False, True, ("h1: 'Restart vllm' failed: lost the SSH connection",))}
+    outcome = judge("h1", NEW, read(committed_on(OLD)), read(cut), run_of(1, results=lost), None, None)
     assert outcome.outcome is Outcome.FAILED
     assert "lost the SSH connection" in outcome.detail and "pending sha256:bbbbbbbbbbbb" in outcome.detail
     unreadable = parse_read("h1", "/p", 255, "", "Connection reset")
@@ -205,18 +206,19 @@ def test_the_table_shows_what_each_host_pulled_and_how_it_started():
     assert lines["h3"].count(" - ") >= 3  # nothing pulled, not started, no downtime
 
 
-def test_prepare_failures_are_attributed_to_the_host_the_output_names():
-    output = ("[h1] Success\n[h2] h2: image x rejects --performance-mode of vllm_args: unrecognized arguments "
-              "(fix: ...)\n--> Results\n")
-    assert list(failures(run_of(1, output, hosts=("h1", "h2")))) == ["h2"]
-    # A run that fails as a whole (preflight refused it before any host ran) fails every host.
-    assert set(failures(run_of(1, "DeployError: preflight refused\n", hosts=("h1", "h2")))) == {"h1", "h2"}
+def test_prepare_failures_are_the_hosts_the_runs_result_names():
+    rejected = "h2: image x rejects --performance-mode of vllm_args: unrecognized arguments (fix: ...)"
+    results = {"h1": HostResult("h1", True, True, ()), "h2": HostResult("h2", False, True, (rejected,))}
+    # What the output prints is not what decides: it blames h1, the result names h2.
+    output = "[h1] h1: image x rejects --performance-mode: Error\n"
+    assert failures(run_of(1, output, hosts=("h1", "h2"), results=results)) == {"h2": rejected}
     assert failures(run_of(0, "", hosts=("h1", "h2"))) == {}
-    # The run's closing summary names the host again without its reason: the reason is what came before it.
-    summarised = (output + "[h2] Error: executed 0 commands\n\n1 host(s) did not converge:\n  h2: failed; its error "
-                  "is in the [h2] lines above (fix: correct what they name, then run again)\n")
-    reason = failures(run_of(1, summarised, hosts=("h1", "h2")))["h2"]
-    assert "--performance-mode" in reason and "did not converge" not in reason and "lines above" not in reason
+    # A run that fails as a whole and says nothing of any host (it wrote no result) fails every host on one line.
+    whole = failures(run_of(1, "DeployError: preflight refused\n", hosts=("h1", "h2")))
+    assert set(whole) == {"h1", "h2"} and all("exited 1 without a result" in why for why in whole.values())
+    # A host stopped only because another was refused is not failed: it is "not started".
+    stopped = {"h1": HostResult("h1", False, True, ()), "h2": HostResult("h2", False, True, (rejected,))}
+    assert failures(run_of(1, hosts=("h1", "h2"), results=stopped)) == {"h2": rejected}
 
 
 # --- ledgers ----------------------------------------------------------------------------------------------------
@@ -351,14 +353,15 @@ def test_deploy_run_limits_to_each_named_host_and_a_limit_matching_nothing_fails
     inventory = tmp_path / "inv.py"
     inventory.write_text("hosts = [('@local', {'marker': 'one'})]\n")
     deploy = tmp_path / "noop.py"
-    deploy.write_text("from pyinfra import host, logger\nlogger.warning(f'ran on {host.name} "
+    deploy.write_text("from pyinfra import host, logger\nfrom gpufleet.deploys import register_deploy_file\n"
+                      "register_deploy_file(__file__)\nlogger.warning(f'ran on {host.name} "
                       "ref={host.data.get(\"gpufleet_image_ref\")}')\n")
     log = tmp_path / "deploy.log"
     ran = run_deploy(str(inventory), ["@local"], {"gpufleet_image_ref": NEW}, deploy, log=log)
     assert ran.ok and f"ran on @local ref={NEW}" in ran.output, ran.output[-2000:]
     # A host the run was meant for and pyinfra did not find: never read as done, even if the others ran.
     missed = run_deploy(str(inventory), ["@local", "gpu9"], {}, deploy, log=log)
-    assert not missed.ok and "No host matches found" in missed.summary("gpu9")
+    assert not missed.ok and "the inventory names no such host" in missed.summary("gpu9")
     nothing = run_deploy(str(inventory), ["gpu9"], {}, deploy, log=log)
     assert not nothing.ok
     assert log.read_text().count("[exit ") == 3 and "; started " in log.read_text()

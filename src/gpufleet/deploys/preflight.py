@@ -31,6 +31,7 @@ from gpufleet import hostlock
 from gpufleet.errors import SettingErrors
 from gpufleet.facts.host import COMMAND_TIMEOUT_S, SNAPSHOT_REFUSED, GpufleetHost, HostSnapshot, Paths
 from gpufleet.facts.nvidia import version_tuple
+from gpufleet.operations.base import report
 from gpufleet.operations.model import missing_parts
 from gpufleet.operations.snapshot import remember
 from gpufleet.remote.ssh import use_sudo
@@ -159,6 +160,9 @@ def preflight(plan_for: PlanFor[P], check_host: CheckHost[P], applies: Applies |
     problems = [line for reading in readings.values() for line in reading.problems]
     if problems:
         hostlock.release_run_locks(state)  # nothing will run: another run may have the hosts now
+        for name, reading in readings.items():  # each refusal is its host's problem in the run's result
+            for line in reading.problems:
+                report(state, name, line)
         failing = sorted(name for name, reading in readings.items() if reading.problems)
         raise DeployError(f"preflight refused {len(failing)} of {len(readings)} host(s); nothing was changed "
                           "on any host:\n  " + "\n  ".join(problems))

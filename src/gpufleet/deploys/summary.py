@@ -1,18 +1,53 @@
 """The run's last lines: every host that failed or could not be reached, each with its fix, printed after pyinfra's
 own results. pyinfra names an unreachable host only in its early connect line, and a failed one in the middle of its
-operations' output; a user should not have to scroll back to find either."""
+operations' output; a user should not have to scroll back to find either.
+
+And, when the environment names a file in RESULT_ENV, the run's result written there at the same moment: what a
+program driving the run (the rollout) reads instead of its printed output. JSON, written atomically:
+
+    {"finished": true, "hosts": [{"host": "gpu1", "ok": false, "reached": true,
+                                  "problems": ["gpu1: image ... rejects --performance-mode ... (fix: ...)"]}, ...]}
+
+one entry per host of the run (--limit), in inventory order. A host's problems are the lines reported for it
+(gpufleet.operations.base.fail, preflight's refusal), else pyinfra's own record of its failed operation, else a line
+that its error is in the deploy output. `finished` is false when the run ended before its operations were executed
+(a refusal, an error while preparing): no host is ok then, and one without problems of its own was stopped by
+another's."""
 
 from __future__ import annotations
 
 import atexit
+import json
+import os
 import shlex
 import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 from weakref import WeakSet
 
 from pyinfra.api import Host, State
+from pyinfra.api.state import StateStage
+
+from gpufleet.errors import one_line
+from gpufleet.operations.base import reported
 
 HEADER = "host(s) did not converge:"  # after "<N> ", the summary's first line
+RESULT_ENV = "GPUFLEET_RUN_RESULT"  # a path on the controller: where the run writes its result at exit
 _REGISTERED: WeakSet[State] = WeakSet()  # one summary per run, however many deploy files register it
+
+
+@dataclass(frozen=True)
+class HostResult:
+    """One host of a run, as its result file says: converged (ok), reached over SSH, and why not (one line each)."""
+
+    host: str
+    ok: bool
+    reached: bool
+    problems: tuple[str, ...]
+
+    def as_json(self) -> dict[str, object]:
+        return {"host": self.host, "ok": self.ok, "reached": self.reached, "problems": list(self.problems)}
 
 
 def lines(state: State) -> list[str]:
@@ -22,12 +57,77 @@ def lines(state: State) -> list[str]:
         if host not in state.failed_hosts:
             continue
         if host not in state.activated_hosts:
-            out.append(f"{host.name}: could not be reached over SSH (fix: check that it is up and that "
-                       f"`{_ssh_command(host)} true` logs in with the inventory's ssh_* settings, then run again)")
+            out.append(_unreachable(host))
         else:
             out.append(f"{host.name}: failed; its error is in the [{host.name}] lines above (fix: correct what they "
                        "name, then run again: a converge goes on from where the host stands)")
     return out
+
+
+def _unreachable(host: Host) -> str:
+    return (f"{host.name}: could not be reached over SSH (fix: check that it is up and that `{_ssh_command(host)} "
+            "true` logs in with the inventory's ssh_* settings, then run again)")
+
+
+def results(state: State) -> tuple[bool, list[HostResult]]:
+    """(whether the run got through executing its operations, one HostResult per host of the run)."""
+    finished = state.current_stage >= StateStage.Disconnect
+    kept = reported(state)
+    out = []
+    for host in state.inventory:
+        if not state.is_host_in_limit(host):
+            continue
+        reached, failed = host in state.activated_hosts, host in state.failed_hosts
+        ok = reached and finished and not failed
+        problems = [] if ok else kept.get(host.name, [])
+        if not problems and not reached:
+            problems = [_unreachable(host)]
+        elif not problems and failed:
+            problems = [_failed_operation(state, host)]
+        out.append(HostResult(host.name, ok, reached, tuple(problems)))
+    return finished, out
+
+
+def _failed_operation(state: State, host: Host) -> str:
+    """The first operation pyinfra recorded as failed on the host (its name, its last line of stderr)."""
+    for op_hash in state.get_op_order():
+        try:
+            op_data = state.get_op_data_for_host(host, op_hash)
+        except KeyError:
+            continue  # not an operation of this host
+        meta = op_data.operation_meta
+        if not meta.is_complete() or meta.did_succeed() or op_data.global_arguments.get("_ignore_errors"):
+            continue
+        name = ", ".join(sorted(state.get_op_meta(op_hash).names)) or "an operation"
+        said = [line.strip() for line in meta.stderr_lines if line.strip()]
+        why = f": {said[-1]}" if said else ""
+        return one_line(f"{host.name}: {name!r} failed{why} (fix: its full error is in the deploy output, --log)")
+    return f"{host.name}: failed; its error is in the deploy output (--log)"
+
+
+def write_result(state: State, path: Path) -> None:
+    """The run's result as JSON at `path`, atomically (a reader never sees half of it)."""
+    finished, hosts = results(state)
+    text = json.dumps({"finished": finished, "hosts": [h.as_json() for h in hosts]}, indent=1)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def read_result(path: Path) -> dict[str, HostResult] | None:
+    """host -> its HostResult from a result file; None when there is none or it cannot be read (the run died before
+    its exit: killed, timed out, crashed while loading)."""
+    try:
+        doc = json.loads(path.read_text())
+        return {str(h["host"]): HostResult(str(h["host"]), h["ok"] is True, h["reached"] is True,
+                                           tuple(str(p) for p in h["problems"])) for h in doc["hosts"]}
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def _ssh_command(host: Host) -> str:
@@ -38,12 +138,19 @@ def _ssh_command(host: Host) -> str:
 
 
 def print_at_exit(state: State) -> None:
-    """Print lines(state) on stderr when the run's process ends (pyinfra exits 1 when a host failed)."""
+    """Print lines(state) on stderr when the run's process ends (pyinfra exits 1 when a host failed), and write the
+    run's result where RESULT_ENV says, if it says."""
     if state in _REGISTERED:
         return
     _REGISTERED.add(state)
 
     def summary() -> None:
+        where = os.environ.get(RESULT_ENV)
+        if where:
+            try:
+                write_result(state, Path(where))
+            except Exception as error:  # noqa: BLE001 - the reader falls back to the exit code; say why here
+                print(f"could not write the run's result to {where}: {one_line(str(error))}", file=sys.stderr)
         try:
             failed = lines(state)
         except Exception:  # the run's state half gone at exit (an API run that ended abnormally): nothing to say
@@ -54,9 +161,3 @@ def print_at_exit(state: State) -> None:
                 print(f"  {line}", file=sys.stderr)
 
     atexit.register(summary)
-
-
-def without_summary(output: str) -> str:
-    """A run's output up to its summary: what the hosts and pyinfra said, for a reader that looks for them."""
-    head, found, _ = output.rpartition(f" {HEADER}\n")
-    return head.rpartition("\n")[0] if found else output

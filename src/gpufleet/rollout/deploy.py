@@ -1,5 +1,7 @@
 """One run of the deploy (deploys/qwen35.py through the pyinfra CLI) on some hosts, with the rollout's settings
-passed as `--data key=value`: the same preflight, lock, ledger and verify as a plain converge."""
+passed as `--data key=value`: the same preflight, lock, ledger and verify as a plain converge. What each host's run
+came to is read from the result file the run writes at exit (gpufleet.deploys.summary), never from its printed
+output; a run that wrote none (killed, timed out, crashed while loading) fails each of its hosts on one line."""
 
 from __future__ import annotations
 
@@ -9,20 +11,19 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufleet.deploys import packaged_deploy_file
-from gpufleet.deploys.summary import without_summary
-from gpufleet.errors import GpufleetError, one_line
+from gpufleet.deploys.summary import RESULT_ENV, HostResult, read_result
+from gpufleet.errors import GpufleetError
 
 DEPLOY_FILE = Path("deploys") / "qwen35.py"
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_PROBLEM = re.compile(r"error|fail|refus|reject|not ready|rolled back|cannot|could not", re.IGNORECASE)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # pyinfra's colours, kept out of the log
 PR_SET_PDEATHSIG = 1
-NO_MATCH = "No host matches found for --limit"
 
 
 def default_deploy_file() -> Path:
@@ -50,26 +51,38 @@ def pyinfra_command() -> str:
 class DeployRun:
     hosts: tuple[str, ...]
     returncode: int
-    output: str  # stdout and stderr together, colours stripped
+    output: str  # stdout and stderr together, colours stripped: for the log and a reader, never parsed
     seconds: float
+    # host -> what the run's result file says of it; empty when the run wrote none
+    results: Mapping[str, HostResult] = field(default_factory=dict)
+    # host -> the one line to give when the run has no result for it (a time limit passed, not in the inventory)
+    ended: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
 
-    def problems(self, host: str, last: int = 2) -> list[str]:
-        """The run's last lines about `host` that report a problem ("[host] ..." or "host: ...")."""
-        # The summary's lines at the end repeat each failed host without its reason: read what came before them.
-        lines = [line.strip() for line in without_summary(self.output).splitlines()
-                 if (f"[{host}]" in line or line.strip().startswith(f"{host}:")) and _PROBLEM.search(line)]
-        return [one_line(line) for line in lines[-last:]]
+    def problems(self, host: str) -> list[str]:
+        """Why `host` did not converge, one line each: its result's problems; [] when it converged or had none of
+        its own (the run stopped for another host). A host the run has no result for fails on one line when the run
+        failed: the exit code, and where its error is."""
+        result = self.results.get(host)
+        if result is not None:
+            return [] if result.ok else list(result.problems)
+        if self.ok:
+            return []
+        return [self.ended.get(host) or f"{host}: the deploy run exited {self.returncode} without a result for this "
+                "host (fix: see why in the deploy output, --log)"]
 
     def summary(self, host: str) -> str:
+        """problems() on one line, else what the run says of the host without naming a problem."""
         found = self.problems(host)
         if found:
             return " | ".join(found)
-        tail = [line.strip() for line in self.output.splitlines() if line.strip()][-2:]
-        return one_line(" | ".join(tail)) or f"pyinfra exited {self.returncode}"
+        result = self.results.get(host)
+        if result is not None and not result.ok:
+            return f"{host}: not done: the deploy run stopped for another host (exit {self.returncode})"
+        return f"{host}: the deploy run exited {self.returncode} and names no problem of this host (see --log)"
 
 
 def _die_with_parent() -> None:
@@ -91,30 +104,46 @@ def settings_args(settings: Mapping[str, object]) -> list[str]:
 
 def run_deploy(inventory: str, hosts: Sequence[str], settings: Mapping[str, object], deploy_file: Path,
                log: Path | None = None, timeout_s: float | None = None) -> DeployRun:
-    """pyinfra -y INVENTORY DEPLOY --limit h1,h2 --data k=v ...; its output is kept (and appended to `log`)."""
+    """pyinfra -y INVENTORY DEPLOY --limit h1,h2 --data k=v ...; its output is kept (and appended to `log`), its
+    result file read."""
     # One --limit per host: pyinfra reads each as one name pattern (a comma-separated list matches nothing).
     limits = [arg for host in hosts for arg in ("--limit", host)]
     argv = [pyinfra_command(), "-y", inventory, str(deploy_file), *limits, *settings_args(settings)]
     start, started_at = time.monotonic(), time.time()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              timeout=timeout_s, preexec_fn=_die_with_parent)
-        rc, output = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as e:
-        # subprocess.run has killed the run by its PID: its SSH sessions closed, so each host's lock went with them.
-        raw = e.stdout or ""
-        rc, output = 124, (raw.decode(errors="replace") if isinstance(raw, bytes) else raw)
-        output += "".join(f"\n{host}: failed: the deploy run passed its time limit of {timeout_s:g} s and was ended, "
-                          "releasing the host's lock (fix: see why in the log; --stage-timeout raises the limit)"
-                          for host in hosts) + "\n"
+    ended: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="gpufleet-run-") as scratch:
+        where = Path(scratch) / "result.json"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", RESULT_ENV: str(where)}
+        try:
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                  timeout=timeout_s, preexec_fn=_die_with_parent)
+            rc, output = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired as e:
+            # subprocess.run has killed the run by its PID: its SSH sessions closed, each host's lock with them.
+            raw = e.stdout or ""
+            rc, output = 124, (raw.decode(errors="replace") if isinstance(raw, bytes) else raw)
+            ended = {host: f"{host}: failed: the deploy run passed its time limit of {timeout_s:g} s and was ended, "
+                     "releasing the host's lock (fix: see why in the log; --stage-timeout raises the limit)"
+                     for host in hosts}
+        results = None if ended else read_result(where)
     output = _ANSI.sub("", output)
-    if rc == 0 and NO_MATCH in output:
-        # pyinfra exits 0 having run nothing: never read as "prepared" or "swapped".
-        rc, output = 1, output + f"\n{NO_MATCH} (the inventory does not name {', '.join(hosts)} as given)\n"
+    if results is not None:
+        # A host of the run that its result does not list is one the inventory does not name: never done.
+        missing = {host: f"{host}: the run's result does not list it: the inventory names no such host (fix: check "
+                   "the name against the inventory)" for host in hosts if host not in results}
+        ended.update(missing)
+        rc = 1 if missing and rc == 0 else rc
+    elif rc == 0:
+        # pyinfra exits 0 having run nothing when no host matched: never read as "prepared" or "swapped".
+        ended = {host: f"{host}: the deploy run exited 0 without writing its result: it ran nothing (no host of the "
+                 "inventory matched, or the deploy file does not call gpufleet.deploys.register_deploy_file)"
+                 for host in hosts}
+        rc = 1
+    if ended:  # the log says what the rollout read of these hosts
+        output += "".join(f"\n{line}" for line in ended.values()) + "\n"
     if log is not None:
         # The run's wall-clock window (epoch seconds) is part of the record: what happened on a host, and what the
         # registry served it, can be put inside or outside a swap from the log alone.
         with log.open("a") as f:
             f.write(f"$ {' '.join(argv)}\n{output}\n[exit {rc}; started {started_at:.3f}; ended {time.time():.3f}]\n")
-    return DeployRun(tuple(hosts), rc, output, time.monotonic() - start)
+    return DeployRun(tuple(hosts), rc, output, time.monotonic() - start, results or {}, ended)

@@ -55,7 +55,7 @@ def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: 
                          timeout_s=timeout_s)
         done = one if done is None else DeployRun(
             done.hosts + one.hosts, max(done.returncode, one.returncode, key=abs), done.output + one.output,
-            done.seconds + one.seconds)
+            done.seconds + one.seconds, {**done.results, **one.results}, {**done.ended, **one.ended})
         if not one.ok:
             return done, failures(one)
     assert done is not None
@@ -63,8 +63,9 @@ def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: 
 
 
 def failures(run: DeployRun) -> dict[str, str]:
-    """Which hosts failed and why, from the run's output; when no line names a host, every host of the run (the
-    run as a whole failed: preflight's refusal, pyinfra's own error)."""
+    """Which hosts failed and why, from the run's result (DeployRun.problems): the hosts it names a problem of (a
+    host stopped only because another failed is not among them); when it names none, every host of the run (the run
+    as a whole failed: pyinfra's own error, a run that wrote no result)."""
     if run.ok:
         return {}
     named = {host: " | ".join(lines) for host in run.hosts if (lines := run.problems(host))}
