@@ -38,7 +38,7 @@ from gpufleet.ledger import roll_back as ledger_roll_back
 from gpufleet.operations.base import fail
 from gpufleet.operations.files import REFUSED, guarded
 from gpufleet.operations.flagcheck import accepted_file
-from gpufleet.operations.image import now_utc
+from gpufleet.operations.image import now_utc, pull_stats_file
 from gpufleet.operations.layout import UNITS_DIR, committed_unit, state_file, unit_backup
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.service import save_ledger
@@ -319,7 +319,8 @@ def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
             f"rm -f {shlex.quote(unit_path(before))} "
             f"{shlex.quote(unit_backup(before))} {shlex.quote(UNITS_DIR)}/{shlex.quote(before + '-')}*.service "
             f"{shlex.quote(state_file(before))} "
-            f"{shlex.quote(env_file_path(before))} {shlex.quote(accepted_file(before))} && systemctl daemon-reload",
+            f"{shlex.quote(env_file_path(before))} {shlex.quote(accepted_file(before))} "
+            f"{shlex.quote(pull_stats_file(before))} && systemctl daemon-reload",
             _sudo=sudo)
         if not ok:
             return fail(host, f"{host.name}: {service} is committed, but removing the replaced {old} failed: "
