@@ -20,9 +20,9 @@ import pytest
 from tests.integration.fleets import running_fleet
 from tests.integration.pyinfra_run import run_deploy
 
-from gpufleet.rollout.carry import carried_dir
-from gpufleet.rollout.fleet import load_fleet
+from gpufleet.rollout.carry_entries import carried_dir
 from gpufleet.rollout.progress import Progress
+from gpufleet.rollout.replicas import load_fleet
 from gpufleet.rollout.report import Outcome
 from gpufleet.rollout.run import roll_out
 from gpufleet.rollout.swap import SwapOptions

@@ -1,5 +1,7 @@
-"""The compile-cache carry (gpufleet.rollout.carry): which entries, who takes them, what is refused; the stream and
-the placement over real SSH channels to a throwaway sshd (two cache dirs on this machine stand for two hosts)."""
+"""The compile-cache carry (gpufleet.rollout.carry and its carry_entries, carry_eligibility, carry_stream and
+warm_start): which entries, who takes them (GPUs read from nvidia-smi output recorded on real hosts), what is
+refused; the stream and the placement over real SSH channels to a throwaway sshd (two cache dirs on this machine
+stand for two hosts)."""
 
 from __future__ import annotations
 
@@ -8,26 +10,32 @@ from types import SimpleNamespace
 
 import pytest
 
+from gpufleet.facts.nvidia import QUERY_GPUS
 from gpufleet.remote.transport import SshTransport
-from gpufleet.rollout import carry as carry_mod
-from gpufleet.rollout.carry import (
-    Carry,
-    CarryResult,
-    Gpus,
-    carried_dir,
-    config_refusal,
-    gpu_refusal,
-    new_files,
-    parse_gpus,
-    parse_listing,
-    placements,
-    start_report,
-    stream_problem,
-)
-from gpufleet.spec import Mount
+from gpufleet.rollout.carry import Carry, CarryResult
+from gpufleet.rollout.carry_eligibility import Gpus, config_refusal, gpu_refusal, gpus_from_query
+from gpufleet.rollout.carry_entries import carried_dir, new_files, parse_listing, placements
+from gpufleet.rollout.carry_stream import relay, stream_problem
+from gpufleet.rollout.warm_start import start_report
+from gpufleet.vllm.spec import Mount
 
 SHA = "a" * 64
-H200 = Gpus(("NVIDIA H200",) * 3, "580.159.04")
+NVIDIA_SMI = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
+
+
+def recorded_query(kind: str) -> str:
+    """QUERY_GPUS's stdout as recorded on a real host (tests/fixtures/nvidia-smi/<kind>/README.md)."""
+    return (NVIDIA_SMI / kind / "query-gpu.csv").read_text()
+
+
+def read_gpus(out: str) -> Gpus:
+    gpus = gpus_from_query(0, out, "")
+    assert isinstance(gpus, Gpus), gpus
+    return gpus
+
+
+H200 = read_gpus(recorded_query("h200-2gpu"))  # 2x NVIDIA H200, driver 580.159.04
+H100 = read_gpus(recorded_query("h200-2gpu").replace("NVIDIA H200", "NVIDIA H100 80GB HBM3"))
 
 
 # --- decisions -----------------------------------------------------------------------------------------------------
@@ -62,15 +70,41 @@ def test_only_the_vllm_cache_mount_is_carried():
     assert carried_dir(SimpleNamespace(mounts=(Mount("/m", "/models"),))) is None  # type: ignore[arg-type]
 
 
+class RecordedHost:
+    """A host whose nvidia-smi answers the preflight's GPU query with what a real host printed."""
+
+    def __init__(self, rc: int, out: str, err: str = "") -> None:
+        self.answer = (rc, out, err)
+
+    def run(self, command: str, timeout: float) -> tuple[int, str, str]:
+        assert command == QUERY_GPUS
+        return self.answer
+
+
+def gpus_of(rc: int, out: str, err: str = "") -> Gpus | str:
+    carry = Carry(SimpleNamespace(get=lambda name: RecordedHost(rc, out, err)), {})  # type: ignore[arg-type]
+    return carry._gpus_of("h")
+
+
+def test_each_hosts_gpus_are_read_with_the_preflights_query_and_parser():
+    assert gpus_of(0, recorded_query("h200-2gpu")) == Gpus(("NVIDIA H200",) * 2, "580.159.04")
+    assert gpus_of(0, recorded_query("h200-1gpu")) == Gpus(("NVIDIA H200",), "580.159.04")
+    bad_field = (NVIDIA_SMI / "h200-2gpu" / "bad-field.txt").read_text().split("\nrc=")[0]
+    assert gpus_of(2, bad_field) == 'nvidia-smi failed: Field "bogus" is not a valid field to query.'
+    assert gpus_of(127, "", "sh: nvidia-smi: not found") == "nvidia-smi failed: sh: nvidia-smi: not found"
+    other_driver = recorded_query("h200-2gpu").replace("580.159.04", "535.104.05", 1)
+    assert gpus_of(0, other_driver) == "GPUs report different drivers: 535.104.05, 580.159.04"
+    assert gpus_of(0, "NVIDIA H200, 580.159.04\n").startswith("nvidia-smi --query-gpu line 1: expected 14 ")
+
+
 def test_gpus_and_driver_must_match_the_canarys():
-    assert parse_gpus(0, "NVIDIA H200, 580.159.04\n" * 3, "") == H200
-    assert parse_gpus(127, "", "sh: nvidia-smi: not found") == "nvidia-smi failed: sh: nvidia-smi: not found"
     assert gpu_refusal("c", H200, H200) is None
-    assert gpu_refusal("c", H200, Gpus(("NVIDIA H100 80GB HBM3",) * 3, "580.159.04")) == (
-        "its GPUs (3x NVIDIA H100 80GB HBM3, driver 580.159.04) differ from canary c's (3x NVIDIA H200, driver "
+    assert gpu_refusal("c", H200, H100) == (
+        "its GPUs (2x NVIDIA H100 80GB HBM3, driver 580.159.04) differ from canary c's (2x NVIDIA H200, driver "
         "580.159.04)")
-    assert "differ" in (gpu_refusal("c", H200, Gpus(("NVIDIA H200",) * 8, "580.159.04")) or "")
-    assert "driver 535.104.05" in (gpu_refusal("c", H200, Gpus(("NVIDIA H200",) * 3, "535.104.05")) or "")
+    assert "differ" in (gpu_refusal("c", H200, read_gpus(recorded_query("h200-1gpu"))) or "")
+    assert "driver 535.104.05" in (gpu_refusal("c", H200, read_gpus(
+        recorded_query("h200-2gpu").replace("580.159.04", "535.104.05"))) or "")
     assert gpu_refusal("c", H200, "nvidia-smi failed: x") == "its GPUs unknown (nvidia-smi failed: x)"
 
 
@@ -135,7 +169,7 @@ def fleet(sshd, tmp_path, monkeypatch):
                                vllm_args=args, env=(("VLLM_SLEEP_WHEN_IDLE", "1"),), gpus=(0, 1, 2))
         hosts[name] = SimpleNamespace(name=name, spec=spec)
         transports[name] = SshTransport(sshd.client(), name=name, sudo=False)
-    gpus = {"c": H200, "t": H200, "u": Gpus(("NVIDIA H100 80GB HBM3",) * 3, "580.159.04"), "w": H200}
+    gpus = {"c": H200, "t": H200, "u": H100, "w": H200}
     monkeypatch.setattr(Carry, "_gpus_of", lambda self, host: gpus[host])
     sessions = SimpleNamespace(get=lambda name: transports[name])
     yield SimpleNamespace(sessions=sessions, hosts=hosts, dir=lambda n: tmp_path / n / "vllm", root=tmp_path)
@@ -214,8 +248,8 @@ def test_a_host_with_other_gpus_does_not_take_them(fleet):
     carry.after_canary(committed=True)
     carry.into(["t", "u"])
     assert carry.results["t"].skipped_reason is None
-    assert carry.results["u"].skipped_reason == ("its GPUs (3x NVIDIA H100 80GB HBM3, driver 580.159.04) differ "
-                                                 "from canary c's (3x NVIDIA H200, driver 580.159.04)")
+    assert carry.results["u"].skipped_reason == ("its GPUs (2x NVIDIA H100 80GB HBM3, driver 580.159.04) differ "
+                                                 "from canary c's (2x NVIDIA H200, driver 580.159.04)")
     assert not list(other.rglob("*"))
     assert [ln for ln in lines if ln.startswith("u: ")] == [f"u: compile cache not carried: "
                                                             f"{carry.results['u'].skipped_reason}"]
@@ -266,7 +300,7 @@ def test_nothing_new_on_the_canary_is_said_once_and_nothing_is_streamed(fleet):
 def test_relay_hashes_what_it_relays(sshd, tmp_path):
     a, b = SshTransport(sshd.client(), "a", sudo=False), SshTransport(sshd.client(), "b", sudo=False)
     try:
-        total, sha, sent, received = carry_mod.relay(
+        total, sha, sent, received = relay(
             a, "{ head -c 300000 /dev/urandom | tee /dev/fd/3 | sha256sum >&2; } 3>&1", b"", b, "sha256sum >&2")
     finally:
         a.client.close()
@@ -339,7 +373,7 @@ def test_relay_streams_while_the_source_still_reads_its_list(sshd):
     a, b = SshTransport(sshd.client(), "a", sudo=False), SshTransport(sshd.client(), "b", sudo=False)
     source = "{ { head -c 6000000 /dev/urandom; cat > /dev/null; } | tee /dev/fd/3 | sha256sum >&2; } 3>&1"
     try:
-        total, sha, sent, received = carry_mod.relay(a, source, b"n" * 4_000_000, b, "sha256sum >&2")
+        total, sha, sent, received = relay(a, source, b"n" * 4_000_000, b, "sha256sum >&2")
     finally:
         a.client.close()
         b.client.close()

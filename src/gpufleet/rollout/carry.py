@@ -22,36 +22,31 @@ on the host)."""
 
 from __future__ import annotations
 
-import hashlib
-import posixpath
-import re
 import shlex
-import threading
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import paramiko
 
 from gpufleet.errors import one_line
+from gpufleet.facts.nvidia import QUERY_GPUS
 from gpufleet.remote.ssh import needs_sudo
-from gpufleet.remote.transport import SshTransport, TransportError
-from gpufleet.rollout.fleet import FleetHost, Sessions, run
-from gpufleet.spec import ServeSpec
+from gpufleet.remote.transport import TransportError
+from gpufleet.rollout.carry_eligibility import Gpus, config_refusal, gpu_refusal, gpus_from_query
+from gpufleet.rollout.carry_entries import (
+    CARRIED_MOUNT,
+    carried_dir,
+    files_under,
+    listing_command,
+    new_files,
+    parse_listing,
+    placements,
+)
+from gpufleet.rollout.carry_stream import place_command, receive_command, relay, send_command, stream_problem, temp_dir
+from gpufleet.rollout.replicas import FleetHost, Sessions, run
+from gpufleet.rollout.warm_start import start_report
 
-CARRIED_MOUNT = "/root/.cache/vllm"  # the container side of the one mount whose new entries are carried
-GPU_QUERY = "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader"
-# The engine's own lines (vLLM 0.32) on loading its torch.compile artifacts from the cache, and on compiling: the AOT
-# path (torch >= 2.10, the default), then the piecewise backend's own cache (VLLM_USE_AOT_COMPILE=0).
-LOADED = ("Directly load AOT compilation from path", "Directly load the compiled graph(s)")
-RECOMPILED = ("saved AOT compiled function to", "Compiling model again due to a load failure",
-              "Compiling a graph for compile range")
-# The first line once the server listens (uvicorn's; vLLM's API server, and the stand-in, print it).
-LISTENING = ("Uvicorn running on", "Application startup complete", "Starting vLLM server on")
-STREAM_CHUNK = 256 * 1024
-STREAM_TIMEOUT_S = 120.0  # per read or write on a channel: a host that stops answering ends the carry to it
 LIST_TIMEOUT_S = 60.0
 
 
@@ -87,263 +82,6 @@ class CarryResult:
         return f"{start}{ready}" + (f" ({why})" if why else "")
 
 
-@dataclass(frozen=True)
-class Gpus:
-    names: tuple[str, ...]  # one per GPU, in nvidia-smi's order
-    driver: str
-
-    def describe(self) -> str:
-        if not self.names:
-            return "no GPU"
-        kinds = sorted(set(self.names))
-        return f"{len(self.names)}x {'/'.join(kinds)}, driver {self.driver}"
-
-
-# --- pure decisions ----------------------------------------------------------------------------------------------
-def carried_dir(spec: ServeSpec) -> str | None:
-    """The host side of the spec's vLLM cache mount (None: the spec mounts none, so there is nothing to carry)."""
-    for m in spec.mounts:
-        if posixpath.normpath(m.container_path) == CARRIED_MOUNT:
-            return posixpath.normpath(m.host_path)
-    return None
-
-
-def listing_command(directory: str) -> str:
-    """Every path under directory, NUL-terminated, each prefixed with find's type letter (f, d, l, ...); nothing
-    when the directory does not exist."""
-    d = shlex.quote(directory)
-    return f"if [ -d {d} ]; then cd {d} && find . -mindepth 1 -printf '%y %P\\0'; fi"
-
-
-def parse_listing(out: str) -> dict[str, str]:
-    """find's answer -> {relative path: type letter}."""
-    paths = {}
-    for item in out.split("\0"):
-        if len(item) >= 3 and item[1] == " ":
-            paths[item[2:]] = item[0]
-    return paths
-
-
-def new_files(before: Mapping[str, str], after: Mapping[str, str]) -> list[str]:
-    """The files (and links) the canary's new version wrote: present after its verify, absent before its swap."""
-    return sorted(p for p, kind in after.items() if kind in "fl" and p not in before)
-
-
-def placements(files: Iterable[str], present: Mapping[str, str]) -> list[str]:
-    """The paths to rename into a host's cache dir so that it has every file: for each file, its shallowest
-    ancestor (or itself) the host lacks. A file the host already has is left as it is (never overwritten)."""
-    out: set[str] = set()
-    for f in files:
-        if f in present:
-            continue
-        parts = f.split("/")
-        for i in range(1, len(parts) + 1):
-            path = "/".join(parts[:i])
-            if path not in present:
-                out.add(path)
-                break
-    # A placement inside another one is moved with it.
-    return sorted(p for p in out if not any(p.startswith(q + "/") for q in out))
-
-
-def files_under(files: Iterable[str], roots: Sequence[str]) -> list[str]:
-    return [f for f in files if any(f == r or f.startswith(r + "/") for r in roots)]
-
-
-def parse_gpus(rc: int, out: str, err: str) -> Gpus | str:
-    """nvidia-smi's csv (name, driver per GPU) -> Gpus, or one line saying why not."""
-    if rc != 0:
-        return one_line(f"nvidia-smi failed: {(err or out).strip()[:160] or f'exit {rc}'}")
-    names, drivers = [], set()
-    for line in out.strip().splitlines():
-        name, sep, driver = line.rpartition(",")
-        if not sep:
-            return one_line(f"unexpected nvidia-smi output: {line[:120]!r}")
-        names.append(name.strip())
-        drivers.add(driver.strip())
-    if len(drivers) > 1:
-        return f"GPUs report different drivers: {', '.join(sorted(drivers))}"
-    return Gpus(tuple(names), drivers.pop() if drivers else "")
-
-
-def gpu_refusal(canary: str, canary_gpus: Gpus | str, host_gpus: Gpus | str) -> str | None:
-    """Why a host may not take the canary's compiled artifacts (kernels are built for a GPU and a driver), or None."""
-    if isinstance(canary_gpus, str):
-        return f"canary {canary}'s GPUs unknown ({canary_gpus})"
-    if isinstance(host_gpus, str):
-        return f"its GPUs unknown ({host_gpus})"
-    if sorted(canary_gpus.names) != sorted(host_gpus.names) or canary_gpus.driver != host_gpus.driver:
-        return f"its GPUs ({host_gpus.describe()}) differ from canary {canary}'s ({canary_gpus.describe()})"
-    return None
-
-
-# Flags that do not reach vLLM's compile (where it listens, what it is called): hosts may differ in them.
-NOT_COMPILED = frozenset({"host", "port", "served-model-name", "api-key", "uvicorn-log-level"})
-
-
-def config_refusal(canary: str, canary_spec: ServeSpec, host_spec: ServeSpec) -> str | None:
-    """Why a host whose serve flags, env or GPU count differ from the canary's may not take its artifacts (vLLM's
-    cache key has missed a config field before and loaded a wrong artifact: carried only between identical
-    configs), or None."""
-    def flags(spec: ServeSpec) -> dict[str, object]:
-        return {k: v for k, v in spec.vllm_args if k not in NOT_COMPILED}
-
-    a, b = flags(canary_spec), flags(host_spec)
-    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-    env_a, env_b = dict(canary_spec.env), dict(host_spec.env)
-    differ += sorted(f"env {k}" for k in env_a.keys() | env_b.keys() if env_a.get(k) != env_b.get(k))
-    if len(canary_spec.gpus) != len(host_spec.gpus):
-        differ.append("the number of GPUs it serves on")
-    if not differ:
-        return None
-    shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-    return f"its serve config differs from canary {canary}'s ({shown})"
-
-
-SHA_LINE = re.compile(r"^([0-9a-f]{64})\s+-$", re.MULTILINE)
-RC_LINE = re.compile(r"^tar-rc (\d+)$", re.MULTILINE)
-
-
-def stream_problem(sent: str, relayed: str, received: str) -> str | None:
-    """The three ends' view of one tar stream (each `sha256sum` output, `tar-rc N` lines included for the two
-    hosts): None when the canary's tar and the host's untar ended well and all three sha256 agree."""
-    problems = []
-    for who, text in (("canary", sent), ("host", received)):
-        rc = RC_LINE.search(text)
-        if rc is None or rc.group(1) != "0":
-            problems.append(f"tar on the {who} failed ({_last_line(text, 'no exit status')})")
-    sha_sent, sha_received = SHA_LINE.search(sent), SHA_LINE.search(received)
-    if sha_sent is None or sha_received is None:
-        problems.append("a checksum is missing")
-    elif not (sha_sent.group(1) == relayed == sha_received.group(1)):
-        problems.append(f"checksum mismatch (canary {sha_sent.group(1)[:12]}, relayed {relayed[:12]}, host "
-                        f"{sha_received.group(1)[:12]})")
-    return "; ".join(problems) or None
-
-
-def _last_line(text: str, default: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if not RC_LINE.match(ln) and not SHA_LINE.match(ln)]
-    return lines[-1][:160] if lines else default
-
-
-def start_report(lines: Sequence[str], started_at: float | None) -> tuple[bool | None, float | None]:
-    """From `docker logs -t` of the running container: (loaded compiled artifacts, container start to listening)."""
-    warm: bool | None = None
-    ready: float | None = None
-    for line in lines:
-        if any(mark in line for mark in LOADED):
-            warm = True
-        elif any(mark in line for mark in RECOMPILED):
-            warm = False
-        if ready is None and any(mark in line for mark in LISTENING):
-            ready = _docker_time(line.split(" ", 1)[0])
-    took = ready - started_at if ready is not None and started_at is not None else None
-    return warm, (round(took, 2) if took is not None and took >= 0 else None)
-
-
-def _docker_time(stamp: str) -> float | None:
-    """docker logs -t's RFC 3339 stamp (nanoseconds, Z) -> epoch seconds."""
-    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", stamp)
-    if not m:
-        return None
-    zone = "+00:00" if m.group(3) == "Z" else m.group(3)
-    return datetime.fromisoformat(m.group(1) + zone).timestamp() + float(m.group(2) or 0)
-
-
-# --- over SSH ----------------------------------------------------------------------------------------------------
-def _root(client: paramiko.SSHClient, command: str) -> str:
-    return f"sudo -n sh -c {shlex.quote(command)}" if needs_sudo(client) else f"sh -c {shlex.quote(command)}"
-
-
-def _open(transport: SshTransport, command: str) -> paramiko.Channel:
-    session = transport.client.get_transport()
-    if session is None or not session.is_active():
-        raise TransportError(f"{transport.name}: SSH session closed")
-    channel = session.open_session()
-    channel.settimeout(STREAM_TIMEOUT_S)
-    channel.exec_command(_root(transport.client, command))
-    return channel
-
-
-def _drain_stderr(channel: paramiko.Channel, into: list[bytes]) -> None:
-    while channel.recv_stderr_ready():
-        into.append(channel.recv_stderr(65536))
-
-
-def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: SshTransport, target_cmd: str,
-          tamper: Callable[[bytes], bytes] | None = None) -> tuple[int, str, str, str]:
-    """source_cmd's stdout streamed into target_cmd's stdin through this process: (bytes relayed, its sha256,
-    source's stderr, target's stderr). tamper: for tests, what the bytes become between the two ends."""
-    src = _open(source, source_cmd)
-    dst = _open(target, target_cmd)
-    src_err: list[bytes] = []
-    dst_err: list[bytes] = []
-    digest = hashlib.sha256()
-    total = 0
-    def feed() -> None:  # beside the reading below: tar writes while it still reads its list
-        try:
-            src.sendall(source_input)
-            src.shutdown_write()
-        except OSError:
-            pass  # the source ended early: its exit status and stderr say why
-
-    writer = threading.Thread(target=feed, daemon=True)
-    try:
-        writer.start()
-        while True:
-            chunk = src.recv(STREAM_CHUNK)
-            if not chunk:
-                break
-            digest.update(chunk)
-            total += len(chunk)
-            dst.sendall(tamper(chunk) if tamper else chunk)
-            _drain_stderr(src, src_err)
-            _drain_stderr(dst, dst_err)
-        dst.shutdown_write()
-        writer.join(STREAM_TIMEOUT_S)
-        for channel, into in ((src, src_err), (dst, dst_err)):  # the rest of each end's stderr, to its EOF
-            while chunk := channel.recv_stderr(65536):
-                into.append(chunk)
-            channel.recv_exit_status()
-    finally:
-        src.close()
-        dst.close()
-    return total, digest.hexdigest(), b"".join(src_err).decode(errors="replace"), \
-        b"".join(dst_err).decode(errors="replace")
-
-
-def send_command(directory: str) -> str:
-    """On the canary: tar the NUL-separated relative paths read from stdin, to stdout; its sha256 and tar's exit
-    status to stderr."""
-    d = shlex.quote(directory)
-    return (f"cd {d} && {{ {{ tar --null -T - -cf -; echo \"tar-rc $?\" >&2; }} | tee /dev/fd/3 | sha256sum >&2; }} "
-            "3>&1")
-
-
-def receive_command(directory: str, tmp: str) -> str:
-    """On the host: the stream unpacked into tmp (a new dir beside the cache dir, same filesystem), its sha256 and
-    tar's exit status to stderr. Nothing lands in the cache dir itself."""
-    t = shlex.quote(tmp)
-    return (f"mkdir -m 700 {t} && {{ {{ tee /dev/fd/4 | sha256sum >&2; }} 4>&1 | tar -C {t} -xf -; "
-            f"echo \"tar-rc $?\" >&2; }}")
-
-
-def place_command(directory: str, tmp: str, roots: Sequence[str]) -> str:
-    """Each unpacked root renamed into the cache dir unless the host has it by now; the temp dir removed."""
-    d, t = shlex.quote(directory), shlex.quote(tmp)
-    steps = [f"mkdir -p {d}"]
-    for r in roots:
-        dst, src = shlex.quote(f"{directory}/{r}"), shlex.quote(f"{tmp}/{r}")
-        steps.append(f"if [ -e {dst} ] || [ -L {dst} ]; then echo {shlex.quote('present ' + r)}; "
-                     f"else mkdir -p \"$(dirname {dst})\" && mv -T {src} {dst} && echo {shlex.quote('placed ' + r)}; fi")
-    return "; ".join(steps) + f"; rm -rf {t}"
-
-
-def temp_dir(directory: str) -> str:
-    parent, name = posixpath.split(directory.rstrip("/"))
-    return posixpath.join(parent or "/", f".{name}.gpufleet-carry-{uuid.uuid4().hex[:12]}")
-
-
 @dataclass
 class Carry:
     """The carry across one rollout's swap: before_canary() lists the canary's cache dir, after_canary() lists it
@@ -371,7 +109,7 @@ class Carry:
 
     def _gpus_of(self, host: str) -> Gpus | str:
         try:
-            return parse_gpus(*run(self.sessions.get(host), GPU_QUERY, timeout=LIST_TIMEOUT_S))
+            return gpus_from_query(*run(self.sessions.get(host), QUERY_GPUS, timeout=LIST_TIMEOUT_S))
         except TransportError as e:
             return one_line(str(e))
 

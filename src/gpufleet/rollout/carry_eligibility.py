@@ -1,0 +1,78 @@
+"""Who may take the canary's compiled artifacts: kernels are built for one GPU model and driver, and vLLM's cache
+key has missed a config field before and loaded a wrong artifact, so a host takes them only when its GPUs, driver,
+serve flags and env are the canary's (docs/compile-cache.md).
+
+Each host's GPUs are read with the same nvidia-smi query the preflight runs (gpufleet.facts.nvidia), parsed by its
+parser, which is tested on output recorded on real hosts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyinfra.api.exceptions import FactProcessError
+
+from gpufleet.errors import one_line
+from gpufleet.facts.nvidia import parse_gpus
+from gpufleet.vllm.spec import ServeSpec
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """What the carry compares of a host's GPUs: the model of each and the driver they share."""
+
+    names: tuple[str, ...]  # one per GPU, in nvidia-smi's order
+    driver: str
+
+    def describe(self) -> str:
+        if not self.names:
+            return "no GPU"
+        kinds = sorted(set(self.names))
+        return f"{len(self.names)}x {'/'.join(kinds)}, driver {self.driver}"
+
+
+def gpus_from_query(rc: int, out: str, err: str) -> Gpus | str:
+    """gpufleet.facts.nvidia.QUERY_GPUS's answer -> Gpus, or one line saying why not."""
+    if rc != 0:
+        return one_line(f"nvidia-smi failed: {(err or out).strip()[:160] or f'exit {rc}'}")
+    try:
+        gpus = parse_gpus(out.splitlines())
+    except FactProcessError as e:
+        return one_line(str(e))
+    drivers = {gpu.driver_version for gpu in gpus}
+    if len(drivers) > 1:
+        return f"GPUs report different drivers: {', '.join(sorted(drivers))}"
+    return Gpus(tuple(gpu.name for gpu in gpus), drivers.pop() if drivers else "")
+
+
+def gpu_refusal(canary: str, canary_gpus: Gpus | str, host_gpus: Gpus | str) -> str | None:
+    """Why a host may not take the canary's compiled artifacts (kernels are built for a GPU and a driver), or None."""
+    if isinstance(canary_gpus, str):
+        return f"canary {canary}'s GPUs unknown ({canary_gpus})"
+    if isinstance(host_gpus, str):
+        return f"its GPUs unknown ({host_gpus})"
+    if sorted(canary_gpus.names) != sorted(host_gpus.names) or canary_gpus.driver != host_gpus.driver:
+        return f"its GPUs ({host_gpus.describe()}) differ from canary {canary}'s ({canary_gpus.describe()})"
+    return None
+
+
+# Flags that do not reach vLLM's compile (where it listens, what it is called): hosts may differ in them.
+NOT_COMPILED = frozenset({"host", "port", "served-model-name", "api-key", "uvicorn-log-level"})
+
+
+def config_refusal(canary: str, canary_spec: ServeSpec, host_spec: ServeSpec) -> str | None:
+    """Why a host whose serve flags, env or GPU count differ from the canary's may not take its artifacts (vLLM's
+    cache key has missed a config field before and loaded a wrong artifact: carried only between identical
+    configs), or None."""
+    def flags(spec: ServeSpec) -> dict[str, object]:
+        return {k: v for k, v in spec.vllm_args if k not in NOT_COMPILED}
+
+    a, b = flags(canary_spec), flags(host_spec)
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    env_a, env_b = dict(canary_spec.env), dict(host_spec.env)
+    differ += sorted(f"env {k}" for k in env_a.keys() | env_b.keys() if env_a.get(k) != env_b.get(k))
+    if len(canary_spec.gpus) != len(host_spec.gpus):
+        differ.append("the number of GPUs it serves on")
+    if not differ:
+        return None
+    shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    return f"its serve config differs from canary {canary}'s ({shown})"
