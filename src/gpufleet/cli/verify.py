@@ -20,7 +20,7 @@ from gpufleet.errors import GpufleetError
 from gpufleet.health import HealthState
 from gpufleet.health.check import spec_drift
 from gpufleet.health.fleet import HostResult, HostTarget, check_fleet
-from gpufleet.health.probe import ProbeReport
+from gpufleet.health.probe_report import ProbeReport
 from gpufleet.inventory import HostData, load_host_specs
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas

@@ -32,7 +32,9 @@ from typing import Any
 
 from gpufleet.health.answers import PATH, AnswerCheck
 from gpufleet.health.api import HttpStatusError, fetch
-from gpufleet.health.probe import Conversation, probe, read_metrics
+from gpufleet.health.cache_counters import read_metrics
+from gpufleet.health.conversation import Conversation
+from gpufleet.health.probe import probe
 from gpufleet.remote.transport import BadAnswer, Transport
 from gpufleet.spec import ServeSpec
 from gpufleet.wire.checks import SERVING_CHECKS
