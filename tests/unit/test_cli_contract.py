@@ -245,7 +245,7 @@ def test_completion_offers_the_commands():
 
 
 def test_each_router_problem_gets_its_own_id_and_keeps_its_fix():
-    from gpufleet.cli.verify import router_problems
+    from gpufleet.cli.health_report import router_problems
     from gpufleet.router.check import RouterExpected, RouterVerdict, problems
     from gpufleet.router.status import RouterStatus, WorkerRow
 

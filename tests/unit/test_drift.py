@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from pyinfra.api import FunctionCommand, StringCommand
 
 from gpufleet.cli import verify as verify_cli
+from gpufleet.cli.health_tables import spec_cell
 from gpufleet.facts.host import HostSnapshot, RunningService, parse_snapshot, snapshot_command
 from gpufleet.health import HealthReport, HealthState
 from gpufleet.health.check import check, spec_drift
@@ -166,7 +167,7 @@ def test_a_ready_server_from_another_spec_fails_verify(monkeypatch, inventory): 
 def test_ready_is_still_ready_when_the_label_matches():
     target = HostTarget("h", {}, Expected(service="v", port=1, served_model_name="m", spec_hash="abc"))
     ok = HostResult(target, HealthReport(HealthState.READY, "", container=ContainerInfo("c", "running", spec_hash="abc")))
-    assert verify_cli._spec_cell(ok).plain == "abc" and ok.ok
+    assert spec_cell(ok).plain == "abc" and ok.ok
 
 
 # --- atomic replacement ------------------------------------------------------------------------------------------

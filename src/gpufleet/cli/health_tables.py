@@ -1,0 +1,148 @@
+"""The rich tables of `gpufleet status` and `gpufleet verify`: one row per host (and per router worker), one per
+probed host, one column per serving check. Every cell from a server is plain text, never markup."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.table import Table
+from rich.text import Text
+
+from gpufleet.health import HealthState
+from gpufleet.health.check import spec_drift
+from gpufleet.health.probe_report import ProbeReport
+from gpufleet.health.runner import HostResult
+from gpufleet.router.status import RouterStatus
+from gpufleet.wire.geometry import resolved_block_sizes
+
+_STATE_STYLE = {
+    HealthState.READY: "green",
+    HealthState.STARTING: "yellow",
+    HealthState.MISCONFIGURED: "magenta",
+}
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.0f}%"
+
+
+def cache_units(cache_config: dict[str, str]) -> tuple[str, str]:
+    """(block size(s), prefix-match unit) as the server resolved them, for the table: what a --prefix-match-unit
+    must divide, and what hits align to ("=block" when no unit is set: hits then land on whole blocks)."""
+    blocks = resolved_block_sizes(cache_config)
+    unit = prefix_match_unit(cache_config)
+    return "/".join(map(str, blocks)) or "-", str(unit) if unit else ("=block" if blocks else "-")
+
+
+def prefix_match_unit(cache_config: dict[str, str]) -> int | None:
+    unit = cache_config.get("prefix_match_unit")
+    return int(unit) if unit and unit.isdigit() else None
+
+
+def host_table(results: list[HostResult], title: str) -> Table:
+    table = Table(title=title, header_style="bold")
+    columns = ("host", "GPUs", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
+               "block", "unit")
+    for col in columns:
+        table.add_column(col)
+    for r in results:
+        h, c = r.health, r.health.container
+        style = _STATE_STYLE.get(h.state, "red")
+        table.add_row(*_plain(
+            r.target.name,
+            ",".join(map(str, r.target.gpus)) or "-",
+            (c.image_short if c else None) or "-",
+            spec_cell(r),
+            h.version or "-",
+            Text(str(h.state), style=style),
+            h.served_model or "-",
+            _pct(h.kv_cache_usage),
+            "-" if h.running is None else f"{h.running}/{h.waiting}",
+            _pct(h.prefix_cache_hit_rate),
+            *cache_units(h.cache_config),
+        ))
+    return table
+
+
+def spec_cell(r: HostResult) -> Text:
+    """The running container's spec hash (12 digits), red and marked when it is not the inventory's: drift."""
+    c = r.health.container
+    if c is None or not c.running:
+        return Text("-")
+    short = (c.spec_hash or "unlabelled")[:12]
+    if spec_drift(r.target.expected, c):
+        return Text(f"{short} (drift)", style="red")
+    return Text(short)
+
+
+def _plain(*cells: str | Text) -> list[Text]:
+    """Cells as plain text: model ids, versions and labels come from the servers, and rich would read "[/x]" in
+    them as markup (and raise, taking the whole table down)."""
+    return [cell if isinstance(cell, Text) else Text(cell) for cell in cells]
+
+
+def probe_table(results: list[HostResult]) -> Table:
+    """One row per probed host: verdict, tokens re-processed per session turn, hit ratio per length, fixes."""
+    table = Table(title="prompt re-processing probe", header_style="bold", show_lines=True)
+    for col in ("host", "verdict", "re-processed / turn (share)", "hit ratio by prompt length", "legal fixes", "requests"):
+        table.add_column(col)
+    for r in results:
+        p = r.probe
+        if p is None:
+            continue
+        table.add_row(*_plain(
+            r.target.name,
+            Text(str(p.verdict), style="green" if p.ok else "red"),
+            _session_cell(p),
+            "\n".join(f"{pt.prompt_tokens}{_kind_mark(pt.kind)}: {pt.hit_ratio:.0%}" for pt in p.points if pt.kind != "session")
+            or "-",
+            "\n".join(p.fixes or (p.legal.lines() if p.legal and not p.ok else ())) or "-",
+            f"{p.requests}/{p.request_bound} in {p.elapsed_s:.0f} s",
+        ))
+    return table
+
+
+def _kind_mark(kind: str) -> str:
+    return " (multi-chunk)" if kind == "multi-chunk" else ""
+
+
+def _session_cell(p: ProbeReport) -> str:
+    later = p.session[1:]
+    if not later:
+        return f"{p.reprocessed_per_turn:.0f} (median of points)"
+    return "\n".join(f"N+{t.turn}: {t.reprocessed_tokens} of {t.prompt_tokens} ({t.reprocessed_share:.0%})" for t in later)
+
+
+def checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
+    """One row per host, one column per serving check: passed, failed, or "-" where the host's settings give the
+    check nothing to check (no tool parser, no reasoning parser) or it was not reached."""
+    table = Table(title="serving checks", header_style="bold")
+    table.add_column("host")
+    for name in names:
+        table.add_column(name)
+    for r in results:
+        got = {c.name: c.ok for c in r.checks}
+        cells = [Text("-") if name not in got else Text("passed", style="green") if got[name]
+                 else Text("FAILED", style="red") for name in names]
+        table.add_row(Text(r.target.name), *cells)
+    return table
+
+
+def router_table(rows: list[RouterStatus]) -> Table:
+    table = Table(title="routers", header_style="bold")
+    for col in ("router", "policy", "state", "worker", "healthy", "routed", "in flight", "requests", "prefix routing"):
+        table.add_column(col)
+    for r in rows:
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(r.prefix_outcomes.items())) or "-"
+        head = (r.name, r.policy or "-", Text(r.state, style="green" if r.state == "ready" else "red"))
+        if not r.workers:
+            table.add_row(*_plain(*head, r.detail or "-", "-", "-", "-", str(r.requests or 0), outcomes))
+        for i, w in enumerate(r.workers):
+            first = i == 0
+            table.add_row(*_plain(
+                *(head if first else ("", "", "")), w.url,
+                Text("yes", style="green") if w.healthy else Text("no", style="red"),
+                str(w.routed), "-" if w.running is None else str(w.running),
+                str(r.requests or 0) if first else "", outcomes if first else "",
+            ))
+    return table
