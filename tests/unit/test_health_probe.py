@@ -5,19 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpufleet.health.api import Completion
-from gpufleet.health.probe import (
-    HITS,
-    PREFILL_COMPUTED,
-    ProbePoint,
-    SessionTurn,
-    Verdict,
-    _cached,
-    Conversation,
-    judge,
-    request_bound,
-)
+from gpufleet.health.cache_counters import cached_tokens
+from gpufleet.health.conversation import Conversation
+from gpufleet.health.probe import request_bound
+from gpufleet.health.probe_measurements import ProbePoint, SessionTurn
+from gpufleet.health.probe_report import Verdict, judge
 from gpufleet.wire.geometry import LegalFixes, legal_prefix_match_unit, resolved_block_sizes
-from gpufleet.wire.metrics import Metrics, parse_metrics
+from gpufleet.wire.metrics import HITS, PREFILL_COMPUTED, Metrics, parse_metrics
 
 RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"
 
@@ -90,9 +84,9 @@ def test_metrics_fallback_uses_counter_deltas():
     turn = Completion(0.01, 0.02, "", prompt_tokens=1347, completion_tokens=2, cached_tokens=None)
     before = Metrics({HITS: 100.0, PREFILL_COMPUTED: 5000.0})
     after = Metrics({HITS: 1380.0, PREFILL_COMPUTED: 5067.0})
-    assert _cached(turn, before, after) == (1280, "metrics")
+    assert cached_tokens(turn, before, after) == (1280, "metrics")
     reported = Completion(0.01, 0.02, "", prompt_tokens=1347, completion_tokens=2, cached_tokens=640)
-    assert _cached(reported, before, after) == (640, "usage")
+    assert cached_tokens(reported, before, after) == (640, "usage")
 
 
 def test_conversations_are_deterministic_and_differ_in_the_first_block_only_by_seed():

@@ -1,5 +1,6 @@
-"""The serving checks' rules over what a server answers (gpufleet.health.serving, gpufleet.wire.checks): how two
-greedy answers are compared, what counts as a parsed tool call or separate reasoning, and how checks are listed."""
+"""The serving checks' rules over what a server answers (gpufleet.health.serving_rules) and how checks are listed
+and applied (gpufleet.health.serving, gpufleet.wire.checks): how two greedy answers are compared, what counts as a
+parsed tool call or separate reasoning."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import json
 
 import pytest
 
-from gpufleet.health.serving import (
+from gpufleet.health.serving import Served
+from gpufleet.health.serving_rules import (
     Greedy,
-    Served,
-    _Wrong,
+    ServerFault,
     agreement,
     closer_to,
     parse_greedy,
@@ -87,7 +88,7 @@ def test_parse_greedy_reads_tokens_logprobs_alternatives_and_cached_tokens():
     ({"content": [{"token": "a", "logprob": "NaN"}]}, "a logprob entry is malformed"),
 ])  # fmt: skip
 def test_an_answer_without_usable_logprobs_is_wrong(logprobs, wrong):
-    with pytest.raises(_Wrong, match=wrong):
+    with pytest.raises(ServerFault, match=wrong):
         parse_greedy(completion({"content": "a"}, logprobs))
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from gpufleet.health import HealthState, check
-from gpufleet.health.probe import Verdict, probe
+from gpufleet.health.probe import probe
+from gpufleet.health.probe_report import Verdict
 from gpufleet.lint import lint_spec
 from gpufleet.settings import build_spec, merged_settings
 from gpufleet.wire.metrics import parse_metrics

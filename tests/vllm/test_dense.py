@@ -11,7 +11,8 @@ import pytest
 
 from gpufleet.health import HealthState, check, wait_until_ready
 from gpufleet.health.answers import check_answers, failed
-from gpufleet.health.probe import Verdict, probe
+from gpufleet.health.probe import probe
+from gpufleet.health.probe_report import Verdict
 from gpufleet.remote.transport import SshTransport
 from gpufleet.wire.identity import Expected
 from tests.vllm.servers import ServerSpec, Started, expected

@@ -15,7 +15,8 @@ import pytest
 
 from gpufleet.health import HealthState, check
 from gpufleet.health.answers import check_answers, failed
-from gpufleet.health.probe import Verdict, probe
+from gpufleet.health.probe import probe
+from gpufleet.health.probe_report import Verdict
 from gpufleet.lint import lint_spec
 from gpufleet.settings import build_spec, merged_settings
 from gpufleet.wire.geometry import legal_prefix_match_unit

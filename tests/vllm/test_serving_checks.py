@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.health.serving import TOLERANCE_NATS, Served, _Checks, run_checks
+from gpufleet.health.serving import Served, _Checks, run_checks
+from gpufleet.health.serving_rules import TOLERANCE_NATS
 from tests.vllm.servers import ALIGN, ALIGN_FLAGS, ServerSpec, Started, expected
 from tests.vllm_peer import models
 

@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from functools import partial
-from typing import Any
 
-from gpufleet.health.api import Completion, get, stream_chat
+from gpufleet.health.api import Completion, stream_chat
+from gpufleet.health.cache_counters import cached_tokens, counter_delta, read_metrics, warn_if_busy
+from gpufleet.health.conversation import Conversation, filler_text
+from gpufleet.health.probe_measurements import ProbePoint, SessionTurn
+from gpufleet.health.probe_report import ProbeReport, judge
 from gpufleet.remote.transport import Transport
-from gpufleet.wire.geometry import LegalFixes, legal_prefix_match_unit
+from gpufleet.wire.geometry import LegalFixes
 from gpufleet.wire.identity import Expected
-from gpufleet.wire.metrics import HITS, PREFILL_COMPUTED, QUERIES, RUNNING, WAITING, Metrics, parse_metrics
+from gpufleet.wire.metrics import HITS, PREFILL_COMPUTED, QUERIES, Metrics
 
 # Conversation lengths, in cache units: fractional parts spread L mod U over the unit so the trap shows up.
 # Measured on a hybrid (B=640, default batching): only lengths just past a block boundary hit, so two points sit
@@ -49,228 +48,6 @@ SESSION_MESSAGE_UNITS = 0.4  # each later turn adds a tool-output-sized user mes
 REPLY_TOKENS = 16
 MAX_TWINS = 3  # length measurements per point before turn N (bounds the request count)
 TOLERANCE_TOKENS = 4
-_WORDS = (
-    "the server keeps a cache of every block it has seen so a long conversation should not be processed again "
-    "when the next question arrives and the operator wants to know that this really happens on each host"
-).split()
-
-
-class Verdict(StrEnum):
-    EFFECTIVE = "effective"
-    INEFFECTIVE = "ineffective"
-    CHUNK_ALIGNMENT_TRAP = "chunk-alignment-trap"
-
-
-# --- measurements -------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProbePoint:
-    """One step of a conversation: a turn of `prompt_tokens` tokens, then the next turn."""
-
-    prompt_tokens: int  # L, turn N
-    next_prompt_tokens: int  # turn N+1
-    unit: int
-    cached_tokens: int  # on turn N+1
-    cold_cached_tokens: int  # on turn N: should be 0 (the seed makes it unique)
-    ttft_s: float  # turn N
-    next_ttft_s: float  # turn N+1
-    source: str  # "usage" (prompt_tokens_details) or "metrics" (deltas of /metrics counters)
-    kind: str = "sweep"  # sweep, multi-chunk or session
-    chunk_tokens: int | None = None  # --max-num-batched-tokens the lengths were scaled to
-
-    @property
-    def due_tokens(self) -> int:
-        return (self.prompt_tokens - 1) // self.unit * self.unit
-
-    @property
-    def hit(self) -> bool:
-        return self.due_tokens > 0 and self.cached_tokens >= self.due_tokens
-
-    @property
-    def reprocessed_tokens(self) -> int:
-        return self.next_prompt_tokens - self.cached_tokens
-
-    @property
-    def hit_ratio(self) -> float:
-        return self.cached_tokens / self.next_prompt_tokens if self.next_prompt_tokens else 0.0
-
-    @property
-    def ttft_ratio(self) -> float:
-        return self.next_ttft_s / self.ttft_s if self.ttft_s else float("nan")
-
-    @property
-    def l_mod_u(self) -> int:
-        return self.prompt_tokens % self.unit
-
-    @property
-    def chunks(self) -> int | None:
-        """Prefill chunks turn N needed (at least), when the batching is known."""
-        return -(-self.prompt_tokens // self.chunk_tokens) if self.chunk_tokens else None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "L": self.prompt_tokens,
-            "L_mod_U": self.l_mod_u,
-            "chunks": self.chunks,
-            "due": self.due_tokens,
-            "cached": self.cached_tokens,
-            "next_prompt_tokens": self.next_prompt_tokens,
-            "reprocessed": self.reprocessed_tokens,
-            "hit_ratio": round(self.hit_ratio, 4),
-            "ttft_ms": round(self.ttft_s * 1e3, 1),
-            "next_ttft_ms": round(self.next_ttft_s * 1e3, 1),
-            "source": self.source,
-        }
-
-
-@dataclass(frozen=True)
-class SessionTurn:
-    """One turn of the session, with every count the server reported for it."""
-
-    turn: int  # 0 = turn N (cold)
-    prompt_tokens: int  # usage.prompt_tokens
-    cached_tokens: int  # the figure the probe judges by (usage when reported, else the /metrics hits delta)
-    due_tokens: int  # from the previous turn's prompt: floor((L-1)/U)*U; 0 for turn N
-    usage_cached: int | None  # usage.prompt_tokens_details.cached_tokens
-    metrics_hits: int | None  # delta of vllm:prefix_cache_hits_total
-    metrics_queries: int | None  # delta of vllm:prefix_cache_queries_total
-    metrics_computed: int | None  # delta of vllm:request_prefill_kv_computed_tokens_sum
-    ttft_s: float
-
-    @property
-    def reprocessed_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
-
-    @property
-    def reprocessed_share(self) -> float:
-        return self.reprocessed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "turn": self.turn,
-            "prompt_tokens": self.prompt_tokens,
-            "cached": self.cached_tokens,
-            "due": self.due_tokens,
-            "reprocessed": self.reprocessed_tokens,
-            "reprocessed_share": round(self.reprocessed_share, 4),
-            "usage_cached": self.usage_cached,
-            "metrics_hits": self.metrics_hits,
-            "metrics_queries": self.metrics_queries,
-            "metrics_computed": self.metrics_computed,
-            "ttft_ms": round(self.ttft_s * 1e3, 1),
-        }
-
-
-@dataclass(frozen=True)
-class ProbeReport:
-    host: str
-    verdict: Verdict
-    detail: str  # one line
-    block_size: int
-    unit: int  # what hits are aligned to: prefix_match_unit when set, else block_size
-    prefix_caching: bool
-    mamba_cache_mode: str | None
-    max_num_batched_tokens: int | None  # as configured for the host, when known
-    points: tuple[ProbePoint, ...] = ()
-    fixes: tuple[str, ...] = ()  # set when the verdict is not effective and a setting can help
-    evidence: tuple[str, ...] = ()
-    warnings: tuple[str, ...] = ()
-    small_prompt_ttft_s: float | None = None
-    session: tuple[SessionTurn, ...] = ()
-    legal: LegalFixes | None = None  # what would be accepted here, whatever the verdict
-    requests: int = 0
-    request_bound: int = 0
-    elapsed_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict is Verdict.EFFECTIVE
-
-    @property
-    def hit_ratio(self) -> float:
-        return statistics.median(p.hit_ratio for p in self.points) if self.points else 0.0
-
-    @property
-    def reprocessed_per_turn(self) -> float:
-        """Median over the session's later turns when there is a session, else over the points."""
-        later = [t.reprocessed_tokens for t in self.session[1:]]
-        if later:
-            return statistics.median(later)
-        return statistics.median(p.reprocessed_tokens for p in self.points) if self.points else 0.0
-
-    @property
-    def ttft_ratio(self) -> float:
-        return statistics.median(p.ttft_ratio for p in self.points) if self.points else float("nan")
-
-    @property
-    def ttft_is_signal(self) -> bool:
-        """TTFT tells hits from misses only when a cold prefill clearly dominates a tiny prompt's TTFT."""
-        if not self.points or not self.small_prompt_ttft_s:
-            return False
-        return min(p.ttft_s for p in self.points) >= 10 * self.small_prompt_ttft_s
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "verdict": str(self.verdict),
-            "detail": self.detail,
-            "block_size": self.block_size,
-            "unit": self.unit,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "hit_ratio": self.hit_ratio,
-            "reprocessed_per_turn": self.reprocessed_per_turn,
-            "ttft_ratio": self.ttft_ratio,
-            "ttft_is_signal": self.ttft_is_signal,
-            "fixes": list(self.fixes),
-            "legal": None
-            if self.legal is None
-            else {
-                "block_sizes": list(self.legal.block_sizes),
-                "prefix_match_unit": self.legal.prefix_match_unit,
-                "max_num_batched_tokens": self.legal.max_num_batched_tokens,
-            },
-            "evidence": list(self.evidence),
-            "warnings": list(self.warnings),
-            "requests": self.requests,
-            "request_bound": self.request_bound,
-            "elapsed_s": round(self.elapsed_s, 1),
-            "points": [p.as_dict() for p in self.points],
-            "session": [t.as_dict() for t in self.session],
-        }
-
-
-@dataclass
-class Conversation:
-    """A deterministic synthetic conversation: (seed, filler, words) -> the same messages every time.
-
-    The seed opens the system prompt, so conversations with different seeds differ inside their first cache
-    block and share nothing cacheable; the filler (the history's text) depends only on `filler`, so a twin with
-    another seed has the same length to within the seed's own tokens.
-    """
-
-    seed: str
-    filler: str
-    words: int
-    messages: list[dict[str, str]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        rng = random.Random(self.filler)
-        turns, left = [], self.words
-        for i in range(3):
-            n = left // (3 - i)
-            left -= n
-            turns.append(" ".join(rng.choice(_WORDS) for _ in range(n)))
-        self.messages = [
-            {"role": "system", "content": f"Conversation {self.seed}. You are a terse assistant."},
-            {"role": "user", "content": turns[0]},
-            {"role": "assistant", "content": turns[1]},
-            {"role": "user", "content": turns[2] + " What follows?"},
-        ]
-
-    def next_turn(self, reply: str, question: str = "And then?") -> list[dict[str, str]]:
-        return [*self.messages, {"role": "assistant", "content": reply}, {"role": "user", "content": question}]
 
 
 def request_bound(sweep_points: int, long_points: int, session_turns: int) -> int:
@@ -409,9 +186,9 @@ class _Run:
         conv = self.conversation(f"{self.run_id}-{i}", f"filler-{i}", target)
         turn_n = self.chat(conv.messages, REPLY_TOKENS)
         before = self.metrics()
-        _warn_if_busy(before, self.warnings)
+        warn_if_busy(before, self.warnings)
         turn_next = self.chat(conv.next_turn(turn_n.text), 2)
-        cached, source = _cached(turn_next, before, self.metrics())
+        cached, source = cached_tokens(turn_next, before, self.metrics())
         if (turn_n.cached_tokens or 0) > 0:
             self.warnings.append(f"turn N of point {i} was not cold ({turn_n.cached_tokens} cached)")
         return ProbePoint(
@@ -443,10 +220,10 @@ class _Run:
         previous: Completion | None = None
         for turn in range(turns):
             before = self.metrics()
-            _warn_if_busy(before, self.warnings)
+            warn_if_busy(before, self.warnings)
             completion = self.chat(messages, REPLY_TOKENS)
             after = self.metrics()
-            cached, source = _cached(completion, before, after)
+            cached, source = cached_tokens(completion, before, after)
             prompt = completion.prompt_tokens or 0
             previous_prompt = (previous.prompt_tokens or 0) if previous else 0
             session.append(
@@ -456,9 +233,9 @@ class _Run:
                     cached_tokens=cached,
                     due_tokens=(previous_prompt - 1) // unit * unit if previous_prompt else 0,
                     usage_cached=completion.cached_tokens,
-                    metrics_hits=_delta(before, after, HITS),
-                    metrics_queries=_delta(before, after, QUERIES),
-                    metrics_computed=_delta(before, after, PREFILL_COMPUTED),
+                    metrics_hits=counter_delta(before, after, HITS),
+                    metrics_queries=counter_delta(before, after, QUERIES),
+                    metrics_computed=counter_delta(before, after, PREFILL_COMPUTED),
                     ttft_s=completion.ttft_s,
                 )
             )
@@ -467,118 +244,10 @@ class _Run:
                     ProbePoint(previous_prompt, prompt, unit, cached, 0, previous.ttft_s, completion.ttft_s, source,
                                kind="session", chunk_tokens=chunk)
                 )  # fmt: skip
-            tool_output = " ".join(rng.choice(_WORDS) for _ in range(message_words))
+            tool_output = filler_text(rng, message_words)
             messages += [
                 {"role": "assistant", "content": completion.text},
                 {"role": "user", "content": f"Tool output {turn + 1}: {tool_output}. What next?"},
             ]
             previous = completion
         return points, session
-
-
-def _warn_if_busy(before: Metrics, warnings: list[str]) -> None:
-    if (before.get(RUNNING) or 0) + (before.get(WAITING) or 0) > 0:
-        warnings.append("other requests were in flight: /metrics deltas are not attributable")
-
-
-def read_metrics(transport: Transport, port: int, address: str) -> Metrics:
-    status, body = get(transport, port, "/metrics", address=address)
-    if status != 200:
-        raise ValueError(f"{transport.name}: /metrics answered {status}")
-    return parse_metrics(body)
-
-
-def _delta(before: Metrics, after: Metrics, name: str) -> int | None:
-    if after.get(name) is None:
-        return None
-    return int((after.get(name) or 0) - (before.get(name) or 0))
-
-
-def _cached(turn: Completion, before: Metrics, after: Metrics) -> tuple[int, str]:
-    """Cached tokens of a turn: the server's own usage figure, else /metrics counter deltas."""
-    if turn.cached_tokens is not None:
-        return turn.cached_tokens, "usage"
-    hits = (after.get(HITS) or 0) - (before.get(HITS) or 0)
-    computed = (after.get(PREFILL_COMPUTED) or 0) - (before.get(PREFILL_COMPUTED) or 0)
-    if not hits and computed and turn.prompt_tokens:
-        # Without prefix caching the hit counters stay put; prompt - computed is then the truth (0).
-        hits = max(turn.prompt_tokens - computed, 0)
-    return int(hits), "metrics"
-
-
-def judge(
-    host: str,
-    points: Sequence[ProbePoint],
-    block_size: int,
-    unit: int,
-    prefix_caching: bool,
-    mamba_cache_mode: str | None,
-    max_num_batched_tokens: int | None,
-    warnings: tuple[str, ...] = (),
-    small_prompt_ttft_s: float | None = None,
-    session: tuple[SessionTurn, ...] = (),
-    legal: LegalFixes | None = None,
-    requests: int = 0,
-    request_bound: int = 0,
-    elapsed_s: float = 0.0,
-) -> ProbeReport:
-    """The verdict from the measured points (pure: unit-testable on recorded figures).
-
-    legal: the fixes this server accepts (LegalFixes.from_cache_config); without it they are derived from
-    block_size alone.
-    """
-    if legal is None:
-        blocks = (block_size,)
-        legal = LegalFixes(blocks, legal_prefix_match_unit(blocks) if mamba_cache_mode else None, block_size)
-    hits = [p for p in points if p.hit]
-    misses = [p for p in points if not p.hit]
-    report = partial(
-        ProbeReport,
-        host=host,
-        block_size=block_size,
-        unit=unit,
-        prefix_caching=prefix_caching,
-        mamba_cache_mode=mamba_cache_mode,
-        max_num_batched_tokens=max_num_batched_tokens,
-        points=tuple(points),
-        warnings=warnings,
-        small_prompt_ttft_s=small_prompt_ttft_s,
-        session=session,
-        legal=legal,
-        requests=requests,
-        request_bound=request_bound,
-        elapsed_s=elapsed_s,
-    )
-    evidence = tuple(_evidence(p, unit) for p in points)
-    if not points:
-        return report(verdict=Verdict.INEFFECTIVE, detail="no point could be measured")
-    if not misses:
-        detail = f"the next turn reused the cache at all {len(points)} measured steps (unit {unit} tokens)"
-        return report(verdict=Verdict.EFFECTIVE, detail=detail, evidence=evidence)
-    mnbt = max_num_batched_tokens
-    # The trap loses whole units: the checkpoint at the last boundary is missing, so the turn gets 0, or in a
-    # session only an older checkpoint's tokens (measured: 1280 of 1920 due on turn N+3).
-    whole_units_lost = all(p.cached_tokens % unit == 0 for p in misses)
-    trap_possible = mamba_cache_mode == "align" and prefix_caching and unit == block_size and mnbt != block_size
-    if hits and whole_units_lost and trap_possible:
-        got = "/".join(str(p.cached_tokens) for p in misses)
-        detail = (
-            f"chunk-alignment trap: {len(misses)} of {len(points)} next turns got {got} cached tokens although "
-            f"{'/'.join(str(p.due_tokens) for p in misses)} were due (hybrid, mamba_cache_mode=align, block "
-            f"{block_size}, --max-num-batched-tokens {mnbt if mnbt else 'default'})"
-        )
-        return report(verdict=Verdict.CHUNK_ALIGNMENT_TRAP, detail=detail, fixes=legal.lines(), evidence=evidence)
-    why = "prefix caching is disabled on the server" if not prefix_caching else "due hits did not happen"
-    fixes: tuple[str, ...] = ()
-    if trap_possible and not hits:
-        # Every length missing looks like a broken cache, but the trap can do that too: offer its fixes.
-        why += " (a hybrid in align mode: possibly the chunk-alignment trap at every measured length)"
-        fixes = legal.lines()
-    detail = f"{len(misses)} of {len(points)} next turns re-processed cached history: {why}"
-    return report(verdict=Verdict.INEFFECTIVE, detail=detail, evidence=evidence, fixes=fixes)
-
-
-def _evidence(p: ProbePoint, unit: int) -> str:
-    chunks = f", {p.chunks} chunks" if p.kind == "multi-chunk" and p.chunks else ""
-    where = "" if p.kind == "sweep" else f"{p.kind} "
-    return f"{where}L={p.prompt_tokens} (L mod U={p.l_mod_u}, U={unit}{chunks}): cached {p.cached_tokens} of {p.due_tokens} due"

@@ -1,0 +1,40 @@
+"""The server's cache counters on /metrics, read around one request: how many prompt tokens it took from the cache,
+by the request's own usage figure when the server reports one, else by counter deltas."""
+
+from __future__ import annotations
+
+from gpufleet.health.api import Completion, get
+from gpufleet.remote.transport import Transport
+from gpufleet.wire.metrics import HITS, PREFILL_COMPUTED, RUNNING, WAITING, Metrics, parse_metrics
+
+
+def warn_if_busy(before: Metrics, warnings: list[str]) -> None:
+    """Counter deltas belong to one request only when nothing else runs or waits."""
+    if (before.get(RUNNING) or 0) + (before.get(WAITING) or 0) > 0:
+        warnings.append("other requests were in flight: /metrics deltas are not attributable")
+
+
+def read_metrics(transport: Transport, port: int, address: str) -> Metrics:
+    status, body = get(transport, port, "/metrics", address=address)
+    if status != 200:
+        raise ValueError(f"{transport.name}: /metrics answered {status}")
+    return parse_metrics(body)
+
+
+def counter_delta(before: Metrics, after: Metrics, name: str) -> int | None:
+    """None when the server does not export the counter."""
+    if after.get(name) is None:
+        return None
+    return int((after.get(name) or 0) - (before.get(name) or 0))
+
+
+def cached_tokens(turn: Completion, before: Metrics, after: Metrics) -> tuple[int, str]:
+    """Cached tokens of a turn: the server's own usage figure, else /metrics counter deltas."""
+    if turn.cached_tokens is not None:
+        return turn.cached_tokens, "usage"
+    hits = (after.get(HITS) or 0) - (before.get(HITS) or 0)
+    computed = (after.get(PREFILL_COMPUTED) or 0) - (before.get(PREFILL_COMPUTED) or 0)
+    if not hits and computed and turn.prompt_tokens:
+        # Without prefix caching the hit counters stay put; prompt - computed is then the truth (0).
+        hits = max(turn.prompt_tokens - computed, 0)
+    return int(hits), "metrics"
