@@ -34,8 +34,8 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
 

@@ -9,7 +9,7 @@ Boots the bench fleet (see deploy_bench.py) with N hosts, converges them once, t
 - times each of those commands on the host itself (clock read on the host before and after, so SSH is not in it):
   on one host alone, then on all N hosts at once, --repeat times;
 - times the no-op converge on 1 and on N hosts (wall and controller CPU) beside the floor, for context;
-- times each section of the snapshot command (gpufleet.facts.host, as the working tree builds it) on one host alone:
+- times each section of the snapshot command (gpufleet.vllm.facts, as the working tree builds it) on one host alone:
   where its host time goes.
 Writes bench/results/noop-breakdown-<UTC time>.md.
 """
@@ -26,13 +26,24 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-from deploy_bench import (BENCH_DATA, REPO, Runner, boot, bench_config, code_state, ensure_ansible, ensure_peer_debs,
-                          export_revision, loadavg)
-from gpufleet.deploys.qwen35 import plan_for
-from gpufleet.facts.host import MARK, snapshot_command
+from deploy_bench import (
+    BENCH_DATA,
+    REPO,
+    Runner,
+    bench_config,
+    boot,
+    code_state,
+    ensure_ansible,
+    ensure_peer_debs,
+    export_revision,
+    loadavg,
+)
+
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.inventory import pyinfra_hosts
+from gpufleet.vllm.deploy import plan_for
+from gpufleet.vllm.facts import MARK, snapshot_command
 
 TRACED = Path(__file__).with_name("pyinfra_traced.py")
 

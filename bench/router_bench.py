@@ -8,7 +8,7 @@ one server alone.
 A candidate is a policy, the router arguments it runs with, and whether the replicas run with --enable-scale-out
 (then the bench starts a second pair of replicas with the flag). "default" is what the deploy ships: the policy in
 gpufleet.router.settings.DEFAULTS, on replicas with the flags every replica behind a router gets
-(gpufleet.settings.BEHIND_ROUTER_ARGS).
+(gpufleet.vllm.settings.BEHIND_ROUTER_ARGS).
 
 Each run uses conversations and session ids no earlier run sent (a per-run tag), so every run starts with cold
 caches; one router serves all runs of a candidate and header mode, as a deployed router serves session after
@@ -51,15 +51,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))
 
-from gpufleet.router.settings import DEFAULTS  # noqa: E402
-from gpufleet.settings import BEHIND_ROUTER_ARGS  # noqa: E402
-from gpufleet.sandbox.config import CACHE_DIR  # noqa: E402
-from gpufleet.sandbox.router_index import ensure_index  # noqa: E402
-from gpufleet.wire.metrics import parse_metrics  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.vllm.servers import ALIGN, ALIGN_FLAGS, SERVED, ServerSpec, expected, resolve_hybrid_blocks, start_pair  # noqa: E402
 from tests.vllm_peer import models  # noqa: E402
 from tests.vllm_peer.server import vllm_venv  # noqa: E402
+
+from gpufleet.router.settings import DEFAULTS  # noqa: E402
+from gpufleet.sandbox.config import CACHE_DIR  # noqa: E402
+from gpufleet.sandbox.router_index import ensure_index  # noqa: E402
+from gpufleet.vllm.settings import BEHIND_ROUTER_ARGS  # noqa: E402
+from gpufleet.wire.metrics import parse_metrics  # noqa: E402
 
 SERVED_REQUESTS = "vllm:request_success_total"
 SCALE_OUT = "--enable-scale-out"
@@ -82,7 +83,7 @@ class Candidate:
 
 
 def behind_router_flags() -> list[str]:
-    """The flags the deploy gives every replica behind a router (gpufleet.settings.BEHIND_ROUTER_ARGS)."""
+    """The flags the deploy gives every replica behind a router (gpufleet.vllm.settings.BEHIND_ROUTER_ARGS)."""
     return [f"--{name}" for name, value in BEHIND_ROUTER_ARGS.items() if value is True]
 
 

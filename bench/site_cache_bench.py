@@ -31,13 +31,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gpufleet.facts.pull import PullStats
-from gpufleet.operations.image import pull_stats_file
 from gpufleet.sandbox import image as sandbox_image
 from gpufleet.sandbox import services
 from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.image import REPOSITORY, move_tag
 from gpufleet.sandbox.inventory import inventory_document
+from gpufleet.vllm.operations.image import pull_stats_file
 
 REPO = Path(__file__).resolve().parents[1]
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))

@@ -2,7 +2,7 @@
 
 Set any of these per host in the inventory, or fleet-wide in inventories/group_data/all.py; host data wins over
 group data, which wins over these defaults. The settings marked FROM_PROFILE depend on the model: their default is
-the host's profile's (gpufleet.profiles, Profile.settings), merged by gpufleet.settings.merged_settings. README.md's
+the host's profile's (gpufleet.vllm.profiles, Profile.settings), merged by gpufleet.vllm.settings.merged_settings. README.md's
 settings table is checked against this dict by a test (tests/unit/test_readme_settings.py), so a setting added here
 must be documented there.
 """
@@ -24,7 +24,7 @@ FROM_PROFILE: Final = _FromProfile()
 DEFAULTS: dict[str, Any] = {
     # --- the vLLM service -------------------------------------------------------------------------------------
     # Which profile supplies the run options, env vars, mounts and vLLM flags, and the defaults of the settings
-    # marked FROM_PROFILE (gpufleet.profiles; docs/profiles.md lists them).
+    # marked FROM_PROFILE (gpufleet.vllm.profiles; docs/profiles.md lists them).
     "vllm_profile": "qwen35",
     # Image to serve; a tag is resolved to a digest at deploy time and the unit runs that digest.
     "vllm_image": "vllm/vllm-openai:nightly",

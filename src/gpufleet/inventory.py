@@ -16,8 +16,8 @@ from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory
 
 from gpufleet.errors import GpufleetError, SettingErrors, one_line
-from gpufleet.settings import build_spec
-from gpufleet.spec import ServeSpec
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.spec import ServeSpec
 
 # Hosts in this pyinfra inventory group run the router (gpufleet.router); every other host is a vLLM replica.
 ROUTERS_GROUP = "routers"
@@ -63,7 +63,7 @@ def load_hosts(inventory_path: str | Path) -> list[HostData]:
 
 def behind_router(hosts: Iterable[Host]) -> bool:
     """Is there a router in front of the replicas (a host in the routers group)? Then each replica's spec takes
-    gpufleet.settings.BEHIND_ROUTER_ARGS."""
+    gpufleet.vllm.settings.BEHIND_ROUTER_ARGS."""
     return any(ROUTERS_GROUP in h.groups for h in hosts)
 
 

@@ -18,15 +18,21 @@ from pathlib import Path
 import pytest
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import (
-    SERVICE, TEST_DATA, committed_ref, deploy, running_image, sh, write_inventory,
+    SERVICE,
+    TEST_DATA,
+    committed_ref,
+    deploy,
+    running_image,
+    sh,
+    write_inventory,
 )  # fmt: skip
 
-from gpufleet.facts.host import COMMAND_TIMEOUT_S
 from gpufleet.sandbox.image import image_ref
 from gpufleet.sandbox.inventory import pyinfra_hosts
 from gpufleet.sandbox.nvidia_smi import HOST_PROFILE
-from gpufleet.settings import build_spec
-from gpufleet.unit import render_unit
+from gpufleet.vllm.facts import COMMAND_TIMEOUT_S
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.unit import render_unit
 
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 UNIT = f"/etc/systemd/system/{SERVICE}.service"

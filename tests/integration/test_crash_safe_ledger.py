@@ -23,13 +23,22 @@ import pytest
 from tests.integration.conftest import PYINFRA
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import (
-    DEPLOY, SERVICE, STATE_FILE, TEST_DATA, committed_ref, deploy, ledger, running_image, sh, write_inventory,
+    DEPLOY,
+    SERVICE,
+    STATE_FILE,
+    TEST_DATA,
+    committed_ref,
+    deploy,
+    ledger,
+    running_image,
+    sh,
+    write_inventory,
 )  # fmt: skip
 
-from gpufleet.operations.layout import Layout
 from gpufleet.sandbox.image import REPOSITORY, image_ref
 from gpufleet.sandbox.inventory import pyinfra_hosts
-from gpufleet.settings import build_spec
+from gpufleet.vllm.layout import Layout
+from gpufleet.vllm.settings import build_spec
 
 UNIT = f"/etc/systemd/system/{SERVICE}.service"
 DATA = {"vllm_ready_timeout": 60, "vllm_ready_soak_s": 5}

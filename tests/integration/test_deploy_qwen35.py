@@ -19,12 +19,12 @@ import pytest
 from tests.integration.pyinfra_results import changed_ops, changes, results
 from tests.integration.pyinfra_run import run_deploy
 
-from gpufleet.operations import nvidia, repo_keys
-from gpufleet.operations.docker import DOCKER_KEY
-from gpufleet.operations.nvidia import KEYRING as NVIDIA_KEYRING
-from gpufleet.operations.nvidia import VERSION_FILE
 from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, H200x1, H200x3
 from gpufleet.sandbox.nvidia_smi import HOST_PROFILE
+from gpufleet.vllm.operations import nvidia, repo_keys
+from gpufleet.vllm.operations.docker import DOCKER_KEY
+from gpufleet.vllm.operations.nvidia import KEYRING as NVIDIA_KEYRING
+from gpufleet.vllm.operations.nvidia import VERSION_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO / "deploys" / "qwen35.py")
@@ -68,7 +68,7 @@ def running_image(fleet, host) -> str:
 
 
 def ledger(fleet, host, service: str = SERVICE) -> dict:
-    """The host's ledger file (gpufleet.ledger's format) as JSON."""
+    """The host's ledger file (gpufleet.hoststate.ledger's format) as JSON."""
     return json.loads(fleet.read_file(host, f"/var/lib/gpufleet/{service}.json"))
 
 

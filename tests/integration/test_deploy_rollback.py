@@ -26,12 +26,12 @@ from tests.integration.test_deploy_qwen35 import (
 )
 
 from gpufleet.health import HealthState, check
-from gpufleet.operations.layout import committed_unit
+from gpufleet.hoststate.paths import committed_unit
 from gpufleet.remote.ssh import open_ssh
 from gpufleet.remote.transport import SshTransport
 from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.image import image_ref
-from gpufleet.settings import build_spec
+from gpufleet.vllm.settings import build_spec
 from gpufleet.wire.identity import Expected
 
 UNIT = f"/etc/systemd/system/{SERVICE}.service"

@@ -26,8 +26,8 @@ from tests.integration.test_deploy_qwen35 import (
     write_inventory,
 )
 
-from gpufleet.operations.docker import DOCKER_KEY, DOCKER_LIST
 from gpufleet.sandbox.config import H200x3
+from gpufleet.vllm.operations.docker import DOCKER_KEY, DOCKER_LIST
 
 # The soak is proven in test_deploy_rollback; here a ready service is enough.
 QUICK = {"vllm_ready_soak_s": 0}

@@ -38,7 +38,7 @@ from tests.integration.test_crash_safe_ledger import container_ids, digest_of, h
 from tests.integration.test_deploy_qwen35 import DEPLOY, SERVICE, STATE_FILE, deploy, running_image, sh, write_inventory
 
 from gpufleet.hostlock import LOCK_PATH
-from gpufleet.operations.layout import STATE_DIR, UNITS_DIR, committed_unit
+from gpufleet.hoststate.paths import STATE_DIR, UNITS_DIR, committed_unit
 from gpufleet.sandbox.config import REGISTRY_PORT
 from gpufleet.sandbox.image import image_ref
 

@@ -25,8 +25,9 @@ from gpufleet.health.api import get
 from gpufleet.remote.ssh import open_ssh, transport_from_pyinfra_host
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.sandbox.image import image_ref
-from gpufleet.settings import build_spec
-from gpufleet.unit import render_unit, unit_path
+from gpufleet.units import unit_path
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.unit import render_unit
 from gpufleet.wire.identity import Expected
 
 

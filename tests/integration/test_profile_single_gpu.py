@@ -17,10 +17,10 @@ from tests.integration.test_deploy_qwen35 import deploy, sh, write_inventory
 from tests.integration.test_health_ssh import gpufleet
 
 from gpufleet.inventory import load_hosts
-from gpufleet.profiles import PROFILES
 from gpufleet.sandbox.config import H200x1
-from gpufleet.settings import build_spec
-from gpufleet.unit import render_unit
+from gpufleet.vllm.profiles import PROFILES
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.unit import render_unit
 
 PROFILE = PROFILES["qwen35-1gpu"]
 SERVICE = PROFILE.service

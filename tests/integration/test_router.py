@@ -25,7 +25,7 @@ from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.hostlock import LOCK_PATH
-from gpufleet.router import lock, operations
+from gpufleet.router import operations, wheels
 from gpufleet.router.settings import build_router_spec
 from gpufleet.router.spec import MARKER, RouterSpec
 from gpufleet.sandbox.config import NO_GPU, FleetConfig, H200x3
@@ -118,11 +118,11 @@ def router_spec(rfleet: Fleet) -> RouterSpec:
     return build_router_spec(name, data, ())
 
 
-def locked(rfleet: Fleet) -> lock.LockedInstall:
+def locked(rfleet: Fleet) -> wheels.LockedInstall:
     router = router_host(rfleet)
     python = rfleet.run_in(router, "python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])'").stdout.strip()
     s = router_spec(rfleet)
-    return lock.locked_install(router.name, s.version, python, rfleet.run_in(router, "uname -m").stdout.strip())
+    return wheels.locked_install(router.name, s.version, python, rfleet.run_in(router, "uname -m").stdout.strip())
 
 
 def test_second_router_run_changes_nothing(rfleet, inventory, pyinfra):

@@ -23,7 +23,6 @@ import pytest
 from tests.integration.pyinfra_results import changed_ops
 
 from gpufleet.facts.pull import PullStats
-from gpufleet.operations.image import pull_stats_file
 from gpufleet.rollout.prepare import prepare, pull_order
 from gpufleet.sandbox import image as sandbox_image
 from gpufleet.sandbox import services
@@ -31,6 +30,7 @@ from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.inventory import inventory_document, write_pyinfra_inventory
+from gpufleet.vllm.operations.image import pull_stats_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploys" / "qwen35.py"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from gpufleet.errors import SettingErrors
-from gpufleet.settings import NOT_SECRET_FLAGS, build_spec, says_secret
-from gpufleet.unit import DOCKER, render_unit, stop_timeouts
-from gpufleet.vllm_flags import known_flags
+from gpufleet.vllm.flags import known_flags
+from gpufleet.vllm.settings import NOT_SECRET_FLAGS, build_spec, says_secret
+from gpufleet.vllm.unit import DOCKER, render_unit, stop_timeouts
 from tests.unit.systemd_words import split_exec, unit_directives
 
 CONTROL_CHARACTERS = [
@@ -701,8 +701,8 @@ def test_systemd_analyze_does_catch_what_escaping_prevents(tmp_path):
 
 # --- secrets: extra env vars, by name only ---------------------------------------------------------------------
 def test_secret_env_reaches_the_container_by_name_only():
-    from gpufleet.operations.service import env_content, secret_values
     from gpufleet.quoting import shell_line
+    from gpufleet.vllm.operations.service import env_content, secret_values
 
     data = {"vllm_secret_env": {"WANDB_API_KEY": "wandb-s3cr3t-value"}, "vllm_api_key": "sk-apikey-value"}
     spec = build_spec("box", data)
@@ -729,8 +729,8 @@ def test_stop_timeouts_sit_above_vllm_shutdown_timeout(shutdown, docker_stop, ti
 def test_the_deploy_preflight_turns_setting_errors_into_lines_without_reading_the_host():
     from pyinfra.api import Config, Inventory, State
 
-    from gpufleet.deploys.preflight import Reading, read_host
-    from gpufleet.deploys.qwen35 import check_host, plan_for
+    from gpufleet.harness.preflight import Reading, read_host
+    from gpufleet.vllm.deploy import check_host, plan_for
 
     inventory = Inventory(([("box7", {"vllm_service": "sshd"}), ("box8", {"vllm_api_key": "sk-$HOME"})], {}))
     state = State(inventory, Config())

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.facts.host import MARK, parse_snapshot
-from gpufleet.image_ref import normalise, parse
-from gpufleet.ledger import Committed, Ledger, Version
-from gpufleet.operations.image import image_present, pick_digest, pinned_ref, repository
-from gpufleet.settings import build_spec
+from gpufleet.hoststate.ledger import Committed, Ledger, Version
+from gpufleet.image_names import normalise, parse
+from gpufleet.vllm.facts import MARK, parse_snapshot
+from gpufleet.vllm.operations.image import image_present, pick_digest, pinned_ref, repository
+from gpufleet.vllm.settings import build_spec
 
 D1, D2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
 # `docker images --digests --no-trunc --format '{{.Repository}}|{{.Tag}}|{{.Digest}}'` as docker prints it after

@@ -1,5 +1,5 @@
 """A router in front of the replicas (a `routers` group in the inventory) gives each replica's vLLM the flags the
-router's default policy needs (gpufleet.settings.BEHIND_ROUTER_ARGS), in every view of the inventory alike."""
+router's default policy needs (gpufleet.vllm.settings.BEHIND_ROUTER_ARGS), in every view of the inventory alike."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from gpufleet.cli import main
 from gpufleet.inventory import load_specs
-from gpufleet.settings import BEHIND_ROUTER_ARGS, build_spec
+from gpufleet.vllm.settings import BEHIND_ROUTER_ARGS, build_spec
 from tests.unit.test_cli_render import inventory  # noqa: F401 - the fixture
 
 WITH_ROUTER = '''

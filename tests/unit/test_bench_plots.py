@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from tests.conftest import REPO
 
 REDRAW = "redraw with: pip install -e '.[bench]' && python bench/plots.py (then commit docs/img/)"

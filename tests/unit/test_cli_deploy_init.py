@@ -16,7 +16,7 @@ import gpufleet.rollout.deploy as rollout_deploy
 from gpufleet.cli import deploy as deploy_cli
 from gpufleet.cli import main
 from gpufleet.cli.init import parallel_sizes
-from gpufleet.deploys import packaged_deploy_file
+from gpufleet.harness import packaged_deploy_file
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import inspect
 import sys
 from pathlib import Path
 
-from gpufleet.deploys import register_deploy_file
+from gpufleet.harness import register_deploy_file
 
 
 def frame_of_file(path: Path):

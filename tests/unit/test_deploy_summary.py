@@ -14,7 +14,7 @@ DEPLOY = '''
 from pyinfra import host
 from pyinfra.operations import server
 
-from gpufleet.deploys import register_deploy_file
+from gpufleet.harness import register_deploy_file
 
 register_deploy_file(__file__)
 server.shell(name="a step", commands=["exit 3" if host.data.get("breaks") else "true"])

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from gpufleet.deploys.preflight import MANAGED_HEADER, check
-from gpufleet.facts.host import HostSnapshot, ServiceUnit
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion
-from gpufleet.settings import build_spec, merged_settings
-from gpufleet.unit import render_unit
+from gpufleet.vllm.checks import MANAGED_HEADER, check
+from gpufleet.vllm.facts import HostSnapshot, ServiceUnit
+from gpufleet.vllm.settings import build_spec, merged_settings
+from gpufleet.vllm.unit import render_unit
 
 GIB = 1024 * 1024
 
@@ -181,8 +181,8 @@ def test_a_host_that_never_answers_gets_one_line_within_the_bound_and_the_others
     import gevent
     from pyinfra.api import Config, Inventory, State
 
-    from gpufleet.deploys.preflight import read_fleet
     from gpufleet.errors import SettingError, SettingErrors
+    from gpufleet.harness.preflight import read_fleet
 
     inventory = Inventory(([("wedged", {}), ("bad", {})], {}))
     state = State(inventory, Config())
@@ -207,9 +207,9 @@ def test_a_host_that_never_answers_gets_one_line_within_the_bound_and_the_others
 def test_hosts_another_run_holds_are_refused_with_one_line_each_naming_it(sshd, tmp_path):
     from pyinfra.api import Config, Inventory, State
 
-    from gpufleet.deploys.preflight import read_fleet
-    from gpufleet.deploys.qwen35 import plan_for
+    from gpufleet.harness.preflight import read_fleet
     from gpufleet.hostlock import Holder, HostLock, LockLost, check_run_lock, release_run_locks
+    from gpufleet.vllm.deploy import plan_for
 
     ssh = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key": str(sshd.client_key),
            "ssh_known_hosts_file": str(tmp_path / "known_hosts")}

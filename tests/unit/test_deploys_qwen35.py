@@ -16,14 +16,14 @@ from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, S
 from pyinfra.api.deploy import add_deploy
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet.deploys import preflight
-from gpufleet.deploys.qwen35 import Plan, check_host, deploy_qwen35, host_ledger, plan_for, replaced_service
-from gpufleet.facts.host import HostSnapshot, RunningService
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion
-from gpufleet.ledger import Committed, Ledger, Version, begin, render, roll_back
-from gpufleet.operations.docker import CE_PACKAGES
-from gpufleet.operations.nvidia import PACKAGE, VERSION_FILE
-from gpufleet.unit import unit_name
+from gpufleet.harness import preflight
+from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, render, roll_back
+from gpufleet.units import unit_name
+from gpufleet.vllm.deploy import Plan, check_host, deploy_qwen35, host_ledger, plan_for, replaced_service
+from gpufleet.vllm.facts import HostSnapshot, RunningService
+from gpufleet.vllm.operations.docker import CE_PACKAGES
+from gpufleet.vllm.operations.nvidia import PACKAGE, VERSION_FILE
 from gpufleet.wire.identity import Expected
 
 KEY = ("-----BEGIN PGP PUBLIC KEY BLOCK-----\n\n" + base64.b64encode(b"key" * 40).decode()
@@ -199,7 +199,7 @@ def test_a_corrupt_ledger_is_one_refusal_line_and_nothing_else_is_decided():
     snap = bare_but_installed()
     snap.ledger_text = '{"schema": 2, "committed": {"image": "x"'
     (line,) = check_host("gpu1", snap, plan)
-    assert line.startswith(f"gpu1: {plan.layout.state_file} is corrupt: not JSON: ") and "(fix: repair it" in line
+    assert line.startswith(f"gpu1: {plan.layout.ledger_path} is corrupt: not JSON: ") and "(fix: repair it" in line
 
 
 def test_a_version_that_failed_is_refused_unless_retried_on_purpose():

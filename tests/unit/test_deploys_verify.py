@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.deploys.verify import exited_detail, installed_problem, with_traffic
 from gpufleet.health import HealthReport, HealthState, poll_ready, soak
 from gpufleet.health.answers import AnswerCheck
 from gpufleet.health.wait import transient
-from gpufleet.ledger import Version
+from gpufleet.hoststate.ledger import Version
 from gpufleet.remote.transport import ContainerInfo
+from gpufleet.vllm.verify import exited_detail, installed_problem, with_traffic
 
 READY = HealthReport(HealthState.READY, "/health 200, serving qwen")
 STARTING = HealthReport(HealthState.STARTING, "port not answering yet")
@@ -194,7 +194,7 @@ def test_only_the_hosts_own_answers_are_not_transient():
     "0.0.0.0:5000 failed: port is already allocated.",
 ])  # fmt: skip
 def test_a_port_docker_could_not_publish_is_named_from_its_own_words(line):
-    from gpufleet.deploys.verify import port_taken
+    from gpufleet.vllm.verify import port_taken
 
     found = port_taken(["Starting vllm-qwen35.service...", line, "vllm-qwen35.service: Main process exited"], 5000)
     assert found is not None and "5000" in found and ("already in use" in found or "already allocated" in found)

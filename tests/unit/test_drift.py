@@ -14,16 +14,17 @@ from pyinfra.api import FunctionCommand, StringCommand
 
 from gpufleet.cli import verify as verify_cli
 from gpufleet.cli.health_tables import spec_cell
-from gpufleet.facts.host import HostSnapshot, RunningService, parse_snapshot, snapshot_command
 from gpufleet.health import HealthReport, HealthState
 from gpufleet.health.check import check, spec_drift
-from gpufleet.health.fleet import HostResult, HostTarget
-from gpufleet.operations import nvidia, service
+from gpufleet.health.runner import HostResult, HostTarget
+from gpufleet.hoststate.paths import ledger_path
 from gpufleet.operations.files import replace_command, temp_path
-from gpufleet.operations.layout import state_file
 from gpufleet.remote.transport import ContainerInfo
-from gpufleet.settings import build_spec
-from gpufleet.unit import render_unit, unit_name
+from gpufleet.units import unit_name
+from gpufleet.vllm.facts import HostSnapshot, RunningService, parse_snapshot, snapshot_command
+from gpufleet.vllm.operations import nvidia, service
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.unit import render_unit
 from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
@@ -33,7 +34,7 @@ from tests.unit.test_operations_alone import PINNED, TAG, run_alone
 
 SPEC = build_spec("gpu1", {"vllm_image": TAG})
 UNIT = unit_name(SPEC.service)
-STATE_FILE = state_file(SPEC.service)
+STATE_FILE = ledger_path(SPEC.service)
 HEADER = render_unit(SPEC, PINNED).splitlines()[1]
 STANDIN = Path(__file__).resolve().parents[2] / "src" / "gpufleet" / "sandbox" / "standin"
 
@@ -108,7 +109,7 @@ def converged(run: RunningService) -> HostSnapshot:
 
 def test_a_unit_written_but_never_loaded_is_reloaded_restarted_and_verified_with_the_soak():
     snap = converged(RunningService("active", "running", True, SPEC.spec_hash, PINNED, (("old", PINNED),)))
-    commands = [described(c) for c in run_alone(service.running, snap, spec=SPEC, state_file=STATE_FILE, changes=[])]
+    commands = [described(c) for c in run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[])]
     assert commands == ["systemctl daemon-reload", "_still_locked", "_begin", f"systemctl restart {UNIT}"]
     (verify,) = run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, changes=[], soak_s=20.0)
     assert isinstance(verify, FunctionCommand) and verify.args == (20.0,)  # verified with the soak
@@ -116,7 +117,7 @@ def test_a_unit_written_but_never_loaded_is_reloaded_restarted_and_verified_with
 
 def test_a_container_from_another_spec_is_restarted():
     snap = converged(RunningService("active", "running", False, SPEC.spec_hash, PINNED, (("handmade", PINNED),)))
-    commands = run_alone(service.running, snap, spec=SPEC, state_file=STATE_FILE, changes=[])
+    commands = run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[])
     # The restart comes right after the check that this run still holds the host's lock, and the ledger's pending
     # record (a no-op when what restarts is the committed version).
     assert [described(c) for c in commands] == ["_still_locked", "_begin", f"systemctl restart {UNIT}"]
@@ -124,7 +125,7 @@ def test_a_container_from_another_spec_is_restarted():
 
 def test_what_the_unit_says_running_is_left_alone():
     snap = converged(RunningService("active", "running", False, SPEC.spec_hash, PINNED, ((SPEC.spec_hash, PINNED),)))
-    assert run_alone(service.running, snap, spec=SPEC, state_file=STATE_FILE, changes=[]) == []
+    assert run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[]) == []
     assert run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, changes=[], soak_s=20.0) == []
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
-from gpufleet.facts import host as host_fact
-from gpufleet.facts.host import (
+from gpufleet.facts.nvidia import GPU_FIELDS, NvidiaVersion
+from gpufleet.vllm import facts as host_fact
+from gpufleet.vllm.facts import (
     DRIVER_FILE,
     MARK,
     PACKAGES,
@@ -29,15 +30,14 @@ from gpufleet.facts.host import (
     parse_snapshot,
     snapshot_command,
 )
-from gpufleet.facts.nvidia import GPU_FIELDS, NvidiaVersion
-from gpufleet.operations.image import image_present
+from gpufleet.vllm.operations.image import image_present
 from tests.ports import free_port
 
 NV = Path(__file__).parent.parent / "fixtures" / "nvidia-smi"
 DOCKER_API = Path(__file__).parent.parent / "fixtures" / "docker-api"
 PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model_dir="/srv/vllm/models/qwen3.5-awq",
               dirs=("/var/cache/vllm/qwen35/vllm", "/srv/vllm/models"), files=("/etc/a", "/etc/b"),
-              state_file="/var/lib/gpufleet/vllm-qwen35.json", env_file="/etc/gpufleet/vllm-qwen35.env", port=5000,
+              ledger_path="/var/lib/gpufleet/vllm-qwen35.json", env_file="/etc/gpufleet/vllm-qwen35.env", port=5000,
               nvidia_key_url="http://repo/gpgkey", docker_repo_url=None,
               nvidia_keyring="/nonexistent/nvidia.gpg", docker_keyring="/nonexistent/docker.asc",  # missing: fetched
               nvidia_version_file="/var/lib/gpufleet/nvidia-version")

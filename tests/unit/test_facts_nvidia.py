@@ -7,12 +7,7 @@ from pathlib import Path
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
-from gpufleet.facts.nvidia import (
-    QUERY_GPUS,
-    parse_gpus,
-    parse_topology,
-    parse_version,
-)
+from gpufleet.facts.nvidia import QUERY_GPUS, parse_gpus, parse_topology, parse_version
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "nvidia-smi"
 

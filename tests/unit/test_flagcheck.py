@@ -10,11 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.facts.host import HostSnapshot
-from gpufleet.operations import flagcheck
-from gpufleet.operations.flagcheck import Accepted, Inconclusive, Rejected, check_command, rejection_line, verdict
-from gpufleet.settings import build_spec
-from gpufleet.spec import FLAG_CHECK_MODEL
+from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.operations import flagcheck
+from gpufleet.vllm.operations.flagcheck import (
+    Accepted,
+    Inconclusive,
+    Rejected,
+    check_command,
+    rejection_line,
+    verdict,
+)
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.spec import FLAG_CHECK_MODEL
 from tests.unit.test_operations_alone import run_alone
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "flagcheck"

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from gpufleet.cli.verify import load_targets, status, verify
 from gpufleet.health import HealthReport, HealthState
-from gpufleet.health.fleet import HostResult
-from gpufleet.settings import build_spec
+from gpufleet.health.runner import HostResult
+from gpufleet.vllm.settings import build_spec
 from gpufleet.wire.identity import Expected
 from tests.ports import free_port
 

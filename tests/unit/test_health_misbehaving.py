@@ -23,7 +23,7 @@ import pytest
 
 from gpufleet.health import HealthState, check
 from gpufleet.health.api import fetch
-from gpufleet.health.fleet import HostTarget, check_fleet, check_host
+from gpufleet.health.runner import HostTarget, check_fleet, check_host
 from gpufleet.remote.transport import MAX_BODY_BYTES, DeadlineExceeded, SshTransport
 from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport

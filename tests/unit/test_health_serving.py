@@ -19,8 +19,8 @@ from gpufleet.health.serving_rules import (
     text_tool_call_problem,
     tool_call_problem,
 )
-from gpufleet.ledger import Ledger, Pending, Version, parse, render, roll_back
-from gpufleet.settings import SettingErrors, resolve_host
+from gpufleet.hoststate.ledger import Ledger, Pending, Version, parse, render, roll_back
+from gpufleet.vllm.settings import SettingErrors, resolve_host
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks, verify_checks
 
 

@@ -1,4 +1,4 @@
-"""The ledger's state machine (gpufleet.ledger): transitions, today's format migrated, corrupt files refused with
+"""The ledger's state machine (gpufleet.hoststate.ledger): transitions, today's format migrated, corrupt files refused with
 their reason, the don't-retry rule, and the atomic-write command run for real with sh."""
 
 from __future__ import annotations
@@ -14,10 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet import ledger as L
-from gpufleet.ledger import (
-    Committed, CorruptLedger, DropPending, Failed, FinishPending, Ledger, LedgerStateError, Nothing, Observed,
-    Pending, RollBackPending, Version,
+from gpufleet.hoststate import ledger as L
+from gpufleet.hoststate.ledger import (
+    Committed,
+    CorruptLedger,
+    DropPending,
+    Failed,
+    FinishPending,
+    Ledger,
+    LedgerStateError,
+    Nothing,
+    Observed,
+    Pending,
+    RollBackPending,
+    Version,
 )  # fmt: skip
 
 OLD_REF = "vllm/vllm-openai@sha256:" + "1" * 64

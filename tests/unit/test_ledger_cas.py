@@ -12,7 +12,7 @@ from typing import Any
 from gpufleet import hostlock
 from gpufleet.operations import files
 from gpufleet.operations.files import sha256, write_file
-from gpufleet.operations.service import _unchanged_test
+from gpufleet.vllm.operations.service import _unchanged_test
 
 
 @dataclass

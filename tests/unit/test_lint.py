@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.lint import RULES, lint_spec
-from gpufleet.settings import build_spec, merged_settings
+from gpufleet.vllm.lint import RULES, lint_spec
+from gpufleet.vllm.settings import build_spec, merged_settings
 from gpufleet.wire.metrics import parse_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"

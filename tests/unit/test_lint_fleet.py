@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.cli import main
-from gpufleet.lint import (
+from gpufleet.vllm.lint import (
     ALL_RULES,
     INVALID_SETTING,
     ROUTER_RULES,
@@ -20,7 +20,7 @@ from gpufleet.lint import (
     fleet_report,
     lint_spec,
 )
-from gpufleet.settings import build_spec, merged_settings
+from gpufleet.vllm.settings import build_spec, merged_settings
 from tests.conftest import REPO
 from tests.unit.test_cli_render import inventory  # noqa: F401 - the fixture
 

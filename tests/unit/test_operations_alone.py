@@ -13,16 +13,17 @@ import pytest
 from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State, StringCommand
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet.facts.host import HostSnapshot
 from gpufleet.facts.nvidia import NvidiaVersion
-from gpufleet.ledger import Committed, Ledger, Version
-from gpufleet.operations import docker, image, nvidia, repo_keys, service
-from gpufleet.operations.layout import state_file
+from gpufleet.hoststate.ledger import Committed, Ledger, Version
+from gpufleet.hoststate.paths import ledger_path
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.service import env_content
 from gpufleet.operations.snapshot import memo, remember
-from gpufleet.settings import build_spec
-from gpufleet.unit import render_unit, unit_path
+from gpufleet.units import unit_path
+from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.operations import docker, image, nvidia, repo_keys, service
+from gpufleet.vllm.operations.service import env_content
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.unit import render_unit
 
 TAG = "reg:5000/vllm/vllm-openai:nightly"
 PINNED = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
@@ -70,9 +71,9 @@ def test_unit_renders_the_digest_resolved_while_executing_over_the_recorded_one(
     path = unit_path(spec.service)
     snap = HostSnapshot(file_sha256={path: hashlib.sha256(render_unit(spec, PINNED).encode()).hexdigest()})
     # the recorded pin is what runs
-    assert run_alone(service.unit, snap, ledger=recorded(), spec=spec, path=path, state_file=state_file("v")) == []
+    assert run_alone(service.unit, snap, ledger=recorded(), spec=spec, path=path, ledger_path=ledger_path("v")) == []
     commands = run_alone(service.unit, snap, resolved=RESOLVED, ledger=recorded(), spec=spec, path=path,
-                         state_file=state_file("v"))
+                         ledger_path=ledger_path("v"))
     (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
     assert upload.src.getvalue().decode() == render_unit(spec, RESOLVED)
 

@@ -7,15 +7,15 @@ import base64
 import pytest
 from pyinfra.api import OperationValueError
 
-from gpufleet.facts.host import HostSnapshot
-from gpufleet.operations.docker import repo_line
-from gpufleet.ledger import Committed, Ledger, Version
-from gpufleet.operations.image import pick_digest, pinned_ref, repository
-from gpufleet.operations.model import missing_parts
-from gpufleet.operations.nvidia import list_line
-from gpufleet.operations.repo_keys import dearmor
+from gpufleet.hoststate.ledger import Committed, Ledger, Version
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.service import env_content
+from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.operations.docker import repo_line
+from gpufleet.vllm.operations.image import pick_digest, pinned_ref, repository
+from gpufleet.vllm.operations.model import missing_parts
+from gpufleet.vllm.operations.nvidia import list_line
+from gpufleet.vllm.operations.repo_keys import dearmor
+from gpufleet.vllm.operations.service import env_content
 
 D1, D2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.operations import docker, repo_keys
+from gpufleet.vllm.operations import docker, repo_keys
 
 HOSTILE = "https://repo.example/$(touch {m})`touch {m}`;touch {m}&touch {m}|touch {m} 'x\"y\nz"
 

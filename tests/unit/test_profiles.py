@@ -11,9 +11,9 @@ import pytest
 
 from gpufleet.errors import SettingErrors
 from gpufleet.inventory import load_hosts
-from gpufleet.lint import lint_spec
-from gpufleet.profiles import PROFILES, discover
-from gpufleet.settings import build_spec, merged_settings, resolve_host
+from gpufleet.vllm.lint import lint_spec
+from gpufleet.vllm.profiles import PROFILES, discover
+from gpufleet.vllm.settings import build_spec, merged_settings, resolve_host
 from tests.conftest import FIXTURES, REPO
 from tests.unit import test_cli_render
 from tests.unit.systemd_words import split_exec
@@ -78,7 +78,7 @@ def package(tmp_path, monkeypatch, name: str, modules: dict[str, str]):
 
 LLAMA = """
     from dataclasses import replace
-    from gpufleet.profiles import qwen35
+    from gpufleet.vllm.profiles import qwen35
     PROFILE = replace(qwen35.PROFILE, name="llama", service="vllm-llama")
 """
 

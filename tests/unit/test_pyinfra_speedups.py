@@ -15,7 +15,7 @@ from typing import Any
 import pyinfra
 import pytest
 
-from gpufleet.deploys import pyinfra_speedups
+from gpufleet.harness import speedups as pyinfra_speedups
 
 util = importlib.import_module("pyinfra.api.util")
 arguments = importlib.import_module("pyinfra.api.arguments")
@@ -237,7 +237,7 @@ import os
 
 from pyinfra.operations import server
 
-from gpufleet.deploys import pyinfra_speedups
+from gpufleet.harness import speedups as pyinfra_speedups
 
 if os.environ.get("SPEEDUPS"):
     assert pyinfra_speedups.install(), "the speedups must be active in this run"

@@ -17,10 +17,10 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from gpufleet import ledger
+from gpufleet.hoststate import ledger
 from gpufleet.cli import main
 from gpufleet.cli.rollout import ledger_rows
-from gpufleet.deploys.summary import HostResult
+from gpufleet.harness.result import HostResult
 from gpufleet.errors import GpufleetError
 from gpufleet.facts.pull import PullStats
 from gpufleet.health.check import HealthState
@@ -29,7 +29,7 @@ from gpufleet.rollout.carry import CarryResult
 from gpufleet.rollout.deploy import DeployRun, settings_args
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
-from gpufleet.rollout.fleet import FleetHost
+from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.ledgers import PRESENT, parse_read
 from gpufleet.rollout.membership import belongs
 from gpufleet.rollout.prepare import failures, prepare
@@ -40,7 +40,7 @@ from gpufleet.rollout.swap import SwapOptions, batches, judge
 from gpufleet.rollout.target import digest_from_inspect, requested_image
 from gpufleet.router.api import Router, RouterError
 from gpufleet.sandbox.image import write_tiny_model
-from gpufleet.settings import build_spec
+from gpufleet.vllm.settings import build_spec
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 
@@ -127,7 +127,7 @@ def test_each_checks_result_comes_from_the_outcome_and_the_failure_mark():
 def test_a_swap_run_names_each_hosts_committed_digest_as_the_deploy_reads_it():
     from pyinfra_cli.util import parse_cli_arg
 
-    from gpufleet.deploys.qwen35 import changed_since_read
+    from gpufleet.vllm.deploy import changed_since_read
 
     read = {"gpu1": OLD, "gpu2": None}
     args = settings_args(SwapOptions(Path("deploys/qwen35.py")).settings(NEW, read))
@@ -353,7 +353,7 @@ def test_deploy_run_limits_to_each_named_host_and_a_limit_matching_nothing_fails
     inventory = tmp_path / "inv.py"
     inventory.write_text("hosts = [('@local', {'marker': 'one'})]\n")
     deploy = tmp_path / "noop.py"
-    deploy.write_text("from pyinfra import host, logger\nfrom gpufleet.deploys import register_deploy_file\n"
+    deploy.write_text("from pyinfra import host, logger\nfrom gpufleet.harness import register_deploy_file\n"
                       "register_deploy_file(__file__)\nlogger.warning(f'ran on {host.name} "
                       "ref={host.data.get(\"gpufleet_image_ref\")}')\n")
     log = tmp_path / "deploy.log"
@@ -368,7 +368,7 @@ def test_deploy_run_limits_to_each_named_host_and_a_limit_matching_nothing_fails
 
 
 def test_the_fleet_is_the_vllm_hosts_router_hosts_are_left_out(tmp_path):
-    from gpufleet.rollout.fleet import load_fleet
+    from gpufleet.rollout.replicas import load_fleet
 
     inventory = tmp_path / "inv.py"
     inventory.write_text(f"gpuhosts = [('h1', {{'vllm_image': '{REPO}:nightly'}}), ('h2', {{}})]\n"

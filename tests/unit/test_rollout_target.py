@@ -17,8 +17,8 @@ import pytest
 from gpufleet.errors import GpufleetError
 from gpufleet.remote.transport import Unreachable
 from gpufleet.rollout import target as t
-from gpufleet.rollout.fleet import FleetHost
-from gpufleet.settings import build_spec
+from gpufleet.rollout.replicas import FleetHost
+from gpufleet.vllm.settings import build_spec
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "registry-lookup"
 REG = "10.213.5.1:5000"

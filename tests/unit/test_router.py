@@ -18,8 +18,8 @@ from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, repl
 from gpufleet.router.spec import RouterSpec
 from gpufleet.router.unit import render_proxy, render_unit
 from gpufleet.sandbox.router_index import project_name, write_simple_index
-from gpufleet.settings import BEHIND_ROUTER_ARGS
-from gpufleet.spec import reach_address
+from gpufleet.vllm.settings import BEHIND_ROUTER_ARGS
+from gpufleet.vllm.spec import reach_address
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "router"
 WORKERS = ("http://10.0.0.11:5000", "http://10.0.0.12:5000")
@@ -79,7 +79,7 @@ def test_sticky_least_loaded_is_a_policy_gpufleet_runs():
 
 def test_the_default_policy_gets_what_it_needs_of_the_replicas_behind_a_router():
     # cache_aware routes on token ids from the worker's POST /v1/chat/completions/render, which vLLM serves only with
-    # --enable-scale-out (measured: docs/router.md): replicas behind a router get it (gpufleet.settings).
+    # --enable-scale-out (measured: docs/router.md): replicas behind a router get it (gpufleet.vllm.settings).
     assert DEFAULTS["router_policy"] == "cache_aware"
     assert BEHIND_ROUTER_ARGS == {"enable-scale-out": True}
 

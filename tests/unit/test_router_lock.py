@@ -21,7 +21,7 @@ from pyinfra.api.exceptions import DeployError
 from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.errors import SettingError, SettingErrors
-from gpufleet.router import deploy, facts, lock, operations
+from gpufleet.router import deploy, facts, operations, wheels
 from gpufleet.router.facts import RouterHost
 from gpufleet.router.settings import DEFAULTS, build_router_spec
 from gpufleet.router.spec import MARKER, RouterSpec
@@ -41,8 +41,8 @@ def spec(**data: object) -> RouterSpec:
 
 # --- the committed lock ----------------------------------------------------------------------------------------------
 def test_the_committed_lock_is_well_formed_and_covers_the_hosts_pythons():
-    data = lock.load()
-    assert lock.check(data) == []
+    data = wheels.load()
+    assert wheels.check(data) == []
     release = data["releases"][VERSION]
     # Debian bookworm (3.11, the sandbox's test hosts too), Ubuntu 24.04 (3.12), Debian trixie (3.13).
     for python in ("3.11", "3.12", "3.13", SANDBOX_PYTHON):
@@ -52,12 +52,12 @@ def test_the_committed_lock_is_well_formed_and_covers_the_hosts_pythons():
 
 def test_the_controllers_python_is_covered_too():
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
-    assert here in lock.load()["releases"][VERSION]
+    assert here in wheels.load()["releases"][VERSION]
 
 
 @pytest.mark.parametrize("python", ["3.11", "3.13"])
 def test_requirements_pin_every_wheel_by_version_and_sha256_for_that_python(python):
-    install = lock.locked_install("router1", VERSION, python, "x86_64")
+    install = wheels.locked_install("router1", VERSION, python, "x86_64")
     text = install.requirements()
     lines = [line for line in text.splitlines() if not line.startswith("#")]
     parsed = [LINE.fullmatch(line) for line in lines]
@@ -76,25 +76,25 @@ def test_requirements_pin_every_wheel_by_version_and_sha256_for_that_python(pyth
 
 
 def test_each_python_gets_its_own_compiled_wheels_and_its_own_key():
-    a = lock.locked_install("router1", VERSION, "3.11", "x86_64")
-    b = lock.locked_install("router1", VERSION, "3.13", "x86_64")
+    a = wheels.locked_install("router1", VERSION, "3.11", "x86_64")
+    b = wheels.locked_install("router1", VERSION, "3.13", "x86_64")
     core = {w.name: w for w in a.wheels}["pydantic-core"], {w.name: w for w in b.wheels}["pydantic-core"]
     assert "cp311" in core[0].filename and "cp313" in core[1].filename and core[0].sha256 != core[1].sha256
     assert a.key != b.key and a.key == hashlib.sha256(a.requirements().encode()).hexdigest()
-    assert a.requirements() == lock.locked_install("other", VERSION, "3.11", "x86_64").requirements()
+    assert a.requirements() == wheels.locked_install("other", VERSION, "3.11", "x86_64").requirements()
 
 
 def test_a_python_the_lock_does_not_cover_is_one_line_naming_host_setting_and_fix():
     with pytest.raises(SettingError) as caught:
-        lock.locked_install("router1", VERSION, "3.10", "x86_64")
+        wheels.locked_install("router1", VERSION, "3.10", "x86_64")
     text = str(caught.value)
     assert "\n" not in text and text.startswith("router1: router_version: ")
     assert "Python 3.10 on x86_64" in text and "3.11 on aarch64/x86_64" in text
-    assert f"(fix: lock them: python -m gpufleet.router.lock --version {VERSION} --python 3.10 --machine x86_64" in text
+    assert f"(fix: lock them: python -m gpufleet.router.relock --version {VERSION} --python 3.10 --machine x86_64" in text
     with pytest.raises(SettingError, match=r"^router1: router_version: .*riscv64.*\(fix: "):
-        lock.locked_install("router1", VERSION, "3.11", "riscv64")
+        wheels.locked_install("router1", VERSION, "3.11", "riscv64")
     with pytest.raises(SettingError, match=r"^router1: router_version: cannot tell which Python.*\(fix: "):
-        lock.locked_install("router1", VERSION, None, "x86_64")
+        wheels.locked_install("router1", VERSION, None, "x86_64")
 
 
 def test_a_router_version_the_lock_does_not_have_is_refused_with_the_settings():
@@ -102,7 +102,7 @@ def test_a_router_version_the_lock_does_not_have_is_refused_with_the_settings():
         spec(router_version="0.1.16")
     (line,) = str(caught.value).splitlines()
     assert line.startswith("router1: router_version: 0.1.16 is not in gpufleet's lock of router wheels")
-    assert "(fix: pin a locked version, or lock it: python -m gpufleet.router.lock --version 0.1.16" in line
+    assert "(fix: pin a locked version, or lock it: python -m gpufleet.router.relock --version 0.1.16" in line
 
 
 def test_a_host_the_lock_does_not_cover_is_refused_before_any_operation(monkeypatch):
@@ -135,7 +135,7 @@ def test_pip_installs_only_the_locked_wheels_checking_each_hash():
 
 
 # --- the venv in use: facts and decisions ----------------------------------------------------------------------------
-INSTALL = lock.locked_install("router1", VERSION, "3.11", "x86_64")
+INSTALL = wheels.locked_install("router1", VERSION, "3.11", "x86_64")
 
 
 def converged(s: RouterSpec, **over: Any) -> RouterHost:
@@ -182,7 +182,7 @@ def test_a_converged_router_host_changes_nothing():
 
 def test_a_new_lock_entry_installs_in_a_venv_of_its_own_then_switches_and_restarts():
     s = spec()
-    other = lock.locked_install("router1", VERSION, "3.13", "x86_64")  # e.g. the host upgraded to trixie
+    other = wheels.locked_install("router1", VERSION, "3.13", "x86_64")  # e.g. the host upgraded to trixie
     commands = run_alone(operations.package, spec=s, seen=converged(s), install=other)
     made, upload, install, switch = commands
     target = s.venv_dir(other.key)
@@ -246,7 +246,7 @@ def sh(script: str, **env: str) -> subprocess.CompletedProcess[str]:
                           env={**clean, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_CACHE_DIR": "1", **env})
 
 
-def install_for_real(s: RouterSpec, install: lock.LockedInstall) -> subprocess.CompletedProcess[str]:
+def install_for_real(s: RouterSpec, install: wheels.LockedInstall) -> subprocess.CompletedProcess[str]:
     """The package operation's commands, in order, on this machine (the upload written directly)."""
     target = s.venv_dir(install.key)
     made = sh(f"mkdir -p {s.venvs_dir} && rm -rf {target} && {shlex.quote(sys.executable)} -m venv {target}")
@@ -266,8 +266,8 @@ def test_real_pip_installs_the_locked_wheel_and_refuses_one_whose_hash_differs(t
     files.mkdir(parents=True)
     wheel = build_wheel(files)
     write_simple_index(files, tmp_path / "index" / "simple")
-    good = lock.LockedInstall(VERSION, "3.11", "x86_64", (
-        lock.Wheel("vllm-router", VERSION, wheel.name, hashlib.sha256(wheel.read_bytes()).hexdigest()),))
+    good = wheels.LockedInstall(VERSION, "3.11", "x86_64", (
+        wheels.Wheel("vllm-router", VERSION, wheel.name, hashlib.sha256(wheel.read_bytes()).hexdigest()),))
     check_files(files, good)
     s = replace(spec(router_venv=str(tmp_path / "opt" / "vllm-router")), index_url=(tmp_path / "index" / "simple").as_uri())
     proc = install_for_real(s, good)

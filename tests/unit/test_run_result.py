@@ -1,4 +1,4 @@
-"""The run's result file (gpufleet.deploys.summary): what a deploy run says of each host, written at exit, and how
+"""The run's result file (gpufleet.harness.result): what a deploy run says of each host, written at exit, and how
 the rollout reads it (gpufleet.rollout.deploy). The real pyinfra CLI over a throwaway sshd (the unreachable host is a
 closed port); preflight's refusal through pyinfra's API (no host); a stand-in pyinfra for runs that die."""
 
@@ -15,9 +15,9 @@ from pyinfra.api import Config, Inventory, State
 from pyinfra.api.deploy import add_deploy
 from pyinfra.api.exceptions import DeployError
 
-from gpufleet.deploys import preflight, summary
-from gpufleet.deploys.qwen35 import deploy_qwen35, plan_for
-from gpufleet.deploys.summary import RESULT_ENV, HostResult, read_result, write_result
+from gpufleet.harness import preflight, result as summary
+from gpufleet.vllm.deploy import deploy_qwen35, plan_for
+from gpufleet.harness.result import RESULT_ENV, HostResult, read_result, write_result
 from gpufleet.rollout import deploy as rollout_deploy
 from gpufleet.rollout.deploy import DeployRun, run_deploy
 from gpufleet.rollout.prepare import failures
@@ -28,7 +28,7 @@ from pyinfra import host
 from pyinfra.api import FunctionCommand, operation
 from pyinfra.operations import server
 
-from gpufleet.deploys import register_deploy_file
+from gpufleet.harness import register_deploy_file
 from gpufleet.operations.base import fail
 
 register_deploy_file(__file__)

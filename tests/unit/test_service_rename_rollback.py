@@ -1,4 +1,4 @@
-"""The rollback of a renamed vllm_service whose new version failed verification (gpufleet.deploys.verify.roll_back):
+"""The rollback of a renamed vllm_service whose new version failed verification (gpufleet.vllm.verify.roll_back):
 the failure is marked in the old service's ledger (the one a later run of either name reads) first, then the old
 service's unit goes back and restarts, the new service's unit is disabled and removed, and the new service's own
 files go. A rollback that renames nothing writes its own ledger and removes nothing."""
@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 from gpufleet import hostlock
-from gpufleet.deploys import verify
-from gpufleet.facts.host import HostSnapshot
 from gpufleet.health import HealthReport, HealthState
-from gpufleet.ledger import Committed, Ledger, Version, atomic_write_command, begin, parse
-from gpufleet.operations.layout import committed_unit, state_file, unit_backup
+from gpufleet.hoststate.ledger import Committed, Ledger, Version, atomic_write_command, begin, parse
+from gpufleet.hoststate.paths import committed_unit, ledger_path, unit_backup
 from gpufleet.operations.snapshot import memo, remember
-from gpufleet.settings import build_spec
-from gpufleet.unit import unit_path
+from gpufleet.units import unit_path
+from gpufleet.vllm import verify
+from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.settings import build_spec
 
 TAG = "reg:5000/vllm/vllm-openai:good"
 GOOD = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
@@ -78,7 +78,7 @@ def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000)
     host = RollbackHost()
     remember(host, HostSnapshot())
     memo(host).ledger = ledger
-    v = verify.Verification(spec, 5.0, None, state_file(service), "qwen35")
+    v = verify.Verification(spec, 5.0, None, ledger_path(service), "qwen35")
     assert verify.roll_back(host, v, ledger, "dead: exited 1") is False  # the host failed its rollout either way
     return host, ledger
 
@@ -97,14 +97,14 @@ def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_
             f"&& systemctl daemon-reload && systemctl enable {OLD}.service && systemctl restart "
             f"{OLD}.service") in restore
     at, path, written = host.ledger_written()
-    assert path == state_file(OLD)
+    assert path == ledger_path(OLD)
     assert written.committed == before.committed and written.pending is None
     assert before.pending is not None
     assert [(f.ref, f.spec_hash) for f in written.failed] == [(DIES, before.pending.version.spec_hash)]
     # The new service's ledger (its pending record), secrets and flag note go, after the mark is written: a run cut
     # before that finds the pending record and settles it again.
     removed = [(i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and what.startswith("rm -f ")]
-    assert removed == [(removed[0][0], f"rm -f {state_file(NEW)} /etc/gpufleet/{NEW}.env "
+    assert removed == [(removed[0][0], f"rm -f {ledger_path(NEW)} /etc/gpufleet/{NEW}.env "
                                        f"/var/lib/gpufleet/{NEW}.flags-accepted")]
     assert removed[0][0] > at
     # The mark comes before the unit goes back: a run cut in between does not try the failed version again.
@@ -116,7 +116,7 @@ def test_a_rollback_that_renames_nothing_writes_its_own_ledger_and_removes_nothi
     assert not [what for what in host.commands() if "disable" in what]
     at, path, written = host.ledger_written()
     assert at < next(i for i, (kind, what) in enumerate(host.done) if kind == "run" and "systemctl restart" in what)
-    assert path == state_file(OLD)
+    assert path == ledger_path(OLD)
     assert written.committed == before.committed and written.pending is None and written.failed[-1].ref == DIES
     assert not [what for what in host.commands() if what.startswith("rm -f ")]
 
@@ -137,7 +137,7 @@ def committing(host: RollbackHost) -> tuple[verify.Verification, Ledger]:
     ledger = begin(Ledger(committed=Committed(committed, "t0", "t0")), pending, "ops@laptop pid 7", "t1")
     remember(host, HostSnapshot())
     memo(host).ledger = ledger
-    return verify.Verification(spec, 5.0, None, state_file(OLD), "qwen35"), ledger
+    return verify.Verification(spec, 5.0, None, ledger_path(OLD), "qwen35"), ledger
 
 
 def test_a_commit_keeps_a_checked_copy_named_by_the_ledger_first_and_prunes_old_copies_only_after():
@@ -151,7 +151,7 @@ def test_a_commit_keeps_a_checked_copy_named_by_the_ledger_first_and_prunes_old_
     assert copied == (f"sh -c {shlex.quote(atomic_write_command(copy))} < {unit_path(OLD)} && "
                       f"echo {shlex.quote('b' * 64 + '  ' + copy)} | sha256sum -c --status")
     at, path, written = host.ledger_written()
-    assert path == state_file(OLD) and written.committed is not None
+    assert path == ledger_path(OLD) and written.committed is not None
     assert written.committed.version.unit_sha256 == "b" * 64
     [(pruned_at, pruned)] = [(i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and "find " in what]
     assert copied_at < at < pruned_at

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.errors import SettingErrors
-from gpufleet.settings import RUN_FLAGS, build_spec, resolve_host
+from gpufleet.vllm.settings import RUN_FLAGS, build_spec, resolve_host
 
 CASES = [
     # (host data, setting named in the error, words the problem or fix must contain)

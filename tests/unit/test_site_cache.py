@@ -13,19 +13,19 @@ import pytest
 from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State, StringCommand
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet.deploys.site_cache import cache_pull, check_port, serves_site
 from gpufleet.errors import SettingErrors
 from gpufleet.facts import pull
-from gpufleet.facts.host import HostSnapshot
 from gpufleet.facts.pull import PullStats
-from gpufleet.facts.site_cache import SiteCacheHost
-from gpufleet.facts.site_cache import parse as parse_cache_host
 from gpufleet.inventory import load_pyinfra_hosts
-from gpufleet.operations import site_cache
 from gpufleet.operations.files import sha256
 from gpufleet.operations.snapshot import remember
 from gpufleet.rollout.prepare import pull_order, pull_stats
-from gpufleet.settings import build_spec
+from gpufleet.sitecache import operations as site_cache
+from gpufleet.sitecache.deploy import cache_pull, check_port, serves_site
+from gpufleet.sitecache.facts import SiteCacheHost
+from gpufleet.sitecache.facts import parse as parse_cache_host
+from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.settings import build_spec
 
 BIG = "9f3c2a7d1e55"
 # docker pull of a digest (20.10, not on a terminal) through the cache: one layer present, one fetched.

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from gpufleet.quoting import shell_line, systemd_exec
-from gpufleet.settings import build_spec
-from gpufleet.unit import render_unit
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.unit import render_unit
 from tests.unit.systemd_words import split_exec
 
 SEED_HOST_PATHS = {  # the write-up's host paths -> ours (host paths are settings, everything else is the profile)

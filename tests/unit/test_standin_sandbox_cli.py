@@ -85,11 +85,11 @@ def test_the_sandbox_inventory_puts_the_site_cache_host_in_its_group(tmp_path, m
     from pathlib import Path
 
     from gpufleet.inventory import load_pyinfra_hosts
-    from gpufleet.operations.site_cache import SITE_CACHE_GROUP
     from gpufleet.rollout.prepare import pull_order
     from gpufleet.sandbox.config import H200x3, sandbox_config
     from gpufleet.sandbox.hosts import make
     from gpufleet.sandbox.inventory import inventory_document
+    from gpufleet.sitecache.operations import SITE_CACHE_GROUP
 
     inventory = Path(__file__).parents[2] / "inventories" / "sandbox.py"
     cfg = sandbox_config()

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet import sandbox, vllm_flags
+from gpufleet import sandbox
 from gpufleet.health import HealthState, check
 from gpufleet.sandbox.image import write_tiny_model
+from gpufleet.vllm import flags as vllm_flags
 from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port

@@ -18,8 +18,8 @@ import pytest
 from gpufleet.health import HealthState, check
 from gpufleet.health.probe import probe
 from gpufleet.health.probe_report import Verdict
-from gpufleet.lint import lint_spec
-from gpufleet.settings import build_spec, merged_settings
+from gpufleet.vllm.lint import lint_spec
+from gpufleet.vllm.settings import build_spec, merged_settings
 from gpufleet.wire.metrics import parse_metrics
 from tests.vllm.servers import ALIGN, ALIGN_FLAGS, ServerSpec, expected
 from tests.vllm_peer import models

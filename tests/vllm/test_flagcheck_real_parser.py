@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.operations.flagcheck import Accepted, Rejected, verdict
-from gpufleet.settings import build_spec
+from gpufleet.vllm.operations.flagcheck import Accepted, Rejected, verdict
+from gpufleet.vllm.settings import build_spec
 from tests.ports import free_port
 from tests.vllm.test_real_vllm_accepts_profile import vllm_serve
 

@@ -17,8 +17,8 @@ from gpufleet.health import HealthState, check
 from gpufleet.health.answers import check_answers, failed
 from gpufleet.health.probe import probe
 from gpufleet.health.probe_report import Verdict
-from gpufleet.lint import lint_spec
-from gpufleet.settings import build_spec, merged_settings
+from gpufleet.vllm.lint import lint_spec
+from gpufleet.vllm.settings import build_spec, merged_settings
 from gpufleet.wire.geometry import legal_prefix_match_unit
 from tests.vllm.servers import ALIGN, ALIGN_FLAGS, HYBRID_SHAPES, ServerSpec, Started, expected, start_pair
 from tests.vllm_peer import models

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.errors import SettingErrors
-from gpufleet.settings import build_spec
+from gpufleet.vllm.settings import build_spec
 from tests.ports import free_port
 
 pytestmark = pytest.mark.vllm

@@ -3,7 +3,7 @@ this machine resolves): where each request went (each replica's own /metrics) an
 against one server alone (bench/router_bench.py measures the same over more runs and every candidate policy).
 
 The router the deploy ships (DEFAULTS' policy, on replicas with the flags every replica behind a router gets,
-gpufleet.settings.BEHIND_ROUTER_ARGS: --enable-scale-out, which cache_aware needs) must spread K = 2N agents over the N = 2 replicas (the busiest
+gpufleet.vllm.settings.BEHIND_ROUTER_ARGS: --enable-scale-out, which cache_aware needs) must spread K = 2N agents over the N = 2 replicas (the busiest
 replica takes on average at most 1.5x its fair share over the runs) and keep at least 90% of one server's later-turn
 hits, with X-Session-ID and without it (coding agents do not all send one). One server's hits are taken for the same
 turns (each later turn's previous prompt in whole blocks, checked on one server's own runs), so conversations of

@@ -18,8 +18,8 @@ import click
 
 from gpufleet.cli.envelope import BadInput, unreadable
 from gpufleet.cli.logs import quiet, verbose
-from gpufleet.deploys import packaged_deploy_file
 from gpufleet.errors import GpufleetError
+from gpufleet.harness import packaged_deploy_file
 from gpufleet.inventory import ROUTERS_GROUP, load_pyinfra_hosts
 from gpufleet.rollout.deploy import pyinfra_command
 

@@ -20,8 +20,8 @@ from typing import Any
 import click
 
 from gpufleet.defaults import DEFAULTS
-from gpufleet.lint import NVIDIA_CONTROL_NODES, SHUTDOWN_TIMEOUT_S
-from gpufleet.profiles import PROFILES, Profile
+from gpufleet.vllm.lint import NVIDIA_CONTROL_NODES, SHUTDOWN_TIMEOUT_S
+from gpufleet.vllm.profiles import PROFILES, Profile
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")

@@ -12,7 +12,10 @@ from gpufleet.cli.logs import quiet
 from gpufleet.defaults import DEFAULTS
 from gpufleet.errors import GpufleetError, SettingError, SettingErrors
 from gpufleet.inventory import load_specs
-from gpufleet.lint import (
+from gpufleet.quoting import shell_line
+from gpufleet.router.settings import build_router_spec, router_settings
+from gpufleet.router.settings import replicas as replica_addresses
+from gpufleet.vllm.lint import (
     ACCEPT_SETTING,
     SEVERITIES,
     LintReport,
@@ -22,11 +25,8 @@ from gpufleet.lint import (
     lint_router,
     lint_spec,
 )
-from gpufleet.quoting import shell_line
-from gpufleet.router.settings import build_router_spec, router_settings
-from gpufleet.router.settings import replicas as replica_addresses
-from gpufleet.settings import resolve_host
-from gpufleet.unit import render_unit
+from gpufleet.vllm.settings import resolve_host
+from gpufleet.vllm.unit import render_unit
 
 
 @click.command()

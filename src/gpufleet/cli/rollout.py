@@ -17,11 +17,11 @@ from rich.text import Text
 from gpufleet.cli.envelope import BadInput, Problem, document, emit, exit_status, load_inventory, row, stopped
 from gpufleet.cli.logs import quiet, quiet_ssh_logs, stderr
 from gpufleet.errors import GpufleetError
-from gpufleet.ledger import Ledger
+from gpufleet.hoststate.ledger import Ledger
 from gpufleet.rollout.deploy import default_deploy_file
-from gpufleet.rollout.fleet import load_fleet
 from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.progress import Progress
+from gpufleet.rollout.replicas import load_fleet
 from gpufleet.rollout.report import short, table
 from gpufleet.rollout.run import Result, history, roll_back, roll_out
 from gpufleet.rollout.swap import STAGE_TIMEOUT_S, SwapOptions

@@ -1,7 +1,7 @@
 """Is each host serving what it should, and does it really reuse the prefix cache?
 
 The network client over gpufleet.remote's transport. Library only (typed results, no printing): gpufleet.cli.verify
-renders them, gpufleet.deploys.verify waits on them.
+renders them, gpufleet.vllm.verify waits on them.
 
     >>> from gpufleet.health import check
     >>> from gpufleet.remote.transport import SshTransport

@@ -24,7 +24,7 @@ from gpufleet.remote.transport import (
     TransportError,
     Unreachable,
 )
-from gpufleet.spec import container_label_key
+from gpufleet.vllm.spec import container_label_key
 from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
 from gpufleet.wire.identity import Expected, identity_problems, reported_max_model_len, served_models
 from gpufleet.wire.metrics import KV_USAGE, RUNNING, WAITING, Metrics, parse_metrics

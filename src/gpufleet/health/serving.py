@@ -45,7 +45,7 @@ from gpufleet.health.serving_rules import (
     tool_call_problem,
 )
 from gpufleet.remote.transport import BadAnswer, Transport
-from gpufleet.spec import ServeSpec
+from gpufleet.vllm.spec import ServeSpec
 from gpufleet.wire.checks import SERVING_CHECKS
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected

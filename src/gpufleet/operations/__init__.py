@@ -1,18 +1,4 @@
-"""pyinfra operations for gpufleet. Each takes its inputs as arguments, decides from the host snapshot
-(gpufleet.operations.snapshot: the one per-host value they share) and yields commands or calls host.noop(reason).
-Modules that write files or directories declare them in `managed(layout)`; managed_paths() is what the snapshot
-reads (gpufleet.operations.layout says why).
-"""
-
-from __future__ import annotations
-
-from gpufleet.operations import docker, model, nvidia, service
-from gpufleet.operations.layout import Layout, Managed
-
-# Every module with a managed() declaration. tests/unit/test_operations_paths.py runs every operation on an empty
-# snapshot and fails when one writes a path missing here.
-MANAGING = (docker, nvidia, model, service)
-
-
-def managed_paths(layout: Layout) -> Managed:
-    return Managed.union(module.managed(layout) for module in MANAGING)
+"""pyinfra operations every slice shares: what an operation yields and how it fails a host (base), files written
+atomically and by checksum (files), secrets pyinfra never prints (secret), the host snapshot a run decides from
+(snapshot). Each slice's own operations (gpufleet.vllm.operations, gpufleet.router.operations,
+gpufleet.sitecache.operations) take their inputs as arguments and yield commands or call host.noop(reason)."""

@@ -1,5 +1,5 @@
 """What every gpufleet operation shares: the type of what it yields, failing a host on one line (kept for the run's
-result, gpufleet.deploys.summary), and the step that says a host is another deploy's. (Sudo or not:
+result, gpufleet.harness.result), and the step that says a host is another deploy's. (Sudo or not:
 gpufleet.remote.ssh.use_sudo.)"""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _REPORTED: WeakKeyDictionary[State, dict[str, list[str]]] = WeakKeyDictionary()
 
 
 def report(state: State, host: str, message: str) -> None:
-    """Keep a one-line problem of `host` for the run's result (gpufleet.deploys.summary writes it at exit)."""
+    """Keep a one-line problem of `host` for the run's result (gpufleet.harness.result writes it at exit)."""
     found, message = _REPORTED.setdefault(state, {}).setdefault(host, []), one_line(message)
     if message not in found:
         found.append(message)

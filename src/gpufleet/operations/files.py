@@ -11,7 +11,7 @@ from pyinfra.api import FileUploadCommand, FunctionCommand, Host, State, StringC
 from pyinfra.api.arguments import ConnectorArguments
 from pyinfra.operations import apt
 
-from gpufleet.ledger import atomic_write_command
+from gpufleet.hoststate.ledger import atomic_write_command
 from gpufleet.operations.base import Commands
 from gpufleet.operations.secret import Hidden
 from gpufleet.operations.snapshot import snapshot
@@ -74,7 +74,7 @@ def guarded(command: str, only_if: str | None, cleanup: str = "") -> str:
 
 
 def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if: str | None = None) -> bool | None:
-    """From a FunctionCommand: replace the root-owned `path` with `content` atomically (gpufleet.ledger's
+    """From a FunctionCommand: replace the root-owned `path` with `content` atomically (gpufleet.hoststate.ledger's
     atomic_write_command: temp file beside it, fsync, rename, directory fsync). For files written while executing,
     whose content is known only then (the ledger). only_if: a shell test run in the same command right before the
     rename; when it is false nothing is replaced and the answer is None (False: the write itself failed)."""

@@ -2,7 +2,7 @@
 
 One module per responsibility:
     fleet.py     the inventory's hosts (spec + host data) and how to reach each one (SSH, like `gpufleet status`)
-    ledgers.py   read each host's ledger (gpufleet.ledger) over SSH: what is committed, pending, failed
+    ledgers.py   read each host's ledger (gpufleet.hoststate.ledger) over SSH: what is committed, pending, failed
     target.py    the target digest: a digest as given, or a tag looked up ONCE in the registry from one host (no pull)
     deploy.py    one run of the deploy (pyinfra, deploys/qwen35.py) on some hosts with the rollout's settings
     prepare.py   the prepare stage on every host to swap (pull, model, flag check), while the old version serves

@@ -1,6 +1,6 @@
 """One run of the deploy (deploys/qwen35.py through the pyinfra CLI) on some hosts, with the rollout's settings
 passed as `--data key=value`: the same preflight, lock, ledger and verify as a plain converge. What each host's run
-came to is read from the result file the run writes at exit (gpufleet.deploys.summary), never from its printed
+came to is read from the result file the run writes at exit (gpufleet.harness.result), never from its printed
 output; a run that wrote none (killed, timed out, crashed while loading) fails each of its hosts on one line."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpufleet.deploys import packaged_deploy_file
-from gpufleet.deploys.summary import RESULT_ENV, HostResult, read_result
+from gpufleet.harness import packaged_deploy_file
+from gpufleet.harness.result import RESULT_ENV, HostResult, read_result
 from gpufleet.errors import GpufleetError
 
 DEPLOY_FILE = Path("deploys") / "qwen35.py"
@@ -136,7 +136,7 @@ def run_deploy(inventory: str, hosts: Sequence[str], settings: Mapping[str, obje
     elif rc == 0:
         # pyinfra exits 0 having run nothing when no host matched: never read as "prepared" or "swapped".
         ended = {host: f"{host}: the deploy run exited 0 without writing its result: it ran nothing (no host of the "
-                 "inventory matched, or the deploy file does not call gpufleet.deploys.register_deploy_file)"
+                 "inventory matched, or the deploy file does not call gpufleet.harness.register_deploy_file)"
                  for host in hosts}
         rc = 1
     if ended:  # the log says what the rollout read of these hosts

@@ -1,4 +1,4 @@
-"""Each host's ledger (gpufleet.ledger, /var/lib/gpufleet/<service>.json), read over SSH: what is committed on
+"""Each host's ledger (gpufleet.hoststate.ledger, /var/lib/gpufleet/<service>.json), read over SSH: what is committed on
 it, what a cut run left pending, which versions failed and why. The rollout decides from it; `history` shows it."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpufleet.ledger import CorruptLedger, Failed, Ledger, corrupt_refusal, parse
-from gpufleet.operations.layout import state_file
+from gpufleet.hoststate.ledger import CorruptLedger, Failed, Ledger, corrupt_refusal, parse
+from gpufleet.hoststate.paths import ledger_path
 from gpufleet.remote.transport import SshTransport
-from gpufleet.rollout.fleet import FleetHost, Sessions, run
+from gpufleet.rollout.replicas import FleetHost, Sessions, run
 
 PRESENT = "@@gpufleet-ledger"
 
@@ -56,7 +56,7 @@ def parse_read(host: str, path: str, rc: int, out: str, err: str) -> HostLedger:
 
 
 def read_one(host: FleetHost, transport: SshTransport) -> HostLedger:
-    path = state_file(host.spec.service)
+    path = ledger_path(host.spec.service)
     q = shlex.quote(path)
     rc, out, err = run(transport, f"if [ -f {q} ]; then echo {PRESENT} && cat {q}; fi", root=True)
     return parse_read(host.name, path, rc, out, err)
@@ -69,5 +69,5 @@ def read_ledgers(sessions: Sessions, names: Sequence[str]) -> dict[str, HostLedg
         if isinstance(value, HostLedger):
             out[name] = value
         else:
-            out[name] = HostLedger(name, state_file(sessions.hosts[name].spec.service), None, value)
+            out[name] = HostLedger(name, ledger_path(sessions.hosts[name].spec.service), None, value)
     return out

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 
 from gpufleet.health.check import HealthState, check
 from gpufleet.remote.transport import SshTransport
-from gpufleet.rollout.fleet import FleetHost, Sessions
 from gpufleet.rollout.ledgers import HostLedger
+from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.wire.identity import Expected
 
 # States that say nothing for or against a replica (a blip, a start still under way): the routers keep it as it is.

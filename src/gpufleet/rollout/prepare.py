@@ -1,6 +1,6 @@
 """Prepare: everything slow, on every host to swap, while the old version keeps serving. A deploy run with
 gpufleet_stage=prepare: preflight (the host lock included), engine, directories, the pull of the target by digest,
-the model, and the target image's own parser on the host's serve flags (gpufleet.operations.flagcheck). No unit is
+the model, and the target image's own parser on the host's serve flags (gpufleet.vllm.operations.flagcheck). No unit is
 written, nothing restarts, no ledger changes. Any host failing means no host is swapped.
 
 With a site cache in the inventory (docs/site-cache.md) the pull goes in two runs: one host first, alone (the
@@ -17,11 +17,11 @@ from pathlib import Path
 from gpufleet.errors import GpufleetError
 from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_pyinfra_hosts
-from gpufleet.operations.image import pull_stats_file
-from gpufleet.operations.site_cache import SITE_CACHE_GROUP
+from gpufleet.vllm.operations.image import pull_stats_file
+from gpufleet.sitecache.operations import SITE_CACHE_GROUP
 from gpufleet.remote.transport import SshTransport
 from gpufleet.rollout.deploy import DeployRun, run_deploy
-from gpufleet.rollout.fleet import FleetHost, Sessions, run
+from gpufleet.rollout.replicas import FleetHost, Sessions, run
 
 IMAGE_REF = "gpufleet_image_ref"
 STAGE = "gpufleet_stage"

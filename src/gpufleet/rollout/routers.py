@@ -25,7 +25,7 @@ from gpufleet.router.api import Router, RouterError
 from gpufleet.router.settings import router_settings, worker_url
 from gpufleet.router.status import connect
 from gpufleet.router.workers import join, leave, record
-from gpufleet.settings import merged_settings
+from gpufleet.vllm.settings import merged_settings
 
 T = TypeVar("T")
 # Seconds a router reached again waits for its lock: the shell that held it over the broken session ends when the

@@ -10,11 +10,11 @@ from gpufleet.errors import GpufleetError, one_line
 from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_roles
 from gpufleet.rollout.carry import Carry, CarryResult
-from gpufleet.rollout.fleet import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import members
 from gpufleet.rollout.prepare import prepare, pull_stats
 from gpufleet.rollout.progress import Progress
+from gpufleet.rollout.replicas import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.report import HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.swap import SwapOptions, batches, swap

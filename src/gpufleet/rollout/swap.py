@@ -19,14 +19,14 @@ from gpufleet.rollout.carry import Carry
 from gpufleet.rollout.deploy import DeployRun, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain
-from gpufleet.rollout.fleet import FleetHost, Sessions
+from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.prepare import IMAGE_REF
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.report import OK, HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.router.api import RouterError
-from gpufleet.spec import ServeSpec
+from gpufleet.vllm.spec import ServeSpec
 from gpufleet.wire.checks import ANSWER_CHECKS, SERVING_CHECKS, verify_checks
 
 PROBE = "gpufleet_verify_probe"

@@ -25,13 +25,13 @@ from pyinfra.context import ctx_state
 
 from gpufleet import hostlock
 from gpufleet.errors import SettingError, SettingErrors
-from gpufleet.health.fleet import HostTarget, check_fleet
+from gpufleet.health.runner import HostTarget, check_fleet
 from gpufleet.inventory import ROUTERS_GROUP, split_roles
 from gpufleet.operations.base import not_for_this_host
-from gpufleet.router import lock, operations
+from gpufleet.router import operations, wheels
 from gpufleet.router.facts import RouterHostFact
 from gpufleet.router.settings import Replica, build_router_spec, replicas, router_settings
-from gpufleet.settings import build_spec, merged_settings
+from gpufleet.vllm.settings import build_spec, merged_settings
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def deploy_router() -> None:
     if unreachable:
         raise DeployError("the router cannot reach its workers; nothing was changed:\n  " + "\n  ".join(unreachable))
     try:  # the lock's wheels for this host's Python and machine, or one line before anything changes
-        install = lock.locked_install(host.name, spec.version, seen.python, seen.machine)
+        install = wheels.locked_install(host.name, spec.version, seen.python, seen.machine)
     except SettingError as error:
         raise DeployError(f"{error}; nothing was changed") from None
     for line in workers.left_out:

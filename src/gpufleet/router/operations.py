@@ -15,9 +15,9 @@ from gpufleet import hostlock
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
 from gpufleet.router.facts import RouterHost
-from gpufleet.router.lock import LockedInstall
 from gpufleet.router.spec import MARKER, MEMBERS_DIR, RouterSpec
 from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, render_proxy, render_unit, unit_path
+from gpufleet.router.wheels import LockedInstall
 
 REQUIREMENTS = "gpufleet-requirements.txt"  # in each locked venv: the requirements it was installed from
 

@@ -15,10 +15,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gpufleet.errors import SettingError, SettingErrors, shown
-from gpufleet.router import lock
+from gpufleet.router import wheels
 from gpufleet.router.spec import RouterSpec
-from gpufleet.settings import control_character, merged_settings
-from gpufleet.spec import url_host
+from gpufleet.vllm.settings import control_character, merged_settings
+from gpufleet.vllm.spec import url_host
 
 DEFAULTS: dict[str, Any] = {
     # Port clients reach the router at (OpenAI API, same paths as vLLM): nginx listens there and passes on only the
@@ -31,7 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "router_internal_port": 28000,
     # vllm-router policy: cache_aware (a new conversation to the replica with the fewest requests in flight, each
     # later turn to the replica holding its longest prefix; needs the replicas'
-    # --enable-scale-out, which every replica behind a router gets: gpufleet.settings.BEHIND_ROUTER_ARGS;
+    # --enable-scale-out, which every replica behind a router gets: gpufleet.vllm.settings.BEHIND_ROUTER_ARGS;
     # new conversations that arrive while the fleet is idle all go to one replica), sticky_least_loaded (a new
     # X-Session-ID to the replica with the fewest sessions, then always there; requests without one all go to one
     # replica), consistent_hash (a hash of X-Session-ID), round_robin, power_of_two, random. Measured: docs/router.md.
@@ -106,9 +106,9 @@ def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence
         fail("router_policy", f"{shown(s['router_policy'])} is not a policy gpufleet runs", f"use one of {', '.join(POLICIES)}")
     if not (isinstance(s["router_version"], str) and _VERSION.fullmatch(s["router_version"])):
         fail("router_version", f"{shown(s['router_version'])} is not a release version", 'pin one, e.g. "0.1.17"')
-    elif s["router_version"] not in lock.releases():
-        fail("router_version", f"{s['router_version']} is not in gpufleet's lock of router wheels ({lock.LOCK_SHOWN} "
-             f"has {', '.join(lock.releases())})", f"pin a locked version, or lock it: {lock.REGENERATE} --version "
+    elif s["router_version"] not in wheels.releases():
+        fail("router_version", f"{s['router_version']} is not in gpufleet's lock of router wheels ({wheels.LOCK_SHOWN} "
+             f"has {', '.join(wheels.releases())})", f"pin a locked version, or lock it: {wheels.REGENERATE} --version "
              f"{s['router_version']} (docs/router.md)")
     url = urlsplit(s["router_index_url"]) if isinstance(s["router_index_url"], str) else None
     if url is None or url.scheme not in ("http", "https") or not url.hostname or " " in s["router_index_url"]:

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
-from gpufleet.spec import LOOPBACK
+from gpufleet.vllm.spec import LOOPBACK
 
 PACKAGE = "vllm-router"
 # The router's worker set, one URL per line, kept by the deploy and the rollouts in step with the live set, and
@@ -82,7 +82,7 @@ class RouterSpec:
         return f"{self.venv}.venvs"
 
     def venv_dir(self, key: str) -> str:
-        """The venv of the lock entry whose requirements hash to `key` (gpufleet.router.lock.LockedInstall.key)."""
+        """The venv of the lock entry whose requirements hash to `key` (gpufleet.router.wheels.LockedInstall.key)."""
         return f"{self.venvs_dir}/{key[:16]}"
 
     def pip_install_argv(self, venv_dir: str, requirements: str) -> list[str]:

@@ -12,7 +12,7 @@ from gpufleet.remote.transport import Transport, Unreachable
 from gpufleet.router.api import Router, RouterError
 from gpufleet.router.settings import router_settings
 from gpufleet.router.spec import members_path
-from gpufleet.spec import reach_address
+from gpufleet.vllm.spec import reach_address
 from gpufleet.wire.evidence import excerpt
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from gpufleet.quoting import systemd_exec
 from gpufleet.router.spec import RouterSpec
-from gpufleet.spec import url_host
-from gpufleet.unit import render_template
+from gpufleet.units import render_template
+from gpufleet.vllm.spec import url_host
 
 NGINX_SITES = "/etc/nginx/conf.d"
 # Debian's own site (a welcome page on port 80): a router host serves nothing but its front door.

@@ -25,7 +25,7 @@ from gpufleet.sandbox.config import FleetConfig
 from gpufleet.sandbox.procs import log, run
 from gpufleet.sandbox.services import registry_storage
 from gpufleet.sandbox.state import State
-from gpufleet.vllm_flags import FLAGS_JSON
+from gpufleet.vllm.flags import FLAGS_JSON
 
 STANDIN = Path(__file__).parent / "standin"
 REPOSITORY = "vllm/vllm-openai"
@@ -64,7 +64,7 @@ COMMON_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 # What goes into the image's /opt (image name -> source): the stand-ins and the flag table compiled from the real
-# `vllm serve --help=all`, the same table settings validation uses (gpufleet.vllm_flags).
+# `vllm serve --help=all`, the same table settings validation uses (gpufleet.vllm.flags).
 SOURCES = {"vllm_serve.py": STANDIN / "vllm_serve.py", "hf.py": STANDIN / "hf.py", "vllm_flags.json": FLAGS_JSON}
 
 

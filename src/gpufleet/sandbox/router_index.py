@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpufleet.router import lock
+from gpufleet.router import wheels
 from gpufleet.router.settings import DEFAULTS
 from gpufleet.sandbox import cache
 from gpufleet.sandbox.config import CACHE_DIR
@@ -30,8 +30,8 @@ PYTHON = "3.11"
 MACHINE = platform.machine()
 
 
-def locked(version: str = VERSION) -> lock.LockedInstall:
-    return lock.locked_install("sandbox", version, PYTHON, MACHINE)
+def locked(version: str = VERSION) -> wheels.LockedInstall:
+    return wheels.locked_install("sandbox", version, PYTHON, MACHINE)
 
 
 def entry(cache_dir: Path, version: str = VERSION) -> Path:
@@ -50,24 +50,24 @@ def ensure_index(cache_dir: Path = CACHE_DIR, version: str = VERSION) -> Path:
         t0 = time.monotonic()
         tmp = cache_dir / f".{root.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        wheels = tmp / "files"
-        wheels.mkdir(parents=True)
+        downloads = tmp / "files"
+        downloads.mkdir(parents=True)
         install = locked(version)
         requirements = tmp / "requirements.txt"
         requirements.write_text(install.requirements())
         log.info("fetching the %d locked wheels of %s (once, cached as %s)", len(install.wheels), install.describe(),
                  root)
-        platforms = [arg for p in lock.platforms(MACHINE) for arg in ("--platform", p)]
-        run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet", "--dest", str(wheels),
+        platforms = [arg for p in wheels.platforms(MACHINE) for arg in ("--platform", p)]
+        run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet", "--dest", str(downloads),
              "--require-hashes", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON,
              "--implementation", "cp", *platforms, "-r", str(requirements)], timeout=900)
-        check_files(wheels, install)
-        write_simple_index(wheels, tmp / "simple")
+        check_files(downloads, install)
+        write_simple_index(downloads, tmp / "simple")
         log.info("router index built in %.0fs", cache.publish(tmp, root, t0))
     return root
 
 
-def check_files(files: Path, install: lock.LockedInstall) -> None:
+def check_files(files: Path, install: wheels.LockedInstall) -> None:
     """The directory holds exactly the lock's wheels, each with the lock's sha256; raises otherwise."""
     want = {w.filename: w.sha256 for w in install.wheels}
     have = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files.iterdir()}
@@ -86,11 +86,11 @@ def write_simple_index(files: Path, simple: Path) -> None:
     projects: dict[str, list[Path]] = {}
     for wheel in sorted(files.glob("*.whl")):
         projects.setdefault(project_name(wheel.name), []).append(wheel)
-    for name, wheels in projects.items():
+    for name, project_wheels in projects.items():
         links = "".join(
             f'<a href="../../files/{html.escape(w.name)}#sha256={hashlib.sha256(w.read_bytes()).hexdigest()}">'
             f"{html.escape(w.name)}</a>\n"
-            for w in wheels
+            for w in project_wheels
         )
         (simple / name).mkdir(parents=True, exist_ok=True)
         (simple / name / "index.html").write_text(f"<!DOCTYPE html>\n<html><body>\n{links}</body></html>\n")

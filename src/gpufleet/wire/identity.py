@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufleet.spec import LOOPBACK, ServeSpec
+from gpufleet.vllm.spec import LOOPBACK, ServeSpec
 from gpufleet.wire.evidence import excerpt
 
 
@@ -32,7 +32,7 @@ class Expected:
 
     @classmethod
     def from_spec(cls, spec: ServeSpec) -> Expected:
-        """From a gpufleet.spec.ServeSpec: the identity the deploy configured."""
+        """From a gpufleet.vllm.spec.ServeSpec: the identity the deploy configured."""
         cache = {"enable_prefix_caching": str(bool(spec.prefix_caching))}
         if spec.mamba_cache_mode:
             cache["mamba_cache_mode"] = str(spec.mamba_cache_mode)

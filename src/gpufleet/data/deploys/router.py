@@ -9,7 +9,7 @@ checkout's deploys/router.py is a link to this file). Not a module to import: py
 
 from pyinfra import host
 
-from gpufleet.deploys import register_deploy_file
+from gpufleet.harness import register_deploy_file
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.router.deploy import deploy_router
 

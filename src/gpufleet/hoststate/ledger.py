@@ -1,0 +1,450 @@
+"""The host's ledger (/var/lib/gpufleet/<service>.json) as a state machine: what was verified, what a run is
+changing, what failed. Pure: text in, text and decisions out; the deploy does the reading, writing and restarting.
+
+A run moves the ledger through:
+
+    begin(ledger, target)  before any restart: `pending` names the version being installed
+    commit(ledger)         after verify and the soak passed: pending becomes `committed`, the old one goes to history
+    roll_back(ledger, why) after verify failed: the pending version is marked failed, `committed` stays
+
+`committed` is the only rollback target. A run that finds a `pending` record (the last one was cut: Ctrl-C, a dropped
+link, a killed controller) asks resume() what to do before anything else. A failed version (digest + spec hash) is not
+tried again by a plain converge (refused_target) until a setting changes it, or the operator asks for it on purpose
+with the `gpufleet_retry_failed` setting (retry_failed() clears the mark).
+
+    >>> target = Version(image="vllm/vllm-openai:v0.11.0", ref="vllm/vllm-openai@sha256:" + "a" * 64,
+    ...                  unit_sha256="b" * 64, spec_hash="0123456789abcdef", service="vllm", port=8000)
+    >>> ledger = commit(begin(Ledger(), target, operator="ops@laptop pid 42", now="2026-12-01T03:00:00Z"),
+    ...                 now="2026-12-01T03:05:00Z")
+    >>> parse(render(ledger)) == ledger
+    True
+
+Today's format ({"current": {image, ref, pinned_at}, "previous": ..., "history": [... "failed" ...]}) is read and
+migrated: its `current` becomes `committed` (its unit hash, spec hash, service and port are unknown until the next
+commit), its entries marked "failed" become failed marks on the digest alone.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import shlex
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gpufleet.errors import GpufleetError, one_line
+from gpufleet.vllm.spec import SERVICE_NAME
+
+SCHEMA = 2
+HISTORY_LIMIT = 20
+FAILED_LIMIT = 20
+RETRY_SETTING = "gpufleet_retry_failed"
+
+
+class CorruptLedger(GpufleetError):
+    """The ledger file is not one this module wrote (or migrates). str() is the one-line reason."""
+
+    def __init__(self, reason: str):
+        self.reason = one_line(reason)
+        super().__init__(self.reason)
+
+
+def corrupt_refusal(host: str, path: str, error: CorruptLedger) -> str:
+    """The preflight's one line for a corrupt ledger: the deploy must not guess which digest runs."""
+    return one_line(f"{host}: {path} is corrupt: {error.reason} (fix: repair it by hand, or move it away to start a "
+                    "new ledger: the next converge then resolves vllm_image again and the rollback history is lost)")
+
+
+@dataclass(frozen=True)
+class Version:
+    """One installable version of the service. Fields are None only for an entry migrated from the old format."""
+
+    image: str  # vllm_image as configured ("repo:tag")
+    ref: str  # the digest the unit runs ("repo@sha256:...")
+    unit_sha256: str | None  # of the unit file's content
+    spec_hash: str | None  # ServeSpec.spec_hash: the container's label value
+    service: str | None
+    port: int | None
+
+
+@dataclass(frozen=True)
+class Committed:
+    version: Version
+    committed_at: str
+    ready_at: str | None = None  # when it first answered ready after its restart (None: migrated, or not measured)
+
+
+@dataclass(frozen=True)
+class Pending:
+    version: Version
+    started_at: str
+    operator: str  # "user@controller pid N": who was changing the host
+
+
+@dataclass(frozen=True)
+class Failed:
+    ref: str
+    spec_hash: str | None  # None: marked by the old format, which did not record it
+    reason: str
+    failed_at: str
+    image: str | None = None  # vllm_image as configured when it failed (a tag is not resolved again: pin())
+    check: str | None = None  # the verify check it failed (gpufleet.health: "completion", "cached-cold", ...), if one
+
+    def matches(self, version: Version) -> bool:
+        return self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    committed: Committed | None = None
+    pending: Pending | None = None
+    failed: tuple[Failed, ...] = ()
+    history: tuple[Committed, ...] = ()  # earlier committed versions, oldest first
+
+
+class LedgerStateError(GpufleetError):
+    """A transition asked of a ledger that is not in the state for it (a bug in the caller, not the user's input)."""
+
+
+# ---- transitions -----------------------------------------------------------------------------------------------
+
+
+def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
+    """The ledger to write before the first restart of `target`. A pending record left by a cut run must be
+    settled first (resume()), so that its outcome is not lost."""
+    if ledger.pending is not None:
+        raise LedgerStateError(f"a pending change from {ledger.pending.operator} is not settled yet")
+    return replace(ledger, pending=Pending(version=target, started_at=now, operator=operator))
+
+
+def commit(ledger: Ledger, now: str, ready_at: str | None = None) -> Ledger:
+    """The ledger after the pending version passed verify and the soak: it is the new rollback target. ready_at:
+    when it first answered ready."""
+    pending = _pending(ledger, "commit")
+    history = ledger.history
+    if ledger.committed is not None and ledger.committed.version != pending.version:
+        history = (*history, ledger.committed)[-HISTORY_LIMIT:]
+    failed = tuple(f for f in ledger.failed if not f.matches(pending.version))
+    return Ledger(committed=Committed(pending.version, now, ready_at), pending=None, failed=failed, history=history)
+
+
+def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None) -> Ledger:
+    """The ledger after the pending version failed and the committed one was put back: the pending version is
+    marked failed (a plain converge will not retry it), `committed` is unchanged. check: the verify check that
+    failed, when one did."""
+    pending = _pending(ledger, "roll back")
+    mark = Failed(ref=pending.version.ref, spec_hash=pending.version.spec_hash, reason=one_line(reason),
+                  failed_at=now, image=pending.version.image, check=check)
+    failed = (*(f for f in ledger.failed if (f.ref, f.spec_hash) != (mark.ref, mark.spec_hash)), mark)
+    return replace(ledger, pending=None, failed=failed[-FAILED_LIMIT:])
+
+
+def drop_pending(ledger: Ledger) -> Ledger:
+    """The ledger when the pending change never reached the host (resume() said DropPending): no failure mark,
+    nothing was judged."""
+    _pending(ledger, "drop")
+    return replace(ledger, pending=None)
+
+
+def refused_target(ledger: Ledger, target: Version) -> str | None:
+    """Why a plain converge must not install `target` (it failed before with the same digest and settings), or None.
+    The caller prefixes the host."""
+    mark = next((f for f in reversed(ledger.failed) if f.matches(target)), None)
+    if mark is None:
+        return None
+    settings = "" if mark.spec_hash is None else f" with spec {mark.spec_hash}"
+    return one_line(f"{mark.ref}{settings} failed at {mark.failed_at}: {mark.reason} (fix: change vllm_image or a "
+                    f"setting, or pass --data {RETRY_SETTING}=true to one converge to try it again on purpose)")
+
+
+def pin(ledger: Ledger, image: str) -> str | None:
+    """The digest `image` (vllm_image as configured: a tag) stands for on this host, or None (resolve it): the
+    version a cut run was installing, else the committed one, else the newest that failed, which refused_target
+    then names (a tag is not resolved again only to reach another digest than the one that failed)."""
+    if ledger.pending is not None and ledger.pending.version.image == image:
+        return ledger.pending.version.ref
+    if ledger.committed is not None and ledger.committed.version.image == image:
+        return ledger.committed.version.ref
+    return next((f.ref for f in reversed(ledger.failed) if f.image == image), None)
+
+
+def retry_failed(ledger: Ledger, target: Version) -> Ledger:
+    """The ledger with target's failure marks cleared: what `gpufleet_retry_failed=true` does before begin()."""
+    return replace(ledger, failed=tuple(f for f in ledger.failed if not f.matches(target)))
+
+
+def _pending(ledger: Ledger, what: str) -> Pending:
+    if ledger.pending is None:
+        raise LedgerStateError(f"nothing pending to {what}")
+    return ledger.pending
+
+
+# ---- a run that finds a pending record ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the host really runs, from the snapshot: the unit file's sha256 (None: no unit), the running container's
+    image digest and spec label (None: no container), systemd's active state and NRestarts for the unit."""
+
+    unit_sha256: str | None
+    running_ref: str | None
+    running_spec_hash: str | None
+    active: bool
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class FinishPending:
+    """The pending unit is installed: (re)start it when `restart`, then verify + soak, commit() or roll_back()."""
+
+    pending: Pending
+    restart: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class RollBackPending:
+    """The pending version already failed, or the host holds neither it nor the committed one: put the committed
+    version's unit back, restart, verify it, then roll_back(reason)."""
+
+    pending: Pending
+    committed: Committed
+    reason: str
+
+
+@dataclass(frozen=True)
+class DropPending:
+    """The pending change never reached the unit; the host still runs the committed version: drop_pending()."""
+
+    pending: Pending
+    reason: str
+
+
+@dataclass(frozen=True)
+class Nothing:
+    reason: str
+
+
+Resume = FinishPending | RollBackPending | DropPending | Nothing
+
+
+def resume(ledger: Ledger, observed: Observed) -> Resume:
+    """What a run does first when the ledger has a pending record (a cut run). The pending version is never
+    committed without being verified, and the committed version stays the rollback target throughout."""
+    pending, committed = ledger.pending, ledger.committed
+    if pending is None:
+        return Nothing("no pending change")
+    want = pending.version
+    who = f"cut change by {pending.operator} since {pending.started_at}"
+    runs_pending = (observed.active and observed.running_ref == want.ref
+                    and observed.running_spec_hash == want.spec_hash)
+    if observed.unit_sha256 == want.unit_sha256:
+        if runs_pending and observed.restarts > 0 and committed is not None:
+            return RollBackPending(pending, committed,
+                                   f"{want.ref} restarted {observed.restarts} times after a {who}")
+        if runs_pending:
+            return FinishPending(pending, restart=False, reason=f"{who}: the new version runs, not yet verified")
+        return FinishPending(pending, restart=True, reason=f"{who}: the new unit is installed but not running")
+    if committed is None:
+        # A first install cut short: there is nothing to go back to, so the only way forward is the new version.
+        return FinishPending(pending, restart=True, reason=f"{who}: first install, no committed version")
+    if committed.version.unit_sha256 is not None and observed.unit_sha256 == committed.version.unit_sha256:
+        return DropPending(pending, f"{who}: the unit is still the committed version's")
+    return RollBackPending(pending, committed,
+                           f"{who}: the unit on the host is neither the pending nor the committed version's")
+
+
+# ---- text ------------------------------------------------------------------------------------------------------
+
+
+def parse(text: str) -> Ledger:
+    """The ledger in `text` (this module's format, or today's, migrated). Raises CorruptLedger with the reason."""
+    if not text.strip():
+        raise CorruptLedger("empty file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CorruptLedger(f"not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise CorruptLedger(f"not a JSON object but {_kind(data)}")
+    if "schema" in data:
+        if data["schema"] != SCHEMA:
+            raise CorruptLedger(f"schema: {data['schema']!r} is not {SCHEMA} (a newer gpufleet wrote it?)")
+        return _parse_v2(data)
+    if "current" in data:
+        return _migrate_v1(data)
+    raise CorruptLedger("neither a 'schema' nor a 'current' key")
+
+
+def render(ledger: Ledger) -> str:
+    """Stable text: keys sorted, two-space indent, one trailing newline (a re-render changes no byte)."""
+    doc = {
+        "schema": SCHEMA,
+        "committed": _committed_doc(ledger.committed),
+        "pending": None if ledger.pending is None else {
+            **_version_doc(ledger.pending.version), "started_at": ledger.pending.started_at,
+            "operator": ledger.pending.operator},
+        "failed": [{"ref": f.ref, "spec_hash": f.spec_hash, "reason": f.reason, "failed_at": f.failed_at,
+                    "image": f.image, **({"check": f.check} if f.check else {})} for f in ledger.failed],
+        "history": [_committed_doc(c) for c in ledger.history],
+    }
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def _version_doc(v: Version) -> dict[str, Any]:
+    return {"image": v.image, "ref": v.ref, "unit_sha256": v.unit_sha256, "spec_hash": v.spec_hash,
+            "service": v.service, "port": v.port}
+
+
+def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
+    return None if c is None else {**_version_doc(c.version), "committed_at": c.committed_at, "ready_at": c.ready_at}
+
+
+def _kind(value: object) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _field(doc: dict[str, Any], where: str, key: str, kind: type, optional: bool = False) -> Any:
+    if key not in doc:
+        raise CorruptLedger(f"{where}.{key}: missing")
+    value = doc[key]
+    if value is None and optional:
+        return None
+    # bool is an int to isinstance(): a port of `true` is as wrong as one of "8000".
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        wanted = {str: "a string", int: "an integer", dict: "an object", list: "a list"}[kind]
+        raise CorruptLedger(f"{where}.{key}: expected {wanted}{' or null' if optional else ''}, got {_kind(value)}")
+    return value
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CorruptLedger(f"{where}: expected an object, got {_kind(value)}")
+    return value
+
+
+def _digest_ref(doc: dict[str, Any], where: str) -> str:
+    ref: str = _field(doc, where, "ref", str)
+    if not _DIGEST_REF.fullmatch(ref):
+        raise CorruptLedger(f"{where}.ref: {ref!r} is not a digest ref (repo@sha256:<64 hex digits>)")
+    return ref
+
+
+# What root acts on: file and unit names are made of the service, docker's arguments of the ref, so each must be what
+# gpufleet writes (a service named ../../etc/cron.d/x would reach rm -f and install); else the ledger is corrupt.
+_DIGEST_REF = re.compile(r"[^\s@]+@sha256:[0-9a-f]{64}")
+
+
+def _matching(doc: dict[str, Any], where: str, key: str, pattern: re.Pattern[str], what: str) -> str | None:
+    value: str | None = _field(doc, where, key, str, optional=True)
+    if value is not None and not pattern.fullmatch(value):
+        raise CorruptLedger(f"{where}.{key}: {one_line(repr(value))[:80]} is not {what}")
+    return value
+
+
+def _version(doc: dict[str, Any], where: str) -> Version:
+    image, ref = _field(doc, where, "image", str), _digest_ref(doc, where)
+    unit_sha256 = _field(doc, where, "unit_sha256", str, optional=True)
+    spec_hash = _field(doc, where, "spec_hash", str, optional=True)
+    service = _matching(doc, where, "service", SERVICE_NAME, "a service name (letters, digits, '-', '_', '.')")
+    port = _field(doc, where, "port", int, optional=True)
+    if port is not None and not 1 <= port <= 65535:
+        raise CorruptLedger(f"{where}.port: {port} is not a TCP port (1-65535)")
+    return Version(image=image, ref=ref, unit_sha256=unit_sha256, spec_hash=spec_hash, service=service, port=port)
+
+
+def _committed(value: Any, where: str) -> Committed:
+    doc = _object(value, where)
+    ready_at = _field(doc, where, "ready_at", str, optional=True) if "ready_at" in doc else None
+    return Committed(_version(doc, where), _field(doc, where, "committed_at", str), ready_at)
+
+
+def _parse_v2(data: dict[str, Any]) -> Ledger:
+    committed = None if data.get("committed") is None else _committed(data["committed"], "committed")
+    pending = None
+    if data.get("pending") is not None:
+        doc = _object(data["pending"], "pending")
+        pending = Pending(_version(doc, "pending"), _field(doc, "pending", "started_at", str),
+                          _field(doc, "pending", "operator", str))
+    failed = []
+    for i, item in enumerate(_field(data, "ledger", "failed", list)):
+        where = f"failed[{i}]"
+        doc = _object(item, where)
+        image = _field(doc, where, "image", str, optional=True) if "image" in doc else None
+        check = _field(doc, where, "check", str, optional=True) if "check" in doc else None
+        failed.append(Failed(ref=_field(doc, where, "ref", str), spec_hash=_field(doc, where, "spec_hash", str, True),
+                             reason=_field(doc, where, "reason", str), failed_at=_field(doc, where, "failed_at", str),
+                             image=image, check=check))
+    history = tuple(_committed(item, f"history[{i}]")
+                    for i, item in enumerate(_field(data, "ledger", "history", list)))
+    return Ledger(committed=committed, pending=pending, failed=tuple(failed), history=history)
+
+
+def _old_entry(value: Any, where: str) -> tuple[Committed, Failed | None]:
+    doc = _object(value, where)
+    ref = _digest_ref(doc, where)
+    version = Version(image=_field(doc, where, "image", str), ref=ref, unit_sha256=None, spec_hash=None,
+                      service=None, port=None)
+    pinned_at = _field(doc, where, "pinned_at", str)
+    failed = None
+    if doc.get("failed"):
+        failed = Failed(ref=ref, spec_hash=None, reason=one_line(str(doc["failed"])),
+                        failed_at=_field(doc, where, "failed_at", str), image=version.image)
+    return Committed(version, pinned_at), failed
+
+
+def _migrate_v1(data: dict[str, Any]) -> Ledger:
+    """Today's file: `current` is what the unit runs (the old rollback restored it), so it becomes `committed`; the
+    history's successful entries other than it are earlier committed versions; its failed entries, failure marks."""
+    committed = None if data["current"] is None else _old_entry(data["current"], "current")[0]
+    history: list[Committed] = []
+    failed: list[Failed] = []
+    for i, item in enumerate(_field(data, "ledger", "history", list) if "history" in data else []):
+        entry, mark = _old_entry(item, f"history[{i}]")
+        if mark is not None:
+            failed.append(mark)
+        elif committed is None or entry.version != committed.version:
+            history.append(entry)
+    return Ledger(committed=committed, pending=None, failed=tuple(failed[-FAILED_LIMIT:]),
+                  history=tuple(history[-HISTORY_LIMIT:]))
+
+
+# ---- atomic writes of root files -------------------------------------------------------------------------------
+
+
+def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root", source: str | None = None) -> str:
+    """A shell command that replaces `path` atomically with the content on its stdin (or in the uploaded file
+    `source`, removed afterwards): a temp file in the same directory, fsync'd, then rename(2), then the directory
+    fsync'd. A reader sees the old file or the new one, never a part; a cut leaves at most a `.<name>.*` temp file.
+    Run it as root (sudo) for `owner` to apply.
+
+    >>> atomic_write_command("/var/lib/gpufleet/vllm.json", mode="0600").split("; ")[2]
+    'tmp=$(mktemp -p /var/lib/gpufleet .vllm.json.XXXXXX)'
+    """
+    directory, name = posixpath.split(path)
+    if not directory or not name:
+        raise ValueError(f"{path!r}: need an absolute file path")
+    d, p = shlex.quote(directory), shlex.quote(path)
+    read = "cat" if source is None else f"cat {shlex.quote(source)}"
+    steps = [
+        "set -e",
+        f"mkdir -p {d}",
+        f"tmp=$(mktemp -p {d} {shlex.quote('.' + name + '.XXXXXX')})",
+        # A cut (error, signal) must not leave the temp file behind; after the rename it no longer exists.
+        "trap 'rm -f \"$tmp\"' EXIT",
+        f"{read} > \"$tmp\"",
+        f"chmod {shlex.quote(mode)} \"$tmp\"",
+        f"chown {shlex.quote(owner)} \"$tmp\"",
+        # The data must be on disk before the name points at it, or a crash can leave an empty file under `path`.
+        "sync \"$tmp\"",
+        f"mv -fT \"$tmp\" {p}",
+        # ... and the rename itself durable.
+        f"sync {d}",
+    ]
+    if source is not None:
+        steps.append(f"rm -f {shlex.quote(source)}")
+    return "; ".join(steps)

@@ -1,0 +1,89 @@
+"""The inventory's hosts as a rollout sees them, and their SSH sessions (opened as `gpufleet status` opens them:
+pyinfra's connector with each host's inventory data), in parallel, one result per host."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import gevent.pool
+
+from gpufleet.errors import GpufleetError, one_line
+from gpufleet.health.runner import PARALLEL
+from gpufleet.inventory import load_host_specs
+from gpufleet.remote.ssh import needs_sudo, open_ssh
+from gpufleet.remote.transport import SshTransport, Unreachable
+from gpufleet.vllm.spec import ServeSpec
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FleetHost:
+    name: str
+    spec: ServeSpec
+    data: Mapping[str, Any] = field(repr=False)  # merged host data (ssh_*, vllm_api_key, ...)
+
+    @property
+    def api_key(self) -> str | None:
+        key = self.data.get("vllm_api_key")
+        return str(key) if key else None
+
+
+def load_fleet(inventory: str, only_host: str | None = None) -> list[FleetHost]:
+    """The inventory's vLLM hosts (or one; router hosts are left out), validated; raises GpufleetError with one
+    line per problem."""
+    hosts = [FleetHost(spec.host, spec, data) for spec, data in load_host_specs(inventory, only_host)]
+    if not hosts:
+        raise GpufleetError(f"{inventory}: no hosts in the inventory")
+    return hosts
+
+
+def run(transport: SshTransport, command: str, timeout: float = 60.0, root: bool = False) -> tuple[int, str, str]:
+    """A shell command on the host over the session; as root (sudo -n) when `root` and the session is not root's."""
+    sudo = "sudo -n " if root and needs_sudo(transport.client) else ""
+    return transport.run(f"{sudo}sh -c {shlex.quote(command)}" if sudo else command, timeout=timeout)
+
+
+class Sessions:
+    """One SSH session per host for the rollout's reads (ledgers, drain, downtime); close() ends them."""
+
+    def __init__(self, hosts: Sequence[FleetHost]):
+        self.hosts = {h.name: h for h in hosts}
+        self._open: dict[str, SshTransport] = {}
+
+    def get(self, name: str) -> SshTransport:
+        """The host's session, opened (again) if it is not open; raises Unreachable with one line."""
+        transport = self._open.get(name)
+        live = transport is not None and (t := transport.client.get_transport()) is not None and t.is_active()
+        if transport is None or not live:
+            transport = open_ssh(name, self.hosts[name].data)
+            self._open[name] = transport
+        return transport
+
+    def each(self, names: Sequence[str], fn: Callable[[FleetHost, SshTransport], T]) -> dict[str, T | str]:
+        """fn(host, session) on every named host at once: its value, or one line saying why it could not run."""
+        def one(name: str) -> T | str:
+            try:
+                return fn(self.hosts[name], self.get(name))
+            except (Unreachable, GpufleetError) as e:
+                return one_line(str(e))
+        if not names:
+            return {}
+        pool = gevent.pool.Pool(min(len(names), PARALLEL))
+        jobs = {name: pool.spawn(one, name) for name in names}
+        gevent.joinall(list(jobs.values()))
+        return {name: job.get() for name, job in jobs.items()}
+
+    def close(self) -> None:
+        for transport in self._open.values():
+            transport.client.close()
+        self._open.clear()
+
+    def __enter__(self) -> Sessions:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,176 @@
+"""The site cache: Debian's docker-registry as a pull-through cache of the image's registry, on the host the
+inventory names (group `site_cache`), so a site downloads each layer from upstream once (docs/site-cache.md).
+
+On the cache host: the package, its config (proxy mode: clients can only pull; a push is refused), its systemd
+service enabled and running as the package runs it (user docker-registry). On every host that pulls through it:
+the cache's address in Docker's `insecure-registries` (daemon.json, other keys kept), loaded by `systemctl reload
+docker` (SIGHUP: dockerd re-reads insecure-registries; running containers are not touched).
+
+Why plain HTTP: every pull through the cache is by digest, and docker checks the manifest and every layer against
+that digest, so the transport adds no integrity; what a LAN observer could read is a public image. TLS would mean a
+CA (or certificate) to issue, renew and install into every host's /etc/docker/certs.d for nothing docker does not
+already check.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from pyinfra import host
+from pyinfra.api import FunctionCommand, Host, State, StringCommand, operation
+
+from gpufleet.image_names import parse
+from gpufleet.operations.base import Commands, fail
+from gpufleet.operations.files import AtomicUpload, as_io, sha256, write_file
+from gpufleet.operations.snapshot import snapshot
+from gpufleet.remote.ssh import use_sudo
+from gpufleet.sitecache.facts import CONFIG, PACKAGE, UNIT, SiteCacheHost
+from gpufleet.vllm.facts import DAEMON_JSON
+
+SITE_CACHE_GROUP = "site_cache"
+# Docker Hub's registry API lives at registry-1.docker.io; docker names it docker.io.
+HUB_URL = "https://registry-1.docker.io"
+STORAGE = "/var/lib/docker-registry"  # the package's own (owned by its user)
+
+
+def upstream_url(image: str) -> str:
+    """The registry `image` comes from, as a URL the cache proxies: "vllm/vllm-openai:nightly" ->
+    "https://registry-1.docker.io", "reg.example:5000/x/y:t" -> "https://reg.example:5000"."""
+    ref = parse(image)
+    repository = ref.repository if ref else image
+    first = repository.split("/", 1)[0]
+    if "/" in repository and ("." in first or ":" in first or first == "localhost"):
+        return f"https://{first}"
+    return HUB_URL
+
+
+def registry_host(url: str) -> str:
+    """host[:port] of a registry URL; Docker Hub's names all read as registry-1.docker.io."""
+    netloc = urlsplit(url).netloc.lower()
+    return "registry-1.docker.io" if netloc in ("docker.io", "index.docker.io", "registry-1.docker.io") else netloc
+
+
+def repository_path(image: str) -> str:
+    """The repository's path inside its registry, as the cache serves it: Docker Hub's official images live under
+    library/ ("ubuntu" -> "library/ubuntu"), another registry's first component is its host."""
+    ref = parse(image)
+    repository = ref.repository if ref else image.split("@", 1)[0].rsplit(":", 1)[0]
+    first, _, rest = repository.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return rest
+    return repository if "/" in repository else f"library/{repository}"
+
+
+def render_config(upstream: str, port: int) -> str:
+    """The cache's config.yml (distribution 2.8's format). `proxy.remoteurl` makes it a read-only pull-through
+    cache of one registry; the rest is the package's own default (its htpasswd auth left out: clients only pull)."""
+    return f"""# Managed by gpufleet: the site cache, a pull-through cache of {upstream} (docs/site-cache.md)
+version: 0.1
+log:
+  fields:
+    service: registry
+storage:
+  cache:
+    blobdescriptor: inmemory
+  filesystem:
+    rootdirectory: {STORAGE}
+http:
+  addr: :{int(port)}
+  headers:
+    X-Content-Type-Options: [nosniff]
+proxy:
+  remoteurl: {upstream}
+health:
+  storagedriver:
+    enabled: true
+    interval: 10s
+    threshold: 3
+"""
+
+
+@operation()
+def serving(seen: SiteCacheHost, upstream: str, port: int) -> Commands:
+    """Run the site cache: docker-registry installed, its config proxying `upstream` on `port`, its service enabled
+    and running (restarted when the config changed). `seen`: the host as SiteCacheFact read it this run.
+
+        site_cache.serving(seen=host.get_fact(SiteCacheFact), upstream="https://registry-1.docker.io", port=5001)
+    """
+    config = render_config(upstream, port)
+    changed = False
+    if not seen.installed:
+        # The package's postinst starts it with its default config; the restart below loads this one.
+        # Decided from `seen` (one fact for the whole cache), not from apt's own facts; conffiles: ours stands.
+        yield StringCommand("apt-get", "update", "-q")
+        yield StringCommand("DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q",
+                            "--no-install-recommends", "-o", "Dpkg::Options::=--force-confold", PACKAGE)
+        changed = True
+    if seen.config_sha256 != sha256(config):
+        yield StringCommand("install", "-d", "-m", "755", shlex.quote(CONFIG.rpartition("/")[0]))
+        yield AtomicUpload(as_io(config), CONFIG, "644")
+        changed = True
+    if not seen.enabled:
+        yield StringCommand("systemctl", "enable", UNIT)
+    if changed or not seen.active:
+        yield StringCommand("systemctl", "restart", UNIT)
+    if not changed and seen.enabled and seen.active:
+        host.noop(f"{PACKAGE} proxies {upstream} on port {port}, enabled and running")
+
+
+def with_insecure_registry(text: str | None, address: str) -> str | None:
+    """daemon.json's text with `address` added to insecure-registries, every other key kept; None when it is
+    there already. Raises ValueError for a file that is not a JSON object (never overwritten)."""
+    doc = json.loads(text) if text and text.strip() else {}
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    listed = doc.get("insecure-registries") or []
+    if not isinstance(listed, list):
+        raise ValueError("insecure-registries is not a list")
+    if address in listed:
+        return None
+    doc["insecure-registries"] = [*listed, address]
+    return json.dumps(doc, indent=4, sort_keys=True) + "\n"
+
+
+def _trust(state: State, host: Host, address: str) -> bool:
+    # Read while executing: nvidia-ctk may have rewritten the file earlier in this run, after the snapshot.
+    sudo = use_sudo(host)
+    ok, output = host.run_shell_command(f"cat {DAEMON_JSON} 2>/dev/null || true", _sudo=sudo)
+    try:
+        text = with_insecure_registry(output.stdout if ok else None, address)
+    except ValueError as error:
+        return fail(host, f"{DAEMON_JSON}: {error}: the site cache {address} was not added (fix: make it a JSON "
+                          "object, or set site_cache_address \"off\" for this host)")
+    if text is None:
+        return True
+    return bool(write_file(host, DAEMON_JSON, text))
+
+
+@operation()
+def trusted(address: str) -> Commands:
+    """Let Docker pull from the site cache at `address` over plain HTTP (insecure-registries), reloaded with SIGHUP:
+    no container restarts."""
+    listed = (snapshot().daemon_json or {}).get("insecure-registries") or []
+    if address in listed:
+        host.noop(f"{DAEMON_JSON} lists {address} in insecure-registries")
+        return
+    yield FunctionCommand(_trust, (address,), {})
+    # try-: a Docker that is not running (installed this run, started later) reads the file when it starts.
+    yield StringCommand("systemctl", "try-reload-or-restart", "docker.service")
+
+
+@dataclass(frozen=True)
+class CachePull:
+    """How a host pulls through its site cache: the cache's address and the cache host's name (for the warning
+    line), the repository's path on the cache, and a bound on the pull through it."""
+
+    address: str  # host:port
+    cache_host: str
+    path: str
+    timeout_s: float
+    on_this_host: bool = False  # the pulling host runs the cache (it can see the cache's storage)
+
+    def ref(self, digest: str) -> str:
+        return f"{self.address}/{self.path}@{digest}"

@@ -1,0 +1,271 @@
+"""From a bare GPU host to a verified vLLM service running Qwen 3.5, idempotently.
+
+    pyinfra inventories/lab.py deploys/qwen35.py           # converge every host
+    pyinfra inventories/lab.py deploys/qwen35.py --dry     # show what would change
+    pyinfra inventories/lab.py deploys/qwen35.py --limit gpu2
+
+    pyinfra inventories/lab.py deploys/qwen35.py --limit gpu2 --data gpufleet_stage=prepare   # pull, no restart
+
+The playbook only: gpufleet.harness.preflight reads and checks every host first (one SSH command each, in
+parallel) and refuses the whole run, before any operation executes, when any host fails a check (a corrupt ledger,
+a version that failed before included); gpufleet.vllm.verify is the verify step's callback. The host's ledger
+(gpufleet.hoststate.ledger) is settled first when a cut run left a pending version. Hosts in the `routers` group are
+skipped (deploys/router.py configures them).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pyinfra import host
+from pyinfra.api import Host, deploy
+from pyinfra.context import ctx_state
+
+from gpufleet.harness import preflight
+from gpufleet.hoststate.ledger import (
+    CorruptLedger,
+    DropPending,
+    FinishPending,
+    Ledger,
+    Nothing,
+    Observed,
+    RollBackPending,
+    Version,
+    corrupt_refusal,
+    drop_pending,
+    parse,
+    refused_target,
+    resume,
+)  # fmt: skip
+from gpufleet.inventory import ROUTERS_GROUP, behind_router
+from gpufleet.operations import files
+from gpufleet.operations.base import not_for_this_host
+from gpufleet.operations.secret import Hidden
+from gpufleet.operations.snapshot import memo, snapshot
+from gpufleet.sitecache import deploy as site_cache
+from gpufleet.vllm import checks
+from gpufleet.vllm.facts import HostSnapshot, Paths
+from gpufleet.vllm.layout import Layout
+from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, model, nvidia, service
+from gpufleet.vllm.operations.image import pinned_ref
+from gpufleet.vllm.settings import resolve_host
+from gpufleet.vllm.spec import ServeSpec
+from gpufleet.vllm.verify import Verification
+from gpufleet.wire.checks import verify_checks
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One host's deploy, decided before anything runs: its spec, its settings (merged once), where things live,
+    and what the snapshot reads."""
+
+    spec: ServeSpec
+    settings: Mapping[str, Any]
+    layout: Layout
+    paths: Paths
+
+
+def plan_for(name: str, data: dict[str, Any]) -> Plan:
+    """Host data -> Plan (raises SettingErrors, one line per bad setting)."""
+    # A router in front (the run's inventory has one) adds its flags, as for every offline view of the inventory.
+    # (A State made without an inventory, as pyinfra's inventory loader makes one, has no attribute for it.)
+    inventory = getattr(ctx_state.get(), "inventory", None) if ctx_state.isset() else None
+    fronted = inventory is not None and behind_router(inventory)
+    spec, s = resolve_host(name, data, behind_router=fronted)
+    if inventory is not None:
+        site_cache.check_port(inventory, name, s, spec.port)
+    layout = Layout.of(spec, s["vllm_cache_dir"])
+    managed = managed_paths(layout)
+    paths = Paths(
+        service=spec.service, models_dir=layout.models_dir, model_dir=layout.model_dir, dirs=managed.dirs,
+        # The ledger's checksum too: its writes are compare-and-swap on what this run read (under the lock).
+        files=(*managed.files, layout.ledger_path), ledger_path=layout.ledger_path, env_file=layout.env_file, port=spec.port,
+        nvidia_key_url=nvidia.key_url(s["nvidia_repo_url"]), nvidia_version_file=nvidia.VERSION_FILE,
+        docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
+        nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s["gpufleet_refresh_keys"]),
+        address=spec.reach_address,
+    )
+    return Plan(spec, s, layout, paths)
+
+
+def is_vllm_host(target: Host) -> bool:
+    """Not a router host (those run vllm-router in front of the vLLM hosts: deploys/router.py configures them)."""
+    return ROUTERS_GROUP not in target.groups
+
+
+def host_ledger(snap: HostSnapshot, plan: Plan) -> Ledger:
+    """The host's ledger for this service. A service with no ledger yet (a renamed vllm_service) takes over the one
+    other service's ledger on the same port: its committed version stays the rollback target. Raises CorruptLedger
+    for the service's own file."""
+    if snap.ledger_text is not None:
+        return parse(snap.ledger_text)
+    found = []
+    for path, text in snap.other_ledgers.items():
+        try:
+            other = parse(text)
+        except CorruptLedger:
+            continue  # another service's problem: its own deploy refuses it
+        committed = other.committed
+        if committed is not None and other.pending is None and committed.version.port == plan.spec.port:
+            # A ledger migrated from the old format does not name its service: its file does.
+            service = committed.version.service or posixpath.basename(path).removesuffix(".json")
+            found.append(replace(other, committed=replace(committed, version=replace(committed.version,
+                                                                                     service=service))))
+    return found[0] if len(found) == 1 else Ledger()
+
+
+def replaced_service(ledger: Ledger, spec: ServeSpec) -> str | None:
+    """The service a renamed vllm_service replaces: the committed version's, when it is another."""
+    service = ledger.committed.version.service if ledger.committed else None
+    return service if service and service != spec.service else None
+
+
+def observed(snap: HostSnapshot, plan: Plan) -> Observed:
+    running = snap.running
+    return Observed(unit_sha256=snap.file_sha256.get(plan.layout.unit_file), running_ref=running.running_image,
+                    running_spec_hash=running.running_spec_hash, active=running.active_state == "active",
+                    restarts=running.restarts)
+
+
+def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
+    s, spec = plan.settings, plan.spec
+    try:
+        ledger = host_ledger(snap, plan)
+    except CorruptLedger as error:
+        # The deploy must not guess which digest runs: refused before anything changes, the file left as it is.
+        return [corrupt_refusal(name, plan.layout.ledger_path, error)]
+    ref = pinned_ref(ledger, spec.image, s["gpufleet_image_ref"])
+    problems = checks.check(name, snap, s, spec.gpus, ref)
+    cut = cut_rename_away(name, snap, spec.service)
+    if cut:
+        problems.append(cut)
+    # The service's own ledger file, as a rollout reads it (not the one a renamed service takes over): host_ledger
+    # parsed it above when there is one.
+    own = ledger if snap.ledger_text is not None else Ledger()
+    changed = changed_since_read(name, own, s["gpufleet_expect_committed"])
+    if changed:
+        problems.append(changed)
+    if ref and not s["gpufleet_retry_failed"]:
+        target = Version(image=spec.image, ref=ref, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service,
+                         port=spec.port)
+        refused = refused_target(ledger, target)
+        if refused:
+            problems.append(f"{name}: {refused}")
+    return problems
+
+
+def cut_rename_away(name: str, snap: HostSnapshot, service: str) -> str | None:
+    """The refusal for a host where a run renaming `service` to another name was cut before it finished: the other
+    service's ledger holds this service's version committed (it took this ledger over) and its own version pending,
+    its unit is installed and maybe running. Converging `service` now would start a second vLLM on the same GPUs
+    with nothing to roll back to; converging the other name settles the rename (finished, or rolled back to this
+    service)."""
+    for path, text in sorted(snap.other_ledgers.items()):
+        try:
+            other = parse(text)
+        except CorruptLedger:
+            continue  # another service's problem: its own deploy refuses it
+        if other.pending is None or other.committed is None or other.committed.version.service != service:
+            continue
+        renamed_to = other.pending.version.service or posixpath.basename(path).removesuffix(".json")
+        return (f"{name}: a run renaming vllm_service {service!r} to {renamed_to!r} was cut before it finished "
+                f"({renamed_to} has {other.pending.version.ref} pending): converging {service!r} now would start a "
+                f"second vLLM on the same GPUs (fix: converge once with vllm_service={renamed_to!r}: it finishes the "
+                f"rename, or rolls it back to {service!r}; then converge with the name you want)")
+    return None
+
+
+def changed_since_read(name: str, ledger: Ledger, expected: Mapping[str, str | None] | None) -> str | None:
+    """The refusal for a host whose committed version is not the one a rollout read when it started (None: no
+    expectation for this host, or it holds). Checked under the run's lock: nothing can change it before the swap."""
+    if expected is None or name not in expected:
+        return None
+    have = ledger.committed.version.ref if ledger.committed else None
+    if have == expected[name]:
+        return None
+    return (f"{name}: its ledger has {have or 'no version'} committed, the rollout read {expected[name] or 'none'} "
+            "when it started: another run changed the host since (fix: run the rollout again: it reads every host "
+            "anew)")
+
+
+@deploy("Deploy Qwen 3.5 on vLLM")
+def deploy_qwen35() -> None:
+    if not is_vllm_host(host):
+        not_for_this_host(name="Skip the vLLM deploy on a router host",
+                          why="router host: deploys/router.py configures it")
+        return
+    plan = preflight.preflight(plan_for, check_host, applies=is_vllm_host)
+    s, spec, layout = plan.settings, plan.spec, plan.layout
+    snap = snapshot()
+    has_gpu = bool(snap.gpus)
+    ledger = host_ledger(snap, plan)  # preflight refused a corrupt one
+    prepare = s["gpufleet_stage"] == "prepare"
+    # A cut run's pending version is settled first: dropped, or rolled back (then nothing else runs), or finished
+    # below. A prepare run changes no ledger and restarts nothing: it leaves that to the converge.
+    decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
+    held = memo()
+    held.ledger, held.retry_failed = ledger, bool(s["gpufleet_retry_failed"])
+    held.ledger_sha256[plan.layout.ledger_path] = snap.file_sha256.get(plan.layout.ledger_path)
+    # A dropped change never reached the unit: its digest is not this run's pin (a finished one's is).
+    held.pin = pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, spec.image,
+                          s["gpufleet_image_ref"])
+
+    api_key = s["vllm_api_key"]
+    served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
+    verify = Verification(spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None,
+                          layout.ledger_path, served[0] if served else spec.served_model_name,
+                          checks=verify_checks(s["gpufleet_verify_checks"], bool(s["gpufleet_verify_probe"])))
+    if not isinstance(decision, Nothing):
+        service.settled(name="Settle the change a cut run left pending", decision=decision,
+                        ledger_path=layout.ledger_path, roll_back=verify.roll_back_cut)
+        if isinstance(decision, RollBackPending):
+            return
+
+    files.prerequisites(name="Install apt prerequisites (ca-certificates, curl)")
+    refresh_keys = bool(s["gpufleet_refresh_keys"])
+    docker.engine(name="Install the Docker engine", install=s["docker_install"], repo_url=s["docker_repo_url"],
+                  refresh_keys=refresh_keys)
+    nvidia.repository(name="Add the NVIDIA container toolkit apt repository", repo_url=s["nvidia_repo_url"],
+                      refresh_keys=refresh_keys)
+    nvidia.toolkit(name="Install the NVIDIA container toolkit")
+    runtime = nvidia.docker_runtime(name="Register the nvidia runtime with Docker")
+    nvidia.version_file(name="Record the NVIDIA driver's CUDA version")
+    docker.running(name="Start the Docker engine")
+    docker.restarted(name="Restart Docker to load its new configuration", _if=runtime.did_change)
+
+    files.directories(name="Create the vLLM, torch and ComputeCache cache directories",
+                      paths=list(service.managed(layout).dirs), mode="755")
+    files.directories(name="Create the models and model download cache directories",
+                      paths=list(model.managed(layout).dirs), mode="755")
+    secrets = service.env_file(name="Write the service's root-only secrets file", path=layout.env_file,
+                               secrets=service.hidden_secrets(s))
+    # Before the pull, on every host: the site cache runs (its host) and is trusted (every host pulling through it).
+    if site_cache.serves_site(host):
+        site_cache.deploy_site_cache(host, s, spec.image)
+    cache = site_cache.cache_pull(host, s, spec.image)
+    if cache is not None:
+        site_cache.trust_site_cache(cache)
+    pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=held.pin,
+                          service=spec.service, cache=cache)
+    if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag
+        committed_ref = ledger.committed.version.ref if ledger.committed else None
+        flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref)
+    model.present(name="Download the model unless it is complete", spec=spec, where=layout.model_dir,
+                  repo=s["vllm_model_repo"], revision=s["vllm_model_revision"],
+                  env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache)
+    if prepare:
+        return  # gpufleet_stage=prepare: everything slow is done, the old version keeps serving
+    unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,
+                        ledger_path=layout.ledger_path)
+    changes = [unit, secrets, pinned, runtime]
+    finish = isinstance(decision, FinishPending)
+    # A pending version that already runs (the cut came after its restart) is verified, not restarted again.
+    restart_pending = isinstance(decision, FinishPending) and decision.restart
+    service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
+                    changes=changes, start=has_gpu, force=restart_pending, replaces=replaced_service(ledger, spec))
+    # After a (re)start: ready, then still ready for vllm_ready_soak_s: committed, or the committed version goes back.
+    service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec, verify=verify.run, changes=changes,
+                  start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)

@@ -1,0 +1,69 @@
+"""Where one vLLM service lives on a host, and which of those paths each operation module manages.
+
+Every operation module that writes files or creates directories declares them in a `managed(layout)` function;
+gpufleet.vllm.operations.managed_paths() unions those declarations into what the host snapshot reads. The deploy passes
+the same declarations to the operations, so a path an operation writes is a path the snapshot reads: a file the
+snapshot did not checksum would be uploaded again on every run, silently.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpufleet.hoststate.paths import ledger_path
+from gpufleet.units import unit_path
+from gpufleet.vllm.spec import ServeSpec
+from gpufleet.vllm.unit import env_file_path
+
+HF_CACHE_SUBDIR = "huggingface"  # under vllm_cache_dir: the model download's cache (resumable partial files)
+
+
+@dataclass(frozen=True)
+class Layout:
+    service: str
+    models_dir: str  # host side of the model mount
+    model_dir: str  # the served model's directory on the host (under models_dir)
+    cache_dirs: tuple[str, ...]  # host side of the service's cache mounts (vLLM, torch, ComputeCache)
+    hf_cache: str  # the model download's cache (no serving container mounts it)
+
+    @classmethod
+    def of(cls, spec: ServeSpec, cache_dir: str) -> Layout:
+        """From the spec (its mounts) and vllm_cache_dir (the hf cache's parent; no container mounts it)."""
+        mount = spec.model_mount
+        models_dir = posixpath.normpath(mount.host_path)
+        model = posixpath.relpath(spec.model_path, mount.container_path)
+        hf_cache = posixpath.join(posixpath.normpath(cache_dir), HF_CACHE_SUBDIR)
+        caches = tuple(posixpath.normpath(m.host_path) for m in spec.mounts if m != mount)
+        return cls(service=spec.service, models_dir=models_dir, model_dir=posixpath.join(models_dir, model),
+                   cache_dirs=caches, hf_cache=hf_cache)
+
+    @property
+    def unit_file(self) -> str:
+        return unit_path(self.service)
+
+    @property
+    def env_file(self) -> str:
+        return env_file_path(self.service)
+
+    @property
+    def ledger_path(self) -> str:
+        return ledger_path(self.service)
+
+
+@dataclass(frozen=True)
+class Managed:
+    """Paths an operation module writes: files (compared by sha256) and directories (by owner and mode)."""
+
+    files: tuple[str, ...] = ()
+    dirs: tuple[str, ...] = ()
+
+    @staticmethod
+    def union(parts: Iterable[Managed]) -> Managed:
+        files: dict[str, None] = {}
+        dirs: dict[str, None] = {}
+        for part in parts:
+            files.update(dict.fromkeys(part.files))
+            dirs.update(dict.fromkeys(part.dirs))
+        return Managed(tuple(files), tuple(dirs))

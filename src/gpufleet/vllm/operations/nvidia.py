@@ -1,0 +1,117 @@
+"""NVIDIA container toolkit: signed apt repo, package, and Docker's nvidia runtime (merged into daemon.json); the
+driver's version file, which spares the host snapshot one nvidia-smi call."""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra import host
+from pyinfra.api import FunctionCommand, StringCommand, operation
+from pyinfra.operations import apt
+
+from gpufleet.hoststate.paths import STATE_DIR
+from gpufleet.operations.base import Commands
+from gpufleet.operations.files import put_content, replace_command, temp_path
+from gpufleet.operations.snapshot import snapshot
+from gpufleet.vllm.facts import DAEMON_JSON
+from gpufleet.vllm.layout import Layout, Managed
+from gpufleet.vllm.operations.repo_keys import dearmor, install_fetched_key, key_commands
+
+KEYRING = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
+LIST = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
+PACKAGE = "nvidia-container-toolkit"
+# `nvidia-smi --version` as the snapshot last read it live (gpufleet.vllm.facts.driver_lines reads it back). Not
+# *.json: the snapshot takes the state dir's JSON files for ledgers.
+VERSION_FILE = f"{STATE_DIR}/nvidia-version"
+
+
+def managed(layout: Layout) -> Managed:
+    return Managed(files=(KEYRING, LIST, VERSION_FILE))
+
+
+def key_url(repo_url: str) -> str:
+    return f"{repo_url.rstrip('/')}/gpgkey"
+
+
+def list_line(repo_url: str) -> str:
+    # NVIDIA's own list file uses the literal $(ARCH), which apt substitutes with the host's architecture.
+    return f"deb [signed-by={KEYRING}] {repo_url.rstrip('/')}/stable/deb/$(ARCH) /\n"
+
+
+@operation()
+def repository(repo_url: str = "https://nvidia.github.io/libnvidia-container", refresh_keys: bool = False) -> Commands:
+    """Add NVIDIA's container-toolkit apt repo, signed by its key.
+
+    The installed keyring stands: the snapshot fetches `<repo_url>/gpgkey` only when the keyring is missing or
+    refresh_keys (gpufleet_refresh_keys) asks, and a key fetched that way replaces a different keyring (a rotated
+    key). When the toolkit is still to be installed or the list file changes, apt reads the repo in this run: the
+    key is fetched first, while executing, and a failed fetch fails the host. A refresh whose fetch failed keeps
+    the installed keyring with a warning.
+
+        nvidia.repository(repo_url="https://nvidia.github.io/libnvidia-container", refresh_keys=False)
+    """
+    snap = snapshot()
+    url = key_url(repo_url)
+    list_commands = list(put_content(LIST, list_line(repo_url)))
+    fetch = FunctionCommand(install_fetched_key, (url, KEYRING, dearmor, snap.file_sha256.get(KEYRING),
+                                                  "nvidia_repo_url"), {})
+    served = dearmor(snap.nvidia_key) if snap.nvidia_key is not None else None
+    changed = False
+    for command in key_commands(snap, KEYRING, served, fetch, not snap.installed(PACKAGE) or bool(list_commands),
+                                refresh_keys, url):
+        changed = True
+        yield command
+    yield from list_commands
+    if not changed and not list_commands:
+        host.noop(f"{LIST} and its keyring match {repo_url}")
+
+
+@operation()
+def toolkit() -> Commands:
+    """Install the NVIDIA container toolkit."""
+    snap = snapshot()
+    if snap.installed(PACKAGE):
+        host.noop(f"{PACKAGE} {snap.packages[PACKAGE]} is installed")
+        return
+    # update=True: the list file was (re)written just before; apt must read the new repo.
+    yield from apt.packages._inner(packages=[PACKAGE], update=True, no_recommends=True)
+
+
+@operation()
+def docker_runtime() -> Commands:
+    """Register the nvidia runtime with Docker (nvidia-ctk merges it into daemon.json; other keys stay)."""
+    snap = snapshot()
+    if snap.nvidia_runtime:
+        host.noop("daemon.json has runtimes.nvidia")
+        return
+    # Only when missing: nvidia-ctk rewrites the file, so running it every time would churn and restart Docker.
+    yield StringCommand(configure_runtime_command())
+
+
+@operation()
+def version_file() -> Commands:
+    """Record the driver's version and CUDA version on the host: the next snapshots print the file instead of
+    running `nvidia-smi --version`, for as long as the GPU query reports the driver it names."""
+    snap = snapshot()
+    if snap.driver_output is None:
+        if snap.driver_from_file and snap.driver is not None:
+            host.noop(f"{VERSION_FILE} names driver {snap.driver.driver_version}, the one the GPUs report")
+        else:
+            host.noop("no usable `nvidia-smi --version` on this host: nothing to record")
+        return
+    changed = False
+    for command in put_content(VERSION_FILE, snap.driver_output):
+        changed = True
+        yield command
+    if not changed:
+        host.noop(f"{VERSION_FILE} holds what nvidia-smi --version answered")
+
+
+def configure_runtime_command(path: str = DAEMON_JSON) -> str:
+    """nvidia-ctk merges the runtime into a copy beside daemon.json, which then replaces it atomically: nvidia-ctk
+    writes its --config in place, and a cut there would leave dockerd a truncated file it refuses to start with."""
+    tmp = temp_path(path)
+    q = shlex.quote
+    return (f"install -d -m 755 {q(path.rpartition('/')[0])} && rm -f {q(tmp)} && "
+            f"{{ [ ! -e {q(path)} ] || cp -p {q(path)} {q(tmp)}; }} && "
+            f"nvidia-ctk runtime configure --runtime=docker --config={q(tmp)} && " + replace_command(tmp, path))

@@ -1,0 +1,84 @@
+"""The apt repos' signing keys (NVIDIA's and Docker's), shared by their operations: when a key is fetched, how it is
+checked and installed. The installed key stands; the snapshot fetches a key only for a missing file or with
+gpufleet_refresh_keys, and apt's installs fetch it first (docs/deploy.md, "Repo keys")."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import shlex
+from collections.abc import Callable
+
+from pyinfra import host, logger
+from pyinfra.api import FunctionCommand, Host, State
+
+from gpufleet.operations.base import Commands, fail
+from gpufleet.operations.files import as_io, put_content, replace_command, sha256, temp_path
+from gpufleet.remote.ssh import use_sudo
+from gpufleet.vllm.facts import HostSnapshot
+
+
+def dearmor(armored: str) -> bytes:
+    """`gpg --dearmor` in Python: the base64 body of an ASCII-armored key block (armor headers and CRC dropped).
+
+    Done here so the host needs no gnupg and the comparison with the installed keyring is a checksum.
+    """
+    lines = armored.strip().splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith("-----BEGIN PGP PUBLIC KEY BLOCK"))
+        end = next(i for i, line in enumerate(lines) if line.startswith("-----END PGP PUBLIC KEY BLOCK"))
+    except StopIteration:
+        raise ValueError("not an ASCII-armored PGP public key block") from None
+    body = lines[start + 1:end]
+    if "" in body:  # armor headers ("Comment: ...") end at the first blank line
+        body = body[body.index("") + 1:]
+    body = [line.strip() for line in body if line.strip() and not line.startswith("=")]
+    try:
+        return base64.b64decode("".join(body), validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"bad base64 in the armored key: {error}") from None
+
+
+def fetch_key_command(url: str) -> str:
+    # The URL is a setting: quoted, so `&`, `;`, `$(` or a quote in it can never reach the shell as syntax.
+    return f"curl -fsSL --max-time 60 {shlex.quote(url)}"
+
+
+def install_fetched_key(state: State, host: Host, url: str, path: str, as_file: Callable[[str], bytes],
+                        installed_sha256: str | None, setting: str) -> bool:
+    """FunctionCommand: fetch the repo key at `url` on the host and make `path` hold what as_file makes of the
+    armored text (it raises ValueError for anything else), unless the installed file already does. A fetch that
+    fails ends the host's run on one line naming host, URL and fix: apt is about to read the repo with that key."""
+    ok, output = host.run_shell_command(fetch_key_command(url))
+    try:
+        if not ok:
+            raise ValueError(" ".join(output.stderr_lines).strip()[:200] or "curl failed")
+        content = as_file("\n".join(output.stdout_lines).strip() + "\n")
+    except ValueError as error:
+        return fail(host, f"{host.name}: could not fetch the repo key {url}: {error} (fix: make {url} reachable "
+                          f"from {host.name}, or set {setting} to a mirror that serves it)")
+    if sha256(content) == installed_sha256:
+        return True  # the installed key is the one served: nothing to write
+    sudo, tmp = use_sudo(host), temp_path(path)
+    q = shlex.quote
+    return bool(host.run_shell_command(f"install -d -m 755 {q(path.rpartition('/')[0])}", _sudo=sudo)[0]
+                and host.put_file(as_io(content), tmp, _sudo=sudo)
+                and host.run_shell_command(f"chown root:root {q(tmp)} && chmod 644 {q(tmp)} && "
+                                           + replace_command(tmp, path), _sudo=sudo)[0])
+
+
+def key_commands(snap: HostSnapshot, path: str, served: bytes | None, fetch: FunctionCommand, apt_reads_repo: bool,
+                 refresh: bool, url: str) -> Commands:
+    """The commands that keep a repo's key file current, decided from the snapshot: the key as served (`served`,
+    when the snapshot fetched it: a missing file, or refresh) replaces a different file; without it, `fetch` runs
+    while executing when there is no file yet (the snapshot had no curl, or the key server did not answer) or apt
+    is about to read the repo anyway (a package to install, a changed source line), so a rotated key is picked up
+    whenever gpufleet installs; otherwise the installed key stands. A refresh whose fetch failed keeps it, saying
+    so once."""
+    if served is not None:
+        yield from put_content(path, served)
+    elif path not in snap.file_sha256 or apt_reads_repo:
+        yield fetch
+    elif refresh and host.state.is_executing:  # said while executing: a plan that checks for changes runs this too
+        host.log_styled(f"{host.name}: could not fetch {url} to check for a rotated key; kept the installed "
+                        f"{path}", fg="yellow", log_func=logger.warning)

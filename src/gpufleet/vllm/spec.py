@@ -1,0 +1,227 @@
+"""The serve spec: one frozen, validated description of a vLLM service on one host.
+
+This is the only place the `docker run` invocation is built. Everything else (the shell line of `gpufleet
+render`, the systemd unit, health expectations, lint rules) reads a ServeSpec. Build one with
+gpufleet.vllm.settings.build_spec(host_name, host_data), which validates first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import re
+from dataclasses import dataclass
+from typing import Any
+
+ArgValue = bool | str  # True = bare flag, False = --no-<flag>, str = the value
+OptionValue = bool | str | tuple[str, ...]  # True = bare flag, str = --name=value, tuple = repeated --name v
+
+
+# Where the serving image's hf CLI keeps its download cache inside the container.
+HF_CACHE_CONTAINER_PATH = "/root/.cache/huggingface"
+# The --model of a flag check: a path that exists nowhere, so an accepted command line stops at model resolution
+# (vLLM names it in its error) before any weights, GPU or network are touched.
+FLAG_CHECK_MODEL = "/gpufleet-flag-check/no-model"
+# A service name: a systemd unit, a container label and file names under /etc and /var/lib are made of it, so it has
+# no path separator and starts with a letter or digit (settings refuse others; a ledger naming another is corrupt).
+SERVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+LOOPBACK = "127.0.0.1"
+
+
+def reach_address(published_on: str | None) -> str:
+    """Where a host itself reaches a port published on `published_on`: the loopback when it listens on every
+    interface (None, 0.0.0.0, ::), else that one address (nothing then answers on the loopback)."""
+    return LOOPBACK if published_on in (None, "0.0.0.0", "::") else published_on
+
+
+def url_host(address: str) -> str:
+    """An IP address as the host part of a URL or listen address: IPv6 in brackets."""
+    return f"[{address}]" if ":" in address else address
+
+
+def container_label_key(service: str) -> str:
+    """The label key the unit and the health checks find the service's container by (it has no --name; the
+    label's value is the spec hash, for drift detection)."""
+    return f"gpufleet.{service}"
+
+
+@dataclass(frozen=True)
+class Mount:
+    host_path: str
+    container_path: str
+
+    def volume_arg(self) -> str:
+        return f"{self.host_path}:{self.container_path}"
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    host: str  # inventory name; for messages only, not part of the service's identity
+    service: str
+    image: str  # as configured (tag or digest); the deploy pins the tag to a digest
+    gpus: tuple[int, ...]
+    port: int
+    docker_options: tuple[tuple[str, OptionValue], ...]
+    env: tuple[tuple[str, str], ...]
+    secret_env_names: tuple[str, ...]  # passed as "-e NAME": the value comes from the root-only env file
+    mounts: tuple[Mount, ...]
+    vllm_args: tuple[tuple[str, ArgValue], ...]
+    hybrid: bool
+    native_model: bool
+    # Host address the port is published on (docker -p ADDR:PORT:PORT); None publishes on every interface.
+    publish_address: str | None = None
+
+    # --- identity -----------------------------------------------------------------------------------------
+    @property
+    def spec_hash(self) -> str:
+        """Stable hash of everything that shapes the container (not the inventory name)."""
+        identity = {
+            "service": self.service, "image": self.image, "gpus": self.gpus, "port": self.port,
+            "docker_options": self.docker_options, "env": self.env, "secret_env_names": self.secret_env_names,
+            "mounts": [(m.host_path, m.container_path) for m in self.mounts], "vllm_args": self.vllm_args,
+        }
+        if self.publish_address is not None:
+            # Only when set: hosts that never set it keep their hash, so upgrading gpufleet restarts nothing.
+            identity["publish_address"] = self.publish_address
+        canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    @property
+    def container_label_key(self) -> str:
+        return container_label_key(self.service)
+
+    @property
+    def container_label(self) -> str:
+        return f"{self.container_label_key}={self.spec_hash}"
+
+    @property
+    def publish_arg(self) -> str:
+        """docker's -p value: "5000:5000", "127.0.0.1:5000:5000", "[::1]:5000:5000"."""
+        address = self.publish_address
+        if address is None:
+            return f"{self.port}:{self.port}"
+        return f"{url_host(address)}:{self.port}:{self.port}"
+
+    @property
+    def reach_address(self) -> str:
+        """Where the host itself reaches the published port (vllm_publish_address): see reach_address()."""
+        return reach_address(self.publish_address)
+
+    # --- what the server will report ----------------------------------------------------------------------
+    def arg(self, name: str) -> ArgValue | None:
+        return dict(self.vllm_args).get(name)
+
+    @property
+    def model_path(self) -> str:
+        return str(self.arg("model"))
+
+    @property
+    def model_mount(self) -> Mount:
+        """The mount the served model is read from: --model is a path inside its container path."""
+        for mount in self.mounts:
+            if posixpath.commonpath([mount.container_path, self.model_path]) == mount.container_path:
+                return mount
+        raise ValueError(f"{self.host}: --model {self.model_path} is in none of the spec's mounts")
+
+    @property
+    def served_model_name(self) -> str:
+        return str(self.arg("served-model-name") or self.model_path)
+
+    @property
+    def max_model_len(self) -> int | None:
+        value = self.arg("max-model-len")
+        return parse_token_count(value) if isinstance(value, str) else None
+
+    @property
+    def prefix_caching(self) -> bool:
+        # vLLM enables prefix caching by default (hybrids too since 0.28); only an explicit --no- turns it off.
+        return self.arg("enable-prefix-caching") is not False
+
+    @property
+    def mamba_cache_mode(self) -> str | None:
+        value = self.arg("mamba-cache-mode")
+        if isinstance(value, str):
+            return value
+        if self.hybrid:
+            return "align" if self.prefix_caching else "none"
+        return None
+
+    # --- the invocation -----------------------------------------------------------------------------------
+    def vllm_argv(self, model: str | None = None) -> list[str]:
+        """The vLLM flags; `model` replaces --model's value (a flag check's placeholder)."""
+        argv: list[str] = []
+        for name, value in self.vllm_args:
+            if name == "model" and model is not None:
+                value = model
+            if value is True:
+                argv.append(f"--{name}")
+            elif value is False:
+                argv.append(f"--no-{name}")
+            else:
+                argv += [f"--{name}", value]
+        return argv
+
+    def docker_run_argv(self, image: str | None = None, docker: str = "docker") -> list[str]:
+        """The full `docker run` argv, in the write-up's order: --rm, label, runtime, --gpus, options, port,
+        env, mounts, image, vLLM flags."""
+        argv = [docker, "run", "--rm", "--label", self.container_label]
+        options = dict(self.docker_options)
+        if "runtime" in options:
+            argv += _option_args("runtime", options.pop("runtime"))
+        # Docker's --gpus takes CSV, so a device list with commas must itself be double-quoted.
+        argv += ["--gpus", '"device=' + ",".join(str(g) for g in self.gpus) + '"']
+        for name, value in options.items():
+            argv += _option_args(name, value)
+        argv += ["-p", self.publish_arg]
+        for name, value in self.env:
+            argv += ["-e", f"{name}={value}"]
+        for name in self.secret_env_names:
+            argv += ["-e", name]
+        for mount in self.mounts:
+            argv += ["-v", mount.volume_arg()]
+        argv.append(image or self.image)
+        return argv + self.vllm_argv()
+
+    def flag_check_argv(self, image: str, name: str, docker: str = "docker") -> list[str]:
+        """`docker run` of `image`'s own entrypoint (`vllm serve`) on this spec's flags, --model replaced by
+        FLAG_CHECK_MODEL: no GPU, no network, no mounts, no secrets. vLLM's argparse exits 2 naming a flag the
+        image does not accept; an accepted command line fails later, at model resolution, naming the placeholder.
+        `name` lets the caller remove a container whose check ran out of time."""
+        return [docker, "run", "--rm", "--name", name, "--network", "none", "-e", "HF_HUB_OFFLINE=1",
+                "-e", "VLLM_NO_USAGE_STATS=1", image, *self.vllm_argv(model=FLAG_CHECK_MODEL)]
+
+    def hf_download_argv(self, image: str, repo: str, revision: str | None, hf_cache: str | None,
+                         env_file: str | None, docker: str = "docker") -> list[str]:
+        """`docker run --rm --entrypoint hf ... download`: the serving image's own hf CLI writes the model where
+        the service reads it (the model mount, --local-dir = --model). The token, if any, only comes through the
+        root-only env_file; hf_cache (a host dir) keeps partial downloads, so a re-run resumes."""
+        argv = [docker, "run", "--rm", "--entrypoint", "hf", "-v", self.model_mount.volume_arg()]
+        if hf_cache:
+            argv += ["-v", f"{hf_cache}:{HF_CACHE_CONTAINER_PATH}"]
+        if env_file:
+            argv += ["--env-file", env_file]
+        argv += [image, "download", repo, "--local-dir", self.model_path]
+        if revision:
+            argv += ["--revision", revision]
+        return argv
+
+
+def _option_args(name: str, value: OptionValue) -> list[str]:
+    if value is True:
+        return [f"--{name}"]
+    if isinstance(value, tuple):
+        return [token for item in value for token in (f"--{name}", item)]
+    return [f"--{name}={value}"]
+
+
+_TOKEN_COUNT = re.compile(r"([0-9]+)([kKmMgG]?)")
+_SUFFIX = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def parse_token_count(text: Any) -> int | None:
+    """vLLM's human-readable token counts: "225000", "32k" (x1000), "32K" (x1024). None if not one."""
+    match = _TOKEN_COUNT.fullmatch(str(text).strip())
+    if not match:
+        return None
+    return int(match.group(1)) * _SUFFIX[match.group(2)]

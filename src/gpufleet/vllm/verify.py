@@ -1,0 +1,405 @@
+"""The deploy's verify step: ready, soak, real answers, then commit the pending version or roll back to the
+committed one. The deploy-side use of gpufleet.health (whose poller, check and notion of "ready" `gpufleet verify`
+shares).
+
+verify_rollout() runs inside the ready operation's FunctionCommand, while pyinfra executes: it waits for the
+restarted service, watches it for the soak (sending it a completion now and then), checks that the container
+answering is the version this run installed (its image is the pending digest, its label the pending spec), and sends
+it the requests a client sends (gpufleet.health.answers: a chat completion, plain and streamed). Passed: the
+ledger's pending version is committed (ledger.commit, with the time it first answered ready) and its unit kept as
+the next rollback target. Failed: the committed version's unit goes back (its own service name and port), the
+ledger marks the pending version failed (ledger.roll_back), the committed version is waited for, and the host fails
+with one line naming both digests.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+
+from pyinfra import logger
+from pyinfra.api import Host, State
+
+from gpufleet import hostlock
+from gpufleet.health import HealthReport, HealthState, check, poll_ready, soak
+from gpufleet.health.answers import AnswerCheck, check_answers, check_completion
+from gpufleet.health.answers import failed as failed_answers
+from gpufleet.health.check import reached
+from gpufleet.health.serving import Served, run_checks
+from gpufleet.health.serving import failed as failed_serving
+from gpufleet.health.wait import Exited, transient
+from gpufleet.hoststate.ledger import RETRY_SETTING, Ledger, Version, atomic_write_command
+from gpufleet.hoststate.ledger import commit as ledger_commit
+from gpufleet.hoststate.ledger import roll_back as ledger_roll_back
+from gpufleet.hoststate.paths import UNITS_DIR, committed_unit, ledger_path, unit_backup
+from gpufleet.operations.base import fail
+from gpufleet.operations.files import REFUSED, guarded
+from gpufleet.operations.secret import Hidden
+from gpufleet.operations.snapshot import memo
+from gpufleet.remote.ssh import transport_from_pyinfra_host, use_sudo
+from gpufleet.remote.transport import ContainerInfo, Transport, TransportError
+from gpufleet.units import unit_name, unit_path
+from gpufleet.vllm.operations.flagcheck import accepted_file
+from gpufleet.vllm.operations.image import now_utc, pull_stats_file
+from gpufleet.vllm.operations.service import save_ledger
+from gpufleet.vllm.spec import ServeSpec
+from gpufleet.vllm.unit import env_file_path
+from gpufleet.wire.evidence import excerpt
+from gpufleet.wire.identity import Expected
+
+
+def exited_detail(show: str) -> str | None:
+    """From `systemctl show -p ActiveState -p SubState -p ExecMainStatus`: why the service is not running its
+    container, or None while it is (still) running it."""
+    props = dict(line.split("=", 1) for line in show.splitlines() if "=" in line)
+    active, sub, status = props.get("ActiveState", ""), props.get("SubState", ""), props.get("ExecMainStatus", "")
+    if sub == "auto-restart" or active == "failed":
+        return f"docker run exited with status {status or '?'} (systemd: {active}/{sub})"
+    return None
+
+
+def service_exited(host: Host, service: str) -> Exited:
+    """health.wait's `exited` for a systemd service: asks systemd whether `docker run` exited."""
+    def probe() -> str | None:
+        ok, output = host.run_shell_command(
+            f"systemctl show -p ActiveState -p SubState -p ExecMainStatus {shlex.quote(unit_name(service))}")
+        return exited_detail("\n".join(output.stdout_lines)) if ok else None
+    return probe
+
+
+def _journal(host: Host, service: str, lines: int = 15) -> list[str]:
+    ok, output = host.run_shell_command(f"journalctl -u {shlex.quote(unit_name(service))} -n {int(lines)} "
+                                        "--no-pager -o cat", _sudo=use_sudo(host))
+    return output.stdout_lines if ok else []
+
+
+def failed_logs(host: Host, transport: Transport, service: str) -> list[str]:
+    try:
+        logs = transport.logs(service, tail=30)
+    except TransportError:
+        logs = []
+    # No container left to read (it ran with --rm, or docker run itself failed): the journal has its output.
+    return logs or _journal(host, service)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The verify step of one host's deploy; pass its bound `run` to gpufleet.vllm.operations.service.ready, and its
+    bound `roll_back_cut` to service.settled (bound methods: pyinfra names a FunctionCommand by its function's
+    __name__). served_before: the model name the host served before this run (the committed version is held to
+    it when it goes back)."""
+
+    spec: ServeSpec
+    timeout_s: float
+    api_key: Hidden | None
+    ledger_path: str
+    served_before: str
+    # gpufleet_verify_checks (with "prefix-cache" when gpufleet_verify_probe): the serving checks a new version must
+    # pass, where its settings give them something to check (gpufleet.health.serving)
+    checks: tuple[str, ...] = ()
+
+    def run(self, state: State, host: Host, soak_s: float) -> bool:
+        return verify_rollout(host, self, soak_s)
+
+    def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
+        """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one."""
+        ledger = memo(host).ledger
+        assert ledger.pending is not None and ledger.committed is not None  # what RollBackPending means
+        host.log_styled(f"{reason}: rolling it back", fg="yellow")
+        return roll_back(host, self, ledger, reason)
+
+    @property
+    def key(self) -> str | None:
+        """The API key, sent inside the SSH channel, never on a command line."""
+        return self.api_key.reveal() if self.api_key else None
+
+    def check_once(self, host: Host, expected: Expected) -> Callable[[], HealthReport]:
+        transport = transport_from_pyinfra_host(host)
+        key = self.key
+        return lambda: check(transport, expected, api_key=key)
+
+
+# The soak's own traffic: a short completion at most this often, so an engine that dies under its first batches is
+# caught even when nothing else (the router, a client) sends it a request during the soak.
+SOAK_REQUEST_EVERY_S = 5.0
+
+
+def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], AnswerCheck], every_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> Callable[[], HealthReport]:  # fmt: skip
+    """check_once, plus a request sent (at most every `every_s`) while the host reads ready: a failed answer makes
+    the look misconfigured, with the check's line as its evidence; unless a look right after it finds the host no
+    longer ready (its engine died meanwhile), which says more."""
+    last_sent: list[float] = []
+
+    def look() -> HealthReport:
+        report = check_once()
+        if report.ready and (not last_sent or clock() - last_sent[-1] >= every_s):
+            last_sent[:] = [clock()]
+            answer = send()
+            if not answer.ok:
+                return answer_failed(check_once, f"answers: {answer.line()}")
+        return report
+
+    return look
+
+
+def answer_failed(check_once: Callable[[], HealthReport], line: str) -> HealthReport:
+    """A request failed: misconfigured with `line` as the evidence, unless a look right after it finds the host no
+    longer ready (its engine died meanwhile, or the link went), which says more."""
+    again = check_once()
+    return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=line)
+
+
+def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
+    """Ready within timeout_s, then still ready for soak_s: commit the pending version. Else the logs, and the
+    rollback to the committed version when there is one to go back to."""
+    spec = v.spec
+    exited = service_exited(host, spec.service)
+    check_once = v.check_once(host, Expected.from_spec(spec))
+    host.log_styled(f"waiting up to {v.timeout_s:.0f} s for /health and /v1/models ({spec.served_model_name})")
+    report = poll_ready(check_once, v.timeout_s, exited=exited)
+    ready_at = now_utc()
+    if report.ready and soak_s > 0:
+        host.log_styled(f"ready: {report.detail}; watching it for {soak_s:.0f} s (vllm_ready_soak_s), with a "
+                        f"completion every {SOAK_REQUEST_EVERY_S:.0f} s")
+        send = partial(check_completion, transport_from_pyinfra_host(host), reached(Expected.from_spec(spec),
+                                                                                 report.container), api_key=v.key)
+        report = soak(with_traffic(check_once, send, SOAK_REQUEST_EVERY_S), report, soak_s, exited=exited)
+    # A completion the soak sent failed (and the engine still answers /health): the check it failed is named.
+    failed_check = "completion" if report.detail.startswith("answers: completion:") else None
+    pending = memo(host).ledger.pending  # None: a restart of the committed version, nothing new to tell apart
+    problem = installed_problem(pending.version, report.container) if report.ready and pending else None
+    if problem:
+        report = replace(report, state=HealthState.MISCONFIGURED, detail=problem)
+    if report.ready:
+        report, failed_check = answers_report(host, v, report, check_once)
+    if report.ready and pending is not None and v.checks:
+        report, failed_check = serving_report(host, v, report, check_once)
+    if report.ready:
+        host.log_styled(f"ready: {report.detail}", fg="green")
+        return commit_pending(host, v, ready_at)
+    if transient(report) and pending is not None:
+        # The controller lost sight of the host; the host said nothing against the version. Neither committed nor
+        # rolled back, nor marked failed: it stays pending, and the next run (ledger.resume) verifies it again.
+        return fail(host, f"{host.name}: could not finish verifying {spec.service} ({report.state}: {report.detail}); "
+                          "nothing was committed or rolled back, the new version stays pending (fix: restore the "
+                          "link to the host, then converge again: the next run verifies it)")
+
+    logs = failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]
+    for line in logs:
+        host.log_styled(f"  | {line}")
+    ledger = memo(host).ledger
+    failed = f"{report.state}: {report.detail}"
+    taken = port_taken(logs, spec.port)
+    if taken:  # docker could not publish the port: that is the cause, not the exit status it led to
+        failed += f"; port {spec.port} is taken on the host ({taken})"
+    failed_check = failed_check if report.state == HealthState.MISCONFIGURED else None  # not when the engine died
+    if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
+        # Nothing verified to go back to (a first install, or a restart of the committed version itself).
+        if ledger.pending is not None and not save_ledger(host, v.ledger_path, ledger_roll_back(
+                ledger, failed, now_utc(), check=failed_check)):
+            return False
+        fix = (f"`ss -ltnp 'sport = :{spec.port}'` on the host shows what holds it: stop that, or set vllm_port to a "
+               "free port" if taken else f"see the container log above; `journalctl -u {spec.service}`")
+        return fail(host, f"{host.name}: {spec.service} not ready ({failed}) (fix: {fix})")
+    return roll_back(host, v, ledger, failed, check=failed_check)
+
+
+_PORT_TAKEN = ("address already in use", "port is already allocated")
+
+
+def port_taken(logs: Sequence[str], port: int) -> str | None:
+    """docker's own words when `docker run` could not publish `port` (something else listens there: `listen tcp4
+    0.0.0.0:5000: bind: address already in use`, `Bind for 0.0.0.0:5000 failed: port is already allocated`), else
+    None."""
+    for line in reversed(logs):
+        if f":{port}" in line and any(words in line for words in _PORT_TAKEN):
+            start = line.find("Bind for") if "Bind for" in line else line.find("listen ")
+            return excerpt(line[start:] if start >= 0 else line, 120)
+    return None
+
+
+def installed_problem(version: Version, container: ContainerInfo | None) -> str | None:
+    """What answers must be what this run installed: the running container started from the pending digest with the
+    pending spec's label. An older container still answering on the port (its replacement never started) is not the
+    version to commit: one line saying what runs instead, or None."""
+    if container is None or not container.running:
+        return f"no running container of {version.service or 'the service'} answered"
+    if container.image != version.ref:
+        return f"the container answering runs {container.image}, not {version.ref}, which this run installed"
+    if version.spec_hash and container.spec_hash != version.spec_hash:
+        return (f"the container answering has spec {container.spec_hash or 'unlabelled'}, not {version.spec_hash}, "
+                "which this run installed")
+    return None
+
+
+def answers_report(host: Host, v: Verification, ready: HealthReport,
+                   check_once: Callable[[], HealthReport]) -> tuple[HealthReport, str | None]:  # fmt: skip
+    """The requests a client sends (gpufleet.health.answers), each bounded in time, with the host's key: a version
+    that is up but does not answer them is a failed verify (misconfigured), rolled back like one that dies (and
+    reported as dead when a look right after the failed request finds its engine gone). Returns the report (`ready`
+    as it was when all passed) and the failed check's name."""
+    checks = check_answers(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
+                           api_key=v.key)
+    bad = failed_answers(checks)
+    return _judged(host, "answer check", checks, ready, check_once, bad and f"answers: {bad}")
+
+
+def serving_report(host: Host, v: Verification, ready: HealthReport,
+                   check_once: Callable[[], HealthReport]) -> tuple[HealthReport, str | None]:  # fmt: skip
+    """The serving checks (gpufleet.health.serving) a new version is held to: the prefix cache, cached equals cold,
+    sessions kept apart, the tool and reasoning parsers. A failed one is a failed verify, like a failed answer."""
+    served = Served.from_spec(v.spec)
+    names = served.applicable(v.checks)
+    if not names:
+        return ready, None
+    host.log_styled(f"serving checks: {', '.join(names)} (gpufleet_verify_checks)")
+    checks = run_checks(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
+                        served, names, api_key=v.key)
+    return _judged(host, "serving check", checks, ready, check_once, failed_serving(checks))
+
+
+def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthReport,
+            check_once: Callable[[], HealthReport], bad: str | None) -> tuple[HealthReport, str | None]:
+    for c in checks:
+        host.log_styled(f"{kind} {c.line()}", fg="green" if c.ok else "red")
+    if bad is None:
+        return ready, None
+    return answer_failed(check_once, bad), next(c.name for c in checks if not c.ok)
+
+
+def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
+    """The pending version passed: it becomes the committed one (the rollback target, its unit kept beside the
+    ledger); a service it renamed is stopped, disabled and removed."""
+    ledger = memo(host).ledger
+    if ledger.pending is None:
+        return True  # a restart of the committed version (drift, secrets): verified, nothing new to commit
+    service, unit_sha256 = v.spec.service, ledger.pending.version.unit_sha256
+    before = ledger.committed.version.service if ledger.committed else None
+    sudo = use_sudo(host)
+    if unit_sha256 is None:  # every pending record since unit checksums has one; refuse rather than guess
+        return fail(host, f"{host.name}: the pending record names no unit checksum: not committed (fix: converge "
+                          "again: the run writes a new pending record)")
+    # Nothing is written by a run that lost the host (its lease ran out while it stalled): checked from here, and on
+    # the host in the copy's own command, as every ledger write is (operations.service.save_ledger).
+    try:
+        hostlock.check_run_lock(host)
+    except hostlock.LockLost:
+        return fail(host, f"{host.name}: {v.ledger_path} not written: this run no longer holds the host (fix: run "
+                          "again)")
+    # The copy is written (atomically, synced) and checked against the ledger's checksum before the commit names it:
+    # a cut or a full disk here leaves the committed version and its own copy as they were.
+    copy = committed_unit(service, unit_sha256)
+    ok, output = host.run_shell_command(guarded(
+        f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
+        f"echo {shlex.quote(unit_sha256 + '  ' + copy)} | sha256sum -c --status", hostlock.still_held_test(host)),
+        _sudo=sudo)
+    if not ok and REFUSED in output.stdout_lines:
+        return fail(host, f"{host.name}: {v.ledger_path} not written: another run holds the host now (fix: run again)")
+    if not ok:
+        return fail(host, f"{host.name}: could not keep a copy of the verified unit at {copy}: "
+                          f"{' | '.join(output.stderr_lines) or 'it is not the unit the ledger names'} (fix: check "
+                          f"the free space of {UNITS_DIR}, then converge again)")
+    if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at)):
+        return False
+    # Only now, with the commit on disk, may copies of units no longer committed go.
+    ok, output = host.run_shell_command(
+        f"find {shlex.quote(UNITS_DIR)} -maxdepth 1 -name {shlex.quote(service + '-*.service')} "
+        f"! -name {shlex.quote(posixpath.basename(copy))} -delete; rm -f {shlex.quote(unit_backup(service))}",
+        _sudo=sudo)
+    if not ok:
+        host.log_styled(f"could not prune old unit copies: {' | '.join(output.stderr_lines[-2:])}", fg="yellow")
+    if before and before != service:
+        old = unit_name(before)
+        ok, output = host.run_shell_command(
+            f"systemctl disable --now {shlex.quote(old)}; systemctl reset-failed {shlex.quote(old)} 2>/dev/null; "
+            f"rm -f {shlex.quote(unit_path(before))} "
+            f"{shlex.quote(unit_backup(before))} {shlex.quote(UNITS_DIR)}/{shlex.quote(before + '-')}*.service "
+            f"{shlex.quote(ledger_path(before))} "
+            f"{shlex.quote(env_file_path(before))} {shlex.quote(accepted_file(before))} "
+            f"{shlex.quote(pull_stats_file(before))} && systemctl daemon-reload",
+            _sudo=sudo)
+        if not ok:
+            return fail(host, f"{host.name}: {service} is committed, but removing the replaced {old} failed: "
+                              f"{' | '.join(output.stderr_lines[-3:])} (fix: `systemctl disable --now {old}`)")
+        host.log_styled(f"{old} replaced by {unit_name(service)}: stopped, disabled and removed")
+    host.log_styled(f"committed {ledger.pending.version.ref}")
+    return True
+
+
+def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str, check: str | None = None) -> bool:
+    """Put the committed version's unit back (under its own service name and port), restart it, mark the pending
+    version failed in the ledger (naming the failed `check`, when one failed), wait until the committed one is
+    ready; always False (the host failed its rollout), with one line naming both digests and where the host
+    stands."""
+    assert ledger.pending is not None and ledger.committed is not None
+    spec, pending, committed = v.spec, ledger.pending.version, ledger.committed.version
+    service = committed.service or spec.service
+    unit = unit_path(service)
+    backup = committed_unit(service, committed.unit_sha256) if committed.unit_sha256 else unit_backup(service)
+    what = (f"new image {pending.ref}" if pending.ref != committed.ref
+            else f"new settings (same image {pending.ref})")
+    failed = f"{what} failed verification ({failed_detail})"
+    try:
+        hostlock.check_run_lock(host)  # the rollback restarts too: never interleaved with another run's restart
+    except hostlock.LockLost as lost:
+        return fail(host, f"{host.name}: {failed}; not rolled back: {lost}")
+    # The mark first: a run cut anywhere after this line finds the pending version failed (never to be tried again
+    # by a re-run rollout) and the committed one to converge to (a plain converge puts its unit back). Marked in the
+    # committed service's own ledger: a rename going back marks it there, where a later run of either name reads it.
+    if not save_ledger(host, ledger_path(service), ledger_roll_back(ledger, failed_detail, now_utc(), check=check)):
+        return False
+    host.log_styled(f"rolling back to {committed.ref}")
+    steps = []
+    if committed.unit_sha256:
+        # Only the committed unit goes back: a copy that is not it is refused, the host stays as it is. A ledger
+        # committed before content-addressed copies kept its copy at the old place.
+        steps.append(f"b={shlex.quote(backup)}; [ -e \"$b\" ] || b={shlex.quote(unit_backup(service))}")
+        steps.append(f"echo \"{committed.unit_sha256}  $b\" | sha256sum -c --status")
+        source = '"$b"'
+    else:
+        source = shlex.quote(backup)
+    renamed = service != spec.service
+    if renamed:
+        # A rename going back: the new service's unit goes, so that one vLLM container runs. reset-failed: a unit
+        # whose engine died before the stop stays listed as failed (`systemctl --failed`, monitoring) until cleared.
+        new = shlex.quote(unit_name(spec.service))
+        steps.append(f"{{ systemctl disable --now {new}; rm -f {shlex.quote(unit_path(spec.service))}; "
+                     f"systemctl reset-failed {new} 2>/dev/null; true; }}")
+    steps += [f"sh -c {shlex.quote(atomic_write_command(unit))} < {source}", "systemctl daemon-reload",
+              f"systemctl enable {shlex.quote(unit_name(service))}",
+              f"systemctl restart {shlex.quote(unit_name(service))}"]
+    ok, output = host.run_shell_command(" && ".join(steps), _sudo=use_sudo(host))
+    if not ok:
+        return fail(host, f"{host.name}: {failed}; the rollback to {committed.ref} failed too: "
+                          f"{' | '.join(output.stderr_lines[-3:]) or 'no copy of the committed unit at ' + backup} "
+                          f"(fix: `systemctl status {service}`; {backup} holds the unit that was committed)")
+    if renamed:
+        # The new service never committed anything: its ledger (the pending record, settled now), secrets and flag
+        # check note go. Only after the mark is written: a run cut before it finds the pending record and settles it.
+        left = (v.ledger_path, env_file_path(spec.service), accepted_file(spec.service))
+        ok, output = host.run_shell_command(f"rm -f {' '.join(shlex.quote(path) for path in left)}",
+                                            _sudo=use_sudo(host))
+        if not ok:
+            host.log_styled(f"could not remove {', '.join(left)}: {' | '.join(output.stderr_lines[-3:])}",
+                            fg="yellow")
+    # Held to what it served before this run, on its own port: not to the new settings' identity.
+    # Reached where this run's spec publishes (the ledger keeps the committed version's port, not its address).
+    previous = Expected(service=service, port=committed.port or spec.port, served_model_name=v.served_before,
+                        address=spec.reach_address)
+    again = poll_ready(v.check_once(host, previous), v.timeout_s, exited=service_exited(host, service))
+    if not again.ready:
+        return fail(host, f"{host.name}: {failed}; rolled back to {committed.ref}, which is not ready either "
+                          f"({again.state}: {again.detail}) (fix: `journalctl -u {service}`; {backup} holds the unit "
+                          "that was committed)")
+    fix = (f"set vllm_image back to {committed.image} or to an image that accepts these settings"
+           if pending.ref != committed.ref and committed.image != pending.image
+           else "revert the settings or the image changed in this run")
+    # One line naming the host (not the "[host]" prefix): it reads the same in a summary or a grep of the log.
+    logger.error(f"{host.name}: {failed}; rolled back to {committed.ref}, which is ready (fix: {fix}, then converge "
+                 f"again; {RETRY_SETTING}=true tries the failed version again on purpose)")
+    return False
