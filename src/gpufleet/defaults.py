@@ -143,3 +143,16 @@ PROFILE_SETTINGS = frozenset(name for name, value in DEFAULTS.items() if value i
 
 # Settings whose values are secrets: never rendered into units, argv, logs or `gpufleet render` output.
 SECRET_SETTINGS = frozenset({"vllm_hf_token", "vllm_api_key", "vllm_secret_env"})
+
+# The names of the settings that code passes or reads by name (a rollout's `--data key=value`, the deploy, the lock,
+# lint): spelled here once, each a key of DEFAULTS.
+IMAGE_REF_SETTING: Final = "gpufleet_image_ref"
+STAGE_SETTING: Final = "gpufleet_stage"
+RETRY_SETTING: Final = "gpufleet_retry_failed"
+EXPECT_COMMITTED_SETTING: Final = "gpufleet_expect_committed"
+VERIFY_PROBE_SETTING: Final = "gpufleet_verify_probe"
+VERIFY_CHECKS_SETTING: Final = "gpufleet_verify_checks"
+REFRESH_KEYS_SETTING: Final = "gpufleet_refresh_keys"
+WAIT_SETTING: Final = "gpufleet_lock_wait_s"
+LEASE_SETTING: Final = "gpufleet_lock_lease_s"
+ACCEPT_SETTING: Final = "gpufleet_accept"

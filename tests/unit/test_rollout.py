@@ -17,22 +17,22 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from gpufleet.hoststate import ledger
 from gpufleet.cli import main
 from gpufleet.cli.rollout import ledger_rows
-from gpufleet.harness.result import HostResult
 from gpufleet.errors import GpufleetError
 from gpufleet.facts.pull import PullStats
+from gpufleet.harness.result import HostResult
 from gpufleet.health.check import HealthState
+from gpufleet.hoststate import ledger
 from gpufleet.rollout import deploy as rollout_deploy
 from gpufleet.rollout.carry import CarryResult
-from gpufleet.rollout.deploy import DeployRun, settings_args
+from gpufleet.rollout.deploy import DeployRun, RunSettings
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
-from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.ledgers import PRESENT, parse_read
 from gpufleet.rollout.membership import belongs
 from gpufleet.rollout.prepare import failures, prepare
+from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.report import HostOutcome, Outcome, succeeded, table
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.run import previous_targets
@@ -86,11 +86,11 @@ def test_batches_put_the_canary_first_and_never_exceed_batch(canary, batch, expe
 
 def test_rollout_settings_name_the_digest_and_only_the_asked_extras():
     options = SwapOptions(Path("deploys/qwen35.py"))
-    assert settings_args(options.settings(NEW)) == ["--data", f"gpufleet_image_ref={NEW}", "--data",
-                                                    "gpufleet_verify_checks=none"]
+    assert options.run_settings(NEW).data_args() == ["--data", f"gpufleet_image_ref={NEW}", "--data",
+                                                     "gpufleet_verify_checks=none"]
     probing = SwapOptions(Path("d.py"), probe=True, retry_failed=True)
-    assert settings_args(probing.settings(NEW))[4:] == ["--data", "gpufleet_verify_probe=true", "--data",
-                                                         "gpufleet_retry_failed=true"]
+    assert probing.run_settings(NEW).data_args()[4:] == ["--data", "gpufleet_verify_probe=true", "--data",
+                                                          "gpufleet_retry_failed=true"]
 
 
 def test_the_canary_is_held_to_every_serving_check_and_the_batches_to_the_answers():
@@ -100,7 +100,7 @@ def test_the_canary_is_held_to_every_serving_check_and_the_batches_to_the_answer
     from gpufleet.wire.checks import parse_checks
 
     options = SwapOptions(Path("deploys/qwen35.py"))
-    data = dict(arg.partition("=")[::2] for arg in settings_args(options.settings(NEW, canary=True))[1::2])
+    data = dict(arg.partition("=")[::2] for arg in options.run_settings(NEW, canary=True).data_args()[1::2])
     checks = parse_checks(parse_cli_arg(data["gpufleet_verify_checks"]))  # as pyinfra hands it to the settings
     assert checks == ("prefix-cache", "cached-cold", "sessions", "tools", "reasoning")
     spec = build_spec("gpu1", {})  # the qwen35 profile: tool and reasoning parsers, prefix caching
@@ -130,7 +130,7 @@ def test_a_swap_run_names_each_hosts_committed_digest_as_the_deploy_reads_it():
     from gpufleet.vllm.deploy import changed_since_read
 
     read = {"gpu1": OLD, "gpu2": None}
-    args = settings_args(SwapOptions(Path("deploys/qwen35.py")).settings(NEW, read))
+    args = SwapOptions(Path("deploys/qwen35.py")).run_settings(NEW, read).data_args()
     key, _, value = args[args.index("--data", 4) + 1].partition("=")
     expected = parse_cli_arg(value)  # what pyinfra's --data hands the deploy
     assert (key, expected) == ("gpufleet_expect_committed", read)
@@ -357,12 +357,12 @@ def test_deploy_run_limits_to_each_named_host_and_a_limit_matching_nothing_fails
                       "register_deploy_file(__file__)\nlogger.warning(f'ran on {host.name} "
                       "ref={host.data.get(\"gpufleet_image_ref\")}')\n")
     log = tmp_path / "deploy.log"
-    ran = run_deploy(str(inventory), ["@local"], {"gpufleet_image_ref": NEW}, deploy, log=log)
+    ran = run_deploy(str(inventory), ["@local"], RunSettings(image_ref=NEW), deploy, log=log)
     assert ran.ok and f"ran on @local ref={NEW}" in ran.output, ran.output[-2000:]
     # A host the run was meant for and pyinfra did not find: never read as done, even if the others ran.
-    missed = run_deploy(str(inventory), ["@local", "gpu9"], {}, deploy, log=log)
+    missed = run_deploy(str(inventory), ["@local", "gpu9"], RunSettings(), deploy, log=log)
     assert not missed.ok and "the inventory names no such host" in missed.summary("gpu9")
-    nothing = run_deploy(str(inventory), ["gpu9"], {}, deploy, log=log)
+    nothing = run_deploy(str(inventory), ["gpu9"], RunSettings(), deploy, log=log)
     assert not nothing.ok
     assert log.read_text().count("[exit ") == 3 and "; started " in log.read_text()
 

@@ -19,7 +19,7 @@ from gpufleet.harness import preflight, result as summary
 from gpufleet.vllm.deploy import deploy_qwen35, plan_for
 from gpufleet.harness.result import RESULT_ENV, HostResult, read_result, write_result
 from gpufleet.rollout import deploy as rollout_deploy
-from gpufleet.rollout.deploy import DeployRun, run_deploy
+from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.prepare import failures
 from tests.ports import free_port
 
@@ -60,7 +60,7 @@ def test_a_real_run_writes_each_hosts_outcome_and_the_rollout_reads_it(sshd, tmp
     (tmp_path / "inventory.py").write_text(f"hosts = {hosts!r}\n")
     (tmp_path / "deploy.py").write_text(DEPLOY)
     names = ["fine", "down", "broken", "refuser"]  # not `elsewhere`: a host outside the run is not in its result
-    run = run_deploy(str(tmp_path / "inventory.py"), names, {}, tmp_path / "deploy.py", log=tmp_path / "log")
+    run = run_deploy(str(tmp_path / "inventory.py"), names, RunSettings(), tmp_path / "deploy.py", log=tmp_path / "log")
     assert run.returncode == 1, run.output[-3000:]
     assert list(run.results) == names
     fine, down, broken, refuser = (run.results[name] for name in names)
@@ -143,7 +143,7 @@ def test_the_result_decides_not_what_the_output_says(tmp_path, monkeypatch):
         {"host": "h2", "ok": False, "reached": True, "problems": ["h2: not ready (fix: see its journal)"]}]}
     stand_in(tmp_path, monkeypatch, "echo '[h1] h1: image x rejects --performance-mode: Error'\n"
              f"echo '{json.dumps(result)}' > \"${RESULT_ENV}\"\nexit 1\n")
-    run = run_deploy("inv.py", ["h1", "h2"], {}, tmp_path / "deploy.py", log=tmp_path / "log")
+    run = run_deploy("inv.py", ["h1", "h2"], RunSettings(), tmp_path / "deploy.py", log=tmp_path / "log")
     assert run.returncode == 1 and "rejects" in run.output
     assert failures(run) == {"h2": "h2: not ready (fix: see its journal)"}
     assert run.problems("h1") == []
@@ -151,13 +151,13 @@ def test_the_result_decides_not_what_the_output_says(tmp_path, monkeypatch):
 
 def test_a_run_that_wrote_no_result_fails_each_host_on_one_honest_line(tmp_path, monkeypatch):
     stand_in(tmp_path, monkeypatch, "echo '[h1] h1: image x rejects --performance-mode'\nexit 1\n")
-    run = run_deploy("inv.py", ["h1", "h2"], {}, tmp_path / "deploy.py", log=tmp_path / "log")
+    run = run_deploy("inv.py", ["h1", "h2"], RunSettings(), tmp_path / "deploy.py", log=tmp_path / "log")
     assert run.results == {}
     assert failures(run) == {host: f"{host}: the deploy run exited 1 without a result for this host (fix: see why in "
                                    "the deploy output, --log)" for host in ("h1", "h2")}
     # pyinfra exits 0 having run nothing (no host matched, or a deploy file that writes no result): never done.
     stand_in(tmp_path, monkeypatch, "exit 0\n")
-    nothing = run_deploy("inv.py", ["h1"], {}, tmp_path / "deploy.py", log=tmp_path / "log")
+    nothing = run_deploy("inv.py", ["h1"], RunSettings(), tmp_path / "deploy.py", log=tmp_path / "log")
     assert not nothing.ok and "without writing its result: it ran nothing" in failures(nothing)["h1"]
     assert "without writing its result" in (tmp_path / "log").read_text()
 
@@ -165,7 +165,7 @@ def test_a_run_that_wrote_no_result_fails_each_host_on_one_honest_line(tmp_path,
 def test_a_host_the_result_does_not_list_is_not_done_even_when_the_run_exited_0(tmp_path, monkeypatch):
     result = {"finished": True, "hosts": [{"host": "h1", "ok": True, "reached": True, "problems": []}]}
     stand_in(tmp_path, monkeypatch, f"echo '{json.dumps(result)}' > \"${RESULT_ENV}\"\nexit 0\n")
-    run = run_deploy("inv.py", ["h1", "gpu9"], {}, tmp_path / "deploy.py")
+    run = run_deploy("inv.py", ["h1", "gpu9"], RunSettings(), tmp_path / "deploy.py")
     assert not run.ok and list(failures(run)) == ["gpu9"]
     assert "the inventory names no such host" in run.summary("gpu9")
 

@@ -1,11 +1,13 @@
 """One run of the deploy (deploys/qwen35.py through the pyinfra CLI) on some hosts, with the rollout's settings
-passed as `--data key=value`: the same preflight, lock, ledger and verify as a plain converge. What each host's run
-came to is read from the result file the run writes at exit (gpufleet.harness.result), never from its printed
-output; a run that wrote none (killed, timed out, crashed while loading) fails each of its hosts on one line."""
+(RunSettings) passed as `--data key=value`: the same preflight, lock, ledger and verify as a plain converge. What
+each host's run came to is read from the result file the run writes at exit (gpufleet.harness.result), never from
+its printed output; a run that wrote none (killed, timed out, crashed while loading) fails each of its hosts on one
+line."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import signal
@@ -16,14 +18,25 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
+from gpufleet.defaults import (
+    EXPECT_COMMITTED_SETTING,
+    IMAGE_REF_SETTING,
+    RETRY_SETTING,
+    STAGE_SETTING,
+    VERIFY_CHECKS_SETTING,
+    VERIFY_PROBE_SETTING,
+)
+from gpufleet.errors import GpufleetError
 from gpufleet.harness import packaged_deploy_file
 from gpufleet.harness.result import RESULT_ENV, HostResult, read_result
-from gpufleet.errors import GpufleetError
+from gpufleet.wire.checks import SERVING_CHECKS
 
 DEPLOY_FILE = Path("deploys") / "qwen35.py"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # pyinfra's colours, kept out of the log
 PR_SET_PDEATHSIG = 1
+Stage = Literal["converge", "prepare"]  # the deploy's STAGES (gpufleet.vllm.settings)
 
 
 def default_deploy_file() -> Path:
@@ -94,21 +107,56 @@ def _die_with_parent() -> None:
         pass
 
 
-def settings_args(settings: Mapping[str, object]) -> list[str]:
-    args: list[str] = []
-    for key, value in settings.items():
-        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
-        args += ["--data", f"{key}={text}"]
-    return args
+@dataclass(frozen=True)
+class RunSettings:
+    """What the rollout sets for one deploy run, over each host's own settings. A field left at its default is not
+    passed, so the host's own value stands (a flag is only ever turned on for a run).
+
+    >>> RunSettings(image_ref="repo@sha256:ab", stage="prepare").data_args()
+    ['--data', 'gpufleet_image_ref=repo@sha256:ab', '--data', 'gpufleet_stage=prepare']
+    """
+
+    image_ref: str | None = None  # the digest every host of the run installs (repo@sha256:<64 hex>)
+    stage: Stage | None = None  # "prepare" stops before the unit: nothing restarts
+    # The serving checks a new version is held to (gpufleet.wire.checks): () none of them, beside the answers
+    verify_checks: tuple[str, ...] | None = None
+    # host -> the digest its ledger had committed as the rollout read it (None: nothing): the deploy refuses a host
+    # whose ledger says otherwise by the time it holds the host's lock (another run changed it in between)
+    expect_committed: Mapping[str, str | None] | None = None
+    verify_probe: bool = False  # hold every host to the prompt re-processing probe too
+    retry_failed: bool = False  # install the version again though it failed verification there before
+
+    def __post_init__(self) -> None:
+        if self.stage is not None and self.stage not in get_args(Stage):
+            raise ValueError(f"stage {self.stage!r} is not one of {', '.join(get_args(Stage))}")
+        unknown = [name for name in self.verify_checks or () if name not in SERVING_CHECKS]
+        if unknown:
+            raise ValueError(f"unknown check {', '.join(unknown)} (known: {', '.join(SERVING_CHECKS)})")
+
+    def data_args(self) -> list[str]:
+        """pyinfra's `--data NAME=TEXT` for each field set, named by gpufleet.defaults, in the text pyinfra parses
+        back to the value (true, JSON; a list of checks as the setting takes it)."""
+        checks = None if self.verify_checks is None else ",".join(self.verify_checks) or "none"
+        committed = (None if self.expect_committed is None
+                     else json.dumps(dict(self.expect_committed), separators=(",", ":")))
+        named: tuple[tuple[str, str | None], ...] = (
+            (IMAGE_REF_SETTING, self.image_ref),
+            (STAGE_SETTING, self.stage),
+            (VERIFY_CHECKS_SETTING, checks),
+            (EXPECT_COMMITTED_SETTING, committed),
+            (VERIFY_PROBE_SETTING, "true" if self.verify_probe else None),
+            (RETRY_SETTING, "true" if self.retry_failed else None),
+        )
+        return [arg for name, text in named if text is not None for arg in ("--data", f"{name}={text}")]
 
 
-def run_deploy(inventory: str, hosts: Sequence[str], settings: Mapping[str, object], deploy_file: Path,
+def run_deploy(inventory: str, hosts: Sequence[str], settings: RunSettings, deploy_file: Path,
                log: Path | None = None, timeout_s: float | None = None) -> DeployRun:
     """pyinfra -y INVENTORY DEPLOY --limit h1,h2 --data k=v ...; its output is kept (and appended to `log`), its
     result file read."""
     # One --limit per host: pyinfra reads each as one name pattern (a comma-separated list matches nothing).
     limits = [arg for host in hosts for arg in ("--limit", host)]
-    argv = [pyinfra_command(), "-y", inventory, str(deploy_file), *limits, *settings_args(settings)]
+    argv = [pyinfra_command(), "-y", inventory, str(deploy_file), *limits, *settings.data_args()]
     start, started_at = time.monotonic(), time.time()
     ended: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="gpufleet-run-") as scratch:

@@ -17,14 +17,11 @@ from pathlib import Path
 from gpufleet.errors import GpufleetError
 from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_pyinfra_hosts
-from gpufleet.vllm.operations.image import pull_stats_file
-from gpufleet.sitecache.operations import SITE_CACHE_GROUP
 from gpufleet.remote.transport import SshTransport
-from gpufleet.rollout.deploy import DeployRun, run_deploy
+from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.replicas import FleetHost, Sessions, run
-
-IMAGE_REF = "gpufleet_image_ref"
-STAGE = "gpufleet_stage"
+from gpufleet.sitecache.operations import SITE_CACHE_GROUP
+from gpufleet.vllm.operations.image import pull_stats_file
 
 
 def pull_order(inventory: str, hosts: Sequence[str]) -> list[list[str]]:
@@ -51,7 +48,7 @@ def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: 
     two runs fails, the second is not made: its hosts are not in the dict (not started)."""
     done: DeployRun | None = None
     for group in pull_order(inventory, hosts):
-        one = run_deploy(inventory, group, {IMAGE_REF: target_ref, STAGE: "prepare"}, deploy_file, log=log,
+        one = run_deploy(inventory, group, RunSettings(image_ref=target_ref, stage="prepare"), deploy_file, log=log,
                          timeout_s=timeout_s)
         done = one if done is None else DeployRun(
             done.hosts + one.hosts, max(done.returncode, one.returncode, key=abs), done.output + one.output,

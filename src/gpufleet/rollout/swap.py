@@ -6,7 +6,6 @@ updated stops the rollout: the hosts after it are not touched."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -16,25 +15,18 @@ from gpufleet.errors import one_line
 from gpufleet.health.serving import Served
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout.carry import Carry
-from gpufleet.rollout.deploy import DeployRun, run_deploy
+from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain
-from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
-from gpufleet.rollout.prepare import IMAGE_REF
 from gpufleet.rollout.progress import Progress
+from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.rollout.report import OK, HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.router.api import RouterError
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.wire.checks import ANSWER_CHECKS, SERVING_CHECKS, verify_checks
 
-PROBE = "gpufleet_verify_probe"
-CHECKS = "gpufleet_verify_checks"
-RETRY_FAILED = "gpufleet_retry_failed"
-# Each swapped host's committed digest as the rollout read it: the deploy refuses a host whose ledger now says
-# otherwise (another run changed it between this rollout's read and its swap), under the host's lock.
-EXPECT_COMMITTED = "gpufleet_expect_committed"
 STAGE_TIMEOUT_S = 4 * 3600.0
 # Outcomes whose ledger says committed (the target, or the version before it): such a replica serves again.
 SETTLED = (Outcome.UPDATED, Outcome.UNCHANGED, Outcome.ROLLED_BACK)
@@ -58,18 +50,11 @@ class SwapOptions:
     # Carry the canary's new compile-cache entries to each later host before its swap (gpufleet.rollout.carry).
     carry: bool = True
 
-    def settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None,
-                 canary: bool = False) -> dict[str, object]:
-        """The deploy run's --data; committed: host -> the digest the rollout read as committed there."""
-        settings: dict[str, object] = {IMAGE_REF: target_ref,
-                                       CHECKS: ",".join(self.canary_checks if canary else ()) or "none"}
-        if committed is not None:
-            settings[EXPECT_COMMITTED] = json.dumps(dict(committed), separators=(",", ":"))  # pyinfra parses JSON
-        if self.probe:
-            settings[PROBE] = True
-        if self.retry_failed:
-            settings[RETRY_FAILED] = True
-        return settings
+    def run_settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None,
+                     canary: bool = False) -> RunSettings:
+        """A batch's deploy run; committed: host -> the digest the rollout read as committed there."""
+        return RunSettings(image_ref=target_ref, verify_checks=self.canary_checks if canary else (),
+                           expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed)
 
 
 def batches(names: Sequence[str], canary: int, batch: int) -> list[list[str]]:
@@ -215,7 +200,7 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
     committed = {h: before[h].committed_ref for h in group if before[h].error is None}
     canary = role == "canary"
-    run = run_deploy(inventory, group, options.settings(target, committed, canary=canary), options.deploy_file,
+    run = run_deploy(inventory, group, options.run_settings(target, committed, canary=canary), options.deploy_file,
                      log=options.log, timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, group)

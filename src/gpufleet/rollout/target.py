@@ -27,9 +27,9 @@ from typing import Any
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.image_names import parse
-from gpufleet.vllm.operations.image import pick_digest
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout.replicas import FleetHost, Sessions, run
+from gpufleet.vllm.operations.image import pick_digest
 
 PULL_TIMEOUT_S = 3600.0  # a nightly vLLM image is ~10 GB: only when no lookup tool works on the host
 LOOKUP_TIMEOUT_S = 120  # a lookup is a few small HTTP requests; `timeout` on the host ends one that hangs
