@@ -13,8 +13,10 @@ import pytest
 
 from gpufleet.errors import SettingErrors
 from gpufleet.vllm.flags import known_flags
-from gpufleet.vllm.settings import NOT_SECRET_FLAGS, build_spec, says_secret
+from gpufleet.vllm.serve_args import NOT_SECRET_FLAGS
+from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.unit import DOCKER, render_unit, stop_timeouts
+from gpufleet.vllm.value_rules import says_secret
 from tests.unit.systemd_words import split_exec, unit_directives
 
 CONTROL_CHARACTERS = [

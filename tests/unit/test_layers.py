@@ -27,10 +27,11 @@ SLICES = ("vllm", "router", "sitecache")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("quoting", "defaults", "image_names", "data", "vllm.flags", "vllm.profiles"),
-    ("vllm.spec", "units"),
-    ("wire", "vllm.unit", "router.spec"),  # wire: pure rules over what vLLM and hosts send
+    ("vllm.spec", "vllm.value_rules", "units"),
+    ("wire", "vllm.unit", "vllm.plain_settings", "vllm.serve_args", "vllm.container_env", "vllm.docker_options",
+     "router.spec"),  # wire: pure rules over what vLLM and hosts send
     ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels"),  # remote: SSH through pyinfra's connector, the transport
-    ("router.settings", "hoststate", "hostlock", "facts", "sitecache.facts"),
+    ("router.settings", "vllm.lint_report", "hoststate", "hostlock", "facts", "sitecache.facts"),
     ("vllm.layout", "vllm.facts", "router.facts", "router.relock"),
     ("operations",),  # shared: base, files, secret, the run's snapshot
     ("sitecache.operations",),

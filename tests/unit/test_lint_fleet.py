@@ -10,16 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.cli import main
-from gpufleet.vllm.lint import (
-    ALL_RULES,
-    INVALID_SETTING,
-    ROUTER_RULES,
-    RULES,
-    SEVERITIES,
-    acceptable_rule_ids,
-    fleet_report,
-    lint_spec,
-)
+from gpufleet.vllm.lint import ALL_RULES, ROUTER_RULES, RULES, SEVERITIES, acceptable_rule_ids, lint_spec
+from gpufleet.vllm.lint_report import INVALID_SETTING, fleet_report
 from gpufleet.vllm.settings import build_spec, merged_settings
 from tests.conftest import REPO
 from tests.unit.test_cli_render import inventory  # noqa: F401 - the fixture

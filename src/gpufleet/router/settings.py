@@ -17,8 +17,9 @@ from urllib.parse import urlsplit
 from gpufleet.errors import SettingError, SettingErrors, shown
 from gpufleet.router import wheels
 from gpufleet.router.spec import RouterSpec
-from gpufleet.vllm.settings import control_character, merged_settings
+from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.spec import url_host
+from gpufleet.vllm.value_rules import control_character
 
 DEFAULTS: dict[str, Any] = {
     # Port clients reach the router at (OpenAI API, same paths as vLLM): nginx listens there and passes on only the

@@ -6,19 +6,18 @@ labels, as `gpufleet status --json` shows them), so rules stay offline and testa
 the context when its value depends on the host (its GPUs, its block size). Facts behind the rules, with the
 vLLM source or upstream report for each: docs/vllm-traps.md.
 
-Router hosts get ROUTER_RULES over their router settings. A fleet's findings are folded into a LintReport: one
-line per finding, naming every host it fires on with the same message and fix, with the findings a host accepts
-on purpose (`gpufleet_accept`) set apart. How to read and use it: docs/lint.md.
+Router hosts get ROUTER_RULES over their router settings; a host's `gpufleet_accept` entries get ACCEPT_RULES. A
+fleet's findings are folded into one report by gpufleet.vllm.lint_report. How to read and use it: docs/lint.md.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from gpufleet.errors import SettingError, one_line, shown
+from gpufleet.errors import SettingError, shown
 from gpufleet.vllm.spec import ArgValue, OptionValue, ServeSpec
 from gpufleet.wire.geometry import PREFERRED_UNIT, legal_prefix_match_unit, resolved_block_sizes
 
@@ -37,9 +36,6 @@ Severity = Literal["error", "warning", "info"]
 #            an open API): exit status 0, 1 under --strict.
 #   info:    advice; it runs as asked: never changes the exit status.
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
-# The id of a report line for a setting the deploy refuses (settings.build_spec, the router's build_router_spec).
-# It is no rule: it cannot be accepted, and lint runs its rules only once every setting is valid.
-INVALID_SETTING = "invalid-setting"
 # The host data setting that lists the rule ids a host accepts on purpose.
 ACCEPT_SETTING = "gpufleet_accept"
 
@@ -405,109 +401,3 @@ def lint_accept(host: str, accepted: Collection[str], rules: tuple[LintRule[Acce
     """Findings about a host's gpufleet_accept entries themselves (an id that names no rule)."""
     return [Finding(host, rule, rule.fix_for(context))
             for context in map(AcceptContext, sorted(accepted)) for rule in rules if rule.applies(context)]
-
-
-# --- the fleet's report ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FleetFinding:
-    """One line of the report: a finding, with every host it fires on with this message and this fix."""
-
-    id: str  # a rule id, or INVALID_SETTING
-    severity: Severity
-    message: str
-    fix: str
-    hosts: tuple[str, ...]  # in inventory order
-
-    def as_json(self) -> dict[str, Any]:
-        return {"id": self.id, "severity": self.severity, "message": self.message, "fix": self.fix,
-                "hosts": list(self.hosts)}
-
-
-@dataclass(frozen=True)
-class LintReport:
-    hosts: tuple[str, ...]  # the vLLM hosts linted, in inventory order
-    routers: tuple[str, ...]  # the router hosts linted
-    findings: tuple[FleetFinding, ...]  # most severe first; what counts for the exit status
-    accepted: tuple[FleetFinding, ...] = ()  # findings on the hosts that accept them (gpufleet_accept): never counted
-
-    def count(self, severity: Severity) -> int:
-        return sum(1 for finding in self.findings if finding.severity == severity)
-
-    def exit_code(self, strict: bool = False) -> int:
-        """1 when an error is found (under strict, a warning too), else 0; accepted findings never count."""
-        failing = ("error", "warning") if strict else ("error",)
-        return 1 if any(finding.severity in failing for finding in self.findings) else 0
-
-    def where(self, finding: FleetFinding) -> str:
-        """Who a finding is about: "all 3 hosts" when it fires on the whole fleet (or on all of its vLLM hosts,
-        or all of its routers), else the hosts' names."""
-        hosts, count = set(finding.hosts), len(finding.hosts)
-        if count > 1 and hosts == {*self.hosts, *self.routers}:
-            return f"all {count} hosts"
-        if count > 1 and self.routers and hosts == set(self.hosts):
-            return f"all {count} vLLM hosts"
-        if count > 1 and hosts == set(self.routers):
-            return f"all {count} routers"
-        return ", ".join(finding.hosts)
-
-    def line(self, finding: FleetFinding, accepted: bool = False) -> str:
-        """One line of text: who, severity, rule, what, fix. An invalid setting reads like every other invalid
-        setting gpufleet reports (who: setting: problem (fix: ...)); an accepted finding leaves out its fix."""
-        where = self.where(finding)
-        if finding.id == INVALID_SETTING:
-            text = f"{where}: {finding.message} (fix: {finding.fix})"
-        elif accepted:
-            text = f"{where}: accepted {finding.severity} [{finding.id}] {finding.message}"
-        else:
-            text = f"{where}: {finding.severity} [{finding.id}] {finding.message} (fix: {finding.fix})"
-        return one_line(text)
-
-    def as_json(self, strict: bool = False) -> dict[str, Any]:
-        return {"ok": self.exit_code(strict) == 0, "findings": [f.as_json() for f in self.findings],
-                "accepted": [f.as_json() for f in self.accepted]}
-
-
-# (id, severity, message, fix): findings with the same key on several hosts are one line of the report.
-_Key = tuple[str, Severity, str, str]
-
-
-def _fold(keyed: Iterable[tuple[str, _Key]]) -> tuple[FleetFinding, ...]:
-    hosts: dict[_Key, list[str]] = {}
-    for host, key in keyed:
-        named = hosts.setdefault(key, [])
-        if host not in named:
-            named.append(host)
-    folded = [FleetFinding(*key, hosts=tuple(named)) for key, named in hosts.items()]
-    # Most severe first; one rule's lines together (its per-host fixes), in the order the rules were first seen.
-    first_seen = {key[0]: index for index, key in reversed(list(enumerate(hosts)))}
-    return tuple(sorted(folded, key=lambda finding: (SEVERITIES.index(finding.severity), first_seen[finding.id])))
-
-
-def fleet_report(
-    findings: Iterable[Finding],
-    accepted: Mapping[str, Collection[str]],
-    hosts: Sequence[str],
-    routers: Sequence[str] = (),
-) -> LintReport:
-    """The fleet's findings folded into a report. accepted: each host's gpufleet_accept ids; an accepted finding
-    is set apart on the hosts that accept it, and an entry naming no rule is a finding of its own."""
-    every = [*findings, *(f for host in (*hosts, *routers) for f in lint_accept(host, accepted.get(host, ())))]
-    acceptable = acceptable_rule_ids()  # not "unknown-accepted-rule": accepting it would accept every typo
-
-    def keyed(accepting: bool) -> Iterable[tuple[str, _Key]]:
-        for f in every:
-            if (f.rule.id in acceptable and f.rule.id in accepted.get(f.host, ())) == accepting:
-                yield f.host, (f.rule.id, f.rule.severity, f.rule.message, f.fix)
-
-    return LintReport(tuple(hosts), tuple(routers), _fold(keyed(False)), _fold(keyed(True)))
-
-
-def invalid_settings_report(errors: Iterable[SettingError], hosts: Sequence[str], routers: Sequence[str] = ()
-                            ) -> LintReport:
-    """Settings the deploy refuses, as errors of the report, folded like findings: a bad value in group data is one
-    line for the whole fleet."""
-    error: Severity = "error"
-    keyed = ((e.host, (INVALID_SETTING, error, f"{e.setting}: {e.problem}", e.fix)) for e in errors)
-    return LintReport(tuple(hosts), tuple(routers), _fold(keyed))

@@ -41,9 +41,9 @@ from gpufleet.units import unit_name, unit_path
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.image import image_ref, now_utc
-from gpufleet.vllm.settings import SECRET_VALUE
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
+from gpufleet.vllm.value_rules import SECRET_VALUE
 from gpufleet.wire.identity import Expected, identity_problems
 
 # Secrets every service's env file may carry: env var -> the setting holding it (vllm_secret_env adds more).
