@@ -1,9 +1,11 @@
-"""Test fleets: the session fleet's config (one per pytest-xdist worker) and a fleet for a fixture's lifetime."""
+"""Test fleets: the session fleet's config (one per pytest-xdist worker), a module's own fixed fleet's config, a
+fleet for a fixture's lifetime, and an inventory of a fleet's hosts on an image tag of the module's own."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import pytest
 
 from gpufleet.sandbox.config import FleetConfig, test_config
 from gpufleet.sandbox.fleet import Fleet, check_prerequisites
+from gpufleet.sandbox.hosts import Host
+from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.procs import SandboxError
 
 # Session fleets of xdist workers take 10.213.<10+n>.0/24 (gw0 -> 10.213.10); 10.213.0-9 are the sandbox's and the
@@ -38,6 +42,31 @@ def session_fleet_config() -> FleetConfig:
         host_prefix=f"gw{n}t",
         state_dir=state_dir.with_name(f"{state_dir.name}-{worker}"),
     )
+
+
+def own_fleet_config(name: str, net: str, host_prefix: str, state_dir_env: str) -> FleetConfig:
+    """A module's own fixed fleet (bridge gf-<name>, <net>.0/24, hosts <host_prefix><i>), so it never waits on, or
+    clears, the session's fleet; its state in $<state_dir_env>, else /var/lib/gpufleet/<name>."""
+    return FleetConfig(name=name, bridge=f"gf-{name}", net=net, host_prefix=host_prefix,
+                       state_dir=Path(os.environ.get(state_dir_env, f"/var/lib/gpufleet/{name}")))
+
+
+def module_tag(prefix: str) -> str:
+    """An image tag of the module's own (<prefix>-<8 hex digits>): the tests move it in the fleet's registry, as a
+    nightly tag moves, and no other module's tag is it."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def tagged_inventory(path: Path, fleet: Fleet, hosts: Sequence[Host], tag: str, data: dict) -> Path:
+    """Writes a pyinfra inventory of these hosts of the fleet (group `gpuhosts`) to `path`: the sandbox's host data,
+    `data` over it and vllm_image on `tag` in the fleet's registry."""
+    image = f"{fleet.cfg.registry}/{REPOSITORY}:{tag}"
+    names = [h.name for h in hosts]
+    path.write_text(
+        "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
+        f"gpuhosts = [(n, {{**d, **{data!r}, 'vllm_image': {image!r}}}) for n, d in "
+        f"pyinfra_hosts({str(fleet.write_inventory())!r}) if n in {names!r}]\n")
+    return path
 
 
 @contextmanager

@@ -11,13 +11,11 @@ Its own fleet (gf-carry, 10.213.4.0/24, hosts gfc1..3): it never waits on the se
 
 from __future__ import annotations
 
-import os
 import shlex
-import uuid
 from pathlib import Path
 
 import pytest
-from tests.integration.fleets import running_fleet
+from tests.integration.fleets import module_tag, own_fleet_config, running_fleet, tagged_inventory
 from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.rollout.carry_entries import carried_dir
@@ -26,8 +24,8 @@ from gpufleet.rollout.replicas import load_fleet
 from gpufleet.rollout.report import Outcome
 from gpufleet.rollout.run import roll_out
 from gpufleet.rollout.swap import SwapOptions
-from gpufleet.sandbox.config import FleetConfig, Gpus, H200x3
-from gpufleet.sandbox.image import REPOSITORY, move_tag
+from gpufleet.sandbox.config import Gpus, H200x3
+from gpufleet.sandbox.image import move_tag
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploys" / "qwen35.py"
@@ -36,14 +34,9 @@ DATA = {"vllm_ready_timeout": 90, "vllm_ready_soak_s": 2, "vllm_env": {"STANDIN_
 NVL = Gpus(3, model="NVIDIA H200 NVL")
 
 
-def carry_config() -> FleetConfig:
-    return FleetConfig(name="carry", bridge="gf-carry", net="10.213.4", host_prefix="gfc",
-                       state_dir=Path(os.environ.get("GPUFLEET_CARRY_FLEET_DIR", "/var/lib/gpufleet/carry")))
-
-
 @pytest.fixture(scope="module")
 def fleet():
-    with running_fleet(carry_config()) as f:
+    with running_fleet(own_fleet_config("carry", "10.213.4", "gfc", "GPUFLEET_CARRY_FLEET_DIR")) as f:
         yield f
 
 
@@ -54,19 +47,12 @@ def hosts(fleet):
 
 @pytest.fixture(scope="module")
 def tag() -> str:
-    return f"carry-{uuid.uuid4().hex[:8]}"
+    return module_tag("carry")
 
 
 @pytest.fixture(scope="module")
 def inventory(hosts, fleet, tag, tmp_path_factory) -> Path:
-    image = f"{fleet.cfg.registry}/{REPOSITORY}:{tag}"
-    path = tmp_path_factory.mktemp("carry") / "carry_hosts.py"
-    names = [h.name for h in hosts]
-    path.write_text(
-        "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
-        f"gpuhosts = [(n, {{**d, **{DATA!r}, 'vllm_image': {image!r}}}) for n, d in "
-        f"pyinfra_hosts({str(fleet.write_inventory())!r}) if n in {names!r}]\n")
-    return path
+    return tagged_inventory(tmp_path_factory.mktemp("carry") / "carry_hosts.py", fleet, hosts, tag, DATA)
 
 
 @pytest.fixture(scope="module")

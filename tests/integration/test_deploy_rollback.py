@@ -29,7 +29,6 @@ from gpufleet.health import HealthState, check
 from gpufleet.hoststate.paths import committed_unit
 from gpufleet.remote.ssh import open_ssh
 from gpufleet.remote.transport import SshTransport
-from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.image import image_ref
 from gpufleet.vllm.settings import build_spec
 from gpufleet.wire.identity import Expected
@@ -41,11 +40,9 @@ DATA = {"vllm_ready_timeout": 60, "vllm_ready_soak_s": 20, "vllm_api_key": API_K
 
 
 @pytest.fixture(scope="module")
-def host(fleet, _fresh_numbers):
+def host(module_host):
     """One fresh 3x H200 host for the module's steps, deleted after them."""
-    (h,) = fleet.add_hosts([H200x3], first=next(_fresh_numbers))
-    yield h
-    fleet.remove_hosts([h.name])
+    return module_host
 
 
 @pytest.fixture(scope="module")

@@ -99,6 +99,13 @@ def start(inv: Path, log: Path) -> subprocess.Popen:
         return subprocess.Popen([PYINFRA, "-y", str(inv), DEPLOY], stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
+def reap(proc: subprocess.Popen) -> None:
+    """The controller killed and waited for if it still runs: no run outlives its test."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while text not in log.read_text():
@@ -181,9 +188,7 @@ def test_a_full_disk_before_the_commit_fails_without_committing_and_a_later_roll
         doc = ledger_doc(fleet, host)
         assert doc["committed"]["ref"] == good and doc["pending"] is None and doc["failed"][-1]["ref"] == dies
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
         unmount_state_dir(fleet, host)
     at_rest(fleet, host, pyinfra, inventory(), good)
 
@@ -204,9 +209,7 @@ def test_killed_right_after_the_rollback_restored_the_unit_keeps_the_failure_mar
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     assert proc.returncode == -signal.SIGKILL, log.read_text()[-4000:]
     print("at the kill:", sh(fleet, host, f"systemctl show -p ActiveState -p NeedDaemonReload -p MainPID {SERVICE}"),
           running_image(fleet, host))
@@ -249,8 +252,7 @@ def test_a_controller_stopped_past_its_lease_writes_nothing_after_another_run_co
     finally:
         if a.poll() is None:
             os.kill(a.pid, signal.SIGCONT)
-            a.kill()
-            a.wait()
+        reap(a)
     assert a.returncode != 0, out[-4000:]
     print(host_line(out, host, f"{STATE_FILE} not written: this run no longer holds the host"))
     # A wrote nothing: the ledger (bytes and mtime), the kept unit and the unit file are as B left them.
@@ -274,9 +276,7 @@ def test_a_million_second_lease_holds_the_lock_for_the_run(good, host, fleet, in
         assert held.poll() is None, log.read_text()[-4000:]  # refused while the long-lease run was still running
         out = finish(held, log)
     finally:
-        if held.poll() is None:
-            held.kill()
-            held.wait()
+        reap(held)
     assert other.returncode != 0, other.stdout[-4000:]
     line = one_line(other.stdout, host, "locked by")
     assert line.startswith(f"{host.name}: locked by {getpass.getuser()}@{socket.gethostname()} pid {held.pid} since ")
@@ -379,9 +379,7 @@ def test_the_link_cut_for_10_s_during_the_soak_neither_rolls_back_nor_marks_the_
         out = finish(proc, log)
     finally:
         fleet.set_connected(host, True)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     # Back 15 s into a 40 s soak: the host said nothing against the version, and the soak saw it answer again.
     assert "rolling back" not in out and "Traceback" not in out, out[-4000:]
     assert proc.returncode == 0 and f"committed {nxt}" in out, out[-4000:]
@@ -581,9 +579,7 @@ def test_a_reboot_during_a_renames_soak_starts_one_container_and_a_rerun_settles
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     print(f"rebooted in {took:.0f} s; the controller killed ({proc.returncode})")
     # After boot: the enabled unit (the new name's) starts its container, the old one stays stopped and disabled.
     deadline = time.monotonic() + 120

@@ -14,14 +14,13 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
+from tests.integration.fleets import module_tag
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import committed_ref, write_inventory
 
-from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.image import image_ref, move_tag
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,15 +66,13 @@ def installed(venv: Path, workdir: Path, *args: str, timeout: float = 900) -> su
 
 
 @pytest.fixture(scope="module")
-def host(fleet, _fresh_numbers):
-    (h,) = fleet.add_hosts([H200x3], first=next(_fresh_numbers))
-    yield h
-    fleet.remove_hosts([h.name])
+def host(module_host):
+    return module_host
 
 
 @pytest.fixture(scope="module")
 def tag() -> str:
-    return f"wheel-{uuid.uuid4().hex[:8]}"
+    return module_tag("wheel")
 
 
 @pytest.fixture(scope="module")

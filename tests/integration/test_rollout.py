@@ -24,17 +24,16 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from tests.integration.fleets import running_fleet
+from tests.integration.fleets import module_tag, own_fleet_config, running_fleet, tagged_inventory
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.health.api import get
 from gpufleet.remote.ssh import open_ssh
-from gpufleet.sandbox.config import FleetConfig, H200x3
+from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.image import REPOSITORY, move_tag, tag_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -123,16 +122,11 @@ def swap_runs(log: Path) -> list[str]:
 
 
 # --- fixtures --------------------------------------------------------------------------------------------------
-def rollout_config() -> FleetConfig:
-    return FleetConfig(name="roll", bridge="gf-roll", net="10.213.5", host_prefix="gfo",
-                       state_dir=Path(os.environ.get("GPUFLEET_ROLLOUT_FLEET_DIR", "/var/lib/gpufleet/roll")))
-
-
 @pytest.fixture(scope="module")
 def fleet():
     """Its own fleet (gf-roll, 10.213.5.0/24) and registry: it never waits on the session's test fleet, and the
     tags it moves are nobody else's."""
-    with running_fleet(rollout_config()) as f:
+    with running_fleet(own_fleet_config("roll", "10.213.5", "gfo", "GPUFLEET_ROLLOUT_FLEET_DIR")) as f:
         yield f
 
 
@@ -153,20 +147,13 @@ def logs(fleet) -> Path:
 
 @pytest.fixture(scope="module")
 def tag() -> str:
-    return f"rollout-{uuid.uuid4().hex[:8]}"
+    return module_tag("rollout")
 
 
 @pytest.fixture(scope="module")
 def inventory(hosts, fleet, tag, tmp_path_factory) -> Path:
     """A pyinfra inventory of the three hosts, vllm_image on the module's own tag."""
-    image = f"{fleet.cfg.registry}/{REPOSITORY}:{tag}"
-    path = tmp_path_factory.mktemp("rollout") / "rollout_hosts.py"
-    names = [h.name for h in hosts]
-    path.write_text(
-        "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
-        f"gpuhosts = [(n, {{**d, **{DATA!r}, 'vllm_image': {image!r}}}) for n, d in "
-        f"pyinfra_hosts({str(fleet.write_inventory())!r}) if n in {names!r}]\n")
-    return path
+    return tagged_inventory(tmp_path_factory.mktemp("rollout") / "rollout_hosts.py", fleet, hosts, tag, DATA)
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,17 @@ def router_workers(rfleet: Fleet) -> list[str]:
         router.transport.client.close()  # type: ignore[attr-defined]
 
 
+def wait_until_one_leaves(router, urls: list[str], proc: subprocess.Popen[str]) -> set[str]:
+    """The replicas out of the router's worker set as soon as one is (within 300 s, the rollout `proc` still running)."""
+    deadline = time.monotonic() + 300
+    out: set[str] = set()
+    while not out and time.monotonic() < deadline and proc.poll() is None:
+        out = set(urls) - set(router.list_workers())
+        time.sleep(0.1)
+    assert out and proc.poll() is None, "the rollout ended before a replica left the router"
+    return out
+
+
 class WorkerWatch:
     """The router's worker set every 0.3 s, in a thread: which replicas were ever out, and the most out at once."""
 
@@ -188,12 +199,7 @@ def test_a_controller_killed_after_a_replica_left_the_router_strands_nothing(rfl
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
     router = connect_router(rfleet)
     try:
-        deadline = time.monotonic() + 300
-        stranded: set[str] = set()
-        while not stranded and time.monotonic() < deadline and proc.poll() is None:
-            stranded = set(urls) - set(router.list_workers())
-            time.sleep(0.1)
-        assert stranded and proc.poll() is None, "the rollout ended before a replica left the router"
+        stranded = wait_until_one_leaves(router, urls, proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
         time.sleep(1)
@@ -229,16 +235,6 @@ def ssh_sessions(pid: int, address: str) -> list[str]:
     listed = subprocess.run(["ss", "-tnpH", "state", "established", "dst", address, "dport", "=", ":22"],
                             capture_output=True, text=True, check=True).stdout
     return [line.split()[2].rsplit(":", 1)[1] for line in listed.splitlines() if f"pid={pid}," in line]
-
-
-def wait_until_one_leaves(router, urls: list[str], proc: subprocess.Popen[str]) -> set[str]:
-    deadline = time.monotonic() + 300
-    out: set[str] = set()
-    while not out and time.monotonic() < deadline and proc.poll() is None:
-        out = set(urls) - set(router.list_workers())
-        time.sleep(0.1)
-    assert out and proc.poll() is None, "the rollout ended before a replica left the router"
-    return out
 
 
 def netns(rfleet: Fleet, host, *argv: str) -> subprocess.CompletedProcess[str]:

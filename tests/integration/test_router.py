@@ -7,7 +7,6 @@ the replicas converge, then the router; later tests use the running router.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -20,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.integration.fleets import running_fleet
+from tests.integration.fleets import own_fleet_config, running_fleet
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.pyinfra_run import run_deploy
 
@@ -28,7 +27,7 @@ from gpufleet.hostlock import LOCK_PATH
 from gpufleet.router import operations, wheels
 from gpufleet.router.settings import build_router_spec
 from gpufleet.router.spec import MARKER, RouterSpec
-from gpufleet.sandbox.config import NO_GPU, FleetConfig, H200x3
+from gpufleet.sandbox.config import NO_GPU, H200x3
 from gpufleet.sandbox.fleet import Fleet
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,14 +39,9 @@ TEST_DATA = {"vllm_ready_timeout": 120}
 MEMBERS = "/var/lib/gpufleet-router/vllm-router.workers"
 
 
-def router_config() -> FleetConfig:
-    return FleetConfig(name="rtr", bridge="gf-rtr", net="10.213.7", host_prefix="gfr",
-                       state_dir=Path(os.environ.get("GPUFLEET_ROUTER_FLEET_DIR", "/var/lib/gpufleet/rtr")))
-
-
 @pytest.fixture(scope="module")
 def rfleet():
-    with running_fleet(router_config()) as fleet:
+    with running_fleet(own_fleet_config("rtr", "10.213.7", "gfr", "GPUFLEET_ROUTER_FLEET_DIR")) as fleet:
         fleet.add_hosts([H200x3] * 3, first=1)
         fleet.add_hosts([NO_GPU], first=4, role="router")
         yield fleet
