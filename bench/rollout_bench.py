@@ -27,12 +27,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from converge import converge_fresh_hosts
+
 from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.image import REPOSITORY, move_tag
 
 REPO = Path(__file__).resolve().parents[1]
-PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 DATA = {"vllm_ready_timeout": 120, "vllm_ready_soak_s": 10}
 # 10.213.6.11 - - [01/Dec/2026:05:34:00 +0000] "GET /v2/vllm/vllm-openai/blobs/sha256:... HTTP/1.1" 200 1234 ...
@@ -85,14 +86,7 @@ def bench(fleet: Fleet, n: int, out_dir: Path) -> dict:
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"gpuhosts = [(n, {{**d, **{DATA!r}, 'vllm_image': {registry + '/' + REPOSITORY + ':' + tag!r}}}) "
         f"for n, d in pyinfra_hosts({str(fleet.write_inventory())!r})]\n")
-    for _ in range(3):  # just-booted hosts may refuse the first SSH connection
-        proc = subprocess.run([PYINFRA, "-y", str(inventory), str(REPO / "deploys" / "qwen35.py")],
-                              capture_output=True, text=True, timeout=1800)
-        if proc.returncode == 0:
-            break
-        time.sleep(3)
-    if proc.returncode != 0:
-        raise SystemExit(f"converge of {n} hosts failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    converge_fresh_hosts(inventory, f"converge of {n} hosts")
     move_tag(registry, tag, "good-next")
     log = out_dir / f"rollout-{n}.log"
     start = time.monotonic()

@@ -30,6 +30,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from converge import converge_fresh_hosts
+
 from gpufleet.facts.pull import PullStats
 from gpufleet.sandbox import image as sandbox_image
 from gpufleet.sandbox import services
@@ -40,7 +42,6 @@ from gpufleet.sandbox.inventory import inventory_document
 from gpufleet.vllm.operations.image import pull_stats_file
 
 REPO = Path(__file__).resolve().parents[1]
-PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 DATA = {"vllm_ready_timeout": 120, "vllm_ready_soak_s": 5}
 RUN = re.compile(r"^\$ (?P<argv>.*)$", re.MULTILINE)
@@ -135,14 +136,7 @@ def main() -> None:
         move_tag(fleet.cfg.registry, tag, "good")
         inventory = out_dir / "inventory.py"
         write_inventory(fleet, inventory, tag, True, args.compile_seconds)
-        for _ in range(3):  # just-booted hosts may refuse the first SSH connection
-            proc = subprocess.run([PYINFRA, "-y", str(inventory), str(REPO / "deploys" / "qwen35.py")],
-                                  capture_output=True, text=True, timeout=1800)
-            if proc.returncode == 0:
-                break
-            time.sleep(3)
-        if proc.returncode != 0:
-            raise SystemExit(f"converge failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        converge_fresh_hosts(inventory)
         for nightly, cache in (("nightly-1", True), ("nightly-2", False)):
             rows.append(rollout(fleet, inventory, out_dir / f"rollout-{nightly}.log", tag, nightly, cache,
                                 args.compile_seconds))
