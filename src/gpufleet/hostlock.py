@@ -19,9 +19,9 @@ Use with pyinfra's connection (pyinfra 3.x: host.connector.client is a paramiko 
     with lock_host(host).acquire(wait_s=0) as lock:
         ...  # the whole run; lock.check() before a restart raises LockLost if the lease ran out
 
-The deploys take each host's lock for the run (take_run_lock: the vLLM deploy's preflight, which also reads the host
-snapshot in the lock's shell, and the router deploy); operations call check_run_lock(host) before a restart; the
-locks go when pyinfra disconnects from the hosts (release_run_locks), without waiting for the hosts' shells to end.
+This module is the lock and its SSH mechanics only. A run's locks are the run's state (gpufleet.operations.run:
+take_lock, taken by each deploy's preflight, which also reads the host in the lock's shell; check_lock and
+still_held_test before a write or a restart; release_locks when pyinfra disconnects from the hosts).
 """
 
 from __future__ import annotations
@@ -33,16 +33,11 @@ import shlex
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
-from weakref import WeakKeyDictionary
 
 import paramiko
-from pyinfra import logger
-from pyinfra.api import Host, State
-from pyinfra.api.state import BaseStateCallback
+from pyinfra.api import Host
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.remote.ssh import use_sudo
@@ -295,64 +290,3 @@ def lock_host(host: Host, path: str = LOCK_PATH, lease_s: float = LEASE_S) -> Ho
         raise NotOverSsh(f"{host.name}: not connected over SSH ({type(host.connector).__name__}): a host lock needs "
                          "pyinfra's SSH connector")
     return HostLock(client, host.name, path=path, lease_s=lease_s, sudo=use_sudo(host))
-
-
-# The lock each run holds on each host, by run (dropped with its State) and host name: taken by the deploy's
-# preflight, checked by the operations before a restart, released when pyinfra disconnects from the host.
-_RUN_LOCKS: WeakKeyDictionary[State, dict[str, HostLock]] = WeakKeyDictionary()
-
-
-def keep_for_run(host: Host, lock: HostLock) -> None:
-    _RUN_LOCKS.setdefault(host.state, {})[host.name] = lock
-    if not any(isinstance(h, _ReleaseOnDisconnect) for h in host.state.callback_handlers):
-        host.state.add_callback_handler(_ReleaseOnDisconnect())
-
-
-class _ReleaseOnDisconnect(BaseStateCallback):
-    @staticmethod
-    def host_disconnect(state: State, host: Host) -> None:
-        # The run is ending: no lock of this process follows, so no need to wait for the host to let go.
-        release_run_locks(state, [host.name], wait=False)
-
-
-def take_run_lock(host: Host, settings: Mapping[str, Any], path: str = LOCK_PATH, read: str = "",
-                  read_timeout_s: float = START_MARGIN_S) -> list[str] | None:
-    """Take the host's lock for the whole run (let go when pyinfra disconnects from the host), waiting as long as
-    its WAIT_SETTING says, and run `read` under it (HostLock.acquire): read's output lines. None for a host not
-    reached over SSH: no lock, nothing read. Raises HostLockError (HostLockBusy naming the holder) when refused."""
-    try:
-        lock = lock_host(host, path=path, lease_s=float(settings[LEASE_SETTING]))
-    except NotOverSsh as why:
-        # @local and other connectors: no SSH session to hold the lock with (nor a second operator's run to meet).
-        logger.warning(f"{why}; running without the host lock")
-        return None
-    keep_for_run(host, lock)
-    lock.acquire(wait_s=float(settings[WAIT_SETTING]), read=read, read_timeout_s=read_timeout_s)
-    return lock.read_lines
-
-
-def check_run_lock(host: Host) -> None:
-    """Raise LockLost when this run took the host's lock and no longer holds it (no lock taken: nothing to check,
-    as for a host not reached over SSH)."""
-    lock = _RUN_LOCKS.get(host.state, {}).get(host.name)
-    if lock is not None:
-        lock.check()
-
-
-def still_held_test(host: Host) -> str | None:
-    """A shell test that is true on the host while this run's holder line is still the lock file's, or None when
-    this run took no lock there. Run in the same shell as a write, it refuses, at execution time and on the host
-    itself, the write of a run that was stalled past its lease and whose lock another run has taken since."""
-    lock = _RUN_LOCKS.get(host.state, {}).get(host.name)
-    if lock is None:
-        return None
-    return f'[ "$(cat {shlex.quote(lock.path)} 2>/dev/null)" = {shlex.quote(lock.holder.line())} ]'
-
-
-def release_run_locks(state: State, names: Iterable[str] | None = None, wait: bool = True) -> None:
-    """Let the run's host locks go: all of them, or those of the hosts named (HostLock.release's wait)."""
-    locks = _RUN_LOCKS.get(state, {})
-    for name in list(locks) if names is None else names:
-        lock = locks.pop(name, None)
-        if lock is not None:
-            lock.release(wait=wait)

@@ -733,11 +733,12 @@ def test_the_deploy_preflight_turns_setting_errors_into_lines_without_reading_th
 
     from gpufleet.harness.preflight import Reading, read_host
     from gpufleet.vllm.deploy import check_host, plan_for
+    from gpufleet.vllm.host_read import HOST_READ
 
     inventory = Inventory(([("box7", {"vllm_service": "sshd"}), ("box8", {"vllm_api_key": "sk-$HOME"})], {}))
     state = State(inventory, Config())
     # No connector is ever used: a host read would fail here, and would show as a "could not read" line.
-    assert [read_host(state, host, plan_for, check_host) for host in inventory] == [
+    assert [read_host(state, host, plan_for, check_host, HOST_READ) for host in inventory] == [
         Reading(None, None, ["box7: vllm_service: 'sshd' names a system unit, which the deploy would replace and restart "
                       '(fix: use a name of its own, e.g. "vllm-qwen35")']),
         Reading(None, None, ["box8: vllm_api_key: holds characters an env file cannot carry unquoted (value not shown) "

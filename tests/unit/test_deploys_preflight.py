@@ -183,6 +183,7 @@ def test_a_host_that_never_answers_gets_one_line_within_the_bound_and_the_others
 
     from gpufleet.errors import SettingError, SettingErrors
     from gpufleet.harness.preflight import read_fleet
+    from gpufleet.vllm.host_read import HOST_READ
 
     inventory = Inventory(([("wedged", {}), ("bad", {})], {}))
     state = State(inventory, Config())
@@ -195,7 +196,7 @@ def test_a_host_that_never_answers_gets_one_line_within_the_bound_and_the_others
         raise SettingErrors([SettingError(name, "vllm_port", "is 0", "use 1-65535")])
 
     start = time.monotonic()
-    readings = read_fleet(state, plan_for, lambda name, snap, plan: [], timeout_s=0.5)
+    readings = read_fleet(state, plan_for, lambda name, snap, plan: [], HOST_READ, timeout_s=0.5)
     assert time.monotonic() - start < 5
     assert readings["wedged"].problems == [
         "wedged: the host did not answer preflight's read within 0.5 s (fix: check that SSH, sudo, nvidia-smi, "
@@ -208,8 +209,10 @@ def test_hosts_another_run_holds_are_refused_with_one_line_each_naming_it(sshd, 
     from pyinfra.api import Config, Inventory, State
 
     from gpufleet.harness.preflight import read_fleet
-    from gpufleet.hostlock import Holder, HostLock, LockLost, check_run_lock, release_run_locks
+    from gpufleet.hostlock import Holder, HostLock, LockLost
+    from gpufleet.operations.run import check_lock, release_locks
     from gpufleet.vllm.deploy import plan_for
+    from gpufleet.vllm.host_read import HOST_READ
 
     ssh = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key": str(sshd.client_key),
            "ssh_known_hosts_file": str(tmp_path / "known_hosts")}
@@ -229,7 +232,7 @@ def test_hosts_another_run_holds_are_refused_with_one_line_each_naming_it(sshd, 
 
     try:
         with HostLock(sshd.client(), "other-run", path=path, holder=alice).acquire():
-            readings = read_fleet(state, plan_for, check_host, lock_path=path)
+            readings = read_fleet(state, plan_for, check_host, HOST_READ, lock_path=path)
         fix = "(fix: wait for that run to end, or pass --data gpufleet_lock_wait_s=SECONDS to wait for it)"
         assert readings["gft-a"].problems == [f"gft-a: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z {fix}"]
         assert readings["gft-b"].problems == [
@@ -238,9 +241,9 @@ def test_hosts_another_run_holds_are_refused_with_one_line_each_naming_it(sshd, 
         # The refused runs hold nothing: a restart step of theirs would stop there.
         for target in inventory:
             with pytest.raises(LockLost):
-                check_run_lock(target)
+                check_lock(target)
     finally:
-        release_run_locks(state)
+        release_locks(state)
         for target in inventory:
             target.disconnect()
             target.connector.client.close()

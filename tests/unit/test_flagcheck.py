@@ -110,9 +110,11 @@ def test_the_refusal_names_host_digest_flag_and_fix():
 def test_nothing_to_check_on_the_committed_digest_a_check_for_any_other():
     spec = build_spec("gpu1", {"vllm_image": "reg:5000/vllm/vllm-openai:nightly"})
     assert run_alone(flagcheck.accepts_flags, HostSnapshot(), resolved=COMMITTED, spec=spec,
-                     committed_ref=COMMITTED) == []
-    (check,) = run_alone(flagcheck.accepts_flags, HostSnapshot(), resolved=REF, spec=spec, committed_ref=COMMITTED)
-    assert check.args == (spec, COMMITTED)
+                     committed_ref=COMMITTED, pin=None) == []
+    assert run_alone(flagcheck.accepts_flags, HostSnapshot(), spec=spec, committed_ref=COMMITTED, pin=COMMITTED) == []
+    (check,) = run_alone(flagcheck.accepts_flags, HostSnapshot(), resolved=REF, spec=spec, committed_ref=COMMITTED,
+                         pin=None)
+    assert check.args == (spec, COMMITTED, None)
     # Before the pull ran the digest is unknown: the check is announced and decides when it runs.
-    (check,) = run_alone(flagcheck.accepts_flags, HostSnapshot(), spec=spec, committed_ref=COMMITTED)
-    assert check.args == (spec, COMMITTED)
+    (check,) = run_alone(flagcheck.accepts_flags, HostSnapshot(), spec=spec, committed_ref=COMMITTED, pin=None)
+    assert check.args == (spec, COMMITTED, None)

@@ -231,11 +231,12 @@ def test_a_frozen_controller_loses_the_lock_when_its_lease_runs_out(sshd, lock_f
         taken.release()
 
 
-# --- the run's locks, as the deploy keeps them per host -----------------------------------------------------------
+# --- the run's locks, as the deploy keeps them per host (gpufleet.operations.run) ----------------------------------
 def test_a_run_checks_and_releases_the_locks_it_keeps_and_a_host_not_over_ssh_has_none(sshd, lock_file, tmp_path):
     from pyinfra.api import Config, Inventory, State
 
-    from gpufleet.hostlock import NotOverSsh, check_run_lock, keep_for_run, lock_host, release_run_locks
+    from gpufleet.hostlock import NotOverSsh, lock_host
+    from gpufleet.operations.run import check_lock, keep_lock, release_locks, take_lock
 
     ssh = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key": str(sshd.client_key),
            "ssh_known_hosts_file": str(tmp_path / "known_hosts")}
@@ -247,16 +248,17 @@ def test_a_run_checks_and_releases_the_locks_it_keeps_and_a_host_not_over_ssh_ha
     try:
         with pytest.raises(NotOverSsh, match=r"^@local: not connected over SSH \(LocalConnector\)"):
             lock_host(local)
-        check_run_lock(local)  # no lock taken: nothing to lose
-        keep_for_run(remote, lock_host(remote, path=lock_file, lease_s=LEASE_S).acquire())
-        check_run_lock(remote)
+        check_lock(local)  # no lock taken: nothing to lose
+        assert take_lock(local, {"gpufleet_lock_wait_s": 0, "gpufleet_lock_lease_s": LEASE_S}) is None
+        keep_lock(remote, lock_host(remote, path=lock_file, lease_s=LEASE_S).acquire())
+        check_lock(remote)
         with pytest.raises(HostLockBusy):
             lock(sshd, lock_file).acquire()
-        release_run_locks(state)
-        check_run_lock(remote)  # released and forgotten: the run no longer claims the host
+        release_locks(state)
+        check_lock(remote)  # released and forgotten: the run no longer claims the host
         with lock(sshd, lock_file).acquire():  # and another run gets it at once
             pass
     finally:
-        release_run_locks(state)
+        release_locks(state)
         remote.disconnect()
         remote.connector.client.close()

@@ -33,13 +33,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels"),  # remote: SSH through pyinfra's connector, the transport
     ("router.settings", "vllm.lint_report", "hoststate", "hostlock", "facts", "sitecache.facts"),
     ("vllm.layout", "vllm.facts", "router.facts", "router.relock"),
-    ("operations",),  # shared: base, files, secret, the run's snapshot
+    ("operations",),  # shared: base, files, secret, the run's state (run: one context per pyinfra run)
     ("sitecache.operations",),
     ("vllm.operations", "router.operations"),
     ("health",),  # the network client: checks, waits, answers, the probe
     ("inventory",),
     ("harness",),  # what every deploy file runs in: preflight, the run's result, the speedups
-    ("sitecache.deploy", "vllm.checks", "vllm.verify"),
+    ("sitecache.deploy", "vllm.checks", "vllm.verify", "vllm.host_read"),
     ("vllm.deploy", "router.api"),
     ("router.status", "router.workers"),
     ("router.check", "router.deploy"),
@@ -128,7 +128,7 @@ def test_the_rule_is_checked_against_real_imports():
     # The reader finds imports the rule is about (so the test above cannot pass by reading nothing).
     found = dict(imported("gpufleet.health.check"))
     assert "gpufleet.wire.identity" in found and "gpufleet.remote.transport" in found
-    assert "gpufleet.hostlock" in dict(imported("gpufleet.router.operations"))
+    assert "gpufleet.operations.run" in dict(imported("gpufleet.router.operations"))
 
 
 @pytest.mark.parametrize("module, forbidden", [

@@ -12,6 +12,7 @@ from typing import Any
 from gpufleet import hostlock
 from gpufleet.operations import files
 from gpufleet.operations.files import sha256, write_file
+from gpufleet.operations.run import host_run, still_held_test
 from gpufleet.vllm.operations.service import _unchanged_test
 
 
@@ -76,14 +77,14 @@ def test_the_write_happens_only_while_the_lock_file_names_this_run(tmp_path, mon
     monkeypatch.setattr(files, "atomic_write_command", _no_chown(files.atomic_write_command))
     host, ledger, lock_file = LocalHost(), tmp_path / "vllm.json", tmp_path / "lock"
     lock = Lock(str(lock_file))
-    monkeypatch.setitem(hostlock._RUN_LOCKS, host.state, {host.name: lock})
-    assert hostlock.still_held_test(LocalHost()) is None  # another run's state: no lock taken there
+    host_run(host).lock = lock  # type: ignore[assignment]  # what still_held_test reads of a HostLock
+    assert still_held_test(LocalHost()) is None  # another run's state: no lock taken there
     lock_file.write_text(lock.holder.line() + "\n")  # as the lock's holder script writes it
-    assert write(host, ledger, "mine\n", [hostlock.still_held_test(host)]) is True
+    assert write(host, ledger, "mine\n", [still_held_test(host)]) is True
     # The lease ran out and another run took the lock: its holder line is the file's now.
     other = hostlock.Holder("alice", "laptop", 4242, "2026-12-02T03:00:00Z")
     lock_file.write_text(other.line() + "\n")
-    assert write(host, ledger, "stale\n", [hostlock.still_held_test(host)]) is None
+    assert write(host, ledger, "stale\n", [still_held_test(host)]) is None
     assert ledger.read_text() == "mine\n"
 
 

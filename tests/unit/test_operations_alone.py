@@ -16,8 +16,8 @@ from pyinfra.context import ctx_host, ctx_state
 from gpufleet.facts.nvidia import NvidiaVersion
 from gpufleet.hoststate.ledger import Committed, Ledger, Version
 from gpufleet.hoststate.paths import ledger_path
+from gpufleet.operations.run import remember
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.snapshot import memo, remember
 from gpufleet.units import unit_path
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.operations import docker, image, nvidia, repo_keys, service
@@ -36,9 +36,8 @@ def run_alone(operation: Any, snap: HostSnapshot, resolved: str | None = None, l
     target = inventory.get_host("gpu1")
     state = State(inventory, Config())
     state.is_executing = executing
-    remember(target, snap)
-    memo(target).resolved_image_ref = resolved
-    memo(target).ledger = ledger or Ledger()
+    held = remember(target, snap)
+    held.resolved_image_ref, held.ledger = resolved, ledger or Ledger()
     with ctx_state.use(state), ctx_host.use(target):
         return list(operation._inner(**arguments))
 
@@ -46,7 +45,7 @@ def run_alone(operation: Any, snap: HostSnapshot, resolved: str | None = None, l
 def test_env_file_takes_hidden_secrets_and_never_shows_them():
     secrets = {"VLLM_API_KEY": Hidden("sk-s3cret"), "HF_TOKEN": None}
     locked, command = run_alone(service.env_file, HostSnapshot(), path="/etc/gpufleet/v.env", secrets=secrets)
-    assert locked.function.__name__ == "_still_locked"  # checked at execution time, before the secret is written
+    assert locked.function.__name__ == "still_locked"  # checked at execution time, before the secret is written
     assert isinstance(command, FunctionCommand) and "s3cret" not in repr(command)
     written = hashlib.sha256(env_content({"VLLM_API_KEY": "sk-s3cret"}).encode()).hexdigest()
     assert run_alone(service.env_file, HostSnapshot(file_sha256={"/etc/gpufleet/v.env": written}),
@@ -70,10 +69,11 @@ def test_unit_renders_the_digest_resolved_while_executing_over_the_recorded_one(
     spec = build_spec("gpu1", {"vllm_image": TAG})
     path = unit_path(spec.service)
     snap = HostSnapshot(file_sha256={path: hashlib.sha256(render_unit(spec, PINNED).encode()).hexdigest()})
-    # the recorded pin is what runs
-    assert run_alone(service.unit, snap, ledger=recorded(), spec=spec, path=path, ledger_path=ledger_path("v")) == []
+    # the pin (the recorded digest) is what runs
+    assert run_alone(service.unit, snap, ledger=recorded(), spec=spec, path=path, ledger_path=ledger_path("v"),
+                     pin=PINNED, retry_failed=False) == []
     commands = run_alone(service.unit, snap, resolved=RESOLVED, ledger=recorded(), spec=spec, path=path,
-                         ledger_path=ledger_path("v"))
+                         ledger_path=ledger_path("v"), pin=PINNED, retry_failed=False)
     (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
     assert upload.src.getvalue().decode() == render_unit(spec, RESOLVED)
 

@@ -11,16 +11,18 @@ import shlex
 import subprocess
 import sys
 import zipfile
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pyinfra.api import Config, FileUploadCommand, Inventory, State, StringCommand
+from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State, StringCommand
 from pyinfra.api.exceptions import DeployError
 from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.errors import SettingError, SettingErrors
+from gpufleet.hostlock import Holder, LockLost
+from gpufleet.operations.run import host_run, still_locked
 from gpufleet.router import deploy, facts, operations, wheels
 from gpufleet.router.facts import RouterHost
 from gpufleet.router.settings import DEFAULTS, build_router_spec
@@ -110,16 +112,18 @@ def test_a_host_the_lock_does_not_cover_is_refused_before_any_operation(monkeypa
     for name in ("package", "members", "unit", "running", "ready", "old_venvs", "workers_in_step", "front_door"):
         monkeypatch.setattr(deploy.operations, name, lambda *a, _n=name, **k: called.append(_n))
     monkeypatch.setattr(deploy, "ready_workers", lambda state: deploy.Workers((), ()))
-    monkeypatch.setattr(deploy.hostlock, "take_run_lock", lambda host, settings: None)
     inventory = Inventory(([("router1", {})], {}), routers=(["router1"], {}))
     target = inventory.get_host("router1")
+    # Not connected over SSH: preflight takes no lock and reads the router's fact as a command of its own.
     monkeypatch.setattr(target, "get_fact", lambda *a, **k: RouterHost(python="3.9", machine="x86_64"))
     state = State(inventory, Config())
+    state.activate_host(target)
     with ctx_state.use(state), ctx_host.use(target), pytest.raises(DeployError) as caught:
         deploy.deploy_router._inner()  # type: ignore[attr-defined]
     assert called == []
-    (line,) = str(caught.value).splitlines()
-    assert re.fullmatch(r"router1: router_version: .*Python 3\.9 on x86_64.*\(fix: .*\); nothing was changed", line)
+    head, line = str(caught.value).splitlines()
+    assert head == "preflight refused 1 of 1 host(s); nothing was changed on any host:"
+    assert re.fullmatch(r"  router1: router_version: .*Python 3\.9 on x86_64.*\(fix: .*\)", line)
 
 
 # --- pip's argv ------------------------------------------------------------------------------------------------------
@@ -220,6 +224,48 @@ def test_a_venv_from_before_the_lock_is_replaced_by_the_link_and_pruned_after():
         f"rm -rf {s.venvs_dir}/legacy"]
     after = converged(s, venv_previous=None, venvs={INSTALL.key[:16]: INSTALL.key})
     assert run_alone(operations.old_venvs, spec=s, seen=after, install=INSTALL) == []
+
+
+# --- the run's lock, checked when the restart executes ----------------------------------------------------------------
+@dataclass
+class LostLock:
+    """The run's lock on the host, whose lease ran out after the plan: another run may hold the host now."""
+
+    path: str
+    holder: Holder = field(default_factory=Holder.this_process)
+
+    def check(self) -> None:
+        raise LockLost("router1: lost the lock (its lease of 90 s ran out): another run may be changing the host")
+
+
+def test_the_restart_checks_the_runs_lock_when_it_executes_not_when_it_is_planned(tmp_path):
+    s = spec()
+    other = wheels.locked_install("router1", VERSION, "3.13", "x86_64")  # a new venv: the router restarts
+    inventory = Inventory(([("router1", {})], {}))
+    target = inventory.get_host("router1")
+    state = State(inventory, Config())
+    lock_file = tmp_path / "lock"
+    host_run(target).lock = LostLock(str(lock_file))  # type: ignore[assignment]  # what the checks use of a HostLock
+    # Planning does not look at the lock (it may be lost between the plan and the restart): it announces the checks.
+    with ctx_state.use(state), ctx_host.use(target):
+        check, *_, restart = operations.running._inner(spec=s, seen=converged(s), install=other)
+    # Executing, the controller's check stops the host before the restart...
+    assert isinstance(check, FunctionCommand) and check.function is still_locked
+    assert check.function(state, target) is False
+    # ...and on the host, the restart's own shell restarts only while the lock file still names this run.
+    assert isinstance(restart, StringCommand)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'systemctl.log'}\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    lock_file.write_text(Holder.this_process().line() + "\n")
+    ran = subprocess.run(["sh", "-c", restart.get_raw_value()], env=env, capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 0 and (tmp_path / "systemctl.log").read_text() == "restart vllm-router.service\n"
+    lock_file.write_text(Holder("alice", "laptop", 4242, "2026-12-01T03:00:00Z").line() + "\n")  # another run's now
+    ran = subprocess.run(["sh", "-c", restart.get_raw_value()], env=env, capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 1 and "no longer holds the host's lock" in ran.stderr
+    assert (tmp_path / "systemctl.log").read_text() == "restart vllm-router.service\n"  # not restarted again
 
 
 # --- the scripts, run for real on this machine -----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from gpufleet import hostlock
 from gpufleet.health import HealthReport, HealthState
 from gpufleet.hoststate.ledger import Committed, Ledger, Version, atomic_write_command, begin, parse
 from gpufleet.hoststate.paths import committed_unit, ledger_path, unit_backup
-from gpufleet.operations.snapshot import memo, remember
+from gpufleet.operations.run import host_run, remember
 from gpufleet.units import unit_path
 from gpufleet.vllm import verify
 from gpufleet.vllm.facts import HostSnapshot
@@ -76,8 +76,7 @@ def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000)
                       port=port)
     ledger = begin(Ledger(committed=Committed(committed, "t0", "t0")), pending, "ops@laptop pid 7", "t1")
     host = RollbackHost()
-    remember(host, HostSnapshot())
-    memo(host).ledger = ledger
+    remember(host, HostSnapshot()).ledger = ledger
     v = verify.Verification(spec, 5.0, None, ledger_path(service), "qwen35")
     assert verify.roll_back(host, v, ledger, "dead: exited 1") is False  # the host failed its rollout either way
     return host, ledger
@@ -135,8 +134,7 @@ def committing(host: RollbackHost) -> tuple[verify.Verification, Ledger]:
     committed = Version(image=TAG, ref=GOOD, unit_sha256="a" * 64, spec_hash="0123456789abcdef", service=OLD, port=5000)
     pending = Version(image=TAG, ref=DIES, unit_sha256="b" * 64, spec_hash=spec.spec_hash, service=OLD, port=5000)
     ledger = begin(Ledger(committed=Committed(committed, "t0", "t0")), pending, "ops@laptop pid 7", "t1")
-    remember(host, HostSnapshot())
-    memo(host).ledger = ledger
+    remember(host, HostSnapshot()).ledger = ledger
     return verify.Verification(spec, 5.0, None, ledger_path(OLD), "qwen35"), ledger
 
 
@@ -163,7 +161,7 @@ def test_a_copy_that_fails_commits_nothing_and_prunes_nothing():
     v, before = committing(host)
     assert verify.commit_pending(host, v, "t2") is False
     assert [kind for kind, _ in host.done] == ["run"]  # the copy, and nothing after it
-    assert memo(host).ledger == before  # still pending: the next run verifies it again
+    assert host_run(host).ledger == before  # still pending: the next run verifies it again
 
 
 class LostLock:
@@ -176,7 +174,7 @@ class LostLock:
 def test_a_run_that_lost_the_hosts_lock_writes_no_ledger(monkeypatch):
     host = RollbackHost()
     v, before = committing(host)
-    monkeypatch.setitem(hostlock._RUN_LOCKS, host.state, {host.name: LostLock()})
+    host_run(host).lock = LostLock()  # type: ignore[assignment]  # what check_lock calls of a HostLock
     assert verify.commit_pending(host, v, "t2") is False
     assert [kind for kind, _ in host.done if kind == "put"] == []  # no ledger upload
-    assert memo(host).ledger == before
+    assert host_run(host).ledger == before

@@ -18,7 +18,7 @@ from gpufleet.facts import pull
 from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_pyinfra_hosts
 from gpufleet.operations.files import sha256
-from gpufleet.operations.snapshot import remember
+from gpufleet.operations.run import remember
 from gpufleet.rollout.prepare import pull_order, pull_stats
 from gpufleet.sitecache import operations as site_cache
 from gpufleet.sitecache.deploy import cache_pull, check_port, serves_site

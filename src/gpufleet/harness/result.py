@@ -8,11 +8,11 @@ program driving the run (the rollout) reads instead of its printed output. JSON,
     {"finished": true, "hosts": [{"host": "gpu1", "ok": false, "reached": true,
                                   "problems": ["gpu1: image ... rejects --performance-mode ... (fix: ...)"]}, ...]}
 
-one entry per host of the run (--limit), in inventory order. A host's problems are the lines reported for it
-(gpufleet.operations.base.fail, preflight's refusal), else pyinfra's own record of its failed operation, else a line
-that its error is in the deploy output. `finished` is false when the run ended before its operations were executed
-(a refusal, an error while preparing): no host is ok then, and one without problems of its own was stopped by
-another's."""
+one entry per host of the run (--limit), in inventory order. A host's problems are the lines reported for it and
+kept in the run's state (gpufleet.operations.base.fail, preflight's refusal: gpufleet.operations.run.report), else
+pyinfra's own record of its failed operation, else a line that its error is in the deploy output. `finished` is
+false when the run ended before its operations were executed (a refusal, an error while preparing): no host is ok
+then, and one without problems of its own was stopped by another's."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from pyinfra.api import Host, State
 from pyinfra.api.state import StateStage
 
 from gpufleet.errors import one_line
-from gpufleet.operations.base import reported
+from gpufleet.operations.run import reported
 
 HEADER = "host(s) did not converge:"  # after "<N> ", the summary's first line
 RESULT_ENV = "GPUFLEET_RUN_RESULT"  # a path on the controller: where the run writes its result at exit

@@ -1,37 +1,20 @@
 """What every gpufleet operation shares: the type of what it yields, failing a host on one line (kept for the run's
-result, gpufleet.harness.result), and the step that says a host is another deploy's. (Sudo or not:
+result: gpufleet.operations.run.report), and the step that says a host is another deploy's. (Sudo or not:
 gpufleet.remote.ssh.use_sudo.)"""
 
 from __future__ import annotations
 
 from collections.abc import Generator
-from weakref import WeakKeyDictionary
 
 from pyinfra import host as current_host
 from pyinfra import logger
 from pyinfra.api import Host, State, operation
 from pyinfra.api.command import PyinfraCommand
 
-from gpufleet.errors import one_line
+from gpufleet.operations.run import report
 
 # What an operation (and a helper it yields from) produces: pyinfra commands, nothing sent back, nothing returned.
 Commands = Generator[PyinfraCommand, None, None]
-
-
-# Per run: host name -> the one-line problems reported for it (by fail() and by preflight's refusal), in order.
-_REPORTED: WeakKeyDictionary[State, dict[str, list[str]]] = WeakKeyDictionary()
-
-
-def report(state: State, host: str, message: str) -> None:
-    """Keep a one-line problem of `host` for the run's result (gpufleet.harness.result writes it at exit)."""
-    found, message = _REPORTED.setdefault(state, {}).setdefault(host, []), one_line(message)
-    if message not in found:
-        found.append(message)
-
-
-def reported(state: State) -> dict[str, list[str]]:
-    """What report() kept for this run: host name -> its problems."""
-    return {host: list(lines) for host, lines in _REPORTED.get(state, {}).items()}
 
 
 def fail(host: Host, message: str) -> bool:

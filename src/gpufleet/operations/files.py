@@ -13,8 +13,8 @@ from pyinfra.operations import apt
 
 from gpufleet.hoststate.ledger import atomic_write_command
 from gpufleet.operations.base import Commands
+from gpufleet.operations.run import snapshot
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.snapshot import snapshot
 from gpufleet.remote.ssh import use_sudo
 
 

@@ -4,8 +4,10 @@
 
 Before anything changes: every replica is checked as `gpufleet verify` checks it (in parallel, over SSH, once per
 run); the ready ones are the workers, the others are left out with one line each; no ready replica refuses the
-run. Each ready worker must answer /health from the router host itself (the path the router uses), else the run
-is refused naming it, and so is a host whose Python or machine gpufleet's lock of router wheels does not cover.
+run. Then the harness's preflight, as for the vLLM hosts (gpufleet.harness.preflight): each router host locked for
+the run and read in the lock's own shell (RouterHostFact), all at once. Each ready worker must answer /health from
+the router host itself (the path the router uses), else the run is refused naming it, and so is a host whose Python
+or machine gpufleet's lock of router wheels does not cover, or that another run holds.
 Then, per router host: python3-venv, the lock's wheels (hash-checked) in a venv of their own, switched in by
 one rename of the router_venv symlink; the unit (vllm-router unprivileged and sandboxed, on the loopback);
 running (restarted only when its unit or its venv changed); ready; the old venvs pruned; a router that kept running
@@ -15,22 +17,25 @@ passing on the client API only (the worker management API stays on the loopback)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
+from typing import Any
 
 from pyinfra import host, logger
-from pyinfra.api import State, deploy
+from pyinfra.api import Host, State, deploy
 from pyinfra.api.exceptions import DeployError
 from pyinfra.context import ctx_state
 
-from gpufleet import hostlock
 from gpufleet.errors import SettingError, SettingErrors
+from gpufleet.harness.preflight import HostRead, preflight
 from gpufleet.health.runner import HostTarget, check_fleet
 from gpufleet.inventory import ROUTERS_GROUP, split_roles
 from gpufleet.operations.base import not_for_this_host
+from gpufleet.operations.run import run_context
 from gpufleet.router import operations, wheels
-from gpufleet.router.facts import RouterHostFact
+from gpufleet.router.facts import RouterHost, RouterHostFact
 from gpufleet.router.settings import Replica, build_router_spec, replicas, router_settings
+from gpufleet.router.spec import RouterSpec
 from gpufleet.vllm.settings import build_spec, merged_settings
 
 
@@ -40,13 +45,13 @@ class Workers:
     left_out: tuple[str, ...]  # one line per replica that is not ready, and why
 
 
-_WORKERS: WeakKeyDictionary[State, Workers] = WeakKeyDictionary()
-
-
 def ready_workers(state: State) -> Workers:
-    """The inventory's replicas, verified once per run; raises DeployError for bad settings or no ready one."""
-    if state in _WORKERS:
-        return _WORKERS[state]
+    """The inventory's replicas, verified once per run (a slot of the run's context); raises DeployError for bad
+    settings or no ready one."""
+    return run_context(state).slot(Workers, lambda: _verify_workers(state))
+
+
+def _verify_workers(state: State) -> Workers:
     _, found = split_roles(state.inventory)
     try:
         candidates = replicas(found)
@@ -57,48 +62,66 @@ def ready_workers(state: State) -> Workers:
         raise DeployError(f"no replicas: every host is in the {ROUTERS_GROUP} group; nothing was changed "
                           "(fix: add the vLLM hosts to the inventory)")
     results = check_fleet(targets)
-    ready = tuple(r for r, result in zip(candidates, results) if result.health.ready)
+    ready = tuple(r for r, result in zip(candidates, results, strict=True) if result.health.ready)
     left_out = tuple(f"{r.name}: {result.health.state}: {result.health.detail}"
-                     for r, result in zip(candidates, results) if not result.health.ready)
+                     for r, result in zip(candidates, results, strict=True) if not result.health.ready)
     if not ready:
         raise DeployError("no replica verifies ready; nothing was changed (fix: converge them first: pyinfra "
                           "INVENTORY deploys/qwen35.py):\n  " + "\n  ".join(left_out))
-    _WORKERS[state] = Workers(ready, left_out)
-    return _WORKERS[state]
+    return Workers(ready, left_out)
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    """One router host's deploy, decided before its lock is taken: its spec (routing to this run's ready workers)
+    and its settings (the lock's wait and lease among them: the one merge, gpufleet.vllm.settings)."""
+
+    spec: RouterSpec
+    settings: Mapping[str, Any]
+    workers: Workers
+
+
+def is_router_host(target: Host) -> bool:
+    return ROUTERS_GROUP in target.groups
+
+
+def plan_for(name: str, data: dict[str, Any]) -> RouterPlan:
+    """Host data -> RouterPlan (raises SettingErrors, one line per bad setting)."""
+    workers = ready_workers(ctx_state.get())  # made once per run, before preflight (deploy_router)
+    spec = build_router_spec(name, data, [r.url for r in workers.ready])
+    return RouterPlan(spec, merged_settings(data), workers)
+
+
+def check_host(name: str, seen: RouterHost, plan: RouterPlan) -> list[str]:
+    """A router host's refusals: a worker it cannot reach, a Python or machine gpufleet's lock of router wheels does
+    not cover."""
+    problems = [f"{name}: worker {r.name} ({r.url}) does not answer /health from the router host "
+                f"(HTTP {seen.reach.get(r.url, '000')}) (fix: publish vllm_port where the router reaches it, or set "
+                "router_worker_address on that host)" for r in plan.workers.ready if seen.reach.get(r.url) != "200"]
+    try:  # the lock's wheels for this host's Python and machine
+        wheels.locked_install(name, plan.spec.version, seen.python, seen.machine)
+    except SettingError as error:
+        problems.append(str(error))
+    return problems
+
+
+# What preflight reads on a router host, in its lock's shell: the router's fact, with the workers it must reach.
+ROUTER_READ: HostRead[RouterPlan, RouterHost] = HostRead(
+    RouterHostFact, lambda plan: {"spec": plan.spec, "candidates": plan.spec.workers}, merged_settings)
 
 
 @deploy("Deploy vllm-router in front of the replicas")
 def deploy_router() -> None:
-    if ROUTERS_GROUP not in host.groups:
+    if not is_router_host(host):
         not_for_this_host(name="Skip the router deploy on a replica",
                           why="a replica: deploys/qwen35.py configures it")
         return
     workers = ready_workers(ctx_state.get())
-    try:
-        spec = build_router_spec(host.name, host.data.dict(), [r.url for r in workers.ready])
-    except SettingErrors as error:
-        raise DeployError(f"invalid router settings; nothing was changed on {host.name}:\n  {error}") from None
-    # One operator at a time, as on the replicas: a second run would rewrite and restart the same router.
-    lock_settings = merged_settings(host.data.dict())
-    try:
-        hostlock.take_run_lock(host, lock_settings)
-    except hostlock.HostLockError as error:
-        raise DeployError(f"nothing was changed: {error}") from None
-    except (TypeError, ValueError):
-        raise DeployError(f"{host.name}: {hostlock.WAIT_SETTING} and {hostlock.LEASE_SETTING} must be numbers of "
-                          f"seconds, got {lock_settings[hostlock.WAIT_SETTING]!r} and "
-                          f"{lock_settings[hostlock.LEASE_SETTING]!r}; nothing was changed (fix: set them to numbers)"
-                          ) from None
-    seen = host.get_fact(RouterHostFact, spec=spec, candidates=spec.workers)
-    unreachable = [f"{host.name}: worker {r.name} ({r.url}) does not answer /health from the router host "
-                   f"(HTTP {seen.reach.get(r.url, '000')}) (fix: publish vllm_port where the router reaches it, or "
-                   "set router_worker_address on that host)" for r in workers.ready if seen.reach.get(r.url) != "200"]
-    if unreachable:
-        raise DeployError("the router cannot reach its workers; nothing was changed:\n  " + "\n  ".join(unreachable))
-    try:  # the lock's wheels for this host's Python and machine, or one line before anything changes
-        install = wheels.locked_install(host.name, spec.version, seen.python, seen.machine)
-    except SettingError as error:
-        raise DeployError(f"{error}; nothing was changed") from None
+    # One operator at a time, as on the replicas: every router host is locked and read (in parallel) before
+    # anything changes, and one refusal stops the run.
+    plan, seen = preflight(plan_for, check_host, ROUTER_READ, applies=is_router_host)
+    spec = plan.spec
+    install = wheels.locked_install(host.name, spec.version, seen.python, seen.machine)  # check_host passed it
     for line in workers.left_out:
         host.log(f"left out of the router's workers (not ready): {line}", log_func=logger.warning)
 

@@ -8,12 +8,12 @@ import shlex
 from urllib.parse import quote
 
 from pyinfra import host
-from pyinfra.api import StringCommand, operation
+from pyinfra.api import FunctionCommand, Host, StringCommand, operation
 from pyinfra.operations import apt
 
-from gpufleet import hostlock
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
+from gpufleet.operations.run import still_held_test, still_locked
 from gpufleet.router.facts import RouterHost
 from gpufleet.router.spec import MARKER, MEMBERS_DIR, RouterSpec
 from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, render_proxy, render_unit, unit_path
@@ -102,18 +102,32 @@ def _router_snapshot_changes(spec: RouterSpec, seen: RouterHost, install: Locked
 @operation()
 def running(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
     """Enabled and running; restarted when its unit or its package changed (the router keeps no state worth a
-    restart otherwise: its prefix trees rebuild from traffic)."""
+    restart otherwise: its prefix trees rebuild from traffic). Never while another run may be changing the host: the
+    run's lock is checked when the restart executes, from the controller and on the host in the restart's own shell
+    (a lock lost between the plan and then refuses it), as the vLLM service's restarts and ledger writes are."""
     name = shlex.quote(f"{spec.service}.service")
     changed = _router_snapshot_changes(spec, seen, install)
     if not changed and seen.running and seen.enabled and not seen.need_daemon_reload:
         host.noop(f"{spec.service} running, enabled")
         return
-    hostlock.check_run_lock(host)  # never restart it while another run may be changing it
+    yield FunctionCommand(still_locked, (), {})
     if changed or seen.need_daemon_reload:
         yield StringCommand("systemctl", "daemon-reload")
     if not seen.enabled:
         yield StringCommand("systemctl", "enable", name)
-    yield StringCommand("systemctl", "restart" if changed or seen.running else "start", name)
+    yield StringCommand("sh", "-c", shlex.quote(restart_script(host, name, changed or seen.running)))
+
+
+def restart_script(target: Host, name: str, restart: bool) -> str:
+    """Shell: (re)start the unit `name`, only while this run's holder line is still the lock file's (no lock taken
+    on the host, as for one not reached over SSH: nothing to check)."""
+    start = f"systemctl {'restart' if restart else 'start'} {name}"
+    held = still_held_test(target)
+    if held is None:
+        return start
+    lost = shlex.quote(f"{target.name}: not restarting {name}: this run no longer holds the host's lock (fix: run "
+                       "again)")
+    return f"if {held}; then {start}; else echo {lost} >&2; exit 1; fi"
 
 
 @operation()

@@ -25,7 +25,7 @@ from pyinfra.api import FunctionCommand, Host, State, StringCommand, operation
 from gpufleet.image_names import parse
 from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import AtomicUpload, as_io, sha256, write_file
-from gpufleet.operations.snapshot import snapshot
+from gpufleet.operations.run import snapshot
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.sitecache.facts import CONFIG, PACKAGE, UNIT, SiteCacheHost
 from gpufleet.vllm.facts import DAEMON_JSON

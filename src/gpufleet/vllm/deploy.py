@@ -43,11 +43,12 @@ from gpufleet.hoststate.ledger import (
 from gpufleet.inventory import ROUTERS_GROUP, behind_router
 from gpufleet.operations import files
 from gpufleet.operations.base import not_for_this_host
+from gpufleet.operations.run import remember
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.snapshot import memo, snapshot
 from gpufleet.sitecache import deploy as site_cache
 from gpufleet.vllm import checks
 from gpufleet.vllm.facts import HostSnapshot, Paths
+from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
 from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, model, nvidia, service
 from gpufleet.vllm.operations.image import pinned_ref
@@ -197,21 +198,22 @@ def deploy_qwen35() -> None:
         not_for_this_host(name="Skip the vLLM deploy on a router host",
                           why="router host: deploys/router.py configures it")
         return
-    plan = preflight.preflight(plan_for, check_host, applies=is_vllm_host)
+    plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host)
     s, spec, layout = plan.settings, plan.spec, plan.layout
-    snap = snapshot()
+    held = remember(host, snap)  # every operation decides from this one read
     has_gpu = bool(snap.gpus)
     ledger = host_ledger(snap, plan)  # preflight refused a corrupt one
     prepare = s["gpufleet_stage"] == "prepare"
     # A cut run's pending version is settled first: dropped, or rolled back (then nothing else runs), or finished
     # below. A prepare run changes no ledger and restarts nothing: it leaves that to the converge.
     decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
-    held = memo()
-    held.ledger, held.retry_failed = ledger, bool(s["gpufleet_retry_failed"])
+    held.ledger = ledger
     held.ledger_sha256[plan.layout.ledger_path] = snap.file_sha256.get(plan.layout.ledger_path)
-    # A dropped change never reached the unit: its digest is not this run's pin (a finished one's is).
-    held.pin = pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, spec.image,
-                          s["gpufleet_image_ref"])
+    # The digest this run installs when known before the pull. A dropped change never reached the unit: its digest
+    # is not this run's pin (a finished one's is).
+    pin = pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, spec.image,
+                     s["gpufleet_image_ref"])
+    retry_failed = bool(s["gpufleet_retry_failed"])
 
     api_key = s["vllm_api_key"]
     served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
@@ -248,24 +250,26 @@ def deploy_qwen35() -> None:
     cache = site_cache.cache_pull(host, s, spec.image)
     if cache is not None:
         site_cache.trust_site_cache(cache)
-    pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=held.pin,
+    pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=pin,
                           service=spec.service, cache=cache)
     if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag
         committed_ref = ledger.committed.version.ref if ledger.committed else None
-        flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref)
+        flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref,
+                                pin=pin)
     model.present(name="Download the model unless it is complete", spec=spec, where=layout.model_dir,
                   repo=s["vllm_model_repo"], revision=s["vllm_model_revision"],
-                  env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache)
+                  env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache, pin=pin)
     if prepare:
         return  # gpufleet_stage=prepare: everything slow is done, the old version keeps serving
     unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,
-                        ledger_path=layout.ledger_path)
+                        ledger_path=layout.ledger_path, pin=pin, retry_failed=retry_failed)
     changes = [unit, secrets, pinned, runtime]
     finish = isinstance(decision, FinishPending)
     # A pending version that already runs (the cut came after its restart) is verified, not restarted again.
     restart_pending = isinstance(decision, FinishPending) and decision.restart
     service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
-                    changes=changes, start=has_gpu, force=restart_pending, replaces=replaced_service(ledger, spec))
+                    changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
+                    replaces=replaced_service(ledger, spec))
     # After a (re)start: ready, then still ready for vllm_ready_soak_s: committed, or the committed version goes back.
     service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec, verify=verify.run, changes=changes,
                   start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)

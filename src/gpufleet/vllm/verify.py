@@ -38,8 +38,8 @@ from gpufleet.hoststate.ledger import roll_back as ledger_roll_back
 from gpufleet.hoststate.paths import UNITS_DIR, committed_unit, ledger_path, unit_backup
 from gpufleet.operations.base import fail
 from gpufleet.operations.files import REFUSED, guarded
+from gpufleet.operations.run import check_lock, host_run, still_held_test
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.snapshot import memo
 from gpufleet.remote.ssh import transport_from_pyinfra_host, use_sudo
 from gpufleet.remote.transport import ContainerInfo, Transport, TransportError
 from gpufleet.units import unit_name, unit_path
@@ -107,7 +107,7 @@ class Verification:
 
     def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
         """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one."""
-        ledger = memo(host).ledger
+        ledger = host_run(host).ledger
         assert ledger.pending is not None and ledger.committed is not None  # what RollBackPending means
         host.log_styled(f"{reason}: rolling it back", fg="yellow")
         return roll_back(host, self, ledger, reason)
@@ -171,7 +171,7 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
         report = soak(with_traffic(check_once, send, SOAK_REQUEST_EVERY_S), report, soak_s, exited=exited)
     # A completion the soak sent failed (and the engine still answers /health): the check it failed is named.
     failed_check = "completion" if report.detail.startswith("answers: completion:") else None
-    pending = memo(host).ledger.pending  # None: a restart of the committed version, nothing new to tell apart
+    pending = host_run(host).ledger.pending  # None: a restart of the committed version, nothing new to tell apart
     problem = installed_problem(pending.version, report.container) if report.ready and pending else None
     if problem:
         report = replace(report, state=HealthState.MISCONFIGURED, detail=problem)
@@ -192,7 +192,7 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
     logs = failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]
     for line in logs:
         host.log_styled(f"  | {line}")
-    ledger = memo(host).ledger
+    ledger = host_run(host).ledger
     failed = f"{report.state}: {report.detail}"
     taken = port_taken(logs, spec.port)
     if taken:  # docker could not publish the port: that is the cause, not the exit status it led to
@@ -275,7 +275,7 @@ def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthR
 def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     """The pending version passed: it becomes the committed one (the rollback target, its unit kept beside the
     ledger); a service it renamed is stopped, disabled and removed."""
-    ledger = memo(host).ledger
+    ledger = host_run(host).ledger
     if ledger.pending is None:
         return True  # a restart of the committed version (drift, secrets): verified, nothing new to commit
     service, unit_sha256 = v.spec.service, ledger.pending.version.unit_sha256
@@ -287,7 +287,7 @@ def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     # Nothing is written by a run that lost the host (its lease ran out while it stalled): checked from here, and on
     # the host in the copy's own command, as every ledger write is (operations.service.save_ledger).
     try:
-        hostlock.check_run_lock(host)
+        check_lock(host)
     except hostlock.LockLost:
         return fail(host, f"{host.name}: {v.ledger_path} not written: this run no longer holds the host (fix: run "
                           "again)")
@@ -296,7 +296,7 @@ def commit_pending(host: Host, v: Verification, ready_at: str) -> bool:
     copy = committed_unit(service, unit_sha256)
     ok, output = host.run_shell_command(guarded(
         f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
-        f"echo {shlex.quote(unit_sha256 + '  ' + copy)} | sha256sum -c --status", hostlock.still_held_test(host)),
+        f"echo {shlex.quote(unit_sha256 + '  ' + copy)} | sha256sum -c --status", still_held_test(host)),
         _sudo=sudo)
     if not ok and REFUSED in output.stdout_lines:
         return fail(host, f"{host.name}: {v.ledger_path} not written: another run holds the host now (fix: run again)")
@@ -345,7 +345,7 @@ def roll_back(host: Host, v: Verification, ledger: Ledger, failed_detail: str, c
             else f"new settings (same image {pending.ref})")
     failed = f"{what} failed verification ({failed_detail})"
     try:
-        hostlock.check_run_lock(host)  # the rollback restarts too: never interleaved with another run's restart
+        check_lock(host)  # the rollback restarts too: never interleaved with another run's restart
     except hostlock.LockLost as lost:
         return fail(host, f"{host.name}: {failed}; not rolled back: {lost}")
     # The mark first: a run cut anywhere after this line finds the pending version failed (never to be tried again

@@ -1,5 +1,5 @@
 """pyinfra operations of the vLLM slice. Each takes its inputs as arguments, decides from the host snapshot
-(gpufleet.operations.snapshot: the one per-host value they share) and yields commands or calls host.noop(reason).
+(gpufleet.operations.run: what the run read on the host) and yields commands or calls host.noop(reason).
 Modules that write files or directories declare them in `managed(layout)`; managed_paths() is what the snapshot
 reads (gpufleet.vllm.layout says why).
 """

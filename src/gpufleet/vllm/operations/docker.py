@@ -8,7 +8,7 @@ from pyinfra.operations import apt
 
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import put_content
-from gpufleet.operations.snapshot import snapshot
+from gpufleet.operations.run import snapshot
 from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.repo_keys import dearmor, install_fetched_key, key_commands
 

@@ -22,7 +22,7 @@ from gpufleet.errors import one_line
 from gpufleet.hoststate.paths import STATE_DIR
 from gpufleet.operations.base import Commands, fail
 from gpufleet.remote.ssh import use_sudo
-from gpufleet.vllm.operations.image import image_ref
+from gpufleet.vllm.operations.image import target_ref
 from gpufleet.vllm.spec import FLAG_CHECK_MODEL, ServeSpec
 
 TIMEOUT_S = 120  # importing vLLM (torch) takes tens of seconds on a busy host; argparse runs right after
@@ -99,8 +99,8 @@ def accepted_file(service: str) -> str:
     return f"{STATE_DIR}/{service}.flags-accepted"
 
 
-def _check(state: State, host: Host, spec: ServeSpec, committed_ref: str | None) -> bool:
-    ref = image_ref(spec.image, host) or spec.image
+def _check(state: State, host: Host, spec: ServeSpec, committed_ref: str | None, pin: str | None) -> bool:
+    ref = target_ref(pin, host) or spec.image
     if ref == committed_ref:
         return True
     sudo, noted = use_sudo(host), shlex.quote(accepted_file(spec.service))
@@ -127,12 +127,13 @@ def _check(state: State, host: Host, spec: ServeSpec, committed_ref: str | None)
 
 
 @operation()
-def accepts_flags(spec: ServeSpec, committed_ref: str | None) -> Commands:
-    """Fail the host when the image the unit will run rejects the spec's serve flags. Nothing to check when it is
-    the committed (verified) digest. Runs after the pull, before the unit is written."""
-    ref = image_ref(spec.image)
+def accepts_flags(spec: ServeSpec, committed_ref: str | None, pin: str | None) -> Commands:
+    """Fail the host when the image the unit will run (this run's pull resolved it, else `pin`) rejects the spec's
+    serve flags. Nothing to check when it is the committed (verified) digest. Runs after the pull, before the unit is
+    written."""
+    ref = target_ref(pin)
     if ref is not None and ref == committed_ref:
         host.noop(f"{ref.rsplit('@', 1)[-1][:19]} is the committed image: its flags were verified")
         return
     # Before the pull the digest is not known yet: the check decides when it runs.
-    yield FunctionCommand(_check, (spec, committed_ref), {})
+    yield FunctionCommand(_check, (spec, committed_ref, pin), {})

@@ -3,9 +3,9 @@
 A tag is resolved once: the host's ledger (gpufleet.hoststate.ledger, /var/lib/gpufleet/<service>.json) records the digest
 each version ran, and later converges reuse it (a reboot or a re-converge never silently moves to a newer nightly).
 Changing vllm_image resolves again; `gpufleet_image_ref` installs a given digest of the same repository instead.
-This module writes no ledger: a resolved digest lives in this run's memory (gpufleet.operations.snapshot) until the
-unit that runs it is begun (gpufleet.vllm.operations.service), so a run that fails after the pull leaves the ledger
-naming what runs.
+This module writes no ledger: a resolved digest lives in this run's state (gpufleet.operations.run, which says why it
+cannot be an argument) until the unit that runs it is begun (gpufleet.vllm.operations.service), so a run that fails
+after the pull leaves the ledger naming what runs. The pin (the digest known before the pull) is an argument.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from gpufleet.hoststate.paths import STATE_DIR
 from gpufleet.image_names import parse
 from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import write_file
-from gpufleet.operations.snapshot import memo
+from gpufleet.operations.run import host_run, snapshot
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.sitecache.operations import STORAGE, CachePull
 
@@ -111,7 +111,7 @@ def _cache_answers(host: Host, cache: CachePull) -> str | None:
 def _manifest(host: Host, cache: CachePull, digest: str) -> dict[str, Any] | None:
     """The image manifest the cache serves for `digest` (checked against it), an image index followed to the
     host's platform; None when unreadable."""
-    arch = memo(host).snapshot.arch or "amd64"  # dpkg's names are the registries' (amd64, arm64)
+    arch = snapshot(host).arch or "amd64"  # dpkg's names are the registries' (amd64, arm64)
     for _ in range(2):  # an index, then its platform's manifest
         url = f"http://{cache.address}/v2/{cache.path}/manifests/{digest}"
         ok, output = host.run_shell_command(
@@ -149,7 +149,7 @@ def _warm(host: Host, cache: CachePull, digest: str) -> set[str]:
         return set()
     # A layer this host's docker holds already (it pulled it from a registry: docker maps the blob's digest to its
     # layer) is not fetched: the last nightly's base layers stay out of the cache until a host without them asks.
-    root = shlex.quote(str((memo(host).snapshot.daemon_json or {}).get("data-root") or "/var/lib/docker"))
+    root = shlex.quote(str((snapshot(host).daemon_json or {}).get("data-root") or "/var/lib/docker"))
     held = {d: f"{root}/image/*/distribution/diffid-by-digest/sha256/{d[7:]}" for d in blobs}
     files = {d: f"{STORAGE}/docker/registry/v2/blobs/sha256/{d[7:9]}/{d[7:]}/data" for d in blobs}
     base = f"http://{cache.address}/v2/{cache.path}/blobs/"
@@ -234,7 +234,7 @@ def _pull(state: State, host: Host, image: str, pull: str, service: str | None =
     if not ref:
         return fail(host, f"{image} has no registry digest after the pull (fix: pull it from a registry, "
                           "or set vllm_image to repo@sha256:<digest>)")
-    memo(host).resolved_image_ref = ref  # for the unit, the flag check and the model download
+    host_run(host).resolved_image_ref = ref  # for the unit, the flag check and the model download
     host.log_styled(f"pinned {image} -> {ref}")
     if service is not None:
         manifest = _manifest(host, cache, ref.rpartition("@")[2]) if cache is not None and not fell_back else None
@@ -249,11 +249,10 @@ def _pull(state: State, host: Host, image: str, pull: str, service: str | None =
     return True
 
 
-def image_ref(image: str, host: Host | None = None) -> str | None:
-    """The digest ref the unit must run: resolved by pinned() while executing, or known before this deploy
-    (gpufleet_image_ref, or the ledger's pin for this image setting)."""
-    held = memo(host)
-    return held.resolved_image_ref or held.pin or pinned_ref(held.ledger, image)
+def target_ref(pin: str | None, host: Host | None = None) -> str | None:
+    """The digest ref the unit must run: resolved by pinned() while executing (this run's state), else `pin`, the
+    one known before the pull (pinned_ref: gpufleet_image_ref, or the ledger's pin for this image setting)."""
+    return host_run(host).resolved_image_ref or pin
 
 
 @operation()
@@ -262,8 +261,7 @@ def pinned(image: str, ref: str | None, service: str | None = None, cache: Cache
 
     cache: the site cache to pull `ref` through first (gpufleet.sitecache.operations); service: whose pull record
     (pull_stats_file) the pull writes."""
-    snap = memo().snapshot
-    if ref and image_present(snap.images, ref):
+    if ref and image_present(snapshot().images, ref):
         host.noop(f"{image} is pinned to {ref.rsplit('@', 1)[1][:19]} and present")
         return
     # A known digest whose image is missing is pulled by digest: the pin does not move.

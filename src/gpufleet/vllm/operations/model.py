@@ -8,11 +8,11 @@ from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.operations.base import Commands, fail
-from gpufleet.operations.snapshot import snapshot
+from gpufleet.operations.run import snapshot
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
-from gpufleet.vllm.operations.image import image_ref
+from gpufleet.vllm.operations.image import target_ref
 from gpufleet.vllm.spec import ServeSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -47,8 +47,8 @@ def missing_parts(snap: HostSnapshot) -> list[str]:
 
 
 def _download(state: State, host: Host, spec: ServeSpec, repo: str, revision: str | None, env_file: str | None,
-              hf_cache: str) -> bool:
-    ref = image_ref(spec.image, host) or spec.image  # the digest pinned() resolved in this run, or the recorded pin
+              hf_cache: str, pin: str | None) -> bool:
+    ref = target_ref(pin, host) or spec.image  # the digest pinned() resolved in this run, or the pin
     argv = spec.hf_download_argv(ref, repo, revision, hf_cache, env_file)
     # print_output: hf's progress streams to the terminal; re-running resumes from the partial files.
     ok, output = host.run_shell_command(" ".join(shlex.quote(a) for a in argv), _sudo=use_sudo(host),
@@ -61,8 +61,9 @@ def _download(state: State, host: Host, spec: ServeSpec, repo: str, revision: st
 
 @operation()
 def present(spec: ServeSpec, where: str, repo: str | None, revision: str | None, env_file: str | None,
-            hf_cache: str) -> Commands:
-    """Download the model unless it is complete in `where` (the host directory the spec's --model reads).
+            hf_cache: str, pin: str | None) -> Commands:
+    """Download the model unless it is complete in `where` (the host directory the spec's --model reads), with the
+    serving image: the one this run's pull resolved, else `pin` (the digest this run installs, when known before).
 
     env_file: the root-only file holding HF_TOKEN, or None without a token (the token never is an argument)."""
     snap = snapshot()
@@ -74,4 +75,4 @@ def present(spec: ServeSpec, where: str, repo: str | None, revision: str | None,
     if not repo:
         # Preflight refuses this case; kept so the operation is safe on its own.
         raise ValueError(f"{where} lacks {missing[0]} and vllm_model_repo is None")
-    yield FunctionCommand(_download, (spec, repo, revision, env_file, hf_cache), {})
+    yield FunctionCommand(_download, (spec, repo, revision, env_file, hf_cache, pin), {})

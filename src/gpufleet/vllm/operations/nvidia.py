@@ -12,7 +12,7 @@ from pyinfra.operations import apt
 from gpufleet.hoststate.paths import STATE_DIR
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import put_content, replace_command, temp_path
-from gpufleet.operations.snapshot import snapshot
+from gpufleet.operations.run import snapshot
 from gpufleet.vllm.facts import DAEMON_JSON
 from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.repo_keys import dearmor, install_fetched_key, key_commands

@@ -35,12 +35,12 @@ from gpufleet.hoststate.ledger import (
 from gpufleet.hoststate.paths import unit_backup
 from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import put_content, put_secret, sha256, write_file
+from gpufleet.operations.run import host_run, snapshot, still_held_test, still_locked
 from gpufleet.operations.secret import Hidden
-from gpufleet.operations.snapshot import memo, snapshot
 from gpufleet.units import unit_name, unit_path
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
-from gpufleet.vllm.operations.image import image_ref, now_utc
+from gpufleet.vllm.operations.image import now_utc, target_ref
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.value_rules import SECRET_VALUE
@@ -90,13 +90,14 @@ def env_file(path: str, secrets: Mapping[str, Hidden | None]) -> Commands:
     if not commands:
         host.noop(f"{path} is up to date (0600 root)")
         return
-    yield FunctionCommand(_still_locked, (), {})  # at execution time: a run that lost the host writes nothing
+    yield FunctionCommand(still_locked, (), {})  # at execution time: a run that lost the host writes nothing
     yield from commands
 
 
-def target_version(spec: ServeSpec, host: Host) -> Version:
-    """The version this run installs, while executing (the digest may only be known after the pull)."""
-    ref = image_ref(spec.image, host) or spec.image
+def target_version(spec: ServeSpec, host: Host, pin: str | None) -> Version:
+    """The version this run installs, while executing (the digest may only be known after the pull; before it,
+    `pin`)."""
+    ref = target_ref(pin, host) or spec.image
     return Version(image=spec.image, ref=ref, unit_sha256=sha256(render_unit(spec, ref)), spec_hash=spec.spec_hash,
                    service=spec.service, port=spec.port)
 
@@ -106,11 +107,11 @@ def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
     host's lock (a run stalled past its lease must not overwrite the record of the run that holds the host now).
     Checked twice: from here before the write, and on the host in the write's own command (the lock file still
     names this run, and the ledger file is still what this run read or last wrote: compare-and-swap)."""
-    if not _still_locked(host.state, host):
+    if not still_locked(host.state, host):
         return fail(host, f"{host.name}: {path} not written: this run no longer holds the host (fix: run again)")
-    held = memo(host)
+    held = host_run(host)
     content = render(ledger)
-    guards = [test for test in (hostlock.still_held_test(host), _unchanged_test(path, held.ledger_sha256))
+    guards = [test for test in (still_held_test(host), _unchanged_test(path, held.ledger_sha256))
               if test is not None]
     written = write_file(host, path, content, only_if=" && ".join(guards) if guards else None)
     if written is None:
@@ -131,12 +132,12 @@ def _unchanged_test(path: str, read: Mapping[str, str | None]) -> str | None:
 
 
 
-def _begin(state: State, host: Host, spec: ServeSpec, path: str) -> bool:
+def _begin(state: State, host: Host, spec: ServeSpec, path: str, pin: str | None, retry: bool) -> bool:
     """Record the target as pending before the unit changes or the service restarts: a run cut after this point is
     finished or rolled back by the next one (ledger.resume). Nothing to record when the target is what is pending
-    already, or the committed version itself (a restart of what was verified)."""
-    held = memo(host)
-    target, ledger = target_version(spec, host), held.ledger
+    already, or the committed version itself (a restart of what was verified). retry: gpufleet_retry_failed (the
+    target's failure marks are cleared first)."""
+    target, ledger = target_version(spec, host, pin), host_run(host).ledger
     if ledger.pending is not None and ledger.pending.version == target:
         return True
     if ledger.pending is None and ledger.committed is not None and ledger.committed.version == target:
@@ -144,7 +145,7 @@ def _begin(state: State, host: Host, spec: ServeSpec, path: str) -> bool:
     if ledger.pending is not None:
         # A cut run's version this run does not install: it was never verified, the committed one stays the target.
         ledger = drop_pending(ledger)
-    if held.retry_failed:
+    if retry:
         ledger = retry_failed(ledger, target)
     refused = refused_target(ledger, target)
     if refused:
@@ -156,7 +157,7 @@ def _begin(state: State, host: Host, spec: ServeSpec, path: str) -> bool:
 def _backup_commands(spec: ServeSpec) -> Commands:
     """Keep a copy of the committed unit to roll back to, for a ledger migrated from the old format (no copy was
     made at its commit): the unit that was serving, as before."""
-    committed = memo().ledger.committed
+    committed = host_run().ledger.committed
     if committed is None or committed.version.unit_sha256 is not None:
         return  # none to go back to, or its copy was made when it was committed (gpufleet.vllm.verify)
     snap = snapshot()
@@ -167,9 +168,10 @@ def _backup_commands(spec: ServeSpec) -> Commands:
 
 
 @operation()
-def unit(spec: ServeSpec, path: str, ledger_path: str) -> Commands:
-    """Install the systemd unit that runs the pinned image; the ledger names it pending first."""
-    ref = image_ref(spec.image)
+def unit(spec: ServeSpec, path: str, ledger_path: str, pin: str | None, retry_failed: bool) -> Commands:
+    """Install the systemd unit that runs the pinned image (resolved by this run's pull, else `pin`); the ledger names
+    it pending first (retry_failed: gpufleet_retry_failed, a failed version's marks cleared)."""
+    ref = target_ref(pin)
     # Before the pin exists (cold host, or a new vllm_image) the unit will change; while executing, the image
     # operation has resolved the digest and the real text is rendered.
     text = render_unit(spec, ref or spec.image)
@@ -178,8 +180,8 @@ def unit(spec: ServeSpec, path: str, ledger_path: str) -> Commands:
         host.noop(f"{path} runs {ref}")
         return
     yield from _backup_commands(spec)
-    yield FunctionCommand(_begin, (spec, ledger_path), {})
-    yield FunctionCommand(_still_locked, (), {})  # _begin may have had nothing to record: checked here either way
+    yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed), {})
+    yield FunctionCommand(still_locked, (), {})  # _begin may have had nothing to record: checked here either way
     yield from commands
     yield StringCommand("systemctl", "daemon-reload")
 
@@ -195,20 +197,9 @@ def _changed(ops: list[OperationMeta]) -> bool:
     return any(op.will_change for op in ops)
 
 
-def _still_locked(state: State, host: Host) -> bool:
-    """A write or a (re)start must not interleave with another run's: stop this host if its lock was lost (the lease
-    ran out while this run was stalled, and another run may hold the host now)."""
-    try:
-        hostlock.check_run_lock(host)
-    except hostlock.LockLost as lost:
-        host.log_styled(str(lost), fg="red")
-        return False
-    return True
-
-
 @operation(is_idempotent=False)
-def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], start: bool = True,
-            force: bool = False, replaces: str | None = None) -> Commands:
+def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin: str | None, retry_failed: bool,
+            start: bool = True, force: bool = False, replaces: str | None = None) -> Commands:
     """Enable the vLLM service and (re)start it when its unit, secrets or image changed, when what runs is not what
     the unit on disk says (snapshot's RunningService.drift: the file checksums alone cannot see that), or when a cut
     run's version is to be finished (force). replaces: the service a renamed vllm_service replaces, stopped and
@@ -228,8 +219,8 @@ def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], sta
     if drift and _executing():  # said once (pyinfra runs this generator to plan, and again to execute)
         host.log_styled(f"{name} does not run what its unit says ({'; '.join(drift)}): restarting it", fg="yellow")
     if _changed(changes) or drift or force or not snap.unit_active(name):
-        yield FunctionCommand(_still_locked, (), {})
-        yield FunctionCommand(_begin, (spec, ledger_path), {})
+        yield FunctionCommand(still_locked, (), {})
+        yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed), {})
         if replaces:
             yield StringCommand("systemctl", "disable", "--now", shlex.quote(unit_name(replaces)), "||", "true")
         yield StringCommand("systemctl", "restart" if snap.unit_active(name) else "start", shlex.quote(name))
@@ -289,5 +280,5 @@ def settled(decision: Resume, ledger_path: str, roll_back: Callable[[State, Host
 
 def _drop(state: State, host: Host, path: str, reason: str) -> bool:
     host.log_styled(f"{reason}: dropping it", fg="yellow")
-    ledger = memo(host).ledger
+    ledger = host_run(host).ledger
     return save_ledger(host, path, drop_pending(ledger)) if ledger.pending is not None else True
