@@ -9,7 +9,7 @@ Boots the bench fleet (see deploy_bench.py) with N hosts, converges them once, t
 - times each of those commands on the host itself (clock read on the host before and after, so SSH is not in it):
   on one host alone, then on all N hosts at once, --repeat times;
 - times the no-op converge on 1 and on N hosts (wall and controller CPU) beside the floor, for context;
-- times each section of the snapshot command (gpufleet.vllm.facts, as the working tree builds it) on one host alone:
+- times each section of the snapshot command (gpufleet.vllm.host_command, as the working tree builds it) on one host alone:
   where its host time goes.
 Writes bench/results/noop-breakdown-<UTC time>.md.
 """
@@ -39,11 +39,12 @@ from deploy_bench import (
     loadavg,
 )
 
+from gpufleet.hoststate.sections import MARK
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.inventory import pyinfra_hosts
 from gpufleet.vllm.deploy import plan_for
-from gpufleet.vllm.facts import MARK, snapshot_command
+from gpufleet.vllm.host_command import snapshot_command
 
 TRACED = Path(__file__).with_name("pyinfra_traced.py")
 

@@ -30,7 +30,7 @@ from tests.integration.test_deploy_qwen35 import (
 from gpufleet.sandbox.image import image_ref
 from gpufleet.sandbox.inventory import pyinfra_hosts
 from gpufleet.sandbox.nvidia_smi import HOST_PROFILE
-from gpufleet.vllm.facts import COMMAND_TIMEOUT_S
+from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
 from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.unit import render_unit
 

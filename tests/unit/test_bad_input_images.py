@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.hoststate.ledger import Committed, Ledger, Version
+from gpufleet.hoststate.sections import MARK
 from gpufleet.image_names import normalise, parse
-from gpufleet.vllm.facts import MARK, parse_snapshot
+from gpufleet.vllm.facts import parse_snapshot
 from gpufleet.vllm.operations.image import image_present, pick_digest, pinned_ref, repository
 from gpufleet.vllm.settings import build_spec
 

@@ -20,7 +20,7 @@ from gpufleet.facts.nvidia import Gpu, NvidiaVersion
 from gpufleet.harness import preflight
 from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, render, roll_back
 from gpufleet.units import unit_name
-from gpufleet.vllm.deploy import Plan, check_host, deploy_qwen35, host_ledger, plan_for, replaced_service
+from gpufleet.vllm.deploy import Plan, check_host, deploy_qwen35, plan_for
 from gpufleet.vllm.facts import HostSnapshot, RunningService
 from gpufleet.vllm.operations.docker import CE_PACKAGES
 from gpufleet.vllm.operations.nvidia import PACKAGE, VERSION_FILE
@@ -217,26 +217,6 @@ def test_a_version_that_failed_is_refused_unless_retried_on_purpose():
     # Another setting is another version: not refused.
     assert check_host("gpu1", snap, plan_for("gpu1", {**DATA, "gpufleet_image_ref": REF,
                                                       "vllm_args": {"max-num-seqs": 3}})) == []
-
-
-def test_a_renamed_service_takes_over_the_ledger_of_the_one_service_on_its_port():
-    plan = plan_for("gpu1", {**DATA, "vllm_service": "renamed"})
-    old = Version(plan.spec.image, REF, "a" * 64, "0" * 16, "vllm-qwen35", plan.spec.port)
-    other_port = Version(plan.spec.image, REF, "a" * 64, "0" * 16, "elsewhere", plan.spec.port + 1)
-    snap = bare_but_installed()
-    snap.other_ledgers = {"/var/lib/gpufleet/vllm-qwen35.json": render(Ledger(committed=Committed(old, "t0"))),
-                          "/var/lib/gpufleet/elsewhere.json": render(Ledger(committed=Committed(other_port, "t0"))),
-                          "/var/lib/gpufleet/broken.json": "{"}
-    ledger = host_ledger(snap, plan)
-    assert replaced_service(ledger, plan.spec) == "vllm-qwen35" and ledger.committed == Committed(old, "t0")
-    snap.ledger_text = render(Ledger())  # the service's own ledger wins
-    assert host_ledger(snap, plan) == Ledger()
-    # A rename whose new version failed keeps the old service committed in the new service's ledger.
-    snap.ledger_text = render(Ledger(committed=Committed(old, "t0")))
-    assert replaced_service(host_ledger(snap, plan), plan.spec) == "vllm-qwen35"
-    migrated = '{"current": {"image": "%s", "ref": "%s", "pinned_at": "t0"}, "history": []}' % (old.image, old.ref)
-    snap.ledger_text, snap.other_ledgers = None, {"/var/lib/gpufleet/vllm-qwen35.json": migrated}
-    assert host_ledger(snap, plan) == Ledger()  # the old format has no port: not taken for a rename
 
 
 def test_a_rename_disables_the_replaced_service_before_the_new_one_starts(monkeypatch):

@@ -21,7 +21,8 @@ from gpufleet.hoststate.paths import ledger_path
 from gpufleet.operations.files import replace_command, temp_path
 from gpufleet.remote.transport import ContainerInfo
 from gpufleet.units import unit_name
-from gpufleet.vllm.facts import HostSnapshot, RunningService, parse_snapshot, snapshot_command
+from gpufleet.vllm.facts import HostSnapshot, RunningService, parse_snapshot
+from gpufleet.vllm.host_command import snapshot_command
 from gpufleet.vllm.operations import nvidia, service
 from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.unit import render_unit

@@ -18,18 +18,11 @@ import pytest
 from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts.nvidia import GPU_FIELDS, NvidiaVersion
+from gpufleet.hoststate.sections import MARK
 from gpufleet.vllm import facts as host_fact
-from gpufleet.vllm.facts import (
-    DRIVER_FILE,
-    MARK,
-    PACKAGES,
-    GpufleetHost,
-    HostSnapshot,
-    Paths,
-    ServiceUnit,
-    parse_snapshot,
-    snapshot_command,
-)
+from gpufleet.vllm import host_command
+from gpufleet.vllm.facts import GpufleetHost, HostSnapshot, ServiceUnit, parse_snapshot
+from gpufleet.vllm.host_command import DRIVER_FILE, PACKAGES, Paths, snapshot_command
 from gpufleet.vllm.operations.image import image_present
 from tests.ports import free_port
 
@@ -263,7 +256,8 @@ def test_hostile_repo_urls_reach_curl_whole_and_never_the_shell(tmp_path):
 def test_a_hanging_nvidia_smi_is_cut_off_by_the_snapshot_itself(tmp_path, monkeypatch, hang):
     # The real command, run here: a stand-in nvidia-smi that never answers, and a 1 s bound. One stuck in the
     # kernel ignores SIGTERM: `timeout -k 2` kills it and exits 137, not 124; that is the same finding.
-    monkeypatch.setattr(host_fact, "COMMAND_TIMEOUT_S", 1)
+    monkeypatch.setattr(host_command, "COMMAND_TIMEOUT_S", 1)
+    monkeypatch.setattr(host_fact, "COMMAND_TIMEOUT_S", 1)  # the bound the finding names
     fake = tmp_path / "nvidia-smi"
     fake.write_text(f"#!/bin/sh\n{hang}\n")
     fake.chmod(0o755)
@@ -462,7 +456,7 @@ class _Docker(BaseHTTPRequestHandler):
 
 
 def _curl_line(monkeypatch, socket: Path) -> str:
-    monkeypatch.setattr(host_fact, "DOCKER_SOCKET", str(socket))
+    monkeypatch.setattr(host_command, "DOCKER_SOCKET", str(socket))
     paths = dataclasses.replace(PATHS, nvidia_key_url="http://127.0.0.1:9/gpgkey", port=9)  # nothing listens
     return next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line)
 
@@ -480,7 +474,7 @@ def test_one_curl_reads_dockers_listings_from_its_socket(tmp_path, monkeypatch, 
     server = _UnixHTTPServer(str(socket), _Docker)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     if hang:
-        monkeypatch.setattr(host_fact, "COMMAND_TIMEOUT_S", 1)
+        monkeypatch.setattr(host_command, "COMMAND_TIMEOUT_S", 1)
     try:
         start = time.monotonic()
         snap = _run(_curl_line(monkeypatch, socket))
@@ -535,7 +529,7 @@ def test_docker_space_is_measured_at_data_root(tmp_path, monkeypatch, daemon_jso
     root.mkdir()
     config = tmp_path / "daemon.json"
     config.write_text(daemon_json % root if "%s" in daemon_json else daemon_json)
-    monkeypatch.setattr(host_fact, "DAEMON_JSON", str(config))
+    monkeypatch.setattr(host_command, "DAEMON_JSON", str(config))
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
     out = subprocess.run(["sh", "-c", snapshot_command(PATHS)], env=env, capture_output=True, text=True, timeout=60)
     snap = parse_snapshot(out.stdout.splitlines())
@@ -731,7 +725,7 @@ def test_every_section_keeps_its_marker_whichever_keys_are_fetched(tmp_path, mon
     web = ThreadingHTTPServer(("127.0.0.1", free_port()), _Repo)
     for server in (docker, web):
         threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setattr(host_fact, "DOCKER_SOCKET", str(socket))
+    monkeypatch.setattr(host_command, "DOCKER_SOCKET", str(socket))
     try:
         port = web.server_address[1]
         paths = dataclasses.replace(key_paths(tmp_path, installed, refresh), port=port,
@@ -755,7 +749,7 @@ def test_every_section_keeps_its_marker_whichever_keys_are_fetched(tmp_path, mon
 
 @pytest.mark.parametrize("installed", [{"nvidia", "docker"}, set()], ids=["installed", "missing"])
 def test_a_key_server_that_is_down_leaves_the_keys_none_and_the_rest_intact(tmp_path, monkeypatch, installed):
-    monkeypatch.setattr(host_fact, "DOCKER_SOCKET", str(tmp_path / "absent.sock"))
+    monkeypatch.setattr(host_command, "DOCKER_SOCKET", str(tmp_path / "absent.sock"))
     paths = dataclasses.replace(key_paths(tmp_path, installed, refresh=True), nvidia_key_url="http://127.0.0.1:9/gpgkey",
                                 docker_repo_url="http://127.0.0.1:9/linux")
     snap = _run(next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line))

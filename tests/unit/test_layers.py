@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "router.spec"),  # wire: pure rules over what vLLM and hosts send
     ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels"),  # remote: SSH through pyinfra's connector, the transport
     ("router.settings", "vllm.lint_report", "hoststate", "hostlock", "facts", "sitecache.facts"),
+    ("vllm.host_command",),  # the host snapshot's one command (it holds the ledger reader's lines)
     ("vllm.layout", "vllm.facts", "router.facts", "router.relock"),
     ("operations",),  # shared: base, files, secret, the run's state (run: one context per pyinfra run)
     ("sitecache.operations",),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.hoststate import ledger as L
+from gpufleet.hoststate.atomic import atomic_write_command
 from gpufleet.hoststate.ledger import (
     Committed,
     CorruptLedger,
@@ -347,7 +348,7 @@ def owner() -> str:
 
 def test_atomic_write_from_stdin_creates_the_directory_and_sets_the_mode(tmp_path: Path):
     path = tmp_path / "state" / "vllm.json"
-    done = sh(L.atomic_write_command(str(path), mode="0600", owner=owner()), b'{"schema": 2}\n')
+    done = sh(atomic_write_command(str(path), mode="0600", owner=owner()), b'{"schema": 2}\n')
     assert done.returncode == 0, done.stderr
     assert path.read_bytes() == b'{"schema": 2}\n'
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -358,7 +359,7 @@ def test_atomic_write_from_an_uploaded_file_replaces_and_removes_the_upload(tmp_
     path, upload = tmp_path / "vllm.service", tmp_path / "upload.tmp"
     path.write_text("old\n")
     upload.write_text("[Unit]\nDescription=it's \"quoted\" $HOME\n")
-    done = sh(L.atomic_write_command(str(path), owner=owner(), source=str(upload)))
+    done = sh(atomic_write_command(str(path), owner=owner(), source=str(upload)))
     assert done.returncode == 0, done.stderr
     assert path.read_text() == "[Unit]\nDescription=it's \"quoted\" $HOME\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
@@ -368,7 +369,7 @@ def test_atomic_write_from_an_uploaded_file_replaces_and_removes_the_upload(tmp_
 def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp_file(tmp_path: Path):
     path = tmp_path / "daemon.json"
     path.write_text("old\n")
-    done = sh(L.atomic_write_command(str(path), owner=owner(), source=str(tmp_path / "missing upload")))
+    done = sh(atomic_write_command(str(path), owner=owner(), source=str(tmp_path / "missing upload")))
     assert done.returncode != 0
     assert path.read_text() == "old\n"
     assert os.listdir(tmp_path) == ["daemon.json"]
@@ -376,7 +377,7 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp_file(tmp_path: Pa
 
 def test_atomic_write_quotes_a_path_with_shell_characters(tmp_path: Path):
     path = tmp_path / "a dir; touch pwned" / "it's $x.json"
-    done = sh(L.atomic_write_command(str(path), owner=owner()), b"ok\n")
+    done = sh(atomic_write_command(str(path), owner=owner()), b"ok\n")
     assert done.returncode == 0, done.stderr
     assert path.read_text() == "ok\n"
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
@@ -414,7 +415,7 @@ def test_a_concurrent_reader_never_sees_a_partial_file(tmp_path: Path):
     # The check can fail: a writer that is not atomic is caught by the same reader.
     torn = read_while_written(path, f"cat > {path}", versions, rounds=6)
     assert torn - set(versions), "the reader never saw a partial write from a plain `cat >`: the check is blind"
-    seen = read_while_written(path, L.atomic_write_command(str(path), owner=owner()), versions, rounds=12)
+    seen = read_while_written(path, atomic_write_command(str(path), owner=owner()), versions, rounds=12)
     assert seen <= set(versions) and len(seen) == 2
 
 

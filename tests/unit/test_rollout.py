@@ -29,7 +29,7 @@ from gpufleet.rollout.carry import CarryResult
 from gpufleet.rollout.deploy import DeployRun, RunSettings
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
-from gpufleet.rollout.ledgers import PRESENT, parse_read
+from gpufleet.rollout.ledgers import parse_read
 from gpufleet.rollout.membership import belongs
 from gpufleet.rollout.prepare import failures, prepare
 from gpufleet.rollout.replicas import FleetHost
@@ -43,6 +43,7 @@ from gpufleet.sandbox.image import write_tiny_model
 from gpufleet.vllm.settings import build_spec
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
+from tests.unit.test_ledger_reader import output as reading
 
 REPO = "reg:5000/vllm/vllm-openai"
 OLD, NEW, OLDER = (f"{REPO}@sha256:" + c * 64 for c in "abc")
@@ -64,8 +65,7 @@ def committed_on(*refs: str) -> ledger.Ledger:
 
 
 def read(lg: ledger.Ledger | None, host: str = "h1"):
-    out = "" if lg is None else f"{PRESENT}\n{ledger.render(lg)}"
-    return parse_read(host, "/var/lib/gpufleet/vllm-qwen35.json", 0, out, "")
+    return parse_read(host, "vllm-qwen35", 5000, 0, reading(None if lg is None else ledger.render(lg)), "")
 
 
 def run_of(rc: int, output: str = "", hosts=("h1",), results=None) -> DeployRun:
@@ -127,7 +127,7 @@ def test_each_checks_result_comes_from_the_outcome_and_the_failure_mark():
 def test_a_swap_run_names_each_hosts_committed_digest_as_the_deploy_reads_it():
     from pyinfra_cli.util import parse_cli_arg
 
-    from gpufleet.vllm.deploy import changed_since_read
+    from gpufleet.hoststate.rules import changed_since_read
 
     read = {"gpu1": OLD, "gpu2": None}
     args = SwapOptions(Path("deploys/qwen35.py")).run_settings(NEW, read).data_args()
@@ -165,7 +165,7 @@ def test_anything_else_is_failed_with_what_the_ledger_and_the_run_say():
     outcome = judge("h1", NEW, read(committed_on(OLD)), read(cut), run_of(1, results=lost), None, None)
     assert outcome.outcome is Outcome.FAILED
     assert "lost the SSH connection" in outcome.detail and "pending sha256:bbbbbbbbbbbb" in outcome.detail
-    unreadable = parse_read("h1", "/p", 255, "", "Connection reset")
+    unreadable = parse_read("h1", "vllm-qwen35", 5000, 255, "", "Connection reset")
     assert judge("h1", NEW, read(committed_on(OLD)), unreadable, run_of(1), None, None).outcome is Outcome.FAILED
 
 
@@ -225,9 +225,9 @@ def test_prepare_failures_are_the_hosts_the_runs_result_names():
 def test_ledger_read_distinguishes_none_corrupt_and_unreachable():
     assert read(None).ledger is None and read(None).error is None
     assert read(committed_on(OLDER, OLD)).previous_ref() == OLDER
-    corrupt = parse_read("h1", "/var/lib/gpufleet/v.json", 0, f"{PRESENT}\n{{not json", "")
+    corrupt = parse_read("h1", "v", 5000, 0, reading("{not json"), "")
     assert corrupt.ledger is None and corrupt.error.startswith("h1: /var/lib/gpufleet/v.json is corrupt: not JSON")
-    assert "Permission denied" in parse_read("h1", "/p", 1, "", "cat: /p: Permission denied").error
+    assert "Permission denied" in parse_read("h1", "v", 5000, 1, "", "sudo: Permission denied").error
 
 
 def test_rollback_targets_are_each_hosts_previous_committed_digest_or_to():
@@ -447,7 +447,7 @@ def test_a_replica_belongs_in_the_routers_when_committed_with_nothing_pending_an
     assert belongs(read(committed_on(OLD)), HealthState.SSH_UNREACHABLE) is None
     assert belongs(read(committed_on(OLD)), HealthState.STARTING) is None
     assert belongs(read(committed_on(OLD)), None) is None
-    assert belongs(parse_read("h1", "/p", 255, "", "Connection reset"), HealthState.READY) is None
+    assert belongs(parse_read("h1", "vllm-qwen35", 5000, 255, "", "Connection reset"), HealthState.READY) is None
 
 
 def test_reconcile_puts_back_what_belongs_takes_out_what_does_not_and_leaves_the_unknown():

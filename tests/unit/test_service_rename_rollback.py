@@ -13,7 +13,8 @@ import pytest
 
 from gpufleet import hostlock
 from gpufleet.health import HealthReport, HealthState
-from gpufleet.hoststate.ledger import Committed, Ledger, Version, atomic_write_command, begin, parse
+from gpufleet.hoststate.atomic import atomic_write_command
+from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, parse
 from gpufleet.hoststate.paths import committed_unit, ledger_path, unit_backup
 from gpufleet.operations.run import host_run, remember
 from gpufleet.units import unit_path

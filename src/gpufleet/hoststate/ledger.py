@@ -27,9 +27,7 @@ commit), its entries marked "failed" become failed marks on the digest alone.
 from __future__ import annotations
 
 import json
-import posixpath
 import re
-import shlex
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -412,39 +410,3 @@ def _migrate_v1(data: dict[str, Any]) -> Ledger:
     return Ledger(committed=committed, pending=None, failed=tuple(failed[-FAILED_LIMIT:]),
                   history=tuple(history[-HISTORY_LIMIT:]))
 
-
-# ---- atomic writes of root files -------------------------------------------------------------------------------
-
-
-def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root", source: str | None = None) -> str:
-    """A shell command that replaces `path` atomically with the content on its stdin (or in the uploaded file
-    `source`, removed afterwards): a temp file in the same directory, fsync'd, then rename(2), then the directory
-    fsync'd. A reader sees the old file or the new one, never a part; a cut leaves at most a `.<name>.*` temp file.
-    Run it as root (sudo) for `owner` to apply.
-
-    >>> atomic_write_command("/var/lib/gpufleet/vllm.json", mode="0600").split("; ")[2]
-    'tmp=$(mktemp -p /var/lib/gpufleet .vllm.json.XXXXXX)'
-    """
-    directory, name = posixpath.split(path)
-    if not directory or not name:
-        raise ValueError(f"{path!r}: need an absolute file path")
-    d, p = shlex.quote(directory), shlex.quote(path)
-    read = "cat" if source is None else f"cat {shlex.quote(source)}"
-    steps = [
-        "set -e",
-        f"mkdir -p {d}",
-        f"tmp=$(mktemp -p {d} {shlex.quote('.' + name + '.XXXXXX')})",
-        # A cut (error, signal) must not leave the temp file behind; after the rename it no longer exists.
-        "trap 'rm -f \"$tmp\"' EXIT",
-        f"{read} > \"$tmp\"",
-        f"chmod {shlex.quote(mode)} \"$tmp\"",
-        f"chown {shlex.quote(owner)} \"$tmp\"",
-        # The data must be on disk before the name points at it, or a crash can leave an empty file under `path`.
-        "sync \"$tmp\"",
-        f"mv -fT \"$tmp\" {p}",
-        # ... and the rename itself durable.
-        f"sync {d}",
-    ]
-    if source is not None:
-        steps.append(f"rm -f {shlex.quote(source)}")
-    return "; ".join(steps)

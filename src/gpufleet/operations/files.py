@@ -11,7 +11,7 @@ from pyinfra.api import FileUploadCommand, FunctionCommand, Host, State, StringC
 from pyinfra.api.arguments import ConnectorArguments
 from pyinfra.operations import apt
 
-from gpufleet.hoststate.ledger import atomic_write_command
+from gpufleet.hoststate.atomic import atomic_write_command
 from gpufleet.operations.base import Commands
 from gpufleet.operations.run import snapshot
 from gpufleet.operations.secret import Hidden

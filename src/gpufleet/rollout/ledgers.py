@@ -1,24 +1,26 @@
 """Each host's ledger (gpufleet.hoststate.ledger, /var/lib/gpufleet/<service>.json), read over SSH: what is committed on
-it, what a cut run left pending, which versions failed and why. The rollout decides from it; `history` shows it."""
+it, what a cut run left pending, which versions failed and why. The rollout decides from it; `history` shows it.
+
+Read as the deploy reads it: the same reading (gpufleet.hoststate.reader) and the same rules
+(gpufleet.hoststate.rules), so a host whose vllm_service was renamed reads as the ledger that service takes over."""
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpufleet.hoststate.ledger import CorruptLedger, Failed, Ledger, corrupt_refusal, parse
+from gpufleet.hoststate import reader, sections
+from gpufleet.hoststate.ledger import CorruptLedger, Failed, Ledger, corrupt_refusal
 from gpufleet.hoststate.paths import ledger_path
+from gpufleet.hoststate.rules import host_ledger, taken_over
 from gpufleet.remote.transport import SshTransport
 from gpufleet.rollout.replicas import FleetHost, Sessions, run
-
-PRESENT = "@@gpufleet-ledger"
 
 
 @dataclass(frozen=True)
 class HostLedger:
     host: str
-    path: str
+    path: str  # the file read: the service's ledger, or the one a renamed service takes over
     ledger: Ledger | None  # None: no ledger file (never converged), or unreadable (error says why)
     error: str | None = None
 
@@ -42,24 +44,30 @@ class HostLedger:
         return next((c.version.ref for c in reversed(history) if c.version.ref != self.committed_ref), None)
 
 
-def parse_read(host: str, path: str, rc: int, out: str, err: str) -> HostLedger:
-    """The reading command's answer: the marker line, then the file; no marker = no file."""
+def parse_read(host: str, service: str, port: int, rc: int, out: str, err: str) -> HostLedger:
+    """The reading's answer (gpufleet.hoststate.reader.read_command) for the service on `port`."""
+    path = ledger_path(service)
     if rc != 0:
         return HostLedger(host, path, None, f"cannot read {path}: {(err or out).strip()[:200] or f'exit {rc}'}")
-    lines = out.splitlines()
-    if not lines or lines[0] != PRESENT:
-        return HostLedger(host, path, None)
     try:
-        return HostLedger(host, path, parse("\n".join(lines[1:]) + "\n"))
+        texts = reader.read_output(out.splitlines())
+    except sections.Truncated as e:
+        return HostLedger(host, path, None, f"cannot read {path}: the reading's output is truncated ({e})")
+    except sections.Forged as e:
+        return HostLedger(host, path, None, f"cannot read {path}: the reading refused: {e}")
+    try:
+        ledger = host_ledger(texts.own, texts.others, port)
     except CorruptLedger as e:
         return HostLedger(host, path, None, corrupt_refusal(host, path, e))
+    if texts.own is not None:
+        return HostLedger(host, path, ledger)
+    found = taken_over(texts.others, port)
+    return HostLedger(host, found[0], ledger) if found else HostLedger(host, path, None)
 
 
 def read_one(host: FleetHost, transport: SshTransport) -> HostLedger:
-    path = ledger_path(host.spec.service)
-    q = shlex.quote(path)
-    rc, out, err = run(transport, f"if [ -f {q} ]; then echo {PRESENT} && cat {q}; fi", root=True)
-    return parse_read(host.name, path, rc, out, err)
+    rc, out, err = run(transport, reader.read_command(ledger_path(host.spec.service)), root=True)
+    return parse_read(host.name, host.spec.service, host.spec.port, rc, out, err)
 
 
 def read_ledgers(sessions: Sessions, names: Sequence[str]) -> dict[str, HostLedger]:

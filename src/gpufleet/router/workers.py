@@ -14,7 +14,7 @@ import shlex
 import time
 
 from gpufleet.errors import one_line
-from gpufleet.hoststate.ledger import atomic_write_command
+from gpufleet.hoststate.atomic import atomic_write_command
 from gpufleet.remote.ssh import needs_sudo
 from gpufleet.remote.transport import SshTransport
 from gpufleet.router.api import Router, RouterError

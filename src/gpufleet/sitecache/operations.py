@@ -28,7 +28,7 @@ from gpufleet.operations.files import AtomicUpload, as_io, sha256, write_file
 from gpufleet.operations.run import snapshot
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.sitecache.facts import CONFIG, PACKAGE, UNIT, SiteCacheHost
-from gpufleet.vllm.facts import DAEMON_JSON
+from gpufleet.vllm.host_command import DAEMON_JSON
 
 SITE_CACHE_GROUP = "site_cache"
 # Docker Hub's registry API lives at registry-1.docker.io; docker names it docker.io.

@@ -15,9 +15,8 @@ skipped (deploys/router.py configures them).
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from pyinfra import host
@@ -29,17 +28,16 @@ from gpufleet.hoststate.ledger import (
     CorruptLedger,
     DropPending,
     FinishPending,
-    Ledger,
     Nothing,
     Observed,
     RollBackPending,
     Version,
     corrupt_refusal,
     drop_pending,
-    parse,
     refused_target,
     resume,
 )  # fmt: skip
+from gpufleet.hoststate.rules import changed_since_read, cut_rename_away, host_ledger, replaced_service
 from gpufleet.inventory import ROUTERS_GROUP, behind_router
 from gpufleet.operations import files
 from gpufleet.operations.base import not_for_this_host
@@ -47,7 +45,8 @@ from gpufleet.operations.run import remember
 from gpufleet.operations.secret import Hidden
 from gpufleet.sitecache import deploy as site_cache
 from gpufleet.vllm import checks
-from gpufleet.vllm.facts import HostSnapshot, Paths
+from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.host_command import Paths
 from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
 from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, model, nvidia, service
@@ -97,33 +96,6 @@ def is_vllm_host(target: Host) -> bool:
     return ROUTERS_GROUP not in target.groups
 
 
-def host_ledger(snap: HostSnapshot, plan: Plan) -> Ledger:
-    """The host's ledger for this service. A service with no ledger yet (a renamed vllm_service) takes over the one
-    other service's ledger on the same port: its committed version stays the rollback target. Raises CorruptLedger
-    for the service's own file."""
-    if snap.ledger_text is not None:
-        return parse(snap.ledger_text)
-    found = []
-    for path, text in snap.other_ledgers.items():
-        try:
-            other = parse(text)
-        except CorruptLedger:
-            continue  # another service's problem: its own deploy refuses it
-        committed = other.committed
-        if committed is not None and other.pending is None and committed.version.port == plan.spec.port:
-            # A ledger migrated from the old format does not name its service: its file does.
-            service = committed.version.service or posixpath.basename(path).removesuffix(".json")
-            found.append(replace(other, committed=replace(committed, version=replace(committed.version,
-                                                                                     service=service))))
-    return found[0] if len(found) == 1 else Ledger()
-
-
-def replaced_service(ledger: Ledger, spec: ServeSpec) -> str | None:
-    """The service a renamed vllm_service replaces: the committed version's, when it is another."""
-    service = ledger.committed.version.service if ledger.committed else None
-    return service if service and service != spec.service else None
-
-
 def observed(snap: HostSnapshot, plan: Plan) -> Observed:
     running = snap.running
     return Observed(unit_sha256=snap.file_sha256.get(plan.layout.unit_file), running_ref=running.running_image,
@@ -134,19 +106,17 @@ def observed(snap: HostSnapshot, plan: Plan) -> Observed:
 def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     s, spec = plan.settings, plan.spec
     try:
-        ledger = host_ledger(snap, plan)
+        ledger = host_ledger(snap.ledger_text, snap.other_ledgers, spec.port)
     except CorruptLedger as error:
         # The deploy must not guess which digest runs: refused before anything changes, the file left as it is.
         return [corrupt_refusal(name, plan.layout.ledger_path, error)]
     ref = pinned_ref(ledger, spec.image, s["gpufleet_image_ref"])
     problems = checks.check(name, snap, s, spec.gpus, ref)
-    cut = cut_rename_away(name, snap, spec.service)
+    cut = cut_rename_away(name, snap.other_ledgers, spec.service)
     if cut:
         problems.append(cut)
-    # The service's own ledger file, as a rollout reads it (not the one a renamed service takes over): host_ledger
-    # parsed it above when there is one.
-    own = ledger if snap.ledger_text is not None else Ledger()
-    changed = changed_since_read(name, own, s["gpufleet_expect_committed"])
+    # The ledger the service goes by, as the rollout read it (gpufleet.rollout.ledgers applies the same rules).
+    changed = changed_since_read(name, ledger, s["gpufleet_expect_committed"])
     if changed:
         problems.append(changed)
     if ref and not s["gpufleet_retry_failed"]:
@@ -156,40 +126,6 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         if refused:
             problems.append(f"{name}: {refused}")
     return problems
-
-
-def cut_rename_away(name: str, snap: HostSnapshot, service: str) -> str | None:
-    """The refusal for a host where a run renaming `service` to another name was cut before it finished: the other
-    service's ledger holds this service's version committed (it took this ledger over) and its own version pending,
-    its unit is installed and maybe running. Converging `service` now would start a second vLLM on the same GPUs
-    with nothing to roll back to; converging the other name settles the rename (finished, or rolled back to this
-    service)."""
-    for path, text in sorted(snap.other_ledgers.items()):
-        try:
-            other = parse(text)
-        except CorruptLedger:
-            continue  # another service's problem: its own deploy refuses it
-        if other.pending is None or other.committed is None or other.committed.version.service != service:
-            continue
-        renamed_to = other.pending.version.service or posixpath.basename(path).removesuffix(".json")
-        return (f"{name}: a run renaming vllm_service {service!r} to {renamed_to!r} was cut before it finished "
-                f"({renamed_to} has {other.pending.version.ref} pending): converging {service!r} now would start a "
-                f"second vLLM on the same GPUs (fix: converge once with vllm_service={renamed_to!r}: it finishes the "
-                f"rename, or rolls it back to {service!r}; then converge with the name you want)")
-    return None
-
-
-def changed_since_read(name: str, ledger: Ledger, expected: Mapping[str, str | None] | None) -> str | None:
-    """The refusal for a host whose committed version is not the one a rollout read when it started (None: no
-    expectation for this host, or it holds). Checked under the run's lock: nothing can change it before the swap."""
-    if expected is None or name not in expected:
-        return None
-    have = ledger.committed.version.ref if ledger.committed else None
-    if have == expected[name]:
-        return None
-    return (f"{name}: its ledger has {have or 'no version'} committed, the rollout read {expected[name] or 'none'} "
-            "when it started: another run changed the host since (fix: run the rollout again: it reads every host "
-            "anew)")
 
 
 @deploy("Deploy Qwen 3.5 on vLLM")
@@ -202,7 +138,7 @@ def deploy_qwen35() -> None:
     s, spec, layout = plan.settings, plan.spec, plan.layout
     held = remember(host, snap)  # every operation decides from this one read
     has_gpu = bool(snap.gpus)
-    ledger = host_ledger(snap, plan)  # preflight refused a corrupt one
+    ledger = host_ledger(snap.ledger_text, snap.other_ledgers, spec.port)  # preflight refused a corrupt one
     prepare = s["gpufleet_stage"] == "prepare"
     # A cut run's pending version is settled first: dropped, or rolled back (then nothing else runs), or finished
     # below. A prepare run changes no ledger and restarts nothing: it leaves that to the converge.
@@ -269,7 +205,7 @@ def deploy_qwen35() -> None:
     restart_pending = isinstance(decision, FinishPending) and decision.restart
     service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
                     changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
-                    replaces=replaced_service(ledger, spec))
+                    replaces=replaced_service(ledger, spec.service))
     # After a (re)start: ready, then still ready for vllm_ready_soak_s: committed, or the committed version goes back.
     service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec, verify=verify.run, changes=changes,
                   start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)

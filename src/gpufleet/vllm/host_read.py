@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpufleet.harness.preflight import HostRead
-from gpufleet.vllm.facts import COMMAND_TIMEOUT_S, SNAPSHOT_REFUSED, GpufleetHost, HostSnapshot
+from gpufleet.vllm.facts import SNAPSHOT_REFUSED, GpufleetHost, HostSnapshot
+from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
 from gpufleet.vllm.settings import merged_settings
 
 

@@ -32,7 +32,8 @@ from gpufleet.health.check import reached
 from gpufleet.health.serving import Served, run_checks
 from gpufleet.health.serving import failed as failed_serving
 from gpufleet.health.wait import Exited, transient
-from gpufleet.hoststate.ledger import RETRY_SETTING, Ledger, Version, atomic_write_command
+from gpufleet.hoststate.atomic import atomic_write_command
+from gpufleet.hoststate.ledger import RETRY_SETTING, Ledger, Version
 from gpufleet.hoststate.ledger import commit as ledger_commit
 from gpufleet.hoststate.ledger import roll_back as ledger_roll_back
 from gpufleet.hoststate.paths import UNITS_DIR, committed_unit, ledger_path, unit_backup

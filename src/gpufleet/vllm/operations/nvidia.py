@@ -13,14 +13,14 @@ from gpufleet.hoststate.paths import STATE_DIR
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import put_content, replace_command, temp_path
 from gpufleet.operations.run import snapshot
-from gpufleet.vllm.facts import DAEMON_JSON
+from gpufleet.vllm.host_command import DAEMON_JSON
 from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.repo_keys import dearmor, install_fetched_key, key_commands
 
 KEYRING = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
 LIST = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
 PACKAGE = "nvidia-container-toolkit"
-# `nvidia-smi --version` as the snapshot last read it live (gpufleet.vllm.facts.driver_lines reads it back). Not
+# `nvidia-smi --version` as the snapshot last read it live (gpufleet.vllm.host_command.driver_lines reads it back). Not
 # *.json: the snapshot takes the state dir's JSON files for ledgers.
 VERSION_FILE = f"{STATE_DIR}/nvidia-version"
 
