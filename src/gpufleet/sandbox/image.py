@@ -63,9 +63,13 @@ COMMON_ENV = {
     "VLLM_USAGE_SOURCE": "production-docker-image",
     "PYTHONUNBUFFERED": "1",
 }
+# The stand-in `vllm serve`: the script and the modules it imports, installed side by side (a script's own
+# directory is on its sys.path).
+VLLM_MODULES = ("vllm_serve.py", "vllm_argv.py", "vllm_engine.py", "vllm_chat.py", "vllm_http.py", "vllm_compile_cache.py")
 # What goes into the image's /opt (image name -> source): the stand-ins and the flag table compiled from the real
-# `vllm serve --help=all`, the same table settings validation uses (gpufleet.vllm.flags).
-SOURCES = {"vllm_serve.py": STANDIN / "vllm_serve.py", "hf.py": STANDIN / "hf.py", "vllm_flags.json": FLAGS_JSON}
+# `vllm serve --help=all`, the same table settings validation uses (gpufleet.vllm.flags). The image's key hashes
+# every one of them: a change to any rebuilds it.
+SOURCES = {**{name: STANDIN / name for name in VLLM_MODULES}, "hf.py": STANDIN / "hf.py", "vllm_flags.json": FLAGS_JSON}
 
 
 def image_ref(cfg: FleetConfig, tag: str = "nightly") -> str:
@@ -194,8 +198,7 @@ def _build_image_tar(base: Path, root: Path, out: Path) -> None:
     (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
     (root / "etc/group").write_text("root:x:0:\n")
     opt = root / "opt/gpufleet-standin"
-    for name, src in SOURCES.items():
-        shutil.copy(src, opt / name)
+    install_sources(opt)
     for command, script in (("vllm", "vllm_serve.py"), ("hf", "hf.py")):
         (opt / script).chmod(0o755)
         (root / "usr/bin" / command).symlink_to(f"/opt/gpufleet-standin/{script}")
@@ -203,6 +206,12 @@ def _build_image_tar(base: Path, root: Path, out: Path) -> None:
     run(["tar", "-C", str(root), "--numeric-owner", "--owner=0", "--group=0", "-cf", str(out) + ".tmp", "."])
     Path(str(out) + ".tmp").rename(out)
     shutil.rmtree(root)
+
+
+def install_sources(opt: Path) -> None:
+    """The stand-ins and the flag table into `opt` (the image's /opt/gpufleet-standin), flat, as SOURCES names them."""
+    for name, src in SOURCES.items():
+        shutil.copy(src, opt / name)
 
 
 def _copy_libraries(base: Path, root: Path) -> None:

@@ -1,0 +1,101 @@
+"""What the stand-in vLLM's "model" sees and says: the chat prompt, its tokens, greedy answers, tool arguments.
+
+The prompt is Qwen's ChatML; its tokens are a crude sub-word split. Answers are a function of the whole prompt and
+the position, so a prompt gets the same answer whether its prefix was cached or not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from typing import Any
+
+
+def chat_prompt(messages: list[dict[str, Any]], tools: list[Any] | None = None, thinking: bool = True) -> str:
+    """A ChatML rendering (Qwen3's template shape): what the token count, prefix matching and answers run on.
+
+    Tools go into the system prompt; enable_thinking false closes an empty think block after the assistant header.
+    """
+    parts = []
+    if tools:
+        listed = "\n".join(json.dumps(t) for t in tools)
+        system = ""
+        if messages and messages[0].get("role") == "system":
+            system, messages = f"{_text(messages[0])}\n\n", messages[1:]
+        parts.append(f"<|im_start|>system\n{system}# Tools\n\nYou may call one or more functions to assist with the user "
+                     f"query.\n\n<tools>\n{listed}\n</tools><|im_end|>\n")
+    for m in messages:
+        parts.append(f"<|im_start|>{m.get('role', 'user')}\n{_text(m)}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+
+
+def _text(message: dict[str, Any]) -> str:
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+# A chat marker is one token, a word (letters and digits) is cut in pieces of up to 4 characters (about a real BPE's
+# rate on English), any other character is a token of its own.
+_TOKEN = re.compile(r"<\|[a-z_]+\|>|</?think>|</?tool_call>| ?[A-Za-z0-9]{1,4}|.", re.S)
+
+
+def tokenize(text: str) -> list[str]:
+    return _TOKEN.findall(text)
+
+
+# What the stand-in "model" says: words of this vocabulary, one token each.
+VOCABULARY = (
+    "the a cache river garden answer model token light paper window silver morning quiet table bridge number "
+    "engine north summer stone letter orange music simple careful early second people field market harbour "
+    "winter yellow forest signal motor valley copper island planet rain blue green seven eleven ninety open "
+    "closed ready steady small large warm cold fast slow bright dark left right upper lower inner outer"
+).split()
+MAX_TOP_LOGPROBS = 20
+
+
+def greedy_tokens(prompt: str, n: int, top: int, state: bytes = b"") -> list[dict[str, Any]]:
+    """The greedy answer to `prompt`: n logprob entries as vLLM returns them (token, logprob, bytes, top_logprobs).
+
+    Each position's distribution comes from sha256 of the prompt (and `state`: b"" is the right one) and the
+    position: the chosen token is the argmax, its logprob in [-0.9, -0.5], each next alternative ~1 nat lower.
+    """
+    base = hashlib.sha256(b"standin-greedy\0" + state + b"\0" + prompt.encode()).digest()
+    entries = []
+    for i in range(n):
+        rng = random.Random(hashlib.sha256(base + i.to_bytes(4, "big")).digest())
+        picks = rng.sample(range(len(VOCABULARY)), MAX_TOP_LOGPROBS)  # always as many: the answer must not vary with top
+        logprob = -(0.5 + 0.4 * rng.random())
+        ranked = []
+        for index in picks:
+            word = VOCABULARY[index]
+            token = word.capitalize() if i == 0 else f" {word}"
+            ranked.append({"token": token, "logprob": round(logprob, 4), "bytes": list(token.encode())})
+            logprob -= 1.0 + 0.2 * rng.random()
+        entries.append({**ranked[0], "top_logprobs": ranked[:top]})
+    return entries
+
+
+def stale_tokens(prompt: str, n: int, top: int) -> list[dict[str, Any]]:
+    """STANDIN_MISBEHAVE=cache-corrupt: the answer of a wrong cached state, as confident, never the right first token."""
+    right = greedy_tokens(prompt, 1, 1)[0]["token"]
+    for attempt in range(8):
+        wrong = greedy_tokens(prompt, n, top, state=f"stale-{attempt}".encode())
+        if not wrong or wrong[0]["token"] != right:
+            break
+    return wrong
+
+
+def tool_arguments(tool: dict[str, Any]) -> dict[str, Any]:
+    """Each required parameter of the tool's JSON schema filled in: an enum's first value, else a short value."""
+    schema = (tool.get("function") or {}).get("parameters") or {}
+    properties = schema.get("properties") or {}
+    examples = {"integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}
+    out: dict[str, Any] = {}
+    for name in schema.get("required") or []:
+        spec = properties.get(name) or {}
+        out[name] = spec["enum"][0] if spec.get("enum") else examples.get(str(spec.get("type")), "example")
+    return out
