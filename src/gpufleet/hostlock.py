@@ -39,6 +39,7 @@ from types import TracebackType
 import paramiko
 from pyinfra.api import Host
 
+from gpufleet.defaults import WAIT_SETTING
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.remote.ssh import use_sudo
 
@@ -56,8 +57,6 @@ START_MARGIN_S = 30.0
 # disconnects, without waiting for each host's shell to see the EOF, so its successor may find them still held for
 # a moment (a round trip and a process exit on the host).
 LETTING_GO_S = 5.0
-WAIT_SETTING = "gpufleet_lock_wait_s"  # seconds a run waits for the holder (pyinfra --data); 0: refuse at once
-LEASE_SETTING = "gpufleet_lock_lease_s"  # seconds without a heartbeat after which the host drops the lock
 
 
 class HostLockError(GpufleetError):

@@ -65,3 +65,14 @@ def normalise(text: str) -> str:
     """docker's short form of a reference (unchanged when it does not parse)."""
     ref = parse(text)
     return str(ref) if ref else text
+
+
+def repository(image: str) -> str:
+    """The repository as docker lists it: "reg:5000/vllm/vllm-openai:nightly" -> "reg:5000/vllm/vllm-openai" (a
+    registry port is not a tag), "docker.io/library/ubuntu:24.04" -> "ubuntu"."""
+    ref = parse(image)
+    if ref is not None:
+        return ref.repository
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name[: len(name) - len(last)] + last.split(":", 1)[0]

@@ -7,9 +7,9 @@ import pytest
 
 from gpufleet.hoststate.ledger import Committed, Ledger, Version
 from gpufleet.hoststate.sections import MARK
-from gpufleet.image_names import normalise, parse
+from gpufleet.image_names import normalise, parse, repository
 from gpufleet.vllm.facts import parse_snapshot
-from gpufleet.vllm.operations.image import image_present, pick_digest, pinned_ref, repository
+from gpufleet.vllm.operations.image import image_present, pick_digest, pinned_ref
 from gpufleet.vllm.settings import build_spec
 
 D1, D2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64

@@ -129,7 +129,7 @@ def test_a_converged_host_is_a_no_op_whatever_the_key_servers_do():
     # The bug this fixes: the snapshot fetched both keys on every converge, and a key server that did not answer
     # (an offline fleet) made every host fetch again while executing, report a change and fail.
     snap = converged_keys()
-    assert run_alone(nvidia.repository, snap, repo_url=NVIDIA_URL) == []
+    assert run_alone(nvidia.toolkit_repo, snap, repo_url=NVIDIA_URL) == []
     assert run_alone(docker.engine, snap, repo_url=DOCKER_URL) == []
 
 
@@ -146,7 +146,7 @@ def test_a_missing_keyring_is_fetched_while_executing_when_the_snapshot_got_none
     # No curl when the snapshot ran (the deploy installs it first), or the key server did not answer then.
     snap = converged_keys()
     del snap.file_sha256[nvidia.KEYRING], snap.file_sha256[docker.DOCKER_KEY]
-    (fetch,) = run_alone(nvidia.repository, snap, repo_url=NVIDIA_URL)
+    (fetch,) = run_alone(nvidia.toolkit_repo, snap, repo_url=NVIDIA_URL)
     assert fetches([fetch]) == [(f"{NVIDIA_URL}/gpgkey", nvidia.KEYRING, repo_keys.dearmor, None, "nvidia_repo_url")]
     fetch, update = run_alone(docker.engine, snap, repo_url=DOCKER_URL)
     assert fetches([fetch]) == [(f"{DOCKER_URL}/debian/gpg", docker.DOCKER_KEY, docker.armored, None,
@@ -157,7 +157,7 @@ def test_a_missing_keyring_is_fetched_while_executing_when_the_snapshot_got_none
 def test_a_package_to_install_fetches_the_key_first_so_a_rotated_key_is_picked_up(apt_installs):
     snap = converged_keys()
     del snap.packages[nvidia.PACKAGE], snap.packages["containerd.io"]
-    (fetch,) = run_alone(nvidia.repository, snap, repo_url=NVIDIA_URL)
+    (fetch,) = run_alone(nvidia.toolkit_repo, snap, repo_url=NVIDIA_URL)
     assert fetches([fetch])[0][3] == snap.file_sha256[nvidia.KEYRING]  # rewritten only if the served one differs
     fetch, install = run_alone(docker.engine, snap, repo_url=DOCKER_URL)
     assert fetches([fetch])[0][:2] == (f"{DOCKER_URL}/debian/gpg", docker.DOCKER_KEY)
@@ -166,7 +166,7 @@ def test_a_package_to_install_fetches_the_key_first_so_a_rotated_key_is_picked_u
 
 def test_a_changed_repo_fetches_its_key_before_its_source_line():
     snap = converged_keys()
-    commands = run_alone(nvidia.repository, snap, repo_url="http://mirror.example/nvidia")
+    commands = run_alone(nvidia.toolkit_repo, snap, repo_url="http://mirror.example/nvidia")
     assert fetches(commands)[0][0] == "http://mirror.example/nvidia/gpgkey"
     assert isinstance(commands[0], FunctionCommand) and commands[-1].dest == nvidia.LIST
     commands = run_alone(docker.engine, snap, repo_url="http://mirror.example/linux")
@@ -176,10 +176,10 @@ def test_a_changed_repo_fetches_its_key_before_its_source_line():
 
 def test_a_refresh_replaces_a_rotated_key_and_nothing_else():
     same = converged_keys(nvidia_key=ARMORED, docker_key=ARMORED)
-    assert run_alone(nvidia.repository, same, repo_url=NVIDIA_URL, refresh_keys=True) == []
+    assert run_alone(nvidia.toolkit_repo, same, repo_url=NVIDIA_URL, refresh_keys=True) == []
     assert run_alone(docker.engine, same, repo_url=DOCKER_URL, refresh_keys=True) == []
     rotated = converged_keys(nvidia_key=ROTATED, docker_key=ROTATED)
-    mkdir, upload = run_alone(nvidia.repository, rotated, repo_url=NVIDIA_URL, refresh_keys=True)
+    mkdir, upload = run_alone(nvidia.toolkit_repo, rotated, repo_url=NVIDIA_URL, refresh_keys=True)
     assert upload.dest == nvidia.KEYRING and upload.src.getvalue() == repo_keys.dearmor(ROTATED)
     mkdir, upload, update = run_alone(docker.engine, rotated, repo_url=DOCKER_URL, refresh_keys=True)
     assert upload.dest == docker.DOCKER_KEY and upload.src.getvalue() == ROTATED.encode()
@@ -189,8 +189,8 @@ def test_a_refresh_replaces_a_rotated_key_and_nothing_else():
 def test_a_refresh_whose_fetch_failed_keeps_the_installed_key_and_says_so(caplog):
     snap = converged_keys()  # refresh asked, the key server did not answer: no key in the snapshot
     with caplog.at_level(logging.WARNING):
-        assert run_alone(nvidia.repository, snap, repo_url=NVIDIA_URL, refresh_keys=True) == []  # the plan: silent
-        assert run_alone(nvidia.repository, snap, executing=True, repo_url=NVIDIA_URL, refresh_keys=True) == []
+        assert run_alone(nvidia.toolkit_repo, snap, repo_url=NVIDIA_URL, refresh_keys=True) == []  # the plan: silent
+        assert run_alone(nvidia.toolkit_repo, snap, executing=True, repo_url=NVIDIA_URL, refresh_keys=True) == []
         assert run_alone(docker.engine, snap, executing=True, repo_url=DOCKER_URL, refresh_keys=True) == []
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert [re.sub(r"\x1b\[[0-9;]*m", "", w).split("] ", 1)[-1] for w in warnings] == [

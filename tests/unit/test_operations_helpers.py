@@ -8,10 +8,11 @@ import pytest
 from pyinfra.api import OperationValueError
 
 from gpufleet.hoststate.ledger import Committed, Ledger, Version
+from gpufleet.image_names import repository
 from gpufleet.operations.secret import Hidden
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.operations.docker import repo_line
-from gpufleet.vllm.operations.image import pick_digest, pinned_ref, repository
+from gpufleet.vllm.operations.image import pick_digest, pinned_ref
 from gpufleet.vllm.operations.model import missing_parts
 from gpufleet.vllm.operations.nvidia import list_line
 from gpufleet.vllm.operations.repo_keys import dearmor

@@ -15,12 +15,13 @@ from pyinfra.api import Config, Inventory, State
 from pyinfra.api.deploy import add_deploy
 from pyinfra.api.exceptions import DeployError
 
-from gpufleet.harness import preflight, result as summary
-from gpufleet.vllm.deploy import deploy_qwen35, plan_for
+from gpufleet.harness import preflight
+from gpufleet.harness import result as run_result
 from gpufleet.harness.result import RESULT_ENV, HostResult, read_result, write_result
 from gpufleet.rollout import deploy as rollout_deploy
 from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.prepare import failures
+from gpufleet.vllm.deploy import deploy_qwen35, plan_for
 from tests.ports import free_port
 
 DEPLOY = '''
@@ -123,7 +124,7 @@ def test_a_preflight_refusal_is_the_refused_hosts_problem_and_stops_the_others(t
 
 def test_a_state_that_never_connected_fails_every_host_it_could_not_reach():
     state = State(Inventory(([("gpu1", {})], {})), Config())
-    finished, (result,) = summary.results(state)
+    finished, (result,) = run_result.results(state)
     assert not finished and not result.ok and not result.reached
     assert result.problems[0].startswith("gpu1: could not be reached over SSH")
 

@@ -27,6 +27,7 @@ from pyinfra.api.exceptions import DeployError
 from pyinfra.context import ctx_config, ctx_host, ctx_state
 
 from gpufleet import hostlock
+from gpufleet.defaults import LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import SettingErrors
 from gpufleet.operations.run import release_locks, report, run_context, take_lock
 from gpufleet.remote.ssh import use_sudo
@@ -115,15 +116,15 @@ def _lock(target: Host, settings: Mapping[str, Any], lock_path: str, read: str,
     except hostlock.HostLockError as error:
         return str(error), None
     except (TypeError, ValueError):  # a deploy whose plan_for does not check them
-        wait, lease = settings.get(hostlock.WAIT_SETTING), settings.get(hostlock.LEASE_SETTING)
-        return (f"{target.name}: {hostlock.WAIT_SETTING} and {hostlock.LEASE_SETTING} must be numbers of seconds, "
+        wait, lease = settings.get(WAIT_SETTING), settings.get(LEASE_SETTING)
+        return (f"{target.name}: {WAIT_SETTING} and {LEASE_SETTING} must be numbers of seconds, "
                 f"got {wait!r} and {lease!r} (fix: set them to numbers)"), None
 
 
 def _lock_wait(data: Mapping[str, Any], reads: HostRead[Any, Any]) -> float:
     """A host's gpufleet_lock_wait_s, 0 when it is not a valid number (plan_for refuses it then, without locking)."""
     try:
-        wait = float(reads.merged(data)[hostlock.WAIT_SETTING])
+        wait = float(reads.merged(data)[WAIT_SETTING])
     except (TypeError, ValueError):
         return 0.0
     return wait if 0 <= wait < float("inf") else 0.0

@@ -38,17 +38,9 @@ from pyinfra.api import Host, State
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import ctx_host, ctx_state
 
+from gpufleet.defaults import LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import one_line
-from gpufleet.hostlock import (
-    LEASE_SETTING,
-    LOCK_PATH,
-    START_MARGIN_S,
-    WAIT_SETTING,
-    HostLock,
-    LockLost,
-    NotOverSsh,
-    lock_host,
-)  # fmt: skip
+from gpufleet.hostlock import LOCK_PATH, START_MARGIN_S, HostLock, LockLost, NotOverSsh, lock_host
 from gpufleet.hoststate.ledger import Ledger
 from gpufleet.vllm.facts import HostSnapshot
 

@@ -16,8 +16,9 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
+from gpufleet.defaults import LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.hostlock import LEASE_SETTING, WAIT_SETTING, HostLock, HostLockBusy, HostLockError
+from gpufleet.hostlock import HostLock, HostLockBusy, HostLockError
 from gpufleet.inventory import HostData
 from gpufleet.remote.ssh import needs_sudo
 from gpufleet.remote.transport import SshTransport, Unreachable

@@ -60,7 +60,7 @@ class Target:
         return f"pulled on {self.resolved_on}: {self.pulled_because or 'no registry lookup'}"
 
 
-def repository(hosts: Sequence[FleetHost]) -> str:
+def fleet_repository(hosts: Sequence[FleetHost]) -> str:
     """The one repository every host's vllm_image names (a rollout moves one image across the fleet)."""
     repos = {h.name: ref.repository for h in hosts if (ref := parse(h.spec.image)) is not None}
     distinct = sorted(set(repos.values()))
@@ -73,7 +73,7 @@ def repository(hosts: Sequence[FleetHost]) -> str:
 
 def requested_image(hosts: Sequence[FleetHost], image: str | None) -> str:
     """--image, checked against the fleet's repository; else the inventory's vllm_image (one for all hosts)."""
-    repo = repository(hosts)
+    repo = fleet_repository(hosts)
     if image is None:
         images = sorted({h.spec.image for h in hosts})
         if len(images) != 1:
@@ -283,7 +283,7 @@ def resolve(hosts: Sequence[FleetHost], sessions: Sessions, image: str | None) -
     pinned = parse(requested)
     if pinned is not None and pinned.pinned:
         return Target(pinned.pinned, requested)
-    repo = pinned.repository if pinned is not None else repository(hosts)
+    repo = pinned.repository if pinned is not None else fleet_repository(hosts)
     errors = []
     for host in hosts:  # the first host that answers resolves it; the others get it by digest in prepare
         try:

@@ -166,7 +166,7 @@ def deploy_qwen35() -> None:
     refresh_keys = bool(s["gpufleet_refresh_keys"])
     docker.engine(name="Install the Docker engine", install=s["docker_install"], repo_url=s["docker_repo_url"],
                   refresh_keys=refresh_keys)
-    nvidia.repository(name="Add the NVIDIA container toolkit apt repository", repo_url=s["nvidia_repo_url"],
+    nvidia.toolkit_repo(name="Add the NVIDIA container toolkit apt repository", repo_url=s["nvidia_repo_url"],
                       refresh_keys=refresh_keys)
     nvidia.toolkit(name="Install the NVIDIA container toolkit")
     runtime = nvidia.docker_runtime(name="Register the nvidia runtime with Docker")

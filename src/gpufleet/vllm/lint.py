@@ -17,6 +17,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, overload
 
+from gpufleet.defaults import ACCEPT_SETTING
 from gpufleet.errors import SettingError, shown
 from gpufleet.vllm.spec import ArgValue, OptionValue, ServeSpec
 from gpufleet.wire.geometry import PREFERRED_UNIT, legal_prefix_match_unit, resolved_block_sizes
@@ -37,7 +38,6 @@ Severity = Literal["error", "warning", "info"]
 #   info:    advice; it runs as asked: never changes the exit status.
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
 # The host data setting that lists the rule ids a host accepts on purpose.
-ACCEPT_SETTING = "gpufleet_accept"
 
 
 @dataclass(frozen=True)

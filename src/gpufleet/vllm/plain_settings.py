@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from gpufleet.defaults import DEFAULTS
+from gpufleet.defaults import DEFAULTS, EXPECT_COMMITTED_SETTING, IMAGE_REF_SETTING
 from gpufleet.errors import shown
 from gpufleet.image_names import parse as parse_image
 from gpufleet.vllm.spec import SERVICE_NAME
@@ -60,12 +60,12 @@ def check_image_ref(value: Any, image: str, fail: Fail) -> str | None:
         return None
     ref = parse_image(value) if isinstance(value, str) else None
     if ref is None or ref.digest is None or not _DIGEST.fullmatch(ref.digest):
-        fail("gpufleet_image_ref", f"{shown(value)} is not a digest reference",
+        fail(IMAGE_REF_SETTING, f"{shown(value)} is not a digest reference",
              'use "repo@sha256:<64 hex digits>", or None to install vllm_image')
         return None
     wanted = parse_image(image)
     if wanted is not None and ref.repository != wanted.repository:
-        fail("gpufleet_image_ref", f"{shown(value)} is not of vllm_image's repository {wanted.repository}",
+        fail(IMAGE_REF_SETTING, f"{shown(value)} is not of vllm_image's repository {wanted.repository}",
              f"use {wanted.repository}@sha256:<digest>, or change vllm_image to that repository")
         return None
     return ref.pinned
@@ -77,7 +77,7 @@ def check_expect_committed(value: Any, fail: Fail) -> None:
         return
     if not isinstance(value, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
                                               for k, v in value.items()):
-        fail("gpufleet_expect_committed", f"{shown(value)} is not a map of host name to digest",
+        fail(EXPECT_COMMITTED_SETTING, f"{shown(value)} is not a map of host name to digest",
              'pass --data \'gpufleet_expect_committed={"gpu1": "repo@sha256:...", "gpu2": null}\', or leave it unset')
 
 

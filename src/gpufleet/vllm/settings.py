@@ -15,7 +15,16 @@ import posixpath
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from gpufleet.defaults import DEFAULTS
+from gpufleet.defaults import (
+    DEFAULTS,
+    EXPECT_COMMITTED_SETTING,
+    IMAGE_REF_SETTING,
+    REFRESH_KEYS_SETTING,
+    RETRY_SETTING,
+    STAGE_SETTING,
+    VERIFY_CHECKS_SETTING,
+    VERIFY_PROBE_SETTING,
+)
 from gpufleet.errors import SettingError, SettingErrors, shown
 from gpufleet.quoting import systemd_exec
 from gpufleet.vllm.container_env import check_secret_env, merge_env
@@ -45,7 +54,7 @@ _OUR_PREFIXES = ("vllm_", "gpufleet_", "docker_", "nvidia_")
 # systemd refuses unit file lines longer than LONG_LINE_MAX (1 MiB); keep room for the pinned digest.
 MAX_UNIT_LINE_BYTES = 1024 * 1024 - 4096
 # Settings that change what one run does; their values may come from `--data key=value` on pyinfra's command line.
-RUN_FLAGS = ("gpufleet_retry_failed", "gpufleet_verify_probe", "gpufleet_refresh_keys")
+RUN_FLAGS = (RETRY_SETTING, VERIFY_PROBE_SETTING, REFRESH_KEYS_SETTING)
 _BOOL_WORDS = {"true": True, "false": False}
 STAGES = ("converge", "prepare")
 
@@ -110,14 +119,14 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
 
     image = check_image(s["vllm_image"], fail)
     if image:
-        s["gpufleet_image_ref"] = check_image_ref(s["gpufleet_image_ref"], image, fail)
-    check_expect_committed(s["gpufleet_expect_committed"], fail)
+        s[IMAGE_REF_SETTING] = check_image_ref(s[IMAGE_REF_SETTING], image, fail)
+    check_expect_committed(s[EXPECT_COMMITTED_SETTING], fail)
     for key in RUN_FLAGS:  # `--data key=true` may arrive as the word: one meaning from here on
         s[key] = _BOOL_WORDS.get(s[key].lower(), s[key]) if isinstance(s[key], str) else s[key]
     try:
-        s["gpufleet_verify_checks"] = parse_checks(s["gpufleet_verify_checks"])
+        s[VERIFY_CHECKS_SETTING] = parse_checks(s[VERIFY_CHECKS_SETTING])
     except (ValueError, TypeError) as error:
-        fail("gpufleet_verify_checks", f"{shown(s['gpufleet_verify_checks'])}: {error}",
+        fail(VERIFY_CHECKS_SETTING, f"{shown(s[VERIFY_CHECKS_SETTING])}: {error}",
              f'list some of {", ".join(SERVING_CHECKS)}, or "all" or "none"')
     gpus = check_gpus(s["vllm_gpus"], fail)
     port = check_port(s["vllm_port"], fail)
@@ -202,8 +211,8 @@ def _check_run_settings(s: Mapping[str, Any], fail: Fail) -> None:
     for key in RUN_FLAGS:
         if not isinstance(s[key], bool):
             fail(key, f"{shown(s[key])} is not true/false", f"set True or False, or pass --data {key}=true")
-    if s["gpufleet_stage"] not in STAGES:
-        fail("gpufleet_stage", f"{shown(s['gpufleet_stage'])} is not a stage", f"use one of: {', '.join(STAGES)}")
+    if s[STAGE_SETTING] not in STAGES:
+        fail(STAGE_SETTING, f"{shown(s[STAGE_SETTING])} is not a stage", f"use one of: {', '.join(STAGES)}")
 
 
 def _check_unit_line(spec: ServeSpec, fail: Fail) -> None:

@@ -24,23 +24,12 @@ from gpufleet.facts import pull as pull_facts
 from gpufleet.facts.pull import PullStats
 from gpufleet.hoststate.ledger import Ledger, pin
 from gpufleet.hoststate.paths import STATE_DIR
-from gpufleet.image_names import parse
+from gpufleet.image_names import parse, repository
 from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import write_file
 from gpufleet.operations.run import host_run, snapshot
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.sitecache.operations import STORAGE, CachePull
-
-
-def repository(image: str) -> str:
-    """The repository as docker lists it: "reg:5000/vllm/vllm-openai:nightly" -> "reg:5000/vllm/vllm-openai" (a
-    registry port is not a tag), "docker.io/library/ubuntu:24.04" -> "ubuntu"."""
-    ref = parse(image)
-    if ref is not None:
-        return ref.repository
-    name = image.split("@", 1)[0]
-    last = name.rsplit("/", 1)[-1]
-    return name[: len(name) - len(last)] + last.split(":", 1)[0]
 
 
 def pinned_ref(ledger: Ledger | None, image: str, image_ref_setting: str | None = None) -> str | None:

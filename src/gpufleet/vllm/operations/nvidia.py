@@ -39,7 +39,7 @@ def list_line(repo_url: str) -> str:
 
 
 @operation()
-def repository(repo_url: str = "https://nvidia.github.io/libnvidia-container", refresh_keys: bool = False) -> Commands:
+def toolkit_repo(repo_url: str = "https://nvidia.github.io/libnvidia-container", refresh_keys: bool = False) -> Commands:
     """Add NVIDIA's container-toolkit apt repo, signed by its key.
 
     The installed keyring stands: the snapshot fetches `<repo_url>/gpgkey` only when the keyring is missing or
@@ -48,7 +48,7 @@ def repository(repo_url: str = "https://nvidia.github.io/libnvidia-container", r
     key is fetched first, while executing, and a failed fetch fails the host. A refresh whose fetch failed keeps
     the installed keyring with a warning.
 
-        nvidia.repository(repo_url="https://nvidia.github.io/libnvidia-container", refresh_keys=False)
+        nvidia.toolkit_repo(repo_url="https://nvidia.github.io/libnvidia-container", refresh_keys=False)
     """
     snap = snapshot()
     url = key_url(repo_url)
