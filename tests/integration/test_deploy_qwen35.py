@@ -130,7 +130,7 @@ def test_foreign_daemon_json_keys_survive(converged, test_hosts, fleet):
 def test_second_converge_changes_nothing(converged, inventory_json, names, pyinfra, tmp_path):
     out = deploy(pyinfra, write_inventory(tmp_path, inventory_json, names)).stdout
     assert changes(out) == 0, changed_ops(out)
-    assert results(out)["Grand total"][0] == str(17 * len(names))
+    assert results(out)["Grand total"][0] == str(19 * len(names))
 
 
 def put_file(fleet, host, path: str, content: bytes) -> None:
@@ -344,7 +344,7 @@ def test_changing_one_hosts_setting_restarts_only_that_host(converged, test_host
     inv = write_inventory(tmp_path, inventory_json, names, {b.name: {"vllm_args": {"max-num-seqs": 4}}})
     out = deploy(pyinfra, inv).stdout
     assert changed_ops(out) == {"Install the vLLM systemd unit": 1, "Enable and start the vLLM service": 1,
-                                "Verify vLLM is ready (/health, /v1/models)": 1}
+                                "Verify vLLM is ready (/health, /v1/models)": 1, "Commit the verified vLLM version": 1}
     assert service_pid(fleet, a) == before[a.name]
     assert service_pid(fleet, b) != before[b.name]
     assert "--max-num-seqs 4" in fleet.read_file(b, f"/etc/systemd/system/{SERVICE}.service").decode()

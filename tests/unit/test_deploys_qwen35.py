@@ -12,7 +12,7 @@ import hashlib
 from typing import Any
 
 import pytest
-from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State, StringCommand
+from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Host, Inventory, State, StringCommand
 from pyinfra.api.deploy import add_deploy
 from pyinfra.context import ctx_host, ctx_state
 
@@ -47,8 +47,8 @@ def bare_but_installed() -> HostSnapshot:
                         units={"docker.service": ("active", "enabled")})
 
 
-def prepare(snapshot: HostSnapshot, monkeypatch: pytest.MonkeyPatch) -> tuple[Plan, list[tuple[str, list[Any]]]]:
-    """Run the playbook as pyinfra prepares it, then every operation's commands in full: [(op name, commands)]."""
+def planned(snapshot: HostSnapshot, monkeypatch: pytest.MonkeyPatch) -> tuple[Plan, State, Host]:
+    """The playbook as pyinfra prepares it (what `--dry` prints is read from this state)."""
     inventory = Inventory(([("gpu1", DATA)], {}))
     state = State(inventory, Config())
     target = inventory.get_host("gpu1")
@@ -57,6 +57,12 @@ def prepare(snapshot: HostSnapshot, monkeypatch: pytest.MonkeyPatch) -> tuple[Pl
     # Preflight's SSH read is the one thing replaced: this snapshot is what it would have read.
     monkeypatch.setattr(preflight, "read_fleet", lambda *_, **__: {"gpu1": preflight.Reading(plan, snapshot, [])})
     add_deploy(state, deploy_qwen35)
+    return plan, state, target
+
+
+def prepare(snapshot: HostSnapshot, monkeypatch: pytest.MonkeyPatch) -> tuple[Plan, list[tuple[str, list[Any]]]]:
+    """Run the playbook as pyinfra prepares it, then every operation's commands in full: [(op name, commands)]."""
+    plan, state, target = planned(snapshot, monkeypatch)
     ops = []
     with ctx_state.use(state), ctx_host.use(target):
         for op_hash in state.get_op_order():
@@ -94,7 +100,8 @@ def test_every_path_an_operation_writes_is_read_by_the_snapshot(monkeypatch):
     assert set(dirs) <= set(plan.paths.dirs), set(dirs) - set(plan.paths.dirs)
 
 
-def test_a_converged_host_gets_no_command_from_any_operation(monkeypatch):
+def converged_host(monkeypatch: pytest.MonkeyPatch) -> HostSnapshot:
+    """The snapshot of a host where the playbook has converged: what it writes is there, the service serves."""
     plan, ops = prepare(bare_but_installed(), monkeypatch)
     files, dirs = writes(ops)
     spec = plan.spec
@@ -116,7 +123,11 @@ def test_a_converged_host_gets_no_command_from_any_operation(monkeypatch):
     unit_upload = next(cmds for name, cmds in ops if name == "Install the vLLM systemd unit")
     converged.file_sha256.update({c.dest: hashlib.sha256(c.src.getvalue()).hexdigest() for c in unit_upload
                                   if isinstance(c, FileUploadCommand)})
-    _, ops = prepare(converged, monkeypatch)
+    return converged
+
+
+def test_a_converged_host_gets_no_command_from_any_operation(monkeypatch):
+    _, ops = prepare(converged_host(monkeypatch), monkeypatch)
     assert len(ops) >= 13 and {name: cmds for name, cmds in ops if cmds} == {}
 
 
@@ -129,7 +140,7 @@ def test_a_server_with_another_max_model_len_is_verified_not_taken_as_ready(monk
     snap.served_models = [(plan.spec.served_model_name, 1024)]
     _, ops = prepare(snap, monkeypatch)
     verify = next(cmds for name, cmds in ops if name == "Verify vLLM is ready (/health, /v1/models)")
-    assert [c.function.__name__ for c in verify] == ["run"]
+    assert [c.function.__name__ for c in verify] == ["verify"]
 
 
 def op_names(snap: HostSnapshot, monkeypatch: pytest.MonkeyPatch, **data: Any) -> list[str]:

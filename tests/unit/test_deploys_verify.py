@@ -1,4 +1,5 @@
-"""The ready wait, soak and rollback decisions behind the deploy's verify step (no host: scripted health reports)."""
+"""The ready wait, soak and rollback decisions behind the deploy's verify step (no host: scripted health reports).
+How the verdict picks the commit or the rollback: test_deploys_verdict.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,18 @@ from gpufleet.health import HealthReport, HealthState, poll_ready, soak
 from gpufleet.health.answers import AnswerCheck
 from gpufleet.health.wait import transient
 from gpufleet.hoststate.ledger import Version
+from gpufleet.operations.run import remember
 from gpufleet.remote.transport import ContainerInfo
-from gpufleet.vllm.verify import exited_detail, installed_problem, with_traffic
+from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.verify import (
+    Verdict,
+    Verification,
+    after_failed_verify,
+    exited_detail,
+    installed_problem,
+    with_traffic,
+)  # fmt: skip
 
 READY = HealthReport(HealthState.READY, "/health 200, serving qwen")
 STARTING = HealthReport(HealthState.STARTING, "port not answering yet")
@@ -200,3 +211,35 @@ def test_a_port_docker_could_not_publish_is_named_from_its_own_words(line):
     assert found is not None and "5000" in found and ("already in use" in found or "already allocated" in found)
     assert port_taken([line], 8000) is None  # another port's trouble is not this one's
     assert port_taken(["INFO: Uvicorn running on http://0.0.0.0:5000"], 5000) is None
+
+
+class RunState:
+    """Stands for pyinfra's State (the run's context is kept per state): the failure line is logged only."""
+
+
+class Logged:
+    """What after_failed_verify uses of a pyinfra Host when it writes nothing: its name, its state, its log."""
+
+    name, data = "gpu1", {}
+
+    def __init__(self) -> None:
+        self.state = RunState()
+        self.lines: list[str] = []
+
+    def log_styled(self, message: str, **_) -> None:
+        self.lines.append(message)
+
+
+@pytest.mark.parametrize("port_taken", [False, True])
+def test_a_failed_restart_of_the_committed_version_fails_the_host_on_one_line_and_writes_nothing(port_taken):
+    # Nothing pending (drift, a secrets change): nothing to roll back to or mark failed; the host fails, with the fix
+    # the verdict points at.
+    host = Logged()
+    remember(host, HostSnapshot())  # its ledger: nothing pending, nothing committed
+    spec = build_spec("gpu1", {"vllm_image": "reg:5000/vllm/vllm-openai:good", "vllm_port": 5000})
+    v = Verification(spec, 5.0, None, "/var/lib/gpufleet/vllm-qwen35.json", "qwen35")
+    found = Verdict(passed=False, failed="dead: docker run exited with status 125", port_taken=port_taken)
+    assert after_failed_verify(host, v, found) is False
+    (line,) = host.lines
+    assert line.startswith(f"gpu1: {spec.service} not ready (dead: docker run exited with status 125) (fix: ")
+    assert ("ss -ltnp 'sport = :5000'" in line) == port_taken

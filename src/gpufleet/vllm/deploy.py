@@ -53,7 +53,7 @@ from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, mo
 from gpufleet.vllm.operations.image import pinned_ref
 from gpufleet.vllm.settings import resolve_host
 from gpufleet.vllm.spec import ServeSpec
-from gpufleet.vllm.verify import Verification
+from gpufleet.vllm.verify import Verification, verify_failed, verify_passed
 from gpufleet.wire.checks import verify_checks
 
 
@@ -206,6 +206,11 @@ def deploy_qwen35() -> None:
     service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
                     changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
                     replaces=replaced_service(ledger, spec.service))
-    # After a (re)start: ready, then still ready for vllm_ready_soak_s: committed, or the committed version goes back.
-    service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec, verify=verify.run, changes=changes,
-                  start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)
+    # After a (re)start: ready, then still ready for vllm_ready_soak_s. Its verdict picks one of the two operations
+    # after it while executing (_if); --dry lists both as conditional changes of a host that will be verified.
+    verified = service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec, verify=verify.verify,
+                             changes=changes, start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)
+    service.committed(name="Commit the verified vLLM version", verified=verified, commit=verify.commit,
+                      _if=verify_passed)
+    service.rolled_back(name="Roll back a vLLM version that failed verification", verified=verified,
+                        roll_back=verify.roll_back_failed, _if=verify_failed)

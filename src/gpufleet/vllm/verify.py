@@ -1,15 +1,21 @@
-"""The deploy's verify step: ready, soak, real answers, then commit the pending version or roll back to the
+"""The deploy's verify step: ready, soak, real answers; then commit the pending version or roll back to the
 committed one. The deploy-side use of gpufleet.health (whose poller, check and notion of "ready" `gpufleet verify`
 shares).
 
-verify_rollout() runs inside the ready operation's FunctionCommand, while pyinfra executes: it waits for the
-restarted service, watches it for the soak (sending it a completion now and then), checks that the container
-answering is the version this run installed (its image is the pending digest, its label the pending spec), and sends
-it the requests a client sends (gpufleet.health.answers: a chat completion, plain and streamed). Passed: the
-ledger's pending version is committed (ledger.commit, with the time it first answered ready) and its unit kept as
-the next rollback target. Failed: the committed version's unit goes back (its own service name and port), the
-ledger marks the pending version failed (ledger.roll_back), the committed version is waited for, and the host fails
-with one line naming both digests.
+Three operations of the playbook (gpufleet.vllm.operations.service: ready, committed, rolled_back), so `--dry`
+lists all three; each runs a bound method of the host's Verification while pyinfra executes:
+
+    ready        Verification.verify: waits for the restarted service, watches it for the soak (sending it a
+                 completion now and then), checks that the container answering is the version this run installed
+                 (its image is the pending digest, its label the pending spec), and sends it the requests a client
+                 sends (gpufleet.health.answers: a chat completion, plain and streamed). The Verdict is kept in the
+                 run's state; a failed one does not fail the host here.
+    committed    (_if=verify_passed) Verification.commit: the ledger's pending version is committed
+                 (ledger.commit, with the time it first answered ready) and its unit kept as the next rollback
+                 target.
+    rolled_back  (_if=verify_failed) Verification.roll_back_failed: the committed version's unit goes back (its own
+                 service name and port), the ledger marks the pending version failed (ledger.roll_back), the
+                 committed version is waited for, and the host fails with one line naming both digests.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from functools import partial
 
 from pyinfra import logger
 from pyinfra.api import Host, State
+from pyinfra.context import ctx_host
 
 from gpufleet import hostlock
 from gpufleet.health import HealthReport, HealthState, check, poll_ready, soak
@@ -39,7 +46,7 @@ from gpufleet.hoststate.ledger import roll_back as ledger_roll_back
 from gpufleet.hoststate.paths import UNITS_DIR, committed_unit, ledger_path, unit_backup
 from gpufleet.operations.base import fail
 from gpufleet.operations.files import REFUSED, guarded
-from gpufleet.operations.run import check_lock, host_run, still_held_test
+from gpufleet.operations.run import check_lock, host_run, run_context, still_held_test
 from gpufleet.operations.secret import Hidden
 from gpufleet.remote.ssh import transport_from_pyinfra_host, use_sudo
 from gpufleet.remote.transport import ContainerInfo, Transport, TransportError
@@ -88,11 +95,49 @@ def failed_logs(host: Host, transport: Transport, service: str) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """What the verify found about the service it waited for, kept for the operation after it: passed (commit the
+    pending version) or failed (roll it back)."""
+
+    passed: bool
+    ready_at: str = ""  # passed: when it first answered ready (the commit records it)
+    failed: str = ""  # failed: "<state>: <detail>", with docker's words when the port was taken
+    check: str | None = None  # failed: the answer or serving check that failed (the failure mark names it)
+    port_taken: bool = False  # failed: docker could not publish the port (the fix says what to look at)
+
+
+class Verdicts(dict[str, Verdict]):
+    """This run's verdicts by host name: a slot of the run's context (gpufleet.operations.run). Run state, not an
+    argument: a verdict exists only once the verify executed, after pyinfra planned every operation."""
+
+
+def _verdicts(host: Host) -> Verdicts:
+    return run_context(host.state).slot(Verdicts, Verdicts)
+
+
+def verdict(host: Host) -> Verdict | None:
+    """The host's verdict in this run; None: nothing was verified (nothing restarted, or the verify did not end)."""
+    return _verdicts(host).get(host.name)
+
+
+def verify_passed() -> bool:
+    """pyinfra's _if for the commit: the current host's verify passed (called while executing, in its context)."""
+    found = verdict(ctx_host.get())
+    return found is not None and found.passed
+
+
+def verify_failed() -> bool:
+    """pyinfra's _if for the rollback: the current host's verify failed."""
+    found = verdict(ctx_host.get())
+    return found is not None and not found.passed
+
+
+@dataclass(frozen=True)
 class Verification:
-    """The verify step of one host's deploy; pass its bound `run` to gpufleet.vllm.operations.service.ready, and its
-    bound `roll_back_cut` to service.settled (bound methods: pyinfra names a FunctionCommand by its function's
-    __name__). served_before: the model name the host served before this run (the committed version is held to
-    it when it goes back)."""
+    """The verify step of one host's deploy; pass its bound `verify` to gpufleet.vllm.operations.service.ready,
+    `commit` to service.committed, `roll_back_failed` to service.rolled_back, and `roll_back_cut` to service.settled
+    (bound methods: pyinfra names a FunctionCommand by its function's __name__). served_before: the model name the
+    host served before this run (the committed version is held to it when it goes back)."""
 
     spec: ServeSpec
     timeout_s: float
@@ -103,8 +148,31 @@ class Verification:
     # pass, where its settings give them something to check (gpufleet.health.serving)
     checks: tuple[str, ...] = ()
 
-    def run(self, state: State, host: Host, soak_s: float) -> bool:
-        return verify_rollout(host, self, soak_s)
+    def verify(self, state: State, host: Host, soak_s: float) -> bool:
+        """Verify and keep the verdict for the commit or the rollback. A failed verify does not fail the host here
+        (the rollback does, once the committed version serves again); one that could not finish does: nothing is
+        committed or rolled back then."""
+        found = verify_rollout(host, self, soak_s)
+        if found is None:
+            return False
+        _verdicts(host)[host.name] = found
+        return True
+
+    def commit(self, state: State, host: Host) -> bool:
+        """The verify passed: the pending version becomes the committed one."""
+        found = verdict(host)
+        if found is None or not found.passed:  # the operation's _if runs it after a pass only: never guessed
+            return fail(host, f"{host.name}: nothing committed: this run's verify did not pass on the host (fix: "
+                              "converge again)")
+        return commit_pending(host, self, found.ready_at)
+
+    def roll_back_failed(self, state: State, host: Host) -> bool:
+        """The verify failed: back to the committed version, the pending one marked failed; always False."""
+        found = verdict(host)
+        if found is None or found.passed:  # the operation's _if runs it after a failure only
+            return fail(host, f"{host.name}: nothing rolled back: this run's verify did not fail on the host (fix: "
+                              "converge again)")
+        return after_failed_verify(host, self, found)
 
     def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
         """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one."""
@@ -155,9 +223,10 @@ def answer_failed(check_once: Callable[[], HealthReport], line: str) -> HealthRe
     return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=line)
 
 
-def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
-    """Ready within timeout_s, then still ready for soak_s: commit the pending version. Else the logs, and the
-    rollback to the committed version when there is one to go back to."""
+def verify_rollout(host: Host, v: Verification, soak_s: float) -> Verdict | None:
+    """Ready within timeout_s, then still ready for soak_s, answering as a client expects: passed. Else failed (the
+    failed container's log printed). None: the verify could not finish (the controller lost sight of the host); the
+    host failed on one line and the new version stays pending."""
     spec = v.spec
     exited = service_exited(host, spec.service)
     check_once = v.check_once(host, Expected.from_spec(spec))
@@ -182,32 +251,39 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> bool:
         report, failed_check = serving_report(host, v, report, check_once)
     if report.ready:
         host.log_styled(f"ready: {report.detail}", fg="green")
-        return commit_pending(host, v, ready_at)
+        return Verdict(passed=True, ready_at=ready_at)
     if transient(report) and pending is not None:
         # The controller lost sight of the host; the host said nothing against the version. Neither committed nor
         # rolled back, nor marked failed: it stays pending, and the next run (ledger.resume) verifies it again.
-        return fail(host, f"{host.name}: could not finish verifying {spec.service} ({report.state}: {report.detail}); "
-                          "nothing was committed or rolled back, the new version stays pending (fix: restore the "
-                          "link to the host, then converge again: the next run verifies it)")
+        fail(host, f"{host.name}: could not finish verifying {spec.service} ({report.state}: {report.detail}); "
+                   "nothing was committed or rolled back, the new version stays pending (fix: restore the link to the "
+                   "host, then converge again: the next run verifies it)")
+        return None
 
     logs = failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]
     for line in logs:
         host.log_styled(f"  | {line}")
-    ledger = host_run(host).ledger
     failed = f"{report.state}: {report.detail}"
     taken = port_taken(logs, spec.port)
     if taken:  # docker could not publish the port: that is the cause, not the exit status it led to
         failed += f"; port {spec.port} is taken on the host ({taken})"
     failed_check = failed_check if report.state == HealthState.MISCONFIGURED else None  # not when the engine died
+    return Verdict(passed=False, failed=failed, check=failed_check, port_taken=taken is not None)
+
+
+def after_failed_verify(host: Host, v: Verification, found: Verdict) -> bool:
+    """After a failed verify: the rollback to the committed version when there is one to go back to; else the pending
+    version marked failed. Always False: the host failed, on one line."""
+    spec, ledger = v.spec, host_run(host).ledger
     if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
         # Nothing verified to go back to (a first install, or a restart of the committed version itself).
         if ledger.pending is not None and not save_ledger(host, v.ledger_path, ledger_roll_back(
-                ledger, failed, now_utc(), check=failed_check)):
+                ledger, found.failed, now_utc(), check=found.check)):
             return False
         fix = (f"`ss -ltnp 'sport = :{spec.port}'` on the host shows what holds it: stop that, or set vllm_port to a "
-               "free port" if taken else f"see the container log above; `journalctl -u {spec.service}`")
-        return fail(host, f"{host.name}: {spec.service} not ready ({failed}) (fix: {fix})")
-    return roll_back(host, v, ledger, failed, check=failed_check)
+               "free port" if found.port_taken else f"see the container log above; `journalctl -u {spec.service}`")
+        return fail(host, f"{host.name}: {spec.service} not ready ({found.failed}) (fix: {fix})")
+    return roll_back(host, v, ledger, found.failed, check=found.check)
 
 
 _PORT_TAKEN = ("address already in use", "port is already allocated")

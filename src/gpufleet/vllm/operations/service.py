@@ -1,8 +1,10 @@
-"""The vLLM systemd service: secrets file, unit (running the pinned digest), enabled, (re)started, verified.
+"""The vLLM systemd service: secrets file, unit (running the pinned digest), enabled, (re)started, verified,
+committed or rolled back.
 
 Never break a serving host: the host's ledger (gpufleet.hoststate.ledger) names the new version `pending` before its unit is
-written or the service restarts; the deploy's verify callback (gpufleet.vllm.verify) commits it after ready and
-the soak, or puts the committed version's unit back (kept at layout.unit_backup when it was committed). A run cut
+written or the service restarts; ready() verifies it (the deploy's callback, gpufleet.vllm.verify, keeps the
+verdict), then committed() commits it after ready and the soak, or rolled_back() puts the committed version's unit
+back (kept at layout.unit_backup when it was committed): one of the two, by the verdict (pyinfra's `_if`). A run cut
 anywhere in between leaves the pending record for the next run to settle first (settled()).
 """
 
@@ -192,9 +194,13 @@ def _executing() -> bool:
 
 
 def _changed(ops: list[OperationMeta]) -> bool:
-    if _executing():
-        return any(op.did_change() for op in ops)
-    return any(op.will_change for op in ops)
+    """Does one of `ops` change the host: will_change while planning (what --dry shows), did_change once it ran
+    (while executing: a unit planned before the pull may turn out unchanged). pyinfra's own OperationMeta.changed is
+    exactly this, but marked deprecated (removed in v4). Its `_if=any_changed(...)` (pyinfra.operations.util) does
+    not fit the callers: pyinfra checks _if only while executing, so a plan would list the restart on every host
+    (a converged host's --dry would show a change), and _if only ANDs its conditions, while a restart also follows
+    from what the snapshot shows (drift, an inactive unit, a cut run's version)."""
+    return any(op.did_change() if op.is_complete() else op.will_change for op in ops)
 
 
 @operation(is_idempotent=False)
@@ -228,9 +234,12 @@ def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin
         host.noop(f"{name} is active and nothing it runs changed")
 
 
-# The deploy's verify step, run while executing: (state, host, soak seconds) -> ready. It commits the pending
-# version, or rolls back to the committed one (gpufleet.vllm.verify).
+# The deploy's verify step, run while executing: (state, host, soak seconds) -> False only when it could not finish.
+# It keeps its verdict for committed and rolled_back (gpufleet.vllm.verify).
 Verify = Callable[[State, Host, float], bool]
+# What follows the verdict, run while executing: (state, host) -> success (the commit; the rollback always fails the
+# host).
+AfterVerify = Callable[[State, Host], bool]
 
 
 def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
@@ -247,7 +256,8 @@ def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
 def ready(spec: ServeSpec, verify: Verify, changes: list[OperationMeta], start: bool = True, soak_s: float = 0.0,
           force: bool = False) -> Commands:
     """Verify the vLLM service serves what its spec says; after a (re)start (or with force: a cut run's version to
-    finish), verify with a soak of soak_s, then commit or roll back."""
+    finish), verify with a soak of soak_s. The verdict goes to committed or rolled_back, the operations after this
+    one: a failed verify does not fail the host here."""
     snap = snapshot()
     if not start:
         host.noop("no GPU: the service is not started, nothing to verify")
@@ -258,6 +268,31 @@ def ready(spec: ServeSpec, verify: Verify, changes: list[OperationMeta], start: 
         host.noop(f"ready: /health 200, /v1/models serves {spec.served_model_name}")
         return
     yield FunctionCommand(verify, (soak_s if restarted else 0.0,), {})
+
+
+@operation(is_idempotent=False)
+def committed(verified: OperationMeta, commit: AfterVerify) -> Commands:
+    """Commit the version the verify passed (call with _if=<its passed verdict>): the ledger names it committed and
+    its unit is kept as the next rollback target. verified: the ready operation; nothing to commit when it verified
+    nothing, or (known while executing) when nothing is pending: a restart of the committed version itself."""
+    if not _changed([verified]):
+        host.noop("nothing was restarted or verified: nothing to commit")
+        return
+    if _executing() and host_run().ledger.pending is None:
+        host.noop("verified a restart of the committed version: nothing new to commit")
+        return
+    yield FunctionCommand(commit, (), {})
+
+
+@operation(is_idempotent=False)
+def rolled_back(verified: OperationMeta, roll_back: AfterVerify) -> Commands:
+    """Roll back the version the verify failed (call with _if=<its failed verdict>): the committed version's unit,
+    service and port back, the pending version marked failed; or, with no version to go back to, marked failed
+    only. The host fails either way, on one line. verified: the ready operation."""
+    if not _changed([verified]):
+        host.noop("nothing was restarted or verified: nothing to roll back")
+        return
+    yield FunctionCommand(roll_back, (), {})
 
 
 @operation(is_idempotent=False)

@@ -1,0 +1,139 @@
+"""The verify's verdict and the two operations after it: `--dry` lists the commit and the rollback (pyinfra's plan of
+the qwen35 playbook, prepared offline on a given snapshot), and while executing the commit runs only after a passed
+verify, the rollback only after a failed one, and the rollback fails the host."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from pyinfra.api import Host, State
+from pyinfra.api.operations import run_host_op
+from pyinfra.connectors.util import CommandOutput
+from pyinfra.context import ctx_host, ctx_state
+from pyinfra_cli.prints import build_plan_json, print_meta
+
+from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin
+from gpufleet.operations.run import host_run
+from gpufleet.vllm import verify
+from gpufleet.vllm.deploy import plan_for
+from gpufleet.vllm.verify import Verdict
+from tests.unit.test_deploys_qwen35 import DATA, REF, bare_but_installed, converged_host, planned
+
+VERIFY = "Verify vLLM is ready (/health, /v1/models)"
+COMMIT = "Commit the verified vLLM version"
+ROLL_BACK = "Roll back a vLLM version that failed verification"
+
+
+def op_name(state: State, op_hash: str) -> str:
+    return next(iter(state.get_op_meta(op_hash).names)).rsplit(" | ", 1)[-1]
+
+
+def plan_rows(state: State) -> dict[str, tuple[list[str], list[str]]]:
+    """What `--dry` says of each operation (pyinfra's own plan): (hosts it changes, hosts it may change)."""
+    return {op["name"].rsplit(" | ", 1)[-1]: (op["hosts_with_change"], op["hosts_with_conditional_change"])
+            for op in build_plan_json(state)}
+
+
+def test_dry_lists_the_commit_and_the_rollback_after_the_verify_of_a_host_to_restart(monkeypatch, caplog):
+    _, state, _ = planned(bare_but_installed(), monkeypatch)  # a unit to install: restarted, then verified
+    rows = plan_rows(state)
+    names = list(rows)
+    assert names[-3:] == [VERIFY, COMMIT, ROLL_BACK]
+    assert rows[VERIFY] == (["gpu1"], [])
+    # Which of the two runs is known only once the verify ran: both are conditional changes (pyinfra's `_if`).
+    assert rows[COMMIT] == ([], ["gpu1"]) and rows[ROLL_BACK] == ([], ["gpu1"])
+    with caplog.at_level(logging.INFO, logger="pyinfra"):
+        print_meta(state)  # the table `pyinfra ... --dry` prints
+    printed = [line for line in caplog.text.splitlines() if COMMIT in line or ROLL_BACK in line]
+    assert len(printed) == 2 and all(line.rstrip().endswith("1 (gpu1)") for line in printed), caplog.text
+
+
+def test_dry_on_a_converged_host_shows_no_commit_or_rollback(monkeypatch):
+    _, state, _ = planned(converged_host(monkeypatch), monkeypatch)
+    rows = plan_rows(state)
+    assert not [name for name, (changes, _) in rows.items() if changes]
+    assert rows[VERIFY] == rows[COMMIT] == rows[ROLL_BACK] == ([], [])
+
+
+def pending_over_committed() -> Ledger:
+    """What the unit operation's begin wrote while executing: the new version pending over the committed one."""
+    plan = plan_for("gpu1", DATA)
+    old = Version(plan.spec.image, REF, "a" * 64, "0" * 16, plan.spec.service, plan.spec.port)
+    new = Version(plan.spec.image, REF[:-1] + "2", "b" * 64, plan.spec.spec_hash, plan.spec.service, plan.spec.port)
+    return begin(Ledger(committed=Committed(old, "t0")), new, "ops@laptop pid 7", "t1")
+
+
+def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: Verdict | None,
+                        ledger: Ledger) -> tuple[State, Host, dict[str, bool], list[tuple[str, Any]]]:  # fmt: skip
+    """Prepare the playbook for a host to restart, take the operations before the verify as executed as planned,
+    then let pyinfra execute the verify, the commit and the rollback: (state, host, each one's result, the calls the
+    three made: the verify's verdict is `found`, the commit and the rollback are recorded)."""
+    _, state, target = planned(bare_but_installed(), monkeypatch)
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setattr(verify, "verify_rollout", lambda host, v, soak_s: calls.append(("verify", soak_s)) or found)
+    monkeypatch.setattr(verify, "commit_pending", lambda host, v, ready_at: calls.append(("commit", ready_at)) or True)
+    monkeypatch.setattr(verify, "roll_back", lambda host, v, ledger, failed, check=None: calls.append(
+        ("roll back", (failed, check))) or False)
+    state.is_executing = True
+    host_run(target).ledger = ledger
+    order = state.get_op_order()
+    at = [op_name(state, op_hash) for op_hash in order].index(VERIFY)
+    for op_hash in order[:at]:
+        meta = state.get_op_data_for_host(target, op_hash).operation_meta
+        meta.set_complete(True, ["as planned"] if meta.will_change else [], CommandOutput([]))
+    results = {}
+    with ctx_state.use(state), ctx_host.use(target):  # as pyinfra's run_ops does for each host
+        for op_hash in order[at:]:
+            results[op_name(state, op_hash)] = run_host_op(state, target, op_hash)
+    return state, target, results, calls
+
+
+def changed(state: State, target: Host) -> list[str]:
+    return [op_name(state, op_hash) for op_hash in state.get_op_order()[-3:]
+            if state.get_op_data_for_host(target, op_hash).operation_meta.did_change()]
+
+
+def test_a_passed_verify_commits_and_does_not_roll_back(monkeypatch):
+    state, target, results, calls = execute_from_verify(monkeypatch, Verdict(passed=True, ready_at="t2"),
+                                                        pending_over_committed())
+    assert results == {VERIFY: True, COMMIT: True, ROLL_BACK: True}
+    assert calls == [("verify", 20.0), ("commit", "t2")]
+    assert changed(state, target) == [VERIFY, COMMIT]
+
+
+def test_a_failed_verify_rolls_back_commits_nothing_and_fails_the_host(monkeypatch):
+    found = Verdict(passed=False, failed="dead: docker run exited with status 1", check=None)
+    state, target, results, calls = execute_from_verify(monkeypatch, found, pending_over_committed())
+    # The verify itself does not fail the host: the rollback does, once it put the committed version back.
+    assert results == {VERIFY: True, COMMIT: True, ROLL_BACK: False}
+    assert calls == [("verify", 20.0), ("roll back", ("dead: docker run exited with status 1", None))]
+    assert changed(state, target) == [VERIFY]
+    assert verify.verdict(target) == found
+
+
+def test_a_verify_that_could_not_finish_fails_the_host_with_neither_commit_nor_rollback(monkeypatch):
+    state, target, results, calls = execute_from_verify(monkeypatch, None, pending_over_committed())
+    assert results[VERIFY] is False  # pyinfra runs nothing more on the host; neither would run anyway
+    assert calls == [("verify", 20.0)] and verify.verdict(target) is None
+    with ctx_host.use(target):
+        assert not verify.verify_passed() and not verify.verify_failed()
+
+
+def test_a_verified_restart_of_the_committed_version_commits_nothing(monkeypatch):
+    committed = Ledger(committed=pending_over_committed().committed)  # drift or secrets: nothing pending
+    state, target, results, calls = execute_from_verify(monkeypatch, Verdict(passed=True, ready_at="t2"), committed)
+    assert results == {VERIFY: True, COMMIT: True, ROLL_BACK: True}
+    assert calls == [("verify", 20.0)] and changed(state, target) == [VERIFY]
+
+
+@pytest.mark.parametrize("found", [None, Verdict(passed=False, failed="dead: x")])
+def test_the_commit_refuses_without_a_passed_verdict_whatever_calls_it(monkeypatch, found):
+    _, state, target = planned(bare_but_installed(), monkeypatch)
+    if found is not None:
+        verify._verdicts(target)[target.name] = found
+    spec = plan_for("gpu1", DATA).spec
+    v = verify.Verification(spec, 5.0, None, "/var/lib/gpufleet/x.json", spec.served_model_name)
+    monkeypatch.setattr(verify, "commit_pending", lambda *_: pytest.fail("committed"))
+    assert v.commit(state, target) is False
