@@ -29,7 +29,7 @@ from gpufleet.vllm.unit import render_unit
 from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
-from tests.unit.test_facts_host import PATHS, healthy
+from tests.unit.test_vllm_facts import PATHS, healthy
 from tests.unit.test_health_cli import inventory  # noqa: F401  (fixture)
 from tests.unit.test_operations_alone import PINNED, TAG, run_alone
 
@@ -113,8 +113,10 @@ def test_a_unit_written_but_never_loaded_is_reloaded_restarted_and_verified_with
     commands = [described(c) for c in run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[],
                                                 pin=PINNED, retry_failed=False)]
     assert commands == ["systemctl daemon-reload", "still_locked", "_begin", f"systemctl restart {UNIT}"]
-    (verify,) = run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, changes=[], soak_s=20.0)
+    verify, roll_back = run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, roll_back=lambda *a: True,
+                                  changes=[], soak_s=20.0)
     assert isinstance(verify, FunctionCommand) and verify.args == (20.0,)  # verified with the soak
+    assert isinstance(roll_back, FunctionCommand) and roll_back.args == ()  # then rolled back at once if it failed
 
 
 def test_a_container_from_another_spec_is_restarted():
@@ -130,7 +132,8 @@ def test_what_the_unit_says_running_is_left_alone():
     snap = converged(RunningService("active", "running", False, SPEC.spec_hash, PINNED, ((SPEC.spec_hash, PINNED),)))
     assert run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[], pin=PINNED,
                      retry_failed=False) == []
-    assert run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, changes=[], soak_s=20.0) == []
+    assert run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, roll_back=lambda *a: True, changes=[],
+                     soak_s=20.0) == []
 
 
 # --- verify and status: the label against the inventory's spec ---------------------------------------------------

@@ -1,6 +1,6 @@
 """Which ledger a service goes by and the refusals the state dir's ledgers call for (gpufleet.hoststate.rules): pure
 functions over the ledgers' texts, the service's name and port. The deploy's preflight lines built from them are in
-test_deploys_qwen35.py; the rollout's changed-since-read check in test_rollout.py."""
+test_vllm_deploy.py; the rollout's changed-since-read check in test_rollout.py."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def register_deploy_file(path: str) -> None:
     pyinfra orders every operation call by walking the stack (pyinfra.api.util.get_operation_order_from_stack), and
     inspect maps each frame's file to its module: for a file no module claims it rescans all of sys.modules (some
     1,500 here), three times per operation call, on every host. With the entry, each lookup is a dict hit. Also
-    installs the cheaper walk itself where this pyinfra's is the one it was checked against (pyinfra_speedups);
+    installs the cheaper walk itself where this pyinfra's is the one it was checked against (gpufleet.harness.speedups);
     the entry keeps pyinfra's own walk affordable where it is not. And it makes the run's last lines name every host
     that failed or could not be reached, with the fix (gpufleet.harness.result).
     """

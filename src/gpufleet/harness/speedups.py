@@ -15,7 +15,7 @@ Measured on an 8-host no-op converge (2 cores, 8 nspawn hosts): controller CPU 0
 (medians of 7, interleaved) for the first two; the third: pop_global_arguments 124-155 -> 21-29 us a call (a host
 with data in five layers), 144 calls in that run. All three belong upstream; until pyinfra ships them, install()
 swaps them in, but only over the exact code they were checked against (the sha256 of each function's source): any
-other pyinfra keeps its own, slower and still correct. tests/unit/test_pyinfra_speedups.py checks the walk gives
+other pyinfra keeps its own, slower and still correct. tests/unit/test_harness_speedups.py checks the walk gives
 pyinfra's own order on nested deploys, loops and multi-line calls, the argument defaults equal pyinfra's (every data
 layer, a deploy's kwargs and data, copies, type errors), and that the installed pyinfra gets the speedups.
 """

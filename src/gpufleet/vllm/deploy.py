@@ -53,7 +53,7 @@ from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, mo
 from gpufleet.vllm.operations.image import pinned_ref
 from gpufleet.vllm.settings import resolve_host
 from gpufleet.vllm.spec import ServeSpec
-from gpufleet.vllm.verify import Verification, verify_failed, verify_passed
+from gpufleet.vllm.verify import Verification, verify_passed
 from gpufleet.wire.checks import verify_checks
 
 
@@ -208,9 +208,8 @@ def deploy_qwen35() -> None:
                     replaces=replaced_service(ledger, spec.service))
     # After a (re)start: ready, then still ready for vllm_ready_soak_s. Its verdict picks one of the two operations
     # after it while executing (_if); --dry lists both as conditional changes of a host that will be verified.
-    verified = service.ready(name="Verify vLLM is ready (/health, /v1/models)", spec=spec, verify=verify.verify,
-                             changes=changes, start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)
+    verified = service.ready(name="Verify vLLM is ready (/health, /v1/models), else roll back", spec=spec,
+                             verify=verify.verify, roll_back=verify.roll_back_if_failed, changes=changes,
+                             start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)
     service.committed(name="Commit the verified vLLM version", verified=verified, commit=verify.commit,
                       _if=verify_passed)
-    service.rolled_back(name="Roll back a vLLM version that failed verification", verified=verified,
-                        roll_back=verify.roll_back_failed, _if=verify_failed)

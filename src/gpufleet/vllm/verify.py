@@ -2,20 +2,22 @@
 committed one. The deploy-side use of gpufleet.health (whose poller, check and notion of "ready" `gpufleet verify`
 shares).
 
-Three operations of the playbook (gpufleet.vllm.operations.service: ready, committed, rolled_back), so `--dry`
-lists all three; each runs a bound method of the host's Verification while pyinfra executes:
+Two operations of the playbook (gpufleet.vllm.operations.service: ready, committed), so `--dry` lists the verify
+and the commit apart; each runs bound methods of the host's Verification while pyinfra executes:
 
     ready        Verification.verify: waits for the restarted service, watches it for the soak (sending it a
                  completion now and then), checks that the container answering is the version this run installed
                  (its image is the pending digest, its label the pending spec), and sends it the requests a client
                  sends (gpufleet.health.answers: a chat completion, plain and streamed). The Verdict is kept in the
-                 run's state; a failed one does not fail the host here.
+                 run's state. Then, in the same operation, Verification.roll_back_if_failed: after a failed verify
+                 the committed version's unit goes back (its own service name and port), the ledger marks the
+                 pending version failed (ledger.roll_back), the committed version is waited for, and the host fails
+                 with one line naming both digests. At once: pyinfra runs each operation on every host before the
+                 next, so a rollback of its own would keep a failed host on the failed version until the slowest
+                 host's verify ended (up to vllm_ready_timeout).
     committed    (_if=verify_passed) Verification.commit: the ledger's pending version is committed
                  (ledger.commit, with the time it first answered ready) and its unit kept as the next rollback
                  target.
-    rolled_back  (_if=verify_failed) Verification.roll_back_failed: the committed version's unit goes back (its own
-                 service name and port), the ledger marks the pending version failed (ledger.roll_back), the
-                 committed version is waited for, and the host fails with one line naming both digests.
 """
 
 from __future__ import annotations
@@ -126,16 +128,10 @@ def verify_passed() -> bool:
     return found is not None and found.passed
 
 
-def verify_failed() -> bool:
-    """pyinfra's _if for the rollback: the current host's verify failed."""
-    found = verdict(ctx_host.get())
-    return found is not None and not found.passed
-
-
 @dataclass(frozen=True)
 class Verification:
     """The verify step of one host's deploy; pass its bound `verify` to gpufleet.vllm.operations.service.ready,
-    `commit` to service.committed, `roll_back_failed` to service.rolled_back, and `roll_back_cut` to service.settled
+    with `roll_back_if_failed`, `commit` to service.committed, and `roll_back_cut` to service.settled
     (bound methods: pyinfra names a FunctionCommand by its function's __name__). served_before: the model name the
     host served before this run (the committed version is held to it when it goes back)."""
 
@@ -149,9 +145,9 @@ class Verification:
     checks: tuple[str, ...] = ()
 
     def verify(self, state: State, host: Host, soak_s: float) -> bool:
-        """Verify and keep the verdict for the commit or the rollback. A failed verify does not fail the host here
-        (the rollback does, once the committed version serves again); one that could not finish does: nothing is
-        committed or rolled back then."""
+        """Verify and keep the verdict for the rollback (the next command) and the commit (the next operation). A
+        failed verify does not fail the host here (the rollback does, once the committed version serves again); one
+        that could not finish does: nothing is committed or rolled back then."""
         found = verify_rollout(host, self, soak_s)
         if found is None:
             return False
@@ -166,13 +162,14 @@ class Verification:
                               "converge again)")
         return commit_pending(host, self, found.ready_at)
 
-    def roll_back_failed(self, state: State, host: Host) -> bool:
-        """The verify failed: back to the committed version, the pending one marked failed; always False."""
+    def roll_back_if_failed(self, state: State, host: Host) -> bool:
+        """After the verify: passed, nothing to do (the commit follows); failed, back to the committed version, the
+        pending one marked failed, and False (the host fails)."""
         found = verdict(host)
-        if found is None or found.passed:  # the operation's _if runs it after a failure only
-            return fail(host, f"{host.name}: nothing rolled back: this run's verify did not fail on the host (fix: "
+        if found is None:  # the verify fails the host when it cannot finish: this never runs after it then
+            return fail(host, f"{host.name}: nothing rolled back: this run has no verdict for the host (fix: "
                               "converge again)")
-        return after_failed_verify(host, self, found)
+        return True if found.passed else after_failed_verify(host, self, found)
 
     def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
         """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one."""

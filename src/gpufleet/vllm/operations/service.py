@@ -3,9 +3,9 @@ committed or rolled back.
 
 Never break a serving host: the host's ledger (gpufleet.hoststate.ledger) names the new version `pending` before its unit is
 written or the service restarts; ready() verifies it (the deploy's callback, gpufleet.vllm.verify, keeps the
-verdict), then committed() commits it after ready and the soak, or rolled_back() puts the committed version's unit
-back (kept at layout.unit_backup when it was committed): one of the two, by the verdict (pyinfra's `_if`). A run cut
-anywhere in between leaves the pending record for the next run to settle first (settled()).
+verdict) and, when it failed, puts the committed version's unit back at once (kept at layout.unit_backup when it was
+committed); committed() commits a passed one after ready and the soak (pyinfra's `_if`). A run cut anywhere in
+between leaves the pending record for the next run to settle first (settled()).
 """
 
 from __future__ import annotations
@@ -235,10 +235,10 @@ def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin
 
 
 # The deploy's verify step, run while executing: (state, host, soak seconds) -> False only when it could not finish.
-# It keeps its verdict for committed and rolled_back (gpufleet.vllm.verify).
+# It keeps its verdict for the rollback after it and for committed (gpufleet.vllm.verify).
 Verify = Callable[[State, Host, float], bool]
-# What follows the verdict, run while executing: (state, host) -> success (the commit; the rollback always fails the
-# host).
+# What follows the verdict, run while executing: (state, host) -> success (the commit; the rollback of a failed
+# version always fails the host).
 AfterVerify = Callable[[State, Host], bool]
 
 
@@ -253,11 +253,12 @@ def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
 
 
 @operation(is_idempotent=False)
-def ready(spec: ServeSpec, verify: Verify, changes: list[OperationMeta], start: bool = True, soak_s: float = 0.0,
-          force: bool = False) -> Commands:
+def ready(spec: ServeSpec, verify: Verify, roll_back: AfterVerify, changes: list[OperationMeta], start: bool = True,
+          soak_s: float = 0.0, force: bool = False) -> Commands:
     """Verify the vLLM service serves what its spec says; after a (re)start (or with force: a cut run's version to
-    finish), verify with a soak of soak_s. The verdict goes to committed or rolled_back, the operations after this
-    one: a failed verify does not fail the host here."""
+    finish), verify with a soak of soak_s, and when that fails roll back at once (roll_back: the committed version
+    back, the host failed on one line). The commit is the next operation's (committed): it may wait for the other
+    hosts' verify, a rollback must not (pyinfra runs each operation on every host before the next one starts)."""
     snap = snapshot()
     if not start:
         host.noop("no GPU: the service is not started, nothing to verify")
@@ -268,6 +269,7 @@ def ready(spec: ServeSpec, verify: Verify, changes: list[OperationMeta], start: 
         host.noop(f"ready: /health 200, /v1/models serves {spec.served_model_name}")
         return
     yield FunctionCommand(verify, (soak_s if restarted else 0.0,), {})
+    yield FunctionCommand(roll_back, (), {})
 
 
 @operation(is_idempotent=False)
@@ -282,17 +284,6 @@ def committed(verified: OperationMeta, commit: AfterVerify) -> Commands:
         host.noop("verified a restart of the committed version: nothing new to commit")
         return
     yield FunctionCommand(commit, (), {})
-
-
-@operation(is_idempotent=False)
-def rolled_back(verified: OperationMeta, roll_back: AfterVerify) -> Commands:
-    """Roll back the version the verify failed (call with _if=<its failed verdict>): the committed version's unit,
-    service and port back, the pending version marked failed; or, with no version to go back to, marked failed
-    only. The host fails either way, on one line. verified: the ready operation."""
-    if not _changed([verified]):
-        host.noop("nothing was restarted or verified: nothing to roll back")
-        return
-    yield FunctionCommand(roll_back, (), {})
 
 
 @operation(is_idempotent=False)

@@ -1,5 +1,5 @@
 """The ready wait, soak and rollback decisions behind the deploy's verify step (no host: scripted health reports).
-How the verdict picks the commit or the rollback: test_deploys_verdict.py."""
+How the verdict picks the commit or the rollback: test_vllm_verdict.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The verify's verdict and the two operations after it: `--dry` lists the commit and the rollback (pyinfra's plan of
-the qwen35 playbook, prepared offline on a given snapshot), and while executing the commit runs only after a passed
-verify, the rollback only after a failed one, and the rollback fails the host."""
+"""The verify's verdict, the rollback inside the verify operation and the commit after it: `--dry` lists the verify
+(its name says it rolls back) and the commit apart (pyinfra's plan of the qwen35 playbook, prepared offline on a given
+snapshot); while executing, the rollback runs at once after a failed verify and fails the host, the commit only after
+a passed one."""
 
 from __future__ import annotations
 
@@ -19,11 +20,10 @@ from gpufleet.operations.run import host_run
 from gpufleet.vllm import verify
 from gpufleet.vllm.deploy import plan_for
 from gpufleet.vllm.verify import Verdict
-from tests.unit.test_deploys_qwen35 import DATA, REF, bare_but_installed, converged_host, planned
+from tests.unit.test_vllm_deploy import DATA, REF, bare_but_installed, converged_host, planned
 
-VERIFY = "Verify vLLM is ready (/health, /v1/models)"
+VERIFY = "Verify vLLM is ready (/health, /v1/models), else roll back"
 COMMIT = "Commit the verified vLLM version"
-ROLL_BACK = "Roll back a vLLM version that failed verification"
 
 
 def op_name(state: State, op_hash: str) -> str:
@@ -36,25 +36,25 @@ def plan_rows(state: State) -> dict[str, tuple[list[str], list[str]]]:
             for op in build_plan_json(state)}
 
 
-def test_dry_lists_the_commit_and_the_rollback_after_the_verify_of_a_host_to_restart(monkeypatch, caplog):
+def test_dry_lists_the_verify_with_its_rollback_and_the_commit_of_a_host_to_restart(monkeypatch, caplog):
     _, state, _ = planned(bare_but_installed(), monkeypatch)  # a unit to install: restarted, then verified
     rows = plan_rows(state)
     names = list(rows)
-    assert names[-3:] == [VERIFY, COMMIT, ROLL_BACK]
+    assert names[-2:] == [VERIFY, COMMIT]
     assert rows[VERIFY] == (["gpu1"], [])
-    # Which of the two runs is known only once the verify ran: both are conditional changes (pyinfra's `_if`).
-    assert rows[COMMIT] == ([], ["gpu1"]) and rows[ROLL_BACK] == ([], ["gpu1"])
+    # Whether the commit runs is known only once the verify ran: a conditional change (pyinfra's `_if`).
+    assert rows[COMMIT] == ([], ["gpu1"])
     with caplog.at_level(logging.INFO, logger="pyinfra"):
         print_meta(state)  # the table `pyinfra ... --dry` prints
-    printed = [line for line in caplog.text.splitlines() if COMMIT in line or ROLL_BACK in line]
-    assert len(printed) == 2 and all(line.rstrip().endswith("1 (gpu1)") for line in printed), caplog.text
+    printed = [line for line in caplog.text.splitlines() if COMMIT in line or VERIFY in line]
+    assert len(printed) == 2 and all("1 (gpu1)" in line for line in printed), caplog.text
 
 
-def test_dry_on_a_converged_host_shows_no_commit_or_rollback(monkeypatch):
+def test_dry_on_a_converged_host_shows_no_verify_or_commit(monkeypatch):
     _, state, _ = planned(converged_host(monkeypatch), monkeypatch)
     rows = plan_rows(state)
     assert not [name for name, (changes, _) in rows.items() if changes]
-    assert rows[VERIFY] == rows[COMMIT] == rows[ROLL_BACK] == ([], [])
+    assert rows[VERIFY] == rows[COMMIT] == ([], [])
 
 
 def pending_over_committed() -> Ledger:
@@ -68,8 +68,8 @@ def pending_over_committed() -> Ledger:
 def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: Verdict | None,
                         ledger: Ledger) -> tuple[State, Host, dict[str, bool], list[tuple[str, Any]]]:  # fmt: skip
     """Prepare the playbook for a host to restart, take the operations before the verify as executed as planned,
-    then let pyinfra execute the verify, the commit and the rollback: (state, host, each one's result, the calls the
-    three made: the verify's verdict is `found`, the commit and the rollback are recorded)."""
+    then let pyinfra execute the verify (with its rollback) and the commit: (state, host, each one's result, the calls
+    they made: the verify's verdict is `found`, the commit and the rollback are recorded)."""
     _, state, target = planned(bare_but_installed(), monkeypatch)
     calls: list[tuple[str, Any]] = []
     monkeypatch.setattr(verify, "verify_rollout", lambda host, v, soak_s: calls.append(("verify", soak_s)) or found)
@@ -91,14 +91,14 @@ def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: Verdict | None,
 
 
 def changed(state: State, target: Host) -> list[str]:
-    return [op_name(state, op_hash) for op_hash in state.get_op_order()[-3:]
+    return [op_name(state, op_hash) for op_hash in state.get_op_order()[-2:]
             if state.get_op_data_for_host(target, op_hash).operation_meta.did_change()]
 
 
 def test_a_passed_verify_commits_and_does_not_roll_back(monkeypatch):
     state, target, results, calls = execute_from_verify(monkeypatch, Verdict(passed=True, ready_at="t2"),
                                                         pending_over_committed())
-    assert results == {VERIFY: True, COMMIT: True, ROLL_BACK: True}
+    assert results == {VERIFY: True, COMMIT: True}
     assert calls == [("verify", 20.0), ("commit", "t2")]
     assert changed(state, target) == [VERIFY, COMMIT]
 
@@ -106,10 +106,9 @@ def test_a_passed_verify_commits_and_does_not_roll_back(monkeypatch):
 def test_a_failed_verify_rolls_back_commits_nothing_and_fails_the_host(monkeypatch):
     found = Verdict(passed=False, failed="dead: docker run exited with status 1", check=None)
     state, target, results, calls = execute_from_verify(monkeypatch, found, pending_over_committed())
-    # The verify itself does not fail the host: the rollback does, once it put the committed version back.
-    assert results == {VERIFY: True, COMMIT: True, ROLL_BACK: False}
+    # The verify operation rolls back at once and fails the host (pyinfra then runs nothing more on it): no commit.
+    assert results[VERIFY] is False
     assert calls == [("verify", 20.0), ("roll back", ("dead: docker run exited with status 1", None))]
-    assert changed(state, target) == [VERIFY]
     assert verify.verdict(target) == found
 
 
@@ -118,13 +117,13 @@ def test_a_verify_that_could_not_finish_fails_the_host_with_neither_commit_nor_r
     assert results[VERIFY] is False  # pyinfra runs nothing more on the host; neither would run anyway
     assert calls == [("verify", 20.0)] and verify.verdict(target) is None
     with ctx_host.use(target):
-        assert not verify.verify_passed() and not verify.verify_failed()
+        assert not verify.verify_passed()
 
 
 def test_a_verified_restart_of_the_committed_version_commits_nothing(monkeypatch):
     committed = Ledger(committed=pending_over_committed().committed)  # drift or secrets: nothing pending
     state, target, results, calls = execute_from_verify(monkeypatch, Verdict(passed=True, ready_at="t2"), committed)
-    assert results == {VERIFY: True, COMMIT: True, ROLL_BACK: True}
+    assert results == {VERIFY: True, COMMIT: True}
     assert calls == [("verify", 20.0)] and changed(state, target) == [VERIFY]
 
 

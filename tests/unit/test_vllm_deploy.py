@@ -139,8 +139,8 @@ def test_a_server_with_another_max_model_len_is_verified_not_taken_as_ready(monk
     snap.health_code = "200"
     snap.served_models = [(plan.spec.served_model_name, 1024)]
     _, ops = prepare(snap, monkeypatch)
-    verify = next(cmds for name, cmds in ops if name == "Verify vLLM is ready (/health, /v1/models)")
-    assert [c.function.__name__ for c in verify] == ["verify"]
+    verify = next(cmds for name, cmds in ops if name == "Verify vLLM is ready (/health, /v1/models), else roll back")
+    assert [c.function.__name__ for c in verify] == ["verify", "roll_back_if_failed"]
 
 
 def op_names(snap: HostSnapshot, monkeypatch: pytest.MonkeyPatch, **data: Any) -> list[str]:

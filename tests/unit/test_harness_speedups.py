@@ -1,4 +1,4 @@
-"""pyinfra_speedups: the cheaper operation ordering and argument hints give exactly what pyinfra's own give."""
+"""gpufleet.harness.speedups: the cheaper operation ordering and argument hints give exactly what pyinfra's own give."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import pyinfra
 import pytest
 
-from gpufleet.harness import speedups as pyinfra_speedups
+from gpufleet.harness import speedups
 
 util = importlib.import_module("pyinfra.api.util")
 arguments = importlib.import_module("pyinfra.api.arguments")
@@ -46,7 +46,7 @@ def pyinfra_functions() -> Iterator[None]:
     """pyinfra's own functions for the test (an earlier test in this process may have installed the speedups),
     and every binding put back as it was after it."""
     saved = {(user, name.rpartition(".")[2]): getattr(importlib.import_module(user), name.rpartition(".")[2])
-             for name, users in pyinfra_speedups.USERS.items() for user in users}
+             for name, users in speedups.USERS.items() for user in users}
     for (user, attribute), value in saved.items():
         setattr(importlib.import_module(user), attribute, getattr(value, "__wrapped__", value))
     yield
@@ -71,8 +71,8 @@ def probe(_):
 def run_deploy_file(path: Path, state: Any) -> list[tuple[list[int], list[int]]]:
     """Exec the file as pyinfra_cli.util.exec_file does; each probe() call returns (pyinfra's order, ours)."""
     machinery: dict[str, Any] = {"original": pyinfras_own("pyinfra.api.util.get_operation_order_from_stack"),
-                                 "ours": pyinfra_speedups._operation_order_from_caller, "state": state}
-    exec(compile(PYINFRA_CALLER, f"{pyinfra_speedups.PYINFRA_DIR}/api/operation_machinery.py", "exec"), machinery)
+                                 "ours": speedups._operation_order_from_caller, "state": state}
+    exec(compile(PYINFRA_CALLER, f"{speedups.PYINFRA_DIR}/api/operation_machinery.py", "exec"), machinery)
     scope: dict[str, Any] = {"probe": machinery["probe"]}
     exec(compile(path.read_text(), str(path), "exec"), scope)
     return scope["FOUND"]
@@ -109,7 +109,7 @@ def test_operation_order_without_a_deploy_file(monkeypatch: pytest.MonkeyPatch, 
 
 def test_global_arguments_are_pyinfras_own_and_a_fresh_list() -> None:
     original = pyinfras_own("pyinfra.api.arguments.all_global_arguments")
-    cached = pyinfra_speedups._cached_global_arguments(original)
+    cached = speedups._cached_global_arguments(original)
     first = cached()
     assert first == original() and len(first) > 10
     first.clear()
@@ -129,7 +129,7 @@ def a_host(host_data: dict[str, Any], group_data: dict[str, Any], fleet_data: di
 def pop_both(state: Any, host: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """(pyinfra's result, ours) for the same call; each gets its own copy of kwargs, and what each left in it."""
     original = pyinfras_own("pyinfra.api.arguments.pop_global_arguments")
-    ours = pyinfra_speedups._data_resolved_once(original)
+    ours = speedups._data_resolved_once(original)
     theirs_kwargs, our_kwargs = dict(kwargs), dict(kwargs)
     return (original(state, host, theirs_kwargs), theirs_kwargs), (ours(state, host, our_kwargs), our_kwargs)
 
@@ -166,7 +166,7 @@ def inside_deploy(host: Any, kwargs: dict[str, Any], data: dict[str, Any]) -> It
 
 def test_global_argument_defaults_are_copies_as_pyinfras() -> None:
     state, host = a_host({"_env": {"HOST": "1"}, "_success_exit_codes": [0, 3]}, {}, {})
-    ours = pyinfra_speedups._data_resolved_once(pyinfras_own("pyinfra.api.arguments.pop_global_arguments"))
+    ours = speedups._data_resolved_once(pyinfras_own("pyinfra.api.arguments.pop_global_arguments"))
     found, _ = ours(state, host, {})
     found["_success_exit_codes"].append(99)
     assert host.data._success_exit_codes == [0, 3]
@@ -177,7 +177,7 @@ def test_a_bad_global_argument_type_is_refused_as_pyinfra_refuses_it() -> None:
 
     state, host = a_host({}, {}, {})
     original = pyinfras_own("pyinfra.api.arguments.pop_global_arguments")
-    ours = pyinfra_speedups._data_resolved_once(original)
+    ours = speedups._data_resolved_once(original)
     with pytest.raises(ArgumentTypeError) as theirs:
         original(state, host, {"_timeout": "soon"})
     with pytest.raises(ArgumentTypeError) as our_error:
@@ -199,23 +199,23 @@ def test_data_pyinfras_lookup_must_read_goes_to_pyinfra(monkeypatch: pytest.Monk
 
 
 def test_install_replaces_the_checked_functions_everywhere_they_are_bound(pyinfra_functions: None) -> None:
-    installed = pyinfra_speedups.install()
+    installed = speedups.install()
     # The pyinfra this project pins is the one the speedups were checked against: if this fails after a pyinfra
     # upgrade, compare the new source with the walk above, then record its sha256 in KNOWN_SOURCES.
-    assert installed == list(pyinfra_speedups.KNOWN_SOURCES)
-    for name, users in pyinfra_speedups.USERS.items():
+    assert installed == list(speedups.KNOWN_SOURCES)
+    for name, users in speedups.USERS.items():
         attribute = name.rpartition(".")[2]
         for user in users:
             assert getattr(importlib.import_module(user), attribute)._gpufleet_speedup
-    assert pyinfra_speedups.install() == installed  # every host's deploy file calls it: the second is a no-op
+    assert speedups.install() == installed  # every host's deploy file calls it: the second is a no-op
     assert importlib.import_module("pyinfra.api.operation").get_operation_order_from_stack.__wrapped__ \
         is pyinfras_own("pyinfra.api.util.get_operation_order_from_stack")
 
 
 def test_install_leaves_a_different_pyinfra_alone(pyinfra_functions: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(pyinfra_speedups.KNOWN_SOURCES, "pyinfra.api.util.get_operation_order_from_stack", "0" * 64)
+    monkeypatch.setitem(speedups.KNOWN_SOURCES, "pyinfra.api.util.get_operation_order_from_stack", "0" * 64)
     before = util.get_operation_order_from_stack
-    installed = pyinfra_speedups.install()
+    installed = speedups.install()
     assert "pyinfra.api.util.get_operation_order_from_stack" not in installed
     assert util.get_operation_order_from_stack is before
     assert not hasattr(importlib.import_module("pyinfra.api.operation").get_operation_order_from_stack,
@@ -227,7 +227,7 @@ def test_frames_of_this_test_are_counted_like_pyinfras(monkeypatch: pytest.Monke
     monkeypatch.setattr(pyinfra, "is_cli", False)
     state = SimpleNamespace(current_deploy_filename=None, current_op_file_number=0)
     original = pyinfras_own("pyinfra.api.util.get_operation_order_from_stack")
-    assert pyinfra_speedups.operation_order(state, sys._getframe()) == original(state)
+    assert speedups.operation_order(state, sys._getframe()) == original(state)
 
 
 # Operations called in an order only the stack walk gets right (by line alone `second` would come last); each runs
@@ -237,10 +237,10 @@ import os
 
 from pyinfra.operations import server
 
-from gpufleet.harness import speedups as pyinfra_speedups
+from gpufleet.harness import speedups
 
 if os.environ.get("SPEEDUPS"):
-    assert pyinfra_speedups.install(), "the speedups must be active in this run"
+    assert speedups.install(), "the speedups must be active in this run"
 
 
 def second(n):
@@ -263,15 +263,15 @@ def test_a_real_pyinfra_run_orders_operations_the_same(tmp_path: Path) -> None:
     deploy = tmp_path / "deploy.py"
     deploy.write_text(ORDERED_DEPLOY)
 
-    def operations(speedups: bool) -> list[str]:
-        env = {**os.environ, "SPEEDUPS": "1" if speedups else ""}
+    def operations(with_speedups: bool) -> list[str]:
+        env = {**os.environ, "SPEEDUPS": "1" if with_speedups else ""}
         proc = subprocess.run([sys.executable, "-m", "pyinfra", "-y", "@local", str(deploy)],
                               capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return [line.split("Starting operation:", 1)[1].strip() for line in (proc.stdout + proc.stderr).splitlines()
                 if "Starting operation:" in line]
 
-    assert operations(speedups=False) == operations(speedups=True) == [
+    assert operations(with_speedups=False) == operations(with_speedups=True) == [
         "first", "second 0", "second 1", "third", "fourth"]
 
 
@@ -279,25 +279,25 @@ def test_the_guard_covers_what_the_argument_defaults_rely_on(monkeypatch):
     name = "pyinfra.api.arguments.pop_global_arguments"
     original = getattr(importlib.import_module("pyinfra.api.arguments"), "pop_global_arguments")
     original = getattr(original, "__wrapped__", original)  # pyinfra's own, under the speedup if installed
-    assert pyinfra_speedups.checked(name, original)
+    assert speedups.checked(name, original)
     # pyinfra's host data lookup changed under an unchanged pop_global_arguments: the speedup no longer applies.
-    changed = {**pyinfra_speedups.RELIED_ON[name], "pyinfra.api.host.HostData.__getattr__": "0" * 64}
-    monkeypatch.setitem(pyinfra_speedups.RELIED_ON, name, changed)
-    assert not pyinfra_speedups.checked(name, original)
+    changed = {**speedups.RELIED_ON[name], "pyinfra.api.host.HostData.__getattr__": "0" * 64}
+    monkeypatch.setitem(speedups.RELIED_ON, name, changed)
+    assert not speedups.checked(name, original)
 
 
 def test_what_install_did_is_said_once_an_info_line_or_a_warning_naming_pyinfra(monkeypatch, caplog):
-    monkeypatch.setattr(pyinfra_speedups, "_REPORTED", set())
+    monkeypatch.setattr(speedups, "_REPORTED", set())
     with caplog.at_level("INFO", logger="pyinfra"):
-        pyinfra_speedups.install_and_say()
-        pyinfra_speedups.install_and_say()
+        speedups.install_and_say()
+        speedups.install_and_say()
     [applied] = [r for r in caplog.records if "speedups" in r.getMessage() or "bookkeeping" in r.getMessage()]
     assert applied.levelname == "INFO" and "faster operation bookkeeping is on (3 functions" in applied.getMessage()
     caplog.clear()
-    monkeypatch.setattr(pyinfra_speedups, "install", lambda: ["pyinfra.api.util.get_operation_order_from_stack"])
-    monkeypatch.setattr(pyinfra_speedups, "pyinfra_version", lambda: "3.99.0")
+    monkeypatch.setattr(speedups, "install", lambda: ["pyinfra.api.util.get_operation_order_from_stack"])
+    monkeypatch.setattr(speedups, "pyinfra_version", lambda: "3.99.0")
     with caplog.at_level("INFO", logger="pyinfra"):
-        pyinfra_speedups.install_and_say()
+        speedups.install_and_say()
     [skipped] = caplog.records
     assert skipped.levelname == "WARNING"
     assert skipped.getMessage() == ("pyinfra 3.99.0 differs from the 3.10.0 gpufleet's speedups were checked against: "
