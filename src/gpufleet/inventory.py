@@ -15,9 +15,7 @@ from pyinfra.api import Host, State
 from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory
 
-from gpufleet.errors import GpufleetError, SettingErrors, one_line
-from gpufleet.vllm.settings import build_spec
-from gpufleet.vllm.spec import ServeSpec
+from gpufleet.errors import GpufleetError, one_line
 
 # Hosts in this pyinfra inventory group run the router (gpufleet.router); every other host is a vLLM replica.
 ROUTERS_GROUP = "routers"
@@ -65,26 +63,3 @@ def behind_router(hosts: Iterable[Host]) -> bool:
     """Is there a router in front of the replicas (a host in the routers group)? Then each replica's spec takes
     gpufleet.vllm.settings.BEHIND_ROUTER_ARGS."""
     return any(ROUTERS_GROUP in h.groups for h in hosts)
-
-
-def load_host_specs(inventory_path: str | Path, only_host: str | None = None) -> list[tuple[ServeSpec, dict[str, Any]]]:
-    """[(validated spec, host data)] for every host (or one); raises SettingErrors listing every invalid setting."""
-    routers, hosts = load_roles(inventory_path)
-    if only_host is not None:
-        hosts = [(name, data) for name, data in hosts if name == only_host]
-        if not hosts:
-            raise GpufleetError(one_line(f"{only_host}: no such host in {inventory_path} (fix: check --host)"))
-    specs, errors = [], []
-    for name, data in hosts:
-        try:
-            specs.append((build_spec(name, data, behind_router=bool(routers)), data))
-        except SettingErrors as exc:
-            errors += exc.errors
-    if errors:
-        raise SettingErrors(errors)
-    return specs
-
-
-def load_specs(inventory_path: str | Path, only_host: str | None = None) -> list[ServeSpec]:
-    """Validated specs for every host (or one); raises SettingErrors listing every invalid setting."""
-    return [spec for spec, _ in load_host_specs(inventory_path, only_host)]

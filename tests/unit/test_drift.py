@@ -29,9 +29,9 @@ from gpufleet.vllm.unit import render_unit
 from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
-from tests.unit.test_vllm_facts import PATHS, healthy
 from tests.unit.test_health_cli import inventory  # noqa: F401  (fixture)
 from tests.unit.test_operations_alone import PINNED, TAG, run_alone
+from tests.unit.test_vllm_facts import PATHS, healthy
 
 SPEC = build_spec("gpu1", {"vllm_image": TAG})
 UNIT = unit_name(SPEC.service)

@@ -26,7 +26,7 @@ PACKAGE = Path(gpufleet.__file__).parent
 SLICES = ("vllm", "router", "sitecache")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("quoting", "defaults", "image_names", "data", "vllm.flags", "vllm.profiles"),
+    ("quoting", "defaults", "image_names", "names", "data", "vllm.flags", "vllm.profiles"),
     ("vllm.spec", "vllm.value_rules", "units"),
     ("wire", "vllm.unit", "vllm.plain_settings", "vllm.serve_args", "vllm.container_env", "vllm.docker_options",
      "router.spec"),  # wire: pure rules over what vLLM and hosts send
@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("vllm.operations", "router.operations"),
     ("health",),  # the network client: checks, waits, answers, the probe
     ("inventory",),
-    ("harness",),  # what every deploy file runs in: preflight, the run's result, the speedups
+    ("harness", "vllm.replica_specs"),  # harness: what every deploy file runs in: preflight, the run's result, the speedups
     ("sitecache.deploy", "vllm.checks", "vllm.verify", "vllm.host_read"),
     ("vllm.deploy", "router.api"),
     ("router.status", "router.workers"),

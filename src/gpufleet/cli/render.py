@@ -11,12 +11,12 @@ from gpufleet.cli.envelope import BadInput, Problem, emit, load_inventory, row
 from gpufleet.cli.logs import quiet
 from gpufleet.defaults import DEFAULTS
 from gpufleet.errors import GpufleetError, SettingError, SettingErrors
-from gpufleet.inventory import load_specs
 from gpufleet.quoting import shell_line
 from gpufleet.router.settings import build_router_spec, router_settings
 from gpufleet.router.settings import replicas as replica_addresses
 from gpufleet.vllm.lint import ACCEPT_SETTING, SEVERITIES, accepted_rule_ids, lint_router, lint_spec
 from gpufleet.vllm.lint_report import LintReport, fleet_report, invalid_settings_report
+from gpufleet.vllm.replica_specs import load_specs
 from gpufleet.vllm.settings import resolve_host
 from gpufleet.vllm.unit import render_unit
 

@@ -19,10 +19,11 @@ from gpufleet.cli.logs import quiet_ssh_logs, stderr
 from gpufleet.cli.progress import FleetProgress
 from gpufleet.errors import GpufleetError
 from gpufleet.health.runner import HostResult, HostTarget, check_fleet
-from gpufleet.inventory import HostData, load_host_specs
+from gpufleet.inventory import HostData
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
 from gpufleet.router.status import read_host
+from gpufleet.vllm.replica_specs import load_host_specs
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
 
 

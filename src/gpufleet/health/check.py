@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from gpufleet.health.api import DEFAULT_TIMEOUT_S, Answer, NotHttp, fetch
+from gpufleet.names import container_label_key
 from gpufleet.remote.transport import (
     AnswerTooLarge,
     BadAnswer,
@@ -24,7 +25,6 @@ from gpufleet.remote.transport import (
     TransportError,
     Unreachable,
 )
-from gpufleet.vllm.spec import container_label_key
 from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
 from gpufleet.wire.identity import Expected, identity_problems, reported_max_model_len, served_models
 from gpufleet.wire.metrics import KV_USAGE, RUNNING, WAITING, Metrics, parse_metrics

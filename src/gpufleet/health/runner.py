@@ -25,9 +25,8 @@ from gpufleet.health.serving import Served, run_checks
 from gpufleet.health.wait import wait_until_ready
 from gpufleet.remote.ssh import open_ssh
 from gpufleet.remote.transport import Transport, Unreachable
-from gpufleet.vllm.spec import ServeSpec
 from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
-from gpufleet.wire.identity import Expected
+from gpufleet.wire.identity import Expected, SpecArgs
 
 PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and paramiko's reader)
 
@@ -52,7 +51,7 @@ class HostTarget:
     served: Served = Served()  # its parsers and prefix caching: which serving checks apply
 
     @classmethod
-    def for_spec(cls, spec: ServeSpec, data: Mapping[str, Any]) -> HostTarget:
+    def for_spec(cls, spec: SpecArgs, data: Mapping[str, Any]) -> HostTarget:
         """What `gpufleet verify` checks on a host: its spec (drift included), reached with its ssh_* data."""
         return cls(
             name=spec.host,
@@ -65,7 +64,7 @@ class HostTarget:
         )
 
 
-def _configured_int(spec: ServeSpec, flag: str) -> int | None:
+def _configured_int(spec: SpecArgs, flag: str) -> int | None:
     # The server does not expose --max-num-batched-tokens; the probe cites the configured value as evidence.
     value = spec.arg(flag)
     try:

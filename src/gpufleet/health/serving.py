@@ -45,10 +45,9 @@ from gpufleet.health.serving_rules import (
     tool_call_problem,
 )
 from gpufleet.remote.transport import BadAnswer, Transport
-from gpufleet.vllm.spec import ServeSpec
 from gpufleet.wire.checks import SERVING_CHECKS
 from gpufleet.wire.evidence import excerpt
-from gpufleet.wire.identity import Expected
+from gpufleet.wire.identity import Expected, SpecArgs
 from gpufleet.wire.metrics import HITS, Metrics
 
 CHECK_TIMEOUT_S = 120.0  # per request: a prompt of ~1.5 cache units, cold, on a server that just started
@@ -68,7 +67,7 @@ class Served:
     max_num_batched_tokens: int | None = None
 
     @classmethod
-    def from_spec(cls, spec: ServeSpec) -> Served:
+    def from_spec(cls, spec: SpecArgs) -> Served:
         chunk = str(spec.arg("max-num-batched-tokens") or "").replace("_", "")
         return cls(
             prefix_caching=bool(spec.prefix_caching),

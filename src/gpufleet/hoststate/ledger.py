@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.vllm.spec import SERVICE_NAME
+from gpufleet.names import SERVICE_NAME
 
 SCHEMA = 2
 HISTORY_LIMIT = 20

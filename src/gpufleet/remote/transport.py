@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import paramiko
 
-from gpufleet.vllm.spec import LOOPBACK, container_label_key
+from gpufleet.names import LOOPBACK, container_label_key
 
 # What one HTTP answer may total: a 1 MiB body (vLLM's /metrics and /v1/models are tens of KiB), its headers, and
 # one read-ahead buffer. Past it the answer is a finding, not a read of whatever the server cares to send.

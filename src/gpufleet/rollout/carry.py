@@ -43,7 +43,14 @@ from gpufleet.rollout.carry_entries import (
     parse_listing,
     placements,
 )
-from gpufleet.rollout.carry_stream import place_command, receive_command, relay, send_command, stream_problem, temp_dir
+from gpufleet.rollout.carry_stream import (
+    place_command,
+    receive_command,
+    relay,
+    send_command,
+    stream_problem,
+    temp_dir,
+)
 from gpufleet.rollout.replicas import FleetHost, Sessions, run
 from gpufleet.rollout.warm_start import start_report
 

@@ -12,9 +12,9 @@ import gevent.pool
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.health.runner import PARALLEL
-from gpufleet.inventory import load_host_specs
 from gpufleet.remote.ssh import needs_sudo, open_ssh
 from gpufleet.remote.transport import SshTransport, Unreachable
+from gpufleet.vllm.replica_specs import load_host_specs
 from gpufleet.vllm.spec import ServeSpec
 
 T = TypeVar("T")

@@ -15,10 +15,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gpufleet.errors import SettingError, SettingErrors, shown
+from gpufleet.names import url_host
 from gpufleet.router import wheels
 from gpufleet.router.spec import RouterSpec
 from gpufleet.vllm.settings import merged_settings
-from gpufleet.vllm.spec import url_host
 from gpufleet.vllm.value_rules import control_character
 
 DEFAULTS: dict[str, Any] = {

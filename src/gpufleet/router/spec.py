@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
-from gpufleet.vllm.spec import LOOPBACK
+from gpufleet.names import LOOPBACK
 
 PACKAGE = "vllm-router"
 # The router's worker set, one URL per line, kept by the deploy and the rollouts in step with the live set, and

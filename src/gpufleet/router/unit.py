@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
+from gpufleet.names import url_host
 from gpufleet.quoting import systemd_exec
 from gpufleet.router.spec import RouterSpec
 from gpufleet.units import render_template
-from gpufleet.vllm.spec import url_host
 
 NGINX_SITES = "/etc/nginx/conf.d"
 # Debian's own site (a welcome page on port 80): a router host serves nothing but its front door.

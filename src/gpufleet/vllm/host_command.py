@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from gpufleet.facts.nvidia import QUERY_GPUS, QUERY_VERSION
 from gpufleet.hoststate import reader
 from gpufleet.hoststate.sections import MARK, end, marker, print_file
+from gpufleet.names import LOOPBACK, container_label_key, url_host
 from gpufleet.units import unit_name, unit_path
-from gpufleet.vllm.spec import LOOPBACK, container_label_key, url_host
 from gpufleet.wire.metrics import CACHE_CONFIG
 
 DAEMON_JSON = "/etc/docker/daemon.json"

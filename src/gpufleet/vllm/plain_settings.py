@@ -15,7 +15,7 @@ from typing import Any
 from gpufleet.defaults import DEFAULTS, EXPECT_COMMITTED_SETTING, IMAGE_REF_SETTING
 from gpufleet.errors import shown
 from gpufleet.image_names import parse as parse_image
-from gpufleet.vllm.spec import SERVICE_NAME
+from gpufleet.names import SERVICE_NAME
 from gpufleet.vllm.value_rules import Fail, check_secret_value, not_finite
 
 _HF_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(?:/[A-Za-z0-9][A-Za-z0-9._-]*)?")

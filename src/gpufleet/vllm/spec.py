@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gpufleet.names import LOOPBACK, container_label_key, url_host
+
 ArgValue = bool | str  # True = bare flag, False = --no-<flag>, str = the value
 OptionValue = bool | str | tuple[str, ...]  # True = bare flag, str = --name=value, tuple = repeated --name v
 
@@ -23,27 +25,12 @@ HF_CACHE_CONTAINER_PATH = "/root/.cache/huggingface"
 # The --model of a flag check: a path that exists nowhere, so an accepted command line stops at model resolution
 # (vLLM names it in its error) before any weights, GPU or network are touched.
 FLAG_CHECK_MODEL = "/gpufleet-flag-check/no-model"
-# A service name: a systemd unit, a container label and file names under /etc and /var/lib are made of it, so it has
-# no path separator and starts with a letter or digit (settings refuse others; a ledger naming another is corrupt).
-SERVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-LOOPBACK = "127.0.0.1"
 
 
 def reach_address(published_on: str | None) -> str:
     """Where a host itself reaches a port published on `published_on`: the loopback when it listens on every
     interface (None, 0.0.0.0, ::), else that one address (nothing then answers on the loopback)."""
     return LOOPBACK if published_on in (None, "0.0.0.0", "::") else published_on
-
-
-def url_host(address: str) -> str:
-    """An IP address as the host part of a URL or listen address: IPv6 in brackets."""
-    return f"[{address}]" if ":" in address else address
-
-
-def container_label_key(service: str) -> str:
-    """The label key the unit and the health checks find the service's container by (it has no --name; the
-    label's value is the spec hash, for drift detection)."""
-    return f"gpufleet.{service}"
 
 
 @dataclass(frozen=True)

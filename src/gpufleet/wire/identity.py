@@ -6,10 +6,42 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from gpufleet.vllm.spec import LOOPBACK, ServeSpec
+from gpufleet.names import LOOPBACK
 from gpufleet.wire.evidence import excerpt
+
+
+class SpecIdentity(Protocol):
+    """What Expected.from_spec reads of a serve spec (gpufleet.vllm.spec.ServeSpec has it): the wire rules name no
+    slice, the spec stays the vLLM slice's."""
+
+    @property
+    def service(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def served_model_name(self) -> str: ...
+    @property
+    def max_model_len(self) -> int | None: ...
+    @property
+    def prefix_caching(self) -> bool: ...
+    @property
+    def mamba_cache_mode(self) -> str | None: ...
+    @property
+    def reach_address(self) -> str: ...
+
+
+class SpecArgs(SpecIdentity, Protocol):
+    """What the health checks read of a serve spec besides its identity: its host, GPUs, hash and vLLM flags."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def gpus(self) -> tuple[int, ...]: ...
+    @property
+    def spec_hash(self) -> str: ...
+    def arg(self, name: str) -> bool | str | None: ...
 
 
 @dataclass(frozen=True)
@@ -31,7 +63,7 @@ class Expected:
     address: str = LOOPBACK  # where the host reaches the port (ServeSpec.reach_address)
 
     @classmethod
-    def from_spec(cls, spec: ServeSpec) -> Expected:
+    def from_spec(cls, spec: SpecIdentity) -> Expected:
         """From a gpufleet.vllm.spec.ServeSpec: the identity the deploy configured."""
         cache = {"enable_prefix_caching": str(bool(spec.prefix_caching))}
         if spec.mamba_cache_mode:
