@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("vllm.host_command",),  # the host snapshot's one command (it holds the ledger reader's lines)
     ("vllm.layout", "vllm.facts", "router.facts", "router.relock"),
     ("operations",),  # shared: base, files, secret, the run's state (run: one context per pyinfra run)
-    ("sitecache.operations",),
+    ("sitecache.operations", "vllm.snapshot"),
     ("vllm.operations", "router.operations"),
     ("health",),  # the network client: checks, waits, answers, the probe
     ("inventory",),
@@ -156,3 +156,34 @@ def test_hosts_are_reached_only_through_remote():
         if "SSHClient(" in text or "pyinfra.connectors" in text:
             openers.append(module)
     assert openers == []
+
+
+def package(module: str) -> str:
+    """The top-level package (or module) of gpufleet a module belongs to, a slice whole: gpufleet.vllm.spec -> vllm."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_import_cycle_between_packages():
+    # Ranks hold module by module; this holds the packages too, each slice taken whole: the shared base imports no
+    # slice, and the slices import each other one way only (the router the vLLM settings, the vLLM pull the cache).
+    graph: dict[str, set[str]] = {}
+    for module in modules():
+        here = package(module)
+        for target, _ in imported(module):
+            there = package(target)
+            if here and there and there != here:
+                graph.setdefault(here, set()).add(there)
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif len(path) < len(graph) + 1:
+                visit(nxt, path + [nxt])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    assert cycles == [], "\n".join(sorted(set(cycles)))
+    assert "vllm" in graph["router"] and not {"vllm", "router", "sitecache"} & graph.get("operations", set())

@@ -25,6 +25,7 @@ from gpufleet.sitecache.deploy import cache_pull, check_port, serves_site
 from gpufleet.sitecache.facts import SiteCacheHost
 from gpufleet.sitecache.facts import parse as parse_cache_host
 from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.operations import docker
 from gpufleet.vllm.settings import build_spec
 
 BIG = "9f3c2a7d1e55"
@@ -114,13 +115,13 @@ def test_the_upstream_and_the_path_on_the_cache_follow_the_image():
 def test_insecure_registries_is_merged_keeping_every_other_key():
     before = json.dumps({"runtimes": {"nvidia": {"path": "nvidia-container-runtime"}},
                          "insecure-registries": ["10.0.0.1:5000"]})
-    merged = json.loads(site_cache.with_insecure_registry(before, "10.0.0.5:5001") or "")
+    merged = json.loads(docker.with_insecure_registry(before, "10.0.0.5:5001") or "")
     assert merged["runtimes"] == {"nvidia": {"path": "nvidia-container-runtime"}}
     assert merged["insecure-registries"] == ["10.0.0.1:5000", "10.0.0.5:5001"]
-    assert site_cache.with_insecure_registry(json.dumps(merged), "10.0.0.5:5001") is None
-    assert json.loads(site_cache.with_insecure_registry(None, "h:1") or "") == {"insecure-registries": ["h:1"]}
+    assert docker.with_insecure_registry(json.dumps(merged), "10.0.0.5:5001") is None
+    assert json.loads(docker.with_insecure_registry(None, "h:1") or "") == {"insecure-registries": ["h:1"]}
     with pytest.raises(ValueError):
-        site_cache.with_insecure_registry("[1]", "h:1")
+        docker.with_insecure_registry("[1]", "h:1")
 
 
 def run_op(operation: Any, snap: HostSnapshot | None = None, **arguments: Any) -> list[Any]:
@@ -148,8 +149,8 @@ def test_the_cache_is_set_up_once_and_a_second_converge_changes_nothing():
 
 def test_trusting_the_cache_reloads_docker_only_when_the_address_is_new():
     listed = HostSnapshot(daemon_json={"insecure-registries": ["10.0.0.5:5001"]})
-    assert run_op(site_cache.trusted, listed, address="10.0.0.5:5001") == []
-    merge, reload = run_op(site_cache.trusted, HostSnapshot(daemon_json={"runtimes": {}}), address="10.0.0.5:5001")
+    assert run_op(docker.trusts_registry, listed, address="10.0.0.5:5001") == []
+    merge, reload = run_op(docker.trusts_registry, HostSnapshot(daemon_json={"runtimes": {}}), address="10.0.0.5:5001")
     assert isinstance(merge, FunctionCommand)
     assert str(reload) == "systemctl try-reload-or-restart docker.service"  # SIGHUP: no container restarts
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 from weakref import WeakKeyDictionary
 
 from pyinfra import logger
@@ -42,16 +42,26 @@ from gpufleet.defaults import LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import one_line
 from gpufleet.hostlock import LOCK_PATH, START_MARGIN_S, HostLock, LockLost, NotOverSsh, lock_host
 from gpufleet.hoststate.ledger import Ledger
-from gpufleet.vllm.facts import HostSnapshot
 
 T = TypeVar("T")
+
+
+class HostFiles(Protocol):
+    """What the shared file operations (gpufleet.operations.files) read of a host's snapshot; the snapshot itself is
+    a slice's (gpufleet.vllm.facts.HostSnapshot, read through gpufleet.vllm.snapshot), so the base names no slice."""
+
+    @property
+    def file_sha256(self) -> Mapping[str, str | None]: ...
+    @property
+    def dirs(self) -> Mapping[str, tuple[str, str, str] | None]: ...
+    def installed(self, package: str) -> bool: ...
 
 
 @dataclass(slots=True, eq=False)
 class HostRun:
     """What one run knows of one host and holds there."""
 
-    snapshot: HostSnapshot | None = None  # read once by preflight; None for a host whose deploy reads no snapshot
+    snapshot: HostFiles | None = None  # read once by preflight; None for a host whose deploy reads no snapshot
     resolved_image_ref: str | None = None  # repo@sha256:..., set by gpufleet.vllm.operations.image while executing
     ledger: Ledger = field(default_factory=Ledger)  # the host's ledger as this run last read or wrote it
     # path -> sha256 of each ledger file as this run read it under the host's lock or last wrote it (None: no file):
@@ -104,14 +114,14 @@ def host_run(host: Host | None = None) -> HostRun:
     return run_context(host.state).host(host.name)
 
 
-def remember(host: Host, snapshot: HostSnapshot) -> HostRun:
+def remember(host: Host, snapshot: HostFiles) -> HostRun:
     """Set the host's snapshot for this run (the deploy does, with what preflight read; a test can, too)."""
     held = host_run(host)
     held.snapshot = snapshot
     return held
 
 
-def snapshot(host: Host | None = None) -> HostSnapshot:
+def snapshot(host: Host | None = None) -> HostFiles:
     host = host if host is not None else ctx_host.get()
     found = host_run(host).snapshot
     if found is None:

@@ -69,8 +69,3 @@ def deploy_site_cache(target: Host, settings: Mapping[str, Any], image: str) -> 
     seen = target.get_fact(SiteCacheFact)
     site_cache.serving(name="Run the site cache (docker-registry as a pull-through cache)", seen=seen,
                        upstream=upstream(settings, image), port=int(settings["site_cache_port"]))
-
-
-def trust_site_cache(pull: CachePull) -> None:
-    site_cache.trusted(name="Let Docker pull from the site cache (insecure-registries, reloaded)",
-                       address=pull.address)

@@ -14,21 +14,17 @@ already check.
 
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pyinfra import host
-from pyinfra.api import FunctionCommand, Host, State, StringCommand, operation
+from pyinfra.api import StringCommand, operation
 
 from gpufleet.image_names import parse
-from gpufleet.operations.base import Commands, fail
-from gpufleet.operations.files import AtomicUpload, as_io, sha256, write_file
-from gpufleet.operations.run import snapshot
-from gpufleet.remote.ssh import use_sudo
+from gpufleet.operations.base import Commands
+from gpufleet.operations.files import AtomicUpload, as_io, sha256
 from gpufleet.sitecache.facts import CONFIG, PACKAGE, UNIT, SiteCacheHost
-from gpufleet.vllm.host_command import DAEMON_JSON
 
 SITE_CACHE_GROUP = "site_cache"
 # Docker Hub's registry API lives at registry-1.docker.io; docker names it docker.io.
@@ -117,48 +113,6 @@ def serving(seen: SiteCacheHost, upstream: str, port: int) -> Commands:
         yield StringCommand("systemctl", "restart", UNIT)
     if not changed and seen.enabled and seen.active:
         host.noop(f"{PACKAGE} proxies {upstream} on port {port}, enabled and running")
-
-
-def with_insecure_registry(text: str | None, address: str) -> str | None:
-    """daemon.json's text with `address` added to insecure-registries, every other key kept; None when it is
-    there already. Raises ValueError for a file that is not a JSON object (never overwritten)."""
-    doc = json.loads(text) if text and text.strip() else {}
-    if not isinstance(doc, dict):
-        raise ValueError("not a JSON object")
-    listed = doc.get("insecure-registries") or []
-    if not isinstance(listed, list):
-        raise ValueError("insecure-registries is not a list")
-    if address in listed:
-        return None
-    doc["insecure-registries"] = [*listed, address]
-    return json.dumps(doc, indent=4, sort_keys=True) + "\n"
-
-
-def _trust(state: State, host: Host, address: str) -> bool:
-    # Read while executing: nvidia-ctk may have rewritten the file earlier in this run, after the snapshot.
-    sudo = use_sudo(host)
-    ok, output = host.run_shell_command(f"cat {DAEMON_JSON} 2>/dev/null || true", _sudo=sudo)
-    try:
-        text = with_insecure_registry(output.stdout if ok else None, address)
-    except ValueError as error:
-        return fail(host, f"{DAEMON_JSON}: {error}: the site cache {address} was not added (fix: make it a JSON "
-                          "object, or set site_cache_address \"off\" for this host)")
-    if text is None:
-        return True
-    return bool(write_file(host, DAEMON_JSON, text))
-
-
-@operation()
-def trusted(address: str) -> Commands:
-    """Let Docker pull from the site cache at `address` over plain HTTP (insecure-registries), reloaded with SIGHUP:
-    no container restarts."""
-    listed = (snapshot().daemon_json or {}).get("insecure-registries") or []
-    if address in listed:
-        host.noop(f"{DAEMON_JSON} lists {address} in insecure-registries")
-        return
-    yield FunctionCommand(_trust, (address,), {})
-    # try-: a Docker that is not running (installed this run, started later) reads the file when it starts.
-    yield StringCommand("systemctl", "try-reload-or-restart", "docker.service")
 
 
 @dataclass(frozen=True)

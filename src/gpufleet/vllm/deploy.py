@@ -185,7 +185,8 @@ def deploy_qwen35() -> None:
         site_cache.deploy_site_cache(host, s, spec.image)
     cache = site_cache.cache_pull(host, s, spec.image)
     if cache is not None:
-        site_cache.trust_site_cache(cache)
+        docker.trusts_registry(name="Let Docker pull from the site cache (insecure-registries, reloaded)",
+                               address=cache.address)
     pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=pin,
                           service=spec.service, cache=cache)
     if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag

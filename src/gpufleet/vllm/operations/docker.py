@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 from pyinfra import host
-from pyinfra.api import FunctionCommand, StringCommand, operation
+from pyinfra.api import FunctionCommand, Host, State, StringCommand, operation
 from pyinfra.operations import apt
 
-from gpufleet.operations.base import Commands
-from gpufleet.operations.files import put_content
-from gpufleet.operations.run import snapshot
+from gpufleet.operations.base import Commands, fail
+from gpufleet.operations.files import put_content, write_file
+from gpufleet.remote.ssh import use_sudo
+from gpufleet.vllm.host_command import DAEMON_JSON
 from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.repo_keys import dearmor, install_fetched_key, key_commands
+from gpufleet.vllm.snapshot import snapshot
 
 DOCKER_KEY = "/etc/apt/keyrings/docker.asc"
 DOCKER_LIST = "/etc/apt/sources.list.d/docker.list"
@@ -93,3 +97,45 @@ def running() -> Commands:
 def restarted() -> Commands:
     """Restart Docker (call with _if=<op>.did_change: only when its configuration changed)."""
     yield StringCommand("systemctl", "restart", "docker.service")
+
+
+def with_insecure_registry(text: str | None, address: str) -> str | None:
+    """daemon.json's text with `address` added to insecure-registries, every other key kept; None when it is
+    there already. Raises ValueError for a file that is not a JSON object (never overwritten)."""
+    doc = json.loads(text) if text and text.strip() else {}
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    listed = doc.get("insecure-registries") or []
+    if not isinstance(listed, list):
+        raise ValueError("insecure-registries is not a list")
+    if address in listed:
+        return None
+    doc["insecure-registries"] = [*listed, address]
+    return json.dumps(doc, indent=4, sort_keys=True) + "\n"
+
+
+def _trust(state: State, host: Host, address: str) -> bool:
+    # Read while executing: nvidia-ctk may have rewritten the file earlier in this run, after the snapshot.
+    sudo = use_sudo(host)
+    ok, output = host.run_shell_command(f"cat {DAEMON_JSON} 2>/dev/null || true", _sudo=sudo)
+    try:
+        text = with_insecure_registry(output.stdout if ok else None, address)
+    except ValueError as error:
+        return fail(host, f"{DAEMON_JSON}: {error}: the site cache {address} was not added (fix: make it a JSON "
+                          "object, or set site_cache_address \"off\" for this host)")
+    if text is None:
+        return True
+    return bool(write_file(host, DAEMON_JSON, text))
+
+
+@operation()
+def trusts_registry(address: str) -> Commands:
+    """Let Docker pull from the registry at `address` (the site cache, gpufleet.sitecache) over plain HTTP
+    (insecure-registries), reloaded with SIGHUP: no container restarts."""
+    listed = (snapshot().daemon_json or {}).get("insecure-registries") or []
+    if address in listed:
+        host.noop(f"{DAEMON_JSON} lists {address} in insecure-registries")
+        return
+    yield FunctionCommand(_trust, (address,), {})
+    # try-: a Docker that is not running (installed this run, started later) reads the file when it starts.
+    yield StringCommand("systemctl", "try-reload-or-restart", "docker.service")

@@ -27,9 +27,10 @@ from gpufleet.hoststate.paths import STATE_DIR
 from gpufleet.image_names import parse, repository
 from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import write_file
-from gpufleet.operations.run import host_run, snapshot
+from gpufleet.operations.run import host_run
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.sitecache.operations import STORAGE, CachePull
+from gpufleet.vllm.snapshot import snapshot
 
 
 def pinned_ref(ledger: Ledger | None, image: str, image_ref_setting: str | None = None) -> str | None:

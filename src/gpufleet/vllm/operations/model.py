@@ -8,11 +8,11 @@ from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.operations.base import Commands, fail
-from gpufleet.operations.run import snapshot
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.image import target_ref
+from gpufleet.vllm.snapshot import snapshot
 from gpufleet.vllm.spec import ServeSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")

@@ -37,12 +37,13 @@ from gpufleet.hoststate.ledger import (
 from gpufleet.hoststate.paths import unit_backup
 from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import put_content, put_secret, sha256, write_file
-from gpufleet.operations.run import host_run, snapshot, still_held_test, still_locked
+from gpufleet.operations.run import host_run, still_held_test, still_locked
 from gpufleet.operations.secret import Hidden
 from gpufleet.units import unit_name, unit_path
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.image import now_utc, target_ref
+from gpufleet.vllm.snapshot import snapshot
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.value_rules import SECRET_VALUE
