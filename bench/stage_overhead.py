@@ -49,7 +49,9 @@ sys.path.insert(0, str(REPO))  # tests.sshd
 PYTHON = sys.executable
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 DEPLOY_FILE = REPO / "src" / "gpufleet" / "data" / "deploys" / "qwen35.py"
-RESULT_ENV = "GPUFLEET_RUN_RESULT"  # where a deploy run writes its result (the rollout sets it on every run)
+# Where a deploy run writes its result (gpufleet.harness.result.RESULT_ENV, spelled here: importing gpufleet would
+# patch gevent into this process, which must stay unpatched to time the others).
+RESULT_ENV = "GPUFLEET_RUN_RESULT"
 
 
 @dataclass(frozen=True)

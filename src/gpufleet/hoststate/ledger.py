@@ -31,13 +31,13 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gpufleet.defaults import RETRY_SETTING
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.names import SERVICE_NAME
 
 SCHEMA = 2
 HISTORY_LIMIT = 20
 FAILED_LIMIT = 20
-RETRY_SETTING = "gpufleet_retry_failed"
 
 
 class CorruptLedger(GpufleetError):

@@ -23,6 +23,15 @@ from pyinfra import host
 from pyinfra.api import Host, deploy
 from pyinfra.context import ctx_state
 
+from gpufleet.defaults import (
+    EXPECT_COMMITTED_SETTING,
+    IMAGE_REF_SETTING,
+    REFRESH_KEYS_SETTING,
+    RETRY_SETTING,
+    STAGE_SETTING,
+    VERIFY_CHECKS_SETTING,
+    VERIFY_PROBE_SETTING,
+)
 from gpufleet.harness import preflight
 from gpufleet.hoststate.ledger import (
     CorruptLedger,
@@ -85,7 +94,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
         files=(*managed.files, layout.ledger_path), ledger_path=layout.ledger_path, env_file=layout.env_file, port=spec.port,
         nvidia_key_url=nvidia.key_url(s["nvidia_repo_url"]), nvidia_version_file=nvidia.VERSION_FILE,
         docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
-        nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s["gpufleet_refresh_keys"]),
+        nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s[REFRESH_KEYS_SETTING]),
         address=spec.reach_address,
     )
     return Plan(spec, s, layout, paths)
@@ -110,16 +119,16 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     except CorruptLedger as error:
         # The deploy must not guess which digest runs: refused before anything changes, the file left as it is.
         return [corrupt_refusal(name, plan.layout.ledger_path, error)]
-    ref = pinned_ref(ledger, spec.image, s["gpufleet_image_ref"])
+    ref = pinned_ref(ledger, spec.image, s[IMAGE_REF_SETTING])
     problems = checks.check(name, snap, s, spec.gpus, ref)
     cut = cut_rename_away(name, snap.other_ledgers, spec.service)
     if cut:
         problems.append(cut)
     # The ledger the service goes by, as the rollout read it (gpufleet.rollout.ledgers applies the same rules).
-    changed = changed_since_read(name, ledger, s["gpufleet_expect_committed"])
+    changed = changed_since_read(name, ledger, s[EXPECT_COMMITTED_SETTING])
     if changed:
         problems.append(changed)
-    if ref and not s["gpufleet_retry_failed"]:
+    if ref and not s[RETRY_SETTING]:
         target = Version(image=spec.image, ref=ref, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service,
                          port=spec.port)
         refused = refused_target(ledger, target)
@@ -139,7 +148,7 @@ def deploy_qwen35() -> None:
     held = remember(host, snap)  # every operation decides from this one read
     has_gpu = bool(snap.gpus)
     ledger = host_ledger(snap.ledger_text, snap.other_ledgers, spec.port)  # preflight refused a corrupt one
-    prepare = s["gpufleet_stage"] == "prepare"
+    prepare = s[STAGE_SETTING] == "prepare"
     # A cut run's pending version is settled first: dropped, or rolled back (then nothing else runs), or finished
     # below. A prepare run changes no ledger and restarts nothing: it leaves that to the converge.
     decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
@@ -148,14 +157,14 @@ def deploy_qwen35() -> None:
     # The digest this run installs when known before the pull. A dropped change never reached the unit: its digest
     # is not this run's pin (a finished one's is).
     pin = pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, spec.image,
-                     s["gpufleet_image_ref"])
-    retry_failed = bool(s["gpufleet_retry_failed"])
+                     s[IMAGE_REF_SETTING])
+    retry_failed = bool(s[RETRY_SETTING])
 
     api_key = s["vllm_api_key"]
     served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
     verify = Verification(spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None,
                           layout.ledger_path, served[0] if served else spec.served_model_name,
-                          checks=verify_checks(s["gpufleet_verify_checks"], bool(s["gpufleet_verify_probe"])))
+                          checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])))
     if not isinstance(decision, Nothing):
         service.settled(name="Settle the change a cut run left pending", decision=decision,
                         ledger_path=layout.ledger_path, roll_back=verify.roll_back_cut)
@@ -163,7 +172,7 @@ def deploy_qwen35() -> None:
             return
 
     files.prerequisites(name="Install apt prerequisites (ca-certificates, curl)")
-    refresh_keys = bool(s["gpufleet_refresh_keys"])
+    refresh_keys = bool(s[REFRESH_KEYS_SETTING])
     docker.engine(name="Install the Docker engine", install=s["docker_install"], repo_url=s["docker_repo_url"],
                   refresh_keys=refresh_keys)
     nvidia.toolkit_repo(name="Add the NVIDIA container toolkit apt repository", repo_url=s["nvidia_repo_url"],

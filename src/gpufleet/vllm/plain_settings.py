@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from gpufleet.defaults import DEFAULTS, EXPECT_COMMITTED_SETTING, IMAGE_REF_SETTING
+from gpufleet.defaults import DEFAULTS, EXPECT_COMMITTED_SETTING, IMAGE_REF_SETTING, LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import shown
 from gpufleet.image_names import parse as parse_image
 from gpufleet.names import SERVICE_NAME
@@ -167,11 +167,11 @@ def check_plain_settings(s: Mapping[str, Any], fail: Fail) -> None:
         fail("vllm_model_revision", f"{shown(s['vllm_model_revision'])} is not a branch, tag or commit",
              'e.g. "main" or a commit hash, or None')
     for key in ("vllm_ready_timeout", "vllm_ready_soak_s", "gpufleet_min_free_gb_docker",
-                "gpufleet_min_free_gb_models", "gpufleet_lock_wait_s", "gpufleet_lock_lease_s"):
+                "gpufleet_min_free_gb_models", WAIT_SETTING, LEASE_SETTING):
         value = s[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not_finite(value) or value < 0:
             fail(key, f"{shown(value)} is not a finite non-negative number", f"e.g. {DEFAULTS[key]}")
-        elif key == "gpufleet_lock_lease_s" and value < MIN_LOCK_LEASE_S:
+        elif key == LEASE_SETTING and value < MIN_LOCK_LEASE_S:
             # Heartbeats come every quarter of the lease: shorter, a busy controller would lose its own lock.
             fail(key, f"{shown(value)} is below {MIN_LOCK_LEASE_S} s", f"e.g. {DEFAULTS[key]}")
     if not isinstance(s["gpufleet_min_cuda"], str) or not re.fullmatch(r"[0-9]+\.[0-9]+", s["gpufleet_min_cuda"]):
