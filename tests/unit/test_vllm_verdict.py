@@ -19,7 +19,7 @@ from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin
 from gpufleet.operations.run import host_run
 from gpufleet.vllm import verify
 from gpufleet.vllm.deploy import plan_for
-from gpufleet.vllm.verify import Verdict
+from gpufleet.vllm.verify import VerifyOutcome
 from tests.unit.test_vllm_deploy import DATA, REF, bare_but_installed, converged_host, planned
 
 VERIFY = "Verify vLLM is ready (/health, /v1/models), else roll back"
@@ -65,7 +65,7 @@ def pending_over_committed() -> Ledger:
     return begin(Ledger(committed=Committed(old, "t0")), new, "ops@laptop pid 7", "t1")
 
 
-def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: Verdict | None,
+def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: VerifyOutcome | None,
                         ledger: Ledger) -> tuple[State, Host, dict[str, bool], list[tuple[str, Any]]]:  # fmt: skip
     """Prepare the playbook for a host to restart, take the operations before the verify as executed as planned,
     then let pyinfra execute the verify (with its rollback) and the commit: (state, host, each one's result, the calls
@@ -96,7 +96,7 @@ def changed(state: State, target: Host) -> list[str]:
 
 
 def test_a_passed_verify_commits_and_does_not_roll_back(monkeypatch):
-    state, target, results, calls = execute_from_verify(monkeypatch, Verdict(passed=True, ready_at="t2"),
+    state, target, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2"),
                                                         pending_over_committed())
     assert results == {VERIFY: True, COMMIT: True}
     assert calls == [("verify", 20.0), ("commit", "t2")]
@@ -104,34 +104,34 @@ def test_a_passed_verify_commits_and_does_not_roll_back(monkeypatch):
 
 
 def test_a_failed_verify_rolls_back_commits_nothing_and_fails_the_host(monkeypatch):
-    found = Verdict(passed=False, failed="dead: docker run exited with status 1", check=None)
+    found = VerifyOutcome(passed=False, failed="dead: docker run exited with status 1", check=None)
     state, target, results, calls = execute_from_verify(monkeypatch, found, pending_over_committed())
     # The verify operation rolls back at once and fails the host (pyinfra then runs nothing more on it): no commit.
     assert results[VERIFY] is False
     assert calls == [("verify", 20.0), ("roll back", ("dead: docker run exited with status 1", None))]
-    assert verify.verdict(target) == found
+    assert verify.outcome(target) == found
 
 
 def test_a_verify_that_could_not_finish_fails_the_host_with_neither_commit_nor_rollback(monkeypatch):
     state, target, results, calls = execute_from_verify(monkeypatch, None, pending_over_committed())
     assert results[VERIFY] is False  # pyinfra runs nothing more on the host; neither would run anyway
-    assert calls == [("verify", 20.0)] and verify.verdict(target) is None
+    assert calls == [("verify", 20.0)] and verify.outcome(target) is None
     with ctx_host.use(target):
         assert not verify.verify_passed()
 
 
 def test_a_verified_restart_of_the_committed_version_commits_nothing(monkeypatch):
     committed = Ledger(committed=pending_over_committed().committed)  # drift or secrets: nothing pending
-    state, target, results, calls = execute_from_verify(monkeypatch, Verdict(passed=True, ready_at="t2"), committed)
+    state, target, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2"), committed)
     assert results == {VERIFY: True, COMMIT: True}
     assert calls == [("verify", 20.0)] and changed(state, target) == [VERIFY]
 
 
-@pytest.mark.parametrize("found", [None, Verdict(passed=False, failed="dead: x")])
+@pytest.mark.parametrize("found", [None, VerifyOutcome(passed=False, failed="dead: x")])
 def test_the_commit_refuses_without_a_passed_verdict_whatever_calls_it(monkeypatch, found):
     _, state, target = planned(bare_but_installed(), monkeypatch)
     if found is not None:
-        verify._verdicts(target)[target.name] = found
+        verify._outcomes(target)[target.name] = found
     spec = plan_for("gpu1", DATA).spec
     v = verify.Verification(spec, 5.0, None, "/var/lib/gpufleet/x.json", spec.served_model_name)
     monkeypatch.setattr(verify, "commit_pending", lambda *_: pytest.fail("committed"))

@@ -14,8 +14,8 @@ from gpufleet.remote.transport import ContainerInfo
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.verify import (
-    Verdict,
     Verification,
+    VerifyOutcome,
     after_failed_verify,
     exited_detail,
     installed_problem,
@@ -238,7 +238,7 @@ def test_a_failed_restart_of_the_committed_version_fails_the_host_on_one_line_an
     remember(host, HostSnapshot())  # its ledger: nothing pending, nothing committed
     spec = build_spec("gpu1", {"vllm_image": "reg:5000/vllm/vllm-openai:good", "vllm_port": 5000})
     v = Verification(spec, 5.0, None, "/var/lib/gpufleet/vllm-qwen35.json", "qwen35")
-    found = Verdict(passed=False, failed="dead: docker run exited with status 125", port_taken=port_taken)
+    found = VerifyOutcome(passed=False, failed="dead: docker run exited with status 125", port_taken=port_taken)
     assert after_failed_verify(host, v, found) is False
     (line,) = host.lines
     assert line.startswith(f"gpu1: {spec.service} not ready (dead: docker run exited with status 125) (fix: ")

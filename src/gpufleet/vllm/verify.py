@@ -8,7 +8,7 @@ and the commit apart; each runs bound methods of the host's Verification while p
     ready        Verification.verify: waits for the restarted service, watches it for the soak (sending it a
                  completion now and then), checks that the container answering is the version this run installed
                  (its image is the pending digest, its label the pending spec), and sends it the requests a client
-                 sends (gpufleet.health.answers: a chat completion, plain and streamed). The Verdict is kept in the
+                 sends (gpufleet.health.answers: a chat completion, plain and streamed). Its VerifyOutcome is kept in the
                  run's state. Then, in the same operation, Verification.roll_back_if_failed: after a failed verify
                  the committed version's unit goes back (its own service name and port), the ledger marks the
                  pending version failed (ledger.roll_back), the committed version is waited for, and the host fails
@@ -34,6 +34,7 @@ from pyinfra.api import Host, State
 from pyinfra.context import ctx_host
 
 from gpufleet import hostlock
+from gpufleet.defaults import RETRY_SETTING
 from gpufleet.health import HealthReport, HealthState, check, poll_ready, soak
 from gpufleet.health.answers import AnswerCheck, check_answers, check_completion
 from gpufleet.health.answers import failed as failed_answers
@@ -42,7 +43,7 @@ from gpufleet.health.serving import Served, run_checks
 from gpufleet.health.serving import failed as failed_serving
 from gpufleet.health.wait import Exited, transient
 from gpufleet.hoststate.atomic import atomic_write_command
-from gpufleet.hoststate.ledger import RETRY_SETTING, Ledger, Version
+from gpufleet.hoststate.ledger import Ledger, Version
 from gpufleet.hoststate.ledger import commit as ledger_commit
 from gpufleet.hoststate.ledger import roll_back as ledger_roll_back
 from gpufleet.hoststate.paths import UNITS_DIR, committed_unit, ledger_path, unit_backup
@@ -97,7 +98,7 @@ def failed_logs(host: Host, transport: Transport, service: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class VerifyOutcome:
     """What the verify found about the service it waited for, kept for the operation after it: passed (commit the
     pending version) or failed (roll it back)."""
 
@@ -108,23 +109,23 @@ class Verdict:
     port_taken: bool = False  # failed: docker could not publish the port (the fix says what to look at)
 
 
-class Verdicts(dict[str, Verdict]):
+class VerifyOutcomes(dict[str, VerifyOutcome]):
     """This run's verdicts by host name: a slot of the run's context (gpufleet.operations.run). Run state, not an
     argument: a verdict exists only once the verify executed, after pyinfra planned every operation."""
 
 
-def _verdicts(host: Host) -> Verdicts:
-    return run_context(host.state).slot(Verdicts, Verdicts)
+def _outcomes(host: Host) -> VerifyOutcomes:
+    return run_context(host.state).slot(VerifyOutcomes, VerifyOutcomes)
 
 
-def verdict(host: Host) -> Verdict | None:
+def outcome(host: Host) -> VerifyOutcome | None:
     """The host's verdict in this run; None: nothing was verified (nothing restarted, or the verify did not end)."""
-    return _verdicts(host).get(host.name)
+    return _outcomes(host).get(host.name)
 
 
 def verify_passed() -> bool:
     """pyinfra's _if for the commit: the current host's verify passed (called while executing, in its context)."""
-    found = verdict(ctx_host.get())
+    found = outcome(ctx_host.get())
     return found is not None and found.passed
 
 
@@ -151,12 +152,12 @@ class Verification:
         found = verify_rollout(host, self, soak_s)
         if found is None:
             return False
-        _verdicts(host)[host.name] = found
+        _outcomes(host)[host.name] = found
         return True
 
     def commit(self, state: State, host: Host) -> bool:
         """The verify passed: the pending version becomes the committed one."""
-        found = verdict(host)
+        found = outcome(host)
         if found is None or not found.passed:  # the operation's _if runs it after a pass only: never guessed
             return fail(host, f"{host.name}: nothing committed: this run's verify did not pass on the host (fix: "
                               "converge again)")
@@ -165,7 +166,7 @@ class Verification:
     def roll_back_if_failed(self, state: State, host: Host) -> bool:
         """After the verify: passed, nothing to do (the commit follows); failed, back to the committed version, the
         pending one marked failed, and False (the host fails)."""
-        found = verdict(host)
+        found = outcome(host)
         if found is None:  # the verify fails the host when it cannot finish: this never runs after it then
             return fail(host, f"{host.name}: nothing rolled back: this run has no verdict for the host (fix: "
                               "converge again)")
@@ -220,7 +221,7 @@ def answer_failed(check_once: Callable[[], HealthReport], line: str) -> HealthRe
     return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=line)
 
 
-def verify_rollout(host: Host, v: Verification, soak_s: float) -> Verdict | None:
+def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome | None:
     """Ready within timeout_s, then still ready for soak_s, answering as a client expects: passed. Else failed (the
     failed container's log printed). None: the verify could not finish (the controller lost sight of the host); the
     host failed on one line and the new version stays pending."""
@@ -248,7 +249,7 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> Verdict | None
         report, failed_check = serving_report(host, v, report, check_once)
     if report.ready:
         host.log_styled(f"ready: {report.detail}", fg="green")
-        return Verdict(passed=True, ready_at=ready_at)
+        return VerifyOutcome(passed=True, ready_at=ready_at)
     if transient(report) and pending is not None:
         # The controller lost sight of the host; the host said nothing against the version. Neither committed nor
         # rolled back, nor marked failed: it stays pending, and the next run (ledger.resume) verifies it again.
@@ -265,10 +266,10 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> Verdict | None
     if taken:  # docker could not publish the port: that is the cause, not the exit status it led to
         failed += f"; port {spec.port} is taken on the host ({taken})"
     failed_check = failed_check if report.state == HealthState.MISCONFIGURED else None  # not when the engine died
-    return Verdict(passed=False, failed=failed, check=failed_check, port_taken=taken is not None)
+    return VerifyOutcome(passed=False, failed=failed, check=failed_check, port_taken=taken is not None)
 
 
-def after_failed_verify(host: Host, v: Verification, found: Verdict) -> bool:
+def after_failed_verify(host: Host, v: Verification, found: VerifyOutcome) -> bool:
     """After a failed verify: the rollback to the committed version when there is one to go back to; else the pending
     version marked failed. Always False: the host failed, on one line."""
     spec, ledger = v.spec, host_run(host).ledger
