@@ -33,13 +33,15 @@ import shlex
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import paramiko
 from pyinfra.api import Host
 
-from gpufleet.defaults import WAIT_SETTING
+from gpufleet.defaults import LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.remote.ssh import use_sudo
 
@@ -72,6 +74,21 @@ class HostLockBusy(HostLockError):
         waited = f" after waiting {waited_s:g} s" if waited_s else ""
         super().__init__(one_line(f"{host}: locked by {who}{waited} (fix: wait for that run to end, or pass "
                                   f"--data {WAIT_SETTING}=SECONDS to wait for it)"))
+
+
+class BadLockSettings(HostLockError):
+    """The lock's wait or lease setting is not a number of seconds."""
+
+
+def lock_timings(name: str, settings: Mapping[str, Any]) -> tuple[float, float]:
+    """(wait_s, lease_s) from one host's settings. BadLockSettings names the host, both settings and the fix: a
+    deploy's plan refuses them first, this is the line for a run that locks before (or without) one."""
+    wait, lease = settings.get(WAIT_SETTING), settings.get(LEASE_SETTING)
+    try:
+        return float(wait), float(lease)  # type: ignore[arg-type]  # anything else is the error below
+    except (TypeError, ValueError):
+        raise BadLockSettings(one_line(f"{name}: {WAIT_SETTING} and {LEASE_SETTING} must be numbers of seconds, got "
+                                       f"{wait!r} and {lease!r} (fix: set them to numbers)")) from None
 
 
 class NotOverSsh(HostLockError):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.hostlock import Holder, HostLock, HostLockBusy, HostLockError, LockLost
+from gpufleet.hostlock import BadLockSettings, Holder, HostLock, HostLockBusy, HostLockError, LockLost, lock_timings
 from tests.sshd import Sshd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -262,3 +262,14 @@ def test_a_run_checks_and_releases_the_locks_it_keeps_and_a_host_not_over_ssh_ha
         release_locks(state)
         remote.disconnect()
         remote.connector.client.close()
+
+
+def test_lock_settings_that_are_not_numbers_are_one_line_naming_the_host_both_settings_and_the_fix():
+    assert lock_timings("gft-a", {"gpufleet_lock_wait_s": 0, "gpufleet_lock_lease_s": "90"}) == (0.0, 90.0)
+    for wait, lease in (("soon", 90), (0, None), ([], {})):
+        with pytest.raises(BadLockSettings) as refused:
+            lock_timings("router gft-r", {"gpufleet_lock_wait_s": wait, "gpufleet_lock_lease_s": lease})
+        assert str(refused.value) == (f"router gft-r: gpufleet_lock_wait_s and gpufleet_lock_lease_s must be numbers "
+                                      f"of seconds, got {wait!r} and {lease!r} (fix: set them to numbers)")
+    with pytest.raises(BadLockSettings, match=r"^gft-a: .* got None and None "):
+        lock_timings("gft-a", {})

@@ -38,9 +38,8 @@ from pyinfra.api import Host, State
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet.defaults import LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import one_line
-from gpufleet.hostlock import LOCK_PATH, START_MARGIN_S, HostLock, LockLost, NotOverSsh, lock_host
+from gpufleet.hostlock import LOCK_PATH, START_MARGIN_S, HostLock, LockLost, NotOverSsh, lock_host, lock_timings
 from gpufleet.hoststate.ledger import Ledger
 
 T = TypeVar("T")
@@ -149,17 +148,18 @@ def reported(state: State) -> dict[str, list[str]]:
 def take_lock(host: Host, settings: Mapping[str, Any], path: str = LOCK_PATH, read: str = "",
               read_timeout_s: float = START_MARGIN_S) -> list[str] | None:
     """Take the host's lock for the whole run (let go when pyinfra disconnects from the host), waiting as long as
-    its WAIT_SETTING says, and run `read` under it (HostLock.acquire): read's output lines. None for a host not
-    reached over SSH: no lock, nothing read. Raises HostLockError (HostLockBusy naming the holder) when refused,
-    TypeError or ValueError when the lock settings are not numbers."""
+    its wait setting says, and run `read` under it (HostLock.acquire): read's output lines. None for a host not
+    reached over SSH: no lock, nothing read. Raises HostLockError when refused (HostLockBusy naming the holder,
+    BadLockSettings when the lock settings are not numbers)."""
+    wait_s, lease_s = lock_timings(host.name, settings)
     try:
-        lock = lock_host(host, path=path, lease_s=float(settings[LEASE_SETTING]))
+        lock = lock_host(host, path=path, lease_s=lease_s)
     except NotOverSsh as why:
         # @local and other connectors: no SSH session to hold the lock with (nor a second operator's run to meet).
         logger.warning(f"{why}; running without the host lock")
         return None
     keep_lock(host, lock)
-    lock.acquire(wait_s=float(settings[WAIT_SETTING]), read=read, read_timeout_s=read_timeout_s)
+    lock.acquire(wait_s=wait_s, read=read, read_timeout_s=read_timeout_s)
     return lock.read_lines
 
 

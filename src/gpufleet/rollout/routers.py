@@ -16,9 +16,8 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
-from gpufleet.defaults import LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.hostlock import HostLock, HostLockBusy, HostLockError
+from gpufleet.hostlock import HostLock, HostLockBusy, HostLockError, lock_timings
 from gpufleet.inventory import HostData
 from gpufleet.remote.ssh import needs_sudo
 from gpufleet.remote.transport import SshTransport, Unreachable
@@ -265,9 +264,9 @@ def _relock(router: Router, data: Mapping[str, Any]) -> HostLock:
     """The lock again, over a router's new session. The shell that held it over the broken one may hold it still
     (the host has not seen the break yet): it names this very run, and ends by the lease, so the router is this
     run's meanwhile; taken again when it frees within RELOCK_WAIT_S, else used under that shell's hold."""
-    settings = merged_settings(dict(data))
+    _, lease_s = lock_timings(f"router {router.name}", merged_settings(dict(data)))
     client = router.transport.client  # type: ignore[attr-defined]  # status.connect opens an SshTransport
-    lock = HostLock(client, router.name, lease_s=float(settings[LEASE_SETTING]), sudo=needs_sudo(client))
+    lock = HostLock(client, router.name, lease_s=lease_s, sudo=needs_sudo(client))
     try:
         return lock.acquire(wait_s=RELOCK_WAIT_S)
     except HostLockBusy as busy:
@@ -283,13 +282,10 @@ def _relock(router: Router, data: Mapping[str, Any]) -> HostLock:
 def _lock(router: Router, data: Mapping[str, Any]) -> HostLock:
     """The router host's lock, taken over the rollout's own session to it and held until close(): a router deploy
     (or another rollout) meanwhile is refused, naming this one."""
-    settings = merged_settings(dict(data))
+    wait_s, lease_s = lock_timings(f"router {router.name}", merged_settings(dict(data)))
     client = router.transport.client  # type: ignore[attr-defined]  # status.connect opens an SshTransport
-    lock = HostLock(client, router.name, lease_s=float(settings[LEASE_SETTING]), sudo=needs_sudo(client))
+    lock = HostLock(client, router.name, lease_s=lease_s, sudo=needs_sudo(client))
     try:
-        return lock.acquire(wait_s=float(settings[WAIT_SETTING]))
+        return lock.acquire(wait_s=wait_s)
     except HostLockError as error:
         raise GpufleetError(one_line(f"router {router.name}: {error}")) from None
-    except (TypeError, ValueError):
-        raise GpufleetError(one_line(f"router {router.name}: {WAIT_SETTING} and {LEASE_SETTING} must be numbers of "
-                                     "seconds (fix: set them to numbers)")) from None
