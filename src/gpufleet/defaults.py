@@ -9,7 +9,7 @@ must be documented there.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, Literal, get_args
 
 
 class _FromProfile:
@@ -156,3 +156,8 @@ REFRESH_KEYS_SETTING: Final = "gpufleet_refresh_keys"
 WAIT_SETTING: Final = "gpufleet_lock_wait_s"
 LEASE_SETTING: Final = "gpufleet_lock_lease_s"
 ACCEPT_SETTING: Final = "gpufleet_accept"
+
+# The values of STAGE_SETTING: "converge" is the whole deploy; "prepare" pulls, fetches the model and checks the flags,
+# and stops before the unit (nothing restarts; the rollout prepares every host before it swaps any).
+Stage = Literal["converge", "prepare"]
+STAGES: Final[tuple[Stage, ...]] = get_args(Stage)

@@ -18,15 +18,16 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
 
 from gpufleet.defaults import (
     EXPECT_COMMITTED_SETTING,
     IMAGE_REF_SETTING,
     RETRY_SETTING,
     STAGE_SETTING,
+    STAGES,
     VERIFY_CHECKS_SETTING,
     VERIFY_PROBE_SETTING,
+    Stage,
 )
 from gpufleet.errors import GpufleetError
 from gpufleet.harness import packaged_deploy_file
@@ -36,7 +37,6 @@ from gpufleet.wire.checks import SERVING_CHECKS
 DEPLOY_FILE = Path("deploys") / "qwen35.py"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # pyinfra's colours, kept out of the log
 PR_SET_PDEATHSIG = 1
-Stage = Literal["converge", "prepare"]  # the deploy's STAGES (gpufleet.vllm.settings)
 
 
 def default_deploy_file() -> Path:
@@ -127,8 +127,8 @@ class RunSettings:
     retry_failed: bool = False  # install the version again though it failed verification there before
 
     def __post_init__(self) -> None:
-        if self.stage is not None and self.stage not in get_args(Stage):
-            raise ValueError(f"stage {self.stage!r} is not one of {', '.join(get_args(Stage))}")
+        if self.stage is not None and self.stage not in STAGES:
+            raise ValueError(f"stage {self.stage!r} is not one of {', '.join(STAGES)}")
         unknown = [name for name in self.verify_checks or () if name not in SERVING_CHECKS]
         if unknown:
             raise ValueError(f"unknown check {', '.join(unknown)} (known: {', '.join(SERVING_CHECKS)})")

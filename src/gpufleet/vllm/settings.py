@@ -22,6 +22,7 @@ from gpufleet.defaults import (
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
     STAGE_SETTING,
+    STAGES,
     VERIFY_CHECKS_SETTING,
     VERIFY_PROBE_SETTING,
 )
@@ -56,7 +57,6 @@ MAX_UNIT_LINE_BYTES = 1024 * 1024 - 4096
 # Settings that change what one run does; their values may come from `--data key=value` on pyinfra's command line.
 RUN_FLAGS = (RETRY_SETTING, VERIFY_PROBE_SETTING, REFRESH_KEYS_SETTING)
 _BOOL_WORDS = {"true": True, "false": False}
-STAGES = ("converge", "prepare")
 
 
 def merged_settings(host_data: Mapping[str, Any]) -> dict[str, Any]:
