@@ -577,3 +577,14 @@ def test_rollout_carries_the_canarys_compile_cache_unless_told_not_to(tmp_path, 
     result = CliRunner().invoke(main, ["rollout", str(inventory), "-y", "--json", *flags])
     assert result.exit_code == 0, result.output
     assert [o.carry for o in seen] == [carry]
+
+
+def test_a_hosts_last_progress_line_says_why_it_failed_and_nothing_more_when_it_did_not():
+    ref = "reg:5000/vllm/vllm-openai@sha256:" + "a" * 64
+    why = "gpu1: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z (fix: wait for that run to end)"
+    assert HostOutcome("gpu1", None, ref, Outcome.FAILED_PREPARE, detail=why).phase == f"failed-prepare: {why}"
+    assert HostOutcome("gpu1", None, ref, Outcome.FAILED, 4.25, detail="x").phase == "failed (4.2 s down): x"
+    assert HostOutcome("gpu1", ref, ref, Outcome.ROLLED_BACK, 3.0, detail="chat: 500").phase == (
+        "rolled-back (3.0 s down): chat: 500")
+    assert HostOutcome("gpu1", None, ref, Outcome.UPDATED, 2.0, detail="carried").phase == "updated (2.0 s down)"
+    assert HostOutcome("gpu2", None, ref, Outcome.NOT_STARTED, detail="not started: gpu1 failed").phase == "not-started"

@@ -60,6 +60,14 @@ class HostOutcome:
     def ok(self) -> bool:
         return self.outcome in OK
 
+    @property
+    def phase(self) -> str:
+        """The host's last progress line: the outcome, the downtime when restarted, and for a host that failed (to
+        prepare or to swap) or was rolled back its detail, so a piped run's log says why without the deploy output."""
+        down = f" ({self.downtime_s:.1f} s down)" if self.downtime_s is not None else ""
+        failed = self.outcome in (Outcome.FAILED_PREPARE, Outcome.FAILED, Outcome.ROLLED_BACK) and self.detail
+        return f"{self.outcome.value}{down}" + (f": {self.detail}" if failed else "")
+
     def problems(self) -> list[dict[str, str]]:
         """[] on the target; else one problem: the outcome, what happened, the fix."""
         if self.ok:

@@ -130,7 +130,7 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
                                       Outcome.FAILED_PREPARE if h in prepared else Outcome.NOT_STARTED, None,
                                       prepared.get(h) or "not started: another host failed to prepare",
                                       pull=pulls.get(h))
-            progress.phase(h, outcomes[h].outcome.value)
+            progress.phase(h, outcomes[h].phase)
         return Result(what, [outcomes[h] for h in names], "prepare failed: no host was swapped")
     for h in order:
         progress.phase(h, "prepared; waiting for its turn")

@@ -176,7 +176,7 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
         if problem is not None:
             result[h] = replace(result[h], outcome=Outcome.FAILED,
                                 detail=one_line(f"{result[h].outcome.value}, but {problem}; {result[h].detail}"))
-            progress.phase(h, result[h].outcome.value)
+            progress.phase(h, result[h].phase)
     return result
 
 
@@ -209,6 +209,5 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
         outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h),
                         held_to(hosts[h].spec, options, canary))
         result[h] = outcome
-        progress.phase(h, outcome.outcome.value + (f" ({outcome.downtime_s:.1f} s down)"
-                                                   if outcome.downtime_s is not None else ""))
+        progress.phase(h, outcome.phase)
     return result
