@@ -39,8 +39,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("vllm.operations", "router.operations"),
     ("health",),  # the network client: checks, waits, answers, the probe
     ("inventory",),
-    ("harness", "vllm.replica_specs"),  # harness: what every deploy file runs in: preflight, the run's result, the speedups
-    ("sitecache.deploy", "vllm.checks", "vllm.verify", "vllm.host_read"),
+    ("harness", "vllm.replica_specs", "vllm.service_watch"),  # harness: what every deploy file runs in: preflight, the run's result, the speedups
+    ("sitecache.deploy", "vllm.checks", "vllm.commit", "vllm.host_read"),
+    ("vllm.verify",),  # decides; vllm.commit writes the verdict to the host
     ("vllm.deploy", "router.api"),
     ("router.status", "router.workers"),
     ("router.check", "router.deploy"),

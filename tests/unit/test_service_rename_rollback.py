@@ -1,4 +1,4 @@
-"""The rollback of a renamed vllm_service whose new version failed verification (gpufleet.vllm.verify.roll_back):
+"""The rollback of a renamed vllm_service whose new version failed verification (gpufleet.vllm.commit.roll_back):
 the failure is marked in the old service's ledger (the one a later run of either name reads) first, then the old
 service's unit goes back and restarts, the new service's unit is disabled and removed, and the new service's own
 files go. A rollback that renames nothing writes its own ledger and removes nothing."""
@@ -18,7 +18,7 @@ from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, parse
 from gpufleet.hoststate.paths import committed_unit, ledger_path, unit_backup
 from gpufleet.operations.run import host_run, remember
 from gpufleet.units import unit_path
-from gpufleet.vllm import verify
+from gpufleet.vllm import commit, verify
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.settings import build_spec
 
@@ -69,7 +69,7 @@ def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000)
     """A host whose committed version is OLD's on port 5000 and whose pending one (`service` on `port`, the dies
     digest) failed: the rollback run with the committed version ready again."""
     monkeypatch.setattr(verify, "transport_from_pyinfra_host", lambda host: None)
-    monkeypatch.setattr(verify, "poll_ready", lambda *_, **__: HealthReport(HealthState.READY, "ready"))
+    monkeypatch.setattr(commit, "poll_ready", lambda *_, **__: HealthReport(HealthState.READY, "ready"))
     spec = build_spec("gpu1", {"vllm_image": TAG, "vllm_service": service, "vllm_port": port})
     committed = Version(image=TAG, ref=GOOD, unit_sha256="a" * 64, spec_hash="0123456789abcdef", service=OLD,
                         port=5000)
@@ -79,7 +79,7 @@ def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000)
     host = RollbackHost()
     remember(host, HostSnapshot()).ledger = ledger
     v = verify.Verification(spec, 5.0, None, ledger_path(service), "qwen35")
-    assert verify.roll_back(host, v, ledger, "dead: exited 1") is False  # the host failed its rollout either way
+    assert commit.roll_back(host, v, ledger, "dead: exited 1") is False  # the host failed its rollout either way
     return host, ledger
 
 
@@ -142,7 +142,7 @@ def committing(host: RollbackHost) -> tuple[verify.Verification, Ledger]:
 def test_a_commit_keeps_a_checked_copy_named_by_the_ledger_first_and_prunes_old_copies_only_after():
     host = RollbackHost()
     v, _ = committing(host)
-    assert verify.commit_pending(host, v, "t2") is True
+    assert commit.commit_pending(host, v, "t2") is True
     copy = committed_unit(OLD, "b" * 64)
     [(copied_at, copied)] = [(i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and copy in what
                              and "sha256sum" in what]
@@ -160,7 +160,7 @@ def test_a_commit_keeps_a_checked_copy_named_by_the_ledger_first_and_prunes_old_
 def test_a_copy_that_fails_commits_nothing_and_prunes_nothing():
     host = FailingCopyHost()
     v, before = committing(host)
-    assert verify.commit_pending(host, v, "t2") is False
+    assert commit.commit_pending(host, v, "t2") is False
     assert [kind for kind, _ in host.done] == ["run"]  # the copy, and nothing after it
     assert host_run(host).ledger == before  # still pending: the next run verifies it again
 
@@ -176,6 +176,6 @@ def test_a_run_that_lost_the_hosts_lock_writes_no_ledger(monkeypatch):
     host = RollbackHost()
     v, before = committing(host)
     host_run(host).lock = LostLock()  # type: ignore[assignment]  # what check_lock calls of a HostLock
-    assert verify.commit_pending(host, v, "t2") is False
+    assert commit.commit_pending(host, v, "t2") is False
     assert [kind for kind, _ in host.done if kind == "put"] == []  # no ledger upload
     assert host_run(host).ledger == before

@@ -13,11 +13,11 @@ from gpufleet.operations.run import remember
 from gpufleet.remote.transport import ContainerInfo
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.service_watch import exited_detail
 from gpufleet.vllm.verify import (
     Verification,
     VerifyOutcome,
     after_failed_verify,
-    exited_detail,
     installed_problem,
     with_traffic,
 )  # fmt: skip

@@ -162,7 +162,7 @@ def _backup_commands(spec: ServeSpec) -> Commands:
     made at its commit): the unit that was serving, as before."""
     committed = host_run().ledger.committed
     if committed is None or committed.version.unit_sha256 is not None:
-        return  # none to go back to, or its copy was made when it was committed (gpufleet.vllm.verify)
+        return  # none to go back to, or its copy was made when it was committed (gpufleet.vllm.commit)
     snap = snapshot()
     if snap.unit_active(unit_name(spec.service)) and snap.health_code == "200" and snap.file_sha256.get(
             unit_path(spec.service)):

@@ -1,0 +1,48 @@
+"""What systemd and Docker say about the vLLM service while a version is verified or rolled back: whether its `docker
+run` exited (the wait stops at once then, instead of polling until the timeout), and its last log lines when it
+failed."""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra.api import Host
+
+from gpufleet.health.wait import Exited
+from gpufleet.remote.ssh import use_sudo
+from gpufleet.remote.transport import Transport, TransportError
+from gpufleet.units import unit_name
+
+
+def exited_detail(show: str) -> str | None:
+    """From `systemctl show -p ActiveState -p SubState -p ExecMainStatus`: why the service is not running its
+    container, or None while it is (still) running it."""
+    props = dict(line.split("=", 1) for line in show.splitlines() if "=" in line)
+    active, sub, status = props.get("ActiveState", ""), props.get("SubState", ""), props.get("ExecMainStatus", "")
+    if sub == "auto-restart" or active == "failed":
+        return f"docker run exited with status {status or '?'} (systemd: {active}/{sub})"
+    return None
+
+
+def service_exited(host: Host, service: str) -> Exited:
+    """health.wait's `exited` for a systemd service: asks systemd whether `docker run` exited."""
+    def probe() -> str | None:
+        ok, output = host.run_shell_command(
+            f"systemctl show -p ActiveState -p SubState -p ExecMainStatus {shlex.quote(unit_name(service))}")
+        return exited_detail("\n".join(output.stdout_lines)) if ok else None
+    return probe
+
+
+def journal(host: Host, service: str, lines: int = 15) -> list[str]:
+    ok, output = host.run_shell_command(f"journalctl -u {shlex.quote(unit_name(service))} -n {int(lines)} "
+                                        "--no-pager -o cat", _sudo=use_sudo(host))
+    return output.stdout_lines if ok else []
+
+
+def failed_logs(host: Host, transport: Transport, service: str) -> list[str]:
+    try:
+        logs = transport.logs(service, tail=30)
+    except TransportError:
+        logs = []
+    # No container left to read (it ran with --rm, or docker run itself failed): the journal has its output.
+    return logs or journal(host, service)
