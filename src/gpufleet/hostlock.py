@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -59,6 +60,18 @@ START_MARGIN_S = 30.0
 # disconnects, without waiting for each host's shell to see the EOF, so its successor may find them still held for
 # a moment (a round trip and a process exit on the host).
 LETTING_GO_S = 5.0
+
+
+def _zombie(pid: int) -> bool:
+    """Has process `pid` ended without being reaped yet? A run killed with its controller (the laptop that died
+    mid-rollout) is reparented, and waits as a zombie until its new parent reaps it: signal 0 still reaches it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return Path("/proc/self").exists()  # reaped meanwhile; without /proc (not Linux) it cannot tell: alive
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # the state follows the command name, which may hold ")"
 
 
 class HostLockError(GpufleetError):
@@ -129,7 +142,7 @@ class Holder:
             return True
         except PermissionError:
             return False  # alive, another user's
-        return False
+        return _zombie(self.pid)
 
     def line(self) -> str:
         return one_line(f"user={self.user} controller={self.controller} pid={self.pid} since={self.since}")

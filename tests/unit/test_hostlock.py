@@ -94,6 +94,37 @@ def test_the_lock_of_an_exited_run_of_this_controller_is_waited_for(sshd, lock_f
         second.release()
 
 
+def test_a_run_that_ended_but_was_not_reaped_yet_has_exited():
+    # A run killed with its controller is reparented and stays a zombie until its new parent reaps it: signal 0
+    # still reaches it, yet it holds nothing any more (its sockets are closed), so its lock is waited for too.
+    # The zombie is the child of a helper process that never reaps it (this process's own children are reaped by
+    # gevent's child watcher at once).
+    me = Holder.this_process()
+    parent = subprocess.Popen([sys.executable, "-c", ZOMBIE_PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        zombie = int(parent.stdout.readline())  # type: ignore[union-attr]
+        for _ in range(100):
+            if Path(f"/proc/{zombie}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        os.kill(zombie, 0)  # signal 0 still reaches it
+        assert Holder(me.user, me.controller, zombie, me.since).exited_here()
+        assert not Holder(me.user, me.controller, parent.pid, me.since).exited_here()  # its parent runs
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+ZOMBIE_PARENT = """
+import os, sys, time
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+print(pid, flush=True)
+time.sleep(60)
+"""
+
+
 def test_only_an_exited_run_of_this_controller_is_waited_for(sshd, lock_file):
     me = Holder.this_process()
     alive_here = Holder(me.user, me.controller, os.getppid(), me.since)
