@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -588,3 +589,54 @@ def test_a_hosts_last_progress_line_says_why_it_failed_and_nothing_more_when_it_
         "rolled-back (3.0 s down): chat: 500")
     assert HostOutcome("gpu1", None, ref, Outcome.UPDATED, 2.0, detail="carried").phase == "updated (2.0 s down)"
     assert HostOutcome("gpu2", None, ref, Outcome.NOT_STARTED, detail="not started: gpu1 failed").phase == "not-started"
+
+
+KILLED_PARENT = """
+import subprocess, sys
+from gpufleet.rollout.deploy import dies_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=dies_with_parent())
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def gone(pid: int, within_s: float) -> bool:
+    """Has process `pid` ended (exited, or a zombie) within `within_s` seconds?"""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def test_a_deploy_run_dies_with_the_controller_that_started_it():
+    # The controller (a process of its own here, ended by its PID) is killed: its deploy run goes with it.
+    controller = subprocess.Popen([sys.executable, "-c", KILLED_PARENT], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(controller.stdout.readline())  # type: ignore[union-attr]
+        assert not gone(child, 0.5)
+        controller.kill()
+        controller.wait()
+        assert gone(child, 10)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+        if child is not None and not gone(child, 0):
+            os.kill(child, signal.SIGKILL)  # the test failed: the child it started outlived its controller
+
+
+def test_a_deploy_run_whose_controller_died_before_it_asked_to_die_with_it_ends_before_it_starts(monkeypatch):
+    # The controller killed between the fork and the child's prctl sends no signal: the child finds its parent is
+    # no longer the one that started it, and ends itself. Simulated by a preexec made "in" a parent that is not ours.
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "getpid", lambda: 1)
+        preexec = rollout_deploy.dies_with_parent()
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=preexec, timeout=20)
+    assert proc.returncode == -9 and time.monotonic() - started < 10

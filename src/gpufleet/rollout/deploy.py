@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,13 +98,25 @@ class DeployRun:
         return f"{host}: the deploy run exited {self.returncode} and names no problem of this host (see --log)"
 
 
-def _die_with_parent() -> None:
-    # A killed controller must not leave a deploy running on its own: the child dies with it, its SSH sessions
-    # close, and each host's lock frees at once (gpufleet.hostlock); the re-run resumes from the ledgers.
+def dies_with_parent() -> Callable[[], None]:
+    """A preexec_fn for a child that must die with this process: a killed controller must not leave a deploy running
+    on its own (its SSH sessions close, each host's lock frees at once: gpufleet.hostlock; the re-run resumes from
+    the ledgers). prctl is looked up here, in the parent: dlopen in the forked child of a threaded process may hang."""
+    parent = os.getpid()
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: nothing to ask the kernel for
+        prctl = None
+
+    def in_child() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        # A parent killed between the fork and the line above sent no signal (a busy host may run the child only
+        # after it): the child has been reparented then, and ends here, before pyinfra starts.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return in_child
 
 
 @dataclass(frozen=True)
@@ -164,7 +176,7 @@ def run_deploy(inventory: str, hosts: Sequence[str], settings: RunSettings, depl
         env = {**os.environ, "PYTHONUNBUFFERED": "1", RESULT_ENV: str(where)}
         try:
             proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                  timeout=timeout_s, preexec_fn=_die_with_parent)
+                                  timeout=timeout_s, preexec_fn=dies_with_parent())
             rc, output = proc.returncode, proc.stdout
         except subprocess.TimeoutExpired as e:
             # subprocess.run has killed the run by its PID: its SSH sessions closed, each host's lock with them.
