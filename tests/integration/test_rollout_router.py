@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 import urllib.error
+from pathlib import Path
 
 from tests.integration.pyinfra_run import run_deploy
 from tests.integration.test_router import (
@@ -68,6 +69,20 @@ def wait_until_one_leaves(router, urls: list[str], proc: subprocess.Popen[str]) 
         time.sleep(0.1)
     assert out and proc.poll() is None, "the rollout ended before a replica left the router"
     return out
+
+
+def deploy_runs(inventory) -> list[int]:
+    """The PIDs of the live processes (zombies aside) running a pyinfra deploy of `inventory`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue  # not a process, or gone meanwhile
+        if state != "Z" and any(a.endswith(b"pyinfra") for a in argv) and str(inventory).encode() in argv:
+            found.append(int(proc.name))
+    return found
 
 
 class WorkerWatch:
@@ -204,6 +219,8 @@ def test_a_controller_killed_after_a_replica_left_the_router_strands_nothing(rfl
         proc.communicate(timeout=30)
         time.sleep(1)
         assert set(urls) - set(router.list_workers()) == stranded, "the kill must leave the replica out"
+        # Its deploy run (when it had started one, however close to the kill) died with it: none holds a host.
+        assert deploy_runs(inventory) == [], "a deploy run outlived its killed controller"
 
         resumed = rollout(inventory, image)
         assert resumed.returncode == 0, resumed.stderr[-4000:]
