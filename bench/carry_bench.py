@@ -28,7 +28,8 @@ from gpufleet.rollout.run import roll_out
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
-from gpufleet.sandbox.image import REPOSITORY, move_tag
+from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.registry import move_tag
 
 REPO = Path(__file__).resolve().parents[1]
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))

@@ -31,7 +31,8 @@ from converge import converge_fresh_hosts
 
 from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
-from gpufleet.sandbox.image import REPOSITORY, move_tag
+from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.registry import move_tag
 
 REPO = Path(__file__).resolve().parents[1]
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))

@@ -33,12 +33,13 @@ from pathlib import Path
 from converge import converge_fresh_hosts
 
 from gpufleet.facts.pull import PullStats
-from gpufleet.sandbox import image as sandbox_image
+from gpufleet.sandbox import registry as sandbox_registry
 from gpufleet.sandbox import services
 from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
-from gpufleet.sandbox.image import REPOSITORY, move_tag
+from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.inventory import inventory_document
+from gpufleet.sandbox.registry import move_tag
 from gpufleet.vllm.operations.image import pull_stats_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,9 +127,9 @@ def main() -> None:
     fleet.start()
     rows = []
     try:
-        sandbox_image.ensure_nightlies(fleet.cfg)
-        layer = json.loads(sandbox_image.registry_request(fleet.cfg, f"/v2/{REPOSITORY}/manifests/nightly-1",
-                                                   headers={"Accept": sandbox_image.MANIFEST_TYPE})[2])["layers"]
+        sandbox_registry.ensure_nightlies(fleet.cfg)
+        layer = json.loads(sandbox_registry.registry_request(fleet.cfg, f"/v2/{REPOSITORY}/manifests/nightly-1",
+                                                   headers={"Accept": sandbox_registry.MANIFEST_TYPE})[2])["layers"]
         image_bytes = sum(layer_["size"] for layer_ in layer)
         new_bytes = layer[-1]["size"]  # the nightly's own layer: what a host on the other nightly lacks
         fleet.add_hosts([H200x3] * args.hosts, first=1)

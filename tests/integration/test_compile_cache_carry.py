@@ -25,7 +25,7 @@ from gpufleet.rollout.report import Outcome
 from gpufleet.rollout.run import roll_out
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.sandbox.config import Gpus, H200x3
-from gpufleet.sandbox.image import move_tag
+from gpufleet.sandbox.registry import move_tag
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploys" / "qwen35.py"

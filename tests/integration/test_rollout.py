@@ -34,7 +34,8 @@ from tests.integration.pyinfra_run import run_deploy
 from gpufleet.health.api import get
 from gpufleet.remote.ssh import open_ssh
 from gpufleet.sandbox.config import H200x3
-from gpufleet.sandbox.image import REPOSITORY, move_tag, tag_manifest
+from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.registry import move_tag, tag_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")

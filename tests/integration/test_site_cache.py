@@ -25,6 +25,7 @@ from tests.integration.pyinfra_results import changed_ops
 from gpufleet.facts.pull import PullStats
 from gpufleet.rollout.prepare import prepare, pull_order
 from gpufleet.sandbox import image as sandbox_image
+from gpufleet.sandbox import registry as sandbox_registry
 from gpufleet.sandbox import services
 from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.fleet import Fleet
@@ -51,7 +52,7 @@ def site(fleet: Fleet, _fresh_numbers, tmp_path_factory: pytest.TempPathFactory)
 
 
 def _site(fleet: Fleet, hosts: list[Host], tmp_path_factory: pytest.TempPathFactory):
-    refs = sandbox_image.ensure_nightlies(fleet.cfg)
+    refs = sandbox_registry.ensure_nightlies(fleet.cfg)
     doc = inventory_document(fleet.cfg, hosts, fleet.key, site_cache=(hosts[0].name,))
     path = tmp_path_factory.mktemp("site") / "inventory.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
@@ -69,8 +70,8 @@ def listed(fleet: Fleet, host: Host) -> list[str]:
 
 def big_layer(fleet: Fleet, tag: str) -> tuple[str, int]:
     """(digest, size) of a nightly's own layer, from the fleet registry's manifest."""
-    _, _, body = sandbox_image.registry_request(fleet.cfg, f"/v2/{sandbox_image.REPOSITORY}/manifests/{tag}",
-                                         headers={"Accept": sandbox_image.MANIFEST_TYPE})
+    _, _, body = sandbox_registry.registry_request(fleet.cfg, f"/v2/{sandbox_image.REPOSITORY}/manifests/{tag}",
+                                         headers={"Accept": sandbox_registry.MANIFEST_TYPE})
     layer = json.loads(body)["layers"][-1]
     return layer["digest"], layer["size"]
 
