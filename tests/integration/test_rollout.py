@@ -237,6 +237,8 @@ def test_a_rejected_flag_is_caught_in_prepare_and_no_host_is_swapped(fleet, tag,
     assert set(outcomes(doc).values()) == {"failed-prepare"}  # every host's image check refuses it
     for row in doc["hosts"]:
         assert "--performance-mode" in row["detail"] and digests["rejects-flag"] in row["detail"]
+        # Piped, the progress on stderr ends each host on a line that says why, as the JSON's detail does.
+        assert f"{row['host']}: failed-prepare: {row['detail']}" in proc.stderr.splitlines(), proc.stderr[-3000:]
     for h in hosts:
         assert container_id(fleet, h) == ids[h.name] and running_image(fleet, h) == digests["good-next"]
 
