@@ -55,14 +55,14 @@ def parse_read(host: str, service: str, port: int, rc: int, out: str, err: str) 
         return HostLedger(host, path, None, f"cannot read {path}: the reading's output is truncated ({e})")
     except sections.Forged as e:
         return HostLedger(host, path, None, f"cannot read {path}: the reading refused: {e}")
+    if texts.own is None:
+        # No file of its own: what host_ledger goes by then is the ledger it takes over, read here with its path.
+        found = taken_over(texts.others, port)
+        return HostLedger(host, found[0], found[1]) if found else HostLedger(host, path, None)
     try:
-        ledger = host_ledger(texts.own, texts.others, port)
+        return HostLedger(host, path, host_ledger(texts.own, texts.others, port))
     except CorruptLedger as e:
         return HostLedger(host, path, None, corrupt_refusal(host, path, e))
-    if texts.own is not None:
-        return HostLedger(host, path, ledger)
-    found = taken_over(texts.others, port)
-    return HostLedger(host, found[0], ledger) if found else HostLedger(host, path, None)
 
 
 def read_one(host: FleetHost, transport: SshTransport) -> HostLedger:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufleet.harness.preflight import HostRead
+from gpufleet.harness.preflight import HostRead, check_ssh_and_sudo
 from gpufleet.vllm.facts import SNAPSHOT_REFUSED, GpufleetHost, HostSnapshot
 from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
 from gpufleet.vllm.settings import merged_settings
@@ -16,7 +16,7 @@ def unreadable_fix(plan: Any, error: Exception) -> str:  # plan: gpufleet.vllm.d
     """The fix for a host whose snapshot could not be read: what answers on the service's port when the snapshot's
     own sections were forged (something there answers in gpufleet's words), else SSH and sudo."""
     if SNAPSHOT_REFUSED not in str(error):
-        return "check SSH and sudo"
+        return check_ssh_and_sudo(plan, error)
     port = plan.paths.port
     return (f"something on the host answers in gpufleet's own words: `ss -ltnp 'sport = :{port}'` shows what listens "
             f"on port {port}; stop it")
