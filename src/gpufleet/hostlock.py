@@ -62,9 +62,10 @@ START_MARGIN_S = 30.0
 LETTING_GO_S = 5.0
 
 
-def _zombie(pid: int) -> bool:
-    """Has process `pid` ended without being reaped yet? A run killed with its controller (the laptop that died
-    mid-rollout) is reparented, and waits as a zombie until its new parent reaps it: signal 0 still reaches it."""
+def process_ended(pid: int) -> bool:
+    """Has process `pid` ended, reaped or not, as /proc tells (False where there is no /proc: it cannot tell)? A run
+    killed with its controller (the laptop that died mid-rollout) is reparented, and waits as a zombie until its new
+    parent reaps it: signal 0 still reaches it then, /proc says it ended."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -142,7 +143,7 @@ class Holder:
             return True
         except PermissionError:
             return False  # alive, another user's
-        return _zombie(self.pid)
+        return process_ended(self.pid)
 
     def line(self) -> str:
         return one_line(f"user={self.user} controller={self.controller} pid={self.pid} since={self.since}")

@@ -35,7 +35,7 @@ from tests.integration.test_router import (
     served_model,
 )
 
-from gpufleet.hostlock import LOCK_PATH
+from gpufleet.hostlock import LOCK_PATH, process_ended
 from gpufleet.router.settings import router_settings
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.image import REPOSITORY
@@ -75,13 +75,15 @@ def deploy_runs(inventory) -> list[int]:
     """The PIDs of the live processes (zombies aside) running a pyinfra deploy of `inventory`."""
     found = []
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
-            continue  # not a process, or gone meanwhile
-        if state != "Z" and any(a.endswith(b"pyinfra") for a in argv) and str(inventory).encode() in argv:
-            found.append(int(proc.name))
+        except OSError:
+            continue  # gone meanwhile
+        pid = int(proc.name)
+        if any(a.endswith(b"pyinfra") for a in argv) and str(inventory).encode() in argv and not process_ended(pid):
+            found.append(pid)
     return found
 
 

@@ -24,6 +24,7 @@ from gpufleet.errors import GpufleetError
 from gpufleet.facts.pull import PullStats
 from gpufleet.harness.result import HostResult
 from gpufleet.health.check import HealthState
+from gpufleet.hostlock import process_ended
 from gpufleet.hoststate import ledger
 from gpufleet.rollout import deploy as rollout_deploy
 from gpufleet.rollout.carry import CarryResult
@@ -603,15 +604,11 @@ child.wait()
 def gone(pid: int, within_s: float) -> bool:
     """Has process `pid` ended (exited, or a zombie) within `within_s` seconds?"""
     deadline = time.monotonic() + within_s
-    while True:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
-                return True
-        except FileNotFoundError:
-            return True
+    while not process_ended(pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+    return True
 
 
 def test_a_deploy_run_dies_with_the_controller_that_started_it():
