@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.integration.pyinfra_run import EXECUTION_STARTS, failed_to_connect
 
 from gpufleet.sandbox import image
 from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, FleetConfig, H200x1, H200x3
@@ -268,3 +269,14 @@ def test_a_live_run_of_the_same_fleet_is_waited_for_not_cleared(fleet, test_host
     with pytest.raises(SandboxError, match="in use by another run"):
         rival.lock(timeout=1)
     assert fleet.ssh(test_hosts[0], "true").returncode == 0  # untouched
+
+
+def test_a_deploy_is_repeated_only_for_an_ssh_failure_before_anything_executed():
+    connect = "--> Connecting to hosts...\n    [gft11] Could not connect (Error reading SSH protocol banner)\n"
+    facts = "--> Preparing operation files...\n    [gft11] Command socket/SSH error: Connection reset by peer\n"
+    executed = ("--> Connecting to hosts...\n    [gft11] Connected\n--> Beginning operation run...\n"
+                "    [gft11] Command socket/SSH error: [Errno 104] Connection reset by peer\n")
+    assert failed_to_connect(connect) and failed_to_connect(facts + EXECUTION_STARTS)
+    # Once operations ran, a repeat would meet what the first run left on the host (a version marked failed).
+    assert not failed_to_connect(executed)
+    assert not failed_to_connect("--> Connecting to hosts...\n    [gft11] Connected\n")
