@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import logging
 import socket
 import subprocess
 import sys
@@ -164,7 +165,7 @@ def test_sshds_connect_failure_keeps_its_reason(reason, error):
         SshTransport(_RefusingTunnels(reason), name="lo").http(8000, timeout=1)
 
 
-def test_a_server_published_on_one_address_is_checked_there_through_the_tunnel(sshd):
+def test_a_server_published_on_one_address_is_checked_there_through_the_tunnel(sshd, caplog):
     # docker -p 10.0.0.12:5000:5000 leaves nothing on 127.0.0.1:5000: through sshd, the checks dial the address the
     # spec publishes on (127.0.0.2 here: the whole 127/8 is this machine's loopback).
     class Healthy(http.server.BaseHTTPRequestHandler):
@@ -178,6 +179,7 @@ def test_a_server_published_on_one_address_is_checked_there_through_the_tunnel(s
 
     server = http.server.HTTPServer(("127.0.0.2", 0), Healthy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    caplog.set_level(logging.INFO, logger="paramiko")
     client = sshd.client()
     try:
         transport = SshTransport(client, name="lo")
@@ -188,6 +190,11 @@ def test_a_server_published_on_one_address_is_checked_there_through_the_tunnel(s
         conn.close()
         with pytest.raises(ConnectionRefusedError, match=rf"^lo: 127\.0\.0\.1:{port} refused"):
             transport.http(port, 5)
+        # The refusal is this error, not also paramiko's "Secsh channel N open FAILED" among a deploy's lines;
+        # paramiko's other records still pass.
+        paramiko_lines = [r.getMessage() for r in caplog.records if r.name.startswith("paramiko")]
+        assert not [line for line in paramiko_lines if "open FAILED" in line], paramiko_lines
+        assert any("Authentication" in line for line in paramiko_lines), paramiko_lines
     finally:
         client.close()
         server.shutdown()

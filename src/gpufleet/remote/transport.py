@@ -16,6 +16,7 @@ import http.client
 import io
 import ipaddress
 import json
+import logging
 import re
 import shlex
 import time
@@ -33,6 +34,21 @@ from gpufleet.names import LOOPBACK, container_label_key
 MAX_BODY_BYTES = 1 << 20
 MAX_ANSWER_BYTES = MAX_BODY_BYTES + (64 << 10) + io.DEFAULT_BUFFER_SIZE
 EVIDENCE_BYTES = 80  # first bytes of an answer kept to quote when it is not HTTP
+
+
+class RefusedTunnelRecords(logging.Filter):
+    """Drops paramiko's ERROR record for a tunnel sshd could not connect ("Secsh channel 23 open FAILED: Connection
+    refused: Connect failed"): SshTransport.http raises it as ConnectionRefusedError or ConnectionResetError, which
+    the checks report per host in their own words. A server still loading refuses many times while a deploy waits
+    for it; the records would print among the deploy's lines as errors. paramiko's other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Secsh channel ") and " open FAILED: " in message)
+
+
+# On paramiko's logger itself (a logger's filters see only its own records; pyinfra's handlers sit above it).
+logging.getLogger("paramiko.transport").addFilter(RefusedTunnelRecords())
 
 
 class TransportError(Exception):
