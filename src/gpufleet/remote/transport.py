@@ -47,8 +47,7 @@ class RefusedTunnelRecords(logging.Filter):
         return not (message.startswith("Secsh channel ") and " open FAILED: " in message)
 
 
-# On paramiko's logger itself (a logger's filters see only its own records; pyinfra's handlers sit above it).
-logging.getLogger("paramiko.transport").addFilter(RefusedTunnelRecords())
+_REFUSED_TUNNEL_RECORDS = RefusedTunnelRecords()
 
 
 class TransportError(Exception):
@@ -291,6 +290,9 @@ class SshTransport:
         self.client = client
         self.name = name or _peer_name(client)
         self._sudo = "sudo -n " if sudo else ""
+        # On paramiko's logger itself (a logger's filters see only its own records; pyinfra's handlers sit above
+        # it); added once, by the only code that opens these tunnels.
+        logging.getLogger("paramiko.transport").addFilter(_REFUSED_TUNNEL_RECORDS)
 
     def _transport(self) -> paramiko.Transport:
         t = self.client.get_transport()
