@@ -59,10 +59,12 @@ NOT_CARRIED = {
 GPUFLEET = ("gevent==26.9.0", "greenlet==3.5.6", "zope.event==6.2", "zope.interface==8.7", "paramiko==4.0.0",
             "bcrypt==5.0.0", "cryptography==50.0.2", "pynacl==1.6.2", "cffi==2.1.1", "pycparser==3.12",
             "invoke==3.0.3", "pyinfra==3.10.0", "distro==1.9.0", "typeguard==4.6.1")
-# Inside vLLM's wheel, what an H200 does not need (SM80 FlashAttention 2: Hopper runs FA3; the Rust frontend; the
-# SM100 FMHA and DeepGEMM JIT sources: the profile sets VLLM_USE_DEEP_GEMM=0).
+# What the run does not load: in vLLM's wheel, SM80 FlashAttention 2 (Hopper runs FA3), the Rust frontend, the SM100
+# FMHA and DeepGEMM JIT sources (the profile sets VLLM_USE_DEEP_GEMM=0); xgrammar's static library (for C++
+# builds, 70 MB); mistral_common's Tekken tokenizers (Mistral models only, 34 MB).
 STRIP = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs", "vllm/third_party/fmha_sm100",
-         "vllm/third_party/deep_gemm")
+         "vllm/third_party/deep_gemm", "xgrammar/lib/libxgrammar.a", "mistral_common/data/tekken_240718.json",
+         "mistral_common/data/tekken_240911.json")
 
 
 def image_packages() -> dict[str, str | None]:
