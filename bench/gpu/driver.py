@@ -328,7 +328,8 @@ def spawn(run: Run, name: str, *, without: Sequence[str] = (), port: int | None 
     stamp = f"{shlex.quote(sys.executable)} {shlex.quote(str(Path(__file__).resolve()))} stamp {shlex.quote(str(log))}"
     shell = (f"unshare --mount --propagation private -- sh -c {shlex.quote(script)} 2>&1 | {stamp}")
     spawned_at = time.time()
-    proc = subprocess.Popen(["setsid", "sh", "-c", shell], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    # Its own session (setsid in the child): it outlives the call, and its pid is the group every stop signals.
+    proc = subprocess.Popen(["sh", "-c", shell], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     state = {"pgid": proc.pid, "spawned_at": spawned_at, "port": port, "log": str(log), "argv": argv,
              "without": list(without), "env": {k: v for k, v in env.items() if k != "PATH"}}
@@ -341,7 +342,7 @@ def stop(run: Run, name: str) -> None:
     if not path.exists():
         return
     pgid = json.loads(path.read_text())["pgid"]
-    for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+    for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
@@ -395,7 +396,8 @@ def wait_ready(run: Run, name: str, timeout_s: float) -> dict[str, Any]:
         if not group_alive(state["pgid"]):
             break
         time.sleep(0.5)
-    lines = Path(state["log"]).read_text(errors="replace").splitlines()
+    log = Path(state["log"])
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     text = "\n".join(lines)
     warm, listening_s = start_report(lines, state["spawned_at"])
     found = {rx.pattern.split(" ")[0]: float(m.group(1)) for rx in (INIT, COMPILE, LOAD) if (m := rx.search(text))}
@@ -433,8 +435,9 @@ def phase_stop(run: Run, names: Sequence[str]) -> None:
 # --- the checks ------------------------------------------------------------------------------------------------------
 def loopback(run: Run, name: str) -> tuple[Any, Any]:
     sys.path.insert(0, str(REPO))
-    from gpufleet.wire.identity import Expected
     from tests.loopback import LoopbackTransport
+
+    from gpufleet.wire.identity import Expected
 
     state = run.state(name)
     args = state["argv"]
@@ -515,13 +518,17 @@ def phase_noise(run: Run, name: str, pairs: int) -> None:
         return parse_greedy(fetch(transport, expected.port, "/v1/chat/completions", 120.0, json_body=body).body)
 
     def compare(cold: Any, other: Any) -> dict[str, Any]:
-        same = next((i for i, (a, b) in enumerate(zip(cold.tokens, other.tokens)) if a != b), None)
+        same = next((i for i, (a, b) in enumerate(zip(cold.tokens, other.tokens, strict=False)) if a != b), None)
         upto = same if same is not None else min(len(cold.tokens), len(other.tokens))
-        gap = max((abs(a - b) for a, b in zip(cold.logprobs[:upto], other.logprobs[:upto])), default=0.0)
+        gap = max((abs(a - b) for a, b in zip(cold.logprobs[:upto], other.logprobs[:upto], strict=False)),
+                  default=0.0)
         margin = None
         if same is not None and other.tokens[same] in cold.top[same]:  # how near a tie the cold answer was there
             margin = cold.logprobs[same] - cold.top[same][other.tokens[same]]
-        return {"max_gap": gap, "parted_at": same, "cold_margin_at_part": margin}
+        return {"max_gap": gap, "parted_at": same, "cold_margin_at_part": margin, "cached_tokens": other.cached_tokens}
+
+    def send(key: str, conversation: Any, into: dict[str, Any]) -> None:
+        into[key] = greedy(conversation.messages)
 
     rng = random.Random(0)
     rows = []
@@ -532,8 +539,7 @@ def phase_noise(run: Run, name: str, pairs: int) -> None:
         cold_a, cold_b = greedy(a.messages), greedy(b.messages)
         alone = greedy(a.messages)
         together: dict[str, Any] = {}
-        threads = [threading.Thread(target=lambda k, c: together.__setitem__(k, greedy(c.messages)), args=(k, c))
-                   for k, c in (("a", a), ("b", b))]
+        threads = [threading.Thread(target=send, args=(k, c, together)) for k, c in (("a", a), ("b", b))]
         for t in threads:
             t.start()
         for t in threads:
@@ -607,8 +613,8 @@ def factors(run: Run, name: str, **changed: str) -> Any:
 def phase_carry(run: Run, source: str, targets: Sequence[str]) -> None:
     """gpufleet's carry, host dir to host dir on this machine: the canary's new files (listed before and after its
     start), the compile-hash check, tar streamed through this process with the three sha256, placed by rename."""
-    from gpufleet.rollout.carry_entries import files_under, new_files, placements
     from gpufleet.rollout.carry_eligibility import compile_hash_refusal
+    from gpufleet.rollout.carry_entries import files_under, new_files, placements
     from gpufleet.rollout.carry_stream import place_command, receive_command, send_command, stream_problem, temp_dir
 
     src = Path(mounts(run, source)["/root/.cache/vllm"])
@@ -753,7 +759,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("collect")
     sub.add_parser("cpu-proof")
     args = parser.parse_args(argv)
-    sys.path[:0] = [p for p in (args.work + "/site", str(REPO / "src"), str(REPO)) if args.mode == "gpu" or p != args.work + "/site"]
+    site = [args.work + "/site"] if args.mode == "gpu" else []
+    sys.path[:0] = [*site, str(REPO / "src"), str(REPO)]
     run = Run(args)
     phases: dict[str, Callable[[], Any]] = {
         "health": lambda: phase_health(run),

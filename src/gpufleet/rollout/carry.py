@@ -50,8 +50,6 @@ from gpufleet.rollout.carry_entries import (
     parse_listing,
     placements,
 )
-from gpufleet.rollout.compile_factors import TIMEOUT_S as FACTORS_TIMEOUT_S
-from gpufleet.rollout.compile_factors import CompileFactors, factors_command, parse_factors
 from gpufleet.rollout.carry_stream import (
     place_command,
     receive_command,
@@ -60,6 +58,8 @@ from gpufleet.rollout.carry_stream import (
     stream_problem,
     temp_dir,
 )
+from gpufleet.rollout.compile_factors import TIMEOUT_S as FACTORS_TIMEOUT_S
+from gpufleet.rollout.compile_factors import CompileFactors, factors_command, parse_factors
 from gpufleet.rollout.replicas import FleetHost, Sessions, run
 from gpufleet.rollout.warm_start import start_report
 from gpufleet.vllm.unit import env_file_path
