@@ -157,18 +157,24 @@ def install(have: dict[str, Path], site: Path) -> None:
         shutil.rmtree(target) if target.is_dir() else target.unlink()
     for cache in site.rglob("__pycache__"):
         shutil.rmtree(cache, ignore_errors=True)
+    # Debug info loads nowhere: xgrammar's bindings carry 52 MB of it (9 MB of the xz payload).
+    for lib in site.rglob("*.so*"):
+        sections = subprocess.run(["readelf", "-S", "-W", str(lib)], capture_output=True, text=True).stdout
+        if ".debug_info" in sections:
+            subprocess.run(["strip", "--strip-debug", str(lib)], check=True)
 
 
 def size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def compress(tar: Path, out: Path) -> dict[str, dict[str, float]]:
-    """xz -9 (the machine has xz) and zstd -19 --long (it has no zstd binary) on the same tar: sizes and times."""
+def compress(tar: Path, out: Path, zstd: bool) -> dict[str, dict[str, float]]:
+    """xz -9 (the machine has xz) and, to compare, zstd -9 (it has no zstd binary) on the same tar: sizes and
+    times."""
     sizes = {}
     for name, argv, suffix in (("xz -9", ["xz", "-9", "-T2", "-k", "-c"], ".xz"),
-                               ("zstd -19 --long=27", ["zstd", "-19", "--long=27", "-T2", "-q", "-c"], ".zst")):
-        if shutil.which(argv[0]) is None:
+                               ("zstd -9", ["zstd", "-9", "-T2", "-q", "-c"], ".zst")):
+        if shutil.which(argv[0]) is None or (suffix == ".zst" and not zstd):
             continue
         started = time.monotonic()
         with open(out / (tar.name + suffix), "wb") as f:
@@ -198,7 +204,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="an ignored folder of the checkout the device call sends")
     parser.add_argument("--cache", type=Path, default=Path("/var/cache/gpufleet/gpu-wheels"))
-    parser.add_argument("--piece-mib", type=int, default=54, help="each piece travels beside the repo (64 MiB a call)")
+    parser.add_argument("--piece-mib", type=int, default=55, help="each piece travels beside the repo (64 MiB a call)")
+    parser.add_argument("--no-zstd", action="store_true", help="skip the zstd comparison")
     args = parser.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     have, problems = resolve(args.cache, image_packages())
@@ -214,7 +221,7 @@ def main() -> int:
         tar = Path(tmp) / "payload.tar"
         subprocess.run(["tar", "-C", tmp, "--sort=name", "--owner=0", "--group=0", "--numeric-owner",
                         "-cf", str(tar), "site"], check=True)
-        compared = compress(tar, Path(tmp))
+        compared = compress(tar, Path(tmp), zstd=not args.no_zstd)
         packed = Path(tmp) / "payload.tar.xz"
         digest = hashlib.sha256(packed.read_bytes()).hexdigest()
         pieces = split(packed, args.out, args.piece_mib << 20)
