@@ -85,10 +85,12 @@ def pip_download(specs: list[str], dest: Path) -> None:
 
 
 def wheels(dest: Path) -> dict[str, Path]:
-    """{canonical name: wheel}, the newest version where a name was downloaded twice."""
+    """{canonical name: wheel}: the pinned version, else the newest where the cache holds several."""
     found: dict[str, tuple[Version, Path]] = {}
     for w in dest.glob("*.whl"):
         name, version, _, _ = parse_wheel_filename(w.name)
+        if name in PINS and version != Version(PINS[name]):
+            continue
         if name not in found or version > found[name][0]:
             found[name] = (version, w)
     return {n: p for n, (_, p) in found.items()}
