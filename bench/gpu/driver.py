@@ -183,14 +183,16 @@ def vllm_cpu_venv() -> Path:
 
 
 # --- phases ----------------------------------------------------------------------------------------------------------
-HEALTH_QUERIES = {
+HEALTH_QUERIES = {  # the first two as recorded on an H200 (tests' fixtures: nvidia-smi/h200-health)
     "query-gpu": "nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,driver_version,ecc.mode.current,"
-                 "ecc.errors.uncorrected.volatile.total,ecc.errors.corrected.volatile.total,"
-                 "ecc.errors.uncorrected.aggregate.total,retired_pages.sbe,retired_pages.dbe,retired_pages.pending,"
-                 "clocks_event_reasons.active,temperature.gpu,power.draw,memory.used,memory.total --format=csv",
-    "query-remapped-rows": "nvidia-smi --query-remapped-rows=gpu_bus_id,remapped_rows.correctable,"
+                 "ecc.errors.uncorrected.volatile.total,ecc.errors.corrected.volatile.total,retired_pages.pending,"
+                 "remapped_rows.pending,remapped_rows.failure,clocks_event_reasons.active,temperature.gpu,power.draw "
+                 "--format=csv",
+    "query-remapped-rows": "nvidia-smi --query-remapped-rows=gpu_bus_id,gpu_uuid,remapped_rows.correctable,"
                            "remapped_rows.uncorrectable,remapped_rows.pending,remapped_rows.failure --format=csv",
-    "recovery-action": "nvidia-smi --query-gpu=index,gpu_recovery_action --format=csv",
+    "query-gpu-more": "nvidia-smi --query-gpu=index,ecc.errors.uncorrected.aggregate.total,"
+                      "ecc.errors.corrected.aggregate.total,retired_pages.sbe,retired_pages.dbe,gpu_recovery_action,"
+                      "memory.used,memory.total --format=csv",
     "q-health": "nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER,PERFORMANCE,TEMPERATURE,POWER",
     "xid": "dmesg 2>/dev/null | grep -E 'NVRM: (Xid|GPU .* fallen off)' | tail -n 20; echo rc=$?",
     "machine": "uname -r; nproc; free -g | head -2; python3 -V; python3 -c 'import torch, triton; "
