@@ -199,24 +199,28 @@ HEALTH_QUERIES = {  # the first two as recorded on an H200 (tests' fixtures: nvi
                "print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(0))'",
     "mount-namespace": "unshare --mount --propagation private sh -c 'mount -t tmpfs none /mnt && echo ok'",
 }
-# Where a GPU health fact will parse them once it exists (another change adds it): module, function.
-HEALTH_PARSER = ("gpufleet.facts.nvidia", "parse_gpu_health")
+# The GPU health fact (another change adds it): its module, its query's name and its parser's; when the checkout has
+# it, its own query runs too and its parser reads the answer.
+HEALTH_FACT = ("gpufleet.facts.gpu_health", "QUERY_HEALTH", "parse_query")
 
 
 def phase_health(run: Run) -> None:
+    queries = dict(HEALTH_QUERIES)
+    parsed: Any = f"{HEALTH_FACT[0]} is not in this checkout"
+    try:
+        fact = __import__(HEALTH_FACT[0], fromlist=list(HEALTH_FACT[1:]))
+        queries["fact"] = getattr(fact, HEALTH_FACT[1]) + "; echo @@rc $?"
+    except (ImportError, AttributeError) as e:
+        fact, parsed = None, f"not parsed: {e}"
     raw = {}
-    for name, command in HEALTH_QUERIES.items():
+    for name, command in queries.items():
         p = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
         raw[name] = {"command": command, "rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr[-2000:]}
-    parsed: Any = "no parser in this checkout"
-    try:
-        module = __import__(HEALTH_PARSER[0], fromlist=[HEALTH_PARSER[1]])
-        parser = getattr(module, HEALTH_PARSER[1])
-        parsed = jsonable(parser(raw["query-gpu"]["stdout"].splitlines()))
-    except (ImportError, AttributeError) as e:
-        parsed = f"not parsed: {e}"
-    except Exception as e:  # noqa: BLE001 - the parser's own verdict on what this GPU printed, kept as evidence
-        parsed = f"{type(e).__name__}: {e}"
+    if fact is not None:
+        try:
+            parsed = jsonable(getattr(fact, HEALTH_FACT[2])(raw["fact"]["stdout"].splitlines()))
+        except Exception as e:  # noqa: BLE001 - the parser's own verdict on what this GPU printed, kept as evidence
+            parsed = f"{type(e).__name__}: {e}"
     run.record("health", {"queries": raw, "parsed": parsed})
 
 
@@ -453,10 +457,13 @@ def served(run: Run, name: str) -> Any:
     from gpufleet.health.serving import Served
 
     args = run.state(name)["argv"]
-    return Served(prefix_caching="--enable-prefix-caching" in args,
-                  tool_parser="--enable-auto-tool-choice" in args and "--tool-call-parser" in args,
-                  reasoning_parser="--reasoning-parser" in args,
-                  max_num_batched_tokens=int(args[args.index("--max-num-batched-tokens") + 1]))
+    fields = {"prefix_caching": "--enable-prefix-caching" in args,
+              "tool_parser": "--enable-auto-tool-choice" in args and "--tool-call-parser" in args,
+              "reasoning_parser": "--reasoning-parser" in args,
+              "max_num_batched_tokens": int(args[args.index("--max-num-batched-tokens") + 1]),
+              "max_num_seqs": int(args[args.index("--max-num-seqs") + 1])}
+    known = {f.name for f in dataclasses.fields(Served)}  # max_num_seqs: once the speed check's change adds it
+    return Served(**{k: v for k, v in fields.items() if k in known})
 
 
 def jsonable(value: Any) -> Any:
@@ -553,7 +560,7 @@ def phase_noise(run: Run, name: str, pairs: int) -> None:
 
 
 # Where the speed figures plug in once gpufleet.health.speed exists (another change adds it): module, function,
-# called as function(transport, expected) and recorded field by field.
+# called as function(transport, expected, served) and recorded field by field.
 SPEED = ("gpufleet.health.speed", "measure")
 
 
@@ -561,7 +568,7 @@ def phase_speed(run: Run, name: str) -> None:
     transport, expected = loopback(run, name)
     try:
         module = __import__(SPEED[0], fromlist=[SPEED[1]])
-        figures = jsonable(getattr(module, SPEED[1])(transport, expected))
+        figures = jsonable(getattr(module, SPEED[1])(transport, expected, served(run, name)))
     except (ImportError, AttributeError) as e:
         figures = f"not measured: {e}"
     run.record("speed", {"host": name, "figures": figures})
