@@ -183,10 +183,11 @@ class Carry:
             return
         self._files = new_files(self._before, after)
         self._gpus = self._gpus_of(canary)
-        self._image = self._image_of(canary)
-        self._factors = self._factors_of(canary)
         if not self._files:
             self._off = f"canary {canary} wrote no new entry in {directory}"
+        else:
+            self._image = self._image_of(canary)
+            self._factors = self._factors_of(canary)
         self.results[canary] = CarryResult(entries=tuple(self._files), canary=True,
                                            skipped_reason=self._off)
         self.note(self._off or f"carrying {len(self._files)} new compile-cache file(s) from canary {canary} "
