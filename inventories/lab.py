@@ -26,6 +26,9 @@ _VLLM_ENV = {
     # The profile's allocator settings under the name vLLM's torch reads (PYTORCH_ALLOC_CONF alone is ignored by
     # some torch versions).
     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512",
+    # Triton's and FlashInfer's JIT caches into the vLLM cache mount: kept across restarts, carried by a rollout.
+    "TRITON_CACHE_DIR": "/root/.cache/vllm/triton",
+    "FLASHINFER_WORKSPACE_BASE": "/root/.cache/vllm/flashinfer",
 }
 # Findings this lab accepts on purpose: `gpufleet lint` lists them as accepted and does not count them.
 _ACCEPTED = [

@@ -47,6 +47,8 @@ CASES = {
         {"vllm_args": {"block-size": 2096, "prefix-match-unit": 16}},
     ),
     "hybrid-align-chunk-alignment": ({}, {"vllm_args": {"prefix-match-unit": 128}}),
+    "jit-cache-outside-mounts": ({}, {"vllm_env": {"TRITON_CACHE_DIR": "/root/.cache/vllm/triton",
+                                                   "FLASHINFER_WORKSPACE_BASE": "/root/.cache/vllm/flashinfer"}}),
 }
 
 
@@ -170,3 +172,14 @@ def test_pipeline_rule_knows_every_qwen35_profile_whatever_the_model_dir_is_call
     renamed = {"vllm_profile": "qwen35-1gpu", "vllm_model": "my-model", "vllm_gpus": FOUR_GPUS,
                "vllm_args": {"pipeline-parallel-size": 4, "max-num-seqs": 4}}
     assert "qwen35-pipeline-parallel-4-or-more" in rule_ids(renamed)
+
+
+def test_a_jit_cache_counts_as_kept_only_inside_a_mount_and_the_fix_names_what_is_not():
+    assert fix_of("jit-cache-outside-mounts", {}) == (
+        'set vllm_env = {"TRITON_CACHE_DIR": "/root/.cache/vllm/triton", "FLASHINFER_WORKSPACE_BASE": '
+        '"/root/.cache/vllm/flashinfer"} (inside the /root/.cache/vllm mount: kept across restarts, carried by '
+        "`gpufleet rollout`)")
+    triton_only = {"vllm_env": {"TRITON_CACHE_DIR": "/root/.cache/torch/triton"}}  # another mount counts too
+    assert '"TRITON_CACHE_DIR"' not in fix_of("jit-cache-outside-mounts", triton_only)
+    # A path that merely starts like a mount's is outside it.
+    assert '"TRITON_CACHE_DIR"' in fix_of("jit-cache-outside-mounts", {"vllm_env": {"TRITON_CACHE_DIR": "/root/.cache/vllmx"}})

@@ -5,6 +5,8 @@ stand for two hosts)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,9 +15,16 @@ import pytest
 from gpufleet.facts.nvidia import QUERY_GPUS
 from gpufleet.remote.transport import SshTransport
 from gpufleet.rollout.carry import Carry, CarryResult
-from gpufleet.rollout.carry_eligibility import Gpus, config_refusal, gpu_refusal, gpus_from_query
+from gpufleet.rollout.carry_eligibility import (
+    Gpus,
+    compile_hash_refusal,
+    config_refusal,
+    gpu_refusal,
+    gpus_from_query,
+)
 from gpufleet.rollout.carry_entries import carried_dir, new_files, parse_listing, placements
 from gpufleet.rollout.carry_stream import relay, stream_problem
+from gpufleet.rollout.compile_factors import MARK, CompileFactors, factors_command, parse_factors
 from gpufleet.rollout.warm_start import start_report
 from gpufleet.vllm.spec import Mount
 
@@ -36,6 +45,16 @@ def read_gpus(out: str) -> Gpus:
 
 H200 = read_gpus(recorded_query("h200-2gpu"))  # 2x NVIDIA H200, driver 580.159.04
 H100 = read_gpus(recorded_query("h200-2gpu").replace("NVIDIA H200", "NVIDIA H100 80GB HBM3"))
+
+
+def factors(version: str = "0.24.0", **values: str) -> CompileFactors:
+    """What the compile-factor script prints for these factor digests, parsed."""
+    digests = {"VLLM_USE_DEEP_GEMM": "5feceb66ffc86f38", "VLLM_API_KEY": "0b2f1a9c6e11d3aa"} | values
+    env = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()  # follows the values, as vLLM's
+    line = MARK + json.dumps({"vllm": version, "env": env, "factors": digests})
+    parsed = parse_factors(0, "INFO a warning vLLM printed first\n" + line + "\n")
+    assert isinstance(parsed, CompileFactors), parsed
+    return parsed
 
 
 # --- decisions -----------------------------------------------------------------------------------------------------
@@ -125,6 +144,36 @@ def test_only_hosts_serving_the_canarys_config_take_its_artifacts():
         "its serve config differs from canary c's (kv-cache-dtype, max-num-seqs, model and 1 more)")
 
 
+def test_the_compile_factors_are_the_images_own_computed_with_the_hosts_env_and_secrets():
+    spec = SimpleNamespace(env=(("VLLM_USE_DEEP_GEMM", "0"), ("OMP_NUM_THREADS", "16")))
+    command = factors_command(spec, "sha256:abc", "/etc/gpufleet/vllm-qwen35.env")  # type: ignore[arg-type]
+    assert command.startswith("timeout -k 5 120 docker run --rm --network none --entrypoint python3 "
+                              "-e VLLM_USE_DEEP_GEMM=0 -e OMP_NUM_THREADS=16 $([ -f /etc/gpufleet/vllm-qwen35.env ] "
+                              "&& echo --env-file /etc/gpufleet/vllm-qwen35.env) sha256:abc -c ")
+    assert "--gpus" not in command and "-p " not in command and "-v " not in command
+    assert "envs.compile_factors()" in command and "hash_factors(f)" in command
+
+
+def test_unreadable_factors_are_one_line_never_a_match():
+    assert parse_factors(1, "Traceback (most recent call last):\nModuleNotFoundError: No module named 'vllm'\n") == (
+        "the image's vLLM did not compute them (exit 1: ModuleNotFoundError: No module named 'vllm')")
+    assert parse_factors(0, "") == "the image's vLLM did not compute them (exit 0: exit 0)"
+    assert parse_factors(0, MARK + "{not json").startswith("unreadable answer (")
+    assert parse_factors(124, "") == "the image's vLLM did not compute them (exit 124: exit 124)"
+
+
+def test_a_host_takes_the_canarys_entries_only_where_vllm_computes_the_same_compile_hash():
+    canary = factors()
+    assert compile_hash_refusal("c", canary, factors()) is None
+    assert compile_hash_refusal("c", canary, factors(VLLM_API_KEY="77aa00ee11bb22cc")) == (
+        "its compile hash differs from canary c's (factors that differ: VLLM_API_KEY)")
+    assert compile_hash_refusal("c", canary, factors("0.24.1")) == "its vLLM 0.24.1 is not canary c's 0.24.0"
+    assert compile_hash_refusal("c", canary, "the image's vLLM did not compute them (exit 1: x)") == (
+        "its compile hash unknown (the image's vLLM did not compute them (exit 1: x))")
+    assert compile_hash_refusal("c", "the canary's image is unknown", canary) == (
+        "canary c's compile hash unknown (the canary's image is unknown)")
+
+
 def test_the_stream_is_taken_only_when_both_tars_ended_well_and_three_checksums_agree():
     good = f"tar-rc 0\n{SHA}  -\n"
     assert stream_problem(good, SHA, good) is None
@@ -171,8 +220,12 @@ def fleet(sshd, tmp_path, monkeypatch):
         transports[name] = SshTransport(sshd.client(), name=name, sudo=False)
     gpus = {"c": H200, "t": H200, "u": H100, "w": H200}
     monkeypatch.setattr(Carry, "_gpus_of", lambda self, host: gpus[host])
+    # The image's vLLM computes each host's factors in a container (no image here; tests/vllm shows the real one)
+    computed = {name: factors() for name in hosts}
+    monkeypatch.setattr(Carry, "_factors_of", lambda self, host: computed[host])
     sessions = SimpleNamespace(get=lambda name: transports[name])
-    yield SimpleNamespace(sessions=sessions, hosts=hosts, dir=lambda n: tmp_path / n / "vllm", root=tmp_path)
+    yield SimpleNamespace(sessions=sessions, hosts=hosts, dir=lambda n: tmp_path / n / "vllm", root=tmp_path,
+                          factors=computed)
     for t in transports.values():
         t.client.close()
 
@@ -253,6 +306,20 @@ def test_a_host_with_other_gpus_does_not_take_them(fleet):
     assert not list(other.rglob("*"))
     assert [ln for ln in lines if ln.startswith("u: ")] == [f"u: compile cache not carried: "
                                                             f"{carry.results['u'].skipped_reason}"]
+
+
+def test_a_host_on_which_vllm_computes_another_compile_hash_does_not_take_them(fleet):
+    fleet.factors["t"] = factors(VLLM_API_KEY="77aa00ee11bb22cc")  # vLLM 0.24 hashes the API key
+    lines: list[str] = []
+    carry = new_carry(fleet, lines)
+    carry.before_canary("c")
+    compiled(fleet.dir("c"), "new", b"x")
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    assert carry.results["t"].skipped_reason == ("its compile hash differs from canary c's (factors that differ: "
+                                                 "VLLM_API_KEY)")
+    assert lines[-1] == f"t: compile cache not carried: {carry.results['t'].skipped_reason}"
+    assert not list(fleet.dir("t").rglob("*"))
 
 
 def test_a_host_with_another_serve_config_does_not_take_them(fleet):

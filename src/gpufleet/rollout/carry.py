@@ -13,7 +13,8 @@ wrote on it are carried to each later host's cache dir before that host's swap, 
   entries renamed into place. An entry the host already has is never overwritten: the host still runs the old
   version, which writes its own version's entries there, never the new one's.
 - Who does not take it: a host whose GPUs (model, count) or driver differ from the canary's, or whose serve flags
-  (other than where it listens and its served name) or env differ; one whose listing or GPU query fails (one line
+  (other than where it listens and its served name) or env differ, or on which the image's vLLM computes another
+  compile hash than on the canary (compile_factors); one whose listing or GPU query fails (one line
   each, the rollout goes on: that host just starts cold); a rollout whose canary is not committed carries nothing.
 
 Per host, CarryResult says what was carried (or why not), whether its start loaded compiled artifacts (the
@@ -33,7 +34,13 @@ from gpufleet.errors import one_line
 from gpufleet.facts.nvidia import QUERY_GPUS
 from gpufleet.remote.ssh import needs_sudo
 from gpufleet.remote.transport import TransportError
-from gpufleet.rollout.carry_eligibility import Gpus, config_refusal, gpu_refusal, gpus_from_query
+from gpufleet.rollout.carry_eligibility import (
+    Gpus,
+    compile_hash_refusal,
+    config_refusal,
+    gpu_refusal,
+    gpus_from_query,
+)
 from gpufleet.rollout.carry_entries import (
     CARRIED_MOUNT,
     carried_dir,
@@ -51,8 +58,11 @@ from gpufleet.rollout.carry_stream import (
     stream_problem,
     temp_dir,
 )
+from gpufleet.rollout.compile_factors import TIMEOUT_S as FACTORS_TIMEOUT_S
+from gpufleet.rollout.compile_factors import CompileFactors, factors_command, parse_factors
 from gpufleet.rollout.replicas import FleetHost, Sessions, run
 from gpufleet.rollout.warm_start import start_report
+from gpufleet.vllm.unit import env_file_path
 
 LIST_TIMEOUT_S = 60.0
 
@@ -106,6 +116,8 @@ class Carry:
     _before: dict[str, str] | None = None
     _files: list[str] = field(default_factory=list)
     _gpus: Gpus | str = "not read"
+    _factors: CompileFactors | str = "not read"
+    _image: str | None = None  # the image the committed canary runs (its id): the one each host's factors come from
     _off: str | None = None  # why nothing is carried in this rollout
 
     def _list(self, host: str, directory: str) -> dict[str, str]:
@@ -119,6 +131,24 @@ class Carry:
             return gpus_from_query(*run(self.sessions.get(host), QUERY_GPUS, timeout=LIST_TIMEOUT_S))
         except TransportError as e:
             return one_line(str(e))
+
+    def _image_of(self, host: str) -> str | None:
+        try:
+            info = self.sessions.get(host).container(self.hosts[host].spec.service)
+        except TransportError:
+            return None
+        return info.image_id if info is not None else None
+
+    def _factors_of(self, host: str) -> CompileFactors | str:
+        if self._image is None:
+            return "the canary's image is unknown"
+        spec = self.hosts[host].spec
+        try:
+            rc, out, _ = run(self.sessions.get(host), factors_command(spec, self._image, env_file_path(spec.service)),
+                             timeout=FACTORS_TIMEOUT_S + 15, root=True)
+        except TransportError as e:
+            return one_line(str(e))
+        return parse_factors(rc, out)
 
     def before_canary(self, canary: str) -> None:
         self.canary = canary
@@ -155,6 +185,9 @@ class Carry:
         self._gpus = self._gpus_of(canary)
         if not self._files:
             self._off = f"canary {canary} wrote no new entry in {directory}"
+        else:
+            self._image = self._image_of(canary)
+            self._factors = self._factors_of(canary)
         self.results[canary] = CarryResult(entries=tuple(self._files), canary=True,
                                            skipped_reason=self._off)
         self.note(self._off or f"carrying {len(self._files)} new compile-cache file(s) from canary {canary} "
@@ -176,7 +209,8 @@ class Carry:
         if directory is None or source is None:
             return CarryResult(skipped_reason=f"it mounts no {CARRIED_MOUNT}")
         refusal = config_refusal(self.canary, self.hosts[self.canary].spec, self.hosts[host].spec) or \
-            gpu_refusal(self.canary, self._gpus, self._gpus_of(host))
+            gpu_refusal(self.canary, self._gpus, self._gpus_of(host)) or \
+            compile_hash_refusal(self.canary, self._factors, self._factors_of(host))
         if refusal is not None:
             return CarryResult(skipped_reason=refusal)
         tmp = temp_dir(directory)

@@ -1,6 +1,7 @@
 """Who may take the canary's compiled artifacts: kernels are built for one GPU model and driver, and vLLM's cache
 key has missed a config field before and loaded a wrong artifact, so a host takes them only when its GPUs, driver,
-serve flags and env are the canary's (docs/compile-cache.md).
+serve flags and env are the canary's, and when the image's vLLM computes the canary's compile hash there
+(docs/compile-cache.md).
 
 Each host's GPUs are read with the same nvidia-smi query the preflight runs (gpufleet.facts.nvidia), parsed by its
 parser, which is tested on output recorded on real hosts."""
@@ -13,6 +14,7 @@ from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.errors import one_line
 from gpufleet.facts.nvidia import parse_gpus
+from gpufleet.rollout.compile_factors import CompileFactors, differing
 from gpufleet.vllm.spec import ServeSpec
 
 
@@ -76,3 +78,20 @@ def config_refusal(canary: str, canary_spec: ServeSpec, host_spec: ServeSpec) ->
         return None
     shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
     return f"its serve config differs from canary {canary}'s ({shown})"
+
+
+def compile_hash_refusal(canary: str, canary_factors: CompileFactors | str,
+                         host_factors: CompileFactors | str) -> str | None:
+    """Why a host would not find the canary's entries under the key vLLM computes on it (another env hash: it would
+    compile again beside them), or None (gpufleet.rollout.compile_factors)."""
+    if isinstance(canary_factors, str):
+        return f"canary {canary}'s compile hash unknown ({canary_factors})"
+    if isinstance(host_factors, str):
+        return f"its compile hash unknown ({host_factors})"
+    if canary_factors.vllm != host_factors.vllm:
+        return f"its vLLM {host_factors.vllm} is not canary {canary}'s {canary_factors.vllm}"
+    if canary_factors.env_hash == host_factors.env_hash:
+        return None
+    names = differing(canary_factors, host_factors)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"its compile hash differs from canary {canary}'s (factors that differ: {shown or 'none named'})"

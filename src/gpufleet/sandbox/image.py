@@ -56,10 +56,12 @@ COMMON_ENV = {
     "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
     "VLLM_USAGE_SOURCE": "production-docker-image",
     "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": "/opt/gpufleet-standin",  # its `vllm` package, for `python3 -c` (the rollout's compile-hash check)
 }
 # The stand-in `vllm serve`: the script and the modules it imports, installed side by side (a script's own
 # directory is on its sys.path).
-VLLM_MODULES = ("vllm_serve.py", "vllm_argv.py", "vllm_engine.py", "vllm_chat.py", "vllm_http.py", "vllm_compile_cache.py")
+VLLM_MODULES = ("vllm_serve.py", "vllm_argv.py", "vllm_engine.py", "vllm_chat.py", "vllm_http.py", "vllm_compile_cache.py",
+                "vllm_envs.py")
 # What goes into the image's /opt (image name -> source): the stand-ins and the flag table compiled from the real
 # `vllm serve --help=all`, the same table settings validation uses (gpufleet.vllm.flags). The image's key hashes
 # every one of them: a change to any rebuilds it.
@@ -206,6 +208,13 @@ def install_sources(opt: Path) -> None:
     """The stand-ins and the flag table into `opt` (the image's /opt/gpufleet-standin), flat, as SOURCES names them."""
     for name, src in SOURCES.items():
         shutil.copy(src, opt / name)
+    # The few names of vLLM's package that the rollout's compile-hash script imports (vllm_envs.py says why).
+    package = opt / "vllm"
+    (package / "config").mkdir(parents=True, exist_ok=True)
+    shutil.copy(STANDIN / "vllm_envs.py", package / "envs.py")
+    (package / "__init__.py").write_text('import os\n__version__ = os.environ.get("STANDIN_VLLM_VERSION", "0.32.0")\n')
+    (package / "config" / "__init__.py").write_text("")
+    (package / "config" / "utils.py").write_text("from vllm.envs import hash_factors  # noqa: F401\n")
 
 
 def _copy_libraries(base: Path, root: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 from gpufleet.defaults import ACCEPT_SETTING
 from gpufleet.errors import SettingError, shown
+from gpufleet.vllm.profiles._profile import JIT_CACHES, JIT_REDIRECTS
 from gpufleet.vllm.spec import ArgValue, OptionValue, ServeSpec
 from gpufleet.wire.geometry import PREFERRED_UNIT, legal_prefix_match_unit, resolved_block_sizes
 
@@ -194,6 +195,23 @@ def _batch_for_block_fix(c: LintContext) -> str:
     return f"set vllm_args max-num-batched-tokens to a multiple of the block size, e.g. vllm_args = {example}"
 
 
+def _unmounted_jit_caches(c: LintContext) -> list[str]:
+    """The JIT_CACHES variables whose cache lands in the container's own layer (lost with it), not in a mount."""
+    mounted = [m.container_path.rstrip("/") for m in c.spec.mounts]
+    out = []
+    for name, where, default in JIT_CACHES:
+        path = where.format(c.env.get(name) or default)
+        if not any(path == m or path.startswith(m + "/") for m in mounted):
+            out.append(name)
+    return out
+
+
+def _jit_cache_fix(c: LintContext) -> str:
+    values = ", ".join(f'"{name}": "{JIT_REDIRECTS[name]}"' for name in _unmounted_jit_caches(c))
+    return (f"set vllm_env = {{{values}}} (inside the /root/.cache/vllm mount: kept across restarts, carried by "
+            "`gpufleet rollout`)")
+
+
 def _is_qwen35(c: LintContext) -> bool:
     model = f"{c.settings.get('vllm_model', '')} {c.arg('model') or ''}".lower()
     # Every Qwen 3.5 profile is named qwen35 or qwen35-<variant>.
@@ -309,6 +327,14 @@ RULES: tuple[LintRule[LintContext], ...] = (
         "--prefix-match-unit does not divide the block size the server resolved: vLLM refuses to start",
         _legal_unit_fix,
         _illegal_unit,
+    ),
+    LintRule(
+        "jit-cache-outside-mounts",
+        "warning",
+        "a JIT cache the image writes (Triton's ~/.triton/cache, FlashInfer's ~/.cache/flashinfer) is in the "
+        "container's own layer: every container start compiles those kernels again, and the rollout cannot carry them",
+        _jit_cache_fix,
+        lambda c: bool(_unmounted_jit_caches(c)),
     ),
     LintRule(
         "hybrid-align-chunk-alignment",

@@ -1,6 +1,6 @@
 """The stand-in vLLM's compile cache, keyed by its version as vLLM's torch.compile cache.
 
-A start whose entry for (version, model config, parallel sizes) is absent from $VLLM_CACHE_ROOT "compiles" for
+A start whose entry for (version, env factors, model config, parallel sizes) is absent from $VLLM_CACHE_ROOT "compiles" for
 STANDIN_COMPILE_SECONDS before it listens and writes the entry as vLLM 0.32 does; a start that finds a valid entry
 loads it; a damaged one is compiled again, with vLLM's warning.
 """
@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:  # imported from the package: the checkout's tests, mypy
     from .vllm_argv import VERSION
+    from .vllm_envs import compile_factors, hash_factors
 else:  # the image's /opt/gpufleet-standin: side by side, and a script's own directory is on sys.path
     from vllm_argv import VERSION
+    from vllm_envs import compile_factors, hash_factors
 
 # The image sets VLLM_USAGE_SOURCE as the real one does: there a start compiles by default; run from a checkout
 # (the unit tests), nothing is compiled or written unless STANDIN_COMPILE_SECONDS says so.
@@ -35,9 +37,11 @@ def cache_root() -> Path:
 
 
 def compile_key(args: argparse.Namespace, config: dict[str, Any]) -> str:
-    """What vLLM's cache dir hash covers, in small: its version, the model's config, the parallel layout."""
-    factors = {"version": VERSION, "config": config, "tp": args.tensor_parallel_size,
-               "pp": args.pipeline_parallel_size, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
+    """What vLLM's cache dir hash covers, in small: its version, its env factors, the model's config, the parallel
+    layout."""
+    factors = {"version": VERSION, "env": hash_factors(compile_factors()), "config": config,
+               "tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size, "dtype": args.dtype,
+               "kv_cache_dtype": args.kv_cache_dtype}
     return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -9,6 +9,14 @@ from typing import Any
 # Parent of every profile's cache dir: vllm_cache_dir defaults to CACHE_ROOT/<cache_subdir>, so two profiles on
 # one host never share a compile cache (it is keyed by vLLM version, not by model or flags).
 CACHE_ROOT = "/var/cache/vllm"
+# JIT caches a GPU image writes outside vLLM's own cache dir, under the container's HOME (/root): (variable, where
+# its cache goes given the variable's value, default value). vLLM moves Triton's and inductor's into its compile dir
+# only once it compiles; FlashInfer keeps <FLASHINFER_WORKSPACE_BASE>/.cache/flashinfer (docs/profiles.md).
+JIT_CACHES = (("TRITON_CACHE_DIR", "{}", "/root/.triton/cache"),
+              ("FLASHINFER_WORKSPACE_BASE", "{}/.cache/flashinfer", "/root"))
+# Where they go instead: inside the vLLM cache mount, so restarts keep them and the rollout carries them.
+JIT_REDIRECTS = {"TRITON_CACHE_DIR": "/root/.cache/vllm/triton",
+                 "FLASHINFER_WORKSPACE_BASE": "/root/.cache/vllm/flashinfer"}
 # Values as a user would write them in vllm_docker_options / vllm_args; settings.py validates and renders them.
 DockerOptionDefault = bool | str | list[str]
 VllmArgDefault = bool | int | float | str

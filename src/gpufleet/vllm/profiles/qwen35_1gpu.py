@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gpufleet.vllm.profiles import qwen35
+from gpufleet.vllm.profiles._profile import JIT_REDIRECTS
 
 # Flags of qwen35 this profile does without: one GPU needs no pipeline; the architecture is vLLM's own (no remote
 # code to run); align mode ignores --mamba-block-size (gpufleet lint warns about each on qwen35).
@@ -31,6 +32,8 @@ PROFILE = replace(
         **{k: v for k, v in qwen35.PROFILE.env.items() if k != "VLLM_USE_FLASHINFER_MOE_FP16"},  # deprecated
         # torch 2.9.1 ignores PYTORCH_ALLOC_CONF and vLLM reads PYTORCH_CUDA_ALLOC_CONF: set both.
         "PYTORCH_CUDA_ALLOC_CONF": qwen35.PROFILE.env["PYTORCH_ALLOC_CONF"],
+        # Triton's and FlashInfer's JIT caches into the vLLM cache mount: restarts keep them, the rollout carries them.
+        **JIT_REDIRECTS,
     },
     vllm_args={
         **{k: v for k, v in qwen35.PROFILE.vllm_args.items() if k not in _DROPPED_FLAGS},
