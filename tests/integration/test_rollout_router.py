@@ -416,7 +416,7 @@ def test_a_router_whose_metrics_say_nan_is_one_line_and_every_replica_rejoins(rf
 def ledger_and_image(rfleet: Fleet, host) -> tuple[dict, str]:
     """The replica's ledger and the image its vLLM container runs ("" when none runs), in one look."""
     out = rfleet.run_in(host, "cat /var/lib/gpufleet/vllm-qwen35.json; echo @@; docker ps --filter "
-                              "label=gpufleet.vllm-qwen35 --format '{{.Image}}'").stdout
+                              "label=gpufleet.vllm-qwen35 --no-trunc --format '{{.Image}}'").stdout
     ledger, _, image = out.partition("@@")
     return json.loads(ledger), image.strip()
 

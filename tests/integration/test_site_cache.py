@@ -176,7 +176,7 @@ def test_tampered_blob_on_the_cache_is_refused_and_pulled_from_upstream_naming_t
     [warning] = [line for line in run.output.splitlines() if f"{victim.name}: warning: the site cache" in line]
     assert "served content that does not match" in warning and "docker refused it; pulling from upstream" in warning
     got = records(fleet, [victim])[victim.name]
-    assert got is not None and got.fell_back and got.warning == warning.strip(), (got, warning)
+    assert got is not None and got.fell_back and got.warning and warning.endswith(got.warning), (got, warning)
     assert refs["nightly-1"] in listed(fleet, victim)
     assert not any(f":{CACHE_PORT}/" in r for r in listed(fleet, victim))
 
