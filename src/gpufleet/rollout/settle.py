@@ -1,6 +1,4 @@
-"""The routers put in step without a rollout (`gpufleet status --fix`): the reconcile a rollout runs at its start and
-its end, under each router host's lock. A worker that is no replica of the inventory goes, a replica that belongs
-(gpufleet.rollout.membership) comes back, one that does not goes."""
+"""`gpufleet status --fix`: the routers' reconcile a rollout runs at its start and end, without a rollout."""
 
 from __future__ import annotations
 
@@ -12,8 +10,8 @@ from gpufleet.rollout.routers import Routers
 
 
 def settle_routers(inventory: str) -> dict[str, str]:
-    """Host (or router) -> one line of what changed or failed there; {} when there is no router or nothing to do.
-    Raises GpufleetError with one line when a router cannot be reached or locked (a rollout holds it)."""
+    """Host (or router) -> one line of what changed or failed there. Raises GpufleetError (one line) for a router
+    that cannot be reached or locked."""
     router_hosts = load_roles(inventory)[0]
     if not router_hosts:
         return {}

@@ -2,9 +2,8 @@
 
 What it answers (vllm-router 0.1.17, measured; docs/router.md): GET /workers (url, is_healthy, load per worker),
 GET /list_workers, GET /readiness, POST /add_worker?url= (blocks until the worker answers /health, up to
---worker-startup-timeout-secs), POST /remove_worker?url=; Prometheus text on its metrics port. Its port is fenced
-to root and nginx (RouterSpec.fence_argv): an SSH tunnel connects as the login user, which the fence refuses, so the
-API goes through a root command; the metrics port is not fenced and is read over a tunnel.
+--worker-startup-timeout-secs), POST /remove_worker?url=; Prometheus text on its metrics port (read over a tunnel).
+The API's port is fenced to root (RouterSpec.fence_argv), and sshd opens a tunnel as the login user: so curl as root.
 """
 
 from __future__ import annotations

@@ -24,11 +24,10 @@ def members_path(service: str) -> str:
     return f"{MEMBERS_DIR}/{service}.workers"
 
 
-# vllm-router listens on the LOOPBACK only, its Prometheus exporter too: its worker management API shares its port and
-# has no authentication, and the loopback does not keep out the host's other users. So an nftables rule drops every
-# connection to that port but root's and nginx's (FENCE_USERS): gpufleet drives the API as root on the host.
+# vllm-router's unauthenticated worker API shares its loopback port, which every local user reaches: an nftables
+# rule lets only root and nginx's workers (www-data) connect to it.
 NFT = "/usr/sbin/nft"
-FENCE_USERS = ("root", "www-data")  # www-data: the user Debian's nginx workers run as (the front door)
+FENCE_USERS = ("root", "www-data")
 
 
 def fence_table(internal_port: int) -> str:
@@ -68,8 +67,8 @@ class RouterSpec:
         ]
 
     def fence_argv(self) -> list[str]:
-        """Load the fence as one nftables transaction, replacing the table if it is there: every connection to
-        the router's port over the loopback from a socket of another user than FENCE_USERS gets a reset."""
+        """Load the fence in one nftables transaction that replaces its table: a connection to the router's port
+        from a socket of any user but FENCE_USERS gets a reset."""
         table = f"inet {fence_table(self.internal_port)}"
         rule = (f'oifname "lo" tcp dport {self.internal_port} meta skuid != {{ {", ".join(FENCE_USERS)} }} '
                 "reject with tcp reset")

@@ -56,8 +56,7 @@ def cache_pull(target: Host, settings: Mapping[str, Any], image: str) -> CachePu
 
 
 def check_port(inventory: Inventory, name: str, settings: Mapping[str, Any], vllm_port: int) -> None:
-    """Raise SettingErrors when `name` is a site cache host whose cache would take vllm_port, or whose clients
-    cannot be told (clients())."""
+    """Raise SettingErrors when `name` is a site cache host whose ports take vllm_port, or whose clients() fail."""
     if not any(h.name == name for h in inventory.get_group(SITE_CACHE_GROUP, [])):
         return
     for key in ("site_cache_port", "site_cache_internal_port"):
@@ -73,9 +72,8 @@ def _pullers(inventory: Inventory) -> list[Host]:
 
 
 def clients(inventory: Inventory, settings: Mapping[str, Any]) -> list[str]:
-    """Who may pull through the cache: the loopback, each vLLM host of the inventory at the address it is reached
-    by (ssh_hostname, a name resolved here), and site_cache_clients. Raises SettingErrors for a name that does not
-    resolve."""
+    """Who may pull through the cache: the loopback, site_cache_clients and each vLLM host of the inventory at its
+    ssh_hostname (a name resolved here: SettingErrors when it does not resolve)."""
     found, errors = [LOOPBACK, "::1", *settings["site_cache_clients"]], []
     for h in _pullers(inventory):
         where = str(h.data.get("ssh_hostname") or h.name)
@@ -105,8 +103,8 @@ def serves_site(target: Host) -> bool:
 
 
 def deploy_site_cache(target: Host, settings: Mapping[str, Any], image: str, used_kib: int | None) -> None:
-    """On the site cache host: docker-registry proxying the image's registry, running, kept under
-    site_cache_max_gb (used_kib: what its storage holds now); nginx in front of it for the inventory's pulls."""
+    """On the site cache host: docker-registry proxying the image's registry, running, under site_cache_max_gb
+    (used_kib: what it holds now); nginx in front of it."""
     seen = target.get_fact(SiteCacheFact)
     proxied = upstream(settings, image)
     internal = int(settings["site_cache_internal_port"])

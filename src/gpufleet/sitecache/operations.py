@@ -1,11 +1,9 @@
 """The site cache: Debian's docker-registry as a pull-through cache of the image's registry, on the host the
 inventory names (group `site_cache`), so a site downloads each layer from upstream once (docs/site-cache.md).
 
-On the cache host: the package, its config (proxy mode: clients can only pull; a push is refused) listening on the
-loopback, its systemd service enabled and running as the package runs it (user docker-registry), its storage
-emptied when it is over site_cache_max_gb; and nginx in front on site_cache_port, which passes on only pulls by
-digest of the inventory's repositories, from the inventory's hosts (a registry in proxy mode proxies all of its
-upstream to anyone). On every host that pulls through it: the cache's address in Docker's `insecure-registries`
+On the cache host: the package, its config (proxy mode: clients can only pull) on the loopback, its service running
+as the package runs it, its storage emptied when over site_cache_max_gb; nginx in front on site_cache_port, passing
+on only the inventory's hosts' pulls by digest of its repositories. On every host that pulls through it: the cache's address in Docker's `insecure-registries`
 (daemon.json, other keys kept), loaded by `systemctl reload docker` (SIGHUP: dockerd re-reads insecure-registries;
 running containers are not touched).
 
@@ -101,9 +99,8 @@ health:
 def serving(seen: SiteCacheHost, upstream: str, port: int, used_kib: int | None = None,
             max_gb: float | None = None) -> Commands:
     """Run the site cache: docker-registry installed, its config proxying `upstream` on the loopback's `port`, its
-    service enabled and running (restarted when the config changed). A storage over max_gb (used_kib: what it
-    holds) is emptied first: it is a cache, and what the next pull needs is fetched again. `seen`: the host as
-    SiteCacheFact read it this run.
+    service enabled and running (restarted when the config changed); emptied when it holds (used_kib) over max_gb.
+    `seen`: the host as SiteCacheFact read it this run.
 
         site_cache.serving(seen=host.get_fact(SiteCacheFact), upstream="https://registry-1.docker.io", port=5002)
     """
@@ -134,8 +131,8 @@ def serving(seen: SiteCacheHost, upstream: str, port: int, used_kib: int | None 
 
 
 def render_front(port: int, internal_port: int, clients: Sequence[str], repositories: Sequence[str]) -> str:
-    """nginx's site in front of the cache: `clients` (addresses or networks) may pull `repositories` (paths on the
-    cache, as repository_path gives them) by digest; every other request is refused (403)."""
+    """nginx's site in front of the cache: `clients` (addresses or networks) pull `repositories` (repository_path)
+    by digest; anything else gets 403."""
     pattern = "|".join(re.escape(r) for r in sorted(set(repositories)))
     return render_template("site-cache-nginx.conf.j2", port=int(port), internal=f"{LOOPBACK}:{int(internal_port)}",
                            clients=sorted(set(clients)), repositories=pattern)
@@ -144,8 +141,8 @@ def render_front(port: int, internal_port: int, clients: Sequence[str], reposito
 @operation()
 def front_door(seen: SiteCacheHost, port: int, internal_port: int, clients: Sequence[str],
                repositories: Sequence[str]) -> Commands:
-    """nginx on site_cache_port in front of the cache (render_front): installed (Debian's own welcome site then
-    disabled), its site written when it differs, checked, then reloaded."""
+    """nginx on site_cache_port in front of the cache (render_front): installed, its site written when it differs,
+    checked, reloaded."""
     content = render_front(port, internal_port, clients, repositories)
     changed = seen.front_sha256 != sha256(content)
     if seen.nginx and not changed and seen.nginx_active:

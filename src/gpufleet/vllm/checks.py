@@ -112,8 +112,8 @@ def _check_service_unit(bad: Bad, snap: HostSnapshot, service: str) -> None:
 
 
 def _need_cache_space(bad: Bad, snap: HostSnapshot, max_gb: float, docker_gb: float) -> None:
-    """Room for the site cache to grow to site_cache_max_gb (after this run empties one that is over it), plus the
-    image's when both share a filesystem."""
+    """Room for the site cache to grow to site_cache_max_gb (after this run empties one over it), plus the image's
+    when they share a filesystem."""
     used, free = snap.site_cache_used_kib or 0, snap.free_kib.get("site_cache")
     kept = used if used <= max_gb * KIB_PER_GIB else 0
     need = max_gb * KIB_PER_GIB - kept + (docker_gb * KIB_PER_GIB if snap.site_cache_shares_docker else 0)
