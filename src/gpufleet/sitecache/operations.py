@@ -3,9 +3,9 @@ inventory names (group `site_cache`), so a site downloads each layer from upstre
 
 On the cache host: the package, its config (proxy mode: clients can only pull) on the loopback, its service running
 as the package runs it, its storage emptied when over site_cache_max_gb; nginx in front on site_cache_port, passing
-on only the inventory's hosts' pulls by digest of its repositories. On every host that pulls through it: the cache's address in Docker's `insecure-registries`
-(daemon.json, other keys kept), loaded by `systemctl reload docker` (SIGHUP: dockerd re-reads insecure-registries;
-running containers are not touched).
+on only the inventory's hosts' pulls by digest of its repositories. On every host that pulls through it: the
+cache's address in Docker's `insecure-registries` (daemon.json, other keys kept), loaded by `systemctl reload docker`
+(SIGHUP: dockerd re-reads insecure-registries; running containers are not touched).
 
 Why plain HTTP: every pull through the cache is by digest, and docker checks the manifest and every layer against
 that digest, so the transport adds no integrity; what a LAN observer could read is a public image. TLS would mean a
