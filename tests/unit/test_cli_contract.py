@@ -140,6 +140,11 @@ def test_an_invalid_setting_is_bad_input_for_every_command_but_lint_which_report
             continue  # pyinfra's run: the deploy's own preflight refuses it there, one line per host
         assert result.exit_code == (1 if path == ("lint",) else 2), (path, result.output)
         assert "gpu-a: vllm_port: " in result.output and "Traceback" not in result.output
+    # --fix with a router: refused as bad input before any router is reached.
+    fronted = tmp_path / "fronted.py"
+    fronted.write_text(inventory.read_text() + f'routers = [("rtr", {{"ssh_hostname": "127.0.0.1", "ssh_port": {free_port()}}})]\n')
+    result = gpufleet("status", str(fronted), "--fix")
+    assert result.exit_code == 2 and "gpu-a: vllm_port: " in result.output, result.output
 
 
 # --- --json: one envelope ------------------------------------------------------------------------------------

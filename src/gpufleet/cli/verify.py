@@ -80,6 +80,10 @@ def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool, 
     routers, found = _roles(inventory, host)
     expected = _router_expectations(inventory, routers, found)  # a bad setting stops status before any SSH
     if fix:
+        try:
+            load_targets(inventory)  # an invalid setting is bad input, before any router changes
+        except GpufleetError as e:
+            raise BadInput(str(e)) from None
         quiet_ssh_logs()
         try:
             for name, line in settle_routers(inventory).items():
