@@ -125,8 +125,17 @@ DEFAULTS: dict[str, Any] = {
     # --- site cache: one download per site (docs/site-cache.md) ------------------------------------------------
     # The inventory group `site_cache` names the host that runs it (Debian's docker-registry as a pull-through
     # cache); every other host pulls a digest known before the pull (a rollout's, a pinned one) through it first.
-    # Port the site cache listens on (on the site_cache host). Not vllm_port: a GPU box may be both.
+    # Port the site cache listens on (on the site_cache host). Not vllm_port: a GPU box may be both. nginx there
+    # serves only pulls by digest of the inventory's repositories, to the inventory's hosts.
     "site_cache_port": 5001,
+    # The cache's registry itself, on the site_cache host's loopback, behind that nginx.
+    "site_cache_internal_port": 5002,
+    # Addresses or networks ("10.0.1.0/24") that may pull through the site cache besides the inventory's hosts,
+    # e.g. another site's hosts whose site_cache_address names it.
+    "site_cache_clients": [],
+    # GB the site cache may hold: preflight wants room for it on the site_cache host, and a converge of that host
+    # that finds the cache over it empties the cache before its pull.
+    "site_cache_max_gb": 100,
     # Registry the site cache proxies: "" = vllm_image's registry (https://registry-1.docker.io for Docker Hub).
     # One cache proxies one registry: a host whose vllm_image comes from another pulls from it directly.
     "site_cache_upstream": "",

@@ -411,3 +411,73 @@ def test_a_router_whose_metrics_say_nan_is_one_line_and_every_replica_rejoins(rf
         assert sorted(router_workers(rfleet)) == urls
     finally:
         rfleet.run_in(host, f"kill {pid}", check=False)
+
+
+def ledger_and_image(rfleet: Fleet, host) -> tuple[dict, str]:
+    """The replica's ledger and the image its vLLM container runs ("" when none runs), in one look."""
+    out = rfleet.run_in(host, "cat /var/lib/gpufleet/vllm-qwen35.json; echo @@; docker ps --filter "
+                              "label=gpufleet.vllm-qwen35 --no-trunc --format '{{.Image}}'").stdout
+    ledger, _, image = out.partition("@@")
+    return json.loads(ledger), image.strip()
+
+
+def test_two_replicas_a_rollout_killed_while_its_canary_verifies_is_settled_by_the_rerun(rfleet, inventory, tmp_path):
+    # The fleet's first two replicas in an inventory of their own: its third is then a worker the router holds that
+    # is no replica of that inventory. Measured before: the re-run refused at its capacity check ("swapping gfr2 at
+    # once would leave it no replica in service") and the canary stayed out of the router.
+    first, second, third = replicas(rfleet)
+    urls = sorted(f"http://{h.ip}:5000" for h in (first, second))
+    foreign = f"http://{third.ip}:5000"
+    doc = rfleet.cfg.state_dir / "inventory.json"
+    two = tmp_path / "two.py"
+    two.write_text(
+        "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
+        f"gpuhosts = [(n, {{**{TEST_DATA!r}, **d}}) for n, d in pyinfra_hosts({str(doc)!r}) if n in "
+        f"{(first.name, second.name)!r}]\n"
+        f"routers = pyinfra_hosts({str(doc)!r}, routers=True)\n")
+
+    def status(inv: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([GPUFLEET, "status", str(inv), *args], capture_output=True, text=True, timeout=300,
+                              cwd=REPO, env=WIDE)
+
+    # Reported, then removed by `status --fix`.
+    seen = status(two)
+    assert seen.returncode == 1 and f"worker {foreign} is not a replica of the inventory (fix: `gpufleet status " \
+        f"{two} --fix` removes it)" in seen.stdout, seen.stdout[-3000:]
+    fixed = status(two, "--fix")
+    assert fixed.returncode == 0, fixed.stdout[-3000:] + fixed.stderr[-3000:]
+    assert f"{router_host(rfleet).name}: removed {foreign}: no replica of the inventory" in fixed.stderr, fixed.stderr
+    assert sorted(router_workers(rfleet)) == urls
+
+    image = f"{rfleet.cfg.registry}/{REPOSITORY}:good"
+    proc = subprocess.Popen([GPUFLEET, "rollout", str(two), "--image", image, "--yes", "--json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        # Killed while the canary verifies: its new version pending in the ledger and running.
+        deadline = time.monotonic() + 300
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None, "the canary never ran its pending version"
+            ledger, running = ledger_and_image(rfleet, first)
+            if ledger.get("pending") and running.endswith(ledger["pending"]["ref"].rpartition("@")[2]):
+                break
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert router_workers(rfleet) == [f"http://{second.ip}:5000"]  # the canary left the router, and stays out
+    assert ledger_and_image(rfleet, first)[0]["pending"] is not None
+
+    resumed = subprocess.run([GPUFLEET, "rollout", str(two), "--image", image, "--yes", "--json"],
+                             capture_output=True, text=True, timeout=900, cwd=REPO, env=WIDE)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    rows = {h["host"]: h["outcome"] for h in json.loads(resumed.stdout)["hosts"]}
+    assert rows == {first.name: "updated", second.name: "updated"}, rows
+    assert sorted(router_workers(rfleet)) == urls
+
+    # The whole inventory's `status --fix` puts the third replica back (committed, ready).
+    fixed = status(inventory, "--fix")
+    assert f"{third.name}: put back in router {router_host(rfleet).name}" in fixed.stderr, fixed.stderr
+    assert fixed.returncode == 0, fixed.stdout[-3000:]
+    assert sorted(router_workers(rfleet)) == sorted([*urls, foreign])

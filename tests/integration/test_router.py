@@ -327,6 +327,43 @@ def test_clients_reach_the_client_api_only_and_the_router_runs_unprivileged(rfle
     assert user.strip() not in ("", "root"), user
 
 
+def as_nobody(rfleet: Fleet, method: str, path: str) -> int:
+    """curl's exit status for a request to the router's own port by an unprivileged local user of the router host
+    (7: the connection was refused; 0: it was answered)."""
+    return rfleet.run_in(router_host(rfleet), f"setpriv --reuid=nobody --regid=nogroup --clear-groups curl -s -o "
+                                              f"/dev/null --max-time 5 -X {method} 'http://127.0.0.1:28000{path}'",
+                         check=False).returncode
+
+
+def test_a_local_user_cannot_reach_the_worker_api_and_gpufleet_and_clients_still_do(rfleet, inventory, pyinfra):
+    # Without the fence, nobody's /add_worker of a listener of theirs got them client prompts and API keys, and
+    # /remove_worker an outage. Now each is refused at the connection (a reset: curl's exit 7).
+    router, stranger = router_host(rfleet), "http://10.213.7.99:5000"
+    urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
+    for method, path in [("POST", f"/add_worker?url={stranger}"), ("POST", f"/remove_worker?url={stranger}"),
+                         ("GET", "/list_workers"), ("GET", "/v1/models")]:
+        assert as_nobody(rfleet, method, path) == 7, (method, path)
+    assert live_workers(rfleet) == urls
+    # gpufleet's own calls (as root on the host, over the deploy user's SSH) and clients through nginx still work.
+    proc = subprocess.run([GPUFLEET, "status", str(inventory), "--json"], capture_output=True, text=True, timeout=120)
+    (row,) = json.loads(proc.stdout)["routers"]
+    assert proc.returncode == 0 and row["fenced"] is True and sorted(w["url"] for w in row["workers"]) == urls, row
+    base = f"http://{router.ip}:{ROUTER_PORT}"
+    assert chat(base, served_model(base), "through the fenced front door") == 200
+    # The ruleset flushed under the running router (an nftables.service reload): verify names it, and the next
+    # router deploy loads the fence again without restarting the router.
+    pid = main_pid(rfleet)
+    rfleet.run_in(router, "nft flush ruleset")
+    assert as_nobody(rfleet, "GET", "/list_workers") == 0
+    proc = verify_cli(inventory, "--host", router.name)
+    assert proc.returncode == 1 and f"{router.name}: the router's worker API is open to every local user" in \
+        proc.stdout, proc.stdout
+    proc = run(pyinfra, inventory, ROUTER)
+    assert changed_ops(proc.stdout) == {"Fence the router's port to root and nginx (nftables)": 1}, \
+        changed_ops(proc.stdout)
+    assert main_pid(rfleet) == pid and as_nobody(rfleet, "GET", "/list_workers") == 7
+
+
 def test_consistent_hash_spreads_sessions_over_every_replica(rfleet, inventory, pyinfra):
     # A policy change rewrites the unit and restarts the router (and only the router).
     proc = run(pyinfra, inventory, ROUTER, "--data", "router_policy=consistent_hash")

@@ -4,11 +4,14 @@ site cache (inventory group `site_cache`), the fleet's registry the "upstream", 
 
 1. a rollout's prepare of nightly-1 on all three (the cache host alone, then the other two): the upstream serves
    the big layer once (the cache), each host's record says its layers came from the site; every host lists the
-   image under the upstream name only; the cache refuses a push; its setup converges to no change;
+   image under the upstream name only; the cache serves nothing but the inventory's repositories by digest to the
+   inventory's hosts (this machine, another repository, a tag, a push: refused); its setup converges to no change;
 2. the cache host off the network: a prepare of nightly-2 on the other two still succeeds, from upstream, with one
-   warning line per host naming the cache;
-3. a blob of nightly-1 tampered with in the cache's storage: a host pulling nightly-1 again is refused, nothing is
-   installed.
+   warning line per host naming the cache; a host told not to use the cache drops it from insecure-registries;
+3. a blob of nightly-1 tampered with in the cache's storage: a host pulling nightly-1 again has docker refuse it,
+   then pulls from upstream, with one warning line naming the refusal;
+4. the cache's bound: a bound the disk cannot hold is refused at preflight; a cache over its bound is emptied
+   before the cache host's pull.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from tests.integration.pyinfra_results import changed_ops
+from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.facts.pull import PullStats
 from gpufleet.rollout.prepare import prepare, pull_order
@@ -107,12 +111,19 @@ def test_prepare_downloads_each_layer_from_upstream_once_per_site(site):
     # The records agree with the registry's own log: what the hosts say came from upstream is what it served.
     recorded = sum(stats[h.name].upstream_bytes or 0 for h in hosts)
     assert recorded <= served[hosts[0].ip] < 1.25 * recorded, (recorded, served)
-    # Read-only for clients: proxy mode refuses a push.
-    push = urllib.request.Request(f"http://{hosts[0].ip}:{CACHE_PORT}/v2/{sandbox_image.REPOSITORY}/blobs/uploads/",
-                                  data=b"", method="POST")
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(push, timeout=10)
-    assert refused.value.code in (401, 403, 405), refused.value.code
+    # Only the inventory's hosts, only its repositories by digest, only pulls: this machine (no host of the
+    # inventory) is refused even the API's root, a host of it another repository of upstream or a tag.
+    cache = f"http://{hosts[0].ip}:{CACHE_PORT}"
+    for url, data in [(f"{cache}/v2/", None), (f"{cache}/v2/{sandbox_image.REPOSITORY}/blobs/uploads/", b"")]:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=10)
+        assert refused.value.code == 403, (url, refused.value.code)
+    digest = refs["nightly-1"].rpartition("@")[2]
+    asked = {path: fleet.run_in(hosts[1], f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 10 {cache}{path}",
+                                check=False).stdout for path in
+             ["/v2/", f"/v2/{sandbox_image.REPOSITORY}/manifests/{digest}", f"/v2/library/busybox/manifests/{digest}",
+              f"/v2/{sandbox_image.REPOSITORY}/manifests/nightly-1"]}
+    assert list(asked.values()) == ["200", "200", "403", "403"], asked
     # A second prepare on the cache host: its setup and the trust in it change nothing; nothing is pulled.
     again = prepare(str(inventory), [names[0]], refs["nightly-1"], DEPLOY, log=log, timeout_s=600)[0]
     assert again.ok, again.output[-3000:]
@@ -120,7 +131,12 @@ def test_prepare_downloads_each_layer_from_upstream_once_per_site(site):
     assert not any("site cache" in op or "Pull" in op for op in changed), changed
 
 
-def test_cache_host_down_every_host_prepares_from_upstream_with_one_warning(site):
+def trusted(fleet: Fleet, host: Host) -> list[str]:
+    """The host's Docker insecure-registries."""
+    return json.loads(fleet.run_in(host, "cat /etc/docker/daemon.json").stdout).get("insecure-registries", [])
+
+
+def test_cache_host_down_every_host_prepares_from_upstream_with_one_warning(site, pyinfra):
     fleet, hosts, refs, inventory, log = site
     others = hosts[1:]
     # The cache host off the network (a converge of the cache host itself would start a stopped registry again).
@@ -139,9 +155,16 @@ def test_cache_host_down_every_host_prepares_from_upstream_with_one_warning(site
         got = records(fleet, hosts)[h.name]
         assert got is not None and got.ref == refs["nightly-2"] and got.fell_back and got.cache is None, got
         assert refs["nightly-2"] in listed(fleet, h)
+    # Told not to pull through it (site_cache_address "off"), a host no longer trusts it over plain HTTP.
+    assert cache in trusted(fleet, others[0])
+    off = run_deploy(pyinfra, inventory, str(DEPLOY), "--limit", others[0].name, "--data", "site_cache_address=off",
+                     "--data", "gpufleet_stage=prepare", "--data", f"gpufleet_image_ref={refs['nightly-2']}")
+    assert cache not in trusted(fleet, others[0]), off.stdout[-3000:]
 
 
-def test_tampered_blob_on_the_cache_is_refused_and_nothing_installed(site):
+def test_tampered_blob_on_the_cache_is_refused_and_pulled_from_upstream_naming_the_refusal(site):
+    # Whoever answers at the cache's address (a tampered storage here) must not fail every prepare: docker refuses
+    # what does not hash to the digest, and the host pulls it from upstream, saying so.
     fleet, hosts, refs, inventory, log = site
     victim = hosts[2]
     digest, _ = big_layer(fleet, "nightly-1")
@@ -149,7 +172,30 @@ def test_tampered_blob_on_the_cache_is_refused_and_nothing_installed(site):
     fleet.run_in(hosts[0], f"printf XXXXXXXX | dd of={STORAGE}/{hexd[:2]}/{hexd}/data bs=1 seek=4096 conv=notrunc")
     fleet.run_in(victim, f"docker rmi {refs['nightly-1']}")
     run, failed = prepare(str(inventory), [victim.name], refs["nightly-1"], DEPLOY, log=log, timeout_s=600)
-    assert set(failed) == {victim.name}, run.output[-4000:]
-    assert "served content that does not match its digest" in failed[victim.name], failed
-    assert refs["nightly-1"] not in listed(fleet, victim)
+    assert failed == {}, run.output[-4000:]
+    [warning] = [line for line in run.output.splitlines() if f"{victim.name}: warning: the site cache" in line]
+    assert "served content that does not match" in warning and "docker refused it; pulling from upstream" in warning
+    got = records(fleet, [victim])[victim.name]
+    assert got is not None and got.fell_back and got.warning and warning.endswith(got.warning), (got, warning)
+    assert refs["nightly-1"] in listed(fleet, victim)
     assert not any(f":{CACHE_PORT}/" in r for r in listed(fleet, victim))
+
+
+def test_the_cache_is_held_to_its_bound(site, pyinfra):
+    fleet, hosts, refs, inventory, log = site
+    cache_host, ref = hosts[0], refs["nightly-1"]
+    args = ("--limit", cache_host.name, "--data", "gpufleet_stage=prepare", "--data", f"gpufleet_image_ref={ref}")
+    # A bound the disk cannot hold is refused before anything changes.
+    refused = run_deploy(pyinfra, inventory, str(DEPLOY), *args, "--data", "site_cache_max_gb=100000", check=False)
+    assert refused.returncode != 0 and re.search(
+        rf"{cache_host.name}: .* GiB free at \S+ \(the site cache, holding 0\.\d GiB\), site_cache_max_gb asks for "
+        r"100000 .*\(fix: free space there, or lower site_cache_max_gb\)", refused.stdout), refused.stdout[-3000:]
+    # It holds nightly-1 (~113 MB), its big layer tampered with by the test before. Over a bound of 50 MB it is
+    # emptied before the cache host's own pull, which fills it again from upstream: the layer is whole again.
+    digest, _ = big_layer(fleet, "nightly-1")
+    blob = f"{STORAGE}/{digest[7:9]}/{digest[7:]}/data"
+    assert fleet.run_in(cache_host, f"sha256sum {blob}").stdout.split()[0] != digest[7:]
+    fleet.run_in(cache_host, f"docker rmi {ref}")
+    run_deploy(pyinfra, inventory, str(DEPLOY), *args, "--data", "site_cache_max_gb=0.05")
+    assert fleet.run_in(cache_host, f"sha256sum {blob}").stdout.split()[0] == digest[7:]
+    assert ref in listed(fleet, cache_host)

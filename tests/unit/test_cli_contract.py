@@ -123,7 +123,8 @@ def test_bad_usage_of_the_commands_without_an_inventory_exits_2(path):
 def test_a_bad_option_value_and_a_host_the_inventory_lacks_exit_2(inventories):
     fleet = inventories["out-of-reach"]
     for args in (["verify", fleet, "--checks", "nope"], ["verify", fleet, "--wait", "-1"],
-                 ["status", fleet, "--host", "nope"], ["history", fleet, "--host", "nope"],
+                 ["status", fleet, "--host", "nope"], ["status", fleet, "--fix", "--host", "gpu-a"],
+                 ["history", fleet, "--host", "nope"],
                  ["rollback", fleet, "--to", "vllm/vllm-openai:nightly", "--yes"],
                  ["rollout", fleet, "--image", "other/repo:tag", "--yes"], ["render", fleet, "--host", "nope"]):
         result = gpufleet(*args)
@@ -139,6 +140,11 @@ def test_an_invalid_setting_is_bad_input_for_every_command_but_lint_which_report
             continue  # pyinfra's run: the deploy's own preflight refuses it there, one line per host
         assert result.exit_code == (1 if path == ("lint",) else 2), (path, result.output)
         assert "gpu-a: vllm_port: " in result.output and "Traceback" not in result.output
+    # --fix with a router: refused as bad input before any router is reached.
+    fronted = tmp_path / "fronted.py"
+    fronted.write_text(inventory.read_text() + f'routers = [("rtr", {{"ssh_hostname": "127.0.0.1", "ssh_port": {free_port()}}})]\n')
+    result = gpufleet("status", str(fronted), "--fix")
+    assert result.exit_code == 2 and "gpu-a: vllm_port: " in result.output, result.output
 
 
 # --- --json: one envelope ------------------------------------------------------------------------------------
@@ -178,6 +184,15 @@ def test_json_is_one_envelope_with_ok_and_problems_on_every_row_and_no_placehold
         (router,) = doc["routers"]
         assert router["host"] == "rtr" and router["problems"][0]["id"] == "ssh-unreachable"
         assert doc["hosts"][0]["problems"][0]["id"] == "ssh-unreachable"
+
+
+def test_status_fix_with_a_router_out_of_reach_is_one_line_and_changes_nothing(inventories):
+    result = gpufleet("status", inventories["out-of-reach"], "--fix")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("Error: router rtr: cannot SSH to 127.0.0.1:") and "(fix: " in line, line
+    doc = json.loads(gpufleet("status", inventories["out-of-reach"], "--fix", "--json").stdout)
+    assert doc["ok"] is False and doc["error"].startswith("router rtr: cannot SSH to ") and doc["hosts"] == []
 
 
 def test_rollout_rows_carry_the_rollouts_own_fields_and_the_target(inventories):
@@ -258,6 +273,7 @@ def test_each_router_problem_gets_its_own_id_and_keeps_its_fix():
         "worker-missing": RouterStatus("rtr", "ready", workers=(WorkerRow(mine, True, 0, 0, 0),)),
         "worker-unhealthy": RouterStatus("rtr", "ready", workers=(WorkerRow(mine, False, 0, 0, 0),)),
         "worker-unknown": RouterStatus("rtr", "ready", workers=(WorkerRow(stranger, True, 0, 0, 0),)),
+        "worker-api-open": RouterStatus("rtr", "ready", workers=(WorkerRow(mine, True, 0, 0, 0),), fenced=False),
     }
     for id, look in looks.items():
         found = router_problems(RouterVerdict(look, problems(look, expected)))

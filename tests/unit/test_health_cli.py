@@ -294,8 +294,8 @@ def test_verify_json_has_router_rows_with_ok_and_problems(fleet_inventory, monke
     assert [w["url"] for w in router["workers"]] == [GPU1]
     assert router["problems"] == [{"id": "worker-missing",
                                    "message": f"worker {GPU2} (gpu2) is not in the router's worker set",
-                                   "fix": f"once gpu2 verifies ready, pyinfra {fleet_inventory} deploys/router.py "
-                                          "adds it back"}]
+                                   "fix": f"once gpu2 verifies ready, `gpufleet status {fleet_inventory} --fix` "
+                                          "puts it back"}]
     assert [r["host"] for r in doc["hosts"]] == ["gpu1", "gpu2"] and all(r["ok"] for r in doc["hosts"])
     assert doc["ok"] is False
 

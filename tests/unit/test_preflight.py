@@ -82,6 +82,23 @@ def test_disk_not_required_for_what_is_already_there():
     assert check("g", snap, settings(), (0, 1, 2), ref) == []
 
 
+def test_the_site_cache_host_needs_room_for_the_cache_to_grow_to_its_bound():
+    # 30 GiB held of site_cache_max_gb 100: 70 more may land, beside Docker's own room when they share a disk.
+    snap = host(site_cache_used_kib=30 * GIB, free_kib={"docker": 200 * GIB, "models": 200 * GIB, "site_cache": 90 * GIB},
+                free_path={"docker": "/var/lib/docker", "models": "/srv", "site_cache": "/var/lib/docker-registry"})
+    assert check("g", snap, settings(), (0, 1, 2)) == []
+    shared = replace(snap, site_cache_shares_docker=True)
+    (line,) = check("g", shared, settings(), (0, 1, 2))  # 70 + gpufleet_min_free_gb_docker 60 > 90
+    assert line == ("g: 90.0 GiB free at /var/lib/docker-registry (the site cache, holding 30.0 GiB), site_cache_max_gb "
+                    "asks for 100 and gpufleet_min_free_gb_docker 60 beside it (fix: free space there, or lower "
+                    "site_cache_max_gb)")
+    # Over its bound, the cache is emptied by this run: what it holds counts as room.
+    over = replace(snap, site_cache_used_kib=120 * GIB, free_kib={**snap.free_kib, "site_cache": 10 * GIB})
+    assert check("g", over, settings(), (0, 1, 2)) == []
+    assert check("g", replace(over, site_cache_used_kib=80 * GIB), settings(), (0, 1, 2)) != []
+    assert check("g", replace(snap, site_cache_used_kib=None), settings(site_cache_max_gb=10**6), (0, 1, 2)) == []
+
+
 def test_missing_model_without_repo():
     lines = check("g", host(), settings(vllm_model_repo=None), (0, 1, 2))
     assert any("lacks config.json and vllm_model_repo is None" in line for line in lines)

@@ -37,7 +37,7 @@ from gpufleet.rollout.prepare import failures, prepare
 from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.report import HostOutcome, Outcome, succeeded, table
 from gpufleet.rollout.routers import Routers
-from gpufleet.rollout.run import previous_targets
+from gpufleet.rollout.run import interrupted_first, previous_targets
 from gpufleet.rollout.swap import SwapOptions, batches, judge
 from gpufleet.rollout.target import digest_from_inspect, requested_image
 from gpufleet.router.api import Router, RouterError
@@ -530,6 +530,25 @@ def test_a_batch_that_would_leave_a_router_no_replica_is_refused_counting_those_
     assert Routers([(cut, 30.0)], URLS).capacity_problem([["h1"]]) == (
         "router r2: its worker list does not answer: EOFError; nothing was changed (fix: `gpufleet status` shows the "
         "router; run again once it answers)")
+
+
+def test_a_rerun_after_a_cut_counts_the_hosts_it_settles_first_as_serving_after_them():
+    # 2 replicas: the cut run's canary h1 left the router and stayed pending; h2 alone serves. The re-run swaps h1
+    # first (it settles the cut swap and rejoins), so h2's turn leaves h1 in service: no refusal, for any order.
+    router = FakeRouter("r1", [URLS["h2"]])
+    routers = Routers([(router, 30.0)], {h: URLS[h] for h in ("h1", "h2")})
+    cut = {"h1": read(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "h1"), "h2": read(committed_on(OLD), "h2")}
+    for names in (["h1", "h2"], ["h2", "h1"]):
+        order = interrupted_first(names, cut)
+        assert order == ["h1", "h2"]
+        assert routers.capacity_problem(batches(order, canary=1, batch=1), {"h1": False, "h2": True}) is None
+    # Cut after h1 committed, before its rejoin: the reconcile puts it back, so h2 alone may swap.
+    assert routers.capacity_problem(batches(["h2"], canary=1, batch=1), {"h1": True, "h2": True}) is None
+    # One the reconcile takes out (dead) does not count, and a group that takes the last one is still refused.
+    three = Routers([(FakeRouter("r1", URLS.values()), 30.0)], URLS)
+    assert "swapping h1, h2 at once" in three.capacity_problem(batches(["h1", "h2", "h3"], canary=0, batch=2),
+                                                               {"h3": False})
+    assert routers.capacity_problem([["h2"]], {}) is not None  # h1 stays out: h2 is the last one
 
 
 class Phases:

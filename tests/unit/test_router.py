@@ -3,15 +3,18 @@ the router's API answers and metrics as the real vllm-router 0.1.17 gave them (t
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import shlex
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
 from gpufleet.errors import SettingError, SettingErrors
+from gpufleet.remote.transport import SshTransport
 from gpufleet.router import facts, status
 from gpufleet.router.api import Router, RouterError, router_samples
 from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, replicas, worker_url
@@ -20,6 +23,7 @@ from gpufleet.router.unit import render_proxy, render_unit
 from gpufleet.sandbox.router_index import project_name, write_simple_index
 from gpufleet.vllm.settings import BEHIND_ROUTER_ARGS
 from gpufleet.vllm.spec import reach_address
+from tests.ports import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "router"
 WORKERS = ("http://10.0.0.11:5000", "http://10.0.0.12:5000")
@@ -143,7 +147,7 @@ def test_the_unit_replays_the_members_file_after_each_start_without_waiting_on_a
     s = spec()
     assert s.members_text() == "http://10.0.0.11:5000\nhttp://10.0.0.12:5000\n"
     [line] = [line for line in render_unit(s).splitlines() if line.startswith("ExecStartPost=")]
-    assert line.startswith('ExecStartPost=/bin/sh -c "')
+    assert line.startswith('ExecStartPost=+/bin/sh -c "')  # as root: the fence refuses the router's own user
     script = s.rejoin_argv()[2]
     assert f"< {s.members_file}" in script and "/var/lib/gpufleet-router/vllm-router.workers" == s.members_file
     # Each add in the background: one replica that is down never holds the start.
@@ -151,6 +155,21 @@ def test_the_unit_replays_the_members_file_after_each_start_without_waiting_on_a
     assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0
     # The same unit, whoever is ready: the membership is not what the unit runs.
     assert render_unit(s) == render_unit(build_router_spec("router1", {}, WORKERS[:1]))
+
+
+def test_before_the_router_listens_its_port_is_fenced_to_root_and_nginx():
+    from tests.unit.systemd_words import split_exec
+
+    s = spec(router_internal_port=18000)
+    [line] = [line for line in render_unit(s).splitlines() if line.startswith("ExecStartPre=")]
+    assert line.startswith("ExecStartPre=+/usr/sbin/nft ")  # "+": as root, the router's own user cannot load it
+    assert split_exec(line.removeprefix("ExecStartPre=+")) == s.fence_argv()
+    script = s.fence_argv()[1]
+    # One transaction that replaces the table: a second start loads the same rule once.
+    assert script.startswith("table inet gpufleet-router-18000; delete table inet gpufleet-router-18000; table inet "
+                             "gpufleet-router-18000 { chain output { type filter hook output priority 0; ")
+    assert 'oifname "lo" tcp dport 18000 meta skuid != { root, www-data } reject with tcp reset' in script
+    assert s.fence_argv() != spec().fence_argv()  # the port's own table, its own port
 
 
 def test_every_argument_is_one_the_router_knows():
@@ -305,6 +324,75 @@ class DownRouter(Router):
 def test_status_of_a_router_that_does_not_answer_is_a_row_not_a_crash():
     row = status.read(DownRouter("router1", None, 8000, 29000))  # type: ignore[arg-type]
     assert row.state == "down" and "refused" in row.detail
+
+
+# --- the worker API, asked by root on the router host --------------------------------------------------------------------
+class WorkerApi(http.server.BaseHTTPRequestHandler):
+    """vllm-router's worker API as 0.1.17 answers it, recording who asked (the user agent)."""
+
+    agents: list[str] = []
+
+    def _answer(self, status: int, body: bytes) -> None:
+        WorkerApi.agents.append(self.headers.get("User-Agent", ""))
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/list_workers":
+            self._answer(200, b'{"urls": ["http://10.0.0.11:5000"]}')
+        else:
+            self._answer(200, b"x" * (3 << 20))  # over the transport's cap
+
+    def do_POST(self):
+        if self.path.startswith("/add_worker"):
+            self._answer(400, b"Timeout 120s waiting for worker http://10.0.0.99:5000")
+        else:
+            self._answer(200, b"Successfully removed worker")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def worker_api():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), WorkerApi)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_worker_api_is_asked_by_a_root_command_on_the_host_not_through_a_tunnel(sshd, worker_api):
+    # The router's port is fenced to root and nginx: a tunnel (sshd connects as the login user) is refused there.
+    router = Router("router1", SshTransport(sshd.client(), name="router1"), worker_api, 29000)
+    try:
+        WorkerApi.agents.clear()
+        assert router.list_workers() == ["http://10.0.0.11:5000"]
+        router.remove_worker("http://10.0.0.12:5000")
+        assert WorkerApi.agents and all(a.startswith("curl/") for a in WorkerApi.agents), WorkerApi.agents
+        with pytest.raises(RouterError) as refused:
+            router.add_worker("http://10.0.0.99:5000", timeout=5)
+        assert str(refused.value) == ("router1: POST /add_worker?url=http%3A%2F%2F10.0.0.99%3A5000: HTTP 400: Timeout "
+                                      "120s waiting for worker http://10.0.0.99:5000")
+        with pytest.raises(RouterError, match=r"^router1: GET /big: not JSON: xxx"):
+            router.get_json("/big")  # cut at the cap, so not JSON: bounded, and one line
+        with pytest.raises(RouterError) as down:
+            Router("router1", router.transport, free_port(), 29000).list_workers()
+        assert str(down.value).startswith("router1: GET /list_workers: curl: (7) ") and "\n" not in str(down.value)
+    finally:
+        router.transport.client.close()  # type: ignore[attr-defined]
+
+
+def test_a_login_that_cannot_become_root_cannot_ask_the_worker_api(sshd_nobody, worker_api):
+    router = Router("router1", SshTransport(sshd_nobody.client(), name="router1"), worker_api, 29000)
+    try:
+        with pytest.raises(RouterError, match=r"^router1: GET /list_workers: \S"):
+            router.list_workers()
+    finally:
+        router.transport.client.close()  # type: ignore[attr-defined]
 
 
 # --- the sandbox's package index ------------------------------------------------------------------------------------

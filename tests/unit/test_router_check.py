@@ -38,17 +38,26 @@ def test_an_unhealthy_worker_names_router_replica_and_fix():
     )
 
 
-def test_a_replica_missing_from_the_worker_set_names_the_deploy_that_adds_it():
+def test_a_replica_missing_from_the_worker_set_names_the_fix_that_puts_it_back():
     assert problems(ready(worker(GPU1)), EXPECTED) == (
         "rtr1: worker http://10.0.0.12:5000 (gpu2) is not in the router's worker set (fix: once gpu2 verifies "
-        "ready, pyinfra inventories/lab.py deploys/router.py adds it back)",
+        "ready, `gpufleet status inventories/lab.py --fix` puts it back)",
     )
 
 
 def test_a_worker_not_in_the_inventory_is_named():
     (line,) = problems(ready(worker(GPU1), worker(GPU2), worker("http://10.0.0.99:5000")), EXPECTED)
-    assert line == ("rtr1: worker http://10.0.0.99:5000 is not a replica of the inventory (fix: pyinfra "
-                    "inventories/lab.py deploys/router.py removes it)")
+    assert line == ("rtr1: worker http://10.0.0.99:5000 is not a replica of the inventory (fix: `gpufleet status "
+                    "inventories/lab.py --fix` removes it)")
+
+
+def test_a_worker_api_without_its_fence_is_a_problem_and_an_unknown_fence_is_not():
+    row = dataclasses.replace(ready(worker(GPU1), worker(GPU2)), fenced=False)
+    assert problems(row, EXPECTED) == (
+        "rtr1: the router's worker API is open to every local user of rtr1: its nftables fence is not loaded (fix: "
+        "pyinfra inventories/lab.py deploys/router.py loads it)",
+    )
+    assert problems(dataclasses.replace(row, fenced=None), EXPECTED) == ()
 
 
 def test_a_moved_replica_is_missing_at_its_new_address_and_extra_at_its_old_one():

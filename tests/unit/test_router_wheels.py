@@ -147,7 +147,7 @@ def converged(s: RouterSpec, **over: Any) -> RouterHost:
     seen = RouterHost(python="3.11", machine="x86_64", python3_venv=True, venv_link=s.venv_dir(INSTALL.key),
                       venvs={name: INSTALL.key, "0123456789abcdef": "f" * 64},
                       venv_previous=f"{s.venvs_dir}/0123456789abcdef", unit_sha256=_sha(render_unit(s)),
-                      active_state="active", enabled=True, live_workers=WORKERS)
+                      active_state="active", enabled=True, live_workers=WORKERS, nftables=True, fenced=True)
     return replace(seen, **over)
 
 
@@ -179,9 +179,26 @@ def test_the_fact_reads_the_venv_in_use_its_marker_and_the_hosts_python():
 def test_a_converged_router_host_changes_nothing():
     s = spec()
     seen = converged(s)
-    for op in (operations.package, operations.old_venvs, operations.running, operations.workers_in_step):
+    for op in (operations.package, operations.fence, operations.old_venvs, operations.running,
+               operations.workers_in_step):
         assert run_alone(op, spec=s, seen=seen, install=INSTALL) == [], op
     assert run_alone(operations.ready, spec=s, seen=seen, install=INSTALL, timeout_s=5) == []
+
+
+def test_the_fence_is_loaded_at_each_start_and_again_under_a_router_that_lost_it():
+    s = spec()
+    # A ruleset flushed under the running router: loaded again now, without a restart.
+    (load,) = run_alone(operations.fence, spec=s, seen=converged(s, fenced=False), install=INSTALL)
+    assert shlex.split(str(load)) == s.fence_argv()
+    # A router about to (re)start loads it itself (its unit's ExecStartPre).
+    assert run_alone(operations.fence, spec=s, seen=converged(s, fenced=False, active_state="inactive"),
+                     install=INSTALL) == []
+    # No nftables yet: installed first.
+    first = run_alone(operations.fence, spec=s, seen=converged(s, nftables=False, fenced=False), install=INSTALL)
+    assert "nftables" in str(first[-2]) and shlex.split(str(first[-1])) == s.fence_argv()
+    seen = facts.parse(["nftables=install_ok_installed", "fenced=yes"])
+    assert seen.nftables and seen.fenced and not facts.parse([]).fenced
+    assert "list table inet gpufleet-router-28000" in facts.command(s, ())
 
 
 def test_a_new_lock_entry_installs_in_a_venv_of_its_own_then_switches_and_restarts():

@@ -5,7 +5,12 @@ order prepare pulls in."""
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
+import socket
+import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +26,13 @@ from gpufleet.operations.files import sha256
 from gpufleet.operations.run import remember
 from gpufleet.rollout.prepare import pull_order, pull_stats
 from gpufleet.sitecache import operations as site_cache
-from gpufleet.sitecache.deploy import cache_pull, check_port, serves_site
+from gpufleet.sitecache.deploy import cache_pull, check_port, clients, repositories, serves_site
 from gpufleet.sitecache.facts import SiteCacheHost
 from gpufleet.sitecache.facts import parse as parse_cache_host
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.operations import docker
 from gpufleet.vllm.settings import build_spec
+from tests.ports import free_port
 
 BIG = "9f3c2a7d1e55"
 # docker pull of a digest (20.10, not on a terminal) through the cache: one layer present, one fetched.
@@ -95,10 +101,10 @@ def test_the_pull_record_round_trips_and_anything_else_is_no_record():
     assert PullStats.from_json(json.dumps({**json.loads(stats.to_json()), "site_bytes": "5"})) is None
 
 
-def test_the_cache_config_proxies_one_registry_on_its_port():
-    text = site_cache.render_config("https://registry-1.docker.io", 5001)
+def test_the_cache_config_proxies_one_registry_on_the_loopback():
+    text = site_cache.render_config("https://registry-1.docker.io", 5002)
     assert text.startswith("# Managed by gpufleet")
-    assert "proxy:\n  remoteurl: https://registry-1.docker.io\n" in text and "  addr: :5001\n" in text
+    assert "proxy:\n  remoteurl: https://registry-1.docker.io\n" in text and "  addr: 127.0.0.1:5002\n" in text
     assert "auth:" not in text and "rootdirectory: /var/lib/docker-registry" in text
 
 
@@ -122,6 +128,12 @@ def test_insecure_registries_is_merged_keeping_every_other_key():
     assert json.loads(docker.with_insecure_registry(None, "h:1") or "") == {"insecure-registries": ["h:1"]}
     with pytest.raises(ValueError):
         docker.with_insecure_registry("[1]", "h:1")
+    # The cache moved, or was turned off: the address gpufleet trusted before goes, the user's own entries stay.
+    moved = json.loads(docker.with_insecure_registry(json.dumps(merged), "10.0.0.6:5001", drop={"10.0.0.5:5001"}) or "")
+    assert moved["insecure-registries"] == ["10.0.0.1:5000", "10.0.0.6:5001"]
+    off = json.loads(docker.with_insecure_registry(json.dumps(merged), None, drop={"10.0.0.5:5001"}) or "")
+    assert off["insecure-registries"] == ["10.0.0.1:5000"] and off["runtimes"] == merged["runtimes"]
+    assert docker.with_insecure_registry(json.dumps(off), None, drop={"10.0.0.5:5001"}) is None
 
 
 def run_op(operation: Any, snap: HostSnapshot | None = None, **arguments: Any) -> list[Any]:
@@ -134,25 +146,122 @@ def run_op(operation: Any, snap: HostSnapshot | None = None, **arguments: Any) -
 
 
 def test_the_cache_is_set_up_once_and_a_second_converge_changes_nothing():
-    config = site_cache.render_config("https://registry-1.docker.io", 5001)
-    fresh = run_op(site_cache.serving, seen=SiteCacheHost(), upstream="https://registry-1.docker.io", port=5001)
+    config = site_cache.render_config("https://registry-1.docker.io", 5002)
+    fresh = run_op(site_cache.serving, seen=SiteCacheHost(), upstream="https://registry-1.docker.io", port=5002)
     texts = [str(c) for c in fresh if isinstance(c, StringCommand)]
     assert any("docker-registry" in t and "install" in t for t in texts)
     assert [c for c in fresh if isinstance(c, FileUploadCommand)][0].dest == site_cache.CONFIG
     assert texts[-2:] == ["systemctl enable docker-registry.service", "systemctl restart docker-registry.service"]
     converged = SiteCacheHost(installed=True, config_sha256=sha256(config), active=True, enabled=True)
-    assert run_op(site_cache.serving, seen=converged, upstream="https://registry-1.docker.io", port=5001) == []
-    moved = run_op(site_cache.serving, seen=converged, upstream="https://registry-1.docker.io", port=5002)
+    assert run_op(site_cache.serving, seen=converged, upstream="https://registry-1.docker.io", port=5002) == []
+    moved = run_op(site_cache.serving, seen=converged, upstream="https://registry-1.docker.io", port=5003)
     assert [str(c) for c in moved if isinstance(c, StringCommand)][-1] == "systemctl restart docker-registry.service"
     assert parse_cache_host(["installed=ii ", f"config={sha256(config)}", "active=active", "enabled=enabled"]) == converged
 
 
+def test_a_cache_over_its_bound_is_emptied_before_the_pull_and_one_under_it_is_kept():
+    config = site_cache.render_config("https://registry-1.docker.io", 5002)
+    converged = SiteCacheHost(installed=True, config_sha256=sha256(config), active=True, enabled=True)
+    args = {"seen": converged, "upstream": "https://registry-1.docker.io", "port": 5002, "max_gb": 2}
+    assert run_op(site_cache.serving, used_kib=2 * 1024 * 1024, **args) == []
+    emptied = [str(c) for c in run_op(site_cache.serving, used_kib=2 * 1024 * 1024 + 1, **args)]
+    assert emptied == ["systemctl stop docker-registry.service", "rm -rf /var/lib/docker-registry/docker",
+                       "systemctl restart docker-registry.service"]
+
+
+def test_the_front_door_is_set_up_once_and_a_second_converge_changes_nothing():
+    args = {"port": 5001, "internal_port": 5002, "clients": ["127.0.0.1", "10.0.0.5"], "repositories": ["vllm/vllm-openai"]}
+    fresh = [str(c) for c in run_op(site_cache.front_door, seen=SiteCacheHost(), **args)]
+    assert "nginx" in fresh[1] and fresh[2] == "rm -f /etc/nginx/sites-enabled/default"
+    assert fresh[-3:] == ["nginx -t -q", "systemctl enable nginx", "systemctl reload-or-restart nginx"]
+    content = site_cache.render_front(5001, 5002, ["127.0.0.1", "10.0.0.5"], ["vllm/vllm-openai"])
+    converged = SiteCacheHost(nginx=True, front_sha256=sha256(content), nginx_active=True)
+    assert run_op(site_cache.front_door, seen=converged, **args) == []
+    # nginx there before gpufleet (the host's own): its sites are left alone, the front door added.
+    added = [str(c) for c in run_op(site_cache.front_door, seen=SiteCacheHost(nginx=True, nginx_active=True), **args)]
+    assert not any("sites-enabled" in c or "apt-get" in c for c in added)
+
+
+class Registry(http.server.BaseHTTPRequestHandler):
+    """The registry behind the front door: what it was asked."""
+
+    asked: list[str] = []
+
+    def do_GET(self):
+        Registry.asked.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_front_door_lets_the_inventorys_hosts_pull_its_repositories_by_digest_and_nothing_else(tmp_path):
+    import shutil
+
+    if not shutil.which("nginx"):
+        pytest.skip("no nginx on this machine (the integration tier runs it on the site cache host)")
+    registry = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Registry)
+    threading.Thread(target=registry.serve_forever, daemon=True).start()
+    port = free_port()
+    site = site_cache.render_front(port, registry.server_address[1], ["127.0.0.1"], ["vllm/vllm-openai", "org/x.y"])
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(f"daemon off; pid {tmp_path}/nginx.pid; error_log stderr; events {{}} http {{ access_log off; "
+                    f"{site} }}")
+    nginx = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    digest = "sha256:" + "ab" * 32
+
+    def get(path: str, method: str = "GET", source: str = "127.0.0.1") -> int:
+        with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)) as sock:
+            sock.sendall(f"{method} {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+            return int(sock.makefile("rb").readline().split()[1])
+
+    try:
+        for _ in range(100):
+            try:
+                get("/v2/")
+                break
+            except OSError:
+                time.sleep(0.05)
+        Registry.asked.clear()
+        assert get("/v2/") == 200
+        assert get(f"/v2/vllm/vllm-openai/manifests/{digest}") == 200
+        assert get(f"/v2/org/x.y/blobs/{digest}") == 200
+        assert get(f"/v2/x/../vllm/vllm-openai/blobs/{digest}") == 200  # asked as nginx resolved it
+        assert Registry.asked == ["/v2/", f"/v2/vllm/vllm-openai/manifests/{digest}", f"/v2/org/x.y/blobs/{digest}",
+                                  f"/v2/vllm/vllm-openai/blobs/{digest}"]
+        # Another repository of upstream, a tag (the cache would resolve it), a push, a catalogue, another client.
+        for path, method, source in [(f"/v2/library/ubuntu/manifests/{digest}", "GET", "127.0.0.1"),
+                                     (f"/v2/org/xxy/manifests/{digest}", "GET", "127.0.0.1"),
+                                     ("/v2/vllm/vllm-openai/manifests/latest", "GET", "127.0.0.1"),
+                                     ("/v2/vllm/vllm-openai/blobs/uploads/", "POST", "127.0.0.1"),
+                                     (f"/v2/vllm/vllm-openai/manifests/{digest}", "PUT", "127.0.0.1"),
+                                     ("/v2/_catalog", "GET", "127.0.0.1"),
+                                     (f"/v2/library%2Fubuntu/manifests/{digest}", "GET", "127.0.0.1"),
+                                     (f"/v2/vllm/vllm-openai/manifests/{digest}", "GET", "127.0.0.2"),
+                                     ("/v2/", "GET", "127.0.0.2")]:
+            assert get(path, method, source) == 403, (path, method, source)
+        assert len(Registry.asked) == 4
+    finally:
+        nginx.terminate()
+        nginx.wait(10)
+        registry.shutdown()
+        registry.server_close()
+
+
 def test_trusting_the_cache_reloads_docker_only_when_the_address_is_new():
-    listed = HostSnapshot(daemon_json={"insecure-registries": ["10.0.0.5:5001"]})
-    assert run_op(docker.trusts_registry, listed, address="10.0.0.5:5001") == []
-    merge, reload = run_op(docker.trusts_registry, HostSnapshot(daemon_json={"runtimes": {}}), address="10.0.0.5:5001")
+    listed = HostSnapshot(daemon_json={"insecure-registries": ["10.0.0.5:5001"]},
+                          file_sha256={docker.TRUSTED: sha256("10.0.0.5:5001\n")})
+    assert run_op(docker.trusts_site_cache, listed, address="10.0.0.5:5001") == []
+    (merge,) = run_op(docker.trusts_site_cache, HostSnapshot(daemon_json={"runtimes": {}}), address="10.0.0.5:5001")
     assert isinstance(merge, FunctionCommand)
-    assert str(reload) == "systemctl try-reload-or-restart docker.service"  # SIGHUP: no container restarts
+    # The cache turned off or moved: the address gpufleet recorded is taken out; without a record, nothing to do.
+    assert len(run_op(docker.trusts_site_cache, listed, address=None)) == 1
+    assert len(run_op(docker.trusts_site_cache, listed, address="10.0.0.6:5001")) == 1
+    assert run_op(docker.trusts_site_cache, HostSnapshot(daemon_json={"insecure-registries": ["10.0.0.5:5001"]}),
+                  address=None) == []
 
 
 INVENTORY = """
@@ -192,8 +301,33 @@ def test_prepare_pulls_on_the_cache_host_first_then_the_rest_at_once(inventory: 
     assert pull_order(str(plain), ["gpu1", "gpu2"]) == [["gpu1", "gpu2"]]  # no cache: one run, as before
 
 
+def test_the_cache_lets_in_every_vllm_host_of_the_inventory_and_serves_their_repositories(tmp_path: Path):
+    path = tmp_path / "inv.py"
+    path.write_text("gpuhosts = [('gpu1', {'ssh_hostname': '10.0.0.5', 'vllm_image': 'vllm/vllm-openai:nightly'}), "
+                    "('localhost', {'vllm_image': 'ghcr.io/org/vllm:x'}), ('gpu3', {'ssh_hostname': 'fd00::3'})]\n"
+                    "routers = [('rtr', {'ssh_hostname': '10.0.0.9'})]\n"
+                    "site_cache = [('gpu1', {})]\n")
+    inventory = load_pyinfra_hosts(path)[0].inventory
+    settings = {"site_cache_clients": ["10.0.1.0/24"]}
+    found = clients(inventory, settings)
+    assert found[:3] == ["127.0.0.1", "::1", "10.0.1.0/24"]  # the host itself, then site_cache_clients
+    assert {"10.0.0.5", "fd00::3", "127.0.0.1"} <= set(found) and "10.0.0.9" not in found  # a router pulls nothing
+    assert repositories(inventory, "https://registry-1.docker.io") == ["vllm/vllm-openai", "vllm/vllm-openai"]
+    unresolved = tmp_path / "unresolved.py"
+    unresolved.write_text("gpuhosts = [('gpu1', {'ssh_hostname': 'no-such-host.invalid'})]\nsite_cache = [('gpu1', {})]\n")
+    with pytest.raises(SettingErrors) as unknown:
+        clients(load_pyinfra_hosts(unresolved)[0].inventory, {"site_cache_clients": []})
+    assert str(unknown.value).startswith("gpu1: ssh_hostname: no-such-host.invalid does not resolve (")
+    assert "(fix: set ssh_hostname to its address, or add it to site_cache_clients)" in str(unknown.value)
+
+
 @pytest.mark.parametrize(("setting", "value", "expected"), [
     ("site_cache_port", 0, "site_cache_port: 0 is not a TCP port"),
+    ("site_cache_internal_port", 5001, "site_cache_internal_port: is site_cache_port too"),
+    ("site_cache_clients", ["10.0.0.0/33"], "site_cache_clients: ['10.0.0.0/33'] is not a list of addresses"),
+    ("site_cache_clients", "10.0.0.5", "site_cache_clients: '10.0.0.5' is not a list of addresses"),
+    ("site_cache_max_gb", 0, "site_cache_max_gb: 0 is not a positive number of GB"),
+    ("site_cache_max_gb", float("inf"), "site_cache_max_gb: inf is not a positive number of GB"),
     ("site_cache_upstream", "ftp://x", "site_cache_upstream: 'ftp://x' is not a plain http(s) URL"),
     ("site_cache_address", "10.0.0.5", "site_cache_address: '10.0.0.5' is not host:port"),
     ("site_cache_pull_timeout_s", 0, "site_cache_pull_timeout_s: 0 is not a positive number of seconds"),
@@ -228,6 +362,10 @@ def test_the_cache_host_cannot_take_its_own_vllm_port(inventory: Path):
     loaded = Inventory((
         [("gpu1", {}), ("gpu2", {})], {}), site_cache=([("gpu1", {})], {}))
     check_port(loaded, "gpu2", {"site_cache_port": 5000}, 5000)  # not the cache host: no clash
+    ports = {"site_cache_port": 5001, "site_cache_internal_port": 5002, "site_cache_clients": []}
     with pytest.raises(SettingErrors) as raised:
-        check_port(loaded, "gpu1", {"site_cache_port": 5000}, 5000)
+        check_port(loaded, "gpu1", {**ports, "site_cache_port": 5000}, 5000)
     assert str(raised.value).startswith("gpu1: site_cache_port: 5000 is vllm_port too")
+    with pytest.raises(SettingErrors) as raised:
+        check_port(loaded, "gpu1", ports, 5002)
+    assert str(raised.value).startswith("gpu1: site_cache_internal_port: 5002 is vllm_port too")

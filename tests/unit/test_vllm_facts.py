@@ -802,3 +802,24 @@ def test_the_container_address_comes_from_dockers_listing():
     fake = f"curl() {{ printf '%s' {shlex.quote(host_network)}; }}"
     assert subprocess.run(["sh", "-c", f"{fake}\n{lookup}\necho \"[$cip]\""], capture_output=True, text=True,
                           timeout=30).stdout.strip() == "[]"
+
+
+def test_the_site_cache_host_reads_what_its_cache_holds_and_the_room_beside_it(tmp_path):
+    # Only the host that runs the site cache reads it; the others' snapshot has no such section.
+    assert "site_cache" not in snapshot_command(PATHS)
+    storage = tmp_path / "docker-registry"
+    (storage / "docker").mkdir(parents=True)
+    (storage / "docker" / "blob").write_bytes(b"x" * 300_000)
+    line = host_command.site_cache_lines(str(storage))
+    assert line in snapshot_command(dataclasses.replace(PATHS, site_cache_storage=str(storage)))
+    ran = subprocess.run(["sh", "-c", f"t=; d={tmp_path}; {line}"], capture_output=True, text=True, check=True)
+    snap = parse_snapshot(output(**{"site_cache": ran.stdout.split("\n", 2)[2].splitlines()}))
+    assert snap.site_cache_used_kib is not None and snap.site_cache_used_kib >= 290
+    assert snap.free_kib["site_cache"] > 0 and snap.free_path["site_cache"] == str(storage)
+    assert snap.site_cache_shares_docker  # $d, Docker's, is on the same filesystem here
+    # A cache not set up yet: nothing held, its room measured at the nearest directory there is.
+    gone = subprocess.run(["sh", "-c", f"t=; d=/; {host_command.site_cache_lines(str(tmp_path / 'no' / 'x'))}"],
+                          capture_output=True, text=True, check=True).stdout
+    snap = parse_snapshot(output(site_cache=gone.split("\n", 2)[2].splitlines()))
+    assert snap.site_cache_used_kib == 0 and snap.free_path["site_cache"] == str(tmp_path)
+    assert parse_snapshot(healthy()).site_cache_used_kib is None

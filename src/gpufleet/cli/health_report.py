@@ -65,6 +65,7 @@ _ROUTER_PROBLEM_IDS = (
     ("is not in the router's worker set", "worker-missing"),
     ("is not healthy in the router", "worker-unhealthy"),
     ("is not a replica of the inventory", "worker-unknown"),
+    ("worker API is open to every local user", "worker-api-open"),
 )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from gpufleet.cli.envelope import BadInput, load_inventory
+from gpufleet.cli.envelope import BadInput, load_inventory, stopped
 from gpufleet.cli.health_report import report
 from gpufleet.cli.health_tables import checks_table, host_table, probe_table, router_table
 from gpufleet.cli.logs import quiet_ssh_logs, stderr
@@ -20,6 +20,7 @@ from gpufleet.cli.progress import FleetProgress
 from gpufleet.errors import GpufleetError
 from gpufleet.health.runner import HostResult, HostTarget, check_fleet
 from gpufleet.inventory import HostData
+from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
 from gpufleet.router.status import read_host
@@ -57,8 +58,11 @@ _json_opt = click.option("--json", "as_json", is_flag=True,
 @_inventory_arg
 @_host_opt
 @_json_opt
+@click.option("--fix", is_flag=True,
+              help="First put every router's worker set in step: remove each worker that is no replica of the "
+                   "inventory, put back each replica that belongs (committed, nothing pending, ready).")
 @click.pass_context
-def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool) -> None:
+def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool, fix: bool) -> None:
     """Show each host's serving state: image, vLLM version, model, KV cache use, load, prefix-cache hits; and each
     router's workers. Every problem is one line with its fix.
 
@@ -69,9 +73,23 @@ def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool) 
     Example:
         gpufleet status inventories/lab.py
         gpufleet status inventories/lab.py --json | jq '.hosts[].state'
+        gpufleet status inventories/lab.py --fix
     """
+    if fix and host:
+        raise BadInput("--fix settles every router of the inventory (fix: leave out --host)")
     routers, found = _roles(inventory, host)
     expected = _router_expectations(inventory, routers, found)  # a bad setting stops status before any SSH
+    if fix:
+        try:
+            load_targets(inventory)  # an invalid setting is bad input, before any router changes
+        except GpufleetError as e:
+            raise BadInput(str(e)) from None
+        quiet_ssh_logs()
+        try:
+            for name, line in settle_routers(inventory).items():
+                click.echo(f"{name}: {line}", err=True)
+        except GpufleetError as error:
+            raise stopped("status", str(error), as_json) from None
     results = _gather(inventory, host) if not (host and routers) else []
     verdicts = [RouterVerdict(look, problems(look, exp))
                 for look, exp in zip((read_host(name, data) for name, data in routers), expected, strict=True)]

@@ -10,6 +10,7 @@ One module per responsibility:
     downtime.py  a host's /health watched from the controller while it swaps: its downtime, measured
     swap.py      canary then batches: drain, deploy, outcome from the ledger; stop on the first failed gate
     routers.py   the inventory's routers: each swapped replica out of their worker sets, and back after its outcome
+    settle.py    the routers' reconcile without a rollout (`gpufleet status --fix`)
     report.py    per-host outcomes, the final table and the --json document
     progress.py  the live per-host view on stderr
 """

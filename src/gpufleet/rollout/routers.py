@@ -71,22 +71,28 @@ class Routers:
             raise
         return opened
 
-    def capacity_problem(self, groups: Sequence[Sequence[str]]) -> str | None:
-        """One line when a group would leave a router with no replica in service, counting those already out of
-        it; None when every group leaves at least one (or there is no router)."""
+    def capacity_problem(self, groups: Sequence[Sequence[str]], belongs: Mapping[str, bool | None] | None = None
+                         ) -> str | None:
+        """One line when a group would leave a router with no replica in service; None when every group leaves at
+        least one (or there is no router). In service: what the router lists, as the reconcile will leave it
+        (`belongs`: what it puts back and takes out), and each group swapped before (it rejoins, or the rollout
+        stops there), so a host a cut run left out counts once it is settled."""
+        belongs = belongs or {}
         for i, (router, _) in enumerate(self.routers):
             try:
                 listed = set(self._call(i, lambda r: r.list_workers()))
             except Exception as error:  # an SSH cut, a refusal: one line, before anything changes
                 return one_line(f"router {router.name}: its worker list does not answer: {_why(error)}; nothing was "
                                 "changed (fix: `gpufleet status` shows the router; run again once it answers)")
-            serving = {host for host, url in self.urls.items() if url in listed}
+            serving = {host for host, url in self.urls.items()
+                       if belongs.get(host) or (url in listed and belongs.get(host) is not False)}
             for group in groups:
                 if serving and not serving - set(group):
                     return one_line(
                         f"router {router.name}: swapping {', '.join(group)} at once would leave it no replica in "
                         f"service (it routes to {len(serving)}: {', '.join(sorted(serving))}); nothing was changed "
                         "(fix: a smaller --batch, or --canary 1, so that one replica always serves)")
+                serving |= set(group)
         return None
 
     @contextmanager

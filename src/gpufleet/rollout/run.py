@@ -86,12 +86,15 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
             message += f"; the routers were not reconciled: {error}"
         return Result(what, [outcomes[h] for h in names], message)
     with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
-        # Counting the replicas already out of a router: a batch must leave it one in service.
-        if problem := routers.capacity_problem(batches(order, options.canary, options.batch)):
+        # What a cut run left is settled first: its interrupted hosts (pending) swap first, and a batch counts the
+        # replicas in service as the reconcile and the earlier batches will leave them (Routers.capacity_problem).
+        belongs = members(sessions, names, ledgers) if routers.routers else {}
+        order = interrupted_first(order, ledgers)
+        if problem := routers.capacity_problem(batches(order, options.canary, options.batch), belongs):
             raise GpufleetError(problem)
         if not confirm(what, order):
             raise GpufleetError("not confirmed: nothing was changed")
-        _reconcile(routers, sessions, names, ledgers, progress)
+        _reconcile(routers, sessions, names, ledgers, progress, belongs)
         try:
             return _prepare_and_swap(inventory, what, ledgers, outcomes, names, order, by_name, sessions, routers,
                                      targets, options, progress)
@@ -99,12 +102,17 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
             _reconcile(routers, sessions, names, read_ledgers(sessions, names), progress)
 
 
+def interrupted_first(order: Sequence[str], ledgers: Mapping[str, HostLedger]) -> list[str]:
+    """The hosts a cut run left pending (out of the routers, unverified) before the others, each group in order."""
+    return sorted(order, key=lambda h: ledgers[h].pending_ref is None)
+
+
 def _reconcile(routers: Routers, sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, HostLedger],
-               progress: Progress) -> None:
+               progress: Progress, belongs: Mapping[str, bool | None] | None = None) -> None:
     """Every router's worker set made what the replicas' ledgers and health say (gpufleet.rollout.membership)."""
     if not routers.routers:
         return
-    for name, line in routers.reconcile(members(sessions, names, ledgers)).items():
+    for name, line in routers.reconcile(belongs if belongs is not None else members(sessions, names, ledgers)).items():
         progress.note(f"{name}: {line}")
 
 

@@ -1,21 +1,26 @@
-"""vllm-router's own HTTP API, reached through a health transport (SSH to the router host, then its loopback).
+"""vllm-router's own HTTP API, asked on the router host by root (curl in a root shell over SSH), and its metrics.
 
 What it answers (vllm-router 0.1.17, measured; docs/router.md): GET /workers (url, is_healthy, load per worker),
 GET /list_workers, GET /readiness, POST /add_worker?url= (blocks until the worker answers /health, up to
---worker-startup-timeout-secs), POST /remove_worker?url=; Prometheus text on its metrics port.
+--worker-startup-timeout-secs), POST /remove_worker?url=; Prometheus text on its metrics port (read over a tunnel).
+The API's port is fenced to root (RouterSpec.fence_argv), and sshd opens a tunnel as the login user: so curl as root.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.health.api import fetch
-from gpufleet.remote.transport import Transport
+from gpufleet.names import LOOPBACK
+from gpufleet.remote.ssh import needs_sudo
+from gpufleet.remote.transport import MAX_BODY_BYTES, SshTransport, Transport, TransportError
+from gpufleet.router.spec import NFT, fence_table
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.metrics import Sample, samples
 
@@ -40,27 +45,49 @@ class Router:
     non_finite: list[str] = field(default_factory=list, compare=False, repr=False)
 
     def get_json(self, path: str, timeout: float = TIMEOUT_S) -> Any:
-        answer = fetch(self.transport, self.port, path, timeout)
-        if answer.status != 200:
-            raise RouterError(one_line(f"{self.name}: GET {path}: HTTP {answer.status}: {excerpt(answer.text)}"))
+        status, body = self.request("GET", path, timeout)
+        if status != 200:
+            raise RouterError(one_line(f"{self.name}: GET {path}: HTTP {status}: {excerpt(body)}"))
         try:
-            return json.loads(answer.text)
+            return json.loads(body)
         except json.JSONDecodeError:
-            raise RouterError(one_line(f"{self.name}: GET {path}: not JSON: {excerpt(answer.text)}")) from None
+            raise RouterError(one_line(f"{self.name}: GET {path}: not JSON: {excerpt(body)}")) from None
 
     def post(self, path: str, timeout: float = TIMEOUT_S) -> str:
-        conn = self.transport.http(self.port, timeout)
-        try:
-            conn.request("POST", path, headers={"Content-Length": "0"})
-            resp = conn.getresponse()
-            body = resp.read(1 << 16).decode(errors="replace")
-        except OSError as error:
-            raise RouterError(one_line(f"{self.name}: POST {path}: {error}")) from None
-        finally:
-            conn.close()
-        if resp.status != 200:
-            raise RouterError(one_line(f"{self.name}: POST {path}: HTTP {resp.status}: {excerpt(body)}"))
+        status, body = self.request("POST", path, timeout)
+        if status != 200:
+            raise RouterError(one_line(f"{self.name}: POST {path}: HTTP {status}: {excerpt(body)}"))
         return body
+
+    def request(self, method: str, path: str, timeout: float) -> tuple[int, str]:
+        """(status, body) of one request to the router's port, made by root on the router host; RouterError when
+        nothing answered (one line: curl's own words)."""
+        url = shlex.quote(f"http://{LOOPBACK}:{self.port}{path}")
+        # The status first, then the body, cut at the transport's cap: what the router sends stays bounded.
+        script = (f"b=$(mktemp) || exit 1; c=$(curl -sS -X {method} --max-time {timeout:g} -o \"$b\" "
+                  f"-w '%{{http_code}}' {url}); r=$?; echo \"$c\"; head -c {MAX_BODY_BYTES} \"$b\"; rm -f \"$b\"; "
+                  "exit $r")
+        status, out, err = self.as_root(script, timeout + 10)
+        code, _, body = out.partition("\n")
+        if status != 0 or not code.isdigit():
+            raise RouterError(one_line(f"{self.name}: {method} {path}: {err.strip() or f'exit status {status}'}"))
+        return int(code), body
+
+    def as_root(self, script: str, timeout: float) -> tuple[int, str, str]:
+        """Run a shell script as root on the router host: (exit status, stdout, stderr); RouterError when the
+        router host cannot be asked."""
+        if not isinstance(self.transport, SshTransport):
+            raise RouterError(f"{self.name}: not reached over SSH: its worker API cannot be asked")
+        sudo = "sudo -n " if needs_sudo(self.transport.client) else ""
+        try:
+            return self.transport.run(f"{sudo}sh -c {shlex.quote(script)}", timeout=timeout)
+        except TransportError as error:
+            raise RouterError(one_line(str(error))) from None
+
+    def fenced(self) -> bool:
+        """Is the nftables fence around the router's port loaded (RouterSpec.fence_argv)?"""
+        status, _, _ = self.as_root(f"{NFT} list table inet {fence_table(self.port)} >/dev/null", TIMEOUT_S)
+        return status == 0
 
     def add_worker(self, url: str, timeout: float) -> None:
         self.post(f"/add_worker?url={quote(url, safe='')}", timeout)

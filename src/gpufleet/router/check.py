@@ -74,18 +74,22 @@ def problems(row: RouterStatus, expected: RouterExpected) -> tuple[str, ...]:
     if row.front_door and row.front_door != "200":
         found.append(f"{name}: the client port does not answer /health ({row.front_door}): clients cannot reach the "
                      f"router (fix: `systemctl status nginx` on {name}; {deploy} configures it)")
+    if row.fenced is False:
+        found.append(f"{name}: the router's worker API is open to every local user of {name}: its nftables fence "
+                     f"is not loaded (fix: {deploy} loads it)")
     listed = {_norm(w.url): w for w in row.workers}
+    fix = f"gpufleet status {inv} --fix"
     for url, replica in expected.workers.items():
         worker: WorkerRow | None = listed.get(url)
         if worker is None:
             found.append(f"{name}: worker {url} ({replica}) is not in the router's worker set (fix: once {replica} "
-                         f"verifies ready, {deploy} adds it back)")
+                         f"verifies ready, `{fix}` puts it back)")
         elif not worker.healthy:
             found.append(f"{name}: worker {url} ({replica}) is not healthy in the router (fix: gpufleet verify {inv} "
                          f"--host {replica}; the router re-checks it every {expected.health_check_interval_s} s)")
     for url in listed:
         if url not in expected.workers:
-            found.append(f"{name}: worker {url} is not a replica of the inventory (fix: {deploy} removes it)")
+            found.append(f"{name}: worker {url} is not a replica of the inventory (fix: `{fix}` removes it)")
     if row.state != "ready" and not found:
         found.append(f"{name}: {row.state}: {row.detail} (fix: {deploy})")  # e.g. no replica in the inventory at all
     return tuple(one_line(line) for line in found)

@@ -9,7 +9,8 @@ the run and read in the lock's own shell (RouterHostFact), all at once. Each rea
 the router host itself (the path the router uses), else the run is refused naming it, and so is a host whose Python
 or machine gpufleet's lock of router wheels does not cover, or that another run holds.
 Then, per router host: python3-venv, the lock's wheels (hash-checked) in a venv of their own, switched in by
-one rename of the router_venv symlink; the unit (vllm-router unprivileged and sandboxed, on the loopback);
+one rename of the router_venv symlink; the unit (vllm-router unprivileged and sandboxed, on the loopback, its port
+fenced to root and nginx by nftables);
 running (restarted only when its unit or its venv changed); ready; the old venvs pruned; a router that kept running
 put in step with the worker set through its own worker API; and nginx on the client port
 passing on the client API only (the worker management API stays on the loopback).
@@ -128,6 +129,8 @@ def deploy_router() -> None:
     operations.package(name="Install vllm-router into its venv", spec=spec, seen=seen, install=install)
     operations.members(name="Record the router's workers for its restarts", spec=spec, seen=seen)
     operations.unit(name="Install the vllm-router systemd unit", spec=spec, seen=seen)
+    operations.fence(name="Fence the router's port to root and nginx (nftables)", spec=spec, seen=seen,
+                     install=install)
     operations.running(name="Enable and start vllm-router", spec=spec, seen=seen, install=install)
     operations.ready(name="Wait for vllm-router to listen", spec=spec, seen=seen, install=install,
                      timeout_s=int(router_settings(host.data.dict())["router_ready_timeout"]))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
-from gpufleet.router.spec import MARKER, RouterSpec
+from gpufleet.router.spec import MARKER, NFT, RouterSpec, fence_table
 from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, unit_path
 
 
@@ -37,6 +37,8 @@ class RouterHost:
     proxy_sha256: str | None = None  # of the front door's nginx site
     default_site: bool = False  # Debian's default nginx site is enabled
     nginx_active: bool = False
+    nftables: bool = False  # Debian's nftables is installed (the fence around the router's port)
+    fenced: bool = False  # the fence's table is loaded
 
     @property
     def running(self) -> bool:
@@ -83,6 +85,8 @@ def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
         f"echo proxy_sha256=$(sha256sum {shlex.quote(proxy_path(spec.service))} 2>/dev/null | cut -d' ' -f1)",
         f"test -e {NGINX_DEFAULT_SITE} && echo default_site=yes",
         "echo nginx_active=$(systemctl is-active nginx 2>/dev/null)",
+        "echo nftables=$(dpkg-query -W -f='${Status}' nftables 2>/dev/null | tr ' ' _)",
+        f"{NFT} list table inet {fence_table(spec.internal_port)} >/dev/null 2>&1 && echo fenced=yes",
     ]
     for url in candidates:
         lines.append(f"echo reach {shlex.quote(url)} $(curl -s -o /dev/null -w '%{{http_code}}' --max-time 3 "
@@ -133,6 +137,8 @@ def parse(output: list[str]) -> RouterHost:
         proxy_sha256=values.get("proxy_sha256") or None,
         default_site=values.get("default_site") == "yes",
         nginx_active=values.get("nginx_active") == "active",
+        nftables=values.get("nftables") == "install_ok_installed",
+        fenced=values.get("fenced") == "yes",
     )
 
 

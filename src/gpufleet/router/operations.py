@@ -15,7 +15,7 @@ from gpufleet.operations.base import Commands
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
 from gpufleet.operations.run import still_held_test, still_locked
 from gpufleet.router.facts import RouterHost
-from gpufleet.router.spec import MARKER, MEMBERS_DIR, RouterSpec
+from gpufleet.router.spec import FENCE_USERS, MARKER, MEMBERS_DIR, RouterSpec
 from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, render_proxy, render_unit, unit_path
 from gpufleet.router.wheels import LockedInstall
 
@@ -92,6 +92,23 @@ def unit(spec: RouterSpec, seen: RouterHost) -> Commands:
         host.noop(f"{unit_path(spec.service)} is up to date")
         return
     yield AtomicUpload(as_io(content), unit_path(spec.service), "644")
+
+
+@operation()
+def fence(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
+    """nftables installed, for the unit's fence around the router's port (loaded at each start); loaded now when
+    the router keeps running without it (a ruleset flushed since its start)."""
+    if not seen.nftables:  # decided from the router's fact, as the rest of this deploy is
+        yield StringCommand("apt-get", "update", "-q")
+        yield StringCommand("DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q",
+                            "--no-install-recommends", "nftables")
+    restarts = _router_snapshot_changes(spec, seen, install) or not seen.running
+    if seen.nftables and (seen.fenced or restarts):
+        host.noop(f"{spec.service}'s port {spec.internal_port} is fenced to {', '.join(FENCE_USERS)}"
+                  + (" at its start" if restarts else ""))
+        return
+    if not restarts:
+        yield StringCommand(*(shlex.quote(a) for a in spec.fence_argv()))
 
 
 def _router_snapshot_changes(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> bool:

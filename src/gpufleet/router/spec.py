@@ -22,8 +22,17 @@ MARKER = "gpufleet-lock.sha256"
 
 def members_path(service: str) -> str:
     return f"{MEMBERS_DIR}/{service}.workers"
-# vllm-router listens on the LOOPBACK only, its Prometheus exporter too: its worker management API shares its port and
-# has no authentication, so nothing but the router host itself (nginx in front, gpufleet's calls over SSH) may reach it.
+
+
+# vllm-router's unauthenticated worker API shares its loopback port, which every local user reaches: an nftables
+# rule lets only root and nginx's workers (www-data) connect to it.
+NFT = "/usr/sbin/nft"
+FENCE_USERS = ("root", "www-data")
+
+
+def fence_table(internal_port: int) -> str:
+    """The nftables table (family inet) that fences the router listening on `internal_port`."""
+    return f"gpufleet-router-{int(internal_port)}"
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,15 @@ class RouterSpec:
             "--health-check-interval-secs", str(self.health_check_interval_s),
             "--worker-startup-timeout-secs", str(self.worker_startup_timeout_s),
         ]
+
+    def fence_argv(self) -> list[str]:
+        """Load the fence in one nftables transaction that replaces its table: a connection to the router's port
+        from a socket of any user but FENCE_USERS gets a reset."""
+        table = f"inet {fence_table(self.internal_port)}"
+        rule = (f'oifname "lo" tcp dport {self.internal_port} meta skuid != {{ {", ".join(FENCE_USERS)} }} '
+                "reject with tcp reset")
+        return [NFT, f"table {table}; delete table {table}; table {table} {{ chain output {{ type filter hook "
+                     f"output priority 0; policy accept; {rule}; }}; }}"]
 
     def rejoin_argv(self) -> list[str]:
         """Run after each (re)start: once the router listens, every worker in members_file is added back, each in

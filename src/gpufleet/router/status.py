@@ -37,6 +37,7 @@ class RouterStatus:
     # What the client port (nginx) answered to /health, from the router host: "200", another status, or why nothing
     # answered; "" when not looked at.
     front_door: str = ""
+    fenced: bool | None = None  # is the nftables fence around its worker API loaded? None: not known
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,7 +75,12 @@ def read(router: Router, policy: str | None = None) -> RouterStatus:
     )
     ready = bool(rows) and any(r.healthy for r in rows)
     detail = "" if ready else ("no workers" if not rows else "no healthy worker")
-    return RouterStatus(router.name, "ready" if ready else "not-ready", detail, policy, rows, requests, outcomes)
+    try:
+        fenced: bool | None = router.fenced()
+    except RouterError:
+        fenced = None
+    return RouterStatus(router.name, "ready" if ready else "not-ready", detail, policy, rows, requests, outcomes,
+                        fenced=fenced)
 
 
 def front_door(transport: Transport, data: Mapping[str, Any]) -> str:

@@ -23,7 +23,7 @@ def proxy_path(service: str) -> str:
 
 def render_unit(spec: RouterSpec) -> str:
     return render_template("vllm-router.service.j2", spec=spec, exec_start=systemd_exec(spec.argv()),
-                           rejoin=systemd_exec(spec.rejoin_argv()))
+                           fence=systemd_exec(spec.fence_argv()), rejoin=systemd_exec(spec.rejoin_argv()))
 
 
 def render_proxy(spec: RouterSpec) -> str:

@@ -15,7 +15,6 @@ import time
 
 from gpufleet.errors import one_line
 from gpufleet.hoststate.atomic import atomic_write_command
-from gpufleet.remote.ssh import needs_sudo
 from gpufleet.remote.transport import SshTransport
 from gpufleet.router.api import Router, RouterError
 
@@ -60,11 +59,9 @@ def record(router: Router) -> None:
     if router.members_file is None or not isinstance(router.transport, SshTransport):
         return
     text = "".join(f"{url}\n" for url in router.list_workers())
-    sudo = "sudo -n " if needs_sudo(router.transport.client) else ""
     directory = posixpath.dirname(router.members_file)
-    status, _, err = router.transport.run(
-        f"printf %s {shlex.quote(text)} | {sudo}sh -c "
-        f"{shlex.quote(f'install -d -m 755 {shlex.quote(directory)} && ' + atomic_write_command(router.members_file))}")
+    status, _, err = router.as_root(f"printf %s {shlex.quote(text)} | {{ install -d -m 755 {shlex.quote(directory)} "
+                                    f"&& {atomic_write_command(router.members_file)}; }}", 30.0)
     if status != 0:
         raise RouterError(one_line(f"{router.name}: could not record its workers in {router.members_file}: "
                                    f"{err.strip() or f'exit status {status}'}"))

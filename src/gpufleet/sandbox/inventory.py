@@ -38,6 +38,8 @@ def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path, site_cach
             "router_index_url": cfg.router_index_url,
             # The fleet's registry is the sandbox's "upstream", over plain HTTP (a real one is https).
             "site_cache_upstream": f"http://{cfg.registry}",
+            # Room for the stand-in nightlies (~120 MB each), not for real ones: a test host shares this machine's disk.
+            "site_cache_max_gb": 2,
         },
     }
 

@@ -4,6 +4,8 @@ host before the next one, so the cache is running before any host pulls through 
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +13,8 @@ from pyinfra.api import Host, Inventory
 
 from gpufleet.defaults import DEFAULTS
 from gpufleet.errors import SettingError, SettingErrors
+from gpufleet.inventory import ROUTERS_GROUP
+from gpufleet.names import LOOPBACK
 from gpufleet.sitecache import operations as site_cache
 from gpufleet.sitecache.facts import SiteCacheFact
 from gpufleet.sitecache.operations import SITE_CACHE_GROUP, CachePull, registry_host, repository_path, upstream_url
@@ -52,11 +56,45 @@ def cache_pull(target: Host, settings: Mapping[str, Any], image: str) -> CachePu
 
 
 def check_port(inventory: Inventory, name: str, settings: Mapping[str, Any], vllm_port: int) -> None:
-    """Raise SettingErrors when `name` is a site cache host whose cache would take vllm_port."""
-    port = settings["site_cache_port"]
-    if port == vllm_port and any(h.name == name for h in inventory.get_group(SITE_CACHE_GROUP, [])):
-        raise SettingErrors([SettingError(name, "site_cache_port", f"{port} is vllm_port too on this site cache host",
-                                          "set another port for one of them, e.g. site_cache_port 5001")])
+    """Raise SettingErrors when `name` is a site cache host whose ports take vllm_port, or whose clients() fail."""
+    if not any(h.name == name for h in inventory.get_group(SITE_CACHE_GROUP, [])):
+        return
+    for key in ("site_cache_port", "site_cache_internal_port"):
+        if settings[key] == vllm_port:
+            raise SettingErrors([SettingError(name, key, f"{settings[key]} is vllm_port too on this site cache host",
+                                              f"set another port for one of them, e.g. {key} "
+                                              f"{DEFAULTS[key]}")])
+    clients(inventory, settings)
+
+
+def _pullers(inventory: Inventory) -> list[Host]:
+    return [h for h in inventory if ROUTERS_GROUP not in h.groups]  # every host, whatever --limit selects
+
+
+def clients(inventory: Inventory, settings: Mapping[str, Any]) -> list[str]:
+    """Who may pull through the cache: the loopback, site_cache_clients and each vLLM host of the inventory at its
+    ssh_hostname (a name resolved here: SettingErrors when it does not resolve)."""
+    found, errors = [LOOPBACK, "::1", *settings["site_cache_clients"]], []
+    for h in _pullers(inventory):
+        where = str(h.data.get("ssh_hostname") or h.name)
+        try:
+            found.append(str(ipaddress.ip_address(where)))
+        except ValueError:
+            try:
+                found += sorted({str(info[4][0]) for info in socket.getaddrinfo(where, None)})
+            except OSError as error:
+                errors.append(SettingError(h.name, "ssh_hostname", f"{where} does not resolve ({error.strerror}), so "
+                                           "the site cache cannot let it pull", "set ssh_hostname to its address, "
+                                           "or add it to site_cache_clients"))
+    if errors:
+        raise SettingErrors(errors)
+    return found
+
+
+def repositories(inventory: Inventory, proxied: str) -> list[str]:
+    """The paths on the cache of the repositories the inventory's vLLM hosts run from the registry it proxies."""
+    images = [str(h.data.get("vllm_image") or DEFAULTS["vllm_image"]) for h in _pullers(inventory)]
+    return [repository_path(i) for i in images if registry_host(upstream_url(i)) == registry_host(proxied)]
 
 
 def serves_site(target: Host) -> bool:
@@ -64,8 +102,16 @@ def serves_site(target: Host) -> bool:
     return bool(caches) and caches[0].name == target.name
 
 
-def deploy_site_cache(target: Host, settings: Mapping[str, Any], image: str) -> None:
-    """On the site cache host: docker-registry proxying the image's registry, running."""
+def deploy_site_cache(target: Host, settings: Mapping[str, Any], image: str, used_kib: int | None) -> None:
+    """On the site cache host: docker-registry proxying the image's registry, running, under site_cache_max_gb
+    (used_kib: what it holds now); nginx in front of it."""
     seen = target.get_fact(SiteCacheFact)
+    proxied = upstream(settings, image)
+    internal = int(settings["site_cache_internal_port"])
     site_cache.serving(name="Run the site cache (docker-registry as a pull-through cache)", seen=seen,
-                       upstream=upstream(settings, image), port=int(settings["site_cache_port"]))
+                       upstream=proxied, port=internal, used_kib=used_kib,
+                       max_gb=float(settings["site_cache_max_gb"]))
+    site_cache.front_door(name="Serve the site cache to the inventory's hosts and repositories (nginx)", seen=seen,
+                          port=int(settings["site_cache_port"]), internal_port=internal,
+                          clients=clients(target.inventory, settings),
+                          repositories=repositories(target.inventory, proxied))

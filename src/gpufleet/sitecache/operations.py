@@ -1,10 +1,11 @@
 """The site cache: Debian's docker-registry as a pull-through cache of the image's registry, on the host the
 inventory names (group `site_cache`), so a site downloads each layer from upstream once (docs/site-cache.md).
 
-On the cache host: the package, its config (proxy mode: clients can only pull; a push is refused), its systemd
-service enabled and running as the package runs it (user docker-registry). On every host that pulls through it:
-the cache's address in Docker's `insecure-registries` (daemon.json, other keys kept), loaded by `systemctl reload
-docker` (SIGHUP: dockerd re-reads insecure-registries; running containers are not touched).
+On the cache host: the package, its config (proxy mode: clients can only pull) on the loopback, its service running
+as the package runs it, its storage emptied when over site_cache_max_gb; nginx in front on site_cache_port, passing
+on only the inventory's hosts' pulls by digest of its repositories. On every host that pulls through it: the
+cache's address in Docker's `insecure-registries` (daemon.json, other keys kept), loaded by `systemctl reload docker`
+(SIGHUP: dockerd re-reads insecure-registries; running containers are not touched).
 
 Why plain HTTP: every pull through the cache is by digest, and docker checks the manifest and every layer against
 that digest, so the transport adds no integrity; what a LAN observer could read is a public image. TLS would mean a
@@ -14,7 +15,9 @@ already check.
 
 from __future__ import annotations
 
+import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -22,14 +25,18 @@ from pyinfra import host
 from pyinfra.api import StringCommand, operation
 
 from gpufleet.image_names import parse
+from gpufleet.names import LOOPBACK
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
-from gpufleet.sitecache.facts import CONFIG, PACKAGE, UNIT, SiteCacheHost
+from gpufleet.sitecache.facts import CONFIG, FRONT, NGINX_DEFAULT_SITE, PACKAGE, UNIT, SiteCacheHost
+from gpufleet.units import render_template
 
 SITE_CACHE_GROUP = "site_cache"
 # Docker Hub's registry API lives at registry-1.docker.io; docker names it docker.io.
 HUB_URL = "https://registry-1.docker.io"
 STORAGE = "/var/lib/docker-registry"  # the package's own (owned by its user)
+CONTENT = f"{STORAGE}/docker"  # what the registry keeps there (emptied when over site_cache_max_gb)
+KIB_PER_GB = 1024 * 1024
 
 
 def upstream_url(image: str) -> str:
@@ -61,8 +68,9 @@ def repository_path(image: str) -> str:
 
 
 def render_config(upstream: str, port: int) -> str:
-    """The cache's config.yml (distribution 2.8's format). `proxy.remoteurl` makes it a read-only pull-through
-    cache of one registry; the rest is the package's own default (its htpasswd auth left out: clients only pull)."""
+    """The cache's config.yml (distribution 2.8's format), listening on the loopback at `port` (nginx in front).
+    `proxy.remoteurl` makes it a read-only pull-through cache of one registry; the rest is the package's own default
+    (its htpasswd auth left out: clients only pull)."""
     return f"""# Managed by gpufleet: the site cache, a pull-through cache of {upstream} (docs/site-cache.md)
 version: 0.1
 log:
@@ -74,7 +82,7 @@ storage:
   filesystem:
     rootdirectory: {STORAGE}
 http:
-  addr: :{int(port)}
+  addr: {LOOPBACK}:{int(port)}
   headers:
     X-Content-Type-Options: [nosniff]
 proxy:
@@ -88,11 +96,13 @@ health:
 
 
 @operation()
-def serving(seen: SiteCacheHost, upstream: str, port: int) -> Commands:
-    """Run the site cache: docker-registry installed, its config proxying `upstream` on `port`, its service enabled
-    and running (restarted when the config changed). `seen`: the host as SiteCacheFact read it this run.
+def serving(seen: SiteCacheHost, upstream: str, port: int, used_kib: int | None = None,
+            max_gb: float | None = None) -> Commands:
+    """Run the site cache: docker-registry installed, its config proxying `upstream` on the loopback's `port`, its
+    service enabled and running (restarted when the config changed); emptied when it holds (used_kib) over max_gb.
+    `seen`: the host as SiteCacheFact read it this run.
 
-        site_cache.serving(seen=host.get_fact(SiteCacheFact), upstream="https://registry-1.docker.io", port=5001)
+        site_cache.serving(seen=host.get_fact(SiteCacheFact), upstream="https://registry-1.docker.io", port=5002)
     """
     config = render_config(upstream, port)
     changed = False
@@ -107,12 +117,48 @@ def serving(seen: SiteCacheHost, upstream: str, port: int) -> Commands:
         yield StringCommand("install", "-d", "-m", "755", shlex.quote(CONFIG.rpartition("/")[0]))
         yield AtomicUpload(as_io(config), CONFIG, "644")
         changed = True
+    if used_kib is not None and max_gb is not None and used_kib > max_gb * KIB_PER_GB:
+        # Stopped first: the registry keeps descriptors of what it holds in memory.
+        yield StringCommand("systemctl", "stop", UNIT)
+        yield StringCommand("rm", "-rf", CONTENT)
+        changed = True
     if not seen.enabled:
         yield StringCommand("systemctl", "enable", UNIT)
     if changed or not seen.active:
         yield StringCommand("systemctl", "restart", UNIT)
     if not changed and seen.enabled and seen.active:
-        host.noop(f"{PACKAGE} proxies {upstream} on port {port}, enabled and running")
+        host.noop(f"{PACKAGE} proxies {upstream} on {LOOPBACK}:{port}, enabled and running")
+
+
+def render_front(port: int, internal_port: int, clients: Sequence[str], repositories: Sequence[str]) -> str:
+    """nginx's site in front of the cache: `clients` (addresses or networks) pull `repositories` (repository_path)
+    by digest; anything else gets 403."""
+    pattern = "|".join(re.escape(r) for r in sorted(set(repositories)))
+    return render_template("site-cache-nginx.conf.j2", port=int(port), internal=f"{LOOPBACK}:{int(internal_port)}",
+                           clients=sorted(set(clients)), repositories=pattern)
+
+
+@operation()
+def front_door(seen: SiteCacheHost, port: int, internal_port: int, clients: Sequence[str],
+               repositories: Sequence[str]) -> Commands:
+    """nginx on site_cache_port in front of the cache (render_front): installed, its site written when it differs,
+    checked, reloaded."""
+    content = render_front(port, internal_port, clients, repositories)
+    changed = seen.front_sha256 != sha256(content)
+    if seen.nginx and not changed and seen.nginx_active:
+        host.noop(f"nginx passes the inventory's pulls on to the site cache on port {port}, and nothing else")
+        return
+    if not seen.nginx:
+        yield StringCommand("apt-get", "update", "-q")
+        yield StringCommand("DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q",
+                            "--no-install-recommends", "nginx")
+        yield StringCommand("rm", "-f", NGINX_DEFAULT_SITE)  # installed by this run: nothing of the host's
+    if changed:
+        yield AtomicUpload(as_io(content), FRONT, "644")
+    # A site nginx refuses is not loaded: the running nginx keeps serving what it had.
+    yield StringCommand("nginx", "-t", "-q")
+    yield StringCommand("systemctl", "enable", "nginx")
+    yield StringCommand("systemctl", "reload-or-restart", "nginx")
 
 
 @dataclass(frozen=True)

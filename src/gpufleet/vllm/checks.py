@@ -70,8 +70,11 @@ def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, 
         bad(snap.daemon_json_error, "repair /etc/docker/daemon.json (the deploy merges into it, never replaces it)")
 
     # Space is needed only for what still has to land: the image when it is not pulled, the model when incomplete.
-    if not (ref and snap.has_image_digest(ref)):
-        _need_space(bad, snap, "docker", s["gpufleet_min_free_gb_docker"], "gpufleet_min_free_gb_docker", "Docker images")
+    docker_gb = 0.0 if ref and snap.has_image_digest(ref) else float(s["gpufleet_min_free_gb_docker"])
+    if docker_gb:
+        _need_space(bad, snap, "docker", docker_gb, "gpufleet_min_free_gb_docker", "Docker images")
+    if snap.site_cache_used_kib is not None:
+        _need_cache_space(bad, snap, float(s["site_cache_max_gb"]), docker_gb)
     missing = missing_parts(snap)
     if missing:
         if not s["vllm_model_repo"]:
@@ -106,6 +109,21 @@ def _check_service_unit(bad: Bad, snap: HostSnapshot, service: str) -> None:
     bad(f"vllm_service {service!r} is {unit.name}, a unit gpufleet did not create ({origin}): the deploy would "
         "replace and restart it", "set vllm_service to a name no unit on this host uses yet (gpufleet then creates "
         "that unit)")
+
+
+def _need_cache_space(bad: Bad, snap: HostSnapshot, max_gb: float, docker_gb: float) -> None:
+    """Room for the site cache to grow to site_cache_max_gb (after this run empties one over it), plus the image's
+    when they share a filesystem."""
+    used, free = snap.site_cache_used_kib or 0, snap.free_kib.get("site_cache")
+    kept = used if used <= max_gb * KIB_PER_GIB else 0
+    need = max_gb * KIB_PER_GIB - kept + (docker_gb * KIB_PER_GIB if snap.site_cache_shares_docker else 0)
+    if free is None:
+        bad("could not measure free space for the site cache", "check that df works on the host")
+    elif free + (used - kept) < need:
+        also = f" and gpufleet_min_free_gb_docker {docker_gb:g} beside it" if docker_gb and snap.site_cache_shares_docker else ""
+        bad(f"{free / KIB_PER_GIB:.1f} GiB free at {snap.free_path.get('site_cache')} (the site cache, holding "
+            f"{used / KIB_PER_GIB:.1f} GiB), site_cache_max_gb asks for {max_gb:g}{also}",
+            "free space there, or lower site_cache_max_gb")
 
 
 def _need_space(bad: Bad, snap: HostSnapshot, key: str, need_gb: float, setting: str, what: str) -> None:

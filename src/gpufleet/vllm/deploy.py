@@ -53,6 +53,7 @@ from gpufleet.operations.base import not_for_this_host
 from gpufleet.operations.run import remember
 from gpufleet.operations.secret import Hidden
 from gpufleet.sitecache import deploy as site_cache
+from gpufleet.sitecache.operations import STORAGE as SITE_CACHE_STORAGE
 from gpufleet.vllm import checks
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.host_command import Paths
@@ -86,6 +87,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
     spec, s = resolve_host(name, data, behind_router=fronted)
     if inventory is not None:
         site_cache.check_port(inventory, name, s, spec.port)
+    serves_cache = inventory is not None and site_cache.serves_site(inventory.get_host(name))
     layout = Layout.of(spec, s["vllm_cache_dir"])
     managed = managed_paths(layout)
     paths = Paths(
@@ -95,7 +97,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
         nvidia_key_url=nvidia.key_url(s["nvidia_repo_url"]), nvidia_version_file=nvidia.VERSION_FILE,
         docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
         nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s[REFRESH_KEYS_SETTING]),
-        address=spec.reach_address,
+        address=spec.reach_address, site_cache_storage=SITE_CACHE_STORAGE if serves_cache else None,
     )
     return Plan(spec, s, layout, paths)
 
@@ -191,11 +193,10 @@ def deploy_qwen35() -> None:
                                secrets=service.hidden_secrets(s))
     # Before the pull, on every host: the site cache runs (its host) and is trusted (every host pulling through it).
     if site_cache.serves_site(host):
-        site_cache.deploy_site_cache(host, s, spec.image)
+        site_cache.deploy_site_cache(host, s, spec.image, snap.site_cache_used_kib)
     cache = site_cache.cache_pull(host, s, spec.image)
-    if cache is not None:
-        docker.trusts_registry(name="Let Docker pull from the site cache (insecure-registries, reloaded)",
-                               address=cache.address)
+    docker.trusts_site_cache(name="Let Docker pull from the site cache, and from no other (insecure-registries)",
+                             address=cache.address if cache is not None else None)
     pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=pin,
                           service=spec.service, cache=cache)
     if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag

@@ -109,6 +109,10 @@ class HostSnapshot:
     daemon_json_error: str | None = None
     free_kib: dict[str, int] = field(default_factory=dict)  # "docker"/"models" -> KiB free
     free_path: dict[str, str] = field(default_factory=dict)  # the directory actually measured
+    # On the site cache's host (Paths.site_cache_storage): the KiB its storage holds (free_kib["site_cache"] is the
+    # room beside it), and whether it shares Docker's filesystem. None elsewhere.
+    site_cache_used_kib: int | None = None
+    site_cache_shares_docker: bool = False
     packages: dict[str, str] = field(default_factory=dict)  # installed package -> version
     file_sha256: dict[str, str | None] = field(default_factory=dict)
     # Armored keys as the repos serve them now; fetched only for a missing keyring or with refresh_keys, so None
@@ -215,6 +219,14 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         if path and kib.isdigit():
             snap.free_kib[place] = int(kib)
             snap.free_path[place] = path
+    for line in s.get("site_cache", []):
+        word, _, rest = line.partition(" ")
+        if word == "used" and rest.isdigit():
+            snap.site_cache_used_kib = int(rest)
+        elif word == "free" and rest.partition(" ")[0].isdigit():
+            snap.free_kib["site_cache"] = int(rest.partition(" ")[0])
+            snap.free_path["site_cache"] = rest.partition(" ")[2]
+        snap.site_cache_shares_docker |= word == "shares_docker"
     for line in s.get("packages", []):
         parts = line.split()
         # "ii" = installed; "rc" (removed, config left) and "un" are not.

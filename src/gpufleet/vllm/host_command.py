@@ -80,6 +80,7 @@ class Paths:
     nvidia_version_file: str | None = None
     refresh_keys: bool = False  # gpufleet_refresh_keys: fetch both keys even where installed (a rotated key)
     address: str = LOOPBACK  # where the host reaches the port (ServeSpec.reach_address)
+    site_cache_storage: str | None = None  # the site cache's storage, on the host that runs it: its size and room
 
 
 def snapshot_command(paths: Paths) -> str:
@@ -161,6 +162,7 @@ def snapshot_command(paths: Paths) -> str:
         # df hangs on a dead network mount. Its 4th column is the free KiB (the shell's read splits the rows).
         f"{marker('free')}; $t df -Pk \"$d\" \"$m\" | {{ read -r _; read -r _ _ _ a _; read -r _ _ _ b _; "
         "echo \"docker $d $a\"; echo \"models $m $b\"; }",
+        *([] if paths.site_cache_storage is None else [site_cache_lines(paths.site_cache_storage)]),
         f"{marker('packages')}; dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}} ${{Version}}\\n' "
         f"{' '.join(PACKAGES)} 2>/dev/null",
         f"{marker('files')}; sha256sum {files} 2>/dev/null",  # a missing file is simply not listed
@@ -213,6 +215,15 @@ def snapshot_command(paths: Paths) -> str:
         end(),
     ]
     return "\n".join(lines)
+
+
+def site_cache_lines(storage: str) -> str:
+    """The site cache's storage: the KiB it holds (du), the KiB free on its filesystem, and whether that is Docker's
+    ($d, measured just before)."""
+    c = shlex.quote(storage)
+    return (f"{marker('site_cache')}; u=$($t du -sk {c} 2>/dev/null | cut -f1); echo \"used ${{u:-0}}\"; c={c}; "
+            "while [ ! -e \"$c\" ]; do c=$(dirname \"$c\"); done; $t df -Pk \"$d\" \"$c\" | { read -r _; "
+            "read -r fd _ _ _ _; read -r fc _ _ a _; echo \"free $a $c\"; [ \"$fd\" != \"$fc\" ] || echo shares_docker; }")
 
 
 def driver_lines(version_file: str | None, live: str) -> list[str]:

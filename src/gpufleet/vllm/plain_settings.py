@@ -190,14 +190,34 @@ def check_install_settings(s: Mapping[str, Any], fail: Fail) -> None:
                  f"use http(s)://host[:port]/path of letters, digits and ._~+-, e.g. {DEFAULTS[key]}")
 
 
+def _network(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
 # host:port of a site cache: a DNS name or IPv4 address (docker's insecure-registries entry and a pull reference).
 _CACHE_ADDRESS = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?:[0-9]{1,5}")
 
 
 def check_site_cache(s: Mapping[str, Any], fail: Fail) -> None:
-    port = s["site_cache_port"]
-    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
-        fail("site_cache_port", f"{shown(port)} is not a TCP port", f"e.g. {DEFAULTS['site_cache_port']}")
+    for key in ("site_cache_port", "site_cache_internal_port"):
+        port = s[key]
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            fail(key, f"{shown(port)} is not a TCP port", f"e.g. {DEFAULTS[key]}")
+    if s["site_cache_internal_port"] == s["site_cache_port"]:
+        fail("site_cache_internal_port", "is site_cache_port too", "use another port, e.g. "
+             f"{DEFAULTS['site_cache_internal_port']}")
+    clients = s["site_cache_clients"]
+    if not isinstance(clients, (list, tuple)) or not all(isinstance(c, str) and _network(c) for c in clients):
+        fail("site_cache_clients", f"{shown(clients)} is not a list of addresses or networks",
+             'e.g. ["10.0.1.0/24", "10.0.2.7"]')
+    size = s["site_cache_max_gb"]
+    if not isinstance(size, (int, float)) or isinstance(size, bool) or not_finite(size) or size <= 0:
+        fail("site_cache_max_gb", f"{shown(size)} is not a positive number of GB",
+             f"e.g. {DEFAULTS['site_cache_max_gb']}")
     upstream = s["site_cache_upstream"]
     if upstream != "" and (not isinstance(upstream, str) or not _URL.fullmatch(upstream)):
         fail("site_cache_upstream", f"{shown(upstream)} is not a plain http(s) URL",

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, State, StringCommand, operation
 from pyinfra.operations import apt
 
+from gpufleet.hoststate.paths import STATE_DIR
 from gpufleet.operations.base import Commands, fail
-from gpufleet.operations.files import put_content, write_file
+from gpufleet.operations.files import put_content, sha256, write_file
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.vllm.host_command import DAEMON_JSON
 from gpufleet.vllm.layout import Layout, Managed
@@ -18,12 +20,15 @@ from gpufleet.vllm.snapshot import snapshot
 
 DOCKER_KEY = "/etc/apt/keyrings/docker.asc"
 DOCKER_LIST = "/etc/apt/sources.list.d/docker.list"
+# The site cache address gpufleet put in insecure-registries: the one it takes out when the cache moves or goes.
+TRUSTED = f"{STATE_DIR}/site-cache.trusted"
+_RECORDED = "@@gpufleet:trusted"
 CE_PACKAGES = ["docker-ce", "docker-ce-cli", "containerd.io"]
 
 
 def managed(layout: Layout) -> Managed:
     # Read whatever docker_install is: a host switching to docker-ce must not upload the same key twice.
-    return Managed(files=(DOCKER_KEY, DOCKER_LIST))
+    return Managed(files=(DOCKER_KEY, DOCKER_LIST, TRUSTED))
 
 
 def key_url(repo_url: str, os_id: str) -> str:
@@ -99,43 +104,56 @@ def restarted() -> Commands:
     yield StringCommand("systemctl", "restart", "docker.service")
 
 
-def with_insecure_registry(text: str | None, address: str) -> str | None:
-    """daemon.json's text with `address` added to insecure-registries, every other key kept; None when it is
-    there already. Raises ValueError for a file that is not a JSON object (never overwritten)."""
+def with_insecure_registry(text: str | None, address: str | None, drop: Collection[str] = ()) -> str | None:
+    """daemon.json's text with `address` in insecure-registries and the `drop` entries out of it, every other key
+    kept; None when that is what it holds. Raises ValueError for a file that is not a JSON object (never
+    overwritten)."""
     doc = json.loads(text) if text and text.strip() else {}
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
     listed = doc.get("insecure-registries") or []
     if not isinstance(listed, list):
         raise ValueError("insecure-registries is not a list")
-    if address in listed:
+    kept = [entry for entry in listed if entry not in drop or entry == address]
+    if address is not None and address not in kept:
+        kept.append(address)
+    if kept == listed:
         return None
-    doc["insecure-registries"] = [*listed, address]
+    doc["insecure-registries"] = kept
     return json.dumps(doc, indent=4, sort_keys=True) + "\n"
 
 
-def _trust(state: State, host: Host, address: str) -> bool:
+def _trust(state: State, host: Host, address: str | None) -> bool:
     # Read while executing: nvidia-ctk may have rewritten the file earlier in this run, after the snapshot.
     sudo = use_sudo(host)
-    ok, output = host.run_shell_command(f"cat {DAEMON_JSON} 2>/dev/null || true", _sudo=sudo)
+    ok, output = host.run_shell_command(f"cat {DAEMON_JSON} 2>/dev/null; echo {_RECORDED}; cat {TRUSTED} 2>/dev/null; "
+                                        "true", _sudo=sudo)
+    text, _, recorded = (output.stdout if ok else "").partition(_RECORDED)
     try:
-        text = with_insecure_registry(output.stdout if ok else None, address)
+        merged = with_insecure_registry(text, address, drop=set(recorded.split()))
     except ValueError as error:
         return fail(host, f"{DAEMON_JSON}: {error}: the site cache {address} was not added (fix: make it a JSON "
                           "object, or set site_cache_address \"off\" for this host)")
-    if text is None:
-        return True
-    return bool(write_file(host, DAEMON_JSON, text))
+    if merged is not None:
+        if not write_file(host, DAEMON_JSON, merged):
+            return False
+        # try-: a Docker that is not running (installed this run, started later) reads the file when it starts.
+        if not host.run_shell_command("systemctl try-reload-or-restart docker.service", _sudo=sudo)[0]:
+            return fail(host, f"{DAEMON_JSON} changed, but docker did not reload it (fix: `systemctl status docker`)")
+    if address is None:
+        return bool(host.run_shell_command(f"rm -f {TRUSTED}", _sudo=sudo)[0])
+    return bool(write_file(host, TRUSTED, f"{address}\n"))
 
 
 @operation()
-def trusts_registry(address: str) -> Commands:
-    """Let Docker pull from the registry at `address` (the site cache, gpufleet.sitecache) over plain HTTP
-    (insecure-registries), reloaded with SIGHUP: no container restarts."""
-    listed = (snapshot().daemon_json or {}).get("insecure-registries") or []
-    if address in listed:
-        host.noop(f"{DAEMON_JSON} lists {address} in insecure-registries")
+def trusts_site_cache(address: str | None) -> Commands:
+    """Let Docker pull from the site cache at `address` over plain HTTP (insecure-registries), and no longer from
+    one gpufleet trusted before (the cache moved, or `address` None: turned off), as recorded in TRUSTED; dockerd
+    reloads the file on SIGHUP: no container restarts."""
+    snap = snapshot()
+    listed = (snap.daemon_json or {}).get("insecure-registries") or []
+    record = sha256(f"{address}\n") if address else None
+    if (address is None or address in listed) and snap.file_sha256.get(TRUSTED) == record:
+        host.noop(f"{DAEMON_JSON} lists {address} in insecure-registries" if address else "no site cache to trust")
         return
     yield FunctionCommand(_trust, (address,), {})
-    # try-: a Docker that is not running (installed this run, started later) reads the file when it starts.
-    yield StringCommand("systemctl", "try-reload-or-restart", "docker.service")

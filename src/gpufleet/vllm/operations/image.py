@@ -162,9 +162,9 @@ def _warm(host: Host, cache: CachePull, digest: str) -> set[str]:
 
 def _through_cache(host: Host, cache: CachePull, digest: str
                    ) -> tuple[str, set[str] | None, str | None, set[str]]:
-    """Pull `digest` from the site cache: ("ok", layers fetched, None, ...), ("fallback", None, the warning line,
-    ...) or ("refused", None, the failure line, ...); last, the layers the cache fetched from upstream for it
-    (known on the cache host: its warm-up)."""
+    """Pull `digest` from the site cache: ("ok", layers fetched, None, ...) or ("fallback", None, the warning line
+    naming why, ...); last, the layers the cache fetched from upstream for it (known on the cache host: its
+    warm-up)."""
     where = f"the site cache {cache.address} ({cache.cache_host})"
     why = _cache_answers(host, cache)
     if why is not None:
@@ -177,12 +177,12 @@ def _through_cache(host: Host, cache: CachePull, digest: str
     text = "\n".join(lines)
     bad = pull_facts.tampered(text)
     if bad:
-        # The cache served bytes that do not hash to what was asked: corruption or tampering on the cache host.
-        # Pulling the same digest from upstream would hide it, and the next host would meet it again: refused.
-        return "refused", None, (f"{host.name}: refused {digest[:19]}: {where} served content that does not match "
-                                 f"its digest ({one_line(bad)}): nothing was installed (fix: on {cache.cache_host}, "
-                                 f"delete the bad blob from {STORAGE}/docker/registry/v2/blobs (or the whole "
-                                 "directory: it is a cache) and restart docker-registry, then run again)"), fetched
+        # The cache served bytes that do not hash to what was asked (docker installed none of them): corruption,
+        # tampering, or whoever answers at its address. The digest comes from upstream; the line names the refusal.
+        return "fallback", None, (f"{host.name}: warning: {where} served content that does not match {digest[:19]} "
+                                  f"({one_line(bad)}): docker refused it; pulling from upstream (fix: on "
+                                  f"{cache.cache_host}, delete the bad blob from {STORAGE}/docker/registry/v2/blobs "
+                                  "(or the whole directory: it is a cache) and restart docker-registry)"), fetched
     if lines and lines[-1].strip() == TIMED_OUT:
         why = f"it took over site_cache_pull_timeout_s = {cache.timeout_s:g} s"
     else:
@@ -202,8 +202,6 @@ def _pull(state: State, host: Host, image: str, pull: str, service: str | None =
         # Only a digest known before the pull goes through the cache: a tag would be resolved by the cache (a
         # different moment's answer than upstream's), and the unit must run what upstream names.
         outcome, layers, line, fetched = _through_cache(host, cache, digest)
-        if outcome == "refused":
-            return fail(host, line or "refused")
         if outcome == "fallback":
             fell_back, warning = True, line
             host.log_styled(line or "", fg="yellow", log_func=logger.warning)

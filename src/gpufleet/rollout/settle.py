@@ -1,0 +1,21 @@
+"""`gpufleet status --fix`: the routers' reconcile a rollout runs at its start and end, without a rollout."""
+
+from __future__ import annotations
+
+from gpufleet.inventory import load_roles
+from gpufleet.rollout.ledgers import read_ledgers
+from gpufleet.rollout.membership import members
+from gpufleet.rollout.replicas import Sessions, load_fleet
+from gpufleet.rollout.routers import Routers
+
+
+def settle_routers(inventory: str) -> dict[str, str]:
+    """Host (or router) -> one line of what changed or failed there. Raises GpufleetError (one line) for a router
+    that cannot be reached or locked."""
+    router_hosts = load_roles(inventory)[0]
+    if not router_hosts:
+        return {}
+    hosts = load_fleet(inventory)
+    names = [h.name for h in hosts]
+    with Sessions(hosts) as sessions, Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
+        return routers.reconcile(members(sessions, names, read_ledgers(sessions, names)))
