@@ -27,7 +27,7 @@ SLICES = ("vllm", "router", "sitecache")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("quoting", "defaults", "image_names", "names", "data", "vllm.flags", "vllm.profiles"),
-    ("vllm.spec", "vllm.value_rules", "units"),
+    ("vllm.spec", "vllm.value_rules", "vllm.weights", "units"),
     ("wire", "vllm.unit", "vllm.plain_settings", "vllm.serve_args", "vllm.container_env", "vllm.docker_options",
      "router.spec"),  # wire: pure rules over what vLLM and hosts send
     ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels"),  # remote: SSH through pyinfra's connector, the transport

@@ -109,11 +109,13 @@ def converged_host(monkeypatch: pytest.MonkeyPatch) -> HostSnapshot:
     converged = bare_but_installed()
     converged.file_sha256 = {path: hashlib.sha256(content).hexdigest() for path, content in files.items()}
     converged.dirs = dict.fromkeys(dirs, ("root", "root", "755"))
+    model = f"{plan.settings['vllm_model_repo']}@{'c' * 40}"  # the commit its ledger keeps, checked on disk
     converged.ledger_text = render(Ledger(committed=Committed(
-        Version(spec.image, REF, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service, port=spec.port),
-        "t0")))
+        Version(spec.image, REF, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service, port=spec.port,
+                model=model, model_revision=plan.settings["vllm_model_revision"]), "t0")))
     converged.images = [(REF.split("@")[0], "<none>", REF.split("@")[1])]
     converged.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
+    converged.model_checked = model
     converged.units[unit_name(spec.service)] = ("active", "enabled")
     converged.health_code = "200"
     converged.served_models = [(spec.served_model_name, spec.max_model_len)]
@@ -151,7 +153,7 @@ def op_names(snap: HostSnapshot, monkeypatch: pytest.MonkeyPatch, **data: Any) -
 def test_prepare_stops_before_the_unit_and_settles_no_ledger(monkeypatch):
     names = op_names(bare_but_installed(), monkeypatch, gpufleet_stage="prepare")
     assert names[-3:] == ["Pull the vLLM image and pin its digest", "Check the image accepts the serve flags",
-                          "Download the model unless it is complete"]
+                          "Download the model's commit unless it is here and checked"]
 
 
 def pending_on(snap: HostSnapshot, plan: Plan, restarts: int, unit_is_pending: bool = True) -> HostSnapshot:

@@ -17,7 +17,14 @@ from gpufleet.inventory import ROUTERS_GROUP
 from gpufleet.names import LOOPBACK
 from gpufleet.sitecache import operations as site_cache
 from gpufleet.sitecache.facts import SiteCacheFact
-from gpufleet.sitecache.operations import SITE_CACHE_GROUP, CachePull, registry_host, repository_path, upstream_url
+from gpufleet.sitecache.operations import (
+    SITE_CACHE_GROUP,
+    CachePull,
+    ModelMirror,
+    registry_host,
+    repository_path,
+    upstream_url,
+)
 
 
 def cache_hosts(target: Host) -> list[Host]:
@@ -53,6 +60,20 @@ def cache_pull(target: Host, settings: Mapping[str, Any], image: str) -> CachePu
         return None
     return CachePull(address=address, cache_host=cache_host, path=repository_path(image),
                      timeout_s=float(settings["site_cache_pull_timeout_s"]), on_this_host=cache_host == target.name)
+
+
+def model_mirror(target: Host, settings: Mapping[str, Any]) -> ModelMirror | None:
+    """Where `target` downloads the model through, or None: no site cache, "off", another site's cache (its mirror
+    serves its own inventory's repositories), or a cache host that mirrors another hub than target's."""
+    caches = cache_hosts(target)
+    if settings["site_cache_address"] or not caches or not settings["vllm_model_repo"]:
+        return None
+    first = caches[0]
+    if (first.data.get("vllm_hf_endpoint") or DEFAULTS["vllm_hf_endpoint"]) != settings["vllm_hf_endpoint"]:
+        return None
+    where = first.data.get("ssh_hostname") or first.name
+    return ModelMirror(endpoint=f"http://{where}:{first.data.get('site_cache_port', DEFAULTS['site_cache_port'])}",
+                       cache_host=first.name)
 
 
 def check_port(inventory: Inventory, name: str, settings: Mapping[str, Any], vllm_port: int) -> None:

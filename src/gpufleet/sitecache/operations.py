@@ -174,3 +174,12 @@ class CachePull:
 
     def ref(self, digest: str) -> str:
         return f"{self.address}/{self.path}@{digest}"
+
+
+@dataclass(frozen=True)
+class ModelMirror:
+    """Where a host downloads the model through: the site cache's mirror of the hub (olah behind its nginx, on the
+    same port as the image cache), and the cache host's name (for the warning line)."""
+
+    endpoint: str  # http://host:port
+    cache_host: str

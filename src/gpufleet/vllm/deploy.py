@@ -26,6 +26,7 @@ from pyinfra.context import ctx_state
 from gpufleet.defaults import (
     EXPECT_COMMITTED_SETTING,
     IMAGE_REF_SETTING,
+    MODEL_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
     STAGE_SETTING,
@@ -37,12 +38,14 @@ from gpufleet.hoststate.ledger import (
     CorruptLedger,
     DropPending,
     FinishPending,
+    Ledger,
     Nothing,
     Observed,
     RollBackPending,
     Version,
     corrupt_refusal,
     drop_pending,
+    model_pin,
     refused_target,
     resume,
 )  # fmt: skip
@@ -64,6 +67,7 @@ from gpufleet.vllm.operations.image import pinned_ref
 from gpufleet.vllm.settings import resolve_host
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.verify import Verification, verify_passed
+from gpufleet.vllm.weights import COMMIT, ModelTarget
 from gpufleet.wire.checks import verify_checks
 
 
@@ -139,6 +143,19 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     return problems
 
 
+def model_target(ledger: Ledger, s: Mapping[str, Any]) -> ModelTarget | None:
+    """The model this run installs (None: staged by hand), with its commit when known before the run: a rollout's
+    gpufleet_model_ref, a commit as vllm_model_revision, else the ledger's for this repo and revision."""
+    repo, revision = s["vllm_model_repo"], s["vllm_model_revision"]
+    if not repo:
+        return None
+    if s[MODEL_REF_SETTING]:
+        return ModelTarget(repo, revision, f"{repo}@{s[MODEL_REF_SETTING]}")
+    if revision and COMMIT.fullmatch(revision):
+        return ModelTarget(repo, revision, f"{repo}@{revision}")
+    return ModelTarget(repo, revision, model_pin(ledger, repo, revision))
+
+
 @deploy("Deploy Qwen 3.5 on vLLM")
 def deploy_qwen35() -> None:
     if not is_vllm_host(host):
@@ -203,20 +220,22 @@ def deploy_qwen35() -> None:
         committed_ref = ledger.committed.version.ref if ledger.committed else None
         flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref,
                                 pin=pin)
-    model.present(name="Download the model unless it is complete", spec=spec, where=layout.model_dir,
-                  repo=s["vllm_model_repo"], revision=s["vllm_model_revision"],
-                  env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache, pin=pin)
+    models = model_target(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, s)
+    model.present(name="Download the model's commit unless it is here and checked",
+                  spec=spec, where=layout.model_dir, model=models,
+                  env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache, pin=pin,
+                  hub=s["vllm_hf_endpoint"], mirror=site_cache.model_mirror(host, s))
     if prepare:
         return  # gpufleet_stage=prepare: everything slow is done, the old version keeps serving
     unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,
-                        ledger_path=layout.ledger_path, pin=pin, retry_failed=retry_failed)
+                        ledger_path=layout.ledger_path, pin=pin, retry_failed=retry_failed, model=models)
     changes = [unit, secrets, pinned, runtime]
     finish = isinstance(decision, FinishPending)
     # A pending version that already runs (the cut came after its restart) is verified, not restarted again.
     restart_pending = isinstance(decision, FinishPending) and decision.restart
     service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
                     changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
-                    replaces=replaced_service(ledger, spec.service))
+                    replaces=replaced_service(ledger, spec.service), model=models)
     # After a (re)start: ready, then still ready for vllm_ready_soak_s. Its verdict picks one of the two operations
     # after it while executing (_if); --dry lists both as conditional changes of a host that will be verified.
     verified = service.ready(name="Verify vLLM is ready (/health, /v1/models), else roll back", spec=spec,

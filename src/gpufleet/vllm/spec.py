@@ -11,6 +11,7 @@ import hashlib
 import json
 import posixpath
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,7 +180,7 @@ class ServeSpec:
                 "-e", "VLLM_NO_USAGE_STATS=1", image, *self.vllm_argv(model=FLAG_CHECK_MODEL)]
 
     def hf_download_argv(self, image: str, repo: str, revision: str | None, hf_cache: str | None,
-                         env_file: str | None, docker: str = "docker") -> list[str]:
+                         env_file: str | None, docker: str = "docker", env: Mapping[str, str] = {}) -> list[str]:
         """`docker run --rm --entrypoint hf ... download`: the serving image's own hf CLI writes the model where
         the service reads it (the model mount, --local-dir = --model). The token, if any, only comes through the
         root-only env_file; hf_cache (a host dir) keeps partial downloads, so a re-run resumes."""
@@ -188,6 +189,7 @@ class ServeSpec:
             argv += ["-v", f"{hf_cache}:{HF_CACHE_CONTAINER_PATH}"]
         if env_file:
             argv += ["--env-file", env_file]
+        argv += [a for name, value in sorted(env.items()) for a in ("-e", f"{name}={value}")]
         argv += [image, "download", repo, "--local-dir", self.model_path]
         if revision:
             argv += ["--revision", revision]
