@@ -154,11 +154,14 @@ def test_publish_address_unset_keeps_the_hash_so_upgrading_restarts_nothing():
 def test_hf_download_writes_where_the_service_reads_and_takes_the_token_only_through_the_env_file():
     spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m", "vllm_model": "q"})
     image = "img@sha256:" + "1" * 64
-    argv = spec.hf_download_argv(image, "org/repo", "abc123", "/c/hf", "/etc/gpufleet/s.env")
-    assert argv[:5] == ["docker", "run", "--rm", "--entrypoint", "hf"]
+    argv = spec.hf_download_argv(image, "org/repo", "abc123", "/c/hf", "/etc/gpufleet/s.env",
+                                 env={"HF_HUB_DISABLE_XET": "1", "HF_ENDPOINT": "http://cache:5001"})
+    assert argv[:7] == ["docker", "run", "--rm", "--network", "host", "--entrypoint", "hf"]
     assert argv[argv.index("--env-file") + 1] == "/etc/gpufleet/s.env"
+    assert argv[argv.index("--env-file") + 2:argv.index(image)] == ["-e", "HF_ENDPOINT=http://cache:5001",
+                                                                       "-e", "HF_HUB_DISABLE_XET=1"]
     # The download's mount and --local-dir are the serving container's model mount and --model.
-    assert spec.model_mount.volume_arg() in spec.docker_run_argv() and argv[6] == spec.model_mount.volume_arg()
+    assert spec.model_mount.volume_arg() in spec.docker_run_argv() and argv[8] == spec.model_mount.volume_arg()
     assert argv[argv.index(image) + 1:] == ["download", "org/repo", "--local-dir", spec.model_path,
                                             "--revision", "abc123"] and spec.model_path == "/models/q"
     assert "--env-file" not in spec.hf_download_argv("i", "r", None, None, None)

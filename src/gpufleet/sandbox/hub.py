@@ -67,18 +67,20 @@ def describe(path: str, data: bytes) -> RepoFile:
 
 
 def publish(root: Path, repo: str, files: Mapping[str, bytes | Path], branch: str = "main") -> str:
-    """A new commit of `repo` holding exactly `files` (path -> content, or a file to copy), and `branch` moved to
-    it; returns the commit's sha."""
+    """A new commit of `repo` holding exactly `files` (path -> content, or a file to copy), `branch` moved to it
+    (unless the branch holds these files already); returns the branch's commit."""
     base = root / repo
     (base / "refs").mkdir(parents=True, exist_ok=True)
     ref = base / "refs" / branch
     parent = ref.read_text().strip() if ref.exists() else ""
-    listing = []
+    entries = []
     for path in sorted(files):
         content = files[path]
         data = content.read_bytes() if isinstance(content, Path) else content
-        listing.append(describe(path, data))
-    sha = hashlib.sha1(json.dumps([parent, [f.tree_entry() for f in listing]]).encode()).hexdigest()
+        entries.append(describe(path, data))
+    if parent and listing(root, repo, parent) == entries:
+        return parent  # the branch holds exactly these files already
+    sha = hashlib.sha1(json.dumps([parent, [f.tree_entry() for f in entries]]).encode()).hexdigest()
     tree = base / "commits" / sha
     if not tree.exists():
         tmp = base / "commits" / f".{sha}.tmp"
@@ -89,7 +91,7 @@ def publish(root: Path, repo: str, files: Mapping[str, bytes | Path], branch: st
                 shutil.copyfile(content, tmp / path)
             else:
                 (tmp / path).write_bytes(content)
-        (tmp.parent / f".{sha}.json.tmp").write_text(json.dumps([f.tree_entry() for f in listing]))
+        (tmp.parent / f".{sha}.json.tmp").write_text(json.dumps([f.tree_entry() for f in entries]))
         (tmp.parent / f".{sha}.json.tmp").rename(tmp.parent / f"{sha}.json")
         tmp.rename(tree)
     (base / "refs" / f".{branch}.tmp").write_text(sha + "\n")
@@ -132,6 +134,7 @@ class HubHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     root: Path
     log_path: Path | None
+    xet: bool = False  # advertise LFS files as stored on Xet (X-Xet-Hash), as the real hub does for most repos
     log_lock = threading.Lock()
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -276,6 +279,8 @@ class HubHandler(BaseHTTPRequestHandler):
         if found.sha256:
             self.send_header("X-Linked-Etag", f'"{found.sha256}"')
             self.send_header("X-Linked-Size", str(found.size))
+            if self.xet:
+                self.send_header("X-Xet-Hash", found.sha256)
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end}/{found.size}")
         self.send_header("Content-Length", str(end - start + 1))
@@ -295,9 +300,9 @@ class HubHandler(BaseHTTPRequestHandler):
         self._log(status, sent)
 
 
-def server(root: Path, bind: str, port: int, log: Path | None = None) -> ThreadingHTTPServer:
+def server(root: Path, bind: str, port: int, log: Path | None = None, xet: bool = False) -> ThreadingHTTPServer:
     """A hub serving `root` on bind:port (port 0: any free one), logging to `log`; call serve_forever()."""
-    handler = type("Handler", (HubHandler,), {"root": root, "log_path": log})
+    handler = type("Handler", (HubHandler,), {"root": root, "log_path": log, "xet": xet})
     httpd = ThreadingHTTPServer((bind, port), handler)
     httpd.daemon_threads = True
     return httpd
@@ -309,8 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bind", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8090)
     parser.add_argument("--log", type=Path)
+    parser.add_argument("--xet", action="store_true", help="advertise LFS files as stored on Xet")
     args = parser.parse_args(argv)
-    server(args.root, args.bind, args.port, args.log).serve_forever()
+    server(args.root, args.bind, args.port, args.log, args.xet).serve_forever()
 
 
 if __name__ == "__main__":

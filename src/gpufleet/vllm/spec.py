@@ -183,8 +183,10 @@ class ServeSpec:
                          env_file: str | None, docker: str = "docker", env: Mapping[str, str] = {}) -> list[str]:
         """`docker run --rm --entrypoint hf ... download`: the serving image's own hf CLI writes the model where
         the service reads it (the model mount, --local-dir = --model). The token, if any, only comes through the
-        root-only env_file; hf_cache (a host dir) keeps partial downloads, so a re-run resumes."""
-        argv = [docker, "run", "--rm", "--entrypoint", "hf", "-v", self.model_mount.volume_arg()]
+        root-only env_file; hf_cache (a host dir) keeps partial downloads, so a re-run resumes; env: HF_ENDPOINT and
+        HF_HUB_DISABLE_XET (gpufleet.vllm.weights.env_for_download)."""
+        # The host's network: the download reaches the site cache or the hub as the host's own check of them did.
+        argv = [docker, "run", "--rm", "--network", "host", "--entrypoint", "hf", "-v", self.model_mount.volume_arg()]
         if hf_cache:
             argv += ["-v", f"{hf_cache}:{HF_CACHE_CONTAINER_PATH}"]
         if env_file:
