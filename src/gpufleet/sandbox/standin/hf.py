@@ -22,18 +22,19 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 CHUNK = 1 << 20
 
 
 class NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
         return None  # a HEAD's redirect is read, not followed (its X-Linked-* headers describe the file)
 
 
 def request(url: str, token: str | None, method: str = "GET", headers: dict[str, str] | None = None,
-            follow: bool = True):  # type: ignore[no-untyped-def]
+            follow: bool = True) -> Any:
     req = urllib.request.Request(url, method=method, headers={**(headers or {}), "Accept-Encoding": "identity"})
     if token:
         req.add_header("Authorization", f"Bearer {token}")
