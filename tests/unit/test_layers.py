@@ -26,7 +26,7 @@ PACKAGE = Path(gpufleet.__file__).parent
 SLICES = ("vllm", "router", "sitecache")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("quoting", "defaults", "image_names", "names", "data", "vllm.flags", "vllm.profiles"),
+    ("quoting", "defaults", "image_names", "names", "data", "wheel_lock", "vllm.flags", "vllm.profiles"),
     ("vllm.spec", "vllm.value_rules", "vllm.weights", "units"),
     ("wire", "vllm.unit", "vllm.plain_settings", "vllm.serve_args", "vllm.container_env", "vllm.docker_options",
      "router.spec"),  # wire: pure rules over what vLLM and hosts send
