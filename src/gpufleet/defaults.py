@@ -149,6 +149,13 @@ DEFAULTS: dict[str, Any] = {
     # Where this host pulls through: "" = the inventory's site_cache host (its ssh_hostname) at its
     # site_cache_port, "host:port" another cache (a second site), "off" = never.
     "site_cache_address": "",
+    # The site cache's mirror of the Hugging Face hub (olah, for the inventory's vllm_model_repos), on the site_cache
+    # host's loopback behind the same nginx: hosts download the model through site_cache_port.
+    "site_cache_mirror_port": 5003,
+    # GB the model mirror may keep; past it, what was read least recently goes first (olah checks hourly).
+    "site_cache_model_max_gb": 500,
+    # Package index the model mirror's locked wheels come from (each checked against the lock's sha256).
+    "site_cache_mirror_index_url": "https://pypi.org/simple",
     # Seconds a pull through the site cache may take before the host pulls from upstream instead. The first host
     # of a site pulls through the cache at upstream speed (the cache fetches as it serves).
     "site_cache_pull_timeout_s": 7200,

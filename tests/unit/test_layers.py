@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("vllm.spec", "vllm.value_rules", "vllm.weights", "units"),
     ("wire", "vllm.unit", "vllm.plain_settings", "vllm.serve_args", "vllm.container_env", "vllm.docker_options",
      "router.spec"),  # wire: pure rules over what vLLM and hosts send
-    ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels"),  # remote: SSH through pyinfra's connector, the transport
+    ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels", "sitecache.mirror"),  # remote: SSH through pyinfra's connector, the transport
     ("router.settings", "vllm.lint_report", "hoststate", "hostlock", "facts", "sitecache.facts"),
     ("vllm.host_command",),  # the host snapshot's one command (it holds the ledger reader's lines)
     ("vllm.layout", "vllm.facts", "router.facts", "router.relock"),

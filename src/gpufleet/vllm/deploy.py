@@ -64,7 +64,7 @@ from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
 from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, model, nvidia, service
 from gpufleet.vllm.operations.image import pinned_ref
-from gpufleet.vllm.settings import resolve_host
+from gpufleet.vllm.settings import merged_settings, resolve_host
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.verify import Verification, verify_passed
 from gpufleet.vllm.weights import COMMIT, ModelTarget
@@ -143,6 +143,18 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     return problems
 
 
+def mirrored_models(target: Host, s: Mapping[str, Any]) -> list[str]:
+    """The model repos the site cache on `target` mirrors: every vLLM host's of the inventory that downloads from
+    the same hub."""
+    found = set()
+    for other in target.inventory:
+        theirs = merged_settings(other.data.dict())
+        if (ROUTERS_GROUP not in other.groups and theirs["vllm_model_repo"]
+                and theirs["vllm_hf_endpoint"] == s["vllm_hf_endpoint"] and not theirs["site_cache_address"]):
+            found.add(str(theirs["vllm_model_repo"]))
+    return sorted(found)
+
+
 def model_target(ledger: Ledger, s: Mapping[str, Any]) -> ModelTarget | None:
     """The model this run installs (None: staged by hand), with its commit when known before the run: a rollout's
     gpufleet_model_ref, a commit as vllm_model_revision, else the ledger's for this repo and revision."""
@@ -210,7 +222,7 @@ def deploy_qwen35() -> None:
                                secrets=service.hidden_secrets(s))
     # Before the pull, on every host: the site cache runs (its host) and is trusted (every host pulling through it).
     if site_cache.serves_site(host):
-        site_cache.deploy_site_cache(host, s, spec.image, snap.site_cache_used_kib)
+        site_cache.deploy_site_cache(host, s, spec.image, snap.site_cache_used_kib, models=mirrored_models(host, s))
     cache = site_cache.cache_pull(host, s, spec.image)
     docker.trusts_site_cache(name="Let Docker pull from the site cache, and from no other (insecure-registries)",
                              address=cache.address if cache is not None else None)
