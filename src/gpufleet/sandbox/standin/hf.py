@@ -6,8 +6,8 @@
 Speaks the hub's HTTP API at HF_ENDPOINT (default https://huggingface.co) as huggingface_hub does for a local dir:
 the revision's model info (its commit and files), then per file a HEAD of `resolve/<commit>/<path>` (ETag, or
 X-Linked-Etag for an LFS file) and a GET into .cache/huggingface/download/, resumed with a Range request, moved into
-place; a file whose recorded commit and etag match is skipped without a byte fetched (as the real CLI: it does not
-hash what it skips). A file the hub stores on Xet needs Xet's own servers unless HF_HUB_DISABLE_XET=1: the sandbox
+place; a file whose recorded etag matches is skipped without a byte fetched (as the real CLI: it does not hash
+what it skips). A file the hub stores on Xet needs Xet's own servers unless HF_HUB_DISABLE_XET=1: the sandbox
 cannot reach them, so the stand-in fails as the real CLI would there. Unknown repo or revision: exit 1 with the
 real CLI's message; the local dir is printed last on stdout.
 """
@@ -91,7 +91,8 @@ def download(repo: str, local_dir: Path, revision: str | None, token: str | None
             return 1
         dest, meta = local_dir / name, meta_dir / f"{name}.metadata"
         recorded = meta.read_text().split("\n") if meta.exists() else []
-        if dest.exists() and recorded[:2] == [commit, etag]:
+        if dest.exists() and recorded[1:2] == [etag]:  # the etag alone, as huggingface_hub: a new commit's same file
+            meta.write_text(f"{commit}\n{etag}\n{time.time()}\n")
             print(f"{name}: already complete, skipped", file=sys.stderr, flush=True)
         else:
             meta.parent.mkdir(parents=True, exist_ok=True)

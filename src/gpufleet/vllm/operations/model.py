@@ -126,6 +126,11 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
                           "the host reaches vllm_hf_endpoint)")
     sudo = use_sudo(host)
     marker = shlex.quote(f"{where}/{weights.MARKER}")
+    snap = snapshot(host)
+    if snap.model_checked == revision.pinned and not missing_parts(snap):
+        # Checked at this commit by an earlier run (a prepare before this converge): not hashed again.
+        host_run(host).resolved_model = revision.pinned
+        return True
     bad = _mismatches(host, where, revision)
     if bad:
         host.run_shell_command(f"rm -f {marker}", _sudo=sudo)  # no longer vouched for from here on
