@@ -171,3 +171,22 @@ def test_the_model_mount_is_found_by_the_model_path_not_by_position():
     spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m"})
     reordered = dataclasses.replace(spec, mounts=spec.mounts[::-1])
     assert reordered.model_mount == spec.model_mount and spec.model_mount.host_path == "/srv/m"
+
+
+def test_the_models_commit_is_a_label_of_the_container_and_status_reads_it():
+    from gpufleet.cli.health_tables import model_cell
+    from gpufleet.remote.transport import pick_container
+    from gpufleet.vllm.unit import render_unit
+
+    spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m"})
+    at = "org/repo@" + "c" * 40
+    argv = spec.docker_run_argv(model=at)
+    assert argv[argv.index(spec.container_label) + 1:][:2] == ["--label", f"gpufleet.{spec.service}.model={at}"]
+    assert spec.docker_run_argv() == [a for a in argv if a not in ("--label", f"gpufleet.{spec.service}.model={at}")]
+    assert render_unit(spec, model=at) != render_unit(spec) and f"# Model {at}." in render_unit(spec, model=at)
+    inspected = {"Id": "abc", "State": {"Status": "running"},
+                 "Config": {"Labels": {f"gpufleet.{spec.service}": spec.spec_hash,
+                                       f"gpufleet.{spec.service}.model": at}}}
+    found = pick_container([inspected], f"gpufleet.{spec.service}")
+    assert found is not None and found.model == at
+    assert model_cell("qwen", found.model) == "qwen @cccccccccccc" and model_cell("qwen", None) == "qwen"

@@ -150,10 +150,12 @@ class ServeSpec:
                 argv += [f"--{name}", value]
         return argv
 
-    def docker_run_argv(self, image: str | None = None, docker: str = "docker") -> list[str]:
+    def docker_run_argv(self, image: str | None = None, docker: str = "docker", model: str | None = None) -> list[str]:
         """The full `docker run` argv, in the write-up's order: --rm, label, runtime, --gpus, options, port,
-        env, mounts, image, vLLM flags."""
+        env, mounts, image, vLLM flags. model: the model's commit (repo@commit), a label of its own for status."""
         argv = [docker, "run", "--rm", "--label", self.container_label]
+        if model:
+            argv += ["--label", f"{model_label_key(self.service)}={model}"]
         options = dict(self.docker_options)
         if "runtime" in options:
             argv += _option_args("runtime", options.pop("runtime"))
@@ -196,6 +198,11 @@ class ServeSpec:
         if revision:
             argv += ["--revision", revision]
         return argv
+
+
+def model_label_key(service: str) -> str:
+    """The container label that names the model's commit it was started on."""
+    return f"{container_label_key(service)}.model"
 
 
 def _option_args(name: str, value: OptionValue) -> list[str]:
