@@ -100,3 +100,13 @@ def test_prepare_runs_the_prepare_stage_on_the_target(monkeypatch, tmp_path):
     monkeypatch.setattr(rollout_prepare, "pull_order", lambda inventory, hosts: [list(hosts)])
     assert rollout_prepare.prepare("inv.py", ["gpu1"], REF, tmp_path / "deploy.py")[1] == {}
     assert seen == [RunSettings(image_ref=REF, stage="prepare")]
+
+
+def test_a_model_move_is_passed_to_every_run_of_the_rollout():
+    commit = "c" * 40
+    assert RunSettings(image_ref="r@sha256:ab", model_ref=commit, stage="prepare").data_args() == [
+        "--data", "gpufleet_image_ref=r@sha256:ab", "--data", f"gpufleet_model_ref={commit}",
+        "--data", "gpufleet_stage=prepare"]
+    swap = SwapOptions(deploy_file=Path("d.py"), model_ref=commit).run_settings("r@sha256:ab")
+    assert swap.model_ref == commit and "--data" in swap.data_args()
+    assert "gpufleet_model_ref" not in " ".join(RunSettings(image_ref="r@sha256:ab").data_args())

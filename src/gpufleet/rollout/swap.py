@@ -49,11 +49,13 @@ class SwapOptions:
     stage_timeout_s: float = STAGE_TIMEOUT_S
     # Carry the canary's new compile-cache entries to each later host before its swap (gpufleet.rollout.carry).
     carry: bool = True
+    model_ref: str | None = None  # the model's commit every host moves to (gpufleet_model_ref), when it moves
 
     def run_settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None,
                      canary: bool = False) -> RunSettings:
         """A batch's deploy run; committed: host -> the digest the rollout read as committed there."""
-        return RunSettings(image_ref=target_ref, verify_checks=self.canary_checks if canary else (),
+        return RunSettings(image_ref=target_ref, model_ref=self.model_ref,
+                           verify_checks=self.canary_checks if canary else (),
                            expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed)
 
 
