@@ -95,6 +95,7 @@ Type=simple
 DynamicUser=yes
 StateDirectory={SERVICE}
 WorkingDirectory={STATE}
+Environment=HOME={STATE} HF_HUB_DISABLE_TELEMETRY=1
 ExecStart={HOME}/current/bin/olah-cli -c {CONFIG}
 Restart=on-failure
 RestartSec=2
