@@ -53,14 +53,14 @@ def missing_parts(snap: HostSnapshot) -> list[str]:
         missing.append("config.json")
     if not any(name in files for name in TOKENIZER_FILES):
         missing.append("a tokenizer (" + " / ".join(TOKENIZER_FILES) + ")")
-    weights_ = {name: size for name, size in files.items() if name.endswith(".safetensors")}
-    if not weights_:
+    weight_files = {name: size for name, size in files.items() if name.endswith(".safetensors")}
+    if not weight_files:
         missing.append("weights (*.safetensors)")
-    absent = [s for s in snap.model_shards if weights_.get(s, 0) == 0]
+    absent = [s for s in snap.model_shards if weight_files.get(s, 0) == 0]
     if absent:
         missing.append(f"{len(absent)} of {len(snap.model_shards)} shards listed in model.safetensors.index.json "
                        f"(e.g. {absent[0]})")
-    empty = [name for name, size in weights_.items() if size == 0]
+    empty = [name for name, size in weight_files.items() if size == 0]
     if empty:
         missing.append(f"non-empty weights ({empty[0]} is 0 bytes)")
     if snap.model_incomplete:
@@ -183,8 +183,8 @@ def present(spec: ServeSpec, where: str, model: ModelTarget | None, env_file: st
         if missing:
             # Preflight refuses this case; kept so the operation is safe on its own.
             raise ValueError(f"{where} lacks {missing[0]} and vllm_model_repo is None")
-        weights_ = sum(1 for name in snap.model_files if name.endswith(".safetensors"))
-        host.noop(f"{where} is complete (config, tokenizer, {weights_} weight file(s)), staged by hand")
+        count = sum(1 for name in snap.model_files if name.endswith(".safetensors"))
+        host.noop(f"{where} is complete (config, tokenizer, {count} weight file(s)), staged by hand")
         return
     if not missing and model.pin is not None and snap.model_checked == model.pin:
         host.noop(f"{where} holds {model.pin[:len(model.repo) + 13]}, checked against the hub's hashes")
