@@ -133,6 +133,21 @@ def test_a_converged_host_gets_no_command_from_any_operation(monkeypatch):
     assert len(ops) >= 13 and {name: cmds for name, cmds in ops if cmds} == {}
 
 
+def test_asking_for_another_model_commit_downloads_it_and_changes_the_unit(monkeypatch):
+    """gpufleet_model_ref (a rollout's ask) on a converged host: the model is fetched and checked at that commit,
+    and the unit, which names the commit, changes (so the service restarts on it). A moved branch alone does not."""
+    converged = converged_host(monkeypatch)
+    moved = "d" * 40
+    monkeypatch.setitem(globals(), "DATA", {**DATA, "gpufleet_model_ref": moved})
+    _, ops = prepare(converged, monkeypatch)
+    changed = {name: cmds for name, cmds in ops if cmds}
+    [fetch] = changed["Download the model's commit unless it is here and checked"]
+    assert isinstance(fetch, FunctionCommand) and fetch.function.__name__ == "_fetch"
+    assert fetch.args[1].pin.endswith("@" + moved)
+    [upload] = [c for c in changed["Install the vLLM systemd unit"] if isinstance(c, FileUploadCommand)]
+    assert f"@{moved}.".encode() in upload.src.getvalue()
+
+
 def test_a_server_with_another_max_model_len_is_verified_not_taken_as_ready(monkeypatch):
     # "Ready" means what `gpufleet verify` means: the snapshot's /v1/models is held to the spec's max_model_len.
     snap = bare_but_installed()
