@@ -136,21 +136,21 @@ def deploy_site_cache(target: Host, settings: Mapping[str, Any], image: str, use
     site_cache.serving(name="Run the site cache (docker-registry as a pull-through cache)", seen=seen,
                        upstream=proxied, port=internal, used_kib=used_kib,
                        max_gb=float(settings["site_cache_max_gb"]))
-    mirror_port = int(settings["site_cache_mirror_port"]) if models else None
+    mirror_port = int(settings["site_cache_mirror_port"])
     if models:
         try:
             install: LockedInstall | str = mirror.locked(target.name, seen.python, seen.machine)
         except SettingError as error:
             install = str(error)
         where = target.data.get("ssh_hostname") or target.name
-        config = mirror.render_config(settings["vllm_hf_endpoint"], int(settings["site_cache_mirror_port"]),
+        config = mirror.render_config(settings["vllm_hf_endpoint"], mirror_port,
                                       f"{where}:{settings['site_cache_port']}", models,
                                       float(settings["site_cache_model_max_gb"]))
         site_cache.model_mirror(name="Mirror the hub for the inventory's models (olah, from hashed wheels)",
                                 seen=seen, install=install, config=config,
-                                index_url=settings["site_cache_mirror_index_url"])
+                                index_url=settings["site_cache_mirror_index_url"], port=mirror_port)
     site_cache.front_door(name="Serve the site cache to the inventory's hosts and repositories (nginx)", seen=seen,
                           port=int(settings["site_cache_port"]), internal_port=internal,
                           clients=clients(target.inventory, settings),
                           repositories=repositories(target.inventory, proxied), models=models,
-                          mirror_port=mirror_port)
+                          mirror_port=mirror_port if models else None)

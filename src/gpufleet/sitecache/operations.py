@@ -173,10 +173,11 @@ def _refuse(state: State, target: Host, why: str) -> bool:
 
 
 @operation()
-def model_mirror(seen: SiteCacheHost, install: LockedInstall | str, config: str, index_url: str) -> Commands:
+def model_mirror(seen: SiteCacheHost, install: LockedInstall | str, config: str, index_url: str, port: int
+                 ) -> Commands:
     """The model mirror (gpufleet.sitecache.mirror): the lock's wheels in a venv of their own (switched to by one
-    rename), its config and unit, enabled and running; restarted when any of them changed. install: why not, when
-    the lock has no wheels for the host."""
+    rename), its config and unit, enabled and running on the loopback's `port`; restarted when any of them changed,
+    then waited for. install: why not, when the lock has no wheels for the host."""
     if isinstance(install, str):
         yield FunctionCommand(_refuse, (install,), {})
         return
@@ -204,6 +205,12 @@ def model_mirror(seen: SiteCacheHost, install: LockedInstall | str, config: str,
         yield StringCommand("systemctl", "enable", mirror.UNIT)
     if changed or not seen.mirror_active:
         yield StringCommand("systemctl", "restart", mirror.UNIT)
+        # Hosts download through it right after this run's next operations: it must listen first (~3 s).
+        url = shlex.quote(f"http://{LOOPBACK}:{int(port)}/")
+        yield StringCommand("sh", "-c", shlex.quote(
+            f"i=0; until curl -s -o /dev/null --max-time 3 {url}; do i=$((i+1)); if [ $i -ge 60 ]; then "
+            f"echo 'the model mirror did not answer within 60 s (journalctl -u {mirror.UNIT})' >&2; exit 1; fi; "
+            "sleep 1; done"))
     elif seen.mirror_enabled:
         host.noop(f"{install.describe()} mirrors the hub for the inventory's models, enabled and running")
 
