@@ -83,6 +83,11 @@ cache = [
 """
 
 
+# olah imports GitPython, which refuses to load without a git binary; only local git mirrors use it, and we
+# configure none, so a cache host needs no git.
+NO_GIT = "GIT_PYTHON_REFRESH=quiet"
+
+
 def render_unit() -> str:
     return f"""# Managed by gpufleet: the site cache's mirror of the Hugging Face hub (docs/site-cache.md)
 [Unit]
@@ -95,7 +100,7 @@ Type=simple
 DynamicUser=yes
 StateDirectory={SERVICE}
 WorkingDirectory={STATE}
-Environment=HOME={STATE} HF_HUB_DISABLE_TELEMETRY=1
+Environment=HOME={STATE} HF_HUB_DISABLE_TELEMETRY=1 {NO_GIT}
 ExecStart={HOME}/current/bin/olah-cli -c {CONFIG}
 Restart=on-failure
 RestartSec=2
@@ -125,7 +130,7 @@ def install_script(install: wheel_lock.LockedInstall, index_url: str) -> str:
     target = venv_dir(install)
     q = shlex.quote
     pip = " ".join(map(q, pip_install_argv(target, index_url)))
-    return (f"{pip} && {q(target)}/bin/python -c 'import olah.server' && "
+    return (f"{pip} && {NO_GIT} {q(target)}/bin/python -c 'import olah.server' && "
             f"printf '%s\\n' {install.key} > {q(target)}/{MARKER} && "
             f"ln -sfn {q(target)} {HOME}/current.tmp && mv -T {HOME}/current.tmp {HOME}/current")
 
