@@ -133,7 +133,7 @@ def test_foreign_daemon_json_keys_survive(converged, test_hosts, fleet):
 def test_second_converge_changes_nothing(converged, inventory_json, names, pyinfra, tmp_path):
     out = deploy(pyinfra, write_inventory(tmp_path, inventory_json, names)).stdout
     assert changes(out) == 0, changed_ops(out)
-    assert results(out)["Grand total"][0] == str(18 * len(names))
+    assert results(out)["Grand total"][0] == str(19 * len(names))
 
 
 def put_file(fleet, host, path: str, content: bytes) -> None:
