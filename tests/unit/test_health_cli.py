@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from gpufleet.cli.verify import load_targets, status, verify
 from gpufleet.health import HealthReport, HealthState
+from gpufleet.health.answers import AnswerCheck
 from gpufleet.health.runner import HostResult
 from gpufleet.vllm.settings import build_spec
 from gpufleet.wire.identity import Expected
@@ -201,6 +202,22 @@ def test_server_strings_are_shown_as_text_never_read_as_markup(inventory, monkey
     result = CliRunner().invoke(status, [str(inventory), "--host", "box-b"])
     assert result.exit_code == 0, result.output
     assert "[/x]" in result.output and "[bold]0.32" in result.output
+
+
+def test_verify_says_a_check_that_could_not_run_was_not_run_and_to_run_it_again(inventory, monkeypatch):
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    checks = (AnswerCheck("cached-cold", True, "the same 6 tokens"),
+              AnswerCheck("sessions", False, "could not run: DeadlineExceeded: no answer within 120 s", ran=False),
+              AnswerCheck("tools", False, 'tool_choice "required": no parsed tool call'))
+    ready = HealthReport(HealthState.READY, "/health 200", host="box-b")
+    monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [HostResult(target, ready, checks=checks)])
+    result = CliRunner().invoke(verify, [str(inventory), "--host", "box-b", "--checks", "all"])
+    assert result.exit_code == 1, result.output
+    assert "not run" in result.output and "FAILED" in result.output
+    run_again = f"(fix: run it again (`gpufleet verify {inventory} --host box-b`); if its requests keep getting no answer"
+    assert any("sessions: could not run" in line and run_again in line for line in result.output.splitlines())
+    assert any("tools:" in line and "gpufleet rollback" in line for line in result.output.splitlines())
 
 
 # --- routers: verify checks each router of the inventory against its replicas ----------------------------------------

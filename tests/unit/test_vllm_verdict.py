@@ -1,7 +1,7 @@
 """The verify's verdict, the rollback inside the verify operation and the commit after it: `--dry` lists the verify
 (its name says it rolls back) and the commit apart (pyinfra's plan of the qwen35 playbook, prepared offline on a given
 snapshot); while executing, the rollback runs at once after a failed verify and fails the host, the commit only after
-a passed one."""
+a passed one; a check whose request got no answer leaves the version pending, with no failure mark."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ from pyinfra.connectors.util import CommandOutput
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra_cli.prints import build_plan_json, print_meta
 
+from gpufleet.health import HealthReport, HealthState
+from gpufleet.health.answers import AnswerCheck
 from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin
-from gpufleet.operations.run import host_run
+from gpufleet.operations.run import host_run, reported
+from gpufleet.remote.transport import LOOPBACK, ContainerInfo, DeadlineExceeded
 from gpufleet.vllm import verify
 from gpufleet.vllm.deploy import plan_for
 from gpufleet.vllm.verify import VerifyOutcome
@@ -65,14 +68,19 @@ def pending_over_committed() -> Ledger:
     return begin(Ledger(committed=Committed(old, "t0")), new, "ops@laptop pid 7", "t1")
 
 
+REAL = VerifyOutcome(passed=False, failed="the real verify_rollout decides")
+
+
 def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: VerifyOutcome | None,
                         ledger: Ledger) -> tuple[State, Host, dict[str, bool], list[tuple[str, Any]]]:  # fmt: skip
     """Prepare the playbook for a host to restart, take the operations before the verify as executed as planned,
     then let pyinfra execute the verify (with its rollback) and the commit: (state, host, each one's result, the calls
-    they made: the verify's verdict is `found`, the commit and the rollback are recorded)."""
+    they made: the verify's verdict is `found`, or what verify_rollout decides for REAL; the commit and the rollback
+    are recorded)."""
     _, state, target = planned(bare_but_installed(), monkeypatch)
     calls: list[tuple[str, Any]] = []
-    monkeypatch.setattr(verify, "verify_rollout", lambda host, v, soak_s: calls.append(("verify", soak_s)) or found)
+    if found is not REAL:
+        monkeypatch.setattr(verify, "verify_rollout", lambda host, v, soak_s: calls.append(("verify", soak_s)) or found)
     monkeypatch.setattr(verify, "commit_pending", lambda host, v, ready_at: calls.append(("commit", ready_at)) or True)
     monkeypatch.setattr(verify, "roll_back", lambda host, v, ledger, failed, check=None: calls.append(
         ("roll back", (failed, check))) or False)
@@ -136,3 +144,65 @@ def test_the_commit_refuses_without_a_passed_verdict_whatever_calls_it(monkeypat
     v = verify.Verification(spec, 5.0, None, "/var/lib/gpufleet/x.json", spec.served_model_name)
     monkeypatch.setattr(verify, "commit_pending", lambda *_: pytest.fail("committed"))
     assert v.commit(state, target) is False
+
+
+class NoAnswer:
+    """The way to a server whose requests all run out of time: what SshTransport raises when nothing answers
+    before the request's deadline."""
+
+    name = "gpu1"
+
+    def __init__(self) -> None:
+        self.requests: list[int] = []
+
+    def http(self, port: int, timeout: float, max_bytes: int = 0, address: str = LOOPBACK) -> Any:
+        self.requests.append(port)
+        raise DeadlineExceeded(f"gpu1: no complete answer within {timeout:g} s")
+
+
+def verified_against(monkeypatch: pytest.MonkeyPatch, transport: NoAnswer, ledger: Ledger, **replaced: Any):
+    """execute_from_verify with the real verify_rollout: the new container reads ready (/health, /v1/models, its
+    image and label the pending version's), the soak passes, and every request a check sends goes to `transport`;
+    `replaced`: more of verify's names set (the answer or serving checks)."""
+    version = ledger.pending.version
+    ready = HealthReport(HealthState.READY, "/health 200, serving qwen35", host="gpu1",
+                         container=ContainerInfo("new", "running", image=version.ref, spec_hash=version.spec_hash))
+    monkeypatch.setattr(verify.Verification, "check_once", lambda self, host, expected: lambda: ready)
+    monkeypatch.setattr(verify, "service_exited", lambda host, service: lambda: None)
+    monkeypatch.setattr(verify, "soak", lambda look, report, soak_s, exited=None: report)
+    monkeypatch.setattr(verify, "transport_from_pyinfra_host", lambda host: transport)
+    monkeypatch.setattr(verify, "failed_logs", lambda host, transport, service: ["engine core: ValueError"])
+    for name, value in replaced.items():
+        monkeypatch.setattr(verify, name, value)
+    return execute_from_verify(monkeypatch, REAL, ledger)
+
+
+def passing_answers(*_: Any, **__: Any) -> tuple[AnswerCheck, ...]:
+    return AnswerCheck("completion", True, "2 tokens (length)"), AnswerCheck("stream", True, "3 chunks")
+
+
+@pytest.mark.parametrize(("replaced", "line"), [
+    ({}, "(answer check completion: could not run: DeadlineExceeded: "),
+    ({"check_answers": passing_answers}, "(serving check cached-cold: could not run: DeadlineExceeded: "),
+])  # fmt: skip
+def test_a_check_whose_request_gets_no_answer_leaves_the_version_pending_with_no_failure_mark(monkeypatch, replaced,
+                                                                                              line):
+    ledger = pending_over_committed()
+    transport = NoAnswer()
+    state, target, results, calls = verified_against(monkeypatch, transport, ledger, **replaced)
+    # Neither committed nor rolled back nor marked failed: the next run finds it pending and verifies it again.
+    assert results[VERIFY] is False and calls == [] and verify.outcome(target) is None
+    assert host_run(target).ledger == ledger and not ledger.failed
+    assert len(transport.requests) == 2  # the request, and once more: then no other check waits its deadline out
+    (problem,) = reported(state)["gpu1"]
+    assert line in problem and problem.endswith("nothing was committed or rolled back, the new version stays pending "
+                                                "(fix: converge again: the next run verifies it)"), problem
+
+
+def test_a_check_that_answers_wrong_still_fails_the_verify_and_marks_the_version(monkeypatch):
+    wrong = AnswerCheck("tools", False, 'tool_choice "required": POST /v1/chat/completions answered 500: engine dead')
+    state, target, results, calls = verified_against(monkeypatch, NoAnswer(), pending_over_committed(),
+                                                     check_answers=passing_answers,
+                                                     run_checks=lambda *_, **__: (wrong,))
+    assert results[VERIFY] is False and verify.outcome(target).check == "tools"
+    assert calls == [("roll back", (f"misconfigured: check {wrong.line()}", "tools"))]

@@ -10,7 +10,8 @@ the host's transport, with its API key, bounded in time:
     reasoning     with a reasoning parser set: the reasoning arrives in its own field, apart from the content
 
 How the answers are judged (cached against cold within a logprob tolerance, a parsed tool call, reasoning apart)
-lives in gpufleet.health.serving_rules.
+lives in gpufleet.health.serving_rules. A check whose request got no answer (sent twice) could not run
+(AnswerCheck.ran false).
 
     >>> results = run_checks(transport, expected, Served.from_spec(spec), ("cached-cold", "tools"), api_key=key)
     >>> [r.line() for r in results if not r.ok]
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.health.answers import PATH, AnswerCheck
+from gpufleet.health.answers import PATH, AnswerCheck, not_run, once_more, unanswered
 from gpufleet.health.api import HttpStatusError, fetch
 from gpufleet.health.cache_counters import read_metrics
 from gpufleet.health.conversation import Conversation
@@ -95,28 +96,19 @@ def run_checks(
     timeout_s: float = CHECK_TIMEOUT_S,
 ) -> tuple[AnswerCheck, ...]:
     """The checks among `names` that apply to `served`, in SERVING_CHECKS order; never raises for what the server (or the
-    way to it) does: a check that cannot run fails with the reason."""
+    way to it) does. After a check that got no answer the rest are not sent."""
     run = _Checks(transport, expected, api_key, tolerance, timeout_s, os.urandom(4).hex())
     wanted = served.applicable([n for n in SERVING_CHECKS if n in names])
     steps: dict[str, Callable[[], str]] = {
         "prefix-cache": lambda: run.prefix_cache(served.max_num_batched_tokens),
         "cached-cold": run.cached_cold, "sessions": run.sessions, "tools": run.tools, "reasoning": run.reasoning}
-    return tuple(_run(name, steps[name]) for name in wanted)
+    return tuple(run.result(name, steps[name]) for name in wanted)
 
 
 def failed(checks: Sequence[AnswerCheck]) -> str | None:
     """One line naming the first failed check with its evidence; None when all passed."""
     bad = next((c for c in checks if not c.ok), None)
     return f"check {bad.line()}" if bad else None
-
-
-def _run(name: str, step: Callable[[], str]) -> AnswerCheck:
-    try:
-        return AnswerCheck(name, True, step())
-    except (ServerFault, BadAnswer, HttpStatusError) as wrong:
-        return AnswerCheck(name, False, excerpt(str(wrong), 300))
-    except Exception as error:  # noqa: BLE001 - the transport's errors: a request that got no answer
-        return AnswerCheck(name, False, excerpt(f"{type(error).__name__}: {error}", 300))
 
 
 class _Checks:
@@ -128,6 +120,20 @@ class _Checks:
         self.tolerance, self.timeout_s, self.run_id = tolerance, timeout_s, run_id
         self.words: int | None = None  # filler words for a prompt that can hit, once calibrated
         self.cold: dict[str, tuple[Conversation, Greedy]] = {}
+        self.silent: str | None = None  # the check whose request got no answer
+
+    def result(self, name: str, step: Callable[[], str]) -> AnswerCheck:
+        if self.silent is not None:  # its requests would wait out the same deadlines
+            return AnswerCheck(name, False, f"not sent: {self.silent} got no answer", ran=False)
+        try:
+            return AnswerCheck(name, True, step())
+        except (ServerFault, BadAnswer, HttpStatusError) as wrong:
+            return AnswerCheck(name, False, excerpt(str(wrong), 300))
+        except Exception as error:  # noqa: BLE001 - whatever the requests met is this check's result
+            if unanswered(error):
+                self.silent = name
+                return not_run(name, error)
+            return AnswerCheck(name, False, excerpt(f"{type(error).__name__}: {error}", 300))
 
     # ----------------------------------------------------------------------------------------------- the checks
     def prefix_cache(self, chunk: int | None) -> str:
@@ -258,7 +264,7 @@ class _Checks:
         return self.words
 
     def _metrics(self) -> Metrics:
-        return read_metrics(self.transport, self.expected.port, self.expected.address)
+        return once_more(lambda: read_metrics(self.transport, self.expected.port, self.expected.address))
 
     def _body(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
         return {"model": self.expected.served_model_name, "messages": messages, "max_tokens": max_tokens,
@@ -269,8 +275,8 @@ class _Checks:
         return parse_greedy(self._post(body))
 
     def _post(self, body: dict[str, Any]) -> bytes:
-        answer = fetch(self.transport, self.expected.port, PATH, self.timeout_s, self.api_key, json_body=body,
-                       address=self.expected.address)
+        answer = once_more(lambda: fetch(self.transport, self.expected.port, PATH, self.timeout_s, self.api_key,
+                                         json_body=body, address=self.expected.address))
         if answer.status != 200:
             raise ServerFault(f"POST {PATH} answered {answer.status}: {excerpt(answer.text)}")
         return answer.body
