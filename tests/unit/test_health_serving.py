@@ -5,10 +5,14 @@ parsed tool call or separate reasoning."""
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
-from gpufleet.health.serving import Served
+from gpufleet.health.answers import NotRun
+from gpufleet.health.cache_counters import attributed_hits
+from gpufleet.health.conversation import Conversation
+from gpufleet.health.serving import Served, _Checks, run_checks
 from gpufleet.health.serving_rules import (
     Greedy,
     ServerFault,
@@ -22,6 +26,9 @@ from gpufleet.health.serving_rules import (
 from gpufleet.hoststate.ledger import Ledger, Pending, Version, parse, render, roll_back
 from gpufleet.vllm.settings import SettingErrors, resolve_host
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks, verify_checks
+from gpufleet.wire.identity import Expected
+from gpufleet.wire.metrics import HITS, QUERIES, Metrics
+from tests.loopback import LoopbackTransport
 
 
 def greedy(tokens: str, logprobs: list[float], alternatives: list[dict[str, float]] | None = None) -> Greedy:
@@ -113,6 +120,65 @@ def test_reasoning_must_arrive_in_its_own_field():
     assert reasoning_problem(completion({"content": "<think>hmm</think>4"})).startswith(
         "the reasoning came back inside the content")
     assert reasoning_problem(completion({"content": "4", "reasoning": None})).startswith("no reasoning field")
+
+
+def counters(hits: int, queries: int) -> Metrics:
+    return Metrics({HITS: float(hits), QUERIES: float(queries)})
+
+
+def test_cache_hits_from_metrics_count_only_when_the_queries_are_this_requests_prompt():
+    assert attributed_hits(counters(0, 0), counters(640, 1000), 1000) == 640
+    assert attributed_hits(counters(0, 0), counters(0, 1000), 1000) == 0
+    # Another request looked the cache up meanwhile: its hits cannot be told from this one's.
+    assert attributed_hits(counters(0, 0), counters(640, 2100), 1000) is None
+    assert attributed_hits(Metrics(), Metrics(), 1000) is None  # the server exports no such counters
+
+
+class Counted(_Checks):
+    """The cached-cold check's repeats against a server that reports no cached tokens per request: each answer from
+    a script, and /metrics readings in turn (before and after each send)."""
+
+    def __init__(self, readings: list[tuple[Metrics, Metrics]]):
+        super().__init__(LoopbackTransport(), Expected("vllm", 0, "m"), None, 0.25, 1.0, "run")
+        self.readings = iter([m for pair in readings for m in pair])
+        self.conversation = Conversation("a-run", "serving-a", 10)
+        cold = Greedy(("x",), (-0.5,), ({"x": -0.5},), 1000, None)
+        self.cold = {"a": (self.conversation, cold)}
+        self.sent = 0
+
+    def _post(self, body: dict) -> bytes:
+        self.sent += 1
+        return completion({"content": "x"}, {"content": [{"token": "x", "logprob": -0.5, "top_logprobs": []}]},
+                          {"prompt_tokens": 1000, "completion_tokens": 1})
+
+    def _metrics(self) -> Metrics:
+        return next(self.readings)
+
+
+def test_a_hit_read_from_metrics_is_this_requests_only_when_nothing_else_queried_the_cache():
+    # Other traffic on the same prefix hit 640 tokens while the check's own repeat missed: no hit of the check's.
+    busy = (counters(0, 0), counters(640, 2000))
+    checks = Counted([busy] * 4)
+    with pytest.raises(NotRun, match="other requests used the prefix cache during 4 sends of one prompt"):
+        checks._until_hit(checks.conversation)
+    assert checks.sent == 4
+    checks = Counted([busy, busy, (counters(640, 2000), counters(1280, 3000))])
+    found = checks._until_hit(checks.conversation)
+    assert found.cached_tokens == 640 and checks.sent == 3
+    miss = (counters(0, 0), counters(0, 1000))
+    checks = Counted([miss, busy, miss, miss])
+    with pytest.raises(ServerFault, match="sent 3 times never came from the prefix cache"):
+        checks._until_hit(checks.conversation)
+
+
+def test_a_check_whose_requests_get_no_answer_could_not_run_and_the_next_are_not_sent():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        found = run_checks(LoopbackTransport(), Expected("vllm", sock.getsockname()[1], "m"),
+                           Served(tool_parser=True), ("cached-cold", "tools"), timeout_s=2)
+    assert [(c.name, c.ok, c.ran) for c in found] == [("cached-cold", False, False), ("tools", False, False)]
+    assert found[0].detail.startswith("could not run: ConnectionRefusedError") and found[1].detail == (
+        "not sent: cached-cold got no answer")
 
 
 def test_checks_apply_where_the_settings_give_them_something_to_check():

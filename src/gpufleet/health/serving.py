@@ -10,8 +10,8 @@ the host's transport, with its API key, bounded in time:
     reasoning     with a reasoning parser set: the reasoning arrives in its own field, apart from the content
 
 How the answers are judged (cached against cold within a logprob tolerance, a parsed tool call, reasoning apart)
-lives in gpufleet.health.serving_rules. A check whose request got no answer (sent twice) could not run
-(AnswerCheck.ran false).
+lives in gpufleet.health.serving_rules. A check whose request got no answer (sent twice), or whose cache counters
+other traffic shared, could not run (AnswerCheck.ran false).
 
     >>> results = run_checks(transport, expected, Served.from_spec(spec), ("cached-cold", "tools"), api_key=key)
     >>> [r.line() for r in results if not r.ok]
@@ -24,12 +24,12 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from gpufleet.health.answers import PATH, AnswerCheck, not_run, once_more, unanswered
+from gpufleet.health.answers import PATH, AnswerCheck, NotRun, not_run, once_more, unanswered
 from gpufleet.health.api import HttpStatusError, fetch
-from gpufleet.health.cache_counters import read_metrics
+from gpufleet.health.cache_counters import attributed_hits, read_metrics
 from gpufleet.health.conversation import Conversation
 from gpufleet.health.probe import probe
 from gpufleet.health.serving_rules import (
@@ -49,13 +49,16 @@ from gpufleet.remote.transport import BadAnswer, Transport
 from gpufleet.wire.checks import SERVING_CHECKS
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected, SpecArgs
-from gpufleet.wire.metrics import HITS, Metrics
+from gpufleet.wire.metrics import Metrics
 
 CHECK_TIMEOUT_S = 120.0  # per request: a prompt of ~1.5 cache units, cold, on a server that just started
 GREEDY_TOKENS = 6
 TOP_LOGPROBS = 5
 HIT_ATTEMPTS = 3  # an align-mode hybrid may miss on the first repeat (the chunk-alignment trap) and hit on the next
+VOID_READINGS = 3  # repeats whose /metrics deltas other traffic shared, before the check could not tell
 CALIBRATION_WORDS = 200
+UNATTRIBUTABLE = ("/metrics' counters cannot tell its hits from theirs (fix: run the checks while the host takes no "
+                  "other traffic, or serve with --enable-prompt-tokens-details)")
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ class _Checks:
             return AnswerCheck(name, True, step())
         except (ServerFault, BadAnswer, HttpStatusError) as wrong:
             return AnswerCheck(name, False, excerpt(str(wrong), 300))
+        except NotRun as unknown:
+            return not_run(name, unknown)
         except Exception as error:  # noqa: BLE001 - whatever the requests met is this check's result
             if unanswered(error):
                 self.silent = name
@@ -228,18 +233,22 @@ class _Checks:
         return self.cold[label]
 
     def _until_hit(self, conversation: Conversation) -> Greedy:
-        """The same prompt again until its prefix comes from the cache (at most HIT_ATTEMPTS sends)."""
-        for _ in range(HIT_ATTEMPTS):
-            before = self._metrics() if self._counts_from_metrics else None
-            answer = self._greedy(conversation.messages)
-            hit = answer.cached_tokens
-            if before is not None:
-                hit = int((self._metrics().get(HITS) or 0) - (before.get(HITS) or 0))
-                answer = Greedy(answer.tokens, answer.logprobs, answer.top, answer.prompt_tokens, hit)
-            if hit:
+        """The same prompt again until its prefix comes from the cache (HIT_ATTEMPTS readings, VOID_READINGS void)."""
+        misses, void = 0, 0
+        while True:
+            answer = self._greedy(conversation.messages, counted=True)
+            if answer.cached_tokens:
                 return answer
-        raise ServerFault(f"a {answer.prompt_tokens}-token prompt sent {HIT_ATTEMPTS} times never came from the prefix "
-                     "cache: the cached path cannot be compared (see the prefix-cache check)")
+            if answer.cached_tokens is None:
+                void += 1
+                if void > VOID_READINGS:
+                    raise NotRun(f"other requests used the prefix cache during {void} sends of one prompt: "
+                                 f"{UNATTRIBUTABLE}")
+                continue
+            misses += 1
+            if misses == HIT_ATTEMPTS:
+                raise ServerFault(f"a {answer.prompt_tokens}-token prompt sent {HIT_ATTEMPTS} times never came from the "
+                                  "prefix cache: the cached path cannot be compared (see the prefix-cache check)")
 
     @property
     def _counts_from_metrics(self) -> bool:
@@ -270,9 +279,14 @@ class _Checks:
         return {"model": self.expected.served_model_name, "messages": messages, "max_tokens": max_tokens,
                 "temperature": 0, "seed": 0}
 
-    def _greedy(self, messages: list[dict[str, str]]) -> Greedy:
+    def _greedy(self, messages: list[dict[str, str]], counted: bool = False) -> Greedy:
+        """counted: cached tokens from /metrics where the server gives none (None: not attributable)."""
         body = self._body(messages, GREEDY_TOKENS) | {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
-        return parse_greedy(self._post(body))
+        before = self._metrics() if counted and self._counts_from_metrics else None
+        answer = parse_greedy(self._post(body))
+        if before is None:
+            return answer
+        return replace(answer, cached_tokens=attributed_hits(before, self._metrics(), answer.prompt_tokens))
 
     def _post(self, body: dict[str, Any]) -> bytes:
         answer = once_more(lambda: fetch(self.transport, self.expected.port, PATH, self.timeout_s, self.api_key,
