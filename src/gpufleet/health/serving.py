@@ -4,14 +4,13 @@ the host's transport, with its API key, bounded in time:
     prefix-cache  the prompt re-processing probe (gpufleet.health.probe): a prefix cache that never hits fails
     cached-cold   one greedy prompt, cold (a fresh prefix), then again once its prefix is cached: the same tokens
     sessions      two sessions with different prefixes, sent at once with their prefixes cached: each gets its own
-                  cold answer back (no state of one session in the other's)
+                  answer back within batch noise (no state of one session in the other's)
     tools         with a tool parser and auto tool choice set: `tool_choice: "required"` returns a parsed tool call
                   whose arguments are a JSON object, and `"auto"` is accepted and never returns the call as text
     reasoning     with a reasoning parser set: the reasoning arrives in its own field, apart from the content
 
-How the answers are judged (cached against cold within a logprob tolerance, a parsed tool call, reasoning apart)
-lives in gpufleet.health.serving_rules. A check whose request got no answer (sent twice), or whose cache counters
-other traffic shared, could not run (AnswerCheck.ran false).
+How the answers are judged lives in gpufleet.health.serving_rules. A check whose request got no answer (sent twice),
+or whose cache counters other traffic shared, could not run (AnswerCheck.ran false).
 
     >>> results = run_checks(transport, expected, Served.from_spec(spec), ("cached-cold", "tools"), api_key=key)
     >>> [r.line() for r in results if not r.ok]
@@ -35,11 +34,14 @@ from gpufleet.health.probe import probe
 from gpufleet.health.serving_rules import (
     TOLERANCE_NATS,
     TOOL,
+    Comparison,
     Greedy,
     ServerFault,
+    SessionJudgement,
     agreement,
-    closer_to,
+    compare,
     completion_doc,
+    judge_session,
     parse_greedy,
     reasoning_problem,
     text_tool_call_problem,
@@ -108,6 +110,20 @@ def run_checks(
     return tuple(run.result(name, steps[name]) for name in wanted)
 
 
+def measure_sessions(transport: Transport, expected: Expected, *, api_key: str | None = None,
+                     timeout_s: float = CHECK_TIMEOUT_S) -> dict[str, SessionJudgement]:
+    """One exchange of the sessions check, each session judged with its figures (for a GPU run to record)."""
+    return _Checks(transport, expected, api_key, TOLERANCE_NATS, timeout_s, os.urandom(4).hex()).judged_sessions()[0]
+
+
+def measure_cached_cold(transport: Transport, expected: Expected, *, api_key: str | None = None,
+                        timeout_s: float = CHECK_TIMEOUT_S) -> Comparison:
+    """The cached answer of a fresh prompt against its cold one, as figures."""
+    run = _Checks(transport, expected, api_key, TOLERANCE_NATS, timeout_s, os.urandom(4).hex())
+    conversation, cold = run._cold("a")
+    return compare(cold, run._until_hit(conversation))
+
+
 def failed(checks: Sequence[AnswerCheck]) -> str | None:
     """One line naming the first failed check with its evidence; None when all passed."""
     bad = next((c for c in checks if not c.ok), None)
@@ -157,8 +173,25 @@ class _Checks:
         return f"{line} ({cached.cached_tokens} of {cached.prompt_tokens} prompt tokens cached)"
 
     def sessions(self) -> str:
+        judged, hits = self.judged_sessions()
+        lines = []
+        for label, found in judged.items():
+            if not found.ok:
+                raise ServerFault(f"session {label}, sent beside the other, got another answer than its own: "
+                                  f"{found.line}")
+            lines.append(f"{label}: {found.line}")
+        apart = judged["a"].figures.apart
+        if not judged["a"].figures.told_apart:
+            lines.append(f"the sessions' first tokens are {apart:.3f} nats apart alone, within batch noise: crossed "
+                         "state could not be told from it")
+        return "; ".join(lines) + f" (cached tokens: {hits})"
+
+    def judged_sessions(self) -> tuple[dict[str, SessionJudgement], list[int | None]]:
+        """Both sessions alone, then at once from the cache: each judged, and their cached tokens (one sum from
+        /metrics)."""
         sessions = {"a": self._cold("a"), "b": self._cold("b")}
         self._until_hit(sessions["b"][0])  # b's prefix cached too, so both come back from the cache
+        before = self._metrics() if self._counts_from_metrics else None
         answers: dict[str, Greedy | BaseException] = {}
 
         def send(label: str) -> None:
@@ -172,26 +205,22 @@ class _Checks:
             t.start()
         for t in threads:
             t.join()
-        lines = []
-        for label, (_, cold) in sessions.items():
-            got, other = answers[label], sessions["b" if label == "a" else "a"][1]
-            if isinstance(got, BaseException):
-                raise got
-            agree, line = agreement(cold, got, self.tolerance)
-            if not agree:
-                raise ServerFault(f"session {label}, sent beside the other, got another answer than its own cold one: "
-                             f"{line}")
-            if closer_to(got, other, cold):
-                raise ServerFault(f"session {label}'s answer is nearer the other session's cold answer than its own: "
-                             "cached state crossed sessions")
-            lines.append(f"{label}: {line.split(',')[0]}")
-        hits = [answers[label].cached_tokens for label in sessions]  # type: ignore[union-attr]
-        if None not in hits and not all(hits):
+        got: dict[str, Greedy] = {}
+        for label, answer in answers.items():
+            if isinstance(answer, BaseException):
+                raise answer
+            got[label] = answer
+        hits = [got[label].cached_tokens for label in sessions]
+        if before is not None:
+            both = attributed_hits(before, self._metrics(), sum(g.prompt_tokens for g in got.values()))
+            if both is None:
+                raise NotRun(f"other requests used the prefix cache while the sessions were sent: {UNATTRIBUTABLE}")
+            hits = [both]
+        if not all(hits):
             raise ServerFault(f"the sessions were not served from the cache (cached tokens {hits}): the check did not "
-                         "exercise cached state")
-        if sessions["a"][1] == sessions["b"][1]:
-            lines.append("the two cold answers are identical: the sessions' states could not be told apart")
-        return "; ".join(lines) + f" (cached tokens: {hits})"
+                              "exercise cached state")
+        return {label: judge_session(got[label], cold, sessions["b" if label == "a" else "a"][1])
+                for label, (_, cold) in sessions.items()}, hits
 
     def tools(self) -> str:
         body = self._body([{"role": "user", "content": "What is the weather in Paris? Use the tool."}], 64)
@@ -281,7 +310,8 @@ class _Checks:
 
     def _greedy(self, messages: list[dict[str, str]], counted: bool = False) -> Greedy:
         """counted: cached tokens from /metrics where the server gives none (None: not attributable)."""
-        body = self._body(messages, GREEDY_TOKENS) | {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
+        body = self._body(messages, GREEDY_TOKENS) | {"logprobs": True, "top_logprobs": TOP_LOGPROBS,
+                                                      "return_tokens_as_token_ids": True}
         before = self._metrics() if counted and self._counts_from_metrics else None
         answer = parse_greedy(self._post(body))
         if before is None:
