@@ -22,6 +22,7 @@ from gpufleet.health.serving_rules import (
     ServerFault,
     agreement,
     compare,
+    dropped_tool_call_problem,
     judge_session,
     parse_greedy,
     reasoning_problem,
@@ -213,6 +214,36 @@ def test_a_required_tool_call_must_be_parsed_and_carry_a_json_object():
     assert "names \"rm_rf\"" in tool_call_problem(completion({"content": "", "tool_calls": [other]}))
     assert text_tool_call_problem(completion({"content": text})).startswith("a tool call came back as plain text")
     assert text_tool_call_problem(completion({"content": "It is sunny."})) is None
+
+
+def ended(message: dict, finish: str, generated: list[str] | None = None, completion_tokens: int = 5) -> bytes:
+    """An "auto" answer that ended with `finish`, its generated tokens in logprobs (None: logprobs not asked)."""
+    logprobs = None if generated is None else {"content": [{"token": t, "logprob": -0.1} for t in generated]}
+    return json.dumps({"choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+                       "usage": {"prompt_tokens": 10, "completion_tokens": completion_tokens}}).encode()
+
+
+CALL_TOKENS = ["<tool_call>", "\n", "<function=get_weather>", "\n", "<parameter=city>", "\nParis\n", "</parameter>",
+               "\n", "</function>", "\n", "</tool_call>", "<|im_end|>"]
+NOTHING = {"role": "assistant", "content": None, "reasoning": None, "tool_calls": []}
+
+
+def test_an_auto_tool_call_the_parser_dropped_fails_and_an_answer_that_said_nothing_does_not():
+    # What a parser that swallows the call returns: vLLM's own shapes, with the call gone.
+    assert "no tool call came back" in text_tool_call_problem(ended(NOTHING, "tool_calls", CALL_TOKENS))
+    dropped = text_tool_call_problem(ended(NOTHING, "stop", CALL_TOKENS))
+    assert dropped.startswith("the model generated '<tool_call>") and "neither content, reasoning nor a tool call" \
+        in dropped, dropped
+    assert "the model generated 5 tokens" in dropped_tool_call_problem(ended({**NOTHING, "content": ""}, "stop"))
+    # Nothing lost: a model that stopped at once, a call cut off by max_tokens (vLLM drops an unfinished call),
+    # text or reasoning that came back, a parsed call.
+    assert dropped_tool_call_problem(ended(NOTHING, "stop", ["<|im_end|>"])) is None
+    assert dropped_tool_call_problem(ended(NOTHING, "stop", completion_tokens=1)) is None
+    assert dropped_tool_call_problem(ended(NOTHING, "length", CALL_TOKENS[:5])) is None
+    assert dropped_tool_call_problem(ended({**NOTHING, "content": "Sunny."}, "stop", ["Sunny", "."])) is None
+    assert dropped_tool_call_problem(ended({**NOTHING, "reasoning": "Hmm"}, "stop", ["Hmm"])) is None
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert text_tool_call_problem(ended({**NOTHING, "tool_calls": [call]}, "tool_calls", CALL_TOKENS)) is None
 
 
 def test_reasoning_must_arrive_in_its_own_field():

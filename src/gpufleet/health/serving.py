@@ -6,7 +6,8 @@ the host's transport, with its API key, bounded in time:
     sessions      two sessions with different prefixes, sent at once with their prefixes cached: each gets its own
                   answer back within batch noise (no state of one session in the other's)
     tools         with a tool parser and auto tool choice set: `tool_choice: "required"` returns a parsed tool call
-                  whose arguments are a JSON object, and `"auto"` is accepted and never returns the call as text
+                  whose arguments are a JSON object, and `"auto"` is accepted and neither returns the call as text
+                  nor drops it
     reasoning     with a reasoning parser set: the reasoning arrives in its own field, apart from the content
 
 How the answers are judged lives in gpufleet.health.serving_rules. A check whose request got no answer (sent twice),
@@ -223,19 +224,20 @@ class _Checks:
                 for label, (_, cold) in sessions.items()}, hits
 
     def tools(self) -> str:
-        body = self._body([{"role": "user", "content": "What is the weather in Paris? Use the tool."}], 64)
-        body |= {"tools": [TOOL], "tool_choice": "required",
-                 # Qwen's templates: no thinking first, so the call starts at once, within the token budget.
-                 "chat_template_kwargs": {"enable_thinking": False}}
-        for choice, rule, extra in (("required", tool_call_problem, {}),
-                                    ("auto", text_tool_call_problem, {"max_tokens": 32})):
+        for choice, rule in (("required", tool_call_problem), ("auto", text_tool_call_problem)):
             try:
-                problem = rule(self._post(body | {"tool_choice": choice, **extra}))
+                problem = rule(self._post(self.tool_request(choice)))
             except ServerFault as wrong:  # vLLM refuses tool calls without a tool parser (400), "auto" without both flags
                 problem = str(wrong)
             if problem:
                 raise ServerFault(f'tool_choice "{choice}": {problem}')
         return 'tool_choice "required" returned a get_weather call with JSON arguments; "auto" accepted'
+
+    def tool_request(self, choice: str) -> dict[str, Any]:
+        """The tools check's request. Why each field: docs/verify.md ("Tools, and a model that reasons first")."""
+        body = self._body([{"role": "user", "content": "What is the weather in Paris? Use the tool."}], 64)
+        body |= {"tools": [TOOL], "tool_choice": choice, "chat_template_kwargs": {"enable_thinking": False}}
+        return body | ({"include_reasoning": False} if choice == "required" else {"max_tokens": 32, "logprobs": True})
 
     def reasoning(self) -> str:
         body = self._body([{"role": "user", "content": "Think briefly, then answer: what is 2 + 2?"}], 16)

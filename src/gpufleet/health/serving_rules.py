@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ TOOL: dict[str, Any] = {"type": "function", "function": {
 # What a tool call looks like when the tool parser did not take it out of the text (Qwen's formats).
 TOOL_MARKUP = ("<tool_call>", "<function=", '"name": "get_weather"')
 THINK_MARKUP = ("<think>", "</think>")
+SPECIAL_TOKEN = re.compile(r"<\|[^|<>]*\|>")  # a chat marker such as <|im_end|>
 
 
 class ServerFault(Exception):
@@ -235,12 +237,38 @@ def tool_call_problem(body: bytes) -> str | None:
 
 
 def text_tool_call_problem(body: bytes) -> str | None:
-    """`tool_choice: "auto"`: whatever the model chose, a tool call must not come back as plain text."""
+    """`tool_choice: "auto"`: whatever the model chose, a tool call comes back parsed, not as text nor dropped."""
     message = completion_doc(body)["choices"][0].get("message") or {}
     content = str(message.get("content") or "")
     if not message.get("tool_calls") and any(m in content for m in TOOL_MARKUP):
         return f"a tool call came back as plain text: {excerpt(content, 60)!r}"
-    return None
+    return dropped_tool_call_problem(body)
+
+
+def dropped_tool_call_problem(body: bytes) -> str | None:
+    """finish_reason tool_calls without a call, or generated text (logprobs; else tokens) that stopped on its own
+    yet came back as nothing. A call cut off at max_tokens (length) may rightly be dropped."""
+    choice = completion_doc(body)["choices"][0]
+    message = choice.get("message") or {}
+    if message.get("tool_calls"):
+        return None
+    if choice.get("finish_reason") == "tool_calls":
+        return "finish_reason is tool_calls, but no tool call came back: the tool parser dropped it"
+    said = [message.get(k) for k in ("content", "reasoning", "reasoning_content")]
+    if choice.get("finish_reason") != "stop" or any(isinstance(t, str) and t.strip() for t in said):
+        return None
+    entries = (choice.get("logprobs") or {}).get("content")
+    if isinstance(entries, list):
+        generated = "".join(str(e.get("token", "")) for e in entries if isinstance(e, dict))
+        if not SPECIAL_TOKEN.sub("", generated).strip():
+            return None
+        what = repr(excerpt(generated, 60))
+    else:
+        completion = (completion_doc(body).get("usage") or {}).get("completion_tokens")
+        if not (isinstance(completion, int) and completion > 1):
+            return None
+        what = f"{completion} tokens"
+    return f"the model generated {what}, which came back as neither content, reasoning nor a tool call: dropped"
 
 
 def reasoning_problem(body: bytes) -> str | None:
