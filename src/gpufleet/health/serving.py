@@ -191,7 +191,8 @@ class _Checks:
         """Both sessions alone, then at once from the cache: each judged, and their cached tokens (one sum from
         /metrics)."""
         sessions = {"a": self._cold("a"), "b": self._cold("b")}
-        self._until_hit(sessions["b"][0])  # b's prefix cached too, so both come back from the cache
+        for conversation, _ in sessions.values():  # both prefixes cached, whether or not cached-cold ran first
+            self._until_hit(conversation)
         before = self._metrics() if self._counts_from_metrics else None
         answers: dict[str, Greedy | BaseException] = {}
 
