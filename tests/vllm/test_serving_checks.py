@@ -23,6 +23,7 @@ from tests.vllm_peer import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 RUNS = 20
+EXCHANGES = 5  # the 20 runs above exercise the sessions check itself; these print its figures
 PARSERS = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
 AS_THE_PROFILE = Served(prefix_caching=True, tool_parser=True, reasoning_parser=True)
 NEW_CHECKS = ("cached-cold", "sessions", "tools", "reasoning")
@@ -79,7 +80,7 @@ def test_the_sessions_figures_a_gpu_run_records_come_back_with_each_judgement(se
     On this CPU they show the engine's batch noise here (printed), not a GPU's."""
     s = servers["good"]
     drifts, flips, apart = [], 0, []
-    for _ in range(10):
+    for _ in range(EXCHANGES):
         judged = measure_sessions(s.transport, s.expected)
         assert set(judged) == {"a", "b"} and all(j.ok for j in judged.values()), judged
         for found in judged.values():
@@ -88,7 +89,7 @@ def test_the_sessions_figures_a_gpu_run_records_come_back_with_each_judgement(se
             drifts.append(figures.own.drift)
             flips += figures.own.flip is not None
         apart.append(judged["a"].figures.apart)
-    print(f"\n[serving] sessions, 10 exchanges: batched vs alone drift at most {max(drifts):.6f} nats, {flips} flips; "
+    print(f"\n[serving] sessions, {EXCHANGES} exchanges: batched vs alone drift at most {max(drifts):.6f} nats, {flips} flips; "
           f"the two sessions' first tokens {min(apart):.4f}-{max(apart):.4f} nats apart alone")
 
 
