@@ -167,6 +167,19 @@ def test_sessions_within_batch_noise_of_each_other_cannot_be_told_apart_and_pass
     assert found.figures.apart == pytest.approx(0.04)
 
 
+def test_the_first_tokens_are_compared_over_the_tokens_all_three_top_lists_share():
+    # Batch noise (0.03 nats) swapped 'f', last of the top list, out for 'y'. The other session lists 'f' far from
+    # this one's (the sessions apart) and 'z' by chance near: over the pairs' own shared tokens the answer would read
+    # 0.01 from the other's and 0.03 from its own, which is noise, not crossed state.
+    own = greedy("abcdef", OWN.logprobs, [{"b": -1.5, "f": -2.4, "z": -2.5}, *OWN.top[1:]])
+    got = greedy("abcdef", [-0.53, *OWN.logprobs[1:]], [{"b": -1.53, "y": -2.42, "z": -2.53}, *OWN.top[1:]])
+    other = greedy("qrstuv", OTHER.logprobs, [{"f": -1.0, "z": -2.52}, *OTHER.top[1:]])
+    found = judge_session(got, own, other)
+    assert found.ok, found
+    figures = found.figures
+    assert (figures.first_own, figures.first_other, figures.apart) == pytest.approx((0.03, 0.01, 0.02))
+    assert not figures.told_apart
+
 def test_answers_of_different_lengths_without_a_flip_are_a_fault():
     found = judge_session(greedy("abc", OWN.logprobs[:3], OWN.top[:3]), OWN, OTHER)
     assert not found.ok and found.line.startswith("6 tokens alone, 3 beside the other session")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,12 +91,15 @@ def _margin(answer: Greedy, i: int, token: str) -> float | None:
     return None if alternative is None else answer.logprobs[i] - alternative
 
 
-def first_token_distance(a: Greedy, b: Greedy) -> float | None:
-    """The largest logprob gap at the first position over the tokens both top lists hold; None: none shared."""
-    if not (a.tokens and b.tokens):
-        return None
-    first_a, first_b = {**a.top[0], a.tokens[0]: a.logprobs[0]}, {**b.top[0], b.tokens[0]: b.logprobs[0]}
-    return max((abs(first_a[t] - first_b[t]) for t in first_a.keys() & first_b.keys()), default=None)
+def first_logprobs(answer: Greedy) -> dict[str, float]:
+    """The first position's top logprobs, its chosen token's included."""
+    return {**answer.top[0], answer.tokens[0]: answer.logprobs[0]} if answer.tokens else {}
+
+
+def first_token_distance(a: Greedy, b: Greedy, over: AbstractSet[str]) -> float | None:
+    """The largest logprob gap at the first position over the tokens of `over` both hold; None: none."""
+    first_a, first_b = first_logprobs(a), first_logprobs(b)
+    return max((abs(first_a[t] - first_b[t]) for t in over & first_a.keys() & first_b.keys()), default=None)
 
 
 def agreement(cold: Greedy, cached: Greedy, tolerance: float = TOLERANCE_NATS) -> tuple[bool, str]:
@@ -127,7 +131,8 @@ def _over(c: Comparison, a: Greedy, b: Greedy, bound: float, names: tuple[str, s
 @dataclass(frozen=True)
 class SessionFigures:
     """The raw figures judge_session decided on, for a GPU run to record: the batched answer against its own answer
-    alone (own), first_token_distance to its own and to the other's alone, the two alone apart, tokens shared with
+    alone (own); first_token_distance to its own and to the other's alone, and the two alone apart, all over the
+    tokens the three top lists share (else a token one list lacks could make either look nearer); tokens shared with
     the other's alone."""
 
     own: Comparison
@@ -156,8 +161,9 @@ def judge_session(got: Greedy, own: Greedy, other: Greedy) -> SessionJudgement:
     """`got` (sent beside the other session) against `own` (sent alone) and `other` (the other session's alone): batch
     noise passes; more is a fault, and so is being nearer `other` where the sessions stand apart."""
     c = compare(own, got)
-    figures = SessionFigures(c, first_token_distance(own, got), first_token_distance(other, got),
-                             first_token_distance(own, other), compare(other, got).shared)
+    common = first_logprobs(own).keys() & first_logprobs(other).keys() & first_logprobs(got).keys()
+    figures = SessionFigures(c, first_token_distance(own, got, common), first_token_distance(other, got, common),
+                             first_token_distance(own, other, common), compare(other, got).shared)
     problem = _batch_problem(c, own, got)
     nearer = figures.told_apart and figures.nearer_other
     if problem is None and nearer:
