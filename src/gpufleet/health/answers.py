@@ -20,8 +20,8 @@ A request that got no answer at all is sent once more; with none again, its chec
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from gpufleet.health.api import HttpStatusError, fetch, stream_chat
@@ -39,18 +39,21 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class AnswerCheck:
     """One request's verdict: `detail` is one line, what came back when it passed and what was wrong when not.
-    ran=False: it could not run, which says nothing against the server."""
+    ran=False: it could not run, which says nothing against the server. figures: what a serving check judged on
+    (gpufleet.health.serving_rules' dataclasses by name), passed or not, for a GPU run to record."""
 
     name: str
     ok: bool
     detail: str
     ran: bool = True
+    figures: Mapping[str, object] = field(default_factory=dict)
 
     def line(self) -> str:
         return f"{self.name}: {self.detail}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"check": self.name, "ok": self.ok, "detail": self.detail, "ran": self.ran}
+        return {"check": self.name, "ok": self.ok, "detail": self.detail, "ran": self.ran,
+                "figures": asdict(self)["figures"]}
 
 
 class NotRun(Exception):

@@ -10,8 +10,9 @@ the host's transport, with its API key, bounded in time:
                   nor drops it
     reasoning     with a reasoning parser set: the reasoning arrives in its own field, apart from the content
 
-How the answers are judged lives in gpufleet.health.serving_rules. A check whose request got no answer (sent twice),
-or whose cache counters other traffic shared, could not run (AnswerCheck.ran false).
+How the answers are judged lives in gpufleet.health.serving_rules; a result carries what it judged on (figures). A
+check whose request got no answer (sent twice), or whose cache counters other traffic shared, could not run
+(AnswerCheck.ran false).
 
     >>> results = run_checks(transport, expected, Served.from_spec(spec), ("cached-cold", "tools"), api_key=key)
     >>> [r.line() for r in results if not r.ok]
@@ -35,7 +36,6 @@ from gpufleet.health.probe import probe
 from gpufleet.health.serving_rules import (
     TOLERANCE_NATS,
     TOOL,
-    Comparison,
     Greedy,
     ServerFault,
     SessionJudgement,
@@ -111,20 +111,6 @@ def run_checks(
     return tuple(run.result(name, steps[name]) for name in wanted)
 
 
-def measure_sessions(transport: Transport, expected: Expected, *, api_key: str | None = None,
-                     timeout_s: float = CHECK_TIMEOUT_S) -> dict[str, SessionJudgement]:
-    """One exchange of the sessions check, each session judged with its figures (for a GPU run to record)."""
-    return _Checks(transport, expected, api_key, TOLERANCE_NATS, timeout_s, os.urandom(4).hex()).judged_sessions()[0]
-
-
-def measure_cached_cold(transport: Transport, expected: Expected, *, api_key: str | None = None,
-                        timeout_s: float = CHECK_TIMEOUT_S) -> Comparison:
-    """The cached answer of a fresh prompt against its cold one, as figures."""
-    run = _Checks(transport, expected, api_key, TOLERANCE_NATS, timeout_s, os.urandom(4).hex())
-    conversation, cold = run._cold("a")
-    return compare(cold, run._until_hit(conversation))
-
-
 def failed(checks: Sequence[AnswerCheck]) -> str | None:
     """One line naming the first failed check with its evidence; None when all passed."""
     bad = next((c for c in checks if not c.ok), None)
@@ -141,8 +127,13 @@ class _Checks:
         self.words: int | None = None  # filler words for a prompt that can hit, once calibrated
         self.cold: dict[str, tuple[Conversation, Greedy]] = {}
         self.silent: str | None = None  # the check whose request got no answer
+        self.figures: dict[str, dict[str, object]] = {}  # per check, what it judged on (AnswerCheck.figures)
 
     def result(self, name: str, step: Callable[[], str]) -> AnswerCheck:
+        """The check's verdict, with the figures it judged on, whether it passed or not."""
+        return replace(self._verdict(name, step), figures=self.figures.get(name, {}))
+
+    def _verdict(self, name: str, step: Callable[[], str]) -> AnswerCheck:
         if self.silent is not None:  # its requests would wait out the same deadlines
             return AnswerCheck(name, False, f"not sent: {self.silent} got no answer", ran=False)
         try:
@@ -168,6 +159,7 @@ class _Checks:
     def cached_cold(self) -> str:
         conversation, cold = self._cold("a")
         cached = self._until_hit(conversation)
+        self.figures["cached-cold"] = {"cached": compare(cold, cached)}
         agree, line = agreement(cold, cached, self.tolerance)
         if not agree:
             raise ServerFault(f"the cached answer differs from the cold one: {line}")
@@ -175,6 +167,7 @@ class _Checks:
 
     def sessions(self) -> str:
         judged, hits = self.judged_sessions()
+        self.figures["sessions"] = {**{label: found.figures for label, found in judged.items()}, "cached_tokens": hits}
         lines = []
         for label, found in judged.items():
             if not found.ok:
