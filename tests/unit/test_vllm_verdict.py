@@ -1,7 +1,8 @@
 """The verify's verdict, the rollback inside the verify operation and the commit after it: `--dry` lists the verify
 (its name says it rolls back) and the commit apart (pyinfra's plan of the qwen35 playbook, prepared offline on a given
 snapshot); while executing, the rollback runs at once after a failed verify and fails the host, the commit only after
-a passed one; a check whose request got no answer leaves the version pending, with no failure mark."""
+a passed one; a check whose request got no answer leaves the version pending, with no failure mark, and a rollout
+says so on the host's line."""
 
 from __future__ import annotations
 
@@ -15,14 +16,20 @@ from pyinfra.connectors.util import CommandOutput
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra_cli.prints import build_plan_json, print_meta
 
+from gpufleet.harness.result import HostResult as RunResult
 from gpufleet.health import HealthReport, HealthState
 from gpufleet.health.answers import AnswerCheck
-from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin
+from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, render
 from gpufleet.operations.run import host_run, reported
 from gpufleet.remote.transport import LOOPBACK, ContainerInfo, DeadlineExceeded
+from gpufleet.rollout.deploy import DeployRun
+from gpufleet.rollout.ledgers import parse_read
+from gpufleet.rollout.report import Outcome, short
+from gpufleet.rollout.swap import judge
 from gpufleet.vllm import verify
 from gpufleet.vllm.deploy import plan_for
 from gpufleet.vllm.verify import VerifyOutcome
+from tests.unit.test_ledger_reader import output as reading
 from tests.unit.test_vllm_deploy import DATA, REF, bare_but_installed, converged_host, planned
 
 VERIFY = "Verify vLLM is ready (/health, /v1/models), else roll back"
@@ -206,3 +213,23 @@ def test_a_check_that_answers_wrong_still_fails_the_verify_and_marks_the_version
                                                      run_checks=lambda *_, **__: (wrong,))
     assert results[VERIFY] is False and verify.outcome(target).check == "tools"
     assert calls == [("roll back", (f"misconfigured: check {wrong.line()}", "tools"))]
+
+
+def test_the_rollouts_line_names_the_check_that_could_not_run_and_the_version_left_pending(monkeypatch):
+    """The verify's line as a rollout reads it: from the deploy run's result file, beside the host's ledger after."""
+    ledger = pending_over_committed()
+    state, *_ = verified_against(monkeypatch, NoAnswer(), ledger, check_answers=passing_answers)
+    run = DeployRun(("gpu1",), 1, "", 1.0, {"gpu1": RunResult("gpu1", False, True, tuple(reported(state)["gpu1"]))})
+    new = ledger.pending.version
+
+    def read(lg: Ledger) -> Any:
+        return parse_read("gpu1", new.service, new.port, 0, reading(render(lg)), "")
+
+    before = read(Ledger(committed=ledger.committed))
+    found = judge("gpu1", new.ref, before, read(ledger), run, 31.5, None, held=("completion", "stream", "cached-cold"))
+    assert found.outcome is Outcome.FAILED and found.checks == (), found  # neither passed nor failed
+    assert found.phase.startswith(f"failed (31.5 s down): gpu1: could not finish verifying {new.service} (serving "
+                                  "check cached-cold: could not run: DeadlineExceeded: "), found.phase
+    assert "the new version stays pending" in found.phase and f"pending {short(new.ref)})" in found.phase
+    (problem,) = found.as_dict()["problems"]
+    assert problem["id"] == "failed" and "run the rollout again" in problem["fix"], problem
