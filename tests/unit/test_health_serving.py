@@ -251,6 +251,7 @@ def test_an_auto_tool_call_the_parser_dropped_fails_and_an_answer_that_said_noth
     # Nothing lost: a model that stopped at once, a call cut off by max_tokens (vLLM drops an unfinished call),
     # text or reasoning that came back, a parsed call.
     assert dropped_tool_call_problem(ended(NOTHING, "stop", ["<|im_end|>"])) is None
+    assert dropped_tool_call_problem(ended(NOTHING, "stop", ["<think>", "\n\n", "</think>", "<|im_end|>"])) is None
     assert dropped_tool_call_problem(ended(NOTHING, "stop", completion_tokens=1)) is None
     assert dropped_tool_call_problem(ended(NOTHING, "length", CALL_TOKENS[:5])) is None
     assert dropped_tool_call_problem(ended({**NOTHING, "content": "Sunny."}, "stop", ["Sunny", "."])) is None

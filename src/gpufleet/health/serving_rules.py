@@ -30,7 +30,8 @@ TOOL: dict[str, Any] = {"type": "function", "function": {
 # What a tool call looks like when the tool parser did not take it out of the text (Qwen's formats).
 TOOL_MARKUP = ("<tool_call>", "<function=", '"name": "get_weather"')
 THINK_MARKUP = ("<think>", "</think>")
-SPECIAL_TOKEN = re.compile(r"<\|[^|<>]*\|>")  # a chat marker such as <|im_end|>
+# Generated markup that says nothing: a chat marker such as <|im_end|>, an (empty) think block's tags.
+SILENT_MARKUP = re.compile(r"<\|[^|<>]*\|>|</?think>")
 
 
 class ServerFault(Exception):
@@ -266,7 +267,7 @@ def dropped_tool_call_problem(body: bytes) -> str | None:
     entries = (choice.get("logprobs") or {}).get("content")
     if isinstance(entries, list):
         generated = "".join(str(e.get("token", "")) for e in entries if isinstance(e, dict))
-        if not SPECIAL_TOKEN.sub("", generated).strip():
+        if not SILENT_MARKUP.sub("", generated).strip():
             return None
         what = repr(excerpt(generated, 60))
     else:
