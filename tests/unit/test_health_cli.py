@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from gpufleet.cli.verify import load_targets, status, verify
 from gpufleet.health import HealthReport, HealthState
+from gpufleet.health.answers import AnswerCheck
 from gpufleet.health.runner import HostResult
 from gpufleet.vllm.settings import build_spec
 from gpufleet.wire.identity import Expected
@@ -201,6 +202,37 @@ def test_server_strings_are_shown_as_text_never_read_as_markup(inventory, monkey
     result = CliRunner().invoke(status, [str(inventory), "--host", "box-b"])
     assert result.exit_code == 0, result.output
     assert "[/x]" in result.output and "[bold]0.32" in result.output
+
+
+def test_verify_shows_a_check_that_could_not_run_as_not_run_with_a_fix_to_run_it_again(inventory, monkeypatch):
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    answers = (AnswerCheck("completion", True, "2 tokens (length)"), AnswerCheck("stream", True, "3 chunks"))
+    checks = (AnswerCheck("cached-cold", True, "the same 6 tokens"),
+              AnswerCheck("sessions", False, "could not run: DeadlineExceeded: no answer within 120 s", ran=False),
+              AnswerCheck("tools", False, 'tool_choice "required": no parsed tool call'))
+    ready = HealthReport(HealthState.READY, "/health 200", host="box-b")
+    found = HostResult(target, ready, answers=answers, checks=checks)
+    monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [found])
+    args = [str(inventory), "--host", "box-b", "--checks", "all"]
+    result = CliRunner().invoke(verify, args)
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("┃ host") and "sessions" in line)
+    row = next(line for line in lines[header:] if "box-b" in line)
+    assert [cell.strip() for cell in row.strip("│ ").split("│")] == ["box-b", "-", "passed", "not run", "FAILED", "-"]
+    run_again = f"(fix: run it again (`gpufleet verify {inventory} --host box-b`); if its requests keep getting no answer"
+    assert any("sessions: could not run" in line and run_again in line for line in result.output.splitlines())
+    assert any("tools:" in line and "gpufleet rollback" in line for line in result.output.splitlines())
+
+    (host,) = json.loads(CliRunner().invoke(verify, [*args, "--json"]).stdout)["hosts"]
+    assert [(c["check"], c["ok"], c["ran"]) for c in host["checks"]] == [
+        ("cached-cold", True, True), ("sessions", False, False), ("tools", False, True)]
+    # Told apart by id: a client that acts on a failed check must not act on one that could not run.
+    (not_run, failed) = host["problems"]
+    assert (not_run["id"], failed["id"]) == ("check-not-run", "serving-check"), host["problems"]
+    assert not_run["message"].startswith("serving check sessions: could not run: ") and "run it again" in not_run["fix"]
+    assert "gpufleet rollback" in failed["fix"] and "gpufleet rollback" not in not_run["fix"]
 
 
 # --- routers: verify checks each router of the inventory against its replicas ----------------------------------------

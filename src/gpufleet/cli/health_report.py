@@ -40,10 +40,15 @@ def host_problems(r: HostResult, inventory: str) -> list[Problem]:
         found.append(Problem.from_line(str(h.state), f"{h.state}: {h.detail}", name,
                                        _state_fix(h.state, name, service, inventory)))
     rollback = f"if a new image broke it, `gpufleet rollback {inventory} --host {name}`"
+    again = (f"run it again (`gpufleet verify {inventory} --host {name}`); if its requests keep getting no answer, "
+             f"read `journalctl -u {service}` on {name}")
+    # A check that could not run has an id of its own: whatever acts on a failed check must not act on it.
     found += [Problem("answer", f"answer check {a.line()}", f"read `journalctl -u {service}` on {name}; {rollback}")
+              if a.ran else Problem("check-not-run", f"answer check {a.line()}", again)
               for a in r.answers if not a.ok]
     found += [Problem("serving-check", f"serving check {c.line()}",
                       f"{rollback}; if the settings did, see docs/verify.md for what {c.name} needs")
+              if c.ran else Problem("check-not-run", f"serving check {c.line()}", again)
               for c in r.checks if not c.ok]
     if r.probe_error:
         found.append(Problem("probe-error", f"probe failed: {r.probe_error}",

@@ -114,16 +114,17 @@ def _session_cell(p: ProbeReport) -> str:
 
 
 def checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
-    """One row per host, one column per serving check: passed, failed, or "-" where the host's settings give the
-    check nothing to check (no tool parser, no reasoning parser) or it was not reached."""
+    """One row per host, one column per serving check: passed, failed, not run (no answer), or "-" where the host's
+    settings give the check nothing to check (no tool parser, no reasoning parser) or it was not reached."""
     table = Table(title="serving checks", header_style="bold")
     table.add_column("host")
     for name in names:
         table.add_column(name)
     for r in results:
-        got = {c.name: c.ok for c in r.checks}
-        cells = [Text("-") if name not in got else Text("passed", style="green") if got[name]
-                 else Text("FAILED", style="red") for name in names]
+        got = {c.name: c for c in r.checks}
+        cells = [Text("-") if name not in got else Text("passed", style="green") if got[name].ok
+                 else Text("FAILED", style="red") if got[name].ran else Text("not run", style="yellow")
+                 for name in names]
         table.add_row(Text(r.target.name), *cells)
     return table
 

@@ -158,7 +158,8 @@ def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], Answ
                  clock: Callable[[], float] = time.monotonic) -> Callable[[], HealthReport]:  # fmt: skip
     """check_once, plus a request sent (at most every `every_s`) while the host reads ready: a failed answer makes
     the look misconfigured, with the check's line as its evidence; unless a look right after it finds the host no
-    longer ready (its engine died meanwhile), which says more."""
+    longer ready (its engine died meanwhile), which says more. One that got no answer says nothing: the next look
+    stands."""
     last_sent: list[float] = []
 
     def look() -> HealthReport:
@@ -166,6 +167,8 @@ def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], Answ
         if report.ready and (not last_sent or clock() - last_sent[-1] >= every_s):
             last_sent[:] = [clock()]
             answer = send()
+            if not answer.ran:
+                return check_once()
             if not answer.ok:
                 return answer_failed(check_once, f"answers: {answer.line()}")
         return report
@@ -180,10 +183,14 @@ def answer_failed(check_once: Callable[[], HealthReport], line: str) -> HealthRe
     return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=line)
 
 
+class CheckNotRun(Exception):
+    """A check could not run while the host still read ready (one line naming it)."""
+
+
 def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome | None:
     """Ready within timeout_s, then still ready for soak_s, answering as a client expects: passed. Else failed (the
-    failed container's log printed). None: the verify could not finish (the controller lost sight of the host); the
-    host failed on one line and the new version stays pending."""
+    failed container's log printed). None: the verify could not finish (the controller lost sight of the host, or a
+    check could not run); the host failed on one line and the new version stays pending."""
     spec = v.spec
     exited = service_exited(host, spec.service)
     check_once = v.check_once(host, Expected.from_spec(spec))
@@ -202,19 +209,24 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
     problem = installed_problem(pending.version, report.container) if report.ready and pending else None
     if problem:
         report = replace(report, state=HealthState.MISCONFIGURED, detail=problem)
-    if report.ready:
-        report, failed_check = answers_report(host, v, report, check_once)
-    if report.ready and pending is not None and v.checks:
-        report, failed_check = serving_report(host, v, report, check_once)
-    if report.ready:
+    not_run = None
+    try:
+        if report.ready:
+            report, failed_check = answers_report(host, v, report, check_once)
+        if report.ready and pending is not None and v.checks:
+            report, failed_check = serving_report(host, v, report, check_once)
+    except CheckNotRun as unknown:
+        not_run = str(unknown)
+    if report.ready and not_run is None:
         host.log_styled(f"ready: {report.detail}", fg="green")
         return VerifyOutcome(passed=True, ready_at=ready_at)
-    if transient(report) and pending is not None:
-        # The controller lost sight of the host; the host said nothing against the version. Neither committed nor
-        # rolled back, nor marked failed: it stays pending, and the next run (ledger.resume) verifies it again.
-        fail(host, f"{host.name}: could not finish verifying {spec.service} ({report.state}: {report.detail}); "
-                   "nothing was committed or rolled back, the new version stays pending (fix: restore the link to the "
-                   "host, then converge again: the next run verifies it)")
+    if not_run is not None or (transient(report) and pending is not None):
+        # Nothing against the version: it stays pending, unmarked, and the next run (ledger.resume) verifies it again.
+        why = not_run or f"{report.state}: {report.detail}"
+        kept = ", the new version stays pending" if pending else ""
+        fix = "converge again" if not_run else "restore the link to the host, then converge again"
+        fail(host, f"{host.name}: could not finish verifying {spec.service} ({why}); nothing was committed or rolled "
+                   f"back{kept} (fix: {fix}: the next run verifies it)")
         return None
 
     logs = failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]
@@ -279,7 +291,7 @@ def answers_report(host: Host, v: Verification, ready: HealthReport,
     as it was when all passed) and the failed check's name."""
     checks = check_answers(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
                            api_key=v.key)
-    bad = failed_answers(checks)
+    bad = failed_answers([c for c in checks if c.ran])
     return _judged(host, "answer check", checks, ready, check_once, bad and f"answers: {bad}")
 
 
@@ -294,15 +306,23 @@ def serving_report(host: Host, v: Verification, ready: HealthReport,
     host.log_styled(f"serving checks: {', '.join(names)} (gpufleet_verify_checks)")
     checks = run_checks(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
                         served, names, api_key=v.key)
-    return _judged(host, "serving check", checks, ready, check_once, failed_serving(checks))
+    return _judged(host, "serving check", checks, ready, check_once, failed_serving([c for c in checks if c.ran]))
 
 
 def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthReport,
             check_once: Callable[[], HealthReport], bad: str | None) -> tuple[HealthReport, str | None]:
+    """A wrong answer fails the verify; a check that could not run raises CheckNotRun, unless the host is no longer
+    ready."""
     for c in checks:
-        host.log_styled(f"{kind} {c.line()}", fg="green" if c.ok else "red")
-    if bad is None:
+        host.log_styled(f"{kind} {c.line()}", fg="green" if c.ok else "red" if c.ran else "yellow")
+    if bad is not None:
+        return answer_failed(check_once, bad), next(c.name for c in checks if not c.ok and c.ran)
+    unknown = next((c for c in checks if not c.ran), None)
+    if unknown is None:
         return ready, None
-    return answer_failed(check_once, bad), next(c.name for c in checks if not c.ok)
+    again = check_once()
+    if not again.ready:
+        return again, None
+    raise CheckNotRun(f"{kind} {unknown.line()}")
 
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:  # imported from the package: the checkout's tests, mypy
     from .vllm_argv import VERSION
-    from .vllm_chat import chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
+    from .vllm_chat import as_token_ids, chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
     from .vllm_engine import Engine
 else:  # the image's /opt/gpufleet-standin: side by side, and a script's own directory is on sys.path
     from vllm_argv import VERSION
-    from vllm_chat import chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
+    from vllm_chat import as_token_ids, chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
     from vllm_engine import Engine
 
 MISBEHAVE = os.environ.get("STANDIN_MISBEHAVE", "")
@@ -284,6 +284,8 @@ class Handler(BaseHTTPRequestHandler):
             answer = stale_tokens if MISBEHAVE == "cache-corrupt" and cached else greedy_tokens
             entries = answer(text, n_out, top)
             pieces = [entry["token"] for entry in entries]
+            if req.get("return_tokens_as_token_ids"):
+                entries = as_token_ids(entries)
             if e.args.reasoning_parser and thinking:  # the parser finds no end of thinking: all of it is reasoning
                 reasoning = "".join(pieces)
             else:
