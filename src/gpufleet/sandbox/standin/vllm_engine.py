@@ -65,6 +65,7 @@ class Engine:
         self.ttft: list[float] = []
         # Per prompt character (tokens were characters once: a rate that callers set keeps its meaning).
         self.seconds_per_char = float(os.environ.get("STANDIN_PREFILL_SECONDS_PER_TOKEN", "0.000005"))
+        self.seconds_per_token = float(os.environ.get("STANDIN_DECODE_SECONDS_PER_TOKEN", "0.002"))  # 500 tokens/s
 
     def cached_tokens(self, tokens: list[str]) -> int:
         """Longest previously seen block-aligned prefix, never the whole prompt: floor((L-1)/B)*B at most."""
