@@ -49,8 +49,8 @@ def test_the_good_tags_pass_against_each_other_and_record_their_workload(server)
     # A prompt of 2.5 chunks (within a few tokens), completions of a fixed length, max-num-seqs of them at once.
     assert 2 * 1024 < first.prompt_tokens <= 2.5 * 1024 and (first.decode_tokens, first.concurrency) == (64, 2)
     assert len(first.prefill_tokens_per_s) == 3 and len(first.cached_ttft_s) == 9 and len(first.batch_tokens_per_s) == 3
-    # The stand-in decodes a token every 2 ms (STANDIN_DECODE_SECONDS_PER_TOKEN): the figure reads the server's pace.
-    assert 250 < first.median("decode_tokens_per_s") <= 520, first.line()
+    # The stand-in decodes a token every 5 ms (STANDIN_DECODE_SECONDS_PER_TOKEN): the figure reads the server's pace.
+    assert 50 < first.median("decode_tokens_per_s") <= 205, first.line()
 
 
 def test_the_speed_tags_set_the_behaviour_they_are_named_after():
@@ -95,7 +95,7 @@ def test_a_second_request_in_flight_on_stalls_under_load_never_ends_and_stays_ru
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "ignore_eos": True}
     first = threading.Thread(target=s.chat, args=(body,), daemon=True)
     first.start()
-    time.sleep(0.05)  # the first is decoding (64 tokens, 2 ms each) when the second arrives
+    time.sleep(0.05)  # the first is decoding (64 tokens, 5 ms each) when the second arrives
     conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=1)
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
     with pytest.raises(TimeoutError):

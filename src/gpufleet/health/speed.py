@@ -1,12 +1,9 @@
 """The speed check: how fast a server serves, measured through its transport (docs/verify.md, Speed).
 
-    prefill  a cold prompt of PREFILL_CHUNKS prefill chunks: prompt tokens / time to first token
-    cached   the next turn of that conversation, its prefix cached: time to first token
-    decode   a greedy completion of DECODE_TOKENS tokens (ignore_eos): tokens after the first / their time
-    batch    max-num-seqs of them at once while /health is polled: tokens / time; one that never ends is a stall
-
-    >>> figures = measure(transport, expected, Served.from_spec(spec), api_key=key)
-    >>> compare(old, figures, tolerance=0.35)  # None, or one line naming each slower figure and both values
+    prefill  a cold prompt of PREFILL_CHUNKS chunks: prompt tokens / time to first token
+    cached   its next turn, the prefix cached: time to first token
+    decode   DECODE_TOKENS greedy tokens (ignore_eos): tokens / time
+    batch    max-num-seqs of those at once, /health polled: tokens / time; one that never ends is a stall
 """
 
 from __future__ import annotations
@@ -54,22 +51,30 @@ class SpeedFault(ServerFault):
 
 def measure(transport: Transport, expected: Expected, served: Served, *, api_key: str | None = None,
             repeats: int = REPEATS, timeout_s: float = REQUEST_TIMEOUT_S, run_id: str | None = None) -> SpeedFigures:
-    """The four stages on one server. SpeedFault for a stall or a failure under load; other errors propagate."""
+    """The four stages on one server; SpeedFault for a stall or a failure under load."""
     run = _Run(transport, expected, api_key, timeout_s, run_id or os.urandom(4).hex())
-    prompt_tokens, prefill, cached = run.prefill(served, repeats)
-    decode, single_s = run.decode(repeats)
+    words = run.words(served)
     concurrency = min(max(served.max_num_seqs or DEFAULT_CONCURRENCY, 2), MAX_CONCURRENCY)
-    bound = STALL_FACTOR * concurrency * single_s + STALL_SLACK_S
-    batch = tuple(run.batch(concurrency, bound) for _ in range(repeats))
-    return SpeedFigures(prefill_tokens_per_s=prefill, cached_ttft_s=cached, decode_tokens_per_s=decode,
-                        batch_tokens_per_s=batch, prompt_tokens=prompt_tokens, decode_tokens=DECODE_TOKENS,
+    lengths, prefill, cached, decode, batch, single_s = [], [], [], [], [], []
+    # One repeat of every stage a round: a burst of load hits one repeat of each figure, not all of one.
+    for r in range(repeats):
+        length, rate, ttfts = run.cold(words, r)
+        lengths.append(length)
+        prefill.append(rate)
+        cached += ttfts
+        rate, total = run.decode(r)
+        decode.append(rate)
+        single_s.append(total)
+        batch.append(run.batch(concurrency, STALL_FACTOR * concurrency * statistics.median(single_s) + STALL_SLACK_S,
+                               r))
+    return SpeedFigures(tuple(prefill), tuple(cached), tuple(decode), tuple(batch),
+                        prompt_tokens=int(statistics.median(lengths)), decode_tokens=DECODE_TOKENS,
                         concurrency=concurrency)
 
 
 def speed_check(transport: Transport, expected: Expected, served: Served, earlier: SpeedFigures | None,
                 tolerance: float, *, api_key: str | None = None) -> tuple[AnswerCheck, SpeedFigures | None]:
-    """measure(), held to `earlier` (the old version's figures on this host) within `tolerance`. Never raises for
-    what the server or the way to it does: that is a failed check, without figures."""
+    """measure(), held to the old version's figures; what the server or the link does fails the check."""
     try:
         figures = measure(transport, expected, served, api_key=api_key)
     except (ServerFault, BadAnswer, HttpStatusError) as wrong:
@@ -88,44 +93,31 @@ class _Run:
     timeout_s: float
     run_id: str
 
-    def prefill(self, served: Served, repeats: int) -> tuple[int, tuple[float, ...], tuple[float, ...]]:
-        """(median prompt tokens, each prefill's tokens/s, each cached turn's TTFT)."""
-        words = self._words(served)
-        lengths, rates, cached = [], [], []
-        for r in range(repeats):
-            # A fresh seed opens each prompt: nothing of it is cached.
-            conversation = Conversation(f"{self.run_id}-{r}", "speed", words)
-            cold = self._stream(conversation.messages, 8)
-            lengths.append(_count(cold.prompt_tokens, "prompt_tokens"))
-            rates.append(lengths[-1] / max(cold.ttft_s, 1e-6))
-            for i in range(FOLLOW_UPS):
-                turn = conversation.next_turn(cold.text or "ok", f"And then, step {i + 1}?")
-                cached.append(self._stream(turn, 1).ttft_s)
-        return int(statistics.median(lengths)), tuple(rates), tuple(cached)
+    def cold(self, words: int, r: int) -> tuple[int, float, list[float]]:
+        """(prompt tokens, prefill tokens/s, each next turn's TTFT) of a cold prompt (a fresh seed: all uncached)."""
+        conversation = Conversation(f"{self.run_id}-{r}", "speed", words)
+        cold = self._stream(conversation.messages, 8)
+        length = _count(cold.prompt_tokens, "prompt_tokens")
+        cached = [self._stream(conversation.next_turn(cold.text or "ok", f"And then, step {i + 1}?"), 1).ttft_s
+                  for i in range(FOLLOW_UPS)]
+        return length, length / max(cold.ttft_s, 1e-6), cached
 
-    def decode(self, repeats: int) -> tuple[tuple[float, ...], float]:
-        """(each completion's decode tokens/s, the median time of one)."""
-        rates, totals = [], []
-        for r in range(repeats):
-            got = self._stream(self._short(f"decode-{r}"), DECODE_TOKENS, fixed=True)
-            tokens = _count(got.completion_tokens, "completion_tokens")
-            if tokens < 2:
-                raise SpeedFault(f"a completion asked for {DECODE_TOKENS} tokens with ignore_eos gave {tokens}: no "
-                                 "decode rate can be measured")
-            rates.append((tokens - 1) / max(got.total_s - got.ttft_s, 1e-6))
-            totals.append(got.total_s)
-        return tuple(rates), statistics.median(totals)
+    def decode(self, r: int) -> tuple[float, float]:
+        """(tokens/s, seconds) of a fixed-length completion."""
+        # Over the whole time, not the gaps between chunks: a server may send its chunks in bursts.
+        got = self._stream(self._short(f"decode-{r}"), DECODE_TOKENS, fixed=True)
+        return _count(got.completion_tokens, "completion_tokens") / max(got.total_s, 1e-6), got.total_s
 
-    def batch(self, n: int, bound_s: float) -> float:
-        """n completions at once, /health polled until they end or bound_s passed: tokens per second. SpeedFault
-        when one did not end (naming what /health said meanwhile) or failed."""
+    def batch(self, n: int, bound_s: float, r: int) -> float:
+        """Tokens/s of n completions at once; SpeedFault when one failed or did not end within bound_s."""
         results: dict[int, Completion | BaseException] = {}
         ended: dict[int, float] = {}
         start = time.monotonic()
 
         def send(i: int) -> None:
             try:
-                results[i] = self._stream(self._short(f"batch-{i}"), DECODE_TOKENS, fixed=True, timeout_s=bound_s)
+                results[i] = self._stream(self._short(f"batch-{r}-{i}"), DECODE_TOKENS, fixed=True,
+                                          timeout_s=bound_s)
             except BaseException as error:  # noqa: BLE001 - judged below, on this thread's behalf
                 results[i] = error
             ended[i] = time.monotonic()
@@ -155,7 +147,7 @@ class _Run:
         return tokens / max(max(ended.values()) - start, 1e-6)
 
     # ---------------------------------------------------------------------------------------------- the requests
-    def _words(self, served: Served) -> int:
+    def words(self, served: Served) -> int:
         """Filler words for a cold prompt of PREFILL_CHUNKS chunks, within max_model_len."""
         chunk = served.max_num_batched_tokens or ASSUMED_MAX_NUM_BATCHED_TOKENS
         target = PREFILL_CHUNKS * chunk

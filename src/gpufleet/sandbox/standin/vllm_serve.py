@@ -19,7 +19,7 @@ Behaves like vLLM where gpufleet depends on it:
   a crude sub-word split: a chat marker is one token, a word is cut in pieces of up to 4 letters or digits, any
   other character is one token); prefill sleeps STANDIN_PREFILL_SECONDS_PER_TOKEN (default 5e-6) per uncached
   prompt character, as when a token was a character, and each token after the first takes
-  STANDIN_DECODE_SECONDS_PER_TOKEN (default 0.002); an answer ends after 16 tokens unless `ignore_eos` (or
+  STANDIN_DECODE_SECONDS_PER_TOKEN (default 0.005); an answer ends after 16 tokens unless `ignore_eos` (or
   `min_tokens`) asks for more, as vLLM's do;
 - greedy answers: the generated tokens, their logprobs and top alternatives (`logprobs`, `top_logprobs`, also per
   streamed chunk) are a function of the whole prompt and the position, so a prompt gets the same answer whether
