@@ -47,18 +47,18 @@ def test_a_loss_within_the_spread_of_the_repeats_is_noise_not_a_regression():
     assert compare(OLD, steady, 0.35) == "cached TTFT 0.090 s, was 0.050 (0.56x the speed): more than 35% slower"
 
 
-def test_without_earlier_figures_the_new_ones_are_recorded_and_pass():
+def test_without_earlier_figures_the_new_ones_pass_and_the_line_says_so():
     ok, line = verdict(None, OLD, 0.35)
-    assert ok and line == ("no earlier figures on this host: recorded prefill 30000 tokens/s, cached TTFT 0.050 s, "
+    assert ok and line == ("no earlier figures on this host to compare: prefill 30000 tokens/s, cached TTFT 0.050 s, "
                            "decode 200 tokens/s, batch 380 tokens/s; 20480-token prompt, 64 tokens each, 2 at once")
 
 
-def test_figures_of_another_workload_are_recorded_not_compared():
+def test_figures_of_another_workload_are_not_compared():
     other = replace(OLD, prompt_tokens=10240, prefill_tokens_per_s=(1000.0,))
     assert comparable(OLD, other) == "the workload changed: a 10240-token prompt, was 20480"
     assert compare(OLD, other, 0.35) is None
     ok, line = verdict(OLD, other, 0.35)
-    assert ok and line.startswith("the workload changed: a 10240-token prompt, was 20480: recorded prefill 1000 ")
+    assert ok and line.startswith("the workload changed: a 10240-token prompt, was 20480: prefill 1000 ")
     assert comparable(OLD, replace(OLD, concurrency=4)) == ("the workload changed: 64 tokens x 4 at once, was 64 "
                                                             "x 2")
     assert comparable(OLD, replace(OLD, prompt_tokens=20500)) is None  # a seed's own few tokens

@@ -13,7 +13,9 @@ import time
 from dataclasses import replace
 
 import pytest
+from rich.console import Console
 
+from gpufleet.cli.health_tables import speed_table
 from gpufleet.defaults import DEFAULTS, SPEED_TOLERANCE_SETTING
 from gpufleet.health import speed
 from gpufleet.health.answers import check_answers
@@ -139,7 +141,15 @@ def test_verify_holds_a_host_to_the_figures_recorded_for_the_digest_it_runs(serv
     assert [(c.name, c.ok) for c in result.checks] == [("speed", True), ("cached-cold", True)], result.checks
     assert result.speed_earlier == recorded and result.speed is not None
     assert result.checks[0].detail.startswith("prefill "), result.checks[0].detail
-    # Another digest runs than the one the figures were recorded for: nothing to hold it to, recorded only.
+    # Another digest runs than the one the figures were recorded for: nothing to hold it to.
     other = check_host(replace(target, recorded_speed=(REF.replace("a", "b"), recorded)), transport=Container(),
                        answer=True, checks=("speed",))
-    assert other.speed_earlier is None and other.checks[0].detail.startswith("no earlier figures on this host")
+    assert other.speed_earlier is None
+    assert other.checks[0].detail.startswith("no earlier figures on this host to compare: prefill "), other.checks
+    # The table: each figure now, and in brackets the one recorded at commit where there is one.
+    console = Console(record=True, width=200)
+    console.print(speed_table([result, replace(other, target=replace(target, name="gpu2"))]))
+    lines = {line.split()[1]: line for line in console.export_text().splitlines() if " gpu" in line}
+    decode = "decode_tokens_per_s"
+    assert f"{result.speed.median(decode):.0f} ({recorded.median(decode):.0f})" in lines["gpu1"], lines
+    assert other.speed is not None and f"{other.speed.median(decode):.0f} " in lines["gpu2"] and "(" not in lines["gpu2"]

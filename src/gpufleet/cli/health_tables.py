@@ -14,7 +14,7 @@ from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.runner import HostResult
 from gpufleet.router.status import RouterStatus
 from gpufleet.wire.geometry import resolved_block_sizes
-from gpufleet.wire.speed import FIGURES
+from gpufleet.wire.speed import FIGURES, value_text
 
 _STATE_STYLE = {
     HealthState.READY: "green",
@@ -140,7 +140,8 @@ def speed_table(results: list[HostResult]) -> Table:
         if r.speed is None:
             continue
         was = r.speed_earlier
-        cells = [f"{r.speed.median(name):.3g}" + (f" ({was.median(name):.3g})" if was else "") for name in FIGURES]
+        cells = [value_text(name, r.speed.median(name)) + (f" ({value_text(name, was.median(name))})" if was else "")
+                 for name in FIGURES]
         workload = f"{r.speed.prompt_tokens}-token prompt, {r.speed.decode_tokens} tokens x {r.speed.concurrency}"
         table.add_row(*_plain(r.target.name, *cells, workload))
     return table

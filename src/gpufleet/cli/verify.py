@@ -51,7 +51,7 @@ def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]
 
 def with_recorded_speed(inventory: str, host: str | None, targets: list[HostTarget]) -> list[HostTarget]:
     """Each target with the speed figures its ledger recorded for the committed digest, and its tolerance: what
-    `--checks speed` holds the host to. A ledger that cannot be read gives none (the check then records only)."""
+    `--checks speed` holds the host to. A ledger that cannot be read gives none (the check then compares nothing)."""
     fleet = {h.name: h for h in load_fleet(inventory, host)}
     with Sessions(list(fleet.values())) as sessions:
         ledgers = read_ledgers(sessions, list(fleet))

@@ -1,5 +1,5 @@
-"""A version's speed on one host as figures (gpufleet.health.speed measures them), and the rule that holds a new
-version's to the old one's: a ratio of medians, beyond the tolerance and beyond the repeats' spread (docs/verify.md).
+"""A version's speed on one host (gpufleet.health.speed measures it), and the rule that holds a new version to the
+old one: a ratio of medians, beyond the tolerance and beyond the repeats' spread (docs/verify.md, Speed).
 
     >>> old = SpeedFigures((30000.0,) * 3, (0.05,) * 9, (200.0,) * 3, (380.0,) * 3, 20480, 64, 2)
     >>> compare(old, dataclasses.replace(old, prefill_tokens_per_s=(1500.0, 1510.0, 1490.0)), tolerance=0.3)
@@ -63,7 +63,7 @@ class SpeedFigures:
                    samples["batch_tokens_per_s"], *(int(doc[name]) for name in WORKLOAD))
 
     def brief(self) -> str:
-        return ", ".join(f"{label} {_value(name, self.median(name))} {unit}"
+        return ", ".join(f"{label} {value_text(name, self.median(name))} {unit}"
                          for name, (label, unit, _) in FIGURES.items())
 
     def line(self) -> str:
@@ -76,7 +76,8 @@ def _positive(value: object) -> bool:
             and value > 0)
 
 
-def _value(name: str, value: float) -> str:
+def value_text(name: str, value: float) -> str:
+    """A figure's value as lines and tables show it."""
     return f"{value:.3f}" if FIGURES[name][1] == "s" else f"{value:.0f}"
 
 
@@ -115,31 +116,31 @@ def slower(old: SpeedFigures, new: SpeedFigures, tolerance: float) -> list[str]:
 
 
 def compare(old: SpeedFigures, new: SpeedFigures, tolerance: float) -> str | None:
-    """One line naming each slower figure with both medians; None when none is, or when not comparable."""
+    """One line naming each slower figure with both medians, or None."""
     if comparable(old, new):
         return None
     ratios = speed_ratios(old, new)
-    parts = [f"{FIGURES[name][0]} {_value(name, new.median(name))} {FIGURES[name][1]}, was "
-             f"{_value(name, old.median(name))} ({ratios[name]:.2f}x the speed)" for name in slower(old, new, tolerance)]
+    parts = [f"{FIGURES[name][0]} {value_text(name, new.median(name))} {FIGURES[name][1]}, was "
+             f"{value_text(name, old.median(name))} ({ratios[name]:.2f}x the speed)" for name in slower(old, new, tolerance)]
     return "; ".join(parts) + f": more than {tolerance:.0%} slower" if parts else None
 
 
 def against(old: SpeedFigures, new: SpeedFigures, tolerance: float) -> str:
-    """Each figure's median now and its speed ratio, a loss within the spread marked."""
+    """Each figure's median now and its speed ratio."""
     ratios = speed_ratios(old, new)
     noisy = {name for name, r in ratios.items() if r < 1 - tolerance and not beyond_spread(old, new, name)}
     note = ", within the repeats' spread"
-    return ", ".join(f"{label} {_value(name, new.median(name))} {unit} ({ratios[name]:.2f}x"
+    return ", ".join(f"{label} {value_text(name, new.median(name))} {unit} ({ratios[name]:.2f}x"
                      f"{note if name in noisy else ''})" for name, (label, unit, _) in FIGURES.items())
 
 
 def verdict(earlier: SpeedFigures | None, now: SpeedFigures, tolerance: float) -> tuple[bool, str]:
-    """(passed, one line) of the speed check; without comparable earlier figures it records and passes."""
+    """(passed, line); without comparable earlier figures it passes."""
     if earlier is None:
-        return True, f"no earlier figures on this host: recorded {now.line()}"
+        return True, f"no earlier figures on this host to compare: {now.line()}"
     why = comparable(earlier, now)
     if why:
-        return True, f"{why}: recorded {now.line()}, not compared"
+        return True, f"{why}: {now.line()}, not compared"
     problem = compare(earlier, now, tolerance)
     if problem:
         return False, problem
