@@ -107,10 +107,10 @@ DEFAULTS: dict[str, Any] = {
     # (docs/verify.md): a list of names, "all" or "none". Each runs only where the settings give it something to
     # check. "prefix-cache" (the probe, up to 49 requests) is left to gpufleet_verify_probe and a rollout's canary.
     "gpufleet_verify_checks": ("cached-cold", "sessions", "tools", "reasoning"),
-    # The speed check (docs/verify.md): how much slower than the old version a figure may be measured on the same
-    # host (0.35 = 35%) before the new version fails. Above a version's noise against itself, well below a real
-    # regression (measured: docs/verify.md).
-    "gpufleet_speed_tolerance": 0.35,
+    # The speed check (docs/verify.md): how much speed every repeat of a figure may lose against the old version's
+    # median on the same host (0.7: down to 0.3x) before the new version fails. Above a version's noise against
+    # itself on a loaded machine, below a real regression (measured: docs/verify.md); a GPU host can hold a tighter one.
+    "gpufleet_speed_tolerance": 0.7,
     # {host: the old version's speed figures} as a rollout measured them before the swap: what the speed check holds
     # the new version to. Unset, the check records the new figures without comparing.
     "gpufleet_speed_baseline": None,

@@ -674,7 +674,7 @@ def test_a_host_whose_old_version_could_not_be_measured_records_the_new_figures_
 
 
 def test_a_host_rolled_back_on_speed_names_it_and_has_no_new_figures():
-    line = "check speed: prefill 1500 tokens/s, was 30000 (0.05x the speed): more than 35% slower"
+    line = "check speed: prefill 1500 tokens/s, was 30000 (0.05x the speed): every repeat more than 70% slower"
     failed = ledger.roll_back(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), f"misconfigured: {line}",
                               "t2", check="speed")
     outcome = judge("h1", NEW, read(committed_on(OLD)), read(failed), run_of(1), 9.0, None, HELD, SPEED_OLD)

