@@ -107,6 +107,16 @@ DEFAULTS: dict[str, Any] = {
     # (docs/verify.md): a list of names, "all" or "none". Each runs only where the settings give it something to
     # check. "prefix-cache" (the probe, up to 49 requests) is left to gpufleet_verify_probe and a rollout's canary.
     "gpufleet_verify_checks": ("cached-cold", "sessions", "tools", "reasoning"),
+    # The speed check (docs/verify.md): how much speed every repeat of a figure may lose against the old version's
+    # median on the same host (0.7: down to 0.3x) before the new version fails. Above a version's noise against
+    # itself on a loaded machine, below a real regression (measured: docs/verify.md); a GPU host can hold a tighter one.
+    "gpufleet_speed_tolerance": 0.7,
+    # {host: the old version's speed figures} as a rollout measured them before the swap: what the speed check holds
+    # the new version to. Unset, the check records the new figures without comparing.
+    "gpufleet_speed_baseline": None,
+    # A rollout holds the hosts after its canary to the speed check too (each measured before and after its swap),
+    # not only the canary.
+    "gpufleet_speed_batches": False,
     # Fetch the Docker and NVIDIA repo keys even where a keyring is installed, and replace a key that rotated. Off,
     # an installed key stands (no request leaves the host) until apt installs from its repo, which fetches it first.
     "gpufleet_refresh_keys": False,
@@ -161,6 +171,9 @@ RETRY_SETTING: Final = "gpufleet_retry_failed"
 EXPECT_COMMITTED_SETTING: Final = "gpufleet_expect_committed"
 VERIFY_PROBE_SETTING: Final = "gpufleet_verify_probe"
 VERIFY_CHECKS_SETTING: Final = "gpufleet_verify_checks"
+SPEED_TOLERANCE_SETTING: Final = "gpufleet_speed_tolerance"
+SPEED_BASELINE_SETTING: Final = "gpufleet_speed_baseline"
+SPEED_BATCHES_SETTING: Final = "gpufleet_speed_batches"
 REFRESH_KEYS_SETTING: Final = "gpufleet_refresh_keys"
 WAIT_SETTING: Final = "gpufleet_lock_wait_s"
 LEASE_SETTING: Final = "gpufleet_lock_lease_s"

@@ -7,7 +7,8 @@ vLLM image), with the hosts' vllm_image on a tag of this module's own that the t
 2. the tag on `rejects-flag`: caught in prepare, no host swapped (same containers);
 3. the tag on `dies`: the canary rolled back and serving the old digest, the others untouched, exit 1; `history`
    shows the failure; a plain converge changes nothing; the same with `completions-fail` (up, and every completion
-   answers 500), the canary's row naming the answer check;
+   answers 500), the canary's row naming the answer check, and with the tags each serving check catches (`slow`
+   and `stalls-under-load` by the speed check, measured on the canary before and after its swap);
 4. the tag back on `good` (an earlier committed digest); the controller killed mid-rollout; the re-run completes
    and no host was started twice;
 5. `rollback --host` returns a host to its previous digest, gated.
@@ -198,11 +199,27 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
         assert row["downtime_s"] is not None and 0 < row["downtime_s"] < 60
     # The canary was held to every serving check its settings apply to; the hosts after it to the answers.
     checks = {row["host"]: [(c["check"], c["ok"]) for c in row["checks"]] for row in doc["hosts"]}
-    assert [name for name, _ in checks[names[0]]][:3] == ["completion", "stream", "prefix-cache"]
+    assert [name for name, _ in checks[names[0]]][:4] == ["completion", "stream", "speed", "prefix-cache"]
     assert {"cached-cold", "sessions"} <= {name for name, _ in checks[names[0]]}
     assert all(ok for _, ok in checks[names[0]]) and all(checks[n] == [("completion", True), ("stream", True)]
                                                          for n in names[1:]), checks
     assert "serving check cached-cold: the same" in log.read_text()
+    # Its speed, measured before the swap (good) and after it (good-next, the same stand-in), new against old; kept
+    # in its ledger with the committed version, as `history` shows.
+    speed = doc["hosts"][0]["speed"]
+    assert speed["before"] and speed["after"] and set(speed["ratios"]) == {"prefill_tokens_per_s", "cached_ttft_s",
+                                                                          "decode_tokens_per_s", "batch_tokens_per_s"}
+    assert all(row["speed"] is None for row in doc["hosts"][1:])
+    assert "serving check speed: prefill " in log.read_text()
+    history = json.loads(gpufleet("history", str(inventory), "--host", names[0], "--json").stdout)
+    assert history["hosts"][0]["rows"][0]["speed"] == speed["after"]
+    # `verify --checks speed` holds the canary to those figures; the hosts without any are measured, not held.
+    verified = gpufleet("verify", str(inventory), "--checks", "speed", "--json")
+    assert verified.returncode == 0, verified.stdout[-4000:]
+    rows = {row["host"]: row for row in json.loads(verified.stdout)["hosts"]}
+    assert rows[names[0]]["speed"]["recorded"] == speed["after"] and rows[names[0]]["checks"][0]["ok"], rows[names[0]]
+    assert all(rows[n]["speed"]["recorded"] is None and rows[n]["checks"][0]["detail"].startswith(
+        "no earlier figures on this host to compare: ") for n in names[1:]), rows
     for h in hosts:
         assert running_image(fleet, h) == digests["good-next"]
     # Never more than one host (--batch 1) out of service, and each one was out at some point.
@@ -281,6 +298,10 @@ def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, py
     # Serving checks the canary is held to: answers that change once cached, tool calls that come back as text.
     ("cache-corrupt", "cached-cold", "check cached-cold: the cached answer differs from the cold one"),
     ("tools-broken", "tools", 'check tools: tool_choice "required": no parsed tool call'),
+    # Right answers, slower than the version before it on the same host: the figure and both values are named.
+    ("slow", "speed", r"check speed: .*prefill \d+ tokens/s, was \d+ \(0\.\d\dx the speed\)"),
+    ("stalls-under-load", "speed", r"check speed: 1 of 2 requests sent at once did not finish within \d+ s, while "
+                                   r"/health answered 200 all along"),
 ])  # fmt: skip
 def test_an_image_that_fails_its_clients_rolls_the_canary_back_naming_the_check(fleet, tag, inventory, hosts, digests,
                                                                                 broken_tag, check, caught):
@@ -294,7 +315,7 @@ def test_an_image_that_fails_its_clients_rolls_the_canary_back_naming_the_check(
     assert doc["target"] == broken
     assert outcomes(doc) == {canary.name: "rolled-back", **{h.name: "not-started" for h in others}}
     (row,) = [r for r in doc["hosts"] if r["host"] == canary.name]
-    assert caught in row["detail"], row
+    assert re.search(caught, row["detail"]), row
     assert row["checks"][-1] == {"check": check, "ok": False} and all(c["ok"] for c in row["checks"][:-1]), row
     assert running_image(fleet, canary) == digests["good-next"]
     for h in others:

@@ -328,8 +328,8 @@ def test_a_check_whose_requests_get_no_answer_could_not_run_and_the_next_are_not
 
 
 def test_checks_apply_where_the_settings_give_them_something_to_check():
-    assert Served().applicable() == ("prefix-cache", "cached-cold", "sessions")
-    assert Served(prefix_caching=False, tool_parser=True).applicable() == ("prefix-cache", "tools")
+    assert Served().applicable() == ("speed", "prefix-cache", "cached-cold", "sessions")
+    assert Served(prefix_caching=False, tool_parser=True).applicable() == ("speed", "prefix-cache", "tools")
     assert Served(tool_parser=True, reasoning_parser=True).applicable(("reasoning", "tools")) == ("reasoning", "tools")
 
 
@@ -337,7 +337,7 @@ def test_checks_are_listed_by_name_all_or_none_in_one_order():
     assert parse_checks("all") == SERVING_CHECKS and parse_checks("none") == () and parse_checks([]) == ()
     assert parse_checks("tools, cached-cold") == ("cached-cold", "tools")
     assert verify_checks(("tools",), probe=True) == ("prefix-cache", "tools")
-    with pytest.raises(ValueError, match=r"unknown check tool \(known: prefix-cache, "):
+    with pytest.raises(ValueError, match=r"unknown check tool \(known: speed, prefix-cache, "):
         parse_checks(["tool"])
 
 

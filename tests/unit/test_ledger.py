@@ -30,6 +30,7 @@ from gpufleet.hoststate.ledger import (
     RollBackPending,
     Version,
 )  # fmt: skip
+from gpufleet.wire.speed import SpeedFigures
 
 OLD_REF = "vllm/vllm-openai@sha256:" + "1" * 64
 NEW_REF = "vllm/vllm-openai@sha256:" + "2" * 64
@@ -437,3 +438,38 @@ def test_pin_is_the_digest_a_tag_stands_for_pending_then_committed_then_the_one_
     # The tag that failed keeps naming the digest that failed: refused_target refuses it instead of a new resolve.
     assert L.pin(failed, NEW.image) == NEW_REF and L.refused_target(failed, NEW) is not None
     assert L.pin(failed, OLD.image) == OLD_REF
+
+
+# ---- speed figures, kept with a committed version ---------------------------------------------------------------
+FIGURES = SpeedFigures((30000.0, 31000.0, 29000.0), (0.05, 0.06, 0.04), (200.0, 201.0, 199.0),
+                       (380.0, 390.0, 370.0), prompt_tokens=20480, decode_tokens=64, concurrency=2)
+
+
+def test_a_commit_keeps_its_speed_figures_and_history_keeps_them_after_the_next_commit():
+    ledger = L.commit(pending_new(), T2, speed=FIGURES)
+    assert ledger.committed.speed == FIGURES
+    assert L.parse(L.render(ledger)) == ledger
+    later = L.commit(L.begin(ledger, OLD, OPERATOR, "t3"), "t4")
+    assert later.history[-1].speed == FIGURES and later.committed.speed is None
+    assert json.loads(L.render(later))["history"][-1]["speed"]["prompt_tokens"] == 20480
+
+
+def test_a_ledger_without_speed_figures_parses_and_renders_as_before():
+    ledger = L.commit(pending_new(), T2)
+    text = L.render(ledger)
+    assert "speed" not in text  # a ledger an older gpufleet wrote reads the same, and is written back unchanged
+    assert L.parse(text) == ledger and L.parse(text).committed.speed is None
+
+
+@pytest.mark.parametrize(("speed", "reason"), [
+    ([], "committed.speed: speed figures must be an object, not list"),
+    ({**FIGURES.as_dict(), "decode_tokens": 0}, "committed.speed: speed figures' decode_tokens is 0, not a positive "
+                                                "integer"),
+    ({**FIGURES.as_dict(), "cached_ttft_s": [0.1, -1]}, "committed.speed: speed figure cached_ttft_s is [0.1, -1], "
+                                                        "not a list of positive numbers"),
+])  # fmt: skip
+def test_speed_figures_gpufleet_did_not_write_make_the_ledger_corrupt(speed, reason):
+    doc = json.loads(L.render(L.commit(pending_new(), T2, speed=FIGURES)))
+    with pytest.raises(CorruptLedger) as err:
+        L.parse(json.dumps({**doc, "committed": {**doc["committed"], "speed": speed}}))
+    assert str(err.value) == reason

@@ -29,6 +29,7 @@ from gpufleet.rollout.swap import judge
 from gpufleet.vllm import verify
 from gpufleet.vllm.deploy import plan_for
 from gpufleet.vllm.verify import VerifyOutcome
+from gpufleet.wire.speed import SpeedFigures
 from tests.unit.test_ledger_reader import output as reading
 from tests.unit.test_vllm_deploy import DATA, REF, bare_but_installed, converged_host, planned
 
@@ -88,7 +89,8 @@ def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: VerifyOutcome | 
     calls: list[tuple[str, Any]] = []
     if found is not REAL:
         monkeypatch.setattr(verify, "verify_rollout", lambda host, v, soak_s: calls.append(("verify", soak_s)) or found)
-    monkeypatch.setattr(verify, "commit_pending", lambda host, v, ready_at: calls.append(("commit", ready_at)) or True)
+    monkeypatch.setattr(verify, "commit_pending", lambda host, v, ready_at, speed: calls.append(
+        ("commit", ready_at) if speed is None else ("commit", ready_at, speed)) or True)
     monkeypatch.setattr(verify, "roll_back", lambda host, v, ledger, failed, check=None: calls.append(
         ("roll back", (failed, check))) or False)
     state.is_executing = True
@@ -116,6 +118,13 @@ def test_a_passed_verify_commits_and_does_not_roll_back(monkeypatch):
     assert results == {VERIFY: True, COMMIT: True}
     assert calls == [("verify", 20.0), ("commit", "t2")]
     assert changed(state, target) == [VERIFY, COMMIT]
+
+
+def test_the_figures_a_passed_speed_check_measured_go_to_the_commit(monkeypatch):
+    figures = SpeedFigures((3e4,), (0.05,), (200.0,), (380.0,), prompt_tokens=20480, decode_tokens=64, concurrency=2)
+    _, _, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2", speed=figures),
+                                               pending_over_committed())
+    assert results == {VERIFY: True, COMMIT: True} and calls[-1] == ("commit", "t2", figures)
 
 
 def test_a_failed_verify_rolls_back_commits_nothing_and_fails_the_host(monkeypatch):

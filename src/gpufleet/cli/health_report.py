@@ -98,6 +98,8 @@ def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
         fields["answers"] = [a.as_dict() for a in r.answers]
     if r.checks:
         fields["checks"] = [c.as_dict() for c in r.checks]
+    if r.speed is not None:
+        fields["speed"] = {"now": r.speed.as_dict(), "recorded": r.speed_earlier.as_dict() if r.speed_earlier else None}
     return row(r.target.name, found, **fields)
 
 

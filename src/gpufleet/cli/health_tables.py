@@ -14,6 +14,7 @@ from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.runner import HostResult
 from gpufleet.router.status import RouterStatus
 from gpufleet.wire.geometry import resolved_block_sizes
+from gpufleet.wire.speed import FIGURES, value_text
 
 _STATE_STYLE = {
     HealthState.READY: "green",
@@ -126,6 +127,24 @@ def checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
                  else Text("FAILED", style="red") if got[name].ran else Text("not run", style="yellow")
                  for name in names]
         table.add_row(Text(r.target.name), *cells)
+    return table
+
+
+def speed_table(results: list[HostResult]) -> Table:
+    """One row per measured host: each speed figure now, and beside it the one its ledger recorded at commit."""
+    table = Table(title="speed (now, recorded at commit)", header_style="bold")
+    table.add_column("host")
+    for label, unit, _ in FIGURES.values():
+        table.add_column(f"{label} ({unit})")
+    table.add_column("workload")
+    for r in results:
+        if r.speed is None:
+            continue
+        was = r.speed_earlier
+        cells = [value_text(name, r.speed.median(name)) + (f" ({value_text(name, was.median(name))})" if was else "")
+                 for name in FIGURES]
+        workload = f"{r.speed.prompt_tokens}-token prompt, {r.speed.decode_tokens} tokens x {r.speed.concurrency}"
+        table.add_row(*_plain(r.target.name, *cells, workload))
     return table
 
 

@@ -49,7 +49,7 @@ from gpufleet.health.serving_rules import (
     tool_call_problem,
 )
 from gpufleet.remote.transport import BadAnswer, Transport
-from gpufleet.wire.checks import SERVING_CHECKS
+from gpufleet.wire.checks import SERVING_CHECKS, SPEED
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected, SpecArgs
 from gpufleet.wire.metrics import Metrics
@@ -66,30 +66,36 @@ UNATTRIBUTABLE = ("/metrics' counters cannot tell its hits from theirs (fix: run
 
 @dataclass(frozen=True)
 class Served:
-    """What the checks need to know of the server's settings: which parsers it runs, its prefill chunk."""
+    """What the checks need to know of the server's settings: which parsers it runs, its prefill chunk and how many
+    requests it batches."""
 
     prefix_caching: bool = True
     tool_parser: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
     reasoning_parser: bool = False
     max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
 
     @classmethod
     def from_spec(cls, spec: SpecArgs) -> Served:
-        chunk = str(spec.arg("max-num-batched-tokens") or "").replace("_", "")
         return cls(
             prefix_caching=bool(spec.prefix_caching),
             tool_parser=bool(spec.arg("enable-auto-tool-choice")) and bool(spec.arg("tool-call-parser")),
             reasoning_parser=bool(spec.arg("reasoning-parser")),
-            max_num_batched_tokens=int(chunk) if chunk.isdigit() else None,
+            max_num_batched_tokens=_count(spec, "max-num-batched-tokens"),
+            max_num_seqs=_count(spec, "max-num-seqs"),
         )
 
     def applicable(self, names: Sequence[str] = SERVING_CHECKS) -> tuple[str, ...]:
         """The checks among `names` that this server's settings give something to check."""
         # The probe runs whenever asked: a server without prefix caching is what it exists to catch.
-        needs = {"prefix-cache": True, "cached-cold": self.prefix_caching,
+        needs = {"speed": True, "prefix-cache": True, "cached-cold": self.prefix_caching,
                  "sessions": self.prefix_caching, "tools": self.tool_parser, "reasoning": self.reasoning_parser}
         return tuple(n for n in names if needs[n])
 
+
+def _count(spec: SpecArgs, flag: str) -> int | None:
+    value = str(spec.arg(flag) or "").replace("_", "")
+    return int(value) if value.isdigit() else None
 
 
 def run_checks(
@@ -104,7 +110,8 @@ def run_checks(
     """The checks among `names` that apply to `served`, in SERVING_CHECKS order; never raises for what the server (or the
     way to it) does. After a check that got no answer the rest are not sent."""
     run = _Checks(transport, expected, api_key, tolerance, timeout_s, os.urandom(4).hex())
-    wanted = served.applicable([n for n in SERVING_CHECKS if n in names])
+    # speed is gpufleet.health.speed's: it measures figures to compare, not only a verdict.
+    wanted = served.applicable([n for n in SERVING_CHECKS if n in names and n != SPEED])
     steps: dict[str, Callable[[], str]] = {
         "prefix-cache": lambda: run.prefix_cache(served.max_num_batched_tokens),
         "cached-cold": run.cached_cold, "sessions": run.sessions, "tools": run.tools, "reasoning": run.reasoning}

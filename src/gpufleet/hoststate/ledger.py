@@ -34,6 +34,7 @@ from typing import Any
 from gpufleet.defaults import RETRY_SETTING
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.names import SERVICE_NAME
+from gpufleet.wire.speed import SpeedFigures
 
 SCHEMA = 2
 HISTORY_LIMIT = 20
@@ -71,6 +72,7 @@ class Committed:
     version: Version
     committed_at: str
     ready_at: str | None = None  # when it first answered ready after its restart (None: migrated, or not measured)
+    speed: SpeedFigures | None = None  # measured by its verify's speed check on this host (None: not measured)
 
 
 @dataclass(frozen=True)
@@ -116,15 +118,16 @@ def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
     return replace(ledger, pending=Pending(version=target, started_at=now, operator=operator))
 
 
-def commit(ledger: Ledger, now: str, ready_at: str | None = None) -> Ledger:
+def commit(ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFigures | None = None) -> Ledger:
     """The ledger after the pending version passed verify and the soak: it is the new rollback target. ready_at:
-    when it first answered ready."""
+    when it first answered ready; speed: its figures, when its verify measured them."""
     pending = _pending(ledger, "commit")
     history = ledger.history
     if ledger.committed is not None and ledger.committed.version != pending.version:
         history = (*history, ledger.committed)[-HISTORY_LIMIT:]
     failed = tuple(f for f in ledger.failed if not f.matches(pending.version))
-    return Ledger(committed=Committed(pending.version, now, ready_at), pending=None, failed=failed, history=history)
+    return Ledger(committed=Committed(pending.version, now, ready_at, speed), pending=None, failed=failed,
+                  history=history)
 
 
 def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None) -> Ledger:
@@ -297,7 +300,10 @@ def _version_doc(v: Version) -> dict[str, Any]:
 
 
 def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
-    return None if c is None else {**_version_doc(c.version), "committed_at": c.committed_at, "ready_at": c.ready_at}
+    if c is None:
+        return None
+    speed = {"speed": c.speed.as_dict()} if c.speed else {}  # a ledger without figures renders as before
+    return {**_version_doc(c.version), "committed_at": c.committed_at, "ready_at": c.ready_at, **speed}
 
 
 def _kind(value: object) -> str:
@@ -358,7 +364,13 @@ def _version(doc: dict[str, Any], where: str) -> Version:
 def _committed(value: Any, where: str) -> Committed:
     doc = _object(value, where)
     ready_at = _field(doc, where, "ready_at", str, optional=True) if "ready_at" in doc else None
-    return Committed(_version(doc, where), _field(doc, where, "committed_at", str), ready_at)
+    speed = None
+    if doc.get("speed") is not None:
+        try:
+            speed = SpeedFigures.from_dict(doc["speed"])
+        except ValueError as error:
+            raise CorruptLedger(f"{where}.speed: {error}") from None
+    return Committed(_version(doc, where), _field(doc, where, "committed_at", str), ready_at, speed)
 
 
 def _parse_v2(data: dict[str, Any]) -> Ledger:

@@ -33,6 +33,7 @@ from gpufleet.vllm.service_watch import service_exited
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import env_file_path
 from gpufleet.wire.identity import Expected
+from gpufleet.wire.speed import SpeedFigures
 
 
 class Verified(Protocol):
@@ -49,9 +50,9 @@ class Verified(Protocol):
     def check_once(self, host: Host, expected: Expected) -> Callable[[], HealthReport]: ...
 
 
-def commit_pending(host: Host, v: Verified, ready_at: str) -> bool:
+def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures | None = None) -> bool:
     """The pending version passed: it becomes the committed one (the rollback target, its unit kept beside the
-    ledger); a service it renamed is stopped, disabled and removed."""
+    ledger, its speed figures in its entry); a service it renamed is stopped, disabled and removed."""
     ledger = host_run(host).ledger
     if ledger.pending is None:
         return True  # a restart of the committed version (drift, secrets): verified, nothing new to commit
@@ -81,7 +82,7 @@ def commit_pending(host: Host, v: Verified, ready_at: str) -> bool:
         return fail(host, f"{host.name}: could not keep a copy of the verified unit at {copy}: "
                           f"{' | '.join(output.stderr_lines) or 'it is not the unit the ledger names'} (fix: check "
                           f"the free space of {UNITS_DIR}, then converge again)")
-    if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at)):
+    if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at, speed)):
         return False
     # Only now, with the commit on disk, may copies of units no longer committed go.
     ok, output = host.run_shell_command(

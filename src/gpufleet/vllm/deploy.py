@@ -28,6 +28,8 @@ from gpufleet.defaults import (
     IMAGE_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
+    SPEED_BASELINE_SETTING,
+    SPEED_TOLERANCE_SETTING,
     STAGE_SETTING,
     VERIFY_CHECKS_SETTING,
     VERIFY_PROBE_SETTING,
@@ -166,7 +168,9 @@ def deploy_qwen35() -> None:
     served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
     verify = Verification(spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None,
                           layout.ledger_path, served[0] if served else spec.served_model_name,
-                          checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])))
+                          checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])),
+                          speed_earlier=(s[SPEED_BASELINE_SETTING] or {}).get(spec.host),
+                          speed_tolerance=float(s[SPEED_TOLERANCE_SETTING]))
     if not isinstance(decision, Nothing):
         service.settled(name="Settle the change a cut run left pending", decision=decision,
                         ledger_path=layout.ledger_path, roll_back=verify.roll_back_cut)

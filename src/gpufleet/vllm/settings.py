@@ -21,6 +21,9 @@ from gpufleet.defaults import (
     IMAGE_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
+    SPEED_BASELINE_SETTING,
+    SPEED_BATCHES_SETTING,
+    SPEED_TOLERANCE_SETTING,
     STAGE_SETTING,
     STAGES,
     VERIFY_CHECKS_SETTING,
@@ -49,13 +52,14 @@ from gpufleet.vllm.spec import ArgValue, Mount, ServeSpec
 from gpufleet.vllm.unit import DOCKER
 from gpufleet.vllm.value_rules import Fail, control_character
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
+from gpufleet.wire.speed import SpeedFigures
 
 # Prefixes of our settings: other host data (ssh_*, pyinfra's own keys, users' extras) is not ours to judge.
 _OUR_PREFIXES = ("vllm_", "gpufleet_", "docker_", "nvidia_")
 # systemd refuses unit file lines longer than LONG_LINE_MAX (1 MiB); keep room for the pinned digest.
 MAX_UNIT_LINE_BYTES = 1024 * 1024 - 4096
 # Settings that change what one run does; their values may come from `--data key=value` on pyinfra's command line.
-RUN_FLAGS = (RETRY_SETTING, VERIFY_PROBE_SETTING, REFRESH_KEYS_SETTING)
+RUN_FLAGS = (RETRY_SETTING, VERIFY_PROBE_SETTING, REFRESH_KEYS_SETTING, SPEED_BATCHES_SETTING)
 _BOOL_WORDS = {"true": True, "false": False}
 
 
@@ -139,6 +143,7 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
         fail("vllm_model", f"{shown(model)} is not a directory name under vllm_models_dir", 'set e.g. "qwen3.5-awq"')
     check_plain_settings(s, fail)
     _check_run_settings(s, fail)
+    _check_speed_settings(s, fail)
     check_install_settings(s, fail)
     check_site_cache(s, fail)
 
@@ -213,6 +218,24 @@ def _check_run_settings(s: Mapping[str, Any], fail: Fail) -> None:
             fail(key, f"{shown(s[key])} is not true/false", f"set True or False, or pass --data {key}=true")
     if s[STAGE_SETTING] not in STAGES:
         fail(STAGE_SETTING, f"{shown(s[STAGE_SETTING])} is not a stage", f"use one of: {', '.join(STAGES)}")
+
+
+def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
+    """The speed check's tolerance, and the baseline a rollout passes: parsed into {host: SpeedFigures}."""
+    tolerance = s[SPEED_TOLERANCE_SETTING]
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 < tolerance < 1:
+        fail(SPEED_TOLERANCE_SETTING, f"{shown(tolerance)} is not a fraction between 0 and 1",
+             f"e.g. {DEFAULTS[SPEED_TOLERANCE_SETTING]} (a figure may lose 70% of its speed)")
+    baseline = s[SPEED_BASELINE_SETTING]
+    if baseline is None:
+        return
+    try:
+        if not isinstance(baseline, dict) or not all(isinstance(k, str) for k in baseline):
+            raise ValueError("not a map of host name to figures")
+        s[SPEED_BASELINE_SETTING] = {host: SpeedFigures.from_dict(doc) for host, doc in baseline.items()}
+    except ValueError as error:
+        fail(SPEED_BASELINE_SETTING, f"{shown(baseline)}: {error}",
+             "leave it unset: a rollout passes it, measured on each host before its swap")
 
 
 def _check_unit_line(spec: ServeSpec, fail: Fail) -> None:
