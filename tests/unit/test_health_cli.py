@@ -220,7 +220,7 @@ def test_verify_shows_a_check_that_could_not_run_as_not_run_with_a_fix_to_run_it
     lines = result.output.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("┃ host") and "sessions" in line)
     row = next(line for line in lines[header:] if "box-b" in line)
-    assert [cell.strip() for cell in row.strip("│ ").split("│")] == ["box-b", "-", "passed", "not run", "FAILED", "-"]
+    assert [cell.strip() for cell in row.strip("│ ").split("│")] == ["box-b", "-", "-", "passed", "not run", "FAILED", "-"]
     run_again = f"(fix: run it again (`gpufleet verify {inventory} --host box-b`); if its requests keep getting no answer"
     assert any("sessions: could not run" in line and run_again in line for line in result.output.splitlines())
     assert any("tools:" in line and "gpufleet rollback" in line for line in result.output.splitlines())
