@@ -18,6 +18,8 @@ from typing import Any
 from gpufleet.defaults import (
     DEFAULTS,
     EXPECT_COMMITTED_SETTING,
+    GPU_CLEARED_SETTING,
+    GPU_VERDICTS_SETTING,
     IMAGE_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
@@ -49,6 +51,7 @@ from gpufleet.vllm.spec import ArgValue, Mount, ServeSpec
 from gpufleet.vllm.unit import DOCKER
 from gpufleet.vllm.value_rules import Fail, control_character
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
+from gpufleet.wire.gpu_verdicts import Verdict, cleared_at, verdict_table
 
 # Prefixes of our settings: other host data (ssh_*, pyinfra's own keys, users' extras) is not ours to judge.
 _OUR_PREFIXES = ("vllm_", "gpufleet_", "docker_", "nvidia_")
@@ -138,6 +141,7 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
     if not isinstance(model, str) or not model or model.startswith("/") or ".." in model.split("/"):
         fail("vllm_model", f"{shown(model)} is not a directory name under vllm_models_dir", 'set e.g. "qwen3.5-awq"')
     check_plain_settings(s, fail)
+    _check_gpu_settings(s, fail)
     _check_run_settings(s, fail)
     check_install_settings(s, fail)
     check_site_cache(s, fail)
@@ -213,6 +217,18 @@ def _check_run_settings(s: Mapping[str, Any], fail: Fail) -> None:
             fail(key, f"{shown(s[key])} is not true/false", f"set True or False, or pass --data {key}=true")
     if s[STAGE_SETTING] not in STAGES:
         fail(STAGE_SETTING, f"{shown(s[STAGE_SETTING])} is not a stage", f"use one of: {', '.join(STAGES)}")
+
+
+def _check_gpu_settings(s: Mapping[str, Any], fail: Fail) -> None:
+    """The GPU verdict table's overrides and the time before which Xid lines no longer count (docs/gpu-health.md)."""
+    fixes = {GPU_VERDICTS_SETTING: f'map signals to one of {", ".join(map(repr, map(str, Verdict)))}, e.g. '
+                                   '{"xid 43": "ok"} (docs/gpu-health.md lists the signals)',
+             GPU_CLEARED_SETTING: 'an ISO 8601 time with its zone, e.g. "2026-12-03T10:00:00Z", or None'}
+    for key, parse in ((GPU_VERDICTS_SETTING, verdict_table), (GPU_CLEARED_SETTING, cleared_at)):
+        try:
+            parse(s[key])
+        except ValueError as error:
+            fail(key, f"{shown(s[key])}: {error}", fixes[key])
 
 
 def _check_unit_line(spec: ServeSpec, fail: Fail) -> None:
