@@ -17,6 +17,8 @@ from typing import Any
 import gevent
 import gevent.pool
 
+from gpufleet.facts.gpu_verdict import GpuVerdict, HostGpus
+from gpufleet.health import gpu
 from gpufleet.health.answers import AnswerCheck, check_answers
 from gpufleet.health.check import HealthReport, HealthState, check, reached
 from gpufleet.health.probe import probe
@@ -24,8 +26,9 @@ from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.serving import Served, run_checks
 from gpufleet.health.wait import wait_until_ready
 from gpufleet.remote.ssh import open_ssh
-from gpufleet.remote.transport import Transport, Unreachable
+from gpufleet.remote.transport import SshTransport, Transport, Unreachable
 from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
+from gpufleet.wire.gpu_verdicts import GpuSettings
 from gpufleet.wire.identity import Expected, SpecArgs
 
 PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and paramiko's reader)
@@ -49,6 +52,7 @@ class HostTarget:
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
     served: Served = Served()  # its parsers and prefix caching: which serving checks apply
+    gpu_settings: GpuSettings = field(default_factory=GpuSettings)  # its GPU verdict table
 
     @classmethod
     def for_spec(cls, spec: SpecArgs, data: Mapping[str, Any]) -> HostTarget:
@@ -61,6 +65,7 @@ class HostTarget:
             max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
             api_key=data.get("vllm_api_key"),
             served=Served.from_spec(spec),
+            gpu_settings=GpuSettings.of(data),
         )
 
 
@@ -81,11 +86,17 @@ class HostResult:
     probe_error: str | None = None
     answers: tuple[AnswerCheck, ...] = ()  # gpufleet.health.answers, when asked for and the host was ready
     checks: tuple[AnswerCheck, ...] = ()  # gpufleet.health.serving, those asked for that apply to the host
+    gpus: HostGpus | None = None  # its GPUs' verdicts (None: not read, or no nvidia-smi)
 
     @property
     def ok(self) -> bool:
         return (self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
-                and all(a.ok for a in (*self.answers, *self.checks)))
+                and all(a.ok for a in (*self.answers, *self.checks)) and not self.sick_gpus)
+
+    @property
+    def sick_gpus(self) -> list[GpuVerdict]:
+        """The GPUs the service runs on that need a reset, a reboot or service (gpufleet.facts.gpu_verdict)."""
+        return self.gpus.blocking(self.target.gpus) if self.gpus is not None else []
 
 
 def check_host(
@@ -154,6 +165,10 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         say("checking")
         health = check(transport, target.expected, api_key=api_key)
     expected = reached(target.expected, health.container)  # the container that answered, not the port's listener
+    gpus = None
+    if isinstance(transport, SshTransport):
+        say("reading the GPUs' health")
+        gpus = gpu.judged(transport, target.gpu_settings, health.container.started_at if health.container else None)
     answers: tuple[AnswerCheck, ...] = ()
     if asked.answer and health.ready:
         say("sending a chat completion, plain and streamed")
@@ -169,7 +184,7 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
             report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-    return HostResult(target, health, report, error, answers, checks)
+    return HostResult(target, health, report, error, answers, checks, gpus)
 
 
 def check_fleet(
