@@ -288,3 +288,12 @@ def test_a_sick_gpu_the_service_does_not_use_concerns_it_not():
         "needs GPU reset (GPU 1: gpu_recovery_action=Reset, remapped_rows.pending=Yes, "
         "ecc.errors.uncorrected.volatile.total>0; GPU 2: ecc.errors.corrected.volatile.total>0, "
         "clocks_event_reasons.hw_thermal_slowdown, ERR!)")
+
+
+def test_the_fallen_off_the_bus_line_beside_an_xid_79_is_one_finding_and_alone_counts_the_same(tmp_path):
+    events = events_by_code(tmp_path)
+    reading = GpuReading(2, BUSES[2])
+    both = judge(GpuHealth(gpus=(reading,), events=(events[79], events[None])), GpuSettings())
+    assert [f.signal for f in both.gpus[0].findings] == ["xid 79"]
+    alone = judge(GpuHealth(gpus=(reading,), events=(events[None],)), GpuSettings())  # the Xid line rate-limited away
+    assert [f.signal for f in alone.gpus[0].findings] == ["fallen off the bus"] and alone.verdict() is Verdict.REBOOT

@@ -165,7 +165,10 @@ def recovery_signal(action: str, settings: GpuSettings) -> str:
 def _event_findings(events: list[KernelEvent], g: GpuReading | None, settings: GpuSettings,
                     app_started_at: float | None) -> tuple[list[Finding], list[str]]:
     findings, settled = [], []
+    xid79 = any(event.code == 79 for event in events)
     for event in events:
+        if event.code is None and xid79:
+            continue  # the line the driver logs beside its Xid 79: one finding, not two
         what = "GPU has fallen off the bus" if event.code is None else f"Xid {event.code}"
         times = f", {event.count} times" if event.count > 1 else ""
         evidence = f"{what} {event.when} ({event.text}{times})" if event.code is not None else f"{what} {event.when}"
