@@ -700,8 +700,8 @@ def test_a_host_whose_gpu_refuses_a_restart_is_skipped_with_one_line_and_a_degra
 def test_a_batch_is_refused_when_the_replicas_left_serving_are_the_sick_ones():
     router = FakeRouter("r1", list(URLS.values()))
     routers = Routers([(router, 30.0)], URLS)
-    assert routers.capacity_problem([["h1"], ["h2"]], out={"h3"}) is None
-    assert "would leave it no replica in service" in routers.capacity_problem([["h1", "h2"]], out={"h3"})
+    assert routers.capacity_problem([["h1"], ["h2"]], {"h3": False}) is None
+    assert "would leave it no replica in service" in routers.capacity_problem([["h1", "h2"]], {"h3": False})
     assert routers.capacity_problem([["h1", "h2"]]) is None  # h3 serving
 
 

@@ -11,7 +11,7 @@ reconcile. What happened to a router's session or metrics is said once, by the n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
@@ -71,17 +71,18 @@ class Routers:
             raise
         return opened
 
-    def capacity_problem(self, groups: Sequence[Sequence[str]], out: Collection[str] = ()) -> str | None:
+    def capacity_problem(self, groups: Sequence[Sequence[str]], belongs: Mapping[str, bool | None] | None = None
+                         ) -> str | None:
         """One line when a group would leave a router with no replica in service, counting those already out of
-        it and those about to leave it (`out`: replicas whose GPUs refuse to serve); None when every group leaves
-        at least one (or there is no router)."""
+        it and those `belongs` takes out; None when every group leaves at least one (or there is no router)."""
+        belongs = belongs or {}
         for i, (router, _) in enumerate(self.routers):
             try:
                 listed = set(self._call(i, lambda r: r.list_workers()))
             except Exception as error:  # an SSH cut, a refusal: one line, before anything changes
                 return one_line(f"router {router.name}: its worker list does not answer: {_why(error)}; nothing was "
                                 "changed (fix: `gpufleet status` shows the router; run again once it answers)")
-            serving = {host for host, url in self.urls.items() if url in listed and host not in out}
+            serving = {host for host, url in self.urls.items() if url in listed and belongs.get(host) is not False}
             for group in groups:
                 if serving and not serving - set(group):
                     return one_line(

@@ -94,7 +94,8 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         return Result(what, [outcomes[h] for h in names], message)
     with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
         # Counting the replicas already out of a router: a batch must leave it one in service.
-        if problem := routers.capacity_problem(batches(order, options.canary, options.batch), out=set(sick)):
+        if problem := routers.capacity_problem(batches(order, options.canary, options.batch),
+                                               {h: False for h in sick}):
             raise GpufleetError(problem)
         if not confirm(what, order):
             raise GpufleetError("not confirmed: nothing was changed")
