@@ -370,3 +370,9 @@ def test_verify_json_names_the_gpu_problem_and_keeps_the_degraded_host_ok(invent
     assert (a["ok"], [p["id"] for p in a["problems"]], b["ok"], b["problems"]) == (False, ["gpu"], True, [])
     assert a["gpu"]["verdict"] == "reboot" and a["gpu"]["gpus"][1]["findings"][0]["signal"] == "xid 79"
     assert b["gpu"]["summary"] == "degraded (GPU 0: clocks_event_reasons.hw_thermal_slowdown)"
+
+
+def test_a_ready_host_on_a_gpu_that_needs_a_reboot_is_not_ok_and_a_degraded_one_is(inventory):
+    a, b = _gpu_results(load_targets(str(inventory)))
+    assert (a.health.ready, a.ok, [g.index for g in a.sick_gpus]) == (True, False, [1])
+    assert (b.ok, b.sick_gpus) == (True, [])

@@ -350,3 +350,16 @@ def test_a_degraded_gpu_or_one_the_service_does_not_use_refuses_nothing():
     unused = judge(sick(bare_but_installed(), {2: {"remap_pending": True}}).gpu_health, GpuSettings())
     assert gpu_refusals("gpu1", unused, (0, 1), "start x (it is not running)") == []
     assert len(gpu_refusals("gpu1", unused, (0, 1, 2), "start x (it is not running)")) == 1
+
+
+def test_the_hosts_verdict_table_setting_decides_what_preflight_refuses():
+    def refusals(faults: dict[int, dict[str, Any]], verdicts: dict[str, str] | None = None) -> list[str]:
+        data = DATA if verdicts is None else {**DATA, "gpufleet_gpu_verdicts": verdicts}
+        return [line for line in check_host("gpu1", sick(bare_but_installed(), faults), plan_for("gpu1", data))
+                if "GPU" in line]
+
+    pending, hot = {0: {"remap_pending": True}}, {1: {"clocks_event_reasons": 0x40}}
+    assert len(refusals(pending)) == 1 and refusals(pending, {"remapped_rows.pending=Yes": "degraded"}) == []
+    assert refusals(hot) == []
+    (line,) = refusals(hot, {"clocks_event_reasons.hw_thermal_slowdown": "service"})
+    assert "GPU 1 (00000000:00:07.0) needs service: clocks_event_reasons.hw_thermal_slowdown (0x40)" in line

@@ -220,15 +220,17 @@ def _check_run_settings(s: Mapping[str, Any], fail: Fail) -> None:
 
 
 def _check_gpu_settings(s: Mapping[str, Any], fail: Fail) -> None:
-    """The GPU verdict table's overrides and the time before which Xid lines no longer count (docs/gpu-health.md)."""
-    fixes = {GPU_VERDICTS_SETTING: f'map signals to one of {", ".join(map(repr, map(str, Verdict)))}, e.g. '
-                                   '{"xid 43": "ok"} (docs/gpu-health.md lists the signals)',
-             GPU_CLEARED_SETTING: 'an ISO 8601 time with its zone, e.g. "2026-12-03T10:00:00Z", or None'}
-    for key, parse in ((GPU_VERDICTS_SETTING, verdict_table), (GPU_CLEARED_SETTING, cleared_at)):
-        try:
-            parse(s[key])
-        except ValueError as error:
-            fail(key, f"{shown(s[key])}: {error}", fixes[key])
+    """The GPU verdict table's overrides and gpufleet_gpu_cleared_at (docs/gpu-health.md)."""
+    try:
+        verdict_table(s[GPU_VERDICTS_SETTING])
+    except ValueError as error:
+        fail(GPU_VERDICTS_SETTING, str(error), f"map signals of the table in docs/gpu-health.md to one of "
+                                               f"{', '.join(Verdict)}, e.g. {{\"xid 43\": \"ok\"}}")
+    try:
+        cleared_at(s[GPU_CLEARED_SETTING])
+    except ValueError as error:
+        fail(GPU_CLEARED_SETTING, f"{shown(s[GPU_CLEARED_SETTING])} {error}",
+             'give an ISO 8601 time with its zone, e.g. "2026-12-03T10:00:00Z", or None')
 
 
 def _check_unit_line(spec: ServeSpec, fail: Fail) -> None:

@@ -1,5 +1,5 @@
-"""The GPU verdict table (a signal such as "xid 79" -> a verdict), NVIDIA's action for each verdict, and the two
-settings that adjust them per host or group. Each row's source: docs/gpu-health.md.
+"""The GPU verdict table (signal -> verdict), NVIDIA's action per verdict, and the two settings over them; each
+row's source is in docs/gpu-health.md.
 
     >>> table = verdict_table({"clocks_event_reasons.sw_power_cap": "degraded"})
     >>> table["xid 79"], table["clocks_event_reasons.sw_power_cap"]
@@ -38,7 +38,7 @@ class Verdict(StrEnum):
 
     @property
     def blocks_start(self) -> bool:
-        """No (re)start of the service on such a GPU."""
+        """Refuses a (re)start of the service."""
         return self in (Verdict.RESET_GPU, Verdict.REBOOT, Verdict.SERVICE)
 
 
@@ -59,7 +59,7 @@ ACTIONS = {
 
 XID_OTHER = "xid other"
 FALLEN_OFF = "fallen off the bus"
-READ_ERROR = "ERR!"  # a field nvidia-smi could not read: it printed ERR! or [Unknown Error]
+READ_ERROR = "ERR!"  # also stands for [Unknown Error]
 # nvml.h's clock event reasons by bit.
 THROTTLE_BITS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
                  0x80: "hw_power_brake_slowdown"}
@@ -96,8 +96,7 @@ def worst(verdicts: Iterable[Verdict]) -> Verdict:
 
 
 def verdict_table(overrides: object) -> dict[str, Verdict]:
-    """DEFAULT_TABLE with gpufleet_gpu_verdicts over it (a row, or "xid <code>" for any code); ValueError naming the
-    first bad entry."""
+    """DEFAULT_TABLE with gpufleet_gpu_verdicts over it; ValueError naming the first bad entry."""
     if overrides is None:
         return dict(DEFAULT_TABLE)
     if not isinstance(overrides, Mapping):
@@ -105,16 +104,16 @@ def verdict_table(overrides: object) -> dict[str, Verdict]:
     table = dict(DEFAULT_TABLE)
     for key, value in overrides.items():
         if not isinstance(key, str) or not (key in DEFAULT_TABLE or _XID_KEY.fullmatch(key)):
-            raise ValueError(f"{key!r} is not a signal of the verdict table (docs/gpu-health.md lists them)")
+            raise ValueError(f"{key!r} is not a signal of the verdict table")
         try:
             table[key] = Verdict(value)
         except ValueError:
-            raise ValueError(f"{key!r}: {value!r} is not one of {', '.join(Verdict)}") from None
+            raise ValueError(f"{key!r}: {value!r} is not a verdict") from None
     return table
 
 
 def cleared_at(value: object) -> float | None:
-    """gpufleet_gpu_cleared_at (ISO 8601 with its zone, or None) as epoch seconds; ValueError otherwise."""
+    """gpufleet_gpu_cleared_at as epoch seconds (None stays None); ValueError without a zone."""
     if value is None:
         return None
     stamp = None
@@ -137,6 +136,6 @@ class GpuSettings:
 
     @classmethod
     def of(cls, settings: Mapping[str, Any]) -> GpuSettings:
-        """From a host's settings or host data; ValueError for a bad value."""
+        """From host data or settings; ValueError for a bad value."""
         return cls(verdict_table(settings.get(GPU_VERDICTS_SETTING, DEFAULTS[GPU_VERDICTS_SETTING])),
                    cleared_at(settings.get(GPU_CLEARED_SETTING, DEFAULTS[GPU_CLEARED_SETTING])))
