@@ -61,8 +61,7 @@ def host_problems(r: HostResult, inventory: str) -> list[Problem]:
 
 
 def gpu_warnings(r: HostResult) -> list[str]:
-    """What the GPUs say that does not fail the host: a degraded GPU (served), one the service does not use, an app
-    restart due, a health read that failed."""
+    """What the GPUs say that does not fail the host (degraded, unused, an app restart due, an unread health)."""
     gpus = r.gpus
     if gpus is None:
         return []

@@ -70,8 +70,7 @@ _GPU_STYLE = {Verdict.OK: "green", Verdict.DEGRADED: "yellow", Verdict.RESTART_A
 
 
 def gpu_cell(r: HostResult) -> Text:
-    """The worst GPU verdict and the GPUs it is on: "ok", "degraded: 0", "needs reboot: 1" (red where it refuses a
-    restart, "(unused)" when the service runs on none of them); "-" when not read."""
+    """The worst GPU verdict and its GPUs ("ok", "degraded: 0", "needs reboot: 1 (unused)"); "-" when not read."""
     gpus = r.gpus
     if gpus is None:
         return Text("-")

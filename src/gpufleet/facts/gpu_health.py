@@ -1,5 +1,4 @@
-"""GPU health as the driver (the health query) and the kernel log (its NVRM Xid lines) report it: the shell that
-reads both inside a caller's one command, and its pure parsers (docs/gpu-health.md).
+"""GPU health facts: the shell that reads nvidia-smi's health fields and the kernel log's Xid lines, and its parsers.
 
     >>> health = parse_health(["index, pci.bus_id, remapped_rows.pending", "0, 00000000:00:06.0, Yes", "@@rc 0"],
     ...                       ["1 2026-12-03T10:00:00,000000+00:00 NVRM: Xid (PCI:0000:00:06): 79, GPU has fallen off the bus."])
@@ -27,22 +26,22 @@ HEALTH_FIELDS: tuple[tuple[str, ...], ...] = (
     ("pcie.link.gen.gpucurrent", "pcie.link.gen.current"), ("pcie.link.gen.max",),
     ("pcie.link.width.current",), ("pcie.link.width.max",),
 )
-# R580 rejects these (recorded) and has gpu_recovery_action: asked only of a driver whose help lists them.
+# R580 rejects these (recorded): asked only of a driver whose help lists them.
 OLDER_FIELDS: tuple[tuple[str, ...], ...] = (("reset_status.reset_required",),
                                              ("reset_status.drain_and_reset_recommended",))
 QUERY_HEALTH = f"nvidia-smi --query-gpu={','.join(names[0] for names in HEALTH_FIELDS)} --format=csv"
 KERNEL_LOG = "dmesg --time-format iso"
 REFUSED_FIELD = "is not a valid field to query"
-TIMED_OUT = (124, 137)  # `timeout` cut the program off (gpufleet.vllm.host_command's bound)
+TIMED_OUT = (124, 137)  # `timeout` cut the program off
 
 _CANONICAL = {name: names[0] for names in (*HEALTH_FIELDS, *OLDER_FIELDS) for name in names}
-_UNREADABLE = ("ERR!", "[Unknown Error]")  # nvidia-smi could not read the value: a finding of its own
+_UNREADABLE = ("ERR!", "[Unknown Error]")  # a finding of its own
 _LOST = "GPU is lost"
 
 
 def query_shell(t: str = "$t") -> str:
-    """The health query, then `@@rc <status>`; refused, it asks the fields `--help-query-gpu` lists (the first of each
-    word's names). t: the shell word that bounds each program."""
+    """The health query, then `@@rc <status>`; a refused field makes it ask only what `--help-query-gpu` lists.
+    t: the shell word that bounds each program."""
     learn = " ".join("/".join(names) for names in (*HEALTH_FIELDS, *OLDER_FIELDS))
     return (f"h=$({t} {QUERY_HEALTH} 2>&1); r=$?; case $r:$h in 2:*{REFUSED_FIELD!r}*) "
             f"hq=$({t} nvidia-smi --help-query-gpu 2>/dev/null); f=; for w in {learn}; do "
@@ -53,7 +52,7 @@ def query_shell(t: str = "$t") -> str:
 
 
 def kernel_shell(t: str = "$t") -> str:
-    """The last NVRM line of each (GPU, Xid code) after its count; what dmesg says instead of a log as `@@error`."""
+    """The last NVRM line of each (GPU, Xid code) after its count; dmesg's complaint as `@@error`."""
     program = ("/NVRM: Xid |NVRM: GPU .*fallen off the bus/ { k = $0; sub(/^[^ ]* /, \"\", k); sub(/,.*/, \"\", k); "
                "if (!(k in n)) o[++m] = k; n[k]++; l[k] = $0; next } "
                "!/^[0-9][0-9][0-9][0-9]-/ && e < 3 { print \"@@error \" $0; e++ } "
@@ -61,7 +60,7 @@ def kernel_shell(t: str = "$t") -> str:
     return f"{t} {KERNEL_LOG} 2>&1 | awk '{program}'"
 
 
-Bus = tuple[int, int, int]  # PCI domain, bus, device: what an Xid line and nvidia-smi's bus id share
+Bus = tuple[int, int, int]  # PCI domain, bus, device: all an Xid line names
 
 
 @dataclass(frozen=True)
@@ -80,15 +79,15 @@ class GpuReading:
     remapped_uncorrectable: int | None = None
     remap_pending: bool | None = None
     remap_failure: bool | None = None
-    recovery_action: str | None = None  # "None", "Reset", "Reboot", "Drain P2P", ...
+    recovery_action: str | None = None  # "None", "Reset", "Reboot", ...
     reset_required: bool | None = None
     drain_and_reset: bool | None = None
     clocks_event_reasons: int | None = None  # the active bitmask
     temperature_c: int | None = None
     power_w: float | None = None
     pcie: str | None = None  # "gen 5 x16 (max gen 5 x16)"
-    unreadable: tuple[str, ...] = ()  # fields nvidia-smi answered ERR! or [Unknown Error] for
-    lost: bool = False  # nvidia-smi cannot reach the GPU ("GPU is lost")
+    unreadable: tuple[str, ...] = ()  # fields answered ERR! or [Unknown Error]
+    lost: bool = False  # "GPU is lost"
 
     @property
     def bus(self) -> Bus | None:
@@ -97,11 +96,11 @@ class GpuReading:
 
 @dataclass(frozen=True)
 class KernelEvent:
-    """The last kernel log line of one (GPU, Xid code) since boot, and how many there were."""
+    """The last kernel log line of one (GPU, Xid code) since boot, and their count."""
 
     bus: Bus
-    code: int | None  # None: "GPU has fallen off the bus" (logged beside Xid 79)
-    text: str  # without the pid and process name
+    code: int | None  # None: "GPU has fallen off the bus"
+    text: str  # without pid and process name
     at: float | None  # epoch seconds
     count: int = 1
 

@@ -1,6 +1,5 @@
-"""A verdict per GPU from what gpufleet.facts.gpu_health read, by the host's verdict table. An Xid line (since boot)
-stops counting once the driver's own field for it reads clear, the service started after it (an app-restart Xid),
-or it predates gpufleet_gpu_cleared_at (docs/gpu-health.md: how a verdict clears).
+"""A verdict per GPU from gpufleet.facts.gpu_health's reading, by the host's verdict table; Xid lines that no
+longer count are settled, each with why (docs/gpu-health.md: how a verdict clears).
 
     >>> from gpufleet.facts.gpu_health import GpuHealth, GpuReading
     >>> host = judge(GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0", remap_pending=True),)), GpuSettings())
@@ -28,7 +27,7 @@ from gpufleet.wire.gpu_verdicts import (
 )  # fmt: skip
 
 RECOVERY = "gpu_recovery_action"
-# Xid codes whose state a driver field reports now.
+# Xid codes whose driver field says whether they still hold.
 _UNCORRECTED_XIDS = (48, 94, 95)
 _RECOVERY_XIDS = (119, 120, 154)
 
@@ -42,10 +41,10 @@ class Finding:
 
 @dataclass(frozen=True)
 class GpuVerdict:
-    index: int | None  # None: a GPU the kernel log names and nvidia-smi does not list
+    index: int | None  # None: named by the kernel log only
     bus_id: str
     findings: tuple[Finding, ...] = ()  # worst first
-    settled: tuple[str, ...] = ()  # Xid lines that no longer count, each with why
+    settled: tuple[str, ...] = ()  # Xid lines that no longer count, with why
 
     @property
     def verdict(self) -> Verdict:
@@ -75,7 +74,7 @@ class HostGpus:
     kernel_log_error: str | None = None
 
     def concern(self, used: Collection[int] | None = None) -> list[GpuVerdict]:
-        """The GPUs `used` (None: all), and any the kernel log names that nvidia-smi does not list."""
+        """The GPUs `used` (None: all), and any only the kernel log names."""
         return [g for g in self.gpus if used is None or g.index is None or g.index in used]
 
     def blocking(self, used: Collection[int] | None = None) -> list[GpuVerdict]:
@@ -85,7 +84,7 @@ class HostGpus:
         return worst(g.verdict for g in self.concern(used))
 
     def summary(self, used: Collection[int] | None = None) -> str:
-        """One line for the ledger: "ok", or the verdict and each sick GPU's signals."""
+        """"ok", or the verdict and each sick GPU's signals (the ledger's line)."""
         if self.error is not None:
             return "unknown (the health query failed)"
         sick = [g for g in self.concern(used) if g.verdict is not Verdict.OK]
@@ -109,7 +108,7 @@ class HostGpus:
 
 
 def judge(health: GpuHealth, settings: GpuSettings, app_started_at: float | None = None) -> HostGpus:
-    """Each GPU's findings. app_started_at: the service's container's start (epoch s)."""
+    """Each GPU's findings. app_started_at: the service container's start (epoch s)."""
     events: dict[Bus | None, list[KernelEvent]] = {}
     for event in health.events:
         events.setdefault(event.bus, []).append(event)
@@ -118,7 +117,7 @@ def judge(health: GpuHealth, settings: GpuSettings, app_started_at: float | None
         found = _field_findings(reading, settings)
         xids, settled = _event_findings(events.pop(reading.bus, []), reading, settings, app_started_at)
         verdicts.append(_verdict(reading.index, reading.bus_id, [*found, *xids], settled))
-    for bus, unlisted in events.items():  # a bus nvidia-smi does not list: no field settles its lines
+    for bus, unlisted in events.items():  # not listed by nvidia-smi: no field settles its lines
         xids, settled = _event_findings(unlisted, None, settings, app_started_at)
         bus_id = "%04x:%02x:%02x" % bus if bus else "?"
         verdicts.append(_verdict(None, bus_id, xids, settled))
@@ -131,7 +130,7 @@ def _verdict(index: int | None, bus_id: str, findings: list[Finding], settled: l
 
 
 def _field_findings(g: GpuReading, settings: GpuSettings) -> list[Finding]:
-    signals: list[tuple[str, str]] = []  # (table key, evidence)
+    signals: list[tuple[str, str]] = []  # (signal, evidence)
     if g.lost:
         signals.append((FALLEN_OFF, "nvidia-smi: GPU is lost"))
     if g.recovery_action is not None and g.recovery_action.lower() != "none":
@@ -157,7 +156,7 @@ def _field_findings(g: GpuReading, settings: GpuSettings) -> list[Finding]:
 
 
 def recovery_signal(action: str, settings: GpuSettings) -> str:
-    """The table's key for a recovery action ("Reset", "Drain and Reset", ...)."""
+    """The signal of a recovery action ("Reset", "Drain and Reset", ...)."""
     key = next((k for k in settings.table if k.lower() == f"{RECOVERY}={action}".lower()), None)
     return key or f"{RECOVERY}=other"
 
@@ -168,7 +167,7 @@ def _event_findings(events: list[KernelEvent], g: GpuReading | None, settings: G
     xid79 = any(event.code == 79 for event in events)
     for event in events:
         if event.code is None and xid79:
-            continue  # the line the driver logs beside its Xid 79: one finding, not two
+            continue  # logged beside its Xid 79: one finding, not two
         what = "GPU has fallen off the bus" if event.code is None else f"Xid {event.code}"
         times = f", {event.count} times" if event.count > 1 else ""
         evidence = f"{what} {event.when} ({event.text}{times})" if event.code is not None else f"{what} {event.when}"
@@ -185,7 +184,7 @@ def _event_findings(events: list[KernelEvent], g: GpuReading | None, settings: G
 def _event_signal(event: KernelEvent, settings: GpuSettings) -> str:
     if event.code is None:
         return FALLEN_OFF
-    if event.code == 154:  # "GPU recovery action changed from 0x0 (None) to 0x1 (Reset)": judged as that action
+    if event.code == 154:  # "... changed from 0x0 (None) to 0x1 (Reset)": judged as that action
         m = re.search(r"to 0x[0-9a-fA-F]+ \(([^)]+)\)", event.text)
         return recovery_signal(m[1] if m else "other", settings)
     return xid_signal(event.code, settings.table)

@@ -1,5 +1,4 @@
-"""A host's GPU health over its SSH session (status, verify, the rollout): the host snapshot's health reads in one
-command as root, judged by the host's verdict table."""
+"""A host's GPU health over its SSH session (status, verify, the rollout): the snapshot's health reads, judged."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.gpu_verdicts import GpuSettings
 
-PROGRAM_TIMEOUT_S = 20  # each program's bound, as in the host snapshot
+PROGRAM_TIMEOUT_S = 20  # as in the host snapshot
 QUERY, KERNEL = "gpu_health", "kernel_log"
 COMMAND = "\n".join([
     "export LC_ALL=C",
@@ -40,8 +39,8 @@ def read(transport: SshTransport) -> GpuHealth | None:
 
 
 def judged(transport: SshTransport, settings: GpuSettings, app_started_at: float | None = None) -> HostGpus | None:
-    """read(), judged; a failed read is a HostGpus whose error says why. app_started_at: the service's container's
-    start (it settles the app-restart Xid lines before it)."""
+    """read(), judged (a failed read: a HostGpus whose error says why). app_started_at: the service container's
+    start."""
     try:
         health = read(transport)
     except TransportError as error:

@@ -95,7 +95,7 @@ class HostResult:
 
     @property
     def sick_gpus(self) -> list[GpuVerdict]:
-        """The GPUs the service runs on that need a reset, a reboot or service (gpufleet.facts.gpu_verdict)."""
+        """The GPUs the service runs on that need a reset, a reboot or service."""
         return self.gpus.blocking(self.target.gpus) if self.gpus is not None else []
 
 

@@ -71,7 +71,7 @@ class Committed:
     version: Version
     committed_at: str
     ready_at: str | None = None  # when it first answered ready after its restart (None: migrated, or not measured)
-    gpu: str | None = None  # the GPU verdict at its swap (gpufleet.facts.gpu_verdict's summary); None: not recorded
+    gpu: str | None = None  # the GPU verdict at its swap (HostGpus.summary); None: not recorded
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Failed:
     failed_at: str
     image: str | None = None  # vllm_image as configured when it failed (a tag is not resolved again: pin())
     check: str | None = None  # the verify check it failed (gpufleet.health: "completion", "cached-cold", ...), if one
-    gpu: str | None = None  # the GPU verdict at its swap, as Committed.gpu
+    gpu: str | None = None  # as Committed.gpu
 
     def matches(self, version: Version) -> bool:
         return self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
@@ -306,7 +306,7 @@ def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
 
 
 def _gpu_doc(gpu: str | None) -> dict[str, str]:
-    # Written only when recorded: a ledger without it renders byte for byte as before.
+    # An old ledger renders byte for byte as before.
     return {"gpu": gpu} if gpu is not None else {}
 
 

@@ -1,5 +1,4 @@
-"""The hosts a rollout skips for their GPUs (one line each; never the canary: it is the first host swapped), and the
-degraded ones it swaps with a warning (docs/gpu-health.md)."""
+"""The hosts a rollout skips for their GPUs, one line each, and the degraded ones it swaps with a warning."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ def look(host: FleetHost, transport: SshTransport, app_started_at: float | None 
 
 
 def sick_hosts(sessions: Sessions, names: Sequence[str], note: Callable[[str], None]) -> dict[str, str]:
-    """host -> why it is not swapped; a degraded host's warning goes to `note`. One whose GPUs could not be read is
-    swapped: its deploy's preflight says why."""
+    """host -> why it is not swapped; degraded hosts go to `note`. An unread host is swapped: its preflight says
+    why."""
     skipped = {}
     for name, found in sessions.each(names, look).items():
         if not isinstance(found, HostGpus):

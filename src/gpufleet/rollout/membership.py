@@ -1,7 +1,7 @@
-"""Who belongs in the routers' worker sets: a replica whose ledger has a committed version and nothing pending, that
-answers ready now (the check `gpufleet verify` runs), and whose GPUs need no reset, reboot or service. The rollout
+"""Who belongs in the routers' worker sets: a replica whose ledger has a committed version and nothing pending, and
+that answers ready now (the check `gpufleet verify` runs) on GPUs that need no reset, reboot or service. The rollout
 reconciles every router with this at its start and its end, so a controller killed between a replica's leave and its
-rejoin strands nothing, and a replica whose GPU turned sick leaves until it is healthy again."""
+rejoin strands nothing."""
 
 from __future__ import annotations
 
@@ -31,16 +31,15 @@ def belongs(ledger: HostLedger, state: HealthState | None) -> bool | None:
 
 
 def gpus_fit(gpus: HostGpus | None, used: Collection[int]) -> bool | None:
-    """False: a GPU the replica uses needs a reset, a reboot or service (it stays out of every router until its GPUs
-    are healthy again); True: they may serve; None: not known (no nvidia-smi, or the read failed)."""
+    """False: a GPU the replica uses needs a reset, a reboot or service; True: they may serve; None: not known."""
     if gpus is None or gpus.error is not None:
         return None
     return not gpus.blocking(used)
 
 
 def members(sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, HostLedger]) -> dict[str, bool | None]:
-    """belongs() for every named replica, overruled by gpus_fit() when its GPUs refuse to serve; each looked at once
-    over its own session, all at once."""
+    """belongs() for every named replica, False where gpus_fit() is; each looked at once over its own session, all
+    at once."""
     def look(host: FleetHost, transport: SshTransport) -> tuple[HealthState, HostGpus | None]:
         report = check(transport, Expected.from_spec(host.spec), api_key=host.api_key)
         started = report.container.started_at if report.container else None

@@ -1,5 +1,5 @@
-"""GPU faults injected into a running test host from the machine: what its nvidia-smi prints for a GPU, and NVRM
-lines in its kernel log. Built from NVIDIA's documented formats, not recorded (docs/gpu-health.md).
+"""GPU faults injected into a running test host: its nvidia-smi's fields for a GPU, NVRM lines in its kernel log.
+Built from NVIDIA's documented formats, not recorded.
 
     inject(host.root, 1, "remap-pending")         # GPU 1: remapped_rows.pending=Yes
     log_xid(host.root, 2, 79)                     # GPU 2 fell off the bus, now
@@ -40,7 +40,7 @@ FAULTS: dict[str, dict[str, str]] = {
     "unreadable": {"power.draw": "ERR!"},
 }
 
-# Xid code -> the driver's text (the catalog's descriptions, in the shape of public logs).
+# Xid code -> the driver's text (the catalog's descriptions).
 XID_TEXT = {
     13: "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address",
     31: "Ch 00000008, intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f12_34560000. "
@@ -78,7 +78,7 @@ def set_fields(root: Path, gpu: int, fields: Mapping[str, str]) -> None:
 
 def _write(root: Path, profile: dict[str, object]) -> None:
     path = _profile(root)
-    tmp = path.with_name(f".{path.name}.tmp")  # renamed into place: a call meanwhile reads a whole profile
+    tmp = path.with_name(f".{path.name}.tmp")  # a call meanwhile reads a whole profile
     tmp.write_text(json.dumps(profile, indent=1))
     os.replace(tmp, path)
 
@@ -95,7 +95,7 @@ def bus_id(root: Path, gpu: int) -> str:
 
 def xid_lines(bus: str, code: int, at: float, text: str | None = None, pid: int = 2201,
               process: str = "python3") -> list[str]:
-    """The driver's kernel log lines for Xid `code` on the GPU at `bus` (for 79, the fallen-off-the-bus line too)."""
+    """The driver's kernel log lines for Xid `code` on the GPU at `bus` (79 with its fallen-off-the-bus line)."""
     domain, bus_no, device = bus.lower().split(".")[0].split(":")
     where = f"{domain[-4:]}:{bus_no}:{device}"
     said = text or XID_TEXT.get(code, "Unknown Error")

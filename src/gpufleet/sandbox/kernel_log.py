@@ -1,5 +1,4 @@
-"""A test host's own kernel log: every test host shares this machine's kernel, so a stand-in dmesg found before the
-real one prints the host's LOG (docs/test-hosts.md, GPU stand-ins)."""
+"""A test host's own kernel log (they share this machine's kernel): a stand-in dmesg that prints the host's LOG."""
 
 from __future__ import annotations
 

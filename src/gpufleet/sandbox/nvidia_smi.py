@@ -23,7 +23,7 @@ import time
 
 HOST_MODULE = "/usr/lib/gpufleet-standin/nvidia_smi.py"
 HOST_PROFILE = "/etc/gpufleet-standin/nvidia-smi.json"
-HOST_HELP = "/etc/gpufleet-standin/nvidia-smi-help.txt"  # what --help-query-gpu prints: the fields this driver offers
+HOST_HELP = "/etc/gpufleet-standin/nvidia-smi-help.txt"  # what --help-query-gpu prints
 # Isolated (no PYTHON* variables, no script directory on sys.path: the real tool ignores them too) and without
 # site (its imports are most of an empty interpreter's startup; the stand-in needs no site-packages).
 HOST_PYTHON_FLAGS = "-I -S"
@@ -143,8 +143,8 @@ _FIELDS = {
 }
 
 
-# What a healthy idle H200 answers for the health fields (tests/fixtures/nvidia-smi/h200-health: query-gpu-health.csv,
-# q.txt). A GPU's `fields` print instead, as nvidia-smi prints them (gpufleet.sandbox.gpu_faults injects them).
+# A healthy idle H200's health fields (recorded: tests/fixtures/nvidia-smi/h200-health); a GPU's injected `fields`
+# print instead.
 HEALTHY = {
     "ecc.mode.current": "Enabled", "retired_pages.pending": "[N/A]", "retired_pages.sbe": "[N/A]",
     "retired_pages.dbe": "[N/A]", "remapped_rows.pending": "No", "remapped_rows.failure": "No",
@@ -171,7 +171,7 @@ def query_gpu(p: Profile, fields: list[str], fmt: set[str], gpus: list[Gpu]) -> 
         cells = []
         for f in fields:
             unit, get = _FIELDS.get(f, ("", None))
-            if f in g.fields:  # an injected value: printed as is (ERR! and [N/A] carry no unit)
+            if f in g.fields:  # injected: printed as is
                 cells.append(g.fields[f])
                 continue
             value = get(p, g) if get else HEALTHY.get(f, "[N/A]")  # [N/A]: a valid field this stand-in does not model
@@ -181,8 +181,7 @@ def query_gpu(p: Profile, fields: list[str], fmt: set[str], gpus: list[Gpu]) -> 
 
 
 def render(p: Profile, argv: list[str], now: float | None = None, help_text: str = "") -> Result:
-    """What the real nvidia-smi prints (and its exit status) for argv on a host with this profile; help_text: what
-    --help-query-gpu prints (HOST_HELP on a host)."""
+    """What the real nvidia-smi prints (and its exit status) for argv on a host with this profile."""
     args = list(argv)
     if args == ["--help-query-gpu"]:
         return Result(help_text)
@@ -315,7 +314,7 @@ class Gpu:
     ecc: str = "0"
     compute_mode: str = "Default"
     mig: str = "Disabled"
-    fields: dict[str, str] = field(default_factory=dict)  # field -> what --query-gpu prints for it (a fault)
+    fields: dict[str, str] = field(default_factory=dict)  # injected --query-gpu values
 
 
 @dataclass
@@ -398,8 +397,7 @@ def _fields_from_help(text: str) -> list[str]:
 
 
 def help_text(recorded: str, valid_fields: list[str]) -> str:
-    """--help-query-gpu of a driver offering valid_fields: the recorded help without the other fields' paragraphs,
-    and a line each for valid fields the recording does not know (an older driver's, e.g. reset_status.*)."""
+    """The recorded --help-query-gpu cut to valid_fields, plus a line each for those it lacks (reset_status.*)."""
     kept, known = [], set()
     for paragraph in recorded.rstrip("\n").split("\n\n"):
         first, newline, rest = paragraph.partition("\n")
@@ -408,7 +406,7 @@ def help_text(recorded: str, valid_fields: list[str]) -> str:
         offered = [name for name in names if name in valid_fields]
         if not names:
             kept.append(paragraph)
-        elif offered:  # a name the driver does not know leaves its line: `"a" or "b"` may become `"b"`
+        elif offered:  # `"a" or "b"` may become `"b"`
             kept.append(paragraph if offered == names else " or ".join(f'"{n}"' for n in offered) + newline + rest)
     built = [f'"{name}"\n(a field of an older driver; built, not recorded)' for name in valid_fields if name not in known]
     body = recorded.rstrip("\n")

@@ -83,8 +83,7 @@ def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, 
 
 
 def gpu_refusals(host: str, gpus: HostGpus, used: tuple[int, ...], restart: str | None) -> list[str]:
-    """One line per GPU the service uses whose verdict refuses a (re)start, when this converge would (re)start the
-    service (restart says what and why). A converge that keeps the running service is not refused."""
+    """One line per GPU the service uses whose verdict refuses the (re)start `restart` names; none without one."""
     if restart is None:
         return []
     return [_line(host, f"{g.line()}: this converge would {restart}",

@@ -36,8 +36,7 @@ from gpufleet.wire.identity import Expected
 
 
 class GpuAtSwap(dict[str, str]):
-    """Each host's GPU verdict as this run's preflight read it (a slot of the run's context): the ledger records it
-    with the swap's outcome, on the committed version or on the failure mark."""
+    """Each host's GPU verdict as this run's preflight read it, for the swap's ledger entry (a run context slot)."""
 
 
 def record_gpu(host: Host, summary: str) -> None:

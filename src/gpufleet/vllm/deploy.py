@@ -149,9 +149,8 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
 
 
 def restart_reason(snap: HostSnapshot, plan: Plan, ledger: Ledger, pin: str | None) -> str | None:
-    """What this converge would (re)start and why, read from the snapshot the way service.running decides; None when
-    the running service stays as it is. Whatever the snapshot cannot settle (a tag not resolved yet) counts as a
-    restart."""
+    """What this converge would (re)start and why, decided from the snapshot as service.running does; None: nothing.
+    What the snapshot cannot settle (a tag not resolved yet) counts as a restart."""
     s, spec, layout, running = plan.settings, plan.spec, plan.layout, snap.running
     unit = unit_name(spec.service)
     if s[STAGE_SETTING] == "prepare" or not snap.gpus:
@@ -169,8 +168,7 @@ def restart_reason(snap: HostSnapshot, plan: Plan, ledger: Ledger, pin: str | No
 
 
 def gpu_warnings(gpus: HostGpus, used: tuple[int, ...]) -> list[str]:
-    """A line per GPU with a finding that does not stop this run (a degraded GPU is served; one the service does not
-    use, or that this run does not restart on, goes on as it was)."""
+    """A line per GPU with a finding that does not stop this run."""
     return [f"{g.line()} ({'the service runs on it' if g in gpus.concern(used) else 'the service does not use it'})"
             for g in gpus.gpus if g.verdict is not Verdict.OK]
 
@@ -185,7 +183,7 @@ def deploy_qwen35() -> None:
     s, spec, layout = plan.settings, plan.spec, plan.layout
     held = remember(host, snap)  # every operation decides from this one read
     if snap.gpu_health is not None:
-        # Recorded with this run's swap (its ledger entry); an app-restart Xid before it is settled by the restart.
+        # For this swap's ledger entry; the swap's restart settles an app-restart Xid before it.
         gpus = judge(snap.gpu_health, GpuSettings.of(s), app_started_at=time.time())
         record_gpu(host, gpus.summary(spec.gpus))
         for line in gpu_warnings(gpus, spec.gpus):

@@ -3,13 +3,12 @@
 
 A no-op re-converge should cost little more than connecting (bench/deploy_bench.py measures it), so instead of one
 command per fact the deploy reads the host once: OS, GPUs (the exact nvidia-smi queries of gpufleet.facts.nvidia)
-and their health (gpufleet.facts.gpu_health: the health query, the kernel log's Xid lines), free disk, Docker's
-daemon.json, package states, checksums of the files the deploy writes, the repos' keys as they serve them now (only
-where a keyring is missing, or with refresh_keys), the ledgers (gpufleet.hoststate.reader, as
-the rollout reads them), local images, the model directory, unit states, the unit file vllm_service names (its
-first line tells gpufleet's units from others), what really runs (systemd's view of the unit, the spec hash and
-digest its file pins, the running container's label and image) and a readiness probe. Sections are separated by
-marker lines (gpufleet.hoststate.sections).
+and their health (gpufleet.facts.gpu_health), free disk, Docker's daemon.json, package states, checksums of the
+files the deploy writes, the repos' keys as they serve them now (only where a keyring is missing, or with
+refresh_keys), the ledgers (gpufleet.hoststate.reader, as the rollout reads them), local images, the model
+directory, unit states, the unit file vllm_service names (its first line tells gpufleet's units from others), what
+really runs (systemd's view of the unit, the spec hash and digest its file pins, the running container's label and
+image) and a readiness probe. Sections are separated by marker lines (gpufleet.hoststate.sections).
 
 Its cost is paid on every host at every converge, and the hosts' CPU is what a fleet converge waits for: so it
 starts few programs. Docker's images and containers come from the Engine API through the one curl that reads
@@ -153,8 +152,7 @@ def snapshot_command(paths: Paths) -> str:
         "gd=; " + nvidia("gpus", QUERY_GPUS, answered="gd=${g%%\"$nl\"*}; gd=${gd#*, *, *, *, *, *, }; gd=${gd%%,*}; "
                           "case $gd in ''|*[!0-9.]*) gd=;; esac"),
         *driver_lines(paths.nvidia_version_file, nvidia("driver", QUERY_VERSION)),
-        # GPU health (gpufleet.facts.gpu_health), where the GPU query listed GPUs ($gd): the driver's health fields,
-        # then the kernel log's Xid lines.
+        # GPU health, where the GPU query listed GPUs ($gd).
         f"{marker(GPU_HEALTH)}; if [ $nv = 1 ] && [ -n \"$gd\" ]; then {query_shell()}; case $r in {timed_out}) nv=0;; "
         "esac; fi",
         f"{marker(KERNEL_LOG)}; [ $nv = 1 ] && [ -n \"$gd\" ] && {{ {kernel_shell()}; }}",
