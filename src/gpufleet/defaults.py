@@ -77,6 +77,13 @@ DEFAULTS: dict[str, Any] = {
     # Allow a host without NVIDIA GPUs (a VM for trying the deploy): everything is installed, the service is not
     # started.
     "gpufleet_allow_no_gpu": False,
+    # --- GPU health (docs/gpu-health.md) ------------------------------------------------------------------------
+    # Rows of the GPU verdict table over its defaults: signal -> "ok", "degraded", "restart-app", "reset-gpu",
+    # "reboot" or "service", e.g. {"xid 43": "ok"}. reset-gpu and worse refuse a (re)start on that GPU.
+    "gpufleet_gpu_verdicts": {},
+    # ISO 8601 time with its zone: kernel log Xid lines before it no longer count (set it after resetting a GPU by
+    # hand whose Xid the driver's own fields cannot clear). None: every line since boot counts.
+    "gpufleet_gpu_cleared_at": None,
     # --- one run per host at a time ---------------------------------------------------------------------------
     # Seconds a run waits for another run's lock on a host before preflight refuses it; 0 refuses at once, naming
     # the holder (user, controller host, pid, since when).
@@ -178,6 +185,8 @@ REFRESH_KEYS_SETTING: Final = "gpufleet_refresh_keys"
 WAIT_SETTING: Final = "gpufleet_lock_wait_s"
 LEASE_SETTING: Final = "gpufleet_lock_lease_s"
 ACCEPT_SETTING: Final = "gpufleet_accept"
+GPU_VERDICTS_SETTING: Final = "gpufleet_gpu_verdicts"
+GPU_CLEARED_SETTING: Final = "gpufleet_gpu_cleared_at"
 
 # The values of STAGE_SETTING: "converge" is the whole deploy; "prepare" pulls, fetches the model and checks the flags,
 # and stops before the unit (nothing restarts; the rollout prepares every host before it swaps any).

@@ -12,6 +12,12 @@ vLLM image), with the hosts' vllm_image on a tag of this module's own that the t
 4. the tag back on `good` (an earlier committed digest); the controller killed mid-rollout; the re-run completes
    and no host was started twice;
 5. `rollback --host` returns a host to its previous digest, gated.
+
+GPU health, faults injected into the running hosts' stand-ins (gpufleet.sandbox.gpu_faults) and cleared after:
+after 1, a GPU throttling for heat is served and warned in `status`, and preflight refuses a converge that would
+restart a host onto a GPU pending a row remap (nothing changes) while a converge that restarts nothing goes on;
+after 4, a host whose GPU fell off the bus (Xid 79) is skipped by a rollout with one line, another host is the
+canary, the two others move, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.health.api import get
 from gpufleet.remote.ssh import open_ssh
+from gpufleet.sandbox import gpu_faults
 from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.registry import move_tag, tag_manifest
@@ -243,6 +250,52 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
     assert {h.name: container_id(fleet, h) for h in hosts} == ids
 
 
+# --- 1b. GPU health: a degraded GPU serves, a converge that would restart onto a sick one is refused -------------
+def test_a_host_whose_gpu_throttles_for_heat_is_served_and_warned_in_status(fleet, inventory, hosts, digests):
+    hot = hosts[1]
+    gpu_faults.inject(hot.root, 0, "thermal")
+    try:
+        doc = gpufleet("status", str(inventory), "--json")
+        table = gpufleet("status", str(inventory))
+    finally:
+        gpu_faults.clear(hot.root)
+    assert doc.returncode == 0 and table.returncode == 0, doc.stdout[-3000:] + table.stdout[-3000:]
+    rows = {row["host"]: row for row in json.loads(doc.stdout)["hosts"]}
+    assert rows[hot.name]["ok"] and rows[hot.name]["state"] == "ready" and rows[hot.name]["problems"] == []
+    assert {name: row["gpu"]["verdict"] for name, row in rows.items()} == {
+        h.name: "degraded" if h is hot else "ok" for h in hosts}
+    assert (f"{hot.name}: warning: GPU 0 (00000000:00:06.0) degraded: clocks_event_reasons.hw_thermal_slowdown "
+            "(0x40) at 91 C") in table.stdout, table.stdout[-3000:]
+    assert re.search(rf"│ {hot.name} .*│ degraded: 0 ", table.stdout), table.stdout[-3000:]
+
+
+def test_preflight_refuses_a_converge_that_would_restart_onto_a_gpu_pending_a_remap(fleet, inventory, pyinfra, hosts,
+                                                                                    digests):
+    host = hosts[2]
+    unit = f"/etc/systemd/system/{SERVICE}.service"
+    before = (container_id(fleet, host), fleet.read_file(host, unit), fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"))
+    other = digests["good"] if running_image(fleet, host) != digests["good"] else digests["good-next"]
+    gpu_faults.inject(host.root, 0, "remap-pending")
+    try:
+        # Nothing to restart: the converge goes on and says what the GPU needs.
+        same = converge(pyinfra, inventory, "--limit", host.name)
+        refused = converge(pyinfra, inventory, "--limit", host.name, "--data", f"gpufleet_image_ref={other}",
+                           check=False)
+    finally:
+        gpu_faults.clear(host.root)
+    assert changes(same.stdout) == 0
+    assert "GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes (the service runs on it)" in same.stdout
+    assert refused.returncode != 0 and "nothing was changed on any host" in refused.stdout, refused.stdout[-3000:]
+    lines = [line.strip() for line in refused.stdout.splitlines() if "needs GPU reset" in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"{host.name}: GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes: this converge would "
+        f"restart {SERVICE}.service ("), lines
+    assert "(fix: stop the service and reset the GPU (`nvidia-smi -r -i 0`), or reboot the host (NVIDIA: RESET_GPU)" \
+        in lines[0]
+    after = (container_id(fleet, host), fleet.read_file(host, unit), fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"))
+    assert after == before
+
+
 # --- 2. a flag the new image rejects -----------------------------------------------------------------------------
 def test_a_rejected_flag_is_caught_in_prepare_and_no_host_is_swapped(fleet, tag, inventory, hosts, digests):
     ids = {h.name: container_id(fleet, h) for h in hosts}
@@ -345,6 +398,37 @@ def test_a_killed_rollout_resumes_and_no_host_restarts_twice(fleet, tag, invento
     for h in hosts:
         assert running_image(fleet, h) == digests["good"]
         assert starts_since(fleet, h, since) == 1, h.name
+
+
+# --- 4b. a GPU that fell off the bus: its host is skipped, another is the canary ------------------------------------
+def test_a_host_whose_gpu_fell_off_the_bus_is_skipped_and_another_host_is_the_canary(fleet, tag, inventory, hosts,
+                                                                                     digests):
+    sick, canary, other = hosts  # the canary would be the first host: the one whose GPU fell off the bus
+    kept = container_id(fleet, sick)
+    move_tag(fleet.cfg.registry, tag, "good-next")  # committed before on every host: not marked failed
+    gpu_faults.log_xid(sick.root, 1, 79)
+    try:
+        proc = gpufleet("rollout", str(inventory), "--yes", "--json")
+    finally:
+        gpu_faults.clear(sick.root)  # as a reboot leaves it: an empty kernel log
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    doc = rollout_json(proc)
+    assert outcomes(doc) == {sick.name: "skipped", canary.name: "updated", other.name: "updated"}
+    rows = {row["host"]: row for row in doc["hosts"]}
+    assert re.fullmatch(r"GPU 1 \(00000000:00:07\.0\) needs reboot: Xid 79 at \S+ \(GPU has fallen off the bus\.\) "
+                        r"\(fix: reboot the host \(NVIDIA: RESTART_BM\), then run the rollout again\)",
+                        rows[sick.name]["detail"]), rows[sick.name]["detail"]
+    said = [line for line in proc.stderr.splitlines() if line.startswith(f"{sick.name}: ")]
+    assert said == [f"{sick.name}: skipped: {rows[sick.name]['detail']}"], proc.stderr[-3000:]
+    # The canary was the next host: held to the serving checks, the host after it to the answers.
+    assert "cached-cold" in [c["check"] for c in rows[canary.name]["checks"]]
+    assert [c["check"] for c in rows[other.name]["checks"]] == ["completion", "stream"]
+    assert container_id(fleet, sick) == kept and running_image(fleet, sick) == digests["good"]
+    for h in (canary, other):
+        assert running_image(fleet, h) == digests["good-next"]
+    # Each swap's ledger entry records the GPU verdict it was made on.
+    history = json.loads(gpufleet("history", str(inventory), "--host", canary.name, "--json").stdout)
+    assert history["hosts"][0]["rows"][0]["detail"].endswith("; GPU ok"), history
 
 
 # --- 5. rollback ---------------------------------------------------------------------------------------------------

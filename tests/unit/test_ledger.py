@@ -473,3 +473,30 @@ def test_speed_figures_gpufleet_did_not_write_make_the_ledger_corrupt(speed, rea
     with pytest.raises(CorruptLedger) as err:
         L.parse(json.dumps({**doc, "committed": {**doc["committed"], "speed": speed}}))
     assert str(err.value) == reason
+# ---- the GPU verdict at each swap: an optional field --------------------------------------------------------------
+def test_a_swap_records_the_gpu_verdict_on_what_it_commits_or_marks_failed_and_history_keeps_it():
+    degraded = "degraded (GPU 0: clocks_event_reasons.hw_thermal_slowdown)"
+    committed = L.commit(pending_new(), T2, gpu="ok")
+    assert committed.committed == Committed(NEW, T2, gpu="ok")
+    later = L.commit(L.begin(committed, OLD, OPERATOR, T2), T2, gpu=degraded)
+    assert later.history[-1].gpu == "ok" and later.committed.gpu == degraded
+    failed = L.roll_back(pending_new(), "died", T2, gpu="needs GPU reset (GPU 1: remapped_rows.pending=Yes)")
+    assert failed.failed[-1].gpu == "needs GPU reset (GPU 1: remapped_rows.pending=Yes)"
+    for ledger in (committed, later, failed):
+        assert L.parse(L.render(ledger)) == ledger
+    assert '"gpu": "ok"' in L.render(committed)
+
+
+def test_a_ledger_written_before_the_gpu_field_parses_and_renders_byte_for_byte():
+    before = L.render(L.roll_back(L.begin(L.commit(pending_new(), T2), OLD, OPERATOR, T2), "died", T2))
+    assert '"gpu"' not in before
+    parsed = L.parse(before)
+    assert parsed.committed.gpu is None and parsed.failed[-1].gpu is None and parsed.history[-1].gpu is None
+    assert L.render(parsed) == before
+
+
+def test_a_gpu_field_that_is_not_text_is_a_corrupt_ledger():
+    doc = json.loads(L.render(L.commit(pending_new(), T2, gpu="ok")))
+    doc["committed"]["gpu"] = 3
+    with pytest.raises(CorruptLedger, match="committed.gpu: expected a string or null, got a number"):
+        L.parse(json.dumps(doc))

@@ -22,6 +22,9 @@ from rich.console import Console
 from gpufleet.cli import main
 from gpufleet.cli.rollout import ledger_rows
 from gpufleet.errors import GpufleetError
+from gpufleet.facts.gpu_health import GpuHealth, GpuReading
+from gpufleet.facts.gpu_verdict import HostGpus
+from gpufleet.facts.gpu_verdict import judge as judge_gpus
 from gpufleet.facts.pull import PullStats
 from gpufleet.harness.result import HostResult
 from gpufleet.health.check import HealthState
@@ -35,7 +38,7 @@ from gpufleet.rollout.drain import drain, running_requests
 from gpufleet.rollout.ledgers import parse_read
 from gpufleet.rollout.membership import belongs
 from gpufleet.rollout.prepare import failures, prepare
-from gpufleet.rollout.replicas import FleetHost
+from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.rollout.report import HostOutcome, Outcome, SpeedResult, succeeded, table
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.run import interrupted_first, previous_targets
@@ -45,6 +48,7 @@ from gpufleet.router.api import Router, RouterError
 from gpufleet.sandbox.image import write_tiny_model
 from gpufleet.vllm.settings import build_spec
 from gpufleet.wire.speed import SpeedFigures
+from gpufleet.wire.gpu_verdicts import GpuSettings
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 from tests.unit.test_ledger_reader import output as reading
@@ -720,3 +724,72 @@ def test_history_shows_each_committed_versions_speed_figures():
     rows = ledger_rows(lg)
     assert [(r[0], r[1], r[5]) for r in rows] == [("committed", NEW, SPEED_NEW), ("earlier", OLD, SPEED_OLD)]
     assert SPEED_NEW.brief() == "prefill 30000 tokens/s, cached TTFT 0.050 s, decode 180 tokens/s, batch 380 tokens/s"
+# --- GPU health: a sick replica leaves the routers; a sick host is skipped, never the canary -----------------------
+class CannedSessions(Sessions):
+    """Sessions whose per-host calls answer what each named host's look is canned to (no SSH)."""
+
+    def __init__(self, hosts, answers):
+        super().__init__(hosts)
+        self.answers = answers
+
+    def each(self, names, fn):
+        return {name: self.answers[name] for name in names}
+
+
+def fleet_hosts(*names: str) -> list[FleetHost]:
+    spec = build_spec("h", {"vllm_gpus": [0], "vllm_args": {"pipeline-parallel-size": 1}})
+    return [FleetHost(name, spec, {}) for name in names]
+
+
+def gpus(**fields) -> HostGpus:
+    return judge_gpus(GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0", **fields),
+                                      GpuReading(1, "00000000:00:07.0", remap_failure=True))), GpuSettings())
+
+
+def test_a_replica_whose_gpu_needs_a_reset_leaves_the_routers_until_it_is_healthy():
+    from gpufleet.rollout.membership import gpus_fit, members
+
+    assert gpus_fit(gpus(remap_pending=True), (0,)) is False
+    assert gpus_fit(gpus(clocks_event_reasons=0x40), (0,)) is True  # degraded: served; GPU 1 is not its
+    assert gpus_fit(None, (0,)) is None and gpus_fit(HostGpus(error="cannot read"), (0,)) is None
+    sessions = CannedSessions(fleet_hosts("h1", "h2", "h3"), {
+        "h1": (HealthState.READY, gpus(recovery_action="Reset")),  # ready, but its GPU needs a reset: out
+        "h2": (HealthState.READY, gpus()),
+        "h3": (HealthState.SSH_UNREACHABLE, gpus(remap_pending=True)),  # unreachable says nothing; its GPU does
+    })
+    ledgers = {name: read(committed_on(OLD), name) for name in ("h1", "h2", "h3")}
+    assert members(sessions, ["h1", "h2", "h3"], ledgers) == {"h1": False, "h2": True, "h3": False}
+
+
+def test_a_host_whose_gpu_refuses_a_restart_is_skipped_with_one_line_and_a_degraded_one_is_noted():
+    from gpufleet.rollout.gpu import sick_hosts
+
+    sessions = CannedSessions(fleet_hosts("h1", "h2", "h3", "h4"), {
+        "h1": gpus(recovery_action="Reboot"), "h2": gpus(clocks_event_reasons=0x40), "h3": gpus(),
+        "h4": "cannot SSH to h4",  # its deploy's preflight says why
+    })
+    notes: list[str] = []
+    skipped = sick_hosts(sessions, ["h1", "h2", "h3", "h4"], notes.append)
+    assert skipped == {"h1": "GPU 0 (00000000:00:06.0) needs reboot: gpu_recovery_action=Reboot (fix: reboot the "
+                             "host (NVIDIA: RESTART_BM), then run the rollout again)"}
+    assert notes == ["h2: GPUs degraded (GPU 0: clocks_event_reasons.hw_thermal_slowdown): swapped and served"]
+    outcome = HostOutcome("h1", OLD, NEW, Outcome.SKIPPED, None, skipped["h1"])
+    assert not outcome.ok and not succeeded([outcome]) and outcome.phase == f"skipped: {skipped['h1']}"
+    assert outcome.problems()[0]["id"] == "skipped" and "run the rollout again" in outcome.problems()[0]["fix"]
+
+
+def test_a_batch_is_refused_when_the_replicas_left_serving_are_the_sick_ones():
+    router = FakeRouter("r1", list(URLS.values()))
+    routers = Routers([(router, 30.0)], URLS)
+    assert routers.capacity_problem([["h1"], ["h2"]], {"h3": False}) is None
+    assert "would leave it no replica in service" in routers.capacity_problem([["h1", "h2"]], {"h3": False})
+    assert routers.capacity_problem([["h1", "h2"]]) is None  # h3 serving
+
+
+def test_history_shows_the_gpu_verdict_recorded_at_each_swap():
+    lg = ledger.commit(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "t2", gpu="ok")
+    lg = ledger.roll_back(ledger.begin(lg, version(OLDER), "x", "t3"), "died", "t4",
+                          gpu="needs GPU reset (GPU 0: remapped_rows.pending=Yes)")
+    rows = {state: detail for state, _, _, _, detail in ledger_rows(lg)}
+    assert rows["committed"] == "GPU ok"
+    assert rows["failed"] == "died; GPU needs GPU reset (GPU 0: remapped_rows.pending=Yes)"

@@ -15,6 +15,7 @@ from gpufleet.health.runner import HostResult
 from gpufleet.router.status import RouterStatus
 from gpufleet.wire.geometry import resolved_block_sizes
 from gpufleet.wire.speed import FIGURES, value_text
+from gpufleet.wire.gpu_verdicts import Verdict
 
 _STATE_STYLE = {
     HealthState.READY: "green",
@@ -42,7 +43,7 @@ def prefix_match_unit(cache_config: dict[str, str]) -> int | None:
 
 def host_table(results: list[HostResult], title: str) -> Table:
     table = Table(title=title, header_style="bold")
-    columns = ("host", "GPUs", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
+    columns = ("host", "GPUs", "GPU health", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
                "block", "unit")
     for col in columns:
         table.add_column(col)
@@ -52,6 +53,7 @@ def host_table(results: list[HostResult], title: str) -> Table:
         table.add_row(*_plain(
             r.target.name,
             ",".join(map(str, r.target.gpus)) or "-",
+            gpu_cell(r),
             (c.image_short if c else None) or "-",
             spec_cell(r),
             h.version or "-",
@@ -63,6 +65,25 @@ def host_table(results: list[HostResult], title: str) -> Table:
             *cache_units(h.cache_config),
         ))
     return table
+
+
+_GPU_STYLE = {Verdict.OK: "green", Verdict.DEGRADED: "yellow", Verdict.RESTART_APP: "yellow"}
+
+
+def gpu_cell(r: HostResult) -> Text:
+    """The worst GPU verdict and its GPUs ("ok", "degraded: 0", "needs reboot: 1 (unused)"); "-" when not read."""
+    gpus = r.gpus
+    if gpus is None:
+        return Text("-")
+    if gpus.error is not None:
+        return Text("unknown", style="yellow")
+    worst = gpus.verdict()
+    if worst is Verdict.OK:
+        return Text("ok", style="green")
+    on = [g for g in gpus.gpus if g.verdict is worst]
+    names = ",".join(str(g.index) if g.index is not None else g.bus_id for g in on)
+    unused = "" if any(g in gpus.concern(r.target.gpus) for g in on) else " (unused)"
+    return Text(f"{worst.label}: {names}{unused}", style=_GPU_STYLE.get(worst, "red"))
 
 
 def spec_cell(r: HostResult) -> Text:

@@ -180,12 +180,17 @@ def ledger_rows(lg: Ledger) -> list[tuple[str, str, str, str, str, SpeedFigures 
     if lg.committed is not None:
         c = lg.committed
         ready = f"ready {c.ready_at}" if c.ready_at else ""
-        rows.append(("committed", c.version.ref, c.version.image, c.committed_at, ready, c.speed))
+        rows.append(("committed", c.version.ref, c.version.image, c.committed_at, _gpu(ready, c.gpu), c.speed))
     for f in reversed(lg.failed):
-        rows.append(("failed", f.ref, f.image or "", f.failed_at, f.reason, None))
+        rows.append(("failed", f.ref, f.image or "", f.failed_at, _gpu(f.reason, f.gpu), None))
     for c in reversed(lg.history):
-        rows.append(("earlier", c.version.ref, c.version.image, c.committed_at, "", c.speed))
+        rows.append(("earlier", c.version.ref, c.version.image, c.committed_at, _gpu("", c.gpu), c.speed))
     return rows
+
+
+def _gpu(detail: str, gpu: str | None) -> str:
+    """The detail with the GPU verdict recorded at that swap, when the ledger has one."""
+    return "; ".join(part for part in (detail, f"GPU {gpu}" if gpu else "") if part)
 
 
 def _history_table(host: str, lg: HostLedger) -> Table:

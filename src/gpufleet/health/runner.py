@@ -18,6 +18,8 @@ import gevent
 import gevent.pool
 
 from gpufleet.defaults import DEFAULTS, SPEED_TOLERANCE_SETTING
+from gpufleet.facts.gpu_verdict import GpuVerdict, HostGpus
+from gpufleet.health import gpu
 from gpufleet.health.answers import AnswerCheck, check_answers
 from gpufleet.health.check import HealthReport, HealthState, check, reached
 from gpufleet.health.probe import probe
@@ -26,9 +28,10 @@ from gpufleet.health.serving import Served, run_checks
 from gpufleet.health.speed import speed_check
 from gpufleet.health.wait import wait_until_ready
 from gpufleet.remote.ssh import open_ssh
-from gpufleet.remote.transport import Transport, Unreachable
+from gpufleet.remote.transport import SshTransport, Transport, Unreachable
 from gpufleet.wire.checks import SPEED
 from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
+from gpufleet.wire.gpu_verdicts import GpuSettings
 from gpufleet.wire.identity import Expected, SpecArgs
 from gpufleet.wire.speed import SpeedFigures
 
@@ -57,6 +60,7 @@ class HostTarget:
     # while it runs that digest (gpufleet.cli.verify reads the ledgers)
     recorded_speed: tuple[str, SpeedFigures] | None = None
     speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
+    gpu_settings: GpuSettings = field(default_factory=GpuSettings)  # its GPU verdict table
 
     @classmethod
     def for_spec(cls, spec: SpecArgs, data: Mapping[str, Any]) -> HostTarget:
@@ -69,6 +73,7 @@ class HostTarget:
             max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
             api_key=data.get("vllm_api_key"),
             served=Served.from_spec(spec),
+            gpu_settings=GpuSettings.of(data),
         )
 
 
@@ -91,11 +96,17 @@ class HostResult:
     checks: tuple[AnswerCheck, ...] = ()  # gpufleet.health.serving, those asked for that apply to the host
     speed: SpeedFigures | None = None  # what the speed check measured, when asked for
     speed_earlier: SpeedFigures | None = None  # what it was held to
+    gpus: HostGpus | None = None  # its GPUs' verdicts (None: not read, or no nvidia-smi)
 
     @property
     def ok(self) -> bool:
         return (self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
-                and all(a.ok for a in (*self.answers, *self.checks)))
+                and all(a.ok for a in (*self.answers, *self.checks)) and not self.sick_gpus)
+
+    @property
+    def sick_gpus(self) -> list[GpuVerdict]:
+        """The GPUs the service runs on that need a reset, a reboot or service."""
+        return self.gpus.blocking(self.target.gpus) if self.gpus is not None else []
 
 
 def check_host(
@@ -164,6 +175,10 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         say("checking")
         health = check(transport, target.expected, api_key=api_key)
     expected = reached(target.expected, health.container)  # the container that answered, not the port's listener
+    gpus = None
+    if isinstance(transport, SshTransport):
+        say("reading the GPUs' health")
+        gpus = gpu.judged(transport, target.gpu_settings, health.container.started_at if health.container else None)
     answers: tuple[AnswerCheck, ...] = ()
     if asked.answer and health.ready:
         say("sending a chat completion, plain and streamed")
@@ -188,7 +203,7 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
             report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-    return HostResult(target, health, report, error, answers, checks, figures, earlier)
+    return HostResult(target, health, report, error, answers, checks, speed=figures, speed_earlier=earlier, gpus=gpus)
 
 
 def check_fleet(

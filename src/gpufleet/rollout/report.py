@@ -23,11 +23,12 @@ class Outcome(str, Enum):
     NOT_STARTED = "not-started"  # untouched: the rollout stopped before this host
     FAILED_PREPARE = "failed-prepare"  # the target could not be prepared here; no host was swapped
     FAILED = "failed"  # the swap failed and the ledger shows neither the target nor a rollback (see detail)
+    SKIPPED = "skipped"  # not swapped: a GPU it runs on needs a reset, a reboot or service (see detail)
 
 
 OK = (Outcome.UPDATED, Outcome.UNCHANGED)
 STYLE = {Outcome.UPDATED: "green", Outcome.UNCHANGED: "dim", Outcome.ROLLED_BACK: "yellow",
-         Outcome.NOT_STARTED: "dim", Outcome.FAILED_PREPARE: "red", Outcome.FAILED: "red"}
+         Outcome.NOT_STARTED: "dim", Outcome.FAILED_PREPARE: "red", Outcome.FAILED: "red", Outcome.SKIPPED: "red"}
 # What a host that did not end on the target needs (its problem's fix; {host} is the host's name).
 FIX = {
     Outcome.ROLLED_BACK: "its committed version serves again and the target is marked failed there: fix what the "
@@ -38,6 +39,8 @@ FIX = {
                             "whole run), then run the rollout again",
     Outcome.FAILED: "`gpufleet history INVENTORY --host {host}` shows its ledger and the deploy output (--log) why; "
                     "run the rollout again (a cut run resumes) or `gpufleet rollback INVENTORY --host {host}`",
+    Outcome.SKIPPED: "{host} still serves its committed version: do what the detail says NVIDIA recommends, then run "
+                     "the rollout again (docs/gpu-health.md)",
 }
 
 
@@ -92,7 +95,8 @@ class HostOutcome:
         """The host's last progress line: the outcome, the downtime when restarted, and for a host that failed (to
         prepare or to swap) or was rolled back its detail, so a piped run's log says why without the deploy output."""
         down = f" ({self.downtime_s:.1f} s down)" if self.downtime_s is not None else ""
-        failed = self.outcome in (Outcome.FAILED_PREPARE, Outcome.FAILED, Outcome.ROLLED_BACK) and self.detail
+        failed = self.outcome in (Outcome.FAILED_PREPARE, Outcome.FAILED, Outcome.ROLLED_BACK, Outcome.SKIPPED) \
+            and self.detail
         return f"{self.outcome.value}{down}" + (f": {self.detail}" if failed else "")
 
     def problems(self) -> list[dict[str, str]]:

@@ -15,6 +15,7 @@ skipped (deploys/router.py configures them).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +35,13 @@ from gpufleet.defaults import (
     VERIFY_CHECKS_SETTING,
     VERIFY_PROBE_SETTING,
 )
+from gpufleet.facts.gpu_verdict import HostGpus, judge
 from gpufleet.harness import preflight
 from gpufleet.hoststate.ledger import (
     CorruptLedger,
     DropPending,
     FinishPending,
+    Ledger,
     Nothing,
     Observed,
     RollBackPending,
@@ -52,21 +55,26 @@ from gpufleet.hoststate.rules import changed_since_read, cut_rename_away, host_l
 from gpufleet.inventory import ROUTERS_GROUP, behind_router
 from gpufleet.operations import files
 from gpufleet.operations.base import not_for_this_host
+from gpufleet.operations.files import sha256
 from gpufleet.operations.run import remember
 from gpufleet.operations.secret import Hidden
 from gpufleet.sitecache import deploy as site_cache
 from gpufleet.sitecache.operations import STORAGE as SITE_CACHE_STORAGE
+from gpufleet.units import unit_name
 from gpufleet.vllm import checks
+from gpufleet.vllm.commit import record_gpu
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.host_command import Paths
 from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
 from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, model, nvidia, service
-from gpufleet.vllm.operations.image import pinned_ref
+from gpufleet.vllm.operations.image import image_present, pinned_ref
 from gpufleet.vllm.settings import resolve_host
 from gpufleet.vllm.spec import ServeSpec
+from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.verify import Verification, verify_passed
 from gpufleet.wire.checks import verify_checks
+from gpufleet.wire.gpu_verdicts import GpuSettings, Verdict
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         return [corrupt_refusal(name, plan.layout.ledger_path, error)]
     ref = pinned_ref(ledger, spec.image, s[IMAGE_REF_SETTING])
     problems = checks.check(name, snap, s, spec.gpus, ref)
+    if snap.gpu_health is not None:
+        gpus = judge(snap.gpu_health, GpuSettings.of(s))
+        problems += checks.gpu_refusals(name, gpus, spec.gpus, restart_reason(snap, plan, ledger, ref))
     cut = cut_rename_away(name, snap.other_ledgers, spec.service)
     if cut:
         problems.append(cut)
@@ -141,6 +152,31 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     return problems
 
 
+def restart_reason(snap: HostSnapshot, plan: Plan, ledger: Ledger, pin: str | None) -> str | None:
+    """What this converge would (re)start and why, decided from the snapshot as service.running does; None: nothing.
+    What the snapshot cannot settle (a tag not resolved yet) counts as a restart."""
+    s, spec, layout, running = plan.settings, plan.spec, plan.layout, snap.running
+    unit = unit_name(spec.service)
+    if s[STAGE_SETTING] == "prepare" or not snap.gpus:
+        return None
+    if not snap.unit_active(unit):
+        return f"start {unit} (it is not running)"
+    why = ("a cut run left a version pending" if ledger.pending is not None
+           else "its image is still to be pulled" if pin is None or not image_present(snap.images, pin)
+           else "its unit changes" if snap.file_sha256.get(layout.unit_file) != sha256(render_unit(spec, pin))
+           else "its secrets file changes" if snap.file_sha256.get(layout.env_file) != sha256(
+               service.env_content(service.secret_values(s)))
+           else "Docker restarts to load the nvidia runtime" if not snap.nvidia_runtime
+           else "it does not run what its unit says" if running.drift() else None)
+    return f"restart {unit} ({why})" if why else None
+
+
+def gpu_warnings(gpus: HostGpus, used: tuple[int, ...]) -> list[str]:
+    """A line per GPU with a finding that does not stop this run."""
+    return [f"{g.line()} ({'the service runs on it' if g in gpus.concern(used) else 'the service does not use it'})"
+            for g in gpus.gpus if g.verdict is not Verdict.OK]
+
+
 @deploy("Deploy Qwen 3.5 on vLLM")
 def deploy_qwen35() -> None:
     if not is_vllm_host(host):
@@ -150,6 +186,12 @@ def deploy_qwen35() -> None:
     plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host)
     s, spec, layout = plan.settings, plan.spec, plan.layout
     held = remember(host, snap)  # every operation decides from this one read
+    if snap.gpu_health is not None:
+        # For this swap's ledger entry; the swap's restart settles an app-restart Xid before it.
+        gpus = judge(snap.gpu_health, GpuSettings.of(s), app_started_at=time.time())
+        record_gpu(host, gpus.summary(spec.gpus))
+        for line in gpu_warnings(gpus, spec.gpus):
+            host.log_styled(line, fg="yellow")
     has_gpu = bool(snap.gpus)
     ledger = host_ledger(snap.ledger_text, snap.other_ledgers, spec.port)  # preflight refused a corrupt one
     prepare = s[STAGE_SETTING] == "prepare"

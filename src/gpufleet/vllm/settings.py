@@ -18,6 +18,8 @@ from typing import Any
 from gpufleet.defaults import (
     DEFAULTS,
     EXPECT_COMMITTED_SETTING,
+    GPU_CLEARED_SETTING,
+    GPU_VERDICTS_SETTING,
     IMAGE_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
@@ -53,6 +55,7 @@ from gpufleet.vllm.unit import DOCKER
 from gpufleet.vllm.value_rules import Fail, control_character
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
 from gpufleet.wire.speed import SpeedFigures
+from gpufleet.wire.gpu_verdicts import Verdict, cleared_at, verdict_table
 
 # Prefixes of our settings: other host data (ssh_*, pyinfra's own keys, users' extras) is not ours to judge.
 _OUR_PREFIXES = ("vllm_", "gpufleet_", "docker_", "nvidia_")
@@ -142,6 +145,7 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
     if not isinstance(model, str) or not model or model.startswith("/") or ".." in model.split("/"):
         fail("vllm_model", f"{shown(model)} is not a directory name under vllm_models_dir", 'set e.g. "qwen3.5-awq"')
     check_plain_settings(s, fail)
+    _check_gpu_settings(s, fail)
     _check_run_settings(s, fail)
     _check_speed_settings(s, fail)
     check_install_settings(s, fail)
@@ -236,6 +240,18 @@ def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
     except ValueError as error:
         fail(SPEED_BASELINE_SETTING, f"{shown(baseline)}: {error}",
              "leave it unset: a rollout passes it, measured on each host before its swap")
+def _check_gpu_settings(s: Mapping[str, Any], fail: Fail) -> None:
+    """The GPU verdict table's overrides and gpufleet_gpu_cleared_at (docs/gpu-health.md)."""
+    try:
+        verdict_table(s[GPU_VERDICTS_SETTING])
+    except ValueError as error:
+        fail(GPU_VERDICTS_SETTING, str(error), f"map signals of the table in docs/gpu-health.md to one of "
+                                               f"{', '.join(Verdict)}, e.g. {{\"xid 43\": \"ok\"}}")
+    try:
+        cleared_at(s[GPU_CLEARED_SETTING])
+    except ValueError as error:
+        fail(GPU_CLEARED_SETTING, f"{shown(s[GPU_CLEARED_SETTING])} {error}",
+             'give an ISO 8601 time with its zone, e.g. "2026-12-03T10:00:00Z", or None')
 
 
 def _check_unit_line(spec: ServeSpec, fail: Fail) -> None:
