@@ -81,6 +81,13 @@ DEFAULTS: dict[str, Any] = {
     # Allow a host without NVIDIA GPUs (a VM for trying the deploy): everything is installed, the service is not
     # started.
     "gpufleet_allow_no_gpu": False,
+    # --- GPU health (docs/gpu-health.md) ------------------------------------------------------------------------
+    # Rows of the GPU verdict table over its defaults: signal -> "ok", "degraded", "restart-app", "reset-gpu",
+    # "reboot" or "service", e.g. {"xid 43": "ok"}. reset-gpu and worse refuse a (re)start on that GPU.
+    "gpufleet_gpu_verdicts": {},
+    # ISO 8601 time with its zone: kernel log Xid lines before it no longer count (set it after resetting a GPU by
+    # hand whose Xid the driver's own fields cannot clear). None: every line since boot counts.
+    "gpufleet_gpu_cleared_at": None,
     # --- one run per host at a time ---------------------------------------------------------------------------
     # Seconds a run waits for another run's lock on a host before preflight refuses it; 0 refuses at once, naming
     # the holder (user, controller host, pid, since when).
@@ -114,6 +121,16 @@ DEFAULTS: dict[str, Any] = {
     # (docs/verify.md): a list of names, "all" or "none". Each runs only where the settings give it something to
     # check. "prefix-cache" (the probe, up to 49 requests) is left to gpufleet_verify_probe and a rollout's canary.
     "gpufleet_verify_checks": ("cached-cold", "sessions", "tools", "reasoning"),
+    # The speed check (docs/verify.md): how much speed every repeat of a figure may lose against the old version's
+    # median on the same host (0.7: down to 0.3x) before the new version fails. Above a version's noise against
+    # itself on a loaded machine, below a real regression (measured: docs/verify.md); a GPU host can hold a tighter one.
+    "gpufleet_speed_tolerance": 0.7,
+    # {host: the old version's speed figures} as a rollout measured them before the swap: what the speed check holds
+    # the new version to. Unset, the check records the new figures without comparing.
+    "gpufleet_speed_baseline": None,
+    # A rollout holds the hosts after its canary to the speed check too (each measured before and after its swap),
+    # not only the canary.
+    "gpufleet_speed_batches": False,
     # Fetch the Docker and NVIDIA repo keys even where a keyring is installed, and replace a key that rotated. Off,
     # an installed key stands (no request leaves the host) until apt installs from its repo, which fetches it first.
     "gpufleet_refresh_keys": False,
@@ -176,10 +193,15 @@ RETRY_SETTING: Final = "gpufleet_retry_failed"
 EXPECT_COMMITTED_SETTING: Final = "gpufleet_expect_committed"
 VERIFY_PROBE_SETTING: Final = "gpufleet_verify_probe"
 VERIFY_CHECKS_SETTING: Final = "gpufleet_verify_checks"
+SPEED_TOLERANCE_SETTING: Final = "gpufleet_speed_tolerance"
+SPEED_BASELINE_SETTING: Final = "gpufleet_speed_baseline"
+SPEED_BATCHES_SETTING: Final = "gpufleet_speed_batches"
 REFRESH_KEYS_SETTING: Final = "gpufleet_refresh_keys"
 WAIT_SETTING: Final = "gpufleet_lock_wait_s"
 LEASE_SETTING: Final = "gpufleet_lock_lease_s"
 ACCEPT_SETTING: Final = "gpufleet_accept"
+GPU_VERDICTS_SETTING: Final = "gpufleet_gpu_verdicts"
+GPU_CLEARED_SETTING: Final = "gpufleet_gpu_cleared_at"
 
 # The values of STAGE_SETTING: "converge" is the whole deploy; "prepare" pulls, fetches the model and checks the flags,
 # and stops before the unit (nothing restarts; the rollout prepares every host before it swaps any).

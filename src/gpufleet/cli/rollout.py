@@ -27,6 +27,7 @@ from gpufleet.rollout.run import Result, history, roll_back, roll_out
 from gpufleet.rollout.swap import STAGE_TIMEOUT_S, SwapOptions
 from gpufleet.rollout.target import requested_image
 from gpufleet.wire.checks import SERVING_CHECKS
+from gpufleet.wire.speed import SpeedFigures
 
 
 def _console() -> Console:
@@ -173,35 +174,41 @@ def rollback(inventory: str, host: str | None, to: str | None, probe: bool, drai
     _finish("rollback", result, as_json, options.log)
 
 
-def ledger_rows(lg: Ledger) -> list[tuple[str, str, str, str, str]]:
-    """(state, digest, image, when, detail) rows, newest first."""
-    rows = []
+def ledger_rows(lg: Ledger) -> list[tuple[str, str, str, str, str, SpeedFigures | None]]:
+    """(state, digest, image, when, detail, speed figures) rows, newest first."""
+    rows: list[tuple[str, str, str, str, str, SpeedFigures | None]] = []
     if lg.pending is not None:
         p = lg.pending
-        rows.append(("pending", p.version.ref, p.version.image, p.started_at, f"by {p.operator} (a cut run)"))
+        rows.append(("pending", p.version.ref, p.version.image, p.started_at, f"by {p.operator} (a cut run)", None))
     if lg.committed is not None:
         c = lg.committed
         ready = f"ready {c.ready_at}" if c.ready_at else ""
-        rows.append(("committed", c.version.ref, c.version.image, c.committed_at, ready))
+        rows.append(("committed", c.version.ref, c.version.image, c.committed_at, _gpu(ready, c.gpu), c.speed))
     for f in reversed(lg.failed):
-        rows.append(("failed", f.ref, f.image or "", f.failed_at, f.reason))
+        rows.append(("failed", f.ref, f.image or "", f.failed_at, _gpu(f.reason, f.gpu), None))
     for c in reversed(lg.history):
-        rows.append(("earlier", c.version.ref, c.version.image, c.committed_at, ""))
+        rows.append(("earlier", c.version.ref, c.version.image, c.committed_at, _gpu("", c.gpu), c.speed))
     return rows
+
+
+def _gpu(detail: str, gpu: str | None) -> str:
+    """The detail with the GPU verdict recorded at that swap, when the ledger has one."""
+    return "; ".join(part for part in (detail, f"GPU {gpu}" if gpu else "") if part)
 
 
 def _history_table(host: str, lg: HostLedger) -> Table:
     t = Table(title=f"{host}  {lg.path}", title_justify="left")
-    for column in ("state", "digest", "image", "at", "detail"):
+    for column in ("state", "digest", "image", "at", "detail", "speed"):
         t.add_column(column, overflow="fold")
     if lg.error:
-        t.add_row(Text("unreadable", style="red"), Text("-"), Text("-"), Text("-"), Text(lg.error))
+        t.add_row(Text("unreadable", style="red"), Text("-"), Text("-"), Text("-"), Text(lg.error), Text("-"))
     elif lg.ledger is None:
-        t.add_row(Text("none"), Text("-"), Text("-"), Text("-"), Text("no ledger: never converged"))
+        t.add_row(Text("none"), Text("-"), Text("-"), Text("-"), Text("no ledger: never converged"), Text("-"))
     else:
         style = {"pending": "yellow", "committed": "green", "failed": "red", "earlier": "dim"}
-        for state, ref, image, at, detail in ledger_rows(lg.ledger):
-            t.add_row(Text(state, style=style[state]), Text(short(ref)), Text(image), Text(at), Text(detail))
+        for state, ref, image, at, detail, speed in ledger_rows(lg.ledger):
+            t.add_row(Text(state, style=style[state]), Text(short(ref)), Text(image), Text(at), Text(detail),
+                      Text(speed.brief() if speed else "-"))
     return t
 
 
@@ -214,8 +221,9 @@ def _ledger_problems(inventory: str, host: str, lg: HostLedger) -> list[Problem]
 
 
 def _history_row(inventory: str, host: str, lg: HostLedger) -> dict[str, Any]:
-    rows = [{"state": state, "ref": ref, "image": image or None, "at": at, "detail": detail or None}
-            for state, ref, image, at, detail in (ledger_rows(lg.ledger) if lg.ledger else [])]
+    rows = [{"state": state, "ref": ref, "image": image or None, "at": at, "detail": detail or None,
+             "speed": speed.as_dict() if speed else None}
+            for state, ref, image, at, detail, speed in (ledger_rows(lg.ledger) if lg.ledger else [])]
     return row(host, _ledger_problems(inventory, host, lg), path=lg.path, rows=rows)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -14,18 +15,22 @@ from rich.console import Console
 
 from gpufleet.cli.envelope import BadInput, load_inventory, stopped
 from gpufleet.cli.health_report import report
-from gpufleet.cli.health_tables import checks_table, host_table, probe_table, router_table
+from gpufleet.cli.health_tables import checks_table, host_table, probe_table, router_table, speed_table
 from gpufleet.cli.logs import quiet_ssh_logs, stderr
 from gpufleet.cli.progress import FleetProgress
+from gpufleet.defaults import SPEED_TOLERANCE_SETTING
 from gpufleet.errors import GpufleetError
 from gpufleet.health.runner import HostResult, HostTarget, check_fleet
 from gpufleet.inventory import HostData
+from gpufleet.rollout.ledgers import read_ledgers
+from gpufleet.rollout.replicas import Sessions, load_fleet
 from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
 from gpufleet.router.status import read_host
 from gpufleet.vllm.replica_specs import load_host_specs
-from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
+from gpufleet.vllm.settings import merged_settings
+from gpufleet.wire.checks import SERVING_CHECKS, SPEED, parse_checks
 
 
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
@@ -40,7 +45,25 @@ def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]
     except GpufleetError as e:  # an invalid setting: bad input, before any host is reached
         raise BadInput(str(e)) from None
     quiet_ssh_logs()
+    if SPEED in kwargs.get("checks", ()):
+        targets = with_recorded_speed(inventory, host, targets)
     return check_fleet(targets, **kwargs)
+
+
+def with_recorded_speed(inventory: str, host: str | None, targets: list[HostTarget]) -> list[HostTarget]:
+    """Each target with the speed figures its ledger recorded for the committed digest, and its tolerance: what
+    `--checks speed` holds the host to. A ledger that cannot be read gives none (the check then compares nothing)."""
+    fleet = {h.name: h for h in load_fleet(inventory, host)}
+    with Sessions(list(fleet.values())) as sessions:
+        ledgers = read_ledgers(sessions, list(fleet))
+    out = []
+    for t in targets:
+        ledger = ledgers[t.name].ledger
+        committed = ledger.committed if ledger else None
+        recorded = (committed.version.ref, committed.speed) if committed and committed.speed else None
+        out.append(replace(t, recorded_speed=recorded,
+                           speed_tolerance=float(merged_settings(fleet[t.name].data)[SPEED_TOLERANCE_SETTING])))
+    return out
 
 
 def _console() -> Console:
@@ -164,6 +187,8 @@ def verify(
             console.print(host_table(results, "gpufleet verify"))
         if any(r.checks for r in results):
             console.print(checks_table(results, names))
+        if any(r.speed for r in results):
+            console.print(speed_table(results))
         if any(r.probe is not None for r in results):
             console.print(probe_table(results))
         if verdicts:

@@ -17,16 +17,23 @@ from typing import Any
 import gevent
 import gevent.pool
 
+from gpufleet.defaults import DEFAULTS, SPEED_TOLERANCE_SETTING
+from gpufleet.facts.gpu_verdict import GpuVerdict, HostGpus
+from gpufleet.health import gpu
 from gpufleet.health.answers import AnswerCheck, check_answers
 from gpufleet.health.check import HealthReport, HealthState, check, reached
 from gpufleet.health.probe import probe
 from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.serving import Served, run_checks
+from gpufleet.health.speed import speed_check
 from gpufleet.health.wait import wait_until_ready
 from gpufleet.remote.ssh import open_ssh
-from gpufleet.remote.transport import Transport, Unreachable
+from gpufleet.remote.transport import SshTransport, Transport, Unreachable
+from gpufleet.wire.checks import SPEED
 from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
+from gpufleet.wire.gpu_verdicts import GpuSettings
 from gpufleet.wire.identity import Expected, SpecArgs
+from gpufleet.wire.speed import SpeedFigures
 
 PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and paramiko's reader)
 
@@ -49,6 +56,11 @@ class HostTarget:
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
     served: Served = Served()  # its parsers and prefix caching: which serving checks apply
+    # The committed digest and the speed figures its ledger recorded with it: what the speed check holds the host to
+    # while it runs that digest (gpufleet.cli.verify reads the ledgers)
+    recorded_speed: tuple[str, SpeedFigures] | None = None
+    speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
+    gpu_settings: GpuSettings = field(default_factory=GpuSettings)  # its GPU verdict table
 
     @classmethod
     def for_spec(cls, spec: SpecArgs, data: Mapping[str, Any]) -> HostTarget:
@@ -61,6 +73,7 @@ class HostTarget:
             max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
             api_key=data.get("vllm_api_key"),
             served=Served.from_spec(spec),
+            gpu_settings=GpuSettings.of(data),
         )
 
 
@@ -81,11 +94,19 @@ class HostResult:
     probe_error: str | None = None
     answers: tuple[AnswerCheck, ...] = ()  # gpufleet.health.answers, when asked for and the host was ready
     checks: tuple[AnswerCheck, ...] = ()  # gpufleet.health.serving, those asked for that apply to the host
+    speed: SpeedFigures | None = None  # what the speed check measured, when asked for
+    speed_earlier: SpeedFigures | None = None  # what it was held to
+    gpus: HostGpus | None = None  # its GPUs' verdicts (None: not read, or no nvidia-smi)
 
     @property
     def ok(self) -> bool:
         return (self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
-                and all(a.ok for a in (*self.answers, *self.checks)))
+                and all(a.ok for a in (*self.answers, *self.checks)) and not self.sick_gpus)
+
+    @property
+    def sick_gpus(self) -> list[GpuVerdict]:
+        """The GPUs the service runs on that need a reset, a reboot or service."""
+        return self.gpus.blocking(self.target.gpus) if self.gpus is not None else []
 
 
 def check_host(
@@ -154,14 +175,27 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         say("checking")
         health = check(transport, target.expected, api_key=api_key)
     expected = reached(target.expected, health.container)  # the container that answered, not the port's listener
+    gpus = None
+    if isinstance(transport, SshTransport):
+        say("reading the GPUs' health")
+        gpus = gpu.judged(transport, target.gpu_settings, health.container.started_at if health.container else None)
     answers: tuple[AnswerCheck, ...] = ()
     if asked.answer and health.ready:
         say("sending a chat completion, plain and streamed")
         answers = check_answers(transport, expected, api_key=api_key)
     checks: tuple[AnswerCheck, ...] = ()
-    if asked.checks and health.ready and all(a.ok for a in answers):
-        say(f"serving checks: {', '.join(asked.checks)}")
-        checks = run_checks(transport, expected, target.served, asked.checks, api_key=api_key)
+    figures, earlier = None, None
+    if SPEED in asked.checks and health.ready and all(a.ok for a in answers):
+        say("measuring its speed (under a minute)")
+        running = health.container.image if health.container else None
+        earlier = target.recorded_speed[1] if target.recorded_speed and target.recorded_speed[0] == running else None
+        speed, figures = speed_check(transport, expected, target.served, earlier, target.speed_tolerance,
+                                     api_key=api_key)
+        checks = (speed,)
+    rest = [name for name in asked.checks if name != SPEED]
+    if rest and health.ready and all(c.ok for c in (*answers, *checks)):
+        say(f"serving checks: {', '.join(rest)}")
+        checks += run_checks(transport, expected, target.served, rest, api_key=api_key)
     report, error = None, None
     if asked.run_probe and health.ready:
         say("probing prompt re-processing (up to a few minutes)")
@@ -169,7 +203,7 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
             report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-    return HostResult(target, health, report, error, answers, checks)
+    return HostResult(target, health, report, error, answers, checks, speed=figures, speed_earlier=earlier, gpus=gpus)
 
 
 def check_fleet(

@@ -24,6 +24,7 @@ from gpufleet.defaults import (
     IMAGE_REF_SETTING,
     MODEL_REF_SETTING,
     RETRY_SETTING,
+    SPEED_BASELINE_SETTING,
     STAGE_SETTING,
     STAGES,
     VERIFY_CHECKS_SETTING,
@@ -34,6 +35,7 @@ from gpufleet.errors import GpufleetError
 from gpufleet.harness import packaged_deploy_file
 from gpufleet.harness.result import RESULT_ENV, HostResult, read_result
 from gpufleet.wire.checks import SERVING_CHECKS
+from gpufleet.wire.speed import SpeedFigures
 
 DEPLOY_FILE = Path("deploys") / "qwen35.py"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # pyinfra's colours, kept out of the log
@@ -139,6 +141,8 @@ class RunSettings:
     expect_committed: Mapping[str, str | None] | None = None
     verify_probe: bool = False  # hold every host to the prompt re-processing probe too
     retry_failed: bool = False  # install the version again though it failed verification there before
+    # host -> the old version's speed figures, measured there before the swap: the speed check holds the new to them
+    speed_baseline: Mapping[str, SpeedFigures] | None = None
 
     def __post_init__(self) -> None:
         if self.stage is not None and self.stage not in STAGES:
@@ -153,6 +157,8 @@ class RunSettings:
         checks = None if self.verify_checks is None else ",".join(self.verify_checks) or "none"
         committed = (None if self.expect_committed is None
                      else json.dumps(dict(self.expect_committed), separators=(",", ":")))
+        baseline = (None if not self.speed_baseline else json.dumps(
+            {host: figures.as_dict() for host, figures in self.speed_baseline.items()}, separators=(",", ":")))
         named: tuple[tuple[str, str | None], ...] = (
             (IMAGE_REF_SETTING, self.image_ref),
             (MODEL_REF_SETTING, self.model_ref),
@@ -161,6 +167,7 @@ class RunSettings:
             (EXPECT_COMMITTED_SETTING, committed),
             (VERIFY_PROBE_SETTING, "true" if self.verify_probe else None),
             (RETRY_SETTING, "true" if self.retry_failed else None),
+            (SPEED_BASELINE_SETTING, baseline),
         )
         return [arg for name, text in named if text is not None for arg in ("--data", f"{name}={text}")]
 

@@ -1,13 +1,16 @@
 """Who belongs in the routers' worker sets: a replica whose ledger has a committed version and nothing pending, and
-that answers ready now (the check `gpufleet verify` runs). The rollout reconciles every router with this at its
-start and its end, so a controller killed between a replica's leave and its rejoin strands nothing."""
+that answers ready now (the check `gpufleet verify` runs) on GPUs that need no reset, reboot or service. The rollout
+reconciles every router with this at its start and its end, so a controller killed between a replica's leave and its
+rejoin strands nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
+from gpufleet.facts.gpu_verdict import HostGpus
 from gpufleet.health.check import HealthState, check
 from gpufleet.remote.transport import SshTransport
+from gpufleet.rollout import gpu
 from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.wire.identity import Expected
@@ -27,11 +30,24 @@ def belongs(ledger: HostLedger, state: HealthState | None) -> bool | None:
     return state is HealthState.READY
 
 
-def members(sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, HostLedger]) -> dict[str, bool | None]:
-    """belongs() for every named replica, each looked at once over its own session, all at once."""
-    def look(host: FleetHost, transport: SshTransport) -> HealthState:
-        return check(transport, Expected.from_spec(host.spec), api_key=host.api_key).state
+def gpus_fit(gpus: HostGpus | None, used: Collection[int]) -> bool | None:
+    """False: a GPU the replica uses needs a reset, a reboot or service; True: they may serve; None: not known."""
+    if gpus is None or gpus.error is not None:
+        return None
+    return not gpus.blocking(used)
 
-    states = sessions.each(names, look)
-    return {name: belongs(ledgers[name], state if isinstance(state, HealthState) else None) for name, state in
-            states.items()}
+
+def members(sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, HostLedger]) -> dict[str, bool | None]:
+    """belongs() for every named replica, False where gpus_fit() is; each looked at once over its own session, all
+    at once."""
+    def look(host: FleetHost, transport: SshTransport) -> tuple[HealthState, HostGpus | None]:
+        report = check(transport, Expected.from_spec(host.spec), api_key=host.api_key)
+        started = report.container.started_at if report.container else None
+        return report.state, gpu.look(host, transport, started)
+
+    found = {}
+    for name, seen in sessions.each(names, look).items():
+        state, gpus = seen if isinstance(seen, tuple) else (None, None)
+        fit = gpus_fit(gpus, sessions.hosts[name].spec.gpus)
+        found[name] = False if fit is False else belongs(ledgers[name], state)
+    return found

@@ -10,6 +10,7 @@ from gpufleet.errors import GpufleetError, one_line
 from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_roles
 from gpufleet.rollout.carry import Carry, CarryResult
+from gpufleet.rollout.gpu import sick_hosts
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import members
 from gpufleet.rollout.prepare import prepare, pull_stats
@@ -73,13 +74,19 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
     order = [h for h in names if h not in done]
     for h in done:
         progress.phase(h, "unchanged (already on the target)")
+    sick = sick_hosts(sessions, order, progress.note)  # never swapped, nor the canary (gpufleet.rollout.gpu)
+    for h, why in sick.items():
+        outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.SKIPPED, None, why)
+        progress.phase(h, outcomes[h].phase)
+    order = [h for h in order if h not in sick]
     # Before anything changes: a router that cannot be reached might still send traffic to a host being swapped.
     by_name = {h.name: h for h in hosts}
     router_hosts = load_roles(inventory)[0]
     if router_hosts:
         progress.note(f"reaching the routers: {', '.join(name for name, _ in router_hosts)}")
     if not order:
-        message = f"every host already runs {what}: nothing to do"
+        message = (f"every host already runs {what}: nothing to do" if not sick else
+                   f"{len(sick)} host(s) skipped for their GPUs; the others already run {what}")
         try:
             with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
                 _reconcile(routers, sessions, names, ledgers, progress)
@@ -88,10 +95,12 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         return Result(what, [outcomes[h] for h in names], message)
     with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
         # What a cut run left is settled first: its interrupted hosts (pending) swap first, and a batch counts the
-        # replicas in service as the reconcile and the earlier batches will leave them (Routers.capacity_problem).
+        # replicas in service as the reconcile and the earlier batches will leave them (Routers.capacity_problem),
+        # a host skipped for its GPU out of it.
         belongs = members(sessions, names, ledgers) if routers.routers else {}
         order = interrupted_first(order, ledgers)
-        if problem := routers.capacity_problem(batches(order, options.canary, options.batch), belongs):
+        if problem := routers.capacity_problem(batches(order, options.canary, options.batch),
+                                               {**belongs, **{h: False for h in sick}}):
             raise GpufleetError(problem)
         if not confirm(what, order):
             raise GpufleetError("not confirmed: nothing was changed")

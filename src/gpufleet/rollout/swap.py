@@ -11,8 +11,11 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from gpufleet.errors import one_line
+from gpufleet.defaults import SPEED_BATCHES_SETTING
+from gpufleet.errors import GpufleetError, one_line
+from gpufleet.health.check import reached
 from gpufleet.health.serving import Served
+from gpufleet.health.speed import measure
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout.carry import Carry
 from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
@@ -21,11 +24,14 @@ from gpufleet.rollout.drain import Drained, drain
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.replicas import FleetHost, Sessions
-from gpufleet.rollout.report import OK, HostOutcome, Outcome, short
+from gpufleet.rollout.report import OK, HostOutcome, Outcome, SpeedResult, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.router.api import RouterError
+from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.spec import ServeSpec
-from gpufleet.wire.checks import ANSWER_CHECKS, SERVING_CHECKS, verify_checks
+from gpufleet.wire.checks import ANSWER_CHECKS, SERVING_CHECKS, SPEED, verify_checks
+from gpufleet.wire.identity import Expected
+from gpufleet.wire.speed import SpeedFigures
 
 STAGE_TIMEOUT_S = 4 * 3600.0
 # Outcomes whose ledger says committed (the target, or the version before it): such a replica serves again.
@@ -39,7 +45,8 @@ class SwapOptions:
     batch: int = 1
     probe: bool = False  # every host gated on the prompt re-processing probe too
     # The serving checks the canary is held to (gpufleet.health.serving), each where its settings apply; the hosts
-    # after it, which run the version the canary proved, are held to a completion, plain and streamed, and the soak.
+    # after it, which run the version the canary proved, are held to a completion, plain and streamed, and the soak
+    # (and to speed where gpufleet_speed_batches asks, unless it is left out here).
     canary_checks: tuple[str, ...] = SERVING_CHECKS
     retry_failed: bool = False
     drain_timeout_s: float = 120.0
@@ -51,12 +58,22 @@ class SwapOptions:
     carry: bool = True
     model_ref: str | None = None  # the model's commit every host moves to (gpufleet_model_ref), when it moves
 
+    def group_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
+        """The serving checks a group's deploy run holds the new version to: the canary's; a batch's, speed alone
+        when one of its hosts asks for it (gpufleet_speed_batches), else none."""
+        if canary:
+            return self.canary_checks
+        return (SPEED,) if speed_batch and SPEED in self.canary_checks else ()
+
     def run_settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None,
-                     canary: bool = False) -> RunSettings:
-        """A batch's deploy run; committed: host -> the digest the rollout read as committed there."""
+                     canary: bool = False, speed_batch: bool = False,
+                     speed_baseline: Mapping[str, SpeedFigures] | None = None) -> RunSettings:
+        """A batch's deploy run; committed: host -> the digest the rollout read as committed there; speed_baseline:
+        host -> the old version's figures, measured there before the swap."""
         return RunSettings(image_ref=target_ref, model_ref=self.model_ref,
-                           verify_checks=self.canary_checks if canary else (),
-                           expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed)
+                           verify_checks=self.group_checks(canary, speed_batch),
+                           expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed,
+                           speed_baseline=speed_baseline)
 
 
 def batches(names: Sequence[str], canary: int, batch: int) -> list[list[str]]:
@@ -69,10 +86,26 @@ def batches(names: Sequence[str], canary: int, batch: int) -> list[list[str]]:
            [rest[i:i + batch] for i in range(0, len(rest), batch)]
 
 
-def held_to(spec: ServeSpec, options: SwapOptions, canary: bool) -> tuple[str, ...]:
+def held_to(spec: ServeSpec, options: SwapOptions, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
     """The checks a swapped host's deploy run holds the new version to, in the order it sends them."""
-    serving = verify_checks(options.canary_checks if canary else (), options.probe)
+    serving = verify_checks(options.group_checks(canary, speed_batch), options.probe)
     return (*ANSWER_CHECKS, *Served.from_spec(spec).applicable(serving))
+
+
+def speed_batches(host: FleetHost) -> bool:
+    """Whether the host's settings hold it to the speed check when it swaps after the canary."""
+    value = merged_settings(host.data)[SPEED_BATCHES_SETTING]
+    return value is True or str(value).lower() == "true"
+
+
+def measure_running(host: FleetHost, transport: SshTransport) -> SpeedFigures:
+    """The running (old) version's speed figures, over the rollout's session, from its container as the deploy's
+    checks reach it (the API key goes to that container only); GpufleetError saying why none."""
+    try:
+        expected = reached(Expected.from_spec(host.spec), transport.container(host.spec.service))
+        return measure(transport, expected, Served.from_spec(host.spec), api_key=host.api_key)
+    except Exception as error:  # no baseline: the new version's figures are recorded, not compared
+        raise GpufleetError(f"the running version could not be measured: {type(error).__name__}: {error}") from error
 
 
 def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | None) -> tuple[tuple[str, bool], ...]:
@@ -87,12 +120,19 @@ def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | Non
 
 
 def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
-          downtime_s: float | None, drained: Drained | str | None, held: Sequence[str] = ()) -> HostOutcome:
+          downtime_s: float | None, drained: Drained | str | None, held: Sequence[str] = (),
+          speed_before: SpeedFigures | str | None = None) -> HostOutcome:
     """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak);
-    held: the checks the run held it to."""
+    held: the checks the run held it to; speed_before: the old version's figures, or why there are none."""
     outcome = _judged(host, target, before, after, run, downtime_s, drained)
     mark = after.failed_mark(target) if outcome.outcome == Outcome.ROLLED_BACK else None
-    return replace(outcome, checks=check_results(held, outcome.outcome, mark.check if mark else None))
+    speed = None
+    if SPEED in held:
+        committed = after.ledger.committed if after.ledger and outcome.outcome == Outcome.UPDATED else None
+        old = speed_before if isinstance(speed_before, SpeedFigures) else None
+        speed = SpeedResult(old, committed.speed if committed else None,
+                            speed_before if isinstance(speed_before, str) else "")
+    return replace(outcome, checks=check_results(held, outcome.outcome, mark.check if mark else None), speed=speed)
 
 
 def _judged(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
@@ -193,6 +233,14 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
     for h in group:
         progress.phase(h, f"{role}: draining")
     drained = sessions.each(group, drain_one)
+    canary = role == "canary"
+    speed_batch = not canary and any(speed_batches(hosts[h]) for h in group)
+    # The old version measured out of service and drained, on the host and with the workload the new one gets.
+    speed_before: dict[str, SpeedFigures | str] = {}
+    if SPEED in options.group_checks(canary, speed_batch):
+        for h in group:
+            progress.phase(h, f"{role}: measuring the running version's speed")
+        speed_before = sessions.each(group, measure_running)
     watches: dict[str, DowntimeWatch] = {}
     for h in group:
         try:
@@ -201,15 +249,16 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
             pass
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
     committed = {h: before[h].committed_ref for h in group if before[h].error is None}
-    canary = role == "canary"
-    run = run_deploy(inventory, group, options.run_settings(target, committed, canary=canary), options.deploy_file,
-                     log=options.log, timeout_s=options.stage_timeout_s)
+    baseline = {h: figures for h, figures in speed_before.items() if isinstance(figures, SpeedFigures)}
+    run = run_deploy(inventory, group, options.run_settings(target, committed, canary=canary, speed_batch=speed_batch,
+                                                            speed_baseline=baseline or None),
+                     options.deploy_file, log=options.log, timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, group)
     result = {}
     for h in group:
         outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h),
-                        held_to(hosts[h].spec, options, canary))
+                        held_to(hosts[h].spec, options, canary, speed_batch), speed_before.get(h))
         result[h] = outcome
         progress.phase(h, outcome.phase)
     return result

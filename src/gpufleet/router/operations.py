@@ -211,10 +211,11 @@ def workers_in_step(spec: RouterSpec, seen: RouterHost, install: LockedInstall) 
         if url in live:
             continue
         add = shlex.quote(f"{spec.control_url}/add_worker?url={quote(url, safe='')}")
-        # Listed already (the unit's own rejoin may have been first): nothing to add.
+        # Listed already (the unit's own rejoin may have been first): nothing to add. An add refused while the
+        # rejoin's own add of the same worker finished (HTTP 400, already a worker) is judged by the list again.
+        is_listed = f"curl -fsS --max-time 5 {listed} | grep -qF {shlex.quote(json.dumps(url))}"
         yield StringCommand("sh", "-c", shlex.quote(
-            f"curl -fsS --max-time 5 {listed} | grep -qF {shlex.quote(json.dumps(url))} || "
-            f"curl -fsS -X POST --max-time {spec.worker_startup_timeout_s + 10} {add}"))
+            f"{is_listed} || curl -fsS -X POST --max-time {spec.worker_startup_timeout_s + 10} {add} || {is_listed}"))
     for url in sorted(live - wanted):
         yield StringCommand("curl", "-fsS", "-X", "POST", "--max-time", "30",
                             shlex.quote(f"{spec.control_url}/remove_worker?url={quote(url, safe='')}"))

@@ -46,6 +46,10 @@ TAGS: dict[str, dict[str, str]] = {
     "cache-corrupt": {"STANDIN_VLLM_VERSION": "0.32.1.dev26+gstandin", "STANDIN_MISBEHAVE": "cache-corrupt"},
     # passes everything but tool calling: the tool parser leaves each call in the text as <tool_call> JSON
     "tools-broken": {"STANDIN_VLLM_VERSION": "0.32.1.dev27+gstandin", "STANDIN_MISBEHAVE": "tools-broken"},
+    # answers right, slower: prefill 20x slower and 0.4 s added to every request (the speed check fails)
+    "slow": {"STANDIN_VLLM_VERSION": "0.32.1.dev28+gstandin", "STANDIN_MISBEHAVE": "slow"},
+    # single requests are fine; with two in flight one is never scheduled while /health answers 200
+    "stalls-under-load": {"STANDIN_VLLM_VERSION": "0.32.1.dev29+gstandin", "STANDIN_MISBEHAVE": "stalls-under-load"},
 }
 # more tags for the same image (same digest): what the deploy's default image ref names
 ALIASES = {"nightly": "good"}

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpufleet.defaults import MODEL_REF_SETTING
+from gpufleet.facts.gpu_verdict import HostGpus
 from gpufleet.facts.nvidia import version_tuple
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.operations.model import missing_parts
@@ -85,6 +86,15 @@ def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, 
     if missing or moving:
         _need_space(bad, snap, "models", s["gpufleet_min_free_gb_models"], "gpufleet_min_free_gb_models", "models")
     return problems
+
+
+def gpu_refusals(host: str, gpus: HostGpus, used: tuple[int, ...], restart: str | None) -> list[str]:
+    """One line per GPU the service uses whose verdict refuses the (re)start `restart` names; none without one."""
+    if restart is None:
+        return []
+    return [_line(host, f"{g.line()}: this converge would {restart}",
+                  f"{g.action}, then converge again (docs/gpu-health.md: how a verdict clears)")
+            for g in gpus.blocking(used)]
 
 
 def _check_engine(bad: Bad, snap: HostSnapshot, install: str) -> None:

@@ -23,7 +23,7 @@ from gpufleet.hoststate.ledger import roll_back as ledger_roll_back
 from gpufleet.hoststate.paths import UNITS_DIR, committed_unit, ledger_path, unit_backup
 from gpufleet.operations.base import fail
 from gpufleet.operations.files import REFUSED, guarded
-from gpufleet.operations.run import check_lock, host_run, still_held_test
+from gpufleet.operations.run import check_lock, host_run, run_context, still_held_test
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.units import unit_name, unit_path
 from gpufleet.vllm.operations.flagcheck import accepted_file
@@ -33,6 +33,19 @@ from gpufleet.vllm.service_watch import service_exited
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import env_file_path
 from gpufleet.wire.identity import Expected
+from gpufleet.wire.speed import SpeedFigures
+
+
+class GpuAtSwap(dict[str, str]):
+    """Each host's GPU verdict as this run's preflight read it, for the swap's ledger entry (a run context slot)."""
+
+
+def record_gpu(host: Host, summary: str) -> None:
+    run_context(host.state).slot(GpuAtSwap, GpuAtSwap)[host.name] = summary
+
+
+def gpu_at_swap(host: Host) -> str | None:
+    return run_context(host.state).slot(GpuAtSwap, GpuAtSwap).get(host.name)
 
 
 class Verified(Protocol):
@@ -49,9 +62,9 @@ class Verified(Protocol):
     def check_once(self, host: Host, expected: Expected) -> Callable[[], HealthReport]: ...
 
 
-def commit_pending(host: Host, v: Verified, ready_at: str) -> bool:
+def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures | None = None) -> bool:
     """The pending version passed: it becomes the committed one (the rollback target, its unit kept beside the
-    ledger); a service it renamed is stopped, disabled and removed."""
+    ledger, its speed figures in its entry); a service it renamed is stopped, disabled and removed."""
     ledger = host_run(host).ledger
     if ledger.pending is None:
         return True  # a restart of the committed version (drift, secrets): verified, nothing new to commit
@@ -81,7 +94,7 @@ def commit_pending(host: Host, v: Verified, ready_at: str) -> bool:
         return fail(host, f"{host.name}: could not keep a copy of the verified unit at {copy}: "
                           f"{' | '.join(output.stderr_lines) or 'it is not the unit the ledger names'} (fix: check "
                           f"the free space of {UNITS_DIR}, then converge again)")
-    if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at)):
+    if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at, speed, gpu=gpu_at_swap(host))):
         return False
     # Only now, with the commit on disk, may copies of units no longer committed go.
     ok, output = host.run_shell_command(
@@ -128,7 +141,8 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     # The mark first: a run cut anywhere after this line finds the pending version failed (never to be tried again
     # by a re-run rollout) and the committed one to converge to (a plain converge puts its unit back). Marked in the
     # committed service's own ledger: a rename going back marks it there, where a later run of either name reads it.
-    if not save_ledger(host, ledger_path(service), ledger_roll_back(ledger, failed_detail, now_utc(), check=check)):
+    if not save_ledger(host, ledger_path(service), ledger_roll_back(ledger, failed_detail, now_utc(), check=check,
+                                                                   gpu=gpu_at_swap(host))):
         return False
     host.log_styled(f"rolling back to {committed.ref}")
     steps = []

@@ -15,6 +15,7 @@ skipped (deploys/router.py configures them).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,13 @@ from gpufleet.defaults import (
     MODEL_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
+    SPEED_BASELINE_SETTING,
+    SPEED_TOLERANCE_SETTING,
     STAGE_SETTING,
     VERIFY_CHECKS_SETTING,
     VERIFY_PROBE_SETTING,
 )
+from gpufleet.facts.gpu_verdict import HostGpus, judge
 from gpufleet.harness import preflight
 from gpufleet.hoststate.ledger import (
     CorruptLedger,
@@ -53,22 +57,27 @@ from gpufleet.hoststate.rules import changed_since_read, cut_rename_away, host_l
 from gpufleet.inventory import ROUTERS_GROUP, behind_router
 from gpufleet.operations import files
 from gpufleet.operations.base import not_for_this_host
+from gpufleet.operations.files import sha256
 from gpufleet.operations.run import remember
 from gpufleet.operations.secret import Hidden
 from gpufleet.sitecache import deploy as site_cache
 from gpufleet.sitecache.operations import STORAGE as SITE_CACHE_STORAGE
+from gpufleet.units import unit_name
 from gpufleet.vllm import checks
+from gpufleet.vllm.commit import record_gpu
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.host_command import Paths
 from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
 from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, model, nvidia, service
-from gpufleet.vllm.operations.image import pinned_ref
+from gpufleet.vllm.operations.image import image_present, pinned_ref
 from gpufleet.vllm.settings import merged_settings, resolve_host
 from gpufleet.vllm.spec import ServeSpec
+from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.verify import Verification, verify_passed
 from gpufleet.vllm.weights import COMMIT, ModelTarget
 from gpufleet.wire.checks import verify_checks
+from gpufleet.wire.gpu_verdicts import GpuSettings, Verdict
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         return [corrupt_refusal(name, plan.layout.ledger_path, error)]
     ref = pinned_ref(ledger, spec.image, s[IMAGE_REF_SETTING])
     problems = checks.check(name, snap, s, spec.gpus, ref)
+    if snap.gpu_health is not None:
+        gpus = judge(snap.gpu_health, GpuSettings.of(s))
+        problems += checks.gpu_refusals(name, gpus, spec.gpus, restart_reason(snap, plan, ledger, ref))
     cut = cut_rename_away(name, snap.other_ledgers, spec.service)
     if cut:
         problems.append(cut)
@@ -168,6 +180,33 @@ def model_target(ledger: Ledger, s: Mapping[str, Any]) -> ModelTarget | None:
     return ModelTarget(repo, revision, model_pin(ledger, repo, revision))
 
 
+def restart_reason(snap: HostSnapshot, plan: Plan, ledger: Ledger, pin: str | None) -> str | None:
+    """What this converge would (re)start and why, decided from the snapshot as service.running does; None: nothing.
+    What the snapshot cannot settle (a tag not resolved yet) counts as a restart."""
+    s, spec, layout, running = plan.settings, plan.spec, plan.layout, snap.running
+    unit = unit_name(spec.service)
+    model = model_target(ledger, s)  # its commit is in the unit
+    if s[STAGE_SETTING] == "prepare" or not snap.gpus:
+        return None
+    if not snap.unit_active(unit):
+        return f"start {unit} (it is not running)"
+    why = ("a cut run left a version pending" if ledger.pending is not None
+           else "its image is still to be pulled" if pin is None or not image_present(snap.images, pin)
+           else "its unit changes" if snap.file_sha256.get(layout.unit_file) != sha256(
+               render_unit(spec, pin, model.pin if model else None))
+           else "its secrets file changes" if snap.file_sha256.get(layout.env_file) != sha256(
+               service.env_content(service.secret_values(s)))
+           else "Docker restarts to load the nvidia runtime" if not snap.nvidia_runtime
+           else "it does not run what its unit says" if running.drift() else None)
+    return f"restart {unit} ({why})" if why else None
+
+
+def gpu_warnings(gpus: HostGpus, used: tuple[int, ...]) -> list[str]:
+    """A line per GPU with a finding that does not stop this run."""
+    return [f"{g.line()} ({'the service runs on it' if g in gpus.concern(used) else 'the service does not use it'})"
+            for g in gpus.gpus if g.verdict is not Verdict.OK]
+
+
 @deploy("Deploy Qwen 3.5 on vLLM")
 def deploy_qwen35() -> None:
     if not is_vllm_host(host):
@@ -177,6 +216,12 @@ def deploy_qwen35() -> None:
     plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host)
     s, spec, layout = plan.settings, plan.spec, plan.layout
     held = remember(host, snap)  # every operation decides from this one read
+    if snap.gpu_health is not None:
+        # For this swap's ledger entry; the swap's restart settles an app-restart Xid before it.
+        gpus = judge(snap.gpu_health, GpuSettings.of(s), app_started_at=time.time())
+        record_gpu(host, gpus.summary(spec.gpus))
+        for line in gpu_warnings(gpus, spec.gpus):
+            host.log_styled(line, fg="yellow")
     has_gpu = bool(snap.gpus)
     ledger = host_ledger(snap.ledger_text, snap.other_ledgers, spec.port)  # preflight refused a corrupt one
     prepare = s[STAGE_SETTING] == "prepare"
@@ -195,7 +240,9 @@ def deploy_qwen35() -> None:
     served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
     verify = Verification(spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None,
                           layout.ledger_path, served[0] if served else spec.served_model_name,
-                          checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])))
+                          checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])),
+                          speed_earlier=(s[SPEED_BASELINE_SETTING] or {}).get(spec.host),
+                          speed_tolerance=float(s[SPEED_TOLERANCE_SETTING]))
     if not isinstance(decision, Nothing):
         service.settled(name="Settle the change a cut run left pending", decision=decision,
                         ledger_path=layout.ledger_path, roll_back=verify.roll_back_cut)

@@ -13,6 +13,7 @@ from typing import Any
 from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
+from gpufleet.facts.gpu_health import GpuHealth, parse_health
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion, parse_gpus, parse_version
 from gpufleet.hoststate import reader, sections
 from gpufleet.vllm.host_command import (
@@ -21,6 +22,8 @@ from gpufleet.vllm.host_command import (
     DOCKER_CONTAINERS,
     DOCKER_IMAGES,
     DRIVER_FILE,
+    GPU_HEALTH,
+    KERNEL_LOG,
     TIMED_OUT,
     Paths,
     snapshot_command,
@@ -105,6 +108,7 @@ class HostSnapshot:
     driver_output: str | None = None
     driver_from_file: bool = False  # driver came from Paths.nvidia_version_file, not from nvidia-smi
     nvidia_error: str | None = None  # nvidia-smi present but its output unusable
+    gpu_health: GpuHealth | None = None  # None: not read (no GPU, or nvidia-smi failed before it)
     daemon_json: dict[str, Any] | None = None  # None: no file
     daemon_json_error: str | None = None
     free_kib: dict[str, int] = field(default_factory=dict)  # "docker"/"models" -> KiB free
@@ -205,6 +209,8 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
                     snap.driver_output = "\n".join(driver) + "\n"
         except FactProcessError as error:
             snap.nvidia_error = str(error)
+    if snap.gpus and s.get(GPU_HEALTH):
+        snap.gpu_health = parse_health(s[GPU_HEALTH], s.get(KERNEL_LOG, []))
     text = "\n".join(s.get("daemon_json", [])).strip()
     if text:
         try:
