@@ -790,6 +790,6 @@ def test_history_shows_the_gpu_verdict_recorded_at_each_swap():
     lg = ledger.commit(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "t2", gpu="ok")
     lg = ledger.roll_back(ledger.begin(lg, version(OLDER), "x", "t3"), "died", "t4",
                           gpu="needs GPU reset (GPU 0: remapped_rows.pending=Yes)")
-    rows = {state: detail for state, _, _, _, detail in ledger_rows(lg)}
+    rows = {state: detail for state, _, _, _, detail, _ in ledger_rows(lg)}
     assert rows["committed"] == "GPU ok"
     assert rows["failed"] == "died; GPU needs GPU reset (GPU 0: remapped_rows.pending=Yes)"
