@@ -43,7 +43,8 @@ class RollbackHost:
 
     def run_shell_command(self, command: str, **_: Any):
         self.done.append(("run", str(command)))
-        return True, SimpleNamespace(stdout_lines=[], stderr_lines=[])
+        made = ["/tmp/tmp.private"] if str(command).endswith("mktemp -d") else []  # upload()'s private dir
+        return True, SimpleNamespace(stdout_lines=made, stderr_lines=[])
 
     def put_file(self, src: Any, dest: str, **_: Any) -> bool:
         self.done.append(("put", (dest, src.getvalue())))
@@ -57,12 +58,12 @@ class RollbackHost:
 
     def ledger_written(self) -> tuple[int, str, Ledger]:
         """(where in `done`, the ledger's path, its content) of the one ledger the rollback wrote."""
-        [(at, path, text)] = [(i, what[0], what[1]) for i, (kind, what) in enumerate(self.done)
-                              if kind == "put" and what[0].endswith(".json.upload")]
-        # The upload goes to a hidden file beside the ledger, renamed over it: /var/lib/gpufleet/.<name>.upload
-        directory, _, name = path.rpartition("/")
+        # The upload goes to a private temp dir; the root command after it renames its copy over the ledger.
+        [(at, path, text)] = [(i, self.done[i + 1][1].rpartition('mv -fT "$tmp" ')[2].split(";")[0], what[1])
+                              for i, (kind, what) in enumerate(self.done)
+                              if kind == "put" and ".json; " in self.done[i + 1][1]]
         text = text.decode() if isinstance(text, bytes) else text
-        return at, f"{directory}/{name.removeprefix('.').removesuffix('.upload')}", parse(text)
+        return at, path, parse(text)
 
 
 def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000) -> tuple[RollbackHost, Ledger]:
@@ -85,8 +86,8 @@ def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000)
 
 def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_service(monkeypatch):
     host, before = rolled_back(monkeypatch, NEW)
-    [(restored_at, restore)] = [(i, what) for i, (kind, what) in enumerate(host.done)
-                                if kind == "run" and "systemctl restart" in what]
+    [(restored_at, restore)] = [(i, shlex.split(what)[-1]) for i, (kind, what) in enumerate(host.done)
+                                if kind == "run" and "systemctl restart" in what]  # sh -c '<the restore>'
     # reset-failed: a new unit whose engine died is not left listed as failed once it is gone.
     # The committed unit's copy is the one its ledger names by checksum (the old place for a ledger from before);
     # it goes back only if it is that unit, written atomically.

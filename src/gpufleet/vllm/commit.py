@@ -23,7 +23,7 @@ from gpufleet.hoststate.ledger import roll_back as ledger_roll_back
 from gpufleet.hoststate.paths import UNITS_DIR, committed_unit, ledger_path, unit_backup
 from gpufleet.operations.base import fail
 from gpufleet.operations.files import REFUSED, guarded
-from gpufleet.operations.run import check_lock, host_run, still_held_test
+from gpufleet.operations.run import check_lock, host_run, still_held_test, while_held
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.units import unit_name, unit_path
 from gpufleet.vllm.operations.flagcheck import accepted_file
@@ -150,7 +150,9 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     steps += [f"sh -c {shlex.quote(atomic_write_command(unit))} < {source}", "systemctl daemon-reload",
               f"systemctl enable {shlex.quote(unit_name(service))}",
               f"systemctl restart {shlex.quote(unit_name(service))}"]
-    ok, output = host.run_shell_command(" && ".join(steps), _sudo=use_sudo(host))
+    restore = while_held(host, " && ".join(steps), f"{host.name}: not rolled back: this run no longer holds the "
+                                                    "host's lock (fix: run again)")
+    ok, output = host.run_shell_command(f"sh -c {shlex.quote(restore)}", _sudo=use_sudo(host))
     if not ok:
         return fail(host, f"{host.name}: {failed}; the rollback to {committed.ref} failed too: "
                           f"{' | '.join(output.stderr_lines[-3:]) or 'no copy of the committed unit at ' + backup} "
