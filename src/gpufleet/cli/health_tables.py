@@ -46,12 +46,12 @@ def host_table(results: list[HostResult], title: str) -> Table:
     for col in columns:
         table.add_column(col)
     for r in results:
-        h, c = r.health, r.health.container
+        h = r.health
         style = _STATE_STYLE.get(h.state, "red")
         table.add_row(*_plain(
             r.target.name,
             ",".join(map(str, r.target.gpus)) or "-",
-            (c.image_short if c else None) or "-",
+            image_cell(r),
             spec_cell(r),
             h.version or "-",
             Text(str(h.state), style=style),
@@ -62,6 +62,13 @@ def host_table(results: list[HostResult], title: str) -> Table:
             *cache_units(h.cache_config),
         ))
     return table
+
+
+def image_cell(r: HostResult) -> Text:
+    """The running image's digest (12 digits), red and marked when it is not the one the host's ledger committed."""
+    c = r.health.container
+    short = (c.image_short if c else None) or "-"
+    return Text(f"{short} (not committed)", style="red") if r.committed_drift else Text(short)
 
 
 def spec_cell(r: HostResult) -> Text:

@@ -19,7 +19,12 @@ from gpufleet.cli.logs import quiet_ssh_logs, stderr
 from gpufleet.cli.progress import FleetProgress
 from gpufleet.errors import GpufleetError
 from gpufleet.health.runner import HostResult, HostTarget, check_fleet
+from gpufleet.hoststate import reader
+from gpufleet.hoststate.paths import ledger_path
 from gpufleet.inventory import HostData
+from gpufleet.remote.transport import SshTransport, Transport, TransportError
+from gpufleet.rollout.ledgers import parse_read
+from gpufleet.rollout.replicas import run
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
 from gpufleet.router.status import read_host
@@ -39,7 +44,19 @@ def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]
     except GpufleetError as e:  # an invalid setting: bad input, before any host is reached
         raise BadInput(str(e)) from None
     quiet_ssh_logs()
-    return check_fleet(targets, **kwargs)
+    return check_fleet(targets, committed=read_committed, **kwargs)
+
+
+def read_committed(target: HostTarget, transport: Transport) -> str | None:
+    """The digest the host's ledger has committed, read as the rollout reads it (None: none, or unreadable)."""
+    if not isinstance(transport, SshTransport):
+        return None
+    service, port = target.expected.service, target.expected.port
+    try:
+        rc, out, err = run(transport, reader.read_command(ledger_path(service)), root=True)
+    except TransportError:
+        return None
+    return parse_read(target.name, service, port, rc, out, err).committed_ref
 
 
 def _console() -> Console:
