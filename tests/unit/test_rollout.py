@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -671,3 +672,14 @@ def test_a_deploy_run_whose_controller_died_before_it_asked_to_die_with_it_ends_
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=preexec, timeout=20)
     assert proc.returncode == -9 and time.monotonic() - started < 10
+
+
+def test_the_default_rollout_log_is_a_new_private_file_under_a_name_no_one_can_take_first(monkeypatch, tmp_path):
+    import importlib
+
+    cli_rollout = importlib.import_module("gpufleet.cli.rollout")  # the module, not the command of that name
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    first, second = cli_rollout._options(None, None).log, cli_rollout._options(None, None).log
+    assert first is not None and second is not None and first != second
+    assert first.parent == tmp_path and first.name.startswith("gpufleet-rollout-") and first.suffix == ".log"
+    assert stat.S_IMODE(first.stat().st_mode) == 0o600 and first.stat().st_uid == os.getuid()
