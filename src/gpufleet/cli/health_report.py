@@ -88,7 +88,7 @@ def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
         # null: none set (hits land on whole blocks) or unknown
         "prefix_match_unit": prefix_match_unit(r.health.cache_config),
         "cache_config": dict(r.health.cache_config),
-        "committed": r.committed_ref,  # the digest its ledger has committed (null: none, or not read)
+        "committed": r.committed_ref,  # the ledger's (null: none, or not read)
     }
     if r.probe is not None:
         fields["probe"] = r.probe.as_dict()

@@ -65,7 +65,7 @@ def host_table(results: list[HostResult], title: str) -> Table:
 
 
 def image_cell(r: HostResult) -> Text:
-    """The running image's digest (12 digits), red and marked when it is not the one the host's ledger committed."""
+    """The running image's digest (12 digits), red and marked when the ledger committed another."""
     c = r.health.container
     short = (c.image_short if c else None) or "-"
     return Text(f"{short} (not committed)", style="red") if r.committed_drift else Text(short)

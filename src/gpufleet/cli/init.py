@@ -339,9 +339,8 @@ def init(directory: str, hosts: tuple[str, ...], gpus: tuple[str, ...], profile_
 
 
 def _replace(path: Path, text: str, mode: int) -> None:
-    """`path` made to hold `text` with `mode` from its first byte: a new file beside it (mkstemp: 0600, a name of its
-    own) renamed over it, so an old file's wider mode never holds the key, and a link at `path` is replaced, not
-    followed."""
+    """`path` made to hold `text` with `mode` from its first byte, by a new file renamed over it (a link there is
+    replaced, not followed)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:

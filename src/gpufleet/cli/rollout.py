@@ -40,8 +40,7 @@ def _options(deploy: str | None, log: str | None, **kwargs: Any) -> SwapOptions:
 
 
 def _new_log() -> Path:
-    """A new log file of this user's alone (0600) under a name no one can take, or point elsewhere, first: the
-    deploy output it collects is root's."""
+    """A new 0600 log file under a name no other user can take first: it collects root's deploy output."""
     fd, path = tempfile.mkstemp(prefix=f"gpufleet-rollout-{time.strftime('%Y%m%dT%H%M%S')}-", suffix=".log")
     os.close(fd)
     return Path(path)

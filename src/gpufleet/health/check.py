@@ -134,8 +134,7 @@ def spec_drift(expected: Expected, container: ContainerInfo | None) -> str | Non
 
 def committed_drift(committed_ref: str | None, container: ContainerInfo | None) -> str | None:
     """One line when the running container was not started from the digest the host's ledger has committed (a
-    rollback whose restore failed, a swap cut before its verdict, a `docker run` by hand), else None (also when
-    nothing is committed or nothing runs: the ledger and the state say so)."""
+    rollback whose restore failed, a swap cut mid-way, a `docker run` by hand), else None."""
     if committed_ref is None or container is None or not container.running or container.image == committed_ref:
         return None
     return f"runs {container.image or 'an unnamed image'}, not {committed_ref}, which its ledger has committed"

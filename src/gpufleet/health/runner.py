@@ -32,8 +32,7 @@ PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and para
 
 # Told (host, what it is doing now) as a host's check moves on: the CLI's progress on stderr.
 Phase = Callable[[str, str], None]
-# Reads the digest a host's ledger has committed over its transport (None: none, or unreadable): the CLI's, which
-# reads the ledger as the rollout does.
+# Reads the digest a host's ledger has committed (None: none, or unreadable); the CLI's, as the rollout reads it.
 CommittedRead = Callable[["HostTarget", Transport], "str | None"]
 
 
@@ -84,7 +83,7 @@ class HostResult:
     probe_error: str | None = None
     answers: tuple[AnswerCheck, ...] = ()  # gpufleet.health.answers, when asked for and the host was ready
     checks: tuple[AnswerCheck, ...] = ()  # gpufleet.health.serving, those asked for that apply to the host
-    committed_ref: str | None = None  # the digest the host's ledger has committed (None: none, or not read)
+    committed_ref: str | None = None  # the host's ledger's (None: none, or not read)
 
     @property
     def committed_drift(self) -> str | None:
@@ -113,8 +112,7 @@ def check_host(
 
     Without a transport the host is connected by pyinfra's connector from target.ssh. api_key overrides the
     target's own key. checks: serving checks (gpufleet.health.serving) to run once the answers passed. progress is
-    told what the check is doing, then how it ended. committed: reads what the host's ledger has committed, which
-    the running container must be."""
+    told what the check is doing, then how it ended. committed: reads the digest the running container must be."""
     asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks), progress, committed)
     try:
         if transport is not None:

@@ -13,8 +13,8 @@ def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root"
     """A shell command that replaces `path` atomically with the content on its stdin (or in the uploaded file
     `source`, removed afterwards): a temp file in the same directory, fsync'd, then rename(2), then the directory
     fsync'd. A reader sees the old file or the new one, never a part; a cut leaves at most a `.<name>.*` temp file.
-    Run it as root (sudo) for `owner` to apply. sha256: what the temp file must hash to before the rename, or
-    sha256_from: a file on the host holding that digest (a secret's digest stays out of `ps`).
+    Run it as root (sudo) for `owner` to apply. sha256 (or a file holding it, sha256_from): what the temp file
+    must hash to before the rename.
 
     >>> atomic_write_command("/var/lib/gpufleet/vllm.json", mode="0600").split("; ")[2]
     'tmp=$(mktemp -p /var/lib/gpufleet .vllm.json.XXXXXX)'
@@ -46,7 +46,6 @@ def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root"
 
 
 def _checked(path: str, sha256: str | None, sha256_from: str | None) -> str:
-    # Checked on root's own copy, after its owner and mode are set: what is renamed is what was sent.
     if sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", sha256):
         raise ValueError(f"{sha256!r}: not a sha256 digest")
     want = sha256 if sha256 is not None else f"$(cat {shlex.quote(str(sha256_from))})"

@@ -44,9 +44,8 @@ def replace_command(tmp: str, path: str) -> str:
 
 
 class AtomicUpload(FileUploadCommand):
-    """Upload `src` to `dest` through upload() (a private directory, root's copy checked, renamed over `dest`), only
-    while this run holds the host's lock. A plain upload writes the destination in place (SFTP as root), and an SSH
-    cut leaves half a file."""
+    """Upload `src` to `dest` through upload(), only while this run holds the host's lock. A plain upload writes
+    the destination in place (SFTP as root), and an SSH cut leaves half a file."""
 
     def __init__(self, src: BytesIO, dest: str, mode: str):
         super().__init__(src, dest)
@@ -76,12 +75,10 @@ def guarded(command: str, only_if: str | None, cleanup: str = "") -> str:
 
 def upload(host: Host, content: str | bytes, path: str, *, mode: str = "0644", only_if: str | None = None,
            secret: bool = False, shown: Mapping[str, bool] | None = None, **arguments: Any) -> bool | None:
-    """Replace the root-owned `path` with `content`: uploaded as the SSH user into a directory of its own (`mktemp
-    -d`, 0700), then, as root in one command, copied beside `path`, checked against the content's sha256 and renamed
-    over it (atomic_write_command). pyinfra's own sudo upload stages through /tmp/pyinfra-<sha1 of the path>, a name
-    any local user can take first (every write then fails) or swap. only_if: a shell test run in that command
-    first; when it is false nothing is replaced and the answer is None (False: the write failed). secret: the
-    digest travels in a file, not on a command line. arguments: the connector's for the root command (_sudo)."""
+    """Replace the root-owned `path` with `content`: uploaded as the SSH user into a fresh `mktemp -d`, then copied
+    by root beside `path`, checked against the content's sha256 and renamed over it (pyinfra's sudo upload stages
+    through /tmp/pyinfra-<sha1 of the path>, a name any local user can take first). only_if: a shell test run first;
+    false: nothing replaced, None. secret: the digest goes in a file, never on a command line."""
     shown = dict(shown or {})
     ok, output = host.run_shell_command("umask 077 && mktemp -d", **shown)
     private = output.stdout_lines[-1].strip() if ok and output.stdout_lines else ""
@@ -106,10 +103,7 @@ def upload(host: Host, content: str | bytes, path: str, *, mode: str = "0644", o
 
 
 def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if: str | None = None) -> bool | None:
-    """From a FunctionCommand: replace the root-owned `path` with `content` (upload()). For files written while
-    executing, whose content is known only then (the ledger). only_if: a shell test run in the same command right
-    before the rename; when it is false nothing is replaced and the answer is None (False: the write itself
-    failed)."""
+    """From a FunctionCommand: upload() for files whose content is known only while executing (the ledger)."""
     return upload(host, content, path, mode=mode, only_if=only_if, _sudo=use_sudo(host))
 
 
@@ -127,8 +121,6 @@ def put_content(path: str, content: str | bytes, mode: str = "644") -> Commands:
 
 
 def _install_secret(state: State, host: Host, path: str, secret: Hidden) -> bool:
-    # Through upload(): the secret never sits in a temp file another user can read, never appears on a command line
-    # (nor does its digest), and the env file is never half written; only while this run holds the host's lock.
     sudo = use_sudo(host)
     directory = path.rsplit("/", 1)[0]
     ok, output = host.run_shell_command(f"install -d -m 700 -o root -g root {shlex.quote(directory)}", _sudo=sudo)

@@ -208,9 +208,8 @@ def still_held_test(host: Host) -> str | None:
 
 
 def while_held(host: Host, command: str, refusal: str) -> str:
-    """Shell: `command`, only while this run's holder line is still the lock file's, checked on the host in the same
-    shell (a lock lost since the plan refuses it there); else `refusal` on stderr and exit 1. No lock taken (a host
-    not reached over SSH): `command` as it is."""
+    """Shell: `command`, only while the lock file still names this run (checked on the host, in the same shell);
+    else `refusal` on stderr and exit 1. No lock taken: `command` as it is."""
     held = still_held_test(host)
     if held is None:
         return command

@@ -9,10 +9,9 @@ wrote on it are carried to each later host's cache dir before that host's swap, 
   not carried.
 - How: over the rollout's own SSH sessions; the controller streams `tar` from the canary to the host (hosts need no
   SSH to each other). The canary hashes what it sends, the controller what it relays, the host what it receives
-  (sha256 each); the host, under its lock, unpacks regular files and directories only (no owner, mode or link
-  from the stream) into a temp dir beside its cache dir, and only when all three agree are the entries renamed into
-  place, never through a link. An entry the host has, whole or in part, is left as it is: the host still runs the
-  old version, which writes its own version's entries there, never the new one's.
+  (sha256 each); the host, under its lock, unpacks regular files and directories only into a temp dir beside its
+  cache dir, and only when all three agree are the entries renamed into place, never through a link. An entry the
+  host has, whole or in part, is left as it is.
 - Who does not take it: a host whose GPUs (model, count) or driver differ from the canary's, or whose serve flags
   (other than where it listens and its served name) or env differ; one whose listing or GPU query fails (one line
   each, the rollout goes on: that host just starts cold); a rollout whose canary is not committed carries nothing.
@@ -62,9 +61,7 @@ from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
 from gpufleet.vllm.settings import merged_settings
 
 LIST_TIMEOUT_S = 60.0
-# The most the carry into one host may take, its lock wait, listing, stream and placement together: a trickle
-# that never stalls long enough for the stream's own timeout must not hold the host (and the rollout) forever.
-CARRY_TIMEOUT_S = 1800.0
+CARRY_TIMEOUT_S = 1800.0  # the carry into one host, whole: a trickling stream must not hold the host forever
 
 
 @dataclass(frozen=True)
@@ -112,7 +109,7 @@ class Carry:
     turned_off: str | None = None  # why this rollout carries nothing by choice (`rollout --no-carry`); starts are
     # still observed, so the report says how each host started either way
     timeout_s: float = CARRY_TIMEOUT_S
-    lock_path: str = LOCK_PATH  # each host's lock, held while the carry writes there (tests: a path of their own)
+    lock_path: str = LOCK_PATH  # held on each host while the carry writes there
     results: dict[str, CarryResult] = field(default_factory=dict)
     canary: str | None = None
     _before: dict[str, Listed] | None = None
@@ -133,12 +130,11 @@ class Carry:
                                timeout=LIST_TIMEOUT_S)
         except TransportError as e:
             return one_line(str(e))
-        if rc in (124, 137):  # timeout's: a hung driver must not hold the host's shell
+        if rc in (124, 137):  # timeout's
             return f"nvidia-smi did not answer within {COMMAND_TIMEOUT_S} s"
         return gpus_from_query(rc, out, err)
 
     def _started(self, host: str) -> float | None:
-        """When the host's running container started (docker, in the host's clock), or None."""
         try:
             info = self.sessions.get(host).container(self.hosts[host].spec.service)
         except TransportError:
@@ -176,9 +172,7 @@ class Carry:
         except TransportError as e:
             self._off = f"canary {canary}'s cache dir could not be listed after its verify: {e}"
             return
-        # The listing before the swap, and every file changed before the new container started: the cache as the
-        # old container left it at its stop, so nothing it wrote counts as the new version's.
-        since = self._started(canary)
+        since = self._started(canary)  # files changed before it are the old container's
         if since is None:
             self._off = f"canary {canary}'s new container could not be read: nothing is carried"
             return
@@ -216,7 +210,7 @@ class Carry:
             lock = self._lock(host)
         except (HostLockError, TransportError, OSError, paramiko.SSHException, EOFError) as e:
             return CarryResult(skipped_reason=one_line(f"its lock: {e}"))
-        with lock:  # a converge or another rollout meanwhile is refused, naming this one
+        with lock:
             return self._under_lock(host, directory, source, deadline)
 
     def _lock(self, host: str) -> HostLock:

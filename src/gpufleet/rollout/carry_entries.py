@@ -1,6 +1,5 @@
 """Which compile-cache entries the carry moves: the regular files the canary's new version wrote in its vLLM cache dir
-(new between a listing before its swap and one after it committed, changed since its new container started), and
-which of their entries a later host takes whole, never mixed with anything it has (docs/compile-cache.md)."""
+(new since a listing before its swap), and which entries a later host takes whole (docs/compile-cache.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def carried_dir(spec: ServeSpec) -> str | None:
 
 
 def listing_command(directory: str) -> str:
-    """Every path under directory, NUL-terminated, each prefixed with find's type letter (f, d, l, ...) and its
-    inode change time; nothing when the directory does not exist."""
+    """Every path under directory with its type letter and change time, NUL-terminated; nothing when it is absent."""
     d = shlex.quote(directory)
     return f"if [ -d {d} ]; then cd {d} && find . -mindepth 1 -printf '%y %C@ %P\\0'; fi"
 
@@ -32,12 +30,11 @@ def listing_command(directory: str) -> str:
 @dataclass(frozen=True)
 class Listed:
     kind: str  # find's type letter: f, d, l, ...
-    changed: float  # its inode's change time (epoch seconds): no process can set it back
+    changed: float  # inode change time: no process can set it back
 
 
 def parse_listing(out: str) -> dict[str, Listed]:
-    """find's answer -> {relative path: Listed}. A path that is not plain relative (an empty, `.` or `..` part)
-    is dropped: nothing outside the cache dir is ever named."""
+    """find's answer -> {relative path: Listed}; a path with an empty, `.` or `..` part is dropped."""
     paths = {}
     for item in out.split("\0"):
         kind, _, rest = item.partition(" ")
@@ -56,15 +53,13 @@ def _plain(path: str) -> bool:
 
 
 def new_files(before: Mapping[str, Listed], after: Mapping[str, Listed], since: float) -> list[str]:
-    """The regular files the canary's new version wrote: present after its verify, absent before its swap, and
-    changed since its new container started (`since`): what the old container wrote between the first listing and
-    its stop is its own. Links and special files are never carried."""
+    """The regular files present after the canary's verify, absent before its swap, and changed since its new
+    container started (`since`): what the old container wrote before its stop is not the new version's."""
     return sorted(p for p, seen in after.items() if seen.kind == "f" and p not in before and seen.changed >= since)
 
 
 def entries(before: Mapping[str, Listed], files: Iterable[str]) -> list[str]:
-    """The new version's entries on the canary: per new file, its shallowest ancestor (or itself) absent before the
-    swap (usually one `<hash>/` dir)."""
+    """Per new file, its shallowest ancestor (or itself) absent before the swap: usually one `<hash>/` dir."""
     found: set[str] = set()
     for f in files:
         parts = f.split("/")
@@ -74,9 +69,8 @@ def entries(before: Mapping[str, Listed], files: Iterable[str]) -> list[str]:
 
 def placements(new: Sequence[str], files: Sequence[str], present: Mapping[str, Listed]) -> tuple[list[str], list[str]]:
     """(the paths to rename into a host's cache dir, the entries it has in part). An entry the host lacks goes in
-    whole; one it has with any of its new files is left as it is (a part an earlier start left there is never mixed
-    with the canary's); one it has with none of them (a directory the canary's listing could not tell from an
-    entry, when its cache was empty before) takes, per file, its shallowest path the host lacks."""
+    whole; one holding any of its new files is left as it is; one holding none (a canary whose cache was empty
+    before cannot tell an entry from its parents) takes, per file, its shallowest path the host lacks."""
     roots: set[str] = set()
     partial = []
     for entry in new:

@@ -46,8 +46,7 @@ def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: Ss
           tamper: Callable[[bytes], bytes] | None = None, deadline: float | None = None) -> tuple[int, str, str, str]:
     """source_cmd's stdout streamed into target_cmd's stdin through this process: (bytes relayed, its sha256,
     source's stderr, target's stderr). tamper: for tests, what the bytes become between the two ends. deadline
-    (time.monotonic()): past it the stream is cut and TransportError raised (a trickle that never stalls long
-    enough for STREAM_TIMEOUT_S)."""
+    (time.monotonic()): past it, TransportError."""
     src = _open(source, source_cmd)
     dst = _open(target, target_cmd)
     src_err: list[bytes] = []
@@ -96,16 +95,13 @@ def send_command(directory: str) -> str:
             "3>&1")
 
 
-# Exit statuses the host's side reports in place of tar's own (its `tar-rc` line) when it refuses what it unpacked.
-NOT_PLAIN = 90  # a member that is not a regular file or a directory, or a file with another name (a hard link)
+NOT_PLAIN = 90  # the host's `tar-rc` for a member that is not a regular file or directory, or a hard link
 
 
 def receive_command(directory: str, tmp: str) -> str:
-    """On the host: the stream unpacked into tmp (a new root-only dir beside the cache dir, same filesystem), its
-    sha256 and tar's exit status to stderr. Owners and modes are not taken from the stream; anything but regular
-    files and directories refuses it all, and what is kept is made root's, 644/755, no setuid. Temp dirs an earlier,
-    killed carry left are removed first (the carry holds the host's lock), and a stream cut mid-way (a killed
-    controller) removes its own. Nothing lands in the cache dir itself."""
+    """On the host: the stream unpacked into tmp (a new root-only dir beside the cache dir), its sha256 and tar's
+    exit status to stderr. No owner or mode comes from the stream; anything but regular files and directories
+    refuses it whole. Temp dirs a killed carry left go first (under the host's lock); a cut stream removes its own."""
     bad = 'find "$t" -mindepth 1 \\( \\( ! -type f ! -type d \\) -o \\( -type f -links +1 \\) \\) -print -quit'
     return (f"trap '' HUP PIPE; t={shlex.quote(tmp)}; rm -rf {shlex.quote(_stale_prefix(directory))}*; "
             'mkdir -m 700 "$t" && { { tee /dev/fd/4 | sha256sum >&2; } 4>&1 | '
@@ -117,10 +113,9 @@ def receive_command(directory: str, tmp: str) -> str:
 
 
 def place_command(directory: str, tmp: str, roots: Sequence[str]) -> str:
-    """Each unpacked root renamed into the cache dir unless the host has it by now; the temp dir removed. Each
-    root's parent is reached one directory at a time from the cache dir, never through a link, and must resolve
-    inside the cache dir (the container may have put a link there to reach the host's /etc): the rename is made from
-    inside it, by name."""
+    """Each unpacked root renamed into the cache dir unless the host has it by now; the temp dir removed. A root's
+    parent is reached one directory at a time, never through a link (the container may have planted one to /etc),
+    must resolve inside the cache dir, and the rename is made from inside it."""
     d, t = shlex.quote(directory), shlex.quote(tmp)
     place = ('place() { ( cd -P -- "$d" || exit 1; set -f; IFS=/; '
              'case "$1" in */*) parent=${1%/*};; *) parent=;; esac; '
@@ -136,7 +131,6 @@ def place_command(directory: str, tmp: str, roots: Sequence[str]) -> str:
 
 
 def _stale_prefix(directory: str) -> str:
-    """What every temp dir of a carry into `directory` starts with (temp_dir)."""
     parent, name = posixpath.split(directory.rstrip("/"))
     return posixpath.join(parent or "/", f".{name}.gpufleet-carry-")
 

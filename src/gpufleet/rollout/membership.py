@@ -18,7 +18,7 @@ UNDECIDED = (HealthState.SSH_UNREACHABLE, HealthState.STARTING)
 
 def belongs(ledger: HostLedger, state: HealthState | None, runs_committed: bool = True) -> bool | None:
     """True: in every router; False: in none; None: not known (left as it is). runs_committed: what answers is the
-    committed digest (a rollback whose restore failed leaves another one running under its ledger)."""
+    committed digest."""
     if ledger.error is not None:
         return None
     if ledger.committed_ref is None or ledger.pending_ref is not None:

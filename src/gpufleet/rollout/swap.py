@@ -91,10 +91,9 @@ def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | Non
 def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
           downtime_s: float | None, drained: Drained | str | None, held: Sequence[str] = (),
           serving: HealthReport | str | None = None) -> HostOutcome:
-    """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak)
-    and, for one it says updated or rolled back, from what answers there afterwards (`serving`: the check
-    `gpufleet verify` runs, or why it could not run): not ready, or not the committed digest, is failed. held: the
-    checks the run held it to."""
+    """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak);
+    updated or rolled back only when `serving` (the check `gpufleet verify` runs, or why it could not) finds the
+    committed digest answering. held: the checks the run held it to."""
     outcome = _judged(host, target, before, after, run, downtime_s, drained)
     problem = serving_problem(after, serving) if outcome.outcome in (Outcome.UPDATED, Outcome.ROLLED_BACK) else None
     if problem is not None:
@@ -105,8 +104,7 @@ def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: De
 
 
 def serving_problem(after: HostLedger, serving: HealthReport | str | None) -> str | None:
-    """Why what answers on the host is not its ledger's committed version, ready; None when it is (or was not
-    looked at)."""
+    """Why what answers is not the ledger's committed version, ready; None when it is (or was not looked at)."""
     if serving is None:
         return None
     if isinstance(serving, str):
@@ -119,7 +117,7 @@ def serving_problem(after: HostLedger, serving: HealthReport | str | None) -> st
     return None
 
 
-# How long a swapped host is looked at for a verdict when a look says nothing yet (a blip, a start under way).
+# How long a swapped host is looked at while a look says nothing yet (a blip, a start under way).
 AFTER_LOOK_S = 30.0
 
 
@@ -239,8 +237,7 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
                      log=options.log, timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, group)
-    # What answers is looked at where the ledger settled (committed or rolled back): it decides the outcome, and
-    # with it the rejoin.
+    # Where the ledger settled: what answers decides the outcome, and with it the rejoin.
     serving = sessions.each([h for h in group if after[h].error is None and after[h].pending_ref is None], _serving)
     result = {}
     for h in group:

@@ -110,8 +110,8 @@ def commit_pending(host: Host, v: Verified, ready_at: str) -> bool:
 
 
 def runs_problem(version: Version, container: ContainerInfo | None, what: str) -> str | None:
-    """What answers must be `version`: a running container started from its digest, with its spec's label (when it
-    has one). One line saying what runs instead (`what` names who put the version there), or None."""
+    """One line when what answers is not `version` (its digest, its spec label), naming what runs instead; `what`
+    says who put the version there."""
     if container is None or not container.running:
         return f"no running container of {version.service or 'the service'} answered"
     if container.image != version.ref:
@@ -127,8 +127,8 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     """Put the committed version's unit back (under its own service name and port), restart it, mark the pending
     version failed in the ledger (naming the failed `check`, when one failed), wait until the committed one is
     ready and is what answers; always False (the host failed its rollout), with one line naming both digests and
-    where the host stands. mark=False: the host was at fault, not the version (another process took its port):
-    nothing is marked, and the pending record is dropped once the committed version serves again."""
+    where the host stands. mark=False (another process took the port: the host's fault): nothing is marked, and
+    the pending record is dropped once the committed version serves again."""
     assert ledger.pending is not None and ledger.committed is not None
     spec, pending, committed = v.spec, ledger.pending.version, ledger.committed.version
     service = committed.service or spec.service
@@ -188,7 +188,7 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     previous = Expected(service=service, port=committed.port or spec.port, served_model_name=v.served_before,
                         address=spec.reach_address)
     again = poll_ready(v.check_once(host, previous), v.timeout_s, exited=service_exited(host, service))
-    # Judged by what answers: the committed digest's container, not the unit file or the mark written before it.
+    # Judged by what answers, not by the mark written before the restore.
     runs = runs_problem(committed, again.container, "the rollback put back") if again.ready else None
     if not again.ready or runs:
         why = runs or f"{again.state}: {again.detail}"

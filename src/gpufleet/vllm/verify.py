@@ -134,8 +134,8 @@ class Verification:
         return True if found.passed else after_failed_verify(host, self, found)
 
     def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
-        """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one. Not
-        marked failed when docker could not publish its port (another process holds it)."""
+        """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one;
+        unmarked when docker could not publish its port."""
         ledger = host_run(host).ledger
         assert ledger.pending is not None and ledger.committed is not None  # what RollBackPending means
         host.log_styled(f"{reason}: rolling it back", fg="yellow")
@@ -234,9 +234,8 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
 
 
 def still_serving(host: Host, v: Verification) -> bool:
-    """One more look before the commit of a run with other hosts: the commit waited for the slowest host's verify,
-    and the version may have died meanwhile. Not ready: a failed verify (rolled back), or, when the look says
-    nothing about the server, the version stays pending; False either way (the host failed)."""
+    """One more look before the commit of a run with other hosts (it waited for the slowest one's verify): not
+    ready is a failed verify; a look that says nothing leaves the version pending; False either way."""
     pending = host_run(host).ledger.pending
     report = v.check_once(host, Expected.from_spec(v.spec))()
     problem = installed_problem(pending.version, report.container) if report.ready and pending else None
@@ -255,7 +254,7 @@ def after_failed_verify(host: Host, v: Verification, found: VerifyOutcome) -> bo
     """After a failed verify: the rollback to the committed version when there is one to go back to; else the pending
     version marked failed. Always False: the host failed, on one line."""
     spec, ledger = v.spec, host_run(host).ledger
-    # Another process on the port is the host's fault, not the version's: it is never marked failed for it.
+    # Another process on the port is the host's fault: the version is not marked.
     mark = not found.port_taken
     if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
         # Nothing verified to go back to (a first install, or a restart of the committed version itself).
