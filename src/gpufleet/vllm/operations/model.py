@@ -8,10 +8,9 @@ from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, State, operation
 
 from gpufleet.operations.base import Commands, fail
-from gpufleet.remote.ssh import use_sudo
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
-from gpufleet.vllm.operations.image import target_ref
+from gpufleet.vllm.operations.image import TIMED_OUT, run_bounded, target_ref
 from gpufleet.vllm.snapshot import snapshot
 from gpufleet.vllm.spec import ServeSpec
 
@@ -47,21 +46,25 @@ def missing_parts(snap: HostSnapshot) -> list[str]:
 
 
 def _download(state: State, host: Host, spec: ServeSpec, repo: str, revision: str | None, env_file: str | None,
-              hf_cache: str, pin: str | None) -> bool:
+              hf_cache: str, pin: str | None, timeout_s: float | None = None) -> bool:
     ref = target_ref(pin, host) or spec.image  # the digest pinned() resolved in this run, or the pin
     argv = spec.hf_download_argv(ref, repo, revision, hf_cache, env_file)
-    # print_output: hf's progress streams to the terminal; re-running resumes from the partial files.
-    ok, output = host.run_shell_command(" ".join(shlex.quote(a) for a in argv), _sudo=use_sudo(host),
-                                        print_output=True)
+    # hf's progress streams to the terminal; re-running resumes from the partial files. Ended past timeout_s: the
+    # SIGTERM reaches the container through docker run's signal proxy.
+    ok, lines = run_bounded(host, " ".join(shlex.quote(a) for a in argv), timeout_s)
+    if not ok and lines and lines[-1].strip() == TIMED_OUT:
+        return fail(host, f"{host.name}: the model download of {repo} did not finish within vllm_fetch_timeout_s = "
+                          f"{timeout_s:g} s and was ended (fix: check that {host.name} reaches the hub; re-running "
+                          "resumes, and a slow line needs a larger vllm_fetch_timeout_s)")
     if not ok:
-        return fail(host, f"model download of {repo} failed: {' | '.join(output.output_lines[-3:])} "
+        return fail(host, f"model download of {repo} failed: {' | '.join(lines[-3:])} "
                           "(fix: check vllm_model_repo / vllm_hf_token; re-running resumes)")
     return True
 
 
 @operation()
 def present(spec: ServeSpec, where: str, repo: str | None, revision: str | None, env_file: str | None,
-            hf_cache: str, pin: str | None) -> Commands:
+            hf_cache: str, pin: str | None, timeout_s: float | None = None) -> Commands:
     """Download the model unless it is complete in `where` (the host directory the spec's --model reads), with the
     serving image: the one this run's pull resolved, else `pin` (the digest this run installs, when known before).
 
@@ -75,4 +78,4 @@ def present(spec: ServeSpec, where: str, repo: str | None, revision: str | None,
     if not repo:
         # Preflight refuses this case; kept so the operation is safe on its own.
         raise ValueError(f"{where} lacks {missing[0]} and vllm_model_repo is None")
-    yield FunctionCommand(_download, (spec, repo, revision, env_file, hf_cache, pin), {})
+    yield FunctionCommand(_download, (spec, repo, revision, env_file, hf_cache, pin), {"timeout_s": timeout_s})
