@@ -71,6 +71,9 @@ DEFAULTS: dict[str, Any] = {
     # Seconds the deploy keeps checking a service after it first got ready following a (re)start: an engine that
     # dies right after start fails the deploy (and rolls back) instead of the first client. 0 turns it off.
     "vllm_ready_soak_s": 20,
+    # Seconds one `docker pull` of the image from its registry, and the model download, may take before the run ends
+    # it and fails the host on one line: a registry or hub that stops answering must not hold the host's lock forever.
+    "vllm_fetch_timeout_s": 14400,
     # --- host preflight -------------------------------------------------------------------------------------
     # Lowest CUDA version the driver must support (the nightly image is CUDA 13.0: R580-class drivers).
     "gpufleet_min_cuda": "13.0",

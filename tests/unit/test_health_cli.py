@@ -12,6 +12,7 @@ from gpufleet.cli.verify import load_targets, status, verify
 from gpufleet.health import HealthReport, HealthState
 from gpufleet.health.answers import AnswerCheck
 from gpufleet.health.runner import HostResult
+from gpufleet.remote.transport import ContainerInfo
 from gpufleet.vllm.settings import build_spec
 from gpufleet.wire.identity import Expected
 from tests.ports import free_port
@@ -408,3 +409,31 @@ def test_a_ready_host_on_a_gpu_that_needs_a_reboot_is_not_ok_and_a_degraded_one_
     a, b = _gpu_results(load_targets(str(inventory)))
     assert (a.health.ready, a.ok, [g.index for g in a.sick_gpus]) == (True, False, [1])
     assert (b.ok, b.sick_gpus) == (True, [])
+def test_a_host_running_another_digest_than_its_ledger_committed_is_a_problem(inventory, monkeypatch):
+    # A rollback whose restore failed: the ledger names the committed digest, the failed one still answers.
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    good, bad = ("reg:5000/vllm/vllm-openai@sha256:" + c * 64 for c in "12")
+    seen: dict = {}
+
+    def check_fleet(targets, **kw):
+        seen.update(kw)
+        running = ContainerInfo("c1", "running", image=bad, spec_hash=target.expected.spec_hash)
+        return [HostResult(target, HealthReport(HealthState.READY, "/health 200", container=running),
+                           committed_ref=good)]
+
+    monkeypatch.setattr(cli, "check_fleet", check_fleet)
+    result = CliRunner().invoke(status, [str(inventory), "--host", "box-b", "--json"])
+    assert seen["committed"] is cli.read_committed  # status reads each host's ledger
+    assert result.exit_code == 1, result.output
+    (row,) = json.loads(result.stdout)["hosts"]
+    assert row["committed"] == good and not row["ok"]
+    (problem,) = row["problems"]
+    assert problem["id"] == "not-committed"
+    assert problem["message"] == f"runs {bad}, not {good}, which its ledger has committed"
+    assert "gpufleet deploy" in problem["fix"]
+    text = CliRunner().invoke(status, [str(inventory), "--host", "box-b"])
+    assert "(not committed)" in text.output and f"box-b: runs {bad}" in text.output
+    same = HostResult(target, HealthReport(HealthState.READY, "/health 200",
+                                           container=ContainerInfo("c1", "running", image=good)), committed_ref=good)
+    assert same.ok and same.committed_drift is None

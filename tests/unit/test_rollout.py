@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -27,16 +28,17 @@ from gpufleet.facts.gpu_verdict import HostGpus
 from gpufleet.facts.gpu_verdict import judge as judge_gpus
 from gpufleet.facts.pull import PullStats
 from gpufleet.harness.result import HostResult
-from gpufleet.health.check import HealthState
+from gpufleet.health.check import HealthReport, HealthState
 from gpufleet.hostlock import process_ended
 from gpufleet.hoststate import ledger
+from gpufleet.remote.transport import ContainerInfo
 from gpufleet.rollout import deploy as rollout_deploy
 from gpufleet.rollout.carry import CarryResult
 from gpufleet.rollout.deploy import DeployRun, RunSettings
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
 from gpufleet.rollout.ledgers import parse_read
-from gpufleet.rollout.membership import belongs
+from gpufleet.rollout.membership import belongs, runs_committed
 from gpufleet.rollout.prepare import failures, prepare
 from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.rollout.report import HostOutcome, Outcome, SpeedResult, succeeded, table
@@ -165,6 +167,34 @@ def test_a_failed_mark_with_the_old_version_committed_is_rolled_back():
     failed = ledger.roll_back(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "dead: engine died", "t2")
     outcome = judge("h1", NEW, read(committed_on(OLD)), read(failed), run_of(1), 9.0, None)
     assert outcome.outcome is Outcome.ROLLED_BACK and "engine died" in outcome.detail
+
+
+def answering(ref: str | None, state: HealthState = HealthState.READY) -> HealthReport:
+    """A look at a host whose container runs `ref` (None: no container)."""
+    return HealthReport(state, "seen", container=ContainerInfo("c1", "running", image=ref) if ref else None)
+
+
+def test_a_rollback_is_judged_by_what_answers_afterwards_not_by_its_mark():
+    marked = ledger.roll_back(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "dead: engine died", "t2")
+    def outcome(serving):
+        return judge("h1", NEW, read(committed_on(OLD)), read(marked), run_of(1), 9.0, None, serving=serving)
+
+    assert outcome(answering(OLD)).outcome is Outcome.ROLLED_BACK
+    # The mark is written before the restore: a restore that failed leaves the failed digest, or nothing, running.
+    still_new = outcome(answering(NEW))
+    assert still_new.outcome is Outcome.FAILED
+    assert still_new.detail.startswith(f"rolled-back in its ledger, but what answers runs {NEW}, not ")
+    assert outcome(answering(None, HealthState.DEAD)).outcome is Outcome.FAILED
+    assert "it is not ready (dead: seen)" in outcome(answering(None, HealthState.DEAD)).detail
+    assert outcome("h1: SSH failed").detail.startswith("rolled-back in its ledger, but it could not be looked at")
+
+
+def test_an_update_is_judged_by_what_answers_afterwards_too():
+    updated = read(committed_on(OLD, NEW))
+    assert judge("h1", NEW, read(committed_on(OLD)), updated, run_of(0), 4.2, None,
+                 serving=answering(NEW)).outcome is Outcome.UPDATED
+    assert judge("h1", NEW, read(committed_on(OLD)), updated, run_of(0), 4.2, None,
+                 serving=answering(OLD)).outcome is Outcome.FAILED
 
 
 def test_anything_else_is_failed_with_what_the_ledger_and_the_run_say():
@@ -456,6 +486,11 @@ def test_a_replica_belongs_in_the_routers_when_committed_with_nothing_pending_an
     assert belongs(read(committed_on(OLD)), HealthState.STARTING) is None
     assert belongs(read(committed_on(OLD)), None) is None
     assert belongs(parse_read("h1", "vllm-qwen35", 5000, 255, "", "Connection reset"), HealthState.READY) is None
+    # Ready, but what answers is not the committed digest (a rollback whose restore failed): out.
+    assert belongs(read(committed_on(OLD)), HealthState.READY, runs_committed(read(committed_on(OLD)),
+                                                                               answering(NEW))) is False
+    assert runs_committed(read(committed_on(OLD)), answering(OLD)) is True
+    assert runs_committed(read(committed_on(OLD)), answering(None)) is False
 
 
 def test_reconcile_puts_back_what_belongs_takes_out_what_does_not_and_leaves_the_unknown():
@@ -581,7 +616,7 @@ def test_after_its_swap_a_replica_rejoins_only_when_committed_or_rolled_back():
     assert router.workers == {URLS["h1"], URLS["h2"]}  # the one that ended neither stays out
     assert result["h1"] == outcomes["h1"] and result["h2"] == outcomes["h2"]
     assert result["h3"].outcome is Outcome.FAILED
-    assert result["h3"].detail.endswith("; left out of the routers: neither committed nor rolled back")
+    assert result["h3"].detail.endswith("; left out of the routers until it serves its committed version")
 
 
 @pytest.mark.parametrize("flags, carry", [((), True), (("--no-carry",), False)])
@@ -790,6 +825,15 @@ def test_history_shows_the_gpu_verdict_recorded_at_each_swap():
     lg = ledger.commit(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "t2", gpu="ok")
     lg = ledger.roll_back(ledger.begin(lg, version(OLDER), "x", "t3"), "died", "t4",
                           gpu="needs GPU reset (GPU 0: remapped_rows.pending=Yes)")
-    rows = {state: detail for state, _, _, _, detail in ledger_rows(lg)}
+    rows = {state: detail for state, _, _, _, detail, _ in ledger_rows(lg)}
     assert rows["committed"] == "GPU ok"
     assert rows["failed"] == "died; GPU needs GPU reset (GPU 0: remapped_rows.pending=Yes)"
+def test_the_default_rollout_log_is_a_new_private_file_under_a_name_no_one_can_take_first(monkeypatch, tmp_path):
+    import importlib
+
+    cli_rollout = importlib.import_module("gpufleet.cli.rollout")  # the module, not the command of that name
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    first, second = cli_rollout._options(None, None).log, cli_rollout._options(None, None).log
+    assert first is not None and second is not None and first != second
+    assert first.parent == tmp_path and first.name.startswith("gpufleet-rollout-") and first.suffix == ".log"
+    assert stat.S_IMODE(first.stat().st_mode) == 0o600 and first.stat().st_uid == os.getuid()

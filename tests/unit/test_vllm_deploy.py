@@ -257,8 +257,7 @@ def test_a_rename_disables_the_replaced_service_before_the_new_one_starts(monkey
     _, ops = prepare(snap, monkeypatch)
     started = next(cmds for name, cmds in ops if name == "Enable and start the vLLM service")
     shell = [c.get_raw_value() for c in started if isinstance(c, StringCommand)]
-    assert shell.index("systemctl disable --now vllm-qwen35.service || true") < shell.index(
-        "systemctl start renamed.service"), shell
+    assert "sh -c '{ systemctl disable --now vllm-qwen35.service || true; } && systemctl start renamed.service'" in shell
 
 
 def test_a_rename_away_that_was_cut_is_refused_for_the_old_name_and_settled_by_the_new():

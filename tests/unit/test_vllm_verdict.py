@@ -79,8 +79,8 @@ def pending_over_committed() -> Ledger:
 REAL = VerifyOutcome(passed=False, failed="the real verify_rollout decides")
 
 
-def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: VerifyOutcome | None,
-                        ledger: Ledger) -> tuple[State, Host, dict[str, bool], list[tuple[str, Any]]]:  # fmt: skip
+def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: VerifyOutcome | None, ledger: Ledger,
+                        other_host: bool = False) -> tuple[State, Host, dict[str, bool], list[tuple[str, Any]]]:  # fmt: skip
     """Prepare the playbook for a host to restart, take the operations before the verify as executed as planned,
     then let pyinfra execute the verify (with its rollback) and the commit: (state, host, each one's result, the calls
     they made: the verify's verdict is `found`, or what verify_rollout decides for REAL; the commit and the rollback
@@ -91,9 +91,12 @@ def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: VerifyOutcome | 
         monkeypatch.setattr(verify, "verify_rollout", lambda host, v, soak_s: calls.append(("verify", soak_s)) or found)
     monkeypatch.setattr(verify, "commit_pending", lambda host, v, ready_at, speed: calls.append(
         ("commit", ready_at) if speed is None else ("commit", ready_at, speed)) or True)
-    monkeypatch.setattr(verify, "roll_back", lambda host, v, ledger, failed, check=None: calls.append(
-        ("roll back", (failed, check))) or False)
+    monkeypatch.setattr(verify, "roll_back", lambda host, v, ledger, failed, check=None, mark=True: calls.append(
+        ("roll back", (failed, check) if mark else (failed, check, "not marked"))) or False)
     state.is_executing = True
+    state.activated_hosts.add(target)
+    if other_host:  # another host in the run: the commit waited for it
+        state.activated_hosts.add(Host("gpu2", state.inventory, []))  # type: ignore[arg-type]
     host_run(target).ledger = ledger
     order = state.get_op_order()
     at = [op_name(state, op_hash) for op_hash in order].index(VERIFY)
@@ -242,3 +245,36 @@ def test_the_rollouts_line_names_the_check_that_could_not_run_and_the_version_le
     assert "the new version stays pending" in found.phase and f"pending {short(new.ref)})" in found.phase
     (problem,) = found.as_dict()["problems"]
     assert problem["id"] == "failed" and "run the rollout again" in problem["fix"], problem
+def test_a_port_another_process_took_rolls_back_without_a_failure_mark(monkeypatch):
+    found = VerifyOutcome(passed=False, failed="dead: exited 125; port 5000 is taken on the host (listen tcp4 "
+                                               "0.0.0.0:5000: bind: address already in use)", port_taken=True)
+    _, _, results, calls = execute_from_verify(monkeypatch, found, pending_over_committed())
+    assert results[VERIFY] is False
+    assert calls == [("verify", 20.0), ("roll back", (found.failed, None, "not marked"))]
+
+
+def test_a_first_install_whose_port_another_process_took_is_not_marked_failed(monkeypatch):
+    found = VerifyOutcome(passed=False, failed="dead: exited 125; port 5000 is taken", port_taken=True)
+    first = Ledger(pending=pending_over_committed().pending)
+    written: list[Ledger] = []
+    monkeypatch.setattr(verify, "save_ledger", lambda host, path, ledger: written.append(ledger) or True)
+    _, target, results, calls = execute_from_verify(monkeypatch, found, first)
+    assert results[VERIFY] is False and calls == [("verify", 20.0)]
+    assert written == []  # still pending, nothing marked: the next run finishes it
+
+
+@pytest.mark.parametrize("look, rolled_back", [
+    (HealthReport(HealthState.DEAD, "docker run exited with status 1"), True),
+    (HealthReport(HealthState.SSH_UNREACHABLE, "gpu1: SSH failed"), False),
+], ids=["died", "unreachable"])
+def test_a_run_with_other_hosts_looks_again_before_the_commit(monkeypatch, look, rolled_back):
+    # The commit runs once every host's verify ended: a version that died meanwhile is not committed.
+    monkeypatch.setattr(verify.Verification, "check_once", lambda self, host, expected: lambda: look)
+    _, _, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2"),
+                                               pending_over_committed())
+    assert results[COMMIT] is True and calls[-1] == ("commit", "t2")  # alone in its run: no second look
+    _, _, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2"),
+                                               pending_over_committed(), other_host=True)
+    assert results[COMMIT] is False
+    assert calls[1:] == ([("roll back", ("dead: docker run exited with status 1 (after its verify, while the run "
+                                         "waited for the other hosts)", None))] if rolled_back else [])

@@ -40,6 +40,11 @@ def host_problems(r: HostResult, inventory: str) -> list[Problem]:
     if not h.ready:
         found.append(Problem.from_line(str(h.state), f"{h.state}: {h.detail}", name,
                                        _state_fix(h.state, name, service, inventory)))
+    if r.committed_drift:
+        found.append(Problem("not-committed", r.committed_drift,
+                             f"`gpufleet deploy {inventory} --limit {name}` settles it (a swap left pending is "
+                             "finished or rolled back, a container not the unit's restarted); `gpufleet history "
+                             f"{inventory} --host {name}` shows the ledger"))
     rollback = f"if a new image broke it, `gpufleet rollback {inventory} --host {name}`"
     again = (f"run it again (`gpufleet verify {inventory} --host {name}`); if its requests keep getting no answer, "
              f"read `journalctl -u {service}` on {name}")
@@ -104,6 +109,7 @@ def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
         # null: none set (hits land on whole blocks) or unknown
         "prefix_match_unit": prefix_match_unit(r.health.cache_config),
         "cache_config": dict(r.health.cache_config),
+        "committed": r.committed_ref,  # the ledger's (null: none, or not read)
     }
     if r.probe is not None:
         fields["probe"] = r.probe.as_dict()

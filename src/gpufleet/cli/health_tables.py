@@ -54,7 +54,7 @@ def host_table(results: list[HostResult], title: str) -> Table:
             r.target.name,
             ",".join(map(str, r.target.gpus)) or "-",
             gpu_cell(r),
-            (c.image_short if c else None) or "-",
+            image_cell(r),
             spec_cell(r),
             h.version or "-",
             Text(str(h.state), style=style),
@@ -90,6 +90,11 @@ def gpu_cell(r: HostResult) -> Text:
     names = ",".join(str(g.index) if g.index is not None else g.bus_id for g in on)
     unused = "" if any(g in gpus.concern(r.target.gpus) for g in on) else " (unused)"
     return Text(f"{worst.label}: {names}{unused}", style=_GPU_STYLE.get(worst, "red"))
+def image_cell(r: HostResult) -> Text:
+    """The running image's digest (12 digits), red and marked when the ledger committed another."""
+    c = r.health.container
+    short = (c.image_short if c else None) or "-"
+    return Text(f"{short} (not committed)", style="red") if r.committed_drift else Text(short)
 
 
 def spec_cell(r: HostResult) -> Text:

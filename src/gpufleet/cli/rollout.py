@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -35,9 +36,15 @@ def _console() -> Console:
 
 
 def _options(deploy: str | None, log: str | None, **kwargs: Any) -> SwapOptions:
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    log_path = Path(log) if log else Path(tempfile.gettempdir()) / f"gpufleet-rollout-{stamp}.log"
-    return SwapOptions(deploy_file=Path(deploy) if deploy else default_deploy_file(), log=log_path, **kwargs)
+    return SwapOptions(deploy_file=Path(deploy) if deploy else default_deploy_file(),
+                       log=Path(log) if log else _new_log(), **kwargs)
+
+
+def _new_log() -> Path:
+    """A new 0600 log file under a name no other user can take first: it collects root's deploy output."""
+    fd, path = tempfile.mkstemp(prefix=f"gpufleet-rollout-{time.strftime('%Y%m%dT%H%M%S')}-", suffix=".log")
+    os.close(fd)
+    return Path(path)
 
 
 def _confirm(yes: bool) -> Any:
@@ -74,7 +81,7 @@ def _finish(command: str, result: Result, as_json: bool, log: Path | None) -> No
         for outcome in result.outcomes:
             for problem in outcome.problems():
                 click.echo(Problem(**problem).line(outcome.host))
-    if log is not None and log.exists() and (not quiet() or not doc["ok"]):
+    if log is not None and log.exists() and log.stat().st_size and (not quiet() or not doc["ok"]):
         err.print(Text(f"deploy output: {log}"), soft_wrap=True)
     sys.exit(exit_status(doc))
 

@@ -21,9 +21,12 @@ from gpufleet.cli.progress import FleetProgress
 from gpufleet.defaults import SPEED_TOLERANCE_SETTING
 from gpufleet.errors import GpufleetError
 from gpufleet.health.runner import HostResult, HostTarget, check_fleet
+from gpufleet.hoststate import reader
+from gpufleet.hoststate.paths import ledger_path
 from gpufleet.inventory import HostData
-from gpufleet.rollout.ledgers import read_ledgers
-from gpufleet.rollout.replicas import Sessions, load_fleet
+from gpufleet.remote.transport import SshTransport, Transport, TransportError
+from gpufleet.rollout.ledgers import parse_read, read_ledgers
+from gpufleet.rollout.replicas import Sessions, load_fleet, run
 from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
@@ -47,7 +50,19 @@ def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]
     quiet_ssh_logs()
     if SPEED in kwargs.get("checks", ()):
         targets = with_recorded_speed(inventory, host, targets)
-    return check_fleet(targets, **kwargs)
+    return check_fleet(targets, committed=read_committed, **kwargs)
+
+
+def read_committed(target: HostTarget, transport: Transport) -> str | None:
+    """The digest the host's ledger has committed, read as the rollout reads it (None: none, or unreadable)."""
+    if not isinstance(transport, SshTransport):
+        return None
+    service, port = target.expected.service, target.expected.port
+    try:
+        rc, out, err = run(transport, reader.read_command(ledger_path(service)), root=True)
+    except TransportError:
+        return None
+    return parse_read(target.name, service, port, rc, out, err).committed_ref
 
 
 def with_recorded_speed(inventory: str, host: str | None, targets: list[HostTarget]) -> list[HostTarget]:

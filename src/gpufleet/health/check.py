@@ -133,6 +133,14 @@ def spec_drift(expected: Expected, container: ContainerInfo | None) -> str | Non
             f"spec is {expected.spec_hash} (fix: converge the host)")
 
 
+def committed_drift(committed_ref: str | None, container: ContainerInfo | None) -> str | None:
+    """One line when the running container was not started from the digest the host's ledger has committed (a
+    rollback whose restore failed, a swap cut mid-way, a `docker run` by hand), else None."""
+    if committed_ref is None or container is None or not container.running or container.image == committed_ref:
+        return None
+    return f"runs {container.image or 'an unnamed image'}, not {committed_ref}, which its ledger has committed"
+
+
 def _drift(report: HealthReport, expected: Expected) -> HealthReport:
     # Reported over whatever the server answers: a server that looks right but runs another spec is not ready.
     drift = spec_drift(expected, report.container)

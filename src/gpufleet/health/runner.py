@@ -21,7 +21,7 @@ from gpufleet.defaults import DEFAULTS, SPEED_TOLERANCE_SETTING
 from gpufleet.facts.gpu_verdict import GpuVerdict, HostGpus
 from gpufleet.health import gpu
 from gpufleet.health.answers import AnswerCheck, check_answers
-from gpufleet.health.check import HealthReport, HealthState, check, reached
+from gpufleet.health.check import HealthReport, HealthState, check, committed_drift, reached
 from gpufleet.health.probe import probe
 from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.serving import Served, run_checks
@@ -39,6 +39,8 @@ PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and para
 
 # Told (host, what it is doing now) as a host's check moves on: the CLI's progress on stderr.
 Phase = Callable[[str, str], None]
+# Reads the digest a host's ledger has committed (None: none, or unreadable); the CLI's, as the rollout reads it.
+CommittedRead = Callable[["HostTarget", Transport], "str | None"]
 
 
 def _silent(host: str, text: str) -> None:
@@ -97,11 +99,17 @@ class HostResult:
     speed: SpeedFigures | None = None  # what the speed check measured, when asked for
     speed_earlier: SpeedFigures | None = None  # what it was held to
     gpus: HostGpus | None = None  # its GPUs' verdicts (None: not read, or no nvidia-smi)
+    committed_ref: str | None = None  # the host's ledger's (None: none, or not read)
+
+    @property
+    def committed_drift(self) -> str | None:
+        return committed_drift(self.committed_ref, self.health.container)
 
     @property
     def ok(self) -> bool:
         return (self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
-                and all(a.ok for a in (*self.answers, *self.checks)) and not self.sick_gpus)
+                and all(a.ok for a in (*self.answers, *self.checks)) and not self.sick_gpus
+                and self.committed_drift is None)
 
     @property
     def sick_gpus(self) -> list[GpuVerdict]:
@@ -118,6 +126,7 @@ def check_host(
     answer: bool = False,
     checks: Sequence[str] = (),
     progress: Phase = _silent,
+    committed: CommittedRead | None = None,
 ) -> HostResult:
     """Health (and, when the host is ready, the answer checks and the probe, as asked) of one host. Never raises:
     whatever goes wrong with this host (SSH, its server, a case nobody foresaw) is this host's result, so one host
@@ -125,8 +134,8 @@ def check_host(
 
     Without a transport the host is connected by pyinfra's connector from target.ssh. api_key overrides the
     target's own key. checks: serving checks (gpufleet.health.serving) to run once the answers passed. progress is
-    told what the check is doing, then how it ended."""
-    asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks), progress)
+    told what the check is doing, then how it ended. committed: reads the digest the running container must be."""
+    asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks), progress, committed)
     try:
         if transport is not None:
             result = _check_host(target, transport, asked)
@@ -147,6 +156,7 @@ class _Asked:
     answer: bool
     checks: tuple[str, ...]
     progress: Phase = _silent
+    committed: CommittedRead | None = None
 
 
 def _check_over_ssh(target: HostTarget, asked: _Asked) -> HostResult:
@@ -203,17 +213,20 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
             report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-    return HostResult(target, health, report, error, answers, checks, speed=figures, speed_earlier=earlier, gpus=gpus)
+    committed = asked.committed(target, transport) if asked.committed and health.container else None
+    return HostResult(target, health, report, error, answers, checks, speed=figures, speed_earlier=earlier, gpus=gpus,
+                      committed_ref=committed)
 
 
 def check_fleet(
     targets: Sequence[HostTarget], run_probe: bool = False, wait_s: float = 0.0, api_key: str | None = None,
-    answer: bool = False, checks: Sequence[str] = (), progress: Phase = _silent,
+    answer: bool = False, checks: Sequence[str] = (), progress: Phase = _silent, committed: CommittedRead | None = None,
 ) -> list[HostResult]:
     """All hosts in parallel (network-bound), results in inventory order, one per host whatever happens."""
     if not targets:
         return []
     pool = gevent.pool.Pool(min(len(targets), PARALLEL))
-    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks, progress) for t in targets]
+    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks, progress, committed)
+            for t in targets]
     gevent.joinall(jobs)
     return [job.get() for job in jobs]

@@ -208,6 +208,15 @@ def still_held_test(host: Host) -> str | None:
     return f'[ "$(cat {shlex.quote(lock.path)} 2>/dev/null)" = {shlex.quote(lock.holder.line())} ]'
 
 
+def while_held(host: Host, command: str, refusal: str) -> str:
+    """Shell: `command`, only while the lock file still names this run (checked on the host, in the same shell);
+    else `refusal` on stderr and exit 1. No lock taken: `command` as it is."""
+    held = still_held_test(host)
+    if held is None:
+        return command
+    return f"if {held}; then {command}; else echo {shlex.quote(refusal)} >&2; exit 1; fi"
+
+
 def release_locks(state: State, names: Iterable[str] | None = None, wait: bool = True) -> None:
     """Let the run's host locks go: all of them, or those of the hosts named (HostLock.release's wait)."""
     context = _RUNS.get(state)

@@ -1,6 +1,7 @@
 """The swap loop: the canary first, then batches of --batch hosts. Per batch: drain each host, one deploy run
 limited to the batch with gpufleet_image_ref = the target (restart, the deploy's verify and soak, commit or roll
-back, all by the deploy), its downtime watched from here, then each host's outcome read from its ledger. Around
+back, all by the deploy), its downtime watched from here, then each host's outcome read from its ledger and from
+what answers there (a rollback is judged by what runs afterwards, not by its mark). Around
 all of that, the batch is out of every router's worker set (gpufleet.rollout.routers). The first host that is not
 updated stops the rollout: the hosts after it are not touched."""
 
@@ -13,15 +14,17 @@ from pathlib import Path
 
 from gpufleet.defaults import SPEED_BATCHES_SETTING
 from gpufleet.errors import GpufleetError, one_line
-from gpufleet.health.check import reached
+from gpufleet.health.check import HealthReport, reached
 from gpufleet.health.serving import Served
 from gpufleet.health.speed import measure
+from gpufleet.health.wait import poll_ready
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout.carry import Carry
 from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
+from gpufleet.rollout.membership import look, runs_committed
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.rollout.report import OK, HostOutcome, Outcome, SpeedResult, short
@@ -121,10 +124,16 @@ def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | Non
 
 def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
           downtime_s: float | None, drained: Drained | str | None, held: Sequence[str] = (),
-          speed_before: SpeedFigures | str | None = None) -> HostOutcome:
+          speed_before: SpeedFigures | str | None = None, serving: HealthReport | str | None = None) -> HostOutcome:
     """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak);
-    held: the checks the run held it to; speed_before: the old version's figures, or why there are none."""
+    updated or rolled back only when `serving` (the check `gpufleet verify` runs, or why it could not) finds the
+    committed digest answering. held: the checks the run held it to; speed_before: the old version's figures, or
+    why there are none."""
     outcome = _judged(host, target, before, after, run, downtime_s, drained)
+    problem = serving_problem(after, serving) if outcome.outcome in (Outcome.UPDATED, Outcome.ROLLED_BACK) else None
+    if problem is not None:
+        return replace(outcome, outcome=Outcome.FAILED, detail=one_line(
+            f"{outcome.outcome.value} in its ledger, but {problem}" + (f"; {outcome.detail}" if outcome.detail else "")))
     mark = after.failed_mark(target) if outcome.outcome == Outcome.ROLLED_BACK else None
     speed = None
     if SPEED in held:
@@ -133,6 +142,28 @@ def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: De
         speed = SpeedResult(old, committed.speed if committed else None,
                             speed_before if isinstance(speed_before, str) else "")
     return replace(outcome, checks=check_results(held, outcome.outcome, mark.check if mark else None), speed=speed)
+
+
+def serving_problem(after: HostLedger, serving: HealthReport | str | None) -> str | None:
+    """Why what answers is not the ledger's committed version, ready; None when it is (or was not looked at)."""
+    if serving is None:
+        return None
+    if isinstance(serving, str):
+        return f"it could not be looked at ({serving})"
+    if not serving.ready:
+        return f"it is not ready ({serving.state}: {serving.detail})"
+    if not runs_committed(after, serving):
+        c = serving.container
+        return f"what answers runs {c.image if c and c.image else 'no container'}, not {short(after.committed_ref)}"
+    return None
+
+
+# How long a swapped host is looked at while a look says nothing yet (a blip, a start under way).
+AFTER_LOOK_S = 30.0
+
+
+def _serving(host: FleetHost, transport: SshTransport) -> HealthReport:
+    return poll_ready(lambda: look(host, transport), AFTER_LOOK_S)
 
 
 def _judged(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
@@ -192,8 +223,9 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
                     options: SwapOptions, progress: Progress,
                     swap_group: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
     """swap_group() with the group out of every router; a host a router did not let go is not swapped (the group
-    fails). After the swap a host rejoins only once its ledger says committed or rolled back; one that ended neither
-    stays out, and one a router did not take back fails (the rollout stops: it would run short)."""
+    fails). After the swap a host rejoins only once its ledger says committed or rolled back and gpufleet's own check
+    finds that version answering (judge); any other stays out, and one a router did not take back fails (the
+    rollout stops: it would run short)."""
     if routers.routers:
         for h in group:
             progress.phase(h, "leaving the router's workers")
@@ -211,8 +243,8 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
         return result
     for h in group:
         if result[h].outcome not in SETTLED:
-            result[h] = replace(result[h], detail=one_line(f"{result[h].detail}; left out of the routers: neither "
-                                                           "committed nor rolled back"))
+            result[h] = replace(result[h], detail=one_line(f"{result[h].detail}; left out of the routers until it "
+                                                           "serves its committed version"))
             continue
         problem = routers.rejoin(h)
         if problem is not None:
@@ -255,10 +287,12 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
                      options.deploy_file, log=options.log, timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, group)
+    # Where the ledger settled: what answers decides the outcome, and with it the rejoin.
+    serving = sessions.each([h for h in group if after[h].error is None and after[h].pending_ref is None], _serving)
     result = {}
     for h in group:
         outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h),
-                        held_to(hosts[h].spec, options, canary, speed_batch), speed_before.get(h))
+                        held_to(hosts[h].spec, options, canary, speed_batch), speed_before.get(h), serving.get(h))
         result[h] = outcome
         progress.phase(h, outcome.phase)
     return result

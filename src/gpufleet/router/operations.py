@@ -13,7 +13,7 @@ from pyinfra.operations import apt
 
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
-from gpufleet.operations.run import still_held_test, still_locked
+from gpufleet.operations.run import still_locked, while_held
 from gpufleet.router.facts import RouterHost
 from gpufleet.router.spec import FENCE_USERS, MARKER, MEMBERS_DIR, RouterSpec
 from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, render_proxy, render_unit, unit_path
@@ -138,13 +138,8 @@ def running(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Comma
 def restart_script(target: Host, name: str, restart: bool) -> str:
     """Shell: (re)start the unit `name`, only while this run's holder line is still the lock file's (no lock taken
     on the host, as for one not reached over SSH: nothing to check)."""
-    start = f"systemctl {'restart' if restart else 'start'} {name}"
-    held = still_held_test(target)
-    if held is None:
-        return start
-    lost = shlex.quote(f"{target.name}: not restarting {name}: this run no longer holds the host's lock (fix: run "
-                       "again)")
-    return f"if {held}; then {start}; else echo {lost} >&2; exit 1; fi"
+    return while_held(target, f"systemctl {'restart' if restart else 'start'} {name}",
+                      f"{target.name}: not restarting {name}: this run no longer holds the host's lock (fix: run again)")
 
 
 @operation()

@@ -273,8 +273,9 @@ def deploy_qwen35() -> None:
     cache = site_cache.cache_pull(host, s, spec.image)
     docker.trusts_site_cache(name="Let Docker pull from the site cache, and from no other (insecure-registries)",
                              address=cache.address if cache is not None else None)
+    fetch_s = float(s["vllm_fetch_timeout_s"])
     pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=pin,
-                          service=spec.service, cache=cache)
+                          service=spec.service, cache=cache, timeout_s=fetch_s)
     if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag
         committed_ref = ledger.committed.version.ref if ledger.committed else None
         flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref,
@@ -283,7 +284,7 @@ def deploy_qwen35() -> None:
     model.present(name="Download the model's commit unless it is here and checked",
                   spec=spec, where=layout.model_dir, model=models,
                   env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache, pin=pin,
-                  hub=s["vllm_hf_endpoint"], mirror=site_cache.model_mirror(host, s))
+                  hub=s["vllm_hf_endpoint"], mirror=site_cache.model_mirror(host, s), timeout_s=fetch_s)
     if prepare:
         return  # gpufleet_stage=prepare: everything slow is done, the old version keeps serving
     unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,

@@ -244,7 +244,7 @@ def check_site_cache(s: Mapping[str, Any], fail: Fail) -> None:
                                         or not 1 <= int(address.rpartition(":")[2]) <= 65535):
         fail("site_cache_address", f"{shown(address)} is not host:port",
              'use "" (the inventory\'s site_cache host), "off", or e.g. "10.0.0.5:5001"')
-    timeout = s["site_cache_pull_timeout_s"]
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not_finite(timeout) or timeout <= 0:
-        fail("site_cache_pull_timeout_s", f"{shown(timeout)} is not a positive number of seconds",
-             f"e.g. {DEFAULTS['site_cache_pull_timeout_s']}")
+    for key in ("site_cache_pull_timeout_s", "vllm_fetch_timeout_s"):
+        timeout = s[key]
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not_finite(timeout) or timeout <= 0:
+            fail(key, f"{shown(timeout)} is not a positive number of seconds", f"e.g. {DEFAULTS[key]}")

@@ -49,7 +49,7 @@ from gpufleet.operations.run import host_run, run_context
 from gpufleet.operations.secret import Hidden
 from gpufleet.remote.ssh import transport_from_pyinfra_host
 from gpufleet.remote.transport import ContainerInfo
-from gpufleet.vllm.commit import commit_pending, roll_back
+from gpufleet.vllm.commit import commit_pending, roll_back, runs_problem
 from gpufleet.vllm.operations.image import now_utc
 from gpufleet.vllm.operations.service import save_ledger
 from gpufleet.vllm.service_watch import failed_logs, service_exited
@@ -129,6 +129,8 @@ class Verification:
         if found is None or not found.passed:  # the operation's _if runs it after a pass only: never guessed
             return fail(host, f"{host.name}: nothing committed: this run's verify did not pass on the host (fix: "
                               "converge again)")
+        if len(state.activated_hosts) > 1 and not still_serving(host, self):
+            return False
         return commit_pending(host, self, found.ready_at, found.speed)
 
     def roll_back_if_failed(self, state: State, host: Host) -> bool:
@@ -141,11 +143,14 @@ class Verification:
         return True if found.passed else after_failed_verify(host, self, found)
 
     def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
-        """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one."""
+        """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one;
+        unmarked when docker could not publish its port."""
         ledger = host_run(host).ledger
         assert ledger.pending is not None and ledger.committed is not None  # what RollBackPending means
         host.log_styled(f"{reason}: rolling it back", fg="yellow")
-        return roll_back(host, self, ledger, reason)
+        taken = port_taken(failed_logs(host, transport_from_pyinfra_host(host), self.spec.service), self.spec.port)
+        return roll_back(host, self, ledger, reason + (f"; port {self.spec.port} is taken on the host ({taken})"
+                                                        if taken else ""), mark=taken is None)
 
     @property
     def key(self) -> str | None:
@@ -252,19 +257,38 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
     return VerifyOutcome(passed=False, failed=failed, check=failed_check, port_taken=taken is not None)
 
 
+def still_serving(host: Host, v: Verification) -> bool:
+    """One more look before the commit of a run with other hosts (it waited for the slowest one's verify): not
+    ready is a failed verify; a look that says nothing leaves the version pending; False either way."""
+    pending = host_run(host).ledger.pending
+    report = v.check_once(host, Expected.from_spec(v.spec))()
+    problem = installed_problem(pending.version, report.container) if report.ready and pending else None
+    if report.ready and problem is None:
+        return True
+    if transient(report):
+        return fail(host, f"{host.name}: could not look at {v.spec.service} again before its commit ({report.state}: "
+                          f"{report.detail}); nothing was committed or rolled back, the new version stays pending "
+                          "(fix: restore the link to the host, then converge again: the next run verifies it)")
+    detail = problem or f"{report.state}: {report.detail}"
+    return after_failed_verify(host, v, VerifyOutcome(
+        passed=False, failed=f"{detail} (after its verify, while the run waited for the other hosts)"))
+
+
 def after_failed_verify(host: Host, v: Verification, found: VerifyOutcome) -> bool:
     """After a failed verify: the rollback to the committed version when there is one to go back to; else the pending
     version marked failed. Always False: the host failed, on one line."""
     spec, ledger = v.spec, host_run(host).ledger
+    # Another process on the port is the host's fault: the version is not marked.
+    mark = not found.port_taken
     if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
         # Nothing verified to go back to (a first install, or a restart of the committed version itself).
-        if ledger.pending is not None and not save_ledger(host, v.ledger_path, ledger_roll_back(
+        if mark and ledger.pending is not None and not save_ledger(host, v.ledger_path, ledger_roll_back(
                 ledger, found.failed, now_utc(), check=found.check)):
             return False
         fix = (f"`ss -ltnp 'sport = :{spec.port}'` on the host shows what holds it: stop that, or set vllm_port to a "
                "free port" if found.port_taken else f"see the container log above; `journalctl -u {spec.service}`")
         return fail(host, f"{host.name}: {spec.service} not ready ({found.failed}) (fix: {fix})")
-    return roll_back(host, v, ledger, found.failed, check=found.check)
+    return roll_back(host, v, ledger, found.failed, check=found.check, mark=mark)
 
 
 _PORT_TAKEN = ("address already in use", "port is already allocated")
@@ -285,14 +309,7 @@ def installed_problem(version: Version, container: ContainerInfo | None) -> str 
     """What answers must be what this run installed: the running container started from the pending digest with the
     pending spec's label. An older container still answering on the port (its replacement never started) is not the
     version to commit: one line saying what runs instead, or None."""
-    if container is None or not container.running:
-        return f"no running container of {version.service or 'the service'} answered"
-    if container.image != version.ref:
-        return f"the container answering runs {container.image}, not {version.ref}, which this run installed"
-    if version.spec_hash and container.spec_hash != version.spec_hash:
-        return (f"the container answering has spec {container.spec_hash or 'unlabelled'}, not {version.spec_hash}, "
-                "which this run installed")
-    return None
+    return runs_problem(version, container, "this run installed")
 
 
 def answers_report(host: Host, v: Verification, ready: HealthReport,

@@ -25,7 +25,7 @@ from gpufleet.sitecache.operations import ModelMirror
 from gpufleet.vllm import weights
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
-from gpufleet.vllm.operations.image import target_ref
+from gpufleet.vllm.operations.image import TIMED_OUT, run_bounded, target_ref
 from gpufleet.vllm.snapshot import snapshot
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.weights import HubRevision, ModelTarget
@@ -103,22 +103,32 @@ def _mirror_answers(host: Host, mirror: ModelMirror, revision: HubRevision) -> s
 
 
 def _download(host: Host, spec: ServeSpec, image: str, revision: HubRevision, endpoint: str, env_file: str | None,
-              hf_cache: str, where: str, refused: list[str]) -> str | None:
+              hf_cache: str, where: str, refused: list[str], timeout_s: float | None = None) -> str | None:
     """hf download of the commit from `endpoint` (refused files deleted first: hf skips a file it recorded as
-    complete); None on success, else the CLI's last lines."""
+    complete); None on success, TIMED_OUT when ended past timeout_s, else the CLI's last lines."""
     sudo = use_sudo(host)
     if refused:
         host.run_shell_command("rm -f " + " ".join(shlex.quote(p) for p in weights.partial_paths(where, refused)),
                                _sudo=sudo)
     argv = spec.hf_download_argv(image, revision.repo, revision.commit, hf_cache, env_file,
                                  env=weights.env_for_download(endpoint))
-    # print_output: hf's progress streams to the terminal; re-running resumes from the partial files.
-    ok, output = host.run_shell_command(" ".join(shlex.quote(a) for a in argv), _sudo=sudo, print_output=True)
-    return None if ok else " | ".join(output.output_lines[-3:]) or "no output"
+    # hf's progress streams to the terminal; re-running resumes from the partial files. Ended past timeout_s: the
+    # SIGTERM reaches the container through docker run's signal proxy.
+    ok, lines = run_bounded(host, " ".join(shlex.quote(a) for a in argv), timeout_s)
+    if not ok and lines and lines[-1].strip() == TIMED_OUT:
+        return TIMED_OUT
+    return None if ok else " | ".join(lines[-3:]) or "no output"
+
+
+def _timed_out(host: Host, repo: str, timeout_s: float | None) -> bool:
+    return fail(host, f"{host.name}: the model download of {repo} did not finish within vllm_fetch_timeout_s = "
+                      f"{timeout_s or 0:g} s and was ended (fix: check that {host.name} reaches the hub; re-running "
+                      "resumes, and a slow line needs a larger vllm_fetch_timeout_s)")
 
 
 def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where: str, env_file: str | None,
-           hf_cache: str, pin: str | None, hub: str, mirror: ModelMirror | None) -> bool:
+           hf_cache: str, pin: str | None, hub: str, mirror: ModelMirror | None, timeout_s: float | None = None
+           ) -> bool:
     revision = _hub_revision(host, hub, model, env_file)
     if isinstance(revision, str):
         return fail(host, f"cannot read {model.repo} at {model.ask() or 'its default branch'} from the hub {hub} "
@@ -143,7 +153,9 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
             else:
                 _warn(host, f"{host.name}: warning: the site cache's model mirror {mirror.endpoint} "
                             f"({mirror.cache_host}) is not reachable ({why}): downloading from the hub {hub}")
-        failed = _download(host, spec, image, revision, endpoint, env_file, hf_cache, where, bad)
+        failed = _download(host, spec, image, revision, endpoint, env_file, hf_cache, where, bad, timeout_s)
+        if failed == TIMED_OUT:
+            return _timed_out(host, model.repo, timeout_s)
         bad = _mismatches(host, where, revision) if failed is None else bad
         if failed is not None or bad:
             # Refused: never served. Fetched again from the hub itself, once.
@@ -151,7 +163,9 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
             _warn(host, f"{host.name}: warning: {source} {endpoint} " + (
                 f"served {len(bad)} file(s) whose hash is not the hub's ({', '.join(bad[:3])}): refused"
                 if failed is None else f"download failed ({one_line(failed)})") + f"; fetching from the hub {hub}")
-            failed = _download(host, spec, image, revision, hub, env_file, hf_cache, where, bad)
+            failed = _download(host, spec, image, revision, hub, env_file, hf_cache, where, bad, timeout_s)
+            if failed == TIMED_OUT:
+                return _timed_out(host, model.repo, timeout_s)
             bad = _mismatches(host, where, revision) if failed is None else bad
         if failed is not None:
             return fail(host, f"model download of {model.repo}@{revision.commit[:12]} failed: {failed} (fix: check "
@@ -171,12 +185,14 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
 
 @operation()
 def present(spec: ServeSpec, where: str, model: ModelTarget | None, env_file: str | None, hf_cache: str,
-            pin: str | None, hub: str = weights.HUB, mirror: ModelMirror | None = None) -> Commands:
+            pin: str | None, hub: str = weights.HUB, mirror: ModelMirror | None = None,
+            timeout_s: float | None = None) -> Commands:
     """The model's commit in `where` (the host directory the spec's --model reads), every file checked against the
     hub's hashes: downloaded with the serving image (the one this run's pull resolved, else `pin`) through `mirror`
     when given, else from `hub`. Without a repo (model: None) the directory must be complete as staged by hand.
 
-    env_file: the root-only file holding HF_TOKEN, or None without a token (the token never is an argument)."""
+    env_file: the root-only file holding HF_TOKEN, or None without a token (the token never is an argument);
+    timeout_s: vllm_fetch_timeout_s, each download's bound."""
     snap = snapshot()
     missing = missing_parts(snap)
     if model is None:
@@ -189,4 +205,5 @@ def present(spec: ServeSpec, where: str, model: ModelTarget | None, env_file: st
     if not missing and model.pin is not None and snap.model_checked == model.pin:
         host.noop(f"{where} holds {model.pin[:len(model.repo) + 13]}, checked against the hub's hashes")
         return
-    yield FunctionCommand(_fetch, (spec, model, where, env_file, hf_cache, pin, hub, mirror), {})
+    yield FunctionCommand(_fetch, (spec, model, where, env_file, hf_cache, pin, hub, mirror),
+                          {"timeout_s": timeout_s})

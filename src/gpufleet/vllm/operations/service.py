@@ -37,7 +37,7 @@ from gpufleet.hoststate.ledger import (
 from gpufleet.hoststate.paths import unit_backup
 from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import put_content, put_secret, sha256, write_file
-from gpufleet.operations.run import host_run, still_held_test, still_locked
+from gpufleet.operations.run import host_run, still_held_test, still_locked, while_held
 from gpufleet.operations.secret import Hidden
 from gpufleet.units import unit_name, unit_path
 from gpufleet.vllm.facts import HostSnapshot
@@ -236,9 +236,13 @@ def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin
     if _changed(changes) or drift or force or not snap.unit_active(name):
         yield FunctionCommand(still_locked, (), {})
         yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed, model), {})
+        # Checked on the host in the restart's own shell too: a lock lost since the check above refuses it there.
+        restart = f"systemctl {'restart' if snap.unit_active(name) else 'start'} {shlex.quote(name)}"
         if replaces:
-            yield StringCommand("systemctl", "disable", "--now", shlex.quote(unit_name(replaces)), "||", "true")
-        yield StringCommand("systemctl", "restart" if snap.unit_active(name) else "start", shlex.quote(name))
+            restart = f"{{ systemctl disable --now {shlex.quote(unit_name(replaces))} || true; }} && {restart}"
+        yield StringCommand("sh", "-c", shlex.quote(while_held(
+            host, restart, f"{host.name}: not restarting {name}: this run no longer holds the host's lock (fix: run "
+                           "again)")))
     elif snap.unit_enabled(name):
         host.noop(f"{name} is active and nothing it runs changed")
 
