@@ -788,9 +788,9 @@ def test_a_replica_whose_gpu_needs_a_reset_leaves_the_routers_until_it_is_health
     assert gpus_fit(gpus(clocks_event_reasons=0x40), (0,)) is True  # degraded: served; GPU 1 is not its
     assert gpus_fit(None, (0,)) is None and gpus_fit(HostGpus(error="cannot read"), (0,)) is None
     sessions = CannedSessions(fleet_hosts("h1", "h2", "h3"), {
-        "h1": (HealthState.READY, gpus(recovery_action="Reset")),  # ready, but its GPU needs a reset: out
-        "h2": (HealthState.READY, gpus()),
-        "h3": (HealthState.SSH_UNREACHABLE, gpus(remap_pending=True)),  # unreachable says nothing; its GPU does
+        "h1": (answering(OLD), gpus(recovery_action="Reset")),  # ready, but its GPU needs a reset: out
+        "h2": (answering(OLD), gpus()),
+        "h3": (answering(None, HealthState.SSH_UNREACHABLE), gpus(remap_pending=True)),  # its GPU says it
     })
     ledgers = {name: read(committed_on(OLD), name) for name in ("h1", "h2", "h3")}
     assert members(sessions, ["h1", "h2", "h3"], ledgers) == {"h1": False, "h2": True, "h3": False}
