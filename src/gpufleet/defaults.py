@@ -39,8 +39,12 @@ DEFAULTS: dict[str, Any] = {
     "vllm_model": FROM_PROFILE,
     # Hugging Face repo the model is downloaded from when it is missing; None means it must be staged by hand.
     "vllm_model_repo": FROM_PROFILE,
-    # Hugging Face revision (branch, tag or commit) to pin the download to; None = the repo's default branch.
+    # Hugging Face revision (branch, tag or commit) to pin the download to; None = the repo's default branch. A
+    # branch or tag is resolved to a commit once: the ledger keeps it until this setting changes or a rollout moves it.
     "vllm_model_revision": FROM_PROFILE,
+    # The Hugging Face hub (or a hub of the same API): the model's commit and every file's hash come from it, and the
+    # files too unless the site cache mirrors them (docs/site-cache.md).
+    "vllm_hf_endpoint": "https://huggingface.co",
     # Host directory holding models; mounted at /models. Absolute: systemd does not expand ~.
     "vllm_models_dir": "/srv/vllm/models",
     # Host directory holding the vLLM compile cache, torch cache, NVIDIA ComputeCache and HF cache subdirs;
@@ -100,6 +104,9 @@ DEFAULTS: dict[str, Any] = {
     # by digest if absent. The host's ledger records it under vllm_image, so a later converge without this setting
     # keeps running it with no change.
     "gpufleet_image_ref": None,
+    # A commit of vllm_model_repo to install instead of the one the ledger keeps: what a rollout passes to move the
+    # model (a branch it resolved at its start). Recorded in the ledger, so a later converge keeps it.
+    "gpufleet_model_ref": None,
     # "converge" does everything; "prepare" stops before the unit: preflight, engine, toolkit, directories, env
     # file, the image pull, the model and the image's flag check, while the old version keeps serving (no unit
     # write, no restart, no ledger change).
@@ -162,6 +169,13 @@ DEFAULTS: dict[str, Any] = {
     # Where this host pulls through: "" = the inventory's site_cache host (its ssh_hostname) at its
     # site_cache_port, "host:port" another cache (a second site), "off" = never.
     "site_cache_address": "",
+    # The site cache's mirror of the Hugging Face hub (olah, for the inventory's vllm_model_repos), on the site_cache
+    # host's loopback behind the same nginx: hosts download the model through site_cache_port.
+    "site_cache_mirror_port": 5003,
+    # GB the model mirror may keep; past it, what was read least recently goes first (olah checks hourly).
+    "site_cache_model_max_gb": 500,
+    # Package index the model mirror's locked wheels come from (each checked against the lock's sha256).
+    "site_cache_mirror_index_url": "https://pypi.org/simple",
     # Seconds a pull through the site cache may take before the host pulls from upstream instead. The first host
     # of a site pulls through the cache at upstream speed (the cache fetches as it serves).
     "site_cache_pull_timeout_s": 7200,
@@ -176,6 +190,7 @@ SECRET_SETTINGS = frozenset({"vllm_hf_token", "vllm_api_key", "vllm_secret_env"}
 # The names of the settings that code passes or reads by name (a rollout's `--data key=value`, the deploy, the lock,
 # lint): spelled here once, each a key of DEFAULTS.
 IMAGE_REF_SETTING: Final = "gpufleet_image_ref"
+MODEL_REF_SETTING: Final = "gpufleet_model_ref"
 STAGE_SETTING: Final = "gpufleet_stage"
 RETRY_SETTING: Final = "gpufleet_retry_failed"
 EXPECT_COMMITTED_SETTING: Final = "gpufleet_expect_committed"

@@ -16,6 +16,8 @@ from gpufleet.operations.run import remember
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.operations import image, model
 from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.operations.image import TIMED_OUT
+from gpufleet.vllm.weights import HUB, HubRevision, ModelTarget
 from tests.unit.test_operations_alone import run_alone
 
 TAG = "reg:5000/vllm/vllm-openai:good"
@@ -68,9 +70,11 @@ def test_a_pull_that_hangs_is_ended_at_the_bound_with_one_line(hanging):
 def test_a_model_download_that_hangs_is_ended_at_the_bound_with_one_line(hanging):
     spec = build_spec("gpu1", {"vllm_image": TAG})
     started = time.monotonic()
-    assert model._download(None, hanging, spec, "Qwen/Qwen3.5-27B-FP8", None, None, "/srv/hf", PINNED,  # type: ignore[arg-type]
-                           timeout_s=1) is False
+    revision = HubRevision("Qwen/Qwen3.5-27B-FP8", "c" * 40, ())
+    assert model._download(hanging, spec, PINNED, revision, HUB, None, "/srv/hf", "/srv/m", [],  # type: ignore[arg-type]
+                           timeout_s=1) == TIMED_OUT
     assert time.monotonic() - started < 30
+    assert model._timed_out(hanging, revision.repo, 1) is False  # type: ignore[arg-type]
     assert hanging.logged[-1].startswith("gpu1: the model download of Qwen/Qwen3.5-27B-FP8 did not finish within "
                                          "vllm_fetch_timeout_s = 1 s and was ended (fix: ")
 
@@ -79,6 +83,7 @@ def test_the_deploy_gives_both_the_setting(monkeypatch):
     (pull,) = run_alone(image.pinned, HostSnapshot(), image=TAG, ref=PINNED, timeout_s=14400.0)
     assert pull.kwargs["timeout_s"] == 14400.0
     spec = build_spec("gpu1", {"vllm_image": TAG})
-    (download,) = run_alone(model.present, HostSnapshot(), spec=spec, where="/srv/m", repo="Qwen/x", revision=None,
-                            env_file=None, hf_cache="/srv/hf", pin=PINNED, timeout_s=14400.0)
+    (download,) = run_alone(model.present, HostSnapshot(), spec=spec, where="/srv/m",
+                            model=ModelTarget("Qwen/x", None), env_file=None, hf_cache="/srv/hf", pin=PINNED,
+                            timeout_s=14400.0)
     assert download.kwargs["timeout_s"] == 14400.0

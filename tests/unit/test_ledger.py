@@ -440,6 +440,42 @@ def test_pin_is_the_digest_a_tag_stands_for_pending_then_committed_then_the_one_
     assert L.pin(failed, OLD.image) == OLD_REF
 
 
+# ---- the model's commit beside the image digest ----------------------------------------------------------------
+
+MODEL_AT = "gpufleet-sandbox/Qwen3.5-tiny@" + "c" * 40
+
+
+def test_the_models_commit_is_recorded_and_parses_back():
+    with_model = replace(NEW, model=MODEL_AT, model_revision="main")
+    text = L.render(L.commit(L.begin(COMMITTED_OLD, with_model, OPERATOR, T1), T2))
+    assert json.loads(text)["committed"]["model"] == MODEL_AT
+    assert L.parse(text).committed == Committed(with_model, T2)
+
+
+def test_a_ledger_written_before_the_model_field_parses_without_it():
+    text = L.render(COMMITTED_OLD)
+    assert "model" not in json.loads(text)["committed"]
+    assert L.parse(text).committed == Committed(OLD, T0)
+    assert L.model_pin(L.parse(text), "gpufleet-sandbox/Qwen3.5-tiny", None) is None
+
+
+def test_a_bad_model_field_is_refused_with_its_place():
+    doc = json.loads(L.render(COMMITTED_OLD))
+    doc["committed"]["model"] = "tiny@main"
+    with pytest.raises(CorruptLedger, match=r"committed\.model: 'tiny@main' is not <org>/<name>@<40 hex commit>"):
+        L.parse(json.dumps(doc))
+
+
+def test_model_pin_keeps_the_commit_until_the_repo_or_revision_setting_changes():
+    ledger = Ledger(committed=Committed(replace(OLD, model=MODEL_AT, model_revision="main"), T0))
+    assert L.model_pin(ledger, "gpufleet-sandbox/Qwen3.5-tiny", "main") == MODEL_AT
+    assert L.model_pin(ledger, "gpufleet-sandbox/Qwen3.5-tiny", "v2") is None
+    assert L.model_pin(ledger, "gpufleet-sandbox/other", "main") is None
+    cut = L.begin(ledger, replace(NEW, model="gpufleet-sandbox/Qwen3.5-tiny@" + "d" * 40, model_revision="main"),
+                  OPERATOR, T1)
+    assert L.model_pin(cut, "gpufleet-sandbox/Qwen3.5-tiny", "main") == "gpufleet-sandbox/Qwen3.5-tiny@" + "d" * 40
+
+
 # ---- speed figures, kept with a committed version ---------------------------------------------------------------
 FIGURES = SpeedFigures((30000.0, 31000.0, 29000.0), (0.05, 0.06, 0.04), (200.0, 201.0, 199.0),
                        (380.0, 390.0, 370.0), prompt_tokens=20480, decode_tokens=64, concurrency=2)

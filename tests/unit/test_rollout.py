@@ -629,7 +629,7 @@ def test_rollout_carries_the_canarys_compile_cache_unless_told_not_to(tmp_path, 
 
     seen = []
 
-    def roll_out(inventory, image, options, confirm, progress_for):
+    def roll_out(inventory, image, options, confirm, progress_for, model_revision=None):
         seen.append(options)
         return Result(NEW, [HostOutcome("gpu-a", OLD, NEW, Outcome.UNCHANGED, None, "")])
 

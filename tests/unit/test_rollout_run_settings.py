@@ -103,6 +103,16 @@ def test_prepare_runs_the_prepare_stage_on_the_target(monkeypatch, tmp_path):
     assert seen == [RunSettings(image_ref=REF, stage="prepare")]
 
 
+def test_a_model_move_is_passed_to_every_run_of_the_rollout():
+    commit = "c" * 40
+    assert RunSettings(image_ref="r@sha256:ab", model_ref=commit, stage="prepare").data_args() == [
+        "--data", "gpufleet_image_ref=r@sha256:ab", "--data", f"gpufleet_model_ref={commit}",
+        "--data", "gpufleet_stage=prepare"]
+    swap = SwapOptions(deploy_file=Path("d.py"), model_ref=commit).run_settings("r@sha256:ab")
+    assert swap.model_ref == commit and "--data" in swap.data_args()
+    assert "gpufleet_model_ref" not in " ".join(RunSettings(image_ref="r@sha256:ab").data_args())
+
+
 # --- the speed check: the old version's figures reach the deploy run ---------------------------------------------------
 FIGURES = SpeedFigures((30000.0, 31000.0, 29000.0), (0.05, 0.06, 0.04), (200.0, 201.0, 199.0), (380.0, 390.0, 370.0),
                        prompt_tokens=20480, decode_tokens=64, concurrency=2)

@@ -109,11 +109,13 @@ def converged_host(monkeypatch: pytest.MonkeyPatch) -> HostSnapshot:
     converged = bare_but_installed()
     converged.file_sha256 = {path: hashlib.sha256(content).hexdigest() for path, content in files.items()}
     converged.dirs = dict.fromkeys(dirs, ("root", "root", "755"))
+    model = f"{plan.settings['vllm_model_repo']}@{'c' * 40}"  # the commit its ledger keeps, checked on disk
     converged.ledger_text = render(Ledger(committed=Committed(
-        Version(spec.image, REF, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service, port=spec.port),
-        "t0")))
+        Version(spec.image, REF, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service, port=spec.port,
+                model=model, model_revision=plan.settings["vllm_model_revision"]), "t0")))
     converged.images = [(REF.split("@")[0], "<none>", REF.split("@")[1])]
     converged.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
+    converged.model_checked = model
     converged.units[unit_name(spec.service)] = ("active", "enabled")
     converged.health_code = "200"
     converged.served_models = [(spec.served_model_name, spec.max_model_len)]
@@ -129,6 +131,21 @@ def converged_host(monkeypatch: pytest.MonkeyPatch) -> HostSnapshot:
 def test_a_converged_host_gets_no_command_from_any_operation(monkeypatch):
     _, ops = prepare(converged_host(monkeypatch), monkeypatch)
     assert len(ops) >= 13 and {name: cmds for name, cmds in ops if cmds} == {}
+
+
+def test_asking_for_another_model_commit_downloads_it_and_changes_the_unit(monkeypatch):
+    """gpufleet_model_ref (a rollout's ask) on a converged host: the model is fetched and checked at that commit,
+    and the unit, which names the commit, changes (so the service restarts on it). A moved branch alone does not."""
+    converged = converged_host(monkeypatch)
+    moved = "d" * 40
+    monkeypatch.setitem(globals(), "DATA", {**DATA, "gpufleet_model_ref": moved})
+    _, ops = prepare(converged, monkeypatch)
+    changed = {name: cmds for name, cmds in ops if cmds}
+    [fetch] = changed["Download the model's commit unless it is here and checked"]
+    assert isinstance(fetch, FunctionCommand) and fetch.function.__name__ == "_fetch"
+    assert fetch.args[1].pin.endswith("@" + moved)
+    [upload] = [c for c in changed["Install the vLLM systemd unit"] if isinstance(c, FileUploadCommand)]
+    assert f"@{moved}.".encode() in upload.src.getvalue()
 
 
 def test_a_server_with_another_max_model_len_is_verified_not_taken_as_ready(monkeypatch):
@@ -151,7 +168,7 @@ def op_names(snap: HostSnapshot, monkeypatch: pytest.MonkeyPatch, **data: Any) -
 def test_prepare_stops_before_the_unit_and_settles_no_ledger(monkeypatch):
     names = op_names(bare_but_installed(), monkeypatch, gpufleet_stage="prepare")
     assert names[-3:] == ["Pull the vLLM image and pin its digest", "Check the image accepts the serve flags",
-                          "Download the model unless it is complete"]
+                          "Download the model's commit unless it is here and checked"]
 
 
 def pending_on(snap: HostSnapshot, plan: Plan, restarts: int, unit_is_pending: bool = True) -> HostSnapshot:

@@ -48,7 +48,7 @@ def host_table(results: list[HostResult], title: str) -> Table:
     for col in columns:
         table.add_column(col)
     for r in results:
-        h = r.health
+        h, c = r.health, r.health.container
         style = _STATE_STYLE.get(h.state, "red")
         table.add_row(*_plain(
             r.target.name,
@@ -58,13 +58,19 @@ def host_table(results: list[HostResult], title: str) -> Table:
             spec_cell(r),
             h.version or "-",
             Text(str(h.state), style=style),
-            h.served_model or "-",
+            model_cell(h.served_model, c.model if c else None),
             _pct(h.kv_cache_usage),
             "-" if h.running is None else f"{h.running}/{h.waiting}",
             _pct(h.prefix_cache_hit_rate),
             *cache_units(h.cache_config),
         ))
     return table
+
+
+def model_cell(served: str | None, model: str | None) -> str:
+    """The served name, and the commit its files are (12 digits) when the container's label names it."""
+    commit = model.rpartition("@")[2][:12] if model else None
+    return f"{served or '-'} @{commit}" if commit else served or "-"
 
 
 _GPU_STYLE = {Verdict.OK: "green", Verdict.DEGRADED: "yellow", Verdict.RESTART_APP: "yellow"}

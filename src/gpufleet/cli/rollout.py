@@ -120,6 +120,9 @@ _inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
 @click.command()
 @_inventory_arg
 @click.option("--image", default=None, help="A tag or digest of vllm_image's repository (default: vllm_image).")
+@click.option("--model-revision", default=None,
+              help="Move the model too: a branch, tag or commit of vllm_model_repo, resolved to one commit at the "
+                   "start; downloaded in prepare while the old version serves.")
 @click.option("--canary", type=click.IntRange(min=0), default=1, show_default=True,
               help="Hosts swapped (and gated) first.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -131,9 +134,9 @@ _inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
               help="Start every host cold: do not carry the canary's compile cache to the others "
                    "(docs/compile-cache.md).")
 @_common
-def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped: tuple[str, ...], no_carry: bool,
-            probe: bool, drain_timeout: float, retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool,
-            deploy: str | None, log: str | None) -> None:
+def rollout(inventory: str, image: str | None, model_revision: str | None, canary: int, batch: int,
+            skipped: tuple[str, ...], no_carry: bool, probe: bool, drain_timeout: float, retry_failed: bool,
+            stage_timeout: float, yes: bool, as_json: bool, deploy: str | None, log: str | None) -> None:
     """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate. The
     canary is held to every serving check (cached equals cold, sessions apart, the parsers, the probe).
 
@@ -147,7 +150,7 @@ def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped:
         options = _options(deploy, log, canary=canary, batch=batch, probe=probe, retry_failed=retry_failed,
                            drain_timeout_s=drain_timeout, stage_timeout_s=stage_timeout,
                            canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped), carry=not no_carry)
-        result = roll_out(inventory, image, options, _confirm(yes), _progress)
+        result = roll_out(inventory, image, options, _confirm(yes), _progress, model_revision=model_revision)
     except GpufleetError as e:
         raise stopped("rollout", str(e), as_json) from None
     _finish("rollout", result, as_json, options.log)

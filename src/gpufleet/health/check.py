@@ -85,7 +85,8 @@ class HealthReport:
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "container": None
             if c is None
-            else {"id": c.id, "state": c.state, "image": c.image, "image_id": c.image_id, "spec_hash": c.spec_hash},
+            else {"id": c.id, "state": c.state, "image": c.image, "image_id": c.image_id, "spec_hash": c.spec_hash,
+                  "model": c.model},
             "logs": list(self.logs),
         }
 

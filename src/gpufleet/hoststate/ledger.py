@@ -37,6 +37,7 @@ from gpufleet.names import SERVICE_NAME
 from gpufleet.wire.speed import SpeedFigures
 
 SCHEMA = 2
+_MODEL = re.compile(r"[^@\s]+/[^@\s]+@[0-9a-f]{40}")
 HISTORY_LIMIT = 20
 FAILED_LIMIT = 20
 
@@ -65,6 +66,10 @@ class Version:
     spec_hash: str | None  # ServeSpec.spec_hash: the container's label value
     service: str | None
     port: int | None
+    # The model's files as a commit of its repo ("org/name@<40 hex>", gpufleet.vllm.weights), and the revision as
+    # configured (vllm_model_revision; None = the repo's default branch); None in a ledger written before them.
+    model: str | None = None
+    model_revision: str | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,16 @@ def pin(ledger: Ledger, image: str) -> str | None:
     if ledger.committed is not None and ledger.committed.version.image == image:
         return ledger.committed.version.ref
     return next((f.ref for f in reversed(ledger.failed) if f.image == image), None)
+
+
+def model_pin(ledger: Ledger, repo: str, revision: str | None) -> str | None:
+    """The commit (repo@commit) the model setting stands for on this host, as pin() for the image: the pending
+    version's, else the committed one's, when made from the same repo and revision; None: resolve it."""
+    for record in (ledger.pending, ledger.committed):
+        v = record.version if record is not None else None
+        if v is not None and v.model and v.model.rpartition("@")[0] == repo and v.model_revision == revision:
+            return v.model
+    return None
 
 
 def retry_failed(ledger: Ledger, target: Version) -> Ledger:
@@ -300,8 +315,9 @@ def render(ledger: Ledger) -> str:
 
 
 def _version_doc(v: Version) -> dict[str, Any]:
+    model = {"model": v.model, "model_revision": v.model_revision} if v.model else {}
     return {"image": v.image, "ref": v.ref, "unit_sha256": v.unit_sha256, "spec_hash": v.spec_hash,
-            "service": v.service, "port": v.port}
+            "service": v.service, "port": v.port, **model}
 
 
 def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
@@ -369,7 +385,12 @@ def _version(doc: dict[str, Any], where: str) -> Version:
     port = _field(doc, where, "port", int, optional=True)
     if port is not None and not 1 <= port <= 65535:
         raise CorruptLedger(f"{where}.port: {port} is not a TCP port (1-65535)")
-    return Version(image=image, ref=ref, unit_sha256=unit_sha256, spec_hash=spec_hash, service=service, port=port)
+    model = _field(doc, where, "model", str, optional=True) if "model" in doc else None
+    if model is not None and not _MODEL.fullmatch(model):
+        raise CorruptLedger(f"{where}.model: {model!r} is not <org>/<name>@<40 hex commit>")
+    revision = _field(doc, where, "model_revision", str, optional=True) if "model_revision" in doc else None
+    return Version(image=image, ref=ref, unit_sha256=unit_sha256, spec_hash=spec_hash, service=service, port=port,
+                   model=model, model_revision=revision)
 
 
 def _committed(value: Any, where: str) -> Committed:

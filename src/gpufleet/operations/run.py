@@ -62,6 +62,7 @@ class HostRun:
 
     snapshot: HostFiles | None = None  # read once by preflight; None for a host whose deploy reads no snapshot
     resolved_image_ref: str | None = None  # repo@sha256:..., set by gpufleet.vllm.operations.image while executing
+    resolved_model: str | None = None  # org/name@commit, set by gpufleet.vllm.operations.model once checked
     ledger: Ledger = field(default_factory=Ledger)  # the host's ledger as this run last read or wrote it
     # path -> sha256 of each ledger file as this run read it under the host's lock or last wrote it (None: no file):
     # a ledger write is compare-and-swap on it (gpufleet.vllm.operations.service.save_ledger). A path not listed is

@@ -22,6 +22,7 @@ from pathlib import Path
 from gpufleet.defaults import (
     EXPECT_COMMITTED_SETTING,
     IMAGE_REF_SETTING,
+    MODEL_REF_SETTING,
     RETRY_SETTING,
     SPEED_BASELINE_SETTING,
     STAGE_SETTING,
@@ -131,6 +132,7 @@ class RunSettings:
     """
 
     image_ref: str | None = None  # the digest every host of the run installs (repo@sha256:<64 hex>)
+    model_ref: str | None = None  # the model's commit every host of the run installs (40 hex), when it moves
     stage: Stage | None = None  # "prepare" stops before the unit: nothing restarts
     # The serving checks a new version is held to (gpufleet.wire.checks): () none of them, beside the answers
     verify_checks: tuple[str, ...] | None = None
@@ -159,6 +161,7 @@ class RunSettings:
             {host: figures.as_dict() for host, figures in self.speed_baseline.items()}, separators=(",", ":")))
         named: tuple[tuple[str, str | None], ...] = (
             (IMAGE_REF_SETTING, self.image_ref),
+            (MODEL_REF_SETTING, self.model_ref),
             (STAGE_SETTING, self.stage),
             (VERIFY_CHECKS_SETTING, checks),
             (EXPECT_COMMITTED_SETTING, committed),

@@ -19,7 +19,7 @@ from gpufleet.rollout.replicas import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.report import HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.swap import SwapOptions, batches, swap
-from gpufleet.rollout.target import Target, requested_image, resolve
+from gpufleet.rollout.target import Target, requested_image, resolve, resolve_model
 
 # Asked once the plan is known, before anything changes: (what, hosts to swap) -> go on?
 Confirm = Callable[[str, Sequence[str]], bool]
@@ -67,7 +67,8 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         return Result(what, unreadable, "a ledger could not be read: nothing was changed")
     if not options.retry_failed and (refusal := _refused(ledgers, targets)):
         raise GpufleetError(refusal)
-    done = {h for h in names if ledgers[h].committed_ref == targets[h] and ledgers[h].pending_ref is None}
+    done = {h for h in names if ledgers[h].committed_ref == targets[h] and ledgers[h].pending_ref is None
+            and (options.model_ref is None or (ledgers[h].committed_model or "").endswith("@" + options.model_ref))}
     outcomes = {h: HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.UNCHANGED, None,
                                "already committed on the target: not restarted") for h in done}
     order = [h for h in names if h not in done]
@@ -136,7 +137,7 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
         for h in group:
             progress.phase(h, f"preparing {short(target)} (pull, model, flag check)")
         _, failures = prepare(inventory, group, target, options.deploy_file, log=options.log,
-                              timeout_s=options.stage_timeout_s)
+                              timeout_s=options.stage_timeout_s, model_ref=options.model_ref)
         pulls.update(pull_stats(sessions, group, target))  # each host's own record of what its pull moved
         prepared.update(failures)
         if failures:
@@ -161,7 +162,8 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
 
 
 def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: Confirm,
-             progress_for: Callable[[Sequence[str]], Progress]) -> Result:
+             progress_for: Callable[[Sequence[str]], Progress], model_revision: str | None = None) -> Result:
+    """model_revision: move the model too, to the commit this revision names now (resolved once, at the start)."""
     hosts = load_fleet(inventory)
     requested = requested_image(hosts, image)  # bad input: one line before any host is contacted
     with Sessions(hosts) as sessions, progress_for([h.name for h in hosts]) as progress:
@@ -169,6 +171,9 @@ def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: C
         target: Target = resolve(hosts, sessions, image)
         where = f" ({target.where})" if target.where else ""
         progress.note(f"target: {target.ref}{where}")
+        if model_revision is not None:
+            options = replace(options, model_ref=resolve_model(hosts, sessions, model_revision))
+            progress.note(f"model: {model_revision} -> {options.model_ref}")
         targets = {h.name: target.ref for h in hosts}
         return _converge(inventory, hosts, sessions, targets, target.ref, options, confirm, progress)
 

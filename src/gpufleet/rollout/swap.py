@@ -59,6 +59,7 @@ class SwapOptions:
     stage_timeout_s: float = STAGE_TIMEOUT_S
     # Carry the canary's new compile-cache entries to each later host before its swap (gpufleet.rollout.carry).
     carry: bool = True
+    model_ref: str | None = None  # the model's commit every host moves to (gpufleet_model_ref), when it moves
 
     def group_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
         """The serving checks a group's deploy run holds the new version to: the canary's; a batch's, speed alone
@@ -72,7 +73,8 @@ class SwapOptions:
                      speed_baseline: Mapping[str, SpeedFigures] | None = None) -> RunSettings:
         """A batch's deploy run; committed: host -> the digest the rollout read as committed there; speed_baseline:
         host -> the old version's figures, measured there before the swap."""
-        return RunSettings(image_ref=target_ref, verify_checks=self.group_checks(canary, speed_batch),
+        return RunSettings(image_ref=target_ref, model_ref=self.model_ref,
+                           verify_checks=self.group_checks(canary, speed_batch),
                            expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed,
                            speed_baseline=speed_baseline)
 

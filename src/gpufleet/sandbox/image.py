@@ -1,6 +1,6 @@
 """The stand-in vLLM image, pushed to the fleet's registry as <registry>/vllm/vllm-openai:<tag>.
 
-A minimal root (python3 and its libraries from the base rootfs, the stdlib-only stand-ins, a tiny bundled model)
+A minimal root (python3 and its libraries from the base rootfs, the stdlib-only stand-ins)
 imported with `docker import` by a temporary dockerd (started and stopped by PID; no iptables, no bridge, so it
 changes nothing on the machine), once per tag. Rebuilt only when its inputs change: the registry storage keeps a
 stamp of the key it holds.
@@ -23,7 +23,7 @@ from gpufleet.vllm.flags import FLAGS_JSON
 
 STANDIN = Path(__file__).parent / "standin"
 REPOSITORY = "vllm/vllm-openai"
-MODEL_REPO = "gpufleet-sandbox/Qwen3.5-tiny"  # what the image's `hf download` serves
+MODEL_REPO = "gpufleet-sandbox/Qwen3.5-tiny"  # the stand-in hub's model (gpufleet.sandbox.hub)
 # tag -> image env: each tag is one behaviour of the stand-in, so each has its own config and digest.
 TAGS: dict[str, dict[str, str]] = {
     "good": {"STANDIN_VLLM_VERSION": "0.32.1.dev20+gstandin"},
@@ -202,7 +202,7 @@ def _build_image_tar(base: Path, root: Path, out: Path) -> None:
     for command, script in (("vllm", "vllm_serve.py"), ("hf", "hf.py")):
         (opt / script).chmod(0o755)
         (root / "usr/bin" / command).symlink_to(f"/opt/gpufleet-standin/{script}")
-    write_tiny_model(opt / "hub" / MODEL_REPO)
+    write_tiny_model(opt / "hub" / MODEL_REPO)  # for a run without the deploy (bench/deploy_bench.py's playbook)
     run(["tar", "-C", str(root), "--numeric-owner", "--owner=0", "--group=0", "-cf", str(out) + ".tmp", "."])
     Path(str(out) + ".tmp").rename(out)
     shutil.rmtree(root)

@@ -27,6 +27,7 @@ from pyinfra.context import ctx_state
 from gpufleet.defaults import (
     EXPECT_COMMITTED_SETTING,
     IMAGE_REF_SETTING,
+    MODEL_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
     SPEED_BASELINE_SETTING,
@@ -48,6 +49,7 @@ from gpufleet.hoststate.ledger import (
     Version,
     corrupt_refusal,
     drop_pending,
+    model_pin,
     refused_target,
     resume,
 )  # fmt: skip
@@ -69,10 +71,11 @@ from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
 from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, model, nvidia, service
 from gpufleet.vllm.operations.image import image_present, pinned_ref
-from gpufleet.vllm.settings import resolve_host
+from gpufleet.vllm.settings import merged_settings, resolve_host
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.verify import Verification, verify_passed
+from gpufleet.vllm.weights import COMMIT, ModelTarget
 from gpufleet.wire.checks import verify_checks
 from gpufleet.wire.gpu_verdicts import GpuSettings, Verdict
 
@@ -152,18 +155,45 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     return problems
 
 
+def mirrored_models(target: Host, s: Mapping[str, Any]) -> list[str]:
+    """The model repos the site cache on `target` mirrors: every vLLM host's of the inventory that downloads from
+    the same hub."""
+    found = set()
+    for other in target.inventory:
+        theirs = merged_settings(other.data.dict())
+        if (ROUTERS_GROUP not in other.groups and theirs["vllm_model_repo"]
+                and theirs["vllm_hf_endpoint"] == s["vllm_hf_endpoint"] and not theirs["site_cache_address"]):
+            found.add(str(theirs["vllm_model_repo"]))
+    return sorted(found)
+
+
+def model_target(ledger: Ledger, s: Mapping[str, Any]) -> ModelTarget | None:
+    """The model this run installs (None: staged by hand), with its commit when known before the run: a rollout's
+    gpufleet_model_ref, a commit as vllm_model_revision, else the ledger's for this repo and revision."""
+    repo, revision = s["vllm_model_repo"], s["vllm_model_revision"]
+    if not repo:
+        return None
+    if s[MODEL_REF_SETTING]:
+        return ModelTarget(repo, revision, f"{repo}@{s[MODEL_REF_SETTING]}")
+    if revision and COMMIT.fullmatch(revision):
+        return ModelTarget(repo, revision, f"{repo}@{revision}")
+    return ModelTarget(repo, revision, model_pin(ledger, repo, revision))
+
+
 def restart_reason(snap: HostSnapshot, plan: Plan, ledger: Ledger, pin: str | None) -> str | None:
     """What this converge would (re)start and why, decided from the snapshot as service.running does; None: nothing.
     What the snapshot cannot settle (a tag not resolved yet) counts as a restart."""
     s, spec, layout, running = plan.settings, plan.spec, plan.layout, snap.running
     unit = unit_name(spec.service)
+    model = model_target(ledger, s)  # its commit is in the unit
     if s[STAGE_SETTING] == "prepare" or not snap.gpus:
         return None
     if not snap.unit_active(unit):
         return f"start {unit} (it is not running)"
     why = ("a cut run left a version pending" if ledger.pending is not None
            else "its image is still to be pulled" if pin is None or not image_present(snap.images, pin)
-           else "its unit changes" if snap.file_sha256.get(layout.unit_file) != sha256(render_unit(spec, pin))
+           else "its unit changes" if snap.file_sha256.get(layout.unit_file) != sha256(
+               render_unit(spec, pin, model.pin if model else None))
            else "its secrets file changes" if snap.file_sha256.get(layout.env_file) != sha256(
                service.env_content(service.secret_values(s)))
            else "Docker restarts to load the nvidia runtime" if not snap.nvidia_runtime
@@ -239,7 +269,7 @@ def deploy_qwen35() -> None:
                                secrets=service.hidden_secrets(s))
     # Before the pull, on every host: the site cache runs (its host) and is trusted (every host pulling through it).
     if site_cache.serves_site(host):
-        site_cache.deploy_site_cache(host, s, spec.image, snap.site_cache_used_kib)
+        site_cache.deploy_site_cache(host, s, spec.image, snap.site_cache_used_kib, models=mirrored_models(host, s))
     cache = site_cache.cache_pull(host, s, spec.image)
     docker.trusts_site_cache(name="Let Docker pull from the site cache, and from no other (insecure-registries)",
                              address=cache.address if cache is not None else None)
@@ -250,21 +280,22 @@ def deploy_qwen35() -> None:
         committed_ref = ledger.committed.version.ref if ledger.committed else None
         flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref,
                                 pin=pin)
-    model.present(name="Download the model unless it is complete", spec=spec, where=layout.model_dir,
-                  repo=s["vllm_model_repo"], revision=s["vllm_model_revision"],
+    models = model_target(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, s)
+    model.present(name="Download the model's commit unless it is here and checked",
+                  spec=spec, where=layout.model_dir, model=models,
                   env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache, pin=pin,
-                  timeout_s=fetch_s)
+                  hub=s["vllm_hf_endpoint"], mirror=site_cache.model_mirror(host, s), timeout_s=fetch_s)
     if prepare:
         return  # gpufleet_stage=prepare: everything slow is done, the old version keeps serving
     unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,
-                        ledger_path=layout.ledger_path, pin=pin, retry_failed=retry_failed)
+                        ledger_path=layout.ledger_path, pin=pin, retry_failed=retry_failed, model=models)
     changes = [unit, secrets, pinned, runtime]
     finish = isinstance(decision, FinishPending)
     # A pending version that already runs (the cut came after its restart) is verified, not restarted again.
     restart_pending = isinstance(decision, FinishPending) and decision.restart
     service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
                     changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
-                    replaces=replaced_service(ledger, spec.service))
+                    replaces=replaced_service(ledger, spec.service), model=models)
     # After a (re)start: ready, then still ready for vllm_ready_soak_s. Its verdict picks one of the two operations
     # after it while executing (_if); --dry lists both as conditional changes of a host that will be verified.
     verified = service.ready(name="Verify vLLM is ready (/health, /v1/models), else roll back", spec=spec,

@@ -129,6 +129,7 @@ class HostSnapshot:
     model_files: dict[str, int] = field(default_factory=dict)  # name -> size, top level of the model dir
     model_shards: list[str] = field(default_factory=list)  # shards listed by model.safetensors.index.json
     model_incomplete: list[str] = field(default_factory=list)  # hf's *.incomplete partial downloads
+    model_checked: str | None = None  # repo@commit whose hub hashes every file matched (gpufleet.vllm.weights)
     dirs: dict[str, tuple[str, str, str] | None] = field(default_factory=dict)  # path -> (user, group, mode)
     units: dict[str, tuple[str, str]] = field(default_factory=dict)  # unit -> (is-active, is-enabled)
     service_unit: ServiceUnit | None = None
@@ -258,6 +259,8 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         kind, _, rest = line.partition(" ")
         if kind == "shard":
             shards.add(rest)
+        elif kind == "checked":
+            snap.model_checked = rest.strip() or None
         elif kind == "incomplete":
             if len(snap.model_incomplete) < MAX_INCOMPLETE:
                 snap.model_incomplete.append(rest)

@@ -36,6 +36,7 @@ from gpufleet.hoststate import reader
 from gpufleet.hoststate.sections import MARK, end, marker, print_file
 from gpufleet.names import LOOPBACK, container_label_key, url_host
 from gpufleet.units import unit_name, unit_path
+from gpufleet.vllm.weights import MARKER
 from gpufleet.wire.metrics import CACHE_CONFIG
 
 DAEMON_JSON = "/etc/docker/daemon.json"
@@ -183,7 +184,8 @@ def snapshot_command(paths: Paths) -> str:
         "\\( -path './*' ! -path './*/*' -type f -printf '%f %s\\n' \\) 2>/dev/null; "
         "[ -f model.safetensors.index.json ] && awk '{ while (match($0, /\"[^\"]*\\.safetensors\"/)) { "
         "s[substr($0, RSTART + 1, RLENGTH - 2)] = 1; $0 = substr($0, RSTART + RLENGTH) } } "
-        "END { for (n in s) print \"shard \" n }' model.safetensors.index.json; cd /; fi",
+        "END { for (n in s) print \"shard \" n }' model.safetensors.index.json; "
+        f"[ -f {MARKER} ] && sed -n '1s/^/checked /p' {MARKER}; cd /; fi",
         f"{marker('dirs')}; stat -c '%U %G %a %n' {dirs} 2>/dev/null",
         # systemd's view of docker.service and the service's unit, in one call (one block each, in this order: the
         # parser takes the second for the service); then, with shell builtins only, the first line of the unit
