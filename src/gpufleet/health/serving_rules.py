@@ -58,12 +58,15 @@ class Greedy:
 @dataclass(frozen=True)
 class Comparison:
     """How answer b departs from answer a of the same prompt: the logprob gap of each token both chose before the
-    first position whose tokens differ (flip), and there each one's lead over the other's token (None: not listed)."""
+    first position whose tokens differ (flip), and there the two tokens (parted), each one's lead over the other's
+    token (margins; None: not listed) and over its own last listed token (spans: the least an unlisted lead can be)."""
 
     gaps: tuple[float, ...]
     flip: int | None
     margins: tuple[float | None, float | None] = (None, None)
     lengths: tuple[int, int] = (0, 0)
+    spans: tuple[float | None, float | None] = (None, None)
+    parted: tuple[str, str] = ("", "")
 
     @property
     def drift(self) -> float:
@@ -73,8 +76,10 @@ class Comparison:
     def shared(self) -> int:
         return min(self.lengths) if self.flip is None else self.flip
 
-    def tie_within(self, bound: float) -> bool:
-        return all(m is not None and m <= bound for m in self.margins)
+    def tie_within(self, bound: float, *, unlisted_at_span: bool = False) -> bool:
+        """Each lead within `bound`; unlisted_at_span: a lead past the top list counts as the list's span."""
+        leads = (s if m is None and unlisted_at_span else m for m, s in zip(self.margins, self.spans, strict=True))
+        return all(m is not None and m <= bound for m in leads)
 
 
 def compare(a: Greedy, b: Greedy) -> Comparison:
@@ -82,7 +87,8 @@ def compare(a: Greedy, b: Greedy) -> Comparison:
     gaps: list[float] = []
     for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)):
         if x != y:
-            return Comparison(tuple(gaps), i, (_margin(a, i, y), _margin(b, i, x)), lengths)
+            return Comparison(tuple(gaps), i, (_margin(a, i, y), _margin(b, i, x)), lengths,
+                              (_span(a, i), _span(b, i)), (x, y))
         gaps.append(abs(a.logprobs[i] - b.logprobs[i]))
     return Comparison(tuple(gaps), None, (None, None), lengths)
 
@@ -90,6 +96,10 @@ def compare(a: Greedy, b: Greedy) -> Comparison:
 def _margin(answer: Greedy, i: int, token: str) -> float | None:
     alternative = answer.top[i].get(token)
     return None if alternative is None else answer.logprobs[i] - alternative
+
+
+def _span(answer: Greedy, i: int) -> float | None:
+    return answer.logprobs[i] - min(answer.top[i].values()) if answer.top[i] else None
 
 
 def first_logprobs(answer: Greedy) -> dict[str, float]:
@@ -150,6 +160,12 @@ class SessionFigures:
     def told_apart(self) -> bool:
         return self.apart is None or self.apart > 2 * BATCH_DRIFT_NATS
 
+    @property
+    def crossed(self) -> bool:
+        """Takes the other session's path (nearer it at the first token, or more of its tokens): evidence only where
+        the sessions stand apart; otherwise batch noise takes that path as often (both answer alike)."""
+        return self.told_apart and (self.nearer_other or self.shared_other > self.own.shared)
+
 
 @dataclass(frozen=True)
 class SessionJudgement:
@@ -159,42 +175,55 @@ class SessionJudgement:
 
 
 def judge_session(got: Greedy, own: Greedy, other: Greedy) -> SessionJudgement:
-    """`got` (sent beside the other session) against `own` (sent alone) and `other` (the other session's alone): batch
-    noise passes; more is a fault, and so is being nearer `other` where the sessions stand apart."""
+    """`got` (sent beside the other session) against `own` (sent alone) and `other` (the other session's alone)."""
     c = compare(own, got)
     common = first_logprobs(own).keys() & first_logprobs(other).keys() & first_logprobs(got).keys()
     figures = SessionFigures(c, first_token_distance(own, got, common), first_token_distance(other, got, common),
                              first_token_distance(own, other, common), compare(other, got).shared)
-    problem = _batch_problem(c, own, got)
-    nearer = figures.told_apart and figures.nearer_other
-    if problem is None and nearer:
+    return judge_figures(figures)
+
+
+def judge_figures(figures: SessionFigures) -> SessionJudgement:
+    """Batch noise passes; more is a fault, and so is being nearer the other session where the two stand apart.
+    From the figures alone, so a recorded run can be judged again (bench/gpu/rejudge.py)."""
+    c = figures.own
+    problem = _batch_problem(c, unlisted_at_span=not figures.crossed)
+    if problem is None and figures.told_apart and figures.nearer_other:
         problem = (f"its first token's logprobs are {figures.first_other:.3f} nats from the other session's alone, "
                    f"{_nats(figures.first_own)} from its own")
     if problem is not None:
-        crossed = nearer or figures.shared_other > c.shared
-        why = "it takes the other session's path: cached state crossed sessions" if crossed else "beyond batch noise"
+        why = "beyond batch noise"
+        if figures.crossed:
+            why = "it takes the other session's path: cached state crossed sessions"
         return SessionJudgement(False, f"{problem}; {why}", figures)
     if c.flip is None:
         return SessionJudgement(True, f"the same {c.lengths[0]} tokens, logprobs within {c.drift:.4f}", figures)
-    i = c.flip
+    i, (alone, beside) = c.flip, c.parted
     return SessionJudgement(True, (f"the same {i} tokens (logprobs within {c.drift:.4f}), then a near tie at token {i} "
-                                   f"({own.tokens[i]!r} alone, {got.tokens[i]!r} beside the other session)"), figures)
+                                   f"({alone!r} alone, {beside!r} beside the other session)"), figures)
 
 
-def _batch_problem(c: Comparison, own: Greedy, got: Greedy) -> str | None:
-    gap, line = _over(c, own, got, BATCH_DRIFT_NATS, ("alone", "beside the other session"))
-    if gap:
-        return line
+def _batch_problem(c: Comparison, *, unlisted_at_span: bool) -> str | None:
+    i = next((i for i, gap in enumerate(c.gaps) if gap > BATCH_DRIFT_NATS), None)
+    if i is not None:
+        return (f"token {i}'s logprob differs by {c.gaps[i]:.3f} alone and beside the other session "
+                f"(> {BATCH_DRIFT_NATS})")
     if c.flip is not None:
         i, bound = c.flip, FIRST_TIE_NATS if c.flip == 0 else BATCH_TIE_NATS
-        if not c.tie_within(bound):
-            alone, beside = (f"{m:.3f} nats" if m is not None else "past its top logprobs" for m in c.margins)
-            return (f"token {i}: {own.tokens[i]!r} alone, {got.tokens[i]!r} beside the other session, not a near tie "
+        if not c.tie_within(bound, unlisted_at_span=unlisted_at_span):
+            alone, beside = (_lead(m, s) for m, s in zip(c.margins, c.spans, strict=True))
+            return (f"token {i}: {c.parted[0]!r} alone, {c.parted[1]!r} beside the other session, not a near tie "
                     f"(each led the other's token by {alone} alone, {beside} beside; a tie is within {bound} nats)")
         return None
     if c.lengths[0] != c.lengths[1]:
         return f"{c.lengths[0]} tokens alone, {c.lengths[1]} beside the other session"
     return None
+
+
+def _lead(margin: float | None, span: float | None) -> str:
+    if margin is not None:
+        return f"{margin:.3f} nats"
+    return "past its top logprobs" + ("" if span is None else f" (which span {span:.3f} nats)")
 
 
 def _nats(value: float | None) -> str:
