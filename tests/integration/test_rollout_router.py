@@ -484,11 +484,14 @@ def test_two_replicas_a_rollout_killed_while_its_canary_verifies_is_settled_by_t
     assert sorted(router_workers(rfleet)) == sorted([*urls, foreign])
 # --- GPU health: a replica whose GPU needs a reset leaves the worker set until it is healthy again ------------------
 def test_a_replica_whose_gpu_fails_leaves_the_worker_set_and_rejoins_once_healthy(rfleet, inventory):
-    # Every replica already runs the target: the rollout swaps nothing and reconciles the routers, as it does at
-    # the start and the end of every run (gpufleet.rollout.membership).
+    # Every replica on the target first (the tests before leave them on several): the rollout with the fault then
+    # swaps nothing and reconciles the routers, as it does at the start and the end of every run
+    # (gpufleet.rollout.membership).
     urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
     sick = replicas(rfleet)[1]
     image = f"{rfleet.cfg.registry}/{REPOSITORY}:good-next"
+    on_target = rollout(inventory, image, env=WIDE)
+    assert on_target.returncode == 0, on_target.stderr[-3000:]
     assert sorted(router_workers(rfleet)) == urls
     gpu_faults.inject(sick.root, 0, "reset-required")
     try:
