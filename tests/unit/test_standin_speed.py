@@ -128,14 +128,15 @@ class Container(LoopbackTransport):
 def test_verify_holds_a_host_to_the_figures_recorded_for_the_digest_it_runs(server):
     s = server(*ARGS, env=TAGS["good"]).wait()
     recorded = measure(LoopbackTransport(), expected(s), SERVED)
-    target = HostTarget("gpu1", {}, expected(s), served=SERVED, recorded_speed=(REF, recorded))
-    result = check_host(target, transport=Container(), answer=True, checks=("speed", "cached-cold"))
+    target = HostTarget("gpu1", {}, expected(s), served=SERVED)
+    result = check_host(target, transport=Container(), answer=True, checks=("speed", "cached-cold"),
+                        committed=lambda target, transport: (REF, recorded))
     assert [(c.name, c.ok) for c in result.checks] == [("speed", True), ("cached-cold", True)], result.checks
     assert result.speed_earlier == recorded and result.speed is not None
     assert result.checks[0].detail.startswith("prefill "), result.checks[0].detail
     # Another digest runs than the one the figures were recorded for: nothing to hold it to.
-    other = check_host(replace(target, recorded_speed=(REF.replace("a", "b"), recorded)), transport=Container(),
-                       answer=True, checks=("speed",))
+    other = check_host(target, transport=Container(), answer=True, checks=("speed",),
+                       committed=lambda target, transport: (REF.replace("a", "b"), recorded))
     assert other.speed_earlier is None
     assert other.checks[0].detail.startswith("no earlier figures on this host to compare: prefill "), other.checks
     # The table: each figure now, and in brackets the one recorded at commit where there is one.

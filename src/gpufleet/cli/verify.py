@@ -25,21 +25,24 @@ from gpufleet.hoststate import reader
 from gpufleet.hoststate.paths import ledger_path
 from gpufleet.inventory import HostData
 from gpufleet.remote.transport import SshTransport, Transport, TransportError
-from gpufleet.rollout.ledgers import parse_read, read_ledgers
-from gpufleet.rollout.replicas import Sessions, load_fleet, run
+from gpufleet.rollout.ledgers import parse_read
+from gpufleet.rollout.replicas import run
 from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
 from gpufleet.router.status import read_host
 from gpufleet.vllm.replica_specs import load_host_specs
 from gpufleet.vllm.settings import merged_settings
-from gpufleet.wire.checks import SERVING_CHECKS, SPEED, parse_checks
+from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
+from gpufleet.wire.speed import SpeedFigures
 
 
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
     """Inventory -> what to check on each vLLM host (routers have rows of their own). Raises GpufleetError (one
     line per problem)."""
-    return [HostTarget.for_spec(spec, data) for spec, data in load_host_specs(inventory, only_host)]
+    return [replace(HostTarget.for_spec(spec, data),
+                    speed_tolerance=float(merged_settings(data)[SPEED_TOLERANCE_SETTING]))
+            for spec, data in load_host_specs(inventory, only_host)]
 
 
 def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]:
@@ -48,13 +51,12 @@ def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]
     except GpufleetError as e:  # an invalid setting: bad input, before any host is reached
         raise BadInput(str(e)) from None
     quiet_ssh_logs()
-    if SPEED in kwargs.get("checks", ()):
-        targets = with_recorded_speed(inventory, host, targets)
     return check_fleet(targets, committed=read_committed, **kwargs)
 
 
-def read_committed(target: HostTarget, transport: Transport) -> str | None:
-    """The digest the host's ledger has committed, read as the rollout reads it (None: none, or unreadable)."""
+def read_committed(target: HostTarget, transport: Transport) -> tuple[str, SpeedFigures | None] | None:
+    """The digest the host's ledger has committed and the speed figures recorded with it, read as the rollout reads
+    it (None: none, or unreadable)."""
     if not isinstance(transport, SshTransport):
         return None
     service, port = target.expected.service, target.expected.port
@@ -62,23 +64,9 @@ def read_committed(target: HostTarget, transport: Transport) -> str | None:
         rc, out, err = run(transport, reader.read_command(ledger_path(service)), root=True)
     except TransportError:
         return None
-    return parse_read(target.name, service, port, rc, out, err).committed_ref
-
-
-def with_recorded_speed(inventory: str, host: str | None, targets: list[HostTarget]) -> list[HostTarget]:
-    """Each target with the speed figures its ledger recorded for the committed digest, and its tolerance: what
-    `--checks speed` holds the host to. A ledger that cannot be read gives none (the check then compares nothing)."""
-    fleet = {h.name: h for h in load_fleet(inventory, host)}
-    with Sessions(list(fleet.values())) as sessions:
-        ledgers = read_ledgers(sessions, list(fleet))
-    out = []
-    for t in targets:
-        ledger = ledgers[t.name].ledger
-        committed = ledger.committed if ledger else None
-        recorded = (committed.version.ref, committed.speed) if committed and committed.speed else None
-        out.append(replace(t, recorded_speed=recorded,
-                           speed_tolerance=float(merged_settings(fleet[t.name].data)[SPEED_TOLERANCE_SETTING])))
-    return out
+    committed = parse_read(target.name, service, port, rc, out, err).ledger
+    c = committed.committed if committed else None
+    return (c.version.ref, c.speed) if c else None
 
 
 def _console() -> Console:

@@ -39,8 +39,9 @@ PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and para
 
 # Told (host, what it is doing now) as a host's check moves on: the CLI's progress on stderr.
 Phase = Callable[[str, str], None]
-# Reads the digest a host's ledger has committed (None: none, or unreadable); the CLI's, as the rollout reads it.
-CommittedRead = Callable[["HostTarget", Transport], "str | None"]
+# Reads the digest a host's ledger has committed and the speed figures recorded with it (None: none, or unreadable);
+# the CLI's, as the rollout reads it.
+CommittedRead = Callable[["HostTarget", Transport], "tuple[str, SpeedFigures | None] | None"]
 
 
 def _silent(host: str, text: str) -> None:
@@ -58,9 +59,6 @@ class HostTarget:
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
     served: Served = Served()  # its parsers and prefix caching: which serving checks apply
-    # The committed digest and the speed figures its ledger recorded with it: what the speed check holds the host to
-    # while it runs that digest (gpufleet.cli.verify reads the ledgers)
-    recorded_speed: tuple[str, SpeedFigures] | None = None
     speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
     gpu_settings: GpuSettings = field(default_factory=GpuSettings)  # its GPU verdict table
 
@@ -194,11 +192,13 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         say("sending a chat completion, plain and streamed")
         answers = check_answers(transport, expected, api_key=api_key)
     checks: tuple[AnswerCheck, ...] = ()
+    committed = asked.committed(target, transport) if asked.committed and health.container else None
     figures, earlier = None, None
     if SPEED in asked.checks and health.ready and all(a.ok for a in answers):
         say("measuring its speed (under a minute)")
+        # Held to the figures recorded for the digest that runs, none where another runs.
         running = health.container.image if health.container else None
-        earlier = target.recorded_speed[1] if target.recorded_speed and target.recorded_speed[0] == running else None
+        earlier = committed[1] if committed and committed[0] == running else None
         speed, figures = speed_check(transport, expected, target.served, earlier, target.speed_tolerance,
                                      api_key=api_key)
         checks = (speed,)
@@ -213,9 +213,8 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
             report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-    committed = asked.committed(target, transport) if asked.committed and health.container else None
     return HostResult(target, health, report, error, answers, checks, speed=figures, speed_earlier=earlier, gpus=gpus,
-                      committed_ref=committed)
+                      committed_ref=committed[0] if committed else None)
 
 
 def check_fleet(
