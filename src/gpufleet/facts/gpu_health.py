@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from gpufleet.wire.evidence import excerpt
 
@@ -108,7 +108,7 @@ class KernelEvent:
     def when(self) -> str:
         if self.at is None:
             return "at an unknown time"
-        return f"at {datetime.fromtimestamp(self.at, timezone.utc):%Y-%m-%dT%H:%M:%SZ}"
+        return f"at {datetime.fromtimestamp(self.at, UTC):%Y-%m-%dT%H:%M:%SZ}"
 
 
 @dataclass(frozen=True)

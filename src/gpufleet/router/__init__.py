@@ -2,8 +2,8 @@
 
 The router is vLLM's own (PyPI `vllm-router`, a Rust binary in a wheel); gpufleet installs it into a venv on the
 inventory's `routers` hosts, runs it as a systemd unit in front of the replicas that verify ready, reads its state
-for `gpufleet status` and `gpufleet verify`, and takes a replica out of its worker set and back for a rollout. What the router is and
-does, measured: docs/router.md.
+for `gpufleet status` and `gpufleet verify`, and takes a replica out of its worker set and back for a rollout. What
+the router is and does, measured: docs/router.md.
 
     settings.py    host data -> RouterSpec (one-line errors), the workers from the inventory
     spec.py        RouterSpec: the only place the router's argv and pip install argv are built
