@@ -6,8 +6,8 @@ stand for two hosts)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import io
+import json
 import os
 import stat
 import tarfile
@@ -364,7 +364,7 @@ def test_a_host_with_another_serve_config_does_not_take_them(fleet):
     assert not list(fleet.dir("w").rglob("*"))
 
 
-@pytest.mark.parametrize("committed, turned_off", [
+@pytest.mark.parametrize(("committed", "turned_off"), [
     pytest.param(False, None, id="the-canary-was-not-committed"),
     pytest.param(True, "the carry is turned off (--no-carry)", id="the-carry-is-turned-off"),
 ])
@@ -526,7 +526,7 @@ def member(t: tarfile.TarFile, name: str, data: bytes | None = None, **fields) -
 def test_a_stream_holding_anything_but_regular_files_and_directories_is_refused_whole(fleet, tmp_path, special):
     stream = crafted_tar(tmp_path, lambda t: (member(t, "e/ok", b"fine"), special(t)))
     tmp = temp_dir(str(fleet.dir("t")))
-    _, relayed, _, received = relay(fleet.sessions.get("c"), f"cat {stream}", b"", fleet.sessions.get("t"),
+    _, _relayed, _, received = relay(fleet.sessions.get("c"), f"cat {stream}", b"", fleet.sessions.get("t"),
                                     receive_command(str(fleet.dir("t")), tmp))
     assert "tar-rc 90" in received and "not a regular file or directory: e/" in received, received
     assert not Path(tmp).exists()  # nothing of it is kept to be placed
