@@ -47,7 +47,7 @@ def query_shell(t: str = "$t") -> str:
             f"hq=$({t} nvidia-smi --help-query-gpu 2>/dev/null); f=; for w in {learn}; do "
             "while :; do x=${w%%/*}; case $hq in *\"\\\"$x\\\"\"*) f=$f,$x; break;; esac; "
             "[ \"$x\" = \"$w\" ] && break; w=${w#*/}; done; done; "
-            f"[ -n \"$f\" ] && {{ h=$({t} nvidia-smi --query-gpu=${{f#,}} --format=csv 2>&1); r=$?; }};; esac; "
+            f"[ -n \"$f\" ] && {{ h=$({t} nvidia-smi \"--query-gpu=${{f#,}}\" --format=csv 2>&1); r=$?; }};; esac; "
             "printf '%s\\n@@rc %s\\n' \"$h\" \"$r\"")
 
 
