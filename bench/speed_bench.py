@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,10 +131,9 @@ def runs_of(n: int, take: Callable[[], SpeedFigures], label: str) -> list[SpeedF
 
 # --- modes ----------------------------------------------------------------------------------------------------------
 def standin(runs: int) -> tuple[list[SpeedFigures], list[SpeedFigures], dict]:
+    from gpufleet.sandbox.image import TAGS, write_tiny_model
     from tests.loopback import LoopbackTransport
     from tests.unit.test_standin_vllm_serve import Server
-
-    from gpufleet.sandbox.image import TAGS, write_tiny_model
 
     model = Path(tempfile.mkdtemp(prefix="speed-bench-")) / "tiny"
     write_tiny_model(model)
@@ -237,7 +236,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--burn", type=int, default=0, help="busy processes loading the machine meanwhile")
     args = parser.parse_args()
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     with burning(args.burn):
         if args.mode == "recorded":
             selves, slowed, extra = recorded(args.file)

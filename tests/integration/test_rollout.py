@@ -34,9 +34,6 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.integration.fleets import module_tag, own_fleet_config, running_fleet, tagged_inventory
-from tests.integration.pyinfra_results import changed_ops, changes
-from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.health.api import get
 from gpufleet.remote.ssh import open_ssh
@@ -44,6 +41,9 @@ from gpufleet.sandbox import gpu_faults
 from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.registry import move_tag, tag_manifest
+from tests.integration.fleets import module_tag, own_fleet_config, running_fleet, tagged_inventory
+from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.pyinfra_run import run_deploy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")
@@ -200,7 +200,7 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = rollout_json(proc)
     assert doc["target"] == digests["good-next"]
-    assert outcomes(doc) == {n: "updated" for n in names}
+    assert outcomes(doc) == dict.fromkeys(names, "updated")
     for row in doc["hosts"]:
         assert row["from"] == digests["good"] and row["to"] == digests["good-next"]
         assert row["downtime_s"] is not None and 0 < row["downtime_s"] < 60
@@ -244,7 +244,7 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
 
     ids = {h.name: container_id(fleet, h) for h in hosts}
     again = gpufleet("rollout", str(inventory), "--yes", "--json")
-    assert again.returncode == 0 and outcomes(rollout_json(again)) == {n: "unchanged" for n in names}
+    assert again.returncode == 0 and outcomes(rollout_json(again)) == dict.fromkeys(names, "unchanged")
     assert "already runs" in again.stderr
     assert changes(converge(pyinfra, inventory).stdout) == 0
     assert {h.name: container_id(fleet, h) for h in hosts} == ids
@@ -346,7 +346,7 @@ def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, py
 
 
 # --- 3b. an image that is up but fails its clients ----------------------------------------------------------------
-@pytest.mark.parametrize("broken_tag, check, caught", [
+@pytest.mark.parametrize(("broken_tag", "check", "caught"), [
     ("completions-fail", "completion", "answers: completion: POST /v1/chat/completions answered 500"),
     # Serving checks the canary is held to: answers that change once cached, tool calls that come back as text.
     ("cache-corrupt", "cached-cold", "check cached-cold: the cached answer differs from the cold one"),

@@ -3,6 +3,7 @@ their reason, the don't-retry rule, and the atomic-write command run for real wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -95,9 +96,10 @@ def test_commit_clears_the_failure_mark_of_the_version_it_commits():
     assert retried.failed == () and retried.committed == Committed(NEW, "t4")
 
 
-@pytest.mark.parametrize("transition", [lambda l: L.commit(l, T2), lambda l: L.roll_back(l, "x", T2), L.drop_pending])
+@pytest.mark.parametrize("transition", [lambda ledger: L.commit(ledger, T2), lambda ledger: L.roll_back(ledger, "x", T2),
+                                        L.drop_pending])
 def test_settling_needs_a_pending_change(transition):
-    with pytest.raises(LedgerStateError, match="^nothing pending to "):
+    with pytest.raises(LedgerStateError, match=r"^nothing pending to "):
         transition(COMMITTED_OLD)
 
 
@@ -391,10 +393,8 @@ def read_while_written(path: Path, write: str, versions: list[bytes], rounds: in
 
     def reader() -> None:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 seen.add(path.read_bytes())
-            except FileNotFoundError:
-                pass
             time.sleep(0)  # under gevent (the CLI's patch_all) the reader is a greenlet: let the writer's wait run
 
     thread = threading.Thread(target=reader)
@@ -534,5 +534,5 @@ def test_a_ledger_written_before_the_gpu_field_parses_and_renders_byte_for_byte(
 def test_a_gpu_field_that_is_not_text_is_a_corrupt_ledger():
     doc = json.loads(L.render(L.commit(pending_new(), T2, gpu="ok")))
     doc["committed"]["gpu"] = 3
-    with pytest.raises(CorruptLedger, match="committed.gpu: expected a string or null, got a number"):
+    with pytest.raises(CorruptLedger, match=r"committed\.gpu: expected a string or null, got a number"):
         L.parse(json.dumps(doc))

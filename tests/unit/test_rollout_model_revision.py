@@ -85,7 +85,7 @@ def test_a_branch_resolves_to_the_commit_it_names_now_from_the_first_host(hub, s
 
 
 def test_a_commit_is_taken_as_it_is_and_no_repo_is_refused(hub, shell):
-    endpoint, _, first = hub
+    endpoint, _, _first = hub
     sessions = Sessions()
     assert resolve_model(fleet(endpoint), sessions, "d" * 40) == "d" * 40
     assert sessions.asked == [] and shell == []

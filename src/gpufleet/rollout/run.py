@@ -100,7 +100,7 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         belongs = members(sessions, names, ledgers) if routers.routers else {}
         order = interrupted_first(order, ledgers)
         if problem := routers.capacity_problem(batches(order, options.canary, options.batch),
-                                               {**belongs, **{h: False for h in sick}}):
+                                               {**belongs, **dict.fromkeys(sick, False)}):
             raise GpufleetError(problem)
         if not confirm(what, order):
             raise GpufleetError("not confirmed: nothing was changed")

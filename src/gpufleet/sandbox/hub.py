@@ -137,13 +137,13 @@ class HubHandler(BaseHTTPRequestHandler):
     xet: bool = False  # advertise LFS files as stored on Xet (X-Xet-Hash), as the real hub does for most repos
     log_lock = threading.Lock()
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         self._answer(body=True)
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._answer(body=False)
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         """POST /api/models/<repo>/paths-info/<rev>, form field `paths` (repeated): their tree entries."""
         parts = [unquote(p) for p in urlsplit(self.path).path.strip("/").split("/")]
         length = int(self.headers.get("Content-Length") or 0)
@@ -158,7 +158,7 @@ class HubHandler(BaseHTTPRequestHandler):
         wanted = set(form.get("paths", []))
         self._json([f.tree_entry() for f in listing(self.root, repo, sha) if f.path in wanted])
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # the access log is ours (_log)
 
     def _log(self, status: int, sent: int) -> None:
@@ -195,7 +195,7 @@ class HubHandler(BaseHTTPRequestHandler):
         repo = "/".join(parts[:2])
         return repo if len(parts) >= 2 and (self.root / repo / "refs").is_dir() else None
 
-    def _answer(self, body: bool) -> None:  # noqa: ARG002 - HEAD and GET share the routes
+    def _answer(self, body: bool) -> None:  # HEAD and GET share the routes
         url = urlsplit(self.path)
         parts = [unquote(p) for p in url.path.strip("/").split("/")]
         if parts[:2] == ["api", "models"]:

@@ -97,10 +97,8 @@ def hash_command(model_dir: str, files: Sequence[HubFile]) -> str:
     lines = []
     for f in files:
         q = shlex.quote(f.path)
-        if f.sha256:
-            digest = f"sha256sum < {q}"
-        else:
-            digest = f"{{ printf 'blob %s\\0' \"$(stat -c %s {q})\"; cat {q}; }} | sha1sum"
+        digest = (f"sha256sum < {q}" if f.sha256
+                  else f"{{ printf 'blob %s\\0' \"$(stat -c %s {q})\"; cat {q}; }} | sha1sum")
         lines.append(f"if [ -f {q} ]; then h=$({digest} | cut -c1-64); echo \"${{h%% *}} \"{q}; "
                      f"else echo - {q}; fi")
     return f"cd {shlex.quote(model_dir)} && {{ " + "; ".join(lines) + "; }"
