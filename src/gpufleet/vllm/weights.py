@@ -15,6 +15,7 @@ MARKER = ".gpufleet-model"  # in the model directory: "<repo>@<commit>" once eve
 COMMIT = re.compile(r"[0-9a-f]{40}")
 _HEX = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 HUB = "https://huggingface.co"
+RESTORED = "@@gpufleet:model-restored"  # what restore_command prints when it put the kept copy back
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,34 @@ def partial_paths(model_dir: str, paths: Sequence[str]) -> list[str]:
 
 def marker_text(revision: HubRevision) -> str:
     return revision.pinned + "\n"
+
+
+def kept_dir(model_dir: str) -> str:
+    """Where the committed commit's files wait while another commit is downloaded over the model directory: put
+    back by a rollback (or a run that asks for that commit again), dropped by the next commit."""
+    return model_dir.rstrip("/") + ".gpufleet-kept"
+
+
+def keep_command(model_dir: str) -> str:
+    """Shell keeping the directory's files as hard links, unless a copy is kept already (the committed one: the
+    directory moved on twice since). No bytes are copied: hf replaces a file by a rename, never writes into it, so a
+    kept name holds the old content. hf's own records are written in place: those are copied."""
+    d, k, tmp = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), kept_dir(model_dir) + ".tmp"))
+    return (f"[ -e {k} ] || {{ rm -rf {tmp} && cp -al {d} {tmp} && rm -rf {tmp}/.cache && "
+            f"{{ [ ! -d {d}/.cache ] || cp -a {d}/.cache {tmp}/.cache; }} && mv {tmp} {k}; }}")
+
+
+def restore_command(model_dir: str, pinned: str) -> str:
+    """Shell putting the kept copy back as the model directory when it was checked at `pinned` (repo@commit),
+    printing RESTORED; what the directory held is deleted. Else nothing changes. Cut anywhere, a re-run finishes it."""
+    d, k, old = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), model_dir.rstrip("/") + ".gpufleet-old"))
+    return (f"{{ rm -rf {old}; if [ \"$(cat {k}/{MARKER} 2>/dev/null)\" = {shlex.quote(pinned)} ]; then "
+            f"{{ [ ! -e {d} ] || mv {d} {old}; }} && mv {k} {d} && rm -rf {old} && echo {RESTORED}; fi; }}")
+
+
+def drop_kept_command(model_dir: str) -> str:
+    kept = kept_dir(model_dir)
+    return f"rm -rf {shlex.quote(kept)} {shlex.quote(kept + '.tmp')}"
 
 
 def token_header_command(env_file: str | None) -> str:
