@@ -55,6 +55,7 @@ from gpufleet.sandbox.image import MODEL_REPO, REPOSITORY
 from gpufleet.sandbox.registry import move_tag, tag_manifest
 from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.spec import model_label_key
+from gpufleet.wire.checks import SERVING_CHECKS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")
@@ -557,8 +558,10 @@ def test_a_model_move_is_downloaded_everywhere_before_the_canarys_swap_never_in_
     assert same.returncode == 0 and outcomes(rollout_json(same)) == {n: "unchanged" for n in names}, same.stderr
 
     offset, began = hub_offset(fleet), time.time()
-    proc = gpufleet("rollout", str(inventory), "--image", image, "--model-revision", "main", "--yes", "--json",
-                    "--log", str(logs / "model.log"))
+    # The canary, then the other two at once; the canary held to the answers alone (step 1 runs the serving checks).
+    no_checks = [a for name in SERVING_CHECKS for a in ("--no-check", name)]
+    proc = gpufleet("rollout", str(inventory), "--image", image, "--model-revision", "main", "--batch", "2",
+                    *no_checks, "--yes", "--json", "--log", str(logs / "model.log"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"model: main -> {new}" in proc.stderr
     assert outcomes(rollout_json(proc)) == {n: "updated" for n in names}

@@ -1,6 +1,6 @@
 """The model's files as the hub lists them for one commit, and the check of a host's copy against them: an LFS file
-by its sha256, any other by its git blob id (the hub's ETag for it). Pure: the host runs the commands built here,
-this module reads what they print."""
+by its sha256, any other by its git blob id (the hub's ETag for it); the committed commit's files kept aside while
+another is downloaded over them. Pure: the host runs the commands built here, this module reads what they print."""
 
 from __future__ import annotations
 
@@ -127,23 +127,22 @@ def marker_text(revision: HubRevision) -> str:
 
 
 def kept_dir(model_dir: str) -> str:
-    """Where the committed commit's files wait while another commit is downloaded over the model directory: put
-    back by a rollback (or a run that asks for that commit again), dropped by the next commit."""
+    """Where the committed commit's files wait until the next commit: put back by a rollback, or by a run that asks
+    for that commit again."""
     return model_dir.rstrip("/") + ".gpufleet-kept"
 
 
 def keep_command(model_dir: str) -> str:
-    """Shell keeping the directory's files as hard links, unless a copy is kept already (the committed one: the
-    directory moved on twice since). No bytes are copied: hf replaces a file by a rename, never writes into it, so a
-    kept name holds the old content. hf's own records are written in place: those are copied."""
+    """Shell keeping the directory's files as hard links, unless a copy is kept already (the committed one). hf
+    replaces a file by a rename, so a kept name holds the old bytes; its records, rewritten in place, are copied."""
     d, k, tmp = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), kept_dir(model_dir) + ".tmp"))
     return (f"[ -e {k} ] || {{ rm -rf {tmp} && cp -al {d} {tmp} && rm -rf {tmp}/.cache && "
             f"{{ [ ! -d {d}/.cache ] || cp -a {d}/.cache {tmp}/.cache; }} && mv {tmp} {k}; }}")
 
 
 def restore_command(model_dir: str, pinned: str) -> str:
-    """Shell putting the kept copy back as the model directory when it was checked at `pinned` (repo@commit),
-    printing RESTORED; what the directory held is deleted. Else nothing changes. Cut anywhere, a re-run finishes it."""
+    """Shell putting the kept copy back in place of the directory when it holds `pinned` (repo@commit), printing
+    RESTORED; else nothing changes. Cut anywhere, a re-run finishes it."""
     d, k, old = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), model_dir.rstrip("/") + ".gpufleet-old"))
     return (f"{{ rm -rf {old}; if [ \"$(cat {k}/{MARKER} 2>/dev/null)\" = {shlex.quote(pinned)} ]; then "
             f"{{ [ ! -e {d} ] || mv {d} {old}; }} && mv {k} {d} && rm -rf {old} && echo {RESTORED}; fi; }}")
