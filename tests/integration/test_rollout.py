@@ -493,6 +493,7 @@ def test_a_moved_tag_is_looked_up_in_the_registry_and_nothing_is_pulled_before_t
 # --- 7. the model moves ----------------------------------------------------------------------------------------------
 MODEL_DIR = "{vllm_models_dir}/{vllm_model}".format(**merged_settings({}))
 LEDGER = f"/var/lib/gpufleet/{SERVICE}.json"
+DOWNLOAD = "Download the model's commit unless it is here and checked"  # the deploy's operation
 
 
 def next_weights(fleet) -> str:
@@ -560,8 +561,9 @@ def test_a_model_move_is_downloaded_everywhere_before_the_canarys_swap_never_in_
     offset, began = hub_offset(fleet), time.time()
     # The canary, then the other two at once; the canary held to the answers alone (step 1 runs the serving checks).
     no_checks = [a for name in SERVING_CHECKS for a in ("--no-check", name)]
+    log = logs / "model.log"
     proc = gpufleet("rollout", str(inventory), "--image", image, "--model-revision", "main", "--batch", "2",
-                    *no_checks, "--yes", "--json", "--log", str(logs / "model.log"))
+                    *no_checks, "--yes", "--json", "--log", str(log))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"model: main -> {new}" in proc.stderr
     assert outcomes(rollout_json(proc)) == {n: "updated" for n in names}
@@ -579,6 +581,9 @@ def test_a_model_move_is_downloaded_everywhere_before_the_canarys_swap_never_in_
     assert all(len(stops[n]) == 1 and len(starts[n]) == 1 and stops[n][0] < starts[n][0] for n in names), events
     assert stops[names[0]][0] == min(t for n in names for t in stops[n])
     assert max(r.ended_at for r in served) < stops[names[0]][0], (served[-1], stops)
+    # ... and each swap's own run (drain, restart, verify) downloaded nothing: its pyinfra results say so.
+    runs = swap_runs(log)
+    assert len(runs) == 2 and not [run for run in runs if DOWNLOAD in changed_ops(run)], runs[0][-3000:]
     # Committed on every host: its ledger, what `status` reads from the container, the files it holds.
     status = gpufleet("status", str(inventory), "--json")
     assert status.returncode == 0, status.stdout[-3000:]
@@ -617,8 +622,7 @@ def test_a_model_move_that_fails_its_gate_serves_the_old_commits_files_again(fle
         assert container_id(fleet, h) == ids[h.name] and holds(fleet, h, new), h.name
     offset = hub_offset(fleet)
     again = converge(pyinfra, inventory)
-    assert changed_ops(again.stdout) == {"Download the model's commit unless it is here and checked": 2}, \
-        changed_ops(again.stdout)
+    assert changed_ops(again.stdout) == {DOWNLOAD: 2}, changed_ops(again.stdout)
     assert [r for r in standin_hub.requests(services.hub_log(fleet.cfg), offset) if r.download] == []
     for h in others:
         assert container_id(fleet, h) == ids[h.name] and holds(fleet, h, old_commit), h.name
