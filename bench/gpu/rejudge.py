@@ -51,7 +51,11 @@ def main() -> int:
     parser.add_argument("checks", type=Path, help="the evidence run's checks.json (or checks.json.xz)")
     args = parser.parse_args()
     counts: dict[str, Counter[str]] = {}
-    text = lzma.open(args.checks, "rt").read() if args.checks.suffix == ".xz" else args.checks.read_text()
+    if args.checks.suffix == ".xz":
+        with lzma.open(args.checks, "rt") as packed:
+            text = packed.read()
+    else:
+        text = args.checks.read_text()
     for phase in json.loads(text):
         for run, results in enumerate(phase["results"]):
             for result in results:

@@ -536,3 +536,33 @@ def test_a_gpu_field_that_is_not_text_is_a_corrupt_ledger():
     doc["committed"]["gpu"] = 3
     with pytest.raises(CorruptLedger, match=r"committed\.gpu: expected a string or null, got a number"):
         L.parse(json.dumps(doc))
+
+
+M0, M1 = f"org/model@{'0' * 40}", f"org/model@{'1' * 40}"
+
+
+def test_a_model_move_that_failed_refuses_that_model_not_the_committed_version():
+    """Same digest and settings, a new commit of the model: its failure must not refuse the version it was rolled
+    back to, which a plain converge keeps installing."""
+    committed = Ledger(committed=Committed(replace(OLD, model=M0), T0))
+    failed = L.roll_back(L.begin(committed, replace(OLD, model=M1), OPERATOR, T1), "never ready", T2)
+    assert failed.failed[-1].model == M1
+    assert L.refused_target(failed, replace(OLD, model=M0)) is None
+    assert L.refused_target(failed, replace(OLD, model=M1)) == (
+        f"{OLD_REF} with spec aaaaaaaaaaaaaaaa and model {M1} failed at {T2}: never ready (fix: change vllm_image or "
+        "a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on purpose)")
+    assert L.refused_target(failed, OLD) is not None  # the model not known before the run: refused, as before
+    assert L.parse(L.render(failed)) == failed
+
+
+def test_a_failure_mark_from_before_models_refuses_the_digest_with_any_model():
+    text = L.render(L.roll_back(pending_new(), "never ready", T2))
+    assert '"model"' not in text  # a mark without one renders as before
+    assert L.refused_target(L.parse(text), replace(NEW, model=M1)) is not None
+
+
+def test_a_failure_marks_model_that_gpufleet_did_not_write_makes_the_ledger_corrupt():
+    doc = json.loads(L.render(L.roll_back(pending_new(), "never ready", T2)))
+    doc["failed"][0]["model"] = "../../etc@x"
+    with pytest.raises(CorruptLedger, match=r"failed\[0\]\.model: .* is not <org>/<name>@<40 hex commit>"):
+        L.parse(json.dumps(doc))

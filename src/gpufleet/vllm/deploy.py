@@ -147,8 +147,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     if changed:
         problems.append(changed)
     if ref and not s[RETRY_SETTING]:
+        models = model_target(ledger, s)
         target = Version(image=spec.image, ref=ref, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service,
-                         port=spec.port)
+                         port=spec.port, model=models.pin if models else None)
         refused = refused_target(ledger, target)
         if refused:
             problems.append(f"{name}: {refused}")
