@@ -290,7 +290,7 @@ def test_a_renamed_service_that_fails_verification_puts_the_old_service_back(goo
     # never committed anything): a later run of either name reads the one ledger.
     failed = ledger(fleet, host)["failed"]  # earlier steps marked dies under the old name's specs: one mark more
     assert failed[:-1] == before["failed"] and [f["ref"] for f in failed[len(before["failed"]):]] == [dies], failed
-    assert f"{dies} with spec {failed[-1]['spec_hash']} failed at " in refused
+    assert f"{dies} with spec {failed[-1]['spec_hash']} and model {failed[-1]['model']} failed at " in refused
     assert sh(fleet, host, f"ls /var/lib/gpufleet/{renamed}.* /etc/gpufleet/{renamed}.* 2>/dev/null || true") == ""
 
 

@@ -222,7 +222,8 @@ def test_killed_right_after_the_rollback_restored_the_unit_keeps_the_failure_mar
     # The re-run of the same converge does not try dies again: refused at preflight, nothing changed.
     again = deploy(pyinfra, inv, check=False)
     assert again.returncode != 0, again.stdout[-4000:]
-    refused = one_line(again.stdout, host, f"{dies} with spec {doc['failed'][-1]['spec_hash']} failed at ")
+    mark = doc["failed"][-1]
+    refused = one_line(again.stdout, host, f"{dies} with spec {mark['spec_hash']} and model {mark['model']} failed at ")
     assert "gpufleet_retry_failed=true" in refused and "nothing was changed" in again.stdout
     print(refused)
     assert ledger_doc(fleet, host) == doc
