@@ -103,7 +103,11 @@ class Failed:
         """The same digest and settings, and the same model when both name one: a new commit of the model is a new
         version, as new settings are."""
         return (self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
-                and (self.model is None or version.model is None or self.model == version.model))
+                and self.holds_for(version.model))
+
+    def holds_for(self, model: str | None) -> bool:
+        """Whether the mark covers `model` (repo@commit): a mark or a model of None stands for any."""
+        return self.model is None or model is None or self.model == model
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,7 @@ class HostLedger:
     def failed_mark(self, ref: str, model: str | None = None) -> Failed | None:
         """The newest mark on digest `ref` with `model` (repo@commit; None: with any model)."""
         marks = self.ledger.failed if self.ledger else ()
-        return next((f for f in reversed(marks) if f.ref == ref and (f.model is None or model is None
-                                                                       or f.model == model)), None)
+        return next((f for f in reversed(marks) if f.ref == ref and f.holds_for(model)), None)
 
     def model_at(self, model_ref: str | None) -> str | None:
         """The model (repo@commit) a rollout installs here: commit `model_ref` of the committed repo, else the
