@@ -103,6 +103,31 @@ def test_soak_waits_a_moment_for_the_reason_of_a_container_that_went_away():
     assert report.state is HealthState.DEAD and report.detail == f"{why} (4 s after it was ready)"
 
 
+def test_soak_names_the_exit_of_an_engine_whose_port_closed_before_its_container_went_away():
+    # The engine's port closes while its container still runs (a "starting" look), then the container goes: the
+    # version is dead with the service manager's reason, not "starting".
+    clock = Clock()
+    why = "docker run exited with status 1 (systemd: failed/failed)"
+    answers = iter([None, why])
+    report = soak(scripted(READY, STARTING, GONE), READY, 20, exited=lambda: next(answers), clock=clock,
+                  sleep=clock.sleep)
+    assert report.state is HealthState.DEAD and report.detail == f"{why} (6 s after it was ready)"
+
+
+def test_soak_calls_a_port_that_stays_closed_after_ready_dead():
+    clock = Clock()
+    report = soak(lambda: STARTING, READY, 20, exited=lambda: None, clock=clock, sleep=clock.sleep)
+    assert report.state is HealthState.DEAD
+    assert report.detail == f"stopped answering: {STARTING.detail} (12 s after it was ready)"
+
+
+def test_soak_looks_past_a_lost_link_while_it_waits_for_a_closed_port_to_settle():
+    clock = Clock()
+    why = "docker run exited with status 1 (systemd: failed/failed)"
+    report = soak(scripted(STARTING, LINK_LOST, GONE), READY, 20, exited=lambda: why, clock=clock, sleep=clock.sleep)
+    assert report.state is HealthState.DEAD and report.detail == f"{why} (4 s after it was ready)"
+
+
 def test_zero_soak_checks_nothing():
     assert soak(lambda: pytest.fail("checked"), READY, 0) is READY
 

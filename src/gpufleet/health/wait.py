@@ -45,16 +45,21 @@ def dead_if_exited(report: HealthReport, exited: Exited | None) -> HealthReport:
     return report
 
 
-def _exit_reason(report: HealthReport, exited: Exited | None, clock: Callable[[], float],
-                 sleep: Callable[[float], Any]) -> HealthReport:
-    """dead_if_exited, asked again for up to EXIT_SETTLE_S: a container that went away mid-soak is dead once the
-    service manager has its reason."""
+def _settle(report: HealthReport, check_once: CheckOnce, exited: Exited | None, clock: Callable[[], float],
+            sleep: Callable[[float], Any]) -> HealthReport:
+    """A server that was ready and no longer answers is on its way out: its port closes while the container still
+    runs, then docker removes the --rm container while `docker run` returns, and the service manager has the reason
+    a moment later. Look again for up to EXIT_SETTLE_S to name that reason; a port still closed then is dead too."""
     deadline = clock() + EXIT_SETTLE_S
-    while exited is not None and clock() < deadline:
+    while report.state in (HealthState.STARTING, HealthState.CONTAINER_NOT_RUNNING) and clock() < deadline:
         sleep(1.0)
-        settled = dead_if_exited(report, exited)
-        if settled.state is HealthState.DEAD:
-            return settled
+        if report.state is HealthState.STARTING:
+            look = dead_if_exited(check_once(), exited)
+            report = report if transient(look) else look
+        else:
+            report = dead_if_exited(report, exited)
+    if report.state is HealthState.STARTING:
+        return replace(report, state=HealthState.DEAD, detail=f"stopped answering: {report.detail}")
     return report
 
 
@@ -83,10 +88,8 @@ def soak(check_once: CheckOnce, ready: HealthReport, soak_s: float, poll_s: floa
     while clock() - start < soak_s:
         sleep(min(poll_s, max(0.0, soak_s - (clock() - start))))
         report = dead_if_exited(check_once(), exited)
-        if report.state is HealthState.CONTAINER_NOT_RUNNING and not transient(report):
-            # Ready before, gone now: its process ended, and the service manager says why a moment later (docker
-            # is still removing the --rm container while `docker run` returns). Wait for that, briefly.
-            report = _exit_reason(report, exited, clock, sleep)
+        if not transient(report):
+            report = _settle(report, check_once, exited, clock, sleep)
         if not report.ready and not transient(report):
             return replace(report, detail=f"{report.detail} ({clock() - start:.0f} s after it was ready)")
     return report
