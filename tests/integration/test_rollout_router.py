@@ -2,9 +2,9 @@
 while a client loop sends requests through the router the whole time. Each replica leaves the router's worker set
 before its drain and rejoins after its outcome: the router's clients see no failed request.
 
-The fleet of tests/integration/test_router.py (gf-rtr, 10.213.7.0/24; one module at a time uses it). The rollout's
-target is the stand-in tag `good-next` (never moved by any test); the replicas first converge on the inventory's
-`nightly` (= `good`), so every run of this module swaps all three.
+A fleet built like tests/integration/test_router.py's, of its own (gf-rroll, 10.213.100.0/24), so the two modules run
+side by side. The rollout's target is the stand-in tag `good-next` (never moved by any test); the replicas first
+converge on the inventory's `nightly` (= `good`), so every run of this module swaps all three.
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ import time
 import urllib.error
 from pathlib import Path
 
+import pytest
+
 from gpufleet.hostlock import LOCK_PATH, process_ended
 from gpufleet.router.settings import router_settings
 from gpufleet.sandbox import gpu_faults
+from gpufleet.sandbox.config import FleetConfig
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.inventory import pyinfra_hosts
+from tests.integration.fleets import own_fleet_config
 from tests.integration.pyinfra_run import run_deploy
 from tests.integration.test_router import (
     GPUFLEET,
@@ -43,6 +47,11 @@ from tests.integration.test_router import (
 
 __all__ = ["inventory", "rfleet"]  # the fleet and inventory fixtures of test_router.py
 CLIENTS = 6
+
+
+@pytest.fixture(scope="module")
+def rfleet_config() -> FleetConfig:
+    return own_fleet_config("rroll", "10.213.100", "gfq", "GPUFLEET_ROUTER_ROLLOUT_FLEET_DIR")
 
 
 def connect_router(rfleet: Fleet):

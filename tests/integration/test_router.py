@@ -25,7 +25,7 @@ from gpufleet.hostlock import LOCK_PATH
 from gpufleet.router import operations, wheels
 from gpufleet.router.settings import build_router_spec
 from gpufleet.router.spec import MARKER, RouterSpec
-from gpufleet.sandbox.config import NO_GPU, H200x3
+from gpufleet.sandbox.config import NO_GPU, FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet
 from tests import frontdoor
 from tests.integration.fleets import own_fleet_config, running_fleet
@@ -37,13 +37,22 @@ QWEN35 = str(REPO / "deploys" / "qwen35.py")
 ROUTER = str(REPO / "deploys" / "router.py")
 ROUTER_PORT = 8000
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
-TEST_DATA = {"vllm_ready_timeout": 120}
+# A short soak: no image here dies after ready (test_deploy_rollback proves the soak), and each swap waits it out.
+TEST_DATA = {"vllm_ready_timeout": 120, "vllm_ready_soak_s": 2}
+# The router host's lease: a run cut off from it frees its lock this long after its last heartbeat (one test waits
+# for that).
+ROUTER_DATA = {"gpufleet_lock_lease_s": 30}
 MEMBERS = "/var/lib/gpufleet-router/vllm-router.workers"
 
 
 @pytest.fixture(scope="module")
-def rfleet():
-    with running_fleet(own_fleet_config("rtr", "10.213.7", "gfr", "GPUFLEET_ROUTER_FLEET_DIR")) as fleet:
+def rfleet_config() -> FleetConfig:
+    return own_fleet_config("rtr", "10.213.7", "gfr", "GPUFLEET_ROUTER_FLEET_DIR")
+
+
+@pytest.fixture(scope="module")
+def rfleet(rfleet_config: FleetConfig):
+    with running_fleet(rfleet_config) as fleet:
         fleet.add_hosts([H200x3] * 3, first=1)
         fleet.add_hosts([NO_GPU], first=4, role="router")
         yield fleet
@@ -56,7 +65,7 @@ def inventory(rfleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path.write_text(
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"gpuhosts = [(n, {{**{TEST_DATA!r}, **d}}) for n, d in pyinfra_hosts({str(doc)!r})]\n"
-        f"routers = pyinfra_hosts({str(doc)!r}, routers=True)\n")
+        f"routers = [(n, {{**d, **{ROUTER_DATA!r}}}) for n, d in pyinfra_hosts({str(doc)!r}, routers=True)]\n")
     return path
 
 

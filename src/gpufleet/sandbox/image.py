@@ -89,7 +89,7 @@ def ensure_images(cfg: FleetConfig, state: State, base_rootfs: Path) -> None:
     stamp = registry_storage(cfg) / ".gpufleet-images"
     if stamp.exists() and stamp.read_text() == key:
         return
-    tar = _image_tar(cfg.cache_dir, base_rootfs, key)
+    tar = image_tar(cfg.cache_dir, base_rootfs)
     log.info("importing and pushing %s:{%s} (temporary dockerd)", REPOSITORY, ",".join([*TAGS, *ALIASES]))
     work = cfg.state_dir / "dockerd"
     run_dir = dockerd_run_dir(cfg)  # sockets: a unix socket path must stay under 108 bytes
@@ -151,7 +151,9 @@ def remove_dockerd_dirs(cfg: FleetConfig) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _image_tar(cache_dir: Path, base: Path, key: str) -> Path:
+def image_tar(cache_dir: Path, base: Path) -> Path:
+    """The stand-in image's root as a tar, built once per key: what `docker import` makes each tag of."""
+    key = _key(base)
     out = cache_dir / f"vllm-image-{key}.tar"
     if out.exists():
         return out
