@@ -93,6 +93,8 @@ def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
         fields["answers"] = [a.as_dict() for a in r.answers]
     if r.checks:
         fields["checks"] = [c.as_dict() for c in r.checks]
+    if r.target.rank is not None:
+        fields["group"] = {"name": r.target.rank[0], "rank": r.target.rank[1], "head": r.target.rank[2]}
     return row(r.target.name, found, **fields)
 
 

@@ -45,11 +45,11 @@ def host_table(results: list[HostResult], title: str) -> Table:
                "block", "unit")
     for col in columns:
         table.add_column(col)
-    for r in results:
+    for r in grouped(results):
         h, c = r.health, r.health.container
         style = _STATE_STYLE.get(h.state, "red")
         table.add_row(*_plain(
-            r.target.name,
+            host_cell(r),
             ",".join(map(str, r.target.gpus)) or "-",
             (c.image_short if c else None) or "-",
             spec_cell(r),
@@ -62,6 +62,27 @@ def host_table(results: list[HostResult], title: str) -> Table:
             *cache_units(h.cache_config),
         ))
     return table
+
+
+def grouped(results: list[HostResult]) -> list[HostResult]:
+    """A replica group as one row (its head's) with its ranks' lines right under it; other hosts as they come."""
+    ranks: dict[str, list[HostResult]] = {}
+    for r in results:
+        if r.target.headless and r.target.rank is not None:
+            ranks.setdefault(r.target.rank[2], []).append(r)
+    out = []
+    for r in results:
+        if not r.target.headless:
+            out += [r, *ranks.pop(r.target.name, [])]
+    return out + [r for rest in ranks.values() for r in rest]  # ranks whose head is not in the table
+
+
+def host_cell(r: HostResult) -> str:
+    """"box-a (group big)" for a head, "└ box-b: rank 1" for a line of its group."""
+    if r.target.rank is None:
+        return r.target.name
+    group, rank, _ = r.target.rank
+    return f"└ {r.target.name}: rank {rank}" if rank else f"{r.target.name} (group {group})"
 
 
 def spec_cell(r: HostResult) -> Text:

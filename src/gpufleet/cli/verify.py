@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -19,7 +20,7 @@ from gpufleet.cli.logs import quiet_ssh_logs, stderr
 from gpufleet.cli.progress import FleetProgress
 from gpufleet.errors import GpufleetError
 from gpufleet.health.runner import HostResult, HostTarget, check_fleet
-from gpufleet.inventory import HostData
+from gpufleet.inventory import HostData, load_roles_and_groups
 from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
@@ -31,7 +32,8 @@ from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
     """Inventory -> what to check on each vLLM host (routers have rows of their own). Raises GpufleetError (one
     line per problem)."""
-    return [HostTarget.for_spec(spec, data) for spec, data in load_host_specs(inventory, only_host)]
+    return [replace(target, rank=(spec.group.group, spec.group.rank, spec.group.head)) if spec.group else target
+            for spec, data in load_host_specs(inventory, only_host) for target in [HostTarget.for_spec(spec, data)]]
 
 
 def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]:
@@ -187,7 +189,7 @@ def _router_expectations(inventory: str, routers: list[HostData], found: list[Ho
     if not routers:
         return []  # a fleet without a router may keep vLLM on loopback: no worker addresses to check then
     try:
-        workers = replicas(found)
+        workers = replicas(found, load_roles_and_groups(inventory)[2])  # a replica group's head only
     except GpufleetError as e:
         raise BadInput(str(e)) from None
     refused = []

@@ -18,7 +18,7 @@ import gevent
 import gevent.pool
 
 from gpufleet.health.answers import AnswerCheck, check_answers
-from gpufleet.health.check import HealthReport, HealthState, check, reached
+from gpufleet.health.check import UNREADABLE, HealthReport, HealthState, check, reached, spec_drift
 from gpufleet.health.probe import probe
 from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.serving import Served, run_checks
@@ -49,6 +49,13 @@ class HostTarget:
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
     served: Served = Served()  # its parsers and prefix caching: which serving checks apply
+    # A replica group's rank: (group, rank, head). A rank other than the head serves no API: its container is its
+    # state, and the group serves through its head.
+    rank: tuple[str, int, str] | None = None
+
+    @property
+    def headless(self) -> bool:
+        return self.rank is not None and self.rank[1] > 0
 
     @classmethod
     def for_spec(cls, spec: SpecArgs, data: Mapping[str, Any]) -> HostTarget:
@@ -146,6 +153,9 @@ def _failed(target: HostTarget, e: Exception) -> HostResult:
 
 
 def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> HostResult:
+    if target.headless:
+        asked.progress(target.name, "reading its container")
+        return HostResult(target, rank_health(transport, target))
     api_key, say = asked.api_key or target.api_key, partial(asked.progress, target.name)
     if asked.wait_s > 0:
         say(f"waiting for it to be ready (up to {asked.wait_s:.0f} s)")
@@ -170,6 +180,24 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
     return HostResult(target, health, report, error, answers, checks)
+
+
+def rank_health(transport: Transport, target: HostTarget) -> HealthReport:
+    """A headless rank's state: its labelled container running the inventory's spec (it answers no request)."""
+    assert target.rank is not None
+    group, rank, head = target.rank
+    try:
+        container = transport.container(target.expected.service)
+    except Exception as e:  # one state for anything, as check()
+        return HealthReport(HealthState.DEAD, excerpt(f"{UNREADABLE}: {type(e).__name__}: {e}", DETAIL_CHARS),
+                            host=target.name)
+    if container is None or not container.running:
+        return HealthReport(HealthState.CONTAINER_NOT_RUNNING, f"rank {rank} of group {group}: no running container "
+                            "carries the service's label", host=target.name, container=container)
+    drift = spec_drift(target.expected, container)
+    state, detail = (HealthState.MISCONFIGURED, drift) if drift else (
+        HealthState.READY, f"rank {rank} of group {group}: its container runs; the group serves through {head}")
+    return HealthReport(state, detail, host=target.name, container=container)
 
 
 def check_fleet(

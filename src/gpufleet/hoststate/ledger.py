@@ -64,6 +64,7 @@ class Version:
     spec_hash: str | None  # ServeSpec.spec_hash: the container's label value
     service: str | None
     port: int | None
+    group: str | None = None  # a replica group's rank: the group's version ("<group>@<hash>"), the same on every rank
 
 
 @dataclass(frozen=True)
@@ -293,7 +294,7 @@ def render(ledger: Ledger) -> str:
 
 def _version_doc(v: Version) -> dict[str, Any]:
     return {"image": v.image, "ref": v.ref, "unit_sha256": v.unit_sha256, "spec_hash": v.spec_hash,
-            "service": v.service, "port": v.port}
+            "service": v.service, "port": v.port, **({"group": v.group} if v.group is not None else {})}
 
 
 def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
@@ -352,7 +353,9 @@ def _version(doc: dict[str, Any], where: str) -> Version:
     port = _field(doc, where, "port", int, optional=True)
     if port is not None and not 1 <= port <= 65535:
         raise CorruptLedger(f"{where}.port: {port} is not a TCP port (1-65535)")
-    return Version(image=image, ref=ref, unit_sha256=unit_sha256, spec_hash=spec_hash, service=service, port=port)
+    group = _field(doc, where, "group", str, optional=True) if "group" in doc else None
+    return Version(image=image, ref=ref, unit_sha256=unit_sha256, spec_hash=spec_hash, service=service, port=port,
+                   group=group)
 
 
 def _committed(value: Any, where: str) -> Committed:

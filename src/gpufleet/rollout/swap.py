@@ -9,11 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TypeVar
 from pathlib import Path
 
 from gpufleet.errors import one_line
 from gpufleet.health.serving import Served
 from gpufleet.remote.transport import SshTransport, TransportError
+from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry
 from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
@@ -27,6 +29,7 @@ from gpufleet.router.api import RouterError
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.wire.checks import ANSWER_CHECKS, SERVING_CHECKS, verify_checks
 
+T = TypeVar("T")
 STAGE_TIMEOUT_S = 4 * 3600.0
 # Outcomes whose ledger says committed (the target, or the version before it): such a replica serves again.
 SETTLED = (Outcome.UPDATED, Outcome.UNCHANGED, Outcome.ROLLED_BACK)
@@ -57,7 +60,7 @@ class SwapOptions:
                            expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed)
 
 
-def batches(names: Sequence[str], canary: int, batch: int) -> list[list[str]]:
+def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
     """The canary hosts, then the rest, in groups of at most `batch`: never more than `batch` hosts out of service,
     the canary included."""
     if batch < 1 or canary < 0:
@@ -65,6 +68,12 @@ def batches(names: Sequence[str], canary: int, batch: int) -> list[list[str]]:
     first, rest = list(names[:canary]), list(names[canary:])
     return [first[i:i + batch] for i in range(0, len(first), batch)] + \
            [rest[i:i + batch] for i in range(0, len(rest), batch)]
+
+
+def replica_batches(order: Sequence[str], hosts: Mapping[str, FleetHost], canary: int, batch: int) -> list[list[str]]:
+    """batches() of the rollout's replicas (a replica group once, with all its ranks), each as its hosts."""
+    return [[name for unit in chunk for name in unit]
+            for chunk in batches(replica_groups.units(order, hosts), canary, batch)]
 
 
 def held_to(spec: ServeSpec, options: SwapOptions, canary: bool) -> tuple[str, ...]:
@@ -117,15 +126,17 @@ def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], befor
     canary's new compile-cache entries go to each later host before its swap (none without a canary), and each
     swapped host's start (warm or cold, time to ready) is read after it."""
     outcomes: dict[str, HostOutcome] = {}
-    canaries = set(order[:options.canary])
-    carrying = carry if canaries else None  # without a canary nothing is carried; each start is still observed
-    for group in batches(order, options.canary, options.batch):
+    canaries = replica_groups.canaries(order, hosts, options.canary)
+    # Without a canary nothing is carried (nor from a replica group's, whose caches are each rank's own); each
+    # start is still observed.
+    carrying = carry if canaries and not replica_groups.in_group(hosts, order[0]) else None
+    for group in replica_batches(order, hosts, options.canary, options.batch):
         role = "canary" if set(group) <= canaries else "batch"
         if carrying is not None:
             if order[0] in group:
                 carrying.before_canary(order[0])
             elif role == "batch":
-                carrying.into(group)
+                carrying.into([h for h in group if not replica_groups.in_group(hosts, h)])
         # One deploy run per target digest (a rollout has one; `rollback` may send hosts to different ones).
         for target in dict.fromkeys(targets[h] for h in group):
             members = [h for h in group if targets[h] == target]
@@ -152,12 +163,14 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
     """swap_group() with the group out of every router; a host a router did not let go is not swapped (the group
     fails). After the swap a host rejoins only once its ledger says committed or rolled back; one that ended neither
     stays out, and one a router did not take back fails (the rollout stops: it would run short)."""
+    # A replica group's ranks other than its head serve no API: the routers know the head only.
+    routed = [h for h in group if h in routers.urls]
     if routers.routers:
-        for h in group:
+        for h in routed:
             progress.phase(h, "leaving the router's workers")
     swapping = False
     try:
-        with routers.out(group, options.drain_timeout_s):
+        with routers.out(routed, options.drain_timeout_s):
             swapping = True
             result = swap_group()
     except (RouterError, OSError) as error:
@@ -167,7 +180,7 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
                                one_line(f"not swapped: {error}")) for h in group}
     if not routers.routers:
         return result
-    for h in group:
+    for h in routed:
         if result[h].outcome not in SETTLED:
             result[h] = replace(result[h], detail=one_line(f"{result[h].detail}; left out of the routers: neither "
                                                            "committed nor rolled back"))
@@ -188,13 +201,16 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
                      on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"),
                      address=host.spec.reach_address)
 
-    for h in group:
+    serving = [h for h in group if replica_groups.is_worker(hosts, h)]  # a group's head; its ranks serve nothing
+    for h in serving:
         progress.phase(h, f"{role}: draining")
-    drained = sessions.each(group, drain_one)
+    drained = sessions.each(serving, drain_one)
     watches: dict[str, DowntimeWatch] = {}
     for h in group:
         try:
-            watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port, address=hosts[h].spec.reach_address).start()
+            if h in serving:
+                watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port,
+                                           address=hosts[h].spec.reach_address).start()
         except TransportError:  # no session to watch through: the downtime is reported as not measured
             pass
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
@@ -207,7 +223,7 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
     result = {}
     for h in group:
         outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h),
-                        held_to(hosts[h].spec, options, canary))
+                        held_to(hosts[h].spec, options, canary) if h in serving else ())
         result[h] = outcome
         progress.phase(h, outcome.phase)
     return result

@@ -39,6 +39,7 @@ from gpufleet.hoststate.ledger import (
     FinishPending,
     Nothing,
     Observed,
+    Resume,
     RollBackPending,
     Version,
     corrupt_refusal,
@@ -54,14 +55,14 @@ from gpufleet.operations.run import remember
 from gpufleet.operations.secret import Hidden
 from gpufleet.sitecache import deploy as site_cache
 from gpufleet.sitecache.operations import STORAGE as SITE_CACHE_STORAGE
-from gpufleet.vllm import checks
+from gpufleet.vllm import checks, group_deploy
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.host_command import Paths
 from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
-from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, model, nvidia, service
+from gpufleet.vllm.group_verify import GroupVerification
+from gpufleet.vllm.operations import docker, flagcheck, group, image, managed_paths, model, nvidia, service
 from gpufleet.vllm.operations.image import pinned_ref
-from gpufleet.vllm.settings import resolve_host
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.verify import Verification, verify_passed
 from gpufleet.wire.checks import verify_checks
@@ -84,7 +85,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
     # (A State made without an inventory, as pyinfra's inventory loader makes one, has no attribute for it.)
     inventory = getattr(ctx_state.get(), "inventory", None) if ctx_state.isset() else None
     fronted = inventory is not None and behind_router(inventory)
-    spec, s = resolve_host(name, data, behind_router=fronted)
+    spec, s = group_deploy.resolve(name, data, inventory, fronted)  # a replica group's ranks resolved together
     if inventory is not None:
         site_cache.check_port(inventory, name, s, spec.port)
     serves_cache = inventory is not None and site_cache.serves_site(inventory.get_host(name))
@@ -98,6 +99,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
         docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
         nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s[REFRESH_KEYS_SETTING]),
         address=spec.reach_address, site_cache_storage=SITE_CACHE_STORAGE if serves_cache else None,
+        group_head=group_deploy.probe_target(spec),
     )
     return Plan(spec, s, layout, paths)
 
@@ -126,6 +128,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     cut = cut_rename_away(name, snap.other_ledgers, spec.service)
     if cut:
         problems.append(cut)
+    unreachable = group_deploy.probe_problem(name, snap, spec)
+    if unreachable:
+        problems.append(unreachable)
     # The ledger the service goes by, as the rollout read it (gpufleet.rollout.ledgers applies the same rules).
     changed = changed_since_read(name, ledger, s[EXPECT_COMMITTED_SETTING])
     if changed:
@@ -139,13 +144,23 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     return problems
 
 
+def settle_and_pin(plan: Plan, snap: HostSnapshot, prepare: bool) -> tuple[Resume, str | None]:
+    """What a cut run's pending record asks first, and the digest this run installs when known before the pull. A
+    dropped change never reached the unit: its digest is not this run's pin (a finished one's is)."""
+    ledger = host_ledger(snap.ledger_text, snap.other_ledgers, plan.spec.port)  # preflight refused a corrupt one
+    decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
+    return decision, pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger,
+                                plan.spec.image, plan.settings[IMAGE_REF_SETTING])
+
+
 @deploy("Deploy Qwen 3.5 on vLLM")
 def deploy_qwen35() -> None:
     if not is_vllm_host(host):
         not_for_this_host(name="Skip the vLLM deploy on a router host",
                           why="router host: deploys/router.py configures it")
         return
-    plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host)
+    plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host,
+                                     check_fleet=group_deploy.check_groups)
     s, spec, layout = plan.settings, plan.spec, plan.layout
     held = remember(host, snap)  # every operation decides from this one read
     has_gpu = bool(snap.gpus)
@@ -153,20 +168,24 @@ def deploy_qwen35() -> None:
     prepare = s[STAGE_SETTING] == "prepare"
     # A cut run's pending version is settled first: dropped, or rolled back (then nothing else runs), or finished
     # below. A prepare run changes no ledger and restarts nothing: it leaves that to the converge.
-    decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
+    decision, pin = settle_and_pin(plan, snap, prepare)
     held.ledger = ledger
     held.ledger_sha256[plan.layout.ledger_path] = snap.file_sha256.get(plan.layout.ledger_path)
-    # The digest this run installs when known before the pull. A dropped change never reached the unit: its digest
-    # is not this run's pin (a finished one's is).
-    pin = pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, spec.image,
-                     s[IMAGE_REF_SETTING])
+    # A replica group's ranks: one digest, restarted, verified and committed or rolled back together.
+    readings = preflight.fleet_readings(plan_for) if spec.group else {}
+    ranks = group_deploy.group_for(host, spec, readings, lambda r: settle_and_pin(r.plan, r.snapshot, prepare)[1]
+                                   if r.plan is not None and r.snapshot is not None else None)
+    if ranks is not None:
+        decision, pin = group_deploy.as_group(decision), ranks.pin
     retry_failed = bool(s[RETRY_SETTING])
 
     api_key = s["vllm_api_key"]
     served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
-    verify = Verification(spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None,
-                          layout.ledger_path, served[0] if served else spec.served_model_name,
-                          checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])))
+    verify = (Verification if ranks is None else GroupVerification)(
+        spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None, layout.ledger_path,
+        served[0] if served else spec.served_model_name,
+        checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])),
+        **({} if ranks is None else {"group": ranks}))
     if not isinstance(decision, Nothing):
         service.settled(name="Settle the change a cut run left pending", decision=decision,
                         ledger_path=layout.ledger_path, roll_back=verify.roll_back_cut)
@@ -199,6 +218,8 @@ def deploy_qwen35() -> None:
                              address=cache.address if cache is not None else None)
     pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=pin,
                           service=spec.service, cache=cache)
+    if ranks is not None:
+        group.same_digest(name="Check every rank of the group pulled one digest", group=ranks)
     if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag
         committed_ref = ledger.committed.version.ref if ledger.committed else None
         flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref,
@@ -214,13 +235,16 @@ def deploy_qwen35() -> None:
     finish = isinstance(decision, FinishPending)
     # A pending version that already runs (the cut came after its restart) is verified, not restarted again.
     restart_pending = isinstance(decision, FinishPending) and decision.restart
+    if ranks is not None:
+        ranks.join(host.name, changes, group_deploy.restart_reasons(snap, spec, decision))
     service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
                     changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
-                    replaces=replaced_service(ledger, spec.service))
+                    replaces=replaced_service(ledger, spec.service), group=ranks)
     # After a (re)start: ready, then still ready for vllm_ready_soak_s. Its verdict picks one of the two operations
     # after it while executing (_if); --dry lists both as conditional changes of a host that will be verified.
     verified = service.ready(name="Verify vLLM is ready (/health, /v1/models), else roll back", spec=spec,
                              verify=verify.verify, roll_back=verify.roll_back_if_failed, changes=changes,
-                             start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)
+                             start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish, group=ranks,
+                             serves=group_deploy.head_serves(readings, spec) if ranks is not None else None)
     service.committed(name="Commit the verified vLLM version", verified=verified, commit=verify.commit,
                       _if=verify_passed)

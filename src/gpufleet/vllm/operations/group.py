@@ -1,0 +1,78 @@
+"""What a replica group's ranks share in one deploy run (docs/multi-node.md): the digest the group installs, why any
+rank restarts (then every rank does: a rank cannot rejoin a running engine), and the head's verdict, which every
+rank takes. pyinfra runs each operation on every host before the next, so by the time a rank's restart or verify
+executes, every rank's earlier operations have: what they changed is known here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import gevent.event
+from pyinfra import host
+from pyinfra.api import FunctionCommand, Host, State, operation
+from pyinfra.api.operation import OperationMeta
+
+from gpufleet.operations.base import Commands, fail
+from gpufleet.operations.run import run_context
+from gpufleet.vllm.group import Member
+from gpufleet.vllm.operations.image import target_ref
+
+
+@dataclass(eq=False)
+class GroupRun:
+    """One group's part of a run: made once (GroupRuns), filled in by each rank's deploy as pyinfra plans it."""
+
+    member: Member
+    pin: str | None  # the digest every rank installs when known before the pulls (the head's ledger first)
+    changes: dict[str, list[OperationMeta]] = field(default_factory=dict)  # host -> what may restart it
+    reasons: dict[str, list[str]] = field(default_factory=dict)  # host -> why it restarts, seen in its snapshot
+    verified: gevent.event.Event = field(default_factory=gevent.event.Event)  # the head's verify ended
+
+    def join(self, name: str, changes: list[OperationMeta], reasons: list[str]) -> None:
+        self.changes[name], self.reasons[name] = changes, reasons
+
+    def others_restart(self, name: str) -> list[str]:
+        """Why the other ranks restart: their changes (complete once executing) and what their snapshots showed."""
+        out = []
+        for other in self.member.hosts:
+            if other == name:
+                continue
+            ops = self.changes.get(other, [])
+            if any(op.did_change() if op.is_complete() else op.will_change for op in ops):
+                out.append(f"{other} changes")
+            out += [f"{other}: {why}" for why in self.reasons.get(other, [])]
+        return out
+
+
+class GroupRuns(dict[str, GroupRun]):
+    """The run's groups by name: a slot of the run's context (gpufleet.operations.run)."""
+
+
+def group_run(state: State, member: Member, pin: Callable[[], str | None]) -> GroupRun:
+    """The group's run record, made the first time a rank asks (pin() then gives the group's digest)."""
+    runs = run_context(state).slot(GroupRuns, GroupRuns)
+    if member.group not in runs:
+        runs[member.group] = GroupRun(member, pin())
+    return runs[member.group]
+
+
+def _same_digest(state: State, host: Host, group: GroupRun) -> bool:
+    refs = {h: target_ref(group.pin, state.inventory.get_host(h)) for h in group.member.hosts}
+    if len(set(refs.values())) == 1:
+        return True
+    listed = ", ".join(f"{h} {ref}" for h, ref in refs.items())
+    return fail(host, f"{host.name}: the ranks of group {group.member.group} pulled different digests ({listed}): "
+                      "the tag moved between their pulls (fix: converge again, or pin the digest with "
+                      "gpufleet_image_ref)")
+
+
+@operation(is_idempotent=False)
+def same_digest(group: GroupRun) -> Commands:
+    """Every rank installs one digest: the group's pin when known; else each rank's pull resolved the tag, and all
+    must have got the same (checked once every rank pulled)."""
+    if group.pin is not None:
+        host.noop(f"every rank of group {group.member.group} installs {group.pin}")
+        return
+    yield FunctionCommand(_same_digest, (group,), {})
