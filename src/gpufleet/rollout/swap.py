@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 from gpufleet.errors import one_line
 from gpufleet.health.serving import Served
