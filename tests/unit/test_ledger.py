@@ -437,3 +437,25 @@ def test_pin_is_the_digest_a_tag_stands_for_pending_then_committed_then_the_one_
     # The tag that failed keeps naming the digest that failed: refused_target refuses it instead of a new resolve.
     assert L.pin(failed, NEW.image) == NEW_REF and L.refused_target(failed, NEW) is not None
     assert L.pin(failed, OLD.image) == OLD_REF
+
+
+# ---- a replica group's rank: the group's version, an optional field ----------------------------------------------
+
+
+def test_a_ranks_version_names_its_group_and_a_ledger_without_the_field_parses_as_before():
+    rank = replace(NEW, group="pair@0123456789abcdef")
+    text = L.render(L.commit(L.begin(COMMITTED_OLD, rank, OPERATOR, T1), T2))
+    assert json.loads(text)["committed"]["group"] == "pair@0123456789abcdef"
+    assert L.parse(text).committed == Committed(rank, T2)
+    # A replica of its own writes no "group" key (its file is byte for byte what it was), and reads None back.
+    plain = L.render(COMMITTED_OLD)
+    assert '"group"' not in plain and L.parse(plain).committed == COMMITTED_OLD.committed
+    # The group's version is part of the version: another one is another version.
+    assert replace(rank, group="pair@ffffffffffffffff") != rank
+
+
+def test_a_group_version_that_is_not_text_is_corrupt():
+    doc = json.loads(L.render(Ledger(committed=Committed(replace(NEW, group="pair@1"), T0))))
+    doc["committed"]["group"] = 7
+    with pytest.raises(CorruptLedger, match="committed.group: expected a string or null, got a number"):
+        L.parse(json.dumps(doc))
