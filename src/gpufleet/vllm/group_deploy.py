@@ -32,9 +32,11 @@ Planned = Any
 def resolve(name: str, data: Mapping[str, Any], inventory: Inventory | None,
             behind_router: bool) -> tuple[ServeSpec, dict[str, Any]]:
     """A host's spec and settings, its group's ranks resolved with it (raises SettingErrors)."""
-    if inventory is None:
+    if inventory is None or inventory.get_host(name, None) is None:
         return resolve_host(name, data, behind_router)
-    replicas = [(h.name, h.data.dict()) for h in inventory if ROUTERS_GROUP not in h.groups]
+    # The host's own data as given (the caller's may differ from the inventory's); its ranks' from the inventory.
+    replicas = [(h.name, data if h.name == name else h.data.dict()) for h in inventory
+                if ROUTERS_GROUP not in h.groups]
     return resolve_one(name, replicas, group_orders(inventory), behind_router)
 
 
