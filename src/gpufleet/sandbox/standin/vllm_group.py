@@ -5,7 +5,7 @@
   stops it with vLLM's TimeoutError (exit 1).
 - A headless rank (--headless) serves nothing: it connects to --master-addr:--master-port, retrying until
   STANDIN_JOIN_TIMEOUT_S (1800: torch's process-group timeout), then holds the connection (exit 1 past it).
-- Neither notices the other die while no request runs (vLLM's connections stay idle: measured, docs/multi-node.md);
+- Neither notices the other die while no request runs (vLLM's connections stay idle: docs/multi-node.md);
   a request while a rank is gone fails and kills the head's engine (vLLM: the pipeline's send fails).
 """
 
