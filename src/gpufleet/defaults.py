@@ -39,8 +39,12 @@ DEFAULTS: dict[str, Any] = {
     "vllm_model": FROM_PROFILE,
     # Hugging Face repo the model is downloaded from when it is missing; None means it must be staged by hand.
     "vllm_model_repo": FROM_PROFILE,
-    # Hugging Face revision (branch, tag or commit) to pin the download to; None = the repo's default branch.
+    # Hugging Face revision (branch, tag or commit) to pin the download to; None = the repo's default branch. A
+    # branch or tag is resolved to a commit once: the ledger keeps it until this setting changes or a rollout moves it.
     "vllm_model_revision": FROM_PROFILE,
+    # The Hugging Face hub (or a hub of the same API): the model's commit and every file's hash come from it, and the
+    # files too unless the site cache mirrors them (docs/site-cache.md).
+    "vllm_hf_endpoint": "https://huggingface.co",
     # Host directory holding models; mounted at /models. Absolute: systemd does not expand ~.
     "vllm_models_dir": "/srv/vllm/models",
     # Host directory holding the vLLM compile cache, torch cache, NVIDIA ComputeCache and HF cache subdirs;
@@ -83,6 +87,9 @@ DEFAULTS: dict[str, Any] = {
     # The link between the group's hosts, stated for the record (e.g. "25GbE", "100GbE RoCE"): every token's
     # activations cross it. None: `gpufleet lint` warns.
     "vllm_group_link": None,
+    # Seconds one `docker pull` of the image from its registry, and the model download, may take before the run ends
+    # it and fails the host on one line: a registry or hub that stops answering must not hold the host's lock forever.
+    "vllm_fetch_timeout_s": 14400,
     # --- host preflight -------------------------------------------------------------------------------------
     # Lowest CUDA version the driver must support (the nightly image is CUDA 13.0: R580-class drivers).
     "gpufleet_min_cuda": "13.0",
@@ -93,6 +100,13 @@ DEFAULTS: dict[str, Any] = {
     # Allow a host without NVIDIA GPUs (a VM for trying the deploy): everything is installed, the service is not
     # started.
     "gpufleet_allow_no_gpu": False,
+    # --- GPU health (docs/gpu-health.md) ------------------------------------------------------------------------
+    # Rows of the GPU verdict table over its defaults: signal -> "ok", "degraded", "restart-app", "reset-gpu",
+    # "reboot" or "service", e.g. {"xid 43": "ok"}. reset-gpu and worse refuse a (re)start on that GPU.
+    "gpufleet_gpu_verdicts": {},
+    # ISO 8601 time with its zone: kernel log Xid lines before it no longer count (set it after resetting a GPU by
+    # hand whose Xid the driver's own fields cannot clear). None: every line since boot counts.
+    "gpufleet_gpu_cleared_at": None,
     # --- one run per host at a time ---------------------------------------------------------------------------
     # Seconds a run waits for another run's lock on a host before preflight refuses it; 0 refuses at once, naming
     # the holder (user, controller host, pid, since when).
@@ -106,6 +120,9 @@ DEFAULTS: dict[str, Any] = {
     # by digest if absent. The host's ledger records it under vllm_image, so a later converge without this setting
     # keeps running it with no change.
     "gpufleet_image_ref": None,
+    # A commit of vllm_model_repo to install instead of the one the ledger keeps: what a rollout passes to move the
+    # model (a branch it resolved at its start). Recorded in the ledger, so a later converge keeps it.
+    "gpufleet_model_ref": None,
     # "converge" does everything; "prepare" stops before the unit: preflight, engine, toolkit, directories, env
     # file, the image pull, the model and the image's flag check, while the old version keeps serving (no unit
     # write, no restart, no ledger change).
@@ -123,6 +140,16 @@ DEFAULTS: dict[str, Any] = {
     # (docs/verify.md): a list of names, "all" or "none". Each runs only where the settings give it something to
     # check. "prefix-cache" (the probe, up to 49 requests) is left to gpufleet_verify_probe and a rollout's canary.
     "gpufleet_verify_checks": ("cached-cold", "sessions", "tools", "reasoning"),
+    # The speed check (docs/verify.md): how much speed every repeat of a figure may lose against the old version's
+    # median on the same host (0.7: down to 0.3x) before the new version fails. Above a version's noise against
+    # itself on a loaded machine, below a real regression (measured: docs/verify.md); a GPU host can hold a tighter one.
+    "gpufleet_speed_tolerance": 0.7,
+    # {host: the old version's speed figures} as a rollout measured them before the swap: what the speed check holds
+    # the new version to. Unset, the check records the new figures without comparing.
+    "gpufleet_speed_baseline": None,
+    # A rollout holds the hosts after its canary to the speed check too (each measured before and after its swap),
+    # not only the canary.
+    "gpufleet_speed_batches": False,
     # Fetch the Docker and NVIDIA repo keys even where a keyring is installed, and replace a key that rotated. Off,
     # an installed key stands (no request leaves the host) until apt installs from its repo, which fetches it first.
     "gpufleet_refresh_keys": False,
@@ -158,6 +185,13 @@ DEFAULTS: dict[str, Any] = {
     # Where this host pulls through: "" = the inventory's site_cache host (its ssh_hostname) at its
     # site_cache_port, "host:port" another cache (a second site), "off" = never.
     "site_cache_address": "",
+    # The site cache's mirror of the Hugging Face hub (olah, for the inventory's vllm_model_repos), on the site_cache
+    # host's loopback behind the same nginx: hosts download the model through site_cache_port.
+    "site_cache_mirror_port": 5003,
+    # GB the model mirror may keep; past it, what was read least recently goes first (olah checks hourly).
+    "site_cache_model_max_gb": 500,
+    # Package index the model mirror's locked wheels come from (each checked against the lock's sha256).
+    "site_cache_mirror_index_url": "https://pypi.org/simple",
     # Seconds a pull through the site cache may take before the host pulls from upstream instead. The first host
     # of a site pulls through the cache at upstream speed (the cache fetches as it serves).
     "site_cache_pull_timeout_s": 7200,
@@ -172,15 +206,21 @@ SECRET_SETTINGS = frozenset({"vllm_hf_token", "vllm_api_key", "vllm_secret_env"}
 # The names of the settings that code passes or reads by name (a rollout's `--data key=value`, the deploy, the lock,
 # lint): spelled here once, each a key of DEFAULTS.
 IMAGE_REF_SETTING: Final = "gpufleet_image_ref"
+MODEL_REF_SETTING: Final = "gpufleet_model_ref"
 STAGE_SETTING: Final = "gpufleet_stage"
 RETRY_SETTING: Final = "gpufleet_retry_failed"
 EXPECT_COMMITTED_SETTING: Final = "gpufleet_expect_committed"
 VERIFY_PROBE_SETTING: Final = "gpufleet_verify_probe"
 VERIFY_CHECKS_SETTING: Final = "gpufleet_verify_checks"
+SPEED_TOLERANCE_SETTING: Final = "gpufleet_speed_tolerance"
+SPEED_BASELINE_SETTING: Final = "gpufleet_speed_baseline"
+SPEED_BATCHES_SETTING: Final = "gpufleet_speed_batches"
 REFRESH_KEYS_SETTING: Final = "gpufleet_refresh_keys"
 WAIT_SETTING: Final = "gpufleet_lock_wait_s"
 LEASE_SETTING: Final = "gpufleet_lock_lease_s"
 ACCEPT_SETTING: Final = "gpufleet_accept"
+GPU_VERDICTS_SETTING: Final = "gpufleet_gpu_verdicts"
+GPU_CLEARED_SETTING: Final = "gpufleet_gpu_cleared_at"
 
 # The values of STAGE_SETTING: "converge" is the whole deploy; "prepare" pulls, fetches the model and checks the flags,
 # and stops before the unit (nothing restarts; the rollout prepares every host before it swaps any).

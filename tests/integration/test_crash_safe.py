@@ -100,7 +100,8 @@ def test_ssh_cut_after_the_unit_upload_before_the_restart(good, host, fleet, inv
     # The cut run got as far as the upload: the new unit is on disk, systemd never reloaded, nothing restarted.
     old = container_label(fleet, host)
     new = spec_for(host, fleet, **CHANGED)
-    put_file(fleet, host, UNIT, render_unit(new, good))
+    model = json.loads(fleet.read_file(host, f"/var/lib/gpufleet/{new.service}.json"))["committed"]["model"]
+    put_file(fleet, host, UNIT, render_unit(new, good, model))
     assert unit_show(fleet, host, "NeedDaemonReload") == "yes" and container_label(fleet, host) == old != new.spec_hash
 
     out = deploy(pyinfra, inventory(**CHANGED)).stdout

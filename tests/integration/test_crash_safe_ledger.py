@@ -135,7 +135,7 @@ def test_a_pull_whose_model_step_fails_leaves_the_ledger_naming_the_running_dige
                       check=False)
         assert proc.returncode != 0, proc.stdout[-4000:]
         assert f"pinned {image_ref(fleet.cfg, 'good')} -> {other}" in proc.stdout  # the pull ran
-        assert "model download of nobody/no-such-model failed" in proc.stdout
+        assert "cannot read nobody/no-such-model at its default branch from the hub" in proc.stdout
         assert fleet.read_file(host, STATE_FILE) == before and committed_ref(fleet, host) == good
         assert main_pid(fleet, host) == pid and running_image(fleet, host) == good
     finally:

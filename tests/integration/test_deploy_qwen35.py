@@ -19,6 +19,8 @@ import pytest
 from tests.integration.pyinfra_results import changed_ops, changes, results
 from tests.integration.pyinfra_run import run_deploy
 
+from gpufleet.facts.gpu_health import QUERY_HEALTH
+from gpufleet.facts.nvidia import QUERY_GPUS
 from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, H200x1, H200x3
 from gpufleet.sandbox.nvidia_smi import HOST_PROFILE
 from gpufleet.vllm.operations import nvidia, repo_keys
@@ -133,7 +135,7 @@ def test_foreign_daemon_json_keys_survive(converged, test_hosts, fleet):
 def test_second_converge_changes_nothing(converged, inventory_json, names, pyinfra, tmp_path):
     out = deploy(pyinfra, write_inventory(tmp_path, inventory_json, names)).stdout
     assert changes(out) == 0, changed_ops(out)
-    assert results(out)["Grand total"][0] == str(18 * len(names))
+    assert results(out)["Grand total"][0] == str(19 * len(names))
 
 
 def put_file(fleet, host, path: str, content: bytes) -> None:
@@ -155,11 +157,12 @@ def test_the_driver_version_file_spares_a_call_and_follows_the_driver(converged,
     inv = write_inventory(tmp_path, inventory_json, [a.name])
     profile, recorded = fleet.read_file(a, HOST_PROFILE), fleet.read_file(a, VERSION_FILE)
     calls = "/tmp/nvidia-smi-calls"
-    # Each nvidia-smi call logged on the host: a no-op converge asks for the GPUs, never again for the version.
+    # Each nvidia-smi call logged on the host: a no-op converge asks for the GPUs and their health, never again for the
+    # version.
     fleet.run_in(a, f"rm -f {calls}; sed -i '1a echo \"$1\" >> {calls}' /usr/bin/nvidia-smi")
     try:
         assert changes(deploy(pyinfra, inv).stdout) == 0
-        assert [c.split("=")[0] for c in sh(fleet, a, f"cat {calls}").split()] == ["--query-gpu"]
+        assert sh(fleet, a, f"cat {calls}").split() == [QUERY_GPUS.split()[1], QUERY_HEALTH.split()[1]]
         # A driver too old for the image, on a host whose file names the newer one: preflight sees the old one.
         set_driver(fleet, a, profile, "535.104.05", "12.2")
         proc = deploy(pyinfra, inv, check=False)

@@ -1,16 +1,17 @@
 """Faults of the host's own state on a real test host (nspawn, SSH, systemd, dockerd, the stand-in images): a full
 disk before the commit, a controller killed right after its rollback put the committed unit back, a controller
-frozen past its lease, a local user holding a lock file, a ledger naming a service outside its directory; then the
-controller's link cut during a soak, a local user's listener on the service's port, a prepare that hangs in a rollout,
-and a reboot during a rename's soak.
+frozen past its lease, a local user holding a lock file or squatting pyinfra's upload names, a ledger naming a
+service outside its directory; then the controller's link cut during a soak, a local user's listener on the
+service's port, a prepare that hangs in a rollout, and a reboot during a rename's soak.
 
 One fresh host, steps in file order (pytest keeps it), each starting from a host serving a committed version:
 converge on `good` -> disk full before the commit of `good-next`, then `dies` rolled back -> `dies` (other settings)
 with the controller killed after the rollback restored the unit -> a controller SIGSTOPped past its lease while
-another run commits, then a million-second lease held for the run -> a local user's flocks -> a ledger whose service
-is `../x` -> the link cut for 10 s during the soak of good-next with max-num-seqs 7 (the setting every later step
-keeps) -> a listener on 127.0.0.1:<port> (the host given an API key) -> a rollout whose prepare hangs -> a rename
-with a reboot during its soak (the host ends on vllm-renamed).
+another run commits, then a million-second lease held for the run -> a local user's flocks -> `dies` rolled back
+with the upload names squatted -> a ledger whose service is `../x` -> the link cut for 10 s during the soak of
+good-next with max-num-seqs 7 (the setting every later step keeps) -> a listener on 127.0.0.1:<port> (the host
+given an API key) -> a rollout whose prepare hangs -> a rename with a reboot during its soak (the host ends on
+vllm-renamed).
 
 The controllers are the real CLI (`pyinfra INVENTORY deploys/qwen35.py`) in processes of their own, signalled by the
 PID this test started. Files that a tmpfs mounted inside the host may hide are read inside the host (`base64`), not
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import getpass
+import hashlib
 import json
 import os
 import shutil
@@ -308,6 +310,34 @@ def test_a_local_users_flock_on_the_old_lock_path_does_not_block_a_converge(good
         assert fleet.run_in(host, f"flock -n {OLD_LOCK_PATH} true", check=False).returncode != 0  # still held
     finally:
         fleet.run_in(host, "systemctl stop gf-squatter", check=False)
+
+
+# --- 4b. a local user squatting pyinfra's fixed upload names ---------------------------------------------------------
+def pyinfra_staging_name(path: str) -> str:
+    """Where pyinfra's sudo upload of `path` would stage it: /tmp/pyinfra-<sha1 of the path> (a fixed name)."""
+    return f"/tmp/pyinfra-{hashlib.sha1(path.encode()).hexdigest()}"
+
+
+def test_a_local_user_squatting_the_upload_names_blocks_no_write_and_no_rollback(good, host, fleet, inventory,
+                                                                                  pyinfra, tmp_path):
+    dies, unit = digest_of(fleet, "dies"), read(fleet, host, UNIT)
+    committed = ledger_doc(fleet, host)["committed"]
+    # The names the ledger's and the unit's uploads were staged under, taken first by `nobody`.
+    squatted = [pyinfra_staging_name(f"{STATE_DIR}/.{SERVICE}.json.upload"),
+                pyinfra_staging_name(f"/etc/systemd/system/.{SERVICE}.service.gpufleet-tmp")]
+    fleet.run_in(host, " && ".join(f"runuser -u {LOCAL_USER} -- mkdir -m 755 {name}" for name in squatted))
+    try:
+        # The pending record, the new unit, the failure mark: each a write through the squatted names.
+        out = deploy(pyinfra, inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=20, vllm_args={"max-num-seqs": 8}),
+                     check=False).stdout
+        line = one_line(out, host, f"new image {dies} failed verification")
+        assert f"; rolled back to {committed['ref']}, which is ready (fix: " in line, line
+        assert read(fleet, host, UNIT) == unit and running_image(fleet, host) == committed["ref"]
+        doc = ledger_doc(fleet, host)
+        assert doc["committed"] == committed and doc["pending"] is None and doc["failed"][-1]["ref"] == dies
+        assert sh(fleet, host, f"stat -c %U {' '.join(squatted)}").split() == [LOCAL_USER] * 2  # left as they were
+    finally:
+        fleet.run_in(host, f"rm -rf {' '.join(squatted)}")
 
 
 # --- 5. a ledger naming service ../x ----------------------------------------------------------------------------

@@ -46,8 +46,9 @@ def test_a_bare_one_gpu_host_serves_the_profile(converged, fleet):
     spec = build_spec(name, data)
     assert spec.gpus == (0,) and spec.arg("pipeline-parallel-size") is None
     # The unit on the host is the render for the digest the deploy pinned, byte for byte.
-    ref = json.loads(fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"))["committed"]["ref"]
-    assert fleet.read_file(host, f"/etc/systemd/system/{SERVICE}.service").decode() == render_unit(spec, ref)
+    committed = json.loads(fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"))["committed"]
+    assert fleet.read_file(host, f"/etc/systemd/system/{SERVICE}.service").decode() == render_unit(
+        spec, committed["ref"], committed["model"])
     # The model landed under the profile's directory name, the caches under the profile's cache dir.
     assert sh(fleet, host, f"test -f /srv/vllm/models/{PROFILE.model}/config.json && echo yes").strip() == "yes"
     cache = PROFILE.settings["vllm_cache_dir"]

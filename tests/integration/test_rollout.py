@@ -7,10 +7,17 @@ vLLM image), with the hosts' vllm_image on a tag of this module's own that the t
 2. the tag on `rejects-flag`: caught in prepare, no host swapped (same containers);
 3. the tag on `dies`: the canary rolled back and serving the old digest, the others untouched, exit 1; `history`
    shows the failure; a plain converge changes nothing; the same with `completions-fail` (up, and every completion
-   answers 500), the canary's row naming the answer check;
+   answers 500), the canary's row naming the answer check, and with the tags each serving check catches (`slow`
+   and `stalls-under-load` by the speed check, measured on the canary before and after its swap);
 4. the tag back on `good` (an earlier committed digest); the controller killed mid-rollout; the re-run completes
    and no host was started twice;
 5. `rollback --host` returns a host to its previous digest, gated.
+
+GPU health, faults injected into the running hosts' stand-ins (gpufleet.sandbox.gpu_faults) and cleared after:
+after 1, a GPU throttling for heat is served and warned in `status`, and preflight refuses a converge that would
+restart a host onto a GPU pending a row remap (nothing changes) while a converge that restarts nothing goes on;
+after 4, a host whose GPU fell off the bus (Xid 79) is skipped by a rollout with one line, another host is the
+canary, the two others move, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.health.api import get
 from gpufleet.remote.ssh import open_ssh
+from gpufleet.sandbox import gpu_faults
 from gpufleet.sandbox.config import H200x3
 from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.registry import move_tag, tag_manifest
@@ -198,11 +206,27 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
         assert row["downtime_s"] is not None and 0 < row["downtime_s"] < 60
     # The canary was held to every serving check its settings apply to; the hosts after it to the answers.
     checks = {row["host"]: [(c["check"], c["ok"]) for c in row["checks"]] for row in doc["hosts"]}
-    assert [name for name, _ in checks[names[0]]][:3] == ["completion", "stream", "prefix-cache"]
+    assert [name for name, _ in checks[names[0]]][:4] == ["completion", "stream", "speed", "prefix-cache"]
     assert {"cached-cold", "sessions"} <= {name for name, _ in checks[names[0]]}
     assert all(ok for _, ok in checks[names[0]]) and all(checks[n] == [("completion", True), ("stream", True)]
                                                          for n in names[1:]), checks
     assert "serving check cached-cold: the same" in log.read_text()
+    # Its speed, measured before the swap (good) and after it (good-next, the same stand-in), new against old; kept
+    # in its ledger with the committed version, as `history` shows.
+    speed = doc["hosts"][0]["speed"]
+    assert speed["before"] and speed["after"] and set(speed["ratios"]) == {"prefill_tokens_per_s", "cached_ttft_s",
+                                                                          "decode_tokens_per_s", "batch_tokens_per_s"}
+    assert all(row["speed"] is None for row in doc["hosts"][1:])
+    assert "serving check speed: prefill " in log.read_text()
+    history = json.loads(gpufleet("history", str(inventory), "--host", names[0], "--json").stdout)
+    assert history["hosts"][0]["rows"][0]["speed"] == speed["after"]
+    # `verify --checks speed` holds the canary to those figures; the hosts without any are measured, not held.
+    verified = gpufleet("verify", str(inventory), "--checks", "speed", "--json")
+    assert verified.returncode == 0, verified.stdout[-4000:]
+    rows = {row["host"]: row for row in json.loads(verified.stdout)["hosts"]}
+    assert rows[names[0]]["speed"]["recorded"] == speed["after"] and rows[names[0]]["checks"][0]["ok"], rows[names[0]]
+    assert all(rows[n]["speed"]["recorded"] is None and rows[n]["checks"][0]["detail"].startswith(
+        "no earlier figures on this host to compare: ") for n in names[1:]), rows
     for h in hosts:
         assert running_image(fleet, h) == digests["good-next"]
     # Never more than one host (--batch 1) out of service, and each one was out at some point.
@@ -224,6 +248,52 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
     assert "already runs" in again.stderr
     assert changes(converge(pyinfra, inventory).stdout) == 0
     assert {h.name: container_id(fleet, h) for h in hosts} == ids
+
+
+# --- 1b. GPU health: a degraded GPU serves, a converge that would restart onto a sick one is refused -------------
+def test_a_host_whose_gpu_throttles_for_heat_is_served_and_warned_in_status(fleet, inventory, hosts, digests):
+    hot = hosts[1]
+    gpu_faults.inject(hot.root, 0, "thermal")
+    try:
+        doc = gpufleet("status", str(inventory), "--json")
+        table = gpufleet("status", str(inventory))
+    finally:
+        gpu_faults.clear(hot.root)
+    assert doc.returncode == 0 and table.returncode == 0, doc.stdout[-3000:] + table.stdout[-3000:]
+    rows = {row["host"]: row for row in json.loads(doc.stdout)["hosts"]}
+    assert rows[hot.name]["ok"] and rows[hot.name]["state"] == "ready" and rows[hot.name]["problems"] == []
+    assert {name: row["gpu"]["verdict"] for name, row in rows.items()} == {
+        h.name: "degraded" if h is hot else "ok" for h in hosts}
+    assert (f"{hot.name}: warning: GPU 0 (00000000:00:06.0) degraded: clocks_event_reasons.hw_thermal_slowdown "
+            "(0x40) at 91 C") in table.stdout, table.stdout[-3000:]
+    assert re.search(rf"│ {hot.name} .*│ degraded: 0 ", table.stdout), table.stdout[-3000:]
+
+
+def test_preflight_refuses_a_converge_that_would_restart_onto_a_gpu_pending_a_remap(fleet, inventory, pyinfra, hosts,
+                                                                                    digests):
+    host = hosts[2]
+    unit = f"/etc/systemd/system/{SERVICE}.service"
+    before = (container_id(fleet, host), fleet.read_file(host, unit), fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"))
+    other = digests["good"] if running_image(fleet, host) != digests["good"] else digests["good-next"]
+    gpu_faults.inject(host.root, 0, "remap-pending")
+    try:
+        # Nothing to restart: the converge goes on and says what the GPU needs.
+        same = converge(pyinfra, inventory, "--limit", host.name)
+        refused = converge(pyinfra, inventory, "--limit", host.name, "--data", f"gpufleet_image_ref={other}",
+                           check=False)
+    finally:
+        gpu_faults.clear(host.root)
+    assert changes(same.stdout) == 0
+    assert "GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes (the service runs on it)" in same.stdout
+    assert refused.returncode != 0 and "nothing was changed on any host" in refused.stdout, refused.stdout[-3000:]
+    lines = [line.strip() for line in refused.stdout.splitlines() if "needs GPU reset" in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"{host.name}: GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes: this converge would "
+        f"restart {SERVICE}.service ("), lines
+    assert "(fix: stop the service and reset the GPU (`nvidia-smi -r -i 0`), or reboot the host (NVIDIA: RESET_GPU)" \
+        in lines[0]
+    after = (container_id(fleet, host), fleet.read_file(host, unit), fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"))
+    assert after == before
 
 
 # --- 2. a flag the new image rejects -----------------------------------------------------------------------------
@@ -281,6 +351,10 @@ def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, py
     # Serving checks the canary is held to: answers that change once cached, tool calls that come back as text.
     ("cache-corrupt", "cached-cold", "check cached-cold: the cached answer differs from the cold one"),
     ("tools-broken", "tools", 'check tools: tool_choice "required": no parsed tool call'),
+    # Right answers, slower than the version before it on the same host: the figure and both values are named.
+    ("slow", "speed", r"check speed: .*prefill \d+ tokens/s, was \d+ \(0\.\d\dx the speed\)"),
+    ("stalls-under-load", "speed", r"check speed: 1 of 2 requests sent at once did not finish within \d+ s, while "
+                                   r"/health answered 200 all along"),
 ])  # fmt: skip
 def test_an_image_that_fails_its_clients_rolls_the_canary_back_naming_the_check(fleet, tag, inventory, hosts, digests,
                                                                                 broken_tag, check, caught):
@@ -294,7 +368,7 @@ def test_an_image_that_fails_its_clients_rolls_the_canary_back_naming_the_check(
     assert doc["target"] == broken
     assert outcomes(doc) == {canary.name: "rolled-back", **{h.name: "not-started" for h in others}}
     (row,) = [r for r in doc["hosts"] if r["host"] == canary.name]
-    assert caught in row["detail"], row
+    assert re.search(caught, row["detail"]), row
     assert row["checks"][-1] == {"check": check, "ok": False} and all(c["ok"] for c in row["checks"][:-1]), row
     assert running_image(fleet, canary) == digests["good-next"]
     for h in others:
@@ -324,6 +398,37 @@ def test_a_killed_rollout_resumes_and_no_host_restarts_twice(fleet, tag, invento
     for h in hosts:
         assert running_image(fleet, h) == digests["good"]
         assert starts_since(fleet, h, since) == 1, h.name
+
+
+# --- 4b. a GPU that fell off the bus: its host is skipped, another is the canary ------------------------------------
+def test_a_host_whose_gpu_fell_off_the_bus_is_skipped_and_another_host_is_the_canary(fleet, tag, inventory, hosts,
+                                                                                     digests):
+    sick, canary, other = hosts  # the canary would be the first host: the one whose GPU fell off the bus
+    kept = container_id(fleet, sick)
+    move_tag(fleet.cfg.registry, tag, "good-next")  # committed before on every host: not marked failed
+    gpu_faults.log_xid(sick.root, 1, 79)
+    try:
+        proc = gpufleet("rollout", str(inventory), "--yes", "--json")
+    finally:
+        gpu_faults.clear(sick.root)  # as a reboot leaves it: an empty kernel log
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    doc = rollout_json(proc)
+    assert outcomes(doc) == {sick.name: "skipped", canary.name: "updated", other.name: "updated"}
+    rows = {row["host"]: row for row in doc["hosts"]}
+    assert re.fullmatch(r"GPU 1 \(00000000:00:07\.0\) needs reboot: Xid 79 at \S+ \(GPU has fallen off the bus\.\) "
+                        r"\(fix: reboot the host \(NVIDIA: RESTART_BM\), then run the rollout again\)",
+                        rows[sick.name]["detail"]), rows[sick.name]["detail"]
+    said = [line for line in proc.stderr.splitlines() if line.startswith(f"{sick.name}: ")]
+    assert said == [f"{sick.name}: skipped: {rows[sick.name]['detail']}"], proc.stderr[-3000:]
+    # The canary was the next host: held to the serving checks, the host after it to the answers.
+    assert "cached-cold" in [c["check"] for c in rows[canary.name]["checks"]]
+    assert [c["check"] for c in rows[other.name]["checks"]] == ["completion", "stream"]
+    assert container_id(fleet, sick) == kept and running_image(fleet, sick) == digests["good"]
+    for h in (canary, other):
+        assert running_image(fleet, h) == digests["good-next"]
+    # Each swap's ledger entry records the GPU verdict it was made on.
+    history = json.loads(gpufleet("history", str(inventory), "--host", canary.name, "--json").stdout)
+    assert history["hosts"][0]["rows"][0]["detail"].endswith("; GPU ok"), history
 
 
 # --- 5. rollback ---------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from tests.integration.test_router import (
 
 from gpufleet.hostlock import LOCK_PATH, process_ended
 from gpufleet.router.settings import router_settings
+from gpufleet.sandbox import gpu_faults
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.inventory import pyinfra_hosts
@@ -481,3 +482,27 @@ def test_two_replicas_a_rollout_killed_while_its_canary_verifies_is_settled_by_t
     assert f"{third.name}: put back in router {router_host(rfleet).name}" in fixed.stderr, fixed.stderr
     assert fixed.returncode == 0, fixed.stdout[-3000:]
     assert sorted(router_workers(rfleet)) == sorted([*urls, foreign])
+# --- GPU health: a replica whose GPU needs a reset leaves the worker set until it is healthy again ------------------
+def test_a_replica_whose_gpu_fails_leaves_the_worker_set_and_rejoins_once_healthy(rfleet, inventory):
+    # Every replica on the target first (the tests before leave them on several): the rollout with the fault then
+    # swaps nothing and reconciles the routers, as it does at the start and the end of every run
+    # (gpufleet.rollout.membership).
+    urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
+    sick = replicas(rfleet)[1]
+    image = f"{rfleet.cfg.registry}/{REPOSITORY}:good-next"
+    on_target = rollout(inventory, image, env=WIDE)
+    assert on_target.returncode == 0, on_target.stderr[-3000:]
+    assert sorted(router_workers(rfleet)) == urls
+    gpu_faults.inject(sick.root, 0, "reset-required")
+    try:
+        out = rollout(inventory, image, env=WIDE)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert {h["outcome"] for h in json.loads(out.stdout)["hosts"]} == {"unchanged"}
+        assert sorted(router_workers(rfleet)) == [u for u in urls if u != f"http://{sick.ip}:5000"]
+        assert f"{sick.name}: taken out of router {router_host(rfleet).name}" in out.stderr, out.stderr[-3000:]
+    finally:
+        gpu_faults.clear(sick.root)
+    back = rollout(inventory, image, env=WIDE)
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert sorted(router_workers(rfleet)) == urls
+    assert f"{sick.name}: put back in router {router_host(rfleet).name}" in back.stderr, back.stderr[-3000:]

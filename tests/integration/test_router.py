@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests import frontdoor
 from tests.integration.fleets import own_fleet_config, running_fleet
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.pyinfra_run import run_deploy
@@ -92,7 +94,9 @@ def test_router_deploys_in_front_of_three_replicas(rfleet, inventory, pyinfra):
     router = router_host(rfleet)
     unit = rfleet.run_in(router, "cat /etc/systemd/system/vllm-router.service").stdout
     [exec_start] = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
-    assert "--policy cache_aware" in exec_start and "--worker-urls" not in exec_start
+    assert "--policy sticky_least_loaded" in exec_start and "--worker-urls" not in exec_start
+    # Its front door keys sessions with Debian's njs module.
+    assert rfleet.run_in(router, "nginx -T 2>/dev/null | grep -c '^js_import '").stdout.strip() == "1"
     # The membership lives in the router (its API) and in the file its unit replays after a restart.
     urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
     assert sorted(rfleet.run_in(router, f"cat {MEMBERS}").stdout.split()) == urls
@@ -362,6 +366,77 @@ def test_a_local_user_cannot_reach_the_worker_api_and_gpufleet_and_clients_still
     assert changed_ops(proc.stdout) == {"Fence the router's port to root and nginx (nftables)": 1}, \
         changed_ops(proc.stdout)
     assert main_pid(rfleet) == pid and as_nobody(rfleet, "GET", "/list_workers") == 7
+
+
+def post(base: str, body: bytes | dict, headers: dict[str, str] | None = None, timeout: float = 60) -> int:
+    """The HTTP status of a POST to the chat API through the front door (an error status included)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(f"{base}/v1/chat/completions", data, {"Content-Type": "application/json",
+                                                                          **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+def served_by(rfleet: Fleet, request) -> str:
+    """The replica that served `request()` (alone in flight), by the replicas' own prompt token counts."""
+    before = {h.name: served_prompt_tokens(rfleet, h) for h in replicas(rfleet)}
+    assert request() == 200
+    after = {h.name: served_prompt_tokens(rfleet, h) for h in replicas(rfleet)}
+    (name,) = [n for n in before if after[n] > before[n]]
+    return name
+
+
+def test_the_front_door_keys_a_session_only_when_the_client_names_none(rfleet, inventory):
+    # The default policy, sticky_least_loaded, behind the front door's session key. A restart empties the router's
+    # session table, so the new sessions below are placed by count alone.
+    router = router_host(rfleet)
+    base = f"http://{router.ip}:{ROUTER_PORT}"
+    model = served_model(base)
+    before = live_workers(rfleet)
+    since = rfleet.run_in(router, "date +%s").stdout.strip()
+    rfleet.run_in(router, "systemctl restart vllm-router.service")
+    deadline = time.monotonic() + 60
+    while live_workers_or_none(rfleet) != before:
+        assert time.monotonic() < deadline, live_workers_or_none(rfleet)
+        time.sleep(0.5)
+    # Three agents sharing one long system prompt, no X-Session-ID: each keeps one replica for all its turns, and
+    # the three sessions take one replica each.
+    system = {"role": "system", "content": "You are a coding agent in this repository. " * 40}
+    placed, keys = [], []
+    for k in range(3):
+        messages = [system, {"role": "user", "content": f"agent {k}: make the tests pass"}]
+        keys.append(frontdoor.expected_key({"messages": messages}))
+        turns = []
+        for turn in range(3):
+            body = {"model": model, "messages": list(messages), "max_tokens": 4}
+            turns.append(served_by(rfleet, lambda body=body: post(base, body)))
+            messages += [{"role": "assistant", "content": "done"}, {"role": "user", "content": f"turn {turn}"}]
+        assert len(set(turns)) == 1, (k, turns)
+        placed.append(turns[0])
+    assert sorted(placed) == sorted(h.name for h in replicas(rfleet)), placed
+    # The client's own X-Session-ID wins: no key is derived for it, and a new opening under it keeps its replica.
+    mine = {"X-Session-ID": "client-7"}
+    first = served_by(rfleet, lambda: post(base, {"model": model, "messages": [system, {"role": "user", "content":
+                                                  "client 7"}], "max_tokens": 4}, mine))
+    other_opening = {"model": model, "messages": [{"role": "user", "content": "another opening"}], "max_tokens": 4}
+    assert served_by(rfleet, lambda: post(base, other_opening, mine)) == first
+    journal = rfleet.run_in(router, f"journalctl -u vllm-router.service --since @{since} -o cat --no-pager").stdout
+    sessions = re.findall(r"SLL: new session '([^']*)'", journal)
+    assert sessions == [*keys, "client-7"], sessions
+    # Bodies the front door cannot key are still answered, each in a bound time: not JSON (the router's or vLLM's
+    # 4xx), a body over the in-memory buffer (kept in a file), a body cut short (the connection closed).
+    assert 400 <= post(base, b"not json {") < 500
+    big = {"model": model, "messages": [{"role": "user", "content": "x" * (12 << 20)}], "max_tokens": 4}
+    assert post(base, big, timeout=120) in (200, 400, 413)
+    with socket.create_connection((router.ip, ROUTER_PORT), timeout=30) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        conn.shutdown(socket.SHUT_WR)
+        assert conn.recv(65536) == b""
+    assert post(base, {"model": model, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4}) == 200
 
 
 def test_consistent_hash_spreads_sessions_over_every_replica(rfleet, inventory, pyinfra):

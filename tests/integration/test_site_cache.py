@@ -12,6 +12,13 @@ site cache (inventory group `site_cache`), the fleet's registry the "upstream", 
    then pulls from upstream, with one warning line naming the refusal;
 4. the cache's bound: a bound the disk cannot hold is refused at preflight; a cache over its bound is emptied
    before the cache host's pull.
+
+The model rides the same prepares (the stand-in hub's tiny model, mirrored by olah on the cache host): step 1's
+costs the hub the model's bytes once, all fetched by the mirror; in step 2 two hosts without the model download it
+from the hub, each with one warning; a block tampered with in the mirror's storage is refused by the hub's sha256,
+fetched again from the hub, never served; a branch moved on the hub changes no host until a run asks for the new
+commit (gpufleet_model_ref, what a rollout passes): its prepare downloads it while the old version serves, and the
+swap's converge downloads nothing.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from tests.integration.pyinfra_results import changed_ops
+from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.facts.pull import PullStats
 from gpufleet.rollout.prepare import prepare, pull_order
+from gpufleet.sandbox import hub as standin_hub
 from gpufleet.sandbox import image as sandbox_image
 from gpufleet.sandbox import registry as sandbox_registry
 from gpufleet.sandbox import services
@@ -36,6 +44,8 @@ from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.inventory import inventory_document, write_pyinfra_inventory
 from gpufleet.vllm.operations.image import pull_stats_file
+from gpufleet.vllm.settings import merged_settings
+from gpufleet.vllm.weights import MARKER
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploys" / "qwen35.py"
@@ -64,6 +74,34 @@ def _site(fleet: Fleet, hosts: list[Host], tmp_path_factory: pytest.TempPathFact
     yield fleet, hosts, refs, inventory, path.with_name("prepare.log")
 
 
+MODEL = sandbox_image.MODEL_REPO
+MODEL_DIR = f"{merged_settings({})['vllm_models_dir']}/{merged_settings({})['vllm_model']}"
+MIRROR_STORAGE = "/var/lib/gpufleet-model-mirror/repos/files/models"
+DOWNLOAD = "Download the model's commit unless it is here and checked"  # the deploy's operation
+
+
+def hub_commit(fleet: Fleet) -> str:
+    return (services.hub_root(fleet.cfg) / MODEL / "refs" / "main").read_text().strip()
+
+
+def hub_bytes(fleet: Fleet, since: int) -> dict[str, int]:
+    return standin_hub.served_bytes(services.hub_log(fleet.cfg), since)
+
+
+def hub_offset(fleet: Fleet) -> int:
+    log = services.hub_log(fleet.cfg)
+    return log.stat().st_size if log.exists() else 0
+
+
+def model_size(fleet: Fleet, commit: str) -> int:
+    return sum(f.size for f in standin_hub.listing(services.hub_root(fleet.cfg), MODEL, commit))
+
+
+def checked(fleet: Fleet, host: Host) -> str:
+    """The model commit the host's model directory was checked at (its mark), "" without one."""
+    return fleet.run_in(host, f"cat {MODEL_DIR}/{MARKER} 2>/dev/null", check=False).stdout.strip()
+
+
 def records(fleet: Fleet, hosts: list[Host]) -> dict[str, PullStats | None]:
     return {h.name: PullStats.from_json(fleet.run_in(h, f"cat {pull_stats_file(SERVICE)}").stdout) for h in hosts}
 
@@ -85,7 +123,7 @@ def test_prepare_downloads_each_layer_from_upstream_once_per_site(site):
     names = [h.name for h in hosts]
     # The cache host first, alone (here it is the canary too), then the other two at once.
     assert pull_order(str(inventory), names[::-1]) == [[names[0]], [names[2], names[1]]]
-    before = services.log_offset(fleet.cfg)
+    before, hub_before = services.log_offset(fleet.cfg), hub_offset(fleet)
     run, failed = prepare(str(inventory), names, refs["nightly-1"], DEPLOY, log=log, timeout_s=600)
     assert failed == {}, run.output[-4000:]
     served = services.blob_bytes(fleet.cfg, since=before)
@@ -96,6 +134,10 @@ def test_prepare_downloads_each_layer_from_upstream_once_per_site(site):
     assert set(served) == {hosts[0].ip}, served
     assert size <= served[hosts[0].ip] < 2 * size, (served, size)
     print(f"upstream served {served} for a {size}-byte layer")
+    # The model likewise: the hub served its bytes once, to the cache host's mirror; every host checked it.
+    commit = hub_commit(fleet)
+    assert hub_bytes(fleet, hub_before) == {hosts[0].ip: model_size(fleet, commit)}
+    assert all(checked(fleet, h) == f"{MODEL}@{commit}" for h in hosts)
     stats = records(fleet, hosts)
     for h in hosts:
         got = stats[h.name]
@@ -139,6 +181,9 @@ def trusted(fleet: Fleet, host: Host) -> list[str]:
 def test_cache_host_down_every_host_prepares_from_upstream_with_one_warning(site, pyinfra):
     fleet, hosts, refs, inventory, log = site
     others = hosts[1:]
+    for h in others:  # their model gone too: it comes from the hub, each host saying why
+        fleet.run_in(h, f"rm -rf {MODEL_DIR}")
+    hub_before = hub_offset(fleet)
     # The cache host off the network (a converge of the cache host itself would start a stopped registry again).
     fleet.set_connected(hosts[0], False)
     try:
@@ -155,6 +200,13 @@ def test_cache_host_down_every_host_prepares_from_upstream_with_one_warning(site
         got = records(fleet, hosts)[h.name]
         assert got is not None and got.ref == refs["nightly-2"] and got.fell_back and got.cache is None, got
         assert refs["nightly-2"] in listed(fleet, h)
+        mirror = [line for line in run.output.splitlines()
+                  if f"{h.name}: warning: the site cache's model mirror http://{cache} ({hosts[0].name}) is not "
+                     "reachable" in line]
+        assert len(mirror) == 1, (h.name, run.output[-4000:])
+        assert checked(fleet, h) == f"{MODEL}@{hub_commit(fleet)}"
+    size = model_size(fleet, hub_commit(fleet))
+    assert hub_bytes(fleet, hub_before) == {h.ip: size for h in others}
     # Told not to pull through it (site_cache_address "off"), a host no longer trusts it over plain HTTP.
     assert cache in trusted(fleet, others[0])
     off = run_deploy(pyinfra, inventory, str(DEPLOY), "--limit", others[0].name, "--data", "site_cache_address=off",
@@ -199,3 +251,59 @@ def test_the_cache_is_held_to_its_bound(site, pyinfra):
     run_deploy(pyinfra, inventory, str(DEPLOY), *args, "--data", "site_cache_max_gb=0.05")
     assert fleet.run_in(cache_host, f"sha256sum {blob}").stdout.split()[0] == digest[7:]
     assert ref in listed(fleet, cache_host)
+
+
+def test_a_model_file_tampered_with_in_the_mirror_is_refused_and_fetched_from_the_hub(site):
+    """olah checks its blocks by CRC32s kept beside them: a tamperer who rewrites both has it serve the bytes.
+    The hub's sha256 refuses them; the file comes from the hub itself, once; nothing bad is left to serve."""
+    fleet, hosts, refs, inventory, log = site
+    victim, commit = hosts[2], hub_commit(fleet)
+    fleet.run_in(hosts[0], "python3 - <<'EOF'\n"
+                 "import glob, zlib\n"
+                 f"d = glob.glob('{MIRROR_STORAGE}/{MODEL}/resolve/{commit}/model.safetensors')[0]\n"
+                 "b = bytearray(open(d + '/blocks/block_00000000.bin', 'rb').read()); b[100:108] = b'TAMPERED'\n"
+                 "open(d + '/blocks/block_00000000.bin', 'wb').write(b)\n"
+                 "c = bytearray(open(d + '/chunks.crc', 'rb').read())\n"
+                 "c[0:4] = (zlib.crc32(bytes(b[:1 << 20])) & 0xFFFFFFFF).to_bytes(4, 'little')\n"
+                 "open(d + '/chunks.crc', 'wb').write(c)\nEOF")
+    fleet.run_in(victim, f"rm -rf {MODEL_DIR}")
+    hub_before = hub_offset(fleet)
+    run, failed = prepare(str(inventory), [victim.name], refs["nightly-1"], DEPLOY, log=log, timeout_s=600)
+    assert failed == {}, run.output[-4000:]
+    [warning] = [line for line in run.output.splitlines() if f"{victim.name}: warning:" in line and "model" in line]
+    assert "served 1 file(s) whose hash is not the hub's (model.safetensors): refused; fetching from the hub" in warning
+    good = next(f for f in standin_hub.listing(services.hub_root(fleet.cfg), MODEL, commit)
+                if f.path == "model.safetensors")
+    assert fleet.run_in(victim, f"sha256sum {MODEL_DIR}/model.safetensors").stdout.split()[0] == good.sha256
+    assert checked(fleet, victim) == f"{MODEL}@{commit}"
+    assert hub_bytes(fleet, hub_before) == {victim.ip: good.size}  # that file again, from the hub itself
+
+
+def test_a_moved_branch_changes_nothing_until_a_run_asks_and_its_prepare_downloads_it(site, pyinfra):
+    fleet, hosts, refs, inventory, log = site
+    host, first = hosts[1], hub_commit(fleet)
+    args = ("--limit", host.name, "--data", f"gpufleet_image_ref={refs['nightly-2']}")
+    run_deploy(pyinfra, inventory, str(DEPLOY), *args)  # converged: the ledger records the model's commit
+    ledger = json.loads(fleet.run_in(host, f"cat /var/lib/gpufleet/{SERVICE}.json").stdout)
+    assert ledger["committed"]["model"] == f"{MODEL}@{first}"
+    # main moves on the hub: a converge keeps the recorded commit, and changes nothing.
+    files = {f.path: services.hub_root(fleet.cfg) / MODEL / "commits" / first / f.path
+             for f in standin_hub.listing(services.hub_root(fleet.cfg), MODEL, first)}
+    moved = standin_hub.publish(services.hub_root(fleet.cfg), MODEL,
+                                {**files, "generation_config.json": b'{"temperature": 0.7}\n'})
+    again = run_deploy(pyinfra, inventory, str(DEPLOY), *args)
+    assert changes(again.stdout) == 0, changed_ops(again.stdout)
+    assert checked(fleet, host) == f"{MODEL}@{first}"
+    # Asked for it (a rollout's prepare): downloaded and checked while the old version serves, nothing restarted.
+    hub_before = hub_offset(fleet)
+    run, failed = prepare(str(inventory), [host.name], refs["nightly-2"], DEPLOY, log=log, timeout_s=600,
+                          model_ref=moved)
+    assert failed == {}, run.output[-4000:]
+    assert checked(fleet, host) == f"{MODEL}@{moved}"
+    assert sum(hub_bytes(fleet, hub_before).values()) == len(b'{"temperature": 0.7}\n')  # the changed file, once
+    # The swap's converge: a new unit (it names the commit), a restart, nothing downloaded in the downtime.
+    swap = run_deploy(pyinfra, inventory, str(DEPLOY), *args, "--data", f"gpufleet_model_ref={moved}")
+    changed = changed_ops(swap.stdout)
+    assert "Install the vLLM systemd unit" in changed and DOWNLOAD not in changed, changed
+    ledger = json.loads(fleet.run_in(host, f"cat /var/lib/gpufleet/{SERVICE}.json").stdout)
+    assert ledger["committed"]["model"] == f"{MODEL}@{moved}"

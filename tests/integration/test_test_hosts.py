@@ -123,11 +123,12 @@ def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, fresh_host
     env = fleet.ssh(host, f"sudo docker image inspect -f '{{{{json .Config.Env}}}}' {ref}").stdout
     assert "NVIDIA_REQUIRE_CUDA=cuda>=13.0" in env
 
-    # the image's `hf` fetches the bundled model; then a systemd unit wraps `docker run` of the server
+    # the image's `hf` fetches the model from the stand-in hub; then a systemd unit wraps `docker run` of the server
     dl = fleet.ssh(
         host,
-        f"sudo mkdir -p /srv/models && sudo docker run --rm -v /srv/models:/models --entrypoint hf "
-        f"{ref} download {image.MODEL_REPO} --local-dir /models/tiny",
+        f"sudo mkdir -p /srv/models && sudo docker run --rm --network host -v /srv/models:/models --entrypoint hf "
+        f"-e HF_ENDPOINT={fleet.cfg.hub_url} -e HF_HUB_DISABLE_XET=1 {ref} download {image.MODEL_REPO} "
+        "--local-dir /models/tiny",
     )
     assert dl.stdout.strip() == "/models/tiny"
     # the rollout tags: an older vLLM rejects the seed's flag; a dying one exits 1 after a short life

@@ -50,6 +50,7 @@ OTHER_COMMANDS: dict[tuple[str, ...], list[str]] = {
     ("init",): ["--host", "gpu-box-1"],  # DIR missing, and a host without an address
     ("sandbox", "up"): ["0"],  # COUNT is 1-200
     ("sandbox", "down"): ["extra"],  # takes no argument
+    ("sandbox", "gpu-fault"): [],  # HOST missing
 }
 ENVELOPE = {"command", "ok", "error", "hosts", "routers"}
 

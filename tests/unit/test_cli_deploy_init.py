@@ -5,6 +5,7 @@ installed wheel is tests/integration/test_installed_wheel.py."""
 from __future__ import annotations
 
 import ast
+import os
 import stat
 import subprocess
 from pathlib import Path
@@ -207,6 +208,34 @@ def test_init_refuses_to_overwrite(tmp_path):
     code, out = invoke("init", str(target), "--host", "b=10.0.0.2", "--force")
     assert code == 0, out
     assert "10.0.0.2" in (target / "inventory.py").read_text()
+
+
+def test_init_force_never_writes_the_key_into_a_wider_file_or_through_a_link(tmp_path, monkeypatch):
+    target = tmp_path / "fleet"
+    assert invoke("init", str(target), "--host", "a=10.0.0.1")[0] == 0
+    group_data = target / "group_data" / "all.py"
+    group_data.chmod(0o644)  # an old file, opened up since
+    modes: list[int] = []
+    real_fdopen = os.fdopen
+
+    def watched(fd, *args, **kwargs):  # the mode of every file init writes, when it writes its first byte
+        f = real_fdopen(fd, *args, **kwargs)
+        write = f.write
+        f.write = lambda text: modes.append(stat.S_IMODE(os.fstat(f.fileno()).st_mode)) or write(text)
+        return f
+
+    monkeypatch.setattr(os, "fdopen", watched)
+    assert invoke("init", str(target), "--host", "b=10.0.0.2", "--force")[0] == 0
+    assert modes == [0o644, 0o600], modes  # inventory.py, then all.py: 0600 before the key's first byte
+    # A link planted at all.py (to a file its owner can read) is replaced, not written through.
+    victim = tmp_path / "victim"
+    victim.write_text("mine\n")
+    group_data.unlink()
+    group_data.symlink_to(victim)
+    assert invoke("init", str(target), "--host", "c=10.0.0.3", "--force")[0] == 0
+    assert victim.read_text() == "mine\n"
+    assert not group_data.is_symlink() and stat.S_IMODE(group_data.stat().st_mode) == 0o600
+    assert sorted(p.name for p in group_data.parent.iterdir()) == ["all.py"]  # no temp file left
 
 
 @pytest.mark.parametrize("options, names", [

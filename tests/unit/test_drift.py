@@ -112,7 +112,7 @@ def test_a_unit_written_but_never_loaded_is_reloaded_restarted_and_verified_with
     snap = converged(RunningService("active", "running", True, SPEC.spec_hash, PINNED, (("old", PINNED),)))
     commands = [described(c) for c in run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[],
                                                 pin=PINNED, retry_failed=False)]
-    assert commands == ["systemctl daemon-reload", "still_locked", "_begin", f"systemctl restart {UNIT}"]
+    assert commands == ["systemctl daemon-reload", "still_locked", "_begin", f"sh -c 'systemctl restart {UNIT}'"]
     verify, roll_back = run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, roll_back=lambda *a: True,
                                   changes=[], soak_s=20.0)
     assert isinstance(verify, FunctionCommand) and verify.args == (20.0,)  # verified with the soak
@@ -125,7 +125,7 @@ def test_a_container_from_another_spec_is_restarted():
                          retry_failed=False)
     # The restart comes right after the check that this run still holds the host's lock, and the ledger's pending
     # record (a no-op when what restarts is the committed version).
-    assert [described(c) for c in commands] == ["still_locked", "_begin", f"systemctl restart {UNIT}"]
+    assert [described(c) for c in commands] == ["still_locked", "_begin", f"sh -c 'systemctl restart {UNIT}'"]
 
 
 def test_what_the_unit_says_running_is_left_alone():

@@ -5,6 +5,7 @@ verified for them; one digest for the group; the checks across the ranks; the ra
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
 import pytest
@@ -15,18 +16,19 @@ from pyinfra.context import ctx_host, ctx_state
 from gpufleet.harness import preflight
 from gpufleet.hoststate.ledger import Committed, Ledger, Version, render
 from gpufleet.units import unit_name
-from gpufleet.vllm.deploy import Plan, deploy_qwen35, plan_for
+from gpufleet.vllm.deploy import Plan, check_fleet, deploy_qwen35, plan_for
 from gpufleet.vllm.facts import HostSnapshot, group_probe
 from gpufleet.vllm.group_deploy import check_groups, probe_problem
 from gpufleet.vllm.unit import render_unit
 from gpufleet.wire.identity import Expected
-from tests.unit.test_vllm_deploy import DATA, bare_but_installed, writes
+from tests.unit.test_vllm_deploy import DATA, bare_but_installed, sick, writes
 
 HOSTS = {"box-a": "10.0.0.1", "box-b": "10.0.0.2"}
 GROUP = {"vllm_group": "pair", "vllm_profile": "qwen35-1gpu", "vllm_group_interface": "eth0",
          "vllm_group_link": "25GbE", "vllm_args": {"pipeline-parallel-size": 2}}
 REF = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
 OTHER = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
+COMMIT, OTHER_COMMIT = "c" * 40, "d" * 40
 START = "Enable and start the vLLM service"
 VERIFY = "Verify vLLM is ready (/health, /v1/models), else roll back"
 UNIT = "Install the vLLM systemd unit"
@@ -67,31 +69,37 @@ def prepare(snaps: dict[str, HostSnapshot], monkeypatch: pytest.MonkeyPatch, gro
     return plans, ops
 
 
-def converged(monkeypatch: pytest.MonkeyPatch, pins: dict[str, str] | None = None) -> dict[str, HostSnapshot]:
-    """What each rank's snapshot shows once the group converged on REF (a rank's pin can be another): its files,
-    its ledger naming the group's version, its unit active; the head serving, the rank reaching its head."""
+def converged(monkeypatch: pytest.MonkeyPatch, pins: dict[str, str] | None = None,
+              models: dict[str, str] | None = None) -> dict[str, HostSnapshot]:
+    """What each rank's snapshot shows once the group converged on REF and the model's commit COMMIT (a rank's pins
+    can be others): its files, its ledger naming the group's version, its model checked, its unit active; the head
+    serving, the rank reaching its head."""
     pins = pins or dict.fromkeys(HOSTS, REF)
+    models = models or dict.fromkeys(HOSTS, COMMIT)
     plans, ops = prepare({name: bare_but_installed() for name in HOSTS}, monkeypatch)
     snaps = {}
     for name, plan in plans.items():
         files, dirs = writes(list(ops[name].items()))
         spec = plan.spec
         assert spec.group is not None
+        model = f"{plan.settings['vllm_model_repo']}@{models[name]}"
         snap = bare_but_installed()
         snap.file_sha256 = {path: hashlib.sha256(content).hexdigest() for path, content in files.items()}
         snap.dirs = dict.fromkeys(dirs, ("root", "root", "755"))
         snap.ledger_text = render(Ledger(committed=Committed(Version(
-            spec.image, pins[name], None, spec.spec_hash, spec.service, spec.port, spec.group.version(pins[name])),
-            "t0")))
+            spec.image, pins[name], None, spec.spec_hash, spec.service, spec.port, model=model,
+            model_revision=plan.settings["vllm_model_revision"], group=spec.group.version(pins[name], model)), "t0")))
         snap.images = [(ref.split("@")[0], "<none>", ref.split("@")[1]) for ref in set(pins.values())]
         snap.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
+        snap.model_checked = model
         snap.units[unit_name(spec.service)] = ("active", "enabled")
         snap.group_probe = None if spec.group.is_head else "open"
         if spec.group.is_head:
             snap.health_code, snap.served_models = "200", [(spec.served_model_name, spec.max_model_len)]
             snap.cache_config = dict(Expected.from_spec(spec).cache_config)
         # The unit's text depends on the pin: the one rendered for it.
-        snap.file_sha256[plan.layout.unit_file] = hashlib.sha256(render_unit(spec, pins[name]).encode()).hexdigest()
+        snap.file_sha256[plan.layout.unit_file] = hashlib.sha256(
+            render_unit(spec, pins[name], model).encode()).hexdigest()
         snaps[name] = snap
     return snaps
 
@@ -108,8 +116,7 @@ def test_a_rank_whose_service_stopped_restarts_every_rank_and_the_head_verifies_
     _, ops = prepare(snaps, monkeypatch)
     for name in HOSTS:
         shell = [c.get_raw_value() for c in ops[name][START] if isinstance(c, StringCommand)]
-        assert any(line.startswith("systemctl ") and "vllm-qwen35-1gpu.service" in line
-                   and ("restart" in line or "start" in line) for line in shell), (name, shell)
+        assert any(re.search(r"systemctl (re)?start vllm-qwen35-1gpu\.service", line) for line in shell), (name, shell)
         assert [c.function.__name__ for c in ops[name][VERIFY]] == ["verify", "roll_back_if_failed"], name
         assert ops[name][UNIT] == [], name  # nothing of either unit changes: only the group's state did
 
@@ -122,6 +129,18 @@ def test_the_group_installs_its_heads_digest_on_every_rank(monkeypatch):
     assert uploads and f"image pinned to {REF}." in uploads[0]
     assert ops["box-a"][UNIT] == []
     assert any(isinstance(c, FunctionCommand) for c in ops["box-a"][START])  # the head restarts with it
+
+
+def test_the_group_installs_its_heads_model_commit_on_every_rank(monkeypatch):
+    # A rank whose ledger keeps another commit of the model's branch is brought to the head's, and the head
+    # restarts with it: one engine, one set of weights.
+    snaps = converged(monkeypatch, models={"box-a": COMMIT, "box-b": OTHER_COMMIT})
+    plans, ops = prepare(snaps, monkeypatch)
+    repo = plans["box-a"].settings["vllm_model_repo"]
+    uploads = [c.src.getvalue().decode() for c in ops["box-b"][UNIT] if isinstance(c, FileUploadCommand)]
+    assert uploads and f"# Model {repo}@{COMMIT}." in uploads[0]
+    assert ops["box-a"][UNIT] == []
+    assert any(isinstance(c, FunctionCommand) for c in ops["box-a"][START])
 
 
 def reading(plan: Plan, gpu: str = "NVIDIA H200", driver: str = "580.159.04") -> preflight.Reading[Any, Any]:
@@ -148,6 +167,19 @@ def test_ranks_with_another_gpu_model_or_driver_are_refused_on_the_head_unless_a
     accepting = plans({"gpufleet_accept": ["group-mixed-gpu-models", "group-mixed-drivers"]})
     assert check_groups({name: reading(accepting[name], **({} if name == "box-a" else {"gpu": "X", "driver": "1"}))
                          for name in HOSTS}) == {}
+
+
+def test_a_rank_restarted_by_its_group_onto_a_gpu_that_needs_a_reset_is_refused(monkeypatch):
+    snaps = converged(monkeypatch)
+    sick(snaps["box-b"], {0: {"remap_pending": True}})
+    p = plans()
+    readings = {name: preflight.Reading(p[name], snaps[name], []) for name in HOSTS}
+    assert check_fleet(readings) == {}  # nothing restarts: the group goes on serving
+    snaps["box-a"].units[unit_name("vllm-qwen35-1gpu")] = ("failed", "enabled")
+    (line,) = check_fleet(readings)["box-b"]
+    assert line.startswith("box-b: GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes: this converge "
+                           "would restart with its group (box-a would start vllm-qwen35-1gpu.service (it is not "
+                           "running)) (fix: stop the service and reset the GPU")
 
 
 def test_a_group_deploys_as_one_a_rank_left_out_of_the_run_is_refused():

@@ -1,16 +1,19 @@
 """The answer checks (gpufleet.health.answers) against the stand-in `vllm serve` on loopback: a good server passes
-both, each way of failing clients fails the check it should, naming what came back; and against hand-made answers
-that are wrong in one way each."""
+both, each way of failing clients fails the check it should, naming what came back; against hand-made answers
+that are wrong in one way each; and a request that gets no answer, which is not a failure: its check could not run."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
 
 import pytest
 
-from gpufleet.health.answers import MAX_TOKENS, check_answers, failed
+from gpufleet.health.answers import MAX_TOKENS, check_answers, failed, unanswered
+from gpufleet.health.api import BrokenAnswer, HttpStatusError, NotHttp
+from gpufleet.remote.transport import AnswerTooLarge, DeadlineExceeded, TransportError, Unreachable
 from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
 from tests.unit.test_standin_vllm_serve import model, server  # noqa: F401 - fixtures
@@ -56,12 +59,82 @@ def test_a_model_the_server_does_not_serve_fails_naming_it(server):
     assert not any(c.ok for c in checks) and all("404" in c.detail for c in checks), checks
 
 
-def test_nothing_listening_is_a_failed_check_not_an_exception():
+def test_nothing_listening_is_a_check_that_could_not_run_not_an_exception():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # bound, never listening: connections are refused
-        checks = check_answers(LoopbackTransport(), expected(port), timeout_s=2)
-    assert not any(c.ok for c in checks) and all("Refused" in c.detail for c in checks), checks
+        completion, stream = check_answers(LoopbackTransport(), expected(port), timeout_s=2)
+    assert not completion.ok and not completion.ran and "could not run: ConnectionRefusedError" in completion.detail
+    assert (stream.ok, stream.ran, stream.detail) == (False, False, "not sent: completion got no answer")
+    assert failed((completion, stream)).startswith("completion: could not run: ")  # not passed either
+
+
+@pytest.mark.parametrize(("error", "no_answer"), [
+    (DeadlineExceeded("POST /v1/chat/completions: no complete answer within 60 s"), True),
+    (TimeoutError("gpu1: the tunnel to port 8000 did not open within 60 s"), True),
+    (ConnectionRefusedError("gpu1: 127.0.0.1:8000 refused the connection"), True),
+    (ConnectionResetError("reset before any answer"), True),
+    (http.client.RemoteDisconnected("Remote end closed connection without response"), True),
+    (Unreachable("gpu1: SSH failed: timed out"), True),
+    (TransportError("gpu1: sshd refused the tunnel to port 8000: Administratively prohibited"), True),
+    (BrokenAnswer("POST /v1/chat/completions: body broken off after 10 bytes"), False),
+    (NotHttp("POST /v1/chat/completions: the port does not answer HTTP"), False),
+    (AnswerTooLarge("body over 4194304 bytes"), False),
+    (HttpStatusError("/v1/chat/completions", 500, "EngineCore encountered an issue."), False),
+    (ValueError("/metrics answered 500"), False),
+])  # fmt: skip
+def test_only_a_request_that_got_no_answer_at_all_is_unanswered(error, no_answer):
+    assert unanswered(error) is no_answer
+
+
+class Silent:
+    """Accepts connections and answers the first `silent` of them with nothing (the request's deadline passes),
+    the rest with a good completion."""
+
+    def __init__(self, silent: int):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port, self.silent, self.accepted, self.held = self.listener.getsockname()[1], silent, 0, []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        body = json.dumps(_completion()).encode()
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.accepted <= self.silent:
+                self.held.append(conn)  # never answered, never closed until the test ends
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(f"HTTP/1.1 200 OK\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_a_request_that_gets_no_answer_is_sent_once_more_and_then_could_not_run():
+    server = Silent(silent=2)
+    try:
+        completion, stream = check_answers(LoopbackTransport(), expected(server.port), timeout_s=1)
+    finally:
+        server.close()
+    assert server.accepted == 2  # the completion twice; the stream was not sent
+    assert not completion.ran and completion.detail.startswith("could not run: DeadlineExceeded: POST "), completion
+    assert not stream.ran and completion.as_dict()["ran"] is False
+
+
+def test_one_request_that_got_no_answer_is_a_blip_when_the_next_is_answered():
+    server = Silent(silent=1)
+    try:
+        completion = check_answers(LoopbackTransport(), expected(server.port), timeout_s=1)[0]
+    finally:
+        server.close()
+    assert completion.ok and completion.ran and server.accepted >= 2, completion
 
 
 # --- answers wrong in one way each, from a minimal HTTP server ---------------------------------------------------

@@ -10,7 +10,9 @@ from click.testing import CliRunner
 
 from gpufleet.cli.verify import load_targets, status, verify
 from gpufleet.health import HealthReport, HealthState
+from gpufleet.health.answers import AnswerCheck
 from gpufleet.health.runner import HostResult
+from gpufleet.remote.transport import ContainerInfo
 from gpufleet.vllm.settings import build_spec
 from gpufleet.wire.identity import Expected
 from tests.ports import free_port
@@ -203,6 +205,37 @@ def test_server_strings_are_shown_as_text_never_read_as_markup(inventory, monkey
     assert "[/x]" in result.output and "[bold]0.32" in result.output
 
 
+def test_verify_shows_a_check_that_could_not_run_as_not_run_with_a_fix_to_run_it_again(inventory, monkeypatch):
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    answers = (AnswerCheck("completion", True, "2 tokens (length)"), AnswerCheck("stream", True, "3 chunks"))
+    checks = (AnswerCheck("cached-cold", True, "the same 6 tokens"),
+              AnswerCheck("sessions", False, "could not run: DeadlineExceeded: no answer within 120 s", ran=False),
+              AnswerCheck("tools", False, 'tool_choice "required": no parsed tool call'))
+    ready = HealthReport(HealthState.READY, "/health 200", host="box-b")
+    found = HostResult(target, ready, answers=answers, checks=checks)
+    monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [found])
+    args = [str(inventory), "--host", "box-b", "--checks", "all"]
+    result = CliRunner().invoke(verify, args)
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("┃ host") and "sessions" in line)
+    row = next(line for line in lines[header:] if "box-b" in line)
+    assert [cell.strip() for cell in row.strip("│ ").split("│")] == ["box-b", "-", "-", "passed", "not run", "FAILED", "-"]
+    run_again = f"(fix: run it again (`gpufleet verify {inventory} --host box-b`); if its requests keep getting no answer"
+    assert any("sessions: could not run" in line and run_again in line for line in result.output.splitlines())
+    assert any("tools:" in line and "gpufleet rollback" in line for line in result.output.splitlines())
+
+    (host,) = json.loads(CliRunner().invoke(verify, [*args, "--json"]).stdout)["hosts"]
+    assert [(c["check"], c["ok"], c["ran"]) for c in host["checks"]] == [
+        ("cached-cold", True, True), ("sessions", False, False), ("tools", False, True)]
+    # Told apart by id: a client that acts on a failed check must not act on one that could not run.
+    (not_run, failed) = host["problems"]
+    assert (not_run["id"], failed["id"]) == ("check-not-run", "serving-check"), host["problems"]
+    assert not_run["message"].startswith("serving check sessions: could not run: ") and "run it again" in not_run["fix"]
+    assert "gpufleet rollback" in failed["fix"] and "gpufleet rollback" not in not_run["fix"]
+
+
 # --- routers: verify checks each router of the inventory against its replicas ----------------------------------------
 @pytest.fixture
 def fleet_inventory(tmp_path):
@@ -326,3 +359,81 @@ def test_verify_uses_each_hosts_own_key_whatever_the_callers_environment_holds(i
     assert CliRunner().invoke(verify, [str(inventory), "--host", "box-b"]).exit_code == 0
     assert CliRunner().invoke(verify, [str(inventory), "--host", "box-b", "--api-key", "sk-given"]).exit_code == 0
     assert seen == [None, "sk-given"]  # None: each target's own key (HostTarget.api_key)
+
+
+# --- GPU health: a column at a glance; a sick GPU the service runs on fails verify, a degraded one warns ------------
+def _gpu_results(targets):
+    """box-a's GPU 1 fell off the bus (Xid 79), box-b's GPU 0 throttles for heat: both ready."""
+    from datetime import datetime
+
+    from gpufleet.facts.gpu_health import GpuHealth, GpuReading, KernelEvent
+    from gpufleet.facts.gpu_verdict import judge
+    from gpufleet.wire.gpu_verdicts import GpuSettings
+
+    fell = KernelEvent(bus=(0, 0, 7), code=79, text="GPU has fallen off the bus.",
+                       at=datetime.fromisoformat("2026-12-03T09:30:00+00:00").timestamp())
+    gpus = {"box-a": GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0"), GpuReading(1, "00000000:00:07.0")),
+                               events=(fell,)),
+            "box-b": GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0", clocks_event_reasons=0x40, temperature_c=91),))}
+    return [HostResult(t, HealthReport(HealthState.READY, "/health 200", host=t.name),
+                       gpus=judge(gpus[t.name], GpuSettings())) for t in targets]
+
+
+def test_status_has_a_gpu_column_and_a_sick_gpu_the_service_uses_fails_the_host(inventory, monkeypatch):
+    cli = sys.modules[load_targets.__module__]
+    monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: _gpu_results(targets))
+    result = CliRunner().invoke(status, [str(inventory)])
+    assert result.exit_code == 1, result.output
+    rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("│ box-")}
+    assert "needs reboot: 1" in rows["box-a"] and "degraded: 0" in rows["box-b"], result.stdout
+    assert ("box-a: GPU 1 (00000000:00:07.0) needs reboot: Xid 79 at 2026-12-03T09:30:00Z (GPU has fallen off the "
+            "bus.) (fix: reboot the host (NVIDIA: RESTART_BM); docs/gpu-health.md says how a verdict clears)") \
+        in result.stdout
+    assert ("box-b: warning: GPU 0 (00000000:00:06.0) degraded: clocks_event_reasons.hw_thermal_slowdown (0x40) at "
+            "91 C (keep serving and watch it") in result.stdout
+    assert "status found problems on 1 of 2 host(s): box-a" in result.stderr
+
+
+def test_verify_json_names_the_gpu_problem_and_keeps_the_degraded_host_ok(inventory, monkeypatch):
+    cli = sys.modules[load_targets.__module__]
+    monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: _gpu_results(targets))
+    result = CliRunner().invoke(verify, [str(inventory), "--json"])
+    assert result.exit_code == 1, result.output
+    a, b = json.loads(result.stdout)["hosts"]
+    assert (a["ok"], [p["id"] for p in a["problems"]], b["ok"], b["problems"]) == (False, ["gpu"], True, [])
+    assert a["gpu"]["verdict"] == "reboot" and a["gpu"]["gpus"][1]["findings"][0]["signal"] == "xid 79"
+    assert b["gpu"]["summary"] == "degraded (GPU 0: clocks_event_reasons.hw_thermal_slowdown)"
+
+
+def test_a_ready_host_on_a_gpu_that_needs_a_reboot_is_not_ok_and_a_degraded_one_is(inventory):
+    a, b = _gpu_results(load_targets(str(inventory)))
+    assert (a.health.ready, a.ok, [g.index for g in a.sick_gpus]) == (True, False, [1])
+    assert (b.ok, b.sick_gpus) == (True, [])
+def test_a_host_running_another_digest_than_its_ledger_committed_is_a_problem(inventory, monkeypatch):
+    # A rollback whose restore failed: the ledger names the committed digest, the failed one still answers.
+    cli = sys.modules[load_targets.__module__]
+    (target,) = load_targets(str(inventory), "box-b")
+    good, bad = ("reg:5000/vllm/vllm-openai@sha256:" + c * 64 for c in "12")
+    seen: dict = {}
+
+    def check_fleet(targets, **kw):
+        seen.update(kw)
+        running = ContainerInfo("c1", "running", image=bad, spec_hash=target.expected.spec_hash)
+        return [HostResult(target, HealthReport(HealthState.READY, "/health 200", container=running),
+                           committed_ref=good)]
+
+    monkeypatch.setattr(cli, "check_fleet", check_fleet)
+    result = CliRunner().invoke(status, [str(inventory), "--host", "box-b", "--json"])
+    assert seen["committed"] is cli.read_committed  # status reads each host's ledger
+    assert result.exit_code == 1, result.output
+    (row,) = json.loads(result.stdout)["hosts"]
+    assert row["committed"] == good and not row["ok"]
+    (problem,) = row["problems"]
+    assert problem["id"] == "not-committed"
+    assert problem["message"] == f"runs {bad}, not {good}, which its ledger has committed"
+    assert "gpufleet deploy" in problem["fix"]
+    text = CliRunner().invoke(status, [str(inventory), "--host", "box-b"])
+    assert "(not committed)" in text.output and f"box-b: runs {bad}" in text.output
+    same = HostResult(target, HealthReport(HealthState.READY, "/health 200",
+                                           container=ContainerInfo("c1", "running", image=good)), committed_ref=good)
+    assert same.ok and same.committed_drift is None

@@ -26,11 +26,12 @@ PACKAGE = Path(gpufleet.__file__).parent
 SLICES = ("vllm", "router", "sitecache")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("quoting", "defaults", "image_names", "names", "data", "vllm.flags", "vllm.profiles", "vllm.group"),
-    ("vllm.spec", "vllm.value_rules", "units"),
+    ("quoting", "defaults", "image_names", "names", "data", "wheel_lock", "vllm.flags", "vllm.profiles",
+     "vllm.group"),
+    ("vllm.spec", "vllm.value_rules", "vllm.weights", "units"),
     ("wire", "vllm.unit", "vllm.plain_settings", "vllm.serve_args", "vllm.container_env", "vllm.docker_options",
      "router.spec"),  # wire: pure rules over what vLLM and hosts send
-    ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels"),  # remote: SSH through pyinfra's connector, the transport
+    ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels", "sitecache.mirror"),  # remote: SSH through pyinfra's connector, the transport
     ("router.settings", "vllm.lint_report", "vllm.group_specs", "hoststate", "hostlock", "facts", "sitecache.facts"),
     ("vllm.host_command",),  # the host snapshot's one command (it holds the ledger reader's lines)
     ("vllm.layout", "vllm.facts", "router.facts", "router.relock"),

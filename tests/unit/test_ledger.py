@@ -30,6 +30,7 @@ from gpufleet.hoststate.ledger import (
     RollBackPending,
     Version,
 )  # fmt: skip
+from gpufleet.wire.speed import SpeedFigures
 
 OLD_REF = "vllm/vllm-openai@sha256:" + "1" * 64
 NEW_REF = "vllm/vllm-openai@sha256:" + "2" * 64
@@ -458,4 +459,102 @@ def test_a_group_version_that_is_not_text_is_corrupt():
     doc = json.loads(L.render(Ledger(committed=Committed(replace(NEW, group="pair@1"), T0))))
     doc["committed"]["group"] = 7
     with pytest.raises(CorruptLedger, match="committed.group: expected a string or null, got a number"):
+        L.parse(json.dumps(doc))
+
+
+# ---- the model's commit beside the image digest ----------------------------------------------------------------
+
+MODEL_AT = "gpufleet-sandbox/Qwen3.5-tiny@" + "c" * 40
+
+
+def test_the_models_commit_is_recorded_and_parses_back():
+    with_model = replace(NEW, model=MODEL_AT, model_revision="main")
+    text = L.render(L.commit(L.begin(COMMITTED_OLD, with_model, OPERATOR, T1), T2))
+    assert json.loads(text)["committed"]["model"] == MODEL_AT
+    assert L.parse(text).committed == Committed(with_model, T2)
+
+
+def test_a_ledger_written_before_the_model_field_parses_without_it():
+    text = L.render(COMMITTED_OLD)
+    assert "model" not in json.loads(text)["committed"]
+    assert L.parse(text).committed == Committed(OLD, T0)
+    assert L.model_pin(L.parse(text), "gpufleet-sandbox/Qwen3.5-tiny", None) is None
+
+
+def test_a_bad_model_field_is_refused_with_its_place():
+    doc = json.loads(L.render(COMMITTED_OLD))
+    doc["committed"]["model"] = "tiny@main"
+    with pytest.raises(CorruptLedger, match=r"committed\.model: 'tiny@main' is not <org>/<name>@<40 hex commit>"):
+        L.parse(json.dumps(doc))
+
+
+def test_model_pin_keeps_the_commit_until_the_repo_or_revision_setting_changes():
+    ledger = Ledger(committed=Committed(replace(OLD, model=MODEL_AT, model_revision="main"), T0))
+    assert L.model_pin(ledger, "gpufleet-sandbox/Qwen3.5-tiny", "main") == MODEL_AT
+    assert L.model_pin(ledger, "gpufleet-sandbox/Qwen3.5-tiny", "v2") is None
+    assert L.model_pin(ledger, "gpufleet-sandbox/other", "main") is None
+    cut = L.begin(ledger, replace(NEW, model="gpufleet-sandbox/Qwen3.5-tiny@" + "d" * 40, model_revision="main"),
+                  OPERATOR, T1)
+    assert L.model_pin(cut, "gpufleet-sandbox/Qwen3.5-tiny", "main") == "gpufleet-sandbox/Qwen3.5-tiny@" + "d" * 40
+
+
+# ---- speed figures, kept with a committed version ---------------------------------------------------------------
+FIGURES = SpeedFigures((30000.0, 31000.0, 29000.0), (0.05, 0.06, 0.04), (200.0, 201.0, 199.0),
+                       (380.0, 390.0, 370.0), prompt_tokens=20480, decode_tokens=64, concurrency=2)
+
+
+def test_a_commit_keeps_its_speed_figures_and_history_keeps_them_after_the_next_commit():
+    ledger = L.commit(pending_new(), T2, speed=FIGURES)
+    assert ledger.committed.speed == FIGURES
+    assert L.parse(L.render(ledger)) == ledger
+    later = L.commit(L.begin(ledger, OLD, OPERATOR, "t3"), "t4")
+    assert later.history[-1].speed == FIGURES and later.committed.speed is None
+    assert json.loads(L.render(later))["history"][-1]["speed"]["prompt_tokens"] == 20480
+
+
+def test_a_ledger_without_speed_figures_parses_and_renders_as_before():
+    ledger = L.commit(pending_new(), T2)
+    text = L.render(ledger)
+    assert "speed" not in text  # a ledger an older gpufleet wrote reads the same, and is written back unchanged
+    assert L.parse(text) == ledger and L.parse(text).committed.speed is None
+
+
+@pytest.mark.parametrize(("speed", "reason"), [
+    ([], "committed.speed: speed figures must be an object, not list"),
+    ({**FIGURES.as_dict(), "decode_tokens": 0}, "committed.speed: speed figures' decode_tokens is 0, not a positive "
+                                                "integer"),
+    ({**FIGURES.as_dict(), "cached_ttft_s": [0.1, -1]}, "committed.speed: speed figure cached_ttft_s is [0.1, -1], "
+                                                        "not a list of positive numbers"),
+])  # fmt: skip
+def test_speed_figures_gpufleet_did_not_write_make_the_ledger_corrupt(speed, reason):
+    doc = json.loads(L.render(L.commit(pending_new(), T2, speed=FIGURES)))
+    with pytest.raises(CorruptLedger) as err:
+        L.parse(json.dumps({**doc, "committed": {**doc["committed"], "speed": speed}}))
+    assert str(err.value) == reason
+# ---- the GPU verdict at each swap: an optional field --------------------------------------------------------------
+def test_a_swap_records_the_gpu_verdict_on_what_it_commits_or_marks_failed_and_history_keeps_it():
+    degraded = "degraded (GPU 0: clocks_event_reasons.hw_thermal_slowdown)"
+    committed = L.commit(pending_new(), T2, gpu="ok")
+    assert committed.committed == Committed(NEW, T2, gpu="ok")
+    later = L.commit(L.begin(committed, OLD, OPERATOR, T2), T2, gpu=degraded)
+    assert later.history[-1].gpu == "ok" and later.committed.gpu == degraded
+    failed = L.roll_back(pending_new(), "died", T2, gpu="needs GPU reset (GPU 1: remapped_rows.pending=Yes)")
+    assert failed.failed[-1].gpu == "needs GPU reset (GPU 1: remapped_rows.pending=Yes)"
+    for ledger in (committed, later, failed):
+        assert L.parse(L.render(ledger)) == ledger
+    assert '"gpu": "ok"' in L.render(committed)
+
+
+def test_a_ledger_written_before_the_gpu_field_parses_and_renders_byte_for_byte():
+    before = L.render(L.roll_back(L.begin(L.commit(pending_new(), T2), OLD, OPERATOR, T2), "died", T2))
+    assert '"gpu"' not in before
+    parsed = L.parse(before)
+    assert parsed.committed.gpu is None and parsed.failed[-1].gpu is None and parsed.history[-1].gpu is None
+    assert L.render(parsed) == before
+
+
+def test_a_gpu_field_that_is_not_text_is_a_corrupt_ledger():
+    doc = json.loads(L.render(L.commit(pending_new(), T2, gpu="ok")))
+    doc["committed"]["gpu"] = 3
+    with pytest.raises(CorruptLedger, match="committed.gpu: expected a string or null, got a number"):
         L.parse(json.dumps(doc))

@@ -14,6 +14,7 @@ from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, S
 from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.facts.nvidia import NvidiaVersion
+from gpufleet.hoststate.atomic import atomic_write_command
 from gpufleet.hoststate.ledger import Committed, Ledger, Version
 from gpufleet.hoststate.paths import ledger_path
 from gpufleet.operations.run import remember
@@ -210,6 +211,8 @@ class KeyHost:
     def run_shell_command(self, command: str, **_: Any):
         self.commands.append(str(command))
         ok, out, err = self.fetched if str(command).startswith("curl ") else (True, "", "")
+        if str(command).endswith("mktemp -d"):
+            out = "/tmp/tmp.key"
         return ok, SimpleNamespace(stdout_lines=out.splitlines(), stderr_lines=err.splitlines())
 
     def put_file(self, src: Any, dest: str, **_: Any) -> bool:
@@ -224,10 +227,12 @@ def test_the_execute_time_fetch_writes_a_different_key_and_skips_the_same():
     target = KeyHost((True, ROTATED, ""))
     assert repo_keys.install_fetched_key(None, target, "http://r/gpgkey", nvidia.KEYRING, repo_keys.dearmor,
                                       hashlib.sha256(repo_keys.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")
-    assert target.uploads == [(f"/usr/share/keyrings/.{nvidia.KEYRING.rsplit('/', 1)[1]}.gpufleet-tmp",
-                               repo_keys.dearmor(ROTATED))]
-    assert target.commands[-1].endswith(f"mv -f /usr/share/keyrings/.nvidia-container-toolkit-keyring.gpg.gpufleet-tmp "
-                                        f"{nvidia.KEYRING} && sync /usr/share/keyrings")
+    # Uploaded into a private temp dir, then copied by root beside the keyring, checked and renamed over it.
+    key = repo_keys.dearmor(ROTATED)
+    assert target.uploads == [("/tmp/tmp.key/upload", key)]
+    assert target.commands[-2:] == [atomic_write_command(nvidia.KEYRING, source="/tmp/tmp.key/upload",
+                                                         sha256=hashlib.sha256(key).hexdigest()),
+                                    "rm -rf /tmp/tmp.key"]
     same = KeyHost((True, ARMORED, ""))
     assert repo_keys.install_fetched_key(None, same, "http://r/gpgkey", nvidia.KEYRING, repo_keys.dearmor,
                                       hashlib.sha256(repo_keys.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")

@@ -82,6 +82,16 @@ def test_disk_not_required_for_what_is_already_there():
     assert check("g", snap, settings(), (0, 1, 2), ref) == []
 
 
+def test_a_model_commit_asked_for_needs_room_before_its_prepare_starts():
+    snap = host(model_files={"config.json": 1, "tokenizer.json": 1, "model.safetensors": 9},
+                model_checked="org/m@" + "c" * 40)
+    snap.free_kib.update(models=GIB)
+    assert check("g", snap, settings(vllm_model_repo="org/m"), (0, 1, 2)) == []
+    assert check("g", snap, settings(vllm_model_repo="org/m", gpufleet_model_ref="c" * 40), (0, 1, 2)) == []
+    (line,) = check("g", snap, settings(vllm_model_repo="org/m", gpufleet_model_ref="d" * 40), (0, 1, 2))
+    assert "gpufleet_min_free_gb_models asks for" in line
+
+
 def test_the_site_cache_host_needs_room_for_the_cache_to_grow_to_its_bound():
     # 30 GiB held of site_cache_max_gb 100: 70 more may land, beside Docker's own room when they share a disk.
     snap = host(site_cache_used_kib=30 * GIB, free_kib={"docker": 200 * GIB, "models": 200 * GIB, "site_cache": 90 * GIB},

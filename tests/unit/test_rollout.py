@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,21 +23,25 @@ from rich.console import Console
 from gpufleet.cli import main
 from gpufleet.cli.rollout import ledger_rows
 from gpufleet.errors import GpufleetError
+from gpufleet.facts.gpu_health import GpuHealth, GpuReading
+from gpufleet.facts.gpu_verdict import HostGpus
+from gpufleet.facts.gpu_verdict import judge as judge_gpus
 from gpufleet.facts.pull import PullStats
 from gpufleet.harness.result import HostResult
-from gpufleet.health.check import HealthState
+from gpufleet.health.check import HealthReport, HealthState
 from gpufleet.hostlock import process_ended
 from gpufleet.hoststate import ledger
+from gpufleet.remote.transport import ContainerInfo
 from gpufleet.rollout import deploy as rollout_deploy
 from gpufleet.rollout.carry import CarryResult
 from gpufleet.rollout.deploy import DeployRun, RunSettings
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
 from gpufleet.rollout.ledgers import parse_read
-from gpufleet.rollout.membership import belongs
+from gpufleet.rollout.membership import belongs, runs_committed
 from gpufleet.rollout.prepare import failures, prepare
-from gpufleet.rollout.replicas import FleetHost
-from gpufleet.rollout.report import HostOutcome, Outcome, succeeded, table
+from gpufleet.rollout.replicas import FleetHost, Sessions
+from gpufleet.rollout.report import HostOutcome, Outcome, SpeedResult, succeeded, table
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.run import interrupted_first, previous_targets
 from gpufleet.rollout.swap import SwapOptions, batches, judge
@@ -43,6 +49,8 @@ from gpufleet.rollout.target import digest_from_inspect, requested_image
 from gpufleet.router.api import Router, RouterError
 from gpufleet.sandbox.image import write_tiny_model
 from gpufleet.vllm.settings import build_spec
+from gpufleet.wire.speed import SpeedFigures
+from gpufleet.wire.gpu_verdicts import GpuSettings
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 from tests.unit.test_ledger_reader import output as reading
@@ -104,7 +112,7 @@ def test_the_canary_is_held_to_every_serving_check_and_the_batches_to_the_answer
     options = SwapOptions(Path("deploys/qwen35.py"))
     data = dict(arg.partition("=")[::2] for arg in options.run_settings(NEW, canary=True).data_args()[1::2])
     checks = parse_checks(parse_cli_arg(data["gpufleet_verify_checks"]))  # as pyinfra hands it to the settings
-    assert checks == ("prefix-cache", "cached-cold", "sessions", "tools", "reasoning")
+    assert checks == ("speed", "prefix-cache", "cached-cold", "sessions", "tools", "reasoning")
     spec = build_spec("gpu1", {})  # the qwen35 profile: tool and reasoning parsers, prefix caching
     assert held_to(spec, options, canary=True) == ("completion", "stream", *checks)
     assert held_to(spec, options, canary=False) == ("completion", "stream")
@@ -161,6 +169,34 @@ def test_a_failed_mark_with_the_old_version_committed_is_rolled_back():
     assert outcome.outcome is Outcome.ROLLED_BACK and "engine died" in outcome.detail
 
 
+def answering(ref: str | None, state: HealthState = HealthState.READY) -> HealthReport:
+    """A look at a host whose container runs `ref` (None: no container)."""
+    return HealthReport(state, "seen", container=ContainerInfo("c1", "running", image=ref) if ref else None)
+
+
+def test_a_rollback_is_judged_by_what_answers_afterwards_not_by_its_mark():
+    marked = ledger.roll_back(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "dead: engine died", "t2")
+    def outcome(serving):
+        return judge("h1", NEW, read(committed_on(OLD)), read(marked), run_of(1), 9.0, None, serving=serving)
+
+    assert outcome(answering(OLD)).outcome is Outcome.ROLLED_BACK
+    # The mark is written before the restore: a restore that failed leaves the failed digest, or nothing, running.
+    still_new = outcome(answering(NEW))
+    assert still_new.outcome is Outcome.FAILED
+    assert still_new.detail.startswith(f"rolled-back in its ledger, but what answers runs {NEW}, not ")
+    assert outcome(answering(None, HealthState.DEAD)).outcome is Outcome.FAILED
+    assert "it is not ready (dead: seen)" in outcome(answering(None, HealthState.DEAD)).detail
+    assert outcome("h1: SSH failed").detail.startswith("rolled-back in its ledger, but it could not be looked at")
+
+
+def test_an_update_is_judged_by_what_answers_afterwards_too():
+    updated = read(committed_on(OLD, NEW))
+    assert judge("h1", NEW, read(committed_on(OLD)), updated, run_of(0), 4.2, None,
+                 serving=answering(NEW)).outcome is Outcome.UPDATED
+    assert judge("h1", NEW, read(committed_on(OLD)), updated, run_of(0), 4.2, None,
+                 serving=answering(OLD)).outcome is Outcome.FAILED
+
+
 def test_anything_else_is_failed_with_what_the_ledger_and_the_run_say():
     cut = ledger.begin(committed_on(OLD), version(NEW), "x", "t1")  # pending left: the run did not settle it
     lost = {"h1": HostResult("h1", False, True, ("h1: 'Restart vllm' failed: lost the SSH connection",))}
@@ -178,13 +214,13 @@ def test_a_hosts_json_row_has_ok_problems_and_the_rollouts_fields():
                 HostOutcome("h2", OLD, NEW, Outcome.NOT_STARTED, None, "not touched")]
     rows = json.loads(json.dumps([o.as_dict() for o in outcomes]))
     assert rows[0] == {"host": "h1", "ok": True, "problems": [], "from": OLD, "to": NEW, "outcome": "updated",
-                       "downtime_s": 3.14, "detail": "", "checks": [], "site_bytes": 104_889_802,
+                       "downtime_s": 3.14, "detail": "", "checks": [], "speed": None, "site_bytes": 104_889_802,
                        "upstream_bytes": 0, "fell_back": False, "warm": True, "time_to_ready_s": 2.2,
                        "carried_bytes": 92_160, "carry_skipped": None}
     (problem,) = rows[1].pop("problems")
     # Not pulled, not started: every per-host measurement is null, never a table's placeholder.
     assert rows[1] == {"host": "h2", "ok": False, "from": OLD, "to": NEW, "outcome": "not-started",
-                       "downtime_s": None, "detail": "not touched", "checks": [], "site_bytes": None,
+                       "downtime_s": None, "detail": "not touched", "checks": [], "speed": None, "site_bytes": None,
                        "upstream_bytes": None, "fell_back": None, "warm": None, "time_to_ready_s": None,
                        "carried_bytes": None, "carry_skipped": None}
     assert (problem["id"], problem["message"]) == ("not-started", "not touched")
@@ -450,6 +486,11 @@ def test_a_replica_belongs_in_the_routers_when_committed_with_nothing_pending_an
     assert belongs(read(committed_on(OLD)), HealthState.STARTING) is None
     assert belongs(read(committed_on(OLD)), None) is None
     assert belongs(parse_read("h1", "vllm-qwen35", 5000, 255, "", "Connection reset"), HealthState.READY) is None
+    # Ready, but what answers is not the committed digest (a rollback whose restore failed): out.
+    assert belongs(read(committed_on(OLD)), HealthState.READY, runs_committed(read(committed_on(OLD)),
+                                                                               answering(NEW))) is False
+    assert runs_committed(read(committed_on(OLD)), answering(OLD)) is True
+    assert runs_committed(read(committed_on(OLD)), answering(None)) is False
 
 
 def test_reconcile_puts_back_what_belongs_takes_out_what_does_not_and_leaves_the_unknown():
@@ -575,7 +616,7 @@ def test_after_its_swap_a_replica_rejoins_only_when_committed_or_rolled_back():
     assert router.workers == {URLS["h1"], URLS["h2"]}  # the one that ended neither stays out
     assert result["h1"] == outcomes["h1"] and result["h2"] == outcomes["h2"]
     assert result["h3"].outcome is Outcome.FAILED
-    assert result["h3"].detail.endswith("; left out of the routers: neither committed nor rolled back")
+    assert result["h3"].detail.endswith("; left out of the routers until it serves its committed version")
 
 
 @pytest.mark.parametrize("flags, carry", [((), True), (("--no-carry",), False)])
@@ -588,7 +629,7 @@ def test_rollout_carries_the_canarys_compile_cache_unless_told_not_to(tmp_path, 
 
     seen = []
 
-    def roll_out(inventory, image, options, confirm, progress_for):
+    def roll_out(inventory, image, options, confirm, progress_for, model_revision=None):
         seen.append(options)
         return Result(NEW, [HostOutcome("gpu-a", OLD, NEW, Outcome.UNCHANGED, None, "")])
 
@@ -656,3 +697,143 @@ def test_a_deploy_run_whose_controller_died_before_it_asked_to_die_with_it_ends_
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=preexec, timeout=20)
     assert proc.returncode == -9 and time.monotonic() - started < 10
+
+
+# --- the speed check: new against old ---------------------------------------------------------------------------
+SPEED_OLD = SpeedFigures((30000.0, 31000.0, 29000.0), (0.05, 0.06, 0.04), (200.0, 201.0, 199.0),
+                         (380.0, 390.0, 370.0), prompt_tokens=20480, decode_tokens=64, concurrency=2)
+SPEED_NEW = replace(SPEED_OLD, decode_tokens_per_s=(180.0, 181.0, 179.0))
+HELD = ("completion", "stream", "speed", "cached-cold")
+
+
+def with_speed(lg: ledger.Ledger, figures: SpeedFigures) -> ledger.Ledger:
+    assert lg.committed is not None
+    return replace(lg, committed=replace(lg.committed, speed=figures))
+
+
+def test_an_updated_host_shows_the_figures_measured_before_its_swap_against_the_ones_it_committed():
+    outcome = judge("h1", NEW, read(committed_on(OLD)), read(with_speed(committed_on(OLD, NEW), SPEED_NEW)),
+                    run_of(0), 4.2, None, HELD, SPEED_OLD)
+    assert outcome.speed == SpeedResult(SPEED_OLD, SPEED_NEW)
+    assert outcome.speed.cell() == "prefill 1.00x, cached TTFT 1.00x, decode 0.90x, batch 1.00x"
+    row = json.loads(json.dumps(outcome.as_dict()))["speed"]
+    assert row["before"] == SPEED_OLD.as_dict() and row["after"] == SPEED_NEW.as_dict() and row["note"] is None
+    assert row["ratios"] == {"prefill_tokens_per_s": 1.0, "cached_ttft_s": 1.0, "decode_tokens_per_s": 0.9,
+                             "batch_tokens_per_s": 1.0}
+
+
+def test_a_host_whose_old_version_could_not_be_measured_records_the_new_figures_and_says_why():
+    why = "the running version could not be measured: DeadlineExceeded: POST /v1/chat/completions: no answer"
+    outcome = judge("h1", NEW, read(committed_on(OLD)), read(with_speed(committed_on(OLD, NEW), SPEED_NEW)),
+                    run_of(0), 4.2, None, HELD, why)
+    assert outcome.outcome is Outcome.UPDATED and outcome.speed == SpeedResult(None, SPEED_NEW, why)
+    assert outcome.speed.cell() == "recorded (no earlier figures)"
+    assert outcome.as_dict()["speed"]["note"] == why
+
+
+def test_a_host_rolled_back_on_speed_names_it_and_has_no_new_figures():
+    line = "check speed: prefill 1500 tokens/s, was 30000 (0.05x the speed): every repeat more than 70% slower"
+    failed = ledger.roll_back(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), f"misconfigured: {line}",
+                              "t2", check="speed")
+    outcome = judge("h1", NEW, read(committed_on(OLD)), read(failed), run_of(1), 9.0, None, HELD, SPEED_OLD)
+    assert outcome.outcome is Outcome.ROLLED_BACK and line in outcome.detail
+    assert outcome.checks == (("completion", True), ("stream", True), ("speed", False))
+    assert outcome.speed == SpeedResult(SPEED_OLD, None) and outcome.speed.cell() == "-"
+    assert judge("h1", NEW, read(committed_on(OLD)), read(committed_on(OLD, NEW)), run_of(0), 1.0, None).speed is None
+
+
+def test_a_batch_runs_speed_when_its_hosts_settings_ask_and_the_held_list_says_so():
+    from gpufleet.rollout.swap import held_to, speed_batches
+
+    spec = build_spec("gpu1", {})
+    options = SwapOptions(Path("deploys/qwen35.py"))
+    assert held_to(spec, options, canary=False, speed_batch=True) == ("completion", "stream", "speed")
+    assert held_to(spec, options, canary=True)[:3] == ("completion", "stream", "speed")
+    assert speed_batches(FleetHost("gpu1", spec, {"gpufleet_speed_batches": True}))
+    assert not speed_batches(FleetHost("gpu1", spec, {}))
+
+
+def test_history_shows_each_committed_versions_speed_figures():
+    lg = ledger.commit(ledger.begin(with_speed(committed_on(OLD), SPEED_OLD), version(NEW), "x", "t1"), "t2",
+                       speed=SPEED_NEW)
+    rows = ledger_rows(lg)
+    assert [(r[0], r[1], r[5]) for r in rows] == [("committed", NEW, SPEED_NEW), ("earlier", OLD, SPEED_OLD)]
+    assert SPEED_NEW.brief() == "prefill 30000 tokens/s, cached TTFT 0.050 s, decode 180 tokens/s, batch 380 tokens/s"
+# --- GPU health: a sick replica leaves the routers; a sick host is skipped, never the canary -----------------------
+class CannedSessions(Sessions):
+    """Sessions whose per-host calls answer what each named host's look is canned to (no SSH)."""
+
+    def __init__(self, hosts, answers):
+        super().__init__(hosts)
+        self.answers = answers
+
+    def each(self, names, fn):
+        return {name: self.answers[name] for name in names}
+
+
+def fleet_hosts(*names: str) -> list[FleetHost]:
+    spec = build_spec("h", {"vllm_gpus": [0], "vllm_args": {"pipeline-parallel-size": 1}})
+    return [FleetHost(name, spec, {}) for name in names]
+
+
+def gpus(**fields) -> HostGpus:
+    return judge_gpus(GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0", **fields),
+                                      GpuReading(1, "00000000:00:07.0", remap_failure=True))), GpuSettings())
+
+
+def test_a_replica_whose_gpu_needs_a_reset_leaves_the_routers_until_it_is_healthy():
+    from gpufleet.rollout.membership import gpus_fit, members
+
+    assert gpus_fit(gpus(remap_pending=True), (0,)) is False
+    assert gpus_fit(gpus(clocks_event_reasons=0x40), (0,)) is True  # degraded: served; GPU 1 is not its
+    assert gpus_fit(None, (0,)) is None and gpus_fit(HostGpus(error="cannot read"), (0,)) is None
+    sessions = CannedSessions(fleet_hosts("h1", "h2", "h3"), {
+        "h1": (answering(OLD), gpus(recovery_action="Reset")),  # ready, but its GPU needs a reset: out
+        "h2": (answering(OLD), gpus()),
+        "h3": (answering(None, HealthState.SSH_UNREACHABLE), gpus(remap_pending=True)),  # its GPU says it
+    })
+    ledgers = {name: read(committed_on(OLD), name) for name in ("h1", "h2", "h3")}
+    assert members(sessions, ["h1", "h2", "h3"], ledgers) == {"h1": False, "h2": True, "h3": False}
+
+
+def test_a_host_whose_gpu_refuses_a_restart_is_skipped_with_one_line_and_a_degraded_one_is_noted():
+    from gpufleet.rollout.gpu import sick_hosts
+
+    sessions = CannedSessions(fleet_hosts("h1", "h2", "h3", "h4"), {
+        "h1": gpus(recovery_action="Reboot"), "h2": gpus(clocks_event_reasons=0x40), "h3": gpus(),
+        "h4": "cannot SSH to h4",  # its deploy's preflight says why
+    })
+    notes: list[str] = []
+    skipped = sick_hosts(sessions, ["h1", "h2", "h3", "h4"], notes.append)
+    assert skipped == {"h1": "GPU 0 (00000000:00:06.0) needs reboot: gpu_recovery_action=Reboot (fix: reboot the "
+                             "host (NVIDIA: RESTART_BM), then run the rollout again)"}
+    assert notes == ["h2: GPUs degraded (GPU 0: clocks_event_reasons.hw_thermal_slowdown): swapped and served"]
+    outcome = HostOutcome("h1", OLD, NEW, Outcome.SKIPPED, None, skipped["h1"])
+    assert not outcome.ok and not succeeded([outcome]) and outcome.phase == f"skipped: {skipped['h1']}"
+    assert outcome.problems()[0]["id"] == "skipped" and "run the rollout again" in outcome.problems()[0]["fix"]
+
+
+def test_a_batch_is_refused_when_the_replicas_left_serving_are_the_sick_ones():
+    router = FakeRouter("r1", list(URLS.values()))
+    routers = Routers([(router, 30.0)], URLS)
+    assert routers.capacity_problem([["h1"], ["h2"]], {"h3": False}) is None
+    assert "would leave it no replica in service" in routers.capacity_problem([["h1", "h2"]], {"h3": False})
+    assert routers.capacity_problem([["h1", "h2"]]) is None  # h3 serving
+
+
+def test_history_shows_the_gpu_verdict_recorded_at_each_swap():
+    lg = ledger.commit(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "t2", gpu="ok")
+    lg = ledger.roll_back(ledger.begin(lg, version(OLDER), "x", "t3"), "died", "t4",
+                          gpu="needs GPU reset (GPU 0: remapped_rows.pending=Yes)")
+    rows = {state: detail for state, _, _, _, detail, _ in ledger_rows(lg)}
+    assert rows["committed"] == "GPU ok"
+    assert rows["failed"] == "died; GPU needs GPU reset (GPU 0: remapped_rows.pending=Yes)"
+def test_the_default_rollout_log_is_a_new_private_file_under_a_name_no_one_can_take_first(monkeypatch, tmp_path):
+    import importlib
+
+    cli_rollout = importlib.import_module("gpufleet.cli.rollout")  # the module, not the command of that name
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    first, second = cli_rollout._options(None, None).log, cli_rollout._options(None, None).log
+    assert first is not None and second is not None and first != second
+    assert first.parent == tmp_path and first.name.startswith("gpufleet-rollout-") and first.suffix == ".log"
+    assert stat.S_IMODE(first.stat().st_mode) == 0o600 and first.stat().st_uid == os.getuid()

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import io
+import os
+import stat
+import tarfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,8 +27,8 @@ from gpufleet.rollout.carry_eligibility import (
     gpu_refusal,
     gpus_from_query,
 )
-from gpufleet.rollout.carry_entries import carried_dir, new_files, parse_listing, placements
-from gpufleet.rollout.carry_stream import relay, stream_problem
+from gpufleet.rollout.carry_entries import Listed, carried_dir, entries, new_files, parse_listing, placements
+from gpufleet.rollout.carry_stream import receive_command, relay, stream_problem, temp_dir
 from gpufleet.rollout.compile_factors import MARK, CompileFactors, factors_command, parse_factors
 from gpufleet.rollout.warm_start import start_report
 from gpufleet.vllm.spec import Mount
@@ -58,28 +63,50 @@ def factors(version: str = "0.24.0", **values: str) -> CompileFactors:
 
 
 # --- decisions -----------------------------------------------------------------------------------------------------
+def listing(*items: tuple[str, str, float]) -> str:
+    """find's answer (listing_command) for (type letter, path, change time) items."""
+    return "".join(f"{kind} {changed:.10f} {path}\0" for kind, path, changed in items)
+
+
 def test_the_new_versions_entries_are_the_files_new_since_the_canarys_swap():
-    before = parse_listing("d torch_compile_cache\0d torch_compile_cache/torch_aot_compile\0"
-                           "d torch_compile_cache/torch_aot_compile/old\0f torch_compile_cache/torch_aot_compile/old/m\0"
-                           "f modelinfos/x.json\0")
-    after = {**before, "torch_compile_cache/torch_aot_compile/new": "d",
-             "torch_compile_cache/torch_aot_compile/new/rank_0_0": "d",
-             "torch_compile_cache/torch_aot_compile/new/rank_0_0/model": "f",
-             "torch_compile_cache/torch_aot_compile/new/inductor_cache/ab/c.so": "f",
-             "modelinfos/x.json": "f"}  # rewritten in place: not new, not carried
-    assert new_files(before, after) == ["torch_compile_cache/torch_aot_compile/new/inductor_cache/ab/c.so",
-                                        "torch_compile_cache/torch_aot_compile/new/rank_0_0/model"]
+    before = parse_listing(listing(("d", "torch_compile_cache", 1.0), ("d", "torch_compile_cache/torch_aot_compile", 1.0),
+                                   ("d", "torch_compile_cache/torch_aot_compile/old", 1.0),
+                                   ("f", "torch_compile_cache/torch_aot_compile/old/m", 1.0),
+                                   ("f", "modelinfos/x.json", 1.0)))
+    after = {**before, **parse_listing(listing(
+        ("d", "torch_compile_cache/torch_aot_compile/new", 20.0),
+        ("d", "torch_compile_cache/torch_aot_compile/new/rank_0_0", 20.0),
+        ("f", "torch_compile_cache/torch_aot_compile/new/rank_0_0/model", 20.0),
+        ("f", "torch_compile_cache/torch_aot_compile/new/inductor_cache/ab/c.so", 21.0),
+        ("l", "torch_compile_cache/torch_aot_compile/new/link", 21.0),  # never carried: regular files only
+        ("f", "torch_compile_cache/torch_aot_compile/late/x", 9.0),  # the old container's, after the listing
+        ("f", "modelinfos/x.json", 20.0)))}  # rewritten in place: not new, not carried
+    files = new_files(before, after, since=10.0)  # the new container started at 10
+    assert files == ["torch_compile_cache/torch_aot_compile/new/inductor_cache/ab/c.so",
+                     "torch_compile_cache/torch_aot_compile/new/rank_0_0/model"]
+    assert entries(before, files) == ["torch_compile_cache/torch_aot_compile/new"]
+    # A listing naming a path outside the directory (a canary that lies) names nothing.
+    assert parse_listing(listing(("f", "../etc/cron.d/x", 20.0), ("f", "a//b", 20.0), ("f", "./c", 20.0))) == {}
 
 
-def test_placements_are_the_shallowest_paths_the_host_lacks_and_never_an_existing_file():
-    files = ["tc/aot/new/rank_0_0/model", "tc/aot/new/inductor_cache/c.so", "modelinfos/y.json", "modelinfos/x.json"]
-    # a host whose old version compiled too: only the new hash dir goes in, in one rename
-    assert placements(files, {"tc": "d", "tc/aot": "d", "tc/aot/old": "d", "modelinfos": "d",
-                              "modelinfos/x.json": "f"}) == ["modelinfos/y.json", "tc/aot/new"]
-    # a host that never compiled: the whole tree
-    assert placements(files, {}) == ["modelinfos", "tc"]
-    # a host that has the entry already (a re-run): nothing
-    assert placements(files, {p: "f" for p in files}) == []
+def test_a_host_takes_only_the_entries_it_lacks_entirely_never_a_part_of_one():
+    files = ["modelinfos/y.json", "tc/aot/new/inductor_cache/c.so", "tc/aot/new/rank_0_0/model"]
+    new = ["modelinfos/y.json", "tc/aot/new"]
+    old_version = {p: Listed("d", 1.0) for p in ("tc", "tc/aot", "tc/aot/old", "modelinfos")}
+    # a host whose old version compiled too: the new hash dir goes in whole, in one rename
+    assert placements(new, files, old_version) == (["modelinfos/y.json", "tc/aot/new"], [])
+    # a host that has part of the entry (an earlier start of the new version): left as it is
+    partial = {**old_version, "tc/aot/new": Listed("d", 5.0), "tc/aot/new/rank_0_0": Listed("d", 5.0),
+               "tc/aot/new/rank_0_0/model": Listed("f", 5.0)}
+    assert placements(new, files, partial) == (["modelinfos/y.json"], ["tc/aot/new"])
+    # the whole of it (a re-run): nothing, and nothing partial
+    whole = {**partial, "tc/aot/new/inductor_cache": Listed("d", 5.0), "tc/aot/new/inductor_cache/c.so": Listed("f", 5.0)}
+    assert placements(new, files, whole) == (["modelinfos/y.json"], [])
+    assert placements(new, files, {}) == (new, [])
+    # a canary whose cache was empty before: its entry is the whole tree; a host with an older tree there takes,
+    # per file, the shallowest path it lacks
+    assert placements(["modelinfos", "tc"], files, old_version) == (["modelinfos/y.json", "tc/aot/new"], [])
+    assert placements(["modelinfos", "tc"], files, partial) == (["modelinfos/y.json"], ["tc"])
 
 
 def test_only_the_vllm_cache_mount_is_carried():
@@ -96,7 +123,7 @@ class RecordedHost:
         self.answer = (rc, out, err)
 
     def run(self, command: str, timeout: float) -> tuple[int, str, str]:
-        assert command == QUERY_GPUS
+        assert command == f"timeout -k 2 20 {QUERY_GPUS}"  # a hung driver does not hold the host's shell
         return self.answer
 
 
@@ -114,6 +141,7 @@ def test_each_hosts_gpus_are_read_with_the_preflights_query_and_parser():
     other_driver = recorded_query("h200-2gpu").replace("580.159.04", "535.104.05", 1)
     assert gpus_of(0, other_driver) == "GPUs report different drivers: 535.104.05, 580.159.04"
     assert gpus_of(0, "NVIDIA H200, 580.159.04\n").startswith("nvidia-smi --query-gpu line 1: expected 14 ")
+    assert gpus_of(124, "") == "nvidia-smi did not answer within 20 s"
 
 
 def test_gpus_and_driver_must_match_the_canarys():
@@ -216,16 +244,19 @@ def fleet(sshd, tmp_path, monkeypatch):
         args = (("model", "/models/q"), ("port", 5000 + len(name)), ("pipeline-parallel-size", 2 if name == "w" else 3))
         spec = SimpleNamespace(mounts=(Mount(str(cache), "/root/.cache/vllm"),), service="vllm-qwen35",
                                vllm_args=args, env=(("VLLM_SLEEP_WHEN_IDLE", "1"),), gpus=(0, 1, 2))
-        hosts[name] = SimpleNamespace(name=name, spec=spec)
+        hosts[name] = SimpleNamespace(name=name, spec=spec, data={})
         transports[name] = SshTransport(sshd.client(), name=name, sudo=False)
     gpus = {"c": H200, "t": H200, "u": H100, "w": H200}
     monkeypatch.setattr(Carry, "_gpus_of", lambda self, host: gpus[host])
     # The image's vLLM computes each host's factors in a container (no image here; tests/vllm shows the real one)
     computed = {name: factors() for name in hosts}
     monkeypatch.setattr(Carry, "_factors_of", lambda self, host: computed[host])
+    # The canary's new container started (docker's StartedAt): set by a test that writes the old container's files.
+    started = SimpleNamespace(at=0.0)
+    monkeypatch.setattr(Carry, "_started", lambda self, host: started.at)
     sessions = SimpleNamespace(get=lambda name: transports[name])
     yield SimpleNamespace(sessions=sessions, hosts=hosts, dir=lambda n: tmp_path / n / "vllm", root=tmp_path,
-                          factors=computed)
+                          factors=computed, started=started, lock=str(tmp_path / "lock"))
     for t in transports.values():
         t.client.close()
 
@@ -244,7 +275,7 @@ def compiled(cache: Path, key: str, data: bytes) -> list[Path]:
 
 
 def new_carry(fleet, lines: list[str], **kw) -> Carry:
-    return Carry(fleet.sessions, fleet.hosts, note=lines.append, **kw)  # type: ignore[arg-type]
+    return Carry(fleet.sessions, fleet.hosts, note=lines.append, lock_path=fleet.lock, **kw)  # type: ignore[arg-type]
 
 
 def test_a_host_takes_the_new_entries_into_its_cache_and_keeps_its_own(fleet):
@@ -451,3 +482,153 @@ def test_a_hosts_result_as_a_json_row_and_a_table_cell():
     other = CarryResult(skipped_reason="its GPUs (...) differ from canary c's (...)", warm=False, time_to_ready_s=8.4)
     assert other.cell() == "cold, 8.4 s (not carried: its GPUs (...) differ from canary c's (...))"
     assert CarryResult().cell() == "-"
+
+
+# --- what a malicious nightly or a compromised canary can send: nothing lands outside, nothing keeps its owner -------
+def test_carried_files_lose_their_owner_and_setuid_bits(fleet):
+    canary, host = fleet.dir("c"), fleet.dir("t")
+    carry = new_carry(fleet, [])
+    carry.before_canary("c")
+    [model, kernel] = compiled(canary, "new", b"new version ")
+    kernel.chmod(0o4755)  # a setuid root shell, as far as a later host could tell
+    os.chown(kernel, 1234, 1234)
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    assert carry.results["t"].skipped_reason is None, carry.results["t"]
+    got = host / kernel.relative_to(canary)
+    assert (got.stat().st_uid, stat.S_IMODE(got.stat().st_mode)) == (os.getuid(), 0o755)
+    assert stat.S_IMODE((host / model.relative_to(canary)).stat().st_mode) == 0o644
+
+
+def crafted_tar(tmp_path: Path, add) -> Path:
+    """A tar stream a compromised canary could send, whatever its listing said."""
+    path = tmp_path / "crafted.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as t:
+        add(t)
+    return path
+
+
+def member(t: tarfile.TarFile, name: str, data: bytes | None = None, **fields) -> None:
+    info = tarfile.TarInfo(name)
+    for key, value in fields.items():
+        setattr(info, key, value)
+    if data is not None:
+        info.size = len(data)
+    t.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+@pytest.mark.parametrize("special", [
+    lambda t: member(t, "e/link", type=tarfile.SYMTYPE, linkname="/etc"),
+    lambda t: (member(t, "e/a", b"x"), member(t, "e/hard", type=tarfile.LNKTYPE, linkname="e/a")),
+    lambda t: member(t, "e/fifo", type=tarfile.FIFOTYPE),
+    lambda t: member(t, "e/mem", type=tarfile.CHRTYPE, devmajor=1, devminor=1),
+], ids=["symlink", "hard-link", "fifo", "device"])
+def test_a_stream_holding_anything_but_regular_files_and_directories_is_refused_whole(fleet, tmp_path, special):
+    stream = crafted_tar(tmp_path, lambda t: (member(t, "e/ok", b"fine"), special(t)))
+    tmp = temp_dir(str(fleet.dir("t")))
+    _, relayed, _, received = relay(fleet.sessions.get("c"), f"cat {stream}", b"", fleet.sessions.get("t"),
+                                    receive_command(str(fleet.dir("t")), tmp))
+    assert "tar-rc 90" in received and "not a regular file or directory: e/" in received, received
+    assert not Path(tmp).exists()  # nothing of it is kept to be placed
+
+
+def test_a_link_planted_in_the_hosts_cache_dir_places_nothing_outside_it(fleet, tmp_path):
+    canary, host = fleet.dir("c"), fleet.dir("t")
+    outside = tmp_path / "etc-cron.d"  # where a link the old nightly left in its cache dir points on the host
+    outside.mkdir()
+    (host / "torch_compile_cache").symlink_to(outside)
+    lines: list[str] = []
+    carry = new_carry(fleet, lines)
+    carry.before_canary("c")
+    compiled(canary, "new", b"new version ")
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    assert list(outside.rglob("*")) == []
+    assert carry.results["t"].carried_bytes == 0
+    assert carry.results["t"].skipped_reason == ("not placed: torch_compile_cache/torch_aot_compile: "
+                                                 "torch_compile_cache is not a directory")
+    assert not list((fleet.root / "t").glob(".*gpufleet-carry*"))
+
+
+def test_what_the_old_container_wrote_after_the_first_listing_is_not_carried(fleet):
+    canary, host = fleet.dir("c"), fleet.dir("t")
+    carry = new_carry(fleet, [])
+    carry.before_canary("c")
+    compiled(canary, "planted", b"written by the old container before its stop ")
+    time.sleep(0.05)
+    fleet.started.at = time.time()  # the new container starts
+    time.sleep(0.05)
+    compiled(canary, "new", b"new version ")
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    assert carry.results["c"].entries == ("torch_compile_cache/torch_aot_compile/new/inductor_cache/ab/c.so",
+                                          "torch_compile_cache/torch_aot_compile/new/rank_0_0/model")
+    assert (host / "torch_compile_cache" / "torch_aot_compile" / "new" / "rank_0_0" / "model").exists()
+    assert not (host / "torch_compile_cache" / "torch_aot_compile" / "planted").exists()
+
+
+def test_nothing_is_placed_inside_an_entry_an_earlier_start_left_in_part(fleet):
+    canary, host = fleet.dir("c"), fleet.dir("t")
+    compiled(canary, "old", b"old version ")
+    compiled(host, "old", b"old version ")
+    carry = new_carry(fleet, [])
+    carry.before_canary("c")
+    compiled(canary, "new", b"new version ")
+    write(host / "torch_compile_cache" / "torch_aot_compile" / "new" / "rank_0_0" / "model", b"half written")
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    assert carry.results["t"].skipped_reason == ("it has part of torch_compile_cache/torch_aot_compile/new already "
+                                                 "(an earlier start's): left as it is")
+    assert sorted(p.name for p in (host / "torch_compile_cache" / "torch_aot_compile" / "new").rglob("*")) == [
+        "model", "rank_0_0"]
+
+
+def test_the_carry_writes_only_under_the_hosts_lock(fleet):
+    from gpufleet.hostlock import Holder, HostLock
+
+    carry = new_carry(fleet, [])
+    carry.before_canary("c")
+    compiled(fleet.dir("c"), "new", b"new version ")
+    carry.after_canary(committed=True)
+    other = fleet.sessions.get("u").client  # another run's session, holding t's lock
+    with HostLock(other, "t", path=fleet.lock, holder=Holder("alice", "laptop", 4242, "2026-12-02T03:00:00Z")):
+        carry.into(["t"])
+    assert (carry.results["t"].skipped_reason or "").startswith("its lock: t: locked by alice@laptop pid 4242")
+    assert not list(fleet.dir("t").rglob("*"))
+    carry.into(["t"])  # free again: taken, and let go after
+    assert carry.results["t"].skipped_reason is None
+    with HostLock(other, "t", path=fleet.lock):
+        pass
+
+
+def test_a_carry_past_its_time_limit_is_cut_and_leaves_nothing(fleet):
+    carry = new_carry(fleet, [], timeout_s=0.0)
+    carry.before_canary("c")
+    compiled(fleet.dir("c"), "new", b"new version ")
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    assert "the carry passed its time limit" in (carry.results["t"].skipped_reason or "")
+    assert not list(fleet.dir("t").rglob("*")) and not list((fleet.root / "t").glob(".*gpufleet-carry*"))
+
+
+def test_a_controller_killed_mid_stream_leaves_no_temp_dir_and_the_next_carry_clears_old_ones(fleet):
+    canary, host = fleet.dir("c"), fleet.dir("t")
+    stale = fleet.root / "t" / ".vllm.gpufleet-carry-0123456789ab"  # what a controller killed earlier left
+    stale.mkdir()
+    target = fleet.sessions.get("t")
+
+    def cut(chunk: bytes) -> bytes:  # the controller dies mid-stream: its session to the host closes
+        target.client.close()
+        return chunk
+
+    carry = new_carry(fleet, [], tamper=cut)
+    carry.before_canary("c")
+    compiled(canary, "new", os.urandom(2_000_000))
+    carry.after_canary(committed=True)
+    carry.into(["t"])
+    assert (carry.results["t"].skipped_reason or "").startswith("carry failed: ")
+    deadline = time.monotonic() + 20
+    while list((fleet.root / "t").glob(".*gpufleet-carry*")):  # the host's side ends on its own
+        assert time.monotonic() < deadline, list((fleet.root / "t").glob(".*"))
+        time.sleep(0.1)
+    assert not list(host.rglob("*"))

@@ -21,10 +21,6 @@ def fleet() -> dict:
     return {h.name: h for h in (host("solo1", None), host("g2", 1), host("g1", 0), host("solo2", None))}
 
 
-def ledger(committed: str | None, pending: str | None = None):
-    return SimpleNamespace(committed_ref=committed, pending_ref=pending)
-
-
 def test_a_group_is_one_replica_of_a_batch_with_every_rank_head_first():
     hosts = fleet()
     order = list(hosts)
@@ -44,8 +40,12 @@ def test_only_the_head_is_a_routers_worker():
 
 def test_a_group_is_done_only_when_every_rank_committed_the_target():
     hosts = fleet()
-    targets = dict.fromkeys(hosts, "new")
-    ledgers = {"solo1": ledger("new"), "solo2": ledger("old"), "g1": ledger("new"), "g2": ledger("old", "new")}
-    assert group.done(list(hosts), ledgers, targets, hosts) == {"solo1"}  # g1 waits for g2: swapped again together
-    ledgers["g2"] = ledger("new")
-    assert group.done(list(hosts), ledgers, targets, hosts) == {"solo1", "g1", "g2"}
+    assert group.done({"solo1", "g1"}, hosts) == {"solo1"}  # g1 waits for g2: swapped again together
+    assert group.done({"solo1", "g1", "g2"}, hosts) == {"solo1", "g1", "g2"}
+
+
+def test_a_rank_skipped_for_its_gpus_skips_its_whole_group():
+    hosts = fleet()
+    skipped = group.skipped({"g2": "GPU 0: needs a reboot", "solo1": "GPU 1: needs a reset"}, hosts)
+    assert skipped == {"g2": "GPU 0: needs a reboot", "solo1": "GPU 1: needs a reset",
+                       "g1": "not swapped: g2, a rank of its group, is skipped for its GPUs"}

@@ -11,6 +11,7 @@ from gpufleet import defaults
 from gpufleet.rollout.deploy import RunSettings
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.wire.checks import SERVING_CHECKS
+from gpufleet.wire.speed import SpeedFigures
 
 REF = "reg:5000/vllm/vllm-openai@sha256:" + "a" * 64
 OLD = "reg:5000/vllm/vllm-openai@sha256:" + "b" * 64
@@ -100,3 +101,58 @@ def test_prepare_runs_the_prepare_stage_on_the_target(monkeypatch, tmp_path):
     monkeypatch.setattr(rollout_prepare, "pull_order", lambda inventory, hosts: [list(hosts)])
     assert rollout_prepare.prepare("inv.py", ["gpu1"], REF, tmp_path / "deploy.py")[1] == {}
     assert seen == [RunSettings(image_ref=REF, stage="prepare")]
+
+
+def test_a_model_move_is_passed_to_every_run_of_the_rollout():
+    commit = "c" * 40
+    assert RunSettings(image_ref="r@sha256:ab", model_ref=commit, stage="prepare").data_args() == [
+        "--data", "gpufleet_image_ref=r@sha256:ab", "--data", f"gpufleet_model_ref={commit}",
+        "--data", "gpufleet_stage=prepare"]
+    swap = SwapOptions(deploy_file=Path("d.py"), model_ref=commit).run_settings("r@sha256:ab")
+    assert swap.model_ref == commit and "--data" in swap.data_args()
+    assert "gpufleet_model_ref" not in " ".join(RunSettings(image_ref="r@sha256:ab").data_args())
+
+
+# --- the speed check: the old version's figures reach the deploy run ---------------------------------------------------
+FIGURES = SpeedFigures((30000.0, 31000.0, 29000.0), (0.05, 0.06, 0.04), (200.0, 201.0, 199.0), (380.0, 390.0, 370.0),
+                       prompt_tokens=20480, decode_tokens=64, concurrency=2)
+
+
+def test_the_old_versions_speed_figures_reach_the_deploys_settings_as_measured():
+    from gpufleet.vllm.settings import resolve_host
+
+    settings = RunSettings(image_ref=REF, verify_checks=("speed",), speed_baseline={"gpu1": FIGURES})
+    data = as_pyinfra_reads(settings.data_args())
+    assert list(data) == ["gpufleet_image_ref", "gpufleet_verify_checks", "gpufleet_speed_baseline"]
+    _, s = resolve_host("gpu1", {"vllm_image": "reg:5000/vllm/vllm-openai:nightly", **data})
+    assert s[defaults.SPEED_BASELINE_SETTING] == {"gpu1": FIGURES} and s[defaults.VERIFY_CHECKS_SETTING] == ("speed",)
+    assert RunSettings(speed_baseline={}).data_args() == []  # nothing measured: the check records only
+
+
+@pytest.mark.parametrize(("name", "value", "words"), [
+    ("gpufleet_speed_baseline", {"gpu1": {"prompt_tokens": 5}}, "speed figures need exactly"),
+    ("gpufleet_speed_baseline", [1], "not a map of host name to figures"),
+    ("gpufleet_speed_tolerance", 1.5, "is not a fraction between 0 and 1"),
+    ("gpufleet_speed_tolerance", 0, "is not a fraction between 0 and 1"),
+    ("gpufleet_speed_tolerance", True, "is not a fraction between 0 and 1"),
+    ("gpufleet_speed_batches", "yes", "is not true/false"),
+])  # fmt: skip
+def test_a_speed_setting_the_check_cannot_use_is_refused_naming_it(name, value, words):
+    from gpufleet.errors import SettingErrors
+    from gpufleet.vllm.settings import build_spec
+
+    with pytest.raises(SettingErrors) as err:
+        build_spec("gpu1", {name: value})
+    (line,) = [str(e) for e in err.value.errors]
+    assert line.startswith(f"gpu1: {name}: ") and words in line, line
+
+
+def test_the_canary_runs_speed_and_a_batch_only_when_its_hosts_ask_for_it():
+    options = SwapOptions(Path("deploys/qwen35.py"))
+    assert options.group_checks(canary=True)[0] == "speed"
+    assert options.group_checks(canary=False) == ()
+    assert options.group_checks(canary=False, speed_batch=True) == ("speed",)
+    skipped = SwapOptions(Path("d.py"), canary_checks=("tools",))  # --no-check speed: no batch measures either
+    assert skipped.group_checks(canary=False, speed_batch=True) == ()
+    settings = options.run_settings(REF, canary=False, speed_batch=True, speed_baseline={"gpu2": FIGURES})
+    assert (settings.verify_checks, settings.speed_baseline) == (("speed",), {"gpu2": FIGURES})

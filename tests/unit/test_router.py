@@ -19,10 +19,11 @@ from gpufleet.router import facts, status
 from gpufleet.router.api import Router, RouterError, router_samples
 from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, replicas, worker_url
 from gpufleet.router.spec import RouterSpec
-from gpufleet.router.unit import render_proxy, render_unit
+from gpufleet.router.unit import render_proxy, render_session_script, render_unit
 from gpufleet.sandbox.router_index import project_name, write_simple_index
 from gpufleet.vllm.settings import BEHIND_ROUTER_ARGS
 from gpufleet.vllm.spec import reach_address
+from tests import frontdoor
 from tests.ports import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "router"
@@ -34,9 +35,11 @@ def spec(**data: object) -> RouterSpec:
 
 
 # --- settings ----------------------------------------------------------------------------------------------------
-def test_defaults_make_a_cache_aware_router_on_port_8000():
+def test_defaults_make_a_sticky_least_loaded_router_keyed_at_the_front_door_on_port_8000():
     s = spec()
-    assert (s.policy, s.port, s.version, s.index_url) == ("cache_aware", 8000, "0.1.17", "https://pypi.org/simple")
+    assert (s.policy, s.port, s.version, s.index_url) == ("sticky_least_loaded", 8000, "0.1.17",
+                                                          "https://pypi.org/simple")
+    assert s.keys_sessions and not spec(router_policy="cache_aware").keys_sessions
     assert s.workers == WORKERS
 
 
@@ -81,10 +84,11 @@ def test_sticky_least_loaded_is_a_policy_gpufleet_runs():
     assert spec(router_policy="sticky_least_loaded").policy == "sticky_least_loaded"
 
 
-def test_the_default_policy_gets_what_it_needs_of_the_replicas_behind_a_router():
+def test_replicas_behind_a_router_can_serve_cache_aware():
     # cache_aware routes on token ids from the worker's POST /v1/chat/completions/render, which vLLM serves only with
-    # --enable-scale-out (measured: docs/router.md): replicas behind a router get it (gpufleet.vllm.settings).
-    assert DEFAULTS["router_policy"] == "cache_aware"
+    # --enable-scale-out (measured: docs/router.md): replicas behind a router get it (gpufleet.vllm.settings), so
+    # router_policy = "cache_aware" needs no change to them.
+    assert "cache_aware" in POLICIES
     assert BEHIND_ROUTER_ARGS == {"enable-scale-out": True}
 
 
@@ -95,9 +99,9 @@ def test_every_flag_a_replica_behind_a_router_gets_is_one_vllm_knows():
 
 
 def test_the_router_argv_adds_no_routing_argument_beyond_the_policy():
-    # The default is cache_aware at the router's own thresholds: the measured fix is on the replicas, not the router.
+    # The router's own thresholds: the measured fixes are at the front door and on the replicas, not in the router.
     argv = spec().argv()
-    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert argv[argv.index("--policy") + 1] == DEFAULTS["router_policy"]
     assert not {"--cache-threshold", "--balance-abs-threshold", "--balance-rel-threshold"} & set(argv)
 
 
@@ -225,7 +229,7 @@ def test_the_internal_port_is_a_port_of_its_own(data, problem):
 
 
 def test_the_front_door_passes_on_the_client_api_only():
-    site = render_proxy(spec())
+    site = render_proxy(spec(router_policy="cache_aware"))
     assert re.search(r"^\s*listen 8000;$", site, re.M)
     locations = dict(re.findall(r"location ([^{]+?) \{\s*(.*?)\s*\}", site, re.S))
     assert locations == {"/v1/": "proxy_pass http://127.0.0.1:28000/v1/;",
@@ -235,14 +239,14 @@ def test_the_front_door_passes_on_the_client_api_only():
     assert "listen [fd00::5]:8000;" in render_proxy(spec(router_address="fd00::5"))
 
 
-def test_the_front_door_site_is_one_nginx_accepts(tmp_path):
-    import shutil
-
-    if not shutil.which("nginx"):
-        pytest.skip("no nginx on this machine (the integration tier runs it on the router hosts)")
+@pytest.mark.parametrize("policy", ["sticky_least_loaded", "cache_aware"])
+def test_the_front_door_site_is_one_nginx_accepts(tmp_path, policy):
+    if frontdoor.missing():
+        pytest.skip(f"{frontdoor.missing()} (the integration tier runs it on the router hosts)")
+    (tmp_path / "vllm-router-session-key.js").write_text(render_session_script())
     conf = tmp_path / "nginx.conf"
-    conf.write_text(f"pid {tmp_path}/nginx.pid; error_log stderr; events {{}} http {{ access_log off; "
-                    f"{render_proxy(spec(router_port=18080))} }}")
+    conf.write_text(frontdoor.nginx_conf(render_proxy(spec(router_port=18080, router_policy=policy), str(tmp_path)),
+                                         tmp_path))
     proc = subprocess.run(["nginx", "-t", "-q", "-c", str(conf), "-p", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -267,6 +271,13 @@ def test_fact_parses_a_converged_router_host():
     assert seen.enabled and not seen.need_daemon_reload
     assert seen.live_workers == WORKERS
     assert seen.reach == {WORKERS[0]: "200", WORKERS[1]: "000"}
+
+
+def test_fact_reads_the_front_doors_session_key_parts():
+    seen = facts.parse(["njs=install_ok_installed", "session_script_sha256=abc"])
+    assert seen.njs and seen.session_script_sha256 == "abc"
+    bare = facts.parse(["njs=", "session_script_sha256="])
+    assert not bare.njs and bare.session_script_sha256 is None
 
 
 def test_fact_parses_a_bare_host():

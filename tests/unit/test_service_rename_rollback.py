@@ -17,6 +17,7 @@ from gpufleet.hoststate.atomic import atomic_write_command
 from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, parse
 from gpufleet.hoststate.paths import committed_unit, ledger_path, unit_backup
 from gpufleet.operations.run import host_run, remember
+from gpufleet.remote.transport import ContainerInfo
 from gpufleet.units import unit_path
 from gpufleet.vllm import commit, verify
 from gpufleet.vllm.facts import HostSnapshot
@@ -40,36 +41,43 @@ class RollbackHost:
     def __init__(self) -> None:
         self.state = RunState()
         self.done: list[tuple[str, Any]] = []  # ("run", command) or ("put", (path, text))
+        self.said: list[str] = []
 
     def run_shell_command(self, command: str, **_: Any):
         self.done.append(("run", str(command)))
-        return True, SimpleNamespace(stdout_lines=[], stderr_lines=[])
+        made = ["/tmp/tmp.private"] if str(command).endswith("mktemp -d") else []  # upload()'s private dir
+        return True, SimpleNamespace(stdout_lines=made, stderr_lines=[])
 
     def put_file(self, src: Any, dest: str, **_: Any) -> bool:
         self.done.append(("put", (dest, src.getvalue())))
         return True
 
     def log_styled(self, message: str, **_: Any) -> None:
-        pass
+        self.said.append(message)
 
     def commands(self) -> list[str]:
         return [what for kind, what in self.done if kind == "run"]
 
     def ledger_written(self) -> tuple[int, str, Ledger]:
         """(where in `done`, the ledger's path, its content) of the one ledger the rollback wrote."""
-        [(at, path, text)] = [(i, what[0], what[1]) for i, (kind, what) in enumerate(self.done)
-                              if kind == "put" and what[0].endswith(".json.upload")]
-        # The upload goes to a hidden file beside the ledger, renamed over it: /var/lib/gpufleet/.<name>.upload
-        directory, _, name = path.rpartition("/")
+        # The upload goes to a private temp dir; the root command after it renames its copy over the ledger.
+        [(at, path, text)] = [(i, self.done[i + 1][1].rpartition('mv -fT "$tmp" ')[2].split(";")[0], what[1])
+                              for i, (kind, what) in enumerate(self.done)
+                              if kind == "put" and ".json; " in self.done[i + 1][1]]
         text = text.decode() if isinstance(text, bytes) else text
-        return at, f"{directory}/{name.removeprefix('.').removesuffix('.upload')}", parse(text)
+        return at, path, parse(text)
 
 
-def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000) -> tuple[RollbackHost, Ledger]:
+SERVING_GOOD = ContainerInfo("c0ffee", "running", image=GOOD, spec_hash="0123456789abcdef")
+
+
+def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000, mark: bool = True,
+                answers: ContainerInfo | None = SERVING_GOOD) -> tuple[RollbackHost, Ledger]:
     """A host whose committed version is OLD's on port 5000 and whose pending one (`service` on `port`, the dies
-    digest) failed: the rollback run with the committed version ready again."""
+    digest) failed: the rollback run with `answers` (the committed version, by default) ready again."""
     monkeypatch.setattr(verify, "transport_from_pyinfra_host", lambda host: None)
-    monkeypatch.setattr(commit, "poll_ready", lambda *_, **__: HealthReport(HealthState.READY, "ready"))
+    monkeypatch.setattr(commit, "poll_ready", lambda *_, **__: HealthReport(HealthState.READY, "ready",
+                                                                            container=answers))
     spec = build_spec("gpu1", {"vllm_image": TAG, "vllm_service": service, "vllm_port": port})
     committed = Version(image=TAG, ref=GOOD, unit_sha256="a" * 64, spec_hash="0123456789abcdef", service=OLD,
                         port=5000)
@@ -79,14 +87,14 @@ def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000)
     host = RollbackHost()
     remember(host, HostSnapshot()).ledger = ledger
     v = verify.Verification(spec, 5.0, None, ledger_path(service), "qwen35")
-    assert commit.roll_back(host, v, ledger, "dead: exited 1") is False  # the host failed its rollout either way
+    assert commit.roll_back(host, v, ledger, "dead: exited 1", mark=mark) is False  # the host failed either way
     return host, ledger
 
 
 def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_service(monkeypatch):
     host, before = rolled_back(monkeypatch, NEW)
-    [(restored_at, restore)] = [(i, what) for i, (kind, what) in enumerate(host.done)
-                                if kind == "run" and "systemctl restart" in what]
+    [(restored_at, restore)] = [(i, shlex.split(what)[-1]) for i, (kind, what) in enumerate(host.done)
+                                if kind == "run" and "systemctl restart" in what]  # sh -c '<the restore>'
     # reset-failed: a new unit whose engine died is not left listed as failed once it is gone.
     # The committed unit's copy is the one its ledger names by checksum (the old place for a ledger from before);
     # it goes back only if it is that unit, written atomically.
@@ -179,3 +187,25 @@ def test_a_run_that_lost_the_hosts_lock_writes_no_ledger(monkeypatch):
     assert commit.commit_pending(host, v, "t2") is False
     assert [kind for kind, _ in host.done if kind == "put"] == []  # no ledger upload
     assert host_run(host).ledger == before
+
+
+def test_a_rollback_is_judged_by_the_container_that_answers_not_by_its_mark(monkeypatch):
+    # The unit went back, but what answers afterwards is the failed digest (its restart never took over): the mark
+    # is on disk (written first), and the host's line says the rollback did not bring the committed version back.
+    failed_one = ContainerInfo("dead00", "running", image=DIES, spec_hash="0123456789abcdef")
+    host, _ = rolled_back(monkeypatch, OLD, answers=failed_one)
+    [line] = [said for said in host.said if said.startswith("gpu1: ")]
+    assert f"the rollback to {GOOD} did not bring it back (the container answering runs {DIES}, not {GOOD}" in line
+    assert "which is ready" not in line
+    _, _, written = host.ledger_written()
+    assert written.failed[-1].ref == DIES  # the version is still what failed
+
+
+def test_a_version_that_lost_its_port_to_another_process_is_not_marked_failed(monkeypatch):
+    host, before = rolled_back(monkeypatch, OLD, mark=False)
+    at, path, written = host.ledger_written()
+    # One ledger write, after the restore: the pending record dropped, no failure mark.
+    assert path == ledger_path(OLD) and written.failed == () and written.pending is None
+    assert written.committed == before.committed
+    assert at > next(i for i, (kind, what) in enumerate(host.done) if kind == "run" and "systemctl restart" in what)
+    assert any("not marked failed: another process held the port" in said for said in host.said)

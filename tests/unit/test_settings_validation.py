@@ -70,6 +70,11 @@ CASES = [
     ({"gpufleet_allow_no_gpu": "yes"}, "gpufleet_allow_no_gpu", "True or False"),
     ({"docker_install": "snap"}, "docker_install", "distro"),
     ({"nvidia_repo_url": "ftp://x"}, "nvidia_repo_url", "http"),
+    ({"gpufleet_gpu_verdicts": {"xid thirteen": "ok"}}, "gpufleet_gpu_verdicts", "'xid thirteen' is not a signal"),
+    ({"gpufleet_gpu_verdicts": {"xid 13": "fine"}}, "gpufleet_gpu_verdicts", "restart-app, reset-gpu, reboot"),
+    ({"gpufleet_gpu_verdicts": ["xid 13"]}, "gpufleet_gpu_verdicts", "not a map of signal to verdict"),
+    ({"gpufleet_gpu_cleared_at": "2026-12-03T10:00:00"}, "gpufleet_gpu_cleared_at", "with its zone"),
+    ({"gpufleet_gpu_cleared_at": 1764756000}, "gpufleet_gpu_cleared_at", "1764756000 is not an ISO 8601 time"),
 ]
 
 
@@ -109,6 +114,8 @@ def test_valid_variations_are_accepted():
             },
             "ssh_hostname": "10.0.0.1",
             "other_tool_setting": 1,  # not ours: ignored
+            "gpufleet_gpu_verdicts": {"xid 43": "ok", "xid 200": "reboot"},
+            "gpufleet_gpu_cleared_at": "2026-12-03T10:00:00Z",
         },
     )
     assert spec.arg("pipeline-parallel-size") == "2" and spec.arg("max-model-len") == "128k"

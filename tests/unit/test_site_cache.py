@@ -18,7 +18,7 @@ import pytest
 from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State, StringCommand
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet.errors import SettingErrors
+from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.facts import pull
 from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_pyinfra_hosts
@@ -369,3 +369,29 @@ def test_the_cache_host_cannot_take_its_own_vllm_port(inventory: Path):
     with pytest.raises(SettingErrors) as raised:
         check_port(loaded, "gpu1", ports, 5002)
     assert str(raised.value).startswith("gpu1: site_cache_internal_port: 5002 is vllm_port too")
+
+
+def test_the_model_mirror_is_installed_from_the_lock_once_and_a_second_converge_changes_nothing():
+    from gpufleet.sitecache import facts, mirror
+
+    install = mirror.locked("cache", "3.11", "x86_64")
+    config = mirror.render_config("https://huggingface.co", 5003, "10.0.0.5:5001", ["Qwen/Qwen3.5-27B-AWQ"], 500)
+    args = {"install": install, "config": config, "index_url": "https://pypi.org/simple", "port": 5003}
+    fresh = [str(c) for c in run_op(site_cache.model_mirror, seen=SiteCacheHost(python3_venv=True), **args)]
+    assert any("--require-hashes" in c and "--no-deps" in c for c in fresh)
+    assert fresh[-3:-1] == [f"systemctl enable {mirror.UNIT}", f"systemctl restart {mirror.UNIT}"]
+    assert "until curl" in fresh[-1] and "127.0.0.1:5003" in fresh[-1]
+    converged = SiteCacheHost(python3_venv=True, mirror_key=install.key, mirror_config_sha256=sha256(config),
+                              mirror_unit_sha256=sha256(mirror.render_unit()), mirror_active=True,
+                              mirror_enabled=True)
+    assert run_op(site_cache.model_mirror, seen=converged, **args) == []
+    # What the fact reads back, as the host prints it.
+    seen = facts.parse(["python=3.11", "machine=x86_64", "python3_venv=install_ok_installed",
+                        f"mirror_key={install.key}", "mirror_active=active", "mirror_enabled=enabled"])
+    assert (seen.python, seen.machine, seen.mirror_key, seen.mirror_active) == ("3.11", "x86_64", install.key, True)
+    # Only the inventory's repositories, never a redirect, nothing from Xet.
+    assert 'repo = "Qwen/Qwen3.5-27B-AWQ", allow = true' in config and 'repo = "*/*", allow = false' in config
+    assert "cache-redirect-model = false" in config and "xet-passthrough = false" in config
+    # No wheels for the host: its one line, and nothing installed.
+    with pytest.raises(SettingError, match="has no wheels for the host's Python 3.11 on aarch64"):
+        mirror.locked("cache", "3.11", "aarch64")

@@ -154,11 +154,14 @@ def test_publish_address_unset_keeps_the_hash_so_upgrading_restarts_nothing():
 def test_hf_download_writes_where_the_service_reads_and_takes_the_token_only_through_the_env_file():
     spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m", "vllm_model": "q"})
     image = "img@sha256:" + "1" * 64
-    argv = spec.hf_download_argv(image, "org/repo", "abc123", "/c/hf", "/etc/gpufleet/s.env")
-    assert argv[:5] == ["docker", "run", "--rm", "--entrypoint", "hf"]
+    argv = spec.hf_download_argv(image, "org/repo", "abc123", "/c/hf", "/etc/gpufleet/s.env",
+                                 env={"HF_HUB_DISABLE_XET": "1", "HF_ENDPOINT": "http://cache:5001"})
+    assert argv[:7] == ["docker", "run", "--rm", "--network", "host", "--entrypoint", "hf"]
     assert argv[argv.index("--env-file") + 1] == "/etc/gpufleet/s.env"
+    assert argv[argv.index("--env-file") + 2:argv.index(image)] == ["-e", "HF_ENDPOINT=http://cache:5001",
+                                                                       "-e", "HF_HUB_DISABLE_XET=1"]
     # The download's mount and --local-dir are the serving container's model mount and --model.
-    assert spec.model_mount.volume_arg() in spec.docker_run_argv() and argv[6] == spec.model_mount.volume_arg()
+    assert spec.model_mount.volume_arg() in spec.docker_run_argv() and argv[8] == spec.model_mount.volume_arg()
     assert argv[argv.index(image) + 1:] == ["download", "org/repo", "--local-dir", spec.model_path,
                                             "--revision", "abc123"] and spec.model_path == "/models/q"
     assert "--env-file" not in spec.hf_download_argv("i", "r", None, None, None)
@@ -168,3 +171,23 @@ def test_the_model_mount_is_found_by_the_model_path_not_by_position():
     spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m"})
     reordered = dataclasses.replace(spec, mounts=spec.mounts[::-1])
     assert reordered.model_mount == spec.model_mount and spec.model_mount.host_path == "/srv/m"
+
+
+def test_the_models_commit_is_a_label_of_the_container_and_status_reads_it():
+    from gpufleet.cli.health_tables import model_cell
+    from gpufleet.remote.transport import pick_container
+    from gpufleet.vllm.unit import render_unit
+
+    spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m"})
+    at = "org/repo@" + "c" * 40
+    argv = spec.docker_run_argv(model=at)
+    assert argv[argv.index(spec.container_label) + 1:][:2] == ["--label", f"gpufleet.{spec.service}.model={at}"]
+    label = argv.index(f"gpufleet.{spec.service}.model={at}")
+    assert spec.docker_run_argv() == argv[:label - 1] + argv[label + 1:]
+    assert render_unit(spec, model=at) != render_unit(spec) and f"# Model {at}." in render_unit(spec, model=at)
+    inspected = {"Id": "abc", "State": {"Status": "running"},
+                 "Config": {"Labels": {f"gpufleet.{spec.service}": spec.spec_hash,
+                                       f"gpufleet.{spec.service}.model": at}}}
+    found = pick_container([inspected], f"gpufleet.{spec.service}")
+    assert found is not None and found.model == at
+    assert model_cell("qwen", found.model) == "qwen @cccccccccccc" and model_cell("qwen", None) == "qwen"

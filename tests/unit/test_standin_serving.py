@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from gpufleet.health.answers import check_answers
+from gpufleet.health.answers import AnswerCheck, check_answers
 from gpufleet.health.serving import Served, run_checks
+from gpufleet.health.serving_rules import Comparison, SessionFigures
 from gpufleet.sandbox.image import TAGS
 from gpufleet.wire.identity import Expected
 from tests.loopback import LoopbackTransport
@@ -29,10 +30,14 @@ WEATHER = {"type": "function", "function": {
 PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def checks(port: int, names: tuple[str, ...] = ALL) -> dict[str, tuple[bool, str]]:
+def results(port: int, names: tuple[str, ...] = ALL) -> dict[str, AnswerCheck]:
     found = run_checks(LoopbackTransport(), Expected("vllm", port, "m"), EVERY, names, timeout_s=20)
     assert [c.name for c in found] == list(names)
-    return {c.name: (c.ok, c.detail) for c in found}
+    return {c.name: c for c in found}
+
+
+def checks(port: int, names: tuple[str, ...] = ALL) -> dict[str, tuple[bool, str]]:
+    return {name: (c.ok, c.detail) for name, c in results(port, names).items()}
 
 
 def oks(found: dict[str, tuple[bool, str]]) -> dict[str, bool]:
@@ -59,18 +64,27 @@ def test_a_good_server_passes_every_serving_check_and_the_answer_checks(server):
     found = checks(s.port)
     assert oks(found) == dict.fromkeys(ALL, True), found
     assert "the same 6 tokens, logprobs within 0.0000" in found["cached-cold"][1]
-    assert "two cold answers are identical" not in found["sessions"][1]  # the sessions could be told apart
+    assert "could not be told from it" not in found["sessions"][1]  # the sessions stand apart at the first token
     answers = check_answers(LoopbackTransport(), Expected("vllm", s.port, "m"), timeout_s=10)
     assert [(c.name, c.ok) for c in answers] == [("completion", True), ("stream", True)], answers
 
 
 def test_cache_corrupt_fails_cached_cold_and_sessions_and_passes_the_rest(server):
     s = server(*GOOD, env={"STANDIN_MISBEHAVE": "cache-corrupt"}).wait()
-    found = checks(s.port)
+    got = results(s.port)
+    found = {name: (c.ok, c.detail) for name, c in got.items()}
     assert oks(found) == {"prefix-cache": True, "cached-cold": False, "sessions": False, "tools": True,
                           "reasoning": True}, found  # fmt: skip
     assert found["cached-cold"][1].startswith("the cached answer differs from the cold one: token 0: "), found
-    assert "got another answer than its own cold one" in found["sessions"][1], found
+    assert "got another answer than its own: token 0: " in found["sessions"][1], found
+    # A failed check still carries what it judged on (a GPU run records it): the flip at the first token.
+    cached = got["cached-cold"].figures["cached"]
+    assert isinstance(cached, Comparison) and cached.flip == 0 and cached.lengths == (6, 6), got["cached-cold"]
+    sessions = got["sessions"].figures
+    assert set(sessions) == {"a", "b", "cached_tokens"} and all(sessions["cached_tokens"]), sessions
+    assert all(isinstance(sessions[k], SessionFigures) and sessions[k].own.flip == 0 for k in "ab"), sessions
+    assert got["sessions"].as_dict()["figures"]["a"]["own"]["flip"] == 0  # gpufleet verify --json carries them
+    assert got["tools"].figures == {} and "figures" in got["tools"].as_dict()
     # what the probe (token counts) and the answer checks see is a healthy server
     answers = check_answers(LoopbackTransport(), Expected("vllm", s.port, "m"), timeout_s=10)
     assert all(c.ok for c in answers), answers
@@ -152,6 +166,12 @@ def test_greedy_answers_are_a_function_of_the_whole_prompt_with_vllm_logprobs(se
     assert ask(s, logprobs=True, top_logprobs=5)["choices"][0]["logprobs"] == first["logprobs"]  # cached: the same
     assert ask(s, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == top_of(
         entries[0], 2)
+    as_ids = ask(s, logprobs=True, top_logprobs=5, return_tokens_as_token_ids=True)["choices"][0]
+    assert as_ids["message"] == first["message"]
+    for e, by_id in zip(entries, as_ids["logprobs"]["content"], strict=True):
+        assert by_id["token"].startswith("token_id:") and (by_id["logprob"], by_id["bytes"]) == (e["logprob"], e["bytes"])
+        top_ids = [t["token"] for t in by_id["top_logprobs"]]
+        assert top_ids[0] == by_id["token"] and len(set(top_ids)) == 5 and all(t.startswith("token_id:") for t in top_ids)
     plain = ask(s)["choices"][0]
     assert plain["logprobs"] is None and plain["message"]["content"] == first["message"]["content"]
     assert ask(s, max_tokens=3)["choices"][0]["message"]["content"] == "".join(e["token"] for e in entries[:3])

@@ -109,11 +109,13 @@ def converged_host(monkeypatch: pytest.MonkeyPatch) -> HostSnapshot:
     converged = bare_but_installed()
     converged.file_sha256 = {path: hashlib.sha256(content).hexdigest() for path, content in files.items()}
     converged.dirs = dict.fromkeys(dirs, ("root", "root", "755"))
+    model = f"{plan.settings['vllm_model_repo']}@{'c' * 40}"  # the commit its ledger keeps, checked on disk
     converged.ledger_text = render(Ledger(committed=Committed(
-        Version(spec.image, REF, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service, port=spec.port),
-        "t0")))
+        Version(spec.image, REF, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service, port=spec.port,
+                model=model, model_revision=plan.settings["vllm_model_revision"]), "t0")))
     converged.images = [(REF.split("@")[0], "<none>", REF.split("@")[1])]
     converged.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
+    converged.model_checked = model
     converged.units[unit_name(spec.service)] = ("active", "enabled")
     converged.health_code = "200"
     converged.served_models = [(spec.served_model_name, spec.max_model_len)]
@@ -129,6 +131,21 @@ def converged_host(monkeypatch: pytest.MonkeyPatch) -> HostSnapshot:
 def test_a_converged_host_gets_no_command_from_any_operation(monkeypatch):
     _, ops = prepare(converged_host(monkeypatch), monkeypatch)
     assert len(ops) >= 13 and {name: cmds for name, cmds in ops if cmds} == {}
+
+
+def test_asking_for_another_model_commit_downloads_it_and_changes_the_unit(monkeypatch):
+    """gpufleet_model_ref (a rollout's ask) on a converged host: the model is fetched and checked at that commit,
+    and the unit, which names the commit, changes (so the service restarts on it). A moved branch alone does not."""
+    converged = converged_host(monkeypatch)
+    moved = "d" * 40
+    monkeypatch.setitem(globals(), "DATA", {**DATA, "gpufleet_model_ref": moved})
+    _, ops = prepare(converged, monkeypatch)
+    changed = {name: cmds for name, cmds in ops if cmds}
+    [fetch] = changed["Download the model's commit unless it is here and checked"]
+    assert isinstance(fetch, FunctionCommand) and fetch.function.__name__ == "_fetch"
+    assert fetch.args[1].pin.endswith("@" + moved)
+    [upload] = [c for c in changed["Install the vLLM systemd unit"] if isinstance(c, FileUploadCommand)]
+    assert f"@{moved}.".encode() in upload.src.getvalue()
 
 
 def test_a_server_with_another_max_model_len_is_verified_not_taken_as_ready(monkeypatch):
@@ -151,7 +168,7 @@ def op_names(snap: HostSnapshot, monkeypatch: pytest.MonkeyPatch, **data: Any) -
 def test_prepare_stops_before_the_unit_and_settles_no_ledger(monkeypatch):
     names = op_names(bare_but_installed(), monkeypatch, gpufleet_stage="prepare")
     assert names[-3:] == ["Pull the vLLM image and pin its digest", "Check the image accepts the serve flags",
-                          "Download the model unless it is complete"]
+                          "Download the model's commit unless it is here and checked"]
 
 
 def pending_on(snap: HostSnapshot, plan: Plan, restarts: int, unit_is_pending: bool = True) -> HostSnapshot:
@@ -240,8 +257,7 @@ def test_a_rename_disables_the_replaced_service_before_the_new_one_starts(monkey
     _, ops = prepare(snap, monkeypatch)
     started = next(cmds for name, cmds in ops if name == "Enable and start the vLLM service")
     shell = [c.get_raw_value() for c in started if isinstance(c, StringCommand)]
-    assert shell.index("systemctl disable --now vllm-qwen35.service || true") < shell.index(
-        "systemctl start renamed.service"), shell
+    assert "sh -c '{ systemctl disable --now vllm-qwen35.service || true; } && systemctl start renamed.service'" in shell
 
 
 def test_a_rename_away_that_was_cut_is_refused_for_the_old_name_and_settled_by_the_new():
@@ -293,3 +309,73 @@ def test_preflight_holds_the_driver_to_the_cuda_version_wherever_it_was_read():
         snap.driver_output = None if from_file else VERSION.replace("580.159.04", "535.104.05").replace("13.0", "12.2")
         (line,) = check_host("gpu1", snap, plan)
         assert "driver 535.104.05 supports CUDA 12.2, the image needs CUDA >= 13.0" in line
+
+
+# --- GPU health: a converge that would (re)start the service on a GPU that needs a reset is refused ---------------
+def sick(snap: HostSnapshot, faults: dict[int, dict[str, Any]]) -> HostSnapshot:
+    """The snapshot with each GPU of `faults` reading its fields (gpufleet.facts.gpu_health.GpuReading), the others
+    healthy."""
+    from gpufleet.facts.gpu_health import GpuHealth, GpuReading
+
+    snap.gpu_health = GpuHealth(gpus=tuple(GpuReading(i, f"00000000:00:0{6 + i}.0", **faults.get(i, {}))
+                                           for i in range(3)))
+    return snap
+
+
+def test_what_a_converge_would_restart_is_read_as_the_operations_decide(monkeypatch):
+    from gpufleet.hoststate.ledger import parse
+    from gpufleet.vllm.deploy import restart_reason
+
+    plan = plan_for("gpu1", DATA)
+    converged = converged_host(monkeypatch)
+    ledger = parse(converged.ledger_text)
+    assert restart_reason(converged, plan, ledger, REF) is None  # ...and no operation yields a command (above)
+    assert restart_reason(bare_but_installed(), plan, Ledger(), None) == "start vllm-qwen35.service (it is not running)"
+    other = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
+    converged.images.append((other.split("@")[0], "<none>", other.split("@")[1]))
+    assert restart_reason(converged, plan, ledger, other) == "restart vllm-qwen35.service (its unit changes)"
+    secrets = plan_for("gpu1", {**DATA, "vllm_api_key": "sk-other"})
+    assert restart_reason(converged, secrets, ledger, REF) == "restart vllm-qwen35.service (its secrets file changes)"
+    assert restart_reason(converged, plan_for("gpu1", {**DATA, "gpufleet_stage": "prepare"}), ledger, other) is None
+
+
+def test_a_restart_onto_a_gpu_pending_a_remap_is_refused_one_line_per_gpu_and_a_no_op_converge_is_not(monkeypatch):
+    converged = sick(converged_host(monkeypatch), {0: {"remap_pending": True}})
+    assert check_host("gpu1", converged, plan_for("gpu1", DATA)) == []  # nothing restarts: it goes on serving
+    other = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
+    converged.free_kib = {"docker": 10**9, "models": 10**9}  # the new image has room
+    (line,) = check_host("gpu1", converged, plan_for("gpu1", {**DATA, "gpufleet_image_ref": other}))
+    assert line == ("gpu1: GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes: this converge would "
+                    "restart vllm-qwen35.service (its image is still to be pulled) (fix: stop the service and reset the "
+                    "GPU (`nvidia-smi -r -i 0`), or reboot the host (NVIDIA: RESET_GPU), then converge again "
+                    "(docs/gpu-health.md: how a verdict clears))")
+    both = sick(bare_but_installed(), {0: {"recovery_action": "Reboot"}, 2: {"remap_failure": True}})
+    lines = check_host("gpu1", both, plan_for("gpu1", DATA))
+    assert [line.split(":", 1)[1].split("(")[0].strip() for line in lines if "GPU" in line] == ["GPU 0", "GPU 2"]
+    assert "needs reboot: gpu_recovery_action=Reboot: this converge would start" in lines[-2]
+    assert "needs service: remapped_rows.failure=Yes" in lines[-1] and "CONTACT_SUPPORT" in lines[-1]
+
+
+def test_a_degraded_gpu_or_one_the_service_does_not_use_refuses_nothing():
+    from gpufleet.facts.gpu_verdict import judge
+    from gpufleet.vllm.checks import gpu_refusals
+    from gpufleet.wire.gpu_verdicts import GpuSettings
+
+    degraded = judge(sick(bare_but_installed(), {1: {"clocks_event_reasons": 0x40}}).gpu_health, GpuSettings())
+    assert gpu_refusals("gpu1", degraded, (0, 1, 2), "start x (it is not running)") == []
+    unused = judge(sick(bare_but_installed(), {2: {"remap_pending": True}}).gpu_health, GpuSettings())
+    assert gpu_refusals("gpu1", unused, (0, 1), "start x (it is not running)") == []
+    assert len(gpu_refusals("gpu1", unused, (0, 1, 2), "start x (it is not running)")) == 1
+
+
+def test_the_hosts_verdict_table_setting_decides_what_preflight_refuses():
+    def refusals(faults: dict[int, dict[str, Any]], verdicts: dict[str, str] | None = None) -> list[str]:
+        data = DATA if verdicts is None else {**DATA, "gpufleet_gpu_verdicts": verdicts}
+        return [line for line in check_host("gpu1", sick(bare_but_installed(), faults), plan_for("gpu1", data))
+                if "GPU" in line]
+
+    pending, hot = {0: {"remap_pending": True}}, {1: {"clocks_event_reasons": 0x40}}
+    assert len(refusals(pending)) == 1 and refusals(pending, {"remapped_rows.pending=Yes": "degraded"}) == []
+    assert refusals(hot) == []
+    (line,) = refusals(hot, {"clocks_event_reasons.hw_thermal_slowdown": "service"})
+    assert "GPU 1 (00000000:00:07.0) needs service: clocks_event_reasons.hw_thermal_slowdown (0x40)" in line

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from pyinfra.api.exceptions import FactProcessError
 
+from gpufleet.facts.gpu_health import QUERY_HEALTH
 from gpufleet.facts.nvidia import GPU_FIELDS, NvidiaVersion
 from gpufleet.hoststate.sections import MARK
 from gpufleet.vllm import facts as host_fact
@@ -91,6 +92,17 @@ def test_parses_every_section():
     assert snap.cache_config == {"block_size": "16", "enable_prefix_caching": "True"}
 
 
+def test_the_gpus_health_is_read_beside_them_and_only_where_nvidia_smi_listed_gpus():
+    xid = "1 2026-12-03T09:30:00,000000+00:00 NVRM: Xid (PCI:0000:00:06): 79, GPU has fallen off the bus."
+    snap = parse_snapshot(healthy(gpu_health=fixture("h200-health", "query-gpu-health.csv"), kernel_log=[xid]))
+    health = snap.gpu_health
+    assert health is not None and health.error is None and health.gpus[0].bus_id == "00000000:00:06.0"
+    assert [(e.code, e.bus) for e in health.events] == [(79, (0, 0, 6))]
+    no_gpu = healthy(gpus=["No devices were found", "@@rc 6"], gpu_health=[], kernel_log=[])
+    assert parse_snapshot(no_gpu).gpu_health is None
+    assert parse_snapshot(healthy()).gpu_health is None  # not read (a snapshot without the sections)
+
+
 def test_a_server_without_cache_config_info_reports_none():
     snap = parse_snapshot(healthy(cache_config=[]))
     assert snap.cache_config == {} and snap.served_models == [("qwen3.5-awq", 32768)]
@@ -105,7 +117,8 @@ def test_a_wedged_nvidia_smi_is_a_problem_with_its_bound_not_a_hang():
 def test_every_program_that_can_hang_runs_under_timeout():
     command = snapshot_command(PATHS)
     for program in ("nvidia-smi --query-gpu", "nvidia-smi --version", "docker images", "docker ps", "df -Pk",
-                    "systemctl show -p Id"):
+                    "systemctl show -p Id", "nvidia-smi --query-gpu=index,pci.bus_id", "nvidia-smi --help-query-gpu",
+                    "dmesg --time-format iso"):
         line = next(line for line in command.splitlines() if program in line)
         assert f"$t {program}" in line, line
     assert "t='timeout -k 2 20'" in command
@@ -566,10 +579,15 @@ def fake_nvidia_smi(tmp_path: Path, query: str, rc: int = 0) -> None:
     --version with the recorded H200's answer."""
     (tmp_path / "query").write_text(query)
     (tmp_path / "version").write_text(VERSION)
+    (tmp_path / "health").write_text(HEALTH)
     fake = tmp_path / "nvidia-smi"
     fake.write_text(f"#!/bin/sh\necho \"$1\" >> {tmp_path}/calls\n"
-                    f"case $1 in --version) cat {tmp_path}/version;; *) cat {tmp_path}/query; exit {rc};; esac\n")
+                    f"case $1 in --version) cat {tmp_path}/version;; {LIVE[2]}) cat {tmp_path}/health;; "
+                    f"*) cat {tmp_path}/query; exit {rc};; esac\n")
     fake.chmod(0o755)
+    dmesg = tmp_path / "dmesg"  # this machine's kernel log is no test host's
+    dmesg.write_text("#!/bin/sh\necho '2026-12-03T09:00:00,000000+00:00 NVRM: Xid (PCI:0000:00:06): 13, x'\n")
+    dmesg.chmod(0o755)
 
 
 def snapshot_with(tmp_path: Path, version_file: str | None) -> tuple[HostSnapshot, list[str]]:
@@ -584,7 +602,9 @@ def snapshot_with(tmp_path: Path, version_file: str | None) -> tuple[HostSnapsho
 
 
 QUERY = (NV / "h200-2gpu" / "query-gpu.csv").read_text()
-LIVE = [f"--query-gpu={','.join(GPU_FIELDS)}", "--version"]  # the stand-in logs each call's first argument
+HEALTH = (NV / "h200-health" / "query-gpu-health.csv").read_text()
+# The stand-in logs each call's first argument: the GPU query, the driver's version, the health query.
+LIVE = [f"--query-gpu={','.join(GPU_FIELDS)}", "--version", QUERY_HEALTH.split()[1]]
 
 
 def test_a_version_file_naming_the_driver_spares_the_version_call(tmp_path):
@@ -592,9 +612,11 @@ def test_a_version_file_naming_the_driver_spares_the_version_call(tmp_path):
     version_file = tmp_path / "nvidia-version"
     snap, calls = snapshot_with(tmp_path, str(version_file))  # no file yet: asked live
     assert calls == LIVE and snap.driver == NvidiaVersion("580.159.04", "13.0") and snap.driver_output == VERSION
+    health = snap.gpu_health  # the health query and the kernel log, in the same command
+    assert health is not None and health.error is None and [e.code for e in health.events] == [13]
     version_file.write_text(snap.driver_output)  # what the version_file operation writes
     snap, calls = snapshot_with(tmp_path, str(version_file))
-    assert calls == LIVE[:1], calls
+    assert calls == [LIVE[0], LIVE[2]], calls
     assert snap.driver == NvidiaVersion("580.159.04", "13.0") and snap.driver_from_file and len(snap.gpus) == 2
     assert snap.nvidia_error is None and snap.driver_output is None
 
@@ -643,7 +665,7 @@ def test_a_failing_gpu_query_is_reported_whatever_the_version_file_says(tmp_path
     fake_nvidia_smi(tmp_path, failed, rc=9)
     (tmp_path / "nvidia-version").write_text(VERSION)
     snap, calls = snapshot_with(tmp_path, str(tmp_path / "nvidia-version"))
-    assert calls == LIVE and "couldn't communicate with the NVIDIA driver" in snap.nvidia_error
+    assert calls == LIVE[:2] and "couldn't communicate with the NVIDIA driver" in snap.nvidia_error
     assert snap.driver is None and snap.driver_output is None and not snap.driver_from_file
 
 
@@ -651,7 +673,7 @@ def test_no_gpu_means_no_driver_to_record(tmp_path):
     fake_nvidia_smi(tmp_path, "No devices were found\n", rc=6)
     (tmp_path / "nvidia-version").write_text(VERSION)
     snap, calls = snapshot_with(tmp_path, str(tmp_path / "nvidia-version"))
-    assert calls == LIVE and snap.gpus == [] and snap.nvidia_error is None and snap.driver_output is None
+    assert calls == LIVE[:2] and snap.gpus == [] and snap.nvidia_error is None and snap.driver_output is None
 
 
 def test_the_version_file_is_read_with_shell_builtins_only():

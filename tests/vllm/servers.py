@@ -47,6 +47,7 @@ class ServerSpec:
     expected: Expected  # port 0: filled in per server
     prompt_tokens_details: bool = True  # usage.prompt_tokens_details.cached_tokens in responses
     api_key: str | None = None  # run with --api-key: /v1/* then needs it
+    cpu: int | None = None  # the one core it runs on (None: every core)
 
 
 def start_pair(venv: Path, workdir: Path, specs: list[ServerSpec]) -> list[Started]:
@@ -57,7 +58,7 @@ def start_pair(venv: Path, workdir: Path, specs: list[ServerSpec]) -> list[Start
         (workdir / spec.label).mkdir(parents=True, exist_ok=True)
         key = ["--api-key", spec.api_key] if spec.api_key else []
         args = [*base_args(MAX_MODEL_LEN, spec.prompt_tokens_details), *spec.args, *key]
-        servers.append(VllmServer(venv, spec.model, workdir / spec.label, SERVED, args).start())
+        servers.append(VllmServer(venv, spec.model, workdir / spec.label, SERVED, args, cpu=spec.cpu).start())
     started = []
     try:
         early = []

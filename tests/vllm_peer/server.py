@@ -38,8 +38,10 @@ def base_args(max_model_len: int = 4096, prompt_tokens_details: bool = True) -> 
 
 
 class VllmServer:
-    def __init__(self, venv: Path, model: Path, workdir: Path, served_name: str, args: list[str]):
+    def __init__(self, venv: Path, model: Path, workdir: Path, served_name: str, args: list[str],
+                 cpu: int | None = None):
         self.venv, self.model, self.workdir, self.served_name, self.args = venv, model, workdir, served_name, args
+        self.cpu = cpu  # one core of its own (as a replica has its own host), else every core
         self.port = free_port()
         self.log_path = workdir / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -67,10 +69,12 @@ class VllmServer:
                 "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1",
             }
+            | ({"VLLM_CPU_OMP_THREADS_BIND": str(self.cpu)} if self.cpu is not None else {})
         )
 
     def start(self) -> VllmServer:
         argv = [
+            *(["taskset", "-c", str(self.cpu)] if self.cpu is not None else []),
             str(self.venv / "bin" / "vllm"), "serve", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--served-model-name", self.served_name, *self.args,

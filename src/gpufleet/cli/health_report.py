@@ -16,6 +16,7 @@ from gpufleet.health import HealthState
 from gpufleet.health.runner import HostResult
 from gpufleet.router.check import RouterVerdict
 from gpufleet.wire.geometry import resolved_block_sizes
+from gpufleet.wire.gpu_verdicts import Verdict
 
 
 # --- problems: what each row of status and verify finds wrong, with the fix ------------------------------------------
@@ -39,12 +40,24 @@ def host_problems(r: HostResult, inventory: str) -> list[Problem]:
     if not h.ready:
         found.append(Problem.from_line(str(h.state), f"{h.state}: {h.detail}", name,
                                        _state_fix(h.state, name, service, inventory)))
+    if r.committed_drift:
+        found.append(Problem("not-committed", r.committed_drift,
+                             f"`gpufleet deploy {inventory} --limit {name}` settles it (a swap left pending is "
+                             "finished or rolled back, a container not the unit's restarted); `gpufleet history "
+                             f"{inventory} --host {name}` shows the ledger"))
     rollback = f"if a new image broke it, `gpufleet rollback {inventory} --host {name}`"
+    again = (f"run it again (`gpufleet verify {inventory} --host {name}`); if its requests keep getting no answer, "
+             f"read `journalctl -u {service}` on {name}")
+    # A check that could not run has an id of its own: whatever acts on a failed check must not act on it.
     found += [Problem("answer", f"answer check {a.line()}", f"read `journalctl -u {service}` on {name}; {rollback}")
+              if a.ran else Problem("check-not-run", f"answer check {a.line()}", again)
               for a in r.answers if not a.ok]
     found += [Problem("serving-check", f"serving check {c.line()}",
                       f"{rollback}; if the settings did, see docs/verify.md for what {c.name} needs")
+              if c.ran else Problem("check-not-run", f"serving check {c.line()}", again)
               for c in r.checks if not c.ok]
+    found += [Problem("gpu", g.line(), f"{g.action}; docs/gpu-health.md says how a verdict clears")
+              for g in r.sick_gpus]
     if r.probe_error:
         found.append(Problem("probe-error", f"probe failed: {r.probe_error}",
                              f"run it again (`gpufleet verify {inventory} --host {name} --probe`); if it fails "
@@ -55,6 +68,18 @@ def host_problems(r: HostResult, inventory: str) -> list[Problem]:
         found.append(Problem("probe", f"probe {p.verdict}: {p.detail}",
                              "; ".join(fixes) or "see docs/verify.md (prefix-cache) for what the probe needs"))
     return found
+
+
+def gpu_warnings(r: HostResult) -> list[str]:
+    """What the GPUs say that does not fail the host (degraded, unused, an app restart due, an unread health)."""
+    gpus = r.gpus
+    if gpus is None:
+        return []
+    if gpus.error is not None:
+        return [f"GPU health not read: {gpus.error}"]
+    sick = r.sick_gpus
+    return [f"{g.line()} ({'the service does not use it; ' if g not in gpus.concern(r.target.gpus) else ''}{g.action})"
+            for g in gpus.gpus if g.verdict is not Verdict.OK and g not in sick]
 
 
 # A router's problem lines come from gpufleet.router.check, each naming its fix; their ids, by what they say.
@@ -84,6 +109,7 @@ def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
         # null: none set (hits land on whole blocks) or unknown
         "prefix_match_unit": prefix_match_unit(r.health.cache_config),
         "cache_config": dict(r.health.cache_config),
+        "committed": r.committed_ref,  # the ledger's (null: none, or not read)
     }
     if r.probe is not None:
         fields["probe"] = r.probe.as_dict()
@@ -95,6 +121,9 @@ def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
         fields["checks"] = [c.as_dict() for c in r.checks]
     if r.target.rank is not None:
         fields["group"] = {"name": r.target.rank[0], "rank": r.target.rank[1], "head": r.target.rank[2]}
+    if r.speed is not None:
+        fields["speed"] = {"now": r.speed.as_dict(), "recorded": r.speed_earlier.as_dict() if r.speed_earlier else None}
+    fields["gpu"] = r.gpus.as_dict(r.target.gpus) if r.gpus is not None else None
     return row(r.target.name, found, **fields)
 
 
@@ -146,6 +175,8 @@ def _explain(console: Console, r: HostResult, found: list[Problem]) -> None:
         if problem.id == str(r.health.state):
             for line in r.health.logs:
                 say(f"  | {line}")
+    for line in gpu_warnings(r):
+        say(f"{name}: warning: {line}")
     p = r.probe
     if p is None:
         return

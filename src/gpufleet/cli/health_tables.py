@@ -14,6 +14,8 @@ from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.runner import HostResult
 from gpufleet.router.status import RouterStatus
 from gpufleet.wire.geometry import resolved_block_sizes
+from gpufleet.wire.speed import FIGURES, value_text
+from gpufleet.wire.gpu_verdicts import Verdict
 
 _STATE_STYLE = {
     HealthState.READY: "green",
@@ -41,7 +43,7 @@ def prefix_match_unit(cache_config: dict[str, str]) -> int | None:
 
 def host_table(results: list[HostResult], title: str) -> Table:
     table = Table(title=title, header_style="bold")
-    columns = ("host", "GPUs", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
+    columns = ("host", "GPUs", "GPU health", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
                "block", "unit")
     for col in columns:
         table.add_column(col)
@@ -51,11 +53,12 @@ def host_table(results: list[HostResult], title: str) -> Table:
         table.add_row(*_plain(
             host_cell(r),
             ",".join(map(str, r.target.gpus)) or "-",
-            (c.image_short if c else None) or "-",
+            gpu_cell(r),
+            image_cell(r),
             spec_cell(r),
             h.version or "-",
             Text(str(h.state), style=style),
-            h.served_model or "-",
+            model_cell(h.served_model, c.model if c else None),
             _pct(h.kv_cache_usage),
             "-" if h.running is None else f"{h.running}/{h.waiting}",
             _pct(h.prefix_cache_hit_rate),
@@ -83,6 +86,38 @@ def host_cell(r: HostResult) -> str:
         return r.target.name
     group, rank, _ = r.target.rank
     return f"└ {r.target.name}: rank {rank}" if rank else f"{r.target.name} (group {group})"
+
+
+def model_cell(served: str | None, model: str | None) -> str:
+    """The served name, and the commit its files are (12 digits) when the container's label names it."""
+    commit = model.rpartition("@")[2][:12] if model else None
+    return f"{served or '-'} @{commit}" if commit else served or "-"
+
+
+_GPU_STYLE = {Verdict.OK: "green", Verdict.DEGRADED: "yellow", Verdict.RESTART_APP: "yellow"}
+
+
+def gpu_cell(r: HostResult) -> Text:
+    """The worst GPU verdict and its GPUs ("ok", "degraded: 0", "needs reboot: 1 (unused)"); "-" when not read."""
+    gpus = r.gpus
+    if gpus is None:
+        return Text("-")
+    if gpus.error is not None:
+        return Text("unknown", style="yellow")
+    worst = gpus.verdict()
+    if worst is Verdict.OK:
+        return Text("ok", style="green")
+    on = [g for g in gpus.gpus if g.verdict is worst]
+    names = ",".join(str(g.index) if g.index is not None else g.bus_id for g in on)
+    unused = "" if any(g in gpus.concern(r.target.gpus) for g in on) else " (unused)"
+    return Text(f"{worst.label}: {names}{unused}", style=_GPU_STYLE.get(worst, "red"))
+
+
+def image_cell(r: HostResult) -> Text:
+    """The running image's digest (12 digits), red and marked when the ledger committed another."""
+    c = r.health.container
+    short = (c.image_short if c else None) or "-"
+    return Text(f"{short} (not committed)", style="red") if r.committed_drift else Text(short)
 
 
 def spec_cell(r: HostResult) -> Text:
@@ -135,17 +170,36 @@ def _session_cell(p: ProbeReport) -> str:
 
 
 def checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
-    """One row per host, one column per serving check: passed, failed, or "-" where the host's settings give the
-    check nothing to check (no tool parser, no reasoning parser) or it was not reached."""
+    """One row per host, one column per serving check: passed, failed, not run (no answer), or "-" where the host's
+    settings give the check nothing to check (no tool parser, no reasoning parser) or it was not reached."""
     table = Table(title="serving checks", header_style="bold")
     table.add_column("host")
     for name in names:
         table.add_column(name)
     for r in results:
-        got = {c.name: c.ok for c in r.checks}
-        cells = [Text("-") if name not in got else Text("passed", style="green") if got[name]
-                 else Text("FAILED", style="red") for name in names]
+        got = {c.name: c for c in r.checks}
+        cells = [Text("-") if name not in got else Text("passed", style="green") if got[name].ok
+                 else Text("FAILED", style="red") if got[name].ran else Text("not run", style="yellow")
+                 for name in names]
         table.add_row(Text(r.target.name), *cells)
+    return table
+
+
+def speed_table(results: list[HostResult]) -> Table:
+    """One row per measured host: each speed figure now, and beside it the one its ledger recorded at commit."""
+    table = Table(title="speed (now, recorded at commit)", header_style="bold")
+    table.add_column("host")
+    for label, unit, _ in FIGURES.values():
+        table.add_column(f"{label} ({unit})")
+    table.add_column("workload")
+    for r in results:
+        if r.speed is None:
+            continue
+        was = r.speed_earlier
+        cells = [value_text(name, r.speed.median(name)) + (f" ({value_text(name, was.median(name))})" if was else "")
+                 for name in FIGURES]
+        workload = f"{r.speed.prompt_tokens}-token prompt, {r.speed.decode_tokens} tokens x {r.speed.concurrency}"
+        table.add_row(*_plain(r.target.name, *cells, workload))
     return table
 
 

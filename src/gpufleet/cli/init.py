@@ -11,6 +11,7 @@ import json
 import os
 import re
 import secrets
+import tempfile
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -336,10 +337,20 @@ def init(directory: str, hosts: tuple[str, ...], gpus: tuple[str, ...], profile_
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         # group_data/all.py holds the API key: readable by its owner only.
-        mode = 0o600 if path.name == "all.py" else 0o644
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(path, mode)
+        _replace(path, text, 0o600 if path.name == "all.py" else 0o644)
         click.echo(f"wrote {path}")
     click.echo(f"next: gpufleet lint {root / 'inventory.py'} --strict && gpufleet deploy {root / 'inventory.py'}")
+
+
+def _replace(path: Path, text: str, mode: int) -> None:
+    """`path` made to hold `text` with `mode` from its first byte, by a new file renamed over it (a link there is
+    replaced, not followed)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ from gpufleet.rollout.run import Result, history, roll_back, roll_out
 from gpufleet.rollout.swap import STAGE_TIMEOUT_S, SwapOptions
 from gpufleet.rollout.target import requested_image
 from gpufleet.wire.checks import SERVING_CHECKS
+from gpufleet.wire.speed import SpeedFigures
 
 
 def _console() -> Console:
@@ -34,9 +36,15 @@ def _console() -> Console:
 
 
 def _options(deploy: str | None, log: str | None, **kwargs: Any) -> SwapOptions:
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    log_path = Path(log) if log else Path(tempfile.gettempdir()) / f"gpufleet-rollout-{stamp}.log"
-    return SwapOptions(deploy_file=Path(deploy) if deploy else default_deploy_file(), log=log_path, **kwargs)
+    return SwapOptions(deploy_file=Path(deploy) if deploy else default_deploy_file(),
+                       log=Path(log) if log else _new_log(), **kwargs)
+
+
+def _new_log() -> Path:
+    """A new 0600 log file under a name no other user can take first: it collects root's deploy output."""
+    fd, path = tempfile.mkstemp(prefix=f"gpufleet-rollout-{time.strftime('%Y%m%dT%H%M%S')}-", suffix=".log")
+    os.close(fd)
+    return Path(path)
 
 
 def _confirm(yes: bool) -> Any:
@@ -73,7 +81,7 @@ def _finish(command: str, result: Result, as_json: bool, log: Path | None) -> No
         for outcome in result.outcomes:
             for problem in outcome.problems():
                 click.echo(Problem(**problem).line(outcome.host))
-    if log is not None and log.exists() and (not quiet() or not doc["ok"]):
+    if log is not None and log.exists() and log.stat().st_size and (not quiet() or not doc["ok"]):
         err.print(Text(f"deploy output: {log}"), soft_wrap=True)
     sys.exit(exit_status(doc))
 
@@ -112,6 +120,9 @@ _inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
 @click.command()
 @_inventory_arg
 @click.option("--image", default=None, help="A tag or digest of vllm_image's repository (default: vllm_image).")
+@click.option("--model-revision", default=None,
+              help="Move the model too: a branch, tag or commit of vllm_model_repo, resolved to one commit at the "
+                   "start; downloaded in prepare while the old version serves.")
 @click.option("--canary", type=click.IntRange(min=0), default=1, show_default=True,
               help="Hosts swapped (and gated) first.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -123,9 +134,9 @@ _inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
               help="Start every host cold: do not carry the canary's compile cache to the others "
                    "(docs/compile-cache.md).")
 @_common
-def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped: tuple[str, ...], no_carry: bool,
-            probe: bool, drain_timeout: float, retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool,
-            deploy: str | None, log: str | None) -> None:
+def rollout(inventory: str, image: str | None, model_revision: str | None, canary: int, batch: int,
+            skipped: tuple[str, ...], no_carry: bool, probe: bool, drain_timeout: float, retry_failed: bool,
+            stage_timeout: float, yes: bool, as_json: bool, deploy: str | None, log: str | None) -> None:
     """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate. The
     canary is held to every serving check (cached equals cold, sessions apart, the parsers, the probe).
 
@@ -139,7 +150,7 @@ def rollout(inventory: str, image: str | None, canary: int, batch: int, skipped:
         options = _options(deploy, log, canary=canary, batch=batch, probe=probe, retry_failed=retry_failed,
                            drain_timeout_s=drain_timeout, stage_timeout_s=stage_timeout,
                            canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped), carry=not no_carry)
-        result = roll_out(inventory, image, options, _confirm(yes), _progress)
+        result = roll_out(inventory, image, options, _confirm(yes), _progress, model_revision=model_revision)
     except GpufleetError as e:
         raise stopped("rollout", str(e), as_json) from None
     _finish("rollout", result, as_json, options.log)
@@ -170,35 +181,41 @@ def rollback(inventory: str, host: str | None, to: str | None, probe: bool, drai
     _finish("rollback", result, as_json, options.log)
 
 
-def ledger_rows(lg: Ledger) -> list[tuple[str, str, str, str, str]]:
-    """(state, digest, image, when, detail) rows, newest first."""
-    rows = []
+def ledger_rows(lg: Ledger) -> list[tuple[str, str, str, str, str, SpeedFigures | None]]:
+    """(state, digest, image, when, detail, speed figures) rows, newest first."""
+    rows: list[tuple[str, str, str, str, str, SpeedFigures | None]] = []
     if lg.pending is not None:
         p = lg.pending
-        rows.append(("pending", p.version.ref, p.version.image, p.started_at, f"by {p.operator} (a cut run)"))
+        rows.append(("pending", p.version.ref, p.version.image, p.started_at, f"by {p.operator} (a cut run)", None))
     if lg.committed is not None:
         c = lg.committed
         ready = f"ready {c.ready_at}" if c.ready_at else ""
-        rows.append(("committed", c.version.ref, c.version.image, c.committed_at, ready))
+        rows.append(("committed", c.version.ref, c.version.image, c.committed_at, _gpu(ready, c.gpu), c.speed))
     for f in reversed(lg.failed):
-        rows.append(("failed", f.ref, f.image or "", f.failed_at, f.reason))
+        rows.append(("failed", f.ref, f.image or "", f.failed_at, _gpu(f.reason, f.gpu), None))
     for c in reversed(lg.history):
-        rows.append(("earlier", c.version.ref, c.version.image, c.committed_at, ""))
+        rows.append(("earlier", c.version.ref, c.version.image, c.committed_at, _gpu("", c.gpu), c.speed))
     return rows
+
+
+def _gpu(detail: str, gpu: str | None) -> str:
+    """The detail with the GPU verdict recorded at that swap, when the ledger has one."""
+    return "; ".join(part for part in (detail, f"GPU {gpu}" if gpu else "") if part)
 
 
 def _history_table(host: str, lg: HostLedger) -> Table:
     t = Table(title=f"{host}  {lg.path}", title_justify="left")
-    for column in ("state", "digest", "image", "at", "detail"):
+    for column in ("state", "digest", "image", "at", "detail", "speed"):
         t.add_column(column, overflow="fold")
     if lg.error:
-        t.add_row(Text("unreadable", style="red"), Text("-"), Text("-"), Text("-"), Text(lg.error))
+        t.add_row(Text("unreadable", style="red"), Text("-"), Text("-"), Text("-"), Text(lg.error), Text("-"))
     elif lg.ledger is None:
-        t.add_row(Text("none"), Text("-"), Text("-"), Text("-"), Text("no ledger: never converged"))
+        t.add_row(Text("none"), Text("-"), Text("-"), Text("-"), Text("no ledger: never converged"), Text("-"))
     else:
         style = {"pending": "yellow", "committed": "green", "failed": "red", "earlier": "dim"}
-        for state, ref, image, at, detail in ledger_rows(lg.ledger):
-            t.add_row(Text(state, style=style[state]), Text(short(ref)), Text(image), Text(at), Text(detail))
+        for state, ref, image, at, detail, speed in ledger_rows(lg.ledger):
+            t.add_row(Text(state, style=style[state]), Text(short(ref)), Text(image), Text(at), Text(detail),
+                      Text(speed.brief() if speed else "-"))
     return t
 
 
@@ -211,8 +228,9 @@ def _ledger_problems(inventory: str, host: str, lg: HostLedger) -> list[Problem]
 
 
 def _history_row(inventory: str, host: str, lg: HostLedger) -> dict[str, Any]:
-    rows = [{"state": state, "ref": ref, "image": image or None, "at": at, "detail": detail or None}
-            for state, ref, image, at, detail in (ledger_rows(lg.ledger) if lg.ledger else [])]
+    rows = [{"state": state, "ref": ref, "image": image or None, "at": at, "detail": detail or None,
+             "speed": speed.as_dict() if speed else None}
+            for state, ref, image, at, detail, speed in (ledger_rows(lg.ledger) if lg.ledger else [])]
     return row(host, _ledger_problems(inventory, host, lg), path=lg.path, rows=rows)
 
 

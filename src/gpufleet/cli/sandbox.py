@@ -1,4 +1,5 @@
-"""`gpufleet sandbox up [N]` / `gpufleet sandbox down`: a local simulated GPU fleet to try the deploy on.
+"""`gpufleet sandbox up [N]` / `gpufleet sandbox down`: a local simulated GPU fleet to try the deploy on;
+`gpufleet sandbox gpu-fault HOST`: a GPU fault injected into one of its hosts (docs/gpu-health.md).
 
 Hosts are systemd-nspawn containers on bridge gf-sandbox (10.213.0.0/24) with sshd, sudo, apt and GPU stand-ins;
 the local mirror, the stand-in NVIDIA and Docker repos and the registry listen on 10.213.0.1 only. Needs root and systemd-nspawn.
@@ -6,8 +7,11 @@ the local mirror, the stand-in NVIDIA and Docker repos and the registry listen o
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import click
 
+from gpufleet.sandbox import gpu_faults
 from gpufleet.sandbox.config import NO_GPU, H200x3, sandbox_config
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.procs import SandboxError
@@ -57,3 +61,43 @@ def down() -> None:
     except SandboxError as err:
         raise click.ClickException(str(err)) from None
     click.echo("sandbox down")
+
+
+@sandbox.command(name="gpu-fault")
+@click.argument("host")
+@click.option("--gpu", "index", type=click.IntRange(min=0), default=0, show_default=True, help="The GPU's index.")
+@click.option("--fault", "faults", multiple=True, type=click.Choice(list(gpu_faults.FAULTS)),
+              help="What its nvidia-smi then reports for the GPU (repeatable).")
+@click.option("--xid", "xids", multiple=True, type=click.IntRange(min=1),
+              help="An Xid of this code on the GPU in the host's kernel log (repeatable).")
+@click.option("--at", default=None, metavar="TIME", help="When the Xid lines were logged: ISO 8601 (default: now).")
+@click.option("--clear", is_flag=True, help="First make every GPU healthy again and empty the kernel log.")
+def gpu_fault(host: str, index: int, faults: tuple[str, ...], xids: tuple[int, ...], at: str | None,
+              clear: bool) -> None:
+    """Inject a GPU fault into the running sandbox host HOST: nvidia-smi's health fields for GPU N, Xid lines in the
+    host's own kernel log (its dmesg). `gpufleet status inventories/sandbox.py` shows the verdict.
+
+    \b
+    Example:
+        gpufleet sandbox gpu-fault gpuhost2 --gpu 1 --xid 79
+        gpufleet sandbox gpu-fault gpuhost3 --fault thermal
+        gpufleet sandbox gpu-fault gpuhost2 --clear
+    """
+    fleet = Fleet(sandbox_config())
+    try:
+        root = fleet.host(host).root
+    except StopIteration:
+        raise click.ClickException(f"{host}: no such sandbox host (fix: `gpufleet sandbox up` lists them)") from None
+    try:
+        when = None if at is None else datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+        if clear:
+            gpu_faults.clear(root)
+        for fault in faults:
+            gpu_faults.inject(root, index, fault)
+        for code in xids:
+            for line in gpu_faults.log_xid(root, index, code, at=when):
+                click.echo(f"{host}: kernel log: {line}")
+    except (ValueError, IndexError, OSError) as err:
+        raise click.ClickException(f"{host}: {err or type(err).__name__} (fix: check --gpu and --at)") from None
+    for fault in faults:
+        click.echo(f"{host}: GPU {index}: {fault}")

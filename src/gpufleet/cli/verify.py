@@ -15,24 +15,33 @@ from rich.console import Console
 
 from gpufleet.cli.envelope import BadInput, load_inventory, stopped
 from gpufleet.cli.health_report import report
-from gpufleet.cli.health_tables import checks_table, host_table, probe_table, router_table
+from gpufleet.cli.health_tables import checks_table, host_table, probe_table, router_table, speed_table
 from gpufleet.cli.logs import quiet_ssh_logs, stderr
 from gpufleet.cli.progress import FleetProgress
+from gpufleet.defaults import SPEED_TOLERANCE_SETTING
 from gpufleet.errors import GpufleetError
 from gpufleet.health.runner import HostResult, HostTarget, check_fleet
+from gpufleet.hoststate import reader
+from gpufleet.hoststate.paths import ledger_path
 from gpufleet.inventory import HostData, load_roles_and_groups
+from gpufleet.remote.transport import SshTransport, Transport, TransportError
+from gpufleet.rollout.ledgers import parse_read
+from gpufleet.rollout.replicas import run
 from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
 from gpufleet.router.status import read_host
 from gpufleet.vllm.replica_specs import load_host_specs
+from gpufleet.vllm.settings import merged_settings
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
+from gpufleet.wire.speed import SpeedFigures
 
 
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
     """Inventory -> what to check on each vLLM host (routers have rows of their own). Raises GpufleetError (one
     line per problem)."""
-    return [replace(target, rank=(spec.group.group, spec.group.rank, spec.group.head)) if spec.group else target
+    return [replace(target, speed_tolerance=float(merged_settings(data)[SPEED_TOLERANCE_SETTING]),
+                    rank=(spec.group.group, spec.group.rank, spec.group.head) if spec.group else None)
             for spec, data in load_host_specs(inventory, only_host) for target in [HostTarget.for_spec(spec, data)]]
 
 
@@ -42,7 +51,22 @@ def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]
     except GpufleetError as e:  # an invalid setting: bad input, before any host is reached
         raise BadInput(str(e)) from None
     quiet_ssh_logs()
-    return check_fleet(targets, **kwargs)
+    return check_fleet(targets, committed=read_committed, **kwargs)
+
+
+def read_committed(target: HostTarget, transport: Transport) -> tuple[str, SpeedFigures | None] | None:
+    """The digest the host's ledger has committed and the speed figures recorded with it, read as the rollout reads
+    it (None: none, or unreadable)."""
+    if not isinstance(transport, SshTransport):
+        return None
+    service, port = target.expected.service, target.expected.port
+    try:
+        rc, out, err = run(transport, reader.read_command(ledger_path(service)), root=True)
+    except TransportError:
+        return None
+    committed = parse_read(target.name, service, port, rc, out, err).ledger
+    c = committed.committed if committed else None
+    return (c.version.ref, c.speed) if c else None
 
 
 def _console() -> Console:
@@ -166,6 +190,8 @@ def verify(
             console.print(host_table(results, "gpufleet verify"))
         if any(r.checks for r in results):
             console.print(checks_table(results, names))
+        if any(r.speed for r in results):
+            console.print(speed_table(results))
         if any(r.probe is not None for r in results):
             console.print(probe_table(results))
         if verdicts:

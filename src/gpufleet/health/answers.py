@@ -10,6 +10,8 @@ Two short greedy requests, as an OpenAI client sends them, each bounded in time 
     stream       the same with stream=true: every `data:` chunk parses, a choice arrives, a finish_reason ends it,
                  usage comes in the last chunk and the stream closes with [DONE]
 
+A request that got no answer at all is sent once more; with none again, its check could not run (`ran` false).
+
     >>> checks = check_answers(transport, Expected("vllm", 8000, "qwen35"), api_key=key)
     >>> [c.name for c in checks if not c.ok]
     []
@@ -18,12 +20,12 @@ Two short greedy requests, as an OpenAI client sends them, each bounded in time 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
 
 from gpufleet.health.api import HttpStatusError, fetch, stream_chat
-from gpufleet.remote.transport import BadAnswer, Transport
+from gpufleet.remote.transport import BadAnswer, Transport, TransportError
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected
 
@@ -31,21 +33,51 @@ ANSWER_TIMEOUT_S = 60.0  # per request: a few tokens from a served model, even t
 MAX_TOKENS = 8
 FINISH_REASONS = ("stop", "length", "tool_calls")
 PATH = "/v1/chat/completions"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class AnswerCheck:
-    """One request's verdict: `detail` is one line, what came back when it passed and what was wrong when not."""
+    """One request's verdict: `detail` is one line, what came back when it passed and what was wrong when not.
+    ran=False: it could not run, which says nothing against the server. figures: what a serving check judged on
+    (gpufleet.health.serving_rules' dataclasses by name), passed or not, for a GPU run to record."""
 
     name: str
     ok: bool
     detail: str
+    ran: bool = True
+    figures: Mapping[str, object] = field(default_factory=dict)
 
     def line(self) -> str:
         return f"{self.name}: {self.detail}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"check": self.name, "ok": self.ok, "detail": self.detail}
+        return {"check": self.name, "ok": self.ok, "detail": self.detail, "ran": self.ran,
+                "figures": asdict(self)["figures"]}
+
+
+class NotRun(Exception):
+    """The check could not tell, through nothing the server answered wrong (one line)."""
+
+
+def unanswered(error: BaseException) -> bool:
+    """No answer at all (a timeout, a refused or reset connection, the SSH link), not a wrong one (BadAnswer)."""
+    return isinstance(error, (OSError, TransportError)) and not isinstance(error, BadAnswer)
+
+
+def once_more(request: Callable[[], T]) -> T:
+    """request(), sent again once when it got no answer; the second error stands."""
+    try:
+        return request()
+    except Exception as error:
+        if not unanswered(error):
+            raise
+    return request()
+
+
+def not_run(name: str, error: BaseException) -> AnswerCheck:
+    why = str(error) if isinstance(error, NotRun) else f"{type(error).__name__}: {error}"
+    return AnswerCheck(name, False, excerpt(f"could not run: {why}", 300), ran=False)
 
 
 class _Wrong(Exception):
@@ -69,9 +101,15 @@ def check_answers(
     api_key: str | None = None,
     timeout_s: float = ANSWER_TIMEOUT_S,
 ) -> tuple[AnswerCheck, ...]:
-    """Both checks, in order; never raises for what the server (or the way to it) does."""
-    return tuple(_run(name, fn, transport, expected, api_key, timeout_s)
-                 for name, fn in (("completion", _completion), ("stream", _stream)))  # fmt: skip
+    """Both checks, in order; never raises for what the server (or the way to it) does. After one that got no answer
+    the next is not sent."""
+    found: list[AnswerCheck] = []
+    for name, fn in (("completion", _completion), ("stream", _stream)):
+        if found and not found[-1].ran:
+            found.append(AnswerCheck(name, False, f"not sent: {found[-1].name} got no answer", ran=False))
+        else:
+            found.append(_run(name, fn, transport, expected, api_key, timeout_s))
+    return tuple(found)
 
 
 def check_completion(
@@ -93,10 +131,12 @@ def failed(checks: Sequence[AnswerCheck]) -> str | None:
 def _run(name: str, fn: Any, transport: Transport, expected: Expected, api_key: str | None,
          timeout_s: float) -> AnswerCheck:  # fmt: skip
     try:
-        return AnswerCheck(name, True, fn(transport, expected, api_key, timeout_s))
+        return AnswerCheck(name, True, once_more(lambda: fn(transport, expected, api_key, timeout_s)))
     except (_Wrong, BadAnswer, HttpStatusError) as wrong:  # what came back, said in one line already
         return AnswerCheck(name, False, excerpt(str(wrong), 300))
-    except Exception as error:  # noqa: BLE001 - the transport's errors: a request that got no answer
+    except Exception as error:  # noqa: BLE001 - whatever the request met is this check's result
+        if unanswered(error):
+            return not_run(name, error)
         return AnswerCheck(name, False, excerpt(f"{type(error).__name__}: {error}", 300))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpufleet.health.api import Completion, get
 from gpufleet.remote.transport import Transport
-from gpufleet.wire.metrics import HITS, PREFILL_COMPUTED, RUNNING, WAITING, Metrics, parse_metrics
+from gpufleet.wire.metrics import HITS, PREFILL_COMPUTED, QUERIES, RUNNING, WAITING, Metrics, parse_metrics
 
 
 def warn_if_busy(before: Metrics, warnings: list[str]) -> None:
@@ -26,6 +26,15 @@ def counter_delta(before: Metrics, after: Metrics, name: str) -> int | None:
     if after.get(name) is None:
         return None
     return int((after.get(name) or 0) - (before.get(name) or 0))
+
+
+def attributed_hits(before: Metrics, after: Metrics, prompt_tokens: int) -> int | None:
+    """The hits delta, when the queries delta is exactly the prompts sent between the reads (nothing else looked the
+    cache up); else None."""
+    queries, hits = counter_delta(before, after, QUERIES), counter_delta(before, after, HITS)
+    if queries is None or hits is None or queries != prompt_tokens:
+        return None
+    return hits
 
 
 def cached_tokens(turn: Completion, before: Metrics, after: Metrics) -> tuple[int, str]:

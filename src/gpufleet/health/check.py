@@ -85,7 +85,8 @@ class HealthReport:
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "container": None
             if c is None
-            else {"id": c.id, "state": c.state, "image": c.image, "image_id": c.image_id, "spec_hash": c.spec_hash},
+            else {"id": c.id, "state": c.state, "image": c.image, "image_id": c.image_id, "spec_hash": c.spec_hash,
+                  "model": c.model},
             "logs": list(self.logs),
         }
 
@@ -130,6 +131,14 @@ def spec_drift(expected: Expected, container: ContainerInfo | None) -> str | Non
         return None
     return (f"drift: container {container.id} runs spec {container.spec_hash or 'unlabelled'}, the inventory's "
             f"spec is {expected.spec_hash} (fix: converge the host)")
+
+
+def committed_drift(committed_ref: str | None, container: ContainerInfo | None) -> str | None:
+    """One line when the running container was not started from the digest the host's ledger has committed (a
+    rollback whose restore failed, a swap cut mid-way, a `docker run` by hand), else None."""
+    if committed_ref is None or container is None or not container.running or container.image == committed_ref:
+        return None
+    return f"runs {container.image or 'an unnamed image'}, not {committed_ref}, which its ledger has committed"
 
 
 def _drift(report: HealthReport, expected: Expected) -> HealthReport:

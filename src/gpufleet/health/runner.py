@@ -17,21 +17,31 @@ from typing import Any
 import gevent
 import gevent.pool
 
+from gpufleet.defaults import DEFAULTS, SPEED_TOLERANCE_SETTING
+from gpufleet.facts.gpu_verdict import GpuVerdict, HostGpus
+from gpufleet.health import gpu
 from gpufleet.health.answers import AnswerCheck, check_answers
-from gpufleet.health.check import UNREADABLE, HealthReport, HealthState, check, reached, spec_drift
+from gpufleet.health.check import UNREADABLE, HealthReport, HealthState, check, committed_drift, reached, spec_drift
 from gpufleet.health.probe import probe
 from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.serving import Served, run_checks
+from gpufleet.health.speed import speed_check
 from gpufleet.health.wait import wait_until_ready
 from gpufleet.remote.ssh import open_ssh
-from gpufleet.remote.transport import Transport, Unreachable
+from gpufleet.remote.transport import SshTransport, Transport, Unreachable
+from gpufleet.wire.checks import SPEED
 from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
+from gpufleet.wire.gpu_verdicts import GpuSettings
 from gpufleet.wire.identity import Expected, SpecArgs
+from gpufleet.wire.speed import SpeedFigures
 
 PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and paramiko's reader)
 
 # Told (host, what it is doing now) as a host's check moves on: the CLI's progress on stderr.
 Phase = Callable[[str, str], None]
+# Reads the digest a host's ledger has committed and the speed figures recorded with it (None: none, or unreadable);
+# the CLI's, as the rollout reads it.
+CommittedRead = Callable[["HostTarget", Transport], "tuple[str, SpeedFigures | None] | None"]
 
 
 def _silent(host: str, text: str) -> None:
@@ -49,6 +59,8 @@ class HostTarget:
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
     served: Served = Served()  # its parsers and prefix caching: which serving checks apply
+    speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
+    gpu_settings: GpuSettings = field(default_factory=GpuSettings)  # its GPU verdict table
     # A replica group's rank: (group, rank, head). A rank other than the head serves no API: its container is its
     # state, and the group serves through its head.
     rank: tuple[str, int, str] | None = None
@@ -68,6 +80,7 @@ class HostTarget:
             max_num_batched_tokens=_configured_int(spec, "max-num-batched-tokens"),
             api_key=data.get("vllm_api_key"),
             served=Served.from_spec(spec),
+            gpu_settings=GpuSettings.of(data),
         )
 
 
@@ -88,11 +101,25 @@ class HostResult:
     probe_error: str | None = None
     answers: tuple[AnswerCheck, ...] = ()  # gpufleet.health.answers, when asked for and the host was ready
     checks: tuple[AnswerCheck, ...] = ()  # gpufleet.health.serving, those asked for that apply to the host
+    speed: SpeedFigures | None = None  # what the speed check measured, when asked for
+    speed_earlier: SpeedFigures | None = None  # what it was held to
+    gpus: HostGpus | None = None  # its GPUs' verdicts (None: not read, or no nvidia-smi)
+    committed_ref: str | None = None  # the host's ledger's (None: none, or not read)
+
+    @property
+    def committed_drift(self) -> str | None:
+        return committed_drift(self.committed_ref, self.health.container)
 
     @property
     def ok(self) -> bool:
         return (self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
-                and all(a.ok for a in (*self.answers, *self.checks)))
+                and all(a.ok for a in (*self.answers, *self.checks)) and not self.sick_gpus
+                and self.committed_drift is None)
+
+    @property
+    def sick_gpus(self) -> list[GpuVerdict]:
+        """The GPUs the service runs on that need a reset, a reboot or service."""
+        return self.gpus.blocking(self.target.gpus) if self.gpus is not None else []
 
 
 def check_host(
@@ -104,6 +131,7 @@ def check_host(
     answer: bool = False,
     checks: Sequence[str] = (),
     progress: Phase = _silent,
+    committed: CommittedRead | None = None,
 ) -> HostResult:
     """Health (and, when the host is ready, the answer checks and the probe, as asked) of one host. Never raises:
     whatever goes wrong with this host (SSH, its server, a case nobody foresaw) is this host's result, so one host
@@ -111,8 +139,8 @@ def check_host(
 
     Without a transport the host is connected by pyinfra's connector from target.ssh. api_key overrides the
     target's own key. checks: serving checks (gpufleet.health.serving) to run once the answers passed. progress is
-    told what the check is doing, then how it ended."""
-    asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks), progress)
+    told what the check is doing, then how it ended. committed: reads the digest the running container must be."""
+    asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks), progress, committed)
     try:
         if transport is not None:
             result = _check_host(target, transport, asked)
@@ -133,6 +161,7 @@ class _Asked:
     answer: bool
     checks: tuple[str, ...]
     progress: Phase = _silent
+    committed: CommittedRead | None = None
 
 
 def _check_over_ssh(target: HostTarget, asked: _Asked) -> HostResult:
@@ -154,8 +183,7 @@ def _failed(target: HostTarget, e: Exception) -> HostResult:
 
 def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> HostResult:
     if target.headless:
-        asked.progress(target.name, "reading its container")
-        return HostResult(target, rank_health(transport, target))
+        return _check_rank(target, transport, asked)
     api_key, say = asked.api_key or target.api_key, partial(asked.progress, target.name)
     if asked.wait_s > 0:
         say(f"waiting for it to be ready (up to {asked.wait_s:.0f} s)")
@@ -164,14 +192,26 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         say("checking")
         health = check(transport, target.expected, api_key=api_key)
     expected = reached(target.expected, health.container)  # the container that answered, not the port's listener
+    gpus = _read_gpus(target, transport, health, say)
     answers: tuple[AnswerCheck, ...] = ()
     if asked.answer and health.ready:
         say("sending a chat completion, plain and streamed")
         answers = check_answers(transport, expected, api_key=api_key)
     checks: tuple[AnswerCheck, ...] = ()
-    if asked.checks and health.ready and all(a.ok for a in answers):
-        say(f"serving checks: {', '.join(asked.checks)}")
-        checks = run_checks(transport, expected, target.served, asked.checks, api_key=api_key)
+    committed = asked.committed(target, transport) if asked.committed and health.container else None
+    figures, earlier = None, None
+    if SPEED in asked.checks and health.ready and all(a.ok for a in answers):
+        say("measuring its speed (under a minute)")
+        # Held to the figures recorded for the digest that runs, none where another runs.
+        running = health.container.image if health.container else None
+        earlier = committed[1] if committed and committed[0] == running else None
+        speed, figures = speed_check(transport, expected, target.served, earlier, target.speed_tolerance,
+                                     api_key=api_key)
+        checks = (speed,)
+    rest = [name for name in asked.checks if name != SPEED]
+    if rest and health.ready and all(c.ok for c in (*answers, *checks)):
+        say(f"serving checks: {', '.join(rest)}")
+        checks += run_checks(transport, expected, target.served, rest, api_key=api_key)
     report, error = None, None
     if asked.run_probe and health.ready:
         say("probing prompt re-processing (up to a few minutes)")
@@ -179,35 +219,56 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
             report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-    return HostResult(target, health, report, error, answers, checks)
+    return HostResult(target, health, report, error, answers, checks, speed=figures, speed_earlier=earlier, gpus=gpus,
+                      committed_ref=committed[0] if committed else None)
 
 
-def rank_health(transport: Transport, target: HostTarget) -> HealthReport:
-    """A headless rank's state: its labelled container running the inventory's spec (it answers no request)."""
+def _check_rank(target: HostTarget, transport: Transport, asked: _Asked) -> HostResult:
+    """A headless rank: its container (it answers no request), its GPUs and the digest its ledger committed."""
+    say = partial(asked.progress, target.name)
+    say("reading its container")
     assert target.rank is not None
-    group, rank, head = target.rank
+    health = rank_health(transport, target.expected, target.name, target.rank)
+    gpus = _read_gpus(target, transport, health, say)
+    committed = asked.committed(target, transport) if asked.committed and health.container else None
+    return HostResult(target, health, gpus=gpus, committed_ref=committed[0] if committed else None)
+
+
+def _read_gpus(target: HostTarget, transport: Transport, health: HealthReport,
+               say: Callable[[str], None]) -> HostGpus | None:
+    if not isinstance(transport, SshTransport):
+        return None
+    say("reading the GPUs' health")
+    return gpu.judged(transport, target.gpu_settings, health.container.started_at if health.container else None)
+
+
+def rank_health(transport: Transport, expected: Expected, name: str, rank: tuple[str, int, str]) -> HealthReport:
+    """A headless rank's state: its labelled container running the expected spec (it answers no request). rank:
+    (group, rank, head)."""
+    group, number, head = rank
     try:
-        container = transport.container(target.expected.service)
+        container = transport.container(expected.service)
     except Exception as e:  # one state for anything, as check()
         return HealthReport(HealthState.DEAD, excerpt(f"{UNREADABLE}: {type(e).__name__}: {e}", DETAIL_CHARS),
-                            host=target.name)
+                            host=name)
     if container is None or not container.running:
-        return HealthReport(HealthState.CONTAINER_NOT_RUNNING, f"rank {rank} of group {group}: no running container "
-                            "carries the service's label", host=target.name, container=container)
-    drift = spec_drift(target.expected, container)
+        return HealthReport(HealthState.CONTAINER_NOT_RUNNING, f"rank {number} of group {group}: no running "
+                            "container carries the service's label", host=name, container=container)
+    drift = spec_drift(expected, container)
     state, detail = (HealthState.MISCONFIGURED, drift) if drift else (
-        HealthState.READY, f"rank {rank} of group {group}: its container runs; the group serves through {head}")
-    return HealthReport(state, detail, host=target.name, container=container)
+        HealthState.READY, f"rank {number} of group {group}: its container runs; the group serves through {head}")
+    return HealthReport(state, detail, host=name, container=container)
 
 
 def check_fleet(
     targets: Sequence[HostTarget], run_probe: bool = False, wait_s: float = 0.0, api_key: str | None = None,
-    answer: bool = False, checks: Sequence[str] = (), progress: Phase = _silent,
+    answer: bool = False, checks: Sequence[str] = (), progress: Phase = _silent, committed: CommittedRead | None = None,
 ) -> list[HostResult]:
     """All hosts in parallel (network-bound), results in inventory order, one per host whatever happens."""
     if not targets:
         return []
     pool = gevent.pool.Pool(min(len(targets), PARALLEL))
-    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks, progress) for t in targets]
+    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks, progress, committed)
+            for t in targets]
     gevent.joinall(jobs)
     return [job.get() for job in jobs]

@@ -4,13 +4,15 @@ the host's transport, with its API key, bounded in time:
     prefix-cache  the prompt re-processing probe (gpufleet.health.probe): a prefix cache that never hits fails
     cached-cold   one greedy prompt, cold (a fresh prefix), then again once its prefix is cached: the same tokens
     sessions      two sessions with different prefixes, sent at once with their prefixes cached: each gets its own
-                  cold answer back (no state of one session in the other's)
+                  answer back within batch noise (no state of one session in the other's)
     tools         with a tool parser and auto tool choice set: `tool_choice: "required"` returns a parsed tool call
-                  whose arguments are a JSON object, and `"auto"` is accepted and never returns the call as text
+                  whose arguments are a JSON object, and `"auto"` is accepted and neither returns the call as text
+                  nor drops it
     reasoning     with a reasoning parser set: the reasoning arrives in its own field, apart from the content
 
-How the answers are judged (cached against cold within a logprob tolerance, a parsed tool call, reasoning apart)
-lives in gpufleet.health.serving_rules.
+How the answers are judged lives in gpufleet.health.serving_rules; a result carries what it judged on (figures). A
+check whose request got no answer (sent twice), or whose cache counters other traffic shared, could not run
+(AnswerCheck.ran false).
 
     >>> results = run_checks(transport, expected, Served.from_spec(spec), ("cached-cold", "tools"), api_key=key)
     >>> [r.line() for r in results if not r.ok]
@@ -23,12 +25,12 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from gpufleet.health.answers import PATH, AnswerCheck
+from gpufleet.health.answers import PATH, AnswerCheck, NotRun, not_run, once_more, unanswered
 from gpufleet.health.api import HttpStatusError, fetch
-from gpufleet.health.cache_counters import read_metrics
+from gpufleet.health.cache_counters import attributed_hits, read_metrics
 from gpufleet.health.conversation import Conversation
 from gpufleet.health.probe import probe
 from gpufleet.health.serving_rules import (
@@ -36,53 +38,64 @@ from gpufleet.health.serving_rules import (
     TOOL,
     Greedy,
     ServerFault,
+    SessionJudgement,
     agreement,
-    closer_to,
+    compare,
     completion_doc,
+    judge_session,
     parse_greedy,
     reasoning_problem,
     text_tool_call_problem,
     tool_call_problem,
 )
 from gpufleet.remote.transport import BadAnswer, Transport
-from gpufleet.wire.checks import SERVING_CHECKS
+from gpufleet.wire.checks import SERVING_CHECKS, SPEED
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected, SpecArgs
-from gpufleet.wire.metrics import HITS, Metrics
+from gpufleet.wire.metrics import Metrics
 
 CHECK_TIMEOUT_S = 120.0  # per request: a prompt of ~1.5 cache units, cold, on a server that just started
 GREEDY_TOKENS = 6
 TOP_LOGPROBS = 5
 HIT_ATTEMPTS = 3  # an align-mode hybrid may miss on the first repeat (the chunk-alignment trap) and hit on the next
+VOID_READINGS = 3  # repeats whose /metrics deltas other traffic shared, before the check could not tell
 CALIBRATION_WORDS = 200
+UNATTRIBUTABLE = ("/metrics' counters cannot tell its hits from theirs (fix: run the checks while the host takes no "
+                  "other traffic, or serve with --enable-prompt-tokens-details)")
 
 
 @dataclass(frozen=True)
 class Served:
-    """What the checks need to know of the server's settings: which parsers it runs, its prefill chunk."""
+    """What the checks need to know of the server's settings: which parsers it runs, its prefill chunk and how many
+    requests it batches."""
 
     prefix_caching: bool = True
     tool_parser: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
     reasoning_parser: bool = False
     max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
 
     @classmethod
     def from_spec(cls, spec: SpecArgs) -> Served:
-        chunk = str(spec.arg("max-num-batched-tokens") or "").replace("_", "")
         return cls(
             prefix_caching=bool(spec.prefix_caching),
             tool_parser=bool(spec.arg("enable-auto-tool-choice")) and bool(spec.arg("tool-call-parser")),
             reasoning_parser=bool(spec.arg("reasoning-parser")),
-            max_num_batched_tokens=int(chunk) if chunk.isdigit() else None,
+            max_num_batched_tokens=_count(spec, "max-num-batched-tokens"),
+            max_num_seqs=_count(spec, "max-num-seqs"),
         )
 
     def applicable(self, names: Sequence[str] = SERVING_CHECKS) -> tuple[str, ...]:
         """The checks among `names` that this server's settings give something to check."""
         # The probe runs whenever asked: a server without prefix caching is what it exists to catch.
-        needs = {"prefix-cache": True, "cached-cold": self.prefix_caching,
+        needs = {"speed": True, "prefix-cache": True, "cached-cold": self.prefix_caching,
                  "sessions": self.prefix_caching, "tools": self.tool_parser, "reasoning": self.reasoning_parser}
         return tuple(n for n in names if needs[n])
 
+
+def _count(spec: SpecArgs, flag: str) -> int | None:
+    value = str(spec.arg(flag) or "").replace("_", "")
+    return int(value) if value.isdigit() else None
 
 
 def run_checks(
@@ -95,28 +108,20 @@ def run_checks(
     timeout_s: float = CHECK_TIMEOUT_S,
 ) -> tuple[AnswerCheck, ...]:
     """The checks among `names` that apply to `served`, in SERVING_CHECKS order; never raises for what the server (or the
-    way to it) does: a check that cannot run fails with the reason."""
+    way to it) does. After a check that got no answer the rest are not sent."""
     run = _Checks(transport, expected, api_key, tolerance, timeout_s, os.urandom(4).hex())
-    wanted = served.applicable([n for n in SERVING_CHECKS if n in names])
+    # speed is gpufleet.health.speed's: it measures figures to compare, not only a verdict.
+    wanted = served.applicable([n for n in SERVING_CHECKS if n in names and n != SPEED])
     steps: dict[str, Callable[[], str]] = {
         "prefix-cache": lambda: run.prefix_cache(served.max_num_batched_tokens),
         "cached-cold": run.cached_cold, "sessions": run.sessions, "tools": run.tools, "reasoning": run.reasoning}
-    return tuple(_run(name, steps[name]) for name in wanted)
+    return tuple(run.result(name, steps[name]) for name in wanted)
 
 
 def failed(checks: Sequence[AnswerCheck]) -> str | None:
     """One line naming the first failed check with its evidence; None when all passed."""
     bad = next((c for c in checks if not c.ok), None)
     return f"check {bad.line()}" if bad else None
-
-
-def _run(name: str, step: Callable[[], str]) -> AnswerCheck:
-    try:
-        return AnswerCheck(name, True, step())
-    except (ServerFault, BadAnswer, HttpStatusError) as wrong:
-        return AnswerCheck(name, False, excerpt(str(wrong), 300))
-    except Exception as error:  # noqa: BLE001 - the transport's errors: a request that got no answer
-        return AnswerCheck(name, False, excerpt(f"{type(error).__name__}: {error}", 300))
 
 
 class _Checks:
@@ -128,6 +133,27 @@ class _Checks:
         self.tolerance, self.timeout_s, self.run_id = tolerance, timeout_s, run_id
         self.words: int | None = None  # filler words for a prompt that can hit, once calibrated
         self.cold: dict[str, tuple[Conversation, Greedy]] = {}
+        self.silent: str | None = None  # the check whose request got no answer
+        self.figures: dict[str, dict[str, object]] = {}  # per check, what it judged on (AnswerCheck.figures)
+
+    def result(self, name: str, step: Callable[[], str]) -> AnswerCheck:
+        """The check's verdict, with the figures it judged on, whether it passed or not."""
+        return replace(self._verdict(name, step), figures=self.figures.get(name, {}))
+
+    def _verdict(self, name: str, step: Callable[[], str]) -> AnswerCheck:
+        if self.silent is not None:  # its requests would wait out the same deadlines
+            return AnswerCheck(name, False, f"not sent: {self.silent} got no answer", ran=False)
+        try:
+            return AnswerCheck(name, True, step())
+        except (ServerFault, BadAnswer, HttpStatusError) as wrong:
+            return AnswerCheck(name, False, excerpt(str(wrong), 300))
+        except NotRun as unknown:
+            return not_run(name, unknown)
+        except Exception as error:  # noqa: BLE001 - whatever the requests met is this check's result
+            if unanswered(error):
+                self.silent = name
+                return not_run(name, error)
+            return AnswerCheck(name, False, excerpt(f"{type(error).__name__}: {error}", 300))
 
     # ----------------------------------------------------------------------------------------------- the checks
     def prefix_cache(self, chunk: int | None) -> str:
@@ -140,14 +166,34 @@ class _Checks:
     def cached_cold(self) -> str:
         conversation, cold = self._cold("a")
         cached = self._until_hit(conversation)
+        self.figures["cached-cold"] = {"cached": compare(cold, cached)}
         agree, line = agreement(cold, cached, self.tolerance)
         if not agree:
             raise ServerFault(f"the cached answer differs from the cold one: {line}")
         return f"{line} ({cached.cached_tokens} of {cached.prompt_tokens} prompt tokens cached)"
 
     def sessions(self) -> str:
+        judged, hits = self.judged_sessions()
+        self.figures["sessions"] = {**{label: found.figures for label, found in judged.items()}, "cached_tokens": hits}
+        lines = []
+        for label, found in judged.items():
+            if not found.ok:
+                raise ServerFault(f"session {label}, sent beside the other, got another answer than its own: "
+                                  f"{found.line}")
+            lines.append(f"{label}: {found.line}")
+        apart = judged["a"].figures.apart
+        if not judged["a"].figures.told_apart:
+            lines.append(f"the sessions' first tokens are {apart:.3f} nats apart alone, within batch noise: crossed "
+                         "state could not be told from it")
+        return "; ".join(lines) + f" (cached tokens: {hits})"
+
+    def judged_sessions(self) -> tuple[dict[str, SessionJudgement], list[int | None]]:
+        """Both sessions alone, then at once from the cache: each judged, and their cached tokens (one sum from
+        /metrics)."""
         sessions = {"a": self._cold("a"), "b": self._cold("b")}
-        self._until_hit(sessions["b"][0])  # b's prefix cached too, so both come back from the cache
+        for conversation, _ in sessions.values():  # both prefixes cached, whether or not cached-cold ran first
+            self._until_hit(conversation)
+        before = self._metrics() if self._counts_from_metrics else None
         answers: dict[str, Greedy | BaseException] = {}
 
         def send(label: str) -> None:
@@ -161,41 +207,38 @@ class _Checks:
             t.start()
         for t in threads:
             t.join()
-        lines = []
-        for label, (_, cold) in sessions.items():
-            got, other = answers[label], sessions["b" if label == "a" else "a"][1]
-            if isinstance(got, BaseException):
-                raise got
-            agree, line = agreement(cold, got, self.tolerance)
-            if not agree:
-                raise ServerFault(f"session {label}, sent beside the other, got another answer than its own cold one: "
-                             f"{line}")
-            if closer_to(got, other, cold):
-                raise ServerFault(f"session {label}'s answer is nearer the other session's cold answer than its own: "
-                             "cached state crossed sessions")
-            lines.append(f"{label}: {line.split(',')[0]}")
-        hits = [answers[label].cached_tokens for label in sessions]  # type: ignore[union-attr]
-        if None not in hits and not all(hits):
+        got: dict[str, Greedy] = {}
+        for label, answer in answers.items():
+            if isinstance(answer, BaseException):
+                raise answer
+            got[label] = answer
+        hits = [got[label].cached_tokens for label in sessions]
+        if before is not None:
+            both = attributed_hits(before, self._metrics(), sum(g.prompt_tokens for g in got.values()))
+            if both is None:
+                raise NotRun(f"other requests used the prefix cache while the sessions were sent: {UNATTRIBUTABLE}")
+            hits = [both]
+        if not all(hits):
             raise ServerFault(f"the sessions were not served from the cache (cached tokens {hits}): the check did not "
-                         "exercise cached state")
-        if sessions["a"][1] == sessions["b"][1]:
-            lines.append("the two cold answers are identical: the sessions' states could not be told apart")
-        return "; ".join(lines) + f" (cached tokens: {hits})"
+                              "exercise cached state")
+        return {label: judge_session(got[label], cold, sessions["b" if label == "a" else "a"][1])
+                for label, (_, cold) in sessions.items()}, hits
 
     def tools(self) -> str:
-        body = self._body([{"role": "user", "content": "What is the weather in Paris? Use the tool."}], 64)
-        body |= {"tools": [TOOL], "tool_choice": "required",
-                 # Qwen's templates: no thinking first, so the call starts at once, within the token budget.
-                 "chat_template_kwargs": {"enable_thinking": False}}
-        for choice, rule, extra in (("required", tool_call_problem, {}),
-                                    ("auto", text_tool_call_problem, {"max_tokens": 32})):
+        for choice, rule in (("required", tool_call_problem), ("auto", text_tool_call_problem)):
             try:
-                problem = rule(self._post(body | {"tool_choice": choice, **extra}))
+                problem = rule(self._post(self.tool_request(choice)))
             except ServerFault as wrong:  # vLLM refuses tool calls without a tool parser (400), "auto" without both flags
                 problem = str(wrong)
             if problem:
                 raise ServerFault(f'tool_choice "{choice}": {problem}')
         return 'tool_choice "required" returned a get_weather call with JSON arguments; "auto" accepted'
+
+    def tool_request(self, choice: str) -> dict[str, Any]:
+        """The tools check's request. Why each field: docs/verify.md ("Tools, and a model that reasons first")."""
+        body = self._body([{"role": "user", "content": "What is the weather in Paris? Use the tool."}], 64)
+        body |= {"tools": [TOOL], "tool_choice": choice, "chat_template_kwargs": {"enable_thinking": False}}
+        return body | ({"include_reasoning": False} if choice == "required" else {"max_tokens": 32, "logprobs": True})
 
     def reasoning(self) -> str:
         body = self._body([{"role": "user", "content": "Think briefly, then answer: what is 2 + 2?"}], 16)
@@ -222,18 +265,22 @@ class _Checks:
         return self.cold[label]
 
     def _until_hit(self, conversation: Conversation) -> Greedy:
-        """The same prompt again until its prefix comes from the cache (at most HIT_ATTEMPTS sends)."""
-        for _ in range(HIT_ATTEMPTS):
-            before = self._metrics() if self._counts_from_metrics else None
-            answer = self._greedy(conversation.messages)
-            hit = answer.cached_tokens
-            if before is not None:
-                hit = int((self._metrics().get(HITS) or 0) - (before.get(HITS) or 0))
-                answer = Greedy(answer.tokens, answer.logprobs, answer.top, answer.prompt_tokens, hit)
-            if hit:
+        """The same prompt again until its prefix comes from the cache (HIT_ATTEMPTS readings, VOID_READINGS void)."""
+        misses, void = 0, 0
+        while True:
+            answer = self._greedy(conversation.messages, counted=True)
+            if answer.cached_tokens:
                 return answer
-        raise ServerFault(f"a {answer.prompt_tokens}-token prompt sent {HIT_ATTEMPTS} times never came from the prefix "
-                     "cache: the cached path cannot be compared (see the prefix-cache check)")
+            if answer.cached_tokens is None:
+                void += 1
+                if void > VOID_READINGS:
+                    raise NotRun(f"other requests used the prefix cache during {void} sends of one prompt: "
+                                 f"{UNATTRIBUTABLE}")
+                continue
+            misses += 1
+            if misses == HIT_ATTEMPTS:
+                raise ServerFault(f"a {answer.prompt_tokens}-token prompt sent {HIT_ATTEMPTS} times never came from the "
+                                  "prefix cache: the cached path cannot be compared (see the prefix-cache check)")
 
     @property
     def _counts_from_metrics(self) -> bool:
@@ -258,19 +305,25 @@ class _Checks:
         return self.words
 
     def _metrics(self) -> Metrics:
-        return read_metrics(self.transport, self.expected.port, self.expected.address)
+        return once_more(lambda: read_metrics(self.transport, self.expected.port, self.expected.address))
 
     def _body(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
         return {"model": self.expected.served_model_name, "messages": messages, "max_tokens": max_tokens,
                 "temperature": 0, "seed": 0}
 
-    def _greedy(self, messages: list[dict[str, str]]) -> Greedy:
-        body = self._body(messages, GREEDY_TOKENS) | {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
-        return parse_greedy(self._post(body))
+    def _greedy(self, messages: list[dict[str, str]], counted: bool = False) -> Greedy:
+        """counted: cached tokens from /metrics where the server gives none (None: not attributable)."""
+        body = self._body(messages, GREEDY_TOKENS) | {"logprobs": True, "top_logprobs": TOP_LOGPROBS,
+                                                      "return_tokens_as_token_ids": True}
+        before = self._metrics() if counted and self._counts_from_metrics else None
+        answer = parse_greedy(self._post(body))
+        if before is None:
+            return answer
+        return replace(answer, cached_tokens=attributed_hits(before, self._metrics(), answer.prompt_tokens))
 
     def _post(self, body: dict[str, Any]) -> bytes:
-        answer = fetch(self.transport, self.expected.port, PATH, self.timeout_s, self.api_key, json_body=body,
-                       address=self.expected.address)
+        answer = once_more(lambda: fetch(self.transport, self.expected.port, PATH, self.timeout_s, self.api_key,
+                                         json_body=body, address=self.expected.address))
         if answer.status != 200:
             raise ServerFault(f"POST {PATH} answered {answer.status}: {excerpt(answer.text)}")
         return answer.body

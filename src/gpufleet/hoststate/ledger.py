@@ -34,8 +34,10 @@ from typing import Any
 from gpufleet.defaults import RETRY_SETTING
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.names import SERVICE_NAME
+from gpufleet.wire.speed import SpeedFigures
 
 SCHEMA = 2
+_MODEL = re.compile(r"[^@\s]+/[^@\s]+@[0-9a-f]{40}")
 HISTORY_LIMIT = 20
 FAILED_LIMIT = 20
 
@@ -64,6 +66,10 @@ class Version:
     spec_hash: str | None  # ServeSpec.spec_hash: the container's label value
     service: str | None
     port: int | None
+    # The model's files as a commit of its repo ("org/name@<40 hex>", gpufleet.vllm.weights), and the revision as
+    # configured (vllm_model_revision; None = the repo's default branch); None in a ledger written before them.
+    model: str | None = None
+    model_revision: str | None = None
     group: str | None = None  # a replica group's rank: the group's version ("<group>@<hash>"), the same on every rank
 
 
@@ -72,6 +78,8 @@ class Committed:
     version: Version
     committed_at: str
     ready_at: str | None = None  # when it first answered ready after its restart (None: migrated, or not measured)
+    speed: SpeedFigures | None = None  # measured by its verify's speed check on this host (None: not measured)
+    gpu: str | None = None  # the GPU verdict at its swap (HostGpus.summary); None: not recorded
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class Failed:
     failed_at: str
     image: str | None = None  # vllm_image as configured when it failed (a tag is not resolved again: pin())
     check: str | None = None  # the verify check it failed (gpufleet.health: "completion", "cached-cold", ...), if one
+    gpu: str | None = None  # as Committed.gpu
 
     def matches(self, version: Version) -> bool:
         return self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
@@ -117,24 +126,27 @@ def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
     return replace(ledger, pending=Pending(version=target, started_at=now, operator=operator))
 
 
-def commit(ledger: Ledger, now: str, ready_at: str | None = None) -> Ledger:
+def commit(ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFigures | None = None,
+           gpu: str | None = None) -> Ledger:
     """The ledger after the pending version passed verify and the soak: it is the new rollback target. ready_at:
-    when it first answered ready."""
+    when it first answered ready; speed: its figures, when its verify measured them; gpu: the GPU verdict at the
+    swap."""
     pending = _pending(ledger, "commit")
     history = ledger.history
     if ledger.committed is not None and ledger.committed.version != pending.version:
         history = (*history, ledger.committed)[-HISTORY_LIMIT:]
     failed = tuple(f for f in ledger.failed if not f.matches(pending.version))
-    return Ledger(committed=Committed(pending.version, now, ready_at), pending=None, failed=failed, history=history)
+    return Ledger(committed=Committed(pending.version, now, ready_at, speed, gpu), pending=None, failed=failed,
+                  history=history)
 
 
-def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None) -> Ledger:
+def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None, gpu: str | None = None) -> Ledger:
     """The ledger after the pending version failed and the committed one was put back: the pending version is
     marked failed (a plain converge will not retry it), `committed` is unchanged. check: the verify check that
-    failed, when one did."""
+    failed, when one did; gpu: the GPU verdict at the swap."""
     pending = _pending(ledger, "roll back")
     mark = Failed(ref=pending.version.ref, spec_hash=pending.version.spec_hash, reason=one_line(reason),
-                  failed_at=now, image=pending.version.image, check=check)
+                  failed_at=now, image=pending.version.image, check=check, gpu=gpu)
     failed = (*(f for f in ledger.failed if (f.ref, f.spec_hash) != (mark.ref, mark.spec_hash)), mark)
     return replace(ledger, pending=None, failed=failed[-FAILED_LIMIT:])
 
@@ -166,6 +178,16 @@ def pin(ledger: Ledger, image: str) -> str | None:
     if ledger.committed is not None and ledger.committed.version.image == image:
         return ledger.committed.version.ref
     return next((f.ref for f in reversed(ledger.failed) if f.image == image), None)
+
+
+def model_pin(ledger: Ledger, repo: str, revision: str | None) -> str | None:
+    """The commit (repo@commit) the model setting stands for on this host, as pin() for the image: the pending
+    version's, else the committed one's, when made from the same repo and revision; None: resolve it."""
+    for record in (ledger.pending, ledger.committed):
+        v = record.version if record is not None else None
+        if v is not None and v.model and v.model.rpartition("@")[0] == repo and v.model_revision == revision:
+            return v.model
+    return None
 
 
 def retry_failed(ledger: Ledger, target: Version) -> Ledger:
@@ -286,19 +308,30 @@ def render(ledger: Ledger) -> str:
             **_version_doc(ledger.pending.version), "started_at": ledger.pending.started_at,
             "operator": ledger.pending.operator},
         "failed": [{"ref": f.ref, "spec_hash": f.spec_hash, "reason": f.reason, "failed_at": f.failed_at,
-                    "image": f.image, **({"check": f.check} if f.check else {})} for f in ledger.failed],
+                    "image": f.image, **({"check": f.check} if f.check else {}), **_gpu_doc(f.gpu)}
+                   for f in ledger.failed],
         "history": [_committed_doc(c) for c in ledger.history],
     }
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
 def _version_doc(v: Version) -> dict[str, Any]:
+    model = {"model": v.model, "model_revision": v.model_revision} if v.model else {}
     return {"image": v.image, "ref": v.ref, "unit_sha256": v.unit_sha256, "spec_hash": v.spec_hash,
-            "service": v.service, "port": v.port, **({"group": v.group} if v.group is not None else {})}
+            "service": v.service, "port": v.port, **model, **({"group": v.group} if v.group is not None else {})}
 
 
 def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
-    return None if c is None else {**_version_doc(c.version), "committed_at": c.committed_at, "ready_at": c.ready_at}
+    if c is None:
+        return None
+    speed = {"speed": c.speed.as_dict()} if c.speed else {}  # a ledger without figures renders as before
+    return {**_version_doc(c.version), "committed_at": c.committed_at, "ready_at": c.ready_at, **speed,
+            **_gpu_doc(c.gpu)}
+
+
+def _gpu_doc(gpu: str | None) -> dict[str, str]:
+    # An old ledger renders byte for byte as before.
+    return {"gpu": gpu} if gpu is not None else {}
 
 
 def _kind(value: object) -> str:
@@ -353,15 +386,26 @@ def _version(doc: dict[str, Any], where: str) -> Version:
     port = _field(doc, where, "port", int, optional=True)
     if port is not None and not 1 <= port <= 65535:
         raise CorruptLedger(f"{where}.port: {port} is not a TCP port (1-65535)")
+    model = _field(doc, where, "model", str, optional=True) if "model" in doc else None
+    if model is not None and not _MODEL.fullmatch(model):
+        raise CorruptLedger(f"{where}.model: {model!r} is not <org>/<name>@<40 hex commit>")
+    revision = _field(doc, where, "model_revision", str, optional=True) if "model_revision" in doc else None
     group = _field(doc, where, "group", str, optional=True) if "group" in doc else None
     return Version(image=image, ref=ref, unit_sha256=unit_sha256, spec_hash=spec_hash, service=service, port=port,
-                   group=group)
+                   model=model, model_revision=revision, group=group)
 
 
 def _committed(value: Any, where: str) -> Committed:
     doc = _object(value, where)
     ready_at = _field(doc, where, "ready_at", str, optional=True) if "ready_at" in doc else None
-    return Committed(_version(doc, where), _field(doc, where, "committed_at", str), ready_at)
+    speed = None
+    if doc.get("speed") is not None:
+        try:
+            speed = SpeedFigures.from_dict(doc["speed"])
+        except ValueError as error:
+            raise CorruptLedger(f"{where}.speed: {error}") from None
+    gpu = _field(doc, where, "gpu", str, optional=True) if "gpu" in doc else None
+    return Committed(_version(doc, where), _field(doc, where, "committed_at", str), ready_at, speed, gpu)
 
 
 def _parse_v2(data: dict[str, Any]) -> Ledger:
@@ -377,9 +421,10 @@ def _parse_v2(data: dict[str, Any]) -> Ledger:
         doc = _object(item, where)
         image = _field(doc, where, "image", str, optional=True) if "image" in doc else None
         check = _field(doc, where, "check", str, optional=True) if "check" in doc else None
+        gpu = _field(doc, where, "gpu", str, optional=True) if "gpu" in doc else None
         failed.append(Failed(ref=_field(doc, where, "ref", str), spec_hash=_field(doc, where, "spec_hash", str, True),
                              reason=_field(doc, where, "reason", str), failed_at=_field(doc, where, "failed_at", str),
-                             image=image, check=check))
+                             image=image, check=check, gpu=gpu))
     history = tuple(_committed(item, f"history[{i}]")
                     for i, item in enumerate(_field(data, "ledger", "history", list)))
     return Ledger(committed=committed, pending=pending, failed=tuple(failed), history=history)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import shlex
+from collections.abc import Mapping
 from io import BytesIO
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, FunctionCommand, Host, State, StringCommand, operation
@@ -13,7 +15,7 @@ from pyinfra.operations import apt
 
 from gpufleet.hoststate.atomic import atomic_write_command
 from gpufleet.operations.base import Commands
-from gpufleet.operations.run import snapshot
+from gpufleet.operations.run import snapshot, still_held_test
 from gpufleet.operations.secret import Hidden
 from gpufleet.remote.ssh import use_sudo
 
@@ -42,23 +44,21 @@ def replace_command(tmp: str, path: str) -> str:
 
 
 class AtomicUpload(FileUploadCommand):
-    """Upload `src` to `dest` through a temp file beside it: owner and mode set on the temp file, then fsync and
-    rename. A plain upload writes the destination in place (SFTP as root), and an SSH cut leaves half a file."""
+    """Upload `src` to `dest` through upload(), only while this run holds the host's lock. A plain upload writes
+    the destination in place (SFTP as root), and an SSH cut leaves half a file."""
 
     def __init__(self, src: BytesIO, dest: str, mode: str):
         super().__init__(src, dest)
-        self.mode = mode
+        self.mode, self.content = mode, src.getvalue()
 
     def execute(self, state: State, host: Host, connector_arguments: ConnectorArguments) -> bool:
         connector_arguments.update(self.connector_arguments)
-        tmp = temp_path(self.dest)
         shown = {"print_output": state.print_output, "print_input": state.print_input}
-        if not host.put_file(self.src, tmp, **shown, **connector_arguments):
-            return False
-        ok, _ = host.run_shell_command(
-            f"chown root:root {shlex.quote(tmp)} && chmod {shlex.quote(self.mode)} {shlex.quote(tmp)} && "
-            + replace_command(tmp, self.dest), **shown, **connector_arguments)
-        return bool(ok)
+        written = upload(host, self.content, self.dest, mode=self.mode, only_if=still_held_test(host),
+                         shown=shown, **connector_arguments)
+        if written is None:
+            host.log_styled(f"{self.dest} not written: this run no longer holds the host's lock", fg="red")
+        return bool(written)
 
 
 # What a guarded command prints when its guard refuses: the caller tells that refusal from a failed write.
@@ -73,23 +73,38 @@ def guarded(command: str, only_if: str | None, cleanup: str = "") -> str:
     return f"if ! {{ {only_if}; }}; then {cleanup}echo {REFUSED}; exit 3; fi; {command}"
 
 
-def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if: str | None = None) -> bool | None:
-    """From a FunctionCommand: replace the root-owned `path` with `content` atomically (gpufleet.hoststate.ledger's
-    atomic_write_command: temp file beside it, fsync, rename, directory fsync). For files written while executing,
-    whose content is known only then (the ledger). only_if: a shell test run in the same command right before the
-    rename; when it is false nothing is replaced and the answer is None (False: the write itself failed)."""
-    sudo = use_sudo(host)
-    directory, _, name = path.rpartition("/")
-    upload = f"{directory}/.{name}.upload"
-    ok = host.run_shell_command(f"install -d -m 755 {shlex.quote(directory)}", _sudo=sudo)[0]
-    if not (ok and host.put_file(as_io(content), upload, _sudo=sudo)):
+def upload(host: Host, content: str | bytes, path: str, *, mode: str = "0644", only_if: str | None = None,
+           secret: bool = False, shown: Mapping[str, bool] | None = None, **arguments: Any) -> bool | None:
+    """Replace the root-owned `path` with `content`: uploaded as the SSH user into a fresh `mktemp -d`, then copied
+    by root beside `path`, checked against the content's sha256 and renamed over it (pyinfra's sudo upload stages
+    through /tmp/pyinfra-<sha1 of the path>, a name any local user can take first). only_if: a shell test run first;
+    false: nothing replaced, None. secret: the digest goes in a file, never on a command line."""
+    shown = dict(shown or {})
+    ok, output = host.run_shell_command("umask 077 && mktemp -d", **shown)
+    private = output.stdout_lines[-1].strip() if ok and output.stdout_lines else ""
+    if not private.startswith("/"):
+        host.log_styled(f"could not make a private temp dir: {' | '.join(output.stderr_lines[-2:])}", fg="red")
         return False
-    write = guarded(atomic_write_command(path, mode=mode, source=upload), only_if,
-                    cleanup=f"rm -f {shlex.quote(upload)}; ")
-    ok, output = host.run_shell_command(write, _sudo=sudo)
-    if not ok and REFUSED in output.stdout_lines:
-        return None
-    return bool(ok)
+    data = content.encode() if isinstance(content, str) else content
+    source, check = f"{private}/upload", f"{private}/sha256"
+    try:
+        if not host.put_file(BytesIO(data), source, **shown):
+            return False
+        if secret and not host.put_file(as_io(sha256(data)), check, **shown):
+            return False
+        write = guarded(atomic_write_command(path, mode=mode, source=source, sha256=None if secret else sha256(data),
+                                             sha256_from=check if secret else None), only_if)
+        ok, output = host.run_shell_command(write, **shown, **arguments)
+        if not ok and REFUSED in output.stdout_lines:
+            return None
+        return bool(ok)
+    finally:
+        host.run_shell_command(f"rm -rf {shlex.quote(private)}", **shown)
+
+
+def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if: str | None = None) -> bool | None:
+    """From a FunctionCommand: upload() for files whose content is known only while executing (the ledger)."""
+    return upload(host, content, path, mode=mode, only_if=only_if, _sudo=use_sudo(host))
 
 
 def put_content(path: str, content: str | bytes, mode: str = "644") -> Commands:
@@ -106,29 +121,18 @@ def put_content(path: str, content: str | bytes, mode: str = "644") -> Commands:
 
 
 def _install_secret(state: State, host: Host, path: str, secret: Hidden) -> bool:
-    # Upload as the SSH user into a fresh 0700 directory, then install it as root with 0600 beside the target and
-    # rename it over: the secret never sits in a world-readable temp file, never appears on a command line, and
-    # the env file is never half written.
-    ok, output = host.run_shell_command("umask 077 && mktemp -d")
+    sudo = use_sudo(host)
+    directory = path.rsplit("/", 1)[0]
+    ok, output = host.run_shell_command(f"install -d -m 700 -o root -g root {shlex.quote(directory)}", _sudo=sudo)
     if not ok:
-        raise RuntimeError(f"could not create a private temp dir: {output.stderr}")
-    tmpdir = output.stdout_lines[-1].strip()
-    try:
-        if not host.put_file(as_io(secret.reveal()), f"{tmpdir}/secret"):
-            raise RuntimeError("upload failed")
-        directory = path.rsplit("/", 1)[0]
-        tmp = temp_path(path)
-        ok, output = host.run_shell_command(
-            f"install -d -m 700 -o root -g root {shlex.quote(directory)} && "
-            f"install -m 600 -o root -g root {shlex.quote(tmpdir + '/secret')} {shlex.quote(tmp)} && "
-            + replace_command(tmp, path),
-            _sudo=use_sudo(host),
-        )
-        if not ok:
-            raise RuntimeError(f"could not install {path}: {output.stderr}")
-    finally:
-        host.run_shell_command(f"rm -rf {shlex.quote(tmpdir)}")
-    return True
+        raise RuntimeError(f"could not create {directory}: {output.stderr}")
+    written = upload(host, secret.reveal(), path, mode="0600", only_if=still_held_test(host), secret=True,
+                     _sudo=sudo)
+    if written is None:
+        host.log_styled(f"{path} not written: this run no longer holds the host's lock", fg="red")
+    elif not written:
+        raise RuntimeError(f"could not install {path}")
+    return bool(written)
 
 
 def put_secret(path: str, content: str) -> Commands:

@@ -62,6 +62,7 @@ class HostRun:
 
     snapshot: HostFiles | None = None  # read once by preflight; None for a host whose deploy reads no snapshot
     resolved_image_ref: str | None = None  # repo@sha256:..., set by gpufleet.vllm.operations.image while executing
+    resolved_model: str | None = None  # org/name@commit, set by gpufleet.vllm.operations.model once checked
     ledger: Ledger = field(default_factory=Ledger)  # the host's ledger as this run last read or wrote it
     # path -> sha256 of each ledger file as this run read it under the host's lock or last wrote it (None: no file):
     # a ledger write is compare-and-swap on it (gpufleet.vllm.operations.service.save_ledger). A path not listed is
@@ -205,6 +206,15 @@ def still_held_test(host: Host) -> str | None:
     if lock is None:
         return None
     return f'[ "$(cat {shlex.quote(lock.path)} 2>/dev/null)" = {shlex.quote(lock.holder.line())} ]'
+
+
+def while_held(host: Host, command: str, refusal: str) -> str:
+    """Shell: `command`, only while the lock file still names this run (checked on the host, in the same shell);
+    else `refusal` on stderr and exit 1. No lock taken: `command` as it is."""
+    held = still_held_test(host)
+    if held is None:
+        return command
+    return f"if {held}; then {command}; else echo {shlex.quote(refusal)} >&2; exit 1; fi"
 
 
 def release_locks(state: State, names: Iterable[str] | None = None, wait: bool = True) -> None:

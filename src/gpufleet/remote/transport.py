@@ -69,6 +69,7 @@ class ContainerInfo:
     image: str | None = None  # the ref it was started from
     image_id: str | None = None  # sha256:... of the image actually running
     spec_hash: str | None = None  # value of the gpufleet.<service> label
+    model: str | None = None  # the gpufleet.<service>.model label: the model's commit (repo@commit) it runs
     # Its own IP address on its docker network (None: host networking, or not known). The checks reach the server
     # there, inside the container's network namespace: what answers is this container, never a local user's
     # listener that bound the published port first (it would get the API key and could fake readiness).
@@ -247,6 +248,7 @@ def _from_inspect(obj: dict[str, Any], label: str) -> ContainerInfo:
         image=config.get("Image"),
         image_id=obj.get("Image"),
         spec_hash=(config.get("Labels") or {}).get(label),
+        model=(config.get("Labels") or {}).get(f"{label}.model"),
         address=_network_address(obj.get("NetworkSettings")),
     )
 

@@ -9,9 +9,9 @@ wrote on it are carried to each later host's cache dir before that host's swap, 
   not carried.
 - How: over the rollout's own SSH sessions; the controller streams `tar` from the canary to the host (hosts need no
   SSH to each other). The canary hashes what it sends, the controller what it relays, the host what it receives
-  (sha256 each); the host unpacks into a temp dir beside its cache dir, and only when all three agree are the
-  entries renamed into place. An entry the host already has is never overwritten: the host still runs the old
-  version, which writes its own version's entries there, never the new one's.
+  (sha256 each); the host, under its lock, unpacks regular files and directories only into a temp dir beside its
+  cache dir, and only when all three agree are the entries renamed into place, never through a link. An entry the
+  host has, whole or in part, is left as it is.
 - Who does not take it: a host whose GPUs (model, count) or driver differ from the canary's, or whose serve flags
   (other than where it listens and its served name) or env differ, or on which the image's vLLM computes another
   compile hash than on the canary (compile_factors); one whose listing or GPU query fails (one line
@@ -24,6 +24,7 @@ on the host)."""
 from __future__ import annotations
 
 import shlex
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ import paramiko
 
 from gpufleet.errors import one_line
 from gpufleet.facts.nvidia import QUERY_GPUS
+from gpufleet.hostlock import LOCK_PATH, HostLock, HostLockError, lock_timings
 from gpufleet.remote.ssh import needs_sudo
 from gpufleet.remote.transport import TransportError
 from gpufleet.rollout.carry_eligibility import (
@@ -43,7 +45,9 @@ from gpufleet.rollout.carry_eligibility import (
 )
 from gpufleet.rollout.carry_entries import (
     CARRIED_MOUNT,
+    Listed,
     carried_dir,
+    entries,
     files_under,
     listing_command,
     new_files,
@@ -63,8 +67,11 @@ from gpufleet.rollout.compile_factors import CompileFactors, factors_command, pa
 from gpufleet.rollout.replicas import FleetHost, Sessions, run
 from gpufleet.rollout.warm_start import start_report
 from gpufleet.vllm.unit import env_file_path
+from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
+from gpufleet.vllm.settings import merged_settings
 
 LIST_TIMEOUT_S = 60.0
+CARRY_TIMEOUT_S = 1800.0  # the carry into one host, whole: a trickling stream must not hold the host forever
 
 
 @dataclass(frozen=True)
@@ -111,16 +118,19 @@ class Carry:
     tamper: Callable[[bytes], bytes] | None = None  # tests only: the bytes changed in flight
     turned_off: str | None = None  # why this rollout carries nothing by choice (`rollout --no-carry`); starts are
     # still observed, so the report says how each host started either way
+    timeout_s: float = CARRY_TIMEOUT_S
+    lock_path: str = LOCK_PATH  # held on each host while the carry writes there
     results: dict[str, CarryResult] = field(default_factory=dict)
     canary: str | None = None
-    _before: dict[str, str] | None = None
+    _before: dict[str, Listed] | None = None
     _files: list[str] = field(default_factory=list)
+    _entries: list[str] = field(default_factory=list)
     _gpus: Gpus | str = "not read"
     _factors: CompileFactors | str = "not read"
     _image: str | None = None  # the image the committed canary runs (its id): the one each host's factors come from
     _off: str | None = None  # why nothing is carried in this rollout
 
-    def _list(self, host: str, directory: str) -> dict[str, str]:
+    def _list(self, host: str, directory: str) -> dict[str, Listed]:
         rc, out, err = run(self.sessions.get(host), listing_command(directory), timeout=LIST_TIMEOUT_S, root=True)
         if rc != 0:
             raise TransportError(one_line(f"cannot list {directory}: {(err or out).strip()[:160] or f'exit {rc}'}"))
@@ -128,9 +138,20 @@ class Carry:
 
     def _gpus_of(self, host: str) -> Gpus | str:
         try:
-            return gpus_from_query(*run(self.sessions.get(host), QUERY_GPUS, timeout=LIST_TIMEOUT_S))
+            rc, out, err = run(self.sessions.get(host), f"timeout -k 2 {COMMAND_TIMEOUT_S} {QUERY_GPUS}",
+                               timeout=LIST_TIMEOUT_S)
         except TransportError as e:
             return one_line(str(e))
+        if rc in (124, 137):  # timeout's
+            return f"nvidia-smi did not answer within {COMMAND_TIMEOUT_S} s"
+        return gpus_from_query(rc, out, err)
+
+    def _started(self, host: str) -> float | None:
+        try:
+            info = self.sessions.get(host).container(self.hosts[host].spec.service)
+        except TransportError:
+            return None
+        return info.started_at if info is not None and info.running else None
 
     def _image_of(self, host: str) -> str | None:
         try:
@@ -181,7 +202,12 @@ class Carry:
         except TransportError as e:
             self._off = f"canary {canary}'s cache dir could not be listed after its verify: {e}"
             return
-        self._files = new_files(self._before, after)
+        since = self._started(canary)  # files changed before it are the old container's
+        if since is None:
+            self._off = f"canary {canary}'s new container could not be read: nothing is carried"
+            return
+        self._files = new_files(self._before, after, since)
+        self._entries = entries(self._before, self._files)
         self._gpus = self._gpus_of(canary)
         if not self._files:
             self._off = f"canary {canary} wrote no new entry in {directory}"
@@ -213,16 +239,34 @@ class Carry:
             compile_hash_refusal(self.canary, self._factors, self._factors_of(host))
         if refusal is not None:
             return CarryResult(skipped_reason=refusal)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            lock = self._lock(host)
+        except (HostLockError, TransportError, OSError, paramiko.SSHException, EOFError) as e:
+            return CarryResult(skipped_reason=one_line(f"its lock: {e}"))
+        with lock:
+            return self._under_lock(host, directory, source, deadline)
+
+    def _lock(self, host: str) -> HostLock:
+        wait_s, lease_s = lock_timings(host, merged_settings(dict(getattr(self.hosts[host], "data", {}))))
+        client = self.sessions.get(host).client
+        return HostLock(client, host, path=self.lock_path, lease_s=lease_s, sudo=needs_sudo(client)).acquire(wait_s)
+
+    def _under_lock(self, host: str, directory: str, source: str, deadline: float) -> CarryResult:
+        assert self.canary is not None
         tmp = temp_dir(directory)
         try:
             present = self._list(host, directory)
-            roots = placements(self._files, present)
+            roots, partial = placements(self._entries, self._files, present)
+            kept = f"it has part of {', '.join(partial)} already (an earlier start's): left as it is"
             if not roots:
-                return CarryResult(skipped_reason="it has every entry already")
+                return CarryResult(skipped_reason=kept if partial else "it has every entry already")
+            if partial:
+                self.note(f"{host}: {kept}")
             files = files_under(self._files, roots)
             total, relayed, sent, received = relay(
                 self.sessions.get(self.canary), send_command(source), "\0".join(files).encode() + b"\0",
-                self.sessions.get(host), receive_command(directory, tmp), self.tamper)
+                self.sessions.get(host), receive_command(directory, tmp), self.tamper, deadline)
             problem = stream_problem(sent, relayed, received)
             if problem is not None:
                 self._remove(host, tmp)
@@ -233,11 +277,16 @@ class Carry:
             self._remove(host, tmp)
             return CarryResult(skipped_reason=one_line(f"carry failed: {e}"))
         placed = tuple(line.removeprefix("placed ") for line in out.splitlines() if line.startswith("placed "))
+        refused = [line.removeprefix("refused ") for line in out.splitlines() if line.startswith("refused ")]
         if rc != 0:
             return CarryResult(entries=placed, skipped_reason=one_line(
                 f"putting the entries in place failed: {(err or out).strip()[:160] or f'exit {rc}'}"))
-        return CarryResult(carried_bytes=total if placed else 0, entries=placed,
-                           skipped_reason=None if placed else "it has every entry already")
+        if not placed:
+            return CarryResult(skipped_reason=one_line(f"not placed: {'; '.join(refused)}") if refused else
+                               "it has every entry already")
+        for line in refused:
+            self.note(one_line(f"{host}: not placed: {line}"))
+        return CarryResult(carried_bytes=total, entries=placed)
 
     def _remove(self, host: str, tmp: str) -> None:
         """The temp dir gone, as far as the host can still be reached (a lost one keeps a hidden dir, never an entry

@@ -10,6 +10,7 @@ import posixpath
 import re
 import shlex
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -42,9 +43,10 @@ def _drain_stderr(channel: paramiko.Channel, into: list[bytes]) -> None:
 
 
 def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: SshTransport, target_cmd: str,
-          tamper: Callable[[bytes], bytes] | None = None) -> tuple[int, str, str, str]:
+          tamper: Callable[[bytes], bytes] | None = None, deadline: float | None = None) -> tuple[int, str, str, str]:
     """source_cmd's stdout streamed into target_cmd's stdin through this process: (bytes relayed, its sha256,
-    source's stderr, target's stderr). tamper: for tests, what the bytes become between the two ends."""
+    source's stderr, target's stderr). tamper: for tests, what the bytes become between the two ends. deadline
+    (time.monotonic()): past it, TransportError."""
     src = _open(source, source_cmd)
     dst = _open(target, target_cmd)
     src_err: list[bytes] = []
@@ -65,6 +67,8 @@ def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: Ss
             chunk = src.recv(STREAM_CHUNK)
             if not chunk:
                 break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransportError(f"{target.name}: the carry passed its time limit after {total} bytes")
             digest.update(chunk)
             total += len(chunk)
             dst.sendall(tamper(chunk) if tamper else chunk)
@@ -91,28 +95,48 @@ def send_command(directory: str) -> str:
             "3>&1")
 
 
+NOT_PLAIN = 90  # the host's `tar-rc` for a member that is not a regular file or directory, or a hard link
+
+
 def receive_command(directory: str, tmp: str) -> str:
-    """On the host: the stream unpacked into tmp (a new dir beside the cache dir, same filesystem), its sha256 and
-    tar's exit status to stderr. Nothing lands in the cache dir itself."""
-    t = shlex.quote(tmp)
-    return (f"mkdir -m 700 {t} && {{ {{ tee /dev/fd/4 | sha256sum >&2; }} 4>&1 | tar -C {t} -xf -; "
-            f"echo \"tar-rc $?\" >&2; }}")
+    """On the host: the stream unpacked into tmp (a new root-only dir beside the cache dir), its sha256 and tar's
+    exit status to stderr. No owner or mode comes from the stream; anything but regular files and directories
+    refuses it whole. Temp dirs a killed carry left go first (under the host's lock); a cut stream removes its own."""
+    bad = 'find "$t" -mindepth 1 \\( \\( ! -type f ! -type d \\) -o \\( -type f -links +1 \\) \\) -print -quit'
+    return (f"trap '' HUP PIPE; t={shlex.quote(tmp)}; rm -rf {shlex.quote(_stale_prefix(directory))}*; "
+            'mkdir -m 700 "$t" && { { tee /dev/fd/4 | sha256sum >&2; } 4>&1 | '
+            'tar -C "$t" --no-same-owner --no-same-permissions -xf -; rc=$?; '
+            f'if [ $rc = 0 ]; then b=$({bad}); if [ -n "$b" ]; then '
+            f'echo "not a regular file or directory: ${{b#"$t"/}}" >&2; rc={NOT_PLAIN}; else '
+            'chmod -R u=rwX,go=rX,a-st "$t" && chmod 700 "$t" || rc=$?; fi; fi; '
+            '[ $rc = 0 ] || rm -rf "$t"; echo "tar-rc $rc" >&2; }')
 
 
 def place_command(directory: str, tmp: str, roots: Sequence[str]) -> str:
-    """Each unpacked root renamed into the cache dir unless the host has it by now; the temp dir removed."""
+    """Each unpacked root renamed into the cache dir unless the host has it by now; the temp dir removed. A root's
+    parent is reached one directory at a time, never through a link (the container may have planted one to /etc),
+    must resolve inside the cache dir, and the rename is made from inside it."""
     d, t = shlex.quote(directory), shlex.quote(tmp)
-    steps = [f"mkdir -p {d}"]
-    for r in roots:
-        dst, src = shlex.quote(f"{directory}/{r}"), shlex.quote(f"{tmp}/{r}")
-        steps.append(f"if [ -e {dst} ] || [ -L {dst} ]; then echo {shlex.quote('present ' + r)}; "
-                     f"else mkdir -p \"$(dirname {dst})\" && mv -T {src} {dst} && echo {shlex.quote('placed ' + r)}; fi")
-    return "; ".join(steps) + f"; rm -rf {t}"
+    place = ('place() { ( cd -P -- "$d" || exit 1; set -f; IFS=/; '
+             'case "$1" in */*) parent=${1%/*};; *) parent=;; esac; '
+             'for c in $parent; do if [ -L "$c" ] || { [ -e "$c" ] && [ ! -d "$c" ]; }; then '
+             'echo "refused $1: $c is not a directory"; exit 0; fi; '
+             '[ -d "$c" ] || mkdir -m 755 -- "$c" || exit 1; cd -P -- "$c" || exit 1; done; '
+             'case "$(pwd -P)/" in "$real"/*) ;; *) echo "refused $1: it leads out of the cache dir"; exit 0;; esac; '
+             'name=${1##*/}; if [ -e "$name" ] || [ -L "$name" ]; then echo "present $1"; '
+             'else mv -T -- "$t/$1" "$name" && echo "placed $1"; fi ); }')
+    steps = [f"trap '' HUP PIPE; d={d}; t={t}; mkdir -p \"$d\" && real=$(cd -P -- \"$d\" && pwd -P) || exit 1",
+             place, *(f"place {shlex.quote(r)} || ok=1" for r in roots), 'rm -rf "$t"; exit ${ok:-0}']
+    return "; ".join(steps)
+
+
+def _stale_prefix(directory: str) -> str:
+    parent, name = posixpath.split(directory.rstrip("/"))
+    return posixpath.join(parent or "/", f".{name}.gpufleet-carry-")
 
 
 def temp_dir(directory: str) -> str:
-    parent, name = posixpath.split(directory.rstrip("/"))
-    return posixpath.join(parent or "/", f".{name}.gpufleet-carry-{uuid.uuid4().hex[:12]}")
+    return _stale_prefix(directory) + uuid.uuid4().hex[:12]
 
 
 SHA_LINE = re.compile(r"^([0-9a-f]{64})\s+-$", re.MULTILINE)

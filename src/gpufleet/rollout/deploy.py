@@ -22,7 +22,9 @@ from pathlib import Path
 from gpufleet.defaults import (
     EXPECT_COMMITTED_SETTING,
     IMAGE_REF_SETTING,
+    MODEL_REF_SETTING,
     RETRY_SETTING,
+    SPEED_BASELINE_SETTING,
     STAGE_SETTING,
     STAGES,
     VERIFY_CHECKS_SETTING,
@@ -33,6 +35,7 @@ from gpufleet.errors import GpufleetError
 from gpufleet.harness import packaged_deploy_file
 from gpufleet.harness.result import RESULT_ENV, HostResult, read_result
 from gpufleet.wire.checks import SERVING_CHECKS
+from gpufleet.wire.speed import SpeedFigures
 
 DEPLOY_FILE = Path("deploys") / "qwen35.py"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # pyinfra's colours, kept out of the log
@@ -129,6 +132,7 @@ class RunSettings:
     """
 
     image_ref: str | None = None  # the digest every host of the run installs (repo@sha256:<64 hex>)
+    model_ref: str | None = None  # the model's commit every host of the run installs (40 hex), when it moves
     stage: Stage | None = None  # "prepare" stops before the unit: nothing restarts
     # The serving checks a new version is held to (gpufleet.wire.checks): () none of them, beside the answers
     verify_checks: tuple[str, ...] | None = None
@@ -137,6 +141,8 @@ class RunSettings:
     expect_committed: Mapping[str, str | None] | None = None
     verify_probe: bool = False  # hold every host to the prompt re-processing probe too
     retry_failed: bool = False  # install the version again though it failed verification there before
+    # host -> the old version's speed figures, measured there before the swap: the speed check holds the new to them
+    speed_baseline: Mapping[str, SpeedFigures] | None = None
 
     def __post_init__(self) -> None:
         if self.stage is not None and self.stage not in STAGES:
@@ -151,13 +157,17 @@ class RunSettings:
         checks = None if self.verify_checks is None else ",".join(self.verify_checks) or "none"
         committed = (None if self.expect_committed is None
                      else json.dumps(dict(self.expect_committed), separators=(",", ":")))
+        baseline = (None if not self.speed_baseline else json.dumps(
+            {host: figures.as_dict() for host, figures in self.speed_baseline.items()}, separators=(",", ":")))
         named: tuple[tuple[str, str | None], ...] = (
             (IMAGE_REF_SETTING, self.image_ref),
+            (MODEL_REF_SETTING, self.model_ref),
             (STAGE_SETTING, self.stage),
             (VERIFY_CHECKS_SETTING, checks),
             (EXPECT_COMMITTED_SETTING, committed),
             (VERIFY_PROBE_SETTING, "true" if self.verify_probe else None),
             (RETRY_SETTING, "true" if self.retry_failed else None),
+            (SPEED_BASELINE_SETTING, baseline),
         )
         return [arg for name, text in named if text is not None for arg in ("--data", f"{name}={text}")]
 

@@ -5,9 +5,8 @@ so a controller killed between the ranks' commits swaps the whole group again.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.replicas import FleetHost
 from gpufleet.vllm.group import Member
 
@@ -37,11 +36,19 @@ def workers(hosts: Iterable[FleetHost]) -> list[FleetHost]:
     return [h for h in hosts if h.spec.group is None or h.spec.group.is_head]
 
 
-def done(names: Sequence[str], ledgers: Mapping[str, HostLedger], targets: Mapping[str, str],
-         hosts: Mapping[str, FleetHost]) -> set[str]:
-    """Hosts committed on their target with nothing pending; a group's only when every rank is."""
-    on_target = {h for h in names if ledgers[h].committed_ref == targets[h] and ledgers[h].pending_ref is None}
+def done(on_target: Collection[str], hosts: Mapping[str, FleetHost]) -> set[str]:
+    """The hosts on their target that are done: a group's only when every rank is."""
     return {h for h in on_target if all(r in on_target for r in ranks(hosts, h))}
+
+
+def skipped(sick: Mapping[str, str], hosts: Mapping[str, FleetHost]) -> dict[str, str]:
+    """The hosts a rollout skips for their GPUs (host -> why): a group's every rank when one is, since its swap
+    restarts them all."""
+    out = dict(sick)
+    for name in sick:
+        for rank in ranks(hosts, name):
+            out.setdefault(rank, f"not swapped: {name}, a rank of its group, is skipped for its GPUs")
+    return out
 
 
 def units(order: Sequence[str], hosts: Mapping[str, FleetHost]) -> list[list[str]]:

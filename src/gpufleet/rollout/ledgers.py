@@ -30,6 +30,12 @@ class HostLedger:
         return c.version.ref if c else None
 
     @property
+    def committed_model(self) -> str | None:
+        """The model's commit (repo@commit) the committed version runs, when the ledger records one."""
+        c = self.ledger.committed if self.ledger else None
+        return c.version.model if c else None
+
+    @property
     def pending_ref(self) -> str | None:
         p = self.ledger.pending if self.ledger else None
         return p.version.ref if p else None

@@ -1,13 +1,18 @@
 """Who belongs in the routers' worker sets: a replica whose ledger has a committed version and nothing pending, and
-that answers ready now (the check `gpufleet verify` runs). The rollout reconciles every router with this at its
-start and its end, so a controller killed between a replica's leave and its rejoin strands nothing."""
+that answers ready now (the check `gpufleet verify` runs) from that committed digest, on GPUs that need no reset,
+reboot or service. The rollout reconciles every router with this at its start and its end, so a controller killed
+between a replica's leave and its rejoin strands nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 
-from gpufleet.health.check import HealthState, check
+from gpufleet.facts.gpu_verdict import HostGpus
+from gpufleet.health.check import HealthReport, HealthState, check, committed_drift
+from gpufleet.health.runner import rank_health
 from gpufleet.remote.transport import SshTransport
+from gpufleet.rollout import gpu
 from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.wire.identity import Expected
@@ -16,22 +21,52 @@ from gpufleet.wire.identity import Expected
 UNDECIDED = (HealthState.SSH_UNREACHABLE, HealthState.STARTING)
 
 
-def belongs(ledger: HostLedger, state: HealthState | None) -> bool | None:
-    """True: in every router; False: in none; None: not known (left as it is)."""
+def belongs(ledger: HostLedger, state: HealthState | None, runs_committed: bool = True) -> bool | None:
+    """True: in every router; False: in none; None: not known (left as it is). runs_committed: what answers is the
+    committed digest."""
     if ledger.error is not None:
         return None
     if ledger.committed_ref is None or ledger.pending_ref is not None:
         return False  # never committed, or a swap that ended neither committed nor rolled back
     if state is None or state in UNDECIDED:
         return None
-    return state is HealthState.READY
+    return state is HealthState.READY and runs_committed
+
+
+def runs_committed(ledger: HostLedger, report: HealthReport) -> bool:
+    """Is the container that answers started from the digest the ledger has committed?"""
+    c = report.container
+    return c is not None and c.running and committed_drift(ledger.committed_ref, c) is None
+
+
+def look(host: FleetHost, transport: SshTransport) -> HealthReport:
+    """The check `gpufleet verify` runs, once, on a replica (on a replica group's headless rank: its container)."""
+    member = host.spec.group
+    if member is not None and not member.is_head:
+        expected = replace(Expected.from_spec(host.spec), spec_hash=host.spec.spec_hash)
+        return rank_health(transport, expected, host.name, (member.group, member.rank, member.head))
+    return check(transport, Expected.from_spec(host.spec), api_key=host.api_key)
+
+
+def gpus_fit(gpus: HostGpus | None, used: Collection[int]) -> bool | None:
+    """False: a GPU the replica uses needs a reset, a reboot or service; True: they may serve; None: not known."""
+    if gpus is None or gpus.error is not None:
+        return None
+    return not gpus.blocking(used)
 
 
 def members(sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, HostLedger]) -> dict[str, bool | None]:
-    """belongs() for every named replica, each looked at once over its own session, all at once."""
-    def look(host: FleetHost, transport: SshTransport) -> HealthState:
-        return check(transport, Expected.from_spec(host.spec), api_key=host.api_key).state
+    """belongs() for every named replica, False where gpus_fit() is; each looked at once over its own session, all
+    at once."""
+    def look_with_gpus(host: FleetHost, transport: SshTransport) -> tuple[HealthReport, HostGpus | None]:
+        report = look(host, transport)
+        started = report.container.started_at if report.container else None
+        return report, gpu.look(host, transport, started)
 
-    states = sessions.each(names, look)
-    return {name: belongs(ledgers[name], state if isinstance(state, HealthState) else None) for name, state in
-            states.items()}
+    found = {}
+    for name, seen in sessions.each(names, look_with_gpus).items():
+        report, gpus = seen if isinstance(seen, tuple) else (None, None)
+        fit = gpus_fit(gpus, sessions.hosts[name].spec.gpus)
+        found[name] = (False if fit is False else belongs(ledgers[name], None) if report is None
+                       else belongs(ledgers[name], report.state, runs_committed(ledgers[name], report)))
+    return found

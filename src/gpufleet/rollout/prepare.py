@@ -42,14 +42,16 @@ def pull_order(inventory: str, hosts: Sequence[str]) -> list[list[str]]:
 
 
 def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: Path,
-            log: Path | None = None, timeout_s: float | None = None) -> tuple[DeployRun, dict[str, str]]:
-    """(the run, host -> why it failed to prepare); an empty dict when every host is prepared. A run past timeout_s
+            log: Path | None = None, timeout_s: float | None = None,
+            model_ref: str | None = None) -> tuple[DeployRun, dict[str, str]]:
+    """(the run, host -> why it failed to prepare); an empty dict when every host is prepared. model_ref: the
+    model's commit the rollout moves to (downloaded and checked here, while the old version serves). A run past timeout_s
     is ended by its PID (its hosts' locks go with its SSH sessions) and fails every host it ran on. When the first of
     two runs fails, the second is not made: its hosts are not in the dict (not started)."""
     done: DeployRun | None = None
     for group in pull_order(inventory, hosts):
-        one = run_deploy(inventory, group, RunSettings(image_ref=target_ref, stage="prepare"), deploy_file, log=log,
-                         timeout_s=timeout_s)
+        one = run_deploy(inventory, group, RunSettings(image_ref=target_ref, model_ref=model_ref, stage="prepare"),
+                         deploy_file, log=log, timeout_s=timeout_s)
         done = one if done is None else DeployRun(
             done.hosts + one.hosts, max(done.returncode, one.returncode, key=abs), done.output + one.output,
             done.seconds + one.seconds, {**done.results, **one.results}, {**done.ended, **one.ended})

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from gpufleet.facts.pull import PullStats
 from gpufleet.rollout.carry import CarryResult
+from gpufleet.wire.speed import FIGURES, SpeedFigures, speed_ratios
 
 
 class Outcome(str, Enum):
@@ -22,11 +23,12 @@ class Outcome(str, Enum):
     NOT_STARTED = "not-started"  # untouched: the rollout stopped before this host
     FAILED_PREPARE = "failed-prepare"  # the target could not be prepared here; no host was swapped
     FAILED = "failed"  # the swap failed and the ledger shows neither the target nor a rollback (see detail)
+    SKIPPED = "skipped"  # not swapped: a GPU it runs on needs a reset, a reboot or service (see detail)
 
 
 OK = (Outcome.UPDATED, Outcome.UNCHANGED)
 STYLE = {Outcome.UPDATED: "green", Outcome.UNCHANGED: "dim", Outcome.ROLLED_BACK: "yellow",
-         Outcome.NOT_STARTED: "dim", Outcome.FAILED_PREPARE: "red", Outcome.FAILED: "red"}
+         Outcome.NOT_STARTED: "dim", Outcome.FAILED_PREPARE: "red", Outcome.FAILED: "red", Outcome.SKIPPED: "red"}
 # What a host that did not end on the target needs (its problem's fix; {host} is the host's name).
 FIX = {
     Outcome.ROLLED_BACK: "its committed version serves again and the target is marked failed there: fix what the "
@@ -37,7 +39,34 @@ FIX = {
                             "whole run), then run the rollout again",
     Outcome.FAILED: "`gpufleet history INVENTORY --host {host}` shows its ledger and the deploy output (--log) why; "
                     "run the rollout again (a cut run resumes) or `gpufleet rollback INVENTORY --host {host}`",
+    Outcome.SKIPPED: "{host} still serves its committed version: do what the detail says NVIDIA recommends, then run "
+                     "the rollout again (docs/gpu-health.md)",
 }
+
+
+@dataclass(frozen=True)
+class SpeedResult:
+    """A swap's speed check: the old version's figures, measured on the host before it (None: note says why), and
+    the new version's, as the ledger committed them (None: not committed; the detail names what failed)."""
+
+    before: SpeedFigures | None
+    after: SpeedFigures | None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        ratios = speed_ratios(self.before, self.after) if self.before and self.after else None
+        return {"before": self.before.as_dict() if self.before else None,
+                "after": self.after.as_dict() if self.after else None,
+                "ratios": {k: round(v, 3) for k, v in ratios.items()} if ratios else None, "note": self.note or None}
+
+    def cell(self) -> str:
+        """Each figure's speed new over old ("prefill 1.02x, ..."; below 1 is slower), or what was recorded."""
+        if self.after is None:
+            return "-"
+        if self.before is None:
+            return "recorded (no earlier figures)"
+        ratios = speed_ratios(self.before, self.after)
+        return ", ".join(f"{FIGURES[name][0]} {r:.2f}x" for name, r in ratios.items())
 
 
 @dataclass(frozen=True)
@@ -55,6 +84,7 @@ class HostOutcome:
     pull: PullStats | None = None
     # How it started on the target: warm from the canary's carried cache or cold, time to ready; None: not swapped.
     start: CarryResult | None = None
+    speed: SpeedResult | None = None  # None: not held to the speed check
 
     @property
     def ok(self) -> bool:
@@ -65,7 +95,8 @@ class HostOutcome:
         """The host's last progress line: the outcome, the downtime when restarted, and for a host that failed (to
         prepare or to swap) or was rolled back its detail, so a piped run's log says why without the deploy output."""
         down = f" ({self.downtime_s:.1f} s down)" if self.downtime_s is not None else ""
-        failed = self.outcome in (Outcome.FAILED_PREPARE, Outcome.FAILED, Outcome.ROLLED_BACK) and self.detail
+        failed = self.outcome in (Outcome.FAILED_PREPARE, Outcome.FAILED, Outcome.ROLLED_BACK, Outcome.SKIPPED) \
+            and self.detail
         return f"{self.outcome.value}{down}" + (f": {self.detail}" if failed else "")
 
     def problems(self) -> list[dict[str, str]]:
@@ -88,6 +119,7 @@ class HostOutcome:
             "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 2),
             "detail": self.detail,
             "checks": [{"check": name, "ok": ok} for name, ok in self.checks],
+            "speed": self.speed.as_dict() if self.speed else None,
             "site_bytes": self.pull.site_bytes if self.pull else None,
             "upstream_bytes": self.pull.upstream_bytes if self.pull else None,
             "fell_back": self.pull.fell_back if self.pull else None,
@@ -129,13 +161,15 @@ def short(ref: str | None) -> str:
 
 def table(outcomes: Sequence[HostOutcome], title: str | None = None) -> Table:
     t = Table(title=title, show_lines=False)
-    for column in ("host", "from", "to", "outcome", "downtime", "checks", "pulled", "start", "detail"):
+    for column in ("host", "from", "to", "outcome", "downtime", "checks", "speed (new/old)", "pulled", "start",
+                   "detail"):
         t.add_column(column, overflow="fold")
     for o in outcomes:
         downtime = "-" if o.downtime_s is None else f"{o.downtime_s:.1f} s"
         # Text, never markup: a detail quotes server output and image names ("[...]" must not be parsed).
         t.add_row(Text(o.host), Text(short(o.from_ref)), Text(short(o.to_ref)),
                   Text(o.outcome.value, style=STYLE[o.outcome]), Text(downtime),
-                  Text(o.checks_cell, style="red" if any(not ok for _, ok in o.checks) else ""), Text(o.pulled_cell),
+                  Text(o.checks_cell, style="red" if any(not ok for _, ok in o.checks) else ""),
+                  Text(o.speed.cell() if o.speed else "-"), Text(o.pulled_cell),
                   Text(o.start.cell() if o.start else "-"), Text(o.detail))
     return t

@@ -11,6 +11,7 @@ from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_roles
 from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry, CarryResult
+from gpufleet.rollout.gpu import sick_hosts
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import members
 from gpufleet.rollout.prepare import prepare, pull_stats
@@ -19,7 +20,7 @@ from gpufleet.rollout.replicas import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.report import HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.swap import SwapOptions, replica_batches, swap
-from gpufleet.rollout.target import Target, requested_image, resolve
+from gpufleet.rollout.target import Target, requested_image, resolve, resolve_model
 
 # Asked once the plan is known, before anything changes: (what, hosts to swap) -> go on?
 Confirm = Callable[[str, Sequence[str]], bool]
@@ -68,20 +69,29 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
     if not options.retry_failed and (refusal := _refused(ledgers, targets)):
         raise GpufleetError(refusal)
     by_name = {h.name: h for h in hosts}
+    on_target = {h for h in names if ledgers[h].committed_ref == targets[h] and ledgers[h].pending_ref is None
+                 and (options.model_ref is None or (ledgers[h].committed_model or "").endswith("@" + options.model_ref))}
     # A replica group is one replica: done when every rank is, swapped with all its ranks (gpufleet.rollout.group).
-    done = replica_groups.done(names, ledgers, targets, by_name)
+    done = replica_groups.done(on_target, by_name)
     outcomes = {h: HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.UNCHANGED, None,
                                "already committed on the target: not restarted") for h in done}
     order = replica_groups.expand([h for h in names if h not in done], by_name)
     serving = [h.name for h in replica_groups.workers(hosts)]  # what the routers route to
     for h in done:
         progress.phase(h, "unchanged (already on the target)")
+    # Never swapped, nor the canary (gpufleet.rollout.gpu); nor any rank of a group with such a rank.
+    sick = replica_groups.skipped(sick_hosts(sessions, order, progress.note), by_name)
+    for h, why in sick.items():
+        outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.SKIPPED, None, why)
+        progress.phase(h, outcomes[h].phase)
+    order = [h for h in order if h not in sick]
     # Before anything changes: a router that cannot be reached might still send traffic to a host being swapped.
     router_hosts = load_roles(inventory)[0]
     if router_hosts:
         progress.note(f"reaching the routers: {', '.join(name for name, _ in router_hosts)}")
     if not order:
-        message = f"every host already runs {what}: nothing to do"
+        message = (f"every host already runs {what}: nothing to do" if not sick else
+                   f"{len(sick)} host(s) skipped for their GPUs; the others already run {what}")
         try:
             with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in replica_groups.workers(hosts)]
                                  ) as routers:
@@ -91,10 +101,12 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         return Result(what, [outcomes[h] for h in names], message)
     with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in replica_groups.workers(hosts)]) as routers:
         # What a cut run left is settled first: its interrupted hosts (pending) swap first, and a batch counts the
-        # replicas in service as the reconcile and the earlier batches will leave them (Routers.capacity_problem).
+        # replicas in service as the reconcile and the earlier batches will leave them (Routers.capacity_problem),
+        # a host skipped for its GPU out of it.
         belongs = members(sessions, serving, ledgers) if routers.routers else {}
         order = replica_groups.expand(interrupted_first(order, ledgers), by_name)
-        if problem := routers.capacity_problem(replica_batches(order, by_name, options.canary, options.batch), belongs):
+        if problem := routers.capacity_problem(replica_batches(order, by_name, options.canary, options.batch),
+                                               {**belongs, **{h: False for h in sick}}):
             raise GpufleetError(problem)
         if not confirm(what, order):
             raise GpufleetError("not confirmed: nothing was changed")
@@ -131,7 +143,7 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
         for h in group:
             progress.phase(h, f"preparing {short(target)} (pull, model, flag check)")
         _, failures = prepare(inventory, group, target, options.deploy_file, log=options.log,
-                              timeout_s=options.stage_timeout_s)
+                              timeout_s=options.stage_timeout_s, model_ref=options.model_ref)
         pulls.update(pull_stats(sessions, group, target))  # each host's own record of what its pull moved
         prepared.update(failures)
         if failures:
@@ -156,7 +168,8 @@ def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedge
 
 
 def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: Confirm,
-             progress_for: Callable[[Sequence[str]], Progress]) -> Result:
+             progress_for: Callable[[Sequence[str]], Progress], model_revision: str | None = None) -> Result:
+    """model_revision: move the model too, to the commit this revision names now (resolved once, at the start)."""
     hosts = load_fleet(inventory)
     requested = requested_image(hosts, image)  # bad input: one line before any host is contacted
     with Sessions(hosts) as sessions, progress_for([h.name for h in hosts]) as progress:
@@ -164,6 +177,9 @@ def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: C
         target: Target = resolve(hosts, sessions, image)
         where = f" ({target.where})" if target.where else ""
         progress.note(f"target: {target.ref}{where}")
+        if model_revision is not None:
+            options = replace(options, model_ref=resolve_model(hosts, sessions, model_revision))
+            progress.note(f"model: {model_revision} -> {options.model_ref}")
         targets = {h.name: target.ref for h in hosts}
         return _converge(inventory, hosts, sessions, targets, target.ref, options, confirm, progress)
 

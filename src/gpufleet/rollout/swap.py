@@ -1,6 +1,7 @@
 """The swap loop: the canary first, then batches of --batch hosts. Per batch: drain each host, one deploy run
 limited to the batch with gpufleet_image_ref = the target (restart, the deploy's verify and soak, commit or roll
-back, all by the deploy), its downtime watched from here, then each host's outcome read from its ledger. Around
+back, all by the deploy), its downtime watched from here, then each host's outcome read from its ledger and from
+what answers there (a rollback is judged by what runs afterwards, not by its mark). Around
 all of that, the batch is out of every router's worker set (gpufleet.rollout.routers). The first host that is not
 updated stops the rollout: the hosts after it are not touched."""
 
@@ -12,8 +13,12 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from gpufleet.errors import one_line
+from gpufleet.defaults import SPEED_BATCHES_SETTING
+from gpufleet.errors import GpufleetError, one_line
+from gpufleet.health.check import HealthReport, reached
 from gpufleet.health.serving import Served
+from gpufleet.health.speed import measure
+from gpufleet.health.wait import poll_ready
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry
@@ -21,13 +26,17 @@ from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
+from gpufleet.rollout.membership import look, runs_committed
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.replicas import FleetHost, Sessions
-from gpufleet.rollout.report import OK, HostOutcome, Outcome, short
+from gpufleet.rollout.report import OK, HostOutcome, Outcome, SpeedResult, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.router.api import RouterError
+from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.spec import ServeSpec
-from gpufleet.wire.checks import ANSWER_CHECKS, SERVING_CHECKS, verify_checks
+from gpufleet.wire.checks import ANSWER_CHECKS, SERVING_CHECKS, SPEED, verify_checks
+from gpufleet.wire.identity import Expected
+from gpufleet.wire.speed import SpeedFigures
 
 T = TypeVar("T")
 STAGE_TIMEOUT_S = 4 * 3600.0
@@ -42,7 +51,8 @@ class SwapOptions:
     batch: int = 1
     probe: bool = False  # every host gated on the prompt re-processing probe too
     # The serving checks the canary is held to (gpufleet.health.serving), each where its settings apply; the hosts
-    # after it, which run the version the canary proved, are held to a completion, plain and streamed, and the soak.
+    # after it, which run the version the canary proved, are held to a completion, plain and streamed, and the soak
+    # (and to speed where gpufleet_speed_batches asks, unless it is left out here).
     canary_checks: tuple[str, ...] = SERVING_CHECKS
     retry_failed: bool = False
     drain_timeout_s: float = 120.0
@@ -52,12 +62,24 @@ class SwapOptions:
     stage_timeout_s: float = STAGE_TIMEOUT_S
     # Carry the canary's new compile-cache entries to each later host before its swap (gpufleet.rollout.carry).
     carry: bool = True
+    model_ref: str | None = None  # the model's commit every host moves to (gpufleet_model_ref), when it moves
+
+    def group_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
+        """The serving checks a group's deploy run holds the new version to: the canary's; a batch's, speed alone
+        when one of its hosts asks for it (gpufleet_speed_batches), else none."""
+        if canary:
+            return self.canary_checks
+        return (SPEED,) if speed_batch and SPEED in self.canary_checks else ()
 
     def run_settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None,
-                     canary: bool = False) -> RunSettings:
-        """A batch's deploy run; committed: host -> the digest the rollout read as committed there."""
-        return RunSettings(image_ref=target_ref, verify_checks=self.canary_checks if canary else (),
-                           expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed)
+                     canary: bool = False, speed_batch: bool = False,
+                     speed_baseline: Mapping[str, SpeedFigures] | None = None) -> RunSettings:
+        """A batch's deploy run; committed: host -> the digest the rollout read as committed there; speed_baseline:
+        host -> the old version's figures, measured there before the swap."""
+        return RunSettings(image_ref=target_ref, model_ref=self.model_ref,
+                           verify_checks=self.group_checks(canary, speed_batch),
+                           expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed,
+                           speed_baseline=speed_baseline)
 
 
 def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
@@ -76,10 +98,26 @@ def replica_batches(order: Sequence[str], hosts: Mapping[str, FleetHost], canary
             for chunk in batches(replica_groups.units(order, hosts), canary, batch)]
 
 
-def held_to(spec: ServeSpec, options: SwapOptions, canary: bool) -> tuple[str, ...]:
+def held_to(spec: ServeSpec, options: SwapOptions, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
     """The checks a swapped host's deploy run holds the new version to, in the order it sends them."""
-    serving = verify_checks(options.canary_checks if canary else (), options.probe)
+    serving = verify_checks(options.group_checks(canary, speed_batch), options.probe)
     return (*ANSWER_CHECKS, *Served.from_spec(spec).applicable(serving))
+
+
+def speed_batches(host: FleetHost) -> bool:
+    """Whether the host's settings hold it to the speed check when it swaps after the canary."""
+    value = merged_settings(host.data)[SPEED_BATCHES_SETTING]
+    return value is True or str(value).lower() == "true"
+
+
+def measure_running(host: FleetHost, transport: SshTransport) -> SpeedFigures:
+    """The running (old) version's speed figures, over the rollout's session, from its container as the deploy's
+    checks reach it (the API key goes to that container only); GpufleetError saying why none."""
+    try:
+        expected = reached(Expected.from_spec(host.spec), transport.container(host.spec.service))
+        return measure(transport, expected, Served.from_spec(host.spec), api_key=host.api_key)
+    except Exception as error:  # no baseline: the new version's figures are recorded, not compared
+        raise GpufleetError(f"the running version could not be measured: {type(error).__name__}: {error}") from error
 
 
 def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | None) -> tuple[tuple[str, bool], ...]:
@@ -94,12 +132,47 @@ def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | Non
 
 
 def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
-          downtime_s: float | None, drained: Drained | str | None, held: Sequence[str] = ()) -> HostOutcome:
+          downtime_s: float | None, drained: Drained | str | None, held: Sequence[str] = (),
+          speed_before: SpeedFigures | str | None = None, serving: HealthReport | str | None = None) -> HostOutcome:
     """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak);
-    held: the checks the run held it to."""
+    updated or rolled back only when `serving` (the check `gpufleet verify` runs, or why it could not) finds the
+    committed digest answering. held: the checks the run held it to; speed_before: the old version's figures, or
+    why there are none."""
     outcome = _judged(host, target, before, after, run, downtime_s, drained)
+    problem = serving_problem(after, serving) if outcome.outcome in (Outcome.UPDATED, Outcome.ROLLED_BACK) else None
+    if problem is not None:
+        return replace(outcome, outcome=Outcome.FAILED, detail=one_line(
+            f"{outcome.outcome.value} in its ledger, but {problem}" + (f"; {outcome.detail}" if outcome.detail else "")))
     mark = after.failed_mark(target) if outcome.outcome == Outcome.ROLLED_BACK else None
-    return replace(outcome, checks=check_results(held, outcome.outcome, mark.check if mark else None))
+    speed = None
+    if SPEED in held:
+        committed = after.ledger.committed if after.ledger and outcome.outcome == Outcome.UPDATED else None
+        old = speed_before if isinstance(speed_before, SpeedFigures) else None
+        speed = SpeedResult(old, committed.speed if committed else None,
+                            speed_before if isinstance(speed_before, str) else "")
+    return replace(outcome, checks=check_results(held, outcome.outcome, mark.check if mark else None), speed=speed)
+
+
+def serving_problem(after: HostLedger, serving: HealthReport | str | None) -> str | None:
+    """Why what answers is not the ledger's committed version, ready; None when it is (or was not looked at)."""
+    if serving is None:
+        return None
+    if isinstance(serving, str):
+        return f"it could not be looked at ({serving})"
+    if not serving.ready:
+        return f"it is not ready ({serving.state}: {serving.detail})"
+    if not runs_committed(after, serving):
+        c = serving.container
+        return f"what answers runs {c.image if c and c.image else 'no container'}, not {short(after.committed_ref)}"
+    return None
+
+
+# How long a swapped host is looked at while a look says nothing yet (a blip, a start under way).
+AFTER_LOOK_S = 30.0
+
+
+def _serving(host: FleetHost, transport: SshTransport) -> HealthReport:
+    return poll_ready(lambda: look(host, transport), AFTER_LOOK_S)
 
 
 def _judged(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
@@ -161,8 +234,9 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
                     options: SwapOptions, progress: Progress,
                     swap_group: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
     """swap_group() with the group out of every router; a host a router did not let go is not swapped (the group
-    fails). After the swap a host rejoins only once its ledger says committed or rolled back; one that ended neither
-    stays out, and one a router did not take back fails (the rollout stops: it would run short)."""
+    fails). After the swap a host rejoins only once its ledger says committed or rolled back and gpufleet's own check
+    finds that version answering (judge); any other stays out, and one a router did not take back fails (the
+    rollout stops: it would run short)."""
     # A replica group's ranks other than its head serve no API: the routers know the head only.
     routed = [h for h in group if h in routers.urls]
     if routers.routers:
@@ -182,8 +256,8 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
         return result
     for h in routed:
         if result[h].outcome not in SETTLED:
-            result[h] = replace(result[h], detail=one_line(f"{result[h].detail}; left out of the routers: neither "
-                                                           "committed nor rolled back"))
+            result[h] = replace(result[h], detail=one_line(f"{result[h].detail}; left out of the routers until it "
+                                                           "serves its committed version"))
             continue
         problem = routers.rejoin(h)
         if problem is not None:
@@ -201,29 +275,41 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
                      on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"),
                      address=host.spec.reach_address)
 
-    serving = [h for h in group if replica_groups.is_worker(hosts, h)]  # a group's head; its ranks serve nothing
-    for h in serving:
+    workers = [h for h in group if replica_groups.is_worker(hosts, h)]  # a group's head; its ranks serve nothing
+    for h in workers:
         progress.phase(h, f"{role}: draining")
-    drained = sessions.each(serving, drain_one)
+    drained = sessions.each(workers, drain_one)
+    canary = role == "canary"
+    speed_batch = not canary and any(speed_batches(hosts[h]) for h in group)
+    # The old version measured out of service and drained, on the host and with the workload the new one gets.
+    speed_before: dict[str, SpeedFigures | str] = {}
+    if SPEED in options.group_checks(canary, speed_batch):
+        for h in workers:
+            progress.phase(h, f"{role}: measuring the running version's speed")
+        speed_before = sessions.each(workers, measure_running)
     watches: dict[str, DowntimeWatch] = {}
     for h in group:
         try:
-            if h in serving:
+            if h in workers:
                 watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port,
                                            address=hosts[h].spec.reach_address).start()
         except TransportError:  # no session to watch through: the downtime is reported as not measured
             pass
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
     committed = {h: before[h].committed_ref for h in group if before[h].error is None}
-    canary = role == "canary"
-    run = run_deploy(inventory, group, options.run_settings(target, committed, canary=canary), options.deploy_file,
-                     log=options.log, timeout_s=options.stage_timeout_s)
+    baseline = {h: figures for h, figures in speed_before.items() if isinstance(figures, SpeedFigures)}
+    run = run_deploy(inventory, group, options.run_settings(target, committed, canary=canary, speed_batch=speed_batch,
+                                                            speed_baseline=baseline or None),
+                     options.deploy_file, log=options.log, timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, group)
+    # Where the ledger settled: what answers decides the outcome, and with it the rejoin.
+    serving = sessions.each([h for h in group if after[h].error is None and after[h].pending_ref is None], _serving)
     result = {}
     for h in group:
         outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h),
-                        held_to(hosts[h].spec, options, canary) if h in serving else ())
+                        held_to(hosts[h].spec, options, canary, speed_batch) if h in workers else (),
+                        speed_before.get(h), serving.get(h))
         result[h] = outcome
         progress.phase(h, outcome.phase)
     return result

@@ -29,7 +29,10 @@ from gpufleet.errors import GpufleetError, one_line
 from gpufleet.image_names import parse
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout.replicas import FleetHost, Sessions, run
+from gpufleet.vllm import weights
 from gpufleet.vllm.operations.image import pick_digest
+from gpufleet.vllm.settings import merged_settings
+from gpufleet.vllm.unit import env_file_path
 
 PULL_TIMEOUT_S = 3600.0  # a nightly vLLM image is ~10 GB: only when no lookup tool works on the host
 LOOKUP_TIMEOUT_S = 120  # a lookup is a few small HTTP requests; `timeout` on the host ends one that hangs
@@ -291,4 +294,36 @@ def resolve(hosts: Sequence[FleetHost], sessions: Sessions, image: str | None) -
         except TransportError as e:  # unreachable: the next host resolves it
             errors.append(one_line(f"{host.name}: {e}"))
     raise GpufleetError(one_line(f"cannot resolve {requested}: no host could be reached to look it up "
+                                 f"({'; '.join(errors)})"))
+
+
+def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str) -> str:
+    """The commit `revision` of the fleet's vllm_model_repo names now, asked of the hub (vllm_hf_endpoint) from the
+    first host that answers, with its token; every host then installs that commit, even if the branch moves during
+    the rollout. Raises GpufleetError with one line."""
+    settings = merged_settings(dict(hosts[0].data))
+    repo, hub = settings["vllm_model_repo"], settings["vllm_hf_endpoint"]
+    if not repo:
+        raise GpufleetError("--model-revision: vllm_model_repo is None, so there is no model to move (fix: set "
+                            "vllm_model_repo, or leave out --model-revision)")
+    if weights.COMMIT.fullmatch(revision):
+        return revision
+    env = env_file_path(hosts[0].spec.service) if settings["vllm_hf_token"] else None
+    command = weights.fetch_info_command(weights.info_url(hub, repo, revision), env)
+    errors = []
+    for host in hosts:
+        try:
+            rc, out, err = run(sessions.get(host.name), command, timeout=LOOKUP_TIMEOUT_S, root=True)
+        except TransportError as e:
+            errors.append(one_line(f"{host.name}: {e}"))
+            continue
+        try:
+            if rc == 0:
+                return weights.parse_info(repo, out).commit
+        except ValueError as e:
+            err = str(e)
+        raise GpufleetError(one_line(f"{host.name}: cannot read {repo} at {revision} from the hub {hub}: "
+                                     f"{(err or out).strip()[-300:]} (fix: check the revision exists and the host "
+                                     "reaches vllm_hf_endpoint)"))
+    raise GpufleetError(one_line(f"cannot resolve {repo} at {revision}: no host could be reached "
                                  f"({'; '.join(errors)})"))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pyinfra.api import FactBase
 
 from gpufleet.router.spec import MARKER, NFT, RouterSpec, fence_table
-from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, unit_path
+from gpufleet.router.unit import NGINX_DEFAULT_SITE, NJS_PACKAGE, proxy_path, script_path, unit_path
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class RouterHost:
     proxy_sha256: str | None = None  # of the front door's nginx site
     default_site: bool = False  # Debian's default nginx site is enabled
     nginx_active: bool = False
+    njs: bool = False  # Debian's njs module for nginx (the front door's session key)
+    session_script_sha256: str | None = None  # of the front door's session key script
     nftables: bool = False  # Debian's nftables is installed (the fence around the router's port)
     fenced: bool = False  # the fence's table is loaded
 
@@ -85,6 +87,8 @@ def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
         f"echo proxy_sha256=$(sha256sum {shlex.quote(proxy_path(spec.service))} 2>/dev/null | cut -d' ' -f1)",
         f"test -e {NGINX_DEFAULT_SITE} && echo default_site=yes",
         "echo nginx_active=$(systemctl is-active nginx 2>/dev/null)",
+        f"echo njs=$(dpkg-query -W -f='${{Status}}' {NJS_PACKAGE} 2>/dev/null | tr ' ' _)",
+        f"echo session_script_sha256=$(sha256sum {shlex.quote(script_path(spec.service))} 2>/dev/null | cut -d' ' -f1)",
         "echo nftables=$(dpkg-query -W -f='${Status}' nftables 2>/dev/null | tr ' ' _)",
         f"{NFT} list table inet {fence_table(spec.internal_port)} >/dev/null 2>&1 && echo fenced=yes",
     ]
@@ -137,6 +141,8 @@ def parse(output: list[str]) -> RouterHost:
         proxy_sha256=values.get("proxy_sha256") or None,
         default_site=values.get("default_site") == "yes",
         nginx_active=values.get("nginx_active") == "active",
+        njs=values.get("njs") == "install_ok_installed",
+        session_script_sha256=values.get("session_script_sha256") or None,
         nftables=values.get("nftables") == "install_ok_installed",
         fenced=values.get("fenced") == "yes",
     )

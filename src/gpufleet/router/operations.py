@@ -13,10 +13,11 @@ from pyinfra.operations import apt
 
 from gpufleet.operations.base import Commands
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
-from gpufleet.operations.run import still_held_test, still_locked
+from gpufleet.operations.run import still_locked, while_held
 from gpufleet.router.facts import RouterHost
 from gpufleet.router.spec import FENCE_USERS, MARKER, MEMBERS_DIR, RouterSpec
-from gpufleet.router.unit import NGINX_DEFAULT_SITE, proxy_path, render_proxy, render_unit, unit_path
+from gpufleet.router.unit import (NGINX_DEFAULT_SITE, NGINX_SCRIPTS, NJS_PACKAGE, proxy_path, render_proxy,
+                                  render_session_script, render_unit, session_key, unit_path)
 from gpufleet.router.wheels import LockedInstall
 
 REQUIREMENTS = "gpufleet-requirements.txt"  # in each locked venv: the requirements it was installed from
@@ -138,13 +139,8 @@ def running(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Comma
 def restart_script(target: Host, name: str, restart: bool) -> str:
     """Shell: (re)start the unit `name`, only while this run's holder line is still the lock file's (no lock taken
     on the host, as for one not reached over SSH: nothing to check)."""
-    start = f"systemctl {'restart' if restart else 'start'} {name}"
-    held = still_held_test(target)
-    if held is None:
-        return start
-    lost = shlex.quote(f"{target.name}: not restarting {name}: this run no longer holds the host's lock (fix: run "
-                       "again)")
-    return f"if {held}; then {start}; else echo {lost} >&2; exit 1; fi"
+    return while_held(target, f"systemctl {'restart' if restart else 'start'} {name}",
+                      f"{target.name}: not restarting {name}: this run no longer holds the host's lock (fix: run again)")
 
 
 @operation()
@@ -162,15 +158,25 @@ def ready(spec: RouterSpec, seen: RouterHost, install: LockedInstall, timeout_s:
 
 @operation()
 def front_door(spec: RouterSpec, seen: RouterHost) -> Commands:
-    """nginx on the client port, passing on the client API only (the router itself listens on the loopback):
-    installed, its site written when it differs, Debian's default site disabled, checked, then reloaded."""
+    """nginx on the client port, passing on the client API only (the router itself listens on the loopback), and
+    keying sessions for a policy that places by them (njs and its script): installed, its files written when they
+    differ, Debian's default site disabled, checked, then reloaded."""
     content = render_proxy(spec)
     changed = seen.proxy_sha256 != sha256(content)
-    if seen.nginx and not changed and not seen.default_site and seen.nginx_active:
+    key = session_key(spec)
+    script = render_session_script() if key else ""
+    script_changed = key is not None and seen.session_script_sha256 != sha256(script)
+    njs_missing = key is not None and not seen.njs
+    if seen.nginx and not changed and not script_changed and not njs_missing and not seen.default_site \
+            and seen.nginx_active:
         host.noop(f"nginx serves {spec.service}'s client API on port {spec.port}, and nothing else")
         return
-    if not seen.nginx:
-        yield from apt.packages._inner(packages=["nginx"], update=True, no_recommends=True)
+    if not seen.nginx or njs_missing:
+        yield from apt.packages._inner(packages=["nginx", *([NJS_PACKAGE] if key else [])], update=True,
+                                       no_recommends=True)
+    if key is not None and script_changed:
+        yield StringCommand("install", "-d", "-m", "755", NGINX_SCRIPTS)
+        yield AtomicUpload(as_io(script), key.script, "644")
     if changed:
         yield AtomicUpload(as_io(content), proxy_path(spec.service), "644")
     if seen.default_site or not seen.nginx:
@@ -211,10 +217,11 @@ def workers_in_step(spec: RouterSpec, seen: RouterHost, install: LockedInstall) 
         if url in live:
             continue
         add = shlex.quote(f"{spec.control_url}/add_worker?url={quote(url, safe='')}")
-        # Listed already (the unit's own rejoin may have been first): nothing to add.
+        # Listed already (the unit's own rejoin may have been first): nothing to add. An add refused while the
+        # rejoin's own add of the same worker finished (HTTP 400, already a worker) is judged by the list again.
+        is_listed = f"curl -fsS --max-time 5 {listed} | grep -qF {shlex.quote(json.dumps(url))}"
         yield StringCommand("sh", "-c", shlex.quote(
-            f"curl -fsS --max-time 5 {listed} | grep -qF {shlex.quote(json.dumps(url))} || "
-            f"curl -fsS -X POST --max-time {spec.worker_startup_timeout_s + 10} {add}"))
+            f"{is_listed} || curl -fsS -X POST --max-time {spec.worker_startup_timeout_s + 10} {add} || {is_listed}"))
     for url in sorted(live - wanted):
         yield StringCommand("curl", "-fsS", "-X", "POST", "--max-time", "30",
                             shlex.quote(f"{spec.control_url}/remove_worker?url={quote(url, safe='')}"))

@@ -31,13 +31,13 @@ DEFAULTS: dict[str, Any] = {
     # vllm-router's own port, on the router host's loopback only: nginx forwards clients to it, and gpufleet's own
     # calls to its worker management API (/add_worker, /remove_worker, /list_workers) come over SSH.
     "router_internal_port": 28000,
-    # vllm-router policy: cache_aware (a new conversation to the replica with the fewest requests in flight, each
-    # later turn to the replica holding its longest prefix; needs the replicas'
-    # --enable-scale-out, which every replica behind a router gets: gpufleet.vllm.settings.BEHIND_ROUTER_ARGS;
-    # new conversations that arrive while the fleet is idle all go to one replica), sticky_least_loaded (a new
-    # X-Session-ID to the replica with the fewest sessions, then always there; requests without one all go to one
-    # replica), consistent_hash (a hash of X-Session-ID), round_robin, power_of_two, random. Measured: docs/router.md.
-    "router_policy": "cache_aware",
+    # vllm-router policy: sticky_least_loaded (a new session to the replica with the fewest sessions, then always
+    # there; the front door derives a session for a request without X-Session-ID from its conversation's opening),
+    # cache_aware (a new conversation to the replica with the fewest requests in flight, each later turn to the one
+    # holding its prefix; needs --enable-scale-out, which every replica behind a router gets; new conversations that
+    # arrive while the fleet is idle all go to one replica), consistent_hash (a hash of the session, also keyed at
+    # the front door), round_robin, power_of_two, random. Measured: docs/router.md.
+    "router_policy": "sticky_least_loaded",
     # vllm-router version: pinned, so a re-run or a new host never moves it silently; installed with exactly the
     # wheels gpufleet's lock names for it (src/gpufleet/data/vllm-router-lock.json, each by sha256).
     "router_version": "0.1.17",

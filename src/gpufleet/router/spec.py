@@ -30,6 +30,10 @@ NFT = "/usr/sbin/nft"
 FENCE_USERS = ("root", "www-data")
 
 
+# Policies that keep a session on one replica by its X-Session-ID: the front door derives one for requests without.
+SESSION_POLICIES = ("sticky_least_loaded", "consistent_hash")
+
+
 def fence_table(internal_port: int) -> str:
     """The nftables table (family inet) that fences the router listening on `internal_port`."""
     return f"gpufleet-router-{int(internal_port)}"
@@ -85,6 +89,10 @@ class RouterSpec:
                   f"[ -r {self.members_file} ] || exit 0; "
                   f"while read -r u; do [ -n \"$u\" ] && {{ {add} & }}; done < {self.members_file}; exit 0")
         return ["/bin/sh", "-c", script]
+
+    @property
+    def keys_sessions(self) -> bool:
+        return self.policy in SESSION_POLICIES
 
     @property
     def members_file(self) -> str:

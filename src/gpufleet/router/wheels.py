@@ -1,8 +1,6 @@
 """The lock of the wheels gpufleet installs for vllm-router (src/gpufleet/data/vllm-router-lock.json): for each
 pinned router_version, each Python and machine a router host may run, vllm-router and every dependency it pulls,
-each one wheel with its exact version and sha256. A router host installs from it only: pip install
---require-hashes --only-binary :all: --no-deps -r <its requirements>, so the index (PyPI or a mirror) can serve
-nothing else, and a wheel whose bytes differ from the lock's is refused.
+each one wheel with its exact version and sha256 (gpufleet.wheel_lock says how a host installs from it).
 
 Regenerate it when bumping router_version (it reads PyPI's simple API; wheels only):
 
@@ -12,229 +10,68 @@ Regenerate it when bumping router_version (it reads PyPI's simple API; wheels on
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
-import urllib.request
-import zipfile
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufleet.errors import SettingError
+from gpufleet import wheel_lock
 from gpufleet.router.spec import PACKAGE
+from gpufleet.wheel_lock import (  # noqa: F401 - the router's names for the shared lock's parts
+    GLIBC_MINOR,
+    INDEX_URL,
+    MACHINES,
+    PYTHONS,
+    Wheel,
+    normalise,
+    pip_env,
+    platforms,
+    published_sha256,
+    requires,
+)
 
 LOCK_PATH = Path(__file__).resolve().parents[1] / "data" / "vllm-router-lock.json"
 LOCK_SHOWN = "src/gpufleet/data/vllm-router-lock.json"
 REGENERATE = "python -m gpufleet.router.relock"
-INDEX_URL = "https://pypi.org/simple"
-# Debian bookworm's python3 (the sandbox's test hosts too), Ubuntu 24.04's, Debian trixie's; the controller's own
-# Python is added when the script runs (a router on the operator's own box).
-PYTHONS = ("3.11", "3.12", "3.13")
-MACHINES = ("x86_64", "aarch64")
-# The oldest glibc a router host may have: Debian bookworm's 2.36. A wheel for a newer glibc is never locked.
-GLIBC_MINOR = 36
-_NAME = re.compile(r"[-_.]+")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+LOCK = wheel_lock.LockFile(PACKAGE, LOCK_PATH, LOCK_SHOWN, REGENERATE, "router_version", "docs/router.md")
 
 
-def normalise(name: str) -> str:
-    """PEP 503 project name: "Typing_Extensions" -> "typing-extensions"."""
-    return _NAME.sub("-", name).lower()
-
-
-@dataclass(frozen=True)
-class Wheel:
-    name: str  # PEP 503 normalised
-    version: str
-    filename: str
-    sha256: str
-
-
-@dataclass(frozen=True)
-class LockedInstall:
+class LockedInstall(wheel_lock.LockedInstall):
     """What one router host installs: the lock's wheels for its router_version, Python and machine."""
 
-    version: str  # vllm-router's
-    python: str  # "3.11"
-    machine: str  # "x86_64"
-    wheels: tuple[Wheel, ...]
-
-    def requirements(self) -> str:
-        """The pip requirements file: every wheel pinned by version and sha256 (pip's hash-checking mode)."""
-        head = (f"# vllm-router {self.version} for CPython {self.python} on {self.machine}: every wheel gpufleet "
-                f"installs, pinned by sha256 ({LOCK_SHOWN}).\n"
-                "# pip install --require-hashes --only-binary :all: --no-deps -r <this file>\n")
-        return head + "".join(f"{w.name}=={w.version} --hash=sha256:{w.sha256}\n" for w in self.wheels)
-
-    @property
-    def key(self) -> str:
-        """sha256 of the requirements: the venv holding exactly these wheels (its marker file holds it)."""
-        return hashlib.sha256(self.requirements().encode()).hexdigest()
-
-    def describe(self) -> str:
-        return f"vllm-router {self.version} (lock {self.key[:12]}, Python {self.python}, {self.machine})"
+    def __init__(self, version: str, python: str, machine: str, wheels: tuple[Wheel, ...],
+                 package: str = PACKAGE, shown: str = LOCK_SHOWN) -> None:
+        super().__init__(version, python, machine, wheels, package, shown)
 
 
 def load(path: Path = LOCK_PATH) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(path.read_text())
-    return data
+    return wheel_lock.load(path)
 
 
 def releases(lock: Mapping[str, Any] | None = None) -> list[str]:
     """The router_versions the lock covers."""
-    return sorted((lock if lock is not None else load())["releases"])
+    return wheel_lock.releases(lock if lock is not None else load())
 
 
 def locked_install(host: str, version: str, python: str | None, machine: str | None,
                    lock: Mapping[str, Any] | None = None) -> LockedInstall:
     """The lock's wheels for a host; raises SettingError (one line: host, router_version, fix) when it has none."""
-    lock = lock if lock is not None else load()
-    release = lock["releases"].get(version)
-    if release is None:
-        raise SettingError(host, "router_version", f"{version} is not in gpufleet's lock of router wheels "
-                           f"({LOCK_SHOWN} has {', '.join(releases(lock))})",
-                           f"pin a locked version, or lock it: {REGENERATE} --version {version}")
-    if not python:
-        raise SettingError(host, "router_version", "cannot tell which Python the host runs (no python3, and apt "
-                           "names no candidate for it)", "apt-get install python3 on it, then re-run")
-    entry = release.get(python, {}).get(machine or "")
-    if entry is None:
-        covered = ", ".join(f"{p} on {'/'.join(sorted(release[p]))}" for p in sorted(release))
-        raise SettingError(host, "router_version", f"the lock of vllm-router {version} has no wheels for the host's "
-                           f"Python {python} on {machine} (it covers {covered})",
-                           f"lock them: {REGENERATE} --version {version} --python {python} --machine {machine}, "
-                           "and commit the lock")
-    return LockedInstall(version, python, str(machine), tuple(Wheel(**w) for w in entry))
+    found = wheel_lock.locked_install(LOCK, host, version, python, machine, lock)
+    return LockedInstall(found.version, found.python, found.machine, found.wheels)
 
 
 def check(lock: Mapping[str, Any]) -> list[str]:
     """Problems with a lock's shape (empty when it is well formed): what the tests hold the committed lock to."""
-    problems = []
-    for version, release in lock.get("releases", {}).items():
-        for python, machines in release.items():
-            for machine, wheels in machines.items():
-                where = f"{version}/{python}/{machine}"
-                names = [w.get("name") for w in wheels]
-                if normalise(PACKAGE) not in names:
-                    problems.append(f"{where}: no {PACKAGE}")
-                if len(set(names)) != len(names):
-                    problems.append(f"{where}: a project locked twice")
-                for w in wheels:
-                    if not (w.get("filename", "").endswith(".whl") and _HEX64.fullmatch(w.get("sha256", ""))):
-                        problems.append(f"{where}: {w.get('filename')}: not a wheel with a sha256")
-                    elif normalise(w["filename"].split("-")[0]) != w["name"] or w["filename"].split("-")[1] != w["version"]:
-                        problems.append(f"{where}: {w['filename']} is not {w['name']} {w['version']}")
-    return problems
-
-
-# --- generating it ---------------------------------------------------------------------------------------------------
-def platforms(machine: str) -> list[str]:
-    """pip --platform tags a Debian router host (glibc >= 2.17, at most bookworm's 2.36) accepts, newest first."""
-    tags = [f"manylinux_2_{minor}_{machine}" for minor in range(GLIBC_MINOR, 16, -1)]
-    tags.append(f"manylinux2014_{machine}")
-    if machine in ("x86_64", "i686"):
-        tags += [f"manylinux_2_{minor}_{machine}" for minor in (12, 5)] + [f"manylinux2010_{machine}",
-                                                                          f"manylinux1_{machine}"]
-    return tags
-
-
-def pip_env() -> dict[str, str]:
-    """This machine's pip settings left out (its config files, PIP_* variables): the lock comes from the index."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env["PIP_CONFIG_FILE"] = os.devnull
-    return env
-
-
-def download(version: str, python: str, machine: str, dest: Path, index_url: str = INDEX_URL) -> None:
-    """pip's own resolution of vllm-router==version for that Python and machine, wheels only, into dest."""
-    argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--quiet",
-            "--index-url", index_url, "--dest", str(dest), "--only-binary=:all:", "--python-version", python,
-            "--implementation", "cp", *[a for tag in platforms(machine) for a in ("--platform", tag)],
-            f"{PACKAGE}=={version}"]
-    subprocess.run(argv, check=True, env=pip_env(), timeout=1800)
-
-
-def requires(wheel: Path) -> list[str]:
-    """The wheel's Requires-Dist lines (its METADATA)."""
-    with zipfile.ZipFile(wheel) as z:
-        meta = next(n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA"))
-        text = z.read(meta).decode()
-    head = text.split("\n\n", 1)[0]
-    return [line.split(":", 1)[1].strip() for line in head.splitlines() if line.startswith("Requires-Dist:")]
+    return wheel_lock.check(PACKAGE, lock)
 
 
 def closure(wheels: Mapping[str, Path], python: str, machine: str) -> set[str]:
-    """Projects vllm-router needs on that Python and machine, its markers evaluated for them (pip download
-    evaluates markers for the Python running it); raises when one it needs was not downloaded."""
-    from pip._vendor.packaging.requirements import Requirement  # pip's own copy: pip is what the lock is made with
-    env = {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
-           "platform_python_implementation": "CPython", "sys_platform": "linux", "os_name": "posix",
-           "platform_system": "Linux", "platform_machine": machine}
-    needed: set[str] = set()
-    todo: list[tuple[str, frozenset[str]]] = [(normalise(PACKAGE), frozenset())]
-    seen: set[tuple[str, frozenset[str]]] = set()
-    while todo:
-        name, extras = todo.pop()
-        if (name, extras) in seen:
-            continue
-        seen.add((name, extras))
-        if name not in wheels:
-            raise RuntimeError(f"{name} is needed on Python {python} ({machine}) but pip did not download it")
-        needed.add(name)
-        for line in requires(wheels[name]):
-            req = Requirement(line)
-            applies = req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in (extras or {""}))
-            if applies:
-                todo.append((normalise(req.name), frozenset(req.extras)))
-    return needed
-
-
-def published_sha256(name: str, filename: str, index_url: str = INDEX_URL) -> str:
-    """The sha256 the index publishes for a file (PEP 691 JSON simple API)."""
-    req = urllib.request.Request(f"{index_url.rstrip('/')}/{name}/",
-                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        files = json.loads(resp.read())["files"]
-    return str(next(f["hashes"]["sha256"] for f in files if f["filename"] == filename))
-
-
-def lock_one(version: str, python: str, machine: str, index_url: str = INDEX_URL) -> list[dict[str, str]]:
-    with tempfile.TemporaryDirectory(prefix="vllm-router-lock-") as tmp:
-        dest = Path(tmp)
-        download(version, python, machine, dest, index_url)
-        files = {normalise(p.name.split("-")[0]): p for p in dest.iterdir() if p.name.endswith(".whl")}
-        entries = []
-        for name in sorted(closure(files, python, machine)):
-            wheel = files[name]
-            digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-            if published_sha256(name, wheel.name, index_url) != digest:
-                raise RuntimeError(f"{wheel.name}: the bytes pip fetched are not the ones the index publishes")
-            entries.append({"name": name, "version": wheel.name.split("-")[1], "filename": wheel.name,
-                            "sha256": digest})
-        return entries
+    return wheel_lock.closure(PACKAGE, wheels, python, machine)
 
 
 def generate(versions: Iterable[str], pythons: Iterable[str], machines: Iterable[str],
              index_url: str = INDEX_URL) -> dict[str, Any]:
-    jobs = [(v, p, m) for v in versions for p in pythons for m in machines]
-    with ThreadPoolExecutor(max_workers=6) as pool:
-        done = [f.result() for f in [pool.submit(lock_one, v, p, m, index_url) for v, p, m in jobs]]
-    lock: dict[str, Any] = {
-        "about": f"Every wheel gpufleet installs for vllm-router, per router_version, Python and machine: made by "
-                 f"`{REGENERATE}` from {index_url}; regenerate it, never edit it (docs/router.md).",
-        "releases": {},
-    }
-    for (v, p, m), entries in zip(jobs, done, strict=True):
-        lock["releases"].setdefault(v, {}).setdefault(p, {})[m] = entries
-    return lock
+    return wheel_lock.generate(LOCK, versions, pythons, machines, index_url)
 
 
 def write(lock: Mapping[str, Any], path: Path = LOCK_PATH) -> None:
-    path.write_text(json.dumps(lock, indent=1, sort_keys=True) + "\n")
+    wheel_lock.write(lock, path)

@@ -15,6 +15,7 @@ from gpufleet.sandbox import nvidia_smi
 CACHE_DIR = Path(os.environ.get("GPUFLEET_CACHE_DIR", "/var/cache/gpufleet"))
 MIRROR_PORT = 8080
 REGISTRY_PORT = 5000
+HUB_PORT = 8081  # the stand-in Hugging Face hub (gpufleet.sandbox.hub)
 MAX_BRIDGE_NAME = 11
 
 
@@ -97,6 +98,10 @@ class FleetConfig:
     def router_index_url(self) -> str:
         """The PEP 503 index of the real vllm-router wheels (gpufleet.sandbox.router_index)."""
         return f"{self.mirror_url}/pypi/simple"
+
+    @property
+    def hub_url(self) -> str:
+        return f"http://{self.gateway}:{HUB_PORT}"
 
     @property
     def docker_repo_url(self) -> str:

@@ -112,8 +112,13 @@ class Fleet:
         docker = docker_repo.ensure_repo(cfg.cache_dir, base.debs)
         self.timings["docker_repo"] = time.monotonic() - t0
         pypi = router_index.ensure_index(cfg.cache_dir)
-        services.serve_files(cfg, self.state, {"debian": base.debs, "nvidia": repo, "docker": docker, "pypi": pypi})
+        olah = router_index.ensure_mirror_index(cfg.cache_dir)
+        services.serve_files(cfg, self.state, {"debian": base.debs, "nvidia": repo, "docker": docker, "pypi": pypi,
+                                               "pypi-mirror": olah})
         services.serve_registry(cfg, self.state)
+        tiny = cfg.state_dir / "tiny-model"
+        image.write_tiny_model(tiny)
+        services.serve_hub(cfg, self.state, tiny, image.MODEL_REPO)
         t0 = time.monotonic()
         image.ensure_images(cfg, self.state, base.rootfs)
         self.timings["images"] = time.monotonic() - t0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufleet.sandbox import network, nvidia_smi, procs
+from gpufleet.sandbox import kernel_log, network, nvidia_smi, procs
 from gpufleet.sandbox.config import FleetConfig, Gpus
 from gpufleet.sandbox.procs import SandboxError, run
 from gpufleet.sandbox.state import State
@@ -113,7 +113,10 @@ def _personalise(cfg: FleetConfig, host: Host, key: Path) -> None:
     # Test setup, outside the deploy: the local registry is plain HTTP. The deploy must MERGE into this file.
     (r / "etc/docker").mkdir(parents=True, exist_ok=True)
     (r / "etc/docker/daemon.json").write_text(json.dumps({"insecure-registries": [cfg.registry]}, indent=2) + "\n")
-    nvidia_smi.write_host_files(r, host.gpus.profile(seed=host.name))
+    profile = host.gpus.profile(seed=host.name)
+    nvidia_smi.write_host_files(r, profile)
+    if profile is not None:
+        kernel_log.install(r)  # its own kernel log, for the GPU faults a test injects
 
 
 def boot(state: State, host: Host) -> int:

@@ -1,6 +1,6 @@
 """The stand-in vLLM image, pushed to the fleet's registry as <registry>/vllm/vllm-openai:<tag>.
 
-A minimal root (python3 and its libraries from the base rootfs, the stdlib-only stand-ins, a tiny bundled model)
+A minimal root (python3 and its libraries from the base rootfs, the stdlib-only stand-ins)
 imported with `docker import` by a temporary dockerd (started and stopped by PID; no iptables, no bridge, so it
 changes nothing on the machine), once per tag. Rebuilt only when its inputs change: the registry storage keeps a
 stamp of the key it holds.
@@ -23,7 +23,7 @@ from gpufleet.vllm.flags import FLAGS_JSON
 
 STANDIN = Path(__file__).parent / "standin"
 REPOSITORY = "vllm/vllm-openai"
-MODEL_REPO = "gpufleet-sandbox/Qwen3.5-tiny"  # what the image's `hf download` serves
+MODEL_REPO = "gpufleet-sandbox/Qwen3.5-tiny"  # the stand-in hub's model (gpufleet.sandbox.hub)
 # tag -> image env: each tag is one behaviour of the stand-in, so each has its own config and digest.
 TAGS: dict[str, dict[str, str]] = {
     "good": {"STANDIN_VLLM_VERSION": "0.32.1.dev20+gstandin"},
@@ -46,6 +46,10 @@ TAGS: dict[str, dict[str, str]] = {
     "cache-corrupt": {"STANDIN_VLLM_VERSION": "0.32.1.dev26+gstandin", "STANDIN_MISBEHAVE": "cache-corrupt"},
     # passes everything but tool calling: the tool parser leaves each call in the text as <tool_call> JSON
     "tools-broken": {"STANDIN_VLLM_VERSION": "0.32.1.dev27+gstandin", "STANDIN_MISBEHAVE": "tools-broken"},
+    # answers right, slower: prefill 20x slower and 0.4 s added to every request (the speed check fails)
+    "slow": {"STANDIN_VLLM_VERSION": "0.32.1.dev28+gstandin", "STANDIN_MISBEHAVE": "slow"},
+    # single requests are fine; with two in flight one is never scheduled while /health answers 200
+    "stalls-under-load": {"STANDIN_VLLM_VERSION": "0.32.1.dev29+gstandin", "STANDIN_MISBEHAVE": "stalls-under-load"},
 }
 # more tags for the same image (same digest): what the deploy's default image ref names
 ALIASES = {"nightly": "good"}
@@ -198,7 +202,7 @@ def _build_image_tar(base: Path, root: Path, out: Path) -> None:
     for command, script in (("vllm", "vllm_serve.py"), ("hf", "hf.py")):
         (opt / script).chmod(0o755)
         (root / "usr/bin" / command).symlink_to(f"/opt/gpufleet-standin/{script}")
-    write_tiny_model(opt / "hub" / MODEL_REPO)
+    write_tiny_model(opt / "hub" / MODEL_REPO)  # for a run without the deploy (bench/deploy_bench.py's playbook)
     run(["tar", "-C", str(root), "--numeric-owner", "--owner=0", "--group=0", "-cf", str(out) + ".tmp", "."])
     Path(str(out) + ".tmp").rename(out)
     shutil.rmtree(root)

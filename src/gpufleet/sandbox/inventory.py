@@ -35,7 +35,9 @@ def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path, site_cach
             "docker_install": "docker-ce",
             "docker_repo_url": cfg.docker_repo_url,
             "vllm_model_repo": image.MODEL_REPO,
+            "vllm_hf_endpoint": cfg.hub_url,
             "router_index_url": cfg.router_index_url,
+            "site_cache_mirror_index_url": f"{cfg.mirror_url}/pypi-mirror/simple",
             # The fleet's registry is the sandbox's "upstream", over plain HTTP (a real one is https).
             "site_cache_upstream": f"http://{cfg.registry}",
             # Room for the stand-in nightlies (~120 MB each), not for real ones: a test host shares this machine's disk.

@@ -23,6 +23,7 @@ import time
 
 HOST_MODULE = "/usr/lib/gpufleet-standin/nvidia_smi.py"
 HOST_PROFILE = "/etc/gpufleet-standin/nvidia-smi.json"
+HOST_HELP = "/etc/gpufleet-standin/nvidia-smi-help.txt"  # what --help-query-gpu prints
 # Isolated (no PYTHON* variables, no script directory on sys.path: the real tool ignores them too) and without
 # site (its imports are most of an empty interpreter's startup; the stand-in needs no site-packages).
 HOST_PYTHON_FLAGS = "-I -S"
@@ -142,6 +143,22 @@ _FIELDS = {
 }
 
 
+# A healthy idle H200's health fields (recorded: tests/fixtures/nvidia-smi/h200-health); a GPU's injected `fields`
+# print instead.
+HEALTHY = {
+    "ecc.mode.current": "Enabled", "retired_pages.pending": "[N/A]", "retired_pages.sbe": "[N/A]",
+    "retired_pages.dbe": "[N/A]", "remapped_rows.pending": "No", "remapped_rows.failure": "No",
+    "gpu_recovery_action": "None", "reset_status.reset_required": "No",
+    "reset_status.drain_and_reset_recommended": "No",
+    "clocks_event_reasons.active": "0x0000000000000001", "clocks_throttle_reasons.active": "0x0000000000000001",
+    "pcie.link.gen.gpucurrent": "5", "pcie.link.gen.current": "5", "pcie.link.gen.max": "5",
+    "pcie.link.width.current": "16", "pcie.link.width.max": "16",
+    **{f"ecc.errors.{kind}.{scope}.total": "0" for kind in ("corrected", "uncorrected")
+       for scope in ("volatile", "aggregate")},
+    **{f"remapped_rows.{kind}": "0" for kind in ("correctable", "uncorrectable", "sbe", "dbe")},
+}
+
+
 def query_gpu(p: Profile, fields: list[str], fmt: set[str], gpus: list[Gpu]) -> Result:
     for f in fields:
         if f not in _FIELDS and f not in p.valid_fields:
@@ -154,15 +171,20 @@ def query_gpu(p: Profile, fields: list[str], fmt: set[str], gpus: list[Gpu]) -> 
         cells = []
         for f in fields:
             unit, get = _FIELDS.get(f, ("", None))
-            value = get(p, g) if get else "[N/A]"  # a valid field this stand-in does not model
+            if f in g.fields:  # injected: printed as is
+                cells.append(g.fields[f])
+                continue
+            value = get(p, g) if get else HEALTHY.get(f, "[N/A]")  # [N/A]: a valid field this stand-in does not model
             cells.append(f"{value} {unit}" if unit and "nounits" not in fmt and get else value)
         lines.append(", ".join(cells))
     return Result("".join(line + "\n" for line in lines))
 
 
-def render(p: Profile, argv: list[str], now: float | None = None) -> Result:
+def render(p: Profile, argv: list[str], now: float | None = None, help_text: str = "") -> Result:
     """What the real nvidia-smi prints (and its exit status) for argv on a host with this profile."""
     args = list(argv)
+    if args == ["--help-query-gpu"]:
+        return Result(help_text)
     gpus = p.gpus
     if args[:1] == ["-i"] or (args and args[0].startswith("--id=")):
         ids = args[1] if args[0] == "-i" else args[0].split("=", 1)[1]
@@ -227,7 +249,8 @@ class _Row:
 
 
 # The dataclasses' defaults (a unit test keeps them equal), for profiles written without them.
-_GPU_DEFAULTS: dict[str, object] = {"perf": "P0", "ecc": "0", "compute_mode": "Default", "mig": "Disabled"}
+_GPU_DEFAULTS: dict[str, object] = {"perf": "P0", "ecc": "0", "compute_mode": "Default", "mig": "Disabled",
+                                     "fields": {}}
 _PROFILE_DEFAULTS: dict[str, object] = {"valid_fields": [], "hang": False}
 
 
@@ -249,7 +272,11 @@ def main(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it (timeout -k)
         while True:
             time.sleep(3600)
-    result = render(profile, argv[1:])
+    help_text = ""
+    if argv[1:] == ["--help-query-gpu"]:  # beside the profile (HOST_HELP on a host)
+        with open(argv[0].rpartition("/")[0] + "/" + HOST_HELP.rpartition("/")[2]) as f:
+            help_text = f.read()
+    result = render(profile, argv[1:], help_text=help_text)
     sys.stdout.write(result.stdout)
     return result.rc
 
@@ -287,6 +314,7 @@ class Gpu:
     ecc: str = "0"
     compute_mode: str = "Default"
     mig: str = "Disabled"
+    fields: dict[str, str] = field(default_factory=dict)  # injected --query-gpu values
 
 
 @dataclass
@@ -368,6 +396,23 @@ def _fields_from_help(text: str) -> list[str]:
     return [part.strip().strip('"') for line in text.splitlines() if line.startswith('"') for part in line.split(" or ")]
 
 
+def help_text(recorded: str, valid_fields: list[str]) -> str:
+    """The recorded --help-query-gpu cut to valid_fields, plus a line each for those it lacks (reset_status.*)."""
+    kept, known = [], set()
+    for paragraph in recorded.rstrip("\n").split("\n\n"):
+        first, newline, rest = paragraph.partition("\n")
+        names = _fields_from_help(first) if paragraph.startswith('"') else []
+        known.update(_fields_from_help(paragraph))
+        offered = [name for name in names if name in valid_fields]
+        if not names:
+            kept.append(paragraph)
+        elif offered:  # `"a" or "b"` may become `"b"`
+            kept.append(paragraph if offered == names else " or ".join(f'"{n}"' for n in offered) + newline + rest)
+    built = [f'"{name}"\n(a field of an older driver; built, not recorded)' for name in valid_fields if name not in known]
+    body = recorded.rstrip("\n")
+    return "\n\n".join([*kept, *built]) + recorded[len(body):]
+
+
 def make_profile(
     count: int,
     *,
@@ -417,6 +462,9 @@ def write_host_files(root: Path, profile: Profile | None) -> None:
     prof = root / HOST_PROFILE.lstrip("/")
     prof.parent.mkdir(parents=True, exist_ok=True)
     prof.write_text(profile.to_json())
+    recorded = default_recordings() / TEMPLATE / "help-query-gpu.txt"
+    if recorded.exists():  # not inside a container (the toolkit hook): its nvidia-smi is asked no help
+        (root / HOST_HELP.lstrip("/")).write_text(help_text(recorded.read_text(), profile.valid_fields))
     exe = root / "usr/bin/nvidia-smi"
     exe.parent.mkdir(parents=True, exist_ok=True)
     exe.write_text(f'#!/bin/sh\nexec /usr/bin/python3 {HOST_PYTHON_FLAGS} {HOST_MODULE} {HOST_PROFILE} "$@"\n')

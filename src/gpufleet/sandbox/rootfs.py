@@ -31,10 +31,10 @@ BASE_PACKAGES = (
     "procps",
     "gnupg",
 )
-# What the deploys apt-install (docker via the distro package; python3-venv, nginx and nftables for the router;
-# docker-registry for the site cache): served by the local mirror, with their closure.
-MIRROR_PACKAGES = ("docker.io", "gnupg", "curl", "ca-certificates", "jq", "python3-venv", "nginx", "nftables",
-                   "docker-registry")
+# What the deploys apt-install (docker via the distro package; python3-venv, nginx, its njs module and nftables for
+# the router; docker-registry for the site cache): served by the local mirror, with their closure.
+MIRROR_PACKAGES = ("docker.io", "gnupg", "curl", "ca-certificates", "jq", "python3-venv", "nginx",
+                   "libnginx-mod-http-js", "nftables", "docker-registry")
 # Bump when the customisation below changes: it is part of the cache key.
 RECIPE = "3"
 

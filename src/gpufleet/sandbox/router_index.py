@@ -1,9 +1,10 @@
-"""The sandbox's package index for vllm-router: exactly the wheels gpufleet's lock names for the test hosts' Python
-and machine (src/gpufleet/data/vllm-router-lock.json), fetched from PyPI with pip's hash-checking mode, cached by
-lock entry, laid out as a PEP 503 "simple" index the fleet's file server serves. The router deploy then installs
-from it with --require-hashes, as on a real host.
+"""The sandbox's package indexes for vllm-router and the site cache's model mirror (olah): exactly the wheels
+gpufleet's locks name for the test hosts' Python and machine (src/gpufleet/data/vllm-router-lock.json,
+olah-lock.json), fetched from PyPI with pip's hash-checking mode, cached by lock entry, laid out as PEP 503 "simple"
+indexes the fleet's file server serves. The deploys then install from them with --require-hashes, as on a real
+host.
 
-    python -m gpufleet.sandbox.router_index     # fetch into the cache (CI does this before the tests)
+    python -m gpufleet.sandbox.router_index     # fetch both into the cache (CI does this before the tests)
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+from gpufleet import wheel_lock
 from gpufleet.router import wheels
 from gpufleet.router.settings import DEFAULTS
 from gpufleet.sandbox import cache
+from gpufleet.sitecache import mirror
 from gpufleet.sandbox.config import CACHE_DIR
 from gpufleet.sandbox.procs import log, run
 
@@ -39,9 +42,20 @@ def entry(cache_dir: Path, version: str = VERSION) -> Path:
 
 
 def ensure_index(cache_dir: Path = CACHE_DIR, version: str = VERSION) -> Path:
-    """The cached index root (serve it; pip's index URL is <root>/simple), fetched on a cold cache: the lock's
-    wheels and nothing else, each checked against the lock's sha256 by pip and again here."""
-    root = entry(cache_dir, version)
+    """The router's cached index root (serve it; pip's index URL is <root>/simple)."""
+    return ensure_lock_index(entry(cache_dir, version), locked(version))
+
+
+def ensure_mirror_index(cache_dir: Path = CACHE_DIR) -> Path:
+    """The model mirror's cached index root (its lock's wheels for the test hosts)."""
+    install = mirror.locked("sandbox", PYTHON, MACHINE)
+    return ensure_lock_index(cache_dir / f"mirror-index-{mirror.OLAH_VERSION}-py{PYTHON}-{install.key[:12]}", install)
+
+
+def ensure_lock_index(root: Path, install: wheel_lock.LockedInstall) -> Path:
+    """The index at `root`, fetched on a cold cache: the lock's wheels and nothing else, each checked against the
+    lock's sha256 by pip and again here."""
+    cache_dir = root.parent
     if cache.is_done(root):
         return root
     with cache.building(cache_dir / f".{root.name}.lock"):
@@ -52,7 +66,6 @@ def ensure_index(cache_dir: Path = CACHE_DIR, version: str = VERSION) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         downloads = tmp / "files"
         downloads.mkdir(parents=True)
-        install = locked(version)
         requirements = tmp / "requirements.txt"
         requirements.write_text(install.requirements())
         log.info("fetching the %d locked wheels of %s (once, cached as %s)", len(install.wheels), install.describe(),
@@ -63,17 +76,17 @@ def ensure_index(cache_dir: Path = CACHE_DIR, version: str = VERSION) -> Path:
              "--implementation", "cp", *platforms, "-r", str(requirements)], timeout=900)
         check_files(downloads, install)
         write_simple_index(downloads, tmp / "simple")
-        log.info("router index built in %.0fs", cache.publish(tmp, root, t0))
+        log.info("%s index built in %.0fs", install.package, cache.publish(tmp, root, t0))
     return root
 
 
-def check_files(files: Path, install: wheels.LockedInstall) -> None:
+def check_files(files: Path, install: wheel_lock.LockedInstall) -> None:
     """The directory holds exactly the lock's wheels, each with the lock's sha256; raises otherwise."""
     want = {w.filename: w.sha256 for w in install.wheels}
     have = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files.iterdir()}
     if have != want:
         wrong = sorted(set(have.items()) ^ set(want.items()))
-        raise RuntimeError(f"the router index does not hold exactly the locked wheels: {wrong[:4]}")
+        raise RuntimeError(f"the {install.package} index does not hold exactly the locked wheels: {wrong[:4]}")
 
 
 def project_name(wheel: str) -> str:
@@ -100,3 +113,4 @@ def write_simple_index(files: Path, simple: Path) -> None:
 
 if __name__ == "__main__":
     print(ensure_index())
+    print(ensure_mirror_index())

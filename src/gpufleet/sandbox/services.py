@@ -5,12 +5,14 @@ file; nothing else on the machine is touched."""
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 import urllib.request
 from pathlib import Path
 
 from gpufleet.sandbox import procs
-from gpufleet.sandbox.config import MIRROR_PORT, REGISTRY_PORT, FleetConfig
+from gpufleet.sandbox import hub
+from gpufleet.sandbox.config import HUB_PORT, MIRROR_PORT, REGISTRY_PORT, FleetConfig
 from gpufleet.sandbox.state import State
 
 
@@ -50,6 +52,27 @@ def serve_files(cfg: FleetConfig, state: State, tree: dict[str, Path]) -> None:
         )
         state.add_pid("mirror", pid)
     _wait_serving(state, "mirror", f"{cfg.mirror_url}/", f"{cfg.gateway}:{MIRROR_PORT}")
+
+
+def hub_root(cfg: FleetConfig) -> Path:
+    return cfg.state_dir / "hub"
+
+
+def hub_log(cfg: FleetConfig) -> Path:
+    """The stand-in hub's access log: hub.served_bytes() counts what it served each host."""
+    return cfg.state_dir / "logs" / "hub.log"
+
+
+def serve_hub(cfg: FleetConfig, state: State, model: Path, repo: str) -> None:
+    """The stand-in Hugging Face hub at http://<gateway>:8081, its `repo` holding the files of `model` on branch
+    main: the one commit a fresh fleet has (a test that moved the branch left no trace in the next fleet)."""
+    shutil.rmtree(hub_root(cfg), ignore_errors=True)
+    hub.publish(hub_root(cfg), repo, {p.name: p for p in model.iterdir() if p.is_file()})
+    if not state.live_pid("hub"):
+        pid = procs.spawn([sys.executable, "-m", "gpufleet.sandbox.hub", str(hub_root(cfg)), "--bind", cfg.gateway,
+                           "--port", str(HUB_PORT), "--log", str(hub_log(cfg))], cfg.state_dir / "logs" / "hub.out")
+        state.add_pid("hub", pid)
+    _wait_serving(state, "hub", f"{cfg.hub_url}/api/models/{repo}", f"{cfg.gateway}:{HUB_PORT}")
 
 
 def registry_storage(cfg: FleetConfig) -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pyinfra.api import Host, Inventory
@@ -15,9 +15,18 @@ from gpufleet.defaults import DEFAULTS
 from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.inventory import ROUTERS_GROUP
 from gpufleet.names import LOOPBACK
+from gpufleet.sitecache import mirror
 from gpufleet.sitecache import operations as site_cache
 from gpufleet.sitecache.facts import SiteCacheFact
-from gpufleet.sitecache.operations import SITE_CACHE_GROUP, CachePull, registry_host, repository_path, upstream_url
+from gpufleet.sitecache.operations import (
+    SITE_CACHE_GROUP,
+    CachePull,
+    ModelMirror,
+    registry_host,
+    repository_path,
+    upstream_url,
+)
+from gpufleet.wheel_lock import LockedInstall
 
 
 def cache_hosts(target: Host) -> list[Host]:
@@ -53,6 +62,20 @@ def cache_pull(target: Host, settings: Mapping[str, Any], image: str) -> CachePu
         return None
     return CachePull(address=address, cache_host=cache_host, path=repository_path(image),
                      timeout_s=float(settings["site_cache_pull_timeout_s"]), on_this_host=cache_host == target.name)
+
+
+def model_mirror(target: Host, settings: Mapping[str, Any]) -> ModelMirror | None:
+    """Where `target` downloads the model through, or None: no site cache, "off", another site's cache (its mirror
+    serves its own inventory's repositories), or a cache host that mirrors another hub than target's."""
+    caches = cache_hosts(target)
+    if settings["site_cache_address"] or not caches or not settings["vllm_model_repo"]:
+        return None
+    first = caches[0]
+    if (first.data.get("vllm_hf_endpoint") or DEFAULTS["vllm_hf_endpoint"]) != settings["vllm_hf_endpoint"]:
+        return None
+    where = first.data.get("ssh_hostname") or first.name
+    return ModelMirror(endpoint=f"http://{where}:{first.data.get('site_cache_port', DEFAULTS['site_cache_port'])}",
+                       cache_host=first.name)
 
 
 def check_port(inventory: Inventory, name: str, settings: Mapping[str, Any], vllm_port: int) -> None:
@@ -102,16 +125,32 @@ def serves_site(target: Host) -> bool:
     return bool(caches) and caches[0].name == target.name
 
 
-def deploy_site_cache(target: Host, settings: Mapping[str, Any], image: str, used_kib: int | None) -> None:
+def deploy_site_cache(target: Host, settings: Mapping[str, Any], image: str, used_kib: int | None,
+                      models: Sequence[str] = ()) -> None:
     """On the site cache host: docker-registry proxying the image's registry, running, under site_cache_max_gb
-    (used_kib: what it holds now); nginx in front of it."""
+    (used_kib: what it holds now); olah mirroring the hub for `models` (the inventory's vllm_model_repos, with
+    this host's vllm_hf_endpoint); nginx in front of both."""
     seen = target.get_fact(SiteCacheFact)
     proxied = upstream(settings, image)
     internal = int(settings["site_cache_internal_port"])
     site_cache.serving(name="Run the site cache (docker-registry as a pull-through cache)", seen=seen,
                        upstream=proxied, port=internal, used_kib=used_kib,
                        max_gb=float(settings["site_cache_max_gb"]))
+    mirror_port = int(settings["site_cache_mirror_port"])
+    if models:
+        try:
+            install: LockedInstall | str = mirror.locked(target.name, seen.python, seen.machine)
+        except SettingError as error:
+            install = str(error)
+        where = target.data.get("ssh_hostname") or target.name
+        config = mirror.render_config(settings["vllm_hf_endpoint"], mirror_port,
+                                      f"{where}:{settings['site_cache_port']}", models,
+                                      float(settings["site_cache_model_max_gb"]))
+        site_cache.model_mirror(name="Mirror the hub for the inventory's models (olah, from hashed wheels)",
+                                seen=seen, install=install, config=config,
+                                index_url=settings["site_cache_mirror_index_url"], port=mirror_port)
     site_cache.front_door(name="Serve the site cache to the inventory's hosts and repositories (nginx)", seen=seen,
                           port=int(settings["site_cache_port"]), internal_port=internal,
                           clients=clients(target.inventory, settings),
-                          repositories=repositories(target.inventory, proxied))
+                          repositories=repositories(target.inventory, proxied), models=models,
+                          mirror_port=mirror_port if models else None)

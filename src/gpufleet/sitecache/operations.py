@@ -22,14 +22,17 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pyinfra import host
-from pyinfra.api import StringCommand, operation
+from pyinfra.api import FunctionCommand, Host, State, StringCommand, operation
+from pyinfra.operations import apt
 
 from gpufleet.image_names import parse
 from gpufleet.names import LOOPBACK
-from gpufleet.operations.base import Commands
+from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
+from gpufleet.sitecache import mirror
 from gpufleet.sitecache.facts import CONFIG, FRONT, NGINX_DEFAULT_SITE, PACKAGE, UNIT, SiteCacheHost
-from gpufleet.units import render_template
+from gpufleet.units import render_template, unit_path
+from gpufleet.wheel_lock import LockedInstall
 
 SITE_CACHE_GROUP = "site_cache"
 # Docker Hub's registry API lives at registry-1.docker.io; docker names it docker.io.
@@ -130,20 +133,24 @@ def serving(seen: SiteCacheHost, upstream: str, port: int, used_kib: int | None 
         host.noop(f"{PACKAGE} proxies {upstream} on {LOOPBACK}:{port}, enabled and running")
 
 
-def render_front(port: int, internal_port: int, clients: Sequence[str], repositories: Sequence[str]) -> str:
+def render_front(port: int, internal_port: int, clients: Sequence[str], repositories: Sequence[str],
+                 models: Sequence[str] = (), mirror_port: int | None = None) -> str:
     """nginx's site in front of the cache: `clients` (addresses or networks) pull `repositories` (repository_path)
-    by digest; anything else gets 403."""
+    by digest, and read `models` (Hugging Face repos) through the model mirror on mirror_port; anything else gets
+    403."""
     pattern = "|".join(re.escape(r) for r in sorted(set(repositories)))
+    models_pattern = "|".join(re.escape(m) for m in sorted(set(models))) if mirror_port else ""
     return render_template("site-cache-nginx.conf.j2", port=int(port), internal=f"{LOOPBACK}:{int(internal_port)}",
-                           clients=sorted(set(clients)), repositories=pattern)
+                           clients=sorted(set(clients)), repositories=pattern, models=models_pattern,
+                           mirror=f"{LOOPBACK}:{int(mirror_port or 0)}")
 
 
 @operation()
 def front_door(seen: SiteCacheHost, port: int, internal_port: int, clients: Sequence[str],
-               repositories: Sequence[str]) -> Commands:
+               repositories: Sequence[str], models: Sequence[str] = (), mirror_port: int | None = None) -> Commands:
     """nginx on site_cache_port in front of the cache (render_front): installed, its site written when it differs,
     checked, reloaded."""
-    content = render_front(port, internal_port, clients, repositories)
+    content = render_front(port, internal_port, clients, repositories, models, mirror_port)
     changed = seen.front_sha256 != sha256(content)
     if seen.nginx and not changed and seen.nginx_active:
         host.noop(f"nginx passes the inventory's pulls on to the site cache on port {port}, and nothing else")
@@ -161,6 +168,53 @@ def front_door(seen: SiteCacheHost, port: int, internal_port: int, clients: Sequ
     yield StringCommand("systemctl", "reload-or-restart", "nginx")
 
 
+def _refuse(state: State, target: Host, why: str) -> bool:
+    return fail(target, why)
+
+
+@operation()
+def model_mirror(seen: SiteCacheHost, install: LockedInstall | str, config: str, index_url: str, port: int
+                 ) -> Commands:
+    """The model mirror (gpufleet.sitecache.mirror): the lock's wheels in a venv of their own (switched to by one
+    rename), its config and unit, enabled and running on the loopback's `port`; restarted when any of them changed,
+    then waited for. install: why not, when the lock has no wheels for the host."""
+    if isinstance(install, str):
+        yield FunctionCommand(_refuse, (install,), {})
+        return
+    changed = False
+    if seen.mirror_key != install.key:
+        if not seen.python3_venv:
+            yield from apt.packages._inner(packages=["python3-venv"], update=True, no_recommends=True)
+        target = shlex.quote(mirror.venv_dir(install))
+        # A venv left by a cut or failed install of this entry is made again from nothing.
+        yield StringCommand("sh", "-c", shlex.quote(f"install -d -m 755 {mirror.HOME} && rm -rf {target} && "
+                                                    f"python3 -m venv {target}"))
+        yield AtomicUpload(as_io(install.requirements()), f"{mirror.venv_dir(install)}/{mirror.REQUIREMENTS}", "644")
+        yield StringCommand("sh", "-c", shlex.quote(mirror.install_script(install, index_url)))
+        changed = True
+    if seen.mirror_config_sha256 != sha256(config):
+        yield StringCommand("install", "-d", "-m", "755", shlex.quote(mirror.CONFIG.rpartition("/")[0]))
+        yield AtomicUpload(as_io(config), mirror.CONFIG, "644")
+        changed = True
+    unit = mirror.render_unit()
+    if seen.mirror_unit_sha256 != sha256(unit):
+        yield AtomicUpload(as_io(unit), unit_path(mirror.SERVICE), "644")
+        yield StringCommand("systemctl", "daemon-reload")
+        changed = True
+    if not seen.mirror_enabled:
+        yield StringCommand("systemctl", "enable", mirror.UNIT)
+    if changed or not seen.mirror_active:
+        yield StringCommand("systemctl", "restart", mirror.UNIT)
+        # Hosts download through it right after this run's next operations: it must listen first (~3 s).
+        url = shlex.quote(f"http://{LOOPBACK}:{int(port)}/")
+        yield StringCommand("sh", "-c", shlex.quote(
+            f"i=0; until curl -s -o /dev/null --max-time 3 {url}; do i=$((i+1)); if [ $i -ge 60 ]; then "
+            f"echo 'the model mirror did not answer within 60 s (journalctl -u {mirror.UNIT})' >&2; exit 1; fi; "
+            "sleep 1; done"))
+    elif seen.mirror_enabled:
+        host.noop(f"{install.describe()} mirrors the hub for the inventory's models, enabled and running")
+
+
 @dataclass(frozen=True)
 class CachePull:
     """How a host pulls through its site cache: the cache's address and the cache host's name (for the warning
@@ -174,3 +228,12 @@ class CachePull:
 
     def ref(self, digest: str) -> str:
         return f"{self.address}/{self.path}@{digest}"
+
+
+@dataclass(frozen=True)
+class ModelMirror:
+    """Where a host downloads the model through: the site cache's mirror of the hub (olah behind its nginx, on the
+    same port as the image cache), and the cache host's name (for the warning line)."""
+
+    endpoint: str  # http://host:port
+    cache_host: str

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gpufleet.defaults import MODEL_REF_SETTING
+from gpufleet.facts.gpu_verdict import HostGpus
 from gpufleet.facts.nvidia import version_tuple
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.operations.model import missing_parts
@@ -76,12 +78,23 @@ def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, 
     if snap.site_cache_used_kib is not None:
         _need_cache_space(bad, snap, float(s["site_cache_max_gb"]), docker_gb)
     missing = missing_parts(snap)
-    if missing:
-        if not s["vllm_model_repo"]:
-            bad(f"{s['vllm_models_dir']}/{s['vllm_model']} lacks {missing[0]} and vllm_model_repo is None",
-                "stage the model there by hand, or set vllm_model_repo to download it")
+    if missing and not s["vllm_model_repo"]:
+        bad(f"{s['vllm_models_dir']}/{s['vllm_model']} lacks {missing[0]} and vllm_model_repo is None",
+            "stage the model there by hand, or set vllm_model_repo to download it")
+    # A model to download: incomplete, or another commit asked for (a rollout's prepare checks the disk first).
+    moving = s[MODEL_REF_SETTING] and snap.model_checked != f"{s['vllm_model_repo']}@{s[MODEL_REF_SETTING]}"
+    if missing or moving:
         _need_space(bad, snap, "models", s["gpufleet_min_free_gb_models"], "gpufleet_min_free_gb_models", "models")
     return problems
+
+
+def gpu_refusals(host: str, gpus: HostGpus, used: tuple[int, ...], restart: str | None) -> list[str]:
+    """One line per GPU the service uses whose verdict refuses the (re)start `restart` names; none without one."""
+    if restart is None:
+        return []
+    return [_line(host, f"{g.line()}: this converge would {restart}",
+                  f"{g.action}, then converge again (docs/gpu-health.md: how a verdict clears)")
+            for g in gpus.blocking(used)]
 
 
 def _check_engine(bad: Bad, snap: HostSnapshot, install: str) -> None:

@@ -17,14 +17,15 @@ from gpufleet import hostlock
 from gpufleet.defaults import RETRY_SETTING
 from gpufleet.health import HealthReport, poll_ready
 from gpufleet.hoststate.atomic import atomic_write_command
-from gpufleet.hoststate.ledger import Ledger
+from gpufleet.hoststate.ledger import Ledger, Version, drop_pending
 from gpufleet.hoststate.ledger import commit as ledger_commit
 from gpufleet.hoststate.ledger import roll_back as ledger_roll_back
 from gpufleet.hoststate.paths import UNITS_DIR, committed_unit, ledger_path, unit_backup
 from gpufleet.operations.base import fail
 from gpufleet.operations.files import REFUSED, guarded
-from gpufleet.operations.run import check_lock, host_run, still_held_test
+from gpufleet.operations.run import check_lock, host_run, run_context, still_held_test, while_held
 from gpufleet.remote.ssh import use_sudo
+from gpufleet.remote.transport import ContainerInfo
 from gpufleet.units import unit_name, unit_path
 from gpufleet.vllm.operations.flagcheck import accepted_file
 from gpufleet.vllm.operations.image import now_utc, pull_stats_file
@@ -33,6 +34,19 @@ from gpufleet.vllm.service_watch import service_exited
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import env_file_path
 from gpufleet.wire.identity import Expected
+from gpufleet.wire.speed import SpeedFigures
+
+
+class GpuAtSwap(dict[str, str]):
+    """Each host's GPU verdict as this run's preflight read it, for the swap's ledger entry (a run context slot)."""
+
+
+def record_gpu(host: Host, summary: str) -> None:
+    run_context(host.state).slot(GpuAtSwap, GpuAtSwap)[host.name] = summary
+
+
+def gpu_at_swap(host: Host) -> str | None:
+    return run_context(host.state).slot(GpuAtSwap, GpuAtSwap).get(host.name)
 
 
 class Verified(Protocol):
@@ -49,9 +63,9 @@ class Verified(Protocol):
     def check_once(self, host: Host, expected: Expected) -> Callable[[], HealthReport]: ...
 
 
-def commit_pending(host: Host, v: Verified, ready_at: str) -> bool:
+def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures | None = None) -> bool:
     """The pending version passed: it becomes the committed one (the rollback target, its unit kept beside the
-    ledger); a service it renamed is stopped, disabled and removed."""
+    ledger, its speed figures in its entry); a service it renamed is stopped, disabled and removed."""
     ledger = host_run(host).ledger
     if ledger.pending is None:
         return True  # a restart of the committed version (drift, secrets): verified, nothing new to commit
@@ -81,7 +95,7 @@ def commit_pending(host: Host, v: Verified, ready_at: str) -> bool:
         return fail(host, f"{host.name}: could not keep a copy of the verified unit at {copy}: "
                           f"{' | '.join(output.stderr_lines) or 'it is not the unit the ledger names'} (fix: check "
                           f"the free space of {UNITS_DIR}, then converge again)")
-    if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at)):
+    if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at, speed, gpu=gpu_at_swap(host))):
         return False
     # Only now, with the commit on disk, may copies of units no longer committed go.
     ok, output = host.run_shell_command(
@@ -108,11 +122,26 @@ def commit_pending(host: Host, v: Verified, ready_at: str) -> bool:
     return True
 
 
-def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check: str | None = None) -> bool:
+def runs_problem(version: Version, container: ContainerInfo | None, what: str) -> str | None:
+    """One line when what answers is not `version` (its digest, its spec label), naming what runs instead; `what`
+    says who put the version there."""
+    if container is None or not container.running:
+        return f"no running container of {version.service or 'the service'} answered"
+    if container.image != version.ref:
+        return f"the container answering runs {container.image}, not {version.ref}, which {what}"
+    if version.spec_hash and container.spec_hash != version.spec_hash:
+        return (f"the container answering has spec {container.spec_hash or 'unlabelled'}, not {version.spec_hash}, "
+                f"which {what}")
+    return None
+
+
+def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check: str | None = None, *,
+              mark: bool = True) -> bool:
     """Put the committed version's unit back (under its own service name and port), restart it, mark the pending
     version failed in the ledger (naming the failed `check`, when one failed), wait until the committed one is
-    ready; always False (the host failed its rollout), with one line naming both digests and where the host
-    stands."""
+    ready and is what answers; always False (the host failed its rollout), with one line naming both digests and
+    where the host stands. mark=False (another process took the port: the host's fault): nothing is marked, and
+    the pending record is dropped once the committed version serves again."""
     assert ledger.pending is not None and ledger.committed is not None
     spec, pending, committed = v.spec, ledger.pending.version, ledger.committed.version
     service = committed.service or spec.service
@@ -128,7 +157,8 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     # The mark first: a run cut anywhere after this line finds the pending version failed (never to be tried again
     # by a re-run rollout) and the committed one to converge to (a plain converge puts its unit back). Marked in the
     # committed service's own ledger: a rename going back marks it there, where a later run of either name reads it.
-    if not save_ledger(host, ledger_path(service), ledger_roll_back(ledger, failed_detail, now_utc(), check=check)):
+    if mark and not save_ledger(host, ledger_path(service), ledger_roll_back(ledger, failed_detail, now_utc(),
+                                                                          check=check, gpu=gpu_at_swap(host))):
         return False
     host.log_styled(f"rolling back to {committed.ref}")
     steps = []
@@ -150,7 +180,9 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     steps += [f"sh -c {shlex.quote(atomic_write_command(unit))} < {source}", "systemctl daemon-reload",
               f"systemctl enable {shlex.quote(unit_name(service))}",
               f"systemctl restart {shlex.quote(unit_name(service))}"]
-    ok, output = host.run_shell_command(" && ".join(steps), _sudo=use_sudo(host))
+    restore = while_held(host, " && ".join(steps), f"{host.name}: not rolled back: this run no longer holds the "
+                                                    "host's lock (fix: run again)")
+    ok, output = host.run_shell_command(f"sh -c {shlex.quote(restore)}", _sudo=use_sudo(host))
     if not ok:
         return fail(host, f"{host.name}: {failed}; the rollback to {committed.ref} failed too: "
                           f"{' | '.join(output.stderr_lines[-3:]) or 'no copy of the committed unit at ' + backup} "
@@ -169,10 +201,18 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     previous = Expected(service=service, port=committed.port or spec.port, served_model_name=v.served_before,
                         address=spec.reach_address)
     again = poll_ready(v.check_once(host, previous), v.timeout_s, exited=service_exited(host, service))
-    if not again.ready:
-        return fail(host, f"{host.name}: {failed}; rolled back to {committed.ref}, which is not ready either "
-                          f"({again.state}: {again.detail}) (fix: `journalctl -u {service}`; {backup} holds the unit "
-                          "that was committed)")
+    # Judged by what answers, not by the mark written before the restore.
+    runs = runs_problem(committed, again.container, "the rollback put back") if again.ready else None
+    if not again.ready or runs:
+        why = runs or f"{again.state}: {again.detail}"
+        return fail(host, f"{host.name}: {failed}; the rollback to {committed.ref} did not bring it back ({why}) "
+                          f"(fix: `journalctl -u {service}`; {backup} holds the unit that was committed)")
+    if not mark:
+        if not save_ledger(host, ledger_path(service), drop_pending(ledger)):
+            return False
+        return fail(host, f"{host.name}: {failed}; rolled back to {committed.ref}, which is ready; the new version is "
+                          "not marked failed: another process held the port (fix: stop what holds it, then converge "
+                          "again)")
     fix = (f"set vllm_image back to {committed.image} or to an image that accepts these settings"
            if pending.ref != committed.ref and committed.image != pending.image
            else "revert the settings or the image changed in this run")

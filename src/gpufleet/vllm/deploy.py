@@ -15,6 +15,7 @@ skipped (deploys/router.py configures them).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,17 +27,22 @@ from pyinfra.context import ctx_state
 from gpufleet.defaults import (
     EXPECT_COMMITTED_SETTING,
     IMAGE_REF_SETTING,
+    MODEL_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
+    SPEED_BASELINE_SETTING,
+    SPEED_TOLERANCE_SETTING,
     STAGE_SETTING,
     VERIFY_CHECKS_SETTING,
     VERIFY_PROBE_SETTING,
 )
+from gpufleet.facts.gpu_verdict import HostGpus, judge
 from gpufleet.harness import preflight
 from gpufleet.hoststate.ledger import (
     CorruptLedger,
     DropPending,
     FinishPending,
+    Ledger,
     Nothing,
     Observed,
     Resume,
@@ -44,6 +50,7 @@ from gpufleet.hoststate.ledger import (
     Version,
     corrupt_refusal,
     drop_pending,
+    model_pin,
     refused_target,
     resume,
 )  # fmt: skip
@@ -51,21 +58,28 @@ from gpufleet.hoststate.rules import changed_since_read, cut_rename_away, host_l
 from gpufleet.inventory import ROUTERS_GROUP, behind_router
 from gpufleet.operations import files
 from gpufleet.operations.base import not_for_this_host
+from gpufleet.operations.files import sha256
 from gpufleet.operations.run import remember
 from gpufleet.operations.secret import Hidden
 from gpufleet.sitecache import deploy as site_cache
 from gpufleet.sitecache.operations import STORAGE as SITE_CACHE_STORAGE
+from gpufleet.units import unit_name
 from gpufleet.vllm import checks, group_deploy
+from gpufleet.vllm.commit import record_gpu
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.host_command import Paths
 from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
 from gpufleet.vllm.group_verify import GroupVerification
 from gpufleet.vllm.operations import docker, flagcheck, group, image, managed_paths, model, nvidia, service
-from gpufleet.vllm.operations.image import pinned_ref
+from gpufleet.vllm.operations.image import image_present, pinned_ref
+from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.spec import ServeSpec
+from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.verify import Verification, verify_passed
+from gpufleet.vllm.weights import COMMIT, ModelTarget
 from gpufleet.wire.checks import verify_checks
+from gpufleet.wire.gpu_verdicts import GpuSettings, Verdict
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         return [corrupt_refusal(name, plan.layout.ledger_path, error)]
     ref = pinned_ref(ledger, spec.image, s[IMAGE_REF_SETTING])
     problems = checks.check(name, snap, s, spec.gpus, ref)
+    if snap.gpu_health is not None:
+        gpus = judge(snap.gpu_health, GpuSettings.of(s))
+        problems += checks.gpu_refusals(name, gpus, spec.gpus, restart_reason(snap, plan, ledger, ref))
     cut = cut_rename_away(name, snap.other_ledgers, spec.service)
     if cut:
         problems.append(cut)
@@ -144,13 +161,92 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     return problems
 
 
-def settle_and_pin(plan: Plan, snap: HostSnapshot, prepare: bool) -> tuple[Resume, str | None]:
-    """What a cut run's pending record asks first, and the digest this run installs when known before the pull. A
-    dropped change never reached the unit: its digest is not this run's pin (a finished one's is)."""
+def settle_and_pin(plan: Plan, snap: HostSnapshot, prepare: bool) -> tuple[Resume, str | None, ModelTarget | None]:
+    """What a cut run's pending record asks first, and the digest and model this run installs (each pinned when
+    known before the run). A dropped change never reached the unit: its pins are not this run's (a finished one's
+    are)."""
     ledger = host_ledger(snap.ledger_text, snap.other_ledgers, plan.spec.port)  # preflight refused a corrupt one
     decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
-    return decision, pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger,
-                                plan.spec.image, plan.settings[IMAGE_REF_SETTING])
+    settled = drop_pending(ledger) if isinstance(decision, DropPending) else ledger
+    return (decision, pinned_ref(settled, plan.spec.image, plan.settings[IMAGE_REF_SETTING]),
+            model_target(settled, plan.settings))
+
+
+def mirrored_models(target: Host, s: Mapping[str, Any]) -> list[str]:
+    """The model repos the site cache on `target` mirrors: every vLLM host's of the inventory that downloads from
+    the same hub."""
+    found = set()
+    for other in target.inventory:
+        theirs = merged_settings(other.data.dict())
+        if (ROUTERS_GROUP not in other.groups and theirs["vllm_model_repo"]
+                and theirs["vllm_hf_endpoint"] == s["vllm_hf_endpoint"] and not theirs["site_cache_address"]):
+            found.add(str(theirs["vllm_model_repo"]))
+    return sorted(found)
+
+
+def model_target(ledger: Ledger, s: Mapping[str, Any]) -> ModelTarget | None:
+    """The model this run installs (None: staged by hand), with its commit when known before the run: a rollout's
+    gpufleet_model_ref, a commit as vllm_model_revision, else the ledger's for this repo and revision."""
+    repo, revision = s["vllm_model_repo"], s["vllm_model_revision"]
+    if not repo:
+        return None
+    if s[MODEL_REF_SETTING]:
+        return ModelTarget(repo, revision, f"{repo}@{s[MODEL_REF_SETTING]}")
+    if revision and COMMIT.fullmatch(revision):
+        return ModelTarget(repo, revision, f"{repo}@{revision}")
+    return ModelTarget(repo, revision, model_pin(ledger, repo, revision))
+
+
+def restart_reason(snap: HostSnapshot, plan: Plan, ledger: Ledger, pin: str | None) -> str | None:
+    """What this converge would (re)start and why, decided from the snapshot as service.running does; None: nothing.
+    What the snapshot cannot settle (a tag not resolved yet) counts as a restart."""
+    s, spec, layout, running = plan.settings, plan.spec, plan.layout, snap.running
+    unit = unit_name(spec.service)
+    model = model_target(ledger, s)  # its commit is in the unit
+    if s[STAGE_SETTING] == "prepare" or not snap.gpus:
+        return None
+    if not snap.unit_active(unit):
+        return f"start {unit} (it is not running)"
+    why = ("a cut run left a version pending" if ledger.pending is not None
+           else "its image is still to be pulled" if pin is None or not image_present(snap.images, pin)
+           else "its unit changes" if snap.file_sha256.get(layout.unit_file) != sha256(
+               render_unit(spec, pin, model.pin if model else None))
+           else "its secrets file changes" if snap.file_sha256.get(layout.env_file) != sha256(
+               service.env_content(service.secret_values(s)))
+           else "Docker restarts to load the nvidia runtime" if not snap.nvidia_runtime
+           else "it does not run what its unit says" if running.drift() else None)
+    return f"restart {unit} ({why})" if why else None
+
+
+def planned_restart(reading: preflight.Reading[Plan, HostSnapshot]) -> str | None:
+    """restart_reason() of a host as preflight read it."""
+    plan, snap = reading.plan, reading.snapshot
+    assert plan is not None and snap is not None
+    ledger = host_ledger(snap.ledger_text, snap.other_ledgers, plan.spec.port)
+    return restart_reason(snap, plan, ledger, pinned_ref(ledger, plan.spec.image, plan.settings[IMAGE_REF_SETTING]))
+
+
+def gpu_refusals(name: str, reading: preflight.Reading[Plan, HostSnapshot], restart: str) -> list[str]:
+    plan, snap = reading.plan, reading.snapshot
+    assert plan is not None and snap is not None
+    if snap.gpu_health is None:
+        return []
+    return checks.gpu_refusals(name, judge(snap.gpu_health, GpuSettings.of(plan.settings)), plan.spec.gpus, restart)
+
+
+def check_fleet(readings: Mapping[str, preflight.Reading[Plan, HostSnapshot]]) -> dict[str, list[str]]:
+    """The refusals across each replica group's ranks (gpufleet.vllm.group_deploy), the GPU gate included: a rank
+    restarts with its group."""
+    found = group_deploy.check_groups(readings)
+    for name, lines in group_deploy.restart_refusals(readings, planned_restart, gpu_refusals).items():
+        found.setdefault(name, []).extend(lines)
+    return found
+
+
+def gpu_warnings(gpus: HostGpus, used: tuple[int, ...]) -> list[str]:
+    """A line per GPU with a finding that does not stop this run."""
+    return [f"{g.line()} ({'the service runs on it' if g in gpus.concern(used) else 'the service does not use it'})"
+            for g in gpus.gpus if g.verdict is not Verdict.OK]
 
 
 @deploy("Deploy Qwen 3.5 on vLLM")
@@ -160,23 +256,29 @@ def deploy_qwen35() -> None:
                           why="router host: deploys/router.py configures it")
         return
     plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host,
-                                     check_fleet=group_deploy.check_groups)
+                                     check_fleet=check_fleet)
     s, spec, layout = plan.settings, plan.spec, plan.layout
     held = remember(host, snap)  # every operation decides from this one read
+    if snap.gpu_health is not None:
+        # For this swap's ledger entry; the swap's restart settles an app-restart Xid before it.
+        gpus = judge(snap.gpu_health, GpuSettings.of(s), app_started_at=time.time())
+        record_gpu(host, gpus.summary(spec.gpus))
+        for line in gpu_warnings(gpus, spec.gpus):
+            host.log_styled(line, fg="yellow")
     has_gpu = bool(snap.gpus)
     ledger = host_ledger(snap.ledger_text, snap.other_ledgers, spec.port)  # preflight refused a corrupt one
     prepare = s[STAGE_SETTING] == "prepare"
     # A cut run's pending version is settled first: dropped, or rolled back (then nothing else runs), or finished
     # below. A prepare run changes no ledger and restarts nothing: it leaves that to the converge.
-    decision, pin = settle_and_pin(plan, snap, prepare)
+    decision, pin, models = settle_and_pin(plan, snap, prepare)
     held.ledger = ledger
     held.ledger_sha256[plan.layout.ledger_path] = snap.file_sha256.get(plan.layout.ledger_path)
-    # A replica group's ranks: one digest, restarted, verified and committed or rolled back together.
+    # A replica group's ranks: one digest and model commit, restarted, verified, committed or rolled back together.
     readings = preflight.fleet_readings(plan_for) if spec.group else {}
-    ranks = group_deploy.group_for(host, spec, readings, lambda r: settle_and_pin(r.plan, r.snapshot, prepare)[1]
-                                   if r.plan is not None and r.snapshot is not None else None)
+    ranks = group_deploy.group_for(host, spec, readings, lambda r: settle_and_pin(r.plan, r.snapshot, prepare)[1:]
+                                   if r.plan is not None and r.snapshot is not None else (None, None))
     if ranks is not None:
-        decision, pin = group_deploy.as_group(decision), ranks.pin
+        decision, pin, models = group_deploy.as_group(decision), ranks.pin, ranks.model
     retry_failed = bool(s[RETRY_SETTING])
 
     api_key = s["vllm_api_key"]
@@ -185,7 +287,8 @@ def deploy_qwen35() -> None:
         spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None, layout.ledger_path,
         served[0] if served else spec.served_model_name,
         checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])),
-        **({} if ranks is None else {"group": ranks}))
+        speed_earlier=(s[SPEED_BASELINE_SETTING] or {}).get(spec.host),
+        speed_tolerance=float(s[SPEED_TOLERANCE_SETTING]), **({} if ranks is None else {"group": ranks}))
     if not isinstance(decision, Nothing):
         service.settled(name="Settle the change a cut run left pending", decision=decision,
                         ledger_path=layout.ledger_path, roll_back=verify.roll_back_cut)
@@ -212,25 +315,27 @@ def deploy_qwen35() -> None:
                                secrets=service.hidden_secrets(s))
     # Before the pull, on every host: the site cache runs (its host) and is trusted (every host pulling through it).
     if site_cache.serves_site(host):
-        site_cache.deploy_site_cache(host, s, spec.image, snap.site_cache_used_kib)
+        site_cache.deploy_site_cache(host, s, spec.image, snap.site_cache_used_kib, models=mirrored_models(host, s))
     cache = site_cache.cache_pull(host, s, spec.image)
     docker.trusts_site_cache(name="Let Docker pull from the site cache, and from no other (insecure-registries)",
                              address=cache.address if cache is not None else None)
+    fetch_s = float(s["vllm_fetch_timeout_s"])
     pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=pin,
-                          service=spec.service, cache=cache)
-    if ranks is not None:
-        group.same_digest(name="Check every rank of the group pulled one digest", group=ranks)
+                          service=spec.service, cache=cache, timeout_s=fetch_s)
     if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag
         committed_ref = ledger.committed.version.ref if ledger.committed else None
         flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref,
                                 pin=pin)
-    model.present(name="Download the model unless it is complete", spec=spec, where=layout.model_dir,
-                  repo=s["vllm_model_repo"], revision=s["vllm_model_revision"],
-                  env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache, pin=pin)
+    model.present(name="Download the model's commit unless it is here and checked",
+                  spec=spec, where=layout.model_dir, model=models,
+                  env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache, pin=pin,
+                  hub=s["vllm_hf_endpoint"], mirror=site_cache.model_mirror(host, s), timeout_s=fetch_s)
+    if ranks is not None:
+        group.same_version(name="Check every rank of the group has one digest and one model commit", group=ranks)
     if prepare:
         return  # gpufleet_stage=prepare: everything slow is done, the old version keeps serving
     unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,
-                        ledger_path=layout.ledger_path, pin=pin, retry_failed=retry_failed)
+                        ledger_path=layout.ledger_path, pin=pin, retry_failed=retry_failed, model=models)
     changes = [unit, secrets, pinned, runtime]
     finish = isinstance(decision, FinishPending)
     # A pending version that already runs (the cut came after its restart) is verified, not restarted again.
@@ -239,7 +344,7 @@ def deploy_qwen35() -> None:
         ranks.join(host.name, changes, group_deploy.restart_reasons(snap, spec, decision))
     service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
                     changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
-                    replaces=replaced_service(ledger, spec.service), group=ranks)
+                    replaces=replaced_service(ledger, spec.service), model=models, group=ranks)
     # After a (re)start: ready, then still ready for vllm_ready_soak_s. Its verdict picks one of the two operations
     # after it while executing (_if); --dry lists both as conditional changes of a host that will be verified.
     verified = service.ready(name="Verify vLLM is ready (/health, /v1/models), else roll back", spec=spec,

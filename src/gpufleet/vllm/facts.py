@@ -13,6 +13,7 @@ from typing import Any
 from pyinfra.api import FactBase
 from pyinfra.api.exceptions import FactProcessError
 
+from gpufleet.facts.gpu_health import GpuHealth, parse_health
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion, parse_gpus, parse_version
 from gpufleet.hoststate import reader, sections
 from gpufleet.vllm.host_command import (
@@ -21,7 +22,9 @@ from gpufleet.vllm.host_command import (
     DOCKER_CONTAINERS,
     DOCKER_IMAGES,
     DRIVER_FILE,
+    GPU_HEALTH,
     GROUP_PROBE_TIMEOUT_S,
+    KERNEL_LOG,
     TIMED_OUT,
     Paths,
     snapshot_command,
@@ -106,6 +109,7 @@ class HostSnapshot:
     driver_output: str | None = None
     driver_from_file: bool = False  # driver came from Paths.nvidia_version_file, not from nvidia-smi
     nvidia_error: str | None = None  # nvidia-smi present but its output unusable
+    gpu_health: GpuHealth | None = None  # None: not read (no GPU, or nvidia-smi failed before it)
     daemon_json: dict[str, Any] | None = None  # None: no file
     daemon_json_error: str | None = None
     free_kib: dict[str, int] = field(default_factory=dict)  # "docker"/"models" -> KiB free
@@ -126,6 +130,7 @@ class HostSnapshot:
     model_files: dict[str, int] = field(default_factory=dict)  # name -> size, top level of the model dir
     model_shards: list[str] = field(default_factory=list)  # shards listed by model.safetensors.index.json
     model_incomplete: list[str] = field(default_factory=list)  # hf's *.incomplete partial downloads
+    model_checked: str | None = None  # repo@commit whose hub hashes every file matched (gpufleet.vllm.weights)
     dirs: dict[str, tuple[str, str, str] | None] = field(default_factory=dict)  # path -> (user, group, mode)
     units: dict[str, tuple[str, str]] = field(default_factory=dict)  # unit -> (is-active, is-enabled)
     service_unit: ServiceUnit | None = None
@@ -207,6 +212,8 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
                     snap.driver_output = "\n".join(driver) + "\n"
         except FactProcessError as error:
             snap.nvidia_error = str(error)
+    if snap.gpus and s.get(GPU_HEALTH):
+        snap.gpu_health = parse_health(s[GPU_HEALTH], s.get(KERNEL_LOG, []))
     text = "\n".join(s.get("daemon_json", [])).strip()
     if text:
         try:
@@ -257,6 +264,8 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         kind, _, rest = line.partition(" ")
         if kind == "shard":
             shards.add(rest)
+        elif kind == "checked":
+            snap.model_checked = rest.strip() or None
         elif kind == "incomplete":
             if len(snap.model_incomplete) < MAX_INCOMPLETE:
                 snap.model_incomplete.append(rest)

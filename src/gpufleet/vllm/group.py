@@ -73,9 +73,10 @@ class Member:
         sockets = {"GLOO_SOCKET_IFNAME": self.interface, "NCCL_SOCKET_IFNAME": self.interface} if self.interface else {}
         return {"VLLM_HOST_IP": self.address, **sockets}
 
-    def version(self, image_ref: str) -> str:
-        """"<group>@<16 hex>" of the digest and every rank's spec hash: the version each rank's ledger names."""
-        canonical = json.dumps([image_ref, list(self.spec_hashes)], separators=(",", ":"))
+    def version(self, image_ref: str, model: str | None = None) -> str:
+        """"<group>@<16 hex>" of the digest, the model's commit (repo@commit, None: staged by hand) and every rank's
+        spec hash: the version each rank's ledger names."""
+        canonical = json.dumps([image_ref, list(self.spec_hashes), *([model] if model else [])], separators=(",", ":"))
         return f"{self.group}@{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
 
 

@@ -23,6 +23,7 @@ from gpufleet.vllm.operations.group import GroupRun, group_run
 from gpufleet.vllm.operations.service import serves_expected
 from gpufleet.vllm.settings import resolve_host
 from gpufleet.vllm.spec import ServeSpec
+from gpufleet.vllm.weights import ModelTarget
 from gpufleet.wire.identity import Expected
 
 # What a reading's plan holds that these read (gpufleet.vllm.deploy.Plan).
@@ -83,18 +84,41 @@ def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[st
     return found
 
 
+def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Callable[[Reading[Any, Any]], str | None],
+                     refusals: Callable[[str, Reading[Any, Any], str], list[str]]) -> dict[str, list[str]]:
+    """A rank restarts whenever any rank of its group does: refusals(rank, reading, why) for each rank whose own
+    converge would not restart it (restart_of: why a host's would, as check_host judged it)."""
+    found: dict[str, list[str]] = {}
+    groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
+              if r.plan is not None and r.plan.spec.group is not None}
+    for member in groups.values():
+        read = {h: readings[h] for h in member.hosts if h in readings and readings[h].plan and readings[h].snapshot}
+        restarts = {h: why for h, r in read.items() if (why := restart_of(r)) is not None}
+        if not restarts:
+            continue
+        first, why = next(iter(restarts.items()))
+        for h, r in read.items():
+            if h not in restarts:
+                found[h] = refusals(h, r, f"restart with its group ({first} would {why})")
+    return {h: lines for h, lines in found.items() if lines}
+
+
 def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, Any]],
-              pin_of: Callable[[Reading[Any, Any]], str | None]) -> GroupRun | None:
-    """The host's group in this run (None for a replica of its own): its pin is the first rank's with one, head
-    first, so every rank installs one digest known before the pulls whenever any rank's ledger knows it."""
+              pins_of: Callable[[Reading[Any, Any]], tuple[str | None, ModelTarget | None]]) -> GroupRun | None:
+    """The host's group in this run (None for a replica of its own): its digest and model commit are each the first
+    rank's with one, head first, so every rank installs one version known before the pulls whenever any rank's
+    ledger knows it."""
     member = spec.group
     if member is None:
         return None
 
-    def pin() -> str | None:
-        return next((ref for h in member.hosts if (ref := pin_of(readings[h])) is not None), None)
+    def pins() -> tuple[str | None, ModelTarget | None]:
+        found = [pins_of(readings[h]) for h in member.hosts]
+        models = [m for _, m in found if m is not None]
+        return (next((ref for ref, _ in found if ref is not None), None),
+                next((m for m in models if m.pin is not None), models[0] if models else None))
 
-    return group_run(host.state, member, pin)
+    return group_run(host.state, member, pins)
 
 
 def as_group(decision: Resume) -> Resume:

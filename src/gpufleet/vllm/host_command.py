@@ -2,19 +2,19 @@
 (Paths) and the shell that reads it.
 
 A no-op re-converge should cost little more than connecting (bench/deploy_bench.py measures it), so instead of one
-command per fact the deploy reads the host once: OS, GPUs (the exact nvidia-smi queries of gpufleet.facts.nvidia),
-free disk, Docker's daemon.json, package states, checksums of the files the deploy writes, the repos' keys as they
-serve them now (only where a keyring is missing, or with refresh_keys), the ledgers (gpufleet.hoststate.reader, as
-the rollout reads them), local images, the model directory, unit states, the unit file vllm_service names (its
-first line tells gpufleet's units from others), what really runs (systemd's view of the unit, the spec hash and
-digest its file pins, the running container's label and image) and a readiness probe. Sections are separated by
-marker lines (gpufleet.hoststate.sections).
+command per fact the deploy reads the host once: OS, GPUs (the exact nvidia-smi queries of gpufleet.facts.nvidia)
+and their health (gpufleet.facts.gpu_health), free disk, Docker's daemon.json, package states, checksums of the
+files the deploy writes, the repos' keys as they serve them now (only where a keyring is missing, or with
+refresh_keys), the ledgers (gpufleet.hoststate.reader, as the rollout reads them), local images, the model
+directory, unit states, the unit file vllm_service names (its first line tells gpufleet's units from others), what
+really runs (systemd's view of the unit, the spec hash and digest its file pins, the running container's label and
+image) and a readiness probe. Sections are separated by marker lines (gpufleet.hoststate.sections).
 
 Its cost is paid on every host at every converge, and the hosts' CPU is what a fleet converge waits for: so it
 starts few programs. Docker's images and containers come from the Engine API through the one curl that reads
 everything else over HTTP (the docker CLI costs more CPU than the rest of the snapshot but nvidia-smi), small
-pipelines are one program each, and nvidia-smi runs once, not twice, while the driver's version file (driver_lines)
-names the driver its GPU query reports.
+pipelines are one program each, and nvidia-smi runs twice (the GPU and health queries), not three times, while the
+driver's version file (driver_lines) names the driver its GPU query reports.
 
 The command is read-only: nothing on the host changes (preflight relies on that). Every program in it that can
 hang on a broken host (nvidia-smi on a wedged driver, systemctl waiting on its daemon, df on a dead mount) runs
@@ -30,11 +30,13 @@ import shlex
 import urllib.parse
 from dataclasses import dataclass
 
+from gpufleet.facts.gpu_health import kernel_shell, query_shell
 from gpufleet.facts.nvidia import QUERY_GPUS, QUERY_VERSION
 from gpufleet.hoststate import reader
 from gpufleet.hoststate.sections import MARK, end, marker, print_file
 from gpufleet.names import LOOPBACK, container_label_key, url_host
 from gpufleet.units import unit_name, unit_path
+from gpufleet.vllm.weights import MARKER
 from gpufleet.wire.metrics import CACHE_CONFIG
 
 DAEMON_JSON = "/etc/docker/daemon.json"
@@ -44,6 +46,7 @@ DOCKER_SOCKET = "/var/run/docker.sock"
 DOCKER_IMAGES, DOCKER_CONTAINERS = "docker_images", "docker_containers"
 # The section of `nvidia-smi --version` when read from Paths.nvidia_version_file instead of nvidia-smi.
 DRIVER_FILE = "driver_file"
+GPU_HEALTH, KERNEL_LOG = "gpu_health", "kernel_log"
 # Seconds any one program in the snapshot may take (nvidia-smi starts slowly on drivers without persistence mode;
 # a healthy host answers everything in well under a second). `timeout` exits 124 when it cut the program off, and
 # 128+9 when the program ignored SIGTERM and had to be killed (-k): both mean "did not answer in time".
@@ -152,6 +155,10 @@ def snapshot_command(paths: Paths) -> str:
         "gd=; " + nvidia("gpus", QUERY_GPUS, answered="gd=${g%%\"$nl\"*}; gd=${gd#*, *, *, *, *, *, }; gd=${gd%%,*}; "
                           "case $gd in ''|*[!0-9.]*) gd=;; esac"),
         *driver_lines(paths.nvidia_version_file, nvidia("driver", QUERY_VERSION)),
+        # GPU health, where the GPU query listed GPUs ($gd).
+        f"{marker(GPU_HEALTH)}; if [ $nv = 1 ] && [ -n \"$gd\" ]; then {query_shell()}; case $r in {timed_out}) nv=0;; "
+        "esac; fi",
+        f"{marker(KERNEL_LOG)}; [ $nv = 1 ] && [ -n \"$gd\" ] && {{ {kernel_shell()}; }}",
         f"{marker('daemon_json')}; dr=; {print_file(q(DAEMON_JSON), 'case $l in *data-root*) dr=1;; esac; ')}",
         # Docker keeps images under data-root; read it without needing a JSON parser or a running daemon (sed only
         # when a line names it: most files do not).
@@ -179,7 +186,8 @@ def snapshot_command(paths: Paths) -> str:
         "\\( -path './*' ! -path './*/*' -type f -printf '%f %s\\n' \\) 2>/dev/null; "
         "[ -f model.safetensors.index.json ] && awk '{ while (match($0, /\"[^\"]*\\.safetensors\"/)) { "
         "s[substr($0, RSTART + 1, RLENGTH - 2)] = 1; $0 = substr($0, RSTART + RLENGTH) } } "
-        "END { for (n in s) print \"shard \" n }' model.safetensors.index.json; cd /; fi",
+        "END { for (n in s) print \"shard \" n }' model.safetensors.index.json; "
+        f"[ -f {MARKER} ] && sed -n '1s/^/checked /p' {MARKER}; cd /; fi",
         f"{marker('dirs')}; stat -c '%U %G %a %n' {dirs} 2>/dev/null",
         # systemd's view of docker.service and the service's unit, in one call (one block each, in this order: the
         # parser takes the second for the service); then, with shell builtins only, the first line of the unit

@@ -9,10 +9,18 @@ from __future__ import annotations
 import ipaddress
 import posixpath
 import re
+from urllib.parse import urlsplit
 from collections.abc import Mapping
 from typing import Any
 
-from gpufleet.defaults import DEFAULTS, EXPECT_COMMITTED_SETTING, IMAGE_REF_SETTING, LEASE_SETTING, WAIT_SETTING
+from gpufleet.defaults import (
+    DEFAULTS,
+    EXPECT_COMMITTED_SETTING,
+    IMAGE_REF_SETTING,
+    LEASE_SETTING,
+    MODEL_REF_SETTING,
+    WAIT_SETTING,
+)
 from gpufleet.errors import shown
 from gpufleet.image_names import parse as parse_image
 from gpufleet.names import SERVICE_NAME
@@ -166,6 +174,15 @@ def check_plain_settings(s: Mapping[str, Any], fail: Fail) -> None:
                                                  or not _HF_REVISION.fullmatch(s["vllm_model_revision"])):
         fail("vllm_model_revision", f"{shown(s['vllm_model_revision'])} is not a branch, tag or commit",
              'e.g. "main" or a commit hash, or None')
+    ref = s[MODEL_REF_SETTING]
+    if ref is not None and (not isinstance(ref, str) or not re.fullmatch(r"[0-9a-f]{40}", ref)):
+        fail(MODEL_REF_SETTING, f"{shown(ref)} is not a commit of vllm_model_repo", "a 40-hex commit id, or None")
+    elif ref is not None and s["vllm_model_repo"] is None:
+        fail(MODEL_REF_SETTING, "is set but vllm_model_repo is None", "set vllm_model_repo, or drop it")
+    hub = urlsplit(s["vllm_hf_endpoint"]) if isinstance(s["vllm_hf_endpoint"], str) else None
+    if hub is None or hub.scheme not in ("http", "https") or not hub.hostname or hub.query or " " in hub.geturl():
+        fail("vllm_hf_endpoint", f"{shown(s['vllm_hf_endpoint'])} is not an http(s) URL",
+             f'e.g. "{DEFAULTS["vllm_hf_endpoint"]}"')
     for key in ("vllm_ready_timeout", "vllm_ready_soak_s", "gpufleet_min_free_gb_docker",
                 "gpufleet_min_free_gb_models", WAIT_SETTING, LEASE_SETTING):
         value = s[key]
@@ -227,7 +244,7 @@ def check_site_cache(s: Mapping[str, Any], fail: Fail) -> None:
                                         or not 1 <= int(address.rpartition(":")[2]) <= 65535):
         fail("site_cache_address", f"{shown(address)} is not host:port",
              'use "" (the inventory\'s site_cache host), "off", or e.g. "10.0.0.5:5001"')
-    timeout = s["site_cache_pull_timeout_s"]
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not_finite(timeout) or timeout <= 0:
-        fail("site_cache_pull_timeout_s", f"{shown(timeout)} is not a positive number of seconds",
-             f"e.g. {DEFAULTS['site_cache_pull_timeout_s']}")
+    for key in ("site_cache_pull_timeout_s", "vllm_fetch_timeout_s"):
+        timeout = s[key]
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not_finite(timeout) or timeout <= 0:
+            fail(key, f"{shown(timeout)} is not a positive number of seconds", f"e.g. {DEFAULTS[key]}")

@@ -18,9 +18,14 @@ from typing import Any
 from gpufleet.defaults import (
     DEFAULTS,
     EXPECT_COMMITTED_SETTING,
+    GPU_CLEARED_SETTING,
+    GPU_VERDICTS_SETTING,
     IMAGE_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
+    SPEED_BASELINE_SETTING,
+    SPEED_BATCHES_SETTING,
+    SPEED_TOLERANCE_SETTING,
     STAGE_SETTING,
     STAGES,
     VERIFY_CHECKS_SETTING,
@@ -50,13 +55,15 @@ from gpufleet.vllm.spec import ArgValue, Mount, ServeSpec
 from gpufleet.vllm.unit import DOCKER
 from gpufleet.vllm.value_rules import Fail, control_character
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
+from gpufleet.wire.speed import SpeedFigures
+from gpufleet.wire.gpu_verdicts import Verdict, cleared_at, verdict_table
 
 # Prefixes of our settings: other host data (ssh_*, pyinfra's own keys, users' extras) is not ours to judge.
 _OUR_PREFIXES = ("vllm_", "gpufleet_", "docker_", "nvidia_")
 # systemd refuses unit file lines longer than LONG_LINE_MAX (1 MiB); keep room for the pinned digest.
 MAX_UNIT_LINE_BYTES = 1024 * 1024 - 4096
 # Settings that change what one run does; their values may come from `--data key=value` on pyinfra's command line.
-RUN_FLAGS = (RETRY_SETTING, VERIFY_PROBE_SETTING, REFRESH_KEYS_SETTING)
+RUN_FLAGS = (RETRY_SETTING, VERIFY_PROBE_SETTING, REFRESH_KEYS_SETTING, SPEED_BATCHES_SETTING)
 _BOOL_WORDS = {"true": True, "false": False}
 
 
@@ -141,7 +148,9 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
     if not isinstance(model, str) or not model or model.startswith("/") or ".." in model.split("/"):
         fail("vllm_model", f"{shown(model)} is not a directory name under vllm_models_dir", 'set e.g. "qwen3.5-awq"')
     check_plain_settings(s, fail)
+    _check_gpu_settings(s, fail)
     _check_run_settings(s, fail)
+    _check_speed_settings(s, fail)
     check_install_settings(s, fail)
     check_site_cache(s, fail)
     if member is not None:
@@ -222,6 +231,36 @@ def _check_run_settings(s: Mapping[str, Any], fail: Fail) -> None:
             fail(key, f"{shown(s[key])} is not true/false", f"set True or False, or pass --data {key}=true")
     if s[STAGE_SETTING] not in STAGES:
         fail(STAGE_SETTING, f"{shown(s[STAGE_SETTING])} is not a stage", f"use one of: {', '.join(STAGES)}")
+
+
+def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
+    """The speed check's tolerance, and the baseline a rollout passes: parsed into {host: SpeedFigures}."""
+    tolerance = s[SPEED_TOLERANCE_SETTING]
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 < tolerance < 1:
+        fail(SPEED_TOLERANCE_SETTING, f"{shown(tolerance)} is not a fraction between 0 and 1",
+             f"e.g. {DEFAULTS[SPEED_TOLERANCE_SETTING]} (a figure may lose 70% of its speed)")
+    baseline = s[SPEED_BASELINE_SETTING]
+    if baseline is None:
+        return
+    try:
+        if not isinstance(baseline, dict) or not all(isinstance(k, str) for k in baseline):
+            raise ValueError("not a map of host name to figures")
+        s[SPEED_BASELINE_SETTING] = {host: SpeedFigures.from_dict(doc) for host, doc in baseline.items()}
+    except ValueError as error:
+        fail(SPEED_BASELINE_SETTING, f"{shown(baseline)}: {error}",
+             "leave it unset: a rollout passes it, measured on each host before its swap")
+def _check_gpu_settings(s: Mapping[str, Any], fail: Fail) -> None:
+    """The GPU verdict table's overrides and gpufleet_gpu_cleared_at (docs/gpu-health.md)."""
+    try:
+        verdict_table(s[GPU_VERDICTS_SETTING])
+    except ValueError as error:
+        fail(GPU_VERDICTS_SETTING, str(error), f"map signals of the table in docs/gpu-health.md to one of "
+                                               f"{', '.join(Verdict)}, e.g. {{\"xid 43\": \"ok\"}}")
+    try:
+        cleared_at(s[GPU_CLEARED_SETTING])
+    except ValueError as error:
+        fail(GPU_CLEARED_SETTING, f"{shown(s[GPU_CLEARED_SETTING])} {error}",
+             'give an ISO 8601 time with its zone, e.g. "2026-12-03T10:00:00Z", or None')
 
 
 def _check_unit_line(spec: ServeSpec, fail: Fail) -> None:

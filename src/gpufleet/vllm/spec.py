@@ -11,6 +11,7 @@ import hashlib
 import json
 import posixpath
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,10 +154,12 @@ class ServeSpec:
                 argv += [f"--{name}", value]
         return argv
 
-    def docker_run_argv(self, image: str | None = None, docker: str = "docker") -> list[str]:
+    def docker_run_argv(self, image: str | None = None, docker: str = "docker", model: str | None = None) -> list[str]:
         """The full `docker run` argv, in the write-up's order: --rm, label, runtime, --gpus, options, port,
-        env, mounts, image, vLLM flags."""
+        env, mounts, image, vLLM flags. model: the model's commit (repo@commit), a label of its own for status."""
         argv = [docker, "run", "--rm", "--label", self.container_label]
+        if model:
+            argv += ["--label", f"{model_label_key(self.service)}={model}"]
         options = dict(self.docker_options)
         if "runtime" in options:
             argv += _option_args("runtime", options.pop("runtime"))
@@ -184,19 +187,27 @@ class ServeSpec:
                 "-e", "VLLM_NO_USAGE_STATS=1", image, *self.vllm_argv(model=FLAG_CHECK_MODEL)]
 
     def hf_download_argv(self, image: str, repo: str, revision: str | None, hf_cache: str | None,
-                         env_file: str | None, docker: str = "docker") -> list[str]:
+                         env_file: str | None, docker: str = "docker", env: Mapping[str, str] = {}) -> list[str]:
         """`docker run --rm --entrypoint hf ... download`: the serving image's own hf CLI writes the model where
         the service reads it (the model mount, --local-dir = --model). The token, if any, only comes through the
-        root-only env_file; hf_cache (a host dir) keeps partial downloads, so a re-run resumes."""
-        argv = [docker, "run", "--rm", "--entrypoint", "hf", "-v", self.model_mount.volume_arg()]
+        root-only env_file; hf_cache (a host dir) keeps partial downloads, so a re-run resumes; env: HF_ENDPOINT and
+        HF_HUB_DISABLE_XET (gpufleet.vllm.weights.env_for_download)."""
+        # The host's network: the download reaches the site cache or the hub as the host's own check of them did.
+        argv = [docker, "run", "--rm", "--network", "host", "--entrypoint", "hf", "-v", self.model_mount.volume_arg()]
         if hf_cache:
             argv += ["-v", f"{hf_cache}:{HF_CACHE_CONTAINER_PATH}"]
         if env_file:
             argv += ["--env-file", env_file]
+        argv += [a for name, value in sorted(env.items()) for a in ("-e", f"{name}={value}")]
         argv += [image, "download", repo, "--local-dir", self.model_path]
         if revision:
             argv += ["--revision", revision]
         return argv
+
+
+def model_label_key(service: str) -> str:
+    """The container label that names the model's commit it was started on."""
+    return f"{container_label_key(service)}.model"
 
 
 def _option_args(name: str, value: OptionValue) -> list[str]:

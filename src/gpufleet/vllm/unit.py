@@ -34,14 +34,15 @@ def env_file_path(service: str) -> str:
     return f"/etc/gpufleet/{service}.env"
 
 
-def render_unit(spec: ServeSpec, image_ref: str | None = None) -> str:
-    """The unit text for spec, running image_ref (the pinned digest at deploy time; the spec's image if None)."""
+def render_unit(spec: ServeSpec, image_ref: str | None = None, model: str | None = None) -> str:
+    """The unit text for spec, running image_ref (the pinned digest at deploy time; the spec's image if None);
+    model: the model's commit (repo@commit), named in the header so that a new commit is a new unit."""
     image_ref = image_ref or spec.image
     docker_stop_s, timeout_stop_s = stop_timeouts(spec)
     member = spec.group
     return render_template(
-        "vllm.service.j2", spec=spec, image_ref=image_ref, env_file=env_file_path(spec.service),
-        exec_start=systemd_exec(spec.docker_run_argv(image=image_ref, docker=DOCKER)),
+        "vllm.service.j2", spec=spec, image_ref=image_ref, model=model, env_file=env_file_path(spec.service),
+        exec_start=systemd_exec(spec.docker_run_argv(image=image_ref, docker=DOCKER, model=model)),
         docker_stop_s=docker_stop_s, timeout_stop_s=timeout_stop_s, start_timeout_s=START_TIMEOUT_S,
         member=member, watch=systemd_exec(watch_argv(spec)) if member else "",
     )

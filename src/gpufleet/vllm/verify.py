@@ -33,12 +33,14 @@ from functools import partial
 from pyinfra.api import Host, State
 from pyinfra.context import ctx_host
 
+from gpufleet.defaults import DEFAULTS, SPEED_TOLERANCE_SETTING
 from gpufleet.health import HealthReport, HealthState, check, poll_ready, soak
 from gpufleet.health.answers import AnswerCheck, check_answers, check_completion
 from gpufleet.health.answers import failed as failed_answers
 from gpufleet.health.check import reached
 from gpufleet.health.serving import Served, run_checks
 from gpufleet.health.serving import failed as failed_serving
+from gpufleet.health.speed import speed_check
 from gpufleet.health.wait import transient
 from gpufleet.hoststate.ledger import Version
 from gpufleet.hoststate.ledger import roll_back as ledger_roll_back
@@ -47,13 +49,15 @@ from gpufleet.operations.run import host_run, run_context
 from gpufleet.operations.secret import Hidden
 from gpufleet.remote.ssh import transport_from_pyinfra_host
 from gpufleet.remote.transport import ContainerInfo
-from gpufleet.vllm.commit import commit_pending, roll_back
+from gpufleet.vllm.commit import commit_pending, roll_back, runs_problem
 from gpufleet.vllm.operations.image import now_utc
 from gpufleet.vllm.operations.service import save_ledger
 from gpufleet.vllm.service_watch import failed_logs, service_exited
 from gpufleet.vllm.spec import ServeSpec
+from gpufleet.wire.checks import SPEED
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected
+from gpufleet.wire.speed import SpeedFigures
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class VerifyOutcome:
     failed: str = ""  # failed: "<state>: <detail>", with docker's words when the port was taken
     check: str | None = None  # failed: the answer or serving check that failed (the failure mark names it)
     port_taken: bool = False  # failed: docker could not publish the port (the fix says what to look at)
+    speed: SpeedFigures | None = None  # passed: what its speed check measured (the commit records it)
 
 
 class VerifyOutcomes(dict[str, VerifyOutcome]):
@@ -103,6 +108,10 @@ class Verification:
     # gpufleet_verify_checks (with "prefix-cache" when gpufleet_verify_probe): the serving checks a new version must
     # pass, where its settings give them something to check (gpufleet.health.serving)
     checks: tuple[str, ...] = ()
+    # The speed check's: the old version's figures on this host (gpufleet_speed_baseline; None: record only), and
+    # how much slower a figure may be (gpufleet_speed_tolerance)
+    speed_earlier: SpeedFigures | None = None
+    speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
 
     def verify(self, state: State, host: Host, soak_s: float) -> bool:
         """Verify and keep the verdict for the rollback (the next command) and the commit (the next operation). A
@@ -120,7 +129,9 @@ class Verification:
         if found is None or not found.passed:  # the operation's _if runs it after a pass only: never guessed
             return fail(host, f"{host.name}: nothing committed: this run's verify did not pass on the host (fix: "
                               "converge again)")
-        return commit_pending(host, self, found.ready_at)
+        if len(state.activated_hosts) > 1 and not still_serving(host, self):
+            return False
+        return commit_pending(host, self, found.ready_at, found.speed)
 
     def roll_back_if_failed(self, state: State, host: Host) -> bool:
         """After the verify: passed, nothing to do (the commit follows); failed, back to the committed version, the
@@ -132,11 +143,14 @@ class Verification:
         return True if found.passed else after_failed_verify(host, self, found)
 
     def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
-        """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one."""
+        """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one;
+        unmarked when docker could not publish its port."""
         ledger = host_run(host).ledger
         assert ledger.pending is not None and ledger.committed is not None  # what RollBackPending means
         host.log_styled(f"{reason}: rolling it back", fg="yellow")
-        return roll_back(host, self, ledger, reason)
+        taken = port_taken(failed_logs(host, transport_from_pyinfra_host(host), self.spec.service), self.spec.port)
+        return roll_back(host, self, ledger, reason + (f"; port {self.spec.port} is taken on the host ({taken})"
+                                                        if taken else ""), mark=taken is None)
 
     @property
     def key(self) -> str | None:
@@ -158,7 +172,8 @@ def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], Answ
                  clock: Callable[[], float] = time.monotonic) -> Callable[[], HealthReport]:  # fmt: skip
     """check_once, plus a request sent (at most every `every_s`) while the host reads ready: a failed answer makes
     the look misconfigured, with the check's line as its evidence; unless a look right after it finds the host no
-    longer ready (its engine died meanwhile), which says more."""
+    longer ready (its engine died meanwhile), which says more. One that got no answer says nothing: the next look
+    stands."""
     last_sent: list[float] = []
 
     def look() -> HealthReport:
@@ -166,6 +181,8 @@ def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], Answ
         if report.ready and (not last_sent or clock() - last_sent[-1] >= every_s):
             last_sent[:] = [clock()]
             answer = send()
+            if not answer.ran:
+                return check_once()
             if not answer.ok:
                 return answer_failed(check_once, f"answers: {answer.line()}")
         return report
@@ -180,10 +197,14 @@ def answer_failed(check_once: Callable[[], HealthReport], line: str) -> HealthRe
     return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=line)
 
 
+class CheckNotRun(Exception):
+    """A check could not run while the host still read ready (one line naming it)."""
+
+
 def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome | None:
     """Ready within timeout_s, then still ready for soak_s, answering as a client expects: passed. Else failed (the
-    failed container's log printed). None: the verify could not finish (the controller lost sight of the host); the
-    host failed on one line and the new version stays pending."""
+    failed container's log printed). None: the verify could not finish (the controller lost sight of the host, or a
+    check could not run); the host failed on one line and the new version stays pending."""
     spec = v.spec
     exited = service_exited(host, spec.service)
     check_once = v.check_once(host, Expected.from_spec(spec))
@@ -202,19 +223,27 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
     problem = installed_problem(pending.version, report.container) if report.ready and pending else None
     if problem:
         report = replace(report, state=HealthState.MISCONFIGURED, detail=problem)
-    if report.ready:
-        report, failed_check = answers_report(host, v, report, check_once)
-    if report.ready and pending is not None and v.checks:
-        report, failed_check = serving_report(host, v, report, check_once)
-    if report.ready:
+    not_run = None
+    figures = None
+    try:
+        if report.ready:
+            report, failed_check = answers_report(host, v, report, check_once)
+        if report.ready and pending is not None and SPEED in v.checks:
+            report, failed_check, figures = speed_report(host, v, report, check_once)
+        if report.ready and pending is not None and v.checks:
+            report, failed_check = serving_report(host, v, report, check_once)
+    except CheckNotRun as unknown:
+        not_run = str(unknown)
+    if report.ready and not_run is None:
         host.log_styled(f"ready: {report.detail}", fg="green")
-        return VerifyOutcome(passed=True, ready_at=ready_at)
-    if transient(report) and pending is not None:
-        # The controller lost sight of the host; the host said nothing against the version. Neither committed nor
-        # rolled back, nor marked failed: it stays pending, and the next run (ledger.resume) verifies it again.
-        fail(host, f"{host.name}: could not finish verifying {spec.service} ({report.state}: {report.detail}); "
-                   "nothing was committed or rolled back, the new version stays pending (fix: restore the link to the "
-                   "host, then converge again: the next run verifies it)")
+        return VerifyOutcome(passed=True, ready_at=ready_at, speed=figures)
+    if not_run is not None or (transient(report) and pending is not None):
+        # Nothing against the version: it stays pending, unmarked, and the next run (ledger.resume) verifies it again.
+        why = not_run or f"{report.state}: {report.detail}"
+        kept = ", the new version stays pending" if pending else ""
+        fix = "converge again" if not_run else "restore the link to the host, then converge again"
+        fail(host, f"{host.name}: could not finish verifying {spec.service} ({why}); nothing was committed or rolled "
+                   f"back{kept} (fix: {fix}: the next run verifies it)")
         return None
 
     logs = failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]
@@ -228,19 +257,38 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
     return VerifyOutcome(passed=False, failed=failed, check=failed_check, port_taken=taken is not None)
 
 
+def still_serving(host: Host, v: Verification) -> bool:
+    """One more look before the commit of a run with other hosts (it waited for the slowest one's verify): not
+    ready is a failed verify; a look that says nothing leaves the version pending; False either way."""
+    pending = host_run(host).ledger.pending
+    report = v.check_once(host, Expected.from_spec(v.spec))()
+    problem = installed_problem(pending.version, report.container) if report.ready and pending else None
+    if report.ready and problem is None:
+        return True
+    if transient(report):
+        return fail(host, f"{host.name}: could not look at {v.spec.service} again before its commit ({report.state}: "
+                          f"{report.detail}); nothing was committed or rolled back, the new version stays pending "
+                          "(fix: restore the link to the host, then converge again: the next run verifies it)")
+    detail = problem or f"{report.state}: {report.detail}"
+    return after_failed_verify(host, v, VerifyOutcome(
+        passed=False, failed=f"{detail} (after its verify, while the run waited for the other hosts)"))
+
+
 def after_failed_verify(host: Host, v: Verification, found: VerifyOutcome) -> bool:
     """After a failed verify: the rollback to the committed version when there is one to go back to; else the pending
     version marked failed. Always False: the host failed, on one line."""
     spec, ledger = v.spec, host_run(host).ledger
+    # Another process on the port is the host's fault: the version is not marked.
+    mark = not found.port_taken
     if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
         # Nothing verified to go back to (a first install, or a restart of the committed version itself).
-        if ledger.pending is not None and not save_ledger(host, v.ledger_path, ledger_roll_back(
+        if mark and ledger.pending is not None and not save_ledger(host, v.ledger_path, ledger_roll_back(
                 ledger, found.failed, now_utc(), check=found.check)):
             return False
         fix = (f"`ss -ltnp 'sport = :{spec.port}'` on the host shows what holds it: stop that, or set vllm_port to a "
                "free port" if found.port_taken else f"see the container log above; `journalctl -u {spec.service}`")
         return fail(host, f"{host.name}: {spec.service} not ready ({found.failed}) (fix: {fix})")
-    return roll_back(host, v, ledger, found.failed, check=found.check)
+    return roll_back(host, v, ledger, found.failed, check=found.check, mark=mark)
 
 
 _PORT_TAKEN = ("address already in use", "port is already allocated")
@@ -261,14 +309,7 @@ def installed_problem(version: Version, container: ContainerInfo | None) -> str 
     """What answers must be what this run installed: the running container started from the pending digest with the
     pending spec's label. An older container still answering on the port (its replacement never started) is not the
     version to commit: one line saying what runs instead, or None."""
-    if container is None or not container.running:
-        return f"no running container of {version.service or 'the service'} answered"
-    if container.image != version.ref:
-        return f"the container answering runs {container.image}, not {version.ref}, which this run installed"
-    if version.spec_hash and container.spec_hash != version.spec_hash:
-        return (f"the container answering has spec {container.spec_hash or 'unlabelled'}, not {version.spec_hash}, "
-                "which this run installed")
-    return None
+    return runs_problem(version, container, "this run installed")
 
 
 def answers_report(host: Host, v: Verification, ready: HealthReport,
@@ -279,7 +320,7 @@ def answers_report(host: Host, v: Verification, ready: HealthReport,
     as it was when all passed) and the failed check's name."""
     checks = check_answers(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
                            api_key=v.key)
-    bad = failed_answers(checks)
+    bad = failed_answers([c for c in checks if c.ran])
     return _judged(host, "answer check", checks, ready, check_once, bad and f"answers: {bad}")
 
 
@@ -288,21 +329,43 @@ def serving_report(host: Host, v: Verification, ready: HealthReport,
     """The serving checks (gpufleet.health.serving) a new version is held to: the prefix cache, cached equals cold,
     sessions kept apart, the tool and reasoning parsers. A failed one is a failed verify, like a failed answer."""
     served = Served.from_spec(v.spec)
-    names = served.applicable(v.checks)
+    names = served.applicable([name for name in v.checks if name != SPEED])  # speed_report ran it
     if not names:
         return ready, None
     host.log_styled(f"serving checks: {', '.join(names)} (gpufleet_verify_checks)")
     checks = run_checks(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
                         served, names, api_key=v.key)
-    return _judged(host, "serving check", checks, ready, check_once, failed_serving(checks))
+    return _judged(host, "serving check", checks, ready, check_once, failed_serving([c for c in checks if c.ran]))
+
+
+def speed_report(host: Host, v: Verification, ready: HealthReport, check_once: Callable[[], HealthReport]
+                 ) -> tuple[HealthReport, str | None, SpeedFigures | None]:
+    """The speed check (gpufleet.health.speed): the new version measured and held to the old one's figures; a
+    regression beyond the tolerance, or a stall under load, is a failed verify. Returns the figures too."""
+    host.log_styled(f"speed check: {'against the old version' if v.speed_earlier else 'no earlier figures'}, "
+                    f"at most {v.speed_tolerance:.0%} slower")
+    check, figures = speed_check(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec),
+                                 ready.container), Served.from_spec(v.spec), v.speed_earlier, v.speed_tolerance,
+                                 api_key=v.key)
+    report, failed_check = _judged(host, "serving check", (check,), ready, check_once,
+                                   None if check.ok else f"check {check.line()}")
+    return report, failed_check, figures
 
 
 def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthReport,
             check_once: Callable[[], HealthReport], bad: str | None) -> tuple[HealthReport, str | None]:
+    """A wrong answer fails the verify; a check that could not run raises CheckNotRun, unless the host is no longer
+    ready."""
     for c in checks:
-        host.log_styled(f"{kind} {c.line()}", fg="green" if c.ok else "red")
-    if bad is None:
+        host.log_styled(f"{kind} {c.line()}", fg="green" if c.ok else "red" if c.ran else "yellow")
+    if bad is not None:
+        return answer_failed(check_once, bad), next(c.name for c in checks if not c.ok and c.ran)
+    unknown = next((c for c in checks if not c.ran), None)
+    if unknown is None:
         return ready, None
-    return answer_failed(check_once, bad), next(c.name for c in checks if not c.ok)
+    again = check_once()
+    if not again.ready:
+        return again, None
+    raise CheckNotRun(f"{kind} {unknown.line()}")
 
 

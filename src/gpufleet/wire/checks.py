@@ -4,7 +4,9 @@ Every verify sends the answer checks (a completion, plain and streamed: gpufleet
 (gpufleet.health.serving) go further and cost a few requests more; each runs only where the server's settings give
 it something to check (tools with a tool parser, reasoning with a reasoning parser, the cache ones with prefix
 caching). "prefix-cache" is the re-processing probe: the most requests (up to 49), so a plain converge runs it only
-when asked (gpufleet_verify_probe, or by name), while a rollout's canary runs every check.
+when asked (gpufleet_verify_probe, or by name), while a rollout's canary runs every check. "speed"
+(gpufleet.health.speed) measures how fast the version serves and holds it to the old version's figures; it runs
+first, so that a version that stalls under load fails it rather than the concurrent sessions check.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 ANSWER_CHECKS = ("completion", "stream")
-SERVING_CHECKS = ("prefix-cache", "cached-cold", "sessions", "tools", "reasoning")
+SPEED = "speed"
+SERVING_CHECKS = (SPEED, "prefix-cache", "cached-cold", "sessions", "tools", "reasoning")
 
 
 def parse_checks(value: str | Iterable[str]) -> tuple[str, ...]:

@@ -1,78 +1,120 @@
 #!/usr/bin/python3
 """Stand-in for the Hugging Face CLI's `hf download` inside the sandbox vLLM image, stdlib only.
 
-    hf download REPO --local-dir DIR [--revision REV] [--token T]
+    hf download REPO [FILE...] --local-dir DIR [--revision REV] [--token T]
 
-"Downloads" a model bundled in the image (STANDIN_HUB, default /opt/gpufleet-standin/hub/<org>/<name>/) the way the
-real CLI does for the deploy: files land in DIR with .cache/huggingface/download/*.metadata; a file that is already
-complete is skipped, a partial one is resumed; progress goes to stderr; the local dir is printed last on stdout; an
-unknown repo or revision fails (exit 1) with the real CLI's message.
+Speaks the hub's HTTP API at HF_ENDPOINT (default https://huggingface.co) as huggingface_hub does for a local dir:
+the revision's model info (its commit and files), then per file a HEAD of `resolve/<commit>/<path>` (ETag, or
+X-Linked-Etag for an LFS file) and a GET into .cache/huggingface/download/, resumed with a Range request, moved into
+place; a file whose recorded etag matches is skipped without a byte fetched (as the real CLI: it does not hash
+what it skips). A file the hub stores on Xet needs Xet's own servers unless HF_HUB_DISABLE_XET=1: the sandbox
+cannot reach them, so the stand-in fails as the real CLI would there. Unknown repo or revision: exit 1 with the
+real CLI's message; the local dir is printed last on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
-HUB = Path(os.environ.get("STANDIN_HUB", "/opt/gpufleet-standin/hub"))
 CHUNK = 1 << 20
 
 
-def revision_of(repo_dir: Path) -> str:
-    return hashlib.sha1(repo_dir.name.encode() + b"/gpufleet-standin").hexdigest()
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a HEAD's redirect is read, not followed (its X-Linked-* headers describe the file)
 
 
-def download(repo: str, local_dir: Path, revision: str | None) -> int:
-    src = HUB / repo
-    if "/" not in repo or not src.is_dir():
-        print(
-            f"Repository Not Found for url: https://huggingface.co/api/models/{repo}/revision/{revision or 'main'}.\n"
-            "Please make sure you specified the correct `repo_id` and `repo_type`.\n"
-            "If you are trying to access a private or gated repo, make sure you are authenticated.",
-            file=sys.stderr,
-        )
+def request(url: str, token: str | None, method: str = "GET", headers: dict[str, str] | None = None,
+            follow: bool = True) -> Any:
+    req = urllib.request.Request(url, method=method, headers={**(headers or {}), "Accept-Encoding": "identity"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    opener = urllib.request.build_opener() if follow else urllib.request.build_opener(NoRedirect)
+    try:
+        return opener.open(req, timeout=30)
+    except urllib.error.HTTPError as error:
+        if not follow and 300 <= error.code < 400:
+            return error
+        raise
+
+
+def fail(error: urllib.error.HTTPError, repo: str, revision: str) -> int:
+    code = error.headers.get("X-Error-Code", "")
+    url = f"https://huggingface.co/api/models/{repo}/revision/{revision}"
+    if code == "RevisionNotFound":
+        print(f"Revision Not Found for url: {url}.\nInvalid rev id: {revision}", file=sys.stderr)
+    elif code == "RepoNotFound" or error.code in (401, 404):
+        print(f"Repository Not Found for url: {url}.\nPlease make sure you specified the correct `repo_id` and "
+              "`repo_type`.\nIf you are trying to access a private or gated repo, make sure you are authenticated.",
+              file=sys.stderr)
+    else:
+        print(f"{error.code} Server Error: {error.reason} for url: {error.url}", file=sys.stderr)
+    return 1
+
+
+def download(repo: str, local_dir: Path, revision: str | None, token: str | None, only: list[str]) -> int:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    xet_off = os.environ.get("HF_HUB_DISABLE_XET", "").lower() in ("1", "true", "yes", "on")
+    rev = revision or "main"
+    try:
+        with request(f"{endpoint}/api/models/{repo}/revision/{quote(rev, safe='')}", token) as resp:
+            info = json.load(resp)
+    except urllib.error.HTTPError as error:
+        return fail(error, repo, rev)
+    except OSError as error:
+        print(f"Cannot reach {endpoint}: {error}", file=sys.stderr)
         return 1
-    commit = revision_of(src)
-    if revision not in (None, "main", commit):
-        print(
-            f"Revision Not Found for url: https://huggingface.co/api/models/{repo}/revision/{revision}.\n"
-            f"Invalid rev id: {revision}",
-            file=sys.stderr,
-        )
-        return 1
-    files = sorted(p for p in src.rglob("*") if p.is_file())
+    commit = info["sha"]
+    files = [s["rfilename"] for s in info.get("siblings", []) if not only or s["rfilename"] in only]
     meta_dir = local_dir / ".cache" / "huggingface" / "download"
-    meta_dir.mkdir(parents=True, exist_ok=True)
-    print(f"Fetching {len(files)} files:   0%|          | 0/{len(files)} [00:00<?, ?it/s]", file=sys.stderr, flush=True)
-    for n, f in enumerate(files, 1):
-        rel = f.relative_to(src)
-        dest = local_dir / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        size = f.stat().st_size
-        have = dest.stat().st_size if dest.exists() else 0
-        if have == size:
-            print(f"{rel}: already complete, skipped", file=sys.stderr, flush=True)
+    print(f"Fetching {len(files)} files:   0%|          | 0/{len(files)}", file=sys.stderr, flush=True)
+    for n, name in enumerate(files, 1):
+        url = f"{endpoint}/{repo}/resolve/{commit}/{quote(name)}"
+        try:
+            head = request(url, token, "HEAD", follow=False)
+        except urllib.error.HTTPError as error:
+            return fail(error, repo, rev)
+        etag = (head.headers.get("X-Linked-Etag") or head.headers.get("ETag") or "").strip('"').removeprefix("W/")
+        size = int(head.headers.get("X-Linked-Size") or head.headers.get("Content-Length") or 0)
+        if head.headers.get("X-Xet-Hash") and not xet_off:
+            print(f"{name}: stored on Xet: fetching it needs Xet's servers (cas-bridge.xethub.hf.co), which this "
+                  "host cannot reach", file=sys.stderr)
+            return 1
+        dest, meta = local_dir / name, meta_dir / f"{name}.metadata"
+        recorded = meta.read_text().split("\n") if meta.exists() else []
+        if dest.exists() and recorded[1:2] == [etag]:  # the etag alone, as huggingface_hub: a new commit's same file
+            meta.write_text(f"{commit}\n{etag}\n{time.time()}\n")
+            print(f"{name}: already complete, skipped", file=sys.stderr, flush=True)
         else:
+            meta.parent.mkdir(parents=True, exist_ok=True)
+            partial = meta_dir / f"{name}.{etag}.incomplete"
+            have = partial.stat().st_size if partial.exists() else 0
             if have > size:
                 have = 0
-            with open(f, "rb") as inp, open(dest, "r+b" if have else "wb") as out:
-                inp.seek(have)
-                out.seek(have)
-                if have:
-                    print(f"{rel}: resuming at {have} bytes", file=sys.stderr, flush=True)
-                while chunk := inp.read(CHUNK):
+            headers = {"Range": f"bytes={have}-"} if have else {}
+            if have:
+                print(f"{name}: resuming at {have} bytes", file=sys.stderr, flush=True)
+            with request(url, token, headers=headers) as body, open(partial, "ab" if have else "wb") as out:
+                if have and body.status != 206:
+                    out.truncate(0)
+                while chunk := body.read(CHUNK):
                     out.write(chunk)
-                    out.truncate()
-            print(f"{rel}: 100%|##########| {size}/{size} [00:00<00:00]", file=sys.stderr, flush=True)
-        digest = hashlib.sha256(f.read_bytes()).hexdigest()
-        (meta_dir / f"{rel}.metadata").parent.mkdir(parents=True, exist_ok=True)
-        (meta_dir / f"{rel}.metadata").write_text(f"{commit}\n{digest}\n{time.time()}\n")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(partial, dest)
+            meta.write_text(f"{commit}\n{etag}\n{time.time()}\n")
+            print(f"{name}: 100%|##########| {size}/{size}", file=sys.stderr, flush=True)
         pct = n * 100 // len(files)
-        print(f"Fetching {len(files)} files: {pct:3d}%|{'#' * (pct // 10):<10}| {n}/{len(files)}", file=sys.stderr, flush=True)
+        print(f"Fetching {len(files)} files: {pct:3d}%|{'#' * (pct // 10):<10}| {n}/{len(files)}", file=sys.stderr,
+              flush=True)
     print(str(local_dir.resolve()))
     return 0
 
@@ -89,7 +131,8 @@ def main(argv: list[str]) -> int:
     dl.add_argument("--repo-type", default="model", choices=["model", "dataset", "space"])
     dl.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    return download(args.repo_id, Path(args.local_dir), args.revision)
+    token = args.token or os.environ.get("HF_TOKEN")
+    return download(args.repo_id, Path(args.local_dir), args.revision, token, args.filenames)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,18 @@ def greedy_tokens(prompt: str, n: int, top: int, state: bytes = b"") -> list[dic
     return entries
 
 
+def as_token_ids(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logprob entries as vLLM gives them with return_tokens_as_token_ids: each token `token_id:N`, the chosen one's
+    bytes still its text."""
+
+    def placeholder(token: str) -> str:
+        return f"token_id:{2 * VOCABULARY.index(token.strip().lower()) + token.startswith(' ')}"
+
+    return [{**e, "token": placeholder(e["token"]),
+             "top_logprobs": [{**t, "token": placeholder(t["token"]), "bytes": list(placeholder(t["token"]).encode())}
+                              for t in e["top_logprobs"]]} for e in entries]  # fmt: skip
+
+
 def stale_tokens(prompt: str, n: int, top: int) -> list[dict[str, Any]]:
     """STANDIN_MISBEHAVE=cache-corrupt: the answer of a wrong cached state, as confident, never the right first token."""
     right = greedy_tokens(prompt, 1, 1)[0]["token"]

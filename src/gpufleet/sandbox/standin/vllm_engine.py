@@ -66,6 +66,7 @@ class Engine:
         self.ttft: list[float] = []
         # Per prompt character (tokens were characters once: a rate that callers set keeps its meaning).
         self.seconds_per_char = float(os.environ.get("STANDIN_PREFILL_SECONDS_PER_TOKEN", "0.000005"))
+        self.seconds_per_token = float(os.environ.get("STANDIN_DECODE_SECONDS_PER_TOKEN", "0.005"))  # 200 tokens/s
 
     def cached_tokens(self, tokens: list[str]) -> int:
         """Longest previously seen block-aligned prefix, never the whole prompt: floor((L-1)/B)*B at most."""
@@ -74,9 +75,8 @@ class Engine:
         unit = self.match_unit or self.block_size
         running, hashes = hashlib.sha256(), []
         for k in range(unit, len(tokens), unit):  # a block's hash covers every token before it, as vLLM's chain
-            for t in tokens[k - unit : k]:
-                b = t.encode()
-                running.update(len(b).to_bytes(4, "little") + b)
+            # Tokens joined by a separator no prompt holds: per-token updates took 16 ms for a 20k-token prompt.
+            running.update("\x1f".join(tokens[k - unit : k]).encode() + b"\x1e")
             hashes.append(running.hexdigest())
         with self.lock:
             hit = 0

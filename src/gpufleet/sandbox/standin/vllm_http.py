@@ -16,15 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:  # imported from the package: the checkout's tests, mypy
     from .vllm_argv import VERSION
-    from .vllm_chat import chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
+    from .vllm_chat import as_token_ids, chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
     from .vllm_engine import Engine
 else:  # the image's /opt/gpufleet-standin: side by side, and a script's own directory is on sys.path
     from vllm_argv import VERSION
-    from vllm_chat import chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
+    from vllm_chat import as_token_ids, chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
     from vllm_engine import Engine
 
 MISBEHAVE = os.environ.get("STANDIN_MISBEHAVE", "")
 KEEP_ALIVE_S = float(os.environ.get("STANDIN_KEEP_ALIVE_S", "5"))  # uvicorn's default --timeout-keep-alive
+# STANDIN_MISBEHAVE=slow: a build that answers right, slower (the speed check's regression)
+SLOW_PREFILL_FACTOR = 20
+SLOW_REQUEST_DELAY_S = 0.4
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -247,7 +250,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         with e.lock:
             e.running += 1
+            # A deadlock under load (STANDIN_MISBEHAVE=stalls-under-load): the second request in flight is never
+            # scheduled, and stays running; /health still answers 200.
+            stalled = MISBEHAVE == "stalls-under-load" and e.running >= 2
         try:
+            if stalled:
+                print("INFO:     a request is never scheduled (STANDIN_MISBEHAVE=stalls-under-load)", flush=True)
+                threading.Event().wait()
             self._complete(req, text, tokens, max_tokens, thinking)
         finally:
             with e.lock:
@@ -272,8 +281,12 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, req: dict[str, Any], text: str, tokens: list[str], max_tokens: int, thinking: bool) -> None:
         e = self.engine
         t0 = time.monotonic()
+        slow = MISBEHAVE == "slow"
+        if slow:
+            time.sleep(SLOW_REQUEST_DELAY_S)
         cached = e.cached_tokens(tokens)
-        time.sleep(len("".join(tokens[cached:])) * e.seconds_per_char)  # prefill: only the uncached part costs time
+        # prefill: only the uncached part costs time
+        time.sleep(len("".join(tokens[cached:])) * e.seconds_per_char * (SLOW_PREFILL_FACTOR if slow else 1))
         want_logprobs = bool(req.get("logprobs"))
         top = int(req.get("top_logprobs") or 0) if want_logprobs else 0
         tools = req.get("tools") or []
@@ -297,10 +310,14 @@ class Handler(BaseHTTPRequestHandler):
                 calls = [{"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function", "function": call}]
                 content, pieces, finish = "", [], "tool_calls"
         else:
-            n_out = min(max_tokens, 16)
+            # The "model" ends its answer after 16 tokens; vLLM's ignore_eos and min_tokens make it go on.
+            n_out = max_tokens if req.get("ignore_eos") else max(min(max_tokens, 16),
+                                                                 min(int(req.get("min_tokens") or 0), max_tokens))
             answer = stale_tokens if MISBEHAVE == "cache-corrupt" and cached else greedy_tokens
             entries = answer(text, n_out, top)
             pieces = [entry["token"] for entry in entries]
+            if req.get("return_tokens_as_token_ids"):
+                entries = as_token_ids(entries)
             if e.args.reasoning_parser and thinking:  # the parser finds no end of thinking: all of it is reasoning
                 reasoning = "".join(pieces)
             else:
@@ -317,6 +334,7 @@ class Handler(BaseHTTPRequestHandler):
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req["model"]
         if not req.get("stream"):
             e.account(len(tokens), cached, n_out, time.monotonic() - t0)
+            time.sleep(max(n_out - 1, 0) * e.seconds_per_token)  # the first token came with the prefill
             message = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
                        "function_call": None, "tool_calls": calls, "reasoning": reasoning}  # fmt: skip
             self._json(
@@ -367,7 +385,11 @@ class Handler(BaseHTTPRequestHandler):
             delta = {"tool_calls": [{"index": 0, **calls[0]}]}
             send([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
         field = "reasoning" if reasoning is not None else "content"
+        first = time.monotonic()
         for i, piece in enumerate(pieces):
+            # Token i leaves i decode steps after the first, which came with the prefill: a late wake-up delays one
+            # token, never every one after it.
+            time.sleep(max(first + i * e.seconds_per_token - time.monotonic(), 0))
             logprobs = {"content": [entries[i]]} if want_logprobs and entries else None
             last = i == len(pieces) - 1
             send([{"index": 0, "delta": {field: piece}, "logprobs": logprobs, "finish_reason": finish if last else None}])

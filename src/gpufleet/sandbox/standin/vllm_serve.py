@@ -18,7 +18,9 @@ Behaves like vLLM where gpufleet depends on it:
   with prefix caching simulated on block-aligned prefixes of the chat-formatted prompt (Qwen's ChatML; its tokens are
   a crude sub-word split: a chat marker is one token, a word is cut in pieces of up to 4 letters or digits, any
   other character is one token); prefill sleeps STANDIN_PREFILL_SECONDS_PER_TOKEN (default 5e-6) per uncached
-  prompt character, as when a token was a character;
+  prompt character, as when a token was a character, and each token after the first takes
+  STANDIN_DECODE_SECONDS_PER_TOKEN (default 0.005); an answer ends after 16 tokens unless `ignore_eos` (or
+  `min_tokens`) asks for more, as vLLM's do;
 - greedy answers: the generated tokens, their logprobs and top alternatives (`logprobs`, `top_logprobs`, also per
   streamed chunk) are a function of the whole prompt and the position, so a prompt gets the same answer whether
   its prefix was cached or not, and prompts that differ anywhere get different answers; the chosen token leads its
@@ -49,7 +51,9 @@ Behaves like vLLM where gpufleet depends on it:
   engine that crashes in its first batch), "stream-broken" (a streamed completion sends a chunk that does not
   parse, then closes), "cache-corrupt" (a request whose prefix comes from the cache is answered from a wrong
   state: other tokens, as confident) or "tools-broken" (the tool parser leaves every tool call in the text:
-  `<tool_call>` JSON in the content, no `tool_calls`).
+  `<tool_call>` JSON in the content, no `tool_calls`); or one that answers right, slower: "slow" (prefill 20x
+  slower and 0.4 s more per request) or "stalls-under-load" (one request at a time is served; a request that
+  arrives while another runs is never scheduled and stays running, while /health answers 200).
 """
 
 from __future__ import annotations

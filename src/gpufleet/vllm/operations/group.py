@@ -1,4 +1,5 @@
-"""What a replica group's ranks share in one deploy run (docs/multi-node.md): the digest the group installs, why any
+"""What a replica group's ranks share in one deploy run (docs/multi-node.md): the digest and model commit the group
+installs, why any
 rank restarts (then every rank does: a rank cannot rejoin a running engine), and the head's verdict, which every
 rank takes. pyinfra runs each operation on every host before the next, so by the time a rank's restart or verify
 executes, every rank's earlier operations have: what they changed is known here.
@@ -18,6 +19,8 @@ from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.run import run_context
 from gpufleet.vllm.group import Member
 from gpufleet.vllm.operations.image import target_ref
+from gpufleet.vllm.operations.model import target_model
+from gpufleet.vllm.weights import ModelTarget
 
 
 @dataclass(eq=False)
@@ -26,6 +29,7 @@ class GroupRun:
 
     member: Member
     pin: str | None  # the digest every rank installs when known before the pulls (the head's ledger first)
+    model: ModelTarget | None = None  # the model every rank installs, its commit pinned likewise
     changes: dict[str, list[OperationMeta]] = field(default_factory=dict)  # host -> what may restart it
     reasons: dict[str, list[str]] = field(default_factory=dict)  # host -> why it restarts, seen in its snapshot
     verified: gevent.event.Event = field(default_factory=gevent.event.Event)  # the head's verify ended
@@ -50,29 +54,34 @@ class GroupRuns(dict[str, GroupRun]):
     """The run's groups by name: a slot of the run's context (gpufleet.operations.run)."""
 
 
-def group_run(state: State, member: Member, pin: Callable[[], str | None]) -> GroupRun:
-    """The group's run record, made the first time a rank asks (pin() then gives the group's digest)."""
+def group_run(state: State, member: Member, pins: Callable[[], tuple[str | None, ModelTarget | None]]) -> GroupRun:
+    """The group's run record, made the first time a rank asks (pins() then gives the group's digest and model)."""
     runs = run_context(state).slot(GroupRuns, GroupRuns)
     if member.group not in runs:
-        runs[member.group] = GroupRun(member, pin())
+        runs[member.group] = GroupRun(member, *pins())
     return runs[member.group]
 
 
-def _same_digest(state: State, host: Host, group: GroupRun) -> bool:
-    refs = {h: target_ref(group.pin, state.inventory.get_host(h)) for h in group.member.hosts}
-    if len(set(refs.values())) == 1:
-        return True
-    listed = ", ".join(f"{h} {ref}" for h, ref in refs.items())
-    return fail(host, f"{host.name}: the ranks of group {group.member.group} pulled different digests ({listed}): "
-                      "the tag moved between their pulls (fix: converge again, or pin the digest with "
-                      "gpufleet_image_ref)")
+def _same_version(state: State, host: Host, group: GroupRun) -> bool:
+    ranks = [state.inventory.get_host(h) for h in group.member.hosts]
+    for what, found, fix in (
+            ("digests", {r.name: target_ref(group.pin, r) for r in ranks}, "the tag moved between their pulls (fix: "
+             "converge again, or pin the digest with gpufleet_image_ref)"),
+            ("model commits", {r.name: target_model(group.model, r) for r in ranks}, "the branch moved between their "
+             "downloads (fix: converge again, or set vllm_model_revision to a commit)")):
+        if len(set(found.values())) > 1:
+            listed = ", ".join(f"{h} {ref}" for h, ref in found.items())
+            return fail(host, f"{host.name}: the ranks of group {group.member.group} got different {what} ({listed}): "
+                              f"{fix}")
+    return True
 
 
 @operation(is_idempotent=False)
-def same_digest(group: GroupRun) -> Commands:
-    """Every rank installs one digest: the group's pin when known; else each rank's pull resolved the tag, and all
-    must have got the same (checked once every rank pulled)."""
-    if group.pin is not None:
-        host.noop(f"every rank of group {group.member.group} installs {group.pin}")
+def same_version(group: GroupRun) -> Commands:
+    """Every rank installs one digest and one model commit: the group's pins when known; else each rank's pull and
+    download resolved them, and all must have got the same (checked once every rank did)."""
+    if group.pin is not None and (group.model is None or group.model.pin is not None):
+        model = f" and {group.model.pin}" if group.model else ""
+        host.noop(f"every rank of group {group.member.group} installs {group.pin}{model}")
         return
-    yield FunctionCommand(_same_digest, (group,), {})
+    yield FunctionCommand(_same_version, (group,), {})

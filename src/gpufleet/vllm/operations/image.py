@@ -73,7 +73,7 @@ TIMED_OUT = "@@gpufleet:timed-out"
 WARM_STALL_S = 60  # seconds the cache's storage may stand still while it fetches an image from upstream
 
 
-def _run(host: Host, command: str, timeout_s: float | None = None) -> tuple[bool, list[str]]:
+def run_bounded(host: Host, command: str, timeout_s: float | None = None) -> tuple[bool, list[str]]:
     """A docker command's success and every line it printed (stdout and stderr: docker's errors are on stderr);
     past timeout_s it is ended and its last line is TIMED_OUT."""
     if timeout_s:
@@ -171,7 +171,7 @@ def _through_cache(host: Host, cache: CachePull, digest: str
         return ("fallback", None, f"{host.name}: warning: {where} is not reachable ({why}): pulling from upstream",
                 set())
     fetched = _warm(host, cache, digest) if cache.on_this_host else set()
-    ok, lines = _run(host, f"docker pull {shlex.quote(cache.ref(digest))}", cache.timeout_s)
+    ok, lines = run_bounded(host, f"docker pull {shlex.quote(cache.ref(digest))}", cache.timeout_s)
     if ok:
         return "ok", pull_facts.downloaded(lines), None, fetched
     text = "\n".join(lines)
@@ -192,7 +192,7 @@ def _through_cache(host: Host, cache: CachePull, digest: str
 
 
 def _pull(state: State, host: Host, image: str, pull: str, service: str | None = None,
-          cache: CachePull | None = None) -> bool:
+          cache: CachePull | None = None, timeout_s: float | None = None) -> bool:
     sudo = use_sudo(host)
     digest = pull.rpartition("@")[2] if "@sha256:" in pull else None
     from_cache: set[str] = set()
@@ -209,11 +209,15 @@ def _pull(state: State, host: Host, image: str, pull: str, service: str | None =
             from_cache, used = layers or set(), cache.address
     # The upstream pull records the RepoDigest under the upstream name (the unit runs that); after the cache's pull
     # every layer is present and the image is known by its config, so upstream serves the manifest only.
-    ok, lines = _run(host, f"docker pull {shlex.quote(pull)}")
+    ok, lines = run_bounded(host, f"docker pull {shlex.quote(pull)}", timeout_s)
     if used and cache is not None and digest is not None:
         # Only the cache-named reference goes (the layers stay, named by the upstream reference): docker lists
         # and runs the image under the name the unit pins, and nothing on the host names the cache.
         host.run_shell_command(f"docker rmi {shlex.quote(cache.ref(digest))} >/dev/null 2>&1 || true", _sudo=sudo)
+    if not ok and lines and lines[-1].strip() == TIMED_OUT:
+        return fail(host, f"{host.name}: docker pull {pull} did not finish within vllm_fetch_timeout_s = "
+                          f"{timeout_s:g} s and was ended (fix: check that {host.name} reaches the registry; a "
+                          "slow line needs a larger vllm_fetch_timeout_s)")
     if not ok:
         return fail(host, f"docker pull {pull} failed: {' | '.join(lines[-3:])}")
     ok, output = host.run_shell_command(
@@ -244,13 +248,14 @@ def target_ref(pin: str | None, host: Host | None = None) -> str | None:
 
 
 @operation()
-def pinned(image: str, ref: str | None, service: str | None = None, cache: CachePull | None = None) -> Commands:
+def pinned(image: str, ref: str | None, service: str | None = None, cache: CachePull | None = None,
+           timeout_s: float | None = None) -> Commands:
     """Pull the image (by `ref`, the digest this run installs, when known) and resolve its tag to a digest.
 
     cache: the site cache to pull `ref` through first (gpufleet.sitecache.operations); service: whose pull record
-    (pull_stats_file) the pull writes."""
+    (pull_stats_file) the pull writes; timeout_s: the most the pull from the registry may take."""
     if ref and image_present(snapshot().images, ref):
         host.noop(f"{image} is pinned to {ref.rsplit('@', 1)[1][:19]} and present")
         return
     # A known digest whose image is missing is pulled by digest: the pin does not move.
-    yield FunctionCommand(_pull, (image, ref or image), {"service": service, "cache": cache})
+    yield FunctionCommand(_pull, (image, ref or image), {"service": service, "cache": cache, "timeout_s": timeout_s})

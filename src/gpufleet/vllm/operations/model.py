@@ -1,19 +1,34 @@
-"""The model: present and complete under vllm_models_dir, or downloaded (resumably) with the serving image's hf CLI."""
+"""The model: one commit of its repo under vllm_models_dir, every file checked against the hub's own hashes before
+vLLM sees it, downloaded (resumably) with the serving image's hf CLI through the site's mirror of the hub when there
+is one (docs/site-cache.md), else from the hub.
+
+A branch is resolved to a commit once; the ledger records it beside the image digest (gpufleet.hoststate.ledger
+model_pin) and the unit names it, so a later converge keeps it until the setting changes or a rollout asks for
+another (gpufleet_model_ref), and a new commit is a new version: begun, restarted, verified, committed or rolled
+back like a new digest. A file whose hash is not the hub's is deleted and fetched again from the hub, once; still
+wrong, the host fails before its unit changes.
+"""
 
 from __future__ import annotations
 
 import shlex
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, Host, State, operation
 
+from gpufleet.errors import one_line
 from gpufleet.operations.base import Commands, fail
+from gpufleet.operations.files import write_file
+from gpufleet.operations.run import host_run
 from gpufleet.remote.ssh import use_sudo
+from gpufleet.sitecache.operations import ModelMirror
+from gpufleet.vllm import weights
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
-from gpufleet.vllm.operations.image import target_ref
+from gpufleet.vllm.operations.image import TIMED_OUT, run_bounded, target_ref
 from gpufleet.vllm.snapshot import snapshot
 from gpufleet.vllm.spec import ServeSpec
+from gpufleet.vllm.weights import HubRevision, ModelTarget
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -21,6 +36,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 def managed(layout: Layout) -> Managed:
     # The model's own files are hf's to write; the deploy owns the directories the download writes into.
     return Managed(dirs=(layout.models_dir, layout.hf_cache))
+
+
+def target_model(model: ModelTarget | None, host: Host | None = None) -> str | None:
+    """The commit (repo@commit) the unit names: checked by this run (its state), else the one known before it."""
+    if model is None:
+        return None
+    return host_run(host).resolved_model or model.pin
 
 
 def missing_parts(snap: HostSnapshot) -> list[str]:
@@ -31,14 +53,14 @@ def missing_parts(snap: HostSnapshot) -> list[str]:
         missing.append("config.json")
     if not any(name in files for name in TOKENIZER_FILES):
         missing.append("a tokenizer (" + " / ".join(TOKENIZER_FILES) + ")")
-    weights = {name: size for name, size in files.items() if name.endswith(".safetensors")}
-    if not weights:
+    weight_files = {name: size for name, size in files.items() if name.endswith(".safetensors")}
+    if not weight_files:
         missing.append("weights (*.safetensors)")
-    absent = [s for s in snap.model_shards if weights.get(s, 0) == 0]
+    absent = [s for s in snap.model_shards if weight_files.get(s, 0) == 0]
     if absent:
         missing.append(f"{len(absent)} of {len(snap.model_shards)} shards listed in model.safetensors.index.json "
                        f"(e.g. {absent[0]})")
-    empty = [name for name, size in weights.items() if size == 0]
+    empty = [name for name, size in weight_files.items() if size == 0]
     if empty:
         missing.append(f"non-empty weights ({empty[0]} is 0 bytes)")
     if snap.model_incomplete:
@@ -46,33 +68,142 @@ def missing_parts(snap: HostSnapshot) -> list[str]:
     return missing
 
 
-def _download(state: State, host: Host, spec: ServeSpec, repo: str, revision: str | None, env_file: str | None,
-              hf_cache: str, pin: str | None) -> bool:
-    ref = target_ref(pin, host) or spec.image  # the digest pinned() resolved in this run, or the pin
-    argv = spec.hf_download_argv(ref, repo, revision, hf_cache, env_file)
-    # print_output: hf's progress streams to the terminal; re-running resumes from the partial files.
-    ok, output = host.run_shell_command(" ".join(shlex.quote(a) for a in argv), _sudo=use_sudo(host),
-                                        print_output=True)
+def _warn(host: Host, line: str) -> None:
+    host.log_styled(line, fg="yellow", log_func=logger.warning)
+
+
+def _hub_revision(host: Host, hub: str, model: ModelTarget, env_file: str | None) -> HubRevision | str:
+    """The revision's files and hashes as the hub itself lists them (never the mirror: it is what is checked), or
+    why not."""
+    url = weights.info_url(hub, model.repo, model.ask())
+    ok, output = host.run_shell_command(weights.fetch_info_command(url, env_file), _sudo=use_sudo(host))
     if not ok:
-        return fail(host, f"model download of {repo} failed: {' | '.join(output.output_lines[-3:])} "
-                          "(fix: check vllm_model_repo / vllm_hf_token; re-running resumes)")
+        return one_line(" | ".join(output.stderr_lines[-2:])) or "no answer"
+    try:
+        return weights.parse_info(model.repo, output.stdout)
+    except ValueError as error:
+        return str(error)
+
+
+def _mismatches(host: Host, where: str, revision: HubRevision) -> list[str]:
+    _, output = host.run_shell_command(weights.hash_command(where, revision.files), _sudo=use_sudo(host))
+    return weights.mismatches(revision, output.stdout_lines)
+
+
+def _mirror_answers(host: Host, mirror: ModelMirror, revision: HubRevision) -> str | None:
+    """None when the mirror serves the repo's model info, else why not (one phrase)."""
+    url = weights.info_url(mirror.endpoint, revision.repo, revision.commit)
+    ok, output = host.run_shell_command(
+        f"curl -s -o /dev/null --noproxy '*' --connect-timeout 3 --max-time 30 -w '%{{http_code}}' "
+        f"{shlex.quote(url)}", _sudo=False)
+    code = (output.stdout or "").strip()
+    if ok and code == "200":
+        return None
+    return f"it answered HTTP {code}" if code not in ("", "000") else "it did not answer"
+
+
+def _download(host: Host, spec: ServeSpec, image: str, revision: HubRevision, endpoint: str, env_file: str | None,
+              hf_cache: str, where: str, refused: list[str], timeout_s: float | None = None) -> str | None:
+    """hf download of the commit from `endpoint` (refused files deleted first: hf skips a file it recorded as
+    complete); None on success, TIMED_OUT when ended past timeout_s, else the CLI's last lines."""
+    sudo = use_sudo(host)
+    if refused:
+        host.run_shell_command("rm -f " + " ".join(shlex.quote(p) for p in weights.partial_paths(where, refused)),
+                               _sudo=sudo)
+    argv = spec.hf_download_argv(image, revision.repo, revision.commit, hf_cache, env_file,
+                                 env=weights.env_for_download(endpoint))
+    # hf's progress streams to the terminal; re-running resumes from the partial files. Ended past timeout_s: the
+    # SIGTERM reaches the container through docker run's signal proxy.
+    ok, lines = run_bounded(host, " ".join(shlex.quote(a) for a in argv), timeout_s)
+    if not ok and lines and lines[-1].strip() == TIMED_OUT:
+        return TIMED_OUT
+    return None if ok else " | ".join(lines[-3:]) or "no output"
+
+
+def _timed_out(host: Host, repo: str, timeout_s: float | None) -> bool:
+    return fail(host, f"{host.name}: the model download of {repo} did not finish within vllm_fetch_timeout_s = "
+                      f"{timeout_s or 0:g} s and was ended (fix: check that {host.name} reaches the hub; re-running "
+                      "resumes, and a slow line needs a larger vllm_fetch_timeout_s)")
+
+
+def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where: str, env_file: str | None,
+           hf_cache: str, pin: str | None, hub: str, mirror: ModelMirror | None, timeout_s: float | None = None
+           ) -> bool:
+    revision = _hub_revision(host, hub, model, env_file)
+    if isinstance(revision, str):
+        return fail(host, f"cannot read {model.repo} at {model.ask() or 'its default branch'} from the hub {hub} "
+                          f"({revision}) (fix: check vllm_model_repo, vllm_model_revision and vllm_hf_token, and that "
+                          "the host reaches vllm_hf_endpoint)")
+    sudo = use_sudo(host)
+    marker = shlex.quote(f"{where}/{weights.MARKER}")
+    snap = snapshot(host)
+    if snap.model_checked == revision.pinned and not missing_parts(snap):
+        # Checked at this commit by an earlier run (a prepare before this converge): not hashed again.
+        host_run(host).resolved_model = revision.pinned
+        return True
+    bad = _mismatches(host, where, revision)
+    if bad:
+        host.run_shell_command(f"rm -f {marker}", _sudo=sudo)  # no longer vouched for from here on
+        image = target_ref(pin, host) or spec.image  # the digest this run's pull resolved, or the pin
+        endpoint = hub
+        if mirror is not None:
+            why = _mirror_answers(host, mirror, revision)
+            if why is None:
+                endpoint = mirror.endpoint
+            else:
+                _warn(host, f"{host.name}: warning: the site cache's model mirror {mirror.endpoint} "
+                            f"({mirror.cache_host}) is not reachable ({why}): downloading from the hub {hub}")
+        failed = _download(host, spec, image, revision, endpoint, env_file, hf_cache, where, bad, timeout_s)
+        if failed == TIMED_OUT:
+            return _timed_out(host, model.repo, timeout_s)
+        bad = _mismatches(host, where, revision) if failed is None else bad
+        if failed is not None or bad:
+            # Refused: never served. Fetched again from the hub itself, once.
+            source = "the site cache's model mirror" if endpoint != hub else "the hub"
+            _warn(host, f"{host.name}: warning: {source} {endpoint} " + (
+                f"served {len(bad)} file(s) whose hash is not the hub's ({', '.join(bad[:3])}): refused"
+                if failed is None else f"download failed ({one_line(failed)})") + f"; fetching from the hub {hub}")
+            failed = _download(host, spec, image, revision, hub, env_file, hf_cache, where, bad, timeout_s)
+            if failed == TIMED_OUT:
+                return _timed_out(host, model.repo, timeout_s)
+            bad = _mismatches(host, where, revision) if failed is None else bad
+        if failed is not None:
+            return fail(host, f"model download of {model.repo}@{revision.commit[:12]} failed: {failed} (fix: check "
+                              "vllm_model_repo / vllm_hf_token; re-running resumes)")
+        if bad:
+            host.run_shell_command("rm -f " + " ".join(shlex.quote(p) for p in weights.partial_paths(where, bad)),
+                                   _sudo=sudo)
+            return fail(host, f"{len(bad)} file(s) of {model.repo}@{revision.commit[:12]} do not match the hub's "
+                              f"hashes even from the hub ({', '.join(bad[:3])}): deleted, not served (fix: check the "
+                              "disk under vllm_models_dir, then run again)")
+    if not write_file(host, f"{where}/{weights.MARKER}", weights.marker_text(revision)):
+        return fail(host, f"could not write {where}/{weights.MARKER} (fix: check free space there)")
+    host_run(host).resolved_model = revision.pinned
+    host.log_styled(f"model {revision.pinned}: {len(revision.files)} file(s) match the hub's hashes")
     return True
 
 
 @operation()
-def present(spec: ServeSpec, where: str, repo: str | None, revision: str | None, env_file: str | None,
-            hf_cache: str, pin: str | None) -> Commands:
-    """Download the model unless it is complete in `where` (the host directory the spec's --model reads), with the
-    serving image: the one this run's pull resolved, else `pin` (the digest this run installs, when known before).
+def present(spec: ServeSpec, where: str, model: ModelTarget | None, env_file: str | None, hf_cache: str,
+            pin: str | None, hub: str = weights.HUB, mirror: ModelMirror | None = None,
+            timeout_s: float | None = None) -> Commands:
+    """The model's commit in `where` (the host directory the spec's --model reads), every file checked against the
+    hub's hashes: downloaded with the serving image (the one this run's pull resolved, else `pin`) through `mirror`
+    when given, else from `hub`. Without a repo (model: None) the directory must be complete as staged by hand.
 
-    env_file: the root-only file holding HF_TOKEN, or None without a token (the token never is an argument)."""
+    env_file: the root-only file holding HF_TOKEN, or None without a token (the token never is an argument);
+    timeout_s: vllm_fetch_timeout_s, each download's bound."""
     snap = snapshot()
     missing = missing_parts(snap)
-    if not missing:
-        weights = sum(1 for name in snap.model_files if name.endswith(".safetensors"))
-        host.noop(f"{where} is complete (config, tokenizer, {weights} weight file(s))")
+    if model is None:
+        if missing:
+            # Preflight refuses this case; kept so the operation is safe on its own.
+            raise ValueError(f"{where} lacks {missing[0]} and vllm_model_repo is None")
+        count = sum(1 for name in snap.model_files if name.endswith(".safetensors"))
+        host.noop(f"{where} is complete (config, tokenizer, {count} weight file(s)), staged by hand")
         return
-    if not repo:
-        # Preflight refuses this case; kept so the operation is safe on its own.
-        raise ValueError(f"{where} lacks {missing[0]} and vllm_model_repo is None")
-    yield FunctionCommand(_download, (spec, repo, revision, env_file, hf_cache, pin), {})
+    if not missing and model.pin is not None and snap.model_checked == model.pin:
+        host.noop(f"{where} holds {model.pin[:len(model.repo) + 13]}, checked against the hub's hashes")
+        return
+    yield FunctionCommand(_fetch, (spec, model, where, env_file, hf_cache, pin, hub, mirror),
+                          {"timeout_s": timeout_s})

@@ -13,7 +13,7 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, Host, State
 
 from gpufleet.operations.base import Commands, fail
-from gpufleet.operations.files import as_io, put_content, replace_command, sha256, temp_path
+from gpufleet.operations.files import put_content, sha256, upload
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.vllm.facts import HostSnapshot
 
@@ -59,12 +59,7 @@ def install_fetched_key(state: State, host: Host, url: str, path: str, as_file: 
                           f"from {host.name}, or set {setting} to a mirror that serves it)")
     if sha256(content) == installed_sha256:
         return True  # the installed key is the one served: nothing to write
-    sudo, tmp = use_sudo(host), temp_path(path)
-    q = shlex.quote
-    return bool(host.run_shell_command(f"install -d -m 755 {q(path.rpartition('/')[0])}", _sudo=sudo)[0]
-                and host.put_file(as_io(content), tmp, _sudo=sudo)
-                and host.run_shell_command(f"chown root:root {q(tmp)} && chmod 644 {q(tmp)} && "
-                                           + replace_command(tmp, path), _sudo=sudo)[0])
+    return bool(upload(host, content, path, mode="0644", _sudo=use_sudo(host)))
 
 
 def key_commands(snap: HostSnapshot, path: str, served: bytes | None, fetch: FunctionCommand, apt_reads_repo: bool,

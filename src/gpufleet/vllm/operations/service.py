@@ -37,17 +37,19 @@ from gpufleet.hoststate.ledger import (
 from gpufleet.hoststate.paths import unit_backup
 from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import put_content, put_secret, sha256, write_file
-from gpufleet.operations.run import host_run, still_held_test, still_locked
+from gpufleet.operations.run import host_run, still_held_test, still_locked, while_held
 from gpufleet.operations.secret import Hidden
 from gpufleet.units import unit_name, unit_path
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.group import GroupRun
 from gpufleet.vllm.operations.image import now_utc, target_ref
+from gpufleet.vllm.operations.model import target_model
 from gpufleet.vllm.snapshot import snapshot
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.value_rules import SECRET_VALUE
+from gpufleet.vllm.weights import ModelTarget
 from gpufleet.wire.identity import Expected, identity_problems
 
 # Secrets every service's env file may carry: env var -> the setting holding it (vllm_secret_env adds more).
@@ -98,12 +100,15 @@ def env_file(path: str, secrets: Mapping[str, Hidden | None]) -> Commands:
     yield from commands
 
 
-def target_version(spec: ServeSpec, host: Host, pin: str | None) -> Version:
+def target_version(spec: ServeSpec, host: Host, pin: str | None, model: ModelTarget | None = None) -> Version:
     """The version this run installs, while executing (the digest may only be known after the pull; before it,
-    `pin`)."""
+    `pin`; the model's commit likewise after its check)."""
     ref = target_ref(pin, host) or spec.image
-    return Version(image=spec.image, ref=ref, unit_sha256=sha256(render_unit(spec, ref)), spec_hash=spec.spec_hash,
-                   service=spec.service, port=spec.port, group=spec.group.version(ref) if spec.group else None)
+    at = target_model(model, host)
+    return Version(image=spec.image, ref=ref, unit_sha256=sha256(render_unit(spec, ref, at)),
+                   spec_hash=spec.spec_hash, service=spec.service, port=spec.port, model=at,
+                   model_revision=model.revision if model and at else None,
+                   group=spec.group.version(ref, at) if spec.group else None)
 
 
 def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
@@ -136,12 +141,13 @@ def _unchanged_test(path: str, read: Mapping[str, str | None]) -> str | None:
 
 
 
-def _begin(state: State, host: Host, spec: ServeSpec, path: str, pin: str | None, retry: bool) -> bool:
+def _begin(state: State, host: Host, spec: ServeSpec, path: str, pin: str | None, retry: bool,
+           model: ModelTarget | None = None) -> bool:
     """Record the target as pending before the unit changes or the service restarts: a run cut after this point is
     finished or rolled back by the next one (ledger.resume). Nothing to record when the target is what is pending
     already, or the committed version itself (a restart of what was verified). retry: gpufleet_retry_failed (the
     target's failure marks are cleared first)."""
-    target, ledger = target_version(spec, host, pin), host_run(host).ledger
+    target, ledger = target_version(spec, host, pin, model), host_run(host).ledger
     if ledger.pending is not None and ledger.pending.version == target:
         return True
     if ledger.pending is None and ledger.committed is not None and ledger.committed.version == target:
@@ -172,19 +178,21 @@ def _backup_commands(spec: ServeSpec) -> Commands:
 
 
 @operation()
-def unit(spec: ServeSpec, path: str, ledger_path: str, pin: str | None, retry_failed: bool) -> Commands:
-    """Install the systemd unit that runs the pinned image (resolved by this run's pull, else `pin`); the ledger names
-    it pending first (retry_failed: gpufleet_retry_failed, a failed version's marks cleared)."""
+def unit(spec: ServeSpec, path: str, ledger_path: str, pin: str | None, retry_failed: bool,
+         model: ModelTarget | None = None) -> Commands:
+    """Install the systemd unit that runs the pinned image (resolved by this run's pull, else `pin`) and names the
+    model's commit; the ledger names it pending first (retry_failed: gpufleet_retry_failed, a failed version's marks
+    cleared)."""
     ref = target_ref(pin)
     # Before the pin exists (cold host, or a new vllm_image) the unit will change; while executing, the image
     # operation has resolved the digest and the real text is rendered.
-    text = render_unit(spec, ref or spec.image)
+    text = render_unit(spec, ref or spec.image, target_model(model))
     commands = list(put_content(path, text))
     if not commands:
         host.noop(f"{path} runs {ref}")
         return
     yield from _backup_commands(spec)
-    yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed), {})
+    yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed, model), {})
     yield FunctionCommand(still_locked, (), {})  # _begin may have had nothing to record: checked here either way
     yield from commands
     yield StringCommand("systemctl", "daemon-reload")
@@ -208,7 +216,7 @@ def _changed(ops: list[OperationMeta]) -> bool:
 @operation(is_idempotent=False)
 def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin: str | None, retry_failed: bool,
             start: bool = True, force: bool = False, replaces: str | None = None,
-            group: GroupRun | None = None) -> Commands:
+            model: ModelTarget | None = None, group: GroupRun | None = None) -> Commands:
     """Enable the vLLM service and (re)start it when its unit, secrets or image changed, when what runs is not what
     the unit on disk says (snapshot's RunningService.drift: the file checksums alone cannot see that), or when a cut
     run's version is to be finished (force). replaces: the service a renamed vllm_service replaces, stopped and
@@ -233,10 +241,14 @@ def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin
         host.log_styled(f"restarting {name} with its group: {'; '.join(ranks)}", fg="yellow")
     if _changed(changes) or drift or force or not snap.unit_active(name) or ranks:
         yield FunctionCommand(still_locked, (), {})
-        yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed), {})
+        yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed, model), {})
+        # Checked on the host in the restart's own shell too: a lock lost since the check above refuses it there.
+        restart = f"systemctl {'restart' if snap.unit_active(name) else 'start'} {shlex.quote(name)}"
         if replaces:
-            yield StringCommand("systemctl", "disable", "--now", shlex.quote(unit_name(replaces)), "||", "true")
-        yield StringCommand("systemctl", "restart" if snap.unit_active(name) else "start", shlex.quote(name))
+            restart = f"{{ systemctl disable --now {shlex.quote(unit_name(replaces))} || true; }} && {restart}"
+        yield StringCommand("sh", "-c", shlex.quote(while_held(
+            host, restart, f"{host.name}: not restarting {name}: this run no longer holds the host's lock (fix: run "
+                           "again)")))
     elif snap.unit_enabled(name):
         host.noop(f"{name} is active and nothing it runs changed")
 

@@ -1,0 +1,146 @@
+"""The site cache's mirror of the Hugging Face hub: olah (PyPI), pinned and installed from gpufleet's lock of its
+hashed wheels (src/gpufleet/data/olah-lock.json, gpufleet.wheel_lock) into a venv of its own, run by systemd as a
+user of its own (DynamicUser) on the cache host's loopback, behind the site cache's nginx (docs/site-cache.md says
+why olah and what it was checked for).
+
+Regenerate the lock when bumping OLAH_VERSION (it reads PyPI's simple API; wheels only):
+
+    python -m gpufleet.sitecache.mirror
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from gpufleet import wheel_lock
+from gpufleet.names import LOOPBACK
+
+OLAH_VERSION = "0.5.4"
+# olah's fastapi-utils pins psutil<6, which PyPI has as wheels for x86_64 only: an aarch64 cache host has no lock.
+MACHINES = ("x86_64",)
+LOCK = wheel_lock.LockFile("olah", Path(__file__).resolve().parents[1] / "data" / "olah-lock.json",
+                           "src/gpufleet/data/olah-lock.json", "python -m gpufleet.sitecache.mirror", "site_cache",
+                           "docs/site-cache.md")
+SERVICE = "gpufleet-model-mirror"
+UNIT = f"{SERVICE}.service"
+HOME = f"/opt/{SERVICE}"  # one venv per lock entry (named by its key), `current` the one the unit runs
+CONFIG = f"/etc/gpufleet/{SERVICE}.toml"
+STATE = f"/var/lib/{SERVICE}"  # systemd's StateDirectory: what olah fetched (repos/) and its logs
+MARKER = ".gpufleet-installed"  # in a venv, once every wheel is in: the lock entry's key
+REQUIREMENTS = "gpufleet-requirements.txt"
+
+
+def locked(host: str, python: str | None, machine: str | None) -> wheel_lock.LockedInstall:
+    """The lock's wheels for the cache host; SettingError (one line) when it has none for its Python."""
+    return wheel_lock.locked_install(LOCK, host, OLAH_VERSION, python, machine)
+
+
+def venv_dir(install: wheel_lock.LockedInstall) -> str:
+    return f"{HOME}/{install.key[:16]}"
+
+
+def upstream(hub: str) -> tuple[str, str, str]:
+    """olah's hf-scheme, hf-netloc and hf-lfs-netloc for the hub URL (the real hub keeps LFS files on its CDN)."""
+    url = urlsplit(hub)
+    netloc = url.netloc
+    return url.scheme, netloc, "cdn-lfs.huggingface.co" if netloc == "huggingface.co" else netloc
+
+
+def render_config(hub: str, port: int, address: str, repositories: Sequence[str], max_gb: float,
+                  state: str = STATE) -> str:
+    """olah's config: on the loopback's `port`, mirroring `hub`, only `repositories` (proxied and cached; anything
+    else is refused), never redirecting a client (cache-redirect-model off, no Xet pass-through), at most max_gb
+    kept (least recently used goes first). `address`: where hosts reach it (host:port), the links it writes."""
+    scheme, netloc, lfs = upstream(hub)
+    rules = "".join(f'  {{ repo = "{r}", allow = true, use_re = false }},\n' for r in sorted(set(repositories)))
+    deny = '  { repo = "*", allow = false, use_re = false },\n  { repo = "*/*", allow = false, use_re = false },\n'
+    return f"""# Managed by gpufleet: the site cache's mirror of {hub} (docs/site-cache.md)
+[basic]
+host = "{LOOPBACK}"
+port = {int(port)}
+repos-path = "{state}/repos"
+cache-size-limit = "{max(1, int(max_gb))}GB"
+cache-clean-strategy = "LRU"
+cache-redirect-model = false
+xet-passthrough = false
+hf-scheme = "{scheme}"
+hf-netloc = "{netloc}"
+hf-lfs-netloc = "{lfs}"
+mirror-scheme = "http"
+mirror-netloc = "{address}"
+mirror-lfs-netloc = "{address}"
+
+[accessibility]
+offline = false
+proxy = [
+{deny}{rules}]
+cache = [
+{deny}{rules}]
+"""
+
+
+# olah imports GitPython, which refuses to load without a git binary; only local git mirrors use it, and we
+# configure none, so a cache host needs no git.
+NO_GIT = "GIT_PYTHON_REFRESH=quiet"
+
+
+def render_unit() -> str:
+    return f"""# Managed by gpufleet: the site cache's mirror of the Hugging Face hub (docs/site-cache.md)
+[Unit]
+Description=gpufleet model mirror (olah) for the site cache
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=simple
+DynamicUser=yes
+StateDirectory={SERVICE}
+WorkingDirectory={STATE}
+Environment=HOME={STATE} HF_HUB_DISABLE_TELEMETRY=1 {NO_GIT}
+ExecStart={HOME}/current/bin/olah-cli -c {CONFIG}
+Restart=on-failure
+RestartSec=2
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=yes
+PrivateTmp=yes
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def pip_install_argv(target: str, index_url: str) -> list[str]:
+    """Exactly the lock's wheels, each checked against its sha256, wheels only, nothing else (as the router's)."""
+    argv = [f"{target}/bin/pip", "install", "--disable-pip-version-check", "--no-input", "--quiet",
+            "--require-hashes", "--only-binary", ":all:", "--no-deps", "--index-url", index_url]
+    url = urlsplit(index_url)
+    if url.scheme == "http" and url.hostname:
+        argv += ["--trusted-host", url.hostname]
+    return [*argv, "-r", f"{target}/{REQUIREMENTS}"]
+
+
+def install_script(install: wheel_lock.LockedInstall, index_url: str) -> str:
+    """Shell: a new venv holding exactly the lock's wheels, its entry point run once, then its marker, then
+    `current` switched to it by one rename. A failure stops it before the marker; the venv in use is not touched."""
+    target = venv_dir(install)
+    q = shlex.quote
+    pip = " ".join(map(q, pip_install_argv(target, index_url)))
+    return (f"{pip} && {NO_GIT} {q(target)}/bin/python -c 'import olah.server' && "
+            f"printf '%s\\n' {install.key} > {q(target)}/{MARKER} && "
+            f"ln -sfn {q(target)} {HOME}/current.tmp && mv -T {HOME}/current.tmp {HOME}/current")
+
+
+if __name__ == "__main__":
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    pythons = sorted({*wheel_lock.PYTHONS, here}, key=lambda v: tuple(map(int, v.split("."))))
+    lock = wheel_lock.generate(LOCK, [OLAH_VERSION], pythons, MACHINES)
+    problems = wheel_lock.check(LOCK.package, lock)
+    if problems:
+        sys.exit("\n".join(problems))
+    wheel_lock.write(lock, LOCK.path)
+    print(f"wrote {LOCK.path}")

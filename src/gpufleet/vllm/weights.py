@@ -1,0 +1,144 @@
+"""The model's files as the hub lists them for one commit, and the check of a host's copy against them: an LFS file
+by its sha256, any other by its git blob id (the hub's ETag for it). Pure: the host runs the commands built here,
+this module reads what they print."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from urllib.parse import quote
+
+MARKER = ".gpufleet-model"  # in the model directory: "<repo>@<commit>" once every file matched the hub's hashes
+COMMIT = re.compile(r"[0-9a-f]{40}")
+_HEX = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+HUB = "https://huggingface.co"
+
+
+@dataclass(frozen=True)
+class HubFile:
+    path: str
+    size: int
+    blob_id: str  # git's id of the file (an LFS file's: of its pointer)
+    sha256: str | None  # LFS files only
+
+    @property
+    def expected(self) -> str:
+        """What the check compares: the LFS sha256, else the git blob id."""
+        return self.sha256 or self.blob_id
+
+
+@dataclass(frozen=True)
+class HubRevision:
+    repo: str
+    commit: str
+    files: tuple[HubFile, ...]
+
+    @property
+    def pinned(self) -> str:
+        return f"{self.repo}@{self.commit}"
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class ModelTarget:
+    """The model a run installs: vllm_model_repo and vllm_model_revision as configured, and the commit when known
+    before the run (repo@commit: gpufleet_model_ref, a commit setting, or the ledger's pin), else resolved by it."""
+
+    repo: str
+    revision: str | None
+    pin: str | None = None
+
+    def ask(self) -> str | None:
+        """What to ask the hub for: the pinned commit, else the revision setting."""
+        return self.pin.rpartition("@")[2] if self.pin else self.revision
+
+
+def info_url(endpoint: str, repo: str, revision: str | None) -> str:
+    """The hub's model info for a revision, with each file's size, blob id and LFS sha256 (`blobs=true`)."""
+    rev = quote(revision or "main", safe="")
+    return f"{endpoint.rstrip('/')}/api/models/{repo}/revision/{rev}?blobs=true"
+
+
+def parse_info(repo: str, body: str) -> HubRevision:
+    """The revision in the hub's model info; ValueError (one phrase) when it is not one."""
+    try:
+        doc = json.loads(body)
+    except json.JSONDecodeError:
+        raise ValueError("the hub's answer is not JSON") from None
+    commit = doc.get("sha") if isinstance(doc, dict) else None
+    if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
+        raise ValueError("the hub's answer names no commit")
+    files = []
+    for sibling in doc.get("siblings") or ():
+        lfs = sibling.get("lfs") or {}
+        path, blob, size = sibling.get("rfilename"), sibling.get("blobId"), sibling.get("size")
+        if not (isinstance(path, str) and isinstance(blob, str) and isinstance(size, int)) or _unsafe(path):
+            raise ValueError(f"the hub's answer lists a file without its name, size or blob id: {sibling!r:.80}")
+        sha = lfs.get("sha256")
+        if (sha is not None and not _HEX.fullmatch(str(sha))) or not _HEX.fullmatch(blob):
+            raise ValueError(f"the hub's answer has no usable hash for {path}")
+        files.append(HubFile(path, size, blob, sha))
+    return HubRevision(repo, commit, tuple(files))
+
+
+def _unsafe(path: str) -> bool:
+    return path.startswith("/") or ".." in path.split("/") or "\n" in path
+
+
+def hash_command(model_dir: str, files: Sequence[HubFile]) -> str:
+    """Shell printing "<hash> <path>" per file (absent: "- <path>"): sha256 for an LFS file, else git's blob id
+    (sha1 of "blob <size>\\0" + the content, as `git hash-object` computes it)."""
+    lines = []
+    for f in files:
+        q = shlex.quote(f.path)
+        if f.sha256:
+            digest = f"sha256sum < {q}"
+        else:
+            digest = f"{{ printf 'blob %s\\0' \"$(stat -c %s {q})\"; cat {q}; }} | sha1sum"
+        lines.append(f"if [ -f {q} ]; then h=$({digest} | cut -c1-64); echo \"${{h%% *}} \"{q}; "
+                     f"else echo - {q}; fi")
+    return f"cd {shlex.quote(model_dir)} && {{ " + "; ".join(lines) + "; }"
+
+
+def mismatches(revision: HubRevision, output: Sequence[str]) -> list[str]:
+    """The files whose content is not the hub's (or that are missing), from hash_command's output."""
+    seen: dict[str, str] = {}
+    for line in output:
+        digest, _, path = line.strip().partition(" ")
+        seen[path] = digest
+    return [f.path for f in revision.files if seen.get(f.path) != f.expected]
+
+
+def partial_paths(model_dir: str, paths: Sequence[str]) -> list[str]:
+    """What to delete so a refused file is fetched again: the file and hf's record that it is complete."""
+    meta = f"{model_dir}/.cache/huggingface/download"
+    return [p for path in paths for p in (f"{model_dir}/{path}", f"{meta}/{path}.metadata")]
+
+
+def marker_text(revision: HubRevision) -> str:
+    return revision.pinned + "\n"
+
+
+def token_header_command(env_file: str | None) -> str:
+    """Shell printing curl's Authorization header from the root-only env file's HF_TOKEN (nothing without one):
+    the token never reaches a command line."""
+    if env_file is None:
+        return "true"
+    return f"sed -n 's/^HF_TOKEN=/Authorization: Bearer /p' {shlex.quote(env_file)}"
+
+
+def fetch_info_command(url: str, env_file: str | None) -> str:
+    return (f"{token_header_command(env_file)} | curl -fsS --noproxy '*' --connect-timeout 5 --max-time 60 -H @- "
+            f"{shlex.quote(url)}")
+
+
+def env_for_download(endpoint: str) -> Mapping[str, str]:
+    """The download's environment: the hub (or the site's mirror of it), and Xet off, so every byte comes from
+    that endpoint and none from Xet's own servers."""
+    return {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}
