@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from gpufleet.health import HealthState
+from gpufleet.health.runner import HostTarget, check_host
 from gpufleet.inventory import load_roles_and_groups
+from gpufleet.remote.transport import ContainerInfo
 from gpufleet.vllm.group_specs import resolve_replicas
 from gpufleet.vllm.unit import WATCH_GRACE_S, watch_argv
 from tests.conftest import FIXTURES
@@ -171,6 +175,43 @@ def test_the_group_version_is_one_for_every_rank_and_moves_with_the_digest_and_a
     assert head.version(ref) != head.version(other)
     moved = type(head)(**{**head.__dict__, "spec_hashes": (head.spec_hashes[0], "f" * 16)})
     assert moved.version(ref) != head.version(ref)
+    # The model's commit is part of it: another commit of the model is another version of the group.
+    model = "Qwen/Qwen3.5-35B-A3B-FP8@" + "c" * 40
+    assert head.version(ref, model) == rank.version(ref, model) != head.version(ref, model[:-1] + "d")
+    assert head.version(ref, model) != head.version(ref)
+
+
+# --- status of a headless rank ---------------------------------------------------------------------------------------
+class RankHost:
+    """A headless rank's host as the checks reach it: its container only (it serves no API)."""
+
+    name = "box-b"
+
+    def __init__(self, container: ContainerInfo):
+        self._container = container
+
+    def container(self, service: str) -> ContainerInfo | None:
+        return self._container
+
+    def http(self, *args, **kwargs):
+        raise AssertionError("a headless rank serves no API: nothing asks it")
+
+
+def test_a_headless_rank_is_its_container_held_to_its_spec_and_to_the_digest_its_ledger_committed():
+    found, _ = resolved(GOLDEN / "pp2-2hosts.py")
+    spec, data = found["box-b"]
+    target = replace(HostTarget.for_spec(spec, data), rank=("pair", 1, "box-a"))
+    committed, other = "r/v@sha256:" + "1" * 64, "r/v@sha256:" + "2" * 64
+    runs = ContainerInfo("c1", "running", image=committed, spec_hash=spec.spec_hash)
+    result = check_host(target, transport=RankHost(runs), committed=lambda t, tr: (committed, None))
+    assert result.ok and result.health.detail == ("rank 1 of group pair: its container runs; the group serves "
+                                                  "through box-a")
+    moved = check_host(target, transport=RankHost(replace(runs, image=other)),
+                       committed=lambda t, tr: (committed, None))
+    assert moved.health.ready and not moved.ok
+    assert moved.committed_drift == f"runs {other}, not {committed}, which its ledger has committed"
+    drifted = check_host(target, transport=RankHost(replace(runs, spec_hash="f" * 16)))
+    assert drifted.health.state is HealthState.MISCONFIGURED and "drift" in drifted.health.detail
 
 
 # --- the unit's watch, run on a shell -------------------------------------------------------------------------------
