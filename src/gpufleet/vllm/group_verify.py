@@ -6,11 +6,11 @@ the head to serve again, as the head's does."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pyinfra.api import Host, State
 
-from gpufleet.health import HealthReport
+from gpufleet.health import HealthReport, HealthState
 from gpufleet.operations.base import fail
 from gpufleet.operations.run import run_context
 from gpufleet.remote.ssh import transport_from_pyinfra_host
@@ -59,8 +59,23 @@ class GroupVerification(Verification):
         return True
 
     def check_once(self, host: Host, expected: Expected) -> Callable[[], HealthReport]:
-        """A rank serves nothing of its own: it is ready when its head is (its rollback waits for that)."""
-        return super().check_once(host.state.inventory.get_host(self._group.member.head), expected)
+        """A rank serves nothing of its own: it is ready when its head is, and what runs there is its own container
+        (the look before its commit and its rollback's hold that to the rank's version)."""
+        member = self._group.member
+        head = super().check_once(host.state.inventory.get_host(member.head), expected)
+        if host.name == member.head:
+            return head
+        transport, service = transport_from_pyinfra_host(host), self.spec.service
+
+        def look() -> HealthReport:
+            report = head()
+            try:
+                return replace(report, container=transport.container(service))
+            except TransportError as error:
+                return HealthReport(HealthState.SSH_UNREACHABLE, f"cannot read its container: {error}",
+                                    host=host.name)
+
+        return look
 
 
 def ranks_installed(state: State, group: GroupRun, service: str) -> VerifyOutcome | None:
