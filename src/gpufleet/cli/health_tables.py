@@ -46,7 +46,7 @@ def host_table(results: list[HostResult], title: str) -> Table:
     columns = ("host", "GPUs", "GPU health", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
                "block", "unit")
     for col in columns:
-        table.add_column(col)
+        table.add_column(col, no_wrap=col == "host")  # a group's rank lines read as a tree under its head
     for r in grouped(results):
         h, c = r.health, r.health.container
         style = _STATE_STYLE.get(h.state, "red")
