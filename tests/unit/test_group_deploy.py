@@ -19,6 +19,7 @@ from gpufleet.units import unit_name
 from gpufleet.vllm.deploy import Plan, check_fleet, deploy_qwen35, plan_for
 from gpufleet.vllm.facts import HostSnapshot, group_probe
 from gpufleet.vllm.group_deploy import check_groups, probe_problem
+from gpufleet.vllm.operations import group as group_ops
 from gpufleet.vllm.unit import render_unit
 from gpufleet.wire.identity import Expected
 from tests.unit.test_vllm_deploy import DATA, bare_but_installed, sick, writes
@@ -39,32 +40,35 @@ def inventory(group: dict[str, Any] | None = None) -> Inventory:
                      pair=(list(HOSTS), {**GROUP, **(group or {})}))
 
 
-def prepare(snaps: dict[str, HostSnapshot], monkeypatch: pytest.MonkeyPatch, group: dict[str, Any] | None = None
-            ) -> tuple[dict[str, Plan], dict[str, dict[str, list[Any]]]]:
-    """Plan every rank, then every operation's commands per host: ({host: plan}, {host: {op name: commands}})."""
+def prepare(snaps: dict[str, HostSnapshot], monkeypatch: pytest.MonkeyPatch, group: dict[str, Any] | None = None,
+            state: list[State] | None = None) -> tuple[dict[str, Plan], dict[str, dict[str, list[Any]]]]:
+    """Plan every rank, then every operation's commands per host: ({host: plan}, {host: {op name: commands}}).
+    state: given a list, the run's State is appended to it."""
     inv = inventory(group)
-    state = State(inv, Config())
+    state_ = State(inv, Config())
+    if state is not None:
+        state.append(state_)
     for name in HOSTS:
-        state.activate_host(inv.get_host(name))
+        state_.activate_host(inv.get_host(name))
     plans: dict[str, Plan] = {}
-    with ctx_state.use(state):
+    with ctx_state.use(state_):
         for name in HOSTS:
             with ctx_host.use(inv.get_host(name)):
                 plans[name] = plan_for(name, inv.get_host(name).data.dict())
     readings = {name: preflight.Reading(plans[name], snaps[name], []) for name in HOSTS}
     monkeypatch.setattr(preflight, "read_fleet", lambda *_, **__: dict(readings))
-    add_deploy(state, deploy_qwen35)
+    add_deploy(state_, deploy_qwen35)
     ops: dict[str, dict[str, list[Any]]] = {}
-    with ctx_state.use(state):
+    with ctx_state.use(state_):
         for name in HOSTS:
             target = inv.get_host(name)
             with ctx_host.use(target):
                 ops[name] = {}
-                for op_hash in state.get_op_order():
-                    op_data = state.get_op_data_for_host(target, op_hash)
+                for op_hash in state_.get_op_order():
+                    op_data = state_.get_op_data_for_host(target, op_hash)
                     if op_data.global_arguments.get("_if"):
                         continue
-                    op = next(iter(state.get_op_meta(op_hash).names)).rsplit(" | ", 1)[-1]
+                    op = next(iter(state_.get_op_meta(op_hash).names)).rsplit(" | ", 1)[-1]
                     ops[name][op] = list(op_data.command_generator())
     return plans, ops
 
@@ -141,6 +145,32 @@ def test_the_group_installs_its_heads_model_commit_on_every_rank(monkeypatch):
     assert uploads and f"# Model {repo}@{COMMIT}." in uploads[0]
     assert ops["box-a"][UNIT] == []
     assert any(isinstance(c, FunctionCommand) for c in ops["box-a"][START])
+
+
+def test_ranks_that_resolved_different_digests_or_model_commits_fail_before_any_unit_changes(monkeypatch):
+    # No rank's ledger pins anything (a first deploy): each resolves the tag and the branch, checked across ranks.
+    from gpufleet.operations.run import host_run
+
+    states: list[State] = []
+    _, ops = prepare({name: bare_but_installed() for name in HOSTS}, monkeypatch, state=states)
+    state = states[0]
+    (check,) = ops["box-b"]["Check every rank of the group has one digest and one model commit"]
+    repo = "Qwen/Qwen3.5-35B-A3B-FP8"
+    for name in HOSTS:
+        host_run(state.inventory.get_host(name)).resolved_image_ref = REF
+        host_run(state.inventory.get_host(name)).resolved_model = f"{repo}@{COMMIT}"
+    said: list[str] = []
+    monkeypatch.setattr(group_ops, "fail", lambda host, line: said.append(line) or False)
+    box_b = state.inventory.get_host("box-b")
+    assert check.function(state, box_b, *check.args) is True and said == []
+    host_run(state.inventory.get_host("box-a")).resolved_model = f"{repo}@{OTHER_COMMIT}"
+    assert check.function(state, box_b, *check.args) is False
+    assert said[-1] == (f"box-b: the ranks of group pair got different model commits (box-a {repo}@{OTHER_COMMIT}, "
+                        f"box-b {repo}@{COMMIT}): the branch moved between their downloads (fix: converge again, or "
+                        "set vllm_model_revision to a commit)")
+    host_run(state.inventory.get_host("box-a")).resolved_image_ref = OTHER
+    assert check.function(state, box_b, *check.args) is False
+    assert said[-1].startswith(f"box-b: the ranks of group pair got different digests (box-a {OTHER}, box-b {REF})")
 
 
 def reading(plan: Plan, gpu: str = "NVIDIA H200", driver: str = "580.159.04") -> preflight.Reading[Any, Any]:
