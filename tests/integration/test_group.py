@@ -28,6 +28,7 @@ from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.registry import move_tag, tag_manifest
+from gpufleet.wire.checks import SERVING_CHECKS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")
@@ -38,6 +39,9 @@ SERVICE, PORT, MASTER_PORT = "vllm-pair", 5100, 29601
 GROUP = {"vllm_group": "pair", "vllm_profile": "qwen35-1gpu", "vllm_service": SERVICE, "vllm_port": PORT,
          "vllm_group_port": MASTER_PORT, "vllm_group_interface": "eth0", "vllm_group_link": "veth (test hosts)",
          "vllm_args": {"pipeline-parallel-size": 2}, "vllm_ready_timeout": 120, "vllm_ready_soak_s": 15}
+
+# The rollouts after the first prove what the group's versions do, not the checks (the first runs them all).
+NO_SERVING_CHECKS = [arg for check in SERVING_CHECKS for arg in ("--no-check", check)]
 
 
 def gpufleet(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -195,7 +199,11 @@ def test_a_rollout_swaps_both_ranks_in_one_run_and_commits_once(fleet, tag, inve
     assert {r["host"]: r["outcome"] for r in doc["hosts"]} == {head.name: "updated", rank.name: "updated"}
     rows = {r["host"]: r for r in doc["hosts"]}
     assert rows[head.name]["checks"][:2] == [{"check": "completion", "ok": True}, {"check": "stream", "ok": True}]
+    assert {"check": "speed", "ok": True} in rows[head.name]["checks"], rows[head.name]["checks"]
     assert rows[rank.name]["checks"] == []  # the head's answers are the group's
+    # The speed the head measured is the group's: every rank commits it with the head's verdict.
+    figures = {h.name: ledger(fleet, h)["committed"]["speed"] for h in pair}
+    assert figures[head.name] is not None and figures[rank.name] == figures[head.name], figures
     swaps = [r for r in re.split(r"^\$ ", log.read_text(), flags=re.MULTILINE)[1:]
              if "gpufleet_image_ref=" in r.splitlines()[0] and "gpufleet_stage=prepare" not in r.splitlines()[0]]
     assert len(swaps) == 1 and head.name in swaps[0].splitlines()[0] and rank.name in swaps[0].splitlines()[0]
@@ -210,7 +218,7 @@ def test_a_rollout_swaps_both_ranks_in_one_run_and_commits_once(fleet, tag, inve
 def test_a_failing_nightly_rolls_both_ranks_back(fleet, tag, inventory, pair, digests, converged):
     version = one_version(fleet, pair, digests["good-next"])
     assert move_tag(fleet.cfg.registry, tag, "dies") == digests["dies"]
-    proc = gpufleet("rollout", str(inventory), "--yes", "--json")
+    proc = gpufleet("rollout", str(inventory), "--yes", "--json", *NO_SERVING_CHECKS)
     assert proc.returncode == 1, proc.stderr[-4000:]
     doc = rollout_doc(proc)
     assert {r["outcome"] for r in doc["hosts"]} == {"rolled-back"}, doc["hosts"]
@@ -225,8 +233,8 @@ def test_a_controller_killed_between_the_ranks_swaps_ends_with_one_version(fleet
     head, _ = pair
     move_tag(fleet.cfg.registry, tag, "good")  # committed before on both ranks: not marked failed
     old = container_id(fleet, head)
-    proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--yes", "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--yes", "--json", *NO_SERVING_CHECKS],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     # Killed once the head's restart began (its old container gone), before the group's verify could end.
     deadline = time.monotonic() + 300
     while container_id(fleet, head) in (old, "") and time.monotonic() < deadline and proc.poll() is None:
@@ -234,7 +242,7 @@ def test_a_controller_killed_between_the_ranks_swaps_ends_with_one_version(fleet
     assert proc.poll() is None, "the rollout ended before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
-    resumed = gpufleet("rollout", str(inventory), "--yes", "--json")
+    resumed = gpufleet("rollout", str(inventory), "--yes", "--json", *NO_SERVING_CHECKS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert {r["outcome"] for r in rollout_doc(resumed)["hosts"]} <= {"updated", "unchanged"}
     one_version(fleet, pair, digests["good"])
