@@ -20,7 +20,7 @@ import json
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from gpufleet.rollout.progress import Progress
@@ -74,10 +74,10 @@ def main() -> int:
                          **({k: v for k, v in dataclasses.asdict(carried).items() if k != "entries"}
                             if carried else {}),
                          "entries": list(carried.entries) if carried else []})
-        doc = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "hosts": args.hosts,
+        doc = {"when": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "hosts": args.hosts,
                "compile_seconds": args.compile_seconds, "stand_in_load_seconds": 2, "canary": 1, "batch": 1,
                "total_s": round(total, 1), "rows": rows}
-        out = REPO / "bench" / "results" / f"carry-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
+        out = REPO / "bench" / "results" / f"carry-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
         out.write_text(json.dumps(doc, indent=1) + "\n")
         print(json.dumps(doc, indent=1))
         print(f"written: {out}")

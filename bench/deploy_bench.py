@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import NamedTuple
 
@@ -318,7 +318,7 @@ def report(rows: list[dict], args: argparse.Namespace, load: tuple[str, str], st
     ]
     for r in rows:
         f, g, a = (med(x.wall for x in r[k]) for k in ("floor", "gf_noop", "ans_noop"))
-        paired = med(gx.wall / fx.wall for fx, gx in zip(r["floor"], r["gf_noop"]))
+        paired = med(gx.wall / fx.wall for fx, gx in zip(r["floor"], r["gf_noop"], strict=True))
         lines.append(f"| {r['n']} | {f:.2f} | {g:.2f} | {g / f:.2f}x | {paired:.2f}x | {a:.2f} | {a / f:.2f}x "
                      f"| {cold(r['gf_cold'])} | {cold(r['ans_cold'])} |")
     lines += [
@@ -384,12 +384,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeat", type=int, default=7, help="interleaved floor / no-op runs per size (median)")
-    parser.add_argument("--cold-repeat", type=int, default=1, help="cold runs per tool per size, fresh hosts each (0: no-op figures only)")
+    parser.add_argument("--cold-repeat", type=int, default=1,
+                        help="cold runs per tool per size, fresh hosts each (0: no-op figures only)")
     parser.add_argument("--note", default="", help="a line for the result file's header (e.g. what else ran)")
     parser.add_argument("--rev", help="time this git revision (e.g. HEAD) instead of the working tree")
     args = parser.parse_args()
 
-    started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    started = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     load_start, code = loadavg(), code_state(args.rev)
     playbook_bin = ensure_ansible()
     debs = ensure_peer_debs()

@@ -23,7 +23,7 @@ import json
 import random
 import subprocess
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from converge import DEPLOY, PYINFRA
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=3)
     parser.add_argument("--shard-mib", type=int, default=64)
     args = parser.parse_args()
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out_dir = Path("/var/lib/gpufleet/mcbench-runs") / stamp
     out_dir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(config())

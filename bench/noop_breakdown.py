@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from deploy_bench import (
@@ -93,9 +93,9 @@ def section_times(fleet: Fleet, host: Host, repeat: int) -> list[tuple[str, floa
                 _, i, ns = out.split()
                 runs[int(i)].append(int(ns) / 1e9)
     totals: dict[str, list[float]] = {}
-    for name, times in zip(names, runs):  # setup lines summed per run
+    for name, times in zip(names, runs, strict=True):  # setup lines summed per run
         totals.setdefault(name, [0.0] * repeat)
-        totals[name] = [a + b for a, b in zip(totals[name], times)]
+        totals[name] = [a + b for a, b in zip(totals[name], times, strict=True)]
     return [(name, statistics.median(times)) for name, times in totals.items()]
 
 
@@ -106,7 +106,7 @@ def main() -> int:
     parser.add_argument("--rev", help="time this git revision (e.g. HEAD) instead of the working tree")
     args = parser.parse_args()
 
-    started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    started = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     load_start, code = loadavg(), code_state(args.rev)
     fleet = Fleet(bench_config())
     lines: list[str] = []

@@ -41,7 +41,7 @@ def md_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
             block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
             continue
         if len(block) >= 2:
-            tables.append((block[0], [row for row in block[2:]]))
+            tables.append((block[0], list(block[2:])))
         block = []
     return tables
 
@@ -174,7 +174,7 @@ def draw_noop(plt: Any, source: Path) -> Path:
                                ("ansible / floor", "Ansible / floor", ANSIBLE)):
         values = table[key]
         right.plot(hosts, values, marker="o", color=colour, label=label)
-        for x, y in zip(hosts, values):
+        for x, y in zip(hosts, values, strict=True):
             if y is not None:
                 right.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
                                fontsize=7, color=colour)
@@ -216,12 +216,12 @@ def draw_router(plt: Any, source: Path) -> Path:
         fair = [doc["candidates"][n][key]["busiest_over_fair_mean"] for n in names]
         left.barh([y + offset for y in ys], hits, height=height, color=colour, label=label)
         right.barh([y + offset for y in ys], fair, height=height, color=colour, label=label)
-        for y, n, h in zip(ys, names, hits):
+        for y, n, h in zip(ys, names, hits, strict=True):
             share = doc["candidates"][n][key].get("share_of_one_server_same_turns")
             text = f"{h:.3f}" + (f"  ({share:.0%} of one server's hits)" if share is not None else "")
             left.annotate(text, (h, y + offset), textcoords="offset points", xytext=(3, 0), va="center", fontsize=6.5,
                           bbox=LABEL_BOX)
-        for y, f in zip(ys, fair):
+        for y, f in zip(ys, fair, strict=True):
             right.annotate(f"{f:.2f}", (f, y + offset), textcoords="offset points", xytext=(3, 0), va="center",
                            fontsize=6.5, bbox=LABEL_BOX)
     single = doc.get("single_server", {})
@@ -262,11 +262,11 @@ def draw_rollout(plt: Any, source: Path) -> Path:
     for offset, values, label, colour in ((-width / 2, median, "median host", "#1f77b4"),
                                           (width / 2, worst, "worst host", "#ff7f0e")):
         ax.bar([x + offset for x in xs], [v or 0 for v in values], width=width, color=colour, label=label)
-        for x, v in zip(xs, values):
+        for x, v in zip(xs, values, strict=True):
             if v is not None:
                 ax.annotate(f"{v:.1f} s", (x + offset, v), textcoords="offset points", xytext=(0, 3), ha="center",
                             fontsize=8)
-    ax.set_xticks(xs, [f"{h} hosts\n(rollout {t})" for h, t in zip(hosts, table["total"])])
+    ax.set_xticks(xs, [f"{h} hosts\n(rollout {t})" for h, t in zip(hosts, table["total"], strict=True)])
     ax.set_ylabel("seconds /health did not answer 200")
     ax.set_title("Downtime per host during a rollout (canary 1, batch 1)")
     ax.legend(frameon=False, fontsize=8)

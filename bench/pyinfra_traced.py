@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from pyinfra.connectors import ssh
 from pyinfra_cli.main import main
@@ -42,7 +43,7 @@ def _timed_run(self, command, *args, **kwargs):
 
 ssh.make_unix_command_for_host = _recording_make_command
 ssh.SSHConnector.run_shell_command = _timed_run
-atexit.register(lambda: open(os.environ["BENCH_TRACE"], "w").write(json.dumps(TRACE)))
+atexit.register(lambda: Path(os.environ["BENCH_TRACE"]).write_text(json.dumps(TRACE)))
 
 if __name__ == "__main__":
     sys.argv[0] = "pyinfra"

@@ -49,24 +49,23 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))
 
-from tests.frontdoor import FrontDoor  # noqa: E402
-from tests.ports import free_port  # noqa: E402
-from tests.vllm.servers import ALIGN, ALIGN_FLAGS, SERVED, ServerSpec, expected, resolve_hybrid_blocks, start_pair  # noqa: E402
-from tests.vllm_peer import models  # noqa: E402
-from tests.vllm_peer.server import vllm_venv  # noqa: E402
-
 from gpufleet.router.settings import DEFAULTS  # noqa: E402
 from gpufleet.sandbox.config import CACHE_DIR  # noqa: E402
 from gpufleet.sandbox.router_index import ensure_index  # noqa: E402
 from gpufleet.vllm.settings import BEHIND_ROUTER_ARGS  # noqa: E402
 from gpufleet.wire.metrics import parse_metrics  # noqa: E402
+from tests.frontdoor import FrontDoor  # noqa: E402
+from tests.ports import free_port  # noqa: E402
+from tests.vllm.servers import ALIGN, ALIGN_FLAGS, SERVED, ServerSpec, expected, resolve_hybrid_blocks, start_pair  # noqa: E402
+from tests.vllm_peer import models  # noqa: E402
+from tests.vllm_peer.server import vllm_venv  # noqa: E402
 
 SERVED_REQUESTS = "vllm:request_success_total"
 SCALE_OUT = "--enable-scale-out"
@@ -392,7 +391,7 @@ def main() -> None:
     model = models.build_hybrid(work / "hybrid")
     # Run tags of one length: every run's prompts are the same size, so block alignment treats them alike.
     tags = (f"r{n:03d}" for n in itertools.count())
-    results: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "vllm_router": version,
+    results: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "vllm_router": version,
                      "default": {"router_policy": DEFAULTS["router_policy"],
                                  "replica_flags": behind_router_flags()},
                      "runs_per_series": args.runs, "agents": args.agents, "turns": args.turns,
@@ -457,7 +456,7 @@ def main() -> None:
 
 
 def write_results(kind: str, results: dict) -> None:
-    out = REPO / "bench" / "results" / f"{kind}-{datetime.now(timezone.utc):%Y%m%d-%H%M}.json"
+    out = REPO / "bench" / "results" / f"{kind}-{datetime.now(UTC):%Y%m%d-%H%M}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(out)
@@ -495,7 +494,7 @@ def probe_scale_out() -> None:
     specs = [ServerSpec("on", model, [*ALIGN_FLAGS, SCALE_OUT], expected(**ALIGN), api_key=key),
              ServerSpec("off", model, ALIGN_FLAGS, expected(**ALIGN), api_key=key)]
     servers = start_pair(venv, work, specs)
-    results: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "api_key": True}
+    results: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "api_key": True}
     try:
         for started, spec in zip(servers, specs, strict=True):
             url = f"http://127.0.0.1:{started.server.port}"

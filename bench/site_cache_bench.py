@@ -27,7 +27,7 @@ import re
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from converge import converge_fresh_hosts
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--compile-seconds", type=float, default=15.0)
     args = parser.parse_args()
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out_dir = Path("/var/lib/gpufleet/scbench-runs") / stamp
     out_dir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(config())

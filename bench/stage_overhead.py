@@ -40,7 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def api_worker(inventory_json: str, runs: int) -> None:
 def api_stage(hosts: list[tuple[str, dict]]) -> Sample:
     """One stage through the API in a worker that has imported everything and run one stage before it."""
     proc = subprocess.run([PYTHON, __file__, "--api-worker", json.dumps(hosts), "--runs", "1"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                          capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"api worker exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     (row,) = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -280,7 +280,7 @@ def main() -> int:
     if why:
         print(f"no throwaway sshd: {why}", file=sys.stderr)
         return 2
-    started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    started = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     about = machine()
     runs = args.runs
     imports = deploy_imports()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import gpufleet.inventory  # noqa: F401,I001  first: pyinfra_cli's gevent patch_all() must precede any thread
+import gpufleet.inventory  # noqa: F401  first: pyinfra_cli's gevent patch_all() must precede any thread
 from tests.sshd import Sshd
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -219,7 +219,7 @@ def phase_health(run: Run) -> None:
     if fact is not None:
         try:
             parsed = jsonable(getattr(fact, HEALTH_FACT[2])(raw["fact"]["stdout"].splitlines()))
-        except Exception as e:  # noqa: BLE001 - the parser's own verdict on what this GPU printed, kept as evidence
+        except Exception as e:  # the parser's own verdict on what this GPU printed, kept as evidence
             parsed = f"{type(e).__name__}: {e}"
     run.record("health", {"queries": raw, "parsed": parsed})
 
@@ -441,9 +441,8 @@ def phase_stop(run: Run, names: Sequence[str]) -> None:
 # --- the checks ------------------------------------------------------------------------------------------------------
 def loopback(run: Run, name: str) -> tuple[Any, Any]:
     sys.path.insert(0, str(REPO))
-    from tests.loopback import LoopbackTransport
-
     from gpufleet.wire.identity import Expected
+    from tests.loopback import LoopbackTransport
 
     state = run.state(name)
     args = state["argv"]

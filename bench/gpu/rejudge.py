@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import lzma
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -47,10 +48,15 @@ def rejudge(result: dict[str, Any]) -> tuple[str, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checks", type=Path, help="the evidence run's checks.json")
+    parser.add_argument("checks", type=Path, help="the evidence run's checks.json (or checks.json.xz)")
     args = parser.parse_args()
     counts: dict[str, Counter[str]] = {}
-    for phase in json.loads(args.checks.read_text()):
+    if args.checks.suffix == ".xz":
+        with lzma.open(args.checks, "rt") as packed:
+            text = packed.read()
+    else:
+        text = args.checks.read_text()
+    for phase in json.loads(text):
         for run, results in enumerate(phase["results"]):
             for result in results:
                 if result["name"] == "sessions" and result.get("ran", True):

@@ -228,7 +228,7 @@ class HostLock:
         stdout = channel.makefile("r")
         try:
             first = stdout.readline().strip()
-        except socket.timeout:
+        except TimeoutError:
             channel.close()
             raise HostLockError(f"{self.host}: no answer from the lock command within "
                                 f"{max(wait_s, 0) + START_MARGIN_S:g} s") from None
@@ -260,7 +260,7 @@ class HostLock:
                 if line == READ_DONE:
                     return lines
                 lines.append(line)
-        except socket.timeout:
+        except TimeoutError:
             channel.close()
             raise HostLockError(f"{self.host}: the host did not finish reading its state within {timeout_s:g} s "
                                 "under the lock") from None

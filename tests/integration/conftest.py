@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.integration.fleets import running_fleet, session_fleet_config
 
 from gpufleet.sandbox.config import Gpus, H200x3
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.inventory import inventory_document, write_pyinfra_inventory
+from tests.integration.fleets import running_fleet, session_fleet_config
 
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
 # Fresh hosts are numbered from here, so they never collide with the session's hosts.

@@ -15,8 +15,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-from tests.integration.fleets import module_tag, own_fleet_config, running_fleet, tagged_inventory
-from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.rollout.carry_entries import carried_dir
 from gpufleet.rollout.progress import Progress
@@ -26,6 +24,8 @@ from gpufleet.rollout.run import roll_out
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.sandbox.config import Gpus, H200x3
 from gpufleet.sandbox.registry import move_tag
+from tests.integration.fleets import module_tag, own_fleet_config, running_fleet, tagged_inventory
+from tests.integration.pyinfra_run import run_deploy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploys" / "qwen35.py"
@@ -93,7 +93,7 @@ def test_the_canary_compiles_the_same_gpus_start_warm_other_gpus_do_not_take_it(
     move_tag(fleet.cfg.registry, tag, "good-next")
     notes: list[str] = []
     result = rollout(inventory, notes)
-    print("\n[carry]", {h: r for h, r in result.carried.items()})
+    print("\n[carry]", dict(result.carried.items()))
     assert [o.outcome for o in result.outcomes] == [Outcome.UPDATED] * 3, result.outcomes
     carried = result.carried
 

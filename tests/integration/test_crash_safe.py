@@ -16,6 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+
+from gpufleet.sandbox.image import image_ref
+from gpufleet.sandbox.inventory import pyinfra_hosts
+from gpufleet.sandbox.nvidia_smi import HOST_PROFILE
+from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
+from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.unit import render_unit
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import (
     SERVICE,
@@ -26,13 +33,6 @@ from tests.integration.test_deploy_qwen35 import (
     sh,
     write_inventory,
 )  # fmt: skip
-
-from gpufleet.sandbox.image import image_ref
-from gpufleet.sandbox.inventory import pyinfra_hosts
-from gpufleet.sandbox.nvidia_smi import HOST_PROFILE
-from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
-from gpufleet.vllm.settings import build_spec
-from gpufleet.vllm.unit import render_unit
 
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 UNIT = f"/etc/systemd/system/{SERVICE}.service"

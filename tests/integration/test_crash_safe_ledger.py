@@ -20,6 +20,11 @@ import time
 import urllib.request
 
 import pytest
+
+from gpufleet.sandbox.image import REPOSITORY, image_ref
+from gpufleet.sandbox.inventory import pyinfra_hosts
+from gpufleet.vllm.layout import Layout
+from gpufleet.vllm.settings import build_spec
 from tests.integration.conftest import PYINFRA
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import (
@@ -34,11 +39,6 @@ from tests.integration.test_deploy_qwen35 import (
     sh,
     write_inventory,
 )  # fmt: skip
-
-from gpufleet.sandbox.image import REPOSITORY, image_ref
-from gpufleet.sandbox.inventory import pyinfra_hosts
-from gpufleet.vllm.layout import Layout
-from gpufleet.vllm.settings import build_spec
 
 UNIT = f"/etc/systemd/system/{SERVICE}.service"
 DATA = {"vllm_ready_timeout": 60, "vllm_ready_soak_s": 5}

@@ -15,6 +15,8 @@ import json
 import re
 
 import pytest
+
+from gpufleet.health import HealthState
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import SERVICE, STATE_FILE, running_image, sh
 from tests.integration.test_deploy_rollback import (  # noqa: F401  fixtures: one fresh host, converge(tag), its good digest
@@ -27,11 +29,9 @@ from tests.integration.test_deploy_rollback import (  # noqa: F401  fixtures: on
     run,
 )
 
-from gpufleet.health import HealthState
-
 
 @pytest.mark.parametrize(
-    "tag, caught, check",
+    ("tag", "caught", "check"),
     [
         ("models-not-json", "/v1/models is not JSON: <html><head><title>502 Bad Gateway</title>", None),
         ("not-http", "GET /health: the port does not answer HTTP: -ERR unknown command 'GET'", None),

@@ -16,8 +16,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from tests.integration.pyinfra_results import changed_ops, changes, results
-from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.facts.gpu_health import QUERY_HEALTH
 from gpufleet.facts.nvidia import QUERY_GPUS
@@ -27,6 +25,8 @@ from gpufleet.vllm.operations import nvidia, repo_keys
 from gpufleet.vllm.operations.docker import DOCKER_KEY
 from gpufleet.vllm.operations.nvidia import KEYRING as NVIDIA_KEYRING
 from gpufleet.vllm.operations.nvidia import VERSION_FILE
+from tests.integration.pyinfra_results import changed_ops, changes, results
+from tests.integration.pyinfra_run import run_deploy
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO / "deploys" / "qwen35.py")
@@ -396,7 +396,7 @@ def test_reboot_brings_the_service_back_on_the_same_digest(converged, test_hosts
     assert committed_ref(fleet, b) == ref
 
 
-@pytest.mark.parametrize("gpus, overrides, expected", [
+@pytest.mark.parametrize(("gpus", "overrides", "expected"), [
     (H200x1, {}, r"vllm_gpus \[0, 1, 2\] needs GPU index 2, the host has 1 GPU"),
     (OLD_DRIVER, {}, r"driver 535\.104\.05 supports CUDA 12\.2, the image needs CUDA >= 13\.0"),
     (NO_GPU, {}, r"no NVIDIA driver \(nvidia-smi not found\).*gpufleet_allow_no_gpu=True"),

@@ -13,6 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+
+from gpufleet.health import HealthState, check
+from gpufleet.hoststate.paths import committed_unit
+from gpufleet.remote.ssh import open_ssh
+from gpufleet.remote.transport import SshTransport
+from gpufleet.sandbox.image import image_ref
+from gpufleet.vllm.settings import build_spec
+from gpufleet.wire.identity import Expected
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import (
     SERVICE,
@@ -24,14 +32,6 @@ from tests.integration.test_deploy_qwen35 import (
     sh,
     write_inventory,
 )
-
-from gpufleet.health import HealthState, check
-from gpufleet.hoststate.paths import committed_unit
-from gpufleet.remote.ssh import open_ssh
-from gpufleet.remote.transport import SshTransport
-from gpufleet.sandbox.image import image_ref
-from gpufleet.vllm.settings import build_spec
-from gpufleet.wire.identity import Expected
 
 UNIT = f"/etc/systemd/system/{SERVICE}.service"
 API_KEY = "sk-gf-rollback-51d0e2"  # /v1/models is key-guarded: the checks must send it inside the SSH channel

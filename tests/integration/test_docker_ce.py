@@ -14,6 +14,9 @@ import shlex
 import urllib.request
 
 import pytest
+
+from gpufleet.sandbox.config import H200x3
+from gpufleet.vllm.operations.docker import DOCKER_KEY, DOCKER_LIST
 from tests.integration.pyinfra_results import changed_ops, changes
 from tests.integration.test_deploy_qwen35 import (
     SERVICE,
@@ -25,9 +28,6 @@ from tests.integration.test_deploy_qwen35 import (
     sh,
     write_inventory,
 )
-
-from gpufleet.sandbox.config import H200x3
-from gpufleet.vllm.operations.docker import DOCKER_KEY, DOCKER_LIST
 
 # The soak is proven in test_deploy_rollback; here a ready service is enough.
 QUICK = {"vllm_ready_soak_s": 0}

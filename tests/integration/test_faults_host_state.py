@@ -34,15 +34,15 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.integration.conftest import PYINFRA
-from tests.integration.pyinfra_results import changed_ops, changes
-from tests.integration.test_crash_safe_ledger import container_ids, digest_of, health_on, main_pid, one_line
-from tests.integration.test_deploy_qwen35 import DEPLOY, SERVICE, STATE_FILE, deploy, running_image, sh, write_inventory
 
 from gpufleet.hostlock import LOCK_PATH
 from gpufleet.hoststate.paths import STATE_DIR, UNITS_DIR, committed_unit
 from gpufleet.sandbox.config import REGISTRY_PORT
 from gpufleet.sandbox.image import image_ref
+from tests.integration.conftest import PYINFRA
+from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.test_crash_safe_ledger import container_ids, digest_of, health_on, main_pid, one_line
+from tests.integration.test_deploy_qwen35 import DEPLOY, SERVICE, STATE_FILE, deploy, running_image, sh, write_inventory
 
 UNIT = f"/etc/systemd/system/{SERVICE}.service"
 DATA = {"vllm_ready_timeout": 60, "vllm_ready_soak_s": 5}

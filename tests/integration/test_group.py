@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.integration.fleets import module_tag
-from tests.integration.pyinfra_results import changed_ops, changes
-from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.sandbox.image import REPOSITORY
 from gpufleet.sandbox.registry import move_tag, tag_manifest
 from gpufleet.wire.checks import SERVING_CHECKS
+from tests.integration.fleets import module_tag
+from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.pyinfra_run import run_deploy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")

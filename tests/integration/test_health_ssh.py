@@ -18,7 +18,6 @@ from pathlib import Path
 
 import paramiko
 import pytest
-from tests.ports import free_port
 
 from gpufleet.health import HealthState, check, wait_until_ready
 from gpufleet.health.api import get
@@ -29,6 +28,7 @@ from gpufleet.units import unit_path
 from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.wire.identity import Expected
+from tests.ports import free_port
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.integration.conftest import PYINFRA
-from tests.integration.test_deploy_qwen35 import DEPLOY, SERVICE, deploy, write_inventory
 
 from gpufleet.hostlock import LOCK_PATH
+from tests.integration.conftest import PYINFRA
+from tests.integration.test_deploy_qwen35 import DEPLOY, SERVICE, deploy, write_inventory
 
 LEASE_S = 6
 UNIT = f"/etc/systemd/system/{SERVICE}.service"

@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.integration.fleets import module_tag
-from tests.integration.pyinfra_results import changed_ops, changes
-from tests.integration.test_deploy_qwen35 import committed_ref, write_inventory
 
 from gpufleet.sandbox.image import image_ref
 from gpufleet.sandbox.registry import move_tag
+from tests.integration.fleets import module_tag
+from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.test_deploy_qwen35 import committed_ref, write_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGED_DEPLOY = "site-packages/gpufleet/data/deploys/qwen35.py"

@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.integration.pyinfra_results import changed_ops, changes
-from tests.integration.test_deploy_qwen35 import deploy, sh, write_inventory
-from tests.integration.test_health_ssh import gpufleet
 
 from gpufleet.inventory import load_hosts
 from gpufleet.sandbox.config import H200x1
 from gpufleet.vllm.profiles import PROFILES
 from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.unit import render_unit
+from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.test_deploy_qwen35 import deploy, sh, write_inventory
+from tests.integration.test_health_ssh import gpufleet
 
 PROFILE = PROFILES["qwen35-1gpu"]
 SERVICE = PROFILE.service

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.integration.pyinfra_results import changed_ops, changes, results
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,13 @@ vLLM image), with the hosts' vllm_image on a tag of this module's own that the t
    and `stalls-under-load` by the speed check, measured on the canary before and after its swap);
 4. the tag back on `good` (an earlier committed digest); the controller killed mid-rollout; the re-run completes
    and no host was started twice;
-5. `rollback --host` returns a host to its previous digest, gated.
+5. `rollback --host` returns a host to its previous digest, gated;
+6. a moved tag is looked up in the registry, nothing pulled before the prompt;
+7. the model moves (`--model-revision`, a new commit of the stand-in hub's model): a rollout that does not ask leaves
+   it; one that asks has every host download it while its old version serves, all before the canary's swap (the
+   hub's access log against each host's journal), and commits it everywhere; with an image that fails its gate,
+   the canary's rollback serves the old commit's files again, and a converge gives the hosts that were not swapped
+   their old files back without a download.
 
 GPU health, faults injected into the running hosts' stand-ins (gpufleet.sandbox.gpu_faults) and cleared after:
 after 1, a GPU throttling for heat is served and warned in `status`, and preflight refuses a converge that would
@@ -22,11 +28,13 @@ canary, the two others move, and the exit status is 1.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -34,16 +42,20 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.integration.fleets import module_tag, own_fleet_config, running_fleet, tagged_inventory
-from tests.integration.pyinfra_results import changed_ops, changes
-from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.health.api import get
 from gpufleet.remote.ssh import open_ssh
-from gpufleet.sandbox import gpu_faults
+from gpufleet.sandbox import gpu_faults, services
+from gpufleet.sandbox import hub as standin_hub
 from gpufleet.sandbox.config import H200x3
-from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.image import MODEL_REPO, REPOSITORY
 from gpufleet.sandbox.registry import move_tag, tag_manifest
+from gpufleet.vllm.settings import merged_settings
+from gpufleet.vllm.spec import model_label_key
+from gpufleet.wire.checks import SERVING_CHECKS
+from tests.integration.fleets import module_tag, own_fleet_config, running_fleet, tagged_inventory
+from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.pyinfra_run import run_deploy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = str(REPO_ROOT / "deploys" / "qwen35.py")
@@ -200,7 +212,7 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = rollout_json(proc)
     assert doc["target"] == digests["good-next"]
-    assert outcomes(doc) == {n: "updated" for n in names}
+    assert outcomes(doc) == dict.fromkeys(names, "updated")
     for row in doc["hosts"]:
         assert row["from"] == digests["good"] and row["to"] == digests["good-next"]
         assert row["downtime_s"] is not None and 0 < row["downtime_s"] < 60
@@ -244,7 +256,7 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
 
     ids = {h.name: container_id(fleet, h) for h in hosts}
     again = gpufleet("rollout", str(inventory), "--yes", "--json")
-    assert again.returncode == 0 and outcomes(rollout_json(again)) == {n: "unchanged" for n in names}
+    assert again.returncode == 0 and outcomes(rollout_json(again)) == dict.fromkeys(names, "unchanged")
     assert "already runs" in again.stderr
     assert changes(converge(pyinfra, inventory).stdout) == 0
     assert {h.name: container_id(fleet, h) for h in hosts} == ids
@@ -346,7 +358,7 @@ def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, py
 
 
 # --- 3b. an image that is up but fails its clients ----------------------------------------------------------------
-@pytest.mark.parametrize("broken_tag, check, caught", [
+@pytest.mark.parametrize(("broken_tag", "check", "caught"), [
     ("completions-fail", "completion", "answers: completion: POST /v1/chat/completions answered 500"),
     # Serving checks the canary is held to: answers that change once cached, tool calls that come back as text.
     ("cache-corrupt", "cached-cold", "check cached-cold: the cached answer differs from the cold one"),
@@ -476,3 +488,141 @@ def test_a_moved_tag_is_looked_up_in_the_registry_and_nothing_is_pulled_before_t
         assert moved in pinned, pinned
     finally:
         fleet.run_in(first, f"docker rmi {by_tag}", check=False)
+
+
+# --- 7. the model moves ----------------------------------------------------------------------------------------------
+MODEL_DIR = "{vllm_models_dir}/{vllm_model}".format(**merged_settings({}))
+LEDGER = f"/var/lib/gpufleet/{SERVICE}.json"
+DOWNLOAD = "Download the model's commit unless it is here and checked"  # the deploy's operation
+
+
+def next_weights(fleet) -> str:
+    """A new commit of the stand-in model on main: its weights' data turned by one byte (still a valid
+    safetensors file), the other files as they were; the hub's branch moves to it."""
+    root = services.hub_root(fleet.cfg)
+    head = standin_hub.resolve(root, MODEL_REPO, "main")
+    assert head is not None
+    files: dict[str, bytes | Path] = {f.path: root / MODEL_REPO / "commits" / head / f.path
+                                      for f in standin_hub.listing(root, MODEL_REPO, head)}
+    weights = Path(files["model.safetensors"]).read_bytes()
+    start = 8 + struct.unpack("<Q", weights[:8])[0]
+    turned = weights[:start] + weights[start + 1:] + weights[start:start + 1]
+    return standin_hub.publish(root, MODEL_REPO, {**files, "model.safetensors": turned})
+
+
+def hub_offset(fleet) -> int:
+    log = services.hub_log(fleet.cfg)
+    return log.stat().st_size if log.exists() else 0
+
+
+def committed_model(fleet, host) -> str | None:
+    return json.loads(sh(fleet, host, f"cat {LEDGER}"))["committed"].get("model")
+
+
+def container_model(fleet, host) -> str:
+    label = model_label_key(SERVICE)
+    return sh(fleet, host, f"docker inspect --format '{{{{index .Config.Labels \"{label}\"}}}}' "
+                           f"{container_id(fleet, host)}").strip()
+
+
+def holds(fleet, host, commit: str) -> bool:
+    """Whether the host's model directory holds exactly the files of `commit` (each hashed there, against the hub's
+    copy), and its mark says so."""
+    root = services.hub_root(fleet.cfg)
+    want = {f.path: hashlib.sha256((root / MODEL_REPO / "commits" / commit / f.path).read_bytes()).hexdigest()
+            for f in standin_hub.listing(root, MODEL_REPO, commit)}
+    got = dict(reversed(line.split("  ", 1)) for line in
+               sh(fleet, host, f"cd {MODEL_DIR} && sha256sum {' '.join(sorted(want))}").splitlines())
+    return got == want and sh(fleet, host, f"cat {MODEL_DIR}/.gpufleet-model").strip() == f"{MODEL_REPO}@{commit}"
+
+
+def unit_events(fleet, host, since: float) -> list[tuple[float, str]]:
+    """(epoch seconds, systemd's line) for the service since `since`: its stops and starts."""
+    out = sh(fleet, host, f"journalctl -u {SERVICE} --since @{int(since) - 1} -o json "
+                          "--output-fields=MESSAGE,SYSLOG_IDENTIFIER --no-pager")
+    events = [json.loads(line) for line in out.splitlines()]
+    return [(int(e["__REALTIME_TIMESTAMP"]) / 1e6, e["MESSAGE"]) for e in events
+            if e.get("SYSLOG_IDENTIFIER") == "systemd" and isinstance(e.get("MESSAGE"), str)
+            and int(e["__REALTIME_TIMESTAMP"]) / 1e6 >= since]
+
+
+def test_a_model_move_is_downloaded_everywhere_before_the_canarys_swap_never_in_a_downtime(fleet, inventory, hosts,
+                                                                                          digests, logs):
+    names = [h.name for h in hosts]
+    image = running_image(fleet, hosts[0])
+    assert all(running_image(fleet, h) == image for h in hosts)
+    old = committed_model(fleet, hosts[0])
+    assert old and all(committed_model(fleet, h) == old for h in hosts)
+    new = next_weights(fleet)  # main moves on the hub
+    # A rollout that does not ask for the model leaves every host on its recorded commit.
+    same = gpufleet("rollout", str(inventory), "--image", image, "--yes", "--json")
+    assert same.returncode == 0 and outcomes(rollout_json(same)) == dict.fromkeys(names, "unchanged"), same.stderr
+
+    offset, began = hub_offset(fleet), time.time()
+    # The canary, then the other two at once; the canary held to the answers alone (step 1 runs the serving checks).
+    no_checks = [a for name in SERVING_CHECKS for a in ("--no-check", name)]
+    log = logs / "model.log"
+    proc = gpufleet("rollout", str(inventory), "--image", image, "--model-revision", "main", "--batch", "2",
+                    *no_checks, "--yes", "--json", "--log", str(log))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"model: main -> {new}" in proc.stderr
+    assert outcomes(rollout_json(proc)) == dict.fromkeys(names, "updated")
+    # The hub's side: each host fetched the new weights itself (no site cache here), once, and nothing else.
+    served = standin_hub.requests(services.hub_log(fleet.cfg), offset)
+    fetched = [r for r in served if r.download]
+    assert sorted((r.client, r.path, r.status) for r in fetched) == sorted(
+        (h.ip, f"/{MODEL_REPO}/resolve/{new}/model.safetensors", 200) for h in hosts), fetched
+    # The hosts' side: each stopped once and started once, the canary first; the hub's last answer of the whole
+    # rollout ended before the canary's stop, so every download ran while every old version served, and none
+    # inside any host's downtime (a downtime starts at its stop).
+    events = {h.name: unit_events(fleet, h, began) for h in hosts}
+    stops = {n: [t for t, line in e if line.startswith("Stopping ")] for n, e in events.items()}
+    starts = {n: [t for t, line in e if line.startswith("Started ")] for n, e in events.items()}
+    assert all(len(stops[n]) == 1 and len(starts[n]) == 1 and stops[n][0] < starts[n][0] for n in names), events
+    assert stops[names[0]][0] == min(t for n in names for t in stops[n])
+    assert max(r.ended_at for r in served) < stops[names[0]][0], (served[-1], stops)
+    # ... and each swap's own run (drain, restart, verify) downloaded nothing: its pyinfra results say so.
+    runs = swap_runs(log)
+    assert len(runs) == 2 and not [run for run in runs if DOWNLOAD in changed_ops(run)], runs[0][-3000:]
+    # Committed on every host: its ledger, what `status` reads from the container, the files it holds.
+    status = gpufleet("status", str(inventory), "--json")
+    assert status.returncode == 0, status.stdout[-3000:]
+    models = {row["host"]: row["container"]["model"] for row in json.loads(status.stdout)["hosts"]}
+    assert models == dict.fromkeys(names, f"{MODEL_REPO}@{new}")
+    for h in hosts:
+        assert committed_model(fleet, h) == f"{MODEL_REPO}@{new}" and holds(fleet, h, new), h.name
+        assert fleet.run_in(h, f"test -e {MODEL_DIR}.gpufleet-kept", check=False).returncode == 1, h.name
+
+
+def test_a_model_move_that_fails_its_gate_serves_the_old_commits_files_again(fleet, inventory, pyinfra, hosts,
+                                                                            digests):
+    canary, *others = hosts
+    image = running_image(fleet, canary)
+    old = committed_model(fleet, canary)
+    assert old and all(committed_model(fleet, h) == old for h in hosts)
+    old_commit = old.rpartition("@")[2]
+    ids = {h.name: container_id(fleet, h) for h in hosts}
+    new = next_weights(fleet)
+    broken = f"{fleet.cfg.registry}/{REPOSITORY}@{tag_manifest(fleet.cfg.registry, 'stream-broken')[2]}"
+    proc = gpufleet("rollout", str(inventory), "--image", broken, "--model-revision", new, "--yes", "--json")
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert outcomes(rollout_json(proc)) == {canary.name: "rolled-back", **{h.name: "not-started" for h in others}}
+    # The canary: the old unit (its image, its container labelled with the old commit), started on the old commit's
+    # files, put back before its start (no file or directory changed after it), recorded in its ledger.
+    assert running_image(fleet, canary) == image and container_model(fleet, canary) == old
+    assert holds(fleet, canary, old_commit)
+    started = float(sh(fleet, canary, f"date -d \"$(docker inspect --format '{{{{.State.StartedAt}}}}' "
+                                      f"{container_id(fleet, canary)})\" +%s.%N"))
+    changed = [float(t) for t in sh(fleet, canary, f"find {MODEL_DIR} -printf '%C@\\n'").split()]
+    assert max(changed) < started, (max(changed), started)
+    assert committed_model(fleet, canary) == old
+    # The others were never swapped: they prefetched the new commit while serving the old one; a converge (the old
+    # version pinned in their ledgers) puts the old files back without a download or a restart.
+    for h in others:
+        assert container_id(fleet, h) == ids[h.name] and holds(fleet, h, new), h.name
+    offset = hub_offset(fleet)
+    again = converge(pyinfra, inventory)
+    assert changed_ops(again.stdout) == {DOWNLOAD: 2}, changed_ops(again.stdout)
+    assert [r for r in standin_hub.requests(services.hub_log(fleet.cfg), offset) if r.download] == []
+    for h in others:
+        assert container_id(fleet, h) == ids[h.name] and holds(fleet, h, old_commit), h.name

@@ -19,6 +19,12 @@ import time
 import urllib.error
 from pathlib import Path
 
+from gpufleet.hostlock import LOCK_PATH, process_ended
+from gpufleet.router.settings import router_settings
+from gpufleet.sandbox import gpu_faults
+from gpufleet.sandbox.fleet import Fleet
+from gpufleet.sandbox.image import REPOSITORY
+from gpufleet.sandbox.inventory import pyinfra_hosts
 from tests.integration.pyinfra_run import run_deploy
 from tests.integration.test_router import (
     GPUFLEET,
@@ -34,13 +40,6 @@ from tests.integration.test_router import (
     router_host,
     served_model,
 )
-
-from gpufleet.hostlock import LOCK_PATH, process_ended
-from gpufleet.router.settings import router_settings
-from gpufleet.sandbox import gpu_faults
-from gpufleet.sandbox.fleet import Fleet
-from gpufleet.sandbox.image import REPOSITORY
-from gpufleet.sandbox.inventory import pyinfra_hosts
 
 __all__ = ["inventory", "rfleet"]  # the fleet and inventory fixtures of test_router.py
 CLIENTS = 6

@@ -20,10 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests import frontdoor
-from tests.integration.fleets import own_fleet_config, running_fleet
-from tests.integration.pyinfra_results import changed_ops, changes
-from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.hostlock import LOCK_PATH
 from gpufleet.router import operations, wheels
@@ -31,6 +27,10 @@ from gpufleet.router.settings import build_router_spec
 from gpufleet.router.spec import MARKER, RouterSpec
 from gpufleet.sandbox.config import NO_GPU, H200x3
 from gpufleet.sandbox.fleet import Fleet
+from tests import frontdoor
+from tests.integration.fleets import own_fleet_config, running_fleet
+from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.pyinfra_run import run_deploy
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN35 = str(REPO / "deploys" / "qwen35.py")

@@ -30,8 +30,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from tests.integration.pyinfra_results import changed_ops, changes
-from tests.integration.pyinfra_run import run_deploy
 
 from gpufleet.facts.pull import PullStats
 from gpufleet.rollout.prepare import prepare, pull_order
@@ -46,6 +44,8 @@ from gpufleet.sandbox.inventory import inventory_document, write_pyinfra_invento
 from gpufleet.vllm.operations.image import pull_stats_file
 from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.weights import MARKER
+from tests.integration.pyinfra_results import changed_ops, changes
+from tests.integration.pyinfra_run import run_deploy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploys" / "qwen35.py"
@@ -234,7 +234,7 @@ def test_tampered_blob_on_the_cache_is_refused_and_pulled_from_upstream_naming_t
 
 
 def test_the_cache_is_held_to_its_bound(site, pyinfra):
-    fleet, hosts, refs, inventory, log = site
+    fleet, hosts, refs, inventory, _log = site
     cache_host, ref = hosts[0], refs["nightly-1"]
     args = ("--limit", cache_host.name, "--data", "gpufleet_stage=prepare", "--data", f"gpufleet_image_ref={ref}")
     # A bound the disk cannot hold is refused before anything changes.

@@ -10,12 +10,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from tests.integration.pyinfra_run import EXECUTION_STARTS, failed_to_connect
 
 from gpufleet.sandbox import image
 from gpufleet.sandbox.config import NO_GPU, OLD_DRIVER, FleetConfig, H200x1, H200x3
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.procs import SandboxError, run
+from tests.integration.pyinfra_run import EXECUTION_STARTS, failed_to_connect
 
 pytestmark = pytest.mark.integration
 

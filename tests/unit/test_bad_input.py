@@ -626,7 +626,7 @@ def test_secret_words_refuse_only_flags_that_carry_secrets():
     secret_named = {name for name, info in flags.items() if info.takes_value and says_secret(name)}
     assert secret_named - NOT_SECRET_FLAGS == {"api-key", "hf-token"}
     assert all(flags[name].value_type == "int" for name in NOT_SECRET_FLAGS)
-    spec = build_spec("box", {"vllm_args": {name: 256 for name in NOT_SECRET_FLAGS} | {"return-tokens-as-token-ids": True},
+    spec = build_spec("box", {"vllm_args": dict.fromkeys(NOT_SECRET_FLAGS, 256) | {"return-tokens-as-token-ids": True},
                               "vllm_env": {"TOKENIZERS_PARALLELISM": "false", "VLLM_KEEP_ALIVE": "1"}})
     assert spec.arg("long-prefill-token-threshold") == "256"
     assert not says_secret("ssl-keyfile") and says_secret("WANDB_API_KEY") and says_secret("PGPASSWORD")

@@ -45,7 +45,7 @@ def test_normalise_like_docker(written, short):
     assert normalise(written) == short
 
 
-@pytest.mark.parametrize("written, present", [
+@pytest.mark.parametrize(("written", "present"), [
     ("vllm/vllm-openai@" + D1, True),
     ("docker.io/vllm/vllm-openai@" + D1, True),
     ("vllm/vllm-openai:nightly@" + D2, True),  # tag and digest: the digest decides, the tag is ignored

@@ -20,7 +20,7 @@ ALONE = '''
 '''
 
 
-def test_replicas_behind_a_router_take_its_flags_and_a_host_may_leave_them_out(inventory):  # noqa: F811
+def test_replicas_behind_a_router_take_its_flags_and_a_host_may_leave_them_out(inventory):
     assert BEHIND_ROUTER_ARGS == {"enable-scale-out": True}
     specs = {spec.host: spec for spec in load_specs(inventory(WITH_ROUTER))}
     assert specs["gpu1"].arg("enable-scale-out") is True and "--enable-scale-out" in specs["gpu1"].vllm_argv()
@@ -29,7 +29,7 @@ def test_replicas_behind_a_router_take_its_flags_and_a_host_may_leave_them_out(i
     assert rendered.exit_code == 0 and "--enable-scale-out" in rendered.output
 
 
-def test_without_a_router_nothing_is_added(inventory):  # noqa: F811
+def test_without_a_router_nothing_is_added(inventory):
     [spec] = load_specs(inventory(ALONE))
     assert spec.arg("enable-scale-out") is None
     assert spec.spec_hash != build_spec("gpu1", {"ssh_hostname": "10.0.0.11"}, behind_router=True).spec_hash

@@ -96,7 +96,7 @@ def test_every_command_has_a_case():
 
 # --- exit status 2: bad usage or input ---------------------------------------------------------------------------
 @pytest.mark.parametrize("path", sorted(INVENTORY_COMMANDS), ids=" ".join)
-@pytest.mark.parametrize("kind, says", [("missing", "inventory file not found"),
+@pytest.mark.parametrize(("kind", "says"), [("missing", "inventory file not found"),
                                         ("empty", "no hosts in the inventory"),
                                         ("unloadable", "cannot load inventory: SyntaxError")])
 def test_an_inventory_that_cannot_be_used_exits_2_with_one_line(path, kind, says, inventories):
@@ -143,7 +143,8 @@ def test_an_invalid_setting_is_bad_input_for_every_command_but_lint_which_report
         assert "gpu-a: vllm_port: " in result.output and "Traceback" not in result.output
     # --fix with a router: refused as bad input before any router is reached.
     fronted = tmp_path / "fronted.py"
-    fronted.write_text(inventory.read_text() + f'routers = [("rtr", {{"ssh_hostname": "127.0.0.1", "ssh_port": {free_port()}}})]\n')
+    router = f'routers = [("rtr", {{"ssh_hostname": "127.0.0.1", "ssh_port": {free_port()}}})]\n'
+    fronted.write_text(inventory.read_text() + router)
     result = gpufleet("status", str(fronted), "--fix")
     assert result.exit_code == 2 and "gpu-a: vllm_port: " in result.output, result.output
 
@@ -170,7 +171,7 @@ def check_rows(rows: list[dict]) -> None:
 def test_json_is_one_envelope_with_ok_and_problems_on_every_row_and_no_placeholders(path, inventories):
     result = gpufleet(*path, inventories["out-of-reach"], "--json", *INVENTORY_COMMANDS[path])
     doc = json.loads(result.stdout)
-    assert ENVELOPE <= set(doc) and doc["command"] == path[-1], doc
+    assert set(doc) >= ENVELOPE and doc["command"] == path[-1], doc
     check_rows(doc["hosts"])
     check_rows(doc["routers"])
     assert placeholders(doc) == [], placeholders(doc)
@@ -205,7 +206,7 @@ def test_rollout_rows_carry_the_rollouts_own_fields_and_the_target(inventories):
 
 
 # --- every problem line has its fix; progress on stderr -----------------------------------------------------------
-@pytest.mark.parametrize("command, extra", [("status", []), ("verify", []), ("history", []),
+@pytest.mark.parametrize(("command", "extra"), [("status", []), ("verify", []), ("history", []),
                                             ("rollout", ["--image", DIGEST, "--yes"])])
 def test_every_problem_line_names_its_fix(command, extra, inventories):
     result = gpufleet(command, inventories["out-of-reach"], *extra)

@@ -5,6 +5,7 @@ installed wheel is tests/integration/test_installed_wheel.py."""
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import stat
 import subprocess
@@ -97,7 +98,7 @@ def test_deploy_runs_the_routers_after_the_vllm_hosts(tmp_path, pyinfra_runs):
     assert all(run[1] == inventory and run[3:] == ["-y"] for run in runs)
 
 
-@pytest.mark.parametrize("args, deploys", [
+@pytest.mark.parametrize(("args", "deploys"), [
     (["--limit", "gpu-1"], ["qwen35.py"]),  # a replica only: the router run would change nothing
     (["--limit=gpu-*"], ["qwen35.py"]),
     (["--limit", "router-1"], ["qwen35.py", "router.py"]),
@@ -166,7 +167,7 @@ def test_init_writes_an_inventory_that_renders_and_lints_clean(tmp_path, options
     assert inventory.is_file() and (target / "group_data" / "all.py").is_file()
     code, rendered = invoke("render", str(inventory))
     assert code == 0, rendered
-    hosts = [v.split("=")[0] for o, v in zip(options, options[1:], strict=False) if o == "--host"]
+    hosts = [v.split("=")[0] for o, v in itertools.pairwise(options) if o == "--host"]
     assert [line.removeprefix("# host: ") for line in rendered.splitlines() if line.startswith("# host: ")] == hosts
     code, linted = invoke("lint", str(inventory), "--strict")
     assert code == 0, linted
@@ -238,7 +239,7 @@ def test_init_force_never_writes_the_key_into_a_wider_file_or_through_a_link(tmp
     assert sorted(p.name for p in group_data.parent.iterdir()) == ["all.py"]  # no temp file left
 
 
-@pytest.mark.parametrize("options, names", [
+@pytest.mark.parametrize(("options", "names"), [
     (["--host", "gpu-box-1"], "--host gpu-box-1: no address"),
     (["--host", "gpu-box-1="], "--host gpu-box-1=: no address"),
     (["--host", "=10.0.0.1"], "--host =10.0.0.1"),

@@ -51,7 +51,7 @@ def test_render_unit_for_one_host(inventory):
     result = run("render", inv, "--host", "b", "--unit")
     assert result.exit_code == 0
     assert result.output.startswith("# host: b\n# Managed by gpufleet")
-    exec_line = next(l for l in result.output.splitlines() if l.startswith("ExecStart="))
+    exec_line = next(line for line in result.output.splitlines() if line.startswith("ExecStart="))
     assert "6000:6000" in split_exec(exec_line[len("ExecStart=") :])
 
 
@@ -59,7 +59,7 @@ def test_invalid_data_exits_2_with_one_line_errors_and_no_traceback(inventory):
     inv = inventory('boxes = [("a", {"vllm_port": 0}), ("b", {"vllm_args": {"kv-cache-dtype": "fp7"}})]\n')
     result = run("render", inv)
     assert result.exit_code == 2  # bad input
-    lines = [l for l in result.output.splitlines() if l]
+    lines = [line for line in result.output.splitlines() if line]
     assert lines[0].startswith("Error: a: vllm_port: ") and lines[1].startswith("b: vllm_args['kv-cache-dtype']: ")
     assert "Traceback" not in result.output
 

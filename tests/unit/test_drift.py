@@ -156,7 +156,7 @@ def test_check_names_the_drift_and_keeps_what_the_server_said():
     assert spec_drift(Expected(service="v", port=1, served_model_name="m"), ContainerInfo(id="c", state="running")) is None
 
 
-def test_a_ready_server_from_another_spec_fails_verify(monkeypatch, inventory):  # noqa: F811
+def test_a_ready_server_from_another_spec_fails_verify(monkeypatch, inventory):
     def results(targets, **_):
         for t in targets:
             assert t.expected.spec_hash  # verify holds each host to its inventory spec

@@ -23,7 +23,7 @@ def test_query_command_is_the_recorded_one():
     assert f"`{QUERY_GPUS}`" in readme
 
 
-@pytest.mark.parametrize("kind, count", [("h200-1gpu", 1), ("h200-2gpu", 2)])
+@pytest.mark.parametrize(("kind", "count"), [("h200-1gpu", 1), ("h200-2gpu", 2)])
 def test_gpus_count_memory_and_driver(kind, count):
     gpus = parse_gpus(recorded(kind, "query-gpu.csv"))
     assert len(gpus) == count

@@ -15,8 +15,8 @@ import pytest
 from gpufleet.operations.run import remember
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.operations import image, model
-from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.operations.image import TIMED_OUT
+from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.weights import HUB, HubRevision, ModelTarget
 from tests.unit.test_operations_alone import run_alone
 

@@ -49,7 +49,7 @@ def test_real_vllm_invalid_choice_names_the_flag():
     assert result.message.startswith("argument --kv-cache-dtype: invalid choice: 'fp7'")
 
 
-@pytest.mark.parametrize("rc, output, reason", [
+@pytest.mark.parametrize(("rc", "output", "reason"), [
     (124, "", "no verdict within 120 s"),
     (125, "docker: Error response from daemon: No such image: x.", "docker could not run the image (exit 125)"),
     (1, "Traceback ...\nImportError: libcuda.so.1", "exit 1 before model resolution"),

@@ -129,7 +129,7 @@ def test_a_driver_that_refuses_a_field_is_an_error_naming_it_not_a_crash():
     assert host.error and host.blocking() == [] and host.summary() == "unknown (the health query failed)"
 
 
-@pytest.mark.parametrize("answer, says", [
+@pytest.mark.parametrize(("answer", "says"), [
     (["@@rc 124"], "did not answer within its bound"),
     (["NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", "@@rc 9"], "exited 9"),
     (["index, pci.bus_id", "0, 00000000:00:06.0, extra", "@@rc 0"], "a row of 3 fields under a header of 2"),
@@ -167,7 +167,7 @@ def test_every_xid_class_is_parsed_to_its_gpu_code_and_time(tmp_path):
     assert events[74].bus == (0, 0, 8)  # the older form, without "PCI:"
 
 
-@pytest.mark.parametrize("codes, verdict", [
+@pytest.mark.parametrize(("codes", "verdict"), [
     ((13, 31, 43, 45, 94), Verdict.RESTART_APP),
     ((48, 63, 64, 74, 95, 119, 154), Verdict.RESET_GPU),
     ((79, None), Verdict.REBOOT),
@@ -195,7 +195,7 @@ def judged_xid(code: int, reading: GpuReading, settings: GpuSettings | None = No
     return judge(GpuHealth(gpus=(reading,), events=(event,)), settings or GpuSettings(), app_started_at=started)
 
 
-@pytest.mark.parametrize("code, now, settled", [
+@pytest.mark.parametrize(("code", "now", "settled"), [
     (48, {"uncorrected_volatile": 0}, "no uncorrected ECC error since its last load or GPU reset"),
     (95, {"uncorrected_volatile": 0}, "no uncorrected ECC error"),
     (63, {"remap_pending": False}, "remapped_rows.pending=No: the remap is applied"),
@@ -262,7 +262,7 @@ def test_a_host_or_group_overrides_rows_of_the_table():
         is Verdict.DEGRADED  # "xid other"
 
 
-@pytest.mark.parametrize("overrides, says", [
+@pytest.mark.parametrize(("overrides", "says"), [
     ({"xid thirteen": "ok"}, "is not a signal of the verdict table"),
     ({"xid 13": "fine"}, "'xid 13': 'fine' is not a verdict"),
     (["xid 13"], "is not a map of signal to verdict"),
@@ -275,7 +275,7 @@ def test_a_bad_override_is_refused_naming_it(overrides, says):
 def test_cleared_at_wants_a_zone():
     assert cleared_at("2026-12-03T09:05:00Z") == at("2026-12-03T09:05:00+00:00") and cleared_at(None) is None
     for bad in ("2026-12-03T09:05:00", "yesterday", 5):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"^is not an ISO 8601 time with its zone$"):
             cleared_at(bad)
 
 

@@ -111,7 +111,7 @@ def test_an_older_driver_is_asked_the_fields_its_help_lists_and_what_it_lacks_is
     assert verdicts(root) == [Verdict.OK, Verdict.RESET_GPU]
 
 
-@pytest.mark.parametrize("fault, verdict", [
+@pytest.mark.parametrize(("fault", "verdict"), [
     ("remap-pending", Verdict.RESET_GPU), ("reset-required", Verdict.RESET_GPU), ("reboot-required", Verdict.REBOOT),
     ("remap-failure", Verdict.SERVICE), ("thermal", Verdict.DEGRADED), ("power-brake", Verdict.DEGRADED),
     ("ecc-uncorrected", Verdict.DEGRADED), ("ecc-corrected", Verdict.DEGRADED), ("unreadable", Verdict.DEGRADED),

@@ -51,7 +51,7 @@ def test_the_group_renders_equal_the_golden_files_byte_for_byte(name):
     assert render(inv, "--unit") == (GOLDEN / f"{name}.service").read_text()
 
 
-@pytest.mark.parametrize("name, hosts, addresses, port", [
+@pytest.mark.parametrize(("name", "hosts", "addresses", "port"), [
     ("pp2-2hosts", ["box-a", "box-b"], ["192.168.1.60", "192.168.1.61"], "29501"),
     ("pp3-3hosts", ["box-a", "box-b", "box-c"], ["10.10.0.1", "10.10.0.2", "10.10.0.3"], "29600"),
 ])  # fmt: skip
@@ -105,7 +105,7 @@ def refused(inventory, a: str = "", b: str = "", group: str = "", extra: str = "
     return [line.removeprefix("Error: ") for line in result.output.strip().splitlines()]
 
 
-@pytest.mark.parametrize("a, b, group, line", [
+@pytest.mark.parametrize(("a", "b", "group", "line"), [
     ("", ', "vllm_args": {"pipeline-parallel-size": 2, "max-num-seqs": 8}', "",
      "b: vllm_args: {'pipeline-parallel-size': 2, 'max-num-seqs': 8} differs from the head a's: every rank of group "
      "pair runs one engine (fix: set it in the group's data, so every rank has the same)"),

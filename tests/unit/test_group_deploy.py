@@ -128,7 +128,7 @@ def test_a_rank_whose_service_stopped_restarts_every_rank_and_the_head_verifies_
 def test_the_group_installs_its_heads_digest_on_every_rank(monkeypatch):
     # A rank whose ledger names another digest (a cut run left it there) is brought to the head's, not the reverse.
     snaps = converged(monkeypatch, pins={"box-a": REF, "box-b": OTHER})
-    plans, ops = prepare(snaps, monkeypatch)
+    _, ops = prepare(snaps, monkeypatch)
     uploads = [c.src.getvalue().decode() for c in ops["box-b"][UNIT] if isinstance(c, FileUploadCommand)]
     assert uploads and f"image pinned to {REF}." in uploads[0]
     assert ops["box-a"][UNIT] == []
@@ -219,7 +219,7 @@ def test_a_group_deploys_as_one_a_rank_left_out_of_the_run_is_refused():
         "--limit box-a,box-b, or no --limit)"]}
 
 
-@pytest.mark.parametrize("lines, said", [
+@pytest.mark.parametrize(("lines", "said"), [
     (["rc 0"], "open"),
     (["bash: connect: Connection refused", "bash: line 1: /dev/tcp/10.0.0.1/29501: Connection refused", "rc 1"],
      "refused"),

@@ -277,7 +277,7 @@ def test_a_real_pyinfra_run_orders_operations_the_same(tmp_path: Path) -> None:
 
 def test_the_guard_covers_what_the_argument_defaults_rely_on(monkeypatch):
     name = "pyinfra.api.arguments.pop_global_arguments"
-    original = getattr(importlib.import_module("pyinfra.api.arguments"), "pop_global_arguments")
+    original = importlib.import_module("pyinfra.api.arguments").pop_global_arguments
     original = getattr(original, "__wrapped__", original)  # pyinfra's own, under the speedup if installed
     assert speedups.checked(name, original)
     # pyinfra's host data lookup changed under an unchanged pop_global_arguments: the speedup no longer applies.

@@ -79,7 +79,7 @@ def test_verify_fails_when_a_host_is_not_ready(inventory):
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    ("args", "message"),
     [
         (["/nonexistent/inv.py"], "inventory file not found"),
         (["INV", "--host", "nope"], "nope: no such host"),

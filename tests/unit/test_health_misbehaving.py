@@ -118,7 +118,7 @@ def tls_server_context(tmp: Path) -> ssl.SSLContext:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
         .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256())
@@ -287,7 +287,8 @@ CASES = [
     ("health-204", {"/health": answer(204)}, None, M, r"^/health answered 204$"),
     ("health-302", {"/health": answer(302, b"", {"location": "/login"})}, None, M, r"^/health answered 302$"),
     ("health-404", {"/health": answer(404, b"Not Found")}, None, M, r"^/health answered 404: Not Found$"),
-    ("health-503", {"/health": answer(503, b"\x1b[31mengine dead\n")}, None, D, r"^/health answered 503: \\x1b\[31mengine dead\\n$"),
+    ("health-503", {"/health": answer(503, b"\x1b[31mengine dead\n")}, None,
+     D, r"^/health answered 503: \\x1b\[31mengine dead\\n$"),
     ("health-999", {"/health": answer(999)}, None, M, r"^/health answered 999$"),
     ("models-401", {"/v1/models": answer(401, b'{"error":"Unauthorized"}')}, None,
      M, r"^/v1/models answered 401: the server requires its API key"),
@@ -302,7 +303,8 @@ CASES = [
     ("metrics-without-cache-config", {"/metrics": answer(200, b"vllm:num_requests_running 0\n")}, None,
      M, r"^enable_prefix_caching=None, expected True; mamba_cache_mode=None, expected align$"),
     ("metrics-503", {"/metrics": answer(503)}, None, D, r"^/metrics answered 503$"),
-    ("version-not-json", {"/version": answer(200, b"0.32.0\n")}, None, HealthState.READY, r"^/health 200, serving tiny \(vLLM None\)$"),
+    ("version-not-json", {"/version": answer(200, b"0.32.0\n")}, None,
+     HealthState.READY, r"^/health 200, serving tiny \(vLLM None\)$"),
     # not an HTTP server on the port
     ("not-http-line", None, raw(b"-ERR unknown command 'GET'\r\n"), M,
      r"^GET /health: the port does not answer HTTP: -ERR unknown command 'GET'\\r\\n$"),
@@ -333,7 +335,7 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("routes, first, state, detail", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("routes", "first", "state", "detail"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_every_misbehaviour_is_a_state_bounded_in_time_and_memory(through, routes, first, state, detail):
     report, seconds, peak = measured(lambda: checked(through, routes, first))
     assert report.state is state, report.detail

@@ -270,7 +270,7 @@ def test_parse_greedy_reads_tokens_logprobs_alternatives_and_cached_tokens():
     assert parse_greedy(ids).tokens == ("token_id:64",) and parse_greedy(ids).text == "ab"
 
 
-@pytest.mark.parametrize("logprobs, wrong", [
+@pytest.mark.parametrize(("logprobs", "wrong"), [
     (None, "no logprobs in the answer"),
     ({"content": []}, "no logprobs in the answer"),
     ({"content": [{"token": "a", "logprob": "NaN"}]}, "a logprob entry is malformed"),

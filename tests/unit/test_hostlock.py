@@ -37,9 +37,8 @@ def lock(server: Sshd, path: str, holder: Holder | None = None, lease_s: float =
 
 
 def test_a_second_run_is_refused_with_the_holder_and_the_fix(sshd, lock_file):
-    with lock(sshd, lock_file, ALICE).acquire():
-        with pytest.raises(HostLockBusy) as refused:
-            lock(sshd, lock_file).acquire()
+    with lock(sshd, lock_file, ALICE).acquire(), pytest.raises(HostLockBusy) as refused:
+        lock(sshd, lock_file).acquire()
     assert str(refused.value) == (
         "gft-a: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z (fix: wait for that run to end, or pass "
         "--data gpufleet_lock_wait_s=SECONDS to wait for it)")
@@ -133,7 +132,7 @@ def test_only_an_exited_run_of_this_controller_is_waited_for(sshd, lock_file):
         assert not holder.exited_here()
     with lock(sshd, lock_file, elsewhere).acquire():
         started = time.monotonic()
-        with pytest.raises(HostLockBusy, match="locked by .*another-laptop"):
+        with pytest.raises(HostLockBusy, match=r"locked by .*another-laptop"):
             lock(sshd, lock_file).acquire()
         assert time.monotonic() - started < 3  # refused at once, not after LETTING_GO_S
 

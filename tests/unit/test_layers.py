@@ -31,7 +31,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("vllm.spec", "vllm.value_rules", "vllm.weights", "units"),
     ("wire", "vllm.unit", "vllm.plain_settings", "vllm.serve_args", "vllm.container_env", "vllm.docker_options",
      "router.spec"),  # wire: pure rules over what vLLM and hosts send
-    ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels", "sitecache.mirror"),  # remote: SSH through pyinfra's connector, the transport
+    # remote: SSH through pyinfra's connector, the transport
+    ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels", "sitecache.mirror"),
     ("router.settings", "vllm.lint_report", "vllm.group_specs", "hoststate", "hostlock", "facts", "sitecache.facts"),
     ("vllm.host_command",),  # the host snapshot's one command (it holds the ledger reader's lines)
     ("vllm.layout", "vllm.facts", "router.facts", "router.relock"),
@@ -40,7 +41,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("vllm.operations", "router.operations"),
     ("health",),  # the network client: checks, waits, answers, the probe
     ("inventory",),
-    ("harness", "vllm.replica_specs", "vllm.service_watch"),  # harness: what every deploy file runs in: preflight, the run's result, the speedups
+    # harness: what every deploy file runs in: preflight, the run's result, the speedups
+    ("harness", "vllm.replica_specs", "vllm.service_watch"),
     ("sitecache.deploy", "vllm.checks", "vllm.commit", "vllm.host_read"),
     ("vllm.verify",),  # decides; vllm.commit writes the verdict to the host
     ("vllm.group_verify", "vllm.group_deploy"),  # a replica group's ranks: the head's verdict, the deploy's part
@@ -135,7 +137,7 @@ def test_the_rule_is_checked_against_real_imports():
     assert "gpufleet.operations.run" in dict(imported("gpufleet.router.operations"))
 
 
-@pytest.mark.parametrize("module, forbidden", [
+@pytest.mark.parametrize(("module", "forbidden"), [
     ("gpufleet.vllm.facts", "gpufleet.health"),
     ("gpufleet.vllm.operations.service", "gpufleet.health"),
     ("gpufleet.health.runner", "gpufleet.inventory"),

@@ -3,6 +3,7 @@ their reason, the don't-retry rule, and the atomic-write command run for real wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -95,9 +96,10 @@ def test_commit_clears_the_failure_mark_of_the_version_it_commits():
     assert retried.failed == () and retried.committed == Committed(NEW, "t4")
 
 
-@pytest.mark.parametrize("transition", [lambda l: L.commit(l, T2), lambda l: L.roll_back(l, "x", T2), L.drop_pending])
+@pytest.mark.parametrize("transition", [lambda ledger: L.commit(ledger, T2), lambda ledger: L.roll_back(ledger, "x", T2),
+                                        L.drop_pending])
 def test_settling_needs_a_pending_change(transition):
-    with pytest.raises(LedgerStateError, match="^nothing pending to "):
+    with pytest.raises(LedgerStateError, match=r"^nothing pending to "):
         transition(COMMITTED_OLD)
 
 
@@ -391,10 +393,8 @@ def read_while_written(path: Path, write: str, versions: list[bytes], rounds: in
 
     def reader() -> None:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 seen.add(path.read_bytes())
-            except FileNotFoundError:
-                pass
             time.sleep(0)  # under gevent (the CLI's patch_all) the reader is a greenlet: let the writer's wait run
 
     thread = threading.Thread(target=reader)
@@ -458,7 +458,7 @@ def test_a_ranks_version_names_its_group_and_a_ledger_without_the_field_parses_a
 def test_a_group_version_that_is_not_text_is_corrupt():
     doc = json.loads(L.render(Ledger(committed=Committed(replace(NEW, group="pair@1"), T0))))
     doc["committed"]["group"] = 7
-    with pytest.raises(CorruptLedger, match="committed.group: expected a string or null, got a number"):
+    with pytest.raises(CorruptLedger, match=r"committed\.group: expected a string or null, got a number"):
         L.parse(json.dumps(doc))
 
 
@@ -556,5 +556,35 @@ def test_a_ledger_written_before_the_gpu_field_parses_and_renders_byte_for_byte(
 def test_a_gpu_field_that_is_not_text_is_a_corrupt_ledger():
     doc = json.loads(L.render(L.commit(pending_new(), T2, gpu="ok")))
     doc["committed"]["gpu"] = 3
-    with pytest.raises(CorruptLedger, match="committed.gpu: expected a string or null, got a number"):
+    with pytest.raises(CorruptLedger, match=r"committed\.gpu: expected a string or null, got a number"):
+        L.parse(json.dumps(doc))
+
+
+M0, M1 = f"org/model@{'0' * 40}", f"org/model@{'1' * 40}"
+
+
+def test_a_model_move_that_failed_refuses_that_model_not_the_committed_version():
+    """Same digest and settings, a new commit of the model: its failure must not refuse the version it was rolled
+    back to, which a plain converge keeps installing."""
+    committed = Ledger(committed=Committed(replace(OLD, model=M0), T0))
+    failed = L.roll_back(L.begin(committed, replace(OLD, model=M1), OPERATOR, T1), "never ready", T2)
+    assert failed.failed[-1].model == M1
+    assert L.refused_target(failed, replace(OLD, model=M0)) is None
+    assert L.refused_target(failed, replace(OLD, model=M1)) == (
+        f"{OLD_REF} with spec aaaaaaaaaaaaaaaa and model {M1} failed at {T2}: never ready (fix: change vllm_image or "
+        "a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on purpose)")
+    assert L.refused_target(failed, OLD) is not None  # the model not known before the run: refused, as before
+    assert L.parse(L.render(failed)) == failed
+
+
+def test_a_failure_mark_from_before_models_refuses_the_digest_with_any_model():
+    text = L.render(L.roll_back(pending_new(), "never ready", T2))
+    assert '"model"' not in text  # a mark without one renders as before
+    assert L.refused_target(L.parse(text), replace(NEW, model=M1)) is not None
+
+
+def test_a_failure_marks_model_that_gpufleet_did_not_write_makes_the_ledger_corrupt():
+    doc = json.loads(L.render(L.roll_back(pending_new(), "never ready", T2)))
+    doc["failed"][0]["model"] = "../../etc@x"
+    with pytest.raises(CorruptLedger, match=r"failed\[0\]\.model: .* is not <org>/<name>@<40 hex commit>"):
         L.parse(json.dumps(doc))

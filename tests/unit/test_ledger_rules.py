@@ -4,6 +4,8 @@ test_vllm_deploy.py; the rollout's changed-since-read check in test_rollout.py."
 
 from __future__ import annotations
 
+import json
+
 from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, render
 from gpufleet.hoststate.rules import cut_rename_away, host_ledger, replaced_service, taken_over
 
@@ -26,7 +28,7 @@ def test_a_renamed_service_takes_over_the_ledger_of_the_one_service_on_its_port(
     assert replaced_service(host_ledger(render(Ledger(committed=Committed(OLD, "t0"))), others, PORT),
                             "renamed") == "vllm-qwen35"
     assert replaced_service(ledger, "vllm-qwen35") is None  # no rename
-    migrated = '{"current": {"image": "%s", "ref": "%s", "pinned_at": "t0"}, "history": []}' % (OLD.image, OLD.ref)
+    migrated = json.dumps({"current": {"image": OLD.image, "ref": OLD.ref, "pinned_at": "t0"}, "history": []})
     assert host_ledger(None, {"/var/lib/gpufleet/vllm-qwen35.json": migrated}, PORT) == Ledger()  # no port in it
 
 

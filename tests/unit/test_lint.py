@@ -207,7 +207,7 @@ def test_a_headless_rank_serves_no_api_so_it_is_not_open_without_a_key():
     assert "open-without-api-key" not in {f.rule.id for f in findings(GROUP, rank=1)}
 
 
-@pytest.mark.parametrize("rule_id, field", [("group-mixed-gpu-models", "gpus"), ("group-mixed-drivers", "drivers")])
+@pytest.mark.parametrize(("rule_id", "field"), [("group-mixed-gpu-models", "gpus"), ("group-mixed-drivers", "drivers")])
 def test_ranks_that_differ_from_the_head_are_named_with_the_fix(rule_id, field):
     same = {"gpus": {"a": "NVIDIA H200", "b": "NVIDIA H200"}, "drivers": {"a": "580.95.05", "b": "580.95.05"}}
     assert lint_group("a", GroupLintContext("pair", **same)) == []

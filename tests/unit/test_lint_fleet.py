@@ -57,7 +57,7 @@ def test_a_finding_alike_on_every_host_is_one_line_naming_all_of_them(inventory)
     result = run(inventory('boxes = [("a", {}), ("b", {}), ("c", {})]\n'))
     assert result.exit_code == 0, result.output
     shutdown = [line for line in lines(result) if "[no-shutdown-timeout]" in line]
-    assert shutdown == [next(l for l in shutdown if l.startswith("all 3 hosts: warning [no-shutdown-timeout] "))]
+    assert shutdown == [next(line for line in shutdown if line.startswith("all 3 hosts: warning [no-shutdown-timeout] "))]
     # The privileged fix lists each host's own GPUs: the same rule is then one line per host.
     assert len([line for line in lines(result) if "[privileged-exposes-all-gpus]" in line]) == 1  # same GPUs here
     different = run(inventory('boxes = [("a", {}), ("b", {"vllm_gpus": [3, 4, 5]})]\n'))
@@ -140,7 +140,7 @@ def test_accepted_findings_are_listed_apart_and_do_not_count(inventory):
 
 def test_an_unknown_accepted_id_is_a_finding_naming_the_closest(inventory):
     inv = inventory('boxes = [("a", {"gpufleet_accept": ["no-shutdown-timout", "open-without-api-key"]})]\n')
-    code, doc = as_json(inv)
+    _code, doc = as_json(inv)
     unknown = next(f for f in doc["findings"] if f["id"] == "unknown-accepted-rule")
     assert unknown["severity"] == "warning" and unknown["hosts"] == ["a"]
     assert unknown["fix"] == "'no-shutdown-timout': did you mean 'no-shutdown-timeout'?"

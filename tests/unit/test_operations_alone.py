@@ -180,9 +180,9 @@ def test_a_refresh_replaces_a_rotated_key_and_nothing_else():
     assert run_alone(nvidia.toolkit_repo, same, repo_url=NVIDIA_URL, refresh_keys=True) == []
     assert run_alone(docker.engine, same, repo_url=DOCKER_URL, refresh_keys=True) == []
     rotated = converged_keys(nvidia_key=ROTATED, docker_key=ROTATED)
-    mkdir, upload = run_alone(nvidia.toolkit_repo, rotated, repo_url=NVIDIA_URL, refresh_keys=True)
+    _mkdir, upload = run_alone(nvidia.toolkit_repo, rotated, repo_url=NVIDIA_URL, refresh_keys=True)
     assert upload.dest == nvidia.KEYRING and upload.src.getvalue() == repo_keys.dearmor(ROTATED)
-    mkdir, upload, update = run_alone(docker.engine, rotated, repo_url=DOCKER_URL, refresh_keys=True)
+    _mkdir, upload, update = run_alone(docker.engine, rotated, repo_url=DOCKER_URL, refresh_keys=True)
     assert upload.dest == docker.DOCKER_KEY and upload.src.getvalue() == ROTATED.encode()
     assert update.get_raw_value() == "apt-get update -q"
 
@@ -239,7 +239,7 @@ def test_the_execute_time_fetch_writes_a_different_key_and_skips_the_same():
     assert same.uploads == [] and len(same.commands) == 1
 
 
-@pytest.mark.parametrize("fetched, reason", [
+@pytest.mark.parametrize(("fetched", "reason"), [
     ((False, "", "curl: (7) Failed to connect to r port 80: Connection refused"),
      "curl: (7) Failed to connect to r port 80: Connection refused"),
     ((True, "<html>not found</html>", ""), "not an ASCII-armored PGP public key block"),

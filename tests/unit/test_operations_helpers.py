@@ -21,7 +21,7 @@ from gpufleet.vllm.operations.service import env_content
 D1, D2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
 
 
-@pytest.mark.parametrize("image, repo", [
+@pytest.mark.parametrize(("image", "repo"), [
     ("vllm/vllm-openai:nightly", "vllm/vllm-openai"),
     ("10.213.1.1:5000/vllm/vllm-openai:nightly", "10.213.1.1:5000/vllm/vllm-openai"),
     ("10.213.1.1:5000/vllm/vllm-openai", "10.213.1.1:5000/vllm/vllm-openai"),
@@ -54,7 +54,7 @@ def test_dearmor_equals_the_base64_body():
                + "\n".join(b64[i:i + 64] for i in range(0, len(b64), 64))
                + "\n=abcd\n-----END PGP PUBLIC KEY BLOCK-----\n")
     assert dearmor(armored) == body
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^not an ASCII-armored PGP public key block$"):
         dearmor("<html>not found</html>")
 
 
@@ -79,7 +79,7 @@ def test_hidden_never_shows_its_value():
     assert secret.reveal() == "hf_topsecret"
 
 
-@pytest.mark.parametrize("files, shards, incomplete, problem", [
+@pytest.mark.parametrize(("files", "shards", "incomplete", "problem"), [
     ({"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}, [], [], None),
     ({"tokenizer.json": 1, "model.safetensors": 5}, [], [], "config.json"),
     ({"config.json": 1, "model.safetensors": 5}, [], [], "a tokenizer"),

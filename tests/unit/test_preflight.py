@@ -65,7 +65,7 @@ def test_broken_driver():
     assert "nvidia-smi does not work" in line
 
 
-@pytest.mark.parametrize("key, setting", [("docker", "gpufleet_min_free_gb_docker"),
+@pytest.mark.parametrize(("key", "setting"), [("docker", "gpufleet_min_free_gb_docker"),
                                           ("models", "gpufleet_min_free_gb_models")])
 def test_low_disk(key, setting):
     snap = host()
@@ -129,7 +129,7 @@ def test_invalid_daemon_json():
 
 
 # --- a Docker engine the deploy would swap out ---------------------------------------------------------------
-@pytest.mark.parametrize("install, packages, expected", [
+@pytest.mark.parametrize(("install", "packages", "expected"), [
     ("docker-ce", {"docker.io": "20.10.24+dfsg1-1+deb12u1+b6", "containerd": "1.6.20~ds1-1+deb12u3"},
      "g: docker_install is 'docker-ce', but docker.io 20.10.24+dfsg1-1+deb12u1+b6, containerd 1.6.20~ds1-1+deb12u3 "
      "are installed: apt would remove them to install docker-ce, stopping every container on this host "
@@ -150,7 +150,7 @@ def test_another_docker_engine_is_refused_with_the_fix(install, packages, expect
     assert check("g", host(packages=packages), settings(docker_install=install), (0, 1, 2)) == [expected]
 
 
-@pytest.mark.parametrize("install, packages", [
+@pytest.mark.parametrize(("install", "packages"), [
     ("docker-ce", {"docker-ce": "5:20.10.24-1~debian.12~bookworm", "docker-ce-cli": "5:20.10.24-1~debian.12~bookworm",
                    "containerd.io": "1.6.20-1"}),
     ("distro", {"docker.io": "20.10.24+dfsg1-1+deb12u1+b6", "containerd": "1.6.20~ds1-1+deb12u3"}),
@@ -175,7 +175,7 @@ def test_a_foreign_unit_is_refused_with_the_fix():
         "(fix: set vllm_service to a name no unit on this host uses yet (gpufleet then creates that unit))"]
 
 
-@pytest.mark.parametrize("service_unit, origin", [
+@pytest.mark.parametrize(("service_unit", "origin"), [
     # an alias resolves to the unit it points at: systemd's Id, not the name asked for
     (unit("ssh.service", path="/lib/systemd/system/ssh.service", first_line="[Unit]"), "/lib/systemd/system/ssh.service"),
     (unit("old.service", load_state="masked", path="/etc/systemd/system/old.service"),

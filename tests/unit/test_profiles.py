@@ -31,7 +31,7 @@ def render(inventory_path: str, *args: str) -> str:
 
 
 def exec_start(unit_text: str) -> list[str]:
-    return split_exec(next(l for l in unit_text.splitlines() if l.startswith("ExecStart=")).removeprefix("ExecStart="))
+    return split_exec(next(line for line in unit_text.splitlines() if line.startswith("ExecStart=")).removeprefix("ExecStart="))
 
 
 # --- golden renders: what a host with default settings runs, per profile ------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 from gpufleet.health.answers import check_answers
 from gpufleet.health.check import HealthState, check, reached
@@ -22,9 +23,9 @@ KEY = "sk-reach-7f1e"
 class Impostor(BaseHTTPRequestHandler):
     """Answers like a ready vLLM and keeps every Authorization header it is sent."""
 
-    seen: list[str] = []
+    seen: ClassVar[list[str]] = []
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         Impostor.seen.append(self.headers.get("Authorization") or "")
         body = b'{"object":"list","data":[{"id":"m","object":"model","max_model_len":4096}]}'
         self.send_response(200)

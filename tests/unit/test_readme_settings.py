@@ -30,5 +30,6 @@ def test_documented_defaults_match_the_code():
 
 
 def test_the_settings_a_profile_supplies_are_the_model_dependent_ones():
-    assert PROFILE_SETTINGS == {"vllm_gpus", "vllm_model", "vllm_model_repo", "vllm_model_revision",
-                                "vllm_service", "vllm_cache_dir"}
+    model_dependent = {"vllm_gpus", "vllm_model", "vllm_model_repo", "vllm_model_revision", "vllm_service",
+                       "vllm_cache_dir"}
+    assert model_dependent == PROFILE_SETTINGS

@@ -49,8 +49,8 @@ from gpufleet.rollout.target import digest_from_inspect, requested_image
 from gpufleet.router.api import Router, RouterError
 from gpufleet.sandbox.image import write_tiny_model
 from gpufleet.vllm.settings import build_spec
-from gpufleet.wire.speed import SpeedFigures
 from gpufleet.wire.gpu_verdicts import GpuSettings
+from gpufleet.wire.speed import SpeedFigures
 from tests.loopback import LoopbackTransport
 from tests.ports import free_port
 from tests.unit.test_ledger_reader import output as reading
@@ -83,7 +83,7 @@ def run_of(rc: int, output: str = "", hosts=("h1",), results=None) -> DeployRun:
 
 
 # --- plan -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("canary, batch, expected", [
+@pytest.mark.parametrize(("canary", "batch", "expected"), [
     (1, 1, [["a"], ["b"], ["c"], ["d"]]),
     (1, 2, [["a"], ["b", "c"], ["d"]]),
     (2, 1, [["a"], ["b"], ["c"], ["d"]]),
@@ -517,9 +517,8 @@ def test_a_router_that_does_not_let_a_replica_go_is_one_line_and_the_ones_taken_
     first = FakeRouter("r1", [URLS["h1"]])
     second = FakeRouter("r2", [URLS["h1"]], fail={"remove": paramiko.SSHException("SSH session not active")})
     routers = Routers([(first, 30.0), (second, 30.0)], URLS)
-    with pytest.raises(RouterError) as caught:
-        with routers.out(["h1"], drain_timeout_s=5):
-            raise AssertionError("the block must not run")
+    with pytest.raises(RouterError) as caught, routers.out(["h1"], drain_timeout_s=5):
+        raise AssertionError("the block must not run")
     assert str(caught.value) == "taking h1 out of the routers: SSH session not active"
     assert first.workers == {URLS["h1"]}  # not swapped: back where it was
 
@@ -619,7 +618,7 @@ def test_after_its_swap_a_replica_rejoins_only_when_committed_or_rolled_back():
     assert result["h3"].detail.endswith("; left out of the routers until it serves its committed version")
 
 
-@pytest.mark.parametrize("flags, carry", [((), True), (("--no-carry",), False)])
+@pytest.mark.parametrize(("flags", "carry"), [((), True), (("--no-carry",), False)])
 def test_rollout_carries_the_canarys_compile_cache_unless_told_not_to(tmp_path, monkeypatch, flags, carry):
     import importlib
 

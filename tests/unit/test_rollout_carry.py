@@ -6,10 +6,11 @@ stand for two hosts)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import io
+import json
 import os
 import stat
+import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -175,11 +176,27 @@ def test_only_hosts_serving_the_canarys_config_take_its_artifacts():
 def test_the_compile_factors_are_the_images_own_computed_with_the_hosts_env_and_secrets():
     spec = SimpleNamespace(env=(("VLLM_USE_DEEP_GEMM", "0"), ("OMP_NUM_THREADS", "16")))
     command = factors_command(spec, "sha256:abc", "/etc/gpufleet/vllm-qwen35.env")  # type: ignore[arg-type]
-    assert command.startswith("timeout -k 5 120 docker run --rm --network none --entrypoint python3 "
-                              "-e VLLM_USE_DEEP_GEMM=0 -e OMP_NUM_THREADS=16 $([ -f /etc/gpufleet/vllm-qwen35.env ] "
-                              "&& echo --env-file /etc/gpufleet/vllm-qwen35.env) sha256:abc -c ")
+    assert command.startswith("set --; [ -f /etc/gpufleet/vllm-qwen35.env ] && set -- --env-file "
+                              "/etc/gpufleet/vllm-qwen35.env; timeout -k 5 120 docker run --rm --network none "
+                              "--entrypoint python3 -e VLLM_USE_DEEP_GEMM=0 -e OMP_NUM_THREADS=16 \"$@\" sha256:abc -c ")
     assert "--gpus" not in command and "-p " not in command and "-v " not in command
     assert "envs.compile_factors()" in command and "hash_factors(f)" in command
+
+
+@pytest.mark.parametrize("has_secrets", [True, False])
+def test_the_factors_run_takes_the_secrets_file_only_where_the_host_has_one(tmp_path, has_secrets):
+    env_file, docker = tmp_path / "vllm-qwen35.env", tmp_path / "bin" / "docker"
+    if has_secrets:
+        env_file.write_text("VLLM_API_KEY=sk-x\n")
+    docker.parent.mkdir()
+    docker.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')  # prints the argv it was given
+    docker.chmod(0o755)
+    spec = SimpleNamespace(env=(("OMP_NUM_THREADS", "16"),))
+    command = factors_command(spec, "sha256:abc", str(env_file))  # type: ignore[arg-type]
+    argv = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True,
+                          env={"PATH": f"{docker.parent}:/usr/bin:/bin"}).stdout.splitlines()
+    before_image = argv[:argv.index("sha256:abc")]
+    assert before_image[-2:] == (["--env-file", str(env_file)] if has_secrets else ["-e", "OMP_NUM_THREADS=16"])
 
 
 def test_unreadable_factors_are_one_line_never_a_match():
@@ -364,7 +381,7 @@ def test_a_host_with_another_serve_config_does_not_take_them(fleet):
     assert not list(fleet.dir("w").rglob("*"))
 
 
-@pytest.mark.parametrize("committed, turned_off", [
+@pytest.mark.parametrize(("committed", "turned_off"), [
     pytest.param(False, None, id="the-canary-was-not-committed"),
     pytest.param(True, "the carry is turned off (--no-carry)", id="the-carry-is-turned-off"),
 ])
@@ -526,7 +543,7 @@ def member(t: tarfile.TarFile, name: str, data: bytes | None = None, **fields) -
 def test_a_stream_holding_anything_but_regular_files_and_directories_is_refused_whole(fleet, tmp_path, special):
     stream = crafted_tar(tmp_path, lambda t: (member(t, "e/ok", b"fine"), special(t)))
     tmp = temp_dir(str(fleet.dir("t")))
-    _, relayed, _, received = relay(fleet.sessions.get("c"), f"cat {stream}", b"", fleet.sessions.get("t"),
+    _, _relayed, _, received = relay(fleet.sessions.get("c"), f"cat {stream}", b"", fleet.sessions.get("t"),
                                     receive_command(str(fleet.dir("t")), tmp))
     assert "tar-rc 90" in received and "not a regular file or directory: e/" in received, received
     assert not Path(tmp).exists()  # nothing of it is kept to be placed

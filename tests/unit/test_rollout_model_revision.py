@@ -8,15 +8,18 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from gpufleet.errors import GpufleetError
+from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, roll_back
 from gpufleet.rollout import prepare as rollout_prepare
 from gpufleet.rollout import run as rollout_run
 from gpufleet.rollout import target as rollout_target
 from gpufleet.rollout.deploy import DeployRun, RunSettings
+from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.rollout.target import Target, resolve_model
@@ -85,7 +88,7 @@ def test_a_branch_resolves_to_the_commit_it_names_now_from_the_first_host(hub, s
 
 
 def test_a_commit_is_taken_as_it_is_and_no_repo_is_refused(hub, shell):
-    endpoint, _, first = hub
+    endpoint, _, _first = hub
     sessions = Sessions()
     assert resolve_model(fleet(endpoint), sessions, "d" * 40) == "d" * 40
     assert sessions.asked == [] and shell == []
@@ -137,3 +140,18 @@ def test_the_rollout_resolves_once_and_every_run_installs_that_commit(hub, shell
     handed.clear()
     rollout_run.roll_out("inv.py", None, options, lambda *a: True, lambda names: nullcontext(progress))
     assert resolved == ["main"] and [o.model_ref for o in handed] == [None]
+
+
+def test_a_failed_model_move_refuses_that_commit_again_not_the_version_rolled_back_to():
+    """The same digest and settings with a new commit failed its gate: a rollout of that digest that keeps the
+    committed model (or moves to another commit) goes on; the failed commit again needs --retry-failed."""
+    old, bad = f"{MODEL_REPO}@{'0' * 40}", f"{MODEL_REPO}@{'1' * 40}"
+    committed = Version(image="reg:5000/vllm/vllm-openai:good", ref=REF, unit_sha256="a" * 64,
+                        spec_hash="0123456789abcdef", service="vllm-qwen35", port=5000, model=old)
+    ledger = roll_back(begin(Ledger(committed=Committed(committed, "t0")), replace(committed, model=bad), "ops", "t1"),
+                       "never ready", "t2")
+    ledgers, targets = {"h1": HostLedger("h1", "/var/lib/gpufleet/vllm-qwen35.json", ledger)}, {"h1": REF}
+    assert rollout_run._refused(ledgers, targets, None) is None
+    assert rollout_run._refused(ledgers, targets, "2" * 40) is None
+    refusal = rollout_run._refused(ledgers, targets, "1" * 40)
+    assert refusal is not None and refusal.startswith(f"h1: {REF} failed there at t2: never ready (fix: ")

@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -153,7 +154,7 @@ def test_the_unit_replays_the_members_file_after_each_start_without_waiting_on_a
     [line] = [line for line in render_unit(s).splitlines() if line.startswith("ExecStartPost=")]
     assert line.startswith('ExecStartPost=+/bin/sh -c "')  # as root: the fence refuses the router's own user
     script = s.rejoin_argv()[2]
-    assert f"< {s.members_file}" in script and "/var/lib/gpufleet-router/vllm-router.workers" == s.members_file
+    assert f"< {s.members_file}" in script and s.members_file == "/var/lib/gpufleet-router/vllm-router.workers"
     # Each add in the background: one replica that is down never holds the start.
     assert '--data-urlencode \"url=$u\" http://127.0.0.1:28000/add_worker & }' in script
     assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0
@@ -341,7 +342,7 @@ def test_status_of_a_router_that_does_not_answer_is_a_row_not_a_crash():
 class WorkerApi(http.server.BaseHTTPRequestHandler):
     """vllm-router's worker API as 0.1.17 answers it, recording who asked (the user agent)."""
 
-    agents: list[str] = []
+    agents: ClassVar[list[str]] = []
 
     def _answer(self, status: int, body: bytes) -> None:
         WorkerApi.agents.append(self.headers.get("User-Agent", ""))

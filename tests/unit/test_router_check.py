@@ -120,7 +120,7 @@ class Clock:
         self.now += s
 
 
-@pytest.mark.parametrize("deadline, looks, ok", [(0.0, 1, False), (0.5, 1, False), (1.5, 2, False), (10.0, 3, True)])
+@pytest.mark.parametrize(("deadline", "looks", "ok"), [(0.0, 1, False), (0.5, 1, False), (1.5, 2, False), (10.0, 3, True)])
 def test_verify_waits_for_a_router_until_it_passes_or_the_deadline(deadline, looks, ok):
     rows = iter([ready(worker(GPU1)), ready(worker(GPU1), worker(GPU2, False)), ready(worker(GPU1), worker(GPU2))])
     read: list[RouterStatus] = []

@@ -45,7 +45,7 @@ def test_a_run_wide_record_is_made_once_by_its_type_and_not_kept_when_making_it_
     def broken() -> Workers:
         raise ValueError("no replica verifies ready")
 
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^no replica verifies ready$"):
         run_context(first).slot(Workers, broken)
     assert run_context(first).slot(Workers, make) == ("w1",)
     assert run_context(first).slot(Workers, make) is run_context(first).slot(Workers, broken)

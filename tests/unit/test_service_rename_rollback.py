@@ -19,8 +19,9 @@ from gpufleet.hoststate.paths import committed_unit, ledger_path, unit_backup
 from gpufleet.operations.run import host_run, remember
 from gpufleet.remote.transport import ContainerInfo
 from gpufleet.units import unit_path
-from gpufleet.vllm import commit, verify
+from gpufleet.vllm import commit, verify, weights
 from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.layout import model_dir
 from gpufleet.vllm.settings import build_spec
 
 TAG = "reg:5000/vllm/vllm-openai:good"
@@ -72,17 +73,18 @@ SERVING_GOOD = ContainerInfo("c0ffee", "running", image=GOOD, spec_hash="0123456
 
 
 def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000, mark: bool = True,
-                answers: ContainerInfo | None = SERVING_GOOD) -> tuple[RollbackHost, Ledger]:
-    """A host whose committed version is OLD's on port 5000 and whose pending one (`service` on `port`, the dies
-    digest) failed: the rollback run with `answers` (the committed version, by default) ready again."""
+                answers: ContainerInfo | None = SERVING_GOOD, model: str | None = None) -> tuple[RollbackHost, Ledger]:
+    """A host whose committed version is OLD's on port 5000 (its model's commit `model`) and whose pending one
+    (`service` on `port`, the dies digest) failed: the rollback run with `answers` (the committed version, by
+    default) ready again."""
     monkeypatch.setattr(verify, "transport_from_pyinfra_host", lambda host: None)
     monkeypatch.setattr(commit, "poll_ready", lambda *_, **__: HealthReport(HealthState.READY, "ready",
                                                                             container=answers))
     spec = build_spec("gpu1", {"vllm_image": TAG, "vllm_service": service, "vllm_port": port})
     committed = Version(image=TAG, ref=GOOD, unit_sha256="a" * 64, spec_hash="0123456789abcdef", service=OLD,
-                        port=5000)
+                        port=5000, model=model)
     pending = Version(image=TAG, ref=DIES, unit_sha256="b" * 64, spec_hash=spec.spec_hash, service=service,
-                      port=port)
+                      port=port, model=model and model[:-40] + "f" * 40)
     ledger = begin(Ledger(committed=Committed(committed, "t0", "t0")), pending, "ops@laptop pid 7", "t1")
     host = RollbackHost()
     remember(host, HostSnapshot()).ledger = ledger
@@ -121,12 +123,20 @@ def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_
 
 def test_a_rollback_that_renames_nothing_writes_its_own_ledger_and_removes_nothing(monkeypatch):
     host, before = rolled_back(monkeypatch, OLD, port=5001)  # a port change that failed
-    assert not [what for what in host.commands() if "disable" in what]
+    assert not [what for what in host.commands() if "disable" in what or "gpufleet-kept" in what]
     at, path, written = host.ledger_written()
     assert at < next(i for i, (kind, what) in enumerate(host.done) if kind == "run" and "systemctl restart" in what)
     assert path == ledger_path(OLD)
     assert written.committed == before.committed and written.pending is None and written.failed[-1].ref == DIES
     assert not [what for what in host.commands() if what.startswith("rm -f ")]
+
+
+def test_a_rollback_puts_the_committed_commits_model_files_back_before_its_restart(monkeypatch):
+    model = f"org/model@{'c' * 40}"
+    host, _ = rolled_back(monkeypatch, OLD, model=model)
+    [restore] = [shlex.split(what)[-1] for what in host.commands() if "systemctl restart" in what]
+    put_back = weights.restore_command(model_dir(build_spec("gpu1", {"vllm_image": TAG})), model)
+    assert put_back in restore and restore.index(put_back) < restore.index("systemctl restart")
 
 
 class FailingCopyHost(RollbackHost):
@@ -163,6 +173,7 @@ def test_a_commit_keeps_a_checked_copy_named_by_the_ledger_first_and_prunes_old_
     [(pruned_at, pruned)] = [(i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and "find " in what]
     assert copied_at < at < pruned_at
     assert f"! -name {OLD}-{'b' * 64}.service -delete" in pruned and f"rm -f {unit_backup(OLD)}" in pruned
+    assert weights.drop_kept_command(model_dir(v.spec)) in pruned  # the model files a rollback would have put back
 
 
 def test_a_copy_that_fails_commits_nothing_and_prunes_nothing():

@@ -122,9 +122,9 @@ def test_valid_variations_are_accepted():
     assert spec.arg("override-generation-config") == '{"temperature": 0.7}'
 
 
-@pytest.mark.parametrize("word, value", [("true", True), ("False", False), (True, True)])
+@pytest.mark.parametrize(("word", "value"), [("true", True), ("False", False), (True, True)])
 def test_run_flags_from_the_command_line_accept_the_words_true_and_false(word, value):
-    settings = resolve_host("gpu1", {flag: word for flag in RUN_FLAGS})[1]
+    settings = resolve_host("gpu1", dict.fromkeys(RUN_FLAGS, word))[1]
     assert {flag: settings[flag] for flag in RUN_FLAGS} == dict.fromkeys(RUN_FLAGS, value)
     assert "gpufleet_refresh_keys" in RUN_FLAGS
 

@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from pyinfra.api import Config, FileUploadCommand, FunctionCommand, Inventory, State, StringCommand
@@ -126,7 +126,7 @@ def test_insecure_registries_is_merged_keeping_every_other_key():
     assert merged["insecure-registries"] == ["10.0.0.1:5000", "10.0.0.5:5001"]
     assert docker.with_insecure_registry(json.dumps(merged), "10.0.0.5:5001") is None
     assert json.loads(docker.with_insecure_registry(None, "h:1") or "") == {"insecure-registries": ["h:1"]}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^not a JSON object$"):
         docker.with_insecure_registry("[1]", "h:1")
     # The cache moved, or was turned off: the address gpufleet trusted before goes, the user's own entries stay.
     moved = json.loads(docker.with_insecure_registry(json.dumps(merged), "10.0.0.6:5001", drop={"10.0.0.5:5001"}) or "")
@@ -150,7 +150,7 @@ def test_the_cache_is_set_up_once_and_a_second_converge_changes_nothing():
     fresh = run_op(site_cache.serving, seen=SiteCacheHost(), upstream="https://registry-1.docker.io", port=5002)
     texts = [str(c) for c in fresh if isinstance(c, StringCommand)]
     assert any("docker-registry" in t and "install" in t for t in texts)
-    assert [c for c in fresh if isinstance(c, FileUploadCommand)][0].dest == site_cache.CONFIG
+    assert next(c for c in fresh if isinstance(c, FileUploadCommand)).dest == site_cache.CONFIG
     assert texts[-2:] == ["systemctl enable docker-registry.service", "systemctl restart docker-registry.service"]
     converged = SiteCacheHost(installed=True, config_sha256=sha256(config), active=True, enabled=True)
     assert run_op(site_cache.serving, seen=converged, upstream="https://registry-1.docker.io", port=5002) == []
@@ -185,7 +185,7 @@ def test_the_front_door_is_set_up_once_and_a_second_converge_changes_nothing():
 class Registry(http.server.BaseHTTPRequestHandler):
     """The registry behind the front door: what it was asked."""
 
-    asked: list[str] = []
+    asked: ClassVar[list[str]] = []
 
     def do_GET(self):
         Registry.asked.append(self.path)
@@ -393,5 +393,5 @@ def test_the_model_mirror_is_installed_from_the_lock_once_and_a_second_converge_
     assert 'repo = "Qwen/Qwen3.5-27B-AWQ", allow = true' in config and 'repo = "*/*", allow = false' in config
     assert "cache-redirect-model = false" in config and "xet-passthrough = false" in config
     # No wheels for the host: its one line, and nothing installed.
-    with pytest.raises(SettingError, match="has no wheels for the host's Python 3.11 on aarch64"):
+    with pytest.raises(SettingError, match=r"has no wheels for the host's Python 3\.11 on aarch64"):
         mirror.locked("cache", "3.11", "aarch64")

@@ -68,7 +68,7 @@ def test_cold_start_compiles_and_writes_its_entry_a_copied_cache_starts_warm(mod
     assert cold_s >= COMPILE_S
     (key,) = entries(tmp_path / "a")
     assert (tmp_path / "a" / "torch_compile_cache" / "torch_aot_compile" / key / "rank_0_0" / "model").is_file()
-    assert not [p for p in (tmp_path / "a").rglob(".tmp-*")]  # written beside, renamed into place
+    assert not list((tmp_path / "a").rglob(".tmp-*"))  # written beside, renamed into place
 
     shutil.copytree(tmp_path / "a", tmp_path / "b")  # what a carry does: the same entry in another cache dir
     warm_s, warm_log = start(model, tmp_path / "b", tmp_path / "warm.log")

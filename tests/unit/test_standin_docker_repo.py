@@ -11,7 +11,7 @@ import pytest
 from gpufleet.sandbox.docker_repo import PLUGIN, upstream_version
 
 
-@pytest.mark.parametrize("deb_version, upstream", [
+@pytest.mark.parametrize(("deb_version", "upstream"), [
     ("20.10.24+dfsg1-1+deb12u1+b6", "20.10.24"),
     ("1.6.20~ds1-1+deb12u3", "1.6.20"),
     ("1.1.5+ds1-1+deb12u1", "1.1.5"),

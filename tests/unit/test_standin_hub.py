@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,13 +57,20 @@ def test_model_info_lists_each_file_with_the_hubs_hashes(served):
 def test_snapshot_download_then_the_clients_own_checksum_check(served, tmp_path: Path):
     endpoint, root, log, commit = served
     dest = tmp_path / "dl"
+    began = time.time()
     snapshot_download(MODEL_REPO, local_dir=dest, endpoint=endpoint)
     for f in (root / MODEL_REPO / "commits" / commit).iterdir():
         assert (dest / f.name).read_bytes() == f.read_bytes()
     result = HfApi(endpoint=endpoint).verify_repo_checksums(MODEL_REPO, revision=commit, local_dir=dest)
+    ended = time.time()
     assert result.checked_count == 6 and not result.mismatches and not result.missing_paths
     total = sum(f.stat().st_size for f in (root / MODEL_REPO / "commits" / commit).iterdir())
     assert standin.served_bytes(log) == {"127.0.0.1": total}
+    # Each request is logged with when it ended: what a test holds against a host's downtime.
+    logged = standin.requests(log)
+    assert {r.path for r in logged if r.download} == {f"/{MODEL_REPO}/resolve/{commit}/{f.name}"
+                                                       for f in (root / MODEL_REPO / "commits" / commit).iterdir()}
+    assert all(began <= r.ended_at <= ended for r in logged), (began, ended, logged)
 
 
 def test_a_byte_range_is_served_alone(served):

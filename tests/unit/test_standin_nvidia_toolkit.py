@@ -68,7 +68,7 @@ def test_hook_gives_the_container_its_gpus_renumbered(tmp_path: Path):
 
 
 @pytest.mark.parametrize(
-    "devices, profile, error",
+    ("devices", "profile", "error"),
     [
         ("0,1,2,3", nvidia_smi.make_profile(3), "nvidia-container-cli: device error: 3: unknown device"),
         ("0", None, "libnvidia-ml.so.1: cannot open shared object file"),

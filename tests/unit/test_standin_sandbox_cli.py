@@ -116,7 +116,7 @@ def test_the_sandbox_inventory_says_when_its_state_is_not_readable(tmp_path, mon
 
     inventory = Path(__file__).parents[2] / "inventories" / "sandbox.py"
     monkeypatch.setenv("GPUFLEET_SANDBOX_DIR", str(tmp_path))
-    with pytest.raises(SystemExit, match="no sandbox inventory at .*: run `gpufleet sandbox up` \\(as root\\) first"):
+    with pytest.raises(SystemExit, match=r"no sandbox inventory at .*: run `gpufleet sandbox up` \(as root\) first"):
         runpy.run_path(str(inventory))
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
     with pytest.raises(SystemExit, match="is root's \\(it holds the sandbox's SSH key\\): run pyinfra in the root shell"):

@@ -59,7 +59,7 @@ class Server:
             env={**os.environ, "STANDIN_LOAD_SECONDS": str(load), **(env or {})},
         )
 
-    def wait(self, timeout: float = 10) -> "Server":
+    def wait(self, timeout: float = 10) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -120,7 +120,7 @@ def test_flag_table_is_generated_from_the_recorded_help():
 
 
 @pytest.mark.parametrize(
-    "args, named",
+    ("args", "named"),
     [
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--performance-mode", "fast"], "argument --performance-mode: invalid choice: 'fast'"),
@@ -301,7 +301,7 @@ def test_a_different_suffix_reuses_only_the_common_whole_blocks(server):
 
 
 @pytest.mark.parametrize(
-    "mode, detail",
+    ("mode", "detail"),
     [
         ("models-not-json", "/v1/models is not JSON: <html><head><title>502 Bad Gateway</title>"),
         ("not-http", "GET /health: the port does not answer HTTP: -ERR unknown command 'GET'"),

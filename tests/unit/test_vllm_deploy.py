@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion
 from gpufleet.harness import preflight
-from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, render, roll_back
+from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, parse, render, roll_back
 from gpufleet.units import unit_name
 from gpufleet.vllm.deploy import Plan, check_host, deploy_qwen35, plan_for
 from gpufleet.vllm.facts import HostSnapshot, RunningService
@@ -379,3 +380,20 @@ def test_the_hosts_verdict_table_setting_decides_what_preflight_refuses():
     assert refusals(hot) == []
     (line,) = refusals(hot, {"clocks_event_reasons.hw_thermal_slowdown": "service"})
     assert "GPU 1 (00000000:00:07.0) needs service: clocks_event_reasons.hw_thermal_slowdown (0x40)" in line
+
+
+def test_a_failed_model_move_leaves_the_version_rolled_back_to_convergeable(monkeypatch):
+    """A new commit of the model failed its gate on the same digest and settings: a plain converge of the version
+    rolled back to is not refused; asking for that commit again is."""
+    converged = converged_host(monkeypatch)
+    committed = parse(converged.ledger_text).committed
+    assert committed is not None and committed.version.model is not None
+    bad = "e" * 40
+    moved = replace(committed.version, model=f"{committed.version.model.rpartition('@')[0]}@{bad}")
+    converged.ledger_text = render(roll_back(begin(Ledger(committed=committed), moved, "ops", "t1"), "dead", "t2"))
+    assert check_host("gpu1", converged, plan_for("gpu1", DATA)) == []
+    asked = check_host("gpu1", converged, plan_for("gpu1", {**DATA, "gpufleet_model_ref": bad}))
+    assert [line for line in asked if "failed at" in line] == [
+        f"gpu1: {REF} with spec {committed.version.spec_hash} and model {moved.model} failed at t2: dead (fix: change "
+        "vllm_image or a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on "
+        "purpose)"]

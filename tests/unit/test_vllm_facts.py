@@ -13,6 +13,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from pyinfra.api.exceptions import FactProcessError
@@ -53,25 +54,25 @@ def output(**sections: list[str]) -> list[str]:
 
 
 def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
-    base = dict(
-        os=['PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"', "ID=debian", 'VERSION_ID="12"', "VERSION_CODENAME=bookworm"],
-        arch=["amd64"], nvidia_smi=["1"], gpus=fixture(kind, "query-gpu.csv"), driver=fixture(kind, "version.txt"),
-        daemon_json=['{"insecure-registries": ["10.0.0.1:5000"], "runtimes": {"nvidia": {"path": "x"}}}'],
-        free=["docker /var/lib/docker 104857600", "models /srv 52428800"],
-        packages=["docker.io ii 20.10.24", "nvidia-container-toolkit ii 1.17.8-1", "docker-ce un <none>"],
-        files=["a" * 64 + "  /etc/a"],
-        state=["@@present", json.dumps({"current": {"image": "img:tag", "ref": "img@sha256:" + "0" * 64}})],
-        docker_images=[json.dumps([{"RepoTags": ["img:tag"], "RepoDigests": ["img@sha256:" + "0" * 64]},
+    base = {
+        "os": ['PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"', "ID=debian", 'VERSION_ID="12"', "VERSION_CODENAME=bookworm"],
+        "arch": ["amd64"], "nvidia_smi": ["1"], "gpus": fixture(kind, "query-gpu.csv"), "driver": fixture(kind, "version.txt"),
+        "daemon_json": ['{"insecure-registries": ["10.0.0.1:5000"], "runtimes": {"nvidia": {"path": "x"}}}'],
+        "free": ["docker /var/lib/docker 104857600", "models /srv 52428800"],
+        "packages": ["docker.io ii 20.10.24", "nvidia-container-toolkit ii 1.17.8-1", "docker-ce un <none>"],
+        "files": ["a" * 64 + "  /etc/a"],
+        "state": ["@@present", json.dumps({"current": {"image": "img:tag", "ref": "img@sha256:" + "0" * 64}})],
+        "docker_images": [json.dumps([{"RepoTags": ["img:tag"], "RepoDigests": ["img@sha256:" + "0" * 64]},
                                    {"RepoTags": ["other:latest"], "RepoDigests": []}])],
-        model=["config.json 120", "tokenizer.json 4000", "model-00001-of-00002.safetensors 10",
+        "model": ["config.json 120", "tokenizer.json 4000", "model-00001-of-00002.safetensors 10",
                "model-00002-of-00002.safetensors 10", "model.safetensors.index.json 300",
                "shard model-00001-of-00002.safetensors", "shard model-00002-of-00002.safetensors"],
-        dirs=["root root 755 /var/cache/vllm/qwen35/vllm"],
-        units=["Id=docker.service", "ActiveState=active", "UnitFileState=enabled", "",
+        "dirs": ["root root 755 /var/cache/vllm/qwen35/vllm"],
+        "units": ["Id=docker.service", "ActiveState=active", "UnitFileState=enabled", "",
                "Id=vllm-qwen35.service", "ActiveState=active", "UnitFileState=enabled"],
-        health=["200", json.dumps({"object": "list", "data": [{"id": "qwen3.5-awq", "max_model_len": 32768}]})],
-        cache_config=['vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0"} 1.0'],
-    )
+        "health": ["200", json.dumps({"object": "list", "data": [{"id": "qwen3.5-awq", "max_model_len": 32768}]})],
+        "cache_config": ['vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0"} 1.0'],
+    }
     base.update(over)
     return output(**base)
 
@@ -258,8 +259,8 @@ def test_hostile_repo_urls_reach_curl_whole_and_never_the_shell(tmp_path):
     record = f"curl() {{ for a in \"$@\"; do printf '%s\\n' \"$a\"; done >> {argv_log}; }}"
     for line in lines:
         subprocess.run(["sh", "-c", f"{record}\n{line}"], check=False, capture_output=True, timeout=10)
-    os_id = next(l.split("=", 1)[1].strip('"') for l in Path("/etc/os-release").read_text().splitlines()
-                 if l.startswith("ID="))
+    os_id = next(line.split("=", 1)[1].strip('"') for line in Path("/etc/os-release").read_text().splitlines()
+                 if line.startswith("ID="))
     words = argv_log.read_text().splitlines() if argv_log.exists() else []
     assert f"{hostile}/gpgkey" in words and f"{hostile}/{os_id}/gpg" in words
     assert not marker.exists()
@@ -289,10 +290,10 @@ KEY = "-----BEGIN PGP PUBLIC KEY BLOCK-----\n\nmQINBF\n=abcd\n-----END PGP PUBLI
 class _Repo(BaseHTTPRequestHandler):
     """The repos' keys and a vLLM server's /health, /v1/models and /metrics, on one loopback port."""
 
-    seen: list[tuple[str, str | None]] = []
+    seen: ClassVar[list[tuple[str, str | None]]] = []
     health = 200
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         self.seen.append((self.path, self.headers.get("Authorization")))
         bodies = {"/gpgkey": KEY, "/health": "", "/v1/models": json.dumps(
             {"object": "list", "data": [{"id": "qwen3.5-awq", "max_model_len": 32768}]}),
@@ -446,10 +447,10 @@ class _UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
 class _Docker(BaseHTTPRequestHandler):
     """dockerd's answers to the snapshot's two listings, on a unix socket, from the recordings."""
 
-    seen: list[str] = []
+    seen: ClassVar[list[str]] = []
     hang = False
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         self.seen.append(self.path)
         if self.hang:
             time.sleep(5)
@@ -532,7 +533,7 @@ def test_the_model_directory_is_read_with_one_find_and_one_awk(tmp_path):
     assert all(p.startswith("./.cache/huggingface/download/f") for p in snap.model_incomplete)
 
 
-@pytest.mark.parametrize("daemon_json, measured", [
+@pytest.mark.parametrize(("daemon_json", "measured"), [
     ('{"data-root": "%s"}', "data-root"),  # no final newline, as json.dump writes it
     ('{\n  "runtimes": {},\n  "data-root"  :  "%s"\n}\n', "data-root"),
     ('{"runtimes": {}}', "default"),
@@ -710,7 +711,7 @@ NV_GET = ["-fsSL", "--max-time", "15", "http://nv.example/gpgkey", "-w"]
 DOCKER_GET = ["-fsSL", "--max-time", "15", f"http://docker.example/linux/{OS_ID}/gpg", "-w"]
 
 
-@pytest.mark.parametrize("installed, refresh, gets", [
+@pytest.mark.parametrize(("installed", "refresh", "gets"), [
     ({"nvidia", "docker"}, False, []),  # a converged host: nothing leaves it
     ({"docker"}, False, [NV_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
     ({"nvidia"}, False, [DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
@@ -734,7 +735,7 @@ def test_the_key_decision_starts_no_program(tmp_path):
     assert keys.count("[ -f ") == 2 and "$(" not in keys and "|" not in keys.replace("||", ""), keys
 
 
-@pytest.mark.parametrize("installed, refresh", [({"nvidia", "docker"}, False), ({"docker"}, False),
+@pytest.mark.parametrize(("installed", "refresh"), [({"nvidia", "docker"}, False), ({"docker"}, False),
                                                 ({"nvidia"}, False), (set(), False), ({"nvidia", "docker"}, True)],
                          ids=["both-installed", "nvidia-missing", "docker-missing", "both-missing", "refresh"])
 def test_every_section_keeps_its_marker_whichever_keys_are_fetched(tmp_path, monkeypatch, installed, refresh):
@@ -835,7 +836,7 @@ def test_the_site_cache_host_reads_what_its_cache_holds_and_the_room_beside_it(t
     line = host_command.site_cache_lines(str(storage))
     assert line in snapshot_command(dataclasses.replace(PATHS, site_cache_storage=str(storage)))
     ran = subprocess.run(["sh", "-c", f"t=; d={tmp_path}; {line}"], capture_output=True, text=True, check=True)
-    snap = parse_snapshot(output(**{"site_cache": ran.stdout.split("\n", 2)[2].splitlines()}))
+    snap = parse_snapshot(output(site_cache=ran.stdout.split("\n", 2)[2].splitlines()))
     assert snap.site_cache_used_kib is not None and snap.site_cache_used_kib >= 290
     assert snap.free_kib["site_cache"] > 0 and snap.free_path["site_cache"] == str(storage)
     assert snap.site_cache_shares_docker  # $d, Docker's, is on the same filesystem here

@@ -132,7 +132,7 @@ def test_the_figures_a_passed_speed_check_measured_go_to_the_commit(monkeypatch)
 
 def test_a_failed_verify_rolls_back_commits_nothing_and_fails_the_host(monkeypatch):
     found = VerifyOutcome(passed=False, failed="dead: docker run exited with status 1", check=None)
-    state, target, results, calls = execute_from_verify(monkeypatch, found, pending_over_committed())
+    _state, target, results, calls = execute_from_verify(monkeypatch, found, pending_over_committed())
     # The verify operation rolls back at once and fails the host (pyinfra then runs nothing more on it): no commit.
     assert results[VERIFY] is False
     assert calls == [("verify", 20.0), ("roll back", ("dead: docker run exited with status 1", None))]
@@ -140,7 +140,7 @@ def test_a_failed_verify_rolls_back_commits_nothing_and_fails_the_host(monkeypat
 
 
 def test_a_verify_that_could_not_finish_fails_the_host_with_neither_commit_nor_rollback(monkeypatch):
-    state, target, results, calls = execute_from_verify(monkeypatch, None, pending_over_committed())
+    _state, target, results, calls = execute_from_verify(monkeypatch, None, pending_over_committed())
     assert results[VERIFY] is False  # pyinfra runs nothing more on the host; neither would run anyway
     assert calls == [("verify", 20.0)] and verify.outcome(target) is None
     with ctx_host.use(target):
@@ -220,7 +220,7 @@ def test_a_check_whose_request_gets_no_answer_leaves_the_version_pending_with_no
 
 def test_a_check_that_answers_wrong_still_fails_the_verify_and_marks_the_version(monkeypatch):
     wrong = AnswerCheck("tools", False, 'tool_choice "required": POST /v1/chat/completions answered 500: engine dead')
-    state, target, results, calls = verified_against(monkeypatch, NoAnswer(), pending_over_committed(),
+    _state, target, results, calls = verified_against(monkeypatch, NoAnswer(), pending_over_committed(),
                                                      check_answers=passing_answers,
                                                      run_checks=lambda *_, **__: (wrong,))
     assert results[VERIFY] is False and verify.outcome(target).check == "tools"
@@ -258,12 +258,12 @@ def test_a_first_install_whose_port_another_process_took_is_not_marked_failed(mo
     first = Ledger(pending=pending_over_committed().pending)
     written: list[Ledger] = []
     monkeypatch.setattr(verify, "save_ledger", lambda host, path, ledger: written.append(ledger) or True)
-    _, target, results, calls = execute_from_verify(monkeypatch, found, first)
+    _, _target, results, calls = execute_from_verify(monkeypatch, found, first)
     assert results[VERIFY] is False and calls == [("verify", 20.0)]
     assert written == []  # still pending, nothing marked: the next run finishes it
 
 
-@pytest.mark.parametrize("look, rolled_back", [
+@pytest.mark.parametrize(("look", "rolled_back"), [
     (HealthReport(HealthState.DEAD, "docker run exited with status 1"), True),
     (HealthReport(HealthState.SSH_UNREACHABLE, "gpu1: SSH failed"), False),
 ], ids=["died", "unreachable"])

@@ -12,8 +12,8 @@ from gpufleet.hoststate.ledger import Version
 from gpufleet.operations.run import remember
 from gpufleet.remote.transport import ContainerInfo
 from gpufleet.vllm.facts import HostSnapshot
-from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.service_watch import exited_detail
+from gpufleet.vllm.settings import build_spec
 from gpufleet.vllm.verify import (
     Verification,
     VerifyOutcome,
@@ -107,7 +107,7 @@ def test_zero_soak_checks_nothing():
     assert soak(lambda: pytest.fail("checked"), READY, 0) is READY
 
 
-@pytest.mark.parametrize("show, exited", [
+@pytest.mark.parametrize(("show", "exited"), [
     ("ActiveState=activating\nSubState=auto-restart\nExecMainStatus=2", True),
     ("ActiveState=failed\nSubState=failed\nExecMainStatus=1", True),
     ("ActiveState=active\nSubState=running\nExecMainStatus=0", False),  # docker run still creating the container

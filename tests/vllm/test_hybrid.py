@@ -9,6 +9,7 @@ shape resolved on this machine (conftest.hybrid_blocks), and each server is chec
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -118,7 +119,7 @@ def test_session_figures_match_the_servers_own_counts(published_report, block):
         assert t.usage_cached == t.metrics_hits == t.cached_tokens, t
         assert t.metrics_queries == t.prompt_tokens, t
         assert t.metrics_computed == t.reprocessed_tokens == t.prompt_tokens - t.cached_tokens, t
-    for prev, t in zip(turns, turns[1:], strict=False):
+    for prev, t in itertools.pairwise(turns):
         assert t.due_tokens == (prev.prompt_tokens - 1) // block * block
         assert t.prompt_tokens > prev.prompt_tokens
 

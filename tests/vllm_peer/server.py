@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -131,10 +132,8 @@ class VllmServer:
                 break
             time.sleep(0.2)
         else:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

@@ -14,8 +14,8 @@ from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.runner import HostResult
 from gpufleet.router.status import RouterStatus
 from gpufleet.wire.geometry import resolved_block_sizes
-from gpufleet.wire.speed import FIGURES, value_text
 from gpufleet.wire.gpu_verdicts import Verdict
+from gpufleet.wire.speed import FIGURES, value_text
 
 _STATE_STYLE = {
     HealthState.READY: "green",

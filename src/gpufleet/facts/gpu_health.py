@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from gpufleet.wire.evidence import excerpt
 
@@ -47,7 +47,7 @@ def query_shell(t: str = "$t") -> str:
             f"hq=$({t} nvidia-smi --help-query-gpu 2>/dev/null); f=; for w in {learn}; do "
             "while :; do x=${w%%/*}; case $hq in *\"\\\"$x\\\"\"*) f=$f,$x; break;; esac; "
             "[ \"$x\" = \"$w\" ] && break; w=${w#*/}; done; done; "
-            f"[ -n \"$f\" ] && {{ h=$({t} nvidia-smi --query-gpu=${{f#,}} --format=csv 2>&1); r=$?; }};; esac; "
+            f"[ -n \"$f\" ] && {{ h=$({t} nvidia-smi \"--query-gpu=${{f#,}}\" --format=csv 2>&1); r=$?; }};; esac; "
             "printf '%s\\n@@rc %s\\n' \"$h\" \"$r\"")
 
 
@@ -108,7 +108,7 @@ class KernelEvent:
     def when(self) -> str:
         if self.at is None:
             return "at an unknown time"
-        return f"at {datetime.fromtimestamp(self.at, timezone.utc):%Y-%m-%dT%H:%M:%SZ}"
+        return f"at {datetime.fromtimestamp(self.at, UTC):%Y-%m-%dT%H:%M:%SZ}"
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ def judge(health: GpuHealth, settings: GpuSettings, app_started_at: float | None
         verdicts.append(_verdict(reading.index, reading.bus_id, [*found, *xids], settled))
     for bus, unlisted in events.items():  # not listed by nvidia-smi: no field settles its lines
         xids, settled = _event_findings(unlisted, None, settings, app_started_at)
-        bus_id = "%04x:%02x:%02x" % bus if bus else "?"
+        bus_id = "{:04x}:{:02x}:{:02x}".format(*bus) if bus else "?"
         verdicts.append(_verdict(None, bus_id, xids, settled))
     return HostGpus(tuple(verdicts), health.lacks, health.error, health.kernel_log_error)
 

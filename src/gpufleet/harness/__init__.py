@@ -1,4 +1,4 @@
-"""@deploy functions composing gpufleet's operations (the files under deploys/ at the repo root only call these)."""
+"""What every deploy file runs in: register_deploy_file (here), preflight, the run's result, pyinfra's speedups."""
 
 from __future__ import annotations
 

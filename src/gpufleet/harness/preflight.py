@@ -102,7 +102,7 @@ def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: Chec
                 seen = target.get_fact(reads.fact, **arguments, _sudo=use_sudo(target), _timeout=reads.timeout_s)
             else:
                 seen = fact.process(output)
-        except Exception as error:  # noqa: BLE001 - any failure to read the host is a preflight refusal
+        except Exception as error:  # any failure to read the host is a preflight refusal
             return Reading(plan, None, [f"{target.name}: could not read the host: {error} "
                                         f"(fix: {reads.fix(plan, error)})"])
         return Reading(plan, seen, check_host(target.name, seen, plan))

@@ -149,7 +149,7 @@ def print_at_exit(state: State) -> None:
         if where:
             try:
                 write_result(state, Path(where))
-            except Exception as error:  # noqa: BLE001 - the reader falls back to the exit code; say why here
+            except Exception as error:  # the reader falls back to the exit code; say why here
                 print(f"could not write the run's result to {where}: {one_line(str(error))}", file=sys.stderr)
         try:
             failed = lines(state)

@@ -82,9 +82,8 @@ def operation_order(state: State, frame: FrameType | None = None) -> list[int]:
     start = 0
     if state.current_deploy_filename:
         # As pyinfra's: the first frame of the deploy file, else (no such frame) the innermost one.
-        for start, outer in enumerate(frames):
-            if outer.f_code.co_filename == state.current_deploy_filename:
-                break
+        start = next((i for i, outer in enumerate(frames) if outer.f_code.co_filename == state.current_deploy_filename),
+                     max(len(frames) - 1, 0))
 
     line_numbers = [state.current_op_file_number] if pyinfra.is_cli else []
     line_numbers.extend(f.f_lineno for f in frames[start:] if not f.f_code.co_filename.startswith(PYINFRA_DIR))

@@ -134,7 +134,7 @@ def _run(name: str, fn: Any, transport: Transport, expected: Expected, api_key: 
         return AnswerCheck(name, True, once_more(lambda: fn(transport, expected, api_key, timeout_s)))
     except (_Wrong, BadAnswer, HttpStatusError) as wrong:  # what came back, said in one line already
         return AnswerCheck(name, False, excerpt(str(wrong), 300))
-    except Exception as error:  # noqa: BLE001 - whatever the request met is this check's result
+    except Exception as error:  # whatever the request met is this check's result
         if unanswered(error):
             return not_run(name, error)
         return AnswerCheck(name, False, excerpt(f"{type(error).__name__}: {error}", 300))
@@ -178,7 +178,7 @@ def _stream(transport: Transport, expected: Expected, api_key: str | None, timeo
     finish = _finish_reason(got.finish_reason)
     if not got.done:
         raise _Wrong(f"POST {PATH} (stream) ended without data: [DONE] after {got.chunks} chunks")
-    prompt, completion = _usage({"prompt_tokens": got.prompt_tokens, "completion_tokens": got.completion_tokens})
+    _prompt, completion = _usage({"prompt_tokens": got.prompt_tokens, "completion_tokens": got.completion_tokens})
     return f"{got.chunks} chunks, {completion} tokens ({finish}), first after {got.ttft_s:.2f} s"
 
 

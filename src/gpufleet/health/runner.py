@@ -58,7 +58,7 @@ class HostTarget:
     gpus: tuple[int, ...] = ()
     max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
-    served: Served = Served()  # its parsers and prefix caching: which serving checks apply
+    served: Served = field(default_factory=Served)  # its parsers and prefix caching: which serving checks apply
     speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
     gpu_settings: GpuSettings = field(default_factory=GpuSettings)  # its GPU verdict table
     # A replica group's rank: (group, rank, head). A rank other than the head serves no API: its container is its
@@ -142,10 +142,7 @@ def check_host(
     told what the check is doing, then how it ended. committed: reads the digest the running container must be."""
     asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks), progress, committed)
     try:
-        if transport is not None:
-            result = _check_host(target, transport, asked)
-        else:
-            result = _check_over_ssh(target, asked)
+        result = _check_host(target, transport, asked) if transport is not None else _check_over_ssh(target, asked)
     except Exception as e:
         result = _failed(target, e)
     why = "a check failed" if result.health.ready else str(result.health.state)

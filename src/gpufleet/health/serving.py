@@ -149,7 +149,7 @@ class _Checks:
             return AnswerCheck(name, False, excerpt(str(wrong), 300))
         except NotRun as unknown:
             return not_run(name, unknown)
-        except Exception as error:  # noqa: BLE001 - whatever the requests met is this check's result
+        except Exception as error:  # whatever the requests met is this check's result
             if unanswered(error):
                 self.silent = name
                 return not_run(name, error)
@@ -199,7 +199,7 @@ class _Checks:
         def send(label: str) -> None:
             try:
                 answers[label] = self._greedy(sessions[label][0].messages)
-            except BaseException as error:  # noqa: BLE001 - reported below, on this thread's behalf
+            except BaseException as error:  # reported below, on this thread's behalf
                 answers[label] = error
 
         threads = [threading.Thread(target=send, args=(label,)) for label in sessions]

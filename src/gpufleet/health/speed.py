@@ -79,7 +79,7 @@ def speed_check(transport: Transport, expected: Expected, served: Served, earlie
         figures = measure(transport, expected, served, api_key=api_key)
     except (ServerFault, BadAnswer, HttpStatusError) as wrong:
         return AnswerCheck(SPEED, False, excerpt(str(wrong), 300)), None
-    except Exception as error:  # noqa: BLE001 - the transport's errors: a request that got no answer
+    except Exception as error:  # the transport's errors: a request that got no answer
         return AnswerCheck(SPEED, False, excerpt(f"{type(error).__name__}: {error}", 300)), None
     ok, line = verdict(earlier, figures, tolerance)
     return AnswerCheck(SPEED, ok, line), figures
@@ -118,7 +118,7 @@ class _Run:
             try:
                 results[i] = self._stream(self._short(f"batch-{r}-{i}"), DECODE_TOKENS, fixed=True,
                                           timeout_s=bound_s)
-            except BaseException as error:  # noqa: BLE001 - judged below, on this thread's behalf
+            except BaseException as error:  # judged below, on this thread's behalf
                 results[i] = error
             ended[i] = time.monotonic()
 
@@ -173,7 +173,7 @@ class _Run:
         try:
             return str(get(self.transport, self.expected.port, "/health", timeout=5,
                            address=self.expected.address)[0])
-        except Exception as error:  # noqa: BLE001 - quoted in the fault
+        except Exception as error:  # quoted in the fault
             return excerpt(f"{type(error).__name__}: {error}", 80)
 
 

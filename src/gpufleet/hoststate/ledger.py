@@ -8,9 +8,9 @@ A run moves the ledger through:
     roll_back(ledger, why) after verify failed: the pending version is marked failed, `committed` stays
 
 `committed` is the only rollback target. A run that finds a `pending` record (the last one was cut: Ctrl-C, a dropped
-link, a killed controller) asks resume() what to do before anything else. A failed version (digest + spec hash) is not
-tried again by a plain converge (refused_target) until a setting changes it, or the operator asks for it on purpose
-with the `gpufleet_retry_failed` setting (retry_failed() clears the mark).
+link, a killed controller) asks resume() what to do before anything else. A failed version (digest + spec hash +
+model) is not tried again by a plain converge (refused_target) until a setting changes it, or the operator asks for it
+on purpose with the `gpufleet_retry_failed` setting (retry_failed() clears the mark).
 
     >>> target = Version(image="vllm/vllm-openai:v0.11.0", ref="vllm/vllm-openai@sha256:" + "a" * 64,
     ...                  unit_sha256="b" * 64, spec_hash="0123456789abcdef", service="vllm", port=8000)
@@ -98,9 +98,13 @@ class Failed:
     image: str | None = None  # vllm_image as configured when it failed (a tag is not resolved again: pin())
     check: str | None = None  # the verify check it failed (gpufleet.health: "completion", "cached-cold", ...), if one
     gpu: str | None = None  # as Committed.gpu
+    model: str | None = None  # the model's commit it ran (repo@commit); None: any (a mark from before models)
 
     def matches(self, version: Version) -> bool:
-        return self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
+        """The same digest and settings, and the same model when both name one: a new commit of the model is a new
+        version, as new settings are."""
+        return (self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
+                and (self.model is None or version.model is None or self.model == version.model))
 
 
 @dataclass(frozen=True)
@@ -146,8 +150,9 @@ def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None, g
     failed, when one did; gpu: the GPU verdict at the swap."""
     pending = _pending(ledger, "roll back")
     mark = Failed(ref=pending.version.ref, spec_hash=pending.version.spec_hash, reason=one_line(reason),
-                  failed_at=now, image=pending.version.image, check=check, gpu=gpu)
-    failed = (*(f for f in ledger.failed if (f.ref, f.spec_hash) != (mark.ref, mark.spec_hash)), mark)
+                  failed_at=now, image=pending.version.image, check=check, gpu=gpu, model=pending.version.model)
+    failed = (*(f for f in ledger.failed if (f.ref, f.spec_hash, f.model) != (mark.ref, mark.spec_hash, mark.model)),
+              mark)
     return replace(ledger, pending=None, failed=failed[-FAILED_LIMIT:])
 
 
@@ -165,8 +170,9 @@ def refused_target(ledger: Ledger, target: Version) -> str | None:
     if mark is None:
         return None
     settings = "" if mark.spec_hash is None else f" with spec {mark.spec_hash}"
-    return one_line(f"{mark.ref}{settings} failed at {mark.failed_at}: {mark.reason} (fix: change vllm_image or a "
-                    f"setting, or pass --data {RETRY_SETTING}=true to one converge to try it again on purpose)")
+    model = "" if mark.model is None else f" and model {mark.model}"
+    return one_line(f"{mark.ref}{settings}{model} failed at {mark.failed_at}: {mark.reason} (fix: change vllm_image "
+                    f"or a setting, or pass --data {RETRY_SETTING}=true to one converge to try it again on purpose)")
 
 
 def pin(ledger: Ledger, image: str) -> str | None:
@@ -308,7 +314,8 @@ def render(ledger: Ledger) -> str:
             **_version_doc(ledger.pending.version), "started_at": ledger.pending.started_at,
             "operator": ledger.pending.operator},
         "failed": [{"ref": f.ref, "spec_hash": f.spec_hash, "reason": f.reason, "failed_at": f.failed_at,
-                    "image": f.image, **({"check": f.check} if f.check else {}), **_gpu_doc(f.gpu)}
+                    "image": f.image, **({"check": f.check} if f.check else {}), **_gpu_doc(f.gpu),
+                    **({"model": f.model} if f.model else {})}
                    for f in ledger.failed],
         "history": [_committed_doc(c) for c in ledger.history],
     }
@@ -422,9 +429,10 @@ def _parse_v2(data: dict[str, Any]) -> Ledger:
         image = _field(doc, where, "image", str, optional=True) if "image" in doc else None
         check = _field(doc, where, "check", str, optional=True) if "check" in doc else None
         gpu = _field(doc, where, "gpu", str, optional=True) if "gpu" in doc else None
+        model = _matching(doc, where, "model", _MODEL, "<org>/<name>@<40 hex commit>") if "model" in doc else None
         failed.append(Failed(ref=_field(doc, where, "ref", str), spec_hash=_field(doc, where, "spec_hash", str, True),
                              reason=_field(doc, where, "reason", str), failed_at=_field(doc, where, "failed_at", str),
-                             image=image, check=check, gpu=gpu))
+                             image=image, check=check, gpu=gpu, model=model))
     history = tuple(_committed(item, f"history[{i}]")
                     for i, item in enumerate(_field(data, "ledger", "history", list)))
     return Ledger(committed=committed, pending=pending, failed=tuple(failed), history=history)

@@ -23,6 +23,7 @@ on the host)."""
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -66,9 +67,9 @@ from gpufleet.rollout.compile_factors import TIMEOUT_S as FACTORS_TIMEOUT_S
 from gpufleet.rollout.compile_factors import CompileFactors, factors_command, parse_factors
 from gpufleet.rollout.replicas import FleetHost, Sessions, run
 from gpufleet.rollout.warm_start import start_report
-from gpufleet.vllm.unit import env_file_path
 from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
 from gpufleet.vllm.settings import merged_settings
+from gpufleet.vllm.unit import env_file_path
 
 LIST_TIMEOUT_S = 60.0
 CARRY_TIMEOUT_S = 1800.0  # the carry into one host, whole: a trickling stream must not hold the host forever
@@ -291,10 +292,8 @@ class Carry:
     def _remove(self, host: str, tmp: str) -> None:
         """The temp dir gone, as far as the host can still be reached (a lost one keeps a hidden dir, never an entry
         in its cache dir)."""
-        try:
+        with contextlib.suppress(TransportError, OSError, paramiko.SSHException, EOFError):
             run(self.sessions.get(host), f"rm -rf {shlex.quote(tmp)}", timeout=LIST_TIMEOUT_S, root=True)
-        except (TransportError, OSError, paramiko.SSHException, EOFError):
-            pass
 
     def observe(self, group: Sequence[str]) -> None:
         """Each swapped host's start, from its container: warm or cold, and its time to ready."""

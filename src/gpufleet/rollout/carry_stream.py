@@ -13,12 +13,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import paramiko
 
 from gpufleet.remote.ssh import needs_sudo
 from gpufleet.remote.transport import SshTransport, TransportError
 
+SCRIPTS = Path(__file__).resolve().parents[1] / "data" / "carry"
+SEND, RECEIVE, PLACE = ((SCRIPTS / f"{name}.sh").read_text() for name in ("send", "receive", "place"))
 STREAM_CHUNK = 256 * 1024
 STREAM_TIMEOUT_S = 120.0  # per read or write on a channel: a host that stops answering ends the carry to it
 
@@ -88,46 +91,24 @@ def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: Ss
 
 
 def send_command(directory: str) -> str:
-    """On the canary: tar the NUL-separated relative paths read from stdin, to stdout; its sha256 and tar's exit
-    status to stderr."""
-    d = shlex.quote(directory)
-    return (f"cd {d} && {{ {{ tar --null -T - -cf -; echo \"tar-rc $?\" >&2; }} | tee /dev/fd/3 | sha256sum >&2; }} "
-            "3>&1")
-
-
-NOT_PLAIN = 90  # the host's `tar-rc` for a member that is not a regular file or directory, or a hard link
+    """On the canary: tar the NUL-separated relative paths read from stdin, to stdout (data/carry/send.sh)."""
+    return _script(SEND, directory)
 
 
 def receive_command(directory: str, tmp: str) -> str:
-    """On the host: the stream unpacked into tmp (a new root-only dir beside the cache dir), its sha256 and tar's
-    exit status to stderr. No owner or mode comes from the stream; anything but regular files and directories
-    refuses it whole. Temp dirs a killed carry left go first (under the host's lock); a cut stream removes its own."""
-    bad = 'find "$t" -mindepth 1 \\( \\( ! -type f ! -type d \\) -o \\( -type f -links +1 \\) \\) -print -quit'
-    return (f"trap '' HUP PIPE; t={shlex.quote(tmp)}; rm -rf {shlex.quote(_stale_prefix(directory))}*; "
-            'mkdir -m 700 "$t" && { { tee /dev/fd/4 | sha256sum >&2; } 4>&1 | '
-            'tar -C "$t" --no-same-owner --no-same-permissions -xf -; rc=$?; '
-            f'if [ $rc = 0 ]; then b=$({bad}); if [ -n "$b" ]; then '
-            f'echo "not a regular file or directory: ${{b#"$t"/}}" >&2; rc={NOT_PLAIN}; else '
-            'chmod -R u=rwX,go=rX,a-st "$t" && chmod 700 "$t" || rc=$?; fi; fi; '
-            '[ $rc = 0 ] || rm -rf "$t"; echo "tar-rc $rc" >&2; }')
+    """On the host: the stream unpacked into tmp (a new root-only dir beside the cache dir), checked
+    (data/carry/receive.sh)."""
+    return _script(RECEIVE, tmp, _stale_prefix(directory))
 
 
 def place_command(directory: str, tmp: str, roots: Sequence[str]) -> str:
-    """Each unpacked root renamed into the cache dir unless the host has it by now; the temp dir removed. A root's
-    parent is reached one directory at a time, never through a link (the container may have planted one to /etc),
-    must resolve inside the cache dir, and the rename is made from inside it."""
-    d, t = shlex.quote(directory), shlex.quote(tmp)
-    place = ('place() { ( cd -P -- "$d" || exit 1; set -f; IFS=/; '
-             'case "$1" in */*) parent=${1%/*};; *) parent=;; esac; '
-             'for c in $parent; do if [ -L "$c" ] || { [ -e "$c" ] && [ ! -d "$c" ]; }; then '
-             'echo "refused $1: $c is not a directory"; exit 0; fi; '
-             '[ -d "$c" ] || mkdir -m 755 -- "$c" || exit 1; cd -P -- "$c" || exit 1; done; '
-             'case "$(pwd -P)/" in "$real"/*) ;; *) echo "refused $1: it leads out of the cache dir"; exit 0;; esac; '
-             'name=${1##*/}; if [ -e "$name" ] || [ -L "$name" ]; then echo "present $1"; '
-             'else mv -T -- "$t/$1" "$name" && echo "placed $1"; fi ); }')
-    steps = [f"trap '' HUP PIPE; d={d}; t={t}; mkdir -p \"$d\" && real=$(cd -P -- \"$d\" && pwd -P) || exit 1",
-             place, *(f"place {shlex.quote(r)} || ok=1" for r in roots), 'rm -rf "$t"; exit ${ok:-0}']
-    return "; ".join(steps)
+    """Each unpacked root renamed into the cache dir unless the host has it by now; the temp dir removed
+    (data/carry/place.sh)."""
+    return _script(PLACE, directory, tmp, *roots)
+
+
+def _script(script: str, *args: str) -> str:
+    return f"set -- {' '.join(map(shlex.quote, args))}\n{script}"
 
 
 def _stale_prefix(directory: str) -> str:

@@ -45,8 +45,8 @@ def factors_command(spec: ServeSpec, image: str, env_file: str) -> str:
         argv += ["-e", f"{name}={value}"]
     secrets = shlex.quote(env_file)
     run = " ".join(shlex.quote(a) for a in argv)
-    return (f"timeout -k 5 {TIMEOUT_S} {run} $([ -f {secrets} ] && echo --env-file {secrets}) "
-            f"{shlex.quote(image)} -c {shlex.quote(SCRIPT)} 2>&1")
+    return (f"set --; [ -f {secrets} ] && set -- --env-file {secrets}; "
+            f"timeout -k 5 {TIMEOUT_S} {run} \"$@\" {shlex.quote(image)} -c {shlex.quote(SCRIPT)} 2>&1")
 
 
 def parse_factors(rc: int, out: str) -> CompileFactors | str:

@@ -40,9 +40,18 @@ class HostLedger:
         p = self.ledger.pending if self.ledger else None
         return p.version.ref if p else None
 
-    def failed_mark(self, ref: str) -> Failed | None:
+    def failed_mark(self, ref: str, model: str | None = None) -> Failed | None:
+        """The newest mark on digest `ref` with `model` (repo@commit; None: with any model)."""
         marks = self.ledger.failed if self.ledger else ()
-        return next((f for f in reversed(marks) if f.ref == ref), None)
+        return next((f for f in reversed(marks) if f.ref == ref and (f.model is None or model is None
+                                                                       or f.model == model)), None)
+
+    def model_at(self, model_ref: str | None) -> str | None:
+        """The model (repo@commit) a rollout installs here: commit `model_ref` of the committed repo, else the
+        committed one."""
+        if model_ref is None or self.committed_model is None:
+            return self.committed_model
+        return f"{self.committed_model.rpartition('@')[0]}@{model_ref}"
 
     def previous_ref(self) -> str | None:
         """The newest earlier committed digest other than the committed one (what `rollback` goes back to)."""

@@ -15,7 +15,7 @@ from rich.text import Text
 class Progress:
     def __init__(self, hosts: Sequence[str], console: Console | None = None):
         self.console = console or Console(stderr=True)
-        self.phases: dict[str, str] = {h: "waiting" for h in hosts}
+        self.phases: dict[str, str] = dict.fromkeys(hosts, "waiting")
         self.since: dict[str, float] = {h: time.monotonic() for h in hosts}
         self.notes: list[str] = []
         self._live: Live | None = None

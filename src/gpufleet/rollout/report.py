@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from rich.filesize import decimal
@@ -16,7 +16,7 @@ from gpufleet.rollout.carry import CarryResult
 from gpufleet.wire.speed import FIGURES, SpeedFigures, speed_ratios
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     UPDATED = "updated"  # restarted on the target, verified, committed
     UNCHANGED = "unchanged"  # already committed on the target: not restarted
     ROLLED_BACK = "rolled-back"  # the target failed its gate; the committed version serves again

@@ -12,7 +12,7 @@ reconcile. What happened to a router's session or metrics is said once, by the n
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 from typing import Any, TypeVar
 
@@ -113,10 +113,9 @@ class Routers:
                         leave(router, url, drain_timeout_s)  # not retried: a cut mid-leave fails the group
         except Exception as error:  # SSH cut, a refusal, an answer that is not the router's: one line
             for i, url, join_timeout_s in taken:
-                try:
+                # The error that stops the rollout is the leave's; the reconcile at the end tries again.
+                with suppress(Exception):
                     self._call(i, partial(_join, url=url, timeout_s=join_timeout_s))  # not swapped: back in
-                except Exception:
-                    pass  # the error that stops the rollout is the leave's; the reconcile at the end tries again
             raise RouterError(one_line(f"taking {', '.join(hosts)} out of the routers: {_why(error)}")) from None
         yield
 

@@ -48,10 +48,10 @@ def _unreadable(ledgers: Mapping[str, HostLedger], targets: Mapping[str, str]) -
             for h, lg in ledgers.items()]
 
 
-def _refused(ledgers: Mapping[str, HostLedger], targets: Mapping[str, str]) -> str | None:
+def _refused(ledgers: Mapping[str, HostLedger], targets: Mapping[str, str], model_ref: str | None) -> str | None:
     """The target failed on a host before: a rollout does not retry it unless asked to (--retry-failed)."""
     for h, lg in ledgers.items():
-        mark = lg.failed_mark(targets[h])
+        mark = lg.failed_mark(targets[h], lg.model_at(model_ref))
         if mark is not None:
             return one_line(f"{h}: {targets[h]} failed there at {mark.failed_at}: {mark.reason} (fix: roll out "
                             "another image, or pass --retry-failed to try this one again on purpose)")
@@ -66,7 +66,7 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
     unreadable = _unreadable(ledgers, targets)
     if unreadable is not None:
         return Result(what, unreadable, "a ledger could not be read: nothing was changed")
-    if not options.retry_failed and (refusal := _refused(ledgers, targets)):
+    if not options.retry_failed and (refusal := _refused(ledgers, targets, options.model_ref)):
         raise GpufleetError(refusal)
     by_name = {h.name: h for h in hosts}
     on_target = {h for h in names if ledgers[h].committed_ref == targets[h] and ledgers[h].pending_ref is None
@@ -106,7 +106,7 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         belongs = members(sessions, serving, ledgers) if routers.routers else {}
         order = replica_groups.expand(interrupted_first(order, ledgers), by_name)
         if problem := routers.capacity_problem(replica_batches(order, by_name, options.canary, options.batch),
-                                               {**belongs, **{h: False for h in sick}}):
+                                               {**belongs, **dict.fromkeys(sick, False)}):
             raise GpufleetError(problem)
         if not confirm(what, order):
             raise GpufleetError("not confirmed: nothing was changed")

@@ -8,6 +8,7 @@ updated stops the rollout: the hosts after it are not touched."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -289,12 +290,11 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
         speed_before = sessions.each(workers, measure_running)
     watches: dict[str, DowntimeWatch] = {}
     for h in group:
-        try:
+        # No session to watch through: the downtime is reported as not measured.
+        with suppress(TransportError):
             if h in workers:
                 watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port,
                                            address=hosts[h].spec.reach_address).start()
-        except TransportError:  # no session to watch through: the downtime is reported as not measured
-            pass
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
     committed = {h: before[h].committed_ref for h in group if before[h].error is None}
     baseline = {h: figures for h, figures in speed_before.items() if isinstance(figures, SpeedFigures)}

@@ -16,8 +16,17 @@ from gpufleet.operations.files import AtomicUpload, as_io, sha256
 from gpufleet.operations.run import still_locked, while_held
 from gpufleet.router.facts import RouterHost
 from gpufleet.router.spec import FENCE_USERS, MARKER, MEMBERS_DIR, RouterSpec
-from gpufleet.router.unit import (NGINX_DEFAULT_SITE, NGINX_SCRIPTS, NJS_PACKAGE, proxy_path, render_proxy,
-                                  render_session_script, render_unit, session_key, unit_path)
+from gpufleet.router.unit import (
+    NGINX_DEFAULT_SITE,
+    NGINX_SCRIPTS,
+    NJS_PACKAGE,
+    proxy_path,
+    render_proxy,
+    render_session_script,
+    render_unit,
+    session_key,
+    unit_path,
+)
 from gpufleet.router.wheels import LockedInstall
 
 REQUIREMENTS = "gpufleet-requirements.txt"  # in each locked venv: the requirements it was installed from

@@ -121,7 +121,8 @@ def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence
             and ".." not in venv.split("/") and re.fullmatch(r"[A-Za-z0-9_./+-]+", venv)):
         fail("router_venv", f"{shown(venv)} is not a directory of its own", 'use an absolute path like "/opt/vllm-router"')
     if not (isinstance(s["router_service"], str) and _SERVICE.fullmatch(s["router_service"])):
-        fail("router_service", f"{shown(s['router_service'])} is not a unit name", 'use letters, digits and "-", e.g. "vllm-router"')
+        fail("router_service", f"{shown(s['router_service'])} is not a unit name",
+             'use letters, digits and "-", e.g. "vllm-router"')
     address = s["router_address"]
     if not _ip(address):
         fail("router_address", f"{shown(address)} is not an IP address", 'use "0.0.0.0" (every interface) or one address')

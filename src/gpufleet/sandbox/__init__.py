@@ -12,7 +12,8 @@ Docker's apt repos, a registry with stand-in vLLM images, and GPU stand-ins. Use
     fleet.stop()                                    # leaves no process, mount, netns, link
 
 Modules: config (names, subnets, GPU profiles), rootfs (debootstrap base + mirror debs), nvidia_repo, docker_repo,
-apt_signing (their throwaway keys), cache (build-then-rename cache entries), image, services (mirror + registry),
-network, hosts, state, fleet, inventory, nvidia_smi; standin/ holds the
-stdlib-only programs that run inside hosts and images. See docs/test-hosts.md.
+apt_signing (their throwaway keys), cache (build-then-rename cache entries), image, registry (tags moved as nightlies
+move), router_index (the wheels' package indexes), hub (the stand-in Hugging Face hub), services (mirror + registry),
+network, hosts, state, procs, fleet, inventory, nvidia_smi, kernel_log, gpu_faults; standin/ holds the stdlib-only
+programs that run inside hosts and images. See docs/test-hosts.md.
 """

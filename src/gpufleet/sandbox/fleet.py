@@ -165,7 +165,7 @@ class Fleet:
         try:
             jobs = hostmod.run_in(self.state, h, "systemctl list-jobs --no-pager; systemctl --failed --no-pager",
                                   check=False, timeout=15).stdout
-        except Exception as error:  # noqa: BLE001 - diagnostics only: never mask the boot failure itself
+        except Exception as error:  # diagnostics only: never mask the boot failure itself
             jobs = f"(could not enter the host: {error})"
         return f"console tail:\n{console}\nsystemd jobs:\n{jobs}"
 

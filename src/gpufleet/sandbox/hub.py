@@ -9,7 +9,7 @@ the LFS sha256), GET /api/models/<repo>/tree/<rev>[/<path>] (recursive), HEAD/GE
 the hub's headers (X-Repo-Commit, ETag: the git blob id, or for an LFS file its sha256 with X-Linked-Etag and
 X-Linked-Size), byte ranges, and the hub's 404s (X-Error-Code RepoNotFound, RevisionNotFound, EntryNotFound).
 LFS files are served in place, never redirected. Each request is one line of the log: client, method, path, status,
-body bytes (served_bytes() adds them up).
+body bytes, and when it ended (epoch seconds): requests() reads them, served_bytes() adds the bytes up.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -115,17 +116,40 @@ def resolve(root: Path, repo: str, revision: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Request:
+    """One line of the hub's log."""
+
+    client: str
+    method: str
+    path: str
+    status: int
+    sent: int  # body bytes
+    ended_at: float  # epoch seconds, when the last byte was sent
+
+    @property
+    def download(self) -> bool:
+        """A file's bytes (a `resolve` GET), not the API's."""
+        return self.method == "GET" and "/resolve/" in self.path
+
+
+def requests(log: Path, since: int = 0) -> list[Request]:
+    """The requests logged after log offset `since`, in order."""
+    if not log.exists():
+        return []
+    with log.open("rb") as f:
+        f.seek(since)
+        lines = f.read().decode(errors="replace").splitlines()
+    return [Request(p[0], p[1], p[2], int(p[3]), int(p[4]), float(p[5])) for p in (line.split(" ") for line in lines)
+            if len(p) == 6]
+
+
 def served_bytes(log: Path, since: int = 0) -> dict[str, int]:
     """Client address -> body bytes of `resolve` GETs the hub served after log offset `since`."""
     served: dict[str, int] = {}
-    if not log.exists():
-        return served
-    with log.open("rb") as f:
-        f.seek(since)
-        for line in f.read().decode(errors="replace").splitlines():
-            parts = line.split(" ")
-            if len(parts) == 5 and parts[1] == "GET" and "/resolve/" in parts[2]:
-                served[parts[0]] = served.get(parts[0], 0) + int(parts[4])
+    for r in requests(log, since):
+        if r.download:
+            served[r.client] = served.get(r.client, 0) + r.sent
     return served
 
 
@@ -137,13 +161,13 @@ class HubHandler(BaseHTTPRequestHandler):
     xet: bool = False  # advertise LFS files as stored on Xet (X-Xet-Hash), as the real hub does for most repos
     log_lock = threading.Lock()
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         self._answer(body=True)
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._answer(body=False)
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         """POST /api/models/<repo>/paths-info/<rev>, form field `paths` (repeated): their tree entries."""
         parts = [unquote(p) for p in urlsplit(self.path).path.strip("/").split("/")]
         length = int(self.headers.get("Content-Length") or 0)
@@ -158,14 +182,15 @@ class HubHandler(BaseHTTPRequestHandler):
         wanted = set(form.get("paths", []))
         self._json([f.tree_entry() for f in listing(self.root, repo, sha) if f.path in wanted])
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # the access log is ours (_log)
 
     def _log(self, status: int, sent: int) -> None:
         if self.log_path is None:
             return
         with self.log_lock, self.log_path.open("a") as f:
-            f.write(f"{self.client_address[0]} {self.command} {urlsplit(self.path).path} {status} {sent}\n")
+            f.write(f"{self.client_address[0]} {self.command} {urlsplit(self.path).path} {status} {sent} "
+                    f"{time.time():.3f}\n")
 
     def _error(self, status: int, code: str, message: str) -> None:
         body = json.dumps({"error": message}).encode()
@@ -195,7 +220,7 @@ class HubHandler(BaseHTTPRequestHandler):
         repo = "/".join(parts[:2])
         return repo if len(parts) >= 2 and (self.root / repo / "refs").is_dir() else None
 
-    def _answer(self, body: bool) -> None:  # noqa: ARG002 - HEAD and GET share the routes
+    def _answer(self, body: bool) -> None:  # HEAD and GET share the routes
         url = urlsplit(self.path)
         parts = [unquote(p) for p in url.path.strip("/").split("/")]
         if parts[:2] == ["api", "models"]:

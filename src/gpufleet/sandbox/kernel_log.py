@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 STANDIN = "/usr/local/bin/dmesg"
@@ -31,7 +31,7 @@ def install(root: Path) -> None:
 
 def line(at: float, message: str) -> str:
     """A kernel log line as `dmesg --time-format iso` prints it, in UTC (the test hosts' zone)."""
-    return f"{datetime.fromtimestamp(at, timezone.utc):%Y-%m-%dT%H:%M:%S,%f+00:00} {message}"
+    return f"{datetime.fromtimestamp(at, UTC):%Y-%m-%dT%H:%M:%S,%f+00:00} {message}"
 
 
 def append(root: Path, lines: Iterable[str]) -> None:

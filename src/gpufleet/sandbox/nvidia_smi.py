@@ -36,7 +36,7 @@ INVALID_ARGS = "Invalid combination of input arguments. Please run 'nvidia-smi -
 class Result:
     """What one call prints and its exit status (a plain class: the host half must not import dataclasses)."""
 
-    __slots__ = ("stdout", "rc")
+    __slots__ = ("rc", "stdout")
 
     def __init__(self, stdout: str, rc: int = 0) -> None:
         self.stdout = stdout
@@ -333,7 +333,7 @@ class Profile:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Profile":
+    def from_json(cls, text: str) -> Profile:
         data = json.loads(text)
         data["gpus"] = [Gpu(**g) for g in data["gpus"]]
         return cls(**data)

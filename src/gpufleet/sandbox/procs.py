@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -93,10 +94,8 @@ def stop(pid: int | None, grace: float = 30.0, started: str | None = None) -> No
         time.sleep(0.1)
     kids = [int(p) for p in run(["ps", "-o", "pid=", "--ppid", str(pid)], check=False).stdout.split()]
     for p in [pid, *kids]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     for _ in range(50):
         if not alive(pid):
             return

@@ -36,7 +36,7 @@ def nightly_layer(cache_dir: Path, tag: str, size: int = NIGHTLY_LAYER_BYTES) ->
         return out, diff_file.read_text()
     with cache.building(cache_dir / f".nightly-layer-{tag}-{size}.lock"):
         if not (out.exists() and diff_file.exists()):
-            data = random.Random(f"gpufleet-nightly-{tag}").randbytes(size)  # noqa: S311 - reproducible, not secret
+            data = random.Random(f"gpufleet-nightly-{tag}").randbytes(size)  # reproducible, not secret
             raw = io.BytesIO()
             with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
                 info = tarfile.TarInfo(f"opt/nightly/{tag}.bin")

@@ -22,9 +22,9 @@ from gpufleet import wheel_lock
 from gpufleet.router import wheels
 from gpufleet.router.settings import DEFAULTS
 from gpufleet.sandbox import cache
-from gpufleet.sitecache import mirror
 from gpufleet.sandbox.config import CACHE_DIR
 from gpufleet.sandbox.procs import log, run
+from gpufleet.sitecache import mirror
 
 VERSION = DEFAULTS["router_version"]
 # The test hosts' Python (Debian bookworm's python3, gpufleet.sandbox.rootfs.SUITE) and machine (this one's: they

@@ -10,8 +10,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from gpufleet.sandbox import procs
-from gpufleet.sandbox import hub
+from gpufleet.sandbox import hub, procs
 from gpufleet.sandbox.config import HUB_PORT, MIRROR_PORT, REGISTRY_PORT, FleetConfig
 from gpufleet.sandbox.state import State
 

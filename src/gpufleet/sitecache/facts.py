@@ -45,23 +45,23 @@ class SiteCacheHost:
 
 def command() -> str:
     q = shlex.quote
-    return (f"echo installed=$(dpkg-query -W -f='${{db:Status-Abbrev}}' {PACKAGE} 2>/dev/null); "
-            f"echo config=$(sha256sum {q(CONFIG)} 2>/dev/null | cut -d' ' -f1); "
-            f"echo active=$(systemctl is-active {UNIT} 2>/dev/null); "
-            f"echo enabled=$(systemctl is-enabled {UNIT} 2>/dev/null); "
-            f"echo nginx=$(dpkg-query -W -f='${{db:Status-Abbrev}}' nginx 2>/dev/null); "
-            f"echo front=$(sha256sum {q(FRONT)} 2>/dev/null | cut -d' ' -f1); "
-            "echo nginx_active=$(systemctl is-active nginx 2>/dev/null); "
-            "echo python=$(python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])' 2>/dev/null); "
+    return (f"echo \"installed=$(dpkg-query -W -f='${{db:Status-Abbrev}}' {PACKAGE} 2>/dev/null)\"; "
+            f"echo \"config=$(sha256sum {q(CONFIG)} 2>/dev/null | cut -d' ' -f1)\"; "
+            f"echo \"active=$(systemctl is-active {UNIT} 2>/dev/null)\"; "
+            f"echo \"enabled=$(systemctl is-enabled {UNIT} 2>/dev/null)\"; "
+            f"echo \"nginx=$(dpkg-query -W -f='${{db:Status-Abbrev}}' nginx 2>/dev/null)\"; "
+            f"echo \"front=$(sha256sum {q(FRONT)} 2>/dev/null | cut -d' ' -f1)\"; "
+            "echo \"nginx_active=$(systemctl is-active nginx 2>/dev/null)\"; "
+            "echo \"python=$(python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])' 2>/dev/null)\"; "
             "command -v python3 >/dev/null || "
-            "echo python_candidate=$(apt-cache policy python3 2>/dev/null | sed -n 's/^ *Candidate: *//p'); "
-            "echo machine=$(uname -m); "
-            "echo python3_venv=$(dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | tr ' ' _); "
-            f"echo mirror_key=$(cat {q(MIRROR_HOME)}/current/{mirror.MARKER} 2>/dev/null); "
-            f"echo mirror_config=$(sha256sum {q(MIRROR_CONFIG)} 2>/dev/null | cut -d' ' -f1); "
-            f"echo mirror_unit=$(sha256sum {q(unit_path(MIRROR_SERVICE))} 2>/dev/null | cut -d' ' -f1); "
-            f"echo mirror_active=$(systemctl is-active {MIRROR_UNIT} 2>/dev/null); "
-            f"echo mirror_enabled=$(systemctl is-enabled {MIRROR_UNIT} 2>/dev/null); true")
+            "echo \"python_candidate=$(apt-cache policy python3 2>/dev/null | sed -n 's/^ *Candidate: *//p')\"; "
+            "echo \"machine=$(uname -m)\"; "
+            "echo \"python3_venv=$(dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | tr ' ' _)\"; "
+            f"echo \"mirror_key=$(cat {q(MIRROR_HOME)}/current/{mirror.MARKER} 2>/dev/null)\"; "
+            f"echo \"mirror_config=$(sha256sum {q(MIRROR_CONFIG)} 2>/dev/null | cut -d' ' -f1)\"; "
+            f"echo \"mirror_unit=$(sha256sum {q(unit_path(MIRROR_SERVICE))} 2>/dev/null | cut -d' ' -f1)\"; "
+            f"echo \"mirror_active=$(systemctl is-active {MIRROR_UNIT} 2>/dev/null)\"; "
+            f"echo \"mirror_enabled=$(systemctl is-enabled {MIRROR_UNIT} 2>/dev/null)\"; true")
 
 
 def parse(lines: list[str]) -> SiteCacheHost:

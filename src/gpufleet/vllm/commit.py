@@ -27,6 +27,8 @@ from gpufleet.operations.run import check_lock, host_run, run_context, still_hel
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.remote.transport import ContainerInfo
 from gpufleet.units import unit_name, unit_path
+from gpufleet.vllm import weights
+from gpufleet.vllm.layout import model_dir
 from gpufleet.vllm.operations.flagcheck import accepted_file
 from gpufleet.vllm.operations.image import now_utc, pull_stats_file
 from gpufleet.vllm.operations.service import save_ledger
@@ -97,11 +99,12 @@ def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures |
                           f"the free space of {UNITS_DIR}, then converge again)")
     if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at, speed, gpu=gpu_at_swap(host))):
         return False
-    # Only now, with the commit on disk, may copies of units no longer committed go.
+    # Only now, with the commit on disk, may copies of units no longer committed go, and the model files kept for
+    # a rollback.
     ok, output = host.run_shell_command(
         f"find {shlex.quote(UNITS_DIR)} -maxdepth 1 -name {shlex.quote(service + '-*.service')} "
-        f"! -name {shlex.quote(posixpath.basename(copy))} -delete; rm -f {shlex.quote(unit_backup(service))}",
-        _sudo=sudo)
+        f"! -name {shlex.quote(posixpath.basename(copy))} -delete; rm -f {shlex.quote(unit_backup(service))}; "
+        f"{weights.drop_kept_command(model_dir(v.spec))}", _sudo=sudo)
     if not ok:
         host.log_styled(f"could not prune old unit copies: {' | '.join(output.stderr_lines[-2:])}", fg="yellow")
     if before and before != service:
@@ -177,6 +180,9 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
         new = shlex.quote(unit_name(spec.service))
         steps.append(f"{{ systemctl disable --now {new}; rm -f {shlex.quote(unit_path(spec.service))}; "
                      f"systemctl reset-failed {new} 2>/dev/null; true; }}")
+    if committed.model:
+        # Its own model files too, kept while the new commit was downloaded over them (gpufleet.vllm.weights).
+        steps.append(weights.restore_command(model_dir(spec), committed.model))
     steps += [f"sh -c {shlex.quote(atomic_write_command(unit))} < {source}", "systemctl daemon-reload",
               f"systemctl enable {shlex.quote(unit_name(service))}",
               f"systemctl restart {shlex.quote(unit_name(service))}"]

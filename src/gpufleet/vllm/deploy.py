@@ -67,10 +67,10 @@ from gpufleet.units import unit_name
 from gpufleet.vllm import checks, group_deploy
 from gpufleet.vllm.commit import record_gpu
 from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.group_verify import GroupVerification
 from gpufleet.vllm.host_command import Paths
 from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
-from gpufleet.vllm.group_verify import GroupVerification
 from gpufleet.vllm.operations import docker, flagcheck, group, image, managed_paths, model, nvidia, service
 from gpufleet.vllm.operations.image import image_present, pinned_ref
 from gpufleet.vllm.settings import merged_settings
@@ -153,8 +153,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     if changed:
         problems.append(changed)
     if ref and not s[RETRY_SETTING]:
+        models = model_target(ledger, s)
         target = Version(image=spec.image, ref=ref, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service,
-                         port=spec.port)
+                         port=spec.port, model=models.pin if models else None)
         refused = refused_target(ledger, target)
         if refused:
             problems.append(f"{name}: {refused}")

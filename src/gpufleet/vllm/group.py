@@ -101,7 +101,7 @@ def members(replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[s
             continue
         named.setdefault(group, []).append(name)
     found: dict[str, Member] = {}
-    for group, names in named.items():
+    for group in named:
         ranks = [h for h in orders[group] if h in settings]
         for h in ranks:
             if settings[h][GROUP_SETTING] != group:

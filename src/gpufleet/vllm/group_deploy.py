@@ -13,7 +13,7 @@ from pyinfra.api import Host, Inventory
 
 from gpufleet.defaults import ACCEPT_SETTING
 from gpufleet.harness.preflight import Reading
-from gpufleet.hoststate.ledger import FinishPending, RollBackPending, Resume
+from gpufleet.hoststate.ledger import FinishPending, Resume, RollBackPending
 from gpufleet.inventory import ROUTERS_GROUP, group_orders
 from gpufleet.units import unit_name
 from gpufleet.vllm.facts import HostSnapshot

@@ -20,6 +20,12 @@ from gpufleet.vllm.unit import env_file_path
 HF_CACHE_SUBDIR = "huggingface"  # under vllm_cache_dir: the model download's cache (resumable partial files)
 
 
+def model_dir(spec: ServeSpec) -> str:
+    """The served model's directory on the host: --model's path under its mount's host side."""
+    mount = spec.model_mount
+    return posixpath.join(posixpath.normpath(mount.host_path), posixpath.relpath(spec.model_path, mount.container_path))
+
+
 @dataclass(frozen=True)
 class Layout:
     service: str
@@ -32,11 +38,9 @@ class Layout:
     def of(cls, spec: ServeSpec, cache_dir: str) -> Layout:
         """From the spec (its mounts) and vllm_cache_dir (the hf cache's parent; no container mounts it)."""
         mount = spec.model_mount
-        models_dir = posixpath.normpath(mount.host_path)
-        model = posixpath.relpath(spec.model_path, mount.container_path)
         hf_cache = posixpath.join(posixpath.normpath(cache_dir), HF_CACHE_SUBDIR)
         caches = tuple(posixpath.normpath(m.host_path) for m in spec.mounts if m != mount)
-        return cls(service=spec.service, models_dir=models_dir, model_dir=posixpath.join(models_dir, model),
+        return cls(service=spec.service, models_dir=posixpath.normpath(mount.host_path), model_dir=model_dir(spec),
                    cache_dirs=caches, hf_cache=hf_cache)
 
     @property

@@ -9,9 +9,9 @@ from __future__ import annotations
 import ipaddress
 import posixpath
 import re
-from urllib.parse import urlsplit
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from gpufleet.defaults import (
     DEFAULTS,

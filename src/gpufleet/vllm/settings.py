@@ -55,8 +55,8 @@ from gpufleet.vllm.spec import ArgValue, Mount, ServeSpec
 from gpufleet.vllm.unit import DOCKER
 from gpufleet.vllm.value_rules import Fail, control_character
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
-from gpufleet.wire.speed import SpeedFigures
 from gpufleet.wire.gpu_verdicts import Verdict, cleared_at, verdict_table
+from gpufleet.wire.speed import SpeedFigures
 
 # Prefixes of our settings: other host data (ssh_*, pyinfra's own keys, users' extras) is not ours to judge.
 _OUR_PREFIXES = ("vllm_", "gpufleet_", "docker_", "nvidia_")

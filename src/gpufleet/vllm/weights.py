@@ -1,6 +1,6 @@
 """The model's files as the hub lists them for one commit, and the check of a host's copy against them: an LFS file
-by its sha256, any other by its git blob id (the hub's ETag for it). Pure: the host runs the commands built here,
-this module reads what they print."""
+by its sha256, any other by its git blob id (the hub's ETag for it); the committed commit's files kept aside while
+another is downloaded over them. Pure: the host runs the commands built here, this module reads what they print."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ MARKER = ".gpufleet-model"  # in the model directory: "<repo>@<commit>" once eve
 COMMIT = re.compile(r"[0-9a-f]{40}")
 _HEX = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 HUB = "https://huggingface.co"
+RESTORED = "@@gpufleet:model-restored"  # what restore_command prints when it put the kept copy back
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,8 @@ def hash_command(model_dir: str, files: Sequence[HubFile]) -> str:
     lines = []
     for f in files:
         q = shlex.quote(f.path)
-        if f.sha256:
-            digest = f"sha256sum < {q}"
-        else:
-            digest = f"{{ printf 'blob %s\\0' \"$(stat -c %s {q})\"; cat {q}; }} | sha1sum"
+        digest = (f"sha256sum < {q}" if f.sha256
+                  else f"{{ printf 'blob %s\\0' \"$(stat -c %s {q})\"; cat {q}; }} | sha1sum")
         lines.append(f"if [ -f {q} ]; then h=$({digest} | cut -c1-64); echo \"${{h%% *}} \"{q}; "
                      f"else echo - {q}; fi")
     return f"cd {shlex.quote(model_dir)} && {{ " + "; ".join(lines) + "; }"
@@ -123,6 +122,33 @@ def partial_paths(model_dir: str, paths: Sequence[str]) -> list[str]:
 
 def marker_text(revision: HubRevision) -> str:
     return revision.pinned + "\n"
+
+
+def kept_dir(model_dir: str) -> str:
+    """Where the committed commit's files wait until the next commit: put back by a rollback, or by a run that asks
+    for that commit again."""
+    return model_dir.rstrip("/") + ".gpufleet-kept"
+
+
+def keep_command(model_dir: str) -> str:
+    """Shell keeping the directory's files as hard links, unless a copy is kept already (the committed one). hf
+    replaces a file by a rename, so a kept name holds the old bytes; its records, rewritten in place, are copied."""
+    d, k, tmp = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), kept_dir(model_dir) + ".tmp"))
+    return (f"[ -e {k} ] || {{ rm -rf {tmp} && cp -al {d} {tmp} && rm -rf {tmp}/.cache && "
+            f"{{ [ ! -d {d}/.cache ] || cp -a {d}/.cache {tmp}/.cache; }} && mv {tmp} {k}; }}")
+
+
+def restore_command(model_dir: str, pinned: str) -> str:
+    """Shell putting the kept copy back in place of the directory when it holds `pinned` (repo@commit), printing
+    RESTORED; else nothing changes. Cut anywhere, a re-run finishes it."""
+    d, k, old = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), model_dir.rstrip("/") + ".gpufleet-old"))
+    return (f"{{ rm -rf {old}; if [ \"$(cat {k}/{MARKER} 2>/dev/null)\" = {shlex.quote(pinned)} ]; then "
+            f"{{ [ ! -e {d} ] || mv {d} {old}; }} && mv {k} {d} && rm -rf {old} && echo {RESTORED}; fi; }}")
+
+
+def drop_kept_command(model_dir: str) -> str:
+    kept = kept_dir(model_dir)
+    return f"rm -rf {shlex.quote(kept)} {shlex.quote(kept + '.tmp')}"
 
 
 def token_header_command(env_file: str | None) -> str:

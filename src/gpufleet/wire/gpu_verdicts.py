@@ -8,6 +8,7 @@ row's source is in docs/gpu-health.md.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -118,10 +119,8 @@ def cleared_at(value: object) -> float | None:
         return None
     stamp = None
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             stamp = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            pass
     if stamp is None or stamp.tzinfo is None:
         raise ValueError("is not an ISO 8601 time with its zone")
     return stamp.timestamp()

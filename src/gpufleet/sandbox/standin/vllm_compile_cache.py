@@ -62,7 +62,7 @@ def warm_or_compile(args: argparse.Namespace, config: dict[str, Any]) -> None:
     key = compile_key(args, config)
     aot = cache_root() / "torch_compile_cache" / "torch_aot_compile"
     path = aot / key / "rank_0_0" / "model"
-    tag = "(Worker pid=%d) " % os.getpid()
+    tag = f"(Worker pid={os.getpid()}) "
     try:
         if path.read_bytes() == artifact(key):
             print(f"{tag}INFO [decorators.py:320] [backbone] Directly load AOT compilation from path {path}",

@@ -9,8 +9,8 @@ from __future__ import annotations
 from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations import docker, model, nvidia, service
 
-# Every module with a managed() declaration. tests/unit/test_operations_paths.py runs every operation on an empty
-# snapshot and fails when one writes a path missing here.
+# Every module with a managed() declaration. tests/unit/test_vllm_deploy.py prepares the playbook on a bare host and
+# fails when an operation writes a path missing here.
 MANAGING = (docker, nvidia, model, service)
 
 

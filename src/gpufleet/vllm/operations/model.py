@@ -141,8 +141,18 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
         # Checked at this commit by an earlier run (a prepare before this converge): not hashed again.
         host_run(host).resolved_model = revision.pinned
         return True
+    # The commit a rollout's prepare moved away from, asked for again: its kept files come back, not downloaded.
+    _, output = host.run_shell_command(weights.restore_command(where, revision.pinned), _sudo=sudo)
+    restored = weights.RESTORED in output.stdout_lines
     bad = _mismatches(host, where, revision)
     if bad:
+        if not restored and snap.model_checked not in (None, revision.pinned):
+            # Another commit moves in: the one here stays servable (a rollback's) until the next commit.
+            ok, output = host.run_shell_command(weights.keep_command(where), _sudo=sudo)
+            if not ok:
+                return fail(host, f"could not keep {snap.model_checked} beside {where} before downloading another "
+                                  f"commit: {one_line(' | '.join(output.stderr_lines[-2:]))} (fix: check free space "
+                                  "and permissions there)")
         host.run_shell_command(f"rm -f {marker}", _sudo=sudo)  # no longer vouched for from here on
         image = target_ref(pin, host) or spec.image  # the digest this run's pull resolved, or the pin
         endpoint = hub
