@@ -1,7 +1,5 @@
-"""A rollout's replica groups (docs/multi-node.md): a group is one replica of the rollout. Its ranks swap in one
-deploy run, which restarts them, verifies through the head and commits or rolls back every rank; the head alone is
-the routers' worker and the one drained and watched; the group is done only when every rank committed the target,
-so a controller killed between the ranks' commits swaps the whole group again."""
+"""A replica group as one replica of a rollout (docs/multi-node.md): its ranks swap in one deploy run, its head alone
+is drained and routed to, and it is done only once every rank committed the target."""
 
 from __future__ import annotations
 
@@ -21,13 +19,13 @@ def in_group(hosts: Mapping[str, FleetHost], name: str) -> bool:
 
 
 def ranks(hosts: Mapping[str, FleetHost], name: str) -> tuple[str, ...]:
-    """The host's group's hosts in rank order (the host alone when it is a replica of its own)."""
+    """The host's group in rank order; the host alone outside a group."""
     member = _member(hosts, name)
     return member.hosts if member is not None else (name,)
 
 
 def is_worker(hosts: Mapping[str, FleetHost], name: str) -> bool:
-    """Does a router route to it: a replica of its own, or a group's head (the other ranks serve no API)."""
+    """A replica of its own or a group's head: what a router routes to."""
     member = _member(hosts, name)
     return member is None or member.is_head
 
@@ -42,8 +40,7 @@ def done(on_target: Collection[str], hosts: Mapping[str, FleetHost]) -> set[str]
 
 
 def skipped(sick: Mapping[str, str], hosts: Mapping[str, FleetHost]) -> dict[str, str]:
-    """The hosts a rollout skips for their GPUs (host -> why): a group's every rank when one is, since its swap
-    restarts them all."""
+    """The hosts skipped for their GPUs (host -> why), with every rank of a group one of them is in."""
     out = dict(sick)
     for name in sick:
         for rank in ranks(hosts, name):
@@ -52,7 +49,7 @@ def skipped(sick: Mapping[str, str], hosts: Mapping[str, FleetHost]) -> dict[str
 
 
 def units(order: Sequence[str], hosts: Mapping[str, FleetHost]) -> list[list[str]]:
-    """`order` as the rollout's replicas: each group once, where its first host comes, with every rank (head first)."""
+    """`order` as replicas: each group once, where its first host comes, head first."""
     seen: set[str] = set()
     out: list[list[str]] = []
     for name in order:

@@ -1,8 +1,5 @@
-"""The deploy's part for a replica group (docs/multi-node.md): each rank's spec resolved with its group, the rank's
-probe of its head's master port, the checks across the ranks once preflight read them all (every rank in the run,
-one GPU model and driver), the digest the group installs, and what makes every rank restart and verify together.
-gpufleet.vllm.deploy calls these for a host whose spec has a group; a replica of its own never reaches them.
-"""
+"""The deploy's part for a replica group (docs/multi-node.md): specs resolved with the group, a rank's probe of its
+head, the checks across the ranks once preflight read them all, the version they install, and one restart."""
 
 from __future__ import annotations
 
@@ -58,8 +55,8 @@ def probe_problem(name: str, snap: HostSnapshot, spec: ServeSpec) -> str | None:
 
 
 def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[str]]:
-    """Refusals across each group's ranks: every rank in the run, one GPU model and one driver on all (unless the
-    head's gpufleet_accept takes the finding on purpose)."""
+    """Refusals across each group's ranks: every rank in the run, one GPU model and one driver (or accepted on the
+    head)."""
     found: dict[str, list[str]] = {}
     groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
               if r.plan is not None and r.plan.spec.group is not None}
@@ -86,8 +83,8 @@ def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[st
 
 def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Callable[[Reading[Any, Any]], str | None],
                      refusals: Callable[[str, Reading[Any, Any], str], list[str]]) -> dict[str, list[str]]:
-    """A rank restarts whenever any rank of its group does: refusals(rank, reading, why) for each rank whose own
-    converge would not restart it (restart_of: why a host's would, as check_host judged it)."""
+    """refusals(rank, reading, why) for each rank restarted only because another rank of its group restarts
+    (restart_of: why a host's own converge restarts it)."""
     found: dict[str, list[str]] = {}
     groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
               if r.plan is not None and r.plan.spec.group is not None}
@@ -105,9 +102,8 @@ def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Call
 
 def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, Any]],
               pins_of: Callable[[Reading[Any, Any]], tuple[str | None, ModelTarget | None]]) -> GroupRun | None:
-    """The host's group in this run (None for a replica of its own): its digest and model commit are each the first
-    rank's with one, head first, so every rank installs one version known before the pulls whenever any rank's
-    ledger knows it."""
+    """The host's group in this run (None outside one): its digest and model commit are each the first rank's pin,
+    head first."""
     member = spec.group
     if member is None:
         return None
@@ -122,15 +118,14 @@ def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, A
 
 
 def as_group(decision: Resume) -> Resume:
-    """A cut run's version on a rank is never rolled back alone (the ranks would run two versions): it is finished
-    with the group, whose verify then commits or rolls back every rank."""
+    """A cut run's version on a rank is finished with its group, never rolled back alone (two versions)."""
     if isinstance(decision, RollBackPending):
         return FinishPending(decision.pending, restart=True, reason=f"{decision.reason}; finishing it with the group")
     return decision
 
 
 def restart_reasons(snap: HostSnapshot, spec: ServeSpec, decision: Resume) -> list[str]:
-    """Why this rank restarts whatever its operations change: then every rank of its group does."""
+    """Why this rank restarts whatever its operations change (then every rank does)."""
     reasons = [f"runs what its unit does not say ({'; '.join(snap.running.drift())})"] if snap.running.drift() else []
     if not snap.unit_active(unit_name(spec.service)):
         reasons.append("its service is not running")
@@ -140,7 +135,7 @@ def restart_reasons(snap: HostSnapshot, spec: ServeSpec, decision: Resume) -> li
 
 
 def head_serves(readings: Mapping[str, Reading[Any, Any]], spec: ServeSpec) -> bool:
-    """Does the group's head serve what its spec says (as preflight read it)? A rank serves through it."""
+    """Does the group's head serve what its spec says, as preflight read it?"""
     assert spec.group is not None
     head = readings[spec.group.head]
     return bool(head.snapshot and head.plan and serves_expected(head.snapshot, Expected.from_spec(head.plan.spec)))

@@ -1,7 +1,5 @@
-"""The verify step of a replica group's ranks (docs/multi-node.md): the head verifies the group (ready, the soak, the
-answers and the serving checks through its API, and every rank's container running what this run installed); each
-rank waits for that verdict and takes it, so the group commits or rolls back as one. A rank's rollback waits for
-the head to serve again, as the head's does."""
+"""The verify step of a replica group's ranks (docs/multi-node.md): the head verifies the group through its API and
+every rank's container; each rank takes that verdict, so the group commits or rolls back as one."""
 
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ class GroupVerification(Verification):
         return True
 
     def check_once(self, host: Host, expected: Expected) -> Callable[[], HealthReport]:
-        """A rank serves nothing of its own: it is ready when its head is, and what runs there is its own container
-        (the look before its commit and its rollback's hold that to the rank's version)."""
+        """A rank is ready when its head is, and what runs there is its own container (held to the rank's version)."""
         member = self._group.member
         head = super().check_once(host.state.inventory.get_host(member.head), expected)
         if host.name == member.head:
@@ -79,8 +76,8 @@ class GroupVerification(Verification):
 
 
 def ranks_installed(state: State, group: GroupRun, service: str) -> VerifyOutcome | None:
-    """A failed verdict when a rank's container is not what this run installed there (else None): the head answering
-    proves the ranks joined, not that they joined with the new version."""
+    """A failed verdict when a rank's container is not what this run installed there: the head answering proves
+    the ranks joined, not with which version."""
     for name in group.member.hosts[1:]:
         pending = run_context(state).host(name).ledger.pending
         if pending is None:

@@ -1,9 +1,6 @@
-"""What a replica group's ranks share in one deploy run (docs/multi-node.md): the digest and model commit the group
-installs, why any
-rank restarts (then every rank does: a rank cannot rejoin a running engine), and the head's verdict, which every
-rank takes. pyinfra runs each operation on every host before the next, so by the time a rank's restart or verify
-executes, every rank's earlier operations have: what they changed is known here.
-"""
+"""What a replica group's ranks share in one deploy run (docs/multi-node.md): one digest and model commit, one
+restart (a rank cannot rejoin a running engine) and the head's verdict. pyinfra runs each operation on every host
+before the next, so a rank's restart knows what every rank's earlier operations changed."""
 
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ from gpufleet.vllm.weights import ModelTarget
 
 @dataclass(eq=False)
 class GroupRun:
-    """One group's part of a run: made once (GroupRuns), filled in by each rank's deploy as pyinfra plans it."""
+    """One group's part of a run, filled in by each rank's deploy as pyinfra plans it."""
 
     member: Member
     pin: str | None  # the digest every rank installs when known before the pulls (the head's ledger first)
@@ -38,7 +35,7 @@ class GroupRun:
         self.changes[name], self.reasons[name] = changes, reasons
 
     def others_restart(self, name: str) -> list[str]:
-        """Why the other ranks restart: their changes (complete once executing) and what their snapshots showed."""
+        """Why the other ranks restart: their changes and what their snapshots showed."""
         out = []
         for other in self.member.hosts:
             if other == name:
@@ -55,7 +52,7 @@ class GroupRuns(dict[str, GroupRun]):
 
 
 def group_run(state: State, member: Member, pins: Callable[[], tuple[str | None, ModelTarget | None]]) -> GroupRun:
-    """The group's run record, made the first time a rank asks (pins() then gives the group's digest and model)."""
+    """The group's run record, made when its first rank asks."""
     runs = run_context(state).slot(GroupRuns, GroupRuns)
     if member.group not in runs:
         runs[member.group] = GroupRun(member, *pins())
@@ -78,8 +75,7 @@ def _same_version(state: State, host: Host, group: GroupRun) -> bool:
 
 @operation(is_idempotent=False)
 def same_version(group: GroupRun) -> Commands:
-    """Every rank installs one digest and one model commit: the group's pins when known; else each rank's pull and
-    download resolved them, and all must have got the same (checked once every rank did)."""
+    """Every rank installs one digest and model commit: the group's pins, else what every rank resolved, the same."""
     if group.pin is not None and (group.model is None or group.model.pin is not None):
         model = f" and {group.model.pin}" if group.model else ""
         host.noop(f"every rank of group {group.member.group} installs {group.pin}{model}")
