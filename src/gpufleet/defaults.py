@@ -71,6 +71,22 @@ DEFAULTS: dict[str, Any] = {
     # Seconds the deploy keeps checking a service after it first got ready following a (re)start: an engine that
     # dies right after start fails the deploy (and rolls back) instead of the first client. 0 turns it off.
     "vllm_ready_soak_s": 20,
+    # --- a replica group: one model across hosts (docs/multi-node.md) -----------------------------------------
+    # The name of the inventory group whose hosts serve one model together; set it in that group's data. The
+    # group's hosts in its order are the ranks: the first (the head) serves the API, the others run headless.
+    # Pipeline parallel spans the hosts, tensor parallel stays within each. None: a replica of its own.
+    "vllm_group": None,
+    # The head's port the ranks join at (vLLM's --master-port).
+    "vllm_group_port": 29501,
+    # This host's IP address on the group's network (VLLM_HOST_IP; the head's is --master-addr). None: its
+    # ssh_hostname, which must then be an IP address.
+    "vllm_group_address": None,
+    # The network interface of the group's traffic on this host (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME). None lets
+    # Gloo and NCCL pick one, often the wrong one (`gpufleet lint` warns).
+    "vllm_group_interface": None,
+    # The link between the group's hosts, stated for the record (e.g. "25GbE", "100GbE RoCE"): every token's
+    # activations cross it. None: `gpufleet lint` warns.
+    "vllm_group_link": None,
     # Seconds one `docker pull` of the image from its registry, and the model download, may take before the run ends
     # it and fails the host on one line: a registry or hub that stops answering must not hold the host's lock forever.
     "vllm_fetch_timeout_s": 14400,

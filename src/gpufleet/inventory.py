@@ -11,7 +11,7 @@ from typing import Any
 
 # Importing pyinfra_cli runs gevent's monkey.patch_all(), which must happen before any thread or pyinfra State
 # exists in the process ("cannot release un-acquired lock" otherwise): import it with this module, early.
-from pyinfra.api import Host, State
+from pyinfra.api import Host, Inventory, State
 from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory
 
@@ -52,6 +52,18 @@ def split_roles(hosts: Iterable[Host]) -> tuple[list[HostData], list[HostData]]:
 def load_roles(inventory_path: str | Path) -> tuple[list[HostData], list[HostData]]:
     """(routers, replicas) of an inventory file."""
     return split_roles(load_pyinfra_hosts(inventory_path))
+
+
+def group_orders(inventory: Inventory) -> dict[str, list[str]]:
+    """Every inventory group's hosts in the group's order (a replica group's ranks: gpufleet.vllm.group)."""
+    return {name: [h.name for h in hosts] for name, hosts in inventory.groups.items()}
+
+
+def load_roles_and_groups(inventory_path: str | Path) -> tuple[list[HostData], list[HostData], dict[str, list[str]]]:
+    """(routers, replicas, group_orders) of an inventory file, loaded once."""
+    hosts = load_pyinfra_hosts(inventory_path)
+    routers, replicas = split_roles(hosts)
+    return routers, replicas, group_orders(hosts[0].inventory) if hosts else {}
 
 
 def load_hosts(inventory_path: str | Path) -> list[HostData]:

@@ -29,9 +29,11 @@ from gpufleet.router.settings import build_router_spec
 from gpufleet.sitecache import facts as site_cache_facts
 from gpufleet.sitecache import mirror
 from gpufleet.vllm import weights
+from gpufleet.vllm.group import Member
 from gpufleet.vllm.host_command import Paths, snapshot_command
 from gpufleet.vllm.operations import flagcheck, nvidia, repo_keys
 from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.unit import watch_argv
 
 PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model_dir="/srv/vllm/models/qwen3.5-awq",
               dirs=("/var/cache/vllm/qwen35/vllm", "/srv/vllm/models"), files=("/etc/a", "/etc/b"),
@@ -48,12 +50,20 @@ def router():
     return spec, wheels.locked_install("router1", ROUTER_DEFAULTS["router_version"], "3.11", "x86_64")
 
 
+def group_rank():
+    member = Member("pair", 1, ("box-a", "box-b"), ("10.0.0.1", "10.0.0.2"), 29501, "eth0")
+    return build_spec("box-b", {"vllm_profile": "qwen35-1gpu", "vllm_args": {"pipeline-parallel-size": 2}},
+                      member=member)
+
+
 COMMANDS: dict[str, Callable[[], str]] = {
     "snapshot": lambda: snapshot_command(PATHS),
     "snapshot, site cache host, keys refreshed": lambda: snapshot_command(
         replace(PATHS, site_cache_storage="/var/lib/docker-registry", refresh_keys=True)),
     "snapshot, no docker-ce repo, nvidia-smi asked": lambda: snapshot_command(
         replace(PATHS, docker_repo_url=None, nvidia_version_file=None)),
+    "snapshot, a group's rank probing its head": lambda: snapshot_command(replace(PATHS, group_head=("10.0.0.1", 29501))),
+    "group watch": lambda: watch_argv(group_rank())[2],
     "ledger reader": lambda: read_command(PATHS.ledger_path),
     "atomic write": lambda: atomic_write_command("/etc/gpufleet/a file", source="/tmp/gpufleet-upload"),
     "replace": lambda: replace_command("/etc/docker/.daemon.json.tmp", "/etc/docker/daemon.json"),

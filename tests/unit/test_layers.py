@@ -26,13 +26,14 @@ PACKAGE = Path(gpufleet.__file__).parent
 SLICES = ("vllm", "router", "sitecache")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("quoting", "defaults", "image_names", "names", "data", "wheel_lock", "vllm.flags", "vllm.profiles"),
+    ("quoting", "defaults", "image_names", "names", "data", "wheel_lock", "vllm.flags", "vllm.profiles",
+     "vllm.group"),
     ("vllm.spec", "vllm.value_rules", "vllm.weights", "units"),
     ("wire", "vllm.unit", "vllm.plain_settings", "vllm.serve_args", "vllm.container_env", "vllm.docker_options",
      "router.spec"),  # wire: pure rules over what vLLM and hosts send
     # remote: SSH through pyinfra's connector, the transport
     ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels", "sitecache.mirror"),
-    ("router.settings", "vllm.lint_report", "hoststate", "hostlock", "facts", "sitecache.facts"),
+    ("router.settings", "vllm.lint_report", "vllm.group_specs", "hoststate", "hostlock", "facts", "sitecache.facts"),
     ("vllm.host_command",),  # the host snapshot's one command (it holds the ledger reader's lines)
     ("vllm.layout", "vllm.facts", "router.facts", "router.relock"),
     ("operations",),  # shared: base, files, secret, the run's state (run: one context per pyinfra run)
@@ -44,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("harness", "vllm.replica_specs", "vllm.service_watch"),
     ("sitecache.deploy", "vllm.checks", "vllm.commit", "vllm.host_read"),
     ("vllm.verify",),  # decides; vllm.commit writes the verdict to the host
+    ("vllm.group_verify", "vllm.group_deploy"),  # a replica group's ranks: the head's verdict, the deploy's part
     ("vllm.deploy", "router.api"),
     ("router.status", "router.workers"),
     ("router.check", "router.deploy"),

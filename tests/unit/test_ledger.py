@@ -440,6 +440,28 @@ def test_pin_is_the_digest_a_tag_stands_for_pending_then_committed_then_the_one_
     assert L.pin(failed, OLD.image) == OLD_REF
 
 
+# ---- a replica group's rank: the group's version, an optional field ----------------------------------------------
+
+
+def test_a_ranks_version_names_its_group_and_a_ledger_without_the_field_parses_as_before():
+    rank = replace(NEW, group="pair@0123456789abcdef")
+    text = L.render(L.commit(L.begin(COMMITTED_OLD, rank, OPERATOR, T1), T2))
+    assert json.loads(text)["committed"]["group"] == "pair@0123456789abcdef"
+    assert L.parse(text).committed == Committed(rank, T2)
+    # A replica of its own writes no "group" key (its file is byte for byte what it was), and reads None back.
+    plain = L.render(COMMITTED_OLD)
+    assert '"group"' not in plain and L.parse(plain).committed == COMMITTED_OLD.committed
+    # The group's version is part of the version: another one is another version.
+    assert replace(rank, group="pair@ffffffffffffffff") != rank
+
+
+def test_a_group_version_that_is_not_text_is_corrupt():
+    doc = json.loads(L.render(Ledger(committed=Committed(replace(NEW, group="pair@1"), T0))))
+    doc["committed"]["group"] = 7
+    with pytest.raises(CorruptLedger, match=r"committed\.group: expected a string or null, got a number"):
+        L.parse(json.dumps(doc))
+
+
 # ---- the model's commit beside the image digest ----------------------------------------------------------------
 
 MODEL_AT = "gpufleet-sandbox/Qwen3.5-tiny@" + "c" * 40

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.vllm.lint import RULES, lint_spec
+from gpufleet.vllm.group import Member
+from gpufleet.vllm.lint import GROUP_RULES, RULES, GroupLintContext, lint_group, lint_spec
 from gpufleet.vllm.settings import build_spec, merged_settings
 from gpufleet.wire.metrics import parse_metrics
 
@@ -14,6 +15,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"
 SEED_GPU_NODES = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2"]
 FOUR_GPUS = [0, 1, 2, 3]
+# The head of a 2-host replica group: PP 2 across the hosts, TP 3 within each (the profile's 3 GPUs).
+GROUP = {"vllm_group": "pair", "vllm_args": {"tensor-parallel-size": 3, "pipeline-parallel-size": 2}}
 
 # rule id -> (host data that triggers it, host data that applies the rule's fix)
 CASES = {
@@ -49,11 +52,20 @@ CASES = {
     "hybrid-align-chunk-alignment": ({}, {"vllm_args": {"prefix-match-unit": 128}}),
     "jit-cache-outside-mounts": ({}, {"vllm_env": {"TRITON_CACHE_DIR": "/root/.cache/vllm/triton",
                                                    "FLASHINFER_WORKSPACE_BASE": "/root/.cache/vllm/flashinfer"}}),
+    "group-interface-unset": (GROUP, {"vllm_group_interface": "enp65s0"}),
+    "group-link-unstated": (GROUP, {"vllm_group_link": "25GbE"}),
 }
 
 
-def findings(data: dict, served: dict | None = None):
-    return lint_spec(build_spec("box", data), merged_settings(data), served=served)
+def member(data: dict, rank: int = 0) -> Member | None:
+    """The host's place in a 2-host group when its data names one (the inventory would say the rest)."""
+    if not data.get("vllm_group"):
+        return None
+    return Member("pair", rank, ("box", "box2"), ("10.0.0.1", "10.0.0.2"), 29501, data.get("vllm_group_interface"))
+
+
+def findings(data: dict, served: dict | None = None, rank: int = 0):
+    return lint_spec(build_spec("box", data, member=member(data, rank)), merged_settings(data), served=served)
 
 
 def rule_ids(data: dict, served: dict | None = None) -> set[str]:
@@ -183,3 +195,30 @@ def test_a_jit_cache_counts_as_kept_only_inside_a_mount_and_the_fix_names_what_i
     assert '"TRITON_CACHE_DIR"' not in fix_of("jit-cache-outside-mounts", triton_only)
     # A path that merely starts like a mount's is outside it.
     assert '"TRITON_CACHE_DIR"' in fix_of("jit-cache-outside-mounts", {"vllm_env": {"TRITON_CACHE_DIR": "/root/.cache/vllmx"}})
+
+
+# --- a replica group -------------------------------------------------------------------------------------------------
+def test_a_replica_of_its_own_gets_no_group_rule():
+    assert not rule_ids({}) & {"group-interface-unset", "group-link-unstated"}
+
+
+def test_a_headless_rank_serves_no_api_so_it_is_not_open_without_a_key():
+    assert "open-without-api-key" in rule_ids(GROUP)
+    assert "open-without-api-key" not in {f.rule.id for f in findings(GROUP, rank=1)}
+
+
+@pytest.mark.parametrize(("rule_id", "field"), [("group-mixed-gpu-models", "gpus"), ("group-mixed-drivers", "drivers")])
+def test_ranks_that_differ_from_the_head_are_named_with_the_fix(rule_id, field):
+    same = {"gpus": {"a": "NVIDIA H200", "b": "NVIDIA H200"}, "drivers": {"a": "580.95.05", "b": "580.95.05"}}
+    assert lint_group("a", GroupLintContext("pair", **same)) == []
+    mixed = {**same, field: {"a": same[field]["a"], "b": "NVIDIA H100 80GB HBM3" if field == "gpus" else "575.57"}}
+    (finding,) = lint_group("a", GroupLintContext("pair", **mixed))
+    assert finding.rule.id == rule_id and finding.severity == "error"
+    assert "a " + same[field]["a"] in finding.fix and "b " + mixed[field]["b"] in finding.fix
+    assert f'gpufleet_accept = ["{rule_id}"]' in finding.fix
+
+
+def test_every_group_rule_is_acceptable_on_purpose():
+    from gpufleet.vllm.lint import acceptable_rule_ids
+
+    assert {r.id for r in GROUP_RULES} <= set(acceptable_rule_ids())

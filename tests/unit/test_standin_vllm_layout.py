@@ -31,7 +31,7 @@ def test_the_image_holds_every_module_the_stand_in_imports():
     for name in image.VLLM_MODULES:
         assert _own_imports(image.STANDIN / name) <= set(image.SOURCES), name
     assert _own_imports(image.STANDIN / "vllm_serve.py") == {
-        "vllm_argv.py", "vllm_compile_cache.py", "vllm_engine.py", "vllm_http.py"}
+        "vllm_argv.py", "vllm_compile_cache.py", "vllm_engine.py", "vllm_group.py", "vllm_http.py"}
 
 
 def test_installed_side_by_side_it_serves_through_the_vllm_symlink(tmp_path):

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tests.ports import free_port
@@ -40,9 +41,11 @@ def base_args(max_model_len: int = 4096, prompt_tokens_details: bool = True) -> 
 
 class VllmServer:
     def __init__(self, venv: Path, model: Path, workdir: Path, served_name: str, args: list[str],
-                 cpu: int | None = None):
+                 cpu: int | None = None, wrap: Sequence[str] = (), extra_env: Mapping[str, str] | None = None):
         self.venv, self.model, self.workdir, self.served_name, self.args = venv, model, workdir, served_name, args
         self.cpu = cpu  # one core of its own (as a replica has its own host), else every core
+        self.wrap = list(wrap)  # what runs it (e.g. `ip netns exec NS`: another host's network)
+        self.extra_env = dict(extra_env or {})
         self.port = free_port()
         self.log_path = workdir / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -71,11 +74,12 @@ class VllmServer:
                 "DO_NOT_TRACK": "1",
             }
             | ({"VLLM_CPU_OMP_THREADS_BIND": str(self.cpu)} if self.cpu is not None else {})
+            | self.extra_env
         )
 
     def start(self) -> VllmServer:
         argv = [
-            *(["taskset", "-c", str(self.cpu)] if self.cpu is not None else []),
+            *self.wrap, *(["taskset", "-c", str(self.cpu)] if self.cpu is not None else []),
             str(self.venv / "bin" / "vllm"), "serve", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--served-model-name", self.served_name, *self.args,

@@ -119,6 +119,8 @@ def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
         fields["answers"] = [a.as_dict() for a in r.answers]
     if r.checks:
         fields["checks"] = [c.as_dict() for c in r.checks]
+    if r.target.rank is not None:
+        fields["group"] = {"name": r.target.rank[0], "rank": r.target.rank[1], "head": r.target.rank[2]}
     if r.speed is not None:
         fields["speed"] = {"now": r.speed.as_dict(), "recorded": r.speed_earlier.as_dict() if r.speed_earlier else None}
     fields["gpu"] = r.gpus.as_dict(r.target.gpus) if r.gpus is not None else None

@@ -46,12 +46,12 @@ def host_table(results: list[HostResult], title: str) -> Table:
     columns = ("host", "GPUs", "GPU health", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
                "block", "unit")
     for col in columns:
-        table.add_column(col)
-    for r in results:
+        table.add_column(col, no_wrap=col == "host")  # a group's rank lines read as a tree under its head
+    for r in grouped(results):
         h, c = r.health, r.health.container
         style = _STATE_STYLE.get(h.state, "red")
         table.add_row(*_plain(
-            r.target.name,
+            host_cell(r),
             ",".join(map(str, r.target.gpus)) or "-",
             gpu_cell(r),
             image_cell(r),
@@ -65,6 +65,27 @@ def host_table(results: list[HostResult], title: str) -> Table:
             *cache_units(h.cache_config),
         ))
     return table
+
+
+def grouped(results: list[HostResult]) -> list[HostResult]:
+    """A replica group as one row (its head's) with its ranks' lines right under it; other hosts as they come."""
+    ranks: dict[str, list[HostResult]] = {}
+    for r in results:
+        if r.target.headless and r.target.rank is not None:
+            ranks.setdefault(r.target.rank[2], []).append(r)
+    out = []
+    for r in results:
+        if not r.target.headless:
+            out += [r, *ranks.pop(r.target.name, [])]
+    return out + [r for rest in ranks.values() for r in rest]  # ranks whose head is not in the table
+
+
+def host_cell(r: HostResult) -> str:
+    """"box-a (group big)" for a head, "└ box-b: rank 1" for a line of its group."""
+    if r.target.rank is None:
+        return r.target.name
+    group, rank, _ = r.target.rank
+    return f"└ {r.target.name}: rank {rank}" if rank else f"{r.target.name} (group {group})"
 
 
 def model_cell(served: str | None, model: str | None) -> str:
@@ -90,6 +111,8 @@ def gpu_cell(r: HostResult) -> Text:
     names = ",".join(str(g.index) if g.index is not None else g.bus_id for g in on)
     unused = "" if any(g in gpus.concern(r.target.gpus) for g in on) else " (unused)"
     return Text(f"{worst.label}: {names}{unused}", style=_GPU_STYLE.get(worst, "red"))
+
+
 def image_cell(r: HostResult) -> Text:
     """The running image's digest (12 digits), red and marked when the ledger committed another."""
     c = r.health.container

@@ -11,13 +11,14 @@ from gpufleet.cli.envelope import BadInput, Problem, emit, load_inventory, row
 from gpufleet.cli.logs import quiet
 from gpufleet.defaults import DEFAULTS
 from gpufleet.errors import GpufleetError, SettingError, SettingErrors
+from gpufleet.inventory import load_roles_and_groups
 from gpufleet.quoting import shell_line
 from gpufleet.router.settings import build_router_spec, router_settings
 from gpufleet.router.settings import replicas as replica_addresses
+from gpufleet.vllm.group_specs import resolve_replicas
 from gpufleet.vllm.lint import ACCEPT_SETTING, SEVERITIES, accepted_rule_ids, lint_router, lint_spec
 from gpufleet.vllm.lint_report import LintReport, fleet_report, invalid_settings_report
 from gpufleet.vllm.replica_specs import load_specs
-from gpufleet.vllm.settings import resolve_host
 from gpufleet.vllm.unit import render_unit
 
 
@@ -73,19 +74,17 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
     """
     routers, replicas = load_inventory(inventory)
     hosts, router_names = [name for name, _ in replicas], [name for name, _ in routers]
-    specs, errors = [], []
+    orders = load_roles_and_groups(inventory)[2]
+    resolved, errors = resolve_replicas(replicas, orders, behind_router=bool(routers))
+    specs = [resolved[name] for name in hosts if name in resolved]
     accepted: dict[str, frozenset[str]] = {}
     for name, data in replicas:
-        try:
-            specs.append(resolve_host(name, data, behind_router=bool(routers)))
-        except SettingErrors as exc:
-            errors += exc.errors
         errors += _read_accept(name, data, accepted)
     # The router is checked as its deploy checks it: its settings, and an address for every replica.
     workers: list[str] = []
     if routers:
         try:
-            workers = [replica.url for replica in replica_addresses(replicas)]
+            workers = [replica.url for replica in replica_addresses(replicas, orders)]
         except SettingErrors as exc:
             errors += exc.errors
     for name, data in routers:

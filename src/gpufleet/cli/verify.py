@@ -23,7 +23,7 @@ from gpufleet.errors import GpufleetError
 from gpufleet.health.runner import HostResult, HostTarget, check_fleet
 from gpufleet.hoststate import reader
 from gpufleet.hoststate.paths import ledger_path
-from gpufleet.inventory import HostData
+from gpufleet.inventory import HostData, load_roles_and_groups
 from gpufleet.remote.transport import SshTransport, Transport, TransportError
 from gpufleet.rollout.ledgers import parse_read
 from gpufleet.rollout.replicas import run
@@ -40,9 +40,9 @@ from gpufleet.wire.speed import SpeedFigures
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
     """Inventory -> what to check on each vLLM host (routers have rows of their own). Raises GpufleetError (one
     line per problem)."""
-    return [replace(HostTarget.for_spec(spec, data),
-                    speed_tolerance=float(merged_settings(data)[SPEED_TOLERANCE_SETTING]))
-            for spec, data in load_host_specs(inventory, only_host)]
+    return [replace(target, speed_tolerance=float(merged_settings(data)[SPEED_TOLERANCE_SETTING]),
+                    rank=(spec.group.group, spec.group.rank, spec.group.head) if spec.group else None)
+            for spec, data in load_host_specs(inventory, only_host) for target in [HostTarget.for_spec(spec, data)]]
 
 
 def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]:
@@ -215,7 +215,7 @@ def _router_expectations(inventory: str, routers: list[HostData], found: list[Ho
     if not routers:
         return []  # a fleet without a router may keep vLLM on loopback: no worker addresses to check then
     try:
-        workers = replicas(found)
+        workers = replicas(found, load_roles_and_groups(inventory)[2])  # a replica group's head only
     except GpufleetError as e:
         raise BadInput(str(e)) from None
     refused = []

@@ -17,7 +17,7 @@ host, or at once when preflight refuses.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 import gevent
@@ -50,6 +50,8 @@ PlanFor = Callable[[str, dict[str, Any]], P]
 CheckHost = Callable[[str, S, P], list[str]]
 # Which hosts a deploy is for (others are neither planned, locked nor read: another deploy configures them).
 Applies = Callable[[Host], bool]
+# Checks across hosts, once every host was read: host name -> more refusal lines (a replica group's ranks must agree).
+CheckFleet = Callable[[Mapping[str, "Reading[Any, Any]"]], Mapping[str, list[str]]]
 
 
 def check_ssh_and_sudo(plan: Any, error: Exception) -> str:
@@ -156,7 +158,7 @@ class _Preflights(dict[Callable[..., Any], "AsyncResult[dict[str, Any]]"]):
 
 
 def preflight(plan_for: PlanFor[P], check_host: CheckHost[S, P], reads: HostRead[P, S],
-              applies: Applies | None = None) -> tuple[P, S]:
+              applies: Applies | None = None, check_fleet: CheckFleet | None = None) -> tuple[P, S]:
     """This host's plan and what was read on it, once every active host the deploy applies to passed preflight (the
     host's lock is held for the run from then on). Raises DeployError listing every failing host's problems."""
     state, host = ctx_state.get(), ctx_host.get()
@@ -165,12 +167,16 @@ def preflight(plan_for: PlanFor[P], check_host: CheckHost[S, P], reads: HostRead
         result: AsyncResult[dict[str, Any]] = AsyncResult()
         runs[plan_for] = result
         try:
-            result.set(read_fleet(state, plan_for, check_host, reads, applies=applies))
+            found = read_fleet(state, plan_for, check_host, reads, applies=applies)
+            for name, lines in (check_fleet(found) if check_fleet else {}).items():
+                found[name] = replace(found[name], problems=[*found[name].problems, *lines])
+            result.set(found)
         except BaseException as error:
             result.set_exception(error)
             raise
     readings: dict[str, Reading[P, S]] = runs[plan_for].get() or {}
-    problems = [line for reading in readings.values() for line in reading.problems]
+    # A problem of several hosts (a replica group's) is reported on each of them, and listed once.
+    problems = list(dict.fromkeys(line for reading in readings.values() for line in reading.problems))
     if problems:
         release_locks(state)  # nothing will run: another run may have the hosts now
         for name, reading in readings.items():  # each refusal is its host's problem in the run's result
@@ -182,3 +188,8 @@ def preflight(plan_for: PlanFor[P], check_host: CheckHost[S, P], reads: HostRead
     reading = readings[host.name]
     assert reading.plan is not None and reading.snapshot is not None  # no problems: planned and read
     return reading.plan, reading.snapshot
+
+
+def fleet_readings(plan_for: PlanFor[P]) -> Mapping[str, Reading[P, Any]]:
+    """Every host's reading, once this run's preflight() for plan_for passed (a rank reads its group's)."""
+    return run_context(ctx_state.get()).slot(_Preflights, _Preflights)[plan_for].get() or {}

@@ -21,7 +21,7 @@ from gpufleet.defaults import DEFAULTS, SPEED_TOLERANCE_SETTING
 from gpufleet.facts.gpu_verdict import GpuVerdict, HostGpus
 from gpufleet.health import gpu
 from gpufleet.health.answers import AnswerCheck, check_answers
-from gpufleet.health.check import HealthReport, HealthState, check, committed_drift, reached
+from gpufleet.health.check import UNREADABLE, HealthReport, HealthState, check, committed_drift, reached, spec_drift
 from gpufleet.health.probe import probe
 from gpufleet.health.probe_report import ProbeReport
 from gpufleet.health.serving import Served, run_checks
@@ -61,6 +61,13 @@ class HostTarget:
     served: Served = field(default_factory=Served)  # its parsers and prefix caching: which serving checks apply
     speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
     gpu_settings: GpuSettings = field(default_factory=GpuSettings)  # its GPU verdict table
+    # A replica group's rank: (group, rank, head). A rank other than the head serves no API: its container is its
+    # state, and the group serves through its head.
+    rank: tuple[str, int, str] | None = None
+
+    @property
+    def headless(self) -> bool:
+        return self.rank is not None and self.rank[1] > 0
 
     @classmethod
     def for_spec(cls, spec: SpecArgs, data: Mapping[str, Any]) -> HostTarget:
@@ -172,6 +179,8 @@ def _failed(target: HostTarget, e: Exception) -> HostResult:
 
 
 def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> HostResult:
+    if target.headless:
+        return _check_rank(target, transport, asked)
     api_key, say = asked.api_key or target.api_key, partial(asked.progress, target.name)
     if asked.wait_s > 0:
         say(f"waiting for it to be ready (up to {asked.wait_s:.0f} s)")
@@ -180,10 +189,7 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         say("checking")
         health = check(transport, target.expected, api_key=api_key)
     expected = reached(target.expected, health.container)  # the container that answered, not the port's listener
-    gpus = None
-    if isinstance(transport, SshTransport):
-        say("reading the GPUs' health")
-        gpus = gpu.judged(transport, target.gpu_settings, health.container.started_at if health.container else None)
+    gpus = _read_gpus(target, transport, health, say)
     answers: tuple[AnswerCheck, ...] = ()
     if asked.answer and health.ready:
         say("sending a chat completion, plain and streamed")
@@ -212,6 +218,43 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
     return HostResult(target, health, report, error, answers, checks, speed=figures, speed_earlier=earlier, gpus=gpus,
                       committed_ref=committed[0] if committed else None)
+
+
+def _check_rank(target: HostTarget, transport: Transport, asked: _Asked) -> HostResult:
+    """A headless rank: its container (it answers no request), its GPUs and the digest its ledger committed."""
+    say = partial(asked.progress, target.name)
+    say("reading its container")
+    assert target.rank is not None
+    health = rank_health(transport, target.expected, target.name, target.rank)
+    gpus = _read_gpus(target, transport, health, say)
+    committed = asked.committed(target, transport) if asked.committed and health.container else None
+    return HostResult(target, health, gpus=gpus, committed_ref=committed[0] if committed else None)
+
+
+def _read_gpus(target: HostTarget, transport: Transport, health: HealthReport,
+               say: Callable[[str], None]) -> HostGpus | None:
+    if not isinstance(transport, SshTransport):
+        return None
+    say("reading the GPUs' health")
+    return gpu.judged(transport, target.gpu_settings, health.container.started_at if health.container else None)
+
+
+def rank_health(transport: Transport, expected: Expected, name: str, rank: tuple[str, int, str]) -> HealthReport:
+    """A headless rank's state: its labelled container running the expected spec (it answers no request). rank:
+    (group, rank, head)."""
+    group, number, head = rank
+    try:
+        container = transport.container(expected.service)
+    except Exception as e:  # one state for anything, as check()
+        return HealthReport(HealthState.DEAD, excerpt(f"{UNREADABLE}: {type(e).__name__}: {e}", DETAIL_CHARS),
+                            host=name)
+    if container is None or not container.running:
+        return HealthReport(HealthState.CONTAINER_NOT_RUNNING, f"rank {number} of group {group}: no running "
+                            "container carries the service's label", host=name, container=container)
+    drift = spec_drift(expected, container)
+    state, detail = (HealthState.MISCONFIGURED, drift) if drift else (
+        HealthState.READY, f"rank {number} of group {group}: its container runs; the group serves through {head}")
+    return HealthReport(state, detail, host=name, container=container)
 
 
 def check_fleet(

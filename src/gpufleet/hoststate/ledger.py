@@ -70,6 +70,7 @@ class Version:
     # configured (vllm_model_revision; None = the repo's default branch); None in a ledger written before them.
     model: str | None = None
     model_revision: str | None = None
+    group: str | None = None  # a replica group's rank: the group's version ("<group>@<hash>"), the same on every rank
 
 
 @dataclass(frozen=True)
@@ -328,7 +329,7 @@ def render(ledger: Ledger) -> str:
 def _version_doc(v: Version) -> dict[str, Any]:
     model = {"model": v.model, "model_revision": v.model_revision} if v.model else {}
     return {"image": v.image, "ref": v.ref, "unit_sha256": v.unit_sha256, "spec_hash": v.spec_hash,
-            "service": v.service, "port": v.port, **model}
+            "service": v.service, "port": v.port, **model, **({"group": v.group} if v.group is not None else {})}
 
 
 def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
@@ -400,8 +401,9 @@ def _version(doc: dict[str, Any], where: str) -> Version:
     if model is not None and not _MODEL.fullmatch(model):
         raise CorruptLedger(f"{where}.model: {model!r} is not <org>/<name>@<40 hex commit>")
     revision = _field(doc, where, "model_revision", str, optional=True) if "model_revision" in doc else None
+    group = _field(doc, where, "group", str, optional=True) if "group" in doc else None
     return Version(image=image, ref=ref, unit_sha256=unit_sha256, spec_hash=spec_hash, service=service, port=port,
-                   model=model, model_revision=revision)
+                   model=model, model_revision=revision, group=group)
 
 
 def _committed(value: Any, where: str) -> Committed:

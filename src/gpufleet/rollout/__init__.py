@@ -14,5 +14,6 @@
     routers.py            each swapped replica out of the routers' worker sets and back (membership.py: who belongs)
     settle.py             the routers' reconcile without a rollout (`gpufleet status --fix`)
     gpu.py                the hosts a rollout skips for their GPUs
+    group.py              a replica group as one replica: its ranks swapped, done and skipped together
     report.py             per-host outcomes, the table and the --json document; progress.py the live view
 """

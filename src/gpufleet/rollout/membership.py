@@ -6,9 +6,11 @@ between a replica's leave and its rejoin strands nothing."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 
 from gpufleet.facts.gpu_verdict import HostGpus
 from gpufleet.health.check import HealthReport, HealthState, check, committed_drift
+from gpufleet.health.runner import rank_health
 from gpufleet.remote.transport import SshTransport
 from gpufleet.rollout import gpu
 from gpufleet.rollout.ledgers import HostLedger
@@ -38,7 +40,11 @@ def runs_committed(ledger: HostLedger, report: HealthReport) -> bool:
 
 
 def look(host: FleetHost, transport: SshTransport) -> HealthReport:
-    """The check `gpufleet verify` runs, once, on a replica."""
+    """The check `gpufleet verify` runs, once, on a replica (on a replica group's headless rank: its container)."""
+    member = host.spec.group
+    if member is not None and not member.is_head:
+        expected = replace(Expected.from_spec(host.spec), spec_hash=host.spec.spec_hash)
+        return rank_health(transport, expected, host.name, (member.group, member.rank, member.head))
     return check(transport, Expected.from_spec(host.spec), api_key=host.api_key)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_roles
+from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry, CarryResult
 from gpufleet.rollout.gpu import sick_hosts
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
@@ -18,7 +19,7 @@ from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.replicas import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.report import HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
-from gpufleet.rollout.swap import SwapOptions, batches, swap
+from gpufleet.rollout.swap import SwapOptions, replica_batches, swap
 from gpufleet.rollout.target import Target, requested_image, resolve, resolve_model
 
 # Asked once the plan is known, before anything changes: (what, hosts to swap) -> go on?
@@ -67,20 +68,24 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         return Result(what, unreadable, "a ledger could not be read: nothing was changed")
     if not options.retry_failed and (refusal := _refused(ledgers, targets, options.model_ref)):
         raise GpufleetError(refusal)
-    done = {h for h in names if ledgers[h].committed_ref == targets[h] and ledgers[h].pending_ref is None
-            and (options.model_ref is None or (ledgers[h].committed_model or "").endswith("@" + options.model_ref))}
+    by_name = {h.name: h for h in hosts}
+    on_target = {h for h in names if ledgers[h].committed_ref == targets[h] and ledgers[h].pending_ref is None
+                 and (options.model_ref is None or (ledgers[h].committed_model or "").endswith("@" + options.model_ref))}
+    # A replica group is one replica: done when every rank is, swapped with all its ranks (gpufleet.rollout.group).
+    done = replica_groups.done(on_target, by_name)
     outcomes = {h: HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.UNCHANGED, None,
                                "already committed on the target: not restarted") for h in done}
-    order = [h for h in names if h not in done]
+    order = replica_groups.expand([h for h in names if h not in done], by_name)
+    serving = [h.name for h in replica_groups.workers(hosts)]  # what the routers route to
     for h in done:
         progress.phase(h, "unchanged (already on the target)")
-    sick = sick_hosts(sessions, order, progress.note)  # never swapped, nor the canary (gpufleet.rollout.gpu)
+    # Never swapped, nor the canary (gpufleet.rollout.gpu); nor any rank of a group with such a rank.
+    sick = replica_groups.skipped(sick_hosts(sessions, order, progress.note), by_name)
     for h, why in sick.items():
         outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.SKIPPED, None, why)
         progress.phase(h, outcomes[h].phase)
     order = [h for h in order if h not in sick]
     # Before anything changes: a router that cannot be reached might still send traffic to a host being swapped.
-    by_name = {h.name: h for h in hosts}
     router_hosts = load_roles(inventory)[0]
     if router_hosts:
         progress.note(f"reaching the routers: {', '.join(name for name, _ in router_hosts)}")
@@ -88,28 +93,29 @@ def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, ta
         message = (f"every host already runs {what}: nothing to do" if not sick else
                    f"{len(sick)} host(s) skipped for their GPUs; the others already run {what}")
         try:
-            with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
-                _reconcile(routers, sessions, names, ledgers, progress)
+            with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in replica_groups.workers(hosts)]
+                                 ) as routers:
+                _reconcile(routers, sessions, serving, ledgers, progress)
         except GpufleetError as error:  # nothing to swap: a router out of reach is a warning, not a failure
             message += f"; the routers were not reconciled: {error}"
         return Result(what, [outcomes[h] for h in names], message)
-    with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in hosts]) as routers:
+    with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in replica_groups.workers(hosts)]) as routers:
         # What a cut run left is settled first: its interrupted hosts (pending) swap first, and a batch counts the
         # replicas in service as the reconcile and the earlier batches will leave them (Routers.capacity_problem),
         # a host skipped for its GPU out of it.
-        belongs = members(sessions, names, ledgers) if routers.routers else {}
-        order = interrupted_first(order, ledgers)
-        if problem := routers.capacity_problem(batches(order, options.canary, options.batch),
+        belongs = members(sessions, serving, ledgers) if routers.routers else {}
+        order = replica_groups.expand(interrupted_first(order, ledgers), by_name)
+        if problem := routers.capacity_problem(replica_batches(order, by_name, options.canary, options.batch),
                                                {**belongs, **dict.fromkeys(sick, False)}):
             raise GpufleetError(problem)
         if not confirm(what, order):
             raise GpufleetError("not confirmed: nothing was changed")
-        _reconcile(routers, sessions, names, ledgers, progress, belongs)
+        _reconcile(routers, sessions, serving, ledgers, progress, belongs)
         try:
             return _prepare_and_swap(inventory, what, ledgers, outcomes, names, order, by_name, sessions, routers,
                                      targets, options, progress)
         finally:
-            _reconcile(routers, sessions, names, read_ledgers(sessions, names), progress)
+            _reconcile(routers, sessions, serving, read_ledgers(sessions, serving), progress)
 
 
 def interrupted_first(order: Sequence[str], ledgers: Mapping[str, HostLedger]) -> list[str]:

@@ -12,6 +12,7 @@ from contextlib import suppress
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from gpufleet.defaults import SPEED_BATCHES_SETTING
 from gpufleet.errors import GpufleetError, one_line
@@ -20,6 +21,7 @@ from gpufleet.health.serving import Served
 from gpufleet.health.speed import measure
 from gpufleet.health.wait import poll_ready
 from gpufleet.remote.transport import SshTransport, TransportError
+from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry
 from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
@@ -37,6 +39,7 @@ from gpufleet.wire.checks import ANSWER_CHECKS, SERVING_CHECKS, SPEED, verify_ch
 from gpufleet.wire.identity import Expected
 from gpufleet.wire.speed import SpeedFigures
 
+T = TypeVar("T")
 STAGE_TIMEOUT_S = 4 * 3600.0
 # Outcomes whose ledger says committed (the target, or the version before it): such a replica serves again.
 SETTLED = (Outcome.UPDATED, Outcome.UNCHANGED, Outcome.ROLLED_BACK)
@@ -80,7 +83,7 @@ class SwapOptions:
                            speed_baseline=speed_baseline)
 
 
-def batches(names: Sequence[str], canary: int, batch: int) -> list[list[str]]:
+def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
     """The canary hosts, then the rest, in groups of at most `batch`: never more than `batch` hosts out of service,
     the canary included."""
     if batch < 1 or canary < 0:
@@ -88,6 +91,12 @@ def batches(names: Sequence[str], canary: int, batch: int) -> list[list[str]]:
     first, rest = list(names[:canary]), list(names[canary:])
     return [first[i:i + batch] for i in range(0, len(first), batch)] + \
            [rest[i:i + batch] for i in range(0, len(rest), batch)]
+
+
+def replica_batches(order: Sequence[str], hosts: Mapping[str, FleetHost], canary: int, batch: int) -> list[list[str]]:
+    """batches() of the rollout's replicas (a replica group once, with all its ranks), each as its hosts."""
+    return [[name for unit in chunk for name in unit]
+            for chunk in batches(replica_groups.units(order, hosts), canary, batch)]
 
 
 def held_to(spec: ServeSpec, options: SwapOptions, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
@@ -191,15 +200,17 @@ def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], befor
     canary's new compile-cache entries go to each later host before its swap (none without a canary), and each
     swapped host's start (warm or cold, time to ready) is read after it."""
     outcomes: dict[str, HostOutcome] = {}
-    canaries = set(order[:options.canary])
-    carrying = carry if canaries else None  # without a canary nothing is carried; each start is still observed
-    for group in batches(order, options.canary, options.batch):
+    canaries = replica_groups.canaries(order, hosts, options.canary)
+    # Without a canary nothing is carried (nor from a replica group's, whose caches are each rank's own); each
+    # start is still observed.
+    carrying = carry if canaries and not replica_groups.in_group(hosts, order[0]) else None
+    for group in replica_batches(order, hosts, options.canary, options.batch):
         role = "canary" if set(group) <= canaries else "batch"
         if carrying is not None:
             if order[0] in group:
                 carrying.before_canary(order[0])
             elif role == "batch":
-                carrying.into(group)
+                carrying.into([h for h in group if not replica_groups.in_group(hosts, h)])
         # One deploy run per target digest (a rollout has one; `rollback` may send hosts to different ones).
         for target in dict.fromkeys(targets[h] for h in group):
             members = [h for h in group if targets[h] == target]
@@ -227,12 +238,14 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
     fails). After the swap a host rejoins only once its ledger says committed or rolled back and gpufleet's own check
     finds that version answering (judge); any other stays out, and one a router did not take back fails (the
     rollout stops: it would run short)."""
+    # A replica group's ranks other than its head serve no API: the routers know the head only.
+    routed = [h for h in group if h in routers.urls]
     if routers.routers:
-        for h in group:
+        for h in routed:
             progress.phase(h, "leaving the router's workers")
     swapping = False
     try:
-        with routers.out(group, options.drain_timeout_s):
+        with routers.out(routed, options.drain_timeout_s):
             swapping = True
             result = swap_group()
     except (RouterError, OSError) as error:
@@ -242,7 +255,7 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
                                one_line(f"not swapped: {error}")) for h in group}
     if not routers.routers:
         return result
-    for h in group:
+    for h in routed:
         if result[h].outcome not in SETTLED:
             result[h] = replace(result[h], detail=one_line(f"{result[h].detail}; left out of the routers until it "
                                                            "serves its committed version"))
@@ -263,22 +276,25 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
                      on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"),
                      address=host.spec.reach_address)
 
-    for h in group:
+    workers = [h for h in group if replica_groups.is_worker(hosts, h)]  # a group's head; its ranks serve nothing
+    for h in workers:
         progress.phase(h, f"{role}: draining")
-    drained = sessions.each(group, drain_one)
+    drained = sessions.each(workers, drain_one)
     canary = role == "canary"
     speed_batch = not canary and any(speed_batches(hosts[h]) for h in group)
     # The old version measured out of service and drained, on the host and with the workload the new one gets.
     speed_before: dict[str, SpeedFigures | str] = {}
     if SPEED in options.group_checks(canary, speed_batch):
-        for h in group:
+        for h in workers:
             progress.phase(h, f"{role}: measuring the running version's speed")
-        speed_before = sessions.each(group, measure_running)
+        speed_before = sessions.each(workers, measure_running)
     watches: dict[str, DowntimeWatch] = {}
     for h in group:
         # No session to watch through: the downtime is reported as not measured.
         with suppress(TransportError):
-            watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port, address=hosts[h].spec.reach_address).start()
+            if h in workers:
+                watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port,
+                                           address=hosts[h].spec.reach_address).start()
         progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
     committed = {h: before[h].committed_ref for h in group if before[h].error is None}
     baseline = {h: figures for h, figures in speed_before.items() if isinstance(figures, SpeedFigures)}
@@ -292,7 +308,8 @@ def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[s
     result = {}
     for h in group:
         outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h),
-                        held_to(hosts[h].spec, options, canary, speed_batch), speed_before.get(h), serving.get(h))
+                        held_to(hosts[h].spec, options, canary, speed_batch) if h in workers else (),
+                        speed_before.get(h), serving.get(h))
         result[h] = outcome
         progress.phase(h, outcome.phase)
     return result

@@ -30,14 +30,15 @@ from pyinfra.context import ctx_state
 from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.harness.preflight import HostRead, preflight
 from gpufleet.health.runner import HostTarget, check_fleet
-from gpufleet.inventory import ROUTERS_GROUP, split_roles
+from gpufleet.inventory import ROUTERS_GROUP, group_orders, split_roles
 from gpufleet.operations.base import not_for_this_host
 from gpufleet.operations.run import run_context
 from gpufleet.router import operations, wheels
 from gpufleet.router.facts import RouterHost, RouterHostFact
 from gpufleet.router.settings import Replica, build_router_spec, replicas, router_settings
 from gpufleet.router.spec import RouterSpec
-from gpufleet.vllm.settings import build_spec, merged_settings
+from gpufleet.vllm.group_specs import resolve_replicas
+from gpufleet.vllm.settings import merged_settings
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,13 @@ def ready_workers(state: State) -> Workers:
 
 def _verify_workers(state: State) -> Workers:
     _, found = split_roles(state.inventory)
+    orders = group_orders(state.inventory)
     try:
-        candidates = replicas(found)
-        targets = [HostTarget.for_spec(build_spec(r.name, r.data, behind_router=True), r.data) for r in candidates]
+        candidates = replicas(found, orders)  # a replica group's head only
+        resolved, errors = resolve_replicas(found, orders, behind_router=True)
+        if errors:
+            raise SettingErrors(errors)
+        targets = [HostTarget.for_spec(resolved[r.name][0], r.data) for r in candidates]
     except SettingErrors as error:
         raise DeployError(f"the router's replicas have invalid settings; nothing was changed:\n  {error}") from None
     if not candidates:

@@ -18,6 +18,7 @@ from gpufleet.errors import SettingError, SettingErrors, shown
 from gpufleet.names import url_host
 from gpufleet.router import wheels
 from gpufleet.router.spec import RouterSpec
+from gpufleet.vllm.group import headless_ranks
 from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.value_rules import control_character
 
@@ -163,11 +164,16 @@ def worker_url(name: str, data: Mapping[str, Any]) -> str:
     return f"http://{url_host(chosen)}:{port}"
 
 
-def replicas(hosts: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Replica]:
+def replicas(hosts: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]] | None = None
+             ) -> list[Replica]:
     """The replicas among (name, data) pairs (the inventory's hosts not in the routers group), each with its URL;
-    raises SettingErrors naming every replica the router cannot address."""
+    raises SettingErrors naming every replica the router cannot address. orders: the inventory's groups, so that a
+    replica group's ranks other than its head, which serve no API, are left out."""
     found, errors = [], []
+    skip = headless_ranks(hosts, orders, merged_settings) if orders else set()
     for name, data in hosts:
+        if name in skip:
+            continue
         try:
             found.append(Replica(name, worker_url(name, data), data))
         except SettingError as error:

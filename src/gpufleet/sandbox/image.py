@@ -65,7 +65,7 @@ COMMON_ENV = {
 # The stand-in `vllm serve`: the script and the modules it imports, installed side by side (a script's own
 # directory is on its sys.path).
 VLLM_MODULES = ("vllm_serve.py", "vllm_argv.py", "vllm_engine.py", "vllm_chat.py", "vllm_http.py", "vllm_compile_cache.py",
-                "vllm_envs.py")
+                "vllm_envs.py", "vllm_group.py")
 # What goes into the image's /opt (image name -> source): the stand-ins and the flag table compiled from the real
 # `vllm serve --help=all`, the same table settings validation uses (gpufleet.vllm.flags). The image's key hashes
 # every one of them: a change to any rebuilds it.

@@ -45,6 +45,7 @@ from gpufleet.hoststate.ledger import (
     Ledger,
     Nothing,
     Observed,
+    Resume,
     RollBackPending,
     Version,
     corrupt_refusal,
@@ -63,15 +64,16 @@ from gpufleet.operations.secret import Hidden
 from gpufleet.sitecache import deploy as site_cache
 from gpufleet.sitecache.operations import STORAGE as SITE_CACHE_STORAGE
 from gpufleet.units import unit_name
-from gpufleet.vllm import checks
+from gpufleet.vllm import checks, group_deploy
 from gpufleet.vllm.commit import record_gpu
 from gpufleet.vllm.facts import HostSnapshot
+from gpufleet.vllm.group_verify import GroupVerification
 from gpufleet.vllm.host_command import Paths
 from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
-from gpufleet.vllm.operations import docker, flagcheck, image, managed_paths, model, nvidia, service
+from gpufleet.vllm.operations import docker, flagcheck, group, image, managed_paths, model, nvidia, service
 from gpufleet.vllm.operations.image import image_present, pinned_ref
-from gpufleet.vllm.settings import merged_settings, resolve_host
+from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.verify import Verification, verify_passed
@@ -97,7 +99,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
     # (A State made without an inventory, as pyinfra's inventory loader makes one, has no attribute for it.)
     inventory = getattr(ctx_state.get(), "inventory", None) if ctx_state.isset() else None
     fronted = inventory is not None and behind_router(inventory)
-    spec, s = resolve_host(name, data, behind_router=fronted)
+    spec, s = group_deploy.resolve(name, data, inventory, fronted)  # a replica group's ranks resolved together
     if inventory is not None:
         site_cache.check_port(inventory, name, s, spec.port)
     serves_cache = inventory is not None and site_cache.serves_site(inventory.get_host(name))
@@ -111,6 +113,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
         docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
         nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s[REFRESH_KEYS_SETTING]),
         address=spec.reach_address, site_cache_storage=SITE_CACHE_STORAGE if serves_cache else None,
+        group_head=group_deploy.probe_target(spec),
     )
     return Plan(spec, s, layout, paths)
 
@@ -142,6 +145,9 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     cut = cut_rename_away(name, snap.other_ledgers, spec.service)
     if cut:
         problems.append(cut)
+    unreachable = group_deploy.probe_problem(name, snap, spec)
+    if unreachable:
+        problems.append(unreachable)
     # The ledger the service goes by, as the rollout read it (gpufleet.rollout.ledgers applies the same rules).
     changed = changed_since_read(name, ledger, s[EXPECT_COMMITTED_SETTING])
     if changed:
@@ -154,6 +160,17 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         if refused:
             problems.append(f"{name}: {refused}")
     return problems
+
+
+def settle_and_pin(plan: Plan, snap: HostSnapshot, prepare: bool) -> tuple[Resume, str | None, ModelTarget | None]:
+    """What a cut run's pending record asks first, and the digest and model this run installs (each pinned when
+    known before the run). A dropped change never reached the unit: its pins are not this run's (a finished one's
+    are)."""
+    ledger = host_ledger(snap.ledger_text, snap.other_ledgers, plan.spec.port)  # preflight refused a corrupt one
+    decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
+    settled = drop_pending(ledger) if isinstance(decision, DropPending) else ledger
+    return (decision, pinned_ref(settled, plan.spec.image, plan.settings[IMAGE_REF_SETTING]),
+            model_target(settled, plan.settings))
 
 
 def mirrored_models(target: Host, s: Mapping[str, Any]) -> list[str]:
@@ -202,6 +219,31 @@ def restart_reason(snap: HostSnapshot, plan: Plan, ledger: Ledger, pin: str | No
     return f"restart {unit} ({why})" if why else None
 
 
+def planned_restart(reading: preflight.Reading[Plan, HostSnapshot]) -> str | None:
+    """restart_reason() of a host as preflight read it."""
+    plan, snap = reading.plan, reading.snapshot
+    assert plan is not None and snap is not None
+    ledger = host_ledger(snap.ledger_text, snap.other_ledgers, plan.spec.port)
+    return restart_reason(snap, plan, ledger, pinned_ref(ledger, plan.spec.image, plan.settings[IMAGE_REF_SETTING]))
+
+
+def gpu_refusals(name: str, reading: preflight.Reading[Plan, HostSnapshot], restart: str) -> list[str]:
+    plan, snap = reading.plan, reading.snapshot
+    assert plan is not None and snap is not None
+    if snap.gpu_health is None:
+        return []
+    return checks.gpu_refusals(name, judge(snap.gpu_health, GpuSettings.of(plan.settings)), plan.spec.gpus, restart)
+
+
+def check_fleet(readings: Mapping[str, preflight.Reading[Plan, HostSnapshot]]) -> dict[str, list[str]]:
+    """The refusals across each replica group's ranks (gpufleet.vllm.group_deploy), the GPU gate included: a rank
+    restarts with its group."""
+    found = group_deploy.check_groups(readings)
+    for name, lines in group_deploy.restart_refusals(readings, planned_restart, gpu_refusals).items():
+        found.setdefault(name, []).extend(lines)
+    return found
+
+
 def gpu_warnings(gpus: HostGpus, used: tuple[int, ...]) -> list[str]:
     """A line per GPU with a finding that does not stop this run."""
     return [f"{g.line()} ({'the service runs on it' if g in gpus.concern(used) else 'the service does not use it'})"
@@ -214,7 +256,8 @@ def deploy_qwen35() -> None:
         not_for_this_host(name="Skip the vLLM deploy on a router host",
                           why="router host: deploys/router.py configures it")
         return
-    plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host)
+    plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host,
+                                     check_fleet=check_fleet)
     s, spec, layout = plan.settings, plan.spec, plan.layout
     held = remember(host, snap)  # every operation decides from this one read
     if snap.gpu_health is not None:
@@ -228,22 +271,25 @@ def deploy_qwen35() -> None:
     prepare = s[STAGE_SETTING] == "prepare"
     # A cut run's pending version is settled first: dropped, or rolled back (then nothing else runs), or finished
     # below. A prepare run changes no ledger and restarts nothing: it leaves that to the converge.
-    decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
+    decision, pin, models = settle_and_pin(plan, snap, prepare)
     held.ledger = ledger
     held.ledger_sha256[plan.layout.ledger_path] = snap.file_sha256.get(plan.layout.ledger_path)
-    # The digest this run installs when known before the pull. A dropped change never reached the unit: its digest
-    # is not this run's pin (a finished one's is).
-    pin = pinned_ref(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, spec.image,
-                     s[IMAGE_REF_SETTING])
+    # A replica group's ranks: one digest and model commit, restarted, verified, committed or rolled back together.
+    readings = preflight.fleet_readings(plan_for) if spec.group else {}
+    ranks = group_deploy.group_for(host, spec, readings, lambda r: settle_and_pin(r.plan, r.snapshot, prepare)[1:]
+                                   if r.plan is not None and r.snapshot is not None else (None, None))
+    if ranks is not None:
+        decision, pin, models = group_deploy.as_group(decision), ranks.pin, ranks.model
     retry_failed = bool(s[RETRY_SETTING])
 
     api_key = s["vllm_api_key"]
     served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
-    verify = Verification(spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None,
-                          layout.ledger_path, served[0] if served else spec.served_model_name,
-                          checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])),
-                          speed_earlier=(s[SPEED_BASELINE_SETTING] or {}).get(spec.host),
-                          speed_tolerance=float(s[SPEED_TOLERANCE_SETTING]))
+    verify = (Verification if ranks is None else GroupVerification)(
+        spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None, layout.ledger_path,
+        served[0] if served else spec.served_model_name,
+        checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])),
+        speed_earlier=(s[SPEED_BASELINE_SETTING] or {}).get(spec.host),
+        speed_tolerance=float(s[SPEED_TOLERANCE_SETTING]), **({} if ranks is None else {"group": ranks}))
     if not isinstance(decision, Nothing):
         service.settled(name="Settle the change a cut run left pending", decision=decision,
                         ledger_path=layout.ledger_path, roll_back=verify.roll_back_cut)
@@ -281,11 +327,12 @@ def deploy_qwen35() -> None:
         committed_ref = ledger.committed.version.ref if ledger.committed else None
         flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref,
                                 pin=pin)
-    models = model_target(drop_pending(ledger) if isinstance(decision, DropPending) else ledger, s)
     model.present(name="Download the model's commit unless it is here and checked",
                   spec=spec, where=layout.model_dir, model=models,
                   env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache, pin=pin,
                   hub=s["vllm_hf_endpoint"], mirror=site_cache.model_mirror(host, s), timeout_s=fetch_s)
+    if ranks is not None:
+        group.same_version(name="Check every rank of the group has one digest and one model commit", group=ranks)
     if prepare:
         return  # gpufleet_stage=prepare: everything slow is done, the old version keeps serving
     unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,
@@ -294,13 +341,16 @@ def deploy_qwen35() -> None:
     finish = isinstance(decision, FinishPending)
     # A pending version that already runs (the cut came after its restart) is verified, not restarted again.
     restart_pending = isinstance(decision, FinishPending) and decision.restart
+    if ranks is not None:
+        ranks.join(host.name, changes, group_deploy.restart_reasons(snap, spec, decision))
     service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
                     changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
-                    replaces=replaced_service(ledger, spec.service), model=models)
+                    replaces=replaced_service(ledger, spec.service), model=models, group=ranks)
     # After a (re)start: ready, then still ready for vllm_ready_soak_s. Its verdict picks one of the two operations
     # after it while executing (_if); --dry lists both as conditional changes of a host that will be verified.
     verified = service.ready(name="Verify vLLM is ready (/health, /v1/models), else roll back", spec=spec,
                              verify=verify.verify, roll_back=verify.roll_back_if_failed, changes=changes,
-                             start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish)
+                             start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish, group=ranks,
+                             serves=group_deploy.head_serves(readings, spec) if ranks is not None else None)
     service.committed(name="Commit the verified vLLM version", verified=verified, commit=verify.commit,
                       _if=verify_passed)

@@ -23,6 +23,7 @@ from gpufleet.vllm.host_command import (
     DOCKER_IMAGES,
     DRIVER_FILE,
     GPU_HEALTH,
+    GROUP_PROBE_TIMEOUT_S,
     KERNEL_LOG,
     TIMED_OUT,
     Paths,
@@ -137,6 +138,8 @@ class HostSnapshot:
     health_code: str | None = None
     served_models: list[tuple[str, int | None]] | None = None  # /v1/models: (id, max_model_len)
     cache_config: dict[str, str] = field(default_factory=dict)  # vllm:cache_config_info labels, when reported
+    # A group's rank: how its head's master port answered ("open", "refused", else why it could not be reached).
+    group_probe: str | None = None
 
     # --- derived ----------------------------------------------------------------------------------------
     def installed(self, package: str) -> bool:
@@ -234,6 +237,8 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
             snap.free_kib["site_cache"] = int(rest.partition(" ")[0])
             snap.free_path["site_cache"] = rest.partition(" ")[2]
         snap.site_cache_shares_docker |= word == "shares_docker"
+    if "group_probe" in s:
+        snap.group_probe = group_probe(s["group_probe"])
     for line in s.get("packages", []):
         parts = line.split()
         # "ii" = installed; "rc" (removed, config left) and "un" are not.
@@ -299,6 +304,19 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
     except ValueError:
         snap.cache_config = {}
     return snap
+
+
+def group_probe(lines: list[str]) -> str:
+    """The probe's answer: "open", "refused" (the head's host answered), or why it could not reach it."""
+    rc = lines[-1].removeprefix("rc ").strip() if lines and lines[-1].startswith("rc ") else ""
+    said = " ".join(line.rsplit(": ", 1)[-1].strip() for line in lines[:-1] if line.strip())
+    if rc == "0":
+        return "open"
+    if "Connection refused" in said:
+        return "refused"
+    if rc.isdigit() and int(rc) in TIMED_OUT:
+        return f"no answer within {GROUP_PROBE_TIMEOUT_S} s"
+    return said or f"the probe exited {rc or 'without a status'}"
 
 
 def systemd_blocks(lines: list[str]) -> list[dict[str, str]]:

@@ -84,6 +84,7 @@ class Paths:
     refresh_keys: bool = False  # gpufleet_refresh_keys: fetch both keys even where installed (a rotated key)
     address: str = LOOPBACK  # where the host reaches the port (ServeSpec.reach_address)
     site_cache_storage: str | None = None  # the site cache's storage, on the host that runs it: its size and room
+    group_head: tuple[str, int] | None = None  # a group's rank: its head's address and master port, probed
 
 
 def snapshot_command(paths: Paths) -> str:
@@ -170,6 +171,7 @@ def snapshot_command(paths: Paths) -> str:
         f"{marker('free')}; $t df -Pk \"$d\" \"$m\" | {{ read -r _; read -r _ _ _ a _; read -r _ _ _ b _; "
         "echo \"docker $d $a\"; echo \"models $m $b\"; }",
         *([] if paths.site_cache_storage is None else [site_cache_lines(paths.site_cache_storage)]),
+        *([] if paths.group_head is None else [group_probe_lines(*paths.group_head)]),
         f"{marker('packages')}; dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}} ${{Version}}\\n' "
         f"{' '.join(PACKAGES)} 2>/dev/null",
         f"{marker('files')}; sha256sum {files} 2>/dev/null",  # a missing file is simply not listed
@@ -232,6 +234,18 @@ def site_cache_lines(storage: str) -> str:
     return (f"{marker('site_cache')}; u=$($t du -sk {c} 2>/dev/null | cut -f1); echo \"used ${{u:-0}}\"; c={c}; "
             "while [ ! -e \"$c\" ]; do c=$(dirname \"$c\"); done; $t df -Pk \"$d\" \"$c\" | { read -r _; "
             "read -r fd _ _ _ _; read -r fc _ _ a _; echo \"free $a $c\"; [ \"$fd\" != \"$fc\" ] || echo shares_docker; }")
+
+
+# Seconds a rank's probe of its head's master port may take: a filtered port answers nothing, ever.
+GROUP_PROBE_TIMEOUT_S = 5
+
+
+def group_probe_lines(address: str, port: int) -> str:
+    """A rank reaching its head's master port: one connect through bash's /dev/tcp, nothing sent. Connected or
+    refused means the head's host answered; a timeout or no route means the ranks cannot meet."""
+    connect = f"exec 3<>/dev/tcp/{ipaddress.ip_address(address)}/{int(port)}"
+    return (f"{marker('group_probe')}; timeout -k 1 {GROUP_PROBE_TIMEOUT_S} bash -c {shlex.quote(connect)} 2>&1; "
+            'echo "rc $?"')
 
 
 def driver_lines(version_file: str | None, live: str) -> list[str]:

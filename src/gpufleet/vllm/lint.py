@@ -212,6 +212,10 @@ def _jit_cache_fix(c: LintContext) -> str:
             "`gpufleet rollout`)")
 
 
+def _group_setting_unset(c: LintContext, setting: str) -> bool:
+    return c.spec.group is not None and c.settings.get(setting) is None
+
+
 def _is_qwen35(c: LintContext) -> bool:
     model = f"{c.settings.get('vllm_model', '')} {c.arg('model') or ''}".lower()
     # Every Qwen 3.5 profile is named qwen35 or qwen35-<variant>.
@@ -265,7 +269,7 @@ RULES: tuple[LintRule[LintContext], ...] = (
         'vllm_publish_address = "127.0.0.1" (keep --host 0.0.0.0: vLLM bound to 127.0.0.1 inside the container '
         "answers nothing on the published port)",
         lambda c: c.arg("host") in _ALL_INTERFACES and c.spec.publish_address is None
-        and not c.settings.get("vllm_api_key"),
+        and not c.settings.get("vllm_api_key") and not (c.spec.group and c.spec.group.rank),  # a rank serves none
     ),
     LintRule(
         "host-unreachable-behind-published-port",
@@ -344,6 +348,23 @@ RULES: tuple[LintRule[LintContext], ...] = (
         _legal_unit_fix,
         _align_without_safe_chunking,
     ),
+    LintRule(
+        "group-interface-unset",
+        "warning",
+        "no interface is set for the replica group's traffic: Gloo and NCCL pick one themselves (docker0, a second "
+        "NIC, the management network), and the ranks fail to meet or send every activation over the wrong link",
+        'set vllm_group_interface to the NIC of the group\'s network on this host (`ip -br addr`), e.g. "enp65s0"',
+        lambda c: _group_setting_unset(c, "vllm_group_interface"),
+    ),
+    LintRule(
+        "group-link-unstated",
+        "warning",
+        "pipeline parallel across hosts sends every token's activations between them, and no link is stated: over "
+        "1 GbE every request waits on the network",
+        'state the link, e.g. vllm_group_link = "25GbE" (10 GbE or faster), or serve a replica per box behind a '
+        "router",
+        lambda c: _group_setting_unset(c, "vllm_group_link"),
+    ),
 )
 
 
@@ -383,12 +404,59 @@ def lint_router(
     return [Finding(host, rule, rule.fix_for(context)) for rule in rules if rule.applies(context)]
 
 
+@dataclass(frozen=True)
+class GroupLintContext:
+    """A replica group's ranks as preflight read them (rank order): each one's GPU model and driver version."""
+
+    group: str
+    gpus: Mapping[str, str]  # host -> its GPUs' model ("" when it has none)
+    drivers: Mapping[str, str]  # host -> its NVIDIA driver version ("" when unknown)
+
+    def differing(self, seen: Mapping[str, str]) -> list[str]:
+        """The ranks whose value is not the head's (the first)."""
+        head = next(iter(seen.values()), "")
+        return [host for host, value in seen.items() if value != head]
+
+
+def _mixed_fix(c: GroupLintContext, seen: Mapping[str, str], what: str) -> str:
+    listed = ", ".join(f"{host} {value or 'unknown'}" for host, value in seen.items())
+    return f"serve the group on hosts with the same {what} ({listed})"
+
+
+GROUP_RULES: tuple[LintRule[GroupLintContext], ...] = (
+    LintRule(
+        "group-mixed-gpu-models",
+        "error",
+        "the replica group's ranks have different GPU models: vLLM sizes every stage's KV cache to the smallest "
+        "rank's memory and runs at the slowest rank's pace; the deploy refuses it",
+        lambda c: _mixed_fix(c, c.gpus, "GPU model") + ', or accept it on purpose: gpufleet_accept = '
+        '["group-mixed-gpu-models"] on the head',
+        lambda c: bool(c.differing(c.gpus)),
+    ),
+    LintRule(
+        "group-mixed-drivers",
+        "error",
+        "the replica group's ranks run different NVIDIA drivers: NCCL between them may fail to initialise or "
+        "hang; the deploy refuses it",
+        lambda c: _mixed_fix(c, c.drivers, "driver") + ', or accept it on purpose: gpufleet_accept = '
+        '["group-mixed-drivers"] on the head',
+        lambda c: bool(c.differing(c.drivers)),
+    ),
+)
+
+
+def lint_group(head: str, context: GroupLintContext,
+               rules: tuple[LintRule[GroupLintContext], ...] = GROUP_RULES) -> list[Finding]:
+    """Findings for a replica group over what its ranks reported (gpufleet.vllm.deploy's preflight reads them)."""
+    return [Finding(head, rule, rule.fix_for(context)) for rule in rules if rule.applies(context)]
+
+
 # --- what a host accepts on purpose ------------------------------------------------------------------------
 
 
 def acceptable_rule_ids() -> tuple[str, ...]:
     """The ids gpufleet_accept may name: every rule over a host's settings (not the accept rules themselves)."""
-    return (*(rule.id for rule in RULES), *(rule.id for rule in ROUTER_RULES))
+    return (*(rule.id for rule in RULES), *(rule.id for rule in ROUTER_RULES), *(rule.id for rule in GROUP_RULES))
 
 
 def _unknown_accept_fix(c: AcceptContext) -> str:
@@ -410,7 +478,7 @@ ACCEPT_RULES: tuple[LintRule[AcceptContext], ...] = (
     ),
 )
 # Every rule lint has, whatever it reads.
-ALL_RULES: tuple[LintRule[Any], ...] = (*RULES, *ROUTER_RULES, *ACCEPT_RULES)
+ALL_RULES: tuple[LintRule[Any], ...] = (*RULES, *ROUTER_RULES, *GROUP_RULES, *ACCEPT_RULES)
 
 
 def accepted_rule_ids(host: str, value: Any) -> frozenset[str]:

@@ -8,27 +8,23 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.errors import GpufleetError, SettingErrors, one_line
-from gpufleet.inventory import load_roles
-from gpufleet.vllm.settings import build_spec
+from gpufleet.inventory import load_roles_and_groups
+from gpufleet.vllm.group_specs import resolve_replicas
 from gpufleet.vllm.spec import ServeSpec
 
 
 def load_host_specs(inventory_path: str | Path, only_host: str | None = None) -> list[tuple[ServeSpec, dict[str, Any]]]:
-    """[(validated spec, host data)] for every host (or one); raises SettingErrors listing every invalid setting."""
-    routers, hosts = load_roles(inventory_path)
-    if only_host is not None:
-        hosts = [(name, data) for name, data in hosts if name == only_host]
-        if not hosts:
-            raise GpufleetError(one_line(f"{only_host}: no such host in {inventory_path} (fix: check --host)"))
-    specs, errors = [], []
-    for name, data in hosts:
-        try:
-            specs.append((build_spec(name, data, behind_router=bool(routers)), data))
-        except SettingErrors as exc:
-            errors += exc.errors
+    """[(validated spec, host data)] for every host (or one); raises SettingErrors listing every invalid setting. A
+    replica group's ranks are resolved together (gpufleet.vllm.group_specs)."""
+    routers, hosts, groups = load_roles_and_groups(inventory_path)
+    if only_host is not None and only_host not in dict(hosts):
+        raise GpufleetError(one_line(f"{only_host}: no such host in {inventory_path} (fix: check --host)"))
+    resolved, errors = resolve_replicas(hosts, groups, bool(routers),
+                                        only=None if only_host is None else [only_host])
     if errors:
         raise SettingErrors(errors)
-    return specs
+    return [(resolved[name][0], data) for name, data in hosts if name in resolved
+            and (only_host is None or name == only_host)]
 
 
 def load_specs(inventory_path: str | Path, only_host: str | None = None) -> list[ServeSpec]:

@@ -163,12 +163,16 @@ def _plain_value(setting: str, info: FlagInfo, value: Any, fail: Fail) -> str | 
     return text
 
 
-def check_cross_flag_rules(args: Mapping[str, ArgValue], gpus: tuple[int, ...], fail: Fail) -> None:
+def check_cross_flag_rules(args: Mapping[str, ArgValue], gpus: tuple[int, ...], fail: Fail, nodes: int = 1) -> None:
+    """nodes: the hosts of a replica group (each holds len(gpus) GPUs), 1 for a replica of its own."""
     def as_int(name: str, default: int) -> int:
         value = args.get(name)
         return int(value) if isinstance(value, str) and re.fullmatch(r"[0-9]+", value) else default
 
-    if gpus:
+    if gpus and nodes > 1:
+        _check_group_layout(as_int("tensor-parallel-size", 1), as_int("pipeline-parallel-size", 1),
+                            as_int("data-parallel-size", 1), len(gpus), nodes, fail)
+    elif gpus:
         dp = as_int("data-parallel-size", 1)
         tp, pp = as_int("tensor-parallel-size", 1), as_int("pipeline-parallel-size", 1)
         if dp * tp * pp != len(gpus):
@@ -185,3 +189,19 @@ def check_cross_flag_rules(args: Mapping[str, ArgValue], gpus: tuple[int, ...], 
     if isinstance(mnbt, str) and isinstance(seqs, str) and mnbt.isdigit() and seqs.isdigit() and int(mnbt) < int(seqs):
         fail("vllm_args['max-num-batched-tokens']", f"{mnbt} is below max-num-seqs {seqs}",
              f"set max-num-batched-tokens to at least {seqs}")
+
+
+def _check_group_layout(tp: int, pp: int, dp: int, per_host: int, nodes: int, fail: Fail) -> None:
+    """A replica group's layout: pipeline parallel across the hosts, tensor parallel within each."""
+    if dp != 1:
+        fail("vllm_args['data-parallel-size']", f"{dp}: a replica group is one engine across its hosts",
+             "remove it (more replicas: more groups or hosts behind a router)")
+    elif tp * pp != per_host * nodes:
+        fit = per_host * nodes // tp if tp and per_host * nodes % tp == 0 else 0
+        fix = f"set vllm_args pipeline-parallel-size to {fit}" if fit else f"list {tp * pp // nodes} GPUs per host"
+        fail("vllm_gpus", f"{nodes} hosts x {per_host} GPU(s) but tensor-parallel-size {tp} x pipeline-parallel-size "
+             f"{pp} = {tp * pp}", fix)
+    elif per_host % tp:
+        fail("vllm_args['tensor-parallel-size']", f"{tp} does not divide the {per_host} GPU(s) of each host: tensor "
+             "parallel would span hosts, every layer's all-reduce crossing the network",
+             f"set tensor-parallel-size to {per_host} and pipeline-parallel-size to {nodes}")

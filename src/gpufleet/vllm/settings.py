@@ -35,6 +35,7 @@ from gpufleet.errors import SettingError, SettingErrors, shown
 from gpufleet.quoting import systemd_exec
 from gpufleet.vllm.container_env import check_secret_env, merge_env
 from gpufleet.vllm.docker_options import merge_docker_options
+from gpufleet.vllm.group import Member, check_member_settings
 from gpufleet.vllm.plain_settings import (
     check_abs_dir,
     check_expect_committed,
@@ -99,13 +100,15 @@ def profile_for(name: Any) -> Profile | None:
 BEHIND_ROUTER_ARGS: dict[str, ArgValue] = {"enable-scale-out": True}
 
 
-def build_spec(host: str, host_data: Mapping[str, Any], behind_router: bool = False) -> ServeSpec:
+def build_spec(host: str, host_data: Mapping[str, Any], behind_router: bool = False,
+               member: Member | None = None) -> ServeSpec:
     """Validate a host's settings and build its ServeSpec; raise SettingErrors listing every problem.
-    behind_router: the inventory has a router in front of this replica (BEHIND_ROUTER_ARGS)."""
-    return resolve_host(host, host_data, behind_router)[0]
+    behind_router: the inventory has a router in front of this replica (BEHIND_ROUTER_ARGS); member: its rank in a
+    replica group (gpufleet.vllm.group)."""
+    return resolve_host(host, host_data, behind_router, member)[0]
 
 
-def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = False
+def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = False, member: Member | None = None
                  ) -> tuple[ServeSpec, dict[str, Any]]:
     """build_spec, and the merged settings it was built from: callers that need both merge once."""
     errors: list[SettingError] = []
@@ -150,6 +153,8 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
     _check_speed_settings(s, fail)
     check_install_settings(s, fail)
     check_site_cache(s, fail)
+    if member is not None:
+        check_member_settings(member, s, fail)
 
     substitutions = {"model_path": posixpath.join(profile.models_mount, str(model)),
                      "served_model_name": str(model), "port": str(port)}
@@ -158,7 +163,11 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
     env = merge_env(profile, s["vllm_env"], fail)
     secret_names = check_secret_env(s["vllm_secret_env"], env, fail)
     options = merge_docker_options(profile, s["vllm_docker_options"], fail)
-    check_cross_flag_rules(vllm_args, gpus, fail)
+    if member is not None:  # the group's own flags and environment come last, over nothing of the host's
+        vllm_args.update(member.args())
+        env.update(member.env())
+        options["network"] = "host"
+    check_cross_flag_rules(vllm_args, gpus, fail, nodes=len(member.hosts) if member else 1)
     if errors:
         raise SettingErrors(errors)
 
@@ -170,7 +179,7 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
         docker_options=tuple(options.items()), env=tuple(env.items()),
         secret_env_names=(("VLLM_API_KEY",) if s["vllm_api_key"] else ()) + secret_names,
         mounts=mounts, vllm_args=tuple(vllm_args.items()), hybrid=profile.hybrid, native_model=profile.native,
-        publish_address=publish_address,
+        publish_address=publish_address, group=member,
     )
     _check_unit_line(spec, fail)
     if errors:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufleet.names import LOOPBACK, container_label_key, url_host
+from gpufleet.vllm.group import Member
 
 ArgValue = bool | str  # True = bare flag, False = --no-<flag>, str = the value
 OptionValue = bool | str | tuple[str, ...]  # True = bare flag, str = --name=value, tuple = repeated --name v
@@ -59,6 +60,9 @@ class ServeSpec:
     native_model: bool
     # Host address the port is published on (docker -p ADDR:PORT:PORT); None publishes on every interface.
     publish_address: str | None = None
+    # Its rank in a replica group (host networking: nothing published). Not hashed: what it adds to the container
+    # is in vllm_args, env and docker_options.
+    group: Member | None = None
 
     # --- identity -----------------------------------------------------------------------------------------
     @property
@@ -163,7 +167,8 @@ class ServeSpec:
         argv += ["--gpus", '"device=' + ",".join(str(g) for g in self.gpus) + '"']
         for name, value in options.items():
             argv += _option_args(name, value)
-        argv += ["-p", self.publish_arg]
+        if self.group is None:
+            argv += ["-p", self.publish_arg]
         for name, value in self.env:
             argv += ["-e", f"{name}={value}"]
         for name in self.secret_env_names:

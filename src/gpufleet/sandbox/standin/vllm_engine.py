@@ -52,6 +52,7 @@ class Engine:
         self.seen: set[str] = set()
         self.lock = threading.Lock()
         self.dead = False
+        self.group: Any = None  # the head's vllm_group.Head when it runs across hosts (--nnodes)
         self.running = 0
         self.counters = {
             "prefix_cache_queries": 0,

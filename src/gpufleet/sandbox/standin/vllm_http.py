@@ -164,6 +164,20 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._json(404, {"detail": "Not Found"})
 
+    def _lost_rank(self, ranks: list[int]) -> None:
+        """A rank left the group: the pipeline's first send fails, the engine dies and the server exits (vLLM)."""
+        self.engine.dead = True
+        print(f"ERROR pipeline stage of rank(s) {ranks} is gone: Connection closed by peer\n"
+              "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) "
+              "for the root cause.", flush=True)
+        server = self.server
+
+        def stop() -> None:
+            time.sleep(float(os.environ.get("STANDIN_DEAD_SECONDS", "1")))
+            server.shutdown()
+
+        threading.Thread(target=stop, daemon=True).start()
+
     def do_POST(self) -> None:
         e = self.engine
         # Read before any answer, even a 404 or a 401: an unread body would be parsed as the next request.
@@ -199,6 +213,8 @@ class Handler(BaseHTTPRequestHandler):
         if problem:
             self._json(400, {"error": {"message": problem, "type": "BadRequestError", "param": None, "code": 400}})
             return
+        if e.group is not None and not e.dead and e.group.lost():
+            self._lost_rank(e.group.lost())
         # A dead engine, or one that crashes in every batch (STANDIN_MISBEHAVE=completions-fail): vLLM's 500.
         if e.dead or MISBEHAVE == "completions-fail":
             self._json(

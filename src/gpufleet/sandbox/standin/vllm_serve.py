@@ -40,6 +40,9 @@ Behaves like vLLM where gpufleet depends on it:
   beside it: written to a temp dir, then renamed); a start that finds a valid entry logs vLLM's "Directly load AOT
   compilation from path ..." and skips the compile; a damaged one is compiled again, with vLLM's warning; -O0
   and --enforce-eager compile nothing;
+- --nnodes N: one engine across hosts (vllm_group): the head listens on --master-port and serves once every rank
+  joined, a --headless rank joins it and serves nothing; neither notices the other die while idle, a request with
+  a rank gone kills the head's engine;
 - STANDIN_DIE_AFTER=S: the engine dies S seconds after serving starts (/health 503, then the server exits 1);
 - STANDIN_UNKNOWN_FLAGS=--a,--b: flags this "older vLLM" does not know (exit 2 if used);
 - STANDIN_MISBEHAVE: a server the health checks must survive, once serving starts: "models-not-json" (/health
@@ -68,11 +71,13 @@ if TYPE_CHECKING or __package__:  # imported from the package: the checkout's te
     from .vllm_argv import VERSION, fail, parse_args
     from .vllm_compile_cache import warm_or_compile
     from .vllm_engine import Engine
+    from .vllm_group import Head, ready_timeout_s, run_rank
     from .vllm_http import Handler
 else:  # the image's /opt/gpufleet-standin: side by side, and a script's own directory is on sys.path
     from vllm_argv import VERSION, fail, parse_args
     from vllm_compile_cache import warm_or_compile
     from vllm_engine import Engine
+    from vllm_group import Head, ready_timeout_s, run_rank
     from vllm_http import Handler
 
 
@@ -95,11 +100,18 @@ def main(argv: list[str]) -> int:
             "   - For Hugging Face models: ensure the presence of a 'config.json'.\n"
             "   - For Mistral models: ensure the presence of a 'params.json'.",
         )
+    nnodes = args.nnodes or 1
+    if nnodes > 1 and args.headless:
+        return run_rank(args.master_addr or "127.0.0.1", args.master_port or 29501, args.node_rank or 0)
     engine = Engine(args, model, json.loads(config_path.read_text()))
     print(f"INFO vLLM API server version {VERSION} (stand-in)\nINFO non-default args: {vars(args)}", flush=True)
+    if nnodes > 1:
+        engine.group = Head(args.master_port or 29501, nnodes)
     # vLLM binds only after the engine is up: until then a client's connect is refused.
     time.sleep(float(os.environ.get("STANDIN_LOAD_SECONDS", "2")))
     warm_or_compile(args, json.loads(config_path.read_text()))
+    if engine.group is not None:
+        engine.group.wait(ready_timeout_s())
     Handler.engine = engine
     server = ThreadingHTTPServer((args.host or "", args.port or 8000), Handler)
     server.daemon_threads = True

@@ -42,6 +42,7 @@ from gpufleet.operations.secret import Hidden
 from gpufleet.units import unit_name, unit_path
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.layout import Layout, Managed
+from gpufleet.vllm.operations.group import GroupRun
 from gpufleet.vllm.operations.image import now_utc, target_ref
 from gpufleet.vllm.operations.model import target_model
 from gpufleet.vllm.snapshot import snapshot
@@ -106,7 +107,8 @@ def target_version(spec: ServeSpec, host: Host, pin: str | None, model: ModelTar
     at = target_model(model, host)
     return Version(image=spec.image, ref=ref, unit_sha256=sha256(render_unit(spec, ref, at)),
                    spec_hash=spec.spec_hash, service=spec.service, port=spec.port, model=at,
-                   model_revision=model.revision if model and at else None)
+                   model_revision=model.revision if model and at else None,
+                   group=spec.group.version(ref, at) if spec.group else None)
 
 
 def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
@@ -214,12 +216,13 @@ def _changed(ops: list[OperationMeta]) -> bool:
 @operation(is_idempotent=False)
 def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin: str | None, retry_failed: bool,
             start: bool = True, force: bool = False, replaces: str | None = None,
-            model: ModelTarget | None = None) -> Commands:
+            model: ModelTarget | None = None, group: GroupRun | None = None) -> Commands:
     """Enable the vLLM service and (re)start it when its unit, secrets or image changed, when what runs is not what
     the unit on disk says (snapshot's RunningService.drift: the file checksums alone cannot see that), or when a cut
     run's version is to be finished (force). replaces: the service a renamed vllm_service replaces, stopped and
     disabled first (both would hold the same GPUs and port: a reboot during the new one's soak must not start both);
-    the verify step removes it once the new one is committed, and a rollback enables it again."""
+    the verify step removes it once the new one is committed, and a rollback enables it again. group: a replica
+    group's ranks restart together."""
     name = unit_name(spec.service)
     snap = snapshot()
     if not start:
@@ -233,7 +236,10 @@ def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin
     drift = snap.running.drift()
     if drift and _executing():  # said once (pyinfra runs this generator to plan, and again to execute)
         host.log_styled(f"{name} does not run what its unit says ({'; '.join(drift)}): restarting it", fg="yellow")
-    if _changed(changes) or drift or force or not snap.unit_active(name):
+    ranks = group.others_restart(host.name) if group else []
+    if ranks and not (_changed(changes) or drift or force) and _executing():
+        host.log_styled(f"restarting {name} with its group: {'; '.join(ranks)}", fg="yellow")
+    if _changed(changes) or drift or force or not snap.unit_active(name) or ranks:
         yield FunctionCommand(still_locked, (), {})
         yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed, model), {})
         # Checked on the host in the restart's own shell too: a lock lost since the check above refuses it there.
@@ -267,18 +273,20 @@ def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
 
 @operation(is_idempotent=False)
 def ready(spec: ServeSpec, verify: Verify, roll_back: AfterVerify, changes: list[OperationMeta], start: bool = True,
-          soak_s: float = 0.0, force: bool = False) -> Commands:
+          soak_s: float = 0.0, force: bool = False, group: GroupRun | None = None, serves: bool | None = None
+          ) -> Commands:
     """Verify the vLLM service serves what its spec says; after a (re)start (or with force: a cut run's version to
     finish), verify with a soak of soak_s, and when that fails roll back at once (roll_back: the committed version
     back, the host failed on one line). The commit is the next operation's (committed): it may wait for the other
-    hosts' verify, a rollback must not (pyinfra runs each operation on every host before the next one starts)."""
+    hosts' verify, a rollback must not (pyinfra runs each operation on every host before the next one starts).
+    group: a replica group's ranks are verified together (through the head: `serves` says whether it serves)."""
     snap = snapshot()
     if not start:
         host.noop("no GPU: the service is not started, nothing to verify")
         return
     restarted = (force or _changed(changes) or bool(snap.running.drift())
-                 or not snap.unit_active(unit_name(spec.service)))
-    if not restarted and serves_expected(snap, Expected.from_spec(spec)):
+                 or not snap.unit_active(unit_name(spec.service)) or bool(group and group.others_restart(host.name)))
+    if not restarted and (serves if serves is not None else serves_expected(snap, Expected.from_spec(spec))):
         host.noop(f"ready: /health 200, /v1/models serves {spec.served_model_name}")
         return
     yield FunctionCommand(verify, (soak_s if restarted else 0.0,), {})

@@ -1,0 +1,70 @@
+"""A replica group as one replica of a rollout (docs/multi-node.md): its ranks swap in one deploy run, its head alone
+is drained and routed to, and it is done only once every rank committed the target."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+
+from gpufleet.rollout.replicas import FleetHost
+from gpufleet.vllm.group import Member
+
+
+def _member(hosts: Mapping[str, FleetHost], name: str) -> Member | None:
+    found = hosts.get(name)
+    return found.spec.group if found is not None else None
+
+
+def in_group(hosts: Mapping[str, FleetHost], name: str) -> bool:
+    return _member(hosts, name) is not None
+
+
+def ranks(hosts: Mapping[str, FleetHost], name: str) -> tuple[str, ...]:
+    """The host's group in rank order; the host alone outside a group."""
+    member = _member(hosts, name)
+    return member.hosts if member is not None else (name,)
+
+
+def is_worker(hosts: Mapping[str, FleetHost], name: str) -> bool:
+    """A replica of its own or a group's head: what a router routes to."""
+    member = _member(hosts, name)
+    return member is None or member.is_head
+
+
+def workers(hosts: Iterable[FleetHost]) -> list[FleetHost]:
+    return [h for h in hosts if h.spec.group is None or h.spec.group.is_head]
+
+
+def done(on_target: Collection[str], hosts: Mapping[str, FleetHost]) -> set[str]:
+    """The hosts on their target that are done: a group's only when every rank is."""
+    return {h for h in on_target if all(r in on_target for r in ranks(hosts, h))}
+
+
+def skipped(sick: Mapping[str, str], hosts: Mapping[str, FleetHost]) -> dict[str, str]:
+    """The hosts skipped for their GPUs (host -> why), with every rank of a group one of them is in."""
+    out = dict(sick)
+    for name in sick:
+        for rank in ranks(hosts, name):
+            out.setdefault(rank, f"not swapped: {name}, a rank of its group, is skipped for its GPUs")
+    return out
+
+
+def units(order: Sequence[str], hosts: Mapping[str, FleetHost]) -> list[list[str]]:
+    """`order` as replicas: each group once, where its first host comes, head first."""
+    seen: set[str] = set()
+    out: list[list[str]] = []
+    for name in order:
+        if name not in seen:
+            unit = list(ranks(hosts, name))
+            seen.update(unit)
+            out.append(unit)
+    return out
+
+
+def expand(order: Sequence[str], hosts: Mapping[str, FleetHost]) -> list[str]:
+    """`order` with each group's ranks together, head first."""
+    return [name for unit in units(order, hosts) for name in unit]
+
+
+def canaries(order: Sequence[str], hosts: Mapping[str, FleetHost], canary: int) -> set[str]:
+    """Every host of the first `canary` replicas."""
+    return {name for unit in units(order, hosts)[:canary] for name in unit}
