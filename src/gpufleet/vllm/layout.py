@@ -1,9 +1,6 @@
 """Where one vLLM service lives on a host, and which of those paths each operation module manages.
 
-Every operation module that writes files or creates directories declares them in a `managed(layout)` function;
-gpufleet.vllm.operations.managed_paths() unions those declarations into what the host snapshot reads. The deploy passes
-the same declarations to the operations, so a path an operation writes is a path the snapshot reads: a file the
-snapshot did not checksum would be uploaded again on every run, silently.
+The snapshot reads every managed path: a file it did not checksum would be uploaded again on every run.
 """
 
 from __future__ import annotations
@@ -17,11 +14,11 @@ from gpufleet.units import unit_path
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import env_file_path
 
-HF_CACHE_SUBDIR = "huggingface"  # under vllm_cache_dir: the model download's cache (resumable partial files)
+HF_CACHE_SUBDIR = "huggingface"  # under vllm_cache_dir
 
 
 def model_dir(spec: ServeSpec) -> str:
-    """The served model's directory on the host: --model's path under its mount's host side."""
+    """The host directory of --model's path."""
     mount = spec.model_mount
     return posixpath.join(posixpath.normpath(mount.host_path), posixpath.relpath(spec.model_path, mount.container_path))
 
@@ -30,13 +27,12 @@ def model_dir(spec: ServeSpec) -> str:
 class Layout:
     service: str
     models_dir: str  # host side of the model mount
-    model_dir: str  # the served model's directory on the host (under models_dir)
-    cache_dirs: tuple[str, ...]  # host side of the service's cache mounts (vLLM, torch, ComputeCache)
-    hf_cache: str  # the model download's cache (no serving container mounts it)
+    model_dir: str
+    cache_dirs: tuple[str, ...]  # host side of the cache mounts
+    hf_cache: str  # the model download's cache; no serving container mounts it
 
     @classmethod
     def of(cls, spec: ServeSpec, cache_dir: str) -> Layout:
-        """From the spec (its mounts) and vllm_cache_dir (the hf cache's parent; no container mounts it)."""
         mount = spec.model_mount
         hf_cache = posixpath.join(posixpath.normpath(cache_dir), HF_CACHE_SUBDIR)
         caches = tuple(posixpath.normpath(m.host_path) for m in spec.mounts if m != mount)
@@ -58,7 +54,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Managed:
-    """Paths an operation module writes: files (compared by sha256) and directories (by owner and mode)."""
+    """Paths an operation module writes: files compared by sha256, directories by owner and mode."""
 
     files: tuple[str, ...] = ()
     dirs: tuple[str, ...] = ()

@@ -1,4 +1,4 @@
-"""Docker engine: installed (Docker's repo or the distribution's docker.io), running, restarted on config change."""
+"""The Docker engine: installed, running, restarted on a config change, trusting the site cache."""
 
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ from gpufleet.vllm.snapshot import snapshot
 
 DOCKER_KEY = "/etc/apt/keyrings/docker.asc"
 DOCKER_LIST = "/etc/apt/sources.list.d/docker.list"
-# The site cache address gpufleet put in insecure-registries: the one it takes out when the cache moves or goes.
-TRUSTED = f"{STATE_DIR}/site-cache.trusted"
+TRUSTED = f"{STATE_DIR}/site-cache.trusted"  # the cache address gpufleet put in insecure-registries
 _RECORDED = "@@gpufleet:trusted"
 CE_PACKAGES = ["docker-ce", "docker-ce-cli", "containerd.io"]
 
 
 def managed(layout: Layout) -> Managed:
-    # Read whatever docker_install is: a host switching to docker-ce must not upload the same key twice.
+    # Whatever docker_install is: a host switching to docker-ce must not upload the key twice.
     return Managed(files=(DOCKER_KEY, DOCKER_LIST, TRUSTED))
 
 
@@ -36,31 +35,23 @@ def key_url(repo_url: str, os_id: str) -> str:
 
 
 def armored(text: str) -> bytes:
-    """Docker's key file is the armored key as served (apt reads .asc keyrings): checked, stored as it is."""
-    dearmor(text)  # raises ValueError for anything but an armored public key block (an HTML error page)
+    """Docker's key file, stored armored as served (apt reads .asc keyrings)."""
+    dearmor(text)  # raises ValueError for an HTML error page
     return text.encode()
 
 
 def repo_line(repo_url: str, os_id: str, codename: str, arch: str) -> str:
-    """Docker's documented apt source: <base>/<os id> <codename> stable, signed by its own key."""
+    """Docker's documented apt source line."""
     return f"deb [arch={arch} signed-by={DOCKER_KEY}] {repo_url.rstrip('/')}/{os_id} {codename} stable\n"
 
 
 @operation()
 def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.com/linux",
            refresh_keys: bool = False) -> Commands:
-    """Install the Docker engine: docker-ce from Docker's repo, or the distribution's docker.io ("distro").
-
-    docker-ce's key (`<repo_url>/<os id>/gpg`, kept as /etc/apt/keyrings/docker.asc) is decided as the NVIDIA
-    repo's is (gpufleet.vllm.operations.repo_keys.key_commands): the installed key stands unless refresh_keys
-    (gpufleet_refresh_keys) fetched a different one; it is fetched while executing when missing, or when apt is
-    about to read the repo (a package to install, a changed source line).
-
-        docker.engine(install="docker-ce", repo_url="https://download.docker.com/linux", refresh_keys=False)
-    """
+    """Install the Docker engine: docker-ce from Docker's repo, or the distribution's docker.io ("distro")."""
     snap = snapshot()
     if install == "distro":
-        # docker-ce on the host with docker_install "distro" never gets here: preflight refuses the swap.
+        # Preflight refuses a swap from docker-ce.
         if snap.installed("docker.io"):
             host.noop(f"docker.io {snap.packages['docker.io']} is installed")
             return
@@ -105,9 +96,9 @@ def restarted() -> Commands:
 
 
 def with_insecure_registry(text: str | None, address: str | None, drop: Collection[str] = ()) -> str | None:
-    """daemon.json's text with `address` in insecure-registries and the `drop` entries out of it, every other key
-    kept; None when that is what it holds. Raises ValueError for a file that is not a JSON object (never
-    overwritten)."""
+    """daemon.json with `address` in insecure-registries and `drop` out of it; None when unchanged.
+
+    Raises ValueError for a file that is not a JSON object, which is never overwritten."""
     doc = json.loads(text) if text and text.strip() else {}
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
@@ -124,7 +115,7 @@ def with_insecure_registry(text: str | None, address: str | None, drop: Collecti
 
 
 def _trust(state: State, host: Host, address: str | None) -> bool:
-    # Read while executing: nvidia-ctk may have rewritten the file earlier in this run, after the snapshot.
+    # nvidia-ctk may have rewritten the file in this run, after the snapshot.
     sudo = use_sudo(host)
     ok, output = host.run_shell_command(f"cat {DAEMON_JSON} 2>/dev/null; echo {_RECORDED}; cat {TRUSTED} 2>/dev/null; "
                                         "true", _sudo=sudo)
@@ -137,7 +128,7 @@ def _trust(state: State, host: Host, address: str | None) -> bool:
     if merged is not None:
         if not write_file(host, DAEMON_JSON, merged):
             return False
-        # try-: a Docker that is not running (installed this run, started later) reads the file when it starts.
+        # A Docker not running yet reads the file when it starts.
         if not host.run_shell_command("systemctl try-reload-or-restart docker.service", _sudo=sudo)[0]:
             return fail(host, f"{DAEMON_JSON} changed, but docker did not reload it (fix: `systemctl status docker`)")
     if address is None:
@@ -147,9 +138,7 @@ def _trust(state: State, host: Host, address: str | None) -> bool:
 
 @operation()
 def trusts_site_cache(address: str | None) -> Commands:
-    """Let Docker pull from the site cache at `address` over plain HTTP (insecure-registries), and no longer from
-    one gpufleet trusted before (the cache moved, or `address` None: turned off), as recorded in TRUSTED; dockerd
-    reloads the file on SIGHUP: no container restarts."""
+    """Let Docker pull from the site cache at `address` over plain HTTP, and from no cache trusted before."""
     snap = snapshot()
     listed = (snap.daemon_json or {}).get("insecure-registries") or []
     record = sha256(f"{address}\n") if address else None

@@ -1,12 +1,6 @@
-"""Before a new image is installed: do its own `vllm serve` parser accept this host's serve flags?
+"""Does a new image's own `vllm serve` parser accept the spec's flags? Nightly images rename and drop flags.
 
-Nightly images rename and drop flags. The settings validation knows the flags of one vLLM (gpufleet.vllm.flags);
-the image about to run may be another. So when the digest the unit will run differs from the committed one, the
-target image's entrypoint parses the spec's flags (ServeSpec.flag_check_argv: no GPU, no network, the model a
-path that exists nowhere) while the old version keeps serving. vLLM's argparse exits 2 with `error: unrecognized
-arguments: ...` or `error: argument --x: invalid choice: ...` before any model work; an accepted command line gets
-past it and fails at model resolution, naming the placeholder path. Anything else (docker could not run the image,
-no answer in time) is not a verdict, and the host fails too: an unchecked image is not installed.
+A rejection exits 2 before any model work; an accepted command line fails at the placeholder model path.
 """
 
 from __future__ import annotations
@@ -25,10 +19,9 @@ from gpufleet.remote.ssh import use_sudo
 from gpufleet.vllm.operations.image import target_ref
 from gpufleet.vllm.spec import FLAG_CHECK_MODEL, ServeSpec
 
-TIMEOUT_S = 120  # importing vLLM (torch) takes tens of seconds on a busy host; argparse runs right after
+TIMEOUT_S = 120  # importing torch takes tens of seconds on a busy host
 RC_MARK = "gpufleet-flagcheck-rc="
-# "vllm: error: unrecognized arguments: --x 3" (the top parser), "vllm serve: error: argument --kv-cache-dtype:
-# invalid choice: 'fp7' (choose from ...)" (the serve subparser): argparse's last line, its prog before ": error: ".
+# "vllm serve: error: argument --kv-cache-dtype: invalid choice: ..." or "vllm: error: unrecognized arguments: ..."
 _ERROR = re.compile(r"^(?P<prog>[\w .-]+): error: (?P<message>.+)$", re.MULTILINE)
 _ARGUMENT = re.compile(r"^argument (?P<flag>[^:]+): ")
 
@@ -40,8 +33,8 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Rejected:
-    flags: tuple[str, ...]  # the flags the parser named ("--a", "--b/-b")
-    message: str  # argparse's error line
+    flags: tuple[str, ...]  # as the parser named them: "--a", "--b/-b"
+    message: str
 
 
 @dataclass(frozen=True)
@@ -53,7 +46,7 @@ Verdict = Accepted | Rejected | Inconclusive
 
 
 def verdict(rc: int, output: str) -> Verdict:
-    """What the image's parser said, from the check's exit status and its output (stdout and stderr)."""
+    """What the image's parser said, from the check's exit status and output."""
     errors = list(_ERROR.finditer(output))
     if rc == 2 and errors:
         message = errors[-1].group("message").strip()
@@ -77,8 +70,7 @@ def _last_lines(output: str, n: int = 2) -> str:
 
 
 def check_command(spec: ServeSpec, ref: str) -> str:
-    """The shell line: the check bounded in time, its container removed if it outlived the bound (the client's
-    death does not stop it), the exit status printed last (pyinfra reports only ok/not ok)."""
+    """The check bounded in time, its exit status printed last since pyinfra reports only ok or not."""
     name = f"gpufleet-flagcheck-{spec.service}"
     run = " ".join(shlex.quote(a) for a in spec.flag_check_argv(ref, name))
     quoted = shlex.quote(name)
@@ -94,8 +86,7 @@ def rejection_line(host_name: str, ref: str, rejected: Rejected) -> str:
 
 
 def accepted_file(service: str) -> str:
-    """Where the last accepted (digest, spec hash) is noted: a rollout's swap run finds what its prepare run
-    checked and does not import vLLM again between the drain and the restart."""
+    """The last accepted digest and spec hash: a swap skips what its prepare checked."""
     return f"{STATE_DIR}/{service}.flags-accepted"
 
 
@@ -128,12 +119,10 @@ def _check(state: State, host: Host, spec: ServeSpec, committed_ref: str | None,
 
 @operation()
 def accepts_flags(spec: ServeSpec, committed_ref: str | None, pin: str | None) -> Commands:
-    """Fail the host when the image the unit will run (this run's pull resolved it, else `pin`) rejects the spec's
-    serve flags. Nothing to check when it is the committed (verified) digest. Runs after the pull, before the unit is
-    written."""
+    """Fail the host when the image the unit will run rejects the spec's serve flags."""
     ref = target_ref(pin)
     if ref is not None and ref == committed_ref:
         host.noop(f"{ref.rsplit('@', 1)[-1][:19]} is the committed image: its flags were verified")
         return
-    # Before the pull the digest is not known yet: the check decides when it runs.
+    # The digest may be known only after the pull.
     yield FunctionCommand(_check, (spec, committed_ref, pin), {})

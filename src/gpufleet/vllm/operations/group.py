@@ -1,6 +1,5 @@
-"""What a replica group's ranks share in one deploy run (docs/multi-node.md): one digest and model commit, one
-restart (a rank cannot rejoin a running engine) and the head's verdict. pyinfra runs each operation on every host
-before the next, so a rank's restart knows what every rank's earlier operations changed."""
+"""What a replica group's ranks share in one deploy run (docs/multi-node.md): one version, the head's verdict, and
+one restart, since a rank cannot rejoin a running engine."""
 
 from __future__ import annotations
 
@@ -22,20 +21,19 @@ from gpufleet.vllm.weights import ModelTarget
 
 @dataclass(eq=False)
 class GroupRun:
-    """One group's part of a run, filled in by each rank's deploy as pyinfra plans it."""
+    """One group's part of a run, filled in as pyinfra plans each rank."""
 
     member: Member
-    pin: str | None  # the digest every rank installs when known before the pulls (the head's ledger first)
-    model: ModelTarget | None = None  # the model every rank installs, its commit pinned likewise
+    pin: str | None  # known before the pulls, from the head's ledger first
+    model: ModelTarget | None = None
     changes: dict[str, list[OperationMeta]] = field(default_factory=dict)  # host -> what may restart it
-    reasons: dict[str, list[str]] = field(default_factory=dict)  # host -> why it restarts, seen in its snapshot
-    verified: gevent.event.Event = field(default_factory=gevent.event.Event)  # the head's verify ended
+    reasons: dict[str, list[str]] = field(default_factory=dict)  # host -> why its snapshot restarts it
+    verified: gevent.event.Event = field(default_factory=gevent.event.Event)
 
     def join(self, name: str, changes: list[OperationMeta], reasons: list[str]) -> None:
         self.changes[name], self.reasons[name] = changes, reasons
 
     def others_restart(self, name: str) -> list[str]:
-        """Why the other ranks restart: their changes and what their snapshots showed."""
         out = []
         for other in self.member.hosts:
             if other == name:
@@ -48,7 +46,7 @@ class GroupRun:
 
 
 class GroupRuns(dict[str, GroupRun]):
-    """The run's groups by name: a slot of the run's context (gpufleet.operations.run)."""
+    """The run's groups by name, a slot of the run context."""
 
 
 def group_run(state: State, member: Member, pins: Callable[[], tuple[str | None, ModelTarget | None]]) -> GroupRun:
@@ -75,7 +73,7 @@ def _same_version(state: State, host: Host, group: GroupRun) -> bool:
 
 @operation(is_idempotent=False)
 def same_version(group: GroupRun) -> Commands:
-    """Every rank installs one digest and model commit: the group's pins, else what every rank resolved, the same."""
+    """Fail unless every rank installs the same digest and model commit."""
     if group.pin is not None and (group.model is None or group.model.pin is not None):
         model = f" and {group.model.pin}" if group.model else ""
         host.noop(f"every rank of group {group.member.group} installs {group.pin}{model}")

@@ -1,12 +1,6 @@
-"""The model: one commit of its repo under vllm_models_dir, every file checked against the hub's own hashes before
-vLLM sees it, downloaded (resumably) with the serving image's hf CLI through the site's mirror of the hub when there
-is one (docs/site-cache.md), else from the hub.
+"""The model: one commit of its repo, every file checked against the hub's hashes before vLLM sees it.
 
-A branch is resolved to a commit once; the ledger records it beside the image digest (gpufleet.hoststate.ledger
-model_pin) and the unit names it, so a later converge keeps it until the setting changes or a rollout asks for
-another (gpufleet_model_ref), and a new commit is a new version: begun, restarted, verified, committed or rolled
-back like a new digest. A file whose hash is not the hub's is deleted and fetched again from the hub, once; still
-wrong, the host fails before its unit changes.
+The design is in docs/deploy.md (step 11) and docs/site-cache.md (the mirror).
 """
 
 from __future__ import annotations
@@ -34,19 +28,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def managed(layout: Layout) -> Managed:
-    # The model's own files are hf's to write; the deploy owns the directories the download writes into.
+    # The model's files are hf's to write; the deploy owns only the directories.
     return Managed(dirs=(layout.models_dir, layout.hf_cache))
 
 
 def target_model(model: ModelTarget | None, host: Host | None = None) -> str | None:
-    """The commit (repo@commit) the unit names: checked by this run (its state), else the one known before it."""
+    """The repo@commit the unit names: the one this run checked, else the pin."""
     if model is None:
         return None
     return host_run(host).resolved_model or model.pin
 
 
 def missing_parts(snap: HostSnapshot) -> list[str]:
-    """What keeps the model directory from being servable ([] = complete)."""
+    """What keeps the model directory from being servable; [] when complete."""
     files = snap.model_files
     missing = []
     if "config.json" not in files:
@@ -73,8 +67,7 @@ def _warn(host: Host, line: str) -> None:
 
 
 def _hub_revision(host: Host, hub: str, model: ModelTarget, env_file: str | None) -> HubRevision | str:
-    """The revision's files and hashes as the hub itself lists them (never the mirror: it is what is checked), or
-    why not."""
+    """The revision's files and hashes as the hub itself lists them, or why not."""
     url = weights.info_url(hub, model.repo, model.ask())
     ok, output = host.run_shell_command(weights.fetch_info_command(url, env_file), _sudo=use_sudo(host))
     if not ok:
@@ -91,7 +84,7 @@ def _mismatches(host: Host, where: str, revision: HubRevision) -> list[str]:
 
 
 def _mirror_answers(host: Host, mirror: ModelMirror, revision: HubRevision) -> str | None:
-    """None when the mirror serves the repo's model info, else why not (one phrase)."""
+    """None when the mirror serves the repo's model info, else why not."""
     url = weights.info_url(mirror.endpoint, revision.repo, revision.commit)
     ok, output = host.run_shell_command(
         f"curl -s -o /dev/null --noproxy '*' --connect-timeout 3 --max-time 30 -w '%{{http_code}}' "
@@ -104,16 +97,16 @@ def _mirror_answers(host: Host, mirror: ModelMirror, revision: HubRevision) -> s
 
 def _download(host: Host, spec: ServeSpec, image: str, revision: HubRevision, endpoint: str, env_file: str | None,
               hf_cache: str, where: str, refused: list[str], timeout_s: float | None = None) -> str | None:
-    """hf download of the commit from `endpoint` (refused files deleted first: hf skips a file it recorded as
-    complete); None on success, TIMED_OUT when ended past timeout_s, else the CLI's last lines."""
+    """Download the commit: None on success, TIMED_OUT, or the CLI's last lines.
+
+    Refused files go first: hf skips what it recorded as complete."""
     sudo = use_sudo(host)
     if refused:
         host.run_shell_command("rm -f " + " ".join(shlex.quote(p) for p in weights.partial_paths(where, refused)),
                                _sudo=sudo)
     argv = spec.hf_download_argv(image, revision.repo, revision.commit, hf_cache, env_file,
                                  env=weights.env_for_download(endpoint))
-    # hf's progress streams to the terminal; re-running resumes from the partial files. Ended past timeout_s: the
-    # SIGTERM reaches the container through docker run's signal proxy.
+    # docker run's signal proxy passes timeout's SIGTERM to the container.
     ok, lines = run_bounded(host, " ".join(shlex.quote(a) for a in argv), timeout_s)
     if not ok and lines and lines[-1].strip() == TIMED_OUT:
         return TIMED_OUT
@@ -138,23 +131,23 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
     marker = shlex.quote(f"{where}/{weights.MARKER}")
     snap = snapshot(host)
     if snap.model_checked == revision.pinned and not missing_parts(snap):
-        # Checked at this commit by an earlier run (a prepare before this converge): not hashed again.
+        # Checked at this commit by an earlier run.
         host_run(host).resolved_model = revision.pinned
         return True
-    # The commit a rollout's prepare moved away from, asked for again: its kept files come back, not downloaded.
+    # A commit kept aside by a rollout's prepare comes back without a download.
     _, output = host.run_shell_command(weights.restore_command(where, revision.pinned), _sudo=sudo)
     restored = weights.RESTORED in output.stdout_lines
     bad = _mismatches(host, where, revision)
     if bad:
         if not restored and snap.model_checked not in (None, revision.pinned):
-            # Another commit moves in: the one here stays servable (a rollback's) until the next commit.
+            # Another commit moves in: the one here is kept for a rollback.
             ok, output = host.run_shell_command(weights.keep_command(where), _sudo=sudo)
             if not ok:
                 return fail(host, f"could not keep {snap.model_checked} beside {where} before downloading another "
                                   f"commit: {one_line(' | '.join(output.stderr_lines[-2:]))} (fix: check free space "
                                   "and permissions there)")
-        host.run_shell_command(f"rm -f {marker}", _sudo=sudo)  # no longer vouched for from here on
-        image = target_ref(pin, host) or spec.image  # the digest this run's pull resolved, or the pin
+        host.run_shell_command(f"rm -f {marker}", _sudo=sudo)  # no longer vouched for
+        image = target_ref(pin, host) or spec.image
         endpoint = hub
         if mirror is not None:
             why = _mirror_answers(host, mirror, revision)
@@ -168,7 +161,7 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
             return _timed_out(host, model.repo, timeout_s)
         bad = _mismatches(host, where, revision) if failed is None else bad
         if failed is not None or bad:
-            # Refused: never served. Fetched again from the hub itself, once.
+            # Never served: fetched again from the hub itself, once.
             source = "the site cache's model mirror" if endpoint != hub else "the hub"
             _warn(host, f"{host.name}: warning: {source} {endpoint} " + (
                 f"served {len(bad)} file(s) whose hash is not the hub's ({', '.join(bad[:3])}): refused"
@@ -197,17 +190,14 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
 def present(spec: ServeSpec, where: str, model: ModelTarget | None, env_file: str | None, hf_cache: str,
             pin: str | None, hub: str = weights.HUB, mirror: ModelMirror | None = None,
             timeout_s: float | None = None) -> Commands:
-    """The model's commit in `where` (the host directory the spec's --model reads), every file checked against the
-    hub's hashes: downloaded with the serving image (the one this run's pull resolved, else `pin`) through `mirror`
-    when given, else from `hub`. Without a repo (model: None) the directory must be complete as staged by hand.
+    """The model's commit in `where`, every file checked against the hub's hashes; with no repo, staged by hand.
 
-    env_file: the root-only file holding HF_TOKEN, or None without a token (the token never is an argument);
-    timeout_s: vllm_fetch_timeout_s, each download's bound."""
+    env_file is the root-only file holding HF_TOKEN: the token is never an argument."""
     snap = snapshot()
     missing = missing_parts(snap)
     if model is None:
         if missing:
-            # Preflight refuses this case; kept so the operation is safe on its own.
+            # Preflight refuses this; kept so the operation is safe on its own.
             raise ValueError(f"{where} lacks {missing[0]} and vllm_model_repo is None")
         count = sum(1 for name in snap.model_files if name.endswith(".safetensors"))
         host.noop(f"{where} is complete (config, tokenizer, {count} weight file(s)), staged by hand")

@@ -1,5 +1,4 @@
-"""NVIDIA container toolkit: signed apt repo, package, and Docker's nvidia runtime (merged into daemon.json); the
-driver's version file, which spares the host snapshot one nvidia-smi call."""
+"""The NVIDIA container toolkit: its apt repo, package and Docker runtime; and the driver's version file."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from gpufleet.vllm.snapshot import snapshot
 KEYRING = "/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg"
 LIST = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
 PACKAGE = "nvidia-container-toolkit"
-# `nvidia-smi --version` as the snapshot last read it live (gpufleet.vllm.host_command.driver_lines reads it back). Not
-# *.json: the snapshot takes the state dir's JSON files for ledgers.
+# `nvidia-smi --version` as last read live. Not *.json: the snapshot reads those as ledgers.
 VERSION_FILE = f"{STATE_DIR}/nvidia-version"
 
 
@@ -34,22 +32,13 @@ def key_url(repo_url: str) -> str:
 
 
 def list_line(repo_url: str) -> str:
-    # NVIDIA's own list file uses the literal $(ARCH), which apt substitutes with the host's architecture.
+    # apt substitutes the literal $(ARCH), as in NVIDIA's own list file.
     return f"deb [signed-by={KEYRING}] {repo_url.rstrip('/')}/stable/deb/$(ARCH) /\n"
 
 
 @operation()
 def toolkit_repo(repo_url: str = "https://nvidia.github.io/libnvidia-container", refresh_keys: bool = False) -> Commands:
-    """Add NVIDIA's container-toolkit apt repo, signed by its key.
-
-    The installed keyring stands: the snapshot fetches `<repo_url>/gpgkey` only when the keyring is missing or
-    refresh_keys (gpufleet_refresh_keys) asks, and a key fetched that way replaces a different keyring (a rotated
-    key). When the toolkit is still to be installed or the list file changes, apt reads the repo in this run: the
-    key is fetched first, while executing, and a failed fetch fails the host. A refresh whose fetch failed keeps
-    the installed keyring with a warning.
-
-        nvidia.toolkit_repo(repo_url="https://nvidia.github.io/libnvidia-container", refresh_keys=False)
-    """
+    """Add NVIDIA's container-toolkit apt repo, signed by its key (docs/deploy.md, "Repo keys")."""
     snap = snapshot()
     url = key_url(repo_url)
     list_commands = list(put_content(LIST, list_line(repo_url)))
@@ -73,25 +62,24 @@ def toolkit() -> Commands:
     if snap.installed(PACKAGE):
         host.noop(f"{PACKAGE} {snap.packages[PACKAGE]} is installed")
         return
-    # update=True: the list file was (re)written just before; apt must read the new repo.
+    # The list file may be new.
     yield from apt.packages._inner(packages=[PACKAGE], update=True, no_recommends=True)
 
 
 @operation()
 def docker_runtime() -> Commands:
-    """Register the nvidia runtime with Docker (nvidia-ctk merges it into daemon.json; other keys stay)."""
+    """Register the nvidia runtime in daemon.json, other keys kept."""
     snap = snapshot()
     if snap.nvidia_runtime:
         host.noop("daemon.json has runtimes.nvidia")
         return
-    # Only when missing: nvidia-ctk rewrites the file, so running it every time would churn and restart Docker.
+    # Only when missing: nvidia-ctk rewrites the file, which restarts Docker.
     yield StringCommand(configure_runtime_command())
 
 
 @operation()
 def version_file() -> Commands:
-    """Record the driver's version and CUDA version on the host: the next snapshots print the file instead of
-    running `nvidia-smi --version`, for as long as the GPU query reports the driver it names."""
+    """Record `nvidia-smi --version` for the next snapshots to print while the GPUs report that driver."""
     snap = snapshot()
     if snap.driver_output is None:
         if snap.driver_from_file and snap.driver is not None:
@@ -108,8 +96,7 @@ def version_file() -> Commands:
 
 
 def configure_runtime_command(path: str = DAEMON_JSON) -> str:
-    """nvidia-ctk merges the runtime into a copy beside daemon.json, which then replaces it atomically: nvidia-ctk
-    writes its --config in place, and a cut there would leave dockerd a truncated file it refuses to start with."""
+    """Configure a copy, then replace daemon.json: a cut nvidia-ctk write leaves a file dockerd refuses."""
     tmp = temp_path(path)
     q = shlex.quote
     return (f"install -d -m 755 {q(path.rpartition('/')[0])} && rm -f {q(tmp)} && "

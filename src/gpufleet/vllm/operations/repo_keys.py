@@ -1,6 +1,4 @@
-"""The apt repos' signing keys (NVIDIA's and Docker's), shared by their operations: when a key is fetched, how it is
-checked and installed. The installed key stands; the snapshot fetches a key only for a missing file or with
-gpufleet_refresh_keys, and apt's installs fetch it first (docs/deploy.md, "Repo keys")."""
+"""The apt repos' signing keys: when one is fetched and installed (docs/deploy.md, "Repo keys")."""
 
 from __future__ import annotations
 
@@ -19,10 +17,7 @@ from gpufleet.vllm.facts import HostSnapshot
 
 
 def dearmor(armored: str) -> bytes:
-    """`gpg --dearmor` in Python: the base64 body of an ASCII-armored key block (armor headers and CRC dropped).
-
-    Done here so the host needs no gnupg and the comparison with the installed keyring is a checksum.
-    """
+    """`gpg --dearmor` in Python: the host needs no gnupg."""
     lines = armored.strip().splitlines()
     try:
         start = next(i for i, line in enumerate(lines) if line.startswith("-----BEGIN PGP PUBLIC KEY BLOCK"))
@@ -30,7 +25,7 @@ def dearmor(armored: str) -> bytes:
     except StopIteration:
         raise ValueError("not an ASCII-armored PGP public key block") from None
     body = lines[start + 1:end]
-    if "" in body:  # armor headers ("Comment: ...") end at the first blank line
+    if "" in body:  # armor headers end at the first blank line
         body = body[body.index("") + 1:]
     body = [line.strip() for line in body if line.strip() and not line.startswith("=")]
     try:
@@ -40,15 +35,13 @@ def dearmor(armored: str) -> bytes:
 
 
 def fetch_key_command(url: str) -> str:
-    # The URL is a setting: quoted, so `&`, `;`, `$(` or a quote in it can never reach the shell as syntax.
+    # A setting: quoted, never shell syntax.
     return f"curl -fsSL --max-time 60 {shlex.quote(url)}"
 
 
 def install_fetched_key(state: State, host: Host, url: str, path: str, as_file: Callable[[str], bytes],
                         installed_sha256: str | None, setting: str) -> bool:
-    """FunctionCommand: fetch the repo key at `url` on the host and make `path` hold what as_file makes of the
-    armored text (it raises ValueError for anything else), unless the installed file already does. A fetch that
-    fails ends the host's run on one line naming host, URL and fix: apt is about to read the repo with that key."""
+    """Make `path` hold as_file() of the key fetched from `url`; a failed fetch fails the host, as apt needs it."""
     ok, output = host.run_shell_command(fetch_key_command(url))
     try:
         if not ok:
@@ -58,22 +51,17 @@ def install_fetched_key(state: State, host: Host, url: str, path: str, as_file: 
         return fail(host, f"{host.name}: could not fetch the repo key {url}: {error} (fix: make {url} reachable "
                           f"from {host.name}, or set {setting} to a mirror that serves it)")
     if sha256(content) == installed_sha256:
-        return True  # the installed key is the one served: nothing to write
+        return True
     return bool(upload(host, content, path, mode="0644", _sudo=use_sudo(host)))
 
 
 def key_commands(snap: HostSnapshot, path: str, served: bytes | None, fetch: FunctionCommand, apt_reads_repo: bool,
                  refresh: bool, url: str) -> Commands:
-    """The commands that keep a repo's key file current, decided from the snapshot: the key as served (`served`,
-    when the snapshot fetched it: a missing file, or refresh) replaces a different file; without it, `fetch` runs
-    while executing when there is no file yet (the snapshot had no curl, or the key server did not answer) or apt
-    is about to read the repo anyway (a package to install, a changed source line), so a rotated key is picked up
-    whenever gpufleet installs; otherwise the installed key stands. A refresh whose fetch failed keeps it, saying
-    so once."""
+    """Keep a repo's key file current from `served`, the key the snapshot fetched, else by `fetch`."""
     if served is not None:
         yield from put_content(path, served)
     elif path not in snap.file_sha256 or apt_reads_repo:
         yield fetch
-    elif refresh and host.state.is_executing:  # said while executing: a plan that checks for changes runs this too
+    elif refresh and host.state.is_executing:  # a plan that checks for changes runs this too
         host.log_styled(f"{host.name}: could not fetch {url} to check for a rotated key; kept the installed "
                         f"{path}", fg="yellow", log_func=logger.warning)
