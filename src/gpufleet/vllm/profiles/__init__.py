@@ -1,10 +1,4 @@
-"""Profiles: known-good service definitions that host data refines, one module each.
-
-A profile module defines `PROFILE = Profile(...)`; every module in this package whose name does not start with
-"_" is one, found at import time, so adding a profile is one new file here plus its golden render test
-(docs/profiles.md). A profile also carries the defaults of the settings that depend on the model
-(Profile.settings): vllm_gpus, vllm_model, vllm_model_repo, vllm_model_revision, vllm_service, vllm_cache_dir.
-"""
+"""Profiles: known-good service definitions that host data refines, one module each (docs/profiles.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ __all__ = ["CACHE_ROOT", "PROFILES", "Profile", "discover"]
 
 
 def discover(package: ModuleType) -> dict[str, Profile]:
-    """{profile name: Profile} from the modules of a package, by module name; "_"-prefixed modules are helpers."""
+    """{name: Profile} from a package's modules; "_"-prefixed modules are helpers."""
     found: dict[str, Profile] = {}
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):

@@ -1,16 +1,13 @@
-"""`qwen35`: the published invocation (docs/profiles.md), flag for flag and value for value.
+"""`qwen35`: the published invocation, flag for flag (docs/profiles.md); `gpufleet lint` warns of its traps.
 
-Where that invocation has known problems, `gpufleet lint` warns and offers the fix; the profile does not silently
-change what users asked for. Its rendered docker run and unit are fixed by tests (the seed golden test and
-tests/fixtures/profiles/qwen35.*): a change here restarts every host that runs it.
+Golden tests fix its rendering: a change here restarts every host that runs it.
 """
 
 from __future__ import annotations
 
 from gpufleet.vllm.profiles._profile import Profile
 
-# Qwen's sampling for thinking mode and precise coding, kept as the published exact text (spacing and 0.60
-# included), not re-serialised: re-serialising would change every existing host's unit.
+# The published text exactly: re-serialising it would change every host's unit.
 GENERATION_CONFIG = ('{ "temperature": 0.60, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0, '
                      '"repetition_penalty": 1.0, "max_tokens": 16384 }')
 
