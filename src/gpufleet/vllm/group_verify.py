@@ -1,5 +1,4 @@
-"""The verify step of a replica group's ranks (docs/multi-node.md): the head verifies the group through its API and
-every rank's container; each rank takes that verdict, so the group commits or rolls back as one."""
+"""The verify step of a replica group: the head verifies, every rank takes its verdict (docs/multi-node.md)."""
 
 from __future__ import annotations
 
@@ -17,14 +16,13 @@ from gpufleet.vllm.operations.group import GroupRun
 from gpufleet.vllm.verify import Verification, VerifyOutcome, VerifyOutcomes, installed_problem, outcome, verify_rollout
 from gpufleet.wire.identity import Expected
 
-# How much longer than the head's own bound (vllm_ready_timeout and the soak) a rank waits for its verdict: the
-# answers and serving checks that follow them.
+# How much longer than the head's ready timeout and soak a rank waits: the checks that follow them.
 VERDICT_MARGIN_S = 900.0
 
 
 @dataclass(frozen=True)
 class GroupVerification(Verification):
-    """Verification for a rank of `group` (the head decides; see the module's docstring)."""
+    """Verification for a rank of `group`."""
 
     group: GroupRun | None = None
 
@@ -57,7 +55,7 @@ class GroupVerification(Verification):
         return True
 
     def check_once(self, host: Host, expected: Expected) -> Callable[[], HealthReport]:
-        """A rank is ready when its head is, and what runs there is its own container (held to the rank's version)."""
+        """A rank is ready when its head is, with its own container's report."""
         member = self._group.member
         head = super().check_once(host.state.inventory.get_host(member.head), expected)
         if host.name == member.head:
@@ -76,8 +74,7 @@ class GroupVerification(Verification):
 
 
 def ranks_installed(state: State, group: GroupRun, service: str) -> VerifyOutcome | None:
-    """A failed verdict when a rank's container is not what this run installed there: the head answering proves
-    the ranks joined, not with which version."""
+    """A failed verdict when a rank's container is not what this run installed: the head proves only they joined."""
     for name in group.member.hosts[1:]:
         pending = run_context(state).host(name).ledger.pending
         if pending is None:

@@ -1,6 +1,6 @@
-"""Where one vLLM service lives on a host, and which of those paths each operation module manages.
+"""Where one vLLM service lives on a host, and the paths each operation module manages.
 
-The snapshot reads every managed path: a file it did not checksum would be uploaded again on every run.
+The snapshot reads every managed path, or the file would be uploaded on every run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Layout:
     models_dir: str  # host side of the model mount
     model_dir: str
     cache_dirs: tuple[str, ...]  # host side of the cache mounts
-    hf_cache: str  # the model download's cache; no serving container mounts it
+    hf_cache: str  # no serving container mounts it
 
     @classmethod
     def of(cls, spec: ServeSpec, cache_dir: str) -> Layout:

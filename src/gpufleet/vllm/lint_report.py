@@ -1,8 +1,4 @@
-"""A fleet's lint findings folded into a LintReport: one line per finding, naming every host it fires on with the
-same message and fix, most severe first, with the findings a host accepts on purpose (`gpufleet_accept`) set
-apart; the exit status, the text lines and the JSON document `gpufleet lint` prints. The rules themselves and
-what each host accepts: gpufleet.vllm.lint. How to read and use the report: docs/lint.md.
-"""
+"""A fleet's lint findings folded into what `gpufleet lint` prints (docs/lint.md)."""
 
 from __future__ import annotations
 
@@ -13,14 +9,13 @@ from typing import Any
 from gpufleet.errors import SettingError, one_line
 from gpufleet.vllm.lint import SEVERITIES, Finding, Severity, acceptable_rule_ids, lint_accept
 
-# The id of a report line for a setting the deploy refuses (settings.build_spec, the router's build_router_spec).
-# It is no rule: it cannot be accepted, and lint runs its rules only once every setting is valid.
+# A setting the deploy refuses. It is no rule and cannot be accepted.
 INVALID_SETTING = "invalid-setting"
 
 
 @dataclass(frozen=True)
 class FleetFinding:
-    """One line of the report: a finding, with every host it fires on with this message and this fix."""
+    """A finding and every host it fires on."""
 
     id: str  # a rule id, or INVALID_SETTING
     severity: Severity
@@ -35,22 +30,21 @@ class FleetFinding:
 
 @dataclass(frozen=True)
 class LintReport:
-    hosts: tuple[str, ...]  # the vLLM hosts linted, in inventory order
-    routers: tuple[str, ...]  # the router hosts linted
-    findings: tuple[FleetFinding, ...]  # most severe first; what counts for the exit status
-    accepted: tuple[FleetFinding, ...] = ()  # findings on the hosts that accept them (gpufleet_accept): never counted
+    hosts: tuple[str, ...]  # the vLLM hosts, in inventory order
+    routers: tuple[str, ...]
+    findings: tuple[FleetFinding, ...]
+    accepted: tuple[FleetFinding, ...] = ()  # by gpufleet_accept: never counted
 
     def count(self, severity: Severity) -> int:
         return sum(1 for finding in self.findings if finding.severity == severity)
 
     def exit_code(self, strict: bool = False) -> int:
-        """1 when an error is found (under strict, a warning too), else 0; accepted findings never count."""
+        """1 when an error is found (under strict, a warning too), else 0."""
         failing = ("error", "warning") if strict else ("error",)
         return 1 if any(finding.severity in failing for finding in self.findings) else 0
 
     def where(self, finding: FleetFinding) -> str:
-        """Who a finding is about: "all 3 hosts" when it fires on the whole fleet (or on all of its vLLM hosts,
-        or all of its routers), else the hosts' names."""
+        """The hosts' names, or "all 3 hosts" (vLLM hosts, routers) for all of them."""
         hosts, count = set(finding.hosts), len(finding.hosts)
         if count > 1 and hosts == {*self.hosts, *self.routers}:
             return f"all {count} hosts"
@@ -61,8 +55,7 @@ class LintReport:
         return ", ".join(finding.hosts)
 
     def line(self, finding: FleetFinding, accepted: bool = False) -> str:
-        """One line of text: who, severity, rule, what, fix. An invalid setting reads like every other invalid
-        setting gpufleet reports (who: setting: problem (fix: ...)); an accepted finding leaves out its fix."""
+        """Who, severity, rule, what, fix."""
         where = self.where(finding)
         if finding.id == INVALID_SETTING:
             text = f"{where}: {finding.message} (fix: {finding.fix})"
@@ -77,7 +70,7 @@ class LintReport:
                 "accepted": [f.as_json() for f in self.accepted]}
 
 
-# (id, severity, message, fix): findings with the same key on several hosts are one line of the report.
+# (id, severity, message, fix)
 _Key = tuple[str, Severity, str, str]
 
 
@@ -88,7 +81,7 @@ def _fold(keyed: Iterable[tuple[str, _Key]]) -> tuple[FleetFinding, ...]:
         if host not in named:
             named.append(host)
     folded = [FleetFinding(*key, hosts=tuple(named)) for key, named in hosts.items()]
-    # Most severe first; one rule's lines together (its per-host fixes), in the order the rules were first seen.
+    # Most severe first, one rule's lines together.
     first_seen = {key[0]: index for index, key in reversed(list(enumerate(hosts)))}
     return tuple(sorted(folded, key=lambda finding: (SEVERITIES.index(finding.severity), first_seen[finding.id])))
 
@@ -99,8 +92,7 @@ def fleet_report(
     hosts: Sequence[str],
     routers: Sequence[str] = (),
 ) -> LintReport:
-    """The fleet's findings folded into a report. accepted: each host's gpufleet_accept ids; an accepted finding
-    is set apart on the hosts that accept it, and an entry naming no rule is a finding of its own."""
+    """Fold the findings; `accepted` is each host's gpufleet_accept, whose unknown ids are findings themselves."""
     every = [*findings, *(f for host in (*hosts, *routers) for f in lint_accept(host, accepted.get(host, ())))]
     acceptable = acceptable_rule_ids()  # not "unknown-accepted-rule": accepting it would accept every typo
 
@@ -114,8 +106,7 @@ def fleet_report(
 
 def invalid_settings_report(errors: Iterable[SettingError], hosts: Sequence[str], routers: Sequence[str] = ()
                             ) -> LintReport:
-    """Settings the deploy refuses, as errors of the report, folded like findings: a bad value in group data is one
-    line for the whole fleet."""
+    """Settings the deploy refuses, as errors folded like findings."""
     error: Severity = "error"
     keyed = ((e.host, (INVALID_SETTING, error, f"{e.setting}: {e.problem}", e.fix)) for e in errors)
     return LintReport(tuple(hosts), tuple(routers), _fold(keyed))

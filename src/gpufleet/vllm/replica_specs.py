@@ -1,6 +1,4 @@
-"""Every vLLM replica's validated spec, read from an inventory file offline (gpufleet.inventory splits the routers
-from the replicas; a replica behind a router takes the router's flags): what `gpufleet render`, `status`, `verify`
-and the rollout start from."""
+"""Every vLLM replica's validated spec, read offline from an inventory file."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from gpufleet.vllm.spec import ServeSpec
 
 
 def load_host_specs(inventory_path: str | Path, only_host: str | None = None) -> list[tuple[ServeSpec, dict[str, Any]]]:
-    """[(validated spec, host data)] for every host (or one); raises SettingErrors listing every invalid setting. A
-    replica group's ranks are resolved together (gpufleet.vllm.group_specs)."""
+    """[(validated spec, host data)] for every host, or one; raises SettingErrors listing every invalid setting."""
     routers, hosts, groups = load_roles_and_groups(inventory_path)
     if only_host is not None and only_host not in dict(hosts):
         raise GpufleetError(one_line(f"{only_host}: no such host in {inventory_path} (fix: check --host)"))
@@ -28,5 +25,5 @@ def load_host_specs(inventory_path: str | Path, only_host: str | None = None) ->
 
 
 def load_specs(inventory_path: str | Path, only_host: str | None = None) -> list[ServeSpec]:
-    """Validated specs for every host (or one); raises SettingErrors listing every invalid setting."""
+    """Validated specs for every host, or one; raises SettingErrors."""
     return [spec for spec, _ in load_host_specs(inventory_path, only_host)]

@@ -1,7 +1,6 @@
-"""vllm_args -> the flags `vllm serve` gets: the profile's, then what the deploy adds, then the host's over both.
-Every flag must be one vLLM knows, with a value of the kind it takes (a switch, a whole number, a choice, JSON);
-flags that settings own and flags that carry secrets are refused with the setting to use instead. Last, the rules
-across flags (the GPUs the parallel sizes need, a tool parser for auto tool choice).
+"""vllm_args -> the flags `vllm serve` gets, each one vLLM knows with a value of the kind it takes.
+
+Flags that settings own or that carry secrets are refused, naming the setting to use instead.
 """
 
 from __future__ import annotations
@@ -18,14 +17,12 @@ from gpufleet.vllm.profiles import Profile
 from gpufleet.vllm.spec import ArgValue, parse_token_count
 from gpufleet.vllm.value_rules import Fail, check_arg_size, not_finite, says_secret
 
-# Flags whose value must be a whole number (argparse type=int in vLLM) and their lower bounds.
+# Whole-number flags and their lower bounds.
 _INT_FLAGS = {"max-num-batched-tokens": 1, "max-num-seqs": 1, "pipeline-parallel-size": 1,
               "tensor-parallel-size": 1, "optimization-level": 0, "mamba-block-size": 1,
               "prefix-match-unit": 1, "block-size": 1, "data-parallel-size": 1, "shutdown-timeout": 0}
-# Flags whose string value must be a JSON object.
 _JSON_OBJECT_FLAGS = {"override-generation-config", "hf-overrides", "limit-mm-per-prompt"}
-# Flags that take JSON ("Should either be a valid JSON string or JSON keys" in `vllm serve --help=all`): a mapping
-# given in vllm_args is serialised for them. Some also take a plain value (e.g. --compilation-config 3).
+# "Should either be a valid JSON string or JSON keys" in --help=all: a mapping is serialised for them.
 _JSON_FLAGS = _JSON_OBJECT_FLAGS | {
     "attention-config", "aux-output-config", "compilation-config", "custom-histogram-buckets",
     "default-chat-template-kwargs", "default-mm-loras", "diffusion-config", "ec-manager-config",
@@ -35,17 +32,16 @@ _JSON_FLAGS = _JSON_OBJECT_FLAGS | {
     "reasoning-config", "speculative-config", "structured-outputs-config", "watermark-config",
     "weight-transfer-config",
 }
-# Settings that own a flag: naming it in vllm_args would fight the setting (or put a secret on the command line).
 _ARGS_OWNED = {"port": "vllm_port", "model": "vllm_model (the directory under vllm_models_dir)"}
-# Secret flags that have a setting of their own, which reaches vLLM through the root-only env file.
+# Their settings reach vLLM through the root-only env file.
 _SECRET_FLAG_SETTINGS = {"api-key": "vllm_api_key", "hf-token": "vllm_hf_token"}
-# vLLM value flags whose names hold a secret word but whose values are token counts, not secrets.
+# Names with a secret word whose values are token counts.
 NOT_SECRET_FLAGS = frozenset({"dbo-decode-token-threshold", "dbo-prefill-token-threshold",
                               "long-prefill-token-threshold"})
 
 
 def flag_name(key: str) -> str:
-    """vllm_args keys: "max_model_len", "max-model-len" and "--max-model-len" all mean the same flag."""
+    """Keys "max_model_len" and "--max-model-len" both name max-model-len."""
     return key.lstrip("-").replace("_", "-")
 
 
@@ -90,7 +86,7 @@ def merge_vllm_args(profile: Profile, overrides: Any, subs: dict[str, str], fail
 
 
 def _substitute(text: str, subs: Mapping[str, str]) -> str:
-    # Plain replacement, not str.format: values such as the generation-config JSON contain braces.
+    # Not str.format: JSON values contain braces.
     for key, value in subs.items():
         text = text.replace("{" + key + "}", value)
     return text
@@ -164,7 +160,7 @@ def _plain_value(setting: str, info: FlagInfo, value: Any, fail: Fail) -> str | 
 
 
 def check_cross_flag_rules(args: Mapping[str, ArgValue], gpus: tuple[int, ...], fail: Fail, nodes: int = 1) -> None:
-    """nodes: the hosts of a replica group (each holds len(gpus) GPUs), 1 for a replica of its own."""
+    """The rules across flags; `nodes` is the hosts of a replica group, each with len(gpus) GPUs."""
     def as_int(name: str, default: int) -> int:
         value = args.get(name)
         return int(value) if isinstance(value, str) and re.fullmatch(r"[0-9]+", value) else default
