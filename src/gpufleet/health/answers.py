@@ -1,20 +1,6 @@
-"""Does the server answer the way clients call it? /health and /v1/models say a server is up; only a completion says
-it serves. A nightly can pass both and still fail its first real request (a crash in the first batch, a broken
-stream, a tokenizer or chat-template regression), so a version is held to real answers before it is committed.
+"""The answer checks: a short chat completion, plain and streamed, must come back as a client expects.
 
-Two short greedy requests, as an OpenAI client sends them, each bounded in time and through the same transport
-(the SSH channel) with the host's API key:
-
-    completion   POST /v1/chat/completions: 200, a JSON object with a choice whose message carries text (content,
-                 or reasoning with a reasoning parser) or tool calls, a known finish_reason, and usage counts
-    stream       the same with stream=true: every `data:` chunk parses, a choice arrives, a finish_reason ends it,
-                 usage comes in the last chunk and the stream closes with [DONE]
-
-A request that got no answer at all is sent once more; with none again, its check could not run (`ran` false).
-
-    >>> checks = check_answers(transport, Expected("vllm", 8000, "qwen35"), api_key=key)
-    >>> [c.name for c in checks if not c.ok]
-    []
+docs/verify.md (Answers) says why and what each check asks.
 """
 
 from __future__ import annotations
@@ -29,7 +15,7 @@ from gpufleet.remote.transport import BadAnswer, Transport, TransportError
 from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected
 
-ANSWER_TIMEOUT_S = 60.0  # per request: a few tokens from a served model, even the first batch after a cold start
+ANSWER_TIMEOUT_S = 60.0  # per request, enough for the first batch after a cold start
 MAX_TOKENS = 8
 FINISH_REASONS = ("stop", "length", "tool_calls")
 PATH = "/v1/chat/completions"
@@ -38,9 +24,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class AnswerCheck:
-    """One request's verdict: `detail` is one line, what came back when it passed and what was wrong when not.
-    ran=False: it could not run, which says nothing against the server. figures: what a serving check judged on
-    (gpufleet.health.serving_rules' dataclasses by name), passed or not, for a GPU run to record."""
+    """One request's verdict in one line. ran=False says nothing against the server; figures are what a serving
+    check judged on."""
 
     name: str
     ok: bool
@@ -57,16 +42,16 @@ class AnswerCheck:
 
 
 class NotRun(Exception):
-    """The check could not tell, through nothing the server answered wrong (one line)."""
+    """The check could not tell, through no fault of the server."""
 
 
 def unanswered(error: BaseException) -> bool:
-    """No answer at all (a timeout, a refused or reset connection, the SSH link), not a wrong one (BadAnswer)."""
+    """No answer at all, as opposed to a wrong one (BadAnswer)."""
     return isinstance(error, (OSError, TransportError)) and not isinstance(error, BadAnswer)
 
 
 def once_more(request: Callable[[], T]) -> T:
-    """request(), sent again once when it got no answer; the second error stands."""
+    """request(), sent once more when it got no answer."""
     try:
         return request()
     except Exception as error:
@@ -81,11 +66,11 @@ def not_run(name: str, error: BaseException) -> AnswerCheck:
 
 
 class _Wrong(Exception):
-    """What makes an answer not one a client can use (one line)."""
+    """An answer a client cannot use."""
 
 
 def request_body(expected: Expected) -> dict[str, Any]:
-    """Greedy and short: the same few tokens every time, so a check costs the server next to nothing."""
+    """Greedy and short, so a check costs the server next to nothing."""
     return {
         "model": expected.served_model_name,
         "messages": [{"role": "user", "content": "Reply with one word: are you ready?"}],
@@ -101,8 +86,7 @@ def check_answers(
     api_key: str | None = None,
     timeout_s: float = ANSWER_TIMEOUT_S,
 ) -> tuple[AnswerCheck, ...]:
-    """Both checks, in order; never raises for what the server (or the way to it) does. After one that got no answer
-    the next is not sent."""
+    """Both checks, in order; never raises. After one that got no answer the next is not sent."""
     found: list[AnswerCheck] = []
     for name, fn in (("completion", _completion), ("stream", _stream)):
         if found and not found[-1].ran:
@@ -118,12 +102,12 @@ def check_completion(
     api_key: str | None = None,
     timeout_s: float = ANSWER_TIMEOUT_S,
 ) -> AnswerCheck:
-    """The non-streaming check alone: the traffic the deploy's soak sends at a bounded rate."""
+    """The non-streaming check alone, as the deploy's soak sends it."""
     return _run("completion", _completion, transport, expected, api_key, timeout_s)
 
 
 def failed(checks: Sequence[AnswerCheck]) -> str | None:
-    """One line naming every failed check with its evidence; None when all passed."""
+    """One line naming every failed check; None when all passed."""
     bad = [c.line() for c in checks if not c.ok]
     return "; ".join(bad) if bad else None
 
@@ -132,7 +116,7 @@ def _run(name: str, fn: Any, transport: Transport, expected: Expected, api_key: 
          timeout_s: float) -> AnswerCheck:  # fmt: skip
     try:
         return AnswerCheck(name, True, once_more(lambda: fn(transport, expected, api_key, timeout_s)))
-    except (_Wrong, BadAnswer, HttpStatusError) as wrong:  # what came back, said in one line already
+    except (_Wrong, BadAnswer, HttpStatusError) as wrong:
         return AnswerCheck(name, False, excerpt(str(wrong), 300))
     except Exception as error:  # whatever the request met is this check's result
         if unanswered(error):
@@ -158,8 +142,7 @@ def _completion(transport: Transport, expected: Expected, api_key: str | None, t
     message = choice.get("message")
     if not isinstance(message, dict):
         raise _Wrong(f"POST {PATH} choice 0 has no message: {excerpt(json.dumps(choice))}")
-    # The text is content, or reasoning when a reasoning parser took it all; it may be empty (a model may stop at
-    # once), but a message without any text field and without tool calls is not an answer.
+    # A reasoning parser may move all the text to reasoning, and the text may be empty.
     texts = [message[k] for k in ("content", "reasoning", "reasoning_content") if isinstance(message.get(k), str)]
     if not texts and not message.get("tool_calls"):
         raise _Wrong(f"POST {PATH} choice 0 carries no text and no tool call: {excerpt(json.dumps(message))}")
@@ -170,7 +153,6 @@ def _completion(transport: Transport, expected: Expected, api_key: str | None, t
 
 
 def _stream(transport: Transport, expected: Expected, api_key: str | None, timeout_s: float) -> str:
-    # stream_chat raises BrokenAnswer for a chunk that does not parse, HttpStatusError for another status than 200.
     got = stream_chat(transport, expected.port, request_body(expected), api_key=api_key, timeout=timeout_s,
                       address=expected.address)
     if not got.chunks:
@@ -189,7 +171,7 @@ def _finish_reason(value: object) -> str:
 
 
 def _usage(usage: object) -> tuple[int, int]:
-    """(prompt tokens, completion tokens), both counted by the server: a reply of 1..MAX_TOKENS tokens."""
+    """(prompt tokens, completion tokens) as the server counted them."""
     if not isinstance(usage, dict):
         raise _Wrong("no usage counts in the answer")
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")

@@ -1,14 +1,6 @@
-"""HTTP over a Transport, bounded and typed: GETs, and a streaming chat completion with its TTFT.
+"""HTTP over a Transport with one deadline and a capped body: GETs, and a streamed chat completion with its TTFT.
 
-Every request has one deadline (connect, headers and body together) and a capped body. Whatever the server
-sends comes back as an Answer or as one of the exceptions below, each carrying a one-line account of what the
-server did (quoted through excerpt()):
-
-    NotHttp          the listener does not speak HTTP/1.x (garbage, another protocol, TLS)
-    BrokenAnswer     an HTTP answer broken off or malformed (short body, bad chunk, oversized header section)
-    AnswerTooLarge   a body over max_body (MAX_BODY_BYTES by default)
-    DeadlineExceeded (a TimeoutError) no complete answer in time; what did arrive is quoted
-    ConnectionRefusedError, http.client.RemoteDisconnected, ConnectionResetError: nothing answered at all
+Whatever the server sends becomes an Answer or an exception quoting it in one line (docs/health.md, Bounds).
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ class HttpStatusError(Exception):
 @dataclass(frozen=True)
 class Answer:
     status: int
-    body: bytes  # at most the request's max_body bytes
+    body: bytes
 
     @property
     def text(self) -> str:
@@ -62,7 +54,7 @@ class Answer:
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
-    # The key travels inside the transport (the SSH channel), never on a command line.
+    # The key travels inside the SSH channel, never on a command line.
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -74,13 +66,13 @@ def _not_http(request: str, head: bytes) -> NotHttp:
 
 @contextlib.contextmanager
 def _translated(request: str, conn: DeadlineHTTPConnection) -> Iterator[None]:
-    """http.client's and the wire's errors -> this module's, with what the server sent as evidence."""
+    """Turn http.client's and the wire's errors into this module's, quoting what the server sent."""
     wire = conn.wire
     try:
         yield
     except (ConnectionResetError, BrokenPipeError) as e:
         if not wire.received:
-            raise  # closed before a single byte: nothing answered (a proxy in front of a server still loading)
+            raise  # nothing answered, as docker-proxy does before vLLM listens
         raise BrokenAnswer(f"{request}: connection closed after {wire.received} bytes: {excerpt(wire.head)}") from e
     except http.client.UnknownProtocol as e:
         raise NotHttp(f"{request}: the port answers {excerpt(str(e.args[0]) if e.args else '?', 20)}, not HTTP/1.x") from e
@@ -89,7 +81,6 @@ def _translated(request: str, conn: DeadlineHTTPConnection) -> Iterator[None]:
     except http.client.LineTooLong as e:
         if not wire.head.startswith(b"HTTP/"):
             raise _not_http(request, wire.head) from e
-        # "got more than 65536 bytes when reading header line" (or chunk size, trailer line)
         what = next((w for w in ("header line", "chunk size", "trailer line") if w in str(e)), "line")
         raise BrokenAnswer(f"{request}: a {what} over 64 KiB") from e
     except http.client.IncompleteRead as e:
@@ -114,8 +105,7 @@ def fetch(
     json_body: dict[str, Any] | None = None,
     address: str = LOOPBACK,
 ) -> Answer:
-    """GET path (POST json_body to it, when given) within `timeout` seconds overall, at address:port on the host; a
-    body over max_body bytes is AnswerTooLarge, never read whole."""
+    """GET path, or POST json_body to it, within `timeout` seconds overall; a body over max_body is AnswerTooLarge."""
     method = "GET" if json_body is None else "POST"
     conn = transport.http(port, timeout, address=address)
     resp = None
@@ -130,7 +120,7 @@ def fetch(
             body = resp.read(max_body + 1)
             if len(body) > max_body:
                 raise AnswerTooLarge(f"body over {max_body} bytes")
-            if resp.length:  # http.client returns a short body without complaint when the server closes early
+            if resp.length:  # http.client accepts a short body when the server closes early
                 raise http.client.IncompleteRead(body, resp.length)
         return Answer(resp.status, body)
     finally:
@@ -152,14 +142,14 @@ def get(
 class Completion:
     """One streamed chat completion, measured."""
 
-    ttft_s: float  # request sent -> first SSE chunk carrying a choice
+    ttft_s: float  # until the first chunk carrying a choice
     total_s: float
-    text: str  # content, or the reasoning text when a reasoning parser moved everything there
+    text: str
     prompt_tokens: int | None
     completion_tokens: int | None
-    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens; None when the server does not report it
-    finish_reason: str | None = None  # the last finish_reason a choice carried
-    done: bool = False  # the stream ended with "data: [DONE]", as an OpenAI stream does
+    cached_tokens: int | None  # None when the server does not report it
+    finish_reason: str | None = None
+    done: bool = False  # the stream ended with "data: [DONE]"
     chunks: int = 0  # chunks that carried a choice
 
 
@@ -171,7 +161,7 @@ def stream_chat(
     timeout: float = 120.0,
     address: str = LOOPBACK,
 ) -> Completion:
-    """POST /v1/chat/completions with stream=True and usage in the final chunk, within `timeout` overall."""
+    """POST /v1/chat/completions streamed, with usage in the final chunk, within `timeout` overall."""
     path = "/v1/chat/completions"
     payload = body | {"stream": True, "stream_options": {"include_usage": True}}
     headers = {"Content-Type": "application/json", **_headers(api_key)}
@@ -185,11 +175,11 @@ def stream_chat(
                 raise HttpStatusError(path, resp.status, resp.read(MAX_BODY_BYTES).decode(errors="replace"))
             ttft: float | None = None
             parts: list[str] = []
-            usage: dict[str, Any] = {}  # the latest usage seen: include_usage puts it in the final chunk
+            usage: dict[str, Any] = {}
             details: dict[str, Any] = {}
             finish_reason: str | None = None
             done, chunks = False, 0
-            for raw in resp:  # the wire's cap bounds the stream, however long its lines
+            for raw in resp:  # the wire's cap bounds the stream
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue
@@ -205,7 +195,6 @@ def stream_chat(
                         if ttft is None:
                             ttft = time.monotonic() - start
                         delta = choice.get("delta") or {}
-                        # Content may be null with a reasoning parser: the text is then in reasoning(_content).
                         parts.append(str(delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or ""))
                     usage = dict(chunk.get("usage") or usage)
                     details = dict(usage.get("prompt_tokens_details") or {})

@@ -1,5 +1,4 @@
-"""The server's cache counters on /metrics, read around one request: how many prompt tokens it took from the cache,
-by the request's own usage figure when the server reports one, else by counter deltas."""
+"""How many prompt tokens a request took from the cache."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from gpufleet.wire.metrics import HITS, PREFILL_COMPUTED, QUERIES, RUNNING, WAIT
 
 
 def warn_if_busy(before: Metrics, warnings: list[str]) -> None:
-    """Counter deltas belong to one request only when nothing else runs or waits."""
+    """Deltas are one request's only when nothing else runs or waits."""
     if (before.get(RUNNING) or 0) + (before.get(WAITING) or 0) > 0:
         warnings.append("other requests were in flight: /metrics deltas are not attributable")
 
@@ -29,8 +28,7 @@ def counter_delta(before: Metrics, after: Metrics, name: str) -> int | None:
 
 
 def attributed_hits(before: Metrics, after: Metrics, prompt_tokens: int) -> int | None:
-    """The hits delta, when the queries delta is exactly the prompts sent between the reads (nothing else looked the
-    cache up); else None."""
+    """The hits delta when only our prompts looked the cache up."""
     queries, hits = counter_delta(before, after, QUERIES), counter_delta(before, after, HITS)
     if queries is None or hits is None or queries != prompt_tokens:
         return None
@@ -38,12 +36,12 @@ def attributed_hits(before: Metrics, after: Metrics, prompt_tokens: int) -> int 
 
 
 def cached_tokens(turn: Completion, before: Metrics, after: Metrics) -> tuple[int, str]:
-    """Cached tokens of a turn: the server's own usage figure, else /metrics counter deltas."""
+    """Cached tokens of a turn and where the figure came from."""
     if turn.cached_tokens is not None:
         return turn.cached_tokens, "usage"
     hits = (after.get(HITS) or 0) - (before.get(HITS) or 0)
     computed = (after.get(PREFILL_COMPUTED) or 0) - (before.get(PREFILL_COMPUTED) or 0)
     if not hits and computed and turn.prompt_tokens:
-        # Without prefix caching the hit counters stay put; prompt - computed is then the truth (0).
+        # Without prefix caching the hit counters stay put.
         hits = max(turn.prompt_tokens - computed, 0)
     return int(hits), "metrics"

@@ -1,8 +1,7 @@
-"""Readiness and identity: one state per host, each backed by evidence.
+"""Readiness and identity: one state per host, each backed by evidence (docs/health.md).
 
-The order of evidence matters. A TCP connect proves nothing (docker-proxy accepts on a published port before vLLM
-listens, and vLLM binds without listening while it loads), so readiness needs /health 200 AND /v1/models listing
-the expected id; only then are the identity checks (max_model_len, cache config labels) meaningful.
+A TCP connect proves nothing (docker-proxy accepts before vLLM listens), so readiness needs /health 200 and
+/v1/models listing the expected id; only then do the identity checks mean anything.
 """
 
 from __future__ import annotations
@@ -29,10 +28,8 @@ from gpufleet.wire.evidence import DETAIL_CHARS, excerpt
 from gpufleet.wire.identity import Expected, identity_problems, reported_max_model_len, served_models
 from gpufleet.wire.metrics import KV_USAGE, RUNNING, WAITING, Metrics, parse_metrics
 
-# The detail of a look whose docker query failed (container-not-running, though nothing is known of the container).
 UNREADABLE = "cannot read container state"
-# vLLM waits up to VLLM_ENGINE_READY_TIMEOUT_S (600 s) for the engine, after loading weights: past this much time
-# a running container that still refuses connections is not "starting" any more.
+# Past this, a running container that does not answer is no longer starting (docs/verify.md).
 DEFAULT_GRACE_S = 900.0
 
 
@@ -48,7 +45,7 @@ class HealthState(StrEnum):
 @dataclass(frozen=True)
 class HealthReport:
     state: HealthState
-    detail: str  # one line: the evidence for the state
+    detail: str  # one line of evidence
     host: str = ""
     version: str | None = None
     served_models: tuple[str, ...] = ()
@@ -56,10 +53,10 @@ class HealthReport:
     kv_cache_usage: float | None = None  # 0..1
     running: int | None = None
     waiting: int | None = None
-    prefix_cache_hit_rate: float | None = None  # cumulative, tokens
-    cache_config: dict[str, str] = field(default_factory=dict, repr=False)  # vllm:cache_config_info labels
+    prefix_cache_hit_rate: float | None = None  # cumulative
+    cache_config: dict[str, str] = field(default_factory=dict, repr=False)
     container: ContainerInfo | None = None
-    logs: tuple[str, ...] = ()  # the container's last lines, attached when health.wait's poller fails
+    logs: tuple[str, ...] = ()  # the container's last lines, when a wait fails
     checked_at: float = field(default_factory=time.time)
 
     @property
@@ -91,7 +88,7 @@ class HealthReport:
         }
 
 
-# Errors that mean "nothing answered HTTP": a refused tunnel/connect, or a proxy that accepted and hung up.
+# Errors that mean nothing answered HTTP.
 _NO_LISTENER_WHY = {
     ConnectionRefusedError: "connection refused",
     http.client.RemoteDisconnected: "the connection closed before any answer",
@@ -107,24 +104,21 @@ def check(
     api_key: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> HealthReport:
-    """One look at the host: container state first, then HTTP, then identity. Never raises: whatever the host
-    and its server do becomes a state, with a one-line detail quoting the evidence.
+    """One look at the host: container state, then HTTP, then identity. Never raises.
 
-    api_key: the server's --api-key (VLLM_API_KEY), needed for /v1/models when it runs with one.
-    timeout_s: the deadline of each HTTP request (connect, headers and body together).
+    timeout_s is the deadline of each HTTP request.
     """
     report = HealthReport(HealthState.STARTING, "", host=transport.name)
     try:
         report = _check(transport, expected, report, grace_s, api_key, timeout_s)
         report = _drift(report, expected)
-    except Exception as e:  # the contract is a state for anything, even a case nobody foresaw
+    except Exception as e:  # a state for anything, even a case nobody foresaw
         report = replace(report, state=HealthState.DEAD, detail=f"the check failed: {type(e).__name__}: {e}")
     return replace(report, detail=excerpt(report.detail, DETAIL_CHARS))
 
 
 def spec_drift(expected: Expected, container: ContainerInfo | None) -> str | None:
-    """One line when the running container was started from another spec than the expected one (a unit edited by
-    hand, a manual `docker run`, a converge cut before its restart), else None."""
+    """One line when the running container was started from another spec than the expected one, else None."""
     if expected.spec_hash is None or container is None or not container.running:
         return None
     if container.spec_hash == expected.spec_hash:
@@ -134,15 +128,14 @@ def spec_drift(expected: Expected, container: ContainerInfo | None) -> str | Non
 
 
 def committed_drift(committed_ref: str | None, container: ContainerInfo | None) -> str | None:
-    """One line when the running container was not started from the digest the host's ledger has committed (a
-    rollback whose restore failed, a swap cut mid-way, a `docker run` by hand), else None."""
+    """One line when the running container is not on the ledger's committed digest, else None."""
     if committed_ref is None or container is None or not container.running or container.image == committed_ref:
         return None
     return f"runs {container.image or 'an unnamed image'}, not {committed_ref}, which its ledger has committed"
 
 
 def _drift(report: HealthReport, expected: Expected) -> HealthReport:
-    # Reported over whatever the server answers: a server that looks right but runs another spec is not ready.
+    # A server that looks right but runs another spec is not ready.
     drift = spec_drift(expected, report.container)
     if drift is None:
         return report
@@ -173,27 +166,26 @@ def _check(
         return replace(report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"container {container.id} is {container.state}")
     try:
         return _check_http(transport, reached(expected, container), report, api_key, timeout_s)
-    except TransportError as e:  # the SSH connection, or sshd's tunnel to the port, failed
+    except TransportError as e:
         return replace(report, state=HealthState.SSH_UNREACHABLE, detail=str(e))
     except (NotHttp, AnswerTooLarge) as e:  # something answers, and it is not vLLM's API
         return replace(report, state=HealthState.MISCONFIGURED, detail=str(e))
-    except BadAnswer as e:  # an HTTP answer broken off or malformed
+    except BadAnswer as e:
         return replace(report, state=HealthState.DEAD, detail=str(e))
-    except OSError as e:  # refused, closed or reset before any answer, or no complete answer in time
+    except OSError as e:  # no complete answer
         return _not_answering(report, expected.port, container, grace_s, e)
 
 
 def reached(expected: Expected, container: ContainerInfo | None) -> Expected:
-    """Where the server's checks go: the running container's own address (its port inside the container is the
-    published one, docker -p PORT:PORT), so that what answers is that container; else where the host reaches the
-    published port (host networking, or a transport that knows no container address)."""
+    """Where the checks go: the running container's own address, so that what answers is that container, else
+    the published port."""
     if container is None or not container.running or not container.address:
         return expected
     return replace(expected, address=container.address)
 
 
 def _not_answering(report: HealthReport, port: int, container: ContainerInfo, grace_s: float, e: OSError) -> HealthReport:
-    """Nothing (complete) answered: still starting, unless it has been up longer than any start takes."""
+    """Still starting, unless it has been up longer than the grace."""
     if isinstance(e, DeadlineExceeded):
         why, how = str(e), "in time"
     else:
@@ -215,13 +207,12 @@ def _not_answering(report: HealthReport, port: int, container: ContainerInfo, gr
 
 
 def _status_state(status: int) -> HealthState:
-    # 5xx: vLLM's API server is up and says its engine is gone (503 = EngineDeadError). Any other status but
-    # 200 is not how vLLM answers these paths: something else listens, or answers differently.
+    # vLLM answers 5xx when its engine is gone; any other status is not vLLM's.
     return HealthState.DEAD if 500 <= status < 600 else HealthState.MISCONFIGURED
 
 
 def _quoted(answer: Answer) -> str:
-    """'404: Not Found': the status and the start of the body, the evidence for an unexpected status."""
+    """'404: Not Found': the status and the start of the body."""
     return f"{answer.status}: {excerpt(answer.body)}" if answer.body else str(answer.status)
 
 
@@ -236,7 +227,6 @@ def _check_http(
         return replace(report, state=_status_state(health.status), detail=f"/health answered {_quoted(health)}")
     listing = fetch_("/v1/models", api_key)
     if listing.status == 401:
-        # The server runs with --api-key and we were not given it (or a different one): not a dead server.
         detail = "/v1/models answered 401: the server requires its API key (the host's vllm_api_key)"
         return replace(report, state=HealthState.MISCONFIGURED, detail=detail)
     if listing.status != 200:
@@ -268,7 +258,7 @@ def _check_http(
 
 
 def _version(answer: Answer) -> str | None:
-    """vLLM's version, or None: /version only labels the report, so an odd answer there is not a finding."""
+    """vLLM's version, or None: /version only labels the report."""
     try:
         version = json.loads(answer.body).get("version") if answer.status == 200 else None
     except (ValueError, RecursionError, AttributeError):

@@ -1,5 +1,4 @@
-"""Synthetic conversations of a crafted length for the probe and the serving checks: filler words stand in for a
-tokenizer (the caller measures tokens per word on the server)."""
+"""Synthetic conversations of a chosen length in words, for the probe and the serving checks."""
 
 from __future__ import annotations
 
@@ -18,11 +17,9 @@ def filler_text(rng: random.Random, words: int) -> str:
 
 @dataclass
 class Conversation:
-    """A deterministic synthetic conversation: (seed, filler, words) -> the same messages every time.
+    """The same messages for the same (seed, filler, words).
 
-    The seed opens the system prompt, so conversations with different seeds differ inside their first cache
-    block and share nothing cacheable; the filler (the history's text) depends only on `filler`, so a twin with
-    another seed has the same length to within the seed's own tokens.
+    The seed opens the system prompt, so different seeds share no cache block; the text depends only on `filler`.
     """
 
     seed: str

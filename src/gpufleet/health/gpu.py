@@ -39,8 +39,7 @@ def read(transport: SshTransport) -> GpuHealth | None:
 
 
 def judged(transport: SshTransport, settings: GpuSettings, app_started_at: float | None = None) -> HostGpus | None:
-    """read(), judged (a failed read: a HostGpus whose error says why). app_started_at: the service container's
-    start."""
+    """read(), judged; a failed read is a HostGpus whose error says why."""
     try:
         health = read(transport)
     except TransportError as error:

@@ -1,20 +1,7 @@
-"""Prompt re-processing probe: does the next turn of a conversation reuse the cache that the last one left behind?
+"""Prompt re-processing probe: does the next turn of a conversation reuse the cache the last one left behind?
 
-Measured by token counts, not by time: the engine can only reuse whole cache units (the block size, or
---prefix-match-unit when set) and always recomputes the last prompt token, so after a turn of L prompt tokens
-the next turn is due at least floor((L-1)/U)*U cached tokens. Three kinds of measurement, all sequential:
-
-- sweep: fresh conversations of 1-3 units (a seed in the system prompt makes each one differ inside its first
-  block, so turn N is cold), then turn N+1 = the same messages + the reply + a new question;
-- multi-chunk: the same at ~1.5 and ~2.5 times --max-num-batched-tokens, so turn N is prefilled in several chunks
-  (coding-agent prompts are 10k-200k tokens);
-- session: one conversation over turns N..N+3, each adding the reply and a tool-output-sized user message; it
-  reports the tokens re-processed per turn and their share of the prompt.
-
-Several lengths are swept because of the chunk-alignment trap (hybrid models, --mamba-cache-mode align): whether
-a due hit happens depends on how turn N's prompt was split into prefill chunks, so one length can hit by luck
-while others silently re-process everything. The fixes it prints are computed from the block sizes the server
-resolved (vllm:cache_config_info), so they are legal on this server (see docs/verify.md).
+Judged by token counts over several lengths, since a hybrid's hits depend on how a prompt was split into prefill
+chunks. docs/verify.md (The prompt re-processing probe) describes the measurements and verdicts.
 """
 
 from __future__ import annotations
@@ -34,24 +21,20 @@ from gpufleet.wire.geometry import LegalFixes
 from gpufleet.wire.identity import Expected
 from gpufleet.wire.metrics import HITS, PREFILL_COMPUTED, QUERIES, Metrics
 
-# Conversation lengths, in cache units: fractional parts spread L mod U over the unit so the trap shows up.
-# Measured on a hybrid (B=640, default batching): only lengths just past a block boundary hit, so two points sit
-# there (a probe whose every point misses cannot tell the trap from a broken cache).
+# In cache units, spread over L mod U. Two sit just past a block boundary, where a trapped hybrid still hits.
 DEFAULT_LENGTHS_IN_UNITS = (1.05, 1.3, 1.6, 2.05, 2.45, 2.85)
-# Lengths in prefill chunks (--max-num-batched-tokens): turn N is split into 2 and 3 chunks.
-DEFAULT_LENGTHS_IN_CHUNKS = (1.5, 2.5)
-# vLLM's default --max-num-batched-tokens for an OpenAI server on H100/H200-class GPUs
-# (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults); used when the host's value is not known.
+DEFAULT_LENGTHS_IN_CHUNKS = (1.5, 2.5)  # of --max-num-batched-tokens
+# vLLM's default on H200-class GPUs (EngineArgs.get_batch_defaults).
 ASSUMED_MAX_NUM_BATCHED_TOKENS = 8192
 SESSION_TURNS = 4  # turns N, N+1, N+2, N+3
-SESSION_MESSAGE_UNITS = 0.4  # each later turn adds a tool-output-sized user message of ~0.4 units
+SESSION_MESSAGE_UNITS = 0.4  # a tool output's size
 REPLY_TOKENS = 16
-MAX_TWINS = 3  # length measurements per point before turn N (bounds the request count)
+MAX_TWINS = 3  # length measurements per point
 TOLERANCE_TOKENS = 4
 
 
 def request_bound(sweep_points: int, long_points: int, session_turns: int) -> int:
-    """The most requests probe() sends: 2 calibration + per point (twins, turn N, turn N+1) + session (twins + turns)."""
+    """The most requests probe() sends."""
     per_point = MAX_TWINS + 2
     session = MAX_TWINS + session_turns if session_turns > 1 else 0
     return 2 + (sweep_points + long_points) * per_point + session
@@ -71,10 +54,8 @@ def probe(
 ) -> ProbeReport:
     """Measure prompt re-processing on one host and judge its prefix cache.
 
-    Requests: at most request_bound(...) (49 with the defaults), one at a time; no new measurement starts after
-    time_budget_s (the report says what was skipped). Multi-chunk lengths are scaled to max_num_batched_tokens:
-    the host's configured value (vLLM does not expose it), else ASSUMED_MAX_NUM_BATCHED_TOKENS.
-    run_id: distinguishes this run's conversations from earlier probes on the same server (default: random).
+    Sends at most request_bound(...) requests, one at a time, and starts none after time_budget_s. run_id keeps
+    this run's conversations apart from earlier probes'.
     """
     run = _Run(transport, expected, api_key, timeout_s, run_id or os.urandom(4).hex(), time_budget_s)
     metrics = run.metrics()
@@ -117,7 +98,7 @@ def probe(
 
 
 class _Run:
-    """One probe run on one server: its requests (counted), its time budget and what it noticed on the way."""
+    """One probe run on one server: its request count, time budget and warnings."""
 
     CALIBRATION_WORDS = (20, 200)
 
@@ -132,7 +113,7 @@ class _Run:
         self.warnings: list[str] = []
         self.per_word = 1.0
         self.small_prompt_ttft_s: float | None = None
-        self._long_prompt_tokens = 0  # set by calibrate(): the long calibration prompt's token count
+        self._long_prompt_tokens = 0  # set by calibrate()
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Completion:
         self.requests += 1
@@ -144,9 +125,8 @@ class _Run:
         return read_metrics(self.transport, self.port, self.address)
 
     def calibrate(self) -> None:
-        """Two requests: they warm the server up (the first request after a start is ~4x slower) and give tokens
-        per filler word, so lengths can be crafted without a tokenizer. The long one goes first, so the short
-        one's TTFT is a warm server's baseline for a tiny prompt."""
+        """Warm the server up and measure tokens per filler word. The long prompt goes first, so the short one's
+        TTFT is a warm server's."""
         short_words, long_words = self.CALIBRATION_WORDS
         long = self.chat(Conversation(f"{self.run_id}-c2", "calibration", long_words).messages, 1)
         short = self.chat(Conversation(f"{self.run_id}-c1", "calibration", short_words).messages, 1)
@@ -157,7 +137,7 @@ class _Run:
         self.small_prompt_ttft_s = short.ttft_s
 
     def room_for(self, target: int, unit: int, label: str) -> bool:
-        """Whether a measurement of `target` tokens fits the context, can hit at all, and fits the time budget."""
+        """Whether `target` tokens fit the context, can hit at all, and fit the time budget."""
         if target > self.limit:
             self.warnings.append(f"skipped {label}: max_model_len leaves room for {self.limit} tokens")
         elif target <= unit:
@@ -169,8 +149,7 @@ class _Run:
         return False
 
     def conversation(self, seed: str, filler: str, target: int) -> Conversation:
-        """A conversation of `target` prompt tokens (within TOLERANCE_TOKENS). Re-measured on twins (another
-        seed: nothing of theirs is reusable by the real turn N), so each point covers the L mod U it aims at."""
+        """A conversation of `target` prompt tokens, its length measured on twins that share no cache with it."""
         long_words = self.CALIBRATION_WORDS[1]
         words = max(1, round(long_words + (target - self._long_prompt_tokens) / self.per_word))
         for attempt in range(MAX_TWINS):
@@ -205,10 +184,9 @@ class _Run:
         )
 
     def session(self, unit: int, chunk: int, turns: int) -> tuple[list[ProbePoint], list[SessionTurn]]:
-        """Turns N..N+turns-1 of one conversation: each later turn appends the reply and a tool-output-sized
-        user message. Returns the steps between turns as points (judged like the others) and every turn."""
+        """One conversation over `turns` turns: the steps between them as points, and every turn."""
         growth = turns * (int(SESSION_MESSAGE_UNITS * unit) + 2 * REPLY_TOKENS + 16)
-        # Start where a coding agent lives: past one prefill chunk when the context allows it, else at 2.3 units.
+        # Start past one prefill chunk, where a coding agent lives, when the context allows it.
         start = int(1.5 * chunk) if 1.5 * chunk + growth <= self.limit else int(2.3 * unit)
         if not self.room_for(start + growth, unit, "the session"):
             return [], []

@@ -1,5 +1,4 @@
-"""What the prompt re-processing probe measures: one step of a conversation (turn N, then turn N+1) and one turn of
-its session, each with the token counts the server reported (gpufleet.health.probe drives the requests)."""
+"""What the prompt re-processing probe measures: a step from turn N to N+1, and a turn of its session."""
 
 from __future__ import annotations
 
@@ -9,18 +8,18 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ProbePoint:
-    """One step of a conversation: a turn of `prompt_tokens` tokens, then the next turn."""
+    """Turn N of `prompt_tokens` tokens, then the next turn."""
 
-    prompt_tokens: int  # L, turn N
-    next_prompt_tokens: int  # turn N+1
+    prompt_tokens: int  # L
+    next_prompt_tokens: int
     unit: int
     cached_tokens: int  # on turn N+1
-    cold_cached_tokens: int  # on turn N: should be 0 (the seed makes it unique)
-    ttft_s: float  # turn N
-    next_ttft_s: float  # turn N+1
-    source: str  # "usage" (prompt_tokens_details) or "metrics" (deltas of /metrics counters)
+    cold_cached_tokens: int  # on turn N, 0 when cold
+    ttft_s: float
+    next_ttft_s: float
+    source: str  # "usage" or "metrics"
     kind: str = "sweep"  # sweep, multi-chunk or session
-    chunk_tokens: int | None = None  # --max-num-batched-tokens the lengths were scaled to
+    chunk_tokens: int | None = None  # --max-num-batched-tokens
 
     @property
     def due_tokens(self) -> int:
@@ -48,7 +47,7 @@ class ProbePoint:
 
     @property
     def chunks(self) -> int | None:
-        """Prefill chunks turn N needed (at least), when the batching is known."""
+        """The least prefill chunks turn N needed, when the batching is known."""
         return -(-self.prompt_tokens // self.chunk_tokens) if self.chunk_tokens else None
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,16 +69,16 @@ class ProbePoint:
 
 @dataclass(frozen=True)
 class SessionTurn:
-    """One turn of the session, with every count the server reported for it."""
+    """One turn of the session, with every count the server reported."""
 
-    turn: int  # 0 = turn N (cold)
-    prompt_tokens: int  # usage.prompt_tokens
-    cached_tokens: int  # the figure the probe judges by (usage when reported, else the /metrics hits delta)
-    due_tokens: int  # from the previous turn's prompt: floor((L-1)/U)*U; 0 for turn N
-    usage_cached: int | None  # usage.prompt_tokens_details.cached_tokens
-    metrics_hits: int | None  # delta of vllm:prefix_cache_hits_total
-    metrics_queries: int | None  # delta of vllm:prefix_cache_queries_total
-    metrics_computed: int | None  # delta of vllm:request_prefill_kv_computed_tokens_sum
+    turn: int  # 0 is turn N
+    prompt_tokens: int
+    cached_tokens: int  # the figure the probe judges by
+    due_tokens: int
+    usage_cached: int | None
+    metrics_hits: int | None  # /metrics deltas
+    metrics_queries: int | None
+    metrics_computed: int | None
     ttft_s: float
 
     @property

@@ -1,5 +1,5 @@
-"""The prompt re-processing probe's verdict: judged from the measured steps alone (pure, so recorded figures test
-it), with the fixes this server would accept when the cache does not work (see docs/verify.md)."""
+"""The prompt re-processing probe's verdict, judged from the measured steps alone, with the fixes this server
+would accept (docs/verify.md)."""
 
 from __future__ import annotations
 
@@ -26,17 +26,17 @@ class ProbeReport:
     verdict: Verdict
     detail: str  # one line
     block_size: int
-    unit: int  # what hits are aligned to: prefix_match_unit when set, else block_size
+    unit: int  # what hits align to
     prefix_caching: bool
     mamba_cache_mode: str | None
-    max_num_batched_tokens: int | None  # as configured for the host, when known
+    max_num_batched_tokens: int | None  # as configured, when known
     points: tuple[ProbePoint, ...] = ()
-    fixes: tuple[str, ...] = ()  # set when the verdict is not effective and a setting can help
+    fixes: tuple[str, ...] = ()
     evidence: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     small_prompt_ttft_s: float | None = None
     session: tuple[SessionTurn, ...] = ()
-    legal: LegalFixes | None = None  # what would be accepted here, whatever the verdict
+    legal: LegalFixes | None = None  # the fixes this server accepts, whatever the verdict
     requests: int = 0
     request_bound: int = 0
     elapsed_s: float = 0.0
@@ -51,7 +51,7 @@ class ProbeReport:
 
     @property
     def reprocessed_per_turn(self) -> float:
-        """Median over the session's later turns when there is a session, else over the points."""
+        """Median over the session's later turns, else over the points."""
         later = [t.reprocessed_tokens for t in self.session[1:]]
         if later:
             return statistics.median(later)
@@ -63,7 +63,7 @@ class ProbeReport:
 
     @property
     def ttft_is_signal(self) -> bool:
-        """TTFT tells hits from misses only when a cold prefill clearly dominates a tiny prompt's TTFT."""
+        """Whether a cold prefill is slow enough for TTFT to tell hits from misses."""
         if not self.points or not self.small_prompt_ttft_s:
             return False
         return min(p.ttft_s for p in self.points) >= 10 * self.small_prompt_ttft_s
@@ -114,11 +114,7 @@ def judge(
     request_bound: int = 0,
     elapsed_s: float = 0.0,
 ) -> ProbeReport:
-    """The verdict from the measured points (pure: unit-testable on recorded figures).
-
-    legal: the fixes this server accepts (LegalFixes.from_cache_config); without it they are derived from
-    block_size alone.
-    """
+    """The verdict from the measured points. Without `legal`, the fixes are derived from block_size alone."""
     if legal is None:
         blocks = (block_size,)
         legal = LegalFixes(blocks, legal_prefix_match_unit(blocks) if mamba_cache_mode else None, block_size)
@@ -148,8 +144,7 @@ def judge(
         detail = f"the next turn reused the cache at all {len(points)} measured steps (unit {unit} tokens)"
         return report(verdict=Verdict.EFFECTIVE, detail=detail, evidence=evidence)
     mnbt = max_num_batched_tokens
-    # The trap loses whole units: the checkpoint at the last boundary is missing, so the turn gets 0, or in a
-    # session only an older checkpoint's tokens (measured: 1280 of 1920 due on turn N+3).
+    # The trap loses whole units: the checkpoint at the last boundary is missing.
     whole_units_lost = all(p.cached_tokens % unit == 0 for p in misses)
     trap_possible = mamba_cache_mode == "align" and prefix_caching and unit == block_size and mnbt != block_size
     if hits and whole_units_lost and trap_possible:
@@ -163,7 +158,7 @@ def judge(
     why = "prefix caching is disabled on the server" if not prefix_caching else "due hits did not happen"
     fixes: tuple[str, ...] = ()
     if trap_possible and not hits:
-        # Every length missing looks like a broken cache, but the trap can do that too: offer its fixes.
+        # The trap can miss at every length too.
         why += " (a hybrid in align mode: possibly the chunk-alignment trap at every measured length)"
         fixes = legal.lines()
     detail = f"{len(misses)} of {len(points)} next turns re-processed cached history: {why}"

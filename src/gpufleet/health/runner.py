@@ -1,10 +1,5 @@
-"""Check a whole fleet in parallel over the deploy's own SSH stack, then check() each host and, as asked, send it a
-client's requests (answers) and probe() it.
-
-Hosts are connected by pyinfra's SSH connector from their inventory data, so `status` and `verify` log in exactly
-as the deploy does: ssh_hostname, ssh_port, ssh_user, ssh_key (and its password), ~/.ssh/config or ssh_config_file,
-ssh_known_hosts_file and ssh_strict_host_key_checking (pyinfra's default "accept-new"; "yes" refuses a host whose
-key is not known). Hosts are checked at once, each in a greenlet, as a pyinfra deploy connects them.
+"""Check a fleet in parallel over the deploy's own SSH stack: health, and as asked the answers, serving checks and
+probe. Hosts log in as the deploy does (docs/health.md, Fleets).
 """
 
 from __future__ import annotations
@@ -35,12 +30,11 @@ from gpufleet.wire.gpu_verdicts import GpuSettings
 from gpufleet.wire.identity import Expected, SpecArgs
 from gpufleet.wire.speed import SpeedFigures
 
-PARALLEL = 64  # hosts checked at once (each holds a socket, a greenlet and paramiko's reader)
+PARALLEL = 64  # hosts checked at once
 
-# Told (host, what it is doing now) as a host's check moves on: the CLI's progress on stderr.
+# Told (host, what it is doing now), for the CLI's progress.
 Phase = Callable[[str, str], None]
-# Reads the digest a host's ledger has committed and the speed figures recorded with it (None: none, or unreadable);
-# the CLI's, as the rollout reads it.
+# The digest a host's ledger has committed and its recorded speed figures; None when there is none.
 CommittedRead = Callable[["HostTarget", Transport], "tuple[str, SpeedFigures | None] | None"]
 
 
@@ -53,16 +47,15 @@ class HostTarget:
     """A host to check: how to reach it and what it should serve."""
 
     name: str
-    ssh: Mapping[str, Any]  # the host's ssh_* data, as pyinfra's inventory loader merged it
+    ssh: Mapping[str, Any]  # the host's ssh_* data
     expected: Expected
     gpus: tuple[int, ...] = ()
-    max_num_batched_tokens: int | None = None  # as configured; evidence for the probe
-    api_key: str | None = field(default=None, repr=False)  # the server's --api-key (vllm_api_key)
-    served: Served = field(default_factory=Served)  # its parsers and prefix caching: which serving checks apply
+    max_num_batched_tokens: int | None = None  # as configured
+    api_key: str | None = field(default=None, repr=False)
+    served: Served = field(default_factory=Served)
     speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
-    gpu_settings: GpuSettings = field(default_factory=GpuSettings)  # its GPU verdict table
-    # A replica group's rank: (group, rank, head). A rank other than the head serves no API: its container is its
-    # state, and the group serves through its head.
+    gpu_settings: GpuSettings = field(default_factory=GpuSettings)
+    # (group, rank, head) in a replica group; a rank other than the head serves no API.
     rank: tuple[str, int, str] | None = None
 
     @property
@@ -71,7 +64,7 @@ class HostTarget:
 
     @classmethod
     def for_spec(cls, spec: SpecArgs, data: Mapping[str, Any]) -> HostTarget:
-        """What `gpufleet verify` checks on a host: its spec (drift included), reached with its ssh_* data."""
+        """What `gpufleet verify` checks on a host."""
         return cls(
             name=spec.host,
             ssh={k: v for k, v in data.items() if k.startswith("ssh_")},
@@ -85,7 +78,7 @@ class HostTarget:
 
 
 def _configured_int(spec: SpecArgs, flag: str) -> int | None:
-    # The server does not expose --max-num-batched-tokens; the probe cites the configured value as evidence.
+    # The server does not expose --max-num-batched-tokens.
     value = spec.arg(flag)
     try:
         return int(str(value).replace("_", "")) if value not in (None, True, False) else None
@@ -99,12 +92,12 @@ class HostResult:
     health: HealthReport
     probe: ProbeReport | None = None
     probe_error: str | None = None
-    answers: tuple[AnswerCheck, ...] = ()  # gpufleet.health.answers, when asked for and the host was ready
-    checks: tuple[AnswerCheck, ...] = ()  # gpufleet.health.serving, those asked for that apply to the host
-    speed: SpeedFigures | None = None  # what the speed check measured, when asked for
+    answers: tuple[AnswerCheck, ...] = ()
+    checks: tuple[AnswerCheck, ...] = ()  # serving checks
+    speed: SpeedFigures | None = None
     speed_earlier: SpeedFigures | None = None  # what it was held to
-    gpus: HostGpus | None = None  # its GPUs' verdicts (None: not read, or no nvidia-smi)
-    committed_ref: str | None = None  # the host's ledger's (None: none, or not read)
+    gpus: HostGpus | None = None
+    committed_ref: str | None = None
 
     @property
     def committed_drift(self) -> str | None:
@@ -133,13 +126,8 @@ def check_host(
     progress: Phase = _silent,
     committed: CommittedRead | None = None,
 ) -> HostResult:
-    """Health (and, when the host is ready, the answer checks and the probe, as asked) of one host. Never raises:
-    whatever goes wrong with this host (SSH, its server, a case nobody foresaw) is this host's result, so one host
-    never sinks the others.
-
-    Without a transport the host is connected by pyinfra's connector from target.ssh. api_key overrides the
-    target's own key. checks: serving checks (gpufleet.health.serving) to run once the answers passed. progress is
-    told what the check is doing, then how it ended. committed: reads the digest the running container must be."""
+    """One host's health and, once it is ready, the checks asked for. Never raises, so one host never sinks the
+    others. Without a transport, the host is reached from target.ssh."""
     asked = _Asked(run_probe, wait_s, api_key, answer, tuple(checks), progress, committed)
     try:
         result = _check_host(target, transport, asked) if transport is not None else _check_over_ssh(target, asked)
@@ -188,7 +176,7 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
     else:
         say("checking")
         health = check(transport, target.expected, api_key=api_key)
-    expected = reached(target.expected, health.container)  # the container that answered, not the port's listener
+    expected = reached(target.expected, health.container)
     gpus = _read_gpus(target, transport, health, say)
     answers: tuple[AnswerCheck, ...] = ()
     if asked.answer and health.ready:
@@ -199,7 +187,7 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
     figures, earlier = None, None
     if SPEED in asked.checks and health.ready and all(a.ok for a in answers):
         say("measuring its speed (under a minute)")
-        # Held to the figures recorded for the digest that runs, none where another runs.
+        # Held only to the figures recorded for the digest that runs.
         running = health.container.image if health.container else None
         earlier = committed[1] if committed and committed[0] == running else None
         speed, figures = speed_check(transport, expected, target.served, earlier, target.speed_tolerance,
@@ -214,14 +202,14 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         say("probing prompt re-processing (up to a few minutes)")
         try:
             report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
-        except Exception as e:  # a probe failure is a finding about this host, not a crash of the fleet run
+        except Exception as e:  # a finding about this host
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
     return HostResult(target, health, report, error, answers, checks, speed=figures, speed_earlier=earlier, gpus=gpus,
                       committed_ref=committed[0] if committed else None)
 
 
 def _check_rank(target: HostTarget, transport: Transport, asked: _Asked) -> HostResult:
-    """A headless rank: its container (it answers no request), its GPUs and the digest its ledger committed."""
+    """A headless rank: its container, its GPUs and its committed digest."""
     say = partial(asked.progress, target.name)
     say("reading its container")
     assert target.rank is not None
@@ -240,8 +228,7 @@ def _read_gpus(target: HostTarget, transport: Transport, health: HealthReport,
 
 
 def rank_health(transport: Transport, expected: Expected, name: str, rank: tuple[str, int, str]) -> HealthReport:
-    """A headless rank's state: its labelled container running the expected spec (it answers no request). rank:
-    (group, rank, head)."""
+    """A headless rank's state: its labelled container running the expected spec."""
     group, number, head = rank
     try:
         container = transport.container(expected.service)
@@ -261,7 +248,7 @@ def check_fleet(
     targets: Sequence[HostTarget], run_probe: bool = False, wait_s: float = 0.0, api_key: str | None = None,
     answer: bool = False, checks: Sequence[str] = (), progress: Phase = _silent, committed: CommittedRead | None = None,
 ) -> list[HostResult]:
-    """All hosts in parallel (network-bound), results in inventory order, one per host whatever happens."""
+    """All hosts in parallel, one result per host in inventory order."""
     if not targets:
         return []
     pool = gevent.pool.Pool(min(len(targets), PARALLEL))

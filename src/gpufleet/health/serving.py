@@ -1,22 +1,6 @@
-"""Does the new version serve correctly, not only answer? The canary's checks, each a few greedy requests through
-the host's transport, with its API key, bounded in time:
+"""The serving checks: does the new version serve correctly, not only answer? Each is a few greedy requests.
 
-    prefix-cache  the prompt re-processing probe (gpufleet.health.probe): a prefix cache that never hits fails
-    cached-cold   one greedy prompt, cold (a fresh prefix), then again once its prefix is cached: the same tokens
-    sessions      two sessions with different prefixes, sent at once with their prefixes cached: each gets its own
-                  answer back within batch noise (no state of one session in the other's)
-    tools         with a tool parser and auto tool choice set: `tool_choice: "required"` returns a parsed tool call
-                  whose arguments are a JSON object, and `"auto"` is accepted and neither returns the call as text
-                  nor drops it
-    reasoning     with a reasoning parser set: the reasoning arrives in its own field, apart from the content
-
-How the answers are judged lives in gpufleet.health.serving_rules; a result carries what it judged on (figures). A
-check whose request got no answer (sent twice), or whose cache counters other traffic shared, could not run
-(AnswerCheck.ran false).
-
-    >>> results = run_checks(transport, expected, Served.from_spec(spec), ("cached-cold", "tools"), api_key=key)
-    >>> [r.line() for r in results if not r.ok]
-    []
+docs/verify.md (Serving checks) says what each asks; gpufleet.health.serving_rules judges the answers.
 """
 
 from __future__ import annotations
@@ -54,11 +38,11 @@ from gpufleet.wire.evidence import excerpt
 from gpufleet.wire.identity import Expected, SpecArgs
 from gpufleet.wire.metrics import Metrics
 
-CHECK_TIMEOUT_S = 120.0  # per request: a prompt of ~1.5 cache units, cold, on a server that just started
+CHECK_TIMEOUT_S = 120.0  # per request, cold, on a server that just started
 GREEDY_TOKENS = 6
 TOP_LOGPROBS = 5
-HIT_ATTEMPTS = 3  # an align-mode hybrid may miss on the first repeat (the chunk-alignment trap) and hit on the next
-VOID_READINGS = 3  # repeats whose /metrics deltas other traffic shared, before the check could not tell
+HIT_ATTEMPTS = 3  # a trapped hybrid may miss the first repeat and hit the next
+VOID_READINGS = 3  # repeats that other traffic spoiled, before the check gives up
 CALIBRATION_WORDS = 200
 UNATTRIBUTABLE = ("/metrics' counters cannot tell its hits from theirs (fix: run the checks while the host takes no "
                   "other traffic, or serve with --enable-prompt-tokens-details)")
@@ -66,11 +50,10 @@ UNATTRIBUTABLE = ("/metrics' counters cannot tell its hits from theirs (fix: run
 
 @dataclass(frozen=True)
 class Served:
-    """What the checks need to know of the server's settings: which parsers it runs, its prefill chunk and how many
-    requests it batches."""
+    """What the checks need to know of the server's settings."""
 
     prefix_caching: bool = True
-    tool_parser: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
+    tool_parser: bool = False  # with --enable-auto-tool-choice
     reasoning_parser: bool = False
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -107,10 +90,10 @@ def run_checks(
     tolerance: float = TOLERANCE_NATS,
     timeout_s: float = CHECK_TIMEOUT_S,
 ) -> tuple[AnswerCheck, ...]:
-    """The checks among `names` that apply to `served`, in SERVING_CHECKS order; never raises for what the server (or the
-    way to it) does. After a check that got no answer the rest are not sent."""
+    """The checks among `names` that apply to `served`, in order; never raises. After a check that got no answer
+    the rest are not sent."""
     run = _Checks(transport, expected, api_key, tolerance, timeout_s, os.urandom(4).hex())
-    # speed is gpufleet.health.speed's: it measures figures to compare, not only a verdict.
+    # speed is gpufleet.health.speed's.
     wanted = served.applicable([n for n in SERVING_CHECKS if n in names and n != SPEED])
     steps: dict[str, Callable[[], str]] = {
         "prefix-cache": lambda: run.prefix_cache(served.max_num_batched_tokens),
@@ -119,29 +102,29 @@ def run_checks(
 
 
 def failed(checks: Sequence[AnswerCheck]) -> str | None:
-    """One line naming the first failed check with its evidence; None when all passed."""
+    """One line naming the first failed check; None when all passed."""
     bad = next((c for c in checks if not c.ok), None)
     return f"check {bad.line()}" if bad else None
 
 
 class _Checks:
-    """One run of the checks on one server: its conversations (distinct per run) and their cold answers."""
+    """One run of the checks on one server: its conversations and their cold answers."""
 
     def __init__(self, transport: Transport, expected: Expected, api_key: str | None, tolerance: float,
                  timeout_s: float, run_id: str):
         self.transport, self.expected, self.api_key = transport, expected, api_key
         self.tolerance, self.timeout_s, self.run_id = tolerance, timeout_s, run_id
-        self.words: int | None = None  # filler words for a prompt that can hit, once calibrated
+        self.words: int | None = None  # once calibrated
         self.cold: dict[str, tuple[Conversation, Greedy]] = {}
-        self.silent: str | None = None  # the check whose request got no answer
-        self.figures: dict[str, dict[str, object]] = {}  # per check, what it judged on (AnswerCheck.figures)
+        self.silent: str | None = None  # the check that got no answer
+        self.figures: dict[str, dict[str, object]] = {}
 
     def result(self, name: str, step: Callable[[], str]) -> AnswerCheck:
-        """The check's verdict, with the figures it judged on, whether it passed or not."""
+        """The check's verdict, with the figures it judged on."""
         return replace(self._verdict(name, step), figures=self.figures.get(name, {}))
 
     def _verdict(self, name: str, step: Callable[[], str]) -> AnswerCheck:
-        if self.silent is not None:  # its requests would wait out the same deadlines
+        if self.silent is not None:
             return AnswerCheck(name, False, f"not sent: {self.silent} got no answer", ran=False)
         try:
             return AnswerCheck(name, True, step())
@@ -149,7 +132,7 @@ class _Checks:
             return AnswerCheck(name, False, excerpt(str(wrong), 300))
         except NotRun as unknown:
             return not_run(name, unknown)
-        except Exception as error:  # whatever the requests met is this check's result
+        except Exception as error:
             if unanswered(error):
                 self.silent = name
                 return not_run(name, error)
@@ -188,10 +171,9 @@ class _Checks:
         return "; ".join(lines) + f" (cached tokens: {hits})"
 
     def judged_sessions(self) -> tuple[dict[str, SessionJudgement], list[int | None]]:
-        """Both sessions alone, then at once from the cache: each judged, and their cached tokens (one sum from
-        /metrics)."""
+        """Both sessions alone, then at once from the cache: each judged, and their cached tokens."""
         sessions = {"a": self._cold("a"), "b": self._cold("b")}
-        for conversation, _ in sessions.values():  # both prefixes cached, whether or not cached-cold ran first
+        for conversation, _ in sessions.values():
             self._until_hit(conversation)
         before = self._metrics() if self._counts_from_metrics else None
         answers: dict[str, Greedy | BaseException] = {}
@@ -199,7 +181,7 @@ class _Checks:
         def send(label: str) -> None:
             try:
                 answers[label] = self._greedy(sessions[label][0].messages)
-            except BaseException as error:  # reported below, on this thread's behalf
+            except BaseException as error:  # raised below
                 answers[label] = error
 
         threads = [threading.Thread(target=send, args=(label,)) for label in sessions]
@@ -228,14 +210,14 @@ class _Checks:
         for choice, rule in (("required", tool_call_problem), ("auto", text_tool_call_problem)):
             try:
                 problem = rule(self._post(self.tool_request(choice)))
-            except ServerFault as wrong:  # vLLM refuses tool calls without a tool parser (400), "auto" without both flags
+            except ServerFault as wrong:  # vLLM answers 400 without the parser flags
                 problem = str(wrong)
             if problem:
                 raise ServerFault(f'tool_choice "{choice}": {problem}')
         return 'tool_choice "required" returned a get_weather call with JSON arguments; "auto" accepted'
 
     def tool_request(self, choice: str) -> dict[str, Any]:
-        """The tools check's request. Why each field: docs/verify.md ("Tools, and a model that reasons first")."""
+        """The tools check's request; docs/verify.md says why each field."""
         body = self._body([{"role": "user", "content": "What is the weather in Paris? Use the tool."}], 64)
         body |= {"tools": [TOOL], "tool_choice": choice, "chat_template_kwargs": {"enable_thinking": False}}
         return body | ({"include_reasoning": False} if choice == "required" else {"max_tokens": 32, "logprobs": True})
@@ -252,10 +234,9 @@ class _Checks:
 
     # ---------------------------------------------------------------------------------------------- the requests
     def _cold(self, label: str) -> tuple[Conversation, Greedy]:
-        """Session `label`'s conversation (a fresh seed: nothing of it is cached) and its cold answer, once."""
+        """Session `label`'s fresh conversation and its cold answer, once."""
         if label not in self.cold:
-            # The label before the run id: the sessions of one run part within their first tokens, so no block of one
-            # (16 tokens on a GPU's dense model) is a block of the other, however the run id tokenizes.
+            # The label first, so the two sessions share no cache block however the run id tokenizes.
             conversation = Conversation(f"{label}-{self.run_id}", f"serving-{label}", self._words())
             cold = self._greedy(conversation.messages)
             if cold.cached_tokens:
@@ -265,7 +246,7 @@ class _Checks:
         return self.cold[label]
 
     def _until_hit(self, conversation: Conversation) -> Greedy:
-        """The same prompt again until its prefix comes from the cache (HIT_ATTEMPTS readings, VOID_READINGS void)."""
+        """The same prompt again until its prefix comes from the cache."""
         misses, void = 0, 0
         while True:
             answer = self._greedy(conversation.messages, counted=True)
@@ -284,11 +265,11 @@ class _Checks:
 
     @property
     def _counts_from_metrics(self) -> bool:
-        # Servers without --enable-prompt-tokens-details report no cached tokens per request: /metrics does.
+        # Without --enable-prompt-tokens-details only /metrics counts cached tokens.
         return any(cold.cached_tokens is None for _, cold in self.cold.values())
 
     def _words(self) -> int:
-        """Filler words for a prompt of ~1.5 cache units (the smallest prompt whose repeat is due a whole unit)."""
+        """Filler words for a prompt of ~1.5 cache units, short yet due a whole unit on its repeat."""
         if self.words is None:
             metrics = self._metrics()
             unit = metrics.prefix_match_unit or metrics.block_size
@@ -312,7 +293,7 @@ class _Checks:
                 "temperature": 0, "seed": 0}
 
     def _greedy(self, messages: list[dict[str, str]], counted: bool = False) -> Greedy:
-        """counted: cached tokens from /metrics where the server gives none (None: not attributable)."""
+        """counted: cached tokens from /metrics where the server gives none."""
         body = self._body(messages, GREEDY_TOKENS) | {"logprobs": True, "top_logprobs": TOP_LOGPROBS,
                                                       "return_tokens_as_token_ids": True}
         before = self._metrics() if counted and self._counts_from_metrics else None

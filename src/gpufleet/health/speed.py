@@ -1,10 +1,4 @@
-"""The speed check: how fast a server serves, measured through its transport (docs/verify.md, Speed).
-
-    prefill  a cold prompt of PREFILL_CHUNKS chunks: prompt tokens / time to first token
-    cached   its next turn, the prefix cached: time to first token
-    decode   DECODE_TOKENS greedy tokens (ignore_eos): tokens / time
-    batch    max-num-seqs of those at once, /health polled: tokens / time; one that never ends is a stall
-"""
+"""The speed check: prefill, cached turn, decode and batch figures of one server (docs/verify.md, Speed)."""
 
 from __future__ import annotations
 
@@ -34,29 +28,29 @@ PREFILL_CHUNKS = 2.5
 REPEATS = 3
 FOLLOW_UPS = 3  # cached turns per cold prompt
 DECODE_TOKENS = 64
-DEFAULT_CONCURRENCY = 4  # max-num-seqs unset: vLLM's own default (256 or more) is no check's load
+DEFAULT_CONCURRENCY = 4  # when max-num-seqs is unset
 MAX_CONCURRENCY = 16
-# The batch's bound: this many times its requests served one after another, plus room for a loaded machine.
+# The batch's bound: its requests served one after another, times this, plus slack.
 STALL_FACTOR = 5
 STALL_SLACK_S = 10.0
 HEALTH_EVERY_S = 0.5
 REQUEST_TIMEOUT_S = 120.0
 CALIBRATION_WORDS = 200
-TURN_ROOM = 96  # tokens the next turn adds to the cold prompt
+TURN_ROOM = 96  # tokens a next turn adds
 
 
 class SpeedFault(ServerFault):
-    """A stall, or a request failed under the batch's load, in one line."""
+    """A stall, or a request that failed under load."""
 
 
 def measure(transport: Transport, expected: Expected, served: Served, *, api_key: str | None = None,
             repeats: int = REPEATS, timeout_s: float = REQUEST_TIMEOUT_S, run_id: str | None = None) -> SpeedFigures:
-    """The four stages on one server; SpeedFault for a stall or a failure under load."""
+    """The four stages on one server."""
     run = _Run(transport, expected, api_key, timeout_s, run_id or os.urandom(4).hex())
     words = run.words(served)
     concurrency = min(max(served.max_num_seqs or DEFAULT_CONCURRENCY, 2), MAX_CONCURRENCY)
     lengths, prefill, cached, decode, batch, single_s = [], [], [], [], [], []
-    # One repeat of every stage a round: a burst of load hits one repeat of each figure, not all of one.
+    # A round holds one repeat of each stage, so a burst of load spoils no figure whole.
     for r in range(repeats):
         length, rate, ttfts = run.cold(words, r)
         lengths.append(length)
@@ -74,12 +68,12 @@ def measure(transport: Transport, expected: Expected, served: Served, *, api_key
 
 def speed_check(transport: Transport, expected: Expected, served: Served, earlier: SpeedFigures | None,
                 tolerance: float, *, api_key: str | None = None) -> tuple[AnswerCheck, SpeedFigures | None]:
-    """measure(), held to the old version's figures; what the server or the link does fails the check."""
+    """measure(), held to the old version's figures."""
     try:
         figures = measure(transport, expected, served, api_key=api_key)
     except (ServerFault, BadAnswer, HttpStatusError) as wrong:
         return AnswerCheck(SPEED, False, excerpt(str(wrong), 300)), None
-    except Exception as error:  # the transport's errors: a request that got no answer
+    except Exception as error:  # a request that got no answer
         return AnswerCheck(SPEED, False, excerpt(f"{type(error).__name__}: {error}", 300)), None
     ok, line = verdict(earlier, figures, tolerance)
     return AnswerCheck(SPEED, ok, line), figures
@@ -94,7 +88,7 @@ class _Run:
     run_id: str
 
     def cold(self, words: int, r: int) -> tuple[int, float, list[float]]:
-        """(prompt tokens, prefill tokens/s, each next turn's TTFT) of a cold prompt (a fresh seed: all uncached)."""
+        """(prompt tokens, prefill tokens/s, each next turn's TTFT) of a cold prompt."""
         conversation = Conversation(f"{self.run_id}-{r}", "speed", words)
         cold = self._stream(conversation.messages, 8)
         length = _count(cold.prompt_tokens, "prompt_tokens")
@@ -104,12 +98,12 @@ class _Run:
 
     def decode(self, r: int) -> tuple[float, float]:
         """(tokens/s, seconds) of a fixed-length completion."""
-        # Over the whole time, not the gaps between chunks: a server may send its chunks in bursts.
+        # Over the whole time, since a server may send its chunks in bursts.
         got = self._stream(self._short(f"decode-{r}"), DECODE_TOKENS, fixed=True)
         return _count(got.completion_tokens, "completion_tokens") / max(got.total_s, 1e-6), got.total_s
 
     def batch(self, n: int, bound_s: float, r: int) -> float:
-        """Tokens/s of n completions at once; SpeedFault when one failed or did not end within bound_s."""
+        """Tokens/s of n completions at once; SpeedFault when one failed or outlasted bound_s."""
         results: dict[int, Completion | BaseException] = {}
         ended: dict[int, float] = {}
         start = time.monotonic()
@@ -118,7 +112,7 @@ class _Run:
             try:
                 results[i] = self._stream(self._short(f"batch-{r}-{i}"), DECODE_TOKENS, fixed=True,
                                           timeout_s=bound_s)
-            except BaseException as error:  # judged below, on this thread's behalf
+            except BaseException as error:  # judged below
                 results[i] = error
             ended[i] = time.monotonic()
 
@@ -164,7 +158,7 @@ class _Run:
                 timeout_s: float | None = None) -> Completion:
         body: dict[str, Any] = {"model": self.expected.served_model_name, "messages": messages,
                                 "max_tokens": max_tokens, "temperature": 0, "seed": 0}
-        if fixed:  # vLLM's sampling extensions: exactly max_tokens tokens
+        if fixed:  # exactly max_tokens tokens
             body |= {"ignore_eos": True, "min_tokens": max_tokens}
         return stream_chat(self.transport, self.expected.port, body, api_key=self.api_key,
                            timeout=timeout_s or self.timeout_s, address=self.expected.address)

@@ -1,10 +1,6 @@
-"""Waiting on readiness: the one poller behind the deploy's ready wait and soak, `gpufleet verify --wait` and
-`gpufleet status`.
+"""Waiting on readiness, for the deploy's ready wait and soak, `verify --wait` and `status`.
 
-Both loops take a `check_once` (one look at the host: a HealthReport) and an optional `exited` (why the service no
-longer runs its container, or None): the container runs with --rm, so once `docker run` exits there is no
-container left to call dead, and only the service manager still knows it ended. Without `exited`, an image that
-exits at once reads as container-not-running until the timeout (30 min by default in the deploy).
+`exited` gives the service manager's reason when the --rm container is gone.
 """
 
 from __future__ import annotations
@@ -20,24 +16,21 @@ from gpufleet.remote.transport import Transport, TransportError
 from gpufleet.wire.identity import Expected
 
 POLL_S = 2.0
-# Waiting cannot change these: return at once.
 FINAL_STATES = (HealthState.READY, HealthState.DEAD, HealthState.MISCONFIGURED)
 
 CheckOnce = Callable[[], HealthReport]
-# How long a soak waits for the service manager's reason after the container it watched went away.
 EXIT_SETTLE_S = 10.0
 Exited = Callable[[], "str | None"]
 
 
 def transient(report: HealthReport) -> bool:
-    """A look that says nothing about the server: the way to the host failed (SSH), or docker could not be asked.
-    The host's own answers decide a version; a blip on the controller's side must not."""
+    """A look that says nothing about the server: SSH failed, or docker could not be asked."""
     return report.state is HealthState.SSH_UNREACHABLE or (
         report.state is HealthState.CONTAINER_NOT_RUNNING and report.detail.startswith(UNREADABLE))
 
 
 def dead_if_exited(report: HealthReport, exited: Exited | None) -> HealthReport:
-    """container-not-running, and the service manager says `docker run` exited: dead, with its reason."""
+    """Dead, with the service manager's reason, when `docker run` exited."""
     if report.state is HealthState.CONTAINER_NOT_RUNNING and exited is not None:
         why = exited()
         if why:
@@ -47,9 +40,7 @@ def dead_if_exited(report: HealthReport, exited: Exited | None) -> HealthReport:
 
 def _settle(report: HealthReport, check_once: CheckOnce, exited: Exited | None, clock: Callable[[], float],
             sleep: Callable[[float], Any]) -> HealthReport:
-    """A server that was ready and no longer answers is on its way out: its port closes while the container still
-    runs, then docker removes the --rm container while `docker run` returns, and the service manager has the reason
-    a moment later. Look again for up to EXIT_SETTLE_S to name that reason; a port still closed then is dead too."""
+    """Look again for up to EXIT_SETTLE_S, so a server that stopped answering is dead with its exit reason."""
     deadline = clock() + EXIT_SETTLE_S
     while report.state in (HealthState.STARTING, HealthState.CONTAINER_NOT_RUNNING) and clock() < deadline:
         sleep(1.0)
@@ -65,7 +56,7 @@ def _settle(report: HealthReport, check_once: CheckOnce, exited: Exited | None, 
 
 def poll_ready(check_once: CheckOnce, timeout_s: float, poll_s: float = POLL_S, exited: Exited | None = None,
                clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Any] = time.sleep) -> HealthReport:
-    """Poll until ready; return early on dead, misconfigured, or a service whose container exited."""
+    """Poll until ready; return early on a state that waiting cannot change."""
     deadline = clock() + timeout_s
     while True:
         report = dead_if_exited(check_once(), exited)
@@ -79,10 +70,8 @@ def poll_ready(check_once: CheckOnce, timeout_s: float, poll_s: float = POLL_S, 
 def soak(check_once: CheckOnce, ready: HealthReport, soak_s: float, poll_s: float = POLL_S,
          exited: Exited | None = None, clock: Callable[[], float] = time.monotonic,
          sleep: Callable[[float], Any] = time.sleep) -> HealthReport:
-    """Keep checking a just-ready service for soak_s: an engine that dies right after its first /health 200
-    (a bad kernel on the first batch, a crashing engine core) must fail the deploy, not the first client. A
-    transient look (the link to the host, or docker, did not answer) is looked past within soak_s; a soak that
-    ends on one returns it (not ready, and not the server's fault: see transient())."""
+    """Keep checking a just-ready service for soak_s, so an engine that dies after its first /health 200 fails
+    the deploy, not the first client."""
     start = clock()
     report = ready
     while clock() - start < soak_s:
@@ -105,11 +94,7 @@ def wait_until_ready(
     request_timeout_s: float = DEFAULT_TIMEOUT_S,
     exited: Exited | None = None,
 ) -> HealthReport:
-    """Poll check() until ready. Returns early on dead or misconfigured (waiting cannot fix those), and on a
-    service whose container exited (exited: see the module docstring).
-
-    When the result is not ready, the report carries the container's last 30 log lines.
-    """
+    """Poll check() until ready; a report that is not ready carries the container's last 30 log lines."""
     def check_once() -> HealthReport:
         return check(transport, expected, grace_s=grace_s, api_key=api_key, timeout_s=request_timeout_s)
 

@@ -1,9 +1,6 @@
-"""vllm-router's own HTTP API, asked on the router host by root (curl in a root shell over SSH), and its metrics.
+"""vllm-router's worker API and metrics, asked on the router host (docs/router.md).
 
-What it answers (vllm-router 0.1.17, measured; docs/router.md): GET /workers (url, is_healthy, load per worker),
-GET /list_workers, GET /readiness, POST /add_worker?url= (blocks until the worker answers /health, up to
---worker-startup-timeout-secs), POST /remove_worker?url=; Prometheus text on its metrics port (read over a tunnel).
-The API's port is fenced to root (RouterSpec.fence_argv), and sshd opens a tunnel as the login user: so curl as root.
+The fence lets root in, and sshd tunnels as the login user, so a request is curl in a root shell.
 """
 
 from __future__ import annotations
@@ -28,20 +25,19 @@ TIMEOUT_S = 10.0
 
 
 class RouterError(GpufleetError):
-    """The router refused or did not answer a request (one line: what, the router's answer)."""
+    """The router refused or did not answer a request."""
 
 
 @dataclass(frozen=True)
 class Router:
-    """One router: a transport to its host, its client port and its metrics port (on that host's loopback)."""
+    """One router: its host's transport and its loopback ports."""
 
     name: str
     transport: Transport
     port: int
     metrics_port: int
-    members_file: str | None = None  # on the router host: its worker set, replayed after a restart (router.spec)
-    # What metrics() left out because it was not a number (NaN, infinite): name{labels}, once each, for the caller
-    # to say (a rollout's reconcile does); kept out of comparisons, and cleared by whoever says it.
+    members_file: str | None = None  # its worker set, replayed after a restart
+    # Samples metrics() left out as NaN or infinite, for the caller to report and clear.
     non_finite: list[str] = field(default_factory=list, compare=False, repr=False)
 
     def get_json(self, path: str, timeout: float = TIMEOUT_S) -> Any:
@@ -60,10 +56,9 @@ class Router:
         return body
 
     def request(self, method: str, path: str, timeout: float) -> tuple[int, str]:
-        """(status, body) of one request to the router's port, made by root on the router host; RouterError when
-        nothing answered (one line: curl's own words)."""
+        """(status, body) of one request to the router's port."""
         url = shlex.quote(f"http://{LOOPBACK}:{self.port}{path}")
-        # The status first, then the body, cut at the transport's cap: what the router sends stays bounded.
+        # The status first, then the body cut at the transport's cap.
         script = (f"b=$(mktemp) || exit 1; c=$(curl -sS -X {method} --max-time {timeout:g} -o \"$b\" "
                   f"-w '%{{http_code}}' {url}); r=$?; echo \"$c\"; head -c {MAX_BODY_BYTES} \"$b\"; rm -f \"$b\"; "
                   "exit $r")
@@ -74,8 +69,7 @@ class Router:
         return int(code), body
 
     def as_root(self, script: str, timeout: float) -> tuple[int, str, str]:
-        """Run a shell script as root on the router host: (exit status, stdout, stderr); RouterError when the
-        router host cannot be asked."""
+        """(exit status, stdout, stderr) of a script run as root on the router host."""
         if not isinstance(self.transport, SshTransport):
             raise RouterError(f"{self.name}: not reached over SSH: its worker API cannot be asked")
         sudo = "sudo -n " if needs_sudo(self.transport.client) else ""
@@ -85,7 +79,7 @@ class Router:
             raise RouterError(one_line(str(error))) from None
 
     def fenced(self) -> bool:
-        """Is the nftables fence around the router's port loaded (RouterSpec.fence_argv)?"""
+        """Is the nftables fence around the router's port loaded?"""
         status, _, _ = self.as_root(f"{NFT} list table inet {fence_table(self.port)} >/dev/null", TIMEOUT_S)
         return status == 0
 
@@ -99,8 +93,7 @@ class Router:
         return [str(u) for u in self.get_json("/list_workers").get("urls", [])]
 
     def metrics(self) -> list[Sample]:
-        """The router's finite metric samples; RouterError when they cannot be read. A sample that is NaN or
-        infinite says nothing (a running-requests gauge of NaN is no count): left out, and named in non_finite."""
+        """The router's finite metric samples; the others are named in non_finite."""
         answer = fetch(self.transport, self.metrics_port, "/metrics", TIMEOUT_S)
         if answer.status != 200:
             raise RouterError(one_line(f"{self.name}: GET /metrics: HTTP {answer.status}"))
@@ -112,8 +105,7 @@ class Router:
 
 
 def router_samples(text: str, router: str = "router") -> list[Sample]:
-    """The finite samples of the router's Prometheus text (a NaN or infinite count says nothing: left out); a text
-    that is not Prometheus is a RouterError."""
+    """The finite samples of the router's Prometheus text."""
     return [s for s in _parsed(text, router) if math.isfinite(s[2])]
 
 

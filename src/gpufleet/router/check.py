@@ -1,16 +1,4 @@
-"""Is a router serving the fleet? One look at it (gpufleet.router.status) against the inventory: the problems, one
-line each, naming the router, what is wrong and the fix. Pure: `gpufleet verify` reads, this decides.
-
-A router passes when it answers, routes to every replica of the inventory (each in its worker list and healthy
-there) and to nothing else. A replica the deploy left out because it was not ready is a problem too: the router
-is not serving the whole fleet until the replica is ready and the router deploy has added it back.
-
-    >>> expected = RouterExpected({"http://10.0.0.12:8000": "gpu2"}, health_check_interval_s=10)
-    >>> sick = WorkerRow("http://10.0.0.12:8000", healthy=False, load=None, routed=0, running=None)
-    >>> print(*problems(RouterStatus("rtr1", "ready", workers=(sick,)), expected))  # doctest: +NORMALIZE_WHITESPACE
-    rtr1: worker http://10.0.0.12:8000 (gpu2) is not healthy in the router
-    (fix: gpufleet verify INVENTORY --host gpu2; the router re-checks it every 10 s)
-"""
+"""Is a router serving the fleet? Its status against the inventory, as one-line problems (docs/router.md, Verify)."""
 
 from __future__ import annotations
 
@@ -23,22 +11,21 @@ from gpufleet.errors import one_line
 from gpufleet.router.settings import Replica, router_settings
 from gpufleet.router.status import RouterStatus, WorkerRow
 
-POLL_S = 1.0  # between looks while `verify --wait` waits for a router
+POLL_S = 1.0  # between looks of `verify --wait`
 
 
 @dataclass(frozen=True)
 class RouterExpected:
-    """What a router should route to: worker URL -> replica name (inventory order), and how to say the fixes."""
+    """What a router should route to (worker URL to replica name), and how to say the fixes."""
 
     workers: Mapping[str, str]
-    health_check_interval_s: int = 10  # router_health_check_interval_s: how soon it sees a replica come back
-    service: str = "vllm-router"  # router_service
-    inventory: str = "INVENTORY"  # the inventory path, as the fixes spell it
+    health_check_interval_s: int = 10
+    service: str = "vllm-router"
+    inventory: str = "INVENTORY"  # as the fixes spell it
 
     @classmethod
     def for_router(cls, data: Mapping[str, Any], replicas: Sequence[Replica], inventory: str) -> RouterExpected:
-        """From the router host's data and the inventory's replicas (gpufleet.router.settings.replicas): the set the
-        router deploy configures when every replica is ready."""
+        """The set the router deploy configures when every replica is ready."""
         s = router_settings(data)
         return cls({_norm(r.url): r.name for r in replicas}, int(s["router_health_check_interval_s"]),
                    str(s["router_service"]), inventory)
@@ -54,7 +41,7 @@ class RouterVerdict:
         return not self.problems
 
     def as_dict(self) -> dict[str, Any]:
-        """A `--json` row: the status row (marked "role": "router"), ok, and the problem lines."""
+        """A `--json` row: the status row, ok, and the problems."""
         return {"host": self.status.name, "role": "router"} | self.status.as_dict() | {
             "ok": self.ok, "problems": list(self.problems)}
 
@@ -67,7 +54,6 @@ def problems(row: RouterStatus, expected: RouterExpected) -> tuple[str, ...]:
         return (one_line(f"{name}: cannot SSH to the router host: {row.detail} (fix: bring {name} back, or check its "
                          f"ssh_* data in {inv})"),)
     if row.state not in ("ready", "not-ready"):
-        # It did not answer its worker list (down): there is nothing to compare.
         return (one_line(f"{name}: the router does not answer: {row.detail or row.state} (fix: `systemctl status "
                          f"{expected.service}` on {name}; {deploy} starts it)"),)
     found: list[str] = []
@@ -98,7 +84,7 @@ def problems(row: RouterStatus, expected: RouterExpected) -> tuple[str, ...]:
 def verify_router(read: Callable[[], RouterStatus], expected: RouterExpected, deadline: float = 0.0,
                   clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
                   ) -> RouterVerdict:
-    """Read and judge the router until it passes or `deadline` (a clock() time) is past; always one look."""
+    """Read and judge the router until it passes or clock() passes `deadline`; at least one look."""
     while True:
         row = read()
         verdict = RouterVerdict(row, problems(row, expected))
@@ -108,5 +94,5 @@ def verify_router(read: Callable[[], RouterStatus], expected: RouterExpected, de
 
 
 def _norm(url: str) -> str:
-    # The router lists a worker as it was given; a trailing slash given by hand is still the same worker.
+    # The router lists a worker as it was given, trailing slash included.
     return url.rstrip("/")

@@ -1,19 +1,6 @@
 """The router deploy: vllm-router on the inventory's `routers` hosts, in front of the replicas that verify ready.
 
-    pyinfra inventories/lab.py deploys/router.py
-
-Before anything changes: every replica is checked as `gpufleet verify` checks it (in parallel, over SSH, once per
-run); the ready ones are the workers, the others are left out with one line each; no ready replica refuses the
-run. Then the harness's preflight, as for the vLLM hosts (gpufleet.harness.preflight): each router host locked for
-the run and read in the lock's own shell (RouterHostFact), all at once. Each ready worker must answer /health from
-the router host itself (the path the router uses), else the run is refused naming it, and so is a host whose Python
-or machine gpufleet's lock of router wheels does not cover, or that another run holds.
-Then, per router host: python3-venv, the lock's wheels (hash-checked) in a venv of their own, switched in by
-one rename of the router_venv symlink; the unit (vllm-router unprivileged and sandboxed, on the loopback, its port
-fenced to root and nginx by nftables);
-running (restarted only when its unit or its venv changed); ready; the old venvs pruned; a router that kept running
-put in step with the worker set through its own worker API; and nginx on the client port
-passing on the client API only (the worker management API stays on the loopback).
+Its steps, and what it refuses before anything changes: docs/router.md (The deploy).
 """
 
 from __future__ import annotations
@@ -44,12 +31,11 @@ from gpufleet.vllm.settings import merged_settings
 @dataclass(frozen=True)
 class Workers:
     ready: tuple[Replica, ...]
-    left_out: tuple[str, ...]  # one line per replica that is not ready, and why
+    left_out: tuple[str, ...]  # one line per replica that is not ready
 
 
 def ready_workers(state: State) -> Workers:
-    """The inventory's replicas, verified once per run (a slot of the run's context); raises DeployError for bad
-    settings or no ready one."""
+    """The inventory's replicas, verified once per run; DeployError for bad settings or no ready one."""
     return run_context(state).slot(Workers, lambda: _verify_workers(state))
 
 
@@ -79,8 +65,7 @@ def _verify_workers(state: State) -> Workers:
 
 @dataclass(frozen=True)
 class RouterPlan:
-    """One router host's deploy, decided before its lock is taken: its spec (routing to this run's ready workers)
-    and its settings (the lock's wait and lease among them: the one merge, gpufleet.vllm.settings)."""
+    """One router host's deploy, decided before its lock is taken."""
 
     spec: RouterSpec
     settings: Mapping[str, Any]
@@ -92,26 +77,25 @@ def is_router_host(target: Host) -> bool:
 
 
 def plan_for(name: str, data: dict[str, Any]) -> RouterPlan:
-    """Host data -> RouterPlan (raises SettingErrors, one line per bad setting)."""
-    workers = ready_workers(ctx_state.get())  # made once per run, before preflight (deploy_router)
+    """Host data to RouterPlan; SettingErrors for bad settings."""
+    workers = ready_workers(ctx_state.get())
     spec = build_router_spec(name, data, [r.url for r in workers.ready])
     return RouterPlan(spec, merged_settings(data), workers)
 
 
 def check_host(name: str, seen: RouterHost, plan: RouterPlan) -> list[str]:
-    """A router host's refusals: a worker it cannot reach, a Python or machine gpufleet's lock of router wheels does
-    not cover."""
+    """A router host's refusals: a worker it cannot reach, a Python or machine the lock does not cover."""
     problems = [f"{name}: worker {r.name} ({r.url}) does not answer /health from the router host "
                 f"(HTTP {seen.reach.get(r.url, '000')}) (fix: publish vllm_port where the router reaches it, or set "
                 "router_worker_address on that host)" for r in plan.workers.ready if seen.reach.get(r.url) != "200"]
-    try:  # the lock's wheels for this host's Python and machine
+    try:
         wheels.locked_install(name, plan.spec.version, seen.python, seen.machine)
     except SettingError as error:
         problems.append(str(error))
     return problems
 
 
-# What preflight reads on a router host, in its lock's shell: the router's fact, with the workers it must reach.
+# What preflight reads on a router host, in its lock's shell.
 ROUTER_READ: HostRead[RouterPlan, RouterHost] = HostRead(
     RouterHostFact, lambda plan: {"spec": plan.spec, "candidates": plan.spec.workers}, merged_settings)
 
@@ -123,8 +107,7 @@ def deploy_router() -> None:
                           why="a replica: deploys/qwen35.py configures it")
         return
     workers = ready_workers(ctx_state.get())
-    # One operator at a time, as on the replicas: every router host is locked and read (in parallel) before
-    # anything changes, and one refusal stops the run.
+    # Every router host is locked and read before anything changes; one refusal stops the run.
     plan, seen = preflight(plan_for, check_host, ROUTER_READ, applies=is_router_host)
     spec = plan.spec
     install = wheels.locked_install(host.name, spec.version, seen.python, seen.machine)  # check_host passed it

@@ -1,6 +1,4 @@
-"""What is on a router host, read in one command: its Python and machine (which lock entry it installs), the venv
-in use and the locked venvs beside it, the unit, systemd's view, the running
-router's worker set, and whether each candidate worker answers /health from this host (where the router runs)."""
+"""What is on a router host, read in one command, including whether each candidate worker answers /health there."""
 
 from __future__ import annotations
 
@@ -17,30 +15,30 @@ from gpufleet.router.unit import NGINX_DEFAULT_SITE, NJS_PACKAGE, proxy_path, sc
 
 @dataclass(frozen=True)
 class RouterHost:
-    installed_version: str | None = None  # vllm-router's version in the venv, None when not installed
-    python3_venv: bool = False  # Debian's python3-venv (ensurepip) is installed
-    python: str | None = None  # python3's "3.11", else apt's candidate for it, None when neither is known
+    installed_version: str | None = None
+    python3_venv: bool = False  # Debian's package
+    python: str | None = None  # "3.11", else apt's candidate for python3
     machine: str | None = None  # uname -m
-    venv_link: str | None = None  # where the router_venv symlink points; None when it is not a symlink
-    venv_previous: str | None = None  # <router_venv>.venvs/previous: the venv in use before the last switch
-    venv_legacy: bool = False  # router_venv is a directory (installed before the lock): replaced by a symlink
-    venvs: dict[str, str] = field(default_factory=dict)  # <router_venv>.venvs/<name> -> its marker (the lock key it
-    # holds, written after its install succeeded; "" when the install never finished)
+    venv_link: str | None = None  # router_venv's target
+    venv_previous: str | None = None  # in use before the last switch
+    venv_legacy: bool = False  # router_venv is a directory from before the lock
+    # <router_venv>.venvs/<name> to the lock key it holds; "" when its install never finished.
+    venvs: dict[str, str] = field(default_factory=dict)
     unit_sha256: str | None = None
-    members_sha256: str | None = None  # of the members file the unit replays after a start
+    members_sha256: str | None = None
     active_state: str | None = None
     need_daemon_reload: bool = False
     enabled: bool = False
-    live_workers: tuple[str, ...] | None = None  # the running router's /list_workers; None when it does not answer
-    reach: dict[str, str] = field(default_factory=dict)  # worker URL -> HTTP code of its /health from this host
-    nginx: bool = False  # Debian's nginx is installed
+    live_workers: tuple[str, ...] | None = None  # None when the router does not answer
+    reach: dict[str, str] = field(default_factory=dict)  # worker URL to its /health's HTTP code
+    nginx: bool = False
     proxy_sha256: str | None = None  # of the front door's nginx site
-    default_site: bool = False  # Debian's default nginx site is enabled
+    default_site: bool = False
     nginx_active: bool = False
-    njs: bool = False  # Debian's njs module for nginx (the front door's session key)
-    session_script_sha256: str | None = None  # of the front door's session key script
-    nftables: bool = False  # Debian's nftables is installed (the fence around the router's port)
-    fenced: bool = False  # the fence's table is loaded
+    njs: bool = False
+    session_script_sha256: str | None = None
+    nftables: bool = False
+    fenced: bool = False
 
     @property
     def running(self) -> bool:
@@ -48,15 +46,14 @@ class RouterHost:
 
     @property
     def venv_key(self) -> str | None:
-        """The lock key of the venv the router runs from (router_venv's target, complete); None otherwise."""
+        """The lock key of the complete venv the router runs from."""
         if self.venv_link is None:
             return None
         return self.venvs.get(self.venv_link.rstrip("/").rpartition("/")[2]) or None
 
 
 def venv_lines(spec: RouterSpec) -> list[str]:
-    """The shell lines that read the host's Python and machine, router_venv's link, and the locked venvs with
-    their markers."""
+    """The shell lines that read the host's Python and machine, and its venvs."""
     venv, venvs = shlex.quote(spec.venv), shlex.quote(spec.venvs_dir)
     return [
         "echo \"python=$(python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])' 2>/dev/null)\"",
@@ -75,7 +72,6 @@ def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
     venv, unit = shlex.quote(spec.venv), shlex.quote(unit_path(spec.service))
     lines = [
         *venv_lines(spec),
-        # the dist-info directory names the installed version: vllm_router-0.1.17.dist-info
         f"for d in {venv}/lib/python3*/site-packages/vllm_router-*.dist-info; do "
         "test -d \"$d\" && echo \"dist=${d##*/}\"; done",
         "echo \"python3_venv=$(dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | tr ' ' _)\"",
@@ -150,7 +146,7 @@ def parse(output: list[str]) -> RouterHost:
 
 
 def _minor(debian_version: str) -> str | None:
-    """apt's candidate for python3 ("3.11.2-1+b1") -> "3.11"; None when apt names none."""
+    """"3.11.2-1+b1" to "3.11"."""
     m = re.match(r"([0-9]+\.[0-9]+)\.", debian_version)
     return m[1] if m else None
 

@@ -1,5 +1,4 @@
-"""pyinfra operations for a router host: arguments in (the spec, the host's RouterHost read), commands or
-host.noop(why) out."""
+"""pyinfra operations for a router host; docs/router.md (The deploy) explains the venv switch and the fence."""
 
 from __future__ import annotations
 
@@ -29,13 +28,11 @@ from gpufleet.router.unit import (
 )
 from gpufleet.router.wheels import LockedInstall
 
-REQUIREMENTS = "gpufleet-requirements.txt"  # in each locked venv: the requirements it was installed from
+REQUIREMENTS = "gpufleet-requirements.txt"  # in each locked venv
 
 
 def install_script(spec: RouterSpec, install: LockedInstall) -> str:
-    """Shell: into its own venv (made empty before), exactly the lock's wheels, pip checking each one's sha256;
-    the router's entry point run once; then the marker that says the venv is whole. Any failure stops it before the
-    marker, and the venv in use is not touched."""
+    """Shell: the lock's wheels into their own venv, then the marker that says it is whole."""
     target = spec.venv_dir(install.key)
     pip = " ".join(map(shlex.quote, spec.pip_install_argv(target, f"{target}/{REQUIREMENTS}")))
     marker = shlex.quote(f"{target}/{MARKER}")
@@ -44,10 +41,7 @@ def install_script(spec: RouterSpec, install: LockedInstall) -> str:
 
 
 def switch_script(spec: RouterSpec, install: LockedInstall) -> str:
-    """Shell: router_venv made a symlink to the locked venv by one rename (the unit runs <router_venv>/bin/...,
-    which is one venv or the other, never none); the venv it pointed to kept as `previous` (a running router keeps
-    its files, and a rollback has them). A venv installed before the lock (a directory at router_venv) is moved
-    aside first, into the venvs directory, where the next prune removes it."""
+    """Shell: router_venv pointed at the locked venv by one rename, the old target kept as `previous`."""
     venv, venvs, target = (shlex.quote(p) for p in (spec.venv, spec.venvs_dir, spec.venv_dir(install.key)))
     return (f"old=$(readlink {venv} || true); ln -sfn {target} {venv}.gpufleet-tmp && "
             f"{{ test -L {venv} || ! test -d {venv} || {{ rm -rf {venvs}/legacy && mv -T {venv} {venvs}/legacy; }}; }} && "
@@ -58,9 +52,7 @@ def switch_script(spec: RouterSpec, install: LockedInstall) -> str:
 
 @operation()
 def package(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
-    """python3-venv, then the lock's wheels for the host's Python in a venv of their own (hash-checked, wheels only,
-    no dependency resolution on the host), switched in by renaming the router_venv symlink. A venv of this lock
-    entry already whole (a rollback to it, a switch that was cut) is switched to without reinstalling."""
+    """The lock's wheels in a venv of their own, switched in; a whole venv is not installed again."""
     target = spec.venv_dir(install.key)
     if seen.venv_key == install.key and seen.venv_link == target:
         host.noop(f"{install.describe()} installed in {spec.venv}")
@@ -68,7 +60,7 @@ def package(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Comma
     if seen.venvs.get(target.rpartition("/")[2]) != install.key:
         if not seen.python3_venv:
             yield from apt.packages._inner(packages=["python3-venv"], update=True, no_recommends=True)
-        # A venv left by a cut or failed install of this entry is made again from nothing.
+        # A venv left by a cut install is made again from nothing.
         yield StringCommand("sh", "-c", shlex.quote(
             f"install -d -m 755 {shlex.quote(spec.venvs_dir)} && rm -rf {shlex.quote(target)} && "
             f"python3 -m venv {shlex.quote(target)}"))
@@ -79,14 +71,13 @@ def package(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Comma
 
 @operation()
 def old_venvs(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
-    """After the router runs from the new venv: every locked venv but it and the previous one removed (and a
-    venv from before the lock, moved aside by the switch)."""
+    """Every venv but the one in use and the previous one removed."""
     keep = {spec.venv_dir(install.key).rpartition("/")[2]}
     if seen.venv_key == install.key and seen.venv_previous:
         keep.add(seen.venv_previous.rstrip("/").rpartition("/")[2])
     elif seen.venv_link and seen.venv_link != spec.venv_dir(install.key):
-        keep.add(seen.venv_link.rstrip("/").rpartition("/")[2])  # the switch made it `previous`
-    # A venv from before the lock is moved to <venvs>/legacy by this run's switch, after the facts were read.
+        keep.add(seen.venv_link.rstrip("/").rpartition("/")[2])  # now `previous`
+    # This run's switch moved a venv from before the lock to <venvs>/legacy.
     stale = sorted((set(seen.venvs) | ({"legacy"} if seen.venv_legacy else set())) - keep)
     if not stale:
         host.noop(f"no old venv beside {spec.venv}")
@@ -106,9 +97,8 @@ def unit(spec: RouterSpec, seen: RouterHost) -> Commands:
 
 @operation()
 def fence(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
-    """nftables installed, for the unit's fence around the router's port (loaded at each start); loaded now when
-    the router keeps running without it (a ruleset flushed since its start)."""
-    if not seen.nftables:  # decided from the router's fact, as the rest of this deploy is
+    """nftables for the unit's fence, loaded now under a router that runs without it."""
+    if not seen.nftables:
         yield StringCommand("apt-get", "update", "-q")
         yield StringCommand("DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q",
                             "--no-install-recommends", "nftables")
@@ -122,16 +112,13 @@ def fence(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Command
 
 
 def _router_snapshot_changes(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> bool:
-    """Does this run change what the router runs (its unit or its venv)? Then it restarts."""
+    """Does this run change the router's unit or venv?"""
     return seen.unit_sha256 != sha256(render_unit(spec)) or seen.venv_key != install.key
 
 
 @operation()
 def running(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
-    """Enabled and running; restarted when its unit or its package changed (the router keeps no state worth a
-    restart otherwise: its prefix trees rebuild from traffic). Never while another run may be changing the host: the
-    run's lock is checked when the restart executes, from the controller and on the host in the restart's own shell
-    (a lock lost between the plan and then refuses it), as the vLLM service's restarts and ledger writes are."""
+    """Enabled and running; restarted when its unit or venv changed, only under this run's lock."""
     name = shlex.quote(f"{spec.service}.service")
     changed = _router_snapshot_changes(spec, seen, install)
     if not changed and seen.running and seen.enabled and not seen.need_daemon_reload:
@@ -146,15 +133,14 @@ def running(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Comma
 
 
 def restart_script(target: Host, name: str, restart: bool) -> str:
-    """Shell: (re)start the unit `name`, only while this run's holder line is still the lock file's (no lock taken
-    on the host, as for one not reached over SSH: nothing to check)."""
+    """Shell: (re)start `name` only while this run holds the host's lock."""
     return while_held(target, f"systemctl {'restart' if restart else 'start'} {name}",
                       f"{target.name}: not restarting {name}: this run no longer holds the host's lock (fix: run again)")
 
 
 @operation()
 def ready(spec: RouterSpec, seen: RouterHost, install: LockedInstall, timeout_s: int) -> Commands:
-    """After a (re)start: wait until the router listens (/liveness: it listens at once, its workers come after)."""
+    """After a (re)start, wait for /liveness."""
     if not _router_snapshot_changes(spec, seen, install) and seen.running and seen.live_workers is not None:
         host.noop(f"{spec.service} answers on {spec.control_url}")
         return
@@ -167,9 +153,7 @@ def ready(spec: RouterSpec, seen: RouterHost, install: LockedInstall, timeout_s:
 
 @operation()
 def front_door(spec: RouterSpec, seen: RouterHost) -> Commands:
-    """nginx on the client port, passing on the client API only (the router itself listens on the loopback), and
-    keying sessions for a policy that places by them (njs and its script): installed, its files written when they
-    differ, Debian's default site disabled, checked, then reloaded."""
+    """nginx on the client port, passing on the client API only and keying sessions where the policy needs it."""
     content = render_proxy(spec)
     changed = seen.proxy_sha256 != sha256(content)
     key = session_key(spec)
@@ -190,7 +174,7 @@ def front_door(spec: RouterSpec, seen: RouterHost) -> Commands:
         yield AtomicUpload(as_io(content), proxy_path(spec.service), "644")
     if seen.default_site or not seen.nginx:
         yield StringCommand("rm", "-f", NGINX_DEFAULT_SITE)
-    # A site nginx refuses is not loaded: the running nginx keeps serving what it had.
+    # A site nginx refuses is not loaded; the running nginx keeps serving.
     yield StringCommand("nginx", "-t", "-q")
     yield StringCommand("systemctl", "enable", "nginx")
     yield StringCommand("systemctl", "reload-or-restart", "nginx")
@@ -198,8 +182,7 @@ def front_door(spec: RouterSpec, seen: RouterHost) -> Commands:
 
 @operation()
 def members(spec: RouterSpec, seen: RouterHost) -> Commands:
-    """The members file the unit replays after a (re)start: this run's workers (the replicas that verify ready).
-    Written before any restart, so a router restarted by this run comes back with exactly them."""
+    """The members file the unit replays, written before any restart."""
     content = spec.members_text()
     if seen.members_sha256 == sha256(content):
         host.noop(f"{spec.members_file} lists the {len(spec.workers)} workers")
@@ -211,10 +194,7 @@ def members(spec: RouterSpec, seen: RouterHost) -> Commands:
 
 @operation()
 def workers_in_step(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Commands:
-    """The running router's worker set made this run's workers, through its own worker API: a worker left out (a
-    cut rollout, a replica ready again) added, one not ready or no longer in the inventory removed. The router is
-    never restarted for it. After a (re)start the unit adds the members back itself, in the background; here each
-    is waited for (/add_worker returns once the worker answers /health)."""
+    """The running router's worker set made this run's workers, without a restart."""
     restarted = _router_snapshot_changes(spec, seen, install) or not seen.running or seen.live_workers is None
     live = set() if restarted else set(seen.live_workers or ())
     wanted = set(spec.workers)
@@ -226,8 +206,7 @@ def workers_in_step(spec: RouterSpec, seen: RouterHost, install: LockedInstall) 
         if url in live:
             continue
         add = shlex.quote(f"{spec.control_url}/add_worker?url={quote(url, safe='')}")
-        # Listed already (the unit's own rejoin may have been first): nothing to add. An add refused while the
-        # rejoin's own add of the same worker finished (HTTP 400, already a worker) is judged by the list again.
+        # The unit's rejoin may add it first, so a refused add is judged by the list.
         is_listed = f"curl -fsS --max-time 5 {listed} | grep -qF {shlex.quote(json.dumps(url))}"
         yield StringCommand("sh", "-c", shlex.quote(
             f"{is_listed} || curl -fsS -X POST --max-time {spec.worker_startup_timeout_s + 10} {add} || {is_listed}"))

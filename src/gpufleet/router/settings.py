@@ -1,7 +1,6 @@
-"""Router host data -> RouterSpec, and the replicas it routes to; every problem one line (host, setting, fix).
+"""Router host data to RouterSpec, and the replicas it routes to; each problem one line (host, setting, fix).
 
-Router settings live in the inventory like the vLLM ones (host data > group data > DEFAULTS here). A replica's
-address for the router is chosen per replica (worker_url): see docs/router.md.
+docs/router.md has the settings table.
 """
 
 from __future__ import annotations
@@ -23,40 +22,28 @@ from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.value_rules import control_character
 
 DEFAULTS: dict[str, Any] = {
-    # Port clients reach the router at (OpenAI API, same paths as vLLM): nginx listens there and passes on only the
-    # client API (/v1/*, /health); vllm-router's worker management API is never served on it.
+    # Clients' port: nginx passes on the client API only.
     "router_port": 8000,
-    # Address clients reach it at: "0.0.0.0" = every interface.
     "router_address": "0.0.0.0",
-    # vllm-router's own port, on the router host's loopback only: nginx forwards clients to it, and gpufleet's own
-    # calls to its worker management API (/add_worker, /remove_worker, /list_workers) come over SSH.
+    # vllm-router's own port, on the loopback, fenced to root and nginx.
     "router_internal_port": 28000,
-    # vllm-router policy: sticky_least_loaded (a new session to the replica with the fewest sessions, then always
-    # there; the front door derives a session for a request without X-Session-ID from its conversation's opening),
-    # cache_aware (a new conversation to the replica with the fewest requests in flight, each later turn to the one
-    # holding its prefix; needs --enable-scale-out, which every replica behind a router gets; new conversations that
-    # arrive while the fleet is idle all go to one replica), consistent_hash (a hash of the session, also keyed at
-    # the front door), round_robin, power_of_two, random. Measured: docs/router.md.
+    # docs/router.md compares the policies, measured.
     "router_policy": "sticky_least_loaded",
-    # vllm-router version: pinned, so a re-run or a new host never moves it silently; installed with exactly the
-    # wheels gpufleet's lock names for it (src/gpufleet/data/vllm-router-lock.json, each by sha256).
+    # Pinned, and installed with exactly the lock's wheels.
     "router_version": "0.1.17",
-    # PEP 503 package index pip fetches the locked wheels from (a lab mirror works: pip checks each one's sha256).
+    # PEP 503 index; a mirror works, since pip checks each wheel's sha256.
     "router_index_url": "https://pypi.org/simple",
-    # The router's own virtualenv (absolute).
     "router_venv": "/opt/vllm-router",
-    # Name of its systemd unit (<name>.service).
     "router_service": "vllm-router",
-    # Its Prometheus metrics port, on the router host's loopback (status reads it over SSH).
+    # On the router host's loopback.
     "router_metrics_port": 29000,
-    # Seconds between the router's own /health checks of each worker.
+    # Seconds between the router's /health checks of each worker.
     "router_health_check_interval_s": 10,
-    # Seconds the router waits for a worker's /health at its start and when a worker is added.
+    # Seconds the router waits for a worker's /health when it is added.
     "router_worker_startup_timeout_s": 120,
-    # Seconds the deploy waits for a (re)started router to answer /readiness.
+    # Seconds the deploy waits for a (re)started router.
     "router_ready_timeout": 180,
-    # On a replica's host data: the address the router reaches its vLLM at (None: vllm_publish_address when it is
-    # one address, else ssh_hostname, else the host name).
+    # On a replica: the address the router reaches it at (worker_url chooses when None).
     "router_worker_address": None,
 }
 POLICIES = ("cache_aware", "sticky_least_loaded", "consistent_hash", "round_robin", "power_of_two", "random")
@@ -71,8 +58,8 @@ class Replica:
     """A vLLM host the router may route to."""
 
     name: str
-    url: str  # http://<address>:<vllm_port>
-    data: Mapping[str, Any]  # its host data (status/verify reach it over SSH with it)
+    url: str
+    data: Mapping[str, Any]
 
 
 def router_settings(host_data: Mapping[str, Any]) -> dict[str, Any]:
@@ -80,7 +67,7 @@ def router_settings(host_data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence[str]) -> RouterSpec:
-    """Validated RouterSpec for a router host; raises SettingErrors (one line per bad setting)."""
+    """Validated RouterSpec for a router host; SettingErrors for bad settings."""
     errors: list[SettingError] = []
 
     def fail(setting: str, problem: str, fix: str) -> None:
@@ -139,11 +126,7 @@ def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence
 
 
 def worker_url(name: str, data: Mapping[str, Any]) -> str:
-    """http://<address>:<vllm_port> the router reaches a replica at; raises SettingError when it cannot.
-
-    The address: router_worker_address if set; else vllm_publish_address when the port is published on one
-    address (only that address answers); else the address the inventory reaches the host by (ssh_hostname, or the
-    host name): the one address an operator already wrote down for that box."""
+    """The URL the router reaches a replica at; SettingError when it cannot (docs/router.md, A worker's address)."""
     s = merged_settings(data)
     port = s["vllm_port"]
     chosen = data.get("router_worker_address")
@@ -166,9 +149,8 @@ def worker_url(name: str, data: Mapping[str, Any]) -> str:
 
 def replicas(hosts: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]] | None = None
              ) -> list[Replica]:
-    """The replicas among (name, data) pairs (the inventory's hosts not in the routers group), each with its URL;
-    raises SettingErrors naming every replica the router cannot address. orders: the inventory's groups, so that a
-    replica group's ranks other than its head, which serve no API, are left out."""
+    """The replicas among the inventory's non-router hosts, each with its URL, less the headless ranks of a replica
+    group; SettingErrors naming every replica the router cannot address."""
     found, errors = [], []
     skip = headless_ranks(hosts, orders, merged_settings) if orders else set()
     for name, data in hosts:

@@ -21,30 +21,29 @@ class WorkerRow:
     url: str
     healthy: bool
     load: int | None
-    routed: int  # requests the policy sent there (vllm_router_policy_decisions_total)
-    running: int | None  # requests in flight there now (vllm_router_running_requests)
+    routed: int  # requests the policy sent there
+    running: int | None  # in flight there now
 
 
 @dataclass(frozen=True)
 class RouterStatus:
     name: str
-    state: str  # ready, not-ready, unreachable (SSH), down (the router does not answer)
+    state: str  # ready, not-ready, unreachable (SSH), down
     detail: str = ""
     policy: str | None = None
     workers: tuple[WorkerRow, ...] = ()
-    requests: int | None = None  # requests the router received (vllm_router_requests_total, all routes)
-    prefix_outcomes: dict[str, int] = field(default_factory=dict)  # cache_aware: hit / miss / ... -> count
-    # What the client port (nginx) answered to /health, from the router host: "200", another status, or why nothing
-    # answered; "" when not looked at.
+    requests: int | None = None  # received, all routes
+    prefix_outcomes: dict[str, int] = field(default_factory=dict)  # cache_aware's
+    # The client port's /health status, or why nothing answered; "" when not looked at.
     front_door: str = ""
-    fenced: bool | None = None  # is the nftables fence around its worker API loaded? None: not known
+    fenced: bool | None = None  # None when not known
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def read(router: Router, policy: str | None = None) -> RouterStatus:
-    """One look at a router; never raises: whatever fails is the row's state."""
+    """One look at a router; never raises."""
     try:
         listed = router.get_json("/workers").get("workers", [])
     except (RouterError, OSError) as error:
@@ -52,7 +51,7 @@ def read(router: Router, policy: str | None = None) -> RouterStatus:
     try:
         samples = router.metrics()
     except (RouterError, OSError):
-        samples = []  # metrics are extra: the worker list stands without them
+        samples = []  # the worker list stands without them
     routed: dict[str, int] = {}
     running: dict[str, int] = {}
     outcomes: dict[str, int] = {}
@@ -60,7 +59,7 @@ def read(router: Router, policy: str | None = None) -> RouterStatus:
     for name, labels, value in samples:
         if name == "vllm_router_policy_decisions_total" and "worker" in labels:
             routed[labels["worker"]] = routed.get(labels["worker"], 0) + int(value)
-            policy = labels.get("policy") or policy  # what the running router decides with, over the inventory's
+            policy = labels.get("policy") or policy  # the running router's, over the inventory's
         elif name == "vllm_router_running_requests" and "worker" in labels:
             running[labels["worker"]] = int(value)
         elif name == "vllm_router_prefix_routing_decisions_total" and "outcome" in labels:
@@ -84,26 +83,24 @@ def read(router: Router, policy: str | None = None) -> RouterStatus:
 
 
 def front_door(transport: Transport, data: Mapping[str, Any]) -> str:
-    """GET /health on the client port (nginx, in front of the router), from the router host itself."""
+    """GET /health on the client port, from the router host itself."""
     s = router_settings(data)
     try:
         return str(fetch(transport, int(s["router_port"]), "/health", timeout=5,
                          address=reach_address(s["router_address"])).status)
-    except Exception as error:  # refused, reset, not HTTP: the row says so, it never raises
+    except Exception as error:  # the row says so
         return excerpt(f"{type(error).__name__}: {error}", 120)
 
 
 def connect(name: str, data: Mapping[str, Any]) -> Router:
-    """A Router over the host's SSH connection (its inventory data); raises Unreachable. The caller closes
-    router.transport.client."""
+    """A Router over the host's SSH connection; the caller closes router.transport.client."""
     s = router_settings(data)
-    # Its own loopback listener: the client port (nginx) does not serve the worker management API.
     return Router(name, open_ssh(name, data), int(s["router_internal_port"]), int(s["router_metrics_port"]),
                   members_path(str(s["router_service"])))
 
 
 def read_host(name: str, data: Mapping[str, Any]) -> RouterStatus:
-    """Connect, read, close: a router row for `gpufleet status`."""
+    """A router row for `gpufleet status`."""
     policy = str(router_settings(data)["router_policy"])
     try:
         router = connect(name, data)

@@ -1,5 +1,4 @@
-"""The router's systemd unit (templates/vllm-router.service.j2) and its front door's nginx site
-(templates/vllm-router-nginx.conf.j2), with the njs script that keys sessions there (templates/vllm-router-session-key.js)."""
+"""The router's systemd unit, and its front door's nginx site and session key script."""
 
 from __future__ import annotations
 
@@ -12,20 +11,20 @@ from gpufleet.router.spec import RouterSpec
 from gpufleet.units import render_template
 
 NGINX_SITES = "/etc/nginx/conf.d"
-# Debian's own site (a welcome page on port 80): a router host serves nothing but its front door.
+# A router host serves nothing but its front door.
 NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
 NGINX_SCRIPTS = "/etc/nginx/gpufleet"
-# Debian's njs for nginx (bookworm 0.7.9, trixie 0.8.9, Ubuntu 24.04 0.8.2): its package enables the module itself.
+# Its package enables the module itself.
 NJS_PACKAGE = "libnginx-mod-http-js"
 
 
 @dataclass(frozen=True)
 class SessionKey:
-    """How the front door keys a request that names no session: an njs module, and the body it reads in memory."""
+    """How the front door keys a request that names no session."""
 
-    module: str  # njs module name, also the nginx variable holding the key
-    script: str  # the module's file on the router host
-    buffer: str = "8m"  # client_body_buffer_size: bodies up to this are keyed by their content
+    module: str  # also the nginx variable holding the key
+    script: str
+    buffer: str = "8m"  # bodies up to this are keyed by content
 
 
 def unit_path(service: str) -> str:
@@ -41,7 +40,7 @@ def script_path(service: str, scripts: str = NGINX_SCRIPTS) -> str:
 
 
 def session_key(spec: RouterSpec, scripts: str = NGINX_SCRIPTS) -> SessionKey | None:
-    """The front door's session key, for a policy that places by X-Session-ID; None for the others."""
+    """For a policy that places by X-Session-ID."""
     if not spec.keys_sessions:
         return None
     module = f"gpufleet_{re.sub(r'[^A-Za-z0-9_]', '_', spec.service)}_session"
@@ -58,8 +57,7 @@ def render_unit(spec: RouterSpec) -> str:
 
 
 def render_proxy(spec: RouterSpec, scripts: str = NGINX_SCRIPTS) -> str:
-    """The nginx site in front of the router: the client port passes on the client API only (`scripts`: where its
-    session key script is)."""
+    """The nginx site that passes on the client API only."""
     listen = str(spec.port) if spec.address == "0.0.0.0" else f"{url_host(spec.address)}:{spec.port}"
     return render_template("vllm-router-nginx.conf.j2", spec=spec, listen=listen,
                            session_key=session_key(spec, scripts))

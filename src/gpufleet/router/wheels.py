@@ -1,11 +1,6 @@
-"""The lock of the wheels gpufleet installs for vllm-router (src/gpufleet/data/vllm-router-lock.json): for each
-pinned router_version, each Python and machine a router host may run, vllm-router and every dependency it pulls,
-each one wheel with its exact version and sha256 (gpufleet.wheel_lock says how a host installs from it).
+"""The lock of the wheels gpufleet installs for vllm-router, per router_version, Python and machine.
 
-Regenerate it when bumping router_version (it reads PyPI's simple API; wheels only):
-
-    python -m gpufleet.router.relock                        # DEFAULTS' router_version, every Python and machine below
-    python -m gpufleet.router.relock --version 0.1.18 --version 0.1.17 --python 3.11 --python 3.13
+docs/router.md (The lock) says how to regenerate it.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ LOCK = wheel_lock.LockFile(PACKAGE, LOCK_PATH, LOCK_SHOWN, REGENERATE, "router_v
 
 
 class LockedInstall(wheel_lock.LockedInstall):
-    """What one router host installs: the lock's wheels for its router_version, Python and machine."""
+    """The lock's wheels for one router host."""
 
     def __init__(self, version: str, python: str, machine: str, wheels: tuple[Wheel, ...],
                  package: str = PACKAGE, shown: str = LOCK_SHOWN) -> None:
@@ -54,13 +49,13 @@ def releases(lock: Mapping[str, Any] | None = None) -> list[str]:
 
 def locked_install(host: str, version: str, python: str | None, machine: str | None,
                    lock: Mapping[str, Any] | None = None) -> LockedInstall:
-    """The lock's wheels for a host; raises SettingError (one line: host, router_version, fix) when it has none."""
+    """The lock's wheels for a host; SettingError when it has none."""
     found = wheel_lock.locked_install(LOCK, host, version, python, machine, lock)
     return LockedInstall(found.version, found.python, found.machine, found.wheels)
 
 
 def check(lock: Mapping[str, Any]) -> list[str]:
-    """Problems with a lock's shape (empty when it is well formed): what the tests hold the committed lock to."""
+    """Problems with a lock's shape."""
     return wheel_lock.check(PACKAGE, lock)
 
 

@@ -1,11 +1,4 @@
-"""Take a replica out of a router's worker set and put it back: what a rollout does around each swap.
-
-Through the router's own worker API (vllm-router has one): /remove_worker stops new requests going there at
-once, while requests already proxied there finish on their open connections; leave() then waits until the
-router has none in flight there. /add_worker re-adds it once it answers /health (call join() after the replica
-verified ready). Clients of the router see no error: measured in tests/integration/test_router.py. The rollout
-uses them through gpufleet.rollout.routers (every router, a failed rejoin recorded per host).
-"""
+"""Take a replica out of a router's worker set and put it back, around a rollout's swap (docs/router.md)."""
 
 from __future__ import annotations
 
@@ -22,14 +15,13 @@ POLL_S = 0.5
 
 
 def in_flight(router: Router, url: str) -> int:
-    """Requests the router has in flight to `url` now (0 when its metrics do not name it)."""
+    """Requests the router has in flight to `url` now."""
     return int(sum(value for name, labels, value in router.metrics()
                    if name == "vllm_router_running_requests" and labels.get("worker") == url))
 
 
 def leave(router: Router, url: str, drain_timeout_s: float = 60.0) -> float:
-    """Remove `url` from the router's workers and wait for its in-flight requests to finish; returns the seconds
-    the drain took. Raises RouterError when the router refuses, or requests are still in flight at the deadline."""
+    """Remove `url` from the router's workers and drain it; returns the drain's seconds."""
     router.remove_worker(url)
     if url in router.list_workers():
         raise RouterError(f"{router.name}: {url} is still in its worker set after /remove_worker")
@@ -43,7 +35,7 @@ def leave(router: Router, url: str, drain_timeout_s: float = 60.0) -> float:
 
 
 def join(router: Router, url: str, timeout_s: float = 120.0) -> None:
-    """Put `url` back (the router waits for its /health); a no-op when it is in the set already."""
+    """Put `url` back once it answers /health."""
     if url in router.list_workers():
         return
     router.add_worker(url, timeout_s + 10)
@@ -53,9 +45,7 @@ def join(router: Router, url: str, timeout_s: float = 120.0) -> None:
 
 
 def record(router: Router) -> None:
-    """Write the router's live worker set to its members file on the router host (atomically, as root), which its
-    unit replays after a restart: a router restarted or rebooted mid-rollout comes back with the replicas that were
-    in, not the one being swapped. Raises RouterError with one line."""
+    """Write the live worker set to the members file the unit replays after a restart."""
     if router.members_file is None or not isinstance(router.transport, SshTransport):
         return
     text = "".join(f"{url}\n" for url in router.list_workers())
