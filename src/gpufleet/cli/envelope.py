@@ -44,7 +44,7 @@ class Problem:
 
     @classmethod
     def from_line(cls, id: str, line: str, host: str, fix: str) -> Problem:
-        """A `host: what (fix: how)` line split up; `fix` when the line carries none."""
+        """A `host: what (fix: how)` line split up."""
         message = line.removeprefix(f"{host}: ")
         head, sep, tail = message.rpartition(" (fix: ")
         if sep and tail.endswith(")"):
@@ -59,7 +59,7 @@ def row(host: str, problems: Sequence[Problem], **fields: Any) -> dict[str, Any]
 
 def document(command: str, hosts: Sequence[Mapping[str, Any]], routers: Sequence[Mapping[str, Any]],
              error: str | None = None, **fields: Any) -> dict[str, Any]:
-    """The command's document: ok when every row is and nothing stopped the command (`error` says what did)."""
+    """The command's document: ok when every row is and nothing stopped the command."""
     ok = error is None and all(r["ok"] for r in (*hosts, *routers))
     return {"command": command, "ok": ok, "error": error, **fields, "hosts": list(hosts), "routers": list(routers)}
 

@@ -18,15 +18,15 @@ SSH_TIMEOUT_S = 10.0  # per attempt, login included
 def pyinfra_host(name: str, data: Mapping[str, Any]) -> Host:
     """A pyinfra Host in a State of its own, so one host's bad data cannot fail the others."""
     inventory = Inventory(([(name, dict(data))], {}))
-    State(inventory, Config(CONNECT_TIMEOUT=SSH_TIMEOUT_S))  # initialises the connector
+    State(inventory, Config(CONNECT_TIMEOUT=SSH_TIMEOUT_S))
     return inventory.get_host(name)
 
 
 def open_ssh(name: str, data: Mapping[str, Any]) -> SshTransport:
-    """A transport over a new SSH connection; the caller closes its client. Raises Unreachable."""
+    """A transport over a new SSH connection, whose client the caller closes. Raises Unreachable."""
     try:
         host = pyinfra_host(name, data)
-    except Exception as e:  # host data the connector refuses
+    except Exception as e:
         raise Unreachable(_unreachable_line(name, data, e)) from e
     attempts = 1 + int(host.data.get("ssh_connect_retries") or 0)
     try:
@@ -70,7 +70,7 @@ def transport_from_pyinfra_host(host: Host) -> SshTransport:
 
 
 def needs_sudo(client: paramiko.SSHClient) -> bool:
-    """Whether root-level commands need sudo: not for a root session, where sudo may not even exist."""
+    """False for a root session, where sudo may not even exist."""
     session = client.get_transport()
     return session is None or session.get_username() != "root"
 
