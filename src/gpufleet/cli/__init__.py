@@ -5,14 +5,14 @@ from __future__ import annotations
 import click
 
 from gpufleet import __version__
-from gpufleet.cli.deploy import deploy as deploy_command  # keep gpufleet.cli.deploy the module
-from gpufleet.cli.init import init as init_command  # keep gpufleet.cli.init the module
+from gpufleet.cli.deploy import deploy as deploy_command
+from gpufleet.cli.init import init as init_command  # keep gpufleet.cli.<name> the module
 from gpufleet.cli.logs import NORMAL, QUIET, VERBOSE, set_verbosity
 from gpufleet.cli.render import lint, render
 from gpufleet.cli.rollout import history_command, rollback, rollout
 from gpufleet.cli.sandbox import sandbox
 from gpufleet.cli.verify import status
-from gpufleet.cli.verify import verify as verify_command  # keep gpufleet.cli.verify the module
+from gpufleet.cli.verify import verify as verify_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

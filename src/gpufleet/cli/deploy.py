@@ -1,10 +1,4 @@
-"""`gpufleet deploy`: the main job (converge the fleet) from an installed gpufleet, no checkout needed.
-
-It runs pyinfra, from the venv gpufleet runs in, on the deploy files shipped in the package: first the vLLM hosts
-(the packaged deploys/qwen35.py), then, when the inventory has a `routers` group, the routers (deploys/router.py),
-which route only to replicas that already verify ready, hence a run of its own after the first. pyinfra's own
-options pass through unchanged to both runs; the exit status is pyinfra's.
-"""
+"""`gpufleet deploy`: pyinfra on the shipped deploy files, the vLLM hosts first, then the routers (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -27,8 +21,7 @@ ONLY = ("vllm", "router")
 
 
 def limits(args: Sequence[str]) -> list[str]:
-    """The --limit patterns among pyinfra's options (`--limit X` or `--limit=X`; a comma-separated list counts as
-    one pattern per name, as the router step reads it)."""
+    """The --limit patterns among pyinfra's options, one per comma-separated name."""
     found: list[str] = []
     for i, arg in enumerate(args):
         if arg == "--limit" and i + 1 < len(args):
@@ -39,8 +32,7 @@ def limits(args: Sequence[str]) -> list[str]:
 
 
 def router_hosts(inventory: str) -> list[tuple[str, tuple[str, ...]]]:
-    """(name, groups) of the inventory's hosts in the routers group; none when INVENTORY is no file (pyinfra also
-    takes `@local`, `host1,host2`...) or does not load (pyinfra then says why in its own run)."""
+    """(name, groups) of the inventory's routers; none when INVENTORY is no file or does not load (pyinfra says why)."""
     if not Path(inventory).is_file():
         return []
     try:
@@ -51,15 +43,14 @@ def router_hosts(inventory: str) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def routers_in_limit(routers: Sequence[tuple[str, tuple[str, ...]]], patterns: Sequence[str]) -> bool:
-    """Does pyinfra's --limit (none: every host) reach a router? A pattern matches a host name or a group name."""
+    """Whether pyinfra's --limit reaches a router, by host or group name."""
     if not patterns:
         return bool(routers)
     return any(fnmatch.fnmatch(name, p) or p in groups for name, groups in routers for p in patterns)
 
 
 def check_inventory(inventory: str) -> None:
-    """An inventory file that is missing, does not load or lists no host is bad input (exit status 2) before pyinfra
-    runs; anything else pyinfra takes as an inventory (`@local`, `host1,host2`) is pyinfra's to judge."""
+    """Raise BadInput for an inventory file that is missing, does not load or lists no host; pyinfra judges the rest."""
     if not Path(inventory).is_file():
         if inventory.endswith(".py") or "/" in inventory:
             raise BadInput(f"{inventory}: inventory file not found (fix: pass a path like inventories/lab.py)")
@@ -76,10 +67,10 @@ def run_pyinfra(inventory: str, deploy_file: Path, args: Sequence[str]) -> int:
     argv = [pyinfra_command(), inventory, str(deploy_file), *args]
     if not quiet():
         click.echo(f"gpufleet deploy: $ {' '.join(argv)}", err=True)
-    # stdin, stdout and stderr stay the terminal's: pyinfra asks before it changes anything (unless -y).
+    # The terminal stays pyinfra's, so it can ask before changing anything.
     try:
         return subprocess.run(argv).returncode
-    except KeyboardInterrupt:  # Ctrl-C reached pyinfra too (same terminal); a cut run resumes on the next one
+    except KeyboardInterrupt:  # pyinfra got the Ctrl-C too
         return 130
 
 
@@ -111,7 +102,7 @@ def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> N
                                "file is its own (fix: drop it, or give the option it is the value of)")
     check_inventory(inventory)
     if verbose() and not any(arg.startswith("-v") and set(arg[1:]) == {"v"} for arg in args):
-        args.insert(0, "-v")  # `gpufleet -v deploy`: pyinfra's meta lines too
+        args.insert(0, "-v")
     runs: list[str] = []
     if only in (None, "vllm"):
         runs.append("qwen35")
@@ -129,7 +120,7 @@ def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> N
 
 
 def _options_taking_a_value() -> frozenset[str]:
-    """pyinfra's options that take a value (`--limit HOST`): read from its CLI, so a new one is known too."""
+    """pyinfra's options that take a value, read from its CLI so a new one is known too."""
     from pyinfra_cli.main import cli as pyinfra_cli
 
     return frozenset(name for p in pyinfra_cli.params if isinstance(p, click.Option) and not p.is_flag

@@ -1,6 +1,4 @@
-"""What `gpufleet status` and `gpufleet verify` report: every problem a host or router row has, each with its fix;
-printed as the tables and one line per problem (with the host's evidence), or as the one JSON document (docs/cli.md);
-and the exit status."""
+"""What `gpufleet status` and `gpufleet verify` report: each row's problems with their fixes, as text or JSON."""
 
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ from gpufleet.wire.geometry import resolved_block_sizes
 from gpufleet.wire.gpu_verdicts import Verdict
 
 
-# --- problems: what each row of status and verify finds wrong, with the fix ------------------------------------------
+# --- problems -------------------------------------------------------------------------------------------------------
 def _state_fix(state: HealthState, name: str, service: str, inventory: str) -> str:
     journal = f"read `journalctl -u {service}` on {name}"
     return {
@@ -34,7 +32,7 @@ def _state_fix(state: HealthState, name: str, service: str, inventory: str) -> s
 
 
 def host_problems(r: HostResult, inventory: str) -> list[Problem]:
-    """Every reason the host's row is not ok, each with its fix (the text lines and --json's problems)."""
+    """Every reason the host's row is not ok, each with its fix."""
     name, service, h = r.target.name, r.target.expected.service, r.health
     found = []
     if not h.ready:
@@ -48,7 +46,7 @@ def host_problems(r: HostResult, inventory: str) -> list[Problem]:
     rollback = f"if a new image broke it, `gpufleet rollback {inventory} --host {name}`"
     again = (f"run it again (`gpufleet verify {inventory} --host {name}`); if its requests keep getting no answer, "
              f"read `journalctl -u {service}` on {name}")
-    # A check that could not run has an id of its own: whatever acts on a failed check must not act on it.
+    # A check that could not run has its own id, so nothing acts on it as on a failed one.
     found += [Problem("answer", f"answer check {a.line()}", f"read `journalctl -u {service}` on {name}; {rollback}")
               if a.ran else Problem("check-not-run", f"answer check {a.line()}", again)
               for a in r.answers if not a.ok]
@@ -71,7 +69,7 @@ def host_problems(r: HostResult, inventory: str) -> list[Problem]:
 
 
 def gpu_warnings(r: HostResult) -> list[str]:
-    """What the GPUs say that does not fail the host (degraded, unused, an app restart due, an unread health)."""
+    """What the GPUs say that does not fail the host."""
     gpus = r.gpus
     if gpus is None:
         return []
@@ -82,7 +80,7 @@ def gpu_warnings(r: HostResult) -> list[str]:
             for g in gpus.gpus if g.verdict is not Verdict.OK and g not in sick]
 
 
-# A router's problem lines come from gpufleet.router.check, each naming its fix; their ids, by what they say.
+# Ids of gpufleet.router.check's problem lines, by what they say.
 _ROUTER_PROBLEM_IDS = (
     ("cannot SSH to the router host", "ssh-unreachable"),
     ("the router does not answer", "router-down"),
@@ -101,15 +99,15 @@ def router_problems(verdict: RouterVerdict) -> list[Problem]:
             for line in verdict.problems]
 
 
-# --- the one JSON document (docs/cli.md) and the text lines ---------------------------------------------------------
+# --- the JSON document and the text lines ---------------------------------------------------------------------------
 def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
     fields = {k: v for k, v in r.health.as_dict().items() if k != "host"} | {
         "gpus": list(r.target.gpus),
         "block_sizes": resolved_block_sizes(r.health.cache_config),
-        # null: none set (hits land on whole blocks) or unknown
+        # null: none set, or unknown
         "prefix_match_unit": prefix_match_unit(r.health.cache_config),
         "cache_config": dict(r.health.cache_config),
-        "committed": r.committed_ref,  # the ledger's (null: none, or not read)
+        "committed": r.committed_ref,  # the ledger's
     }
     if r.probe is not None:
         fields["probe"] = r.probe.as_dict()
@@ -129,13 +127,13 @@ def _host_row(r: HostResult, found: list[Problem]) -> dict[str, Any]:
 
 def _router_row(verdict: RouterVerdict) -> dict[str, Any]:
     fields = {k: v for k, v in verdict.status.as_dict().items() if k != "name"}
-    fields["front_door"] = fields["front_door"] or None  # "": not looked at
+    fields["front_door"] = fields["front_door"] or None
     return row(verdict.status.name, router_problems(verdict), **fields)
 
 
 def report(command: str, inventory: str, results: list[HostResult], verdicts: list[RouterVerdict],
            as_json: bool, console: Console, tables: Callable[[Console], None]) -> int:
-    """Print the result (tables and problem lines, or the JSON document); the exit status."""
+    """Print the result; returns the exit status."""
     found = {r.target.name: host_problems(r, inventory) for r in results}
     doc = document(command, [_host_row(r, found[r.target.name]) for r in results],
                    [_router_row(v) for v in verdicts])
@@ -157,12 +155,12 @@ def report(command: str, inventory: str, results: list[HostResult], verdicts: li
 
 
 def _say(console: Console, text: str) -> None:
-    # Hosts' details, logs and fixes come from the hosts: plain text (never markup), a line each however long.
+    # From the hosts: plain text, never markup, a line each however long.
     console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _explain(console: Console, r: HostResult, found: list[Problem]) -> None:
-    """The host's problem lines (each with its fix), the container's last log lines, and the probe's evidence."""
+    """The host's problem lines, the container's last log lines, and the probe's evidence."""
     name = r.target.name
 
     def say(text: str) -> None:
@@ -170,7 +168,7 @@ def _explain(console: Console, r: HostResult, found: list[Problem]) -> None:
 
     for problem in found:
         if problem.id == "probe":
-            continue  # said below, with its evidence
+            continue
         say(problem.line(name))
         if problem.id == str(r.health.state):
             for line in r.health.logs:

@@ -1,5 +1,4 @@
-"""The rich tables of `gpufleet status` and `gpufleet verify`: one row per host (and per router worker), one per
-probed host, one column per serving check. Every cell from a server is plain text, never markup."""
+"""The rich tables of `gpufleet status` and `gpufleet verify`. Every cell from a server is plain text, never markup."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def _pct(value: float | None) -> str:
 
 
 def cache_units(cache_config: dict[str, str]) -> tuple[str, str]:
-    """(block size(s), prefix-match unit) as the server resolved them, for the table: what a --prefix-match-unit
-    must divide, and what hits align to ("=block" when no unit is set: hits then land on whole blocks)."""
+    """(block sizes, prefix-match unit) as the server resolved them; "=block" when no unit is set."""
     blocks = resolved_block_sizes(cache_config)
     unit = prefix_match_unit(cache_config)
     return "/".join(map(str, blocks)) or "-", str(unit) if unit else ("=block" if blocks else "-")
@@ -46,7 +44,7 @@ def host_table(results: list[HostResult], title: str) -> Table:
     columns = ("host", "GPUs", "GPU health", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
                "block", "unit")
     for col in columns:
-        table.add_column(col, no_wrap=col == "host")  # a group's rank lines read as a tree under its head
+        table.add_column(col, no_wrap=col == "host")
     for r in grouped(results):
         h, c = r.health, r.health.container
         style = _STATE_STYLE.get(h.state, "red")
@@ -68,7 +66,7 @@ def host_table(results: list[HostResult], title: str) -> Table:
 
 
 def grouped(results: list[HostResult]) -> list[HostResult]:
-    """A replica group as one row (its head's) with its ranks' lines right under it; other hosts as they come."""
+    """A replica group as its head's row with its ranks' lines right under it; other hosts as they come."""
     ranks: dict[str, list[HostResult]] = {}
     for r in results:
         if r.target.headless and r.target.rank is not None:
@@ -77,7 +75,7 @@ def grouped(results: list[HostResult]) -> list[HostResult]:
     for r in results:
         if not r.target.headless:
             out += [r, *ranks.pop(r.target.name, [])]
-    return out + [r for rest in ranks.values() for r in rest]  # ranks whose head is not in the table
+    return out + [r for rest in ranks.values() for r in rest]  # ranks without their head
 
 
 def host_cell(r: HostResult) -> str:
@@ -89,7 +87,7 @@ def host_cell(r: HostResult) -> str:
 
 
 def model_cell(served: str | None, model: str | None) -> str:
-    """The served name, and the commit its files are (12 digits) when the container's label names it."""
+    """The served name, and its files' commit when the container's label names it."""
     commit = model.rpartition("@")[2][:12] if model else None
     return f"{served or '-'} @{commit}" if commit else served or "-"
 
@@ -98,7 +96,7 @@ _GPU_STYLE = {Verdict.OK: "green", Verdict.DEGRADED: "yellow", Verdict.RESTART_A
 
 
 def gpu_cell(r: HostResult) -> Text:
-    """The worst GPU verdict and its GPUs ("ok", "degraded: 0", "needs reboot: 1 (unused)"); "-" when not read."""
+    """The worst GPU verdict and its GPUs, e.g. "degraded: 0"; "-" when not read."""
     gpus = r.gpus
     if gpus is None:
         return Text("-")
@@ -114,14 +112,14 @@ def gpu_cell(r: HostResult) -> Text:
 
 
 def image_cell(r: HostResult) -> Text:
-    """The running image's digest (12 digits), red and marked when the ledger committed another."""
+    """The running image's short digest, red and marked when the ledger committed another."""
     c = r.health.container
     short = (c.image_short if c else None) or "-"
     return Text(f"{short} (not committed)", style="red") if r.committed_drift else Text(short)
 
 
 def spec_cell(r: HostResult) -> Text:
-    """The running container's spec hash (12 digits), red and marked when it is not the inventory's: drift."""
+    """The running container's short spec hash, red and marked on drift."""
     c = r.health.container
     if c is None or not c.running:
         return Text("-")
@@ -132,13 +130,12 @@ def spec_cell(r: HostResult) -> Text:
 
 
 def _plain(*cells: str | Text) -> list[Text]:
-    """Cells as plain text: model ids, versions and labels come from the servers, and rich would read "[/x]" in
-    them as markup (and raise, taking the whole table down)."""
+    """Cells as plain text: rich would read a server's "[/x]" as markup and raise."""
     return [cell if isinstance(cell, Text) else Text(cell) for cell in cells]
 
 
 def probe_table(results: list[HostResult]) -> Table:
-    """One row per probed host: verdict, tokens re-processed per session turn, hit ratio per length, fixes."""
+    """One row per probed host."""
     table = Table(title="prompt re-processing probe", header_style="bold", show_lines=True)
     for col in ("host", "verdict", "re-processed / turn (share)", "hit ratio by prompt length", "legal fixes", "requests"):
         table.add_column(col)
@@ -170,8 +167,7 @@ def _session_cell(p: ProbeReport) -> str:
 
 
 def checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
-    """One row per host, one column per serving check: passed, failed, not run (no answer), or "-" where the host's
-    settings give the check nothing to check (no tool parser, no reasoning parser) or it was not reached."""
+    """One row per host, one column per serving check; "-" where there is nothing to check or it was not reached."""
     table = Table(title="serving checks", header_style="bold")
     table.add_column("host")
     for name in names:
@@ -186,7 +182,7 @@ def checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
 
 
 def speed_table(results: list[HostResult]) -> Table:
-    """One row per measured host: each speed figure now, and beside it the one its ledger recorded at commit."""
+    """One row per measured host: each speed figure now, and the one its ledger recorded at commit."""
     table = Table(title="speed (now, recorded at commit)", header_style="bold")
     table.add_column("host")
     for label, unit, _ in FIGURES.values():

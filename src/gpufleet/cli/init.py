@@ -1,9 +1,4 @@
-"""`gpufleet init DIR`: a starter inventory for the user's boxes, in the shape of inventories/lab.py.
-
-It writes DIR/inventory.py (the hosts, their GPUs and parallel sizes, the fixes `gpufleet lint` asks for) and
-DIR/group_data/all.py (how pyinfra logs in, the profile, the image, the API key), each setting with a comment
-pointing to the docs. The result renders and lints clean (`gpufleet lint DIR/inventory.py --strict` exits 0).
-"""
+"""`gpufleet init DIR`: a starter inventory for the user's boxes that renders and lints clean (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -28,14 +23,13 @@ from gpufleet.vllm.profiles._profile import JIT_REDIRECTS
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 _USER = re.compile(r"[a-z_][a-z0-9_.-]*")
-# Tensor parallel sizes known to work for the profiles' models (powers of two); at most 3 pipeline stages
-# (Qwen 3.5 with 4 or more fails upstream: `gpufleet lint` rule qwen35-pipeline-parallel-4-or-more).
+# At most 3 pipeline stages: lint rule qwen35-pipeline-parallel-4-or-more.
 _TENSOR_SIZES = (1, 2, 4, 8)
 _MAX_PIPELINE = 3
 
 
 class BadInput(click.ClickException):
-    """An option gpufleet init cannot use: one line naming it and the fix, exit status 2 (click's usage errors')."""
+    """An option gpufleet init cannot use, named with its fix: exit status 2."""
 
     exit_code = 2
 
@@ -80,7 +74,7 @@ def parse_gpu_list(option: str, text: str) -> tuple[int, ...]:
 
 
 def parse_gpus(values: Sequence[str], names: Sequence[str], profile: Profile) -> dict[str, tuple[int, ...]]:
-    """{host: GPUs}: `--gpus 0,1,2` for every host, `--gpus NAME=0,1` for one (it wins); else the profile's."""
+    """{host: GPUs} from `--gpus 0,1,2` for every host and `--gpus NAME=0,1` for one; else the profile's."""
     default: tuple[int, ...] = profile.gpus
     per_host: dict[str, tuple[int, ...]] = {}
     defaults_given = 0
@@ -101,8 +95,7 @@ def parse_gpus(values: Sequence[str], names: Sequence[str], profile: Profile) ->
 
 
 def parallel_sizes(gpus: int) -> tuple[int, int] | None:
-    """(tensor, pipeline) parallel sizes for a box with that many GPUs: the most pipeline stages up to 3 with a
-    power-of-two tensor size (3 GPUs: 1 x 3, the profile's; 4: 2 x 2, as inventories/lab.py); None if none fits."""
+    """(tensor, pipeline) sizes: the most pipeline stages up to 3 with a power-of-two tensor size; None if none fits."""
     for pipeline in range(_MAX_PIPELINE, 0, -1):
         if gpus % pipeline == 0 and gpus // pipeline in _TENSOR_SIZES:
             return gpus // pipeline, pipeline
@@ -115,7 +108,7 @@ def _int_arg(profile: Profile, name: str, default: int) -> int:
 
 
 def fleet_args(profile: Profile) -> dict[str, Any]:
-    """The fixes `gpufleet lint` asks of the profile's invocation for every box (only those it needs)."""
+    """The fixes `gpufleet lint` asks of the profile's invocation for every box."""
     args: dict[str, Any] = {}
     if "shutdown-timeout" not in profile.vllm_args:
         args["shutdown-timeout"] = SHUTDOWN_TIMEOUT_S
@@ -137,7 +130,7 @@ def fleet_env(profile: Profile) -> dict[str, Any]:
 
 
 def box_args(profile: Profile, box: Box) -> dict[str, Any]:
-    """The box's own flags: the parallel sizes for its GPU count, and enough sequences to keep each stage busy."""
+    """The box's own flags: its parallel sizes, and enough sequences to keep each stage busy."""
     sizes = parallel_sizes(len(box.gpus))
     if sizes is None:
         fits = ", ".join(str(n) for n in range(1, 25) if parallel_sizes(n))
@@ -155,7 +148,7 @@ def box_args(profile: Profile, box: Box) -> dict[str, Any]:
 
 
 def _lit(value: Any) -> str:
-    """A Python literal, strings in double quotes as in inventories/lab.py."""
+    """A Python literal with double-quoted strings."""
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
@@ -325,7 +318,7 @@ def init(directory: str, hosts: tuple[str, ...], gpus: tuple[str, ...], profile_
         raise BadInput(f"--ssh-user {ssh_user}: not a user name (fix: e.g. --ssh-user deploy)")
     boxes = [Box(name, address, per_host[name]) for name, address in parsed]
     for box in boxes:
-        box_args(profile, box)  # refuses a GPU count no split fits, before anything is written
+        box_args(profile, box)  # refuses before anything is written
 
     root = Path(directory)
     files = {root / "inventory.py": inventory_text(directory, profile, boxes, routers),
@@ -336,15 +329,14 @@ def init(directory: str, hosts: tuple[str, ...], gpus: tuple[str, ...], profile_
                        "overwrite)")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
-        # group_data/all.py holds the API key: readable by its owner only.
+        # It holds the API key: owner only.
         _replace(path, text, 0o600 if path.name == "all.py" else 0o644)
         click.echo(f"wrote {path}")
     click.echo(f"next: gpufleet lint {root / 'inventory.py'} --strict && gpufleet deploy {root / 'inventory.py'}")
 
 
 def _replace(path: Path, text: str, mode: int) -> None:
-    """`path` made to hold `text` with `mode` from its first byte, by a new file renamed over it (a link there is
-    replaced, not followed)."""
+    """Write `path` with `mode` from its first byte, by a rename that replaces a link instead of following it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:

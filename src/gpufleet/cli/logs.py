@@ -1,5 +1,4 @@
-"""How much the CLI says besides its result (`gpufleet -q` / `-v`), and what it does with paramiko's and pyinfra's
-own log records."""
+"""How much the CLI says besides its result (`-q`, `-v`), paramiko's and pyinfra's log records included."""
 
 from __future__ import annotations
 
@@ -11,12 +10,11 @@ QUIET, NORMAL, VERBOSE = -1, 0, 1
 _level = NORMAL
 _LIBRARIES = ("paramiko", "pyinfra")
 _verbose_handler: logging.Handler | None = None
-_before: dict[str, tuple[int, bool]] = {}  # each library logger's level and propagate from before -v
+_before: dict[str, tuple[int, bool]] = {}  # each library logger's state before -v
 
 
 def set_verbosity(level: int) -> None:
-    """-q: the result and the errors only (no progress, no summary lines on stderr). -v: paramiko's and pyinfra's
-    own debug records on stderr too (undone by the next call with a lower level)."""
+    """-q: the result and the errors only. -v: paramiko's and pyinfra's debug records on stderr too."""
     global _level, _verbose_handler
     _level = level
     loggers = [logging.getLogger(name) for name in _LIBRARIES]
@@ -50,9 +48,7 @@ def stderr() -> Console:
 
 
 def quiet_ssh_logs() -> None:
-    """paramiko logs connection failures with tracebacks ("Socket exception: ..."), pyinfra's connector its host key
-    decisions: the commands already say, per host, that it could not be reached and why, in one line. Under -v they
-    stay on."""
+    """Silence paramiko's tracebacks and pyinfra's host key lines, unless -v: the commands say why in one line."""
     if verbose():
         return
     for logger in map(logging.getLogger, _LIBRARIES):

@@ -1,8 +1,4 @@
-"""What a command is doing while it works (verify --wait, --probe, the serving checks): one row per host on stderr.
-
-On a terminal a rich table that updates in place and goes away when the result is printed; piped (CI logs, a
---json run captured by a script), one plain line per change, so the log reads in order. Under -q nothing.
-"""
+"""What a command is doing while it works, one row per host on stderr: a live table, or piped a line per change."""
 
 from __future__ import annotations
 

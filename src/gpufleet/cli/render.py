@@ -46,7 +46,6 @@ def render(inventory: str, host_name: str | None, unit: bool) -> None:
         click.echo(render_unit(spec) if unit else shell_line(spec.docker_run_argv()), nl=not unit)
 
 
-# What lint prints each severity in, on a terminal.
 _SEVERITY_COLOUR = {"error": "red", "warning": "yellow", "info": "cyan"}
 
 
@@ -80,7 +79,7 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
     accepted: dict[str, frozenset[str]] = {}
     for name, data in replicas:
         errors += _read_accept(name, data, accepted)
-    # The router is checked as its deploy checks it: its settings, and an address for every replica.
+    # As the router's deploy checks it.
     workers: list[str] = []
     if routers:
         try:
@@ -94,7 +93,7 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
             errors += exc.errors
         errors += _read_accept(name, data, accepted)
 
-    if errors:  # the rules read valid settings, and a fleet-wide line needs every host: these first, alone
+    if errors:  # the rules need valid settings on every host
         report = invalid_settings_report(errors, hosts, router_names)
         if not as_json:
             raise click.ClickException("\n".join(report.line(finding) for finding in report.findings))
@@ -110,8 +109,7 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
 
 
 def json_document(report: LintReport, strict: bool) -> dict[str, Any]:
-    """lint's own document (findings folded over the fleet, docs/lint.md) in the envelope of the other commands: a
-    row per host and router with ok and its problems (the findings on it that count)."""
+    """lint's document in the other commands' envelope: a row per host and router (docs/lint.md)."""
     failing = ("error", "warning") if strict else ("error",)
 
     def host_row(name: str) -> dict[str, Any]:
@@ -133,7 +131,7 @@ def _read_accept(host: str, data: dict[str, Any], accepted: dict[str, frozenset[
 def _print_report(report: LintReport) -> None:
     for finding in report.findings:
         line = report.line(finding)
-        # Only the severity word is coloured: the line stays the same text a pipe or a log gets.
+        # Only the severity word is coloured, so the text is a pipe's.
         word = f": {finding.severity} ["
         head, _, tail = line.partition(word)
         coloured = click.style(finding.severity, fg=_SEVERITY_COLOUR[finding.severity], bold=True)

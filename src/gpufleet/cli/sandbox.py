@@ -1,9 +1,4 @@
-"""`gpufleet sandbox up [N]` / `gpufleet sandbox down`: a local simulated GPU fleet to try the deploy on;
-`gpufleet sandbox gpu-fault HOST`: a GPU fault injected into one of its hosts (docs/gpu-health.md).
-
-Hosts are systemd-nspawn containers on bridge gf-sandbox (10.213.0.0/24) with sshd, sudo, apt and GPU stand-ins;
-the local mirror, the stand-in NVIDIA and Docker repos and the registry listen on 10.213.0.1 only. Needs root and systemd-nspawn.
-"""
+"""`gpufleet sandbox`: a local simulated GPU fleet to try the deploy on, and GPU faults for it (docs/test-hosts.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`gpufleet status` and `gpufleet verify`: gather gpufleet.health results for an inventory's hosts and routers;
-gpufleet.cli.health_report and health_tables show them."""
+"""`gpufleet status` and `gpufleet verify`: gather gpufleet.health results for an inventory's hosts and routers."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ from gpufleet.wire.speed import SpeedFigures
 
 
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
-    """Inventory -> what to check on each vLLM host (routers have rows of their own). Raises GpufleetError (one
-    line per problem)."""
+    """What to check on each vLLM host of the inventory. Raises GpufleetError."""
     return [replace(target, speed_tolerance=float(merged_settings(data)[SPEED_TOLERANCE_SETTING]),
                     rank=(spec.group.group, spec.group.rank, spec.group.head) if spec.group else None)
             for spec, data in load_host_specs(inventory, only_host) for target in [HostTarget.for_spec(spec, data)]]
@@ -48,15 +46,14 @@ def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarge
 def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]:
     try:
         targets = load_targets(inventory, host)
-    except GpufleetError as e:  # an invalid setting: bad input, before any host is reached
+    except GpufleetError as e:  # bad input, before any host is reached
         raise BadInput(str(e)) from None
     quiet_ssh_logs()
     return check_fleet(targets, committed=read_committed, **kwargs)
 
 
 def read_committed(target: HostTarget, transport: Transport) -> tuple[str, SpeedFigures | None] | None:
-    """The digest the host's ledger has committed and the speed figures recorded with it, read as the rollout reads
-    it (None: none, or unreadable)."""
+    """The digest the host's ledger committed and its speed figures, as the rollout reads them; None if unreadable."""
     if not isinstance(transport, SshTransport):
         return None
     service, port = target.expected.service, target.expected.port
@@ -70,7 +67,7 @@ def read_committed(target: HostTarget, transport: Transport) -> tuple[str, Speed
 
 
 def _console() -> Console:
-    # Piped output (CI logs, `| less`) gets a wide table rather than rich's 80-column default.
+    # Piped output gets a wide table rather than rich's 80 columns.
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
@@ -104,10 +101,10 @@ def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool, 
     if fix and host:
         raise BadInput("--fix settles every router of the inventory (fix: leave out --host)")
     routers, found = _roles(inventory, host)
-    expected = _router_expectations(inventory, routers, found)  # a bad setting stops status before any SSH
+    expected = _router_expectations(inventory, routers, found)  # before any SSH
     if fix:
         try:
-            load_targets(inventory)  # an invalid setting is bad input, before any router changes
+            load_targets(inventory)  # before any router changes
         except GpufleetError as e:
             raise BadInput(str(e)) from None
         quiet_ssh_logs()
@@ -130,8 +127,7 @@ def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool, 
 
 
 def _roles(inventory: str, host: str | None) -> tuple[list[HostData], list[HostData]]:
-    """(the routers `--host` selects, every replica) of the inventory; bad input when it cannot be read, is empty or
-    has no such host."""
+    """(the routers `--host` selects, every replica) of the inventory; raises BadInput."""
     routers, found = load_inventory(inventory, host)
     return [(name, data) for name, data in routers if host in (None, name)], found
 
@@ -146,7 +142,7 @@ def _roles(inventory: str, host: str | None) -> tuple[list[HostData], list[HostD
                    f"{', '.join(SERVING_CHECKS)}, or all (docs/verify.md).")
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Seconds to wait for hosts and routers to become ready.")  # fmt: skip
-# No envvar: a VLLM_API_KEY in the caller's environment (set for a client) silently overrode every host's own key.
+# No envvar: a client's VLLM_API_KEY would silently override every host's own key.
 @click.option("--api-key", default=None,
               help="For servers run with --api-key; overrides every host's vllm_api_key (default: each host's own).")  # fmt: skip
 @click.pass_context
@@ -170,9 +166,9 @@ def verify(
         names = parse_checks(checks)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--checks") from None
-    deadline = time.monotonic() + wait_s  # routers get what is left of --wait after the hosts
+    deadline = time.monotonic() + wait_s  # shared by hosts, then routers
     routers, found = _roles(inventory, host)
-    expected = _router_expectations(inventory, routers, found)  # a bad setting stops verify before any SSH
+    expected = _router_expectations(inventory, routers, found)  # before any SSH
     results: list[HostResult] = []
     verdicts: list[RouterVerdict] = []
     with FleetProgress(stderr()) as progress:
@@ -211,15 +207,15 @@ def _what_verify_does(wait_s: float, run_probe: bool, checks: Sequence[str]) -> 
 
 
 def _router_expectations(inventory: str, routers: list[HostData], found: list[HostData]) -> list[RouterExpected]:
-    """What each router should route to: every replica of the inventory, at the URL the router deploy gives it."""
+    """What each router should route to, at the URLs its deploy gives them."""
     if not routers:
-        return []  # a fleet without a router may keep vLLM on loopback: no worker addresses to check then
+        return []  # vLLM may stay on loopback without a router
     try:
-        workers = replicas(found, load_roles_and_groups(inventory)[2])  # a replica group's head only
+        workers = replicas(found, load_roles_and_groups(inventory)[2])
     except GpufleetError as e:
         raise BadInput(str(e)) from None
     refused = []
-    for name, data in routers:  # the router's settings, as its deploy and lint check them
+    for name, data in routers:
         try:
             build_router_spec(name, data, [replica.url for replica in workers])
         except GpufleetError as e:

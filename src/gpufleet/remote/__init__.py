@@ -1,9 +1,6 @@
-"""Reaching hosts: SSH through pyinfra's connector (ssh.py) and HTTP to a host's own loopback over that session
-(transport.py). Deploys, the rollout, the router and the health checks reach hosts only through here.
+"""Reaching hosts: SSH through pyinfra's connector, and HTTP to a host's loopback over it.
 
-pyinfra's connector is gevent code: hosts connect in parallel only over gevent's sockets, and gevent's patching must
-come before any thread or pyinfra State exists in the process ("cannot release un-acquired lock" otherwise). It is
-done here, once, by whatever first imports this package (pyinfra's own CLI does the same on import).
+gevent must patch before any thread or pyinfra State exists, so the first import of this package does it.
 """
 
 from gevent import monkey

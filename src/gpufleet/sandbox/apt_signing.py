@@ -1,5 +1,4 @@
-"""Throwaway signing keys for the sandbox's stand-in apt repos (NVIDIA's and Docker's): apt on the test hosts
-verifies their InRelease against the key the deploy installs, exactly as it does against the vendors' real keys."""
+"""Throwaway signing keys for the sandbox's stand-in apt repos, so apt verifies them as it does the vendors'."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ from gpufleet.sandbox.procs import run
 
 
 class ThrowawayKey:
-    """An ed25519 signing key in its own GNUPGHOME (never inside a served tree), used as a context manager: gpg
-    starts a gpg-agent daemon for the home on first use, and leaving the block ends that agent and deletes the home
-    (a repo is signed once, when it is built; a rebuild makes a new key), so nothing outlives the build."""
+    """An ed25519 signing key in its own GNUPGHOME; leaving the block ends its gpg-agent and deletes the home."""
 
     def __init__(self, home: Path, uid: str):
         self.home = home
@@ -35,6 +32,6 @@ class ThrowawayKey:
         return run(["gpg", "--armor", "--export"], env=self._env).stdout
 
     def sign_release(self, directory: Path) -> None:
-        """InRelease (clearsigned, what apt reads first) and Release.gpg (detached) next to directory/Release."""
+        """InRelease and Release.gpg next to directory/Release."""
         run(["gpg", "--batch", "--yes", "--clearsign", "-o", "InRelease", "Release"], cwd=directory, env=self._env)
         run(["gpg", "--batch", "--yes", "-abs", "-o", "Release.gpg", "Release"], cwd=directory, env=self._env)

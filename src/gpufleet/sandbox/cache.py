@@ -1,5 +1,4 @@
-"""Entries of the sandbox's cache dir: each is built in a temporary directory and published by one rename, with a
-`.done` marker written last, so a build killed halfway is never mistaken for a finished one."""
+"""Entries of the sandbox's cache dir, published by one rename with a `.done` marker, so a killed build never counts."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ def is_done(entry: Path) -> bool:
 
 
 def publish(tmp: Path, entry: Path, started: float) -> float:
-    """Mark tmp finished (with its build time) and move it to entry; return the seconds the build took."""
+    """Mark tmp finished and move it to entry; returns the seconds the build took."""
     seconds = time.monotonic() - started
     (tmp / "build-seconds").write_text(f"{seconds:.1f}\n")
     (tmp / ".done").touch()
@@ -28,7 +27,7 @@ def publish(tmp: Path, entry: Path, started: float) -> float:
 
 @contextmanager
 def building(lock: Path) -> Iterator[None]:
-    """Hold `lock` (an flock, freed when this process dies) while building one cache entry."""
+    """Hold the flock `lock` while building one cache entry."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
     try:

@@ -1,7 +1,6 @@
 """What a fleet is made of: names, subnet, state and cache places, and each host's GPUs.
 
-The sandbox (`gpufleet sandbox up`) and the pytest fleets run the same code with different FleetConfigs, so
-they can run side by side: every name the code creates (bridge, netns, veth, nspawn machine) derives from here.
+Every name a fleet creates derives from here, so fleets run side by side.
 """
 
 from __future__ import annotations
@@ -15,20 +14,20 @@ from gpufleet.sandbox import nvidia_smi
 CACHE_DIR = Path(os.environ.get("GPUFLEET_CACHE_DIR", "/var/cache/gpufleet"))
 MIRROR_PORT = 8080
 REGISTRY_PORT = 5000
-HUB_PORT = 8081  # the stand-in Hugging Face hub (gpufleet.sandbox.hub)
+HUB_PORT = 8081  # the stand-in Hugging Face hub
 MAX_BRIDGE_NAME = 11
 
 
 @dataclass(frozen=True)
 class Gpus:
-    """A host's GPUs as its nvidia-smi reports them; count=0 is a box without the driver (no nvidia-smi)."""
+    """A host's GPUs as its nvidia-smi reports them; count=0 is a box without the driver."""
 
     count: int = 3
     model: str = "NVIDIA H200"
-    memory_mib: int | None = None  # None: the recorded H200's 143771 MiB
-    driver: str | None = None  # None: the recorded 580.159.04
-    cuda: str | None = None  # None: the recorded 13.0
-    hang: bool = False  # nvidia-smi never answers (a wedged driver)
+    memory_mib: int | None = None  # None: as recorded, for these three
+    driver: str | None = None
+    cuda: str | None = None
+    hang: bool = False  # a wedged driver
 
     def profile(self, seed: str) -> nvidia_smi.Profile | None:
         if self.count == 0:
@@ -40,7 +39,7 @@ class Gpus:
         return profile
 
 
-H200x3 = Gpus(3)  # the write-up's box: vllm_gpus [0, 1, 2]
+H200x3 = Gpus(3)  # the write-up's box
 H200x8 = Gpus(8)
 H200x1 = Gpus(1)
 OLD_DRIVER = Gpus(3, driver="535.104.05", cuda="12.2")  # too old for the CUDA 13 nightly image
@@ -49,7 +48,7 @@ NO_GPU = Gpus(0)
 
 @dataclass(frozen=True)
 class FleetConfig:
-    name: str  # short: part of netns names (gf-<name>-<host>)
+    name: str  # short: part of netns names
     bridge: str
     net: str  # first three octets of the /24
     host_prefix: str
@@ -57,7 +56,7 @@ class FleetConfig:
     cache_dir: Path = field(default=CACHE_DIR)
 
     def __post_init__(self) -> None:
-        # Interface names have at most 15 characters (IFNAMSIZ): the bridge, and each host's veth <bridge>-<i>.
+        # Interface names have at most 15 characters (IFNAMSIZ).
         if len(self.bridge) > MAX_BRIDGE_NAME:
             raise ValueError(f"fleet {self.name}: bridge name {self.bridge!r} is longer than {MAX_BRIDGE_NAME} "
                              f"characters (fix: a shorter one, so its hosts' links <bridge>-<i> fit 15)")
@@ -96,7 +95,7 @@ class FleetConfig:
 
     @property
     def router_index_url(self) -> str:
-        """The PEP 503 index of the real vllm-router wheels (gpufleet.sandbox.router_index)."""
+        """The PEP 503 index of the real vllm-router wheels."""
         return f"{self.mirror_url}/pypi/simple"
 
     @property
@@ -105,7 +104,7 @@ class FleetConfig:
 
     @property
     def docker_repo_url(self) -> str:
-        """Like https://download.docker.com/linux: the OS id (debian/) follows, as Docker documents."""
+        """Like https://download.docker.com/linux, the OS id follows."""
         return f"{self.mirror_url}/docker/linux"
 
 

@@ -1,20 +1,6 @@
 """Stand-in of Docker's apt repo (download.docker.com/linux), with its real layout, package names and signed InRelease.
 
-Only the packaging is a stand-in: the engine, CLI, containerd and runc are Debian's own binaries (the docker.io,
-containerd, runc and tini debs the local mirror already holds), repackaged under Docker's names, paths, unit files
-and maintainer-script behaviour, so dockerd really runs on a host after `apt-get install docker-ce`.
-
-Layout (as at download.docker.com/linux; served at <mirror>/docker/linux, the value of docker_repo_url):
-    debian/gpg                                           armored public key (throwaway, generated here)
-    debian/dists/<codename>/InRelease, Release, Release.gpg
-    debian/dists/<codename>/stable/binary-<arch>/Packages(.gz), Release
-    debian/dists/<codename>/pool/stable/<arch>/*.deb     docker-ce, docker-ce-cli, containerd.io,
-                                                         docker-buildx-plugin, docker-compose-plugin
-Docker's documented install then works unchanged: the source line
-`deb [arch=<arch> signed-by=/etc/apt/keyrings/docker.asc] <docker_repo_url>/debian <codename> stable`.
-
-The plugin packages hold stand-ins (the mirror has no buildx or compose v2); the deploy never installs them, they
-exist so Docker's documented `apt-get install ... docker-buildx-plugin docker-compose-plugin` resolves.
+Only the packaging is a stand-in: the binaries are Debian's own, from the local mirror (docs/test-hosts.md).
 """
 
 from __future__ import annotations
@@ -32,13 +18,13 @@ from gpufleet.sandbox.procs import SandboxError, log, run
 from gpufleet.sandbox.rootfs import SUITE
 
 OS_ID = "debian"
-OS_VERSION_ID = "12"  # bookworm: Docker's version strings name it (5:<ver>-1~debian.12~bookworm)
+OS_VERSION_ID = "12"  # bookworm, as Docker's version strings name it
 COMPONENT = "stable"
 # The mirror's packages whose binaries the repo's debs carry.
 SOURCES = ("docker.io", "containerd", "runc", "tini")
 MAINTAINER = "gpufleet sandbox <sandbox@gpufleet.invalid>"
 
-# Docker's units (moby contrib/init/systemd of the 20.10 line, which the repackaged binaries are).
+# Docker's units of the 20.10 line, as the binaries are.
 DOCKER_SERVICE = """\
 [Unit]
 Description=Docker Application Container Engine
@@ -83,13 +69,12 @@ SocketGroup=docker
 [Install]
 WantedBy=sockets.target
 """
-# containerd.io ships a config that turns off the CRI plugin (Docker does not use it).
+# containerd.io's config turns off the CRI plugin.
 CONTAINERD_CONFIG = '#   Docker\'s containerd.io default: only what dockerd needs.\ndisabled_plugins = ["cri"]\n'
 
 
 def _systemd_scripts(units: str, first_install: str = "") -> dict[str, str]:
-    """Maintainer scripts with what debhelper generates for packaged units: enable and start on install, stop on
-    remove, forget on purge (deb-systemd-invoke honours policy-rc.d, like the real packages)."""
+    """Maintainer scripts as debhelper generates them for packaged units."""
     return {
         "postinst": f"""#!/bin/sh
 set -e
@@ -126,7 +111,7 @@ fi
     }
 
 
-# docker-ce's own postinst: the group docker.socket hands the socket to.
+# docker-ce's own postinst creates the socket's group.
 DOCKER_GROUP = """    if [ -z "$2" ] && ! getent group docker >/dev/null; then
         groupadd --system docker
     fi
@@ -164,19 +149,18 @@ def _key(sources: dict[str, Path]) -> str:
 
 
 def upstream_version(deb_version: str) -> str:
-    """20.10.24+dfsg1-1+deb12u1+b6 -> 20.10.24; 1.6.20~ds1-1+deb12u3 -> 1.6.20 (the code's own version)."""
+    """20.10.24+dfsg1-1+deb12u1+b6 -> 20.10.24."""
     return re.split(r"[+~-]", deb_version.split(":", 1)[-1], maxsplit=1)[0]
 
 
 def ensure_repo(cache_dir: Path, mirror: Path) -> Path:
-    """Return the directory to serve at <mirror>/docker (it holds linux/debian/...), built once per source debs and
-    builder source; a cold build takes seconds."""
+    """The directory to serve at <mirror>/docker, built once per source debs and builder source."""
     sources = _source_debs(mirror)
     arch = sources["docker.io"].stem.rsplit("_", 1)[1]
     root = cache_dir / f"docker-repo-{_key(sources)}"
     if cache.is_done(root):
         return root
-    # Fleets starting at once (pytest-xdist workers, a sandbox) share this entry: one builds, the others wait.
+    # Fleets starting at once share this entry: one builds, the others wait.
     with cache.building(cache_dir / f".{root.name}.lock"):
         if not cache.is_done(root):
             _build_repo(cache_dir, root, sources, arch)
@@ -226,7 +210,7 @@ def _build_packages(work: Path, sources: dict[str, Path], arch: str, pool: Path)
             target = pkg / dest
             target.parent.mkdir(parents=True, exist_ok=True)
             if isinstance(content, Path):
-                shutil.copy(content, target)  # follows a symlink: docker-init is tini-static itself, as in docker-ce
+                shutil.copy(content, target)  # docker-init is tini-static itself, as in docker-ce
             else:
                 target.write_text(content)
                 target.chmod(0o755 if content.startswith("#!") else 0o644)
@@ -242,7 +226,7 @@ def _build_packages(work: Path, sources: dict[str, Path], arch: str, pool: Path)
             (pkg / "DEBIAN" / script).chmod(0o755)
         if conffiles:
             (pkg / "DEBIAN/conffiles").write_text("".join(f"/{c}\n" for c in conffiles))
-        # gzip -1: the repo is rebuilt on every cold run and read over loopback; size does not matter here.
+        # Read over loopback: speed over size.
         run(["dpkg-deb", "-Zgzip", "-z1", "--root-owner-group", "--build", str(pkg),
              str(pool / f"{name}_{version.split(':', 1)[-1]}_{arch}.deb")])
 
@@ -286,11 +270,11 @@ def _build_packages(work: Path, sources: dict[str, Path], arch: str, pool: Path)
 
 
 def _index(debian: Path, arch: str) -> None:
-    """Packages per component/arch and the signed-over Release, with Docker's fields (Origin Docker, Label Docker CE)."""
+    """Packages per component/arch and the signed-over Release, with Docker's fields."""
     dists = debian / "dists" / SUITE
     binary = dists / COMPONENT / f"binary-{arch}"
     binary.mkdir(parents=True)
-    # Run from debian/: Filename fields are then relative to the repo base, as in Docker's Packages.
+    # From debian/, Filename fields are relative to the repo base, as in Docker's.
     packages = run(["apt-ftparchive", "packages", f"dists/{SUITE}/pool/{COMPONENT}/{arch}"], cwd=debian).stdout
     (binary / "Packages").write_text(packages)
     run(["gzip", "-kf", "Packages"], cwd=binary)

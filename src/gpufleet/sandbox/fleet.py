@@ -24,7 +24,7 @@ from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.procs import SandboxError, log, run
 from gpufleet.sandbox.state import State
 
-BOOT_TIMEOUT_S = 60.0  # a boot takes ~0.5 s to SSH + systemd running; this is the hang detector
+BOOT_TIMEOUT_S = 60.0  # a hang detector: a boot takes about a second
 
 # machine tool -> Debian package that provides it
 TOOLS = {
@@ -61,10 +61,7 @@ class Fleet:
 
     # ------------------------------------------------------------------------------------------------- start
     def lock(self, timeout: float = 1800) -> None:
-        """Hold the fleet's lock for as long as this process lives (or until stop()).
-
-        Another live run of the same fleet (a concurrent pytest session) makes this one wait for it; a killed run
-        held it only until its death, so its leftovers are then cleared, never a live run's hosts."""
+        """Hold the fleet's lock until stop() or this process's death, waiting for another live run (docs/test-hosts.md)."""
         if self._lock_fd is not None:
             return
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
@@ -84,15 +81,15 @@ class Fleet:
                     waited = True
                 time.sleep(1)
         self._lock_fd = fd
-        self.state = State(self.cfg.state_dir / "state.json")  # as the previous holder left it
+        self.state = State(self.cfg.state_dir / "state.json")
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            os.close(self._lock_fd)
             self._lock_fd = None
 
     def start(self) -> None:
-        """Clear leftovers of an earlier run of this fleet, then bring up the shared parts (reused if cached)."""
+        """Clear leftovers of an earlier run of this fleet, then bring up the shared parts."""
         check_prerequisites()
         self.lock()
         self.clear_leftovers()
@@ -131,8 +128,7 @@ class Fleet:
         return next(h for h in self.hosts() if h.name == name)
 
     def add_hosts(self, gpus: list[Gpus], first: int | None = None, role: str = "replica") -> list[Host]:
-        """Create and boot len(gpus) hosts in parallel (numbered from `first`, default after the last one); role
-        "router" puts them in the inventory's routers group."""
+        """Create and boot len(gpus) hosts in parallel, numbered from `first` (default: after the last one)."""
         start = first or 1 + max((h.index for h in self.hosts()), default=0)
         new = [hostmod.make(self.cfg, start + i, g, role) for i, g in enumerate(gpus)]
         base = Path(self.state.get("base_rootfs"))
@@ -142,8 +138,7 @@ class Fleet:
             hostmod.create(self.cfg, self.state, h, base, self.key)
             pid = hostmod.boot(self.state, h)
             try:
-                # A boot takes ~0.5 s; now and then one hangs under load (not reproduced in isolation). Record
-                # what it was stuck on, then build that host again from scratch, once.
+                # Now and then a boot hangs under load: record what it was stuck on, then rebuild the host once.
                 hostmod.wait_ready(h, self.key, pid, timeout=BOOT_TIMEOUT_S)
             except SandboxError as error:
                 log.warning("%s: %s; retrying once. Diagnostics:\n%s", h.name, error, self._boot_diagnostics(h))
@@ -165,12 +160,12 @@ class Fleet:
         try:
             jobs = hostmod.run_in(self.state, h, "systemctl list-jobs --no-pager; systemctl --failed --no-pager",
                                   check=False, timeout=15).stdout
-        except Exception as error:  # diagnostics only: never mask the boot failure itself
+        except Exception as error:  # never mask the boot failure itself
             jobs = f"(could not enter the host: {error})"
         return f"console tail:\n{console}\nsystemd jobs:\n{jobs}"
 
     def remove_hosts(self, names: list[str] | None = None) -> None:
-        """Stop and delete hosts (all by default), in parallel: each shutdown waits on systemd inside."""
+        """Stop and delete hosts (all by default), in parallel."""
         doomed = [h for h in self.hosts() if names is None or h.name in names]
         with ThreadPoolExecutor(max_workers=max(1, len(doomed))) as pool:
             list(pool.map(lambda h: hostmod.destroy(self.cfg, self.state, h), doomed))
@@ -178,7 +173,7 @@ class Fleet:
 
     # -------------------------------------------------------------------------------------------------- stop
     def stop(self) -> None:
-        """Undo everything this fleet created, then release it. Caches (base rootfs, repos, registry) stay."""
+        """Undo everything this fleet created, then release it; caches stay."""
         self.lock()
         try:
             self.remove_hosts()
@@ -187,8 +182,7 @@ class Fleet:
             self.unlock()
 
     def clear_leftovers(self) -> None:
-        """Remove what an earlier (maybe killed) run of THIS fleet left: only names its state file or its own
-        naming scheme (netns gf-<fleet>-*, links <bridge>-*, mounts under its state dir) account for."""
+        """Remove what an earlier run of THIS fleet left, by its state file and its own naming scheme only."""
         cfg, state = self.cfg, self.state
         for name in list(state.get("pids", {})):
             if entry := state.pid(name):
@@ -233,8 +227,7 @@ class Fleet:
         return self.host(host) if isinstance(host, str) else host
 
     def write_inventory(self, site_cache: tuple[str, ...] = ()) -> Path:
-        """<state dir>/inventory.json: what inventories/sandbox.py (and the test inventories) turn into hosts;
-        site_cache: the hosts of the group `site_cache` (docs/site-cache.md)."""
+        """Write <state dir>/inventory.json, which the sandbox and test inventories turn into hosts."""
         from gpufleet.sandbox.inventory import inventory_document
 
         path = self.cfg.state_dir / "inventory.json"

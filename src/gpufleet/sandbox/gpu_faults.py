@@ -1,5 +1,4 @@
-"""GPU faults injected into a running test host: its nvidia-smi's fields for a GPU, NVRM lines in its kernel log.
-Built from NVIDIA's documented formats, not recorded.
+"""GPU faults injected into a running test host, in NVIDIA's documented formats: nvidia-smi fields, Xid lines.
 
     inject(host.root, 1, "remap-pending")         # GPU 1: remapped_rows.pending=Yes
     log_xid(host.root, 2, 79)                     # GPU 2 fell off the bus, now
@@ -78,7 +77,7 @@ def set_fields(root: Path, gpu: int, fields: Mapping[str, str]) -> None:
 
 def _write(root: Path, profile: dict[str, object]) -> None:
     path = _profile(root)
-    tmp = path.with_name(f".{path.name}.tmp")  # a call meanwhile reads a whole profile
+    tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(profile, indent=1))
     os.replace(tmp, path)
 
@@ -95,7 +94,7 @@ def bus_id(root: Path, gpu: int) -> str:
 
 def xid_lines(bus: str, code: int, at: float, text: str | None = None, pid: int = 2201,
               process: str = "python3") -> list[str]:
-    """The driver's kernel log lines for Xid `code` on the GPU at `bus` (79 with its fallen-off-the-bus line)."""
+    """The driver's kernel log lines for Xid `code` on the GPU at `bus`."""
     domain, bus_no, device = bus.lower().split(".")[0].split(":")
     where = f"{domain[-4:]}:{bus_no}:{device}"
     said = text or XID_TEXT.get(code, "Unknown Error")
@@ -107,7 +106,7 @@ def xid_lines(bus: str, code: int, at: float, text: str | None = None, pid: int 
 
 
 def log_xid(root: Path, gpu: int, code: int, at: float | None = None, text: str | None = None) -> list[str]:
-    """Xid `code` on GPU `gpu` in the host's kernel log at `at` (default: now); the lines added."""
+    """Log Xid `code` for GPU `gpu` at `at` (default: now); returns the lines added."""
     lines = xid_lines(bus_id(root, gpu), code, time.time() if at is None else at, text)
     kernel_log.append(root, lines)
     return lines

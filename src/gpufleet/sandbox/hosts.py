@@ -1,7 +1,4 @@
-"""One test host: an overlay over the read-only base rootfs, booted with systemd-nspawn --boot in its netns.
-
-Functions here act on one host; gpufleet.sandbox.fleet runs them for many hosts in parallel.
-"""
+"""One test host: an overlay over the read-only base rootfs, booted with systemd-nspawn --boot in its netns."""
 
 from __future__ import annotations
 
@@ -28,13 +25,13 @@ class Host:
     index: int  # 1-based; the address is .(10 + index)
     ip: str
     netns: str
-    dir: Path  # per-host state: upper/work/merged of the overlay, docker/containerd bind dirs, console.log
+    dir: Path  # the overlay's dirs, docker's and containerd's bind dirs, console.log
     gpus: Gpus
-    role: str = "replica"  # or "router": the inventory puts it in the routers group
+    role: str = "replica"  # or "router"
 
     @property
     def root(self) -> Path:
-        """The host's / as seen from the machine (what the overlay merges; /var/lib/docker is in dir/docker)."""
+        """The host's / as seen from the machine."""
         return self.dir / "merged"
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,12 +92,12 @@ def create(cfg: FleetConfig, state: State, host: Host, base_rootfs: Path, key: P
 def _personalise(cfg: FleetConfig, host: Host, key: Path) -> None:
     r = host.root
     (r / "etc/hostname").write_text(host.name + "\n")
-    # Without 127.0.1.1 <hostname> every sudo waits on DNS (a 13 s deploy became 9 min).
+    # Without 127.0.1.1 <hostname> every sudo waits on DNS.
     (r / "etc/hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{host.name}\n::1\tlocalhost ip6-localhost ip6-loopback\n")
-    (r / "etc/resolv.conf").write_text("")  # nothing to resolve with: no lookup ever leaves the machine
+    (r / "etc/resolv.conf").write_text("")  # no lookup ever leaves the machine
     (r / "etc/machine-id").write_text(secrets.token_hex(16) + "\n")
-    (r / "var/log/journal").mkdir(parents=True, exist_ok=True)  # persistent: readable from the machine
-    # Empty, old apt lists (like a stale cloud image): the deploy's cache_valid_time must refresh them.
+    (r / "var/log/journal").mkdir(parents=True, exist_ok=True)  # persistent, so the machine can read it
+    # Old, empty apt lists, which the deploy's cache_valid_time must refresh.
     os.utime(r / "var/lib/apt/lists", (946684800, 946684800))
     run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", host.name, "-f", str(r / "etc/ssh/ssh_host_ed25519_key")])
     (r / "etc/apt/sources.list").write_text(f"deb [trusted=yes] {cfg.mirror_url}/debian ./\n")
@@ -110,13 +107,13 @@ def _personalise(cfg: FleetConfig, host: Host, key: Path) -> None:
     (ssh_dir / "authorized_keys").chmod(0o600)
     for p in (ssh_dir, ssh_dir / "authorized_keys"):
         os.chown(p, 1000, 1000)
-    # Test setup, outside the deploy: the local registry is plain HTTP. The deploy must MERGE into this file.
+    # Test setup for the plain-HTTP registry; the deploy must merge into this file.
     (r / "etc/docker").mkdir(parents=True, exist_ok=True)
     (r / "etc/docker/daemon.json").write_text(json.dumps({"insecure-registries": [cfg.registry]}, indent=2) + "\n")
     profile = host.gpus.profile(seed=host.name)
     nvidia_smi.write_host_files(r, profile)
     if profile is not None:
-        kernel_log.install(r)  # its own kernel log, for the GPU faults a test injects
+        kernel_log.install(r)
 
 
 def boot(state: State, host: Host) -> int:
@@ -135,7 +132,7 @@ def boot(state: State, host: Host) -> int:
         "-M",
         host.name,
         "--boot",
-        # the machine's PID 1 is not systemd: no machined to register with, no unit to move into
+        # the machine's PID 1 is not systemd
         "--register=no",
         "--keep-unit",
         f"--network-namespace-path=/run/netns/{host.netns}",
@@ -145,7 +142,7 @@ def boot(state: State, host: Host) -> int:
         "--resolv-conf=off",
         "--link-journal=no",
         "--timezone=off",
-        # overlay-on-overlay fails: docker's and containerd's storage must be real directories
+        # overlay-on-overlay fails, so their storage must be real directories
         f"--bind={host.dir / 'docker'}:/var/lib/docker",
         f"--bind={host.dir / 'containerd'}:/var/lib/containerd",
     ]
@@ -155,14 +152,14 @@ def boot(state: State, host: Host) -> int:
 
 
 def wait_ready(host: Host, key: Path, pid: int, timeout: float = 120) -> str:
-    """Block until systemd in the host reports running/degraded over SSH (so sshd, sudo and login work)."""
+    """Block until systemd in the host reports running or degraded over SSH."""
 
     def answer() -> str | None:
         if not procs.alive(pid):
             tail = (host.dir / "console.log").read_text(errors="replace")[-300:]
             raise SandboxError(f"{host.name}: systemd-nspawn exited during boot: {tail!r}")
         try:
-            # --wait blocks until boot finishes: bound each try so a stuck boot surfaces as our timeout.
+            # Bound each --wait, so a stuck boot surfaces as our timeout.
             out = subprocess.run(ssh_argv(host, key, "systemctl", "is-system-running", "--wait"),
                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=20)
         except subprocess.TimeoutExpired:
@@ -180,8 +177,7 @@ def shutdown(state: State, host: Host, grace: float = 30.0) -> None:
 
 
 def destroy(cfg: FleetConfig, state: State, host: Host) -> None:
-    # The host's disk is thrown away: a clean shutdown is a courtesy (now and then systemd inside does not react
-    # to the first SIGTERM; measured 30 s lost), so give it less time than a reboot does.
+    # The disk is thrown away and systemd inside may ignore the first SIGTERM, so wait less than a reboot does.
     shutdown(state, host, grace=10.0)
     unmount_below(host.dir)
     state.discard("mounts", str(host.root))
@@ -191,7 +187,7 @@ def destroy(cfg: FleetConfig, state: State, host: Host) -> None:
 
 
 def unmount_below(path: Path) -> None:
-    """Unmount everything mounted at or below path (the overlay and anything left on it), deepest first."""
+    """Unmount everything mounted at or below path, deepest first."""
     prefix = str(path)
     mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
     for m in sorted((m for m in mounts if m == prefix or m.startswith(prefix + "/")), key=len, reverse=True):
@@ -200,7 +196,7 @@ def unmount_below(path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ helpers for tests
 def leader_pid(state: State, host: Host) -> int:
-    """The host's PID 1 (systemd), seen from the machine: the only child of its systemd-nspawn."""
+    """The host's PID 1, the only child of its systemd-nspawn."""
     nspawn = state.live_pid(f"host:{host.name}")
     if not nspawn:
         raise SandboxError(f"{host.name} is not running")
@@ -209,13 +205,13 @@ def leader_pid(state: State, host: Host) -> int:
 
 
 def run_in(state: State, host: Host, command: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run a shell command as root inside the host (all its namespaces), without SSH."""
+    """Run a shell command as root inside the host, without SSH."""
     argv = ["nsenter", "-t", str(leader_pid(state, host)), "-m", "-u", "-i", "-n", "-p", "-C", "--", "/bin/sh", "-c", command]
     return run(argv, check=check, timeout=timeout)
 
 
 def read_file(host: Host, path: str) -> bytes:
-    """A file of the host's filesystem, read from the machine (no SSH, so it works while the host is cut off)."""
+    """A file of the host's filesystem, read without SSH."""
     rel = path.lstrip("/")
     for mount, sub in (("var/lib/docker", "docker"), ("var/lib/containerd", "containerd")):
         if rel == mount or rel.startswith(mount + "/"):
@@ -224,7 +220,7 @@ def read_file(host: Host, path: str) -> bytes:
 
 
 def restart(state: State, host: Host, key: Path) -> float:
-    """Reboot the host: stop its container (systemd shuts down), boot it again on the same overlay."""
+    """Stop the host's container and boot it again on the same overlay."""
     t0 = time.monotonic()
     shutdown(state, host)
     pid = boot(state, host)

@@ -3,13 +3,8 @@ model repositories kept on disk, stdlib only.
 
     python -m gpufleet.sandbox.hub ROOT --bind 10.213.0.1 --port 8090 --log hub.log
 
-ROOT/<org>/<name>/commits/<sha>/ holds each commit's files, ROOT/<org>/<name>/refs/<branch> its commit (publish()
-writes both). Served: GET /api/models/<repo>[/revision/<rev>] (sha, siblings; `blobs=true` adds size, blobId and
-the LFS sha256), GET /api/models/<repo>/tree/<rev>[/<path>] (recursive), HEAD/GET /<repo>/resolve/<rev>/<path> with
-the hub's headers (X-Repo-Commit, ETag: the git blob id, or for an LFS file its sha256 with X-Linked-Etag and
-X-Linked-Size), byte ranges, and the hub's 404s (X-Error-Code RepoNotFound, RevisionNotFound, EntryNotFound).
-LFS files are served in place, never redirected. Each request is one line of the log: client, method, path, status,
-body bytes, and when it ended (epoch seconds): requests() reads them, served_bytes() adds the bytes up.
+ROOT/<org>/<name>/commits/<sha>/ holds each commit's files and ROOT/<org>/<name>/refs/<branch> its commit. The
+routes answer with the hub's headers and 404s; LFS files are served in place, never redirected.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def git_blob_id(data: bytes) -> str:
-    """What git names a blob: sha1 of "blob <size>\\0" + content (the hub's blobId and a small file's ETag)."""
+    """The git blob id: the hub's blobId and a small file's ETag."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
@@ -68,8 +63,8 @@ def describe(path: str, data: bytes) -> RepoFile:
 
 
 def publish(root: Path, repo: str, files: Mapping[str, bytes | Path], branch: str = "main") -> str:
-    """A new commit of `repo` holding exactly `files` (path -> content, or a file to copy), `branch` moved to it
-    (unless the branch holds these files already); returns the branch's commit."""
+    """A new commit of `repo` holding exactly `files`, with `branch` moved to it unless it holds them already;
+    returns the branch's commit."""
     base = root / repo
     (base / "refs").mkdir(parents=True, exist_ok=True)
     ref = base / "refs" / branch
@@ -80,7 +75,7 @@ def publish(root: Path, repo: str, files: Mapping[str, bytes | Path], branch: st
         data = content.read_bytes() if isinstance(content, Path) else content
         entries.append(describe(path, data))
     if parent and listing(root, repo, parent) == entries:
-        return parent  # the branch holds exactly these files already
+        return parent
     sha = hashlib.sha1(json.dumps([parent, [f.tree_entry() for f in entries]]).encode()).hexdigest()
     tree = base / "commits" / sha
     if not tree.exists():
@@ -118,7 +113,6 @@ def resolve(root: Path, repo: str, revision: str) -> str | None:
 
 @dataclass(frozen=True)
 class Request:
-    """One line of the hub's log."""
 
     client: str
     method: str
@@ -129,7 +123,7 @@ class Request:
 
     @property
     def download(self) -> bool:
-        """A file's bytes (a `resolve` GET), not the API's."""
+        """A file's bytes, not the API's."""
         return self.method == "GET" and "/resolve/" in self.path
 
 
@@ -158,7 +152,7 @@ class HubHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     root: Path
     log_path: Path | None
-    xet: bool = False  # advertise LFS files as stored on Xet (X-Xet-Hash), as the real hub does for most repos
+    xet: bool = False  # advertise LFS files on Xet, as the real hub does for most repos
     log_lock = threading.Lock()
 
     def do_GET(self) -> None:
@@ -326,7 +320,7 @@ class HubHandler(BaseHTTPRequestHandler):
 
 
 def server(root: Path, bind: str, port: int, log: Path | None = None, xet: bool = False) -> ThreadingHTTPServer:
-    """A hub serving `root` on bind:port (port 0: any free one), logging to `log`; call serve_forever()."""
+    """A hub serving `root` on bind:port, logging to `log`; call serve_forever()."""
     handler = type("Handler", (HubHandler,), {"root": root, "log_path": log, "xet": xet})
     httpd = ThreadingHTTPServer((bind, port), handler)
     httpd.daemon_threads = True

@@ -1,9 +1,7 @@
 """The stand-in vLLM image, pushed to the fleet's registry as <registry>/vllm/vllm-openai:<tag>.
 
-A minimal root (python3 and its libraries from the base rootfs, the stdlib-only stand-ins)
-imported with `docker import` by a temporary dockerd (started and stopped by PID; no iptables, no bridge, so it
-changes nothing on the machine), once per tag. Rebuilt only when its inputs change: the registry storage keeps a
-stamp of the key it holds.
+A temporary dockerd, with no iptables and no bridge, imports a minimal root once per tag; a stamp in the registry
+storage rebuilds it only when its inputs change.
 """
 
 from __future__ import annotations
@@ -23,35 +21,25 @@ from gpufleet.vllm.flags import FLAGS_JSON
 
 STANDIN = Path(__file__).parent / "standin"
 REPOSITORY = "vllm/vllm-openai"
-MODEL_REPO = "gpufleet-sandbox/Qwen3.5-tiny"  # the stand-in hub's model (gpufleet.sandbox.hub)
-# tag -> image env: each tag is one behaviour of the stand-in, so each has its own config and digest.
+MODEL_REPO = "gpufleet-sandbox/Qwen3.5-tiny"  # the stand-in hub's model
+# tag -> image env: one behaviour each, with its own digest (docs/test-hosts.md).
 TAGS: dict[str, dict[str, str]] = {
     "good": {"STANDIN_VLLM_VERSION": "0.32.1.dev20+gstandin"},
-    # the same behaviour as "good" under another digest: tonight's nightly, for rollouts
+    # "good" under another digest, for rollouts
     "good-next": {"STANDIN_VLLM_VERSION": "0.32.1.dev30+gstandin"},
-    # an older vLLM (before PR #34936) that does not know a flag the seed invocation uses
+    # before vLLM PR #34936
     "rejects-flag": {"STANDIN_VLLM_VERSION": "0.16.0", "STANDIN_UNKNOWN_FLAGS": "--performance-mode"},
-    # starts, serves briefly, then its engine dies: /health 503, then the container exits 1
     "dies": {"STANDIN_VLLM_VERSION": "0.32.1.dev21+gstandin", "STANDIN_DIE_AFTER": "8"},
-    # starts and answers /health 200, but its /v1/models is an HTML page
     "models-not-json": {"STANDIN_VLLM_VERSION": "0.32.1.dev22+gstandin", "STANDIN_MISBEHAVE": "models-not-json"},
-    # starts, then answers every connection on its port with a line of another protocol
     "not-http": {"STANDIN_VLLM_VERSION": "0.32.1.dev23+gstandin", "STANDIN_MISBEHAVE": "not-http"},
-    # passes /health, /v1/models and /metrics, and answers every completion with a 500
     "completions-fail": {"STANDIN_VLLM_VERSION": "0.32.1.dev24+gstandin", "STANDIN_MISBEHAVE": "completions-fail"},
-    # passes the surface checks and plain completions; a streamed one breaks off in a chunk that does not parse
     "stream-broken": {"STANDIN_VLLM_VERSION": "0.32.1.dev25+gstandin", "STANDIN_MISBEHAVE": "stream-broken"},
-    # passes the surface and answer checks; an answer whose prefix comes from the prefix cache is computed from a
-    # wrong cached state (other tokens, as confident): the serving checks' cached-cold and sessions fail
     "cache-corrupt": {"STANDIN_VLLM_VERSION": "0.32.1.dev26+gstandin", "STANDIN_MISBEHAVE": "cache-corrupt"},
-    # passes everything but tool calling: the tool parser leaves each call in the text as <tool_call> JSON
     "tools-broken": {"STANDIN_VLLM_VERSION": "0.32.1.dev27+gstandin", "STANDIN_MISBEHAVE": "tools-broken"},
-    # answers right, slower: prefill 20x slower and 0.4 s added to every request (the speed check fails)
     "slow": {"STANDIN_VLLM_VERSION": "0.32.1.dev28+gstandin", "STANDIN_MISBEHAVE": "slow"},
-    # single requests are fine; with two in flight one is never scheduled while /health answers 200
     "stalls-under-load": {"STANDIN_VLLM_VERSION": "0.32.1.dev29+gstandin", "STANDIN_MISBEHAVE": "stalls-under-load"},
 }
-# more tags for the same image (same digest): what the deploy's default image ref names
+# more tags of the same digest; the deploy's default image ref names "nightly"
 ALIASES = {"nightly": "good"}
 COMMON_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -60,15 +48,11 @@ COMMON_ENV = {
     "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
     "VLLM_USAGE_SOURCE": "production-docker-image",
     "PYTHONUNBUFFERED": "1",
-    "PYTHONPATH": "/opt/gpufleet-standin",  # its `vllm` package, for `python3 -c` (the rollout's compile-hash check)
+    "PYTHONPATH": "/opt/gpufleet-standin",  # for the rollout's compile-hash check
 }
-# The stand-in `vllm serve`: the script and the modules it imports, installed side by side (a script's own
-# directory is on its sys.path).
 VLLM_MODULES = ("vllm_serve.py", "vllm_argv.py", "vllm_engine.py", "vllm_chat.py", "vllm_http.py", "vllm_compile_cache.py",
                 "vllm_envs.py", "vllm_group.py")
-# What goes into the image's /opt (image name -> source): the stand-ins and the flag table compiled from the real
-# `vllm serve --help=all`, the same table settings validation uses (gpufleet.vllm.flags). The image's key hashes
-# every one of them: a change to any rebuilds it.
+# The image's /opt (name -> source); the image's key hashes every one.
 SOURCES = {**{name: STANDIN / name for name in VLLM_MODULES}, "hf.py": STANDIN / "hf.py", "vllm_flags.json": FLAGS_JSON}
 
 
@@ -84,7 +68,7 @@ def _key(base_rootfs: Path) -> str:
 
 
 def ensure_images(cfg: FleetConfig, state: State, base_rootfs: Path) -> None:
-    """Make sure the registry holds every tag of the current stand-in (cold: ~10 s; warm: nothing to do)."""
+    """Make sure the registry holds every tag of the current stand-in."""
     key = _key(base_rootfs)
     stamp = registry_storage(cfg) / ".gpufleet-images"
     if stamp.exists() and stamp.read_text() == key:
@@ -92,7 +76,7 @@ def ensure_images(cfg: FleetConfig, state: State, base_rootfs: Path) -> None:
     tar = image_tar(cfg.cache_dir, base_rootfs)
     log.info("importing and pushing %s:{%s} (temporary dockerd)", REPOSITORY, ",".join([*TAGS, *ALIASES]))
     work = cfg.state_dir / "dockerd"
-    run_dir = dockerd_run_dir(cfg)  # sockets: a unix socket path must stay under 108 bytes
+    run_dir = dockerd_run_dir(cfg)  # a unix socket path must stay under 108 bytes
     for d in (work, run_dir):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
@@ -157,9 +141,9 @@ def image_tar(cache_dir: Path, base: Path) -> Path:
     out = cache_dir / f"vllm-image-{key}.tar"
     if out.exists():
         return out
-    # Fleets starting at once (pytest-xdist workers, a sandbox) would build in, and delete, the same root dir.
+    # Fleets starting at once would build in, and delete, the same root dir.
     with cache.building(cache_dir / f".vllm-image-{key}.lock"):
-        if not out.exists():  # else another fleet built it while this one waited
+        if not out.exists():
             _build_image_tar(base, cache_dir / f"vllm-image-{key}.root", out)
     return out
 
@@ -204,17 +188,17 @@ def _build_image_tar(base: Path, root: Path, out: Path) -> None:
     for command, script in (("vllm", "vllm_serve.py"), ("hf", "hf.py")):
         (opt / script).chmod(0o755)
         (root / "usr/bin" / command).symlink_to(f"/opt/gpufleet-standin/{script}")
-    write_tiny_model(opt / "hub" / MODEL_REPO)  # for a run without the deploy (bench/deploy_bench.py's playbook)
+    write_tiny_model(opt / "hub" / MODEL_REPO)  # for a run without the deploy
     run(["tar", "-C", str(root), "--numeric-owner", "--owner=0", "--group=0", "-cf", str(out) + ".tmp", "."])
     Path(str(out) + ".tmp").rename(out)
     shutil.rmtree(root)
 
 
 def install_sources(opt: Path) -> None:
-    """The stand-ins and the flag table into `opt` (the image's /opt/gpufleet-standin), flat, as SOURCES names them."""
+    """The stand-ins and the flag table into the image's /opt/gpufleet-standin, as SOURCES names them."""
     for name, src in SOURCES.items():
         shutil.copy(src, opt / name)
-    # The few names of vLLM's package that the rollout's compile-hash script imports (vllm_envs.py says why).
+    # The names of vLLM's package that the rollout's compile-hash script imports.
     package = opt / "vllm"
     (package / "config").mkdir(parents=True, exist_ok=True)
     shutil.copy(STANDIN / "vllm_envs.py", package / "envs.py")
@@ -225,27 +209,24 @@ def install_sources(opt: Path) -> None:
 
 def _copy_libraries(base: Path, root: Path) -> None:
     """The shared libraries python3.11, its extension modules and dash link against, resolved inside the base."""
-    # libgcc_s is dlopen()ed by glibc when a thread exits (not in ldd's list): without it a server whose threads
-    # outlive main() dies with "libgcc_s.so.1 must be installed for pthread_exit to work".
+    # glibc dlopen()s libgcc_s when a thread exits, and ldd does not list it.
     dlopened = {"/usr/lib/x86_64-linux-gnu/libgcc_s.so.1"}
     targets = ["/usr/bin/python3.11", "/usr/bin/dash", *dlopened]
     targets += [f"/{p.relative_to(base)}" for p in (base / "usr/lib/python3.11/lib-dynload").glob("*.so")]
     out = run(["chroot", str(base), "ldd", *targets], check=False).stdout
-    # "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)"; "/path/of/target.so:" headers are not libraries
     libs = {
         tok for line in out.splitlines() for tok in line.split() if tok.startswith("/") and ".so" in tok and not tok.endswith(":")
     } | dlopened
     for lib in sorted(libs):
         dst = root / ("usr" + lib if not lib.startswith("/usr/") else lib[1:]).lstrip("/")
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(base / lib.lstrip("/"), dst)  # follows the (relative) library symlinks inside the base
+        shutil.copy(base / lib.lstrip("/"), dst)
 
 
 def write_tiny_model(d: Path) -> None:
     """A tiny, structurally real model: config.json, tokenizer files, and a valid safetensors file.
 
-    The safetensors writer is the format's 10 lines (8-byte little-endian header length, JSON header, raw data):
-    the product must not depend on the test extras' safetensors/numpy just to build a sandbox image."""
+    The format is simple enough to write here rather than depend on the test extras' safetensors."""
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(
         json.dumps(
@@ -284,7 +265,7 @@ def write_tiny_model(d: Path) -> None:
     (d / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 262144}) + "\n"
     )
-    data = bytes(range(256)) * 16  # one 256x8 uint16 "embedding"
+    data = bytes(range(256)) * 16
     header = json.dumps(
         {
             "model.embed_tokens.weight": {"dtype": "U16", "shape": [256, 8], "data_offsets": [0, len(data)]},

@@ -1,8 +1,4 @@
-"""The fleet's private L2: one bridge on the machine (gateway address), one netns + veth per host.
-
-Hosts get an address on the bridge subnet and NOTHING else: no default route, so no packet of theirs can leave
-the machine; the gateway address on the bridge is where the local services listen.
-"""
+"""The fleet's private L2: one bridge on the machine, one netns and veth per host, and no default route."""
 
 from __future__ import annotations
 
@@ -37,7 +33,7 @@ def add_host(cfg: FleetConfig, state: State, i: int, host: str) -> str:
     run(["ip", "-n", ns, "addr", "add", f"{cfg.host_ip(i)}/24", "dev", "eth0"])
     run(["ip", "-n", ns, "link", "set", "eth0", "up"])
     run(["ip", "-n", ns, "link", "set", "lo", "up"])
-    # dockerd inside cannot write /proc/sys (read-only in the container): set what it needs from outside.
+    # /proc/sys is read-only inside, so set what dockerd needs from outside.
     run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
     return ns
 
@@ -53,7 +49,7 @@ def remove_host(cfg: FleetConfig, state: State, i: int, host: str) -> None:
 
 
 def set_connected(cfg: FleetConfig, i: int, connected: bool) -> None:
-    """Cut a host off the network (its link goes down, like a pulled cable) or plug it back in."""
+    """Pull or plug back a host's cable."""
     run(["ip", "link", "set", cfg.veth(i), "up" if connected else "down"])
 
 

@@ -1,10 +1,6 @@
 """Stand-in of NVIDIA's container-toolkit apt repo, with the real URL layout and a signed InRelease.
 
-Layout (as at nvidia.github.io/libnvidia-container):
-    gpgkey                                     armored public key (throwaway, generated here)
-    stable/deb/nvidia-container-toolkit.list   one `deb [signed-by=...] <base>/stable/deb/$(ARCH) /` line
-    stable/deb/amd64/                          flat repo: Packages(.gz), Release, InRelease, Release.gpg, *.deb
-The list names the base URL, so the repo is built for one base (the fleet's gateway) and cached per base.
+Its .list names the base URL, so the repo is cached per base.
 """
 
 from __future__ import annotations
@@ -40,11 +36,11 @@ def _key(base_url: str) -> str:
 
 
 def ensure_repo(cache_dir: Path, base_url: str) -> Path:
-    """Return the repo root to serve at base_url (built once per base URL and stand-in source)."""
+    """The repo root to serve at base_url, built once per base URL and stand-in source."""
     root = cache_dir / f"nvidia-repo-{_key(base_url)}"
     if cache.is_done(root):
         return root
-    # Two fleets on one base URL starting at once (a rerun beside a leftover) must not build in the same tmp dir.
+    # Two fleets on one base URL starting at once must not build in the same tmp dir.
     with cache.building(cache_dir / f".{root.name}.lock"):
         if not cache.is_done(root):
             _build_repo(root, base_url)
@@ -77,7 +73,7 @@ def _build_repo(root: Path, base_url: str) -> None:
         cwd=arch,
     ).stdout
     (arch / "Release").write_text(release)
-    # The private key stays out of the served tree: a repo is only as trustworthy as its key is private.
+    # The private key stays out of the served tree.
     with ThrowawayKey(root.with_name(root.name + ".gnupg"),
                       "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>") as key:
         (tmp / "gpgkey").write_text(key.armored_public_key())

@@ -1,15 +1,8 @@
 """Host-side `nvidia-smi` stand-in, generated from real recordings (tests/fixtures/nvidia-smi/).
 
-Two halves in one stdlib-only file, because the host half runs inside the test hosts (python3, no venv):
-- on the host, `/usr/bin/nvidia-smi` runs this file as a script: `render(profile, argv)` answers each supported
-  command in the recorded byte layout; anything else fails with the exit status the real tool uses;
-- on the machine, `profile_from_recording()` / `make_profile()` turn the real recordings into a per-host Profile
-  (GPU rows replicated and substituted: count, model, memory, driver, CUDA) and `write_host_files()` installs it.
-
-The host half comes first and the script exits before the machine half's imports: the real tool answers a query
-in about 20 ms (H200, persistence mode on) and every converge calls it, so the stand-in must cost no more. It runs
-with `python3 -I -S`, reads the profile with json's C scanner into plain rows and imports nothing but builtins:
-~12 ms a call on a test host, where importing dataclasses, json, pathlib, hashlib and uuid alone took ~27 ms.
+The host half (`/usr/bin/nvidia-smi` runs this stdlib-only file) comes first and exits before the machine half's
+imports, so a call costs no more than the real tool's (docs/bench-history.md). The machine half builds a per-host
+Profile from the recordings and installs it.
 
     >>> p = make_profile(3, seed="gpuhost1")
     >>> render(p, ["--query-gpu=count", "--format=csv,noheader"]).stdout
@@ -24,17 +17,16 @@ import time
 HOST_MODULE = "/usr/lib/gpufleet-standin/nvidia_smi.py"
 HOST_PROFILE = "/etc/gpufleet-standin/nvidia-smi.json"
 HOST_HELP = "/etc/gpufleet-standin/nvidia-smi-help.txt"  # what --help-query-gpu prints
-# Isolated (no PYTHON* variables, no script directory on sys.path: the real tool ignores them too) and without
-# site (its imports are most of an empty interpreter's startup; the stand-in needs no site-packages).
+# Isolated, as the real tool ignores PYTHON* too, and without site, most of an interpreter's startup.
 HOST_PYTHON_FLAGS = "-I -S"
-# The recording every generated profile is derived from (the richest one: NVLink, two GPUs, field help).
+# The richest recording: NVLink, two GPUs, field help.
 TEMPLATE = "h200-2gpu"
 
 INVALID_ARGS = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n"
 
 
 class Result:
-    """What one call prints and its exit status (a plain class: the host half must not import dataclasses)."""
+    """What one call prints and its exit status; a plain class, as the host half must not import dataclasses."""
 
     __slots__ = ("rc", "stdout")
 
@@ -58,7 +50,7 @@ def _free(g: Gpu) -> int:
 
 
 def _fit(value: str, width: int) -> str:
-    """Left-justify in the recorded column width (a longer value pushes the rest right, as the real tool does)."""
+    """Left-justify in the recorded column width; a longer value pushes the rest right, as in the real tool."""
     return value.ljust(width)
 
 
@@ -120,7 +112,7 @@ def topo(p: Profile) -> str:
     return "".join(out) + "\n" + p.topo_legend
 
 
-# field -> (header unit, value); values are the recorded formats ("81.00" W, "Enabled")
+# field -> (header unit, value), in the recorded formats
 _FIELDS = {
     "index": ("", lambda p, g: str(g.index)),
     "uuid": ("", lambda p, g: g.uuid),
@@ -143,8 +135,7 @@ _FIELDS = {
 }
 
 
-# A healthy idle H200's health fields (recorded: tests/fixtures/nvidia-smi/h200-health); a GPU's injected `fields`
-# print instead.
+# A healthy idle H200's health fields, recorded; a GPU's injected `fields` print instead.
 HEALTHY = {
     "ecc.mode.current": "Enabled", "retired_pages.pending": "[N/A]", "retired_pages.sbe": "[N/A]",
     "retired_pages.dbe": "[N/A]", "remapped_rows.pending": "No", "remapped_rows.failure": "No",
@@ -171,17 +162,17 @@ def query_gpu(p: Profile, fields: list[str], fmt: set[str], gpus: list[Gpu]) -> 
         cells = []
         for f in fields:
             unit, get = _FIELDS.get(f, ("", None))
-            if f in g.fields:  # injected: printed as is
+            if f in g.fields:
                 cells.append(g.fields[f])
                 continue
-            value = get(p, g) if get else HEALTHY.get(f, "[N/A]")  # [N/A]: a valid field this stand-in does not model
+            value = get(p, g) if get else HEALTHY.get(f, "[N/A]")  # a valid field not modelled
             cells.append(f"{value} {unit}" if unit and "nounits" not in fmt and get else value)
         lines.append(", ".join(cells))
     return Result("".join(line + "\n" for line in lines))
 
 
 def render(p: Profile, argv: list[str], now: float | None = None, help_text: str = "") -> Result:
-    """What the real nvidia-smi prints (and its exit status) for argv on a host with this profile."""
+    """What the real nvidia-smi prints, and its exit status, for argv on a host with this profile."""
     args = list(argv)
     if args == ["--help-query-gpu"]:
         return Result(help_text)
@@ -214,7 +205,7 @@ def render(p: Profile, argv: list[str], now: float | None = None, help_text: str
 
 # ------------------------------------------------------------------------------------------------------ host run
 class _JsonContext:
-    """json.loads' own settings, for json's C scanner (`import json` would also import re and enum: ~10 ms)."""
+    """json.loads' own settings, for json's C scanner without `import json`."""
 
     strict = True
     object_hook = None
@@ -225,7 +216,7 @@ class _JsonContext:
 
 
 def _json_loads(text: str) -> object:
-    """json.loads(text); whatever the C scanner does not take whole (leading space, a BOM, an error) goes to json."""
+    """json.loads(text); what the C scanner does not take whole goes to json."""
     try:
         from _json import make_scanner
 
@@ -241,26 +232,25 @@ def _json_loads(text: str) -> object:
 
 
 class _Row:
-    """A Gpu or Profile as the host half reads it: the same attributes, without importing dataclasses."""
+    """A Gpu or Profile as the host half reads it, without importing dataclasses."""
 
     def __init__(self, defaults: dict[str, object], fields: dict[str, object]) -> None:
         self.__dict__.update(defaults)
         self.__dict__.update(fields)
 
 
-# The dataclasses' defaults (a unit test keeps them equal), for profiles written without them.
+# The dataclasses' defaults, kept equal by a unit test.
 _GPU_DEFAULTS: dict[str, object] = {"perf": "P0", "ecc": "0", "compute_mode": "Default", "mig": "Disabled",
                                      "fields": {}}
 _PROFILE_DEFAULTS: dict[str, object] = {"valid_fields": [], "hang": False}
 
 
 def host_profile(text: str) -> Profile:
-    """The profile file as rows with Profile's and Gpu's attributes, which is all render() reads."""
     data = _json_loads(text)
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
         raise TypeError(f"{HOST_PROFILE}: not a stand-in profile (rewrite it with Profile.to_json())")
     data["gpus"] = [_Row(_GPU_DEFAULTS, g) for g in data["gpus"]]
-    return _Row(_PROFILE_DEFAULTS, data)  # type: ignore[return-value]  # duck-typed: render() reads attributes
+    return _Row(_PROFILE_DEFAULTS, data)  # type: ignore[return-value]
 
 
 def main(argv: list[str]) -> int:
@@ -282,7 +272,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # The host answers here, before the machine half below imports dataclasses, json, hashlib, uuid and pathlib.
+    # The host answers here, before the machine half's imports.
     sys.exit(main(sys.argv[1:]))
 
 
@@ -303,7 +293,7 @@ class Gpu:
     bus_id: str
     memory_total: int  # MiB
     memory_used: int
-    memory_reserved: int  # what the driver keeps: total - used - free in the recordings
+    memory_reserved: int  # total - used - free in the recordings
     compute_cap: str
     persistence: bool
     temperature: int
@@ -324,10 +314,10 @@ class Profile:
     gpus: list[Gpu]
     cpu_affinity: str
     numa: str
-    link: str  # what `topo -m` shows between two GPUs, e.g. NV18
-    topo_legend: str  # the legend block after the matrix, verbatim from the recording
+    link: str  # between two GPUs in `topo -m`, e.g. NV18
+    topo_legend: str
     valid_fields: list[str] = field(default_factory=list)  # from `nvidia-smi --help-query-gpu`
-    hang: bool = False  # a wedged driver: every call blocks forever and ignores SIGTERM, as in the kernel
+    hang: bool = False  # a wedged driver: every call blocks and ignores SIGTERM
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -341,7 +331,7 @@ class Profile:
 
 # ----------------------------------------------------------------------------------------------- from recordings
 def _read(d: Path, name: str) -> tuple[str, int]:
-    """A recording and its exit status (files of commands that can fail end with `rc=N`)."""
+    """A recording and its exit status, from a trailing `rc=N` line."""
     text = (d / name).read_text()
     lines = text.splitlines(keepends=True)
     if lines and lines[-1].startswith("rc="):
@@ -350,7 +340,7 @@ def _read(d: Path, name: str) -> tuple[str, int]:
 
 
 def profile_from_recording(d: Path) -> Profile:
-    """The Profile of the recorded host: every value comes from its query-gpu.csv, version.txt and topo.txt."""
+    """The Profile of the recorded host."""
     gpus = []
     for line in (d / "query-gpu.csv").read_text().splitlines():
         (idx, uuid, name, total, used, free, _drv, bus, cc, pm, temp, util, power, limit) = line.split(", ")
@@ -392,12 +382,11 @@ def profile_from_recording(d: Path) -> Profile:
 
 
 def _fields_from_help(text: str) -> list[str]:
-    # Field lines look like: "name" or "gpu_name"
     return [part.strip().strip('"') for line in text.splitlines() if line.startswith('"') for part in line.split(" or ")]
 
 
 def help_text(recorded: str, valid_fields: list[str]) -> str:
-    """The recorded --help-query-gpu cut to valid_fields, plus a line each for those it lacks (reset_status.*)."""
+    """The recorded --help-query-gpu cut to valid_fields, plus a line for each it lacks."""
     kept, known = [], set()
     for paragraph in recorded.rstrip("\n").split("\n\n"):
         first, newline, rest = paragraph.partition("\n")
@@ -423,11 +412,7 @@ def make_profile(
     seed: str = "gpufleet",
     recordings: Path | None = None,
 ) -> Profile:
-    """A `count`-GPU box derived from the real recording: rows replicated, identities and the asked values swapped.
-
-    UUIDs are derived from `seed` (the host name) so two hosts never share a GPU and a host keeps its GPUs across
-    reboots; bus ids continue the recorded sequence (00:06.0, 00:07.0, ...).
-    """
+    """A `count`-GPU box derived from the real recording, its UUIDs derived from `seed` (the host name)."""
     base = profile_from_recording(recordings or default_recordings() / TEMPLATE)
     proto = base.gpus
     start_bus = int(proto[0].bus_id.rsplit(":", 1)[1].split(".")[0], 16)
@@ -447,13 +432,12 @@ def make_profile(
 
 
 def default_recordings() -> Path:
-    """tests/fixtures/nvidia-smi of the source tree this module lives in."""
     return Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "nvidia-smi"
 
 
 # ------------------------------------------------------------------------------------------------ install / run
 def write_host_files(root: Path, profile: Profile | None) -> None:
-    """Install the stand-in into a host root; no profile = a box without the driver (no nvidia-smi at all)."""
+    """Install the stand-in into a host root; no profile is a box without the driver."""
     if profile is None:
         return
     module = root / HOST_MODULE.lstrip("/")
@@ -463,7 +447,7 @@ def write_host_files(root: Path, profile: Profile | None) -> None:
     prof.parent.mkdir(parents=True, exist_ok=True)
     prof.write_text(profile.to_json())
     recorded = default_recordings() / TEMPLATE / "help-query-gpu.txt"
-    if recorded.exists():  # not inside a container (the toolkit hook): its nvidia-smi is asked no help
+    if recorded.exists():  # not in a container, whose nvidia-smi is asked no help
         (root / HOST_HELP.lstrip("/")).write_text(help_text(recorded.read_text(), profile.valid_fields))
     exe = root / "usr/bin/nvidia-smi"
     exe.parent.mkdir(parents=True, exist_ok=True)

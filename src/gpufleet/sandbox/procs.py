@@ -29,10 +29,9 @@ def run(argv: Sequence[str], *, check: bool = True, input: str | None = None, **
 def run(
     argv: Sequence[str], *, check: bool = True, input: str | bytes | None = None, **kw: Any
 ) -> subprocess.CompletedProcess[Any]:
-    """Run argv, capturing output; on failure raise SandboxError with the command and its stderr tail."""
+    """Run argv, capturing output; raises SandboxError with the command and its stderr tail."""
     text = not isinstance(input, bytes)
-    # Without input, stdin is /dev/null: an ssh or tool run here must never swallow the user's terminal input
-    # (`gpufleet sandbox up && pyinfra ...` would otherwise eat the Enter meant for pyinfra's prompt).
+    # stdin is /dev/null so a tool never eats the user's input meant for the next command.
     stdin = {"input": input} if input is not None else {"stdin": subprocess.DEVNULL}
     proc = subprocess.run(list(argv), capture_output=True, text=text, **stdin, **kw)
     if check and proc.returncode != 0:
@@ -43,7 +42,7 @@ def run(
 
 
 def spawn(argv: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None) -> int:
-    """Start a daemon in its own session (so a Ctrl-C of the caller does not hit it); return its PID."""
+    """Start a daemon in its own session, out of the caller's Ctrl-C; return its PID."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
@@ -75,7 +74,7 @@ def _state(pid: int) -> str | None:
 
 
 def start_time(pid: int) -> str | None:
-    """Kernel start time of a PID: recorded with it so a recycled PID is never mistaken for ours."""
+    """Kernel start time of a PID, so a recycled PID is never mistaken for ours."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
@@ -83,7 +82,7 @@ def start_time(pid: int) -> str | None:
 
 
 def stop(pid: int | None, grace: float = 30.0, started: str | None = None) -> None:
-    """SIGTERM one PID we started, wait up to `grace` s, then SIGKILL it and its direct children."""
+    """SIGTERM one PID we started, then after `grace` s SIGKILL it and its direct children."""
     if pid is None or not alive(pid) or (started and start_time(pid) != started):
         return
     os.kill(pid, signal.SIGTERM)
@@ -103,7 +102,7 @@ def stop(pid: int | None, grace: float = 30.0, started: str | None = None) -> No
 
 
 def wait_for(predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
-    """Poll predicate() until it returns a truthy value; raise SandboxError naming `what` on timeout."""
+    """Poll predicate() until truthy; raises SandboxError naming `what` on timeout."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

@@ -1,6 +1,4 @@
-"""The fleet registry's API as the sandbox's users drive it (tests, benches): a tag moved as a new nightly moves it
-upstream, and stand-in nightlies big enough that what a pull moves is measurable (the site cache). The registry and
-its stand-in images themselves are gpufleet.sandbox.services and gpufleet.sandbox.image."""
+"""The fleet registry's API for tests and benches: move a tag as a new nightly does, and push stand-in nightlies."""
 
 from __future__ import annotations
 
@@ -18,10 +16,7 @@ from gpufleet.sandbox import cache, procs
 from gpufleet.sandbox.config import FleetConfig
 from gpufleet.sandbox.image import REPOSITORY, image_ref
 
-# A real nightly changes most of its ~12 GB of layers from one night to the next; each of these is `good` plus one
-# layer of incompressible bytes of its own (seeded by its tag: rebuilt byte for byte anywhere), so what a pull
-# moves is measurable. Pushed only to the fleets that ask (ensure_nightlies): a fleet that never pulls them
-# neither builds nor stores them.
+# `good` plus one incompressible layer each, seeded by the tag, so what a pull moves is measurable (docs/test-hosts.md).
 NIGHTLY_LAYER_BYTES = 100 * 1024 * 1024
 NIGHTLIES = {"nightly-1": "0.32.1.dev41+gstandin", "nightly-2": "0.32.1.dev42+gstandin"}
 MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
@@ -29,7 +24,7 @@ _LAYER = "application/vnd.docker.image.rootfs.diff.tar.gzip"
 
 
 def nightly_layer(cache_dir: Path, tag: str, size: int = NIGHTLY_LAYER_BYTES) -> tuple[Path, str]:
-    """(the gzipped layer file, the uncompressed tar's sha256: its diff id), built once per tag and size."""
+    """(the gzipped layer file, its diff id), built once per tag and size."""
     out = cache_dir / f"nightly-layer-{tag}-{size}.tar.gz"
     diff_file = out.with_name(out.name + ".diffid")
     if out.exists() and diff_file.exists():
@@ -52,7 +47,7 @@ def nightly_layer(cache_dir: Path, tag: str, size: int = NIGHTLY_LAYER_BYTES) ->
 
 def registry_request(cfg: FleetConfig, path: str, data: bytes | None = None, method: str = "GET",
                      headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of one request to the fleet's registry API; an HTTP error is an answer too."""
+    """(status, headers, body) of one request to the fleet's registry API, errors included."""
     request = urllib.request.Request(f"http://{cfg.registry}{path}", data=data, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=300) as r:
@@ -61,21 +56,20 @@ def registry_request(cfg: FleetConfig, path: str, data: bytes | None = None, met
         return e.code, dict(e.headers), e.read()
 
 
-# Every manifest type the fleet registry may hold for a tag (the stand-ins are v2; an index for a multi-platform one).
+# Every manifest type the fleet registry may hold for a tag.
 ANY_MANIFEST = ", ".join((MANIFEST_TYPE, "application/vnd.oci.image.manifest.v1+json",
                           "application/vnd.docker.distribution.manifest.list.v2+json"))
 
 
 def tag_manifest(registry: str, tag: str) -> tuple[bytes, str, str]:
-    """(body, content type, digest) of a tag's manifest in the registry at `registry` ("host:port")."""
+    """(body, content type, digest) of a tag's manifest in the registry at "host:port"."""
     req = urllib.request.Request(f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}", headers={"Accept": ANY_MANIFEST})
     with urllib.request.urlopen(req, timeout=30) as r:
         return r.read(), r.headers["Content-Type"], r.headers["Docker-Content-Digest"]
 
 
 def move_tag(registry: str, tag: str, to: str) -> str:
-    """Point `tag` at what `to` names (a tag of the same repository) by copying its manifest, as a new nightly
-    moves `nightly` upstream; returns the digest ref ("registry/repo@sha256:...") the tag now stands for."""
+    """Point `tag` at another tag's manifest, as a new nightly moves upstream; returns the tag's digest ref."""
     body, content_type, digest = tag_manifest(registry, to)
     req = urllib.request.Request(f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}", data=body, method="PUT",
                                  headers={"Content-Type": content_type})
@@ -101,7 +95,7 @@ def _push_blob(cfg: FleetConfig, data: bytes | Path) -> tuple[str, int]:
 
 
 def nightly_ref(cfg: FleetConfig, tag: str) -> str:
-    """The digest reference of a stand-in nightly in the fleet's registry (ensure_nightlies pushed it)."""
+    """The digest reference of a stand-in nightly that ensure_nightlies pushed."""
     status, headers, _ = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="HEAD",
                                    headers={"Accept": MANIFEST_TYPE})
     if status != 200:
@@ -111,15 +105,12 @@ def nightly_ref(cfg: FleetConfig, tag: str) -> str:
 
 def ensure_nightlies(cfg: FleetConfig, tags: tuple[str, ...] = tuple(NIGHTLIES), size: int = NIGHTLY_LAYER_BYTES
                      ) -> dict[str, str]:
-    """Push each stand-in nightly (`good` + its own large layer) to the fleet's registry unless there; tag -> its
-    digest reference. Through the registry's HTTP API: the image is `good`'s manifest and config plus one layer,
-    no docker needed."""
+    """Push each stand-in nightly through the registry's HTTP API unless there; tag -> its digest reference."""
     refs = {}
     good = json.loads(registry_request(cfg, f"/v2/{REPOSITORY}/manifests/good", headers={"Accept": MANIFEST_TYPE})[2])
     for tag in tags:
         status, _, body = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", headers={"Accept": MANIFEST_TYPE})
-        # The fleet's registry outlives a change of the stand-in image: a nightly built on an earlier `good` would
-        # share no layer with the hosts' `good` (a host would pull the whole image, not the nightly's own layer).
+        # The registry outlives a change of the stand-in image; a nightly on an older `good` would share no layer.
         current = status == 200 and [d["digest"] for d in json.loads(body)["layers"][:-1]] == [
             d["digest"] for d in good["layers"]]
         if not current:

@@ -1,8 +1,4 @@
-"""The base root filesystem (debootstrap, once) and the Debian mirror of what the deploy installs.
-
-Both are cached under the cache dir, keyed by their inputs: debootstrap is the slowest step of the whole tier
-(~1 min), and the overlays only ever read the base, so every host of every run can share it.
-"""
+"""The base root filesystem (debootstrap, once) and the Debian mirror of what the deploy installs, cached by key."""
 
 from __future__ import annotations
 
@@ -31,18 +27,17 @@ BASE_PACKAGES = (
     "procps",
     "gnupg",
 )
-# What the deploys apt-install (docker via the distro package; python3-venv, nginx, its njs module and nftables for
-# the router; docker-registry for the site cache): served by the local mirror, with their closure.
+# What the deploys apt-install, served by the local mirror with their closure.
 MIRROR_PACKAGES = ("docker.io", "gnupg", "curl", "ca-certificates", "jq", "python3-venv", "nginx",
                    "libnginx-mod-http-js", "nftables", "docker-registry")
-# Bump when the customisation below changes: it is part of the cache key.
+# Part of the cache key: bump when the customisation below changes.
 RECIPE = "3"
 
 
 @dataclass(frozen=True)
 class Base:
     rootfs: Path  # read-only lower dir of every host overlay
-    debs: Path  # flat Debian repo (Packages, Release) with MIRROR_PACKAGES and their dependencies
+    debs: Path  # flat Debian repo
 
 
 def cache_key() -> str:
@@ -51,7 +46,7 @@ def cache_key() -> str:
 
 
 def debian_mirror_url() -> str:
-    """The machine's own Debian mirror: the only place outside the machine the sandbox ever fetches from."""
+    """The machine's own Debian mirror, the only place outside the machine the sandbox fetches from."""
     for f in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
         text = f.read_text() if f.is_file() else ""
         m = re.search(rf"^deb\s+(?:\[[^]]*\]\s+)?(http\S+)\s+{SUITE}\s+main", text, re.M)
@@ -66,15 +61,15 @@ def debian_mirror_url() -> str:
 
 
 def ensure_base(cache_dir: Path) -> Base:
-    """Return the cached base; build it first if its key is new (cold run)."""
+    """The cached base, built first if its key is new."""
     root = cache_dir / f"base-{cache_key()}"
     base = Base(rootfs=root / "rootfs", debs=root / "debian")
     if cache.is_done(root):
         return base
-    # Two sessions starting cold at once (two pytest runs) would build in, and delete, the same temp dir.
+    # Two sessions starting cold at once would build in, and delete, the same temp dir.
     with cache.building(cache_dir / f".base-{cache_key()}.lock"):
         if cache.is_done(root):
-            return base  # the other session built it while this one waited
+            return base
         t0 = time.monotonic()
         tmp = cache_dir / f".base-{cache_key()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -90,7 +85,7 @@ def ensure_base(cache_dir: Path) -> Base:
 
 
 def _customise(r: Path) -> None:
-    # Host keys are generated per host in its overlay: hosts sharing one key would be one host to ssh.
+    # Host keys are generated per host: hosts sharing one would be one host to ssh.
     for key in (r / "etc/ssh").glob("ssh_host_*"):
         key.unlink()
     run(["chroot", str(r), "useradd", "-m", "-s", "/bin/bash", "-G", "sudo", "deploy"])
@@ -107,7 +102,7 @@ def _customise(r: Path) -> None:
 
 
 def _download_debs(r: Path, out: Path, mirror: str) -> None:
-    """Fetch the deploy's packages with the guest's own apt (so the closure matches the guest), then index them."""
+    """Fetch the deploy's packages with the guest's own apt, so the closure matches, then index them."""
     shutil.copy("/etc/resolv.conf", r / "etc/resolv.conf")
     (r / "etc/apt/sources.list").write_text(f"deb {mirror} {SUITE} main\n")
     try:

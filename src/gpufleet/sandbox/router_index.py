@@ -1,10 +1,6 @@
-"""The sandbox's package indexes for vllm-router and the site cache's model mirror (olah): exactly the wheels
-gpufleet's locks name for the test hosts' Python and machine (src/gpufleet/data/vllm-router-lock.json,
-olah-lock.json), fetched from PyPI with pip's hash-checking mode, cached by lock entry, laid out as PEP 503 "simple"
-indexes the fleet's file server serves. The deploys then install from them with --require-hashes, as on a real
-host.
+"""The sandbox's PEP 503 indexes for vllm-router and olah: exactly the wheels their locks name, hash-checked.
 
-    python -m gpufleet.sandbox.router_index     # fetch both into the cache (CI does this before the tests)
+    python -m gpufleet.sandbox.router_index     # fetch both into the cache
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ from gpufleet.sandbox.procs import log, run
 from gpufleet.sitecache import mirror
 
 VERSION = DEFAULTS["router_version"]
-# The test hosts' Python (Debian bookworm's python3, gpufleet.sandbox.rootfs.SUITE) and machine (this one's: they
-# are containers): wheels are fetched for them, not for this machine's Python.
+# Wheels are fetched for the test hosts' Python, not this machine's.
 PYTHON = "3.11"
 MACHINE = platform.machine()
 
@@ -42,19 +37,18 @@ def entry(cache_dir: Path, version: str = VERSION) -> Path:
 
 
 def ensure_index(cache_dir: Path = CACHE_DIR, version: str = VERSION) -> Path:
-    """The router's cached index root (serve it; pip's index URL is <root>/simple)."""
+    """The router's cached index root; pip's index URL is <root>/simple."""
     return ensure_lock_index(entry(cache_dir, version), locked(version))
 
 
 def ensure_mirror_index(cache_dir: Path = CACHE_DIR) -> Path:
-    """The model mirror's cached index root (its lock's wheels for the test hosts)."""
+    """The model mirror's cached index root."""
     install = mirror.locked("sandbox", PYTHON, MACHINE)
     return ensure_lock_index(cache_dir / f"mirror-index-{mirror.OLAH_VERSION}-py{PYTHON}-{install.key[:12]}", install)
 
 
 def ensure_lock_index(root: Path, install: wheel_lock.LockedInstall) -> Path:
-    """The index at `root`, fetched on a cold cache: the lock's wheels and nothing else, each checked against the
-    lock's sha256 by pip and again here."""
+    """The index at `root`, fetched on a cold cache and checked against the lock."""
     cache_dir = root.parent
     if cache.is_done(root):
         return root
@@ -90,7 +84,7 @@ def check_files(files: Path, install: wheel_lock.LockedInstall) -> None:
 
 
 def project_name(wheel: str) -> str:
-    """PEP 503 normalised project name of a wheel file: "pydantic_core-2.1-....whl" -> "pydantic-core"."""
+    """PEP 503 normalised project name of a wheel file."""
     return re.sub(r"[-_.]+", "-", wheel.split("-", 1)[0]).lower()
 
 

@@ -1,6 +1,5 @@
-"""The fleet's local services, bound to the bridge address only: a static HTTP server (Debian mirror + stand-in
-NVIDIA and Docker repos) and a container registry (Debian's docker-registry). Both are started by PID and recorded in the state
-file; nothing else on the machine is touched."""
+"""The fleet's local services on the bridge address: a static HTTP server for the mirror and repos, a registry and
+the stand-in hub, each started by PID and recorded in the state file."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ def _answers(url: str) -> bool:
 
 
 def _wait_serving(state: State, name: str, url: str, address: str) -> None:
-    """Wait until OUR process answers: an answer while it died means someone else holds the address."""
+    """Wait until OUR process answers; an answer while it died means someone else holds the address."""
 
     def ready() -> bool:
         if not state.live_pid(name):
@@ -35,7 +34,7 @@ def _wait_serving(state: State, name: str, url: str, address: str) -> None:
 
 
 def serve_files(cfg: FleetConfig, state: State, tree: dict[str, Path]) -> None:
-    """Serve tree (URL prefix -> directory) at http://<gateway>:8080/<prefix>/ via symlinks in one web root."""
+    """Serve tree (URL prefix -> directory) at http://<gateway>:8080/<prefix>/."""
     www = cfg.state_dir / "www"
     www.mkdir(parents=True, exist_ok=True)
     for name, target in tree.items():
@@ -58,13 +57,11 @@ def hub_root(cfg: FleetConfig) -> Path:
 
 
 def hub_log(cfg: FleetConfig) -> Path:
-    """The stand-in hub's access log: hub.served_bytes() counts what it served each host."""
     return cfg.state_dir / "logs" / "hub.log"
 
 
 def serve_hub(cfg: FleetConfig, state: State, model: Path, repo: str) -> None:
-    """The stand-in Hugging Face hub at http://<gateway>:8081, its `repo` holding the files of `model` on branch
-    main: the one commit a fresh fleet has (a test that moved the branch left no trace in the next fleet)."""
+    """The stand-in Hugging Face hub at http://<gateway>:8081, its `repo` holding `model` as the one commit on main."""
     shutil.rmtree(hub_root(cfg), ignore_errors=True)
     hub.publish(hub_root(cfg), repo, {p.name: p for p in model.iterdir() if p.is_file()})
     if not state.live_pid("hub"):
@@ -92,8 +89,7 @@ http: {{addr: "{cfg.gateway}:{REGISTRY_PORT}"}}
 
 
 def registry_log(cfg: FleetConfig) -> Path:
-    """The fleet registry's log: distribution writes one access line per request (combined log format), the
-    upstream's view of what every host and site cache pulled."""
+    """The fleet registry's access log, one line per request."""
     return cfg.state_dir / "logs" / "registry.log"
 
 
@@ -103,13 +99,13 @@ _ACCESS = re.compile(r'^(?P<ip>\S+) \S+ \S+ \[[^\]]+\] "(?P<method>\S+) (?P<path
 
 
 def log_offset(cfg: FleetConfig) -> int:
-    """Where the registry's log ends now: blob_bytes(cfg, since=...) counts what is served after it."""
+    """Where the registry's log ends now, for blob_bytes(since=...)."""
     path = registry_log(cfg)
     return path.stat().st_size if path.exists() else 0
 
 
 def blob_bytes(cfg: FleetConfig, since: int = 0) -> dict[str, int]:
-    """Client address -> bytes of blobs (layers and configs) the registry served it after log offset `since`."""
+    """Client address -> bytes of blobs the registry served it after log offset `since`."""
     path = registry_log(cfg)
     if not path.exists():
         return {}

@@ -1,6 +1,4 @@
-"""The cache entries every fleet shares (base rootfs and Debian mirror, Docker's repo stand-in, the stand-in image's
-tar), built ahead of any fleet: `.ci/run` runs this in the background while it installs the rest, before the venv
-exists, so it imports the standard library only. A fleet that starts meanwhile waits on each entry's lock."""
+"""The cache entries every fleet shares, built ahead of any fleet by `.ci/run` before the venv exists: stdlib only."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The fleet's state file: every process, mount, netns and link it created, so a later start or `down` can clear
-exactly those (and nothing of anyone else's) even after the creating run was killed."""
+"""The fleet's state file: every process, mount, netns and link it created, so a later run clears exactly those."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ class State:
         return list(self.data.get(kind, []))
 
     def add_pid(self, name: str, pid: int) -> None:
-        """Record a PID with its kernel start time: a recycled PID must never be taken for ours."""
+        """Record a PID with its kernel start time."""
         with self._lock:
             self.data.setdefault("pids", {})[name] = [pid, procs.start_time(pid)]
             self._save()

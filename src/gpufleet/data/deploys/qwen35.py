@@ -1,9 +1,6 @@
-"""pyinfra deploy: Qwen 3.5 on vLLM. Usage: pyinfra inventories/lab.py deploys/qwen35.py [--dry] [--limit HOST]
-from a checkout, or `gpufleet deploy INVENTORY [--dry] [--limit HOST]` from an installed gpufleet.
+"""pyinfra deploy: Qwen 3.5 on vLLM, run by `gpufleet deploy INVENTORY` or `pyinfra INVENTORY deploys/qwen35.py`.
 
-Thin entry point; the work lives in gpufleet.vllm.deploy (docs/deploy.md). Shipped in the package (the
-checkout's deploys/qwen35.py is a link to this file), so `gpufleet deploy` and `gpufleet rollout` find it without a
-checkout. Not a module to import: pyinfra executes it.
+The work lives in gpufleet.vllm.deploy (docs/deploy.md); pyinfra executes this file.
 """
 
 from pyinfra import host
@@ -12,5 +9,5 @@ from gpufleet.harness import register_deploy_file
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.vllm.deploy import deploy_qwen35
 
-register_deploy_file(__file__)  # keeps pyinfra's per-operation stack walk cheap
+register_deploy_file(__file__)  # keeps pyinfra's stack walk cheap
 deploy_qwen35(_sudo=use_sudo(host))

@@ -1,10 +1,6 @@
-"""pyinfra deploy: vllm-router in front of the fleet. Usage: pyinfra inventories/lab.py deploys/router.py [--dry]
-from a checkout; `gpufleet deploy INVENTORY` runs it after the vLLM hosts converged, when the inventory has a
-`routers` group.
+"""pyinfra deploy: vllm-router in front of the fleet, on the inventory's `routers` group (docs/router.md).
 
-Thin entry point; the work lives in gpufleet.router.deploy (docs/router.md). Router hosts are the inventory's
-`routers` group; every other host is a replica, routed to when it verifies ready. Shipped in the package (the
-checkout's deploys/router.py is a link to this file). Not a module to import: pyinfra executes it.
+The work lives in gpufleet.router.deploy; pyinfra executes this file.
 """
 
 from pyinfra import host
@@ -13,5 +9,5 @@ from gpufleet.harness import register_deploy_file
 from gpufleet.remote.ssh import use_sudo
 from gpufleet.router.deploy import deploy_router
 
-register_deploy_file(__file__)  # keeps pyinfra's per-operation stack walk cheap
+register_deploy_file(__file__)  # keeps pyinfra's stack walk cheap
 deploy_router(_sudo=use_sudo(host))

@@ -3,13 +3,9 @@
 
     hf download REPO [FILE...] --local-dir DIR [--revision REV] [--token T]
 
-Speaks the hub's HTTP API at HF_ENDPOINT (default https://huggingface.co) as huggingface_hub does for a local dir:
-the revision's model info (its commit and files), then per file a HEAD of `resolve/<commit>/<path>` (ETag, or
-X-Linked-Etag for an LFS file) and a GET into .cache/huggingface/download/, resumed with a Range request, moved into
-place; a file whose recorded etag matches is skipped without a byte fetched (as the real CLI: it does not hash
-what it skips). A file the hub stores on Xet needs Xet's own servers unless HF_HUB_DISABLE_XET=1: the sandbox
-cannot reach them, so the stand-in fails as the real CLI would there. Unknown repo or revision: exit 1 with the
-real CLI's message; the local dir is printed last on stdout.
+Speaks the hub's HTTP API at HF_ENDPOINT as huggingface_hub does for a local dir: resumes partial files and skips
+those whose recorded etag matches, without hashing them. A file on Xet fails unless HF_HUB_DISABLE_XET=1, as the
+real CLI would without Xet's servers.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ CHUNK = 1 << 20
 
 class NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None  # a HEAD's redirect is read, not followed (its X-Linked-* headers describe the file)
+        return None  # a HEAD's redirect is read, not followed: its X-Linked-* headers describe the file
 
 
 def request(url: str, token: str | None, method: str = "GET", headers: dict[str, str] | None = None,
@@ -91,7 +87,7 @@ def download(repo: str, local_dir: Path, revision: str | None, token: str | None
             return 1
         dest, meta = local_dir / name, meta_dir / f"{name}.metadata"
         recorded = meta.read_text().split("\n") if meta.exists() else []
-        if dest.exists() and recorded[1:2] == [etag]:  # the etag alone, as huggingface_hub: a new commit's same file
+        if dest.exists() and recorded[1:2] == [etag]:  # the etag alone, as huggingface_hub
             meta.write_text(f"{commit}\n{etag}\n{time.time()}\n")
             print(f"{name}: already complete, skipped", file=sys.stderr, flush=True)
         else:

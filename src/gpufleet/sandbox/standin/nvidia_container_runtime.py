@@ -2,11 +2,8 @@
 """Stand-in `nvidia-container-runtime`: like the real one, an OCI runtime that adds NVIDIA's prestart hook to the
 bundle's config.json when the container asks for GPUs (NVIDIA_VISIBLE_DEVICES), then hands over to runc.
 
-One deviation, for test machines only: a machine that is itself a container may lack capabilities a real GPU host
-has (CAP_SYS_RESOURCE here). Then `--ulimit memlock=-1` fails in runc ("error setting rlimit type 8: operation not
-permitted") and `--privileged` fails ("unable to apply caps"). So where this runtime may not raise an rlimit, the
-limit is clamped to what the machine allows, and capabilities outside this process's bounding set are dropped, each
-with a warning on stderr. On a machine that has them (any real GPU host) nothing changes."""
+On a test machine that is itself a container, it clamps rlimits it may not raise and drops capabilities outside its
+bounding set, with a warning (docs/test-hosts.md)."""
 
 import json
 import os

@@ -1,9 +1,6 @@
 #!/usr/bin/python3
-"""Stand-in `nvidia-container-runtime-hook prestart`: checks the requested GPUs against the host's GPUs and fails
-the way the real hook (nvidia-container-cli) does; on success it gives the container an nvidia-smi that shows only
-its GPUs, renumbered from 0, as the real toolkit's driver mounts do.
-
-The host's GPUs are the nvidia-smi stand-in's profile; a host without it is a box without the driver."""
+"""Stand-in `nvidia-container-runtime-hook prestart`: checks the requested GPUs against the host's as the real hook
+does, and gives the container an nvidia-smi showing only its GPUs, renumbered from 0."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
-    # On the host, MODULE_DIR holds a copy of the package's module; main() imports it from there.
+    # On the host, main() imports the module's copy from MODULE_DIR.
     from gpufleet.sandbox.nvidia_smi import Profile
 
 PROFILE = "/etc/gpufleet-standin/nvidia-smi.json"

@@ -1,9 +1,8 @@
 #!/usr/bin/python3
 """Stand-in `nvidia-ctk` (NVIDIA Container Toolkit CLI) for the sandbox hosts; stdlib only.
 
-Behaves like the real 1.17 CLI where a deploy depends on it: `runtime configure --runtime=docker` MERGES a
-runtimes.nvidia entry into daemon.json (other keys kept, written sorted with 4-space indent as Go's encoder does),
-`--version`, `cdi generate`, `system create-dev-char-symlinks`.
+Behaves like the real 1.17 CLI where a deploy depends on it; `runtime configure` merges into daemon.json, sorted
+with 4-space indent as Go's encoder writes it.
 """
 
 import argparse

@@ -1,9 +1,4 @@
-"""The stand-in `vllm serve`'s argv, parsed as vLLM parses it, and which vLLM it plays (stdlib only).
-
-The flags, choices and aliases are the real `vllm serve --help=all`'s (vllm_flags.json next to this file): an
-unknown or malformed flag exits 2 naming it, as argparse does in vLLM. STANDIN_VLLM_VERSION is the version it
-reports; STANDIN_UNKNOWN_FLAGS=--a,--b are flags this "older vLLM" does not know (exit 2 if used).
-"""
+"""The stand-in `vllm serve`'s argv, parsed with the real `vllm serve --help=all`'s flags, and which vLLM it plays."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-# In the image the table sits next to this file; run from a checkout, it is the package's compiled table.
+# Beside this file in the image, the package's table in a checkout.
 _HERE = Path(__file__).resolve()
 FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS") or next(
     p for p in (_HERE.with_name("vllm_flags.json"), _HERE.parents[2] / "data" / "vllm-serve-flags.json") if p.exists()
@@ -25,7 +20,7 @@ _TYPES = {"int": int, "float": float, "str": str}
 
 
 def build_parser(spec: dict[str, Any], unknown: set[str]) -> argparse.ArgumentParser:
-    # allow_abbrev=False: vLLM's FlexibleArgumentParser does not accept abbreviated flags either.
+    # vLLM's FlexibleArgumentParser does not accept abbreviated flags either.
     parser = argparse.ArgumentParser(prog=spec["prog"], usage=spec["usage"], allow_abbrev=False, add_help=False)
     parser.add_argument(spec["positional"], nargs="?", default=None)
     for flag in spec["flags"]:
@@ -47,7 +42,7 @@ def build_parser(spec: dict[str, Any], unknown: set[str]) -> argparse.ArgumentPa
 
 
 def normalise(argv: list[str]) -> list[str]:
-    """vLLM's argv conveniences: -O3 means --optimization-level 3; --max_model_len means --max-model-len."""
+    """vLLM's argv conveniences: -O3 and underscores in flag names."""
     out = []
     for arg in argv:
         if re.fullmatch(r"-O\d", arg):
@@ -71,13 +66,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     argv = normalise(argv)
     extras = unrecognized(argv, set(parser._option_string_actions))
     if extras:
-        # Listed with their values, as vLLM lists them (its top-level parser words it "vllm: error: ...").
+        # Listed with their values, as vLLM's top-level parser words it.
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     return parser.parse_args(argv)
 
 
 def unrecognized(argv: list[str], known: set[str]) -> list[str]:
-    """The unknown options and the values that follow them, as argparse lists them for vLLM."""
+    """The unknown options and their values, as argparse lists them for vLLM."""
     out: list[str] = []
     for i, arg in enumerate(argv):
         if arg.startswith("--") and arg.split("=", 1)[0] not in known:

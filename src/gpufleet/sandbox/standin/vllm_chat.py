@@ -1,8 +1,4 @@
-"""What the stand-in vLLM's "model" sees and says: the chat prompt, its tokens, greedy answers, tool arguments.
-
-The prompt is Qwen's ChatML; its tokens are a crude sub-word split. Answers are a function of the whole prompt and
-the position, so a prompt gets the same answer whether its prefix was cached or not.
-"""
+"""What the stand-in vLLM's "model" sees and says: the ChatML prompt, its tokens, greedy answers, tool arguments."""
 
 from __future__ import annotations
 
@@ -14,10 +10,7 @@ from typing import Any
 
 
 def chat_prompt(messages: list[dict[str, Any]], tools: list[Any] | None = None, thinking: bool = True) -> str:
-    """A ChatML rendering (Qwen3's template shape): what the token count, prefix matching and answers run on.
-
-    Tools go into the system prompt; enable_thinking false closes an empty think block after the assistant header.
-    """
+    """A ChatML rendering in the shape of Qwen3's template."""
     parts = []
     if tools:
         listed = "\n".join(json.dumps(t) for t in tools)
@@ -38,8 +31,7 @@ def _text(message: dict[str, Any]) -> str:
     return str(content)
 
 
-# A chat marker is one token, a word (letters and digits) is cut in pieces of up to 4 characters (about a real BPE's
-# rate on English), any other character is a token of its own.
+# Pieces of up to 4 letters or digits are about a real BPE's rate on English.
 _TOKEN = re.compile(r"<\|[a-z_]+\|>|</?think>|</?tool_call>| ?[A-Za-z0-9]{1,4}|.", re.S)
 
 
@@ -47,7 +39,7 @@ def tokenize(text: str) -> list[str]:
     return _TOKEN.findall(text)
 
 
-# What the stand-in "model" says: words of this vocabulary, one token each.
+# One token per word.
 VOCABULARY = (
     "the a cache river garden answer model token light paper window silver morning quiet table bridge number "
     "engine north summer stone letter orange music simple careful early second people field market harbour "
@@ -58,16 +50,12 @@ MAX_TOP_LOGPROBS = 20
 
 
 def greedy_tokens(prompt: str, n: int, top: int, state: bytes = b"") -> list[dict[str, Any]]:
-    """The greedy answer to `prompt`: n logprob entries as vLLM returns them (token, logprob, bytes, top_logprobs).
-
-    Each position's distribution comes from sha256 of the prompt (and `state`: b"" is the right one) and the
-    position: the chosen token is the argmax, its logprob in [-0.9, -0.5], each next alternative ~1 nat lower.
-    """
+    """The greedy answer to `prompt` as n logprob entries in vLLM's shape; a `state` other than b"" is a wrong one."""
     base = hashlib.sha256(b"standin-greedy\0" + state + b"\0" + prompt.encode()).digest()
     entries = []
     for i in range(n):
         rng = random.Random(hashlib.sha256(base + i.to_bytes(4, "big")).digest())
-        picks = rng.sample(range(len(VOCABULARY)), MAX_TOP_LOGPROBS)  # always as many: the answer must not vary with top
+        picks = rng.sample(range(len(VOCABULARY)), MAX_TOP_LOGPROBS)  # the answer must not vary with top
         logprob = -(0.5 + 0.4 * rng.random())
         ranked = []
         for index in picks:
@@ -80,8 +68,7 @@ def greedy_tokens(prompt: str, n: int, top: int, state: bytes = b"") -> list[dic
 
 
 def as_token_ids(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Logprob entries as vLLM gives them with return_tokens_as_token_ids: each token `token_id:N`, the chosen one's
-    bytes still its text."""
+    """The entries as vLLM gives them with return_tokens_as_token_ids."""
 
     def placeholder(token: str) -> str:
         return f"token_id:{2 * VOCABULARY.index(token.strip().lower()) + token.startswith(' ')}"
@@ -92,7 +79,7 @@ def as_token_ids(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def stale_tokens(prompt: str, n: int, top: int) -> list[dict[str, Any]]:
-    """STANDIN_MISBEHAVE=cache-corrupt: the answer of a wrong cached state, as confident, never the right first token."""
+    """STANDIN_MISBEHAVE=cache-corrupt: a wrong state's answer, as confident, never the right first token."""
     right = greedy_tokens(prompt, 1, 1)[0]["token"]
     for attempt in range(8):
         wrong = greedy_tokens(prompt, n, top, state=f"stale-{attempt}".encode())
@@ -102,7 +89,7 @@ def stale_tokens(prompt: str, n: int, top: int) -> list[dict[str, Any]]:
 
 
 def tool_arguments(tool: dict[str, Any]) -> dict[str, Any]:
-    """Each required parameter of the tool's JSON schema filled in: an enum's first value, else a short value."""
+    """Each required parameter of the tool's JSON schema, filled in."""
     schema = (tool.get("function") or {}).get("parameters") or {}
     properties = schema.get("properties") or {}
     examples = {"integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}

@@ -1,9 +1,4 @@
-"""The stand-in vLLM's compile cache, keyed by its version as vLLM's torch.compile cache.
-
-A start whose entry for (version, env factors, model config, parallel sizes) is absent from $VLLM_CACHE_ROOT "compiles" for
-STANDIN_COMPILE_SECONDS before it listens and writes the entry as vLLM 0.32 does; a start that finds a valid entry
-loads it; a damaged one is compiled again, with vLLM's warning.
-"""
+"""The stand-in vLLM's compile cache, keyed by its version as vLLM's torch.compile cache (docs/test-hosts.md)."""
 
 from __future__ import annotations
 
@@ -15,15 +10,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING or __package__:  # imported from the package: the checkout's tests, mypy
+if TYPE_CHECKING or __package__:
     from .vllm_argv import VERSION
     from .vllm_envs import compile_factors, hash_factors
-else:  # the image's /opt/gpufleet-standin: side by side, and a script's own directory is on sys.path
+else:  # the image runs it as a script beside its modules
     from vllm_argv import VERSION
     from vllm_envs import compile_factors, hash_factors
 
-# The image sets VLLM_USAGE_SOURCE as the real one does: there a start compiles by default; run from a checkout
-# (the unit tests), nothing is compiled or written unless STANDIN_COMPILE_SECONDS says so.
+# Only the image (which sets VLLM_USAGE_SOURCE) compiles by default; unit tests set STANDIN_COMPILE_SECONDS.
 IN_IMAGE = os.environ.get("VLLM_USAGE_SOURCE") == "production-docker-image"
 ARTIFACT_BYTES = 64 * 1024
 
@@ -37,8 +31,7 @@ def cache_root() -> Path:
 
 
 def compile_key(args: argparse.Namespace, config: dict[str, Any]) -> str:
-    """What vLLM's cache dir hash covers, in small: its version, its env factors, the model's config, the parallel
-    layout."""
+    """What vLLM's cache dir hash covers, in small."""
     factors = {"version": VERSION, "env": hash_factors(compile_factors()), "config": config,
                "tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size, "dtype": args.dtype,
                "kv_cache_dtype": args.kv_cache_dtype}
@@ -46,7 +39,7 @@ def compile_key(args: argparse.Namespace, config: dict[str, Any]) -> str:
 
 
 def artifact(key: str) -> bytes:
-    """The compiled "model" for a key: deterministic bytes, so a damaged or foreign file is told apart."""
+    """Deterministic bytes for a key, so a damaged or foreign file is told apart."""
     out, block = bytearray(), hashlib.sha256(key.encode()).digest()
     while len(out) < ARTIFACT_BYTES:
         block = hashlib.sha256(block).digest()
@@ -55,9 +48,9 @@ def artifact(key: str) -> bytes:
 
 
 def warm_or_compile(args: argparse.Namespace, config: dict[str, Any]) -> None:
-    """Load this version's compiled artifact from the cache, or "compile" (sleep) and save it, as vLLM logs it."""
+    """Load the compiled artifact from the cache, or "compile" (sleep) and save it, logging as vLLM does."""
     seconds = compile_seconds()
-    if seconds <= 0 or args.enforce_eager or args.optimization_level == 0:  # vLLM compiles nothing then either
+    if seconds <= 0 or args.enforce_eager or args.optimization_level == 0:
         return
     key = compile_key(args, config)
     aot = cache_root() / "torch_compile_cache" / "torch_aot_compile"
@@ -84,7 +77,7 @@ def warm_or_compile(args: argparse.Namespace, config: dict[str, Any]) -> None:
         (tmp / "rank_0_0" / "model").write_bytes(artifact(key))
         (tmp / "inductor_cache" / key[:2]).mkdir(parents=True, exist_ok=True)
         (tmp / "inductor_cache" / key[:2] / f"c{key[:40]}.so").write_bytes(artifact(key[::-1])[:16384])
-        if (aot / key).exists():  # an entry that did not load: replaced, as vLLM saves over it
+        if (aot / key).exists():  # vLLM saves over an entry that did not load
             (aot / key / "rank_0_0").mkdir(parents=True, exist_ok=True)
             os.replace(tmp / "rank_0_0" / "model", path)
             for leftover in sorted(tmp.rglob("*"), reverse=True):
@@ -92,7 +85,7 @@ def warm_or_compile(args: argparse.Namespace, config: dict[str, Any]) -> None:
             tmp.rmdir()
         else:
             os.rename(tmp, aot / key)
-    except OSError as e:  # a read-only or full cache: vLLM goes on without saving
+    except OSError as e:  # vLLM goes on without saving
         print(f"{tag}WARNING cannot save the compiled function to {path}: {e}", flush=True)
         return
     print(f"{tag}INFO [decorators.py:743] [backbone] saved AOT compiled function to {path}", flush=True)

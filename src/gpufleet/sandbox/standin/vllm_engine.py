@@ -1,8 +1,4 @@
-"""The stand-in vLLM's engine: served names, limits, the prefix cache and the counters /metrics reports.
-
-Prefix caching is simulated on block-aligned prefixes of the chat-formatted prompt's tokens (vllm_chat), hashed
-as a chain as vLLM's block hashes are; /metrics writes vLLM's metric names.
-"""
+"""The stand-in vLLM's engine: served names, limits, a prefix cache hashed as vLLM's block chain, and /metrics."""
 
 from __future__ import annotations
 
@@ -13,9 +9,9 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING or __package__:  # imported from the package: the checkout's tests, mypy
+if TYPE_CHECKING or __package__:
     from .vllm_argv import fail, human_int
-else:  # the image's /opt/gpufleet-standin: side by side, and a script's own directory is on sys.path
+else:  # the image runs it as a script beside its modules
     from vllm_argv import fail, human_int
 
 # vLLM's buckets for vllm:time_to_first_token_seconds
@@ -26,7 +22,6 @@ TTFT_BUCKETS = (
 
 
 class Engine:
-    """The model-facing state: served names, limits, the prefix cache and the counters /metrics reports."""
 
     def __init__(self, args: argparse.Namespace, model: str, config: dict[str, Any]):
         self.args = args
@@ -52,7 +47,7 @@ class Engine:
         self.seen: set[str] = set()
         self.lock = threading.Lock()
         self.dead = False
-        self.group: Any = None  # the head's vllm_group.Head when it runs across hosts (--nnodes)
+        self.group: Any = None  # a vllm_group.Head with --nnodes
         self.running = 0
         self.counters = {
             "prefix_cache_queries": 0,
@@ -64,9 +59,9 @@ class Engine:
             "kv_count": 0,
         }
         self.ttft: list[float] = []
-        # Per prompt character (tokens were characters once: a rate that callers set keeps its meaning).
+        # Per prompt character despite the name, so callers' rates keep their meaning.
         self.seconds_per_char = float(os.environ.get("STANDIN_PREFILL_SECONDS_PER_TOKEN", "0.000005"))
-        self.seconds_per_token = float(os.environ.get("STANDIN_DECODE_SECONDS_PER_TOKEN", "0.005"))  # 200 tokens/s
+        self.seconds_per_token = float(os.environ.get("STANDIN_DECODE_SECONDS_PER_TOKEN", "0.005"))
 
     def cached_tokens(self, tokens: list[str]) -> int:
         """Longest previously seen block-aligned prefix, never the whole prompt: floor((L-1)/B)*B at most."""
@@ -75,7 +70,7 @@ class Engine:
         unit = self.match_unit or self.block_size
         running, hashes = hashlib.sha256(), []
         for k in range(unit, len(tokens), unit):  # a block's hash covers every token before it, as vLLM's chain
-            # Tokens joined by a separator no prompt holds: per-token updates took 16 ms for a 20k-token prompt.
+            # Per block, joined by a separator no token holds: per-token updates are slow on long prompts.
             running.update("\x1f".join(tokens[k - unit : k]).encode() + b"\x1e")
             hashes.append(running.hexdigest())
         with self.lock:

@@ -1,10 +1,8 @@
-"""The stand-in's `vllm.envs` (the image's /opt/gpufleet-standin/vllm/envs.py): vLLM's compile_factors over the
-container's environment, so the rollout's compile-hash check (gpufleet.rollout.compile_factors) runs the same script
-on the stand-in image as on vLLM's, and the stand-in's compile cache is keyed by the same env hash.
+"""The stand-in's `vllm.envs`: vLLM's compile_factors over the container's environment, for the rollout's
+compile-hash check and the stand-in's compile cache.
 
-vLLM hashes every variable it knows, set or not, less an ignore list (vllm/envs.py, 0.32: IGNORED below); the
-stand-in hashes every VLLM_* variable that is set, less the same list: two containers get the same hash exactly when
-vLLM 0.32 would give them the same one, for the variables a deploy sets."""
+It hashes the VLLM_* variables that are set, less vLLM's ignore list, so two containers get the same hash exactly
+when vLLM 0.32 would give them one for the variables a deploy sets."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import hashlib
 import json
 import os
 
-# vLLM 0.32's compile_factors ignore list (its known variables that do not reach the hash).
+# vLLM 0.32's compile_factors ignore list.
 IGNORED = frozenset({
     "CUDA_VISIBLE_DEVICES", "FORCE_COLOR", "LD_LIBRARY_PATH", "LOCAL_RANK", "MAX_JOBS", "NO_COLOR",
     "S3_ACCESS_KEY_ID", "S3_ENDPOINT_URL", "S3_SECRET_ACCESS_KEY", "VLLM_API_KEY", "VLLM_ASSETS_CACHE",

@@ -1,12 +1,6 @@
 """The stand-in's multi-node engine (`--nnodes N`), as vLLM 0.32's multiprocessing executor behaves across hosts.
 
-- The head (rank 0) listens on --master-port on every interface (torch's TCPStore, dual-stack) from its start; its
-  API listens only once every rank joined. A rank still missing after VLLM_ENGINE_READY_TIMEOUT_S (600, vLLM's)
-  stops it with vLLM's TimeoutError (exit 1).
-- A headless rank (--headless) serves nothing: it connects to --master-addr:--master-port, retrying until
-  STANDIN_JOIN_TIMEOUT_S (1800: torch's process-group timeout), then holds the connection (exit 1 past it).
-- Neither notices the other die while no request runs (vLLM's connections stay idle: docs/multi-node.md);
-  a request while a rank is gone fails and kills the head's engine (vLLM: the pipeline's send fails).
+The head's store listens from its start and its API once every rank joined; a headless rank serves nothing.
 """
 
 from __future__ import annotations
@@ -17,9 +11,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING or __package__:  # imported from the package: the checkout's tests, mypy
+if TYPE_CHECKING or __package__:
     from .vllm_argv import VERSION, fail
-else:  # the image's /opt/gpufleet-standin: side by side, and a script's own directory is on sys.path
+else:  # the image runs it as a script beside its modules
     from vllm_argv import VERSION, fail
 
 
@@ -29,7 +23,7 @@ class Head:
     def __init__(self, port: int, nnodes: int):
         self.expected = set(range(1, nnodes))
         self.ranks: dict[int, socket.socket] = {}
-        self.late: list[socket.socket] = []  # connections held, as the store holds them, but never in the group
+        self.late: list[socket.socket] = []  # held, as the store holds them, but never in the group
         self.lock = threading.Lock()
         self.joined = threading.Event()
         server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, reuse_port=False)
@@ -44,7 +38,7 @@ class Head:
         words = conn.makefile("r").readline().split()
         rank = int(words[1]) if len(words) == 2 and words[0] == "rank" and words[1].isdigit() else None
         with self.lock:
-            # A rank that comes back to a running head never joins its process group again (torch's world is set).
+            # torch's world is set: a rank that comes back never joins again.
             if rank not in self.expected or rank in self.ranks or self.joined.is_set():
                 self.late.append(conn)
                 return
@@ -61,7 +55,7 @@ class Head:
                     f"joined). Waited {timeout_s:g}s (configured by VLLM_ENGINE_READY_TIMEOUT_S).")
 
     def lost(self) -> list[int]:
-        """The ranks whose connection closed (a peek reads end-of-stream)."""
+        """The ranks whose connection closed."""
         gone = []
         with self.lock:
             for rank, conn in self.ranks.items():
@@ -80,10 +74,10 @@ def ready_timeout_s() -> float:
 
 
 def run_rank(master_addr: str, master_port: int, rank: int) -> int:
-    """A headless rank: join the head's store, then hold the connection until SIGTERM (KeyboardInterrupt)."""
+    """A headless rank: join the head's store, then hold the connection until SIGTERM."""
     print(f"INFO Launching vLLM (v{VERSION}) headless multiproc executor, with head node address "
           f"{master_addr}:{master_port} for torch.distributed process group.", flush=True)
-    timeout_s = float(os.environ.get("STANDIN_JOIN_TIMEOUT_S", "1800"))
+    timeout_s = float(os.environ.get("STANDIN_JOIN_TIMEOUT_S", "1800"))  # torch's process-group timeout
     deadline = time.monotonic() + timeout_s
     while True:
         try:

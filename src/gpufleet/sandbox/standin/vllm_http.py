@@ -1,7 +1,6 @@
 """The stand-in vLLM's HTTP server: uvicorn's keep-alive and access log, vLLM's endpoints, answers and errors.
 
-STANDIN_MISBEHAVE makes it a server the health checks must survive, or one that fails its clients (see
-vllm_serve's docstring); STANDIN_KEEP_ALIVE_S is how long an idle connection stays open (uvicorn's 5 s).
+STANDIN_MISBEHAVE makes it misbehave in one way (docs/test-hosts.md).
 """
 
 from __future__ import annotations
@@ -14,11 +13,11 @@ import uuid
 from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING or __package__:  # imported from the package: the checkout's tests, mypy
+if TYPE_CHECKING or __package__:
     from .vllm_argv import VERSION
     from .vllm_chat import as_token_ids, chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
     from .vllm_engine import Engine
-else:  # the image's /opt/gpufleet-standin: side by side, and a script's own directory is on sys.path
+else:  # the image runs it as a script beside its modules
     from vllm_argv import VERSION
     from vllm_chat import as_token_ids, chat_prompt, greedy_tokens, stale_tokens, tokenize, tool_arguments
     from vllm_engine import Engine
@@ -34,14 +33,10 @@ class Handler(BaseHTTPRequestHandler):
     engine: Engine
     server_version = "uvicorn"
     sys_version = ""
-    # Keep-alive like uvicorn: every answer is framed (content-length, or connection: close) so the connection can
-    # carry the next request. A socket idle this long is dropped (a request stalled mid-way too), so idle clients
-    # do not keep threads forever.
+    # Every answer is framed so the connection can carry the next request; an idle socket is dropped.
     protocol_version = "HTTP/1.1"
     timeout = KEEP_ALIVE_S
-    # A response's head and body leave in one write (wfile is flushed after each request and each SSE event):
-    # written apart on a kept-alive connection, the body waited ~40 ms for the client's delayed ACK (Nagle).
-    # TCP_NODELAY, as asyncio sets it for uvicorn, covers a body larger than the buffer.
+    # Head and body leave in one write, and TCP_NODELAY as uvicorn's, so no body waits for a delayed ACK (Nagle).
     wbufsize = -1
     disable_nagle_algorithm = True
 
@@ -250,8 +245,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         with e.lock:
             e.running += 1
-            # A deadlock under load (STANDIN_MISBEHAVE=stalls-under-load): the second request in flight is never
-            # scheduled, and stays running; /health still answers 200.
+            # STANDIN_MISBEHAVE=stalls-under-load: the second request in flight is never scheduled.
             stalled = MISBEHAVE == "stalls-under-load" and e.running >= 2
         try:
             if stalled:
@@ -387,8 +381,7 @@ class Handler(BaseHTTPRequestHandler):
         field = "reasoning" if reasoning is not None else "content"
         first = time.monotonic()
         for i, piece in enumerate(pieces):
-            # Token i leaves i decode steps after the first, which came with the prefill: a late wake-up delays one
-            # token, never every one after it.
+            # Paced from the first token, so a late wake-up delays one token, not every one after it.
             time.sleep(max(first + i * e.seconds_per_token - time.monotonic(), 0))
             logprobs = {"content": [entries[i]]} if want_logprobs and entries else None
             last = i == len(pieces) - 1

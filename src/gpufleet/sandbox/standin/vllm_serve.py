@@ -1,59 +1,9 @@
 #!/usr/bin/python3
-"""Stand-in for `vllm serve` (the vllm/vllm-openai image's entrypoint), stdlib only.
-
-It is what the sandbox's vLLM image runs, and it is testable on loopback directly:
+"""Stand-in for `vllm serve` (the vllm/vllm-openai image's entrypoint), stdlib only, also runnable on loopback:
 
     STANDIN_LOAD_SECONDS=0.5 python3 vllm_serve.py serve /models/m --served-model-name m --port 8123
 
-Its parts are the modules next to it, which the image installs side by side: vllm_argv (argv as vLLM parses it,
-the version it plays), vllm_engine (the prefix cache and /metrics), vllm_chat (the chat prompt, its tokens, the
-answers), vllm_http (the endpoints) and vllm_compile_cache.
-
-Behaves like vLLM where gpufleet depends on it:
-- argv is parsed with the flags, choices and aliases of the real `vllm serve --help=all` (vllm_flags.json next to
-  this file): an unknown or malformed flag exits 2 naming it, as argparse does in vLLM;
-- the model (positional or --model) must be a directory with config.json, else exit 1 with vLLM's message;
-- nothing listens while the engine "loads" (STANDIN_LOAD_SECONDS, default 2): connections are refused;
-- then /health, /ping, /version, /metrics (vLLM's metric names), /v1/models and /v1/chat/completions (also SSE),
-  with prefix caching simulated on block-aligned prefixes of the chat-formatted prompt (Qwen's ChatML; its tokens are
-  a crude sub-word split: a chat marker is one token, a word is cut in pieces of up to 4 letters or digits, any
-  other character is one token); prefill sleeps STANDIN_PREFILL_SECONDS_PER_TOKEN (default 5e-6) per uncached
-  prompt character, as when a token was a character, and each token after the first takes
-  STANDIN_DECODE_SECONDS_PER_TOKEN (default 0.005); an answer ends after 16 tokens unless `ignore_eos` (or
-  `min_tokens`) asks for more, as vLLM's do;
-- greedy answers: the generated tokens, their logprobs and top alternatives (`logprobs`, `top_logprobs`, also per
-  streamed chunk) are a function of the whole prompt and the position, so a prompt gets the same answer whether
-  its prefix was cached or not, and prompts that differ anywhere get different answers; the chosen token leads its
-  alternatives by about one nat;
-- --reasoning-parser: the answer is the reasoning (`message.reasoning`, `delta.reasoning`; content null) unless
-  `chat_template_kwargs` (or --default-chat-template-kwargs) sets enable_thinking false;
-- tools: `tool_choice` "required" (or a named function) returns a parsed call of the (first) tool, its required
-  parameters filled in (an enum's first value, else a short value of its type); "auto" (the default with tools)
-  answers 400 unless --enable-auto-tool-choice and --tool-call-parser are both set, as vLLM, then answers text;
-- HTTP/1.1 with keep-alive, as uvicorn: several requests on one connection (curl --next) are all answered on it,
-  and a connection idle for STANDIN_KEEP_ALIVE_S (default 5, uvicorn's) is closed;
-- VLLM_API_KEY or --api-key guards /v1/* (health, metrics, version stay open);
-- a compile cache keyed by its version, as vLLM's torch.compile cache: a start whose entry for (version, model
-  config, parallel sizes) is absent from $VLLM_CACHE_ROOT (default ~/.cache/vllm, the profile's mount) "compiles"
-  for STANDIN_COMPILE_SECONDS (default 2 in the image, 0 = no compile cache elsewhere) before it listens, and writes
-  the entry as vLLM 0.32 does (torch_compile_cache/torch_aot_compile/<hash>/rank_0_0/model and an inductor_cache/
-  beside it: written to a temp dir, then renamed); a start that finds a valid entry logs vLLM's "Directly load AOT
-  compilation from path ..." and skips the compile; a damaged one is compiled again, with vLLM's warning; -O0
-  and --enforce-eager compile nothing;
-- --nnodes N: one engine across hosts (vllm_group): the head listens on --master-port and serves once every rank
-  joined, a --headless rank joins it and serves nothing; neither notices the other die while idle, a request with
-  a rank gone kills the head's engine;
-- STANDIN_DIE_AFTER=S: the engine dies S seconds after serving starts (/health 503, then the server exits 1);
-- STANDIN_UNKNOWN_FLAGS=--a,--b: flags this "older vLLM" does not know (exit 2 if used);
-- STANDIN_MISBEHAVE: a server the health checks must survive, once serving starts: "models-not-json" (/health
-  200, /v1/models 200 with an HTML page) or "not-http" (every connection gets a line of another protocol); or one
-  that passes every surface check and fails its clients: "completions-fail" (every completion answers 500, as an
-  engine that crashes in its first batch), "stream-broken" (a streamed completion sends a chunk that does not
-  parse, then closes), "cache-corrupt" (a request whose prefix comes from the cache is answered from a wrong
-  state: other tokens, as confident) or "tools-broken" (the tool parser leaves every tool call in the text:
-  `<tool_call>` JSON in the content, no `tool_calls`); or one that answers right, slower: "slow" (prefill 20x
-  slower and 0.4 s more per request) or "stalls-under-load" (one request at a time is served; a request that
-  arrives while another runs is never scheduled and stays running, while /health answers 200).
+Its parts are the vllm_* modules beside it. What it plays of vLLM, and its knobs: docs/test-hosts.md.
 """
 
 from __future__ import annotations
@@ -67,13 +17,13 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING or __package__:  # imported from the package: the checkout's tests, mypy
+if TYPE_CHECKING or __package__:
     from .vllm_argv import VERSION, fail, parse_args
     from .vllm_compile_cache import warm_or_compile
     from .vllm_engine import Engine
     from .vllm_group import Head, ready_timeout_s, run_rank
     from .vllm_http import Handler
-else:  # the image's /opt/gpufleet-standin: side by side, and a script's own directory is on sys.path
+else:  # the image runs it as a script beside its modules
     from vllm_argv import VERSION, fail, parse_args
     from vllm_compile_cache import warm_or_compile
     from vllm_engine import Engine
