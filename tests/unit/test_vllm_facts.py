@@ -20,7 +20,7 @@ from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.facts.gpu_health import QUERY_HEALTH
 from gpufleet.facts.nvidia import GPU_FIELDS, NvidiaVersion
-from gpufleet.hoststate.sections import MARK
+from gpufleet.hoststate.sections import MARK, split
 from gpufleet.vllm import facts as host_fact
 from gpufleet.vllm import host_command
 from gpufleet.vllm.facts import GpufleetHost, HostSnapshot, ServiceUnit, parse_snapshot
@@ -51,6 +51,21 @@ def output(**sections: list[str]) -> list[str]:
     for name in [*(n for n in sections if n not in last), *last]:
         lines += ["", MARK + name, *sections[name]]
     return lines + ["", MARK + "end"]
+
+
+def step(paths: Paths, function: str) -> str:
+    """The snapshot's script running only `begin` and the call of `function`: one section on its own."""
+    calls = host_command.steps(paths)
+    return host_command.script([calls[0], next(call for call in calls if call.split()[0] == function)])
+
+
+def function_body(name: str) -> str:
+    """A function's text in the snapshot's script."""
+    return host_command.SCRIPT.split(f"\n{name}() {{\n", 1)[1].split("\n}\n", 1)[0]
+
+
+def code_lines(command: str) -> list[str]:
+    return [line for line in command.splitlines() if not line.lstrip().startswith("#")]
 
 
 def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
@@ -116,28 +131,33 @@ def test_a_wedged_nvidia_smi_is_a_problem_with_its_bound_not_a_hang():
 
 
 def test_every_program_that_can_hang_runs_under_timeout():
-    command = snapshot_command(PATHS)
-    for program in ("nvidia-smi --query-gpu", "nvidia-smi --version", "docker images", "docker ps", "df -Pk",
-                    "systemctl show -p Id", "nvidia-smi --query-gpu=index,pci.bus_id", "nvidia-smi --help-query-gpu",
-                    "dmesg --time-format iso"):
-        line = next(line for line in command.splitlines() if program in line)
-        assert f"$t {program}" in line, line
-    assert "t='timeout -k 2 20'" in command
-    # curl bounds itself: every request of its one call (each --next starts one) has its own --max-time, the key
-    # requests put before the others by `set --` included.
-    line = next(line for line in command.splitlines() if 'curl "$@"' in line)
-    keys = re.findall(r'set -- (.*?) --next "\$@"', line)
-    requests = [*keys, *line.split('curl "$@"', 1)[1].split("--next")]
-    # key, docker's images and containers, health, models, metrics
-    assert len(keys) == 1 and len(requests) == 6 and all("--max-time" in r for r in requests), requests
-    assert sum("--unix-socket /var/run/docker.sock" in r for r in requests) == 2
+    command = snapshot_command(dataclasses.replace(PATHS, site_cache_storage="/srv/cache"))
+    programs = ("nvidia-smi --", "docker images", "docker ps", "df -Pk", "du -sk", "systemctl show", "dmesg --time")
+    for line in code_lines(command):
+        if not line.startswith(("read_gpus ", "read_driver ")):  # their query runs in ask_nvidia, under $t
+            for program in programs:
+                assert line.count(program) == line.count(f"$t {program}"), line
+    assert [line.split()[0] for line in command.splitlines() if "nvidia-smi --" in line and "$t" not in line] == [
+        "read_gpus", "read_driver"]
+    assert 'g=$($t "$@" 2>&1)' in function_body("ask_nvidia") and 'begin @@gpufleet: 20 ' in command
+    assert 't="timeout -k 2 $timeout_s"' in function_body("begin")
+    # curl bounds itself: every request (each --next starts one) has its own --max-time, the key requests put
+    # before the others by `set --` included.
+    reads = " ".join(function_body("http_reads").split("\\\n"))
+    keys = re.findall(r'set -- (.*?) --next "\$@"', reads)
+    requests = [*keys, *reads.split('curl "$@"', 1)[1].split("--next")]
+    # the two keys, docker's images and containers, health, models, metrics
+    assert len(keys) == 2 and len(requests) == 7 and all("--max-time" in r for r in requests), requests
+    assert sum('--unix-socket "$socket"' in r for r in requests) == 2
+    assert "--max-time" in function_body("find_container")
 
 
 def test_the_docker_cli_runs_only_on_a_host_without_curl():
     # It costs more CPU than all the rest of the snapshot but nvidia-smi: docker's API answers through curl.
-    for line in snapshot_command(PATHS).splitlines():
+    for line in code_lines(snapshot_command(PATHS)):
         if "docker images" in line or "docker ps" in line:
-            assert "! command -v curl >/dev/null && command -v docker >/dev/null && $t docker" in line, line
+            assert "no_curl && $t docker" in line, line
+    assert function_body("no_curl").strip() == "! command -v curl >/dev/null && command -v docker >/dev/null"
 
 
 def test_daemon_json_without_final_newline_keeps_the_next_section():
@@ -254,11 +274,10 @@ def test_hostile_repo_urls_reach_curl_whole_and_never_the_shell(tmp_path):
     hostile = HOSTILE.format(marker=marker)
     paths = dataclasses.replace(PATHS, nvidia_key_url=f"{hostile}/gpgkey", docker_repo_url=hostile)
     lines = [line for line in snapshot_command(paths).splitlines() if "repo.example" in line]
-    assert len(lines) == 1  # one curl for both keys (and the service's own endpoints)
+    assert [line.split()[0] for line in lines] == ["read_http"]  # one curl for both keys (and the service's own)
     argv_log = tmp_path / "argv"
     record = f"curl() {{ for a in \"$@\"; do printf '%s\\n' \"$a\"; done >> {argv_log}; }}"
-    for line in lines:
-        subprocess.run(["sh", "-c", f"{record}\n{line}"], check=False, capture_output=True, timeout=10)
+    subprocess.run(["sh", "-c", f"{record}\n{step(paths, 'read_http')}"], check=False, capture_output=True, timeout=10)
     os_id = next(line.split("=", 1)[1].strip('"') for line in Path("/etc/os-release").read_text().splitlines()
                  if line.startswith("ID="))
     words = argv_log.read_text().splitlines() if argv_log.exists() else []
@@ -328,7 +347,7 @@ def test_one_curl_reads_the_keys_and_the_server_and_only_v1_models_gets_the_api_
         paths = dataclasses.replace(PATHS, port=port, env_file=str(env_file),
                                     nvidia_key_url=f"http://127.0.0.1:{port}/gpgkey",
                                     docker_repo_url=f"http://127.0.0.1:{port}/linux")
-        line = next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line)
+        line = step(paths, "read_http")
         out = subprocess.run(["sh", "-c", f"{RUNNING_CONTAINER}\n{line}\nprintf '\\n{MARK}end\\n'"],
                              capture_output=True, text=True, timeout=60)
     finally:
@@ -472,7 +491,7 @@ class _Docker(BaseHTTPRequestHandler):
 def _curl_line(monkeypatch, socket: Path) -> str:
     monkeypatch.setattr(host_command, "DOCKER_SOCKET", str(socket))
     paths = dataclasses.replace(PATHS, nvidia_key_url="http://127.0.0.1:9/gpgkey", port=9)  # nothing listens
-    return next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line)
+    return step(paths, "read_http")
 
 
 def _run(line: str) -> HostSnapshot:
@@ -523,9 +542,10 @@ def test_the_model_directory_is_read_with_one_find_and_one_awk(tmp_path):
     for i in range(5):
         (model / ".cache" / "huggingface" / "download" / f"f{i}.incomplete").write_text("")
     paths = dataclasses.replace(PATHS, model_dir=str(model))
-    line = next(line for line in snapshot_command(paths).splitlines() if f"{MARK}model" in line)
-    assert line.count("find ") == 1 and "grep" not in line and "sort" not in line and "head" not in line
-    snap = _run(line)
+    body = function_body("read_model")
+    assert body.count("find ") == 1 and body.count("awk ") == 1 and not any(
+        word in body for word in ("grep", "sort", "head"))
+    snap = _run(step(paths, "read_model"))
     assert snap.model_files == {"model.safetensors.index.json": len(json.dumps(index)), "config.json": 2,
                                 "name with space.bin": 2, "top.incomplete": 0}
     assert snap.model_shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
@@ -553,6 +573,24 @@ def test_docker_space_is_measured_at_data_root(tmp_path, monkeypatch, daemon_jso
         expected = os.path.dirname(expected)
     assert snap.free_path["docker"] == expected and snap.free_kib["docker"] > 0 and snap.free_kib["models"] > 0
     assert snap.os["ID"]
+
+
+def test_the_whole_command_prints_each_section_once_in_order(tmp_path, monkeypatch):
+    """The script names its sections itself: run whole here (a stand-in nvidia-smi, no Docker, nothing on the
+    port), it prints each section the parser reads, once, in order."""
+    fake_nvidia_smi(tmp_path, QUERY)
+    monkeypatch.setattr(host_command, "DOCKER_SOCKET", str(tmp_path / "absent.sock"))
+    (tmp_path / "state").mkdir()
+    paths = dataclasses.replace(PATHS, nvidia_key_url="http://127.0.0.1:9/gpgkey", port=9,
+                                ledger_path=str(tmp_path / "state" / "vllm-qwen35.json"),
+                                site_cache_storage=str(tmp_path), group_head=("127.0.0.1", 9))
+    env = {"PATH": f"{tmp_path}:/usr/sbin:/usr/bin:/sbin:/bin"}
+    out = subprocess.run(["sh", "-c", snapshot_command(paths)], env=env, capture_output=True, text=True, timeout=60)
+    assert list(split(out.stdout.splitlines())) == [
+        "os", "arch", "nvidia_smi", "gpus", "driver", "gpu_health", "kernel_log", "daemon_json", "free", "site_cache",
+        "group_probe", "packages", "files", "state", "other_ledgers", "images", "model", "dirs", "units",
+        "service_unit", "running", "nvidia_key", "docker_images", f"docker_containers {LABEL}", "health",
+        "cache_config", "end"]
 
 
 # --- the driver's version file: one nvidia-smi call per snapshot while the driver stays -----------------------
@@ -678,10 +716,10 @@ def test_no_gpu_means_no_driver_to_record(tmp_path):
 
 
 def test_the_version_file_is_read_with_shell_builtins_only():
-    command = snapshot_command(PATHS)
-    lines = [line for line in command.splitlines() if "nvidia-version" in line]
     # No program, no subshell, no pipe: a hit costs the host nothing but the shell's own reads.
-    assert len(lines) == 1 and not any(word in lines[0] for word in ("cat ", "$(", "`", " | ", "grep", "sed"))
+    reading = function_body("read_driver").split("\n  shift\n", 1)[0]
+    assert "done 2>/dev/null <\"$1\"" in reading
+    assert not any(word in reading for word in ("cat ", "$(", "`", " | ", "grep", "sed"))
 
 
 # --- repo keys: fetched only for a missing keyring, or with refresh_keys ------------------------------------------
@@ -700,7 +738,7 @@ def curl_argv(paths: Paths, tmp_path: Path) -> list[str]:
     log = tmp_path / "argv"
     log.unlink(missing_ok=True)
     record = f"curl() {{ for a in \"$@\"; do printf '%s\\0' \"$a\"; done >> {log}; }}"
-    line = next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line)
+    line = step(paths, "read_http")
     subprocess.run(["sh", "-c", f"{record}\n{line}"], check=True, capture_output=True, timeout=10)
     return log.read_text().split("\0")[:-1]
 
@@ -730,9 +768,8 @@ def test_a_key_is_requested_only_for_a_missing_keyring_or_a_refresh(tmp_path, in
 
 def test_the_key_decision_starts_no_program(tmp_path):
     # `[ -f ]` and `set --` are builtins: a no-op host starts curl and nothing else for it (`command -v` is one too).
-    line = next(line for line in snapshot_command(key_paths(tmp_path, set())).splitlines() if f"{MARK}nvidia_key" in line)
-    keys = line.split("n=docker_images; ", 1)[1].split('curl "$@"', 1)[0]
-    assert keys.count("[ -f ") == 2 and "$(" not in keys and "|" not in keys.replace("||", ""), keys
+    keys = function_body("http_reads").split('curl "$@"', 1)[0]
+    assert keys.count("[ ! -f ") == 2 and "$(" not in keys and "|" not in keys.replace("||", ""), keys
 
 
 @pytest.mark.parametrize(("installed", "refresh"), [({"nvidia", "docker"}, False), ({"docker"}, False),
@@ -754,7 +791,7 @@ def test_every_section_keeps_its_marker_whichever_keys_are_fetched(tmp_path, mon
         paths = dataclasses.replace(key_paths(tmp_path, installed, refresh), port=port,
                                     nvidia_key_url=f"http://127.0.0.1:{port}/gpgkey",
                                     docker_repo_url=f"http://127.0.0.1:{port}/linux")
-        snap = _run(next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line))
+        snap = _run(step(paths, "read_http"))
     finally:
         for server in (docker, web):
             server.shutdown()
@@ -775,7 +812,7 @@ def test_a_key_server_that_is_down_leaves_the_keys_none_and_the_rest_intact(tmp_
     monkeypatch.setattr(host_command, "DOCKER_SOCKET", str(tmp_path / "absent.sock"))
     paths = dataclasses.replace(key_paths(tmp_path, installed, refresh=True), nvidia_key_url="http://127.0.0.1:9/gpgkey",
                                 docker_repo_url="http://127.0.0.1:9/linux")
-    snap = _run(next(line for line in snapshot_command(paths).splitlines() if f"{MARK}nvidia_key" in line))
+    snap = _run(step(paths, "read_http"))
     assert snap.nvidia_key is None and snap.docker_key is None and snap.images == [] and snap.health_code is None
 
 
@@ -783,8 +820,7 @@ def test_a_key_server_that_is_down_leaves_the_keys_none_and_the_rest_intact(tmp_
                                               ("fd00::12", "http://[fd00::12]:5000/")])
 def test_the_snapshot_asks_the_server_where_the_port_is_published(address, url):
     """Without a container address of its own (host networking), where the port is published."""
-    command = snapshot_command(dataclasses.replace(PATHS, port=5000, address=address))
-    line = next(line for line in command.splitlines() if f"{MARK}nvidia_key" in line)
+    line = step(dataclasses.replace(PATHS, port=5000, address=address), "read_http")
     record = "curl() { for a in \"$@\"; do printf '%s\\n' \"$a\"; done; }"
     argv = subprocess.run(["sh", "-c", f"{record}\ncj=; cip=\n{line}"], capture_output=True, text=True,
                           timeout=30).stdout.splitlines()
@@ -796,8 +832,7 @@ def test_the_key_goes_only_to_a_running_labelled_container_at_its_own_address(tm
     read at its own address, never at the port."""
     env_file = tmp_path / "vllm.env"
     env_file.write_text("VLLM_API_KEY=sekrit-123\n")
-    line = next(line for line in snapshot_command(dataclasses.replace(PATHS, port=5000, env_file=str(env_file)))
-                .splitlines() if f"{MARK}nvidia_key" in line)
+    line = step(dataclasses.replace(PATHS, port=5000, env_file=str(env_file)), "read_http")
     # curl records its argv and what it reads on stdin (the header -H @- takes).
     record = "curl() { for a in \"$@\"; do printf 'arg %s\\n' \"$a\"; done; sed 's/^/stdin /'; }"
     seen = {}
@@ -812,7 +847,7 @@ def test_the_key_goes_only_to_a_running_labelled_container_at_its_own_address(tm
 
 def test_the_container_address_comes_from_dockers_listing():
     """The line before the HTTP line, on what docker's API answers (the shape of a real /containers/json)."""
-    lookup = next(line for line in snapshot_command(PATHS).splitlines() if line.startswith("cj=; cip="))
+    lookup = step(PATHS, "find_container")
     listing = ('[{"Id":"4f2a","Names":["/x"],"Ports":[{"IP":"0.0.0.0","PrivatePort":5000,"PublicPort":5000}],'
                '"NetworkSettings":{"Networks":{"bridge":{"IPAMConfig":null,"Gateway":"172.17.0.1",'
                '"IPAddress":"172.17.0.3","IPPrefixLen":16}}}}]')
@@ -829,19 +864,19 @@ def test_the_container_address_comes_from_dockers_listing():
 
 def test_the_site_cache_host_reads_what_its_cache_holds_and_the_room_beside_it(tmp_path):
     # Only the host that runs the site cache reads it; the others' snapshot has no such section.
-    assert "site_cache" not in snapshot_command(PATHS)
+    assert not any(call.startswith("read_site_cache") for call in host_command.steps(PATHS))
     storage = tmp_path / "docker-registry"
     (storage / "docker").mkdir(parents=True)
     (storage / "docker" / "blob").write_bytes(b"x" * 300_000)
-    line = host_command.site_cache_lines(str(storage))
-    assert line in snapshot_command(dataclasses.replace(PATHS, site_cache_storage=str(storage)))
-    ran = subprocess.run(["sh", "-c", f"t=; d={tmp_path}; {line}"], capture_output=True, text=True, check=True)
+    line = step(dataclasses.replace(PATHS, site_cache_storage=str(storage)), "read_site_cache")
+    ran = subprocess.run(["sh", "-c", f"d={tmp_path}\n{line}"], capture_output=True, text=True, check=True)
     snap = parse_snapshot(output(site_cache=ran.stdout.split("\n", 2)[2].splitlines()))
     assert snap.site_cache_used_kib is not None and snap.site_cache_used_kib >= 290
     assert snap.free_kib["site_cache"] > 0 and snap.free_path["site_cache"] == str(storage)
     assert snap.site_cache_shares_docker  # $d, Docker's, is on the same filesystem here
     # A cache not set up yet: nothing held, its room measured at the nearest directory there is.
-    gone = subprocess.run(["sh", "-c", f"t=; d=/; {host_command.site_cache_lines(str(tmp_path / 'no' / 'x'))}"],
+    gone_paths = dataclasses.replace(PATHS, site_cache_storage=str(tmp_path / "no" / "x"))
+    gone = subprocess.run(["sh", "-c", f"d=/\n{step(gone_paths, 'read_site_cache')}"],
                           capture_output=True, text=True, check=True).stdout
     snap = parse_snapshot(output(site_cache=gone.split("\n", 2)[2].splitlines()))
     assert snap.site_cache_used_kib == 0 and snap.free_path["site_cache"] == str(tmp_path)

@@ -1,7 +1,5 @@
-"""A verify's verdict applied to the host: the pending version committed (it becomes the rollback target, its unit
-kept beside the ledger), or rolled back (the committed version's unit back under its own name and port, the pending
-one marked failed). Both check the run's lock first and write the ledger the way every ledger write goes
-(gpufleet.vllm.operations.service.save_ledger); gpufleet.vllm.verify decides which, and runs them as operations."""
+"""A verify's verdict applied to the host: the pending version committed, or rolled back to the committed one with
+the pending one marked failed. gpufleet.vllm.verify decides which."""
 
 from __future__ import annotations
 
@@ -66,8 +64,7 @@ class Verified(Protocol):
 
 
 def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures | None = None) -> bool:
-    """The pending version passed: it becomes the committed one (the rollback target, its unit kept beside the
-    ledger, its speed figures in its entry); a service it renamed is stopped, disabled and removed."""
+    """The pending version becomes the committed one; a service it renamed is stopped, disabled and removed."""
     ledger = host_run(host).ledger
     if ledger.pending is None:
         return True  # a restart of the committed version (drift, secrets): verified, nothing new to commit
@@ -140,11 +137,9 @@ def runs_problem(version: Version, container: ContainerInfo | None, what: str) -
 
 def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check: str | None = None, *,
               mark: bool = True) -> bool:
-    """Put the committed version's unit back (under its own service name and port), restart it, mark the pending
-    version failed in the ledger (naming the failed `check`, when one failed), wait until the committed one is
-    ready and is what answers; always False (the host failed its rollout), with one line naming both digests and
-    where the host stands. mark=False (another process took the port: the host's fault): nothing is marked, and
-    the pending record is dropped once the committed version serves again."""
+    """Put the committed version's unit back, restart it, mark the pending version failed and wait until the
+    committed one answers. Always False, with one line naming both digests. mark=False (the port was taken, the
+    host's fault) marks nothing."""
     assert ledger.pending is not None and ledger.committed is not None
     spec, pending, committed = v.spec, ledger.pending.version, ledger.committed.version
     service = committed.service or spec.service

@@ -1,7 +1,4 @@
-"""One fact, one SSH round trip: everything the deploy decides from (GpufleetHost). What the command reads and how
-(Paths, snapshot_command) is gpufleet.vllm.host_command's; here is what its output says: the HostSnapshot, with
-what really runs next to what the unit file says should (RunningService, drift). process() only parses.
-"""
+"""The host snapshot as a pyinfra fact (GpufleetHost): the parser of gpufleet.vllm.host_command's output."""
 
 from __future__ import annotations
 
@@ -58,9 +55,8 @@ UNIT_PINS = re.compile(r"^# Spec (?P<spec>[0-9a-f]+); image pinned to (?P<image>
 
 @dataclass(frozen=True)
 class RunningService:
-    """What really runs for the service, next to what its unit file says should: a unit written but never loaded
-    (a run cut between the upload and daemon-reload), or a container started by hand or from an older unit,
-    differs here while every file checksum matches."""
+    """What really runs for the service, next to what its unit file says should. It catches drift that file
+    checksums miss: a unit never loaded, a container started by hand."""
 
     active_state: str = ""  # systemd's ActiveState/SubState of the unit
     sub_state: str = ""
@@ -104,8 +100,7 @@ class HostSnapshot:
     nvidia_smi: bool = False  # nvidia-smi is on PATH
     gpus: list[Gpu] = field(default_factory=list)
     driver: NvidiaVersion | None = None
-    # `nvidia-smi --version` as it answered now; None when not asked (the version file named the same driver) or
-    # when its answer was unusable. What the version file must hold.
+    # What the version file must hold; None when nvidia-smi was not asked or its answer was unusable.
     driver_output: str | None = None
     driver_from_file: bool = False  # driver came from Paths.nvidia_version_file, not from nvidia-smi
     nvidia_error: str | None = None  # nvidia-smi present but its output unusable
@@ -114,14 +109,12 @@ class HostSnapshot:
     daemon_json_error: str | None = None
     free_kib: dict[str, int] = field(default_factory=dict)  # "docker"/"models" -> KiB free
     free_path: dict[str, str] = field(default_factory=dict)  # the directory actually measured
-    # On the site cache's host (Paths.site_cache_storage): the KiB its storage holds (free_kib["site_cache"] is the
-    # room beside it), and whether it shares Docker's filesystem. None elsewhere.
+    # On the site cache's host only.
     site_cache_used_kib: int | None = None
     site_cache_shares_docker: bool = False
     packages: dict[str, str] = field(default_factory=dict)  # installed package -> version
     file_sha256: dict[str, str | None] = field(default_factory=dict)
-    # Armored keys as the repos serve them now; fetched only for a missing keyring or with refresh_keys, so None
-    # also means "not asked" (an installed keyring then stands) or "the key server did not answer".
+    # Armored keys as served now; None when not asked or the key server did not answer.
     nvidia_key: str | None = None
     docker_key: str | None = None
     ledger_text: str | None = None  # the service's ledger file (gpufleet.hoststate.ledger parses it); None: no file

@@ -9,10 +9,8 @@ from gpufleet.units import render_template
 from gpufleet.vllm.spec import ServeSpec
 
 DOCKER = "/usr/bin/docker"
-# `docker stop --time`: how long docker waits for the container before SIGKILL. At least this, and always
-# STOP_MARGIN_S more than vLLM's own graceful shutdown (--shutdown-timeout), so docker never cuts it short.
-STOP_GRACE_S = 60
-# systemd's TimeoutStopSec sits this much above docker's grace: systemd must not kill `docker stop` itself.
+STOP_GRACE_S = 60  # docker stop --time, at least
+# Each timeout sits this much above the one inside it, so none cuts a graceful shutdown short.
 STOP_MARGIN_S = 30
 START_TIMEOUT_S = 1800
 # A replica group's watch: how often it looks at its peers' connections, and how long one may be gone.
@@ -21,8 +19,7 @@ WATCH_GRACE_S = 10
 
 
 def stop_timeouts(spec: ServeSpec) -> tuple[int, int]:
-    """(docker stop --time, TimeoutStopSec) for spec: both above vLLM's --shutdown-timeout, if it sets one;
-    --shutdown-timeout 120 gives (150, 180), none gives (60, 90)."""
+    """(docker stop --time, TimeoutStopSec), both above vLLM's --shutdown-timeout."""
     shutdown = spec.arg("shutdown-timeout")
     vllm_grace = int(shutdown) if isinstance(shutdown, str) and shutdown.isdigit() else 0
     docker_grace = max(STOP_GRACE_S, vllm_grace + STOP_MARGIN_S)

@@ -1,27 +1,5 @@
-"""The deploy's verify step: ready, soak, real answers; then commit the pending version or roll back to the
-committed one. The deploy-side use of gpufleet.health (whose poller, check and notion of "ready" `gpufleet verify`
-shares).
-
-Two operations of the playbook (gpufleet.vllm.operations.service: ready, committed), so `--dry` lists the verify
-and the commit apart; each runs bound methods of the host's Verification while pyinfra executes:
-
-    ready        Verification.verify: waits for the restarted service, watches it for the soak (sending it a
-                 completion now and then), checks that the container answering is the version this run installed
-                 (its image is the pending digest, its label the pending spec), and sends it the requests a client
-                 sends (gpufleet.health.answers: a chat completion, plain and streamed). Its VerifyOutcome is kept in the
-                 run's state. Then, in the same operation, Verification.roll_back_if_failed: after a failed verify
-                 the committed version's unit goes back (its own service name and port), the ledger marks the
-                 pending version failed (ledger.roll_back), the committed version is waited for, and the host fails
-                 with one line naming both digests. At once: pyinfra runs each operation on every host before the
-                 next, so a rollback of its own would keep a failed host on the failed version until the slowest
-                 host's verify ended (up to vllm_ready_timeout).
-    committed    (_if=verify_passed) Verification.commit: the ledger's pending version is committed
-                 (ledger.commit, with the time it first answered ready) and its unit kept as the next rollback
-                 target.
-
-The commit and the rollback themselves are gpufleet.vllm.commit; what systemd and Docker say about the service
-(exited, its logs) is gpufleet.vllm.service_watch.
-"""
+"""The deploy's verify step: ready, soak, real answers, then commit the pending version or roll back to the
+committed one. Two operations run its bound methods (ready, then committed); docs/deploy.md explains the order."""
 
 from __future__ import annotations
 
@@ -62,20 +40,18 @@ from gpufleet.wire.speed import SpeedFigures
 
 @dataclass(frozen=True)
 class VerifyOutcome:
-    """What the verify found about the service it waited for, kept for the operation after it: passed (commit the
-    pending version) or failed (roll it back)."""
+    """The verify's verdict, kept for the operation after it."""
 
     passed: bool
-    ready_at: str = ""  # passed: when it first answered ready (the commit records it)
-    failed: str = ""  # failed: "<state>: <detail>", with docker's words when the port was taken
-    check: str | None = None  # failed: the answer or serving check that failed (the failure mark names it)
-    port_taken: bool = False  # failed: docker could not publish the port (the fix says what to look at)
-    speed: SpeedFigures | None = None  # passed: what its speed check measured (the commit records it)
+    ready_at: str = ""  # passed: when it first answered ready
+    failed: str = ""  # "<state>: <detail>"
+    check: str | None = None  # the answer or serving check that failed
+    port_taken: bool = False  # docker could not publish the port
+    speed: SpeedFigures | None = None
 
 
 class VerifyOutcomes(dict[str, VerifyOutcome]):
-    """This run's verdicts by host name: a slot of the run's context (gpufleet.operations.run). Run state, not an
-    argument: a verdict exists only once the verify executed, after pyinfra planned every operation."""
+    """This run's verdicts by host name, in the run's context: they exist only once pyinfra executes."""
 
 
 def _outcomes(host: Host) -> VerifyOutcomes:
@@ -83,40 +59,33 @@ def _outcomes(host: Host) -> VerifyOutcomes:
 
 
 def outcome(host: Host) -> VerifyOutcome | None:
-    """The host's verdict in this run; None: nothing was verified (nothing restarted, or the verify did not end)."""
+    """The host's verdict in this run; None when nothing was verified."""
     return _outcomes(host).get(host.name)
 
 
 def verify_passed() -> bool:
-    """pyinfra's _if for the commit: the current host's verify passed (called while executing, in its context)."""
+    """pyinfra's _if for the commit."""
     found = outcome(ctx_host.get())
     return found is not None and found.passed
 
 
 @dataclass(frozen=True)
 class Verification:
-    """The verify step of one host's deploy; pass its bound `verify` to gpufleet.vllm.operations.service.ready,
-    with `roll_back_if_failed`, `commit` to service.committed, and `roll_back_cut` to service.settled
-    (bound methods: pyinfra names a FunctionCommand by its function's __name__). served_before: the model name the
-    host served before this run (the committed version is held to it when it goes back)."""
+    """One host's verify step. Its bound methods are the operations' functions: pyinfra names a FunctionCommand by
+    its function's __name__."""
 
     spec: ServeSpec
     timeout_s: float
     api_key: Hidden | None
     ledger_path: str
-    served_before: str
-    # gpufleet_verify_checks (with "prefix-cache" when gpufleet_verify_probe): the serving checks a new version must
-    # pass, where its settings give them something to check (gpufleet.health.serving)
-    checks: tuple[str, ...] = ()
-    # The speed check's: the old version's figures on this host (gpufleet_speed_baseline; None: record only), and
-    # how much slower a figure may be (gpufleet_speed_tolerance)
+    served_before: str  # the model name the committed version is held to when it goes back
+    checks: tuple[str, ...] = ()  # gpufleet_verify_checks
     speed_earlier: SpeedFigures | None = None
     speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
 
     def verify(self, state: State, host: Host, soak_s: float) -> bool:
-        """Verify and keep the verdict for the rollback (the next command) and the commit (the next operation). A
-        failed verify does not fail the host here (the rollback does, once the committed version serves again); one
-        that could not finish does: nothing is committed or rolled back then."""
+        """Verify and keep the verdict. A verify that could not finish fails the host here; a failed one is failed by
+        the rollback, once the committed version serves again."""
         found = verify_rollout(host, self, soak_s)
         if found is None:
             return False
@@ -126,7 +95,7 @@ class Verification:
     def commit(self, state: State, host: Host) -> bool:
         """The verify passed: the pending version becomes the committed one."""
         found = outcome(host)
-        if found is None or not found.passed:  # the operation's _if runs it after a pass only: never guessed
+        if found is None or not found.passed:
             return fail(host, f"{host.name}: nothing committed: this run's verify did not pass on the host (fix: "
                               "converge again)")
         if len(state.activated_hosts) > 1 and not still_serving(host, self):
@@ -134,17 +103,15 @@ class Verification:
         return commit_pending(host, self, found.ready_at, found.speed)
 
     def roll_back_if_failed(self, state: State, host: Host) -> bool:
-        """After the verify: passed, nothing to do (the commit follows); failed, back to the committed version, the
-        pending one marked failed, and False (the host fails)."""
+        """After a failed verify: back to the committed version, the pending one marked failed, and False."""
         found = outcome(host)
-        if found is None:  # the verify fails the host when it cannot finish: this never runs after it then
+        if found is None:
             return fail(host, f"{host.name}: nothing rolled back: this run has no verdict for the host (fix: "
                               "converge again)")
         return True if found.passed else after_failed_verify(host, self, found)
 
     def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
-        """A cut run's pending version failed (ledger.resume said RollBackPending): back to the committed one;
-        unmarked when docker could not publish its port."""
+        """A cut run's pending version failed: back to the committed one, unmarked when its port was taken."""
         ledger = host_run(host).ledger
         assert ledger.pending is not None and ledger.committed is not None  # what RollBackPending means
         host.log_styled(f"{reason}: rolling it back", fg="yellow")
@@ -163,17 +130,14 @@ class Verification:
         return lambda: check(transport, expected, api_key=key)
 
 
-# The soak's own traffic: a short completion at most this often, so an engine that dies under its first batches is
-# caught even when nothing else (the router, a client) sends it a request during the soak.
+# The soak sends its own completions: an engine that dies under its first batches is caught without other traffic.
 SOAK_REQUEST_EVERY_S = 5.0
 
 
 def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], AnswerCheck], every_s: float,
                  clock: Callable[[], float] = time.monotonic) -> Callable[[], HealthReport]:  # fmt: skip
-    """check_once, plus a request sent (at most every `every_s`) while the host reads ready: a failed answer makes
-    the look misconfigured, with the check's line as its evidence; unless a look right after it finds the host no
-    longer ready (its engine died meanwhile), which says more. One that got no answer says nothing: the next look
-    stands."""
+    """check_once, plus a request at most every `every_s` while the host reads ready. A failed answer makes the look
+    misconfigured (answer_failed); one that got no answer says nothing."""
     last_sent: list[float] = []
 
     def look() -> HealthReport:
@@ -191,20 +155,18 @@ def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], Answ
 
 
 def answer_failed(check_once: Callable[[], HealthReport], line: str) -> HealthReport:
-    """A request failed: misconfigured with `line` as the evidence, unless a look right after it finds the host no
-    longer ready (its engine died meanwhile, or the link went), which says more."""
+    """Misconfigured with `line` as the evidence, unless a look right after finds the host no longer ready."""
     again = check_once()
     return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=line)
 
 
 class CheckNotRun(Exception):
-    """A check could not run while the host still read ready (one line naming it)."""
+    """A check could not run while the host still read ready."""
 
 
 def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome | None:
-    """Ready within timeout_s, then still ready for soak_s, answering as a client expects: passed. Else failed (the
-    failed container's log printed). None: the verify could not finish (the controller lost sight of the host, or a
-    check could not run); the host failed on one line and the new version stays pending."""
+    """Ready within timeout_s, still ready for soak_s and answering as a client expects: passed. None when the
+    verify could not finish: the host failed and the new version stays pending."""
     spec = v.spec
     exited = service_exited(host, spec.service)
     check_once = v.check_once(host, Expected.from_spec(spec))
@@ -217,9 +179,8 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
         send = partial(check_completion, transport_from_pyinfra_host(host), reached(Expected.from_spec(spec),
                                                                                  report.container), api_key=v.key)
         report = soak(with_traffic(check_once, send, SOAK_REQUEST_EVERY_S), report, soak_s, exited=exited)
-    # A completion the soak sent failed (and the engine still answers /health): the check it failed is named.
     failed_check = "completion" if report.detail.startswith("answers: completion:") else None
-    pending = host_run(host).ledger.pending  # None: a restart of the committed version, nothing new to tell apart
+    pending = host_run(host).ledger.pending  # None: a restart of the committed version
     problem = installed_problem(pending.version, report.container) if report.ready and pending else None
     if problem:
         report = replace(report, state=HealthState.MISCONFIGURED, detail=problem)
@@ -238,7 +199,7 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
         host.log_styled(f"ready: {report.detail}", fg="green")
         return VerifyOutcome(passed=True, ready_at=ready_at, speed=figures)
     if not_run is not None or (transient(report) and pending is not None):
-        # Nothing against the version: it stays pending, unmarked, and the next run (ledger.resume) verifies it again.
+        # Nothing against the version: the next run verifies it again.
         why = not_run or f"{report.state}: {report.detail}"
         kept = ", the new version stays pending" if pending else ""
         fix = "converge again" if not_run else "restore the link to the host, then converge again"
@@ -251,15 +212,14 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
         host.log_styled(f"  | {line}")
     failed = f"{report.state}: {report.detail}"
     taken = port_taken(logs, spec.port)
-    if taken:  # docker could not publish the port: that is the cause, not the exit status it led to
+    if taken:  # the cause, not the exit status it led to
         failed += f"; port {spec.port} is taken on the host ({taken})"
-    failed_check = failed_check if report.state == HealthState.MISCONFIGURED else None  # not when the engine died
+    failed_check = failed_check if report.state == HealthState.MISCONFIGURED else None
     return VerifyOutcome(passed=False, failed=failed, check=failed_check, port_taken=taken is not None)
 
 
 def still_serving(host: Host, v: Verification) -> bool:
-    """One more look before the commit of a run with other hosts (it waited for the slowest one's verify): not
-    ready is a failed verify; a look that says nothing leaves the version pending; False either way."""
+    """One more look before a commit that waited for other hosts' verify. Not ready is a failed verify."""
     pending = host_run(host).ledger.pending
     report = v.check_once(host, Expected.from_spec(v.spec))()
     problem = installed_problem(pending.version, report.container) if report.ready and pending else None
@@ -275,13 +235,11 @@ def still_serving(host: Host, v: Verification) -> bool:
 
 
 def after_failed_verify(host: Host, v: Verification, found: VerifyOutcome) -> bool:
-    """After a failed verify: the rollback to the committed version when there is one to go back to; else the pending
-    version marked failed. Always False: the host failed, on one line."""
+    """Roll back to the committed version, or with none to go back to mark the pending one failed. Always False."""
     spec, ledger = v.spec, host_run(host).ledger
     # Another process on the port is the host's fault: the version is not marked.
     mark = not found.port_taken
     if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
-        # Nothing verified to go back to (a first install, or a restart of the committed version itself).
         if mark and ledger.pending is not None and not save_ledger(host, v.ledger_path, ledger_roll_back(
                 ledger, found.failed, now_utc(), check=found.check)):
             return False
@@ -295,9 +253,7 @@ _PORT_TAKEN = ("address already in use", "port is already allocated")
 
 
 def port_taken(logs: Sequence[str], port: int) -> str | None:
-    """docker's own words when `docker run` could not publish `port` (something else listens there: `listen tcp4
-    0.0.0.0:5000: bind: address already in use`, `Bind for 0.0.0.0:5000 failed: port is already allocated`), else
-    None."""
+    """docker's own words when `docker run` could not publish `port`, else None."""
     for line in reversed(logs):
         if f":{port}" in line and any(words in line for words in _PORT_TAKEN):
             start = line.find("Bind for") if "Bind for" in line else line.find("listen ")
@@ -306,18 +262,13 @@ def port_taken(logs: Sequence[str], port: int) -> str | None:
 
 
 def installed_problem(version: Version, container: ContainerInfo | None) -> str | None:
-    """What answers must be what this run installed: the running container started from the pending digest with the
-    pending spec's label. An older container still answering on the port (its replacement never started) is not the
-    version to commit: one line saying what runs instead, or None."""
+    """One line when the container answering is not the pending digest and spec this run installed."""
     return runs_problem(version, container, "this run installed")
 
 
 def answers_report(host: Host, v: Verification, ready: HealthReport,
                    check_once: Callable[[], HealthReport]) -> tuple[HealthReport, str | None]:  # fmt: skip
-    """The requests a client sends (gpufleet.health.answers), each bounded in time, with the host's key: a version
-    that is up but does not answer them is a failed verify (misconfigured), rolled back like one that dies (and
-    reported as dead when a look right after the failed request finds its engine gone). Returns the report (`ready`
-    as it was when all passed) and the failed check's name."""
+    """The requests a client sends; a wrong answer is a failed verify. Returns the report and the failed check."""
     checks = check_answers(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
                            api_key=v.key)
     bad = failed_answers([c for c in checks if c.ran])
@@ -326,8 +277,7 @@ def answers_report(host: Host, v: Verification, ready: HealthReport,
 
 def serving_report(host: Host, v: Verification, ready: HealthReport,
                    check_once: Callable[[], HealthReport]) -> tuple[HealthReport, str | None]:  # fmt: skip
-    """The serving checks (gpufleet.health.serving) a new version is held to: the prefix cache, cached equals cold,
-    sessions kept apart, the tool and reasoning parsers. A failed one is a failed verify, like a failed answer."""
+    """The serving checks a new version is held to (gpufleet.health.serving)."""
     served = Served.from_spec(v.spec)
     names = served.applicable([name for name in v.checks if name != SPEED])  # speed_report ran it
     if not names:
@@ -340,8 +290,7 @@ def serving_report(host: Host, v: Verification, ready: HealthReport,
 
 def speed_report(host: Host, v: Verification, ready: HealthReport, check_once: Callable[[], HealthReport]
                  ) -> tuple[HealthReport, str | None, SpeedFigures | None]:
-    """The speed check (gpufleet.health.speed): the new version measured and held to the old one's figures; a
-    regression beyond the tolerance, or a stall under load, is a failed verify. Returns the figures too."""
+    """The speed check against the old version's figures (gpufleet.health.speed); returns the figures too."""
     host.log_styled(f"speed check: {'against the old version' if v.speed_earlier else 'no earlier figures'}, "
                     f"at most {v.speed_tolerance:.0%} slower")
     check, figures = speed_check(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec),

@@ -1,6 +1,5 @@
-"""The model's files as the hub lists them for one commit, and the check of a host's copy against them: an LFS file
-by its sha256, any other by its git blob id (the hub's ETag for it); the committed commit's files kept aside while
-another is downloaded over them. Pure: the host runs the commands built here, this module reads what they print."""
+"""The model's files as the hub lists them for one commit, and the check of a host's copy against them. Pure: it
+builds the host's commands and reads what they print."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class HubRevision:
 
 @dataclass(frozen=True)
 class ModelTarget:
-    """The model a run installs: vllm_model_repo and vllm_model_revision as configured, and the commit when known
-    before the run (repo@commit: gpufleet_model_ref, a commit setting, or the ledger's pin), else resolved by it."""
+    """The model a run installs; pin is repo@commit when known before the run."""
 
     repo: str
     revision: str | None
@@ -125,8 +123,7 @@ def marker_text(revision: HubRevision) -> str:
 
 
 def kept_dir(model_dir: str) -> str:
-    """Where the committed commit's files wait until the next commit: put back by a rollback, or by a run that asks
-    for that commit again."""
+    """Where the committed commit's files wait for a rollback while another is downloaded."""
     return model_dir.rstrip("/") + ".gpufleet-kept"
 
 
