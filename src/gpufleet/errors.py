@@ -4,17 +4,17 @@ Every error a user can meet derives from GpufleetError:
 
 * GpufleetError (errors): str() is the one-line message
   * SettingError (errors): names the host, the setting and the fix
-  * SettingErrors (errors): every SettingError of one pass
+  * SettingErrors (errors)
   * HostLockError (hostlock): the lock failed, not for a holder
-    * HostLockBusy (hostlock): another run holds the host
+    * HostLockBusy (hostlock)
     * BadLockSettings (hostlock)
-    * NotOverSsh (hostlock): no SSH session to hold a lock with
-    * LockLost (hostlock): the lease ran out or the channel closed
-  * CorruptLedger (hoststate.ledger): a ledger gpufleet did not write
+    * NotOverSsh (hostlock)
+    * LockLost (hostlock): its lease ran out
+  * CorruptLedger (hoststate.ledger)
   * LedgerStateError (hoststate.ledger): a caller's bug
   * Forged (hoststate.sections): a marker line came from quoted data
-  * Truncated (hoststate.sections): a read cut before its end marker
-  * RouterError (router.api): the router refused or did not answer
+  * Truncated (hoststate.sections): a read cut short
+  * RouterError (router.api)
 """
 
 from __future__ import annotations

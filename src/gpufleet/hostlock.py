@@ -1,5 +1,4 @@
-"""One operator at a time per host: a flock held for a whole run by a shell on the run's own SSH channel, kept by
-heartbeats (docs/crash-safety.md, "The per-host lock"). A run's locks are run state: gpufleet.operations.run."""
+"""One operator at a time per host: a flock held by a shell on the run's SSH channel (docs/crash-safety.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from gpufleet.defaults import LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.remote.ssh import use_sudo
 
-# In root's own 0700 directory: in world-writable /run/lock any local user could hold the lock or forge its holder.
+# In root's own 0700 directory, so no local user can hold the lock or forge its holder.
 LOCK_PATH = "/run/gpufleet/lock"
 LEASE_S = 90.0
 BUSY_EXIT = 75  # EX_TEMPFAIL, distinct from the script's own exit status
@@ -31,12 +30,12 @@ LOCKED = "LOCKED"
 READ_DONE = "@@gpufleet-lock:read-done"  # ends the output of acquire's `read`
 # Time for sudo and the shell to start on a slow host.
 START_MARGIN_S = 30.0
-# An exited run of this controller let go without waiting for the host's side: wait this long for it.
+# An exited run of this controller does not wait for the host's side to let go: wait for it.
 LETTING_GO_S = 5.0
 
 
 def process_ended(pid: int) -> bool:
-    """Has process `pid` ended? A zombie has, though signal 0 still reaches it. False where there is no /proc."""
+    """Has process `pid` ended? A zombie has, though signal 0 still reaches it."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -76,11 +75,11 @@ def lock_timings(name: str, settings: Mapping[str, Any]) -> tuple[float, float]:
 
 
 class NotOverSsh(HostLockError):
-    """Not reached over pyinfra's SSH connector: no session to hold a lock with."""
+    """Not reached over SSH: no session to hold a lock with."""
 
 
 class LockLost(HostLockError):
-    """The lease ran out or the channel closed: another run may hold the host now."""
+    """Another run may hold the host now."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +133,7 @@ def whole_seconds(seconds: float) -> str:
 
 
 def lock_command(path: str, holder: Holder, lease_s: float, wait_s: float, sudo: bool, read: str = "") -> str:
-    """The remote command: take the lock, print LOCKED, run `read` and print READ_DONE, then hold it while heartbeats
-    come. When busy: BUSY, then the holder line."""
+    """The remote command: LOCKED, `read`'s output, READ_DONE, then held while heartbeats come; or BUSY, holder."""
     q = shlex.quote
     hold = ('printf "%s\\n" "$1" > "$2"; echo ' + LOCKED + '; '
             'if [ -n "$4" ]; then sh -c "$4" </dev/null 2>/dev/null; echo ' + READ_DONE + '; fi; '
@@ -167,8 +165,7 @@ class HostLock:
         return self._channel is not None and not self._channel.exit_status_ready() and not self._channel.closed
 
     def acquire(self, wait_s: float = 0, read: str = "", read_timeout_s: float = START_MARGIN_S) -> HostLock:
-        """Take the lock, waiting up to wait_s for a holder. read: a read-only sh script run in the lock's shell once
-        taken, saving a sudo and a round trip; its lines go to read_lines."""
+        """Take the lock, waiting up to wait_s. read: a read-only sh script run under it; its lines go to read_lines."""
         try:
             return self._acquire(wait_s, read, read_timeout_s)
         except HostLockBusy as busy:
@@ -236,7 +233,7 @@ class HostLock:
                            f"{self.lease_s:g} s ran out): another run may be changing the host, re-run to check")
 
     def release(self, wait: bool = True) -> None:
-        """Let the lock go. wait: until the host's side has ended, so this process's next lock finds it free."""
+        """Let the lock go; wait: until the host's side has ended."""
         channel, self._channel = self._channel, None
         self._stop.set()
         if channel is None:
@@ -273,7 +270,7 @@ class HostLock:
 
 
 def lock_host(host: Host, path: str = LOCK_PATH, lease_s: float = LEASE_S) -> HostLock:
-    """The lock for a connected pyinfra host, over the connection its operations use."""
+    """The lock over the connection the host's operations use."""
     client = getattr(host.connector, "client", None)
     if not isinstance(client, paramiko.SSHClient):
         raise NotOverSsh(f"{host.name}: not connected over SSH ({type(host.connector).__name__}): a host lock needs "

@@ -6,21 +6,21 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-# Importing pyinfra_cli runs gevent's patch_all(), which must precede any thread or pyinfra State: import this early.
+# pyinfra_cli runs gevent's patch_all(), which must precede any thread: import this module early.
 from pyinfra.api import Host, Inventory, State
 from pyinfra.context import ctx_state
 from pyinfra_cli.inventory import make_inventory
 
 from gpufleet.errors import GpufleetError, one_line
 
-# Hosts in this group run the router; every other host is a vLLM replica.
+# Every other host is a vLLM replica.
 ROUTERS_GROUP = "routers"
 
 HostData = tuple[str, dict[str, Any]]
 
 
 def load_pyinfra_hosts(inventory_path: str | Path) -> list[Host]:
-    """Every host of the inventory, in order, as pyinfra's own loader makes them."""
+    """Every host of the inventory, in order, as pyinfra loads them."""
     path = Path(inventory_path)
     if not path.is_file():
         raise GpufleetError(f"{inventory_path}: inventory file not found (fix: pass a path like inventories/lab.py)")
@@ -49,7 +49,7 @@ def load_roles(inventory_path: str | Path) -> tuple[list[HostData], list[HostDat
 
 
 def group_orders(inventory: Inventory) -> dict[str, list[str]]:
-    """Every group's hosts in the group's order (a replica group's ranks)."""
+    """Every group's hosts in order (a replica group's ranks)."""
     return {name: [h.name for h in hosts] for name, hosts in inventory.groups.items()}
 
 

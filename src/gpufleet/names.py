@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-# Unit, label and file names are made of it: no path separator, no leading dot or dash.
+# Unit and file names are made of it.
 SERVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 LOOPBACK = "127.0.0.1"
 

@@ -1,4 +1,4 @@
-"""Quoting at the boundary: an argv list becomes a POSIX shell line or a systemd ExecStart value, once."""
+"""Quoting at the boundary: argv to a POSIX shell line or a systemd ExecStart value."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from gpufleet.errors import one_line
 
 
 def shell_line(argv: Sequence[str], continuation: bool = True) -> str:
-    """A POSIX shell line for argv, by default one option and its value per line."""
+    """A shell line for argv, by default one option and its value per line."""
     quoted = [shlex.quote(a) for a in argv]
     if not continuation:
         return " ".join(quoted)
@@ -37,6 +37,5 @@ def _systemd_word(arg: str) -> str:
 
 
 def systemd_text(text: str) -> str:
-    """Free text for Description= or a comment line. A template must not end a line with it (a backslash would
-    continue the line)."""
+    """Free text for Description= or a comment. A template must not end a line with it: a backslash continues."""
     return one_line(text).replace("%", "%%")

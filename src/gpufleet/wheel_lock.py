@@ -1,5 +1,4 @@
-"""A lock of every wheel, pinned by sha256, that a host installs for one Python component, per version, Python and
-machine; how it is used and regenerated: docs/router.md, "The lock"."""
+"""A lock of every wheel a host installs for one Python component, by sha256 (docs/router.md, "The lock")."""
 
 from __future__ import annotations
 
@@ -144,7 +143,7 @@ def platforms(machine: str) -> list[str]:
 
 
 def pip_env() -> dict[str, str]:
-    """The environment without this machine's pip settings, so the lock comes from the index alone."""
+    """The environment without this machine's pip settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env["PIP_CONFIG_FILE"] = os.devnull
     return env

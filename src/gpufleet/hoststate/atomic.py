@@ -1,4 +1,4 @@
-"""Replace a root file on a host so that a reader or a cut run sees the old file or the new one, whole."""
+"""Replace a root file on a host so that a reader or a cut run sees the old file or the new one."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import shlex
 
 def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root", source: str | None = None,
                          sha256: str | None = None, sha256_from: str | None = None) -> str:
-    """A root shell command that replaces `path` with its stdin, or with the uploaded file `source` (then removed).
-    sha256 (or sha256_from, a file holding it) is what the new content must hash to."""
+    """Root's shell that replaces `path` with stdin or the uploaded `source`, checked against sha256 (or the file
+    sha256_from)."""
     directory, name = posixpath.split(path)
     if not directory or not name:
         raise ValueError(f"{path!r}: need an absolute file path")
@@ -26,7 +26,7 @@ def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root"
         f"chmod {shlex.quote(mode)} \"$tmp\"",
         f"chown {shlex.quote(owner)} \"$tmp\"",
         *([] if sha256 is None and sha256_from is None else [_checked(path, sha256, sha256_from)]),
-        # On disk before the name points at it, or a crash can leave an empty file.
+        # Else a crash can leave an empty file under the name.
         "sync \"$tmp\"",
         f"mv -fT \"$tmp\" {p}",
         f"sync {d}",

@@ -1,7 +1,5 @@
-"""The host's ledger as a pure state machine: text in, text and decisions out. A run moves it through begin(),
-then commit() or roll_back(); a run that finds a cut run's `pending` record asks resume() first. The states and
-their guarantees: docs/crash-safety.md, "The ledger".
-"""
+"""The host's ledger, a pure state machine: begin(), then commit() or roll_back(); resume() settles a cut run first.
+Its guarantees: docs/crash-safety.md, "The ledger"."""
 
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ def corrupt_refusal(host: str, path: str, error: CorruptLedger) -> str:
 
 @dataclass(frozen=True)
 class Version:
-    """One installable version of the service. A None field: migrated from the old format, or written before it."""
+    """One installable version of the service; None: not in an older ledger."""
 
     image: str  # vllm_image as configured
     ref: str  # repo@sha256:...
@@ -96,11 +94,11 @@ class Ledger:
 
 
 class LedgerStateError(GpufleetError):
-    """A transition asked of a ledger not in the state for it: the caller's bug."""
+    """A transition asked of a ledger not in its state: the caller's bug."""
 
 
 def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
-    """The ledger to write before the first restart of `target`; a cut run's pending record must be settled first."""
+    """The ledger to write before the first restart of `target`."""
     if ledger.pending is not None:
         raise LedgerStateError(f"a pending change from {ledger.pending.operator} is not settled yet")
     return replace(ledger, pending=Pending(version=target, started_at=now, operator=operator))
@@ -108,7 +106,7 @@ def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
 
 def commit(ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFigures | None = None,
            gpu: str | None = None) -> Ledger:
-    """The ledger after the pending version passed verify and the soak: the new rollback target."""
+    """The ledger after the pending version passed verify and the soak."""
     pending = _pending(ledger, "commit")
     history = ledger.history
     if ledger.committed is not None and ledger.committed.version != pending.version:
@@ -119,7 +117,7 @@ def commit(ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFi
 
 
 def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None, gpu: str | None = None) -> Ledger:
-    """The ledger after the pending version failed and the committed one was put back: the pending one marked."""
+    """The ledger after the pending version failed and the committed one was put back."""
     pending = _pending(ledger, "roll back")
     mark = Failed(ref=pending.version.ref, spec_hash=pending.version.spec_hash, reason=one_line(reason),
                   failed_at=now, image=pending.version.image, check=check, gpu=gpu, model=pending.version.model)
@@ -129,13 +127,13 @@ def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None, g
 
 
 def drop_pending(ledger: Ledger) -> Ledger:
-    """The ledger when the pending change never reached the host: nothing was judged, nothing is marked."""
+    """The ledger when the pending change never reached the host: nothing is marked."""
     _pending(ledger, "drop")
     return replace(ledger, pending=None)
 
 
 def refused_target(ledger: Ledger, target: Version) -> str | None:
-    """Why a plain converge must not install `target`, which failed before, or None. The caller prefixes the host."""
+    """Why a plain converge must not install `target`, or None. The caller prefixes the host."""
     mark = next((f for f in reversed(ledger.failed) if f.matches(target)), None)
     if mark is None:
         return None
@@ -146,8 +144,7 @@ def refused_target(ledger: Ledger, target: Version) -> str | None:
 
 
 def pin(ledger: Ledger, image: str) -> str | None:
-    """The digest the tag `image` stands for on this host, or None to resolve it. A tag that failed keeps its failed
-    digest, so it cannot slip past the mark."""
+    """The digest the tag `image` stands for here, or None to resolve it; a failed tag keeps its failed digest."""
     if ledger.pending is not None and ledger.pending.version.image == image:
         return ledger.pending.version.ref
     if ledger.committed is not None and ledger.committed.version.image == image:
@@ -156,7 +153,7 @@ def pin(ledger: Ledger, image: str) -> str | None:
 
 
 def model_pin(ledger: Ledger, repo: str, revision: str | None) -> str | None:
-    """The commit the model setting stands for on this host, as pin() for the image; None: resolve it."""
+    """pin() for the model: its commit, or None to resolve it."""
     for record in (ledger.pending, ledger.committed):
         v = record.version if record is not None else None
         if v is not None and v.model and v.model.rpartition("@")[0] == repo and v.model_revision == revision:
@@ -221,7 +218,7 @@ Resume = FinishPending | RollBackPending | DropPending | Nothing
 
 
 def resume(ledger: Ledger, observed: Observed) -> Resume:
-    """What a run does first about a cut run's pending record; nothing is committed unverified."""
+    """What a run does first about a cut run's pending record."""
     pending, committed = ledger.pending, ledger.committed
     if pending is None:
         return Nothing("no pending change")
@@ -331,7 +328,7 @@ def _digest_ref(doc: dict[str, Any], where: str) -> str:
     return ref
 
 
-# Root makes file names of the service and docker arguments of the ref: a service of ../../etc/cron.d/x is corrupt.
+# Root makes file names of the service and docker arguments of the ref.
 _DIGEST_REF = re.compile(r"[^\s@]+@sha256:[0-9a-f]{64}")
 
 

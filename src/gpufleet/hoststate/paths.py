@@ -1,4 +1,4 @@
-"""Where gpufleet keeps its state on a host: the ledgers and the committed units. Nothing else spells these paths."""
+"""Where gpufleet keeps its state on a host; nothing else spells these paths."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ UNITS_DIR = f"{STATE_DIR}/units"
 
 
 def committed_unit(service: str, unit_sha256: str) -> str:
-    """The committed unit's copy, named by its content so the ledger alone finds the rollback target."""
+    """The committed unit's copy, named by content so the ledger alone finds it."""
     return f"{UNITS_DIR}/{service}-{unit_sha256}.service"
 
 
 def unit_backup(service: str) -> str:
-    """The serving unit's copy for a ledger from before committed_unit's copies."""
+    """The unit's copy for a ledger older than committed_unit."""
     return f"{STATE_DIR}/{service}.service.previous"

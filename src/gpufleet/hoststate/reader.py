@@ -1,4 +1,4 @@
-"""The one reader of a host's ledgers, for the deploy's host snapshot and the rollout: the shell and its parser."""
+"""The one reader of a host's ledgers, for the deploy's snapshot and the rollout."""
 
 from __future__ import annotations
 
@@ -9,26 +9,25 @@ from dataclasses import dataclass, field
 
 from gpufleet.hoststate import sections
 
-OWN = "state"  # PRESENT, then the file; nothing when there is no file
-OTHERS = "other_ledgers"  # a section of its own, so bench/noop_breakdown.py times it apart
+OWN = "state"
+OTHERS = "other_ledgers"  # its own section, so bench/noop_breakdown.py times it apart
 OTHER = "ledger "  # + path
 PRESENT = "@@present"
 
 
 @dataclass(frozen=True)
 class LedgerTexts:
-    own: str | None  # None: no file (an empty file reads "\n": corrupt, not absent)
+    own: str | None  # None: no file; an empty file is corrupt
     others: Mapping[str, str] = field(default_factory=dict)  # path -> text
 
 
 def read_lines(ledger_path: str) -> list[str]:
-    """The reading's shell, one line a section, for the host snapshot to hold as they are."""
+    """The reading's shell, one line a section."""
     q = shlex.quote
     path = q(ledger_path)
     print_each = sections.print_file('"$f"')
     return [
         f"{sections.marker(OWN)}; [ -f {path} ] && echo {PRESENT} && {sections.print_file(path)}",
-        # A renamed vllm_service finds its committed version among the others.
         f"{sections.marker(OTHERS)}; for f in {q(posixpath.dirname(ledger_path))}/*.json; do "
         f"[ -f \"$f\" ] && [ \"$f\" != {path} ] && printf '\\n{sections.MARK}{OTHER}%s\\n' \"$f\" && "
         f"{print_each}; done",
@@ -41,7 +40,7 @@ def read_command(ledger_path: str) -> str:
 
 
 def ledger_texts(found: Mapping[str, list[str]]) -> LedgerTexts:
-    """The texts in read_lines' sections, as sections.split took them apart."""
+    """The texts in read_lines' sections."""
     own = found.get(OWN, [])
     return LedgerTexts(own="\n".join(own[1:]) + "\n" if own and own[0] == PRESENT else None,
                        others={name[len(OTHER):]: "\n".join(body) + "\n" for name, body in found.items()

@@ -1,5 +1,4 @@
-"""Which ledger a service goes by, and the refusals other ledgers call for; the deploy and the rollout share them.
-A renamed service takes over the ledger on its port (docs/crash-safety.md)."""
+"""Which ledger a service goes by, and the refusals other ledgers call for; the deploy and the rollout share them."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from gpufleet.hoststate.ledger import CorruptLedger, Ledger, parse
 
 
 def host_ledger(own: str | None, others: Mapping[str, str], port: int) -> Ledger:
-    """Its own file's ledger, else the one it takes over, else an empty one. CorruptLedger: its own file only."""
+    """Its own ledger, else the one it takes over, else an empty one. Only its own may raise CorruptLedger."""
     if own is not None:
         return parse(own)
     found = taken_over(others, port)
@@ -28,7 +27,7 @@ def taken_over(others: Mapping[str, str], port: int) -> tuple[str, Ledger] | Non
             continue  # its own deploy refuses it
         committed = other.committed
         if committed is not None and other.pending is None and committed.version.port == port:
-            # A ledger migrated from the old format names no service; its file does.
+            # A migrated ledger names no service; its file does.
             service = committed.version.service or _service_of(path)
             found.append((path, replace(other, committed=replace(committed, version=replace(committed.version,
                                                                                             service=service)))))
@@ -59,7 +58,7 @@ def cut_rename_away(name: str, others: Mapping[str, str], service: str) -> str |
 
 
 def changed_since_read(name: str, ledger: Ledger, expected: Mapping[str, str | None] | None) -> str | None:
-    """The refusal when the committed version is not the one the rollout read at its start. Call it under the lock."""
+    """The refusal when the committed version is not the one the rollout read. Call it under the lock."""
     if expected is None or name not in expected:
         return None
     have = ledger.committed.version.ref if ledger.committed else None

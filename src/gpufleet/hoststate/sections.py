@@ -1,4 +1,4 @@
-"""A host read in one shell command: its output in sections, each under a marker line, the last one `end`."""
+"""One shell command's output in sections, each under a marker line, the last one `end`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ END = "end"
 
 
 class Forged(GpufleetError):
-    """A marker line came from something the command quoted: the output cannot be trusted."""
+    """A marker line came from something the command quoted."""
 
 
 class Truncated(GpufleetError):
@@ -20,7 +20,7 @@ class Truncated(GpufleetError):
 
 
 def marker(name: str) -> str:
-    # Leading newline: a file without a final newline must not swallow the marker.
+    # A file printed without a final newline must not swallow the marker.
     return f"printf '\\n{MARK}{name}\\n'"
 
 
@@ -29,15 +29,14 @@ def end() -> str:
 
 
 def print_file(file: str, then: str = "") -> str:
-    """The shell that prints a small file with builtins only; `then` runs on each line ($l)."""
+    """Shell printing a small file with builtins only; `then` runs on each line ($l)."""
     # `|| [ -n ... ]` keeps a last line without a newline.
     return (f"while IFS= read -r l || [ -n \"$l\" ]; do printf '%s\\n' \"$l\"; {then}done 2>/dev/null "
             f"< {file}")
 
 
 def split(lines: list[str], answers: str | None = None, after_answers: Collection[str] = (END,)) -> dict[str, list[str]]:
-    """The output's sections by name. Raises Forged for a section seen twice, or begun after the `answers` section
-    (a server's words) and not in after_answers; Truncated without `end`."""
+    """The output's sections by name; raises Forged or Truncated. Only after_answers may begin after `answers`."""
     sections: dict[str, list[str]] = {}
     current = None
     for line in lines:

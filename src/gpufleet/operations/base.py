@@ -1,5 +1,4 @@
-"""What every gpufleet operation shares: what it yields, failing a host on one line, and skipping another deploy's
-host."""
+"""What every gpufleet operation shares."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ Commands = Generator[PyinfraCommand, None, None]
 
 
 def fail(host: Host, message: str) -> bool:
-    """Fail the host from a Python callback with one line, also kept for the run's result. Returns False."""
+    """Fail the host from a Python callback with one line, kept for the run's result."""
     host.log_styled(message, fg="red", log_func=logger.error)
     state = getattr(host, "state", None)
     if isinstance(state, State):

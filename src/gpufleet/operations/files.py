@@ -29,8 +29,7 @@ def as_io(content: str | bytes) -> BytesIO:
 
 
 def temp_path(path: str) -> str:
-    """Where a new version of `path` waits: beside it, so the rename is atomic, and without a unit suffix, so systemd
-    ignores a leftover."""
+    """Beside `path`, so the rename is atomic, and without a unit suffix, so systemd ignores a leftover."""
     directory, _, name = path.rpartition("/")
     return f"{directory}/.{name}.gpufleet-tmp"
 
@@ -43,8 +42,7 @@ def replace_command(tmp: str, path: str) -> str:
 
 
 class AtomicUpload(FileUploadCommand):
-    """Upload through upload() while this run holds the host's lock; a plain upload writes in place, and a cut leaves
-    half a file."""
+    """Upload through upload() while this run holds the lock; a plain upload leaves half a file when cut."""
 
     def __init__(self, src: BytesIO, dest: str, mode: str):
         super().__init__(src, dest)
@@ -73,8 +71,7 @@ def guarded(command: str, only_if: str | None, cleanup: str = "") -> str:
 
 def upload(host: Host, content: str | bytes, path: str, *, mode: str = "0644", only_if: str | None = None,
            secret: bool = False, shown: Mapping[str, bool] | None = None, **arguments: Any) -> bool | None:
-    """Replace the root-owned `path` with `content` through a private temp dir (docs/crash-safety.md, "Atomic
-    writes"). None when the shell test `only_if` refused. secret: the digest never goes on a command line."""
+    """Replace root-owned `path` (docs/crash-safety.md, "Atomic writes"); None when the test `only_if` refused."""
     shown = dict(shown or {})
     ok, output = host.run_shell_command("umask 077 && mktemp -d", **shown)
     private = output.stdout_lines[-1].strip() if ok and output.stdout_lines else ""
@@ -104,7 +101,7 @@ def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if:
 
 
 def put_content(path: str, content: str | bytes, mode: str = "644") -> Commands:
-    """The commands that make root-owned `path` hold `content`, none when the snapshot's sha256 says it does."""
+    """Make root-owned `path` hold `content`, by the snapshot's sha256."""
     if snapshot().file_sha256.get(path) == sha256(content):
         return
     directory = path.rsplit("/", 1)[0] or "/"

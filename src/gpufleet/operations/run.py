@@ -1,5 +1,4 @@
-"""One pyinfra run's own state: per host, what the run read and holds there, and run-wide records by type. Why a
-run needs it: docs/architecture.md, "Operations take arguments"."""
+"""One pyinfra run's own state, per host and run-wide (docs/architecture.md, "Operations take arguments")."""
 
 from __future__ import annotations
 
@@ -33,16 +32,14 @@ class HostFiles(Protocol):
 
 @dataclass(slots=True, eq=False)
 class HostRun:
-    """What one run knows of one host and holds there."""
-
     snapshot: HostFiles | None = None  # read once by preflight
-    resolved_image_ref: str | None = None  # repo@sha256:..., set by the image operation while executing
-    resolved_model: str | None = None  # org/name@commit, once checked
+    resolved_image_ref: str | None = None  # set by the image operation while executing
+    resolved_model: str | None = None
     ledger: Ledger = field(default_factory=Ledger)  # as this run last read or wrote it
-    # path -> sha256 (None: no file) a ledger write compares and swaps against; a path not listed is not compared.
+    # path -> sha256 (None: no file) that a ledger write compares and swaps against
     ledger_sha256: dict[str, str | None] = field(default_factory=dict)
-    lock: HostLock | None = None  # None: not taken (not over SSH, or refused)
-    problems: list[str] = field(default_factory=list)  # one line each, for the run's result
+    lock: HostLock | None = None
+    problems: list[str] = field(default_factory=list)  # one line each
 
 
 @dataclass(slots=True, eq=False)
@@ -56,7 +53,7 @@ class RunContext:
         return self.hosts.setdefault(name, HostRun())
 
     def slot(self, kind: type[T], make: Callable[[], T]) -> T:
-        """The run's one `kind` record, made by make() when first asked for."""
+        """The run's one `kind` record, made when first asked for."""
         if kind not in self.slots:
             self.slots[kind] = make()
         found = self.slots[kind]
@@ -64,7 +61,7 @@ class RunContext:
         return found
 
 
-# One run is one pyinfra State, which every operation reaches; weak, so the record dies with it.
+# Keyed by State, which is one run; weak, so the record dies with it.
 _RUNS: WeakKeyDictionary[State, RunContext] = WeakKeyDictionary()
 
 
@@ -139,19 +136,18 @@ def keep_lock(host: Host, lock: HostLock) -> None:
 class _ReleaseOnDisconnect(BaseStateCallback):
     @staticmethod
     def host_disconnect(state: State, host: Host) -> None:
-        # The run is ending: no later lock of this process waits on it.
         release_locks(state, [host.name], wait=False)
 
 
 def check_lock(host: Host) -> None:
-    """Raise LockLost when this run took the host's lock and no longer holds it."""
+    """Raise LockLost when this run took the host's lock and lost it."""
     lock = host_run(host).lock
     if lock is not None:
         lock.check()
 
 
 def still_locked(state: State, host: Host) -> bool:
-    """A FunctionCommand that stops the host before a write or a restart when its lock was lost."""
+    """For a FunctionCommand: stop the host when its lock was lost."""
     try:
         check_lock(host)
     except LockLost as lost:
@@ -161,8 +157,7 @@ def still_locked(state: State, host: Host) -> bool:
 
 
 def still_held_test(host: Host) -> str | None:
-    """A shell test, true while the lock file still names this run (None: no lock taken), to guard a write in its
-    own shell: a stalled run's lock may have passed to another."""
+    """A shell test, true while the lock file names this run, to guard a write in its own shell; None: no lock."""
     lock = host_run(host).lock
     if lock is None:
         return None
@@ -170,7 +165,7 @@ def still_held_test(host: Host) -> str | None:
 
 
 def while_held(host: Host, command: str, refusal: str) -> str:
-    """Shell: `command` while the lock file still names this run, else `refusal` on stderr and exit 1."""
+    """Shell: `command` while the lock file names this run, else `refusal` and exit 1."""
     held = still_held_test(host)
     if held is None:
         return command
