@@ -1,13 +1,6 @@
-"""Image references as docker reads and reports them: parsed strictly, and normalised to docker's short form.
+"""Image references parsed strictly and normalised to the short form docker reports (docs/hardening.md#normalised).
 
-docker pulls `docker.io/vllm/vllm-openai:nightly` but lists it (and its RepoDigests) as `vllm/vllm-openai`, and
-`docker.io/library/ubuntu` as `ubuntu`; a digest in `repo:tag@sha256:...` wins over the tag. Comparing what the
-user wrote with what docker reports therefore goes through normalise() on both sides.
-
->>> normalise("docker.io/library/ubuntu:24.04")
-'ubuntu:24.04'
->>> parse("reg:5000/vllm/vllm-openai:nightly@sha256:" + "a" * 64).repository
-'reg:5000/vllm/vllm-openai'
+Compare what the user wrote with what docker reports through normalise() on both sides.
 """
 
 from __future__ import annotations
@@ -15,21 +8,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# docker's reference grammar (distribution/reference): a registry host is the first component when it holds a
-# "." or ":" or is "localhost"; path components are lowercase; tags are at most 128 word characters.
+# docker's grammar (distribution/reference).
 _DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]{1,5})?"
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REFERENCE = re.compile(
     rf"(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_COMPONENT}(?:/{_COMPONENT})*)"
     r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?"
 )
-# Docker Hub's names: docker reports images from it without the registry and without "library/".
 _HUB = ("docker.io", "index.docker.io")
 
 
 @dataclass(frozen=True)
 class ImageRef:
-    repository: str  # normalised: "vllm/vllm-openai", "ubuntu", "reg:5000/vllm/vllm-openai"
+    repository: str  # normalised
     tag: str | None
     digest: str | None  # "sha256:<64 hex>"
 
@@ -38,7 +29,7 @@ class ImageRef:
 
     @property
     def pinned(self) -> str | None:
-        """"repo@sha256:..." when the reference carries a digest (the tag then means nothing to docker)."""
+        """"repo@sha256:..." when the reference carries a digest, which wins over the tag."""
         return f"{self.repository}@{self.digest}" if self.digest else None
 
 
@@ -49,7 +40,6 @@ def parse(text: str) -> ImageRef | None:
         return None
     domain, path = match["domain"], match["path"]
     if domain is not None and not ("." in domain or ":" in domain or domain == "localhost"):
-        # "vllm/vllm-openai": the first component is a path component, not a registry.
         if domain != domain.lower():
             return None
         path, domain = f"{domain}/{path}", None
@@ -68,8 +58,7 @@ def normalise(text: str) -> str:
 
 
 def repository(image: str) -> str:
-    """The repository as docker lists it: "reg:5000/vllm/vllm-openai:nightly" -> "reg:5000/vllm/vllm-openai" (a
-    registry port is not a tag), "docker.io/library/ubuntu:24.04" -> "ubuntu"."""
+    """The repository as docker lists it; a registry's port is not a tag."""
     ref = parse(image)
     if ref is not None:
         return ref.repository

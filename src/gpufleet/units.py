@@ -1,5 +1,4 @@
-"""systemd units gpufleet writes, whichever service they run: where a unit lives, and the templates/ they are
-rendered from (jinja2, undefined names are errors; free text through the systemd_text filter)."""
+"""Where a systemd unit lives, and the templates/ units are rendered from."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from gpufleet.quoting import systemd_text
 
 
 def unit_name(service: str) -> str:
-    """The systemd unit of a service: "vllm-qwen35" -> "vllm-qwen35.service"."""
     return f"{service}.service"
 
 
@@ -21,7 +19,7 @@ def unit_path(service: str) -> str:
 
 
 def templates_dir() -> Path:
-    # Installed wheels carry the templates inside the package; an editable checkout reads the repo's templates/.
+    # A wheel carries them in the package; an editable checkout reads the repo's.
     packaged = Path(__file__).parent / "templates"
     return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "templates"
 
@@ -32,11 +30,10 @@ def _environment() -> jinja2.Environment:
         loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True, autoescape=False,
     )
-    # Free text in the unit (Description=, the header comment) goes through this filter: see systemd_text.
     environment.filters["systemd_text"] = systemd_text
     return environment
 
 
 def render_template(name: str, **context: object) -> str:
-    """templates/<name> rendered with context (undefined names are errors)."""
+    """templates/<name> rendered; an undefined name is an error."""
     return _environment().get_template(name).render(**context)

@@ -1,10 +1,4 @@
-"""A lock of the wheels gpufleet installs for one Python component on a host (vllm-router, the site cache's model
-mirror): for each pinned version, each Python and machine a host may run, the package and every dependency it
-pulls, each one wheel with its exact version and sha256. A host installs from it only: pip install --require-hashes
---only-binary :all: --no-deps -r <its requirements>, so the index (PyPI or a mirror) can serve nothing else, and a
-wheel whose bytes differ from the lock's is refused. Each lock names its own file and regeneration command
-(LockFile); gpufleet.router.wheels and gpufleet.sitecache.mirror hold theirs.
-"""
+"""A lock of every wheel a host installs for one Python component, by sha256 (docs/router.md, "The lock")."""
 
 from __future__ import annotations
 
@@ -26,18 +20,17 @@ from typing import Any
 from gpufleet.errors import SettingError
 
 INDEX_URL = "https://pypi.org/simple"
-# Debian bookworm's python3 (the sandbox's test hosts too), Ubuntu 24.04's, Debian trixie's; the controller's own
-# Python is added when the script runs (a router on the operator's own box).
+# Debian bookworm's, Ubuntu 24.04's, Debian trixie's.
 PYTHONS = ("3.11", "3.12", "3.13")
 MACHINES = ("x86_64", "aarch64")
-# The oldest glibc a router host may have: Debian bookworm's 2.36. A wheel for a newer glibc is never locked.
+# Debian bookworm's glibc 2.36: no wheel for a newer one is locked.
 GLIBC_MINOR = 36
 _NAME = re.compile(r"[-_.]+")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def normalise(name: str) -> str:
-    """PEP 503 project name: "Typing_Extensions" -> "typing-extensions"."""
+    """The PEP 503 project name."""
     return _NAME.sub("-", name).lower()
 
 
@@ -51,30 +44,29 @@ class Wheel:
 
 @dataclass(frozen=True)
 class LockFile:
-    """One component's lock: its package, where the lock lives, and the setting and command a user meets in its
-    errors."""
+    """One component's lock, and what its errors name."""
 
-    package: str  # the project pip installs, e.g. "vllm-router"
+    package: str
     path: Path
-    shown: str  # the path as the errors name it, e.g. "src/gpufleet/data/vllm-router-lock.json"
-    regenerate: str  # e.g. "python -m gpufleet.router.relock"
-    setting: str  # the version setting, e.g. "router_version"
-    doc: str  # the docs page that says how to regenerate it
+    shown: str  # the path as the errors name it
+    regenerate: str  # the command, e.g. "python -m gpufleet.router.relock"
+    setting: str  # the version setting
+    doc: str  # the docs page on regenerating it
 
 
 @dataclass(frozen=True)
 class LockedInstall:
-    """What one host installs: the lock's wheels for its version, Python and machine."""
+    """The lock's wheels for one host's version, Python and machine."""
 
-    version: str  # the package's
+    version: str
     python: str  # "3.11"
-    machine: str  # "x86_64"
+    machine: str
     wheels: tuple[Wheel, ...]
     package: str = ""
     shown: str = ""  # LockFile.shown
 
     def requirements(self) -> str:
-        """The pip requirements file: every wheel pinned by version and sha256 (pip's hash-checking mode)."""
+        """The pip requirements file, in pip's hash-checking mode."""
         head = (f"# {self.package} {self.version} for CPython {self.python} on {self.machine}: every wheel gpufleet "
                 f"installs, pinned by sha256 ({self.shown}).\n"
                 "# pip install --require-hashes --only-binary :all: --no-deps -r <this file>\n")
@@ -82,7 +74,7 @@ class LockedInstall:
 
     @property
     def key(self) -> str:
-        """sha256 of the requirements: the venv holding exactly these wheels (its marker file holds it)."""
+        """sha256 of the requirements, naming the venv that holds exactly these wheels."""
         return hashlib.sha256(self.requirements().encode()).hexdigest()
 
     def describe(self) -> str:
@@ -95,14 +87,12 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def releases(lock: Mapping[str, Any]) -> list[str]:
-    """The versions the lock covers."""
     return sorted(lock["releases"])
 
 
 def locked_install(of: LockFile, host: str, version: str, python: str | None, machine: str | None,
                    lock: Mapping[str, Any] | None = None) -> LockedInstall:
-    """The lock's wheels for a host; raises SettingError (one line: host, the version setting, fix) when it has
-    none."""
+    """The lock's wheels for a host; SettingError when it has none."""
     lock = lock if lock is not None else load(of.path)
     release = lock["releases"].get(version)
     if release is None:
@@ -123,7 +113,7 @@ def locked_install(of: LockFile, host: str, version: str, python: str | None, ma
 
 
 def check(package: str, lock: Mapping[str, Any]) -> list[str]:
-    """Problems with a lock's shape (empty when it is well formed): what the tests hold the committed lock to."""
+    """Problems with a lock's shape, for the tests to hold the committed lock to."""
     problems = []
     for version, release in lock.get("releases", {}).items():
         for python, machines in release.items():
@@ -142,9 +132,8 @@ def check(package: str, lock: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-# --- generating it ---------------------------------------------------------------------------------------------------
 def platforms(machine: str) -> list[str]:
-    """pip --platform tags a Debian router host (glibc >= 2.17, at most bookworm's 2.36) accepts, newest first."""
+    """pip --platform tags a router host accepts, newest first."""
     tags = [f"manylinux_2_{minor}_{machine}" for minor in range(GLIBC_MINOR, 16, -1)]
     tags.append(f"manylinux2014_{machine}")
     if machine in ("x86_64", "i686"):
@@ -154,14 +143,14 @@ def platforms(machine: str) -> list[str]:
 
 
 def pip_env() -> dict[str, str]:
-    """This machine's pip settings left out (its config files, PIP_* variables): the lock comes from the index."""
+    """The environment without this machine's pip settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env["PIP_CONFIG_FILE"] = os.devnull
     return env
 
 
 def download(package: str, version: str, python: str, machine: str, dest: Path, index_url: str = INDEX_URL) -> None:
-    """pip's own resolution of package==version for that Python and machine, wheels only, into dest."""
+    """pip's own resolution of package==version for that Python and machine, wheels only."""
     argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--quiet",
             "--index-url", index_url, "--dest", str(dest), "--only-binary=:all:", "--python-version", python,
             "--implementation", "cp", *[a for tag in platforms(machine) for a in ("--platform", tag)],
@@ -170,7 +159,6 @@ def download(package: str, version: str, python: str, machine: str, dest: Path, 
 
 
 def requires(wheel: Path) -> list[str]:
-    """The wheel's Requires-Dist lines (its METADATA)."""
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode()
@@ -179,9 +167,8 @@ def requires(wheel: Path) -> list[str]:
 
 
 def closure(package: str, wheels: Mapping[str, Path], python: str, machine: str) -> set[str]:
-    """Projects `package` needs on that Python and machine, its markers evaluated for them (pip download
-    evaluates markers for the Python running it); raises when one it needs was not downloaded."""
-    from pip._vendor.packaging.requirements import Requirement  # pip's own copy: pip is what the lock is made with
+    """Projects `package` needs on that Python and machine; pip download evaluates markers for its own Python."""
+    from pip._vendor.packaging.requirements import Requirement  # pip makes the lock
     env = {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
            "platform_python_implementation": "CPython", "sys_platform": "linux", "os_name": "posix",
            "platform_system": "Linux", "platform_machine": machine}
@@ -205,7 +192,7 @@ def closure(package: str, wheels: Mapping[str, Path], python: str, machine: str)
 
 
 def published_sha256(name: str, filename: str, index_url: str = INDEX_URL) -> str:
-    """The sha256 the index publishes for a file (PEP 691 JSON simple API)."""
+    """The sha256 the index publishes for a file (PEP 691)."""
     req = urllib.request.Request(f"{index_url.rstrip('/')}/{name}/",
                                  headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     with urllib.request.urlopen(req, timeout=60) as resp:

@@ -1,5 +1,4 @@
-"""How gpufleet replaces a root file on a host (the ledger, a unit, a router's member list): never in place, so a
-reader or a cut run sees the old file or the new one, whole."""
+"""Replace a root file on a host so that a reader or a cut run sees the old file or the new one."""
 
 from __future__ import annotations
 
@@ -10,15 +9,8 @@ import shlex
 
 def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root", source: str | None = None,
                          sha256: str | None = None, sha256_from: str | None = None) -> str:
-    """A shell command that replaces `path` atomically with the content on its stdin (or in the uploaded file
-    `source`, removed afterwards): a temp file in the same directory, fsync'd, then rename(2), then the directory
-    fsync'd. A reader sees the old file or the new one, never a part; a cut leaves at most a `.<name>.*` temp file.
-    Run it as root (sudo) for `owner` to apply. sha256 (or a file holding it, sha256_from): what the temp file
-    must hash to before the rename.
-
-    >>> atomic_write_command("/var/lib/gpufleet/vllm.json", mode="0600").split("; ")[2]
-    'tmp=$(mktemp -p /var/lib/gpufleet .vllm.json.XXXXXX)'
-    """
+    """Root's shell that replaces `path` with stdin or the uploaded `source`, checked against sha256 (or the file
+    sha256_from)."""
     directory, name = posixpath.split(path)
     if not directory or not name:
         raise ValueError(f"{path!r}: need an absolute file path")
@@ -28,16 +20,15 @@ def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root"
         "set -e",
         f"mkdir -p {d}",
         f"tmp=$(mktemp -p {d} {shlex.quote('.' + name + '.XXXXXX')})",
-        # A cut (error, signal) must not leave the temp file behind; after the rename it no longer exists.
+        # A cut must not leave the temp file behind.
         "trap 'rm -f \"$tmp\"' EXIT",
         f"{read} > \"$tmp\"",
         f"chmod {shlex.quote(mode)} \"$tmp\"",
         f"chown {shlex.quote(owner)} \"$tmp\"",
         *([] if sha256 is None and sha256_from is None else [_checked(path, sha256, sha256_from)]),
-        # The data must be on disk before the name points at it, or a crash can leave an empty file under `path`.
+        # Else a crash can leave an empty file under the name.
         "sync \"$tmp\"",
         f"mv -fT \"$tmp\" {p}",
-        # ... and the rename itself durable.
         f"sync {d}",
     ]
     if source is not None:

@@ -1,28 +1,5 @@
-"""The host's ledger (/var/lib/gpufleet/<service>.json) as a state machine: what was verified, what a run is
-changing, what failed. Pure: text in, text and decisions out; the deploy does the reading, writing and restarting.
-
-A run moves the ledger through:
-
-    begin(ledger, target)  before any restart: `pending` names the version being installed
-    commit(ledger)         after verify and the soak passed: pending becomes `committed`, the old one goes to history
-    roll_back(ledger, why) after verify failed: the pending version is marked failed, `committed` stays
-
-`committed` is the only rollback target. A run that finds a `pending` record (the last one was cut: Ctrl-C, a dropped
-link, a killed controller) asks resume() what to do before anything else. A failed version (digest + spec hash +
-model) is not tried again by a plain converge (refused_target) until a setting changes it, or the operator asks for it
-on purpose with the `gpufleet_retry_failed` setting (retry_failed() clears the mark).
-
-    >>> target = Version(image="vllm/vllm-openai:v0.11.0", ref="vllm/vllm-openai@sha256:" + "a" * 64,
-    ...                  unit_sha256="b" * 64, spec_hash="0123456789abcdef", service="vllm", port=8000)
-    >>> ledger = commit(begin(Ledger(), target, operator="ops@laptop pid 42", now="2026-12-01T03:00:00Z"),
-    ...                 now="2026-12-01T03:05:00Z")
-    >>> parse(render(ledger)) == ledger
-    True
-
-Today's format ({"current": {image, ref, pinned_at}, "previous": ..., "history": [... "failed" ...]}) is read and
-migrated: its `current` becomes `committed` (its unit hash, spec hash, service and port are unknown until the next
-commit), its entries marked "failed" become failed marks on the digest alone.
-"""
+"""The host's ledger, a pure state machine: begin(), then commit() or roll_back(); resume() settles a cut run first.
+Its guarantees: docs/crash-safety.md, "The ledger"."""
 
 from __future__ import annotations
 
@@ -43,7 +20,7 @@ FAILED_LIMIT = 20
 
 
 class CorruptLedger(GpufleetError):
-    """The ledger file is not one this module wrote (or migrates). str() is the one-line reason."""
+    """The ledger file is not one this module wrote or migrates."""
 
     def __init__(self, reason: str):
         self.reason = one_line(reason)
@@ -51,63 +28,60 @@ class CorruptLedger(GpufleetError):
 
 
 def corrupt_refusal(host: str, path: str, error: CorruptLedger) -> str:
-    """The preflight's one line for a corrupt ledger: the deploy must not guess which digest runs."""
+    """The preflight's line for a corrupt ledger: the deploy must not guess which digest runs."""
     return one_line(f"{host}: {path} is corrupt: {error.reason} (fix: repair it by hand, or move it away to start a "
                     "new ledger: the next converge then resolves vllm_image again and the rollback history is lost)")
 
 
 @dataclass(frozen=True)
 class Version:
-    """One installable version of the service. Fields are None only for an entry migrated from the old format."""
+    """One installable version of the service; None: not in an older ledger."""
 
-    image: str  # vllm_image as configured ("repo:tag")
-    ref: str  # the digest the unit runs ("repo@sha256:...")
-    unit_sha256: str | None  # of the unit file's content
-    spec_hash: str | None  # ServeSpec.spec_hash: the container's label value
+    image: str  # vllm_image as configured
+    ref: str  # repo@sha256:...
+    unit_sha256: str | None
+    spec_hash: str | None  # the container's label value
     service: str | None
     port: int | None
-    # The model's files as a commit of its repo ("org/name@<40 hex>", gpufleet.vllm.weights), and the revision as
-    # configured (vllm_model_revision; None = the repo's default branch); None in a ledger written before them.
-    model: str | None = None
-    model_revision: str | None = None
-    group: str | None = None  # a replica group's rank: the group's version ("<group>@<hash>"), the same on every rank
+    model: str | None = None  # org/name@<40 hex commit>
+    model_revision: str | None = None  # as configured; None: the repo's default branch
+    group: str | None = None  # "<group>@<hash>", the same on every rank of a replica group
 
 
 @dataclass(frozen=True)
 class Committed:
     version: Version
     committed_at: str
-    ready_at: str | None = None  # when it first answered ready after its restart (None: migrated, or not measured)
-    speed: SpeedFigures | None = None  # measured by its verify's speed check on this host (None: not measured)
-    gpu: str | None = None  # the GPU verdict at its swap (HostGpus.summary); None: not recorded
+    ready_at: str | None = None  # when it first answered ready after its restart
+    speed: SpeedFigures | None = None  # from its verify's speed check
+    gpu: str | None = None  # the GPU verdict at its swap
 
 
 @dataclass(frozen=True)
 class Pending:
     version: Version
     started_at: str
-    operator: str  # "user@controller pid N": who was changing the host
+    operator: str  # "user@controller pid N"
 
 
 @dataclass(frozen=True)
 class Failed:
     ref: str
-    spec_hash: str | None  # None: marked by the old format, which did not record it
+    spec_hash: str | None  # None: marked by the old format
     reason: str
     failed_at: str
-    image: str | None = None  # vllm_image as configured when it failed (a tag is not resolved again: pin())
-    check: str | None = None  # the verify check it failed (gpufleet.health: "completion", "cached-cold", ...), if one
-    gpu: str | None = None  # as Committed.gpu
-    model: str | None = None  # the model's commit it ran (repo@commit); None: any (a mark from before models)
+    image: str | None = None  # vllm_image as configured when it failed
+    check: str | None = None  # the verify check it failed, if one
+    gpu: str | None = None
+    model: str | None = None  # None: any model (a mark from before models)
 
     def matches(self, version: Version) -> bool:
-        """The same digest and settings, and the same model when both name one: a new commit of the model is a new
-        version, as new settings are."""
+        """The same digest and settings, and the same model when both name one."""
         return (self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
                 and self.holds_for(version.model))
 
     def holds_for(self, model: str | None) -> bool:
-        """Whether the mark covers `model` (repo@commit): a mark or a model of None stands for any."""
+        """Whether the mark covers `model`; None on either side stands for any."""
         return self.model is None or model is None or self.model == model
 
 
@@ -116,19 +90,15 @@ class Ledger:
     committed: Committed | None = None
     pending: Pending | None = None
     failed: tuple[Failed, ...] = ()
-    history: tuple[Committed, ...] = ()  # earlier committed versions, oldest first
+    history: tuple[Committed, ...] = ()  # oldest first
 
 
 class LedgerStateError(GpufleetError):
-    """A transition asked of a ledger that is not in the state for it (a bug in the caller, not the user's input)."""
-
-
-# ---- transitions -----------------------------------------------------------------------------------------------
+    """A transition asked of a ledger not in its state: the caller's bug."""
 
 
 def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
-    """The ledger to write before the first restart of `target`. A pending record left by a cut run must be
-    settled first (resume()), so that its outcome is not lost."""
+    """The ledger to write before the first restart of `target`."""
     if ledger.pending is not None:
         raise LedgerStateError(f"a pending change from {ledger.pending.operator} is not settled yet")
     return replace(ledger, pending=Pending(version=target, started_at=now, operator=operator))
@@ -136,9 +106,7 @@ def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
 
 def commit(ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFigures | None = None,
            gpu: str | None = None) -> Ledger:
-    """The ledger after the pending version passed verify and the soak: it is the new rollback target. ready_at:
-    when it first answered ready; speed: its figures, when its verify measured them; gpu: the GPU verdict at the
-    swap."""
+    """The ledger after the pending version passed verify and the soak."""
     pending = _pending(ledger, "commit")
     history = ledger.history
     if ledger.committed is not None and ledger.committed.version != pending.version:
@@ -149,9 +117,7 @@ def commit(ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFi
 
 
 def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None, gpu: str | None = None) -> Ledger:
-    """The ledger after the pending version failed and the committed one was put back: the pending version is
-    marked failed (a plain converge will not retry it), `committed` is unchanged. check: the verify check that
-    failed, when one did; gpu: the GPU verdict at the swap."""
+    """The ledger after the pending version failed and the committed one was put back."""
     pending = _pending(ledger, "roll back")
     mark = Failed(ref=pending.version.ref, spec_hash=pending.version.spec_hash, reason=one_line(reason),
                   failed_at=now, image=pending.version.image, check=check, gpu=gpu, model=pending.version.model)
@@ -161,15 +127,13 @@ def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None, g
 
 
 def drop_pending(ledger: Ledger) -> Ledger:
-    """The ledger when the pending change never reached the host (resume() said DropPending): no failure mark,
-    nothing was judged."""
+    """The ledger when the pending change never reached the host: nothing is marked."""
     _pending(ledger, "drop")
     return replace(ledger, pending=None)
 
 
 def refused_target(ledger: Ledger, target: Version) -> str | None:
-    """Why a plain converge must not install `target` (it failed before with the same digest and settings), or None.
-    The caller prefixes the host."""
+    """Why a plain converge must not install `target`, or None. The caller prefixes the host."""
     mark = next((f for f in reversed(ledger.failed) if f.matches(target)), None)
     if mark is None:
         return None
@@ -180,9 +144,7 @@ def refused_target(ledger: Ledger, target: Version) -> str | None:
 
 
 def pin(ledger: Ledger, image: str) -> str | None:
-    """The digest `image` (vllm_image as configured: a tag) stands for on this host, or None (resolve it): the
-    version a cut run was installing, else the committed one, else the newest that failed, which refused_target
-    then names (a tag is not resolved again only to reach another digest than the one that failed)."""
+    """The digest the tag `image` stands for here, or None to resolve it; a failed tag keeps its failed digest."""
     if ledger.pending is not None and ledger.pending.version.image == image:
         return ledger.pending.version.ref
     if ledger.committed is not None and ledger.committed.version.image == image:
@@ -191,8 +153,7 @@ def pin(ledger: Ledger, image: str) -> str | None:
 
 
 def model_pin(ledger: Ledger, repo: str, revision: str | None) -> str | None:
-    """The commit (repo@commit) the model setting stands for on this host, as pin() for the image: the pending
-    version's, else the committed one's, when made from the same repo and revision; None: resolve it."""
+    """pin() for the model: its commit, or None to resolve it."""
     for record in (ledger.pending, ledger.committed):
         v = record.version if record is not None else None
         if v is not None and v.model and v.model.rpartition("@")[0] == repo and v.model_revision == revision:
@@ -201,7 +162,7 @@ def model_pin(ledger: Ledger, repo: str, revision: str | None) -> str | None:
 
 
 def retry_failed(ledger: Ledger, target: Version) -> Ledger:
-    """The ledger with target's failure marks cleared: what `gpufleet_retry_failed=true` does before begin()."""
+    """The ledger with target's failure marks cleared, for `gpufleet_retry_failed`."""
     return replace(ledger, failed=tuple(f for f in ledger.failed if not f.matches(target)))
 
 
@@ -211,13 +172,9 @@ def _pending(ledger: Ledger, what: str) -> Pending:
     return ledger.pending
 
 
-# ---- a run that finds a pending record ------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Observed:
-    """What the host really runs, from the snapshot: the unit file's sha256 (None: no unit), the running container's
-    image digest and spec label (None: no container), systemd's active state and NRestarts for the unit."""
+    """What the host really runs, from the snapshot; None: no unit, no container."""
 
     unit_sha256: str | None
     running_ref: str | None
@@ -228,7 +185,7 @@ class Observed:
 
 @dataclass(frozen=True)
 class FinishPending:
-    """The pending unit is installed: (re)start it when `restart`, then verify + soak, commit() or roll_back()."""
+    """The pending unit is installed: (re)start it when `restart`, verify, then commit() or roll_back()."""
 
     pending: Pending
     restart: bool
@@ -237,8 +194,7 @@ class FinishPending:
 
 @dataclass(frozen=True)
 class RollBackPending:
-    """The pending version already failed, or the host holds neither it nor the committed one: put the committed
-    version's unit back, restart, verify it, then roll_back(reason)."""
+    """Put the committed version back, verify it, then roll_back(reason)."""
 
     pending: Pending
     committed: Committed
@@ -247,7 +203,7 @@ class RollBackPending:
 
 @dataclass(frozen=True)
 class DropPending:
-    """The pending change never reached the unit; the host still runs the committed version: drop_pending()."""
+    """The pending change never reached the unit: drop_pending()."""
 
     pending: Pending
     reason: str
@@ -262,8 +218,7 @@ Resume = FinishPending | RollBackPending | DropPending | Nothing
 
 
 def resume(ledger: Ledger, observed: Observed) -> Resume:
-    """What a run does first when the ledger has a pending record (a cut run). The pending version is never
-    committed without being verified, and the committed version stays the rollback target throughout."""
+    """What a run does first about a cut run's pending record."""
     pending, committed = ledger.pending, ledger.committed
     if pending is None:
         return Nothing("no pending change")
@@ -279,7 +234,7 @@ def resume(ledger: Ledger, observed: Observed) -> Resume:
             return FinishPending(pending, restart=False, reason=f"{who}: the new version runs, not yet verified")
         return FinishPending(pending, restart=True, reason=f"{who}: the new unit is installed but not running")
     if committed is None:
-        # A first install cut short: there is nothing to go back to, so the only way forward is the new version.
+        # A first install cut short has nothing to go back to.
         return FinishPending(pending, restart=True, reason=f"{who}: first install, no committed version")
     if committed.version.unit_sha256 is not None and observed.unit_sha256 == committed.version.unit_sha256:
         return DropPending(pending, f"{who}: the unit is still the committed version's")
@@ -287,11 +242,8 @@ def resume(ledger: Ledger, observed: Observed) -> Resume:
                            f"{who}: the unit on the host is neither the pending nor the committed version's")
 
 
-# ---- text ------------------------------------------------------------------------------------------------------
-
-
 def parse(text: str) -> Ledger:
-    """The ledger in `text` (this module's format, or today's, migrated). Raises CorruptLedger with the reason."""
+    """The ledger in `text`, an old format migrated. Raises CorruptLedger."""
     if not text.strip():
         raise CorruptLedger("empty file")
     try:
@@ -310,7 +262,7 @@ def parse(text: str) -> Ledger:
 
 
 def render(ledger: Ledger) -> str:
-    """Stable text: keys sorted, two-space indent, one trailing newline (a re-render changes no byte)."""
+    """Stable text: a re-render changes no byte."""
     doc = {
         "schema": SCHEMA,
         "committed": _committed_doc(ledger.committed),
@@ -335,13 +287,12 @@ def _version_doc(v: Version) -> dict[str, Any]:
 def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
     if c is None:
         return None
-    speed = {"speed": c.speed.as_dict()} if c.speed else {}  # a ledger without figures renders as before
+    speed = {"speed": c.speed.as_dict()} if c.speed else {}
     return {**_version_doc(c.version), "committed_at": c.committed_at, "ready_at": c.ready_at, **speed,
             **_gpu_doc(c.gpu)}
 
 
 def _gpu_doc(gpu: str | None) -> dict[str, str]:
-    # An old ledger renders byte for byte as before.
     return {"gpu": gpu} if gpu is not None else {}
 
 
@@ -357,7 +308,7 @@ def _field(doc: dict[str, Any], where: str, key: str, kind: type, optional: bool
     value = doc[key]
     if value is None and optional:
         return None
-    # bool is an int to isinstance(): a port of `true` is as wrong as one of "8000".
+    # bool is an int to isinstance().
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         wanted = {str: "a string", int: "an integer", dict: "an object", list: "a list"}[kind]
         raise CorruptLedger(f"{where}.{key}: expected {wanted}{' or null' if optional else ''}, got {_kind(value)}")
@@ -377,8 +328,7 @@ def _digest_ref(doc: dict[str, Any], where: str) -> str:
     return ref
 
 
-# What root acts on: file and unit names are made of the service, docker's arguments of the ref, so each must be what
-# gpufleet writes (a service named ../../etc/cron.d/x would reach rm -f and install); else the ledger is corrupt.
+# Root makes file names of the service and docker arguments of the ref.
 _DIGEST_REF = re.compile(r"[^\s@]+@sha256:[0-9a-f]{64}")
 
 
@@ -456,8 +406,7 @@ def _old_entry(value: Any, where: str) -> tuple[Committed, Failed | None]:
 
 
 def _migrate_v1(data: dict[str, Any]) -> Ledger:
-    """Today's file: `current` is what the unit runs (the old rollback restored it), so it becomes `committed`; the
-    history's successful entries other than it are earlier committed versions; its failed entries, failure marks."""
+    """The old format: `current` becomes `committed`, the history's failed entries failure marks."""
     committed = None if data["current"] is None else _old_entry(data["current"], "current")[0]
     history: list[Committed] = []
     failed: list[Failed] = []

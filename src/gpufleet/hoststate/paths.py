@@ -1,5 +1,4 @@
-"""Where gpufleet keeps its own state on a host, whichever service: the ledger (<service>.json), the committed
-units kept for a rollback. Nothing else spells these paths (gpufleet.hoststate.ledger says what the ledger holds)."""
+"""Where gpufleet keeps its state on a host; nothing else spells these paths."""
 
 from __future__ import annotations
 
@@ -14,13 +13,10 @@ UNITS_DIR = f"{STATE_DIR}/units"
 
 
 def committed_unit(service: str, unit_sha256: str) -> str:
-    """Where the committed unit is kept, named by its content: the ledger's committed version (service, unit_sha256)
-    names its copy, so a copy is never overwritten by another unit, and the rollback target is found from the
-    ledger alone. In gpufleet's state dir, not next to the unit: /etc/systemd/system is for units only."""
+    """The committed unit's copy, named by content so the ledger alone finds it."""
     return f"{UNITS_DIR}/{service}-{unit_sha256}.service"
 
 
 def unit_backup(service: str) -> str:
-    """Where a ledger from before content-addressed copies (no unit_sha256, or no copy under committed_unit) keeps
-    the unit that was serving."""
+    """The unit's copy for a ledger older than committed_unit."""
     return f"{STATE_DIR}/{service}.service.previous"

@@ -1,10 +1,4 @@
-"""How gpufleet reads a host in one shell command: each part of the output under a marker line of its own
-(`@@gpufleet:<name>`), the last one `end`, and the parts taken apart again here. The host snapshot
-(gpufleet.vllm.host_command) and the ledger reader (gpufleet.hoststate.reader) print their parts this way.
-
-    >>> split(["", "@@gpufleet:os", "ID=debian", "", "", "@@gpufleet:end"])
-    {'os': ['ID=debian'], 'end': []}
-"""
+"""One shell command's output in sections, each under a marker line, the last one `end`."""
 
 from __future__ import annotations
 
@@ -18,17 +12,15 @@ END = "end"
 
 
 class Forged(GpufleetError):
-    """A marker line came from something the command quoted (a file, a server's answer), not from the command: its
-    output cannot be trusted. str() is the reason, one line."""
+    """A marker line came from something the command quoted."""
 
 
 class Truncated(GpufleetError):
-    """The output stops before its end marker (the command was cut, or failed on the way)."""
+    """The output stops before its end marker."""
 
 
 def marker(name: str) -> str:
-    """The shell that prints a section's marker line (printf: a builtin)."""
-    # Leading newline: a file without a final newline (json.dump writes none) must not swallow the marker.
+    # A file printed without a final newline must not swallow the marker.
     return f"printf '\\n{MARK}{name}\\n'"
 
 
@@ -37,18 +29,14 @@ def end() -> str:
 
 
 def print_file(file: str, then: str = "") -> str:
-    """The shell that prints a small file (a shell word: a quoted path or "$f") with shell builtins only (one program
-    less than cat); nothing when it cannot be read. then: more shell run on each line ($l)."""
+    """Shell printing a small file with builtins only; `then` runs on each line ($l)."""
     # `|| [ -n ... ]` keeps a last line without a newline.
     return (f"while IFS= read -r l || [ -n \"$l\" ]; do printf '%s\\n' \"$l\"; {then}done 2>/dev/null "
             f"< {file}")
 
 
 def split(lines: list[str], answers: str | None = None, after_answers: Collection[str] = (END,)) -> dict[str, list[str]]:
-    """The output's sections by name, each without its trailing blank lines. Every section is printed once, so one
-    seen twice came from something the command quoted: Forged. answers: the section from which on the output
-    quotes what a server answered; after it only the sections in after_answers may begin (Forged otherwise).
-    Truncated: no end marker."""
+    """The output's sections by name; raises Forged or Truncated. Only after_answers may begin after `answers`."""
     sections: dict[str, list[str]] = {}
     current = None
     for line in lines:
@@ -58,7 +46,6 @@ def split(lines: list[str], answers: str | None = None, after_answers: Collectio
                 raise Forged(f"a section {excerpt(current, 60)!r} inside the service's answers (something that "
                              "answered on the host carried gpufleet's section marker)")
             if current in sections:
-                # A forged ledger or checksum must never be what root acts on.
                 raise Forged(f"its section {excerpt(current, 60)!r} appears twice (something that answered on the "
                              "host or a file it read carried gpufleet's section marker)")
             sections[current] = []

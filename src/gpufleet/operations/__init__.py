@@ -1,5 +1,7 @@
-"""pyinfra operations every slice shares: what an operation yields and how it fails a host (base), files written
-atomically and by checksum (files), secrets pyinfra never prints (secret), and the run's own state (run: one typed
-context per pyinfra run, each host's snapshot, ledger, lock and problems in it). Each slice's own operations
-(gpufleet.vllm.operations, gpufleet.router.operations, gpufleet.sitecache.operations) take their inputs as arguments
-and yield commands or call host.noop(reason)."""
+"""pyinfra operations every slice shares; each slice's own operations take arguments and yield commands or a no-op.
+
+    base     what an operation yields, and failing a host on one line
+    files    files written atomically and by checksum
+    secret   secrets pyinfra never prints
+    run      the run's own state, per host and run-wide
+"""

@@ -29,23 +29,20 @@ def as_io(content: str | bytes) -> BytesIO:
 
 
 def temp_path(path: str) -> str:
-    """Where a new version of `path` is written before it replaces it: the same directory (a rename within one
-    filesystem is atomic), a hidden name without a unit suffix (systemd ignores it if a run dies there)."""
+    """Beside `path`, so the rename is atomic, and without a unit suffix, so systemd ignores a leftover."""
     directory, _, name = path.rpartition("/")
     return f"{directory}/.{name}.gpufleet-tmp"
 
 
 def replace_command(tmp: str, path: str) -> str:
-    """Shell: flush `tmp` to disk, rename it over `path`, flush the directory. A cut at any point leaves the old
-    file or the new one, whole, never a truncated mix (and the next run's checksum decides)."""
+    """Shell: flush `tmp`, rename it over `path`, flush the directory."""
     directory = path.rpartition("/")[0] or "/"
     return (f"sync {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(path)} && "
             f"sync {shlex.quote(directory)}")
 
 
 class AtomicUpload(FileUploadCommand):
-    """Upload `src` to `dest` through upload(), only while this run holds the host's lock. A plain upload writes
-    the destination in place (SFTP as root), and an SSH cut leaves half a file."""
+    """Upload through upload() while this run holds the lock; a plain upload leaves half a file when cut."""
 
     def __init__(self, src: BytesIO, dest: str, mode: str):
         super().__init__(src, dest)
@@ -61,13 +58,12 @@ class AtomicUpload(FileUploadCommand):
         return bool(written)
 
 
-# What a guarded command prints when its guard refuses: the caller tells that refusal from a failed write.
+# Printed when a guard refuses, to tell that from a failed write.
 REFUSED = "@@gpufleet:write-refused"
 
 
 def guarded(command: str, only_if: str | None, cleanup: str = "") -> str:
-    """`command`, run only when the shell test `only_if` holds on the host (None: always); else `cleanup` runs, REFUSED
-    is printed and the shell exits 3."""
+    """`command` when the shell test `only_if` holds; else `cleanup`, REFUSED printed and exit 3."""
     if only_if is None:
         return command
     return f"if ! {{ {only_if}; }}; then {cleanup}echo {REFUSED}; exit 3; fi; {command}"
@@ -75,10 +71,7 @@ def guarded(command: str, only_if: str | None, cleanup: str = "") -> str:
 
 def upload(host: Host, content: str | bytes, path: str, *, mode: str = "0644", only_if: str | None = None,
            secret: bool = False, shown: Mapping[str, bool] | None = None, **arguments: Any) -> bool | None:
-    """Replace the root-owned `path` with `content`: uploaded as the SSH user into a fresh `mktemp -d`, then copied
-    by root beside `path`, checked against the content's sha256 and renamed over it (pyinfra's sudo upload stages
-    through /tmp/pyinfra-<sha1 of the path>, a name any local user can take first). only_if: a shell test run first;
-    false: nothing replaced, None. secret: the digest goes in a file, never on a command line."""
+    """Replace root-owned `path` (docs/crash-safety.md, "Atomic writes"); None when the test `only_if` refused."""
     shown = dict(shown or {})
     ok, output = host.run_shell_command("umask 077 && mktemp -d", **shown)
     private = output.stdout_lines[-1].strip() if ok and output.stdout_lines else ""
@@ -103,16 +96,12 @@ def upload(host: Host, content: str | bytes, path: str, *, mode: str = "0644", o
 
 
 def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if: str | None = None) -> bool | None:
-    """From a FunctionCommand: upload() for files whose content is known only while executing (the ledger)."""
+    """upload() from a FunctionCommand, for content known only while executing (the ledger)."""
     return upload(host, content, path, mode=mode, only_if=only_if, _sudo=use_sudo(host))
 
 
 def put_content(path: str, content: str | bytes, mode: str = "644") -> Commands:
-    """Yield the commands that make `path` hold `content` (root-owned, replaced atomically), or nothing when it
-    already does.
-
-    For use inside operations (`yield from put_content(...)`); the decision comes from the snapshot's sha256.
-    """
+    """Make root-owned `path` hold `content`, by the snapshot's sha256."""
     if snapshot().file_sha256.get(path) == sha256(content):
         return
     directory = path.rsplit("/", 1)[0] or "/"
@@ -144,7 +133,7 @@ def put_secret(path: str, content: str) -> Commands:
 
 @operation()
 def directories(paths: list[str], user: str = "root", group: str = "root", mode: str = "755") -> Commands:
-    """Create directories with the given owner and mode (only those missing or owned/moded otherwise)."""
+    """Create `paths` with this owner and mode where they are missing or differ."""
     wrong = [p for p in paths if snapshot().dirs.get(p) != (user, group, mode.lstrip("0") or "0")]
     if not wrong:
         host.noop(f"{len(paths)} directories exist, {user}:{group} {mode}")
@@ -156,7 +145,7 @@ def directories(paths: list[str], user: str = "root", group: str = "root", mode:
 
 @operation()
 def prerequisites(packages: tuple[str, ...] = ("ca-certificates", "curl")) -> Commands:
-    """Install what fetching the signed repos needs (TLS roots, curl)."""
+    """Install what fetching the signed repos needs."""
     missing = [p for p in packages if not snapshot().installed(p)]
     if not missing:
         host.noop(", ".join(packages) + " installed")

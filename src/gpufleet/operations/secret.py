@@ -1,5 +1,5 @@
-"""Hidden: a secret on its way through pyinfra, which prints operation and FunctionCommand arguments in its debug
-log and in reprs. Only the code that writes the secret to the host calls reveal()."""
+"""A secret on its way through pyinfra, which logs operation arguments. Only the code writing it to the host calls
+reveal()."""
 
 from __future__ import annotations
 
