@@ -1,4 +1,4 @@
-"""The site cache's mirror of the Hugging Face hub: olah, installed from a lock of hashed wheels (docs/site-cache.md).
+"""The site cache's mirror of the Hugging Face hub: olah, from a lock of hashed wheels (docs/site-cache.md).
 
 Regenerate the lock when bumping OLAH_VERSION: python -m gpufleet.sitecache.mirror
 """
@@ -22,7 +22,7 @@ LOCK = wheel_lock.LockFile("olah", Path(__file__).resolve().parents[1] / "data" 
                            "docs/site-cache.md")
 SERVICE = "gpufleet-model-mirror"
 UNIT = f"{SERVICE}.service"
-HOME = f"/opt/{SERVICE}"  # one venv per lock entry; `current` is the one the unit runs
+HOME = f"/opt/{SERVICE}"  # a venv per lock entry; the unit runs `current`
 CONFIG = f"/etc/gpufleet/{SERVICE}.toml"
 STATE = f"/var/lib/{SERVICE}"
 MARKER = ".gpufleet-installed"  # holds the lock entry's key once every wheel is in
@@ -116,7 +116,7 @@ def pip_install_argv(target: str, index_url: str) -> list[str]:
 
 
 def install_script(install: wheel_lock.LockedInstall, index_url: str) -> str:
-    """Shell: a new venv, its marker, then `current` switched by one rename; a failure leaves `current` alone."""
+    """Shell filling a new venv, then switching `current` to it by one rename."""
     target = venv_dir(install)
     q = shlex.quote
     pip = " ".join(map(q, pip_install_argv(target, index_url)))

@@ -113,7 +113,7 @@ def serving(seen: SiteCacheHost, upstream: str, port: int, used_kib: int | None 
 
 def render_front(port: int, internal_port: int, clients: Sequence[str], repositories: Sequence[str],
                  models: Sequence[str] = (), mirror_port: int | None = None) -> str:
-    """nginx's site: `clients` pull `repositories` by digest and read `models` from the mirror; all else is 403."""
+    """nginx's site: `clients` pull `repositories` by digest and read `models`; all else is 403."""
     pattern = "|".join(re.escape(r) for r in sorted(set(repositories)))
     models_pattern = "|".join(re.escape(m) for m in sorted(set(models))) if mirror_port else ""
     return render_template("site-cache-nginx.conf.j2", port=int(port), internal=f"{LOOPBACK}:{int(internal_port)}",
@@ -124,7 +124,7 @@ def render_front(port: int, internal_port: int, clients: Sequence[str], reposito
 @operation()
 def front_door(seen: SiteCacheHost, port: int, internal_port: int, clients: Sequence[str],
                repositories: Sequence[str], models: Sequence[str] = (), mirror_port: int | None = None) -> Commands:
-    """Run nginx on `port` in front of the cache and the mirror (render_front)."""
+    """Run nginx on `port` in front of the cache and the mirror."""
     content = render_front(port, internal_port, clients, repositories, models, mirror_port)
     changed = seen.front_sha256 != sha256(content)
     if seen.nginx and not changed and seen.nginx_active:

@@ -11,7 +11,7 @@ SERVING_CHECKS = (SPEED, "prefix-cache", "cached-cold", "sessions", "tools", "re
 
 
 def parse_checks(value: str | Iterable[str]) -> tuple[str, ...]:
-    """"all", "none" or a list of check names, in SERVING_CHECKS order; ValueError names the unknown ones."""
+    """"all", "none" or check names, in SERVING_CHECKS order; ValueError names unknown ones."""
     words = [w.strip() for w in (value.split(",") if isinstance(value, str) else value) if str(w).strip()]
     if words == ["all"]:
         return SERVING_CHECKS

@@ -21,7 +21,7 @@ def resolved_block_sizes(cache_config: Mapping[str, str]) -> tuple[int, ...]:
 
 
 def legal_prefix_match_unit(block_sizes: Sequence[int], ceiling: int = PREFERRED_UNIT) -> int | None:
-    """The largest unit up to `ceiling` dividing every block size, as vLLM requires; None without sizes."""
+    """The largest unit up to `ceiling` that divides every block size, as vLLM requires."""
     if not block_sizes:
         return None
     common = math.gcd(*block_sizes)
@@ -35,7 +35,6 @@ def legal_max_num_batched_tokens(block_sizes: Sequence[int]) -> int | None:
 
 @dataclass(frozen=True)
 class LegalFixes:
-    """Settings vLLM accepts on this server, from the block sizes it resolved."""
 
     block_sizes: tuple[int, ...]
     prefix_match_unit: int | None  # None on a dense model: only the block size is accepted

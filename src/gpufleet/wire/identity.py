@@ -50,7 +50,7 @@ class Expected:
     served_model_name: str
     max_model_len: int | None = None
     cache_config: dict[str, str] = field(default_factory=dict)  # vllm:cache_config_info labels, matched exactly
-    spec_hash: str | None = None  # the container label's; None: not compared (the deploy's waits and rollback)
+    spec_hash: str | None = None  # the container label's; None: not compared
     address: str = LOOPBACK
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Prometheus text from vLLM and vllm-router, parsed with prometheus_client; vLLM's reduced to what checks need."""
+"""/metrics of vLLM and vllm-router, parsed with prometheus_client."""
 
 from __future__ import annotations
 
@@ -57,13 +57,12 @@ def samples(text: str) -> list[Sample]:
 
 
 def parse_metrics(text: str) -> Metrics:
-    """vLLM's /metrics reduced; ValueError like samples()."""
     values: dict[str, float] = {}
     cache_config: dict[str, str] = {}
     for name, labels, value in samples(text):
         values[name] = values.get(name, 0.0) + value
         if name == CACHE_CONFIG and not cache_config:
-            # An info metric's value is 1; the config is in its labels, the same on every engine.
+            # An info metric holds its config in its labels, the same on every engine.
             cache_config = {k: v for k, v in labels.items() if k != "engine"}
     return Metrics(values, cache_config)
 
