@@ -2,11 +2,13 @@
 
 A code line holds at least one token that is neither a string nor a comment; a docstring is the string that opens a
 module, class or function (ast), a comment is tokenize's. Tool directives (`# type: ignore`, `# noqa`, `# fmt: ...`)
-are not prose and do not count. Run: python tools/prose_ratio.py [paths...] (default: src/).
+are not prose and do not count. Run: python tools/prose_ratio.py [--max BOUND] [paths...] (default: src/);
+with --max it exits 1 when the figure is above BOUND.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import io
 import re
@@ -55,9 +57,17 @@ def measure_paths(paths: list[Path]) -> Prose:
 
 
 def main(argv: list[str]) -> int:
-    prose = measure_paths([Path(a) for a in argv] or [REPO / "src"])
+    parser = argparse.ArgumentParser(prog="prose_ratio.py", description="Words of comments and docstrings per code line.")
+    parser.add_argument("--max", type=float, metavar="BOUND", help="exit 1 when the figure is above BOUND")
+    parser.add_argument("paths", nargs="*", type=Path, help="files or directories (default: src/)")
+    args = parser.parse_args(argv)
+    prose = measure_paths(args.paths or [REPO / "src"])
     print(f"prose: {prose.ratio:.2f} words of comments and docstrings per code line "
           f"({prose.comment_words} comment words + {prose.docstring_words} docstring words / {prose.code_lines} code lines)")
+    if args.max is not None and prose.ratio > args.max:
+        print(f"prose: {prose.ratio:.3f} is above the bound {args.max:g} (fix: cut comments and docstrings to what "
+              "a maintainer needs, issue 41)", file=sys.stderr)
+        return 1
     return 0
 
 

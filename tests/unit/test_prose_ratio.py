@@ -44,3 +44,14 @@ def test_docstrings_and_comments_are_counted_in_words_and_code_in_lines():
 def test_the_figure_covers_src(capsys):
     assert load().main([]) == 0
     assert capsys.readouterr().out.startswith("prose: ")
+
+
+def test_max_fails_only_above_the_bound(tmp_path, capsys):
+    module = tmp_path / "m.py"
+    module.write_text(SOURCE)  # 10 words over 6 code lines
+    main = load().main
+    assert main(["--max", "1.7", str(module)]) == 0
+    assert main(["--max", str(10 / 6), str(module)]) == 0
+    capsys.readouterr()
+    assert main(["--max", "1.6", str(module)]) == 1
+    assert "1.667 is above the bound 1.6" in capsys.readouterr().err

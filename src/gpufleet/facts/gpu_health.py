@@ -1,10 +1,4 @@
-"""GPU health facts: the shell that reads nvidia-smi's health fields and the kernel log's Xid lines, and its parsers.
-
-    >>> health = parse_health(["index, pci.bus_id, remapped_rows.pending", "0, 00000000:00:06.0, Yes", "@@rc 0"],
-    ...                       ["1 2026-12-03T10:00:00,000000+00:00 NVRM: Xid (PCI:0000:00:06): 79, GPU has fallen off the bus."])
-    >>> health.gpus[0].remap_pending, health.events[0].code, health.events[0].bus
-    (True, 79, (0, 0, 6))
-"""
+"""The shell that reads nvidia-smi's health fields and the kernel log's Xid lines, and its parsers."""
 
 from __future__ import annotations
 
@@ -26,21 +20,21 @@ HEALTH_FIELDS: tuple[tuple[str, ...], ...] = (
     ("pcie.link.gen.gpucurrent", "pcie.link.gen.current"), ("pcie.link.gen.max",),
     ("pcie.link.width.current",), ("pcie.link.width.max",),
 )
-# R580 rejects these (recorded): asked only of a driver whose help lists them.
+# R580 rejects these: asked only of a driver whose help lists them.
 OLDER_FIELDS: tuple[tuple[str, ...], ...] = (("reset_status.reset_required",),
                                              ("reset_status.drain_and_reset_recommended",))
 QUERY_HEALTH = f"nvidia-smi --query-gpu={','.join(names[0] for names in HEALTH_FIELDS)} --format=csv"
 KERNEL_LOG = "dmesg --time-format iso"
 REFUSED_FIELD = "is not a valid field to query"
-TIMED_OUT = (124, 137)  # `timeout` cut the program off
+TIMED_OUT = (124, 137)  # `timeout`'s exit codes
 
 _CANONICAL = {name: names[0] for names in (*HEALTH_FIELDS, *OLDER_FIELDS) for name in names}
-_UNREADABLE = ("ERR!", "[Unknown Error]")  # a finding of its own
+_UNREADABLE = ("ERR!", "[Unknown Error]")
 _LOST = "GPU is lost"
 
 
 def query_shell(t: str = "$t") -> str:
-    """The health query, then `@@rc <status>`; a refused field makes it ask only what `--help-query-gpu` lists.
+    """The health query, then `@@rc <status>`; after a refused field, only what `--help-query-gpu` lists.
     t: the shell word that bounds each program."""
     learn = " ".join("/".join(names) for names in (*HEALTH_FIELDS, *OLDER_FIELDS))
     return (f"h=$({t} {QUERY_HEALTH} 2>&1); r=$?; case $r:$h in 2:*{REFUSED_FIELD!r}*) "
@@ -60,7 +54,7 @@ def kernel_shell(t: str = "$t") -> str:
     return f"{t} {KERNEL_LOG} 2>&1 | awk '{program}'"
 
 
-Bus = tuple[int, int, int]  # PCI domain, bus, device: all an Xid line names
+Bus = tuple[int, int, int]  # PCI domain, bus, device
 
 
 @dataclass(frozen=True)
@@ -79,7 +73,7 @@ class GpuReading:
     remapped_uncorrectable: int | None = None
     remap_pending: bool | None = None
     remap_failure: bool | None = None
-    recovery_action: str | None = None  # "None", "Reset", "Reboot", ...
+    recovery_action: str | None = None  # "None", "Reset", ...
     reset_required: bool | None = None
     drain_and_reset: bool | None = None
     clocks_event_reasons: int | None = None  # the active bitmask
@@ -87,7 +81,7 @@ class GpuReading:
     power_w: float | None = None
     pcie: str | None = None  # "gen 5 x16 (max gen 5 x16)"
     unreadable: tuple[str, ...] = ()  # fields answered ERR! or [Unknown Error]
-    lost: bool = False  # "GPU is lost"
+    lost: bool = False
 
     @property
     def bus(self) -> Bus | None:
@@ -133,7 +127,7 @@ def _rc(lines: list[str]) -> tuple[list[str], int]:
 
 
 def parse_query(lines: list[str]) -> tuple[tuple[GpuReading, ...], tuple[str, ...], str | None]:
-    """The health query's answer -> (readings, the fields this driver lacks, error)."""
+    """(readings, the fields this driver lacks, error)."""
     lines, rc = _rc(lines)
     rows = [line for line in lines if line.strip()]
     if rc in TIMED_OUT:
@@ -204,7 +198,7 @@ _PROCESS = re.compile(r"^(?:pid=[^,]*, )?(?:name=[^,]*, )?")
 
 
 def parse_kernel_log(lines: list[str]) -> tuple[tuple[KernelEvent, ...], str | None]:
-    """kernel_shell's output -> (events, what dmesg said instead of a log)."""
+    """(events, what dmesg said instead of a log)."""
     events, errors = [], []
     for line in lines:
         if line.startswith("@@error "):

@@ -1,11 +1,4 @@
-"""A verdict per GPU from gpufleet.facts.gpu_health's reading, by the host's verdict table; Xid lines that no
-longer count are settled, each with why (docs/gpu-health.md: how a verdict clears).
-
-    >>> from gpufleet.facts.gpu_health import GpuHealth, GpuReading
-    >>> host = judge(GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0", remap_pending=True),)), GpuSettings())
-    >>> host.summary([0])
-    'needs GPU reset (GPU 0: remapped_rows.pending=Yes)'
-"""
+"""A verdict per GPU from its health reading, by the host's verdict table (docs/gpu-health.md)."""
 
 from __future__ import annotations
 
@@ -36,7 +29,7 @@ _RECOVERY_XIDS = (119, 120, 154)
 class Finding:
     signal: str  # the verdict table's key
     verdict: Verdict
-    evidence: str  # "Xid 79 at 2026-12-03T10:00:00Z (GPU has fallen off the bus.)"
+    evidence: str
 
 
 @dataclass(frozen=True)
@@ -84,7 +77,7 @@ class HostGpus:
         return worst(g.verdict for g in self.concern(used))
 
     def summary(self, used: Collection[int] | None = None) -> str:
-        """"ok", or the verdict and each sick GPU's signals (the ledger's line)."""
+        """The ledger's line: "ok", or the verdict and each sick GPU's signals."""
         if self.error is not None:
             return "unknown (the health query failed)"
         sick = [g for g in self.concern(used) if g.verdict is not Verdict.OK]
@@ -108,7 +101,7 @@ class HostGpus:
 
 
 def judge(health: GpuHealth, settings: GpuSettings, app_started_at: float | None = None) -> HostGpus:
-    """Each GPU's findings. app_started_at: the service container's start (epoch s)."""
+    """app_started_at: the service container's start, in epoch seconds."""
     events: dict[Bus | None, list[KernelEvent]] = {}
     for event in health.events:
         events.setdefault(event.bus, []).append(event)
@@ -117,7 +110,7 @@ def judge(health: GpuHealth, settings: GpuSettings, app_started_at: float | None
         found = _field_findings(reading, settings)
         xids, settled = _event_findings(events.pop(reading.bus, []), reading, settings, app_started_at)
         verdicts.append(_verdict(reading.index, reading.bus_id, [*found, *xids], settled))
-    for bus, unlisted in events.items():  # not listed by nvidia-smi: no field settles its lines
+    for bus, unlisted in events.items():  # GPUs nvidia-smi does not list
         xids, settled = _event_findings(unlisted, None, settings, app_started_at)
         bus_id = "{:04x}:{:02x}:{:02x}".format(*bus) if bus else "?"
         verdicts.append(_verdict(None, bus_id, xids, settled))
@@ -156,7 +149,6 @@ def _field_findings(g: GpuReading, settings: GpuSettings) -> list[Finding]:
 
 
 def recovery_signal(action: str, settings: GpuSettings) -> str:
-    """The signal of a recovery action ("Reset", "Drain and Reset", ...)."""
     key = next((k for k in settings.table if k.lower() == f"{RECOVERY}={action}".lower()), None)
     return key or f"{RECOVERY}=other"
 
@@ -184,7 +176,7 @@ def _event_findings(events: list[KernelEvent], g: GpuReading | None, settings: G
 def _event_signal(event: KernelEvent, settings: GpuSettings) -> str:
     if event.code is None:
         return FALLEN_OFF
-    if event.code == 154:  # "... changed from 0x0 (None) to 0x1 (Reset)": judged as that action
+    if event.code == 154:  # judged as the recovery action its text names
         m = re.search(r"to 0x[0-9a-fA-F]+ \(([^)]+)\)", event.text)
         return recovery_signal(m[1] if m else "other", settings)
     return xid_signal(event.code, settings.table)

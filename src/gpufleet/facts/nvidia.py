@@ -1,13 +1,4 @@
-"""NVIDIA GPU facts, parsed from nvidia-smi.
-
-The commands are exactly the ones recorded on real H200 hosts (tests/fixtures/nvidia-smi/*/README.md), so the
-parsers are tested on real output and the test hosts' nvidia-smi stand-in can replay it.
-
-    >>> gpus = parse_gpus(["0, GPU-65.., NVIDIA H200, 143771, 0, 143156, 580.159.04, 00000000:00:06.0, 9.0, "
-    ...                    "Enabled, 38, 0, 81.00, 700.00"])
-    >>> gpus[0].name, gpus[0].memory_total_mib
-    ('NVIDIA H200', 143771)
-"""
+"""NVIDIA GPU facts, parsed from nvidia-smi commands recorded on real H200 hosts (tests/fixtures/nvidia-smi/)."""
 
 from __future__ import annotations
 
@@ -25,7 +16,7 @@ QUERY_VERSION = "nvidia-smi --version"
 QUERY_TOPOLOGY = "nvidia-smi topo -m"
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# nvidia-smi prints these instead of data when the driver is unusable; name them rather than "bad field count".
+# What nvidia-smi prints instead of data when the driver is unusable.
 _KNOWN_FAILURES = (
     "NVIDIA-SMI has failed",
     "No devices were found",
@@ -61,7 +52,7 @@ class Gpu:
 @dataclass(frozen=True)
 class NvidiaVersion:
     driver_version: str
-    cuda_version: str  # "13.0": the newest CUDA the driver supports
+    cuda_version: str  # the newest CUDA the driver supports
 
     @property
     def cuda(self) -> tuple[int, ...]:
@@ -79,7 +70,7 @@ class Topology:
         return self.links.get((a, b))
 
     def nvlinks(self, a: int, b: int) -> int:
-        """Number of bonded NVLinks between GPU a and b (0 when they talk over PCIe or the CPU)."""
+        """Bonded NVLinks between GPU a and b; 0 over PCIe or the CPU."""
         match = re.fullmatch(r"NV(\d+)", self.link(a, b) or "")
         return int(match.group(1)) if match else 0
 
@@ -107,7 +98,7 @@ def _optional_float(text: str) -> float | None:
 
 
 def parse_gpus(lines: list[str]) -> list[Gpu]:
-    """Parse the --query-gpu CSV (noheader, nounits). Raises FactProcessError naming the line it cannot read."""
+    """FactProcessError names the line it cannot read."""
     if failure := _failure(lines):
         raise FactProcessError(f"nvidia-smi failed: {failure}")
     gpus = []
@@ -134,7 +125,6 @@ def parse_gpus(lines: list[str]) -> list[Gpu]:
 
 
 def parse_version(lines: list[str]) -> NvidiaVersion:
-    """Parse `nvidia-smi --version` ("DRIVER version : 580.159.04", "CUDA Version : 13.0")."""
     if failure := _failure(lines):
         raise FactProcessError(f"nvidia-smi failed: {failure}")
     values = {}
@@ -151,7 +141,7 @@ def parse_version(lines: list[str]) -> NvidiaVersion:
 
 
 def parse_topology(lines: list[str]) -> Topology:
-    """Parse the GPU x GPU matrix of `nvidia-smi topo -m` (NIC rows/columns and the legend are skipped)."""
+    """The GPU x GPU matrix of `nvidia-smi topo -m`, without NICs."""
     if failure := _failure(lines):
         raise FactProcessError(f"nvidia-smi failed: {failure}")
     rows = [_ANSI.sub("", line).rstrip() for line in lines]

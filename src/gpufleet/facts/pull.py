@@ -1,12 +1,4 @@
-"""What one image pull moved, read from docker's own words: which layers each `docker pull` downloaded (its
-per-layer status lines), their compressed sizes (the image manifest), and how a failed pull through the site cache
-is told apart: unreachable (fall back to upstream) or content that does not match its digest (refuse).
-
-Pure parsers: no SSH, no docker.
-
->>> downloaded(["0123456789ab: Already exists", "89abcdef0123: Pull complete"])
-{'89abcdef0123'}
-"""
+"""What one image pull moved, from docker's output and the manifest, and whether a failed one was tampered with."""
 
 from __future__ import annotations
 
@@ -17,14 +9,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# docker pull (not on a terminal) prints one "<12 hex of the layer's blob digest>: <status>" line per change.
+# "<12 hex of the layer's digest>: <status>", docker pull's line per change when not on a terminal.
 _LAYER_LINE = re.compile(r"^([0-9a-f]{12}): (.+?)\s*$")
-# A layer whose bytes this pull fetched ("Download complete" comes first; a layer can skip it when fetched and
-# extracted at once, "Pull complete" always ends a fetched one). "Already exists" is a layer that was present.
+# Any of these says this pull fetched the layer; a layer can skip "Download complete".
 _FETCHED = ("Download complete", "Pull complete", "Verifying Checksum")
-# docker's words when bytes it received do not hash to the digest it asked for (distribution's verifiers; the
-# daemon's "filesystem layer verification failed" for a blob, "manifest verification failed" for a manifest,
-# "digest mismatch"/"content digest" for the rest).
+# docker's words for bytes that do not hash to the digest it asked for.
 _TAMPERED = re.compile(r"verification failed|digest mismatch|does not match (?:the )?(?:expected )?digest|"
                        r"unexpected (?:content )?digest", re.IGNORECASE)
 MANIFEST_TYPES = ("application/vnd.docker.distribution.manifest.v2+json",
@@ -36,22 +25,21 @@ ACCEPT = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
 
 @dataclass(frozen=True)
 class PullStats:
-    """One host's pull of one digest. Bytes are the compressed layer sizes the manifest gives for the layers each
-    pull downloaded; None: the manifest could not be read (the site cache did not answer), so unknown."""
+    """One host's pull of one digest, in compressed layer bytes; None: unknown (docs/site-cache.md)."""
 
-    ref: str  # the upstream reference pinned by digest that was pulled
-    site_bytes: int | None  # layers pulled from the site cache
-    upstream_bytes: int | None  # layers pulled from the image's own registry
-    fell_back: bool  # a site cache was configured for this pull and could not serve it: pulled from upstream
-    cache: str | None = None  # the site cache's address ("host:port"), None when none was used
-    warning: str | None = None  # the one warning line of a fall back
+    ref: str
+    site_bytes: int | None
+    upstream_bytes: int | None
+    fell_back: bool  # the site cache could not serve it
+    cache: str | None = None  # host:port
+    warning: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> PullStats | None:
-        """The record a pull wrote; None for anything else (a record of an older format is no record)."""
+        """The record a pull wrote; None for anything else."""
         try:
             data = json.loads(text)
             stats = cls(**data)
@@ -64,7 +52,6 @@ class PullStats:
 
 
 def layer_states(lines: Iterable[str]) -> dict[str, set[str]]:
-    """short layer id -> every status docker printed for it."""
     states: dict[str, set[str]] = {}
     for line in lines:
         m = _LAYER_LINE.match(line.strip())
@@ -74,19 +61,17 @@ def layer_states(lines: Iterable[str]) -> dict[str, set[str]]:
 
 
 def downloaded(lines: Iterable[str]) -> set[str]:
-    """The short ids (12 hex) of the layers this pull's output says it fetched."""
     return {layer for layer, seen in layer_states(lines).items()
             if "Already exists" not in seen and any(s in seen for s in _FETCHED)}
 
 
 def tampered(output: str) -> str | None:
-    """The line of a failed pull saying received content did not match its digest, or None."""
+    """The line of a failed pull saying content did not match its digest."""
     return next((line.strip() for line in output.splitlines() if _TAMPERED.search(line)), None)
 
 
 def verified_manifest(body: bytes, digest: str) -> dict[str, Any] | None:
-    """The manifest (or index) JSON when `body` hashes to `digest` ("sha256:<hex>"), else None: sizes are read only
-    from the manifest the pull itself verified."""
+    """The manifest or index when `body` hashes to `digest`, else None."""
     if "sha256:" + hashlib.sha256(body).hexdigest() != digest:
         return None
     try:
@@ -97,7 +82,7 @@ def verified_manifest(body: bytes, digest: str) -> dict[str, Any] | None:
 
 
 def platform_manifest(index: Mapping[str, Any], arch: str, os_name: str = "linux") -> str | None:
-    """The digest of `arch`'s manifest in an image index (a multi-platform tag pins the index's digest)."""
+    """The digest of `arch`'s manifest in an image index."""
     for entry in index.get("manifests") or ():
         platform = entry.get("platform") or {}
         if platform.get("architecture") == arch and platform.get("os", os_name) == os_name:
@@ -111,7 +96,7 @@ def is_index(doc: Mapping[str, Any]) -> bool:
 
 
 def layer_sizes(manifest: Mapping[str, Any]) -> dict[str, int]:
-    """short layer id (12 hex of its blob digest, as docker pull prints it) -> compressed size."""
+    """short layer id, as docker pull prints it -> compressed size."""
     sizes: dict[str, int] = {}
     for layer in manifest.get("layers") or ():
         digest, size = layer.get("digest"), layer.get("size")
@@ -121,7 +106,6 @@ def layer_sizes(manifest: Mapping[str, Any]) -> dict[str, int]:
 
 
 def pulled_bytes(layers: set[str], sizes: Mapping[str, int] | None) -> int | None:
-    """The compressed bytes of `layers`; None when the sizes are unknown."""
     if sizes is None:
         return None
     return sum(sizes.get(layer, 0) for layer in layers)

@@ -1,18 +1,8 @@
-"""The run's last lines: every host that failed or could not be reached, each with its fix, printed after pyinfra's
-own results. pyinfra names an unreachable host only in its early connect line, and a failed one in the middle of its
-operations' output; a user should not have to scroll back to find either.
+"""The run's last lines: every host that failed or could not be reached, with its fix, after pyinfra's output.
 
-And, when the environment names a file in RESULT_ENV, the run's result written there at the same moment: what a
-program driving the run (the rollout) reads instead of its printed output. JSON, written atomically:
-
-    {"finished": true, "hosts": [{"host": "gpu1", "ok": false, "reached": true,
-                                  "problems": ["gpu1: image ... rejects --performance-mode ... (fix: ...)"]}, ...]}
-
-one entry per host of the run (--limit), in inventory order. A host's problems are the lines reported for it and
-kept in the run's state (gpufleet.operations.base.fail, preflight's refusal: gpufleet.operations.run.report), else
-pyinfra's own record of its failed operation, else a line that its error is in the deploy output. `finished` is
-false when the run ended before its operations were executed (a refusal, an error while preparing): no host is ok
-then, and one without problems of its own was stopped by another's."""
+Where RESULT_ENV names a file, the run also writes its result there for the rollout, as JSON:
+{"finished": bool, "hosts": [{"host", "ok", "reached", "problems": [line, ...]}]}.
+"""
 
 from __future__ import annotations
 
@@ -32,14 +22,14 @@ from pyinfra.api.state import StateStage
 from gpufleet.errors import one_line
 from gpufleet.operations.run import reported
 
-HEADER = "host(s) did not converge:"  # after "<N> ", the summary's first line
-RESULT_ENV = "GPUFLEET_RUN_RESULT"  # a path on the controller: where the run writes its result at exit
+HEADER = "host(s) did not converge:"
+RESULT_ENV = "GPUFLEET_RUN_RESULT"
 _REGISTERED: WeakSet[State] = WeakSet()  # one summary per run, however many deploy files register it
 
 
 @dataclass(frozen=True)
 class HostResult:
-    """One host of a run, as its result file says: converged (ok), reached over SSH, and why not (one line each)."""
+    """One host of a run: converged (ok), reached over SSH, and why not."""
 
     host: str
     ok: bool
@@ -51,7 +41,6 @@ class HostResult:
 
 
 def lines(state: State) -> list[str]:
-    """One line per failed host, in inventory order: why, and what to do about it."""
     out = []
     for host in state.inventory:
         if host not in state.failed_hosts:
@@ -70,7 +59,7 @@ def _unreachable(host: Host) -> str:
 
 
 def results(state: State) -> tuple[bool, list[HostResult]]:
-    """(whether the run got through executing its operations, one HostResult per host of the run)."""
+    """(whether the run got through its operations, one HostResult per host of the run)."""
     finished = state.current_stage >= StateStage.Disconnect
     kept = reported(state)
     out = []
@@ -89,12 +78,12 @@ def results(state: State) -> tuple[bool, list[HostResult]]:
 
 
 def _failed_operation(state: State, host: Host) -> str:
-    """The first operation pyinfra recorded as failed on the host (its name, its last line of stderr)."""
+    """The first failed operation of the host, with its last line of stderr."""
     for op_hash in state.get_op_order():
         try:
             op_data = state.get_op_data_for_host(host, op_hash)
         except KeyError:
-            continue  # not an operation of this host
+            continue
         meta = op_data.operation_meta
         if not meta.is_complete() or meta.did_succeed() or op_data.global_arguments.get("_ignore_errors"):
             continue
@@ -106,7 +95,6 @@ def _failed_operation(state: State, host: Host) -> str:
 
 
 def write_result(state: State, path: Path) -> None:
-    """The run's result as JSON at `path`, atomically (a reader never sees half of it)."""
     finished, hosts = results(state)
     text = json.dumps({"finished": finished, "hosts": [h.as_json() for h in hosts]}, indent=1)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -120,8 +108,7 @@ def write_result(state: State, path: Path) -> None:
 
 
 def read_result(path: Path) -> dict[str, HostResult] | None:
-    """host -> its HostResult from a result file; None when there is none or it cannot be read (the run died before
-    its exit: killed, timed out, crashed while loading)."""
+    """host -> its HostResult; None when the run wrote none, having died before its exit."""
     try:
         doc = json.loads(path.read_text())
         return {str(h["host"]): HostResult(str(h["host"]), h["ok"] is True, h["reached"] is True,
@@ -138,8 +125,7 @@ def _ssh_command(host: Host) -> str:
 
 
 def print_at_exit(state: State) -> None:
-    """Print lines(state) on stderr when the run's process ends (pyinfra exits 1 when a host failed), and write the
-    run's result where RESULT_ENV says, if it says."""
+    """At the process's exit, print lines(state) on stderr and write the result where RESULT_ENV says."""
     if state in _REGISTERED:
         return
     _REGISTERED.add(state)
@@ -149,11 +135,11 @@ def print_at_exit(state: State) -> None:
         if where:
             try:
                 write_result(state, Path(where))
-            except Exception as error:  # the reader falls back to the exit code; say why here
+            except Exception as error:  # the reader falls back to the exit code
                 print(f"could not write the run's result to {where}: {one_line(str(error))}", file=sys.stderr)
         try:
             failed = lines(state)
-        except Exception:  # the run's state half gone at exit (an API run that ended abnormally): nothing to say
+        except Exception:  # the state half gone after an abnormal API run
             return
         if failed:
             print(f"\n{len(failed)} {HEADER}", file=sys.stderr)

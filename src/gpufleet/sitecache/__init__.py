@@ -1,3 +1,1 @@
-"""The site cache slice: Debian's docker-registry as a pull-through cache on the inventory group `site_cache`'s host
-(facts, operations, deploy), so a site downloads each image once, and olah as its mirror of the model hub (mirror)
-(docs/site-cache.md)."""
+"""The site cache: a pull-through image registry and a model hub mirror, one download per site (docs/site-cache.md)."""

@@ -1,9 +1,4 @@
-"""What the site cache host has (Debian's docker-registry and the nginx in front of it: packages, configs, systemd's
-view), in one command.
-
-Read only on the inventory's `site_cache` hosts, by the deploy, once per run: the host snapshot
-(gpufleet.vllm.facts) reads what every vLLM host needs, and one host's cache is not that.
-"""
+"""What the site cache host has, in one command; read only on `site_cache` hosts, so not in the host snapshot."""
 
 from __future__ import annotations
 
@@ -17,8 +12,8 @@ from gpufleet.units import unit_path
 
 PACKAGE = "docker-registry"
 UNIT = "docker-registry.service"
-CONFIG = "/etc/docker/registry/config.yml"  # where Debian's package (and its unit) read the configuration
-FRONT = "/etc/nginx/conf.d/gpufleet-site-cache.conf"  # nginx in front of it (gpufleet.sitecache.operations)
+CONFIG = "/etc/docker/registry/config.yml"  # where Debian's package reads it
+FRONT = "/etc/nginx/conf.d/gpufleet-site-cache.conf"
 MIRROR_HOME, MIRROR_CONFIG, MIRROR_UNIT, MIRROR_SERVICE = mirror.HOME, mirror.CONFIG, mirror.UNIT, mirror.SERVICE
 NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"  # Debian's welcome page, on port 80
 
@@ -29,14 +24,14 @@ class SiteCacheHost:
     config_sha256: str | None = None
     active: bool = False
     enabled: bool = False
-    nginx: bool = False  # Debian's nginx is installed
+    nginx: bool = False  # installed
     front_sha256: str | None = None
     nginx_active: bool = False
-    # the model mirror (gpufleet.sitecache.mirror)
-    python: str | None = None  # python3's "3.11", else apt's candidate for it
+    # the model mirror
+    python: str | None = None  # "3.11", else apt's candidate for python3
     machine: str | None = None  # uname -m
     python3_venv: bool = False
-    mirror_key: str | None = None  # the lock entry the venv `current` holds whole
+    mirror_key: str | None = None  # the lock entry `current` holds whole
     mirror_config_sha256: str | None = None
     mirror_unit_sha256: str | None = None
     mirror_active: bool = False
@@ -65,11 +60,6 @@ def command() -> str:
 
 
 def parse(lines: list[str]) -> SiteCacheHost:
-    """
-    >>> seen = parse(["installed=ii ", "config=", "active=inactive", "enabled=enabled", "nginx=un "])
-    >>> seen.installed, seen.config_sha256, seen.active, seen.enabled, seen.nginx
-    (True, None, False, True, False)
-    """
     fields = dict(line.strip().partition("=")[::2] for line in lines if "=" in line)
     return SiteCacheHost(installed=fields.get("installed", "").startswith("ii"),
                          config_sha256=fields.get("config") or None,
@@ -87,13 +77,12 @@ def parse(lines: list[str]) -> SiteCacheHost:
 
 
 def _minor(candidate: str) -> str | None:
-    """apt's candidate for python3 ("3.11.2-1+b1") -> "3.11"; None when apt names none."""
+    """ "3.11.2-1+b1" -> "3.11"; None when apt names no candidate."""
     parts = candidate.split(".")
     return f"{parts[0]}.{parts[1]}" if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit() else None
 
 
 class SiteCacheFact(FactBase[SiteCacheHost]):
-    """The site cache's package, config checksum and unit state."""
 
     def command(self) -> str:
         return command()

@@ -1,11 +1,6 @@
-"""The site cache's mirror of the Hugging Face hub: olah (PyPI), pinned and installed from gpufleet's lock of its
-hashed wheels (src/gpufleet/data/olah-lock.json, gpufleet.wheel_lock) into a venv of its own, run by systemd as a
-user of its own (DynamicUser) on the cache host's loopback, behind the site cache's nginx (docs/site-cache.md says
-why olah and what it was checked for).
+"""The site cache's mirror of the Hugging Face hub: olah, from a lock of hashed wheels (docs/site-cache.md).
 
-Regenerate the lock when bumping OLAH_VERSION (it reads PyPI's simple API; wheels only):
-
-    python -m gpufleet.sitecache.mirror
+Regenerate the lock when bumping OLAH_VERSION: python -m gpufleet.sitecache.mirror
 """
 
 from __future__ import annotations
@@ -20,22 +15,22 @@ from gpufleet import wheel_lock
 from gpufleet.names import LOOPBACK
 
 OLAH_VERSION = "0.5.4"
-# olah's fastapi-utils pins psutil<6, which PyPI has as wheels for x86_64 only: an aarch64 cache host has no lock.
+# psutil<6 (olah's pin) has no aarch64 wheels.
 MACHINES = ("x86_64",)
 LOCK = wheel_lock.LockFile("olah", Path(__file__).resolve().parents[1] / "data" / "olah-lock.json",
                            "src/gpufleet/data/olah-lock.json", "python -m gpufleet.sitecache.mirror", "site_cache",
                            "docs/site-cache.md")
 SERVICE = "gpufleet-model-mirror"
 UNIT = f"{SERVICE}.service"
-HOME = f"/opt/{SERVICE}"  # one venv per lock entry (named by its key), `current` the one the unit runs
+HOME = f"/opt/{SERVICE}"  # a venv per lock entry; the unit runs `current`
 CONFIG = f"/etc/gpufleet/{SERVICE}.toml"
-STATE = f"/var/lib/{SERVICE}"  # systemd's StateDirectory: what olah fetched (repos/) and its logs
-MARKER = ".gpufleet-installed"  # in a venv, once every wheel is in: the lock entry's key
+STATE = f"/var/lib/{SERVICE}"
+MARKER = ".gpufleet-installed"  # holds the lock entry's key once every wheel is in
 REQUIREMENTS = "gpufleet-requirements.txt"
 
 
 def locked(host: str, python: str | None, machine: str | None) -> wheel_lock.LockedInstall:
-    """The lock's wheels for the cache host; SettingError (one line) when it has none for its Python."""
+    """SettingError when the lock has no wheels for the host's Python."""
     return wheel_lock.locked_install(LOCK, host, OLAH_VERSION, python, machine)
 
 
@@ -44,7 +39,7 @@ def venv_dir(install: wheel_lock.LockedInstall) -> str:
 
 
 def upstream(hub: str) -> tuple[str, str, str]:
-    """olah's hf-scheme, hf-netloc and hf-lfs-netloc for the hub URL (the real hub keeps LFS files on its CDN)."""
+    """olah's hf-scheme, hf-netloc and hf-lfs-netloc for the hub URL."""
     url = urlsplit(hub)
     netloc = url.netloc
     return url.scheme, netloc, "cdn-lfs.huggingface.co" if netloc == "huggingface.co" else netloc
@@ -52,9 +47,7 @@ def upstream(hub: str) -> tuple[str, str, str]:
 
 def render_config(hub: str, port: int, address: str, repositories: Sequence[str], max_gb: float,
                   state: str = STATE) -> str:
-    """olah's config: on the loopback's `port`, mirroring `hub`, only `repositories` (proxied and cached; anything
-    else is refused), never redirecting a client (cache-redirect-model off, no Xet pass-through), at most max_gb
-    kept (least recently used goes first). `address`: where hosts reach it (host:port), the links it writes."""
+    """olah's config, mirroring only `repositories`; `address`: where hosts reach it."""
     scheme, netloc, lfs = upstream(hub)
     rules = "".join(f'  {{ repo = "{r}", allow = true, use_re = false }},\n' for r in sorted(set(repositories)))
     deny = '  { repo = "*", allow = false, use_re = false },\n  { repo = "*/*", allow = false, use_re = false },\n'
@@ -83,8 +76,7 @@ cache = [
 """
 
 
-# olah imports GitPython, which refuses to load without a git binary; only local git mirrors use it, and we
-# configure none, so a cache host needs no git.
+# olah imports GitPython, which refuses to load without git; no git mirror is configured.
 NO_GIT = "GIT_PYTHON_REFRESH=quiet"
 
 
@@ -115,7 +107,6 @@ WantedBy=multi-user.target
 
 
 def pip_install_argv(target: str, index_url: str) -> list[str]:
-    """Exactly the lock's wheels, each checked against its sha256, wheels only, nothing else (as the router's)."""
     argv = [f"{target}/bin/pip", "install", "--disable-pip-version-check", "--no-input", "--quiet",
             "--require-hashes", "--only-binary", ":all:", "--no-deps", "--index-url", index_url]
     url = urlsplit(index_url)
@@ -125,8 +116,7 @@ def pip_install_argv(target: str, index_url: str) -> list[str]:
 
 
 def install_script(install: wheel_lock.LockedInstall, index_url: str) -> str:
-    """Shell: a new venv holding exactly the lock's wheels, its entry point run once, then its marker, then
-    `current` switched to it by one rename. A failure stops it before the marker; the venv in use is not touched."""
+    """Shell filling a new venv, then switching `current` to it by one rename."""
     target = venv_dir(install)
     q = shlex.quote
     pip = " ".join(map(q, pip_install_argv(target, index_url)))

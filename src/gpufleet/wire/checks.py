@@ -1,13 +1,4 @@
-"""The names of the checks a version is held to before it is committed, and how a setting or a flag lists them.
-
-Every verify sends the answer checks (a completion, plain and streamed: gpufleet.health.answers). The serving checks
-(gpufleet.health.serving) go further and cost a few requests more; each runs only where the server's settings give
-it something to check (tools with a tool parser, reasoning with a reasoning parser, the cache ones with prefix
-caching). "prefix-cache" is the re-processing probe: the most requests (up to 49), so a plain converge runs it only
-when asked (gpufleet_verify_probe, or by name), while a rollout's canary runs every check. "speed"
-(gpufleet.health.speed) measures how fast the version serves and holds it to the old version's figures; it runs
-first, so that a version that stalls under load fails it rather than the concurrent sessions check.
-"""
+"""The names of the checks a version is held to before it is committed (docs/verify.md)."""
 
 from __future__ import annotations
 
@@ -15,12 +6,12 @@ from collections.abc import Iterable
 
 ANSWER_CHECKS = ("completion", "stream")
 SPEED = "speed"
+# In run order: speed first (docs/verify.md, Speed).
 SERVING_CHECKS = (SPEED, "prefix-cache", "cached-cold", "sessions", "tools", "reasoning")
 
 
 def parse_checks(value: str | Iterable[str]) -> tuple[str, ...]:
-    """"all", "none", a comma list or a list of SERVING_CHECKS, in SERVING_CHECKS order; ValueError naming the
-    unknown ones."""
+    """"all", "none" or check names, in SERVING_CHECKS order; ValueError names unknown ones."""
     words = [w.strip() for w in (value.split(",") if isinstance(value, str) else value) if str(w).strip()]
     if words == ["all"]:
         return SERVING_CHECKS
@@ -34,5 +25,5 @@ def parse_checks(value: str | Iterable[str]) -> tuple[str, ...]:
 
 
 def verify_checks(listed: Iterable[str], probe: bool) -> tuple[str, ...]:
-    """gpufleet_verify_checks as resolved by the settings, with the probe when gpufleet_verify_probe asks for it."""
+    """gpufleet_verify_checks, plus the probe when gpufleet_verify_probe is on."""
     return parse_checks([*listed, *(["prefix-cache"] if probe else [])])

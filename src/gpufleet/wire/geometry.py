@@ -1,5 +1,4 @@
-"""The cache geometry a vLLM server resolved, and the settings it accepts because of it: pure arithmetic over its
-vllm:cache_config_info labels (block sizes), read by the lint, the probe and the deploy's checks."""
+"""The KV cache block sizes a vLLM server resolved, and the settings they allow (docs/vllm-traps.md)."""
 
 from __future__ import annotations
 
@@ -7,18 +6,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-# The unit measured to remove the trap on a 640-token block; never recommend a coarser one.
+# Never recommend a unit coarser than the one measured (docs/vllm-traps.md).
 PREFERRED_UNIT = 128
 
 
 def resolved_block_sizes(cache_config: Mapping[str, str]) -> tuple[int, ...]:
-    """The KV cache block sizes a server resolved at start, from its vllm:cache_config_info labels.
-
-    block_size is the attention block after vLLM enlarged it for the model's state size; effective_attention_block
-    _size is the same including context parallelism. mamba_block_size is not read: in align mode vLLM gives the
-    state groups the attention block (platforms/interface.py, Platform._align_hybrid_block_size), and the label
-    can still show the value from before that (16 on vLLM 0.32).
-    """
+    # Not mamba_block_size: in align mode its label may predate vLLM's alignment.
     sizes = []
     for key in ("block_size", "effective_attention_block_size"):
         value = cache_config.get(key)
@@ -28,12 +21,7 @@ def resolved_block_sizes(cache_config: Mapping[str, str]) -> tuple[int, ...]:
 
 
 def legal_prefix_match_unit(block_sizes: Sequence[int], ceiling: int = PREFERRED_UNIT) -> int | None:
-    """The largest unit not above `ceiling` that divides every block size (vLLM refuses any other:
-    v1/core/kv_cache_utils.py, resolve_kv_cache_block_sizes). None when no block size is known.
-
-    >>> legal_prefix_match_unit([640]), legal_prefix_match_unit([2096]), legal_prefix_match_unit([544])
-    (128, 16, 68)
-    """
+    """The largest unit up to `ceiling` that divides every block size, as vLLM requires."""
     if not block_sizes:
         return None
     common = math.gcd(*block_sizes)
@@ -41,16 +29,15 @@ def legal_prefix_match_unit(block_sizes: Sequence[int], ceiling: int = PREFERRED
 
 
 def legal_max_num_batched_tokens(block_sizes: Sequence[int]) -> int | None:
-    """A --max-num-batched-tokens whose chunks end on every group's block boundary: their least common multiple."""
+    """The least --max-num-batched-tokens whose chunks end on every group's block boundary."""
     return math.lcm(*block_sizes) if block_sizes else None
 
 
 @dataclass(frozen=True)
 class LegalFixes:
-    """Settings that vLLM accepts on this server, computed from the block sizes it resolved."""
 
     block_sizes: tuple[int, ...]
-    prefix_match_unit: int | None  # None: a single KV cache group (dense), where only the block size is accepted
+    prefix_match_unit: int | None  # None on a dense model: only the block size is accepted
     max_num_batched_tokens: int | None
 
     @classmethod

@@ -1,10 +1,4 @@
-"""The GPU verdict table (signal -> verdict), NVIDIA's action per verdict, and the two settings over them; each
-row's source is in docs/gpu-health.md.
-
-    >>> table = verdict_table({"clocks_event_reasons.sw_power_cap": "degraded"})
-    >>> table["xid 79"], table["clocks_event_reasons.sw_power_cap"]
-    (<Verdict.REBOOT: 'reboot'>, <Verdict.DEGRADED: 'degraded'>)
-"""
+"""The GPU verdict table, NVIDIA's action per verdict, and the two settings over them (docs/gpu-health.md)."""
 
 from __future__ import annotations
 
@@ -39,7 +33,7 @@ class Verdict(StrEnum):
 
     @property
     def blocks_start(self) -> bool:
-        """Refuses a (re)start of the service."""
+        """Refuses a start or restart of the service."""
         return self in (Verdict.RESET_GPU, Verdict.REBOOT, Verdict.SERVICE)
 
 
@@ -135,6 +129,6 @@ class GpuSettings:
 
     @classmethod
     def of(cls, settings: Mapping[str, Any]) -> GpuSettings:
-        """From host data or settings; ValueError for a bad value."""
+        """ValueError for a bad value."""
         return cls(verdict_table(settings.get(GPU_VERDICTS_SETTING, DEFAULTS[GPU_VERDICTS_SETTING])),
                    cleared_at(settings.get(GPU_CLEARED_SETTING, DEFAULTS[GPU_CLEARED_SETTING])))

@@ -1,6 +1,4 @@
-"""What "serving what it should" means, as pure rules over what vLLM answers: the expected identity (Expected),
-/v1/models parsed (served_models) and how a server differs from it (identity_problems). The deploy's no-op decision
-(from the host snapshot), the health checks and the router read these; nothing here touches the network."""
+"""What "serving what it should" means: the expected identity, /v1/models parsed, and how a server differs."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from gpufleet.wire.evidence import excerpt
 
 
 class SpecIdentity(Protocol):
-    """What Expected.from_spec reads of a serve spec (gpufleet.vllm.spec.ServeSpec has it): the wire rules name no
-    slice, the spec stays the vLLM slice's."""
+    """What Expected.from_spec reads of a ServeSpec, so that the wire names no slice."""
 
     @property
     def service(self) -> str: ...
@@ -33,7 +30,7 @@ class SpecIdentity(Protocol):
 
 
 class SpecArgs(SpecIdentity, Protocol):
-    """What the health checks read of a serve spec besides its identity: its host, GPUs, hash and vLLM flags."""
+    """What the health checks read of a ServeSpec besides its identity."""
 
     @property
     def host(self) -> str: ...
@@ -46,25 +43,18 @@ class SpecArgs(SpecIdentity, Protocol):
 
 @dataclass(frozen=True)
 class Expected:
-    """What a host should serve, taken from its spec (Expected.from_spec) or written by hand in tests.
-
-    cache_config: vllm:cache_config_info labels that must match exactly, e.g. {"enable_prefix_caching": "True"}.
-    """
+    """What a host should serve."""
 
     service: str
     port: int
     served_model_name: str
     max_model_len: int | None = None
-    cache_config: dict[str, str] = field(default_factory=dict)
-    # The spec hash the container's gpufleet.<service> label must carry (`gpufleet verify` sets it from the
-    # inventory); None: not compared (the deploy's own waits, and its rollback to an older unit, compare identity
-    # only).
-    spec_hash: str | None = None
-    address: str = LOOPBACK  # where the host reaches the port (ServeSpec.reach_address)
+    cache_config: dict[str, str] = field(default_factory=dict)  # vllm:cache_config_info labels, matched exactly
+    spec_hash: str | None = None  # the container label's; None: not compared
+    address: str = LOOPBACK
 
     @classmethod
     def from_spec(cls, spec: SpecIdentity) -> Expected:
-        """From a gpufleet.vllm.spec.ServeSpec: the identity the deploy configured."""
         cache = {"enable_prefix_caching": str(bool(spec.prefix_caching))}
         if spec.mamba_cache_mode:
             cache["mamba_cache_mode"] = str(spec.mamba_cache_mode)
@@ -85,12 +75,7 @@ def reported_max_model_len(expected: Expected, models: list[tuple[str, int | Non
 
 
 def identity_problems(expected: Expected, models: list[tuple[str, int | None]], cache_config: dict[str, str]) -> list[str]:
-    """How a server that answers /health 200 differs from what it should serve ([] = it is the expected one).
-
-    The one definition of "serving what it should" once /health is 200: the deploy's no-op decision (from the host
-    snapshot) and check() both use it. models: /v1/models' (id, max_model_len) pairs; cache_config: the
-    vllm:cache_config_info labels.
-    """
+    """How a server that answers /health 200 differs from `expected`; [] when it does not."""
     ids = [model_id for model_id, _ in models]
     max_model_len = reported_max_model_len(expected, models)
     problems = []
@@ -107,11 +92,10 @@ def identity_problems(expected: Expected, models: list[tuple[str, int | None]], 
 
 
 def served_models(body: bytes) -> list[tuple[str, int | None]]:
-    """/v1/models -> [(id, max_model_len)], in the server's order. ValueError saying how the body differs from
-    vLLM's {"object": "list", "data": [{"id": ..., "max_model_len": ...}, ...]}."""
+    """/v1/models' (id, max_model_len) pairs in the server's order; ValueError saying how the body is wrong."""
     try:
         doc = json.loads(body)
-    except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested past the parser's limit
+    except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's limit
         raise ValueError(f"is not JSON: {excerpt(body) or 'an empty body'}") from e
     if not isinstance(doc, dict):
         raise ValueError(f'is a JSON {_json_type(doc)}, not an object with a "data" list')

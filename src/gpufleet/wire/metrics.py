@@ -1,5 +1,4 @@
-"""Prometheus text (vLLM's and vllm-router's /metrics), parsed with prometheus_client (never by hand); vLLM's reduced
-to what the checks need."""
+"""/metrics of vLLM and vllm-router, parsed with prometheus_client."""
 
 from __future__ import annotations
 
@@ -18,24 +17,24 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 CACHE_CONFIG = "vllm:cache_config_info"
 
-Sample = tuple[str, dict[str, str], float]  # name, labels, value
+Sample = tuple[str, dict[str, str], float]
 
 
 @dataclass(frozen=True)
 class Metrics:
-    """Sample values summed over label sets (one per engine), and the cache config info labels."""
+    """Values summed over label sets (one per engine), and the cache config labels."""
 
     values: dict[str, float] = field(default_factory=dict)
     cache_config: dict[str, str] = field(default_factory=dict)
 
     def get(self, name: str) -> float | None:
-        """The summed value; None when absent or not a finite number (NaN and infinities say nothing here)."""
+        """The summed value; None when absent or not finite."""
         value = self.values.get(name)
         return value if value is not None and math.isfinite(value) else None
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
-        """Cumulative hit rate in tokens since the server started; None before any query."""
+        """Token hit rate since the server started; None before any query."""
         hits, queries = self.get(HITS), self.get(QUERIES)
         return hits / queries if hits is not None and queries else None
 
@@ -49,23 +48,21 @@ class Metrics:
 
 
 def samples(text: str) -> list[Sample]:
-    """Prometheus text -> every sample as (name, labels, value), in order, through prometheus_client's parser.
-    Raises ValueError, quoting the parser's complaint, when the text is not the Prometheus exposition format."""
+    """Every sample as (name, labels, value), in order; ValueError quoting the parser's complaint."""
     try:
         return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text)
                 for s in family.samples]
-    except ValueError as e:  # the parser's one complaint, sometimes with an empty message
+    except ValueError as e:
         raise ValueError(f"is not Prometheus text: {excerpt(str(e) or 'unparsable', 100)}") from e
 
 
 def parse_metrics(text: str) -> Metrics:
-    """vLLM's /metrics reduced to summed values and the cache config labels. Raises ValueError like samples()."""
     values: dict[str, float] = {}
     cache_config: dict[str, str] = {}
     for name, labels, value in samples(text):
         values[name] = values.get(name, 0.0) + value
         if name == CACHE_CONFIG and not cache_config:
-            # Info metrics are gauges fixed at 1; the config lives in the labels. Engines share one config.
+            # An info metric holds its config in its labels, the same on every engine.
             cache_config = {k: v for k, v in labels.items() if k != "engine"}
     return Metrics(values, cache_config)
 

@@ -1,11 +1,4 @@
-"""A version's speed on one host (gpufleet.health.speed measures it), and the rule that holds a new version to the
-old one: a figure fails when every repeat of the new lost more than the tolerance against the old median
-(docs/verify.md, Speed).
-
-    >>> old = SpeedFigures((30000.0,) * 3, (0.05,) * 9, (200.0,) * 3, (380.0,) * 3, 20480, 64, 2)
-    >>> compare(old, dataclasses.replace(old, prefill_tokens_per_s=(1500.0, 1510.0, 1490.0)), tolerance=0.3)
-    'prefill 1500 tokens/s, was 30000 (0.05x the speed): every repeat more than 30% slower'
-"""
+"""A version's speed figures on one host, and the rule that holds a new version to the old one (docs/verify.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +7,7 @@ import statistics
 from dataclasses import dataclass, fields
 from typing import Any
 
-# figure -> (its name in a line, its unit, whether more is faster)
+# figure -> (label, unit, whether more is faster)
 FIGURES: dict[str, tuple[str, str, bool]] = {
     "prefill_tokens_per_s": ("prefill", "tokens/s", True),
     "cached_ttft_s": ("cached TTFT", "s", False),
@@ -27,14 +20,14 @@ PROMPT_SLACK = 0.1  # prompts of one workload differ by their seed's few tokens
 
 @dataclass(frozen=True)
 class SpeedFigures:
-    """One measurement: each figure's repeats, and the workload."""
+    """Each figure's repeats, and the workload."""
 
     prefill_tokens_per_s: tuple[float, ...]
     cached_ttft_s: tuple[float, ...]
     decode_tokens_per_s: tuple[float, ...]
     batch_tokens_per_s: tuple[float, ...]
-    prompt_tokens: int  # of the cold prompt
-    decode_tokens: int  # of each completion
+    prompt_tokens: int
+    decode_tokens: int
     concurrency: int
 
     def median(self, name: str) -> float:
@@ -46,7 +39,7 @@ class SpeedFigures:
 
     @classmethod
     def from_dict(cls, doc: object) -> SpeedFigures:
-        """What as_dict() wrote; ValueError naming what is wrong."""
+        """What as_dict() wrote; ValueError names what is wrong."""
         if not isinstance(doc, dict):
             raise ValueError(f"speed figures must be an object, not {type(doc).__name__}")
         names = [f.name for f in fields(cls)]
@@ -78,28 +71,25 @@ def _positive(value: object) -> bool:
 
 
 def value_text(name: str, value: float) -> str:
-    """A figure's value as lines and tables show it."""
     return f"{value:.3f}" if FIGURES[name][1] == "s" else f"{value:.0f}"
 
 
 def _times(figures: SpeedFigures, name: str) -> list[float]:
-    """The repeats as times: larger is slower."""
     return [1 / v if FIGURES[name][2] else v for v in getattr(figures, name)]
 
 
 def speed_ratios(old: SpeedFigures, new: SpeedFigures) -> dict[str, float]:
-    """Per figure, the new median speed over the old one: 0.5 is half as fast."""
+    """Per figure, the new median speed over the old one."""
     return {name: statistics.median(_times(old, name)) / statistics.median(_times(new, name)) for name in FIGURES}
 
 
 def best_ratio(old: SpeedFigures, new: SpeedFigures, name: str) -> float:
-    """The new version's fastest repeat over the old median."""
-    # Every repeat, not the median: load on the machine slows some repeats of a good version, a slower build all.
+    # The fastest repeat: load slows some repeats of a good version, a slower build every one.
     return statistics.median(_times(old, name)) / min(_times(new, name))
 
 
 def comparable(old: SpeedFigures, new: SpeedFigures) -> str | None:
-    """Why the two are of different workloads (the settings changed), or None."""
+    """Why the two are of different workloads, or None."""
     if (old.decode_tokens, old.concurrency) != (new.decode_tokens, new.concurrency):
         return (f"the workload changed: {new.decode_tokens} tokens x {new.concurrency} at once, was "
                 f"{old.decode_tokens} x {old.concurrency}")
@@ -109,13 +99,13 @@ def comparable(old: SpeedFigures, new: SpeedFigures) -> str | None:
 
 
 def slower(old: SpeedFigures, new: SpeedFigures, tolerance: float) -> list[str]:
-    """The figures whose every repeat lost more than `tolerance` of the old speed, worst median first."""
+    """The figures whose every repeat is slower by more than `tolerance`, worst median first."""
     ratios = speed_ratios(old, new)
     return sorted((name for name in FIGURES if best_ratio(old, new, name) < 1 - tolerance), key=ratios.__getitem__)
 
 
 def compare(old: SpeedFigures, new: SpeedFigures, tolerance: float) -> str | None:
-    """One line naming each slower figure with both medians, or None."""
+    """One line naming each slower figure, or None."""
     if comparable(old, new):
         return None
     ratios = speed_ratios(old, new)
@@ -125,16 +115,15 @@ def compare(old: SpeedFigures, new: SpeedFigures, tolerance: float) -> str | Non
 
 
 def against(old: SpeedFigures, new: SpeedFigures, tolerance: float) -> str:
-    """Each figure's median now and its speed ratio."""
     ratios = speed_ratios(old, new)
-    noisy = {name for name, r in ratios.items() if r < 1 - tolerance}  # compare() passed: a repeat was within it
+    noisy = {name for name, r in ratios.items() if r < 1 - tolerance}  # though a repeat was within it
     note = f", a repeat within {tolerance:.0%}"
     return ", ".join(f"{label} {value_text(name, new.median(name))} {unit} ({ratios[name]:.2f}x"
                      f"{note if name in noisy else ''})" for name, (label, unit, _) in FIGURES.items())
 
 
 def verdict(earlier: SpeedFigures | None, now: SpeedFigures, tolerance: float) -> tuple[bool, str]:
-    """(passed, line); without comparable earlier figures it passes."""
+    """(passed, line); it passes without comparable earlier figures."""
     if earlier is None:
         return True, f"no earlier figures on this host to compare: {now.line()}"
     why = comparable(earlier, now)
