@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -39,12 +40,11 @@ from deploy_bench import (
     loadavg,
 )
 
-from gpufleet.hoststate.sections import MARK
 from gpufleet.sandbox.fleet import Fleet
 from gpufleet.sandbox.hosts import Host
 from gpufleet.sandbox.inventory import pyinfra_hosts
 from gpufleet.vllm.deploy import plan_for
-from gpufleet.vllm.host_command import snapshot_command
+from gpufleet.vllm.host_command import SCRIPT, script, steps
 
 TRACED = Path(__file__).with_name("pyinfra_traced.py")
 
@@ -69,31 +69,30 @@ def time_on_host(fleet: Fleet, host: Host, command: str) -> float:
     return int(fleet.ssh(host, script).stdout.strip().splitlines()[-1]) / 1e9
 
 
-def host_snapshot_command(fleet: Fleet, host: Host) -> str:
-    """The snapshot command the deploy runs on the host (in its lock's shell: pyinfra does not send it)."""
+def snapshot_steps(fleet: Fleet, host: Host) -> list[str]:
+    """The calls of the snapshot the deploy runs on the host (in its lock's shell: pyinfra does not send it)."""
     data = dict(pyinfra_hosts(str(fleet.cfg.state_dir / "inventory.json")))[host.name]
-    return snapshot_command(plan_for(host.name, {**BENCH_DATA, **data}).paths)
+    return steps(plan_for(host.name, {**BENCH_DATA, **data}).paths)
 
 
 def section_times(fleet: Fleet, host: Host, repeat: int) -> list[tuple[str, float]]:
-    """(section, median seconds) for each line of the host's snapshot command, timed in one shell on the host
-    (so the lines keep the variables earlier ones set), `date` read around each."""
-    lines = host_snapshot_command(fleet, host).splitlines()
-    # A line without a marker prepares the next section (its shell variables): counted with it; "(setup)" before
-    # the first section is the part every section shares.
-    marked = [line.split(MARK, 1)[1].split("\\n", 1)[0] if MARK in line else None for line in lines]
-    first = next(i for i, name in enumerate(marked) if name)
-    names = ["(setup)" if i < first else next(n for n in marked[i:] if n) for i in range(len(lines))]
-    script = "\n".join(f"s=$(date +%s%N); {{ {line}\n}} >/dev/null 2>&1; e=$(date +%s%N); echo \"@@t {i} $((e - s))\""
-                       for i, line in enumerate(lines))
-    runs: list[list[float]] = [[] for _ in lines]
+    """(section, median seconds) for each call of the host's snapshot, timed in one shell on the host after the
+    snapshot's functions are defined (so later calls see what earlier ones set), `date` read around each."""
+    calls = snapshot_steps(fleet, host)
+    # The ledger reader's lines and the end marker are shell of their own, not calls of the snapshot's functions.
+    functions = set(re.findall(r"^(\w+)\(\)", SCRIPT, re.MULTILINE))
+    names = [call.split(None, 1)[0] if call.split(None, 1)[0] in functions else "(ledger, end)" for call in calls]
+    timed = [f"s=$(date +%s%N); {{ {call}\n}} >/dev/null 2>&1; e=$(date +%s%N); echo \"@@t {i} $((e - s))\""
+             for i, call in enumerate(calls)]
+    command = script(timed)
+    runs: list[list[float]] = [[] for _ in calls]
     for _ in range(repeat):
-        for out in fleet.ssh(host, f"sudo sh -c {shlex.quote(script)}").stdout.splitlines():
+        for out in fleet.ssh(host, f"sudo sh -c {shlex.quote(command)}").stdout.splitlines():
             if out.startswith("@@t "):
                 _, i, ns = out.split()
                 runs[int(i)].append(int(ns) / 1e9)
     totals: dict[str, list[float]] = {}
-    for name, times in zip(names, runs, strict=True):  # setup lines summed per run
+    for name, times in zip(names, runs, strict=True):  # the ledger's lines summed per run
         totals.setdefault(name, [0.0] * repeat)
         totals[name] = [a + b for a, b in zip(totals[name], times, strict=True)]
     return [(name, statistics.median(times)) for name, times in totals.items()]
@@ -129,7 +128,7 @@ def main() -> int:
             # The commands pyinfra sent, then the snapshot (sent on the host lock's own channel, so not traced).
             first = subset[0]
             traced = [e["command"] for e in sent.get(first.name, [])]
-            commands = traced + [f"sudo sh -c {shlex.quote(host_snapshot_command(fleet, first))}"]
+            commands = traced + [f"sudo sh -c {shlex.quote(script(snapshot_steps(fleet, first)))}"]
             # per command position: median over the hosts of the traced run
             trips = [statistics.median(sent[h.name][i]["seconds"] for h in subset
                                        if len(sent.get(h.name, [])) > i) for i in range(len(traced))]

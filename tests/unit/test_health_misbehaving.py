@@ -33,7 +33,9 @@ RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"
 MODELS = (RECORDED / "models-hybrid-align.json").read_bytes()
 METRICS = (RECORDED / "metrics-hybrid-align.txt").read_bytes()
 DEADLINE_S = 1.0
-TIME_BOUND_S = 3 * DEADLINE_S
+# Bounded at all is the point (the floods never end); parsing 40,000 models under tracemalloc on a loaded 2-core
+# machine took 7 s.
+TIME_BOUND_S = 10 * DEADLINE_S
 # What a check may allocate at its peak, whatever the server sends (the floods below send without end): a body
 # up to the 1 MiB cap and what parsing it makes (40,000 model objects), plus paramiko's 2 MiB channel window.
 MEMORY_BOUND = 32 << 20
