@@ -18,8 +18,8 @@ from gpufleet.errors import GpufleetError
 from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_pyinfra_hosts
 from gpufleet.remote.transport import SshTransport
-from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
-from gpufleet.rollout.replicas import FleetHost, Sessions, run
+from gpufleet.rollout.deploy_run import DeployRun, RunSettings, run_deploy
+from gpufleet.rollout.replicas import FleetHost, Sessions, shell
 from gpufleet.sitecache.operations import SITE_CACHE_GROUP
 from gpufleet.vllm.operations.image import pull_stats_file
 
@@ -41,7 +41,7 @@ def pull_order(inventory: str, hosts: Sequence[str]) -> list[list[str]]:
     return [[first], [h for h in hosts if h != first]]
 
 
-def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: Path,
+def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: Path, *,
             log: Path | None = None, timeout_s: float | None = None,
             model_ref: str | None = None) -> tuple[DeployRun, dict[str, str]]:
     """(the run, host -> why it failed to prepare); an empty dict when every host is prepared. model_ref: the
@@ -49,8 +49,8 @@ def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: 
     is ended by its PID (its hosts' locks go with its SSH sessions) and fails every host it ran on. When the first of
     two runs fails, the second is not made: its hosts are not in the dict (not started)."""
     done: DeployRun | None = None
-    for group in pull_order(inventory, hosts):
-        one = run_deploy(inventory, group, RunSettings(image_ref=target_ref, model_ref=model_ref, stage="prepare"),
+    for pulling in pull_order(inventory, hosts):
+        one = run_deploy(inventory, pulling, RunSettings(image_ref=target_ref, model_ref=model_ref, stage="prepare"),
                          deploy_file, log=log, timeout_s=timeout_s)
         done = one if done is None else DeployRun(
             done.hosts + one.hosts, max(done.returncode, one.returncode, key=abs), done.output + one.output,
@@ -73,7 +73,7 @@ def failures(run: DeployRun) -> dict[str, str]:
 
 def _read_stats(host: FleetHost, transport: SshTransport) -> PullStats | None:
     path = pull_stats_file(host.spec.service)
-    rc, out, _ = run(transport, f"cat {shlex.quote(path)} 2>/dev/null || true", root=True)
+    rc, out, _ = shell(transport, f"cat {shlex.quote(path)} 2>/dev/null || true", root=True)
     return PullStats.from_json(out) if rc == 0 and out.strip() else None
 
 

@@ -23,13 +23,13 @@ from gpufleet.health.wait import poll_ready
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry
-from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
+from gpufleet.rollout.context import RolloutContext
+from gpufleet.rollout.deploy_run import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import look, runs_committed
-from gpufleet.rollout.progress import Progress
-from gpufleet.rollout.replicas import FleetHost, Sessions
+from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.report import OK, HostOutcome, Outcome, SpeedResult, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.router.api import RouterError
@@ -65,20 +65,20 @@ class SwapOptions:
     carry: bool = True
     model_ref: str | None = None  # the model's commit every host moves to (gpufleet_model_ref), when it moves
 
-    def group_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
-        """The serving checks a group's deploy run holds the new version to: the canary's; a batch's, speed alone
+    def batch_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
+        """The serving checks a batch's deploy run holds the new version to: the canary's; a batch's, speed alone
         when one of its hosts asks for it (gpufleet_speed_batches), else none."""
         if canary:
             return self.canary_checks
         return (SPEED,) if speed_batch and SPEED in self.canary_checks else ()
 
-    def run_settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None,
+    def run_settings(self, target_ref: str, *, committed: Mapping[str, str | None] | None = None,
                      canary: bool = False, speed_batch: bool = False,
                      speed_baseline: Mapping[str, SpeedFigures] | None = None) -> RunSettings:
         """A batch's deploy run; committed: host -> the digest the rollout read as committed there; speed_baseline:
         host -> the old version's figures, measured there before the swap."""
         return RunSettings(image_ref=target_ref, model_ref=self.model_ref,
-                           verify_checks=self.group_checks(canary, speed_batch),
+                           verify_checks=self.batch_checks(canary, speed_batch),
                            expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed,
                            speed_baseline=speed_baseline)
 
@@ -101,7 +101,7 @@ def replica_batches(order: Sequence[str], hosts: Mapping[str, FleetHost], canary
 
 def held_to(spec: ServeSpec, options: SwapOptions, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
     """The checks a swapped host's deploy run holds the new version to, in the order it sends them."""
-    serving = verify_checks(options.group_checks(canary, speed_batch), options.probe)
+    serving = verify_checks(options.batch_checks(canary, speed_batch), options.probe)
     return (*ANSWER_CHECKS, *Served.from_spec(spec).applicable(serving))
 
 
@@ -132,19 +132,19 @@ def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | Non
     return ()
 
 
-def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
-          downtime_s: float | None, drained: Drained | str | None, held: Sequence[str] = (),
+def judge(host: str, target_ref: str, before: HostLedger, after: HostLedger, run: DeployRun,
+          downtime_s: float | None, drained: Drained | str | None, *, held: Sequence[str] = (),
           speed_before: SpeedFigures | str | None = None, serving: HealthReport | str | None = None) -> HostOutcome:
     """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak);
     updated or rolled back only when `serving` (the check `gpufleet verify` runs, or why it could not) finds the
     committed digest answering. held: the checks the run held it to; speed_before: the old version's figures, or
     why there are none."""
-    outcome = _judged(host, target, before, after, run, downtime_s, drained)
+    outcome = _judged(host, target_ref, before, after, run, downtime_s, drained)
     problem = serving_problem(after, serving) if outcome.outcome in (Outcome.UPDATED, Outcome.ROLLED_BACK) else None
     if problem is not None:
         return replace(outcome, outcome=Outcome.FAILED, detail=one_line(
             f"{outcome.outcome.value} in its ledger, but {problem}" + (f"; {outcome.detail}" if outcome.detail else "")))
-    mark = after.failed_mark(target) if outcome.outcome == Outcome.ROLLED_BACK else None
+    mark = after.failed_mark(target_ref) if outcome.outcome == Outcome.ROLLED_BACK else None
     speed = None
     if SPEED in held:
         committed = after.ledger.committed if after.ledger and outcome.outcome == Outcome.UPDATED else None
@@ -176,83 +176,82 @@ def _serving(host: FleetHost, transport: SshTransport) -> HealthReport:
     return poll_ready(lambda: look(host, transport), AFTER_LOOK_S)
 
 
-def _judged(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
+def _judged(host: str, target_ref: str, before: HostLedger, after: HostLedger, run: DeployRun,
             downtime_s: float | None, drained: Drained | str | None) -> HostOutcome:
     from_ref = before.committed_ref
     drain_note = drained.detail if isinstance(drained, Drained) else (f"drain: {drained}" if drained else "")
     if after.error:
-        return HostOutcome(host, from_ref, target, Outcome.FAILED, downtime_s,
+        return HostOutcome(host, from_ref, target_ref, Outcome.FAILED, downtime_s,
                            f"{after.error}; deploy: {run.summary(host)}")
-    if after.committed_ref == target and after.pending_ref is None:
-        return HostOutcome(host, from_ref, target, Outcome.UPDATED, downtime_s, drain_note)
-    mark = after.failed_mark(target)
+    if after.committed_ref == target_ref and after.pending_ref is None:
+        return HostOutcome(host, from_ref, target_ref, Outcome.UPDATED, downtime_s, drain_note)
+    mark = after.failed_mark(target_ref)
     if mark is not None and after.pending_ref is None and after.committed_ref == from_ref:
-        return HostOutcome(host, from_ref, target, Outcome.ROLLED_BACK, downtime_s,
+        return HostOutcome(host, from_ref, target_ref, Outcome.ROLLED_BACK, downtime_s,
                            f"rolled back to {short(from_ref)}: {mark.reason}")
     state = f"ledger: committed {short(after.committed_ref)}, pending {short(after.pending_ref)}"
-    return HostOutcome(host, from_ref, target, Outcome.FAILED, downtime_s, f"{run.summary(host)} ({state})")
+    return HostOutcome(host, from_ref, target_ref, Outcome.FAILED, downtime_s, f"{run.summary(host)} ({state})")
 
 
-def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], before: Mapping[str, HostLedger],
-         hosts: Mapping[str, FleetHost], sessions: Sessions, routers: Routers, options: SwapOptions,
-         progress: Progress, carry: Carry | None = None) -> list[HostOutcome]:
-    """Swap `order`'s hosts (each to targets[host]); returns an outcome for every one of them. carry: the first
+def swap(ctx: RolloutContext, order: Sequence[str], *, before: Mapping[str, HostLedger], routers: Routers,
+         carry: Carry | None = None) -> list[HostOutcome]:
+    """Swap `order`'s hosts (each to its target ref); returns an outcome for every one of them. carry: the first
     canary's new compile-cache entries go to each later host before its swap (none without a canary), and each
     swapped host's start (warm or cold, time to ready) is read after it."""
+    hosts, options = ctx.hosts, ctx.options
     outcomes: dict[str, HostOutcome] = {}
     canaries = replica_groups.canaries(order, hosts, options.canary)
     # Without a canary nothing is carried (nor from a replica group's, whose caches are each rank's own); each
     # start is still observed.
     carrying = carry if canaries and not replica_groups.in_group(hosts, order[0]) else None
-    for group in replica_batches(order, hosts, options.canary, options.batch):
-        role = "canary" if set(group) <= canaries else "batch"
+    for batch in replica_batches(order, hosts, options.canary, options.batch):
+        role = "canary" if set(batch) <= canaries else "batch"
         if carrying is not None:
-            if order[0] in group:
+            if order[0] in batch:
                 carrying.before_canary(order[0])
             elif role == "batch":
-                carrying.into([h for h in group if not replica_groups.in_group(hosts, h)])
+                carrying.into([h for h in batch if not replica_groups.in_group(hosts, h)])
         # One deploy run per target digest (a rollout has one; `rollback` may send hosts to different ones).
-        for target in dict.fromkeys(targets[h] for h in group):
-            members = [h for h in group if targets[h] == target]
-            swap_group = partial(_swap_group, inventory, members, target, before, hosts, sessions, options, progress,
-                                 role)
-            outcomes.update(_out_of_routers(routers, members, target, before, options, progress, swap_group))
-        if carrying is not None and order[0] in group:
+        for target_ref in dict.fromkeys(ctx.target_refs[h] for h in batch):
+            moving = [h for h in batch if ctx.target_refs[h] == target_ref]
+            swap_batch = partial(_swap_batch, ctx, moving, target_ref, before=before, role=role)
+            outcomes.update(_out_of_routers(ctx, routers, moving, target_ref, before=before, swap_batch=swap_batch))
+        if carrying is not None and order[0] in batch:
             carrying.after_canary(outcomes[order[0]].outcome == Outcome.UPDATED)
         if carry is not None:
-            carry.observe([h for h in group if outcomes[h].outcome == Outcome.UPDATED])
-        if any(outcomes[h].outcome not in OK for h in group):
+            carry.observe([h for h in batch if outcomes[h].outcome == Outcome.UPDATED])
+        if any(outcomes[h].outcome not in OK for h in batch):
             for h in order:
                 if h not in outcomes:
-                    outcomes[h] = HostOutcome(h, before[h].committed_ref, targets[h], Outcome.NOT_STARTED, None,
-                                              "not touched: the rollout stopped at a failed gate")
-                    progress.phase(h, "not started")
+                    outcomes[h] = HostOutcome(h, before[h].committed_ref, ctx.target_refs[h], Outcome.NOT_STARTED,
+                                              None, "not touched: the rollout stopped at a failed gate")
+                    ctx.progress.phase(h, "not started")
             break
     return [outcomes[h] for h in order]
 
 
-def _out_of_routers(routers: Routers, group: list[str], target: str, before: Mapping[str, HostLedger],
-                    options: SwapOptions, progress: Progress,
-                    swap_group: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
-    """swap_group() with the group out of every router; a host a router did not let go is not swapped (the group
+def _out_of_routers(ctx: RolloutContext, routers: Routers, batch: list[str], target_ref: str, *,
+                    before: Mapping[str, HostLedger],
+                    swap_batch: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
+    """swap_batch() with the batch out of every router; a host a router did not let go is not swapped (the batch
     fails). After the swap a host rejoins only once its ledger says committed or rolled back and gpufleet's own check
     finds that version answering (judge); any other stays out, and one a router did not take back fails (the
     rollout stops: it would run short)."""
     # A replica group's ranks other than its head serve no API: the routers know the head only.
-    routed = [h for h in group if h in routers.urls]
+    routed = [h for h in batch if h in routers.urls]
     if routers.routers:
         for h in routed:
-            progress.phase(h, "leaving the router's workers")
+            ctx.progress.phase(h, "leaving the router's workers")
     swapping = False
     try:
-        with routers.out(routed, options.drain_timeout_s):
+        with routers.out(routed, ctx.options.drain_timeout_s):
             swapping = True
-            result = swap_group()
+            result = swap_batch()
     except (RouterError, OSError) as error:
         if swapping:  # the swap's own error, not the routers'
             raise
-        return {h: HostOutcome(h, before[h].committed_ref, target, Outcome.FAILED, None,
-                               one_line(f"not swapped: {error}")) for h in group}
+        return {h: HostOutcome(h, before[h].committed_ref, target_ref, Outcome.FAILED, None,
+                               one_line(f"not swapped: {error}")) for h in batch}
     if not routers.routers:
         return result
     for h in routed:
@@ -264,52 +263,54 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
         if problem is not None:
             result[h] = replace(result[h], outcome=Outcome.FAILED,
                                 detail=one_line(f"{result[h].outcome.value}, but {problem}; {result[h].detail}"))
-            progress.phase(h, result[h].phase)
+            ctx.progress.phase(h, result[h].phase)
     return result
 
 
-def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[str, HostLedger],
-                hosts: Mapping[str, FleetHost], sessions: Sessions, options: SwapOptions, progress: Progress,
+def _swap_batch(ctx: RolloutContext, batch: list[str], target_ref: str, *, before: Mapping[str, HostLedger],
                 role: str) -> dict[str, HostOutcome]:
+    hosts, sessions, options, progress = ctx.hosts, ctx.sessions, ctx.options, ctx.progress
+
     def drain_one(host: FleetHost, transport: SshTransport) -> Drained:
         return drain(transport, host.spec.port, options.drain_timeout_s,
                      on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"),
                      address=host.spec.reach_address)
 
-    workers = [h for h in group if replica_groups.is_worker(hosts, h)]  # a group's head; its ranks serve nothing
+    workers = [h for h in batch if replica_groups.is_worker(hosts, h)]  # a group's head; its ranks serve nothing
     for h in workers:
         progress.phase(h, f"{role}: draining")
     drained = sessions.each(workers, drain_one)
     canary = role == "canary"
-    speed_batch = not canary and any(speed_batches(hosts[h]) for h in group)
+    speed_batch = not canary and any(speed_batches(hosts[h]) for h in batch)
     # The old version measured out of service and drained, on the host and with the workload the new one gets.
     speed_before: dict[str, SpeedFigures | str] = {}
-    if SPEED in options.group_checks(canary, speed_batch):
+    if SPEED in options.batch_checks(canary, speed_batch):
         for h in workers:
             progress.phase(h, f"{role}: measuring the running version's speed")
         speed_before = sessions.each(workers, measure_running)
     watches: dict[str, DowntimeWatch] = {}
-    for h in group:
+    for h in batch:
         # No session to watch through: the downtime is reported as not measured.
         with suppress(TransportError):
             if h in workers:
                 watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port,
                                            address=hosts[h].spec.reach_address).start()
-        progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
-    committed = {h: before[h].committed_ref for h in group if before[h].error is None}
+        progress.phase(h, f"{role}: restarting on {short(target_ref)}, verifying")
+    committed = {h: before[h].committed_ref for h in batch if before[h].error is None}
     baseline = {h: figures for h, figures in speed_before.items() if isinstance(figures, SpeedFigures)}
-    run = run_deploy(inventory, group, options.run_settings(target, committed, canary=canary, speed_batch=speed_batch,
-                                                            speed_baseline=baseline or None),
-                     options.deploy_file, log=options.log, timeout_s=options.stage_timeout_s)
+    settings = options.run_settings(target_ref, committed=committed, canary=canary, speed_batch=speed_batch,
+                                    speed_baseline=baseline or None)
+    run = run_deploy(ctx.inventory, batch, settings, options.deploy_file, log=options.log,
+                     timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
-    after = read_ledgers(sessions, group)
+    after = read_ledgers(sessions, batch)
     # Where the ledger settled: what answers decides the outcome, and with it the rejoin.
-    serving = sessions.each([h for h in group if after[h].error is None and after[h].pending_ref is None], _serving)
+    serving = sessions.each([h for h in batch if after[h].error is None and after[h].pending_ref is None], _serving)
     result = {}
-    for h in group:
-        outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h),
-                        held_to(hosts[h].spec, options, canary, speed_batch) if h in workers else (),
-                        speed_before.get(h), serving.get(h))
+    for h in batch:
+        outcome = judge(h, target_ref, before[h], after[h], run, downtime.get(h), drained.get(h),
+                        held=held_to(hosts[h].spec, options, canary, speed_batch) if h in workers else (),
+                        speed_before=speed_before.get(h), serving=serving.get(h))
         result[h] = outcome
         progress.phase(h, outcome.phase)
     return result

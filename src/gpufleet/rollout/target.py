@@ -28,7 +28,7 @@ from typing import Any
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.image_names import parse
 from gpufleet.remote.transport import SshTransport, TransportError
-from gpufleet.rollout.replicas import FleetHost, Sessions, run
+from gpufleet.rollout.replicas import FleetHost, Sessions, shell
 from gpufleet.vllm import weights
 from gpufleet.vllm.operations.image import pick_digest
 from gpufleet.vllm.settings import merged_settings
@@ -228,7 +228,7 @@ def lookup_error(tool: str, image: str, host: str, rc: int, out: str, err: str) 
 def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Target:
     """The tag's digest through one host's session; raises GpufleetError (one line) for the registry's refusal,
     TransportError when the host cannot be used."""
-    rc, out, err = run(session, PROBE_COMMAND, timeout=PROBE_TIMEOUT_S, root=True)
+    rc, out, err = shell(session, PROBE_COMMAND, timeout=PROBE_TIMEOUT_S, root=True)
     if rc != 0:  # the shell's last word is an echo: only a refused sudo (or a dead shell) fails it
         raise GpufleetError(one_line(f"{host}: cannot run docker as root to look up {image}: "
                                      f"{(err or out).strip()[-200:]} (fix: let the SSH user run sudo -n, as the "
@@ -237,7 +237,7 @@ def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Targ
     listed, failures = None, []
     for tool in tool_order(probe, image):
         command = lookup_command(tool, image, insecure(registry_of(image), probe.registry_config))
-        rc, out, err = run(session, command, timeout=LOOKUP_TIMEOUT_S + 30, root=True)
+        rc, out, err = shell(session, command, timeout=LOOKUP_TIMEOUT_S + 30, root=True)
         if rc != 0:
             failures.append(lookup_error(tool, image, host, rc, out, err))
             continue
@@ -255,7 +255,7 @@ def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Targ
     else:
         because = ("neither docker buildx imagetools nor docker manifest inspect works there (fix: install "
                    "docker-buildx-plugin)")
-    rc, out, err = run(session, resolve_command(image), timeout=PULL_TIMEOUT_S, root=True)
+    rc, out, err = shell(session, resolve_command(image), timeout=PULL_TIMEOUT_S, root=True)
     return Target(digest_from_inspect(image, rc, out, err, host), image, host, None, one_line(because))
 
 
@@ -313,7 +313,7 @@ def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str)
     errors = []
     for host in hosts:
         try:
-            rc, out, err = run(sessions.get(host.name), command, timeout=LOOKUP_TIMEOUT_S, root=True)
+            rc, out, err = shell(sessions.get(host.name), command, timeout=LOOKUP_TIMEOUT_S, root=True)
         except TransportError as e:
             errors.append(one_line(f"{host.name}: {e}"))
             continue

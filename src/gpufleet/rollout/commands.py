@@ -11,6 +11,7 @@ from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_roles
 from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry, CarryResult
+from gpufleet.rollout.context import RolloutContext
 from gpufleet.rollout.gpu import sick_hosts
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import members
@@ -38,84 +39,83 @@ class Result:
         return {o.host: o.start for o in self.outcomes if o.start is not None}
 
 
-def _unreadable(ledgers: Mapping[str, HostLedger], targets: Mapping[str, str]) -> list[HostOutcome] | None:
+def _unreadable(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str]) -> list[HostOutcome] | None:
     """A host whose ledger cannot be read cannot be judged before or after its swap: nothing is started."""
     bad = {h: lg.error for h, lg in ledgers.items() if lg.error}
     if not bad:
         return None
-    return [HostOutcome(h, lg.committed_ref, targets[h], Outcome.FAILED_PREPARE if h in bad else Outcome.NOT_STARTED,
+    return [HostOutcome(h, lg.committed_ref, target_refs[h],
+                        Outcome.FAILED_PREPARE if h in bad else Outcome.NOT_STARTED,
                         None, bad.get(h) or "not started: another host's ledger could not be read")
             for h, lg in ledgers.items()]
 
 
-def _refused(ledgers: Mapping[str, HostLedger], targets: Mapping[str, str], model_ref: str | None) -> str | None:
+def _refused(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str], model_ref: str | None) -> str | None:
     """The target failed on a host before: a rollout does not retry it unless asked to (--retry-failed)."""
     for h, lg in ledgers.items():
-        mark = lg.failed_mark(targets[h], lg.model_at(model_ref))
+        mark = lg.failed_mark(target_refs[h], lg.model_at(model_ref))
         if mark is not None:
-            return one_line(f"{h}: {targets[h]} failed there at {mark.failed_at}: {mark.reason} (fix: roll out "
+            return one_line(f"{h}: {target_refs[h]} failed there at {mark.failed_at}: {mark.reason} (fix: roll out "
                             "another image, or pass --retry-failed to try this one again on purpose)")
     return None
 
 
-def _converge(inventory: str, hosts: Sequence[FleetHost], sessions: Sessions, targets: Mapping[str, str],
-              what: str, options: SwapOptions, confirm: Confirm, progress: Progress) -> Result:
-    names = [h.name for h in hosts]
+def _roll(ctx: RolloutContext, confirm: Confirm) -> Result:
+    names, target_refs, options, progress = ctx.names, ctx.target_refs, ctx.options, ctx.progress
     progress.note("reading each host's ledger")
-    ledgers = read_ledgers(sessions, names)
-    unreadable = _unreadable(ledgers, targets)
+    ledgers = read_ledgers(ctx.sessions, names)
+    unreadable = _unreadable(ledgers, target_refs)
     if unreadable is not None:
-        return Result(what, unreadable, "a ledger could not be read: nothing was changed")
-    if not options.retry_failed and (refusal := _refused(ledgers, targets, options.model_ref)):
+        return Result(ctx.what, unreadable, "a ledger could not be read: nothing was changed")
+    if not options.retry_failed and (refusal := _refused(ledgers, target_refs, options.model_ref)):
         raise GpufleetError(refusal)
-    by_name = {h.name: h for h in hosts}
-    on_target = {h for h in names if ledgers[h].committed_ref == targets[h] and ledgers[h].pending_ref is None
+    on_target = {h for h in names if ledgers[h].committed_ref == target_refs[h] and ledgers[h].pending_ref is None
                  and (options.model_ref is None or (ledgers[h].committed_model or "").endswith("@" + options.model_ref))}
     # A replica group is one replica: done when every rank is, swapped with all its ranks (gpufleet.rollout.group).
-    done = replica_groups.done(on_target, by_name)
-    outcomes = {h: HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.UNCHANGED, None,
+    done = replica_groups.done(on_target, ctx.hosts)
+    outcomes = {h: HostOutcome(h, ledgers[h].committed_ref, target_refs[h], Outcome.UNCHANGED, None,
                                "already committed on the target: not restarted") for h in done}
-    order = replica_groups.expand([h for h in names if h not in done], by_name)
-    serving = [h.name for h in replica_groups.workers(hosts)]  # what the routers route to
+    order = replica_groups.expand([h for h in names if h not in done], ctx.hosts)
+    workers = replica_groups.workers(list(ctx.hosts.values()))
+    serving = [h.name for h in workers]  # what the routers route to
     for h in done:
         progress.phase(h, "unchanged (already on the target)")
     # Never swapped, nor the canary (gpufleet.rollout.gpu); nor any rank of a group with such a rank.
-    sick = replica_groups.skipped(sick_hosts(sessions, order, progress.note), by_name)
+    sick = replica_groups.skipped(sick_hosts(ctx.sessions, order, progress.note), ctx.hosts)
     for h, why in sick.items():
-        outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, targets[h], Outcome.SKIPPED, None, why)
+        outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, target_refs[h], Outcome.SKIPPED, None, why)
         progress.phase(h, outcomes[h].phase)
     order = [h for h in order if h not in sick]
     # Before anything changes: a router that cannot be reached might still send traffic to a host being swapped.
-    router_hosts = load_roles(inventory)[0]
+    router_hosts = load_roles(ctx.inventory)[0]
     if router_hosts:
         progress.note(f"reaching the routers: {', '.join(name for name, _ in router_hosts)}")
+    replicas = [(h.name, dict(h.data)) for h in workers]
     if not order:
-        message = (f"every host already runs {what}: nothing to do" if not sick else
-                   f"{len(sick)} host(s) skipped for their GPUs; the others already run {what}")
+        message = (f"every host already runs {ctx.what}: nothing to do" if not sick else
+                   f"{len(sick)} host(s) skipped for their GPUs; the others already run {ctx.what}")
         try:
-            with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in replica_groups.workers(hosts)]
-                                 ) as routers:
-                _reconcile(routers, sessions, serving, ledgers, progress)
+            with Routers.connect(router_hosts, replicas) as routers:
+                _reconcile(ctx, routers, serving, ledgers)
         except GpufleetError as error:  # nothing to swap: a router out of reach is a warning, not a failure
             message += f"; the routers were not reconciled: {error}"
-        return Result(what, [outcomes[h] for h in names], message)
-    with Routers.connect(router_hosts, [(h.name, dict(h.data)) for h in replica_groups.workers(hosts)]) as routers:
+        return Result(ctx.what, [outcomes[h] for h in names], message)
+    with Routers.connect(router_hosts, replicas) as routers:
         # What a cut run left is settled first: its interrupted hosts (pending) swap first, and a batch counts the
         # replicas in service as the reconcile and the earlier batches will leave them (Routers.capacity_problem),
         # a host skipped for its GPU out of it.
-        belongs = members(sessions, serving, ledgers) if routers.routers else {}
-        order = replica_groups.expand(interrupted_first(order, ledgers), by_name)
-        if problem := routers.capacity_problem(replica_batches(order, by_name, options.canary, options.batch),
+        belongs = members(ctx.sessions, serving, ledgers) if routers.routers else {}
+        order = replica_groups.expand(interrupted_first(order, ledgers), ctx.hosts)
+        if problem := routers.capacity_problem(replica_batches(order, ctx.hosts, options.canary, options.batch),
                                                {**belongs, **dict.fromkeys(sick, False)}):
             raise GpufleetError(problem)
-        if not confirm(what, order):
+        if not confirm(ctx.what, order):
             raise GpufleetError("not confirmed: nothing was changed")
-        _reconcile(routers, sessions, serving, ledgers, progress, belongs)
+        _reconcile(ctx, routers, serving, ledgers, belongs=belongs)
         try:
-            return _prepare_and_swap(inventory, what, ledgers, outcomes, names, order, by_name, sessions, routers,
-                                     targets, options, progress)
+            return _prepare_and_swap(ctx, ledgers=ledgers, outcomes=outcomes, order=order, routers=routers)
         finally:
-            _reconcile(routers, sessions, serving, read_ledgers(sessions, serving), progress)
+            _reconcile(ctx, routers, serving, read_ledgers(ctx.sessions, serving))
 
 
 def interrupted_first(order: Sequence[str], ledgers: Mapping[str, HostLedger]) -> list[str]:
@@ -123,52 +123,52 @@ def interrupted_first(order: Sequence[str], ledgers: Mapping[str, HostLedger]) -
     return sorted(order, key=lambda h: ledgers[h].pending_ref is None)
 
 
-def _reconcile(routers: Routers, sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, HostLedger],
-               progress: Progress, belongs: Mapping[str, bool | None] | None = None) -> None:
+def _reconcile(ctx: RolloutContext, routers: Routers, names: Sequence[str], ledgers: Mapping[str, HostLedger], *,
+               belongs: Mapping[str, bool | None] | None = None) -> None:
     """Every router's worker set made what the replicas' ledgers and health say (gpufleet.rollout.membership)."""
     if not routers.routers:
         return
-    for name, line in routers.reconcile(belongs if belongs is not None else members(sessions, names, ledgers)).items():
-        progress.note(f"{name}: {line}")
+    found = belongs if belongs is not None else members(ctx.sessions, names, ledgers)
+    for name, line in routers.reconcile(found).items():
+        ctx.progress.note(f"{name}: {line}")
 
 
-def _prepare_and_swap(inventory: str, what: str, ledgers: Mapping[str, HostLedger], outcomes: dict[str, HostOutcome],
-                      names: Sequence[str], order: Sequence[str], by_name: Mapping[str, FleetHost],
-                      sessions: Sessions, routers: Routers, targets: Mapping[str, str], options: SwapOptions,
-                      progress: Progress) -> Result:
+def _prepare_and_swap(ctx: RolloutContext, *, ledgers: Mapping[str, HostLedger], outcomes: dict[str, HostOutcome],
+                      order: Sequence[str], routers: Routers) -> Result:
+    options, progress, target_refs = ctx.options, ctx.progress, ctx.target_refs
     prepared: dict[str, str] = {}
     pulls: dict[str, PullStats | None] = {}
-    for target in dict.fromkeys(targets[h] for h in order):
-        group = [h for h in order if targets[h] == target]
-        for h in group:
-            progress.phase(h, f"preparing {short(target)} (pull, model, flag check)")
-        _, failures = prepare(inventory, group, target, options.deploy_file, log=options.log,
+    for target_ref in dict.fromkeys(target_refs[h] for h in order):
+        moving = [h for h in order if target_refs[h] == target_ref]
+        for h in moving:
+            progress.phase(h, f"preparing {short(target_ref)} (pull, model, flag check)")
+        _, failures = prepare(ctx.inventory, moving, target_ref, options.deploy_file, log=options.log,
                               timeout_s=options.stage_timeout_s, model_ref=options.model_ref)
-        pulls.update(pull_stats(sessions, group, target))  # each host's own record of what its pull moved
+        pulls.update(pull_stats(ctx.sessions, moving, target_ref))  # each host's own record of what its pull moved
         prepared.update(failures)
         if failures:
             break
     if prepared:
         for h in order:
-            outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, targets[h],
+            outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, target_refs[h],
                                       Outcome.FAILED_PREPARE if h in prepared else Outcome.NOT_STARTED, None,
                                       prepared.get(h) or "not started: another host failed to prepare",
                                       pull=pulls.get(h))
             progress.phase(h, outcomes[h].phase)
-        return Result(what, [outcomes[h] for h in names], "prepare failed: no host was swapped")
+        return Result(ctx.what, [outcomes[h] for h in ctx.names], "prepare failed: no host was swapped")
     for h in order:
         progress.phase(h, "prepared; waiting for its turn")
-    carry = Carry(sessions, by_name, note=progress.note,
+    carry = Carry(ctx.sessions, ctx.hosts, note=progress.note,
                   turned_off=None if options.carry else "the carry is turned off (--no-carry)")
-    for outcome in swap(inventory, order, targets, ledgers, by_name, sessions, routers, options, progress, carry):
+    for outcome in swap(ctx, order, before=ledgers, routers=routers, carry=carry):
         outcomes[outcome.host] = outcome
     for h in order:
         outcomes[h] = replace(outcomes[h], pull=pulls.get(h), start=carry.results.get(h))
-    return Result(what, [outcomes[h] for h in names])
+    return Result(ctx.what, [outcomes[h] for h in ctx.names])
 
 
 def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: Confirm,
-             progress_for: Callable[[Sequence[str]], Progress], model_revision: str | None = None) -> Result:
+             progress_for: Callable[[Sequence[str]], Progress], *, model_revision: str | None = None) -> Result:
     """model_revision: move the model too, to the commit this revision names now (resolved once, at the start)."""
     hosts = load_fleet(inventory)
     requested = requested_image(hosts, image)  # bad input: one line before any host is contacted
@@ -180,27 +180,30 @@ def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: C
         if model_revision is not None:
             options = replace(options, model_ref=resolve_model(hosts, sessions, model_revision))
             progress.note(f"model: {model_revision} -> {options.model_ref}")
-        targets = {h.name: target.ref for h in hosts}
-        return _converge(inventory, hosts, sessions, targets, target.ref, options, confirm, progress)
+        ctx = RolloutContext(inventory=inventory, hosts={h.name: h for h in hosts}, sessions=sessions,
+                             target_refs=dict.fromkeys([h.name for h in hosts], target.ref), what=target.ref,
+                             options=options, progress=progress)
+        return _roll(ctx, confirm)
 
 
 def previous_targets(ledgers: Mapping[str, HostLedger], to: str | None) -> dict[str, str]:
     """Each host's rollback target: `to`, else the newest earlier committed digest of its ledger."""
-    targets, missing = {}, []
+    target_refs, missing = {}, []
     for h, lg in ledgers.items():
         ref = to or lg.previous_ref()
         if ref is None:
             missing.append(h)
         else:
-            targets[h] = ref
+            target_refs[h] = ref
     if missing:
         raise GpufleetError(one_line(f"{', '.join(missing)}: no earlier committed version in the ledger (fix: pass "
                                      "--to repo@sha256:<digest>; `gpufleet history` lists what ran)"))
-    return targets
+    return target_refs
 
 
-def roll_back(inventory: str, host: str | None, to: str | None, options: SwapOptions, confirm: Confirm,
-              progress_for: Callable[[Sequence[str]], Progress]) -> Result:
+def roll_back(inventory: str, options: SwapOptions, confirm: Confirm,
+              progress_for: Callable[[Sequence[str]], Progress], *, host: str | None = None,
+              to: str | None = None) -> Result:
     hosts = load_fleet(inventory, host)
     if to is not None:
         requested_image(hosts, to)  # same repository, a valid reference
@@ -212,10 +215,11 @@ def roll_back(inventory: str, host: str | None, to: str | None, options: SwapOpt
         bad = [lg.error for lg in ledgers.values() if lg.error]
         if bad:
             raise GpufleetError("; ".join(e for e in bad if e))
-        targets = previous_targets(ledgers, to)
-        rollback = replace(options, canary=0, batch=1)
-        what = to or "each host's previous committed digest"
-        return _converge(inventory, hosts, sessions, targets, what, rollback, confirm, progress)
+        ctx = RolloutContext(inventory=inventory, hosts={h.name: h for h in hosts}, sessions=sessions,
+                             target_refs=previous_targets(ledgers, to),
+                             what=to or "each host's previous committed digest",
+                             options=replace(options, canary=0, batch=1), progress=progress)
+        return _roll(ctx, confirm)
 
 
 def history(inventory: str, host: str | None) -> list[tuple[FleetHost, HostLedger]]:
