@@ -1,5 +1,4 @@
-"""The three commands end to end, as library calls the CLI renders: roll_out (target, ledgers, prepare, swap),
-roll_back (each host to its previous committed digest, or one given) and history (each host's ledger)."""
+"""The rollout, rollback and history commands end to end, as library calls the CLI renders."""
 
 from __future__ import annotations
 
@@ -23,24 +22,23 @@ from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.swap import SwapOptions, replica_batches, swap
 from gpufleet.rollout.target import Target, requested_image, resolve, resolve_model
 
-# Asked once the plan is known, before anything changes: (what, hosts to swap) -> go on?
+# (what, hosts to swap) -> go on? Asked once, before anything changes.
 Confirm = Callable[[str, Sequence[str]], bool]
 
 
 @dataclass(frozen=True)
 class Result:
-    target: str  # the digest (rollout), or "previous" (rollback to each host's own)
+    target: str  # RolloutContext.what
     outcomes: list[HostOutcome]
-    message: str = ""  # one line for the user: what was decided before any host changed, if anything
+    message: str = ""  # what was decided before any host changed, if anything
 
     @property
     def carried(self) -> dict[str, CarryResult]:
-        """Per swapped host: the compile cache carried from the canary (or why not), warm start, time to ready."""
         return {o.host: o.start for o in self.outcomes if o.start is not None}
 
 
 def _unreadable(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str]) -> list[HostOutcome] | None:
-    """A host whose ledger cannot be read cannot be judged before or after its swap: nothing is started."""
+    """Outcomes when a ledger cannot be read: nothing is started, as no host could be judged."""
     bad = {h: lg.error for h, lg in ledgers.items() if lg.error}
     if not bad:
         return None
@@ -51,7 +49,7 @@ def _unreadable(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str
 
 
 def _refused(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str], model_ref: str | None) -> str | None:
-    """The target failed on a host before: a rollout does not retry it unless asked to (--retry-failed)."""
+    """The refusal when the target failed on a host before and --retry-failed is not given."""
     for h, lg in ledgers.items():
         mark = lg.failed_mark(target_refs[h], lg.model_at(model_ref))
         if mark is not None:
@@ -71,7 +69,7 @@ def _roll(ctx: RolloutContext, confirm: Confirm) -> Result:
         raise GpufleetError(refusal)
     on_target = {h for h in names if ledgers[h].committed_ref == target_refs[h] and ledgers[h].pending_ref is None
                  and (options.model_ref is None or (ledgers[h].committed_model or "").endswith("@" + options.model_ref))}
-    # A replica group is one replica: done when every rank is, swapped with all its ranks (gpufleet.rollout.group).
+    # A replica group is done when every rank is.
     done = replica_groups.done(on_target, ctx.hosts)
     outcomes = {h: HostOutcome(h, ledgers[h].committed_ref, target_refs[h], Outcome.UNCHANGED, None,
                                "already committed on the target: not restarted") for h in done}
@@ -80,13 +78,13 @@ def _roll(ctx: RolloutContext, confirm: Confirm) -> Result:
     serving = [h.name for h in workers]  # what the routers route to
     for h in done:
         progress.phase(h, "unchanged (already on the target)")
-    # Never swapped, nor the canary (gpufleet.rollout.gpu); nor any rank of a group with such a rank.
+    # Skipped with every rank of its replica group.
     sick = replica_groups.skipped(sick_hosts(ctx.sessions, order, progress.note), ctx.hosts)
     for h, why in sick.items():
         outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, target_refs[h], Outcome.SKIPPED, None, why)
         progress.phase(h, outcomes[h].phase)
     order = [h for h in order if h not in sick]
-    # Before anything changes: a router that cannot be reached might still send traffic to a host being swapped.
+    # Before anything changes: a router out of reach might still send traffic to a host being swapped.
     router_hosts = load_roles(ctx.inventory)[0]
     if router_hosts:
         progress.note(f"reaching the routers: {', '.join(name for name, _ in router_hosts)}")
@@ -97,13 +95,11 @@ def _roll(ctx: RolloutContext, confirm: Confirm) -> Result:
         try:
             with Routers.connect(router_hosts, replicas) as routers:
                 _reconcile(ctx, routers, serving, ledgers)
-        except GpufleetError as error:  # nothing to swap: a router out of reach is a warning, not a failure
+        except GpufleetError as error:  # nothing to swap: a warning, not a failure
             message += f"; the routers were not reconciled: {error}"
         return Result(ctx.what, [outcomes[h] for h in names], message)
     with Routers.connect(router_hosts, replicas) as routers:
-        # What a cut run left is settled first: its interrupted hosts (pending) swap first, and a batch counts the
-        # replicas in service as the reconcile and the earlier batches will leave them (Routers.capacity_problem),
-        # a host skipped for its GPU out of it.
+        # A cut run's pending hosts swap first; a host skipped for its GPU counts as out of service.
         belongs = members(ctx.sessions, serving, ledgers) if routers.routers else {}
         order = replica_groups.expand(interrupted_first(order, ledgers), ctx.hosts)
         if problem := routers.capacity_problem(replica_batches(order, ctx.hosts, options.canary, options.batch),
@@ -119,13 +115,12 @@ def _roll(ctx: RolloutContext, confirm: Confirm) -> Result:
 
 
 def interrupted_first(order: Sequence[str], ledgers: Mapping[str, HostLedger]) -> list[str]:
-    """The hosts a cut run left pending (out of the routers, unverified) before the others, each group in order."""
+    """The hosts a cut run left pending before the others, each in order."""
     return sorted(order, key=lambda h: ledgers[h].pending_ref is None)
 
 
 def _reconcile(ctx: RolloutContext, routers: Routers, names: Sequence[str], ledgers: Mapping[str, HostLedger], *,
                belongs: Mapping[str, bool | None] | None = None) -> None:
-    """Every router's worker set made what the replicas' ledgers and health say (gpufleet.rollout.membership)."""
     if not routers.routers:
         return
     found = belongs if belongs is not None else members(ctx.sessions, names, ledgers)
@@ -169,9 +164,9 @@ def _prepare_and_swap(ctx: RolloutContext, *, ledgers: Mapping[str, HostLedger],
 
 def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: Confirm,
              progress_for: Callable[[Sequence[str]], Progress], *, model_revision: str | None = None) -> Result:
-    """model_revision: move the model too, to the commit this revision names now (resolved once, at the start)."""
+    """model_revision: move the model too, to the commit it names now."""
     hosts = load_fleet(inventory)
-    requested = requested_image(hosts, image)  # bad input: one line before any host is contacted
+    requested = requested_image(hosts, image)  # bad input fails before any host is contacted
     with Sessions(hosts) as sessions, progress_for([h.name for h in hosts]) as progress:
         progress.note(f"resolving {requested} to one digest")
         target: Target = resolve(hosts, sessions, image)
@@ -187,7 +182,7 @@ def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: C
 
 
 def previous_targets(ledgers: Mapping[str, HostLedger], to: str | None) -> dict[str, str]:
-    """Each host's rollback target: `to`, else the newest earlier committed digest of its ledger."""
+    """Each host's rollback target ref: `to`, else its ledger's newest earlier committed digest."""
     target_refs, missing = {}, []
     for h, lg in ledgers.items():
         ref = to or lg.previous_ref()

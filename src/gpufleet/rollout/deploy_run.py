@@ -1,8 +1,5 @@
-"""One run of the deploy (deploys/qwen35.py through the pyinfra CLI) on some hosts, with the rollout's settings
-(RunSettings) passed as `--data key=value`: the same preflight, lock, ledger and verify as a plain converge. What
-each host's run came to is read from the result file the run writes at exit (gpufleet.harness.result), never from
-its printed output; a run that wrote none (killed, timed out, crashed while loading) fails each of its hosts on one
-line."""
+"""One run of the deploy through the pyinfra CLI on some hosts, with the rollout's RunSettings as `--data`. What
+each host's run came to is read from the run's result file (gpufleet.harness.result), never from its output."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def default_deploy_file() -> Path:
-    """deploys/qwen35.py of the working directory (a checkout, as the README runs pyinfra), else of the checkout
-    this package is installed from, else the copy shipped in the package (an installed wheel, no checkout)."""
+    """deploys/qwen35.py of the working directory, else of the checkout installed from, else the packaged copy."""
     here = DEPLOY_FILE
     if here.is_file():
         return here
@@ -67,11 +63,10 @@ def pyinfra_command() -> str:
 class DeployRun:
     hosts: tuple[str, ...]
     returncode: int
-    output: str  # stdout and stderr together, colours stripped: for the log and a reader, never parsed
+    output: str  # stdout and stderr, colours stripped; never parsed
     seconds: float
-    # host -> what the run's result file says of it; empty when the run wrote none
-    results: Mapping[str, HostResult] = field(default_factory=dict)
-    # host -> the one line to give when the run has no result for it (a time limit passed, not in the inventory)
+    results: Mapping[str, HostResult] = field(default_factory=dict)  # empty when the run wrote no result file
+    # host -> the line to give when the run has no result for it
     ended: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -79,9 +74,7 @@ class DeployRun:
         return self.returncode == 0
 
     def problems(self, host: str) -> list[str]:
-        """Why `host` did not converge, one line each: its result's problems; [] when it converged or had none of
-        its own (the run stopped for another host). A host the run has no result for fails on one line when the run
-        failed: the exit code, and where its error is."""
+        """Why `host` did not converge, one line each; [] when it did or only another host failed."""
         result = self.results.get(host)
         if result is not None:
             return [] if result.ok else list(result.problems)
@@ -91,7 +84,6 @@ class DeployRun:
                 "host (fix: see why in the deploy output, --log)"]
 
     def summary(self, host: str) -> str:
-        """problems() on one line, else what the run says of the host without naming a problem."""
         found = self.problems(host)
         if found:
             return " | ".join(found)
@@ -102,20 +94,18 @@ class DeployRun:
 
 
 def dies_with_parent() -> Callable[[], None]:
-    """A preexec_fn for a child that must die with this process: a killed controller must not leave a deploy running
-    on its own (its SSH sessions close, each host's lock frees at once: gpufleet.hostlock; the re-run resumes from
-    the ledgers). prctl is looked up here, in the parent: dlopen in the forked child of a threaded process may hang."""
+    """A preexec_fn killing the child with this process, so a killed controller leaves no deploy running alone.
+    prctl is looked up in the parent: dlopen in the forked child of a threaded process may hang."""
     parent = os.getpid()
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: nothing to ask the kernel for
+    except (OSError, AttributeError):  # not Linux
         prctl = None
 
     def in_child() -> None:
         if prctl is not None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        # A parent killed between the fork and the line above sent no signal (a busy host may run the child only
-        # after it): the child has been reparented then, and ends here, before pyinfra starts.
+        # A parent killed before prctl sent no signal: the reparented child ends here.
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -124,24 +114,21 @@ def dies_with_parent() -> Callable[[], None]:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What the rollout sets for one deploy run, over each host's own settings. A field left at its default is not
-    passed, so the host's own value stands (a flag is only ever turned on for a run).
+    """What the rollout sets for one deploy run; a field left at its default leaves the host's own value.
 
     >>> RunSettings(image_ref="repo@sha256:ab", stage="prepare").data_args()
     ['--data', 'gpufleet_image_ref=repo@sha256:ab', '--data', 'gpufleet_stage=prepare']
     """
 
-    image_ref: str | None = None  # the digest every host of the run installs (repo@sha256:<64 hex>)
-    model_ref: str | None = None  # the model's commit every host of the run installs (40 hex), when it moves
-    stage: Stage | None = None  # "prepare" stops before the unit: nothing restarts
-    # The serving checks a new version is held to (gpufleet.wire.checks): () none of them, beside the answers
-    verify_checks: tuple[str, ...] | None = None
-    # host -> the digest its ledger had committed as the rollout read it (None: nothing): the deploy refuses a host
-    # whose ledger says otherwise by the time it holds the host's lock (another run changed it in between)
+    image_ref: str | None = None
+    model_ref: str | None = None  # the model's commit (40 hex), when it moves
+    stage: Stage | None = None
+    verify_checks: tuple[str, ...] | None = None  # (): none beside the answers
+    # host -> its committed digest as the rollout read it; the deploy refuses a host whose ledger moved since
     expect_committed: Mapping[str, str | None] | None = None
-    verify_probe: bool = False  # hold every host to the prompt re-processing probe too
-    retry_failed: bool = False  # install the version again though it failed verification there before
-    # host -> the old version's speed figures, measured there before the swap: the speed check holds the new to them
+    verify_probe: bool = False
+    retry_failed: bool = False
+    # host -> the old version's figures, measured before the swap
     speed_baseline: Mapping[str, SpeedFigures] | None = None
 
     def __post_init__(self) -> None:
@@ -152,8 +139,7 @@ class RunSettings:
             raise ValueError(f"unknown check {', '.join(unknown)} (known: {', '.join(SERVING_CHECKS)})")
 
     def data_args(self) -> list[str]:
-        """pyinfra's `--data NAME=TEXT` for each field set, named by gpufleet.defaults, in the text pyinfra parses
-        back to the value (true, JSON; a list of checks as the setting takes it)."""
+        """pyinfra's `--data NAME=TEXT` for each field set, in the text pyinfra parses back to the value."""
         checks = None if self.verify_checks is None else ",".join(self.verify_checks) or "none"
         committed = (None if self.expect_committed is None
                      else json.dumps(dict(self.expect_committed), separators=(",", ":")))
@@ -174,9 +160,8 @@ class RunSettings:
 
 def run_deploy(inventory: str, hosts: Sequence[str], settings: RunSettings, deploy_file: Path, *,
                log: Path | None = None, timeout_s: float | None = None) -> DeployRun:
-    """pyinfra -y INVENTORY DEPLOY --limit h1,h2 --data k=v ...; its output is kept (and appended to `log`), its
-    result file read."""
-    # One --limit per host: pyinfra reads each as one name pattern (a comma-separated list matches nothing).
+    """pyinfra -y INVENTORY DEPLOY --limit h ... --data k=v ...; its output appended to `log`."""
+    # One --limit per host: pyinfra reads a comma-separated list as one pattern.
     limits = [arg for host in hosts for arg in ("--limit", host)]
     argv = [pyinfra_command(), "-y", inventory, str(deploy_file), *limits, *settings.data_args()]
     start, started_at = time.monotonic(), time.time()
@@ -189,7 +174,6 @@ def run_deploy(inventory: str, hosts: Sequence[str], settings: RunSettings, depl
                                   timeout=timeout_s, preexec_fn=dies_with_parent())
             rc, output = proc.returncode, proc.stdout
         except subprocess.TimeoutExpired as e:
-            # subprocess.run has killed the run by its PID: its SSH sessions closed, each host's lock with them.
             raw = e.stdout or ""
             rc, output = 124, (raw.decode(errors="replace") if isinstance(raw, bytes) else raw)
             ended = {host: f"{host}: failed: the deploy run passed its time limit of {timeout_s:g} s and was ended, "
@@ -198,22 +182,20 @@ def run_deploy(inventory: str, hosts: Sequence[str], settings: RunSettings, depl
         results = None if ended else read_result(where)
     output = _ANSI.sub("", output)
     if results is not None:
-        # A host of the run that its result does not list is one the inventory does not name: never done.
         missing = {host: f"{host}: the run's result does not list it: the inventory names no such host (fix: check "
                    "the name against the inventory)" for host in hosts if host not in results}
         ended.update(missing)
         rc = 1 if missing and rc == 0 else rc
     elif rc == 0:
-        # pyinfra exits 0 having run nothing when no host matched: never read as "prepared" or "swapped".
+        # pyinfra exits 0 having run nothing when no host matched.
         ended = {host: f"{host}: the deploy run exited 0 without writing its result: it ran nothing (no host of the "
                  "inventory matched, or the deploy file does not call gpufleet.harness.register_deploy_file)"
                  for host in hosts}
         rc = 1
-    if ended:  # the log says what the rollout read of these hosts
+    if ended:
         output += "".join(f"\n{line}" for line in ended.values()) + "\n"
     if log is not None:
-        # The run's wall-clock window (epoch seconds) is part of the record: what happened on a host, and what the
-        # registry served it, can be put inside or outside a swap from the log alone.
+        # The epoch window places host and registry events inside or outside a swap from the log alone.
         with log.open("a") as f:
             f.write(f"$ {' '.join(argv)}\n{output}\n[exit {rc}; started {started_at:.3f}; ended {time.time():.3f}]\n")
     return DeployRun(tuple(hosts), rc, output, time.monotonic() - start, results or {}, ended)

@@ -1,9 +1,5 @@
-"""The swap loop: the canary first, then batches of --batch hosts. Per batch: drain each host, one deploy run
-limited to the batch with gpufleet_image_ref = the target (restart, the deploy's verify and soak, commit or roll
-back, all by the deploy), its downtime watched from here, then each host's outcome read from its ledger and from
-what answers there (a rollback is judged by what runs afterwards, not by its mark). Around
-all of that, the batch is out of every router's worker set (gpufleet.rollout.routers). The first host that is not
-updated stops the rollout: the hosts after it are not touched."""
+"""The swap loop: the canary, then batches of --batch hosts, each out of the routers, drained, deployed and judged
+from its ledger and what answers (docs/rollout.md). The first host not updated stops the rollout."""
 
 from __future__ import annotations
 
@@ -41,7 +37,7 @@ from gpufleet.wire.speed import SpeedFigures
 
 T = TypeVar("T")
 STAGE_TIMEOUT_S = 4 * 3600.0
-# Outcomes whose ledger says committed (the target, or the version before it): such a replica serves again.
+# The ledger says committed (the target, or the version before it): such a replica serves again.
 SETTLED = (Outcome.UPDATED, Outcome.UNCHANGED, Outcome.ROLLED_BACK)
 
 
@@ -51,23 +47,18 @@ class SwapOptions:
     canary: int = 1
     batch: int = 1
     probe: bool = False  # every host gated on the prompt re-processing probe too
-    # The serving checks the canary is held to (gpufleet.health.serving), each where its settings apply; the hosts
-    # after it, which run the version the canary proved, are held to a completion, plain and streamed, and the soak
-    # (and to speed where gpufleet_speed_batches asks, unless it is left out here).
+    # The canary's serving checks; later batches run the version it proved and get only speed, where asked.
     canary_checks: tuple[str, ...] = SERVING_CHECKS
     retry_failed: bool = False
     drain_timeout_s: float = 120.0
     log: Path | None = None
-    # The most one deploy run (a prepare, a batch's swap) may take before it is ended by its PID: a hung pull or a
-    # stalled host must not hold every host's lock forever. Long enough for a 28 GB pull on a home line.
+    # A hung pull or stalled host must not hold every host's lock forever.
     stage_timeout_s: float = STAGE_TIMEOUT_S
-    # Carry the canary's new compile-cache entries to each later host before its swap (gpufleet.rollout.carry).
-    carry: bool = True
-    model_ref: str | None = None  # the model's commit every host moves to (gpufleet_model_ref), when it moves
+    carry: bool = True  # the canary's compile cache to each later host
+    model_ref: str | None = None  # the model's commit every host moves to, when it moves
 
     def batch_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
-        """The serving checks a batch's deploy run holds the new version to: the canary's; a batch's, speed alone
-        when one of its hosts asks for it (gpufleet_speed_batches), else none."""
+        """The serving checks a batch's deploy run holds the new version to."""
         if canary:
             return self.canary_checks
         return (SPEED,) if speed_batch and SPEED in self.canary_checks else ()
@@ -75,8 +66,6 @@ class SwapOptions:
     def run_settings(self, target_ref: str, *, committed: Mapping[str, str | None] | None = None,
                      canary: bool = False, speed_batch: bool = False,
                      speed_baseline: Mapping[str, SpeedFigures] | None = None) -> RunSettings:
-        """A batch's deploy run; committed: host -> the digest the rollout read as committed there; speed_baseline:
-        host -> the old version's figures, measured there before the swap."""
         return RunSettings(image_ref=target_ref, model_ref=self.model_ref,
                            verify_checks=self.batch_checks(canary, speed_batch),
                            expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed,
@@ -84,8 +73,7 @@ class SwapOptions:
 
 
 def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
-    """The canary hosts, then the rest, in groups of at most `batch`: never more than `batch` hosts out of service,
-    the canary included."""
+    """The canary hosts, then the rest, in batches of at most `batch`, the canary included."""
     if batch < 1 or canary < 0:
         raise ValueError("batch must be >= 1 and canary >= 0")
     first, rest = list(names[:canary]), list(names[canary:])
@@ -94,36 +82,33 @@ def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
 
 
 def replica_batches(order: Sequence[str], hosts: Mapping[str, FleetHost], canary: int, batch: int) -> list[list[str]]:
-    """batches() of the rollout's replicas (a replica group once, with all its ranks), each as its hosts."""
+    """batches() of replicas, a replica group counted once and listed with all its ranks."""
     return [[name for unit in chunk for name in unit]
             for chunk in batches(replica_groups.units(order, hosts), canary, batch)]
 
 
 def held_to(spec: ServeSpec, options: SwapOptions, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
-    """The checks a swapped host's deploy run holds the new version to, in the order it sends them."""
+    """The checks a swapped host's deploy run holds the new version to, in order."""
     serving = verify_checks(options.batch_checks(canary, speed_batch), options.probe)
     return (*ANSWER_CHECKS, *Served.from_spec(spec).applicable(serving))
 
 
 def speed_batches(host: FleetHost) -> bool:
-    """Whether the host's settings hold it to the speed check when it swaps after the canary."""
     value = merged_settings(host.data)[SPEED_BATCHES_SETTING]
     return value is True or str(value).lower() == "true"
 
 
 def measure_running(host: FleetHost, transport: SshTransport) -> SpeedFigures:
-    """The running (old) version's speed figures, over the rollout's session, from its container as the deploy's
-    checks reach it (the API key goes to that container only); GpufleetError saying why none."""
+    """The running version's speed figures; raises GpufleetError saying why none."""
     try:
         expected = reached(Expected.from_spec(host.spec), transport.container(host.spec.service))
         return measure(transport, expected, Served.from_spec(host.spec), api_key=host.api_key)
-    except Exception as error:  # no baseline: the new version's figures are recorded, not compared
+    except Exception as error:  # the new version's figures are then recorded, not compared
         raise GpufleetError(f"the running version could not be measured: {type(error).__name__}: {error}") from error
 
 
 def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | None) -> tuple[tuple[str, bool], ...]:
-    """Per check, passed or failed, from the outcome: all passed when committed; on a rollback that names its
-    check, the ones before it passed and the ones after it never ran; otherwise unknown."""
+    """Per check, passed or failed, as far as the outcome tells; checks after a failed one never ran."""
     if outcome == Outcome.UPDATED:
         return tuple((name, True) for name in held)
     if failed_check is not None and failed_check in held:
@@ -135,10 +120,8 @@ def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | Non
 def judge(host: str, target_ref: str, before: HostLedger, after: HostLedger, run: DeployRun,
           downtime_s: float | None, drained: Drained | str | None, *, held: Sequence[str] = (),
           speed_before: SpeedFigures | str | None = None, serving: HealthReport | str | None = None) -> HostOutcome:
-    """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak);
-    updated or rolled back only when `serving` (the check `gpufleet verify` runs, or why it could not) finds the
-    committed digest answering. held: the checks the run held it to; speed_before: the old version's figures, or
-    why there are none."""
+    """The host's outcome from its ledger after the run; updated or rolled back only when `serving` finds the
+    committed digest answering."""
     outcome = _judged(host, target_ref, before, after, run, downtime_s, drained)
     problem = serving_problem(after, serving) if outcome.outcome in (Outcome.UPDATED, Outcome.ROLLED_BACK) else None
     if problem is not None:
@@ -155,7 +138,7 @@ def judge(host: str, target_ref: str, before: HostLedger, after: HostLedger, run
 
 
 def serving_problem(after: HostLedger, serving: HealthReport | str | None) -> str | None:
-    """Why what answers is not the ledger's committed version, ready; None when it is (or was not looked at)."""
+    """Why what answers is not the ledger's committed version, ready; None when it is or was not looked at."""
     if serving is None:
         return None
     if isinstance(serving, str):
@@ -168,7 +151,7 @@ def serving_problem(after: HostLedger, serving: HealthReport | str | None) -> st
     return None
 
 
-# How long a swapped host is looked at while a look says nothing yet (a blip, a start under way).
+# How long a swapped host is looked at while it says nothing yet.
 AFTER_LOOK_S = 30.0
 
 
@@ -195,14 +178,11 @@ def _judged(host: str, target_ref: str, before: HostLedger, after: HostLedger, r
 
 def swap(ctx: RolloutContext, order: Sequence[str], *, before: Mapping[str, HostLedger], routers: Routers,
          carry: Carry | None = None) -> list[HostOutcome]:
-    """Swap `order`'s hosts (each to its target ref); returns an outcome for every one of them. carry: the first
-    canary's new compile-cache entries go to each later host before its swap (none without a canary), and each
-    swapped host's start (warm or cold, time to ready) is read after it."""
+    """Swap `order`'s hosts, each to its target ref; an outcome for every one of them."""
     hosts, options = ctx.hosts, ctx.options
     outcomes: dict[str, HostOutcome] = {}
     canaries = replica_groups.canaries(order, hosts, options.canary)
-    # Without a canary nothing is carried (nor from a replica group's, whose caches are each rank's own); each
-    # start is still observed.
+    # A replica group's caches are each rank's own: nothing carried from it. Starts are still observed.
     carrying = carry if canaries and not replica_groups.in_group(hosts, order[0]) else None
     for batch in replica_batches(order, hosts, options.canary, options.batch):
         role = "canary" if set(batch) <= canaries else "batch"
@@ -211,7 +191,7 @@ def swap(ctx: RolloutContext, order: Sequence[str], *, before: Mapping[str, Host
                 carrying.before_canary(order[0])
             elif role == "batch":
                 carrying.into([h for h in batch if not replica_groups.in_group(hosts, h)])
-        # One deploy run per target digest (a rollout has one; `rollback` may send hosts to different ones).
+        # One deploy run per target ref: `rollback` may send hosts to different ones.
         for target_ref in dict.fromkeys(ctx.target_refs[h] for h in batch):
             moving = [h for h in batch if ctx.target_refs[h] == target_ref]
             swap_batch = partial(_swap_batch, ctx, moving, target_ref, before=before, role=role)
@@ -233,11 +213,8 @@ def swap(ctx: RolloutContext, order: Sequence[str], *, before: Mapping[str, Host
 def _out_of_routers(ctx: RolloutContext, routers: Routers, batch: list[str], target_ref: str, *,
                     before: Mapping[str, HostLedger],
                     swap_batch: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
-    """swap_batch() with the batch out of every router; a host a router did not let go is not swapped (the batch
-    fails). After the swap a host rejoins only once its ledger says committed or rolled back and gpufleet's own check
-    finds that version answering (judge); any other stays out, and one a router did not take back fails (the
-    rollout stops: it would run short)."""
-    # A replica group's ranks other than its head serve no API: the routers know the head only.
+    """swap_batch() with the batch out of every router; a host rejoins only when judged settled (SETTLED)."""
+    # The routers know a replica group's head only.
     routed = [h for h in batch if h in routers.urls]
     if routers.routers:
         for h in routed:
@@ -282,7 +259,7 @@ def _swap_batch(ctx: RolloutContext, batch: list[str], target_ref: str, *, befor
     drained = sessions.each(workers, drain_one)
     canary = role == "canary"
     speed_batch = not canary and any(speed_batches(hosts[h]) for h in batch)
-    # The old version measured out of service and drained, on the host and with the workload the new one gets.
+    # Measured drained, on the host and workload the new version gets.
     speed_before: dict[str, SpeedFigures | str] = {}
     if SPEED in options.batch_checks(canary, speed_batch):
         for h in workers:
@@ -290,7 +267,6 @@ def _swap_batch(ctx: RolloutContext, batch: list[str], target_ref: str, *, befor
         speed_before = sessions.each(workers, measure_running)
     watches: dict[str, DowntimeWatch] = {}
     for h in batch:
-        # No session to watch through: the downtime is reported as not measured.
         with suppress(TransportError):
             if h in workers:
                 watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port,
@@ -304,7 +280,7 @@ def _swap_batch(ctx: RolloutContext, batch: list[str], target_ref: str, *, befor
                      timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, batch)
-    # Where the ledger settled: what answers decides the outcome, and with it the rejoin.
+    # Where the ledger settled, what answers decides the outcome and the rejoin.
     serving = sessions.each([h for h in batch if after[h].error is None and after[h].pending_ref is None], _serving)
     result = {}
     for h in batch:
