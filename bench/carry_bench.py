@@ -6,7 +6,7 @@ cache entry is absent (docs/compile-cache.md).
     sudo .venv/bin/python bench/carry_bench.py [--hosts 4] [--compile-seconds 15]
 
 Boots its own fleet (bridge gf-cbench, 10.213.9.0/24, state /var/lib/gpufleet/cbench), converges the hosts on a
-tag of its own (= `good`), moves the tag to `good-next` and runs the rollout (gpufleet.rollout.run.roll_out, in this
+tag of its own (= `good`), moves the tag to `good-next` and runs the rollout (gpufleet.rollout.commands.roll_out, in this
 process, so each host's CarryResult is at hand). Reported per host: bytes carried, warm or cold, time to ready
 (container start to listening, from docker on the host) and downtime. Stops the fleet at the end, also on errors.
 Writes bench/results/carry-<UTC time>.json.
@@ -23,8 +23,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from gpufleet.rollout.commands import roll_out
 from gpufleet.rollout.progress import Progress
-from gpufleet.rollout.run import roll_out
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.sandbox.config import FleetConfig, H200x3
 from gpufleet.sandbox.fleet import Fleet

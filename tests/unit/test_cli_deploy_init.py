@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import gpufleet.rollout.deploy as rollout_deploy
+import gpufleet.rollout.deploy_run as rollout_deploy
 from gpufleet.cli import deploy as deploy_cli
 from gpufleet.cli import main
 from gpufleet.cli.init import parallel_sizes

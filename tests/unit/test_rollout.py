@@ -32,9 +32,10 @@ from gpufleet.health.check import HealthReport, HealthState
 from gpufleet.hostlock import process_ended
 from gpufleet.hoststate import ledger
 from gpufleet.remote.transport import ContainerInfo
-from gpufleet.rollout import deploy as rollout_deploy
+from gpufleet.rollout import deploy_run as rollout_deploy
 from gpufleet.rollout.carry import CarryResult
-from gpufleet.rollout.deploy import DeployRun, RunSettings
+from gpufleet.rollout.commands import interrupted_first, previous_targets
+from gpufleet.rollout.deploy_run import DeployRun, RunSettings
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
 from gpufleet.rollout.ledgers import parse_read
@@ -43,7 +44,6 @@ from gpufleet.rollout.prepare import failures, prepare
 from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.rollout.report import HostOutcome, Outcome, SpeedResult, succeeded, table
 from gpufleet.rollout.routers import Routers
-from gpufleet.rollout.run import interrupted_first, previous_targets
 from gpufleet.rollout.swap import SwapOptions, batches, judge
 from gpufleet.rollout.target import digest_from_inspect, requested_image
 from gpufleet.router.api import Router, RouterError
@@ -140,7 +140,7 @@ def test_a_swap_run_names_each_hosts_committed_digest_as_the_deploy_reads_it():
     from gpufleet.hoststate.rules import changed_since_read
 
     read = {"gpu1": OLD, "gpu2": None}
-    args = SwapOptions(Path("deploys/qwen35.py")).run_settings(NEW, read).data_args()
+    args = SwapOptions(Path("deploys/qwen35.py")).run_settings(NEW, committed=read).data_args()
     key, _, value = args[args.index("--data", 4) + 1].partition("=")
     expected = parse_cli_arg(value)  # what pyinfra's --data hands the deploy
     assert (key, expected) == ("gpufleet_expect_committed", read)
@@ -386,7 +386,7 @@ def test_cli_refuses_bad_input_with_one_line_before_anything(tmp_path):
 
 # --- the deploy run, through the real pyinfra CLI (hosts @local: nothing leaves this machine) --------------------
 def test_deploy_run_limits_to_each_named_host_and_a_limit_matching_nothing_fails(tmp_path):
-    from gpufleet.rollout.deploy import run_deploy
+    from gpufleet.rollout.deploy_run import run_deploy
 
     inventory = tmp_path / "inv.py"
     inventory.write_text("hosts = [('@local', {'marker': 'one'})]\n")
@@ -602,6 +602,7 @@ class Phases:
 
 
 def test_after_its_swap_a_replica_rejoins_only_when_committed_or_rolled_back():
+    from gpufleet.rollout.context import RolloutContext
     from gpufleet.rollout.swap import _out_of_routers
 
     router = FakeRouter("r1", URLS.values())
@@ -610,8 +611,10 @@ def test_after_its_swap_a_replica_rejoins_only_when_committed_or_rolled_back():
     outcomes = {"h1": HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.0),
                 "h2": HostOutcome("h2", OLD, NEW, Outcome.ROLLED_BACK, 3.0, "rolled back to ...: dead"),
                 "h3": HostOutcome("h3", OLD, NEW, Outcome.FAILED, None, "lost the SSH connection (ledger: pending)")}
-    options = SwapOptions(deploy_file=Path("deploys/qwen35.py"))
-    result = _out_of_routers(routers, ["h1", "h2", "h3"], NEW, before, options, Phases(), lambda: dict(outcomes))
+    ctx = RolloutContext(inventory="inv.py", hosts={}, sessions=Sessions([]), target_refs=dict.fromkeys(URLS, NEW),
+                         what=NEW, options=SwapOptions(deploy_file=Path("deploys/qwen35.py")),
+                         progress=Phases())  # type: ignore[arg-type]
+    result = _out_of_routers(ctx, routers, ["h1", "h2", "h3"], NEW, before=before, swap_batch=lambda: dict(outcomes))
     assert router.workers == {URLS["h1"], URLS["h2"]}  # the one that ended neither stays out
     assert result["h1"] == outcomes["h1"] and result["h2"] == outcomes["h2"]
     assert result["h3"].outcome is Outcome.FAILED
@@ -622,7 +625,7 @@ def test_after_its_swap_a_replica_rejoins_only_when_committed_or_rolled_back():
 def test_rollout_carries_the_canarys_compile_cache_unless_told_not_to(tmp_path, monkeypatch, flags, carry):
     import importlib
 
-    from gpufleet.rollout.run import Result
+    from gpufleet.rollout.commands import Result
 
     cli_rollout = importlib.import_module("gpufleet.cli.rollout")  # the module, not the click command it defines
 
@@ -653,7 +656,7 @@ def test_a_hosts_last_progress_line_says_why_it_failed_and_nothing_more_when_it_
 
 KILLED_PARENT = """
 import subprocess, sys
-from gpufleet.rollout.deploy import dies_with_parent
+from gpufleet.rollout.deploy_run import dies_with_parent
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=dies_with_parent())
 print(child.pid, flush=True)
 child.wait()
@@ -712,7 +715,7 @@ def with_speed(lg: ledger.Ledger, figures: SpeedFigures) -> ledger.Ledger:
 
 def test_an_updated_host_shows_the_figures_measured_before_its_swap_against_the_ones_it_committed():
     outcome = judge("h1", NEW, read(committed_on(OLD)), read(with_speed(committed_on(OLD, NEW), SPEED_NEW)),
-                    run_of(0), 4.2, None, HELD, SPEED_OLD)
+                    run_of(0), 4.2, None, held=HELD, speed_before=SPEED_OLD)
     assert outcome.speed == SpeedResult(SPEED_OLD, SPEED_NEW)
     assert outcome.speed.cell() == "prefill 1.00x, cached TTFT 1.00x, decode 0.90x, batch 1.00x"
     row = json.loads(json.dumps(outcome.as_dict()))["speed"]
@@ -724,7 +727,7 @@ def test_an_updated_host_shows_the_figures_measured_before_its_swap_against_the_
 def test_a_host_whose_old_version_could_not_be_measured_records_the_new_figures_and_says_why():
     why = "the running version could not be measured: DeadlineExceeded: POST /v1/chat/completions: no answer"
     outcome = judge("h1", NEW, read(committed_on(OLD)), read(with_speed(committed_on(OLD, NEW), SPEED_NEW)),
-                    run_of(0), 4.2, None, HELD, why)
+                    run_of(0), 4.2, None, held=HELD, speed_before=why)
     assert outcome.outcome is Outcome.UPDATED and outcome.speed == SpeedResult(None, SPEED_NEW, why)
     assert outcome.speed.cell() == "recorded (no earlier figures)"
     assert outcome.as_dict()["speed"]["note"] == why
@@ -734,7 +737,7 @@ def test_a_host_rolled_back_on_speed_names_it_and_has_no_new_figures():
     line = "check speed: prefill 1500 tokens/s, was 30000 (0.05x the speed): every repeat more than 70% slower"
     failed = ledger.roll_back(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), f"misconfigured: {line}",
                               "t2", check="speed")
-    outcome = judge("h1", NEW, read(committed_on(OLD)), read(failed), run_of(1), 9.0, None, HELD, SPEED_OLD)
+    outcome = judge("h1", NEW, read(committed_on(OLD)), read(failed), run_of(1), 9.0, None, held=HELD, speed_before=SPEED_OLD)
     assert outcome.outcome is Outcome.ROLLED_BACK and line in outcome.detail
     assert outcome.checks == (("completion", True), ("stream", True), ("speed", False))
     assert outcome.speed == SpeedResult(SPEED_OLD, None) and outcome.speed.cell() == "-"

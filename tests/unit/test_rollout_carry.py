@@ -439,20 +439,22 @@ class Recorder:
 
 def swapped(monkeypatch, canary_outcome, canary: int = 1):
     from gpufleet.rollout import swap as swap_mod
+    from gpufleet.rollout.context import RolloutContext
     from gpufleet.rollout.report import HostOutcome, Outcome
     from gpufleet.rollout.routers import Routers
 
-    def fake_group(inventory, members, target, before, hosts, sessions, options, progress, role):
-        return {h: HostOutcome(h, "old", target, canary_outcome if role == "canary" else Outcome.UPDATED, 1.0)
-                for h in members}
+    def fake_batch(ctx, batch, target_ref, *, before, role):
+        return {h: HostOutcome(h, "old", target_ref, canary_outcome if role == "canary" else Outcome.UPDATED, 1.0)
+                for h in batch}
 
-    monkeypatch.setattr(swap_mod, "_swap_group", fake_group)
+    monkeypatch.setattr(swap_mod, "_swap_batch", fake_batch)
     recorder = Recorder()
     order = ["h1", "h2", "h3", "h4"]
     options = swap_mod.SwapOptions(Path("d.py"), canary=canary, batch=2)
     before = {h: SimpleNamespace(committed_ref="old") for h in order}
-    swap_mod.swap("inv", order, dict.fromkeys(order, "new"), before, {}, None, Routers([], {}),  # type: ignore[arg-type]
-                  options, SimpleNamespace(phase=lambda *a: None), recorder)  # type: ignore[arg-type]
+    ctx = RolloutContext(inventory="inv", hosts={}, sessions=None, target_refs=dict.fromkeys(order, "new"),  # type: ignore[arg-type]
+                         what="new", options=options, progress=SimpleNamespace(phase=lambda *a: None))  # type: ignore[arg-type]
+    swap_mod.swap(ctx, order, before=before, routers=Routers([], {}), carry=recorder)  # type: ignore[arg-type]
     return recorder.calls
 
 

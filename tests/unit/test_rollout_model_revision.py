@@ -15,10 +15,10 @@ import pytest
 
 from gpufleet.errors import GpufleetError
 from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, roll_back
+from gpufleet.rollout import commands as rollout_commands
 from gpufleet.rollout import prepare as rollout_prepare
-from gpufleet.rollout import run as rollout_run
 from gpufleet.rollout import target as rollout_target
-from gpufleet.rollout.deploy import DeployRun, RunSettings
+from gpufleet.rollout.deploy_run import DeployRun, RunSettings
 from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.swap import SwapOptions
@@ -72,7 +72,7 @@ def shell(monkeypatch) -> list[str]:
         done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout)
         return done.returncode, done.stdout, done.stderr
 
-    monkeypatch.setattr(rollout_target, "run", run)
+    monkeypatch.setattr(rollout_target, "shell", run)
     return commands
 
 
@@ -107,24 +107,24 @@ def test_the_rollout_resolves_once_and_every_run_installs_that_commit(hub, shell
         resolved.append(revision)
         return resolve_model(hosts, sessions, revision)
 
-    def converge(inventory, hosts, sessions, targets, what, options, confirm, progress):
-        handed.append(options)
-        return rollout_run.Result(what, [])
+    def roll(ctx, confirm):
+        handed.append(ctx.options)
+        return rollout_commands.Result(ctx.what, [])
 
-    monkeypatch.setattr(rollout_run, "load_fleet", lambda inventory: hosts)
-    monkeypatch.setattr(rollout_run, "Sessions", lambda hosts: nullcontext(Sessions()))
-    monkeypatch.setattr(rollout_run, "resolve", lambda hosts, sessions, image: Target(REF, ""))
-    monkeypatch.setattr(rollout_run, "resolve_model", resolve_once)
-    monkeypatch.setattr(rollout_run, "_converge", converge)
+    monkeypatch.setattr(rollout_commands, "load_fleet", lambda inventory: hosts)
+    monkeypatch.setattr(rollout_commands, "Sessions", lambda hosts: nullcontext(Sessions()))
+    monkeypatch.setattr(rollout_commands, "resolve", lambda hosts, sessions, image: Target(REF, ""))
+    monkeypatch.setattr(rollout_commands, "resolve_model", resolve_once)
+    monkeypatch.setattr(rollout_commands, "_roll", roll)
     progress = type("P", (), {"note": lambda self, line: None})()
     options = SwapOptions(tmp_path / "deploy.py")
-    rollout_run.roll_out("inv.py", None, options, lambda *a: True, lambda names: nullcontext(progress),
+    rollout_commands.roll_out("inv.py", None, options, lambda *a: True, lambda names: nullcontext(progress),
                          model_revision="main")
     assert resolved == ["main"] and [o.model_ref for o in handed] == [first]
     # What the swaps and the prepare of that rollout hand each deploy run.
     (swap_options,) = handed
     assert swap_options.run_settings(REF).model_ref == first
-    assert swap_options.run_settings(REF, {"h1": None}, canary=True).model_ref == first
+    assert swap_options.run_settings(REF, committed={"h1": None}, canary=True).model_ref == first
     seen: list[RunSettings] = []
 
     def run_deploy(inventory, hosts, settings, deploy_file, log=None, timeout_s=None):
@@ -138,7 +138,7 @@ def test_the_rollout_resolves_once_and_every_run_installs_that_commit(hub, shell
     assert [s.model_ref for s in seen] == [first, first] and all(s.stage == "prepare" for s in seen)
     # Without --model-revision nothing is asked of the hub and no run names a model commit.
     handed.clear()
-    rollout_run.roll_out("inv.py", None, options, lambda *a: True, lambda names: nullcontext(progress))
+    rollout_commands.roll_out("inv.py", None, options, lambda *a: True, lambda names: nullcontext(progress))
     assert resolved == ["main"] and [o.model_ref for o in handed] == [None]
 
 
@@ -151,7 +151,7 @@ def test_a_failed_model_move_refuses_that_commit_again_not_the_version_rolled_ba
     ledger = roll_back(begin(Ledger(committed=Committed(committed, "t0")), replace(committed, model=bad), "ops", "t1"),
                        "never ready", "t2")
     ledgers, targets = {"h1": HostLedger("h1", "/var/lib/gpufleet/vllm-qwen35.json", ledger)}, {"h1": REF}
-    assert rollout_run._refused(ledgers, targets, None) is None
-    assert rollout_run._refused(ledgers, targets, "2" * 40) is None
-    refusal = rollout_run._refused(ledgers, targets, "1" * 40)
+    assert rollout_commands._refused(ledgers, targets, None) is None
+    assert rollout_commands._refused(ledgers, targets, "2" * 40) is None
+    refusal = rollout_commands._refused(ledgers, targets, "1" * 40)
     assert refusal is not None and refusal.startswith(f"h1: {REF} failed there at t2: never ready (fix: ")

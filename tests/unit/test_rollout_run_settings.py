@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet import defaults
-from gpufleet.rollout.deploy import RunSettings
+from gpufleet.rollout.deploy_run import RunSettings
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.wire.checks import SERVING_CHECKS
 from gpufleet.wire.speed import SpeedFigures
@@ -82,14 +82,14 @@ def test_a_check_the_deploy_does_not_know_is_refused_when_built():
 def test_a_swap_and_a_prepare_build_their_run_settings():
     options = SwapOptions(Path("deploys/qwen35.py"), probe=True, canary_checks=("sessions",))
     committed = {"gpu1": OLD}
-    assert options.run_settings(REF, committed, canary=True) == RunSettings(
+    assert options.run_settings(REF, committed=committed, canary=True) == RunSettings(
         image_ref=REF, verify_checks=("sessions",), expect_committed=committed, verify_probe=True)
     assert options.run_settings(REF, canary=False).verify_checks == ()
 
 
 def test_prepare_runs_the_prepare_stage_on_the_target(monkeypatch, tmp_path):
     from gpufleet.rollout import prepare as rollout_prepare
-    from gpufleet.rollout.deploy import DeployRun
+    from gpufleet.rollout.deploy_run import DeployRun
 
     seen: list[RunSettings] = []
 
@@ -149,10 +149,10 @@ def test_a_speed_setting_the_check_cannot_use_is_refused_naming_it(name, value, 
 
 def test_the_canary_runs_speed_and_a_batch_only_when_its_hosts_ask_for_it():
     options = SwapOptions(Path("deploys/qwen35.py"))
-    assert options.group_checks(canary=True)[0] == "speed"
-    assert options.group_checks(canary=False) == ()
-    assert options.group_checks(canary=False, speed_batch=True) == ("speed",)
+    assert options.batch_checks(canary=True)[0] == "speed"
+    assert options.batch_checks(canary=False) == ()
+    assert options.batch_checks(canary=False, speed_batch=True) == ("speed",)
     skipped = SwapOptions(Path("d.py"), canary_checks=("tools",))  # --no-check speed: no batch measures either
-    assert skipped.group_checks(canary=False, speed_batch=True) == ()
+    assert skipped.batch_checks(canary=False, speed_batch=True) == ()
     settings = options.run_settings(REF, canary=False, speed_batch=True, speed_baseline={"gpu2": FIGURES})
     assert (settings.verify_checks, settings.speed_baseline) == (("speed",), {"gpu2": FIGURES})

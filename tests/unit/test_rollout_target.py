@@ -184,7 +184,7 @@ def host_says(monkeypatch):
             if prefix in command:
                 return answer
         raise AssertionError(f"unexpected command {command!r}")
-    monkeypatch.setattr(t, "run", run)
+    monkeypatch.setattr(t, "shell", run)
     return answers, sent
 
 

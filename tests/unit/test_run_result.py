@@ -1,5 +1,5 @@
 """The run's result file (gpufleet.harness.result): what a deploy run says of each host, written at exit, and how
-the rollout reads it (gpufleet.rollout.deploy). The real pyinfra CLI over a throwaway sshd (the unreachable host is a
+the rollout reads it (gpufleet.rollout.deploy_run). The real pyinfra CLI over a throwaway sshd (the unreachable host is a
 closed port); preflight's refusal through pyinfra's API (no host); a stand-in pyinfra for runs that die."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pyinfra.api.exceptions import DeployError
 from gpufleet.harness import preflight
 from gpufleet.harness import result as run_result
 from gpufleet.harness.result import RESULT_ENV, HostResult, read_result, write_result
-from gpufleet.rollout import deploy as rollout_deploy
-from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
+from gpufleet.rollout import deploy_run as rollout_deploy
+from gpufleet.rollout.deploy_run import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.prepare import failures
 from gpufleet.vllm.deploy import deploy_qwen35, plan_for
 from tests.ports import free_port

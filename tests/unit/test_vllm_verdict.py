@@ -22,7 +22,7 @@ from gpufleet.health.answers import AnswerCheck
 from gpufleet.hoststate.ledger import Committed, Ledger, Version, begin, render
 from gpufleet.operations.run import host_run, reported
 from gpufleet.remote.transport import LOOPBACK, ContainerInfo, DeadlineExceeded
-from gpufleet.rollout.deploy import DeployRun
+from gpufleet.rollout.deploy_run import DeployRun
 from gpufleet.rollout.ledgers import parse_read
 from gpufleet.rollout.report import Outcome, short
 from gpufleet.rollout.swap import judge

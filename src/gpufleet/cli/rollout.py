@@ -19,12 +19,12 @@ from gpufleet.cli.envelope import BadInput, Problem, document, emit, exit_status
 from gpufleet.cli.logs import quiet, quiet_ssh_logs, stderr
 from gpufleet.errors import GpufleetError
 from gpufleet.hoststate.ledger import Ledger
-from gpufleet.rollout.deploy import default_deploy_file
+from gpufleet.rollout.commands import Result, history, roll_back, roll_out
+from gpufleet.rollout.deploy_run import default_deploy_file
 from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.progress import Progress
 from gpufleet.rollout.replicas import load_fleet
 from gpufleet.rollout.report import short, table
-from gpufleet.rollout.run import Result, history, roll_back, roll_out
 from gpufleet.rollout.swap import STAGE_TIMEOUT_S, SwapOptions
 from gpufleet.rollout.target import requested_image
 from gpufleet.wire.checks import SERVING_CHECKS
@@ -175,7 +175,7 @@ def rollback(inventory: str, host: str | None, to: str | None, probe: bool, drai
     try:
         options = _options(deploy, log, probe=probe, retry_failed=retry_failed, drain_timeout_s=drain_timeout,
                            stage_timeout_s=stage_timeout)
-        result = roll_back(inventory, host, to, options, _confirm(yes), _progress)
+        result = roll_back(inventory, options, _confirm(yes), _progress, host=host, to=to)
     except GpufleetError as e:
         raise stopped("rollback", str(e), as_json) from None
     _finish("rollback", result, as_json, options.log)

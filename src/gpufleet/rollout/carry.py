@@ -65,7 +65,7 @@ from gpufleet.rollout.carry_stream import (
 )
 from gpufleet.rollout.compile_factors import TIMEOUT_S as FACTORS_TIMEOUT_S
 from gpufleet.rollout.compile_factors import CompileFactors, factors_command, parse_factors
-from gpufleet.rollout.replicas import FleetHost, Sessions, run
+from gpufleet.rollout.replicas import FleetHost, Sessions, shell
 from gpufleet.rollout.warm_start import start_report
 from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
 from gpufleet.vllm.settings import merged_settings
@@ -110,7 +110,7 @@ class CarryResult:
 @dataclass
 class Carry:
     """The carry across one rollout's swap: before_canary() lists the canary's cache dir, after_canary() lists it
-    again once it is committed, into() carries to a group before its swap, observe() reads each swapped host's
+    again once it is committed, into() carries to a batch before its swap, observe() reads each swapped host's
     start. results: {host: CarryResult}, for the report."""
 
     sessions: Sessions
@@ -132,14 +132,14 @@ class Carry:
     _off: str | None = None  # why nothing is carried in this rollout
 
     def _list(self, host: str, directory: str) -> dict[str, Listed]:
-        rc, out, err = run(self.sessions.get(host), listing_command(directory), timeout=LIST_TIMEOUT_S, root=True)
+        rc, out, err = shell(self.sessions.get(host), listing_command(directory), timeout=LIST_TIMEOUT_S, root=True)
         if rc != 0:
             raise TransportError(one_line(f"cannot list {directory}: {(err or out).strip()[:160] or f'exit {rc}'}"))
         return parse_listing(out)
 
     def _gpus_of(self, host: str) -> Gpus | str:
         try:
-            rc, out, err = run(self.sessions.get(host), f"timeout -k 2 {COMMAND_TIMEOUT_S} {QUERY_GPUS}",
+            rc, out, err = shell(self.sessions.get(host), f"timeout -k 2 {COMMAND_TIMEOUT_S} {QUERY_GPUS}",
                                timeout=LIST_TIMEOUT_S)
         except TransportError as e:
             return one_line(str(e))
@@ -166,7 +166,7 @@ class Carry:
             return "the canary's image is unknown"
         spec = self.hosts[host].spec
         try:
-            rc, out, _ = run(self.sessions.get(host), factors_command(spec, self._image, env_file_path(spec.service)),
+            rc, out, _ = shell(self.sessions.get(host), factors_command(spec, self._image, env_file_path(spec.service)),
                              timeout=FACTORS_TIMEOUT_S + 15, root=True)
         except TransportError as e:
             return one_line(str(e))
@@ -220,8 +220,8 @@ class Carry:
         self.note(self._off or f"carrying {len(self._files)} new compile-cache file(s) from canary {canary} "
                   f"({directory}) to each later host before its swap")
 
-    def into(self, group: Sequence[str]) -> None:
-        for host in group:
+    def into(self, batch: Sequence[str]) -> None:
+        for host in batch:
             if host == self.canary:
                 continue
             self.results[host] = result = self._into(host)
@@ -272,7 +272,7 @@ class Carry:
             if problem is not None:
                 self._remove(host, tmp)
                 return CarryResult(skipped_reason=f"refused: {problem}")
-            rc, out, err = run(self.sessions.get(host), place_command(directory, tmp, roots), timeout=LIST_TIMEOUT_S,
+            rc, out, err = shell(self.sessions.get(host), place_command(directory, tmp, roots), timeout=LIST_TIMEOUT_S,
                                root=True)
         except (TransportError, OSError, paramiko.SSHException, EOFError) as e:
             self._remove(host, tmp)
@@ -293,11 +293,11 @@ class Carry:
         """The temp dir gone, as far as the host can still be reached (a lost one keeps a hidden dir, never an entry
         in its cache dir)."""
         with contextlib.suppress(TransportError, OSError, paramiko.SSHException, EOFError):
-            run(self.sessions.get(host), f"rm -rf {shlex.quote(tmp)}", timeout=LIST_TIMEOUT_S, root=True)
+            shell(self.sessions.get(host), f"rm -rf {shlex.quote(tmp)}", timeout=LIST_TIMEOUT_S, root=True)
 
-    def observe(self, group: Sequence[str]) -> None:
+    def observe(self, batch: Sequence[str]) -> None:
         """Each swapped host's start, from its container: warm or cold, and its time to ready."""
-        for host in group:
+        for host in batch:
             warm, took = self.start_of(host)
             prior = self.results.get(host, CarryResult(canary=host == self.canary))
             self.results[host] = CarryResult(prior.carried_bytes, prior.skipped_reason, prior.entries, warm, took,

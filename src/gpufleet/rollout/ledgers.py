@@ -14,7 +14,7 @@ from gpufleet.hoststate.ledger import CorruptLedger, Failed, Ledger, corrupt_ref
 from gpufleet.hoststate.paths import ledger_path
 from gpufleet.hoststate.rules import host_ledger, taken_over
 from gpufleet.remote.transport import SshTransport
-from gpufleet.rollout.replicas import FleetHost, Sessions, run
+from gpufleet.rollout.replicas import FleetHost, Sessions, shell
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def parse_read(host: str, service: str, port: int, rc: int, out: str, err: str) 
 
 
 def read_one(host: FleetHost, transport: SshTransport) -> HostLedger:
-    rc, out, err = run(transport, reader.read_command(ledger_path(host.spec.service)), root=True)
+    rc, out, err = shell(transport, reader.read_command(ledger_path(host.spec.service)), root=True)
     return parse_read(host.name, host.spec.service, host.spec.port, rc, out, err)
 
 

@@ -41,10 +41,13 @@ def load_fleet(inventory: str, only_host: str | None = None) -> list[FleetHost]:
     return hosts
 
 
-def run(transport: SshTransport, command: str, timeout: float = 60.0, root: bool = False) -> tuple[int, str, str]:
+def shell(transport: SshTransport, command: str, timeout: float = 60.0, root: bool = False) -> tuple[int, str, str]:
     """A shell command on the host over the session; as root (sudo -n) when `root` and the session is not root's."""
     sudo = "sudo -n " if root and needs_sudo(transport.client) else ""
     return transport.run(f"{sudo}sh -c {shlex.quote(command)}" if sudo else command, timeout=timeout)
+
+
+run = shell  # the old name, for gpufleet.cli.verify's import
 
 
 class Sessions:

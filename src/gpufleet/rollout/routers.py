@@ -1,13 +1,5 @@
-"""The routers in front of the replicas (the inventory's routers group), as a rollout uses them: a replica leaves
-every router's worker set before its drain and rejoins once its outcome is committed or rolled back (a rolled-back
-replica serves the old version, so it rejoins too), so clients of a router never reach a replica while it restarts.
-At the start and the end of every rollout the worker sets are reconciled with the replicas' ledgers and health, so a
-controller killed between a leave and a rejoin leaves nothing stranded for the next run.
-
-A router whose SSH session broke during the rollout (a reset, a link that came back) is reached again, and its lock
-taken again, by the next call that needs it (the rejoin, the reconcile at the end), so a replica that left it comes
-back in the same run; one that stays out of reach leaves that replica out, said in one line, for the next run's
-reconcile. What happened to a router's session or metrics is said once, by the next reconcile."""
+"""The routers in front of the replicas, as a rollout uses them: each swapped replica leaves their worker sets and
+rejoins after its swap (docs/rollout.md, "Rollouts behind the router")."""
 
 from __future__ import annotations
 
@@ -28,8 +20,6 @@ from gpufleet.router.workers import join, leave, record
 from gpufleet.vllm.settings import merged_settings
 
 T = TypeVar("T")
-# Seconds a router reached again waits for its lock: the shell that held it over the broken session ends when the
-# host sees the break (at once for a reset; otherwise by the lock's lease, and meanwhile it names this run).
 RELOCK_WAIT_S = 5.0
 
 
@@ -40,15 +30,14 @@ class Routers:
                  hosts: Mapping[str, Mapping[str, Any]] | None = None):
         self.routers = list(routers)  # (router, seconds it waits for a re-added worker's /health)
         self.urls = dict(urls)  # replica name -> the URL the routers know it by
-        self.locks: dict[str, HostLock] = {}  # each router host's lock, held for the rollout
-        self.hosts = dict(hosts or {})  # router name -> its inventory data: how to reach it again
-        self.notes: dict[str, list[str]] = {}  # router name -> what happened to it, for the next reconcile to say
+        self.locks: dict[str, HostLock] = {}
+        self.hosts = dict(hosts or {})  # router name -> its inventory data, to reach it again
+        self.notes: dict[str, list[str]] = {}  # router name -> lines for the next reconcile
 
     @classmethod
     def connect(cls, routers: Sequence[HostData], replicas: Sequence[HostData]) -> Routers:
-        """Every router, reached and answering its worker list; raises GpufleetError with one line naming the
-        first that is not (a replica must not restart while a router may still send it traffic)."""
-        # Addresses only when there is a router to address them: a fleet without one may keep vLLM on loopback.
+        """Every router, reached and answering its worker list; raises GpufleetError naming the first that is not."""
+        # A fleet without a router may keep vLLM on loopback: no worker URL to build.
         urls = {name: worker_url(name, data) for name, data in replicas} if routers else {}
         opened = cls([], urls, dict(routers))
         try:
@@ -71,12 +60,10 @@ class Routers:
             raise
         return opened
 
-    def capacity_problem(self, groups: Sequence[Sequence[str]], belongs: Mapping[str, bool | None] | None = None
+    def capacity_problem(self, batches: Sequence[Sequence[str]], belongs: Mapping[str, bool | None] | None = None
                          ) -> str | None:
-        """One line when a group would leave a router with no replica in service; None when every group leaves at
-        least one (or there is no router). In service: what the router lists, as the reconcile will leave it
-        (`belongs`: what it puts back and takes out), and each group swapped before (it rejoins, or the rollout
-        stops there), so a host a cut run left out counts once it is settled."""
+        """One line when a batch would leave a router with no replica in service, counted as the reconcile
+        (`belongs`) and the batches before it will leave them; else None."""
         belongs = belongs or {}
         for i, (router, _) in enumerate(self.routers):
             try:
@@ -86,35 +73,32 @@ class Routers:
                                 "changed (fix: `gpufleet status` shows the router; run again once it answers)")
             serving = {host for host, url in self.urls.items()
                        if belongs.get(host) or (url in listed and belongs.get(host) is not False)}
-            for group in groups:
-                if serving and not serving - set(group):
+            for batch in batches:
+                if serving and not serving - set(batch):
                     return one_line(
-                        f"router {router.name}: swapping {', '.join(group)} at once would leave it no replica in "
+                        f"router {router.name}: swapping {', '.join(batch)} at once would leave it no replica in "
                         f"service (it routes to {len(serving)}: {', '.join(sorted(serving))}); nothing was changed "
                         "(fix: a smaller --batch, or --canary 1, so that one replica always serves)")
-                serving |= set(group)
+                serving |= set(batch)
         return None
 
     @contextmanager
     def out(self, hosts: Sequence[str], drain_timeout_s: float) -> Iterator[None]:
-        """The hosts out of every router, drained, for the block. They do not come back by themselves: rejoin() puts
-        a host back once its swap ended committed or rolled back (a replica that ended neither stays out), and
-        reconcile() at the end of the rollout settles whatever a raised block left. A router that refuses to let
-        one go raises RouterError before the block, after putting back the ones this call took out."""
+        """The hosts out of every router, drained, for the block; rejoin() or reconcile() puts them back. Raises
+        RouterError before the block when a router refuses one, after putting back the ones taken out."""
         taken: list[tuple[int, str, float]] = []
         try:
             for i, (_, join_timeout_s) in enumerate(self.routers):
                 members = set(self._call(i, lambda r: r.list_workers()))
-                router = self.routers[i][0]  # the session that answered (reached again if it had broken)
+                router = self.routers[i][0]  # reached again if its session had broken
                 for host in hosts:
                     url = self.urls[host]
                     if url in members:  # one the router does not list has nothing to drain there
                         taken.append((i, url, join_timeout_s))
-                        leave(router, url, drain_timeout_s)  # not retried: a cut mid-leave fails the group
-        except Exception as error:  # SSH cut, a refusal, an answer that is not the router's: one line
+                        leave(router, url, drain_timeout_s)  # not retried: a cut mid-leave fails the batch
+        except Exception as error:
             for i, url, join_timeout_s in taken:
-                # The error that stops the rollout is the leave's; the reconcile at the end tries again.
-                with suppress(Exception):
+                with suppress(Exception):  # the leave's error is the one to report; the last reconcile retries
                     self._call(i, partial(_join, url=url, timeout_s=join_timeout_s))  # not swapped: back in
             raise RouterError(one_line(f"taking {', '.join(hosts)} out of the routers: {_why(error)}")) from None
         yield
@@ -130,10 +114,8 @@ class Routers:
         return one_line("; ".join(problems)) if problems else None
 
     def reconcile(self, belongs: Mapping[str, bool | None]) -> dict[str, str]:
-        """Every router's worker set made what the ledgers and the replicas say: a replica that belongs (committed,
-        nothing pending, verifies ready) is in, one that does not is out, and a worker that is no replica of the
-        inventory is out; a replica whose state could not be read (None) is left as it is. Returns host (or
-        router) -> one line of what changed or failed there; never raises."""
+        """Every router's worker set made what `belongs` says (None: left as it is), workers of no replica removed.
+        Returns host or router -> one line of what changed or failed; never raises."""
         if not self.routers:
             return {}
         by_url = {url: host for host, url in self.urls.items()}
@@ -146,8 +128,8 @@ class Routers:
                 continue
             finally:
                 changed.setdefault(router.name, [])[:0] = self._said(i)
-            router = self.routers[i][0]  # the session that answered (reached again if it had broken)
-            removed = False  # join() records the file itself; a removal here is recorded once, below
+            router = self.routers[i][0]  # reached again if its session had broken
+            removed = False  # join() records itself; removals are recorded once, below
             for host, wanted in belongs.items():
                 url = self.urls.get(host)
                 if url is None or wanted is None or (url in members) == wanted:
@@ -171,15 +153,14 @@ class Routers:
                     changed.setdefault(router.name, []).append(f"removing {url}: {_why(error)}")
             if removed:
                 try:
-                    record(router)  # what it holds now is what it comes back with after a restart
+                    record(router)  # what a restarted router comes back with
                 except Exception as error:
                     changed.setdefault(router.name, []).append(_why(error))
         return {name: one_line("; ".join(lines)) for name, lines in changed.items() if lines}
 
     def _call(self, i: int, call: Callable[[Router], T]) -> T:
-        """call(router i) over a live session: a router whose SSH session broke (before or during the call) is
-        reached again, its lock taken again, and the call made once more. For calls that can be repeated (a
-        read, a join); raises what the call, or reaching the router again, raised."""
+        """call(router i), made once more over a new session and lock when its SSH session broke. For calls that
+        can be repeated."""
         router = self.routers[i][0]
         if _broken(router):
             router = self._reach_again(i)
@@ -191,11 +172,10 @@ class Routers:
         return call(self._reach_again(i))
 
     def _reach_again(self, i: int) -> Router:
-        """Router i over a new SSH session with its lock taken again; raises Unreachable or GpufleetError (one
-        line, naming the router) when it cannot be reached or locked."""
+        """Router i over a new SSH session, its lock taken again; raises Unreachable or GpufleetError."""
         old, join_timeout_s = self.routers[i]
         data = self.hosts.get(old.name)
-        if data is None:  # not opened by connect(): nothing to reach it again with
+        if data is None:  # not opened by connect()
             raise Unreachable(f"{old.name}: SSH connection is not open")
         lock = self.locks.pop(old.name, None)
         if lock is not None:
@@ -217,7 +197,7 @@ class Routers:
             self.notes[router].append(line)
 
     def _said(self, i: int) -> list[str]:
-        """Router i's notes and the metrics it did not count, each once: the lines a reconcile says first."""
+        """Router i's notes and uncounted metrics, each said once, first in a reconcile."""
         router = self.routers[i][0]
         lines = self.notes.pop(router.name, [])
         if router.non_finite:
@@ -252,7 +232,6 @@ def _join(router: Router, url: str, timeout_s: float) -> None:
 
 
 def _broken(router: Router) -> bool:
-    """Is the router's SSH session gone (reset, closed)? A transport that is not SSH never is."""
     if not isinstance(router.transport, SshTransport):
         return False
     session = router.transport.client.get_transport()
@@ -266,9 +245,8 @@ def _close(router: Router) -> None:
 
 
 def _relock(router: Router, data: Mapping[str, Any]) -> HostLock:
-    """The lock again, over a router's new session. The shell that held it over the broken one may hold it still
-    (the host has not seen the break yet): it names this very run, and ends by the lease, so the router is this
-    run's meanwhile; taken again when it frees within RELOCK_WAIT_S, else used under that shell's hold."""
+    """The lock again over a new session. The old session's shell may still hold it, naming this run, until the
+    host sees the break or the lease ends; the router stays this run's meanwhile."""
     _, lease_s = lock_timings(f"router {router.name}", merged_settings(dict(data)))
     client = router.transport.client  # type: ignore[attr-defined]  # status.connect opens an SshTransport
     lock = HostLock(client, router.name, lease_s=lease_s, sudo=needs_sudo(client))
@@ -285,8 +263,7 @@ def _relock(router: Router, data: Mapping[str, Any]) -> HostLock:
 
 
 def _lock(router: Router, data: Mapping[str, Any]) -> HostLock:
-    """The router host's lock, taken over the rollout's own session to it and held until close(): a router deploy
-    (or another rollout) meanwhile is refused, naming this one."""
+    """The router host's lock, held until close(), so a router deploy or another rollout meanwhile is refused."""
     wait_s, lease_s = lock_timings(f"router {router.name}", merged_settings(dict(data)))
     client = router.transport.client  # type: ignore[attr-defined]  # status.connect opens an SshTransport
     lock = HostLock(client, router.name, lease_s=lease_s, sudo=needs_sudo(client))

@@ -1,9 +1,5 @@
-"""The swap loop: the canary first, then batches of --batch hosts. Per batch: drain each host, one deploy run
-limited to the batch with gpufleet_image_ref = the target (restart, the deploy's verify and soak, commit or roll
-back, all by the deploy), its downtime watched from here, then each host's outcome read from its ledger and from
-what answers there (a rollback is judged by what runs afterwards, not by its mark). Around
-all of that, the batch is out of every router's worker set (gpufleet.rollout.routers). The first host that is not
-updated stops the rollout: the hosts after it are not touched."""
+"""The swap loop: the canary, then batches of --batch hosts, each out of the routers, drained, deployed and judged
+from its ledger and what answers (docs/rollout.md). The first host not updated stops the rollout."""
 
 from __future__ import annotations
 
@@ -23,13 +19,13 @@ from gpufleet.health.wait import poll_ready
 from gpufleet.remote.transport import SshTransport, TransportError
 from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry
-from gpufleet.rollout.deploy import DeployRun, RunSettings, run_deploy
+from gpufleet.rollout.context import RolloutContext
+from gpufleet.rollout.deploy_run import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import look, runs_committed
-from gpufleet.rollout.progress import Progress
-from gpufleet.rollout.replicas import FleetHost, Sessions
+from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.report import OK, HostOutcome, Outcome, SpeedResult, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.router.api import RouterError
@@ -41,7 +37,7 @@ from gpufleet.wire.speed import SpeedFigures
 
 T = TypeVar("T")
 STAGE_TIMEOUT_S = 4 * 3600.0
-# Outcomes whose ledger says committed (the target, or the version before it): such a replica serves again.
+# The ledger says committed (the target, or the version before it): such a replica serves again.
 SETTLED = (Outcome.UPDATED, Outcome.UNCHANGED, Outcome.ROLLED_BACK)
 
 
@@ -51,41 +47,33 @@ class SwapOptions:
     canary: int = 1
     batch: int = 1
     probe: bool = False  # every host gated on the prompt re-processing probe too
-    # The serving checks the canary is held to (gpufleet.health.serving), each where its settings apply; the hosts
-    # after it, which run the version the canary proved, are held to a completion, plain and streamed, and the soak
-    # (and to speed where gpufleet_speed_batches asks, unless it is left out here).
+    # The canary's serving checks; later batches run the version it proved and get only speed, where asked.
     canary_checks: tuple[str, ...] = SERVING_CHECKS
     retry_failed: bool = False
     drain_timeout_s: float = 120.0
     log: Path | None = None
-    # The most one deploy run (a prepare, a batch's swap) may take before it is ended by its PID: a hung pull or a
-    # stalled host must not hold every host's lock forever. Long enough for a 28 GB pull on a home line.
+    # A hung pull or stalled host must not hold every host's lock forever.
     stage_timeout_s: float = STAGE_TIMEOUT_S
-    # Carry the canary's new compile-cache entries to each later host before its swap (gpufleet.rollout.carry).
-    carry: bool = True
-    model_ref: str | None = None  # the model's commit every host moves to (gpufleet_model_ref), when it moves
+    carry: bool = True  # the canary's compile cache to each later host
+    model_ref: str | None = None  # the model's commit every host moves to, when it moves
 
-    def group_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
-        """The serving checks a group's deploy run holds the new version to: the canary's; a batch's, speed alone
-        when one of its hosts asks for it (gpufleet_speed_batches), else none."""
+    def batch_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
+        """The serving checks a batch's deploy run holds the new version to."""
         if canary:
             return self.canary_checks
         return (SPEED,) if speed_batch and SPEED in self.canary_checks else ()
 
-    def run_settings(self, target_ref: str, committed: Mapping[str, str | None] | None = None,
+    def run_settings(self, target_ref: str, *, committed: Mapping[str, str | None] | None = None,
                      canary: bool = False, speed_batch: bool = False,
                      speed_baseline: Mapping[str, SpeedFigures] | None = None) -> RunSettings:
-        """A batch's deploy run; committed: host -> the digest the rollout read as committed there; speed_baseline:
-        host -> the old version's figures, measured there before the swap."""
         return RunSettings(image_ref=target_ref, model_ref=self.model_ref,
-                           verify_checks=self.group_checks(canary, speed_batch),
+                           verify_checks=self.batch_checks(canary, speed_batch),
                            expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed,
                            speed_baseline=speed_baseline)
 
 
 def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
-    """The canary hosts, then the rest, in groups of at most `batch`: never more than `batch` hosts out of service,
-    the canary included."""
+    """The canary hosts, then the rest, in batches of at most `batch`, the canary included."""
     if batch < 1 or canary < 0:
         raise ValueError("batch must be >= 1 and canary >= 0")
     first, rest = list(names[:canary]), list(names[canary:])
@@ -94,36 +82,33 @@ def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
 
 
 def replica_batches(order: Sequence[str], hosts: Mapping[str, FleetHost], canary: int, batch: int) -> list[list[str]]:
-    """batches() of the rollout's replicas (a replica group once, with all its ranks), each as its hosts."""
+    """batches() of replicas, a replica group counted once and listed with all its ranks."""
     return [[name for unit in chunk for name in unit]
             for chunk in batches(replica_groups.units(order, hosts), canary, batch)]
 
 
 def held_to(spec: ServeSpec, options: SwapOptions, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
-    """The checks a swapped host's deploy run holds the new version to, in the order it sends them."""
-    serving = verify_checks(options.group_checks(canary, speed_batch), options.probe)
+    """The checks a swapped host's deploy run holds the new version to, in order."""
+    serving = verify_checks(options.batch_checks(canary, speed_batch), options.probe)
     return (*ANSWER_CHECKS, *Served.from_spec(spec).applicable(serving))
 
 
 def speed_batches(host: FleetHost) -> bool:
-    """Whether the host's settings hold it to the speed check when it swaps after the canary."""
     value = merged_settings(host.data)[SPEED_BATCHES_SETTING]
     return value is True or str(value).lower() == "true"
 
 
 def measure_running(host: FleetHost, transport: SshTransport) -> SpeedFigures:
-    """The running (old) version's speed figures, over the rollout's session, from its container as the deploy's
-    checks reach it (the API key goes to that container only); GpufleetError saying why none."""
+    """The running version's speed figures; raises GpufleetError saying why none."""
     try:
         expected = reached(Expected.from_spec(host.spec), transport.container(host.spec.service))
         return measure(transport, expected, Served.from_spec(host.spec), api_key=host.api_key)
-    except Exception as error:  # no baseline: the new version's figures are recorded, not compared
+    except Exception as error:  # the new version's figures are then recorded, not compared
         raise GpufleetError(f"the running version could not be measured: {type(error).__name__}: {error}") from error
 
 
 def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | None) -> tuple[tuple[str, bool], ...]:
-    """Per check, passed or failed, from the outcome: all passed when committed; on a rollback that names its
-    check, the ones before it passed and the ones after it never ran; otherwise unknown."""
+    """Per check, passed or failed, as far as the outcome tells; checks after a failed one never ran."""
     if outcome == Outcome.UPDATED:
         return tuple((name, True) for name in held)
     if failed_check is not None and failed_check in held:
@@ -132,19 +117,17 @@ def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | Non
     return ()
 
 
-def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
-          downtime_s: float | None, drained: Drained | str | None, held: Sequence[str] = (),
+def judge(host: str, target_ref: str, before: HostLedger, after: HostLedger, run: DeployRun,
+          downtime_s: float | None, drained: Drained | str | None, *, held: Sequence[str] = (),
           speed_before: SpeedFigures | str | None = None, serving: HealthReport | str | None = None) -> HostOutcome:
-    """The host's outcome from its ledger after the run (the deploy commits only what passed verify and the soak);
-    updated or rolled back only when `serving` (the check `gpufleet verify` runs, or why it could not) finds the
-    committed digest answering. held: the checks the run held it to; speed_before: the old version's figures, or
-    why there are none."""
-    outcome = _judged(host, target, before, after, run, downtime_s, drained)
+    """The host's outcome from its ledger after the run; updated or rolled back only when `serving` finds the
+    committed digest answering."""
+    outcome = _judged(host, target_ref, before, after, run, downtime_s, drained)
     problem = serving_problem(after, serving) if outcome.outcome in (Outcome.UPDATED, Outcome.ROLLED_BACK) else None
     if problem is not None:
         return replace(outcome, outcome=Outcome.FAILED, detail=one_line(
             f"{outcome.outcome.value} in its ledger, but {problem}" + (f"; {outcome.detail}" if outcome.detail else "")))
-    mark = after.failed_mark(target) if outcome.outcome == Outcome.ROLLED_BACK else None
+    mark = after.failed_mark(target_ref) if outcome.outcome == Outcome.ROLLED_BACK else None
     speed = None
     if SPEED in held:
         committed = after.ledger.committed if after.ledger and outcome.outcome == Outcome.UPDATED else None
@@ -155,7 +138,7 @@ def judge(host: str, target: str, before: HostLedger, after: HostLedger, run: De
 
 
 def serving_problem(after: HostLedger, serving: HealthReport | str | None) -> str | None:
-    """Why what answers is not the ledger's committed version, ready; None when it is (or was not looked at)."""
+    """Why what answers is not the ledger's committed version, ready; None when it is or was not looked at."""
     if serving is None:
         return None
     if isinstance(serving, str):
@@ -168,7 +151,7 @@ def serving_problem(after: HostLedger, serving: HealthReport | str | None) -> st
     return None
 
 
-# How long a swapped host is looked at while a look says nothing yet (a blip, a start under way).
+# How long a swapped host is looked at while it says nothing yet.
 AFTER_LOOK_S = 30.0
 
 
@@ -176,83 +159,76 @@ def _serving(host: FleetHost, transport: SshTransport) -> HealthReport:
     return poll_ready(lambda: look(host, transport), AFTER_LOOK_S)
 
 
-def _judged(host: str, target: str, before: HostLedger, after: HostLedger, run: DeployRun,
+def _judged(host: str, target_ref: str, before: HostLedger, after: HostLedger, run: DeployRun,
             downtime_s: float | None, drained: Drained | str | None) -> HostOutcome:
     from_ref = before.committed_ref
     drain_note = drained.detail if isinstance(drained, Drained) else (f"drain: {drained}" if drained else "")
     if after.error:
-        return HostOutcome(host, from_ref, target, Outcome.FAILED, downtime_s,
+        return HostOutcome(host, from_ref, target_ref, Outcome.FAILED, downtime_s,
                            f"{after.error}; deploy: {run.summary(host)}")
-    if after.committed_ref == target and after.pending_ref is None:
-        return HostOutcome(host, from_ref, target, Outcome.UPDATED, downtime_s, drain_note)
-    mark = after.failed_mark(target)
+    if after.committed_ref == target_ref and after.pending_ref is None:
+        return HostOutcome(host, from_ref, target_ref, Outcome.UPDATED, downtime_s, drain_note)
+    mark = after.failed_mark(target_ref)
     if mark is not None and after.pending_ref is None and after.committed_ref == from_ref:
-        return HostOutcome(host, from_ref, target, Outcome.ROLLED_BACK, downtime_s,
+        return HostOutcome(host, from_ref, target_ref, Outcome.ROLLED_BACK, downtime_s,
                            f"rolled back to {short(from_ref)}: {mark.reason}")
     state = f"ledger: committed {short(after.committed_ref)}, pending {short(after.pending_ref)}"
-    return HostOutcome(host, from_ref, target, Outcome.FAILED, downtime_s, f"{run.summary(host)} ({state})")
+    return HostOutcome(host, from_ref, target_ref, Outcome.FAILED, downtime_s, f"{run.summary(host)} ({state})")
 
 
-def swap(inventory: str, order: Sequence[str], targets: Mapping[str, str], before: Mapping[str, HostLedger],
-         hosts: Mapping[str, FleetHost], sessions: Sessions, routers: Routers, options: SwapOptions,
-         progress: Progress, carry: Carry | None = None) -> list[HostOutcome]:
-    """Swap `order`'s hosts (each to targets[host]); returns an outcome for every one of them. carry: the first
-    canary's new compile-cache entries go to each later host before its swap (none without a canary), and each
-    swapped host's start (warm or cold, time to ready) is read after it."""
+def swap(ctx: RolloutContext, order: Sequence[str], *, before: Mapping[str, HostLedger], routers: Routers,
+         carry: Carry | None = None) -> list[HostOutcome]:
+    """Swap `order`'s hosts, each to its target ref; an outcome for every one of them."""
+    hosts, options = ctx.hosts, ctx.options
     outcomes: dict[str, HostOutcome] = {}
     canaries = replica_groups.canaries(order, hosts, options.canary)
-    # Without a canary nothing is carried (nor from a replica group's, whose caches are each rank's own); each
-    # start is still observed.
+    # A replica group's caches are each rank's own: nothing carried from it. Starts are still observed.
     carrying = carry if canaries and not replica_groups.in_group(hosts, order[0]) else None
-    for group in replica_batches(order, hosts, options.canary, options.batch):
-        role = "canary" if set(group) <= canaries else "batch"
+    for batch in replica_batches(order, hosts, options.canary, options.batch):
+        role = "canary" if set(batch) <= canaries else "batch"
         if carrying is not None:
-            if order[0] in group:
+            if order[0] in batch:
                 carrying.before_canary(order[0])
             elif role == "batch":
-                carrying.into([h for h in group if not replica_groups.in_group(hosts, h)])
-        # One deploy run per target digest (a rollout has one; `rollback` may send hosts to different ones).
-        for target in dict.fromkeys(targets[h] for h in group):
-            members = [h for h in group if targets[h] == target]
-            swap_group = partial(_swap_group, inventory, members, target, before, hosts, sessions, options, progress,
-                                 role)
-            outcomes.update(_out_of_routers(routers, members, target, before, options, progress, swap_group))
-        if carrying is not None and order[0] in group:
+                carrying.into([h for h in batch if not replica_groups.in_group(hosts, h)])
+        # One deploy run per target ref: `rollback` may send hosts to different ones.
+        for target_ref in dict.fromkeys(ctx.target_refs[h] for h in batch):
+            moving = [h for h in batch if ctx.target_refs[h] == target_ref]
+            swap_batch = partial(_swap_batch, ctx, moving, target_ref, before=before, role=role)
+            outcomes.update(_out_of_routers(ctx, routers, moving, target_ref, before=before, swap_batch=swap_batch))
+        if carrying is not None and order[0] in batch:
             carrying.after_canary(outcomes[order[0]].outcome == Outcome.UPDATED)
         if carry is not None:
-            carry.observe([h for h in group if outcomes[h].outcome == Outcome.UPDATED])
-        if any(outcomes[h].outcome not in OK for h in group):
+            carry.observe([h for h in batch if outcomes[h].outcome == Outcome.UPDATED])
+        if any(outcomes[h].outcome not in OK for h in batch):
             for h in order:
                 if h not in outcomes:
-                    outcomes[h] = HostOutcome(h, before[h].committed_ref, targets[h], Outcome.NOT_STARTED, None,
-                                              "not touched: the rollout stopped at a failed gate")
-                    progress.phase(h, "not started")
+                    outcomes[h] = HostOutcome(h, before[h].committed_ref, ctx.target_refs[h], Outcome.NOT_STARTED,
+                                              None, "not touched: the rollout stopped at a failed gate")
+                    ctx.progress.phase(h, "not started")
             break
     return [outcomes[h] for h in order]
 
 
-def _out_of_routers(routers: Routers, group: list[str], target: str, before: Mapping[str, HostLedger],
-                    options: SwapOptions, progress: Progress,
-                    swap_group: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
-    """swap_group() with the group out of every router; a host a router did not let go is not swapped (the group
-    fails). After the swap a host rejoins only once its ledger says committed or rolled back and gpufleet's own check
-    finds that version answering (judge); any other stays out, and one a router did not take back fails (the
-    rollout stops: it would run short)."""
-    # A replica group's ranks other than its head serve no API: the routers know the head only.
-    routed = [h for h in group if h in routers.urls]
+def _out_of_routers(ctx: RolloutContext, routers: Routers, batch: list[str], target_ref: str, *,
+                    before: Mapping[str, HostLedger],
+                    swap_batch: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
+    """swap_batch() with the batch out of every router; a host rejoins only when judged settled (SETTLED)."""
+    # The routers know a replica group's head only.
+    routed = [h for h in batch if h in routers.urls]
     if routers.routers:
         for h in routed:
-            progress.phase(h, "leaving the router's workers")
+            ctx.progress.phase(h, "leaving the router's workers")
     swapping = False
     try:
-        with routers.out(routed, options.drain_timeout_s):
+        with routers.out(routed, ctx.options.drain_timeout_s):
             swapping = True
-            result = swap_group()
+            result = swap_batch()
     except (RouterError, OSError) as error:
         if swapping:  # the swap's own error, not the routers'
             raise
-        return {h: HostOutcome(h, before[h].committed_ref, target, Outcome.FAILED, None,
-                               one_line(f"not swapped: {error}")) for h in group}
+        return {h: HostOutcome(h, before[h].committed_ref, target_ref, Outcome.FAILED, None,
+                               one_line(f"not swapped: {error}")) for h in batch}
     if not routers.routers:
         return result
     for h in routed:
@@ -264,52 +240,53 @@ def _out_of_routers(routers: Routers, group: list[str], target: str, before: Map
         if problem is not None:
             result[h] = replace(result[h], outcome=Outcome.FAILED,
                                 detail=one_line(f"{result[h].outcome.value}, but {problem}; {result[h].detail}"))
-            progress.phase(h, result[h].phase)
+            ctx.progress.phase(h, result[h].phase)
     return result
 
 
-def _swap_group(inventory: str, group: list[str], target: str, before: Mapping[str, HostLedger],
-                hosts: Mapping[str, FleetHost], sessions: Sessions, options: SwapOptions, progress: Progress,
+def _swap_batch(ctx: RolloutContext, batch: list[str], target_ref: str, *, before: Mapping[str, HostLedger],
                 role: str) -> dict[str, HostOutcome]:
+    hosts, sessions, options, progress = ctx.hosts, ctx.sessions, ctx.options, ctx.progress
+
     def drain_one(host: FleetHost, transport: SshTransport) -> Drained:
         return drain(transport, host.spec.port, options.drain_timeout_s,
                      on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"),
                      address=host.spec.reach_address)
 
-    workers = [h for h in group if replica_groups.is_worker(hosts, h)]  # a group's head; its ranks serve nothing
+    workers = [h for h in batch if replica_groups.is_worker(hosts, h)]  # a group's head; its ranks serve nothing
     for h in workers:
         progress.phase(h, f"{role}: draining")
     drained = sessions.each(workers, drain_one)
     canary = role == "canary"
-    speed_batch = not canary and any(speed_batches(hosts[h]) for h in group)
-    # The old version measured out of service and drained, on the host and with the workload the new one gets.
+    speed_batch = not canary and any(speed_batches(hosts[h]) for h in batch)
+    # Measured drained, on the host and workload the new version gets.
     speed_before: dict[str, SpeedFigures | str] = {}
-    if SPEED in options.group_checks(canary, speed_batch):
+    if SPEED in options.batch_checks(canary, speed_batch):
         for h in workers:
             progress.phase(h, f"{role}: measuring the running version's speed")
         speed_before = sessions.each(workers, measure_running)
     watches: dict[str, DowntimeWatch] = {}
-    for h in group:
-        # No session to watch through: the downtime is reported as not measured.
+    for h in batch:
         with suppress(TransportError):
             if h in workers:
                 watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port,
                                            address=hosts[h].spec.reach_address).start()
-        progress.phase(h, f"{role}: restarting on {short(target)}, verifying")
-    committed = {h: before[h].committed_ref for h in group if before[h].error is None}
+        progress.phase(h, f"{role}: restarting on {short(target_ref)}, verifying")
+    committed = {h: before[h].committed_ref for h in batch if before[h].error is None}
     baseline = {h: figures for h, figures in speed_before.items() if isinstance(figures, SpeedFigures)}
-    run = run_deploy(inventory, group, options.run_settings(target, committed, canary=canary, speed_batch=speed_batch,
-                                                            speed_baseline=baseline or None),
-                     options.deploy_file, log=options.log, timeout_s=options.stage_timeout_s)
+    settings = options.run_settings(target_ref, committed=committed, canary=canary, speed_batch=speed_batch,
+                                    speed_baseline=baseline or None)
+    run = run_deploy(ctx.inventory, batch, settings, options.deploy_file, log=options.log,
+                     timeout_s=options.stage_timeout_s)
     downtime = {h: watch.stop() for h, watch in watches.items()}
-    after = read_ledgers(sessions, group)
-    # Where the ledger settled: what answers decides the outcome, and with it the rejoin.
-    serving = sessions.each([h for h in group if after[h].error is None and after[h].pending_ref is None], _serving)
+    after = read_ledgers(sessions, batch)
+    # Where the ledger settled, what answers decides the outcome and the rejoin.
+    serving = sessions.each([h for h in batch if after[h].error is None and after[h].pending_ref is None], _serving)
     result = {}
-    for h in group:
-        outcome = judge(h, target, before[h], after[h], run, downtime.get(h), drained.get(h),
-                        held_to(hosts[h].spec, options, canary, speed_batch) if h in workers else (),
-                        speed_before.get(h), serving.get(h))
+    for h in batch:
+        outcome = judge(h, target_ref, before[h], after[h], run, downtime.get(h), drained.get(h),
+                        held=held_to(hosts[h].spec, options, canary, speed_batch) if h in workers else (),
+                        speed_before=speed_before.get(h), serving=serving.get(h))
         result[h] = outcome
         progress.phase(h, outcome.phase)
     return result

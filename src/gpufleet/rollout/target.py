@@ -1,19 +1,5 @@
-"""The rollout's target: ONE digest for every host. A digest given as --image is used as it is; a tag (--image, or
-the inventory's vllm_image) is resolved once, at the start, by asking its registry for the tag's digest from one host
-(the first that answers, over the rollout's SSH session), without pulling a layer: every host then gets exactly that
-digest, even if the tag moves during the rollout. The pull itself is prepare's (under each host's lock, after its
-disk check).
-
-The registry is asked with a tool the host's docker has, as root (the credentials `docker pull` uses there):
-  docker buildx imagetools inspect --format '{{json .Manifest}}' REF   (docker-buildx-plugin) the digest of what
-      the tag names: a manifest list / index for a multi-platform image, as `docker pull` pins it;
-  docker manifest inspect -v [--insecure] REF   (docker-ce-cli, docker.io >= 20.10) the manifest's digest; for a
-      multi-platform list it prints each platform's manifest but not the list's own digest, so it cannot pin one.
---insecure is passed when the host's dockerd treats the registry as insecure (insecure-registries, or an address in
-an insecure CIDR, 127.0.0.0/8 by default), so the lookup speaks to the registry as the pull would. buildx is asked
-first, except for such a registry (buildx does not read dockerd's insecure-registries). When neither tool can pin
-the tag on the host (neither installed, or a multi-platform list and no buildx), the tag is pulled there as before,
-and the target says so."""
+"""The rollout's one target digest: as given, or a tag looked up once on one host without pulling a layer, so a
+tag that moves mid-rollout changes nothing (docs/rollout.md says which docker tool is asked, and when)."""
 
 from __future__ import annotations
 
@@ -28,7 +14,7 @@ from typing import Any
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.image_names import parse
 from gpufleet.remote.transport import SshTransport, TransportError
-from gpufleet.rollout.replicas import FleetHost, Sessions, run
+from gpufleet.rollout.replicas import FleetHost, Sessions, shell
 from gpufleet.vllm import weights
 from gpufleet.vllm.operations.image import pick_digest
 from gpufleet.vllm.settings import merged_settings
@@ -47,15 +33,14 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 class Target:
     ref: str  # repo@sha256:<digest>
     requested: str  # what named it: --image, or vllm_image
-    # The host the tag was resolved on (None: a digest was given): its registry asked with `tool` from there, or,
-    # where no lookup tool could pin the tag (tool None), the tag pulled there (`pulled_because` says why).
+    # None when a digest was given. Without a `tool` the tag was pulled there; `pulled_because` says why.
     resolved_on: str | None = None
     tool: str | None = None  # BUILDX or MANIFEST
     pulled_because: str | None = None
 
     @property
     def where(self) -> str:
-        """One line for the progress: on which host and how the tag became this digest ("" for a given digest)."""
+        """On which host and how the tag became this digest, for the progress; "" for a given digest."""
         if self.resolved_on is None:
             return ""
         if self.tool is not None:
@@ -64,7 +49,7 @@ class Target:
 
 
 def fleet_repository(hosts: Sequence[FleetHost]) -> str:
-    """The one repository every host's vllm_image names (a rollout moves one image across the fleet)."""
+    """The one repository every host's vllm_image names."""
     repos = {h.name: ref.repository for h in hosts if (ref := parse(h.spec.image)) is not None}
     distinct = sorted(set(repos.values()))
     if len(distinct) != 1:
@@ -228,7 +213,7 @@ def lookup_error(tool: str, image: str, host: str, rc: int, out: str, err: str) 
 def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Target:
     """The tag's digest through one host's session; raises GpufleetError (one line) for the registry's refusal,
     TransportError when the host cannot be used."""
-    rc, out, err = run(session, PROBE_COMMAND, timeout=PROBE_TIMEOUT_S, root=True)
+    rc, out, err = shell(session, PROBE_COMMAND, timeout=PROBE_TIMEOUT_S, root=True)
     if rc != 0:  # the shell's last word is an echo: only a refused sudo (or a dead shell) fails it
         raise GpufleetError(one_line(f"{host}: cannot run docker as root to look up {image}: "
                                      f"{(err or out).strip()[-200:]} (fix: let the SSH user run sudo -n, as the "
@@ -237,7 +222,7 @@ def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Targ
     listed, failures = None, []
     for tool in tool_order(probe, image):
         command = lookup_command(tool, image, insecure(registry_of(image), probe.registry_config))
-        rc, out, err = run(session, command, timeout=LOOKUP_TIMEOUT_S + 30, root=True)
+        rc, out, err = shell(session, command, timeout=LOOKUP_TIMEOUT_S + 30, root=True)
         if rc != 0:
             failures.append(lookup_error(tool, image, host, rc, out, err))
             continue
@@ -255,7 +240,7 @@ def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Targ
     else:
         because = ("neither docker buildx imagetools nor docker manifest inspect works there (fix: install "
                    "docker-buildx-plugin)")
-    rc, out, err = run(session, resolve_command(image), timeout=PULL_TIMEOUT_S, root=True)
+    rc, out, err = shell(session, resolve_command(image), timeout=PULL_TIMEOUT_S, root=True)
     return Target(digest_from_inspect(image, rc, out, err, host), image, host, None, one_line(because))
 
 
@@ -313,7 +298,7 @@ def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str)
     errors = []
     for host in hosts:
         try:
-            rc, out, err = run(sessions.get(host.name), command, timeout=LOOKUP_TIMEOUT_S, root=True)
+            rc, out, err = shell(sessions.get(host.name), command, timeout=LOOKUP_TIMEOUT_S, root=True)
         except TransportError as e:
             errors.append(one_line(f"{host.name}: {e}"))
             continue
