@@ -48,8 +48,8 @@ def test_the_checkouts_deploy_files_are_the_packaged_ones(name):
 def test_default_deploy_file_falls_back_to_the_packaged_one_without_a_checkout(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert rollout_deploy.default_deploy_file() == REPO / "deploys" / "qwen35.py"  # the checkout it runs from
-    # Installed from a wheel: site-packages/gpufleet/rollout/deploy.py has no deploys/ three levels up.
-    fake = tmp_path / "venv" / "lib" / "site-packages" / "gpufleet" / "rollout" / "deploy.py"
+    # Installed from a wheel: site-packages/gpufleet/rollout/deploy_run.py has no deploys/ three levels up.
+    fake = tmp_path / "venv" / "lib" / "site-packages" / "gpufleet" / "rollout" / "deploy_run.py"
     monkeypatch.setattr(rollout_deploy, "__file__", str(fake))
     assert rollout_deploy.default_deploy_file() == packaged_deploy_file("qwen35")
     (tmp_path / "deploys").mkdir()

@@ -15,7 +15,7 @@ from gpufleet.cli.logs import quiet, verbose
 from gpufleet.errors import GpufleetError
 from gpufleet.harness import packaged_deploy_file
 from gpufleet.inventory import ROUTERS_GROUP, load_pyinfra_hosts
-from gpufleet.rollout.deploy import pyinfra_command
+from gpufleet.rollout.deploy_run import pyinfra_command
 
 ONLY = ("vllm", "router")
 

@@ -25,7 +25,7 @@ from gpufleet.hoststate.paths import ledger_path
 from gpufleet.inventory import HostData, load_roles_and_groups
 from gpufleet.remote.transport import SshTransport, Transport, TransportError
 from gpufleet.rollout.ledgers import parse_read
-from gpufleet.rollout.replicas import run
+from gpufleet.rollout.replicas import shell
 from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
@@ -58,7 +58,7 @@ def read_committed(target: HostTarget, transport: Transport) -> tuple[str, Speed
         return None
     service, port = target.expected.service, target.expected.port
     try:
-        rc, out, err = run(transport, reader.read_command(ledger_path(service)), root=True)
+        rc, out, err = shell(transport, reader.read_command(ledger_path(service)), root=True)
     except TransportError:
         return None
     committed = parse_read(target.name, service, port, rc, out, err).ledger

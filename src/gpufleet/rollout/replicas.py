@@ -47,8 +47,6 @@ def shell(transport: SshTransport, command: str, timeout: float = 60.0, root: bo
     return transport.run(f"{sudo}sh -c {shlex.quote(command)}" if sudo else command, timeout=timeout)
 
 
-run = shell  # the old name, for gpufleet.cli.verify's import
-
 
 class Sessions:
     """One SSH session per host for the rollout's reads (ledgers, drain, downtime); close() ends them."""
