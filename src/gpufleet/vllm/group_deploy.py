@@ -8,7 +8,6 @@ from typing import Any
 
 from pyinfra.api import Host, Inventory
 
-from gpufleet.defaults import ACCEPT_SETTING
 from gpufleet.harness.preflight import Reading
 from gpufleet.hoststate.ledger import FinishPending, Resume, RollBackPending
 from gpufleet.inventory import ROUTERS_GROUP, group_orders
@@ -18,20 +17,17 @@ from gpufleet.vllm.group_specs import resolve_one
 from gpufleet.vllm.lint import GroupLintContext, lint_group
 from gpufleet.vllm.operations.group import GroupRun, group_run
 from gpufleet.vllm.operations.service import serves_expected
-from gpufleet.vllm.settings import resolve_host
+from gpufleet.vllm.settings import VllmSettings, resolve_host
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.weights import ModelTarget
 from gpufleet.wire.identity import Expected
 
-# What a reading's plan holds that these read (gpufleet.vllm.deploy.Plan).
-Planned = Any
-
 
 def resolve(name: str, data: Mapping[str, Any], inventory: Inventory | None,
-            behind_router: bool) -> tuple[ServeSpec, dict[str, Any]]:
+            behind_router: bool) -> tuple[ServeSpec, VllmSettings]:
     """A host's spec and settings, its group's ranks resolved with it (raises SettingErrors)."""
     if inventory is None or inventory.get_host(name, None) is None:
-        return resolve_host(name, data, behind_router)
+        return resolve_host(name, data, behind_router=behind_router)
     # The host's own data as given (the caller's may differ from the inventory's); its ranks' from the inventory.
     replicas = [(h.name, data if h.name == name else h.data.dict()) for h in inventory
                 if ROUTERS_GROUP not in h.groups]
@@ -74,7 +70,7 @@ def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[st
         context = GroupLintContext(member.group, {h: s.gpus[0].name if s.gpus else "" for h, s in snaps.items()},
                                    {h: s.driver.driver_version if s.driver else "" for h, s in snaps.items()})
         head_plan = readings[member.head].plan
-        accepted = set(head_plan.settings.get(ACCEPT_SETTING) or ()) if head_plan is not None else set()
+        accepted = set(head_plan.settings.accept) if head_plan is not None else set()
         for finding in lint_group(member.head, context):
             if finding.rule.id not in accepted:
                 found.setdefault(member.head, []).append(str(finding))

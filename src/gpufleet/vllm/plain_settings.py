@@ -220,7 +220,7 @@ _CACHE_ADDRESS = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?:[0-9]{1,
 
 
 def check_site_cache(s: Mapping[str, Any], fail: Fail) -> None:
-    for key in ("site_cache_port", "site_cache_internal_port"):
+    for key in ("site_cache_port", "site_cache_internal_port", "site_cache_mirror_port"):
         port = s[key]
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             fail(key, f"{shown(port)} is not a TCP port", f"e.g. {DEFAULTS[key]}")
@@ -231,10 +231,14 @@ def check_site_cache(s: Mapping[str, Any], fail: Fail) -> None:
     if not isinstance(clients, (list, tuple)) or not all(isinstance(c, str) and _network(c) for c in clients):
         fail("site_cache_clients", f"{shown(clients)} is not a list of addresses or networks",
              'e.g. ["10.0.1.0/24", "10.0.2.7"]')
-    size = s["site_cache_max_gb"]
-    if not isinstance(size, (int, float)) or isinstance(size, bool) or not_finite(size) or size <= 0:
-        fail("site_cache_max_gb", f"{shown(size)} is not a positive number of GB",
-             f"e.g. {DEFAULTS['site_cache_max_gb']}")
+    for key in ("site_cache_max_gb", "site_cache_model_max_gb"):
+        size = s[key]
+        if not isinstance(size, (int, float)) or isinstance(size, bool) or not_finite(size) or size <= 0:
+            fail(key, f"{shown(size)} is not a positive number of GB", f"e.g. {DEFAULTS[key]}")
+    index = s["site_cache_mirror_index_url"]
+    if not isinstance(index, str) or not _URL.fullmatch(index):
+        fail("site_cache_mirror_index_url", f"{shown(index)} is not a plain http(s) URL",
+             f"use http(s)://host[:port]/path, e.g. {DEFAULTS['site_cache_mirror_index_url']}")
     upstream = s["site_cache_upstream"]
     if upstream != "" and (not isinstance(upstream, str) or not _URL.fullmatch(upstream)):
         fail("site_cache_upstream", f"{shown(upstream)} is not a plain http(s) URL",

@@ -1,11 +1,5 @@
 """The vLLM systemd service: secrets file, unit (running the pinned digest), enabled, (re)started, verified,
-committed or rolled back.
-
-Never break a serving host: the host's ledger (gpufleet.hoststate.ledger) names the new version `pending` before its unit is
-written or the service restarts; ready() verifies it (the deploy's callback, gpufleet.vllm.verify, keeps the
-verdict) and, when it failed, puts the committed version's unit back at once (kept at layout.unit_backup when it was
-committed); committed() commits a passed one after ready and the soak (pyinfra's `_if`). A run cut anywhere in
-between leaves the pending record for the next run to settle first (settled()).
+committed or rolled back. How a cut run is settled and a failed version rolled back: docs/crash-safety.md.
 """
 
 from __future__ import annotations
@@ -13,7 +7,6 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, OperationValueError, State, StringCommand, operation
@@ -45,15 +38,13 @@ from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.group import GroupRun
 from gpufleet.vllm.operations.image import now_utc, target_ref
 from gpufleet.vllm.operations.model import target_model
+from gpufleet.vllm.settings import VllmSettings
 from gpufleet.vllm.snapshot import snapshot
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.value_rules import SECRET_VALUE
 from gpufleet.vllm.weights import ModelTarget
 from gpufleet.wire.identity import Expected, identity_problems
-
-# Secrets every service's env file may carry: env var -> the setting holding it (vllm_secret_env adds more).
-ENV_SECRETS = {"VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token"}
 
 
 def managed(layout: Layout) -> Managed:
@@ -77,13 +68,12 @@ def env_content(secrets: Mapping[str, str | None]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def secret_values(settings: Mapping[str, Any], secrets: Mapping[str, str] = ENV_SECRETS) -> dict[str, str | None]:
-    """env var -> value: the named settings (secrets: env var -> setting name), then vllm_secret_env's."""
-    values = {env: settings.get(key) for env, key in secrets.items()}
-    return {**values, **(settings.get("vllm_secret_env") or {})}
+def secret_values(settings: VllmSettings) -> dict[str, str | None]:
+    """env var -> value of every secret the env file carries (None: unset)."""
+    return {"VLLM_API_KEY": settings.api_key, "HF_TOKEN": settings.hf_token, **settings.secret_env}
 
 
-def hidden_secrets(settings: Mapping[str, Any]) -> dict[str, Hidden | None]:
+def hidden_secrets(settings: VllmSettings) -> dict[str, Hidden | None]:
     """secret_values, each wrapped for its way through pyinfra (operation arguments show in its debug log)."""
     return {env: Hidden(value) if value is not None else None for env, value in secret_values(settings).items()}
 
