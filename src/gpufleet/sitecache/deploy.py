@@ -67,8 +67,7 @@ def upstream(settings: CacheSettings, image: str) -> str:
 
 
 def cache_pull(target: Host, settings: CacheSettings, image: str) -> CachePull | None:
-    """How `target` pulls `image` through the site cache, or None: none configured, "off", or the cache proxies
-    another registry than the image's (one cache proxies one registry)."""
+    """How `target` pulls `image` through the site cache; None when none serves the image's registry."""
     address = settings.site_cache_address
     if address == "off":
         return None
@@ -93,8 +92,8 @@ def cache_pull(target: Host, settings: CacheSettings, image: str) -> CachePull |
 
 
 def model_mirror(target: Host, settings: CacheSettings) -> ModelMirror | None:
-    """Where `target` downloads the model through, or None: no site cache, "off", another site's cache (its mirror
-    serves its own inventory's repositories), or a cache host that mirrors another hub than target's."""
+    """Where `target` downloads the model through, or None: no site cache, "off", another site's cache, or a cache
+    host on another hub."""
     caches = cache_hosts(target)
     if settings.site_cache_address or not caches or not settings.model_repo:
         return None
@@ -123,8 +122,7 @@ def _pullers(inventory: Inventory) -> list[Host]:
 
 
 def clients(inventory: Inventory, extra: Sequence[str]) -> list[str]:
-    """Who may pull through the cache: the loopback, `extra` (site_cache_clients) and each vLLM host of the inventory
-    at its ssh_hostname (a name resolved here: SettingErrors when it does not resolve)."""
+    """Who may pull through the cache: the loopback, `extra` and each vLLM host's ssh_hostname, resolved here."""
     found, errors = [LOOPBACK, "::1", *extra], []
     for h in _pullers(inventory):
         where = str(h.data.get("ssh_hostname") or h.name)

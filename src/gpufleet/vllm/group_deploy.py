@@ -1,5 +1,5 @@
-"""The deploy's part for a replica group (docs/multi-node.md): specs resolved with the group, a rank's probe of its
-head, the checks across the ranks once preflight read them all, the version they install, and one restart."""
+"""The vLLM deploy's part for a replica group (docs/multi-node.md): the ranks planned, checked, restarted and
+verified together."""
 
 from __future__ import annotations
 
@@ -51,8 +51,7 @@ def probe_problem(name: str, snap: HostSnapshot, spec: ServeSpec) -> str | None:
 
 
 def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[str]]:
-    """Refusals across each group's ranks: every rank in the run, one GPU model and one driver (or accepted on the
-    head)."""
+    """Refusals across each group's ranks: every rank in the run, one GPU model and one driver."""
     found: dict[str, list[str]] = {}
     groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
               if r.plan is not None and r.plan.spec.group is not None}
@@ -79,8 +78,7 @@ def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[st
 
 def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Callable[[Reading[Any, Any]], str | None],
                      refusals: Callable[[str, Reading[Any, Any], str], list[str]]) -> dict[str, list[str]]:
-    """refusals(rank, reading, why) for each rank restarted only because another rank of its group restarts
-    (restart_of: why a host's own converge restarts it)."""
+    """refusals(rank, reading, why) for each rank restarted only because another rank of its group restarts."""
     found: dict[str, list[str]] = {}
     groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
               if r.plan is not None and r.plan.spec.group is not None}
@@ -98,8 +96,7 @@ def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Call
 
 def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, Any]],
               pins_of: Callable[[Reading[Any, Any]], tuple[str | None, ModelTarget | None]]) -> GroupRun | None:
-    """The host's group in this run (None outside one): its digest and model commit are each the first rank's pin,
-    head first."""
+    """The host's group in this run (None outside one), pinned to the first rank's digest and model commit."""
     member = spec.group
     if member is None:
         return None
@@ -114,7 +111,7 @@ def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, A
 
 
 def as_group(decision: Resume) -> Resume:
-    """A cut run's version on a rank is finished with its group, never rolled back alone (two versions)."""
+    """A cut run's version on a rank is finished with its group, never rolled back alone."""
     if isinstance(decision, RollBackPending):
         return FinishPending(decision.pending, restart=True, reason=f"{decision.reason}; finishing it with the group")
     return decision

@@ -1,8 +1,5 @@
-"""Host data -> validated VllmSettings and ServeSpec, every problem found before anything touches a host.
-
-All of a host's problems are reported at once, one line each (SettingErrors); a value that may be a secret is never
-echoed (docs/hardening.md). The checks of each kind of setting live in plain_settings, serve_args, container_env and
-docker_options; this module merges the data, runs them and builds the record and the spec.
+"""Host data -> validated VllmSettings and ServeSpec: every problem of a host at once, one line each, before
+anything touches it. What is refused and why: docs/hardening.md.
 """
 
 from __future__ import annotations
@@ -68,7 +65,6 @@ MAX_UNIT_LINE_BYTES = 1024 * 1024 - 4096
 # Settings that change what one run does; a rollout passes them as `--data key=value`.
 RUN_FLAGS = (RETRY_SETTING, VERIFY_PROBE_SETTING, REFRESH_KEYS_SETTING, SPEED_BATCHES_SETTING)
 _BOOL_WORDS = {"true": True, "false": False}
-# The setting prefixes a field of VllmSettings drops.
 _FIELD_PREFIXES = ("vllm_", "gpufleet_")
 
 
@@ -178,7 +174,7 @@ def _frozen(value: Any) -> Any:
 
 
 def _settings_record(s: Mapping[str, Any]) -> VllmSettings:
-    """The record of merged settings that passed every check (run flags, checks and the baseline parsed by then)."""
+    """The record of merged settings that passed every check, parsed where a check parsed them."""
     accept = s["gpufleet_accept"]
     return VllmSettings(
         profile=s["vllm_profile"], image=s["vllm_image"], gpus=tuple(s["vllm_gpus"]), port=s["vllm_port"],
@@ -231,8 +227,7 @@ BEHIND_ROUTER_ARGS: dict[str, ArgValue] = {"enable-scale-out": True}
 
 def build_spec(host: str, host_data: Mapping[str, Any], *, behind_router: bool = False,
                member: Member | None = None) -> ServeSpec:
-    """Validate a host's settings and build its ServeSpec; raise SettingErrors listing every problem.
-    behind_router: a router is in front of this replica; member: its rank in a replica group."""
+    """Validate a host's settings and build its ServeSpec; raise SettingErrors listing every problem."""
     return resolve_host(host, host_data, behind_router=behind_router, member=member)[0]
 
 
@@ -338,7 +333,7 @@ def _check_control_characters(host: str, host_data: Mapping[str, Any], fail: Fai
 
 
 def _strings(setting: str, value: Any) -> Iterator[tuple[str, str]]:
-    """(setting path, text) for every string in a setting's value: mapping keys and values, list items."""
+    """(setting path, text) for every string in a setting's value, keys included."""
     if isinstance(value, str):
         yield setting, value
     elif isinstance(value, Mapping):
@@ -353,7 +348,6 @@ def _strings(setting: str, value: Any) -> Iterator[tuple[str, str]]:
 
 # --- what one run does, and the spec as a whole ------------------------------------------------------------
 def _check_run_settings(s: Mapping[str, Any], fail: Fail) -> None:
-    """RUN_FLAGS (by now True/False when given as words) and the stage."""
     for key in RUN_FLAGS:
         if not isinstance(s[key], bool):
             fail(key, f"{shown(s[key])} is not true/false", f"set True or False, or pass --data {key}=true")
@@ -362,7 +356,7 @@ def _check_run_settings(s: Mapping[str, Any], fail: Fail) -> None:
 
 
 def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
-    """The speed check's tolerance, and the baseline a rollout passes: parsed into {host: SpeedFigures}."""
+    """The speed check's tolerance, and the baseline a rollout passes, parsed."""
     tolerance = s[SPEED_TOLERANCE_SETTING]
     if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 < tolerance < 1:
         fail(SPEED_TOLERANCE_SETTING, f"{shown(tolerance)} is not a fraction between 0 and 1",
@@ -377,8 +371,9 @@ def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
     except ValueError as error:
         fail(SPEED_BASELINE_SETTING, f"{shown(baseline)}: {error}",
              "leave it unset: a rollout passes it, measured on each host before its swap")
+
+
 def _check_gpu_settings(s: Mapping[str, Any], fail: Fail) -> None:
-    """The GPU verdict table's overrides and gpufleet_gpu_cleared_at (docs/gpu-health.md)."""
     try:
         verdict_table(s[GPU_VERDICTS_SETTING])
     except ValueError as error:
