@@ -20,7 +20,7 @@ from gpufleet.operations.run import release_locks, report, run_context, take_loc
 from gpufleet.remote.ssh import use_sudo
 
 READ_TIMEOUT_S = 60.0
-# Longer than the reads, so a host whose SSH command timed out reports pyinfra's own error.
+# So that a host whose read timed out reports pyinfra's own error.
 JOIN_MARGIN_S = 10.0
 
 
@@ -30,7 +30,7 @@ class Planned(Protocol):
 
 
 P = TypeVar("P", bound=Planned)
-S = TypeVar("S")  # what a deploy reads on a host
+S = TypeVar("S")  # what is read on a host
 PlanFor = Callable[[str, dict[str, Any]], P]
 CheckHost = Callable[[str, S, P], list[str]]
 # Which hosts a deploy is for.

@@ -34,9 +34,9 @@ class Member:
     group: str
     rank: int
     hosts: tuple[str, ...]
-    addresses: tuple[str, ...]  # each rank's address on the group's network (VLLM_HOST_IP)
+    addresses: tuple[str, ...]  # on the group's network (VLLM_HOST_IP)
     port: int  # the head's master port
-    interface: str | None  # this host's interface for the group's traffic
+    interface: str | None
     spec_hashes: tuple[str, ...] = ()  # every rank's spec hash (rank order), once all were built
 
     @property

@@ -78,7 +78,7 @@ def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[st
 
 def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Callable[[Reading[Any, Any]], str | None],
                      refusals: Callable[[str, Reading[Any, Any], str], list[str]]) -> dict[str, list[str]]:
-    """refusals(rank, reading, why) for each rank restarted only because another rank of its group restarts."""
+    """refusals(rank, reading, why) for each rank restarted only with its group."""
     found: dict[str, list[str]] = {}
     groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
               if r.plan is not None and r.plan.spec.group is not None}
@@ -96,7 +96,7 @@ def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Call
 
 def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, Any]],
               pins_of: Callable[[Reading[Any, Any]], tuple[str | None, ModelTarget | None]]) -> GroupRun | None:
-    """The host's group in this run (None outside one), pinned to the first rank's digest and model commit."""
+    """The host's group in this run (None outside one), on the first rank's pins."""
     member = spec.group
     if member is None:
         return None

@@ -11,7 +11,7 @@ from gpufleet.vllm.settings import merged_settings
 
 
 def unreadable_fix(plan: Any, error: Exception) -> str:  # plan: gpufleet.vllm.deploy.Plan
-    """The fix for a host whose snapshot could not be read: a forged snapshot points at what listens on the port."""
+    """The fix for a host whose snapshot could not be read."""
     if SNAPSHOT_REFUSED not in str(error):
         return check_ssh_and_sudo(plan, error)
     port = plan.paths.port

@@ -19,7 +19,7 @@ OptionValue = bool | str | tuple[str, ...]  # True = bare flag, str = --name=val
 
 
 HF_CACHE_CONTAINER_PATH = "/root/.cache/huggingface"
-# A path that exists nowhere: an accepted command line stops at model resolution, before weights, GPU or network.
+# A path that exists nowhere: an accepted command line stops at model resolution.
 FLAG_CHECK_MODEL = "/gpufleet-flag-check/no-model"
 
 
@@ -166,15 +166,14 @@ class ServeSpec:
         return argv + self.vllm_argv()
 
     def flag_check_argv(self, image: str, name: str, docker: str = "docker") -> list[str]:
-        """`vllm serve` of `image` on this spec's flags, with no GPU, network, mounts or secrets: argparse exits 2
-        naming a flag the image does not accept (docs/deploy.md)."""
+        """`vllm serve` of `image` on this spec's flags, with no GPU, network, mounts or secrets."""
         return [docker, "run", "--rm", "--name", name, "--network", "none", "-e", "HF_HUB_OFFLINE=1",
                 "-e", "VLLM_NO_USAGE_STATS=1", image, *self.vllm_argv(model=FLAG_CHECK_MODEL)]
 
     def hf_download_argv(self, image: str, repo: str, revision: str | None, hf_cache: str | None,
                          env_file: str | None, docker: str = "docker", env: Mapping[str, str] = {}) -> list[str]:
-        """The serving image's own hf CLI downloading the model where the service reads it. The token comes only
-        through the root-only env_file; hf_cache keeps partial downloads for a re-run."""
+        """The serving image's own hf CLI downloading the model where the service reads it; the token comes only
+        through the root-only env_file."""
         # The host's network, as the host's own check of the hub used.
         argv = [docker, "run", "--rm", "--network", "host", "--entrypoint", "hf", "-v", self.model_mount.volume_arg()]
         if hf_cache:

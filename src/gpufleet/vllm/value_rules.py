@@ -1,5 +1,4 @@
-"""The rules every setting's value is held to, whatever the setting: no control character, no argument longer than
-execve takes, finite numbers, and secrets that an env file carries unquoted and no message echoes."""
+"""The rules every setting's value is held to, whatever the setting."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from typing import Any
 
 from gpufleet.errors import CONTROL_CHARACTERS
 
-# (setting, problem, fix) of one problem of the host being resolved.
+# Records one problem: (setting, problem, fix).
 Fail = Callable[[str, str, str], None]
 # Characters systemd, docker --env-file and sh all read alike unquoted.
 SECRET_VALUE = re.compile(r"[A-Za-z0-9._+/=:@-]+")

@@ -178,11 +178,8 @@ def _executing() -> bool:
 
 
 def _changed(ops: list[OperationMeta]) -> bool:
-    """Does one of `ops` change the host: will_change while planning, did_change once it ran.
-
-    pyinfra's OperationMeta.changed is this but deprecated; `_if=any_changed(...)` is checked only while executing,
-    so every host's --dry would list a restart.
-    """
+    """Does one of `ops` change the host: will_change while planning, did_change once it ran. (pyinfra's
+    `_if=any_changed(...)` is checked only while executing: every --dry would list a restart.)"""
     return any(op.did_change() if op.is_complete() else op.will_change for op in ops)
 
 
@@ -241,8 +238,7 @@ def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
 def ready(spec: ServeSpec, verify: Verify, roll_back: AfterVerify, changes: list[OperationMeta], start: bool = True,
           soak_s: float = 0.0, force: bool = False, group: GroupRun | None = None, serves: bool | None = None
           ) -> Commands:
-    """Verify the service, with a soak after a (re)start, and roll back at once when that fails (the commit is
-    the next operation's: a rollback waits for no other host)."""
+    """Verify the service, with a soak after a (re)start, and roll back at once when that fails."""
     snap = snapshot()
     if not start:
         host.noop("no GPU: the service is not started, nothing to verify")
