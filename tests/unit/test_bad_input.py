@@ -705,15 +705,15 @@ def test_systemd_analyze_does_catch_what_escaping_prevents(tmp_path):
 def test_secret_env_reaches_the_container_by_name_only():
     from gpufleet.quoting import shell_line
     from gpufleet.vllm.operations.service import env_content, secret_values
+    from gpufleet.vllm.settings import resolve_host
 
     data = {"vllm_secret_env": {"WANDB_API_KEY": "wandb-s3cr3t-value"}, "vllm_api_key": "sk-apikey-value"}
-    spec = build_spec("box", data)
+    spec, settings = resolve_host("box", data)
     argv = spec.docker_run_argv()
     assert argv[argv.index("WANDB_API_KEY") - 1] == "-e" and argv[argv.index("VLLM_API_KEY") - 1] == "-e"
     rendered = shell_line(argv) + render_unit(spec) + repr(spec)
     assert "s3cr3t" not in rendered and "apikey-value" not in rendered
-    settings = {"vllm_api_key": "sk-apikey-value", "vllm_hf_token": None, **data}
-    content = env_content(secret_values(settings, {"VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token"}))
+    content = env_content(secret_values(settings))
     assert content.splitlines()[1:] == ["VLLM_API_KEY=sk-apikey-value", "WANDB_API_KEY=wandb-s3cr3t-value"]
 
 

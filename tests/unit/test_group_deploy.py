@@ -86,13 +86,13 @@ def converged(monkeypatch: pytest.MonkeyPatch, pins: dict[str, str] | None = Non
         files, dirs = writes(list(ops[name].items()))
         spec = plan.spec
         assert spec.group is not None
-        model = f"{plan.settings['vllm_model_repo']}@{models[name]}"
+        model = f"{plan.settings.model_repo}@{models[name]}"
         snap = bare_but_installed()
         snap.file_sha256 = {path: hashlib.sha256(content).hexdigest() for path, content in files.items()}
         snap.dirs = dict.fromkeys(dirs, ("root", "root", "755"))
         snap.ledger_text = render(Ledger(committed=Committed(Version(
             spec.image, pins[name], None, spec.spec_hash, spec.service, spec.port, model=model,
-            model_revision=plan.settings["vllm_model_revision"], group=spec.group.version(pins[name], model)), "t0")))
+            model_revision=plan.settings.model_revision, group=spec.group.version(pins[name], model)), "t0")))
         snap.images = [(ref.split("@")[0], "<none>", ref.split("@")[1]) for ref in set(pins.values())]
         snap.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
         snap.model_checked = model
@@ -140,7 +140,7 @@ def test_the_group_installs_its_heads_model_commit_on_every_rank(monkeypatch):
     # restarts with it: one engine, one set of weights.
     snaps = converged(monkeypatch, models={"box-a": COMMIT, "box-b": OTHER_COMMIT})
     plans, ops = prepare(snaps, monkeypatch)
-    repo = plans["box-a"].settings["vllm_model_repo"]
+    repo = plans["box-a"].settings.model_repo
     uploads = [c.src.getvalue().decode() for c in ops["box-b"][UNIT] if isinstance(c, FileUploadCommand)]
     assert uploads and f"# Model {repo}@{COMMIT}." in uploads[0]
     assert ops["box-a"][UNIT] == []

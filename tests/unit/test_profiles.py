@@ -123,8 +123,11 @@ def test_host_data_wins_over_group_data_which_wins_over_the_profile(inventory):
 def test_resolve_host_returns_the_spec_and_the_settings_it_was_built_from():
     data = {"vllm_profile": "qwen35-1gpu", "vllm_port": 5001}
     spec, settings = resolve_host("box", data)
-    assert spec == build_spec("box", data) and settings == merged_settings(data)
-    assert spec.service == settings["vllm_service"] == "vllm-qwen35-1gpu"
+    merged = merged_settings(data)
+    assert spec == build_spec("box", data)
+    assert spec.service == settings.service == merged["vllm_service"] == "vllm-qwen35-1gpu"
+    assert (settings.port, settings.gpus, settings.cache_dir) == (5001, tuple(merged["vllm_gpus"]),
+                                                                  merged["vllm_cache_dir"])
 
 
 def test_the_example_inventory_leaves_each_hosts_model_to_its_profile(tmp_path):

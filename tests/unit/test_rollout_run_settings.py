@@ -125,7 +125,7 @@ def test_the_old_versions_speed_figures_reach_the_deploys_settings_as_measured()
     data = as_pyinfra_reads(settings.data_args())
     assert list(data) == ["gpufleet_image_ref", "gpufleet_verify_checks", "gpufleet_speed_baseline"]
     _, s = resolve_host("gpu1", {"vllm_image": "reg:5000/vllm/vllm-openai:nightly", **data})
-    assert s[defaults.SPEED_BASELINE_SETTING] == {"gpu1": FIGURES} and s[defaults.VERIFY_CHECKS_SETTING] == ("speed",)
+    assert s.speed_baseline == {"gpu1": FIGURES} and s.verify_checks == ("speed",)
     assert RunSettings(speed_baseline={}).data_args() == []  # nothing measured: the check records only
 
 

@@ -125,11 +125,12 @@ def test_valid_variations_are_accepted():
 @pytest.mark.parametrize(("word", "value"), [("true", True), ("False", False), (True, True)])
 def test_run_flags_from_the_command_line_accept_the_words_true_and_false(word, value):
     settings = resolve_host("gpu1", dict.fromkeys(RUN_FLAGS, word))[1]
-    assert {flag: settings[flag] for flag in RUN_FLAGS} == dict.fromkeys(RUN_FLAGS, value)
+    assert (settings.retry_failed, settings.verify_probe, settings.refresh_keys, settings.speed_batches) == \
+        (value,) * 4
     assert "gpufleet_refresh_keys" in RUN_FLAGS
 
 
 def test_an_image_ref_of_the_same_repository_is_kept_as_its_digest_ref():
     ref = "docker.io/vllm/vllm-openai@sha256:" + "a" * 64
     settings = resolve_host("gpu1", {"gpufleet_image_ref": ref})[1]
-    assert settings["gpufleet_image_ref"] == "vllm/vllm-openai@sha256:" + "a" * 64
+    assert settings.image_ref == "vllm/vllm-openai@sha256:" + "a" * 64

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,7 +32,7 @@ from gpufleet.sitecache.facts import SiteCacheHost
 from gpufleet.sitecache.facts import parse as parse_cache_host
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.operations import docker
-from gpufleet.vllm.settings import build_spec
+from gpufleet.vllm.settings import build_spec, resolve_host
 from tests.ports import free_port
 
 BIG = "9f3c2a7d1e55"
@@ -279,16 +280,16 @@ def inventory(tmp_path: Path) -> Path:
 
 def test_each_host_finds_the_cache_the_inventory_names(inventory: Path):
     hosts = {h.name: h for h in load_pyinfra_hosts(inventory)}
-    settings = {"site_cache_address": "", "site_cache_upstream": "", "site_cache_pull_timeout_s": 60}
+    settings = resolve_host("gpu2", {"site_cache_pull_timeout_s": 60})[1]
     image = "vllm/vllm-openai:nightly"
     got = cache_pull(hosts["gpu2"], settings, image)
     assert got is not None and got.address == "10.0.0.5:5001" and got.cache_host == "gpu1"
     assert got.ref("sha256:" + "1" * 64) == "10.0.0.5:5001/vllm/vllm-openai@sha256:" + "1" * 64
     assert serves_site(hosts["gpu1"]) and not serves_site(hosts["gpu2"])
-    assert cache_pull(hosts["gpu3"], {**settings, "site_cache_address": "off"}, image) is None
+    assert cache_pull(hosts["gpu3"], replace(settings, site_cache_address="off"), image) is None
     # One cache proxies one registry: an image from another registry is pulled from it directly.
     assert cache_pull(hosts["gpu2"], settings, "ghcr.io/org/vllm:nightly") is None
-    other = cache_pull(hosts["gpu2"], {**settings, "site_cache_address": "10.9.0.1:5001"}, image)
+    other = cache_pull(hosts["gpu2"], replace(settings, site_cache_address="10.9.0.1:5001"), image)
     assert other is not None and other.address == "10.9.0.1:5001"
 
 
@@ -308,15 +309,14 @@ def test_the_cache_lets_in_every_vllm_host_of_the_inventory_and_serves_their_rep
                     "routers = [('rtr', {'ssh_hostname': '10.0.0.9'})]\n"
                     "site_cache = [('gpu1', {})]\n")
     inventory = load_pyinfra_hosts(path)[0].inventory
-    settings = {"site_cache_clients": ["10.0.1.0/24"]}
-    found = clients(inventory, settings)
+    found = clients(inventory, ["10.0.1.0/24"])
     assert found[:3] == ["127.0.0.1", "::1", "10.0.1.0/24"]  # the host itself, then site_cache_clients
     assert {"10.0.0.5", "fd00::3", "127.0.0.1"} <= set(found) and "10.0.0.9" not in found  # a router pulls nothing
     assert repositories(inventory, "https://registry-1.docker.io") == ["vllm/vllm-openai", "vllm/vllm-openai"]
     unresolved = tmp_path / "unresolved.py"
     unresolved.write_text("gpuhosts = [('gpu1', {'ssh_hostname': 'no-such-host.invalid'})]\nsite_cache = [('gpu1', {})]\n")
     with pytest.raises(SettingErrors) as unknown:
-        clients(load_pyinfra_hosts(unresolved)[0].inventory, {"site_cache_clients": []})
+        clients(load_pyinfra_hosts(unresolved)[0].inventory, [])
     assert str(unknown.value).startswith("gpu1: ssh_hostname: no-such-host.invalid does not resolve (")
     assert "(fix: set ssh_hostname to its address, or add it to site_cache_clients)" in str(unknown.value)
 
@@ -328,6 +328,10 @@ def test_the_cache_lets_in_every_vllm_host_of_the_inventory_and_serves_their_rep
     ("site_cache_clients", "10.0.0.5", "site_cache_clients: '10.0.0.5' is not a list of addresses"),
     ("site_cache_max_gb", 0, "site_cache_max_gb: 0 is not a positive number of GB"),
     ("site_cache_max_gb", float("inf"), "site_cache_max_gb: inf is not a positive number of GB"),
+    ("site_cache_model_max_gb", "500", "site_cache_model_max_gb: '500' is not a positive number of GB"),
+    ("site_cache_mirror_port", 70000, "site_cache_mirror_port: 70000 is not a TCP port"),
+    ("site_cache_mirror_index_url", "https://x/simple;rm -rf /",
+     "site_cache_mirror_index_url: 'https://x/simple;rm -rf /' is not a plain http(s) URL"),
     ("site_cache_upstream", "ftp://x", "site_cache_upstream: 'ftp://x' is not a plain http(s) URL"),
     ("site_cache_address", "10.0.0.5", "site_cache_address: '10.0.0.5' is not host:port"),
     ("site_cache_pull_timeout_s", 0, "site_cache_pull_timeout_s: 0 is not a positive number of seconds"),
@@ -361,10 +365,10 @@ def test_the_rollout_reads_each_hosts_record_of_its_target_only():
 def test_the_cache_host_cannot_take_its_own_vllm_port(inventory: Path):
     loaded = Inventory((
         [("gpu1", {}), ("gpu2", {})], {}), site_cache=([("gpu1", {})], {}))
-    check_port(loaded, "gpu2", {"site_cache_port": 5000}, 5000)  # not the cache host: no clash
-    ports = {"site_cache_port": 5001, "site_cache_internal_port": 5002, "site_cache_clients": []}
+    ports = resolve_host("gpu1", {"site_cache_port": 5001, "site_cache_internal_port": 5002})[1]
+    check_port(loaded, "gpu2", replace(ports, site_cache_port=5000), 5000)  # not the cache host: no clash
     with pytest.raises(SettingErrors) as raised:
-        check_port(loaded, "gpu1", {**ports, "site_cache_port": 5000}, 5000)
+        check_port(loaded, "gpu1", replace(ports, site_cache_port=5000), 5000)
     assert str(raised.value).startswith("gpu1: site_cache_port: 5000 is vllm_port too")
     with pytest.raises(SettingErrors) as raised:
         check_port(loaded, "gpu1", ports, 5002)

@@ -110,10 +110,10 @@ def converged_host(monkeypatch: pytest.MonkeyPatch) -> HostSnapshot:
     converged = bare_but_installed()
     converged.file_sha256 = {path: hashlib.sha256(content).hexdigest() for path, content in files.items()}
     converged.dirs = dict.fromkeys(dirs, ("root", "root", "755"))
-    model = f"{plan.settings['vllm_model_repo']}@{'c' * 40}"  # the commit its ledger keeps, checked on disk
+    model = f"{plan.settings.model_repo}@{'c' * 40}"  # the commit its ledger keeps, checked on disk
     converged.ledger_text = render(Ledger(committed=Committed(
         Version(spec.image, REF, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service, port=spec.port,
-                model=model, model_revision=plan.settings["vllm_model_revision"]), "t0")))
+                model=model, model_revision=plan.settings.model_revision), "t0")))
     converged.images = [(REF.split("@")[0], "<none>", REF.split("@")[1])]
     converged.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
     converged.model_checked = model

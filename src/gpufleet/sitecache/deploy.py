@@ -1,13 +1,12 @@
-"""The site cache's part of the deploy (docs/site-cache.md): run it on the inventory's `site_cache` host, and tell
-every host how to pull through it. The vLLM deploy calls both before its pull: pyinfra runs each operation on every
-host before the next one, so the cache is running before any host pulls through it."""
+"""The site cache's part of the vLLM deploy (docs/site-cache.md): run it on the inventory's `site_cache` host, and
+tell every host how to pull through it. The vLLM deploy calls both before its pull."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
 from pyinfra.api import Host, Inventory
 
@@ -29,19 +28,47 @@ from gpufleet.sitecache.operations import (
 from gpufleet.wheel_lock import LockedInstall
 
 
+class CacheSettings(Protocol):
+    """The settings of a vLLM host the site cache reads (gpufleet.vllm.settings.VllmSettings)."""
+
+    @property
+    def model_repo(self) -> str | None: ...
+    @property
+    def hf_endpoint(self) -> str: ...
+    @property
+    def site_cache_port(self) -> int: ...
+    @property
+    def site_cache_internal_port(self) -> int: ...
+    @property
+    def site_cache_clients(self) -> tuple[str, ...]: ...
+    @property
+    def site_cache_max_gb(self) -> float: ...
+    @property
+    def site_cache_upstream(self) -> str: ...
+    @property
+    def site_cache_address(self) -> str: ...
+    @property
+    def site_cache_mirror_port(self) -> int: ...
+    @property
+    def site_cache_model_max_gb(self) -> float: ...
+    @property
+    def site_cache_mirror_index_url(self) -> str: ...
+    @property
+    def site_cache_pull_timeout_s(self) -> float: ...
+
+
 def cache_hosts(target: Host) -> list[Host]:
     """The inventory's site cache hosts (the first one serves the site)."""
     return list(target.inventory.get_group(SITE_CACHE_GROUP, []))
 
 
-def upstream(settings: Mapping[str, Any], image: str) -> str:
-    return settings["site_cache_upstream"] or upstream_url(image)
+def upstream(settings: CacheSettings, image: str) -> str:
+    return settings.site_cache_upstream or upstream_url(image)
 
 
-def cache_pull(target: Host, settings: Mapping[str, Any], image: str) -> CachePull | None:
-    """How `target` pulls `image` through the site cache, or None: none configured, "off", or the cache proxies
-    another registry than the image's (one cache proxies one registry)."""
-    address = settings["site_cache_address"]
+def cache_pull(target: Host, settings: CacheSettings, image: str) -> CachePull | None:
+    """How `target` pulls `image` through the site cache; None when none serves the image's registry."""
+    address = settings.site_cache_address
     if address == "off":
         return None
     caches = cache_hosts(target)
@@ -61,43 +88,42 @@ def cache_pull(target: Host, settings: Mapping[str, Any], image: str) -> CachePu
     if registry_host(proxied) != registry_host(upstream_url(image)):
         return None
     return CachePull(address=address, cache_host=cache_host, path=repository_path(image),
-                     timeout_s=float(settings["site_cache_pull_timeout_s"]), on_this_host=cache_host == target.name)
+                     timeout_s=float(settings.site_cache_pull_timeout_s), on_this_host=cache_host == target.name)
 
 
-def model_mirror(target: Host, settings: Mapping[str, Any]) -> ModelMirror | None:
-    """Where `target` downloads the model through, or None: no site cache, "off", another site's cache (its mirror
-    serves its own inventory's repositories), or a cache host that mirrors another hub than target's."""
+def model_mirror(target: Host, settings: CacheSettings) -> ModelMirror | None:
+    """Where `target` downloads the model through, or None: no site cache, "off", another site's cache, or a cache
+    host on another hub."""
     caches = cache_hosts(target)
-    if settings["site_cache_address"] or not caches or not settings["vllm_model_repo"]:
+    if settings.site_cache_address or not caches or not settings.model_repo:
         return None
     first = caches[0]
-    if (first.data.get("vllm_hf_endpoint") or DEFAULTS["vllm_hf_endpoint"]) != settings["vllm_hf_endpoint"]:
+    if (first.data.get("vllm_hf_endpoint") or DEFAULTS["vllm_hf_endpoint"]) != settings.hf_endpoint:
         return None
     where = first.data.get("ssh_hostname") or first.name
     return ModelMirror(endpoint=f"http://{where}:{first.data.get('site_cache_port', DEFAULTS['site_cache_port'])}",
                        cache_host=first.name)
 
 
-def check_port(inventory: Inventory, name: str, settings: Mapping[str, Any], vllm_port: int) -> None:
+def check_port(inventory: Inventory, name: str, settings: CacheSettings, vllm_port: int) -> None:
     """Raise SettingErrors when `name` is a site cache host whose ports take vllm_port, or whose clients() fail."""
     if not any(h.name == name for h in inventory.get_group(SITE_CACHE_GROUP, [])):
         return
-    for key in ("site_cache_port", "site_cache_internal_port"):
-        if settings[key] == vllm_port:
-            raise SettingErrors([SettingError(name, key, f"{settings[key]} is vllm_port too on this site cache host",
-                                              f"set another port for one of them, e.g. {key} "
-                                              f"{DEFAULTS[key]}")])
-    clients(inventory, settings)
+    for key, port in (("site_cache_port", settings.site_cache_port),
+                      ("site_cache_internal_port", settings.site_cache_internal_port)):
+        if port == vllm_port:
+            raise SettingErrors([SettingError(name, key, f"{port} is vllm_port too on this site cache host",
+                                              f"set another port for one of them, e.g. {key} {DEFAULTS[key]}")])
+    clients(inventory, settings.site_cache_clients)
 
 
 def _pullers(inventory: Inventory) -> list[Host]:
     return [h for h in inventory if ROUTERS_GROUP not in h.groups]  # every host, whatever --limit selects
 
 
-def clients(inventory: Inventory, settings: Mapping[str, Any]) -> list[str]:
-    """Who may pull through the cache: the loopback, site_cache_clients and each vLLM host of the inventory at its
-    ssh_hostname (a name resolved here: SettingErrors when it does not resolve)."""
-    found, errors = [LOOPBACK, "::1", *settings["site_cache_clients"]], []
+def clients(inventory: Inventory, extra: Sequence[str]) -> list[str]:
+    """Who may pull through the cache: the loopback, `extra` and each vLLM host's ssh_hostname, resolved here."""
+    found, errors = [LOOPBACK, "::1", *extra], []
     for h in _pullers(inventory):
         where = str(h.data.get("ssh_hostname") or h.name)
         try:
@@ -125,32 +151,30 @@ def serves_site(target: Host) -> bool:
     return bool(caches) and caches[0].name == target.name
 
 
-def deploy_site_cache(target: Host, settings: Mapping[str, Any], image: str, used_kib: int | None,
+def deploy_site_cache(target: Host, settings: CacheSettings, image: str, used_kib: int | None, *,
                       models: Sequence[str] = ()) -> None:
-    """On the site cache host: docker-registry proxying the image's registry, running, under site_cache_max_gb
-    (used_kib: what it holds now); olah mirroring the hub for `models` (the inventory's vllm_model_repos, with
-    this host's vllm_hf_endpoint); nginx in front of both."""
+    """On the site cache host: docker-registry proxying the image's registry, under site_cache_max_gb (used_kib: what
+    it holds now); olah mirroring the hub for `models`; nginx in front of both."""
     seen = target.get_fact(SiteCacheFact)
     proxied = upstream(settings, image)
-    internal = int(settings["site_cache_internal_port"])
+    internal = settings.site_cache_internal_port
     site_cache.serving(name="Run the site cache (docker-registry as a pull-through cache)", seen=seen,
                        upstream=proxied, port=internal, used_kib=used_kib,
-                       max_gb=float(settings["site_cache_max_gb"]))
-    mirror_port = int(settings["site_cache_mirror_port"])
+                       max_gb=float(settings.site_cache_max_gb))
+    mirror_port = settings.site_cache_mirror_port
     if models:
         try:
             install: LockedInstall | str = mirror.locked(target.name, seen.python, seen.machine)
         except SettingError as error:
             install = str(error)
         where = target.data.get("ssh_hostname") or target.name
-        config = mirror.render_config(settings["vllm_hf_endpoint"], mirror_port,
-                                      f"{where}:{settings['site_cache_port']}", models,
-                                      float(settings["site_cache_model_max_gb"]))
+        config = mirror.render_config(settings.hf_endpoint, mirror_port, f"{where}:{settings.site_cache_port}",
+                                      models, float(settings.site_cache_model_max_gb))
         site_cache.model_mirror(name="Mirror the hub for the inventory's models (olah, from hashed wheels)",
                                 seen=seen, install=install, config=config,
-                                index_url=settings["site_cache_mirror_index_url"], port=mirror_port)
+                                index_url=settings.site_cache_mirror_index_url, port=mirror_port)
     site_cache.front_door(name="Serve the site cache to the inventory's hosts and repositories (nginx)", seen=seen,
-                          port=int(settings["site_cache_port"]), internal_port=internal,
-                          clients=clients(target.inventory, settings),
+                          port=settings.site_cache_port, internal_port=internal,
+                          clients=clients(target.inventory, settings.site_cache_clients),
                           repositories=repositories(target.inventory, proxied), models=models,
                           mirror_port=mirror_port if models else None)

@@ -1,16 +1,6 @@
-"""From a bare GPU host to a verified vLLM service running Qwen 3.5, idempotently.
+"""The vLLM deploy: from a bare GPU host to a verified vLLM service, idempotently (docs/deploy.md).
 
-    pyinfra inventories/lab.py deploys/qwen35.py           # converge every host
-    pyinfra inventories/lab.py deploys/qwen35.py --dry     # show what would change
-    pyinfra inventories/lab.py deploys/qwen35.py --limit gpu2
-
-    pyinfra inventories/lab.py deploys/qwen35.py --limit gpu2 --data gpufleet_stage=prepare   # pull, no restart
-
-The playbook only: gpufleet.harness.preflight reads and checks every host first (one SSH command each, in
-parallel) and refuses the whole run, before any operation executes, when any host fails a check (a corrupt ledger,
-a version that failed before included); gpufleet.vllm.verify is the verify step's callback. The host's ledger
-(gpufleet.hoststate.ledger) is settled first when a cut run left a pending version. Hosts in the `routers` group are
-skipped (deploys/router.py configures them).
+    pyinfra inventories/lab.py deploys/qwen35.py [--dry] [--limit gpu2] [--data gpufleet_stage=prepare]
 """
 
 from __future__ import annotations
@@ -24,18 +14,6 @@ from pyinfra import host
 from pyinfra.api import Host, deploy
 from pyinfra.context import ctx_state
 
-from gpufleet.defaults import (
-    EXPECT_COMMITTED_SETTING,
-    IMAGE_REF_SETTING,
-    MODEL_REF_SETTING,
-    REFRESH_KEYS_SETTING,
-    RETRY_SETTING,
-    SPEED_BASELINE_SETTING,
-    SPEED_TOLERANCE_SETTING,
-    STAGE_SETTING,
-    VERIFY_CHECKS_SETTING,
-    VERIFY_PROBE_SETTING,
-)
 from gpufleet.facts.gpu_verdict import HostGpus, judge
 from gpufleet.harness import preflight
 from gpufleet.hoststate.ledger import (
@@ -73,45 +51,43 @@ from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
 from gpufleet.vllm.operations import docker, flagcheck, group, image, managed_paths, model, nvidia, service
 from gpufleet.vllm.operations.image import image_present, pinned_ref
-from gpufleet.vllm.settings import merged_settings
+from gpufleet.vllm.settings import VllmSettings, merged_settings
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.verify import Verification, verify_passed
 from gpufleet.vllm.weights import COMMIT, ModelTarget
 from gpufleet.wire.checks import verify_checks
-from gpufleet.wire.gpu_verdicts import GpuSettings, Verdict
+from gpufleet.wire.gpu_verdicts import Verdict
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One host's deploy, decided before anything runs: its spec, its settings (merged once), where things live,
-    and what the snapshot reads."""
+    """One host's deploy, decided before anything runs."""
 
     spec: ServeSpec
-    settings: Mapping[str, Any]
+    settings: VllmSettings
     layout: Layout
     paths: Paths
 
 
 def plan_for(name: str, data: dict[str, Any]) -> Plan:
-    """Host data -> Plan (raises SettingErrors, one line per bad setting)."""
-    # A router in front (the run's inventory has one) adds its flags, as for every offline view of the inventory.
-    # (A State made without an inventory, as pyinfra's inventory loader makes one, has no attribute for it.)
+    """Host data -> Plan; raises SettingErrors."""
+    # pyinfra's inventory loader makes a State without an inventory attribute.
     inventory = getattr(ctx_state.get(), "inventory", None) if ctx_state.isset() else None
     fronted = inventory is not None and behind_router(inventory)
-    spec, s = group_deploy.resolve(name, data, inventory, fronted)  # a replica group's ranks resolved together
+    spec, s = group_deploy.resolve(name, data, inventory, fronted)
     if inventory is not None:
         site_cache.check_port(inventory, name, s, spec.port)
     serves_cache = inventory is not None and site_cache.serves_site(inventory.get_host(name))
-    layout = Layout.of(spec, s["vllm_cache_dir"])
+    layout = Layout.of(spec, s.cache_dir)
     managed = managed_paths(layout)
     paths = Paths(
         service=spec.service, models_dir=layout.models_dir, model_dir=layout.model_dir, dirs=managed.dirs,
-        # The ledger's checksum too: its writes are compare-and-swap on what this run read (under the lock).
+        # The ledger's checksum too: its writes compare and swap on it.
         files=(*managed.files, layout.ledger_path), ledger_path=layout.ledger_path, env_file=layout.env_file, port=spec.port,
-        nvidia_key_url=nvidia.key_url(s["nvidia_repo_url"]), nvidia_version_file=nvidia.VERSION_FILE,
-        docker_repo_url=s["docker_repo_url"].rstrip("/") if s["docker_install"] == "docker-ce" else None,
-        nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=bool(s[REFRESH_KEYS_SETTING]),
+        nvidia_key_url=nvidia.key_url(s.nvidia_repo_url), nvidia_version_file=nvidia.VERSION_FILE,
+        docker_repo_url=s.docker_repo_url.rstrip("/") if s.docker_install == "docker-ce" else None,
+        nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=s.refresh_keys,
         address=spec.reach_address, site_cache_storage=SITE_CACHE_STORAGE if serves_cache else None,
         group_head=group_deploy.probe_target(spec),
     )
@@ -119,7 +95,7 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
 
 
 def is_vllm_host(target: Host) -> bool:
-    """Not a router host (those run vllm-router in front of the vLLM hosts: deploys/router.py configures them)."""
+    """Not a router host (deploys/router.py configures those)."""
     return ROUTERS_GROUP not in target.groups
 
 
@@ -135,12 +111,12 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     try:
         ledger = host_ledger(snap.ledger_text, snap.other_ledgers, spec.port)
     except CorruptLedger as error:
-        # The deploy must not guess which digest runs: refused before anything changes, the file left as it is.
+        # Never guess which digest runs: refused, the file left as it is.
         return [corrupt_refusal(name, plan.layout.ledger_path, error)]
-    ref = pinned_ref(ledger, spec.image, s[IMAGE_REF_SETTING])
+    ref = pinned_ref(ledger, spec.image, s.image_ref)
     problems = checks.check(name, snap, s, spec.gpus, ref)
     if snap.gpu_health is not None:
-        gpus = judge(snap.gpu_health, GpuSettings.of(s))
+        gpus = judge(snap.gpu_health, s.gpu_settings)
         problems += checks.gpu_refusals(name, gpus, spec.gpus, restart_reason(snap, plan, ledger, ref))
     cut = cut_rename_away(name, snap.other_ledgers, spec.service)
     if cut:
@@ -148,11 +124,11 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
     unreachable = group_deploy.probe_problem(name, snap, spec)
     if unreachable:
         problems.append(unreachable)
-    # The ledger the service goes by, as the rollout read it (gpufleet.rollout.ledgers applies the same rules).
-    changed = changed_since_read(name, ledger, s[EXPECT_COMMITTED_SETTING])
+    # As the rollout read it (gpufleet.rollout.ledgers applies the same rules).
+    changed = changed_since_read(name, ledger, s.expect_committed)
     if changed:
         problems.append(changed)
-    if ref and not s[RETRY_SETTING]:
+    if ref and not s.retry_failed:
         models = model_target(ledger, s)
         target = Version(image=spec.image, ref=ref, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service,
                          port=spec.port, model=models.pin if models else None)
@@ -163,48 +139,44 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
 
 
 def settle_and_pin(plan: Plan, snap: HostSnapshot, prepare: bool) -> tuple[Resume, str | None, ModelTarget | None]:
-    """What a cut run's pending record asks first, and the digest and model this run installs (each pinned when
-    known before the run). A dropped change never reached the unit: its pins are not this run's (a finished one's
-    are)."""
+    """What a cut run's pending record asks first, and the digest and model this run installs when known before
+    it. A dropped change's pins are not this run's."""
     ledger = host_ledger(snap.ledger_text, snap.other_ledgers, plan.spec.port)  # preflight refused a corrupt one
     decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
     settled = drop_pending(ledger) if isinstance(decision, DropPending) else ledger
-    return (decision, pinned_ref(settled, plan.spec.image, plan.settings[IMAGE_REF_SETTING]),
+    return (decision, pinned_ref(settled, plan.spec.image, plan.settings.image_ref),
             model_target(settled, plan.settings))
 
 
-def mirrored_models(target: Host, s: Mapping[str, Any]) -> list[str]:
-    """The model repos the site cache on `target` mirrors: every vLLM host's of the inventory that downloads from
-    the same hub."""
+def mirrored_models(target: Host, s: VllmSettings) -> list[str]:
+    """The model repos the site cache on `target` mirrors: those of the inventory's hosts on its hub."""
     found = set()
     for other in target.inventory:
-        theirs = merged_settings(other.data.dict())
+        theirs = merged_settings(other.data.dict())  # every host's, whatever --limit plans
         if (ROUTERS_GROUP not in other.groups and theirs["vllm_model_repo"]
-                and theirs["vllm_hf_endpoint"] == s["vllm_hf_endpoint"] and not theirs["site_cache_address"]):
+                and theirs["vllm_hf_endpoint"] == s.hf_endpoint and not theirs["site_cache_address"]):
             found.add(str(theirs["vllm_model_repo"]))
     return sorted(found)
 
 
-def model_target(ledger: Ledger, s: Mapping[str, Any]) -> ModelTarget | None:
-    """The model this run installs (None: staged by hand), with its commit when known before the run: a rollout's
-    gpufleet_model_ref, a commit as vllm_model_revision, else the ledger's for this repo and revision."""
-    repo, revision = s["vllm_model_repo"], s["vllm_model_revision"]
+def model_target(ledger: Ledger, s: VllmSettings) -> ModelTarget | None:
+    """The model this run installs (None: staged by hand), with its commit when known before the run."""
+    repo, revision = s.model_repo, s.model_revision
     if not repo:
         return None
-    if s[MODEL_REF_SETTING]:
-        return ModelTarget(repo, revision, f"{repo}@{s[MODEL_REF_SETTING]}")
+    if s.model_ref:
+        return ModelTarget(repo, revision, f"{repo}@{s.model_ref}")
     if revision and COMMIT.fullmatch(revision):
         return ModelTarget(repo, revision, f"{repo}@{revision}")
     return ModelTarget(repo, revision, model_pin(ledger, repo, revision))
 
 
 def restart_reason(snap: HostSnapshot, plan: Plan, ledger: Ledger, pin: str | None) -> str | None:
-    """What this converge would (re)start and why, decided from the snapshot as service.running does; None: nothing.
-    What the snapshot cannot settle (a tag not resolved yet) counts as a restart."""
+    """What this converge would (re)start and why, as service.running decides it; a tag not resolved yet counts."""
     s, spec, layout, running = plan.settings, plan.spec, plan.layout, snap.running
     unit = unit_name(spec.service)
-    model = model_target(ledger, s)  # its commit is in the unit
-    if s[STAGE_SETTING] == "prepare" or not snap.gpus:
+    model = model_target(ledger, s)
+    if s.stage == "prepare" or not snap.gpus:
         return None
     if not snap.unit_active(unit):
         return f"start {unit} (it is not running)"
@@ -224,7 +196,7 @@ def planned_restart(reading: preflight.Reading[Plan, HostSnapshot]) -> str | Non
     plan, snap = reading.plan, reading.snapshot
     assert plan is not None and snap is not None
     ledger = host_ledger(snap.ledger_text, snap.other_ledgers, plan.spec.port)
-    return restart_reason(snap, plan, ledger, pinned_ref(ledger, plan.spec.image, plan.settings[IMAGE_REF_SETTING]))
+    return restart_reason(snap, plan, ledger, pinned_ref(ledger, plan.spec.image, plan.settings.image_ref))
 
 
 def gpu_refusals(name: str, reading: preflight.Reading[Plan, HostSnapshot], restart: str) -> list[str]:
@@ -232,12 +204,11 @@ def gpu_refusals(name: str, reading: preflight.Reading[Plan, HostSnapshot], rest
     assert plan is not None and snap is not None
     if snap.gpu_health is None:
         return []
-    return checks.gpu_refusals(name, judge(snap.gpu_health, GpuSettings.of(plan.settings)), plan.spec.gpus, restart)
+    return checks.gpu_refusals(name, judge(snap.gpu_health, plan.settings.gpu_settings), plan.spec.gpus, restart)
 
 
 def check_fleet(readings: Mapping[str, preflight.Reading[Plan, HostSnapshot]]) -> dict[str, list[str]]:
-    """The refusals across each replica group's ranks (gpufleet.vllm.group_deploy), the GPU gate included: a rank
-    restarts with its group."""
+    """The refusals across each replica group's ranks, the GPU gate included."""
     found = group_deploy.check_groups(readings)
     for name, lines in group_deploy.restart_refusals(readings, planned_restart, gpu_refusals).items():
         found.setdefault(name, []).extend(lines)
@@ -259,37 +230,36 @@ def deploy_qwen35() -> None:
     plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host,
                                      check_fleet=check_fleet)
     s, spec, layout = plan.settings, plan.spec, plan.layout
-    held = remember(host, snap)  # every operation decides from this one read
+    held = remember(host, snap)  # every operation decides from this read
     if snap.gpu_health is not None:
-        # For this swap's ledger entry; the swap's restart settles an app-restart Xid before it.
-        gpus = judge(snap.gpu_health, GpuSettings.of(s), app_started_at=time.time())
+        # For the ledger entry; the restart settles an app-restart Xid before it.
+        gpus = judge(snap.gpu_health, s.gpu_settings, app_started_at=time.time())
         record_gpu(host, gpus.summary(spec.gpus))
         for line in gpu_warnings(gpus, spec.gpus):
             host.log_styled(line, fg="yellow")
     has_gpu = bool(snap.gpus)
     ledger = host_ledger(snap.ledger_text, snap.other_ledgers, spec.port)  # preflight refused a corrupt one
-    prepare = s[STAGE_SETTING] == "prepare"
-    # A cut run's pending version is settled first: dropped, or rolled back (then nothing else runs), or finished
-    # below. A prepare run changes no ledger and restarts nothing: it leaves that to the converge.
+    prepare = s.stage == "prepare"
+    # A prepare run changes no ledger and restarts nothing.
     decision, pin, models = settle_and_pin(plan, snap, prepare)
     held.ledger = ledger
     held.ledger_sha256[plan.layout.ledger_path] = snap.file_sha256.get(plan.layout.ledger_path)
-    # A replica group's ranks: one digest and model commit, restarted, verified, committed or rolled back together.
+    # A replica group's ranks install one version together.
     readings = preflight.fleet_readings(plan_for) if spec.group else {}
     ranks = group_deploy.group_for(host, spec, readings, lambda r: settle_and_pin(r.plan, r.snapshot, prepare)[1:]
                                    if r.plan is not None and r.snapshot is not None else (None, None))
     if ranks is not None:
         decision, pin, models = group_deploy.as_group(decision), ranks.pin, ranks.model
-    retry_failed = bool(s[RETRY_SETTING])
+    retry_failed = s.retry_failed
 
-    api_key = s["vllm_api_key"]
+    api_key = s.api_key
     served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
     verify = (Verification if ranks is None else GroupVerification)(
-        spec, float(s["vllm_ready_timeout"]), Hidden(api_key) if api_key else None, layout.ledger_path,
+        spec, float(s.ready_timeout), Hidden(api_key) if api_key else None, layout.ledger_path,
         served[0] if served else spec.served_model_name,
-        checks=verify_checks(s[VERIFY_CHECKS_SETTING], bool(s[VERIFY_PROBE_SETTING])),
-        speed_earlier=(s[SPEED_BASELINE_SETTING] or {}).get(spec.host),
-        speed_tolerance=float(s[SPEED_TOLERANCE_SETTING]), **({} if ranks is None else {"group": ranks}))
+        checks=verify_checks(s.verify_checks, s.verify_probe),
+        speed_earlier=(s.speed_baseline or {}).get(spec.host),
+        speed_tolerance=float(s.speed_tolerance), **({} if ranks is None else {"group": ranks}))
     if not isinstance(decision, Nothing):
         service.settled(name="Settle the change a cut run left pending", decision=decision,
                         ledger_path=layout.ledger_path, roll_back=verify.roll_back_cut)
@@ -297,10 +267,10 @@ def deploy_qwen35() -> None:
             return
 
     files.prerequisites(name="Install apt prerequisites (ca-certificates, curl)")
-    refresh_keys = bool(s[REFRESH_KEYS_SETTING])
-    docker.engine(name="Install the Docker engine", install=s["docker_install"], repo_url=s["docker_repo_url"],
+    refresh_keys = s.refresh_keys
+    docker.engine(name="Install the Docker engine", install=s.docker_install, repo_url=s.docker_repo_url,
                   refresh_keys=refresh_keys)
-    nvidia.toolkit_repo(name="Add the NVIDIA container toolkit apt repository", repo_url=s["nvidia_repo_url"],
+    nvidia.toolkit_repo(name="Add the NVIDIA container toolkit apt repository", repo_url=s.nvidia_repo_url,
                       refresh_keys=refresh_keys)
     nvidia.toolkit(name="Install the NVIDIA container toolkit")
     runtime = nvidia.docker_runtime(name="Register the nvidia runtime with Docker")
@@ -314,43 +284,42 @@ def deploy_qwen35() -> None:
                       paths=list(model.managed(layout).dirs), mode="755")
     secrets = service.env_file(name="Write the service's root-only secrets file", path=layout.env_file,
                                secrets=service.hidden_secrets(s))
-    # Before the pull, on every host: the site cache runs (its host) and is trusted (every host pulling through it).
+    # Before the pull: the cache must run and be trusted.
     if site_cache.serves_site(host):
         site_cache.deploy_site_cache(host, s, spec.image, snap.site_cache_used_kib, models=mirrored_models(host, s))
     cache = site_cache.cache_pull(host, s, spec.image)
     docker.trusts_site_cache(name="Let Docker pull from the site cache, and from no other (insecure-registries)",
                              address=cache.address if cache is not None else None)
-    fetch_s = float(s["vllm_fetch_timeout_s"])
+    fetch_s = float(s.fetch_timeout_s)
     pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=pin,
                           service=spec.service, cache=cache, timeout_s=fetch_s)
-    if has_gpu:  # without a GPU the service is never started: no version to protect from a rejected flag
+    if has_gpu:  # without one nothing starts: no version to protect
         committed_ref = ledger.committed.version.ref if ledger.committed else None
         flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref,
                                 pin=pin)
     model.present(name="Download the model's commit unless it is here and checked",
                   spec=spec, where=layout.model_dir, model=models,
-                  env_file=layout.env_file if s["vllm_hf_token"] else None, hf_cache=layout.hf_cache, pin=pin,
-                  hub=s["vllm_hf_endpoint"], mirror=site_cache.model_mirror(host, s), timeout_s=fetch_s)
+                  env_file=layout.env_file if s.hf_token else None, hf_cache=layout.hf_cache, pin=pin,
+                  hub=s.hf_endpoint, mirror=site_cache.model_mirror(host, s), timeout_s=fetch_s)
     if ranks is not None:
         group.same_version(name="Check every rank of the group has one digest and one model commit", group=ranks)
     if prepare:
-        return  # gpufleet_stage=prepare: everything slow is done, the old version keeps serving
+        return  # the old version keeps serving
     unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,
                         ledger_path=layout.ledger_path, pin=pin, retry_failed=retry_failed, model=models)
     changes = [unit, secrets, pinned, runtime]
     finish = isinstance(decision, FinishPending)
-    # A pending version that already runs (the cut came after its restart) is verified, not restarted again.
+    # A pending version that already runs is verified, not restarted again.
     restart_pending = isinstance(decision, FinishPending) and decision.restart
     if ranks is not None:
         ranks.join(host.name, changes, group_deploy.restart_reasons(snap, spec, decision))
     service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
                     changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
                     replaces=replaced_service(ledger, spec.service), model=models, group=ranks)
-    # After a (re)start: ready, then still ready for vllm_ready_soak_s. Its verdict picks one of the two operations
-    # after it while executing (_if); --dry lists both as conditional changes of a host that will be verified.
+    # Its verdict picks the commit or the rollback while executing; --dry lists both.
     verified = service.ready(name="Verify vLLM is ready (/health, /v1/models), else roll back", spec=spec,
                              verify=verify.verify, roll_back=verify.roll_back_if_failed, changes=changes,
-                             start=has_gpu, soak_s=float(s["vllm_ready_soak_s"]), force=finish, group=ranks,
+                             start=has_gpu, soak_s=float(s.ready_soak_s), force=finish, group=ranks,
                              serves=group_deploy.head_serves(readings, spec) if ranks is not None else None)
     service.committed(name="Commit the verified vLLM version", verified=verified, commit=verify.commit,
                       _if=verify_passed)

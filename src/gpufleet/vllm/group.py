@@ -1,9 +1,5 @@
-"""A replica group: hosts that serve one model together on vLLM's own multi-node engine (docs/multi-node.md).
-
-A group is an inventory group whose data sets vllm_group to the group's own name. Its hosts, in the group's order,
-are the ranks: rank 0, the head, serves the API; every other rank runs headless. Here: the group read from the
-inventory and checked across its hosts (one line per problem, before anything changes), what each rank adds to
-its spec (vLLM's multi-node flags, the network environment) and the group's version every rank's ledger names.
+"""A replica group: hosts that serve one model together on vLLM's multi-node engine (docs/multi-node.md). Here: the
+group read from the inventory and checked across its hosts, and what each rank adds to its spec and ledger.
 """
 
 from __future__ import annotations
@@ -19,15 +15,13 @@ from typing import Any
 from gpufleet.errors import SettingError, shown
 
 GROUP_SETTING = "vllm_group"
-# The settings every rank must share: one engine is built from each rank's own flags, and the model must be the same
-# at the same path everywhere.
+# One engine is built from each rank's own flags, over one model at one path.
 SHARED_SETTINGS = ("vllm_profile", "vllm_image", "vllm_model", "vllm_model_repo", "vllm_model_revision", "vllm_args",
                    "vllm_service", "vllm_port", "vllm_group_port", "vllm_api_key")
-# vLLM flags the group sets on each rank, and the setting that owns each.
 OWNED_FLAGS = {"nnodes": GROUP_SETTING, "node-rank": GROUP_SETTING, "headless": GROUP_SETTING,
                "master-addr": "vllm_group_address", "master-port": "vllm_group_port",
                "distributed-executor-backend": GROUP_SETTING}
-# The environment the group sets: Gloo and NCCL pick a wrong interface unless told, and vLLM advertises VLLM_HOST_IP.
+# Gloo and NCCL pick a wrong interface unless told; vLLM advertises VLLM_HOST_IP.
 OWNED_ENV = {"VLLM_HOST_IP": "vllm_group_address", "GLOO_SOCKET_IFNAME": "vllm_group_interface",
              "NCCL_SOCKET_IFNAME": "vllm_group_interface"}
 _INTERFACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}")
@@ -35,14 +29,14 @@ _INTERFACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}")
 
 @dataclass(frozen=True)
 class Member:
-    """One host's place in its group: its rank, every rank's host and address (rank order), and where they meet."""
+    """One host's place in its group; tuples are in rank order."""
 
     group: str
     rank: int
     hosts: tuple[str, ...]
-    addresses: tuple[str, ...]  # each rank's address on the group's network (VLLM_HOST_IP)
+    addresses: tuple[str, ...]  # on the group's network (VLLM_HOST_IP)
     port: int  # the head's master port
-    interface: str | None  # this host's interface for the group's traffic
+    interface: str | None
     spec_hashes: tuple[str, ...] = ()  # every rank's spec hash (rank order), once all were built
 
     @property
@@ -59,7 +53,7 @@ class Member:
 
     @property
     def peers(self) -> tuple[str, ...]:
-        """The addresses this rank watches: every other rank from the head, the head from a rank."""
+        """The addresses this rank watches: the others from the head, the head from a rank."""
         return self.addresses[1:] if self.is_head else self.addresses[:1]
 
     def args(self) -> dict[str, bool | str]:
@@ -74,18 +68,16 @@ class Member:
         return {"VLLM_HOST_IP": self.address, **sockets}
 
     def version(self, image_ref: str, model: str | None = None) -> str:
-        """"<group>@<16 hex>" of the digest, the model's commit (repo@commit, None: staged by hand) and every rank's
-        spec hash: the version each rank's ledger names."""
+        """"<group>@<16 hex>" of the digest, the model's commit and every rank's spec hash, as each ledger names it."""
         canonical = json.dumps([image_ref, list(self.spec_hashes), *([model] if model else [])], separators=(",", ":"))
         return f"{self.group}@{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
 
 
-# --- the group read from the inventory, checked across its hosts ----------------------------------------------------
+# The group read from the inventory, checked across its hosts
 def members(replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]],
             merged: Any) -> tuple[dict[str, Member], list[SettingError]]:
-    """{host: Member} for every host in a group, and one SettingError per problem (named on the host to fix).
-    replicas: (name, host data) of the vLLM hosts; orders: each inventory group's hosts in the group's order;
-    merged: the settings merge (gpufleet.vllm.settings.merged_settings)."""
+    """{host: Member} for every host in a group, and one SettingError per problem. orders: each inventory group's
+    hosts in order; merged: gpufleet.vllm.settings.merged_settings, over raw host data."""
     settings = {name: merged(data) for name, data in replicas}
     data = dict(replicas)
     errors: list[SettingError] = []
@@ -125,7 +117,7 @@ def members(replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[s
 
 def headless_ranks(replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]],
                    merged: Any) -> set[str]:
-    """The hosts that serve no API: every host of a replica group but its first (routers route to the head)."""
+    """The hosts that serve no API: every rank but the head."""
     out = set()
     for name, data in replicas:
         group = merged(data).get(GROUP_SETTING)

@@ -1,5 +1,5 @@
-"""The deploy's part for a replica group (docs/multi-node.md): specs resolved with the group, a rank's probe of its
-head, the checks across the ranks once preflight read them all, the version they install, and one restart."""
+"""The vLLM deploy's part for a replica group (docs/multi-node.md): the ranks planned, checked, restarted and
+verified together."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 
 from pyinfra.api import Host, Inventory
 
-from gpufleet.defaults import ACCEPT_SETTING
 from gpufleet.harness.preflight import Reading
 from gpufleet.hoststate.ledger import FinishPending, Resume, RollBackPending
 from gpufleet.inventory import ROUTERS_GROUP, group_orders
@@ -18,20 +17,17 @@ from gpufleet.vllm.group_specs import resolve_one
 from gpufleet.vllm.lint import GroupLintContext, lint_group
 from gpufleet.vllm.operations.group import GroupRun, group_run
 from gpufleet.vllm.operations.service import serves_expected
-from gpufleet.vllm.settings import resolve_host
+from gpufleet.vllm.settings import VllmSettings, resolve_host
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.weights import ModelTarget
 from gpufleet.wire.identity import Expected
 
-# What a reading's plan holds that these read (gpufleet.vllm.deploy.Plan).
-Planned = Any
-
 
 def resolve(name: str, data: Mapping[str, Any], inventory: Inventory | None,
-            behind_router: bool) -> tuple[ServeSpec, dict[str, Any]]:
+            behind_router: bool) -> tuple[ServeSpec, VllmSettings]:
     """A host's spec and settings, its group's ranks resolved with it (raises SettingErrors)."""
     if inventory is None or inventory.get_host(name, None) is None:
-        return resolve_host(name, data, behind_router)
+        return resolve_host(name, data, behind_router=behind_router)
     # The host's own data as given (the caller's may differ from the inventory's); its ranks' from the inventory.
     replicas = [(h.name, data if h.name == name else h.data.dict()) for h in inventory
                 if ROUTERS_GROUP not in h.groups]
@@ -55,8 +51,7 @@ def probe_problem(name: str, snap: HostSnapshot, spec: ServeSpec) -> str | None:
 
 
 def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[str]]:
-    """Refusals across each group's ranks: every rank in the run, one GPU model and one driver (or accepted on the
-    head)."""
+    """Refusals across each group's ranks: every rank in the run, one GPU model and one driver."""
     found: dict[str, list[str]] = {}
     groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
               if r.plan is not None and r.plan.spec.group is not None}
@@ -74,7 +69,7 @@ def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[st
         context = GroupLintContext(member.group, {h: s.gpus[0].name if s.gpus else "" for h, s in snaps.items()},
                                    {h: s.driver.driver_version if s.driver else "" for h, s in snaps.items()})
         head_plan = readings[member.head].plan
-        accepted = set(head_plan.settings.get(ACCEPT_SETTING) or ()) if head_plan is not None else set()
+        accepted = set(head_plan.settings.accept) if head_plan is not None else set()
         for finding in lint_group(member.head, context):
             if finding.rule.id not in accepted:
                 found.setdefault(member.head, []).append(str(finding))
@@ -83,8 +78,7 @@ def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[st
 
 def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Callable[[Reading[Any, Any]], str | None],
                      refusals: Callable[[str, Reading[Any, Any], str], list[str]]) -> dict[str, list[str]]:
-    """refusals(rank, reading, why) for each rank restarted only because another rank of its group restarts
-    (restart_of: why a host's own converge restarts it)."""
+    """refusals(rank, reading, why) for each rank restarted only with its group."""
     found: dict[str, list[str]] = {}
     groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
               if r.plan is not None and r.plan.spec.group is not None}
@@ -102,8 +96,7 @@ def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Call
 
 def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, Any]],
               pins_of: Callable[[Reading[Any, Any]], tuple[str | None, ModelTarget | None]]) -> GroupRun | None:
-    """The host's group in this run (None outside one): its digest and model commit are each the first rank's pin,
-    head first."""
+    """The host's group in this run (None outside one), on the first rank's pins."""
     member = spec.group
     if member is None:
         return None
@@ -118,7 +111,7 @@ def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, A
 
 
 def as_group(decision: Resume) -> Resume:
-    """A cut run's version on a rank is finished with its group, never rolled back alone (two versions)."""
+    """A cut run's version on a rank is finished with its group, never rolled back alone."""
     if isinstance(decision, RollBackPending):
         return FinishPending(decision.pending, restart=True, reason=f"{decision.reason}; finishing it with the group")
     return decision

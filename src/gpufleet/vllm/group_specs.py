@@ -1,5 +1,4 @@
-"""Replicas resolved with their groups: each host's spec and settings, a replica group's ranks built together so each
-rank's spec knows every rank's spec hash (the group's version). What replica_specs and the deploy's plan start from."""
+"""Replicas resolved with their groups: a replica group's ranks built together, so each knows every rank's spec hash."""
 
 from __future__ import annotations
 
@@ -9,19 +8,20 @@ from typing import Any
 
 from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.vllm.group import members
-from gpufleet.vllm.settings import merged_settings, resolve_host
+from gpufleet.vllm.settings import VllmSettings, merged_settings, resolve_host
 from gpufleet.vllm.spec import ServeSpec
 
-Resolved = dict[str, tuple[ServeSpec, dict[str, Any]]]
+Resolved = dict[str, tuple[ServeSpec, VllmSettings]]
 
 
 def resolve_replicas(replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]],
-                     behind_router: bool, only: Collection[str] | None = None) -> tuple[Resolved, list[SettingError]]:
-    """{host: (spec, settings)} for `only` (every replica when None) and the other ranks of their groups, and every
-    problem found, one SettingError each. A group with a problem on any rank has no spec on any."""
+                     behind_router: bool, *, only: Collection[str] | None = None
+                     ) -> tuple[Resolved, list[SettingError]]:
+    """{host: (spec, settings)} for `only` (default: every replica) and their groups' ranks, and every problem. A
+    group with a problem on any rank has no spec on any."""
     found, errors = members(replicas, orders, merged_settings)
     wanted = set(only) if only is not None else {name for name, _ in replicas}
-    if only is not None:  # the groups the wanted hosts claim: their problems are the wanted hosts' too
+    if only is not None:  # a wanted host's group's problems are its own
         by_name = dict(replicas)
         claimed = {merged_settings(by_name[name]).get("vllm_group") for name in wanted if name in by_name}
         wanted |= {h for group, hosts in orders.items() if group in claimed for h in hosts if h in by_name}
@@ -31,7 +31,7 @@ def resolve_replicas(replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: 
         if name not in wanted:
             continue
         try:
-            resolved[name] = resolve_host(name, data, behind_router, found.get(name))
+            resolved[name] = resolve_host(name, data, behind_router=behind_router, member=found.get(name))
         except SettingErrors as exc:
             errors += exc.errors
     for member in {m.group: m for m in found.values() if m.head in wanted}.values():
@@ -48,9 +48,8 @@ def resolve_replicas(replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: 
 
 
 def resolve_one(name: str, replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]],
-                behind_router: bool) -> tuple[ServeSpec, dict[str, Any]]:
-    """One host's spec and settings (its group's ranks resolved with it); raises SettingErrors naming every problem
-    of the host and of its group."""
+                behind_router: bool) -> tuple[ServeSpec, VllmSettings]:
+    """One host's spec and settings; raises SettingErrors naming every problem of the host and its group."""
     resolved, errors = resolve_replicas(replicas, orders, behind_router, only=[name])
     if errors:
         raise SettingErrors(errors)

@@ -1,13 +1,7 @@
 """The config doctor: known vLLM traps in a host's spec, each rule plain data (id, severity, message, fix).
 
-Add a rule by appending a LintRule to RULES; `applies` reads only the spec, the host's settings (secrets are only
-tested for presence) and, when given, what the running server reported (`served`: its vllm:cache_config_info
-labels, as `gpufleet status --json` shows them), so rules stay offline and testable. A fix may be a function of
-the context when its value depends on the host (its GPUs, its block size). Facts behind the rules, with the
-vLLM source or upstream report for each: docs/vllm-traps.md.
-
-Router hosts get ROUTER_RULES over their router settings; a host's `gpufleet_accept` entries get ACCEPT_RULES. A
-fleet's findings are folded into one report by gpufleet.vllm.lint_report. How to read and use it: docs/lint.md.
+Add a rule by appending a LintRule to RULES; `applies` reads only the spec, the settings and what a running server
+reported, so rules stay offline. How to read a report: docs/lint.md; the facts behind each rule: docs/vllm-traps.md.
 """
 
 from __future__ import annotations
@@ -32,13 +26,8 @@ _ALL_INTERFACES = ("0.0.0.0", "::", "")
 PREFIX_KEEPING_POLICIES = ("cache_aware", "sticky_least_loaded", "consistent_hash")
 
 Severity = Literal["error", "warning", "info"]
-# Most severe first: the order a report lists its findings in.
-#   error:   vLLM refuses to start or fails at runtime, or the deploy refuses the setting: exit status 1.
-#   warning: it runs, but loses what the fleet is for (answers cut off, prefix-cache hits, GPU isolation,
-#            an open API): exit status 0, 1 under --strict.
-#   info:    advice; it runs as asked: never changes the exit status.
+# Most severe first; what each means for the exit status: docs/lint.md.
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
-# The host data setting that lists the rule ids a host accepts on purpose.
 
 
 @dataclass(frozen=True)
@@ -120,7 +109,7 @@ class Finding:
         return f"{self.host}: {self.rule.severity} [{self.rule.id}] {self.rule.message} (fix: {self.fix})"
 
 
-# --- rules that need more than one line ---------------------------------------------------------------------
+# Rules that need more than one line
 
 
 def _align_without_safe_chunking(c: LintContext) -> bool:
@@ -451,7 +440,7 @@ def lint_group(head: str, context: GroupLintContext,
     return [Finding(head, rule, rule.fix_for(context)) for rule in rules if rule.applies(context)]
 
 
-# --- what a host accepts on purpose ------------------------------------------------------------------------
+# What a host accepts on purpose
 
 
 def acceptable_rule_ids() -> tuple[str, ...]:

@@ -1,7 +1,5 @@
-"""The settings of one value each, checked alone: the image and the digest a rollout installs, the GPUs, port and
-address, the service's name, the directories the deploy takes over, where the model comes from, limits and
-timeouts, and where the host's software comes from (the install method, the apt repositories, the site cache).
-Each check records its problems through `fail`, one line each, and returns the value the spec is built with.
+"""The settings of one value each, checked alone. Each check records its problems through `fail`, one line each, and
+returns the value the spec is built with.
 """
 
 from __future__ import annotations
@@ -32,10 +30,10 @@ _URL = re.compile(
     r"https?://(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
     r"|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?(?:/[A-Za-z0-9._~+-]*)*"
 )
-# Shortest host lock lease: a controller busy for a quarter of it (a slow fact, a large upload) must not lose its lock.
+# Heartbeats come every quarter of the lease: shorter, a busy controller would lose its own lock.
 MIN_LOCK_LEASE_S = 2
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-# Units a host needs to be reachable and to run containers: vllm_service naming one would replace and restart it.
+# Units a host needs to be reached and run containers: the deploy would replace and restart them.
 _SYSTEM_UNITS = frozenset({
     "ssh", "sshd", "docker", "containerd", "dbus", "dbus-broker", "cron", "crond", "anacron", "atd", "networking",
     "network", "networkmanager", "network-online", "wpa_supplicant", "getty", "serial-getty", "console-getty",
@@ -80,7 +78,7 @@ def check_image_ref(value: Any, image: str, fail: Fail) -> str | None:
 
 
 def check_expect_committed(value: Any, fail: Fail) -> None:
-    """gpufleet_expect_committed: None, or {host name: committed digest or None} (pyinfra's --data parses JSON)."""
+    """gpufleet_expect_committed: None, or {host name: committed digest or None}."""
     if value is None:
         return
     if not isinstance(value, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
@@ -120,7 +118,7 @@ def check_publish_address(value: Any, fail: Fail) -> str | None:
         return None
     if isinstance(value, str):
         try:
-            # ipaddress, not a regex: docker takes exactly an IP here (no host names), v4 or v6.
+            # docker takes exactly an IP here, v4 or v6.
             return str(ipaddress.ip_address(value))
         except ValueError:
             pass
@@ -189,7 +187,6 @@ def check_plain_settings(s: Mapping[str, Any], fail: Fail) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not_finite(value) or value < 0:
             fail(key, f"{shown(value)} is not a finite non-negative number", f"e.g. {DEFAULTS[key]}")
         elif key == LEASE_SETTING and value < MIN_LOCK_LEASE_S:
-            # Heartbeats come every quarter of the lease: shorter, a busy controller would lose its own lock.
             fail(key, f"{shown(value)} is below {MIN_LOCK_LEASE_S} s", f"e.g. {DEFAULTS[key]}")
     if not isinstance(s["gpufleet_min_cuda"], str) or not re.fullmatch(r"[0-9]+\.[0-9]+", s["gpufleet_min_cuda"]):
         fail("gpufleet_min_cuda", f"{shown(s['gpufleet_min_cuda'])} is not a CUDA version", 'use "MAJOR.MINOR", e.g. "13.0"')
@@ -215,12 +212,12 @@ def _network(text: str) -> bool:
     return True
 
 
-# host:port of a site cache: a DNS name or IPv4 address (docker's insecure-registries entry and a pull reference).
+# A DNS name or IPv4 address and a port: docker's insecure-registries entry and a pull reference.
 _CACHE_ADDRESS = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?:[0-9]{1,5}")
 
 
 def check_site_cache(s: Mapping[str, Any], fail: Fail) -> None:
-    for key in ("site_cache_port", "site_cache_internal_port"):
+    for key in ("site_cache_port", "site_cache_internal_port", "site_cache_mirror_port"):
         port = s[key]
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             fail(key, f"{shown(port)} is not a TCP port", f"e.g. {DEFAULTS[key]}")
@@ -231,10 +228,14 @@ def check_site_cache(s: Mapping[str, Any], fail: Fail) -> None:
     if not isinstance(clients, (list, tuple)) or not all(isinstance(c, str) and _network(c) for c in clients):
         fail("site_cache_clients", f"{shown(clients)} is not a list of addresses or networks",
              'e.g. ["10.0.1.0/24", "10.0.2.7"]')
-    size = s["site_cache_max_gb"]
-    if not isinstance(size, (int, float)) or isinstance(size, bool) or not_finite(size) or size <= 0:
-        fail("site_cache_max_gb", f"{shown(size)} is not a positive number of GB",
-             f"e.g. {DEFAULTS['site_cache_max_gb']}")
+    for key in ("site_cache_max_gb", "site_cache_model_max_gb"):
+        size = s[key]
+        if not isinstance(size, (int, float)) or isinstance(size, bool) or not_finite(size) or size <= 0:
+            fail(key, f"{shown(size)} is not a positive number of GB", f"e.g. {DEFAULTS[key]}")
+    index = s["site_cache_mirror_index_url"]
+    if not isinstance(index, str) or not _URL.fullmatch(index):
+        fail("site_cache_mirror_index_url", f"{shown(index)} is not a plain http(s) URL",
+             f"use http(s)://host[:port]/path, e.g. {DEFAULTS['site_cache_mirror_index_url']}")
     upstream = s["site_cache_upstream"]
     if upstream != "" and (not isinstance(upstream, str) or not _URL.fullmatch(upstream)):
         fail("site_cache_upstream", f"{shown(upstream)} is not a plain http(s) URL",

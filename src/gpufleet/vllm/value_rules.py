@@ -1,8 +1,4 @@
-"""The rules a setting's value is held to, whatever the setting: no control character, no longer than one
-command-line argument may be, a number that is finite; a name that says it carries a secret, and a secret's value
-that an env file carries unquoted and that no message echoes. The checks of each kind of setting share them
-(gpufleet.vllm.settings and the modules it calls: plain_settings, serve_args, container_env, docker_options).
-"""
+"""The rules every setting's value is held to, whatever the setting."""
 
 from __future__ import annotations
 
@@ -13,21 +9,19 @@ from typing import Any
 
 from gpufleet.errors import CONTROL_CHARACTERS
 
-# Records one problem of the host being resolved: (setting, problem, fix).
+# Records one problem: (setting, problem, fix).
 Fail = Callable[[str, str, str], None]
-# Secrets go into an env file read by systemd, docker --env-file and sh alike: only characters all three read
-# the same unquoted (no spaces, quotes, $, backslashes).
+# Characters systemd, docker --env-file and sh all read alike unquoted.
 SECRET_VALUE = re.compile(r"[A-Za-z0-9._+/=:@-]+")
 # Linux's MAX_ARG_STRLEN: execve fails with E2BIG on one longer argument.
 MAX_ARG_BYTES = 131072
-# Words that mark a name as a secret's ("WANDB_API_KEY", "--hf-token"); whole words, so TOKENIZERS_PARALLELISM
-# and --max-num-batched-tokens stay plain. Names merely containing password/secret are secrets too (PGPASSWORD).
+# Whole words, so TOKENIZERS_PARALLELISM stays plain; any name containing password or secret is one (PGPASSWORD).
 _SECRET_WORDS = {"token", "key", "apikey", "secret", "secrets", "password", "passwd", "credential", "credentials"}
 _SECRET_PARTS = ("password", "passwd", "secret")
 
 
 def says_secret(name: str) -> bool:
-    """Does a flag or env var name say it carries a secret? ("WANDB_API_KEY", "hf-token", "PGPASSWORD": yes)"""
+    """Does a flag or env var name say it carries a secret ("WANDB_API_KEY", "hf-token")?"""
     lowered = name.lower()
     return bool(_SECRET_WORDS.intersection(re.split(r"[-_.]", lowered))) or any(p in lowered for p in _SECRET_PARTS)
 
@@ -39,7 +33,7 @@ def control_character(text: str) -> str | None:
 
 
 def check_secret_value(setting: str, value: Any, fail: Fail, optional: bool = False) -> bool:
-    # Never echo the value: these messages reach terminals and CI logs.
+    # Never echo the value: messages reach terminals and CI logs.
     if value is None and optional:
         return True
     if not isinstance(value, str) or not value:
@@ -63,7 +57,7 @@ def check_arg_size(setting: str, argument: str, fail: Fail) -> bool:
 
 
 def not_finite(value: Any) -> bool:
-    """nan, inf, "-Infinity", 10**400: a number no timeout or size can be (False for what is no number at all)."""
+    """nan, inf, "-Infinity", 10**400; False for what is no number at all."""
     try:
         return not math.isfinite(float(value))
     except OverflowError:

@@ -1,19 +1,10 @@
-"""The vLLM systemd service: secrets file, unit (running the pinned digest), enabled, (re)started, verified,
-committed or rolled back.
-
-Never break a serving host: the host's ledger (gpufleet.hoststate.ledger) names the new version `pending` before its unit is
-written or the service restarts; ready() verifies it (the deploy's callback, gpufleet.vllm.verify, keeps the
-verdict) and, when it failed, puts the committed version's unit back at once (kept at layout.unit_backup when it was
-committed); committed() commits a passed one after ready and the soak (pyinfra's `_if`). A run cut anywhere in
-between leaves the pending record for the next run to settle first (settled()).
-"""
+"""The vLLM systemd service: secrets file, unit, (re)start, verify, commit or rollback (docs/crash-safety.md)."""
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, Host, OperationValueError, State, StringCommand, operation
@@ -45,6 +36,7 @@ from gpufleet.vllm.layout import Layout, Managed
 from gpufleet.vllm.operations.group import GroupRun
 from gpufleet.vllm.operations.image import now_utc, target_ref
 from gpufleet.vllm.operations.model import target_model
+from gpufleet.vllm.settings import VllmSettings
 from gpufleet.vllm.snapshot import snapshot
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
@@ -52,57 +44,49 @@ from gpufleet.vllm.value_rules import SECRET_VALUE
 from gpufleet.vllm.weights import ModelTarget
 from gpufleet.wire.identity import Expected, identity_problems
 
-# Secrets every service's env file may carry: env var -> the setting holding it (vllm_secret_env adds more).
-ENV_SECRETS = {"VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token"}
-
 
 def managed(layout: Layout) -> Managed:
     return Managed(files=(layout.unit_file, layout.env_file), dirs=layout.cache_dirs)
 
 
 def env_content(secrets: Mapping[str, str | None]) -> str:
-    """The root-only env file: one NAME=value per set secret (values are never logged). Settings validation
-    refuses unsafe values first; this check keeps the operation safe on its own."""
+    """The root-only env file: one NAME=value per set secret."""
     lines = ["# Managed by gpufleet: secrets for the vLLM unit and the model download. Root-only (0600)."]
     for name, value in secrets.items():
         if value is None:
             continue
-        # Values must read the same to systemd's EnvironmentFile, docker's --env-file and sh's `.` (the
-        # readiness probe): no quotes, spaces, $ or backslashes.
+        # systemd, docker --env-file and sh must read it alike; the value is never echoed.
         if not SECRET_VALUE.fullmatch(value):
-            # The value itself is never echoed: this message may end up in logs.
             raise OperationValueError(f"{name}: the secret holds characters an env file cannot carry unquoted "
                                       "(fix: use a token of letters, digits and ._+/=:@-)")
         lines.append(f"{name}={value}")
     return "\n".join(lines) + "\n"
 
 
-def secret_values(settings: Mapping[str, Any], secrets: Mapping[str, str] = ENV_SECRETS) -> dict[str, str | None]:
-    """env var -> value: the named settings (secrets: env var -> setting name), then vllm_secret_env's."""
-    values = {env: settings.get(key) for env, key in secrets.items()}
-    return {**values, **(settings.get("vllm_secret_env") or {})}
+def secret_values(settings: VllmSettings) -> dict[str, str | None]:
+    """env var -> secret (None: unset)."""
+    return {"VLLM_API_KEY": settings.api_key, "HF_TOKEN": settings.hf_token, **settings.secret_env}
 
 
-def hidden_secrets(settings: Mapping[str, Any]) -> dict[str, Hidden | None]:
-    """secret_values, each wrapped for its way through pyinfra (operation arguments show in its debug log)."""
+def hidden_secrets(settings: VllmSettings) -> dict[str, Hidden | None]:
+    """secret_values wrapped, since pyinfra's debug log shows operation arguments."""
     return {env: Hidden(value) if value is not None else None for env, value in secret_values(settings).items()}
 
 
 @operation()
 def env_file(path: str, secrets: Mapping[str, Hidden | None]) -> Commands:
-    """Write the service's root-only secrets file: one NAME=value per set secret (env var -> Hidden value)."""
+    """Write the service's root-only secrets file."""
     plain = {env: value.reveal() if value is not None else None for env, value in secrets.items()}
     commands = list(put_secret(path, env_content(plain)))
     if not commands:
         host.noop(f"{path} is up to date (0600 root)")
         return
-    yield FunctionCommand(still_locked, (), {})  # at execution time: a run that lost the host writes nothing
+    yield FunctionCommand(still_locked, (), {})  # a run that lost the host writes nothing
     yield from commands
 
 
 def target_version(spec: ServeSpec, host: Host, pin: str | None, model: ModelTarget | None = None) -> Version:
-    """The version this run installs, while executing (the digest may only be known after the pull; before it,
-    `pin`; the model's commit likewise after its check)."""
+    """The version this run installs: the pulled digest once known, else `pin`."""
     ref = target_ref(pin, host) or spec.image
     at = target_model(model, host)
     return Version(image=spec.image, ref=ref, unit_sha256=sha256(render_unit(spec, ref, at)),
@@ -112,10 +96,7 @@ def target_version(spec: ServeSpec, host: Host, pin: str | None, model: ModelTar
 
 
 def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
-    """Write the host's ledger (atomically) and keep it as this run's view of it; only while this run holds the
-    host's lock (a run stalled past its lease must not overwrite the record of the run that holds the host now).
-    Checked twice: from here before the write, and on the host in the write's own command (the lock file still
-    names this run, and the ledger file is still what this run read or last wrote: compare-and-swap)."""
+    """Write the host's ledger atomically, only while this run holds the lock and the file is as this run left it."""
     if not still_locked(host.state, host):
         return fail(host, f"{host.name}: {path} not written: this run no longer holds the host (fix: run again)")
     held = host_run(host)
@@ -133,7 +114,7 @@ def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
 
 
 def _unchanged_test(path: str, read: Mapping[str, str | None]) -> str | None:
-    """A shell test: the file's sha256 is what this run read or last wrote (no file: still none). None: not read."""
+    """A shell test that the file is as this run read or wrote it; None when it was not read."""
     if path not in read:
         return None
     now = f"$(sha256sum < {shlex.quote(path)} 2>/dev/null | cut -c1-64)"
@@ -143,33 +124,29 @@ def _unchanged_test(path: str, read: Mapping[str, str | None]) -> str | None:
 
 def _begin(state: State, host: Host, spec: ServeSpec, path: str, pin: str | None, retry: bool,
            model: ModelTarget | None = None) -> bool:
-    """Record the target as pending before the unit changes or the service restarts: a run cut after this point is
-    finished or rolled back by the next one (ledger.resume). Nothing to record when the target is what is pending
-    already, or the committed version itself (a restart of what was verified). retry: gpufleet_retry_failed (the
-    target's failure marks are cleared first)."""
+    """Record the target as pending before the unit changes or the service restarts."""
     target, ledger = target_version(spec, host, pin, model), host_run(host).ledger
     if ledger.pending is not None and ledger.pending.version == target:
         return True
     if ledger.pending is None and ledger.committed is not None and ledger.committed.version == target:
         return True
     if ledger.pending is not None:
-        # A cut run's version this run does not install: it was never verified, the committed one stays the target.
+        # Never verified: the committed version stays the rollback target.
         ledger = drop_pending(ledger)
     if retry:
         ledger = retry_failed(ledger, target)
     refused = refused_target(ledger, target)
     if refused:
-        # The digest is known only now (a tag resolved by this run's pull): refused here instead of at preflight.
+        # Preflight could not know a tag this pull resolved.
         return fail(host, f"{host.name}: {refused}")
     return save_ledger(host, path, begin(ledger, target, hostlock.Holder.this_process().operator(), now_utc()))
 
 
 def _backup_commands(spec: ServeSpec) -> Commands:
-    """Keep a copy of the committed unit to roll back to, for a ledger migrated from the old format (no copy was
-    made at its commit): the unit that was serving, as before."""
+    """Copy the serving unit as the rollback target of a ledger of the old format."""
     committed = host_run().ledger.committed
     if committed is None or committed.version.unit_sha256 is not None:
-        return  # none to go back to, or its copy was made when it was committed (gpufleet.vllm.commit)
+        return
     snap = snapshot()
     if snap.unit_active(unit_name(spec.service)) and snap.health_code == "200" and snap.file_sha256.get(
             unit_path(spec.service)):
@@ -180,12 +157,9 @@ def _backup_commands(spec: ServeSpec) -> Commands:
 @operation()
 def unit(spec: ServeSpec, path: str, ledger_path: str, pin: str | None, retry_failed: bool,
          model: ModelTarget | None = None) -> Commands:
-    """Install the systemd unit that runs the pinned image (resolved by this run's pull, else `pin`) and names the
-    model's commit; the ledger names it pending first (retry_failed: gpufleet_retry_failed, a failed version's marks
-    cleared)."""
+    """Install the unit that runs the pinned image; the ledger names it pending first."""
     ref = target_ref(pin)
-    # Before the pin exists (cold host, or a new vllm_image) the unit will change; while executing, the image
-    # operation has resolved the digest and the real text is rendered.
+    # Without a pin the plan shows a change; while executing, the pull has resolved it.
     text = render_unit(spec, ref or spec.image, target_model(model))
     commands = list(put_content(path, text))
     if not commands:
@@ -193,7 +167,7 @@ def unit(spec: ServeSpec, path: str, ledger_path: str, pin: str | None, retry_fa
         return
     yield from _backup_commands(spec)
     yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed, model), {})
-    yield FunctionCommand(still_locked, (), {})  # _begin may have had nothing to record: checked here either way
+    yield FunctionCommand(still_locked, (), {})  # _begin may have recorded nothing
     yield from commands
     yield StringCommand("systemctl", "daemon-reload")
 
@@ -204,12 +178,8 @@ def _executing() -> bool:
 
 
 def _changed(ops: list[OperationMeta]) -> bool:
-    """Does one of `ops` change the host: will_change while planning (what --dry shows), did_change once it ran
-    (while executing: a unit planned before the pull may turn out unchanged). pyinfra's own OperationMeta.changed is
-    exactly this, but marked deprecated (removed in v4). Its `_if=any_changed(...)` (pyinfra.operations.util) does
-    not fit the callers: pyinfra checks _if only while executing, so a plan would list the restart on every host
-    (a converged host's --dry would show a change), and _if only ANDs its conditions, while a restart also follows
-    from what the snapshot shows (drift, an inactive unit, a cut run's version)."""
+    """Does one of `ops` change the host: will_change while planning, did_change once it ran. (pyinfra's
+    `_if=any_changed(...)` is checked only while executing: every --dry would list a restart.)"""
     return any(op.did_change() if op.is_complete() else op.will_change for op in ops)
 
 
@@ -217,24 +187,20 @@ def _changed(ops: list[OperationMeta]) -> bool:
 def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin: str | None, retry_failed: bool,
             start: bool = True, force: bool = False, replaces: str | None = None,
             model: ModelTarget | None = None, group: GroupRun | None = None) -> Commands:
-    """Enable the vLLM service and (re)start it when its unit, secrets or image changed, when what runs is not what
-    the unit on disk says (snapshot's RunningService.drift: the file checksums alone cannot see that), or when a cut
-    run's version is to be finished (force). replaces: the service a renamed vllm_service replaces, stopped and
-    disabled first (both would hold the same GPUs and port: a reboot during the new one's soak must not start both);
-    the verify step removes it once the new one is committed, and a rollback enables it again. group: a replica
-    group's ranks restart together."""
+    """Enable the service and (re)start it when needed. replaces: the service a renamed vllm_service replaces,
+    disabled first since both would hold the same GPUs and port."""
     name = unit_name(spec.service)
     snap = snapshot()
     if not start:
         host.noop(f"{name} installed, not started: no GPU on this host (gpufleet_allow_no_gpu)")
         return
     if snap.running.need_daemon_reload:
-        # A unit written by a run that was cut before its daemon-reload: load it before (re)starting.
+        # A cut run wrote this unit.
         yield StringCommand("systemctl", "daemon-reload")
     if not snap.unit_enabled(name):
         yield StringCommand("systemctl", "enable", shlex.quote(name))
     drift = snap.running.drift()
-    if drift and _executing():  # said once (pyinfra runs this generator to plan, and again to execute)
+    if drift and _executing():  # pyinfra runs this generator twice: say it once
         host.log_styled(f"{name} does not run what its unit says ({'; '.join(drift)}): restarting it", fg="yellow")
     ranks = group.others_restart(host.name) if group else []
     if ranks and not (_changed(changes) or drift or force) and _executing():
@@ -242,7 +208,7 @@ def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin
     if _changed(changes) or drift or force or not snap.unit_active(name) or ranks:
         yield FunctionCommand(still_locked, (), {})
         yield FunctionCommand(_begin, (spec, ledger_path, pin, retry_failed, model), {})
-        # Checked on the host in the restart's own shell too: a lock lost since the check above refuses it there.
+        # The lock may be lost since: checked again on the host.
         restart = f"systemctl {'restart' if snap.unit_active(name) else 'start'} {shlex.quote(name)}"
         if replaces:
             restart = f"{{ systemctl disable --now {shlex.quote(unit_name(replaces))} || true; }} && {restart}"
@@ -253,17 +219,14 @@ def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin
         host.noop(f"{name} is active and nothing it runs changed")
 
 
-# The deploy's verify step, run while executing: (state, host, soak seconds) -> False only when it could not finish.
-# It keeps its verdict for the rollback after it and for committed (gpufleet.vllm.verify).
+# (state, host, soak seconds) -> False when it could not finish (gpufleet.vllm.verify).
 Verify = Callable[[State, Host, float], bool]
-# What follows the verdict, run while executing: (state, host) -> success (the commit; the rollback of a failed
-# version always fails the host).
+# The commit or rollback after the verdict.
 AfterVerify = Callable[[State, Host], bool]
 
 
 def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
-    """Did the snapshot's probe find the expected server ready? The same identity check() holds a server to,
-    on what the probe could see: /v1/models always, the cache config when /metrics reported it."""
+    """Did the snapshot's probe find the expected server ready?"""
     if snap.health_code != "200" or snap.served_models is None:
         return False
     if not snap.cache_config:
@@ -275,11 +238,7 @@ def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
 def ready(spec: ServeSpec, verify: Verify, roll_back: AfterVerify, changes: list[OperationMeta], start: bool = True,
           soak_s: float = 0.0, force: bool = False, group: GroupRun | None = None, serves: bool | None = None
           ) -> Commands:
-    """Verify the vLLM service serves what its spec says; after a (re)start (or with force: a cut run's version to
-    finish), verify with a soak of soak_s, and when that fails roll back at once (roll_back: the committed version
-    back, the host failed on one line). The commit is the next operation's (committed): it may wait for the other
-    hosts' verify, a rollback must not (pyinfra runs each operation on every host before the next one starts).
-    group: a replica group's ranks are verified together (through the head: `serves` says whether it serves)."""
+    """Verify the service, with a soak after a (re)start, and roll back at once when that fails."""
     snap = snapshot()
     if not start:
         host.noop("no GPU: the service is not started, nothing to verify")
@@ -295,9 +254,7 @@ def ready(spec: ServeSpec, verify: Verify, roll_back: AfterVerify, changes: list
 
 @operation(is_idempotent=False)
 def committed(verified: OperationMeta, commit: AfterVerify) -> Commands:
-    """Commit the version the verify passed (call with _if=<its passed verdict>): the ledger names it committed and
-    its unit is kept as the next rollback target. verified: the ready operation; nothing to commit when it verified
-    nothing, or (known while executing) when nothing is pending: a restart of the committed version itself."""
+    """Commit the version the `verified` ready operation passed (call with _if=<its verdict>)."""
     if not _changed([verified]):
         host.noop("nothing was restarted or verified: nothing to commit")
         return
@@ -309,14 +266,12 @@ def committed(verified: OperationMeta, commit: AfterVerify) -> Commands:
 
 @operation(is_idempotent=False)
 def settled(decision: Resume, ledger_path: str, roll_back: Callable[[State, Host, str], bool]) -> Commands:
-    """Settle what a cut run left pending (ledger.resume's decision) before anything else changes: drop a change
-    that never reached the unit, or roll back to the committed version (roll_back: the verify step's). A version to
-    finish is restarted, verified and committed by the steps after this one."""
+    """Settle what a cut run left pending before anything else changes."""
     if isinstance(decision, Nothing):
         host.noop("no change left pending by a cut run")
     elif isinstance(decision, FinishPending):
         what = "restarting and verifying it" if decision.restart else "verifying it"
-        if _executing():  # said once (pyinfra runs this generator to plan, and again to execute)
+        if _executing():  # say it once
             host.log_styled(f"{decision.reason}: {what}", fg="yellow")
         host.noop(f"{decision.reason}: {what}")
     elif isinstance(decision, DropPending):
