@@ -1,4 +1,4 @@
-"""What one rollout or rollback hands each of its steps: built once, when its hosts' sessions open."""
+"""What one rollout or rollback hands each of its steps."""
 
 from __future__ import annotations
 

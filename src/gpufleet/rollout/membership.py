@@ -1,5 +1,4 @@
-"""Who belongs in the routers' worker sets: a committed replica, nothing pending, ready from that digest, on GPUs
-that need no action (docs/rollout.md)."""
+"""Who belongs in the routers' worker sets (docs/rollout.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.wire.identity import Expected
 
-# A blip or a start under way says nothing: the routers keep the replica as it is.
+# A blip or a start under way: the routers keep the replica as it is.
 UNDECIDED = (HealthState.SSH_UNREACHABLE, HealthState.STARTING)
 
 
