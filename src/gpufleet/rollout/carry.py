@@ -1,25 +1,5 @@
-"""Only the canary compiles: once the canary is committed on the new version, the compile-cache entries that version
-wrote on it are carried to each later host's cache dir before that host's swap, so it starts warm
-(docs/compile-cache.md).
-
-- What is carried: the files new in the canary's vLLM cache dir (the host side of the /root/.cache/vllm mount:
-  vLLM 0.32 keeps its torch.compile artifacts, inductor's C++/Triton kernels included, under
-  torch_compile_cache/torch_aot_compile/<hash of its version and config>/) between a listing taken before its swap
-  and one taken after it committed. Files that were there before, and the other mounts (torch, ComputeCache), are
-  not carried.
-- How: over the rollout's own SSH sessions; the controller streams `tar` from the canary to the host (hosts need no
-  SSH to each other). The canary hashes what it sends, the controller what it relays, the host what it receives
-  (sha256 each); the host, under its lock, unpacks regular files and directories only into a temp dir beside its
-  cache dir, and only when all three agree are the entries renamed into place, never through a link. An entry the
-  host has, whole or in part, is left as it is.
-- Who does not take it: a host whose GPUs (model, count) or driver differ from the canary's, or whose serve flags
-  (other than where it listens and its served name) or env differ, or on which the image's vLLM computes another
-  compile hash than on the canary (compile_factors); one whose listing or GPU query fails (one line
-  each, the rollout goes on: that host just starts cold); a rollout whose canary is not committed carries nothing.
-
-Per host, CarryResult says what was carried (or why not), whether its start loaded compiled artifacts (the
-engine's own log line) and its time to ready (container start to its first "listening" log line, both from docker
-on the host)."""
+"""Carry the compile-cache entries the committed canary wrote to each later host before its swap, so that host
+starts warm. The design, its checks and its measurements: docs/compile-cache.md."""
 
 from __future__ import annotations
 
@@ -72,30 +52,26 @@ from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.unit import env_file_path
 
 LIST_TIMEOUT_S = 60.0
-CARRY_TIMEOUT_S = 1800.0  # the carry into one host, whole: a trickling stream must not hold the host forever
+CARRY_TIMEOUT_S = 1800.0  # per host: a trickling stream must not hold the host's lock forever
 
 
 @dataclass(frozen=True)
 class CarryResult:
-    """One host's part in the carry. carried_bytes: the tar stream relayed and put in place (0: nothing carried);
-    skipped_reason: one line, why nothing was carried (None when it was, or when the canary gave it); warm: its
-    start loaded compiled artifacts (the engine's log says so; None: not known); time_to_ready_s: its container's
-    start to its first listening line (None: not measured)."""
+    """One host's part in the carry; None means not known or not measured."""
 
     carried_bytes: int = 0
     skipped_reason: str | None = None
-    entries: tuple[str, ...] = ()  # cache-dir-relative paths renamed into place
+    entries: tuple[str, ...] = ()  # relative to the cache dir
     warm: bool | None = None
     time_to_ready_s: float | None = None
     canary: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields a rollout's JSON row takes."""
         return {"warm": self.warm, "time_to_ready_s": self.time_to_ready_s, "carried_bytes": self.carried_bytes,
                 "carry_skipped": self.skipped_reason}
 
     def cell(self) -> str:
-        """One table cell: how the host started and why, e.g. "warm, 2.2 s (90 KiB carried)"."""
+        """E.g. "warm, 2.2 s (90 KiB carried)"."""
         start = {True: "warm", False: "cold", None: "-"}[self.warm]
         ready = f", {self.time_to_ready_s:.1f} s" if self.time_to_ready_s is not None else ""
         if self.canary:
@@ -109,18 +85,15 @@ class CarryResult:
 
 @dataclass
 class Carry:
-    """The carry across one rollout's swap: before_canary() lists the canary's cache dir, after_canary() lists it
-    again once it is committed, into() carries to a batch before its swap, observe() reads each swapped host's
-    start. results: {host: CarryResult}, for the report."""
+    """The carry across one rollout: before_canary(), after_canary(), then into() and observe() per batch."""
 
     sessions: Sessions
     hosts: Mapping[str, FleetHost]
     note: Callable[[str], None] = lambda line: None
-    tamper: Callable[[bytes], bytes] | None = None  # tests only: the bytes changed in flight
-    turned_off: str | None = None  # why this rollout carries nothing by choice (`rollout --no-carry`); starts are
-    # still observed, so the report says how each host started either way
+    tamper: Callable[[bytes], bytes] | None = None  # tests only
+    turned_off: str | None = None  # `--no-carry`; starts are still observed for the report
     timeout_s: float = CARRY_TIMEOUT_S
-    lock_path: str = LOCK_PATH  # held on each host while the carry writes there
+    lock_path: str = LOCK_PATH
     results: dict[str, CarryResult] = field(default_factory=dict)
     canary: str | None = None
     _before: dict[str, Listed] | None = None
@@ -128,8 +101,8 @@ class Carry:
     _entries: list[str] = field(default_factory=list)
     _gpus: Gpus | str = "not read"
     _factors: CompileFactors | str = "not read"
-    _image: str | None = None  # the image the committed canary runs (its id): the one each host's factors come from
-    _off: str | None = None  # why nothing is carried in this rollout
+    _image: str | None = None  # the committed canary's image id; every host's factors come from it
+    _off: str | None = None
 
     def _list(self, host: str, directory: str) -> dict[str, Listed]:
         rc, out, err = shell(self.sessions.get(host), listing_command(directory), timeout=LIST_TIMEOUT_S, root=True)
@@ -143,7 +116,7 @@ class Carry:
                                timeout=LIST_TIMEOUT_S)
         except TransportError as e:
             return one_line(str(e))
-        if rc in (124, 137):  # timeout's
+        if rc in (124, 137):
             return f"nvidia-smi did not answer within {COMMAND_TIMEOUT_S} s"
         return gpus_from_query(rc, out, err)
 
@@ -203,7 +176,7 @@ class Carry:
         except TransportError as e:
             self._off = f"canary {canary}'s cache dir could not be listed after its verify: {e}"
             return
-        since = self._started(canary)  # files changed before it are the old container's
+        since = self._started(canary)  # files changed before it are the old version's
         if since is None:
             self._off = f"canary {canary}'s new container could not be read: nothing is carried"
             return
@@ -290,13 +263,12 @@ class Carry:
         return CarryResult(carried_bytes=total, entries=placed)
 
     def _remove(self, host: str, tmp: str) -> None:
-        """The temp dir gone, as far as the host can still be reached (a lost one keeps a hidden dir, never an entry
-        in its cache dir)."""
+        """Best effort: an unreachable host keeps a hidden temp dir, never a cache entry."""
         with contextlib.suppress(TransportError, OSError, paramiko.SSHException, EOFError):
             shell(self.sessions.get(host), f"rm -rf {shlex.quote(tmp)}", timeout=LIST_TIMEOUT_S, root=True)
 
     def observe(self, batch: Sequence[str]) -> None:
-        """Each swapped host's start, from its container: warm or cold, and its time to ready."""
+        """Record each swapped host's start: warm or cold, and its time to ready."""
         for host in batch:
             warm, took = self.start_of(host)
             prior = self.results.get(host, CarryResult(canary=host == self.canary))

@@ -1,10 +1,4 @@
-"""Who may take the canary's compiled artifacts: kernels are built for one GPU model and driver, and vLLM's cache
-key has missed a config field before and loaded a wrong artifact, so a host takes them only when its GPUs, driver,
-serve flags and env are the canary's, and when the image's vLLM computes the canary's compile hash there
-(docs/compile-cache.md).
-
-Each host's GPUs are read with the same nvidia-smi query the preflight runs (gpufleet.facts.nvidia), parsed by its
-parser, which is tested on output recorded on real hosts."""
+"""Whether a host may take the canary's compiled artifacts: same GPUs, driver, serve config and compile hash."""
 
 from __future__ import annotations
 
@@ -20,9 +14,7 @@ from gpufleet.vllm.spec import ServeSpec
 
 @dataclass(frozen=True)
 class Gpus:
-    """What the carry compares of a host's GPUs: the model of each and the driver they share."""
-
-    names: tuple[str, ...]  # one per GPU, in nvidia-smi's order
+    names: tuple[str, ...]  # one per GPU
     driver: str
 
     def describe(self) -> str:
@@ -33,7 +25,7 @@ class Gpus:
 
 
 def gpus_from_query(rc: int, out: str, err: str) -> Gpus | str:
-    """gpufleet.facts.nvidia.QUERY_GPUS's answer -> Gpus, or one line saying why not."""
+    """Parse QUERY_GPUS's answer, or say why not."""
     if rc != 0:
         return one_line(f"nvidia-smi failed: {(err or out).strip()[:160] or f'exit {rc}'}")
     try:
@@ -47,7 +39,7 @@ def gpus_from_query(rc: int, out: str, err: str) -> Gpus | str:
 
 
 def gpu_refusal(canary: str, canary_gpus: Gpus | str, host_gpus: Gpus | str) -> str | None:
-    """Why a host may not take the canary's compiled artifacts (kernels are built for a GPU and a driver), or None."""
+    """Kernels are built for one GPU model and driver."""
     if isinstance(canary_gpus, str):
         return f"canary {canary}'s GPUs unknown ({canary_gpus})"
     if isinstance(host_gpus, str):
@@ -57,14 +49,12 @@ def gpu_refusal(canary: str, canary_gpus: Gpus | str, host_gpus: Gpus | str) -> 
     return None
 
 
-# Flags that do not reach vLLM's compile (where it listens, what it is called): hosts may differ in them.
+# Flags that do not reach vLLM's compile: hosts may differ in them.
 NOT_COMPILED = frozenset({"host", "port", "served-model-name", "api-key", "uvicorn-log-level"})
 
 
 def config_refusal(canary: str, canary_spec: ServeSpec, host_spec: ServeSpec) -> str | None:
-    """Why a host whose serve flags, env or GPU count differ from the canary's may not take its artifacts (vLLM's
-    cache key has missed a config field before and loaded a wrong artifact: carried only between identical
-    configs), or None."""
+    """vLLM's cache key has missed a config field before, so only identical configs share artifacts."""
     def flags(spec: ServeSpec) -> dict[str, object]:
         return {k: v for k, v in spec.vllm_args if k not in NOT_COMPILED}
 
@@ -82,8 +72,7 @@ def config_refusal(canary: str, canary_spec: ServeSpec, host_spec: ServeSpec) ->
 
 def compile_hash_refusal(canary: str, canary_factors: CompileFactors | str,
                          host_factors: CompileFactors | str) -> str | None:
-    """Why a host would not find the canary's entries under the key vLLM computes on it (another env hash: it would
-    compile again beside them), or None (gpufleet.rollout.compile_factors)."""
+    """A host computing another hash would look up another dir and compile beside the carried one."""
     if isinstance(canary_factors, str):
         return f"canary {canary}'s compile hash unknown ({canary_factors})"
     if isinstance(host_factors, str):

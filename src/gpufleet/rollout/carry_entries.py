@@ -1,5 +1,4 @@
-"""Which compile-cache entries the carry moves: the regular files the canary's new version wrote in its vLLM cache dir
-(new since a listing before its swap), and which entries a later host takes whole (docs/compile-cache.md)."""
+"""Which compile-cache files the canary's new version wrote, and which of them a later host takes."""
 
 from __future__ import annotations
 
@@ -10,11 +9,11 @@ from dataclasses import dataclass
 
 from gpufleet.vllm.spec import ServeSpec
 
-CARRIED_MOUNT = "/root/.cache/vllm"  # the container side of the one mount whose new entries are carried
+CARRIED_MOUNT = "/root/.cache/vllm"  # container side
 
 
 def carried_dir(spec: ServeSpec) -> str | None:
-    """The host side of the spec's vLLM cache mount (None: the spec mounts none, so there is nothing to carry)."""
+    """The host side of the spec's vLLM cache mount, if it has one."""
     for m in spec.mounts:
         if posixpath.normpath(m.container_path) == CARRIED_MOUNT:
             return posixpath.normpath(m.host_path)
@@ -22,19 +21,19 @@ def carried_dir(spec: ServeSpec) -> str | None:
 
 
 def listing_command(directory: str) -> str:
-    """Every path under directory with its type letter and change time, NUL-terminated; nothing when it is absent."""
+    """Every path under directory with its type letter and change time, NUL-terminated."""
     d = shlex.quote(directory)
     return f"if [ -d {d} ]; then cd {d} && find . -mindepth 1 -printf '%y %C@ %P\\0'; fi"
 
 
 @dataclass(frozen=True)
 class Listed:
-    kind: str  # find's type letter: f, d, l, ...
+    kind: str
     changed: float  # inode change time: no process can set it back
 
 
 def parse_listing(out: str) -> dict[str, Listed]:
-    """find's answer -> {relative path: Listed}; a path with an empty, `.` or `..` part is dropped."""
+    """Drops any path with an empty, `.` or `..` part."""
     paths = {}
     for item in out.split("\0"):
         kind, _, rest = item.partition(" ")
@@ -53,13 +52,12 @@ def _plain(path: str) -> bool:
 
 
 def new_files(before: Mapping[str, Listed], after: Mapping[str, Listed], since: float) -> list[str]:
-    """The regular files present after the canary's verify, absent before its swap, and changed since its new
-    container started (`since`): what the old container wrote before its stop is not the new version's."""
+    """Regular files absent before the swap and changed since the new container started."""
     return sorted(p for p, seen in after.items() if seen.kind == "f" and p not in before and seen.changed >= since)
 
 
 def entries(before: Mapping[str, Listed], files: Iterable[str]) -> list[str]:
-    """Per new file, its shallowest ancestor (or itself) absent before the swap: usually one `<hash>/` dir."""
+    """Per new file, its shallowest path absent before the swap."""
     found: set[str] = set()
     for f in files:
         parts = f.split("/")
@@ -68,9 +66,7 @@ def entries(before: Mapping[str, Listed], files: Iterable[str]) -> list[str]:
 
 
 def placements(new: Sequence[str], files: Sequence[str], present: Mapping[str, Listed]) -> tuple[list[str], list[str]]:
-    """(the paths to rename into a host's cache dir, the entries it has in part). An entry the host lacks goes in
-    whole; one holding any of its new files is left as it is; one holding none (a canary whose cache was empty
-    before cannot tell an entry from its parents) takes, per file, its shallowest path the host lacks."""
+    """(paths to rename into the host's cache dir, entries it has in part, left as they are)."""
     roots: set[str] = set()
     partial = []
     for entry in new:

@@ -1,7 +1,4 @@
-"""The carry's stream over the rollout's own SSH sessions: the controller relays `tar` from the canary to a host
-(hosts need no SSH to each other). The canary hashes what it sends, the controller what it relays, the host what it
-receives (sha256 each); the host unpacks into a temp dir beside its cache dir, and only when all three agree are the
-entries renamed into place, never over one the host has."""
+"""The carry's tar stream, relayed by the controller from the canary to a host and checked by three sha256s."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ from gpufleet.remote.transport import SshTransport, TransportError
 SCRIPTS = Path(__file__).resolve().parents[1] / "data" / "carry"
 SEND, RECEIVE, PLACE = ((SCRIPTS / f"{name}.sh").read_text() for name in ("send", "receive", "place"))
 STREAM_CHUNK = 256 * 1024
-STREAM_TIMEOUT_S = 120.0  # per read or write on a channel: a host that stops answering ends the carry to it
+STREAM_TIMEOUT_S = 120.0  # per read or write on a channel
 
 
 def _root(client: paramiko.SSHClient, command: str) -> str:
@@ -47,21 +44,20 @@ def _drain_stderr(channel: paramiko.Channel, into: list[bytes]) -> None:
 
 def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: SshTransport, target_cmd: str,
           tamper: Callable[[bytes], bytes] | None = None, deadline: float | None = None) -> tuple[int, str, str, str]:
-    """source_cmd's stdout streamed into target_cmd's stdin through this process: (bytes relayed, its sha256,
-    source's stderr, target's stderr). tamper: for tests, what the bytes become between the two ends. deadline
-    (time.monotonic()): past it, TransportError."""
+    """Stream source_cmd's stdout into target_cmd's stdin: (bytes, sha256, source's stderr, target's stderr).
+    Raises TransportError past deadline (time.monotonic())."""
     src = _open(source, source_cmd)
     dst = _open(target, target_cmd)
     src_err: list[bytes] = []
     dst_err: list[bytes] = []
     digest = hashlib.sha256()
     total = 0
-    def feed() -> None:  # beside the reading below: tar writes while it still reads its list
+    def feed() -> None:  # in a thread: tar writes while it still reads its list
         try:
             src.sendall(source_input)
             src.shutdown_write()
         except OSError:
-            pass  # the source ended early: its exit status and stderr say why
+            pass  # the source's exit status and stderr say why
 
     writer = threading.Thread(target=feed, daemon=True)
     try:
@@ -79,7 +75,7 @@ def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: Ss
             _drain_stderr(dst, dst_err)
         dst.shutdown_write()
         writer.join(STREAM_TIMEOUT_S)
-        for channel, into in ((src, src_err), (dst, dst_err)):  # the rest of each end's stderr, to its EOF
+        for channel, into in ((src, src_err), (dst, dst_err)):
             while chunk := channel.recv_stderr(65536):
                 into.append(chunk)
             channel.recv_exit_status()
@@ -91,19 +87,17 @@ def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: Ss
 
 
 def send_command(directory: str) -> str:
-    """On the canary: tar the NUL-separated relative paths read from stdin, to stdout (data/carry/send.sh)."""
+    """On the canary: tar the NUL-separated paths on stdin to stdout."""
     return _script(SEND, directory)
 
 
 def receive_command(directory: str, tmp: str) -> str:
-    """On the host: the stream unpacked into tmp (a new root-only dir beside the cache dir), checked
-    (data/carry/receive.sh)."""
+    """On the host: unpack the stream into tmp, a new root-only dir beside the cache dir."""
     return _script(RECEIVE, tmp, _stale_prefix(directory))
 
 
 def place_command(directory: str, tmp: str, roots: Sequence[str]) -> str:
-    """Each unpacked root renamed into the cache dir unless the host has it by now; the temp dir removed
-    (data/carry/place.sh)."""
+    """Rename each unpacked root into the cache dir unless the host has it by now."""
     return _script(PLACE, directory, tmp, *roots)
 
 
@@ -125,8 +119,7 @@ RC_LINE = re.compile(r"^tar-rc (\d+)$", re.MULTILINE)
 
 
 def stream_problem(sent: str, relayed: str, received: str) -> str | None:
-    """The three ends' view of one tar stream (each `sha256sum` output, `tar-rc N` lines included for the two
-    hosts): None when the canary's tar and the host's untar ended well and all three sha256 agree."""
+    """None when both tars ended well and all three sha256 agree."""
     problems = []
     for who, text in (("canary", sent), ("host", received)):
         rc = RC_LINE.search(text)

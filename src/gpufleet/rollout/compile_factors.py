@@ -1,11 +1,5 @@
-"""The compile-cache key's environment part, as the engine computes it: vLLM files each torch.compile cache under a
-hash of its version, its config and its known `VLLM_*` variables less an ignore list (`vllm.envs.compile_factors`);
-a host whose hashed variables differ from the canary's looks up another dir and compiles again. vLLM 0.24 hashes
-VLLM_API_KEY and paths that follow HOME and XDG_CACHE_HOME; 0.32 ignores those (docs/compile-cache.md).
-
-The image's own vLLM computes them on each host, in a container given that host's env and secrets (no GPU, no
-network, no mounts), so the carry compares what the engine will compute, not gpufleet's copy of its rules. Each
-value leaves the host as a digest only: the API key is one of them."""
+"""The env part of vLLM's compile-cache key, computed by the image's own vLLM on each host
+(docs/compile-cache.md). Each value leaves the host as a digest only: the API key is one of them."""
 
 from __future__ import annotations
 
@@ -16,9 +10,8 @@ from dataclasses import dataclass
 from gpufleet.errors import one_line
 from gpufleet.vllm.spec import ServeSpec
 
-TIMEOUT_S = 120  # importing vLLM (and torch) in a fresh container, on a host that is serving
+TIMEOUT_S = 120  # importing vLLM and torch on a host that is serving
 MARK = "gpufleet-compile-factors "
-# Run by the image's python3: vLLM's own factors and hash, each value as a digest.
 SCRIPT = (
     "import hashlib, json, vllm, vllm.envs as envs\n"
     "from vllm.config.utils import hash_factors\n"
@@ -30,16 +23,13 @@ SCRIPT = (
 
 @dataclass(frozen=True)
 class CompileFactors:
-    """One host's view: its vLLM version, vLLM's hash of the env factors, and a digest of each factor's value."""
-
     vllm: str
     env_hash: str
     digests: tuple[tuple[str, str], ...]
 
 
 def factors_command(spec: ServeSpec, image: str, env_file: str) -> str:
-    """The shell line that prints the host's factors: `image` run with the spec's env and the unit's secrets file
-    (what its container gets), python3 as the entrypoint, bounded in time."""
+    """Run `image`'s python3 with the env and secrets the host's container gets."""
     argv = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3"]
     for name, value in spec.env:
         argv += ["-e", f"{name}={value}"]
@@ -50,7 +40,7 @@ def factors_command(spec: ServeSpec, image: str, env_file: str) -> str:
 
 
 def parse_factors(rc: int, out: str) -> CompileFactors | str:
-    """factors_command's output -> CompileFactors, or one line saying why they are not known."""
+    """CompileFactors, or one line saying why they are not known."""
     line = next((ln for ln in out.splitlines() if ln.startswith(MARK)), None)
     if rc != 0 or line is None:
         last = [ln for ln in out.strip().splitlines() if ln.strip()][-1:] or [f"exit {rc}"]
@@ -64,6 +54,6 @@ def parse_factors(rc: int, out: str) -> CompileFactors | str:
 
 
 def differing(a: CompileFactors, b: CompileFactors) -> list[str]:
-    """The factor names whose values differ (present on one side only included)."""
+    """Names whose values differ, one-sided ones included."""
     da, db = dict(a.digests), dict(b.digests)
     return sorted(k for k in da.keys() | db.keys() if da.get(k) != db.get(k))

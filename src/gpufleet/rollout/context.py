@@ -1,4 +1,4 @@
-"""What one rollout or rollback hands each of its steps: built once, when its hosts' sessions open."""
+"""What one rollout or rollback hands each of its steps."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ if TYPE_CHECKING:  # swap imports this module
 @dataclass(frozen=True)
 class RolloutContext:
     inventory: str
-    hosts: Mapping[str, FleetHost]  # by name, in the inventory's order
+    hosts: Mapping[str, FleetHost]  # in the inventory's order
     sessions: Sessions
     target_refs: Mapping[str, str]  # host -> the digest ref it moves to
-    what: str  # the target as the user reads it: one digest ref, or each host's previous one
+    what: str  # the target as the user reads it
     options: SwapOptions
     progress: Progress
 

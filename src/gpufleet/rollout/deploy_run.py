@@ -1,5 +1,5 @@
-"""One run of the deploy through the pyinfra CLI on some hosts, with the rollout's RunSettings as `--data`. What
-each host's run came to is read from the run's result file (gpufleet.harness.result), never from its output."""
+"""One run of the deploy through the pyinfra CLI on some hosts; each host's result is read from the run's result
+file, never from its output."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ from gpufleet.wire.checks import SERVING_CHECKS
 from gpufleet.wire.speed import SpeedFigures
 
 DEPLOY_FILE = Path("deploys") / "qwen35.py"
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # pyinfra's colours, kept out of the log
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 PR_SET_PDEATHSIG = 1
 
 
 def default_deploy_file() -> Path:
-    """deploys/qwen35.py of the working directory, else of the checkout installed from, else the packaged copy."""
+    """deploys/qwen35.py here, else in the checkout installed from, else the packaged copy."""
     here = DEPLOY_FILE
     if here.is_file():
         return here
@@ -63,18 +63,17 @@ def pyinfra_command() -> str:
 class DeployRun:
     hosts: tuple[str, ...]
     returncode: int
-    output: str  # stdout and stderr, colours stripped; never parsed
+    output: str  # never parsed
     seconds: float
-    results: Mapping[str, HostResult] = field(default_factory=dict)  # empty when the run wrote no result file
-    # host -> the line to give when the run has no result for it
-    ended: Mapping[str, str] = field(default_factory=dict)
+    results: Mapping[str, HostResult] = field(default_factory=dict)
+    ended: Mapping[str, str] = field(default_factory=dict)  # host -> the line when the run has no result for it
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
 
     def problems(self, host: str) -> list[str]:
-        """Why `host` did not converge, one line each; [] when it did or only another host failed."""
+        """Why `host` did not converge; [] when it did or only another host failed."""
         result = self.results.get(host)
         if result is not None:
             return [] if result.ok else list(result.problems)
@@ -94,8 +93,8 @@ class DeployRun:
 
 
 def dies_with_parent() -> Callable[[], None]:
-    """A preexec_fn killing the child with this process, so a killed controller leaves no deploy running alone.
-    prctl is looked up in the parent: dlopen in the forked child of a threaded process may hang."""
+    """A preexec_fn killing the child with this process. prctl is looked up here: dlopen in the forked child of a
+    threaded process may hang."""
     parent = os.getpid()
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -105,7 +104,7 @@ def dies_with_parent() -> Callable[[], None]:
     def in_child() -> None:
         if prctl is not None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        # A parent killed before prctl sent no signal: the reparented child ends here.
+        # A parent killed before prctl sent no signal.
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -114,22 +113,21 @@ def dies_with_parent() -> Callable[[], None]:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What the rollout sets for one deploy run; a field left at its default leaves the host's own value.
+    """What the rollout sets for one deploy run; a field left at its default keeps the host's own value.
 
     >>> RunSettings(image_ref="repo@sha256:ab", stage="prepare").data_args()
     ['--data', 'gpufleet_image_ref=repo@sha256:ab', '--data', 'gpufleet_stage=prepare']
     """
 
     image_ref: str | None = None
-    model_ref: str | None = None  # the model's commit (40 hex), when it moves
+    model_ref: str | None = None  # the model's commit
     stage: Stage | None = None
     verify_checks: tuple[str, ...] | None = None  # (): none beside the answers
-    # host -> its committed digest as the rollout read it; the deploy refuses a host whose ledger moved since
+    # The deploy refuses a host whose ledger moved since the rollout read this.
     expect_committed: Mapping[str, str | None] | None = None
     verify_probe: bool = False
     retry_failed: bool = False
-    # host -> the old version's figures, measured before the swap
-    speed_baseline: Mapping[str, SpeedFigures] | None = None
+    speed_baseline: Mapping[str, SpeedFigures] | None = None  # measured before the swap
 
     def __post_init__(self) -> None:
         if self.stage is not None and self.stage not in STAGES:
@@ -139,7 +137,7 @@ class RunSettings:
             raise ValueError(f"unknown check {', '.join(unknown)} (known: {', '.join(SERVING_CHECKS)})")
 
     def data_args(self) -> list[str]:
-        """pyinfra's `--data NAME=TEXT` for each field set, in the text pyinfra parses back to the value."""
+        """pyinfra's `--data NAME=TEXT` for each field set."""
         checks = None if self.verify_checks is None else ",".join(self.verify_checks) or "none"
         committed = (None if self.expect_committed is None
                      else json.dumps(dict(self.expect_committed), separators=(",", ":")))
@@ -161,7 +159,7 @@ class RunSettings:
 def run_deploy(inventory: str, hosts: Sequence[str], settings: RunSettings, deploy_file: Path, *,
                log: Path | None = None, timeout_s: float | None = None) -> DeployRun:
     """pyinfra -y INVENTORY DEPLOY --limit h ... --data k=v ...; its output appended to `log`."""
-    # One --limit per host: pyinfra reads a comma-separated list as one pattern.
+    # pyinfra reads a comma-separated --limit as one pattern.
     limits = [arg for host in hosts for arg in ("--limit", host)]
     argv = [pyinfra_command(), "-y", inventory, str(deploy_file), *limits, *settings.data_args()]
     start, started_at = time.monotonic(), time.time()
@@ -195,7 +193,7 @@ def run_deploy(inventory: str, hosts: Sequence[str], settings: RunSettings, depl
     if ended:
         output += "".join(f"\n{line}" for line in ended.values()) + "\n"
     if log is not None:
-        # The epoch window places host and registry events inside or outside a swap from the log alone.
+        # The epoch window places host events inside or outside a swap from the log alone.
         with log.open("a") as f:
             f.write(f"$ {' '.join(argv)}\n{output}\n[exit {rc}; started {started_at:.3f}; ended {time.time():.3f}]\n")
     return DeployRun(tuple(hosts), rc, output, time.monotonic() - start, results or {}, ended)

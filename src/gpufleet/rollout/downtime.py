@@ -1,6 +1,4 @@
-"""A host's downtime, measured from the controller: its /health polled through the SSH session while it swaps.
-Downtime = the time /health did not answer 200, from the stop to the first 200 of the new version (the pull is
-done before, in prepare, so it is never inside this window)."""
+"""A host's downtime during its swap: the time its /health, polled from the controller, did not answer 200."""
 
 from __future__ import annotations
 
@@ -19,13 +17,12 @@ REQUEST_TIMEOUT_S = 2.0
 def healthy(transport: Transport, port: int, address: str = LOOPBACK) -> bool:
     try:
         return get(transport, port, "/health", timeout=REQUEST_TIMEOUT_S, address=address)[0] == 200
-    except Exception:  # refused, reset, timed out, not HTTP: all "not serving" for this measure
+    except Exception:  # any failure is "not serving" here
         return False
 
 
 class DowntimeWatch:
-    """Poll /health in a greenlet from start() to stop(); stop() gives the seconds it was not 200 (None when the
-    watch could not look at all)."""
+    """Poll /health from start() to stop(); stop() gives the seconds it was not 200 (None: no look made)."""
 
     def __init__(self, transport: Transport, port: int, poll_s: float = POLL_S,
                  clock: Callable[[], float] = time.monotonic, address: str = LOOPBACK):
@@ -58,7 +55,7 @@ class DowntimeWatch:
     def stop(self) -> float | None:
         if self._greenlet is not None:
             self._greenlet.kill()
-        self._look()  # the state at the end: a host still down counts until now
+        self._look()  # a host still down counts until now
         if self._down_since is not None:
             self.down_s += self.clock() - self._down_since
             self._down_since = None

@@ -1,7 +1,5 @@
-"""Drain: before a host restarts, wait until its vLLM runs no request (`vllm:num_requests_running` 0 on /metrics,
-through the SSH session), up to --drain-timeout. Moving new clients elsewhere is the load balancer's job; what is
-still running after the timeout is left to vLLM's own graceful stop (--shutdown-timeout, under the unit's stop
-timeout)."""
+"""Drain: before a host restarts, wait up to --drain-timeout until its vLLM runs no request; what still runs then
+is left to vLLM's graceful stop."""
 
 from __future__ import annotations
 
@@ -21,9 +19,9 @@ REQUEST_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class Drained:
-    drained: bool  # False: the timeout passed with requests still running
+    drained: bool
     waited_s: float
-    running: int | None  # at the last look (None: /metrics did not answer: nothing to wait for)
+    running: int | None  # at the last look
 
     @property
     def detail(self) -> str:
@@ -33,12 +31,11 @@ class Drained:
 
 
 def running_requests(transport: Transport, port: int, address: str = LOOPBACK) -> int | None:
-    """vllm:num_requests_running now; None when /metrics does not answer with it (a server that is down or
-    starting runs nothing a restart could cut)."""
+    """None when /metrics does not answer with it: a server down or starting runs nothing a restart could cut."""
     try:
         status, body = get(transport, port, "/metrics", timeout=REQUEST_TIMEOUT_S, address=address)
         value = parse_metrics(body).get(RUNNING) if status == 200 else None
-    except Exception:  # refused, reset, not Prometheus text: "nothing to wait for", never a crash of the rollout
+    except Exception:  # nothing to wait for, never a crash of the rollout
         return None
     return None if value is None else int(value)
 

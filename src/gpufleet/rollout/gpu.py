@@ -1,4 +1,4 @@
-"""The hosts a rollout skips for their GPUs, one line each, and the degraded ones it swaps with a warning."""
+"""The hosts a rollout skips for their GPUs, and the degraded ones it swaps with a warning."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ def look(host: FleetHost, transport: SshTransport, app_started_at: float | None 
 
 
 def sick_hosts(sessions: Sessions, names: Sequence[str], note: Callable[[str], None]) -> dict[str, str]:
-    """host -> why it is not swapped; degraded hosts go to `note`. An unread host is swapped: its preflight says
-    why."""
+    """host -> why it is not swapped; an unread host is swapped."""
     skipped = {}
     for name, found in sessions.each(names, look).items():
         if not isinstance(found, HostGpus):

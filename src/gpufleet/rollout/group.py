@@ -1,5 +1,4 @@
-"""A replica group as one replica of a rollout (docs/multi-node.md): its ranks swap in one deploy run, its head alone
-is drained and routed to, and it is done only once every rank committed the target."""
+"""A replica group as one replica of a rollout (docs/multi-node.md)."""
 
 from __future__ import annotations
 
@@ -19,13 +18,13 @@ def in_group(hosts: Mapping[str, FleetHost], name: str) -> bool:
 
 
 def ranks(hosts: Mapping[str, FleetHost], name: str) -> tuple[str, ...]:
-    """The host's group in rank order; the host alone outside a group."""
+    """The host's group in rank order, or the host alone."""
     member = _member(hosts, name)
     return member.hosts if member is not None else (name,)
 
 
 def is_worker(hosts: Mapping[str, FleetHost], name: str) -> bool:
-    """A replica of its own or a group's head: what a router routes to."""
+    """What a router routes to: a lone replica or a group's head."""
     member = _member(hosts, name)
     return member is None or member.is_head
 
@@ -35,12 +34,12 @@ def workers(hosts: Iterable[FleetHost]) -> list[FleetHost]:
 
 
 def done(on_target: Collection[str], hosts: Mapping[str, FleetHost]) -> set[str]:
-    """The hosts on their target that are done: a group's only when every rank is."""
+    """A group's hosts are done only when every rank is."""
     return {h for h in on_target if all(r in on_target for r in ranks(hosts, h))}
 
 
 def skipped(sick: Mapping[str, str], hosts: Mapping[str, FleetHost]) -> dict[str, str]:
-    """The hosts skipped for their GPUs (host -> why), with every rank of a group one of them is in."""
+    """Skip every rank of a group one of whose hosts is skipped."""
     out = dict(sick)
     for name in sick:
         for rank in ranks(hosts, name):
@@ -49,7 +48,7 @@ def skipped(sick: Mapping[str, str], hosts: Mapping[str, FleetHost]) -> dict[str
 
 
 def units(order: Sequence[str], hosts: Mapping[str, FleetHost]) -> list[list[str]]:
-    """`order` as replicas: each group once, where its first host comes, head first."""
+    """`order` as replicas: each group once, at its first host, head first."""
     seen: set[str] = set()
     out: list[list[str]] = []
     for name in order:
@@ -61,10 +60,8 @@ def units(order: Sequence[str], hosts: Mapping[str, FleetHost]) -> list[list[str
 
 
 def expand(order: Sequence[str], hosts: Mapping[str, FleetHost]) -> list[str]:
-    """`order` with each group's ranks together, head first."""
     return [name for unit in units(order, hosts) for name in unit]
 
 
 def canaries(order: Sequence[str], hosts: Mapping[str, FleetHost], canary: int) -> set[str]:
-    """Every host of the first `canary` replicas."""
     return {name for unit in units(order, hosts)[:canary] for name in unit}

@@ -1,8 +1,4 @@
-"""Each host's ledger (gpufleet.hoststate.ledger, /var/lib/gpufleet/<service>.json), read over SSH: what is committed on
-it, what a cut run left pending, which versions failed and why. The rollout decides from it; `history` shows it.
-
-Read as the deploy reads it: the same reading (gpufleet.hoststate.reader) and the same rules
-(gpufleet.hoststate.rules), so a host whose vllm_service was renamed reads as the ledger that service takes over."""
+"""Each host's ledger, read over SSH with the deploy's own reader and rules."""
 
 from __future__ import annotations
 
@@ -20,8 +16,8 @@ from gpufleet.rollout.replicas import FleetHost, Sessions, shell
 @dataclass(frozen=True)
 class HostLedger:
     host: str
-    path: str  # the file read: the service's ledger, or the one a renamed service takes over
-    ledger: Ledger | None  # None: no ledger file (never converged), or unreadable (error says why)
+    path: str  # the service's ledger, or the one a renamed service takes over
+    ledger: Ledger | None  # None: never converged, or unreadable (see error)
     error: str | None = None
 
     @property
@@ -31,7 +27,7 @@ class HostLedger:
 
     @property
     def committed_model(self) -> str | None:
-        """The model's commit (repo@commit) the committed version runs, when the ledger records one."""
+        """repo@commit, when the ledger records one."""
         c = self.ledger.committed if self.ledger else None
         return c.version.model if c else None
 
@@ -41,25 +37,24 @@ class HostLedger:
         return p.version.ref if p else None
 
     def failed_mark(self, ref: str, model: str | None = None) -> Failed | None:
-        """The newest mark on digest `ref` with `model` (repo@commit; None: with any model)."""
+        """The newest mark on `ref` that holds for `model` (None: any model)."""
         marks = self.ledger.failed if self.ledger else ()
         return next((f for f in reversed(marks) if f.ref == ref and f.holds_for(model)), None)
 
     def model_at(self, model_ref: str | None) -> str | None:
-        """The model (repo@commit) a rollout installs here: commit `model_ref` of the committed repo, else the
-        committed one."""
+        """The repo@commit a rollout installs here: `model_ref` of the committed repo, else the committed one."""
         if model_ref is None or self.committed_model is None:
             return self.committed_model
         return f"{self.committed_model.rpartition('@')[0]}@{model_ref}"
 
     def previous_ref(self) -> str | None:
-        """The newest earlier committed digest other than the committed one (what `rollback` goes back to)."""
+        """What `rollback` goes back to."""
         history = self.ledger.history if self.ledger else ()
         return next((c.version.ref for c in reversed(history) if c.version.ref != self.committed_ref), None)
 
 
 def parse_read(host: str, service: str, port: int, rc: int, out: str, err: str) -> HostLedger:
-    """The reading's answer (gpufleet.hoststate.reader.read_command) for the service on `port`."""
+    """Parse reader.read_command's answer for the service on `port`."""
     path = ledger_path(service)
     if rc != 0:
         return HostLedger(host, path, None, f"cannot read {path}: {(err or out).strip()[:200] or f'exit {rc}'}")
@@ -70,7 +65,7 @@ def parse_read(host: str, service: str, port: int, rc: int, out: str, err: str) 
     except sections.Forged as e:
         return HostLedger(host, path, None, f"cannot read {path}: the reading refused: {e}")
     if texts.own is None:
-        # No file of its own: what host_ledger goes by then is the ledger it takes over, read here with its path.
+        # No file of its own: report the ledger it takes over, with that path.
         found = taken_over(texts.others, port)
         return HostLedger(host, found[0], found[1]) if found else HostLedger(host, path, None)
     try:
@@ -85,7 +80,7 @@ def read_one(host: FleetHost, transport: SshTransport) -> HostLedger:
 
 
 def read_ledgers(sessions: Sessions, names: Sequence[str]) -> dict[str, HostLedger]:
-    """Every named host's ledger at once; a host that cannot be reached is a HostLedger with its error."""
+    """Every named host's ledger in parallel; an unreachable host's carries its error."""
     out: dict[str, HostLedger] = {}
     for name, value in sessions.each(names, read_one).items():
         if isinstance(value, HostLedger):

@@ -1,7 +1,4 @@
-"""Who belongs in the routers' worker sets: a replica whose ledger has a committed version and nothing pending, and
-that answers ready now (the check `gpufleet verify` runs) from that committed digest, on GPUs that need no reset,
-reboot or service. The rollout reconciles every router with this at its start and its end, so a controller killed
-between a replica's leave and its rejoin strands nothing."""
+"""Who belongs in the routers' worker sets (docs/rollout.md)."""
 
 from __future__ import annotations
 
@@ -17,30 +14,28 @@ from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.wire.identity import Expected
 
-# States that say nothing for or against a replica (a blip, a start still under way): the routers keep it as it is.
+# A blip or a start under way: the routers keep the replica as it is.
 UNDECIDED = (HealthState.SSH_UNREACHABLE, HealthState.STARTING)
 
 
 def belongs(ledger: HostLedger, state: HealthState | None, runs_committed: bool = True) -> bool | None:
-    """True: in every router; False: in none; None: not known (left as it is). runs_committed: what answers is the
-    committed digest."""
+    """True: in every router; False: in none; None: left as it is."""
     if ledger.error is not None:
         return None
     if ledger.committed_ref is None or ledger.pending_ref is not None:
-        return False  # never committed, or a swap that ended neither committed nor rolled back
+        return False  # never committed, or a swap left unfinished
     if state is None or state in UNDECIDED:
         return None
     return state is HealthState.READY and runs_committed
 
 
 def runs_committed(ledger: HostLedger, report: HealthReport) -> bool:
-    """Is the container that answers started from the digest the ledger has committed?"""
     c = report.container
     return c is not None and c.running and committed_drift(ledger.committed_ref, c) is None
 
 
 def look(host: FleetHost, transport: SshTransport) -> HealthReport:
-    """The check `gpufleet verify` runs, once, on a replica (on a replica group's headless rank: its container)."""
+    """The check `gpufleet verify` runs, once, on a replica."""
     member = host.spec.group
     if member is not None and not member.is_head:
         expected = replace(Expected.from_spec(host.spec), spec_hash=host.spec.spec_hash)
@@ -49,15 +44,14 @@ def look(host: FleetHost, transport: SshTransport) -> HealthReport:
 
 
 def gpus_fit(gpus: HostGpus | None, used: Collection[int]) -> bool | None:
-    """False: a GPU the replica uses needs a reset, a reboot or service; True: they may serve; None: not known."""
+    """False when a GPU the replica uses needs an action; None: not known."""
     if gpus is None or gpus.error is not None:
         return None
     return not gpus.blocking(used)
 
 
 def members(sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, HostLedger]) -> dict[str, bool | None]:
-    """belongs() for every named replica, False where gpus_fit() is; each looked at once over its own session, all
-    at once."""
+    """belongs() for every named replica, False where gpus_fit() is, looked at in parallel."""
     def look_with_gpus(host: FleetHost, transport: SshTransport) -> tuple[HealthReport, HostGpus | None]:
         report = look(host, transport)
         started = report.container.started_at if report.container else None

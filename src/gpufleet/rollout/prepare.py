@@ -1,5 +1,4 @@
-"""Prepare: the pull, the model and the flag check on every host to swap, while the old version serves; a failure
-on any host means no host is swapped. With a site cache one host pulls first, alone (docs/rollout.md)."""
+"""Prepare: the pull, the model and the flag check on every host to swap, while the old version serves."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from gpufleet.vllm.operations.image import pull_stats_file
 
 
 def pull_order(inventory: str, hosts: Sequence[str]) -> list[list[str]]:
-    """The hosts of each prepare run, in order: all at once, or with a site cache its host (else the canary) first."""
+    """The hosts of each prepare run: with a site cache, its host (else the canary) alone first."""
     if len(hosts) < 2:
         return [list(hosts)]
     try:
@@ -36,7 +35,7 @@ def pull_order(inventory: str, hosts: Sequence[str]) -> list[list[str]]:
 def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: Path, *,
             log: Path | None = None, timeout_s: float | None = None,
             model_ref: str | None = None) -> tuple[DeployRun, dict[str, str]]:
-    """(the run, host -> why it failed to prepare); a host of a run not made is not in the dict."""
+    """(the run, host -> why it failed to prepare)."""
     done: DeployRun | None = None
     for pulling in pull_order(inventory, hosts):
         one = run_deploy(inventory, pulling, RunSettings(image_ref=target_ref, model_ref=model_ref, stage="prepare"),
@@ -51,7 +50,7 @@ def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: 
 
 
 def failures(run: DeployRun) -> dict[str, str]:
-    """Host -> why it failed: the hosts the run names a problem of, else every host of the failed run."""
+    """The hosts the run names a problem of, else every host of the failed run."""
     if run.ok:
         return {}
     named = {host: " | ".join(lines) for host in run.hosts if (lines := run.problems(host))}
@@ -65,7 +64,7 @@ def _read_stats(host: FleetHost, transport: SshTransport) -> PullStats | None:
 
 
 def pull_stats(sessions: Sessions, names: Sequence[str], target_ref: str) -> dict[str, PullStats | None]:
-    """Host -> what its pull of `target_ref` moved, as recorded there; None where nothing was pulled or read."""
+    """What each host's pull of `target_ref` moved, as recorded there."""
     digest = target_ref.rpartition("@")[2]
     found = sessions.each(names, _read_stats)
     return {name: value if isinstance(value, PullStats) and value.ref.endswith("@" + digest) else None

@@ -1,5 +1,4 @@
-"""The live per-host view on stderr: one row per host with its phase. On a terminal a rich Live table; piped (CI
-logs, --json runs captured by a script), one plain line per change, so the log reads in order."""
+"""The live per-host view on stderr: a rich Live table on a terminal, else one plain line per change."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ class Progress:
         if self._live is not None:
             self._live.update(self._table())
         else:
-            # Piped: one line per change however long (a log line wrapped at 80 columns reads as several).
+            # Never wrapped: a wrapped log line reads as several.
             self.console.print(Text(f"{host}: {text}"), highlight=False, soft_wrap=True)
 
     def note(self, text: str) -> None:

@@ -1,5 +1,4 @@
-"""The inventory's hosts as a rollout sees them, and their SSH sessions (opened as `gpufleet status` opens them:
-pyinfra's connector with each host's inventory data), in parallel, one result per host."""
+"""The inventory's hosts as a rollout sees them, and their SSH sessions, used in parallel."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ T = TypeVar("T")
 class FleetHost:
     name: str
     spec: ServeSpec
-    data: Mapping[str, Any] = field(repr=False)  # merged host data (ssh_*, vllm_api_key, ...)
+    data: Mapping[str, Any] = field(repr=False)  # merged host data
 
     @property
     def api_key(self) -> str | None:
@@ -33,8 +32,7 @@ class FleetHost:
 
 
 def load_fleet(inventory: str, only_host: str | None = None) -> list[FleetHost]:
-    """The inventory's vLLM hosts (or one; router hosts are left out), validated; raises GpufleetError with one
-    line per problem."""
+    """The inventory's vLLM hosts (or one), validated."""
     hosts = [FleetHost(spec.host, spec, data) for spec, data in load_host_specs(inventory, only_host)]
     if not hosts:
         raise GpufleetError(f"{inventory}: no hosts in the inventory")
@@ -42,21 +40,21 @@ def load_fleet(inventory: str, only_host: str | None = None) -> list[FleetHost]:
 
 
 def shell(transport: SshTransport, command: str, timeout: float = 60.0, root: bool = False) -> tuple[int, str, str]:
-    """A shell command on the host over the session; as root (sudo -n) when `root` and the session is not root's."""
+    """Run a shell command over the session, as root (sudo -n) when `root`."""
     sudo = "sudo -n " if root and needs_sudo(transport.client) else ""
     return transport.run(f"{sudo}sh -c {shlex.quote(command)}" if sudo else command, timeout=timeout)
 
 
 
 class Sessions:
-    """One SSH session per host for the rollout's reads (ledgers, drain, downtime); close() ends them."""
+    """One SSH session per host for the rollout's reads."""
 
     def __init__(self, hosts: Sequence[FleetHost]):
         self.hosts = {h.name: h for h in hosts}
         self._open: dict[str, SshTransport] = {}
 
     def get(self, name: str) -> SshTransport:
-        """The host's session, opened (again) if it is not open; raises Unreachable with one line."""
+        """The host's session, reopened if it closed; raises Unreachable."""
         transport = self._open.get(name)
         live = transport is not None and (t := transport.client.get_transport()) is not None and t.is_active()
         if transport is None or not live:
@@ -65,7 +63,7 @@ class Sessions:
         return transport
 
     def each(self, names: Sequence[str], fn: Callable[[FleetHost, SshTransport], T]) -> dict[str, T | str]:
-        """fn(host, session) on every named host at once: its value, or one line saying why it could not run."""
+        """fn(host, session) on every named host in parallel: its value, or one line saying why not."""
         def one(name: str) -> T | str:
             try:
                 return fn(self.hosts[name], self.get(name))

@@ -1,4 +1,4 @@
-"""What a rollout did to each host: the outcomes, the final table and each host's row of the --json document."""
+"""What a rollout did to each host: outcomes, the final table and the --json rows."""
 
 from __future__ import annotations
 
@@ -17,19 +17,21 @@ from gpufleet.wire.speed import FIGURES, SpeedFigures, speed_ratios
 
 
 class Outcome(StrEnum):
-    UPDATED = "updated"  # restarted on the target, verified, committed
-    UNCHANGED = "unchanged"  # already committed on the target: not restarted
-    ROLLED_BACK = "rolled-back"  # the target failed its gate; the committed version serves again
-    NOT_STARTED = "not-started"  # untouched: the rollout stopped before this host
-    FAILED_PREPARE = "failed-prepare"  # the target could not be prepared here; no host was swapped
-    FAILED = "failed"  # the swap failed and the ledger shows neither the target nor a rollback (see detail)
-    SKIPPED = "skipped"  # not swapped: a GPU it runs on needs a reset, a reboot or service (see detail)
+    """One host's end state; docs/rollout.md's table says what each means."""
+
+    UPDATED = "updated"
+    UNCHANGED = "unchanged"
+    ROLLED_BACK = "rolled-back"
+    NOT_STARTED = "not-started"
+    FAILED_PREPARE = "failed-prepare"
+    FAILED = "failed"
+    SKIPPED = "skipped"
 
 
 OK = (Outcome.UPDATED, Outcome.UNCHANGED)
 STYLE = {Outcome.UPDATED: "green", Outcome.UNCHANGED: "dim", Outcome.ROLLED_BACK: "yellow",
          Outcome.NOT_STARTED: "dim", Outcome.FAILED_PREPARE: "red", Outcome.FAILED: "red", Outcome.SKIPPED: "red"}
-# What a host that did not end on the target needs (its problem's fix; {host} is the host's name).
+# The fix for a host that did not end on the target.
 FIX = {
     Outcome.ROLLED_BACK: "its committed version serves again and the target is marked failed there: fix what the "
                          "failed check names (docs/verify.md) or roll out another image; --retry-failed tries this "
@@ -46,8 +48,7 @@ FIX = {
 
 @dataclass(frozen=True)
 class SpeedResult:
-    """A swap's speed check: the old version's figures, measured on the host before it (None: note says why), and
-    the new version's, as the ledger committed them (None: not committed; the detail names what failed)."""
+    """A swap's speed check: the old version's figures, measured before it, and the new one's, as committed."""
 
     before: SpeedFigures | None
     after: SpeedFigures | None
@@ -60,7 +61,7 @@ class SpeedResult:
                 "ratios": {k: round(v, 3) for k, v in ratios.items()} if ratios else None, "note": self.note or None}
 
     def cell(self) -> str:
-        """Each figure's speed new over old ("prefill 1.02x, ..."; below 1 is slower), or what was recorded."""
+        """New over old per figure, e.g. "prefill 1.02x"."""
         if self.after is None:
             return "-"
         if self.before is None:
@@ -72,19 +73,15 @@ class SpeedResult:
 @dataclass(frozen=True)
 class HostOutcome:
     host: str
-    from_ref: str | None  # the committed digest before the rollout (None: nothing committed)
+    from_ref: str | None  # the committed digest before the rollout
     to_ref: str
     outcome: Outcome
-    downtime_s: float | None = None  # stop to ready, measured from the controller; None: not restarted
+    downtime_s: float | None = None  # stop to ready, measured from the controller
     detail: str = ""
-    # The verify checks the new version was held to, in order, each passed (True) or failed (False); the ones after
-    # a failed check did not run. Empty: none known (not swapped, or its engine died before any was sent).
-    checks: tuple[tuple[str, bool], ...] = ()
-    # What its prepare pulled (bytes from the site cache and from upstream); None: nothing pulled or no record.
+    checks: tuple[tuple[str, bool], ...] = ()  # in order; none run after a failed one
     pull: PullStats | None = None
-    # How it started on the target: warm from the canary's carried cache or cold, time to ready; None: not swapped.
     start: CarryResult | None = None
-    speed: SpeedResult | None = None  # None: not held to the speed check
+    speed: SpeedResult | None = None
 
     @property
     def ok(self) -> bool:
@@ -92,23 +89,20 @@ class HostOutcome:
 
     @property
     def phase(self) -> str:
-        """The host's last progress line: the outcome, the downtime when restarted, and for a host that failed (to
-        prepare or to swap) or was rolled back its detail, so a piped run's log says why without the deploy output."""
+        """The host's last progress line; a failed host's carries its detail, so a piped log says why."""
         down = f" ({self.downtime_s:.1f} s down)" if self.downtime_s is not None else ""
         failed = self.outcome in (Outcome.FAILED_PREPARE, Outcome.FAILED, Outcome.ROLLED_BACK, Outcome.SKIPPED) \
             and self.detail
         return f"{self.outcome.value}{down}" + (f": {self.detail}" if failed else "")
 
     def problems(self) -> list[dict[str, str]]:
-        """[] on the target; else one problem: the outcome, what happened, the fix."""
         if self.ok:
             return []
         return [{"id": self.outcome.value, "message": self.detail or self.outcome.value,
                  "fix": FIX[self.outcome].format(host=self.host)}]
 
     def as_dict(self) -> dict[str, Any]:
-        """The host's row of the --json document (docs/cli.md): host, ok, problems, then the rollout's own fields.
-        A new per-host field is one line here."""
+        """The host's row of the --json document (docs/cli.md)."""
         return {
             "host": self.host,
             "ok": self.ok,
@@ -128,7 +122,7 @@ class HostOutcome:
 
     @property
     def pulled_cell(self) -> str:
-        """The table's view of the pull: "105 MB site, 0 B upstream"; "-" when nothing was pulled or not known."""
+        """E.g. "105 MB site, 0 B upstream"."""
         if self.pull is None:
             return "-"
         parts = [f"{decimal(n)} {where}" for n, where in ((self.pull.site_bytes, "site"),
@@ -139,7 +133,7 @@ class HostOutcome:
 
     @property
     def checks_cell(self) -> str:
-        """The table's view: "7 passed", or the failed check after the passed count."""
+        """E.g. "6 passed, models failed"."""
         if not self.checks:
             return "-"
         passed = sum(ok for _, ok in self.checks)
@@ -152,7 +146,7 @@ def succeeded(outcomes: Sequence[HostOutcome]) -> bool:
 
 
 def short(ref: str | None) -> str:
-    """repo@sha256:0123456789ab... -> sha256:0123456789ab (what a table can show)."""
+    """repo@sha256:0123456789ab... -> sha256:0123456789ab."""
     if not ref:
         return "-"
     digest = ref.rsplit("@", 1)[-1]
@@ -166,7 +160,7 @@ def table(outcomes: Sequence[HostOutcome], title: str | None = None) -> Table:
         t.add_column(column, overflow="fold")
     for o in outcomes:
         downtime = "-" if o.downtime_s is None else f"{o.downtime_s:.1f} s"
-        # Text, never markup: a detail quotes server output and image names ("[...]" must not be parsed).
+        # Text, never markup: details quote server output, whose "[...]" must not be parsed.
         t.add_row(Text(o.host), Text(short(o.from_ref)), Text(short(o.to_ref)),
                   Text(o.outcome.value, style=STYLE[o.outcome]), Text(downtime),
                   Text(o.checks_cell, style="red" if any(not ok for _, ok in o.checks) else ""),

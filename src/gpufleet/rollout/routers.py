@@ -1,5 +1,5 @@
-"""The routers in front of the replicas, as a rollout uses them: each swapped replica leaves their worker sets and
-rejoins after its swap (docs/rollout.md, "Rollouts behind the router")."""
+"""The routers as a rollout uses them: each swapped replica leaves their worker sets and rejoins after its swap
+(docs/rollout.md)."""
 
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ class Routers:
 
     def __init__(self, routers: Sequence[tuple[Router, float]], urls: Mapping[str, str],
                  hosts: Mapping[str, Mapping[str, Any]] | None = None):
-        self.routers = list(routers)  # (router, seconds it waits for a re-added worker's /health)
-        self.urls = dict(urls)  # replica name -> the URL the routers know it by
+        self.routers = list(routers)  # (router, its join timeout)
+        self.urls = dict(urls)  # replica name -> its worker URL
         self.locks: dict[str, HostLock] = {}
-        self.hosts = dict(hosts or {})  # router name -> its inventory data, to reach it again
+        self.hosts = dict(hosts or {})  # router name -> its inventory data
         self.notes: dict[str, list[str]] = {}  # router name -> lines for the next reconcile
 
     @classmethod
     def connect(cls, routers: Sequence[HostData], replicas: Sequence[HostData]) -> Routers:
-        """Every router, reached and answering its worker list; raises GpufleetError naming the first that is not."""
+        """Every router, reached, answering and locked; raises GpufleetError naming the first that is not."""
         # A fleet without a router may keep vLLM on loopback: no worker URL to build.
         urls = {name: worker_url(name, data) for name, data in replicas} if routers else {}
         opened = cls([], urls, dict(routers))
@@ -62,13 +62,13 @@ class Routers:
 
     def capacity_problem(self, batches: Sequence[Sequence[str]], belongs: Mapping[str, bool | None] | None = None
                          ) -> str | None:
-        """One line when a batch would leave a router with no replica in service, counted as the reconcile
-        (`belongs`) and the batches before it will leave them; else None."""
+        """Why a batch would leave a router with no replica in service, counting what `belongs` and the earlier
+        batches leave."""
         belongs = belongs or {}
         for i, (router, _) in enumerate(self.routers):
             try:
                 listed = set(self._call(i, lambda r: r.list_workers()))
-            except Exception as error:  # an SSH cut, a refusal: one line, before anything changes
+            except Exception as error:  # one line, before anything changes
                 return one_line(f"router {router.name}: its worker list does not answer: {_why(error)}; nothing was "
                                 "changed (fix: `gpufleet status` shows the router; run again once it answers)")
             serving = {host for host, url in self.urls.items()
@@ -85,26 +85,26 @@ class Routers:
     @contextmanager
     def out(self, hosts: Sequence[str], drain_timeout_s: float) -> Iterator[None]:
         """The hosts out of every router, drained, for the block; rejoin() or reconcile() puts them back. Raises
-        RouterError before the block when a router refuses one, after putting back the ones taken out."""
+        RouterError before the block when a router refuses one."""
         taken: list[tuple[int, str, float]] = []
         try:
             for i, (_, join_timeout_s) in enumerate(self.routers):
                 members = set(self._call(i, lambda r: r.list_workers()))
-                router = self.routers[i][0]  # reached again if its session had broken
+                router = self.routers[i][0]  # _call may have reached it again
                 for host in hosts:
                     url = self.urls[host]
-                    if url in members:  # one the router does not list has nothing to drain there
+                    if url in members:
                         taken.append((i, url, join_timeout_s))
                         leave(router, url, drain_timeout_s)  # not retried: a cut mid-leave fails the batch
         except Exception as error:
             for i, url, join_timeout_s in taken:
                 with suppress(Exception):  # the leave's error is the one to report; the last reconcile retries
-                    self._call(i, partial(_join, url=url, timeout_s=join_timeout_s))  # not swapped: back in
+                    self._call(i, partial(_join, url=url, timeout_s=join_timeout_s))
             raise RouterError(one_line(f"taking {', '.join(hosts)} out of the routers: {_why(error)}")) from None
         yield
 
     def rejoin(self, host: str) -> str | None:
-        """The host back in every router; None, or one line saying which router did not take it back."""
+        """Put the host back in every router; one line naming any that did not take it."""
         problems = []
         for i, (router, join_timeout_s) in enumerate(self.routers):
             try:
@@ -114,8 +114,7 @@ class Routers:
         return one_line("; ".join(problems)) if problems else None
 
     def reconcile(self, belongs: Mapping[str, bool | None]) -> dict[str, str]:
-        """Every router's worker set made what `belongs` says (None: left as it is), workers of no replica removed.
-        Returns host or router -> one line of what changed or failed; never raises."""
+        """Make every router's worker set what `belongs` says, removing workers of no replica. Never raises."""
         if not self.routers:
             return {}
         by_url = {url: host for host, url in self.urls.items()}
@@ -128,7 +127,7 @@ class Routers:
                 continue
             finally:
                 changed.setdefault(router.name, [])[:0] = self._said(i)
-            router = self.routers[i][0]  # reached again if its session had broken
+            router = self.routers[i][0]  # _call may have reached it again
             removed = False  # join() records itself; removals are recorded once, below
             for host, wanted in belongs.items():
                 url = self.urls.get(host)
@@ -159,8 +158,7 @@ class Routers:
         return {name: one_line("; ".join(lines)) for name, lines in changed.items() if lines}
 
     def _call(self, i: int, call: Callable[[Router], T]) -> T:
-        """call(router i), made once more over a new session and lock when its SSH session broke. For calls that
-        can be repeated."""
+        """call(router i), repeated once over a new session and lock when the SSH session broke."""
         router = self.routers[i][0]
         if _broken(router):
             router = self._reach_again(i)
@@ -172,7 +170,7 @@ class Routers:
         return call(self._reach_again(i))
 
     def _reach_again(self, i: int) -> Router:
-        """Router i over a new SSH session, its lock taken again; raises Unreachable or GpufleetError."""
+        """Raises Unreachable or GpufleetError."""
         old, join_timeout_s = self.routers[i]
         data = self.hosts.get(old.name)
         if data is None:  # not opened by connect()
@@ -197,7 +195,7 @@ class Routers:
             self.notes[router].append(line)
 
     def _said(self, i: int) -> list[str]:
-        """Router i's notes and uncounted metrics, each said once, first in a reconcile."""
+        """Router i's notes and uncounted metrics, each said once."""
         router = self.routers[i][0]
         lines = self.notes.pop(router.name, [])
         if router.non_finite:
@@ -245,8 +243,7 @@ def _close(router: Router) -> None:
 
 
 def _relock(router: Router, data: Mapping[str, Any]) -> HostLock:
-    """The lock again over a new session. The old session's shell may still hold it, naming this run, until the
-    host sees the break or the lease ends; the router stays this run's meanwhile."""
+    """The old session's shell may still hold the lock for this run until its lease ends; that counts as held."""
     _, lease_s = lock_timings(f"router {router.name}", merged_settings(dict(data)))
     client = router.transport.client  # type: ignore[attr-defined]  # status.connect opens an SshTransport
     lock = HostLock(client, router.name, lease_s=lease_s, sudo=needs_sudo(client))
@@ -263,7 +260,7 @@ def _relock(router: Router, data: Mapping[str, Any]) -> HostLock:
 
 
 def _lock(router: Router, data: Mapping[str, Any]) -> HostLock:
-    """The router host's lock, held until close(), so a router deploy or another rollout meanwhile is refused."""
+    """Held until close(): a router deploy or another rollout meanwhile is refused."""
     wait_s, lease_s = lock_timings(f"router {router.name}", merged_settings(dict(data)))
     client = router.transport.client  # type: ignore[attr-defined]  # status.connect opens an SshTransport
     lock = HostLock(client, router.name, lease_s=lease_s, sudo=needs_sudo(client))

@@ -10,8 +10,7 @@ from gpufleet.rollout.routers import Routers
 
 
 def settle_routers(inventory: str) -> dict[str, str]:
-    """Host (or router) -> one line of what changed or failed there. Raises GpufleetError (one line) for a router
-    that cannot be reached or locked."""
+    """Host or router -> what changed or failed there; raises GpufleetError for a router it cannot lock."""
     router_hosts = load_roles(inventory)[0]
     if not router_hosts:
         return {}

@@ -1,5 +1,5 @@
-"""The swap loop: the canary, then batches of --batch hosts, each out of the routers, drained, deployed and judged
-from its ledger and what answers (docs/rollout.md). The first host not updated stops the rollout."""
+"""The swap loop: the canary, then batches, each out of the routers, drained, deployed and judged from its ledger
+and what answers (docs/rollout.md)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from gpufleet.wire.speed import SpeedFigures
 
 T = TypeVar("T")
 STAGE_TIMEOUT_S = 4 * 3600.0
-# The ledger says committed (the target, or the version before it): such a replica serves again.
+# The ledger says committed: such a replica serves again.
 SETTLED = (Outcome.UPDATED, Outcome.UNCHANGED, Outcome.ROLLED_BACK)
 
 
@@ -46,19 +46,17 @@ class SwapOptions:
     deploy_file: Path
     canary: int = 1
     batch: int = 1
-    probe: bool = False  # every host gated on the prompt re-processing probe too
-    # The canary's serving checks; later batches run the version it proved and get only speed, where asked.
+    probe: bool = False
+    # Later batches run the version the canary proved and get only speed, where asked.
     canary_checks: tuple[str, ...] = SERVING_CHECKS
     retry_failed: bool = False
     drain_timeout_s: float = 120.0
     log: Path | None = None
-    # A hung pull or stalled host must not hold every host's lock forever.
-    stage_timeout_s: float = STAGE_TIMEOUT_S
-    carry: bool = True  # the canary's compile cache to each later host
-    model_ref: str | None = None  # the model's commit every host moves to, when it moves
+    stage_timeout_s: float = STAGE_TIMEOUT_S  # a stalled host must not hold every lock forever
+    carry: bool = True
+    model_ref: str | None = None  # the model's commit, when it moves
 
     def batch_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
-        """The serving checks a batch's deploy run holds the new version to."""
         if canary:
             return self.canary_checks
         return (SPEED,) if speed_batch and SPEED in self.canary_checks else ()
@@ -73,7 +71,7 @@ class SwapOptions:
 
 
 def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
-    """The canary hosts, then the rest, in batches of at most `batch`, the canary included."""
+    """The canary hosts, then the rest, in batches of at most `batch`."""
     if batch < 1 or canary < 0:
         raise ValueError("batch must be >= 1 and canary >= 0")
     first, rest = list(names[:canary]), list(names[canary:])
@@ -82,13 +80,13 @@ def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
 
 
 def replica_batches(order: Sequence[str], hosts: Mapping[str, FleetHost], canary: int, batch: int) -> list[list[str]]:
-    """batches() of replicas, a replica group counted once and listed with all its ranks."""
+    """batches() of replicas: a group counts once and is listed with all its ranks."""
     return [[name for unit in chunk for name in unit]
             for chunk in batches(replica_groups.units(order, hosts), canary, batch)]
 
 
 def held_to(spec: ServeSpec, options: SwapOptions, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
-    """The checks a swapped host's deploy run holds the new version to, in order."""
+    """The checks a swapped host is held to, in order."""
     serving = verify_checks(options.batch_checks(canary, speed_batch), options.probe)
     return (*ANSWER_CHECKS, *Served.from_spec(spec).applicable(serving))
 
@@ -99,7 +97,6 @@ def speed_batches(host: FleetHost) -> bool:
 
 
 def measure_running(host: FleetHost, transport: SshTransport) -> SpeedFigures:
-    """The running version's speed figures; raises GpufleetError saying why none."""
     try:
         expected = reached(Expected.from_spec(host.spec), transport.container(host.spec.service))
         return measure(transport, expected, Served.from_spec(host.spec), api_key=host.api_key)
@@ -108,7 +105,7 @@ def measure_running(host: FleetHost, transport: SshTransport) -> SpeedFigures:
 
 
 def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | None) -> tuple[tuple[str, bool], ...]:
-    """Per check, passed or failed, as far as the outcome tells; checks after a failed one never ran."""
+    """Per check, passed or failed; checks after a failed one never ran."""
     if outcome == Outcome.UPDATED:
         return tuple((name, True) for name in held)
     if failed_check is not None and failed_check in held:
@@ -120,8 +117,7 @@ def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | Non
 def judge(host: str, target_ref: str, before: HostLedger, after: HostLedger, run: DeployRun,
           downtime_s: float | None, drained: Drained | str | None, *, held: Sequence[str] = (),
           speed_before: SpeedFigures | str | None = None, serving: HealthReport | str | None = None) -> HostOutcome:
-    """The host's outcome from its ledger after the run; updated or rolled back only when `serving` finds the
-    committed digest answering."""
+    """From the ledger; updated or rolled back only when `serving` finds the committed digest answering."""
     outcome = _judged(host, target_ref, before, after, run, downtime_s, drained)
     problem = serving_problem(after, serving) if outcome.outcome in (Outcome.UPDATED, Outcome.ROLLED_BACK) else None
     if problem is not None:
@@ -138,7 +134,7 @@ def judge(host: str, target_ref: str, before: HostLedger, after: HostLedger, run
 
 
 def serving_problem(after: HostLedger, serving: HealthReport | str | None) -> str | None:
-    """Why what answers is not the ledger's committed version, ready; None when it is or was not looked at."""
+    """Why what answers is not the committed version, ready."""
     if serving is None:
         return None
     if isinstance(serving, str):

@@ -1,5 +1,4 @@
-"""The rollout's one target digest: as given, or a tag looked up once on one host without pulling a layer, so a
-tag that moves mid-rollout changes nothing (docs/rollout.md says which docker tool is asked, and when)."""
+"""The rollout's one target digest: as given, or a tag looked up once on one host (docs/rollout.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ from gpufleet.vllm.operations.image import pick_digest
 from gpufleet.vllm.settings import merged_settings
 from gpufleet.vllm.unit import env_file_path
 
-PULL_TIMEOUT_S = 3600.0  # a nightly vLLM image is ~10 GB: only when no lookup tool works on the host
-LOOKUP_TIMEOUT_S = 120  # a lookup is a few small HTTP requests; `timeout` on the host ends one that hangs
+PULL_TIMEOUT_S = 3600.0  # a nightly vLLM image is ~10 GB
+LOOKUP_TIMEOUT_S = 120
 PROBE_TIMEOUT_S = 60.0
 
 BUILDX, MANIFEST = "buildx", "manifest"
@@ -32,15 +31,14 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 @dataclass(frozen=True)
 class Target:
     ref: str  # repo@sha256:<digest>
-    requested: str  # what named it: --image, or vllm_image
-    # None when a digest was given. Without a `tool` the tag was pulled there; `pulled_because` says why.
-    resolved_on: str | None = None
-    tool: str | None = None  # BUILDX or MANIFEST
+    requested: str  # --image, or vllm_image
+    resolved_on: str | None = None  # None when a digest was given
+    tool: str | None = None  # None: the tag was pulled, see pulled_because
     pulled_because: str | None = None
 
     @property
     def where(self) -> str:
-        """On which host and how the tag became this digest, for the progress; "" for a given digest."""
+        """How the tag became this digest, for the progress."""
         if self.resolved_on is None:
             return ""
         if self.tool is not None:
@@ -60,7 +58,7 @@ def fleet_repository(hosts: Sequence[FleetHost]) -> str:
 
 
 def requested_image(hosts: Sequence[FleetHost], image: str | None) -> str:
-    """--image, checked against the fleet's repository; else the inventory's vllm_image (one for all hosts)."""
+    """--image, checked against the fleet's repository, else the inventory's one vllm_image."""
     repo = fleet_repository(hosts)
     if image is None:
         images = sorted({h.spec.image for h in hosts})
@@ -81,8 +79,7 @@ def requested_image(hosts: Sequence[FleetHost], image: str | None) -> str:
 
 
 # --- the registry lookup -------------------------------------------------------------------------------------------
-# One round trip: which lookup tools work here (a missing, stand-in or broken buildx plugin fails `version`; docker
-# before 20.10 has `manifest` only as an experimental command), and dockerd's registry settings.
+# Which lookup tools work (a broken buildx plugin fails `version`), and dockerd's registry settings.
 PROBE_COMMAND = ("docker buildx version >/dev/null 2>&1 && echo tool=buildx; "
                  "docker manifest inspect --help >/dev/null 2>&1 && echo tool=manifest; "
                  "echo registry-config=$(docker info --format '{{json .RegistryConfig}}' 2>/dev/null)")
@@ -91,7 +88,7 @@ PROBE_COMMAND = ("docker buildx version >/dev/null 2>&1 && echo tool=buildx; "
 @dataclass(frozen=True)
 class Probe:
     tools: frozenset[str]
-    registry_config: Mapping[str, Any] | None  # `docker info`'s RegistryConfig; None when unreadable
+    registry_config: Mapping[str, Any] | None  # `docker info`'s RegistryConfig
 
 
 def parse_probe(out: str) -> Probe:
@@ -110,7 +107,7 @@ def parse_probe(out: str) -> Probe:
 
 
 def registry_of(image: str) -> str:
-    """The registry (host[:port]) docker contacts for `image`: "docker.io" for Docker Hub's short names."""
+    """The registry host[:port] docker contacts for `image`."""
     first, slash, _ = image.partition("/")
     return first if slash and ("." in first or ":" in first or first == "localhost") else "docker.io"
 
@@ -122,9 +119,8 @@ def _host_part(registry: str) -> str:
 
 
 def insecure(registry: str, config: Mapping[str, Any] | None) -> bool:
-    """Does dockerd treat `registry` as insecure (plain HTTP, unverified TLS), so that its pull would? An entry of
-    its insecure-registries (IndexConfigs, Secure false), or an IP address (or localhost) in InsecureRegistryCIDRs.
-    A host name is not resolved here (dockerd would): one that resolves into such a CIDR needs an entry."""
+    """Whether dockerd's pull treats `registry` as insecure. A host name is not resolved, as dockerd would: one in
+    an insecure CIDR needs its own entry."""
     if not config:
         return False
     index = (config.get("IndexConfigs") or {}).get(registry)
@@ -145,8 +141,7 @@ def insecure(registry: str, config: Mapping[str, Any] | None) -> bool:
 
 
 def tool_order(probe: Probe, image: str) -> list[str]:
-    """The tools to ask, best first: buildx (it pins multi-platform lists), except for a registry dockerd treats
-    as insecure: only `docker manifest` can be told so (--insecure), buildx does not read dockerd's settings."""
+    """Buildx first, as it pins multi-platform lists; for an insecure registry `docker manifest --insecure` first."""
     order = [MANIFEST, BUILDX] if insecure(registry_of(image), probe.registry_config) else [BUILDX, MANIFEST]
     return [t for t in order if t in probe.tools]
 
@@ -159,7 +154,7 @@ def lookup_command(tool: str, image: str, insecure_registry: bool = False) -> st
 
 
 class MultiPlatform(Exception):
-    """The tag names a multi-platform list whose own digest this tool does not print."""
+    """A multi-platform list whose own digest this tool does not print."""
 
 
 def _digest(value: object) -> str | None:
@@ -167,12 +162,11 @@ def _digest(value: object) -> str | None:
 
 
 def digest_from_lookup(tool: str, out: str) -> str:
-    """The digest `docker pull` pins for the tag, from a successful lookup's output; raises MultiPlatform (docker
-    manifest on a list) or ValueError (output not understood)."""
+    """The digest `docker pull` pins for the tag; raises MultiPlatform or ValueError."""
     doc = json.loads(out)
-    if tool == BUILDX:  # the descriptor of what the tag names, list or manifest: {"mediaType", "digest", ...}
+    if tool == BUILDX:  # {"mediaType", "digest", ...}
         digest = _digest(doc.get("digest")) if isinstance(doc, dict) else None
-    elif isinstance(doc, list):  # one entry per platform manifest: the list's own digest is not among them
+    elif isinstance(doc, list):  # one entry per platform; the list's own digest is not among them
         platforms = f"{len(doc)} platform{'' if len(doc) == 1 else 's'}"
         raise MultiPlatform(f"a multi-platform list ({platforms}), whose digest {TOOL_NAMES[tool]} does not print")
     else:  # {"Ref", "Descriptor": {"digest", ...}, "SchemaV2Manifest" | "OCIManifest"}
@@ -183,9 +177,7 @@ def digest_from_lookup(tool: str, out: str) -> str:
     return digest
 
 
-# What a failed lookup said -> the fix (first match wins). The docker CLI's and buildx's own words: "no such
-# manifest: REF", "REF: not found", "unauthorized: authentication required", "failed to configure transport: error
-# pinging v2 registry: ... connection refused", "http: server gave HTTP response to HTTPS client".
+# What a failed lookup said, in docker's and buildx's words -> the fix; the first match wins.
 _FIXES = (
     (re.compile(r"unauthori[sz]ed|authentication required|access to the resource is denied|\b40[13]\b|forbidden|"
                 r"no basic auth", re.I),
@@ -201,7 +193,6 @@ _FIXES = (
 
 
 def lookup_error(tool: str, image: str, host: str, rc: int, out: str, err: str) -> str:
-    """One line for a failed lookup: the host, the image, what the registry (or the tool) said, and the fix."""
     said = f"no answer within {LOOKUP_TIMEOUT_S} s" if rc == 124 else (
         " ".join((err or out).split())[-300:] or f"exit status {rc}")
     fix = next((f for pattern, f in _FIXES if pattern.search(said)),
@@ -211,10 +202,9 @@ def lookup_error(tool: str, image: str, host: str, rc: int, out: str, err: str) 
 
 
 def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Target:
-    """The tag's digest through one host's session; raises GpufleetError (one line) for the registry's refusal,
-    TransportError when the host cannot be used."""
+    """Raises GpufleetError for the registry's refusal, TransportError when the host cannot be used."""
     rc, out, err = shell(session, PROBE_COMMAND, timeout=PROBE_TIMEOUT_S, root=True)
-    if rc != 0:  # the shell's last word is an echo: only a refused sudo (or a dead shell) fails it
+    if rc != 0:  # it ends with an echo: only a refused sudo fails it
         raise GpufleetError(one_line(f"{host}: cannot run docker as root to look up {image}: "
                                      f"{(err or out).strip()[-200:]} (fix: let the SSH user run sudo -n, as the "
                                      "deploy needs)"))
@@ -232,7 +222,7 @@ def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Targ
             listed = f"{image} is {e}"
         except ValueError as e:
             failures.append(one_line(f"{host}: {e}"))
-    if failures and listed is None:  # the registry's answer (no such tag, refused, unreachable): nothing to pull
+    if failures and listed is None:  # the registry refused: a pull would fail too
         raise GpufleetError(failures[0])
     if listed is not None:
         because = (f"{listed}, and docker buildx imagetools failed: {failures[0]}" if failures else
@@ -266,26 +256,24 @@ def digest_from_inspect(image: str, rc: int, out: str, err: str, host: str) -> s
 
 
 def resolve(hosts: Sequence[FleetHost], sessions: Sessions, image: str | None) -> Target:
-    """The target digest; raises GpufleetError with one line. Pulls nothing where the host has a lookup tool."""
+    """The target digest; pulls nothing where the host has a lookup tool."""
     requested = requested_image(hosts, image)
     pinned = parse(requested)
     if pinned is not None and pinned.pinned:
         return Target(pinned.pinned, requested)
     repo = pinned.repository if pinned is not None else fleet_repository(hosts)
     errors = []
-    for host in hosts:  # the first host that answers resolves it; the others get it by digest in prepare
+    for host in hosts:  # the first host that answers
         try:
             return _resolve_on(sessions.get(host.name), host.name, requested, repo)
-        except TransportError as e:  # unreachable: the next host resolves it
+        except TransportError as e:
             errors.append(one_line(f"{host.name}: {e}"))
     raise GpufleetError(one_line(f"cannot resolve {requested}: no host could be reached to look it up "
                                  f"({'; '.join(errors)})"))
 
 
 def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str) -> str:
-    """The commit `revision` of the fleet's vllm_model_repo names now, asked of the hub (vllm_hf_endpoint) from the
-    first host that answers, with its token; every host then installs that commit, even if the branch moves during
-    the rollout. Raises GpufleetError with one line."""
+    """The commit `revision` of vllm_model_repo names now, asked of the hub from the first host that answers."""
     settings = merged_settings(dict(hosts[0].data))
     repo, hub = settings["vllm_model_repo"], settings["vllm_hf_endpoint"]
     if not repo:

@@ -1,5 +1,4 @@
-"""How a swapped host's container started, from its own `docker logs -t`: whether the engine loaded compiled
-artifacts (warm) or compiled them (cold), and its time to ready (container start to its first "listening" line)."""
+"""Whether a swapped host's container started warm, and its time to ready, from its `docker logs -t`."""
 
 from __future__ import annotations
 
@@ -7,17 +6,15 @@ import re
 from collections.abc import Sequence
 from datetime import datetime
 
-# The engine's own lines (vLLM 0.32) on loading its torch.compile artifacts from the cache, and on compiling: the AOT
-# path (torch >= 2.10, the default), then the piecewise backend's own cache (VLLM_USE_AOT_COMPILE=0).
+# vLLM 0.32's lines: the AOT path first, then the piecewise backend's (VLLM_USE_AOT_COMPILE=0).
 LOADED = ("Directly load AOT compilation from path", "Directly load the compiled graph(s)")
 RECOMPILED = ("saved AOT compiled function to", "Compiling model again due to a load failure",
               "Compiling a graph for compile range")
-# The first line once the server listens (uvicorn's; vLLM's API server, and the stand-in, print it).
 LISTENING = ("Uvicorn running on", "Application startup complete", "Starting vLLM server on")
 
 
 def start_report(lines: Sequence[str], started_at: float | None) -> tuple[bool | None, float | None]:
-    """From `docker logs -t` of the running container: (loaded compiled artifacts, container start to listening)."""
+    """(loaded compiled artifacts, container start to listening)."""
     warm: bool | None = None
     ready: float | None = None
     for line in lines:
@@ -32,7 +29,6 @@ def start_report(lines: Sequence[str], started_at: float | None) -> tuple[bool |
 
 
 def _docker_time(stamp: str) -> float | None:
-    """docker logs -t's RFC 3339 stamp (nanoseconds, Z) -> epoch seconds."""
     m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", stamp)
     if not m:
         return None
