@@ -1,4 +1,4 @@
-"""Whether the vLLM service's `docker run` exited, and its last log lines, for the verify and the rollback."""
+"""Whether the vLLM service's `docker run` exited, and its last log lines."""
 
 from __future__ import annotations
 
