@@ -1,5 +1,4 @@
-"""A verify's verdict applied to the host: the pending version committed, or rolled back to the committed one with
-the pending one marked failed. gpufleet.vllm.verify decides which."""
+"""Commit the verified pending version, or roll back to the committed one. Design: docs/crash-safety.md."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ from gpufleet.wire.speed import SpeedFigures
 
 
 class GpuAtSwap(dict[str, str]):
-    """Each host's GPU verdict as this run's preflight read it, for the swap's ledger entry (a run context slot)."""
+    """Each host's preflight GPU verdict, for the swap's ledger entry."""
 
 
 def record_gpu(host: Host, summary: str) -> None:
@@ -50,7 +49,7 @@ def gpu_at_swap(host: Host) -> str | None:
 
 
 class Verified(Protocol):
-    """What the commit and the rollback read of the host's verify step (gpufleet.vllm.verify.Verification)."""
+    """What the commit and rollback read of gpufleet.vllm.verify.Verification."""
 
     @property
     def spec(self) -> ServeSpec: ...
@@ -64,25 +63,23 @@ class Verified(Protocol):
 
 
 def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures | None = None) -> bool:
-    """The pending version becomes the committed one; a service it renamed is stopped, disabled and removed."""
+    """Also stops, disables and removes a service the pending version renamed."""
     ledger = host_run(host).ledger
     if ledger.pending is None:
-        return True  # a restart of the committed version (drift, secrets): verified, nothing new to commit
+        return True  # a restart of the committed version: nothing to commit
     service, unit_sha256 = v.spec.service, ledger.pending.version.unit_sha256
     before = ledger.committed.version.service if ledger.committed else None
     sudo = use_sudo(host)
-    if unit_sha256 is None:  # every pending record since unit checksums has one; refuse rather than guess
+    if unit_sha256 is None:  # refuse rather than guess
         return fail(host, f"{host.name}: the pending record names no unit checksum: not committed (fix: converge "
                           "again: the run writes a new pending record)")
-    # Nothing is written by a run that lost the host (its lease ran out while it stalled): checked from here, and on
-    # the host in the copy's own command, as every ledger write is (operations.service.save_ledger).
+    # A run that lost the host writes nothing.
     try:
         check_lock(host)
     except hostlock.LockLost:
         return fail(host, f"{host.name}: {v.ledger_path} not written: this run no longer holds the host (fix: run "
                           "again)")
-    # The copy is written (atomically, synced) and checked against the ledger's checksum before the commit names it:
-    # a cut or a full disk here leaves the committed version and its own copy as they were.
+    # Checked before the commit names it, so a cut here changes nothing.
     copy = committed_unit(service, unit_sha256)
     ok, output = host.run_shell_command(guarded(
         f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
@@ -96,8 +93,7 @@ def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures |
                           f"the free space of {UNITS_DIR}, then converge again)")
     if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at, speed, gpu=gpu_at_swap(host))):
         return False
-    # Only now, with the commit on disk, may copies of units no longer committed go, and the model files kept for
-    # a rollback.
+    # Only with the commit on disk may old unit copies and the kept model files go.
     ok, output = host.run_shell_command(
         f"find {shlex.quote(UNITS_DIR)} -maxdepth 1 -name {shlex.quote(service + '-*.service')} "
         f"! -name {shlex.quote(posixpath.basename(copy))} -delete; rm -f {shlex.quote(unit_backup(service))}; "
@@ -123,8 +119,7 @@ def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures |
 
 
 def runs_problem(version: Version, container: ContainerInfo | None, what: str) -> str | None:
-    """One line when what answers is not `version` (its digest, its spec label), naming what runs instead; `what`
-    says who put the version there."""
+    """One line naming what answers instead of `version`; `what` says who put it there."""
     if container is None or not container.running:
         return f"no running container of {version.service or 'the service'} answered"
     if container.image != version.ref:
@@ -137,9 +132,8 @@ def runs_problem(version: Version, container: ContainerInfo | None, what: str) -
 
 def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check: str | None = None, *,
               mark: bool = True) -> bool:
-    """Put the committed version's unit back, restart it, mark the pending version failed and wait until the
-    committed one answers. Always False, with one line naming both digests. mark=False (the port was taken, the
-    host's fault) marks nothing."""
+    """Restore the committed version, marking the pending one failed unless mark=False. Always False; one line
+    names both digests."""
     assert ledger.pending is not None and ledger.committed is not None
     spec, pending, committed = v.spec, ledger.pending.version, ledger.committed.version
     service = committed.service or spec.service
@@ -149,20 +143,17 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
             else f"new settings (same image {pending.ref})")
     failed = f"{what} failed verification ({failed_detail})"
     try:
-        check_lock(host)  # the rollback restarts too: never interleaved with another run's restart
+        check_lock(host)
     except hostlock.LockLost as lost:
         return fail(host, f"{host.name}: {failed}; not rolled back: {lost}")
-    # The mark first: a run cut anywhere after this line finds the pending version failed (never to be tried again
-    # by a re-run rollout) and the committed one to converge to (a plain converge puts its unit back). Marked in the
-    # committed service's own ledger: a rename going back marks it there, where a later run of either name reads it.
+    # Marked first, in the committed service's ledger: a cut run never tries the version again.
     if mark and not save_ledger(host, ledger_path(service), ledger_roll_back(ledger, failed_detail, now_utc(),
                                                                           check=check, gpu=gpu_at_swap(host))):
         return False
     host.log_styled(f"rolling back to {committed.ref}")
     steps = []
     if committed.unit_sha256:
-        # Only the committed unit goes back: a copy that is not it is refused, the host stays as it is. A ledger
-        # committed before content-addressed copies kept its copy at the old place.
+        # Only a copy with the committed checksum goes back (older ledgers: unit_backup).
         steps.append(f"b={shlex.quote(backup)}; [ -e \"$b\" ] || b={shlex.quote(unit_backup(service))}")
         steps.append(f"echo \"{committed.unit_sha256}  $b\" | sha256sum -c --status")
         source = '"$b"'
@@ -170,13 +161,11 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
         source = shlex.quote(backup)
     renamed = service != spec.service
     if renamed:
-        # A rename going back: the new service's unit goes, so that one vLLM container runs. reset-failed: a unit
-        # whose engine died before the stop stays listed as failed (`systemctl --failed`, monitoring) until cleared.
+        # One vLLM container runs; reset-failed clears the new unit's failed listing.
         new = shlex.quote(unit_name(spec.service))
         steps.append(f"{{ systemctl disable --now {new}; rm -f {shlex.quote(unit_path(spec.service))}; "
                      f"systemctl reset-failed {new} 2>/dev/null; true; }}")
     if committed.model:
-        # Its own model files too, kept while the new commit was downloaded over them (gpufleet.vllm.weights).
         steps.append(weights.restore_command(model_dir(spec), committed.model))
     steps += [f"sh -c {shlex.quote(atomic_write_command(unit))} < {source}", "systemctl daemon-reload",
               f"systemctl enable {shlex.quote(unit_name(service))}",
@@ -189,20 +178,18 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
                           f"{' | '.join(output.stderr_lines[-3:]) or 'no copy of the committed unit at ' + backup} "
                           f"(fix: `systemctl status {service}`; {backup} holds the unit that was committed)")
     if renamed:
-        # The new service never committed anything: its ledger (the pending record, settled now), secrets and flag
-        # check note go. Only after the mark is written: a run cut before it finds the pending record and settles it.
+        # After the mark, so a cut run still finds the record.
         left = (v.ledger_path, env_file_path(spec.service), accepted_file(spec.service))
         ok, output = host.run_shell_command(f"rm -f {' '.join(shlex.quote(path) for path in left)}",
                                             _sudo=use_sudo(host))
         if not ok:
             host.log_styled(f"could not remove {', '.join(left)}: {' | '.join(output.stderr_lines[-3:])}",
                             fg="yellow")
-    # Held to what it served before this run, on its own port: not to the new settings' identity.
-    # Reached where this run's spec publishes (the ledger keeps the committed version's port, not its address).
+    # What it served before, on its own port; the ledger keeps no address.
     previous = Expected(service=service, port=committed.port or spec.port, served_model_name=v.served_before,
                         address=spec.reach_address)
     again = poll_ready(v.check_once(host, previous), v.timeout_s, exited=service_exited(host, service))
-    # Judged by what answers, not by the mark written before the restore.
+    # Judged by what answers, not by the mark.
     runs = runs_problem(committed, again.container, "the rollback put back") if again.ready else None
     if not again.ready or runs:
         why = runs or f"{again.state}: {again.detail}"
@@ -217,7 +204,7 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     fix = (f"set vllm_image back to {committed.image} or to an image that accepts these settings"
            if pending.ref != committed.ref and committed.image != pending.image
            else "revert the settings or the image changed in this run")
-    # One line naming the host (not the "[host]" prefix): it reads the same in a summary or a grep of the log.
+    # Names the host itself: it reads the same in a summary or a grep.
     logger.error(f"{host.name}: {failed}; rolled back to {committed.ref}, which is ready (fix: {fix}, then converge "
                  f"again; {RETRY_SETTING}=true tries the failed version again on purpose)")
     return False

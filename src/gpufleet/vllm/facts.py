@@ -1,4 +1,4 @@
-"""The host snapshot as a pyinfra fact (GpufleetHost): the parser of gpufleet.vllm.host_command's output."""
+"""The host snapshot as a pyinfra fact: the parser of gpufleet.vllm.host_command's output."""
 
 from __future__ import annotations
 
@@ -29,46 +29,45 @@ from gpufleet.vllm.host_command import (
 from gpufleet.wire.identity import served_models
 from gpufleet.wire.metrics import parse_metrics
 
-# How a snapshot that carried a forged section is refused (preflight names the port's listener in its fix).
+# Preflight matches this to name the port's listener in its fix.
 SNAPSHOT_REFUSED = "host snapshot refused"
-# How many of hf's partial downloads the snapshot keeps: a few name the problem; a failed download may leave many.
+# A few partial downloads name the problem; a failed download may leave many.
 MAX_INCOMPLETE = 3
 
 
 @dataclass(frozen=True)
 class ServiceUnit:
-    """What systemd knows of the unit vllm_service names (it may exist before gpufleet ever ran)."""
+    """systemd's view of the unit vllm_service names, which may predate gpufleet."""
 
-    name: str  # systemd's Id: an alias resolves to the unit it points at
-    load_state: str  # "not-found" when no such unit exists
-    fragment_path: str  # the unit file systemd loaded ("" for none)
-    first_line: str  # of that file: gpufleet's units start with its "# Managed by gpufleet" header
+    name: str  # an alias resolves to its target
+    load_state: str
+    fragment_path: str
+    first_line: str  # gpufleet's units start with its "Managed by" header
 
     @property
     def exists(self) -> bool:
         return self.load_state not in ("", "not-found")
 
 
-# The unit header's second line (templates/vllm.service.j2): what the unit file on disk runs.
+# The unit header's second line (templates/vllm.service.j2).
 UNIT_PINS = re.compile(r"^# Spec (?P<spec>[0-9a-f]+); image pinned to (?P<image>\S+)\.$")
 
 
 @dataclass(frozen=True)
 class RunningService:
-    """What really runs for the service, next to what its unit file says should. It catches drift that file
-    checksums miss: a unit never loaded, a container started by hand."""
+    """What really runs for the service, next to what its unit file says (docs/crash-safety.md)."""
 
-    active_state: str = ""  # systemd's ActiveState/SubState of the unit
+    active_state: str = ""
     sub_state: str = ""
-    need_daemon_reload: bool = False  # the file on disk is not what systemd loaded
-    unit_spec_hash: str | None = None  # pinned in the unit file's header (None: no gpufleet unit on disk)
+    need_daemon_reload: bool = False
+    unit_spec_hash: str | None = None  # None: no gpufleet unit on disk
     unit_image: str | None = None
-    containers: tuple[tuple[str, str], ...] = ()  # running containers with the service's label: (label, image)
-    restarts: int = 0  # systemd's NRestarts: automatic restarts (Restart=on-failure) since the last start
+    containers: tuple[tuple[str, str], ...] = ()  # (label, image) of each labelled running container
+    restarts: int = 0  # systemd's NRestarts since the last start
 
     @property
     def running_image(self) -> str | None:
-        """The one labelled container's image (None: none, or more than one)."""
+        """None unless exactly one labelled container runs."""
         return self.containers[0][1] if len(self.containers) == 1 else None
 
     @property
@@ -76,8 +75,7 @@ class RunningService:
         return self.containers[0][0] if len(self.containers) == 1 else None
 
     def drift(self) -> list[str]:
-        """How what runs differs from the unit on disk, one phrase each ([] = it runs what the unit says).
-        Only a gpufleet unit that systemd runs is compared: a stopped service is started by the deploy anyway."""
+        """How what runs differs from the unit, one phrase each. Only a running gpufleet unit is compared."""
         problems = []
         if self.need_daemon_reload:
             problems.append("systemd has not loaded the unit file on disk (NeedDaemonReload=yes)")
@@ -97,14 +95,14 @@ class RunningService:
 class HostSnapshot:
     os: dict[str, str] = field(default_factory=dict)
     arch: str = ""
-    nvidia_smi: bool = False  # nvidia-smi is on PATH
+    nvidia_smi: bool = False  # on PATH
     gpus: list[Gpu] = field(default_factory=list)
     driver: NvidiaVersion | None = None
-    # What the version file must hold; None when nvidia-smi was not asked or its answer was unusable.
+    # What the version file must hold; None when not asked or unusable.
     driver_output: str | None = None
-    driver_from_file: bool = False  # driver came from Paths.nvidia_version_file, not from nvidia-smi
+    driver_from_file: bool = False  # read from Paths.nvidia_version_file
     nvidia_error: str | None = None  # nvidia-smi present but its output unusable
-    gpu_health: GpuHealth | None = None  # None: not read (no GPU, or nvidia-smi failed before it)
+    gpu_health: GpuHealth | None = None  # None: not read
     daemon_json: dict[str, Any] | None = None  # None: no file
     daemon_json_error: str | None = None
     free_kib: dict[str, int] = field(default_factory=dict)  # "docker"/"models" -> KiB free
@@ -114,27 +112,26 @@ class HostSnapshot:
     site_cache_shares_docker: bool = False
     packages: dict[str, str] = field(default_factory=dict)  # installed package -> version
     file_sha256: dict[str, str | None] = field(default_factory=dict)
-    # Armored keys as served now; None when not asked or the key server did not answer.
+    # Armored keys as served now; None: not asked, or no answer.
     nvidia_key: str | None = None
     docker_key: str | None = None
-    ledger_text: str | None = None  # the service's ledger file (gpufleet.hoststate.ledger parses it); None: no file
-    other_ledgers: dict[str, str] = field(default_factory=dict)  # path -> text: the state dir's other ledgers
+    ledger_text: str | None = None  # None: no ledger file
+    other_ledgers: dict[str, str] = field(default_factory=dict)  # path -> text
     images: list[tuple[str, str, str]] = field(default_factory=list)  # (repository, tag, digest)
-    model_files: dict[str, int] = field(default_factory=dict)  # name -> size, top level of the model dir
+    model_files: dict[str, int] = field(default_factory=dict)  # name -> size, top level
     model_shards: list[str] = field(default_factory=list)  # shards listed by model.safetensors.index.json
     model_incomplete: list[str] = field(default_factory=list)  # hf's *.incomplete partial downloads
-    model_checked: str | None = None  # repo@commit whose hub hashes every file matched (gpufleet.vllm.weights)
+    model_checked: str | None = None  # the weights.MARKER file: repo@commit
     dirs: dict[str, tuple[str, str, str] | None] = field(default_factory=dict)  # path -> (user, group, mode)
     units: dict[str, tuple[str, str]] = field(default_factory=dict)  # unit -> (is-active, is-enabled)
     service_unit: ServiceUnit | None = None
     running: RunningService = field(default_factory=RunningService)
     health_code: str | None = None
     served_models: list[tuple[str, int | None]] | None = None  # /v1/models: (id, max_model_len)
-    cache_config: dict[str, str] = field(default_factory=dict)  # vllm:cache_config_info labels, when reported
-    # A group's rank: how its head's master port answered ("open", "refused", else why it could not be reached).
+    cache_config: dict[str, str] = field(default_factory=dict)  # vllm:cache_config_info labels
+    # A group rank's probe of its head's master port (group_probe).
     group_probe: str | None = None
 
-    # --- derived ----------------------------------------------------------------------------------------
     def installed(self, package: str) -> bool:
         return package in self.packages
 
@@ -155,8 +152,7 @@ class HostSnapshot:
         return isinstance(runtimes, dict) and "nvidia" in runtimes
 
 
-# The service's answers come last: after the health section only these may begin (a marker in /v1/models' body that
-# names any other section is not gpufleet's).
+# The service's answers come last; a marker in them naming another section is forged (docs/crash-safety.md).
 AFTER_ANSWERS = ("cache_config", sections.END)
 
 
@@ -192,7 +188,7 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         try:
             gpus, rc = _nvidia_section(s.get("gpus", []))
             if rc == 6 or any("No devices were found" in line for line in gpus):
-                snap.gpus = []  # driver present, no GPU: the same as a GPU-less host for preflight
+                snap.gpus = []  # driver, no GPU: a GPU-less host
             else:
                 snap.gpus = parse_gpus(gpus)
                 if rc:
@@ -234,7 +230,7 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
         snap.group_probe = group_probe(s["group_probe"])
     for line in s.get("packages", []):
         parts = line.split()
-        # "ii" = installed; "rc" (removed, config left) and "un" are not.
+        # "ii": installed; "rc" and "un" are not.
         if len(parts) >= 3 and parts[1] == "ii":
             snap.packages[parts[0]] = parts[2]
     for line in s.get("files", []):
@@ -274,7 +270,7 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
     blocks = systemd_blocks(s.get("units", []))
     for block in blocks:
         snap.units[block.get("Id", "?")] = (block.get("ActiveState", ""), block.get("UnitFileState", ""))
-    # The service's block (the second: docker.service comes first), completed by the lines read from its files.
+    # The service's block: docker.service's comes first.
     service = blocks[1] if len(blocks) > 1 else {}
     fields = {**service, **dict(line.partition("=")[::2] for line in s.get("service_unit", []) if "=" in line)}
     if fields.get("Id"):
@@ -300,7 +296,7 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
 
 
 def group_probe(lines: list[str]) -> str:
-    """The probe's answer: "open", "refused" (the head's host answered), or why it could not reach it."""
+    """"open", "refused", or why the probe could not reach the head."""
     rc = lines[-1].removeprefix("rc ").strip() if lines and lines[-1].startswith("rc ") else ""
     said = " ".join(line.rsplit(": ", 1)[-1].strip() for line in lines[:-1] if line.strip())
     if rc == "0":
@@ -313,7 +309,7 @@ def group_probe(lines: list[str]) -> str:
 
 
 def systemd_blocks(lines: list[str]) -> list[dict[str, str]]:
-    """`systemctl show` of several units: one block of Key=value lines per unit, blank-line separated."""
+    """`systemctl show` output of several units, one dict per unit."""
     blocks: list[dict[str, str]] = []
     block: dict[str, str] = {}
     for line in [*lines, ""]:
@@ -327,7 +323,7 @@ def systemd_blocks(lines: list[str]) -> list[dict[str, str]]:
 
 
 def _json_list(lines: list[str]) -> list[dict[str, Any]]:
-    """An Engine API listing; [] when there is none (the daemon is down, did not answer in time, or refused)."""
+    """An Engine API listing; [] when the daemon gave none."""
     try:
         value = json.loads("\n".join(lines))
     except ValueError:
@@ -336,13 +332,7 @@ def _json_list(lines: list[str]) -> list[dict[str, Any]]:
 
 
 def docker_images(lines: list[str]) -> list[tuple[str, str, str]]:
-    """/images/json as the (repository, tag, digest) rows `docker images --digests` prints, the rows with a
-    registry digest only: each digest once per tag of its repository, or with tag "<none>" when the image has no
-    tag there (pulled by digest only). The daemon lists both in docker's short form, as the CLI shows them.
-
-    >>> docker_images(['[{"RepoTags": ["reg:5000/v:nightly"], "RepoDigests": ["reg:5000/v@sha256:ab", "w@sha256:cd"]}]'])
-    [('reg:5000/v', 'nightly', 'sha256:ab'), ('w', '<none>', 'sha256:cd')]
-    """
+    """/images/json as `docker images --digests` rows with a registry digest: one per tag, else tag "<none>"."""
     rows = []
     for image in _json_list(lines):
         tags: dict[str, list[str]] = {}
@@ -358,16 +348,15 @@ def docker_images(lines: list[str]) -> list[tuple[str, str, str]]:
 
 
 def docker_containers(lines: list[str], label_key: str) -> list[tuple[str, str]]:
-    """/containers/json (running containers, filtered by the label) as (label value, image): what
-    `docker ps --no-trunc --format '{{.Label "<key>"}}|{{.Image}}'` prints for them."""
+    """/containers/json as (label value, image) pairs, as `docker ps` prints them."""
     return [(str((c.get("Labels") or {}).get(label_key, "")), str(c.get("Image") or "<no image>"))
             for c in _json_list(lines)]
 
 
 def parse_running(lines: list[str], unit: dict[str, str] | None = None,
                   containers: list[tuple[str, str]] | None = None) -> RunningService:
-    """unit: systemd's properties of the service's unit; the section's own lines (Header, and Container from the
-    docker CLI on a host without curl) add to them, and containers: docker's API's (label, image) of each."""
+    """The section's lines (Header; Container on a host without curl) add to `unit`'s systemd properties and to
+    `containers`."""
     fields: dict[str, str] = dict(unit or {})
     containers = list(containers or [])
     for line in lines:
@@ -390,7 +379,7 @@ def parse_running(lines: list[str], unit: dict[str, str] | None = None,
 
 
 class GpufleetHost(FactBase[HostSnapshot]):
-    """Everything the deploy decides from, in one command (run it with _sudo=True: it reads root files)."""
+    """Everything the deploy decides from, in one command; run it with _sudo=True (it reads root files)."""
 
     def command(self, paths: Paths) -> str:
         return snapshot_command(paths)

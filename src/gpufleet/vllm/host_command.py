@@ -1,5 +1,4 @@
-"""The host snapshot's one command, which gpufleet.vllm.facts runs and parses: what it reads (Paths) and the calls into
-data/vllm/snapshot.sh that read it. Design and costs: docs/deploy.md ("The host snapshot")."""
+"""The host snapshot's one command: data/vllm/snapshot.sh and a call per section. Design: docs/deploy.md."""
 
 from __future__ import annotations
 
@@ -22,12 +21,12 @@ from gpufleet.wire.metrics import CACHE_CONFIG
 
 DAEMON_JSON = "/etc/docker/daemon.json"
 DOCKER_SOCKET = "/var/run/docker.sock"
-# Section names the script prints; the docker CLI's, without curl, are "images" and "running".
+# Without curl, the docker CLI's sections are "images" and "running".
 DOCKER_IMAGES, DOCKER_CONTAINERS = "docker_images", "docker_containers"
 DRIVER_FILE = "driver_file"
 GPU_HEALTH, KERNEL_LOG = "gpu_health", "kernel_log"
-COMMAND_TIMEOUT_S = 20  # per program in the snapshot
-TIMED_OUT = (124, 137)  # timeout's exit statuses: cut off, or killed after ignoring SIGTERM
+COMMAND_TIMEOUT_S = 20  # per program
+TIMED_OUT = (124, 137)  # timeout's: cut off, or killed after ignoring SIGTERM
 SYSTEMD_PROPERTIES = ("Id", "LoadState", "ActiveState", "SubState", "UnitFileState", "FragmentPath",
                       "NeedDaemonReload", "NRestarts")
 PACKAGES = ("docker.io", "containerd", "docker-ce", "docker-ce-cli", "containerd.io", "nvidia-container-toolkit",
@@ -36,11 +35,10 @@ PACKAGES = ("docker.io", "containerd", "docker-ce", "docker-ce-cli", "containerd
 
 @dataclass(frozen=True)
 class Paths:
-    """What the snapshot reads on a host. dirs and files are exactly what the operations manage, so no write is
-    decided without its current state."""
+    """What the snapshot reads. dirs and files are what the operations manage: no write is decided blind."""
 
     service: str
-    models_dir: str  # where free space for models is measured
+    models_dir: str  # free space measured here
     model_dir: str
     dirs: tuple[str, ...]  # owner and mode read
     files: tuple[str, ...]  # sha256 read
@@ -49,14 +47,14 @@ class Paths:
     port: int
     nvidia_key_url: str
     docker_repo_url: str | None  # docker-ce only
-    # A key is fetched only where its keyring is missing, or with refresh_keys: a no-op converge stays on the host.
+    # Keys are fetched only for a missing keyring or refresh_keys (docs/deploy.md).
     nvidia_keyring: str
     docker_keyring: str
     nvidia_version_file: str | None = None  # None: always ask nvidia-smi --version
     refresh_keys: bool = False
-    address: str = LOOPBACK  # where the host reaches the port (ServeSpec.reach_address)
-    site_cache_storage: str | None = None  # on the host that runs the site cache
-    group_head: tuple[str, int] | None = None  # a group's rank probes its head's address and master port
+    address: str = LOOPBACK  # ServeSpec.reach_address
+    site_cache_storage: str | None = None  # the site cache's host only
+    group_head: tuple[str, int] | None = None  # a group rank probes its head's master port
 
 
 SCRIPT = (Path(__file__).resolve().parents[1] / "data" / "vllm" / "snapshot.sh").read_text()
@@ -67,19 +65,19 @@ def snapshot_command(paths: Paths) -> str:
 
 
 def script(calls: Sequence[str]) -> str:
-    """The snapshot's functions (data/vllm/snapshot.sh and gpu_health's two), then `calls`, one shell line each."""
+    """snapshot.sh's and gpu_health's functions, then `calls`, one line each."""
     return "\n".join([f"query_gpu_health() {{ {query_shell()}; }}", f"read_kernel_log() {{ {kernel_shell()}; }}",
                       SCRIPT, *calls])
 
 
 def steps(paths: Paths) -> list[str]:
-    """The calls a snapshot of these paths makes, in order, the last one printing the end marker."""
+    """The snapshot's calls, in order, the last printing the end marker."""
     label = container_label_key(paths.service)
     containers = "/containers/json?filters=" + urllib.parse.quote(json.dumps({"label": [label]}, separators=(",", ":")),
                                                                    safe="")
     # Settings accept only an IP address here; url_host brackets IPv6.
     address = url_host(str(ipaddress.ip_address(paths.address)))
-    # A keyring '' asks for its key even where one is installed.
+    # '' fetches the key even where one is installed.
     nvidia_keyring, docker_keyring = ("", "") if paths.refresh_keys else (paths.nvidia_keyring, paths.docker_keyring)
     return [
         call("begin", MARK, COMMAND_TIMEOUT_S, DOCKER_SOCKET),

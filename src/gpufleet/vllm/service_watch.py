@@ -1,6 +1,4 @@
-"""What systemd and Docker say about the vLLM service while a version is verified or rolled back: whether its `docker
-run` exited (the wait stops at once then, instead of polling until the timeout), and its last log lines when it
-failed."""
+"""Whether the vLLM service's `docker run` exited, and its last log lines."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ from gpufleet.units import unit_name
 
 
 def exited_detail(show: str) -> str | None:
-    """From `systemctl show -p ActiveState -p SubState -p ExecMainStatus`: why the service is not running its
-    container, or None while it is (still) running it."""
+    """From `systemctl show`: why `docker run` exited, or None while it runs."""
     props = dict(line.split("=", 1) for line in show.splitlines() if "=" in line)
     active, sub, status = props.get("ActiveState", ""), props.get("SubState", ""), props.get("ExecMainStatus", "")
     if sub == "auto-restart" or active == "failed":
@@ -25,7 +22,7 @@ def exited_detail(show: str) -> str | None:
 
 
 def service_exited(host: Host, service: str) -> Exited:
-    """health.wait's `exited` for a systemd service: asks systemd whether `docker run` exited."""
+    """health.wait's `exited` for the service."""
     def probe() -> str | None:
         ok, output = host.run_shell_command(
             f"systemctl show -p ActiveState -p SubState -p ExecMainStatus {shlex.quote(unit_name(service))}")
@@ -44,5 +41,5 @@ def failed_logs(host: Host, transport: Transport, service: str) -> list[str]:
         logs = transport.logs(service, tail=30)
     except TransportError:
         logs = []
-    # No container left to read (it ran with --rm, or docker run itself failed): the journal has its output.
+    # With --rm no container is left to read; the journal has its output.
     return logs or journal(host, service)

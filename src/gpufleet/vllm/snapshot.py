@@ -1,5 +1,4 @@
-"""The vLLM host snapshot this run read (gpufleet.vllm.facts.HostSnapshot), as the vLLM and site cache operations
-decide from it: the run context (gpufleet.operations.run) keeps it without naming the slice's type."""
+"""This run's vLLM host snapshot, which the run context keeps untyped."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The systemd unit that wraps a spec's exact `docker run`, rendered from templates/vllm.service.j2."""
+"""The systemd unit wrapping a spec's `docker run` (templates/vllm.service.j2)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,15 @@ from gpufleet.units import render_template
 from gpufleet.vllm.spec import ServeSpec
 
 DOCKER = "/usr/bin/docker"
-STOP_GRACE_S = 60  # docker stop --time, at least
-# Each timeout sits this much above the one inside it, so none cuts a graceful shutdown short.
-STOP_MARGIN_S = 30
+STOP_GRACE_S = 60
+STOP_MARGIN_S = 30  # between nested timeouts (docs/hardening.md)
 START_TIMEOUT_S = 1800
-# A replica group's watch: how often it looks at its peers' connections, and how long one may be gone.
 WATCH_EVERY_S = 2
 WATCH_GRACE_S = 10
 
 
 def stop_timeouts(spec: ServeSpec) -> tuple[int, int]:
-    """(docker stop --time, TimeoutStopSec), both above vLLM's --shutdown-timeout."""
+    """(docker stop --time, TimeoutStopSec)."""
     shutdown = spec.arg("shutdown-timeout")
     vllm_grace = int(shutdown) if isinstance(shutdown, str) and shutdown.isdigit() else 0
     docker_grace = max(STOP_GRACE_S, vllm_grace + STOP_MARGIN_S)
@@ -27,13 +25,12 @@ def stop_timeouts(spec: ServeSpec) -> tuple[int, int]:
 
 
 def env_file_path(service: str) -> str:
-    """Root-only (0600) file with the service's secrets, read by systemd, never by `ps` readers."""
+    """Root-only (0600) secrets file, read by systemd, never by `ps` readers."""
     return f"/etc/gpufleet/{service}.env"
 
 
 def render_unit(spec: ServeSpec, image_ref: str | None = None, model: str | None = None) -> str:
-    """The unit text for spec, running image_ref (the pinned digest at deploy time; the spec's image if None);
-    model: the model's commit (repo@commit), named in the header so that a new commit is a new unit."""
+    """model (repo@commit) is in the header, so a new commit is a new unit."""
     image_ref = image_ref or spec.image
     docker_stop_s, timeout_stop_s = stop_timeouts(spec)
     member = spec.group
@@ -46,14 +43,11 @@ def render_unit(spec: ServeSpec, image_ref: str | None = None, model: str | None
 
 
 def watch_argv(spec: ServeSpec) -> list[str]:
-    """A group rank's watch (the unit's ExecStartPost, in its cgroup): once every peer held its connection to the
-    head's master port, a peer gone for WATCH_GRACE_S kills this rank's container, and systemd restarts it to wait
-    for its group again. vLLM notices neither a rank nor a head that died while no request runs (docs/multi-node.md).
-    """
+    """A group rank's watch: vLLM misses a dead peer while idle (docs/multi-node.md)."""
     member = spec.group
     assert member is not None
     port = member.port
-    # ss shows an IPv4 peer of a dual-stack socket (torch's store listens on one) as [::ffff:a.b.c.d]:port.
+    # ss shows an IPv4 peer of torch's dual-stack socket as [::ffff:a.b.c.d]:port.
     script = (
         f"p={shlex.quote(' '.join(member.peers))}; seen=; gone=0; while sleep {WATCH_EVERY_S}; do "
         f"c=$(ss -Htn state established '( sport = :{port} or dport = :{port} )' 2>/dev/null); m=; "

@@ -1,5 +1,4 @@
-"""The deploy's verify step: ready, soak, real answers, then commit the pending version or roll back to the
-committed one. Two operations run its bound methods (ready, then committed); docs/deploy.md explains the order."""
+"""The deploy's verify step, then its commit or rollback (order: docs/deploy.md)."""
 
 from __future__ import annotations
 
@@ -40,18 +39,16 @@ from gpufleet.wire.speed import SpeedFigures
 
 @dataclass(frozen=True)
 class VerifyOutcome:
-    """The verify's verdict, kept for the operation after it."""
-
     passed: bool
-    ready_at: str = ""  # passed: when it first answered ready
+    ready_at: str = ""  # when it first answered ready
     failed: str = ""  # "<state>: <detail>"
-    check: str | None = None  # the answer or serving check that failed
+    check: str | None = None  # the failed answer or serving check
     port_taken: bool = False  # docker could not publish the port
     speed: SpeedFigures | None = None
 
 
 class VerifyOutcomes(dict[str, VerifyOutcome]):
-    """This run's verdicts by host name, in the run's context: they exist only once pyinfra executes."""
+    """Verdicts by host name; they exist only once pyinfra executes."""
 
 
 def _outcomes(host: Host) -> VerifyOutcomes:
@@ -59,7 +56,7 @@ def _outcomes(host: Host) -> VerifyOutcomes:
 
 
 def outcome(host: Host) -> VerifyOutcome | None:
-    """The host's verdict in this run; None when nothing was verified."""
+    """None when nothing was verified."""
     return _outcomes(host).get(host.name)
 
 
@@ -71,21 +68,19 @@ def verify_passed() -> bool:
 
 @dataclass(frozen=True)
 class Verification:
-    """One host's verify step. Its bound methods are the operations' functions: pyinfra names a FunctionCommand by
-    its function's __name__."""
+    """Its bound methods are the operations' functions: pyinfra names each by __name__."""
 
     spec: ServeSpec
     timeout_s: float
     api_key: Hidden | None
     ledger_path: str
-    served_before: str  # the model name the committed version is held to when it goes back
+    served_before: str  # the committed version's model name, for a rollback
     checks: tuple[str, ...] = ()  # gpufleet_verify_checks
     speed_earlier: SpeedFigures | None = None
     speed_tolerance: float = DEFAULTS[SPEED_TOLERANCE_SETTING]
 
     def verify(self, state: State, host: Host, soak_s: float) -> bool:
-        """Verify and keep the verdict. A verify that could not finish fails the host here; a failed one is failed by
-        the rollback, once the committed version serves again."""
+        """A verify that could not finish fails the host here; a failed one, in the rollback."""
         found = verify_rollout(host, self, soak_s)
         if found is None:
             return False
@@ -93,7 +88,6 @@ class Verification:
         return True
 
     def commit(self, state: State, host: Host) -> bool:
-        """The verify passed: the pending version becomes the committed one."""
         found = outcome(host)
         if found is None or not found.passed:
             return fail(host, f"{host.name}: nothing committed: this run's verify did not pass on the host (fix: "
@@ -103,7 +97,7 @@ class Verification:
         return commit_pending(host, self, found.ready_at, found.speed)
 
     def roll_back_if_failed(self, state: State, host: Host) -> bool:
-        """After a failed verify: back to the committed version, the pending one marked failed, and False."""
+        """After a failed verify, roll back and return False."""
         found = outcome(host)
         if found is None:
             return fail(host, f"{host.name}: nothing rolled back: this run has no verdict for the host (fix: "
@@ -111,7 +105,7 @@ class Verification:
         return True if found.passed else after_failed_verify(host, self, found)
 
     def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
-        """A cut run's pending version failed: back to the committed one, unmarked when its port was taken."""
+        """Roll back a cut run's failed version; unmarked when its port was taken."""
         ledger = host_run(host).ledger
         assert ledger.pending is not None and ledger.committed is not None  # what RollBackPending means
         host.log_styled(f"{reason}: rolling it back", fg="yellow")
@@ -130,14 +124,13 @@ class Verification:
         return lambda: check(transport, expected, api_key=key)
 
 
-# The soak sends its own completions: an engine that dies under its first batches is caught without other traffic.
+# Its own completions catch an engine dying under load (docs/verify.md).
 SOAK_REQUEST_EVERY_S = 5.0
 
 
 def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], AnswerCheck], every_s: float,
                  clock: Callable[[], float] = time.monotonic) -> Callable[[], HealthReport]:  # fmt: skip
-    """check_once, plus a request at most every `every_s` while the host reads ready. A failed answer makes the look
-    misconfigured (answer_failed); one that got no answer says nothing."""
+    """check_once, sending a request every `every_s` while ready; only a wrong answer fails the look."""
     last_sent: list[float] = []
 
     def look() -> HealthReport:
@@ -155,7 +148,7 @@ def with_traffic(check_once: Callable[[], HealthReport], send: Callable[[], Answ
 
 
 def answer_failed(check_once: Callable[[], HealthReport], line: str) -> HealthReport:
-    """Misconfigured with `line` as the evidence, unless a look right after finds the host no longer ready."""
+    """Misconfigured with `line`, unless the host is no longer ready."""
     again = check_once()
     return again if not again.ready else replace(again, state=HealthState.MISCONFIGURED, detail=line)
 
@@ -165,8 +158,7 @@ class CheckNotRun(Exception):
 
 
 def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome | None:
-    """Ready within timeout_s, still ready for soak_s and answering as a client expects: passed. None when the
-    verify could not finish: the host failed and the new version stays pending."""
+    """None when the verify could not finish: the host failed, the version stays pending."""
     spec = v.spec
     exited = service_exited(host, spec.service)
     check_once = v.check_once(host, Expected.from_spec(spec))
@@ -199,7 +191,7 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
         host.log_styled(f"ready: {report.detail}", fg="green")
         return VerifyOutcome(passed=True, ready_at=ready_at, speed=figures)
     if not_run is not None or (transient(report) and pending is not None):
-        # Nothing against the version: the next run verifies it again.
+        # Nothing against the version; the next run verifies it.
         why = not_run or f"{report.state}: {report.detail}"
         kept = ", the new version stays pending" if pending else ""
         fix = "converge again" if not_run else "restore the link to the host, then converge again"
@@ -219,7 +211,7 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
 
 
 def still_serving(host: Host, v: Verification) -> bool:
-    """One more look before a commit that waited for other hosts' verify. Not ready is a failed verify."""
+    """One more look before a delayed commit; not ready is a failed verify."""
     pending = host_run(host).ledger.pending
     report = v.check_once(host, Expected.from_spec(v.spec))()
     problem = installed_problem(pending.version, report.container) if report.ready and pending else None
@@ -235,9 +227,9 @@ def still_serving(host: Host, v: Verification) -> bool:
 
 
 def after_failed_verify(host: Host, v: Verification, found: VerifyOutcome) -> bool:
-    """Roll back to the committed version, or with none to go back to mark the pending one failed. Always False."""
+    """Roll back, or with nothing to go back to, mark the pending version failed. Always False."""
     spec, ledger = v.spec, host_run(host).ledger
-    # Another process on the port is the host's fault: the version is not marked.
+    # A taken port is the host's fault, not the version's.
     mark = not found.port_taken
     if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
         if mark and ledger.pending is not None and not save_ledger(host, v.ledger_path, ledger_roll_back(
@@ -253,7 +245,7 @@ _PORT_TAKEN = ("address already in use", "port is already allocated")
 
 
 def port_taken(logs: Sequence[str], port: int) -> str | None:
-    """docker's own words when `docker run` could not publish `port`, else None."""
+    """docker's own words when it could not publish `port`."""
     for line in reversed(logs):
         if f":{port}" in line and any(words in line for words in _PORT_TAKEN):
             start = line.find("Bind for") if "Bind for" in line else line.find("listen ")
@@ -262,13 +254,13 @@ def port_taken(logs: Sequence[str], port: int) -> str | None:
 
 
 def installed_problem(version: Version, container: ContainerInfo | None) -> str | None:
-    """One line when the container answering is not the pending digest and spec this run installed."""
+    """One line when what answers is not what this run installed."""
     return runs_problem(version, container, "this run installed")
 
 
 def answers_report(host: Host, v: Verification, ready: HealthReport,
                    check_once: Callable[[], HealthReport]) -> tuple[HealthReport, str | None]:  # fmt: skip
-    """The requests a client sends; a wrong answer is a failed verify. Returns the report and the failed check."""
+    """A client's requests; returns the report and the failed check."""
     checks = check_answers(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
                            api_key=v.key)
     bad = failed_answers([c for c in checks if c.ran])
@@ -277,7 +269,7 @@ def answers_report(host: Host, v: Verification, ready: HealthReport,
 
 def serving_report(host: Host, v: Verification, ready: HealthReport,
                    check_once: Callable[[], HealthReport]) -> tuple[HealthReport, str | None]:  # fmt: skip
-    """The serving checks a new version is held to (gpufleet.health.serving)."""
+    """The serving checks (gpufleet.health.serving)."""
     served = Served.from_spec(v.spec)
     names = served.applicable([name for name in v.checks if name != SPEED])  # speed_report ran it
     if not names:
@@ -290,7 +282,7 @@ def serving_report(host: Host, v: Verification, ready: HealthReport,
 
 def speed_report(host: Host, v: Verification, ready: HealthReport, check_once: Callable[[], HealthReport]
                  ) -> tuple[HealthReport, str | None, SpeedFigures | None]:
-    """The speed check against the old version's figures (gpufleet.health.speed); returns the figures too."""
+    """The speed check against the old version; also returns its figures."""
     host.log_styled(f"speed check: {'against the old version' if v.speed_earlier else 'no earlier figures'}, "
                     f"at most {v.speed_tolerance:.0%} slower")
     check, figures = speed_check(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec),
@@ -303,8 +295,7 @@ def speed_report(host: Host, v: Verification, ready: HealthReport, check_once: C
 
 def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthReport,
             check_once: Callable[[], HealthReport], bad: str | None) -> tuple[HealthReport, str | None]:
-    """A wrong answer fails the verify; a check that could not run raises CheckNotRun, unless the host is no longer
-    ready."""
+    """Raises CheckNotRun when a check did not run and the host still reads ready."""
     for c in checks:
         host.log_styled(f"{kind} {c.line()}", fg="green" if c.ok else "red" if c.ran else "yellow")
     if bad is not None:

@@ -1,5 +1,4 @@
-"""The model's files as the hub lists them for one commit, and the check of a host's copy against them. Pure: it
-builds the host's commands and reads what they print."""
+"""A model commit's hub file list, and the host commands that check, keep and restore its files (docs/deploy.md)."""
 
 from __future__ import annotations
 
@@ -10,23 +9,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote
 
-MARKER = ".gpufleet-model"  # in the model directory: "<repo>@<commit>" once every file matched the hub's hashes
+MARKER = ".gpufleet-model"  # "<repo>@<commit>" once every file matched the hub
 COMMIT = re.compile(r"[0-9a-f]{40}")
 _HEX = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 HUB = "https://huggingface.co"
-RESTORED = "@@gpufleet:model-restored"  # what restore_command prints when it put the kept copy back
+RESTORED = "@@gpufleet:model-restored"  # restore_command's output after a restore
 
 
 @dataclass(frozen=True)
 class HubFile:
     path: str
     size: int
-    blob_id: str  # git's id of the file (an LFS file's: of its pointer)
+    blob_id: str  # git's; an LFS file's is its pointer's
     sha256: str | None  # LFS files only
 
     @property
     def expected(self) -> str:
-        """What the check compares: the LFS sha256, else the git blob id."""
         return self.sha256 or self.blob_id
 
 
@@ -47,25 +45,24 @@ class HubRevision:
 
 @dataclass(frozen=True)
 class ModelTarget:
-    """The model a run installs; pin is repo@commit when known before the run."""
+    """pin: repo@commit, when known before the run."""
 
     repo: str
     revision: str | None
     pin: str | None = None
 
     def ask(self) -> str | None:
-        """What to ask the hub for: the pinned commit, else the revision setting."""
         return self.pin.rpartition("@")[2] if self.pin else self.revision
 
 
 def info_url(endpoint: str, repo: str, revision: str | None) -> str:
-    """The hub's model info for a revision, with each file's size, blob id and LFS sha256 (`blobs=true`)."""
+    """blobs=true adds each file's blob id and LFS sha256."""
     rev = quote(revision or "main", safe="")
     return f"{endpoint.rstrip('/')}/api/models/{repo}/revision/{rev}?blobs=true"
 
 
 def parse_info(repo: str, body: str) -> HubRevision:
-    """The revision in the hub's model info; ValueError (one phrase) when it is not one."""
+    """ValueError (one phrase) when it is no revision."""
     try:
         doc = json.loads(body)
     except json.JSONDecodeError:
@@ -91,8 +88,7 @@ def _unsafe(path: str) -> bool:
 
 
 def hash_command(model_dir: str, files: Sequence[HubFile]) -> str:
-    """Shell printing "<hash> <path>" per file (absent: "- <path>"): sha256 for an LFS file, else git's blob id
-    (sha1 of "blob <size>\\0" + the content, as `git hash-object` computes it)."""
+    """Shell printing "<hash> <path>" per file ("- <path>" if absent): LFS sha256, else git's blob id."""
     lines = []
     for f in files:
         q = shlex.quote(f.path)
@@ -104,7 +100,7 @@ def hash_command(model_dir: str, files: Sequence[HubFile]) -> str:
 
 
 def mismatches(revision: HubRevision, output: Sequence[str]) -> list[str]:
-    """The files whose content is not the hub's (or that are missing), from hash_command's output."""
+    """Missing or changed files, from hash_command's output."""
     seen: dict[str, str] = {}
     for line in output:
         digest, _, path = line.strip().partition(" ")
@@ -113,7 +109,7 @@ def mismatches(revision: HubRevision, output: Sequence[str]) -> list[str]:
 
 
 def partial_paths(model_dir: str, paths: Sequence[str]) -> list[str]:
-    """What to delete so a refused file is fetched again: the file and hf's record that it is complete."""
+    """The file and hf's completion record, so a refused file is fetched again."""
     meta = f"{model_dir}/.cache/huggingface/download"
     return [p for path in paths for p in (f"{model_dir}/{path}", f"{meta}/{path}.metadata")]
 
@@ -123,21 +119,19 @@ def marker_text(revision: HubRevision) -> str:
 
 
 def kept_dir(model_dir: str) -> str:
-    """Where the committed commit's files wait for a rollback while another is downloaded."""
+    """Where the committed files wait for a rollback."""
     return model_dir.rstrip("/") + ".gpufleet-kept"
 
 
 def keep_command(model_dir: str) -> str:
-    """Shell keeping the directory's files as hard links, unless a copy is kept already (the committed one). hf
-    replaces a file by a rename, so a kept name holds the old bytes; its records, rewritten in place, are copied."""
+    """Shell keeping the files as hard links, unless a copy is kept already (docs/deploy.md)."""
     d, k, tmp = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), kept_dir(model_dir) + ".tmp"))
     return (f"[ -e {k} ] || {{ rm -rf {tmp} && cp -al {d} {tmp} && rm -rf {tmp}/.cache && "
             f"{{ [ ! -d {d}/.cache ] || cp -a {d}/.cache {tmp}/.cache; }} && mv {tmp} {k}; }}")
 
 
 def restore_command(model_dir: str, pinned: str) -> str:
-    """Shell putting the kept copy back in place of the directory when it holds `pinned` (repo@commit), printing
-    RESTORED; else nothing changes. Cut anywhere, a re-run finishes it."""
+    """Shell putting the kept copy back when it holds `pinned`, printing RESTORED; a re-run finishes a cut one."""
     d, k, old = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), model_dir.rstrip("/") + ".gpufleet-old"))
     return (f"{{ rm -rf {old}; if [ \"$(cat {k}/{MARKER} 2>/dev/null)\" = {shlex.quote(pinned)} ]; then "
             f"{{ [ ! -e {d} ] || mv {d} {old}; }} && mv {k} {d} && rm -rf {old} && echo {RESTORED}; fi; }}")
@@ -149,8 +143,7 @@ def drop_kept_command(model_dir: str) -> str:
 
 
 def token_header_command(env_file: str | None) -> str:
-    """Shell printing curl's Authorization header from the root-only env file's HF_TOKEN (nothing without one):
-    the token never reaches a command line."""
+    """curl's Authorization header from the env file's HF_TOKEN: the token never reaches a command line."""
     if env_file is None:
         return "true"
     return f"sed -n 's/^HF_TOKEN=/Authorization: Bearer /p' {shlex.quote(env_file)}"
@@ -162,6 +155,5 @@ def fetch_info_command(url: str, env_file: str | None) -> str:
 
 
 def env_for_download(endpoint: str) -> Mapping[str, str]:
-    """The download's environment: the hub (or the site's mirror of it), and Xet off, so every byte comes from
-    that endpoint and none from Xet's own servers."""
+    """The hub or its mirror, with Xet off so no byte comes around it (docs/deploy.md)."""
     return {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}
