@@ -1,4 +1,4 @@
-"""Image references parsed strictly and normalised to the short form docker reports (docs/hardening.md#normalised).
+"""Image references parsed strictly and normalised to docker's short form (docs/hardening.md, "Normalised").
 
 Compare what the user wrote with what docker reports through normalise() on both sides.
 """
@@ -29,7 +29,7 @@ class ImageRef:
 
     @property
     def pinned(self) -> str | None:
-        """"repo@sha256:..." when the reference carries a digest, which wins over the tag."""
+        """"repo@sha256:..." when there is a digest, which wins over the tag."""
         return f"{self.repository}@{self.digest}" if self.digest else None
 
 
@@ -52,7 +52,7 @@ def parse(text: str) -> ImageRef | None:
 
 
 def normalise(text: str) -> str:
-    """docker's short form of a reference (unchanged when it does not parse)."""
+    """docker's short form of a reference; unchanged when it does not parse."""
     ref = parse(text)
     return str(ref) if ref else text
 
