@@ -1,6 +1,6 @@
-"""Image references parsed strictly and normalised to docker's short form (docs/hardening.md, "Normalised").
+"""Image references parsed strictly, normalised to docker's short form (docs/hardening.md, "Normalised").
 
-Compare what the user wrote with what docker reports through normalise() on both sides.
+Compare what the user wrote with what docker reports by normalise() on both sides.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def normalise(text: str) -> str:
 
 
 def repository(image: str) -> str:
-    """The repository as docker lists it; a registry's port is not a tag."""
+    """The repository as docker lists it; a registry port is no tag."""
     ref = parse(image)
     if ref is not None:
         return ref.repository

@@ -1,4 +1,4 @@
-"""The one reader of a host's ledgers, for the deploy's snapshot and the rollout."""
+"""The one reading of a host's ledgers, for the deploy's snapshot and the rollout."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ PRESENT = "@@present"
 
 @dataclass(frozen=True)
 class LedgerTexts:
-    own: str | None  # None: no file; an empty file is corrupt
+    own: str | None  # None: no file (an empty one is corrupt)
     others: Mapping[str, str] = field(default_factory=dict)  # path -> text
 
 

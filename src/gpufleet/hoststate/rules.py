@@ -58,7 +58,7 @@ def cut_rename_away(name: str, others: Mapping[str, str], service: str) -> str |
 
 
 def changed_since_read(name: str, ledger: Ledger, expected: Mapping[str, str | None] | None) -> str | None:
-    """The refusal when the committed version is not the one the rollout read; call it under the lock."""
+    """The refusal when the committed version changed since the rollout read it; call it under the lock."""
     if expected is None or name not in expected:
         return None
     have = ledger.committed.version.ref if ledger.committed else None

@@ -1,4 +1,4 @@
-"""One shell command's output in sections, each under a marker line, the last one `end`."""
+"""A shell command's output in sections, each under a marker line; the last is `end`."""
 
 from __future__ import annotations
 

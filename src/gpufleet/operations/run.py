@@ -43,8 +43,6 @@ class HostRun:
 
 @dataclass(slots=True, eq=False)
 class RunContext:
-    """A HostRun per host name, and run-wide records by their type."""
-
     hosts: dict[str, HostRun] = field(default_factory=dict)
     slots: dict[type, object] = field(default_factory=dict)
 
@@ -95,7 +93,7 @@ def snapshot(host: Host | None = None) -> HostFiles:
 
 
 def report(state: State, host: str, message: str) -> None:
-    """Keep a one-line problem of `host` for the run's result."""
+    """Keep `message`, as one line, for the run's result."""
     found, message = run_context(state).host(host).problems, one_line(message)
     if message not in found:
         found.append(message)
@@ -110,7 +108,7 @@ def reported(state: State) -> dict[str, list[str]]:
 
 def take_lock(host: Host, settings: Mapping[str, Any], path: str = LOCK_PATH, read: str = "",
               read_timeout_s: float = START_MARGIN_S) -> list[str] | None:
-    """Take the host's lock for the run; what `read` printed under it, or None off SSH. Raises HostLockError."""
+    """Take the host's lock; what `read` printed under it, or None off SSH. Raises HostLockError."""
     wait_s, lease_s = lock_timings(host.name, settings)
     try:
         lock = lock_host(host, path=path, lease_s=lease_s)
@@ -153,7 +151,7 @@ def still_locked(state: State, host: Host) -> bool:
 
 
 def still_held_test(host: Host) -> str | None:
-    """A shell test, true while the lock file names this run; None without a lock."""
+    """A shell test: the lock file names this run. None without a lock."""
     lock = host_run(host).lock
     if lock is None:
         return None
