@@ -15,6 +15,7 @@ Every error a user can meet derives from GpufleetError:
   * Forged (hoststate.sections): a marker line came from quoted data
   * Truncated (hoststate.sections): a read cut short
   * RouterError (router.api)
+  * SandboxError (sandbox.procs)
 """
 
 from __future__ import annotations

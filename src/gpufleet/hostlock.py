@@ -1,4 +1,4 @@
-"""One operator at a time per host: a flock held by a shell on the run's SSH channel (docs/crash-safety.md)."""
+"""One run at a time per host: a flock held on the run's SSH channel (docs/crash-safety.md)."""
 
 from __future__ import annotations
 
@@ -22,20 +22,18 @@ from gpufleet.defaults import LEASE_SETTING, WAIT_SETTING
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.remote.ssh import use_sudo
 
-# In root's own 0700 directory, so no local user can hold the lock or forge its holder.
+# Root's own 0700 directory: no local user can hold the lock or forge its holder.
 LOCK_PATH = "/run/gpufleet/lock"
 LEASE_S = 90.0
 BUSY_EXIT = 75  # EX_TEMPFAIL, distinct from the script's own exit status
 LOCKED = "LOCKED"
-READ_DONE = "@@gpufleet-lock:read-done"  # ends the output of acquire's `read`
-# Time for sudo and the shell to start on a slow host.
-START_MARGIN_S = 30.0
-# An exited run of this controller does not wait for the host's side to let go: wait for it.
-LETTING_GO_S = 5.0
+READ_DONE = "@@gpufleet-lock:read-done"  # ends what acquire's `read` prints
+START_MARGIN_S = 30.0  # for sudo and a shell to start on a slow host
+LETTING_GO_S = 5.0  # for the host's side of an exited run of this controller to let go
 
 
 def process_ended(pid: int) -> bool:
-    """Has process `pid` ended? A zombie has, though signal 0 still reaches it."""
+    """Has `pid` ended? A zombie has, though signal 0 still reaches it."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -46,7 +44,7 @@ def process_ended(pid: int) -> bool:
 
 
 class HostLockError(GpufleetError):
-    """The lock could not be taken for another reason than a holder."""
+    """The lock failed, not for a holder."""
 
 
 class HostLockBusy(HostLockError):
@@ -75,7 +73,7 @@ def lock_timings(name: str, settings: Mapping[str, Any]) -> tuple[float, float]:
 
 
 class NotOverSsh(HostLockError):
-    """Not reached over SSH: no session to hold a lock with."""
+    """No SSH session to hold a lock with."""
 
 
 class LockLost(HostLockError):
@@ -102,7 +100,7 @@ class Holder:
         return f"{self.operator()} since {self.since}"
 
     def exited_here(self) -> bool:
-        """Is this an earlier run of this user on this controller whose process has ended?"""
+        """Is this an ended run of this user on this controller?"""
         if (self.user, self.controller) != (getpass.getuser(), socket.gethostname()) or self.pid == os.getpid():
             return False
         try:
@@ -118,7 +116,7 @@ class Holder:
 
     @classmethod
     def parse(cls, text: str) -> Holder | None:
-        """The holder written by line(), or None."""
+        """The holder line() wrote, or None."""
         fields = dict(word.partition("=")[::2] for word in text.split())
         try:
             return cls(user=fields["user"], controller=fields["controller"], pid=int(fields["pid"]),
@@ -149,8 +147,6 @@ def lock_command(path: str, holder: Holder, lease_s: float, wait_s: float, sudo:
 
 
 class HostLock:
-    """The run's lock on one host."""
-
     def __init__(self, client: paramiko.SSHClient, host: str, path: str = LOCK_PATH, lease_s: float = LEASE_S,
                  sudo: bool = False, holder: Holder | None = None):
         self.client, self.host, self.path, self.lease_s, self.sudo = client, host, path, lease_s, sudo
@@ -165,7 +161,7 @@ class HostLock:
         return self._channel is not None and not self._channel.exit_status_ready() and not self._channel.closed
 
     def acquire(self, wait_s: float = 0, read: str = "", read_timeout_s: float = START_MARGIN_S) -> HostLock:
-        """Take the lock, waiting up to wait_s. read: a read-only sh script run under it; its lines go to read_lines."""
+        """Take the lock, waiting up to wait_s; the read-only sh script `read` runs under it into read_lines."""
         try:
             return self._acquire(wait_s, read, read_timeout_s)
         except HostLockBusy as busy:
@@ -233,7 +229,7 @@ class HostLock:
                            f"{self.lease_s:g} s ran out): another run may be changing the host, re-run to check")
 
     def release(self, wait: bool = True) -> None:
-        """Let the lock go; wait: until the host's side has ended."""
+        """Let the lock go; `wait` for the host's side to end."""
         channel, self._channel = self._channel, None
         self._stop.set()
         if channel is None:
@@ -244,7 +240,7 @@ class HostLock:
             while not channel.exit_status_ready() and time.monotonic() < deadline:
                 time.sleep(0.02)
         except (OSError, EOFError, paramiko.SSHException):
-            pass  # the remote side ends by EOF or by the lease
+            pass  # the host's side ends at EOF or with the lease
         finally:
             channel.close()
         if self._heartbeat is not None:
@@ -270,7 +266,7 @@ class HostLock:
 
 
 def lock_host(host: Host, path: str = LOCK_PATH, lease_s: float = LEASE_S) -> HostLock:
-    """The lock over the connection the host's operations use."""
+    """The lock over the host's operations' connection."""
     client = getattr(host.connector, "client", None)
     if not isinstance(client, paramiko.SSHClient):
         raise NotOverSsh(f"{host.name}: not connected over SSH ({type(host.connector).__name__}): a host lock needs "

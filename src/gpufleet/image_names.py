@@ -1,6 +1,6 @@
-"""Image references parsed strictly and normalised to the short form docker reports (docs/hardening.md#normalised).
+"""Image references parsed strictly, normalised to docker's short form (docs/hardening.md, "Normalised").
 
-Compare what the user wrote with what docker reports through normalise() on both sides.
+Compare what the user wrote with what docker reports by normalise() on both sides.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ImageRef:
 
     @property
     def pinned(self) -> str | None:
-        """"repo@sha256:..." when the reference carries a digest, which wins over the tag."""
+        """"repo@sha256:..." when there is a digest, which wins over the tag."""
         return f"{self.repository}@{self.digest}" if self.digest else None
 
 
@@ -52,13 +52,13 @@ def parse(text: str) -> ImageRef | None:
 
 
 def normalise(text: str) -> str:
-    """docker's short form of a reference (unchanged when it does not parse)."""
+    """docker's short form of a reference; unchanged when it does not parse."""
     ref = parse(text)
     return str(ref) if ref else text
 
 
 def repository(image: str) -> str:
-    """The repository as docker lists it; a registry's port is not a tag."""
+    """The repository as docker lists it; a registry port is no tag."""
     ref = parse(image)
     if ref is not None:
         return ref.repository

@@ -13,14 +13,13 @@ from pyinfra_cli.inventory import make_inventory
 
 from gpufleet.errors import GpufleetError, one_line
 
-# Every other host is a vLLM replica.
-ROUTERS_GROUP = "routers"
+ROUTERS_GROUP = "routers"  # every other host is a vLLM replica
 
 HostData = tuple[str, dict[str, Any]]
 
 
 def load_pyinfra_hosts(inventory_path: str | Path) -> list[Host]:
-    """Every host of the inventory, in order, as pyinfra loads them."""
+    """The inventory's hosts, in order, as pyinfra loads them."""
     path = Path(inventory_path)
     if not path.is_file():
         raise GpufleetError(f"{inventory_path}: inventory file not found (fix: pass a path like inventories/lab.py)")
@@ -28,7 +27,7 @@ def load_pyinfra_hosts(inventory_path: str | Path) -> list[Host]:
         try:
             inventory = make_inventory(str(path))
         except Exception as exc:
-            # pyinfra wraps the file's exception in one whose str() fails.
+            # pyinfra's wrapper fails str(); name its cause.
             cause = getattr(exc, "exception", exc)
             raise GpufleetError(one_line(f"{inventory_path}: cannot load inventory: {type(cause).__name__}: {cause}")) \
                 from exc
@@ -49,7 +48,7 @@ def load_roles(inventory_path: str | Path) -> tuple[list[HostData], list[HostDat
 
 
 def group_orders(inventory: Inventory) -> dict[str, list[str]]:
-    """Every group's hosts in order (a replica group's ranks)."""
+    """Every group's hosts in order: a replica group's ranks."""
     return {name: [h.name for h in hosts] for name, hosts in inventory.groups.items()}
 
 
@@ -65,5 +64,4 @@ def load_hosts(inventory_path: str | Path) -> list[HostData]:
 
 
 def behind_router(hosts: Iterable[Host]) -> bool:
-    """Is there a router in front of the replicas?"""
     return any(ROUTERS_GROUP in h.groups for h in hosts)

@@ -1,4 +1,4 @@
-"""Quoting at the boundary: argv to a POSIX shell line or a systemd ExecStart value."""
+"""argv quoted once, at the boundary: for a POSIX shell or systemd's ExecStart."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from gpufleet.errors import one_line
 
 
 def shell_line(argv: Sequence[str], continuation: bool = True) -> str:
-    """A shell line for argv, by default one option and its value per line."""
+    """argv as a shell line; with continuation, an option and its value per line."""
     quoted = [shlex.quote(a) for a in argv]
     if not continuation:
         return " ".join(quoted)
@@ -37,5 +37,5 @@ def _systemd_word(arg: str) -> str:
 
 
 def systemd_text(text: str) -> str:
-    """Free text for Description= or a comment. A template must not end a line with it: a backslash continues."""
+    """Free text for Description= or a comment; never at a line's end, where a backslash continues."""
     return one_line(text).replace("%", "%%")

@@ -1,4 +1,4 @@
-"""Where a systemd unit lives, and the templates/ units are rendered from."""
+"""Where a systemd unit lives, and rendering templates/."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def unit_path(service: str) -> str:
 
 
 def templates_dir() -> Path:
-    # A wheel carries them in the package; an editable checkout reads the repo's.
+    # A wheel carries them; an editable checkout reads the repo's.
     packaged = Path(__file__).parent / "templates"
     return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "templates"
 
@@ -35,5 +35,5 @@ def _environment() -> jinja2.Environment:
 
 
 def render_template(name: str, **context: object) -> str:
-    """templates/<name> rendered; an undefined name is an error."""
+    """templates/<name> rendered; an undefined variable raises."""
     return _environment().get_template(name).render(**context)

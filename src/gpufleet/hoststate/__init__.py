@@ -1,9 +1,9 @@
-"""What gpufleet keeps on a host about the versions it ran.
+"""What gpufleet keeps on a host about the versions it ran (docs/crash-safety.md).
 
-    ledger     the ledger, a pure state machine
-    paths      where it and the committed units live
+    ledger     the ledger's state machine
+    paths      where state lives
     atomic     replacing a root file whole
-    reader     the one reading of a host's ledgers
-    sections   the marked parts of a one-command read
+    reader     reading a host's ledgers
+    sections   a command's marked output
     rules      which ledger a service goes by
 """

@@ -1,4 +1,4 @@
-"""Replace a root file on a host so that a reader or a cut run sees the old file or the new one."""
+"""Replace a root file on a host whole (docs/crash-safety.md, "Atomic writes")."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import shlex
 
 def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root", source: str | None = None,
                          sha256: str | None = None, sha256_from: str | None = None) -> str:
-    """Root's shell that replaces `path` with stdin or the uploaded `source`, checked against sha256 (or the file
-    sha256_from)."""
+    """Root's shell replacing `path` with stdin or `source`, checked against sha256 or the file sha256_from."""
     directory, name = posixpath.split(path)
     if not directory or not name:
         raise ValueError(f"{path!r}: need an absolute file path")
@@ -20,13 +19,12 @@ def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root"
         "set -e",
         f"mkdir -p {d}",
         f"tmp=$(mktemp -p {d} {shlex.quote('.' + name + '.XXXXXX')})",
-        # A cut must not leave the temp file behind.
         "trap 'rm -f \"$tmp\"' EXIT",
         f"{read} > \"$tmp\"",
         f"chmod {shlex.quote(mode)} \"$tmp\"",
         f"chown {shlex.quote(owner)} \"$tmp\"",
         *([] if sha256 is None and sha256_from is None else [_checked(path, sha256, sha256_from)]),
-        # Else a crash can leave an empty file under the name.
+        # Unflushed, a crash can leave an empty file under the name.
         "sync \"$tmp\"",
         f"mv -fT \"$tmp\" {p}",
         f"sync {d}",

@@ -1,5 +1,5 @@
-"""The host's ledger, a pure state machine: begin(), then commit() or roll_back(); resume() settles a cut run first.
-Its guarantees: docs/crash-safety.md, "The ledger"."""
+"""The host's ledger, a pure state machine: begin(), then commit() or roll_back(); resume() first settles a cut run
+(docs/crash-safety.md, "The ledger")."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ FAILED_LIMIT = 20
 
 
 class CorruptLedger(GpufleetError):
-    """The ledger file is not one this module wrote or migrates."""
+    """Not a ledger this module wrote or migrates."""
 
     def __init__(self, reason: str):
         self.reason = one_line(reason)
@@ -28,7 +28,7 @@ class CorruptLedger(GpufleetError):
 
 
 def corrupt_refusal(host: str, path: str, error: CorruptLedger) -> str:
-    """The preflight's line for a corrupt ledger: the deploy must not guess which digest runs."""
+    """Preflight's line for a corrupt ledger; the deploy must not guess which digest runs."""
     return one_line(f"{host}: {path} is corrupt: {error.reason} (fix: repair it by hand, or move it away to start a "
                     "new ledger: the next converge then resolves vllm_image again and the rollback history is lost)")
 
@@ -45,14 +45,14 @@ class Version:
     port: int | None
     model: str | None = None  # org/name@<40 hex commit>
     model_revision: str | None = None  # as configured; None: the repo's default branch
-    group: str | None = None  # "<group>@<hash>", the same on every rank of a replica group
+    group: str | None = None  # "<group>@<hash>", alike on every rank of a replica group
 
 
 @dataclass(frozen=True)
 class Committed:
     version: Version
     committed_at: str
-    ready_at: str | None = None  # when it first answered ready after its restart
+    ready_at: str | None = None  # first ready after its restart
     speed: SpeedFigures | None = None  # from its verify's speed check
     gpu: str | None = None  # the GPU verdict at its swap
 
@@ -73,15 +73,15 @@ class Failed:
     image: str | None = None  # vllm_image as configured when it failed
     check: str | None = None  # the verify check it failed, if one
     gpu: str | None = None
-    model: str | None = None  # None: any model (a mark from before models)
+    model: str | None = None  # None: any model
 
     def matches(self, version: Version) -> bool:
-        """The same digest and settings, and the same model when both name one."""
+        """Same digest and settings, and same model when both name one."""
         return (self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
                 and self.holds_for(version.model))
 
     def holds_for(self, model: str | None) -> bool:
-        """Whether the mark covers `model`; None on either side stands for any."""
+        """Does the mark cover `model`? None on either side stands for any."""
         return self.model is None or model is None or self.model == model
 
 
@@ -94,11 +94,11 @@ class Ledger:
 
 
 class LedgerStateError(GpufleetError):
-    """A transition asked of a ledger not in its state: the caller's bug."""
+    """A transition the ledger's state does not allow: the caller's bug."""
 
 
 def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
-    """The ledger to write before the first restart of `target`."""
+    """The ledger to write before `target` first restarts."""
     if ledger.pending is not None:
         raise LedgerStateError(f"a pending change from {ledger.pending.operator} is not settled yet")
     return replace(ledger, pending=Pending(version=target, started_at=now, operator=operator))
@@ -106,7 +106,7 @@ def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
 
 def commit(ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFigures | None = None,
            gpu: str | None = None) -> Ledger:
-    """The ledger after the pending version passed verify and the soak."""
+    """After the pending version passed verify and the soak."""
     pending = _pending(ledger, "commit")
     history = ledger.history
     if ledger.committed is not None and ledger.committed.version != pending.version:
@@ -117,7 +117,7 @@ def commit(ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFi
 
 
 def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None, gpu: str | None = None) -> Ledger:
-    """The ledger after the pending version failed and the committed one was put back."""
+    """After the pending version failed and the committed one was put back."""
     pending = _pending(ledger, "roll back")
     mark = Failed(ref=pending.version.ref, spec_hash=pending.version.spec_hash, reason=one_line(reason),
                   failed_at=now, image=pending.version.image, check=check, gpu=gpu, model=pending.version.model)
@@ -127,7 +127,7 @@ def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None, g
 
 
 def drop_pending(ledger: Ledger) -> Ledger:
-    """The ledger when the pending change never reached the host: nothing is marked."""
+    """When the pending change never reached the host; marks nothing."""
     _pending(ledger, "drop")
     return replace(ledger, pending=None)
 
@@ -144,7 +144,7 @@ def refused_target(ledger: Ledger, target: Version) -> str | None:
 
 
 def pin(ledger: Ledger, image: str) -> str | None:
-    """The digest the tag `image` stands for here, or None to resolve it; a failed tag keeps its failed digest."""
+    """The digest the tag `image` stands for here, or None to resolve it; a failed tag keeps its digest."""
     if ledger.pending is not None and ledger.pending.version.image == image:
         return ledger.pending.version.ref
     if ledger.committed is not None and ledger.committed.version.image == image:
@@ -243,7 +243,7 @@ def resume(ledger: Ledger, observed: Observed) -> Resume:
 
 
 def parse(text: str) -> Ledger:
-    """The ledger in `text`, an old format migrated. Raises CorruptLedger."""
+    """The ledger in `text`, an old format migrated; raises CorruptLedger."""
     if not text.strip():
         raise CorruptLedger("empty file")
     try:

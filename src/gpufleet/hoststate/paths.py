@@ -13,10 +13,10 @@ UNITS_DIR = f"{STATE_DIR}/units"
 
 
 def committed_unit(service: str, unit_sha256: str) -> str:
-    """The committed unit's copy, named by content so the ledger alone finds it."""
+    """Named by content, so the ledger alone finds it."""
     return f"{UNITS_DIR}/{service}-{unit_sha256}.service"
 
 
 def unit_backup(service: str) -> str:
-    """The unit's copy for a ledger older than committed_unit."""
+    """For a ledger older than committed_unit."""
     return f"{STATE_DIR}/{service}.service.previous"

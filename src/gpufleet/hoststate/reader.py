@@ -1,4 +1,4 @@
-"""The one reader of a host's ledgers, for the deploy's snapshot and the rollout."""
+"""The one reading of a host's ledgers, for the deploy's snapshot and the rollout."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ from dataclasses import dataclass, field
 from gpufleet.hoststate import sections
 
 OWN = "state"
-OTHERS = "other_ledgers"  # its own section, so bench/noop_breakdown.py times it apart
+OTHERS = "other_ledgers"  # timed apart by bench/noop_breakdown.py
 OTHER = "ledger "  # + path
 PRESENT = "@@present"
 
 
 @dataclass(frozen=True)
 class LedgerTexts:
-    own: str | None  # None: no file; an empty file is corrupt
+    own: str | None  # None: no file (an empty one is corrupt)
     others: Mapping[str, str] = field(default_factory=dict)  # path -> text
 
 
 def read_lines(ledger_path: str) -> list[str]:
-    """The reading's shell, one line a section."""
+    """The reading's shell, a line a section."""
     q = shlex.quote
     path = q(ledger_path)
     print_each = sections.print_file('"$f"')
@@ -35,12 +35,11 @@ def read_lines(ledger_path: str) -> list[str]:
 
 
 def read_command(ledger_path: str) -> str:
-    """The reading on its own, to run as root."""
+    """The reading alone, for root."""
     return "\n".join([*read_lines(ledger_path), sections.end()])
 
 
 def ledger_texts(found: Mapping[str, list[str]]) -> LedgerTexts:
-    """The texts in read_lines' sections."""
     own = found.get(OWN, [])
     return LedgerTexts(own="\n".join(own[1:]) + "\n" if own and own[0] == PRESENT else None,
                        others={name[len(OTHER):]: "\n".join(body) + "\n" for name, body in found.items()
@@ -48,5 +47,5 @@ def ledger_texts(found: Mapping[str, list[str]]) -> LedgerTexts:
 
 
 def read_output(lines: list[str]) -> LedgerTexts:
-    """read_command's output. Raises sections.Truncated or sections.Forged."""
+    """Raises sections.Truncated or sections.Forged."""
     return ledger_texts(sections.split(lines))

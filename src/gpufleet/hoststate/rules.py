@@ -1,4 +1,4 @@
-"""Which ledger a service goes by, and the refusals other ledgers call for; the deploy and the rollout share them."""
+"""Which ledger a service goes by, and the refusals other ledgers call for."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gpufleet.hoststate.ledger import CorruptLedger, Ledger, parse
 
 
 def host_ledger(own: str | None, others: Mapping[str, str], port: int) -> Ledger:
-    """Its own ledger, else the one it takes over, else an empty one. Only its own may raise CorruptLedger."""
+    """Its own ledger, else the one it takes over, else an empty one; only its own raises CorruptLedger."""
     if own is not None:
         return parse(own)
     found = taken_over(others, port)
@@ -18,7 +18,7 @@ def host_ledger(own: str | None, others: Mapping[str, str], port: int) -> Ledger
 
 
 def taken_over(others: Mapping[str, str], port: int) -> tuple[str, Ledger] | None:
-    """The one other ledger committed on `port` with nothing pending, if there is exactly one."""
+    """The one other ledger committed on `port` with nothing pending, if exactly one."""
     found = []
     for path, text in others.items():
         try:
@@ -41,7 +41,7 @@ def replaced_service(ledger: Ledger, service: str) -> str | None:
 
 
 def cut_rename_away(name: str, others: Mapping[str, str], service: str) -> str | None:
-    """The refusal for a host where a run renaming `service` away was cut halfway."""
+    """The refusal when a run renaming `service` away was cut."""
     for path, text in sorted(others.items()):
         try:
             other = parse(text)
@@ -58,7 +58,7 @@ def cut_rename_away(name: str, others: Mapping[str, str], service: str) -> str |
 
 
 def changed_since_read(name: str, ledger: Ledger, expected: Mapping[str, str | None] | None) -> str | None:
-    """The refusal when the committed version is not the one the rollout read. Call it under the lock."""
+    """The refusal when the committed version changed since the rollout read it; call it under the lock."""
     if expected is None or name not in expected:
         return None
     have = ledger.committed.version.ref if ledger.committed else None

@@ -1,4 +1,4 @@
-"""One shell command's output in sections, each under a marker line, the last one `end`."""
+"""A shell command's output in sections, each under a marker line; the last is `end`."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ END = "end"
 
 
 class Forged(GpufleetError):
-    """A marker line came from something the command quoted."""
+    """A marker line came from quoted data."""
 
 
 class Truncated(GpufleetError):
-    """The output stops before its end marker."""
+    """The output stops before its end."""
 
 
 def marker(name: str) -> str:
-    # A file printed without a final newline must not swallow the marker.
+    # A file without a final newline must not swallow the marker.
     return f"printf '\\n{MARK}{name}\\n'"
 
 
@@ -29,14 +29,14 @@ def end() -> str:
 
 
 def print_file(file: str, then: str = "") -> str:
-    """Shell printing a small file with builtins only; `then` runs on each line ($l)."""
+    """Shell printing a small file with builtins; `then` runs on each line ($l)."""
     # `|| [ -n ... ]` keeps a last line without a newline.
     return (f"while IFS= read -r l || [ -n \"$l\" ]; do printf '%s\\n' \"$l\"; {then}done 2>/dev/null "
             f"< {file}")
 
 
 def split(lines: list[str], answers: str | None = None, after_answers: Collection[str] = (END,)) -> dict[str, list[str]]:
-    """The output's sections by name; raises Forged or Truncated. Only after_answers may begin after `answers`."""
+    """The sections by name; raises Forged or Truncated. Only after_answers may follow `answers`."""
     sections: dict[str, list[str]] = {}
     current = None
     for line in lines:

@@ -1,7 +1,7 @@
-"""pyinfra operations every slice shares; each slice's own operations take arguments and yield commands or a no-op.
+"""What every slice's operations share (docs/architecture.md, "The deploy's seams").
 
-    base     what an operation yields, and failing a host on one line
-    files    files written atomically and by checksum
+    base     what an operation yields; failing a host on one line
+    files    files written atomically, by checksum
     secret   secrets pyinfra never prints
-    run      the run's own state, per host and run-wide
+    run      the run's state, per host and run-wide
 """

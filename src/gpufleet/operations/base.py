@@ -15,7 +15,7 @@ Commands = Generator[PyinfraCommand, None, None]
 
 
 def fail(host: Host, message: str) -> bool:
-    """Fail the host from a Python callback with one line, kept for the run's result."""
+    """Fail the host from a callback with one line, kept for the run's result."""
     host.log_styled(message, fg="red", log_func=logger.error)
     state = getattr(host, "state", None)
     if isinstance(state, State):
@@ -25,7 +25,7 @@ def fail(host: Host, message: str) -> bool:
 
 @operation()
 def not_for_this_host(why: str) -> Commands:
-    """A deploy's only step on a host that another deploy configures."""
+    """The only step on a host another deploy configures."""
     current_host.noop(why)
     return
     yield  # pyinfra operations are generators

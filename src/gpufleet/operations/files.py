@@ -35,14 +35,13 @@ def temp_path(path: str) -> str:
 
 
 def replace_command(tmp: str, path: str) -> str:
-    """Shell: flush `tmp`, rename it over `path`, flush the directory."""
     directory = path.rpartition("/")[0] or "/"
     return (f"sync {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(path)} && "
             f"sync {shlex.quote(directory)}")
 
 
 class AtomicUpload(FileUploadCommand):
-    """Upload through upload() while this run holds the lock; a plain upload leaves half a file when cut."""
+    """An upload() while this run holds the lock; a plain upload leaves half a file when cut."""
 
     def __init__(self, src: BytesIO, dest: str, mode: str):
         super().__init__(src, dest)
@@ -58,12 +57,12 @@ class AtomicUpload(FileUploadCommand):
         return bool(written)
 
 
-# Printed when a guard refuses, to tell that from a failed write.
+# Tells a guard's refusal from a failed write.
 REFUSED = "@@gpufleet:write-refused"
 
 
 def guarded(command: str, only_if: str | None, cleanup: str = "") -> str:
-    """`command` when the shell test `only_if` holds; else `cleanup`, REFUSED printed and exit 3."""
+    """`command` if the shell test `only_if` holds, else `cleanup`, REFUSED and exit 3."""
     if only_if is None:
         return command
     return f"if ! {{ {only_if}; }}; then {cleanup}echo {REFUSED}; exit 3; fi; {command}"
@@ -96,7 +95,7 @@ def upload(host: Host, content: str | bytes, path: str, *, mode: str = "0644", o
 
 
 def write_file(host: Host, path: str, content: str, mode: str = "0644", only_if: str | None = None) -> bool | None:
-    """upload() from a FunctionCommand, for content known only while executing (the ledger)."""
+    """upload() from a FunctionCommand, for content known only while executing."""
     return upload(host, content, path, mode=mode, only_if=only_if, _sudo=use_sudo(host))
 
 
@@ -133,7 +132,7 @@ def put_secret(path: str, content: str) -> Commands:
 
 @operation()
 def directories(paths: list[str], user: str = "root", group: str = "root", mode: str = "755") -> Commands:
-    """Create `paths` with this owner and mode where they are missing or differ."""
+    """Give `paths` this owner and mode, creating them where missing."""
     wrong = [p for p in paths if snapshot().dirs.get(p) != (user, group, mode.lstrip("0") or "0")]
     if not wrong:
         host.noop(f"{len(paths)} directories exist, {user}:{group} {mode}")

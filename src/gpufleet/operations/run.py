@@ -1,4 +1,4 @@
-"""One pyinfra run's own state, per host and run-wide (docs/architecture.md, "Operations take arguments")."""
+"""One pyinfra run's state, per host and run-wide (docs/architecture.md, "Operations take arguments")."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 
 class HostFiles(Protocol):
-    """What the shared file operations read of a slice's host snapshot."""
+    """What the file operations read of a host snapshot."""
 
     @property
     def file_sha256(self) -> Mapping[str, str | None]: ...
@@ -33,19 +33,16 @@ class HostFiles(Protocol):
 @dataclass(slots=True, eq=False)
 class HostRun:
     snapshot: HostFiles | None = None  # read once by preflight
-    resolved_image_ref: str | None = None  # set by the image operation while executing
+    resolved_image_ref: str | None = None  # set while the image operation executes
     resolved_model: str | None = None
     ledger: Ledger = field(default_factory=Ledger)  # as this run last read or wrote it
-    # path -> sha256 (None: no file) that a ledger write compares and swaps against
-    ledger_sha256: dict[str, str | None] = field(default_factory=dict)
+    ledger_sha256: dict[str, str | None] = field(default_factory=dict)  # path -> sha256 a ledger write expects; None: no file
     lock: HostLock | None = None
-    problems: list[str] = field(default_factory=list)  # one line each
+    problems: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
 class RunContext:
-    """A HostRun per host name, and run-wide records by their type."""
-
     hosts: dict[str, HostRun] = field(default_factory=dict)
     slots: dict[type, object] = field(default_factory=dict)
 
@@ -53,7 +50,7 @@ class RunContext:
         return self.hosts.setdefault(name, HostRun())
 
     def slot(self, kind: type[T], make: Callable[[], T]) -> T:
-        """The run's one `kind` record, made when first asked for."""
+        """The run's `kind` record, made on first use."""
         if kind not in self.slots:
             self.slots[kind] = make()
         found = self.slots[kind]
@@ -61,12 +58,11 @@ class RunContext:
         return found
 
 
-# Keyed by State, which is one run; weak, so the record dies with it.
+# Weak, so a run's record dies with its State.
 _RUNS: WeakKeyDictionary[State, RunContext] = WeakKeyDictionary()
 
 
 def run_context(state: State | None = None) -> RunContext:
-    """The run's context, the current run's by default."""
     state = state if state is not None else ctx_state.get()
     if state is None:
         raise RuntimeError("gpufleet's run state belongs to a pyinfra run, and none is current (ctx_state unset)")
@@ -77,13 +73,11 @@ def run_context(state: State | None = None) -> RunContext:
 
 
 def host_run(host: Host | None = None) -> HostRun:
-    """The host's record in its run, the current host's by default."""
     host = host if host is not None else ctx_host.get()
     return run_context(host.state).host(host.name)
 
 
 def remember(host: Host, snapshot: HostFiles) -> HostRun:
-    """Set the host's snapshot for this run."""
     held = host_run(host)
     held.snapshot = snapshot
     return held
@@ -99,7 +93,7 @@ def snapshot(host: Host | None = None) -> HostFiles:
 
 
 def report(state: State, host: str, message: str) -> None:
-    """Keep a one-line problem of `host` for the run's result."""
+    """Keep `message`, as one line, for the run's result."""
     found, message = run_context(state).host(host).problems, one_line(message)
     if message not in found:
         found.append(message)
@@ -114,7 +108,7 @@ def reported(state: State) -> dict[str, list[str]]:
 
 def take_lock(host: Host, settings: Mapping[str, Any], path: str = LOCK_PATH, read: str = "",
               read_timeout_s: float = START_MARGIN_S) -> list[str] | None:
-    """Take the host's lock for the run; the lines `read` printed under it, or None off SSH. Raises HostLockError."""
+    """Take the host's lock; what `read` printed under it, or None off SSH. Raises HostLockError."""
     wait_s, lease_s = lock_timings(host.name, settings)
     try:
         lock = lock_host(host, path=path, lease_s=lease_s)
@@ -127,7 +121,7 @@ def take_lock(host: Host, settings: Mapping[str, Any], path: str = LOCK_PATH, re
 
 
 def keep_lock(host: Host, lock: HostLock) -> None:
-    """Hold `lock` for the run, let go on disconnect."""
+    """Hold `lock` for the run; pyinfra's disconnect lets it go."""
     host_run(host).lock = lock
     if not any(isinstance(h, _ReleaseOnDisconnect) for h in host.state.callback_handlers):
         host.state.add_callback_handler(_ReleaseOnDisconnect())
@@ -140,7 +134,7 @@ class _ReleaseOnDisconnect(BaseStateCallback):
 
 
 def check_lock(host: Host) -> None:
-    """Raise LockLost when this run took the host's lock and lost it."""
+    """Raise LockLost when this run lost the host's lock."""
     lock = host_run(host).lock
     if lock is not None:
         lock.check()
@@ -157,7 +151,7 @@ def still_locked(state: State, host: Host) -> bool:
 
 
 def still_held_test(host: Host) -> str | None:
-    """A shell test, true while the lock file names this run, to guard a write in its own shell; None: no lock."""
+    """A shell test: the lock file names this run. None without a lock."""
     lock = host_run(host).lock
     if lock is None:
         return None
@@ -165,7 +159,7 @@ def still_held_test(host: Host) -> str | None:
 
 
 def while_held(host: Host, command: str, refusal: str) -> str:
-    """Shell: `command` while the lock file names this run, else `refusal` and exit 1."""
+    """`command` while the lock file names this run, else `refusal` and exit 1."""
     held = still_held_test(host)
     if held is None:
         return command
@@ -173,7 +167,6 @@ def while_held(host: Host, command: str, refusal: str) -> str:
 
 
 def release_locks(state: State, names: Iterable[str] | None = None, wait: bool = True) -> None:
-    """Let go of the run's host locks, or of the hosts named."""
     context = _RUNS.get(state)
     if context is None:
         return

@@ -1,11 +1,9 @@
-"""A secret on its way through pyinfra, which logs operation arguments. Only the code writing it to the host calls
-reveal()."""
+"""A secret passed through pyinfra, which logs operation arguments; only the write to the host calls reveal()."""
 
 from __future__ import annotations
 
 
 class Hidden:
-    """A secret value that never shows in a repr, a str, or pyinfra's logs."""
 
     __slots__ = ("_value",)
 

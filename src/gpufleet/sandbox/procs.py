@@ -12,11 +12,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
+from gpufleet.errors import GpufleetError
+
 log = logging.getLogger("gpufleet.sandbox")
 T = TypeVar("T")
 
 
-class SandboxError(RuntimeError):
+class SandboxError(GpufleetError, RuntimeError):
     """A sandbox step failed; the message is one line a user can act on."""
 
 
