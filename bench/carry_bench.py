@@ -37,10 +37,13 @@ DEPLOY = REPO / "deploys" / "qwen35.py"
 
 
 def config() -> FleetConfig:
-    return FleetConfig(name="cbench", bridge="gf-cbench", net="10.213.9", host_prefix="gfcb",
-                       state_dir=Path("/var/lib/gpufleet/cbench"))
-
-
+    return FleetConfig(
+        name="cbench",
+        bridge="gf-cbench",
+        net="10.213.9",
+        host_prefix="gfcb",
+        state_dir=Path("/var/lib/gpufleet/cbench"),
+    )
 
 
 def main() -> int:
@@ -53,30 +56,51 @@ def main() -> int:
     try:
         hosts = fleet.add_hosts([H200x3] * args.hosts, first=1)
         image = f"{fleet.cfg.registry}/{REPOSITORY}:bench"
-        data = {"vllm_ready_timeout": 120, "vllm_ready_soak_s": 5,
-                "vllm_env": {"STANDIN_COMPILE_SECONDS": str(args.compile_seconds)}}
+        data = {
+            "vllm_ready_timeout": 120,
+            "vllm_ready_soak_s": 5,
+            "vllm_env": {"STANDIN_COMPILE_SECONDS": str(args.compile_seconds)},
+        }
         inventory = fleet.cfg.state_dir / "carry_bench_hosts.py"
         inventory.write_text(
             "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
             f"gpuhosts = [(n, {{**d, **{data!r}, 'vllm_image': {image!r}}}) for n, d in "
-            f"pyinfra_hosts({str(fleet.write_inventory())!r}) if n in {[h.name for h in hosts]!r}]\n")
+            f"pyinfra_hosts({str(fleet.write_inventory())!r}) if n in {[h.name for h in hosts]!r}]\n"
+        )
         move_tag(fleet.cfg.registry, "bench", "good")
         subprocess.run([PYINFRA, "-y", str(inventory), str(DEPLOY)], check=True, capture_output=True, timeout=900)
         move_tag(fleet.cfg.registry, "bench", "good-next")
         t0 = time.monotonic()
-        result = roll_out(str(inventory), None, SwapOptions(deploy_file=DEPLOY, canary=1, batch=1),
-                          lambda *_: True, lambda names: Progress(names))
+        result = roll_out(
+            str(inventory),
+            None,
+            SwapOptions(deploy_file=DEPLOY, canary=1, batch=1),
+            lambda *_: True,
+            lambda names: Progress(names),
+        )
         total = time.monotonic() - t0
         rows = []
         for outcome in result.outcomes:
             carried = result.carried.get(outcome.host)
-            rows.append({"host": outcome.host, "outcome": outcome.outcome.value, "downtime_s": outcome.downtime_s,
-                         **({k: v for k, v in dataclasses.asdict(carried).items() if k != "entries"}
-                            if carried else {}),
-                         "entries": list(carried.entries) if carried else []})
-        doc = {"when": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "hosts": args.hosts,
-               "compile_seconds": args.compile_seconds, "stand_in_load_seconds": 2, "canary": 1, "batch": 1,
-               "total_s": round(total, 1), "rows": rows}
+            rows.append(
+                {
+                    "host": outcome.host,
+                    "outcome": outcome.outcome.value,
+                    "downtime_s": outcome.downtime_s,
+                    **({k: v for k, v in dataclasses.asdict(carried).items() if k != "entries"} if carried else {}),
+                    "entries": list(carried.entries) if carried else [],
+                }
+            )
+        doc = {
+            "when": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "hosts": args.hosts,
+            "compile_seconds": args.compile_seconds,
+            "stand_in_load_seconds": 2,
+            "canary": 1,
+            "batch": 1,
+            "total_s": round(total, 1),
+            "rows": rows,
+        }
         out = REPO / "bench" / "results" / f"carry-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
         out.write_text(json.dumps(doc, indent=1) + "\n")
         print(json.dumps(doc, indent=1))

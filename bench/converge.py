@@ -20,8 +20,9 @@ def converge_fresh_hosts(inventory: Path, what: str = "converge") -> None:
         converge_fresh_hosts(out_dir / "inventory-4.py", "converge of 4 hosts")
     """
     for _ in range(ATTEMPTS):
-        proc = subprocess.run([PYINFRA, "-y", str(inventory), str(DEPLOY)], capture_output=True, text=True,
-                              timeout=1800)
+        proc = subprocess.run(
+            [PYINFRA, "-y", str(inventory), str(DEPLOY)], capture_output=True, text=True, timeout=1800
+        )
         if proc.returncode == 0:
             return
         time.sleep(3)

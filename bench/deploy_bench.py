@@ -55,9 +55,19 @@ ANSIBLE_VENV = CACHE_DIR / f"bench-ansible-{ANSIBLE_VERSION}" / "venv"
 # Ansible's managed-node requirements that a stock Debian server image has and the test hosts' minimal rootfs and
 # local mirror lack: python3-apt (ansible.builtin.apt) and python3-requests (community.docker). Fetched once from the
 # machine's Debian mirror (same release as the hosts) and installed on every fresh host, gpufleet's too, untimed.
-PEER_HOST_DEBS = ("python3-apt", "python-apt-common", "distro-info-data", "python3-requests", "python3-urllib3",
-                  "python3-idna", "python3-certifi", "python3-charset-normalizer", "python3-chardet", "python3-six",
-                  "python3-pkg-resources")
+PEER_HOST_DEBS = (
+    "python3-apt",
+    "python-apt-common",
+    "distro-info-data",
+    "python3-requests",
+    "python3-urllib3",
+    "python3-idna",
+    "python3-certifi",
+    "python3-charset-normalizer",
+    "python3-chardet",
+    "python3-six",
+    "python3-pkg-resources",
+)
 DEBS_DIR = CACHE_DIR / "bench-peer-debs"
 HOST_DEBS_DIR = "/var/cache/bench-peer-debs"
 # The stand-in image's model (what its `hf download` serves, also baked into the image) and vLLM's default port.
@@ -65,8 +75,9 @@ STANDIN_MODEL_DIR = f"/opt/gpufleet-standin/hub/{MODEL_REPO}"
 
 
 def bench_config() -> FleetConfig:
-    return FleetConfig(name="bench", bridge="gf-bench", net="10.213.3", host_prefix="gfb",
-                       state_dir=Path("/var/lib/gpufleet/bench"))
+    return FleetConfig(
+        name="bench", bridge="gf-bench", net="10.213.3", host_prefix="gfb", state_dir=Path("/var/lib/gpufleet/bench")
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- setup
@@ -75,8 +86,9 @@ def ensure_ansible() -> Path:
     if not playbook_bin.exists():
         print(f"installing ansible {ANSIBLE_VERSION} into {ANSIBLE_VENV} (once)", flush=True)
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(ANSIBLE_VENV)], check=True)
-        subprocess.run([str(ANSIBLE_VENV / "bin" / "pip"), "install", "-q", f"ansible=={ANSIBLE_VERSION}"],
-                       check=True, timeout=900)
+        subprocess.run(
+            [str(ANSIBLE_VENV / "bin" / "pip"), "install", "-q", f"ansible=={ANSIBLE_VERSION}"], check=True, timeout=900
+        )
     return playbook_bin
 
 
@@ -85,8 +97,13 @@ def ensure_peer_debs() -> list[Path]:
     if len(debs) < len(PEER_HOST_DEBS):
         DEBS_DIR.mkdir(parents=True, exist_ok=True)
         shutil.chown(DEBS_DIR, "_apt")  # apt-get download drops to _apt
-        subprocess.run(["apt-get", "download", "-q", *PEER_HOST_DEBS], cwd=DEBS_DIR, check=True, timeout=300,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["apt-get", "download", "-q", *PEER_HOST_DEBS],
+            cwd=DEBS_DIR,
+            check=True,
+            timeout=300,
+            stdout=subprocess.DEVNULL,
+        )
         debs = sorted(DEBS_DIR.glob("*.deb"))
     return debs
 
@@ -111,11 +128,16 @@ def write_inventories(fleet: Fleet, hosts: list[Host]) -> tuple[Path, Path]:
     pyinfra_inv.write_text(
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"gpuhosts = [(n, {{**{BENCH_DATA!r}, **d}}) for n, d in pyinfra_hosts({str(inventory_json)!r}) "
-        f"if n in {names!r}]\n")
+        f"if n in {names!r}]\n"
+    )
     ansible_inv = state / "inventory-bench.ini"
-    ansible_inv.write_text("[gpuhosts]\n" + "".join(
-        f"{h.name} ansible_host={h.ip} ansible_user=deploy ansible_ssh_private_key_file={fleet.key}\n"
-        for h in hosts))
+    ansible_inv.write_text(
+        "[gpuhosts]\n"
+        + "".join(
+            f"{h.name} ansible_host={h.ip} ansible_user=deploy ansible_ssh_private_key_file={fleet.key}\n"
+            for h in hosts
+        )
+    )
     return pyinfra_inv, ansible_inv
 
 
@@ -124,7 +146,7 @@ def peer_vars(cfg: FleetConfig) -> dict:
     return {
         "docker_repo_base": f"{cfg.docker_repo_url}/debian",
         "docker_apt_line": f"deb [arch=amd64 signed-by=/etc/apt/keyrings/docker.asc] {cfg.docker_repo_url}/debian "
-                           "bookworm stable",
+        "bookworm stable",
         "nvidia_repo_base": cfg.nvidia_repo_url,
         "vllm_image": image_ref(cfg, "nightly"),
         "vllm_args": f"{STANDIN_MODEL_DIR} --port 8000",
@@ -177,37 +199,46 @@ class Runner:
         state = fleet.cfg.state_dir
         self.vars_file = state / "peer-vars.json"
         self.vars_file.write_text(json.dumps(peer_vars(fleet.cfg)))
-        self.ansible_env = {**os.environ, "ANSIBLE_CONFIG": str(PEER / "ansible.cfg"),
-                            "ANSIBLE_HOME": str(state / "ansible-home"), "ANSIBLE_NOCOLOR": "1",
-                            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(state / "ansible-cp")}
+        self.ansible_env = {
+            **os.environ,
+            "ANSIBLE_CONFIG": str(PEER / "ansible.cfg"),
+            "ANSIBLE_HOME": str(state / "ansible-home"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(state / "ansible-cp"),
+        }
         self.pyinfra_inv = self.ansible_inv = Path()
 
     def use(self, hosts: list[Host]) -> None:
         self.n = len(hosts)
         self.pyinfra_inv, self.ansible_inv = write_inventories(self.fleet, hosts)
 
-    def _timed(self, argv: list[str], parse_changes: Callable[[str], int], env: dict | None = None,
-               cwd: Path | None = None) -> Run:
+    def _timed(
+        self, argv: list[str], parse_changes: Callable[[str], int], env: dict | None = None, cwd: Path | None = None
+    ) -> Run:
         cpu0, busy0, t0 = children_cpu(), machine_busy(), time.monotonic()
-        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
-                              env=env, cwd=cwd)
+        proc = subprocess.run(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=env, cwd=cwd
+        )
         elapsed, cpu, busy = time.monotonic() - t0, children_cpu() - cpu0, machine_busy() - busy0
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(argv)} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}")
         return Run(elapsed, cpu, parse_changes(proc.stdout), busy)
 
     def floor(self) -> Run:
-        return self._timed([PYINFRA, "-y", str(self.pyinfra_inv), "exec", "--", "true"], lambda _out: 0,
-                           env=self.pyinfra_env)
+        return self._timed(
+            [PYINFRA, "-y", str(self.pyinfra_inv), "exec", "--", "true"], lambda _out: 0, env=self.pyinfra_env
+        )
 
     def gpufleet(self) -> Run:
-        return self._timed([PYINFRA, "-y", str(self.pyinfra_inv), self.deploy], pyinfra_changes,
-                           env=self.pyinfra_env)
+        return self._timed([PYINFRA, "-y", str(self.pyinfra_inv), self.deploy], pyinfra_changes, env=self.pyinfra_env)
 
     def ansible(self) -> Run:
-        return self._timed([str(self.playbook_bin), "-i", str(self.ansible_inv), "playbook.yml", "-e",
-                            f"@{self.vars_file}"], lambda out: ansible_changes(out, self.n), env=self.ansible_env,
-                           cwd=PEER)
+        return self._timed(
+            [str(self.playbook_bin), "-i", str(self.ansible_inv), "playbook.yml", "-e", f"@{self.vars_file}"],
+            lambda out: ansible_changes(out, self.n),
+            env=self.ansible_env,
+            cwd=PEER,
+        )
 
     def sudo_per_host(self, hosts: list[Host], tool) -> float:
         """Run `tool` once more and count the sudo invocations it made on each host (the hosts' journals): the
@@ -216,10 +247,16 @@ class Runner:
         tool()
         time.sleep(1)  # let journald take the last lines
         # journalctl exits 1 when no entry matches (the floor runs nothing as root)
-        logs = [self.fleet.run_in(h, f"journalctl -q --no-pager -o short-unix _COMM=sudo --since @{int(t0)}",
-                                  check=False).stdout for h in hosts]
-        return statistics.mean(sum(1 for line in log.splitlines() if "COMMAND=" in line and
-                                   float(line.split(" ", 1)[0]) >= t0) for log in logs)
+        logs = [
+            self.fleet.run_in(
+                h, f"journalctl -q --no-pager -o short-unix _COMM=sudo --since @{int(t0)}", check=False
+            ).stdout
+            for h in hosts
+        ]
+        return statistics.mean(
+            sum(1 for line in log.splitlines() if "COMMAND=" in line and float(line.split(" ", 1)[0]) >= t0)
+            for log in logs
+        )
 
 
 def pyinfra_changes(output: str) -> int:
@@ -286,24 +323,33 @@ def measure(fleet: Fleet, runner: Runner, n: int, debs: list[Path], repeat: int,
             gf.append(must_be_noop("gpufleet", n, runner.gpufleet()))
     for _ in range(repeat):
         ans.append(must_be_noop("ansible", n, runner.ansible()))
-    row.update(floor=floor, gf_noop=gf, ans_noop=ans, sudo={
-        "floor": runner.sudo_per_host(hosts, runner.floor),
-        "gpufleet": runner.sudo_per_host(hosts, lambda: must_be_noop("gpufleet", n, runner.gpufleet())),
-        "ansible": runner.sudo_per_host(hosts, lambda: must_be_noop("ansible", n, runner.ansible())),
-    })
+    row.update(
+        floor=floor,
+        gf_noop=gf,
+        ans_noop=ans,
+        sudo={
+            "floor": runner.sudo_per_host(hosts, runner.floor),
+            "gpufleet": runner.sudo_per_host(hosts, lambda: must_be_noop("gpufleet", n, runner.gpufleet())),
+            "ansible": runner.sudo_per_host(hosts, lambda: must_be_noop("ansible", n, runner.ansible())),
+        },
+    )
     fleet.remove_hosts()
     f, g, a = (statistics.median(r.wall for r in x) for x in (floor, gf, ans))
-    print(f"  {n} host(s): floor {f:.2f}s  gpufleet no-op {g:.2f}s ({g / f:.2f}x)  "
-          f"ansible no-op {a:.2f}s ({a / f:.2f}x)", flush=True)
+    print(
+        f"  {n} host(s): floor {f:.2f}s  gpufleet no-op {g:.2f}s ({g / f:.2f}x)  ansible no-op {a:.2f}s ({a / f:.2f}x)",
+        flush=True,
+    )
     return row
 
 
 def report(rows: list[dict], args: argparse.Namespace, load: tuple[str, str], started: str, code: str) -> str:
     med = statistics.median
     lines = [
-        f"# deploy bench {started}", "",
+        f"# deploy bench {started}",
+        "",
         f"nspawn test hosts (3x H200 stand-ins, stand-in vLLM image) on this machine ({os.cpu_count()} cores). "
-        f"Load average at start: {load[0]}; at end: {load[1]}. Code: {code}.", "",
+        f"Load average at start: {load[0]}; at end: {load[1]}. Code: {code}.",
+        "",
         *([args.note, ""] if args.note else []),
         f"- floor: `pyinfra -y INV exec -- true`; gpufleet: `pyinfra -y INV deploys/qwen35.py`; ansible: "
         f"bench/ansible-peer/playbook.yml (ansible {ANSIBLE_VERSION}, forks 16, pipelining, ControlPersist 60s).",
@@ -319,12 +365,16 @@ def report(rows: list[dict], args: argparse.Namespace, load: tuple[str, str], st
     for r in rows:
         f, g, a = (med(x.wall for x in r[k]) for k in ("floor", "gf_noop", "ans_noop"))
         paired = med(gx.wall / fx.wall for fx, gx in zip(r["floor"], r["gf_noop"], strict=True))
-        lines.append(f"| {r['n']} | {f:.2f} | {g:.2f} | {g / f:.2f}x | {paired:.2f}x | {a:.2f} | {a / f:.2f}x "
-                     f"| {cold(r['gf_cold'])} | {cold(r['ans_cold'])} |")
+        lines.append(
+            f"| {r['n']} | {f:.2f} | {g:.2f} | {g / f:.2f}x | {paired:.2f}x | {a:.2f} | {a / f:.2f}x "
+            f"| {cold(r['gf_cold'])} | {cold(r['ans_cold'])} |"
+        )
     lines += [
-        "", "Where the no-op time goes: controller CPU (user+sys seconds of the tool's process tree, median of the "
+        "",
+        "Where the no-op time goes: controller CPU (user+sys seconds of the tool's process tree, median of the "
         "same runs) and commands run as root on each host per run (sudo lines in the host's journal, one extra "
-        "run each after the timed ones, mean over hosts).", "",
+        "run each after the timed ones, mean over hosts).",
+        "",
         "| hosts | floor CPU (s) | gpufleet CPU (s) | ansible CPU (s) | floor sudo/host | gpufleet sudo/host "
         "| ansible sudo/host |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -332,12 +382,16 @@ def report(rows: list[dict], args: argparse.Namespace, load: tuple[str, str], st
     for r in rows:
         f, g, a = (med(x.cpu for x in r[k]) for k in ("floor", "gf_noop", "ans_noop"))
         sudo = r["sudo"]
-        lines.append(f"| {r['n']} | {f:.2f} | {g:.2f} | {a:.2f} | {sudo['floor']:.1f} | {sudo['gpufleet']:.1f} "
-                     f"| {sudo['ansible']:.1f} |")
+        lines.append(
+            f"| {r['n']} | {f:.2f} | {g:.2f} | {a:.2f} | {sudo['floor']:.1f} | {sudo['gpufleet']:.1f} "
+            f"| {sudo['ansible']:.1f} |"
+        )
     lines += [
-        "", "The whole machine's busy CPU during the same runs (median, seconds over all cores: the controller, the "
+        "",
+        "The whole machine's busy CPU during the same runs (median, seconds over all cores: the controller, the "
         "hosts' programs, sshd and services, which share this machine's cores) and how many of its "
-        f"{os.cpu_count()} cores that kept busy on average over the run (CPU / wall).", "",
+        f"{os.cpu_count()} cores that kept busy on average over the run (CPU / wall).",
+        "",
         "| hosts | floor machine CPU (s) | gpufleet machine CPU (s) | of which not the controller | floor cores busy "
         "| gpufleet cores busy |",
         "|---:|---:|---:|---:|---:|---:|",
@@ -349,10 +403,12 @@ def report(rows: list[dict], args: argparse.Namespace, load: tuple[str, str], st
         lines.append(f"| {r['n']} | {fm:.2f} | {gm:.2f} | {hosts_share:.2f} | {fb:.2f} | {gb:.2f} |")
     lines += ["", "Raw runs (wall seconds):", ""]
     for r in rows:
-        lines.append(f"- {r['n']} host(s): floor {fmt(r['floor'])}; gpufleet no-op {fmt(r['gf_noop'])}; "
-                     f"ansible no-op {fmt(r['ans_noop'])}; gpufleet cold {fmt(r['gf_cold'])} "
-                     f"({r.get('gf_cold_changes', '-')} changes); ansible cold {fmt(r['ans_cold'])} "
-                     f"(changed={r.get('ans_cold_changes', '-')})")
+        lines.append(
+            f"- {r['n']} host(s): floor {fmt(r['floor'])}; gpufleet no-op {fmt(r['gf_noop'])}; "
+            f"ansible no-op {fmt(r['ans_noop'])}; gpufleet cold {fmt(r['gf_cold'])} "
+            f"({r.get('gf_cold_changes', '-')} changes); ansible cold {fmt(r['ans_cold'])} "
+            f"(changed={r.get('ans_cold_changes', '-')})"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -367,12 +423,14 @@ def fmt(xs: list) -> str:
 def code_state(rev: str | None) -> str:
     """The commit timed; without --rev, also whether the working tree (what then runs) differed from it."""
     git = ["git", "-C", str(REPO)]
-    commit = subprocess.run([*git, "rev-parse", "--short", rev or "HEAD"], capture_output=True, text=True,
-                            check=True).stdout.strip()
+    commit = subprocess.run(
+        [*git, "rev-parse", "--short", rev or "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     if rev:
         return f"commit {commit} (--rev {rev})"
-    dirty = subprocess.run([*git, "status", "--porcelain", "--", "src", "deploys"], capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "src", "deploys"], capture_output=True, text=True
+    ).stdout.strip()
     return f"working tree at {commit}{' with uncommitted changes in src/ or deploys/' if dirty else ''}"
 
 
@@ -384,8 +442,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeat", type=int, default=7, help="interleaved floor / no-op runs per size (median)")
-    parser.add_argument("--cold-repeat", type=int, default=1,
-                        help="cold runs per tool per size, fresh hosts each (0: no-op figures only)")
+    parser.add_argument(
+        "--cold-repeat",
+        type=int,
+        default=1,
+        help="cold runs per tool per size, fresh hosts each (0: no-op figures only)",
+    )
     parser.add_argument("--note", default="", help="a line for the result file's header (e.g. what else ran)")
     parser.add_argument("--rev", help="time this git revision (e.g. HEAD) instead of the working tree")
     args = parser.parse_args()

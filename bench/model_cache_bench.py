@@ -43,8 +43,13 @@ MODEL_DIR = f"{merged_settings({})['vllm_models_dir']}/{merged_settings({})['vll
 
 
 def config() -> FleetConfig:
-    return FleetConfig(name="mcbench", bridge="gf-mcbench", net="10.213.20", host_prefix="gfmc",
-                       state_dir=Path("/var/lib/gpufleet/mcbench"))
+    return FleetConfig(
+        name="mcbench",
+        bridge="gf-mcbench",
+        net="10.213.20",
+        host_prefix="gfmc",
+        state_dir=Path("/var/lib/gpufleet/mcbench"),
+    )
 
 
 def write_inventory(fleet: Fleet, path: Path, **extra: object) -> None:
@@ -61,8 +66,9 @@ def step(fleet: Fleet, inventory: Path, what: str, names: list[str], size: int) 
     start = time.monotonic()
     for attempt in range(3):  # just-booted hosts may refuse the first SSH connection
         limit = [a for n in names for a in ("--limit", n)]
-        proc = subprocess.run([PYINFRA, "-y", *limit, str(inventory), str(DEPLOY)],
-                              capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(
+            [PYINFRA, "-y", *limit, str(inventory), str(DEPLOY)], capture_output=True, text=True, timeout=1800
+        )
         if proc.returncode == 0:
             break
         if attempt == 2:
@@ -72,9 +78,15 @@ def step(fleet: Fleet, inventory: Path, what: str, names: list[str], size: int) 
     served = standin_hub.served_bytes(log, before)
     ips = {h.ip: h.name for h in fleet.hosts()}
     marks = {n: fleet.run_in(n, f"cat {MODEL_DIR}/{MARKER}", check=False).stdout.strip() for n in names}
-    return {"step": what, "hosts": names, "hub_bytes": sum(served.values()), "model_bytes": size,
-            "by_client": {ips.get(ip, ip): b for ip, b in sorted(served.items())}, "marks": marks,
-            "wall_s": round(wall, 1)}
+    return {
+        "step": what,
+        "hosts": names,
+        "hub_bytes": sum(served.values()),
+        "model_bytes": size,
+        "by_client": {ips.get(ip, ip): b for ip, b in sorted(served.items())},
+        "marks": marks,
+        "wall_s": round(wall, 1),
+    }
 
 
 def main() -> None:
@@ -100,28 +112,43 @@ def main() -> None:
         first, later = [h.name for h in hosts[:-1]], [hosts[-1].name]
         inventory = out_dir / "inventory.py"
         write_inventory(fleet, inventory)
-        rows.append(step(fleet, inventory, f"first converge of {len(first)} hosts, site cache on {first[0]}",
-                         first, size))
+        rows.append(
+            step(fleet, inventory, f"first converge of {len(first)} hosts, site cache on {first[0]}", first, size)
+        )
         print(json.dumps(rows[-1]), flush=True)
         rows.append(step(fleet, inventory, "a host added later", later, size))
         print(json.dumps(rows[-1]), flush=True)
         for name in first:
             fleet.run_in(name, f"rm -rf {MODEL_DIR}")
         write_inventory(fleet, inventory, site_cache_address="off")
-        rows.append(step(fleet, inventory, f"the same {len(first)} hosts without the mirror (site_cache_address "
-                         "\"off\"), model directories emptied", first, size))
+        rows.append(
+            step(
+                fleet,
+                inventory,
+                f'the same {len(first)} hosts without the mirror (site_cache_address "off"), model directories emptied',
+                first,
+                size,
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
     finally:
         fleet.stop()
-    lines = [f"# gpufleet model cache bench {stamp}", "",
-             f"`pyinfra -y INV deploys/qwen35.py` on fresh stand-in hosts (bench/model_cache_bench.py; settings "
-             f"{DATA}). The stand-in hub's model: the tiny model plus one shard of {args.shard_mib} MiB of seeded "
-             f"incompressible bytes, {size} bytes in all. Hub bytes: the body bytes of `resolve` the hub served, "
-             "from its access log.", "",
-             "| step | hub bytes | / the model's bytes | by client | wall |", "|---|---|---|---|---|"]
+    lines = [
+        f"# gpufleet model cache bench {stamp}",
+        "",
+        f"`pyinfra -y INV deploys/qwen35.py` on fresh stand-in hosts (bench/model_cache_bench.py; settings "
+        f"{DATA}). The stand-in hub's model: the tiny model plus one shard of {args.shard_mib} MiB of seeded "
+        f"incompressible bytes, {size} bytes in all. Hub bytes: the body bytes of `resolve` the hub served, "
+        "from its access log.",
+        "",
+        "| step | hub bytes | / the model's bytes | by client | wall |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['step']} | {r['hub_bytes']} | {int(r['hub_bytes']) / size:.2f} | {r['by_client']} | "
-                     f"{r['wall_s']} s |")
+        lines.append(
+            f"| {r['step']} | {r['hub_bytes']} | {int(r['hub_bytes']) / size:.2f} | {r['by_client']} | "
+            f"{r['wall_s']} s |"
+        )
     lines += ["", "Each host's model directory was checked at (its `.gpufleet-model` mark):", ""]
     for r in rows:
         lines.append(f"- {r['step']}: {r['marks']}")

@@ -52,9 +52,13 @@ TRACED = Path(__file__).with_name("pyinfra_traced.py")
 def commands_sent(runner: Runner) -> dict[str, list[dict]]:
     """host -> the commands a no-op converge sent it ({"command", "seconds"}), in order."""
     trace = runner.fleet.cfg.state_dir / "trace.json"
-    proc = subprocess.run([sys.executable, str(TRACED), "-y", str(runner.pyinfra_inv), runner.deploy],
-                          capture_output=True, text=True, env={**runner.pyinfra_env, "BENCH_TRACE": str(trace)},
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(TRACED), "-y", str(runner.pyinfra_inv), runner.deploy],
+        capture_output=True,
+        text=True,
+        env={**runner.pyinfra_env, "BENCH_TRACE": str(trace)},
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"no-op converge failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     sent: dict[str, list[dict]] = {}
@@ -82,8 +86,10 @@ def section_times(fleet: Fleet, host: Host, repeat: int) -> list[tuple[str, floa
     # The ledger reader's lines and the end marker are shell of their own, not calls of the snapshot's functions.
     functions = set(re.findall(r"^(\w+)\(\)", SCRIPT, re.MULTILINE))
     names = [call.split(None, 1)[0] if call.split(None, 1)[0] in functions else "(ledger, end)" for call in calls]
-    timed = [f"s=$(date +%s%N); {{ {call}\n}} >/dev/null 2>&1; e=$(date +%s%N); echo \"@@t {i} $((e - s))\""
-             for i, call in enumerate(calls)]
+    timed = [
+        f's=$(date +%s%N); {{ {call}\n}} >/dev/null 2>&1; e=$(date +%s%N); echo "@@t {i} $((e - s))"'
+        for i, call in enumerate(calls)
+    ]
     command = script(timed)
     runs: list[list[float]] = [[] for _ in calls]
     for _ in range(repeat):
@@ -115,10 +121,12 @@ def main() -> int:
         hosts = boot(fleet, args.hosts, ensure_peer_debs())
         runner.use(hosts)
         runner.gpufleet()  # cold converge, untimed
-        table = ["| hosts in the run | floor wall (s) | no-op wall (s) | no-op CPU (s) | commands per host "
-                 "| round trip per command, controller (s) | command on its host alone (s) "
-                 "| same, on all hosts at once (s) |",
-                 "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        table = [
+            "| hosts in the run | floor wall (s) | no-op wall (s) | no-op CPU (s) | commands per host "
+            "| round trip per command, controller (s) | command on its host alone (s) "
+            "| same, on all hosts at once (s) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for subset in (hosts[:1], hosts):
             runner.use(subset)
             sent = commands_sent(runner)
@@ -130,35 +138,48 @@ def main() -> int:
             traced = [e["command"] for e in sent.get(first.name, [])]
             commands = traced + [f"sudo sh -c {shlex.quote(script(snapshot_steps(fleet, first)))}"]
             # per command position: median over the hosts of the traced run
-            trips = [statistics.median(sent[h.name][i]["seconds"] for h in subset
-                                       if len(sent.get(h.name, [])) > i) for i in range(len(traced))]
+            trips = [
+                statistics.median(sent[h.name][i]["seconds"] for h in subset if len(sent.get(h.name, [])) > i)
+                for i in range(len(traced))
+            ]
             alone = [[time_on_host(fleet, first, c) for _ in range(args.repeat)] for c in commands]
             with ThreadPoolExecutor(len(subset)) as pool:
-                together = [[t for _ in range(args.repeat)
-                             for t in pool.map(lambda h, c=c: time_on_host(fleet, h, c), subset)] for c in commands]
+                together = [
+                    [t for _ in range(args.repeat) for t in pool.map(lambda h, c=c: time_on_host(fleet, h, c), subset)]
+                    for c in commands
+                ]
             table.append(
                 f"| {len(subset)} | {floor:.2f} | {statistics.median(r.wall for r in noops):.2f} "
                 f"| {statistics.median(r.cpu for r in noops):.2f} | {'/'.join(map(str, counts))} "
                 f"| {' + '.join(f'{t:.3f}' for t in trips) or '-'} "
                 f"| {' + '.join(f'{statistics.median(t):.3f}' for t in alone)} "
-                f"| {' + '.join(f'{statistics.median(t):.3f}' for t in together)} |")
+                f"| {' + '.join(f'{statistics.median(t):.3f}' for t in together)} |"
+            )
             print(table[-1], flush=True)
         sections = section_times(fleet, hosts[0], args.repeat)
         lines = [
-            f"# no-op breakdown {started}", "",
+            f"# no-op breakdown {started}",
+            "",
             f"{args.hosts} nspawn test hosts on this machine; load average at start {load_start}, at end "
-            f"{loadavg()}. Code: {code}. Medians of {args.repeat}.", "",
+            f"{loadavg()}. Code: {code}. Medians of {args.repeat}.",
+            "",
             "Commands per host: what a no-op `pyinfra -y INV deploys/qwen35.py` sent each host through pyinfra "
             "(recorded in pyinfra's SSH connector; the host lock's channel, which also runs the snapshot, is not "
             "in it); round trip: from sending each to its exit status, as pyinfra saw it (median over hosts). "
             "Command times: those commands and then the snapshot run again over SSH but timed with the host's own "
             "clock (no SSH in it), on the first host alone and on every host of the run at once (median over "
-            "hosts and runs).", "", *table, "",
+            "hosts and runs).",
+            "",
+            *table,
+            "",
             f"The snapshot command's sections on {hosts[0].name} alone (host clock around each line, medians of "
-            f"{args.repeat}; `(setup)`: the lines before the first section; a `date` pair costs about 1 ms):", "",
-            "| section | host time (ms) |", "|---|---:|",
+            f"{args.repeat}; `(setup)`: the lines before the first section; a `date` pair costs about 1 ms):",
+            "",
+            "| section | host time (ms) |",
+            "|---|---:|",
             *(f"| {name} | {seconds * 1000:.1f} |" for name, seconds in sections),
-            f"| total | {sum(s for _, s in sections) * 1000:.1f} |", "",
+            f"| total | {sum(s for _, s in sections) * 1000:.1f} |",
+            "",
         ]
     finally:
         fleet.stop()

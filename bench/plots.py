@@ -32,6 +32,7 @@ ROLLOUT_SVG = "rollout-downtime.svg"
 
 # --- reading the results (standard library only: the unit test runs this part) -----------------------------------
 
+
 def md_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
     """Every pipe table in a markdown text: (header cells, body rows), the separator row dropped."""
     tables: list[tuple[list[str], list[list[str]]]] = []
@@ -126,13 +127,15 @@ def setup() -> Any:
     import matplotlib
 
     matplotlib.use("svg")
-    matplotlib.rcParams.update({
-        "svg.hashsalt": "gpufleet-bench",   # the same ids on every run
-        "svg.fonttype": "none",             # text stays text: small files, no glyph paths
-        "font.size": 9,
-        "axes.spines.top": False,
-        "axes.spines.right": False,
-    })
+    matplotlib.rcParams.update(
+        {
+            "svg.hashsalt": "gpufleet-bench",  # the same ids on every run
+            "svg.fonttype": "none",  # text stays text: small files, no glyph paths
+            "font.size": 9,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+        }
+    )
     import matplotlib.pyplot as plt
 
     return plt
@@ -161,23 +164,34 @@ def draw_noop(plt: Any, source: Path) -> Path:
     assert table is not None
     hosts = [int(h) for h in table["hosts"]]  # type: ignore[arg-type]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
-    for key, label, colour in (("floor (s)", "floor: pyinfra exec -- true", FLOOR),
-                               ("gpufleet no-op (s)", "gpufleet no-op converge", GPUFLEET),
-                               ("ansible no-op (s)", "Ansible peer, no-op", ANSIBLE)):
+    for key, label, colour in (
+        ("floor (s)", "floor: pyinfra exec -- true", FLOOR),
+        ("gpufleet no-op (s)", "gpufleet no-op converge", GPUFLEET),
+        ("ansible no-op (s)", "Ansible peer, no-op", ANSIBLE),
+    ):
         left.plot(hosts, table[key], marker="o", color=colour, label=label)
     left.set_yscale("log")
     left.set_title("No-op converge, wall time (median)")
     left.set_ylabel("seconds (log scale)")
     left.legend(frameon=False, fontsize=8)
     right.axhline(1.0, color=FLOOR, linestyle="--", linewidth=1, label="floor = 1x")
-    for key, label, colour in (("gpufleet / floor", "gpufleet / floor", GPUFLEET),
-                               ("ansible / floor", "Ansible / floor", ANSIBLE)):
+    for key, label, colour in (
+        ("gpufleet / floor", "gpufleet / floor", GPUFLEET),
+        ("ansible / floor", "Ansible / floor", ANSIBLE),
+    ):
         values = table[key]
         right.plot(hosts, values, marker="o", color=colour, label=label)
         for x, y in zip(hosts, values, strict=True):
             if y is not None:
-                right.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
-                               fontsize=7, color=colour)
+                right.annotate(
+                    f"{y:.2f}x",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize=7,
+                    color=colour,
+                )
     right.set_yscale("log")
     plain_log_ticks(left, (0.5, 1, 2, 5, 10, 20, 50), "{:g} s")
     plain_log_ticks(right, (1, 2, 5, 10, 20, 50), "{:g}x")
@@ -205,9 +219,13 @@ def candidate_label(name: str, candidate: dict[str, Any]) -> str:
 def draw_router(plt: Any, source: Path) -> Path:
     doc = json.loads(source.read_text())
     names = list(doc["candidates"])
-    modes = (("with X-Session-ID", "with X-Session-ID", "#1f77b4"), ("without X-Session-ID", "without X-Session-ID", "#ff7f0e"))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 0.55 * len(names) + 2.0), sharey=True,
-                                      gridspec_kw={"width_ratios": [3, 2]})
+    modes = (
+        ("with X-Session-ID", "with X-Session-ID", "#1f77b4"),
+        ("without X-Session-ID", "without X-Session-ID", "#ff7f0e"),
+    )
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(10, 0.55 * len(names) + 2.0), sharey=True, gridspec_kw={"width_ratios": [3, 2]}
+    )
     height = 0.38
     ys = list(range(len(names)))
     for i, (key, label, colour) in enumerate(modes):
@@ -219,17 +237,36 @@ def draw_router(plt: Any, source: Path) -> Path:
         for y, n, h in zip(ys, names, hits, strict=True):
             share = doc["candidates"][n][key].get("share_of_one_server_same_turns")
             text = f"{h:.3f}" + (f"  ({share:.0%} of one server's hits)" if share is not None else "")
-            left.annotate(text, (h, y + offset), textcoords="offset points", xytext=(3, 0), va="center", fontsize=6.5,
-                          bbox=LABEL_BOX)
+            left.annotate(
+                text,
+                (h, y + offset),
+                textcoords="offset points",
+                xytext=(3, 0),
+                va="center",
+                fontsize=6.5,
+                bbox=LABEL_BOX,
+            )
         for y, f in zip(ys, fair, strict=True):
-            right.annotate(f"{f:.2f}", (f, y + offset), textcoords="offset points", xytext=(3, 0), va="center",
-                           fontsize=6.5, bbox=LABEL_BOX)
+            right.annotate(
+                f"{f:.2f}",
+                (f, y + offset),
+                textcoords="offset points",
+                xytext=(3, 0),
+                va="center",
+                fontsize=6.5,
+                bbox=LABEL_BOX,
+            )
     single = doc.get("single_server", {})
     for key, style in (("scale-out replicas", ":"), ("replicas", "--")):
         if key in single:
             value = single[key]["hit_ratio_later_turns"]
-            left.axvline(value, color="#555555", linestyle=style, linewidth=1,
-                         label=f"one server ({'--enable-scale-out' if key.startswith('scale') else 'plain'}): {value:.3f}")
+            left.axvline(
+                value,
+                color="#555555",
+                linestyle=style,
+                linewidth=1,
+                label=f"one server ({'--enable-scale-out' if key.startswith('scale') else 'plain'}): {value:.3f}",
+            )
     left.set_yticks(ys, [candidate_label(n, doc["candidates"][n]) for n in names], fontsize=7.5)
     left.invert_yaxis()
     left.set_xlim(0, 1.25)
@@ -245,8 +282,14 @@ def draw_router(plt: Any, source: Path) -> Path:
     right.set_title("Spread over the replicas")
     right.legend(frameon=False, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    caption(fig, source, (f"{doc['replicas']} vLLM replicas (CPU) behind vllm-router {doc['vllm_router']}; "
-                          f"{doc['agents']} agents x {doc['turns']} turns, {doc['runs_per_series']} runs per bar."))
+    caption(
+        fig,
+        source,
+        (
+            f"{doc['replicas']} vLLM replicas (CPU) behind vllm-router {doc['vllm_router']}; "
+            f"{doc['agents']} agents x {doc['turns']} turns, {doc['runs_per_series']} runs per bar."
+        ),
+    )
     return save(plt, fig, ROUTER_SVG)
 
 
@@ -259,13 +302,16 @@ def draw_rollout(plt: Any, source: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 3.8))
     width = 0.36
     xs = list(range(len(hosts)))
-    for offset, values, label, colour in ((-width / 2, median, "median host", "#1f77b4"),
-                                          (width / 2, worst, "worst host", "#ff7f0e")):
+    for offset, values, label, colour in (
+        (-width / 2, median, "median host", "#1f77b4"),
+        (width / 2, worst, "worst host", "#ff7f0e"),
+    ):
         ax.bar([x + offset for x in xs], [v or 0 for v in values], width=width, color=colour, label=label)
         for x, v in zip(xs, values, strict=True):
             if v is not None:
-                ax.annotate(f"{v:.1f} s", (x + offset, v), textcoords="offset points", xytext=(0, 3), ha="center",
-                            fontsize=8)
+                ax.annotate(
+                    f"{v:.1f} s", (x + offset, v), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8
+                )
     ax.set_xticks(xs, [f"{h} hosts\n(rollout {t})" for h, t in zip(hosts, table["total"], strict=True)])
     ax.set_ylabel("seconds /health did not answer 200")
     ax.set_title("Downtime per host during a rollout (canary 1, batch 1)")
@@ -279,16 +325,21 @@ def main() -> int:
     chosen = inputs()
     plt = setup()
     IMG.mkdir(parents=True, exist_ok=True)
-    drawn = {NOOP_SVG: draw_noop(plt, chosen[NOOP_SVG]), ROUTER_SVG: draw_router(plt, chosen[ROUTER_SVG]),
-             ROLLOUT_SVG: draw_rollout(plt, chosen[ROLLOUT_SVG])}
+    drawn = {
+        NOOP_SVG: draw_noop(plt, chosen[NOOP_SVG]),
+        ROUTER_SVG: draw_router(plt, chosen[ROUTER_SVG]),
+        ROLLOUT_SVG: draw_rollout(plt, chosen[ROLLOUT_SVG]),
+    }
     import matplotlib
 
     manifest = {
         "generator": rel(Path(__file__).resolve()),
         "generator_sha256": sha256(Path(__file__).resolve()),
         "matplotlib": matplotlib.__version__,
-        "images": {name: {"source": rel(chosen[name]), "source_sha256": sha256(chosen[name]),
-                          "sha256": sha256(path)} for name, path in sorted(drawn.items())},
+        "images": {
+            name: {"source": rel(chosen[name]), "source_sha256": sha256(chosen[name]), "sha256": sha256(path)}
+            for name, path in sorted(drawn.items())
+        },
     }
     MANIFEST.write_text(json.dumps(manifest, indent=2) + "\n")
     for name, path in sorted(drawn.items()):

@@ -38,17 +38,22 @@ REPO = Path(__file__).resolve().parents[1]
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 DATA = {"vllm_ready_timeout": 120, "vllm_ready_soak_s": 10}
 # 10.213.6.11 - - [01/Dec/2026:05:34:00 +0000] "GET /v2/vllm/vllm-openai/blobs/sha256:... HTTP/1.1" 200 1234 ...
-ACCESS = re.compile(r'^(?P<ip>\S+) \S+ \S+ \[(?P<when>[^\]]+)\] "(?P<method>\S+) (?P<path>\S+) [^"]*" (?P<status>\d+) '
-                    r'(?P<bytes>\d+|-)')
+ACCESS = re.compile(
+    r'^(?P<ip>\S+) \S+ \S+ \[(?P<when>[^\]]+)\] "(?P<method>\S+) (?P<path>\S+) [^"]*" (?P<status>\d+) '
+    r"(?P<bytes>\d+|-)"
+)
 RUN = re.compile(r"^\$ (?P<argv>.*)$", re.MULTILINE)
 WINDOW = re.compile(r"^\[exit (?P<rc>-?\d+); started (?P<start>[\d.]+); ended (?P<end>[\d.]+)\]$", re.MULTILINE)
 
 
 def config() -> FleetConfig:
-    return FleetConfig(name="rbench", bridge="gf-rbench", net="10.213.6", host_prefix="gfrb",
-                       state_dir=Path("/var/lib/gpufleet/rbench"))
-
-
+    return FleetConfig(
+        name="rbench",
+        bridge="gf-rbench",
+        net="10.213.6",
+        host_prefix="gfrb",
+        state_dir=Path("/var/lib/gpufleet/rbench"),
+    )
 
 
 def deploy_runs(log: Path) -> list[tuple[list[str], bool, float, float]]:
@@ -86,13 +91,19 @@ def bench(fleet: Fleet, n: int, out_dir: Path) -> dict:
     inventory.write_text(
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"gpuhosts = [(n, {{**d, **{DATA!r}, 'vllm_image': {registry + '/' + REPOSITORY + ':' + tag!r}}}) "
-        f"for n, d in pyinfra_hosts({str(fleet.write_inventory())!r})]\n")
+        f"for n, d in pyinfra_hosts({str(fleet.write_inventory())!r})]\n"
+    )
     converge_fresh_hosts(inventory, f"converge of {n} hosts")
     move_tag(registry, tag, "good-next")
     log = out_dir / f"rollout-{n}.log"
     start = time.monotonic()
-    proc = subprocess.run([GPUFLEET, "rollout", str(inventory), "--yes", "--json", "--log", str(log)],
-                          capture_output=True, text=True, timeout=3600, cwd=REPO)
+    proc = subprocess.run(
+        [GPUFLEET, "rollout", str(inventory), "--yes", "--json", "--log", str(log)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        cwd=REPO,
+    )
     total = time.monotonic() - start
     if proc.returncode != 0:
         raise SystemExit(f"rollout of {n} hosts failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
@@ -103,10 +114,17 @@ def bench(fleet: Fleet, n: int, out_dir: Path) -> dict:
     for run_hosts, is_prepare, s, e in deploy_runs(log):
         for h in run_hosts:
             (in_prepare if is_prepare else in_swap)[h] = registry_bytes(access, ips[h], s, e)
-    return {"hosts": n, "total_s": total, "outcomes": sorted({h["outcome"] for h in doc["hosts"]}),
-            "downtime_median_s": statistics.median(downtimes), "downtime_max_s": max(downtimes),
-            "bytes_in_swaps": sum(in_swap.values()), "bytes_in_swaps_max_host": max(in_swap.values()),
-            "bytes_in_prepare": sum(in_prepare.values()), "swapped": len(in_swap)}
+    return {
+        "hosts": n,
+        "total_s": total,
+        "outcomes": sorted({h["outcome"] for h in doc["hosts"]}),
+        "downtime_median_s": statistics.median(downtimes),
+        "downtime_max_s": max(downtimes),
+        "bytes_in_swaps": sum(in_swap.values()),
+        "bytes_in_swaps_max_host": max(in_swap.values()),
+        "bytes_in_prepare": sum(in_prepare.values()),
+        "swapped": len(in_swap),
+    }
 
 
 def main() -> None:
@@ -126,18 +144,22 @@ def main() -> None:
     finally:
         fleet.stop()
     lines = [
-        f"# gpufleet rollout bench {stamp}", "",
+        f"# gpufleet rollout bench {stamp}",
+        "",
         "`gpufleet rollout INV --yes --json` (canary 1, batch 1) of N stand-in hosts from `good` to `good-next` "
         f"(bench/rollout_bench.py; settings {DATA}). Downtime: the host's /health not 200, polled through SSH by "
         "the rollout. Bytes in swaps: blob bytes the registry served the host inside the deploy run that restarted "
-        "it (its downtime lies within), from the registry's access log.", "",
+        "it (its downtime lies within), from the registry's access log.",
+        "",
         "| hosts | total | downtime median | downtime max | bytes pulled in swaps | bytes pulled in prepare | outcomes |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['hosts']} | {r['total_s']:.1f} s | {r['downtime_median_s']:.1f} s | "
-                     f"{r['downtime_max_s']:.1f} s | {r['bytes_in_swaps']} | {r['bytes_in_prepare']} | "
-                     f"{', '.join(r['outcomes'])} |")
+        lines.append(
+            f"| {r['hosts']} | {r['total_s']:.1f} s | {r['downtime_median_s']:.1f} s | "
+            f"{r['downtime_max_s']:.1f} s | {r['bytes_in_swaps']} | {r['bytes_in_prepare']} | "
+            f"{', '.join(r['outcomes'])} |"
+        )
     out = REPO / "bench" / "results" / f"rollout-{stamp}.md"
     out.write_text("\n".join(lines) + "\n")
     print(out)

@@ -72,12 +72,16 @@ SCALE_OUT = "--enable-scale-out"
 SPREAD_TARGET = 1.5  # the busiest replica's requests over its fair share, mean over runs, at most
 HIT_SHARE_TARGET = 0.9  # later-turn hits as a share of one server's for the same turns, at least
 TIME_TARGET = 1.3  # p95 time per later turn over pinned's, at most
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
-         "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
+    "romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 # The router's own counters worth keeping per candidate: how it decided (cache_aware's outcomes, the token inputs it
 # got from the workers) and where it sent requests.
-ROUTER_METRICS = re.compile(r"^vllm_router_(prefix_routing_decisions_total|kv_routing_inputs_total|"
-                            r"cache_aware_decisions_total|policy_decisions_total|load_balancing_events_total)\b")
+ROUTER_METRICS = re.compile(
+    r"^vllm_router_(prefix_routing_decisions_total|kv_routing_inputs_total|"
+    r"cache_aware_decisions_total|policy_decisions_total|load_balancing_events_total)\b"
+)
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,9 @@ def default_candidate() -> Candidate:
     door, on replicas with the flags every replica behind a router gets."""
     extra = set(behind_router_flags()) - {SCALE_OUT}
     assert not extra, f"the bench starts replicas with {SCALE_OUT} or without, not with {extra}"
-    return Candidate("default", DEFAULTS["router_policy"], scale_out=SCALE_OUT in behind_router_flags(),
-                     front_door=True)
+    return Candidate(
+        "default", DEFAULTS["router_policy"], scale_out=SCALE_OUT in behind_router_flags(), front_door=True
+    )
 
 
 CANDIDATES: tuple[Candidate, ...] = (
@@ -139,17 +144,42 @@ def router_venv(version: str) -> Path:
     if not (venv / "bin" / "vllm-router").exists():
         index = ensure_index(CACHE_DIR, version)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-index", "--find-links", str(index / "files"),
-                        f"vllm-router=={version}"], check=True)
+        subprocess.run(
+            [
+                str(venv / "bin" / "pip"),
+                "install",
+                "-q",
+                "--no-index",
+                "--find-links",
+                str(index / "files"),
+                f"vllm-router=={version}",
+            ],
+            check=True,
+        )
     return venv
 
 
 class Router:
     def __init__(self, venv: Path, policy: str, workers: list[str], log: Path, args: tuple[str, ...] = ()):
         self.port, self.metrics_port = free_port(), free_port()
-        argv = [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
-                *args, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-                "--worker-startup-timeout-secs", "60", "--worker-urls", *workers]
+        argv = [
+            str(venv / "bin" / "vllm-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--policy",
+            policy,
+            *args,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(self.metrics_port),
+            "--worker-startup-timeout-secs",
+            "60",
+            "--worker-urls",
+            *workers,
+        ]
         self.proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -184,8 +214,18 @@ def context(run: str, agent: int, words: int) -> str:
     return " ".join(f"{run}-{agent}-{WORDS[(i * 7 + agent) % len(WORDS)]}{i % 13}" for i in range(words))
 
 
-def agent(base: str, run: str, k: int, turns: int, words: int, out: list[dict], session: bool = True,
-          stagger: float = 0.0, think: float = 0.0, shared: bool = False) -> None:
+def agent(
+    base: str,
+    run: str,
+    k: int,
+    turns: int,
+    words: int,
+    out: list[dict],
+    session: bool = True,
+    stagger: float = 0.0,
+    think: float = 0.0,
+    shared: bool = False,
+) -> None:
     """One agent's conversation: each later turn is the previous prompt, the answer and a new user message. It starts
     k * `stagger` seconds late and waits `think` seconds between turns (a tool running, a person reading). `shared`:
     every agent of the run has the same context, and its user messages name it."""
@@ -196,7 +236,7 @@ def agent(base: str, run: str, k: int, turns: int, words: int, out: list[dict], 
     if session:
         headers["X-Session-ID"] = f"{run}-agent-{k}"
     for turn in range(1, turns + 1):
-        messages.append({"role": "user", "content": f"{who}turn {turn}: " + " ".join(WORDS[turn:turn + 20])})
+        messages.append({"role": "user", "content": f"{who}turn {turn}: " + " ".join(WORDS[turn : turn + 20])})
         body = json.dumps({"model": SERVED, "messages": messages, "max_tokens": 8, "temperature": 0}).encode()
         req = urllib.request.Request(f"{base}/v1/chat/completions", body, headers)
         t0 = time.monotonic()
@@ -207,15 +247,32 @@ def agent(base: str, run: str, k: int, turns: int, words: int, out: list[dict], 
             raise RuntimeError(f"agent {k} turn {turn}: HTTP {error.code}: {error.read()[:300]!r}") from None
         usage = answer["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        out.append({"agent": k, "turn": turn, "prompt_tokens": usage["prompt_tokens"], "cached_tokens": cached,
-                    "seconds": round(time.monotonic() - t0, 3)})
+        out.append(
+            {
+                "agent": k,
+                "turn": turn,
+                "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": cached,
+                "seconds": round(time.monotonic() - t0, 3),
+            }
+        )
         messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"] or ""})
         if turn < turns:
             time.sleep(think)
 
 
-def run_agents(base: str | list[str], run: str, agents: int, turns: int, words: int, replicas: list[str],
-               session: bool = True, stagger: float = 0.0, think: float = 0.0, shared: bool = False) -> dict:
+def run_agents(
+    base: str | list[str],
+    run: str,
+    agents: int,
+    turns: int,
+    words: int,
+    replicas: list[str],
+    session: bool = True,
+    stagger: float = 0.0,
+    think: float = 0.0,
+    shared: bool = False,
+) -> dict:
     """K agents' turns through `base` (a list: agent k to base[k mod its length]; with X-Session-ID when
     `session`); where they went is read from each of `replicas`' own /metrics."""
     bases = [base] if isinstance(base, str) else base
@@ -251,7 +308,9 @@ def run_agents(base: str | list[str], run: str, agents: int, turns: int, words: 
         "later_turns_cached_tokens": cached,
         "hit_ratio_later_turns": round(cached / prompt, 3) if prompt else None,
         "later_turns_without_hit": sum(1 for r in later if r["cached_tokens"] == 0),
-        "reprocessed_per_later_turn_mean": round(statistics.mean(r["prompt_tokens"] - r["cached_tokens"] for r in later), 1),
+        "reprocessed_per_later_turn_mean": round(
+            statistics.mean(r["prompt_tokens"] - r["cached_tokens"] for r in later), 1
+        ),
         "later_turn_seconds_p50": percentile([r["seconds"] for r in later], 0.5),
         "later_turn_seconds_p95": percentile([r["seconds"] for r in later], 0.95),
         "rows": sorted(rows, key=lambda r: (r["agent"], r["turn"])),
@@ -310,7 +369,9 @@ def summary(series: Series, single: Series, block: int, pinned: Series | None = 
     same_turns = series.same_turns_share(block)
     spread = series.busiest_over_fair
     p95 = series.later_turn_seconds(0.95)
-    over_pinned = round(p95 / pinned.later_turn_seconds(0.95), 3) if pinned and pinned.later_turn_seconds(0.95) else None
+    over_pinned = (
+        round(p95 / pinned.later_turn_seconds(0.95), 3) if pinned and pinned.later_turn_seconds(0.95) else None
+    )
     return {
         "per_run_requests_per_replica": [r["requests_per_replica"] for r in series.runs],
         "busiest_over_fair_per_run": [r["busiest_over_fair"] for r in series.runs],
@@ -324,20 +385,38 @@ def summary(series: Series, single: Series, block: int, pinned: Series | None = 
         "later_turn_seconds_p50": series.later_turn_seconds(0.5),
         "later_turn_seconds_p95": p95,
         "p95_over_pinned": over_pinned,
-        "meets_targets": spread <= SPREAD_TARGET and same_turns >= HIT_SHARE_TARGET
+        "meets_targets": spread <= SPREAD_TARGET
+        and same_turns >= HIT_SHARE_TARGET
         and (over_pinned is None or over_pinned <= TIME_TARGET),
     }
 
 
-def through_router(rvenv: Path, candidate: Candidate, urls: list[str], log: Path, tags, runs: int, agents: int,
-                   turns: int, words: int, session: bool, stagger: float = 0.0,
-                   think: float = 0.0, shared: bool = False, paired: Series | None = None) -> tuple[Series, list[str]]:
+def through_router(
+    rvenv: Path,
+    candidate: Candidate,
+    urls: list[str],
+    log: Path,
+    tags,
+    runs: int,
+    agents: int,
+    turns: int,
+    words: int,
+    session: bool,
+    stagger: float = 0.0,
+    think: float = 0.0,
+    shared: bool = False,
+    paired: Series | None = None,
+) -> tuple[Series, list[str]]:
     """`runs` runs of `agents` fresh agents through one router started for `candidate` (behind its front door when it
     has one; straight to the replicas when pinned); the router's counters. `paired`: a pinned run is added to it
     before each run, so the two see the machine alike (other work on it moves time per turn)."""
     if candidate.pinned:
-        return Series([run_agents(urls, next(tags), agents, turns, words, urls, session, stagger, think, shared)
-                       for _ in range(runs)]), []
+        return Series(
+            [
+                run_agents(urls, next(tags), agents, turns, words, urls, session, stagger, think, shared)
+                for _ in range(runs)
+            ]
+        ), []
     router = Router(rvenv, candidate.policy, urls, log, candidate.router_args)
     door = None
     series = Series()
@@ -346,10 +425,12 @@ def through_router(rvenv: Path, candidate: Candidate, urls: list[str], log: Path
         base = door.base if door else router.base
         for _ in range(runs):
             if paired is not None:
-                paired.runs.append(run_agents(urls, next(tags), agents, turns, words, urls, True, stagger, think,
-                                              shared))
-            series.runs.append(run_agents(base, next(tags), agents, turns, words, urls, session, stagger, think,
-                                          shared))
+                paired.runs.append(
+                    run_agents(urls, next(tags), agents, turns, words, urls, True, stagger, think, shared)
+                )
+            series.runs.append(
+                run_agents(base, next(tags), agents, turns, words, urls, session, stagger, think, shared)
+            )
         decisions = router.decisions()
     finally:
         if door:
@@ -366,22 +447,32 @@ def main() -> None:
     # The tiny model's tokenizer gives ~0.9 tokens per character: 100 words (~1500 tokens) span 2-4 resolved blocks.
     ap.add_argument("--words", type=int, default=100, help="words of each agent's shared context")
     names = ["default", *(c.name for c in CANDIDATES)]
-    ap.add_argument("--candidates", nargs="+", default=names, choices=names, metavar="NAME",
-                    help=f"which to measure (default: all): {', '.join(names)}")
+    ap.add_argument(
+        "--candidates",
+        nargs="+",
+        default=names,
+        choices=names,
+        metavar="NAME",
+        help=f"which to measure (default: all): {', '.join(names)}",
+    )
     ap.add_argument("--stagger", type=float, default=0.0, help="seconds between one agent's start and the next's")
     ap.add_argument("--think", type=float, default=0.0, help="seconds each agent waits between its turns")
     # On this machine both replicas share its cores, so one replica alone gets as many as two: a core each makes
     # the time per turn compare replicas as hosts of their own.
     ap.add_argument("--core-per-replica", action="store_true", help="each replica on a core of its own")
-    ap.add_argument("--shared-context", action="store_true",
-                    help="every agent of a run has the same context (system prompt); its user messages name it")
+    ap.add_argument(
+        "--shared-context",
+        action="store_true",
+        help="every agent of a run has the same context (system prompt); its user messages name it",
+    )
     ap.add_argument("--probe-scale-out", action="store_true", help="only probe what --enable-scale-out opens")
     args = ap.parse_args()
     if args.probe_scale_out:
         probe_scale_out()
         return
-    chosen = [default_candidate() if n == "default" else next(c for c in CANDIDATES if c.name == n)
-              for n in args.candidates]
+    chosen = [
+        default_candidate() if n == "default" else next(c for c in CANDIDATES if c.name == n) for n in args.candidates
+    ]
     version = DEFAULTS["router_version"]
     rvenv = router_venv(version)
     work = Path(tempfile.mkdtemp(prefix="rb-", dir="/tmp"))
@@ -391,64 +482,142 @@ def main() -> None:
     model = models.build_hybrid(work / "hybrid")
     # Run tags of one length: every run's prompts are the same size, so block alignment treats them alike.
     tags = (f"r{n:03d}" for n in itertools.count())
-    results: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "vllm_router": version,
-                     "default": {"router_policy": DEFAULTS["router_policy"],
-                                 "replica_flags": behind_router_flags()},
-                     "runs_per_series": args.runs, "agents": args.agents, "turns": args.turns,
-                     "stagger_s": args.stagger, "think_s": args.think, "shared_context": args.shared_context,
-                     "core_per_replica": args.core_per_replica,
-                     "context_words": args.words, "replicas": 2,
-                     "resolved_block": block, "server_flags": flags,
-                     "targets": {"busiest_over_fair_mean_at_most": SPREAD_TARGET,
-                                 "share_of_one_server_same_turns_at_least": HIT_SHARE_TARGET,
-                                 "later_turn_p95_over_pinned_at_most": TIME_TARGET},
-                     "single_server": {}, "pinned": {}, "candidates": {}}
+    results: dict = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "vllm_router": version,
+        "default": {"router_policy": DEFAULTS["router_policy"], "replica_flags": behind_router_flags()},
+        "runs_per_series": args.runs,
+        "agents": args.agents,
+        "turns": args.turns,
+        "stagger_s": args.stagger,
+        "think_s": args.think,
+        "shared_context": args.shared_context,
+        "core_per_replica": args.core_per_replica,
+        "context_words": args.words,
+        "replicas": 2,
+        "resolved_block": block,
+        "server_flags": flags,
+        "targets": {
+            "busiest_over_fair_mean_at_most": SPREAD_TARGET,
+            "share_of_one_server_same_turns_at_least": HIT_SHARE_TARGET,
+            "later_turn_p95_over_pinned_at_most": TIME_TARGET,
+        },
+        "single_server": {},
+        "pinned": {},
+        "candidates": {},
+    }
     for scale_out in sorted({c.scale_out for c in chosen}, reverse=True):
         server_flags = [*flags, SCALE_OUT] if scale_out else flags
-        specs = [ServerSpec(f"{'s' if scale_out else 'p'}{i}", model, server_flags, expected(**ALIGN),
-                            cpu=i - 1 if args.core_per_replica else None) for i in (1, 2)]
+        specs = [
+            ServerSpec(
+                f"{'s' if scale_out else 'p'}{i}",
+                model,
+                server_flags,
+                expected(**ALIGN),
+                cpu=i - 1 if args.core_per_replica else None,
+            )
+            for i in (1, 2)
+        ]
         servers = start_pair(venv, work, specs)
         try:
             urls = [f"http://127.0.0.1:{s.server.port}" for s in servers]
-            single = Series([run_agents(urls[0], next(tags), args.agents, args.turns, args.words, urls, True,
-                                        args.stagger, args.think, args.shared_context) for _ in range(args.runs)])
+            single = Series(
+                [
+                    run_agents(
+                        urls[0],
+                        next(tags),
+                        args.agents,
+                        args.turns,
+                        args.words,
+                        urls,
+                        True,
+                        args.stagger,
+                        args.think,
+                        args.shared_context,
+                    )
+                    for _ in range(args.runs)
+                ]
+            )
             key = "scale-out replicas" if scale_out else "replicas"
-            results["single_server"][key] = {"hit_ratio_later_turns": round(single.hit_ratio, 3),
-                                             "hit_ratio_per_run": [r["hit_ratio_later_turns"] for r in single.runs],
-                                             "one_server_rule_holds": single.one_server_rule_holds(block),
-                                             "later_turn_seconds_p50": single.later_turn_seconds(0.5),
-                                             "later_turn_seconds_p95": single.later_turn_seconds(0.95),
-                                             "runs": single.runs}
-            pinned, _ = through_router(rvenv, PINNED, urls, work / "pinned.log", tags, args.runs, args.agents,
-                                       args.turns, args.words, True, args.stagger, args.think, args.shared_context)
+            results["single_server"][key] = {
+                "hit_ratio_later_turns": round(single.hit_ratio, 3),
+                "hit_ratio_per_run": [r["hit_ratio_later_turns"] for r in single.runs],
+                "one_server_rule_holds": single.one_server_rule_holds(block),
+                "later_turn_seconds_p50": single.later_turn_seconds(0.5),
+                "later_turn_seconds_p95": single.later_turn_seconds(0.95),
+                "runs": single.runs,
+            }
+            pinned, _ = through_router(
+                rvenv,
+                PINNED,
+                urls,
+                work / "pinned.log",
+                tags,
+                args.runs,
+                args.agents,
+                args.turns,
+                args.words,
+                True,
+                args.stagger,
+                args.think,
+                args.shared_context,
+            )
             results["pinned"][key] = {**summary(pinned, single, block, pinned), "runs": pinned.runs}
             for name, series in (("one server", single), ("pinned", pinned)):
-                print(f"{name} ({key}): per replica {[r['requests_per_replica'] for r in series.runs]} later-turn hit "
-                      f"ratio {series.hit_ratio:.3f}, seconds per later turn p50 {series.later_turn_seconds(0.5):.2f} "
-                      f"p95 {series.later_turn_seconds(0.95):.2f}", flush=True)
+                print(
+                    f"{name} ({key}): per replica {[r['requests_per_replica'] for r in series.runs]} later-turn hit "
+                    f"ratio {series.hit_ratio:.3f}, seconds per later turn p50 {series.later_turn_seconds(0.5):.2f} "
+                    f"p95 {series.later_turn_seconds(0.95):.2f}",
+                    flush=True,
+                )
             for candidate in (c for c in chosen if c.scale_out == scale_out):
-                entry = results["candidates"].setdefault(candidate.name, {
-                    "policy": candidate.policy, "router_args": list(candidate.router_args),
-                    "replica_flags": [SCALE_OUT] if scale_out else []})
+                entry = results["candidates"].setdefault(
+                    candidate.name,
+                    {
+                        "policy": candidate.policy,
+                        "router_args": list(candidate.router_args),
+                        "replica_flags": [SCALE_OUT] if scale_out else [],
+                    },
+                )
                 for session in (True, False):
                     mode = "with X-Session-ID" if session else "without X-Session-ID"
                     log = work / f"router-{len(results['candidates'])}-{int(session)}.log"
                     paired = Series()
-                    series, decisions = through_router(rvenv, candidate, urls, log, tags, args.runs, args.agents,
-                                                       args.turns, args.words, session, args.stagger, args.think,
-                                                       args.shared_context, paired)
-                    entry[mode] = {**summary(series, single, block, paired), "router_decisions": decisions,
-                                   "pinned_between": {"later_turn_seconds_p50": paired.later_turn_seconds(0.5),
-                                                      "later_turn_seconds_p95": paired.later_turn_seconds(0.95),
-                                                      "runs": paired.runs},
-                                   "runs": series.runs}
+                    series, decisions = through_router(
+                        rvenv,
+                        candidate,
+                        urls,
+                        log,
+                        tags,
+                        args.runs,
+                        args.agents,
+                        args.turns,
+                        args.words,
+                        session,
+                        args.stagger,
+                        args.think,
+                        args.shared_context,
+                        paired,
+                    )
+                    entry[mode] = {
+                        **summary(series, single, block, paired),
+                        "router_decisions": decisions,
+                        "pinned_between": {
+                            "later_turn_seconds_p50": paired.later_turn_seconds(0.5),
+                            "later_turn_seconds_p95": paired.later_turn_seconds(0.95),
+                            "runs": paired.runs,
+                        },
+                        "runs": series.runs,
+                    }
                     s = entry[mode]
-                    print(f"{candidate.name:40s} {mode:22s} per replica {s['per_run_requests_per_replica']} "
-                          f"busiest/fair {s['busiest_over_fair_mean']:.2f}  hit share "
-                          f"{s['share_of_single_server_hit_ratio']:.1%} (same turns {s['share_of_one_server_same_turns']:.1%})"
-                          f"  later turn p50 {s['later_turn_seconds_p50']:.2f} s p95 {s['later_turn_seconds_p95']:.2f} s "
-                          f"({s['p95_over_pinned']}x pinned)  {'MEETS' if s['meets_targets'] else 'misses'}",
-                          flush=True)
+                    print(
+                        f"{candidate.name:40s} {mode:22s} per replica {s['per_run_requests_per_replica']} "
+                        f"busiest/fair {s['busiest_over_fair_mean']:.2f}  hit share "
+                        f"{s['share_of_single_server_hit_ratio']:.1%} (same turns {s['share_of_one_server_same_turns']:.1%})"
+                        f"  later turn p50 {s['later_turn_seconds_p50']:.2f} s p95 {s['later_turn_seconds_p95']:.2f} s "
+                        f"({s['p95_over_pinned']}x pinned)  {'MEETS' if s['meets_targets'] else 'misses'}",
+                        flush=True,
+                    )
         finally:
             for s in servers:
                 s.server.stop()
@@ -491,8 +660,10 @@ def probe_scale_out() -> None:
     work = Path(tempfile.mkdtemp(prefix="rbp-", dir="/tmp"))
     venv = vllm_venv()
     model = models.build_hybrid(work / "hybrid")
-    specs = [ServerSpec("on", model, [*ALIGN_FLAGS, SCALE_OUT], expected(**ALIGN), api_key=key),
-             ServerSpec("off", model, ALIGN_FLAGS, expected(**ALIGN), api_key=key)]
+    specs = [
+        ServerSpec("on", model, [*ALIGN_FLAGS, SCALE_OUT], expected(**ALIGN), api_key=key),
+        ServerSpec("off", model, ALIGN_FLAGS, expected(**ALIGN), api_key=key),
+    ]
     servers = start_pair(venv, work, specs)
     results: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "api_key": True}
     try:
@@ -500,19 +671,29 @@ def probe_scale_out() -> None:
             url = f"http://127.0.0.1:{started.server.port}"
             with urllib.request.urlopen(f"{url}/openapi.json", timeout=30) as resp:
                 paths = sorted(json.loads(resp.read())["paths"])
-            answers = {path: {"without key": _call(url, path, None, body)[0],
-                              "wrong key": _call(url, path, "sk-wrong", body)[0],
-                              "with key": _call(url, path, key, body)} for path, body in bodies.items()}
+            answers = {
+                path: {
+                    "without key": _call(url, path, None, body)[0],
+                    "wrong key": _call(url, path, "sk-wrong", body)[0],
+                    "with key": _call(url, path, key, body),
+                }
+                for path, body in bodies.items()
+            }
             results[f"scale_out_{spec.label}"] = {"server_flags": spec.args, "openapi_paths": paths, "answers": answers}
         on, off = (set(results[f"scale_out_{label}"]["openapi_paths"]) for label in ("on", "off"))
         results["paths_only_with_the_flag"] = sorted(on - off)
-        router = Router(router_venv(DEFAULTS["router_version"]), "cache_aware",
-                        [f"http://127.0.0.1:{servers[0].server.port}"], work / "router.log")
+        router = Router(
+            router_venv(DEFAULTS["router_version"]),
+            "cache_aware",
+            [f"http://127.0.0.1:{servers[0].server.port}"],
+            work / "router.log",
+        )
         try:
             results["through_router_cache_aware"] = {
                 "with the client's key": [_call(router.base, "/v1/chat/completions", key, chat)[0] for _ in range(2)],
                 "without a key": _call(router.base, "/v1/chat/completions", None, chat)[0],
-                "router_decisions": router.decisions()}
+                "router_decisions": router.decisions(),
+            }
         finally:
             router.stop()
     finally:

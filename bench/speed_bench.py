@@ -88,32 +88,44 @@ def percentile(values: list[float], q: float) -> float:
 def summary(selves: list[SpeedFigures], slowed: list[SpeedFigures], tolerance: float) -> dict:
     """Per figure: the self pairs' speed ratios and false alarms; the slowdown's ratios and detections."""
     pairs = [(a, b) for i, a in enumerate(selves) for j, b in enumerate(selves) if i != j]
-    out: dict = {"tolerance": tolerance, "self_pairs": len(pairs), "slow_pairs": len(selves) * len(slowed),
-                 "false_alarms": sum(compare(a, b, tolerance) is not None for a, b in pairs),
-                 "against_first": [compare(selves[0], b, tolerance) for b in selves[1:]],
-                 "slow_caught": sum(compare(a, b, tolerance) is not None for a in selves for b in slowed),
-                 "slow_problems": sorted({compare(a, b, tolerance) or "" for a in selves[:1] for b in slowed}),
-                 "figures": {}}
+    out: dict = {
+        "tolerance": tolerance,
+        "self_pairs": len(pairs),
+        "slow_pairs": len(selves) * len(slowed),
+        "false_alarms": sum(compare(a, b, tolerance) is not None for a, b in pairs),
+        "against_first": [compare(selves[0], b, tolerance) for b in selves[1:]],
+        "slow_caught": sum(compare(a, b, tolerance) is not None for a in selves for b in slowed),
+        "slow_problems": sorted({compare(a, b, tolerance) or "" for a in selves[:1] for b in slowed}),
+        "figures": {},
+    }
     for name in FIGURES:
         ratios = [speed_ratios(a, b)[name] for a, b in pairs]
         slow = [speed_ratios(a, b)[name] for a in selves for b in slowed]
         out["figures"][name] = {
-            "self_min": min(ratios), "self_p1": percentile(ratios, 0.01), "self_p5": percentile(ratios, 0.05),
+            "self_min": min(ratios),
+            "self_p1": percentile(ratios, 0.01),
+            "self_p5": percentile(ratios, 0.05),
             "self_median": statistics.median(ratios),
-            "slow_median": statistics.median(slow) if slow else None, "slow_max": max(slow) if slow else None,
-            "medians": [a.median(name) for a in selves], "slow_medians": [b.median(name) for b in slowed],
+            "slow_median": statistics.median(slow) if slow else None,
+            "slow_max": max(slow) if slow else None,
+            "medians": [a.median(name) for a in selves],
+            "slow_medians": [b.median(name) for b in slowed],
         }
     return out
 
 
 def print_summary(s: dict) -> None:
-    print(f"tolerance {s['tolerance']}: {s['false_alarms']} false alarms in {s['self_pairs']} self pairs "
-          f"({sum(p is not None for p in s['against_first'])} of {len(s['against_first'])} against the first run); "
-          f"the slowdown caught in {s['slow_caught']} of {s['slow_pairs']} pairs")
+    print(
+        f"tolerance {s['tolerance']}: {s['false_alarms']} false alarms in {s['self_pairs']} self pairs "
+        f"({sum(p is not None for p in s['against_first'])} of {len(s['against_first'])} against the first run); "
+        f"the slowdown caught in {s['slow_caught']} of {s['slow_pairs']} pairs"
+    )
     for name, f in s["figures"].items():
         slow = f"; slowdown median {f['slow_median']:.3f}, best {f['slow_max']:.3f}" if f["slow_median"] else ""
-        print(f"  {name:22s} self min {f['self_min']:.3f} p1 {f['self_p1']:.3f} p5 {f['self_p5']:.3f} "
-              f"median {f['self_median']:.3f}{slow}")
+        print(
+            f"  {name:22s} self min {f['self_min']:.3f} p1 {f['self_p1']:.3f} p5 {f['self_p5']:.3f} "
+            f"median {f['self_median']:.3f}{slow}"
+        )
     for line in s["slow_problems"]:
         print(f"  slowdown: {line}")
 
@@ -124,8 +136,10 @@ def runs_of(n: int, take: Callable[[], SpeedFigures], label: str) -> list[SpeedF
         started = time.monotonic()
         out.append(take())
         MEASURED.append({"label": label, "seconds": round(time.monotonic() - started, 2), "load": load()})
-        print(f"{label} {i + 1}/{n} in {MEASURED[-1]['seconds']} s (load {MEASURED[-1]['load']}): {out[-1].brief()}",
-              flush=True)
+        print(
+            f"{label} {i + 1}/{n} in {MEASURED[-1]['seconds']} s (load {MEASURED[-1]['load']}): {out[-1].brief()}",
+            flush=True,
+        )
     return out
 
 
@@ -138,14 +152,21 @@ def standin(runs: int) -> tuple[list[SpeedFigures], list[SpeedFigures], dict]:
     model = Path(tempfile.mkdtemp(prefix="speed-bench-")) / "tiny"
     write_tiny_model(model)
     served = Served(max_num_batched_tokens=8192, max_num_seqs=2)  # the qwen35 profile's
-    args = ("--served-model-name", "m", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--max-model-len", "225000")
+    args = (
+        "--served-model-name",
+        "m",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--max-model-len",
+        "225000",
+    )
 
     def measured(tag: str, n: int) -> list[SpeedFigures]:
         server = Server(model, *args, env=TAGS[tag]).wait()
         try:
-            return runs_of(n, lambda: measure(LoopbackTransport(), Expected("vllm", server.port, "m", 225000),
-                                              served), tag)
+            return runs_of(
+                n, lambda: measure(LoopbackTransport(), Expected("vllm", server.port, "m", 225000), served), tag
+            )
         finally:
             server.proc.kill()
             server.proc.wait()
@@ -184,8 +205,15 @@ def rollout(runs: int) -> tuple[list[SpeedFigures], list[SpeedFigures], dict]:
     from gpufleet.sandbox.registry import move_tag
 
     gpufleet = str(Path(sys.executable).with_name("gpufleet"))
-    fleet = Fleet(FleetConfig(name="sbench", bridge="gf-sbench", net="10.213.30", host_prefix="gfsb",
-                              state_dir=Path("/var/lib/gpufleet/sbench")))
+    fleet = Fleet(
+        FleetConfig(
+            name="sbench",
+            bridge="gf-sbench",
+            net="10.213.30",
+            host_prefix="gfsb",
+            state_dir=Path("/var/lib/gpufleet/sbench"),
+        )
+    )
     fleet.start()
     selves: list[SpeedFigures] = []
     slow: list[SpeedFigures] = []
@@ -200,21 +228,39 @@ def rollout(runs: int) -> tuple[list[SpeedFigures], list[SpeedFigures], dict]:
             "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
             f"gpuhosts = [(n, {{**d, 'vllm_ready_timeout': 120, 'vllm_ready_soak_s': 5, "
             f"'vllm_image': {registry + '/' + REPOSITORY + ':' + tag!r}}}) "
-            f"for n, d in pyinfra_hosts({str(fleet.write_inventory())!r})]\n")
+            f"for n, d in pyinfra_hosts({str(fleet.write_inventory())!r})]\n"
+        )
         converge_fresh_hosts(inventory, "converge of the bench's host")
         for i, to in enumerate([*(["good-next", "good"] * runs)[:runs], "slow"]):
             move_tag(registry, tag, to)
             started = time.monotonic()
             # The other serving checks are left out: the speed check's noise is the question here.
             # --retry-failed: a false alarm marks the digest failed, and the bench goes on to count the next one.
-            proc = subprocess.run([gpufleet, "rollout", str(inventory), "--yes", "--json", "--no-carry",
-                                   "--retry-failed", *others], capture_output=True, text=True, timeout=900, cwd=REPO)
+            proc = subprocess.run(
+                [gpufleet, "rollout", str(inventory), "--yes", "--json", "--no-carry", "--retry-failed", *others],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                cwd=REPO,
+            )
             (row,) = json.loads(proc.stdout)["hosts"]
             speed = row["speed"] or {}
-            rows.append({"to": to, "outcome": row["outcome"], "exit": proc.returncode, "speed": speed,
-                         "detail": row["detail"], "seconds": round(time.monotonic() - started, 1), "load": load()})
-            print(f"rollout {i + 1} to {to}: {row['outcome']} (exit {proc.returncode}) in {rows[-1]['seconds']} s "
-                  f"(load {rows[-1]['load']}) {row['detail'] or ''}", flush=True)
+            rows.append(
+                {
+                    "to": to,
+                    "outcome": row["outcome"],
+                    "exit": proc.returncode,
+                    "speed": speed,
+                    "detail": row["detail"],
+                    "seconds": round(time.monotonic() - started, 1),
+                    "load": load(),
+                }
+            )
+            print(
+                f"rollout {i + 1} to {to}: {row['outcome']} (exit {proc.returncode}) in {rows[-1]['seconds']} s "
+                f"(load {rows[-1]['load']}) {row['detail'] or ''}",
+                flush=True,
+            )
             if speed.get("before"):
                 selves.append(SpeedFigures.from_dict(speed["before"]))
             if speed.get("after"):
@@ -246,10 +292,22 @@ def main() -> int:
     print_summary(s)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"speed-{args.mode}-{stamp}.json"
-    out.write_text(json.dumps({"mode": args.mode, "runs": args.runs, "burn": args.burn, "summary": s, **extra,
-                               "measured": MEASURED,
-                               "selves": [f.as_dict() for f in selves],
-                               "slowed": [f.as_dict() for f in slowed]}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "runs": args.runs,
+                "burn": args.burn,
+                "summary": s,
+                **extra,
+                "measured": MEASURED,
+                "selves": [f.as_dict() for f in selves],
+                "slowed": [f.as_dict() for f in slowed],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 0
 

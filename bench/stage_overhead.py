@@ -133,8 +133,10 @@ def stage_deploy_file() -> str:
     """A deploy file that loads what the real one loads and registers as it does (the result file at exit), then
     runs one command per host: the fixed part of a stage, without the vLLM work."""
     imports = "".join(f"import {module}  # noqa: F401\n" for module in deploy_imports())
-    return (f"{imports}from pyinfra.operations import server\n\nfrom {register_module()} import register_deploy_file\n\n"
-            "register_deploy_file(__file__)\nserver.shell(name='Run one command', commands=['true'])\n")
+    return (
+        f"{imports}from pyinfra.operations import server\n\nfrom {register_module()} import register_deploy_file\n\n"
+        "register_deploy_file(__file__)\nserver.shell(name='Run one command', commands=['true'])\n"
+    )
 
 
 # --- the in-process side: runs in a child of its own (`--api-worker`), so that this process stays unpatched ----------
@@ -168,8 +170,9 @@ def api_worker(inventory_json: str, runs: int) -> None:
 
 def api_stage(hosts: list[tuple[str, dict]]) -> Sample:
     """One stage through the API in a worker that has imported everything and run one stage before it."""
-    proc = subprocess.run([PYTHON, __file__, "--api-worker", json.dumps(hosts), "--runs", "1"],
-                          capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(
+        [PYTHON, __file__, "--api-worker", json.dumps(hosts), "--runs", "1"], capture_output=True, text=True, cwd=REPO
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"api worker exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     (row,) = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -193,22 +196,37 @@ def measured_stages() -> list[Measured]:
         for hosts, total in row.findall(path.read_text()):
             # canary 1, batch 1, no site cache: one prepare run, then one swap run per host
             found.append(Measured(path.name, f"rollout of {hosts} hosts", float(total), int(hosts) + 1))
-    cache_row = re.compile(r"^\| (?P<mode>[^|]+) \| (?P<hosts>\d+) \|(?:[^|]*\|){3} (?P<prepare>[^|]+) \| "
-                           r"(?P<total>[\d.]+) s \|", re.MULTILINE)
+    cache_row = re.compile(
+        r"^\| (?P<mode>[^|]+) \| (?P<hosts>\d+) \|(?:[^|]*\|){3} (?P<prepare>[^|]+) \| "
+        r"(?P<total>[\d.]+) s \|",
+        re.MULTILINE,
+    )
     for path in sorted(results.glob("site-cache-*.md")):
         for m in cache_row.finditer(path.read_text()):
             prepares = [float(s) for s in re.findall(r": ([\d.]+) s", m["prepare"])]
             if not prepares:
                 continue
-            found.append(Measured(path.name, f"rollout of {m['hosts']} hosts, {m['mode'].strip()}",
-                                  float(m["total"]), len(prepares) + int(m["hosts"])))
+            found.append(
+                Measured(
+                    path.name,
+                    f"rollout of {m['hosts']} hosts, {m['mode'].strip()}",
+                    float(m["total"]),
+                    len(prepares) + int(m["hosts"]),
+                )
+            )
             found += [Measured(path.name, f"one prepare run ({m['mode'].strip()})", s, 1) for s in prepares]
     return found
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     import pyinfra
 
     version = getattr(pyinfra, "__version__", None)
@@ -216,8 +234,10 @@ def machine() -> str:
         from importlib.metadata import version as dist_version
 
         version = dist_version("pyinfra")
-    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; Python "
-            f"{platform.python_version()}, pyinfra {version}; load average at start {loadavg()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; Python "
+        f"{platform.python_version()}, pyinfra {version}; load average at start {loadavg()}"
+    )
 
 
 def loadavg() -> str:
@@ -226,40 +246,59 @@ def loadavg() -> str:
 
 def report(measures: list[Measure], hosts: Sequence[int], runs: int, about: str, started: str) -> str:
     by = {m.name.partition(":")[0]: m for m in measures}
-    lines = [f"# stage overhead {started}", "",
-             f"Machine: {about}; at end {loadavg()}. Code: {code_state()}.", "",
-             f"bench/stage_overhead.py: {runs} rounds after a warm-up round; the import measures interleaved in each "
-             "round, and so are the three measures of one host count (the order turned each round). Seconds, median "
-             "(min-max); CPU: the controller's user+sys (median), never sshd's. Hosts: N inventory names for one "
-             "throwaway sshd on 127.0.0.1 (tests/sshd.py), so SSH's handshake is real and the network is not in it. "
-             "The machine is shared: other work ran beside it (the load averages).", "",
-             "| measure | wall (s) | controller CPU (s) |", "|---|---:|---:|"]
+    lines = [
+        f"# stage overhead {started}",
+        "",
+        f"Machine: {about}; at end {loadavg()}. Code: {code_state()}.",
+        "",
+        f"bench/stage_overhead.py: {runs} rounds after a warm-up round; the import measures interleaved in each "
+        "round, and so are the three measures of one host count (the order turned each round). Seconds, median "
+        "(min-max); CPU: the controller's user+sys (median), never sshd's. Hosts: N inventory names for one "
+        "throwaway sshd on 127.0.0.1 (tests/sshd.py), so SSH's handshake is real and the network is not in it. "
+        "The machine is shared: other work ran beside it (the load averages).",
+        "",
+        "| measure | wall (s) | controller CPU (s) |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {m.name} | {m.cell()} | {m.cpu():.3f} |" for m in measures]
-    lines += ["", "What a subprocess adds per stage: `cli stage, N` minus `api stage, N` of the same round (the two ran "
-              "next to each other), median (min-max) over the rounds.", "",
-              "| hosts | cli stage (s) | api stage (s) | subprocess adds (s) |", "|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "What a subprocess adds per stage: `cli stage, N` minus `api stage, N` of the same round (the two ran "
+        "next to each other), median (min-max) over the rounds.",
+        "",
+        "| hosts | cli stage (s) | api stage (s) | subprocess adds (s) |",
+        "|---:|---:|---:|---:|",
+    ]
     extra: dict[int, float] = {}
     for n in hosts:
         cli, api = by[f"cli stage, {n}"], by[f"api stage, {n}"]
         added = [c.wall - a.wall for c, a in zip(cli.samples, api.samples, strict=True)]
         extra[n] = statistics.median(added)
-        lines.append(f"| {n} | {cli.median():.3f} | {api.median():.3f} | {extra[n]:.3f} ({min(added):.3f}-"
-                     f"{max(added):.3f}) |")
+        lines.append(
+            f"| {n} | {cli.median():.3f} | {api.median():.3f} | {extra[n]:.3f} ({min(added):.3f}-{max(added):.3f}) |"
+        )
     largest = max(extra.values())
-    lines += ["", f"Against what stages took in the rollout benches (stand-in vLLM on nspawn hosts; a stage on real "
-              f"GPUs is longer: a real pull, a real engine start), at the largest added cost above ({largest:.3f} s "
-              "a run):", "", "| bench result | what | seconds | deploy runs in it | subprocess share |",
-              "|---|---|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Against what stages took in the rollout benches (stand-in vLLM on nspawn hosts; a stage on real "
+        f"GPUs is longer: a real pull, a real engine start), at the largest added cost above ({largest:.3f} s "
+        "a run):",
+        "",
+        "| bench result | what | seconds | deploy runs in it | subprocess share |",
+        "|---|---|---:|---:|---:|",
+    ]
     for m in measured_stages():
-        lines.append(f"| {m.source} | {m.what} | {m.seconds:.1f} | {m.runs} | "
-                     f"{100 * largest * m.runs / m.seconds:.1f} % |")
+        lines.append(
+            f"| {m.source} | {m.what} | {m.seconds:.1f} | {m.runs} | {100 * largest * m.runs / m.seconds:.1f} % |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def code_state() -> str:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "bench"], capture_output=True, text=True,
-                           cwd=REPO)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "src", "bench"], capture_output=True, text=True, cwd=REPO
+    )
     head = rev.stdout.strip() or "unknown"
     return f"working tree at {head}" + (" with uncommitted changes in src/ or bench/" if dirty.stdout.strip() else "")
 
@@ -292,30 +331,50 @@ def main() -> int:
         try:
             local_inv = work / "local.py"
             local_inv.write_text("hosts = ['@local']\n")
-            measures = interleaved(runs, {
-                "interpreter: python -c pass": lambda: timed([PYTHON, "-c", "pass"]),
-                "pyinfra imports: import pyinfra_cli.main": lambda: timed([PYTHON, "-c", "import pyinfra_cli.main"]),
-                "deploy imports: the above + the deploy file's": lambda: timed([PYTHON, "-c", deploy_import], cwd=REPO),
-                "cli @local: pyinfra -y @local exec -- true":
-                    lambda: timed([PYINFRA, "-y", str(local_inv), "exec", "--", "true"], cwd=work),
-            })
+            measures = interleaved(
+                runs,
+                {
+                    "interpreter: python -c pass": lambda: timed([PYTHON, "-c", "pass"]),
+                    "pyinfra imports: import pyinfra_cli.main": lambda: timed(
+                        [PYTHON, "-c", "import pyinfra_cli.main"]
+                    ),
+                    "deploy imports: the above + the deploy file's": lambda: timed(
+                        [PYTHON, "-c", deploy_import], cwd=REPO
+                    ),
+                    "cli @local: pyinfra -y @local exec -- true": lambda: timed(
+                        [PYINFRA, "-y", str(local_inv), "exec", "--", "true"], cwd=work
+                    ),
+                },
+            )
             stage = work / "stage.py"
             stage.write_text(stage_deploy_file())
-            login = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user,
-                     "ssh_key": str(sshd.client_key), "ssh_known_hosts_file": str(work / "known_hosts"),
-                     "ssh_strict_host_key_checking": "accept-new"}
+            login = {
+                "ssh_hostname": "127.0.0.1",
+                "ssh_port": sshd.port,
+                "ssh_user": sshd.user,
+                "ssh_key": str(sshd.client_key),
+                "ssh_known_hosts_file": str(work / "known_hosts"),
+                "ssh_strict_host_key_checking": "accept-new",
+            }
             env = {**os.environ, RESULT_ENV: str(work / "result.json"), "PYTHONUNBUFFERED": "1"}
             for n in args.hosts:
                 hosts = [(f"h{i}", login) for i in range(1, n + 1)]
                 inv = work / f"inv{n}.py"
                 inv.write_text(f"hosts = {hosts!r}\n")
-                measures += interleaved(runs, {
-                    f"cli exec, {n}: pyinfra -y INV exec -- true":
-                        lambda inv=inv: timed([PYINFRA, "-y", str(inv), "exec", "--", "true"], cwd=work),
-                    f"cli stage, {n}: pyinfra -y INV stage.py":
-                        lambda inv=inv: timed([PYINFRA, "-y", str(inv), str(stage)], env=env, cwd=work),
-                    f"api stage, {n}: State, connect_all, run_ops, disconnect_all": lambda hosts=hosts: api_stage(hosts),
-                })
+                measures += interleaved(
+                    runs,
+                    {
+                        f"cli exec, {n}: pyinfra -y INV exec -- true": lambda inv=inv: timed(
+                            [PYINFRA, "-y", str(inv), "exec", "--", "true"], cwd=work
+                        ),
+                        f"cli stage, {n}: pyinfra -y INV stage.py": lambda inv=inv: timed(
+                            [PYINFRA, "-y", str(inv), str(stage)], env=env, cwd=work
+                        ),
+                        f"api stage, {n}: State, connect_all, run_ops, disconnect_all": lambda hosts=hosts: api_stage(
+                            hosts
+                        ),
+                    },
+                )
         finally:
             sshd.stop()
     text = report(measures, args.hosts, runs, about, started)

@@ -52,8 +52,13 @@ def _gpu_access(gpus: list[int]) -> dict:
 
 def _box(address: str, gpus: list[int], vllm_args: dict | None = None) -> dict:
     """A box's host data: its address, its GPUs, and the fleet's flags with its own over them."""
-    return {"ssh_hostname": address, **_gpu_access(gpus), "vllm_args": {**_VLLM_ARGS, **(vllm_args or {})},
-            "vllm_env": _VLLM_ENV, "gpufleet_accept": _ACCEPTED}
+    return {
+        "ssh_hostname": address,
+        **_gpu_access(gpus),
+        "vllm_args": {**_VLLM_ARGS, **(vllm_args or {})},
+        "vllm_env": _VLLM_ENV,
+        "gpufleet_accept": _ACCEPTED,
+    }
 
 
 gpu_boxes = [

@@ -15,8 +15,10 @@ from gpufleet.sandbox.inventory import pyinfra_hosts, site_cache_hosts
 _INVENTORY = Path(os.environ.get("GPUFLEET_SANDBOX_DIR", "/var/lib/gpufleet/sandbox")) / "inventory.json"
 if _INVENTORY.parent.is_dir() and not os.access(_INVENTORY.parent, os.R_OK | os.X_OK):
     # The state dir holds the fleet's SSH key: root's only.
-    raise SystemExit(f"{_INVENTORY.parent} is root's (it holds the sandbox's SSH key): run pyinfra in the root shell "
-                     "that ran `gpufleet sandbox up`")
+    raise SystemExit(
+        f"{_INVENTORY.parent} is root's (it holds the sandbox's SSH key): run pyinfra in the root shell "
+        "that ran `gpufleet sandbox up`"
+    )
 if not _INVENTORY.exists():
     raise SystemExit(f"no sandbox inventory at {_INVENTORY}: run `gpufleet sandbox up` (as root) first")
 

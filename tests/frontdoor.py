@@ -46,8 +46,10 @@ def nginx_conf(site: str, work: Path) -> str:
     """A whole nginx.conf around a site of the deploy's, everything nginx writes kept in `work`."""
     temp = " ".join(f"{kind}_temp_path {work}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     # Its workers as root too (when the master is), so they write body files in `work` whoever owns it.
-    return (f"load_module {NJS_MODULE}; user root; daemon off; pid {work}/nginx.pid; error_log {work}/error.log; "
-            f"events {{}} http {{ access_log off; {temp}\n{site}\n}}\n")
+    return (
+        f"load_module {NJS_MODULE}; user root; daemon off; pid {work}/nginx.pid; error_log {work}/error.log; "
+        f"events {{}} http {{ access_log off; {temp}\n{site}\n}}\n"
+    )
 
 
 class FrontDoor:
@@ -57,16 +59,28 @@ class FrontDoor:
         self.work = work or Path(tempfile.mkdtemp(prefix="fd-", dir="/tmp"))
         self.work.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        spec = build_router_spec("frontdoor", {"router_policy": policy, "router_address": "127.0.0.1",
-                                               "router_port": self.port, "router_internal_port": upstream_port}, ())
+        spec = build_router_spec(
+            "frontdoor",
+            {
+                "router_policy": policy,
+                "router_address": "127.0.0.1",
+                "router_port": self.port,
+                "router_internal_port": upstream_port,
+            },
+            (),
+        )
         key = session_key(spec, str(self.work))
         if key is not None:
             Path(key.script).write_text(render_session_script())
         conf = self.work / "nginx.conf"
         conf.write_text(nginx_conf(render_proxy(spec, str(self.work)), self.work))
         with (self.work / "stderr").open("wb") as stderr:
-            self.proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(self.work)], stdout=subprocess.DEVNULL,
-                                         stderr=stderr, start_new_session=True)
+            self.proc = subprocess.Popen(
+                ["nginx", "-c", str(conf), "-p", str(self.work)],
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

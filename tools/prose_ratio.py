@@ -19,8 +19,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DIRECTIVE = re.compile(r"#\s*(type:|noqa\b|fmt:|pragma:)")
-NOT_CODE = {tokenize.COMMENT, tokenize.STRING, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-            tokenize.ENCODING, tokenize.ENDMARKER}
+NOT_CODE = {
+    tokenize.COMMENT,
+    tokenize.STRING,
+    tokenize.NL,
+    tokenize.NEWLINE,
+    tokenize.INDENT,
+    tokenize.DEDENT,
+    tokenize.ENCODING,
+    tokenize.ENDMARKER,
+}
 
 
 @dataclass(frozen=True)
@@ -30,8 +38,11 @@ class Prose:
     code_lines: int = 0
 
     def __add__(self, other: Prose) -> Prose:
-        return Prose(self.comment_words + other.comment_words, self.docstring_words + other.docstring_words,
-                     self.code_lines + other.code_lines)
+        return Prose(
+            self.comment_words + other.comment_words,
+            self.docstring_words + other.docstring_words,
+            self.code_lines + other.code_lines,
+        )
 
     @property
     def ratio(self) -> float:
@@ -46,8 +57,11 @@ def measure(source: str) -> Prose:
             comment_words += len(DIRECTIVE.split(token.string, maxsplit=1)[0].lstrip("#").split())
         elif token.type not in NOT_CODE:
             code_rows.add(token.start[0])
-    docstrings = (ast.get_docstring(node, clean=False) for node in ast.walk(ast.parse(source))
-                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef))
+    docstrings = (
+        ast.get_docstring(node, clean=False)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+    )
     return Prose(comment_words, sum(len(text.split()) for text in docstrings if text), len(code_rows))
 
 
@@ -57,16 +71,23 @@ def measure_paths(paths: list[Path]) -> Prose:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="prose_ratio.py", description="Words of comments and docstrings per code line.")
+    parser = argparse.ArgumentParser(
+        prog="prose_ratio.py", description="Words of comments and docstrings per code line."
+    )
     parser.add_argument("--max", type=float, metavar="BOUND", help="exit 1 when the figure is above BOUND")
     parser.add_argument("paths", nargs="*", type=Path, help="files or directories (default: src/)")
     args = parser.parse_args(argv)
     prose = measure_paths(args.paths or [REPO / "src"])
-    print(f"prose: {prose.ratio:.2f} words of comments and docstrings per code line "
-          f"({prose.comment_words} comment words + {prose.docstring_words} docstring words / {prose.code_lines} code lines)")
+    print(
+        f"prose: {prose.ratio:.2f} words of comments and docstrings per code line "
+        f"({prose.comment_words} comment words + {prose.docstring_words} docstring words / {prose.code_lines} code lines)"
+    )
     if args.max is not None and prose.ratio > args.max:
-        print(f"prose: {prose.ratio:.3f} is above the bound {args.max:g} (fix: cut comments and docstrings to what "
-              "a maintainer needs, issue 41)", file=sys.stderr)
+        print(
+            f"prose: {prose.ratio:.3f} is above the bound {args.max:g} (fix: cut comments and docstrings to what "
+            "a maintainer needs, issue 41)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -30,16 +30,32 @@ from packaging.version import Version
 HERE = Path(__file__).resolve().parent
 VLLM = "0.24.0"  # pins torch==2.11.0, the GPU machine's torch (cu130, Python 3.12)
 # pip matches a manylinux tag exactly: every glibc up to the machine's (Ubuntu 24.04: 2.39).
-PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)), "manylinux2014_x86_64", "manylinux1_x86_64",
-             "linux_x86_64")
+PLATFORMS = (
+    *(f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)),
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "linux_x86_64",
+)
 # The machine's interpreter, for requirement markers.
-TARGET_ENV = default_environment() | {"python_version": "3.12", "python_full_version": "3.12.3",
-                                      "platform_machine": "x86_64", "sys_platform": "linux",
-                                      "platform_system": "Linux", "implementation_name": "cpython",
-                                      "platform_python_implementation": "CPython", "os_name": "posix"}
+TARGET_ENV = default_environment() | {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "platform_machine": "x86_64",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "os_name": "posix",
+}
 # Versions that worked on the H200 (../shared notes, 2026-12-03): the newest releases of these broke vLLM 0.24.
-PINS = {"openai": "2.44.0", "anthropic": "0.115.0", "mcp": "1.28.1", "starlette": "1.3.1", "pydantic": "2.13.4",
-        "xgrammar": "0.2.5.post1"}  # the newest xgrammar whose apache-tvm-ffi range holds vLLM's pin (0.1.9)
+PINS = {
+    "openai": "2.44.0",
+    "anthropic": "0.115.0",
+    "mcp": "1.28.1",
+    "starlette": "1.3.1",
+    "pydantic": "2.13.4",
+    "xgrammar": "0.2.5.post1",
+}  # the newest xgrammar whose apache-tvm-ffi range holds vLLM's pin (0.1.9)
 # vLLM 0.24's requirements left out, and why: the run uses none of them on an H200 (docs/gpu.md).
 NOT_CARRIED = {
     "flashinfer-python": "not carried: GDN prefill runs on Triton (gdn_prefill_backend), the sampler is off",
@@ -55,15 +71,34 @@ NOT_CARRIED = {
 }
 # gpufleet's own runtime requirements that the driver's imports reach (gpufleet.remote patches with gevent and
 # imports paramiko; the carry's modules import pyinfra), at the versions the project's venv runs.
-GPUFLEET = ("gevent==26.9.0", "greenlet==3.5.6", "zope.event==6.2", "zope.interface==8.7", "paramiko==4.0.0",
-            "bcrypt==5.0.0", "cryptography==50.0.2", "pynacl==1.6.2", "cffi==2.1.1", "pycparser==3.12",
-            "invoke==3.0.3", "pyinfra==3.10.0", "distro==1.9.0", "typeguard==4.6.1")
+GPUFLEET = (
+    "gevent==26.9.0",
+    "greenlet==3.5.6",
+    "zope.event==6.2",
+    "zope.interface==8.7",
+    "paramiko==4.0.0",
+    "bcrypt==5.0.0",
+    "cryptography==50.0.2",
+    "pynacl==1.6.2",
+    "cffi==2.1.1",
+    "pycparser==3.12",
+    "invoke==3.0.3",
+    "pyinfra==3.10.0",
+    "distro==1.9.0",
+    "typeguard==4.6.1",
+)
 # What the run does not load: in vLLM's wheel, SM80 FlashAttention 2 (Hopper runs FA3), the Rust frontend, the SM100
 # FMHA and DeepGEMM JIT sources (the profile sets VLLM_USE_DEEP_GEMM=0); xgrammar's static library (for C++
 # builds, 70 MB); mistral_common's Tekken tokenizers (Mistral models only, 34 MB).
-STRIP = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs", "vllm/third_party/fmha_sm100",
-         "vllm/third_party/deep_gemm", "xgrammar/lib/libxgrammar.a", "mistral_common/data/tekken_240718.json",
-         "mistral_common/data/tekken_240911.json")
+STRIP = (
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+    "vllm/vllm-rs",
+    "vllm/third_party/fmha_sm100",
+    "vllm/third_party/deep_gemm",
+    "xgrammar/lib/libxgrammar.a",
+    "mistral_common/data/tekken_240718.json",
+    "mistral_common/data/tekken_240911.json",
+)
 
 
 def image_packages() -> dict[str, str | None]:
@@ -79,9 +114,26 @@ def pip_download(specs: list[str], dest: Path) -> None:
     if not specs:
         return
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", "3.12", "--implementation", "cp", *plat, "-d", str(dest), *specs],
-                   check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *plat,
+            "-d",
+            str(dest),
+            *specs,
+        ],
+        check=True,
+    )
 
 
 def wheels(dest: Path) -> dict[str, Path]:
@@ -128,8 +180,13 @@ def resolve(dest: Path, image: dict[str, str | None]) -> tuple[dict[str, Path], 
                 if dep not in have:
                     wanted.setdefault(dep, []).append(str(req.specifier))
         if wanted:
-            pip_download([f"{d}=={PINS[d]}" if d in PINS else d + ",".join(s for s in specs if s)
-                          for d, specs in wanted.items()], dest)
+            pip_download(
+                [
+                    f"{d}=={PINS[d]}" if d in PINS else d + ",".join(s for s in specs if s)
+                    for d, specs in wanted.items()
+                ],
+                dest,
+            )
             changed = True
     have = wheels(dest)
     problems = []
@@ -150,10 +207,28 @@ def resolve(dest: Path, image: dict[str, str | None]) -> tuple[dict[str, Path], 
 
 
 def install(have: dict[str, Path], site: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--no-index",
-                    "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-                    *(a for p in PLATFORMS for a in ("--platform", p)), "--target", str(site),
-                    *map(str, have.values())], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-compile",
+            "--no-index",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *(a for p in PLATFORMS for a in ("--platform", p)),
+            "--target",
+            str(site),
+            *map(str, have.values()),
+        ],
+        check=True,
+    )
     for path in STRIP:
         target = site / path
         shutil.rmtree(target) if target.is_dir() else target.unlink()
@@ -174,15 +249,19 @@ def compress(tar: Path, out: Path, zstd: bool) -> dict[str, dict[str, float]]:
     """xz -9 (the machine has xz) and, to compare, zstd -9 (it has no zstd binary) on the same tar: sizes and
     times."""
     sizes = {}
-    for name, argv, suffix in (("xz -9", ["xz", "-9", "-T2", "-k", "-c"], ".xz"),
-                               ("zstd -9", ["zstd", "-9", "-T2", "-q", "-c"], ".zst")):
+    for name, argv, suffix in (
+        ("xz -9", ["xz", "-9", "-T2", "-k", "-c"], ".xz"),
+        ("zstd -9", ["zstd", "-9", "-T2", "-q", "-c"], ".zst"),
+    ):
         if shutil.which(argv[0]) is None or (suffix == ".zst" and not zstd):
             continue
         started = time.monotonic()
         with open(out / (tar.name + suffix), "wb") as f:
             subprocess.run([*argv, str(tar)], stdout=f, check=True)
-        sizes[name] = {"bytes": (out / (tar.name + suffix)).stat().st_size,
-                       "seconds": round(time.monotonic() - started, 1)}
+        sizes[name] = {
+            "bytes": (out / (tar.name + suffix)).stat().st_size,
+            "seconds": round(time.monotonic() - started, 1),
+        }
     return sizes
 
 
@@ -197,8 +276,9 @@ def split(packed: Path, out: Path, piece_bytes: int) -> list[dict[str, object]]:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"{packed.name}.{i:02d}"
             path.write_bytes(chunk)
-            pieces.append({"path": str(path.relative_to(out)), "bytes": len(chunk),
-                           "sha256": hashlib.sha256(chunk).hexdigest()})
+            pieces.append(
+                {"path": str(path.relative_to(out)), "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()}
+            )
     return pieces
 
 
@@ -221,19 +301,28 @@ def main() -> int:
         site = Path(tmp) / "site"
         install(have, site)
         tar = Path(tmp) / "payload.tar"
-        subprocess.run(["tar", "-C", tmp, "--sort=name", "--owner=0", "--group=0", "--numeric-owner",
-                        "-cf", str(tar), "site"], check=True)
+        subprocess.run(
+            ["tar", "-C", tmp, "--sort=name", "--owner=0", "--group=0", "--numeric-owner", "-cf", str(tar), "site"],
+            check=True,
+        )
         compared = compress(tar, Path(tmp), zstd=not args.no_zstd)
         packed = Path(tmp) / "payload.tar.xz"
         digest = hashlib.sha256(packed.read_bytes()).hexdigest()
         pieces = split(packed, args.out, args.piece_mib << 20)
         manifest = {
-            "vllm": VLLM, "python": "3.12", "platforms": PLATFORMS,
+            "vllm": VLLM,
+            "python": "3.12",
+            "platforms": PLATFORMS,
             "wheels": {n: p.name for n, p in sorted(have.items())},
-            "not_carried": NOT_CARRIED, "stripped": STRIP, "pins": PINS,
+            "not_carried": NOT_CARRIED,
+            "stripped": STRIP,
+            "pins": PINS,
             "image_version_notes": [p for p in problems if p not in missing],
-            "installed_bytes": size(site), "tar_bytes": tar.stat().st_size, "compression": compared,
-            "payload": {"name": packed.name, "bytes": packed.stat().st_size, "sha256": digest}, "pieces": pieces,
+            "installed_bytes": size(site),
+            "tar_bytes": tar.stat().st_size,
+            "compression": compared,
+            "payload": {"name": packed.name, "bytes": packed.stat().st_size, "sha256": digest},
+            "pieces": pieces,
         }
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     sums = f"{digest}  payload.tar.xz\n" + "".join(f"{p['sha256']}  {Path(str(p['path'])).name}\n" for p in pieces)

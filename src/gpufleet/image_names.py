@@ -29,7 +29,7 @@ class ImageRef:
 
     @property
     def pinned(self) -> str | None:
-        """"repo@sha256:..." when there is a digest, which wins over the tag."""
+        """ "repo@sha256:..." when there is a digest, which wins over the tag."""
         return f"{self.repository}@{self.digest}" if self.digest else None
 
 

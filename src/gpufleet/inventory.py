@@ -29,8 +29,9 @@ def load_pyinfra_hosts(inventory_path: str | Path) -> list[Host]:
         except Exception as exc:
             # pyinfra's wrapper fails str(); name its cause.
             cause = getattr(exc, "exception", exc)
-            raise GpufleetError(one_line(f"{inventory_path}: cannot load inventory: {type(cause).__name__}: {cause}")) \
-                from exc
+            raise GpufleetError(
+                one_line(f"{inventory_path}: cannot load inventory: {type(cause).__name__}: {cause}")
+            ) from exc
         return list(inventory)
 
 

@@ -30,7 +30,7 @@ def systemd_exec(argv: Sequence[str]) -> str:
 
 def _systemd_word(arg: str) -> str:
     escaped = arg.replace("%", "%%").replace("$", "$$")
-    if escaped and not any(c in escaped for c in ' \t\n"\'\\;'):
+    if escaped and not any(c in escaped for c in " \t\n\"'\\;"):
         return escaped
     escaped = escaped.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
     return f'"{escaped}"'

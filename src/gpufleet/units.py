@@ -27,8 +27,10 @@ def templates_dir() -> Path:
 @cache
 def _environment() -> jinja2.Environment:
     environment = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(templates_dir()), undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True, autoescape=False,
+        loader=jinja2.FileSystemLoader(templates_dir()),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
     )
     environment.filters["systemd_text"] = systemd_text
     return environment

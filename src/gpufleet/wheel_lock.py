@@ -67,9 +67,11 @@ class LockedInstall:
 
     def requirements(self) -> str:
         """The pip requirements file, in pip's hash-checking mode."""
-        head = (f"# {self.package} {self.version} for CPython {self.python} on {self.machine}: every wheel gpufleet "
-                f"installs, pinned by sha256 ({self.shown}).\n"
-                "# pip install --require-hashes --only-binary :all: --no-deps -r <this file>\n")
+        head = (
+            f"# {self.package} {self.version} for CPython {self.python} on {self.machine}: every wheel gpufleet "
+            f"installs, pinned by sha256 ({self.shown}).\n"
+            "# pip install --require-hashes --only-binary :all: --no-deps -r <this file>\n"
+        )
         return head + "".join(f"{w.name}=={w.version} --hash=sha256:{w.sha256}\n" for w in self.wheels)
 
     @property
@@ -90,25 +92,42 @@ def releases(lock: Mapping[str, Any]) -> list[str]:
     return sorted(lock["releases"])
 
 
-def locked_install(of: LockFile, host: str, version: str, python: str | None, machine: str | None,
-                   lock: Mapping[str, Any] | None = None) -> LockedInstall:
+def locked_install(
+    of: LockFile,
+    host: str,
+    version: str,
+    python: str | None,
+    machine: str | None,
+    lock: Mapping[str, Any] | None = None,
+) -> LockedInstall:
     """The lock's wheels for a host; SettingError when it has none."""
     lock = lock if lock is not None else load(of.path)
     release = lock["releases"].get(version)
     if release is None:
-        raise SettingError(host, of.setting, f"{version} is not in gpufleet's lock of {of.package} wheels "
-                           f"({of.shown} has {', '.join(releases(lock))})",
-                           f"pin a locked version, or lock it: {of.regenerate} --version {version}")
+        raise SettingError(
+            host,
+            of.setting,
+            f"{version} is not in gpufleet's lock of {of.package} wheels ({of.shown} has {', '.join(releases(lock))})",
+            f"pin a locked version, or lock it: {of.regenerate} --version {version}",
+        )
     if not python:
-        raise SettingError(host, of.setting, "cannot tell which Python the host runs (no python3, and apt "
-                           "names no candidate for it)", "apt-get install python3 on it, then re-run")
+        raise SettingError(
+            host,
+            of.setting,
+            "cannot tell which Python the host runs (no python3, and apt names no candidate for it)",
+            "apt-get install python3 on it, then re-run",
+        )
     entry = release.get(python, {}).get(machine or "")
     if entry is None:
         covered = ", ".join(f"{p} on {'/'.join(sorted(release[p]))}" for p in sorted(release))
-        raise SettingError(host, of.setting, f"the lock of {of.package} {version} has no wheels for the host's "
-                           f"Python {python} on {machine} (it covers {covered})",
-                           f"lock them: {of.regenerate} --version {version} --python {python} --machine {machine}, "
-                           "and commit the lock")
+        raise SettingError(
+            host,
+            of.setting,
+            f"the lock of {of.package} {version} has no wheels for the host's "
+            f"Python {python} on {machine} (it covers {covered})",
+            f"lock them: {of.regenerate} --version {version} --python {python} --machine {machine}, "
+            "and commit the lock",
+        )
     return LockedInstall(version, python, str(machine), tuple(Wheel(**w) for w in entry), of.package, of.shown)
 
 
@@ -127,7 +146,10 @@ def check(package: str, lock: Mapping[str, Any]) -> list[str]:
                 for w in wheels:
                     if not (w.get("filename", "").endswith(".whl") and _HEX64.fullmatch(w.get("sha256", ""))):
                         problems.append(f"{where}: {w.get('filename')}: not a wheel with a sha256")
-                    elif normalise(w["filename"].split("-")[0]) != w["name"] or w["filename"].split("-")[1] != w["version"]:
+                    elif (
+                        normalise(w["filename"].split("-")[0]) != w["name"]
+                        or w["filename"].split("-")[1] != w["version"]
+                    ):
                         problems.append(f"{where}: {w['filename']} is not {w['name']} {w['version']}")
     return problems
 
@@ -137,8 +159,10 @@ def platforms(machine: str) -> list[str]:
     tags = [f"manylinux_2_{minor}_{machine}" for minor in range(GLIBC_MINOR, 16, -1)]
     tags.append(f"manylinux2014_{machine}")
     if machine in ("x86_64", "i686"):
-        tags += [f"manylinux_2_{minor}_{machine}" for minor in (12, 5)] + [f"manylinux2010_{machine}",
-                                                                          f"manylinux1_{machine}"]
+        tags += [f"manylinux_2_{minor}_{machine}" for minor in (12, 5)] + [
+            f"manylinux2010_{machine}",
+            f"manylinux1_{machine}",
+        ]
     return tags
 
 
@@ -151,10 +175,26 @@ def pip_env() -> dict[str, str]:
 
 def download(package: str, version: str, python: str, machine: str, dest: Path, index_url: str = INDEX_URL) -> None:
     """pip's own resolution of package==version for that Python and machine, wheels only."""
-    argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--quiet",
-            "--index-url", index_url, "--dest", str(dest), "--only-binary=:all:", "--python-version", python,
-            "--implementation", "cp", *[a for tag in platforms(machine) for a in ("--platform", tag)],
-            f"{package}=={version}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--quiet",
+        "--index-url",
+        index_url,
+        "--dest",
+        str(dest),
+        "--only-binary=:all:",
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
+        *[a for tag in platforms(machine) for a in ("--platform", tag)],
+        f"{package}=={version}",
+    ]
     subprocess.run(argv, check=True, env=pip_env(), timeout=1800)
 
 
@@ -169,9 +209,17 @@ def requires(wheel: Path) -> list[str]:
 def closure(package: str, wheels: Mapping[str, Path], python: str, machine: str) -> set[str]:
     """Projects `package` needs on that Python and machine; pip download evaluates markers for its own Python."""
     from pip._vendor.packaging.requirements import Requirement  # pip makes the lock
-    env = {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
-           "platform_python_implementation": "CPython", "sys_platform": "linux", "os_name": "posix",
-           "platform_system": "Linux", "platform_machine": machine}
+
+    env = {
+        "python_version": python,
+        "python_full_version": f"{python}.0",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "sys_platform": "linux",
+        "os_name": "posix",
+        "platform_system": "Linux",
+        "platform_machine": machine,
+    }
     needed: set[str] = set()
     todo: list[tuple[str, frozenset[str]]] = [(normalise(package), frozenset())]
     seen: set[tuple[str, frozenset[str]]] = set()
@@ -193,15 +241,15 @@ def closure(package: str, wheels: Mapping[str, Path], python: str, machine: str)
 
 def published_sha256(name: str, filename: str, index_url: str = INDEX_URL) -> str:
     """The sha256 the index publishes for a file (PEP 691)."""
-    req = urllib.request.Request(f"{index_url.rstrip('/')}/{name}/",
-                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    req = urllib.request.Request(
+        f"{index_url.rstrip('/')}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         files = json.loads(resp.read())["files"]
     return str(next(f["hashes"]["sha256"] for f in files if f["filename"] == filename))
 
 
-def lock_one(package: str, version: str, python: str, machine: str, index_url: str = INDEX_URL
-             ) -> list[dict[str, str]]:
+def lock_one(package: str, version: str, python: str, machine: str, index_url: str = INDEX_URL) -> list[dict[str, str]]:
     with tempfile.TemporaryDirectory(prefix=f"{package}-lock-") as tmp:
         dest = Path(tmp)
         download(package, version, python, machine, dest, index_url)
@@ -212,19 +260,21 @@ def lock_one(package: str, version: str, python: str, machine: str, index_url: s
             digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
             if published_sha256(name, wheel.name, index_url) != digest:
                 raise RuntimeError(f"{wheel.name}: the bytes pip fetched are not the ones the index publishes")
-            entries.append({"name": name, "version": wheel.name.split("-")[1], "filename": wheel.name,
-                            "sha256": digest})
+            entries.append(
+                {"name": name, "version": wheel.name.split("-")[1], "filename": wheel.name, "sha256": digest}
+            )
         return entries
 
 
-def generate(of: LockFile, versions: Iterable[str], pythons: Iterable[str], machines: Iterable[str],
-             index_url: str = INDEX_URL) -> dict[str, Any]:
+def generate(
+    of: LockFile, versions: Iterable[str], pythons: Iterable[str], machines: Iterable[str], index_url: str = INDEX_URL
+) -> dict[str, Any]:
     jobs = [(v, p, m) for v in versions for p in pythons for m in machines]
     with ThreadPoolExecutor(max_workers=6) as pool:
         done = [f.result() for f in [pool.submit(lock_one, of.package, v, p, m, index_url) for v, p, m in jobs]]
     lock: dict[str, Any] = {
         "about": f"Every wheel gpufleet installs for {of.package}, per {of.setting}, Python and machine: made by "
-                 f"`{of.regenerate}` from {index_url}; regenerate it, never edit it ({of.doc}).",
+        f"`{of.regenerate}` from {index_url}; regenerate it, never edit it ({of.doc}).",
         "releases": {},
     }
     for (v, p, m), entries in zip(jobs, done, strict=True):

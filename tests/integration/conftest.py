@@ -105,7 +105,11 @@ def pyinfra():
 
     def run(inventory: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(
-            [PYINFRA, "-y", str(inventory), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+            [PYINFRA, "-y", str(inventory), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=600,
         )
         if check and proc.returncode != 0:
             raise AssertionError(f"pyinfra {' '.join(args)} failed:\n{proc.stdout[-4000:]}")

@@ -35,7 +35,9 @@ def session_fleet_config() -> FleetConfig:
         return test_config(state_dir)
     n = int(worker.removeprefix("gw"))
     if n >= MAX_WORKERS:
-        raise SandboxError(f"xdist worker {worker}: session fleets have subnets for {MAX_WORKERS} workers (fix: fewer -n)")
+        raise SandboxError(
+            f"xdist worker {worker}: session fleets have subnets for {MAX_WORKERS} workers (fix: fewer -n)"
+        )
     return FleetConfig(
         name=f"tw{n}",
         bridge=f"gf-tw{n}",
@@ -48,8 +50,13 @@ def session_fleet_config() -> FleetConfig:
 def own_fleet_config(name: str, net: str, host_prefix: str, state_dir_env: str) -> FleetConfig:
     """A module's own fixed fleet (bridge gf-<name>, <net>.0/24, hosts <host_prefix><i>), so it never waits on, or
     clears, the session's fleet; its state in $<state_dir_env>, else /var/lib/gpufleet/<name>."""
-    return FleetConfig(name=name, bridge=f"gf-{name}", net=net, host_prefix=host_prefix,
-                       state_dir=Path(os.environ.get(state_dir_env, f"/var/lib/gpufleet/{name}")))
+    return FleetConfig(
+        name=name,
+        bridge=f"gf-{name}",
+        net=net,
+        host_prefix=host_prefix,
+        state_dir=Path(os.environ.get(state_dir_env, f"/var/lib/gpufleet/{name}")),
+    )
 
 
 def module_tag(prefix: str) -> str:
@@ -66,7 +73,8 @@ def tagged_inventory(path: Path, fleet: Fleet, hosts: Sequence[Host], tag: str, 
     path.write_text(
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"gpuhosts = [(n, {{**d, **{data!r}, 'vllm_image': {image!r}}}) for n, d in "
-        f"pyinfra_hosts({str(fleet.write_inventory())!r}) if n in {names!r}]\n")
+        f"pyinfra_hosts({str(fleet.write_inventory())!r}) if n in {names!r}]\n"
+    )
     return path
 
 

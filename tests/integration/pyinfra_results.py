@@ -7,7 +7,7 @@ import re
 
 def results(output: str) -> dict[str, tuple[str, ...]]:
     """operation -> (hosts, success, error, no change); "Grand total" included."""
-    table = output[output.rindex("--> Results:"):]
+    table = output[output.rindex("--> Results:") :]
     rows = {}
     for line in table.splitlines()[2:]:
         cells = re.split(r"\s{2,}", line.strip())

@@ -21,8 +21,13 @@ def failed_to_connect(output: str) -> bool:
     return bool(NOT_CONNECTED.search(output.partition(EXECUTION_STARTS)[0]))
 
 
-def run_deploy(pyinfra: Callable[..., subprocess.CompletedProcess[str]], inventory: Path, deploy: str, *args: str,
-               check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_deploy(
+    pyinfra: Callable[..., subprocess.CompletedProcess[str]],
+    inventory: Path,
+    deploy: str,
+    *args: str,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
     """`pyinfra -y INVENTORY DEPLOY ARGS` (the `pyinfra` fixture), repeated while a just-booted host refuses SSH
     before anything executed; with check, a failed run raises with the end of its output."""
     for _ in range(3):

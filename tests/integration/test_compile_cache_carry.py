@@ -70,9 +70,12 @@ def converged(fleet, tag, inventory, pyinfra, hosts):
 
 def files(fleet, host, directory: str) -> dict[str, str]:
     """{relative path: sha256} of every file under the host's cache dir."""
-    out = fleet.run_in(host, f"cd {shlex.quote(directory)} && find . -type f -printf '%P\\n' | sort | "
-                             "while read -r f; do printf '%s %s\\n' \"$(sha256sum < \"$f\" | cut -c1-64)\" \"$f\"; "
-                             "done").stdout
+    out = fleet.run_in(
+        host,
+        f"cd {shlex.quote(directory)} && find . -type f -printf '%P\\n' | sort | "
+        'while read -r f; do printf \'%s %s\\n\' "$(sha256sum < "$f" | cut -c1-64)" "$f"; '
+        "done",
+    ).stdout
     return {line.split(" ", 1)[1]: line.split(" ", 1)[0] for line in out.splitlines() if " " in line}
 
 
@@ -86,8 +89,9 @@ def rollout(inventory: Path, notes: list[str]):
     return roll_out(str(inventory), None, options, lambda *_: True, lambda names: Quiet(names))
 
 
-def test_the_canary_compiles_the_same_gpus_start_warm_other_gpus_do_not_take_it(fleet, tag, inventory, hosts,
-                                                                                cache_dirs, converged):
+def test_the_canary_compiles_the_same_gpus_start_warm_other_gpus_do_not_take_it(
+    fleet, tag, inventory, hosts, cache_dirs, converged
+):
     canary, same, other = (h.name for h in hosts)
     before = {h.name: files(fleet, h, cache_dirs[h.name]) for h in hosts}
     move_tag(fleet.cfg.registry, tag, "good-next")
@@ -117,7 +121,8 @@ def test_the_canary_compiles_the_same_gpus_start_warm_other_gpus_do_not_take_it(
     assert "differ from canary" in reason and "H200 NVL" in reason, carried[other]
     assert carried[other].carried_bytes == 0 and carried[other].warm is False
     assert [n for n in notes if n.startswith(f"{other}: compile cache not carried")] == [
-        f"{other}: compile cache not carried: {reason}"]
+        f"{other}: compile cache not carried: {reason}"
+    ]
 
 
 def test_a_rollout_whose_canary_fails_carries_nothing(fleet, tag, inventory, hosts, cache_dirs, converged):
@@ -131,4 +136,3 @@ def test_a_rollout_whose_canary_fails_carries_nothing(fleet, tag, inventory, hos
     assert all(r.carried_bytes == 0 for r in result.carried.values()), result.carried
     assert {h.name: files(fleet, h, cache_dirs[h.name]) for h in others} == before
     assert not [n for n in notes if n.startswith("carrying")]
-

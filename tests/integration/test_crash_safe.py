@@ -66,7 +66,7 @@ def spec_for(host, fleet, **settings):
 def container_label(fleet, host) -> str:
     ids = f"$(docker ps -q --filter label=gpufleet.{SERVICE})"
     fmt = f"'{{{{index .Config.Labels \"gpufleet.{SERVICE}\"}}}}'"
-    return sh(fleet, host, f"[ -n \"{ids}\" ] && docker inspect --format {fmt} {ids} || true").strip()
+    return sh(fleet, host, f'[ -n "{ids}" ] && docker inspect --format {fmt} {ids} || true').strip()
 
 
 def unit_show(fleet, host, prop: str) -> str:
@@ -115,8 +115,9 @@ def test_ssh_cut_after_the_unit_upload_before_the_restart(good, host, fleet, inv
     assert changes(again) == 0, changed_ops(again)
 
 
-def test_a_container_started_from_another_spec_fails_verify_and_converge_fixes_it(good, host, fleet, inventory,
-                                                                                   pyinfra):
+def test_a_container_started_from_another_spec_fails_verify_and_converge_fixes_it(
+    good, host, fleet, inventory, pyinfra
+):
     # A unit edited by hand and restarted, then its file put back (systemd reloaded): every file on disk matches,
     # only the running container's label tells.
     spec = spec_for(host, fleet, **CHANGED)

@@ -64,9 +64,13 @@ def inventory(host, fleet, tmp_path_factory):
 
 def digest_of(fleet, tag: str) -> str:
     """repo@sha256:... of a stand-in tag, from the fleet's registry (what `docker pull` would resolve it to)."""
-    request = urllib.request.Request(f"http://{fleet.cfg.registry}/v2/{REPOSITORY}/manifests/{tag}", method="HEAD",
-                                     headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json, "
-                                                        "application/vnd.oci.image.manifest.v1+json"})
+    request = urllib.request.Request(
+        f"http://{fleet.cfg.registry}/v2/{REPOSITORY}/manifests/{tag}",
+        method="HEAD",
+        headers={
+            "Accept": "application/vnd.docker.distribution.manifest.v2+json, application/vnd.oci.image.manifest.v1+json"
+        },
+    )
     with urllib.request.urlopen(request, timeout=10) as answer:
         return f"{fleet.cfg.registry}/{REPOSITORY}@{answer.headers['Docker-Content-Digest']}"
 
@@ -82,13 +86,17 @@ def main_pid(fleet, host, service: str = SERVICE) -> str:
 
 
 def health_on(fleet, host, port: int) -> str:
-    return sh(fleet, host, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 3 http://127.0.0.1:{port}/health "
-                           "|| true").strip()
+    return sh(
+        fleet, host, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 3 http://127.0.0.1:{port}/health || true"
+    ).strip()
 
 
 def one_line(out: str, host, *parts: str) -> str:
-    lines = [line.strip() for line in out.splitlines()
-             if line.strip().startswith(f"{host.name}: ") and all(p in line for p in parts)]
+    lines = [
+        line.strip()
+        for line in out.splitlines()
+        if line.strip().startswith(f"{host.name}: ") and all(p in line for p in parts)
+    ]
     assert len(lines) == 1, out[-4000:]
     return lines[0]
 
@@ -122,17 +130,24 @@ def put_back(fleet, host, path: str, content: bytes) -> None:
     assert fleet.read_file(host, path) == content
 
 
-def test_a_pull_whose_model_step_fails_leaves_the_ledger_naming_the_running_digest(good, host, fleet, inventory,
-                                                                                    pyinfra):
+def test_a_pull_whose_model_step_fails_leaves_the_ledger_naming_the_running_digest(
+    good, host, fleet, inventory, pyinfra
+):
     other = digest_of(fleet, "not-http")  # any digest not on the host yet: the pull must run
-    spec = build_spec(host.name, {**TEST_DATA, **dict(pyinfra_hosts(str(fleet.write_inventory())))[host.name],
-                                  **DATA, "vllm_image": image_ref(fleet.cfg, "good")})
+    spec = build_spec(
+        host.name,
+        {
+            **TEST_DATA,
+            **dict(pyinfra_hosts(str(fleet.write_inventory())))[host.name],
+            **DATA,
+            "vllm_image": image_ref(fleet.cfg, "good"),
+        },
+    )
     model_dir = Layout.of(spec, "/var/cache/vllm").model_dir
     before, pid = fleet.read_file(host, STATE_FILE), main_pid(fleet, host)
     fleet.run_in(host, f"mv {model_dir}/config.json /tmp/config.json.kept")
     try:
-        proc = deploy(pyinfra, inventory(gpufleet_image_ref=other, vllm_model_repo="nobody/no-such-model"),
-                      check=False)
+        proc = deploy(pyinfra, inventory(gpufleet_image_ref=other, vllm_model_repo="nobody/no-such-model"), check=False)
         assert proc.returncode != 0, proc.stdout[-4000:]
         assert f"pinned {image_ref(fleet.cfg, 'good')} -> {other}" in proc.stdout  # the pull ran
         assert "cannot read nobody/no-such-model at its default branch from the hub" in proc.stdout
@@ -143,8 +158,9 @@ def test_a_pull_whose_model_step_fails_leaves_the_ledger_naming_the_running_dige
     assert changes(deploy(pyinfra, inventory()).stdout) == 0
 
 
-def test_gpufleet_image_ref_installs_that_digest_and_a_plain_converge_then_changes_nothing(good, host, fleet,
-                                                                                          inventory, pyinfra):
+def test_gpufleet_image_ref_installs_that_digest_and_a_plain_converge_then_changes_nothing(
+    good, host, fleet, inventory, pyinfra
+):
     nxt = digest_of(fleet, "good-next")
     assert nxt != good
     out = deploy(pyinfra, inventory(gpufleet_image_ref=nxt)).stdout
@@ -159,7 +175,11 @@ def test_gpufleet_image_ref_installs_that_digest_and_a_plain_converge_then_chang
 
 def test_prepare_pulls_and_checks_without_restarting_or_touching_the_ledger(good, host, fleet, inventory, pyinfra):
     dies = digest_of(fleet, "dies")
-    containers, before, unit = container_ids(fleet, host), fleet.read_file(host, STATE_FILE), fleet.read_file(host, UNIT)
+    containers, before, unit = (
+        container_ids(fleet, host),
+        fleet.read_file(host, STATE_FILE),
+        fleet.read_file(host, UNIT),
+    )
     out = deploy(pyinfra, inventory(gpufleet_image_ref=dies, gpufleet_stage="prepare")).stdout
     ops = changed_ops(out)
     assert "Pull the vLLM image and pin its digest" in ops and "Check the image accepts the serve flags" in ops
@@ -172,8 +192,9 @@ def test_prepare_pulls_and_checks_without_restarting_or_touching_the_ledger(good
     assert changes(again) == 0, changed_ops(again)
 
 
-def at_rest_and_refusing_again(fleet, host, pyinfra, plain_inventory, failed_inventory, failed: str,
-                               committed: str) -> str:
+def at_rest_and_refusing_again(
+    fleet, host, pyinfra, plain_inventory, failed_inventory, failed: str, committed: str
+) -> str:
     """After a rollback: a plain converge changes nothing, and the failed version asked for again is refused at
     preflight with the service untouched. Returns the refusal line."""
     plain = deploy(pyinfra, plain_inventory).stdout
@@ -189,8 +210,9 @@ def at_rest_and_refusing_again(fleet, host, pyinfra, plain_inventory, failed_inv
 
 def killed_during_the_soak(inv, soak_s: int) -> None:
     """Converge `inv` and SIGKILL the controller once the new version is on probation (its soak began)."""
-    proc = subprocess.Popen([PYINFRA, "-y", str(inv), DEPLOY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [PYINFRA, "-y", str(inv), DEPLOY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     seen = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -202,8 +224,9 @@ def killed_during_the_soak(inv, soak_s: int) -> None:
     assert proc.returncode == -signal.SIGKILL, "".join(seen)[-4000:]
 
 
-def test_killed_during_the_soak_of_an_image_that_dies_is_rolled_back_by_the_next_run(good, host, fleet, inventory,
-                                                                                   pyinfra):
+def test_killed_during_the_soak_of_an_image_that_dies_is_rolled_back_by_the_next_run(
+    good, host, fleet, inventory, pyinfra
+):
     committed, dies = committed_ref(fleet, host), digest_of(fleet, "dies")  # `dies`: ready ~8 s, then exits 1
     inv = inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=120)
     killed_during_the_soak(inv, 120)
@@ -218,8 +241,9 @@ def test_killed_during_the_soak_of_an_image_that_dies_is_rolled_back_by_the_next
     rerun = deploy(pyinfra, inv, check=False)
     assert rerun.returncode != 0, rerun.stdout[-4000:]
     # Settled first: rolled back at once (systemd restarted it), or finished (verified again) and then rolled back.
-    settled = re.search(r"cut change by \S+ pid \d+ since \S+: .*(rolling it back|restarting and verifying it)",
-                        rerun.stdout)
+    settled = re.search(
+        r"cut change by \S+ pid \d+ since \S+: .*(rolling it back|restarting and verifying it)", rerun.stdout
+    )
     assert settled, rerun.stdout[-4000:]
     line = one_line(rerun.stdout, host, f"new image {dies} failed verification")
     assert re.search(rf"; rolled back to {re.escape(committed)}, which is ready \(fix: ", line), line
@@ -232,25 +256,33 @@ def test_killed_during_the_soak_of_an_image_that_dies_is_rolled_back_by_the_next
 
 def test_verify_probe_rolls_back_a_version_whose_prefix_cache_does_not_work(good, host, fleet, inventory, pyinfra):
     committed, unit = committed_ref(fleet, host), fleet.read_file(host, UNIT)
-    out = deploy(pyinfra, inventory(gpufleet_verify_probe=True, vllm_args={"enable-prefix-caching": False}),
-                 check=False).stdout
-    line = one_line(out, host, f"new settings (same image {committed}) failed verification (misconfigured: check "
-                               "prefix-cache: probe ineffective")
+    out = deploy(
+        pyinfra, inventory(gpufleet_verify_probe=True, vllm_args={"enable-prefix-caching": False}), check=False
+    ).stdout
+    line = one_line(
+        out,
+        host,
+        f"new settings (same image {committed}) failed verification (misconfigured: check "
+        "prefix-cache: probe ineffective",
+    )
     assert f"rolled back to {committed}, which is ready" in line
     mark = ledger(fleet, host)["failed"][-1]
-    assert fleet.read_file(host, UNIT) == unit and mark["reason"].startswith(
-        "misconfigured: check prefix-cache: probe ineffective") and mark["check"] == "prefix-cache"
+    assert (
+        fleet.read_file(host, UNIT) == unit
+        and mark["reason"].startswith("misconfigured: check prefix-cache: probe ineffective")
+        and mark["check"] == "prefix-cache"
+    )
     passed = deploy(pyinfra, inventory(gpufleet_verify_probe=True, vllm_args={"max-num-seqs": 6})).stdout
     assert f"[{host.name}] serving check prefix-cache: probe effective" in passed
     assert f"committed {committed}" in passed
 
 
-def test_a_port_change_that_fails_verification_rolls_back_to_the_old_ports_unit(good, host, fleet, inventory,
-                                                                               pyinfra):
+def test_a_port_change_that_fails_verification_rolls_back_to_the_old_ports_unit(good, host, fleet, inventory, pyinfra):
     committed, dies = committed_ref(fleet, host), digest_of(fleet, "dies")
     unit = fleet.read_file(host, UNIT)
-    out = deploy(pyinfra, inventory(vllm_port=PORT + 1, gpufleet_image_ref=dies, vllm_ready_soak_s=20),
-                 check=False).stdout
+    out = deploy(
+        pyinfra, inventory(vllm_port=PORT + 1, gpufleet_image_ref=dies, vllm_ready_soak_s=20), check=False
+    ).stdout
     line = one_line(out, host, f"new image {dies} failed verification")
     assert f"rolled back to {committed}, which is ready" in line
     assert fleet.read_file(host, UNIT) == unit and f"port {PORT})" in unit.decode()
@@ -274,12 +306,16 @@ def test_a_renamed_service_that_fails_verification_puts_the_old_service_back(goo
     # The old service serves again: its own unit byte for byte, enabled and active, the committed digest on its port.
     assert fleet.read_file(host, UNIT) == unit
     assert sh(fleet, host, f"systemctl is-enabled {SERVICE}; systemctl is-active {SERVICE}").split() == [
-        "enabled", "active"]
+        "enabled",
+        "active",
+    ]
     assert running_image(fleet, host) == committed and health_on(fleet, host, PORT) == "200"
     # The new service is gone: no unit file, nothing systemd still loads or runs of it; one vLLM container runs.
     assert sh(fleet, host, f"test -e {new_unit} && echo left || echo gone").strip() == "gone"
     assert sh(fleet, host, f"systemctl show -p LoadState -p ActiveState {renamed}").split() == [
-        "LoadState=not-found", "ActiveState=inactive"]
+        "LoadState=not-found",
+        "ActiveState=inactive",
+    ]
     assert len(container_ids(fleet, host)) == 1
     doc = ledger(fleet, host)
     assert doc["committed"] == before["committed"] and doc["pending"] is None
@@ -289,13 +325,14 @@ def test_a_renamed_service_that_fails_verification_puts_the_old_service_back(goo
     # The failure is marked where the committed version lives, and the new service keeps no file of its own (it
     # never committed anything): a later run of either name reads the one ledger.
     failed = ledger(fleet, host)["failed"]  # earlier steps marked dies under the old name's specs: one mark more
-    assert failed[:-1] == before["failed"] and [f["ref"] for f in failed[len(before["failed"]):]] == [dies], failed
+    assert failed[:-1] == before["failed"] and [f["ref"] for f in failed[len(before["failed"]) :]] == [dies], failed
     assert f"{dies} with spec {failed[-1]['spec_hash']} and model {failed[-1]['model']} failed at " in refused
     assert sh(fleet, host, f"ls /var/lib/gpufleet/{renamed}.* /etc/gpufleet/{renamed}.* 2>/dev/null || true") == ""
 
 
-def test_a_renamed_service_replaces_the_old_unit_once_verified_and_one_container_runs(good, host, fleet, inventory,
-                                                                                     pyinfra):
+def test_a_renamed_service_replaces_the_old_unit_once_verified_and_one_container_runs(
+    good, host, fleet, inventory, pyinfra
+):
     committed, renamed = committed_ref(fleet, host), "vllm-renamed"
     out = deploy(pyinfra, inventory(vllm_service=renamed)).stdout
     assert f"{SERVICE}.service replaced by {renamed}.service: stopped, disabled and removed" in out
@@ -315,8 +352,9 @@ def test_a_renamed_service_replaces_the_old_unit_once_verified_and_one_container
     assert changes(again) == 0, changed_ops(again)
 
 
-def test_a_cut_rename_is_refused_for_the_name_it_left_and_finished_by_the_new_one(good, host, fleet, inventory,
-                                                                                  pyinfra):
+def test_a_cut_rename_is_refused_for_the_name_it_left_and_finished_by_the_new_one(
+    good, host, fleet, inventory, pyinfra
+):
     # The host runs vllm-renamed (the step above). Renaming back to SERVICE is cut while SERVICE is on probation:
     # SERVICE's ledger (the old one taken over) holds vllm-renamed committed and SERVICE pending.
     renamed = "vllm-renamed"

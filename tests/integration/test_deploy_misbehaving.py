@@ -46,8 +46,11 @@ def data() -> dict:
         ("stream-broken", "answers: stream: POST /v1/chat/completions: not an OpenAI stream chunk: ", "stream"),
         # Serving checks (gpufleet_verify_checks, on by default): up, answering, and wrong.
         ("cache-corrupt", "check cached-cold: the cached answer differs from the cold one: token ", "cached-cold"),
-        ("tools-broken", 'check tools: tool_choice "required": no parsed tool call; the text was \'<tool_call>',
-         "tools"),
+        (
+            "tools-broken",
+            'check tools: tool_choice "required": no parsed tool call; the text was \'<tool_call>',
+            "tools",
+        ),
     ],
     ids=["models-not-json", "not-http", "completions-fail", "stream-broken", "cache-corrupt", "tools-broken"],
 )
@@ -57,8 +60,11 @@ def test_an_image_whose_server_misbehaves_is_rolled_back(good, run, host, fleet,
     assert "Traceback" not in out and "Unexpected error" not in out, out[-4000:]
     lines = [line.strip() for line in out.splitlines() if line.strip().startswith(f"{host.name}: new image ")]
     assert len(lines) == 1, out[-4000:]
-    assert re.search(rf"failed verification \(misconfigured: {re.escape(caught)}.*\); rolled back to "
-                     rf"{re.escape(good)}, which is ready \(fix: ", lines[0]), lines[0]
+    assert re.search(
+        rf"failed verification \(misconfigured: {re.escape(caught)}.*\); rolled back to "
+        rf"{re.escape(good)}, which is ready \(fix: ",
+        lines[0],
+    ), lines[0]
     assert API_KEY not in out
     # Serving the previous digest again, through the same checks the deploy uses.
     assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"

@@ -50,7 +50,8 @@ def write_inventory(tmp_path: Path, inventory_json: Path, names: list[str], over
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"_names = {names!r}\n_over = {overrides or {}!r}\n_test = {TEST_DATA!r}\n"
         f"gpuhosts = [(n, {{**_test, **d, **_over.get(n, {{}})}}) for n, d in pyinfra_hosts({str(inventory_json)!r}) "
-        "if n in _names]\n")
+        "if n in _names]\n"
+    )
     return path
 
 
@@ -84,11 +85,15 @@ def committed_ref(fleet, host, service: str = SERVICE) -> str:
 
 def fingerprint(fleet, host) -> str:
     """What a deploy could change: packages, apt sources, keyrings, docker config, units, our dirs and files."""
-    return sh(fleet, host, "dpkg-query -W -f '${Package} ${Version}\\n' | sha256sum; "
-                           "ls -la /etc/apt/sources.list.d /usr/share/keyrings /etc/systemd/system /etc; "
-                           "cat /etc/docker/daemon.json 2>/dev/null; ls -d /etc/gpufleet /var/lib/gpufleet /srv/vllm "
-                           "/var/cache/vllm 2>&1; find /etc /srv /var/lib/gpufleet /usr -xdev -newer /etc/hostname "
-                           "-not -path '/etc/ssh/*' 2>/dev/null | sort")
+    return sh(
+        fleet,
+        host,
+        "dpkg-query -W -f '${Package} ${Version}\\n' | sha256sum; "
+        "ls -la /etc/apt/sources.list.d /usr/share/keyrings /etc/systemd/system /etc; "
+        "cat /etc/docker/daemon.json 2>/dev/null; ls -d /etc/gpufleet /var/lib/gpufleet /srv/vllm "
+        "/var/cache/vllm 2>&1; find /etc /srv /var/lib/gpufleet /usr -xdev -newer /etc/hostname "
+        "-not -path '/etc/ssh/*' 2>/dev/null | sort",
+    )
 
 
 # --- fixtures ------------------------------------------------------------------------------------------------
@@ -103,9 +108,12 @@ def converged(test_hosts, inventory_json, names, pyinfra, fleet, tmp_path_factor
     inv = write_inventory(tmp_path_factory.mktemp("inv"), inventory_json, names)
     for host in test_hosts:
         # A foreign key the deploy must keep while merging the nvidia runtime into daemon.json.
-        fleet.run_in(host, "python3 - <<'EOF'\nimport json, os\np='/etc/docker/daemon.json'\n"
-                           "d=json.load(open(p)) if os.path.exists(p) else {}\nd['log-opts']={'max-size': '10m'}\n"
-                           "os.makedirs('/etc/docker', exist_ok=True)\njson.dump(d, open(p,'w'))\nEOF")
+        fleet.run_in(
+            host,
+            "python3 - <<'EOF'\nimport json, os\np='/etc/docker/daemon.json'\n"
+            "d=json.load(open(p)) if os.path.exists(p) else {}\nd['log-opts']={'max-size': '10m'}\n"
+            "os.makedirs('/etc/docker', exist_ok=True)\njson.dump(d, open(p,'w'))\nEOF",
+        )
     return deploy(pyinfra, inv).stdout
 
 
@@ -148,8 +156,9 @@ def set_driver(fleet, host, profile: bytes, driver: str, cuda: str) -> None:
     put_file(fleet, host, HOST_PROFILE, json.dumps({**json.loads(profile), "driver": driver, "cuda": cuda}).encode())
 
 
-def test_the_driver_version_file_spares_a_call_and_follows_the_driver(converged, test_hosts, inventory_json, names,
-                                                                     pyinfra, fleet, tmp_path):
+def test_the_driver_version_file_spares_a_call_and_follows_the_driver(
+    converged, test_hosts, inventory_json, names, pyinfra, fleet, tmp_path
+):
     a = test_hosts[0]
     for host in test_hosts:  # written by the first converge: what the stand-in answers, root's, 0644
         assert fleet.read_file(host, VERSION_FILE).decode() == sh(fleet, host, "nvidia-smi --version")
@@ -167,8 +176,9 @@ def test_the_driver_version_file_spares_a_call_and_follows_the_driver(converged,
         set_driver(fleet, a, profile, "535.104.05", "12.2")
         proc = deploy(pyinfra, inv, check=False)
         assert proc.returncode != 0
-        assert re.search(rf"{a.name}: driver 535\.104\.05 supports CUDA 12\.2, the image needs CUDA >= 13\.0",
-                         proc.stdout), proc.stdout[-2000:]
+        assert re.search(
+            rf"{a.name}: driver 535\.104\.05 supports CUDA 12\.2, the image needs CUDA >= 13\.0", proc.stdout
+        ), proc.stdout[-2000:]
         assert fleet.read_file(a, VERSION_FILE) == recorded  # refused: nothing changed
         # A newer driver: the run proceeds and records it; the next converge is a no-op again.
         set_driver(fleet, a, profile, "590.48.01", "13.1")
@@ -232,8 +242,11 @@ def key_requests(fleet, since: int) -> list[str]:
     """The key requests the fleet's web server logged after byte `since` of its log."""
     with mirror_log(fleet).open("rb") as log:
         log.seek(since)
-        return [line for line in log.read().decode(errors="replace").splitlines()
-                if any(f"GET /{path} " in line for path in KEY_PATHS)]
+        return [
+            line
+            for line in log.read().decode(errors="replace").splitlines()
+            if any(f"GET /{path} " in line for path in KEY_PATHS)
+        ]
 
 
 def test_a_no_op_converge_asks_no_key_server(converged, test_hosts, inventory_json, pyinfra, fleet, tmp_path):
@@ -248,8 +261,9 @@ def test_a_no_op_converge_asks_no_key_server(converged, test_hosts, inventory_js
     assert {path: fleet.read_file(a, path) for path in before} == before
 
 
-def test_a_rotated_key_is_picked_up_with_refresh_keys_only(converged, test_hosts, inventory_json, pyinfra, fleet,
-                                                          tmp_path):
+def test_a_rotated_key_is_picked_up_with_refresh_keys_only(
+    converged, test_hosts, inventory_json, pyinfra, fleet, tmp_path
+):
     """NVIDIA rotates its key (the stand-in serves another armored key): a plain converge keeps the installed
     keyring, gpufleet_refresh_keys=True replaces it (one change), and the next refresh changes nothing."""
     a = test_hosts[0]
@@ -275,9 +289,9 @@ def test_a_rotated_key_is_picked_up_with_refresh_keys_only(converged, test_hosts
         put_file(fleet, a, NVIDIA_KEYRING, good)
 
 
-def test_a_refresh_with_the_key_server_down_keeps_the_installed_keys_and_warns(converged, test_hosts,
-                                                                               inventory_json, pyinfra, fleet,
-                                                                               tmp_path):
+def test_a_refresh_with_the_key_server_down_keeps_the_installed_keys_and_warns(
+    converged, test_hosts, inventory_json, pyinfra, fleet, tmp_path
+):
     a = test_hosts[0]
     before = {path: fleet.read_file(a, path) for path in (NVIDIA_KEYRING, DOCKER_KEY)}
     refresh = write_inventory(tmp_path, inventory_json, [a.name], {a.name: {"gpufleet_refresh_keys": True}})
@@ -287,18 +301,23 @@ def test_a_refresh_with_the_key_server_down_keeps_the_installed_keys_and_warns(c
         assert len(key_requests(fleet, since)) == 2  # asked for both, answered 404
     assert changes(out) == 0, changed_ops(out)
     cfg = fleet.cfg
-    warnings = [ANSI.sub("", line).split("] ", 1)[-1].strip() for line in out.splitlines()
-                if "to check for a rotated key" in line]
+    warnings = [
+        ANSI.sub("", line).split("] ", 1)[-1].strip()
+        for line in out.splitlines()
+        if "to check for a rotated key" in line
+    ]
     assert warnings == [
         f"{a.name}: could not fetch {cfg.docker_repo_url}/debian/gpg to check for a rotated key; kept the installed "
         f"{DOCKER_KEY}",
         f"{a.name}: could not fetch {cfg.nvidia_repo_url}/gpgkey to check for a rotated key; kept the installed "
-        f"{NVIDIA_KEYRING}"], out[-3000:]
+        f"{NVIDIA_KEYRING}",
+    ], out[-3000:]
     assert {path: fleet.read_file(a, path) for path in before} == before
 
 
 def test_a_package_to_install_fetches_the_key_first_and_fails_the_host_on_one_line_without_it(
-        converged, test_hosts, inventory_json, pyinfra, fleet, tmp_path):
+    converged, test_hosts, inventory_json, pyinfra, fleet, tmp_path
+):
     """apt is about to read NVIDIA's repo (the toolkit is missing): the key is fetched first, while executing; with the
     key server down that fails the host on one line, and with it back the toolkit is installed under the same key."""
     a = test_hosts[0]
@@ -310,23 +329,30 @@ def test_a_package_to_install_fetches_the_key_first_and_fails_the_host_on_one_li
         with key_server(fleet, {"nvidia/gpgkey": None}):
             proc = deploy(pyinfra, inv, check=False)
         assert proc.returncode != 0
-        lines = [ANSI.sub("", line).split("] ", 1)[-1].strip() for line in proc.stdout.splitlines()
-                 if "could not fetch the repo key" in line]
-        assert lines == [f"{a.name}: could not fetch the repo key {url}: curl: (22) The requested URL returned error: "
-                         f"404 (fix: make {url} reachable from {a.name}, or set nvidia_repo_url to a mirror that "
-                         "serves it)"], proc.stdout[-3000:]
+        lines = [
+            ANSI.sub("", line).split("] ", 1)[-1].strip()
+            for line in proc.stdout.splitlines()
+            if "could not fetch the repo key" in line
+        ]
+        assert lines == [
+            f"{a.name}: could not fetch the repo key {url}: curl: (22) The requested URL returned error: "
+            f"404 (fix: make {url} reachable from {a.name}, or set nvidia_repo_url to a mirror that "
+            "serves it)"
+        ], proc.stdout[-3000:]
         out = deploy(pyinfra, inv).stdout
-        assert changed_ops(out) == {"Add the NVIDIA container toolkit apt repository": 1,
-                                    "Install the NVIDIA container toolkit": 1}, changed_ops(out)
+        assert changed_ops(out) == {
+            "Add the NVIDIA container toolkit apt repository": 1,
+            "Install the NVIDIA container toolkit": 1,
+        }, changed_ops(out)
         assert fleet.read_file(a, NVIDIA_KEYRING) == good
         assert changes(deploy(pyinfra, inv).stdout) == 0
     finally:  # the module's later tests expect the converged host as it was
         fleet.run_in(a, f"dpkg -s {nvidia.PACKAGE} >/dev/null 2>&1 || apt-get install -y -q {nvidia.PACKAGE}")
 
 
-def test_a_host_whose_committed_version_changed_since_a_rollout_read_it_is_refused(converged, test_hosts,
-                                                                                 inventory_json, names, pyinfra,
-                                                                                 fleet, tmp_path):
+def test_a_host_whose_committed_version_changed_since_a_rollout_read_it_is_refused(
+    converged, test_hosts, inventory_json, names, pyinfra, fleet, tmp_path
+):
     # What a rollout's swap run passes (gpufleet.rollout.swap): each host's committed digest as it read it.
     inv = write_inventory(tmp_path, inventory_json, names)
     first, *others = test_hosts
@@ -343,25 +369,30 @@ def test_a_host_whose_committed_version_changed_since_a_rollout_read_it_is_refus
     assert changes(agreed) == 0, changed_ops(agreed)
 
 
-def test_changing_one_hosts_setting_restarts_only_that_host(converged, test_hosts, inventory_json, names, pyinfra,
-                                                           fleet, tmp_path):
+def test_changing_one_hosts_setting_restarts_only_that_host(
+    converged, test_hosts, inventory_json, names, pyinfra, fleet, tmp_path
+):
     a, b = test_hosts
     before = {h.name: service_pid(fleet, h) for h in test_hosts}
     inv = write_inventory(tmp_path, inventory_json, names, {b.name: {"vllm_args": {"max-num-seqs": 4}}})
     out = deploy(pyinfra, inv).stdout
-    assert changed_ops(out) == {"Install the vLLM systemd unit": 1, "Enable and start the vLLM service": 1,
-                                VERIFY_OP: 1, "Commit the verified vLLM version": 1}
+    assert changed_ops(out) == {
+        "Install the vLLM systemd unit": 1,
+        "Enable and start the vLLM service": 1,
+        VERIFY_OP: 1,
+        "Commit the verified vLLM version": 1,
+    }
     assert service_pid(fleet, a) == before[a.name]
     assert service_pid(fleet, b) != before[b.name]
     assert "--max-num-seqs 4" in fleet.read_file(b, f"/etc/systemd/system/{SERVICE}.service").decode()
     assert changes(deploy(pyinfra, inv).stdout) == 0
 
 
-def test_secrets_stay_out_of_unit_ps_and_output(converged, test_hosts, inventory_json, names, pyinfra, fleet,
-                                               tmp_path):
+def test_secrets_stay_out_of_unit_ps_and_output(converged, test_hosts, inventory_json, names, pyinfra, fleet, tmp_path):
     a = test_hosts[0]
-    inv = write_inventory(tmp_path, inventory_json, [a.name], {a.name: {"vllm_api_key": API_KEY,
-                                                                        "vllm_hf_token": HF_TOKEN}})
+    inv = write_inventory(
+        tmp_path, inventory_json, [a.name], {a.name: {"vllm_api_key": API_KEY, "vllm_hf_token": HF_TOKEN}}
+    )
     out = deploy(pyinfra, inv, "-vv").stdout + deploy(pyinfra, inv, "-vv").stdout
     assert "ready: /health 200" in out  # verified through the key-guarded /v1/models
     unit_text = fleet.read_file(a, f"/etc/systemd/system/{SERVICE}.service").decode()
@@ -369,8 +400,12 @@ def test_secrets_stay_out_of_unit_ps_and_output(converged, test_hosts, inventory
     # Every process's argv, read from /proc inside the host (a `ps | grep` would match its own command line).
     argvs = sh(fleet, a, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done")
     for secret in (API_KEY, HF_TOKEN):
-        for where, text in (("pyinfra output", out), ("unit", unit_text), ("systemctl cat", systemctl_cat),
-                            ("process argv", argvs)):
+        for where, text in (
+            ("pyinfra output", out),
+            ("unit", unit_text),
+            ("systemctl cat", systemctl_cat),
+            ("process argv", argvs),
+        ):
             assert secret not in text, f"secret found in {where}"
     assert "-e VLLM_API_KEY " in unit_text  # passed by name, value from the env file
     assert sh(fleet, a, f"stat -c '%U %G %a' /etc/gpufleet/{SERVICE}.env").strip() == "root root 600"
@@ -378,8 +413,9 @@ def test_secrets_stay_out_of_unit_ps_and_output(converged, test_hosts, inventory
     assert f"VLLM_API_KEY={API_KEY}" in env and f"HF_TOKEN={HF_TOKEN}" in env
 
 
-def test_reboot_brings_the_service_back_on_the_same_digest(converged, test_hosts, fleet, inventory_json, pyinfra,
-                                                          tmp_path):
+def test_reboot_brings_the_service_back_on_the_same_digest(
+    converged, test_hosts, fleet, inventory_json, pyinfra, tmp_path
+):
     b = test_hosts[1]
     ref = committed_ref(fleet, b)
     fleet.reboot(b)
@@ -389,21 +425,27 @@ def test_reboot_brings_the_service_back_on_the_same_digest(converged, test_hosts
             break
         fleet.run_in(b, "sleep 1")
     assert running_image(fleet, b) == ref
-    out = deploy(pyinfra, write_inventory(tmp_path, inventory_json, [b.name],
-                                    {b.name: {"vllm_args": {"max-num-seqs": 4}}})).stdout
+    out = deploy(
+        pyinfra, write_inventory(tmp_path, inventory_json, [b.name], {b.name: {"vllm_args": {"max-num-seqs": 4}}})
+    ).stdout
     # Nothing to redo after a reboot; at most the readiness wait if the stand-in was still loading.
     assert set(changed_ops(out)) <= {VERIFY_OP}, changed_ops(out)
     assert committed_ref(fleet, b) == ref
 
 
-@pytest.mark.parametrize(("gpus", "overrides", "expected"), [
-    (H200x1, {}, r"vllm_gpus \[0, 1, 2\] needs GPU index 2, the host has 1 GPU"),
-    (OLD_DRIVER, {}, r"driver 535\.104\.05 supports CUDA 12\.2, the image needs CUDA >= 13\.0"),
-    (NO_GPU, {}, r"no NVIDIA driver \(nvidia-smi not found\).*gpufleet_allow_no_gpu=True"),
-    (H200x3, {"gpufleet_min_free_gb_docker": 10**6}, r"GiB free at /var/lib/docker \(Docker images\)"),
-], ids=["too-few-gpus", "old-driver", "no-gpu", "low-disk"])
-def test_preflight_refuses_before_any_change(gpus, overrides, expected, fresh_hosts, fleet, fleet_inventory_json,
-                                             pyinfra, tmp_path):
+@pytest.mark.parametrize(
+    ("gpus", "overrides", "expected"),
+    [
+        (H200x1, {}, r"vllm_gpus \[0, 1, 2\] needs GPU index 2, the host has 1 GPU"),
+        (OLD_DRIVER, {}, r"driver 535\.104\.05 supports CUDA 12\.2, the image needs CUDA >= 13\.0"),
+        (NO_GPU, {}, r"no NVIDIA driver \(nvidia-smi not found\).*gpufleet_allow_no_gpu=True"),
+        (H200x3, {"gpufleet_min_free_gb_docker": 10**6}, r"GiB free at /var/lib/docker \(Docker images\)"),
+    ],
+    ids=["too-few-gpus", "old-driver", "no-gpu", "low-disk"],
+)
+def test_preflight_refuses_before_any_change(
+    gpus, overrides, expected, fresh_hosts, fleet, fleet_inventory_json, pyinfra, tmp_path
+):
     bad, good = fresh_hosts(gpus, H200x3)
     before = {h.name: fingerprint(fleet, h) for h in (bad, good)}
     inv = write_inventory(tmp_path, fleet_inventory_json(), [bad.name, good.name], {bad.name: overrides})
@@ -419,11 +461,11 @@ def test_preflight_refuses_before_any_change(gpus, overrides, expected, fresh_ho
         assert fingerprint(fleet, host) == before[host.name]
 
 
-def test_no_gpu_host_allowed_installs_everything_but_does_not_start(fresh_hosts, fleet, fleet_inventory_json,
-                                                                   pyinfra, tmp_path):
+def test_no_gpu_host_allowed_installs_everything_but_does_not_start(
+    fresh_hosts, fleet, fleet_inventory_json, pyinfra, tmp_path
+):
     (host,) = fresh_hosts(NO_GPU)
-    inv = write_inventory(tmp_path, fleet_inventory_json(), [host.name],
-                          {host.name: {"gpufleet_allow_no_gpu": True}})
+    inv = write_inventory(tmp_path, fleet_inventory_json(), [host.name], {host.name: {"gpufleet_allow_no_gpu": True}})
     out = deploy(pyinfra, inv).stdout
     changed = changed_ops(out)
     assert "Install the NVIDIA container toolkit" in changed and "Install the vLLM systemd unit" in changed
@@ -440,21 +482,28 @@ def fleet_inventory_json(fleet):
     return fleet.write_inventory
 
 
-def test_a_first_install_that_dies_fails_the_host_with_its_last_log_lines(fresh_hosts, fleet, fleet_inventory_json,
-                                                                           pyinfra, tmp_path):
+def test_a_first_install_that_dies_fails_the_host_with_its_last_log_lines(
+    fresh_hosts, fleet, fleet_inventory_json, pyinfra, tmp_path
+):
     (host,) = fresh_hosts(H200x3)
     doc = json.loads(Path(fleet_inventory_json()).read_text())
     image = doc["host_data"]["vllm_image"].rsplit(":", 1)[0] + ":dies"  # ready ~8 s, then its engine dies
-    inv = write_inventory(tmp_path, fleet_inventory_json(), [host.name],
-                          {host.name: {"vllm_image": image, "vllm_ready_timeout": 60}})
+    inv = write_inventory(
+        tmp_path, fleet_inventory_json(), [host.name], {host.name: {"vllm_image": image, "vllm_ready_timeout": 60}}
+    )
     proc = deploy(pyinfra, inv, check=False)
     assert proc.returncode != 0
     # dead, or caught by the soak while its container was going away (the engine dies ~8 s after ready): either way
     # not ready, with the engine's own last words from its log.
-    assert re.search(rf"\[{host.name}\] {host.name}: vllm-qwen35 not ready \((dead|starting): ", proc.stdout), \
+    assert re.search(rf"\[{host.name}\] {host.name}: vllm-qwen35 not ready \((dead|starting): ", proc.stdout), (
         proc.stdout[-3000:]
+    )
     log_lines = [line for line in proc.stdout.splitlines() if f"[{host.name}]   | " in line]
     assert any("EngineDeadError" in line for line in log_lines), proc.stdout[-3000:]
     # Nothing verified to go back to: no committed version, the digest marked failed (not retried by a re-run).
     doc = ledger(fleet, host)
-    assert doc["committed"] is None and doc["pending"] is None and re.match(r"(dead|starting): ", doc["failed"][0]["reason"])
+    assert (
+        doc["committed"] is None
+        and doc["pending"] is None
+        and re.match(r"(dead|starting): ", doc["failed"][0]["reason"])
+    )

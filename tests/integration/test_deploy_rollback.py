@@ -57,8 +57,9 @@ def run(host, fleet, pyinfra, tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("rollback")
 
     def converge(tag: str):
-        inv = write_inventory(tmp, fleet.write_inventory(), [host.name],
-                              {host.name: {**data, "vllm_image": image_ref(fleet.cfg, tag)}})
+        inv = write_inventory(
+            tmp, fleet.write_inventory(), [host.name], {host.name: {**data, "vllm_image": image_ref(fleet.cfg, tag)}}
+        )
         start = time.monotonic()
         proc = deploy(pyinfra, inv, check=False)
         return proc.stdout, proc.returncode, time.monotonic() - start
@@ -80,8 +81,9 @@ def health_over_ssh(host, fleet) -> tuple[HealthState, str]:
     data = {**doc["host_data"], "ssh_hostname": host.ip, **DATA}
     client = open_ssh(host.name, data).client
     try:
-        report = check(SshTransport(client, name=host.name), Expected.from_spec(build_spec(host.name, data)),
-                       api_key=API_KEY)
+        report = check(
+            SshTransport(client, name=host.name), Expected.from_spec(build_spec(host.name, data)), api_key=API_KEY
+        )
         return report.state, report.detail
     finally:
         client.close()
@@ -97,9 +99,14 @@ def assert_rolled_back(out: str, rc: int, host, fleet, good: str, caught: str) -
     assert rc != 0, out[-4000:]
     lines = [line.strip() for line in out.splitlines() if line.strip().startswith(f"{host.name}: new image ")]
     assert len(lines) == 1, out[-4000:]
-    assert re.search(rf"failed verification \(dead: .*{caught}.*\); rolled back to {re.escape(good)}, which is "
-                     r"ready \(fix: ", lines[0]), lines[0]
-    assert any(line.strip().startswith(f"[{host.name}]   | ") for line in out.splitlines())  # the failed container's log
+    assert re.search(
+        rf"failed verification \(dead: .*{caught}.*\); rolled back to {re.escape(good)}, which is "
+        r"ready \(fix: ",
+        lines[0],
+    ), lines[0]
+    assert any(
+        line.strip().startswith(f"[{host.name}]   | ") for line in out.splitlines()
+    )  # the failed container's log
     assert API_KEY not in out
     # Serving the previous digest again, through the same checks the deploy uses.
     assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"

@@ -44,16 +44,25 @@ def refused(proc, host) -> str:
 
 
 def packages(fleet, host) -> dict[str, str]:
-    out = sh(fleet, host, "dpkg-query -W -f '${Package} ${db:Status-Abbrev}${Version}\\n' docker.io containerd "
-                          "docker-ce docker-ce-cli containerd.io 2>/dev/null || true")
+    out = sh(
+        fleet,
+        host,
+        "dpkg-query -W -f '${Package} ${db:Status-Abbrev}${Version}\\n' docker.io containerd "
+        "docker-ce docker-ce-cli containerd.io 2>/dev/null || true",
+    )
     return {p: v for p, status, v in (line.split(" ", 2) for line in out.splitlines()) if status.strip() == "ii"}
 
 
 @pytest.fixture(scope="module")
 def ce_inventory(module_host, fleet, tmp_path_factory):
     def inventory(**overrides):
-        return write_inventory(tmp_path_factory.mktemp("inv"), fleet.write_inventory(), [module_host.name],
-                               {module_host.name: {**QUICK, **overrides}})
+        return write_inventory(
+            tmp_path_factory.mktemp("inv"),
+            fleet.write_inventory(),
+            [module_host.name],
+            {module_host.name: {**QUICK, **overrides}},
+        )
+
     return inventory
 
 
@@ -70,17 +79,23 @@ def test_docker_ce_from_the_signed_repo_converges_a_bare_host(ce_converged, modu
     assert set(installed) == {"docker-ce", "docker-ce-cli", "containerd.io"}, installed
     # Docker's documented source line and key, and apt installed docker-ce from that repo
     assert fleet.read_file(host, DOCKER_LIST).decode() == (
-        f"deb [arch=amd64 signed-by={DOCKER_KEY}] {url}/debian bookworm stable\n")
+        f"deb [arch=amd64 signed-by={DOCKER_KEY}] {url}/debian bookworm stable\n"
+    )
     with urllib.request.urlopen(f"{url}/debian/gpg", timeout=5) as served:
         assert fleet.read_file(host, DOCKER_KEY) == served.read()
     policy = sh(fleet, host, "apt-cache policy docker-ce")
-    assert re.search(rf"\*\*\* {re.escape(installed['docker-ce'])} 500\n\s+500 {re.escape(url)}/debian bookworm/stable "
-                     r"amd64 Packages", policy), policy
+    assert re.search(
+        rf"\*\*\* {re.escape(installed['docker-ce'])} 500\n\s+500 {re.escape(url)}/debian bookworm/stable "
+        r"amd64 Packages",
+        policy,
+    ), policy
     # the engine that runs is docker-ce's, with Docker's unit names, and it runs the service's container
-    assert sh(fleet, host, "systemctl is-active docker.socket containerd.service docker.service").split() == [
-        "active"] * 3
+    assert (
+        sh(fleet, host, "systemctl is-active docker.socket containerd.service docker.service").split() == ["active"] * 3
+    )
     assert sh(fleet, host, "readlink /proc/$(systemctl show -p MainPID --value docker.service)/exe").strip() == (
-        "/usr/bin/dockerd")
+        "/usr/bin/dockerd"
+    )
     assert "nvidia" in json.loads(sh(fleet, host, "docker info --format '{{json .Runtimes}}'"))
     assert running_image(fleet, host) == json.loads(fleet.read_file(host, STATE_FILE))["committed"]["ref"]
 
@@ -96,22 +111,27 @@ def test_distro_docker_on_a_docker_ce_host_is_refused(ce_converged, module_host,
     assert re.fullmatch(
         rf"{module_host.name}: docker_install is 'distro', but docker-ce \S+, containerd\.io \S+ are installed: apt would "
         r"remove them to install docker\.io, stopping every container on this host \(fix: set docker_install to "
-        r"'docker-ce' for this host to keep them, or remove docker-ce containerd\.io by hand first\)", line), line
+        r"'docker-ce' for this host to keep them, or remove docker-ce containerd\.io by hand first\)",
+        line,
+    ), line
     assert fingerprint(fleet, module_host) == before and service_pid(fleet, module_host) == pid
 
 
 def test_a_unit_gpufleet_did_not_create_is_refused(ce_converged, module_host, ce_inventory, fleet, pyinfra):
     unit = f"/etc/systemd/system/{FOREIGN}.service"
     text = "[Unit]\nDescription=an operator's own service\n[Service]\nExecStart=/bin/sleep infinity\n"
-    fleet.run_in(module_host, f"printf %s {shlex.quote(text)} > {unit} && systemctl daemon-reload && "
-                          f"systemctl start {FOREIGN}")
+    fleet.run_in(
+        module_host, f"printf %s {shlex.quote(text)} > {unit} && systemctl daemon-reload && systemctl start {FOREIGN}"
+    )
     try:
         before = fingerprint(fleet, module_host)
         pid = sh(fleet, module_host, f"systemctl show -p MainPID --value {FOREIGN}").strip()
         line = refused(deploy(pyinfra, ce_inventory(vllm_service=FOREIGN), check=False), module_host)
-        assert line == (f"{module_host.name}: vllm_service '{FOREIGN}' is {FOREIGN}.service, a unit gpufleet did not "
-                        f"create ({unit}): the deploy would replace and restart it (fix: set vllm_service to a name "
-                        "no unit on this host uses yet (gpufleet then creates that unit))")
+        assert line == (
+            f"{module_host.name}: vllm_service '{FOREIGN}' is {FOREIGN}.service, a unit gpufleet did not "
+            f"create ({unit}): the deploy would replace and restart it (fix: set vllm_service to a name "
+            "no unit on this host uses yet (gpufleet then creates that unit))"
+        )
         assert fingerprint(fleet, module_host) == before
         assert fleet.read_file(module_host, unit).decode() == text
         assert sh(fleet, module_host, f"systemctl show -p MainPID --value {FOREIGN}").strip() == pid != "0"
@@ -119,24 +139,27 @@ def test_a_unit_gpufleet_did_not_create_is_refused(ce_converged, module_host, ce
         fleet.run_in(module_host, f"systemctl stop {FOREIGN}; rm -f {unit}; systemctl daemon-reload")
 
 
-def test_distro_docker_under_docker_ce_is_refused_and_its_service_keeps_running(fresh_hosts, fleet, pyinfra,
-                                                                                tmp_path):
+def test_distro_docker_under_docker_ce_is_refused_and_its_service_keeps_running(fresh_hosts, fleet, pyinfra, tmp_path):
     """A host that runs the service on the distribution's Docker (the distro path, converged for real here) is not
     switched to docker-ce behind its back: apt would remove docker.io with the service's container on it."""
     (host,) = fresh_hosts(H200x3)
     inventory = fleet.write_inventory()
-    out = deploy(pyinfra, write_inventory(tmp_path, inventory, [host.name],
-                                          {host.name: {**QUICK, "docker_install": "distro"}})).stdout
+    out = deploy(
+        pyinfra, write_inventory(tmp_path, inventory, [host.name], {host.name: {**QUICK, "docker_install": "distro"}})
+    ).stdout
     assert "ready: /health 200" in out
     assert set(packages(fleet, host)) == {"docker.io", "containerd"}
     before, pid, image = fingerprint(fleet, host), service_pid(fleet, host), running_image(fleet, host)
 
-    line = refused(deploy(pyinfra, write_inventory(tmp_path, inventory, [host.name], {host.name: QUICK}),
-                          check=False), host)
+    line = refused(
+        deploy(pyinfra, write_inventory(tmp_path, inventory, [host.name], {host.name: QUICK}), check=False), host
+    )
     assert re.fullmatch(
         rf"{host.name}: docker_install is 'docker-ce', but docker\.io \S+, containerd \S+ are installed: apt would "
         r"remove them to install docker-ce, stopping every container on this host \(fix: set docker_install to "
-        r"'distro' for this host to keep them, or remove docker\.io containerd by hand first\)", line), line
+        r"'distro' for this host to keep them, or remove docker\.io containerd by hand first\)",
+        line,
+    ), line
     assert fingerprint(fleet, host) == before
     assert service_pid(fleet, host) == pid and running_image(fleet, host) == image
     assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"

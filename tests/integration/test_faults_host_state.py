@@ -142,23 +142,30 @@ FILL = f"{STATE_DIR}/fill"
 def fill_state_dir(fleet, host) -> None:
     """A small tmpfs over /var/lib/gpufleet holding the files that were there, then filled up: writes there get
     ENOSPC, as on a full disk."""
-    fleet.run_in(host, f"rm -rf /tmp/gf-seed && cp -a {STATE_DIR} /tmp/gf-seed && "
-                       f"mount -t tmpfs -o size=2m,mode=0755 gf-full {STATE_DIR} && cp -a /tmp/gf-seed/. {STATE_DIR}/ && "
-                       f"rm -rf /tmp/gf-seed && {{ dd if=/dev/zero of={FILL} bs=4k 2>/dev/null; true; }}")
+    fleet.run_in(
+        host,
+        f"rm -rf /tmp/gf-seed && cp -a {STATE_DIR} /tmp/gf-seed && "
+        f"mount -t tmpfs -o size=2m,mode=0755 gf-full {STATE_DIR} && cp -a /tmp/gf-seed/. {STATE_DIR}/ && "
+        f"rm -rf /tmp/gf-seed && {{ dd if=/dev/zero of={FILL} bs=4k 2>/dev/null; true; }}",
+    )
     probe = fleet.run_in(host, f"dd if=/dev/zero of={STATE_DIR}/.probe bs=4k count=1", check=False)
     assert probe.returncode != 0 and "No space left on device" in probe.stderr, probe
 
 
 def unmount_state_dir(fleet, host) -> None:
     """The state back on the host's disk (the tmpfs's files copied under it), the tmpfs gone."""
-    fleet.run_in(host, f"if mountpoint -q {STATE_DIR}; then rm -f {FILL} {STATE_DIR}/.probe && "
-                       f"rm -rf /tmp/gf-state && cp -a {STATE_DIR} /tmp/gf-state && umount {STATE_DIR} && "
-                       f"find {STATE_DIR} -mindepth 1 -delete && cp -a /tmp/gf-state/. {STATE_DIR}/ && "
-                       "rm -rf /tmp/gf-state; fi")
+    fleet.run_in(
+        host,
+        f"if mountpoint -q {STATE_DIR}; then rm -f {FILL} {STATE_DIR}/.probe && "
+        f"rm -rf /tmp/gf-state && cp -a {STATE_DIR} /tmp/gf-state && umount {STATE_DIR} && "
+        f"find {STATE_DIR} -mindepth 1 -delete && cp -a /tmp/gf-state/. {STATE_DIR}/ && "
+        "rm -rf /tmp/gf-state; fi",
+    )
 
 
 def test_a_full_disk_before_the_commit_fails_without_committing_and_a_later_rollback_restores_the_unit(
-        good, host, fleet, inventory, pyinfra, tmp_path):
+    good, host, fleet, inventory, pyinfra, tmp_path
+):
     nxt, dies = digest_of(fleet, "good-next"), digest_of(fleet, "dies")
     unit = read(fleet, host, UNIT)
     assert kept_unit(fleet, host) == unit
@@ -179,7 +186,8 @@ def test_a_full_disk_before_the_commit_fails_without_committing_and_a_later_roll
         doc = json.loads(at_fill)
         assert doc["committed"]["ref"] == good and doc["pending"]["ref"] == nxt
         assert sh(fleet, host, f"ls -A {UNITS_DIR}").split() == [
-            committed_unit(SERVICE, doc["committed"]["unit_sha256"]).rsplit("/", 1)[1]]
+            committed_unit(SERVICE, doc["committed"]["unit_sha256"]).rsplit("/", 1)[1]
+        ]
 
         fleet.run_in(host, f"rm -f {FILL}")  # the space freed
         out = deploy(pyinfra, inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=20), check=False).stdout
@@ -196,8 +204,9 @@ def test_a_full_disk_before_the_commit_fails_without_committing_and_a_later_roll
 
 
 # --- 2. SIGKILL right after the rollback restored the unit -------------------------------------------------------
-def test_killed_right_after_the_rollback_restored_the_unit_keeps_the_failure_mark(good, host, fleet, inventory,
-                                                                                  pyinfra, tmp_path):
+def test_killed_right_after_the_rollback_restored_the_unit_keeps_the_failure_mark(
+    good, host, fleet, inventory, pyinfra, tmp_path
+):
     dies, unit = digest_of(fleet, "dies"), read(fleet, host, UNIT)
     inv = inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=20, vllm_args={"max-num-seqs": 3})  # a spec not failed
     log = tmp_path / "killed.log"
@@ -213,8 +222,11 @@ def test_killed_right_after_the_rollback_restored_the_unit_keeps_the_failure_mar
     finally:
         reap(proc)
     assert proc.returncode == -signal.SIGKILL, log.read_text()[-4000:]
-    print("at the kill:", sh(fleet, host, f"systemctl show -p ActiveState -p NeedDaemonReload -p MainPID {SERVICE}"),
-          running_image(fleet, host))
+    print(
+        "at the kill:",
+        sh(fleet, host, f"systemctl show -p ActiveState -p NeedDaemonReload -p MainPID {SERVICE}"),
+        running_image(fleet, host),
+    )
     doc = ledger_doc(fleet, host)
     assert doc["committed"]["ref"] == good and doc["pending"] is None
     assert doc["failed"][-1]["ref"] == dies and doc["failed"][-1]["reason"].startswith("dead: ")
@@ -235,8 +247,9 @@ def test_killed_right_after_the_rollback_restored_the_unit_keeps_the_failure_mar
 
 
 # --- 3. a controller frozen past its lease; a lease of a million seconds -----------------------------------------
-def test_a_controller_stopped_past_its_lease_writes_nothing_after_another_run_committed(good, host, fleet,
-                                                                                      inventory, pyinfra, tmp_path):
+def test_a_controller_stopped_past_its_lease_writes_nothing_after_another_run_committed(
+    good, host, fleet, inventory, pyinfra, tmp_path
+):
     nxt = digest_of(fleet, "good-next")
     log = tmp_path / "stopped.log"
     a = start(inventory(gpufleet_image_ref=nxt, vllm_ready_soak_s=60, gpufleet_lock_lease_s=LEASE_S), log)
@@ -261,7 +274,8 @@ def test_a_controller_stopped_past_its_lease_writes_nothing_after_another_run_co
     # A wrote nothing: the ledger (bytes and mtime), the kept unit and the unit file are as B left them.
     now = stamp(fleet, host, STATE_DIR, UNIT)
     assert now == after_b, "written by A after it lost the host (path mtime size sha256):\n" + "\n".join(
-        sorted(set(now.splitlines()) - set(after_b.splitlines())))
+        sorted(set(now.splitlines()) - set(after_b.splitlines()))
+    )
     assert main_pid(fleet, host) == pid and running_image(fleet, host) == nxt
     at_rest(fleet, host, pyinfra, inventory(gpufleet_image_ref=nxt), nxt)
 
@@ -269,8 +283,12 @@ def test_a_controller_stopped_past_its_lease_writes_nothing_after_another_run_co
 def test_a_million_second_lease_holds_the_lock_for_the_run(good, host, fleet, inventory, pyinfra, tmp_path):
     nxt = digest_of(fleet, "good-next")
     log = tmp_path / "long-lease.log"
-    held = start(inventory(gpufleet_image_ref=nxt, vllm_ready_soak_s=20, vllm_args={"max-num-seqs": 5},
-                           gpufleet_lock_lease_s=1000000), log)
+    held = start(
+        inventory(
+            gpufleet_image_ref=nxt, vllm_ready_soak_s=20, vllm_args={"max-num-seqs": 5}, gpufleet_lock_lease_s=1000000
+        ),
+        log,
+    )
     try:
         wait_for(log, "watching it for 20 s", held)
         time.sleep(3)
@@ -319,18 +337,24 @@ def pyinfra_staging_name(path: str) -> str:
     return f"/tmp/pyinfra-{hashlib.sha1(path.encode()).hexdigest()}"
 
 
-def test_a_local_user_squatting_the_upload_names_blocks_no_write_and_no_rollback(good, host, fleet, inventory,
-                                                                                  pyinfra, tmp_path):
+def test_a_local_user_squatting_the_upload_names_blocks_no_write_and_no_rollback(
+    good, host, fleet, inventory, pyinfra, tmp_path
+):
     dies, unit = digest_of(fleet, "dies"), read(fleet, host, UNIT)
     committed = ledger_doc(fleet, host)["committed"]
     # The names the ledger's and the unit's uploads were staged under, taken first by `nobody`.
-    squatted = [pyinfra_staging_name(f"{STATE_DIR}/.{SERVICE}.json.upload"),
-                pyinfra_staging_name(f"/etc/systemd/system/.{SERVICE}.service.gpufleet-tmp")]
+    squatted = [
+        pyinfra_staging_name(f"{STATE_DIR}/.{SERVICE}.json.upload"),
+        pyinfra_staging_name(f"/etc/systemd/system/.{SERVICE}.service.gpufleet-tmp"),
+    ]
     fleet.run_in(host, " && ".join(f"runuser -u {LOCAL_USER} -- mkdir -m 755 {name}" for name in squatted))
     try:
         # The pending record, the new unit, the failure mark: each a write through the squatted names.
-        out = deploy(pyinfra, inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=20, vllm_args={"max-num-seqs": 8}),
-                     check=False).stdout
+        out = deploy(
+            pyinfra,
+            inventory(gpufleet_image_ref=dies, vllm_ready_soak_s=20, vllm_args={"max-num-seqs": 8}),
+            check=False,
+        ).stdout
         line = one_line(out, host, f"new image {dies} failed verification")
         assert f"; rolled back to {committed['ref']}, which is ready (fix: " in line, line
         assert read(fleet, host, UNIT) == unit and running_image(fleet, host) == committed["ref"]
@@ -342,8 +366,9 @@ def test_a_local_user_squatting_the_upload_names_blocks_no_write_and_no_rollback
 
 
 # --- 5. a ledger naming service ../x ----------------------------------------------------------------------------
-def test_a_ledger_naming_a_service_outside_its_directory_is_refused_and_nothing_touched(good, host, fleet,
-                                                                                       inventory, pyinfra):
+def test_a_ledger_naming_a_service_outside_its_directory_is_refused_and_nothing_touched(
+    good, host, fleet, inventory, pyinfra
+):
     whole = read(fleet, host, STATE_FILE)
     doc = json.loads(whole)
     doc["committed"]["service"] = "../x"
@@ -351,8 +376,9 @@ def test_a_ledger_naming_a_service_outside_its_directory_is_refused_and_nothing_
     fleet.run_in(host, f"echo {base64.b64encode(edited).decode()} | base64 -d > {STATE_FILE}")
     unit, pid = read(fleet, host, UNIT), main_pid(fleet, host)
     try:
-        proc = deploy(pyinfra, inventory(gpufleet_image_ref=doc["committed"]["ref"], vllm_args={"max-num-seqs": 4}),
-                      check=False)
+        proc = deploy(
+            pyinfra, inventory(gpufleet_image_ref=doc["committed"]["ref"], vllm_args={"max-num-seqs": 4}), check=False
+        )
         assert proc.returncode != 0, proc.stdout[-4000:]
         line = one_line(proc.stdout, host, f"{STATE_FILE} is corrupt", "'../x'")
         assert "is not a service name" in line and "(fix: repair it by hand, or move it away" in line, line
@@ -391,8 +417,9 @@ def reachable(host, port: int = 22, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def test_the_link_cut_for_10_s_during_the_soak_neither_rolls_back_nor_marks_the_version(good, host, fleet, inventory,
-                                                                                     pyinfra, tmp_path):
+def test_the_link_cut_for_10_s_during_the_soak_neither_rolls_back_nor_marks_the_version(
+    good, host, fleet, inventory, pyinfra, tmp_path
+):
     settings = base(fleet)
     nxt = settings["gpufleet_image_ref"]
     before = ledger_doc(fleet, host)
@@ -422,7 +449,7 @@ def test_the_link_cut_for_10_s_during_the_soak_neither_rolls_back_nor_marks_the_
 
 
 # --- 7. a local user's listener on 127.0.0.1:<port> ---------------------------------------------------------------
-LISTENER = r'''
+LISTENER = r"""
 import http.server, os, sys
 
 port, log, answers, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -449,7 +476,7 @@ class Answer(http.server.BaseHTTPRequestHandler):
 
 
 http.server.ThreadingHTTPServer(("127.0.0.1", port), Answer).serve_forever()
-'''
+"""
 
 
 class Squatter:
@@ -462,11 +489,16 @@ class Squatter:
         self.proc: subprocess.Popen | None = None
 
     def copy_answers(self) -> None:
-        cip = ("$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "
-               f"$(docker ps -q --filter label=gpufleet.{SERVICE}))")
+        cip = (
+            "$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "
+            f"$(docker ps -q --filter label=gpufleet.{SERVICE}))"
+        )
         for name, path in (("models", "/v1/models"), ("version", "/version"), ("metrics", "/metrics")):
-            body = sh(self.fleet, self.host, f"curl -fsS --max-time 5 -H 'Authorization: Bearer {API_KEY}' "
-                                             f"http://{cip}:{PORT}{path}")
+            body = sh(
+                self.fleet,
+                self.host,
+                f"curl -fsS --max-time 5 -H 'Authorization: Bearer {API_KEY}' http://{cip}:{PORT}{path}",
+            )
             (self.place / name).write_text(body)
         (self.place / "listener.py").write_text(LISTENER)
         self.log.touch()
@@ -475,8 +507,23 @@ class Squatter:
 
     def start(self, mode: str) -> None:
         self.proc = subprocess.Popen(  # ip netns exec and setpriv exec: this PID is the listener's
-            ["ip", "netns", "exec", self.host.netns, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-             "/usr/bin/python3", str(self.place / "listener.py"), str(PORT), str(self.log), str(self.place), mode])
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.host.netns,
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "/usr/bin/python3",
+                str(self.place / "listener.py"),
+                str(PORT),
+                str(self.log),
+                str(self.place),
+                mode,
+            ]
+        )
         deadline = time.monotonic() + 30
         while health_on(self.fleet, self.host, PORT) != "200":
             assert self.proc.poll() is None, f"the listener exited {self.proc.returncode}"
@@ -495,7 +542,8 @@ class Squatter:
 
 
 def test_a_local_users_listener_on_the_port_gets_no_key_fakes_no_readiness_and_forges_no_section(
-        good, host, fleet, inventory, pyinfra):
+    good, host, fleet, inventory, pyinfra
+):
     settings = base(fleet, vllm_api_key=API_KEY)
     inv = inventory(**settings)
     deploy(pyinfra, inv)  # the key on the host; the labelled container runs
@@ -555,23 +603,39 @@ def test_a_local_users_listener_on_the_port_gets_no_key_fakes_no_readiness_and_f
 STAGE_TIMEOUT_S = 20
 
 
-def test_a_prepare_that_hangs_ends_at_the_stage_limit_and_releases_the_lock(good, host, fleet, inventory, pyinfra,
-                                                                          tmp_path):
+def test_a_prepare_that_hangs_ends_at_the_stage_limit_and_releases_the_lock(
+    good, host, fleet, inventory, pyinfra, tmp_path
+):
     settings = base(fleet, vllm_api_key=API_KEY)
     inv = inventory(**settings)
     deploy(pyinfra, inv)
     target = digest_of(fleet, "tools-broken")  # no step pulls it: prepare must fetch its layers
     assert target.split("@")[1] not in sh(fleet, host, "docker images --digests --no-trunc")
-    doc, unit, pid, cids = ledger_doc(fleet, host), read(fleet, host, UNIT), main_pid(fleet, host), container_ids(
-        fleet, host)
+    doc, unit, pid, cids = (
+        ledger_doc(fleet, host),
+        read(fleet, host, UNIT),
+        main_pid(fleet, host),
+        container_ids(fleet, host),
+    )
     # The host's packets to the registry are dropped (in the host's own network namespace): a pull there hangs.
     rule = ["OUTPUT", "-p", "tcp", "-d", fleet.cfg.gateway, "--dport", str(REGISTRY_PORT), "-j", "DROP"]
     subprocess.run(["ip", "netns", "exec", host.netns, "iptables", "-I", *rule], check=True)
     log = tmp_path / "rollout.log"
     try:
         t0 = time.monotonic()
-        proc = gpufleet("rollout", str(inv), "--image", target, "--yes", "--json", "--stage-timeout",
-                        str(STAGE_TIMEOUT_S), "--log", str(log), timeout=300)
+        proc = gpufleet(
+            "rollout",
+            str(inv),
+            "--image",
+            target,
+            "--yes",
+            "--json",
+            "--stage-timeout",
+            str(STAGE_TIMEOUT_S),
+            "--log",
+            str(log),
+            timeout=300,
+        )
         took = time.monotonic() - t0
     finally:
         subprocess.run(["ip", "netns", "exec", host.netns, "iptables", "-D", *rule], check=True)
@@ -594,8 +658,9 @@ def test_a_prepare_that_hangs_ends_at_the_stage_limit_and_releases_the_lock(good
 RENAMED = "vllm-renamed"
 
 
-def test_a_reboot_during_a_renames_soak_starts_one_container_and_a_rerun_settles_it(good, host, fleet, inventory,
-                                                                                   pyinfra, tmp_path):
+def test_a_reboot_during_a_renames_soak_starts_one_container_and_a_rerun_settles_it(
+    good, host, fleet, inventory, pyinfra, tmp_path
+):
     settings = base(fleet, vllm_api_key=API_KEY)
     deploy(pyinfra, inventory(**settings))
     before = ledger_doc(fleet, host)
@@ -621,8 +686,9 @@ def test_a_reboot_during_a_renames_soak_starts_one_container_and_a_rerun_settles
     assert len(container_ids(fleet, host)) == 1
     label = sh(fleet, host, "docker ps --format '{{.Labels}}'")
     assert f"gpufleet.{RENAMED}=" in label and f"gpufleet.{SERVICE}=" not in label, label
-    state = sh(fleet, host, f"systemctl is-enabled {SERVICE} {RENAMED}; systemctl is-active {SERVICE} {RENAMED}; "
-                            "true").split()
+    state = sh(
+        fleet, host, f"systemctl is-enabled {SERVICE} {RENAMED}; systemctl is-active {SERVICE} {RENAMED}; true"
+    ).split()
     assert state == ["disabled", "enabled", "inactive", "active"], state
     journal = sh(fleet, host, f"journalctl -u {SERVICE} -u {RENAMED} --since @{int(booted_at)} -o cat --no-pager")
     assert "already in use" not in journal and "already allocated" not in journal, journal[-3000:]

@@ -36,9 +36,18 @@ GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 SERVICE, PORT, MASTER_PORT = "vllm-pair", 5100, 29601
 # The group's data (the inventory group `pair`): PP 2 across the two hosts, one GPU each. The stand-in is ready in
 # seconds; `dies` dies 8 s after serving: a 15 s soak catches it.
-GROUP = {"vllm_group": "pair", "vllm_profile": "qwen35-1gpu", "vllm_service": SERVICE, "vllm_port": PORT,
-         "vllm_group_port": MASTER_PORT, "vllm_group_interface": "eth0", "vllm_group_link": "veth (test hosts)",
-         "vllm_args": {"pipeline-parallel-size": 2}, "vllm_ready_timeout": 120, "vllm_ready_soak_s": 15}
+GROUP = {
+    "vllm_group": "pair",
+    "vllm_profile": "qwen35-1gpu",
+    "vllm_service": SERVICE,
+    "vllm_port": PORT,
+    "vllm_group_port": MASTER_PORT,
+    "vllm_group_interface": "eth0",
+    "vllm_group_link": "veth (test hosts)",
+    "vllm_args": {"pipeline-parallel-size": 2},
+    "vllm_ready_timeout": 120,
+    "vllm_ready_soak_s": 15,
+}
 
 # The rollouts after the first prove what the group's versions do, not the checks (the first runs them all).
 NO_SERVING_CHECKS = [arg for check in SERVING_CHECKS for arg in ("--no-check", check)]
@@ -71,8 +80,9 @@ def ledger(fleet, host) -> dict:
 
 
 def head_health(fleet, head) -> str:
-    return sh(fleet, head, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 2 http://127.0.0.1:{PORT}/health "
-                           "|| true").strip()
+    return sh(
+        fleet, head, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 2 http://127.0.0.1:{PORT}/health || true"
+    ).strip()
 
 
 def wait_for(what: str, test, timeout_s: float) -> float:
@@ -115,7 +125,8 @@ def inventory(fleet, pair, inventory_json, tag, tmp_path_factory) -> Path:
     path.write_text(
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"_data = dict(pyinfra_hosts({str(inventory_json)!r}))\n"
-        f"pair = ([(n, {{**_data[n], 'vllm_image': {image!r}}}) for n in {[h.name for h in pair]!r}], {GROUP!r})\n")
+        f"pair = ([(n, {{**_data[n], 'vllm_image': {image!r}}}) for n in {[h.name for h in pair]!r}], {GROUP!r})\n"
+    )
     return path
 
 
@@ -124,15 +135,20 @@ def digests(fleet, tag, inventory, pyinfra, pair) -> dict[str, str]:
     """The group converged on the module's tag (= good); the digest refs of the stand-in tags. At the end the
     group's service is removed from both hosts, which go back to what other modules left there."""
     registry = fleet.cfg.registry
-    refs = {name: f"{registry}/{REPOSITORY}@{tag_manifest(registry, name)[2]}" for name in ("good", "good-next", "dies")}
+    refs = {
+        name: f"{registry}/{REPOSITORY}@{tag_manifest(registry, name)[2]}" for name in ("good", "good-next", "dies")
+    }
     assert move_tag(registry, tag, "good") == refs["good"]
     try:
         yield refs
     finally:
         for h in pair:
-            fleet.run_in(h, f"systemctl disable --now {SERVICE}; rm -f /etc/systemd/system/{SERVICE}*.service "
-                            f"/var/lib/gpufleet/{SERVICE}* /etc/gpufleet/{SERVICE}.env; systemctl daemon-reload",
-                         check=False)
+            fleet.run_in(
+                h,
+                f"systemctl disable --now {SERVICE}; rm -f /etc/systemd/system/{SERVICE}*.service "
+                f"/var/lib/gpufleet/{SERVICE}* /etc/gpufleet/{SERVICE}.env; systemctl daemon-reload",
+                check=False,
+            )
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +158,16 @@ def converged(digests, inventory, pyinfra) -> str:
 
 
 # --- 1. converge, verify through the head, no-op -----------------------------------------------------------------
-def test_a_group_converges_verified_through_its_head_and_names_one_version(fleet, pair, digests, converged,
-                                                                          inventory, pyinfra):
+def test_a_group_converges_verified_through_its_head_and_names_one_version(
+    fleet, pair, digests, converged, inventory, pyinfra
+):
     head, rank = pair
     assert "ready: /health 200" in converged, converged[-3000:]
     one_version(fleet, pair, digests["good"])
     # The head serves; the rank runs headless, joined to the head's master port, and serves nothing.
-    argv = {h.name: sh(fleet, h, f"docker inspect --format '{{{{json .Args}}}}' {container_id(fleet, h)}") for h in pair}
+    argv = {
+        h.name: sh(fleet, h, f"docker inspect --format '{{{{json .Args}}}}' {container_id(fleet, h)}") for h in pair
+    }
     assert '"--node-rank","0"' in argv[head.name] and "--headless" not in argv[head.name]
     assert '"--node-rank","1"' in argv[rank.name] and '"--headless"' in argv[rank.name]
     assert f'"--master-addr","{head.ip}"' in argv[rank.name]
@@ -159,8 +178,11 @@ def test_a_group_converges_verified_through_its_head_and_names_one_version(fleet
     status = gpufleet("status", str(inventory), "--json")
     assert status.returncode == 0, status.stdout + status.stderr
     rows = {r["host"]: r for r in json.loads(status.stdout)["hosts"]}
-    assert rows[head.name]["state"] == "ready" and rows[head.name]["group"] == {"name": "pair", "rank": 0,
-                                                                               "head": head.name}
+    assert rows[head.name]["state"] == "ready" and rows[head.name]["group"] == {
+        "name": "pair",
+        "rank": 0,
+        "head": head.name,
+    }
     assert rows[rank.name]["state"] == "ready" and rows[rank.name]["group"]["rank"] == 1
     table = gpufleet("status", str(inventory)).stdout
     assert f"{head.name} (group pair)" in table and f"└ {rank.name}: rank 1" in table, table
@@ -187,8 +209,9 @@ def test_a_rank_that_dies_stops_the_head_within_the_bound_and_the_group_comes_ba
 
 
 # --- 3. a rollout swaps both ranks and commits once ----------------------------------------------------------------
-def test_a_rollout_swaps_both_ranks_in_one_run_and_commits_once(fleet, tag, inventory, pair, digests, converged,
-                                                               tmp_path):
+def test_a_rollout_swaps_both_ranks_in_one_run_and_commits_once(
+    fleet, tag, inventory, pair, digests, converged, tmp_path
+):
     head, rank = pair
     before = one_version(fleet, pair, digests["good"])
     assert move_tag(fleet.cfg.registry, tag, "good-next") == digests["good-next"]
@@ -204,8 +227,11 @@ def test_a_rollout_swaps_both_ranks_in_one_run_and_commits_once(fleet, tag, inve
     # The speed the head measured is the group's: every rank commits it with the head's verdict.
     figures = {h.name: ledger(fleet, h)["committed"]["speed"] for h in pair}
     assert figures[head.name] is not None and figures[rank.name] == figures[head.name], figures
-    swaps = [r for r in re.split(r"^\$ ", log.read_text(), flags=re.MULTILINE)[1:]
-             if "gpufleet_image_ref=" in r.splitlines()[0] and "gpufleet_stage=prepare" not in r.splitlines()[0]]
+    swaps = [
+        r
+        for r in re.split(r"^\$ ", log.read_text(), flags=re.MULTILINE)[1:]
+        if "gpufleet_image_ref=" in r.splitlines()[0] and "gpufleet_stage=prepare" not in r.splitlines()[0]
+    ]
     assert len(swaps) == 1 and head.name in swaps[0].splitlines()[0] and rank.name in swaps[0].splitlines()[0]
     after = one_version(fleet, pair, digests["good-next"])
     assert after != before
@@ -228,13 +254,19 @@ def test_a_failing_nightly_rolls_both_ranks_back(fleet, tag, inventory, pair, di
 
 
 # --- 5. the controller killed while the ranks swap ------------------------------------------------------------------
-def test_a_controller_killed_between_the_ranks_swaps_ends_with_one_version(fleet, tag, inventory, pair, digests,
-                                                                         converged):
+def test_a_controller_killed_between_the_ranks_swaps_ends_with_one_version(
+    fleet, tag, inventory, pair, digests, converged
+):
     head, _ = pair
     move_tag(fleet.cfg.registry, tag, "good")  # committed before on both ranks: not marked failed
     old = container_id(fleet, head)
-    proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--yes", "--json", *NO_SERVING_CHECKS],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    proc = subprocess.Popen(
+        [GPUFLEET, "rollout", str(inventory), "--yes", "--json", *NO_SERVING_CHECKS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     # Killed once the head's restart began (its old container gone), before the group's verify could end.
     deadline = time.monotonic() + 300
     while container_id(fleet, head) in (old, "") and time.monotonic() < deadline and proc.poll() is None:

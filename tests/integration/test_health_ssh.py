@@ -44,8 +44,6 @@ def web(tmp_path) -> Iterator[int]:
     httpd.server_close()
 
 
-
-
 def test_http_rides_a_direct_tcpip_channel(sshd, web):
     client = sshd.client()
     try:
@@ -204,8 +202,11 @@ def test_engine_death_is_dead_with_docker_logs_over_ssh(served, fleet):
     dying = {**data, "vllm_image": dies_ref}
     spec = build_spec(name, dying)
     # The unit for the dying image goes in by hand: the deploy itself would (rightly) roll it back after its soak.
-    fleet.run_in(name, f"docker pull -q {dies_ref} >/dev/null && cat > {unit_path(spec.service)} <<'UNIT'\n"
-                       f"{render_unit(spec, dies_ref)}UNIT\nsystemctl daemon-reload && systemctl restart {spec.service}")
+    fleet.run_in(
+        name,
+        f"docker pull -q {dies_ref} >/dev/null && cat > {unit_path(spec.service)} <<'UNIT'\n"
+        f"{render_unit(spec, dies_ref)}UNIT\nsystemctl daemon-reload && systemctl restart {spec.service}",
+    )
     expected = Expected.from_spec(spec)
     client = open_ssh(name, data).client
     try:

@@ -28,23 +28,31 @@ UNIT = f"/etc/systemd/system/{SERVICE}.service"
 
 def start(inventory: Path, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
-        return subprocess.Popen([PYINFRA, "-y", str(inventory), DEPLOY], stdout=out, stderr=subprocess.STDOUT,
-                                text=True)
+        return subprocess.Popen(
+            [PYINFRA, "-y", str(inventory), DEPLOY], stdout=out, stderr=subprocess.STDOUT, text=True
+        )
 
 
 def max_num_seqs(fleet, host) -> tuple[str, str]:
     """--max-num-seqs as the unit has it, and as the running container was started with."""
     unit = fleet.read_file(host, UNIT).decode()
-    args = json.loads(fleet.run_in(host, f"docker inspect --format '{{{{json .Args}}}}' "
-                                         f"$(docker ps -q --filter label=gpufleet.{SERVICE})").stdout)
+    args = json.loads(
+        fleet.run_in(
+            host, f"docker inspect --format '{{{{json .Args}}}}' $(docker ps -q --filter label=gpufleet.{SERVICE})"
+        ).stdout
+    )
     return unit.split("--max-num-seqs ", 1)[1].split()[0], args[args.index("--max-num-seqs") + 1]
 
 
 @pytest.fixture(scope="module")
 def serving(module_host, fleet, pyinfra, tmp_path_factory):
     """The module's host converged and serving, with the short lease."""
-    inv = write_inventory(tmp_path_factory.mktemp("inv"), fleet.write_inventory(), [module_host.name],
-                          {module_host.name: {"gpufleet_lock_lease_s": LEASE_S}})
+    inv = write_inventory(
+        tmp_path_factory.mktemp("inv"),
+        fleet.write_inventory(),
+        [module_host.name],
+        {module_host.name: {"gpufleet_lock_lease_s": LEASE_S}},
+    )
     deploy(pyinfra, inv)
     return module_host
 
@@ -53,8 +61,12 @@ def test_of_two_concurrent_runs_one_is_refused_naming_the_other_and_the_winner_i
     name = serving.name
     runs = {}
     for seqs in (4, 6):
-        inv = write_inventory(tmp_path, fleet.write_inventory(), [name],
-                              {name: {"gpufleet_lock_lease_s": LEASE_S, "vllm_args": {"max-num-seqs": seqs}}})
+        inv = write_inventory(
+            tmp_path,
+            fleet.write_inventory(),
+            [name],
+            {name: {"gpufleet_lock_lease_s": LEASE_S, "vllm_args": {"max-num-seqs": seqs}}},
+        )
         runs[seqs] = start(inv, tmp_path / f"run-{seqs}.log")
     for proc in runs.values():
         proc.wait(timeout=600)
@@ -74,8 +86,12 @@ def test_of_two_concurrent_runs_one_is_refused_naming_the_other_and_the_winner_i
 
 def test_a_killed_controllers_lock_is_taken_over_within_the_lease(serving, fleet, tmp_path):
     name = serving.name
-    inv = write_inventory(tmp_path, fleet.write_inventory(), [name],
-                          {name: {"gpufleet_lock_lease_s": LEASE_S, "vllm_args": {"max-num-seqs": 5}}})
+    inv = write_inventory(
+        tmp_path,
+        fleet.write_inventory(),
+        [name],
+        {name: {"gpufleet_lock_lease_s": LEASE_S, "vllm_args": {"max-num-seqs": 5}}},
+    )
     log = tmp_path / "killed.log"
     killed = start(inv, log)
     deadline = time.monotonic() + 300
@@ -89,12 +105,22 @@ def test_a_killed_controllers_lock_is_taken_over_within_the_lease(serving, fleet
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait(timeout=30)
 
-    again = write_inventory(tmp_path, fleet.write_inventory(), [name],
-                            {name: {"gpufleet_lock_lease_s": LEASE_S, "gpufleet_lock_wait_s": LEASE_S + 4,
-                                    "vllm_args": {"max-num-seqs": 5}}})
+    again = write_inventory(
+        tmp_path,
+        fleet.write_inventory(),
+        [name],
+        {
+            name: {
+                "gpufleet_lock_lease_s": LEASE_S,
+                "gpufleet_lock_wait_s": LEASE_S + 4,
+                "vllm_args": {"max-num-seqs": 5},
+            }
+        },
+    )
     started = time.monotonic()
-    rerun = subprocess.run([PYINFRA, "-y", str(again), DEPLOY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=600)
+    rerun = subprocess.run(
+        [PYINFRA, "-y", str(again), DEPLOY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
     assert rerun.returncode == 0, rerun.stdout[-4000:]
     assert "locked by" not in rerun.stdout
     assert f"pid={killed.pid} " not in fleet.run_in(serving, f"cat {LOCK_PATH}").stdout

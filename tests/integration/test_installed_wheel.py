@@ -41,13 +41,29 @@ def venv(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)], check=True)
     (wheel,) = dist.glob("gpufleet-*.whl")
     subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True)
-    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], check=True,
-                            capture_output=True, text=True).stdout
+    frozen = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--exclude-editable"], check=True, capture_output=True, text=True
+    ).stdout
     constraints = root / "constraints.txt"
-    constraints.write_text("".join(f"{line}\n" for line in frozen.splitlines()
-                                   if "==" in line and not line.lower().startswith("gpufleet==")))
-    subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    "-c", str(constraints), str(wheel)], check=True)
+    constraints.write_text(
+        "".join(
+            f"{line}\n" for line in frozen.splitlines() if "==" in line and not line.lower().startswith("gpufleet==")
+        )
+    )
+    subprocess.run(
+        [
+            str(env_dir / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "-c",
+            str(constraints),
+            str(wheel),
+        ],
+        check=True,
+    )
     print(f"wheel built and installed in {time.monotonic() - start:.1f} s")
     return env_dir
 
@@ -62,8 +78,16 @@ def installed(venv: Path, workdir: Path, *args: str, timeout: float = 900) -> su
     """The installed CLI as a user runs it from the activated venv: stdout and stderr together in .stdout."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(PATH=f"{venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}", VIRTUAL_ENV=str(venv))
-    return subprocess.run([str(venv / "bin" / args[0]), *args[1:]], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(venv / "bin" / args[0]), *args[1:]],
+        cwd=workdir,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +104,12 @@ def tag() -> str:
 def inventory(fleet, host, tag, tmp_path_factory) -> Path:
     """The host alone, vllm_image on the module's own tag (at `good` to begin with)."""
     move_tag(fleet.cfg.registry, tag, "good")
-    return write_inventory(tmp_path_factory.mktemp("wheel-inv"), fleet.write_inventory(), [host.name],
-                           {host.name: {**DATA, "vllm_image": image_ref(fleet.cfg, tag)}})
+    return write_inventory(
+        tmp_path_factory.mktemp("wheel-inv"),
+        fleet.write_inventory(),
+        [host.name],
+        {host.name: {**DATA, "vllm_image": image_ref(fleet.cfg, tag)}},
+    )
 
 
 def test_the_installed_package_is_the_wheels(venv, workdir):

@@ -31,8 +31,12 @@ def converged(fleet, pyinfra, _fresh_numbers, tmp_path_factory):
     """A fresh 1x H200 host converged from bare with vllm_profile qwen35-1gpu: (host, inventory, first output)."""
     (host,) = fleet.add_hosts([H200x1], first=next(_fresh_numbers))
     try:
-        inv = write_inventory(tmp_path_factory.mktemp("one-gpu"), fleet.write_inventory(), [host.name],
-                              {host.name: {"vllm_profile": PROFILE.name}})
+        inv = write_inventory(
+            tmp_path_factory.mktemp("one-gpu"),
+            fleet.write_inventory(),
+            [host.name],
+            {host.name: {"vllm_profile": PROFILE.name}},
+        )
         yield host, inv, deploy(pyinfra, inv).stdout
     finally:
         fleet.remove_hosts([host.name])
@@ -48,14 +52,21 @@ def test_a_bare_one_gpu_host_serves_the_profile(converged, fleet):
     # The unit on the host is the render for the digest the deploy pinned, byte for byte.
     committed = json.loads(fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"))["committed"]
     assert fleet.read_file(host, f"/etc/systemd/system/{SERVICE}.service").decode() == render_unit(
-        spec, committed["ref"], committed["model"])
+        spec, committed["ref"], committed["model"]
+    )
     # The model landed under the profile's directory name, the caches under the profile's cache dir.
     assert sh(fleet, host, f"test -f /srv/vllm/models/{PROFILE.model}/config.json && echo yes").strip() == "yes"
     cache = PROFILE.settings["vllm_cache_dir"]
     assert sh(fleet, host, f"ls {cache}").split() == sorted(["ComputeCache", "huggingface", "torch", "vllm"])
     # Nothing of the qwen35 profile's: it can be added beside this one later.
-    assert sh(fleet, host, "ls /etc/systemd/system/vllm-qwen35.service /var/cache/vllm/qwen35 2>&1 | "
-                           "grep -c 'No such file'").strip() == "2"
+    assert (
+        sh(
+            fleet,
+            host,
+            "ls /etc/systemd/system/vllm-qwen35.service /var/cache/vllm/qwen35 2>&1 | grep -c 'No such file'",
+        ).strip()
+        == "2"
+    )
 
 
 def test_verify_passes_with_the_profiles_model_and_cache_config(converged):
@@ -79,9 +90,12 @@ def test_a_port_published_on_the_hosts_own_address_is_checked_there(converged, f
     # docker then publishes on that address only: the deploy's checks (and verify's) dialled 127.0.0.1, got
     # "connection refused" from a serving host, and waited out vllm_ready_timeout towards a rollback.
     host, _, _ = converged
-    inv = write_inventory(tmp_path, fleet.write_inventory(), [host.name],
-                          {host.name: {"vllm_profile": PROFILE.name, "vllm_publish_address": host.ip,
-                                       "vllm_ready_timeout": 120}})
+    inv = write_inventory(
+        tmp_path,
+        fleet.write_inventory(),
+        [host.name],
+        {host.name: {"vllm_profile": PROFILE.name, "vllm_publish_address": host.ip, "vllm_ready_timeout": 120}},
+    )
     out = deploy(pyinfra, inv).stdout
     assert "ready: /health 200" in out and "answer check stream: " in out, out[-3000:]
     published = sh(fleet, host, "docker ps --format '{{.Ports}}'").strip()

@@ -38,8 +38,9 @@ def test_readme_sandbox_command_converges_as_written():
 
     def sh(line: str, timeout: float = 900) -> subprocess.CompletedProcess:
         # Enter answers pyinfra's "Press enter to execute..." prompt, as a person would.
-        return subprocess.run(["bash", "-c", line], cwd=REPO, env=env, input="\n", text=True,
-                              capture_output=True, timeout=timeout)
+        return subprocess.run(
+            ["bash", "-c", line], cwd=REPO, env=env, input="\n", text=True, capture_output=True, timeout=timeout
+        )
 
     try:
         first = sh(command)

@@ -97,8 +97,9 @@ def running_image(fleet, host) -> str:
 
 def starts_since(fleet, host, since: float) -> int:
     """How many times systemd started the service since `since` (epoch seconds)."""
-    out = sh(fleet, host, f"journalctl -u {SERVICE} --since @{int(since)} -o cat --no-pager | "
-                          f"grep -c '^Started ' || true")
+    out = sh(
+        fleet, host, f"journalctl -u {SERVICE} --since @{int(since)} -o cat --no-pager | grep -c '^Started ' || true"
+    )
     return int(out.strip() or 0)
 
 
@@ -140,8 +141,11 @@ class ReadinessPoller:
 def swap_runs(log: Path) -> list[str]:
     """The outputs of the deploy runs that swapped hosts (not the prepare runs), from the rollout's log."""
     runs = re.split(r"^\$ ", log.read_text(), flags=re.MULTILINE)[1:]
-    return [r for r in runs if "gpufleet_image_ref=" in r.splitlines()[0] and "gpufleet_stage=prepare" not in
-            r.splitlines()[0]]
+    return [
+        r
+        for r in runs
+        if "gpufleet_image_ref=" in r.splitlines()[0] and "gpufleet_stage=prepare" not in r.splitlines()[0]
+    ]
 
 
 # --- fixtures --------------------------------------------------------------------------------------------------
@@ -182,8 +186,9 @@ def inventory(hosts, fleet, tag, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def dies_inventory(hosts, fleet, tag, tmp_path_factory) -> Path:
     """The same hosts and tag, with the soak that catches `dies`."""
-    return tagged_inventory(tmp_path_factory.mktemp("rollout") / "dies_hosts.py", fleet, hosts, tag,
-                            {**DATA, **DIES_SOAK})
+    return tagged_inventory(
+        tmp_path_factory.mktemp("rollout") / "dies_hosts.py", fleet, hosts, tag, {**DATA, **DIES_SOAK}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +206,10 @@ def converge(pyinfra, inventory: Path, *args: str, check: bool = True) -> subpro
 def digests(fleet, tag, inventory, pyinfra, hosts) -> dict[str, str]:
     """The hosts converged on the module's tag (= good); the digest refs of the stand-in tags."""
     registry = fleet.cfg.registry
-    refs = {name: f"{registry}/{REPOSITORY}@{tag_manifest(registry, name)[2]}"
-            for name in ("good", "good-next", "rejects-flag", "dies")}
+    refs = {
+        name: f"{registry}/{REPOSITORY}@{tag_manifest(registry, name)[2]}"
+        for name in ("good", "good-next", "rejects-flag", "dies")
+    }
     assert move_tag(registry, tag, "good") == refs["good"]
     converge(pyinfra, inventory)
     for h in hosts:
@@ -211,8 +218,9 @@ def digests(fleet, tag, inventory, pyinfra, hosts) -> dict[str, str]:
 
 
 # --- 1. a good new digest ----------------------------------------------------------------------------------------
-def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory, pyinfra, hosts, digests, host_data,
-                                                          logs):
+def test_good_new_digest_updates_every_host_one_at_a_time(
+    fleet, tag, inventory, pyinfra, hosts, digests, host_data, logs
+):
     names = [h.name for h in hosts]
     assert move_tag(fleet.cfg.registry, tag, "good-next") == digests["good-next"]
     log = logs / "good.log"
@@ -229,14 +237,19 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
     checks = {row["host"]: [(c["check"], c["ok"]) for c in row["checks"]] for row in doc["hosts"]}
     assert [name for name, _ in checks[names[0]]][:4] == ["completion", "stream", "speed", "prefix-cache"]
     assert {"cached-cold", "sessions"} <= {name for name, _ in checks[names[0]]}
-    assert all(ok for _, ok in checks[names[0]]) and all(checks[n] == [("completion", True), ("stream", True)]
-                                                         for n in names[1:]), checks
+    assert all(ok for _, ok in checks[names[0]]) and all(
+        checks[n] == [("completion", True), ("stream", True)] for n in names[1:]
+    ), checks
     assert "serving check cached-cold: the same" in log.read_text()
     # Its speed, measured before the swap (good) and after it (good-next, the same stand-in), new against old; kept
     # in its ledger with the committed version, as `history` shows.
     speed = doc["hosts"][0]["speed"]
-    assert speed["before"] and speed["after"] and set(speed["ratios"]) == {"prefill_tokens_per_s", "cached_ttft_s",
-                                                                          "decode_tokens_per_s", "batch_tokens_per_s"}
+    assert (
+        speed["before"]
+        and speed["after"]
+        and set(speed["ratios"])
+        == {"prefill_tokens_per_s", "cached_ttft_s", "decode_tokens_per_s", "batch_tokens_per_s"}
+    )
     assert all(row["speed"] is None for row in doc["hosts"][1:])
     assert "serving check speed: prefill " in log.read_text()
     history = json.loads(gpufleet("history", str(inventory), "--host", names[0], "--json").stdout)
@@ -246,8 +259,11 @@ def test_good_new_digest_updates_every_host_one_at_a_time(fleet, tag, inventory,
     assert verified.returncode == 0, verified.stdout[-4000:]
     rows = {row["host"]: row for row in json.loads(verified.stdout)["hosts"]}
     assert rows[names[0]]["speed"]["recorded"] == speed["after"] and rows[names[0]]["checks"][0]["ok"], rows[names[0]]
-    assert all(rows[n]["speed"]["recorded"] is None and rows[n]["checks"][0]["detail"].startswith(
-        "no earlier figures on this host to compare: ") for n in names[1:]), rows
+    assert all(
+        rows[n]["speed"]["recorded"] is None
+        and rows[n]["checks"][0]["detail"].startswith("no earlier figures on this host to compare: ")
+        for n in names[1:]
+    ), rows
     for h in hosts:
         assert running_image(fleet, h) == digests["good-next"]
     # Never more than one host (--batch 1) out of service, and each one was out at some point.
@@ -284,24 +300,33 @@ def test_a_host_whose_gpu_throttles_for_heat_is_served_and_warned_in_status(flee
     rows = {row["host"]: row for row in json.loads(doc.stdout)["hosts"]}
     assert rows[hot.name]["ok"] and rows[hot.name]["state"] == "ready" and rows[hot.name]["problems"] == []
     assert {name: row["gpu"]["verdict"] for name, row in rows.items()} == {
-        h.name: "degraded" if h is hot else "ok" for h in hosts}
-    assert (f"{hot.name}: warning: GPU 0 (00000000:00:06.0) degraded: clocks_event_reasons.hw_thermal_slowdown "
-            "(0x40) at 91 C") in table.stdout, table.stdout[-3000:]
+        h.name: "degraded" if h is hot else "ok" for h in hosts
+    }
+    assert (
+        f"{hot.name}: warning: GPU 0 (00000000:00:06.0) degraded: clocks_event_reasons.hw_thermal_slowdown "
+        "(0x40) at 91 C"
+    ) in table.stdout, table.stdout[-3000:]
     assert re.search(rf"│ {hot.name} .*│ degraded: 0 ", table.stdout), table.stdout[-3000:]
 
 
-def test_preflight_refuses_a_converge_that_would_restart_onto_a_gpu_pending_a_remap(fleet, inventory, pyinfra, hosts,
-                                                                                    digests):
+def test_preflight_refuses_a_converge_that_would_restart_onto_a_gpu_pending_a_remap(
+    fleet, inventory, pyinfra, hosts, digests
+):
     host = hosts[2]
     unit = f"/etc/systemd/system/{SERVICE}.service"
-    before = (container_id(fleet, host), fleet.read_file(host, unit), fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"))
+    before = (
+        container_id(fleet, host),
+        fleet.read_file(host, unit),
+        fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"),
+    )
     other = digests["good"] if running_image(fleet, host) != digests["good"] else digests["good-next"]
     gpu_faults.inject(host.root, 0, "remap-pending")
     try:
         # Nothing to restart: the converge goes on and says what the GPU needs.
         same = converge(pyinfra, inventory, "--limit", host.name)
-        refused = converge(pyinfra, inventory, "--limit", host.name, "--data", f"gpufleet_image_ref={other}",
-                           check=False)
+        refused = converge(
+            pyinfra, inventory, "--limit", host.name, "--data", f"gpufleet_image_ref={other}", check=False
+        )
     finally:
         gpu_faults.clear(host.root)
     assert changes(same.stdout) == 0
@@ -310,10 +335,17 @@ def test_preflight_refuses_a_converge_that_would_restart_onto_a_gpu_pending_a_re
     lines = [line.strip() for line in refused.stdout.splitlines() if "needs GPU reset" in line]
     assert len(lines) == 1 and lines[0].startswith(
         f"{host.name}: GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes: this converge would "
-        f"restart {SERVICE}.service ("), lines
-    assert "(fix: stop the service and reset the GPU (`nvidia-smi -r -i 0`), or reboot the host (NVIDIA: RESET_GPU)" \
+        f"restart {SERVICE}.service ("
+    ), lines
+    assert (
+        "(fix: stop the service and reset the GPU (`nvidia-smi -r -i 0`), or reboot the host (NVIDIA: RESET_GPU)"
         in lines[0]
-    after = (container_id(fleet, host), fleet.read_file(host, unit), fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"))
+    )
+    after = (
+        container_id(fleet, host),
+        fleet.read_file(host, unit),
+        fleet.read_file(host, f"/var/lib/gpufleet/{SERVICE}.json"),
+    )
     assert after == before
 
 
@@ -335,8 +367,7 @@ def test_a_rejected_flag_is_caught_in_prepare_and_no_host_is_swapped(fleet, tag,
 
 
 # --- 3. an image that starts, then dies ----------------------------------------------------------------------------
-def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, dies_inventory, pyinfra, hosts,
-                                                      digests):
+def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, dies_inventory, pyinfra, hosts, digests):
     canary, *others = hosts
     ids = {h.name: container_id(fleet, h) for h in hosts}
     move_tag(fleet.cfg.registry, tag, "dies")
@@ -378,8 +409,9 @@ def test_a_dying_image_rolls_the_canary_back_and_stops(fleet, tag, inventory, di
     ("stalls-under-load", "speed", r"check speed: 1 of 2 requests sent at once did not finish within \d+ s, while "
                                    r"/health answered 200 all along"),
 ])  # fmt: skip
-def test_an_image_that_fails_its_clients_rolls_the_canary_back_naming_the_check(fleet, tag, inventory, hosts, digests,
-                                                                                broken_tag, check, caught):
+def test_an_image_that_fails_its_clients_rolls_the_canary_back_naming_the_check(
+    fleet, tag, inventory, hosts, digests, broken_tag, check, caught
+):
     # /health, /v1/models and /metrics all pass: only real requests show the nightly is broken.
     canary, *others = hosts
     ids = {h.name: container_id(fleet, h) for h in hosts}
@@ -402,8 +434,13 @@ def test_a_killed_rollout_resumes_and_no_host_restarts_twice(fleet, tag, invento
     move_tag(fleet.cfg.registry, tag, "good")  # committed before on every host: not marked failed
     since = time.time() - 1
     log = logs / "killed.log"
-    proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--yes", "--json", "--log", str(log)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    proc = subprocess.Popen(
+        [GPUFLEET, "rollout", str(inventory), "--yes", "--json", "--log", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     # Killed while the first host swaps: after its restart began (its old container gone).
     first = hosts[0]
     old = container_id(fleet, first)
@@ -423,8 +460,9 @@ def test_a_killed_rollout_resumes_and_no_host_restarts_twice(fleet, tag, invento
 
 
 # --- 4b. a GPU that fell off the bus: its host is skipped, another is the canary ------------------------------------
-def test_a_host_whose_gpu_fell_off_the_bus_is_skipped_and_another_host_is_the_canary(fleet, tag, inventory, hosts,
-                                                                                     digests):
+def test_a_host_whose_gpu_fell_off_the_bus_is_skipped_and_another_host_is_the_canary(
+    fleet, tag, inventory, hosts, digests
+):
     sick, canary, other = hosts  # the canary would be the first host: the one whose GPU fell off the bus
     kept = container_id(fleet, sick)
     move_tag(fleet.cfg.registry, tag, "good-next")  # committed before on every host: not marked failed
@@ -437,9 +475,11 @@ def test_a_host_whose_gpu_fell_off_the_bus_is_skipped_and_another_host_is_the_ca
     doc = rollout_json(proc)
     assert outcomes(doc) == {sick.name: "skipped", canary.name: "updated", other.name: "updated"}
     rows = {row["host"]: row for row in doc["hosts"]}
-    assert re.fullmatch(r"GPU 1 \(00000000:00:07\.0\) needs reboot: Xid 79 at \S+ \(GPU has fallen off the bus\.\) "
-                        r"\(fix: reboot the host \(NVIDIA: RESTART_BM\), then run the rollout again\)",
-                        rows[sick.name]["detail"]), rows[sick.name]["detail"]
+    assert re.fullmatch(
+        r"GPU 1 \(00000000:00:07\.0\) needs reboot: Xid 79 at \S+ \(GPU has fallen off the bus\.\) "
+        r"\(fix: reboot the host \(NVIDIA: RESTART_BM\), then run the rollout again\)",
+        rows[sick.name]["detail"],
+    ), rows[sick.name]["detail"]
     said = [line for line in proc.stderr.splitlines() if line.startswith(f"{sick.name}: ")]
     assert said == [f"{sick.name}: skipped: {rows[sick.name]['detail']}"], proc.stderr[-3000:]
     # The canary was the next host: held to the serving checks, the host after it to the answers.
@@ -460,15 +500,20 @@ def test_rollback_returns_a_host_to_its_previous_digest_gated(fleet, inventory, 
     proc = gpufleet("rollback", str(inventory), "--host", host.name, "--yes", "--json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     (row,) = rollout_json(proc)["hosts"]
-    assert (row["host"], row["from"], row["to"], row["outcome"]) == (host.name, digests["good"],
-                                                                      digests["good-next"], "updated")
+    assert (row["host"], row["from"], row["to"], row["outcome"]) == (
+        host.name,
+        digests["good"],
+        digests["good-next"],
+        "updated",
+    )
     assert running_image(fleet, host) == digests["good-next"]
     assert {h.name: container_id(fleet, h) for h in others} == ids
 
 
 # --- 6. the target: a moved tag is looked up in the registry, nothing pulled before the prompt ----------------------
-def test_a_moved_tag_is_looked_up_in_the_registry_and_nothing_is_pulled_before_the_prompt(fleet, tag, inventory,
-                                                                                           hosts, digests):
+def test_a_moved_tag_is_looked_up_in_the_registry_and_nothing_is_pulled_before_the_prompt(
+    fleet, tag, inventory, hosts, digests
+):
     from gpufleet.sandbox.image import TAGS
 
     registry = fleet.cfg.registry
@@ -482,8 +527,15 @@ def test_a_moved_tag_is_looked_up_in_the_registry_and_nothing_is_pulled_before_t
     assert unseen, "every stand-in tag's image is on some host already"
     moved = move_tag(registry, tag, unseen[0])
     # COLUMNS: the progress lines are not wrapped; the prompt is answered "n".
-    proc = subprocess.run([GPUFLEET, "rollout", str(inventory)], input="n\n", capture_output=True, text=True,
-                          timeout=300, cwd=REPO_ROOT, env={**os.environ, "COLUMNS": "400"})
+    proc = subprocess.run(
+        [GPUFLEET, "rollout", str(inventory)],
+        input="n\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+        env={**os.environ, "COLUMNS": "400"},
+    )
     assert proc.returncode == 1 and "not confirmed: nothing was changed" in proc.stderr, proc.stderr[-3000:]
     named = re.search(r"^target: (\S+)", proc.stderr, re.MULTILINE)
     assert named is not None and named[1] == moved, proc.stderr[-3000:]  # the registry's digest for the tag
@@ -512,11 +564,12 @@ def next_weights(fleet) -> str:
     root = services.hub_root(fleet.cfg)
     head = standin_hub.resolve(root, MODEL_REPO, "main")
     assert head is not None
-    files: dict[str, bytes | Path] = {f.path: root / MODEL_REPO / "commits" / head / f.path
-                                      for f in standin_hub.listing(root, MODEL_REPO, head)}
+    files: dict[str, bytes | Path] = {
+        f.path: root / MODEL_REPO / "commits" / head / f.path for f in standin_hub.listing(root, MODEL_REPO, head)
+    }
     weights = Path(files["model.safetensors"]).read_bytes()
     start = 8 + struct.unpack("<Q", weights[:8])[0]
-    turned = weights[:start] + weights[start + 1:] + weights[start:start + 1]
+    turned = weights[:start] + weights[start + 1 :] + weights[start : start + 1]
     return standin_hub.publish(root, MODEL_REPO, {**files, "model.safetensors": turned})
 
 
@@ -531,33 +584,47 @@ def committed_model(fleet, host) -> str | None:
 
 def container_model(fleet, host) -> str:
     label = model_label_key(SERVICE)
-    return sh(fleet, host, f"docker inspect --format '{{{{index .Config.Labels \"{label}\"}}}}' "
-                           f"{container_id(fleet, host)}").strip()
+    return sh(
+        fleet, host, f"docker inspect --format '{{{{index .Config.Labels \"{label}\"}}}}' {container_id(fleet, host)}"
+    ).strip()
 
 
 def holds(fleet, host, commit: str) -> bool:
     """Whether the host's model directory holds exactly the files of `commit` (each hashed there, against the hub's
     copy), and its mark says so."""
     root = services.hub_root(fleet.cfg)
-    want = {f.path: hashlib.sha256((root / MODEL_REPO / "commits" / commit / f.path).read_bytes()).hexdigest()
-            for f in standin_hub.listing(root, MODEL_REPO, commit)}
-    got = dict(reversed(line.split("  ", 1)) for line in
-               sh(fleet, host, f"cd {MODEL_DIR} && sha256sum {' '.join(sorted(want))}").splitlines())
+    want = {
+        f.path: hashlib.sha256((root / MODEL_REPO / "commits" / commit / f.path).read_bytes()).hexdigest()
+        for f in standin_hub.listing(root, MODEL_REPO, commit)
+    }
+    got = dict(
+        reversed(line.split("  ", 1))
+        for line in sh(fleet, host, f"cd {MODEL_DIR} && sha256sum {' '.join(sorted(want))}").splitlines()
+    )
     return got == want and sh(fleet, host, f"cat {MODEL_DIR}/.gpufleet-model").strip() == f"{MODEL_REPO}@{commit}"
 
 
 def unit_events(fleet, host, since: float) -> list[tuple[float, str]]:
     """(epoch seconds, systemd's line) for the service since `since`: its stops and starts."""
-    out = sh(fleet, host, f"journalctl -u {SERVICE} --since @{int(since) - 1} -o json "
-                          "--output-fields=MESSAGE,SYSLOG_IDENTIFIER --no-pager")
+    out = sh(
+        fleet,
+        host,
+        f"journalctl -u {SERVICE} --since @{int(since) - 1} -o json "
+        "--output-fields=MESSAGE,SYSLOG_IDENTIFIER --no-pager",
+    )
     events = [json.loads(line) for line in out.splitlines()]
-    return [(int(e["__REALTIME_TIMESTAMP"]) / 1e6, e["MESSAGE"]) for e in events
-            if e.get("SYSLOG_IDENTIFIER") == "systemd" and isinstance(e.get("MESSAGE"), str)
-            and int(e["__REALTIME_TIMESTAMP"]) / 1e6 >= since]
+    return [
+        (int(e["__REALTIME_TIMESTAMP"]) / 1e6, e["MESSAGE"])
+        for e in events
+        if e.get("SYSLOG_IDENTIFIER") == "systemd"
+        and isinstance(e.get("MESSAGE"), str)
+        and int(e["__REALTIME_TIMESTAMP"]) / 1e6 >= since
+    ]
 
 
-def test_a_model_move_is_downloaded_everywhere_before_the_canarys_swap_never_in_a_downtime(fleet, inventory, hosts,
-                                                                                          digests, logs):
+def test_a_model_move_is_downloaded_everywhere_before_the_canarys_swap_never_in_a_downtime(
+    fleet, inventory, hosts, digests, logs
+):
     names = [h.name for h in hosts]
     image = running_image(fleet, hosts[0])
     assert all(running_image(fleet, h) == image for h in hosts)
@@ -572,8 +639,21 @@ def test_a_model_move_is_downloaded_everywhere_before_the_canarys_swap_never_in_
     # The canary, then the other two at once; the canary held to the answers alone (step 1 runs the serving checks).
     no_checks = [a for name in SERVING_CHECKS for a in ("--no-check", name)]
     log = logs / "model.log"
-    proc = gpufleet("rollout", str(inventory), "--image", image, "--model-revision", "main", "--batch", "2",
-                    *no_checks, "--yes", "--json", "--log", str(log))
+    proc = gpufleet(
+        "rollout",
+        str(inventory),
+        "--image",
+        image,
+        "--model-revision",
+        "main",
+        "--batch",
+        "2",
+        *no_checks,
+        "--yes",
+        "--json",
+        "--log",
+        str(log),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"model: main -> {new}" in proc.stderr
     assert outcomes(rollout_json(proc)) == dict.fromkeys(names, "updated")
@@ -581,7 +661,8 @@ def test_a_model_move_is_downloaded_everywhere_before_the_canarys_swap_never_in_
     served = standin_hub.requests(services.hub_log(fleet.cfg), offset)
     fetched = [r for r in served if r.download]
     assert sorted((r.client, r.path, r.status) for r in fetched) == sorted(
-        (h.ip, f"/{MODEL_REPO}/resolve/{new}/model.safetensors", 200) for h in hosts), fetched
+        (h.ip, f"/{MODEL_REPO}/resolve/{new}/model.safetensors", 200) for h in hosts
+    ), fetched
     # The hosts' side: each stopped once and started once, the canary first; the hub's last answer of the whole
     # rollout ended before the canary's stop, so every download ran while every old version served, and none
     # inside any host's downtime (a downtime starts at its stop).
@@ -604,8 +685,7 @@ def test_a_model_move_is_downloaded_everywhere_before_the_canarys_swap_never_in_
         assert fleet.run_in(h, f"test -e {MODEL_DIR}.gpufleet-kept", check=False).returncode == 1, h.name
 
 
-def test_a_model_move_that_fails_its_gate_serves_the_old_commits_files_again(fleet, inventory, pyinfra, hosts,
-                                                                            digests):
+def test_a_model_move_that_fails_its_gate_serves_the_old_commits_files_again(fleet, inventory, pyinfra, hosts, digests):
     canary, *others = hosts
     image = running_image(fleet, canary)
     old = committed_model(fleet, canary)
@@ -621,8 +701,13 @@ def test_a_model_move_that_fails_its_gate_serves_the_old_commits_files_again(fle
     # files, put back before its start (no file or directory changed after it), recorded in its ledger.
     assert running_image(fleet, canary) == image and container_model(fleet, canary) == old
     assert holds(fleet, canary, old_commit)
-    started = float(sh(fleet, canary, f"date -d \"$(docker inspect --format '{{{{.State.StartedAt}}}}' "
-                                      f"{container_id(fleet, canary)})\" +%s.%N"))
+    started = float(
+        sh(
+            fleet,
+            canary,
+            f"date -d \"$(docker inspect --format '{{{{.State.StartedAt}}}}' {container_id(fleet, canary)})\" +%s.%N",
+        )
+    )
     changed = [float(t) for t in sh(fleet, canary, f"find {MODEL_DIR} -printf '%C@\\n'").split()]
     assert max(changed) < started, (max(changed), started)
     assert committed_model(fleet, canary) == old

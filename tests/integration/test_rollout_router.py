@@ -57,7 +57,7 @@ def rfleet_config() -> FleetConfig:
 def connect_router(rfleet: Fleet):
     from gpufleet.router import status
 
-    (name, data), = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
+    ((name, data),) = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
     return status.connect(name, data)
 
 
@@ -166,18 +166,47 @@ def test_rollout_behind_the_router_fails_no_client_request(rfleet, inventory, py
     base = f"http://{router_host(rfleet).ip}:{ROUTER_PORT}"
     log = tmp_path / "rollout.log"
     # Every replica at once behind the router is refused before anything changes.
-    whole = subprocess.run([GPUFLEET, "rollout", str(inventory), "--image", f"{registry}/{REPOSITORY}:good-next",
-                            "--yes", "--canary", "0", "--batch", "3"], capture_output=True, text=True, timeout=300,
-                           cwd=REPO)
+    whole = subprocess.run(
+        [
+            GPUFLEET,
+            "rollout",
+            str(inventory),
+            "--image",
+            f"{registry}/{REPOSITORY}:good-next",
+            "--yes",
+            "--canary",
+            "0",
+            "--batch",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert whole.returncode != 0 and "would leave it no replica in service" in whole.stderr, whole.stderr[-2000:]
     assert "Traceback" not in whole.stderr
     assert sorted(router_workers(rfleet)) == urls
     with ClientLoop(base, served_model(base)) as clients, WorkerWatch(rfleet, urls) as watch:
         time.sleep(2)
         started = time.monotonic()
-        rolling = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--image",
-                                    f"{registry}/{REPOSITORY}:good-next", "--yes", "--json", "--log", str(log)],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        rolling = subprocess.Popen(
+            [
+                GPUFLEET,
+                "rollout",
+                str(inventory),
+                "--image",
+                f"{registry}/{REPOSITORY}:good-next",
+                "--yes",
+                "--json",
+                "--log",
+                str(log),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
         # While it runs it holds the router host's lock: a router deploy now is refused, naming the rollout.
         while not watch.ever_out and rolling.poll() is None:
             time.sleep(0.2)
@@ -186,10 +215,13 @@ def test_rollout_behind_the_router_fails_no_client_request(rfleet, inventory, py
         proc = subprocess.CompletedProcess(rolling.args, rolling.returncode, stdout, stderr)
         seconds = time.monotonic() - started
         time.sleep(2)
-    assert during.returncode != 0 and re.search(rf"{router_host(rfleet).name}: locked by \S+ pid {rolling.pid} ",
-                                                during.stdout), during.stdout[-3000:]
-    print(f"rollout of 3 replicas behind the router: {seconds:.0f} s; client requests: {len(clients.ok)} ok, "
-          f"{len(clients.failed)} failed")
+    assert during.returncode != 0 and re.search(
+        rf"{router_host(rfleet).name}: locked by \S+ pid {rolling.pid} ", during.stdout
+    ), during.stdout[-3000:]
+    print(
+        f"rollout of 3 replicas behind the router: {seconds:.0f} s; client requests: {len(clients.ok)} ok, "
+        f"{len(clients.failed)} failed"
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)
     target = doc["target"]
@@ -199,8 +231,9 @@ def test_rollout_behind_the_router_fails_no_client_request(rfleet, inventory, py
     assert clients.failed == [], clients.failed[:5]
     assert len(clients.ok) > 50
     # Each replica's ledger commits the new digest, and every replica is back in the router's worker set.
-    history = subprocess.run([GPUFLEET, "history", str(inventory), "--json"], capture_output=True, text=True,
-                             timeout=120, cwd=REPO)
+    history = subprocess.run(
+        [GPUFLEET, "history", str(inventory), "--json"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert history.returncode == 0, history.stderr[-2000:]
     for entry in json.loads(history.stdout)["hosts"]:
         assert entry["rows"][0]["state"] == "committed" and entry["rows"][0]["ref"] == target, entry
@@ -210,8 +243,14 @@ def test_rollout_behind_the_router_fails_no_client_request(rfleet, inventory, py
 
 
 def rollout(inventory, image: str, **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([GPUFLEET, "rollout", str(inventory), "--image", image, "--yes", "--json"],
-                          capture_output=True, text=True, timeout=900, cwd=REPO, **kwargs)
+    return subprocess.run(
+        [GPUFLEET, "rollout", str(inventory), "--image", image, "--yes", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+        **kwargs,
+    )
 
 
 def test_a_controller_killed_after_a_replica_left_the_router_strands_nothing(rfleet, inventory):
@@ -221,8 +260,13 @@ def test_a_controller_killed_after_a_replica_left_the_router_strands_nothing(rfl
     urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
     assert sorted(router_workers(rfleet)) == urls
     image = f"{rfleet.cfg.registry}/{REPOSITORY}:good"
-    proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--image", image, "--yes", "--json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        [GPUFLEET, "rollout", str(inventory), "--image", image, "--yes", "--json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     router = connect_router(rfleet)
     try:
         stranded = wait_until_one_leaves(router, urls, proc)
@@ -260,8 +304,12 @@ WIDE = {**os.environ, "COLUMNS": "400"}
 
 def ssh_sessions(pid: int, address: str) -> list[str]:
     """The local ports of process `pid`'s SSH connections to address:22, as ss lists them."""
-    listed = subprocess.run(["ss", "-tnpH", "state", "established", "dst", address, "dport", "=", ":22"],
-                            capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(
+        ["ss", "-tnpH", "state", "established", "dst", address, "dport", "=", ":22"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [line.split()[2].rsplit(":", 1)[1] for line in listed.splitlines() if f"pid={pid}," in line]
 
 
@@ -269,8 +317,13 @@ def netns(rfleet: Fleet, host, *argv: str) -> subprocess.CompletedProcess[str]:
     """A command of this machine's own in the test host's network namespace only (its firewall, its sockets)."""
     from gpufleet.sandbox.hosts import leader_pid
 
-    return subprocess.run(["nsenter", "-t", str(leader_pid(rfleet.state, host)), "-n", "--", *argv],
-                          capture_output=True, text=True, check=True, timeout=60)
+    return subprocess.run(
+        ["nsenter", "-t", str(leader_pid(rfleet.state, host)), "-n", "--", *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
 
 
 def test_the_routers_ssh_cut_after_a_replica_left_it_is_one_line_and_the_replica_rejoins(rfleet, inventory):
@@ -283,22 +336,46 @@ def test_the_routers_ssh_cut_after_a_replica_left_it_is_one_line_and_the_replica
     router = connect_router(rfleet)
     try:
         assert sorted(router.list_workers()) == urls
-        proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--image",
-                                 f"{rfleet.cfg.registry}/{REPOSITORY}:good-next", "--yes"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=WIDE)
+        proc = subprocess.Popen(
+            [GPUFLEET, "rollout", str(inventory), "--image", f"{rfleet.cfg.registry}/{REPOSITORY}:good-next", "--yes"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=WIDE,
+        )
         out = wait_until_one_leaves(router, urls, proc)
         time.sleep(1)  # its leave (the drain's metrics read, the members file) is over: the swap is under way
         ports = ssh_sessions(proc.pid, host.ip)
         assert len(ports) == 1, ports  # one session per router: worker API, members file and lock all ride it
-        killed = subprocess.run(["ss", "-K", "-tnH", "state", "established", "dst", host.ip, "dport", "=", ":22",
-                                 "sport", "=", f":{ports[0]}"], capture_output=True, text=True, check=True)
+        killed = subprocess.run(
+            [
+                "ss",
+                "-K",
+                "-tnH",
+                "state",
+                "established",
+                "dst",
+                host.ip,
+                "dport",
+                "=",
+                ":22",
+                "sport",
+                "=",
+                f":{ports[0]}",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         print(f"cut with {out} out of the router: {killed.stdout.strip()}")
         stdout, stderr = proc.communicate(timeout=900)
         print(stderr[-3000:])
         assert "Traceback" not in stderr and "Traceback" not in stdout
         broke = [line for line in stderr.splitlines() if "SSH session broke" in line]
-        assert broke == [f"{host.name}: the router's SSH session broke; reached it again, its lock taken again"], \
+        assert broke == [f"{host.name}: the router's SSH session broke; reached it again, its lock taken again"], (
             stderr[-3000:]
+        )
         assert proc.returncode == 0, stderr[-3000:]
         for h in replicas(rfleet):  # the outcome table
             assert re.search(rf"{h.name}\s.*updated", stdout), stdout
@@ -309,8 +386,14 @@ def test_the_routers_ssh_cut_after_a_replica_left_it_is_one_line_and_the_replica
         # the table; the next run, with the router back, puts it back and swaps the rest.
         rule = ["-s", rfleet.cfg.gateway, "-p", "tcp", "--dport", "22", "-j", "REJECT", "--reject-with", "tcp-reset"]
         image = f"{rfleet.cfg.registry}/{REPOSITORY}:good"
-        proc = subprocess.Popen([GPUFLEET, "rollout", str(inventory), "--image", image, "--yes", "--json"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=WIDE)
+        proc = subprocess.Popen(
+            [GPUFLEET, "rollout", str(inventory), "--image", image, "--yes", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=WIDE,
+        )
         blocked = False
         try:
             out = wait_until_one_leaves(router, urls, proc)
@@ -383,23 +466,30 @@ def test_a_router_whose_metrics_say_nan_is_one_line_and_every_replica_rejoins(rf
     # points router_metrics_port there, the setting gpufleet reads the router's metrics at.
     urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
     host = router_host(rfleet)
-    (_, data), = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
+    ((_, data),) = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
     real = f"http://127.0.0.1:{router_settings(data)['router_metrics_port']}/metrics"
     rfleet.run_in(host, f"cat > /tmp/gf-nan-metrics.py <<'EOF'\n{NAN_METRICS}\nEOF\n: > /tmp/gf-nan-metrics.log")
-    pid = rfleet.run_in(host, f"nohup python3 /tmp/gf-nan-metrics.py {real} {','.join(urls)} /tmp/gf-nan-metrics.log "
-                              f"{NAN_PORT} >/tmp/gf-nan-metrics.out 2>&1 </dev/null & echo $!").stdout.strip()
+    pid = rfleet.run_in(
+        host,
+        f"nohup python3 /tmp/gf-nan-metrics.py {real} {','.join(urls)} /tmp/gf-nan-metrics.log "
+        f"{NAN_PORT} >/tmp/gf-nan-metrics.out 2>&1 </dev/null & echo $!",
+    ).stdout.strip()
     doc = rfleet.cfg.state_dir / "inventory.json"
     nan_inventory = tmp_path / "inventory.py"
     nan_inventory.write_text(
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"gpuhosts = [(n, {{**{TEST_DATA!r}, **d}}) for n, d in pyinfra_hosts({str(doc)!r})]\n"
         f"routers = [(n, {{**d, 'router_metrics_port': {NAN_PORT}}}) for n, d in pyinfra_hosts({str(doc)!r}, "
-        "routers=True)]\n")
+        "routers=True)]\n"
+    )
     try:
         for _ in range(50):
-            served = rfleet.run_in(host, "python3 -c 'import urllib.request; print(urllib.request.urlopen("
-                                         f"\"http://127.0.0.1:{NAN_PORT}/metrics\", timeout=5).read().decode())'",
-                                   check=False)
+            served = rfleet.run_in(
+                host,
+                "python3 -c 'import urllib.request; print(urllib.request.urlopen("
+                f'"http://127.0.0.1:{NAN_PORT}/metrics", timeout=5).read().decode())\'',
+                check=False,
+            )
             if served.returncode == 0:
                 break
             time.sleep(0.2)
@@ -413,8 +503,9 @@ def test_a_router_whose_metrics_say_nan_is_one_line_and_every_replica_rejoins(rf
         doc_out = json.loads(proc.stdout)  # the --json document
         assert {h["host"]: h["outcome"] for h in doc_out["hosts"]} == {h.name: "updated" for h in replicas(rfleet)}
         said = [line for line in proc.stderr.splitlines() if "not a number" in line]
-        assert len(said) == 1 and said[0].startswith(f"{host.name}: the router's metrics gave 3 sample(s)"), \
+        assert len(said) == 1 and said[0].startswith(f"{host.name}: the router's metrics gave 3 sample(s)"), (
             proc.stderr[-3000:]
+        )
         reads = rfleet.run_in(host, "cat /tmp/gf-nan-metrics.log").stdout.split()
         assert len(reads) >= 3, reads  # each leave's drain read them
         assert sorted(router_workers(rfleet)) == urls
@@ -424,8 +515,11 @@ def test_a_router_whose_metrics_say_nan_is_one_line_and_every_replica_rejoins(rf
 
 def ledger_and_image(rfleet: Fleet, host) -> tuple[dict, str]:
     """The replica's ledger and the image its vLLM container runs ("" when none runs), in one look."""
-    out = rfleet.run_in(host, "cat /var/lib/gpufleet/vllm-qwen35.json; echo @@; docker ps --filter "
-                              "label=gpufleet.vllm-qwen35 --no-trunc --format '{{.Image}}'").stdout
+    out = rfleet.run_in(
+        host,
+        "cat /var/lib/gpufleet/vllm-qwen35.json; echo @@; docker ps --filter "
+        "label=gpufleet.vllm-qwen35 --no-trunc --format '{{.Image}}'",
+    ).stdout
     ledger, _, image = out.partition("@@")
     return json.loads(ledger), image.strip()
 
@@ -443,24 +537,34 @@ def test_two_replicas_a_rollout_killed_while_its_canary_verifies_is_settled_by_t
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"gpuhosts = [(n, {{**{TEST_DATA!r}, **d}}) for n, d in pyinfra_hosts({str(doc)!r}) if n in "
         f"{(first.name, second.name)!r}]\n"
-        f"routers = pyinfra_hosts({str(doc)!r}, routers=True)\n")
+        f"routers = pyinfra_hosts({str(doc)!r}, routers=True)\n"
+    )
 
     def status(inv: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([GPUFLEET, "status", str(inv), *args], capture_output=True, text=True, timeout=300,
-                              cwd=REPO, env=WIDE)
+        return subprocess.run(
+            [GPUFLEET, "status", str(inv), *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=WIDE
+        )
 
     # Reported, then removed by `status --fix`.
     seen = status(two)
-    assert seen.returncode == 1 and f"worker {foreign} is not a replica of the inventory (fix: `gpufleet status " \
-        f"{two} --fix` removes it)" in seen.stdout, seen.stdout[-3000:]
+    assert (
+        seen.returncode == 1
+        and f"worker {foreign} is not a replica of the inventory (fix: `gpufleet status {two} --fix` removes it)"
+        in seen.stdout
+    ), seen.stdout[-3000:]
     fixed = status(two, "--fix")
     assert fixed.returncode == 0, fixed.stdout[-3000:] + fixed.stderr[-3000:]
     assert f"{router_host(rfleet).name}: removed {foreign}: no replica of the inventory" in fixed.stderr, fixed.stderr
     assert sorted(router_workers(rfleet)) == urls
 
     image = f"{rfleet.cfg.registry}/{REPOSITORY}:good"
-    proc = subprocess.Popen([GPUFLEET, "rollout", str(two), "--image", image, "--yes", "--json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        [GPUFLEET, "rollout", str(two), "--image", image, "--yes", "--json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         # Killed while the canary verifies: its new version pending in the ledger and running.
         deadline = time.monotonic() + 300
@@ -478,8 +582,14 @@ def test_two_replicas_a_rollout_killed_while_its_canary_verifies_is_settled_by_t
     assert router_workers(rfleet) == [f"http://{second.ip}:5000"]  # the canary left the router, and stays out
     assert ledger_and_image(rfleet, first)[0]["pending"] is not None
 
-    resumed = subprocess.run([GPUFLEET, "rollout", str(two), "--image", image, "--yes", "--json"],
-                             capture_output=True, text=True, timeout=900, cwd=REPO, env=WIDE)
+    resumed = subprocess.run(
+        [GPUFLEET, "rollout", str(two), "--image", image, "--yes", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+        env=WIDE,
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     rows = {h["host"]: h["outcome"] for h in json.loads(resumed.stdout)["hosts"]}
     assert rows == {first.name: "updated", second.name: "updated"}, rows
@@ -490,6 +600,8 @@ def test_two_replicas_a_rollout_killed_while_its_canary_verifies_is_settled_by_t
     assert f"{third.name}: put back in router {router_host(rfleet).name}" in fixed.stderr, fixed.stderr
     assert fixed.returncode == 0, fixed.stdout[-3000:]
     assert sorted(router_workers(rfleet)) == sorted([*urls, foreign])
+
+
 # --- GPU health: a replica whose GPU needs a reset leaves the worker set until it is healthy again ------------------
 def test_a_replica_whose_gpu_fails_leaves_the_worker_set_and_rejoins_once_healthy(rfleet, inventory):
     # Every replica on the target first (the tests before leave them on several): the rollout with the fault then

@@ -65,7 +65,8 @@ def inventory(rfleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path.write_text(
         "from gpufleet.sandbox.inventory import pyinfra_hosts\n"
         f"gpuhosts = [(n, {{**{TEST_DATA!r}, **d}}) for n, d in pyinfra_hosts({str(doc)!r})]\n"
-        f"routers = [(n, {{**d, **{ROUTER_DATA!r}}}) for n, d in pyinfra_hosts({str(doc)!r}, routers=True)]\n")
+        f"routers = [(n, {{**d, **{ROUTER_DATA!r}}}) for n, d in pyinfra_hosts({str(doc)!r}, routers=True)]\n"
+    )
     return path
 
 
@@ -88,8 +89,9 @@ def served_prompt_tokens(rfleet: Fleet, host) -> float:
 
 def chat(base: str, model: str, text: str, timeout: float = 30, headers: dict[str, str] | None = None) -> int:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
-    req = urllib.request.Request(f"{base}/v1/chat/completions", body,
-                                 {"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        f"{base}/v1/chat/completions", body, {"Content-Type": "application/json", **(headers or {})}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         resp.read()
         return resp.status
@@ -114,14 +116,16 @@ def test_router_deploys_in_front_of_three_replicas(rfleet, inventory, pyinfra):
     s, install = router_spec(rfleet), locked(rfleet)
     assert rfleet.run_in(router, f"readlink {s.venv}").stdout.strip() == s.venv_dir(install.key)
     assert rfleet.run_in(router, f"cat {s.venv}/{MARKER}").stdout.strip() == install.key
-    frozen = set(rfleet.run_in(router, f"{s.venv}/bin/pip list --format=freeze").stdout.lower().replace("_", "-").split())
+    frozen = set(
+        rfleet.run_in(router, f"{s.venv}/bin/pip list --format=freeze").stdout.lower().replace("_", "-").split()
+    )
     assert {f"{w.name}=={w.version}" for w in install.wheels} <= frozen
 
 
 def router_spec(rfleet: Fleet) -> RouterSpec:
     from gpufleet.sandbox.inventory import pyinfra_hosts
 
-    (name, data), = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
+    ((name, data),) = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
     return build_router_spec(name, data, ())
 
 
@@ -159,13 +163,18 @@ def test_a_wheel_whose_hash_is_not_the_locks_is_refused_and_the_router_keeps_its
     # The deploy's own install commands, from the sandbox's index of the real wheels, with vllm-router's sha256 in
     # the requirements changed by one digit: pip refuses the wheel, the venv is never switched to, nothing restarts.
     router, s, good = router_host(rfleet), router_spec(rfleet), locked(rfleet)
-    wheels = tuple(w if w.name != "vllm-router" else replace(w, sha256=f"{(int(w.sha256[0], 16) + 1) % 16:x}"
-                                                                       + w.sha256[1:]) for w in good.wheels)
+    wheels = tuple(
+        w if w.name != "vllm-router" else replace(w, sha256=f"{(int(w.sha256[0], 16) + 1) % 16:x}" + w.sha256[1:])
+        for w in good.wheels
+    )
     bad = replace(good, wheels=wheels)
     target, pid = s.venv_dir(bad.key), main_pid(rfleet)
     try:
-        rfleet.run_in(router, f"install -d {s.venvs_dir} && python3 -m venv {target} && cat > "
-                              f"{target}/{operations.REQUIREMENTS} <<'EOF'\n{bad.requirements()}EOF")
+        rfleet.run_in(
+            router,
+            f"install -d {s.venvs_dir} && python3 -m venv {target} && cat > "
+            f"{target}/{operations.REQUIREMENTS} <<'EOF'\n{bad.requirements()}EOF",
+        )
         # As the deploy runs it (over SSH): none of this machine's environment (its pip settings) in it.
         clean = f"env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin sh -c {shlex.quote(operations.install_script(s, bad))}"
         proc = rfleet.run_in(router, clean, check=False)
@@ -183,8 +192,11 @@ def test_a_router_host_another_run_holds_is_refused_naming_it(rfleet, inventory,
     before = rfleet.run_in(router, unit).stdout
     # Another operator's run, as gpufleet.hostlock holds a host: a flock on the lock file, its holder line in it.
     holder = "user=alice controller=laptop pid=4242 since=2026-12-01T03:00:00Z"
-    pid = rfleet.run_in(router, f"setsid bash -c 'exec 9>>{LOCK_PATH}; flock 9; echo {holder} > {LOCK_PATH}; "
-                                f"exec sleep 300' >/dev/null 2>&1 < /dev/null & echo $!").stdout.strip()
+    pid = rfleet.run_in(
+        router,
+        f"setsid bash -c 'exec 9>>{LOCK_PATH}; flock 9; echo {holder} > {LOCK_PATH}; "
+        f"exec sleep 300' >/dev/null 2>&1 < /dev/null & echo $!",
+    ).stdout.strip()
     try:
         deadline = time.monotonic() + 30
         while holder not in rfleet.run_in(router, f"cat {LOCK_PATH}", check=False).stdout:
@@ -192,8 +204,9 @@ def test_a_router_host_another_run_holds_is_refused_naming_it(rfleet, inventory,
             time.sleep(0.2)
         proc = run(pyinfra, inventory, ROUTER, check=False)
         assert proc.returncode != 0
-        assert re.search(r"gfr4: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z \(fix: ", proc.stdout), \
+        assert re.search(r"gfr4: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z \(fix: ", proc.stdout), (
             proc.stdout[-3000:]
+        )
         assert "Traceback" not in proc.stdout
         assert rfleet.run_in(router, unit).stdout == before
     finally:
@@ -208,8 +221,9 @@ def test_a_replica_the_router_cannot_reach_refuses_the_run_naming_it(rfleet, inv
     before = rfleet.run_in(router, unit).stdout
     proc = run(pyinfra, inventory, ROUTER, "--data", "vllm_publish_address=127.0.0.1", check=False)
     assert proc.returncode != 0
-    assert re.search(r"gfr1: vllm_publish_address: 127\.0\.0\.1 keeps vLLM off the network.*\(fix: ", proc.stdout), \
+    assert re.search(r"gfr1: vllm_publish_address: 127\.0\.0\.1 keeps vLLM off the network.*\(fix: ", proc.stdout), (
         proc.stdout[-3000:]
+    )
     assert "Traceback" not in proc.stdout
     assert rfleet.run_in(router, unit).stdout == before
 
@@ -234,8 +248,10 @@ def test_a_router_deploy_with_a_replica_down_neither_rewrites_nor_restarts_the_r
         # The router's own health checks take it out of routing first (what it does without gpufleet).
         health = "curl -fsS --max-time 5 http://127.0.0.1:28000/workers"
         deadline = time.monotonic() + 90
-        while any(w["url"] == down_url and w["is_healthy"]
-                  for w in json.loads(rfleet.run_in(router, health).stdout)["workers"]):
+        while any(
+            w["url"] == down_url and w["is_healthy"]
+            for w in json.loads(rfleet.run_in(router, health).stdout)["workers"]
+        ):
             assert time.monotonic() < deadline, "the router never saw the stopped replica as unhealthy"
             time.sleep(1)
         failed: list[str] = []
@@ -270,8 +286,11 @@ def test_a_router_deploy_with_a_replica_down_neither_rewrites_nor_restarts_the_r
         assert down_url not in rfleet.run_in(router, f"cat {MEMBERS}").stdout
     finally:
         rfleet.run_in(down, "systemctl start vllm-qwen35")
-        rfleet.run_in(down, "for i in $(seq 120); do curl -fs -o /dev/null --max-time 2 "
-                            "http://127.0.0.1:5000/health && exit 0; sleep 0.5; done; exit 1")
+        rfleet.run_in(
+            down,
+            "for i in $(seq 120); do curl -fs -o /dev/null --max-time 2 "
+            "http://127.0.0.1:5000/health && exit 0; sleep 0.5; done; exit 1",
+        )
     # Ready again: the next router deploy adds it back through the router's API, still without a restart.
     proc = run(pyinfra, inventory, ROUTER)
     assert main_pid(rfleet) == pid
@@ -318,16 +337,24 @@ def test_clients_reach_the_client_api_only_and_the_router_runs_unprivileged(rfle
     base = f"http://{router.ip}:{ROUTER_PORT}"
 
     def from_neighbour(method: str, url: str) -> str:
-        return rfleet.run_in(neighbour, f"curl -s --path-as-is -o /dev/null -w '%{{http_code}}' -X {method} --max-time 10 "
-                                        f"'{url}'", check=False).stdout.strip()
+        return rfleet.run_in(
+            neighbour,
+            f"curl -s --path-as-is -o /dev/null -w '%{{http_code}}' -X {method} --max-time 10 '{url}'",
+            check=False,
+        ).stdout.strip()
 
     workers = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
     listed = "curl -fsS --max-time 5 http://127.0.0.1:28000/list_workers"
     assert sorted(json.loads(rfleet.run_in(router, listed).stdout)["urls"]) == workers
-    for method, path in [("POST", f"/remove_worker?url={workers[0]}"), ("POST", "/add_worker?url=http://10.213.7.99:5000"),
-                         ("GET", "/list_workers"), ("GET", "/workers"), ("GET", "/metrics"),
-                         ("POST", f"/v1/../remove_worker?url={workers[1]}"),
-                         ("POST", f"/v1/%2e%2e/remove_worker?url={workers[1]}")]:
+    for method, path in [
+        ("POST", f"/remove_worker?url={workers[0]}"),
+        ("POST", "/add_worker?url=http://10.213.7.99:5000"),
+        ("GET", "/list_workers"),
+        ("GET", "/workers"),
+        ("GET", "/metrics"),
+        ("POST", f"/v1/../remove_worker?url={workers[1]}"),
+        ("POST", f"/v1/%2e%2e/remove_worker?url={workers[1]}"),
+    ]:
         assert from_neighbour(method, base + path) == "404", (method, path)
     # The router's own port is on its loopback: nothing answers there from the LAN.
     assert from_neighbour("GET", f"http://{router.ip}:28000/list_workers") == "000"
@@ -343,9 +370,12 @@ def test_clients_reach_the_client_api_only_and_the_router_runs_unprivileged(rfle
 def as_nobody(rfleet: Fleet, method: str, path: str) -> int:
     """curl's exit status for a request to the router's own port by an unprivileged local user of the router host
     (7: the connection was refused; 0: it was answered)."""
-    return rfleet.run_in(router_host(rfleet), f"setpriv --reuid=nobody --regid=nogroup --clear-groups curl -s -o "
-                                              f"/dev/null --max-time 5 -X {method} 'http://127.0.0.1:28000{path}'",
-                         check=False).returncode
+    return rfleet.run_in(
+        router_host(rfleet),
+        f"setpriv --reuid=nobody --regid=nogroup --clear-groups curl -s -o "
+        f"/dev/null --max-time 5 -X {method} 'http://127.0.0.1:28000{path}'",
+        check=False,
+    ).returncode
 
 
 def test_a_local_user_cannot_reach_the_worker_api_and_gpufleet_and_clients_still_do(rfleet, inventory, pyinfra):
@@ -353,8 +383,12 @@ def test_a_local_user_cannot_reach_the_worker_api_and_gpufleet_and_clients_still
     # /remove_worker an outage. Now each is refused at the connection (a reset: curl's exit 7).
     router, stranger = router_host(rfleet), "http://10.213.7.99:5000"
     urls = sorted(f"http://{h.ip}:5000" for h in replicas(rfleet))
-    for method, path in [("POST", f"/add_worker?url={stranger}"), ("POST", f"/remove_worker?url={stranger}"),
-                         ("GET", "/list_workers"), ("GET", "/v1/models")]:
+    for method, path in [
+        ("POST", f"/add_worker?url={stranger}"),
+        ("POST", f"/remove_worker?url={stranger}"),
+        ("GET", "/list_workers"),
+        ("GET", "/v1/models"),
+    ]:
         assert as_nobody(rfleet, method, path) == 7, (method, path)
     assert live_workers(rfleet) == urls
     # gpufleet's own calls (as root on the host, over the deploy user's SSH) and clients through nginx still work.
@@ -369,19 +403,22 @@ def test_a_local_user_cannot_reach_the_worker_api_and_gpufleet_and_clients_still
     rfleet.run_in(router, "nft flush ruleset")
     assert as_nobody(rfleet, "GET", "/list_workers") == 0
     proc = verify_cli(inventory, "--host", router.name)
-    assert proc.returncode == 1 and f"{router.name}: the router's worker API is open to every local user" in \
-        proc.stdout, proc.stdout
+    assert (
+        proc.returncode == 1 and f"{router.name}: the router's worker API is open to every local user" in proc.stdout
+    ), proc.stdout
     proc = run(pyinfra, inventory, ROUTER)
-    assert changed_ops(proc.stdout) == {"Fence the router's port to root and nginx (nftables)": 1}, \
-        changed_ops(proc.stdout)
+    assert changed_ops(proc.stdout) == {"Fence the router's port to root and nginx (nftables)": 1}, changed_ops(
+        proc.stdout
+    )
     assert main_pid(rfleet) == pid and as_nobody(rfleet, "GET", "/list_workers") == 7
 
 
 def post(base: str, body: bytes | dict, headers: dict[str, str] | None = None, timeout: float = 60) -> int:
     """The HTTP status of a POST to the chat API through the front door (an error status included)."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(f"{base}/v1/chat/completions", data, {"Content-Type": "application/json",
-                                                                          **(headers or {})})
+    req = urllib.request.Request(
+        f"{base}/v1/chat/completions", data, {"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             resp.read()
@@ -429,8 +466,12 @@ def test_the_front_door_keys_a_session_only_when_the_client_names_none(rfleet, i
     assert sorted(placed) == sorted(h.name for h in replicas(rfleet)), placed
     # The client's own X-Session-ID wins: no key is derived for it, and a new opening under it keeps its replica.
     mine = {"X-Session-ID": "client-7"}
-    first = served_by(rfleet, lambda: post(base, {"model": model, "messages": [system, {"role": "user", "content":
-                                                  "client 7"}], "max_tokens": 4}, mine))
+    first = served_by(
+        rfleet,
+        lambda: post(
+            base, {"model": model, "messages": [system, {"role": "user", "content": "client 7"}], "max_tokens": 4}, mine
+        ),
+    )
     other_opening = {"model": model, "messages": [{"role": "user", "content": "another opening"}], "max_tokens": 4}
     assert served_by(rfleet, lambda: post(base, other_opening, mine)) == first
     journal = rfleet.run_in(router, f"journalctl -u vllm-router.service --since @{since} -o cat --no-pager").stdout
@@ -442,10 +483,12 @@ def test_the_front_door_keys_a_session_only_when_the_client_names_none(rfleet, i
     big = {"model": model, "messages": [{"role": "user", "content": "x" * (12 << 20)}], "max_tokens": 4}
     assert post(base, big, timeout=120) in (200, 400, 413)
     with socket.create_connection((router.ip, ROUTER_PORT), timeout=30) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        conn.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"model": ')
         conn.shutdown(socket.SHUT_WR)
         assert conn.recv(65536) == b""
-    assert post(base, {"model": model, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4}) == 200
+    assert (
+        post(base, {"model": model, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4}) == 200
+    )
 
 
 def test_consistent_hash_spreads_sessions_over_every_replica(rfleet, inventory, pyinfra):
@@ -498,7 +541,7 @@ def test_replica_leaves_restarts_and_rejoins_with_zero_failed_requests(rfleet, i
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(6)]
     for th in threads:
         th.start()
-    (name, data), = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
+    ((name, data),) = pyinfra_hosts(rfleet.cfg.state_dir / "inventory.json", routers=True)
     router = status.connect(name, data)
     try:
         time.sleep(2)
@@ -507,8 +550,11 @@ def test_replica_leaves_restarts_and_rejoins_with_zero_failed_requests(rfleet, i
             drained = workers.leave(router, url, drain_timeout_s=30)
             assert url not in router.list_workers() and drained < 30
             rfleet.run_in(replica, "systemctl restart vllm-qwen35")
-            rfleet.run_in(replica, "for i in $(seq 120); do curl -fs -o /dev/null --max-time 2 "
-                                   "http://127.0.0.1:5000/health && exit 0; sleep 0.5; done; exit 1")
+            rfleet.run_in(
+                replica,
+                "for i in $(seq 120); do curl -fs -o /dev/null --max-time 2 "
+                "http://127.0.0.1:5000/health && exit 0; sleep 0.5; done; exit 1",
+            )
             workers.join(router, url)
             assert url in router.list_workers()
         time.sleep(2)
@@ -547,8 +593,12 @@ def test_verify_checks_the_router_and_names_the_replica_it_lost(rfleet, inventor
         assert proc.returncode == 1 and row["ok"] is False
         proc = verify_cli(inventory)
         assert proc.returncode == 1
-        assert re.search(rf"^{router.name}: worker {re.escape(url)} \({gone.name}\) is not (healthy in the router|in "
-                         r"the router's worker set) \(fix: ", proc.stdout, re.M), proc.stdout
+        assert re.search(
+            rf"^{router.name}: worker {re.escape(url)} \({gone.name}\) is not (healthy in the router|in "
+            r"the router's worker set) \(fix: ",
+            proc.stdout,
+            re.M,
+        ), proc.stdout
         assert re.search(rf"verify failed on 2 of 4 host\(s\): ({gone.name}, {router.name})", proc.stderr), proc.stderr
     finally:
         rfleet.run_in(gone, "systemctl start vllm-qwen35")

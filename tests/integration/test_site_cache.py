@@ -112,8 +112,9 @@ def listed(fleet: Fleet, host: Host) -> list[str]:
 
 def big_layer(fleet: Fleet, tag: str) -> tuple[str, int]:
     """(digest, size) of a nightly's own layer, from the fleet registry's manifest."""
-    _, _, body = sandbox_registry.registry_request(fleet.cfg, f"/v2/{sandbox_image.REPOSITORY}/manifests/{tag}",
-                                         headers={"Accept": sandbox_registry.MANIFEST_TYPE})
+    _, _, body = sandbox_registry.registry_request(
+        fleet.cfg, f"/v2/{sandbox_image.REPOSITORY}/manifests/{tag}", headers={"Accept": sandbox_registry.MANIFEST_TYPE}
+    )
     layer = json.loads(body)["layers"][-1]
     return layer["digest"], layer["size"]
 
@@ -161,10 +162,17 @@ def test_prepare_downloads_each_layer_from_upstream_once_per_site(site):
             urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=10)
         assert refused.value.code == 403, (url, refused.value.code)
     digest = refs["nightly-1"].rpartition("@")[2]
-    asked = {path: fleet.run_in(hosts[1], f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 10 {cache}{path}",
-                                check=False).stdout for path in
-             ["/v2/", f"/v2/{sandbox_image.REPOSITORY}/manifests/{digest}", f"/v2/library/busybox/manifests/{digest}",
-              f"/v2/{sandbox_image.REPOSITORY}/manifests/nightly-1"]}
+    asked = {
+        path: fleet.run_in(
+            hosts[1], f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 10 {cache}{path}", check=False
+        ).stdout
+        for path in [
+            "/v2/",
+            f"/v2/{sandbox_image.REPOSITORY}/manifests/{digest}",
+            f"/v2/library/busybox/manifests/{digest}",
+            f"/v2/{sandbox_image.REPOSITORY}/manifests/nightly-1",
+        ]
+    }
     assert list(asked.values()) == ["200", "200", "403", "403"], asked
     # A second prepare on the cache host: its setup and the trust in it change nothing; nothing is pulled.
     again = prepare(str(inventory), [names[0]], refs["nightly-1"], DEPLOY, log=log, timeout_s=600)[0]
@@ -187,30 +195,48 @@ def test_cache_host_down_every_host_prepares_from_upstream_with_one_warning(site
     # The cache host off the network (a converge of the cache host itself would start a stopped registry again).
     fleet.set_connected(hosts[0], False)
     try:
-        run, failed = prepare(str(inventory), [h.name for h in others], refs["nightly-2"], DEPLOY, log=log,
-                              timeout_s=600)
+        run, failed = prepare(
+            str(inventory), [h.name for h in others], refs["nightly-2"], DEPLOY, log=log, timeout_s=600
+        )
     finally:
         fleet.set_connected(hosts[0], True)
     assert failed == {}, run.output[-4000:]
     cache = f"{hosts[0].ip}:{CACHE_PORT}"
     for h in others:
-        warnings = [line for line in run.output.splitlines()
-                    if re.search(rf"{h.name}: warning: the site cache {re.escape(cache)} \({hosts[0].name}\)", line)]
+        warnings = [
+            line
+            for line in run.output.splitlines()
+            if re.search(rf"{h.name}: warning: the site cache {re.escape(cache)} \({hosts[0].name}\)", line)
+        ]
         assert len(warnings) == 1, (h.name, run.output[-4000:])
         got = records(fleet, hosts)[h.name]
         assert got is not None and got.ref == refs["nightly-2"] and got.fell_back and got.cache is None, got
         assert refs["nightly-2"] in listed(fleet, h)
-        mirror = [line for line in run.output.splitlines()
-                  if f"{h.name}: warning: the site cache's model mirror http://{cache} ({hosts[0].name}) is not "
-                     "reachable" in line]
+        mirror = [
+            line
+            for line in run.output.splitlines()
+            if f"{h.name}: warning: the site cache's model mirror http://{cache} ({hosts[0].name}) is not "
+            "reachable" in line
+        ]
         assert len(mirror) == 1, (h.name, run.output[-4000:])
         assert checked(fleet, h) == f"{MODEL}@{hub_commit(fleet)}"
     size = model_size(fleet, hub_commit(fleet))
     assert hub_bytes(fleet, hub_before) == {h.ip: size for h in others}
     # Told not to pull through it (site_cache_address "off"), a host no longer trusts it over plain HTTP.
     assert cache in trusted(fleet, others[0])
-    off = run_deploy(pyinfra, inventory, str(DEPLOY), "--limit", others[0].name, "--data", "site_cache_address=off",
-                     "--data", "gpufleet_stage=prepare", "--data", f"gpufleet_image_ref={refs['nightly-2']}")
+    off = run_deploy(
+        pyinfra,
+        inventory,
+        str(DEPLOY),
+        "--limit",
+        others[0].name,
+        "--data",
+        "site_cache_address=off",
+        "--data",
+        "gpufleet_stage=prepare",
+        "--data",
+        f"gpufleet_image_ref={refs['nightly-2']}",
+    )
     assert cache not in trusted(fleet, others[0]), off.stdout[-3000:]
 
 
@@ -241,7 +267,9 @@ def test_the_cache_is_held_to_its_bound(site, pyinfra):
     refused = run_deploy(pyinfra, inventory, str(DEPLOY), *args, "--data", "site_cache_max_gb=100000", check=False)
     assert refused.returncode != 0 and re.search(
         rf"{cache_host.name}: .* GiB free at \S+ \(the site cache, holding 0\.\d GiB\), site_cache_max_gb asks for "
-        r"100000 .*\(fix: free space there, or lower site_cache_max_gb\)", refused.stdout), refused.stdout[-3000:]
+        r"100000 .*\(fix: free space there, or lower site_cache_max_gb\)",
+        refused.stdout,
+    ), refused.stdout[-3000:]
     # It holds nightly-1 (~113 MB), its big layer tampered with by the test before. Over a bound of 50 MB it is
     # emptied before the cache host's own pull, which fills it again from upstream: the layer is whole again.
     digest, _ = big_layer(fleet, "nightly-1")
@@ -258,22 +286,26 @@ def test_a_model_file_tampered_with_in_the_mirror_is_refused_and_fetched_from_th
     The hub's sha256 refuses them; the file comes from the hub itself, once; nothing bad is left to serve."""
     fleet, hosts, refs, inventory, log = site
     victim, commit = hosts[2], hub_commit(fleet)
-    fleet.run_in(hosts[0], "python3 - <<'EOF'\n"
-                 "import glob, zlib\n"
-                 f"d = glob.glob('{MIRROR_STORAGE}/{MODEL}/resolve/{commit}/model.safetensors')[0]\n"
-                 "b = bytearray(open(d + '/blocks/block_00000000.bin', 'rb').read()); b[100:108] = b'TAMPERED'\n"
-                 "open(d + '/blocks/block_00000000.bin', 'wb').write(b)\n"
-                 "c = bytearray(open(d + '/chunks.crc', 'rb').read())\n"
-                 "c[0:4] = (zlib.crc32(bytes(b[:1 << 20])) & 0xFFFFFFFF).to_bytes(4, 'little')\n"
-                 "open(d + '/chunks.crc', 'wb').write(c)\nEOF")
+    fleet.run_in(
+        hosts[0],
+        "python3 - <<'EOF'\n"
+        "import glob, zlib\n"
+        f"d = glob.glob('{MIRROR_STORAGE}/{MODEL}/resolve/{commit}/model.safetensors')[0]\n"
+        "b = bytearray(open(d + '/blocks/block_00000000.bin', 'rb').read()); b[100:108] = b'TAMPERED'\n"
+        "open(d + '/blocks/block_00000000.bin', 'wb').write(b)\n"
+        "c = bytearray(open(d + '/chunks.crc', 'rb').read())\n"
+        "c[0:4] = (zlib.crc32(bytes(b[:1 << 20])) & 0xFFFFFFFF).to_bytes(4, 'little')\n"
+        "open(d + '/chunks.crc', 'wb').write(c)\nEOF",
+    )
     fleet.run_in(victim, f"rm -rf {MODEL_DIR}")
     hub_before = hub_offset(fleet)
     run, failed = prepare(str(inventory), [victim.name], refs["nightly-1"], DEPLOY, log=log, timeout_s=600)
     assert failed == {}, run.output[-4000:]
     [warning] = [line for line in run.output.splitlines() if f"{victim.name}: warning:" in line and "model" in line]
     assert "served 1 file(s) whose hash is not the hub's (model.safetensors): refused; fetching from the hub" in warning
-    good = next(f for f in standin_hub.listing(services.hub_root(fleet.cfg), MODEL, commit)
-                if f.path == "model.safetensors")
+    good = next(
+        f for f in standin_hub.listing(services.hub_root(fleet.cfg), MODEL, commit) if f.path == "model.safetensors"
+    )
     assert fleet.run_in(victim, f"sha256sum {MODEL_DIR}/model.safetensors").stdout.split()[0] == good.sha256
     assert checked(fleet, victim) == f"{MODEL}@{commit}"
     assert hub_bytes(fleet, hub_before) == {victim.ip: good.size}  # that file again, from the hub itself
@@ -287,17 +319,21 @@ def test_a_moved_branch_changes_nothing_until_a_run_asks_and_its_prepare_downloa
     ledger = json.loads(fleet.run_in(host, f"cat /var/lib/gpufleet/{SERVICE}.json").stdout)
     assert ledger["committed"]["model"] == f"{MODEL}@{first}"
     # main moves on the hub: a converge keeps the recorded commit, and changes nothing.
-    files = {f.path: services.hub_root(fleet.cfg) / MODEL / "commits" / first / f.path
-             for f in standin_hub.listing(services.hub_root(fleet.cfg), MODEL, first)}
-    moved = standin_hub.publish(services.hub_root(fleet.cfg), MODEL,
-                                {**files, "generation_config.json": b'{"temperature": 0.7}\n'})
+    files = {
+        f.path: services.hub_root(fleet.cfg) / MODEL / "commits" / first / f.path
+        for f in standin_hub.listing(services.hub_root(fleet.cfg), MODEL, first)
+    }
+    moved = standin_hub.publish(
+        services.hub_root(fleet.cfg), MODEL, {**files, "generation_config.json": b'{"temperature": 0.7}\n'}
+    )
     again = run_deploy(pyinfra, inventory, str(DEPLOY), *args)
     assert changes(again.stdout) == 0, changed_ops(again.stdout)
     assert checked(fleet, host) == f"{MODEL}@{first}"
     # Asked for it (a rollout's prepare): downloaded and checked while the old version serves, nothing restarted.
     hub_before = hub_offset(fleet)
-    run, failed = prepare(str(inventory), [host.name], refs["nightly-2"], DEPLOY, log=log, timeout_s=600,
-                          model_ref=moved)
+    run, failed = prepare(
+        str(inventory), [host.name], refs["nightly-2"], DEPLOY, log=log, timeout_s=600, model_ref=moved
+    )
     assert failed == {}, run.output[-4000:]
     assert checked(fleet, host) == f"{MODEL}@{moved}"
     assert sum(hub_bytes(fleet, hub_before).values()) == len(b'{"temperature": 0.7}\n')  # the changed file, once

@@ -99,13 +99,20 @@ def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, fresh_host
     assert "NVIDIA Container Toolkit CLI version 1.17.8" in out
     # both signed stand-in repos verified with their keys (apt refuses an unsigned or unverifiable one)
     assert f"{fleet.cfg.docker_repo_url}/debian bookworm InRelease" in out and "NO_PUBKEY" not in out
-    assert fleet.ssh(host, "systemctl is-active docker.socket containerd.service docker.service").stdout.split() == [
-        "active"] * 3
+    assert (
+        fleet.ssh(host, "systemctl is-active docker.socket containerd.service docker.service").stdout.split()
+        == ["active"] * 3
+    )
     # Docker's packages and paths, Debian's real engine: the daemon that runs is docker-ce's /usr/bin/dockerd
     assert fleet.ssh(host, "dpkg -S /usr/bin/dockerd /usr/bin/runc").stdout.split() == [
-        "docker-ce:", "/usr/bin/dockerd", "containerd.io:", "/usr/bin/runc"]
+        "docker-ce:",
+        "/usr/bin/dockerd",
+        "containerd.io:",
+        "/usr/bin/runc",
+    ]
     assert fleet.ssh(host, "sudo readlink /proc/$(systemctl show -p MainPID --value docker)/exe").stdout.strip() == (
-        "/usr/bin/dockerd")
+        "/usr/bin/dockerd"
+    )
     daemon = json.loads(fleet.read_file(host, "/etc/docker/daemon.json"))
     # nvidia-ctk merged: the test setup's insecure-registries entry survived next to the runtime
     assert daemon == {
@@ -134,10 +141,14 @@ def test_docker_gpu_run_from_local_registry_and_a_systemd_unit(fleet, fresh_host
     # the rollout tags: an older vLLM rejects the seed's flag; a dying one exits 1 after a short life
     run_tag = "sudo docker run --rm --runtime=nvidia -v /srv/models:/models -e STANDIN_LOAD_SECONDS=0"
     old = fleet.ssh(
-        host, f"{run_tag} {image.image_ref(fleet.cfg, 'rejects-flag')} /models/tiny --performance-mode interactivity", check=False
+        host,
+        f"{run_tag} {image.image_ref(fleet.cfg, 'rejects-flag')} /models/tiny --performance-mode interactivity",
+        check=False,
     )
     assert old.returncode == 2 and "unrecognized arguments: --performance-mode" in old.stderr
-    dies = fleet.ssh(host, f"{run_tag} -e STANDIN_DIE_AFTER=1 {image.image_ref(fleet.cfg, 'dies')} /models/tiny", check=False)
+    dies = fleet.ssh(
+        host, f"{run_tag} -e STANDIN_DIE_AFTER=1 {image.image_ref(fleet.cfg, 'dies')} /models/tiny", check=False
+    )
     assert dies.returncode == 1 and "EngineDeadError" in dies.stdout
     unit = f"""[Unit]
 Description=stand-in vLLM (test)
@@ -275,8 +286,10 @@ def test_a_live_run_of_the_same_fleet_is_waited_for_not_cleared(fleet, test_host
 def test_a_deploy_is_repeated_only_for_an_ssh_failure_before_anything_executed():
     connect = "--> Connecting to hosts...\n    [gft11] Could not connect (Error reading SSH protocol banner)\n"
     facts = "--> Preparing operation files...\n    [gft11] Command socket/SSH error: Connection reset by peer\n"
-    executed = ("--> Connecting to hosts...\n    [gft11] Connected\n--> Beginning operation run...\n"
-                "    [gft11] Command socket/SSH error: [Errno 104] Connection reset by peer\n")
+    executed = (
+        "--> Connecting to hosts...\n    [gft11] Connected\n--> Beginning operation run...\n"
+        "    [gft11] Command socket/SSH error: [Errno 104] Connection reset by peer\n"
+    )
     assert failed_to_connect(connect) and failed_to_connect(facts + EXECUTION_STARTS)
     # Once operations ran, a repeat would meet what the first run left on the host (a version marked failed).
     assert not failed_to_connect(executed)

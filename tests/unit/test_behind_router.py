@@ -10,14 +10,14 @@ from gpufleet.vllm.replica_specs import load_specs
 from gpufleet.vllm.settings import BEHIND_ROUTER_ARGS, build_spec
 from tests.unit.test_cli_render import inventory  # noqa: F401 - the fixture
 
-WITH_ROUTER = '''
+WITH_ROUTER = """
     gpuhosts = [("gpu1", {"ssh_hostname": "10.0.0.11"}), ("gpu2", {"ssh_hostname": "10.0.0.12", "vllm_args": {
         "enable-scale-out": None}})]
     routers = [("router1", {"ssh_hostname": "10.0.0.5"})]
-'''
-ALONE = '''
+"""
+ALONE = """
     gpuhosts = [("gpu1", {"ssh_hostname": "10.0.0.11"})]
-'''
+"""
 
 
 def test_replicas_behind_a_router_take_its_flags_and_a_host_may_leave_them_out(inventory):

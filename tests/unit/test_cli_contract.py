@@ -76,7 +76,9 @@ def gpufleet(*args: str) -> Any:
 @pytest.fixture
 def inventories(tmp_path: Path) -> dict[str, str]:
     one_gpu = {"vllm_gpus": [0], "vllm_args": {"pipeline-parallel-size": 1}}
-    gpuhosts = [(name, {"ssh_hostname": "127.0.0.1", "ssh_port": free_port(), **one_gpu}) for name in ("gpu-a", "gpu-b")]
+    gpuhosts = [
+        (name, {"ssh_hostname": "127.0.0.1", "ssh_port": free_port(), **one_gpu}) for name in ("gpu-a", "gpu-b")
+    ]
     routers = [("rtr", {"ssh_hostname": "127.0.0.1", "ssh_port": free_port()})]
     paths = {
         "missing": tmp_path / "nope.py",
@@ -96,9 +98,14 @@ def test_every_command_has_a_case():
 
 # --- exit status 2: bad usage or input ---------------------------------------------------------------------------
 @pytest.mark.parametrize("path", sorted(INVENTORY_COMMANDS), ids=" ".join)
-@pytest.mark.parametrize(("kind", "says"), [("missing", "inventory file not found"),
-                                        ("empty", "no hosts in the inventory"),
-                                        ("unloadable", "cannot load inventory: SyntaxError")])
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("missing", "inventory file not found"),
+        ("empty", "no hosts in the inventory"),
+        ("unloadable", "cannot load inventory: SyntaxError"),
+    ],
+)
 def test_an_inventory_that_cannot_be_used_exits_2_with_one_line(path, kind, says, inventories):
     json_args = INVENTORY_COMMANDS[path]
     for extra in ([], *([["--json"]] if json_args is not None else [])):
@@ -123,11 +130,16 @@ def test_bad_usage_of_the_commands_without_an_inventory_exits_2(path):
 
 def test_a_bad_option_value_and_a_host_the_inventory_lacks_exit_2(inventories):
     fleet = inventories["out-of-reach"]
-    for args in (["verify", fleet, "--checks", "nope"], ["verify", fleet, "--wait", "-1"],
-                 ["status", fleet, "--host", "nope"], ["status", fleet, "--fix", "--host", "gpu-a"],
-                 ["history", fleet, "--host", "nope"],
-                 ["rollback", fleet, "--to", "vllm/vllm-openai:nightly", "--yes"],
-                 ["rollout", fleet, "--image", "other/repo:tag", "--yes"], ["render", fleet, "--host", "nope"]):
+    for args in (
+        ["verify", fleet, "--checks", "nope"],
+        ["verify", fleet, "--wait", "-1"],
+        ["status", fleet, "--host", "nope"],
+        ["status", fleet, "--fix", "--host", "gpu-a"],
+        ["history", fleet, "--host", "nope"],
+        ["rollback", fleet, "--to", "vllm/vllm-openai:nightly", "--yes"],
+        ["rollout", fleet, "--image", "other/repo:tag", "--yes"],
+        ["render", fleet, "--host", "nope"],
+    ):
         result = gpufleet(*args)
         assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output)
 
@@ -206,8 +218,9 @@ def test_rollout_rows_carry_the_rollouts_own_fields_and_the_target(inventories):
 
 
 # --- every problem line has its fix; progress on stderr -----------------------------------------------------------
-@pytest.mark.parametrize(("command", "extra"), [("status", []), ("verify", []), ("history", []),
-                                            ("rollout", ["--image", DIGEST, "--yes"])])
+@pytest.mark.parametrize(
+    ("command", "extra"), [("status", []), ("verify", []), ("history", []), ("rollout", ["--image", DIGEST, "--yes"])]
+)
 def test_every_problem_line_names_its_fix(command, extra, inventories):
     result = gpufleet(command, inventories["out-of-reach"], *extra)
     assert result.exit_code == 1
@@ -242,8 +255,9 @@ def test_quiet_and_verbose_together_are_bad_usage():
 def test_verbose_lets_paramikos_own_log_through(inventories):
     cmd = [sys.executable, "-m", "gpufleet.cli"]
     plain = subprocess.run([*cmd, "status", inventories["out-of-reach"]], capture_output=True, text=True, timeout=60)
-    verbose = subprocess.run([*cmd, "-v", "status", inventories["out-of-reach"]], capture_output=True, text=True,
-                             timeout=60)
+    verbose = subprocess.run(
+        [*cmd, "-v", "status", inventories["out-of-reach"]], capture_output=True, text=True, timeout=60
+    )
     assert plain.returncode == verbose.returncode == 1
     assert "paramiko" not in plain.stderr and "paramiko" in verbose.stderr, verbose.stderr[-2000:]
 
@@ -285,8 +299,9 @@ def test_each_router_problem_gets_its_own_id_and_keeps_its_fix():
 
 def test_a_routers_invalid_setting_is_bad_input_for_status_and_verify(tmp_path):
     inventory = tmp_path / "inv.py"
-    inventory.write_text('gpuhosts = [("gpu-a", {"ssh_hostname": "10.0.0.11"})]\n'
-                         'routers = [("rtr", {"router_prot": 8001})]\n')
+    inventory.write_text(
+        'gpuhosts = [("gpu-a", {"ssh_hostname": "10.0.0.11"})]\nrouters = [("rtr", {"router_prot": 8001})]\n'
+    )
     for command in ("status", "verify"):
         result = gpufleet(command, str(inventory))
         assert result.exit_code == 2 and "rtr: router_prot: unknown setting (fix: " in result.stderr, result.output

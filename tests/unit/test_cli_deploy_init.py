@@ -84,8 +84,19 @@ def test_deploy_runs_pyinfra_of_the_venv_on_the_packaged_deploy_with_pyinfras_op
     inventory = write_fleet(tmp_path, router=False)
     code, out = invoke("deploy", inventory, "--dry", "--limit", "gpu-1", "-y", "--data", "vllm_ready_timeout=60")
     assert code == 0, out
-    assert runs == [[rollout_deploy.pyinfra_command(), inventory, str(packaged_deploy_file("qwen35")),
-                     "--dry", "--limit", "gpu-1", "-y", "--data", "vllm_ready_timeout=60"]]
+    assert runs == [
+        [
+            rollout_deploy.pyinfra_command(),
+            inventory,
+            str(packaged_deploy_file("qwen35")),
+            "--dry",
+            "--limit",
+            "gpu-1",
+            "-y",
+            "--data",
+            "vllm_ready_timeout=60",
+        ]
+    ]
     assert "$ " in out  # the command it runs is shown
 
 
@@ -98,14 +109,17 @@ def test_deploy_runs_the_routers_after_the_vllm_hosts(tmp_path, pyinfra_runs):
     assert all(run[1] == inventory and run[3:] == ["-y"] for run in runs)
 
 
-@pytest.mark.parametrize(("args", "deploys"), [
-    (["--limit", "gpu-1"], ["qwen35.py"]),  # a replica only: the router run would change nothing
-    (["--limit=gpu-*"], ["qwen35.py"]),
-    (["--limit", "router-1"], ["qwen35.py", "router.py"]),
-    (["--limit", "routers"], ["qwen35.py", "router.py"]),  # a group name
-    (["--only", "router"], ["router.py"]),
-    (["--only", "vllm"], ["qwen35.py"]),
-])
+@pytest.mark.parametrize(
+    ("args", "deploys"),
+    [
+        (["--limit", "gpu-1"], ["qwen35.py"]),  # a replica only: the router run would change nothing
+        (["--limit=gpu-*"], ["qwen35.py"]),
+        (["--limit", "router-1"], ["qwen35.py", "router.py"]),
+        (["--limit", "routers"], ["qwen35.py", "router.py"]),  # a group name
+        (["--only", "router"], ["router.py"]),
+        (["--only", "vllm"], ["qwen35.py"]),
+    ],
+)
 def test_deploy_runs_the_router_deploy_only_where_limit_reaches_a_router(tmp_path, pyinfra_runs, args, deploys):
     runs, _ = pyinfra_runs
     code, out = invoke("deploy", write_fleet(tmp_path, router=True), *args)
@@ -147,13 +161,34 @@ def test_help_says_how_to_deploy():
 # --- gpufleet init --------------------------------------------------------------------------------------------
 OPTION_SETS = {
     "one host, the profile's GPUs": ["--host", "gpu-box-1=192.168.1.50"],
-    "mixed boxes and a router": ["--host", "gpu-box-1=192.168.1.50", "--host", "gpu-box-2=192.168.1.51",
-                                 "--host", "big=box.example.lan", "--gpus", "gpu-box-2=0,1", "--gpus", "big=4,5,6,7",
-                                 "--router", "192.168.1.40", "--ssh-user", "ops"],
+    "mixed boxes and a router": [
+        "--host",
+        "gpu-box-1=192.168.1.50",
+        "--host",
+        "gpu-box-2=192.168.1.51",
+        "--host",
+        "big=box.example.lan",
+        "--gpus",
+        "gpu-box-2=0,1",
+        "--gpus",
+        "big=4,5,6,7",
+        "--router",
+        "192.168.1.40",
+        "--ssh-user",
+        "ops",
+    ],
     "every box on 6 GPUs": ["--host", "a=10.1.0.1", "--host", "b=10.1.0.2", "--gpus", "0,1,2,3,4,5"],
     "8 and 1 GPUs": ["--host", "a=10.1.0.1", "--host", "b=10.1.0.2", "--gpus", "0,1,2,3,4,5,6,7", "--gpus", "b=3"],
-    "one-GPU profile": ["--host", "solo=10.1.0.7", "--profile", "qwen35-1gpu", "--router", "10.1.0.8",
-                        "--router", "10.1.0.9"],
+    "one-GPU profile": [
+        "--host",
+        "solo=10.1.0.7",
+        "--profile",
+        "qwen35-1gpu",
+        "--router",
+        "10.1.0.8",
+        "--router",
+        "10.1.0.9",
+    ],
     "one-GPU profile on GPU 1": ["--host", "solo=10.1.0.7", "--profile", "qwen35-1gpu", "--gpus", "1"],
 }
 
@@ -239,20 +274,23 @@ def test_init_force_never_writes_the_key_into_a_wider_file_or_through_a_link(tmp
     assert sorted(p.name for p in group_data.parent.iterdir()) == ["all.py"]  # no temp file left
 
 
-@pytest.mark.parametrize(("options", "names"), [
-    (["--host", "gpu-box-1"], "--host gpu-box-1: no address"),
-    (["--host", "gpu-box-1="], "--host gpu-box-1=: no address"),
-    (["--host", "=10.0.0.1"], "--host =10.0.0.1"),
-    (["--host", "a=10.0.0.1", "--host", "a=10.0.0.2"], "given twice"),
-    ([], "--host: no host given"),
-    (["--host", "a=10.0.0.1", "--profile", "qwen99"], "--profile qwen99: no such profile"),
-    (["--host", "a=10.0.0.1", "--gpus", "b=0,1"], "--gpus b=0,1: no host 'b'"),
-    (["--host", "a=10.0.0.1", "--gpus", "0,x"], "--gpus 0,x"),
-    (["--host", "a=10.0.0.1", "--gpus", "0,0"], "listed twice"),
-    (["--host", "a=10.0.0.1", "--gpus", "0,1,2,3,4"], "--gpus: a has 5 GPUs"),
-    (["--host", "a=10.0.0.1", "--router", "bad address"], "--router bad address"),
-    (["--host", "a=10.0.0.1", "--ssh-user", "Bad User"], "--ssh-user Bad User"),
-])
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        (["--host", "gpu-box-1"], "--host gpu-box-1: no address"),
+        (["--host", "gpu-box-1="], "--host gpu-box-1=: no address"),
+        (["--host", "=10.0.0.1"], "--host =10.0.0.1"),
+        (["--host", "a=10.0.0.1", "--host", "a=10.0.0.2"], "given twice"),
+        ([], "--host: no host given"),
+        (["--host", "a=10.0.0.1", "--profile", "qwen99"], "--profile qwen99: no such profile"),
+        (["--host", "a=10.0.0.1", "--gpus", "b=0,1"], "--gpus b=0,1: no host 'b'"),
+        (["--host", "a=10.0.0.1", "--gpus", "0,x"], "--gpus 0,x"),
+        (["--host", "a=10.0.0.1", "--gpus", "0,0"], "listed twice"),
+        (["--host", "a=10.0.0.1", "--gpus", "0,1,2,3,4"], "--gpus: a has 5 GPUs"),
+        (["--host", "a=10.0.0.1", "--router", "bad address"], "--router bad address"),
+        (["--host", "a=10.0.0.1", "--ssh-user", "Bad User"], "--ssh-user Bad User"),
+    ],
+)
 def test_init_bad_input_is_one_line_naming_the_option_and_the_fix(tmp_path, options, names):
     code, out = invoke("init", str(tmp_path / "fleet"), *options)
     assert code == 2
@@ -263,7 +301,14 @@ def test_init_bad_input_is_one_line_naming_the_option_and_the_fix(tmp_path, opti
 
 def test_parallel_sizes_keep_pipeline_parallel_to_three_stages():
     assert {n: parallel_sizes(n) for n in (1, 2, 3, 4, 5, 6, 8)} == {
-        1: (1, 1), 2: (1, 2), 3: (1, 3), 4: (2, 2), 5: None, 6: (2, 3), 8: (4, 2)}
+        1: (1, 1),
+        2: (1, 2),
+        3: (1, 3),
+        4: (2, 2),
+        5: None,
+        6: (2, 3),
+        8: (4, 2),
+    }
 
 
 def test_deploy_under_verbose_passes_v_to_pyinfra_and_under_quiet_shows_no_command_line(tmp_path, pyinfra_runs):

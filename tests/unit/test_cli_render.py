@@ -112,7 +112,9 @@ def test_hostile_settings_are_one_line_each_from_render_and_lint(inventory):
 
 
 def test_render_shows_secret_env_names_never_values(inventory):
-    inv = inventory('boxes = [("a", {"vllm_secret_env": {"WANDB_API_KEY": "wandb-s3cr3t"}, "vllm_api_key": "sk-k3y"})]\n')
+    inv = inventory(
+        'boxes = [("a", {"vllm_secret_env": {"WANDB_API_KEY": "wandb-s3cr3t"}, "vllm_api_key": "sk-k3y"})]\n'
+    )
     for args in ((), ("--unit",)):
         result = run("render", inv, *args)
         assert result.exit_code == 0 and "WANDB_API_KEY" in result.output
@@ -123,8 +125,10 @@ def test_an_inventory_raising_a_multi_line_error_is_still_one_line(inventory):
     path = inventory('raise ValueError("first line\\nExecStartPre=/bin/id")\n')
     result = run("render", path)
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert result.output.splitlines() == [f"Error: {path}: cannot load inventory: ValueError: first line\\nExecStartPre=/bin/id "
-                                          f"(fix: correct {path}: `python3 {path}` shows the whole error)"]
+    assert result.output.splitlines() == [
+        f"Error: {path}: cannot load inventory: ValueError: first line\\nExecStartPre=/bin/id "
+        f"(fix: correct {path}: `python3 {path}` shows the whole error)"
+    ]
 
 
 def test_router_hosts_are_neither_rendered_nor_linted(inventory):

@@ -41,26 +41,35 @@ STANDIN = Path(__file__).resolve().parents[2] / "src" / "gpufleet" / "sandbox" /
 
 
 def running(*containers: tuple[str, str], reload: str = "no", active: str = "active") -> list[str]:
-    return [f"ActiveState={active}", "SubState=running", f"NeedDaemonReload={reload}", f"Header={HEADER}",
-            *(f"Container={label}|{image}" for label, image in containers)]
+    return [
+        f"ActiveState={active}",
+        "SubState=running",
+        f"NeedDaemonReload={reload}",
+        f"Header={HEADER}",
+        *(f"Container={label}|{image}" for label, image in containers),
+    ]
 
 
 # --- the snapshot ------------------------------------------------------------------------------------------------
 def test_the_unit_header_gives_the_spec_and_digest_it_pins():
     snap = parse_snapshot(healthy(running=running((SPEC.spec_hash, PINNED))))
-    assert snap.running == RunningService("active", "running", False, SPEC.spec_hash, PINNED,
-                                          ((SPEC.spec_hash, PINNED),))
+    assert snap.running == RunningService(
+        "active", "running", False, SPEC.spec_hash, PINNED, ((SPEC.spec_hash, PINNED),)
+    )
     assert snap.running.drift() == []
 
 
 def test_each_kind_of_drift_is_named():
     other = PINNED.replace("1" * 64, "3" * 64)
     assert parse_snapshot(healthy(running=running((SPEC.spec_hash, PINNED), reload="yes"))).running.drift() == [
-        "systemd has not loaded the unit file on disk (NeedDaemonReload=yes)"]
+        "systemd has not loaded the unit file on disk (NeedDaemonReload=yes)"
+    ]
     assert parse_snapshot(healthy(running=running(("0badc0de", PINNED)))).running.drift() == [
-        f"the container runs spec 0badc0de, the unit spec {SPEC.spec_hash}"]
+        f"the container runs spec 0badc0de, the unit spec {SPEC.spec_hash}"
+    ]
     assert parse_snapshot(healthy(running=running((SPEC.spec_hash, other)))).running.drift() == [
-        f"the container runs {other}, the unit pins {PINNED}"]
+        f"the container runs {other}, the unit pins {PINNED}"
+    ]
     two = parse_snapshot(healthy(running=running((SPEC.spec_hash, PINNED), (SPEC.spec_hash, PINNED)))).running
     assert two.drift() == ["2 containers carry the service's label"]
 
@@ -75,18 +84,40 @@ def test_a_stopped_service_or_a_foreign_unit_is_no_drift():
 
 
 def test_one_systemctl_call_gives_the_units_the_service_unit_and_its_state():
-    units = ["Id=docker.service", "LoadState=loaded", "ActiveState=active", "SubState=running",
-             "FragmentPath=/lib/systemd/system/docker.service", "UnitFileState=enabled", "NeedDaemonReload=no",
-             "NRestarts=0", "", "Id=vllm-qwen35.service", "LoadState=loaded", "ActiveState=activating",
-             "SubState=auto-restart", "FragmentPath=/etc/systemd/system/vllm-qwen35.service", "UnitFileState=enabled",
-             "NeedDaemonReload=yes", "NRestarts=4"]
-    snap = parse_snapshot(healthy(units=units, service_unit=["FirstLine=# Managed by gpufleet"],
-                                  running=[f"Header={HEADER}", f"Container={SPEC.spec_hash}|{PINNED}"]))
+    units = [
+        "Id=docker.service",
+        "LoadState=loaded",
+        "ActiveState=active",
+        "SubState=running",
+        "FragmentPath=/lib/systemd/system/docker.service",
+        "UnitFileState=enabled",
+        "NeedDaemonReload=no",
+        "NRestarts=0",
+        "",
+        "Id=vllm-qwen35.service",
+        "LoadState=loaded",
+        "ActiveState=activating",
+        "SubState=auto-restart",
+        "FragmentPath=/etc/systemd/system/vllm-qwen35.service",
+        "UnitFileState=enabled",
+        "NeedDaemonReload=yes",
+        "NRestarts=4",
+    ]
+    snap = parse_snapshot(
+        healthy(
+            units=units,
+            service_unit=["FirstLine=# Managed by gpufleet"],
+            running=[f"Header={HEADER}", f"Container={SPEC.spec_hash}|{PINNED}"],
+        )
+    )
     assert snap.units == {"docker.service": ("active", "enabled"), UNIT: ("activating", "enabled")}
     assert snap.service_unit is not None and snap.service_unit.fragment_path == f"/etc/systemd/system/{UNIT}"
     assert snap.service_unit.first_line == "# Managed by gpufleet" and snap.service_unit.exists
-    assert (snap.running.active_state, snap.running.sub_state, snap.running.restarts) == ("activating",
-                                                                                          "auto-restart", 4)
+    assert (snap.running.active_state, snap.running.sub_state, snap.running.restarts) == (
+        "activating",
+        "auto-restart",
+        4,
+    )
     assert snap.running.need_daemon_reload and snap.running.unit_spec_hash == SPEC.spec_hash
 
 
@@ -103,26 +134,36 @@ def described(command: StringCommand | FunctionCommand) -> str:
 
 
 def converged(run: RunningService) -> HostSnapshot:
-    snap = HostSnapshot(units={UNIT: ("active", "enabled")}, health_code="200",
-                        served_models=[(SPEC.served_model_name, SPEC.max_model_len)], running=run)
+    snap = HostSnapshot(
+        units={UNIT: ("active", "enabled")},
+        health_code="200",
+        served_models=[(SPEC.served_model_name, SPEC.max_model_len)],
+        running=run,
+    )
     return snap
 
 
 def test_a_unit_written_but_never_loaded_is_reloaded_restarted_and_verified_with_the_soak():
     snap = converged(RunningService("active", "running", True, SPEC.spec_hash, PINNED, (("old", PINNED),)))
-    commands = [described(c) for c in run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[],
-                                                pin=PINNED, retry_failed=False)]
+    commands = [
+        described(c)
+        for c in run_alone(
+            service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[], pin=PINNED, retry_failed=False
+        )
+    ]
     assert commands == ["systemctl daemon-reload", "still_locked", "_begin", f"sh -c 'systemctl restart {UNIT}'"]
-    verify, roll_back = run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, roll_back=lambda *a: True,
-                                  changes=[], soak_s=20.0)
+    verify, roll_back = run_alone(
+        service.ready, snap, spec=SPEC, verify=lambda *a: True, roll_back=lambda *a: True, changes=[], soak_s=20.0
+    )
     assert isinstance(verify, FunctionCommand) and verify.args == (20.0,)  # verified with the soak
     assert isinstance(roll_back, FunctionCommand) and roll_back.args == ()  # then rolled back at once if it failed
 
 
 def test_a_container_from_another_spec_is_restarted():
     snap = converged(RunningService("active", "running", False, SPEC.spec_hash, PINNED, (("handmade", PINNED),)))
-    commands = run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[], pin=PINNED,
-                         retry_failed=False)
+    commands = run_alone(
+        service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[], pin=PINNED, retry_failed=False
+    )
     # The restart comes right after the check that this run still holds the host's lock, and the ledger's pending
     # record (a no-op when what restarts is the committed version).
     assert [described(c) for c in commands] == ["still_locked", "_begin", f"sh -c 'systemctl restart {UNIT}'"]
@@ -130,10 +171,16 @@ def test_a_container_from_another_spec_is_restarted():
 
 def test_what_the_unit_says_running_is_left_alone():
     snap = converged(RunningService("active", "running", False, SPEC.spec_hash, PINNED, ((SPEC.spec_hash, PINNED),)))
-    assert run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[], pin=PINNED,
-                     retry_failed=False) == []
-    assert run_alone(service.ready, snap, spec=SPEC, verify=lambda *a: True, roll_back=lambda *a: True, changes=[],
-                     soak_s=20.0) == []
+    assert (
+        run_alone(service.running, snap, spec=SPEC, ledger_path=STATE_FILE, changes=[], pin=PINNED, retry_failed=False)
+        == []
+    )
+    assert (
+        run_alone(
+            service.ready, snap, spec=SPEC, verify=lambda *a: True, roll_back=lambda *a: True, changes=[], soak_s=20.0
+        )
+        == []
+    )
 
 
 # --- verify and status: the label against the inventory's spec ---------------------------------------------------
@@ -150,10 +197,13 @@ def test_check_names_the_drift_and_keeps_what_the_server_said():
     expected = Expected(service="v", port=free_port(), served_model_name="m", spec_hash="abc")
     report = check(Labelled("old"), expected)
     assert report.state is HealthState.STARTING  # nothing listens: the server's own state is kept
-    assert report.detail.startswith("drift: container c0ffee runs spec old, the inventory's spec is abc "
-                                    "(fix: converge the host); container running")
+    assert report.detail.startswith(
+        "drift: container c0ffee runs spec old, the inventory's spec is abc (fix: converge the host); container running"
+    )
     assert spec_drift(expected, ContainerInfo(id="c", state="running", spec_hash="abc")) is None
-    assert spec_drift(Expected(service="v", port=1, served_model_name="m"), ContainerInfo(id="c", state="running")) is None
+    assert (
+        spec_drift(Expected(service="v", port=1, served_model_name="m"), ContainerInfo(id="c", state="running")) is None
+    )
 
 
 def test_a_ready_server_from_another_spec_fails_verify(monkeypatch, inventory):
@@ -162,8 +212,10 @@ def test_a_ready_server_from_another_spec_fails_verify(monkeypatch, inventory):
             assert t.expected.spec_hash  # verify holds each host to its inventory spec
         c = ContainerInfo(id="c0ffee", state="running", spec_hash="old")
         drift = spec_drift(targets[0].expected, c)
-        return [HostResult(t, HealthReport(HealthState.MISCONFIGURED, f"{drift}; /health 200", host=t.name,
-                                           container=c)) for t in targets]
+        return [
+            HostResult(t, HealthReport(HealthState.MISCONFIGURED, f"{drift}; /health 200", host=t.name, container=c))
+            for t in targets
+        ]
 
     monkeypatch.setattr(verify_cli, "check_fleet", results)
     out = CliRunner().invoke(verify_cli.verify, [str(inventory)], terminal_width=200)
@@ -174,7 +226,9 @@ def test_a_ready_server_from_another_spec_fails_verify(monkeypatch, inventory):
 
 def test_ready_is_still_ready_when_the_label_matches():
     target = HostTarget("h", {}, Expected(service="v", port=1, served_model_name="m", spec_hash="abc"))
-    ok = HostResult(target, HealthReport(HealthState.READY, "", container=ContainerInfo("c", "running", spec_hash="abc")))
+    ok = HostResult(
+        target, HealthReport(HealthState.READY, "", container=ContainerInfo("c", "running", spec_hash="abc"))
+    )
     assert spec_cell(ok).plain == "abc" and ok.ok
 
 
@@ -199,12 +253,13 @@ def test_daemon_json_is_merged_beside_it_and_renamed_over(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     ctk = bin_dir / "nvidia-ctk"
-    ctk.write_text(f"#!/bin/sh\nexec {sys.executable} {STANDIN / 'nvidia_ctk.py'} \"$@\"\n")
+    ctk.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN / "nvidia_ctk.py"} "$@"\n')
     ctk.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     before = daemon.stat().st_ino
-    subprocess.run(["sh", "-c", nvidia.configure_runtime_command(str(daemon))], check=True, env=env,
-                   capture_output=True)
+    subprocess.run(
+        ["sh", "-c", nvidia.configure_runtime_command(str(daemon))], check=True, env=env, capture_output=True
+    )
     text = daemon.read_text()
     assert '"max-size": "10m"' in text and '"nvidia"' in text
     assert daemon.stat().st_ino != before and stat.S_IMODE(daemon.stat().st_mode) == 0o640  # renamed, mode kept

@@ -49,13 +49,16 @@ def test_real_vllm_invalid_choice_names_the_flag():
     assert result.message.startswith("argument --kv-cache-dtype: invalid choice: 'fp7'")
 
 
-@pytest.mark.parametrize(("rc", "output", "reason"), [
-    (124, "", "no verdict within 120 s"),
-    (125, "docker: Error response from daemon: No such image: x.", "docker could not run the image (exit 125)"),
-    (1, "Traceback ...\nImportError: libcuda.so.1", "exit 1 before model resolution"),
-    (0, "", "exit 0 before model resolution: no output"),
-    (2, "some other tool: bad", "exit 2 before model resolution"),
-])
+@pytest.mark.parametrize(
+    ("rc", "output", "reason"),
+    [
+        (124, "", "no verdict within 120 s"),
+        (125, "docker: Error response from daemon: No such image: x.", "docker could not run the image (exit 125)"),
+        (1, "Traceback ...\nImportError: libcuda.so.1", "exit 1 before model resolution"),
+        (0, "", "exit 0 before model resolution: no output"),
+        (2, "some other tool: bad", "exit 2 before model resolution"),
+    ],
+)
 def test_anything_but_a_parser_verdict_is_inconclusive(rc, output, reason):
     result = verdict(rc, output)
     assert isinstance(result, Inconclusive) and reason in result.reason
@@ -68,7 +71,7 @@ def test_the_check_runs_the_spec_flags_without_gpu_network_mounts_or_the_model()
     options = argv[:image_at]
     assert options[:2] == ["docker", "run"] and "--rm" in options and options[options.index("--network") + 1] == "none"
     assert not {"--gpus", "-v", "-p", "--runtime", "--env-file"} & set(options)
-    flags = argv[image_at + 1:]
+    flags = argv[image_at + 1 :]
     assert flags[flags.index("--model") + 1] == FLAG_CHECK_MODEL
     assert flags == spec.vllm_argv(model=FLAG_CHECK_MODEL)
     assert spec.vllm_argv() != flags and spec.model_path in spec.vllm_argv()
@@ -84,36 +87,45 @@ def test_the_shell_line_is_bounded_removes_a_stuck_container_and_prints_the_stat
 
 def standin(flags: list[str], unknown: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "STANDIN_UNKNOWN_FLAGS": unknown, "STANDIN_LOAD_SECONDS": "0"}
-    return subprocess.run([sys.executable, str(STANDIN), "serve", *flags], capture_output=True, text=True, env=env,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, str(STANDIN), "serve", *flags], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def test_the_standin_image_gives_the_same_verdicts_as_vllm():
     flags = build_spec("gpu1", {}).flag_check_argv(REF, "n")
-    flags = flags[flags.index(REF) + 1:]
+    flags = flags[flags.index(REF) + 1 :]
     accepted = standin(flags)
     assert verdict(accepted.returncode, accepted.stdout + accepted.stderr) == Accepted()
     older = standin(flags, unknown="--performance-mode")  # the `rejects-flag` tag's vLLM
     assert verdict(older.returncode, older.stderr) == Rejected(
-        ("--performance-mode",), "unrecognized arguments: --performance-mode interactivity")
+        ("--performance-mode",), "unrecognized arguments: --performance-mode interactivity"
+    )
     bad_choice = standin([*flags, "--kv-cache-dtype", "fp7"])
     result = verdict(bad_choice.returncode, bad_choice.stderr)
     assert isinstance(result, Rejected) and result.flags == ("--kv-cache-dtype",)
 
 
 def test_the_refusal_names_host_digest_flag_and_fix():
-    line = rejection_line("gpu1", REF, Rejected(("--performance-mode",), "unrecognized arguments: --performance-mode x"))
+    line = rejection_line(
+        "gpu1", REF, Rejected(("--performance-mode",), "unrecognized arguments: --performance-mode x")
+    )
     assert line.startswith(f"gpu1: image {REF} rejects --performance-mode of vllm_args: ")
     assert "(fix: " in line and "\n" not in line
 
 
 def test_nothing_to_check_on_the_committed_digest_a_check_for_any_other():
     spec = build_spec("gpu1", {"vllm_image": "reg:5000/vllm/vllm-openai:nightly"})
-    assert run_alone(flagcheck.accepts_flags, HostSnapshot(), resolved=COMMITTED, spec=spec,
-                     committed_ref=COMMITTED, pin=None) == []
+    assert (
+        run_alone(
+            flagcheck.accepts_flags, HostSnapshot(), resolved=COMMITTED, spec=spec, committed_ref=COMMITTED, pin=None
+        )
+        == []
+    )
     assert run_alone(flagcheck.accepts_flags, HostSnapshot(), spec=spec, committed_ref=COMMITTED, pin=COMMITTED) == []
-    (check,) = run_alone(flagcheck.accepts_flags, HostSnapshot(), resolved=REF, spec=spec, committed_ref=COMMITTED,
-                         pin=None)
+    (check,) = run_alone(
+        flagcheck.accepts_flags, HostSnapshot(), resolved=REF, spec=spec, committed_ref=COMMITTED, pin=None
+    )
     assert check.args == (spec, COMMITTED, None)
     # Before the pull ran the digest is unknown: the check is announced and decides when it runs.
     (check,) = run_alone(flagcheck.accepts_flags, HostSnapshot(), spec=spec, committed_ref=COMMITTED, pin=None)

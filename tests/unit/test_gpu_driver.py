@@ -41,8 +41,10 @@ def test_the_gpu_server_runs_the_profiles_flags_but_for_the_documented_changes()
 
 
 def test_a_fault_leaves_out_only_the_named_flags():
-    whole, fault = driver.serve_argv("qwen35", "gpu", 1), driver.serve_argv(
-        "qwen35", "gpu", 1, without=("tool-call-parser", "enable-auto-tool-choice"))
+    whole, fault = (
+        driver.serve_argv("qwen35", "gpu", 1),
+        driver.serve_argv("qwen35", "gpu", 1, without=("tool-call-parser", "enable-auto-tool-choice")),
+    )
     assert set(flags(whole)) - set(flags(fault)) == {"tool-call-parser", "enable-auto-tool-choice"}
 
 
@@ -54,7 +56,8 @@ def test_the_container_env_is_the_profiles_with_the_run_s_own_and_nothing_of_the
     assert env["LD_LIBRARY_PATH"] == profile["LD_LIBRARY_PATH"] + ":/usr/local/nvidia/lib64"
     assert "VLLM_USE_FLASHINFER_MOE_FP16" not in env and "SECRET_OF_THE_CALLER" not in env
     assert {k: env[k] for k in profile if k not in ("LD_LIBRARY_PATH", "VLLM_USE_FLASHINFER_MOE_FP16")} == {
-        k: v for k, v in profile.items() if k not in ("LD_LIBRARY_PATH", "VLLM_USE_FLASHINFER_MOE_FP16")}
+        k: v for k, v in profile.items() if k not in ("LD_LIBRARY_PATH", "VLLM_USE_FLASHINFER_MOE_FP16")
+    }
     assert env["HOME"] == "/root" and env["PYTHONPATH"] == "/opt/gpurun/site"
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["NVSHMEM_DISABLE_NVLS"] == "1"
 

@@ -47,8 +47,13 @@ def filtered(dmesg: str, tmp_path: Path) -> list[str]:
     (tmp_path / "log").write_text(dmesg)
     fake.write_text(f'#!/bin/sh\n[ "$*" = "--time-format iso" ] || exit 9\ncat {tmp_path}/log\n')
     fake.chmod(0o755)
-    out = subprocess.run(["sh", "-c", f"t=; {kernel_shell()}"], capture_output=True, text=True, timeout=30,
-                         env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
+    out = subprocess.run(
+        ["sh", "-c", f"t=; {kernel_shell()}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
 
@@ -88,25 +93,42 @@ def test_built_fault_rows_read_each_value_and_what_nvidia_smi_could_not_read():
     healthy, pending, hot, failed, unknown = gpus
     assert healthy.recovery_action == "None" and healthy.pcie == "gen 5 x16 (max gen 5 x16)"
     assert (pending.remap_pending, pending.recovery_action, pending.uncorrected_volatile) == (True, "Reset", 2)
-    assert (hot.clocks_event_reasons, hot.temperature_c, hot.power_w, hot.unreadable) == (0x44, 91, None,
-                                                                                           ("power.draw",))
+    assert (hot.clocks_event_reasons, hot.temperature_c, hot.power_w, hot.unreadable) == (
+        0x44,
+        91,
+        None,
+        ("power.draw",),
+    )
     assert failed.remap_failure is True and failed.pcie == "gen 5 x8 (max gen 5 x16)"
     assert unknown == GpuReading(index=4, bus_id="00000000:00:0A.0", temperature_c=35)  # [N/A]: not known
 
 
 def test_the_verdict_of_each_built_row():
     host = judge(parse_health(lines(BUILT / "query-gpu-health.csv"), []), GpuSettings())
-    assert [g.verdict for g in host.gpus] == [Verdict.OK, Verdict.RESET_GPU, Verdict.DEGRADED, Verdict.SERVICE,
-                                             Verdict.OK]
+    assert [g.verdict for g in host.gpus] == [
+        Verdict.OK,
+        Verdict.RESET_GPU,
+        Verdict.DEGRADED,
+        Verdict.SERVICE,
+        Verdict.OK,
+    ]
     pending, hot, failed = host.gpus[1], host.gpus[2], host.gpus[3]
     assert [f.signal for f in pending.findings] == [
-        "gpu_recovery_action=Reset", "remapped_rows.pending=Yes", "ecc.errors.uncorrected.volatile.total>0"]
-    assert pending.line() == ("GPU 1 (00000000:00:07.0) needs GPU reset: gpu_recovery_action=Reset; "
-                              "remapped_rows.pending=Yes; ecc.errors.uncorrected.volatile.total=2")
+        "gpu_recovery_action=Reset",
+        "remapped_rows.pending=Yes",
+        "ecc.errors.uncorrected.volatile.total>0",
+    ]
+    assert pending.line() == (
+        "GPU 1 (00000000:00:07.0) needs GPU reset: gpu_recovery_action=Reset; "
+        "remapped_rows.pending=Yes; ecc.errors.uncorrected.volatile.total=2"
+    )
     assert pending.action.startswith("stop the service and reset the GPU (`nvidia-smi -r -i 1`)")
-    assert {f.signal for f in hot.findings} == {"clocks_event_reasons.sw_power_cap",
-                                                "clocks_event_reasons.hw_thermal_slowdown", "ERR!",
-                                                "ecc.errors.corrected.volatile.total>0"}
+    assert {f.signal for f in hot.findings} == {
+        "clocks_event_reasons.sw_power_cap",
+        "clocks_event_reasons.hw_thermal_slowdown",
+        "ERR!",
+        "ecc.errors.corrected.volatile.total>0",
+    }
     assert "clocks_event_reasons.hw_thermal_slowdown (0x44) at 91 C" in hot.evidence
     assert "sw_power_cap" not in hot.evidence  # at its power cap under load: ok by default
     assert failed.findings[0].signal == "remapped_rows.failure=Yes" and "CONTACT_SUPPORT" in failed.action
@@ -123,8 +145,9 @@ def test_an_older_drivers_learned_fields_read_under_their_newer_names():
 
 def test_a_driver_that_refuses_a_field_is_an_error_naming_it_not_a_crash():
     gpus, _, error = parse_query(lines(RECORDED / "query-gpu-reset-status-rejected.txt"))
-    assert gpus == () and error == ('nvidia-smi exited 2: Field "reset_status.reset_required" is not a valid field '
-                                    "to query.")
+    assert gpus == () and error == (
+        'nvidia-smi exited 2: Field "reset_status.reset_required" is not a valid field to query.'
+    )
     host = judge(parse_health(lines(RECORDED / "query-gpu-reset-status-rejected.txt"), []), GpuSettings())
     assert host.error and host.blocking() == [] and host.summary() == "unknown (the health query failed)"
 
@@ -140,9 +163,12 @@ def test_an_unusable_answer_is_one_line(answer, says):
 
 def test_a_gpu_nvidia_smi_cannot_reach_needs_a_reboot():
     # nvidia-smi's words for a GPU off the bus (NVML's "GPU is lost"), in place of its row: built, not recorded.
-    answer = ["index, pci.bus_id, remapped_rows.pending", "0, 00000000:00:06.0, No",
-              "Unable to determine the device handle for GPU0000:00:07.0: GPU is lost. Reboot the system to recover "
-              "this GPU", "@@rc 15"]
+    answer = [
+        "index, pci.bus_id, remapped_rows.pending",
+        "0, 00000000:00:06.0, No",
+        "Unable to determine the device handle for GPU0000:00:07.0: GPU is lost. Reboot the system to recover this GPU",
+        "@@rc 15",
+    ]
     gpus, _, error = parse_query(answer)
     assert error is None and gpus[1] == GpuReading(index=1, bus_id="0000:00:07.0", lost=True)
     assert judge(GpuHealth(gpus=gpus), GpuSettings()).gpus[1].verdict is Verdict.REBOOT
@@ -159,8 +185,12 @@ def test_the_kernel_logs_filter_keeps_the_last_line_of_each_gpu_and_code_with_it
 def test_every_xid_class_is_parsed_to_its_gpu_code_and_time(tmp_path):
     events = events_by_code(tmp_path)
     assert set(events) == {13, 31, 43, 45, 94, 48, 63, 64, 95, 119, 154, 79, None, 74, 157}
-    assert events[13] == KernelEvent(bus=(0, 0, 6), code=13, at=at("2026-12-03T09:10:00+00:00"),
-                                     text="Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address")
+    assert events[13] == KernelEvent(
+        bus=(0, 0, 6),
+        code=13,
+        at=at("2026-12-03T09:10:00+00:00"),
+        text="Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address",
+    )
     assert events[119].count == 2 and events[119].text.startswith("Timeout after 6s")  # the pid and name dropped
     assert events[154].text == "GPU recovery action changed from 0x0 (None) to 0x1 (Reset)."
     assert events[None].bus == events[79].bus == (0, 0, 8) and events[None].text == "GPU has fallen off the bus"
@@ -189,8 +219,9 @@ def test_what_dmesg_says_instead_of_a_log_is_the_kernel_logs_error(tmp_path):
 
 
 # --- how a verdict clears -----------------------------------------------------------------------------------------
-def judged_xid(code: int, reading: GpuReading, settings: GpuSettings | None = None,
-               started: float | None = None, text: str = "") -> HostGpus:
+def judged_xid(
+    code: int, reading: GpuReading, settings: GpuSettings | None = None, started: float | None = None, text: str = ""
+) -> HostGpus:
     event = KernelEvent(bus=(0, 0, 6), code=code, text=text, at=at("2026-12-03T09:00:00+00:00"))
     return judge(GpuHealth(gpus=(reading,), events=(event,)), settings or GpuSettings(), app_started_at=started)
 
@@ -216,7 +247,8 @@ def test_an_xid_the_driver_has_no_field_for_stands_until_a_reboot_or_the_operato
     after = GpuSettings(cleared_at=at("2026-12-03T09:05:00+00:00"))
     cleared = judged_xid(79, GpuReading(0, BUSES[0]), after)
     assert cleared.verdict() is Verdict.OK and cleared.gpus[0].settled == (
-        "Xid 79 at 2026-12-03T09:00:00Z: before gpufleet_gpu_cleared_at",)
+        "Xid 79 at 2026-12-03T09:00:00Z: before gpufleet_gpu_cleared_at",
+    )
     before = GpuSettings(cleared_at=at("2026-12-03T08:55:00+00:00"))  # a later Xid counts again
     assert judged_xid(79, GpuReading(0, BUSES[0]), before).verdict() is Verdict.REBOOT
 
@@ -230,8 +262,9 @@ def test_an_app_restart_xid_is_settled_once_the_service_started_after_it():
 
 
 def test_xid_154_is_judged_as_the_recovery_action_it_names():
-    reboot = judged_xid(154, GpuReading(0, BUSES[0]), text="GPU recovery action changed from 0x1 (Reset) to 0x2 "
-                                                            "(Reboot).")
+    reboot = judged_xid(
+        154, GpuReading(0, BUSES[0]), text="GPU recovery action changed from 0x1 (Reset) to 0x2 (Reboot)."
+    )
     assert reboot.verdict() is Verdict.REBOOT and reboot.gpus[0].findings[0].signal == "gpu_recovery_action=Reboot"
 
 
@@ -258,8 +291,9 @@ def test_a_host_or_group_overrides_rows_of_the_table():
     event = KernelEvent(bus=(0, 0, 6), code=200, text="", at=None)
     host = judge(GpuHealth(gpus=(GpuReading(0, BUSES[0]),), events=(event,)), GpuSettings(table=table))
     assert host.verdict() is Verdict.REBOOT
-    assert judge(GpuHealth(gpus=(GpuReading(0, BUSES[0]),), events=(event,)), GpuSettings()).verdict() \
-        is Verdict.DEGRADED  # "xid other"
+    assert (
+        judge(GpuHealth(gpus=(GpuReading(0, BUSES[0]),), events=(event,)), GpuSettings()).verdict() is Verdict.DEGRADED
+    )  # "xid other"
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
@@ -287,7 +321,8 @@ def test_a_sick_gpu_the_service_does_not_use_concerns_it_not():
     assert host.summary([0, 1, 2]) == (
         "needs GPU reset (GPU 1: gpu_recovery_action=Reset, remapped_rows.pending=Yes, "
         "ecc.errors.uncorrected.volatile.total>0; GPU 2: ecc.errors.corrected.volatile.total>0, "
-        "clocks_event_reasons.hw_thermal_slowdown, ERR!)")
+        "clocks_event_reasons.hw_thermal_slowdown, ERR!)"
+    )
 
 
 def test_the_fallen_off_the_bus_line_beside_an_xid_79_is_one_finding_and_alone_counts_the_same(tmp_path):

@@ -32,9 +32,11 @@ def host(tmp_path: Path, profile: smi.Profile) -> Path:
     calls = tmp_path / "calls"
     (bin_dir / "nvidia-smi").write_text(
         f'#!/bin/sh\necho "$1" >> {calls}\nexec {sys.executable} -I -S {tmp_path}{smi.HOST_MODULE} '
-        f'{tmp_path}{smi.HOST_PROFILE} "$@"\n')
-    (bin_dir / "dmesg").write_text((tmp_path / kernel_log.STANDIN[1:]).read_text().replace(
-        kernel_log.LOG, f"{tmp_path}{kernel_log.LOG}"))
+        f'{tmp_path}{smi.HOST_PROFILE} "$@"\n'
+    )
+    (bin_dir / "dmesg").write_text(
+        (tmp_path / kernel_log.STANDIN[1:]).read_text().replace(kernel_log.LOG, f"{tmp_path}{kernel_log.LOG}")
+    )
     for program in ("nvidia-smi", "dmesg"):
         (bin_dir / program).chmod(0o755)
     return tmp_path
@@ -43,8 +45,13 @@ def host(tmp_path: Path, profile: smi.Profile) -> Path:
 def read(root: Path) -> tuple[list[str], list[str], list[str]]:
     """The health query and the kernel log's filter, as the host snapshot runs them; the nvidia-smi calls made."""
     (root / "calls").unlink(missing_ok=True)
-    out = subprocess.run(["sh", "-c", f"t=; {query_shell()}; echo @@split; {kernel_shell()}"], capture_output=True,
-                         text=True, timeout=60, env={"PATH": f"{root}/bin:/usr/bin:/bin"})
+    out = subprocess.run(
+        ["sh", "-c", f"t=; {query_shell()}; echo @@split; {kernel_shell()}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": f"{root}/bin:/usr/bin:/bin"},
+    )
     query, kernel = out.stdout.split("@@split\n")
     return query.splitlines(), kernel.splitlines(), (root / "calls").read_text().split()
 
@@ -69,8 +76,9 @@ def test_help_query_gpu_is_the_recorded_drivers_byte_for_byte(tmp_path):
 
 def test_a_field_the_recorded_driver_lacks_fails_the_whole_query_as_recorded():
     expected, rc = smi._read(HEALTH, "query-gpu-reset-status-rejected.txt")
-    answer = smi.render(smi.make_profile(1), ["--query-gpu=index,ecc.mode.current,reset_status.reset_required",
-                                              "--format=csv"])
+    answer = smi.render(
+        smi.make_profile(1), ["--query-gpu=index,ecc.mode.current,reset_status.reset_required", "--format=csv"]
+    )
     assert answer == smi.Result(expected, rc)
 
 
@@ -98,7 +106,9 @@ def test_an_older_driver_is_asked_the_fields_its_help_lists_and_what_it_lacks_is
     newer = {"gpu_recovery_action", "clocks_event_reasons.active", "pcie.link.gen.gpucurrent"}
     profile = smi.make_profile(2, seed="h")
     profile.valid_fields = [f for f in profile.valid_fields if f not in newer] + [
-        "reset_status.reset_required", "reset_status.drain_and_reset_recommended"]
+        "reset_status.reset_required",
+        "reset_status.drain_and_reset_recommended",
+    ]
     root = host(tmp_path, profile)
     gpu_faults.set_fields(root, 1, {"reset_status.reset_required": "Yes", "clocks_throttle_reasons.active": "0x40"})
     query, kernel, calls = read(root)
@@ -127,8 +137,13 @@ def test_each_injected_fault_is_the_verdict_of_that_gpu_only(tmp_path, fault, ve
 def test_old_profiles_without_fields_still_answer():
     # A profile written before the health fields (no "fields" key) answers them healthy.
     profile = smi.host_profile(smi.make_profile(1).to_json().replace('"fields": {}', '"x": 0'))
-    assert "No, No, None" in smi.render(profile, ["--query-gpu=remapped_rows.pending,remapped_rows.failure,"
-                                                  "gpu_recovery_action", "--format=csv,noheader"]).stdout
+    assert (
+        "No, No, None"
+        in smi.render(
+            profile,
+            ["--query-gpu=remapped_rows.pending,remapped_rows.failure,gpu_recovery_action", "--format=csv,noheader"],
+        ).stdout
+    )
 
 
 # --- the kernel log -------------------------------------------------------------------------------------------------
@@ -156,8 +171,23 @@ def test_the_dmesg_stand_in_prints_only_what_gpufleet_asks_and_only_to_root(tmp_
     assert run.stdout == "1970-01-01T00:00:00,000000+00:00 NVRM: Xid (PCI:0000:00:06): 13, x\n"
     assert subprocess.run([dmesg], capture_output=True, text=True).returncode == 1
     script = Path(dmesg).read_text()  # run by its text: the test's directory is root's alone
-    user = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", script, "dmesg",
-                           "--time-format", "iso"], capture_output=True, text=True, cwd="/")
+    user = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+            script,
+            "dmesg",
+            "--time-format",
+            "iso",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
     assert user.returncode == 1 and user.stderr == "dmesg: read kernel buffer failed: Operation not permitted\n"
     assert parse_kernel_log([f"@@error {user.stderr.strip()}"])[1] == user.stderr.strip()
 
@@ -183,8 +213,13 @@ def test_the_evidence_tool_runs_the_reading_gpufleet_runs_and_says_what_gpufleet
     gpu_faults.inject(root, 1, "remap-pending")
     gpu_faults.log_xid(root, 0, 13)
     bench = Path(__file__).resolve().parents[2] / "bench" / "gpu_health.py"
-    out = subprocess.run([sys.executable, str(bench), str(tmp_path / "out")], capture_output=True, text=True,
-                         timeout=120, env={"PATH": f"{root}/bin:/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, str(bench), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": f"{root}/bin:/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     assert "GPU 0: needs app restart: Xid 13 at " in out.stdout
     assert "GPU 1: needs GPU reset: remapped_rows.pending=Yes" in out.stdout

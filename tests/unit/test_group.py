@@ -60,7 +60,7 @@ def test_the_head_serves_and_every_other_rank_runs_headless_with_its_rank(name, 
     assert list(argv) == hosts
     for rank, host in enumerate(hosts):
         a = argv[host]
-        flags = a[a.index("vllm/vllm-openai:nightly") + 1:]
+        flags = a[a.index("vllm/vllm-openai:nightly") + 1 :]
         assert flags[flags.index("--nnodes") + 1] == str(len(hosts))
         assert flags[flags.index("--node-rank") + 1] == str(rank)
         assert flags[flags.index("--master-addr") + 1] == addresses[0]
@@ -92,10 +92,10 @@ def test_a_replica_of_its_own_renders_no_group_part(inventory):
 
 
 # --- the checks across a group's hosts ----------------------------------------------------------------------------------
-TWO = '''
+TWO = """
 pair = ([("a", {{"ssh_hostname": "10.0.0.1"{a}}}), ("b", {{"ssh_hostname": "10.0.0.2"{b}}})],
         {{"vllm_group": "pair", "vllm_profile": "qwen35-1gpu", "vllm_args": {{"pipeline-parallel-size": 2}}{group}}})
-'''
+"""
 
 
 def refused(inventory, a: str = "", b: str = "", group: str = "", extra: str = "") -> list[str]:
@@ -151,13 +151,17 @@ def test_a_group_problem_is_one_line_naming_the_host_the_setting_and_the_fix(inv
 def test_a_group_of_one_host_and_a_group_that_is_no_inventory_group_are_refused(inventory):
     one = 'solo = ([("a", {"ssh_hostname": "10.0.0.1"})], {"vllm_group": "solo"})\n'
     result = run("render", inventory(one))
-    assert result.output.strip() == ("Error: a: vllm_group: group solo has one host (fix: list at least two hosts in "
-                                     "the group, or remove vllm_group)")
+    assert result.output.strip() == (
+        "Error: a: vllm_group: group solo has one host (fix: list at least two hosts in "
+        "the group, or remove vllm_group)"
+    )
     stray = 'boxes = [("a", {"vllm_group": "big"})]\n'
     result = run("render", inventory(stray))
-    assert result.output.strip() == ("Error: a: vllm_group: 'big' is no inventory group holding this host (fix: set "
-                                     "vllm_group in the data of the group whose hosts serve one model together, to "
-                                     "that group's name)")
+    assert result.output.strip() == (
+        "Error: a: vllm_group: 'big' is no inventory group holding this host (fix: set "
+        "vllm_group in the data of the group whose hosts serve one model together, to "
+        "that group's name)"
+    )
 
 
 def test_a_valid_group_is_resolved_with_every_ranks_spec_hash():
@@ -204,10 +208,12 @@ def test_a_headless_rank_is_its_container_held_to_its_spec_and_to_the_digest_its
     committed, other = "r/v@sha256:" + "1" * 64, "r/v@sha256:" + "2" * 64
     runs = ContainerInfo("c1", "running", image=committed, spec_hash=spec.spec_hash)
     result = check_host(target, transport=RankHost(runs), committed=lambda t, tr: (committed, None))
-    assert result.ok and result.health.detail == ("rank 1 of group pair: its container runs; the group serves "
-                                                  "through box-a")
-    moved = check_host(target, transport=RankHost(replace(runs, image=other)),
-                       committed=lambda t, tr: (committed, None))
+    assert result.ok and result.health.detail == (
+        "rank 1 of group pair: its container runs; the group serves through box-a"
+    )
+    moved = check_host(
+        target, transport=RankHost(replace(runs, image=other)), committed=lambda t, tr: (committed, None)
+    )
     assert moved.health.ready and not moved.ok
     assert moved.committed_drift == f"runs {other}, not {committed}, which its ledger has committed"
     drifted = check_host(target, transport=RankHost(replace(runs, spec_hash="f" * 16)))
@@ -225,8 +231,8 @@ def watch(tmp_path: Path, connections: list[str], rounds: int) -> tuple[str, lis
     (tmp_path / "looks").write_text("\n".join(connections) + "\n")
     scripts = {
         "ss": 'n=$(cat "$W/n" 2>/dev/null || echo 0); n=$((n + 1)); echo $n > "$W/n"; '
-              'line=$(sed -n "${n}p" "$W/looks"); [ -n "$line" ] || line=$(tail -n 1 "$W/looks"); '
-              'printf "%s\\n" "$line" | tr "|" "\\n"',
+        'line=$(sed -n "${n}p" "$W/looks"); [ -n "$line" ] || line=$(tail -n 1 "$W/looks"); '
+        'printf "%s\\n" "$line" | tr "|" "\\n"',
         "sleep": 'r=$(cat "$W/r" 2>/dev/null || echo 0); r=$((r + 1)); echo $r > "$W/r"; [ $r -le $ROUNDS ]',
         "docker": 'echo "$*" >> "$W/docker"; [ "$1" = ps ] && echo c0ffee; true',
     }

@@ -25,8 +25,13 @@ from gpufleet.wire.identity import Expected
 from tests.unit.test_vllm_deploy import DATA, bare_but_installed, sick, writes
 
 HOSTS = {"box-a": "10.0.0.1", "box-b": "10.0.0.2"}
-GROUP = {"vllm_group": "pair", "vllm_profile": "qwen35-1gpu", "vllm_group_interface": "eth0",
-         "vllm_group_link": "25GbE", "vllm_args": {"pipeline-parallel-size": 2}}
+GROUP = {
+    "vllm_group": "pair",
+    "vllm_profile": "qwen35-1gpu",
+    "vllm_group_interface": "eth0",
+    "vllm_group_link": "25GbE",
+    "vllm_args": {"pipeline-parallel-size": 2},
+}
 REF = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
 OTHER = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
 COMMIT, OTHER_COMMIT = "c" * 40, "d" * 40
@@ -36,12 +41,18 @@ UNIT = "Install the vLLM systemd unit"
 
 
 def inventory(group: dict[str, Any] | None = None) -> Inventory:
-    return Inventory(([(name, {**DATA, "ssh_hostname": ip}) for name, ip in HOSTS.items()], {}),
-                     pair=(list(HOSTS), {**GROUP, **(group or {})}))
+    return Inventory(
+        ([(name, {**DATA, "ssh_hostname": ip}) for name, ip in HOSTS.items()], {}),
+        pair=(list(HOSTS), {**GROUP, **(group or {})}),
+    )
 
 
-def prepare(snaps: dict[str, HostSnapshot], monkeypatch: pytest.MonkeyPatch, group: dict[str, Any] | None = None,
-            state: list[State] | None = None) -> tuple[dict[str, Plan], dict[str, dict[str, list[Any]]]]:
+def prepare(
+    snaps: dict[str, HostSnapshot],
+    monkeypatch: pytest.MonkeyPatch,
+    group: dict[str, Any] | None = None,
+    state: list[State] | None = None,
+) -> tuple[dict[str, Plan], dict[str, dict[str, list[Any]]]]:
     """Plan every rank, then every operation's commands per host: ({host: plan}, {host: {op name: commands}}).
     state: given a list, the run's State is appended to it."""
     inv = inventory(group)
@@ -73,8 +84,9 @@ def prepare(snaps: dict[str, HostSnapshot], monkeypatch: pytest.MonkeyPatch, gro
     return plans, ops
 
 
-def converged(monkeypatch: pytest.MonkeyPatch, pins: dict[str, str] | None = None,
-              models: dict[str, str] | None = None) -> dict[str, HostSnapshot]:
+def converged(
+    monkeypatch: pytest.MonkeyPatch, pins: dict[str, str] | None = None, models: dict[str, str] | None = None
+) -> dict[str, HostSnapshot]:
     """What each rank's snapshot shows once the group converged on REF and the model's commit COMMIT (a rank's pins
     can be others): its files, its ledger naming the group's version, its model checked, its unit active; the head
     serving, the rank reaching its head."""
@@ -90,9 +102,24 @@ def converged(monkeypatch: pytest.MonkeyPatch, pins: dict[str, str] | None = Non
         snap = bare_but_installed()
         snap.file_sha256 = {path: hashlib.sha256(content).hexdigest() for path, content in files.items()}
         snap.dirs = dict.fromkeys(dirs, ("root", "root", "755"))
-        snap.ledger_text = render(Ledger(committed=Committed(Version(
-            spec.image, pins[name], None, spec.spec_hash, spec.service, spec.port, model=model,
-            model_revision=plan.settings.model_revision, group=spec.group.version(pins[name], model)), "t0")))
+        snap.ledger_text = render(
+            Ledger(
+                committed=Committed(
+                    Version(
+                        spec.image,
+                        pins[name],
+                        None,
+                        spec.spec_hash,
+                        spec.service,
+                        spec.port,
+                        model=model,
+                        model_revision=plan.settings.model_revision,
+                        group=spec.group.version(pins[name], model),
+                    ),
+                    "t0",
+                )
+            )
+        )
         snap.images = [(ref.split("@")[0], "<none>", ref.split("@")[1]) for ref in set(pins.values())]
         snap.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
         snap.model_checked = model
@@ -103,7 +130,8 @@ def converged(monkeypatch: pytest.MonkeyPatch, pins: dict[str, str] | None = Non
             snap.cache_config = dict(Expected.from_spec(spec).cache_config)
         # The unit's text depends on the pin: the one rendered for it.
         snap.file_sha256[plan.layout.unit_file] = hashlib.sha256(
-            render_unit(spec, pins[name], model).encode()).hexdigest()
+            render_unit(spec, pins[name], model).encode()
+        ).hexdigest()
         snaps[name] = snap
     return snaps
 
@@ -165,9 +193,11 @@ def test_ranks_that_resolved_different_digests_or_model_commits_fail_before_any_
     assert check.function(state, box_b, *check.args) is True and said == []
     host_run(state.inventory.get_host("box-a")).resolved_model = f"{repo}@{OTHER_COMMIT}"
     assert check.function(state, box_b, *check.args) is False
-    assert said[-1] == (f"box-b: the ranks of group pair got different model commits (box-a {repo}@{OTHER_COMMIT}, "
-                        f"box-b {repo}@{COMMIT}): the branch moved between their downloads (fix: converge again, or "
-                        "set vllm_model_revision to a commit)")
+    assert said[-1] == (
+        f"box-b: the ranks of group pair got different model commits (box-a {repo}@{OTHER_COMMIT}, "
+        f"box-b {repo}@{COMMIT}): the branch moved between their downloads (fix: converge again, or "
+        "set vllm_model_revision to a commit)"
+    )
     host_run(state.inventory.get_host("box-a")).resolved_image_ref = OTHER
     assert check.function(state, box_b, *check.args) is False
     assert said[-1].startswith(f"box-b: the ranks of group pair got different digests (box-a {OTHER}, box-b {REF})")
@@ -195,8 +225,15 @@ def test_ranks_with_another_gpu_model_or_driver_are_refused_on_the_head_unless_a
     assert gpus.startswith("box-a: error [group-mixed-gpu-models] ") and "box-b NVIDIA H100 80GB HBM3" in gpus
     assert drivers.startswith("box-a: error [group-mixed-drivers] ") and "box-b 575.57" in drivers
     accepting = plans({"gpufleet_accept": ["group-mixed-gpu-models", "group-mixed-drivers"]})
-    assert check_groups({name: reading(accepting[name], **({} if name == "box-a" else {"gpu": "X", "driver": "1"}))
-                         for name in HOSTS}) == {}
+    assert (
+        check_groups(
+            {
+                name: reading(accepting[name], **({} if name == "box-a" else {"gpu": "X", "driver": "1"}))
+                for name in HOSTS
+            }
+        )
+        == {}
+    )
 
 
 def test_a_rank_restarted_by_its_group_onto_a_gpu_that_needs_a_reset_is_refused(monkeypatch):
@@ -207,16 +244,21 @@ def test_a_rank_restarted_by_its_group_onto_a_gpu_that_needs_a_reset_is_refused(
     assert check_fleet(readings) == {}  # nothing restarts: the group goes on serving
     snaps["box-a"].units[unit_name("vllm-qwen35-1gpu")] = ("failed", "enabled")
     (line,) = check_fleet(readings)["box-b"]
-    assert line.startswith("box-b: GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes: this converge "
-                           "would restart with its group (box-a would start vllm-qwen35-1gpu.service (it is not "
-                           "running)) (fix: stop the service and reset the GPU")
+    assert line.startswith(
+        "box-b: GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes: this converge "
+        "would restart with its group (box-a would start vllm-qwen35-1gpu.service (it is not "
+        "running)) (fix: stop the service and reset the GPU"
+    )
 
 
 def test_a_group_deploys_as_one_a_rank_left_out_of_the_run_is_refused():
     p = plans()
-    assert check_groups({"box-a": reading(p["box-a"])}) == {"box-a": [
-        "box-a: group pair deploys as one, and box-b is not in this run (fix: run on every host of the group: "
-        "--limit box-a,box-b, or no --limit)"]}
+    assert check_groups({"box-a": reading(p["box-a"])}) == {
+        "box-a": [
+            "box-a: group pair deploys as one, and box-b is not in this run (fix: run on every host of the group: "
+            "--limit box-a,box-b, or no --limit)"
+        ]
+    }
 
 
 @pytest.mark.parametrize(("lines", "said"), [
@@ -238,7 +280,8 @@ def test_a_rank_that_cannot_reach_its_heads_master_port_is_refused_and_the_head_
     assert probe_problem("box-b", snap, p["box-b"].spec) == (
         "box-b: cannot reach the head box-a's master port 10.0.0.1:29501 (vllm_group_port) from here: no answer "
         "within 5 s (fix: open TCP from 10.0.0.2 to 10.0.0.1 on every port between the group's hosts, or correct "
-        "vllm_group_address)")
+        "vllm_group_address)"
+    )
     snap.group_probe = "refused"  # the head's host answered: nothing listens there yet
     assert probe_problem("box-b", snap, p["box-b"].spec) is None
     assert p["box-a"].paths.group_head is None and p["box-b"].paths.group_head == ("10.0.0.1", 29501)

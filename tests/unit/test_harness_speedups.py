@@ -21,7 +21,7 @@ util = importlib.import_module("pyinfra.api.util")
 arguments = importlib.import_module("pyinfra.api.arguments")
 
 # A deploy file as people write them: operations called from nested functions, in a loop, across several lines.
-DEPLOY = '''\
+DEPLOY = """\
 def inner(i):
     return probe(
         i,
@@ -38,15 +38,18 @@ def outer():
 
 FOUND = outer()
 FOUND.append(probe(99))
-'''
+"""
 
 
 @pytest.fixture
 def pyinfra_functions() -> Iterator[None]:
     """pyinfra's own functions for the test (an earlier test in this process may have installed the speedups),
     and every binding put back as it was after it."""
-    saved = {(user, name.rpartition(".")[2]): getattr(importlib.import_module(user), name.rpartition(".")[2])
-             for name, users in speedups.USERS.items() for user in users}
+    saved = {
+        (user, name.rpartition(".")[2]): getattr(importlib.import_module(user), name.rpartition(".")[2])
+        for name, users in speedups.USERS.items()
+        for user in users
+    }
     for (user, attribute), value in saved.items():
         setattr(importlib.import_module(user), attribute, getattr(value, "__wrapped__", value))
     yield
@@ -62,16 +65,19 @@ def pyinfras_own(name: str) -> Any:
 
 # What stands between a deploy file and the walk: pyinfra's operation machinery, whose frames (in pyinfra's own
 # directory) neither walk counts. Compiled under a file name in that directory, as pyinfra's own code is.
-PYINFRA_CALLER = '''\
+PYINFRA_CALLER = """\
 def probe(_):
     return original(state), ours(state)
-'''
+"""
 
 
 def run_deploy_file(path: Path, state: Any) -> list[tuple[list[int], list[int]]]:
     """Exec the file as pyinfra_cli.util.exec_file does; each probe() call returns (pyinfra's order, ours)."""
-    machinery: dict[str, Any] = {"original": pyinfras_own("pyinfra.api.util.get_operation_order_from_stack"),
-                                 "ours": speedups._operation_order_from_caller, "state": state}
+    machinery: dict[str, Any] = {
+        "original": pyinfras_own("pyinfra.api.util.get_operation_order_from_stack"),
+        "ours": speedups._operation_order_from_caller,
+        "state": state,
+    }
     exec(compile(PYINFRA_CALLER, f"{speedups.PYINFRA_DIR}/api/operation_machinery.py", "exec"), machinery)
     scope: dict[str, Any] = {"probe": machinery["probe"]}
     exec(compile(path.read_text(), str(path), "exec"), scope)
@@ -80,13 +86,16 @@ def run_deploy_file(path: Path, state: Any) -> list[tuple[list[int], list[int]]]
 
 @pytest.mark.parametrize("deploy_file_in_stack", [True, False])
 @pytest.mark.parametrize("cli", [True, False])
-def test_operation_order_is_pyinfras_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                         deploy_file_in_stack: bool, cli: bool) -> None:
+def test_operation_order_is_pyinfras_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deploy_file_in_stack: bool, cli: bool
+) -> None:
     path = tmp_path / "deploy.py"
     path.write_text(DEPLOY)
     monkeypatch.setattr(pyinfra, "is_cli", cli)
-    state = SimpleNamespace(current_deploy_filename=str(path) if deploy_file_in_stack else str(tmp_path / "other.py"),
-                            current_op_file_number=3)
+    state = SimpleNamespace(
+        current_deploy_filename=str(path) if deploy_file_in_stack else str(tmp_path / "other.py"),
+        current_op_file_number=3,
+    )
     found = run_deploy_file(path, state)
     assert len(found) == 3
     for theirs, ours in found:
@@ -120,8 +129,11 @@ def a_host(host_data: dict[str, Any], group_data: dict[str, Any], fleet_data: di
     """A real pyinfra state and host with data in every layer: host, two groups, the inventory's, overrides."""
     from pyinfra.api import Config, Inventory, State
 
-    inventory = Inventory(([("gpu1", host_data)], fleet_data), gpus=([("gpu1", {})], group_data),
-                          lab=(["gpu1"], {"_chdir": "/srv", "name": "from the lab group"}))
+    inventory = Inventory(
+        ([("gpu1", host_data)], fleet_data),
+        gpus=([("gpu1", {})], group_data),
+        lab=(["gpu1"], {"_chdir": "/srv", "name": "from the lab group"}),
+    )
     state = State(inventory, Config())
     return state, inventory.get_host("gpu1")
 
@@ -134,17 +146,29 @@ def pop_both(state: Any, host: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     return (original(state, host, theirs_kwargs), theirs_kwargs), (ours(state, host, our_kwargs), our_kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"name": "Install", "_sudo": False, "packages": ["curl"]},
-                                    {"_env": {"A": "1"}, "_timeout": 9, "_if": [], "other": 1}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"name": "Install", "_sudo": False, "packages": ["curl"]},
+        {"_env": {"A": "1"}, "_timeout": 9, "_if": [], "other": 1},
+    ],
+)
 def test_global_argument_defaults_are_pyinfras_own(kwargs: dict[str, Any]) -> None:
-    state, host = a_host({"_sudo": True, "_env": {"HOST": "1"}, "ssh_user": "deploy"},
-                         {"_timeout": 5, "_sudo_user": "svc", "_env": {"GROUP": "1"}}, {"_retries": 2})
+    state, host = a_host(
+        {"_sudo": True, "_env": {"HOST": "1"}, "ssh_user": "deploy"},
+        {"_timeout": 5, "_sudo_user": "svc", "_env": {"GROUP": "1"}},
+        {"_retries": 2},
+    )
     host.data._shell_executable = "bash"  # an override set during the deploy: the first layer
     theirs, ours = pop_both(state, host, kwargs)
     assert ours == theirs
     arguments_found = ours[0][0]
     assert (arguments_found["_sudo_user"], arguments_found["_retries"], arguments_found["_shell_executable"]) == (
-        "svc", 2, "bash")
+        "svc",
+        2,
+        "bash",
+    )
 
 
 def test_global_argument_defaults_inside_a_deploy_use_its_kwargs_and_data() -> None:
@@ -208,8 +232,9 @@ def test_install_replaces_the_checked_functions_everywhere_they_are_bound(pyinfr
         for user in users:
             assert getattr(importlib.import_module(user), attribute)._gpufleet_speedup
     assert speedups.install() == installed  # every host's deploy file calls it: the second is a no-op
-    assert importlib.import_module("pyinfra.api.operation").get_operation_order_from_stack.__wrapped__ \
-        is pyinfras_own("pyinfra.api.util.get_operation_order_from_stack")
+    assert importlib.import_module("pyinfra.api.operation").get_operation_order_from_stack.__wrapped__ is pyinfras_own(
+        "pyinfra.api.util.get_operation_order_from_stack"
+    )
 
 
 def test_install_leaves_a_different_pyinfra_alone(pyinfra_functions: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,8 +243,9 @@ def test_install_leaves_a_different_pyinfra_alone(pyinfra_functions: None, monke
     installed = speedups.install()
     assert "pyinfra.api.util.get_operation_order_from_stack" not in installed
     assert util.get_operation_order_from_stack is before
-    assert not hasattr(importlib.import_module("pyinfra.api.operation").get_operation_order_from_stack,
-                       "_gpufleet_speedup")
+    assert not hasattr(
+        importlib.import_module("pyinfra.api.operation").get_operation_order_from_stack, "_gpufleet_speedup"
+    )
 
 
 def test_frames_of_this_test_are_counted_like_pyinfras(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,7 +258,7 @@ def test_frames_of_this_test_are_counted_like_pyinfras(monkeypatch: pytest.Monke
 
 # Operations called in an order only the stack walk gets right (by line alone `second` would come last); each runs
 # `true` on this machine.
-ORDERED_DEPLOY = '''\
+ORDERED_DEPLOY = """\
 import os
 
 from pyinfra.operations import server
@@ -256,7 +282,7 @@ def first():
 
 first()
 server.shell(name="fourth", commands=["true"])
-'''
+"""
 
 
 def test_a_real_pyinfra_run_orders_operations_the_same(tmp_path: Path) -> None:
@@ -265,14 +291,26 @@ def test_a_real_pyinfra_run_orders_operations_the_same(tmp_path: Path) -> None:
 
     def operations(with_speedups: bool) -> list[str]:
         env = {**os.environ, "SPEEDUPS": "1" if with_speedups else ""}
-        proc = subprocess.run([sys.executable, "-m", "pyinfra", "-y", "@local", str(deploy)],
-                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pyinfra", "-y", "@local", str(deploy)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        return [line.split("Starting operation:", 1)[1].strip() for line in (proc.stdout + proc.stderr).splitlines()
-                if "Starting operation:" in line]
+        return [
+            line.split("Starting operation:", 1)[1].strip()
+            for line in (proc.stdout + proc.stderr).splitlines()
+            if "Starting operation:" in line
+        ]
 
-    assert operations(with_speedups=False) == operations(with_speedups=True) == [
-        "first", "second 0", "second 1", "third", "fourth"]
+    assert (
+        operations(with_speedups=False)
+        == operations(with_speedups=True)
+        == ["first", "second 0", "second 1", "third", "fourth"]
+    )
 
 
 def test_the_guard_covers_what_the_argument_defaults_rely_on(monkeypatch):
@@ -300,6 +338,8 @@ def test_what_install_did_is_said_once_an_info_line_or_a_warning_naming_pyinfra(
         speedups.install_and_say()
     [skipped] = caplog.records
     assert skipped.levelname == "WARNING"
-    assert skipped.getMessage() == ("pyinfra 3.99.0 differs from the 3.10.0 gpufleet's speedups were checked against: "
-                                    "pyinfra's own all_global_arguments, pop_global_arguments run unchanged (slower, "
-                                    "correct)")
+    assert skipped.getMessage() == (
+        "pyinfra 3.99.0 differs from the 3.10.0 gpufleet's speedups were checked against: "
+        "pyinfra's own all_global_arguments, pop_global_arguments run unchanged (slower, "
+        "correct)"
+    )

@@ -139,8 +139,10 @@ def test_one_request_that_got_no_answer_is_a_blip_when_the_next_is_answered():
 
 # --- answers wrong in one way each, from a minimal HTTP server ---------------------------------------------------
 def _completion(**changes) -> dict:
-    doc = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ready"}, "finish_reason": "stop"}],
-           "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}}
+    doc = {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ready"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14},
+    }
     return doc | changes
 
 
@@ -203,7 +205,9 @@ def test_a_completion_wrong_in_one_way_fails_naming_it(doc, evidence):
 
 def test_a_reasoning_only_answer_and_a_tool_call_are_answers():
     for message in ({"content": None, "reasoning": "thinking"}, {"content": None, "tool_calls": [{"id": "c1"}]}):
-        server = OneAnswer(200, json.dumps(_completion(choices=[{"message": message, "finish_reason": "stop"}])).encode())
+        server = OneAnswer(
+            200, json.dumps(_completion(choices=[{"message": message, "finish_reason": "stop"}])).encode()
+        )
         try:
             check = server.completion_check()
         finally:

@@ -64,7 +64,19 @@ def test_status_json_reports_unreachable_hosts_as_problems_with_the_reason_and_a
 def test_status_table_has_the_fleet_columns_and_says_why_a_host_is_unreachable(inventory):
     result = CliRunner().invoke(status, [str(inventory)])
     assert result.exit_code == 1
-    for col in ("host", "GPUs", "image", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits", "block", "unit"):
+    for col in (
+        "host",
+        "GPUs",
+        "image",
+        "vLLM",
+        "state",
+        "model",
+        "KV cache",
+        "run/wait",
+        "prefix hits",
+        "block",
+        "unit",
+    ):
         assert col in result.stdout
     assert "ssh-unreachable" in result.stdout
     assert "box-a: ssh-unreachable: cannot SSH to 127.0.0.1" in result.stdout and "(fix: " in result.stdout
@@ -143,7 +155,10 @@ def _odd_block_result(target):
         ProbePoint(1329, 1370, 544, 1088, 0, 0.08, 0.03, "usage"),
         ProbePoint(3300, 3341, 544, 0, 0, 0.3, 0.3, "usage", kind="multi-chunk", chunk_tokens=2048),
     ]
-    session = (SessionTurn(0, 1251, 0, 0, 0, 0, 1251, 1251, 0.1), SessionTurn(1, 1542, 1088, 1088, 1088, 1088, 1542, 454, 0.03))
+    session = (
+        SessionTurn(0, 1251, 0, 0, 0, 0, 1251, 1251, 0.1),
+        SessionTurn(1, 1542, 1088, 1088, 1088, 1088, 1542, 454, 0.03),
+    )
     report = judge(
         "box-b",
         points,
@@ -186,7 +201,8 @@ def test_verify_probe_prints_the_per_host_table_with_legal_fixes(inventory, monk
     assert "--prefix-match-unit 68" in out and "--prefix-match-unit 128" not in out
     assert "34/39 in 6 s" in out  # requests sent / bound, and time
     (row,) = json.loads(CliRunner().invoke(verify, [str(inventory), "--host", "box-b", "--probe", "--json"]).stdout)[
-        "hosts"]
+        "hosts"
+    ]
     assert (row["ok"], [p["id"] for p in row["problems"]]) == (False, ["probe"])
     assert "--prefix-match-unit 68" in row["problems"][0]["fix"]
     assert row["probe"]["legal"]["prefix_match_unit"] == 68
@@ -197,8 +213,14 @@ def test_verify_probe_prints_the_per_host_table_with_legal_fixes(inventory, monk
 def test_server_strings_are_shown_as_text_never_read_as_markup(inventory, monkeypatch):
     cli = sys.modules[load_targets.__module__]
     (target,) = load_targets(str(inventory), "box-b")
-    hostile = HealthReport(HealthState.READY, "/health 200", host="box-b", version="[bold]0.32",
-                           served_models=("[/x]",), cache_config={"block_size": "[/]"})
+    hostile = HealthReport(
+        HealthState.READY,
+        "/health 200",
+        host="box-b",
+        version="[bold]0.32",
+        served_models=("[/x]",),
+        cache_config={"block_size": "[/]"},
+    )
     monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [HostResult(target, hostile)])
     result = CliRunner().invoke(status, [str(inventory), "--host", "box-b"])
     assert result.exit_code == 0, result.output
@@ -209,9 +231,11 @@ def test_verify_shows_a_check_that_could_not_run_as_not_run_with_a_fix_to_run_it
     cli = sys.modules[load_targets.__module__]
     (target,) = load_targets(str(inventory), "box-b")
     answers = (AnswerCheck("completion", True, "2 tokens (length)"), AnswerCheck("stream", True, "3 chunks"))
-    checks = (AnswerCheck("cached-cold", True, "the same 6 tokens"),
-              AnswerCheck("sessions", False, "could not run: DeadlineExceeded: no answer within 120 s", ran=False),
-              AnswerCheck("tools", False, 'tool_choice "required": no parsed tool call'))
+    checks = (
+        AnswerCheck("cached-cold", True, "the same 6 tokens"),
+        AnswerCheck("sessions", False, "could not run: DeadlineExceeded: no answer within 120 s", ran=False),
+        AnswerCheck("tools", False, 'tool_choice "required": no parsed tool call'),
+    )
     ready = HealthReport(HealthState.READY, "/health 200", host="box-b")
     found = HostResult(target, ready, answers=answers, checks=checks)
     monkeypatch.setattr(cli, "check_fleet", lambda targets, **kw: [found])
@@ -221,14 +245,27 @@ def test_verify_shows_a_check_that_could_not_run_as_not_run_with_a_fix_to_run_it
     lines = result.output.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("┃ host") and "sessions" in line)
     row = next(line for line in lines[header:] if "box-b" in line)
-    assert [cell.strip() for cell in row.strip("│ ").split("│")] == ["box-b", "-", "-", "passed", "not run", "FAILED", "-"]
-    run_again = f"(fix: run it again (`gpufleet verify {inventory} --host box-b`); if its requests keep getting no answer"
+    assert [cell.strip() for cell in row.strip("│ ").split("│")] == [
+        "box-b",
+        "-",
+        "-",
+        "passed",
+        "not run",
+        "FAILED",
+        "-",
+    ]
+    run_again = (
+        f"(fix: run it again (`gpufleet verify {inventory} --host box-b`); if its requests keep getting no answer"
+    )
     assert any("sessions: could not run" in line and run_again in line for line in result.output.splitlines())
     assert any("tools:" in line and "gpufleet rollback" in line for line in result.output.splitlines())
 
     (host,) = json.loads(CliRunner().invoke(verify, [*args, "--json"]).stdout)["hosts"]
     assert [(c["check"], c["ok"], c["ran"]) for c in host["checks"]] == [
-        ("cached-cold", True, True), ("sessions", False, False), ("tools", False, True)]
+        ("cached-cold", True, True),
+        ("sessions", False, False),
+        ("tools", False, True),
+    ]
     # Told apart by id: a client that acts on a failed check must not act on one that could not run.
     (not_run, failed) = host["problems"]
     assert (not_run["id"], failed["id"]) == ("check-not-run", "serving-check"), host["problems"]
@@ -268,8 +305,9 @@ def _fake_fleet(monkeypatch, *router_rows):
     def read_host(name, data):
         reads.append(name)
         workers = tuple(WorkerRow(url, healthy, 0, 0, 0) for url, healthy in next(rows))
-        return RouterStatus(name, "ready" if workers else "down", "" if workers else "connection refused",
-                            "cache_aware", workers)
+        return RouterStatus(
+            name, "ready" if workers else "down", "" if workers else "connection refused", "cache_aware", workers
+        )
 
     monkeypatch.setattr(cli, "check_fleet", check_fleet)
     monkeypatch.setattr(cli, "read_host", read_host)
@@ -288,8 +326,10 @@ def test_verify_fails_naming_the_router_the_replica_and_the_fix(fleet_inventory,
     _fake_fleet(monkeypatch, [(GPU1, True), (GPU2, False)])
     result = CliRunner().invoke(verify, [str(fleet_inventory)])
     assert result.exit_code == 1
-    assert (f"rtr1: worker {GPU2} (gpu2) is not healthy in the router (fix: gpufleet verify {fleet_inventory} "
-            "--host gpu2; the router re-checks it every 7 s)") in result.output
+    assert (
+        f"rtr1: worker {GPU2} (gpu2) is not healthy in the router (fix: gpufleet verify {fleet_inventory} "
+        "--host gpu2; the router re-checks it every 7 s)"
+    ) in result.output
     assert "verify failed on 1 of 3 host(s): rtr1" in result.output and "Traceback" not in result.output
 
 
@@ -304,8 +344,10 @@ def test_verify_host_selects_the_router_alone(fleet_inventory, monkeypatch):
     checked, reads = _fake_fleet(monkeypatch, [])
     result = CliRunner().invoke(verify, [str(fleet_inventory), "--host", "rtr1"])
     assert result.exit_code == 1 and (checked, reads) == ([], ["rtr1"])
-    assert "rtr1: the router does not answer: connection refused (fix: `systemctl status vllm-router` on rtr1" \
+    assert (
+        "rtr1: the router does not answer: connection refused (fix: `systemctl status vllm-router` on rtr1"
         in result.output
+    )
     assert "verify failed on 1 of 1 host(s): rtr1" in result.output
     checked, reads = _fake_fleet(monkeypatch)
     assert CliRunner().invoke(verify, [str(fleet_inventory), "--host", "gpu2"]).exit_code == 0
@@ -325,18 +367,23 @@ def test_verify_json_has_router_rows_with_ok_and_problems(fleet_inventory, monke
     (router,) = doc["routers"]
     assert (router["host"], router["state"], router["ok"]) == ("rtr1", "ready", False)
     assert [w["url"] for w in router["workers"]] == [GPU1]
-    assert router["problems"] == [{"id": "worker-missing",
-                                   "message": f"worker {GPU2} (gpu2) is not in the router's worker set",
-                                   "fix": f"once gpu2 verifies ready, `gpufleet status {fleet_inventory} --fix` "
-                                          "puts it back"}]
+    assert router["problems"] == [
+        {
+            "id": "worker-missing",
+            "message": f"worker {GPU2} (gpu2) is not in the router's worker set",
+            "fix": f"once gpu2 verifies ready, `gpufleet status {fleet_inventory} --fix` puts it back",
+        }
+    ]
     assert [r["host"] for r in doc["hosts"]] == ["gpu1", "gpu2"] and all(r["ok"] for r in doc["hosts"])
     assert doc["ok"] is False
 
 
 def test_verify_refuses_a_replica_no_router_can_reach_before_any_ssh(tmp_path, monkeypatch):
     path = tmp_path / "loop.py"
-    path.write_text("gpuhosts = [('gpu1', {'vllm_gpus': [0, 1, 2], 'vllm_publish_address': '127.0.0.1'})]\n"
-                    "routers = [('rtr1', {})]\n")
+    path.write_text(
+        "gpuhosts = [('gpu1', {'vllm_gpus': [0, 1, 2], 'vllm_publish_address': '127.0.0.1'})]\n"
+        "routers = [('rtr1', {})]\n"
+    )
     checked, reads = _fake_fleet(monkeypatch)
     result = CliRunner().invoke(verify, [str(path)])
     assert result.exit_code == 2 and (checked, reads) == ([], [])  # a bad setting: bad input
@@ -370,13 +417,22 @@ def _gpu_results(targets):
     from gpufleet.facts.gpu_verdict import judge
     from gpufleet.wire.gpu_verdicts import GpuSettings
 
-    fell = KernelEvent(bus=(0, 0, 7), code=79, text="GPU has fallen off the bus.",
-                       at=datetime.fromisoformat("2026-12-03T09:30:00+00:00").timestamp())
-    gpus = {"box-a": GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0"), GpuReading(1, "00000000:00:07.0")),
-                               events=(fell,)),
-            "box-b": GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0", clocks_event_reasons=0x40, temperature_c=91),))}
-    return [HostResult(t, HealthReport(HealthState.READY, "/health 200", host=t.name),
-                       gpus=judge(gpus[t.name], GpuSettings())) for t in targets]
+    fell = KernelEvent(
+        bus=(0, 0, 7),
+        code=79,
+        text="GPU has fallen off the bus.",
+        at=datetime.fromisoformat("2026-12-03T09:30:00+00:00").timestamp(),
+    )
+    gpus = {
+        "box-a": GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0"), GpuReading(1, "00000000:00:07.0")), events=(fell,)),
+        "box-b": GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0", clocks_event_reasons=0x40, temperature_c=91),)),
+    }
+    return [
+        HostResult(
+            t, HealthReport(HealthState.READY, "/health 200", host=t.name), gpus=judge(gpus[t.name], GpuSettings())
+        )
+        for t in targets
+    ]
 
 
 def test_status_has_a_gpu_column_and_a_sick_gpu_the_service_uses_fails_the_host(inventory, monkeypatch):
@@ -386,11 +442,14 @@ def test_status_has_a_gpu_column_and_a_sick_gpu_the_service_uses_fails_the_host(
     assert result.exit_code == 1, result.output
     rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("│ box-")}
     assert "needs reboot: 1" in rows["box-a"] and "degraded: 0" in rows["box-b"], result.stdout
-    assert ("box-a: GPU 1 (00000000:00:07.0) needs reboot: Xid 79 at 2026-12-03T09:30:00Z (GPU has fallen off the "
-            "bus.) (fix: reboot the host (NVIDIA: RESTART_BM); docs/gpu-health.md says how a verdict clears)") \
-        in result.stdout
-    assert ("box-b: warning: GPU 0 (00000000:00:06.0) degraded: clocks_event_reasons.hw_thermal_slowdown (0x40) at "
-            "91 C (keep serving and watch it") in result.stdout
+    assert (
+        "box-a: GPU 1 (00000000:00:07.0) needs reboot: Xid 79 at 2026-12-03T09:30:00Z (GPU has fallen off the "
+        "bus.) (fix: reboot the host (NVIDIA: RESTART_BM); docs/gpu-health.md says how a verdict clears)"
+    ) in result.stdout
+    assert (
+        "box-b: warning: GPU 0 (00000000:00:06.0) degraded: clocks_event_reasons.hw_thermal_slowdown (0x40) at "
+        "91 C (keep serving and watch it"
+    ) in result.stdout
     assert "status found problems on 1 of 2 host(s): box-a" in result.stderr
 
 
@@ -409,6 +468,8 @@ def test_a_ready_host_on_a_gpu_that_needs_a_reboot_is_not_ok_and_a_degraded_one_
     a, b = _gpu_results(load_targets(str(inventory)))
     assert (a.health.ready, a.ok, [g.index for g in a.sick_gpus]) == (True, False, [1])
     assert (b.ok, b.sick_gpus) == (True, [])
+
+
 def test_a_host_running_another_digest_than_its_ledger_committed_is_a_problem(inventory, monkeypatch):
     # A rollback whose restore failed: the ledger names the committed digest, the failed one still answers.
     cli = sys.modules[load_targets.__module__]
@@ -419,8 +480,9 @@ def test_a_host_running_another_digest_than_its_ledger_committed_is_a_problem(in
     def check_fleet(targets, **kw):
         seen.update(kw)
         running = ContainerInfo("c1", "running", image=bad, spec_hash=target.expected.spec_hash)
-        return [HostResult(target, HealthReport(HealthState.READY, "/health 200", container=running),
-                           committed_ref=good)]
+        return [
+            HostResult(target, HealthReport(HealthState.READY, "/health 200", container=running), committed_ref=good)
+        ]
 
     monkeypatch.setattr(cli, "check_fleet", check_fleet)
     result = CliRunner().invoke(status, [str(inventory), "--host", "box-b", "--json"])
@@ -434,6 +496,9 @@ def test_a_host_running_another_digest_than_its_ledger_committed_is_a_problem(in
     assert "gpufleet deploy" in problem["fix"]
     text = CliRunner().invoke(status, [str(inventory), "--host", "box-b"])
     assert "(not committed)" in text.output and f"box-b: runs {bad}" in text.output
-    same = HostResult(target, HealthReport(HealthState.READY, "/health 200",
-                                           container=ContainerInfo("c1", "running", image=good)), committed_ref=good)
+    same = HostResult(
+        target,
+        HealthReport(HealthState.READY, "/health 200", container=ContainerInfo("c1", "running", image=good)),
+        committed_ref=good,
+    )
     assert same.ok and same.committed_drift is None

@@ -357,7 +357,10 @@ def test_the_good_server_is_ready(through):
 def test_nan_and_infinite_metrics_are_unknown_not_a_crash(through):
     usage = b'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} '
     assert usage + b"0.0\n" in METRICS
-    odd = METRICS.replace(usage + b"0.0\n", usage + b"NaN\n") + b'vllm:num_requests_running{engine="1",model_name="tiny"} +Inf\n'
+    odd = (
+        METRICS.replace(usage + b"0.0\n", usage + b"NaN\n")
+        + b'vllm:num_requests_running{engine="1",model_name="tiny"} +Inf\n'
+    )
     report = checked(through, {"/metrics": answer(200, odd)})
     assert report.state is HealthState.READY, report.detail
     assert (report.kv_cache_usage, report.running) == (None, None)
@@ -390,8 +393,13 @@ def test_a_dripping_server_cannot_hold_a_request_past_its_deadline(through):
 def test_one_bad_host_is_one_row_and_never_sinks_the_fleet(sshd):
     good = Server()
     # Its own known_hosts file: pyinfra's default accept-new would otherwise record this throwaway key in root's.
-    ssh = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key": str(sshd.client_key),
-           "ssh_known_hosts_file": str(sshd.dir / "known_hosts")}
+    ssh = {
+        "ssh_hostname": "127.0.0.1",
+        "ssh_port": sshd.port,
+        "ssh_user": sshd.user,
+        "ssh_key": str(sshd.client_key),
+        "ssh_known_hosts_file": str(sshd.dir / "known_hosts"),
+    }
     targets = [
         HostTarget("reachable", ssh, expected(good.port)),
         HostTarget("bad-key", {**ssh, "ssh_key": str(sshd.dir / "missing-key")}, expected(good.port)),

@@ -43,9 +43,13 @@ from tests.loopback import LoopbackTransport
 
 def greedy(tokens: str, logprobs: list[float], alternatives: list[dict[str, float]] | None = None) -> Greedy:
     top = alternatives or [{} for _ in tokens]
-    return Greedy(tuple(tokens), tuple(logprobs), tuple({t: lp, **alt} for t, lp, alt in zip(tokens, logprobs, top,
-                                                                                               strict=True)),
-                  100, 64)
+    return Greedy(
+        tuple(tokens),
+        tuple(logprobs),
+        tuple({t: lp, **alt} for t, lp, alt in zip(tokens, logprobs, top, strict=True)),
+        100,
+        64,
+    )
 
 
 def test_the_same_tokens_with_close_logprobs_agree_and_say_how_close():
@@ -85,15 +89,19 @@ def test_the_comparison_gives_the_gaps_before_a_flip_and_how_far_each_side_prefe
 
 
 # Two sessions' answers alone (own, other), as a real model gives them: their first tokens' distributions far apart.
-OWN = greedy("abcdef", [-0.5, -0.6, -0.7, -0.4, -0.3, -0.2],
-             [{"b": -1.5, "z": -2.5}, {}, {"y": -0.85}, {}, {}, {}])
+OWN = greedy("abcdef", [-0.5, -0.6, -0.7, -0.4, -0.3, -0.2], [{"b": -1.5, "z": -2.5}, {}, {"y": -0.85}, {}, {}, {}])
 OTHER = greedy("qrstuv", [-0.3, -0.5, -0.5, -0.5, -0.5, -0.5], [{"a": -1.9, "z": -2.0}, {}, {}, {}, {}, {}])
 
 
 def shifted(answer: Greedy, by: float) -> Greedy:
     """`answer` with every logprob moved by `by` (its alternatives too), as noise that spares no token."""
-    return Greedy(answer.tokens, tuple(lp + by for lp in answer.logprobs),
-                  tuple({t: lp + by for t, lp in alt.items()} for alt in answer.top), 100, 64)
+    return Greedy(
+        answer.tokens,
+        tuple(lp + by for lp in answer.logprobs),
+        tuple({t: lp + by for t, lp in alt.items()} for alt in answer.top),
+        100,
+        64,
+    )
 
 
 def batched(tokens: str, shift: float = 0.0, flip_margin: float = 0.0) -> Greedy:
@@ -126,9 +134,11 @@ def test_a_flip_between_near_tied_tokens_is_noise_and_a_confident_one_a_fault():
     assert not agreement(wide, batched("abydef", flip_margin=0.3), TOLERANCE_NATS)[0]
     confident = batched("abydef", flip_margin=1.5)
     found = judge_session(confident, OWN, OTHER)
-    assert not found.ok and found.line.startswith("token 2: 'c' alone, 'y' beside the other session, not a near tie "
-                                                  "(each led the other's token by 0.150 nats alone, 1.500 nats "
-                                                  f"beside; a tie is within {BATCH_TIE_NATS} nats)")
+    assert not found.ok and found.line.startswith(
+        "token 2: 'c' alone, 'y' beside the other session, not a near tie "
+        "(each led the other's token by 0.150 nats alone, 1.500 nats "
+        f"beside; a tie is within {BATCH_TIE_NATS} nats)"
+    )
     assert found.line.endswith("beyond batch noise")
 
 
@@ -137,15 +147,18 @@ def test_at_the_first_token_only_a_flip_the_drift_bound_can_explain_is_noise():
     got = greedy("bbcdef", [-0.55, *OWN.logprobs[1:]], [{"a": -0.6}, *OWN.top[1:]])  # 'b' ahead of 'a' by 0.05
     assert judge_session(got, own, OTHER).ok
     found = judge_session(got, OWN, OTHER)  # OWN had 'a' ahead of 'b' by 1.0: no batch flips that
-    assert not found.ok and found.line.startswith("token 0: 'a' alone, 'b' beside the other session, not a near tie "
-                                                  "(each led the other's token by 1.000 nats alone, 0.050 nats "
-                                                  f"beside; a tie is within {FIRST_TIE_NATS} nats)")
+    assert not found.ok and found.line.startswith(
+        "token 0: 'a' alone, 'b' beside the other session, not a near tie "
+        "(each led the other's token by 1.000 nats alone, 0.050 nats "
+        f"beside; a tie is within {FIRST_TIE_NATS} nats)"
+    )
 
 
 def test_logprobs_moved_past_batch_noise_are_a_fault():
     found = judge_session(batched("abcdef", shift=0.2), OWN, OTHER)
-    assert not found.ok and found.line.startswith("token 0's logprob differs by 0.200 alone and beside the other "
-                                                  f"session (> {BATCH_DRIFT_NATS})"), found
+    assert not found.ok and found.line.startswith(
+        f"token 0's logprob differs by 0.200 alone and beside the other session (> {BATCH_DRIFT_NATS})"
+    ), found
 
 
 def test_an_answer_on_the_other_sessions_path_is_crossed_state():
@@ -159,8 +172,11 @@ def test_an_answer_on_the_other_sessions_path_is_crossed_state():
     other = greedy("abcdef", OWN.logprobs, [{"z": -1.3, "y": -2.3}, *OWN.top[1:]])
     got = greedy("abcdef", OWN.logprobs, [{"z": -1.29, "y": -2.29}, *OWN.top[1:]])
     found = judge_session(got, own, other)
-    assert not found.ok and "its first token's logprobs are 0.010 nats from the other session's alone, 0.290 from " \
-                            "its own" in found.line and found.line.endswith("crossed sessions"), found
+    assert (
+        not found.ok
+        and "its first token's logprobs are 0.010 nats from the other session's alone, 0.290 from its own" in found.line
+        and found.line.endswith("crossed sessions")
+    ), found
     assert found.figures.apart == pytest.approx(0.3) and found.figures.told_apart
 
 
@@ -184,9 +200,11 @@ def test_the_first_tokens_are_compared_over_the_tokens_all_three_top_lists_share
     assert (figures.first_own, figures.first_other, figures.apart) == pytest.approx((0.03, 0.01, 0.02))
     assert not figures.told_apart
 
+
 H200_SESSIONS = Path(__file__).resolve().parents[1] / "fixtures" / "gpu-sessions" / "h200-20261203.json"
-_spec = importlib.util.spec_from_file_location("gpu_rejudge", Path(__file__).resolve().parents[2] / "bench" / "gpu" /
-                                               "rejudge.py")
+_spec = importlib.util.spec_from_file_location(
+    "gpu_rejudge", Path(__file__).resolve().parents[2] / "bench" / "gpu" / "rejudge.py"
+)
 assert _spec and _spec.loader
 rejudge = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rejudge)
@@ -211,8 +229,11 @@ def test_the_h200s_two_false_alarms_read_as_noise_where_the_top_list_spans_a_tie
 
 def test_rejudging_a_recorded_run_leaves_a_lead_past_an_unrecorded_span_undecided():
     failure = json.loads(H200_SESSIONS.read_text())["sessions_failures"][0]
-    assert rejudge.rejudge(failure) == ("undecided", "session a: a lead past the top list, whose span was not "
-                                        f"recorded; passes if it spanned at most {BATCH_TIE_NATS} nats")
+    assert rejudge.rejudge(failure) == (
+        "undecided",
+        "session a: a lead past the top list, whose span was not "
+        f"recorded; passes if it spanned at most {BATCH_TIE_NATS} nats",
+    )
     failure["figures"]["a"]["own"]["spans"] = [0.05, 0.1]
     assert rejudge.rejudge(failure) == ("passed", "")
     failure["figures"]["a"]["own"]["spans"] = [0.6, 0.1]
@@ -240,9 +261,11 @@ def test_a_flip_past_a_flat_top_list_onto_the_other_sessions_path_is_crossed_sta
     found = judge_session(got, APART_OWN, other)
     figures = found.figures
     assert figures.told_apart and not figures.nearer_other and figures.shared_other == 6 and figures.crossed
-    assert not found.ok and found.line.startswith("token 2: 'c' alone, 'y' beside the other session, not a near tie "
-                                                  "(each led the other's token by past its top logprobs (which span "
-                                                  "0.050 nats) alone, 0.200 nats beside")
+    assert not found.ok and found.line.startswith(
+        "token 2: 'c' alone, 'y' beside the other session, not a near tie "
+        "(each led the other's token by past its top logprobs (which span "
+        "0.050 nats) alone, 0.200 nats beside"
+    )
     assert found.line.endswith("it takes the other session's path: cached state crossed sessions"), found
 
 
@@ -252,16 +275,29 @@ def test_answers_of_different_lengths_without_a_flip_are_a_fault():
 
 
 def completion(message: dict, logprobs: object = None, usage: dict | None = None) -> bytes:
-    return json.dumps({"choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": "length"}],
-                       "usage": usage or {"prompt_tokens": 10, "completion_tokens": 2}}).encode()
+    return json.dumps(
+        {
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": "length"}],
+            "usage": usage or {"prompt_tokens": 10, "completion_tokens": 2},
+        }
+    ).encode()
 
 
 def test_parse_greedy_reads_tokens_logprobs_alternatives_and_cached_tokens():
-    body = completion({"role": "assistant", "content": None, "reasoning": "ab"},
-                      {"content": [{"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "a", "logprob": -0.5},
-                                                                                     {"token": "z", "logprob": -2.0}]},
-                                   {"token": "b", "logprob": -0.25, "top_logprobs": []}]},
-                      {"prompt_tokens": 1036, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 640}})
+    body = completion(
+        {"role": "assistant", "content": None, "reasoning": "ab"},
+        {
+            "content": [
+                {
+                    "token": "a",
+                    "logprob": -0.5,
+                    "top_logprobs": [{"token": "a", "logprob": -0.5}, {"token": "z", "logprob": -2.0}],
+                },
+                {"token": "b", "logprob": -0.25, "top_logprobs": []},
+            ]
+        },
+        {"prompt_tokens": 1036, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 640}},
+    )
     got = parse_greedy(body)
     assert got.tokens == ("a", "b") and got.logprobs == (-0.5, -0.25) and got.top[0] == {"a": -0.5, "z": -2.0}
     assert (got.prompt_tokens, got.cached_tokens, got.text) == (1036, 640, "ab")
@@ -290,7 +326,7 @@ def test_a_required_tool_call_must_be_parsed_and_carry_a_json_object():
     listed = {**call, "function": {"name": "get_weather", "arguments": "[1]"}}
     assert "a JSON list, not an object" in tool_call_problem(completion({"content": "", "tool_calls": [listed]}))
     other = {**call, "function": {"name": "rm_rf", "arguments": "{}"}}
-    assert "names \"rm_rf\"" in tool_call_problem(completion({"content": "", "tool_calls": [other]}))
+    assert 'names "rm_rf"' in tool_call_problem(completion({"content": "", "tool_calls": [other]}))
     assert text_tool_call_problem(completion({"content": text})).startswith("a tool call came back as plain text")
     assert text_tool_call_problem(completion({"content": "It is sunny."})) is None
 
@@ -298,12 +334,28 @@ def test_a_required_tool_call_must_be_parsed_and_carry_a_json_object():
 def ended(message: dict, finish: str, generated: list[str] | None = None, completion_tokens: int = 5) -> bytes:
     """An "auto" answer that ended with `finish`, its generated tokens in logprobs (None: logprobs not asked)."""
     logprobs = None if generated is None else {"content": [{"token": t, "logprob": -0.1} for t in generated]}
-    return json.dumps({"choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
-                       "usage": {"prompt_tokens": 10, "completion_tokens": completion_tokens}}).encode()
+    return json.dumps(
+        {
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": completion_tokens},
+        }
+    ).encode()
 
 
-CALL_TOKENS = ["<tool_call>", "\n", "<function=get_weather>", "\n", "<parameter=city>", "\nParis\n", "</parameter>",
-               "\n", "</function>", "\n", "</tool_call>", "<|im_end|>"]
+CALL_TOKENS = [
+    "<tool_call>",
+    "\n",
+    "<function=get_weather>",
+    "\n",
+    "<parameter=city>",
+    "\nParis\n",
+    "</parameter>",
+    "\n",
+    "</function>",
+    "\n",
+    "</tool_call>",
+    "<|im_end|>",
+]
 NOTHING = {"role": "assistant", "content": None, "reasoning": None, "tool_calls": []}
 
 
@@ -311,8 +363,10 @@ def test_an_auto_tool_call_the_parser_dropped_fails_and_an_answer_that_said_noth
     # What a parser that swallows the call returns: vLLM's own shapes, with the call gone.
     assert "no tool call came back" in text_tool_call_problem(ended(NOTHING, "tool_calls", CALL_TOKENS))
     dropped = text_tool_call_problem(ended(NOTHING, "stop", CALL_TOKENS))
-    assert dropped.startswith("the model generated '<tool_call>") and "neither content, reasoning nor a tool call" \
-        in dropped, dropped
+    assert (
+        dropped.startswith("the model generated '<tool_call>")
+        and "neither content, reasoning nor a tool call" in dropped
+    ), dropped
     assert "the model generated 5 tokens" in dropped_tool_call_problem(ended({**NOTHING, "content": ""}, "stop"))
     # Nothing lost: a model that stopped at once, a call cut off by max_tokens (vLLM drops an unfinished call),
     # text or reasoning that came back, a parsed call.
@@ -330,7 +384,8 @@ def test_reasoning_must_arrive_in_its_own_field():
     assert reasoning_problem(completion({"content": None, "reasoning": "Let me think"})) is None
     assert reasoning_problem(completion({"content": "x", "reasoning_content": "hmm"})) is None
     assert reasoning_problem(completion({"content": "<think>hmm</think>4"})).startswith(
-        "the reasoning came back inside the content")
+        "the reasoning came back inside the content"
+    )
     assert reasoning_problem(completion({"content": "4", "reasoning": None})).startswith("no reasoning field")
 
 
@@ -360,8 +415,11 @@ class Counted(_Checks):
 
     def _post(self, body: dict) -> bytes:
         self.sent += 1
-        return completion({"content": "x"}, {"content": [{"token": "x", "logprob": -0.5, "top_logprobs": []}]},
-                          {"prompt_tokens": 1000, "completion_tokens": 1})
+        return completion(
+            {"content": "x"},
+            {"content": [{"token": "x", "logprob": -0.5, "top_logprobs": []}]},
+            {"prompt_tokens": 1000, "completion_tokens": 1},
+        )
 
     def _metrics(self) -> Metrics:
         return next(self.readings)
@@ -386,11 +444,17 @@ def test_a_hit_read_from_metrics_is_this_requests_only_when_nothing_else_queried
 def test_a_check_whose_requests_get_no_answer_could_not_run_and_the_next_are_not_sent():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))  # bound, never listening: refused
-        found = run_checks(LoopbackTransport(), Expected("vllm", sock.getsockname()[1], "m"),
-                           Served(tool_parser=True), ("cached-cold", "tools"), timeout_s=2)
+        found = run_checks(
+            LoopbackTransport(),
+            Expected("vllm", sock.getsockname()[1], "m"),
+            Served(tool_parser=True),
+            ("cached-cold", "tools"),
+            timeout_s=2,
+        )
     assert [(c.name, c.ok, c.ran) for c in found] == [("cached-cold", False, False), ("tools", False, False)]
     assert found[0].detail.startswith("could not run: ConnectionRefusedError") and found[1].detail == (
-        "not sent: cached-cold got no answer")
+        "not sent: cached-cold got no answer"
+    )
 
 
 def test_checks_apply_where_the_settings_give_them_something_to_check():
@@ -416,11 +480,16 @@ def test_an_unknown_check_in_the_inventory_is_one_line_naming_the_setting_and_th
 
 
 def test_the_failure_mark_names_the_failed_check_and_survives_a_reread():
-    version = Version(image="vllm/vllm-openai:nightly", ref="vllm/vllm-openai@sha256:" + "a" * 64,
-                      unit_sha256="b" * 64, spec_hash="c" * 12, service="vllm", port=8000)
+    version = Version(
+        image="vllm/vllm-openai:nightly",
+        ref="vllm/vllm-openai@sha256:" + "a" * 64,
+        unit_sha256="b" * 64,
+        spec_hash="c" * 12,
+        service="vllm",
+        port=8000,
+    )
     ledger = Ledger(pending=Pending(version, "2026-12-02T00:00:00Z", "me@laptop pid 1"))
-    marked = roll_back(ledger, "misconfigured: check tools: no parsed tool call", "2026-12-02T00:01:00Z",
-                       check="tools")
+    marked = roll_back(ledger, "misconfigured: check tools: no parsed tool call", "2026-12-02T00:01:00Z", check="tools")
     again = parse(render(marked))
     assert again.failed[-1].check == "tools" and again == marked
     assert "check" not in json.loads(render(roll_back(ledger, "dead: exited", "t")))["failed"][0]

@@ -65,8 +65,6 @@ def test_docker_times_with_nanoseconds_and_offsets():
     assert _parse_docker_time("0001-01-01T00:00:00Z") is None  # created, never started
 
 
-
-
 def test_exited_process_is_dead_with_its_exit_code(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("line 1\nEngineCore died\n")
@@ -156,8 +154,10 @@ class _RefusingTunnels:
         raise paramiko.ChannelException(paramiko.common.OPEN_FAILED_CONNECT_FAILED, self.reason)
 
 
-@pytest.mark.parametrize(("reason", "error"), [("Connection refused", ConnectionRefusedError),
-                                                ("Connection reset by peer", ConnectionResetError)])
+@pytest.mark.parametrize(
+    ("reason", "error"),
+    [("Connection refused", ConnectionRefusedError), ("Connection reset by peer", ConnectionResetError)],
+)
 def test_sshds_connect_failure_keeps_its_reason(reason, error):
     # Through the tunnel, a listener that accepts and resets at once is reported by sshd as a failed connect: it
     # must read as a reset (as it does without the tunnel), not as a refusal.

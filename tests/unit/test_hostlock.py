@@ -41,7 +41,8 @@ def test_a_second_run_is_refused_with_the_holder_and_the_fix(sshd, lock_file):
         lock(sshd, lock_file).acquire()
     assert str(refused.value) == (
         "gft-a: locked by alice@laptop pid 4242 since 2026-12-01T03:00:00Z (fix: wait for that run to end, or pass "
-        "--data gpufleet_lock_wait_s=SECONDS to wait for it)")
+        "--data gpufleet_lock_wait_s=SECONDS to wait for it)"
+    )
     assert refused.value.holder == ALICE
     # Released: the next run gets it at once.
     with lock(sshd, lock_file).acquire() as again:
@@ -268,8 +269,13 @@ def test_a_run_checks_and_releases_the_locks_it_keeps_and_a_host_not_over_ssh_ha
     from gpufleet.hostlock import NotOverSsh, lock_host
     from gpufleet.operations.run import check_lock, keep_lock, release_locks, take_lock
 
-    ssh = {"ssh_hostname": "127.0.0.1", "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key": str(sshd.client_key),
-           "ssh_known_hosts_file": str(tmp_path / "known_hosts")}
+    ssh = {
+        "ssh_hostname": "127.0.0.1",
+        "ssh_port": sshd.port,
+        "ssh_user": sshd.user,
+        "ssh_key": str(sshd.client_key),
+        "ssh_known_hosts_file": str(tmp_path / "known_hosts"),
+    }
     inventory = Inventory(([("gft-a", ssh), ("@local", {})], {}))
     state = State(inventory, Config())
     remote, local = inventory.get_host("gft-a"), inventory.get_host("@local")
@@ -299,7 +305,9 @@ def test_lock_settings_that_are_not_numbers_are_one_line_naming_the_host_both_se
     for wait, lease in (("soon", 90), (0, None), ([], {})):
         with pytest.raises(BadLockSettings) as refused:
             lock_timings("router gft-r", {"gpufleet_lock_wait_s": wait, "gpufleet_lock_lease_s": lease})
-        assert str(refused.value) == (f"router gft-r: gpufleet_lock_wait_s and gpufleet_lock_lease_s must be numbers "
-                                      f"of seconds, got {wait!r} and {lease!r} (fix: set them to numbers)")
+        assert str(refused.value) == (
+            f"router gft-r: gpufleet_lock_wait_s and gpufleet_lock_lease_s must be numbers "
+            f"of seconds, got {wait!r} and {lease!r} (fix: set them to numbers)"
+        )
     with pytest.raises(BadLockSettings, match=r"^gft-a: .* got None and None "):
         lock_timings("gft-a", {})

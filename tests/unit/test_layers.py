@@ -26,11 +26,17 @@ PACKAGE = Path(gpufleet.__file__).parent
 SLICES = ("vllm", "router", "sitecache")
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("quoting", "defaults", "image_names", "names", "data", "wheel_lock", "vllm.flags", "vllm.profiles",
-     "vllm.group"),
+    ("quoting", "defaults", "image_names", "names", "data", "wheel_lock", "vllm.flags", "vllm.profiles", "vllm.group"),
     ("vllm.spec", "vllm.value_rules", "vllm.weights", "units"),
-    ("wire", "vllm.unit", "vllm.plain_settings", "vllm.serve_args", "vllm.container_env", "vllm.docker_options",
-     "router.spec"),  # wire: pure rules over what vLLM and hosts send
+    (
+        "wire",
+        "vllm.unit",
+        "vllm.plain_settings",
+        "vllm.serve_args",
+        "vllm.container_env",
+        "vllm.docker_options",
+        "router.spec",
+    ),  # wire: pure rules over what vLLM and hosts send
     # remote: SSH through pyinfra's connector, the transport
     ("vllm.settings", "vllm.lint", "remote", "router.unit", "router.wheels", "sitecache.mirror"),
     ("router.settings", "vllm.lint_report", "vllm.group_specs", "hoststate", "hostlock", "facts", "sitecache.facts"),
@@ -93,8 +99,9 @@ def imported(module: str) -> list[tuple[str, int]]:
                 base = ".".join(parts + ([node.module] if node.module else []))
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                found.append((sub if importlib.util.find_spec(sub.split(".")[0]) and _is_module(sub) else base,
-                              node.lineno))
+                found.append(
+                    (sub if importlib.util.find_spec(sub.split(".")[0]) and _is_module(sub) else base, node.lineno)
+                )
     return [(name, line) for name, line in found if name == "gpufleet" or name.startswith("gpufleet.")]
 
 
@@ -125,8 +132,10 @@ def test_no_import_runs_back_up_the_layers():
             if there == here or there == "" or here == "":
                 continue  # within a room; the package's own __init__ (its version) sits below every room
             if RANK[there] >= RANK[here]:
-                broken.append(f"{source(module).relative_to(PACKAGE.parent)}:{line}: {module} imports {target} "
-                              f"({here} is rank {RANK[here]}, {there} rank {RANK[there]})")
+                broken.append(
+                    f"{source(module).relative_to(PACKAGE.parent)}:{line}: {module} imports {target} "
+                    f"({here} is rank {RANK[here]}, {there} rank {RANK[there]})"
+                )
     assert broken == [], "\n".join(broken)
 
 
@@ -137,14 +146,17 @@ def test_the_rule_is_checked_against_real_imports():
     assert "gpufleet.operations.run" in dict(imported("gpufleet.router.operations"))
 
 
-@pytest.mark.parametrize(("module", "forbidden"), [
-    ("gpufleet.vllm.facts", "gpufleet.health"),
-    ("gpufleet.vllm.operations.service", "gpufleet.health"),
-    ("gpufleet.health.runner", "gpufleet.inventory"),
-    ("gpufleet.hostlock", "gpufleet.operations"),
-    ("gpufleet.inventory", "gpufleet.router"),
-    ("gpufleet.vllm.lint", "gpufleet.health"),
-])
+@pytest.mark.parametrize(
+    ("module", "forbidden"),
+    [
+        ("gpufleet.vllm.facts", "gpufleet.health"),
+        ("gpufleet.vllm.operations.service", "gpufleet.health"),
+        ("gpufleet.health.runner", "gpufleet.inventory"),
+        ("gpufleet.hostlock", "gpufleet.operations"),
+        ("gpufleet.inventory", "gpufleet.router"),
+        ("gpufleet.vllm.lint", "gpufleet.health"),
+    ],
+)
 def test_the_named_layer_rules(module, forbidden):
     assert not [t for t, _ in imported(module) if t == forbidden or t.startswith(forbidden + ".")]
     if room(forbidden):  # a whole slice (gpufleet.router) has rooms on several ranks: the import check is the rule
@@ -184,7 +196,7 @@ def test_no_import_cycle_between_packages():
     def visit(node: str, path: list[str]) -> None:
         for nxt in sorted(graph.get(node, ())):
             if nxt in path:
-                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
             elif len(path) < len(graph) + 1:
                 visit(nxt, path + [nxt])
 

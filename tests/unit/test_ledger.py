@@ -35,10 +35,22 @@ from gpufleet.wire.speed import SpeedFigures
 
 OLD_REF = "vllm/vllm-openai@sha256:" + "1" * 64
 NEW_REF = "vllm/vllm-openai@sha256:" + "2" * 64
-OLD = Version(image="vllm/vllm-openai:v0.11.0", ref=OLD_REF, unit_sha256="a" * 64, spec_hash="aaaaaaaaaaaaaaaa",
-              service="vllm", port=8000)
-NEW = Version(image="vllm/vllm-openai:nightly", ref=NEW_REF, unit_sha256="b" * 64, spec_hash="bbbbbbbbbbbbbbbb",
-              service="vllm", port=8001)
+OLD = Version(
+    image="vllm/vllm-openai:v0.11.0",
+    ref=OLD_REF,
+    unit_sha256="a" * 64,
+    spec_hash="aaaaaaaaaaaaaaaa",
+    service="vllm",
+    port=8000,
+)
+NEW = Version(
+    image="vllm/vllm-openai:nightly",
+    ref=NEW_REF,
+    unit_sha256="b" * 64,
+    spec_hash="bbbbbbbbbbbbbbbb",
+    service="vllm",
+    port=8001,
+)
 OPERATOR = "ops@laptop pid 4242"
 T0, T1, T2 = "2026-12-01T03:00:00Z", "2026-12-01T03:05:00Z", "2026-12-01T03:35:00Z"
 
@@ -96,8 +108,9 @@ def test_commit_clears_the_failure_mark_of_the_version_it_commits():
     assert retried.failed == () and retried.committed == Committed(NEW, "t4")
 
 
-@pytest.mark.parametrize("transition", [lambda ledger: L.commit(ledger, T2), lambda ledger: L.roll_back(ledger, "x", T2),
-                                        L.drop_pending])
+@pytest.mark.parametrize(
+    "transition", [lambda ledger: L.commit(ledger, T2), lambda ledger: L.roll_back(ledger, "x", T2), L.drop_pending]
+)
 def test_settling_needs_a_pending_change(transition):
     with pytest.raises(LedgerStateError, match=r"^nothing pending to "):
         transition(COMMITTED_OLD)
@@ -114,7 +127,8 @@ def test_a_failed_version_is_refused_until_its_settings_change_or_the_retry_sett
     failed = L.roll_back(pending_new(), "never ready within 900 s", T2)
     assert L.refused_target(failed, NEW) == (
         f"{NEW_REF} with spec bbbbbbbbbbbbbbbb failed at {T2}: never ready within 900 s (fix: change vllm_image or "
-        "a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on purpose)")
+        "a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on purpose)"
+    )
     assert L.refused_target(failed, replace(NEW, spec_hash="cccccccccccccccc")) is None  # a setting changed
     assert L.refused_target(failed, OLD) is None
     assert L.refused_target(L.retry_failed(failed, NEW), NEW) is None
@@ -125,8 +139,13 @@ def test_a_failed_version_is_refused_until_its_settings_change_or_the_retry_sett
 
 
 def observed(version: Version | None, unit: Version | None, active: bool = True, restarts: int = 0) -> Observed:
-    return Observed(unit_sha256=unit.unit_sha256 if unit else None, running_ref=version.ref if version else None,
-                    running_spec_hash=version.spec_hash if version else None, active=active, restarts=restarts)
+    return Observed(
+        unit_sha256=unit.unit_sha256 if unit else None,
+        running_ref=version.ref if version else None,
+        running_spec_hash=version.spec_hash if version else None,
+        active=active,
+        restarts=restarts,
+    )
 
 
 def test_resume_without_a_pending_change_does_nothing():
@@ -148,8 +167,11 @@ def test_resume_verifies_a_new_version_that_runs_but_was_never_verified():
 def test_resume_rolls_back_a_new_version_that_keeps_dying():
     # Cut during the soak of an image that dies: systemd restarts it in a loop.
     got = L.resume(pending_new(), observed(NEW, NEW, restarts=4))
-    assert got == RollBackPending(pending_new().pending, COMMITTED_OLD.committed,
-                                  f"{NEW_REF} restarted 4 times after a cut change by {OPERATOR} since {T1}")
+    assert got == RollBackPending(
+        pending_new().pending,
+        COMMITTED_OLD.committed,
+        f"{NEW_REF} restarted 4 times after a cut change by {OPERATOR} since {T1}",
+    )
 
 
 def test_resume_drops_a_change_that_never_reached_the_unit():
@@ -180,9 +202,16 @@ def test_render_is_stable_and_parses_back():
     assert L.render(L.parse(text)) == text
     doc = json.loads(text)
     assert list(doc) == sorted(doc) and text.endswith("}\n")
-    assert doc["committed"] == {"committed_at": T2, "image": NEW.image, "port": 8001, "ref": NEW_REF,
-                                "service": "vllm", "spec_hash": "bbbbbbbbbbbbbbbb", "unit_sha256": "b" * 64,
-                                "ready_at": None}
+    assert doc["committed"] == {
+        "committed_at": T2,
+        "image": NEW.image,
+        "port": 8001,
+        "ref": NEW_REF,
+        "service": "vllm",
+        "spec_hash": "bbbbbbbbbbbbbbbb",
+        "unit_sha256": "b" * 64,
+        "ready_at": None,
+    }
 
 
 def test_render_of_a_pending_change_names_its_operator():
@@ -335,7 +364,8 @@ def test_a_corrupt_ledger_is_a_refusal_naming_host_file_and_fix():
     assert L.corrupt_refusal("gft1", "/var/lib/gpufleet/vllm.json", err.value) == (
         "gft1: /var/lib/gpufleet/vllm.json is corrupt: not a JSON object but a list (fix: repair it by hand, or move it "
         "away to start a new ledger: the next converge then resolves vllm_image again and the rollback history is "
-        "lost)")
+        "lost)"
+    )
 
 
 # ---- atomic writes, run for real -------------------------------------------------------------------------------
@@ -361,10 +391,10 @@ def test_atomic_write_from_stdin_creates_the_directory_and_sets_the_mode(tmp_pat
 def test_atomic_write_from_an_uploaded_file_replaces_and_removes_the_upload(tmp_path: Path):
     path, upload = tmp_path / "vllm.service", tmp_path / "upload.tmp"
     path.write_text("old\n")
-    upload.write_text("[Unit]\nDescription=it's \"quoted\" $HOME\n")
+    upload.write_text('[Unit]\nDescription=it\'s "quoted" $HOME\n')
     done = sh(atomic_write_command(str(path), owner=owner(), source=str(upload)))
     assert done.returncode == 0, done.stderr
-    assert path.read_text() == "[Unit]\nDescription=it's \"quoted\" $HOME\n"
+    assert path.read_text() == '[Unit]\nDescription=it\'s "quoted" $HOME\n'
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     assert sorted(os.listdir(tmp_path)) == ["vllm.service"]
 
@@ -493,14 +523,22 @@ def test_model_pin_keeps_the_commit_until_the_repo_or_revision_setting_changes()
     assert L.model_pin(ledger, "gpufleet-sandbox/Qwen3.5-tiny", "main") == MODEL_AT
     assert L.model_pin(ledger, "gpufleet-sandbox/Qwen3.5-tiny", "v2") is None
     assert L.model_pin(ledger, "gpufleet-sandbox/other", "main") is None
-    cut = L.begin(ledger, replace(NEW, model="gpufleet-sandbox/Qwen3.5-tiny@" + "d" * 40, model_revision="main"),
-                  OPERATOR, T1)
+    cut = L.begin(
+        ledger, replace(NEW, model="gpufleet-sandbox/Qwen3.5-tiny@" + "d" * 40, model_revision="main"), OPERATOR, T1
+    )
     assert L.model_pin(cut, "gpufleet-sandbox/Qwen3.5-tiny", "main") == "gpufleet-sandbox/Qwen3.5-tiny@" + "d" * 40
 
 
 # ---- speed figures, kept with a committed version ---------------------------------------------------------------
-FIGURES = SpeedFigures((30000.0, 31000.0, 29000.0), (0.05, 0.06, 0.04), (200.0, 201.0, 199.0),
-                       (380.0, 390.0, 370.0), prompt_tokens=20480, decode_tokens=64, concurrency=2)
+FIGURES = SpeedFigures(
+    (30000.0, 31000.0, 29000.0),
+    (0.05, 0.06, 0.04),
+    (200.0, 201.0, 199.0),
+    (380.0, 390.0, 370.0),
+    prompt_tokens=20480,
+    decode_tokens=64,
+    concurrency=2,
+)
 
 
 def test_a_commit_keeps_its_speed_figures_and_history_keeps_them_after_the_next_commit():
@@ -531,6 +569,8 @@ def test_speed_figures_gpufleet_did_not_write_make_the_ledger_corrupt(speed, rea
     with pytest.raises(CorruptLedger) as err:
         L.parse(json.dumps({**doc, "committed": {**doc["committed"], "speed": speed}}))
     assert str(err.value) == reason
+
+
 # ---- the GPU verdict at each swap: an optional field --------------------------------------------------------------
 def test_a_swap_records_the_gpu_verdict_on_what_it_commits_or_marks_failed_and_history_keeps_it():
     degraded = "degraded (GPU 0: clocks_event_reasons.hw_thermal_slowdown)"
@@ -572,7 +612,8 @@ def test_a_model_move_that_failed_refuses_that_model_not_the_committed_version()
     assert L.refused_target(failed, replace(OLD, model=M0)) is None
     assert L.refused_target(failed, replace(OLD, model=M1)) == (
         f"{OLD_REF} with spec aaaaaaaaaaaaaaaa and model {M1} failed at {T2}: never ready (fix: change vllm_image or "
-        "a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on purpose)")
+        "a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on purpose)"
+    )
     assert L.refused_target(failed, OLD) is not None  # the model not known before the run: refused, as before
     assert L.parse(L.render(failed)) == failed
 

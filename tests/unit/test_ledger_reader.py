@@ -43,8 +43,13 @@ def output(own: str | None, others: Mapping[str, str] | None = None) -> str:
 
 def read_on(state: Path, service: str) -> subprocess.CompletedProcess[str]:
     """The reading's own command, run by a real shell over `state` as the host's state dir."""
-    return subprocess.run(["sh", "-c", reader.read_command(str(state / f"{service}.json"))], capture_output=True,
-                          text=True, timeout=30, check=False)
+    return subprocess.run(
+        ["sh", "-c", reader.read_command(str(state / f"{service}.json"))],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 # --- the reading on a real shell --------------------------------------------------------------------------------
@@ -78,13 +83,24 @@ def test_an_output_cut_short_or_with_a_section_twice_is_not_read():
 
 
 def test_the_snapshot_reads_the_ledgers_with_the_readers_own_lines():
-    paths = Paths(service="vllm-qwen35", models_dir="/srv/m", model_dir="/srv/m/q", dirs=(), files=(),
-                  ledger_path="/var/lib/gpufleet/vllm-qwen35.json", env_file="/etc/gpufleet/vllm-qwen35.env", port=PORT,
-                  nvidia_key_url="http://repo/gpgkey", docker_repo_url=None, nvidia_keyring="/k", docker_keyring="/d")
+    paths = Paths(
+        service="vllm-qwen35",
+        models_dir="/srv/m",
+        model_dir="/srv/m/q",
+        dirs=(),
+        files=(),
+        ledger_path="/var/lib/gpufleet/vllm-qwen35.json",
+        env_file="/etc/gpufleet/vllm-qwen35.env",
+        port=PORT,
+        nvidia_key_url="http://repo/gpgkey",
+        docker_repo_url=None,
+        nvidia_keyring="/k",
+        docker_keyring="/d",
+    )
     command = snapshot_command(paths).splitlines()
     lines = reader.read_lines(paths.ledger_path)
     at = command.index(lines[0])
-    assert command[at:at + len(lines)] == lines
+    assert command[at : at + len(lines)] == lines
 
 
 # --- the deploy and the rollout see the same ledger -------------------------------------------------------------
@@ -102,16 +118,23 @@ def test_the_rollout_reads_a_renamed_services_taken_over_ledger(tmp_path):
     assert elsewhere.ledger is None and elsewhere.error is None and elsewhere.committed_ref is None
 
 
-@pytest.mark.parametrize("files", [
-    {},
-    {"vllm-qwen35.json": committed("vllm-qwen35")},  # the service's own
-    {"vllm-qwen35.json": committed("vllm-qwen35"), "renamed.json": committed("renamed")},
-    {"old.json": committed("old")},  # taken over
-    {"old.json": committed("old"), "older.json": committed("older")},  # two on the port: neither
-    {"old.json": render(begin(Ledger(committed=Committed(version("old"), "t0")), version("old", ref=NEW_REF), "x",
-                              "t1"))},  # a run pending there: not taken over
-    {"old.json": "{"},  # another service's corrupt ledger: its own deploy's refusal
-], ids=["none", "own", "own-and-another", "taken-over", "ambiguous", "pending", "corrupt-other"])
+@pytest.mark.parametrize(
+    "files",
+    [
+        {},
+        {"vllm-qwen35.json": committed("vllm-qwen35")},  # the service's own
+        {"vllm-qwen35.json": committed("vllm-qwen35"), "renamed.json": committed("renamed")},
+        {"old.json": committed("old")},  # taken over
+        {"old.json": committed("old"), "older.json": committed("older")},  # two on the port: neither
+        {
+            "old.json": render(
+                begin(Ledger(committed=Committed(version("old"), "t0")), version("old", ref=NEW_REF), "x", "t1")
+            )
+        },  # a run pending there: not taken over
+        {"old.json": "{"},  # another service's corrupt ledger: its own deploy's refusal
+    ],
+    ids=["none", "own", "own-and-another", "taken-over", "ambiguous", "pending", "corrupt-other"],
+)
 def test_the_deploy_and_the_rollout_see_the_same_ledger(tmp_path, files):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -130,6 +153,7 @@ def test_a_corrupt_own_ledger_is_the_deploys_refusal_line_in_the_rollout_too():
 
 def test_a_reading_that_failed_or_was_cut_names_the_file():
     assert "Permission denied" in parse_read("h1", "v", PORT, 1, "", "sudo: Permission denied").error
-    cut = parse_read("h1", "v", PORT, 0, output(None)[:-len(sections.END) - 2], "")
-    assert cut.ledger is None and cut.error == ("cannot read /var/lib/gpufleet/v.json: the reading's output is "
-                                                "truncated (no end marker)")
+    cut = parse_read("h1", "v", PORT, 0, output(None)[: -len(sections.END) - 2], "")
+    assert cut.ledger is None and cut.error == (
+        "cannot read /var/lib/gpufleet/v.json: the reading's output is truncated (no end marker)"
+    )

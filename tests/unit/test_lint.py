@@ -13,7 +13,14 @@ from gpufleet.wire.metrics import parse_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 RECORDED = Path(__file__).resolve().parents[1] / "vllm_peer" / "recorded"
-SEED_GPU_NODES = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2"]
+SEED_GPU_NODES = [
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia0",
+    "/dev/nvidia1",
+    "/dev/nvidia2",
+]
 FOUR_GPUS = [0, 1, 2, 3]
 # The head of a 2-host replica group: PP 2 across the hosts, TP 3 within each (the profile's 3 GPUs).
 GROUP = {"vllm_group": "pair", "vllm_args": {"tensor-parallel-size": 3, "pipeline-parallel-size": 2}}
@@ -29,7 +36,10 @@ CASES = {
     "flashinfer-moe-fp16-deprecated": ({}, {"vllm_env": {"VLLM_USE_FLASHINFER_MOE_FP16": None}}),
     "pytorch-alloc-conf-alone": ({}, {"vllm_env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}),
     "open-without-api-key": ({}, {"vllm_api_key": "sk-test"}),
-    "host-unreachable-behind-published-port": ({"vllm_args": {"host": "127.0.0.1"}}, {"vllm_args": {"host": "0.0.0.0"}}),
+    "host-unreachable-behind-published-port": (
+        {"vllm_args": {"host": "127.0.0.1"}},
+        {"vllm_args": {"host": "0.0.0.0"}},
+    ),
     "trust-remote-code-unneeded": ({}, {"vllm_args": {"trust-remote-code": None}}),
     "max-num-seqs-below-pipeline-depth": ({}, {"vllm_args": {"max-num-seqs": 3}}),
     "qwen35-pipeline-parallel-4-or-more": (
@@ -50,8 +60,15 @@ CASES = {
         {"vllm_args": {"block-size": 2096, "prefix-match-unit": 16}},
     ),
     "hybrid-align-chunk-alignment": ({}, {"vllm_args": {"prefix-match-unit": 128}}),
-    "jit-cache-outside-mounts": ({}, {"vllm_env": {"TRITON_CACHE_DIR": "/root/.cache/vllm/triton",
-                                                   "FLASHINFER_WORKSPACE_BASE": "/root/.cache/vllm/flashinfer"}}),
+    "jit-cache-outside-mounts": (
+        {},
+        {
+            "vllm_env": {
+                "TRITON_CACHE_DIR": "/root/.cache/vllm/triton",
+                "FLASHINFER_WORKSPACE_BASE": "/root/.cache/vllm/flashinfer",
+            }
+        },
+    ),
     "group-interface-unset": (GROUP, {"vllm_group_interface": "enp65s0"}),
     "group-link-unstated": (GROUP, {"vllm_group_link": "25GbE"}),
 }
@@ -101,14 +118,21 @@ def test_the_privileged_fix_keeps_gpu_access_after_a_daemon_reload():
     assert '"privileged": None' in fix and all(f'"{node}"' in fix for node in SEED_GPU_NODES)
     # Dropping --privileged alone is the other trap; the fix as printed avoids both.
     assert "gpus-lost-on-daemon-reload" in rule_ids({"vllm_docker_options": {"privileged": None}})
-    assert not {"privileged-exposes-all-gpus", "gpus-lost-on-daemon-reload"} & rule_ids(CASES["privileged-exposes-all-gpus"][1])
+    assert not {"privileged-exposes-all-gpus", "gpus-lost-on-daemon-reload"} & rule_ids(
+        CASES["privileged-exposes-all-gpus"][1]
+    )
     # The nodes follow the host's GPUs.
     one_gpu = {"vllm_gpus": [5], "vllm_args": {"pipeline-parallel-size": 1}}
     assert '"/dev/nvidia5"' in fix_of("privileged-exposes-all-gpus", one_gpu)
 
 
 def test_cdi_devices_keep_their_nodes_too():
-    cdi = {"vllm_docker_options": {"privileged": None, "device": ["nvidia.com/gpu=0", "nvidia.com/gpu=1", "nvidia.com/gpu=2"]}}
+    cdi = {
+        "vllm_docker_options": {
+            "privileged": None,
+            "device": ["nvidia.com/gpu=0", "nvidia.com/gpu=1", "nvidia.com/gpu=2"],
+        }
+    }
     assert "gpus-lost-on-daemon-reload" not in rule_ids(cdi)
 
 
@@ -118,8 +142,12 @@ def test_shutdown_timeout_fix_says_the_stop_timeouts_sit_above_it():
 
 
 def test_chunk_alignment_is_fine_when_batch_equals_a_pinned_block_size():
-    assert "hybrid-align-chunk-alignment" not in rule_ids({"vllm_args": {"block-size": 1024, "max-num-batched-tokens": 1024}})
-    assert "hybrid-align-chunk-alignment" in rule_ids({"vllm_args": {"block-size": 1024, "max-num-batched-tokens": 2048}})
+    assert "hybrid-align-chunk-alignment" not in rule_ids(
+        {"vllm_args": {"block-size": 1024, "max-num-batched-tokens": 1024}}
+    )
+    assert "hybrid-align-chunk-alignment" in rule_ids(
+        {"vllm_args": {"block-size": 1024, "max-num-batched-tokens": 2048}}
+    )
 
 
 def test_chunk_alignment_fix_without_a_known_block_names_the_status_block_not_a_fixed_128():
@@ -181,8 +209,12 @@ def test_findings_are_one_line_with_host_severity_rule_and_fix():
 
 
 def test_pipeline_rule_knows_every_qwen35_profile_whatever_the_model_dir_is_called():
-    renamed = {"vllm_profile": "qwen35-1gpu", "vllm_model": "my-model", "vllm_gpus": FOUR_GPUS,
-               "vllm_args": {"pipeline-parallel-size": 4, "max-num-seqs": 4}}
+    renamed = {
+        "vllm_profile": "qwen35-1gpu",
+        "vllm_model": "my-model",
+        "vllm_gpus": FOUR_GPUS,
+        "vllm_args": {"pipeline-parallel-size": 4, "max-num-seqs": 4},
+    }
     assert "qwen35-pipeline-parallel-4-or-more" in rule_ids(renamed)
 
 
@@ -190,11 +222,14 @@ def test_a_jit_cache_counts_as_kept_only_inside_a_mount_and_the_fix_names_what_i
     assert fix_of("jit-cache-outside-mounts", {}) == (
         'set vllm_env = {"TRITON_CACHE_DIR": "/root/.cache/vllm/triton", "FLASHINFER_WORKSPACE_BASE": '
         '"/root/.cache/vllm/flashinfer"} (inside the /root/.cache/vllm mount: kept across restarts, carried by '
-        "`gpufleet rollout`)")
+        "`gpufleet rollout`)"
+    )
     triton_only = {"vllm_env": {"TRITON_CACHE_DIR": "/root/.cache/torch/triton"}}  # another mount counts too
     assert '"TRITON_CACHE_DIR"' not in fix_of("jit-cache-outside-mounts", triton_only)
     # A path that merely starts like a mount's is outside it.
-    assert '"TRITON_CACHE_DIR"' in fix_of("jit-cache-outside-mounts", {"vllm_env": {"TRITON_CACHE_DIR": "/root/.cache/vllmx"}})
+    assert '"TRITON_CACHE_DIR"' in fix_of(
+        "jit-cache-outside-mounts", {"vllm_env": {"TRITON_CACHE_DIR": "/root/.cache/vllmx"}}
+    )
 
 
 # --- a replica group -------------------------------------------------------------------------------------------------

@@ -40,8 +40,15 @@ def test_every_rule_has_a_severity_and_a_unique_id():
     assert {rule.severity for rule in ALL_RULES} == set(SEVERITIES)  # every severity is used
 
 
-@pytest.mark.parametrize("rule_id", ["hybrid-prefix-caching-without-chunked-prefill", "align-block-above-batch",
-                                     "prefix-match-unit-not-dividing-block", "host-unreachable-behind-published-port"])
+@pytest.mark.parametrize(
+    "rule_id",
+    [
+        "hybrid-prefix-caching-without-chunked-prefill",
+        "align-block-above-batch",
+        "prefix-match-unit-not-dividing-block",
+        "host-unreachable-behind-published-port",
+    ],
+)
 def test_settings_vllm_refuses_or_that_never_answer_are_errors(rule_id):
     assert next(rule for rule in RULES if rule.id == rule_id).severity == "error"
 
@@ -57,7 +64,9 @@ def test_a_finding_alike_on_every_host_is_one_line_naming_all_of_them(inventory)
     result = run(inventory('boxes = [("a", {}), ("b", {}), ("c", {})]\n'))
     assert result.exit_code == 0, result.output
     shutdown = [line for line in lines(result) if "[no-shutdown-timeout]" in line]
-    assert shutdown == [next(line for line in shutdown if line.startswith("all 3 hosts: warning [no-shutdown-timeout] "))]
+    assert shutdown == [
+        next(line for line in shutdown if line.startswith("all 3 hosts: warning [no-shutdown-timeout] "))
+    ]
     # The privileged fix lists each host's own GPUs: the same rule is then one line per host.
     assert len([line for line in lines(result) if "[privileged-exposes-all-gpus]" in line]) == 1  # same GPUs here
     different = run(inventory('boxes = [("a", {}), ("b", {"vllm_gpus": [3, 4, 5]})]\n'))
@@ -88,7 +97,9 @@ def test_json_is_one_document_with_every_host_named(inventory):
     assert code == 0 and set(doc) == {"command", "ok", "error", "findings", "accepted", "hosts", "routers"}
     assert doc["ok"] is True and doc["error"] is None
     assert doc["command"] == "lint" and [(r["host"], r["ok"], r["problems"]) for r in doc["hosts"]] == [
-        ("a", True, []), ("b", True, [])]  # warnings do not count without --strict
+        ("a", True, []),
+        ("b", True, []),
+    ]  # warnings do not count without --strict
     assert doc["findings"] and doc["accepted"] == []
     for finding in doc["findings"]:
         assert set(finding) == {"id", "severity", "message", "fix", "hosts"}
@@ -112,7 +123,8 @@ def test_an_error_fails_without_strict(inventory):
     code, doc = as_json(inventory('boxes = [("a", {"vllm_args": {"host": "127.0.0.1"}})]\n'))
     assert code == 1 and doc["ok"] is False
     assert {"id": "host-unreachable-behind-published-port", "severity": "error"}.items() <= next(
-        f for f in doc["findings"] if f["id"] == "host-unreachable-behind-published-port").items()
+        f for f in doc["findings"] if f["id"] == "host-unreachable-behind-published-port"
+    ).items()
 
 
 # --- accepted on purpose ---------------------------------------------------------------------------------------
@@ -127,7 +139,7 @@ def test_accepted_findings_are_listed_apart_and_do_not_count(inventory):
     assert result.exit_code == 1  # b accepts nothing
     assert "a: accepted warning [no-shutdown-timeout] " in result.stdout
     assert "b: warning [no-shutdown-timeout] " in result.stdout
-    inv = inventory("boxes = [(\"a\", {}), (\"b\", {})]\n", f"gpufleet_accept = {accept!r}\n")
+    inv = inventory('boxes = [("a", {}), ("b", {})]\n', f"gpufleet_accept = {accept!r}\n")
     result = run(inv, "--strict")
     assert result.exit_code == 0, result.output
     assert all(": accepted " in line for line in lines(result))
@@ -157,7 +169,8 @@ def test_accepting_the_unknown_id_finding_itself_accepts_nothing(inventory):
     assert doc["accepted"] == []
     assert {f["fix"] for f in doc["findings"] if f["id"] == "unknown-accepted-rule"} == {
         "'typo' is none of the rule ids: " + ", ".join(acceptable_rule_ids()),
-        "'unknown-accepted-rule' is none of the rule ids: " + ", ".join(acceptable_rule_ids())}
+        "'unknown-accepted-rule' is none of the rule ids: " + ", ".join(acceptable_rule_ids()),
+    }
 
 
 def test_accept_must_be_a_list_of_ids(inventory):
@@ -165,7 +178,8 @@ def test_accept_must_be_a_list_of_ids(inventory):
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.splitlines() == [
         "Error: a: gpufleet_accept: 'no-shutdown-timeout' is not a list of lint rule ids (fix: e.g. "
-        'gpufleet_accept = ["open-without-api-key"], with a comment saying why)']
+        'gpufleet_accept = ["open-without-api-key"], with a comment saying why)'
+    ]
 
 
 # --- routers ---------------------------------------------------------------------------------------------------
@@ -183,7 +197,9 @@ def test_an_unknown_router_setting_and_a_misspelt_policy_are_errors_one_line_eac
     ]
     code, doc = as_json(inv)
     assert code == 1 and doc["ok"] is False
-    assert [(f["id"], f["severity"], f["hosts"]) for f in doc["findings"]] == [(INVALID_SETTING, "error", ["front"])] * 2
+    assert [(f["id"], f["severity"], f["hosts"]) for f in doc["findings"]] == [
+        (INVALID_SETTING, "error", ["front"])
+    ] * 2
     assert doc["findings"][0]["message"] == "router_prot: unknown setting"
 
 
@@ -200,7 +216,9 @@ def test_a_policy_that_spreads_turns_is_a_warning_a_router_may_accept(inventory)
     assert "front: warning [router-policy-ignores-prefix-cache] " in result.stdout
     assert "all 2 vLLM hosts: warning [no-shutdown-timeout] " in result.stdout
     assert "2 host(s), 1 router(s): " in result.output
-    accepted = inventory(ROUTED % '{"router_policy": "round_robin", "gpufleet_accept": ["router-policy-ignores-prefix-cache"]}')
+    accepted = inventory(
+        ROUTED % '{"router_policy": "round_robin", "gpufleet_accept": ["router-policy-ignores-prefix-cache"]}'
+    )
     assert "front: accepted warning [router-policy-ignores-prefix-cache] " in run(accepted).stdout
     one_replica = inventory('boxes = [("a", {})]\nrouters = [("front", {"router_policy": "round_robin"})]\n')
     assert "router-policy" not in run(one_replica).stdout  # one replica holds every conversation's prefix anyway
@@ -213,9 +231,11 @@ def test_replicas_keep_the_vllm_rules_and_routers_get_none_of_them(inventory):
 
 # --- exit statuses for input lint cannot read --------------------------------------------------------------------
 def test_an_inventory_that_cannot_be_read_exits_2_with_one_line(inventory, tmp_path):
-    for path, says in ((str(tmp_path / "nope.py"), "inventory file not found"),
-                       (inventory("boxes = [(\n"), "cannot load inventory: SyntaxError"),
-                       (inventory("boxes = []\n"), "no hosts in the inventory")):
+    for path, says in (
+        (str(tmp_path / "nope.py"), "inventory file not found"),
+        (inventory("boxes = [(\n"), "cannot load inventory: SyntaxError"),
+        (inventory("boxes = []\n"), "no hosts in the inventory"),
+    ):
         for args in ((), ("--json",)):
             result = run(path, *args)
             assert result.exit_code == 2 and "Traceback" not in result.output

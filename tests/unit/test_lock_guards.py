@@ -47,8 +47,11 @@ def restart_command(lock: Lock) -> str:
     held = remember(target, HostSnapshot(units={}, running=RunningService("inactive", "dead", False, None, None, ())))
     held.lock = lock  # type: ignore[assignment]  # what still_held_test reads of a HostLock
     with ctx_state.use(state), ctx_host.use(target):
-        commands = list(service.running._inner(spec=SPEC, ledger_path="/var/lib/gpufleet/v.json", changes=[],
-                                               pin=None, retry_failed=False))
+        commands = list(
+            service.running._inner(
+                spec=SPEC, ledger_path="/var/lib/gpufleet/v.json", changes=[], pin=None, retry_failed=False
+            )
+        )
     [shell] = [c.get_raw_value() for c in commands if isinstance(c, StringCommand) and "start" in c.get_raw_value()]
     return shell
 
@@ -56,7 +59,7 @@ def restart_command(lock: Lock) -> str:
 def test_the_vllm_restart_runs_only_while_the_lock_file_names_this_run(lock, tmp_path):
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
-    (bin_dir / "systemctl").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     (bin_dir / "systemctl").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     shell = restart_command(lock.lock)

@@ -65,7 +65,8 @@ def olah_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     install = mirror.locked("test", python, router_index.MACHINE)
     index = router_index.ensure_lock_index(
-        router_index.CACHE_DIR / f"mirror-index-{mirror.OLAH_VERSION}-py{python}-{install.key[:12]}", install)
+        router_index.CACHE_DIR / f"mirror-index-{mirror.OLAH_VERSION}-py{python}-{install.key[:12]}", install
+    )
     venv = tmp_path_factory.mktemp("olah") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     (venv / mirror.REQUIREMENTS).write_text(install.requirements())
@@ -93,22 +94,43 @@ def site(olah_venv: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
     state = tmp_path / "state"
     state.mkdir()
     config = tmp_path / "olah.toml"
-    config.write_text(mirror.render_config(f"http://127.0.0.1:{httpd.server_address[1]}", olah_port,
-                                           f"127.0.0.1:{front_port}", [MODEL_REPO], 1, state=str(state)))
-    olah = subprocess.Popen([str(olah_venv / "bin" / "olah-cli"), "-c", str(config)], cwd=state,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    config.write_text(
+        mirror.render_config(
+            f"http://127.0.0.1:{httpd.server_address[1]}",
+            olah_port,
+            f"127.0.0.1:{front_port}",
+            [MODEL_REPO],
+            1,
+            state=str(state),
+        )
+    )
+    olah = subprocess.Popen(
+        [str(olah_venv / "bin" / "olah-cli"), "-c", str(config)],
+        cwd=state,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     conf = tmp_path / "nginx.conf"
-    front = site_cache.render_front(front_port, free_port(), ["127.0.0.1"], ["vllm/vllm-openai"], [MODEL_REPO],
-                                    olah_port)
-    conf.write_text(f"daemon off; pid {tmp_path}/nginx.pid; error_log stderr; events {{}} http {{ access_log off; "
-                    f"{front} }}")
+    front = site_cache.render_front(
+        front_port, free_port(), ["127.0.0.1"], ["vllm/vllm-openai"], [MODEL_REPO], olah_port
+    )
+    conf.write_text(
+        f"daemon off; pid {tmp_path}/nginx.pid; error_log stderr; events {{}} http {{ access_log off; {front} }}"
+    )
     nginx = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(tmp_path)], stderr=subprocess.PIPE, text=True)
     try:
         wait_answering(f"http://127.0.0.1:{olah_port}/api/models/{MODEL_REPO}", olah, "olah")
         wait_answering(f"http://127.0.0.1:{front_port}/", nginx, "nginx")
-        yield {"front": f"http://127.0.0.1:{front_port}", "olah": f"http://127.0.0.1:{olah_port}", "hub_log": log,
-               "hub": f"http://127.0.0.1:{httpd.server_address[1]}",
-               "commit": commit, "root": root, "state": state}
+        yield {
+            "front": f"http://127.0.0.1:{front_port}",
+            "olah": f"http://127.0.0.1:{olah_port}",
+            "hub_log": log,
+            "hub": f"http://127.0.0.1:{httpd.server_address[1]}",
+            "commit": commit,
+            "root": root,
+            "state": state,
+        }
     finally:
         for proc in (nginx, olah):
             proc.terminate()
@@ -131,7 +153,9 @@ def test_two_hosts_download_through_the_mirror_and_the_hub_serves_each_file_once
     assert served(site, offset) == 0  # the second host's bytes all came from the site
     # Checked against the hub itself, never against what the mirror says.
     for host in ("host1", "host2"):
-        result = HfApi(endpoint=site["hub"]).verify_repo_checksums(MODEL_REPO, revision=commit, local_dir=tmp_path / host)
+        result = HfApi(endpoint=site["hub"]).verify_repo_checksums(
+            MODEL_REPO, revision=commit, local_dir=tmp_path / host
+        )
         assert result.checked_count == 6 and not result.mismatches
     # What olah fetched, it kept (a restart of it fetches nothing again).
     assert list((site["state"] / "repos").rglob("block_*.bin"))
@@ -159,8 +183,11 @@ def test_only_the_inventorys_repositories_pass(site):
             urllib.request.urlopen(f"{base}/api/models/{OTHER}/revision/main")
         assert refused.value.code == code
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(urllib.request.Request(f"{site['front']}/api/models/{MODEL_REPO}/paths-info/main",
-                                                      data=b"paths=config.json"))
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{site['front']}/api/models/{MODEL_REPO}/paths-info/main", data=b"paths=config.json"
+            )
+        )
     assert refused.value.code == 403
 
 
@@ -175,13 +202,17 @@ def test_a_block_tampered_in_the_mirrors_storage_is_caught_by_the_hubs_sha256(si
     stored.write_bytes(bytes(data))
     crc = stored.parent.parent / "chunks.crc"
     crcs = bytearray(crc.read_bytes())
-    crcs[0:4] = (zlib.crc32(bytes(data[:1 << 20])) & 0xFFFFFFFF).to_bytes(4, "little")
+    crcs[0:4] = (zlib.crc32(bytes(data[: 1 << 20])) & 0xFFFFFFFF).to_bytes(4, "little")
     crc.write_bytes(bytes(crcs))
     snapshot_download(MODEL_REPO, local_dir=tmp_path / "second", endpoint=front)
     with urllib.request.urlopen(weights.info_url(site["hub"], MODEL_REPO, commit)) as answer:
         revision = weights.parse_info(MODEL_REPO, answer.read().decode())
-    out = subprocess.run(["sh", "-c", weights.hash_command(str(tmp_path / "second"), revision.files)],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    out = subprocess.run(
+        ["sh", "-c", weights.hash_command(str(tmp_path / "second"), revision.files)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert weights.mismatches(revision, out) == [SHARD]
 
 

@@ -133,19 +133,23 @@ def test_host_rows_render_like_the_profile(name: str) -> None:
 
 def test_host_rows_have_the_dataclass_fields_and_defaults() -> None:
     full = json.loads(smi.make_profile(2).to_json())
-    defaults = {f.name for f in dataclasses.fields(smi.Profile) if f.default is not dataclasses.MISSING
-                or f.default_factory is not dataclasses.MISSING}
+    defaults = {
+        f.name
+        for f in dataclasses.fields(smi.Profile)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
     gpu_defaults = {f.name for f in dataclasses.fields(smi.Gpu) if f.default is not dataclasses.MISSING}
     bare = {k: v for k, v in full.items() if k not in defaults}
     bare["gpus"] = [{k: v for k, v in g.items() if k not in gpu_defaults} for g in full["gpus"]]
     rows = smi.host_profile(json.dumps(bare))
     expected = smi.Profile.from_json(json.dumps(bare))
     assert {k: v for k, v in vars(rows).items() if k != "gpus"} == {
-        k: v for k, v in dataclasses.asdict(expected).items() if k != "gpus"}
+        k: v for k, v in dataclasses.asdict(expected).items() if k != "gpus"
+    }
     assert [vars(g) for g in rows.gpus] == [dataclasses.asdict(g) for g in expected.gpus]
 
 
-@pytest.mark.parametrize("text", ["", " {", "{\"gpus\": []} x", "\ufeff{}", "{'gpus': []}"])
+@pytest.mark.parametrize("text", ["", " {", '{"gpus": []} x', "\ufeff{}", "{'gpus': []}"])
 def test_a_broken_profile_fails_with_json_s_own_error(text: str) -> None:
     with pytest.raises(json.JSONDecodeError) as host:
         smi.host_profile(text)

@@ -31,8 +31,14 @@ PINNED = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
 RESOLVED = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
 
 
-def run_alone(operation: Any, snap: HostSnapshot, resolved: str | None = None, ledger: Ledger | None = None,
-              executing: bool = False, **arguments: Any) -> list[Any]:
+def run_alone(
+    operation: Any,
+    snap: HostSnapshot,
+    resolved: str | None = None,
+    ledger: Ledger | None = None,
+    executing: bool = False,
+    **arguments: Any,
+) -> list[Any]:
     inventory = Inventory(([("gpu1", {})], {}))
     target = inventory.get_host("gpu1")
     state = State(inventory, Config())
@@ -49,8 +55,15 @@ def test_env_file_takes_hidden_secrets_and_never_shows_them():
     assert locked.function.__name__ == "still_locked"  # checked at execution time, before the secret is written
     assert isinstance(command, FunctionCommand) and "s3cret" not in repr(command)
     written = hashlib.sha256(env_content({"VLLM_API_KEY": "sk-s3cret"}).encode()).hexdigest()
-    assert run_alone(service.env_file, HostSnapshot(file_sha256={"/etc/gpufleet/v.env": written}),
-                     path="/etc/gpufleet/v.env", secrets=secrets) == []
+    assert (
+        run_alone(
+            service.env_file,
+            HostSnapshot(file_sha256={"/etc/gpufleet/v.env": written}),
+            path="/etc/gpufleet/v.env",
+            secrets=secrets,
+        )
+        == []
+    )
 
 
 def recorded(ref: str = PINNED) -> Ledger:
@@ -71,10 +84,30 @@ def test_unit_renders_the_digest_resolved_while_executing_over_the_recorded_one(
     path = unit_path(spec.service)
     snap = HostSnapshot(file_sha256={path: hashlib.sha256(render_unit(spec, PINNED).encode()).hexdigest()})
     # the pin (the recorded digest) is what runs
-    assert run_alone(service.unit, snap, ledger=recorded(), spec=spec, path=path, ledger_path=ledger_path("v"),
-                     pin=PINNED, retry_failed=False) == []
-    commands = run_alone(service.unit, snap, resolved=RESOLVED, ledger=recorded(), spec=spec, path=path,
-                         ledger_path=ledger_path("v"), pin=PINNED, retry_failed=False)
+    assert (
+        run_alone(
+            service.unit,
+            snap,
+            ledger=recorded(),
+            spec=spec,
+            path=path,
+            ledger_path=ledger_path("v"),
+            pin=PINNED,
+            retry_failed=False,
+        )
+        == []
+    )
+    commands = run_alone(
+        service.unit,
+        snap,
+        resolved=RESOLVED,
+        ledger=recorded(),
+        spec=spec,
+        path=path,
+        ledger_path=ledger_path("v"),
+        pin=PINNED,
+        retry_failed=False,
+    )
     (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
     assert upload.src.getvalue().decode() == render_unit(spec, RESOLVED)
 
@@ -86,7 +119,10 @@ def test_version_file_records_what_nvidia_smi_answered_live_when_the_file_differ
     live = HostSnapshot(nvidia_smi=True, driver=NvidiaVersion("580.159.04", "13.0"), driver_output=VERSION)
     mkdir, upload = run_alone(nvidia.version_file, live)
     assert mkdir.get_raw_value() == "install -d -m 755 /var/lib/gpufleet"  # a host gpufleet never converged
-    assert isinstance(upload, FileUploadCommand) and upload.dest == nvidia.VERSION_FILE == "/var/lib/gpufleet/nvidia-version"
+    assert (
+        isinstance(upload, FileUploadCommand)
+        and upload.dest == nvidia.VERSION_FILE == "/var/lib/gpufleet/nvidia-version"
+    )
     assert upload.src.getvalue() == VERSION.encode() and upload.mode == "644"
     live.file_sha256[nvidia.VERSION_FILE] = hashlib.sha256(b"DRIVER version : 535.104.05\n").hexdigest()
     assert len(run_alone(nvidia.version_file, live)) == 2  # another driver's answer is replaced
@@ -102,8 +138,11 @@ def test_version_file_writes_nothing_when_read_from_it_or_without_a_usable_answe
 
 
 # --- repo keys: the installed keyring stands; fetched while executing only when apt reads the repo -------------------
-ARMORED = ("-----BEGIN PGP PUBLIC KEY BLOCK-----\n\n" + base64.b64encode(b"key" * 40).decode()
-           + "\n-----END PGP PUBLIC KEY BLOCK-----\n")
+ARMORED = (
+    "-----BEGIN PGP PUBLIC KEY BLOCK-----\n\n"
+    + base64.b64encode(b"key" * 40).decode()
+    + "\n-----END PGP PUBLIC KEY BLOCK-----\n"
+)
 ROTATED = ARMORED.replace("a2V5", "S0VZ", 1)  # another key: "KEY" where the first "key" was
 NVIDIA_URL = "http://repo.example/nvidia"
 DOCKER_URL = "http://repo.example/docker/linux"
@@ -113,13 +152,19 @@ DEBIAN = {"ID": "debian", "VERSION_CODENAME": "bookworm"}
 def converged_keys(**over: Any) -> HostSnapshot:
     """A converged host's snapshot as a no-op converge reads it: keyrings and lists installed, packages installed,
     no key fetched (the snapshot asks for none while the keyrings exist)."""
-    files = {nvidia.KEYRING: repo_keys.dearmor(ARMORED), nvidia.LIST: nvidia.list_line(NVIDIA_URL).encode(),
-             docker.DOCKER_KEY: ARMORED.encode(),
-             docker.DOCKER_LIST: docker.repo_line(DOCKER_URL, "debian", "bookworm", "amd64").encode()}
-    return HostSnapshot(os=dict(DEBIAN), arch="amd64",
-                        packages=dict.fromkeys([nvidia.PACKAGE, *docker.CE_PACKAGES, "curl"], "1"),
-                        file_sha256={path: hashlib.sha256(content).hexdigest() for path, content in files.items()},
-                        **over)
+    files = {
+        nvidia.KEYRING: repo_keys.dearmor(ARMORED),
+        nvidia.LIST: nvidia.list_line(NVIDIA_URL).encode(),
+        docker.DOCKER_KEY: ARMORED.encode(),
+        docker.DOCKER_LIST: docker.repo_line(DOCKER_URL, "debian", "bookworm", "amd64").encode(),
+    }
+    return HostSnapshot(
+        os=dict(DEBIAN),
+        arch="amd64",
+        packages=dict.fromkeys([nvidia.PACKAGE, *docker.CE_PACKAGES, "curl"], "1"),
+        file_sha256={path: hashlib.sha256(content).hexdigest() for path, content in files.items()},
+        **over,
+    )
 
 
 def fetches(commands: list[Any]) -> list[tuple[Any, ...]]:
@@ -137,8 +182,10 @@ def test_a_converged_host_is_a_no_op_whatever_the_key_servers_do():
 @pytest.fixture
 def apt_installs(monkeypatch):
     """pyinfra's apt.packages reads its own facts over SSH: stood in for by one command naming the packages."""
+
     def packages(packages: list[str], **_: Any):
         yield StringCommand("apt-install", *packages)
+
     monkeypatch.setattr(docker.apt.packages, "_inner", packages)
     monkeypatch.setattr(nvidia.apt.packages, "_inner", packages)
 
@@ -150,8 +197,9 @@ def test_a_missing_keyring_is_fetched_while_executing_when_the_snapshot_got_none
     (fetch,) = run_alone(nvidia.toolkit_repo, snap, repo_url=NVIDIA_URL)
     assert fetches([fetch]) == [(f"{NVIDIA_URL}/gpgkey", nvidia.KEYRING, repo_keys.dearmor, None, "nvidia_repo_url")]
     fetch, update = run_alone(docker.engine, snap, repo_url=DOCKER_URL)
-    assert fetches([fetch]) == [(f"{DOCKER_URL}/debian/gpg", docker.DOCKER_KEY, docker.armored, None,
-                                 "docker_repo_url")]
+    assert fetches([fetch]) == [
+        (f"{DOCKER_URL}/debian/gpg", docker.DOCKER_KEY, docker.armored, None, "docker_repo_url")
+    ]
     assert update.get_raw_value() == "apt-get update -q"  # the new key reaches apt's lists
 
 
@@ -197,7 +245,8 @@ def test_a_refresh_whose_fetch_failed_keeps_the_installed_key_and_says_so(caplog
     assert [re.sub(r"\x1b\[[0-9;]*m", "", w).split("] ", 1)[-1] for w in warnings] == [
         f"gpu1: could not fetch {NVIDIA_URL}/gpgkey to check for a rotated key; kept the installed {nvidia.KEYRING}",
         f"gpu1: could not fetch {DOCKER_URL}/debian/gpg to check for a rotated key; kept the installed "
-        f"{docker.DOCKER_KEY}"]
+        f"{docker.DOCKER_KEY}",
+    ]
 
 
 class KeyHost:
@@ -225,30 +274,54 @@ class KeyHost:
 
 def test_the_execute_time_fetch_writes_a_different_key_and_skips_the_same():
     target = KeyHost((True, ROTATED, ""))
-    assert repo_keys.install_fetched_key(None, target, "http://r/gpgkey", nvidia.KEYRING, repo_keys.dearmor,
-                                      hashlib.sha256(repo_keys.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")
+    assert repo_keys.install_fetched_key(
+        None,
+        target,
+        "http://r/gpgkey",
+        nvidia.KEYRING,
+        repo_keys.dearmor,
+        hashlib.sha256(repo_keys.dearmor(ARMORED)).hexdigest(),
+        "nvidia_repo_url",
+    )
     # Uploaded into a private temp dir, then copied by root beside the keyring, checked and renamed over it.
     key = repo_keys.dearmor(ROTATED)
     assert target.uploads == [("/tmp/tmp.key/upload", key)]
-    assert target.commands[-2:] == [atomic_write_command(nvidia.KEYRING, source="/tmp/tmp.key/upload",
-                                                         sha256=hashlib.sha256(key).hexdigest()),
-                                    "rm -rf /tmp/tmp.key"]
+    assert target.commands[-2:] == [
+        atomic_write_command(nvidia.KEYRING, source="/tmp/tmp.key/upload", sha256=hashlib.sha256(key).hexdigest()),
+        "rm -rf /tmp/tmp.key",
+    ]
     same = KeyHost((True, ARMORED, ""))
-    assert repo_keys.install_fetched_key(None, same, "http://r/gpgkey", nvidia.KEYRING, repo_keys.dearmor,
-                                      hashlib.sha256(repo_keys.dearmor(ARMORED)).hexdigest(), "nvidia_repo_url")
+    assert repo_keys.install_fetched_key(
+        None,
+        same,
+        "http://r/gpgkey",
+        nvidia.KEYRING,
+        repo_keys.dearmor,
+        hashlib.sha256(repo_keys.dearmor(ARMORED)).hexdigest(),
+        "nvidia_repo_url",
+    )
     assert same.uploads == [] and len(same.commands) == 1
 
 
-@pytest.mark.parametrize(("fetched", "reason"), [
-    ((False, "", "curl: (7) Failed to connect to r port 80: Connection refused"),
-     "curl: (7) Failed to connect to r port 80: Connection refused"),
-    ((True, "<html>not found</html>", ""), "not an ASCII-armored PGP public key block"),
-], ids=["unreachable", "not-a-key"])
+@pytest.mark.parametrize(
+    ("fetched", "reason"),
+    [
+        (
+            (False, "", "curl: (7) Failed to connect to r port 80: Connection refused"),
+            "curl: (7) Failed to connect to r port 80: Connection refused",
+        ),
+        ((True, "<html>not found</html>", ""), "not an ASCII-armored PGP public key block"),
+    ],
+    ids=["unreachable", "not-a-key"],
+)
 def test_a_failed_execute_time_fetch_fails_the_host_on_one_line(fetched, reason):
     target = KeyHost(fetched)
-    assert not repo_keys.install_fetched_key(None, target, "http://r/linux/debian/gpg", docker.DOCKER_KEY,
-                                          docker.armored, None, "docker_repo_url")
-    assert target.logged == [f"gpu1: could not fetch the repo key http://r/linux/debian/gpg: {reason} (fix: make "
-                             "http://r/linux/debian/gpg reachable from gpu1, or set docker_repo_url to a mirror that "
-                             "serves it)"]
+    assert not repo_keys.install_fetched_key(
+        None, target, "http://r/linux/debian/gpg", docker.DOCKER_KEY, docker.armored, None, "docker_repo_url"
+    )
+    assert target.logged == [
+        f"gpu1: could not fetch the repo key http://r/linux/debian/gpg: {reason} (fix: make "
+        "http://r/linux/debian/gpg reachable from gpu1, or set docker_repo_url to a mirror that "
+        "serves it)"
+    ]
     assert target.uploads == []

@@ -21,12 +21,15 @@ from gpufleet.vllm.operations.service import env_content
 D1, D2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
 
 
-@pytest.mark.parametrize(("image", "repo"), [
-    ("vllm/vllm-openai:nightly", "vllm/vllm-openai"),
-    ("10.213.1.1:5000/vllm/vllm-openai:nightly", "10.213.1.1:5000/vllm/vllm-openai"),
-    ("10.213.1.1:5000/vllm/vllm-openai", "10.213.1.1:5000/vllm/vllm-openai"),
-    ("vllm/vllm-openai@" + D1, "vllm/vllm-openai"),
-])
+@pytest.mark.parametrize(
+    ("image", "repo"),
+    [
+        ("vllm/vllm-openai:nightly", "vllm/vllm-openai"),
+        ("10.213.1.1:5000/vllm/vllm-openai:nightly", "10.213.1.1:5000/vllm/vllm-openai"),
+        ("10.213.1.1:5000/vllm/vllm-openai", "10.213.1.1:5000/vllm/vllm-openai"),
+        ("vllm/vllm-openai@" + D1, "vllm/vllm-openai"),
+    ],
+)
 def test_repository_keeps_registry_port(image, repo):
     assert repository(image) == repo
 
@@ -50,19 +53,23 @@ def test_pin_is_reused_only_for_the_same_image_setting():
 def test_dearmor_equals_the_base64_body():
     body = bytes(range(256)) * 3
     b64 = base64.b64encode(body).decode()
-    armored = ("-----BEGIN PGP PUBLIC KEY BLOCK-----\nComment: x\n\n"
-               + "\n".join(b64[i:i + 64] for i in range(0, len(b64), 64))
-               + "\n=abcd\n-----END PGP PUBLIC KEY BLOCK-----\n")
+    armored = (
+        "-----BEGIN PGP PUBLIC KEY BLOCK-----\nComment: x\n\n"
+        + "\n".join(b64[i : i + 64] for i in range(0, len(b64), 64))
+        + "\n=abcd\n-----END PGP PUBLIC KEY BLOCK-----\n"
+    )
     assert dearmor(armored) == body
     with pytest.raises(ValueError, match=r"^not an ASCII-armored PGP public key block$"):
         dearmor("<html>not found</html>")
 
 
 def test_repo_lines():
-    assert list_line("http://r/nv/") == ("deb [signed-by=/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg] "
-                                         "http://r/nv/stable/deb/$(ARCH) /\n")
+    assert list_line("http://r/nv/") == (
+        "deb [signed-by=/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg] http://r/nv/stable/deb/$(ARCH) /\n"
+    )
     assert repo_line("https://download.docker.com/linux", "ubuntu", "noble", "amd64") == (
-        "deb [arch=amd64 signed-by=/etc/apt/keyrings/docker.asc] https://download.docker.com/linux/ubuntu noble stable\n")
+        "deb [arch=amd64 signed-by=/etc/apt/keyrings/docker.asc] https://download.docker.com/linux/ubuntu noble stable\n"
+    )
 
 
 def test_env_content_skips_unset_and_rejects_unsafe_values_without_echoing_them():
@@ -79,15 +86,23 @@ def test_hidden_never_shows_its_value():
     assert secret.reveal() == "hf_topsecret"
 
 
-@pytest.mark.parametrize(("files", "shards", "incomplete", "problem"), [
-    ({"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}, [], [], None),
-    ({"tokenizer.json": 1, "model.safetensors": 5}, [], [], "config.json"),
-    ({"config.json": 1, "model.safetensors": 5}, [], [], "a tokenizer"),
-    ({"config.json": 1, "tokenizer.model": 1}, [], [], "weights"),
-    ({"config.json": 1, "tokenizer.json": 1, "a.safetensors": 5}, ["a.safetensors", "b.safetensors"], [], "1 of 2 shards"),
-    ({"config.json": 1, "tokenizer.json": 1, "a.safetensors": 0}, [], [], "0 bytes"),
-    ({"config.json": 1, "tokenizer.json": 1, "a.safetensors": 5}, [], ["./x.incomplete"], "unfinished download"),
-])
+@pytest.mark.parametrize(
+    ("files", "shards", "incomplete", "problem"),
+    [
+        ({"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}, [], [], None),
+        ({"tokenizer.json": 1, "model.safetensors": 5}, [], [], "config.json"),
+        ({"config.json": 1, "model.safetensors": 5}, [], [], "a tokenizer"),
+        ({"config.json": 1, "tokenizer.model": 1}, [], [], "weights"),
+        (
+            {"config.json": 1, "tokenizer.json": 1, "a.safetensors": 5},
+            ["a.safetensors", "b.safetensors"],
+            [],
+            "1 of 2 shards",
+        ),
+        ({"config.json": 1, "tokenizer.json": 1, "a.safetensors": 0}, [], [], "0 bytes"),
+        ({"config.json": 1, "tokenizer.json": 1, "a.safetensors": 5}, [], ["./x.incomplete"], "unfinished download"),
+    ],
+)
 def test_model_completeness(files, shards, incomplete, problem):
     missing = missing_parts(HostSnapshot(model_files=files, model_shards=shards, model_incomplete=incomplete))
     if problem is None:

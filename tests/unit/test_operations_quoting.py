@@ -16,7 +16,7 @@ HOSTILE = "https://repo.example/$(touch {m})`touch {m}`;touch {m}&touch {m}|touc
 
 def run_recording_curl(command: str, tmp_path: Path) -> list[str]:
     log = tmp_path / "argv"
-    record = f"curl() {{ for a in \"$@\"; do printf '%s\\0' \"$a\"; done >> {log}; }}"
+    record = f'curl() {{ for a in "$@"; do printf \'%s\\0\' "$a"; done >> {log}; }}'
     subprocess.run(["sh", "-c", f"{record}\n{command}"], capture_output=True, timeout=10)
     return log.read_text().split("\0")[:-1] if log.exists() else []
 

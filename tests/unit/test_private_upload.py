@@ -74,8 +74,9 @@ def test_a_secrets_digest_is_checked_from_a_file_never_from_a_command_line(tmp_p
 
 
 def test_the_check_is_on_roots_copy_beside_the_target(tmp_path):
-    command = files.atomic_write_command(str(tmp_path / "x"), owner="0:0", source=str(tmp_path / "up"),
-                                         sha256=hashlib.sha256(b"x").hexdigest())
+    command = files.atomic_write_command(
+        str(tmp_path / "x"), owner="0:0", source=str(tmp_path / "up"), sha256=hashlib.sha256(b"x").hexdigest()
+    )
     (tmp_path / "up").write_bytes(b"y")
     done = subprocess.run(["sh", "-c", command.replace("chown 0:0", "true")], capture_output=True, text=True)
     assert done.returncode != 0 and "the upload is not what was sent" in done.stderr

@@ -31,7 +31,9 @@ def render(inventory_path: str, *args: str) -> str:
 
 
 def exec_start(unit_text: str) -> list[str]:
-    return split_exec(next(line for line in unit_text.splitlines() if line.startswith("ExecStart=")).removeprefix("ExecStart="))
+    return split_exec(
+        next(line for line in unit_text.splitlines() if line.startswith("ExecStart=")).removeprefix("ExecStart=")
+    )
 
 
 # --- golden renders: what a host with default settings runs, per profile ------------------------------------
@@ -102,8 +104,11 @@ def test_the_shipped_profiles():
 # --- resolution: host data > group data > the profile's default ---------------------------------------------
 def test_profile_defaults_follow_the_profile():
     one = merged_settings({"vllm_profile": "qwen35-1gpu"})
-    assert (one["vllm_gpus"], one["vllm_service"], one["vllm_cache_dir"]) == \
-        ([0], "vllm-qwen35-1gpu", "/var/cache/vllm/qwen35-1gpu")
+    assert (one["vllm_gpus"], one["vllm_service"], one["vllm_cache_dir"]) == (
+        [0],
+        "vllm-qwen35-1gpu",
+        "/var/cache/vllm/qwen35-1gpu",
+    )
     assert one["vllm_model_repo"] == "Qwen/Qwen3.5-35B-A3B-FP8" and one["vllm_model"] == "qwen3.5-35b-a3b-fp8"
     assert merged_settings({})["vllm_service"] == "vllm-qwen35"
 
@@ -114,10 +119,18 @@ def test_host_data_wins_over_group_data_which_wins_over_the_profile(inventory):
         'vllm_profile = "qwen35-1gpu"\nvllm_model = "fp8-staged"\n',
     )
     a, b = (merged_settings(data) for _, data in load_hosts(inv))
-    assert (a["vllm_profile"], a["vllm_model"], a["vllm_service"], a["vllm_gpus"]) == \
-        ("qwen35-1gpu", "fp8-staged", "vllm-qwen35-1gpu", [0])
-    assert (b["vllm_model"], b["vllm_service"], b["vllm_gpus"], b["vllm_cache_dir"]) == \
-        ("fp8-staged", "vllm-b", [0, 1, 2], "/var/cache/vllm/qwen35")
+    assert (a["vllm_profile"], a["vllm_model"], a["vllm_service"], a["vllm_gpus"]) == (
+        "qwen35-1gpu",
+        "fp8-staged",
+        "vllm-qwen35-1gpu",
+        [0],
+    )
+    assert (b["vllm_model"], b["vllm_service"], b["vllm_gpus"], b["vllm_cache_dir"]) == (
+        "fp8-staged",
+        "vllm-b",
+        [0, 1, 2],
+        "/var/cache/vllm/qwen35",
+    )
 
 
 def test_resolve_host_returns_the_spec_and_the_settings_it_was_built_from():
@@ -126,8 +139,11 @@ def test_resolve_host_returns_the_spec_and_the_settings_it_was_built_from():
     merged = merged_settings(data)
     assert spec == build_spec("box", data)
     assert spec.service == settings.service == merged["vllm_service"] == "vllm-qwen35-1gpu"
-    assert (settings.port, settings.gpus, settings.cache_dir) == (5001, tuple(merged["vllm_gpus"]),
-                                                                  merged["vllm_cache_dir"])
+    assert (settings.port, settings.gpus, settings.cache_dir) == (
+        5001,
+        tuple(merged["vllm_gpus"]),
+        merged["vllm_cache_dir"],
+    )
 
 
 def test_the_example_inventory_leaves_each_hosts_model_to_its_profile(tmp_path):
@@ -178,11 +194,21 @@ def test_single_gpu_profile_can_sit_beside_qwen35_on_one_host():
 
 
 def test_single_gpu_profile_avoids_the_traps_qwen35_keeps():
-    ids = {f.rule.id for f in lint_spec(build_spec("box", {"vllm_profile": "qwen35-1gpu"}),
-                                        merged_settings({"vllm_profile": "qwen35-1gpu"}))}
+    ids = {
+        f.rule.id
+        for f in lint_spec(
+            build_spec("box", {"vllm_profile": "qwen35-1gpu"}), merged_settings({"vllm_profile": "qwen35-1gpu"})
+        )
+    }
     seed_ids = {f.rule.id for f in lint_spec(build_spec("box", {}), merged_settings({}))}
-    avoided = {"mamba-block-size-ignored", "flashinfer-moe-fp16-deprecated", "pytorch-alloc-conf-alone",
-               "trust-remote-code-unneeded", "no-shutdown-timeout", "jit-cache-outside-mounts"}
+    avoided = {
+        "mamba-block-size-ignored",
+        "flashinfer-moe-fp16-deprecated",
+        "pytorch-alloc-conf-alone",
+        "trust-remote-code-unneeded",
+        "no-shutdown-timeout",
+        "jit-cache-outside-mounts",
+    }
     assert avoided <= seed_ids and not avoided & ids
     assert "privileged-exposes-all-gpus" in ids  # kept on purpose: docs/profiles.md says why
 

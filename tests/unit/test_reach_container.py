@@ -67,8 +67,12 @@ def test_checks_and_answers_go_to_the_container_not_to_a_listener_on_the_publish
 
 
 def test_the_container_address_is_read_from_docker_inspect():
-    bridge = {"Id": "4f2a" * 16, "State": {"Status": "running"}, "Config": {"Labels": {"gpufleet.vllm": "abc"}},
-              "NetworkSettings": {"Networks": {"bridge": {"IPAddress": "172.17.0.3", "Gateway": "172.17.0.1"}}}}
+    bridge = {
+        "Id": "4f2a" * 16,
+        "State": {"Status": "running"},
+        "Config": {"Labels": {"gpufleet.vllm": "abc"}},
+        "NetworkSettings": {"Networks": {"bridge": {"IPAddress": "172.17.0.3", "Gateway": "172.17.0.1"}}},
+    }
     assert pick_container([bridge], "gpufleet.vllm").address == "172.17.0.3"
     host = {**bridge, "NetworkSettings": {"Networks": {"host": {"IPAddress": ""}}}}
     assert pick_container([host], "gpufleet.vllm").address is None

@@ -15,8 +15,11 @@ ROW = re.compile(r"^\| `(?P<name>\w+)` \| (?:`(?P<default>.*?)`|(?P<profile>prof
 def readme_rows() -> dict[str, tuple[object, str]]:
     text = (REPO / "README.md").read_text()
     section = text.split("## Settings", 1)[1].split("\n## ", 1)[0]
-    return {m["name"]: (FROM_PROFILE if m["profile"] else ast.literal_eval(m["default"]), m["doc"])
-            for m in map(ROW.match, section.splitlines()) if m}
+    return {
+        m["name"]: (FROM_PROFILE if m["profile"] else ast.literal_eval(m["default"]), m["doc"])
+        for m in map(ROW.match, section.splitlines())
+        if m
+    }
 
 
 def test_every_setting_is_documented_and_nothing_else():
@@ -30,6 +33,12 @@ def test_documented_defaults_match_the_code():
 
 
 def test_the_settings_a_profile_supplies_are_the_model_dependent_ones():
-    model_dependent = {"vllm_gpus", "vllm_model", "vllm_model_repo", "vllm_model_revision", "vllm_service",
-                       "vllm_cache_dir"}
+    model_dependent = {
+        "vllm_gpus",
+        "vllm_model",
+        "vllm_model_repo",
+        "vllm_model_revision",
+        "vllm_service",
+        "vllm_cache_dir",
+    }
     assert model_dependent == PROFILE_SETTINGS

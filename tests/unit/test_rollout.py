@@ -61,16 +61,20 @@ SERVE = Path(__file__).resolve().parents[2] / "src" / "gpufleet" / "sandbox" / "
 
 
 def version(ref: str) -> ledger.Version:
-    return ledger.Version(image=f"{REPO}:nightly", ref=ref, unit_sha256="u" * 64, spec_hash="s" * 16,
-                          service="vllm-qwen35", port=5000)
+    return ledger.Version(
+        image=f"{REPO}:nightly", ref=ref, unit_sha256="u" * 64, spec_hash="s" * 16, service="vllm-qwen35", port=5000
+    )
 
 
 def committed_on(*refs: str) -> ledger.Ledger:
     """A ledger whose versions were committed in this order (the last one runs)."""
     lg = ledger.Ledger()
     for i, ref in enumerate(refs):
-        lg = ledger.commit(ledger.begin(lg, version(ref), "ops@ctl pid 1", f"2026-12-01T0{i}:00:00Z"),
-                           f"2026-12-01T0{i}:01:00Z", ready_at=f"2026-12-01T0{i}:00:30Z")
+        lg = ledger.commit(
+            ledger.begin(lg, version(ref), "ops@ctl pid 1", f"2026-12-01T0{i}:00:00Z"),
+            f"2026-12-01T0{i}:01:00Z",
+            ready_at=f"2026-12-01T0{i}:00:30Z",
+        )
     return lg
 
 
@@ -83,24 +87,35 @@ def run_of(rc: int, output: str = "", hosts=("h1",), results=None) -> DeployRun:
 
 
 # --- plan -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("canary", "batch", "expected"), [
-    (1, 1, [["a"], ["b"], ["c"], ["d"]]),
-    (1, 2, [["a"], ["b", "c"], ["d"]]),
-    (2, 1, [["a"], ["b"], ["c"], ["d"]]),
-    (3, 2, [["a", "b"], ["c"], ["d"]]),  # never more than --batch at once, the canary included
-    (0, 3, [["a", "b", "c"], ["d"]]),
-])
+@pytest.mark.parametrize(
+    ("canary", "batch", "expected"),
+    [
+        (1, 1, [["a"], ["b"], ["c"], ["d"]]),
+        (1, 2, [["a"], ["b", "c"], ["d"]]),
+        (2, 1, [["a"], ["b"], ["c"], ["d"]]),
+        (3, 2, [["a", "b"], ["c"], ["d"]]),  # never more than --batch at once, the canary included
+        (0, 3, [["a", "b", "c"], ["d"]]),
+    ],
+)
 def test_batches_put_the_canary_first_and_never_exceed_batch(canary, batch, expected):
     assert batches(["a", "b", "c", "d"], canary, batch) == expected
 
 
 def test_rollout_settings_name_the_digest_and_only_the_asked_extras():
     options = SwapOptions(Path("deploys/qwen35.py"))
-    assert options.run_settings(NEW).data_args() == ["--data", f"gpufleet_image_ref={NEW}", "--data",
-                                                     "gpufleet_verify_checks=none"]
+    assert options.run_settings(NEW).data_args() == [
+        "--data",
+        f"gpufleet_image_ref={NEW}",
+        "--data",
+        "gpufleet_verify_checks=none",
+    ]
     probing = SwapOptions(Path("d.py"), probe=True, retry_failed=True)
-    assert probing.run_settings(NEW).data_args()[4:] == ["--data", "gpufleet_verify_probe=true", "--data",
-                                                          "gpufleet_retry_failed=true"]
+    assert probing.run_settings(NEW).data_args()[4:] == [
+        "--data",
+        "gpufleet_verify_probe=true",
+        "--data",
+        "gpufleet_retry_failed=true",
+    ]
 
 
 def test_the_canary_is_held_to_every_serving_check_and_the_batches_to_the_answers():
@@ -118,8 +133,11 @@ def test_the_canary_is_held_to_every_serving_check_and_the_batches_to_the_answer
     assert held_to(spec, options, canary=False) == ("completion", "stream")
     skipping = SwapOptions(Path("d.py"), canary_checks=("cached-cold", "reasoning"))
     assert held_to(spec, skipping, canary=True) == ("completion", "stream", "cached-cold", "reasoning")
-    assert held_to(spec, SwapOptions(Path("d.py"), probe=True), canary=False) == ("completion", "stream",
-                                                                                   "prefix-cache")
+    assert held_to(spec, SwapOptions(Path("d.py"), probe=True), canary=False) == (
+        "completion",
+        "stream",
+        "prefix-cache",
+    )
 
 
 def test_each_checks_result_comes_from_the_outcome_and_the_failure_mark():
@@ -128,10 +146,17 @@ def test_each_checks_result_comes_from_the_outcome_and_the_failure_mark():
     held = ("completion", "stream", "cached-cold", "tools")
     assert check_results(held, Outcome.UPDATED, None) == tuple((name, True) for name in held)
     assert check_results(held, Outcome.ROLLED_BACK, "cached-cold") == (
-        ("completion", True), ("stream", True), ("cached-cold", False))
+        ("completion", True),
+        ("stream", True),
+        ("cached-cold", False),
+    )
     assert check_results(held, Outcome.ROLLED_BACK, None) == ()  # its engine died: no check said anything
-    assert HostOutcome("h", OLD, NEW, Outcome.ROLLED_BACK, checks=check_results(
-        held, Outcome.ROLLED_BACK, "tools")).checks_cell == "3 passed, tools failed"
+    assert (
+        HostOutcome(
+            "h", OLD, NEW, Outcome.ROLLED_BACK, checks=check_results(held, Outcome.ROLLED_BACK, "tools")
+        ).checks_cell
+        == "3 passed, tools failed"
+    )
 
 
 def test_a_swap_run_names_each_hosts_committed_digest_as_the_deploy_reads_it():
@@ -151,10 +176,13 @@ def test_a_swap_run_names_each_hosts_committed_digest_as_the_deploy_reads_it():
     assert changed_since_read("gpu3", ledger.Ledger(), expected) is None  # not swapped by this run: no check
     assert changed_since_read("gpu2", ledger.Ledger(), expected) is None  # nothing committed, as read
     line = changed_since_read("gpu1", committed_on(OLD, OLDER), expected)  # another run committed OLDER meanwhile
-    assert line == (f"gpu1: its ledger has {OLDER} committed, the rollout read {OLD} when it started: another run "
-                    "changed the host since (fix: run the rollout again: it reads every host anew)")
+    assert line == (
+        f"gpu1: its ledger has {OLDER} committed, the rollout read {OLD} when it started: another run "
+        "changed the host since (fix: run the rollout again: it reads every host anew)"
+    )
     assert str(changed_since_read("gpu2", on_old, expected)).startswith(
-        f"gpu2: its ledger has {OLD} committed, the rollout read none")
+        f"gpu2: its ledger has {OLD} committed, the rollout read none"
+    )
 
 
 # --- outcomes from the ledger -----------------------------------------------------------------------------------
@@ -176,6 +204,7 @@ def answering(ref: str | None, state: HealthState = HealthState.READY) -> Health
 
 def test_a_rollback_is_judged_by_what_answers_afterwards_not_by_its_mark():
     marked = ledger.roll_back(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "dead: engine died", "t2")
+
     def outcome(serving):
         return judge("h1", NEW, read(committed_on(OLD)), read(marked), run_of(1), 9.0, None, serving=serving)
 
@@ -191,10 +220,14 @@ def test_a_rollback_is_judged_by_what_answers_afterwards_not_by_its_mark():
 
 def test_an_update_is_judged_by_what_answers_afterwards_too():
     updated = read(committed_on(OLD, NEW))
-    assert judge("h1", NEW, read(committed_on(OLD)), updated, run_of(0), 4.2, None,
-                 serving=answering(NEW)).outcome is Outcome.UPDATED
-    assert judge("h1", NEW, read(committed_on(OLD)), updated, run_of(0), 4.2, None,
-                 serving=answering(OLD)).outcome is Outcome.FAILED
+    assert (
+        judge("h1", NEW, read(committed_on(OLD)), updated, run_of(0), 4.2, None, serving=answering(NEW)).outcome
+        is Outcome.UPDATED
+    )
+    assert (
+        judge("h1", NEW, read(committed_on(OLD)), updated, run_of(0), 4.2, None, serving=answering(OLD)).outcome
+        is Outcome.FAILED
+    )
 
 
 def test_anything_else_is_failed_with_what_the_ledger_and_the_run_say():
@@ -210,19 +243,50 @@ def test_anything_else_is_failed_with_what_the_ledger_and_the_run_say():
 def test_a_hosts_json_row_has_ok_problems_and_the_rollouts_fields():
     pull = PullStats(ref=NEW, site_bytes=104_889_802, upstream_bytes=0, fell_back=False, cache="10.0.0.11:5001")
     start = CarryResult(carried_bytes=92_160, warm=True, time_to_ready_s=2.2)
-    outcomes = [HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.14159, "", pull=pull, start=start),
-                HostOutcome("h2", OLD, NEW, Outcome.NOT_STARTED, None, "not touched")]
+    outcomes = [
+        HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.14159, "", pull=pull, start=start),
+        HostOutcome("h2", OLD, NEW, Outcome.NOT_STARTED, None, "not touched"),
+    ]
     rows = json.loads(json.dumps([o.as_dict() for o in outcomes]))
-    assert rows[0] == {"host": "h1", "ok": True, "problems": [], "from": OLD, "to": NEW, "outcome": "updated",
-                       "downtime_s": 3.14, "detail": "", "checks": [], "speed": None, "site_bytes": 104_889_802,
-                       "upstream_bytes": 0, "fell_back": False, "warm": True, "time_to_ready_s": 2.2,
-                       "carried_bytes": 92_160, "carry_skipped": None}
+    assert rows[0] == {
+        "host": "h1",
+        "ok": True,
+        "problems": [],
+        "from": OLD,
+        "to": NEW,
+        "outcome": "updated",
+        "downtime_s": 3.14,
+        "detail": "",
+        "checks": [],
+        "speed": None,
+        "site_bytes": 104_889_802,
+        "upstream_bytes": 0,
+        "fell_back": False,
+        "warm": True,
+        "time_to_ready_s": 2.2,
+        "carried_bytes": 92_160,
+        "carry_skipped": None,
+    }
     (problem,) = rows[1].pop("problems")
     # Not pulled, not started: every per-host measurement is null, never a table's placeholder.
-    assert rows[1] == {"host": "h2", "ok": False, "from": OLD, "to": NEW, "outcome": "not-started",
-                       "downtime_s": None, "detail": "not touched", "checks": [], "speed": None, "site_bytes": None,
-                       "upstream_bytes": None, "fell_back": None, "warm": None, "time_to_ready_s": None,
-                       "carried_bytes": None, "carry_skipped": None}
+    assert rows[1] == {
+        "host": "h2",
+        "ok": False,
+        "from": OLD,
+        "to": NEW,
+        "outcome": "not-started",
+        "downtime_s": None,
+        "detail": "not touched",
+        "checks": [],
+        "speed": None,
+        "site_bytes": None,
+        "upstream_bytes": None,
+        "fell_back": None,
+        "warm": None,
+        "time_to_ready_s": None,
+        "carried_bytes": None,
+        "carry_skipped": None,
+    }
     assert (problem["id"], problem["message"]) == ("not-started", "not touched")
     assert problem["fix"].startswith("nothing changed on h2: ")
     assert not succeeded(outcomes) and succeeded(outcomes[:1])
@@ -231,11 +295,29 @@ def test_a_hosts_json_row_has_ok_problems_and_the_rollouts_fields():
 def test_the_table_shows_what_each_host_pulled_and_how_it_started():
     pull = PullStats(ref=NEW, site_bytes=104_889_802, upstream_bytes=0, fell_back=False, cache="10.0.0.11:5001")
     missed = PullStats(ref=NEW, site_bytes=0, upstream_bytes=None, fell_back=True)
-    outcomes = [HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 17.0, "", pull=pull,
-                            start=CarryResult(warm=False, time_to_ready_s=17.2, canary=True)),
-                HostOutcome("h2", OLD, NEW, Outcome.UPDATED, 3.0, "", pull=missed,
-                            start=CarryResult(carried_bytes=92_160, warm=True, time_to_ready_s=2.2)),
-                HostOutcome("h3", OLD, NEW, Outcome.NOT_STARTED, None, "not touched")]
+    outcomes = [
+        HostOutcome(
+            "h1",
+            OLD,
+            NEW,
+            Outcome.UPDATED,
+            17.0,
+            "",
+            pull=pull,
+            start=CarryResult(warm=False, time_to_ready_s=17.2, canary=True),
+        ),
+        HostOutcome(
+            "h2",
+            OLD,
+            NEW,
+            Outcome.UPDATED,
+            3.0,
+            "",
+            pull=missed,
+            start=CarryResult(carried_bytes=92_160, warm=True, time_to_ready_s=2.2),
+        ),
+        HostOutcome("h3", OLD, NEW, Outcome.NOT_STARTED, None, "not touched"),
+    ]
     console = Console(width=300, record=True)
     console.print(table(outcomes))
     lines = {line.split()[1]: line for line in console.export_text().splitlines() if line.startswith("│ h")}
@@ -313,8 +395,12 @@ def server(tmp_path):
     write_tiny_model(model)
     port = free_port()
     env = {**os.environ, "STANDIN_LOAD_SECONDS": "0", "STANDIN_PREFILL_SECONDS_PER_TOKEN": "0.01"}
-    proc = subprocess.Popen([sys.executable, str(SERVE), "serve", str(model), "--host", "127.0.0.1", "--port",
-                             str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVE), "serve", str(model), "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     transport = LoopbackTransport(proc)
     deadline = time.monotonic() + 10
     while running_requests(transport, port) is None:
@@ -327,8 +413,9 @@ def server(tmp_path):
 
 def chat(port: int, model: str, prompt: str) -> None:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={"content-type": "application/json"}
+    )
     urllib.request.urlopen(req, timeout=30).read()
 
 
@@ -391,9 +478,11 @@ def test_deploy_run_limits_to_each_named_host_and_a_limit_matching_nothing_fails
     inventory = tmp_path / "inv.py"
     inventory.write_text("hosts = [('@local', {'marker': 'one'})]\n")
     deploy = tmp_path / "noop.py"
-    deploy.write_text("from pyinfra import host, logger\nfrom gpufleet.harness import register_deploy_file\n"
-                      "register_deploy_file(__file__)\nlogger.warning(f'ran on {host.name} "
-                      "ref={host.data.get(\"gpufleet_image_ref\")}')\n")
+    deploy.write_text(
+        "from pyinfra import host, logger\nfrom gpufleet.harness import register_deploy_file\n"
+        "register_deploy_file(__file__)\nlogger.warning(f'ran on {host.name} "
+        'ref={host.data.get("gpufleet_image_ref")}\')\n'
+    )
     log = tmp_path / "deploy.log"
     ran = run_deploy(str(inventory), ["@local"], RunSettings(image_ref=NEW), deploy, log=log)
     assert ran.ok and f"ran on @local ref={NEW}" in ran.output, ran.output[-2000:]
@@ -409,8 +498,10 @@ def test_the_fleet_is_the_vllm_hosts_router_hosts_are_left_out(tmp_path):
     from gpufleet.rollout.replicas import load_fleet
 
     inventory = tmp_path / "inv.py"
-    inventory.write_text(f"gpuhosts = [('h1', {{'vllm_image': '{REPO}:nightly'}}), ('h2', {{}})]\n"
-                         "routers = [('r1', {'router_port': 8000})]\n")
+    inventory.write_text(
+        f"gpuhosts = [('h1', {{'vllm_image': '{REPO}:nightly'}}), ('h2', {{}})]\n"
+        "routers = [('r1', {'router_port': 8000})]\n"
+    )
     assert [h.name for h in load_fleet(str(inventory))] == ["h1", "h2"]
     assert [h.name for h in load_fleet(str(inventory), "h2")] == ["h2"]
 
@@ -487,8 +578,10 @@ def test_a_replica_belongs_in_the_routers_when_committed_with_nothing_pending_an
     assert belongs(read(committed_on(OLD)), None) is None
     assert belongs(parse_read("h1", "vllm-qwen35", 5000, 255, "", "Connection reset"), HealthState.READY) is None
     # Ready, but what answers is not the committed digest (a rollback whose restore failed): out.
-    assert belongs(read(committed_on(OLD)), HealthState.READY, runs_committed(read(committed_on(OLD)),
-                                                                               answering(NEW))) is False
+    assert (
+        belongs(read(committed_on(OLD)), HealthState.READY, runs_committed(read(committed_on(OLD)), answering(NEW)))
+        is False
+    )
     assert runs_committed(read(committed_on(OLD)), answering(OLD)) is True
     assert runs_committed(read(committed_on(OLD)), answering(None)) is False
 
@@ -498,8 +591,11 @@ def test_reconcile_puts_back_what_belongs_takes_out_what_does_not_and_leaves_the
     routers = Routers([(router, 30.0)], URLS)
     lines = routers.reconcile({"h1": False, "h2": True, "h3": None})
     assert router.workers == {URLS["h2"]}
-    assert lines == {"h1": "taken out of router r1", "h2": "put back in router r1",
-                     "r1": "removed http://10.9.9.9:5000: no replica of the inventory"}
+    assert lines == {
+        "h1": "taken out of router r1",
+        "h2": "put back in router r1",
+        "r1": "removed http://10.9.9.9:5000: no replica of the inventory",
+    }
     assert routers.reconcile({"h1": False, "h2": True, "h3": None}) == {}  # settled: a second pass changes nothing
 
 
@@ -507,8 +603,7 @@ def test_reconcile_never_raises_a_router_error_is_its_line():
     nan = FakeRouter("r1", [], fail={"list": ValueError("cannot convert float NaN to integer")})
     cut = FakeRouter("r2", [], fail={"add": EOFError()})
     lines = Routers([(nan, 30.0), (cut, 30.0)], URLS).reconcile({"h1": True})
-    assert lines == {"r1": "router r1: worker list: cannot convert float NaN to integer",
-                     "h1": "router r2: EOFError"}
+    assert lines == {"r1": "router r1: worker list: cannot convert float NaN to integer", "h1": "router r2: EOFError"}
 
 
 def test_a_router_that_does_not_let_a_replica_go_is_one_line_and_the_ones_taken_come_back():
@@ -531,8 +626,10 @@ def test_after_the_block_a_replica_stays_out_until_rejoin_and_a_refused_rejoin_i
     assert router.workers == {URLS["h2"]}  # its outcome decides: committed or rolled back rejoin, others stay out
     assert routers.rejoin("h1") is None and router.workers == {URLS["h1"], URLS["h2"]}
     refusing = FakeRouter("r2", [], fail={"add": RouterError("r2: POST /add_worker: HTTP 400: Timeout")})
-    assert Routers([(refusing, 30.0)], URLS).rejoin("h1") == \
-        "did not rejoin router r2: r2: POST /add_worker: HTTP 400: Timeout"
+    assert (
+        Routers([(refusing, 30.0)], URLS).rejoin("h1")
+        == "did not rejoin router r2: r2: POST /add_worker: HTTP 400: Timeout"
+    )
 
 
 def test_a_deploy_run_past_its_time_limit_is_ended_by_its_pid_and_fails_its_hosts(tmp_path, monkeypatch):
@@ -543,8 +640,9 @@ def test_a_deploy_run_past_its_time_limit_is_ended_by_its_pid_and_fails_its_host
     hung.chmod(0o755)
     monkeypatch.setattr(rollout_deploy, "pyinfra_command", lambda: str(hung))
     started = time.monotonic()
-    run, failures = prepare("inv.py", ["gpu1", "gpu2"], "repo@sha256:" + "a" * 64, tmp_path / "deploy.py",
-                            log=tmp_path / "log", timeout_s=1)
+    run, failures = prepare(
+        "inv.py", ["gpu1", "gpu2"], "repo@sha256:" + "a" * 64, tmp_path / "deploy.py", log=tmp_path / "log", timeout_s=1
+    )
     assert time.monotonic() - started < 10
     assert run.returncode == 124 and "Preparing operations" in run.output
     pid = int(pid_file.read_text())
@@ -559,9 +657,11 @@ def test_a_batch_that_would_leave_a_router_no_replica_is_refused_counting_those_
     assert routers.capacity_problem(batches(["h1", "h2", "h3"], canary=1, batch=1)) is None
     assert routers.capacity_problem(batches(["h1", "h2", "h3"], canary=1, batch=2)) is None
     problem = routers.capacity_problem(batches(["h1", "h2", "h3"], canary=0, batch=3))
-    assert problem == ("router r1: swapping h1, h2, h3 at once would leave it no replica in service (it routes to 3: "
-                       "h1, h2, h3); nothing was changed (fix: a smaller --batch, or --canary 1, so that one replica "
-                       "always serves)")
+    assert problem == (
+        "router r1: swapping h1, h2, h3 at once would leave it no replica in service (it routes to 3: "
+        "h1, h2, h3); nothing was changed (fix: a smaller --batch, or --canary 1, so that one replica "
+        "always serves)"
+    )
     # h3 already out of the router (stopped, or left out at its deploy): a batch of the other two takes the last.
     router.workers.discard(URLS["h3"])
     assert "swapping h1, h2 at once" in routers.capacity_problem(batches(["h1", "h2", "h3"], canary=0, batch=2))
@@ -569,7 +669,8 @@ def test_a_batch_that_would_leave_a_router_no_replica_is_refused_counting_those_
     cut = FakeRouter("r2", fail={"list": EOFError()})
     assert Routers([(cut, 30.0)], URLS).capacity_problem([["h1"]]) == (
         "router r2: its worker list does not answer: EOFError; nothing was changed (fix: `gpufleet status` shows the "
-        "router; run again once it answers)")
+        "router; run again once it answers)"
+    )
 
 
 def test_a_rerun_after_a_cut_counts_the_hosts_it_settles_first_as_serving_after_them():
@@ -577,7 +678,10 @@ def test_a_rerun_after_a_cut_counts_the_hosts_it_settles_first_as_serving_after_
     # first (it settles the cut swap and rejoins), so h2's turn leaves h1 in service: no refusal, for any order.
     router = FakeRouter("r1", [URLS["h2"]])
     routers = Routers([(router, 30.0)], {h: URLS[h] for h in ("h1", "h2")})
-    cut = {"h1": read(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "h1"), "h2": read(committed_on(OLD), "h2")}
+    cut = {
+        "h1": read(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "h1"),
+        "h2": read(committed_on(OLD), "h2"),
+    }
     for names in (["h1", "h2"], ["h2", "h1"]):
         order = interrupted_first(names, cut)
         assert order == ["h1", "h2"]
@@ -586,8 +690,9 @@ def test_a_rerun_after_a_cut_counts_the_hosts_it_settles_first_as_serving_after_
     assert routers.capacity_problem(batches(["h2"], canary=1, batch=1), {"h1": True, "h2": True}) is None
     # One the reconcile takes out (dead) does not count, and a group that takes the last one is still refused.
     three = Routers([(FakeRouter("r1", URLS.values()), 30.0)], URLS)
-    assert "swapping h1, h2 at once" in three.capacity_problem(batches(["h1", "h2", "h3"], canary=0, batch=2),
-                                                               {"h3": False})
+    assert "swapping h1, h2 at once" in three.capacity_problem(
+        batches(["h1", "h2", "h3"], canary=0, batch=2), {"h3": False}
+    )
     assert routers.capacity_problem([["h2"]], {}) is not None  # h1 stays out: h2 is the last one
 
 
@@ -608,12 +713,20 @@ def test_after_its_swap_a_replica_rejoins_only_when_committed_or_rolled_back():
     router = FakeRouter("r1", URLS.values())
     routers = Routers([(router, 30.0)], URLS)
     before = {h: read(committed_on(OLD), h) for h in URLS}
-    outcomes = {"h1": HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.0),
-                "h2": HostOutcome("h2", OLD, NEW, Outcome.ROLLED_BACK, 3.0, "rolled back to ...: dead"),
-                "h3": HostOutcome("h3", OLD, NEW, Outcome.FAILED, None, "lost the SSH connection (ledger: pending)")}
-    ctx = RolloutContext(inventory="inv.py", hosts={}, sessions=Sessions([]), target_refs=dict.fromkeys(URLS, NEW),
-                         what=NEW, options=SwapOptions(deploy_file=Path("deploys/qwen35.py")),
-                         progress=Phases())  # type: ignore[arg-type]
+    outcomes = {
+        "h1": HostOutcome("h1", OLD, NEW, Outcome.UPDATED, 3.0),
+        "h2": HostOutcome("h2", OLD, NEW, Outcome.ROLLED_BACK, 3.0, "rolled back to ...: dead"),
+        "h3": HostOutcome("h3", OLD, NEW, Outcome.FAILED, None, "lost the SSH connection (ledger: pending)"),
+    }
+    ctx = RolloutContext(
+        inventory="inv.py",
+        hosts={},
+        sessions=Sessions([]),
+        target_refs=dict.fromkeys(URLS, NEW),
+        what=NEW,
+        options=SwapOptions(deploy_file=Path("deploys/qwen35.py")),
+        progress=Phases(),
+    )  # type: ignore[arg-type]
     result = _out_of_routers(ctx, routers, ["h1", "h2", "h3"], NEW, before=before, swap_batch=lambda: dict(outcomes))
     assert router.workers == {URLS["h1"], URLS["h2"]}  # the one that ended neither stays out
     assert result["h1"] == outcomes["h1"] and result["h2"] == outcomes["h2"]
@@ -649,7 +762,8 @@ def test_a_hosts_last_progress_line_says_why_it_failed_and_nothing_more_when_it_
     assert HostOutcome("gpu1", None, ref, Outcome.FAILED_PREPARE, detail=why).phase == f"failed-prepare: {why}"
     assert HostOutcome("gpu1", None, ref, Outcome.FAILED, 4.25, detail="x").phase == "failed (4.2 s down): x"
     assert HostOutcome("gpu1", ref, ref, Outcome.ROLLED_BACK, 3.0, detail="chat: 500").phase == (
-        "rolled-back (3.0 s down): chat: 500")
+        "rolled-back (3.0 s down): chat: 500"
+    )
     assert HostOutcome("gpu1", None, ref, Outcome.UPDATED, 2.0, detail="carried").phase == "updated (2.0 s down)"
     assert HostOutcome("gpu2", None, ref, Outcome.NOT_STARTED, detail="not started: gpu1 failed").phase == "not-started"
 
@@ -702,8 +816,15 @@ def test_a_deploy_run_whose_controller_died_before_it_asked_to_die_with_it_ends_
 
 
 # --- the speed check: new against old ---------------------------------------------------------------------------
-SPEED_OLD = SpeedFigures((30000.0, 31000.0, 29000.0), (0.05, 0.06, 0.04), (200.0, 201.0, 199.0),
-                         (380.0, 390.0, 370.0), prompt_tokens=20480, decode_tokens=64, concurrency=2)
+SPEED_OLD = SpeedFigures(
+    (30000.0, 31000.0, 29000.0),
+    (0.05, 0.06, 0.04),
+    (200.0, 201.0, 199.0),
+    (380.0, 390.0, 370.0),
+    prompt_tokens=20480,
+    decode_tokens=64,
+    concurrency=2,
+)
 SPEED_NEW = replace(SPEED_OLD, decode_tokens_per_s=(180.0, 181.0, 179.0))
 HELD = ("completion", "stream", "speed", "cached-cold")
 
@@ -714,20 +835,42 @@ def with_speed(lg: ledger.Ledger, figures: SpeedFigures) -> ledger.Ledger:
 
 
 def test_an_updated_host_shows_the_figures_measured_before_its_swap_against_the_ones_it_committed():
-    outcome = judge("h1", NEW, read(committed_on(OLD)), read(with_speed(committed_on(OLD, NEW), SPEED_NEW)),
-                    run_of(0), 4.2, None, held=HELD, speed_before=SPEED_OLD)
+    outcome = judge(
+        "h1",
+        NEW,
+        read(committed_on(OLD)),
+        read(with_speed(committed_on(OLD, NEW), SPEED_NEW)),
+        run_of(0),
+        4.2,
+        None,
+        held=HELD,
+        speed_before=SPEED_OLD,
+    )
     assert outcome.speed == SpeedResult(SPEED_OLD, SPEED_NEW)
     assert outcome.speed.cell() == "prefill 1.00x, cached TTFT 1.00x, decode 0.90x, batch 1.00x"
     row = json.loads(json.dumps(outcome.as_dict()))["speed"]
     assert row["before"] == SPEED_OLD.as_dict() and row["after"] == SPEED_NEW.as_dict() and row["note"] is None
-    assert row["ratios"] == {"prefill_tokens_per_s": 1.0, "cached_ttft_s": 1.0, "decode_tokens_per_s": 0.9,
-                             "batch_tokens_per_s": 1.0}
+    assert row["ratios"] == {
+        "prefill_tokens_per_s": 1.0,
+        "cached_ttft_s": 1.0,
+        "decode_tokens_per_s": 0.9,
+        "batch_tokens_per_s": 1.0,
+    }
 
 
 def test_a_host_whose_old_version_could_not_be_measured_records_the_new_figures_and_says_why():
     why = "the running version could not be measured: DeadlineExceeded: POST /v1/chat/completions: no answer"
-    outcome = judge("h1", NEW, read(committed_on(OLD)), read(with_speed(committed_on(OLD, NEW), SPEED_NEW)),
-                    run_of(0), 4.2, None, held=HELD, speed_before=why)
+    outcome = judge(
+        "h1",
+        NEW,
+        read(committed_on(OLD)),
+        read(with_speed(committed_on(OLD, NEW), SPEED_NEW)),
+        run_of(0),
+        4.2,
+        None,
+        held=HELD,
+        speed_before=why,
+    )
     assert outcome.outcome is Outcome.UPDATED and outcome.speed == SpeedResult(None, SPEED_NEW, why)
     assert outcome.speed.cell() == "recorded (no earlier figures)"
     assert outcome.as_dict()["speed"]["note"] == why
@@ -735,9 +878,12 @@ def test_a_host_whose_old_version_could_not_be_measured_records_the_new_figures_
 
 def test_a_host_rolled_back_on_speed_names_it_and_has_no_new_figures():
     line = "check speed: prefill 1500 tokens/s, was 30000 (0.05x the speed): every repeat more than 70% slower"
-    failed = ledger.roll_back(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), f"misconfigured: {line}",
-                              "t2", check="speed")
-    outcome = judge("h1", NEW, read(committed_on(OLD)), read(failed), run_of(1), 9.0, None, held=HELD, speed_before=SPEED_OLD)
+    failed = ledger.roll_back(
+        ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), f"misconfigured: {line}", "t2", check="speed"
+    )
+    outcome = judge(
+        "h1", NEW, read(committed_on(OLD)), read(failed), run_of(1), 9.0, None, held=HELD, speed_before=SPEED_OLD
+    )
     assert outcome.outcome is Outcome.ROLLED_BACK and line in outcome.detail
     assert outcome.checks == (("completion", True), ("stream", True), ("speed", False))
     assert outcome.speed == SpeedResult(SPEED_OLD, None) and outcome.speed.cell() == "-"
@@ -756,11 +902,14 @@ def test_a_batch_runs_speed_when_its_hosts_settings_ask_and_the_held_list_says_s
 
 
 def test_history_shows_each_committed_versions_speed_figures():
-    lg = ledger.commit(ledger.begin(with_speed(committed_on(OLD), SPEED_OLD), version(NEW), "x", "t1"), "t2",
-                       speed=SPEED_NEW)
+    lg = ledger.commit(
+        ledger.begin(with_speed(committed_on(OLD), SPEED_OLD), version(NEW), "x", "t1"), "t2", speed=SPEED_NEW
+    )
     rows = ledger_rows(lg)
     assert [(r[0], r[1], r[5]) for r in rows] == [("committed", NEW, SPEED_NEW), ("earlier", OLD, SPEED_OLD)]
     assert SPEED_NEW.brief() == "prefill 30000 tokens/s, cached TTFT 0.050 s, decode 180 tokens/s, batch 380 tokens/s"
+
+
 # --- GPU health: a sick replica leaves the routers; a sick host is skipped, never the canary -----------------------
 class CannedSessions(Sessions):
     """Sessions whose per-host calls answer what each named host's look is canned to (no SSH)."""
@@ -779,8 +928,12 @@ def fleet_hosts(*names: str) -> list[FleetHost]:
 
 
 def gpus(**fields) -> HostGpus:
-    return judge_gpus(GpuHealth(gpus=(GpuReading(0, "00000000:00:06.0", **fields),
-                                      GpuReading(1, "00000000:00:07.0", remap_failure=True))), GpuSettings())
+    return judge_gpus(
+        GpuHealth(
+            gpus=(GpuReading(0, "00000000:00:06.0", **fields), GpuReading(1, "00000000:00:07.0", remap_failure=True))
+        ),
+        GpuSettings(),
+    )
 
 
 def test_a_replica_whose_gpu_needs_a_reset_leaves_the_routers_until_it_is_healthy():
@@ -789,11 +942,14 @@ def test_a_replica_whose_gpu_needs_a_reset_leaves_the_routers_until_it_is_health
     assert gpus_fit(gpus(remap_pending=True), (0,)) is False
     assert gpus_fit(gpus(clocks_event_reasons=0x40), (0,)) is True  # degraded: served; GPU 1 is not its
     assert gpus_fit(None, (0,)) is None and gpus_fit(HostGpus(error="cannot read"), (0,)) is None
-    sessions = CannedSessions(fleet_hosts("h1", "h2", "h3"), {
-        "h1": (answering(OLD), gpus(recovery_action="Reset")),  # ready, but its GPU needs a reset: out
-        "h2": (answering(OLD), gpus()),
-        "h3": (answering(None, HealthState.SSH_UNREACHABLE), gpus(remap_pending=True)),  # its GPU says it
-    })
+    sessions = CannedSessions(
+        fleet_hosts("h1", "h2", "h3"),
+        {
+            "h1": (answering(OLD), gpus(recovery_action="Reset")),  # ready, but its GPU needs a reset: out
+            "h2": (answering(OLD), gpus()),
+            "h3": (answering(None, HealthState.SSH_UNREACHABLE), gpus(remap_pending=True)),  # its GPU says it
+        },
+    )
     ledgers = {name: read(committed_on(OLD), name) for name in ("h1", "h2", "h3")}
     assert members(sessions, ["h1", "h2", "h3"], ledgers) == {"h1": False, "h2": True, "h3": False}
 
@@ -801,14 +957,21 @@ def test_a_replica_whose_gpu_needs_a_reset_leaves_the_routers_until_it_is_health
 def test_a_host_whose_gpu_refuses_a_restart_is_skipped_with_one_line_and_a_degraded_one_is_noted():
     from gpufleet.rollout.gpu import sick_hosts
 
-    sessions = CannedSessions(fleet_hosts("h1", "h2", "h3", "h4"), {
-        "h1": gpus(recovery_action="Reboot"), "h2": gpus(clocks_event_reasons=0x40), "h3": gpus(),
-        "h4": "cannot SSH to h4",  # its deploy's preflight says why
-    })
+    sessions = CannedSessions(
+        fleet_hosts("h1", "h2", "h3", "h4"),
+        {
+            "h1": gpus(recovery_action="Reboot"),
+            "h2": gpus(clocks_event_reasons=0x40),
+            "h3": gpus(),
+            "h4": "cannot SSH to h4",  # its deploy's preflight says why
+        },
+    )
     notes: list[str] = []
     skipped = sick_hosts(sessions, ["h1", "h2", "h3", "h4"], notes.append)
-    assert skipped == {"h1": "GPU 0 (00000000:00:06.0) needs reboot: gpu_recovery_action=Reboot (fix: reboot the "
-                             "host (NVIDIA: RESTART_BM), then run the rollout again)"}
+    assert skipped == {
+        "h1": "GPU 0 (00000000:00:06.0) needs reboot: gpu_recovery_action=Reboot (fix: reboot the "
+        "host (NVIDIA: RESTART_BM), then run the rollout again)"
+    }
     assert notes == ["h2: GPUs degraded (GPU 0: clocks_event_reasons.hw_thermal_slowdown): swapped and served"]
     outcome = HostOutcome("h1", OLD, NEW, Outcome.SKIPPED, None, skipped["h1"])
     assert not outcome.ok and not succeeded([outcome]) and outcome.phase == f"skipped: {skipped['h1']}"
@@ -825,11 +988,17 @@ def test_a_batch_is_refused_when_the_replicas_left_serving_are_the_sick_ones():
 
 def test_history_shows_the_gpu_verdict_recorded_at_each_swap():
     lg = ledger.commit(ledger.begin(committed_on(OLD), version(NEW), "x", "t1"), "t2", gpu="ok")
-    lg = ledger.roll_back(ledger.begin(lg, version(OLDER), "x", "t3"), "died", "t4",
-                          gpu="needs GPU reset (GPU 0: remapped_rows.pending=Yes)")
+    lg = ledger.roll_back(
+        ledger.begin(lg, version(OLDER), "x", "t3"),
+        "died",
+        "t4",
+        gpu="needs GPU reset (GPU 0: remapped_rows.pending=Yes)",
+    )
     rows = {state: detail for state, _, _, _, detail, _ in ledger_rows(lg)}
     assert rows["committed"] == "GPU ok"
     assert rows["failed"] == "died; GPU needs GPU reset (GPU 0: remapped_rows.pending=Yes)"
+
+
 def test_the_default_rollout_log_is_a_new_private_file_under_a_name_no_one_can_take_first(monkeypatch, tmp_path):
     import importlib
 

@@ -14,6 +14,7 @@ PAIR = ("g1", "g2")
 
 def fleet() -> dict:
     """solo1, g2 (a rank listed before its head), g1 (the head), solo2: what an inventory may list in any order."""
+
     def host(name: str, rank: int | None):
         member = Member("pair", rank, PAIR, ("10.0.0.1", "10.0.0.2"), 29501, None) if rank is not None else None
         return SimpleNamespace(name=name, spec=SimpleNamespace(group=member))
@@ -47,5 +48,8 @@ def test_a_group_is_done_only_when_every_rank_committed_the_target():
 def test_a_rank_skipped_for_its_gpus_skips_its_whole_group():
     hosts = fleet()
     skipped = group.skipped({"g2": "GPU 0: needs a reboot", "solo1": "GPU 1: needs a reset"}, hosts)
-    assert skipped == {"g2": "GPU 0: needs a reboot", "solo1": "GPU 1: needs a reset",
-                       "g1": "not swapped: g2, a rank of its group, is skipped for its GPUs"}
+    assert skipped == {
+        "g2": "GPU 0: needs a reboot",
+        "solo1": "GPU 1: needs a reset",
+        "g1": "not swapped: g2, a rank of its group, is skipped for its GPUs",
+    }

@@ -118,8 +118,9 @@ def test_the_rollout_resolves_once_and_every_run_installs_that_commit(hub, shell
     monkeypatch.setattr(rollout_commands, "_roll", roll)
     progress = type("P", (), {"note": lambda self, line: None})()
     options = SwapOptions(tmp_path / "deploy.py")
-    rollout_commands.roll_out("inv.py", None, options, lambda *a: True, lambda names: nullcontext(progress),
-                         model_revision="main")
+    rollout_commands.roll_out(
+        "inv.py", None, options, lambda *a: True, lambda names: nullcontext(progress), model_revision="main"
+    )
     assert resolved == ["main"] and [o.model_ref for o in handed] == [first]
     # What the swaps and the prepare of that rollout hand each deploy run.
     (swap_options,) = handed
@@ -133,8 +134,9 @@ def test_the_rollout_resolves_once_and_every_run_installs_that_commit(hub, shell
 
     monkeypatch.setattr(rollout_prepare, "run_deploy", run_deploy)
     monkeypatch.setattr(rollout_prepare, "pull_order", lambda inventory, names: [names[:1], names[1:]])
-    rollout_prepare.prepare("inv.py", [h.name for h in hosts], REF, tmp_path / "deploy.py",
-                            model_ref=swap_options.model_ref)
+    rollout_prepare.prepare(
+        "inv.py", [h.name for h in hosts], REF, tmp_path / "deploy.py", model_ref=swap_options.model_ref
+    )
     assert [s.model_ref for s in seen] == [first, first] and all(s.stage == "prepare" for s in seen)
     # Without --model-revision nothing is asked of the hub and no run names a model commit.
     handed.clear()
@@ -146,10 +148,20 @@ def test_a_failed_model_move_refuses_that_commit_again_not_the_version_rolled_ba
     """The same digest and settings with a new commit failed its gate: a rollout of that digest that keeps the
     committed model (or moves to another commit) goes on; the failed commit again needs --retry-failed."""
     old, bad = f"{MODEL_REPO}@{'0' * 40}", f"{MODEL_REPO}@{'1' * 40}"
-    committed = Version(image="reg:5000/vllm/vllm-openai:good", ref=REF, unit_sha256="a" * 64,
-                        spec_hash="0123456789abcdef", service="vllm-qwen35", port=5000, model=old)
-    ledger = roll_back(begin(Ledger(committed=Committed(committed, "t0")), replace(committed, model=bad), "ops", "t1"),
-                       "never ready", "t2")
+    committed = Version(
+        image="reg:5000/vllm/vllm-openai:good",
+        ref=REF,
+        unit_sha256="a" * 64,
+        spec_hash="0123456789abcdef",
+        service="vllm-qwen35",
+        port=5000,
+        model=old,
+    )
+    ledger = roll_back(
+        begin(Ledger(committed=Committed(committed, "t0")), replace(committed, model=bad), "ops", "t1"),
+        "never ready",
+        "t2",
+    )
     ledgers, targets = {"h1": HostLedger("h1", "/var/lib/gpufleet/vllm-qwen35.json", ledger)}, {"h1": REF}
     assert rollout_commands._refused(ledgers, targets, None) is None
     assert rollout_commands._refused(ledgers, targets, "2" * 40) is None

@@ -83,8 +83,9 @@ def test_a_router_that_cannot_be_reached_again_is_one_line_at_the_reconcile(monk
         raise routers_module.Unreachable(f"{name}: cannot SSH to 10.0.0.14:22: Connection refused")
 
     monkeypatch.setattr(routers_module, "connect", unreachable)
-    routers = Routers([(FakeRouter("gfr4", OSError("Socket is closed")), 5.0)], {"gpu1": "http://10.0.0.11:5000"},
-                      hosts={"gfr4": {}})
+    routers = Routers(
+        [(FakeRouter("gfr4", OSError("Socket is closed")), 5.0)], {"gpu1": "http://10.0.0.11:5000"}, hosts={"gfr4": {}}
+    )
     said = routers.reconcile({"gpu1": True})
     assert list(said) == ["gfr4"] and said["gfr4"].startswith("router gfr4: worker list: ")
     assert "cannot SSH to 10.0.0.14:22" in said["gfr4"] and "\n" not in said["gfr4"]

@@ -15,8 +15,14 @@ from gpufleet.wire.speed import SpeedFigures
 
 REF = "reg:5000/vllm/vllm-openai@sha256:" + "a" * 64
 OLD = "reg:5000/vllm/vllm-openai@sha256:" + "b" * 64
-EVERY = RunSettings(image_ref=REF, stage="prepare", verify_checks=("cached-cold", "tools"),
-                    expect_committed={"gpu1": OLD, "gpu2": None}, verify_probe=True, retry_failed=True)
+EVERY = RunSettings(
+    image_ref=REF,
+    stage="prepare",
+    verify_checks=("cached-cold", "tools"),
+    expect_committed={"gpu1": OLD, "gpu2": None},
+    verify_probe=True,
+    retry_failed=True,
+)
 
 
 def as_pyinfra_reads(args: list[str]) -> dict[str, object]:
@@ -29,19 +35,31 @@ def as_pyinfra_reads(args: list[str]) -> dict[str, object]:
 
 def test_every_field_becomes_its_exact_data_pair():
     assert EVERY.data_args() == [
-        "--data", f"gpufleet_image_ref={REF}",
-        "--data", "gpufleet_stage=prepare",
-        "--data", "gpufleet_verify_checks=cached-cold,tools",
-        "--data", f'gpufleet_expect_committed={{"gpu1":"{OLD}","gpu2":null}}',
-        "--data", "gpufleet_verify_probe=true",
-        "--data", "gpufleet_retry_failed=true",
+        "--data",
+        f"gpufleet_image_ref={REF}",
+        "--data",
+        "gpufleet_stage=prepare",
+        "--data",
+        "gpufleet_verify_checks=cached-cold,tools",
+        "--data",
+        f'gpufleet_expect_committed={{"gpu1":"{OLD}","gpu2":null}}',
+        "--data",
+        "gpufleet_verify_probe=true",
+        "--data",
+        "gpufleet_retry_failed=true",
     ]
 
 
 def test_the_names_are_the_ones_defaults_owns_and_each_is_a_setting():
     names = [arg.partition("=")[0] for arg in EVERY.data_args()[1::2]]
-    assert names == [defaults.IMAGE_REF_SETTING, defaults.STAGE_SETTING, defaults.VERIFY_CHECKS_SETTING,
-                     defaults.EXPECT_COMMITTED_SETTING, defaults.VERIFY_PROBE_SETTING, defaults.RETRY_SETTING]
+    assert names == [
+        defaults.IMAGE_REF_SETTING,
+        defaults.STAGE_SETTING,
+        defaults.VERIFY_CHECKS_SETTING,
+        defaults.EXPECT_COMMITTED_SETTING,
+        defaults.VERIFY_PROBE_SETTING,
+        defaults.RETRY_SETTING,
+    ]
     owned = [value for name, value in vars(defaults).items() if name.endswith("_SETTING")]
     assert owned and all(name in defaults.DEFAULTS for name in owned)
     assert len(set(owned)) == len(owned)
@@ -59,9 +77,14 @@ def test_pyinfra_reads_back_each_value_and_the_deploys_settings_accept_them():
     from gpufleet.vllm.settings import build_spec, merged_settings
 
     data = as_pyinfra_reads(EVERY.data_args())
-    assert data == {"gpufleet_image_ref": REF, "gpufleet_stage": "prepare", "gpufleet_verify_checks": "cached-cold,tools",
-                    "gpufleet_expect_committed": {"gpu1": OLD, "gpu2": None}, "gpufleet_verify_probe": True,
-                    "gpufleet_retry_failed": True}
+    assert data == {
+        "gpufleet_image_ref": REF,
+        "gpufleet_stage": "prepare",
+        "gpufleet_verify_checks": "cached-cold,tools",
+        "gpufleet_expect_committed": {"gpu1": OLD, "gpu2": None},
+        "gpufleet_verify_probe": True,
+        "gpufleet_retry_failed": True,
+    }
     host = {"vllm_image": "reg:5000/vllm/vllm-openai:nightly", **data}
     assert build_spec("gpu1", host) is not None  # raises SettingErrors on any value it refuses
     assert merged_settings(host)[defaults.STAGE_SETTING] == "prepare"
@@ -75,15 +98,17 @@ def test_a_stage_the_deploy_does_not_know_is_refused_when_built():
 def test_a_check_the_deploy_does_not_know_is_refused_when_built():
     with pytest.raises(ValueError, match="unknown check warmup"):
         RunSettings(verify_checks=("tools", "warmup"))
-    assert RunSettings(verify_checks=SERVING_CHECKS).data_args()[1] == \
-        "gpufleet_verify_checks=" + ",".join(SERVING_CHECKS)
+    assert RunSettings(verify_checks=SERVING_CHECKS).data_args()[1] == "gpufleet_verify_checks=" + ",".join(
+        SERVING_CHECKS
+    )
 
 
 def test_a_swap_and_a_prepare_build_their_run_settings():
     options = SwapOptions(Path("deploys/qwen35.py"), probe=True, canary_checks=("sessions",))
     committed = {"gpu1": OLD}
     assert options.run_settings(REF, committed=committed, canary=True) == RunSettings(
-        image_ref=REF, verify_checks=("sessions",), expect_committed=committed, verify_probe=True)
+        image_ref=REF, verify_checks=("sessions",), expect_committed=committed, verify_probe=True
+    )
     assert options.run_settings(REF, canary=False).verify_checks == ()
 
 
@@ -106,16 +131,28 @@ def test_prepare_runs_the_prepare_stage_on_the_target(monkeypatch, tmp_path):
 def test_a_model_move_is_passed_to_every_run_of_the_rollout():
     commit = "c" * 40
     assert RunSettings(image_ref="r@sha256:ab", model_ref=commit, stage="prepare").data_args() == [
-        "--data", "gpufleet_image_ref=r@sha256:ab", "--data", f"gpufleet_model_ref={commit}",
-        "--data", "gpufleet_stage=prepare"]
+        "--data",
+        "gpufleet_image_ref=r@sha256:ab",
+        "--data",
+        f"gpufleet_model_ref={commit}",
+        "--data",
+        "gpufleet_stage=prepare",
+    ]
     swap = SwapOptions(deploy_file=Path("d.py"), model_ref=commit).run_settings("r@sha256:ab")
     assert swap.model_ref == commit and "--data" in swap.data_args()
     assert "gpufleet_model_ref" not in " ".join(RunSettings(image_ref="r@sha256:ab").data_args())
 
 
 # --- the speed check: the old version's figures reach the deploy run ---------------------------------------------------
-FIGURES = SpeedFigures((30000.0, 31000.0, 29000.0), (0.05, 0.06, 0.04), (200.0, 201.0, 199.0), (380.0, 390.0, 370.0),
-                       prompt_tokens=20480, decode_tokens=64, concurrency=2)
+FIGURES = SpeedFigures(
+    (30000.0, 31000.0, 29000.0),
+    (0.05, 0.06, 0.04),
+    (200.0, 201.0, 199.0),
+    (380.0, 390.0, 370.0),
+    prompt_tokens=20480,
+    decode_tokens=64,
+    concurrency=2,
+)
 
 
 def test_the_old_versions_speed_figures_reach_the_deploys_settings_as_measured():

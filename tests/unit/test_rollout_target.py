@@ -26,8 +26,10 @@ REPO = f"{REG}/vllm/vllm-openai"
 TAG = f"{REPO}:nightly"
 GOOD = "sha256:5bc523a930a1c59884db1e212e0760003ee87e7e1a90166234f9d88cef5cc1f8"  # the recorded tag's digest
 LIST = "sha256:" + "1" * 64
-HUB_INFO = {"InsecureRegistryCIDRs": ["127.0.0.0/8"],
-            "IndexConfigs": {"docker.io": {"Name": "docker.io", "Secure": True, "Official": True}}}
+HUB_INFO = {
+    "InsecureRegistryCIDRs": ["127.0.0.0/8"],
+    "IndexConfigs": {"docker.io": {"Name": "docker.io", "Secure": True, "Official": True}},
+}
 
 
 def fixture(name: str) -> str:
@@ -40,9 +42,26 @@ def probe_out(*tools: str, config: dict | None = None) -> str:
 
 def buildx_out(digest: str, media: str = "application/vnd.oci.image.index.v1+json") -> str:
     """`docker buildx imagetools inspect --format '{{json .Manifest}}'` as buildx's documentation shows it."""
-    return json.dumps({"schemaVersion": 2, "mediaType": media, "digest": digest, "size": 1609, "manifests": [
-        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": "sha256:" + "2" * 64, "size": 2386,
-         "platform": {"architecture": "amd64", "os": "linux"}}]}, indent=2) + "\n"
+    return (
+        json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": media,
+                "digest": digest,
+                "size": 1609,
+                "manifests": [
+                    {
+                        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                        "digest": "sha256:" + "2" * 64,
+                        "size": 2386,
+                        "platform": {"architecture": "amd64", "os": "linux"},
+                    }
+                ],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 # --- the commands, through a real shell ----------------------------------------------------------------------------
@@ -184,6 +203,7 @@ def host_says(monkeypatch):
             if prefix in command:
                 return answer
         raise AssertionError(f"unexpected command {command!r}")
+
     monkeypatch.setattr(t, "shell", run)
     return answers, sent
 
@@ -195,7 +215,11 @@ def pulls(sent) -> list[str]:
 def test_a_tag_is_looked_up_with_docker_manifest_on_the_sandbox_and_nothing_is_pulled(host_says):
     answers, sent = host_says
     answers[t.PROBE_COMMAND] = (0, fixture("docker-20.10.24-probe.txt"), "")
-    answers["docker manifest inspect -v --insecure"] = (0, fixture("docker-20.10.24-manifest-inspect-v-single.json"), "")
+    answers["docker manifest inspect -v --insecure"] = (
+        0,
+        fixture("docker-20.10.24-manifest-inspect-v-single.json"),
+        "",
+    )
     target = t.resolve(fleet(), FakeSessions(), None)
     assert target == t.Target(f"{REPO}@{GOOD}", TAG, "h1", t.MANIFEST)
     assert target.where == "looked up on h1 with docker manifest inspect: nothing pulled"
@@ -247,8 +271,10 @@ def test_without_a_lookup_tool_the_tag_is_pulled_and_the_target_says_so(host_say
     answers["docker pull"] = (0, json.dumps([f"{REPO}@{GOOD}"]) + "\n", "")
     target = t.resolve(fleet(), FakeSessions(), None)
     assert target.ref == f"{REPO}@{GOOD}" and target.tool is None
-    assert target.where == ("pulled on h1: neither docker buildx imagetools nor docker manifest inspect works there "
-                            "(fix: install docker-buildx-plugin)")
+    assert target.where == (
+        "pulled on h1: neither docker buildx imagetools nor docker manifest inspect works there "
+        "(fix: install docker-buildx-plugin)"
+    )
     assert pulls(sent) == [t.resolve_command(TAG)]
 
 

@@ -38,25 +38,32 @@ def spec(**data: object) -> RouterSpec:
 # --- settings ----------------------------------------------------------------------------------------------------
 def test_defaults_make_a_sticky_least_loaded_router_keyed_at_the_front_door_on_port_8000():
     s = spec()
-    assert (s.policy, s.port, s.version, s.index_url) == ("sticky_least_loaded", 8000, "0.1.17",
-                                                          "https://pypi.org/simple")
+    assert (s.policy, s.port, s.version, s.index_url) == (
+        "sticky_least_loaded",
+        8000,
+        "0.1.17",
+        "https://pypi.org/simple",
+    )
     assert s.keys_sessions and not spec(router_policy="cache_aware").keys_sessions
     assert s.workers == WORKERS
 
 
-@pytest.mark.parametrize(("setting", "value", "words"), [
-    ("router_port", 0, "not a TCP port"),
-    ("router_port", "8000", "not a TCP port"),
-    ("router_policy", "kv_aware", "not a policy"),
-    ("router_version", "latest", "not a release version"),
-    ("router_index_url", "ftp://mirror/simple", "not an http(s) URL"),
-    ("router_venv", "/usr", "not a directory of its own"),
-    ("router_venv", "venv", "not a directory of its own"),
-    ("router_service", "../evil", "not a unit name"),
-    ("router_address", "everywhere", "not an IP address"),
-    ("router_health_check_interval_s", 0, "positive whole number"),
-    ("router_service", "a\nExecStartPre=/bin/sh", "control character"),
-])
+@pytest.mark.parametrize(
+    ("setting", "value", "words"),
+    [
+        ("router_port", 0, "not a TCP port"),
+        ("router_port", "8000", "not a TCP port"),
+        ("router_policy", "kv_aware", "not a policy"),
+        ("router_version", "latest", "not a release version"),
+        ("router_index_url", "ftp://mirror/simple", "not an http(s) URL"),
+        ("router_venv", "/usr", "not a directory of its own"),
+        ("router_venv", "venv", "not a directory of its own"),
+        ("router_service", "../evil", "not a unit name"),
+        ("router_address", "everywhere", "not an IP address"),
+        ("router_health_check_interval_s", 0, "positive whole number"),
+        ("router_service", "a\nExecStartPre=/bin/sh", "control character"),
+    ],
+)
 def test_a_bad_setting_is_one_line_naming_host_setting_and_fix(setting, value, words):
     with pytest.raises(SettingErrors) as caught:
         spec(**{setting: value})
@@ -66,7 +73,9 @@ def test_a_bad_setting_is_one_line_naming_host_setting_and_fix(setting, value, w
 
 
 def test_an_unknown_router_setting_suggests_the_close_one():
-    with pytest.raises(SettingErrors, match=r"router1: router_polcy: unknown setting \(fix: did you mean router_policy\?\)"):
+    with pytest.raises(
+        SettingErrors, match=r"router1: router_polcy: unknown setting \(fix: did you mean router_policy\?\)"
+    ):
         spec(router_polcy="round_robin")
 
 
@@ -113,9 +122,13 @@ def test_a_replica_is_reached_at_its_ssh_hostname_and_vllm_port():
 
 
 def test_a_port_published_on_one_address_is_reached_there():
-    assert worker_url("gpu1", {"ssh_hostname": "bastion", "vllm_publish_address": "192.168.5.11"}) \
+    assert (
+        worker_url("gpu1", {"ssh_hostname": "bastion", "vllm_publish_address": "192.168.5.11"})
         == "http://192.168.5.11:5000"
-    assert worker_url("gpu1", {"ssh_hostname": "10.0.0.11", "vllm_publish_address": "0.0.0.0"}) == "http://10.0.0.11:5000"
+    )
+    assert (
+        worker_url("gpu1", {"ssh_hostname": "10.0.0.11", "vllm_publish_address": "0.0.0.0"}) == "http://10.0.0.11:5000"
+    )
 
 
 def test_router_worker_address_wins_and_ipv6_is_bracketed():
@@ -123,14 +136,17 @@ def test_router_worker_address_wins_and_ipv6_is_bracketed():
 
 
 def test_a_replica_on_loopback_only_is_refused_naming_the_fix():
-    with pytest.raises(SettingError, match=r"gpu1: vllm_publish_address: 127\.0\.0\.1 keeps vLLM off the network.*fix: "):
+    with pytest.raises(
+        SettingError, match=r"gpu1: vllm_publish_address: 127\.0\.0\.1 keeps vLLM off the network.*fix: "
+    ):
         worker_url("gpu1", {"vllm_publish_address": "127.0.0.1"})
 
 
 def test_replicas_lists_every_problem_at_once():
     with pytest.raises(SettingErrors) as caught:
-        replicas([("a", {"vllm_publish_address": "127.0.0.1"}), ("b", {"router_worker_address": "bad host!"}),
-                  ("c", {})])
+        replicas(
+            [("a", {"vllm_publish_address": "127.0.0.1"}), ("b", {"router_worker_address": "bad host!"}), ("c", {})]
+        )
     assert [e.host for e in caught.value.errors] == ["a", "b"]
 
 
@@ -140,8 +156,13 @@ def test_argv_names_policy_port_and_metrics_and_never_the_workers():
     assert argv[0] == "/opt/vllm-router/bin/vllm-router"
     joined = " ".join(argv)
     # vllm-router itself listens on the loopback only: its worker management API shares its port.
-    for part in ("--policy consistent_hash", "--port 28000", "--host 127.0.0.1", "--prometheus-host 127.0.0.1",
-                 "--prometheus-port 29000"):
+    for part in (
+        "--policy consistent_hash",
+        "--port 28000",
+        "--host 127.0.0.1",
+        "--prometheus-host 127.0.0.1",
+        "--prometheus-port 29000",
+    ):
         assert part in joined
     # Membership is kept through the router's API and its members file, never in what the unit runs: a replica's
     # readiness must not rewrite or restart the router (nor keep it from listening until every worker answers).
@@ -156,7 +177,7 @@ def test_the_unit_replays_the_members_file_after_each_start_without_waiting_on_a
     script = s.rejoin_argv()[2]
     assert f"< {s.members_file}" in script and s.members_file == "/var/lib/gpufleet-router/vllm-router.workers"
     # Each add in the background: one replica that is down never holds the start.
-    assert '--data-urlencode \"url=$u\" http://127.0.0.1:28000/add_worker & }' in script
+    assert '--data-urlencode "url=$u" http://127.0.0.1:28000/add_worker & }' in script
     assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0
     # The same unit, whoever is ready: the membership is not what the unit runs.
     assert render_unit(s) == render_unit(build_router_spec("router1", {}, WORKERS[:1]))
@@ -171,8 +192,10 @@ def test_before_the_router_listens_its_port_is_fenced_to_root_and_nginx():
     assert split_exec(line.removeprefix("ExecStartPre=+")) == s.fence_argv()
     script = s.fence_argv()[1]
     # One transaction that replaces the table: a second start loads the same rule once.
-    assert script.startswith("table inet gpufleet-router-18000; delete table inet gpufleet-router-18000; table inet "
-                             "gpufleet-router-18000 { chain output { type filter hook output priority 0; ")
+    assert script.startswith(
+        "table inet gpufleet-router-18000; delete table inet gpufleet-router-18000; table inet "
+        "gpufleet-router-18000 { chain output { type filter hook output priority 0; "
+    )
     assert 'oifname "lo" tcp dport 18000 meta skuid != { root, www-data } reject with tcp reset' in script
     assert s.fence_argv() != spec().fence_argv()  # the port's own table, its own port
 
@@ -233,9 +256,11 @@ def test_the_front_door_passes_on_the_client_api_only():
     site = render_proxy(spec(router_policy="cache_aware"))
     assert re.search(r"^\s*listen 8000;$", site, re.M)
     locations = dict(re.findall(r"location ([^{]+?) \{\s*(.*?)\s*\}", site, re.S))
-    assert locations == {"/v1/": "proxy_pass http://127.0.0.1:28000/v1/;",
-                         "= /health": "proxy_pass http://127.0.0.1:28000/health;",
-                         "/": "return 404;"}
+    assert locations == {
+        "/v1/": "proxy_pass http://127.0.0.1:28000/v1/;",
+        "= /health": "proxy_pass http://127.0.0.1:28000/health;",
+        "/": "return 404;",
+    }
     assert "listen 10.0.0.5:8000;" in render_proxy(spec(router_address="10.0.0.5"))
     assert "listen [fd00::5]:8000;" in render_proxy(spec(router_address="fd00::5"))
 
@@ -246,8 +271,9 @@ def test_the_front_door_site_is_one_nginx_accepts(tmp_path, policy):
         pytest.skip(f"{frontdoor.missing()} (the integration tier runs it on the router hosts)")
     (tmp_path / "vllm-router-session-key.js").write_text(render_session_script())
     conf = tmp_path / "nginx.conf"
-    conf.write_text(frontdoor.nginx_conf(render_proxy(spec(router_port=18080, router_policy=policy), str(tmp_path)),
-                                         tmp_path))
+    conf.write_text(
+        frontdoor.nginx_conf(render_proxy(spec(router_port=18080, router_policy=policy), str(tmp_path)), tmp_path)
+    )
     proc = subprocess.run(["nginx", "-t", "-q", "-c", str(conf), "-p", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -255,18 +281,31 @@ def test_the_front_door_site_is_one_nginx_accepts(tmp_path, policy):
 def test_the_router_runs_unprivileged_and_sandboxed():
     unit = render_unit(spec())
     settings = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
-    for key, value in {"DynamicUser": "yes", "NoNewPrivileges": "yes", "ProtectSystem": "strict",
-                       "ProtectHome": "yes", "PrivateTmp": "yes", "CapabilityBoundingSet": ""}.items():
+    for key, value in {
+        "DynamicUser": "yes",
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "CapabilityBoundingSet": "",
+    }.items():
         assert settings.get(key) == value, key
     assert "User" not in settings  # no fixed account: systemd makes one for each start
 
 
 # --- the host fact ---------------------------------------------------------------------------------------------------
 def test_fact_parses_a_converged_router_host():
-    out = ["dist=vllm_router-0.1.17.dist-info", "python3_venv=install_ok_installed",
-           "unit_sha256=abc", "ActiveState=active", "NeedDaemonReload=no", "UnitFileState=enabled",
-           'workers={"urls":["http://10.0.0.11:5000","http://10.0.0.12:5000"]}',
-           "reach http://10.0.0.11:5000 200", "reach http://10.0.0.12:5000 000"]
+    out = [
+        "dist=vllm_router-0.1.17.dist-info",
+        "python3_venv=install_ok_installed",
+        "unit_sha256=abc",
+        "ActiveState=active",
+        "NeedDaemonReload=no",
+        "UnitFileState=enabled",
+        'workers={"urls":["http://10.0.0.11:5000","http://10.0.0.12:5000"]}',
+        "reach http://10.0.0.11:5000 200",
+        "reach http://10.0.0.12:5000 000",
+    ]
     seen = facts.parse(out)
     assert seen.installed_version == "0.1.17" and seen.python3_venv and seen.running
     assert seen.enabled and not seen.need_daemon_reload
@@ -282,8 +321,9 @@ def test_fact_reads_the_front_doors_session_key_parts():
 
 
 def test_fact_parses_a_bare_host():
-    seen = facts.parse(["python3_venv=", "unit_sha256=", "ActiveState=inactive", "NeedDaemonReload=no",
-                        "UnitFileState=", "workers="])
+    seen = facts.parse(
+        ["python3_venv=", "unit_sha256=", "ActiveState=inactive", "NeedDaemonReload=no", "UnitFileState=", "workers="]
+    )
     assert seen.installed_version is None and seen.venv_key is None and not seen.python3_venv
     assert seen.live_workers is None and not seen.running
 
@@ -302,7 +342,9 @@ def test_metrics_parse_the_real_router_exposition():
 
 
 def test_router_metrics_leave_out_what_is_not_a_count_and_refuse_what_is_not_prometheus():
-    text = 'vllm_router_running_requests{worker="http://a:1"} NaN\nvllm_router_running_requests{worker="http://b:1"} 2\n'
+    text = (
+        'vllm_router_running_requests{worker="http://a:1"} NaN\nvllm_router_running_requests{worker="http://b:1"} 2\n'
+    )
     assert router_samples(text) == [("vllm_router_running_requests", {"worker": "http://b:1"}, 2.0)]
     with pytest.raises(RouterError, match="router1: GET /metrics: is not Prometheus text"):
         router_samples("<html>oops</html>", "router1")
@@ -312,7 +354,9 @@ class RecordedRouter(Router):
     """The Router interface answering from the recorded files (the parsing under test is status.read's)."""
 
     def get_json(self, path: str, timeout: float = 10.0):
-        return json.loads((FIXTURES / {"/workers": "workers.json", "/list_workers": "list_workers.json"}[path]).read_text())
+        return json.loads(
+            (FIXTURES / {"/workers": "workers.json", "/list_workers": "list_workers.json"}[path]).read_text()
+        )
 
     def metrics(self):
         return router_samples((FIXTURES / "metrics.txt").read_text())
@@ -387,8 +431,10 @@ def test_the_worker_api_is_asked_by_a_root_command_on_the_host_not_through_a_tun
         assert WorkerApi.agents and all(a.startswith("curl/") for a in WorkerApi.agents), WorkerApi.agents
         with pytest.raises(RouterError) as refused:
             router.add_worker("http://10.0.0.99:5000", timeout=5)
-        assert str(refused.value) == ("router1: POST /add_worker?url=http%3A%2F%2F10.0.0.99%3A5000: HTTP 400: Timeout "
-                                      "120s waiting for worker http://10.0.0.99:5000")
+        assert str(refused.value) == (
+            "router1: POST /add_worker?url=http%3A%2F%2F10.0.0.99%3A5000: HTTP 400: Timeout "
+            "120s waiting for worker http://10.0.0.99:5000"
+        )
         with pytest.raises(RouterError, match=r"^router1: GET /big: not JSON: xxx"):
             router.get_json("/big")  # cut at the cap, so not JSON: bounded, and one line
         with pytest.raises(RouterError) as down:

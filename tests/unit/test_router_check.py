@@ -11,8 +11,9 @@ from gpufleet.router.settings import replicas
 from gpufleet.router.status import RouterStatus, WorkerRow
 
 GPU1, GPU2 = "http://10.0.0.11:5000", "http://10.0.0.12:5000"
-EXPECTED = RouterExpected({GPU1: "gpu1", GPU2: "gpu2"}, health_check_interval_s=7, service="vllm-router",
-                          inventory="inventories/lab.py")
+EXPECTED = RouterExpected(
+    {GPU1: "gpu1", GPU2: "gpu2"}, health_check_interval_s=7, service="vllm-router", inventory="inventories/lab.py"
+)
 
 
 def worker(url: str, healthy: bool = True) -> WorkerRow:
@@ -47,8 +48,10 @@ def test_a_replica_missing_from_the_worker_set_names_the_fix_that_puts_it_back()
 
 def test_a_worker_not_in_the_inventory_is_named():
     (line,) = problems(ready(worker(GPU1), worker(GPU2), worker("http://10.0.0.99:5000")), EXPECTED)
-    assert line == ("rtr1: worker http://10.0.0.99:5000 is not a replica of the inventory (fix: `gpufleet status "
-                    "inventories/lab.py --fix` removes it)")
+    assert line == (
+        "rtr1: worker http://10.0.0.99:5000 is not a replica of the inventory (fix: `gpufleet status "
+        "inventories/lab.py --fix` removes it)"
+    )
 
 
 def test_a_worker_api_without_its_fence_is_a_problem_and_an_unknown_fence_is_not():
@@ -120,7 +123,9 @@ class Clock:
         self.now += s
 
 
-@pytest.mark.parametrize(("deadline", "looks", "ok"), [(0.0, 1, False), (0.5, 1, False), (1.5, 2, False), (10.0, 3, True)])
+@pytest.mark.parametrize(
+    ("deadline", "looks", "ok"), [(0.0, 1, False), (0.5, 1, False), (1.5, 2, False), (10.0, 3, True)]
+)
 def test_verify_waits_for_a_router_until_it_passes_or_the_deadline(deadline, looks, ok):
     rows = iter([ready(worker(GPU1)), ready(worker(GPU1), worker(GPU2, False)), ready(worker(GPU1), worker(GPU2))])
     read: list[RouterStatus] = []
@@ -138,6 +143,8 @@ def test_a_client_port_that_does_not_answer_is_a_problem_even_with_every_worker_
     # The router routes fine on its loopback, but clients reach it through nginx on the client port.
     row = dataclasses.replace(ready(worker(GPU1), worker(GPU2)), front_door="502")
     (line,) = problems(row, EXPECTED)
-    assert line == ("rtr1: the client port does not answer /health (502): clients cannot reach the router (fix: "
-                    "`systemctl status nginx` on rtr1; pyinfra inventories/lab.py deploys/router.py configures it)")
+    assert line == (
+        "rtr1: the client port does not answer /health (502): clients cannot reach the router (fix: "
+        "`systemctl status nginx` on rtr1; pyinfra inventories/lab.py deploys/router.py configures it)"
+    )
     assert problems(dataclasses.replace(row, front_door="200"), EXPECTED) == ()

@@ -76,14 +76,25 @@ SYSTEM = ("system", "You are a coding agent. " + "Follow the repository's conven
 
 def test_every_turn_of_a_conversation_gets_the_key_of_its_opening(door):
     first = send(door, chat(SYSTEM, ("user", "fix the parser")))["session"]
-    later = send(door, chat(SYSTEM, ("user", "fix the parser"), ("assistant", "done"), ("user", "now the tests"),
-                            max_tokens=64, stream=False))["session"]
+    later = send(
+        door,
+        chat(
+            SYSTEM,
+            ("user", "fix the parser"),
+            ("assistant", "done"),
+            ("user", "now the tests"),
+            max_tokens=64,
+            stream=False,
+        ),
+    )["session"]
     assert first == frontdoor.expected_key(chat(SYSTEM, ("user", "fix the parser"))) and later == first
     # The same opening in parts (the content as a list) is another client's serialisation: a key of its own, and
     # every turn of it keeps that key too.
     parts = chat(SYSTEM, ("user", [{"type": "text", "text": "fix the parser"}]))
-    assert send(door, parts)["session"] == send(door, {**parts, "messages": [*parts["messages"],
-                                                       {"role": "assistant", "content": "ok"}]})["session"]
+    assert (
+        send(door, parts)["session"]
+        == send(door, {**parts, "messages": [*parts["messages"], {"role": "assistant", "content": "ok"}]})["session"]
+    )
 
 
 def test_agents_sharing_one_long_system_prompt_get_keys_of_their_own(door):
@@ -102,8 +113,9 @@ def test_the_clients_own_session_id_always_wins(door):
 def test_a_compacted_conversation_and_a_one_shot_request_are_sessions_of_their_own(door):
     turn = send(door, chat(SYSTEM, ("user", "task"), ("assistant", "a"), ("user", "more")))["session"]
     # The agent compacts its history into a summary: a new opening, so a new key (one cold turn).
-    compacted = send(door, chat(SYSTEM, ("user", "summary of the task so far"), ("assistant", "ok"),
-                                ("user", "more")))["session"]
+    compacted = send(door, chat(SYSTEM, ("user", "summary of the task so far"), ("assistant", "ok"), ("user", "more")))[
+        "session"
+    ]
     assert KEY.fullmatch(compacted) and compacted != turn
     # A one-shot request (no history) is placed like the first turn of a conversation.
     assert KEY.fullmatch(send(door, chat(("user", "translate: bonjour")))["session"])
@@ -111,9 +123,14 @@ def test_a_compacted_conversation_and_a_one_shot_request_are_sessions_of_their_o
 
 def test_responses_and_messages_bodies_are_keyed_by_their_opening_too(door):
     responses = {"model": "m", "instructions": "be brief", "input": [{"role": "user", "content": "a"}]}
-    grown = {**responses, "input": [*responses["input"], {"role": "assistant", "content": "b"},
-                                    {"role": "user", "content": "c"}]}
-    assert KEY.fullmatch(send(door, responses)["session"]) and send(door, grown)["session"] == send(door, responses)["session"]
+    grown = {
+        **responses,
+        "input": [*responses["input"], {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+    }
+    assert (
+        KEY.fullmatch(send(door, responses)["session"])
+        and send(door, grown)["session"] == send(door, responses)["session"]
+    )
     messages = {"model": "m", "system": "be brief", "max_tokens": 8, "messages": [{"role": "user", "content": "a"}]}
     assert send(door, messages)["session"] != send(door, {**messages, "system": "be verbose"})["session"]
 
@@ -121,8 +138,11 @@ def test_responses_and_messages_bodies_are_keyed_by_their_opening_too(door):
 def test_a_body_that_cannot_be_keyed_is_still_passed_on_and_answered(door):
     # Not JSON, JSON with no messages, a body over the in-memory buffer (nginx keeps it in a file): each is passed on
     # whole and placed by a key of its own request's id.
-    for body in (b"not json {", b'{"model": "m", "prompt": "completions have no messages"}',
-                 json.dumps(chat(("user", "x" * (12 << 20)))).encode()):
+    for body in (
+        b"not json {",
+        b'{"model": "m", "prompt": "completions have no messages"}',
+        json.dumps(chat(("user", "x" * (12 << 20)))).encode(),
+    ):
         got = [send(door, body, {"Content-Type": "application/json"}) for _ in range(2)]
         assert all(g["length"] == len(body) and KEY.fullmatch(g["session"]) for g in got), got
     assert "js exception" not in door.errors()
@@ -134,8 +154,10 @@ def test_a_body_that_cannot_be_keyed_is_still_passed_on_and_answered(door):
 def test_a_chunked_body_is_keyed_as_the_same_body_with_a_length(door):
     body = json.dumps(chat(SYSTEM, ("user", "chunked"))).encode()
     with socket.create_connection(("127.0.0.1", door.port), timeout=10) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                     b"Connection: close\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Connection: close\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+        )
         answer = b""
         while chunk := conn.recv(65536):
             answer += chunk
@@ -145,7 +167,7 @@ def test_a_chunked_body_is_keyed_as_the_same_body_with_a_length(door):
 def test_a_body_cut_short_gets_an_answer_and_the_front_door_goes_on(door):
     # The client promises more than it sends and closes: nginx never reaches the upstream with half a body.
     with socket.create_connection(("127.0.0.1", door.port), timeout=10) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        conn.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"model": ')
         conn.shutdown(socket.SHUT_WR)
         assert conn.recv(65536) == b""  # closed, no upstream answer
     assert KEY.fullmatch(send(door, chat(("user", "still there?")))["session"])
@@ -160,8 +182,13 @@ def run_alone(operation: Any, **arguments: Any) -> list[Any]:
 
 def converged(policy: str) -> tuple[Any, RouterHost]:
     spec = build_router_spec("router1", {"router_policy": policy}, ())
-    return spec, RouterHost(nginx=True, nginx_active=True, proxy_sha256=sha256(render_proxy(spec)), njs=True,
-                            session_script_sha256=sha256(render_session_script()))
+    return spec, RouterHost(
+        nginx=True,
+        nginx_active=True,
+        proxy_sha256=sha256(render_proxy(spec)),
+        njs=True,
+        session_script_sha256=sha256(render_session_script()),
+    )
 
 
 def test_the_front_door_writes_its_session_key_script_only_for_a_policy_that_places_by_session(monkeypatch):
@@ -173,7 +200,11 @@ def test_the_front_door_writes_its_session_key_script_only_for_a_policy_that_pla
     commands = run_alone(operations.front_door, spec=spec, seen=replace(seen, session_script_sha256=None))
     uploads = [c for c in commands if isinstance(c, FileUploadCommand)]
     assert [u.dest for u in uploads] == [script_path("vllm-router")] and installed == []
-    assert [str(c) for c in commands[-3:]] == ["nginx -t -q", "systemctl enable nginx", "systemctl reload-or-restart nginx"]
+    assert [str(c) for c in commands[-3:]] == [
+        "nginx -t -q",
+        "systemctl enable nginx",
+        "systemctl reload-or-restart nginx",
+    ]
     # nginx there without njs (a router that ran another policy): njs installed.
     run_alone(operations.front_door, spec=spec, seen=replace(seen, njs=False))
     assert installed == [["nginx", NJS_PACKAGE]]

@@ -73,7 +73,10 @@ def test_requirements_pin_every_wheel_by_version_and_sha256_for_that_python(pyth
         assert (wheel.version, wheel.sha256) == (version, digest)
         tag = wheel.filename.removesuffix(".whl").split("-")[-3:]
         assert tag[0] in ("py3", f"cp{python.replace('.', '')}", "cp38", "cp39") and tag[1] in (
-            "none", "abi3", f"cp{python.replace('.', '')}"), wheel.filename
+            "none",
+            "abi3",
+            f"cp{python.replace('.', '')}",
+        ), wheel.filename
         assert "x86_64" in tag[2] or tag[2] == "any", wheel.filename
 
 
@@ -92,7 +95,9 @@ def test_a_python_the_lock_does_not_cover_is_one_line_naming_host_setting_and_fi
     text = str(caught.value)
     assert "\n" not in text and text.startswith("router1: router_version: ")
     assert "Python 3.10 on x86_64" in text and "3.11 on aarch64/x86_64" in text
-    assert f"(fix: lock them: python -m gpufleet.router.relock --version {VERSION} --python 3.10 --machine x86_64" in text
+    assert (
+        f"(fix: lock them: python -m gpufleet.router.relock --version {VERSION} --python 3.10 --machine x86_64" in text
+    )
     with pytest.raises(SettingError, match=r"^router1: router_version: .*riscv64.*\(fix: "):
         wheels.locked_install("router1", VERSION, "3.11", "riscv64")
     with pytest.raises(SettingError, match=r"^router1: router_version: cannot tell which Python.*\(fix: "):
@@ -144,10 +149,20 @@ INSTALL = wheels.locked_install("router1", VERSION, "3.11", "x86_64")
 
 def converged(s: RouterSpec, **over: Any) -> RouterHost:
     name = INSTALL.key[:16]
-    seen = RouterHost(python="3.11", machine="x86_64", python3_venv=True, venv_link=s.venv_dir(INSTALL.key),
-                      venvs={name: INSTALL.key, "0123456789abcdef": "f" * 64},
-                      venv_previous=f"{s.venvs_dir}/0123456789abcdef", unit_sha256=_sha(render_unit(s)),
-                      active_state="active", enabled=True, live_workers=WORKERS, nftables=True, fenced=True)
+    seen = RouterHost(
+        python="3.11",
+        machine="x86_64",
+        python3_venv=True,
+        venv_link=s.venv_dir(INSTALL.key),
+        venvs={name: INSTALL.key, "0123456789abcdef": "f" * 64},
+        venv_previous=f"{s.venvs_dir}/0123456789abcdef",
+        unit_sha256=_sha(render_unit(s)),
+        active_state="active",
+        enabled=True,
+        live_workers=WORKERS,
+        nftables=True,
+        fenced=True,
+    )
     return replace(seen, **over)
 
 
@@ -163,9 +178,17 @@ def run_alone(operation: Any, **arguments: Any) -> list[Any]:
 
 def test_the_fact_reads_the_venv_in_use_its_marker_and_the_hosts_python():
     key = INSTALL.key
-    seen = facts.parse(["python=3.11", "machine=x86_64", f"venv_link=/opt/vllm-router.venvs/{key[:16]}",
-                        "venv_previous=/opt/vllm-router.venvs/0123456789abcdef",
-                        f"venvs {key[:16]} {key}", "venvs 0123456789abcdef " + "f" * 64, "venvs fedcba9876543210"])
+    seen = facts.parse(
+        [
+            "python=3.11",
+            "machine=x86_64",
+            f"venv_link=/opt/vllm-router.venvs/{key[:16]}",
+            "venv_previous=/opt/vllm-router.venvs/0123456789abcdef",
+            f"venvs {key[:16]} {key}",
+            "venvs 0123456789abcdef " + "f" * 64,
+            "venvs fedcba9876543210",
+        ]
+    )
     assert (seen.python, seen.machine, seen.venv_key, seen.venv_legacy) == ("3.11", "x86_64", key, False)
     assert seen.venvs["fedcba9876543210"] == ""  # an install that never finished
     # No python3 yet: apt's candidate tells which Python the venv will get.
@@ -179,8 +202,13 @@ def test_the_fact_reads_the_venv_in_use_its_marker_and_the_hosts_python():
 def test_a_converged_router_host_changes_nothing():
     s = spec()
     seen = converged(s)
-    for op in (operations.package, operations.fence, operations.old_venvs, operations.running,
-               operations.workers_in_step):
+    for op in (
+        operations.package,
+        operations.fence,
+        operations.old_venvs,
+        operations.running,
+        operations.workers_in_step,
+    ):
         assert run_alone(op, spec=s, seen=seen, install=INSTALL) == [], op
     assert run_alone(operations.ready, spec=s, seen=seen, install=INSTALL, timeout_s=5) == []
 
@@ -191,8 +219,10 @@ def test_the_fence_is_loaded_at_each_start_and_again_under_a_router_that_lost_it
     (load,) = run_alone(operations.fence, spec=s, seen=converged(s, fenced=False), install=INSTALL)
     assert shlex.split(str(load)) == s.fence_argv()
     # A router about to (re)start loads it itself (its unit's ExecStartPre).
-    assert run_alone(operations.fence, spec=s, seen=converged(s, fenced=False, active_state="inactive"),
-                     install=INSTALL) == []
+    assert (
+        run_alone(operations.fence, spec=s, seen=converged(s, fenced=False, active_state="inactive"), install=INSTALL)
+        == []
+    )
     # No nftables yet: installed first.
     first = run_alone(operations.fence, spec=s, seen=converged(s, nftables=False, fenced=False), install=INSTALL)
     assert "nftables" in str(first[-2]) and shlex.split(str(first[-1])) == s.fence_argv()
@@ -216,7 +246,8 @@ def test_a_new_lock_entry_installs_in_a_venv_of_its_own_then_switches_and_restar
     assert "restart" in " ".join(map(str, restart))
     # The venv in use becomes the previous one, kept; the one before it goes.
     assert [str(c) for c in run_alone(operations.old_venvs, spec=s, seen=converged(s), install=other)] == [
-        f"rm -rf {s.venvs_dir}/0123456789abcdef"]
+        f"rm -rf {s.venvs_dir}/0123456789abcdef"
+    ]
 
 
 def test_a_whole_venv_of_the_entry_is_switched_to_without_reinstalling():
@@ -238,7 +269,8 @@ def test_a_venv_from_before_the_lock_is_replaced_by_the_link_and_pruned_after():
     # The same run removes it after the restart (the switch moved it where the facts did not see it), so the next
     # run, which reads the link and no legacy venv, changes nothing.
     assert [str(c) for c in run_alone(operations.old_venvs, spec=s, seen=legacy, install=INSTALL)] == [
-        f"rm -rf {s.venvs_dir}/legacy"]
+        f"rm -rf {s.venvs_dir}/legacy"
+    ]
     after = converged(s, venv_previous=None, venvs={INSTALL.key[:16]: INSTALL.key})
     assert run_alone(operations.old_venvs, spec=s, seen=after, install=INSTALL) == []
 
@@ -273,7 +305,7 @@ def test_the_restart_checks_the_runs_lock_when_it_executes_not_when_it_is_planne
     assert isinstance(restart, StringCommand)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "systemctl").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'systemctl.log'}\n")
+    (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "systemctl.log"}\n')
     (bin_dir / "systemctl").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     lock_file.write_text(Holder.this_process().line() + "\n")
@@ -294,8 +326,14 @@ def build_wheel(where: Path) -> Path:
         "vllm_router-0.1.17.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         "vllm_router-0.1.17.dist-info/entry_points.txt": "[console_scripts]\nvllm-router = tinyrouter:main\n",
     }
-    record = "".join(f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(body.encode()).digest()).rstrip(b'=').decode()},"
-                     f"{len(body)}\n" for name, body in files.items()) + "vllm_router-0.1.17.dist-info/RECORD,,\n"
+    record = (
+        "".join(
+            f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(body.encode()).digest()).rstrip(b'=').decode()},"
+            f"{len(body)}\n"
+            for name, body in files.items()
+        )
+        + "vllm_router-0.1.17.dist-info/RECORD,,\n"
+    )
     path = where / "vllm_router-0.1.17-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:
         for name, body in {**files, "vllm_router-0.1.17.dist-info/RECORD": record}.items():
@@ -305,8 +343,13 @@ def build_wheel(where: Path) -> Path:
 
 def sh(script: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**clean, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_CACHE_DIR": "1", **env})
+    return subprocess.run(
+        ["sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**clean, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_CACHE_DIR": "1", **env},
+    )
 
 
 def install_for_real(s: RouterSpec, install: wheels.LockedInstall) -> subprocess.CompletedProcess[str]:
@@ -329,10 +372,16 @@ def test_real_pip_installs_the_locked_wheel_and_refuses_one_whose_hash_differs(t
     files.mkdir(parents=True)
     wheel = build_wheel(files)
     write_simple_index(files, tmp_path / "index" / "simple")
-    good = wheels.LockedInstall(VERSION, "3.11", "x86_64", (
-        wheels.Wheel("vllm-router", VERSION, wheel.name, hashlib.sha256(wheel.read_bytes()).hexdigest()),))
+    good = wheels.LockedInstall(
+        VERSION,
+        "3.11",
+        "x86_64",
+        (wheels.Wheel("vllm-router", VERSION, wheel.name, hashlib.sha256(wheel.read_bytes()).hexdigest()),),
+    )
     check_files(files, good)
-    s = replace(spec(router_venv=str(tmp_path / "opt" / "vllm-router")), index_url=(tmp_path / "index" / "simple").as_uri())
+    s = replace(
+        spec(router_venv=str(tmp_path / "opt" / "vllm-router")), index_url=(tmp_path / "index" / "simple").as_uri()
+    )
     proc = install_for_real(s, good)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = venv_state(s)

@@ -62,9 +62,11 @@ class RollbackHost:
     def ledger_written(self) -> tuple[int, str, Ledger]:
         """(where in `done`, the ledger's path, its content) of the one ledger the rollback wrote."""
         # The upload goes to a private temp dir; the root command after it renames its copy over the ledger.
-        [(at, path, text)] = [(i, self.done[i + 1][1].rpartition('mv -fT "$tmp" ')[2].split(";")[0], what[1])
-                              for i, (kind, what) in enumerate(self.done)
-                              if kind == "put" and ".json; " in self.done[i + 1][1]]
+        [(at, path, text)] = [
+            (i, self.done[i + 1][1].rpartition('mv -fT "$tmp" ')[2].split(";")[0], what[1])
+            for i, (kind, what) in enumerate(self.done)
+            if kind == "put" and ".json; " in self.done[i + 1][1]
+        ]
         text = text.decode() if isinstance(text, bytes) else text
         return at, path, parse(text)
 
@@ -72,19 +74,34 @@ class RollbackHost:
 SERVING_GOOD = ContainerInfo("c0ffee", "running", image=GOOD, spec_hash="0123456789abcdef")
 
 
-def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000, mark: bool = True,
-                answers: ContainerInfo | None = SERVING_GOOD, model: str | None = None) -> tuple[RollbackHost, Ledger]:
+def rolled_back(
+    monkeypatch: pytest.MonkeyPatch,
+    service: str,
+    port: int = 5000,
+    mark: bool = True,
+    answers: ContainerInfo | None = SERVING_GOOD,
+    model: str | None = None,
+) -> tuple[RollbackHost, Ledger]:
     """A host whose committed version is OLD's on port 5000 (its model's commit `model`) and whose pending one
     (`service` on `port`, the dies digest) failed: the rollback run with `answers` (the committed version, by
     default) ready again."""
     monkeypatch.setattr(verify, "transport_from_pyinfra_host", lambda host: None)
-    monkeypatch.setattr(commit, "poll_ready", lambda *_, **__: HealthReport(HealthState.READY, "ready",
-                                                                            container=answers))
+    monkeypatch.setattr(
+        commit, "poll_ready", lambda *_, **__: HealthReport(HealthState.READY, "ready", container=answers)
+    )
     spec = build_spec("gpu1", {"vllm_image": TAG, "vllm_service": service, "vllm_port": port})
-    committed = Version(image=TAG, ref=GOOD, unit_sha256="a" * 64, spec_hash="0123456789abcdef", service=OLD,
-                        port=5000, model=model)
-    pending = Version(image=TAG, ref=DIES, unit_sha256="b" * 64, spec_hash=spec.spec_hash, service=service,
-                      port=port, model=model and model[:-40] + "f" * 40)
+    committed = Version(
+        image=TAG, ref=GOOD, unit_sha256="a" * 64, spec_hash="0123456789abcdef", service=OLD, port=5000, model=model
+    )
+    pending = Version(
+        image=TAG,
+        ref=DIES,
+        unit_sha256="b" * 64,
+        spec_hash=spec.spec_hash,
+        service=service,
+        port=port,
+        model=model and model[:-40] + "f" * 40,
+    )
     ledger = begin(Ledger(committed=Committed(committed, "t0", "t0")), pending, "ops@laptop pid 7", "t1")
     host = RollbackHost()
     remember(host, HostSnapshot()).ledger = ledger
@@ -95,17 +112,24 @@ def rolled_back(monkeypatch: pytest.MonkeyPatch, service: str, port: int = 5000,
 
 def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_service(monkeypatch):
     host, before = rolled_back(monkeypatch, NEW)
-    [(restored_at, restore)] = [(i, shlex.split(what)[-1]) for i, (kind, what) in enumerate(host.done)
-                                if kind == "run" and "systemctl restart" in what]  # sh -c '<the restore>'
+    [(restored_at, restore)] = [
+        (i, shlex.split(what)[-1])
+        for i, (kind, what) in enumerate(host.done)
+        if kind == "run" and "systemctl restart" in what
+    ]  # sh -c '<the restore>'
     # reset-failed: a new unit whose engine died is not left listed as failed once it is gone.
     # The committed unit's copy is the one its ledger names by checksum (the old place for a ledger from before);
     # it goes back only if it is that unit, written atomically.
-    assert restore.startswith(f'b={committed_unit(OLD, "a" * 64)}; [ -e "$b" ] || b={unit_backup(OLD)} && '
-                              f'echo "{"a" * 64}  $b" | sha256sum -c --status && ')
-    assert (f"systemctl disable --now {NEW}.service; rm -f {unit_path(NEW)}; systemctl reset-failed {NEW}.service "
-            f"2>/dev/null; true; }} && sh -c {shlex.quote(atomic_write_command(unit_path(OLD)))} < \"$b\" "
-            f"&& systemctl daemon-reload && systemctl enable {OLD}.service && systemctl restart "
-            f"{OLD}.service") in restore
+    assert restore.startswith(
+        f'b={committed_unit(OLD, "a" * 64)}; [ -e "$b" ] || b={unit_backup(OLD)} && '
+        f'echo "{"a" * 64}  $b" | sha256sum -c --status && '
+    )
+    assert (
+        f"systemctl disable --now {NEW}.service; rm -f {unit_path(NEW)}; systemctl reset-failed {NEW}.service "
+        f'2>/dev/null; true; }} && sh -c {shlex.quote(atomic_write_command(unit_path(OLD)))} < "$b" '
+        f"&& systemctl daemon-reload && systemctl enable {OLD}.service && systemctl restart "
+        f"{OLD}.service"
+    ) in restore
     at, path, written = host.ledger_written()
     assert path == ledger_path(OLD)
     assert written.committed == before.committed and written.pending is None
@@ -114,8 +138,9 @@ def test_a_rename_going_back_marks_the_old_ledger_and_leaves_nothing_of_the_new_
     # The new service's ledger (its pending record), secrets and flag note go, after the mark is written: a run cut
     # before that finds the pending record and settles it again.
     removed = [(i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and what.startswith("rm -f ")]
-    assert removed == [(removed[0][0], f"rm -f {ledger_path(NEW)} /etc/gpufleet/{NEW}.env "
-                                       f"/var/lib/gpufleet/{NEW}.flags-accepted")]
+    assert removed == [
+        (removed[0][0], f"rm -f {ledger_path(NEW)} /etc/gpufleet/{NEW}.env /var/lib/gpufleet/{NEW}.flags-accepted")
+    ]
     assert removed[0][0] > at
     # The mark comes before the unit goes back: a run cut in between does not try the failed version again.
     assert at < restored_at
@@ -162,11 +187,14 @@ def test_a_commit_keeps_a_checked_copy_named_by_the_ledger_first_and_prunes_old_
     v, _ = committing(host)
     assert commit.commit_pending(host, v, "t2") is True
     copy = committed_unit(OLD, "b" * 64)
-    [(copied_at, copied)] = [(i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and copy in what
-                             and "sha256sum" in what]
+    [(copied_at, copied)] = [
+        (i, what) for i, (kind, what) in enumerate(host.done) if kind == "run" and copy in what and "sha256sum" in what
+    ]
     # Written atomically from the unit on disk, then checked against the checksum the ledger will name.
-    assert copied == (f"sh -c {shlex.quote(atomic_write_command(copy))} < {unit_path(OLD)} && "
-                      f"echo {shlex.quote('b' * 64 + '  ' + copy)} | sha256sum -c --status")
+    assert copied == (
+        f"sh -c {shlex.quote(atomic_write_command(copy))} < {unit_path(OLD)} && "
+        f"echo {shlex.quote('b' * 64 + '  ' + copy)} | sha256sum -c --status"
+    )
     at, path, written = host.ledger_written()
     assert path == ledger_path(OLD) and written.committed is not None
     assert written.committed.version.unit_sha256 == "b" * 64

@@ -13,13 +13,21 @@ from gpufleet.vllm.settings import VllmSettings, field_name, merged_settings, re
 def test_every_setting_has_one_field_named_after_it():
     fields = [f.name for f in dataclasses.fields(VllmSettings)]
     assert sorted(fields) == sorted(field_name(key) for key in DEFAULTS)
-    assert (field_name("vllm_cache_dir"), field_name("gpufleet_image_ref"), field_name("site_cache_port")) == \
-        ("cache_dir", "image_ref", "site_cache_port")
+    assert (field_name("vllm_cache_dir"), field_name("gpufleet_image_ref"), field_name("site_cache_port")) == (
+        "cache_dir",
+        "image_ref",
+        "site_cache_port",
+    )
 
 
 def test_the_record_holds_the_validated_values_read_only():
-    data = {"vllm_gpus": [0, 1, 2], "vllm_args": {"max-model-len": 32768}, "gpufleet_retry_failed": "true",
-            "vllm_docker_options": {"device": ["/dev/fuse"]}, "gpufleet_verify_checks": "tools,sessions"}
+    data = {
+        "vllm_gpus": [0, 1, 2],
+        "vllm_args": {"max-model-len": 32768},
+        "gpufleet_retry_failed": "true",
+        "vllm_docker_options": {"device": ["/dev/fuse"]},
+        "gpufleet_verify_checks": "tools,sessions",
+    }
     settings = resolve_host("gpu1", data)[1]
     assert settings.gpus == (0, 1, 2) and settings.retry_failed is True
     assert settings.verify_checks == ("sessions", "tools") and settings.docker_options["device"] == ("/dev/fuse",)
@@ -49,4 +57,6 @@ def test_the_record_is_built_by_keyword_only():
     values = [getattr(settings, f.name) for f in dataclasses.fields(VllmSettings)]
     with pytest.raises(TypeError):
         VllmSettings(*values)  # type: ignore[misc]
-    assert VllmSettings(**{f.name: v for f, v in zip(dataclasses.fields(VllmSettings), values, strict=True)}) == settings
+    assert (
+        VllmSettings(**{f.name: v for f, v in zip(dataclasses.fields(VllmSettings), values, strict=True)}) == settings
+    )

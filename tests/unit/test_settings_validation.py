@@ -42,7 +42,11 @@ CASES = [
     ({"vllm_args": {"max-num-seqs": "two"}}, "vllm_args['max-num-seqs']", "integer"),
     ({"vllm_args": {"max-model-len": "lots"}}, "vllm_args['max-model-len']", "token count"),
     ({"vllm_args": {"enable-prefix-caching": "yes"}}, "vllm_args['enable-prefix-caching']", "switch"),
-    ({"vllm_args": {"language-model-only": None, "served-model-name": True}}, "vllm_args['served-model-name']", "needs a value"),
+    (
+        {"vllm_args": {"language-model-only": None, "served-model-name": True}},
+        "vllm_args['served-model-name']",
+        "needs a value",
+    ),
     ({"vllm_args": {"max-num-batched-tokens": 0}}, "vllm_args['max-num-batched-tokens']", ">= 1"),
     (
         {"vllm_args": {"max-num-batched-tokens": 1, "max-num-seqs": 2}},
@@ -52,7 +56,11 @@ CASES = [
     ({"vllm_args": {"pipeline-parallel-size": 2}}, "vllm_gpus", "pipeline-parallel-size"),
     ({"vllm_gpus": [0, 1]}, "vllm_gpus", "set vllm_args pipeline-parallel-size to 2"),
     ({"vllm_args": {"tool-call-parser": None}}, "vllm_args['enable-auto-tool-choice']", "tool-call-parser"),
-    ({"vllm_args": {"override-generation-config": "{temperature: 1}"}}, "vllm_args['override-generation-config']", "JSON"),
+    (
+        {"vllm_args": {"override-generation-config": "{temperature: 1}"}},
+        "vllm_args['override-generation-config']",
+        "JSON",
+    ),
     ({"vllm_args": {"override-generation-config": "[1, 2]"}}, "vllm_args['override-generation-config']", "JSON object"),
     ({"vllm_args": {"max-modle-len": 1024}}, "vllm_args['max-modle-len']", "max-model-len"),
     ({"vllm_args": {"port": 6000}}, "vllm_args['port']", "vllm_port"),
@@ -125,8 +133,7 @@ def test_valid_variations_are_accepted():
 @pytest.mark.parametrize(("word", "value"), [("true", True), ("False", False), (True, True)])
 def test_run_flags_from_the_command_line_accept_the_words_true_and_false(word, value):
     settings = resolve_host("gpu1", dict.fromkeys(RUN_FLAGS, word))[1]
-    assert (settings.retry_failed, settings.verify_probe, settings.refresh_keys, settings.speed_batches) == \
-        (value,) * 4
+    assert (settings.retry_failed, settings.verify_probe, settings.refresh_keys, settings.speed_batches) == (value,) * 4
     assert "gpufleet_refresh_keys" in RUN_FLAGS
 
 

@@ -37,28 +37,36 @@ from tests.ports import free_port
 
 BIG = "9f3c2a7d1e55"
 # docker pull of a digest (20.10, not on a terminal) through the cache: one layer present, one fetched.
-CACHE_PULL = f"""10.0.0.5:5001/vllm/vllm-openai@sha256:{'7' * 64}: Pulling from vllm/vllm-openai
+CACHE_PULL = f"""10.0.0.5:5001/vllm/vllm-openai@sha256:{"7" * 64}: Pulling from vllm/vllm-openai
 682958b6cb03: Already exists
 {BIG}: Pulling fs layer
 {BIG}: Verifying Checksum
 {BIG}: Download complete
 {BIG}: Pull complete
-Digest: sha256:{'7' * 64}
-Status: Downloaded newer image for 10.0.0.5:5001/vllm/vllm-openai@sha256:{'7' * 64}
+Digest: sha256:{"7" * 64}
+Status: Downloaded newer image for 10.0.0.5:5001/vllm/vllm-openai@sha256:{"7" * 64}
 """.splitlines()
 # ... then from upstream: every layer present, the manifest only.
-UPSTREAM_AFTER = f"""reg:5000/vllm/vllm-openai@sha256:{'7' * 64}: Pulling from vllm/vllm-openai
-Digest: sha256:{'7' * 64}
-Status: Downloaded newer image for reg:5000/vllm/vllm-openai@sha256:{'7' * 64}
+UPSTREAM_AFTER = f"""reg:5000/vllm/vllm-openai@sha256:{"7" * 64}: Pulling from vllm/vllm-openai
+Digest: sha256:{"7" * 64}
+Status: Downloaded newer image for reg:5000/vllm/vllm-openai@sha256:{"7" * 64}
 """.splitlines()
 # What docker 20.10 printed for a blob the cache had tampered with (recorded on a test host).
-TAMPERED = ("filesystem layer verification failed for digest "
-            "sha256:682958b6cb031ed384534a3eff3629e02082dabf3c84e006c190f667511b561b")
+TAMPERED = (
+    "filesystem layer verification failed for digest "
+    "sha256:682958b6cb031ed384534a3eff3629e02082dabf3c84e006c190f667511b561b"
+)
 
 
 def manifest(sizes: dict[str, int]) -> bytes:
-    layers = [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip", "size": size,
-               "digest": "sha256:" + short + "0" * 52} for short, size in sizes.items()]
+    layers = [
+        {
+            "mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip",
+            "size": size,
+            "digest": "sha256:" + short + "0" * 52,
+        }
+        for short, size in sizes.items()
+    ]
     return json.dumps({"schemaVersion": 2, "mediaType": pull.MANIFEST_TYPES[0], "layers": layers}).encode()
 
 
@@ -78,9 +86,13 @@ def test_the_bytes_of_each_pull_are_the_manifest_sizes_of_the_layers_it_fetched(
 def test_a_manifest_is_read_only_when_it_hashes_to_the_digest_and_an_index_leads_to_the_platform():
     body = manifest({BIG: 1})
     assert pull.verified_manifest(body, "sha256:" + "0" * 64) is None
-    index = {"mediaType": pull.INDEX_TYPES[1], "manifests": [
-        {"digest": "sha256:" + "a" * 64, "platform": {"architecture": "arm64", "os": "linux"}},
-        {"digest": "sha256:" + "b" * 64, "platform": {"architecture": "amd64", "os": "linux"}}]}
+    index = {
+        "mediaType": pull.INDEX_TYPES[1],
+        "manifests": [
+            {"digest": "sha256:" + "a" * 64, "platform": {"architecture": "arm64", "os": "linux"}},
+            {"digest": "sha256:" + "b" * 64, "platform": {"architecture": "amd64", "os": "linux"}},
+        ],
+    }
     assert pull.is_index(index) and not pull.is_index(json.loads(body))
     assert pull.platform_manifest(index, "amd64") == "sha256:" + "b" * 64
     assert pull.platform_manifest(index, "riscv64") is None
@@ -89,8 +101,10 @@ def test_a_manifest_is_read_only_when_it_hashes_to_the_digest_and_an_index_leads
 def test_a_tampered_blob_is_told_from_an_unreachable_cache():
     assert pull.tampered("x\n" + TAMPERED + "\n") == TAMPERED
     assert pull.tampered("Error response from daemon: manifest verification failed for digest sha256:ab") is not None
-    unreachable = ('Error response from daemon: Get "http://10.0.0.5:5001/v2/": dial tcp 10.0.0.5:5001: connect: '
-                   "connection refused")
+    unreachable = (
+        'Error response from daemon: Get "http://10.0.0.5:5001/v2/": dial tcp 10.0.0.5:5001: connect: '
+        "connection refused"
+    )
     assert pull.tampered(unreachable) is None
 
 
@@ -116,12 +130,15 @@ def test_the_upstream_and_the_path_on_the_cache_follow_the_image():
     assert site_cache.repository_path("vllm/vllm-openai:nightly") == "vllm/vllm-openai"
     assert site_cache.repository_path("ubuntu:24.04") == "library/ubuntu"
     assert site_cache.repository_path("10.0.0.1:5000/vllm/vllm-openai:nightly") == "vllm/vllm-openai"
-    assert site_cache.registry_host("https://index.docker.io") == site_cache.registry_host("https://registry-1.docker.io")
+    assert site_cache.registry_host("https://index.docker.io") == site_cache.registry_host(
+        "https://registry-1.docker.io"
+    )
 
 
 def test_insecure_registries_is_merged_keeping_every_other_key():
-    before = json.dumps({"runtimes": {"nvidia": {"path": "nvidia-container-runtime"}},
-                         "insecure-registries": ["10.0.0.1:5000"]})
+    before = json.dumps(
+        {"runtimes": {"nvidia": {"path": "nvidia-container-runtime"}}, "insecure-registries": ["10.0.0.1:5000"]}
+    )
     merged = json.loads(docker.with_insecure_registry(before, "10.0.0.5:5001") or "")
     assert merged["runtimes"] == {"nvidia": {"path": "nvidia-container-runtime"}}
     assert merged["insecure-registries"] == ["10.0.0.1:5000", "10.0.0.5:5001"]
@@ -157,7 +174,9 @@ def test_the_cache_is_set_up_once_and_a_second_converge_changes_nothing():
     assert run_op(site_cache.serving, seen=converged, upstream="https://registry-1.docker.io", port=5002) == []
     moved = run_op(site_cache.serving, seen=converged, upstream="https://registry-1.docker.io", port=5003)
     assert [str(c) for c in moved if isinstance(c, StringCommand)][-1] == "systemctl restart docker-registry.service"
-    assert parse_cache_host(["installed=ii ", f"config={sha256(config)}", "active=active", "enabled=enabled"]) == converged
+    assert (
+        parse_cache_host(["installed=ii ", f"config={sha256(config)}", "active=active", "enabled=enabled"]) == converged
+    )
 
 
 def test_a_cache_over_its_bound_is_emptied_before_the_pull_and_one_under_it_is_kept():
@@ -166,12 +185,20 @@ def test_a_cache_over_its_bound_is_emptied_before_the_pull_and_one_under_it_is_k
     args = {"seen": converged, "upstream": "https://registry-1.docker.io", "port": 5002, "max_gb": 2}
     assert run_op(site_cache.serving, used_kib=2 * 1024 * 1024, **args) == []
     emptied = [str(c) for c in run_op(site_cache.serving, used_kib=2 * 1024 * 1024 + 1, **args)]
-    assert emptied == ["systemctl stop docker-registry.service", "rm -rf /var/lib/docker-registry/docker",
-                       "systemctl restart docker-registry.service"]
+    assert emptied == [
+        "systemctl stop docker-registry.service",
+        "rm -rf /var/lib/docker-registry/docker",
+        "systemctl restart docker-registry.service",
+    ]
 
 
 def test_the_front_door_is_set_up_once_and_a_second_converge_changes_nothing():
-    args = {"port": 5001, "internal_port": 5002, "clients": ["127.0.0.1", "10.0.0.5"], "repositories": ["vllm/vllm-openai"]}
+    args = {
+        "port": 5001,
+        "internal_port": 5002,
+        "clients": ["127.0.0.1", "10.0.0.5"],
+        "repositories": ["vllm/vllm-openai"],
+    }
     fresh = [str(c) for c in run_op(site_cache.front_door, seen=SiteCacheHost(), **args)]
     assert "nginx" in fresh[1] and fresh[2] == "rm -f /etc/nginx/sites-enabled/default"
     assert fresh[-3:] == ["nginx -t -q", "systemctl enable nginx", "systemctl reload-or-restart nginx"]
@@ -209,8 +236,9 @@ def test_the_front_door_lets_the_inventorys_hosts_pull_its_repositories_by_diges
     port = free_port()
     site = site_cache.render_front(port, registry.server_address[1], ["127.0.0.1"], ["vllm/vllm-openai", "org/x.y"])
     conf = tmp_path / "nginx.conf"
-    conf.write_text(f"daemon off; pid {tmp_path}/nginx.pid; error_log stderr; events {{}} http {{ access_log off; "
-                    f"{site} }}")
+    conf.write_text(
+        f"daemon off; pid {tmp_path}/nginx.pid; error_log stderr; events {{}} http {{ access_log off; {site} }}"
+    )
     nginx = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(tmp_path)], stderr=subprocess.PIPE, text=True)
     digest = "sha256:" + "ab" * 32
 
@@ -231,18 +259,24 @@ def test_the_front_door_lets_the_inventorys_hosts_pull_its_repositories_by_diges
         assert get(f"/v2/vllm/vllm-openai/manifests/{digest}") == 200
         assert get(f"/v2/org/x.y/blobs/{digest}") == 200
         assert get(f"/v2/x/../vllm/vllm-openai/blobs/{digest}") == 200  # asked as nginx resolved it
-        assert Registry.asked == ["/v2/", f"/v2/vllm/vllm-openai/manifests/{digest}", f"/v2/org/x.y/blobs/{digest}",
-                                  f"/v2/vllm/vllm-openai/blobs/{digest}"]
+        assert Registry.asked == [
+            "/v2/",
+            f"/v2/vllm/vllm-openai/manifests/{digest}",
+            f"/v2/org/x.y/blobs/{digest}",
+            f"/v2/vllm/vllm-openai/blobs/{digest}",
+        ]
         # Another repository of upstream, a tag (the cache would resolve it), a push, a catalogue, another client.
-        for path, method, source in [(f"/v2/library/ubuntu/manifests/{digest}", "GET", "127.0.0.1"),
-                                     (f"/v2/org/xxy/manifests/{digest}", "GET", "127.0.0.1"),
-                                     ("/v2/vllm/vllm-openai/manifests/latest", "GET", "127.0.0.1"),
-                                     ("/v2/vllm/vllm-openai/blobs/uploads/", "POST", "127.0.0.1"),
-                                     (f"/v2/vllm/vllm-openai/manifests/{digest}", "PUT", "127.0.0.1"),
-                                     ("/v2/_catalog", "GET", "127.0.0.1"),
-                                     (f"/v2/library%2Fubuntu/manifests/{digest}", "GET", "127.0.0.1"),
-                                     (f"/v2/vllm/vllm-openai/manifests/{digest}", "GET", "127.0.0.2"),
-                                     ("/v2/", "GET", "127.0.0.2")]:
+        for path, method, source in [
+            (f"/v2/library/ubuntu/manifests/{digest}", "GET", "127.0.0.1"),
+            (f"/v2/org/xxy/manifests/{digest}", "GET", "127.0.0.1"),
+            ("/v2/vllm/vllm-openai/manifests/latest", "GET", "127.0.0.1"),
+            ("/v2/vllm/vllm-openai/blobs/uploads/", "POST", "127.0.0.1"),
+            (f"/v2/vllm/vllm-openai/manifests/{digest}", "PUT", "127.0.0.1"),
+            ("/v2/_catalog", "GET", "127.0.0.1"),
+            (f"/v2/library%2Fubuntu/manifests/{digest}", "GET", "127.0.0.1"),
+            (f"/v2/vllm/vllm-openai/manifests/{digest}", "GET", "127.0.0.2"),
+            ("/v2/", "GET", "127.0.0.2"),
+        ]:
             assert get(path, method, source) == 403, (path, method, source)
         assert len(Registry.asked) == 4
     finally:
@@ -253,16 +287,21 @@ def test_the_front_door_lets_the_inventorys_hosts_pull_its_repositories_by_diges
 
 
 def test_trusting_the_cache_reloads_docker_only_when_the_address_is_new():
-    listed = HostSnapshot(daemon_json={"insecure-registries": ["10.0.0.5:5001"]},
-                          file_sha256={docker.TRUSTED: sha256("10.0.0.5:5001\n")})
+    listed = HostSnapshot(
+        daemon_json={"insecure-registries": ["10.0.0.5:5001"]}, file_sha256={docker.TRUSTED: sha256("10.0.0.5:5001\n")}
+    )
     assert run_op(docker.trusts_site_cache, listed, address="10.0.0.5:5001") == []
     (merge,) = run_op(docker.trusts_site_cache, HostSnapshot(daemon_json={"runtimes": {}}), address="10.0.0.5:5001")
     assert isinstance(merge, FunctionCommand)
     # The cache turned off or moved: the address gpufleet recorded is taken out; without a record, nothing to do.
     assert len(run_op(docker.trusts_site_cache, listed, address=None)) == 1
     assert len(run_op(docker.trusts_site_cache, listed, address="10.0.0.6:5001")) == 1
-    assert run_op(docker.trusts_site_cache, HostSnapshot(daemon_json={"insecure-registries": ["10.0.0.5:5001"]}),
-                  address=None) == []
+    assert (
+        run_op(
+            docker.trusts_site_cache, HostSnapshot(daemon_json={"insecure-registries": ["10.0.0.5:5001"]}), address=None
+        )
+        == []
+    )
 
 
 INVENTORY = """
@@ -304,38 +343,48 @@ def test_prepare_pulls_on_the_cache_host_first_then_the_rest_at_once(inventory: 
 
 def test_the_cache_lets_in_every_vllm_host_of_the_inventory_and_serves_their_repositories(tmp_path: Path):
     path = tmp_path / "inv.py"
-    path.write_text("gpuhosts = [('gpu1', {'ssh_hostname': '10.0.0.5', 'vllm_image': 'vllm/vllm-openai:nightly'}), "
-                    "('localhost', {'vllm_image': 'ghcr.io/org/vllm:x'}), ('gpu3', {'ssh_hostname': 'fd00::3'})]\n"
-                    "routers = [('rtr', {'ssh_hostname': '10.0.0.9'})]\n"
-                    "site_cache = [('gpu1', {})]\n")
+    path.write_text(
+        "gpuhosts = [('gpu1', {'ssh_hostname': '10.0.0.5', 'vllm_image': 'vllm/vllm-openai:nightly'}), "
+        "('localhost', {'vllm_image': 'ghcr.io/org/vllm:x'}), ('gpu3', {'ssh_hostname': 'fd00::3'})]\n"
+        "routers = [('rtr', {'ssh_hostname': '10.0.0.9'})]\n"
+        "site_cache = [('gpu1', {})]\n"
+    )
     inventory = load_pyinfra_hosts(path)[0].inventory
     found = clients(inventory, ["10.0.1.0/24"])
     assert found[:3] == ["127.0.0.1", "::1", "10.0.1.0/24"]  # the host itself, then site_cache_clients
     assert {"10.0.0.5", "fd00::3", "127.0.0.1"} <= set(found) and "10.0.0.9" not in found  # a router pulls nothing
     assert repositories(inventory, "https://registry-1.docker.io") == ["vllm/vllm-openai", "vllm/vllm-openai"]
     unresolved = tmp_path / "unresolved.py"
-    unresolved.write_text("gpuhosts = [('gpu1', {'ssh_hostname': 'no-such-host.invalid'})]\nsite_cache = [('gpu1', {})]\n")
+    unresolved.write_text(
+        "gpuhosts = [('gpu1', {'ssh_hostname': 'no-such-host.invalid'})]\nsite_cache = [('gpu1', {})]\n"
+    )
     with pytest.raises(SettingErrors) as unknown:
         clients(load_pyinfra_hosts(unresolved)[0].inventory, [])
     assert str(unknown.value).startswith("gpu1: ssh_hostname: no-such-host.invalid does not resolve (")
     assert "(fix: set ssh_hostname to its address, or add it to site_cache_clients)" in str(unknown.value)
 
 
-@pytest.mark.parametrize(("setting", "value", "expected"), [
-    ("site_cache_port", 0, "site_cache_port: 0 is not a TCP port"),
-    ("site_cache_internal_port", 5001, "site_cache_internal_port: is site_cache_port too"),
-    ("site_cache_clients", ["10.0.0.0/33"], "site_cache_clients: ['10.0.0.0/33'] is not a list of addresses"),
-    ("site_cache_clients", "10.0.0.5", "site_cache_clients: '10.0.0.5' is not a list of addresses"),
-    ("site_cache_max_gb", 0, "site_cache_max_gb: 0 is not a positive number of GB"),
-    ("site_cache_max_gb", float("inf"), "site_cache_max_gb: inf is not a positive number of GB"),
-    ("site_cache_model_max_gb", "500", "site_cache_model_max_gb: '500' is not a positive number of GB"),
-    ("site_cache_mirror_port", 70000, "site_cache_mirror_port: 70000 is not a TCP port"),
-    ("site_cache_mirror_index_url", "https://x/simple;rm -rf /",
-     "site_cache_mirror_index_url: 'https://x/simple;rm -rf /' is not a plain http(s) URL"),
-    ("site_cache_upstream", "ftp://x", "site_cache_upstream: 'ftp://x' is not a plain http(s) URL"),
-    ("site_cache_address", "10.0.0.5", "site_cache_address: '10.0.0.5' is not host:port"),
-    ("site_cache_pull_timeout_s", 0, "site_cache_pull_timeout_s: 0 is not a positive number of seconds"),
-])
+@pytest.mark.parametrize(
+    ("setting", "value", "expected"),
+    [
+        ("site_cache_port", 0, "site_cache_port: 0 is not a TCP port"),
+        ("site_cache_internal_port", 5001, "site_cache_internal_port: is site_cache_port too"),
+        ("site_cache_clients", ["10.0.0.0/33"], "site_cache_clients: ['10.0.0.0/33'] is not a list of addresses"),
+        ("site_cache_clients", "10.0.0.5", "site_cache_clients: '10.0.0.5' is not a list of addresses"),
+        ("site_cache_max_gb", 0, "site_cache_max_gb: 0 is not a positive number of GB"),
+        ("site_cache_max_gb", float("inf"), "site_cache_max_gb: inf is not a positive number of GB"),
+        ("site_cache_model_max_gb", "500", "site_cache_model_max_gb: '500' is not a positive number of GB"),
+        ("site_cache_mirror_port", 70000, "site_cache_mirror_port: 70000 is not a TCP port"),
+        (
+            "site_cache_mirror_index_url",
+            "https://x/simple;rm -rf /",
+            "site_cache_mirror_index_url: 'https://x/simple;rm -rf /' is not a plain http(s) URL",
+        ),
+        ("site_cache_upstream", "ftp://x", "site_cache_upstream: 'ftp://x' is not a plain http(s) URL"),
+        ("site_cache_address", "10.0.0.5", "site_cache_address: '10.0.0.5' is not host:port"),
+        ("site_cache_pull_timeout_s", 0, "site_cache_pull_timeout_s: 0 is not a positive number of seconds"),
+    ],
+)
 def test_a_bad_site_cache_setting_is_one_line_with_its_fix(setting: str, value: Any, expected: str):
     with pytest.raises(SettingErrors) as raised:
         build_spec("gpu1", {setting: value})
@@ -356,15 +405,15 @@ class RecordedSessions:
 def test_the_rollout_reads_each_hosts_record_of_its_target_only():
     target = "reg/x@sha256:" + "1" * 64
     mine = PullStats(target, 100, 0, False, "10.0.0.5:5001")
-    sessions = RecordedSessions({"a": mine, "b": PullStats("reg/x@sha256:" + "2" * 64, 0, 9, True), "c": None,
-                                 "d": "d: could not connect"})
+    sessions = RecordedSessions(
+        {"a": mine, "b": PullStats("reg/x@sha256:" + "2" * 64, 0, 9, True), "c": None, "d": "d: could not connect"}
+    )
     got = pull_stats(sessions, ["a", "b", "c", "d"], target)  # type: ignore[arg-type]
     assert got == {"a": mine, "b": None, "c": None, "d": None}
 
 
 def test_the_cache_host_cannot_take_its_own_vllm_port(inventory: Path):
-    loaded = Inventory((
-        [("gpu1", {}), ("gpu2", {})], {}), site_cache=([("gpu1", {})], {}))
+    loaded = Inventory(([("gpu1", {}), ("gpu2", {})], {}), site_cache=([("gpu1", {})], {}))
     ports = resolve_host("gpu1", {"site_cache_port": 5001, "site_cache_internal_port": 5002})[1]
     check_port(loaded, "gpu2", replace(ports, site_cache_port=5000), 5000)  # not the cache host: no clash
     with pytest.raises(SettingErrors) as raised:
@@ -385,13 +434,26 @@ def test_the_model_mirror_is_installed_from_the_lock_once_and_a_second_converge_
     assert any("--require-hashes" in c and "--no-deps" in c for c in fresh)
     assert fresh[-3:-1] == [f"systemctl enable {mirror.UNIT}", f"systemctl restart {mirror.UNIT}"]
     assert "until curl" in fresh[-1] and "127.0.0.1:5003" in fresh[-1]
-    converged = SiteCacheHost(python3_venv=True, mirror_key=install.key, mirror_config_sha256=sha256(config),
-                              mirror_unit_sha256=sha256(mirror.render_unit()), mirror_active=True,
-                              mirror_enabled=True)
+    converged = SiteCacheHost(
+        python3_venv=True,
+        mirror_key=install.key,
+        mirror_config_sha256=sha256(config),
+        mirror_unit_sha256=sha256(mirror.render_unit()),
+        mirror_active=True,
+        mirror_enabled=True,
+    )
     assert run_op(site_cache.model_mirror, seen=converged, **args) == []
     # What the fact reads back, as the host prints it.
-    seen = facts.parse(["python=3.11", "machine=x86_64", "python3_venv=install_ok_installed",
-                        f"mirror_key={install.key}", "mirror_active=active", "mirror_enabled=enabled"])
+    seen = facts.parse(
+        [
+            "python=3.11",
+            "machine=x86_64",
+            "python3_venv=install_ok_installed",
+            f"mirror_key={install.key}",
+            "mirror_active=active",
+            "mirror_enabled=enabled",
+        ]
+    )
     assert (seen.python, seen.machine, seen.mirror_key, seen.mirror_active) == ("3.11", "x86_64", install.key, True)
     # Only the inventory's repositories, never a redirect, nothing from Xet.
     assert 'repo = "Qwen/Qwen3.5-27B-AWQ", allow = true' in config and 'repo = "*/*", allow = false' in config

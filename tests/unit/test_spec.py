@@ -67,7 +67,9 @@ def test_unit_exec_start_runs_exactly_the_spec_argv():
 def test_unit_runs_the_pinned_image_not_the_tag():
     spec = build_spec("box", {})
     digest_ref = "vllm/vllm-openai@sha256:" + "b" * 64
-    argv = split_exec(next(line for line in render_unit(spec, digest_ref).splitlines() if line.startswith("ExecStart="))[10:])
+    argv = split_exec(
+        next(line for line in render_unit(spec, digest_ref).splitlines() if line.startswith("ExecStart="))[10:]
+    )
     assert digest_ref in argv and spec.image not in argv
 
 
@@ -130,16 +132,29 @@ def test_secrets_are_passed_by_name_only():
 
 @pytest.mark.parametrize(
     ("address", "publish"),
-    [(None, "5000:5000"), ("127.0.0.1", "127.0.0.1:5000:5000"), ("::1", "[::1]:5000:5000"),
-     ("0:0:0:0:0:0:0:1", "[::1]:5000:5000")],
+    [
+        (None, "5000:5000"),
+        ("127.0.0.1", "127.0.0.1:5000:5000"),
+        ("::1", "[::1]:5000:5000"),
+        ("0:0:0:0:0:0:0:1", "[::1]:5000:5000"),
+    ],
 )
 def test_publish_address_renders_dockers_p_value(address, publish):
     argv = build_spec("a", {"vllm_publish_address": address}).docker_run_argv()
     assert argv[argv.index("-p") + 1] == publish
 
 
-@pytest.mark.parametrize(("address", "reach"), [(None, "127.0.0.1"), ("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"),
-                                               ("127.0.0.1", "127.0.0.1"), ("10.0.0.12", "10.0.0.12"), ("::1", "::1")])
+@pytest.mark.parametrize(
+    ("address", "reach"),
+    [
+        (None, "127.0.0.1"),
+        ("0.0.0.0", "127.0.0.1"),
+        ("::", "127.0.0.1"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("10.0.0.12", "10.0.0.12"),
+        ("::1", "::1"),
+    ],
+)
 def test_the_host_reaches_a_port_published_on_one_address_there(address, reach):
     # Published on one host address, nothing answers on the loopback: the checks must dial that address.
     assert build_spec("a", {"vllm_publish_address": address}).reach_address == reach
@@ -154,16 +169,29 @@ def test_publish_address_unset_keeps_the_hash_so_upgrading_restarts_nothing():
 def test_hf_download_writes_where_the_service_reads_and_takes_the_token_only_through_the_env_file():
     spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m", "vllm_model": "q"})
     image = "img@sha256:" + "1" * 64
-    argv = spec.hf_download_argv(image, "org/repo", "abc123", "/c/hf", "/etc/gpufleet/s.env",
-                                 env={"HF_HUB_DISABLE_XET": "1", "HF_ENDPOINT": "http://cache:5001"})
+    argv = spec.hf_download_argv(
+        image,
+        "org/repo",
+        "abc123",
+        "/c/hf",
+        "/etc/gpufleet/s.env",
+        env={"HF_HUB_DISABLE_XET": "1", "HF_ENDPOINT": "http://cache:5001"},
+    )
     assert argv[:7] == ["docker", "run", "--rm", "--network", "host", "--entrypoint", "hf"]
     assert argv[argv.index("--env-file") + 1] == "/etc/gpufleet/s.env"
-    assert argv[argv.index("--env-file") + 2:argv.index(image)] == ["-e", "HF_ENDPOINT=http://cache:5001",
-                                                                       "-e", "HF_HUB_DISABLE_XET=1"]
+    assert argv[argv.index("--env-file") + 2 : argv.index(image)] == [
+        "-e",
+        "HF_ENDPOINT=http://cache:5001",
+        "-e",
+        "HF_HUB_DISABLE_XET=1",
+    ]
     # The download's mount and --local-dir are the serving container's model mount and --model.
     assert spec.model_mount.volume_arg() in spec.docker_run_argv() and argv[8] == spec.model_mount.volume_arg()
-    assert argv[argv.index(image) + 1:] == ["download", "org/repo", "--local-dir", spec.model_path,
-                                            "--revision", "abc123"] and spec.model_path == "/models/q"
+    assert (
+        argv[argv.index(image) + 1 :]
+        == ["download", "org/repo", "--local-dir", spec.model_path, "--revision", "abc123"]
+        and spec.model_path == "/models/q"
+    )
     assert "--env-file" not in spec.hf_download_argv("i", "r", None, None, None)
 
 
@@ -181,13 +209,15 @@ def test_the_models_commit_is_a_label_of_the_container_and_status_reads_it():
     spec = build_spec("gpu1", {"vllm_models_dir": "/srv/m"})
     at = "org/repo@" + "c" * 40
     argv = spec.docker_run_argv(model=at)
-    assert argv[argv.index(spec.container_label) + 1:][:2] == ["--label", f"gpufleet.{spec.service}.model={at}"]
+    assert argv[argv.index(spec.container_label) + 1 :][:2] == ["--label", f"gpufleet.{spec.service}.model={at}"]
     label = argv.index(f"gpufleet.{spec.service}.model={at}")
-    assert spec.docker_run_argv() == argv[:label - 1] + argv[label + 1:]
+    assert spec.docker_run_argv() == argv[: label - 1] + argv[label + 1 :]
     assert render_unit(spec, model=at) != render_unit(spec) and f"# Model {at}." in render_unit(spec, model=at)
-    inspected = {"Id": "abc", "State": {"Status": "running"},
-                 "Config": {"Labels": {f"gpufleet.{spec.service}": spec.spec_hash,
-                                       f"gpufleet.{spec.service}.model": at}}}
+    inspected = {
+        "Id": "abc",
+        "State": {"Status": "running"},
+        "Config": {"Labels": {f"gpufleet.{spec.service}": spec.spec_hash, f"gpufleet.{spec.service}.model": at}},
+    }
     found = pick_container([inspected], f"gpufleet.{spec.service}")
     assert found is not None and found.model == at
     assert model_cell("qwen", found.model) == "qwen @cccccccccccc" and model_cell("qwen", None) == "qwen"

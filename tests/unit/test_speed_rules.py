@@ -10,9 +10,15 @@ import pytest
 
 from gpufleet.wire.speed import SpeedFigures, comparable, compare, speed_ratios, verdict
 
-OLD = SpeedFigures(prefill_tokens_per_s=(30000.0, 31000.0, 29000.0), cached_ttft_s=(0.050, 0.052, 0.048),
-                   decode_tokens_per_s=(200.0, 202.0, 198.0), batch_tokens_per_s=(380.0, 384.0, 376.0),
-                   prompt_tokens=20480, decode_tokens=64, concurrency=2)
+OLD = SpeedFigures(
+    prefill_tokens_per_s=(30000.0, 31000.0, 29000.0),
+    cached_ttft_s=(0.050, 0.052, 0.048),
+    decode_tokens_per_s=(200.0, 202.0, 198.0),
+    batch_tokens_per_s=(380.0, 384.0, 376.0),
+    prompt_tokens=20480,
+    decode_tokens=64,
+    concurrency=2,
+)
 
 
 def test_ratios_are_speeds_new_over_old_with_times_inverted():
@@ -24,8 +30,10 @@ def test_ratios_are_speeds_new_over_old_with_times_inverted():
 
 def test_a_figure_slower_beyond_the_tolerance_is_named_with_both_medians_worst_first():
     new = replace(OLD, prefill_tokens_per_s=(1500.0, 1520.0, 1480.0), cached_ttft_s=(0.45, 0.46, 0.44))
-    assert compare(OLD, new, 0.35) == ("prefill 1500 tokens/s, was 30000 (0.05x the speed); cached TTFT 0.450 s, "
-                                       "was 0.050 (0.11x the speed): every repeat more than 35% slower")
+    assert compare(OLD, new, 0.35) == (
+        "prefill 1500 tokens/s, was 30000 (0.05x the speed); cached TTFT 0.450 s, "
+        "was 0.050 (0.11x the speed): every repeat more than 35% slower"
+    )
     ok, line = verdict(OLD, new, 0.35)
     assert not ok and line == compare(OLD, new, 0.35)
 
@@ -34,8 +42,10 @@ def test_a_figure_within_the_tolerance_passes_and_the_line_gives_each_ratio():
     new = replace(OLD, decode_tokens_per_s=(140.0, 141.0, 139.0))  # 0.70x: within 35%
     assert compare(OLD, new, 0.35) is None
     ok, line = verdict(OLD, new, 0.35)
-    assert ok and line == ("prefill 30000 tokens/s (1.00x), cached TTFT 0.050 s (1.00x), decode 140 tokens/s "
-                           "(0.70x), batch 380 tokens/s (1.00x): within 35% of the earlier figures")
+    assert ok and line == (
+        "prefill 30000 tokens/s (1.00x), cached TTFT 0.050 s (1.00x), decode 140 tokens/s "
+        "(0.70x), batch 380 tokens/s (1.00x): within 35% of the earlier figures"
+    )
     assert compare(OLD, new, 0.25) is not None  # the same loss past a tighter tolerance
 
 
@@ -45,8 +55,9 @@ def test_a_median_beyond_the_tolerance_with_a_repeat_within_it_is_load_not_a_reg
     assert compare(OLD, noisy, 0.35) is None
     assert "cached TTFT 0.090 s (0.56x, a repeat within 35%)" in verdict(OLD, noisy, 0.35)[1]
     steady = replace(OLD, cached_ttft_s=(0.080, 0.090, 0.250))  # the same median, every repeat over 35% slower
-    assert compare(OLD, steady, 0.35) == ("cached TTFT 0.090 s, was 0.050 (0.56x the speed): every repeat more than "
-                                          "35% slower")
+    assert compare(OLD, steady, 0.35) == (
+        "cached TTFT 0.090 s, was 0.050 (0.56x the speed): every repeat more than 35% slower"
+    )
 
 
 def test_a_slow_old_repeat_does_not_hide_a_slower_build():
@@ -57,8 +68,10 @@ def test_a_slow_old_repeat_does_not_hide_a_slower_build():
 
 def test_without_earlier_figures_the_new_ones_pass_and_the_line_says_so():
     ok, line = verdict(None, OLD, 0.35)
-    assert ok and line == ("no earlier figures on this host to compare: prefill 30000 tokens/s, cached TTFT 0.050 s, "
-                           "decode 200 tokens/s, batch 380 tokens/s; 20480-token prompt, 64 tokens each, 2 at once")
+    assert ok and line == (
+        "no earlier figures on this host to compare: prefill 30000 tokens/s, cached TTFT 0.050 s, "
+        "decode 200 tokens/s, batch 380 tokens/s; 20480-token prompt, 64 tokens each, 2 at once"
+    )
 
 
 def test_figures_of_another_workload_are_not_compared():
@@ -67,8 +80,7 @@ def test_figures_of_another_workload_are_not_compared():
     assert compare(OLD, other, 0.35) is None
     ok, line = verdict(OLD, other, 0.35)
     assert ok and line.startswith("the workload changed: a 10240-token prompt, was 20480: prefill 1000 ")
-    assert comparable(OLD, replace(OLD, concurrency=4)) == ("the workload changed: 64 tokens x 4 at once, was 64 "
-                                                            "x 2")
+    assert comparable(OLD, replace(OLD, concurrency=4)) == ("the workload changed: 64 tokens x 4 at once, was 64 x 2")
     assert comparable(OLD, replace(OLD, prompt_tokens=20500)) is None  # a seed's own few tokens
 
 

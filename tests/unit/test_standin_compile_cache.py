@@ -30,8 +30,14 @@ def model(tmp_path_factory) -> Path:
     return d
 
 
-def start(model: Path, cache: Path, log: Path, version: str = "0.32.1.dev30+gstandin",
-          compile_s: float | None = COMPILE_S, *args: str) -> tuple[float, str]:
+def start(
+    model: Path,
+    cache: Path,
+    log: Path,
+    version: str = "0.32.1.dev30+gstandin",
+    compile_s: float | None = COMPILE_S,
+    *args: str,
+) -> tuple[float, str]:
     """Start the stand-in, wait until it listens, stop it: (seconds to listen, its output)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_USAGE_SOURCE"}
@@ -39,8 +45,12 @@ def start(model: Path, cache: Path, log: Path, version: str = "0.32.1.dev30+gsta
     if compile_s is not None:
         env["STANDIN_COMPILE_SECONDS"] = str(compile_s)
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, str(SERVE), "serve", str(model), "--host", "127.0.0.1",
-                                 "--port", str(port), *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, str(SERVE), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     t0 = time.monotonic()
     try:
         while True:

@@ -68,8 +68,9 @@ def test_snapshot_download_then_the_clients_own_checksum_check(served, tmp_path:
     assert standin.served_bytes(log) == {"127.0.0.1": total}
     # Each request is logged with when it ended: what a test holds against a host's downtime.
     logged = standin.requests(log)
-    assert {r.path for r in logged if r.download} == {f"/{MODEL_REPO}/resolve/{commit}/{f.name}"
-                                                       for f in (root / MODEL_REPO / "commits" / commit).iterdir()}
+    assert {r.path for r in logged if r.download} == {
+        f"/{MODEL_REPO}/resolve/{commit}/{f.name}" for f in (root / MODEL_REPO / "commits" / commit).iterdir()
+    }
     assert all(began <= r.ended_at <= ended for r in logged), (began, ended, logged)
 
 
@@ -92,7 +93,9 @@ def test_a_moved_branch_resolves_to_its_new_commit_and_the_old_commit_stays(serv
     assert api.model_info(MODEL_REPO).sha == second
     assert api.model_info(MODEL_REPO, revision=first).sha == first
     assert sorted(s.rfilename for s in api.model_info(MODEL_REPO, revision=second).siblings or []) == [
-        "config.json", "model.safetensors"]
+        "config.json",
+        "model.safetensors",
+    ]
 
 
 def test_unknown_repo_revision_and_file_raise_the_clients_errors(served, tmp_path: Path):

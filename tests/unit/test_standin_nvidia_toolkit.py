@@ -55,7 +55,10 @@ def _hook(tmp_path: Path, devices: str, profile: nvidia_smi.Profile | None) -> s
     source = source.replace('"/etc/gpufleet-standin/nvidia-smi.json"', repr(str(host / nvidia_smi.HOST_PROFILE[1:])))
     source = source.replace('"/usr/lib/gpufleet-standin"', repr(str(host / "usr/lib/gpufleet-standin")))
     return subprocess.run(
-        [sys.executable, "-c", source, "prestart"], input=json.dumps({"bundle": str(bundle)}), capture_output=True, text=True
+        [sys.executable, "-c", source, "prestart"],
+        input=json.dumps({"bundle": str(bundle)}),
+        capture_output=True,
+        text=True,
     )
 
 
@@ -102,7 +105,10 @@ def test_runtime_adds_the_hook_once_and_only_for_gpu_containers():
 def test_runtime_keeps_exactly_the_capabilities_this_machine_has():
     rt = _runtime()
     bounding = int(
-        next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("CapBnd:")), 16
+        next(
+            line.split()[1] for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("CapBnd:")
+        ),
+        16,
     )
     have = [n for bit, n in enumerate(rt.CAPABILITIES) if bounding >> bit & 1]
     spec = {"process": {"capabilities": {"bounding": list(rt.CAPABILITIES), "effective": ["CAP_CHOWN"]}}}

@@ -14,7 +14,9 @@ def test_up_without_root_is_one_line(monkeypatch):
     monkeypatch.setattr(fleet.os, "geteuid", lambda: 1000)
     result = CliRunner().invoke(sandbox, ["up", "1"])
     assert result.exit_code == 1
-    assert result.output.splitlines() == ["Error: the sandbox needs root (it creates network namespaces, mounts and containers)"]
+    assert result.output.splitlines() == [
+        "Error: the sandbox needs root (it creates network namespaces, mounts and containers)"
+    ]
 
 
 def test_down_without_systemd_nspawn_names_the_package(monkeypatch):
@@ -43,7 +45,10 @@ def test_inventory_points_the_deploy_at_the_local_services(tmp_path):
     doc = inventory_document(cfg, [make(cfg, 1, H200x3), make(cfg, 2, H200x3)], tmp_path / "id_ed25519")
     (tmp_path / "inventory.json").write_text(json.dumps(doc))
     hosts = pyinfra_hosts(tmp_path / "inventory.json")
-    assert [(name, data["ssh_hostname"]) for name, data in hosts] == [("gpuhost1", "10.213.0.11"), ("gpuhost2", "10.213.0.12")]
+    assert [(name, data["ssh_hostname"]) for name, data in hosts] == [
+        ("gpuhost1", "10.213.0.11"),
+        ("gpuhost2", "10.213.0.12"),
+    ]
     data = hosts[0][1]
     assert data["vllm_image"] == "10.213.0.1:5000/vllm/vllm-openai:nightly"
     assert data["nvidia_repo_url"] == "http://10.213.0.1:8080/nvidia"
@@ -67,7 +72,7 @@ def test_router_hosts_are_their_own_group_with_the_local_package_index(tmp_path)
     hosts = [make(cfg, 1, H200x3), make(cfg, 2, H200x3), make(cfg, 3, NO_GPU, role="router")]
     (tmp_path / "inventory.json").write_text(json.dumps(inventory_document(cfg, hosts, tmp_path / "id_ed25519")))
     assert [n for n, _ in pyinfra_hosts(tmp_path / "inventory.json")] == ["gpuhost1", "gpuhost2"]
-    (name, data), = pyinfra_hosts(tmp_path / "inventory.json", routers=True)
+    ((name, data),) = pyinfra_hosts(tmp_path / "inventory.json", routers=True)
     assert name == "gpuhost3" and data["router_index_url"] == "http://10.213.0.1:8080/pypi/simple"
     text = write_pyinfra_inventory(tmp_path / "inventory.json", tmp_path / "inv.py").read_text()
     assert "routers = pyinfra_hosts(" in text and "routers=True" in text
@@ -95,8 +100,10 @@ def test_the_sandbox_inventory_puts_the_site_cache_host_in_its_group(tmp_path, m
     cfg = sandbox_config()
     hosts = [make(cfg, i, H200x3) for i in (1, 2, 3)]
     monkeypatch.setenv("GPUFLEET_SANDBOX_DIR", str(tmp_path))
-    for site_cache, members, order in [((), [], [["gpuhost3", "gpuhost2", "gpuhost1"]]),
-                                       (("gpuhost1",), ["gpuhost1"], [["gpuhost1"], ["gpuhost3", "gpuhost2"]])]:
+    for site_cache, members, order in [
+        ((), [], [["gpuhost3", "gpuhost2", "gpuhost1"]]),
+        (("gpuhost1",), ["gpuhost1"], [["gpuhost1"], ["gpuhost3", "gpuhost2"]]),
+    ]:
         doc = inventory_document(cfg, hosts, tmp_path / "id_ed25519", site_cache=site_cache)
         (tmp_path / "inventory.json").write_text(json.dumps(doc))
         loaded = load_pyinfra_hosts(inventory)
@@ -119,5 +126,7 @@ def test_the_sandbox_inventory_says_when_its_state_is_not_readable(tmp_path, mon
     with pytest.raises(SystemExit, match=r"no sandbox inventory at .*: run `gpufleet sandbox up` \(as root\) first"):
         runpy.run_path(str(inventory))
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
-    with pytest.raises(SystemExit, match="is root's \\(it holds the sandbox's SSH key\\): run pyinfra in the root shell"):
+    with pytest.raises(
+        SystemExit, match="is root's \\(it holds the sandbox's SSH key\\): run pyinfra in the root shell"
+    ):
         runpy.run_path(str(inventory))

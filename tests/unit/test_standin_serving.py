@@ -54,7 +54,7 @@ def ask(s, **body) -> dict:
 def events(s, **body) -> list[dict]:
     status, raw = s.chat({"model": "m", "messages": PARIS, "max_tokens": 6, "stream": True, **body})
     assert status == 200, raw
-    data = [e[len("data: "):] for e in raw.decode().split("\n\n") if e]
+    data = [e[len("data: ") :] for e in raw.decode().split("\n\n") if e]
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
 
@@ -110,7 +110,9 @@ def test_tools_broken_fails_the_tools_check_only(server):
     s = server(*GOOD, env={"STANDIN_MISBEHAVE": "tools-broken"}).wait()
     found = checks(s.port, ("cached-cold", "sessions", "tools", "reasoning"))
     assert oks(found) == {"cached-cold": True, "sessions": True, "tools": False, "reasoning": True}, found
-    assert found["tools"][1].startswith('tool_choice "required": no parsed tool call; the text was \'<tool_call>'), found
+    assert found["tools"][1].startswith('tool_choice "required": no parsed tool call; the text was \'<tool_call>'), (
+        found
+    )
 
 
 def test_tools_broken_leaves_the_call_in_the_text_for_auto_too(server):
@@ -166,13 +168,19 @@ def test_greedy_answers_are_a_function_of_the_whole_prompt_with_vllm_logprobs(se
         assert len({t["token"] for t in top}) == 5
     assert ask(s, logprobs=True, top_logprobs=5)["choices"][0]["logprobs"] == first["logprobs"]  # cached: the same
     assert ask(s, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == top_of(
-        entries[0], 2)
+        entries[0], 2
+    )
     as_ids = ask(s, logprobs=True, top_logprobs=5, return_tokens_as_token_ids=True)["choices"][0]
     assert as_ids["message"] == first["message"]
     for e, by_id in zip(entries, as_ids["logprobs"]["content"], strict=True):
-        assert by_id["token"].startswith("token_id:") and (by_id["logprob"], by_id["bytes"]) == (e["logprob"], e["bytes"])
+        assert by_id["token"].startswith("token_id:") and (by_id["logprob"], by_id["bytes"]) == (
+            e["logprob"],
+            e["bytes"],
+        )
         top_ids = [t["token"] for t in by_id["top_logprobs"]]
-        assert top_ids[0] == by_id["token"] and len(set(top_ids)) == 5 and all(t.startswith("token_id:") for t in top_ids)
+        assert (
+            top_ids[0] == by_id["token"] and len(set(top_ids)) == 5 and all(t.startswith("token_id:") for t in top_ids)
+        )
     plain = ask(s)["choices"][0]
     assert plain["logprobs"] is None and plain["message"]["content"] == first["message"]["content"]
     assert ask(s, max_tokens=3)["choices"][0]["message"]["content"] == "".join(e["token"] for e in entries[:3])

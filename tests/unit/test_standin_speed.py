@@ -79,8 +79,11 @@ def test_stalls_under_load_fails_on_the_batch_while_health_answers(server, monke
     check, figures = speed_check(LoopbackTransport(), expected(s), SERVED, None, TOLERANCE)  # SpeedFault's line
     assert time.monotonic() - started < 30
     assert (check.name, check.ok, figures) == ("speed", False, None)
-    assert re.fullmatch(r"1 of 2 requests sent at once did not finish within \d+ s, while /health answered 200 all "
-                        r"along \(\d+ looks\): the server stalls under load", check.detail), check.detail
+    assert re.fullmatch(
+        r"1 of 2 requests sent at once did not finish within \d+ s, while /health answered 200 all "
+        r"along \(\d+ looks\): the server stalls under load",
+        check.detail,
+    ), check.detail
     assert s.get("/health") == (200, b"")
 
 
@@ -129,14 +132,24 @@ def test_verify_holds_a_host_to_the_figures_recorded_for_the_digest_it_runs(serv
     s = server(*ARGS, env=TAGS["good"]).wait()
     recorded = measure(LoopbackTransport(), expected(s), SERVED)
     target = HostTarget("gpu1", {}, expected(s), served=SERVED)
-    result = check_host(target, transport=Container(), answer=True, checks=("speed", "cached-cold"),
-                        committed=lambda target, transport: (REF, recorded))
+    result = check_host(
+        target,
+        transport=Container(),
+        answer=True,
+        checks=("speed", "cached-cold"),
+        committed=lambda target, transport: (REF, recorded),
+    )
     assert [(c.name, c.ok) for c in result.checks] == [("speed", True), ("cached-cold", True)], result.checks
     assert result.speed_earlier == recorded and result.speed is not None
     assert result.checks[0].detail.startswith("prefill "), result.checks[0].detail
     # Another digest runs than the one the figures were recorded for: nothing to hold it to.
-    other = check_host(target, transport=Container(), answer=True, checks=("speed",),
-                       committed=lambda target, transport: (REF.replace("a", "b"), recorded))
+    other = check_host(
+        target,
+        transport=Container(),
+        answer=True,
+        checks=("speed",),
+        committed=lambda target, transport: (REF.replace("a", "b"), recorded),
+    )
     assert other.speed_earlier is None
     assert other.checks[0].detail.startswith("no earlier figures on this host to compare: prefill "), other.checks
     # The table: each figure now, and in brackets the one recorded at commit where there is one.
@@ -145,4 +158,6 @@ def test_verify_holds_a_host_to_the_figures_recorded_for_the_digest_it_runs(serv
     lines = {line.split()[1]: line for line in console.export_text().splitlines() if " gpu" in line}
     decode = "decode_tokens_per_s"
     assert f"{result.speed.median(decode):.0f} ({recorded.median(decode):.0f})" in lines["gpu1"], lines
-    assert other.speed is not None and f"{other.speed.median(decode):.0f} " in lines["gpu2"] and "(" not in lines["gpu2"]
+    assert (
+        other.speed is not None and f"{other.speed.median(decode):.0f} " in lines["gpu2"] and "(" not in lines["gpu2"]
+    )

@@ -31,11 +31,25 @@ def model(tmp_path_factory) -> Path:
 
 
 def start(model: Path, master_port: int, rank: int, *args: str, env: dict | None = None) -> subprocess.Popen:
-    flags = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port",
-             str(master_port), *(["--headless"] if rank else []), *args]
-    return subprocess.Popen([sys.executable, str(SERVE), "serve", str(model), *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "STANDIN_LOAD_SECONDS": "0", **(env or {})})
+    flags = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(rank),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(master_port),
+        *(["--headless"] if rank else []),
+        *args,
+    ]
+    return subprocess.Popen(
+        [sys.executable, str(SERVE), "serve", str(model), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "STANDIN_LOAD_SECONDS": "0", **(env or {})},
+    )
 
 
 def health(port: int) -> int | None:
@@ -50,8 +64,9 @@ def health(port: int) -> int | None:
 
 def chat(port: int) -> int:
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                 {"content-type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", body, {"content-type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.status

@@ -31,7 +31,12 @@ def test_the_image_holds_every_module_the_stand_in_imports():
     for name in image.VLLM_MODULES:
         assert _own_imports(image.STANDIN / name) <= set(image.SOURCES), name
     assert _own_imports(image.STANDIN / "vllm_serve.py") == {
-        "vllm_argv.py", "vllm_compile_cache.py", "vllm_engine.py", "vllm_group.py", "vllm_http.py"}
+        "vllm_argv.py",
+        "vllm_compile_cache.py",
+        "vllm_engine.py",
+        "vllm_group.py",
+        "vllm_http.py",
+    }
 
 
 def test_installed_side_by_side_it_serves_through_the_vllm_symlink(tmp_path):
@@ -47,8 +52,14 @@ def test_installed_side_by_side_it_serves_through_the_vllm_symlink(tmp_path):
     bad = subprocess.run([*vllm, "--no-such-flag"], capture_output=True, text=True, env=env, timeout=10, cwd=tmp_path)
     assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr  # the table next to it
     port = free_port()
-    proc = subprocess.Popen([*vllm, "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [*vllm, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -70,9 +81,19 @@ def test_the_rollouts_compile_hash_script_runs_on_the_stand_ins_vllm_package(tmp
     image.install_sources(tmp_path)
 
     def factors(**env: str) -> CompileFactors:
-        run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=10, cwd=tmp_path,
-                             env={"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path),
-                                  "STANDIN_VLLM_VERSION": "0.32.1.dev30+gstandin", **env})
+        run = subprocess.run(
+            [sys.executable, "-c", SCRIPT],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=tmp_path,
+            env={
+                "PATH": os.environ["PATH"],
+                "PYTHONPATH": str(tmp_path),
+                "STANDIN_VLLM_VERSION": "0.32.1.dev30+gstandin",
+                **env,
+            },
+        )
         parsed = parse_factors(run.returncode, run.stdout + run.stderr)
         assert isinstance(parsed, CompileFactors), parsed
         return parsed

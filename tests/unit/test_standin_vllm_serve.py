@@ -35,8 +35,6 @@ def model(tmp_path_factory) -> Path:
     return d
 
 
-
-
 def _serve(*args: str, env: dict | None = None, timeout: float = 10) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SERVE), "serve", *args],
@@ -295,7 +293,9 @@ def test_a_different_suffix_reuses_only_the_common_whole_blocks(server):
     s = server("--served-model-name", "m", "--enable-prompt-tokens-details").wait()
     header = 3  # "<|im_start|>", "user", "\n"
     s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 160}]})
-    usage = json.loads(s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 120 + "z" * 40}]})[1])["usage"]
+    usage = json.loads(s.chat({"model": "m", "messages": [{"role": "user", "content": "x" * 120 + "z" * 40}]})[1])[
+        "usage"
+    ]
     # the stand-in's words are tokens of up to 4 characters: 30 tokens of "xxxx" in common after the header
     assert usage["prompt_tokens_details"]["cached_tokens"] == (header + 120 // 4) // 16 * 16 == 32
 
@@ -359,9 +359,30 @@ def test_kept_alive_answers_are_not_delayed(server):
 def test_curl_next_asks_everything_on_one_connection(server):
     s = server("--served-model-name", "m").wait()
     out = subprocess.run(
-        ["curl", "-sv", "--max-time", "5", "-o", "/dev/null", "-w", "%{http_code}\\n", f"{s.base}/health",
-         "--next", "-s", "--max-time", "5", f"{s.base}/v1/models", "--next", "-s", "--max-time", "5", f"{s.base}/metrics"],
-        capture_output=True, text=True, timeout=20,
+        [
+            "curl",
+            "-sv",
+            "--max-time",
+            "5",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}\\n",
+            f"{s.base}/health",
+            "--next",
+            "-s",
+            "--max-time",
+            "5",
+            f"{s.base}/v1/models",
+            "--next",
+            "-s",
+            "--max-time",
+            "5",
+            f"{s.base}/metrics",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("200\n{") and "vllm:cache_config_info{" in out.stdout
@@ -393,10 +414,14 @@ def _exchange(port: int, data: bytes) -> bytes:
 def test_a_body_that_cannot_be_framed_closes_the_connection(server):
     s = server("--served-model-name", "m").wait()
     then = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"  # never answered: the connection closed before it
-    bad_length = _exchange(s.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: lots\r\n\r\n" + then)
+    bad_length = _exchange(
+        s.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: lots\r\n\r\n" + then
+    )
     assert bad_length.startswith(b"HTTP/1.1 400 ") and bad_length.count(b"HTTP/1.1") == 1
     chunked = _exchange(
-        s.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n" + then
+        s.port,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+        + then,
     )
     assert chunked.startswith(b"HTTP/1.1 404 ") and chunked.count(b"HTTP/1.1") == 1
 

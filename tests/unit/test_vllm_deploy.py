@@ -27,10 +27,17 @@ from gpufleet.vllm.operations.docker import CE_PACKAGES
 from gpufleet.vllm.operations.nvidia import PACKAGE, VERSION_FILE
 from gpufleet.wire.identity import Expected
 
-KEY = ("-----BEGIN PGP PUBLIC KEY BLOCK-----\n\n" + base64.b64encode(b"key" * 40).decode()
-       + "\n-----END PGP PUBLIC KEY BLOCK-----\n")
-DATA = {"docker_install": "docker-ce", "vllm_api_key": "sk-test", "vllm_hf_token": "hf_test",
-        "vllm_image": "reg:5000/vllm/vllm-openai:nightly"}
+KEY = (
+    "-----BEGIN PGP PUBLIC KEY BLOCK-----\n\n"
+    + base64.b64encode(b"key" * 40).decode()
+    + "\n-----END PGP PUBLIC KEY BLOCK-----\n"
+)
+DATA = {
+    "docker_install": "docker-ce",
+    "vllm_api_key": "sk-test",
+    "vllm_hf_token": "hf_test",
+    "vllm_image": "reg:5000/vllm/vllm-openai:nightly",
+}
 REF = "reg:5000/vllm/vllm-openai@sha256:" + "1" * 64
 VERSION = "NVIDIA-SMI version  : 580.159.04\nDRIVER version      : 580.159.04\nCUDA Version        : 13.0\n"
 
@@ -38,14 +45,39 @@ VERSION = "NVIDIA-SMI version  : 580.159.04\nDRIVER version      : 580.159.04\nC
 def bare_but_installed() -> HostSnapshot:
     """Packages in place (so pyinfra's apt operations, which read their own facts, are not reached), nothing of
     gpufleet's written yet."""
-    gpus = [Gpu(i, f"GPU-{i}", "NVIDIA H200", 143771, 0, 143156, "580.159.04", f"0:{i}", "9.0", "Enabled", 30, 0,
-                80.0, 700.0) for i in range(3)]
+    gpus = [
+        Gpu(
+            i,
+            f"GPU-{i}",
+            "NVIDIA H200",
+            143771,
+            0,
+            143156,
+            "580.159.04",
+            f"0:{i}",
+            "9.0",
+            "Enabled",
+            30,
+            0,
+            80.0,
+            700.0,
+        )
+        for i in range(3)
+    ]
     installed = [*CE_PACKAGES, PACKAGE, "curl", "ca-certificates"]
-    return HostSnapshot(os={"ID": "debian", "VERSION_CODENAME": "bookworm"}, arch="amd64", nvidia_smi=True,
-                        gpus=gpus, driver=NvidiaVersion("580.159.04", "13.0"), driver_output=VERSION,
-                        packages=dict.fromkeys(installed, "1"), nvidia_key=KEY, docker_key=KEY,
-                        daemon_json={"runtimes": {"nvidia": {}}},
-                        units={"docker.service": ("active", "enabled")})
+    return HostSnapshot(
+        os={"ID": "debian", "VERSION_CODENAME": "bookworm"},
+        arch="amd64",
+        nvidia_smi=True,
+        gpus=gpus,
+        driver=NvidiaVersion("580.159.04", "13.0"),
+        driver_output=VERSION,
+        packages=dict.fromkeys(installed, "1"),
+        nvidia_key=KEY,
+        docker_key=KEY,
+        daemon_json={"runtimes": {"nvidia": {}}},
+        units={"docker.service": ("active", "enabled")},
+    )
 
 
 def planned(snapshot: HostSnapshot, monkeypatch: pytest.MonkeyPatch) -> tuple[Plan, State, Host]:
@@ -111,9 +143,23 @@ def converged_host(monkeypatch: pytest.MonkeyPatch) -> HostSnapshot:
     converged.file_sha256 = {path: hashlib.sha256(content).hexdigest() for path, content in files.items()}
     converged.dirs = dict.fromkeys(dirs, ("root", "root", "755"))
     model = f"{plan.settings.model_repo}@{'c' * 40}"  # the commit its ledger keeps, checked on disk
-    converged.ledger_text = render(Ledger(committed=Committed(
-        Version(spec.image, REF, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service, port=spec.port,
-                model=model, model_revision=plan.settings.model_revision), "t0")))
+    converged.ledger_text = render(
+        Ledger(
+            committed=Committed(
+                Version(
+                    spec.image,
+                    REF,
+                    unit_sha256=None,
+                    spec_hash=spec.spec_hash,
+                    service=spec.service,
+                    port=spec.port,
+                    model=model,
+                    model_revision=plan.settings.model_revision,
+                ),
+                "t0",
+            )
+        )
+    )
     converged.images = [(REF.split("@")[0], "<none>", REF.split("@")[1])]
     converged.model_files = {"config.json": 1, "tokenizer.json": 1, "model.safetensors": 5}
     converged.model_checked = model
@@ -124,8 +170,9 @@ def converged_host(monkeypatch: pytest.MonkeyPatch) -> HostSnapshot:
     # The unit text depends on the pin: render it again for the recorded digest.
     _, ops = prepare(converged, monkeypatch)
     unit_upload = next(cmds for name, cmds in ops if name == "Install the vLLM systemd unit")
-    converged.file_sha256.update({c.dest: hashlib.sha256(c.src.getvalue()).hexdigest() for c in unit_upload
-                                  if isinstance(c, FileUploadCommand)})
+    converged.file_sha256.update(
+        {c.dest: hashlib.sha256(c.src.getvalue()).hexdigest() for c in unit_upload if isinstance(c, FileUploadCommand)}
+    )
     return converged
 
 
@@ -168,8 +215,11 @@ def op_names(snap: HostSnapshot, monkeypatch: pytest.MonkeyPatch, **data: Any) -
 
 def test_prepare_stops_before_the_unit_and_settles_no_ledger(monkeypatch):
     names = op_names(bare_but_installed(), monkeypatch, gpufleet_stage="prepare")
-    assert names[-3:] == ["Pull the vLLM image and pin its digest", "Check the image accepts the serve flags",
-                          "Download the model's commit unless it is here and checked"]
+    assert names[-3:] == [
+        "Pull the vLLM image and pin its digest",
+        "Check the image accepts the serve flags",
+        "Download the model's commit unless it is here and checked",
+    ]
 
 
 def pending_on(snap: HostSnapshot, plan: Plan, restarts: int, unit_is_pending: bool = True) -> HostSnapshot:
@@ -179,8 +229,9 @@ def pending_on(snap: HostSnapshot, plan: Plan, restarts: int, unit_is_pending: b
     ledger = begin(Ledger(committed=Committed(old, "t0")), new, "ops@laptop pid 7", "t1")
     snap.ledger_text = render(ledger)
     snap.file_sha256[plan.layout.unit_file] = (new if unit_is_pending else old).unit_sha256 or ""
-    snap.running = RunningService(active_state="active", containers=((new.spec_hash or "", new.ref),),
-                                  restarts=restarts)
+    snap.running = RunningService(
+        active_state="active", containers=((new.spec_hash or "", new.ref),), restarts=restarts
+    )
     return snap
 
 
@@ -188,7 +239,8 @@ def test_a_cut_runs_failing_version_is_rolled_back_first_and_nothing_else_runs(m
     plan = plan_for("gpu1", DATA)
     _, ops = prepare(pending_on(bare_but_installed(), plan, restarts=2), monkeypatch)
     assert [(name, [c.function.__name__ for c in cmds]) for name, cmds in ops] == [
-        ("Settle the change a cut run left pending", ["roll_back_cut"])]
+        ("Settle the change a cut run left pending", ["roll_back_cut"])
+    ]
 
 
 def test_a_cut_runs_version_that_never_reached_the_unit_is_dropped_and_the_deploy_goes_on(monkeypatch):
@@ -241,11 +293,17 @@ def test_a_version_that_failed_is_refused_unless_retried_on_purpose():
     snap.ledger_text = render(roll_back(begin(Ledger(), target, "ops@laptop pid 7", "t1"), "dead: exited 1", "t2"))
     (line,) = check_host("gpu1", snap, plan)
     assert line.startswith(f"gpu1: {REF} with spec {spec.spec_hash} failed at t2: dead: exited 1 (fix: ")
-    assert check_host("gpu1", snap, plan_for("gpu1", {**DATA, "gpufleet_image_ref": REF,
-                                                      "gpufleet_retry_failed": "true"})) == []
+    assert (
+        check_host("gpu1", snap, plan_for("gpu1", {**DATA, "gpufleet_image_ref": REF, "gpufleet_retry_failed": "true"}))
+        == []
+    )
     # Another setting is another version: not refused.
-    assert check_host("gpu1", snap, plan_for("gpu1", {**DATA, "gpufleet_image_ref": REF,
-                                                      "vllm_args": {"max-num-seqs": 3}})) == []
+    assert (
+        check_host(
+            "gpu1", snap, plan_for("gpu1", {**DATA, "gpufleet_image_ref": REF, "vllm_args": {"max-num-seqs": 3}})
+        )
+        == []
+    )
 
 
 def test_a_rename_disables_the_replaced_service_before_the_new_one_starts(monkeypatch):
@@ -258,7 +316,9 @@ def test_a_rename_disables_the_replaced_service_before_the_new_one_starts(monkey
     _, ops = prepare(snap, monkeypatch)
     started = next(cmds for name, cmds in ops if name == "Enable and start the vLLM service")
     shell = [c.get_raw_value() for c in started if isinstance(c, StringCommand)]
-    assert "sh -c '{ systemctl disable --now vllm-qwen35.service || true; } && systemctl start renamed.service'" in shell
+    assert (
+        "sh -c '{ systemctl disable --now vllm-qwen35.service || true; } && systemctl start renamed.service'" in shell
+    )
 
 
 def test_a_rename_away_that_was_cut_is_refused_for_the_old_name_and_settled_by_the_new():
@@ -273,10 +333,12 @@ def test_a_rename_away_that_was_cut_is_refused_for_the_old_name_and_settled_by_t
     cut = render(begin(Ledger(committed=Committed(old, "t0")), new, "ops@laptop pid 7", "t1"))
     snap.other_ledgers = {"/var/lib/gpufleet/renamed.json": cut, "/var/lib/gpufleet/broken.json": "{"}
     (line,) = check_host("gpu1", snap, plan)
-    assert line == ("gpu1: a run renaming vllm_service 'vllm-qwen35' to 'renamed' was cut before it finished (renamed "
-                    f"has {REF} pending): converging 'vllm-qwen35' now would start a second vLLM on the same GPUs "
-                    "(fix: converge once with vllm_service='renamed': it finishes the rename, or rolls it back to "
-                    "'vllm-qwen35'; then converge with the name you want)")
+    assert line == (
+        "gpu1: a run renaming vllm_service 'vllm-qwen35' to 'renamed' was cut before it finished (renamed "
+        f"has {REF} pending): converging 'vllm-qwen35' now would start a second vLLM on the same GPUs "
+        "(fix: converge once with vllm_service='renamed': it finishes the rename, or rolls it back to "
+        "'vllm-qwen35'; then converge with the name you want)"
+    )
     # The new name settles it (its own ledger, the pending record): not refused.
     renamed = plan_for("gpu1", {**DATA, "vllm_service": "renamed"})
     snap.ledger_text = cut
@@ -285,8 +347,11 @@ def test_a_rename_away_that_was_cut_is_refused_for_the_old_name_and_settled_by_t
     # Another service with its own run cut (not a rename of this one) is its own deploy's business.
     elsewhere = Version(plan.spec.image, REF, "c" * 64, "2" * 16, "elsewhere", plan.spec.port + 1)
     snap.ledger_text = render(Ledger(committed=Committed(old, "t0")))
-    snap.other_ledgers = {"/var/lib/gpufleet/elsewhere.json": render(begin(
-        Ledger(committed=Committed(elsewhere, "t0")), elsewhere, "ops@laptop pid 8", "t1"))}
+    snap.other_ledgers = {
+        "/var/lib/gpufleet/elsewhere.json": render(
+            begin(Ledger(committed=Committed(elsewhere, "t0")), elsewhere, "ops@laptop pid 8", "t1")
+        )
+    }
     assert check_host("gpu1", snap, plan) == []
 
 
@@ -318,8 +383,9 @@ def sick(snap: HostSnapshot, faults: dict[int, dict[str, Any]]) -> HostSnapshot:
     healthy."""
     from gpufleet.facts.gpu_health import GpuHealth, GpuReading
 
-    snap.gpu_health = GpuHealth(gpus=tuple(GpuReading(i, f"00000000:00:0{6 + i}.0", **faults.get(i, {}))
-                                           for i in range(3)))
+    snap.gpu_health = GpuHealth(
+        gpus=tuple(GpuReading(i, f"00000000:00:0{6 + i}.0", **faults.get(i, {})) for i in range(3))
+    )
     return snap
 
 
@@ -346,10 +412,12 @@ def test_a_restart_onto_a_gpu_pending_a_remap_is_refused_one_line_per_gpu_and_a_
     other = "reg:5000/vllm/vllm-openai@sha256:" + "2" * 64
     converged.free_kib = {"docker": 10**9, "models": 10**9}  # the new image has room
     (line,) = check_host("gpu1", converged, plan_for("gpu1", {**DATA, "gpufleet_image_ref": other}))
-    assert line == ("gpu1: GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes: this converge would "
-                    "restart vllm-qwen35.service (its image is still to be pulled) (fix: stop the service and reset the "
-                    "GPU (`nvidia-smi -r -i 0`), or reboot the host (NVIDIA: RESET_GPU), then converge again "
-                    "(docs/gpu-health.md: how a verdict clears))")
+    assert line == (
+        "gpu1: GPU 0 (00000000:00:06.0) needs GPU reset: remapped_rows.pending=Yes: this converge would "
+        "restart vllm-qwen35.service (its image is still to be pulled) (fix: stop the service and reset the "
+        "GPU (`nvidia-smi -r -i 0`), or reboot the host (NVIDIA: RESET_GPU), then converge again "
+        "(docs/gpu-health.md: how a verdict clears))"
+    )
     both = sick(bare_but_installed(), {0: {"recovery_action": "Reboot"}, 2: {"remap_failure": True}})
     lines = check_host("gpu1", both, plan_for("gpu1", DATA))
     assert [line.split(":", 1)[1].split("(")[0].strip() for line in lines if "GPU" in line] == ["GPU 0", "GPU 2"]
@@ -372,8 +440,11 @@ def test_a_degraded_gpu_or_one_the_service_does_not_use_refuses_nothing():
 def test_the_hosts_verdict_table_setting_decides_what_preflight_refuses():
     def refusals(faults: dict[int, dict[str, Any]], verdicts: dict[str, str] | None = None) -> list[str]:
         data = DATA if verdicts is None else {**DATA, "gpufleet_gpu_verdicts": verdicts}
-        return [line for line in check_host("gpu1", sick(bare_but_installed(), faults), plan_for("gpu1", data))
-                if "GPU" in line]
+        return [
+            line
+            for line in check_host("gpu1", sick(bare_but_installed(), faults), plan_for("gpu1", data))
+            if "GPU" in line
+        ]
 
     pending, hot = {0: {"remap_pending": True}}, {1: {"clocks_event_reasons": 0x40}}
     assert len(refusals(pending)) == 1 and refusals(pending, {"remapped_rows.pending=Yes": "degraded"}) == []
@@ -396,4 +467,5 @@ def test_a_failed_model_move_leaves_the_version_rolled_back_to_convergeable(monk
     assert [line for line in asked if "failed at" in line] == [
         f"gpu1: {REF} with spec {committed.version.spec_hash} and model {moved.model} failed at t2: dead (fix: change "
         "vllm_image or a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on "
-        "purpose)"]
+        "purpose)"
+    ]

@@ -30,12 +30,21 @@ from tests.ports import free_port
 
 NV = Path(__file__).parent.parent / "fixtures" / "nvidia-smi"
 DOCKER_API = Path(__file__).parent.parent / "fixtures" / "docker-api"
-PATHS = Paths(service="vllm-qwen35", models_dir="/srv/vllm/models", model_dir="/srv/vllm/models/qwen3.5-awq",
-              dirs=("/var/cache/vllm/qwen35/vllm", "/srv/vllm/models"), files=("/etc/a", "/etc/b"),
-              ledger_path="/var/lib/gpufleet/vllm-qwen35.json", env_file="/etc/gpufleet/vllm-qwen35.env", port=5000,
-              nvidia_key_url="http://repo/gpgkey", docker_repo_url=None,
-              nvidia_keyring="/nonexistent/nvidia.gpg", docker_keyring="/nonexistent/docker.asc",  # missing: fetched
-              nvidia_version_file="/var/lib/gpufleet/nvidia-version")
+PATHS = Paths(
+    service="vllm-qwen35",
+    models_dir="/srv/vllm/models",
+    model_dir="/srv/vllm/models/qwen3.5-awq",
+    dirs=("/var/cache/vllm/qwen35/vllm", "/srv/vllm/models"),
+    files=("/etc/a", "/etc/b"),
+    ledger_path="/var/lib/gpufleet/vllm-qwen35.json",
+    env_file="/etc/gpufleet/vllm-qwen35.env",
+    port=5000,
+    nvidia_key_url="http://repo/gpgkey",
+    docker_repo_url=None,
+    nvidia_keyring="/nonexistent/nvidia.gpg",
+    docker_keyring="/nonexistent/docker.asc",  # missing: fetched
+    nvidia_version_file="/var/lib/gpufleet/nvidia-version",
+)
 
 
 def fixture(kind: str, name: str) -> list[str]:
@@ -70,21 +79,48 @@ def code_lines(command: str) -> list[str]:
 
 def healthy(kind: str = "h200-2gpu", **over: list[str]) -> list[str]:
     base = {
-        "os": ['PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"', "ID=debian", 'VERSION_ID="12"', "VERSION_CODENAME=bookworm"],
-        "arch": ["amd64"], "nvidia_smi": ["1"], "gpus": fixture(kind, "query-gpu.csv"), "driver": fixture(kind, "version.txt"),
+        "os": [
+            'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"',
+            "ID=debian",
+            'VERSION_ID="12"',
+            "VERSION_CODENAME=bookworm",
+        ],
+        "arch": ["amd64"],
+        "nvidia_smi": ["1"],
+        "gpus": fixture(kind, "query-gpu.csv"),
+        "driver": fixture(kind, "version.txt"),
         "daemon_json": ['{"insecure-registries": ["10.0.0.1:5000"], "runtimes": {"nvidia": {"path": "x"}}}'],
         "free": ["docker /var/lib/docker 104857600", "models /srv 52428800"],
         "packages": ["docker.io ii 20.10.24", "nvidia-container-toolkit ii 1.17.8-1", "docker-ce un <none>"],
         "files": ["a" * 64 + "  /etc/a"],
         "state": ["@@present", json.dumps({"current": {"image": "img:tag", "ref": "img@sha256:" + "0" * 64}})],
-        "docker_images": [json.dumps([{"RepoTags": ["img:tag"], "RepoDigests": ["img@sha256:" + "0" * 64]},
-                                   {"RepoTags": ["other:latest"], "RepoDigests": []}])],
-        "model": ["config.json 120", "tokenizer.json 4000", "model-00001-of-00002.safetensors 10",
-               "model-00002-of-00002.safetensors 10", "model.safetensors.index.json 300",
-               "shard model-00001-of-00002.safetensors", "shard model-00002-of-00002.safetensors"],
+        "docker_images": [
+            json.dumps(
+                [
+                    {"RepoTags": ["img:tag"], "RepoDigests": ["img@sha256:" + "0" * 64]},
+                    {"RepoTags": ["other:latest"], "RepoDigests": []},
+                ]
+            )
+        ],
+        "model": [
+            "config.json 120",
+            "tokenizer.json 4000",
+            "model-00001-of-00002.safetensors 10",
+            "model-00002-of-00002.safetensors 10",
+            "model.safetensors.index.json 300",
+            "shard model-00001-of-00002.safetensors",
+            "shard model-00002-of-00002.safetensors",
+        ],
         "dirs": ["root root 755 /var/cache/vllm/qwen35/vllm"],
-        "units": ["Id=docker.service", "ActiveState=active", "UnitFileState=enabled", "",
-               "Id=vllm-qwen35.service", "ActiveState=active", "UnitFileState=enabled"],
+        "units": [
+            "Id=docker.service",
+            "ActiveState=active",
+            "UnitFileState=enabled",
+            "",
+            "Id=vllm-qwen35.service",
+            "ActiveState=active",
+            "UnitFileState=enabled",
+        ],
         "health": ["200", json.dumps({"object": "list", "data": [{"id": "qwen3.5-awq", "max_model_len": 32768}]})],
         "cache_config": ['vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0"} 1.0'],
     }
@@ -102,7 +138,11 @@ def test_parses_every_section():
     assert snap.file_sha256 == {"/etc/a": "a" * 64} and snap.file_sha256.get("/etc/b") is None
     assert snap.has_image_digest("img@sha256:" + "0" * 64) and not snap.has_image_digest("img@sha256:" + "1" * 64)
     assert snap.model_shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    assert snap.dirs.get("/srv/vllm/models") is None and snap.dirs["/var/cache/vllm/qwen35/vllm"] == ("root", "root", "755")
+    assert snap.dirs.get("/srv/vllm/models") is None and snap.dirs["/var/cache/vllm/qwen35/vllm"] == (
+        "root",
+        "root",
+        "755",
+    )
     assert snap.unit_active("vllm-qwen35.service") and snap.unit_enabled("docker.service")
     assert snap.health_code == "200" and snap.served_models == [("qwen3.5-awq", 32768)]
     assert snap.cache_config == {"block_size": "16", "enable_prefix_caching": "True"}
@@ -138,8 +178,10 @@ def test_every_program_that_can_hang_runs_under_timeout():
             for program in programs:
                 assert line.count(program) == line.count(f"$t {program}"), line
     assert [line.split()[0] for line in command.splitlines() if "nvidia-smi --" in line and "$t" not in line] == [
-        "read_gpus", "read_driver"]
-    assert 'g=$($t "$@" 2>&1)' in function_body("ask_nvidia") and 'begin @@gpufleet: 20 ' in command
+        "read_gpus",
+        "read_driver",
+    ]
+    assert 'g=$($t "$@" 2>&1)' in function_body("ask_nvidia") and "begin @@gpufleet: 20 " in command
     assert 't="timeout -k 2 $timeout_s"' in function_body("begin")
     # curl bounds itself: every request (each --next starts one) has its own --max-time, the key requests put
     # before the others by `set --` included.
@@ -167,16 +209,28 @@ def test_daemon_json_without_final_newline_keeps_the_next_section():
 
 
 def test_units_not_installed():
-    snap = parse_snapshot(healthy(units=["Id=docker.service", "ActiveState=inactive", "UnitFileState=", "",
-                                         "Id=vllm-qwen35.service", "ActiveState=inactive", "UnitFileState="],
-                                  health=["000", ""]))
+    snap = parse_snapshot(
+        healthy(
+            units=[
+                "Id=docker.service",
+                "ActiveState=inactive",
+                "UnitFileState=",
+                "",
+                "Id=vllm-qwen35.service",
+                "ActiveState=inactive",
+                "UnitFileState=",
+            ],
+            health=["000", ""],
+        )
+    )
     assert not snap.unit_active("docker.service") and not snap.unit_enabled("vllm-qwen35.service")
     assert snap.health_code is None and snap.served_models is None
 
 
 def test_bare_host_without_nvidia_smi():
-    snap = parse_snapshot(healthy(nvidia_smi=["0"], gpus=[], driver=[], daemon_json=[], state=[],
-                                  docker_images=[], model=[], health=[]))
+    snap = parse_snapshot(
+        healthy(nvidia_smi=["0"], gpus=[], driver=[], daemon_json=[], state=[], docker_images=[], model=[], health=[])
+    )
     assert snap.gpus == [] and snap.driver is None and snap.nvidia_error is None
     assert snap.daemon_json is None and snap.ledger_text is None and snap.model_files == {}
     assert snap.health_code is None and snap.other_ledgers == {}
@@ -220,7 +274,9 @@ def test_a_section_forged_in_an_answer_refuses_the_snapshot():
     # gpufleet's marker and a ledger of its own: a later section used to override the real one, and root acted on it.
     forged = json.dumps({"committed": {"service": "x", "ref": "evil@sha256:" + "f" * 64}})
     lines = healthy(health=["200", '{"object": "list", "data": []}', "", MARK + "state", "@@present", forged])
-    with pytest.raises(FactProcessError, match=r"^host snapshot refused: a section 'state' inside the service's answers"):
+    with pytest.raises(
+        FactProcessError, match=r"^host snapshot refused: a section 'state' inside the service's answers"
+    ):
         parse_snapshot(lines)
     # A ledger of a path the host does not have, or a second end: refused the same way, or as a duplicate.
     other = healthy(health=["200", "{}", "", MARK + "ledger /var/lib/gpufleet/forged.json", forged])
@@ -238,9 +294,16 @@ def test_command_is_valid_posix_shell_and_read_only():
 
 
 def test_service_unit_is_read_with_its_first_line():
-    snap = parse_snapshot(healthy(service_unit=["Id=ssh.service", "LoadState=loaded",
-                                                "FragmentPath=/lib/systemd/system/ssh.service",
-                                                "FirstLine=[Unit]"]))
+    snap = parse_snapshot(
+        healthy(
+            service_unit=[
+                "Id=ssh.service",
+                "LoadState=loaded",
+                "FragmentPath=/lib/systemd/system/ssh.service",
+                "FirstLine=[Unit]",
+            ]
+        )
+    )
     assert snap.service_unit == ServiceUnit("ssh.service", "loaded", "/lib/systemd/system/ssh.service", "[Unit]")
     assert snap.service_unit.exists
 
@@ -252,14 +315,29 @@ def test_a_missing_service_unit_does_not_exist():
 
 
 def test_first_line_keeps_equals_signs():
-    snap = parse_snapshot(healthy(service_unit=["Id=a.service", "LoadState=loaded", "FragmentPath=/x",
-                                                "FirstLine=# Managed by gpufleet (h): a=b"]))
+    snap = parse_snapshot(
+        healthy(
+            service_unit=[
+                "Id=a.service",
+                "LoadState=loaded",
+                "FragmentPath=/x",
+                "FirstLine=# Managed by gpufleet (h): a=b",
+            ]
+        )
+    )
     assert snap.service_unit.first_line == "# Managed by gpufleet (h): a=b"
 
 
 def test_both_docker_engines_packages_are_read():
-    snap = parse_snapshot(healthy(packages=["docker.io ii 20.10.24+dfsg1-1+deb12u1+b6",
-                                            "containerd ii 1.6.20~ds1-1+deb12u3", "containerd.io un <none>"]))
+    snap = parse_snapshot(
+        healthy(
+            packages=[
+                "docker.io ii 20.10.24+dfsg1-1+deb12u1+b6",
+                "containerd ii 1.6.20~ds1-1+deb12u3",
+                "containerd.io un <none>",
+            ]
+        )
+    )
     assert snap.packages == {"docker.io": "20.10.24+dfsg1-1+deb12u1+b6", "containerd": "1.6.20~ds1-1+deb12u3"}
     assert {"docker.io", "containerd", "docker-ce", "containerd.io"} <= set(PACKAGES)
 
@@ -276,10 +354,13 @@ def test_hostile_repo_urls_reach_curl_whole_and_never_the_shell(tmp_path):
     lines = [line for line in snapshot_command(paths).splitlines() if "repo.example" in line]
     assert [line.split()[0] for line in lines] == ["read_http"]  # one curl for both keys (and the service's own)
     argv_log = tmp_path / "argv"
-    record = f"curl() {{ for a in \"$@\"; do printf '%s\\n' \"$a\"; done >> {argv_log}; }}"
+    record = f'curl() {{ for a in "$@"; do printf \'%s\\n\' "$a"; done >> {argv_log}; }}'
     subprocess.run(["sh", "-c", f"{record}\n{step(paths, 'read_http')}"], check=False, capture_output=True, timeout=10)
-    os_id = next(line.split("=", 1)[1].strip('"') for line in Path("/etc/os-release").read_text().splitlines()
-                 if line.startswith("ID="))
+    os_id = next(
+        line.split("=", 1)[1].strip('"')
+        for line in Path("/etc/os-release").read_text().splitlines()
+        if line.startswith("ID=")
+    )
     words = argv_log.read_text().splitlines() if argv_log.exists() else []
     assert f"{hostile}/gpgkey" in words and f"{hostile}/{os_id}/gpg" in words
     assert not marker.exists()
@@ -314,10 +395,13 @@ class _Repo(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.seen.append((self.path, self.headers.get("Authorization")))
-        bodies = {"/gpgkey": KEY, "/health": "", "/v1/models": json.dumps(
-            {"object": "list", "data": [{"id": "qwen3.5-awq", "max_model_len": 32768}]}),
+        bodies = {
+            "/gpgkey": KEY,
+            "/health": "",
+            "/v1/models": json.dumps({"object": "list", "data": [{"id": "qwen3.5-awq", "max_model_len": 32768}]}),
             "/metrics": '# HELP x\nvllm:num_requests_running{engine="0"} 0.0\n'
-                        'vllm:cache_config_info{block_size="16",engine="0"} 1.0\nvllm:other 2\n'}
+            'vllm:cache_config_info{block_size="16",engine="0"} 1.0\nvllm:other 2\n',
+        }
         body = KEY if self.path.endswith("/gpg") else bodies.get(self.path)
         code = self.health if self.path == "/health" else 200 if body is not None else 404
         self.send_response(code)
@@ -330,8 +414,9 @@ class _Repo(BaseHTTPRequestHandler):
 
 # What the line before the snapshot's HTTP line leaves from docker's API: the labelled container that runs, with its
 # own address (the server is read there; here the test's server on the loopback), or none.
-RUNNING_CONTAINER = ("cj='[{\"Id\":\"c0ffee\",\"NetworkSettings\":{\"Networks\":{\"bridge\":"
-                     "{\"IPAddress\":\"127.0.0.1\"}}}}]'; cip=127.0.0.1")
+RUNNING_CONTAINER = (
+    'cj=\'[{"Id":"c0ffee","NetworkSettings":{"Networks":{"bridge":{"IPAddress":"127.0.0.1"}}}}]\'; cip=127.0.0.1'
+)
 
 
 @pytest.mark.parametrize("health", [200, 503])
@@ -344,12 +429,20 @@ def test_one_curl_reads_the_keys_and_the_server_and_only_v1_models_gets_the_api_
         port = server.server_address[1]
         env_file = tmp_path / "vllm.env"
         env_file.write_text("VLLM_API_KEY=sekrit-123\n")
-        paths = dataclasses.replace(PATHS, port=port, env_file=str(env_file),
-                                    nvidia_key_url=f"http://127.0.0.1:{port}/gpgkey",
-                                    docker_repo_url=f"http://127.0.0.1:{port}/linux")
+        paths = dataclasses.replace(
+            PATHS,
+            port=port,
+            env_file=str(env_file),
+            nvidia_key_url=f"http://127.0.0.1:{port}/gpgkey",
+            docker_repo_url=f"http://127.0.0.1:{port}/linux",
+        )
         line = step(paths, "read_http")
-        out = subprocess.run(["sh", "-c", f"{RUNNING_CONTAINER}\n{line}\nprintf '\\n{MARK}end\\n'"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["sh", "-c", f"{RUNNING_CONTAINER}\n{line}\nprintf '\\n{MARK}end\\n'"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         server.shutdown()
     snap = parse_snapshot(out.stdout.splitlines())
@@ -362,7 +455,6 @@ def test_one_curl_reads_the_keys_and_the_server_and_only_v1_models_gets_the_api_
     assert {path for path, auth in _Repo.seen if auth} == {"/v1/models"}
     assert ("/v1/models", "Bearer sekrit-123") in _Repo.seen
     assert "sekrit" not in line
-
 
 
 # --- docker: the Engine API on its socket, through the one curl ---------------------------------------------------
@@ -389,8 +481,9 @@ def test_images_from_the_api_are_the_rows_docker_images_prints(recording):
     assert sorted(api) == sorted(cli) and len(api) == len(set(api))
 
 
-@pytest.mark.parametrize("recording", sorted(p.name.removesuffix(".json")
-                                             for p in DOCKER_API.glob("*containers*.json")))
+@pytest.mark.parametrize(
+    "recording", sorted(p.name.removesuffix(".json") for p in DOCKER_API.glob("*containers*.json"))
+)
 def test_containers_from_the_api_are_what_docker_ps_prints(recording):
     api = parse_snapshot(healthy(**{f"docker_containers {LABEL}": recorded(f"{recording}.json")})).running
     cli = parse_snapshot(from_cli([], recorded(f"{recording}.cli.txt"))).running
@@ -398,8 +491,12 @@ def test_containers_from_the_api_are_what_docker_ps_prints(recording):
 
 
 def test_the_recorded_converged_host_runs_what_its_unit_pins():
-    snap = parse_snapshot(from_api((DOCKER_API / "api1.41-images.json").read_text(),
-                                   (DOCKER_API / "api1.41-containers-labelled.json").read_text()))
+    snap = parse_snapshot(
+        from_api(
+            (DOCKER_API / "api1.41-images.json").read_text(),
+            (DOCKER_API / "api1.41-containers-labelled.json").read_text(),
+        )
+    )
     ref = "10.213.0.1:5000/vllm/vllm-openai@sha256:5afcd0f2c8578993dfda065fd4e60be972ded12cf57d780949f677b04473dadc"
     assert snap.running.containers == (("21b31c1165baae9c", ref),)
     assert snap.running.running_image == ref and snap.running.running_spec_hash == "21b31c1165baae9c"
@@ -408,16 +505,24 @@ def test_the_recorded_converged_host_runs_what_its_unit_pins():
 
 def test_the_recorded_hand_started_container_is_drift_and_the_stopped_one_is_not_listed():
     pinned = "10.213.19.1:5000/vllm/vllm-openai@sha256:d28ceff4b10e0a2b93abf6f09c848f61da1d7cb89419d7aa59aeeb42f52d08c6"
-    running = ["ActiveState=active", "NeedDaemonReload=no", f"Header=# Spec d55964a1c154b307; image pinned to {pinned}."]
+    running = [
+        "ActiveState=active",
+        "NeedDaemonReload=no",
+        f"Header=# Spec d55964a1c154b307; image pinned to {pinned}.",
+    ]
     lines = healthy(running=running, **{f"docker_containers {LABEL}": recorded("api1.41-containers-two.json")})
     snap = parse_snapshot(lines).running
     assert snap.containers == (("handmade", "10.213.19.1:5000/vllm/vllm-openai:nightly"), ("d55964a1c154b307", pinned))
-    assert snap.drift() == ["the container runs spec handmade, the unit spec d55964a1c154b307",
-                            f"the container runs 10.213.19.1:5000/vllm/vllm-openai:nightly, the unit pins {pinned}",
-                            "2 containers carry the service's label"]
+    assert snap.drift() == [
+        "the container runs spec handmade, the unit spec d55964a1c154b307",
+        f"the container runs 10.213.19.1:5000/vllm/vllm-openai:nightly, the unit pins {pinned}",
+        "2 containers carry the service's label",
+    ]
     images = parse_snapshot(healthy(docker_images=recorded("api1.41-images-mixed.json"))).images
     assert image_present(images, pinned) and image_present(
-        images, "10.213.19.1:5000/vllm/vllm-openai@sha256:03ff8b703ec099371e1bce2bfc2f247de24bd99aa62c6cf2fc99c8ffa4805237")
+        images,
+        "10.213.19.1:5000/vllm/vllm-openai@sha256:03ff8b703ec099371e1bce2bfc2f247de24bd99aa62c6cf2fc99c8ffa4805237",
+    )
     assert not any(repo in ("gpufleet/local", "ubuntu", "<none>") for repo, _, _ in images)
 
 
@@ -431,15 +536,22 @@ def test_a_docker_daemon_that_is_down_lists_nothing():
 
 def test_an_image_is_listed_once_per_tag_of_its_digest_and_digest_only_pulls_as_none():
     d1, d2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
-    images = json.dumps([
-        {"RepoTags": ["reg:5000/v/vllm:nightly", "reg:5000/v/vllm:latest", "mirror/vllm:x"],
-         "RepoDigests": ["reg:5000/v/vllm@" + d1]},
-        {"RepoTags": None, "RepoDigests": ["vllm/vllm-openai@" + d2]},  # pulled by digest only
-        {"RepoTags": ["built:here"], "RepoDigests": []},  # no registry digest: never a pin
-        {"RepoTags": ["<none>:<none>"], "RepoDigests": ["<none>@<none>"]},  # dangling, as old engines list it
-    ])
+    images = json.dumps(
+        [
+            {
+                "RepoTags": ["reg:5000/v/vllm:nightly", "reg:5000/v/vllm:latest", "mirror/vllm:x"],
+                "RepoDigests": ["reg:5000/v/vllm@" + d1],
+            },
+            {"RepoTags": None, "RepoDigests": ["vllm/vllm-openai@" + d2]},  # pulled by digest only
+            {"RepoTags": ["built:here"], "RepoDigests": []},  # no registry digest: never a pin
+            {"RepoTags": ["<none>:<none>"], "RepoDigests": ["<none>@<none>"]},  # dangling, as old engines list it
+        ]
+    )
     assert sorted(parse_snapshot(from_api(images)).images) == [
-        ("reg:5000/v/vllm", "latest", d1), ("reg:5000/v/vllm", "nightly", d1), ("vllm/vllm-openai", "<none>", d2)]
+        ("reg:5000/v/vllm", "latest", d1),
+        ("reg:5000/v/vllm", "nightly", d1),
+        ("vllm/vllm-openai", "<none>", d2),
+    ]
 
 
 def test_a_container_from_another_image_or_a_second_container_is_drift():
@@ -515,7 +627,10 @@ def test_one_curl_reads_dockers_listings_from_its_socket(tmp_path, monkeypatch, 
     finally:
         server.shutdown()
         server.server_close()
-    assert _Docker.seen == ["/images/json", "/containers/json?filters=%7B%22label%22%3A%5B%22gpufleet.vllm-qwen35%22%5D%7D"]
+    assert _Docker.seen == [
+        "/images/json",
+        "/containers/json?filters=%7B%22label%22%3A%5B%22gpufleet.vllm-qwen35%22%5D%7D",
+    ]
     if hang:  # each request bounded by its own --max-time: nothing listed, not a hung snapshot
         assert snap.images == [] and snap.running.containers == () and elapsed < 5
     else:
@@ -532,8 +647,13 @@ def test_the_model_directory_is_read_with_one_find_and_one_awk(tmp_path):
     model = tmp_path / "m"
     (model / ".cache" / "huggingface" / "download").mkdir(parents=True)
     (model / "sub").mkdir()
-    index = {"weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
-                            "c": "model-00001-of-00002.safetensors"}}
+    index = {
+        "weight_map": {
+            "a": "model-00002-of-00002.safetensors",
+            "b": "model-00001-of-00002.safetensors",
+            "c": "model-00001-of-00002.safetensors",
+        }
+    }
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     (model / "config.json").write_text("{}")
     (model / "name with space.bin").write_text("xx")
@@ -543,21 +663,31 @@ def test_the_model_directory_is_read_with_one_find_and_one_awk(tmp_path):
         (model / ".cache" / "huggingface" / "download" / f"f{i}.incomplete").write_text("")
     paths = dataclasses.replace(PATHS, model_dir=str(model))
     body = function_body("read_model")
-    assert body.count("find ") == 1 and body.count("awk ") == 1 and not any(
-        word in body for word in ("grep", "sort", "head"))
+    assert (
+        body.count("find ") == 1
+        and body.count("awk ") == 1
+        and not any(word in body for word in ("grep", "sort", "head"))
+    )
     snap = _run(step(paths, "read_model"))
-    assert snap.model_files == {"model.safetensors.index.json": len(json.dumps(index)), "config.json": 2,
-                                "name with space.bin": 2, "top.incomplete": 0}
+    assert snap.model_files == {
+        "model.safetensors.index.json": len(json.dumps(index)),
+        "config.json": 2,
+        "name with space.bin": 2,
+        "top.incomplete": 0,
+    }
     assert snap.model_shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert len(snap.model_incomplete) == 3
     assert all(p.startswith("./.cache/huggingface/download/f") for p in snap.model_incomplete)
 
 
-@pytest.mark.parametrize(("daemon_json", "measured"), [
-    ('{"data-root": "%s"}', "data-root"),  # no final newline, as json.dump writes it
-    ('{\n  "runtimes": {},\n  "data-root"  :  "%s"\n}\n', "data-root"),
-    ('{"runtimes": {}}', "default"),
-])
+@pytest.mark.parametrize(
+    ("daemon_json", "measured"),
+    [
+        ('{"data-root": "%s"}', "data-root"),  # no final newline, as json.dump writes it
+        ('{\n  "runtimes": {},\n  "data-root"  :  "%s"\n}\n', "data-root"),
+        ('{"runtimes": {}}', "default"),
+    ],
+)
 def test_docker_space_is_measured_at_data_root(tmp_path, monkeypatch, daemon_json, measured):
     root = tmp_path / "docker root"
     root.mkdir()
@@ -581,16 +711,45 @@ def test_the_whole_command_prints_each_section_once_in_order(tmp_path, monkeypat
     fake_nvidia_smi(tmp_path, QUERY)
     monkeypatch.setattr(host_command, "DOCKER_SOCKET", str(tmp_path / "absent.sock"))
     (tmp_path / "state").mkdir()
-    paths = dataclasses.replace(PATHS, nvidia_key_url="http://127.0.0.1:9/gpgkey", port=9,
-                                ledger_path=str(tmp_path / "state" / "vllm-qwen35.json"),
-                                site_cache_storage=str(tmp_path), group_head=("127.0.0.1", 9))
+    paths = dataclasses.replace(
+        PATHS,
+        nvidia_key_url="http://127.0.0.1:9/gpgkey",
+        port=9,
+        ledger_path=str(tmp_path / "state" / "vllm-qwen35.json"),
+        site_cache_storage=str(tmp_path),
+        group_head=("127.0.0.1", 9),
+    )
     env = {"PATH": f"{tmp_path}:/usr/sbin:/usr/bin:/sbin:/bin"}
     out = subprocess.run(["sh", "-c", snapshot_command(paths)], env=env, capture_output=True, text=True, timeout=60)
     assert list(split(out.stdout.splitlines())) == [
-        "os", "arch", "nvidia_smi", "gpus", "driver", "gpu_health", "kernel_log", "daemon_json", "free", "site_cache",
-        "group_probe", "packages", "files", "state", "other_ledgers", "images", "model", "dirs", "units",
-        "service_unit", "running", "nvidia_key", "docker_images", f"docker_containers {LABEL}", "health",
-        "cache_config", "end"]
+        "os",
+        "arch",
+        "nvidia_smi",
+        "gpus",
+        "driver",
+        "gpu_health",
+        "kernel_log",
+        "daemon_json",
+        "free",
+        "site_cache",
+        "group_probe",
+        "packages",
+        "files",
+        "state",
+        "other_ledgers",
+        "images",
+        "model",
+        "dirs",
+        "units",
+        "service_unit",
+        "running",
+        "nvidia_key",
+        "docker_images",
+        f"docker_containers {LABEL}",
+        "health",
+        "cache_config",
+        "end",
+    ]
 
 
 # --- the driver's version file: one nvidia-smi call per snapshot while the driver stays -----------------------
@@ -607,7 +766,7 @@ def test_the_driver_read_live_is_kept_as_the_version_files_content():
 def test_the_driver_read_from_the_version_file_is_parsed_alike_and_marked():
     lines = healthy(driver=[])
     at = lines.index(MARK + "driver")
-    lines[at:at + 1] = [MARK + DRIVER_FILE, *VERSION.splitlines()]
+    lines[at : at + 1] = [MARK + DRIVER_FILE, *VERSION.splitlines()]
     snap = parse_snapshot(lines)
     assert snap.driver == NvidiaVersion("580.159.04", "13.0") and snap.driver_from_file
     assert snap.driver_output is None  # nothing to write: the file is what said it
@@ -620,9 +779,11 @@ def fake_nvidia_smi(tmp_path: Path, query: str, rc: int = 0) -> None:
     (tmp_path / "version").write_text(VERSION)
     (tmp_path / "health").write_text(HEALTH)
     fake = tmp_path / "nvidia-smi"
-    fake.write_text(f"#!/bin/sh\necho \"$1\" >> {tmp_path}/calls\n"
-                    f"case $1 in --version) cat {tmp_path}/version;; {LIVE[2]}) cat {tmp_path}/health;; "
-                    f"*) cat {tmp_path}/query; exit {rc};; esac\n")
+    fake.write_text(
+        f'#!/bin/sh\necho "$1" >> {tmp_path}/calls\n'
+        f"case $1 in --version) cat {tmp_path}/version;; {LIVE[2]}) cat {tmp_path}/health;; "
+        f"*) cat {tmp_path}/query; exit {rc};; esac\n"
+    )
     fake.chmod(0o755)
     dmesg = tmp_path / "dmesg"  # this machine's kernel log is no test host's
     dmesg.write_text("#!/bin/sh\necho '2026-12-03T09:00:00,000000+00:00 NVRM: Xid (PCI:0000:00:06): 13, x'\n")
@@ -633,8 +794,9 @@ def snapshot_with(tmp_path: Path, version_file: str | None) -> tuple[HostSnapsho
     """The real snapshot command in the local sh, the stand-in first on PATH; the nvidia-smi calls it made."""
     calls = tmp_path / "calls"
     calls.unlink(missing_ok=True)
-    paths = dataclasses.replace(PATHS, nvidia_version_file=version_file, nvidia_key_url="http://127.0.0.1:9/gpgkey",
-                                port=9)  # nothing listens: curl gives up at once
+    paths = dataclasses.replace(
+        PATHS, nvidia_version_file=version_file, nvidia_key_url="http://127.0.0.1:9/gpgkey", port=9
+    )  # nothing listens: curl gives up at once
     env = {"PATH": f"{tmp_path}:/usr/sbin:/usr/bin:/sbin:/bin"}
     out = subprocess.run(["sh", "-c", snapshot_command(paths)], env=env, capture_output=True, text=True, timeout=60)
     return parse_snapshot(out.stdout.splitlines()), calls.read_text().split() if calls.exists() else []
@@ -675,15 +837,19 @@ def test_a_version_file_of_another_driver_is_not_believed(tmp_path):
     assert calls == LIVE and snap.driver == NvidiaVersion("535.104.05", "12.2")
 
 
-@pytest.mark.parametrize("content", [
-    None,  # no file
-    "",
-    VERSION.replace("CUDA Version        : 13.0\n", ""),  # cut short
-    VERSION.replace(": 13.0", ": thirteen"),
-    VERSION.replace("DRIVER version      : 580.159.04", "DRIVER version      : 580.159.041"),
-    VERSION.replace("DRIVER", "driver"),
-    VERSION + VERSION,  # two answers: not what nvidia-smi says
-], ids=["missing", "empty", "no-cuda-line", "cuda-not-a-version", "longer-driver", "renamed-key", "twice"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        None,  # no file
+        "",
+        VERSION.replace("CUDA Version        : 13.0\n", ""),  # cut short
+        VERSION.replace(": 13.0", ": thirteen"),
+        VERSION.replace("DRIVER version      : 580.159.04", "DRIVER version      : 580.159.041"),
+        VERSION.replace("DRIVER", "driver"),
+        VERSION + VERSION,  # two answers: not what nvidia-smi says
+    ],
+    ids=["missing", "empty", "no-cuda-line", "cuda-not-a-version", "longer-driver", "renamed-key", "twice"],
+)
 def test_a_missing_or_garbled_version_file_means_asking_nvidia_smi(tmp_path, content):
     fake_nvidia_smi(tmp_path, QUERY)
     if content is not None:
@@ -718,7 +884,7 @@ def test_no_gpu_means_no_driver_to_record(tmp_path):
 def test_the_version_file_is_read_with_shell_builtins_only():
     # No program, no subshell, no pipe: a hit costs the host nothing but the shell's own reads.
     reading = function_body("read_driver").split("\n  shift\n", 1)[0]
-    assert "done 2>/dev/null <\"$1\"" in reading
+    assert 'done 2>/dev/null <"$1"' in reading
     assert not any(word in reading for word in ("cat ", "$(", "`", " | ", "grep", "sed"))
 
 
@@ -728,42 +894,62 @@ def key_paths(tmp_path: Path, installed: set[str], refresh: bool = False) -> Pat
     keyrings = {name: tmp_path / f"{name}.keyring" for name in ("nvidia", "docker")}
     for name in installed:
         keyrings[name].write_text("an installed key")
-    return dataclasses.replace(PATHS, nvidia_key_url="http://nv.example/gpgkey",
-                               docker_repo_url="http://docker.example/linux", nvidia_keyring=str(keyrings["nvidia"]),
-                               docker_keyring=str(keyrings["docker"]), refresh_keys=refresh, port=9)
+    return dataclasses.replace(
+        PATHS,
+        nvidia_key_url="http://nv.example/gpgkey",
+        docker_repo_url="http://docker.example/linux",
+        nvidia_keyring=str(keyrings["nvidia"]),
+        docker_keyring=str(keyrings["docker"]),
+        refresh_keys=refresh,
+        port=9,
+    )
 
 
 def curl_argv(paths: Paths, tmp_path: Path) -> list[str]:
     """The argv of the snapshot's one curl, run by the real shell (dash) with curl replaced by a recorder."""
     log = tmp_path / "argv"
     log.unlink(missing_ok=True)
-    record = f"curl() {{ for a in \"$@\"; do printf '%s\\0' \"$a\"; done >> {log}; }}"
+    record = f'curl() {{ for a in "$@"; do printf \'%s\\0\' "$a"; done >> {log}; }}'
     line = step(paths, "read_http")
     subprocess.run(["sh", "-c", f"{record}\n{line}"], check=True, capture_output=True, timeout=10)
     return log.read_text().split("\0")[:-1]
 
 
-OS_ID = next(line.split("=", 1)[1].strip('"') for line in Path("/etc/os-release").read_text().splitlines()
-             if line.startswith("ID="))
+OS_ID = next(
+    line.split("=", 1)[1].strip('"')
+    for line in Path("/etc/os-release").read_text().splitlines()
+    if line.startswith("ID=")
+)
 NV_GET = ["-fsSL", "--max-time", "15", "http://nv.example/gpgkey", "-w"]
 DOCKER_GET = ["-fsSL", "--max-time", "15", f"http://docker.example/linux/{OS_ID}/gpg", "-w"]
 
 
-@pytest.mark.parametrize(("installed", "refresh", "gets"), [
-    ({"nvidia", "docker"}, False, []),  # a converged host: nothing leaves it
-    ({"docker"}, False, [NV_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
-    ({"nvidia"}, False, [DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
-    (set(), False, [NV_GET + [f"\\n{MARK}docker_key\\n", "--next"], DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
-    ({"nvidia", "docker"}, True, [NV_GET + [f"\\n{MARK}docker_key\\n", "--next"],
-                                  DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
-], ids=["both-installed", "nvidia-missing", "docker-missing", "both-missing", "refresh"])
+@pytest.mark.parametrize(
+    ("installed", "refresh", "gets"),
+    [
+        ({"nvidia", "docker"}, False, []),  # a converged host: nothing leaves it
+        ({"docker"}, False, [NV_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
+        ({"nvidia"}, False, [DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]]),
+        (
+            set(),
+            False,
+            [NV_GET + [f"\\n{MARK}docker_key\\n", "--next"], DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]],
+        ),
+        (
+            {"nvidia", "docker"},
+            True,
+            [NV_GET + [f"\\n{MARK}docker_key\\n", "--next"], DOCKER_GET + [f"\\n{MARK}docker_images\\n", "--next"]],
+        ),
+    ],
+    ids=["both-installed", "nvidia-missing", "docker-missing", "both-missing", "refresh"],
+)
 def test_a_key_is_requested_only_for_a_missing_keyring_or_a_refresh(tmp_path, installed, refresh, gets):
     argv = curl_argv(key_paths(tmp_path, installed, refresh), tmp_path)
     expected_keys = [word for get in gets for word in get]
-    assert argv[:len(expected_keys)] == expected_keys
+    assert argv[: len(expected_keys)] == expected_keys
     # then Docker's socket, the first request when no key is asked for (no --next before it)
-    assert argv[len(expected_keys):len(expected_keys) + 2] == ["-fs", "--max-time"]
-    assert not any(word.endswith(("/gpgkey", "/gpg")) for word in argv[len(expected_keys):])
+    assert argv[len(expected_keys) : len(expected_keys) + 2] == ["-fs", "--max-time"]
+    assert not any(word.endswith(("/gpgkey", "/gpg")) for word in argv[len(expected_keys) :])
 
 
 def test_the_key_decision_starts_no_program(tmp_path):
@@ -772,9 +958,17 @@ def test_the_key_decision_starts_no_program(tmp_path):
     assert keys.count("[ ! -f ") == 2 and "$(" not in keys and "|" not in keys.replace("||", ""), keys
 
 
-@pytest.mark.parametrize(("installed", "refresh"), [({"nvidia", "docker"}, False), ({"docker"}, False),
-                                                ({"nvidia"}, False), (set(), False), ({"nvidia", "docker"}, True)],
-                         ids=["both-installed", "nvidia-missing", "docker-missing", "both-missing", "refresh"])
+@pytest.mark.parametrize(
+    ("installed", "refresh"),
+    [
+        ({"nvidia", "docker"}, False),
+        ({"docker"}, False),
+        ({"nvidia"}, False),
+        (set(), False),
+        ({"nvidia", "docker"}, True),
+    ],
+    ids=["both-installed", "nvidia-missing", "docker-missing", "both-missing", "refresh"],
+)
 def test_every_section_keeps_its_marker_whichever_keys_are_fetched(tmp_path, monkeypatch, installed, refresh):
     """The HTTP line with real curl against the key server, Docker's socket and the service: the keys asked for
     land in their sections, the others are None, and the sections after them parse as always."""
@@ -788,9 +982,12 @@ def test_every_section_keeps_its_marker_whichever_keys_are_fetched(tmp_path, mon
     monkeypatch.setattr(host_command, "DOCKER_SOCKET", str(socket))
     try:
         port = web.server_address[1]
-        paths = dataclasses.replace(key_paths(tmp_path, installed, refresh), port=port,
-                                    nvidia_key_url=f"http://127.0.0.1:{port}/gpgkey",
-                                    docker_repo_url=f"http://127.0.0.1:{port}/linux")
+        paths = dataclasses.replace(
+            key_paths(tmp_path, installed, refresh),
+            port=port,
+            nvidia_key_url=f"http://127.0.0.1:{port}/gpgkey",
+            docker_repo_url=f"http://127.0.0.1:{port}/linux",
+        )
         snap = _run(step(paths, "read_http"))
     finally:
         for server in (docker, web):
@@ -800,8 +997,11 @@ def test_every_section_keeps_its_marker_whichever_keys_are_fetched(tmp_path, mon
     assert snap.nvidia_key == (KEY + "\n" if "nvidia" in fetched else None)
     assert snap.docker_key == (KEY + "\n" if "docker" in fetched else None)
     key_paths_asked = {"nvidia": "/gpgkey", "docker": f"/linux/{OS_ID}/gpg"}
-    assert {path for path, _ in _Repo.seen} == {key_paths_asked[name] for name in fetched} | {"/health", "/v1/models",
-                                                                                          "/metrics"}
+    assert {path for path, _ in _Repo.seen} == {key_paths_asked[name] for name in fetched} | {
+        "/health",
+        "/v1/models",
+        "/metrics",
+    }
     assert snap.images == parse_snapshot(from_cli(recorded("api1.41-images.cli.txt"), [])).images
     assert snap.health_code == "200" and snap.served_models == [("qwen3.5-awq", 32768)]
     assert snap.cache_config["block_size"] == "16"
@@ -810,20 +1010,30 @@ def test_every_section_keeps_its_marker_whichever_keys_are_fetched(tmp_path, mon
 @pytest.mark.parametrize("installed", [{"nvidia", "docker"}, set()], ids=["installed", "missing"])
 def test_a_key_server_that_is_down_leaves_the_keys_none_and_the_rest_intact(tmp_path, monkeypatch, installed):
     monkeypatch.setattr(host_command, "DOCKER_SOCKET", str(tmp_path / "absent.sock"))
-    paths = dataclasses.replace(key_paths(tmp_path, installed, refresh=True), nvidia_key_url="http://127.0.0.1:9/gpgkey",
-                                docker_repo_url="http://127.0.0.1:9/linux")
+    paths = dataclasses.replace(
+        key_paths(tmp_path, installed, refresh=True),
+        nvidia_key_url="http://127.0.0.1:9/gpgkey",
+        docker_repo_url="http://127.0.0.1:9/linux",
+    )
     snap = _run(step(paths, "read_http"))
     assert snap.nvidia_key is None and snap.docker_key is None and snap.images == [] and snap.health_code is None
 
 
-@pytest.mark.parametrize(("address", "url"), [("127.0.0.1", "http://127.0.0.1:5000/"), ("10.0.0.12", "http://10.0.0.12:5000/"),
-                                              ("fd00::12", "http://[fd00::12]:5000/")])
+@pytest.mark.parametrize(
+    ("address", "url"),
+    [
+        ("127.0.0.1", "http://127.0.0.1:5000/"),
+        ("10.0.0.12", "http://10.0.0.12:5000/"),
+        ("fd00::12", "http://[fd00::12]:5000/"),
+    ],
+)
 def test_the_snapshot_asks_the_server_where_the_port_is_published(address, url):
     """Without a container address of its own (host networking), where the port is published."""
     line = step(dataclasses.replace(PATHS, port=5000, address=address), "read_http")
-    record = "curl() { for a in \"$@\"; do printf '%s\\n' \"$a\"; done; }"
-    argv = subprocess.run(["sh", "-c", f"{record}\ncj=; cip=\n{line}"], capture_output=True, text=True,
-                          timeout=30).stdout.splitlines()
+    record = 'curl() { for a in "$@"; do printf \'%s\\n\' "$a"; done; }'
+    argv = subprocess.run(
+        ["sh", "-c", f"{record}\ncj=; cip=\n{line}"], capture_output=True, text=True, timeout=30
+    ).stdout.splitlines()
     assert all(f"{url}{path}" in argv for path in ("health", "v1/models", "metrics")), argv
 
 
@@ -836,10 +1046,13 @@ def test_the_key_goes_only_to_a_running_labelled_container_at_its_own_address(tm
     # curl records its argv and what it reads on stdin (the header -H @- takes).
     record = "curl() { for a in \"$@\"; do printf 'arg %s\\n' \"$a\"; done; sed 's/^/stdin /'; }"
     seen = {}
-    for case, known in (("none running", "cj='[]'; cip="),
-                        ("running", "cj='[{\"Id\":\"c0\",\"IPAddress\":\"172.17.0.9\"}]'; cip=172.17.0.9")):
-        seen[case] = subprocess.run(["sh", "-c", f"{record}\n{known}\n{line}"], capture_output=True, text=True,
-                                    timeout=30).stdout
+    for case, known in (
+        ("none running", "cj='[]'; cip="),
+        ("running", 'cj=\'[{"Id":"c0","IPAddress":"172.17.0.9"}]\'; cip=172.17.0.9'),
+    ):
+        seen[case] = subprocess.run(
+            ["sh", "-c", f"{record}\n{known}\n{line}"], capture_output=True, text=True, timeout=30
+        ).stdout
     assert "sekrit" not in seen["none running"] and "arg http://127.0.0.1:5000/v1/models" in seen["none running"]
     assert "stdin Authorization: Bearer sekrit-123" in seen["running"]
     assert "arg http://172.17.0.9:5000/v1/models" in seen["running"] and "127.0.0.1:5000" not in seen["running"]
@@ -848,18 +1061,27 @@ def test_the_key_goes_only_to_a_running_labelled_container_at_its_own_address(tm
 def test_the_container_address_comes_from_dockers_listing():
     """The line before the HTTP line, on what docker's API answers (the shape of a real /containers/json)."""
     lookup = step(PATHS, "find_container")
-    listing = ('[{"Id":"4f2a","Names":["/x"],"Ports":[{"IP":"0.0.0.0","PrivatePort":5000,"PublicPort":5000}],'
-               '"NetworkSettings":{"Networks":{"bridge":{"IPAMConfig":null,"Gateway":"172.17.0.1",'
-               '"IPAddress":"172.17.0.3","IPPrefixLen":16}}}}]')
+    listing = (
+        '[{"Id":"4f2a","Names":["/x"],"Ports":[{"IP":"0.0.0.0","PrivatePort":5000,"PublicPort":5000}],'
+        '"NetworkSettings":{"Networks":{"bridge":{"IPAMConfig":null,"Gateway":"172.17.0.1",'
+        '"IPAddress":"172.17.0.3","IPPrefixLen":16}}}}]'
+    )
     fake = f"curl() {{ printf '%s' {shlex.quote(listing)}; }}"
-    out = subprocess.run(["sh", "-c", f"{fake}\n{lookup}\necho \"$cip\""], capture_output=True, text=True,
-                         timeout=30).stdout.strip()
+    out = subprocess.run(
+        ["sh", "-c", f'{fake}\n{lookup}\necho "$cip"'], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
     assert out == "172.17.0.3"
-    host_network = listing.replace('"bridge":{"IPAMConfig":null,"Gateway":"172.17.0.1","IPAddress":"172.17.0.3"',
-                                   '"host":{"IPAMConfig":null,"Gateway":"","IPAddress":""')
+    host_network = listing.replace(
+        '"bridge":{"IPAMConfig":null,"Gateway":"172.17.0.1","IPAddress":"172.17.0.3"',
+        '"host":{"IPAMConfig":null,"Gateway":"","IPAddress":""',
+    )
     fake = f"curl() {{ printf '%s' {shlex.quote(host_network)}; }}"
-    assert subprocess.run(["sh", "-c", f"{fake}\n{lookup}\necho \"[$cip]\""], capture_output=True, text=True,
-                          timeout=30).stdout.strip() == "[]"
+    assert (
+        subprocess.run(
+            ["sh", "-c", f'{fake}\n{lookup}\necho "[$cip]"'], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+        == "[]"
+    )
 
 
 def test_the_site_cache_host_reads_what_its_cache_holds_and_the_room_beside_it(tmp_path):
@@ -876,8 +1098,9 @@ def test_the_site_cache_host_reads_what_its_cache_holds_and_the_room_beside_it(t
     assert snap.site_cache_shares_docker  # $d, Docker's, is on the same filesystem here
     # A cache not set up yet: nothing held, its room measured at the nearest directory there is.
     gone_paths = dataclasses.replace(PATHS, site_cache_storage=str(tmp_path / "no" / "x"))
-    gone = subprocess.run(["sh", "-c", f"d=/\n{step(gone_paths, 'read_site_cache')}"],
-                          capture_output=True, text=True, check=True).stdout
+    gone = subprocess.run(
+        ["sh", "-c", f"d=/\n{step(gone_paths, 'read_site_cache')}"], capture_output=True, text=True, check=True
+    ).stdout
     snap = parse_snapshot(output(site_cache=gone.split("\n", 2)[2].splitlines()))
     assert snap.site_cache_used_kib == 0 and snap.free_path["site_cache"] == str(tmp_path)
     assert parse_snapshot(healthy()).site_cache_used_kib is None

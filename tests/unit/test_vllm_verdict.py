@@ -43,8 +43,10 @@ def op_name(state: State, op_hash: str) -> str:
 
 def plan_rows(state: State) -> dict[str, tuple[list[str], list[str]]]:
     """What `--dry` says of each operation (pyinfra's own plan): (hosts it changes, hosts it may change)."""
-    return {op["name"].rsplit(" | ", 1)[-1]: (op["hosts_with_change"], op["hosts_with_conditional_change"])
-            for op in build_plan_json(state)}
+    return {
+        op["name"].rsplit(" | ", 1)[-1]: (op["hosts_with_change"], op["hosts_with_conditional_change"])
+        for op in build_plan_json(state)
+    }
 
 
 def test_dry_lists_the_verify_with_its_rollback_and_the_commit_of_a_host_to_restart(monkeypatch, caplog):
@@ -89,10 +91,20 @@ def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: VerifyOutcome | 
     calls: list[tuple[str, Any]] = []
     if found is not REAL:
         monkeypatch.setattr(verify, "verify_rollout", lambda host, v, soak_s: calls.append(("verify", soak_s)) or found)
-    monkeypatch.setattr(verify, "commit_pending", lambda host, v, ready_at, speed: calls.append(
-        ("commit", ready_at) if speed is None else ("commit", ready_at, speed)) or True)
-    monkeypatch.setattr(verify, "roll_back", lambda host, v, ledger, failed, check=None, mark=True: calls.append(
-        ("roll back", (failed, check) if mark else (failed, check, "not marked"))) or False)
+    monkeypatch.setattr(
+        verify,
+        "commit_pending",
+        lambda host, v, ready_at, speed: (
+            calls.append(("commit", ready_at) if speed is None else ("commit", ready_at, speed)) or True
+        ),
+    )
+    monkeypatch.setattr(
+        verify,
+        "roll_back",
+        lambda host, v, ledger, failed, check=None, mark=True: (
+            calls.append(("roll back", (failed, check) if mark else (failed, check, "not marked"))) or False
+        ),
+    )
     state.is_executing = True
     state.activated_hosts.add(target)
     if other_host:  # another host in the run: the commit waited for it
@@ -111,13 +123,17 @@ def execute_from_verify(monkeypatch: pytest.MonkeyPatch, found: VerifyOutcome | 
 
 
 def changed(state: State, target: Host) -> list[str]:
-    return [op_name(state, op_hash) for op_hash in state.get_op_order()[-2:]
-            if state.get_op_data_for_host(target, op_hash).operation_meta.did_change()]
+    return [
+        op_name(state, op_hash)
+        for op_hash in state.get_op_order()[-2:]
+        if state.get_op_data_for_host(target, op_hash).operation_meta.did_change()
+    ]
 
 
 def test_a_passed_verify_commits_and_does_not_roll_back(monkeypatch):
-    state, target, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2"),
-                                                        pending_over_committed())
+    state, target, results, calls = execute_from_verify(
+        monkeypatch, VerifyOutcome(passed=True, ready_at="t2"), pending_over_committed()
+    )
     assert results == {VERIFY: True, COMMIT: True}
     assert calls == [("verify", 20.0), ("commit", "t2")]
     assert changed(state, target) == [VERIFY, COMMIT]
@@ -125,8 +141,9 @@ def test_a_passed_verify_commits_and_does_not_roll_back(monkeypatch):
 
 def test_the_figures_a_passed_speed_check_measured_go_to_the_commit(monkeypatch):
     figures = SpeedFigures((3e4,), (0.05,), (200.0,), (380.0,), prompt_tokens=20480, decode_tokens=64, concurrency=2)
-    _, _, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2", speed=figures),
-                                               pending_over_committed())
+    _, _, results, calls = execute_from_verify(
+        monkeypatch, VerifyOutcome(passed=True, ready_at="t2", speed=figures), pending_over_committed()
+    )
     assert results == {VERIFY: True, COMMIT: True} and calls[-1] == ("commit", "t2", figures)
 
 
@@ -149,7 +166,9 @@ def test_a_verify_that_could_not_finish_fails_the_host_with_neither_commit_nor_r
 
 def test_a_verified_restart_of_the_committed_version_commits_nothing(monkeypatch):
     committed = Ledger(committed=pending_over_committed().committed)  # drift or secrets: nothing pending
-    state, target, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2"), committed)
+    state, target, results, calls = execute_from_verify(
+        monkeypatch, VerifyOutcome(passed=True, ready_at="t2"), committed
+    )
     assert results == {VERIFY: True, COMMIT: True}
     assert calls == [("verify", 20.0)] and changed(state, target) == [VERIFY]
 
@@ -184,8 +203,12 @@ def verified_against(monkeypatch: pytest.MonkeyPatch, transport: NoAnswer, ledge
     image and label the pending version's), the soak passes, and every request a check sends goes to `transport`;
     `replaced`: more of verify's names set (the answer or serving checks)."""
     version = ledger.pending.version
-    ready = HealthReport(HealthState.READY, "/health 200, serving qwen35", host="gpu1",
-                         container=ContainerInfo("new", "running", image=version.ref, spec_hash=version.spec_hash))
+    ready = HealthReport(
+        HealthState.READY,
+        "/health 200, serving qwen35",
+        host="gpu1",
+        container=ContainerInfo("new", "running", image=version.ref, spec_hash=version.spec_hash),
+    )
     monkeypatch.setattr(verify.Verification, "check_once", lambda self, host, expected: lambda: ready)
     monkeypatch.setattr(verify, "service_exited", lambda host, service: lambda: None)
     monkeypatch.setattr(verify, "soak", lambda look, report, soak_s, exited=None: report)
@@ -204,8 +227,9 @@ def passing_answers(*_: Any, **__: Any) -> tuple[AnswerCheck, ...]:
     ({}, "(answer check completion: could not run: DeadlineExceeded: "),
     ({"check_answers": passing_answers}, "(serving check cached-cold: could not run: DeadlineExceeded: "),
 ])  # fmt: skip
-def test_a_check_whose_request_gets_no_answer_leaves_the_version_pending_with_no_failure_mark(monkeypatch, replaced,
-                                                                                              line):
+def test_a_check_whose_request_gets_no_answer_leaves_the_version_pending_with_no_failure_mark(
+    monkeypatch, replaced, line
+):
     ledger = pending_over_committed()
     transport = NoAnswer()
     state, target, results, calls = verified_against(monkeypatch, transport, ledger, **replaced)
@@ -214,15 +238,21 @@ def test_a_check_whose_request_gets_no_answer_leaves_the_version_pending_with_no
     assert host_run(target).ledger == ledger and not ledger.failed
     assert len(transport.requests) == 2  # the request, and once more: then no other check waits its deadline out
     (problem,) = reported(state)["gpu1"]
-    assert line in problem and problem.endswith("nothing was committed or rolled back, the new version stays pending "
-                                                "(fix: converge again: the next run verifies it)"), problem
+    assert line in problem and problem.endswith(
+        "nothing was committed or rolled back, the new version stays pending "
+        "(fix: converge again: the next run verifies it)"
+    ), problem
 
 
 def test_a_check_that_answers_wrong_still_fails_the_verify_and_marks_the_version(monkeypatch):
     wrong = AnswerCheck("tools", False, 'tool_choice "required": POST /v1/chat/completions answered 500: engine dead')
-    _state, target, results, calls = verified_against(monkeypatch, NoAnswer(), pending_over_committed(),
-                                                     check_answers=passing_answers,
-                                                     run_checks=lambda *_, **__: (wrong,))
+    _state, target, results, calls = verified_against(
+        monkeypatch,
+        NoAnswer(),
+        pending_over_committed(),
+        check_answers=passing_answers,
+        run_checks=lambda *_, **__: (wrong,),
+    )
     assert results[VERIFY] is False and verify.outcome(target).check == "tools"
     assert calls == [("roll back", (f"misconfigured: check {wrong.line()}", "tools"))]
 
@@ -240,14 +270,22 @@ def test_the_rollouts_line_names_the_check_that_could_not_run_and_the_version_le
     before = read(Ledger(committed=ledger.committed))
     found = judge("gpu1", new.ref, before, read(ledger), run, 31.5, None, held=("completion", "stream", "cached-cold"))
     assert found.outcome is Outcome.FAILED and found.checks == (), found  # neither passed nor failed
-    assert found.phase.startswith(f"failed (31.5 s down): gpu1: could not finish verifying {new.service} (serving "
-                                  "check cached-cold: could not run: DeadlineExceeded: "), found.phase
+    assert found.phase.startswith(
+        f"failed (31.5 s down): gpu1: could not finish verifying {new.service} (serving "
+        "check cached-cold: could not run: DeadlineExceeded: "
+    ), found.phase
     assert "the new version stays pending" in found.phase and f"pending {short(new.ref)})" in found.phase
     (problem,) = found.as_dict()["problems"]
     assert problem["id"] == "failed" and "run the rollout again" in problem["fix"], problem
+
+
 def test_a_port_another_process_took_rolls_back_without_a_failure_mark(monkeypatch):
-    found = VerifyOutcome(passed=False, failed="dead: exited 125; port 5000 is taken on the host (listen tcp4 "
-                                               "0.0.0.0:5000: bind: address already in use)", port_taken=True)
+    found = VerifyOutcome(
+        passed=False,
+        failed="dead: exited 125; port 5000 is taken on the host (listen tcp4 "
+        "0.0.0.0:5000: bind: address already in use)",
+        port_taken=True,
+    )
     _, _, results, calls = execute_from_verify(monkeypatch, found, pending_over_committed())
     assert results[VERIFY] is False
     assert calls == [("verify", 20.0), ("roll back", (found.failed, None, "not marked"))]
@@ -263,18 +301,36 @@ def test_a_first_install_whose_port_another_process_took_is_not_marked_failed(mo
     assert written == []  # still pending, nothing marked: the next run finishes it
 
 
-@pytest.mark.parametrize(("look", "rolled_back"), [
-    (HealthReport(HealthState.DEAD, "docker run exited with status 1"), True),
-    (HealthReport(HealthState.SSH_UNREACHABLE, "gpu1: SSH failed"), False),
-], ids=["died", "unreachable"])
+@pytest.mark.parametrize(
+    ("look", "rolled_back"),
+    [
+        (HealthReport(HealthState.DEAD, "docker run exited with status 1"), True),
+        (HealthReport(HealthState.SSH_UNREACHABLE, "gpu1: SSH failed"), False),
+    ],
+    ids=["died", "unreachable"],
+)
 def test_a_run_with_other_hosts_looks_again_before_the_commit(monkeypatch, look, rolled_back):
     # The commit runs once every host's verify ended: a version that died meanwhile is not committed.
     monkeypatch.setattr(verify.Verification, "check_once", lambda self, host, expected: lambda: look)
-    _, _, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2"),
-                                               pending_over_committed())
+    _, _, results, calls = execute_from_verify(
+        monkeypatch, VerifyOutcome(passed=True, ready_at="t2"), pending_over_committed()
+    )
     assert results[COMMIT] is True and calls[-1] == ("commit", "t2")  # alone in its run: no second look
-    _, _, results, calls = execute_from_verify(monkeypatch, VerifyOutcome(passed=True, ready_at="t2"),
-                                               pending_over_committed(), other_host=True)
+    _, _, results, calls = execute_from_verify(
+        monkeypatch, VerifyOutcome(passed=True, ready_at="t2"), pending_over_committed(), other_host=True
+    )
     assert results[COMMIT] is False
-    assert calls[1:] == ([("roll back", ("dead: docker run exited with status 1 (after its verify, while the run "
-                                         "waited for the other hosts)", None))] if rolled_back else [])
+    assert calls[1:] == (
+        [
+            (
+                "roll back",
+                (
+                    "dead: docker run exited with status 1 (after its verify, while the run "
+                    "waited for the other hosts)",
+                    None,
+                ),
+            )
+        ]
+        if rolled_back
+        else []
+    )

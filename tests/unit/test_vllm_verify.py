@@ -109,8 +109,9 @@ def test_soak_names_the_exit_of_an_engine_whose_port_closed_before_its_container
     clock = Clock()
     why = "docker run exited with status 1 (systemd: failed/failed)"
     answers = iter([None, why])
-    report = soak(scripted(READY, STARTING, GONE), READY, 20, exited=lambda: next(answers), clock=clock,
-                  sleep=clock.sleep)
+    report = soak(
+        scripted(READY, STARTING, GONE), READY, 20, exited=lambda: next(answers), clock=clock, sleep=clock.sleep
+    )
     assert report.state is HealthState.DEAD and report.detail == f"{why} (6 s after it was ready)"
 
 
@@ -132,12 +133,15 @@ def test_zero_soak_checks_nothing():
     assert soak(lambda: pytest.fail("checked"), READY, 0) is READY
 
 
-@pytest.mark.parametrize(("show", "exited"), [
-    ("ActiveState=activating\nSubState=auto-restart\nExecMainStatus=2", True),
-    ("ActiveState=failed\nSubState=failed\nExecMainStatus=1", True),
-    ("ActiveState=active\nSubState=running\nExecMainStatus=0", False),  # docker run still creating the container
-    ("ActiveState=activating\nSubState=start-pre\nExecMainStatus=0", False),
-])
+@pytest.mark.parametrize(
+    ("show", "exited"),
+    [
+        ("ActiveState=activating\nSubState=auto-restart\nExecMainStatus=2", True),
+        ("ActiveState=failed\nSubState=failed\nExecMainStatus=1", True),
+        ("ActiveState=active\nSubState=running\nExecMainStatus=0", False),  # docker run still creating the container
+        ("ActiveState=activating\nSubState=start-pre\nExecMainStatus=0", False),
+    ],
+)
 def test_exited_detail(show, exited):
     detail = exited_detail(show)
     assert (detail is not None) == exited
@@ -145,9 +149,14 @@ def test_exited_detail(show, exited):
         assert "exited with status" in detail and show.splitlines()[-1].split("=")[1] in detail
 
 
-PENDING = Version(image="vllm/vllm-openai:nightly", ref="vllm/vllm-openai@sha256:" + "b" * 64, unit_sha256=None,
-                  spec_hash="c" * 64,
-                  service="vllm", port=8000)
+PENDING = Version(
+    image="vllm/vllm-openai:nightly",
+    ref="vllm/vllm-openai@sha256:" + "b" * 64,
+    unit_sha256=None,
+    spec_hash="c" * 64,
+    service="vllm",
+    port=8000,
+)
 OLD_REF = "vllm/vllm-openai@sha256:" + "a" * 64
 
 
@@ -172,8 +181,13 @@ def test_only_the_version_this_run_installed_may_be_committed(container, problem
 def test_the_soak_sends_a_request_at_a_bounded_rate_and_a_failed_one_ends_it():
     clock = Clock()
     sent: list[float] = []
-    answers = iter([AnswerCheck("completion", True, "2 tokens"), AnswerCheck("completion", True, "2 tokens"),
-                    AnswerCheck("completion", False, "POST /v1/chat/completions answered 500: engine dead")])
+    answers = iter(
+        [
+            AnswerCheck("completion", True, "2 tokens"),
+            AnswerCheck("completion", True, "2 tokens"),
+            AnswerCheck("completion", False, "POST /v1/chat/completions answered 500: engine dead"),
+        ]
+    )
 
     def send() -> AnswerCheck:
         sent.append(clock.now)
@@ -184,7 +198,10 @@ def test_the_soak_sends_a_request_at_a_bounded_rate_and_a_failed_one_ends_it():
     # Polled every 2 s, a request at most every 5 s: at 2, 8 and 14 s; the third failed and ended the soak there.
     assert sent == [2.0, 8.0, 14.0]
     assert report.state is HealthState.MISCONFIGURED
-    assert report.detail == "answers: completion: POST /v1/chat/completions answered 500: engine dead (14 s after it was ready)"
+    assert (
+        report.detail
+        == "answers: completion: POST /v1/chat/completions answered 500: engine dead (14 s after it was ready)"
+    )
 
 
 def test_the_soak_sends_nothing_while_the_host_is_not_ready():
@@ -205,8 +222,14 @@ DOCKER_UNASKED = HealthReport(HealthState.CONTAINER_NOT_RUNNING, "cannot read co
 
 def test_the_soak_looks_past_a_lost_link_and_still_passes_a_server_that_stayed_up():
     clock = Clock()
-    report = soak(scripted(READY, LINK_LOST, DOCKER_UNASKED, LINK_LOST, READY, READY), READY, 12,
-                  exited=lambda: None, clock=clock, sleep=clock.sleep)
+    report = soak(
+        scripted(READY, LINK_LOST, DOCKER_UNASKED, LINK_LOST, READY, READY),
+        READY,
+        12,
+        exited=lambda: None,
+        clock=clock,
+        sleep=clock.sleep,
+    )
     assert report.ready and clock.now == 12.0
 
 

@@ -20,14 +20,21 @@ def revision_of(files: dict[str, bytes]) -> weights.HubRevision:
     siblings = []
     for path, data in files.items():
         f = hub.describe(path, data)
-        siblings.append({"rfilename": path, "size": f.size, "blobId": f.blob_id,
-                         **({"lfs": {"sha256": f.sha256, "size": f.size}} if f.sha256 else {})})
+        siblings.append(
+            {
+                "rfilename": path,
+                "size": f.size,
+                "blobId": f.blob_id,
+                **({"lfs": {"sha256": f.sha256, "size": f.size}} if f.sha256 else {}),
+            }
+        )
     return weights.parse_info(REPO, json.dumps({"sha": "e" * 40, "siblings": siblings}))
 
 
 def hashed(model_dir: Path, revision: weights.HubRevision) -> list[str]:
-    out = subprocess.run(["sh", "-c", weights.hash_command(str(model_dir), revision.files)], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        ["sh", "-c", weights.hash_command(str(model_dir), revision.files)], capture_output=True, text=True, check=True
+    )
     return out.stdout.splitlines()
 
 
@@ -51,8 +58,11 @@ def test_a_changed_byte_or_a_missing_file_is_named(tmp_path: Path):
     (tmp_path / "sub/tok.json").unlink()
     (tmp_path / "config.json").write_bytes(b'{"a": 2}\n')
     revision = revision_of(FILES)
-    assert weights.mismatches(revision, hashed(tmp_path, revision)) == ["config.json", "model.safetensors",
-                                                                         "sub/tok.json"]
+    assert weights.mismatches(revision, hashed(tmp_path, revision)) == [
+        "config.json",
+        "model.safetensors",
+        "sub/tok.json",
+    ]
 
 
 def test_the_hubs_answer_is_refused_without_a_commit_or_hashes():
@@ -61,8 +71,10 @@ def test_the_hubs_answer_is_refused_without_a_commit_or_hashes():
     with pytest.raises(ValueError, match="without its name, size or blob id"):
         weights.parse_info(REPO, json.dumps({"sha": "e" * 40, "siblings": [{"rfilename": "a"}]}))
     with pytest.raises(ValueError, match="without its name"):
-        weights.parse_info(REPO, json.dumps({"sha": "e" * 40, "siblings": [
-            {"rfilename": "../etc/passwd", "size": 1, "blobId": "a" * 40}]}))
+        weights.parse_info(
+            REPO,
+            json.dumps({"sha": "e" * 40, "siblings": [{"rfilename": "../etc/passwd", "size": 1, "blobId": "a" * 40}]}),
+        )
     with pytest.raises(ValueError, match="not JSON"):
         weights.parse_info(REPO, "<html>")
 

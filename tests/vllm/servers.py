@@ -70,7 +70,9 @@ def start_pair(venv: Path, workdir: Path, specs: list[ServerSpec]) -> list[Start
             ready = wait_until_ready(transport, exp, timeout_s=START_TIMEOUT_S, poll_s=0.5, api_key=spec.api_key)
             if not ready.ready:
                 raise RuntimeError(f"{srv.model.name} did not become ready: {ready.detail}\n{srv.log_tail()}")
-            started.append(Started(srv, transport, exp, while_loading, ready, time.monotonic() - srv.started_at, spec.api_key))
+            started.append(
+                Started(srv, transport, exp, while_loading, ready, time.monotonic() - srv.started_at, spec.api_key)
+            )
     except BaseException:
         for srv in servers:
             srv.stop()

@@ -70,7 +70,9 @@ def test_probe_and_lint_offer_a_unit_that_divides_the_block_and_it_starts_and_hi
                   if f.rule.id == "hybrid-align-chunk-alignment"]  # fmt: skip
     assert f'"prefix-match-unit": {unit}' in finding.fix
 
-    (with_unit,) = pair_factory([ServerSpec(f"unit{unit}", model, [*FLAGS, "--prefix-match-unit", str(unit)], expected(**ALIGN))])
+    (with_unit,) = pair_factory(
+        [ServerSpec(f"unit{unit}", model, [*FLAGS, "--prefix-match-unit", str(unit)], expected(**ALIGN))]
+    )
     r = check(with_unit.transport, with_unit.expected)
     assert r.state is HealthState.READY, r.detail
     assert r.cache_config["prefix_match_unit"] == str(unit)

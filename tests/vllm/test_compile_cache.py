@@ -75,8 +75,12 @@ def start(venv: Path, model: Path, workdir: Path) -> dict:
         server.stop()
     log = server.log_path.read_text(errors="replace")
     init = INIT.search(log)
-    return {"ready_s": round(ready_s, 1), "first_answers_s": round(answered_s, 1),
-            "compile_and_warmup_s": float(init.group(1)) if init else None, "log": log}
+    return {
+        "ready_s": round(ready_s, 1),
+        "first_answers_s": round(answered_s, 1),
+        "compile_and_warmup_s": float(init.group(1)) if init else None,
+        "log": log,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +94,23 @@ def starts(venv, tmp_path_factory) -> dict:
     shutil.copytree(cold_cache / "vllm", work / "warm" / "cache" / "vllm", symlinks=True)
     carried = kernels(work / "warm" / "cache")
     warm = start(venv, model, work / "warm")
-    out = {"model": model, "work": work, "cold": cold, "warm": warm, "cold_kernels": cold_kernels,
-           "carried_kernels": carried,
-           "warm_kernels": kernels(work / "warm" / "cache"), "cold_cache": cold_cache, "warm_cache": work / "warm" / "cache"}
-    print("\n[compile-cache]", json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "log"}
-                                            for k, v in out.items() if k in ("cold", "warm")}))
+    out = {
+        "model": model,
+        "work": work,
+        "cold": cold,
+        "warm": warm,
+        "cold_kernels": cold_kernels,
+        "carried_kernels": carried,
+        "warm_kernels": kernels(work / "warm" / "cache"),
+        "cold_cache": cold_cache,
+        "warm_cache": work / "warm" / "cache",
+    }
+    print(
+        "\n[compile-cache]",
+        json.dumps(
+            {k: {kk: vv for kk, vv in v.items() if kk != "log"} for k, v in out.items() if k in ("cold", "warm")}
+        ),
+    )
     return out
 
 
@@ -120,8 +136,10 @@ def test_a_start_on_the_carried_cache_uses_it(starts):
 
 def test_the_carried_cache_makes_the_start_faster(starts):
     cold, warm = starts["cold"], starts["warm"]
-    print(f"\n[compile-cache] cold: ready {cold['ready_s']} s (compile+warmup {cold['compile_and_warmup_s']} s); "
-          f"warm: ready {warm['ready_s']} s (compile+warmup {warm['compile_and_warmup_s']} s)")
+    print(
+        f"\n[compile-cache] cold: ready {cold['ready_s']} s (compile+warmup {cold['compile_and_warmup_s']} s); "
+        f"warm: ready {warm['ready_s']} s (compile+warmup {warm['compile_and_warmup_s']} s)"
+    )
     # Measured ~36 s vs ~21 s; on a loaded CI machine only the order is asserted.
     assert warm["compile_and_warmup_s"] < cold["compile_and_warmup_s"]
 
@@ -130,8 +148,9 @@ def factors(venv: Path, model: Path, workdir: Path, **extra: str) -> CompileFact
     """What the rollout's compile-hash check computes (its script, run by the engine's own Python) in the environment
     a server in `workdir` gets, plus `extra`."""
     env = VllmServer(venv, model, workdir, SERVED, ARGS).env() | extra
-    run = subprocess.run([str(venv / "bin" / "python"), "-c", SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=300)
+    run = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300
+    )
     return parse_factors(run.returncode, run.stdout + run.stderr)
 
 
@@ -141,11 +160,18 @@ def test_the_carry_check_computes_the_same_compile_hash_where_the_engine_found_t
     it ignores (VLLM_API_KEY, which 0.24 hashed) does not."""
     model, work = starts["model"], starts["work"]
     with ThreadPoolExecutor(3) as pool:
-        cold, warm, other, key = pool.map(lambda kw: factors(venv, model, **kw), (
-            {"workdir": work / "cold"}, {"workdir": work / "warm"},
-            {"workdir": work / "warm", "VLLM_USE_DEEP_GEMM": "0"}, {"workdir": work / "warm", "VLLM_API_KEY": "k"}))
+        cold, warm, other, key = pool.map(
+            lambda kw: factors(venv, model, **kw),
+            (
+                {"workdir": work / "cold"},
+                {"workdir": work / "warm"},
+                {"workdir": work / "warm", "VLLM_USE_DEEP_GEMM": "0"},
+                {"workdir": work / "warm", "VLLM_API_KEY": "k"},
+            ),
+        )
     assert isinstance(cold, CompileFactors) and cold.vllm.startswith("0.32"), cold
     assert compile_hash_refusal("cold", cold, warm) is None
     assert compile_hash_refusal("cold", cold, key) is None
     assert compile_hash_refusal("cold", cold, other) == (
-        "its compile hash differs from canary cold's (factors that differ: VLLM_USE_DEEP_GEMM)")
+        "its compile hash differs from canary cold's (factors that differ: VLLM_USE_DEEP_GEMM)"
+    )

@@ -30,10 +30,11 @@ def test_the_real_parser_accepts_the_spec_and_names_a_flag_it_does_not_know(venv
     spec = build_spec("box", {})
     image = "unused"
     argv = spec.flag_check_argv(image, "n")
-    flags = on_loopback(argv[argv.index(image) + 1:])
+    flags = on_loopback(argv[argv.index(image) + 1 :])
     commands = [flags, [*flags, "--performance-modes", "interactivity"]]
     with ThreadPoolExecutor(max_workers=2) as pool:
         accepted, rejected = pool.map(lambda a: vllm_serve(str(venv / "bin" / "vllm"), a, tmp_path), commands)
     assert verdict(accepted.returncode, accepted.stdout + accepted.stderr) == Accepted(), accepted.stderr[-2000:]
     assert verdict(rejected.returncode, rejected.stdout + rejected.stderr) == Rejected(
-        ("--performance-modes",), "unrecognized arguments: --performance-modes interactivity")
+        ("--performance-modes",), "unrecognized arguments: --performance-modes interactivity"
+    )

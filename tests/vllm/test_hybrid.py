@@ -102,8 +102,11 @@ def test_the_published_batching_is_judged_the_trap_with_multi_chunk_points_measu
     # sweep turn on the 384-token one), so the test holds the probe to finding them, not to one layout.
     assert misses and all(p.cached_tokens % block == 0 and p.cached_tokens < p.due_tokens for p in misses)
     assert any(p.chunks and p.chunks > 1 for p in misses), "a turn prefilled in several chunks lost its due hit"
-    assert any(f"L={p.prompt_tokens} " in e and f"cached {p.cached_tokens} of {p.due_tokens} due" in e
-               for p in misses for e in report.evidence), report.evidence
+    assert any(
+        f"L={p.prompt_tokens} " in e and f"cached {p.cached_tokens} of {p.due_tokens} due" in e
+        for p in misses
+        for e in report.evidence
+    ), report.evidence
     # The fixes are computed from the block the server resolved, both legal here.
     assert any(f.startswith(f"--max-num-batched-tokens {block} ") for f in report.fixes)
     assert any(f.startswith(f"--prefix-match-unit {legal_prefix_match_unit((block,))} ") for f in report.fixes)

@@ -42,8 +42,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 # The flags a group gives each rank (OWNED_FLAGS) and the layout it checks; the rest of the profile is for GPUs.
 GROUP_FLAGS = {*OWNED_FLAGS, "pipeline-parallel-size"}
-TINY_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--load-format", "dummy", "--kv-cache-memory-bytes", "256M",
-              "--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
+TINY_FLAGS = [
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--load-format",
+    "dummy",
+    "--kv-cache-memory-bytes",
+    "256M",
+    "--compilation-config",
+    json.dumps({"mode": 2, "backend": "eager"}),
+]
 START_TIMEOUT_S = 300.0
 # The watch's own bound (a look every WATCH_EVERY_S, a peer gone for WATCH_GRACE_S) and the head's exit after it.
 DOWN_BOUND_S = WATCH_GRACE_S + 2 * WATCH_EVERY_S + 15
@@ -74,8 +82,12 @@ def test_the_rendered_group_flags_pass_vllms_argparse_on_head_and_rank(venv, tmp
     assert "--headless" in whole[1] and "--headless" not in whole[0]
     assert whole[1][whole[1].index("--node-rank") + 1] == "1" and whole[1][whole[1].index("--nnodes") + 1] == "2"
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda argv: vllm_serve(str(venv / "bin" / "vllm"), with_model(argv, "/nonexistent"),
-                                                         tmp_path), whole.values()))
+        results = list(
+            pool.map(
+                lambda argv: vllm_serve(str(venv / "bin" / "vllm"), with_model(argv, "/nonexistent"), tmp_path),
+                whole.values(),
+            )
+        )
     # Past argparse, which exits 2 on a flag or value it refuses (test_real_vllm_accepts_profile holds it to that):
     # the model is what is missing.
     for result in results:
@@ -134,8 +146,18 @@ def group(venv, link, tmp_path_factory) -> Iterator[Group]:
     for rank in (1, 0):
         flags, env = group_part(specs[rank])
         (work / f"r{rank}").mkdir()
-        servers.append(VllmServer(venv, model, work / f"r{rank}", SERVED, [*TINY_FLAGS, *flags], cpu=rank,
-                                  wrap=["ip", "netns", "exec", ns] if rank else [], extra_env=env))
+        servers.append(
+            VllmServer(
+                venv,
+                model,
+                work / f"r{rank}",
+                SERVED,
+                [*TINY_FLAGS, *flags],
+                cpu=rank,
+                wrap=["ip", "netns", "exec", ns] if rank else [],
+                extra_env=env,
+            )
+        )
     rank, head = servers
     try:
         rank.start()
@@ -176,10 +198,16 @@ def test_a_rank_killed_takes_the_head_down_within_the_bound(group, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "docker").write_text(
-        f'#!/bin/bash\ncase "$1" in ps) echo {group.head.proc.pid};; kill) kill -KILL -- "-$2";; esac\n')
+        f'#!/bin/bash\ncase "$1" in ps) echo {group.head.proc.pid};; kill) kill -KILL -- "-$2";; esac\n'
+    )
     (bin_dir / "docker").chmod(0o755)
-    watch = subprocess.Popen(watch_argv(group.head_spec), env={"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin"},
-                             start_new_session=True, stdout=subprocess.PIPE, text=True)
+    watch = subprocess.Popen(
+        watch_argv(group.head_spec),
+        env={"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin"},
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(2 * WATCH_EVERY_S + 1)  # it has seen the rank joined
         os.killpg(group.rank.proc.pid, signal.SIGKILL)

@@ -24,8 +24,15 @@ def vllm_bin(venv: Path) -> str:
 
 
 def vllm_serve(vllm_bin: str, argv: list[str], home: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "HF_HOME": str(home / "hf"), "VLLM_CACHE_ROOT": str(home / "vllm"), "XDG_CACHE_HOME": str(home)}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HOME": str(home / "hf"),
+        "VLLM_CACHE_ROOT": str(home / "vllm"),
+        "XDG_CACHE_HOME": str(home),
+    }
     return subprocess.run([vllm_bin, "serve", *argv], capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -41,9 +48,18 @@ def with_model(argv: list[str], model: str) -> list[str]:
 def test_profile_flags_pass_vllm_argparse_and_bad_ones_do_not(vllm_bin, tmp_path):
     good = build_spec("box", {}).vllm_argv()
     # The lint fixes' flags too (docs/vllm-traps.md).
-    tuned = build_spec("box", {"vllm_args": {"prefix-match-unit": 128, "mamba-block-size": None,
-                                             "enable-prefix-caching": False, "mamba-cache-mode": "none",
-                                             "shutdown-timeout": 60}}).vllm_argv()
+    tuned = build_spec(
+        "box",
+        {
+            "vllm_args": {
+                "prefix-match-unit": 128,
+                "mamba-block-size": None,
+                "enable-prefix-caching": False,
+                "mamba-cache-mode": "none",
+                "shutdown-timeout": 60,
+            }
+        },
+    ).vllm_argv()
     # Invalid values that our validation must refuse: check vLLM refuses them as well.
     rejected = {"kv-cache-dtype": "fp7", "performance-mode": "fast", "max-num-seqs": "two"}
     for flag, value in rejected.items():

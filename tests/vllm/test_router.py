@@ -71,8 +71,9 @@ def single(replicas):
 
 def through_router(router_venv, replicas, tmp_path, candidate, runs: int, session: bool, paused: bool = False):
     pace = (STAGGER_S, THINK_S) if paused else (0.0, 0.0)
-    series, decisions = bench.through_router(router_venv, candidate, replicas, tmp_path / "router.log", _TAGS, runs,
-                                             AGENTS, TURNS, WORDS, session, *pace)
+    series, decisions = bench.through_router(
+        router_venv, candidate, replicas, tmp_path / "router.log", _TAGS, runs, AGENTS, TURNS, WORDS, session, *pace
+    )
     for run in series.runs:
         assert run["requests"] == AGENTS * TURNS
         # Every request is counted by the replica that served it, and by no other.
@@ -97,10 +98,12 @@ def test_the_default_front_door_spreads_agents_and_keeps_one_servers_hits(
     series, decisions = through_router(router_venv, replicas, tmp_path, candidate, 1, session, paused)
     s = bench.summary(series, single, hybrid_blocks["hybrid"])
     (run,) = series.runs
-    print(f"\n[router default: {candidate.policy} behind its front door] {'pausing' if paused else 'back to back'}, "
-          f"{'with' if session else 'without'} X-Session-ID: requests per replica {run['requests_per_replica']}, "
-          f"later-turn hits {s['share_of_one_server_same_turns']:.1%} of one server's for the same turns, seconds per "
-          f"later turn p50 {s['later_turn_seconds_p50']} p95 {s['later_turn_seconds_p95']}\n" + "\n".join(decisions))
+    print(
+        f"\n[router default: {candidate.policy} behind its front door] {'pausing' if paused else 'back to back'}, "
+        f"{'with' if session else 'without'} X-Session-ID: requests per replica {run['requests_per_replica']}, "
+        f"later-turn hits {s['share_of_one_server_same_turns']:.1%} of one server's for the same turns, seconds per "
+        f"later turn p50 {s['later_turn_seconds_p50']} p95 {s['later_turn_seconds_p95']}\n" + "\n".join(decisions)
+    )
     assert s["busiest_over_fair_mean"] <= bench.SPREAD_TARGET, run["requests_per_replica"]
     assert s["share_of_one_server_same_turns"] >= bench.HIT_SHARE_TARGET, run["rows"]
     # Hand-pinned placement: whole conversations, two per replica, and every later turn found its prefix.
@@ -110,8 +113,10 @@ def test_the_default_front_door_spreads_agents_and_keeps_one_servers_hits(
 def test_round_robin_spreads_evenly_and_re_processes_whole_prompts(router_venv, replicas, single, tmp_path):
     series, _ = through_router(router_venv, replicas, tmp_path, bench.Candidate("round_robin", "round_robin"), 1, True)
     run = series.runs[0]
-    print(f"\n[router round_robin] requests per replica {run['requests_per_replica']}, later-turn hit ratio "
-          f"{run['hit_ratio_later_turns']}")
+    print(
+        f"\n[router round_robin] requests per replica {run['requests_per_replica']}, later-turn hit ratio "
+        f"{run['hit_ratio_later_turns']}"
+    )
     assert max(run["requests_per_replica"]) - min(run["requests_per_replica"]) <= 1, run["requests_per_replica"]
     # Each conversation's first visit to the second replica finds nothing cached there.
     assert run["later_turns_without_hit"] >= AGENTS - 1, run["rows"]

@@ -67,10 +67,12 @@ def test_every_check_passes_on_a_good_server_20_times_out_of_20_with_the_figures
             sessions.append(found)
     assert failures == [], failures
     apart = [f.apart for f in sessions if f.apart is not None]
-    print(f"\n[serving] over {RUNS} runs: cached vs cold drift at most {max(c.drift for c in cached):.6f} nats, "
-          f"{sum(c.flip is not None for c in cached)} flips; sessions batched vs alone drift at most "
-          f"{max(f.own.drift for f in sessions):.6f} nats, {sum(f.own.flip is not None for f in sessions)} flips; "
-          f"the two sessions' first tokens {min(apart, default=0):.4f}-{max(apart, default=0):.4f} nats apart alone")
+    print(
+        f"\n[serving] over {RUNS} runs: cached vs cold drift at most {max(c.drift for c in cached):.6f} nats, "
+        f"{sum(c.flip is not None for c in cached)} flips; sessions batched vs alone drift at most "
+        f"{max(f.own.drift for f in sessions):.6f} nats, {sum(f.own.flip is not None for f in sessions)} flips; "
+        f"the two sessions' first tokens {min(apart, default=0):.4f}-{max(apart, default=0):.4f} nats apart alone"
+    )
 
 
 def test_cached_and_cold_paths_stay_within_the_tolerance_and_the_prompts_answers_differ(servers):
@@ -84,8 +86,10 @@ def test_cached_and_cold_paths_stay_within_the_tolerance_and_the_prompts_answers
         assert cached.cached_tokens and cached.tokens == cold.tokens, (cold.tokens, cached.tokens)
         gaps.append(max(abs(a - b) for a, b in zip(cold.logprobs, cached.logprobs, strict=True)))
         answers.add(cold.tokens)
-    print(f"\n[serving] cached vs cold, {RUNS} prompts: largest logprob gap {max(gaps):.6f} nats "
-          f"(tolerance {TOLERANCE_NATS}); {len(answers)} distinct greedy answers")
+    print(
+        f"\n[serving] cached vs cold, {RUNS} prompts: largest logprob gap {max(gaps):.6f} nats "
+        f"(tolerance {TOLERANCE_NATS}); {len(answers)} distinct greedy answers"
+    )
     assert max(gaps) <= TOLERANCE_NATS
     # The weights make answers depend on the prompt: a check comparing them can tell sessions apart.
     assert len(answers) > 1
@@ -97,7 +101,9 @@ class ThinkingFirst(_Checks):
     tiny model's template ignores enable_thinking): the state the H200 run's tools check failed in."""
 
     def _post(self, body: dict[str, Any]) -> bytes:
-        return super()._post(body | {"chat_template": THINKING_FIRST, "chat_template_kwargs": {"enable_thinking": True}})
+        return super()._post(
+            body | {"chat_template": THINKING_FIRST, "chat_template_kwargs": {"enable_thinking": True}}
+        )
 
 
 def test_the_tools_check_gets_a_call_from_a_model_that_would_reason_first(servers):

@@ -4,8 +4,8 @@ Weights are never written: the servers run with --load-format dummy (random weig
 check or a prefix-cache probe needs. What must be real is the tokenizer (the probe learns prompt lengths from
 usage.prompt_tokens) and the architecture (block sizes and hybrid cache behaviour come from it).
 
-    >>> d = build_dense(tmp_path / "dense")          # Qwen2-style, block size 128 on CPU
-    >>> h = build_hybrid(tmp_path / "hybrid")        # Qwen3-Next: 3 Gated DeltaNet + 1 attention layer
+    >>> d = build_dense(tmp_path / "dense")  # Qwen2-style, block size 128 on CPU
+    >>> h = build_hybrid(tmp_path / "hybrid")  # Qwen3-Next: 3 Gated DeltaNet + 1 attention layer
 """
 
 from __future__ import annotations
@@ -163,6 +163,10 @@ def with_random_weights(model: Path, venv: Path, initializer_range: float = 0.1)
     logits that differ by prompt with gaps a greedy answer can keep. Serve it with --load-format safetensors."""
     import subprocess
 
-    subprocess.run([str(venv / "bin" / "python"), "-c", _WEIGHTS_SCRIPT, str(model), str(initializer_range)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-c", _WEIGHTS_SCRIPT, str(model), str(initializer_range)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return model

@@ -24,8 +24,6 @@ def vllm_venv() -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
-
-
 def base_args(max_model_len: int = 4096, prompt_tokens_details: bool = True) -> list[str]:
     # -O0: no compile step (start ~20 s instead of minutes); 256M KV cache is plenty for tiny models and never
     # VLLM_CPU_KVCACHE_SPACE="" (the worker dies on it).
@@ -40,8 +38,17 @@ def base_args(max_model_len: int = 4096, prompt_tokens_details: bool = True) -> 
 
 
 class VllmServer:
-    def __init__(self, venv: Path, model: Path, workdir: Path, served_name: str, args: list[str],
-                 cpu: int | None = None, wrap: Sequence[str] = (), extra_env: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        venv: Path,
+        model: Path,
+        workdir: Path,
+        served_name: str,
+        args: list[str],
+        cpu: int | None = None,
+        wrap: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
+    ):
         self.venv, self.model, self.workdir, self.served_name, self.args = venv, model, workdir, served_name, args
         self.cpu = cpu  # one core of its own (as a replica has its own host), else every core
         self.wrap = list(wrap)  # what runs it (e.g. `ip netns exec NS`: another host's network)

@@ -37,5 +37,16 @@ def main(quiet: bool, verbose: bool) -> None:
     set_verbosity(QUIET if quiet else VERBOSE if verbose else NORMAL)
 
 
-for command in (init_command, deploy_command, render, lint, status, verify_command, sandbox, rollout, history_command, rollback):
+for command in (
+    init_command,
+    deploy_command,
+    render,
+    lint,
+    status,
+    verify_command,
+    sandbox,
+    rollout,
+    history_command,
+    rollback,
+):
     main.add_command(command)

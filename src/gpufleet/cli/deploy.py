@@ -76,8 +76,12 @@ def run_pyinfra(inventory: str, deploy_file: Path, args: Sequence[str]) -> int:
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True})
 @click.argument("inventory")
-@click.option("--only", type=click.Choice(ONLY), default=None,
-              help="Only the vLLM hosts (deploys/qwen35.py) or only the routers group (deploys/router.py).")
+@click.option(
+    "--only",
+    type=click.Choice(ONLY),
+    default=None,
+    help="Only the vLLM hosts (deploys/qwen35.py) or only the routers group (deploys/router.py).",
+)
 @click.argument("pyinfra_args", nargs=-1, type=click.UNPROCESSED, metavar="[PYINFRA OPTIONS]...")
 def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> None:
     """Converge the fleet: run pyinfra with the deploy shipped in gpufleet (no checkout needed).
@@ -98,8 +102,10 @@ def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> N
     takes_value = _options_taking_a_value()
     stray = [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] not in takes_value)]
     if stray:
-        raise click.UsageError(f"{stray[0]}: gpufleet deploy takes one INVENTORY and pyinfra's options; the deploy "
-                               "file is its own (fix: drop it, or give the option it is the value of)")
+        raise click.UsageError(
+            f"{stray[0]}: gpufleet deploy takes one INVENTORY and pyinfra's options; the deploy "
+            "file is its own (fix: drop it, or give the option it is the value of)"
+        )
     check_inventory(inventory)
     if verbose() and not any(arg.startswith("-v") and set(arg[1:]) == {"v"} for arg in args):
         args.insert(0, "-v")
@@ -113,8 +119,11 @@ def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> N
         rc = run_pyinfra(inventory, packaged_deploy_file(name), args)
         if rc != 0:
             if i + 1 < len(runs):
-                click.echo(f"gpufleet deploy: the {ROUTERS_GROUP} group was not deployed: the vLLM hosts' run "
-                           f"exited {rc} (fix: see above, then run it again)", err=True)
+                click.echo(
+                    f"gpufleet deploy: the {ROUTERS_GROUP} group was not deployed: the vLLM hosts' run "
+                    f"exited {rc} (fix: see above, then run it again)",
+                    err=True,
+                )
             break
     sys.exit(rc)
 
@@ -123,5 +132,9 @@ def _options_taking_a_value() -> frozenset[str]:
     """pyinfra's options that take a value, read from its CLI so a new one is known too."""
     from pyinfra_cli.main import cli as pyinfra_cli
 
-    return frozenset(name for p in pyinfra_cli.params if isinstance(p, click.Option) and not p.is_flag
-                     and not p.count for name in p.opts)
+    return frozenset(
+        name
+        for p in pyinfra_cli.params
+        if isinstance(p, click.Option) and not p.is_flag and not p.count
+        for name in p.opts
+    )

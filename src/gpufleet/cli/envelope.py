@@ -57,8 +57,13 @@ def row(host: str, problems: Sequence[Problem], **fields: Any) -> dict[str, Any]
     return {"host": host, "ok": not problems, "problems": [p.as_dict() for p in problems], **fields}
 
 
-def document(command: str, hosts: Sequence[Mapping[str, Any]], routers: Sequence[Mapping[str, Any]],
-             error: str | None = None, **fields: Any) -> dict[str, Any]:
+def document(
+    command: str,
+    hosts: Sequence[Mapping[str, Any]],
+    routers: Sequence[Mapping[str, Any]],
+    error: str | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
     """The command's document: ok when every row is and nothing stopped the command."""
     ok = error is None and all(r["ok"] for r in (*hosts, *routers))
     return {"command": command, "ok": ok, "error": error, **fields, "hosts": list(hosts), "routers": list(routers)}

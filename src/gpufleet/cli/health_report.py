@@ -24,10 +24,10 @@ def _state_fix(state: HealthState, name: str, service: str, inventory: str) -> s
         HealthState.SSH_UNREACHABLE: f"check that {name} is up and that its ssh_* data in {inventory} reach it",
         HealthState.CONTAINER_NOT_RUNNING: f"{journal}; `gpufleet deploy {inventory} --limit {name}` starts it",
         HealthState.STARTING: f"wait for it (`gpufleet verify {inventory} --host {name} --wait 900`); if it stays "
-                              f"starting, {journal}",
+        f"starting, {journal}",
         HealthState.DEAD: f"{journal}; if a new image broke it, `gpufleet rollback {inventory} --host {name}`",
         HealthState.MISCONFIGURED: f"`gpufleet deploy {inventory} --limit {name}` converges it to the inventory; if "
-                                   "it still differs, the detail names what",
+        "it still differs, the detail names what",
     }.get(state, journal)
 
 
@@ -36,35 +36,67 @@ def host_problems(r: HostResult, inventory: str) -> list[Problem]:
     name, service, h = r.target.name, r.target.expected.service, r.health
     found = []
     if not h.ready:
-        found.append(Problem.from_line(str(h.state), f"{h.state}: {h.detail}", name,
-                                       _state_fix(h.state, name, service, inventory)))
+        found.append(
+            Problem.from_line(
+                str(h.state), f"{h.state}: {h.detail}", name, _state_fix(h.state, name, service, inventory)
+            )
+        )
     if r.committed_drift:
-        found.append(Problem("not-committed", r.committed_drift,
-                             f"`gpufleet deploy {inventory} --limit {name}` settles it (a swap left pending is "
-                             "finished or rolled back, a container not the unit's restarted); `gpufleet history "
-                             f"{inventory} --host {name}` shows the ledger"))
+        found.append(
+            Problem(
+                "not-committed",
+                r.committed_drift,
+                f"`gpufleet deploy {inventory} --limit {name}` settles it (a swap left pending is "
+                "finished or rolled back, a container not the unit's restarted); `gpufleet history "
+                f"{inventory} --host {name}` shows the ledger",
+            )
+        )
     rollback = f"if a new image broke it, `gpufleet rollback {inventory} --host {name}`"
-    again = (f"run it again (`gpufleet verify {inventory} --host {name}`); if its requests keep getting no answer, "
-             f"read `journalctl -u {service}` on {name}")
+    again = (
+        f"run it again (`gpufleet verify {inventory} --host {name}`); if its requests keep getting no answer, "
+        f"read `journalctl -u {service}` on {name}"
+    )
     # A check that could not run has its own id, so nothing acts on it as on a failed one.
-    found += [Problem("answer", f"answer check {a.line()}", f"read `journalctl -u {service}` on {name}; {rollback}")
-              if a.ran else Problem("check-not-run", f"answer check {a.line()}", again)
-              for a in r.answers if not a.ok]
-    found += [Problem("serving-check", f"serving check {c.line()}",
-                      f"{rollback}; if the settings did, see docs/verify.md for what {c.name} needs")
-              if c.ran else Problem("check-not-run", f"serving check {c.line()}", again)
-              for c in r.checks if not c.ok]
-    found += [Problem("gpu", g.line(), f"{g.action}; docs/gpu-health.md says how a verdict clears")
-              for g in r.sick_gpus]
+    found += [
+        Problem("answer", f"answer check {a.line()}", f"read `journalctl -u {service}` on {name}; {rollback}")
+        if a.ran
+        else Problem("check-not-run", f"answer check {a.line()}", again)
+        for a in r.answers
+        if not a.ok
+    ]
+    found += [
+        Problem(
+            "serving-check",
+            f"serving check {c.line()}",
+            f"{rollback}; if the settings did, see docs/verify.md for what {c.name} needs",
+        )
+        if c.ran
+        else Problem("check-not-run", f"serving check {c.line()}", again)
+        for c in r.checks
+        if not c.ok
+    ]
+    found += [
+        Problem("gpu", g.line(), f"{g.action}; docs/gpu-health.md says how a verdict clears") for g in r.sick_gpus
+    ]
     if r.probe_error:
-        found.append(Problem("probe-error", f"probe failed: {r.probe_error}",
-                             f"run it again (`gpufleet verify {inventory} --host {name} --probe`); if it fails "
-                             f"again, read `journalctl -u {service}` on {name}"))
+        found.append(
+            Problem(
+                "probe-error",
+                f"probe failed: {r.probe_error}",
+                f"run it again (`gpufleet verify {inventory} --host {name} --probe`); if it fails "
+                f"again, read `journalctl -u {service}` on {name}",
+            )
+        )
     p = r.probe
     if p is not None and not p.ok:
         fixes = p.fixes or (p.legal.lines() if p.legal else ())
-        found.append(Problem("probe", f"probe {p.verdict}: {p.detail}",
-                             "; ".join(fixes) or "see docs/verify.md (prefix-cache) for what the probe needs"))
+        found.append(
+            Problem(
+                "probe",
+                f"probe {p.verdict}: {p.detail}",
+                "; ".join(fixes) or "see docs/verify.md (prefix-cache) for what the probe needs",
+            )
+        )
     return found
 
 
@@ -76,8 +108,11 @@ def gpu_warnings(r: HostResult) -> list[str]:
     if gpus.error is not None:
         return [f"GPU health not read: {gpus.error}"]
     sick = r.sick_gpus
-    return [f"{g.line()} ({'the service does not use it; ' if g not in gpus.concern(r.target.gpus) else ''}{g.action})"
-            for g in gpus.gpus if g.verdict is not Verdict.OK and g not in sick]
+    return [
+        f"{g.line()} ({'the service does not use it; ' if g not in gpus.concern(r.target.gpus) else ''}{g.action})"
+        for g in gpus.gpus
+        if g.verdict is not Verdict.OK and g not in sick
+    ]
 
 
 # Ids of gpufleet.router.check's problem lines, by what they say.
@@ -94,9 +129,15 @@ _ROUTER_PROBLEM_IDS = (
 
 def router_problems(verdict: RouterVerdict) -> list[Problem]:
     name = verdict.status.name
-    return [Problem.from_line(next((id for words, id in _ROUTER_PROBLEM_IDS if words in line), "router-not-ready"),
-                              line, name, f"`gpufleet status` and the router's journal on {name}")
-            for line in verdict.problems]
+    return [
+        Problem.from_line(
+            next((id for words, id in _ROUTER_PROBLEM_IDS if words in line), "router-not-ready"),
+            line,
+            name,
+            f"`gpufleet status` and the router's journal on {name}",
+        )
+        for line in verdict.problems
+    ]
 
 
 # --- the JSON document and the text lines ---------------------------------------------------------------------------
@@ -131,12 +172,18 @@ def _router_row(verdict: RouterVerdict) -> dict[str, Any]:
     return row(verdict.status.name, router_problems(verdict), **fields)
 
 
-def report(command: str, inventory: str, results: list[HostResult], verdicts: list[RouterVerdict],
-           as_json: bool, console: Console, tables: Callable[[Console], None]) -> int:
+def report(
+    command: str,
+    inventory: str,
+    results: list[HostResult],
+    verdicts: list[RouterVerdict],
+    as_json: bool,
+    console: Console,
+    tables: Callable[[Console], None],
+) -> int:
     """Print the result; returns the exit status."""
     found = {r.target.name: host_problems(r, inventory) for r in results}
-    doc = document(command, [_host_row(r, found[r.target.name]) for r in results],
-                   [_router_row(v) for v in verdicts])
+    doc = document(command, [_host_row(r, found[r.target.name]) for r in results], [_router_row(v) for v in verdicts])
     if as_json:
         emit(doc)
     else:

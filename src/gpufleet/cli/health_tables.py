@@ -41,27 +41,42 @@ def prefix_match_unit(cache_config: dict[str, str]) -> int | None:
 
 def host_table(results: list[HostResult], title: str) -> Table:
     table = Table(title=title, header_style="bold")
-    columns = ("host", "GPUs", "GPU health", "image", "spec", "vLLM", "state", "model", "KV cache", "run/wait", "prefix hits",
-               "block", "unit")
+    columns = (
+        "host",
+        "GPUs",
+        "GPU health",
+        "image",
+        "spec",
+        "vLLM",
+        "state",
+        "model",
+        "KV cache",
+        "run/wait",
+        "prefix hits",
+        "block",
+        "unit",
+    )
     for col in columns:
         table.add_column(col, no_wrap=col == "host")
     for r in grouped(results):
         h, c = r.health, r.health.container
         style = _STATE_STYLE.get(h.state, "red")
-        table.add_row(*_plain(
-            host_cell(r),
-            ",".join(map(str, r.target.gpus)) or "-",
-            gpu_cell(r),
-            image_cell(r),
-            spec_cell(r),
-            h.version or "-",
-            Text(str(h.state), style=style),
-            model_cell(h.served_model, c.model if c else None),
-            _pct(h.kv_cache_usage),
-            "-" if h.running is None else f"{h.running}/{h.waiting}",
-            _pct(h.prefix_cache_hit_rate),
-            *cache_units(h.cache_config),
-        ))
+        table.add_row(
+            *_plain(
+                host_cell(r),
+                ",".join(map(str, r.target.gpus)) or "-",
+                gpu_cell(r),
+                image_cell(r),
+                spec_cell(r),
+                h.version or "-",
+                Text(str(h.state), style=style),
+                model_cell(h.served_model, c.model if c else None),
+                _pct(h.kv_cache_usage),
+                "-" if h.running is None else f"{h.running}/{h.waiting}",
+                _pct(h.prefix_cache_hit_rate),
+                *cache_units(h.cache_config),
+            )
+        )
     return table
 
 
@@ -79,7 +94,7 @@ def grouped(results: list[HostResult]) -> list[HostResult]:
 
 
 def host_cell(r: HostResult) -> str:
-    """"box-a (group big)" for a head, "└ box-b: rank 1" for a line of its group."""
+    """ "box-a (group big)" for a head, "└ box-b: rank 1" for a line of its group."""
     if r.target.rank is None:
         return r.target.name
     group, rank, _ = r.target.rank
@@ -137,21 +152,34 @@ def _plain(*cells: str | Text) -> list[Text]:
 def probe_table(results: list[HostResult]) -> Table:
     """One row per probed host."""
     table = Table(title="prompt re-processing probe", header_style="bold", show_lines=True)
-    for col in ("host", "verdict", "re-processed / turn (share)", "hit ratio by prompt length", "legal fixes", "requests"):
+    for col in (
+        "host",
+        "verdict",
+        "re-processed / turn (share)",
+        "hit ratio by prompt length",
+        "legal fixes",
+        "requests",
+    ):
         table.add_column(col)
     for r in results:
         p = r.probe
         if p is None:
             continue
-        table.add_row(*_plain(
-            r.target.name,
-            Text(str(p.verdict), style="green" if p.ok else "red"),
-            _session_cell(p),
-            "\n".join(f"{pt.prompt_tokens}{_kind_mark(pt.kind)}: {pt.hit_ratio:.0%}" for pt in p.points if pt.kind != "session")
-            or "-",
-            "\n".join(p.fixes or (p.legal.lines() if p.legal and not p.ok else ())) or "-",
-            f"{p.requests}/{p.request_bound} in {p.elapsed_s:.0f} s",
-        ))
+        table.add_row(
+            *_plain(
+                r.target.name,
+                Text(str(p.verdict), style="green" if p.ok else "red"),
+                _session_cell(p),
+                "\n".join(
+                    f"{pt.prompt_tokens}{_kind_mark(pt.kind)}: {pt.hit_ratio:.0%}"
+                    for pt in p.points
+                    if pt.kind != "session"
+                )
+                or "-",
+                "\n".join(p.fixes or (p.legal.lines() if p.legal and not p.ok else ())) or "-",
+                f"{p.requests}/{p.request_bound} in {p.elapsed_s:.0f} s",
+            )
+        )
     return table
 
 
@@ -163,7 +191,9 @@ def _session_cell(p: ProbeReport) -> str:
     later = p.session[1:]
     if not later:
         return f"{p.reprocessed_per_turn:.0f} (median of points)"
-    return "\n".join(f"N+{t.turn}: {t.reprocessed_tokens} of {t.prompt_tokens} ({t.reprocessed_share:.0%})" for t in later)
+    return "\n".join(
+        f"N+{t.turn}: {t.reprocessed_tokens} of {t.prompt_tokens} ({t.reprocessed_share:.0%})" for t in later
+    )
 
 
 def checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
@@ -174,9 +204,16 @@ def checks_table(results: list[HostResult], names: Sequence[str]) -> Table:
         table.add_column(name)
     for r in results:
         got = {c.name: c for c in r.checks}
-        cells = [Text("-") if name not in got else Text("passed", style="green") if got[name].ok
-                 else Text("FAILED", style="red") if got[name].ran else Text("not run", style="yellow")
-                 for name in names]
+        cells = [
+            Text("-")
+            if name not in got
+            else Text("passed", style="green")
+            if got[name].ok
+            else Text("FAILED", style="red")
+            if got[name].ran
+            else Text("not run", style="yellow")
+            for name in names
+        ]
         table.add_row(Text(r.target.name), *cells)
     return table
 
@@ -192,8 +229,10 @@ def speed_table(results: list[HostResult]) -> Table:
         if r.speed is None:
             continue
         was = r.speed_earlier
-        cells = [value_text(name, r.speed.median(name)) + (f" ({value_text(name, was.median(name))})" if was else "")
-                 for name in FIGURES]
+        cells = [
+            value_text(name, r.speed.median(name)) + (f" ({value_text(name, was.median(name))})" if was else "")
+            for name in FIGURES
+        ]
         workload = f"{r.speed.prompt_tokens}-token prompt, {r.speed.decode_tokens} tokens x {r.speed.concurrency}"
         table.add_row(*_plain(r.target.name, *cells, workload))
     return table
@@ -210,10 +249,15 @@ def router_table(rows: list[RouterStatus]) -> Table:
             table.add_row(*_plain(*head, r.detail or "-", "-", "-", "-", str(r.requests or 0), outcomes))
         for i, w in enumerate(r.workers):
             first = i == 0
-            table.add_row(*_plain(
-                *(head if first else ("", "", "")), w.url,
-                Text("yes", style="green") if w.healthy else Text("no", style="red"),
-                str(w.routed), "-" if w.running is None else str(w.running),
-                str(r.requests or 0) if first else "", outcomes if first else "",
-            ))
+            table.add_row(
+                *_plain(
+                    *(head if first else ("", "", "")),
+                    w.url,
+                    Text("yes", style="green") if w.healthy else Text("no", style="red"),
+                    str(w.routed),
+                    "-" if w.running is None else str(w.running),
+                    str(r.requests or 0) if first else "",
+                    outcomes if first else "",
+                )
+            )
     return table

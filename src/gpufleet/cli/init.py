@@ -43,19 +43,25 @@ class Box:
 
 def parse_hosts(values: Sequence[str]) -> list[tuple[str, str]]:
     if not values:
-        raise BadInput("--host: no host given (fix: --host NAME=ADDRESS, once per box, e.g. --host gpu-box-1=192.168.1.50)")
+        raise BadInput(
+            "--host: no host given (fix: --host NAME=ADDRESS, once per box, e.g. --host gpu-box-1=192.168.1.50)"
+        )
     hosts: list[tuple[str, str]] = []
     for value in values:
         name, _, address = value.partition("=")
         name, address = name.strip(), address.strip()
         if not _NAME.fullmatch(name):
-            raise BadInput(f"--host {value}: {name!r} is not a host name (fix: --host NAME=ADDRESS with a name of "
-                           "letters, digits, '.', '-' and '_', e.g. --host gpu-box-1=192.168.1.50)")
+            raise BadInput(
+                f"--host {value}: {name!r} is not a host name (fix: --host NAME=ADDRESS with a name of "
+                "letters, digits, '.', '-' and '_', e.g. --host gpu-box-1=192.168.1.50)"
+            )
         if not address:
             raise BadInput(f"--host {value}: no address (fix: --host {name}=ADDRESS, e.g. --host {name}=192.168.1.50)")
         if not _ADDRESS.fullmatch(address):
-            raise BadInput(f"--host {value}: {address!r} is not a host name or IP address "
-                           f"(fix: --host {name}=192.168.1.50 or --host {name}=box.example.lan)")
+            raise BadInput(
+                f"--host {value}: {address!r} is not a host name or IP address "
+                f"(fix: --host {name}=192.168.1.50 or --host {name}=box.example.lan)"
+            )
         if name in (n for n, _ in hosts):
             raise BadInput(f"--host {value}: {name} is given twice (fix: one --host per box, each with its own name)")
         hosts.append((name, address))
@@ -65,8 +71,10 @@ def parse_hosts(values: Sequence[str]) -> list[tuple[str, str]]:
 def parse_gpu_list(option: str, text: str) -> tuple[int, ...]:
     items = [item.strip() for item in text.split(",")]
     if not all(item.isdigit() for item in items):
-        raise BadInput(f"--gpus {option}: {text!r} is not a list of GPU indexes (fix: e.g. --gpus 0,1,2, the "
-                       "indexes nvidia-smi shows)")
+        raise BadInput(
+            f"--gpus {option}: {text!r} is not a list of GPU indexes (fix: e.g. --gpus 0,1,2, the "
+            "indexes nvidia-smi shows)"
+        )
     gpus = tuple(int(item) for item in items)
     if len(set(gpus)) != len(gpus):
         raise BadInput(f"--gpus {option}: a GPU is listed twice (fix: each index once, e.g. --gpus 0,1,2)")
@@ -82,14 +90,17 @@ def parse_gpus(values: Sequence[str], names: Sequence[str], profile: Profile) ->
         if "=" in value:
             name, _, text = value.partition("=")
             if name not in names:
-                raise BadInput(f"--gpus {value}: no host {name!r} (fix: name one of the --host boxes: "
-                               f"{', '.join(names)})")
+                raise BadInput(
+                    f"--gpus {value}: no host {name!r} (fix: name one of the --host boxes: {', '.join(names)})"
+                )
             per_host[name] = parse_gpu_list(value, text)
         else:
             defaults_given += 1
             if defaults_given > 1:
-                raise BadInput(f"--gpus {value}: a second list for every host (fix: one --gpus LIST for all hosts, "
-                               "--gpus NAME=LIST for each host that differs)")
+                raise BadInput(
+                    f"--gpus {value}: a second list for every host (fix: one --gpus LIST for all hosts, "
+                    "--gpus NAME=LIST for each host that differs)"
+                )
             default = parse_gpu_list(value, value)
     return {name: per_host.get(name, default) for name in names}
 
@@ -134,8 +145,10 @@ def box_args(profile: Profile, box: Box) -> dict[str, Any]:
     sizes = parallel_sizes(len(box.gpus))
     if sizes is None:
         fits = ", ".join(str(n) for n in range(1, 25) if parallel_sizes(n))
-        raise BadInput(f"--gpus: {box.name} has {len(box.gpus)} GPUs, which no tensor x pipeline split known to "
-                       f"work uses (fix: list {fits} GPUs for it with --gpus {box.name}=LIST)")
+        raise BadInput(
+            f"--gpus: {box.name} has {len(box.gpus)} GPUs, which no tensor x pipeline split known to "
+            f"work uses (fix: list {fits} GPUs for it with --gpus {box.name}=LIST)"
+        )
     tensor, pipeline = sizes
     args: dict[str, Any] = {}
     if tensor != _int_arg(profile, "tensor-parallel-size", 1):
@@ -157,8 +170,10 @@ def _lit(value: Any) -> str:
 
 
 def _comment(text: str, indent: str = "") -> str:
-    return "\n".join(textwrap.wrap(text, 116 - len(indent), initial_indent=f"{indent}# ",
-                                   subsequent_indent=f"{indent}# ")) + "\n"
+    return (
+        "\n".join(textwrap.wrap(text, 116 - len(indent), initial_indent=f"{indent}# ", subsequent_indent=f"{indent}# "))
+        + "\n"
+    )
 
 
 def _dict(value: dict[str, Any]) -> str:
@@ -168,9 +183,9 @@ def _dict(value: dict[str, Any]) -> str:
 def _arg_comment(name: str) -> str:
     return {
         "shutdown-timeout": "On a restart (each deploy that changes the unit, each rollout) finish the answers being "
-                            "streamed for up to 60 s instead of cutting them off (docs/vllm-traps.md).",
+        "streamed for up to 60 s instead of cutting them off (docs/vllm-traps.md).",
         "mamba-block-size": "Ignored in align mode (vLLM uses the attention block size); explicit sizes have "
-                            "crashed hybrids (docs/vllm-traps.md).",
+        "crashed hybrids (docs/vllm-traps.md).",
         "trust-remote-code": "The model's architecture is vLLM's own: no need to run the model repo's Python code.",
     }[name]
 
@@ -179,7 +194,7 @@ def _env_comment(name: str) -> str:
     return {
         "VLLM_USE_FLASHINFER_MOE_FP16": "Deprecated; newer vLLM logs it as unknown (docs/vllm-traps.md).",
         "PYTORCH_CUDA_ALLOC_CONF": "The profile's allocator settings under the name vLLM's torch reads "
-                                   "(PYTORCH_ALLOC_CONF alone is ignored by some torch versions).",
+        "(PYTORCH_ALLOC_CONF alone is ignored by some torch versions).",
         "TRITON_CACHE_DIR": "Triton's JIT cache in the vLLM cache mount: kept across restarts, carried by a rollout.",
         "FLASHINFER_WORKSPACE_BASE": "FlashInfer's JIT cache in the vLLM cache mount (docs/profiles.md).",
     }[name]
@@ -201,22 +216,33 @@ def inventory_text(directory: str, profile: Profile, boxes: Sequence[Box], route
         why = f"{len(box.gpus)} GPU(s): tensor parallel {tensor} x pipeline parallel {pipeline}"
         if "max-num-seqs" in own:
             why += "; max-num-seqs one sequence per pipeline stage, so no stage sits idle"
-        host_lines.append(_comment(f"{why} (docs/profiles.md).", "    ") +
-                          f"    ({_lit(box.name)}, _box({_lit(box.address)}, {_lit(list(box.gpus))}"
-                          + (f", {_dict(own)}" if own else "") + ")),\n")
+        host_lines.append(
+            _comment(f"{why} (docs/profiles.md).", "    ")
+            + f"    ({_lit(box.name)}, _box({_lit(box.address)}, {_lit(list(box.gpus))}"
+            + (f", {_dict(own)}" if own else "")
+            + ")),\n"
+        )
     router_block = ""
     if routers:
-        rows = "".join(f"    ({_lit(f'router-{i}')}, {_dict({'ssh_hostname': address, 'router_policy': 'cache_aware'})}),\n"
-                       for i, address in enumerate(routers, 1))
-        router_block = "\n" + _comment(
-            "One endpoint for every agent: vllm-router on a small CPU box in front of the boxes above (docs/router.md). "
-            f"Clients then talk to http://{routers[0]}:8000/v1 with the API key of group_data/all.py. router_policy "
-            "cache_aware sends a conversation's turns to the replica holding its prefix cache (README.md, \"Fleets with "
-            "one endpoint for all agents\"). `gpufleet deploy` deploys the routers after the boxes."
-        ) + f"routers = [\n{rows}]\n"
-    accept_why = ("The prefix-match unit must divide the block size each server resolves at start-up, which only a "
-                  f"running server knows: after the first deploy `gpufleet verify {inventory} --probe` prints the unit "
-                  "for each box; set vllm_args prefix-match-unit to it (in gpu_boxes below) and drop this line.")
+        rows = "".join(
+            f"    ({_lit(f'router-{i}')}, {_dict({'ssh_hostname': address, 'router_policy': 'cache_aware'})}),\n"
+            for i, address in enumerate(routers, 1)
+        )
+        router_block = (
+            "\n"
+            + _comment(
+                "One endpoint for every agent: vllm-router on a small CPU box in front of the boxes above (docs/router.md). "
+                f"Clients then talk to http://{routers[0]}:8000/v1 with the API key of group_data/all.py. router_policy "
+                "cache_aware sends a conversation's turns to the replica holding its prefix cache (README.md, \"Fleets with "
+                'one endpoint for all agents"). `gpufleet deploy` deploys the routers after the boxes.'
+            )
+            + f"routers = [\n{rows}]\n"
+        )
+    accept_why = (
+        "The prefix-match unit must divide the block size each server resolves at start-up, which only a "
+        f"running server knows: after the first deploy `gpufleet verify {inventory} --probe` prints the unit "
+        "for each box; set vllm_args prefix-match-unit to it (in gpu_boxes below) and drop this line."
+    )
     return f'''"""Starter fleet written by `gpufleet init` (profile {profile.name}): edit it freely.
 
 Check it:           gpufleet lint {inventory} --strict
@@ -282,19 +308,47 @@ vllm_api_key = {_lit(api_key)}
 
 @click.command()
 @click.argument("directory", metavar="DIR", type=click.Path(file_okay=False))
-@click.option("--host", "hosts", multiple=True, metavar="NAME=ADDRESS",
-              help="A box: its inventory name and the address pyinfra reaches it at over SSH. Repeat per box.")
-@click.option("--gpus", "gpus", multiple=True, metavar="LIST|NAME=LIST",
-              help="GPU indexes to serve on, e.g. 0,1,2: for every box, or NAME=0,1 for one (default: the "
-                   "profile's). The parallel sizes follow the count.")
-@click.option("--profile", "profile_name", default="qwen35", show_default=True, metavar="NAME",
-              help=f"The service definition: {', '.join(PROFILES)} (docs/profiles.md).")
-@click.option("--router", "routers", multiple=True, metavar="ADDRESS",
-              help="A small CPU box to run vllm-router in front of the boxes (the `routers` group). Repeatable.")
+@click.option(
+    "--host",
+    "hosts",
+    multiple=True,
+    metavar="NAME=ADDRESS",
+    help="A box: its inventory name and the address pyinfra reaches it at over SSH. Repeat per box.",
+)
+@click.option(
+    "--gpus",
+    "gpus",
+    multiple=True,
+    metavar="LIST|NAME=LIST",
+    help="GPU indexes to serve on, e.g. 0,1,2: for every box, or NAME=0,1 for one (default: the "
+    "profile's). The parallel sizes follow the count.",
+)
+@click.option(
+    "--profile",
+    "profile_name",
+    default="qwen35",
+    show_default=True,
+    metavar="NAME",
+    help=f"The service definition: {', '.join(PROFILES)} (docs/profiles.md).",
+)
+@click.option(
+    "--router",
+    "routers",
+    multiple=True,
+    metavar="ADDRESS",
+    help="A small CPU box to run vllm-router in front of the boxes (the `routers` group). Repeatable.",
+)
 @click.option("--ssh-user", default="deploy", show_default=True, help="The SSH user, with passwordless sudo.")
 @click.option("--force", is_flag=True, help="Overwrite DIR/inventory.py and DIR/group_data/all.py if they exist.")
-def init(directory: str, hosts: tuple[str, ...], gpus: tuple[str, ...], profile_name: str, routers: tuple[str, ...],
-         ssh_user: str, force: bool) -> None:
+def init(
+    directory: str,
+    hosts: tuple[str, ...],
+    gpus: tuple[str, ...],
+    profile_name: str,
+    routers: tuple[str, ...],
+    ssh_user: str,
+    force: bool,
+) -> None:
     """Write a starter inventory for your boxes: DIR/inventory.py and DIR/group_data/all.py.
 
     It renders and lints clean; every setting carries a comment pointing to the docs. A random API key is
@@ -321,12 +375,15 @@ def init(directory: str, hosts: tuple[str, ...], gpus: tuple[str, ...], profile_
         box_args(profile, box)  # refuses before anything is written
 
     root = Path(directory)
-    files = {root / "inventory.py": inventory_text(directory, profile, boxes, routers),
-             root / "group_data" / "all.py": group_data_text(profile, ssh_user, "sk-" + secrets.token_hex(24))}
+    files = {
+        root / "inventory.py": inventory_text(directory, profile, boxes, routers),
+        root / "group_data" / "all.py": group_data_text(profile, ssh_user, "sk-" + secrets.token_hex(24)),
+    }
     existing = [str(path) for path in files if path.exists()]
     if existing and not force:
-        raise BadInput(f"{', '.join(existing)}: already exists, left as it is (fix: another DIR, or --force to "
-                       "overwrite)")
+        raise BadInput(
+            f"{', '.join(existing)}: already exists, left as it is (fix: another DIR, or --force to overwrite)"
+        )
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         # It holds the API key: owner only.

@@ -51,8 +51,12 @@ _SEVERITY_COLOUR = {"error": "red", "warning": "yellow", "info": "cyan"}
 
 @click.command()
 @click.argument("inventory", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True,
-              help="One JSON document on stdout: command, ok, findings, accepted, and hosts and routers rows.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON document on stdout: command, ok, findings, accepted, and hosts and routers rows.",
+)
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too (for CI).")
 def lint(inventory: str, as_json: bool, strict: bool) -> None:
     """Find known traps in each host's settings (vLLM hosts and routers), with the fix.
@@ -113,11 +117,18 @@ def json_document(report: LintReport, strict: bool) -> dict[str, Any]:
     failing = ("error", "warning") if strict else ("error",)
 
     def host_row(name: str) -> dict[str, Any]:
-        return row(name, [Problem(f.id, f.message, f.fix) for f in report.findings
-                          if name in f.hosts and f.severity in failing])
+        return row(
+            name,
+            [Problem(f.id, f.message, f.fix) for f in report.findings if name in f.hosts and f.severity in failing],
+        )
 
-    return {"command": "lint", **report.as_json(strict), "error": None, "hosts": [host_row(h) for h in report.hosts],
-            "routers": [host_row(r) for r in report.routers]}
+    return {
+        "command": "lint",
+        **report.as_json(strict),
+        "error": None,
+        "hosts": [host_row(h) for h in report.hosts],
+        "routers": [host_row(r) for r in report.routers],
+    }
 
 
 def _read_accept(host: str, data: dict[str, Any], accepted: dict[str, frozenset[str]]) -> list[SettingError]:
@@ -138,8 +149,9 @@ def _print_report(report: LintReport) -> None:
         click.echo(f"{head}: {coloured} [{tail}" if tail else line)
     for finding in report.accepted:
         click.echo(click.style(report.line(finding, accepted=True), dim=True))
-    counts = ", ".join(f"{report.count(severity)} {severity}" + ("" if severity == "info" else "(s)")
-                       for severity in SEVERITIES)
+    counts = ", ".join(
+        f"{report.count(severity)} {severity}" + ("" if severity == "info" else "(s)") for severity in SEVERITIES
+    )
     routers = f", {len(report.routers)} router(s)" if report.routers else ""
     if not quiet():
         click.echo(f"{len(report.hosts)} host(s){routers}: {counts}, {len(report.accepted)} accepted", err=True)

@@ -36,8 +36,9 @@ def _console() -> Console:
 
 
 def _options(deploy: str | None, log: str | None, **kwargs: Any) -> SwapOptions:
-    return SwapOptions(deploy_file=Path(deploy) if deploy else default_deploy_file(),
-                       log=Path(log) if log else _new_log(), **kwargs)
+    return SwapOptions(
+        deploy_file=Path(deploy) if deploy else default_deploy_file(), log=Path(log) if log else _new_log(), **kwargs
+    )
 
 
 def _new_log() -> Path:
@@ -52,6 +53,7 @@ def _confirm(yes: bool) -> Any:
         if yes:
             return True
         return click.confirm(f"Swap {len(hosts)} host(s) ({', '.join(hosts)}) to {what}?", err=True)
+
     return ask
 
 
@@ -69,8 +71,9 @@ def _progress(hosts: Sequence[str]) -> Progress:
 
 
 def _finish(command: str, result: Result, as_json: bool, log: Path | None) -> None:
-    doc = document(command, [o.as_dict() for o in result.outcomes], [], target=result.target,
-                   message=result.message or None)
+    doc = document(
+        command, [o.as_dict() for o in result.outcomes], [], target=result.target, message=result.message or None
+    )
     err = Console(stderr=True)
     if result.message and (not quiet() or not doc["ok"]):
         err.print(Text(result.message), soft_wrap=True)
@@ -88,28 +91,53 @@ def _finish(command: str, result: Result, as_json: bool, log: Path | None) -> No
 
 def _to_digest(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None and "@sha256:" not in value:
-        raise click.BadParameter(f"{value}: not a digest (fix: pass repo@sha256:<digest>, as `gpufleet history` "
-                                 "shows it)")
+        raise click.BadParameter(
+            f"{value}: not a digest (fix: pass repo@sha256:<digest>, as `gpufleet history` shows it)"
+        )
     return value
 
 
 def _common(fn: Any) -> Any:
-    for option in reversed([
-        click.option("--probe", is_flag=True, help="Gate each host on the prompt re-processing probe too."),
-        click.option("--drain-timeout", type=click.FloatRange(min=0), default=120.0, show_default=True,
-                     help="Seconds to wait for a host's running requests to finish before its restart."),
-        click.option("--retry-failed", is_flag=True, help="Install a digest a host's ledger marks failed, on purpose."),
-        click.option("--stage-timeout", type=click.FloatRange(min=1), default=STAGE_TIMEOUT_S, show_default=True,
-                     help="Seconds one deploy run (a prepare, a batch's swap) may take; past it the run is ended "
-                          "and its hosts' locks freed."),
-        click.option("--yes", "-y", is_flag=True, help="Do not ask before swapping."),
-        click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout (progress stays on stderr)."),
-        click.option("--deploy", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="The deploy file (default: deploys/qwen35.py of the checkout, else the one shipped in "
-                          "the package)."),
-        click.option("--log", type=click.Path(dir_okay=False), default=None,
-                     help="Where each deploy run's output goes (default: a new file in the temp directory)."),
-    ]):
+    for option in reversed(
+        [
+            click.option("--probe", is_flag=True, help="Gate each host on the prompt re-processing probe too."),
+            click.option(
+                "--drain-timeout",
+                type=click.FloatRange(min=0),
+                default=120.0,
+                show_default=True,
+                help="Seconds to wait for a host's running requests to finish before its restart.",
+            ),
+            click.option(
+                "--retry-failed", is_flag=True, help="Install a digest a host's ledger marks failed, on purpose."
+            ),
+            click.option(
+                "--stage-timeout",
+                type=click.FloatRange(min=1),
+                default=STAGE_TIMEOUT_S,
+                show_default=True,
+                help="Seconds one deploy run (a prepare, a batch's swap) may take; past it the run is ended "
+                "and its hosts' locks freed.",
+            ),
+            click.option("--yes", "-y", is_flag=True, help="Do not ask before swapping."),
+            click.option(
+                "--json", "as_json", is_flag=True, help="One JSON document on stdout (progress stays on stderr)."
+            ),
+            click.option(
+                "--deploy",
+                type=click.Path(exists=True, dir_okay=False),
+                default=None,
+                help="The deploy file (default: deploys/qwen35.py of the checkout, else the one shipped in "
+                "the package).",
+            ),
+            click.option(
+                "--log",
+                type=click.Path(dir_okay=False),
+                default=None,
+                help="Where each deploy run's output goes (default: a new file in the temp directory).",
+            ),
+        ]
+    ):
         fn = option(fn)
     return fn
 
@@ -120,23 +148,52 @@ _inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
 @click.command()
 @_inventory_arg
 @click.option("--image", default=None, help="A tag or digest of vllm_image's repository (default: vllm_image).")
-@click.option("--model-revision", default=None,
-              help="Move the model too: a branch, tag or commit of vllm_model_repo, resolved to one commit at the "
-                   "start; downloaded in prepare while the old version serves.")
-@click.option("--canary", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Hosts swapped (and gated) first.")
-@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Hosts swapped at once: the most out of service at any moment, the canary included.")
-@click.option("--no-check", "skipped", multiple=True, type=click.Choice(SERVING_CHECKS),
-              help="Leave this serving check out of the canary's gate (repeatable; docs/verify.md says what each "
-                   "one sends).")
-@click.option("--no-carry", is_flag=True,
-              help="Start every host cold: do not carry the canary's compile cache to the others "
-                   "(docs/compile-cache.md).")
+@click.option(
+    "--model-revision",
+    default=None,
+    help="Move the model too: a branch, tag or commit of vllm_model_repo, resolved to one commit at the "
+    "start; downloaded in prepare while the old version serves.",
+)
+@click.option(
+    "--canary", type=click.IntRange(min=0), default=1, show_default=True, help="Hosts swapped (and gated) first."
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Hosts swapped at once: the most out of service at any moment, the canary included.",
+)
+@click.option(
+    "--no-check",
+    "skipped",
+    multiple=True,
+    type=click.Choice(SERVING_CHECKS),
+    help="Leave this serving check out of the canary's gate (repeatable; docs/verify.md says what each one sends).",
+)
+@click.option(
+    "--no-carry",
+    is_flag=True,
+    help="Start every host cold: do not carry the canary's compile cache to the others (docs/compile-cache.md).",
+)
 @_common
-def rollout(inventory: str, image: str | None, model_revision: str | None, canary: int, batch: int,
-            skipped: tuple[str, ...], no_carry: bool, probe: bool, drain_timeout: float, retry_failed: bool,
-            stage_timeout: float, yes: bool, as_json: bool, deploy: str | None, log: str | None) -> None:
+def rollout(
+    inventory: str,
+    image: str | None,
+    model_revision: str | None,
+    canary: int,
+    batch: int,
+    skipped: tuple[str, ...],
+    no_carry: bool,
+    probe: bool,
+    drain_timeout: float,
+    retry_failed: bool,
+    stage_timeout: float,
+    yes: bool,
+    as_json: bool,
+    deploy: str | None,
+    log: str | None,
+) -> None:
     """Move every host to one image digest, in place, one batch at a time: resolve, prepare all, swap, gate. The
     canary is held to every serving check (cached equals cold, sessions apart, the parsers, the probe).
 
@@ -147,9 +204,18 @@ def rollout(inventory: str, image: str | None, model_revision: str | None, canar
     _checked(inventory, image=image)
     quiet_ssh_logs()
     try:
-        options = _options(deploy, log, canary=canary, batch=batch, probe=probe, retry_failed=retry_failed,
-                           drain_timeout_s=drain_timeout, stage_timeout_s=stage_timeout,
-                           canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped), carry=not no_carry)
+        options = _options(
+            deploy,
+            log,
+            canary=canary,
+            batch=batch,
+            probe=probe,
+            retry_failed=retry_failed,
+            drain_timeout_s=drain_timeout,
+            stage_timeout_s=stage_timeout,
+            canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped),
+            carry=not no_carry,
+        )
         result = roll_out(inventory, image, options, _confirm(yes), _progress, model_revision=model_revision)
     except GpufleetError as e:
         raise stopped("rollout", str(e), as_json) from None
@@ -159,12 +225,26 @@ def rollout(inventory: str, image: str | None, model_revision: str | None, canar
 @click.command()
 @_inventory_arg
 @click.option("--host", default=None, help="Only this host (default: every host, one at a time).")
-@click.option("--to", default=None, callback=_to_digest,
-              help="repo@sha256:<digest> to go to (default: the previous committed digest).")
+@click.option(
+    "--to",
+    default=None,
+    callback=_to_digest,
+    help="repo@sha256:<digest> to go to (default: the previous committed digest).",
+)
 @_common
-def rollback(inventory: str, host: str | None, to: str | None, probe: bool, drain_timeout: float,
-             retry_failed: bool, stage_timeout: float, yes: bool, as_json: bool, deploy: str | None,
-             log: str | None) -> None:
+def rollback(
+    inventory: str,
+    host: str | None,
+    to: str | None,
+    probe: bool,
+    drain_timeout: float,
+    retry_failed: bool,
+    stage_timeout: float,
+    yes: bool,
+    as_json: bool,
+    deploy: str | None,
+    log: str | None,
+) -> None:
     """Return hosts to their previous committed digest (or --to), gated like a rollout.
 
     \b
@@ -173,8 +253,14 @@ def rollback(inventory: str, host: str | None, to: str | None, probe: bool, drai
     _checked(inventory, host, to)
     quiet_ssh_logs()
     try:
-        options = _options(deploy, log, probe=probe, retry_failed=retry_failed, drain_timeout_s=drain_timeout,
-                           stage_timeout_s=stage_timeout)
+        options = _options(
+            deploy,
+            log,
+            probe=probe,
+            retry_failed=retry_failed,
+            drain_timeout_s=drain_timeout,
+            stage_timeout_s=stage_timeout,
+        )
         result = roll_back(inventory, options, _confirm(yes), _progress, host=host, to=to)
     except GpufleetError as e:
         raise stopped("rollback", str(e), as_json) from None
@@ -214,31 +300,55 @@ def _history_table(host: str, lg: HostLedger) -> Table:
     else:
         style = {"pending": "yellow", "committed": "green", "failed": "red", "earlier": "dim"}
         for state, ref, image, at, detail, speed in ledger_rows(lg.ledger):
-            t.add_row(Text(state, style=style[state]), Text(short(ref)), Text(image), Text(at), Text(detail),
-                      Text(speed.brief() if speed else "-"))
+            t.add_row(
+                Text(state, style=style[state]),
+                Text(short(ref)),
+                Text(image),
+                Text(at),
+                Text(detail),
+                Text(speed.brief() if speed else "-"),
+            )
     return t
 
 
 def _ledger_problems(inventory: str, host: str, lg: HostLedger) -> list[Problem]:
     if not lg.error:
         return []
-    return [Problem.from_line("ledger-unreadable", lg.error, host,
-                              f"check that {host} is up and that its ssh_* data in {inventory} reach it, and that "
-                              f"{lg.path} is readable by root there")]
+    return [
+        Problem.from_line(
+            "ledger-unreadable",
+            lg.error,
+            host,
+            f"check that {host} is up and that its ssh_* data in {inventory} reach it, and that "
+            f"{lg.path} is readable by root there",
+        )
+    ]
 
 
 def _history_row(inventory: str, host: str, lg: HostLedger) -> dict[str, Any]:
-    rows = [{"state": state, "ref": ref, "image": image or None, "at": at, "detail": detail or None,
-             "speed": speed.as_dict() if speed else None}
-            for state, ref, image, at, detail, speed in (ledger_rows(lg.ledger) if lg.ledger else [])]
+    rows = [
+        {
+            "state": state,
+            "ref": ref,
+            "image": image or None,
+            "at": at,
+            "detail": detail or None,
+            "speed": speed.as_dict() if speed else None,
+        }
+        for state, ref, image, at, detail, speed in (ledger_rows(lg.ledger) if lg.ledger else [])
+    ]
     return row(host, _ledger_problems(inventory, host, lg), path=lg.path, rows=rows)
 
 
 @click.command(name="history")
 @_inventory_arg
 @click.option("--host", default=None, help="Only this host.")
-@click.option("--json", "as_json", is_flag=True,
-              help='One JSON document on stdout: {"command", "ok", "hosts", "routers"}, each host\'s ledger rows.')
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='One JSON document on stdout: {"command", "ok", "hosts", "routers"}, each host\'s ledger rows.',
+)
 @click.pass_context
 def history_command(ctx: click.Context, inventory: str, host: str | None, as_json: bool) -> None:
     """Each host's ledger: what runs (committed), what ran before, what failed and why, a cut run's pending change.

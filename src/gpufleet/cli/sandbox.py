@@ -19,11 +19,19 @@ def sandbox() -> None:
 
 @sandbox.command()
 @click.argument("count", type=click.IntRange(1, 200), default=2)
-@click.option("--routers", type=click.IntRange(0, 8), default=0, show_default=True,
-              help="Also boot this many GPU-less hosts in the inventory's routers group (deploys/router.py).")
-@click.option("--site-cache", is_flag=True,
-              help="Put gpuhost1 in the inventory's site_cache group: it runs the site's pull-through registry "
-                   "cache and the other hosts pull through it (docs/site-cache.md).")
+@click.option(
+    "--routers",
+    type=click.IntRange(0, 8),
+    default=0,
+    show_default=True,
+    help="Also boot this many GPU-less hosts in the inventory's routers group (deploys/router.py).",
+)
+@click.option(
+    "--site-cache",
+    is_flag=True,
+    help="Put gpuhost1 in the inventory's site_cache group: it runs the site's pull-through registry "
+    "cache and the other hosts pull through it (docs/site-cache.md).",
+)
 def up(count: int, routers: int, site_cache: bool) -> None:
     """Boot COUNT hosts (gpuhost1..COUNT, each 3x H200) and write the inventory inventories/sandbox.py reads.
 
@@ -61,14 +69,25 @@ def down() -> None:
 @sandbox.command(name="gpu-fault")
 @click.argument("host")
 @click.option("--gpu", "index", type=click.IntRange(min=0), default=0, show_default=True, help="The GPU's index.")
-@click.option("--fault", "faults", multiple=True, type=click.Choice(list(gpu_faults.FAULTS)),
-              help="What its nvidia-smi then reports for the GPU (repeatable).")
-@click.option("--xid", "xids", multiple=True, type=click.IntRange(min=1),
-              help="An Xid of this code on the GPU in the host's kernel log (repeatable).")
+@click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    type=click.Choice(list(gpu_faults.FAULTS)),
+    help="What its nvidia-smi then reports for the GPU (repeatable).",
+)
+@click.option(
+    "--xid",
+    "xids",
+    multiple=True,
+    type=click.IntRange(min=1),
+    help="An Xid of this code on the GPU in the host's kernel log (repeatable).",
+)
 @click.option("--at", default=None, metavar="TIME", help="When the Xid lines were logged: ISO 8601 (default: now).")
 @click.option("--clear", is_flag=True, help="First make every GPU healthy again and empty the kernel log.")
-def gpu_fault(host: str, index: int, faults: tuple[str, ...], xids: tuple[int, ...], at: str | None,
-              clear: bool) -> None:
+def gpu_fault(
+    host: str, index: int, faults: tuple[str, ...], xids: tuple[int, ...], at: str | None, clear: bool
+) -> None:
     """Inject a GPU fault into the running sandbox host HOST: nvidia-smi's health fields for GPU N, Xid lines in the
     host's own kernel log (its dmesg). `gpufleet status inventories/sandbox.py` shows the verdict.
 

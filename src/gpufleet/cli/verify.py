@@ -38,9 +38,15 @@ from gpufleet.wire.speed import SpeedFigures
 
 def load_targets(inventory: str, only_host: str | None = None) -> list[HostTarget]:
     """What to check on each vLLM host of the inventory. Raises GpufleetError."""
-    return [replace(target, speed_tolerance=float(merged_settings(data)[SPEED_TOLERANCE_SETTING]),
-                    rank=(spec.group.group, spec.group.rank, spec.group.head) if spec.group else None)
-            for spec, data in load_host_specs(inventory, only_host) for target in [HostTarget.for_spec(spec, data)]]
+    return [
+        replace(
+            target,
+            speed_tolerance=float(merged_settings(data)[SPEED_TOLERANCE_SETTING]),
+            rank=(spec.group.group, spec.group.rank, spec.group.head) if spec.group else None,
+        )
+        for spec, data in load_host_specs(inventory, only_host)
+        for target in [HostTarget.for_spec(spec, data)]
+    ]
 
 
 def _gather(inventory: str, host: str | None, **kwargs: Any) -> list[HostResult]:
@@ -73,17 +79,24 @@ def _console() -> Console:
 
 _inventory_arg = click.argument("inventory", type=click.Path(dir_okay=False))
 _host_opt = click.option("--host", "host", default=None, help="Only this inventory host.")
-_json_opt = click.option("--json", "as_json", is_flag=True,
-                         help='One JSON document on stdout: {"command", "ok", "hosts", "routers"} (docs/cli.md).')
+_json_opt = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='One JSON document on stdout: {"command", "ok", "hosts", "routers"} (docs/cli.md).',
+)
 
 
 @click.command()
 @_inventory_arg
 @_host_opt
 @_json_opt
-@click.option("--fix", is_flag=True,
-              help="First put every router's worker set in step: remove each worker that is no replica of the "
-                   "inventory, put back each replica that belongs (committed, nothing pending, ready).")
+@click.option(
+    "--fix",
+    is_flag=True,
+    help="First put every router's worker set in step: remove each worker that is no replica of the "
+    "inventory, put back each replica that belongs (committed, nothing pending, ready).",
+)
 @click.pass_context
 def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool, fix: bool) -> None:
     """Show each host's serving state: image, vLLM version, model, KV cache use, load, prefix-cache hits; and each
@@ -114,8 +127,10 @@ def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool, 
         except GpufleetError as error:
             raise stopped("status", str(error), as_json) from None
     results = _gather(inventory, host) if not (host and routers) else []
-    verdicts = [RouterVerdict(look, problems(look, exp))
-                for look, exp in zip((read_host(name, data) for name, data in routers), expected, strict=True)]
+    verdicts = [
+        RouterVerdict(look, problems(look, exp))
+        for look, exp in zip((read_host(name, data) for name, data in routers), expected, strict=True)
+    ]
 
     def tables(console: Console) -> None:
         if results:
@@ -137,9 +152,15 @@ def _roles(inventory: str, host: str | None) -> tuple[list[HostData], list[HostD
 @_host_opt
 @_json_opt
 @click.option("--probe", "run_probe", is_flag=True, help="Also measure prompt re-processing on turn N+1.")
-@click.option("--checks", "checks", default="none", show_default=True, metavar="LIST",
-              help=f"Serving checks to run on each ready host, where its settings apply: a comma list of "
-                   f"{', '.join(SERVING_CHECKS)}, or all (docs/verify.md).")
+@click.option(
+    "--checks",
+    "checks",
+    default="none",
+    show_default=True,
+    metavar="LIST",
+    help=f"Serving checks to run on each ready host, where its settings apply: a comma list of "
+    f"{', '.join(SERVING_CHECKS)}, or all (docs/verify.md).",
+)
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Seconds to wait for hosts and routers to become ready.")  # fmt: skip
 # No envvar: a client's VLLM_API_KEY would silently override every host's own key.
@@ -174,8 +195,16 @@ def verify(
     with FleetProgress(stderr()) as progress:
         if not (host and routers):
             progress.note(_what_verify_does(wait_s, run_probe, names))
-            results = _gather(inventory, host, run_probe=run_probe, wait_s=wait_s, api_key=api_key, answer=True,
-                              checks=names, progress=progress.phase)
+            results = _gather(
+                inventory,
+                host,
+                run_probe=run_probe,
+                wait_s=wait_s,
+                api_key=api_key,
+                answer=True,
+                checks=names,
+                progress=progress.phase,
+            )
         for (name, data), exp in zip(routers, expected, strict=True):
             progress.phase(name, "reading the router" + (" (waiting for it to pass)" if wait_s else ""))
             verdicts.append(verify_router(partial(read_host, name, data), exp, deadline))
@@ -197,8 +226,10 @@ def verify(
 
 
 def _what_verify_does(wait_s: float, run_probe: bool, checks: Sequence[str]) -> str:
-    steps = [f"waiting up to {wait_s:.0f} s for each host to be ready" if wait_s else "one look at each host",
-             "a chat completion, plain and streamed"]
+    steps = [
+        f"waiting up to {wait_s:.0f} s for each host to be ready" if wait_s else "one look at each host",
+        "a chat completion, plain and streamed",
+    ]
     if checks:
         steps.append(f"serving checks {', '.join(checks)}")
     if run_probe:

@@ -10,19 +10,32 @@ from gpufleet.wire.evidence import excerpt
 
 # Each field with the older names a driver may know it by.
 HEALTH_FIELDS: tuple[tuple[str, ...], ...] = (
-    ("index",), ("pci.bus_id", "gpu_bus_id"), ("ecc.mode.current",),
-    ("ecc.errors.corrected.volatile.total",), ("ecc.errors.corrected.aggregate.total",),
-    ("ecc.errors.uncorrected.volatile.total",), ("ecc.errors.uncorrected.aggregate.total",),
-    ("retired_pages.pending",), ("remapped_rows.correctable", "remapped_rows.sbe"),
-    ("remapped_rows.uncorrectable", "remapped_rows.dbe"), ("remapped_rows.pending",), ("remapped_rows.failure",),
-    ("gpu_recovery_action",), ("clocks_event_reasons.active", "clocks_throttle_reasons.active"),
-    ("temperature.gpu",), ("power.draw",),
-    ("pcie.link.gen.gpucurrent", "pcie.link.gen.current"), ("pcie.link.gen.max",),
-    ("pcie.link.width.current",), ("pcie.link.width.max",),
+    ("index",),
+    ("pci.bus_id", "gpu_bus_id"),
+    ("ecc.mode.current",),
+    ("ecc.errors.corrected.volatile.total",),
+    ("ecc.errors.corrected.aggregate.total",),
+    ("ecc.errors.uncorrected.volatile.total",),
+    ("ecc.errors.uncorrected.aggregate.total",),
+    ("retired_pages.pending",),
+    ("remapped_rows.correctable", "remapped_rows.sbe"),
+    ("remapped_rows.uncorrectable", "remapped_rows.dbe"),
+    ("remapped_rows.pending",),
+    ("remapped_rows.failure",),
+    ("gpu_recovery_action",),
+    ("clocks_event_reasons.active", "clocks_throttle_reasons.active"),
+    ("temperature.gpu",),
+    ("power.draw",),
+    ("pcie.link.gen.gpucurrent", "pcie.link.gen.current"),
+    ("pcie.link.gen.max",),
+    ("pcie.link.width.current",),
+    ("pcie.link.width.max",),
 )
 # R580 rejects these: asked only of a driver whose help lists them.
-OLDER_FIELDS: tuple[tuple[str, ...], ...] = (("reset_status.reset_required",),
-                                             ("reset_status.drain_and_reset_recommended",))
+OLDER_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("reset_status.reset_required",),
+    ("reset_status.drain_and_reset_recommended",),
+)
 QUERY_HEALTH = f"nvidia-smi --query-gpu={','.join(names[0] for names in HEALTH_FIELDS)} --format=csv"
 KERNEL_LOG = "dmesg --time-format iso"
 REFUSED_FIELD = "is not a valid field to query"
@@ -37,20 +50,24 @@ def query_shell(t: str = "$t") -> str:
     """The health query, then `@@rc <status>`; after a refused field, only what `--help-query-gpu` lists.
     t: the shell word that bounds each program."""
     learn = " ".join("/".join(names) for names in (*HEALTH_FIELDS, *OLDER_FIELDS))
-    return (f"h=$({t} {QUERY_HEALTH} 2>&1); r=$?; case $r:$h in 2:*{REFUSED_FIELD!r}*) "
-            f"hq=$({t} nvidia-smi --help-query-gpu 2>/dev/null); f=; for w in {learn}; do "
-            "while :; do x=${w%%/*}; case $hq in *\"\\\"$x\\\"\"*) f=$f,$x; break;; esac; "
-            "[ \"$x\" = \"$w\" ] && break; w=${w#*/}; done; done; "
-            f"[ -n \"$f\" ] && {{ h=$({t} nvidia-smi \"--query-gpu=${{f#,}}\" --format=csv 2>&1); r=$?; }};; esac; "
-            "printf '%s\\n@@rc %s\\n' \"$h\" \"$r\"")
+    return (
+        f"h=$({t} {QUERY_HEALTH} 2>&1); r=$?; case $r:$h in 2:*{REFUSED_FIELD!r}*) "
+        f"hq=$({t} nvidia-smi --help-query-gpu 2>/dev/null); f=; for w in {learn}; do "
+        'while :; do x=${w%%/*}; case $hq in *"\\"$x\\""*) f=$f,$x; break;; esac; '
+        '[ "$x" = "$w" ] && break; w=${w#*/}; done; done; '
+        f'[ -n "$f" ] && {{ h=$({t} nvidia-smi "--query-gpu=${{f#,}}" --format=csv 2>&1); r=$?; }};; esac; '
+        'printf \'%s\\n@@rc %s\\n\' "$h" "$r"'
+    )
 
 
 def kernel_shell(t: str = "$t") -> str:
     """The last NVRM line of each (GPU, Xid code) after its count; dmesg's complaint as `@@error`."""
-    program = ("/NVRM: Xid |NVRM: GPU .*fallen off the bus/ { k = $0; sub(/^[^ ]* /, \"\", k); sub(/,.*/, \"\", k); "
-               "if (!(k in n)) o[++m] = k; n[k]++; l[k] = $0; next } "
-               "!/^[0-9][0-9][0-9][0-9]-/ && e < 3 { print \"@@error \" $0; e++ } "
-               "END { for (i = 1; i <= m; i++) print n[o[i]], l[o[i]] }")
+    program = (
+        '/NVRM: Xid |NVRM: GPU .*fallen off the bus/ { k = $0; sub(/^[^ ]* /, "", k); sub(/,.*/, "", k); '
+        "if (!(k in n)) o[++m] = k; n[k]++; l[k] = $0; next } "
+        '!/^[0-9][0-9][0-9][0-9]-/ && e < 3 { print "@@error " $0; e++ } '
+        "END { for (i = 1; i <= m; i++) print n[o[i]], l[o[i]] }"
+    )
     return f"{t} {KERNEL_LOG} 2>&1 | awk '{program}'"
 
 
@@ -115,7 +132,7 @@ class GpuHealth:
 
 
 def bus_of(text: str) -> Bus | None:
-    """"00000000:3B:00.0" (nvidia-smi) or "0000:3b:00" (an Xid line) -> (domain, bus, device)."""
+    """ "00000000:3B:00.0" (nvidia-smi) or "0000:3b:00" (an Xid line) -> (domain, bus, device)."""
     m = re.fullmatch(r"(?:PCI:)?([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})(?:\.[0-7])?", text.strip())
     return (int(m[1], 16), int(m[2], 16), int(m[3], 16)) if m else None
 
@@ -175,18 +192,24 @@ def _reading(v: dict[str, str]) -> GpuReading:
     width, width_max = text("pcie.link.width.current"), text("pcie.link.width.max")
     temperature = number("temperature.gpu")
     return GpuReading(
-        index=int(v["index"]), bus_id=v.get("pci.bus_id", "?"), ecc_mode=text("ecc.mode.current"),
+        index=int(v["index"]),
+        bus_id=v.get("pci.bus_id", "?"),
+        ecc_mode=text("ecc.mode.current"),
         corrected_volatile=count("ecc.errors.corrected.volatile.total"),
         corrected_aggregate=count("ecc.errors.corrected.aggregate.total"),
         uncorrected_volatile=count("ecc.errors.uncorrected.volatile.total"),
         uncorrected_aggregate=count("ecc.errors.uncorrected.aggregate.total"),
-        retired_pending=flag("retired_pages.pending"), remapped_correctable=count("remapped_rows.correctable"),
-        remapped_uncorrectable=count("remapped_rows.uncorrectable"), remap_pending=flag("remapped_rows.pending"),
-        remap_failure=flag("remapped_rows.failure"), recovery_action=text("gpu_recovery_action"),
+        retired_pending=flag("retired_pages.pending"),
+        remapped_correctable=count("remapped_rows.correctable"),
+        remapped_uncorrectable=count("remapped_rows.uncorrectable"),
+        remap_pending=flag("remapped_rows.pending"),
+        remap_failure=flag("remapped_rows.failure"),
+        recovery_action=text("gpu_recovery_action"),
         reset_required=flag("reset_status.reset_required"),
         drain_and_reset=flag("reset_status.drain_and_reset_recommended"),
         clocks_event_reasons=int(reasons, 16) if reasons and re.fullmatch(r"0x[0-9a-fA-F]+", reasons) else None,
-        temperature_c=None if temperature is None else int(temperature), power_w=number("power.draw"),
+        temperature_c=None if temperature is None else int(temperature),
+        power_w=number("power.draw"),
         pcie=f"gen {gen} x{width} (max gen {gen_max} x{width_max})" if gen and width else None,
         unreadable=unreadable,
     )
@@ -202,7 +225,7 @@ def parse_kernel_log(lines: list[str]) -> tuple[tuple[KernelEvent, ...], str | N
     events, errors = [], []
     for line in lines:
         if line.startswith("@@error "):
-            errors.append(line[len("@@error "):].strip())
+            errors.append(line[len("@@error ") :].strip())
             continue
         count, _, rest = line.strip().partition(" ")
         stamp, _, message = rest.partition(" ")
@@ -214,8 +237,15 @@ def parse_kernel_log(lines: list[str]) -> tuple[tuple[KernelEvent, ...], str | N
         if found is None or bus is None:
             continue
         text = _PROCESS.sub("", xid["text"] or "") if xid else "GPU has fallen off the bus"
-        events.append(KernelEvent(bus=bus, code=int(xid["code"]) if xid else None, text=excerpt(text, 120),
-                                  at=_epoch(stamp), count=int(count)))
+        events.append(
+            KernelEvent(
+                bus=bus,
+                code=int(xid["code"]) if xid else None,
+                text=excerpt(text, 120),
+                at=_epoch(stamp),
+                count=int(count),
+            )
+        )
     return tuple(events), excerpt("; ".join(errors), 200) if errors else None
 
 

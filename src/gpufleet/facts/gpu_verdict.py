@@ -45,7 +45,11 @@ class GpuVerdict:
 
     @property
     def name(self) -> str:
-        return f"GPU {self.index}" if self.index is not None else f"the GPU at PCI {self.bus_id} (not listed by nvidia-smi)"
+        return (
+            f"GPU {self.index}"
+            if self.index is not None
+            else f"the GPU at PCI {self.bus_id} (not listed by nvidia-smi)"
+        )
 
     @property
     def evidence(self) -> str:
@@ -83,20 +87,33 @@ class HostGpus:
         sick = [g for g in self.concern(used) if g.verdict is not Verdict.OK]
         if not sick:
             return "ok"
-        signals = "; ".join(f"{g.name}: {', '.join(f.signal for f in g.findings if f.verdict is not Verdict.OK)}"
-                            for g in sick)
+        signals = "; ".join(
+            f"{g.name}: {', '.join(f.signal for f in g.findings if f.verdict is not Verdict.OK)}" for g in sick
+        )
         return f"{self.verdict(used).label} ({signals})"
 
     def as_dict(self, used: Collection[int] | None = None) -> dict[str, Any]:
         """status/verify --json's "gpu" of a host (docs/cli.md)."""
         concern = self.concern(used)
         return {
-            "verdict": None if self.error else str(self.verdict(used)), "summary": self.summary(used),
-            "lacks": list(self.lacks), "error": self.error, "kernel_log_error": self.kernel_log_error,
-            "gpus": [{"index": g.index, "bus_id": g.bus_id, "verdict": str(g.verdict), "used": g in concern,
-                      "findings": [{"signal": f.signal, "verdict": str(f.verdict), "evidence": f.evidence}
-                                   for f in g.findings],
-                      "settled": list(g.settled)} for g in self.gpus],
+            "verdict": None if self.error else str(self.verdict(used)),
+            "summary": self.summary(used),
+            "lacks": list(self.lacks),
+            "error": self.error,
+            "kernel_log_error": self.kernel_log_error,
+            "gpus": [
+                {
+                    "index": g.index,
+                    "bus_id": g.bus_id,
+                    "verdict": str(g.verdict),
+                    "used": g in concern,
+                    "findings": [
+                        {"signal": f.signal, "verdict": str(f.verdict), "evidence": f.evidence} for f in g.findings
+                    ],
+                    "settled": list(g.settled),
+                }
+                for g in self.gpus
+            ],
         }
 
 
@@ -128,14 +145,19 @@ def _field_findings(g: GpuReading, settings: GpuSettings) -> list[Finding]:
         signals.append((FALLEN_OFF, "nvidia-smi: GPU is lost"))
     if g.recovery_action is not None and g.recovery_action.lower() != "none":
         signals.append((recovery_signal(g.recovery_action, settings), f"{RECOVERY}={g.recovery_action}"))
-    for flag, field in ((g.reset_required, "reset_status.reset_required"),
-                        (g.drain_and_reset, "reset_status.drain_and_reset_recommended"),
-                        (g.remap_pending, "remapped_rows.pending"), (g.remap_failure, "remapped_rows.failure"),
-                        (g.retired_pending, "retired_pages.pending")):
+    for flag, field in (
+        (g.reset_required, "reset_status.reset_required"),
+        (g.drain_and_reset, "reset_status.drain_and_reset_recommended"),
+        (g.remap_pending, "remapped_rows.pending"),
+        (g.remap_failure, "remapped_rows.failure"),
+        (g.retired_pending, "retired_pages.pending"),
+    ):
         if flag:
             signals.append((f"{field}=Yes", f"{field}=Yes"))
-    for count, field in ((g.uncorrected_volatile, "ecc.errors.uncorrected.volatile.total"),
-                         (g.corrected_volatile, "ecc.errors.corrected.volatile.total")):
+    for count, field in (
+        (g.uncorrected_volatile, "ecc.errors.uncorrected.volatile.total"),
+        (g.corrected_volatile, "ecc.errors.corrected.volatile.total"),
+    ):
         if count:
             signals.append((f"{field}>0", f"{field}={count}"))
     for bit, name in THROTTLE_BITS.items():
@@ -153,8 +175,9 @@ def recovery_signal(action: str, settings: GpuSettings) -> str:
     return key or f"{RECOVERY}=other"
 
 
-def _event_findings(events: list[KernelEvent], g: GpuReading | None, settings: GpuSettings,
-                    app_started_at: float | None) -> tuple[list[Finding], list[str]]:
+def _event_findings(
+    events: list[KernelEvent], g: GpuReading | None, settings: GpuSettings, app_started_at: float | None
+) -> tuple[list[Finding], list[str]]:
     findings, settled = [], []
     xid79 = any(event.code == 79 for event in events)
     for event in events:
@@ -182,15 +205,20 @@ def _event_signal(event: KernelEvent, settings: GpuSettings) -> str:
     return xid_signal(event.code, settings.table)
 
 
-def _settled_by(event: KernelEvent, verdict: Verdict, g: GpuReading | None, settings: GpuSettings,
-                app_started_at: float | None) -> str | None:
+def _settled_by(
+    event: KernelEvent, verdict: Verdict, g: GpuReading | None, settings: GpuSettings, app_started_at: float | None
+) -> str | None:
     """Why an Xid line no longer counts, or None."""
     if settings.cleared_at is not None and event.at is not None and event.at < settings.cleared_at:
         return "before gpufleet_gpu_cleared_at"
     if event.code == 154 and re.search(r"to 0x0+ \(None\)", event.text):
         return "the driver set its recovery action back to None"
-    if verdict is Verdict.RESTART_APP and app_started_at is not None and event.at is not None \
-            and app_started_at > event.at:
+    if (
+        verdict is Verdict.RESTART_APP
+        and app_started_at is not None
+        and event.at is not None
+        and app_started_at > event.at
+    ):
         return "the service started after it"
     if g is None or event.code is None:
         return None

@@ -8,8 +8,20 @@ from dataclasses import dataclass
 from pyinfra.api.exceptions import FactProcessError
 
 GPU_FIELDS = (
-    "index", "uuid", "name", "memory.total", "memory.used", "memory.free", "driver_version", "pci.bus_id",
-    "compute_cap", "persistence_mode", "temperature.gpu", "utilization.gpu", "power.draw", "power.limit",
+    "index",
+    "uuid",
+    "name",
+    "memory.total",
+    "memory.used",
+    "memory.free",
+    "driver_version",
+    "pci.bus_id",
+    "compute_cap",
+    "persistence_mode",
+    "temperature.gpu",
+    "utilization.gpu",
+    "power.draw",
+    "power.limit",
 )
 QUERY_GPUS = f"nvidia-smi --query-gpu={','.join(GPU_FIELDS)} --format=csv,noheader,nounits"
 QUERY_VERSION = "nvidia-smi --version"
@@ -112,13 +124,24 @@ def parse_gpus(lines: list[str]) -> list[Gpu]:
                 f"({','.join(GPU_FIELDS)}), got {len(fields)}: {line.strip()!r}"
             )
         try:
-            gpus.append(Gpu(
-                index=int(fields[0]), uuid=fields[1], name=fields[2], memory_total_mib=int(fields[3]),
-                memory_used_mib=int(fields[4]), memory_free_mib=int(fields[5]), driver_version=fields[6],
-                pci_bus_id=fields[7], compute_cap=fields[8], persistence_mode=fields[9],
-                temperature_c=_optional_int(fields[10]), utilization_pct=_optional_int(fields[11]),
-                power_draw_w=_optional_float(fields[12]), power_limit_w=_optional_float(fields[13]),
-            ))
+            gpus.append(
+                Gpu(
+                    index=int(fields[0]),
+                    uuid=fields[1],
+                    name=fields[2],
+                    memory_total_mib=int(fields[3]),
+                    memory_used_mib=int(fields[4]),
+                    memory_free_mib=int(fields[5]),
+                    driver_version=fields[6],
+                    pci_bus_id=fields[7],
+                    compute_cap=fields[8],
+                    persistence_mode=fields[9],
+                    temperature_c=_optional_int(fields[10]),
+                    utilization_pct=_optional_int(fields[11]),
+                    power_draw_w=_optional_float(fields[12]),
+                    power_limit_w=_optional_float(fields[13]),
+                )
+            )
         except ValueError as error:
             raise FactProcessError(f"nvidia-smi --query-gpu line {number}: {error}: {line.strip()!r}") from error
     return gpus
@@ -152,7 +175,7 @@ def parse_topology(lines: list[str]) -> Topology:
     gpu_columns = [(pos, int(name[3:])) for pos, name in enumerate(columns) if re.fullmatch(r"GPU\d+", name.strip())]
     links: dict[tuple[int, int], str] = {}
     gpus = []
-    for row in rows[header_at + 1:]:
+    for row in rows[header_at + 1 :]:
         if not row.strip() or row.startswith("Legend"):
             break
         cells = row.split("\t")

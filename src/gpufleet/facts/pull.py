@@ -14,12 +14,13 @@ _LAYER_LINE = re.compile(r"^([0-9a-f]{12}): (.+?)\s*$")
 # Any of these says this pull fetched the layer; a layer can skip "Download complete".
 _FETCHED = ("Download complete", "Pull complete", "Verifying Checksum")
 # docker's words for bytes that do not hash to the digest it asked for.
-_TAMPERED = re.compile(r"verification failed|digest mismatch|does not match (?:the )?(?:expected )?digest|"
-                       r"unexpected (?:content )?digest", re.IGNORECASE)
-MANIFEST_TYPES = ("application/vnd.docker.distribution.manifest.v2+json",
-                  "application/vnd.oci.image.manifest.v1+json")
-INDEX_TYPES = ("application/vnd.docker.distribution.manifest.list.v2+json",
-               "application/vnd.oci.image.index.v1+json")
+_TAMPERED = re.compile(
+    r"verification failed|digest mismatch|does not match (?:the )?(?:expected )?digest|"
+    r"unexpected (?:content )?digest",
+    re.IGNORECASE,
+)
+MANIFEST_TYPES = ("application/vnd.docker.distribution.manifest.v2+json", "application/vnd.oci.image.manifest.v1+json")
+INDEX_TYPES = ("application/vnd.docker.distribution.manifest.list.v2+json", "application/vnd.oci.image.index.v1+json")
 ACCEPT = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
 
 
@@ -61,8 +62,11 @@ def layer_states(lines: Iterable[str]) -> dict[str, set[str]]:
 
 
 def downloaded(lines: Iterable[str]) -> set[str]:
-    return {layer for layer, seen in layer_states(lines).items()
-            if "Already exists" not in seen and any(s in seen for s in _FETCHED)}
+    return {
+        layer
+        for layer, seen in layer_states(lines).items()
+        if "Already exists" not in seen and any(s in seen for s in _FETCHED)
+    }
 
 
 def tampered(output: str) -> str | None:

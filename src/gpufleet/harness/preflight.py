@@ -65,8 +65,15 @@ class Reading(Generic[P, S]):
     problems: list[str]
 
 
-def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: CheckHost[S, P],
-              reads: HostRead[P, S], *, lock_path: str = hostlock.LOCK_PATH) -> Reading[P, S]:
+def read_host(
+    state: State,
+    target: Host,
+    plan_for: PlanFor[P],
+    check_host: CheckHost[S, P],
+    reads: HostRead[P, S],
+    *,
+    lock_path: str = hostlock.LOCK_PATH,
+) -> Reading[P, S]:
     """Plan, lock, read and check one host; bad settings are refused without touching it."""
     with ctx_config.use(state.config.copy()), ctx_host.use(target):
         try:
@@ -85,13 +92,15 @@ def read_host(state: State, target: Host, plan_for: PlanFor[P], check_host: Chec
             else:
                 seen = fact.process(output)
         except Exception as error:  # any failure to read is a refusal
-            return Reading(plan, None, [f"{target.name}: could not read the host: {error} "
-                                        f"(fix: {reads.fix(plan, error)})"])
+            return Reading(
+                plan, None, [f"{target.name}: could not read the host: {error} (fix: {reads.fix(plan, error)})"]
+            )
         return Reading(plan, seen, check_host(target.name, seen, plan))
 
 
-def _lock(target: Host, settings: Mapping[str, Any], lock_path: str, read: str,
-          read_timeout_s: float) -> tuple[str | None, list[str] | None]:
+def _lock(
+    target: Host, settings: Mapping[str, Any], lock_path: str, read: str, read_timeout_s: float
+) -> tuple[str | None, list[str] | None]:
     """Take the run's lock and run `read` in its shell: (refusal, read's lines); (None, None) off SSH."""
     try:
         return None, take_lock(target, settings, lock_path, read=read, read_timeout_s=read_timeout_s)
@@ -108,17 +117,23 @@ def _lock_wait(data: Mapping[str, Any], reads: HostRead[Any, Any]) -> float:
     return wait if 0 <= wait < float("inf") else 0.0
 
 
-def read_fleet(state: State, plan_for: PlanFor[P], check_host: CheckHost[S, P], reads: HostRead[P, S], *,
-               timeout_s: float | None = None, lock_path: str = hostlock.LOCK_PATH,
-               applies: Applies | None = None) -> dict[str, Reading[P, S]]:
+def read_fleet(
+    state: State,
+    plan_for: PlanFor[P],
+    check_host: CheckHost[S, P],
+    reads: HostRead[P, S],
+    *,
+    timeout_s: float | None = None,
+    lock_path: str = hostlock.LOCK_PATH,
+    applies: Applies | None = None,
+) -> dict[str, Reading[P, S]]:
     """read_host for every host the deploy applies to, at once; one line for a host not done within timeout_s."""
     hosts = [h for h in state.inventory.get_active_hosts() if applies is None or applies(h)]
     if timeout_s is None:
         longest_wait = max((_lock_wait(h.data.dict(), reads) for h in hosts), default=0.0)
         timeout_s = reads.timeout_s + JOIN_MARGIN_S + longest_wait + hostlock.START_MARGIN_S
     # Not state.pool: this runs inside one of its greenlets.
-    jobs = {h.name: gevent.spawn(read_host, state, h, plan_for, check_host, reads, lock_path=lock_path)
-            for h in hosts}
+    jobs = {h.name: gevent.spawn(read_host, state, h, plan_for, check_host, reads, lock_path=lock_path) for h in hosts}
     gevent.joinall(list(jobs.values()), timeout=timeout_s)
     readings: dict[str, Reading[P, S]] = {}
     for name, job in jobs.items():
@@ -126,9 +141,14 @@ def read_fleet(state: State, plan_for: PlanFor[P], check_host: CheckHost[S, P], 
             readings[name] = job.get()
         else:
             job.kill(block=False)
-            readings[name] = Reading(None, None, [
-                f"{name}: the host did not answer preflight's read within {timeout_s:g} s (fix: check that "
-                f"{reads.answering} answer on it, or leave it out with --limit)"])
+            readings[name] = Reading(
+                None,
+                None,
+                [
+                    f"{name}: the host did not answer preflight's read within {timeout_s:g} s (fix: check that "
+                    f"{reads.answering} answer on it, or leave it out with --limit)"
+                ],
+            )
     return readings
 
 
@@ -136,8 +156,14 @@ class _Preflights(dict[Callable[..., Any], "AsyncResult[dict[str, Any]]"]):
     """One fleet reading per plan function, which every host's deploy call waits on."""
 
 
-def preflight(plan_for: PlanFor[P], check_host: CheckHost[S, P], reads: HostRead[P, S], *,
-              applies: Applies | None = None, check_fleet: CheckFleet | None = None) -> tuple[P, S]:
+def preflight(
+    plan_for: PlanFor[P],
+    check_host: CheckHost[S, P],
+    reads: HostRead[P, S],
+    *,
+    applies: Applies | None = None,
+    check_fleet: CheckFleet | None = None,
+) -> tuple[P, S]:
     """This host's plan and reading once every host passed; DeployError lists every failing host's problems."""
     state, host = ctx_state.get(), ctx_host.get()
     runs = run_context(state).slot(_Preflights, _Preflights)
@@ -160,8 +186,10 @@ def preflight(plan_for: PlanFor[P], check_host: CheckHost[S, P], reads: HostRead
             for line in reading.problems:
                 report(state, name, line)
         failing = sorted(name for name, reading in readings.items() if reading.problems)
-        raise DeployError(f"preflight refused {len(failing)} of {len(readings)} host(s); nothing was changed "
-                          "on any host:\n  " + "\n  ".join(problems))
+        raise DeployError(
+            f"preflight refused {len(failing)} of {len(readings)} host(s); nothing was changed "
+            "on any host:\n  " + "\n  ".join(problems)
+        )
     reading = readings[host.name]
     assert reading.plan is not None and reading.snapshot is not None
     return reading.plan, reading.snapshot

@@ -48,14 +48,18 @@ def lines(state: State) -> list[str]:
         if host not in state.activated_hosts:
             out.append(_unreachable(host))
         else:
-            out.append(f"{host.name}: failed; its error is in the [{host.name}] lines above (fix: correct what they "
-                       "name, then run again: a converge goes on from where the host stands)")
+            out.append(
+                f"{host.name}: failed; its error is in the [{host.name}] lines above (fix: correct what they "
+                "name, then run again: a converge goes on from where the host stands)"
+            )
     return out
 
 
 def _unreachable(host: Host) -> str:
-    return (f"{host.name}: could not be reached over SSH (fix: check that it is up and that `{_ssh_command(host)} "
-            "true` logs in with the inventory's ssh_* settings, then run again)")
+    return (
+        f"{host.name}: could not be reached over SSH (fix: check that it is up and that `{_ssh_command(host)} "
+        "true` logs in with the inventory's ssh_* settings, then run again)"
+    )
 
 
 def results(state: State) -> tuple[bool, list[HostResult]]:
@@ -111,8 +115,12 @@ def read_result(path: Path) -> dict[str, HostResult] | None:
     """host -> its HostResult; None when the run wrote none, having died before its exit."""
     try:
         doc = json.loads(path.read_text())
-        return {str(h["host"]): HostResult(str(h["host"]), h["ok"] is True, h["reached"] is True,
-                                           tuple(str(p) for p in h["problems"])) for h in doc["hosts"]}
+        return {
+            str(h["host"]): HostResult(
+                str(h["host"]), h["ok"] is True, h["reached"] is True, tuple(str(p) for p in h["problems"])
+            )
+            for h in doc["hosts"]
+        }
     except (OSError, ValueError, TypeError, KeyError):
         return None
 

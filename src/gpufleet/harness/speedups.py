@@ -24,12 +24,9 @@ from pyinfra.api.state import State
 
 # sha256 of each replaced function's source in pyinfra 3.10.0.
 KNOWN_SOURCES = {
-    "pyinfra.api.util.get_operation_order_from_stack":
-        "f4807f61585570e091fd453c7552d9e2b49329555f07f395a8e8f1d2a398a0b2",
-    "pyinfra.api.arguments.all_global_arguments":
-        "f7afbc472d78c5d2f0bb282994175647651e888543da001968d903cc4a26a5a1",
-    "pyinfra.api.arguments.pop_global_arguments":
-        "a12a311539ff5068152b1c9c4578d77a8a893239a570f912768050a623069faf",
+    "pyinfra.api.util.get_operation_order_from_stack": "f4807f61585570e091fd453c7552d9e2b49329555f07f395a8e8f1d2a398a0b2",
+    "pyinfra.api.arguments.all_global_arguments": "f7afbc472d78c5d2f0bb282994175647651e888543da001968d903cc4a26a5a1",
+    "pyinfra.api.arguments.pop_global_arguments": "a12a311539ff5068152b1c9c4578d77a8a893239a570f912768050a623069faf",
 }
 # What else a speedup relies on, checked the same way.
 RELIED_ON = {
@@ -46,8 +43,12 @@ PYINFRA_DIR: str = importlib.import_module("pyinfra.api.util").PYINFRA_INSTALL_D
 USERS = {
     "pyinfra.api.util.get_operation_order_from_stack": ("pyinfra.api.util", "pyinfra.api.operation"),
     "pyinfra.api.arguments.all_global_arguments": ("pyinfra.api.arguments", "pyinfra.api.facts"),
-    "pyinfra.api.arguments.pop_global_arguments": ("pyinfra.api.arguments", "pyinfra.api.operation",
-                                                   "pyinfra.api.deploy", "pyinfra.api.facts"),
+    "pyinfra.api.arguments.pop_global_arguments": (
+        "pyinfra.api.arguments",
+        "pyinfra.api.operation",
+        "pyinfra.api.deploy",
+        "pyinfra.api.facts",
+    ),
 }
 
 
@@ -63,8 +64,10 @@ def operation_order(state: State, frame: FrameType | None = None) -> list[int]:
     start = 0
     if state.current_deploy_filename:
         # As pyinfra's: the deploy file's first frame, else the innermost one.
-        start = next((i for i, outer in enumerate(frames) if outer.f_code.co_filename == state.current_deploy_filename),
-                     max(len(frames) - 1, 0))
+        start = next(
+            (i for i, outer in enumerate(frames) if outer.f_code.co_filename == state.current_deploy_filename),
+            max(len(frames) - 1, 0),
+        )
 
     line_numbers = [state.current_op_file_number] if pyinfra.is_cli else []
     line_numbers.extend(f.f_lineno for f in frames[start:] if not f.f_code.co_filename.startswith(PYINFRA_DIR))
@@ -144,7 +147,8 @@ def install() -> list[str]:
 
 def checked(name: str, original: Callable[..., Any]) -> bool:
     return _source_sha256(original) == KNOWN_SOURCES[name] and all(
-        _source_sha256(_resolve(dotted)) == digest for dotted, digest in RELIED_ON.get(name, {}).items())
+        _source_sha256(_resolve(dotted)) == digest for dotted, digest in RELIED_ON.get(name, {}).items()
+    )
 
 
 def _resolve(dotted: str) -> Callable[..., Any]:
@@ -167,11 +171,13 @@ def install_and_say() -> list[str]:
     """install(), saying once per process what it did: a warning when some speedup does not apply."""
     installed = install()
     skipped = sorted(set(KNOWN_SOURCES) - set(installed))
-    line = (f"pyinfra {pyinfra_version()} differs from the {CHECKED_AGAINST} gpufleet's speedups were checked against: "
-            f"pyinfra's own {', '.join(name.rpartition('.')[2] for name in skipped)} run unchanged (slower, correct)"
-            if skipped else
-            f"pyinfra {pyinfra_version()}: gpufleet's faster operation bookkeeping is on "
-            f"({len(installed)} functions, gpufleet.harness.speedups)")
+    line = (
+        f"pyinfra {pyinfra_version()} differs from the {CHECKED_AGAINST} gpufleet's speedups were checked against: "
+        f"pyinfra's own {', '.join(name.rpartition('.')[2] for name in skipped)} run unchanged (slower, correct)"
+        if skipped
+        else f"pyinfra {pyinfra_version()}: gpufleet's faster operation bookkeeping is on "
+        f"({len(installed)} functions, gpufleet.harness.speedups)"
+    )
     if line not in _REPORTED:
         _REPORTED.add(line)
         (logger.warning if skipped else logger.info)(line)
@@ -190,7 +196,7 @@ def _source_sha256(function: Callable[..., Any]) -> str | None:
     """sha256 of the function's lines up to the last its code runs, without inspect.getsource's slow tokenizer."""
     code = function.__code__
     last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
-    lines = linecache.getlines(code.co_filename)[code.co_firstlineno - 1:last]
+    lines = linecache.getlines(code.co_filename)[code.co_firstlineno - 1 : last]
     if not lines:  # no source shipped: keep pyinfra's own
         return None
     return hashlib.sha256("".join(lines).encode()).hexdigest()

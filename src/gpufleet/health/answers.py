@@ -37,8 +37,13 @@ class AnswerCheck:
         return f"{self.name}: {self.detail}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"check": self.name, "ok": self.ok, "detail": self.detail, "ran": self.ran,
-                "figures": asdict(self)["figures"]}
+        return {
+            "check": self.name,
+            "ok": self.ok,
+            "detail": self.detail,
+            "ran": self.ran,
+            "figures": asdict(self)["figures"],
+        }
 
 
 class NotRun(Exception):
@@ -125,8 +130,9 @@ def _run(name: str, fn: Any, transport: Transport, expected: Expected, api_key: 
 
 
 def _completion(transport: Transport, expected: Expected, api_key: str | None, timeout_s: float) -> str:
-    answer = fetch(transport, expected.port, PATH, timeout_s, api_key, json_body=request_body(expected),
-                   address=expected.address)
+    answer = fetch(
+        transport, expected.port, PATH, timeout_s, api_key, json_body=request_body(expected), address=expected.address
+    )
     if answer.status != 200:
         raise _Wrong(f"POST {PATH} answered {answer.status}: {excerpt(answer.text)}")
     try:
@@ -153,8 +159,9 @@ def _completion(transport: Transport, expected: Expected, api_key: str | None, t
 
 
 def _stream(transport: Transport, expected: Expected, api_key: str | None, timeout_s: float) -> str:
-    got = stream_chat(transport, expected.port, request_body(expected), api_key=api_key, timeout=timeout_s,
-                      address=expected.address)
+    got = stream_chat(
+        transport, expected.port, request_body(expected), api_key=api_key, timeout=timeout_s, address=expected.address
+    )
     if not got.chunks:
         raise _Wrong(f"POST {PATH} (stream) sent no chunk with a choice")
     finish = _finish_reason(got.finish_reason)
@@ -178,6 +185,8 @@ def _usage(usage: object) -> tuple[int, int]:
     if not (isinstance(prompt, int) and prompt > 0):
         raise _Wrong(f"usage.prompt_tokens is {excerpt(json.dumps(prompt), 20)}, not a positive count")
     if not (isinstance(completion, int) and 0 < completion <= MAX_TOKENS):
-        raise _Wrong(f"usage.completion_tokens is {excerpt(json.dumps(completion), 20)}, not 1..{MAX_TOKENS} "
-                     f"(max_tokens {MAX_TOKENS})")
+        raise _Wrong(
+            f"usage.completion_tokens is {excerpt(json.dumps(completion), 20)}, not 1..{MAX_TOKENS} "
+            f"(max_tokens {MAX_TOKENS})"
+        )
     return prompt, completion

@@ -75,7 +75,9 @@ def _translated(request: str, conn: DeadlineHTTPConnection) -> Iterator[None]:
             raise  # nothing answered, as docker-proxy does before vLLM listens
         raise BrokenAnswer(f"{request}: connection closed after {wire.received} bytes: {excerpt(wire.head)}") from e
     except http.client.UnknownProtocol as e:
-        raise NotHttp(f"{request}: the port answers {excerpt(str(e.args[0]) if e.args else '?', 20)}, not HTTP/1.x") from e
+        raise NotHttp(
+            f"{request}: the port answers {excerpt(str(e.args[0]) if e.args else '?', 20)}, not HTTP/1.x"
+        ) from e
     except http.client.BadStatusLine as e:
         raise _not_http(request, wire.head) from e
     except http.client.LineTooLong as e:
@@ -114,8 +116,12 @@ def fetch(
             if json_body is None:
                 conn.request("GET", path, headers={"Accept": "*/*", **_headers(api_key)})
             else:
-                conn.request("POST", path, json.dumps(json_body),
-                             {"Accept": "application/json", "Content-Type": "application/json", **_headers(api_key)})
+                conn.request(
+                    "POST",
+                    path,
+                    json.dumps(json_body),
+                    {"Accept": "application/json", "Content-Type": "application/json", **_headers(api_key)},
+                )
             resp = conn.getresponse()
             body = resp.read(max_body + 1)
             if len(body) > max_body:
@@ -130,7 +136,11 @@ def fetch(
 
 
 def get(
-    transport: Transport, port: int, path: str, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None,
+    transport: Transport,
+    port: int,
+    path: str,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    api_key: str | None = None,
     address: str = LOOPBACK,
 ) -> tuple[int, str]:
     """(status, body) of fetch()."""
@@ -195,7 +205,9 @@ def stream_chat(
                         if ttft is None:
                             ttft = time.monotonic() - start
                         delta = choice.get("delta") or {}
-                        parts.append(str(delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or ""))
+                        parts.append(
+                            str(delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or "")
+                        )
                     usage = dict(chunk.get("usage") or usage)
                     details = dict(usage.get("prompt_tokens_details") or {})
                 except (ValueError, TypeError, AttributeError, RecursionError) as e:

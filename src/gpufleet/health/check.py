@@ -82,8 +82,14 @@ class HealthReport:
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "container": None
             if c is None
-            else {"id": c.id, "state": c.state, "image": c.image, "image_id": c.image_id, "spec_hash": c.spec_hash,
-                  "model": c.model},
+            else {
+                "id": c.id,
+                "state": c.state,
+                "image": c.image,
+                "image_id": c.image_id,
+                "spec_hash": c.spec_hash,
+                "model": c.model,
+            },
             "logs": list(self.logs),
         }
 
@@ -123,8 +129,10 @@ def spec_drift(expected: Expected, container: ContainerInfo | None) -> str | Non
         return None
     if container.spec_hash == expected.spec_hash:
         return None
-    return (f"drift: container {container.id} runs spec {container.spec_hash or 'unlabelled'}, the inventory's "
-            f"spec is {expected.spec_hash} (fix: converge the host)")
+    return (
+        f"drift: container {container.id} runs spec {container.spec_hash or 'unlabelled'}, the inventory's "
+        f"spec is {expected.spec_hash} (fix: converge the host)"
+    )
 
 
 def committed_drift(committed_ref: str | None, container: ContainerInfo | None) -> str | None:
@@ -144,7 +152,12 @@ def _drift(report: HealthReport, expected: Expected) -> HealthReport:
 
 
 def _check(
-    transport: Transport, expected: Expected, report: HealthReport, grace_s: float, api_key: str | None, timeout_s: float
+    transport: Transport,
+    expected: Expected,
+    report: HealthReport,
+    grace_s: float,
+    api_key: str | None,
+    timeout_s: float,
 ) -> HealthReport:
     try:
         container = transport.container(expected.service)
@@ -163,7 +176,9 @@ def _check(
         code = "" if container.exit_code is None else f" (exit code {container.exit_code})"
         return replace(report, state=HealthState.DEAD, detail=f"container {container.id} is {container.state}{code}")
     if not container.running:
-        return replace(report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"container {container.id} is {container.state}")
+        return replace(
+            report, state=HealthState.CONTAINER_NOT_RUNNING, detail=f"container {container.id} is {container.state}"
+        )
     try:
         return _check_http(transport, reached(expected, container), report, api_key, timeout_s)
     except TransportError as e:
@@ -184,7 +199,9 @@ def reached(expected: Expected, container: ContainerInfo | None) -> Expected:
     return replace(expected, address=container.address)
 
 
-def _not_answering(report: HealthReport, port: int, container: ContainerInfo, grace_s: float, e: OSError) -> HealthReport:
+def _not_answering(
+    report: HealthReport, port: int, container: ContainerInfo, grace_s: float, e: OSError
+) -> HealthReport:
     """Still starting, unless it has been up longer than the grace."""
     if isinstance(e, DeadlineExceeded):
         why, how = str(e), "in time"
@@ -254,7 +271,9 @@ def _check_http(
     problems = identity_problems(expected, models, metrics.cache_config)
     if problems:
         return replace(report, state=HealthState.MISCONFIGURED, detail="; ".join(problems))
-    return replace(report, state=HealthState.READY, detail=f"/health 200, serving {expected.served_model_name} (vLLM {version})")
+    return replace(
+        report, state=HealthState.READY, detail=f"/health 200, serving {expected.served_model_name} (vLLM {version})"
+    )
 
 
 def _version(answer: Answer) -> str | None:

@@ -14,14 +14,16 @@ from gpufleet.wire.gpu_verdicts import GpuSettings
 
 PROGRAM_TIMEOUT_S = 20  # as in the host snapshot
 QUERY, KERNEL = "gpu_health", "kernel_log"
-COMMAND = "\n".join([
-    "export LC_ALL=C",
-    f"t='timeout -k 2 {PROGRAM_TIMEOUT_S}'; command -v timeout >/dev/null 2>&1 || t=",
-    "nv=0; command -v nvidia-smi >/dev/null 2>&1 && nv=1",
-    f"{sections.marker(QUERY)}; [ $nv = 1 ] && {{ {query_shell()}; }}",
-    f"{sections.marker(KERNEL)}; [ $nv = 1 ] && {{ {kernel_shell()}; }}",
-    sections.end(),
-])
+COMMAND = "\n".join(
+    [
+        "export LC_ALL=C",
+        f"t='timeout -k 2 {PROGRAM_TIMEOUT_S}'; command -v timeout >/dev/null 2>&1 || t=",
+        "nv=0; command -v nvidia-smi >/dev/null 2>&1 && nv=1",
+        f"{sections.marker(QUERY)}; [ $nv = 1 ] && {{ {query_shell()}; }}",
+        f"{sections.marker(KERNEL)}; [ $nv = 1 ] && {{ {kernel_shell()}; }}",
+        sections.end(),
+    ]
+)
 
 
 def read(transport: SshTransport) -> GpuHealth | None:
@@ -31,8 +33,9 @@ def read(transport: SshTransport) -> GpuHealth | None:
     try:
         found = sections.split(out.splitlines())
     except (sections.Truncated, sections.Forged):
-        raise TransportError(excerpt(f"{transport.name}: the GPU health read stopped (exit {rc}): "
-                                     f"{(err or out).strip()}", 200)) from None
+        raise TransportError(
+            excerpt(f"{transport.name}: the GPU health read stopped (exit {rc}): {(err or out).strip()}", 200)
+        ) from None
     if not found.get(QUERY):
         return None
     return parse_health(found[QUERY], found.get(KERNEL, []))

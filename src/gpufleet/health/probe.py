@@ -102,8 +102,15 @@ class _Run:
 
     CALIBRATION_WORDS = (20, 200)
 
-    def __init__(self, transport: Transport, expected: Expected, api_key: str | None, timeout_s: float, run_id: str,
-                 budget_s: float):
+    def __init__(
+        self,
+        transport: Transport,
+        expected: Expected,
+        api_key: str | None,
+        timeout_s: float,
+        run_id: str,
+        budget_s: float,
+    ):
         self.transport, self.port, self.model = transport, expected.port, expected.served_model_name
         self.address = expected.address
         self.api_key, self.timeout_s, self.run_id, self.budget_s = api_key, timeout_s, run_id, budget_s
@@ -118,8 +125,9 @@ class _Run:
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Completion:
         self.requests += 1
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
-        return stream_chat(self.transport, self.port, body, api_key=self.api_key, timeout=self.timeout_s,
-                           address=self.address)
+        return stream_chat(
+            self.transport, self.port, body, api_key=self.api_key, timeout=self.timeout_s, address=self.address
+        )
 
     def metrics(self) -> Metrics:
         return read_metrics(self.transport, self.port, self.address)

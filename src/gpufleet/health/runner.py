@@ -105,9 +105,14 @@ class HostResult:
 
     @property
     def ok(self) -> bool:
-        return (self.health.ready and (self.probe is None or self.probe.ok) and self.probe_error is None
-                and all(a.ok for a in (*self.answers, *self.checks)) and not self.sick_gpus
-                and self.committed_drift is None)
+        return (
+            self.health.ready
+            and (self.probe is None or self.probe.ok)
+            and self.probe_error is None
+            and all(a.ok for a in (*self.answers, *self.checks))
+            and not self.sick_gpus
+            and self.committed_drift is None
+        )
 
     @property
     def sick_gpus(self) -> list[GpuVerdict]:
@@ -190,8 +195,9 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
         # Held only to the figures recorded for the digest that runs.
         running = health.container.image if health.container else None
         earlier = committed[1] if committed and committed[0] == running else None
-        speed, figures = speed_check(transport, expected, target.served, earlier, target.speed_tolerance,
-                                     api_key=api_key)
+        speed, figures = speed_check(
+            transport, expected, target.served, earlier, target.speed_tolerance, api_key=api_key
+        )
         checks = (speed,)
     rest = [name for name in asked.checks if name != SPEED]
     if rest and health.ready and all(c.ok for c in (*answers, *checks)):
@@ -204,8 +210,18 @@ def _check_host(target: HostTarget, transport: Transport, asked: _Asked) -> Host
             report = probe(transport, expected, max_num_batched_tokens=target.max_num_batched_tokens, api_key=api_key)
         except Exception as e:  # a finding about this host
             error = excerpt(f"{type(e).__name__}: {e}", DETAIL_CHARS)
-    return HostResult(target, health, report, error, answers, checks, speed=figures, speed_earlier=earlier, gpus=gpus,
-                      committed_ref=committed[0] if committed else None)
+    return HostResult(
+        target,
+        health,
+        report,
+        error,
+        answers,
+        checks,
+        speed=figures,
+        speed_earlier=earlier,
+        gpus=gpus,
+        committed_ref=committed[0] if committed else None,
+    )
 
 
 def _check_rank(target: HostTarget, transport: Transport, asked: _Asked) -> HostResult:
@@ -219,8 +235,9 @@ def _check_rank(target: HostTarget, transport: Transport, asked: _Asked) -> Host
     return HostResult(target, health, gpus=gpus, committed_ref=committed[0] if committed else None)
 
 
-def _read_gpus(target: HostTarget, transport: Transport, health: HealthReport,
-               say: Callable[[str], None]) -> HostGpus | None:
+def _read_gpus(
+    target: HostTarget, transport: Transport, health: HealthReport, say: Callable[[str], None]
+) -> HostGpus | None:
     if not isinstance(transport, SshTransport):
         return None
     say("reading the GPUs' health")
@@ -233,26 +250,42 @@ def rank_health(transport: Transport, expected: Expected, name: str, rank: tuple
     try:
         container = transport.container(expected.service)
     except Exception as e:  # one state for anything, as check()
-        return HealthReport(HealthState.DEAD, excerpt(f"{UNREADABLE}: {type(e).__name__}: {e}", DETAIL_CHARS),
-                            host=name)
+        return HealthReport(
+            HealthState.DEAD, excerpt(f"{UNREADABLE}: {type(e).__name__}: {e}", DETAIL_CHARS), host=name
+        )
     if container is None or not container.running:
-        return HealthReport(HealthState.CONTAINER_NOT_RUNNING, f"rank {number} of group {group}: no running "
-                            "container carries the service's label", host=name, container=container)
+        return HealthReport(
+            HealthState.CONTAINER_NOT_RUNNING,
+            f"rank {number} of group {group}: no running container carries the service's label",
+            host=name,
+            container=container,
+        )
     drift = spec_drift(expected, container)
-    state, detail = (HealthState.MISCONFIGURED, drift) if drift else (
-        HealthState.READY, f"rank {number} of group {group}: its container runs; the group serves through {head}")
+    state, detail = (
+        (HealthState.MISCONFIGURED, drift)
+        if drift
+        else (HealthState.READY, f"rank {number} of group {group}: its container runs; the group serves through {head}")
+    )
     return HealthReport(state, detail, host=name, container=container)
 
 
 def check_fleet(
-    targets: Sequence[HostTarget], run_probe: bool = False, wait_s: float = 0.0, api_key: str | None = None,
-    answer: bool = False, checks: Sequence[str] = (), progress: Phase = _silent, committed: CommittedRead | None = None,
+    targets: Sequence[HostTarget],
+    run_probe: bool = False,
+    wait_s: float = 0.0,
+    api_key: str | None = None,
+    answer: bool = False,
+    checks: Sequence[str] = (),
+    progress: Phase = _silent,
+    committed: CommittedRead | None = None,
 ) -> list[HostResult]:
     """All hosts in parallel, one result per host in inventory order."""
     if not targets:
         return []
     pool = gevent.pool.Pool(min(len(targets), PARALLEL))
-    jobs = [pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks, progress, committed)
-            for t in targets]
+    jobs = [
+        pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks, progress, committed)
+        for t in targets
+    ]
     gevent.joinall(jobs)
     return [job.get() for job in jobs]

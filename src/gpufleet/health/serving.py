@@ -44,8 +44,10 @@ TOP_LOGPROBS = 5
 HIT_ATTEMPTS = 3  # a trapped hybrid may miss the first repeat and hit the next
 VOID_READINGS = 3  # repeats that other traffic spoiled, before the check gives up
 CALIBRATION_WORDS = 200
-UNATTRIBUTABLE = ("/metrics' counters cannot tell its hits from theirs (fix: run the checks while the host takes no "
-                  "other traffic, or serve with --enable-prompt-tokens-details)")
+UNATTRIBUTABLE = (
+    "/metrics' counters cannot tell its hits from theirs (fix: run the checks while the host takes no "
+    "other traffic, or serve with --enable-prompt-tokens-details)"
+)
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,14 @@ class Served:
     def applicable(self, names: Sequence[str] = SERVING_CHECKS) -> tuple[str, ...]:
         """The checks among `names` that this server's settings give something to check."""
         # The probe runs whenever asked: a server without prefix caching is what it exists to catch.
-        needs = {"speed": True, "prefix-cache": True, "cached-cold": self.prefix_caching,
-                 "sessions": self.prefix_caching, "tools": self.tool_parser, "reasoning": self.reasoning_parser}
+        needs = {
+            "speed": True,
+            "prefix-cache": True,
+            "cached-cold": self.prefix_caching,
+            "sessions": self.prefix_caching,
+            "tools": self.tool_parser,
+            "reasoning": self.reasoning_parser,
+        }
         return tuple(n for n in names if needs[n])
 
 
@@ -97,7 +105,11 @@ def run_checks(
     wanted = served.applicable([n for n in SERVING_CHECKS if n in names and n != SPEED])
     steps: dict[str, Callable[[], str]] = {
         "prefix-cache": lambda: run.prefix_cache(served.max_num_batched_tokens),
-        "cached-cold": run.cached_cold, "sessions": run.sessions, "tools": run.tools, "reasoning": run.reasoning}
+        "cached-cold": run.cached_cold,
+        "sessions": run.sessions,
+        "tools": run.tools,
+        "reasoning": run.reasoning,
+    }
     return tuple(run.result(name, steps[name]) for name in wanted)
 
 
@@ -110,8 +122,15 @@ def failed(checks: Sequence[AnswerCheck]) -> str | None:
 class _Checks:
     """One run of the checks on one server: its conversations and their cold answers."""
 
-    def __init__(self, transport: Transport, expected: Expected, api_key: str | None, tolerance: float,
-                 timeout_s: float, run_id: str):
+    def __init__(
+        self,
+        transport: Transport,
+        expected: Expected,
+        api_key: str | None,
+        tolerance: float,
+        timeout_s: float,
+        run_id: str,
+    ):
         self.transport, self.expected, self.api_key = transport, expected, api_key
         self.tolerance, self.timeout_s, self.run_id = tolerance, timeout_s, run_id
         self.words: int | None = None  # once calibrated
@@ -161,13 +180,16 @@ class _Checks:
         lines = []
         for label, found in judged.items():
             if not found.ok:
-                raise ServerFault(f"session {label}, sent beside the other, got another answer than its own: "
-                                  f"{found.line}")
+                raise ServerFault(
+                    f"session {label}, sent beside the other, got another answer than its own: {found.line}"
+                )
             lines.append(f"{label}: {found.line}")
         apart = judged["a"].figures.apart
         if not judged["a"].figures.told_apart:
-            lines.append(f"the sessions' first tokens are {apart:.3f} nats apart alone, within batch noise: crossed "
-                         "state could not be told from it")
+            lines.append(
+                f"the sessions' first tokens are {apart:.3f} nats apart alone, within batch noise: crossed "
+                "state could not be told from it"
+            )
         return "; ".join(lines) + f" (cached tokens: {hits})"
 
     def judged_sessions(self) -> tuple[dict[str, SessionJudgement], list[int | None]]:
@@ -201,10 +223,14 @@ class _Checks:
                 raise NotRun(f"other requests used the prefix cache while the sessions were sent: {UNATTRIBUTABLE}")
             hits = [both]
         if not all(hits):
-            raise ServerFault(f"the sessions were not served from the cache (cached tokens {hits}): the check did not "
-                              "exercise cached state")
-        return {label: judge_session(got[label], cold, sessions["b" if label == "a" else "a"][1])
-                for label, (_, cold) in sessions.items()}, hits
+            raise ServerFault(
+                f"the sessions were not served from the cache (cached tokens {hits}): the check did not "
+                "exercise cached state"
+            )
+        return {
+            label: judge_session(got[label], cold, sessions["b" if label == "a" else "a"][1])
+            for label, (_, cold) in sessions.items()
+        }, hits
 
     def tools(self) -> str:
         for choice, rule in (("required", tool_call_problem), ("auto", text_tool_call_problem)):
@@ -240,8 +266,10 @@ class _Checks:
             conversation = Conversation(f"{label}-{self.run_id}", f"serving-{label}", self._words())
             cold = self._greedy(conversation.messages)
             if cold.cached_tokens:
-                raise ServerFault(f"session {label}'s fresh prefix was served from the cache ({cold.cached_tokens} "
-                             "tokens): its cold answer cannot be taken")
+                raise ServerFault(
+                    f"session {label}'s fresh prefix was served from the cache ({cold.cached_tokens} "
+                    "tokens): its cold answer cannot be taken"
+                )
             self.cold[label] = (conversation, cold)
         return self.cold[label]
 
@@ -255,13 +283,16 @@ class _Checks:
             if answer.cached_tokens is None:
                 void += 1
                 if void > VOID_READINGS:
-                    raise NotRun(f"other requests used the prefix cache during {void} sends of one prompt: "
-                                 f"{UNATTRIBUTABLE}")
+                    raise NotRun(
+                        f"other requests used the prefix cache during {void} sends of one prompt: {UNATTRIBUTABLE}"
+                    )
                 continue
             misses += 1
             if misses == HIT_ATTEMPTS:
-                raise ServerFault(f"a {answer.prompt_tokens}-token prompt sent {HIT_ATTEMPTS} times never came from the "
-                                  "prefix cache: the cached path cannot be compared (see the prefix-cache check)")
+                raise ServerFault(
+                    f"a {answer.prompt_tokens}-token prompt sent {HIT_ATTEMPTS} times never came from the "
+                    "prefix cache: the cached path cannot be compared (see the prefix-cache check)"
+                )
 
     @property
     def _counts_from_metrics(self) -> bool:
@@ -279,8 +310,7 @@ class _Checks:
             room = (self.expected.max_model_len or 1 << 30) - GREEDY_TOKENS - 16
             if target > room:
                 raise ServerFault(f"max_model_len leaves {room} prompt tokens, a prompt that can hit needs {target}")
-            sample = self._greedy(Conversation(f"calibration-{self.run_id}", "calibration",
-                                               CALIBRATION_WORDS).messages)
+            sample = self._greedy(Conversation(f"calibration-{self.run_id}", "calibration", CALIBRATION_WORDS).messages)
             per_word = max(sample.prompt_tokens / CALIBRATION_WORDS, 0.1)
             self.words = max(1, math.ceil(target / per_word))
         return self.words
@@ -289,13 +319,21 @@ class _Checks:
         return once_more(lambda: read_metrics(self.transport, self.expected.port, self.expected.address))
 
     def _body(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-        return {"model": self.expected.served_model_name, "messages": messages, "max_tokens": max_tokens,
-                "temperature": 0, "seed": 0}
+        return {
+            "model": self.expected.served_model_name,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "seed": 0,
+        }
 
     def _greedy(self, messages: list[dict[str, str]], counted: bool = False) -> Greedy:
         """counted: cached tokens from /metrics where the server gives none."""
-        body = self._body(messages, GREEDY_TOKENS) | {"logprobs": True, "top_logprobs": TOP_LOGPROBS,
-                                                      "return_tokens_as_token_ids": True}
+        body = self._body(messages, GREEDY_TOKENS) | {
+            "logprobs": True,
+            "top_logprobs": TOP_LOGPROBS,
+            "return_tokens_as_token_ids": True,
+        }
         before = self._metrics() if counted and self._counts_from_metrics else None
         answer = parse_greedy(self._post(body))
         if before is None:
@@ -303,9 +341,17 @@ class _Checks:
         return replace(answer, cached_tokens=attributed_hits(before, self._metrics(), answer.prompt_tokens))
 
     def _post(self, body: dict[str, Any]) -> bytes:
-        answer = once_more(lambda: fetch(self.transport, self.expected.port, PATH, self.timeout_s, self.api_key,
-                                         json_body=body, address=self.expected.address))
+        answer = once_more(
+            lambda: fetch(
+                self.transport,
+                self.expected.port,
+                PATH,
+                self.timeout_s,
+                self.api_key,
+                json_body=body,
+                address=self.expected.address,
+            )
+        )
         if answer.status != 200:
             raise ServerFault(f"POST {PATH} answered {answer.status}: {excerpt(answer.text)}")
         return answer.body
-

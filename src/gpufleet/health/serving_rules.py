@@ -83,8 +83,9 @@ def compare(a: Greedy, b: Greedy) -> Comparison:
     gaps: list[float] = []
     for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)):
         if x != y:
-            return Comparison(tuple(gaps), i, (_margin(a, i, y), _margin(b, i, x)), lengths,
-                              (_span(a, i), _span(b, i)), (x, y))
+            return Comparison(
+                tuple(gaps), i, (_margin(a, i, y), _margin(b, i, x)), lengths, (_span(a, i), _span(b, i)), (x, y)
+            )
         gaps.append(abs(a.logprobs[i] - b.logprobs[i]))
     return Comparison(tuple(gaps), None, (None, None), lengths)
 
@@ -118,10 +119,14 @@ def agreement(cold: Greedy, cached: Greedy, tolerance: float = TOLERANCE_NATS) -
     if c.flip is not None:
         i = c.flip
         if c.tie_within(tolerance):
-            return True, (f"the same {i} tokens, then a near tie at token {i} ({cold.tokens[i]!r} cold, "
-                          f"{cached.tokens[i]!r} cached, within {tolerance} nats); logprobs within {c.drift:.4f}")
-        return False, (f"token {i}: {cold.tokens[i]!r} cold, {cached.tokens[i]!r} cached ({excerpt(cold.text, 40)!r} "
-                       f"vs {excerpt(cached.text, 40)!r})")
+            return True, (
+                f"the same {i} tokens, then a near tie at token {i} ({cold.tokens[i]!r} cold, "
+                f"{cached.tokens[i]!r} cached, within {tolerance} nats); logprobs within {c.drift:.4f}"
+            )
+        return False, (
+            f"token {i}: {cold.tokens[i]!r} cold, {cached.tokens[i]!r} cached ({excerpt(cold.text, 40)!r} "
+            f"vs {excerpt(cached.text, 40)!r})"
+        )
     if c.lengths[0] != c.lengths[1]:
         return False, f"{c.lengths[0]} tokens cold, {c.lengths[1]} cached"
     return True, f"the same {c.lengths[0]} tokens, logprobs within {c.drift:.4f}"
@@ -131,8 +136,10 @@ def _over(c: Comparison, a: Greedy, b: Greedy, bound: float, names: tuple[str, s
     i = next((i for i, gap in enumerate(c.gaps) if gap > bound), None)
     if i is None:
         return False, ""
-    return True, (f"token {i} {a.tokens[i]!r}: logprob {a.logprobs[i]:.3f} {names[0]}, {b.logprobs[i]:.3f} {names[1]} "
-                  f"(differs by {c.gaps[i]:.3f} > {bound})")
+    return True, (
+        f"token {i} {a.tokens[i]!r}: logprob {a.logprobs[i]:.3f} {names[0]}, {b.logprobs[i]:.3f} {names[1]} "
+        f"(differs by {c.gaps[i]:.3f} > {bound})"
+    )
 
 
 @dataclass(frozen=True)
@@ -171,8 +178,13 @@ def judge_session(got: Greedy, own: Greedy, other: Greedy) -> SessionJudgement:
     """`got`, sent beside the other session, against both sessions' answers alone."""
     c = compare(own, got)
     common = first_logprobs(own).keys() & first_logprobs(other).keys() & first_logprobs(got).keys()
-    figures = SessionFigures(c, first_token_distance(own, got, common), first_token_distance(other, got, common),
-                             first_token_distance(own, other, common), compare(other, got).shared)
+    figures = SessionFigures(
+        c,
+        first_token_distance(own, got, common),
+        first_token_distance(other, got, common),
+        first_token_distance(own, other, common),
+        compare(other, got).shared,
+    )
     return judge_figures(figures)
 
 
@@ -181,8 +193,10 @@ def judge_figures(figures: SessionFigures) -> SessionJudgement:
     c = figures.own
     problem = _batch_problem(c, unlisted_at_span=not figures.crossed)
     if problem is None and figures.told_apart and figures.nearer_other:
-        problem = (f"its first token's logprobs are {figures.first_other:.3f} nats from the other session's alone, "
-                   f"{_nats(figures.first_own)} from its own")
+        problem = (
+            f"its first token's logprobs are {figures.first_other:.3f} nats from the other session's alone, "
+            f"{_nats(figures.first_own)} from its own"
+        )
     if problem is not None:
         why = "beyond batch noise"
         if figures.crossed:
@@ -191,21 +205,30 @@ def judge_figures(figures: SessionFigures) -> SessionJudgement:
     if c.flip is None:
         return SessionJudgement(True, f"the same {c.lengths[0]} tokens, logprobs within {c.drift:.4f}", figures)
     i, (alone, beside) = c.flip, c.parted
-    return SessionJudgement(True, (f"the same {i} tokens (logprobs within {c.drift:.4f}), then a near tie at token {i} "
-                                   f"({alone!r} alone, {beside!r} beside the other session)"), figures)
+    return SessionJudgement(
+        True,
+        (
+            f"the same {i} tokens (logprobs within {c.drift:.4f}), then a near tie at token {i} "
+            f"({alone!r} alone, {beside!r} beside the other session)"
+        ),
+        figures,
+    )
 
 
 def _batch_problem(c: Comparison, *, unlisted_at_span: bool) -> str | None:
     i = next((i for i, gap in enumerate(c.gaps) if gap > BATCH_DRIFT_NATS), None)
     if i is not None:
-        return (f"token {i}'s logprob differs by {c.gaps[i]:.3f} alone and beside the other session "
-                f"(> {BATCH_DRIFT_NATS})")
+        return (
+            f"token {i}'s logprob differs by {c.gaps[i]:.3f} alone and beside the other session (> {BATCH_DRIFT_NATS})"
+        )
     if c.flip is not None:
         i, bound = c.flip, FIRST_TIE_NATS if c.flip == 0 else BATCH_TIE_NATS
         if not c.tie_within(bound, unlisted_at_span=unlisted_at_span):
             alone, beside = (_lead(m, s) for m, s in zip(c.margins, c.spans, strict=True))
-            return (f"token {i}: {c.parted[0]!r} alone, {c.parted[1]!r} beside the other session, not a near tie "
-                    f"(each led the other's token by {alone} alone, {beside} beside; a tie is within {bound} nats)")
+            return (
+                f"token {i}: {c.parted[0]!r} alone, {c.parted[1]!r} beside the other session, not a near tie "
+                f"(each led the other's token by {alone} alone, {beside} beside; a tie is within {bound} nats)"
+            )
         return None
     if c.lengths[0] != c.lengths[1]:
         return f"{c.lengths[0]} tokens alone, {c.lengths[1]} beside the other session"
@@ -235,15 +258,26 @@ def parse_greedy(body: bytes) -> Greedy:
             raise ServerFault(f"a logprob entry is malformed: {excerpt(json.dumps(entry))}")
         tokens.append(entry["token"])
         logprobs.append(float(entry["logprob"]))
-        top.append({t["token"]: float(t["logprob"]) for t in entry.get("top_logprobs") or []
-                    if isinstance(t, dict) and isinstance(t.get("token"), str) and _finite(t.get("logprob"))})
+        top.append(
+            {
+                t["token"]: float(t["logprob"])
+                for t in entry.get("top_logprobs") or []
+                if isinstance(t, dict) and isinstance(t.get("token"), str) and _finite(t.get("logprob"))
+            }
+        )
     usage = doc.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     message = choice.get("message") or {}
     said = next((t for t in (message.get("content"), message.get("reasoning")) if isinstance(t, str) and t), "")
-    return Greedy(tuple(tokens), tuple(logprobs), tuple(top), int(usage.get("prompt_tokens") or 0),
-                  cached if isinstance(cached, int) else None, said)
+    return Greedy(
+        tuple(tokens),
+        tuple(logprobs),
+        tuple(top),
+        int(usage.get("prompt_tokens") or 0),
+        cached if isinstance(cached, int) else None,
+        said,
+    )
 
 
 def tool_call_problem(body: bytes) -> str | None:

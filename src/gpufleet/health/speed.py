@@ -43,8 +43,16 @@ class SpeedFault(ServerFault):
     """A stall, or a request that failed under load."""
 
 
-def measure(transport: Transport, expected: Expected, served: Served, *, api_key: str | None = None,
-            repeats: int = REPEATS, timeout_s: float = REQUEST_TIMEOUT_S, run_id: str | None = None) -> SpeedFigures:
+def measure(
+    transport: Transport,
+    expected: Expected,
+    served: Served,
+    *,
+    api_key: str | None = None,
+    repeats: int = REPEATS,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+    run_id: str | None = None,
+) -> SpeedFigures:
     """The four stages on one server."""
     run = _Run(transport, expected, api_key, timeout_s, run_id or os.urandom(4).hex())
     words = run.words(served)
@@ -59,15 +67,29 @@ def measure(transport: Transport, expected: Expected, served: Served, *, api_key
         rate, total = run.decode(r)
         decode.append(rate)
         single_s.append(total)
-        batch.append(run.batch(concurrency, STALL_FACTOR * concurrency * statistics.median(single_s) + STALL_SLACK_S,
-                               r))
-    return SpeedFigures(tuple(prefill), tuple(cached), tuple(decode), tuple(batch),
-                        prompt_tokens=int(statistics.median(lengths)), decode_tokens=DECODE_TOKENS,
-                        concurrency=concurrency)
+        batch.append(
+            run.batch(concurrency, STALL_FACTOR * concurrency * statistics.median(single_s) + STALL_SLACK_S, r)
+        )
+    return SpeedFigures(
+        tuple(prefill),
+        tuple(cached),
+        tuple(decode),
+        tuple(batch),
+        prompt_tokens=int(statistics.median(lengths)),
+        decode_tokens=DECODE_TOKENS,
+        concurrency=concurrency,
+    )
 
 
-def speed_check(transport: Transport, expected: Expected, served: Served, earlier: SpeedFigures | None,
-                tolerance: float, *, api_key: str | None = None) -> tuple[AnswerCheck, SpeedFigures | None]:
+def speed_check(
+    transport: Transport,
+    expected: Expected,
+    served: Served,
+    earlier: SpeedFigures | None,
+    tolerance: float,
+    *,
+    api_key: str | None = None,
+) -> tuple[AnswerCheck, SpeedFigures | None]:
     """measure(), held to the old version's figures."""
     try:
         figures = measure(transport, expected, served, api_key=api_key)
@@ -92,8 +114,10 @@ class _Run:
         conversation = Conversation(f"{self.run_id}-{r}", "speed", words)
         cold = self._stream(conversation.messages, 8)
         length = _count(cold.prompt_tokens, "prompt_tokens")
-        cached = [self._stream(conversation.next_turn(cold.text or "ok", f"And then, step {i + 1}?"), 1).ttft_s
-                  for i in range(FOLLOW_UPS)]
+        cached = [
+            self._stream(conversation.next_turn(cold.text or "ok", f"And then, step {i + 1}?"), 1).ttft_s
+            for i in range(FOLLOW_UPS)
+        ]
         return length, length / max(cold.ttft_s, 1e-6), cached
 
     def decode(self, r: int) -> tuple[float, float]:
@@ -110,8 +134,7 @@ class _Run:
 
         def send(i: int) -> None:
             try:
-                results[i] = self._stream(self._short(f"batch-{r}-{i}"), DECODE_TOKENS, fixed=True,
-                                          timeout_s=bound_s)
+                results[i] = self._stream(self._short(f"batch-{r}-{i}"), DECODE_TOKENS, fixed=True, timeout_s=bound_s)
             except BaseException as error:  # judged below
                 results[i] = error
             ended[i] = time.monotonic()
@@ -128,16 +151,23 @@ class _Run:
         unhealthy = [look for look in looks if look != "200"]
         stalled = [i for i in range(n) if i not in ended or isinstance(results.get(i), TimeoutError)]
         if stalled:
-            health = (f"/health answered 200 all along ({len(looks)} looks)" if not unhealthy
-                      else f"/health answered {unhealthy[0]} meanwhile")
-            raise SpeedFault(f"{len(stalled)} of {n} requests sent at once did not finish within {bound_s:.0f} s, "
-                             f"while {health}: the server stalls under load")
+            health = (
+                f"/health answered 200 all along ({len(looks)} looks)"
+                if not unhealthy
+                else f"/health answered {unhealthy[0]} meanwhile"
+            )
+            raise SpeedFault(
+                f"{len(stalled)} of {n} requests sent at once did not finish within {bound_s:.0f} s, "
+                f"while {health}: the server stalls under load"
+            )
         failed = [r for r in results.values() if isinstance(r, BaseException)]
         if failed:
-            raise SpeedFault(f"{len(failed)} of {n} requests sent at once failed: {type(failed[0]).__name__}: "
-                             f"{failed[0]}")
-        tokens = sum(_count(r.completion_tokens, "completion_tokens") for r in results.values()
-                     if isinstance(r, Completion))
+            raise SpeedFault(
+                f"{len(failed)} of {n} requests sent at once failed: {type(failed[0]).__name__}: {failed[0]}"
+            )
+        tokens = sum(
+            _count(r.completion_tokens, "completion_tokens") for r in results.values() if isinstance(r, Completion)
+        )
         return tokens / max(max(ended.values()) - start, 1e-6)
 
     # ---------------------------------------------------------------------------------------------- the requests
@@ -154,19 +184,30 @@ class _Run:
     def _short(self, label: str) -> list[dict[str, str]]:
         return Conversation(f"{self.run_id}-{label}", "speed-short", 20).messages
 
-    def _stream(self, messages: list[dict[str, str]], max_tokens: int, fixed: bool = False,
-                timeout_s: float | None = None) -> Completion:
-        body: dict[str, Any] = {"model": self.expected.served_model_name, "messages": messages,
-                                "max_tokens": max_tokens, "temperature": 0, "seed": 0}
+    def _stream(
+        self, messages: list[dict[str, str]], max_tokens: int, fixed: bool = False, timeout_s: float | None = None
+    ) -> Completion:
+        body: dict[str, Any] = {
+            "model": self.expected.served_model_name,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "seed": 0,
+        }
         if fixed:  # exactly max_tokens tokens
             body |= {"ignore_eos": True, "min_tokens": max_tokens}
-        return stream_chat(self.transport, self.expected.port, body, api_key=self.api_key,
-                           timeout=timeout_s or self.timeout_s, address=self.expected.address)
+        return stream_chat(
+            self.transport,
+            self.expected.port,
+            body,
+            api_key=self.api_key,
+            timeout=timeout_s or self.timeout_s,
+            address=self.expected.address,
+        )
 
     def _health(self) -> str:
         try:
-            return str(get(self.transport, self.expected.port, "/health", timeout=5,
-                           address=self.expected.address)[0])
+            return str(get(self.transport, self.expected.port, "/health", timeout=5, address=self.expected.address)[0])
         except Exception as error:  # quoted in the fault
             return excerpt(f"{type(error).__name__}: {error}", 80)
 

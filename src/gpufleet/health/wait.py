@@ -26,7 +26,8 @@ Exited = Callable[[], "str | None"]
 def transient(report: HealthReport) -> bool:
     """A look that says nothing about the server: SSH failed, or docker could not be asked."""
     return report.state is HealthState.SSH_UNREACHABLE or (
-        report.state is HealthState.CONTAINER_NOT_RUNNING and report.detail.startswith(UNREADABLE))
+        report.state is HealthState.CONTAINER_NOT_RUNNING and report.detail.startswith(UNREADABLE)
+    )
 
 
 def dead_if_exited(report: HealthReport, exited: Exited | None) -> HealthReport:
@@ -38,8 +39,13 @@ def dead_if_exited(report: HealthReport, exited: Exited | None) -> HealthReport:
     return report
 
 
-def _settle(report: HealthReport, check_once: CheckOnce, exited: Exited | None, clock: Callable[[], float],
-            sleep: Callable[[float], Any]) -> HealthReport:
+def _settle(
+    report: HealthReport,
+    check_once: CheckOnce,
+    exited: Exited | None,
+    clock: Callable[[], float],
+    sleep: Callable[[float], Any],
+) -> HealthReport:
     """Look again for up to EXIT_SETTLE_S, so a server that stopped answering is dead with its exit reason."""
     deadline = clock() + EXIT_SETTLE_S
     while report.state in (HealthState.STARTING, HealthState.CONTAINER_NOT_RUNNING) and clock() < deadline:
@@ -54,8 +60,14 @@ def _settle(report: HealthReport, check_once: CheckOnce, exited: Exited | None, 
     return report
 
 
-def poll_ready(check_once: CheckOnce, timeout_s: float, poll_s: float = POLL_S, exited: Exited | None = None,
-               clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Any] = time.sleep) -> HealthReport:
+def poll_ready(
+    check_once: CheckOnce,
+    timeout_s: float,
+    poll_s: float = POLL_S,
+    exited: Exited | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Any] = time.sleep,
+) -> HealthReport:
     """Poll until ready; return early on a state that waiting cannot change."""
     deadline = clock() + timeout_s
     while True:
@@ -67,9 +79,15 @@ def poll_ready(check_once: CheckOnce, timeout_s: float, poll_s: float = POLL_S, 
         sleep(poll_s)
 
 
-def soak(check_once: CheckOnce, ready: HealthReport, soak_s: float, poll_s: float = POLL_S,
-         exited: Exited | None = None, clock: Callable[[], float] = time.monotonic,
-         sleep: Callable[[float], Any] = time.sleep) -> HealthReport:
+def soak(
+    check_once: CheckOnce,
+    ready: HealthReport,
+    soak_s: float,
+    poll_s: float = POLL_S,
+    exited: Exited | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Any] = time.sleep,
+) -> HealthReport:
     """Keep checking a just-ready service for soak_s, so an engine that dies after its first /health 200 fails
     the deploy, not the first client."""
     start = clock()
@@ -95,6 +113,7 @@ def wait_until_ready(
     exited: Exited | None = None,
 ) -> HealthReport:
     """Poll check() until ready; a report that is not ready carries the container's last 30 log lines."""
+
     def check_once() -> HealthReport:
         return check(transport, expected, grace_s=grace_s, api_key=api_key, timeout_s=request_timeout_s)
 

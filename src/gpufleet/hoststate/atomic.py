@@ -7,8 +7,14 @@ import re
 import shlex
 
 
-def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root", source: str | None = None,
-                         sha256: str | None = None, sha256_from: str | None = None) -> str:
+def atomic_write_command(
+    path: str,
+    mode: str = "0644",
+    owner: str = "root:root",
+    source: str | None = None,
+    sha256: str | None = None,
+    sha256_from: str | None = None,
+) -> str:
     """Root's shell replacing `path` with stdin or `source`, checked against sha256 or the file sha256_from."""
     directory, name = posixpath.split(path)
     if not directory or not name:
@@ -20,13 +26,13 @@ def atomic_write_command(path: str, mode: str = "0644", owner: str = "root:root"
         f"mkdir -p {d}",
         f"tmp=$(mktemp -p {d} {shlex.quote('.' + name + '.XXXXXX')})",
         "trap 'rm -f \"$tmp\"' EXIT",
-        f"{read} > \"$tmp\"",
-        f"chmod {shlex.quote(mode)} \"$tmp\"",
-        f"chown {shlex.quote(owner)} \"$tmp\"",
+        f'{read} > "$tmp"',
+        f'chmod {shlex.quote(mode)} "$tmp"',
+        f'chown {shlex.quote(owner)} "$tmp"',
         *([] if sha256 is None and sha256_from is None else [_checked(path, sha256, sha256_from)]),
         # Unflushed, a crash can leave an empty file under the name.
-        "sync \"$tmp\"",
-        f"mv -fT \"$tmp\" {p}",
+        'sync "$tmp"',
+        f'mv -fT "$tmp" {p}',
         f"sync {d}",
     ]
     if source is not None:

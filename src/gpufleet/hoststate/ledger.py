@@ -29,8 +29,10 @@ class CorruptLedger(GpufleetError):
 
 def corrupt_refusal(host: str, path: str, error: CorruptLedger) -> str:
     """Preflight's line for a corrupt ledger; the deploy must not guess which digest runs."""
-    return one_line(f"{host}: {path} is corrupt: {error.reason} (fix: repair it by hand, or move it away to start a "
-                    "new ledger: the next converge then resolves vllm_image again and the rollback history is lost)")
+    return one_line(
+        f"{host}: {path} is corrupt: {error.reason} (fix: repair it by hand, or move it away to start a "
+        "new ledger: the next converge then resolves vllm_image again and the rollback history is lost)"
+    )
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,11 @@ class Failed:
 
     def matches(self, version: Version) -> bool:
         """Same digest and settings, and same model when both name one."""
-        return (self.ref == version.ref and (self.spec_hash is None or self.spec_hash == version.spec_hash)
-                and self.holds_for(version.model))
+        return (
+            self.ref == version.ref
+            and (self.spec_hash is None or self.spec_hash == version.spec_hash)
+            and self.holds_for(version.model)
+        )
 
     def holds_for(self, model: str | None) -> bool:
         """Does the mark cover `model`? None on either side stands for any."""
@@ -104,25 +109,37 @@ def begin(ledger: Ledger, target: Version, operator: str, now: str) -> Ledger:
     return replace(ledger, pending=Pending(version=target, started_at=now, operator=operator))
 
 
-def commit(ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFigures | None = None,
-           gpu: str | None = None) -> Ledger:
+def commit(
+    ledger: Ledger, now: str, ready_at: str | None = None, speed: SpeedFigures | None = None, gpu: str | None = None
+) -> Ledger:
     """After the pending version passed verify and the soak."""
     pending = _pending(ledger, "commit")
     history = ledger.history
     if ledger.committed is not None and ledger.committed.version != pending.version:
         history = (*history, ledger.committed)[-HISTORY_LIMIT:]
     failed = tuple(f for f in ledger.failed if not f.matches(pending.version))
-    return Ledger(committed=Committed(pending.version, now, ready_at, speed, gpu), pending=None, failed=failed,
-                  history=history)
+    return Ledger(
+        committed=Committed(pending.version, now, ready_at, speed, gpu), pending=None, failed=failed, history=history
+    )
 
 
 def roll_back(ledger: Ledger, reason: str, now: str, check: str | None = None, gpu: str | None = None) -> Ledger:
     """After the pending version failed and the committed one was put back."""
     pending = _pending(ledger, "roll back")
-    mark = Failed(ref=pending.version.ref, spec_hash=pending.version.spec_hash, reason=one_line(reason),
-                  failed_at=now, image=pending.version.image, check=check, gpu=gpu, model=pending.version.model)
-    failed = (*(f for f in ledger.failed if (f.ref, f.spec_hash, f.model) != (mark.ref, mark.spec_hash, mark.model)),
-              mark)
+    mark = Failed(
+        ref=pending.version.ref,
+        spec_hash=pending.version.spec_hash,
+        reason=one_line(reason),
+        failed_at=now,
+        image=pending.version.image,
+        check=check,
+        gpu=gpu,
+        model=pending.version.model,
+    )
+    failed = (
+        *(f for f in ledger.failed if (f.ref, f.spec_hash, f.model) != (mark.ref, mark.spec_hash, mark.model)),
+        mark,
+    )
     return replace(ledger, pending=None, failed=failed[-FAILED_LIMIT:])
 
 
@@ -139,8 +156,10 @@ def refused_target(ledger: Ledger, target: Version) -> str | None:
         return None
     settings = "" if mark.spec_hash is None else f" with spec {mark.spec_hash}"
     model = "" if mark.model is None else f" and model {mark.model}"
-    return one_line(f"{mark.ref}{settings}{model} failed at {mark.failed_at}: {mark.reason} (fix: change vllm_image "
-                    f"or a setting, or pass --data {RETRY_SETTING}=true to one converge to try it again on purpose)")
+    return one_line(
+        f"{mark.ref}{settings}{model} failed at {mark.failed_at}: {mark.reason} (fix: change vllm_image "
+        f"or a setting, or pass --data {RETRY_SETTING}=true to one converge to try it again on purpose)"
+    )
 
 
 def pin(ledger: Ledger, image: str) -> str | None:
@@ -224,12 +243,10 @@ def resume(ledger: Ledger, observed: Observed) -> Resume:
         return Nothing("no pending change")
     want = pending.version
     who = f"cut change by {pending.operator} since {pending.started_at}"
-    runs_pending = (observed.active and observed.running_ref == want.ref
-                    and observed.running_spec_hash == want.spec_hash)
+    runs_pending = observed.active and observed.running_ref == want.ref and observed.running_spec_hash == want.spec_hash
     if observed.unit_sha256 == want.unit_sha256:
         if runs_pending and observed.restarts > 0 and committed is not None:
-            return RollBackPending(pending, committed,
-                                   f"{want.ref} restarted {observed.restarts} times after a {who}")
+            return RollBackPending(pending, committed, f"{want.ref} restarted {observed.restarts} times after a {who}")
         if runs_pending:
             return FinishPending(pending, restart=False, reason=f"{who}: the new version runs, not yet verified")
         return FinishPending(pending, restart=True, reason=f"{who}: the new unit is installed but not running")
@@ -238,8 +255,9 @@ def resume(ledger: Ledger, observed: Observed) -> Resume:
         return FinishPending(pending, restart=True, reason=f"{who}: first install, no committed version")
     if committed.version.unit_sha256 is not None and observed.unit_sha256 == committed.version.unit_sha256:
         return DropPending(pending, f"{who}: the unit is still the committed version's")
-    return RollBackPending(pending, committed,
-                           f"{who}: the unit on the host is neither the pending nor the committed version's")
+    return RollBackPending(
+        pending, committed, f"{who}: the unit on the host is neither the pending nor the committed version's"
+    )
 
 
 def parse(text: str) -> Ledger:
@@ -266,13 +284,26 @@ def render(ledger: Ledger) -> str:
     doc = {
         "schema": SCHEMA,
         "committed": _committed_doc(ledger.committed),
-        "pending": None if ledger.pending is None else {
-            **_version_doc(ledger.pending.version), "started_at": ledger.pending.started_at,
-            "operator": ledger.pending.operator},
-        "failed": [{"ref": f.ref, "spec_hash": f.spec_hash, "reason": f.reason, "failed_at": f.failed_at,
-                    "image": f.image, **({"check": f.check} if f.check else {}), **_gpu_doc(f.gpu),
-                    **({"model": f.model} if f.model else {})}
-                   for f in ledger.failed],
+        "pending": None
+        if ledger.pending is None
+        else {
+            **_version_doc(ledger.pending.version),
+            "started_at": ledger.pending.started_at,
+            "operator": ledger.pending.operator,
+        },
+        "failed": [
+            {
+                "ref": f.ref,
+                "spec_hash": f.spec_hash,
+                "reason": f.reason,
+                "failed_at": f.failed_at,
+                "image": f.image,
+                **({"check": f.check} if f.check else {}),
+                **_gpu_doc(f.gpu),
+                **({"model": f.model} if f.model else {}),
+            }
+            for f in ledger.failed
+        ],
         "history": [_committed_doc(c) for c in ledger.history],
     }
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
@@ -280,16 +311,29 @@ def render(ledger: Ledger) -> str:
 
 def _version_doc(v: Version) -> dict[str, Any]:
     model = {"model": v.model, "model_revision": v.model_revision} if v.model else {}
-    return {"image": v.image, "ref": v.ref, "unit_sha256": v.unit_sha256, "spec_hash": v.spec_hash,
-            "service": v.service, "port": v.port, **model, **({"group": v.group} if v.group is not None else {})}
+    return {
+        "image": v.image,
+        "ref": v.ref,
+        "unit_sha256": v.unit_sha256,
+        "spec_hash": v.spec_hash,
+        "service": v.service,
+        "port": v.port,
+        **model,
+        **({"group": v.group} if v.group is not None else {}),
+    }
 
 
 def _committed_doc(c: Committed | None) -> dict[str, Any] | None:
     if c is None:
         return None
     speed = {"speed": c.speed.as_dict()} if c.speed else {}
-    return {**_version_doc(c.version), "committed_at": c.committed_at, "ready_at": c.ready_at, **speed,
-            **_gpu_doc(c.gpu)}
+    return {
+        **_version_doc(c.version),
+        "committed_at": c.committed_at,
+        "ready_at": c.ready_at,
+        **speed,
+        **_gpu_doc(c.gpu),
+    }
 
 
 def _gpu_doc(gpu: str | None) -> dict[str, str]:
@@ -297,8 +341,15 @@ def _gpu_doc(gpu: str | None) -> dict[str, str]:
 
 
 def _kind(value: object) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number", type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -352,8 +403,17 @@ def _version(doc: dict[str, Any], where: str) -> Version:
         raise CorruptLedger(f"{where}.model: {model!r} is not <org>/<name>@<40 hex commit>")
     revision = _field(doc, where, "model_revision", str, optional=True) if "model_revision" in doc else None
     group = _field(doc, where, "group", str, optional=True) if "group" in doc else None
-    return Version(image=image, ref=ref, unit_sha256=unit_sha256, spec_hash=spec_hash, service=service, port=port,
-                   model=model, model_revision=revision, group=group)
+    return Version(
+        image=image,
+        ref=ref,
+        unit_sha256=unit_sha256,
+        spec_hash=spec_hash,
+        service=service,
+        port=port,
+        model=model,
+        model_revision=revision,
+        group=group,
+    )
 
 
 def _committed(value: Any, where: str) -> Committed:
@@ -374,8 +434,9 @@ def _parse_v2(data: dict[str, Any]) -> Ledger:
     pending = None
     if data.get("pending") is not None:
         doc = _object(data["pending"], "pending")
-        pending = Pending(_version(doc, "pending"), _field(doc, "pending", "started_at", str),
-                          _field(doc, "pending", "operator", str))
+        pending = Pending(
+            _version(doc, "pending"), _field(doc, "pending", "started_at", str), _field(doc, "pending", "operator", str)
+        )
     failed = []
     for i, item in enumerate(_field(data, "ledger", "failed", list)):
         where = f"failed[{i}]"
@@ -384,24 +445,38 @@ def _parse_v2(data: dict[str, Any]) -> Ledger:
         check = _field(doc, where, "check", str, optional=True) if "check" in doc else None
         gpu = _field(doc, where, "gpu", str, optional=True) if "gpu" in doc else None
         model = _matching(doc, where, "model", _MODEL, "<org>/<name>@<40 hex commit>") if "model" in doc else None
-        failed.append(Failed(ref=_field(doc, where, "ref", str), spec_hash=_field(doc, where, "spec_hash", str, True),
-                             reason=_field(doc, where, "reason", str), failed_at=_field(doc, where, "failed_at", str),
-                             image=image, check=check, gpu=gpu, model=model))
-    history = tuple(_committed(item, f"history[{i}]")
-                    for i, item in enumerate(_field(data, "ledger", "history", list)))
+        failed.append(
+            Failed(
+                ref=_field(doc, where, "ref", str),
+                spec_hash=_field(doc, where, "spec_hash", str, True),
+                reason=_field(doc, where, "reason", str),
+                failed_at=_field(doc, where, "failed_at", str),
+                image=image,
+                check=check,
+                gpu=gpu,
+                model=model,
+            )
+        )
+    history = tuple(_committed(item, f"history[{i}]") for i, item in enumerate(_field(data, "ledger", "history", list)))
     return Ledger(committed=committed, pending=pending, failed=tuple(failed), history=history)
 
 
 def _old_entry(value: Any, where: str) -> tuple[Committed, Failed | None]:
     doc = _object(value, where)
     ref = _digest_ref(doc, where)
-    version = Version(image=_field(doc, where, "image", str), ref=ref, unit_sha256=None, spec_hash=None,
-                      service=None, port=None)
+    version = Version(
+        image=_field(doc, where, "image", str), ref=ref, unit_sha256=None, spec_hash=None, service=None, port=None
+    )
     pinned_at = _field(doc, where, "pinned_at", str)
     failed = None
     if doc.get("failed"):
-        failed = Failed(ref=ref, spec_hash=None, reason=one_line(str(doc["failed"])),
-                        failed_at=_field(doc, where, "failed_at", str), image=version.image)
+        failed = Failed(
+            ref=ref,
+            spec_hash=None,
+            reason=one_line(str(doc["failed"])),
+            failed_at=_field(doc, where, "failed_at", str),
+            image=version.image,
+        )
     return Committed(version, pinned_at), failed
 
 
@@ -416,6 +491,6 @@ def _migrate_v1(data: dict[str, Any]) -> Ledger:
             failed.append(mark)
         elif committed is None or entry.version != committed.version:
             history.append(entry)
-    return Ledger(committed=committed, pending=None, failed=tuple(failed[-FAILED_LIMIT:]),
-                  history=tuple(history[-HISTORY_LIMIT:]))
-
+    return Ledger(
+        committed=committed, pending=None, failed=tuple(failed[-FAILED_LIMIT:]), history=tuple(history[-HISTORY_LIMIT:])
+    )

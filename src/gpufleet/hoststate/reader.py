@@ -29,7 +29,7 @@ def read_lines(ledger_path: str) -> list[str]:
     return [
         f"{sections.marker(OWN)}; [ -f {path} ] && echo {PRESENT} && {sections.print_file(path)}",
         f"{sections.marker(OTHERS)}; for f in {q(posixpath.dirname(ledger_path))}/*.json; do "
-        f"[ -f \"$f\" ] && [ \"$f\" != {path} ] && printf '\\n{sections.MARK}{OTHER}%s\\n' \"$f\" && "
+        f'[ -f "$f" ] && [ "$f" != {path} ] && printf \'\\n{sections.MARK}{OTHER}%s\\n\' "$f" && '
         f"{print_each}; done",
     ]
 
@@ -41,9 +41,10 @@ def read_command(ledger_path: str) -> str:
 
 def ledger_texts(found: Mapping[str, list[str]]) -> LedgerTexts:
     own = found.get(OWN, [])
-    return LedgerTexts(own="\n".join(own[1:]) + "\n" if own and own[0] == PRESENT else None,
-                       others={name[len(OTHER):]: "\n".join(body) + "\n" for name, body in found.items()
-                               if name.startswith(OTHER)})
+    return LedgerTexts(
+        own="\n".join(own[1:]) + "\n" if own and own[0] == PRESENT else None,
+        others={name[len(OTHER) :]: "\n".join(body) + "\n" for name, body in found.items() if name.startswith(OTHER)},
+    )
 
 
 def read_output(lines: list[str]) -> LedgerTexts:

@@ -29,8 +29,12 @@ def taken_over(others: Mapping[str, str], port: int) -> tuple[str, Ledger] | Non
         if committed is not None and other.pending is None and committed.version.port == port:
             # A migrated ledger names no service; its file does.
             service = committed.version.service or _service_of(path)
-            found.append((path, replace(other, committed=replace(committed, version=replace(committed.version,
-                                                                                            service=service)))))
+            found.append(
+                (
+                    path,
+                    replace(other, committed=replace(committed, version=replace(committed.version, service=service))),
+                )
+            )
     return found[0] if len(found) == 1 else None
 
 
@@ -50,10 +54,12 @@ def cut_rename_away(name: str, others: Mapping[str, str], service: str) -> str |
         if other.pending is None or other.committed is None or other.committed.version.service != service:
             continue
         renamed_to = other.pending.version.service or _service_of(path)
-        return (f"{name}: a run renaming vllm_service {service!r} to {renamed_to!r} was cut before it finished "
-                f"({renamed_to} has {other.pending.version.ref} pending): converging {service!r} now would start a "
-                f"second vLLM on the same GPUs (fix: converge once with vllm_service={renamed_to!r}: it finishes the "
-                f"rename, or rolls it back to {service!r}; then converge with the name you want)")
+        return (
+            f"{name}: a run renaming vllm_service {service!r} to {renamed_to!r} was cut before it finished "
+            f"({renamed_to} has {other.pending.version.ref} pending): converging {service!r} now would start a "
+            f"second vLLM on the same GPUs (fix: converge once with vllm_service={renamed_to!r}: it finishes the "
+            f"rename, or rolls it back to {service!r}; then converge with the name you want)"
+        )
     return None
 
 
@@ -64,9 +70,11 @@ def changed_since_read(name: str, ledger: Ledger, expected: Mapping[str, str | N
     have = ledger.committed.version.ref if ledger.committed else None
     if have == expected[name]:
         return None
-    return (f"{name}: its ledger has {have or 'no version'} committed, the rollout read {expected[name] or 'none'} "
-            "when it started: another run changed the host since (fix: run the rollout again: it reads every host "
-            "anew)")
+    return (
+        f"{name}: its ledger has {have or 'no version'} committed, the rollout read {expected[name] or 'none'} "
+        "when it started: another run changed the host since (fix: run the rollout again: it reads every host "
+        "anew)"
+    )
 
 
 def _service_of(path: str) -> str:

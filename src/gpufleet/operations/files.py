@@ -36,8 +36,7 @@ def temp_path(path: str) -> str:
 
 def replace_command(tmp: str, path: str) -> str:
     directory = path.rpartition("/")[0] or "/"
-    return (f"sync {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(path)} && "
-            f"sync {shlex.quote(directory)}")
+    return f"sync {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} {shlex.quote(path)} && sync {shlex.quote(directory)}"
 
 
 class AtomicUpload(FileUploadCommand):
@@ -50,8 +49,15 @@ class AtomicUpload(FileUploadCommand):
     def execute(self, state: State, host: Host, connector_arguments: ConnectorArguments) -> bool:
         connector_arguments.update(self.connector_arguments)
         shown = {"print_output": state.print_output, "print_input": state.print_input}
-        written = upload(host, self.content, self.dest, mode=self.mode, only_if=still_held_test(host),
-                         shown=shown, **connector_arguments)
+        written = upload(
+            host,
+            self.content,
+            self.dest,
+            mode=self.mode,
+            only_if=still_held_test(host),
+            shown=shown,
+            **connector_arguments,
+        )
         if written is None:
             host.log_styled(f"{self.dest} not written: this run no longer holds the host's lock", fg="red")
         return bool(written)
@@ -68,8 +74,17 @@ def guarded(command: str, only_if: str | None, cleanup: str = "") -> str:
     return f"if ! {{ {only_if}; }}; then {cleanup}echo {REFUSED}; exit 3; fi; {command}"
 
 
-def upload(host: Host, content: str | bytes, path: str, *, mode: str = "0644", only_if: str | None = None,
-           secret: bool = False, shown: Mapping[str, bool] | None = None, **arguments: Any) -> bool | None:
+def upload(
+    host: Host,
+    content: str | bytes,
+    path: str,
+    *,
+    mode: str = "0644",
+    only_if: str | None = None,
+    secret: bool = False,
+    shown: Mapping[str, bool] | None = None,
+    **arguments: Any,
+) -> bool | None:
     """Replace root-owned `path` (docs/crash-safety.md, "Atomic writes"); None when the test `only_if` refused."""
     shown = dict(shown or {})
     ok, output = host.run_shell_command("umask 077 && mktemp -d", **shown)
@@ -84,8 +99,16 @@ def upload(host: Host, content: str | bytes, path: str, *, mode: str = "0644", o
             return False
         if secret and not host.put_file(as_io(sha256(data)), check, **shown):
             return False
-        write = guarded(atomic_write_command(path, mode=mode, source=source, sha256=None if secret else sha256(data),
-                                             sha256_from=check if secret else None), only_if)
+        write = guarded(
+            atomic_write_command(
+                path,
+                mode=mode,
+                source=source,
+                sha256=None if secret else sha256(data),
+                sha256_from=check if secret else None,
+            ),
+            only_if,
+        )
         ok, output = host.run_shell_command(write, **shown, **arguments)
         if not ok and REFUSED in output.stdout_lines:
             return None
@@ -114,8 +137,7 @@ def _install_secret(state: State, host: Host, path: str, secret: Hidden) -> bool
     ok, output = host.run_shell_command(f"install -d -m 700 -o root -g root {shlex.quote(directory)}", _sudo=sudo)
     if not ok:
         raise RuntimeError(f"could not create {directory}: {output.stderr}")
-    written = upload(host, secret.reveal(), path, mode="0600", only_if=still_held_test(host), secret=True,
-                     _sudo=sudo)
+    written = upload(host, secret.reveal(), path, mode="0600", only_if=still_held_test(host), secret=True, _sudo=sudo)
     if written is None:
         host.log_styled(f"{path} not written: this run no longer holds the host's lock", fg="red")
     elif not written:
@@ -138,8 +160,9 @@ def directories(paths: list[str], user: str = "root", group: str = "root", mode:
         host.noop(f"{len(paths)} directories exist, {user}:{group} {mode}")
         return
     quoted = [shlex.quote(p) for p in wrong]
-    yield StringCommand("install", "-d", "-o", shlex.quote(user), "-g", shlex.quote(group), "-m", shlex.quote(mode),
-                        *quoted)
+    yield StringCommand(
+        "install", "-d", "-o", shlex.quote(user), "-g", shlex.quote(group), "-m", shlex.quote(mode), *quoted
+    )
 
 
 @operation()

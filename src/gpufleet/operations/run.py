@@ -36,7 +36,9 @@ class HostRun:
     resolved_image_ref: str | None = None  # set while the image operation executes
     resolved_model: str | None = None
     ledger: Ledger = field(default_factory=Ledger)  # as this run last read or wrote it
-    ledger_sha256: dict[str, str | None] = field(default_factory=dict)  # path -> sha256 a ledger write expects; None: no file
+    ledger_sha256: dict[str, str | None] = field(
+        default_factory=dict
+    )  # path -> sha256 a ledger write expects; None: no file
     lock: HostLock | None = None
     problems: list[str] = field(default_factory=list)
 
@@ -87,8 +89,10 @@ def snapshot(host: Host | None = None) -> HostFiles:
     host = host if host is not None else ctx_host.get()
     found = host_run(host).snapshot
     if found is None:
-        raise RuntimeError(f"{host.name}: gpufleet operations decide from the host snapshot: read it first "
-                           "(gpufleet.harness.preflight, then gpufleet.operations.run.remember)")
+        raise RuntimeError(
+            f"{host.name}: gpufleet operations decide from the host snapshot: read it first "
+            "(gpufleet.harness.preflight, then gpufleet.operations.run.remember)"
+        )
     return found
 
 
@@ -106,8 +110,13 @@ def reported(state: State) -> dict[str, list[str]]:
     return {name: list(held.problems) for name, held in hosts if held.problems}
 
 
-def take_lock(host: Host, settings: Mapping[str, Any], path: str = LOCK_PATH, read: str = "",
-              read_timeout_s: float = START_MARGIN_S) -> list[str] | None:
+def take_lock(
+    host: Host,
+    settings: Mapping[str, Any],
+    path: str = LOCK_PATH,
+    read: str = "",
+    read_timeout_s: float = START_MARGIN_S,
+) -> list[str] | None:
     """Take the host's lock; what `read` printed under it, or None off SSH. Raises HostLockError."""
     wait_s, lease_s = lock_timings(host.name, settings)
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 
 class Hidden:
-
     __slots__ = ("_value",)
 
     def __init__(self, value: str):

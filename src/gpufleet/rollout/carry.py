@@ -67,8 +67,12 @@ class CarryResult:
     canary: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {"warm": self.warm, "time_to_ready_s": self.time_to_ready_s, "carried_bytes": self.carried_bytes,
-                "carry_skipped": self.skipped_reason}
+        return {
+            "warm": self.warm,
+            "time_to_ready_s": self.time_to_ready_s,
+            "carried_bytes": self.carried_bytes,
+            "carry_skipped": self.skipped_reason,
+        }
 
     def cell(self) -> str:
         """E.g. "warm, 2.2 s (90 KiB carried)"."""
@@ -112,8 +116,9 @@ class Carry:
 
     def _gpus_of(self, host: str) -> Gpus | str:
         try:
-            rc, out, err = shell(self.sessions.get(host), f"timeout -k 2 {COMMAND_TIMEOUT_S} {QUERY_GPUS}",
-                               timeout=LIST_TIMEOUT_S)
+            rc, out, err = shell(
+                self.sessions.get(host), f"timeout -k 2 {COMMAND_TIMEOUT_S} {QUERY_GPUS}", timeout=LIST_TIMEOUT_S
+            )
         except TransportError as e:
             return one_line(str(e))
         if rc in (124, 137):
@@ -139,8 +144,12 @@ class Carry:
             return "the canary's image is unknown"
         spec = self.hosts[host].spec
         try:
-            rc, out, _ = shell(self.sessions.get(host), factors_command(spec, self._image, env_file_path(spec.service)),
-                             timeout=FACTORS_TIMEOUT_S + 15, root=True)
+            rc, out, _ = shell(
+                self.sessions.get(host),
+                factors_command(spec, self._image, env_file_path(spec.service)),
+                timeout=FACTORS_TIMEOUT_S + 15,
+                root=True,
+            )
         except TransportError as e:
             return one_line(str(e))
         return parse_factors(rc, out)
@@ -188,10 +197,12 @@ class Carry:
         else:
             self._image = self._image_of(canary)
             self._factors = self._factors_of(canary)
-        self.results[canary] = CarryResult(entries=tuple(self._files), canary=True,
-                                           skipped_reason=self._off)
-        self.note(self._off or f"carrying {len(self._files)} new compile-cache file(s) from canary {canary} "
-                  f"({directory}) to each later host before its swap")
+        self.results[canary] = CarryResult(entries=tuple(self._files), canary=True, skipped_reason=self._off)
+        self.note(
+            self._off
+            or f"carrying {len(self._files)} new compile-cache file(s) from canary {canary} "
+            f"({directory}) to each later host before its swap"
+        )
 
     def into(self, batch: Sequence[str]) -> None:
         for host in batch:
@@ -208,9 +219,11 @@ class Carry:
         source = carried_dir(self.hosts[self.canary].spec)
         if directory is None or source is None:
             return CarryResult(skipped_reason=f"it mounts no {CARRIED_MOUNT}")
-        refusal = config_refusal(self.canary, self.hosts[self.canary].spec, self.hosts[host].spec) or \
-            gpu_refusal(self.canary, self._gpus, self._gpus_of(host)) or \
-            compile_hash_refusal(self.canary, self._factors, self._factors_of(host))
+        refusal = (
+            config_refusal(self.canary, self.hosts[self.canary].spec, self.hosts[host].spec)
+            or gpu_refusal(self.canary, self._gpus, self._gpus_of(host))
+            or compile_hash_refusal(self.canary, self._factors, self._factors_of(host))
+        )
         if refusal is not None:
             return CarryResult(skipped_reason=refusal)
         deadline = time.monotonic() + self.timeout_s
@@ -239,25 +252,39 @@ class Carry:
                 self.note(f"{host}: {kept}")
             files = files_under(self._files, roots)
             total, relayed, sent, received = relay(
-                self.sessions.get(self.canary), send_command(source), "\0".join(files).encode() + b"\0",
-                self.sessions.get(host), receive_command(directory, tmp), self.tamper, deadline)
+                self.sessions.get(self.canary),
+                send_command(source),
+                "\0".join(files).encode() + b"\0",
+                self.sessions.get(host),
+                receive_command(directory, tmp),
+                self.tamper,
+                deadline,
+            )
             problem = stream_problem(sent, relayed, received)
             if problem is not None:
                 self._remove(host, tmp)
                 return CarryResult(skipped_reason=f"refused: {problem}")
-            rc, out, err = shell(self.sessions.get(host), place_command(directory, tmp, roots), timeout=LIST_TIMEOUT_S,
-                               root=True)
+            rc, out, err = shell(
+                self.sessions.get(host), place_command(directory, tmp, roots), timeout=LIST_TIMEOUT_S, root=True
+            )
         except (TransportError, OSError, paramiko.SSHException, EOFError) as e:
             self._remove(host, tmp)
             return CarryResult(skipped_reason=one_line(f"carry failed: {e}"))
         placed = tuple(line.removeprefix("placed ") for line in out.splitlines() if line.startswith("placed "))
         refused = [line.removeprefix("refused ") for line in out.splitlines() if line.startswith("refused ")]
         if rc != 0:
-            return CarryResult(entries=placed, skipped_reason=one_line(
-                f"putting the entries in place failed: {(err or out).strip()[:160] or f'exit {rc}'}"))
+            return CarryResult(
+                entries=placed,
+                skipped_reason=one_line(
+                    f"putting the entries in place failed: {(err or out).strip()[:160] or f'exit {rc}'}"
+                ),
+            )
         if not placed:
-            return CarryResult(skipped_reason=one_line(f"not placed: {'; '.join(refused)}") if refused else
-                               "it has every entry already")
+            return CarryResult(
+                skipped_reason=one_line(f"not placed: {'; '.join(refused)}")
+                if refused
+                else "it has every entry already"
+            )
         for line in refused:
             self.note(one_line(f"{host}: not placed: {line}"))
         return CarryResult(carried_bytes=total, entries=placed)
@@ -272,8 +299,9 @@ class Carry:
         for host in batch:
             warm, took = self.start_of(host)
             prior = self.results.get(host, CarryResult(canary=host == self.canary))
-            self.results[host] = CarryResult(prior.carried_bytes, prior.skipped_reason, prior.entries, warm, took,
-                                             prior.canary)
+            self.results[host] = CarryResult(
+                prior.carried_bytes, prior.skipped_reason, prior.entries, warm, took, prior.canary
+            )
 
     def start_of(self, host: str) -> tuple[bool | None, float | None]:
         try:
@@ -282,9 +310,9 @@ class Carry:
             if info is None:
                 return None, None
             sudo = "sudo -n " if needs_sudo(transport.client) else ""
-            rc, out, _ = transport.run(f"{sudo}docker logs -t {shlex.quote(info.id)} 2>&1 | head -n 2000",
-                                       timeout=LIST_TIMEOUT_S)
+            rc, out, _ = transport.run(
+                f"{sudo}docker logs -t {shlex.quote(info.id)} 2>&1 | head -n 2000", timeout=LIST_TIMEOUT_S
+            )
         except TransportError:
             return None, None
         return start_report(out.splitlines(), info.started_at) if rc == 0 else (None, None)
-

@@ -55,6 +55,7 @@ NOT_COMPILED = frozenset({"host", "port", "served-model-name", "api-key", "uvico
 
 def config_refusal(canary: str, canary_spec: ServeSpec, host_spec: ServeSpec) -> str | None:
     """vLLM's cache key has missed a config field before, so only identical configs share artifacts."""
+
     def flags(spec: ServeSpec) -> dict[str, object]:
         return {k: v for k, v in spec.vllm_args if k not in NOT_COMPILED}
 
@@ -70,8 +71,9 @@ def config_refusal(canary: str, canary_spec: ServeSpec, host_spec: ServeSpec) ->
     return f"its serve config differs from canary {canary}'s ({shown})"
 
 
-def compile_hash_refusal(canary: str, canary_factors: CompileFactors | str,
-                         host_factors: CompileFactors | str) -> str | None:
+def compile_hash_refusal(
+    canary: str, canary_factors: CompileFactors | str, host_factors: CompileFactors | str
+) -> str | None:
     """A host computing another hash would look up another dir and compile beside the carried one."""
     if isinstance(canary_factors, str):
         return f"canary {canary}'s compile hash unknown ({canary_factors})"

@@ -42,8 +42,15 @@ def _drain_stderr(channel: paramiko.Channel, into: list[bytes]) -> None:
         into.append(channel.recv_stderr(65536))
 
 
-def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: SshTransport, target_cmd: str,
-          tamper: Callable[[bytes], bytes] | None = None, deadline: float | None = None) -> tuple[int, str, str, str]:
+def relay(
+    source: SshTransport,
+    source_cmd: str,
+    source_input: bytes,
+    target: SshTransport,
+    target_cmd: str,
+    tamper: Callable[[bytes], bytes] | None = None,
+    deadline: float | None = None,
+) -> tuple[int, str, str, str]:
     """Stream source_cmd's stdout into target_cmd's stdin: (bytes, sha256, source's stderr, target's stderr).
     Raises TransportError past deadline (time.monotonic())."""
     src = _open(source, source_cmd)
@@ -52,6 +59,7 @@ def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: Ss
     dst_err: list[bytes] = []
     digest = hashlib.sha256()
     total = 0
+
     def feed() -> None:  # in a thread: tar writes while it still reads its list
         try:
             src.sendall(source_input)
@@ -82,8 +90,12 @@ def relay(source: SshTransport, source_cmd: str, source_input: bytes, target: Ss
     finally:
         src.close()
         dst.close()
-    return total, digest.hexdigest(), b"".join(src_err).decode(errors="replace"), \
-        b"".join(dst_err).decode(errors="replace")
+    return (
+        total,
+        digest.hexdigest(),
+        b"".join(src_err).decode(errors="replace"),
+        b"".join(dst_err).decode(errors="replace"),
+    )
 
 
 def send_command(directory: str) -> str:
@@ -129,8 +141,10 @@ def stream_problem(sent: str, relayed: str, received: str) -> str | None:
     if sha_sent is None or sha_received is None:
         problems.append("a checksum is missing")
     elif not (sha_sent.group(1) == relayed == sha_received.group(1)):
-        problems.append(f"checksum mismatch (canary {sha_sent.group(1)[:12]}, relayed {relayed[:12]}, host "
-                        f"{sha_received.group(1)[:12]})")
+        problems.append(
+            f"checksum mismatch (canary {sha_sent.group(1)[:12]}, relayed {relayed[:12]}, host "
+            f"{sha_received.group(1)[:12]})"
+        )
     return "; ".join(problems) or None
 
 

@@ -42,10 +42,17 @@ def _unreadable(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str
     bad = {h: lg.error for h, lg in ledgers.items() if lg.error}
     if not bad:
         return None
-    return [HostOutcome(h, lg.committed_ref, target_refs[h],
-                        Outcome.FAILED_PREPARE if h in bad else Outcome.NOT_STARTED,
-                        None, bad.get(h) or "not started: another host's ledger could not be read")
-            for h, lg in ledgers.items()]
+    return [
+        HostOutcome(
+            h,
+            lg.committed_ref,
+            target_refs[h],
+            Outcome.FAILED_PREPARE if h in bad else Outcome.NOT_STARTED,
+            None,
+            bad.get(h) or "not started: another host's ledger could not be read",
+        )
+        for h, lg in ledgers.items()
+    ]
 
 
 def _refused(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str], model_ref: str | None) -> str | None:
@@ -53,8 +60,10 @@ def _refused(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str], 
     for h, lg in ledgers.items():
         mark = lg.failed_mark(target_refs[h], lg.model_at(model_ref))
         if mark is not None:
-            return one_line(f"{h}: {target_refs[h]} failed there at {mark.failed_at}: {mark.reason} (fix: roll out "
-                            "another image, or pass --retry-failed to try this one again on purpose)")
+            return one_line(
+                f"{h}: {target_refs[h]} failed there at {mark.failed_at}: {mark.reason} (fix: roll out "
+                "another image, or pass --retry-failed to try this one again on purpose)"
+            )
     return None
 
 
@@ -67,12 +76,26 @@ def _roll(ctx: RolloutContext, confirm: Confirm) -> Result:
         return Result(ctx.what, unreadable, "a ledger could not be read: nothing was changed")
     if not options.retry_failed and (refusal := _refused(ledgers, target_refs, options.model_ref)):
         raise GpufleetError(refusal)
-    on_target = {h for h in names if ledgers[h].committed_ref == target_refs[h] and ledgers[h].pending_ref is None
-                 and (options.model_ref is None or (ledgers[h].committed_model or "").endswith("@" + options.model_ref))}
+    on_target = {
+        h
+        for h in names
+        if ledgers[h].committed_ref == target_refs[h]
+        and ledgers[h].pending_ref is None
+        and (options.model_ref is None or (ledgers[h].committed_model or "").endswith("@" + options.model_ref))
+    }
     # A replica group is done when every rank is.
     done = replica_groups.done(on_target, ctx.hosts)
-    outcomes = {h: HostOutcome(h, ledgers[h].committed_ref, target_refs[h], Outcome.UNCHANGED, None,
-                               "already committed on the target: not restarted") for h in done}
+    outcomes = {
+        h: HostOutcome(
+            h,
+            ledgers[h].committed_ref,
+            target_refs[h],
+            Outcome.UNCHANGED,
+            None,
+            "already committed on the target: not restarted",
+        )
+        for h in done
+    }
     order = replica_groups.expand([h for h in names if h not in done], ctx.hosts)
     workers = replica_groups.workers(list(ctx.hosts.values()))
     serving = [h.name for h in workers]  # what the routers route to
@@ -90,8 +113,11 @@ def _roll(ctx: RolloutContext, confirm: Confirm) -> Result:
         progress.note(f"reaching the routers: {', '.join(name for name, _ in router_hosts)}")
     replicas = [(h.name, dict(h.data)) for h in workers]
     if not order:
-        message = (f"every host already runs {ctx.what}: nothing to do" if not sick else
-                   f"{len(sick)} host(s) skipped for their GPUs; the others already run {ctx.what}")
+        message = (
+            f"every host already runs {ctx.what}: nothing to do"
+            if not sick
+            else f"{len(sick)} host(s) skipped for their GPUs; the others already run {ctx.what}"
+        )
         try:
             with Routers.connect(router_hosts, replicas) as routers:
                 _reconcile(ctx, routers, serving, ledgers)
@@ -102,8 +128,9 @@ def _roll(ctx: RolloutContext, confirm: Confirm) -> Result:
         # A cut run's pending hosts swap first; a host skipped for its GPU counts as out of service.
         belongs = members(ctx.sessions, serving, ledgers) if routers.routers else {}
         order = replica_groups.expand(interrupted_first(order, ledgers), ctx.hosts)
-        if problem := routers.capacity_problem(replica_batches(order, ctx.hosts, options.canary, options.batch),
-                                               {**belongs, **dict.fromkeys(sick, False)}):
+        if problem := routers.capacity_problem(
+            replica_batches(order, ctx.hosts, options.canary, options.batch), {**belongs, **dict.fromkeys(sick, False)}
+        ):
             raise GpufleetError(problem)
         if not confirm(ctx.what, order):
             raise GpufleetError("not confirmed: nothing was changed")
@@ -119,8 +146,14 @@ def interrupted_first(order: Sequence[str], ledgers: Mapping[str, HostLedger]) -
     return sorted(order, key=lambda h: ledgers[h].pending_ref is None)
 
 
-def _reconcile(ctx: RolloutContext, routers: Routers, names: Sequence[str], ledgers: Mapping[str, HostLedger], *,
-               belongs: Mapping[str, bool | None] | None = None) -> None:
+def _reconcile(
+    ctx: RolloutContext,
+    routers: Routers,
+    names: Sequence[str],
+    ledgers: Mapping[str, HostLedger],
+    *,
+    belongs: Mapping[str, bool | None] | None = None,
+) -> None:
     if not routers.routers:
         return
     found = belongs if belongs is not None else members(ctx.sessions, names, ledgers)
@@ -128,8 +161,14 @@ def _reconcile(ctx: RolloutContext, routers: Routers, names: Sequence[str], ledg
         ctx.progress.note(f"{name}: {line}")
 
 
-def _prepare_and_swap(ctx: RolloutContext, *, ledgers: Mapping[str, HostLedger], outcomes: dict[str, HostOutcome],
-                      order: Sequence[str], routers: Routers) -> Result:
+def _prepare_and_swap(
+    ctx: RolloutContext,
+    *,
+    ledgers: Mapping[str, HostLedger],
+    outcomes: dict[str, HostOutcome],
+    order: Sequence[str],
+    routers: Routers,
+) -> Result:
     options, progress, target_refs = ctx.options, ctx.progress, ctx.target_refs
     prepared: dict[str, str] = {}
     pulls: dict[str, PullStats | None] = {}
@@ -137,24 +176,40 @@ def _prepare_and_swap(ctx: RolloutContext, *, ledgers: Mapping[str, HostLedger],
         moving = [h for h in order if target_refs[h] == target_ref]
         for h in moving:
             progress.phase(h, f"preparing {short(target_ref)} (pull, model, flag check)")
-        _, failures = prepare(ctx.inventory, moving, target_ref, options.deploy_file, log=options.log,
-                              timeout_s=options.stage_timeout_s, model_ref=options.model_ref)
+        _, failures = prepare(
+            ctx.inventory,
+            moving,
+            target_ref,
+            options.deploy_file,
+            log=options.log,
+            timeout_s=options.stage_timeout_s,
+            model_ref=options.model_ref,
+        )
         pulls.update(pull_stats(ctx.sessions, moving, target_ref))  # each host's own record of what its pull moved
         prepared.update(failures)
         if failures:
             break
     if prepared:
         for h in order:
-            outcomes[h] = HostOutcome(h, ledgers[h].committed_ref, target_refs[h],
-                                      Outcome.FAILED_PREPARE if h in prepared else Outcome.NOT_STARTED, None,
-                                      prepared.get(h) or "not started: another host failed to prepare",
-                                      pull=pulls.get(h))
+            outcomes[h] = HostOutcome(
+                h,
+                ledgers[h].committed_ref,
+                target_refs[h],
+                Outcome.FAILED_PREPARE if h in prepared else Outcome.NOT_STARTED,
+                None,
+                prepared.get(h) or "not started: another host failed to prepare",
+                pull=pulls.get(h),
+            )
             progress.phase(h, outcomes[h].phase)
         return Result(ctx.what, [outcomes[h] for h in ctx.names], "prepare failed: no host was swapped")
     for h in order:
         progress.phase(h, "prepared; waiting for its turn")
-    carry = Carry(ctx.sessions, ctx.hosts, note=progress.note,
-                  turned_off=None if options.carry else "the carry is turned off (--no-carry)")
+    carry = Carry(
+        ctx.sessions,
+        ctx.hosts,
+        note=progress.note,
+        turned_off=None if options.carry else "the carry is turned off (--no-carry)",
+    )
     for outcome in swap(ctx, order, before=ledgers, routers=routers, carry=carry):
         outcomes[outcome.host] = outcome
     for h in order:
@@ -162,8 +217,15 @@ def _prepare_and_swap(ctx: RolloutContext, *, ledgers: Mapping[str, HostLedger],
     return Result(ctx.what, [outcomes[h] for h in ctx.names])
 
 
-def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: Confirm,
-             progress_for: Callable[[Sequence[str]], Progress], *, model_revision: str | None = None) -> Result:
+def roll_out(
+    inventory: str,
+    image: str | None,
+    options: SwapOptions,
+    confirm: Confirm,
+    progress_for: Callable[[Sequence[str]], Progress],
+    *,
+    model_revision: str | None = None,
+) -> Result:
     """model_revision: move the model too, to the commit it names now."""
     hosts = load_fleet(inventory)
     requested = requested_image(hosts, image)  # bad input fails before any host is contacted
@@ -175,9 +237,15 @@ def roll_out(inventory: str, image: str | None, options: SwapOptions, confirm: C
         if model_revision is not None:
             options = replace(options, model_ref=resolve_model(hosts, sessions, model_revision))
             progress.note(f"model: {model_revision} -> {options.model_ref}")
-        ctx = RolloutContext(inventory=inventory, hosts={h.name: h for h in hosts}, sessions=sessions,
-                             target_refs=dict.fromkeys([h.name for h in hosts], target.ref), what=target.ref,
-                             options=options, progress=progress)
+        ctx = RolloutContext(
+            inventory=inventory,
+            hosts={h.name: h for h in hosts},
+            sessions=sessions,
+            target_refs=dict.fromkeys([h.name for h in hosts], target.ref),
+            what=target.ref,
+            options=options,
+            progress=progress,
+        )
         return _roll(ctx, confirm)
 
 
@@ -191,29 +259,45 @@ def previous_targets(ledgers: Mapping[str, HostLedger], to: str | None) -> dict[
         else:
             target_refs[h] = ref
     if missing:
-        raise GpufleetError(one_line(f"{', '.join(missing)}: no earlier committed version in the ledger (fix: pass "
-                                     "--to repo@sha256:<digest>; `gpufleet history` lists what ran)"))
+        raise GpufleetError(
+            one_line(
+                f"{', '.join(missing)}: no earlier committed version in the ledger (fix: pass "
+                "--to repo@sha256:<digest>; `gpufleet history` lists what ran)"
+            )
+        )
     return target_refs
 
 
-def roll_back(inventory: str, options: SwapOptions, confirm: Confirm,
-              progress_for: Callable[[Sequence[str]], Progress], *, host: str | None = None,
-              to: str | None = None) -> Result:
+def roll_back(
+    inventory: str,
+    options: SwapOptions,
+    confirm: Confirm,
+    progress_for: Callable[[Sequence[str]], Progress],
+    *,
+    host: str | None = None,
+    to: str | None = None,
+) -> Result:
     hosts = load_fleet(inventory, host)
     if to is not None:
         requested_image(hosts, to)  # same repository, a valid reference
         if "@sha256:" not in to:
-            raise GpufleetError(one_line(f"--to {to}: not a digest (fix: pass repo@sha256:<digest>, as `gpufleet "
-                                         "history` shows it)"))
+            raise GpufleetError(
+                one_line(f"--to {to}: not a digest (fix: pass repo@sha256:<digest>, as `gpufleet history` shows it)")
+            )
     with Sessions(hosts) as sessions, progress_for([h.name for h in hosts]) as progress:
         ledgers = read_ledgers(sessions, [h.name for h in hosts])
         bad = [lg.error for lg in ledgers.values() if lg.error]
         if bad:
             raise GpufleetError("; ".join(e for e in bad if e))
-        ctx = RolloutContext(inventory=inventory, hosts={h.name: h for h in hosts}, sessions=sessions,
-                             target_refs=previous_targets(ledgers, to),
-                             what=to or "each host's previous committed digest",
-                             options=replace(options, canary=0, batch=1), progress=progress)
+        ctx = RolloutContext(
+            inventory=inventory,
+            hosts={h.name: h for h in hosts},
+            sessions=sessions,
+            target_refs=previous_targets(ledgers, to),
+            what=to or "each host's previous committed digest",
+            options=replace(options, canary=0, batch=1),
+            progress=progress,
+        )
         return _roll(ctx, confirm)
 
 

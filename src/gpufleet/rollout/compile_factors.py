@@ -35,8 +35,10 @@ def factors_command(spec: ServeSpec, image: str, env_file: str) -> str:
         argv += ["-e", f"{name}={value}"]
     secrets = shlex.quote(env_file)
     run = " ".join(shlex.quote(a) for a in argv)
-    return (f"set --; [ -f {secrets} ] && set -- --env-file {secrets}; "
-            f"timeout -k 5 {TIMEOUT_S} {run} \"$@\" {shlex.quote(image)} -c {shlex.quote(SCRIPT)} 2>&1")
+    return (
+        f"set --; [ -f {secrets} ] && set -- --env-file {secrets}; "
+        f'timeout -k 5 {TIMEOUT_S} {run} "$@" {shlex.quote(image)} -c {shlex.quote(SCRIPT)} 2>&1'
+    )
 
 
 def parse_factors(rc: int, out: str) -> CompileFactors | str:
@@ -46,7 +48,7 @@ def parse_factors(rc: int, out: str) -> CompileFactors | str:
         last = [ln for ln in out.strip().splitlines() if ln.strip()][-1:] or [f"exit {rc}"]
         return one_line(f"the image's vLLM did not compute them (exit {rc}: {last[0][:160]})")
     try:
-        doc = json.loads(line[len(MARK):])
+        doc = json.loads(line[len(MARK) :])
         digests = tuple(sorted((str(k), str(v)) for k, v in doc["factors"].items()))
         return CompileFactors(str(doc["vllm"]), str(doc["env"]), digests)
     except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -50,8 +50,10 @@ def default_deploy_file() -> Path:
     packaged = packaged_deploy_file("qwen35")
     if packaged.is_file():
         return packaged
-    raise GpufleetError(f"{DEPLOY_FILE} not found, nor the package's own copy at {packaged} (fix: reinstall "
-                        "gpufleet, or pass --deploy PATH)")
+    raise GpufleetError(
+        f"{DEPLOY_FILE} not found, nor the package's own copy at {packaged} (fix: reinstall "
+        "gpufleet, or pass --deploy PATH)"
+    )
 
 
 def pyinfra_command() -> str:
@@ -79,8 +81,11 @@ class DeployRun:
             return [] if result.ok else list(result.problems)
         if self.ok:
             return []
-        return [self.ended.get(host) or f"{host}: the deploy run exited {self.returncode} without a result for this "
-                "host (fix: see why in the deploy output, --log)"]
+        return [
+            self.ended.get(host)
+            or f"{host}: the deploy run exited {self.returncode} without a result for this "
+            "host (fix: see why in the deploy output, --log)"
+        ]
 
     def summary(self, host: str) -> str:
         found = self.problems(host)
@@ -139,10 +144,16 @@ class RunSettings:
     def data_args(self) -> list[str]:
         """pyinfra's `--data NAME=TEXT` for each field set."""
         checks = None if self.verify_checks is None else ",".join(self.verify_checks) or "none"
-        committed = (None if self.expect_committed is None
-                     else json.dumps(dict(self.expect_committed), separators=(",", ":")))
-        baseline = (None if not self.speed_baseline else json.dumps(
-            {host: figures.as_dict() for host, figures in self.speed_baseline.items()}, separators=(",", ":")))
+        committed = (
+            None if self.expect_committed is None else json.dumps(dict(self.expect_committed), separators=(",", ":"))
+        )
+        baseline = (
+            None
+            if not self.speed_baseline
+            else json.dumps(
+                {host: figures.as_dict() for host, figures in self.speed_baseline.items()}, separators=(",", ":")
+            )
+        )
         named: tuple[tuple[str, str | None], ...] = (
             (IMAGE_REF_SETTING, self.image_ref),
             (MODEL_REF_SETTING, self.model_ref),
@@ -156,8 +167,15 @@ class RunSettings:
         return [arg for name, text in named if text is not None for arg in ("--data", f"{name}={text}")]
 
 
-def run_deploy(inventory: str, hosts: Sequence[str], settings: RunSettings, deploy_file: Path, *,
-               log: Path | None = None, timeout_s: float | None = None) -> DeployRun:
+def run_deploy(
+    inventory: str,
+    hosts: Sequence[str],
+    settings: RunSettings,
+    deploy_file: Path,
+    *,
+    log: Path | None = None,
+    timeout_s: float | None = None,
+) -> DeployRun:
     """pyinfra -y INVENTORY DEPLOY --limit h ... --data k=v ...; its output appended to `log`."""
     # pyinfra reads a comma-separated --limit as one pattern.
     limits = [arg for host in hosts for arg in ("--limit", host)]
@@ -168,27 +186,42 @@ def run_deploy(inventory: str, hosts: Sequence[str], settings: RunSettings, depl
         where = Path(scratch) / "result.json"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", RESULT_ENV: str(where)}
         try:
-            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                  timeout=timeout_s, preexec_fn=dies_with_parent())
+            proc = subprocess.run(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                timeout=timeout_s,
+                preexec_fn=dies_with_parent(),
+            )
             rc, output = proc.returncode, proc.stdout
         except subprocess.TimeoutExpired as e:
             raw = e.stdout or ""
             rc, output = 124, (raw.decode(errors="replace") if isinstance(raw, bytes) else raw)
-            ended = {host: f"{host}: failed: the deploy run passed its time limit of {timeout_s:g} s and was ended, "
-                     "releasing the host's lock (fix: see why in the log; --stage-timeout raises the limit)"
-                     for host in hosts}
+            ended = {
+                host: f"{host}: failed: the deploy run passed its time limit of {timeout_s:g} s and was ended, "
+                "releasing the host's lock (fix: see why in the log; --stage-timeout raises the limit)"
+                for host in hosts
+            }
         results = None if ended else read_result(where)
     output = _ANSI.sub("", output)
     if results is not None:
-        missing = {host: f"{host}: the run's result does not list it: the inventory names no such host (fix: check "
-                   "the name against the inventory)" for host in hosts if host not in results}
+        missing = {
+            host: f"{host}: the run's result does not list it: the inventory names no such host (fix: check "
+            "the name against the inventory)"
+            for host in hosts
+            if host not in results
+        }
         ended.update(missing)
         rc = 1 if missing and rc == 0 else rc
     elif rc == 0:
         # pyinfra exits 0 having run nothing when no host matched.
-        ended = {host: f"{host}: the deploy run exited 0 without writing its result: it ran nothing (no host of the "
-                 "inventory matched, or the deploy file does not call gpufleet.harness.register_deploy_file)"
-                 for host in hosts}
+        ended = {
+            host: f"{host}: the deploy run exited 0 without writing its result: it ran nothing (no host of the "
+            "inventory matched, or the deploy file does not call gpufleet.harness.register_deploy_file)"
+            for host in hosts
+        }
         rc = 1
     if ended:
         output += "".join(f"\n{line}" for line in ended.values()) + "\n"

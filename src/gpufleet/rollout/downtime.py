@@ -24,8 +24,14 @@ def healthy(transport: Transport, port: int, address: str = LOOPBACK) -> bool:
 class DowntimeWatch:
     """Poll /health from start() to stop(); stop() gives the seconds it was not 200 (None: no look made)."""
 
-    def __init__(self, transport: Transport, port: int, poll_s: float = POLL_S,
-                 clock: Callable[[], float] = time.monotonic, address: str = LOOPBACK):
+    def __init__(
+        self,
+        transport: Transport,
+        port: int,
+        poll_s: float = POLL_S,
+        clock: Callable[[], float] = time.monotonic,
+        address: str = LOOPBACK,
+    ):
         self.transport, self.port, self.poll_s, self.clock = transport, port, poll_s, clock
         self.address = address
         self.down_s = 0.0

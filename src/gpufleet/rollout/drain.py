@@ -40,9 +40,15 @@ def running_requests(transport: Transport, port: int, address: str = LOOPBACK) -
     return None if value is None else int(value)
 
 
-def drain(transport: Transport, port: int, timeout_s: float, poll_s: float = POLL_S,
-          on_wait: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
-          address: str = LOOPBACK) -> Drained:
+def drain(
+    transport: Transport,
+    port: int,
+    timeout_s: float,
+    poll_s: float = POLL_S,
+    on_wait: Callable[[int], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    address: str = LOOPBACK,
+) -> Drained:
     start = clock()
     while True:
         running = running_requests(transport, port, address)

@@ -52,6 +52,7 @@ def gpus_fit(gpus: HostGpus | None, used: Collection[int]) -> bool | None:
 
 def members(sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, HostLedger]) -> dict[str, bool | None]:
     """belongs() for every named replica, False where gpus_fit() is, looked at in parallel."""
+
     def look_with_gpus(host: FleetHost, transport: SshTransport) -> tuple[HealthReport, HostGpus | None]:
         report = look(host, transport)
         started = report.container.started_at if report.container else None
@@ -61,6 +62,11 @@ def members(sessions: Sessions, names: Sequence[str], ledgers: Mapping[str, Host
     for name, seen in sessions.each(names, look_with_gpus).items():
         report, gpus = seen if isinstance(seen, tuple) else (None, None)
         fit = gpus_fit(gpus, sessions.hosts[name].spec.gpus)
-        found[name] = (False if fit is False else belongs(ledgers[name], None) if report is None
-                       else belongs(ledgers[name], report.state, runs_committed(ledgers[name], report)))
+        found[name] = (
+            False
+            if fit is False
+            else belongs(ledgers[name], None)
+            if report is None
+            else belongs(ledgers[name], report.state, runs_committed(ledgers[name], report))
+        )
     return found

@@ -32,17 +32,39 @@ def pull_order(inventory: str, hosts: Sequence[str]) -> list[list[str]]:
     return [[first], [h for h in hosts if h != first]]
 
 
-def prepare(inventory: str, hosts: Sequence[str], target_ref: str, deploy_file: Path, *,
-            log: Path | None = None, timeout_s: float | None = None,
-            model_ref: str | None = None) -> tuple[DeployRun, dict[str, str]]:
+def prepare(
+    inventory: str,
+    hosts: Sequence[str],
+    target_ref: str,
+    deploy_file: Path,
+    *,
+    log: Path | None = None,
+    timeout_s: float | None = None,
+    model_ref: str | None = None,
+) -> tuple[DeployRun, dict[str, str]]:
     """(the run, host -> why it failed to prepare)."""
     done: DeployRun | None = None
     for pulling in pull_order(inventory, hosts):
-        one = run_deploy(inventory, pulling, RunSettings(image_ref=target_ref, model_ref=model_ref, stage="prepare"),
-                         deploy_file, log=log, timeout_s=timeout_s)
-        done = one if done is None else DeployRun(
-            done.hosts + one.hosts, max(done.returncode, one.returncode, key=abs), done.output + one.output,
-            done.seconds + one.seconds, {**done.results, **one.results}, {**done.ended, **one.ended})
+        one = run_deploy(
+            inventory,
+            pulling,
+            RunSettings(image_ref=target_ref, model_ref=model_ref, stage="prepare"),
+            deploy_file,
+            log=log,
+            timeout_s=timeout_s,
+        )
+        done = (
+            one
+            if done is None
+            else DeployRun(
+                done.hosts + one.hosts,
+                max(done.returncode, one.returncode, key=abs),
+                done.output + one.output,
+                done.seconds + one.seconds,
+                {**done.results, **one.results},
+                {**done.ended, **one.ended},
+            )
+        )
         if not one.ok:
             return done, failures(one)
     assert done is not None
@@ -67,5 +89,7 @@ def pull_stats(sessions: Sessions, names: Sequence[str], target_ref: str) -> dic
     """What each host's pull of `target_ref` moved, as recorded there."""
     digest = target_ref.rpartition("@")[2]
     found = sessions.each(names, _read_stats)
-    return {name: value if isinstance(value, PullStats) and value.ref.endswith("@" + digest) else None
-            for name, value in found.items()}
+    return {
+        name: value if isinstance(value, PullStats) and value.ref.endswith("@" + digest) else None
+        for name, value in found.items()
+    }

@@ -45,7 +45,6 @@ def shell(transport: SshTransport, command: str, timeout: float = 60.0, root: bo
     return transport.run(f"{sudo}sh -c {shlex.quote(command)}" if sudo else command, timeout=timeout)
 
 
-
 class Sessions:
     """One SSH session per host for the rollout's reads."""
 
@@ -64,11 +63,13 @@ class Sessions:
 
     def each(self, names: Sequence[str], fn: Callable[[FleetHost, SshTransport], T]) -> dict[str, T | str]:
         """fn(host, session) on every named host in parallel: its value, or one line saying why not."""
+
         def one(name: str) -> T | str:
             try:
                 return fn(self.hosts[name], self.get(name))
             except (Unreachable, GpufleetError) as e:
                 return one_line(str(e))
+
         if not names:
             return {}
         pool = gevent.pool.Pool(min(len(names), PARALLEL))

@@ -29,20 +29,27 @@ class Outcome(StrEnum):
 
 
 OK = (Outcome.UPDATED, Outcome.UNCHANGED)
-STYLE = {Outcome.UPDATED: "green", Outcome.UNCHANGED: "dim", Outcome.ROLLED_BACK: "yellow",
-         Outcome.NOT_STARTED: "dim", Outcome.FAILED_PREPARE: "red", Outcome.FAILED: "red", Outcome.SKIPPED: "red"}
+STYLE = {
+    Outcome.UPDATED: "green",
+    Outcome.UNCHANGED: "dim",
+    Outcome.ROLLED_BACK: "yellow",
+    Outcome.NOT_STARTED: "dim",
+    Outcome.FAILED_PREPARE: "red",
+    Outcome.FAILED: "red",
+    Outcome.SKIPPED: "red",
+}
 # The fix for a host that did not end on the target.
 FIX = {
     Outcome.ROLLED_BACK: "its committed version serves again and the target is marked failed there: fix what the "
-                         "failed check names (docs/verify.md) or roll out another image; --retry-failed tries this "
-                         "one again on purpose",
+    "failed check names (docs/verify.md) or roll out another image; --retry-failed tries this "
+    "one again on purpose",
     Outcome.NOT_STARTED: "nothing changed on {host}: fix the host that stopped the rollout, then run it again",
     Outcome.FAILED_PREPARE: "nothing was swapped: fix what the detail names (the deploy output, --log, has the "
-                            "whole run), then run the rollout again",
+    "whole run), then run the rollout again",
     Outcome.FAILED: "`gpufleet history INVENTORY --host {host}` shows its ledger and the deploy output (--log) why; "
-                    "run the rollout again (a cut run resumes) or `gpufleet rollback INVENTORY --host {host}`",
+    "run the rollout again (a cut run resumes) or `gpufleet rollback INVENTORY --host {host}`",
     Outcome.SKIPPED: "{host} still serves its committed version: do what the detail says NVIDIA recommends, then run "
-                     "the rollout again (docs/gpu-health.md)",
+    "the rollout again (docs/gpu-health.md)",
 }
 
 
@@ -56,9 +63,12 @@ class SpeedResult:
 
     def as_dict(self) -> dict[str, Any]:
         ratios = speed_ratios(self.before, self.after) if self.before and self.after else None
-        return {"before": self.before.as_dict() if self.before else None,
-                "after": self.after.as_dict() if self.after else None,
-                "ratios": {k: round(v, 3) for k, v in ratios.items()} if ratios else None, "note": self.note or None}
+        return {
+            "before": self.before.as_dict() if self.before else None,
+            "after": self.after.as_dict() if self.after else None,
+            "ratios": {k: round(v, 3) for k, v in ratios.items()} if ratios else None,
+            "note": self.note or None,
+        }
 
     def cell(self) -> str:
         """New over old per figure, e.g. "prefill 1.02x"."""
@@ -91,15 +101,22 @@ class HostOutcome:
     def phase(self) -> str:
         """The host's last progress line; a failed host's carries its detail, so a piped log says why."""
         down = f" ({self.downtime_s:.1f} s down)" if self.downtime_s is not None else ""
-        failed = self.outcome in (Outcome.FAILED_PREPARE, Outcome.FAILED, Outcome.ROLLED_BACK, Outcome.SKIPPED) \
+        failed = (
+            self.outcome in (Outcome.FAILED_PREPARE, Outcome.FAILED, Outcome.ROLLED_BACK, Outcome.SKIPPED)
             and self.detail
+        )
         return f"{self.outcome.value}{down}" + (f": {self.detail}" if failed else "")
 
     def problems(self) -> list[dict[str, str]]:
         if self.ok:
             return []
-        return [{"id": self.outcome.value, "message": self.detail or self.outcome.value,
-                 "fix": FIX[self.outcome].format(host=self.host)}]
+        return [
+            {
+                "id": self.outcome.value,
+                "message": self.detail or self.outcome.value,
+                "fix": FIX[self.outcome].format(host=self.host),
+            }
+        ]
 
     def as_dict(self) -> dict[str, Any]:
         """The host's row of the --json document (docs/cli.md)."""
@@ -125,8 +142,11 @@ class HostOutcome:
         """E.g. "105 MB site, 0 B upstream"."""
         if self.pull is None:
             return "-"
-        parts = [f"{decimal(n)} {where}" for n, where in ((self.pull.site_bytes, "site"),
-                                                           (self.pull.upstream_bytes, "upstream")) if n is not None]
+        parts = [
+            f"{decimal(n)} {where}"
+            for n, where in ((self.pull.site_bytes, "site"), (self.pull.upstream_bytes, "upstream"))
+            if n is not None
+        ]
         if self.pull.fell_back:
             parts.append("site cache missed")
         return ", ".join(parts) or "-"
@@ -155,15 +175,32 @@ def short(ref: str | None) -> str:
 
 def table(outcomes: Sequence[HostOutcome], title: str | None = None) -> Table:
     t = Table(title=title, show_lines=False)
-    for column in ("host", "from", "to", "outcome", "downtime", "checks", "speed (new/old)", "pulled", "start",
-                   "detail"):
+    for column in (
+        "host",
+        "from",
+        "to",
+        "outcome",
+        "downtime",
+        "checks",
+        "speed (new/old)",
+        "pulled",
+        "start",
+        "detail",
+    ):
         t.add_column(column, overflow="fold")
     for o in outcomes:
         downtime = "-" if o.downtime_s is None else f"{o.downtime_s:.1f} s"
         # Text, never markup: details quote server output, whose "[...]" must not be parsed.
-        t.add_row(Text(o.host), Text(short(o.from_ref)), Text(short(o.to_ref)),
-                  Text(o.outcome.value, style=STYLE[o.outcome]), Text(downtime),
-                  Text(o.checks_cell, style="red" if any(not ok for _, ok in o.checks) else ""),
-                  Text(o.speed.cell() if o.speed else "-"), Text(o.pulled_cell),
-                  Text(o.start.cell() if o.start else "-"), Text(o.detail))
+        t.add_row(
+            Text(o.host),
+            Text(short(o.from_ref)),
+            Text(short(o.to_ref)),
+            Text(o.outcome.value, style=STYLE[o.outcome]),
+            Text(downtime),
+            Text(o.checks_cell, style="red" if any(not ok for _, ok in o.checks) else ""),
+            Text(o.speed.cell() if o.speed else "-"),
+            Text(o.pulled_cell),
+            Text(o.start.cell() if o.start else "-"),
+            Text(o.detail),
+        )
     return t

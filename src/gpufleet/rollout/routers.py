@@ -26,8 +26,12 @@ RELOCK_WAIT_S = 5.0
 class Routers:
     """Open sessions to every router; close() ends them."""
 
-    def __init__(self, routers: Sequence[tuple[Router, float]], urls: Mapping[str, str],
-                 hosts: Mapping[str, Mapping[str, Any]] | None = None):
+    def __init__(
+        self,
+        routers: Sequence[tuple[Router, float]],
+        urls: Mapping[str, str],
+        hosts: Mapping[str, Mapping[str, Any]] | None = None,
+    ):
         self.routers = list(routers)  # (router, its join timeout)
         self.urls = dict(urls)  # replica name -> its worker URL
         self.locks: dict[str, HostLock] = {}
@@ -45,23 +49,32 @@ class Routers:
                 try:
                     router = connect(name, data)
                 except Unreachable as error:
-                    raise GpufleetError(one_line(f"router {name}: {error} (fix: bring the router back, or take it "
-                                                 "out of the inventory's routers group)")) from None
+                    raise GpufleetError(
+                        one_line(
+                            f"router {name}: {error} (fix: bring the router back, or take it "
+                            "out of the inventory's routers group)"
+                        )
+                    ) from None
                 opened.routers.append((router, float(router_settings(data)["router_worker_startup_timeout_s"])))
                 try:
                     router.list_workers()
                 except (RouterError, OSError) as error:
-                    raise GpufleetError(one_line(f"router {name}: its worker list does not answer: {error} (fix: "
-                                                 "`gpufleet status` shows the router; start it, or take it out of "
-                                                 "the inventory's routers group)")) from None
+                    raise GpufleetError(
+                        one_line(
+                            f"router {name}: its worker list does not answer: {error} (fix: "
+                            "`gpufleet status` shows the router; start it, or take it out of "
+                            "the inventory's routers group)"
+                        )
+                    ) from None
                 opened.locks[name] = _lock(router, data)
         except BaseException:
             opened.close()
             raise
         return opened
 
-    def capacity_problem(self, batches: Sequence[Sequence[str]], belongs: Mapping[str, bool | None] | None = None
-                         ) -> str | None:
+    def capacity_problem(
+        self, batches: Sequence[Sequence[str]], belongs: Mapping[str, bool | None] | None = None
+    ) -> str | None:
         """Why a batch would leave a router with no replica in service, counting what `belongs` and the earlier
         batches leave."""
         belongs = belongs or {}
@@ -69,16 +82,22 @@ class Routers:
             try:
                 listed = set(self._call(i, lambda r: r.list_workers()))
             except Exception as error:  # one line, before anything changes
-                return one_line(f"router {router.name}: its worker list does not answer: {_why(error)}; nothing was "
-                                "changed (fix: `gpufleet status` shows the router; run again once it answers)")
-            serving = {host for host, url in self.urls.items()
-                       if belongs.get(host) or (url in listed and belongs.get(host) is not False)}
+                return one_line(
+                    f"router {router.name}: its worker list does not answer: {_why(error)}; nothing was "
+                    "changed (fix: `gpufleet status` shows the router; run again once it answers)"
+                )
+            serving = {
+                host
+                for host, url in self.urls.items()
+                if belongs.get(host) or (url in listed and belongs.get(host) is not False)
+            }
             for batch in batches:
                 if serving and not serving - set(batch):
                     return one_line(
                         f"router {router.name}: swapping {', '.join(batch)} at once would leave it no replica in "
                         f"service (it routes to {len(serving)}: {', '.join(sorted(serving))}); nothing was changed "
-                        "(fix: a smaller --batch, or --canary 1, so that one replica always serves)")
+                        "(fix: a smaller --batch, or --canary 1, so that one replica always serves)"
+                    )
                 serving |= set(batch)
         return None
 
@@ -199,10 +218,12 @@ class Routers:
         router = self.routers[i][0]
         lines = self.notes.pop(router.name, [])
         if router.non_finite:
-            lines.append(f"the router's metrics gave {len(router.non_finite)} sample(s) that are not a "
-                         f"number ({', '.join(router.non_finite[:3])}{', ...' if len(router.non_finite) > 3 else ''})"
-                         ": not counted, so a drain counted no request in flight there (the replica's own drain "
-                         "still waits for its requests)")
+            lines.append(
+                f"the router's metrics gave {len(router.non_finite)} sample(s) that are not a "
+                f"number ({', '.join(router.non_finite[:3])}{', ...' if len(router.non_finite) > 3 else ''})"
+                ": not counted, so a drain counted no request in flight there (the replica's own drain "
+                "still waits for its requests)"
+            )
             router.non_finite.clear()
         return lines
 
@@ -252,7 +273,10 @@ def _relock(router: Router, data: Mapping[str, Any]) -> HostLock:
     except HostLockBusy as busy:
         mine = lock.holder
         if busy.holder is None or (busy.holder.user, busy.holder.controller, busy.holder.pid) != (
-                mine.user, mine.controller, mine.pid):
+            mine.user,
+            mine.controller,
+            mine.pid,
+        ):
             raise GpufleetError(one_line(f"router {router.name}: reached again, but {busy}")) from None
         return lock  # not held by this object: close() lets nothing go, the old shell ends by its lease
     except HostLockError as error:

@@ -61,13 +61,24 @@ class SwapOptions:
             return self.canary_checks
         return (SPEED,) if speed_batch and SPEED in self.canary_checks else ()
 
-    def run_settings(self, target_ref: str, *, committed: Mapping[str, str | None] | None = None,
-                     canary: bool = False, speed_batch: bool = False,
-                     speed_baseline: Mapping[str, SpeedFigures] | None = None) -> RunSettings:
-        return RunSettings(image_ref=target_ref, model_ref=self.model_ref,
-                           verify_checks=self.batch_checks(canary, speed_batch),
-                           expect_committed=committed, verify_probe=self.probe, retry_failed=self.retry_failed,
-                           speed_baseline=speed_baseline)
+    def run_settings(
+        self,
+        target_ref: str,
+        *,
+        committed: Mapping[str, str | None] | None = None,
+        canary: bool = False,
+        speed_batch: bool = False,
+        speed_baseline: Mapping[str, SpeedFigures] | None = None,
+    ) -> RunSettings:
+        return RunSettings(
+            image_ref=target_ref,
+            model_ref=self.model_ref,
+            verify_checks=self.batch_checks(canary, speed_batch),
+            expect_committed=committed,
+            verify_probe=self.probe,
+            retry_failed=self.retry_failed,
+            speed_baseline=speed_baseline,
+        )
 
 
 def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
@@ -75,14 +86,17 @@ def batches(names: Sequence[T], canary: int, batch: int) -> list[list[T]]:
     if batch < 1 or canary < 0:
         raise ValueError("batch must be >= 1 and canary >= 0")
     first, rest = list(names[:canary]), list(names[canary:])
-    return [first[i:i + batch] for i in range(0, len(first), batch)] + \
-           [rest[i:i + batch] for i in range(0, len(rest), batch)]
+    return [first[i : i + batch] for i in range(0, len(first), batch)] + [
+        rest[i : i + batch] for i in range(0, len(rest), batch)
+    ]
 
 
 def replica_batches(order: Sequence[str], hosts: Mapping[str, FleetHost], canary: int, batch: int) -> list[list[str]]:
     """batches() of replicas: a group counts once and is listed with all its ranks."""
-    return [[name for unit in chunk for name in unit]
-            for chunk in batches(replica_groups.units(order, hosts), canary, batch)]
+    return [
+        [name for unit in chunk for name in unit]
+        for chunk in batches(replica_groups.units(order, hosts), canary, batch)
+    ]
 
 
 def held_to(spec: ServeSpec, options: SwapOptions, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
@@ -114,22 +128,39 @@ def check_results(held: Sequence[str], outcome: Outcome, failed_check: str | Non
     return ()
 
 
-def judge(host: str, target_ref: str, before: HostLedger, after: HostLedger, run: DeployRun,
-          downtime_s: float | None, drained: Drained | str | None, *, held: Sequence[str] = (),
-          speed_before: SpeedFigures | str | None = None, serving: HealthReport | str | None = None) -> HostOutcome:
+def judge(
+    host: str,
+    target_ref: str,
+    before: HostLedger,
+    after: HostLedger,
+    run: DeployRun,
+    downtime_s: float | None,
+    drained: Drained | str | None,
+    *,
+    held: Sequence[str] = (),
+    speed_before: SpeedFigures | str | None = None,
+    serving: HealthReport | str | None = None,
+) -> HostOutcome:
     """From the ledger; updated or rolled back only when `serving` finds the committed digest answering."""
     outcome = _judged(host, target_ref, before, after, run, downtime_s, drained)
     problem = serving_problem(after, serving) if outcome.outcome in (Outcome.UPDATED, Outcome.ROLLED_BACK) else None
     if problem is not None:
-        return replace(outcome, outcome=Outcome.FAILED, detail=one_line(
-            f"{outcome.outcome.value} in its ledger, but {problem}" + (f"; {outcome.detail}" if outcome.detail else "")))
+        return replace(
+            outcome,
+            outcome=Outcome.FAILED,
+            detail=one_line(
+                f"{outcome.outcome.value} in its ledger, but {problem}"
+                + (f"; {outcome.detail}" if outcome.detail else "")
+            ),
+        )
     mark = after.failed_mark(target_ref) if outcome.outcome == Outcome.ROLLED_BACK else None
     speed = None
     if SPEED in held:
         committed = after.ledger.committed if after.ledger and outcome.outcome == Outcome.UPDATED else None
         old = speed_before if isinstance(speed_before, SpeedFigures) else None
-        speed = SpeedResult(old, committed.speed if committed else None,
-                            speed_before if isinstance(speed_before, str) else "")
+        speed = SpeedResult(
+            old, committed.speed if committed else None, speed_before if isinstance(speed_before, str) else ""
+        )
     return replace(outcome, checks=check_results(held, outcome.outcome, mark.check if mark else None), speed=speed)
 
 
@@ -155,25 +186,45 @@ def _serving(host: FleetHost, transport: SshTransport) -> HealthReport:
     return poll_ready(lambda: look(host, transport), AFTER_LOOK_S)
 
 
-def _judged(host: str, target_ref: str, before: HostLedger, after: HostLedger, run: DeployRun,
-            downtime_s: float | None, drained: Drained | str | None) -> HostOutcome:
+def _judged(
+    host: str,
+    target_ref: str,
+    before: HostLedger,
+    after: HostLedger,
+    run: DeployRun,
+    downtime_s: float | None,
+    drained: Drained | str | None,
+) -> HostOutcome:
     from_ref = before.committed_ref
     drain_note = drained.detail if isinstance(drained, Drained) else (f"drain: {drained}" if drained else "")
     if after.error:
-        return HostOutcome(host, from_ref, target_ref, Outcome.FAILED, downtime_s,
-                           f"{after.error}; deploy: {run.summary(host)}")
+        return HostOutcome(
+            host, from_ref, target_ref, Outcome.FAILED, downtime_s, f"{after.error}; deploy: {run.summary(host)}"
+        )
     if after.committed_ref == target_ref and after.pending_ref is None:
         return HostOutcome(host, from_ref, target_ref, Outcome.UPDATED, downtime_s, drain_note)
     mark = after.failed_mark(target_ref)
     if mark is not None and after.pending_ref is None and after.committed_ref == from_ref:
-        return HostOutcome(host, from_ref, target_ref, Outcome.ROLLED_BACK, downtime_s,
-                           f"rolled back to {short(from_ref)}: {mark.reason}")
+        return HostOutcome(
+            host,
+            from_ref,
+            target_ref,
+            Outcome.ROLLED_BACK,
+            downtime_s,
+            f"rolled back to {short(from_ref)}: {mark.reason}",
+        )
     state = f"ledger: committed {short(after.committed_ref)}, pending {short(after.pending_ref)}"
     return HostOutcome(host, from_ref, target_ref, Outcome.FAILED, downtime_s, f"{run.summary(host)} ({state})")
 
 
-def swap(ctx: RolloutContext, order: Sequence[str], *, before: Mapping[str, HostLedger], routers: Routers,
-         carry: Carry | None = None) -> list[HostOutcome]:
+def swap(
+    ctx: RolloutContext,
+    order: Sequence[str],
+    *,
+    before: Mapping[str, HostLedger],
+    routers: Routers,
+    carry: Carry | None = None,
+) -> list[HostOutcome]:
     """Swap `order`'s hosts, each to its target ref; an outcome for every one of them."""
     hosts, options = ctx.hosts, ctx.options
     outcomes: dict[str, HostOutcome] = {}
@@ -199,16 +250,28 @@ def swap(ctx: RolloutContext, order: Sequence[str], *, before: Mapping[str, Host
         if any(outcomes[h].outcome not in OK for h in batch):
             for h in order:
                 if h not in outcomes:
-                    outcomes[h] = HostOutcome(h, before[h].committed_ref, ctx.target_refs[h], Outcome.NOT_STARTED,
-                                              None, "not touched: the rollout stopped at a failed gate")
+                    outcomes[h] = HostOutcome(
+                        h,
+                        before[h].committed_ref,
+                        ctx.target_refs[h],
+                        Outcome.NOT_STARTED,
+                        None,
+                        "not touched: the rollout stopped at a failed gate",
+                    )
                     ctx.progress.phase(h, "not started")
             break
     return [outcomes[h] for h in order]
 
 
-def _out_of_routers(ctx: RolloutContext, routers: Routers, batch: list[str], target_ref: str, *,
-                    before: Mapping[str, HostLedger],
-                    swap_batch: Callable[[], dict[str, HostOutcome]]) -> dict[str, HostOutcome]:
+def _out_of_routers(
+    ctx: RolloutContext,
+    routers: Routers,
+    batch: list[str],
+    target_ref: str,
+    *,
+    before: Mapping[str, HostLedger],
+    swap_batch: Callable[[], dict[str, HostOutcome]],
+) -> dict[str, HostOutcome]:
     """swap_batch() with the batch out of every router; a host rejoins only when judged settled (SETTLED)."""
     # The routers know a replica group's head only.
     routed = [h for h in batch if h in routers.urls]
@@ -223,31 +286,45 @@ def _out_of_routers(ctx: RolloutContext, routers: Routers, batch: list[str], tar
     except (RouterError, OSError) as error:
         if swapping:  # the swap's own error, not the routers'
             raise
-        return {h: HostOutcome(h, before[h].committed_ref, target_ref, Outcome.FAILED, None,
-                               one_line(f"not swapped: {error}")) for h in batch}
+        return {
+            h: HostOutcome(
+                h, before[h].committed_ref, target_ref, Outcome.FAILED, None, one_line(f"not swapped: {error}")
+            )
+            for h in batch
+        }
     if not routers.routers:
         return result
     for h in routed:
         if result[h].outcome not in SETTLED:
-            result[h] = replace(result[h], detail=one_line(f"{result[h].detail}; left out of the routers until it "
-                                                           "serves its committed version"))
+            result[h] = replace(
+                result[h],
+                detail=one_line(f"{result[h].detail}; left out of the routers until it serves its committed version"),
+            )
             continue
         problem = routers.rejoin(h)
         if problem is not None:
-            result[h] = replace(result[h], outcome=Outcome.FAILED,
-                                detail=one_line(f"{result[h].outcome.value}, but {problem}; {result[h].detail}"))
+            result[h] = replace(
+                result[h],
+                outcome=Outcome.FAILED,
+                detail=one_line(f"{result[h].outcome.value}, but {problem}; {result[h].detail}"),
+            )
             ctx.progress.phase(h, result[h].phase)
     return result
 
 
-def _swap_batch(ctx: RolloutContext, batch: list[str], target_ref: str, *, before: Mapping[str, HostLedger],
-                role: str) -> dict[str, HostOutcome]:
+def _swap_batch(
+    ctx: RolloutContext, batch: list[str], target_ref: str, *, before: Mapping[str, HostLedger], role: str
+) -> dict[str, HostOutcome]:
     hosts, sessions, options, progress = ctx.hosts, ctx.sessions, ctx.options, ctx.progress
 
     def drain_one(host: FleetHost, transport: SshTransport) -> Drained:
-        return drain(transport, host.spec.port, options.drain_timeout_s,
-                     on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"),
-                     address=host.spec.reach_address)
+        return drain(
+            transport,
+            host.spec.port,
+            options.drain_timeout_s,
+            on_wait=lambda n: progress.phase(host.name, f"draining: {n} request(s) running"),
+            address=host.spec.reach_address,
+        )
 
     workers = [h for h in batch if replica_groups.is_worker(hosts, h)]  # a group's head; its ranks serve nothing
     for h in workers:
@@ -265,24 +342,36 @@ def _swap_batch(ctx: RolloutContext, batch: list[str], target_ref: str, *, befor
     for h in batch:
         with suppress(TransportError):
             if h in workers:
-                watches[h] = DowntimeWatch(sessions.get(h), hosts[h].spec.port,
-                                           address=hosts[h].spec.reach_address).start()
+                watches[h] = DowntimeWatch(
+                    sessions.get(h), hosts[h].spec.port, address=hosts[h].spec.reach_address
+                ).start()
         progress.phase(h, f"{role}: restarting on {short(target_ref)}, verifying")
     committed = {h: before[h].committed_ref for h in batch if before[h].error is None}
     baseline = {h: figures for h, figures in speed_before.items() if isinstance(figures, SpeedFigures)}
-    settings = options.run_settings(target_ref, committed=committed, canary=canary, speed_batch=speed_batch,
-                                    speed_baseline=baseline or None)
-    run = run_deploy(ctx.inventory, batch, settings, options.deploy_file, log=options.log,
-                     timeout_s=options.stage_timeout_s)
+    settings = options.run_settings(
+        target_ref, committed=committed, canary=canary, speed_batch=speed_batch, speed_baseline=baseline or None
+    )
+    run = run_deploy(
+        ctx.inventory, batch, settings, options.deploy_file, log=options.log, timeout_s=options.stage_timeout_s
+    )
     downtime = {h: watch.stop() for h, watch in watches.items()}
     after = read_ledgers(sessions, batch)
     # Where the ledger settled, what answers decides the outcome and the rejoin.
     serving = sessions.each([h for h in batch if after[h].error is None and after[h].pending_ref is None], _serving)
     result = {}
     for h in batch:
-        outcome = judge(h, target_ref, before[h], after[h], run, downtime.get(h), drained.get(h),
-                        held=held_to(hosts[h].spec, options, canary, speed_batch) if h in workers else (),
-                        speed_before=speed_before.get(h), serving=serving.get(h))
+        outcome = judge(
+            h,
+            target_ref,
+            before[h],
+            after[h],
+            run,
+            downtime.get(h),
+            drained.get(h),
+            held=held_to(hosts[h].spec, options, canary, speed_batch) if h in workers else (),
+            speed_before=speed_before.get(h),
+            serving=serving.get(h),
+        )
         result[h] = outcome
         progress.phase(h, outcome.phase)
     return result

@@ -52,8 +52,12 @@ def fleet_repository(hosts: Sequence[FleetHost]) -> str:
     distinct = sorted(set(repos.values()))
     if len(distinct) != 1:
         listed = ", ".join(f"{name}: {repo}" for name, repo in repos.items())
-        raise GpufleetError(one_line(f"vllm_image names {len(distinct)} repositories ({listed}) (fix: one "
-                                     "inventory per repository, or one vllm_image for the fleet)"))
+        raise GpufleetError(
+            one_line(
+                f"vllm_image names {len(distinct)} repositories ({listed}) (fix: one "
+                "inventory per repository, or one vllm_image for the fleet)"
+            )
+        )
     return distinct[0]
 
 
@@ -67,22 +71,26 @@ def requested_image(hosts: Sequence[FleetHost], image: str | None) -> str:
         return images[0]
     ref = parse(image)
     if ref is None:
-        raise GpufleetError(one_line(f"--image {image!r} is not an image reference (fix: use repo:tag or "
-                                     "repo@sha256:<digest>)"))
+        raise GpufleetError(
+            one_line(f"--image {image!r} is not an image reference (fix: use repo:tag or repo@sha256:<digest>)")
+        )
     if ref.repository != repo:
-        raise GpufleetError(one_line(f"--image {image} is not of the fleet's repository {repo} (fix: use "
-                                     f"{repo}:<tag> or {repo}@sha256:<digest>, or change vllm_image)"))
+        raise GpufleetError(
+            one_line(
+                f"--image {image} is not of the fleet's repository {repo} (fix: use "
+                f"{repo}:<tag> or {repo}@sha256:<digest>, or change vllm_image)"
+            )
+        )
     return image
-
-
-
 
 
 # --- the registry lookup -------------------------------------------------------------------------------------------
 # Which lookup tools work (a broken buildx plugin fails `version`), and dockerd's registry settings.
-PROBE_COMMAND = ("docker buildx version >/dev/null 2>&1 && echo tool=buildx; "
-                 "docker manifest inspect --help >/dev/null 2>&1 && echo tool=manifest; "
-                 "echo registry-config=$(docker info --format '{{json .RegistryConfig}}' 2>/dev/null)")
+PROBE_COMMAND = (
+    "docker buildx version >/dev/null 2>&1 && echo tool=buildx; "
+    "docker manifest inspect --help >/dev/null 2>&1 && echo tool=manifest; "
+    "echo registry-config=$(docker info --format '{{json .RegistryConfig}}' 2>/dev/null)"
+)
 
 
 @dataclass(frozen=True)
@@ -179,35 +187,58 @@ def digest_from_lookup(tool: str, out: str) -> str:
 
 # What a failed lookup said, in docker's and buildx's words -> the fix; the first match wins.
 _FIXES = (
-    (re.compile(r"unauthori[sz]ed|authentication required|access to the resource is denied|\b40[13]\b|forbidden|"
-                r"no basic auth", re.I),
-     "the registry refused the lookup: log in as root on {host} (`docker login {registry}`; prepare's pull uses "
-     "the same credentials); Docker Hub answers so for a repository that does not exist too"),
-    (re.compile(r"no such manifest|manifest unknown|\bnot found\b|\b404\b|name unknown", re.I),
-     "check that the tag exists in {registry}: push it, or pass --image with an existing tag or a digest"),
-    (re.compile(r"dial tcp|connection refused|no such host|i/o timeout|timed out|no answer within|network is "
-                r"unreachable|\btls\b|x509|certificate|HTTP response to HTTPS client|error pinging|\bEOF\b", re.I),
-     "check that {host} reaches {registry} (DNS, proxy, firewall); a plain-HTTP registry must be in dockerd's "
-     "insecure-registries there, as the pull needs"),
+    (
+        re.compile(
+            r"unauthori[sz]ed|authentication required|access to the resource is denied|\b40[13]\b|forbidden|"
+            r"no basic auth",
+            re.I,
+        ),
+        "the registry refused the lookup: log in as root on {host} (`docker login {registry}`; prepare's pull uses "
+        "the same credentials); Docker Hub answers so for a repository that does not exist too",
+    ),
+    (
+        re.compile(r"no such manifest|manifest unknown|\bnot found\b|\b404\b|name unknown", re.I),
+        "check that the tag exists in {registry}: push it, or pass --image with an existing tag or a digest",
+    ),
+    (
+        re.compile(
+            r"dial tcp|connection refused|no such host|i/o timeout|timed out|no answer within|network is "
+            r"unreachable|\btls\b|x509|certificate|HTTP response to HTTPS client|error pinging|\bEOF\b",
+            re.I,
+        ),
+        "check that {host} reaches {registry} (DNS, proxy, firewall); a plain-HTTP registry must be in dockerd's "
+        "insecure-registries there, as the pull needs",
+    ),
 )
 
 
 def lookup_error(tool: str, image: str, host: str, rc: int, out: str, err: str) -> str:
-    said = f"no answer within {LOOKUP_TIMEOUT_S} s" if rc == 124 else (
-        " ".join((err or out).split())[-300:] or f"exit status {rc}")
-    fix = next((f for pattern, f in _FIXES if pattern.search(said)),
-               "check the registry and docker on {host}, or pass --image repo@sha256:<digest>")
-    return one_line(f"{host}: cannot look up {image} in its registry ({TOOL_NAMES[tool]}): {said} (fix: "
-                    f"{fix.format(host=host, registry=registry_of(image))})")
+    said = (
+        f"no answer within {LOOKUP_TIMEOUT_S} s"
+        if rc == 124
+        else (" ".join((err or out).split())[-300:] or f"exit status {rc}")
+    )
+    fix = next(
+        (f for pattern, f in _FIXES if pattern.search(said)),
+        "check the registry and docker on {host}, or pass --image repo@sha256:<digest>",
+    )
+    return one_line(
+        f"{host}: cannot look up {image} in its registry ({TOOL_NAMES[tool]}): {said} (fix: "
+        f"{fix.format(host=host, registry=registry_of(image))})"
+    )
 
 
 def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Target:
     """Raises GpufleetError for the registry's refusal, TransportError when the host cannot be used."""
     rc, out, err = shell(session, PROBE_COMMAND, timeout=PROBE_TIMEOUT_S, root=True)
     if rc != 0:  # it ends with an echo: only a refused sudo fails it
-        raise GpufleetError(one_line(f"{host}: cannot run docker as root to look up {image}: "
-                                     f"{(err or out).strip()[-200:]} (fix: let the SSH user run sudo -n, as the "
-                                     "deploy needs)"))
+        raise GpufleetError(
+            one_line(
+                f"{host}: cannot run docker as root to look up {image}: "
+                f"{(err or out).strip()[-200:]} (fix: let the SSH user run sudo -n, as the "
+                "deploy needs)"
+            )
+        )
     probe = parse_probe(out)
     listed, failures = None, []
     for tool in tool_order(probe, image):
@@ -225,11 +256,16 @@ def _resolve_on(session: SshTransport, host: str, image: str, repo: str) -> Targ
     if failures and listed is None:  # the registry refused: a pull would fail too
         raise GpufleetError(failures[0])
     if listed is not None:
-        because = (f"{listed}, and docker buildx imagetools failed: {failures[0]}" if failures else
-                   f"{listed}, and docker buildx imagetools is not there (fix: install docker-buildx-plugin)")
+        because = (
+            f"{listed}, and docker buildx imagetools failed: {failures[0]}"
+            if failures
+            else f"{listed}, and docker buildx imagetools is not there (fix: install docker-buildx-plugin)"
+        )
     else:
-        because = ("neither docker buildx imagetools nor docker manifest inspect works there (fix: install "
-                   "docker-buildx-plugin)")
+        because = (
+            "neither docker buildx imagetools nor docker manifest inspect works there (fix: install "
+            "docker-buildx-plugin)"
+        )
     rc, out, err = shell(session, resolve_command(image), timeout=PULL_TIMEOUT_S, root=True)
     return Target(digest_from_inspect(image, rc, out, err, host), image, host, None, one_line(because))
 
@@ -242,16 +278,24 @@ def resolve_command(image: str) -> str:
 
 def digest_from_inspect(image: str, rc: int, out: str, err: str, host: str) -> str:
     if rc != 0:
-        raise GpufleetError(one_line(f"{host}: docker pull {image} failed: {(err or out).strip()[-300:]} (fix: check "
-                                     "the tag exists in the registry and the host can reach it)"))
+        raise GpufleetError(
+            one_line(
+                f"{host}: docker pull {image} failed: {(err or out).strip()[-300:]} (fix: check "
+                "the tag exists in the registry and the host can reach it)"
+            )
+        )
     try:
         digests = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         digests = None
     ref = pick_digest(image, digests) if isinstance(digests, list) else None
     if not ref:
-        raise GpufleetError(one_line(f"{host}: {image} has no registry digest after the pull (fix: push it to a "
-                                     "registry, or pass --image repo@sha256:<digest>)"))
+        raise GpufleetError(
+            one_line(
+                f"{host}: {image} has no registry digest after the pull (fix: push it to a "
+                "registry, or pass --image repo@sha256:<digest>)"
+            )
+        )
     return ref
 
 
@@ -268,8 +312,9 @@ def resolve(hosts: Sequence[FleetHost], sessions: Sessions, image: str | None) -
             return _resolve_on(sessions.get(host.name), host.name, requested, repo)
         except TransportError as e:
             errors.append(one_line(f"{host.name}: {e}"))
-    raise GpufleetError(one_line(f"cannot resolve {requested}: no host could be reached to look it up "
-                                 f"({'; '.join(errors)})"))
+    raise GpufleetError(
+        one_line(f"cannot resolve {requested}: no host could be reached to look it up ({'; '.join(errors)})")
+    )
 
 
 def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str) -> str:
@@ -277,8 +322,10 @@ def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str)
     settings = merged_settings(dict(hosts[0].data))
     repo, hub = settings["vllm_model_repo"], settings["vllm_hf_endpoint"]
     if not repo:
-        raise GpufleetError("--model-revision: vllm_model_repo is None, so there is no model to move (fix: set "
-                            "vllm_model_repo, or leave out --model-revision)")
+        raise GpufleetError(
+            "--model-revision: vllm_model_repo is None, so there is no model to move (fix: set "
+            "vllm_model_repo, or leave out --model-revision)"
+        )
     if weights.COMMIT.fullmatch(revision):
         return revision
     env = env_file_path(hosts[0].spec.service) if settings["vllm_hf_token"] else None
@@ -295,8 +342,13 @@ def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str)
                 return weights.parse_info(repo, out).commit
         except ValueError as e:
             err = str(e)
-        raise GpufleetError(one_line(f"{host.name}: cannot read {repo} at {revision} from the hub {hub}: "
-                                     f"{(err or out).strip()[-300:]} (fix: check the revision exists and the host "
-                                     "reaches vllm_hf_endpoint)"))
-    raise GpufleetError(one_line(f"cannot resolve {repo} at {revision}: no host could be reached "
-                                 f"({'; '.join(errors)})"))
+        raise GpufleetError(
+            one_line(
+                f"{host.name}: cannot read {repo} at {revision} from the hub {hub}: "
+                f"{(err or out).strip()[-300:]} (fix: check the revision exists and the host "
+                "reaches vllm_hf_endpoint)"
+            )
+        )
+    raise GpufleetError(
+        one_line(f"cannot resolve {repo} at {revision}: no host could be reached ({'; '.join(errors)})")
+    )

@@ -8,8 +8,11 @@ from datetime import datetime
 
 # vLLM 0.32's lines: the AOT path first, then the piecewise backend's (VLLM_USE_AOT_COMPILE=0).
 LOADED = ("Directly load AOT compilation from path", "Directly load the compiled graph(s)")
-RECOMPILED = ("saved AOT compiled function to", "Compiling model again due to a load failure",
-              "Compiling a graph for compile range")
+RECOMPILED = (
+    "saved AOT compiled function to",
+    "Compiling model again due to a load failure",
+    "Compiling a graph for compile range",
+)
 LISTENING = ("Uvicorn running on", "Application startup complete", "Starting vLLM server on")
 
 

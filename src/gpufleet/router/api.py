@@ -59,9 +59,11 @@ class Router:
         """(status, body) of one request to the router's port."""
         url = shlex.quote(f"http://{LOOPBACK}:{self.port}{path}")
         # The status first, then the body cut at the transport's cap.
-        script = (f"b=$(mktemp) || exit 1; c=$(curl -sS -X {method} --max-time {timeout:g} -o \"$b\" "
-                  f"-w '%{{http_code}}' {url}); r=$?; echo \"$c\"; head -c {MAX_BODY_BYTES} \"$b\"; rm -f \"$b\"; "
-                  "exit $r")
+        script = (
+            f'b=$(mktemp) || exit 1; c=$(curl -sS -X {method} --max-time {timeout:g} -o "$b" '
+            f'-w \'%{{http_code}}\' {url}); r=$?; echo "$c"; head -c {MAX_BODY_BYTES} "$b"; rm -f "$b"; '
+            "exit $r"
+        )
         status, out, err = self.as_root(script, timeout + 10)
         code, _, body = out.partition("\n")
         if status != 0 or not code.isdigit():

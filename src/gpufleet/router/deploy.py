@@ -51,15 +51,22 @@ def _verify_workers(state: State) -> Workers:
     except SettingErrors as error:
         raise DeployError(f"the router's replicas have invalid settings; nothing was changed:\n  {error}") from None
     if not candidates:
-        raise DeployError(f"no replicas: every host is in the {ROUTERS_GROUP} group; nothing was changed "
-                          "(fix: add the vLLM hosts to the inventory)")
+        raise DeployError(
+            f"no replicas: every host is in the {ROUTERS_GROUP} group; nothing was changed "
+            "(fix: add the vLLM hosts to the inventory)"
+        )
     results = check_fleet(targets)
     ready = tuple(r for r, result in zip(candidates, results, strict=True) if result.health.ready)
-    left_out = tuple(f"{r.name}: {result.health.state}: {result.health.detail}"
-                     for r, result in zip(candidates, results, strict=True) if not result.health.ready)
+    left_out = tuple(
+        f"{r.name}: {result.health.state}: {result.health.detail}"
+        for r, result in zip(candidates, results, strict=True)
+        if not result.health.ready
+    )
     if not ready:
-        raise DeployError("no replica verifies ready; nothing was changed (fix: converge them first: pyinfra "
-                          "INVENTORY deploys/qwen35.py):\n  " + "\n  ".join(left_out))
+        raise DeployError(
+            "no replica verifies ready; nothing was changed (fix: converge them first: pyinfra "
+            "INVENTORY deploys/qwen35.py):\n  " + "\n  ".join(left_out)
+        )
     return Workers(ready, left_out)
 
 
@@ -85,9 +92,13 @@ def plan_for(name: str, data: dict[str, Any]) -> RouterPlan:
 
 def check_host(name: str, seen: RouterHost, plan: RouterPlan) -> list[str]:
     """A router host's refusals: a worker it cannot reach, a Python or machine the lock does not cover."""
-    problems = [f"{name}: worker {r.name} ({r.url}) does not answer /health from the router host "
-                f"(HTTP {seen.reach.get(r.url, '000')}) (fix: publish vllm_port where the router reaches it, or set "
-                "router_worker_address on that host)" for r in plan.workers.ready if seen.reach.get(r.url) != "200"]
+    problems = [
+        f"{name}: worker {r.name} ({r.url}) does not answer /health from the router host "
+        f"(HTTP {seen.reach.get(r.url, '000')}) (fix: publish vllm_port where the router reaches it, or set "
+        "router_worker_address on that host)"
+        for r in plan.workers.ready
+        if seen.reach.get(r.url) != "200"
+    ]
     try:
         wheels.locked_install(name, plan.spec.version, seen.python, seen.machine)
     except SettingError as error:
@@ -97,14 +108,14 @@ def check_host(name: str, seen: RouterHost, plan: RouterPlan) -> list[str]:
 
 # What preflight reads on a router host, in its lock's shell.
 ROUTER_READ: HostRead[RouterPlan, RouterHost] = HostRead(
-    RouterHostFact, lambda plan: {"spec": plan.spec, "candidates": plan.spec.workers}, merged_settings)
+    RouterHostFact, lambda plan: {"spec": plan.spec, "candidates": plan.spec.workers}, merged_settings
+)
 
 
 @deploy("Deploy vllm-router in front of the replicas")
 def deploy_router() -> None:
     if not is_router_host(host):
-        not_for_this_host(name="Skip the router deploy on a replica",
-                          why="a replica: deploys/qwen35.py configures it")
+        not_for_this_host(name="Skip the router deploy on a replica", why="a replica: deploys/qwen35.py configures it")
         return
     workers = ready_workers(ctx_state.get())
     # Every router host is locked and read before anything changes; one refusal stops the run.
@@ -117,13 +128,19 @@ def deploy_router() -> None:
     operations.package(name="Install vllm-router into its venv", spec=spec, seen=seen, install=install)
     operations.members(name="Record the router's workers for its restarts", spec=spec, seen=seen)
     operations.unit(name="Install the vllm-router systemd unit", spec=spec, seen=seen)
-    operations.fence(name="Fence the router's port to root and nginx (nftables)", spec=spec, seen=seen,
-                     install=install)
+    operations.fence(name="Fence the router's port to root and nginx (nftables)", spec=spec, seen=seen, install=install)
     operations.running(name="Enable and start vllm-router", spec=spec, seen=seen, install=install)
-    operations.ready(name="Wait for vllm-router to listen", spec=spec, seen=seen, install=install,
-                     timeout_s=int(router_settings(host.data.dict())["router_ready_timeout"]))
+    operations.ready(
+        name="Wait for vllm-router to listen",
+        spec=spec,
+        seen=seen,
+        install=install,
+        timeout_s=int(router_settings(host.data.dict())["router_ready_timeout"]),
+    )
     operations.old_venvs(name="Remove the router's old venvs", spec=spec, seen=seen, install=install)
-    operations.workers_in_step(name="Put the running router's worker set in step", spec=spec, seen=seen,
-                               install=install)
-    operations.front_door(name="Serve the client API (and nothing else) on the client port with nginx", spec=spec,
-                          seen=seen)
+    operations.workers_in_step(
+        name="Put the running router's worker set in step", spec=spec, seen=seen, install=install
+    )
+    operations.front_door(
+        name="Serve the client API (and nothing else) on the client port with nginx", spec=spec, seen=seen
+    )

@@ -56,15 +56,15 @@ def venv_lines(spec: RouterSpec) -> list[str]:
     """The shell lines that read the host's Python and machine, and its venvs."""
     venv, venvs = shlex.quote(spec.venv), shlex.quote(spec.venvs_dir)
     return [
-        "echo \"python=$(python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])' 2>/dev/null)\"",
+        'echo "python=$(python3 -c \'import sys; print("%d.%d" % sys.version_info[:2])\' 2>/dev/null)"',
         "command -v python3 >/dev/null || "
         "echo \"python_candidate=$(apt-cache policy python3 2>/dev/null | sed -n 's/^ *Candidate: *//p')\"",
-        "echo \"machine=$(uname -m)\"",
-        f"test -L {venv} && echo \"venv_link=$(readlink {venv})\"",
+        'echo "machine=$(uname -m)"',
+        f'test -L {venv} && echo "venv_link=$(readlink {venv})"',
         f"test -d {venv} && ! test -L {venv} && echo venv_legacy=yes",
-        f"test -L {venvs}/previous && echo \"venv_previous=$(readlink {venvs}/previous)\"",
-        f"for d in {venvs}/*/; do n=${{d%/}}; test -d \"$d\" && ! test -L \"$n\" && "
-        f"echo \"venvs ${{n##*/}} $(cat \"${{d}}{MARKER}\" 2>/dev/null)\"; done",
+        f'test -L {venvs}/previous && echo "venv_previous=$(readlink {venvs}/previous)"',
+        f'for d in {venvs}/*/; do n=${{d%/}}; test -d "$d" && ! test -L "$n" && '
+        f'echo "venvs ${{n##*/}} $(cat "${{d}}{MARKER}" 2>/dev/null)"; done',
     ]
 
 
@@ -73,7 +73,7 @@ def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
     lines = [
         *venv_lines(spec),
         f"for d in {venv}/lib/python3*/site-packages/vllm_router-*.dist-info; do "
-        "test -d \"$d\" && echo \"dist=${d##*/}\"; done",
+        'test -d "$d" && echo "dist=${d##*/}"; done',
         "echo \"python3_venv=$(dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | tr ' ' _)\"",
         f"echo \"unit_sha256=$(sha256sum {unit} 2>/dev/null | cut -d' ' -f1)\"",
         f"echo \"members_sha256=$(sha256sum {shlex.quote(spec.members_file)} 2>/dev/null | cut -d' ' -f1)\"",
@@ -83,15 +83,17 @@ def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
         "echo \"nginx=$(dpkg-query -W -f='${Status}' nginx 2>/dev/null | tr ' ' _)\"",
         f"echo \"proxy_sha256=$(sha256sum {shlex.quote(proxy_path(spec.service))} 2>/dev/null | cut -d' ' -f1)\"",
         f"test -e {NGINX_DEFAULT_SITE} && echo default_site=yes",
-        "echo \"nginx_active=$(systemctl is-active nginx 2>/dev/null)\"",
+        'echo "nginx_active=$(systemctl is-active nginx 2>/dev/null)"',
         f"echo \"njs=$(dpkg-query -W -f='${{Status}}' {NJS_PACKAGE} 2>/dev/null | tr ' ' _)\"",
         f"echo \"session_script_sha256=$(sha256sum {shlex.quote(script_path(spec.service))} 2>/dev/null | cut -d' ' -f1)\"",
         "echo \"nftables=$(dpkg-query -W -f='${Status}' nftables 2>/dev/null | tr ' ' _)\"",
         f"{NFT} list table inet {fence_table(spec.internal_port)} >/dev/null 2>&1 && echo fenced=yes",
     ]
     for url in candidates:
-        lines.append(f"echo reach {shlex.quote(url)} \"$(curl -s -o /dev/null -w '%{{http_code}}' --max-time 3 "
-                     f"{shlex.quote(url + '/health')})\"")
+        lines.append(
+            f"echo reach {shlex.quote(url)} \"$(curl -s -o /dev/null -w '%{{http_code}}' --max-time 3 "
+            f'{shlex.quote(url + "/health")})"'
+        )
     return "; ".join(lines) + "; true"
 
 
@@ -146,7 +148,7 @@ def parse(output: list[str]) -> RouterHost:
 
 
 def _minor(debian_version: str) -> str | None:
-    """"3.11.2-1+b1" to "3.11"."""
+    """ "3.11.2-1+b1" to "3.11"."""
     m = re.match(r"([0-9]+\.[0-9]+)\.", debian_version)
     return m[1] if m else None
 

@@ -36,18 +36,22 @@ def install_script(spec: RouterSpec, install: LockedInstall) -> str:
     target = spec.venv_dir(install.key)
     pip = " ".join(map(shlex.quote, spec.pip_install_argv(target, f"{target}/{REQUIREMENTS}")))
     marker = shlex.quote(f"{target}/{MARKER}")
-    return (f"{pip} && {shlex.quote(target)}/bin/vllm-router --help >/dev/null && "
-            f"printf '%s\\n' {install.key} > {marker}.tmp && sync {marker}.tmp && mv -f {marker}.tmp {marker}")
+    return (
+        f"{pip} && {shlex.quote(target)}/bin/vllm-router --help >/dev/null && "
+        f"printf '%s\\n' {install.key} > {marker}.tmp && sync {marker}.tmp && mv -f {marker}.tmp {marker}"
+    )
 
 
 def switch_script(spec: RouterSpec, install: LockedInstall) -> str:
     """Shell: router_venv pointed at the locked venv by one rename, the old target kept as `previous`."""
     venv, venvs, target = (shlex.quote(p) for p in (spec.venv, spec.venvs_dir, spec.venv_dir(install.key)))
-    return (f"old=$(readlink {venv} || true); ln -sfn {target} {venv}.gpufleet-tmp && "
-            f"{{ test -L {venv} || ! test -d {venv} || {{ rm -rf {venvs}/legacy && mv -T {venv} {venvs}/legacy; }}; }} && "
-            f"mv -T {venv}.gpufleet-tmp {venv} && sync {shlex.quote(spec.venv.rpartition('/')[0] or '/')} && "
-            f"if [ -n \"$old\" ] && [ \"$old\" != {target} ]; then ln -sfn \"$old\" {venvs}/previous.tmp && "
-            f"mv -T {venvs}/previous.tmp {venvs}/previous; fi")
+    return (
+        f"old=$(readlink {venv} || true); ln -sfn {target} {venv}.gpufleet-tmp && "
+        f"{{ test -L {venv} || ! test -d {venv} || {{ rm -rf {venvs}/legacy && mv -T {venv} {venvs}/legacy; }}; }} && "
+        f"mv -T {venv}.gpufleet-tmp {venv} && sync {shlex.quote(spec.venv.rpartition('/')[0] or '/')} && "
+        f'if [ -n "$old" ] && [ "$old" != {target} ]; then ln -sfn "$old" {venvs}/previous.tmp && '
+        f"mv -T {venvs}/previous.tmp {venvs}/previous; fi"
+    )
 
 
 @operation()
@@ -61,9 +65,14 @@ def package(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Comma
         if not seen.python3_venv:
             yield from apt.packages._inner(packages=["python3-venv"], update=True, no_recommends=True)
         # A venv left by a cut install is made again from nothing.
-        yield StringCommand("sh", "-c", shlex.quote(
-            f"install -d -m 755 {shlex.quote(spec.venvs_dir)} && rm -rf {shlex.quote(target)} && "
-            f"python3 -m venv {shlex.quote(target)}"))
+        yield StringCommand(
+            "sh",
+            "-c",
+            shlex.quote(
+                f"install -d -m 755 {shlex.quote(spec.venvs_dir)} && rm -rf {shlex.quote(target)} && "
+                f"python3 -m venv {shlex.quote(target)}"
+            ),
+        )
         yield AtomicUpload(as_io(install.requirements()), f"{target}/{REQUIREMENTS}", "644")
         yield StringCommand("sh", "-c", shlex.quote(install_script(spec, install)))
     yield StringCommand("sh", "-c", shlex.quote(switch_script(spec, install)))
@@ -100,12 +109,15 @@ def fence(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Command
     """nftables for the unit's fence, loaded now under a router that runs without it."""
     if not seen.nftables:
         yield StringCommand("apt-get", "update", "-q")
-        yield StringCommand("DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q",
-                            "--no-install-recommends", "nftables")
+        yield StringCommand(
+            "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q", "--no-install-recommends", "nftables"
+        )
     restarts = _router_snapshot_changes(spec, seen, install) or not seen.running
     if seen.nftables and (seen.fenced or restarts):
-        host.noop(f"{spec.service}'s port {spec.internal_port} is fenced to {', '.join(FENCE_USERS)}"
-                  + (" at its start" if restarts else ""))
+        host.noop(
+            f"{spec.service}'s port {spec.internal_port} is fenced to {', '.join(FENCE_USERS)}"
+            + (" at its start" if restarts else "")
+        )
         return
     if not restarts:
         yield StringCommand(*(shlex.quote(a) for a in spec.fence_argv()))
@@ -134,8 +146,11 @@ def running(spec: RouterSpec, seen: RouterHost, install: LockedInstall) -> Comma
 
 def restart_script(target: Host, name: str, restart: bool) -> str:
     """Shell: (re)start `name` only while this run holds the host's lock."""
-    return while_held(target, f"systemctl {'restart' if restart else 'start'} {name}",
-                      f"{target.name}: not restarting {name}: this run no longer holds the host's lock (fix: run again)")
+    return while_held(
+        target,
+        f"systemctl {'restart' if restart else 'start'} {name}",
+        f"{target.name}: not restarting {name}: this run no longer holds the host's lock (fix: run again)",
+    )
 
 
 @operation()
@@ -145,10 +160,15 @@ def ready(spec: RouterSpec, seen: RouterHost, install: LockedInstall, timeout_s:
         host.noop(f"{spec.service} answers on {spec.control_url}")
         return
     url = shlex.quote(f"{spec.control_url}/liveness")
-    yield StringCommand("sh", "-c", shlex.quote(
-        f"i=0; until curl -fsS --max-time 3 -o /dev/null {url}; do i=$((i+1)); "
-        f"if [ $i -ge {timeout_s} ]; then echo 'the router did not answer /liveness within {timeout_s} s' >&2; "
-        f"exit 1; fi; sleep 1; done"))
+    yield StringCommand(
+        "sh",
+        "-c",
+        shlex.quote(
+            f"i=0; until curl -fsS --max-time 3 -o /dev/null {url}; do i=$((i+1)); "
+            f"if [ $i -ge {timeout_s} ]; then echo 'the router did not answer /liveness within {timeout_s} s' >&2; "
+            f"exit 1; fi; sleep 1; done"
+        ),
+    )
 
 
 @operation()
@@ -160,13 +180,20 @@ def front_door(spec: RouterSpec, seen: RouterHost) -> Commands:
     script = render_session_script() if key else ""
     script_changed = key is not None and seen.session_script_sha256 != sha256(script)
     njs_missing = key is not None and not seen.njs
-    if seen.nginx and not changed and not script_changed and not njs_missing and not seen.default_site \
-            and seen.nginx_active:
+    if (
+        seen.nginx
+        and not changed
+        and not script_changed
+        and not njs_missing
+        and not seen.default_site
+        and seen.nginx_active
+    ):
         host.noop(f"nginx serves {spec.service}'s client API on port {spec.port}, and nothing else")
         return
     if not seen.nginx or njs_missing:
-        yield from apt.packages._inner(packages=["nginx", *([NJS_PACKAGE] if key else [])], update=True,
-                                       no_recommends=True)
+        yield from apt.packages._inner(
+            packages=["nginx", *([NJS_PACKAGE] if key else [])], update=True, no_recommends=True
+        )
     if key is not None and script_changed:
         yield StringCommand("install", "-d", "-m", "755", NGINX_SCRIPTS)
         yield AtomicUpload(as_io(script), key.script, "644")
@@ -208,8 +235,20 @@ def workers_in_step(spec: RouterSpec, seen: RouterHost, install: LockedInstall) 
         add = shlex.quote(f"{spec.control_url}/add_worker?url={quote(url, safe='')}")
         # The unit's rejoin may add it first, so a refused add is judged by the list.
         is_listed = f"curl -fsS --max-time 5 {listed} | grep -qF {shlex.quote(json.dumps(url))}"
-        yield StringCommand("sh", "-c", shlex.quote(
-            f"{is_listed} || curl -fsS -X POST --max-time {spec.worker_startup_timeout_s + 10} {add} || {is_listed}"))
+        yield StringCommand(
+            "sh",
+            "-c",
+            shlex.quote(
+                f"{is_listed} || curl -fsS -X POST --max-time {spec.worker_startup_timeout_s + 10} {add} || {is_listed}"
+            ),
+        )
     for url in sorted(live - wanted):
-        yield StringCommand("curl", "-fsS", "-X", "POST", "--max-time", "30",
-                            shlex.quote(f"{spec.control_url}/remove_worker?url={quote(url, safe='')}"))
+        yield StringCommand(
+            "curl",
+            "-fsS",
+            "-X",
+            "POST",
+            "--max-time",
+            "30",
+            shlex.quote(f"{spec.control_url}/remove_worker?url={quote(url, safe='')}"),
+        )

@@ -18,7 +18,9 @@ from gpufleet.router.wheels import INDEX_URL, LOCK_PATH, MACHINES, PYTHONS, REGE
 def main(argv: list[str] | None = None) -> int:
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     parser = argparse.ArgumentParser(prog=REGENERATE, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--version", action="append", help=f"router_version to lock (default {DEFAULTS['router_version']})")
+    parser.add_argument(
+        "--version", action="append", help=f"router_version to lock (default {DEFAULTS['router_version']})"
+    )
     parser.add_argument("--python", action="append", help=f"default: {', '.join(PYTHONS)} and this one ({here})")
     parser.add_argument("--machine", action="append", help=f"default: {', '.join(MACHINES)}")
     parser.add_argument("--index-url", default=INDEX_URL)

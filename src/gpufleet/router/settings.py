@@ -92,34 +92,65 @@ def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence
         if not (isinstance(s[key], int) and not isinstance(s[key], bool) and s[key] > 0):
             fail(key, f"{shown(s[key])} is not a positive whole number of seconds", "use e.g. 10")
     if s["router_policy"] not in POLICIES:
-        fail("router_policy", f"{shown(s['router_policy'])} is not a policy gpufleet runs", f"use one of {', '.join(POLICIES)}")
+        fail(
+            "router_policy",
+            f"{shown(s['router_policy'])} is not a policy gpufleet runs",
+            f"use one of {', '.join(POLICIES)}",
+        )
     if not (isinstance(s["router_version"], str) and _VERSION.fullmatch(s["router_version"])):
         fail("router_version", f"{shown(s['router_version'])} is not a release version", 'pin one, e.g. "0.1.17"')
     elif s["router_version"] not in wheels.releases():
-        fail("router_version", f"{s['router_version']} is not in gpufleet's lock of router wheels ({wheels.LOCK_SHOWN} "
-             f"has {', '.join(wheels.releases())})", f"pin a locked version, or lock it: {wheels.REGENERATE} --version "
-             f"{s['router_version']} (docs/router.md)")
+        fail(
+            "router_version",
+            f"{s['router_version']} is not in gpufleet's lock of router wheels ({wheels.LOCK_SHOWN} "
+            f"has {', '.join(wheels.releases())})",
+            f"pin a locked version, or lock it: {wheels.REGENERATE} --version {s['router_version']} (docs/router.md)",
+        )
     url = urlsplit(s["router_index_url"]) if isinstance(s["router_index_url"], str) else None
     if url is None or url.scheme not in ("http", "https") or not url.hostname or " " in s["router_index_url"]:
-        fail("router_index_url", f"{shown(s['router_index_url'])} is not an http(s) URL",
-             'use a PEP 503 index such as "https://pypi.org/simple"')
+        fail(
+            "router_index_url",
+            f"{shown(s['router_index_url'])} is not an http(s) URL",
+            'use a PEP 503 index such as "https://pypi.org/simple"',
+        )
     venv = s["router_venv"]
-    if not (isinstance(venv, str) and venv.startswith("/") and venv.rstrip("/") not in ("", "/usr", "/opt", "/etc")
-            and ".." not in venv.split("/") and re.fullmatch(r"[A-Za-z0-9_./+-]+", venv)):
-        fail("router_venv", f"{shown(venv)} is not a directory of its own", 'use an absolute path like "/opt/vllm-router"')
+    if not (
+        isinstance(venv, str)
+        and venv.startswith("/")
+        and venv.rstrip("/") not in ("", "/usr", "/opt", "/etc")
+        and ".." not in venv.split("/")
+        and re.fullmatch(r"[A-Za-z0-9_./+-]+", venv)
+    ):
+        fail(
+            "router_venv",
+            f"{shown(venv)} is not a directory of its own",
+            'use an absolute path like "/opt/vllm-router"',
+        )
     if not (isinstance(s["router_service"], str) and _SERVICE.fullmatch(s["router_service"])):
-        fail("router_service", f"{shown(s['router_service'])} is not a unit name",
-             'use letters, digits and "-", e.g. "vllm-router"')
+        fail(
+            "router_service",
+            f"{shown(s['router_service'])} is not a unit name",
+            'use letters, digits and "-", e.g. "vllm-router"',
+        )
     address = s["router_address"]
     if not _ip(address):
-        fail("router_address", f"{shown(address)} is not an IP address", 'use "0.0.0.0" (every interface) or one address')
+        fail(
+            "router_address", f"{shown(address)} is not an IP address", 'use "0.0.0.0" (every interface) or one address'
+        )
     if errors:
         raise SettingErrors(errors)
     return RouterSpec(
-        host=host, service=s["router_service"], venv=venv.rstrip("/"), version=s["router_version"],
-        index_url=s["router_index_url"], address=address, port=s["router_port"], metrics_port=s["router_metrics_port"],
+        host=host,
+        service=s["router_service"],
+        venv=venv.rstrip("/"),
+        version=s["router_version"],
+        index_url=s["router_index_url"],
+        address=address,
+        port=s["router_port"],
+        metrics_port=s["router_metrics_port"],
         internal_port=s["router_internal_port"],
-        policy=s["router_policy"], workers=tuple(workers),
+        policy=s["router_policy"],
+        workers=tuple(workers),
         health_check_interval_s=s["router_health_check_interval_s"],
         worker_startup_timeout_s=s["router_worker_startup_timeout_s"],
     )
@@ -134,21 +165,29 @@ def worker_url(name: str, data: Mapping[str, Any]) -> str:
     if chosen is None and publish is not None:
         ip = _ip(publish)
         if ip is not None and ip.is_loopback:
-            raise SettingError(name, "vllm_publish_address", f"{publish} keeps vLLM off the network, so no router can "
-                               "reach it", "set it to None or to an address the router reaches, or leave this host "
-                               "out of the router's inventory")
+            raise SettingError(
+                name,
+                "vllm_publish_address",
+                f"{publish} keeps vLLM off the network, so no router can reach it",
+                "set it to None or to an address the router reaches, or leave this host out of the router's inventory",
+            )
         if ip is not None and not ip.is_unspecified:
             chosen = publish
     if chosen is None:
         chosen = data.get("ssh_hostname") or name
     if not (isinstance(chosen, str) and (_ip(chosen) or _HOSTNAME.fullmatch(chosen))):
-        raise SettingError(name, "router_worker_address", f"{shown(chosen)} is not a host name or IP address",
-                           "set router_worker_address to the address the router reaches this host at")
+        raise SettingError(
+            name,
+            "router_worker_address",
+            f"{shown(chosen)} is not a host name or IP address",
+            "set router_worker_address to the address the router reaches this host at",
+        )
     return f"http://{url_host(chosen)}:{port}"
 
 
-def replicas(hosts: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]] | None = None
-             ) -> list[Replica]:
+def replicas(
+    hosts: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]] | None = None
+) -> list[Replica]:
     """The replicas among the inventory's non-router hosts, each with its URL, less the headless ranks of a replica
     group; SettingErrors naming every replica the router cannot address."""
     found, errors = [], []

@@ -56,31 +56,47 @@ class RouterSpec:
         """No worker, so that the router listens at once."""
         return [
             f"{self.venv}/bin/vllm-router",
-            "--host", LOOPBACK,
-            "--port", str(self.internal_port),
-            "--policy", self.policy,
-            "--prometheus-host", LOOPBACK,
-            "--prometheus-port", str(self.metrics_port),
-            "--health-check-interval-secs", str(self.health_check_interval_s),
-            "--worker-startup-timeout-secs", str(self.worker_startup_timeout_s),
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.internal_port),
+            "--policy",
+            self.policy,
+            "--prometheus-host",
+            LOOPBACK,
+            "--prometheus-port",
+            str(self.metrics_port),
+            "--health-check-interval-secs",
+            str(self.health_check_interval_s),
+            "--worker-startup-timeout-secs",
+            str(self.worker_startup_timeout_s),
         ]
 
     def fence_argv(self) -> list[str]:
         """One nftables transaction that replaces the fence's table."""
         table = f"inet {fence_table(self.internal_port)}"
-        rule = (f'oifname "lo" tcp dport {self.internal_port} meta skuid != {{ {", ".join(FENCE_USERS)} }} '
-                "reject with tcp reset")
-        return [NFT, f"table {table}; delete table {table}; table {table} {{ chain output {{ type filter hook "
-                     f"output priority 0; policy accept; {rule}; }}; }}"]
+        rule = (
+            f'oifname "lo" tcp dport {self.internal_port} meta skuid != {{ {", ".join(FENCE_USERS)} }} '
+            "reject with tcp reset"
+        )
+        return [
+            NFT,
+            f"table {table}; delete table {table}; table {table} {{ chain output {{ type filter hook "
+            f"output priority 0; policy accept; {rule}; }}; }}",
+        ]
 
     def rejoin_argv(self) -> list[str]:
         """After each (re)start, the members added back in the background."""
-        add = (f"curl -fsS -o /dev/null -G -X POST --max-time {self.worker_startup_timeout_s + 10} "
-               f"--data-urlencode \"url=$u\" {self.control_url}/add_worker")
-        script = (f"i=0; until curl -fs -o /dev/null --max-time 2 {self.control_url}/liveness; do i=$((i+1)); "
-                  f"[ $i -lt 60 ] || exit 0; sleep 0.5; done; "
-                  f"[ -r {self.members_file} ] || exit 0; "
-                  f"while read -r u; do [ -n \"$u\" ] && {{ {add} & }}; done < {self.members_file}; exit 0")
+        add = (
+            f"curl -fsS -o /dev/null -G -X POST --max-time {self.worker_startup_timeout_s + 10} "
+            f'--data-urlencode "url=$u" {self.control_url}/add_worker'
+        )
+        script = (
+            f"i=0; until curl -fs -o /dev/null --max-time 2 {self.control_url}/liveness; do i=$((i+1)); "
+            f"[ $i -lt 60 ] || exit 0; sleep 0.5; done; "
+            f"[ -r {self.members_file} ] || exit 0; "
+            f'while read -r u; do [ -n "$u" ] && {{ {add} & }}; done < {self.members_file}; exit 0'
+        )
         return ["/bin/sh", "-c", script]
 
     @property
@@ -105,8 +121,19 @@ class RouterSpec:
 
     def pip_install_argv(self, venv_dir: str, requirements: str) -> list[str]:
         """Exactly the lock's wheels; their hashes vouch for a plain-HTTP mirror."""
-        argv = [f"{venv_dir}/bin/pip", "install", "--disable-pip-version-check", "--no-input", "--quiet",
-                "--require-hashes", "--only-binary", ":all:", "--no-deps", "--index-url", self.index_url]
+        argv = [
+            f"{venv_dir}/bin/pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-input",
+            "--quiet",
+            "--require-hashes",
+            "--only-binary",
+            ":all:",
+            "--no-deps",
+            "--index-url",
+            self.index_url,
+        ]
         url = urlsplit(self.index_url)
         if url.scheme == "http" and url.hostname:
             argv += ["--trusted-host", url.hostname]

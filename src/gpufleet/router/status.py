@@ -67,10 +67,15 @@ def read(router: Router, policy: str | None = None) -> RouterStatus:
         elif name == "vllm_router_requests_total":
             requests = (requests or 0) + int(value)
     rows = tuple(
-        WorkerRow(url=str(w.get("url")), healthy=bool(w.get("is_healthy")),
-                  load=w.get("load") if isinstance(w.get("load"), int) else None,
-                  routed=routed.get(str(w.get("url")), 0), running=running.get(str(w.get("url"))))
-        for w in listed if isinstance(w, dict)
+        WorkerRow(
+            url=str(w.get("url")),
+            healthy=bool(w.get("is_healthy")),
+            load=w.get("load") if isinstance(w.get("load"), int) else None,
+            routed=routed.get(str(w.get("url")), 0),
+            running=running.get(str(w.get("url"))),
+        )
+        for w in listed
+        if isinstance(w, dict)
     )
     ready = bool(rows) and any(r.healthy for r in rows)
     detail = "" if ready else ("no workers" if not rows else "no healthy worker")
@@ -78,16 +83,20 @@ def read(router: Router, policy: str | None = None) -> RouterStatus:
         fenced: bool | None = router.fenced()
     except RouterError:
         fenced = None
-    return RouterStatus(router.name, "ready" if ready else "not-ready", detail, policy, rows, requests, outcomes,
-                        fenced=fenced)
+    return RouterStatus(
+        router.name, "ready" if ready else "not-ready", detail, policy, rows, requests, outcomes, fenced=fenced
+    )
 
 
 def front_door(transport: Transport, data: Mapping[str, Any]) -> str:
     """GET /health on the client port, from the router host itself."""
     s = router_settings(data)
     try:
-        return str(fetch(transport, int(s["router_port"]), "/health", timeout=5,
-                         address=reach_address(s["router_address"])).status)
+        return str(
+            fetch(
+                transport, int(s["router_port"]), "/health", timeout=5, address=reach_address(s["router_address"])
+            ).status
+        )
     except Exception as error:  # the row says so
         return excerpt(f"{type(error).__name__}: {error}", 120)
 
@@ -95,8 +104,13 @@ def front_door(transport: Transport, data: Mapping[str, Any]) -> str:
 def connect(name: str, data: Mapping[str, Any]) -> Router:
     """A Router over the host's SSH connection; the caller closes router.transport.client."""
     s = router_settings(data)
-    return Router(name, open_ssh(name, data), int(s["router_internal_port"]), int(s["router_metrics_port"]),
-                  members_path(str(s["router_service"])))
+    return Router(
+        name,
+        open_ssh(name, data),
+        int(s["router_internal_port"]),
+        int(s["router_metrics_port"]),
+        members_path(str(s["router_service"])),
+    )
 
 
 def read_host(name: str, data: Mapping[str, Any]) -> RouterStatus:

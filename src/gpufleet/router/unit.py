@@ -52,12 +52,18 @@ def render_session_script() -> str:
 
 
 def render_unit(spec: RouterSpec) -> str:
-    return render_template("vllm-router.service.j2", spec=spec, exec_start=systemd_exec(spec.argv()),
-                           fence=systemd_exec(spec.fence_argv()), rejoin=systemd_exec(spec.rejoin_argv()))
+    return render_template(
+        "vllm-router.service.j2",
+        spec=spec,
+        exec_start=systemd_exec(spec.argv()),
+        fence=systemd_exec(spec.fence_argv()),
+        rejoin=systemd_exec(spec.rejoin_argv()),
+    )
 
 
 def render_proxy(spec: RouterSpec, scripts: str = NGINX_SCRIPTS) -> str:
     """The nginx site that passes on the client API only."""
     listen = str(spec.port) if spec.address == "0.0.0.0" else f"{url_host(spec.address)}:{spec.port}"
-    return render_template("vllm-router-nginx.conf.j2", spec=spec, listen=listen,
-                           session_key=session_key(spec, scripts))
+    return render_template(
+        "vllm-router-nginx.conf.j2", spec=spec, listen=listen, session_key=session_key(spec, scripts)
+    )

@@ -33,8 +33,15 @@ LOCK = wheel_lock.LockFile(PACKAGE, LOCK_PATH, LOCK_SHOWN, REGENERATE, "router_v
 class LockedInstall(wheel_lock.LockedInstall):
     """The lock's wheels for one router host."""
 
-    def __init__(self, version: str, python: str, machine: str, wheels: tuple[Wheel, ...],
-                 package: str = PACKAGE, shown: str = LOCK_SHOWN) -> None:
+    def __init__(
+        self,
+        version: str,
+        python: str,
+        machine: str,
+        wheels: tuple[Wheel, ...],
+        package: str = PACKAGE,
+        shown: str = LOCK_SHOWN,
+    ) -> None:
         super().__init__(version, python, machine, wheels, package, shown)
 
 
@@ -47,8 +54,9 @@ def releases(lock: Mapping[str, Any] | None = None) -> list[str]:
     return wheel_lock.releases(lock if lock is not None else load())
 
 
-def locked_install(host: str, version: str, python: str | None, machine: str | None,
-                   lock: Mapping[str, Any] | None = None) -> LockedInstall:
+def locked_install(
+    host: str, version: str, python: str | None, machine: str | None, lock: Mapping[str, Any] | None = None
+) -> LockedInstall:
     """The lock's wheels for a host; SettingError when it has none."""
     found = wheel_lock.locked_install(LOCK, host, version, python, machine, lock)
     return LockedInstall(found.version, found.python, found.machine, found.wheels)
@@ -63,8 +71,9 @@ def closure(wheels: Mapping[str, Path], python: str, machine: str) -> set[str]:
     return wheel_lock.closure(PACKAGE, wheels, python, machine)
 
 
-def generate(versions: Iterable[str], pythons: Iterable[str], machines: Iterable[str],
-             index_url: str = INDEX_URL) -> dict[str, Any]:
+def generate(
+    versions: Iterable[str], pythons: Iterable[str], machines: Iterable[str], index_url: str = INDEX_URL
+) -> dict[str, Any]:
     return wheel_lock.generate(LOCK, versions, pythons, machines, index_url)
 
 

@@ -16,8 +16,13 @@ POLL_S = 0.5
 
 def in_flight(router: Router, url: str) -> int:
     """Requests the router has in flight to `url` now."""
-    return int(sum(value for name, labels, value in router.metrics()
-                   if name == "vllm_router_running_requests" and labels.get("worker") == url))
+    return int(
+        sum(
+            value
+            for name, labels, value in router.metrics()
+            if name == "vllm_router_running_requests" and labels.get("worker") == url
+        )
+    )
 
 
 def leave(router: Router, url: str, drain_timeout_s: float = 60.0) -> float:
@@ -50,8 +55,15 @@ def record(router: Router) -> None:
         return
     text = "".join(f"{url}\n" for url in router.list_workers())
     directory = posixpath.dirname(router.members_file)
-    status, _, err = router.as_root(f"printf %s {shlex.quote(text)} | {{ install -d -m 755 {shlex.quote(directory)} "
-                                    f"&& {atomic_write_command(router.members_file)}; }}", 30.0)
+    status, _, err = router.as_root(
+        f"printf %s {shlex.quote(text)} | {{ install -d -m 755 {shlex.quote(directory)} "
+        f"&& {atomic_write_command(router.members_file)}; }}",
+        30.0,
+    )
     if status != 0:
-        raise RouterError(one_line(f"{router.name}: could not record its workers in {router.members_file}: "
-                                   f"{err.strip() or f'exit status {status}'}"))
+        raise RouterError(
+            one_line(
+                f"{router.name}: could not record its workers in {router.members_file}: "
+                f"{err.strip() or f'exit status {status}'}"
+            )
+        )

@@ -23,8 +23,9 @@ class ThrowawayKey:
     def __enter__(self) -> ThrowawayKey:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         run(["gpgconf", "--homedir", str(self.home), "--kill", "all"], env=self._env, check=False)
         shutil.rmtree(self.home, ignore_errors=True)
 

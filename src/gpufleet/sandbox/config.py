@@ -58,8 +58,10 @@ class FleetConfig:
     def __post_init__(self) -> None:
         # Interface names have at most 15 characters (IFNAMSIZ).
         if len(self.bridge) > MAX_BRIDGE_NAME:
-            raise ValueError(f"fleet {self.name}: bridge name {self.bridge!r} is longer than {MAX_BRIDGE_NAME} "
-                             f"characters (fix: a shorter one, so its hosts' links <bridge>-<i> fit 15)")
+            raise ValueError(
+                f"fleet {self.name}: bridge name {self.bridge!r} is longer than {MAX_BRIDGE_NAME} "
+                f"characters (fix: a shorter one, so its hosts' links <bridge>-<i> fit 15)"
+            )
 
     @property
     def gateway(self) -> str:
@@ -120,5 +122,9 @@ def sandbox_config() -> FleetConfig:
 
 def test_config(state_dir: Path | None = None) -> FleetConfig:
     return FleetConfig(
-        name="test", bridge="gf-test", net="10.213.1", host_prefix="gft", state_dir=state_dir or Path("/var/lib/gpufleet/test")
+        name="test",
+        bridge="gf-test",
+        net="10.213.1",
+        host_prefix="gft",
+        state_dir=state_dir or Path("/var/lib/gpufleet/test"),
     )

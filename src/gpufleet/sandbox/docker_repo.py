@@ -134,7 +134,9 @@ def _source_debs(mirror: Path) -> dict[str, Path]:
     for name in SOURCES:
         debs = sorted(mirror.glob(f"{name}_*.deb"))
         if not debs:
-            raise SandboxError(f"the Debian mirror {mirror} has no {name} package to build the Docker repo stand-in from")
+            raise SandboxError(
+                f"the Debian mirror {mirror} has no {name} package to build the Docker repo stand-in from"
+            )
         found[name] = debs[-1]
     return found
 
@@ -178,8 +180,10 @@ def _build_repo(cache_dir: Path, root: Path, sources: dict[str, Path], arch: str
     with tempfile.TemporaryDirectory(dir=cache_dir) as work:
         _build_packages(Path(work), sources, arch, pool)
     # The private key stays out of the served tree.
-    with ThrowawayKey(root.with_name(root.name + ".gnupg"),
-                      "Docker repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>") as key:
+    with ThrowawayKey(
+        root.with_name(root.name + ".gnupg"),
+        "Docker repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>",
+    ) as key:
         (debian / "gpg").write_text(key.armored_public_key())
         _index(debian, arch)
         key.sign_release(debian / "dists" / SUITE)
@@ -196,15 +200,23 @@ def _build_packages(work: Path, sources: dict[str, Path], arch: str, pool: Path)
         src[name] = work / "src" / name
         src[name].mkdir(parents=True)
         run(["dpkg-deb", "-x", str(deb), str(src[name])])
-    docker_version = f"5:{upstream_version(_deb_field(sources['docker.io'], 'Version'))}-1~{OS_ID}.{OS_VERSION_ID}~{SUITE}"
+    docker_version = (
+        f"5:{upstream_version(_deb_field(sources['docker.io'], 'Version'))}-1~{OS_ID}.{OS_VERSION_ID}~{SUITE}"
+    )
     containerd_version = f"{upstream_version(_deb_field(sources['containerd'], 'Version'))}-1"
     plugin_version = f"0.0.0-1~{OS_ID}.{OS_VERSION_ID}~{SUITE}"
     engine_conflicts = "docker (<< 1.5~), docker-engine, docker.io"
 
-    def package(name: str, version: str, files: dict[str, Path | str], control: dict[str, str], description: str,
-                scripts: dict[str, str] | None = None, conffiles: tuple[str, ...] = (),
-                origin: str = "Repackaged by the gpufleet sandbox from Debian's binaries under Docker's package name.",
-                ) -> None:
+    def package(
+        name: str,
+        version: str,
+        files: dict[str, Path | str],
+        control: dict[str, str],
+        description: str,
+        scripts: dict[str, str] | None = None,
+        conffiles: tuple[str, ...] = (),
+        origin: str = "Repackaged by the gpufleet sandbox from Debian's binaries under Docker's package name.",
+    ) -> None:
         pkg = work / "pkg" / name
         for dest, content in files.items():
             target = pkg / dest
@@ -216,9 +228,17 @@ def _build_packages(work: Path, sources: dict[str, Path], arch: str, pool: Path)
                 target.chmod(0o755 if content.startswith("#!") else 0o644)
         (pkg / "DEBIAN").mkdir(parents=True)
         size_kib = sum(f.stat().st_size for f in pkg.rglob("*") if f.is_file()) // 1024 + 1
-        fields = {"Package": name, "Version": version, "Architecture": arch, "Maintainer": MAINTAINER,
-                  "Installed-Size": str(size_kib), "Section": "admin", "Priority": "optional",
-                  "Homepage": "https://www.docker.com", **control}
+        fields = {
+            "Package": name,
+            "Version": version,
+            "Architecture": arch,
+            "Maintainer": MAINTAINER,
+            "Installed-Size": str(size_kib),
+            "Section": "admin",
+            "Priority": "optional",
+            "Homepage": "https://www.docker.com",
+            **control,
+        }
         text = "".join(f"{k}: {v}\n" for k, v in fields.items() if v)
         (pkg / "DEBIAN/control").write_text(f"{text}Description: {description}\n {origin}\n")
         for script, body in (scripts or {}).items():
@@ -227,46 +247,85 @@ def _build_packages(work: Path, sources: dict[str, Path], arch: str, pool: Path)
         if conffiles:
             (pkg / "DEBIAN/conffiles").write_text("".join(f"/{c}\n" for c in conffiles))
         # Read over loopback: speed over size.
-        run(["dpkg-deb", "-Zgzip", "-z1", "--root-owner-group", "--build", str(pkg),
-             str(pool / f"{name}_{version.split(':', 1)[-1]}_{arch}.deb")])
+        run(
+            [
+                "dpkg-deb",
+                "-Zgzip",
+                "-z1",
+                "--root-owner-group",
+                "--build",
+                str(pkg),
+                str(pool / f"{name}_{version.split(':', 1)[-1]}_{arch}.deb"),
+            ]
+        )
 
     containerd, runc, docker, tini = src["containerd"], src["runc"], src["docker.io"], src["tini"]
     package(
-        "containerd.io", containerd_version,
-        {**{f"usr/bin/{b.name}": b for b in sorted((containerd / "usr/bin").iterdir())},
-         "usr/bin/runc": runc / "usr/sbin/runc",
-         "lib/systemd/system/containerd.service": (containerd / "lib/systemd/system/containerd.service").read_text(),
-         "etc/containerd/config.toml": CONTAINERD_CONFIG},
-        {"Depends": "libc6 (>= 2.34), libseccomp2 (>= 2.5.0)", "Provides": "containerd, runc",
-         "Conflicts": "containerd, runc", "Replaces": "containerd, runc", "Homepage": "https://containerd.io"},
+        "containerd.io",
+        containerd_version,
+        {
+            **{f"usr/bin/{b.name}": b for b in sorted((containerd / "usr/bin").iterdir())},
+            "usr/bin/runc": runc / "usr/sbin/runc",
+            "lib/systemd/system/containerd.service": (containerd / "lib/systemd/system/containerd.service").read_text(),
+            "etc/containerd/config.toml": CONTAINERD_CONFIG,
+        },
+        {
+            "Depends": "libc6 (>= 2.34), libseccomp2 (>= 2.5.0)",
+            "Provides": "containerd, runc",
+            "Conflicts": "containerd, runc",
+            "Replaces": "containerd, runc",
+            "Homepage": "https://containerd.io",
+        },
         "An open and reliable container runtime",
-        scripts=_systemd_scripts("containerd.service"), conffiles=("etc/containerd/config.toml",),
+        scripts=_systemd_scripts("containerd.service"),
+        conffiles=("etc/containerd/config.toml",),
     )
     package(
-        "docker-ce-cli", docker_version, {"usr/bin/docker": docker / "usr/bin/docker"},
-        {"Depends": "libc6 (>= 2.34)", "Recommends": "docker-buildx-plugin, docker-compose-plugin",
-         "Conflicts": engine_conflicts, "Replaces": "docker-ce (<< 5:0)", "Breaks": "docker-ce (<< 5:0)"},
+        "docker-ce-cli",
+        docker_version,
+        {"usr/bin/docker": docker / "usr/bin/docker"},
+        {
+            "Depends": "libc6 (>= 2.34)",
+            "Recommends": "docker-buildx-plugin, docker-compose-plugin",
+            "Conflicts": engine_conflicts,
+            "Replaces": "docker-ce (<< 5:0)",
+            "Breaks": "docker-ce (<< 5:0)",
+        },
         "Docker CLI: the open-source application container engine",
     )
     package(
-        "docker-ce", docker_version,
-        {"usr/bin/dockerd": docker / "usr/sbin/dockerd", "usr/bin/docker-proxy": docker / "usr/sbin/docker-proxy",
-         "usr/bin/docker-init": tini / "usr/bin/tini-static",
-         "lib/systemd/system/docker.service": DOCKER_SERVICE, "lib/systemd/system/docker.socket": DOCKER_SOCKET},
-        {"Pre-Depends": "init-system-helpers (>= 1.54~)",
-         "Depends": "containerd.io (>= 1.6), docker-ce-cli, iptables, libc6 (>= 2.34), "
-                    "libdevmapper1.02.1 (>= 2:1.02.97), libseccomp2 (>= 2.3.0), libsystemd0",
-         "Recommends": "apparmor, ca-certificates, docker-ce-rootless-extras, git, pigz, procps, xz-utils",
-         "Conflicts": engine_conflicts, "Replaces": "docker-engine"},
+        "docker-ce",
+        docker_version,
+        {
+            "usr/bin/dockerd": docker / "usr/sbin/dockerd",
+            "usr/bin/docker-proxy": docker / "usr/sbin/docker-proxy",
+            "usr/bin/docker-init": tini / "usr/bin/tini-static",
+            "lib/systemd/system/docker.service": DOCKER_SERVICE,
+            "lib/systemd/system/docker.socket": DOCKER_SOCKET,
+        },
+        {
+            "Pre-Depends": "init-system-helpers (>= 1.54~)",
+            "Depends": "containerd.io (>= 1.6), docker-ce-cli, iptables, libc6 (>= 2.34), "
+            "libdevmapper1.02.1 (>= 2:1.02.97), libseccomp2 (>= 2.3.0), libsystemd0",
+            "Recommends": "apparmor, ca-certificates, docker-ce-rootless-extras, git, pigz, procps, xz-utils",
+            "Conflicts": engine_conflicts,
+            "Replaces": "docker-engine",
+        },
         "Docker: the open-source application container engine",
         scripts=_systemd_scripts("docker.socket docker.service", first_install=DOCKER_GROUP),
     )
-    for name, what, cmd in (("docker-buildx-plugin", "Docker Buildx", "buildx"),
-                            ("docker-compose-plugin", "Docker Compose v2", "compose")):
-        package(name, plugin_version,
-                {f"usr/libexec/docker/cli-plugins/docker-{cmd}": PLUGIN.format(name=name, what=what, cmd=cmd)},
-                {"Enhances": "docker-ce-cli"}, f"{what} cli plugin (gpufleet sandbox stand-in)",
-                origin="A script that answers the CLI's plugin metadata call and says it is a stand-in.")
+    for name, what, cmd in (
+        ("docker-buildx-plugin", "Docker Buildx", "buildx"),
+        ("docker-compose-plugin", "Docker Compose v2", "compose"),
+    ):
+        package(
+            name,
+            plugin_version,
+            {f"usr/libexec/docker/cli-plugins/docker-{cmd}": PLUGIN.format(name=name, what=what, cmd=cmd)},
+            {"Enhances": "docker-ce-cli"},
+            f"{what} cli plugin (gpufleet sandbox stand-in)",
+            origin="A script that answers the CLI's plugin metadata call and says it is a stand-in.",
+        )
 
 
 def _index(debian: Path, arch: str) -> None:
@@ -278,11 +337,18 @@ def _index(debian: Path, arch: str) -> None:
     packages = run(["apt-ftparchive", "packages", f"dists/{SUITE}/pool/{COMPONENT}/{arch}"], cwd=debian).stdout
     (binary / "Packages").write_text(packages)
     run(["gzip", "-kf", "Packages"], cwd=binary)
-    (binary / "Release").write_text(f"Archive: {SUITE}\nComponent: {COMPONENT}\nOrigin: Docker\nLabel: Docker CE\n"
-                                    f"Architecture: {arch}\n")
-    fields = {"Origin": "Docker", "Label": "Docker CE", "Suite": SUITE, "Codename": SUITE,
-              "Architectures": arch, "Components": COMPONENT,
-              "Description": f"Docker CE packages for Debian {SUITE} (gpufleet sandbox stand-in)"}
+    (binary / "Release").write_text(
+        f"Archive: {SUITE}\nComponent: {COMPONENT}\nOrigin: Docker\nLabel: Docker CE\nArchitecture: {arch}\n"
+    )
+    fields = {
+        "Origin": "Docker",
+        "Label": "Docker CE",
+        "Suite": SUITE,
+        "Codename": SUITE,
+        "Architectures": arch,
+        "Components": COMPONENT,
+        "Description": f"Docker CE packages for Debian {SUITE} (gpufleet sandbox stand-in)",
+    }
     options = [a for k, v in fields.items() for a in ("-o", f"APT::FTPArchive::Release::{k}={v}")]
     release = run(["apt-ftparchive", *options, "release", "."], cwd=dists).stdout
     (dists / "Release").write_text(release)

@@ -110,8 +110,9 @@ class Fleet:
         self.timings["docker_repo"] = time.monotonic() - t0
         pypi = router_index.ensure_index(cfg.cache_dir)
         olah = router_index.ensure_mirror_index(cfg.cache_dir)
-        services.serve_files(cfg, self.state, {"debian": base.debs, "nvidia": repo, "docker": docker, "pypi": pypi,
-                                               "pypi-mirror": olah})
+        services.serve_files(
+            cfg, self.state, {"debian": base.debs, "nvidia": repo, "docker": docker, "pypi": pypi, "pypi-mirror": olah}
+        )
         services.serve_registry(cfg, self.state)
         tiny = cfg.state_dir / "tiny-model"
         image.write_tiny_model(tiny)
@@ -156,10 +157,13 @@ class Fleet:
         return up
 
     def _boot_diagnostics(self, h: Host) -> str:
-        console = (h.dir / "console.log").read_text(errors="replace")[-1500:] if (h.dir / "console.log").exists() else ""
+        console = (
+            (h.dir / "console.log").read_text(errors="replace")[-1500:] if (h.dir / "console.log").exists() else ""
+        )
         try:
-            jobs = hostmod.run_in(self.state, h, "systemctl list-jobs --no-pager; systemctl --failed --no-pager",
-                                  check=False, timeout=15).stdout
+            jobs = hostmod.run_in(
+                self.state, h, "systemctl list-jobs --no-pager; systemctl --failed --no-pager", check=False, timeout=15
+            ).stdout
         except Exception as error:  # never mask the boot failure itself
             jobs = f"(could not enter the host: {error})"
         return f"console tail:\n{console}\nsystemd jobs:\n{jobs}"

@@ -1,8 +1,8 @@
 """GPU faults injected into a running test host, in NVIDIA's documented formats: nvidia-smi fields, Xid lines.
 
-    inject(host.root, 1, "remap-pending")         # GPU 1: remapped_rows.pending=Yes
-    log_xid(host.root, 2, 79)                     # GPU 2 fell off the bus, now
-    clear(host.root)                              # as after a reboot
+inject(host.root, 1, "remap-pending")         # GPU 1: remapped_rows.pending=Yes
+log_xid(host.root, 2, 79)                     # GPU 2 fell off the bus, now
+clear(host.root)                              # as after a reboot
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ FAULTS: dict[str, dict[str, str]] = {
 XID_TEXT = {
     13: "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address",
     31: "Ch 00000008, intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f12_34560000. "
-        "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
+    "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
     43: "Ch 00000008",
     45: "Ch 00000008",
     48: "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, "
-        "subpartition 0.",
+    "subpartition 0.",
     63: "Row Remapper: New row (0x00000000000a1b2c) marked for remapping, reset gpu to activate.",
     64: "Row Remapper: Failed to mark row (0x00000000000a1b2c) for remapping.",
     74: "NVLink: fatal error detected on link 3(0x10000, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0)",
@@ -55,7 +55,7 @@ XID_TEXT = {
     94: "Contained: CE User Channel (0x2). RST: No, D-RST: No",
     95: "Uncontained: FBHUB. RST: Yes, D-RST: No",
     119: "Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL) "
-         "(0x20801813 0x4c).",
+    "(0x20801813 0x4c).",
     120: "GSP task exception: GSP Error: Task 1 raised error code 0x5 for reason 0x0 at 0x1a2b3c.",
     154: "GPU recovery action changed from 0x0 (None) to 0x1 (Reset).",
 }
@@ -92,8 +92,9 @@ def bus_id(root: Path, gpu: int) -> str:
     return str(json.loads(_profile(root).read_text())["gpus"][gpu]["bus_id"])
 
 
-def xid_lines(bus: str, code: int, at: float, text: str | None = None, pid: int = 2201,
-              process: str = "python3") -> list[str]:
+def xid_lines(
+    bus: str, code: int, at: float, text: str | None = None, pid: int = 2201, process: str = "python3"
+) -> list[str]:
     """The driver's kernel log lines for Xid `code` on the GPU at `bus`."""
     domain, bus_no, device = bus.lower().split(".")[0].split(":")
     where = f"{domain[-4:]}:{bus_no}:{device}"

@@ -44,8 +44,15 @@ class Host:
 
 def make(cfg: FleetConfig, i: int, gpus: Gpus, role: str = "replica") -> Host:
     name = cfg.host_name(i)
-    return Host(name=name, index=i, ip=cfg.host_ip(i), netns=cfg.netns(name), dir=cfg.state_dir / "hosts" / name, gpus=gpus,
-                role=role)
+    return Host(
+        name=name,
+        index=i,
+        ip=cfg.host_ip(i),
+        netns=cfg.netns(name),
+        dir=cfg.state_dir / "hosts" / name,
+        gpus=gpus,
+        role=role,
+    )
 
 
 def ssh_argv(host: Host, key: Path, *command: str, user: str = "deploy") -> list[str]:
@@ -93,7 +100,9 @@ def _personalise(cfg: FleetConfig, host: Host, key: Path) -> None:
     r = host.root
     (r / "etc/hostname").write_text(host.name + "\n")
     # Without 127.0.1.1 <hostname> every sudo waits on DNS.
-    (r / "etc/hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{host.name}\n::1\tlocalhost ip6-localhost ip6-loopback\n")
+    (r / "etc/hosts").write_text(
+        f"127.0.0.1\tlocalhost\n127.0.1.1\t{host.name}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+    )
     (r / "etc/resolv.conf").write_text("")  # no lookup ever leaves the machine
     (r / "etc/machine-id").write_text(secrets.token_hex(16) + "\n")
     (r / "var/log/journal").mkdir(parents=True, exist_ok=True)  # persistent, so the machine can read it
@@ -160,8 +169,13 @@ def wait_ready(host: Host, key: Path, pid: int, timeout: float = 120) -> str:
             raise SandboxError(f"{host.name}: systemd-nspawn exited during boot: {tail!r}")
         try:
             # Bound each --wait, so a stuck boot surfaces as our timeout.
-            out = subprocess.run(ssh_argv(host, key, "systemctl", "is-system-running", "--wait"),
-                                 stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=20)
+            out = subprocess.run(
+                ssh_argv(host, key, "systemctl", "is-system-running", "--wait"),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
         except subprocess.TimeoutExpired:
             return None
         return out.stdout.strip() if out.stdout.strip() in ("running", "degraded") else None
@@ -204,9 +218,25 @@ def leader_pid(state: State, host: Host) -> int:
     return int(kids[0])
 
 
-def run_in(state: State, host: Host, command: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_in(
+    state: State, host: Host, command: str, check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """Run a shell command as root inside the host, without SSH."""
-    argv = ["nsenter", "-t", str(leader_pid(state, host)), "-m", "-u", "-i", "-n", "-p", "-C", "--", "/bin/sh", "-c", command]
+    argv = [
+        "nsenter",
+        "-t",
+        str(leader_pid(state, host)),
+        "-m",
+        "-u",
+        "-i",
+        "-n",
+        "-p",
+        "-C",
+        "--",
+        "/bin/sh",
+        "-c",
+        command,
+    ]
     return run(argv, check=check, timeout=timeout)
 
 

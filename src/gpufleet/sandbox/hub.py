@@ -50,8 +50,11 @@ class RepoFile:
     def tree_entry(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"type": "file", "oid": self.blob_id, "size": self.size, "path": self.path}
         if self.sha256:
-            entry["lfs"] = {"oid": self.sha256, "size": self.size, "pointerSize": len(lfs_pointer(self.sha256,
-                                                                                                 self.size))}
+            entry["lfs"] = {
+                "oid": self.sha256,
+                "size": self.size,
+                "pointerSize": len(lfs_pointer(self.sha256, self.size)),
+            }
         return entry
 
 
@@ -113,7 +116,6 @@ def resolve(root: Path, repo: str, revision: str) -> str | None:
 
 @dataclass(frozen=True)
 class Request:
-
     client: str
     method: str
     path: str
@@ -134,8 +136,11 @@ def requests(log: Path, since: int = 0) -> list[Request]:
     with log.open("rb") as f:
         f.seek(since)
         lines = f.read().decode(errors="replace").splitlines()
-    return [Request(p[0], p[1], p[2], int(p[3]), int(p[4]), float(p[5])) for p in (line.split(" ") for line in lines)
-            if len(p) == 6]
+    return [
+        Request(p[0], p[1], p[2], int(p[3]), int(p[4]), float(p[5]))
+        for p in (line.split(" ") for line in lines)
+        if len(p) == 6
+    ]
 
 
 def served_bytes(log: Path, since: int = 0) -> dict[str, int]:
@@ -183,8 +188,10 @@ class HubHandler(BaseHTTPRequestHandler):
         if self.log_path is None:
             return
         with self.log_lock, self.log_path.open("a") as f:
-            f.write(f"{self.client_address[0]} {self.command} {urlsplit(self.path).path} {status} {sent} "
-                    f"{time.time():.3f}\n")
+            f.write(
+                f"{self.client_address[0]} {self.command} {urlsplit(self.path).path} {status} {sent} "
+                f"{time.time():.3f}\n"
+            )
 
     def _error(self, status: int, code: str, message: str) -> None:
         body = json.dumps({"error": message}).encode()
@@ -242,20 +249,40 @@ class HubHandler(BaseHTTPRequestHandler):
                 return
             files = listing(self.root, repo, sha)
             blobs = query.get("blobs", ["false"])[0].lower() == "true"
-            siblings = [{"rfilename": f.path, **({"size": f.size, "blobId": f.blob_id} if blobs else {}),
-                         **({"lfs": {"sha256": f.sha256, "size": f.size,
-                                     "pointerSize": len(lfs_pointer(f.sha256, f.size))}}
-                            if blobs and f.sha256 else {})} for f in files]
-            self._json({"_id": sha[:24], "id": repo, "modelId": repo, "sha": sha, "private": False, "gated": False,
-                        "disabled": False, "tags": [], "siblings": siblings})
+            siblings = [
+                {
+                    "rfilename": f.path,
+                    **({"size": f.size, "blobId": f.blob_id} if blobs else {}),
+                    **(
+                        {"lfs": {"sha256": f.sha256, "size": f.size, "pointerSize": len(lfs_pointer(f.sha256, f.size))}}
+                        if blobs and f.sha256
+                        else {}
+                    ),
+                }
+                for f in files
+            ]
+            self._json(
+                {
+                    "_id": sha[:24],
+                    "id": repo,
+                    "modelId": repo,
+                    "sha": sha,
+                    "private": False,
+                    "gated": False,
+                    "disabled": False,
+                    "tags": [],
+                    "siblings": siblings,
+                }
+            )
         elif rest[0] == "tree" and len(rest) >= 2:
             sha = self._revision(repo, rest[1])
             if sha is None or repo is None:
                 return
             under = "/".join(rest[2:])
             recursive = query.get("recursive", ["false"])[0].lower() == "true"
-            entries = [f.tree_entry() for f in listing(self.root, repo, sha)
-                       if not under or f.path.startswith(under + "/")]
+            entries = [
+                f.tree_entry() for f in listing(self.root, repo, sha) if not under or f.path.startswith(under + "/")
+            ]
             if not recursive:
                 depth = under.count("/") + 1 if under else 0
                 entries = [e for e in entries if e["path"].count("/") == depth]

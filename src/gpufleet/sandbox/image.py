@@ -50,8 +50,16 @@ COMMON_ENV = {
     "PYTHONUNBUFFERED": "1",
     "PYTHONPATH": "/opt/gpufleet-standin",  # for the rollout's compile-hash check
 }
-VLLM_MODULES = ("vllm_serve.py", "vllm_argv.py", "vllm_engine.py", "vllm_chat.py", "vllm_http.py", "vllm_compile_cache.py",
-                "vllm_envs.py", "vllm_group.py")
+VLLM_MODULES = (
+    "vllm_serve.py",
+    "vllm_argv.py",
+    "vllm_engine.py",
+    "vllm_chat.py",
+    "vllm_http.py",
+    "vllm_compile_cache.py",
+    "vllm_envs.py",
+    "vllm_group.py",
+)
 # The image's /opt (name -> source); the image's key hashes every one.
 SOURCES = {**{name: STANDIN / name for name in VLLM_MODULES}, "hf.py": STANDIN / "hf.py", "vllm_flags.json": FLAGS_JSON}
 
@@ -215,7 +223,10 @@ def _copy_libraries(base: Path, root: Path) -> None:
     targets += [f"/{p.relative_to(base)}" for p in (base / "usr/lib/python3.11/lib-dynload").glob("*.so")]
     out = run(["chroot", str(base), "ldd", *targets], check=False).stdout
     libs = {
-        tok for line in out.splitlines() for tok in line.split() if tok.startswith("/") and ".so" in tok and not tok.endswith(":")
+        tok
+        for line in out.splitlines()
+        for tok in line.split()
+        if tok.startswith("/") and ".so" in tok and not tok.endswith(":")
     } | dlopened
     for lib in sorted(libs):
         dst = root / ("usr" + lib if not lib.startswith("/usr/") else lib[1:]).lstrip("/")

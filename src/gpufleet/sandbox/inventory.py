@@ -14,8 +14,9 @@ from gpufleet.sandbox.config import FleetConfig
 from gpufleet.sandbox.hosts import Host
 
 
-def inventory_document(cfg: FleetConfig, hosts: list[Host], key: Path, site_cache: tuple[str, ...] = ()
-                       ) -> dict[str, Any]:
+def inventory_document(
+    cfg: FleetConfig, hosts: list[Host], key: Path, site_cache: tuple[str, ...] = ()
+) -> dict[str, Any]:
     return {
         "fleet": cfg.name,
         "hosts": [{"name": h.name, "ip": h.ip, "gpus": h.gpus.count, "gpu_model": h.gpus.model} for h in hosts],
@@ -46,16 +47,22 @@ def pyinfra_hosts(path: Path | str, routers: bool = False, **overrides: Any) -> 
     """[(name, host data)] of the vLLM hosts, or of the router hosts; overrides apply to every host."""
     doc = json.loads(Path(path).read_text())
     router_names = set(doc.get("routers", []))
-    return [(h["name"], {"ssh_hostname": h["ip"], **doc["host_data"], **overrides}) for h in doc["hosts"]
-            if (h["name"] in router_names) == routers]
+    return [
+        (h["name"], {"ssh_hostname": h["ip"], **doc["host_data"], **overrides})
+        for h in doc["hosts"]
+        if (h["name"] in router_names) == routers
+    ]
 
 
 def site_cache_hosts(path: Path | str, **overrides: Any) -> list[tuple[str, dict[str, Any]]]:
     """[(name, host data)] of the site cache hosts."""
     doc = json.loads(Path(path).read_text())
     names = set(doc.get("site_cache", []))
-    return [(h["name"], {"ssh_hostname": h["ip"], **doc["host_data"], **overrides}) for h in doc["hosts"]
-            if h["name"] in names]
+    return [
+        (h["name"], {"ssh_hostname": h["ip"], **doc["host_data"], **overrides})
+        for h in doc["hosts"]
+        if h["name"] in names
+    ]
 
 
 def write_pyinfra_inventory(inventory_json: Path, out: Path, group: str = "gpuhosts") -> Path:
@@ -68,6 +75,8 @@ def write_pyinfra_inventory(inventory_json: Path, out: Path, group: str = "gpuho
     )
     if json.loads(inventory_json.read_text()).get("site_cache"):
         with out.open("a") as f:
-            f.write("from gpufleet.sandbox.inventory import site_cache_hosts\n"
-                    f"site_cache = site_cache_hosts({str(inventory_json)!r})\n")
+            f.write(
+                "from gpufleet.sandbox.inventory import site_cache_hosts\n"
+                f"site_cache = site_cache_hosts({str(inventory_json)!r})\n"
+            )
     return out

@@ -74,8 +74,10 @@ def _build_repo(root: Path, base_url: str) -> None:
     ).stdout
     (arch / "Release").write_text(release)
     # The private key stays out of the served tree.
-    with ThrowawayKey(root.with_name(root.name + ".gnupg"),
-                      "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>") as key:
+    with ThrowawayKey(
+        root.with_name(root.name + ".gnupg"),
+        "NVIDIA repo stand-in (throwaway, gpufleet sandbox) <sandbox@gpufleet.invalid>",
+    ) as key:
         (tmp / "gpgkey").write_text(key.armored_public_key())
         key.sign_release(arch)
     shutil.rmtree(tmp / "pkg")

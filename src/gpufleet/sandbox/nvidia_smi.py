@@ -137,15 +137,27 @@ _FIELDS = {
 
 # A healthy idle H200's health fields, recorded; a GPU's injected `fields` print instead.
 HEALTHY = {
-    "ecc.mode.current": "Enabled", "retired_pages.pending": "[N/A]", "retired_pages.sbe": "[N/A]",
-    "retired_pages.dbe": "[N/A]", "remapped_rows.pending": "No", "remapped_rows.failure": "No",
-    "gpu_recovery_action": "None", "reset_status.reset_required": "No",
+    "ecc.mode.current": "Enabled",
+    "retired_pages.pending": "[N/A]",
+    "retired_pages.sbe": "[N/A]",
+    "retired_pages.dbe": "[N/A]",
+    "remapped_rows.pending": "No",
+    "remapped_rows.failure": "No",
+    "gpu_recovery_action": "None",
+    "reset_status.reset_required": "No",
     "reset_status.drain_and_reset_recommended": "No",
-    "clocks_event_reasons.active": "0x0000000000000001", "clocks_throttle_reasons.active": "0x0000000000000001",
-    "pcie.link.gen.gpucurrent": "5", "pcie.link.gen.current": "5", "pcie.link.gen.max": "5",
-    "pcie.link.width.current": "16", "pcie.link.width.max": "16",
-    **{f"ecc.errors.{kind}.{scope}.total": "0" for kind in ("corrected", "uncorrected")
-       for scope in ("volatile", "aggregate")},
+    "clocks_event_reasons.active": "0x0000000000000001",
+    "clocks_throttle_reasons.active": "0x0000000000000001",
+    "pcie.link.gen.gpucurrent": "5",
+    "pcie.link.gen.current": "5",
+    "pcie.link.gen.max": "5",
+    "pcie.link.width.current": "16",
+    "pcie.link.width.max": "16",
+    **{
+        f"ecc.errors.{kind}.{scope}.total": "0"
+        for kind in ("corrected", "uncorrected")
+        for scope in ("volatile", "aggregate")
+    },
     **{f"remapped_rows.{kind}": "0" for kind in ("correctable", "uncorrectable", "sbe", "dbe")},
 }
 
@@ -157,7 +169,9 @@ def query_gpu(p: Profile, fields: list[str], fmt: set[str], gpus: list[Gpu]) -> 
     lines = []
     if "noheader" not in fmt:
         units = [_FIELDS.get(f, ("", None))[0] for f in fields]
-        lines.append(", ".join(f"{f} [{u}]" if u and "nounits" not in fmt else f for f, u in zip(fields, units, strict=False)))
+        lines.append(
+            ", ".join(f"{f} [{u}]" if u and "nounits" not in fmt else f for f, u in zip(fields, units, strict=False))
+        )
     for g in gpus:
         cells = []
         for f in fields:
@@ -240,8 +254,13 @@ class _Row:
 
 
 # The dataclasses' defaults, kept equal by a unit test.
-_GPU_DEFAULTS: dict[str, object] = {"perf": "P0", "ecc": "0", "compute_mode": "Default", "mig": "Disabled",
-                                     "fields": {}}
+_GPU_DEFAULTS: dict[str, object] = {
+    "perf": "P0",
+    "ecc": "0",
+    "compute_mode": "Default",
+    "mig": "Disabled",
+    "fields": {},
+}
 _PROFILE_DEFAULTS: dict[str, object] = {"valid_fields": [], "hang": False}
 
 
@@ -361,7 +380,9 @@ def profile_from_recording(d: Path) -> Profile:
                 power_limit=float(limit),
             )
         )
-    version = {k.strip(): v.strip() for k, v in (line.split(" : ", 1) for line in (d / "version.txt").read_text().splitlines())}
+    version = {
+        k.strip(): v.strip() for k, v in (line.split(" : ", 1) for line in (d / "version.txt").read_text().splitlines())
+    }
     topo, _ = _read(d, "topo.txt")
     matrix, legend = topo.split("\n\n", 1)
     row0 = matrix.splitlines()[1].split("\t")
@@ -382,7 +403,9 @@ def profile_from_recording(d: Path) -> Profile:
 
 
 def _fields_from_help(text: str) -> list[str]:
-    return [part.strip().strip('"') for line in text.splitlines() if line.startswith('"') for part in line.split(" or ")]
+    return [
+        part.strip().strip('"') for line in text.splitlines() if line.startswith('"') for part in line.split(" or ")
+    ]
 
 
 def help_text(recorded: str, valid_fields: list[str]) -> str:
@@ -397,9 +420,11 @@ def help_text(recorded: str, valid_fields: list[str]) -> str:
             kept.append(paragraph)
         elif offered:  # `"a" or "b"` may become `"b"`
             kept.append(paragraph if offered == names else " or ".join(f'"{n}"' for n in offered) + newline + rest)
-    built = [f'"{name}"\n(a field of an older driver; built, not recorded)' for name in valid_fields if name not in known]
+    built = [
+        f'"{name}"\n(a field of an older driver; built, not recorded)' for name in valid_fields if name not in known
+    ]
     body = recorded.rstrip("\n")
-    return "\n\n".join([*kept, *built]) + recorded[len(body):]
+    return "\n\n".join([*kept, *built]) + recorded[len(body) :]
 
 
 def make_profile(

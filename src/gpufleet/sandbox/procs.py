@@ -25,7 +25,9 @@ class SandboxError(GpufleetError, RuntimeError):
 @overload
 def run(argv: Sequence[str], *, check: bool = True, input: bytes, **kw: Any) -> subprocess.CompletedProcess[bytes]: ...
 @overload
-def run(argv: Sequence[str], *, check: bool = True, input: str | None = None, **kw: Any) -> subprocess.CompletedProcess[str]: ...
+def run(
+    argv: Sequence[str], *, check: bool = True, input: str | None = None, **kw: Any
+) -> subprocess.CompletedProcess[str]: ...
 
 
 def run(

@@ -45,8 +45,9 @@ def nightly_layer(cache_dir: Path, tag: str, size: int = NIGHTLY_LAYER_BYTES) ->
     return out, diff_file.read_text()
 
 
-def registry_request(cfg: FleetConfig, path: str, data: bytes | None = None, method: str = "GET",
-                     headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+def registry_request(
+    cfg: FleetConfig, path: str, data: bytes | None = None, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
     """(status, headers, body) of one request to the fleet's registry API, errors included."""
     request = urllib.request.Request(f"http://{cfg.registry}{path}", data=data, method=method, headers=headers or {})
     try:
@@ -57,8 +58,13 @@ def registry_request(cfg: FleetConfig, path: str, data: bytes | None = None, met
 
 
 # Every manifest type the fleet registry may hold for a tag.
-ANY_MANIFEST = ", ".join((MANIFEST_TYPE, "application/vnd.oci.image.manifest.v1+json",
-                          "application/vnd.docker.distribution.manifest.list.v2+json"))
+ANY_MANIFEST = ", ".join(
+    (
+        MANIFEST_TYPE,
+        "application/vnd.oci.image.manifest.v1+json",
+        "application/vnd.docker.distribution.manifest.list.v2+json",
+    )
+)
 
 
 def tag_manifest(registry: str, tag: str) -> tuple[bytes, str, str]:
@@ -71,8 +77,12 @@ def tag_manifest(registry: str, tag: str) -> tuple[bytes, str, str]:
 def move_tag(registry: str, tag: str, to: str) -> str:
     """Point `tag` at another tag's manifest, as a new nightly moves upstream; returns the tag's digest ref."""
     body, content_type, digest = tag_manifest(registry, to)
-    req = urllib.request.Request(f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}", data=body, method="PUT",
-                                 headers={"Content-Type": content_type})
+    req = urllib.request.Request(
+        f"http://{registry}/v2/{REPOSITORY}/manifests/{tag}",
+        data=body,
+        method="PUT",
+        headers={"Content-Type": content_type},
+    )
     urllib.request.urlopen(req, timeout=30).read()
     if tag_manifest(registry, tag)[2] != digest:
         raise procs.SandboxError(f"{registry}: {REPOSITORY}:{tag} does not name {digest} after the push")
@@ -87,8 +97,13 @@ def _push_blob(cfg: FleetConfig, data: bytes | Path) -> tuple[str, int]:
         location = headers["Location"]
         location = location if location.startswith("/") else "/" + location.split("/", 3)[3]
         sep = "&" if "?" in location else "?"
-        status, _, text = registry_request(cfg, f"{location}{sep}digest={digest}", data=body, method="PUT",
-                                    headers={"Content-Type": "application/octet-stream"})
+        status, _, text = registry_request(
+            cfg,
+            f"{location}{sep}digest={digest}",
+            data=body,
+            method="PUT",
+            headers={"Content-Type": "application/octet-stream"},
+        )
         if status != 201:
             raise procs.SandboxError(f"pushing a blob to {cfg.registry} failed: HTTP {status} {text[:200]!r}")
     return digest, len(body)
@@ -96,15 +111,17 @@ def _push_blob(cfg: FleetConfig, data: bytes | Path) -> tuple[str, int]:
 
 def nightly_ref(cfg: FleetConfig, tag: str) -> str:
     """The digest reference of a stand-in nightly that ensure_nightlies pushed."""
-    status, headers, _ = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="HEAD",
-                                   headers={"Accept": MANIFEST_TYPE})
+    status, headers, _ = registry_request(
+        cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="HEAD", headers={"Accept": MANIFEST_TYPE}
+    )
     if status != 200:
         raise procs.SandboxError(f"{image_ref(cfg, tag)} is not in the registry (fix: ensure_nightlies first)")
     return f"{cfg.registry}/{REPOSITORY}@{headers['Docker-Content-Digest']}"
 
 
-def ensure_nightlies(cfg: FleetConfig, tags: tuple[str, ...] = tuple(NIGHTLIES), size: int = NIGHTLY_LAYER_BYTES
-                     ) -> dict[str, str]:
+def ensure_nightlies(
+    cfg: FleetConfig, tags: tuple[str, ...] = tuple(NIGHTLIES), size: int = NIGHTLY_LAYER_BYTES
+) -> dict[str, str]:
     """Push each stand-in nightly through the registry's HTTP API unless there; tag -> its digest reference."""
     refs = {}
     good = json.loads(registry_request(cfg, f"/v2/{REPOSITORY}/manifests/good", headers={"Accept": MANIFEST_TYPE})[2])
@@ -112,7 +129,8 @@ def ensure_nightlies(cfg: FleetConfig, tags: tuple[str, ...] = tuple(NIGHTLIES),
         status, _, body = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", headers={"Accept": MANIFEST_TYPE})
         # The registry outlives a change of the stand-in image; a nightly on an older `good` would share no layer.
         current = status == 200 and [d["digest"] for d in json.loads(body)["layers"][:-1]] == [
-            d["digest"] for d in good["layers"]]
+            d["digest"] for d in good["layers"]
+        ]
         if not current:
             manifest = json.loads(json.dumps(good))
             config = json.loads(registry_request(cfg, f"/v2/{REPOSITORY}/blobs/{manifest['config']['digest']}")[2])
@@ -125,10 +143,17 @@ def ensure_nightlies(cfg: FleetConfig, tags: tuple[str, ...] = tuple(NIGHTLIES),
             config["config"].setdefault("Labels", {})["org.gpufleet.standin"] = tag
             config_digest, config_size = _push_blob(cfg, json.dumps(config, sort_keys=True).encode())
             manifest["config"] = {**manifest["config"], "digest": config_digest, "size": config_size}
-            manifest["layers"] = [*manifest["layers"], {"mediaType": _LAYER, "size": layer_size, "digest": layer_digest}]
-            status, _, text = registry_request(cfg, f"/v2/{REPOSITORY}/manifests/{tag}", method="PUT",
-                                        data=json.dumps(manifest, indent=3).encode(),
-                                        headers={"Content-Type": MANIFEST_TYPE})
+            manifest["layers"] = [
+                *manifest["layers"],
+                {"mediaType": _LAYER, "size": layer_size, "digest": layer_digest},
+            ]
+            status, _, text = registry_request(
+                cfg,
+                f"/v2/{REPOSITORY}/manifests/{tag}",
+                method="PUT",
+                data=json.dumps(manifest, indent=3).encode(),
+                headers={"Content-Type": MANIFEST_TYPE},
+            )
             if status != 201:
                 raise procs.SandboxError(f"pushing {image_ref(cfg, tag)} failed: HTTP {status} {text[:200]!r}")
         refs[tag] = nightly_ref(cfg, tag)

@@ -28,8 +28,18 @@ BASE_PACKAGES = (
     "gnupg",
 )
 # What the deploys apt-install, served by the local mirror with their closure.
-MIRROR_PACKAGES = ("docker.io", "gnupg", "curl", "ca-certificates", "jq", "python3-venv", "nginx",
-                   "libnginx-mod-http-js", "nftables", "docker-registry")
+MIRROR_PACKAGES = (
+    "docker.io",
+    "gnupg",
+    "curl",
+    "ca-certificates",
+    "jq",
+    "python3-venv",
+    "nginx",
+    "libnginx-mod-http-js",
+    "nftables",
+    "docker-registry",
+)
 # Part of the cache key: bump when the customisation below changes.
 RECIPE = "3"
 
@@ -76,8 +86,16 @@ def ensure_base(cache_dir: Path) -> Base:
         tmp.mkdir(parents=True)
         mirror = debian_mirror_url()
         log.info("debootstrap %s from %s (once, cached as %s)", SUITE, mirror, root)
-        run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(tmp / "rootfs"),
-             mirror])
+        run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(BASE_PACKAGES)}",
+                SUITE,
+                str(tmp / "rootfs"),
+                mirror,
+            ]
+        )
         _customise(tmp / "rootfs")
         _download_debs(tmp / "rootfs", tmp / "debian", mirror)
         log.info("base rootfs built in %.0fs", cache.publish(tmp, root, t0))

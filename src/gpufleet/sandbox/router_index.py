@@ -1,6 +1,6 @@
 """The sandbox's PEP 503 indexes for vllm-router and olah: exactly the wheels their locks name, hash-checked.
 
-    python -m gpufleet.sandbox.router_index     # fetch both into the cache
+python -m gpufleet.sandbox.router_index     # fetch both into the cache
 """
 
 from __future__ import annotations
@@ -62,12 +62,33 @@ def ensure_lock_index(root: Path, install: wheel_lock.LockedInstall) -> Path:
         downloads.mkdir(parents=True)
         requirements = tmp / "requirements.txt"
         requirements.write_text(install.requirements())
-        log.info("fetching the %d locked wheels of %s (once, cached as %s)", len(install.wheels), install.describe(),
-                 root)
+        log.info(
+            "fetching the %d locked wheels of %s (once, cached as %s)", len(install.wheels), install.describe(), root
+        )
         platforms = [arg for p in wheels.platforms(MACHINE) for arg in ("--platform", p)]
-        run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet", "--dest", str(downloads),
-             "--require-hashes", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON,
-             "--implementation", "cp", *platforms, "-r", str(requirements)], timeout=900)
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--disable-pip-version-check",
+                "--quiet",
+                "--dest",
+                str(downloads),
+                "--require-hashes",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                PYTHON,
+                "--implementation",
+                "cp",
+                *platforms,
+                "-r",
+                str(requirements),
+            ],
+            timeout=900,
+        )
         check_files(downloads, install)
         write_simple_index(downloads, tmp / "simple")
         log.info("%s index built in %.0fs", install.package, cache.publish(tmp, root, t0))

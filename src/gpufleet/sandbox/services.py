@@ -65,8 +65,21 @@ def serve_hub(cfg: FleetConfig, state: State, model: Path, repo: str) -> None:
     shutil.rmtree(hub_root(cfg), ignore_errors=True)
     hub.publish(hub_root(cfg), repo, {p.name: p for p in model.iterdir() if p.is_file()})
     if not state.live_pid("hub"):
-        pid = procs.spawn([sys.executable, "-m", "gpufleet.sandbox.hub", str(hub_root(cfg)), "--bind", cfg.gateway,
-                           "--port", str(HUB_PORT), "--log", str(hub_log(cfg))], cfg.state_dir / "logs" / "hub.out")
+        pid = procs.spawn(
+            [
+                sys.executable,
+                "-m",
+                "gpufleet.sandbox.hub",
+                str(hub_root(cfg)),
+                "--bind",
+                cfg.gateway,
+                "--port",
+                str(HUB_PORT),
+                "--log",
+                str(hub_log(cfg)),
+            ],
+            cfg.state_dir / "logs" / "hub.out",
+        )
         state.add_pid("hub", pid)
     _wait_serving(state, "hub", f"{cfg.hub_url}/api/models/{repo}", f"{cfg.gateway}:{HUB_PORT}")
 
@@ -94,8 +107,10 @@ def registry_log(cfg: FleetConfig) -> Path:
 
 
 # 10.213.6.11 - - [01/Dec/2026:05:34:00 +0000] "GET /v2/vllm/vllm-openai/blobs/sha256:... HTTP/1.1" 200 1234 ...
-_ACCESS = re.compile(r'^(?P<ip>\S+) \S+ \S+ \[[^\]]+\] "(?P<method>\S+) (?P<path>\S+) [^"]*" (?P<status>\d+) '
-                     r'(?P<bytes>\d+|-)')
+_ACCESS = re.compile(
+    r'^(?P<ip>\S+) \S+ \S+ \[[^\]]+\] "(?P<method>\S+) (?P<path>\S+) [^"]*" (?P<status>\d+) '
+    r"(?P<bytes>\d+|-)"
+)
 
 
 def log_offset(cfg: FleetConfig) -> int:

@@ -80,15 +80,21 @@ def cache_pull(target: Host, settings: CacheSettings, image: str) -> CachePull |
         address = f"{where}:{first.data.get('site_cache_port', DEFAULTS['site_cache_port'])}"
         cache_host = first.name
         # What the cache host proxies: its own site_cache_upstream, else its own vllm_image's registry.
-        proxied = first.data.get("site_cache_upstream") or upstream_url(first.data.get("vllm_image",
-                                                                                       DEFAULTS["vllm_image"]))
+        proxied = first.data.get("site_cache_upstream") or upstream_url(
+            first.data.get("vllm_image", DEFAULTS["vllm_image"])
+        )
     else:
         cache_host = address.rpartition(":")[0]
         proxied = upstream(settings, image)
     if registry_host(proxied) != registry_host(upstream_url(image)):
         return None
-    return CachePull(address=address, cache_host=cache_host, path=repository_path(image),
-                     timeout_s=float(settings.site_cache_pull_timeout_s), on_this_host=cache_host == target.name)
+    return CachePull(
+        address=address,
+        cache_host=cache_host,
+        path=repository_path(image),
+        timeout_s=float(settings.site_cache_pull_timeout_s),
+        on_this_host=cache_host == target.name,
+    )
 
 
 def model_mirror(target: Host, settings: CacheSettings) -> ModelMirror | None:
@@ -101,19 +107,31 @@ def model_mirror(target: Host, settings: CacheSettings) -> ModelMirror | None:
     if (first.data.get("vllm_hf_endpoint") or DEFAULTS["vllm_hf_endpoint"]) != settings.hf_endpoint:
         return None
     where = first.data.get("ssh_hostname") or first.name
-    return ModelMirror(endpoint=f"http://{where}:{first.data.get('site_cache_port', DEFAULTS['site_cache_port'])}",
-                       cache_host=first.name)
+    return ModelMirror(
+        endpoint=f"http://{where}:{first.data.get('site_cache_port', DEFAULTS['site_cache_port'])}",
+        cache_host=first.name,
+    )
 
 
 def check_port(inventory: Inventory, name: str, settings: CacheSettings, vllm_port: int) -> None:
     """Raise SettingErrors when `name` is a site cache host whose ports take vllm_port, or whose clients() fail."""
     if not any(h.name == name for h in inventory.get_group(SITE_CACHE_GROUP, [])):
         return
-    for key, port in (("site_cache_port", settings.site_cache_port),
-                      ("site_cache_internal_port", settings.site_cache_internal_port)):
+    for key, port in (
+        ("site_cache_port", settings.site_cache_port),
+        ("site_cache_internal_port", settings.site_cache_internal_port),
+    ):
         if port == vllm_port:
-            raise SettingErrors([SettingError(name, key, f"{port} is vllm_port too on this site cache host",
-                                              f"set another port for one of them, e.g. {key} {DEFAULTS[key]}")])
+            raise SettingErrors(
+                [
+                    SettingError(
+                        name,
+                        key,
+                        f"{port} is vllm_port too on this site cache host",
+                        f"set another port for one of them, e.g. {key} {DEFAULTS[key]}",
+                    )
+                ]
+            )
     clients(inventory, settings.site_cache_clients)
 
 
@@ -132,9 +150,14 @@ def clients(inventory: Inventory, extra: Sequence[str]) -> list[str]:
             try:
                 found += sorted({str(info[4][0]) for info in socket.getaddrinfo(where, None)})
             except OSError as error:
-                errors.append(SettingError(h.name, "ssh_hostname", f"{where} does not resolve ({error.strerror}), so "
-                                           "the site cache cannot let it pull", "set ssh_hostname to its address, "
-                                           "or add it to site_cache_clients"))
+                errors.append(
+                    SettingError(
+                        h.name,
+                        "ssh_hostname",
+                        f"{where} does not resolve ({error.strerror}), so the site cache cannot let it pull",
+                        "set ssh_hostname to its address, or add it to site_cache_clients",
+                    )
+                )
     if errors:
         raise SettingErrors(errors)
     return found
@@ -151,16 +174,22 @@ def serves_site(target: Host) -> bool:
     return bool(caches) and caches[0].name == target.name
 
 
-def deploy_site_cache(target: Host, settings: CacheSettings, image: str, used_kib: int | None, *,
-                      models: Sequence[str] = ()) -> None:
+def deploy_site_cache(
+    target: Host, settings: CacheSettings, image: str, used_kib: int | None, *, models: Sequence[str] = ()
+) -> None:
     """On the site cache host: docker-registry proxying the image's registry, under site_cache_max_gb (used_kib: what
     it holds now); olah mirroring the hub for `models`; nginx in front of both."""
     seen = target.get_fact(SiteCacheFact)
     proxied = upstream(settings, image)
     internal = settings.site_cache_internal_port
-    site_cache.serving(name="Run the site cache (docker-registry as a pull-through cache)", seen=seen,
-                       upstream=proxied, port=internal, used_kib=used_kib,
-                       max_gb=float(settings.site_cache_max_gb))
+    site_cache.serving(
+        name="Run the site cache (docker-registry as a pull-through cache)",
+        seen=seen,
+        upstream=proxied,
+        port=internal,
+        used_kib=used_kib,
+        max_gb=float(settings.site_cache_max_gb),
+    )
     mirror_port = settings.site_cache_mirror_port
     if models:
         try:
@@ -168,13 +197,28 @@ def deploy_site_cache(target: Host, settings: CacheSettings, image: str, used_ki
         except SettingError as error:
             install = str(error)
         where = target.data.get("ssh_hostname") or target.name
-        config = mirror.render_config(settings.hf_endpoint, mirror_port, f"{where}:{settings.site_cache_port}",
-                                      models, float(settings.site_cache_model_max_gb))
-        site_cache.model_mirror(name="Mirror the hub for the inventory's models (olah, from hashed wheels)",
-                                seen=seen, install=install, config=config,
-                                index_url=settings.site_cache_mirror_index_url, port=mirror_port)
-    site_cache.front_door(name="Serve the site cache to the inventory's hosts and repositories (nginx)", seen=seen,
-                          port=settings.site_cache_port, internal_port=internal,
-                          clients=clients(target.inventory, settings.site_cache_clients),
-                          repositories=repositories(target.inventory, proxied), models=models,
-                          mirror_port=mirror_port if models else None)
+        config = mirror.render_config(
+            settings.hf_endpoint,
+            mirror_port,
+            f"{where}:{settings.site_cache_port}",
+            models,
+            float(settings.site_cache_model_max_gb),
+        )
+        site_cache.model_mirror(
+            name="Mirror the hub for the inventory's models (olah, from hashed wheels)",
+            seen=seen,
+            install=install,
+            config=config,
+            index_url=settings.site_cache_mirror_index_url,
+            port=mirror_port,
+        )
+    site_cache.front_door(
+        name="Serve the site cache to the inventory's hosts and repositories (nginx)",
+        seen=seen,
+        port=settings.site_cache_port,
+        internal_port=internal,
+        clients=clients(target.inventory, settings.site_cache_clients),
+        repositories=repositories(target.inventory, proxied),
+        models=models,
+        mirror_port=mirror_port if models else None,
+    )

@@ -40,40 +40,46 @@ class SiteCacheHost:
 
 def command() -> str:
     q = shlex.quote
-    return (f"echo \"installed=$(dpkg-query -W -f='${{db:Status-Abbrev}}' {PACKAGE} 2>/dev/null)\"; "
-            f"echo \"config=$(sha256sum {q(CONFIG)} 2>/dev/null | cut -d' ' -f1)\"; "
-            f"echo \"active=$(systemctl is-active {UNIT} 2>/dev/null)\"; "
-            f"echo \"enabled=$(systemctl is-enabled {UNIT} 2>/dev/null)\"; "
-            f"echo \"nginx=$(dpkg-query -W -f='${{db:Status-Abbrev}}' nginx 2>/dev/null)\"; "
-            f"echo \"front=$(sha256sum {q(FRONT)} 2>/dev/null | cut -d' ' -f1)\"; "
-            "echo \"nginx_active=$(systemctl is-active nginx 2>/dev/null)\"; "
-            "echo \"python=$(python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])' 2>/dev/null)\"; "
-            "command -v python3 >/dev/null || "
-            "echo \"python_candidate=$(apt-cache policy python3 2>/dev/null | sed -n 's/^ *Candidate: *//p')\"; "
-            "echo \"machine=$(uname -m)\"; "
-            "echo \"python3_venv=$(dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | tr ' ' _)\"; "
-            f"echo \"mirror_key=$(cat {q(MIRROR_HOME)}/current/{mirror.MARKER} 2>/dev/null)\"; "
-            f"echo \"mirror_config=$(sha256sum {q(MIRROR_CONFIG)} 2>/dev/null | cut -d' ' -f1)\"; "
-            f"echo \"mirror_unit=$(sha256sum {q(unit_path(MIRROR_SERVICE))} 2>/dev/null | cut -d' ' -f1)\"; "
-            f"echo \"mirror_active=$(systemctl is-active {MIRROR_UNIT} 2>/dev/null)\"; "
-            f"echo \"mirror_enabled=$(systemctl is-enabled {MIRROR_UNIT} 2>/dev/null)\"; true")
+    return (
+        f"echo \"installed=$(dpkg-query -W -f='${{db:Status-Abbrev}}' {PACKAGE} 2>/dev/null)\"; "
+        f"echo \"config=$(sha256sum {q(CONFIG)} 2>/dev/null | cut -d' ' -f1)\"; "
+        f'echo "active=$(systemctl is-active {UNIT} 2>/dev/null)"; '
+        f'echo "enabled=$(systemctl is-enabled {UNIT} 2>/dev/null)"; '
+        f"echo \"nginx=$(dpkg-query -W -f='${{db:Status-Abbrev}}' nginx 2>/dev/null)\"; "
+        f"echo \"front=$(sha256sum {q(FRONT)} 2>/dev/null | cut -d' ' -f1)\"; "
+        'echo "nginx_active=$(systemctl is-active nginx 2>/dev/null)"; '
+        'echo "python=$(python3 -c \'import sys; print("%d.%d" % sys.version_info[:2])\' 2>/dev/null)"; '
+        "command -v python3 >/dev/null || "
+        "echo \"python_candidate=$(apt-cache policy python3 2>/dev/null | sed -n 's/^ *Candidate: *//p')\"; "
+        'echo "machine=$(uname -m)"; '
+        "echo \"python3_venv=$(dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | tr ' ' _)\"; "
+        f'echo "mirror_key=$(cat {q(MIRROR_HOME)}/current/{mirror.MARKER} 2>/dev/null)"; '
+        f"echo \"mirror_config=$(sha256sum {q(MIRROR_CONFIG)} 2>/dev/null | cut -d' ' -f1)\"; "
+        f"echo \"mirror_unit=$(sha256sum {q(unit_path(MIRROR_SERVICE))} 2>/dev/null | cut -d' ' -f1)\"; "
+        f'echo "mirror_active=$(systemctl is-active {MIRROR_UNIT} 2>/dev/null)"; '
+        f'echo "mirror_enabled=$(systemctl is-enabled {MIRROR_UNIT} 2>/dev/null)"; true'
+    )
 
 
 def parse(lines: list[str]) -> SiteCacheHost:
     fields = dict(line.strip().partition("=")[::2] for line in lines if "=" in line)
-    return SiteCacheHost(installed=fields.get("installed", "").startswith("ii"),
-                         config_sha256=fields.get("config") or None,
-                         active=fields.get("active") == "active", enabled=fields.get("enabled") == "enabled",
-                         nginx=fields.get("nginx", "").startswith("ii"), front_sha256=fields.get("front") or None,
-                         nginx_active=fields.get("nginx_active") == "active",
-                         python=fields.get("python") or _minor(fields.get("python_candidate", "")),
-                         machine=fields.get("machine") or None,
-                         python3_venv=fields.get("python3_venv") == "install_ok_installed",
-                         mirror_key=fields.get("mirror_key") or None,
-                         mirror_config_sha256=fields.get("mirror_config") or None,
-                         mirror_unit_sha256=fields.get("mirror_unit") or None,
-                         mirror_active=fields.get("mirror_active") == "active",
-                         mirror_enabled=fields.get("mirror_enabled") == "enabled")
+    return SiteCacheHost(
+        installed=fields.get("installed", "").startswith("ii"),
+        config_sha256=fields.get("config") or None,
+        active=fields.get("active") == "active",
+        enabled=fields.get("enabled") == "enabled",
+        nginx=fields.get("nginx", "").startswith("ii"),
+        front_sha256=fields.get("front") or None,
+        nginx_active=fields.get("nginx_active") == "active",
+        python=fields.get("python") or _minor(fields.get("python_candidate", "")),
+        machine=fields.get("machine") or None,
+        python3_venv=fields.get("python3_venv") == "install_ok_installed",
+        mirror_key=fields.get("mirror_key") or None,
+        mirror_config_sha256=fields.get("mirror_config") or None,
+        mirror_unit_sha256=fields.get("mirror_unit") or None,
+        mirror_active=fields.get("mirror_active") == "active",
+        mirror_enabled=fields.get("mirror_enabled") == "enabled",
+    )
 
 
 def _minor(candidate: str) -> str | None:
@@ -83,7 +89,6 @@ def _minor(candidate: str) -> str | None:
 
 
 class SiteCacheFact(FactBase[SiteCacheHost]):
-
     def command(self) -> str:
         return command()
 

@@ -17,9 +17,14 @@ from gpufleet.names import LOOPBACK
 OLAH_VERSION = "0.5.4"
 # psutil<6 (olah's pin) has no aarch64 wheels.
 MACHINES = ("x86_64",)
-LOCK = wheel_lock.LockFile("olah", Path(__file__).resolve().parents[1] / "data" / "olah-lock.json",
-                           "src/gpufleet/data/olah-lock.json", "python -m gpufleet.sitecache.mirror", "site_cache",
-                           "docs/site-cache.md")
+LOCK = wheel_lock.LockFile(
+    "olah",
+    Path(__file__).resolve().parents[1] / "data" / "olah-lock.json",
+    "src/gpufleet/data/olah-lock.json",
+    "python -m gpufleet.sitecache.mirror",
+    "site_cache",
+    "docs/site-cache.md",
+)
 SERVICE = "gpufleet-model-mirror"
 UNIT = f"{SERVICE}.service"
 HOME = f"/opt/{SERVICE}"  # a venv per lock entry; the unit runs `current`
@@ -45,8 +50,9 @@ def upstream(hub: str) -> tuple[str, str, str]:
     return url.scheme, netloc, "cdn-lfs.huggingface.co" if netloc == "huggingface.co" else netloc
 
 
-def render_config(hub: str, port: int, address: str, repositories: Sequence[str], max_gb: float,
-                  state: str = STATE) -> str:
+def render_config(
+    hub: str, port: int, address: str, repositories: Sequence[str], max_gb: float, state: str = STATE
+) -> str:
     """olah's config, mirroring only `repositories`; `address`: where hosts reach it."""
     scheme, netloc, lfs = upstream(hub)
     rules = "".join(f'  {{ repo = "{r}", allow = true, use_re = false }},\n' for r in sorted(set(repositories)))
@@ -107,8 +113,19 @@ WantedBy=multi-user.target
 
 
 def pip_install_argv(target: str, index_url: str) -> list[str]:
-    argv = [f"{target}/bin/pip", "install", "--disable-pip-version-check", "--no-input", "--quiet",
-            "--require-hashes", "--only-binary", ":all:", "--no-deps", "--index-url", index_url]
+    argv = [
+        f"{target}/bin/pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--quiet",
+        "--require-hashes",
+        "--only-binary",
+        ":all:",
+        "--no-deps",
+        "--index-url",
+        index_url,
+    ]
     url = urlsplit(index_url)
     if url.scheme == "http" and url.hostname:
         argv += ["--trusted-host", url.hostname]
@@ -120,9 +137,11 @@ def install_script(install: wheel_lock.LockedInstall, index_url: str) -> str:
     target = venv_dir(install)
     q = shlex.quote
     pip = " ".join(map(q, pip_install_argv(target, index_url)))
-    return (f"{pip} && {NO_GIT} {q(target)}/bin/python -c 'import olah.server' && "
-            f"printf '%s\\n' {install.key} > {q(target)}/{MARKER} && "
-            f"ln -sfn {q(target)} {HOME}/current.tmp && mv -T {HOME}/current.tmp {HOME}/current")
+    return (
+        f"{pip} && {NO_GIT} {q(target)}/bin/python -c 'import olah.server' && "
+        f"printf '%s\\n' {install.key} > {q(target)}/{MARKER} && "
+        f"ln -sfn {q(target)} {HOME}/current.tmp && mv -T {HOME}/current.tmp {HOME}/current"
+    )
 
 
 if __name__ == "__main__":

@@ -83,16 +83,26 @@ health:
 
 
 @operation()
-def serving(seen: SiteCacheHost, upstream: str, port: int, used_kib: int | None = None,
-            max_gb: float | None = None) -> Commands:
+def serving(
+    seen: SiteCacheHost, upstream: str, port: int, used_kib: int | None = None, max_gb: float | None = None
+) -> Commands:
     """Run the registry proxying `upstream` on the loopback's `port`, emptied when used_kib is over max_gb."""
     config = render_config(upstream, port)
     changed = False
     if not seen.installed:
         # postinst starts it on its default config; the restart below loads ours, which --force-confold keeps.
         yield StringCommand("apt-get", "update", "-q")
-        yield StringCommand("DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q",
-                            "--no-install-recommends", "-o", "Dpkg::Options::=--force-confold", PACKAGE)
+        yield StringCommand(
+            "DEBIAN_FRONTEND=noninteractive",
+            "apt-get",
+            "install",
+            "-y",
+            "-q",
+            "--no-install-recommends",
+            "-o",
+            "Dpkg::Options::=--force-confold",
+            PACKAGE,
+        )
         changed = True
     if seen.config_sha256 != sha256(config):
         yield StringCommand("install", "-d", "-m", "755", shlex.quote(CONFIG.rpartition("/")[0]))
@@ -111,19 +121,38 @@ def serving(seen: SiteCacheHost, upstream: str, port: int, used_kib: int | None 
         host.noop(f"{PACKAGE} proxies {upstream} on {LOOPBACK}:{port}, enabled and running")
 
 
-def render_front(port: int, internal_port: int, clients: Sequence[str], repositories: Sequence[str],
-                 models: Sequence[str] = (), mirror_port: int | None = None) -> str:
+def render_front(
+    port: int,
+    internal_port: int,
+    clients: Sequence[str],
+    repositories: Sequence[str],
+    models: Sequence[str] = (),
+    mirror_port: int | None = None,
+) -> str:
     """nginx's site: `clients` pull `repositories` by digest and read `models`; all else is 403."""
     pattern = "|".join(re.escape(r) for r in sorted(set(repositories)))
     models_pattern = "|".join(re.escape(m) for m in sorted(set(models))) if mirror_port else ""
-    return render_template("site-cache-nginx.conf.j2", port=int(port), internal=f"{LOOPBACK}:{int(internal_port)}",
-                           clients=sorted(set(clients)), repositories=pattern, models=models_pattern,
-                           mirror=f"{LOOPBACK}:{int(mirror_port or 0)}")
+    return render_template(
+        "site-cache-nginx.conf.j2",
+        port=int(port),
+        internal=f"{LOOPBACK}:{int(internal_port)}",
+        clients=sorted(set(clients)),
+        repositories=pattern,
+        models=models_pattern,
+        mirror=f"{LOOPBACK}:{int(mirror_port or 0)}",
+    )
 
 
 @operation()
-def front_door(seen: SiteCacheHost, port: int, internal_port: int, clients: Sequence[str],
-               repositories: Sequence[str], models: Sequence[str] = (), mirror_port: int | None = None) -> Commands:
+def front_door(
+    seen: SiteCacheHost,
+    port: int,
+    internal_port: int,
+    clients: Sequence[str],
+    repositories: Sequence[str],
+    models: Sequence[str] = (),
+    mirror_port: int | None = None,
+) -> Commands:
     """Run nginx on `port` in front of the cache and the mirror."""
     content = render_front(port, internal_port, clients, repositories, models, mirror_port)
     changed = seen.front_sha256 != sha256(content)
@@ -132,8 +161,9 @@ def front_door(seen: SiteCacheHost, port: int, internal_port: int, clients: Sequ
         return
     if not seen.nginx:
         yield StringCommand("apt-get", "update", "-q")
-        yield StringCommand("DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q",
-                            "--no-install-recommends", "nginx")
+        yield StringCommand(
+            "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q", "--no-install-recommends", "nginx"
+        )
         yield StringCommand("rm", "-f", NGINX_DEFAULT_SITE)  # this run installed nginx: the site is not the host's
     if changed:
         yield AtomicUpload(as_io(content), FRONT, "644")
@@ -148,8 +178,7 @@ def _refuse(state: State, target: Host, why: str) -> bool:
 
 
 @operation()
-def model_mirror(seen: SiteCacheHost, install: LockedInstall | str, config: str, index_url: str, port: int
-                 ) -> Commands:
+def model_mirror(seen: SiteCacheHost, install: LockedInstall | str, config: str, index_url: str, port: int) -> Commands:
     """Run the model mirror on the loopback's `port`; `install` is a str saying why not when there is no lock."""
     if isinstance(install, str):
         yield FunctionCommand(_refuse, (install,), {})
@@ -160,8 +189,9 @@ def model_mirror(seen: SiteCacheHost, install: LockedInstall | str, config: str,
             yield from apt.packages._inner(packages=["python3-venv"], update=True, no_recommends=True)
         target = shlex.quote(mirror.venv_dir(install))
         # A venv left by a failed install of this entry is made again.
-        yield StringCommand("sh", "-c", shlex.quote(f"install -d -m 755 {mirror.HOME} && rm -rf {target} && "
-                                                    f"python3 -m venv {target}"))
+        yield StringCommand(
+            "sh", "-c", shlex.quote(f"install -d -m 755 {mirror.HOME} && rm -rf {target} && python3 -m venv {target}")
+        )
         yield AtomicUpload(as_io(install.requirements()), f"{mirror.venv_dir(install)}/{mirror.REQUIREMENTS}", "644")
         yield StringCommand("sh", "-c", shlex.quote(mirror.install_script(install, index_url)))
         changed = True
@@ -180,17 +210,21 @@ def model_mirror(seen: SiteCacheHost, install: LockedInstall | str, config: str,
         yield StringCommand("systemctl", "restart", mirror.UNIT)
         # Wait until it listens: hosts download through it next.
         url = shlex.quote(f"http://{LOOPBACK}:{int(port)}/")
-        yield StringCommand("sh", "-c", shlex.quote(
-            f"i=0; until curl -s -o /dev/null --max-time 3 {url}; do i=$((i+1)); if [ $i -ge 60 ]; then "
-            f"echo 'the model mirror did not answer within 60 s (journalctl -u {mirror.UNIT})' >&2; exit 1; fi; "
-            "sleep 1; done"))
+        yield StringCommand(
+            "sh",
+            "-c",
+            shlex.quote(
+                f"i=0; until curl -s -o /dev/null --max-time 3 {url}; do i=$((i+1)); if [ $i -ge 60 ]; then "
+                f"echo 'the model mirror did not answer within 60 s (journalctl -u {mirror.UNIT})' >&2; exit 1; fi; "
+                "sleep 1; done"
+            ),
+        )
     elif seen.mirror_enabled:
         host.noop(f"{install.describe()} mirrors the hub for the inventory's models, enabled and running")
 
 
 @dataclass(frozen=True)
 class CachePull:
-
     address: str  # host:port
     cache_host: str
     path: str
@@ -203,6 +237,5 @@ class CachePull:
 
 @dataclass(frozen=True)
 class ModelMirror:
-
     endpoint: str  # http://host:port
     cache_host: str

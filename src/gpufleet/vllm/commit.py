@@ -71,33 +71,46 @@ def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures |
     before = ledger.committed.version.service if ledger.committed else None
     sudo = use_sudo(host)
     if unit_sha256 is None:  # refuse rather than guess
-        return fail(host, f"{host.name}: the pending record names no unit checksum: not committed (fix: converge "
-                          "again: the run writes a new pending record)")
+        return fail(
+            host,
+            f"{host.name}: the pending record names no unit checksum: not committed (fix: converge "
+            "again: the run writes a new pending record)",
+        )
     # A run that lost the host writes nothing.
     try:
         check_lock(host)
     except hostlock.LockLost:
-        return fail(host, f"{host.name}: {v.ledger_path} not written: this run no longer holds the host (fix: run "
-                          "again)")
+        return fail(
+            host, f"{host.name}: {v.ledger_path} not written: this run no longer holds the host (fix: run again)"
+        )
     # Checked before the commit names it, so a cut here changes nothing.
     copy = committed_unit(service, unit_sha256)
-    ok, output = host.run_shell_command(guarded(
-        f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
-        f"echo {shlex.quote(unit_sha256 + '  ' + copy)} | sha256sum -c --status", still_held_test(host)),
-        _sudo=sudo)
+    ok, output = host.run_shell_command(
+        guarded(
+            f"sh -c {shlex.quote(atomic_write_command(copy))} < {shlex.quote(unit_path(service))} && "
+            f"echo {shlex.quote(unit_sha256 + '  ' + copy)} | sha256sum -c --status",
+            still_held_test(host),
+        ),
+        _sudo=sudo,
+    )
     if not ok and REFUSED in output.stdout_lines:
         return fail(host, f"{host.name}: {v.ledger_path} not written: another run holds the host now (fix: run again)")
     if not ok:
-        return fail(host, f"{host.name}: could not keep a copy of the verified unit at {copy}: "
-                          f"{' | '.join(output.stderr_lines) or 'it is not the unit the ledger names'} (fix: check "
-                          f"the free space of {UNITS_DIR}, then converge again)")
+        return fail(
+            host,
+            f"{host.name}: could not keep a copy of the verified unit at {copy}: "
+            f"{' | '.join(output.stderr_lines) or 'it is not the unit the ledger names'} (fix: check "
+            f"the free space of {UNITS_DIR}, then converge again)",
+        )
     if not save_ledger(host, v.ledger_path, ledger_commit(ledger, now_utc(), ready_at, speed, gpu=gpu_at_swap(host))):
         return False
     # Only with the commit on disk may old unit copies and the kept model files go.
     ok, output = host.run_shell_command(
         f"find {shlex.quote(UNITS_DIR)} -maxdepth 1 -name {shlex.quote(service + '-*.service')} "
         f"! -name {shlex.quote(posixpath.basename(copy))} -delete; rm -f {shlex.quote(unit_backup(service))}; "
-        f"{weights.drop_kept_command(model_dir(v.spec))}", _sudo=sudo)
+        f"{weights.drop_kept_command(model_dir(v.spec))}",
+        _sudo=sudo,
+    )
     if not ok:
         host.log_styled(f"could not prune old unit copies: {' | '.join(output.stderr_lines[-2:])}", fg="yellow")
     if before and before != service:
@@ -109,10 +122,14 @@ def commit_pending(host: Host, v: Verified, ready_at: str, speed: SpeedFigures |
             f"{shlex.quote(ledger_path(before))} "
             f"{shlex.quote(env_file_path(before))} {shlex.quote(accepted_file(before))} "
             f"{shlex.quote(pull_stats_file(before))} && systemctl daemon-reload",
-            _sudo=sudo)
+            _sudo=sudo,
+        )
         if not ok:
-            return fail(host, f"{host.name}: {service} is committed, but removing the replaced {old} failed: "
-                              f"{' | '.join(output.stderr_lines[-3:])} (fix: `systemctl disable --now {old}`)")
+            return fail(
+                host,
+                f"{host.name}: {service} is committed, but removing the replaced {old} failed: "
+                f"{' | '.join(output.stderr_lines[-3:])} (fix: `systemctl disable --now {old}`)",
+            )
         host.log_styled(f"{old} replaced by {unit_name(service)}: stopped, disabled and removed")
     host.log_styled(f"committed {ledger.pending.version.ref}")
     return True
@@ -125,13 +142,16 @@ def runs_problem(version: Version, container: ContainerInfo | None, what: str) -
     if container.image != version.ref:
         return f"the container answering runs {container.image}, not {version.ref}, which {what}"
     if version.spec_hash and container.spec_hash != version.spec_hash:
-        return (f"the container answering has spec {container.spec_hash or 'unlabelled'}, not {version.spec_hash}, "
-                f"which {what}")
+        return (
+            f"the container answering has spec {container.spec_hash or 'unlabelled'}, not {version.spec_hash}, "
+            f"which {what}"
+        )
     return None
 
 
-def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check: str | None = None, *,
-              mark: bool = True) -> bool:
+def roll_back(
+    host: Host, v: Verified, ledger: Ledger, failed_detail: str, check: str | None = None, *, mark: bool = True
+) -> bool:
     """Restore the committed version, marking the pending one failed unless mark=False. Always False; one line
     names both digests."""
     assert ledger.pending is not None and ledger.committed is not None
@@ -139,23 +159,25 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     service = committed.service or spec.service
     unit = unit_path(service)
     backup = committed_unit(service, committed.unit_sha256) if committed.unit_sha256 else unit_backup(service)
-    what = (f"new image {pending.ref}" if pending.ref != committed.ref
-            else f"new settings (same image {pending.ref})")
+    what = f"new image {pending.ref}" if pending.ref != committed.ref else f"new settings (same image {pending.ref})"
     failed = f"{what} failed verification ({failed_detail})"
     try:
         check_lock(host)
     except hostlock.LockLost as lost:
         return fail(host, f"{host.name}: {failed}; not rolled back: {lost}")
     # Marked first, in the committed service's ledger: a cut run never tries the version again.
-    if mark and not save_ledger(host, ledger_path(service), ledger_roll_back(ledger, failed_detail, now_utc(),
-                                                                          check=check, gpu=gpu_at_swap(host))):
+    if mark and not save_ledger(
+        host,
+        ledger_path(service),
+        ledger_roll_back(ledger, failed_detail, now_utc(), check=check, gpu=gpu_at_swap(host)),
+    ):
         return False
     host.log_styled(f"rolling back to {committed.ref}")
     steps = []
     if committed.unit_sha256:
         # Only a copy with the committed checksum goes back (older ledgers: unit_backup).
-        steps.append(f"b={shlex.quote(backup)}; [ -e \"$b\" ] || b={shlex.quote(unit_backup(service))}")
-        steps.append(f"echo \"{committed.unit_sha256}  $b\" | sha256sum -c --status")
+        steps.append(f'b={shlex.quote(backup)}; [ -e "$b" ] || b={shlex.quote(unit_backup(service))}')
+        steps.append(f'echo "{committed.unit_sha256}  $b" | sha256sum -c --status')
         source = '"$b"'
     else:
         source = shlex.quote(backup)
@@ -163,48 +185,70 @@ def roll_back(host: Host, v: Verified, ledger: Ledger, failed_detail: str, check
     if renamed:
         # One vLLM container runs; reset-failed clears the new unit's failed listing.
         new = shlex.quote(unit_name(spec.service))
-        steps.append(f"{{ systemctl disable --now {new}; rm -f {shlex.quote(unit_path(spec.service))}; "
-                     f"systemctl reset-failed {new} 2>/dev/null; true; }}")
+        steps.append(
+            f"{{ systemctl disable --now {new}; rm -f {shlex.quote(unit_path(spec.service))}; "
+            f"systemctl reset-failed {new} 2>/dev/null; true; }}"
+        )
     if committed.model:
         steps.append(weights.restore_command(model_dir(spec), committed.model))
-    steps += [f"sh -c {shlex.quote(atomic_write_command(unit))} < {source}", "systemctl daemon-reload",
-              f"systemctl enable {shlex.quote(unit_name(service))}",
-              f"systemctl restart {shlex.quote(unit_name(service))}"]
-    restore = while_held(host, " && ".join(steps), f"{host.name}: not rolled back: this run no longer holds the "
-                                                    "host's lock (fix: run again)")
+    steps += [
+        f"sh -c {shlex.quote(atomic_write_command(unit))} < {source}",
+        "systemctl daemon-reload",
+        f"systemctl enable {shlex.quote(unit_name(service))}",
+        f"systemctl restart {shlex.quote(unit_name(service))}",
+    ]
+    restore = while_held(
+        host,
+        " && ".join(steps),
+        f"{host.name}: not rolled back: this run no longer holds the host's lock (fix: run again)",
+    )
     ok, output = host.run_shell_command(f"sh -c {shlex.quote(restore)}", _sudo=use_sudo(host))
     if not ok:
-        return fail(host, f"{host.name}: {failed}; the rollback to {committed.ref} failed too: "
-                          f"{' | '.join(output.stderr_lines[-3:]) or 'no copy of the committed unit at ' + backup} "
-                          f"(fix: `systemctl status {service}`; {backup} holds the unit that was committed)")
+        return fail(
+            host,
+            f"{host.name}: {failed}; the rollback to {committed.ref} failed too: "
+            f"{' | '.join(output.stderr_lines[-3:]) or 'no copy of the committed unit at ' + backup} "
+            f"(fix: `systemctl status {service}`; {backup} holds the unit that was committed)",
+        )
     if renamed:
         # After the mark, so a cut run still finds the record.
         left = (v.ledger_path, env_file_path(spec.service), accepted_file(spec.service))
-        ok, output = host.run_shell_command(f"rm -f {' '.join(shlex.quote(path) for path in left)}",
-                                            _sudo=use_sudo(host))
+        ok, output = host.run_shell_command(
+            f"rm -f {' '.join(shlex.quote(path) for path in left)}", _sudo=use_sudo(host)
+        )
         if not ok:
-            host.log_styled(f"could not remove {', '.join(left)}: {' | '.join(output.stderr_lines[-3:])}",
-                            fg="yellow")
+            host.log_styled(f"could not remove {', '.join(left)}: {' | '.join(output.stderr_lines[-3:])}", fg="yellow")
     # What it served before, on its own port; the ledger keeps no address.
-    previous = Expected(service=service, port=committed.port or spec.port, served_model_name=v.served_before,
-                        address=spec.reach_address)
+    previous = Expected(
+        service=service, port=committed.port or spec.port, served_model_name=v.served_before, address=spec.reach_address
+    )
     again = poll_ready(v.check_once(host, previous), v.timeout_s, exited=service_exited(host, service))
     # Judged by what answers, not by the mark.
     runs = runs_problem(committed, again.container, "the rollback put back") if again.ready else None
     if not again.ready or runs:
         why = runs or f"{again.state}: {again.detail}"
-        return fail(host, f"{host.name}: {failed}; the rollback to {committed.ref} did not bring it back ({why}) "
-                          f"(fix: `journalctl -u {service}`; {backup} holds the unit that was committed)")
+        return fail(
+            host,
+            f"{host.name}: {failed}; the rollback to {committed.ref} did not bring it back ({why}) "
+            f"(fix: `journalctl -u {service}`; {backup} holds the unit that was committed)",
+        )
     if not mark:
         if not save_ledger(host, ledger_path(service), drop_pending(ledger)):
             return False
-        return fail(host, f"{host.name}: {failed}; rolled back to {committed.ref}, which is ready; the new version is "
-                          "not marked failed: another process held the port (fix: stop what holds it, then converge "
-                          "again)")
-    fix = (f"set vllm_image back to {committed.image} or to an image that accepts these settings"
-           if pending.ref != committed.ref and committed.image != pending.image
-           else "revert the settings or the image changed in this run")
+        return fail(
+            host,
+            f"{host.name}: {failed}; rolled back to {committed.ref}, which is ready; the new version is "
+            "not marked failed: another process held the port (fix: stop what holds it, then converge "
+            "again)",
+        )
+    fix = (
+        f"set vllm_image back to {committed.image} or to an image that accepts these settings"
+        if pending.ref != committed.ref and committed.image != pending.image
+        else "revert the settings or the image changed in this run"
+    )
     # Names the host itself: it reads the same in a summary or a grep.
-    logger.error(f"{host.name}: {failed}; rolled back to {committed.ref}, which is ready (fix: {fix}, then converge "
-                 f"again; {RETRY_SETTING}=true tries the failed version again on purpose)")
+    logger.error(
+        f"{host.name}: {failed}; rolled back to {committed.ref}, which is ready (fix: {fix}, then converge "
+        f"again; {RETRY_SETTING}=true tries the failed version again on purpose)"
+    )
     return False

@@ -16,8 +16,22 @@ from gpufleet.vllm.value_rules import Fail, check_arg_size, check_secret_value, 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SECRET_ENV = {"VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token", "HUGGING_FACE_HUB_TOKEN": "vllm_hf_token"}
 # The env file is also the environment of the docker CLI and the unit's root shells: these names would change them.
-_HOST_ENV = frozenset({"PATH", "IFS", "ENV", "BASH_ENV", "HOME", "SHELL", "NOTIFY_SOCKET", "LISTEN_FDS",
-                       "LISTEN_PID", "LISTEN_FDNAMES", "TMPDIR", "CDPATH"})
+_HOST_ENV = frozenset(
+    {
+        "PATH",
+        "IFS",
+        "ENV",
+        "BASH_ENV",
+        "HOME",
+        "SHELL",
+        "NOTIFY_SOCKET",
+        "LISTEN_FDS",
+        "LISTEN_PID",
+        "LISTEN_FDNAMES",
+        "TMPDIR",
+        "CDPATH",
+    }
+)
 _HOST_ENV_PREFIXES = ("LD_", "DOCKER_", "SYSTEMD_", "CONTAINERD_", "BUILDKIT_")
 
 
@@ -33,8 +47,11 @@ def merge_env(profile: Profile, overrides: Any, fail: Fail) -> dict[str, str]:
         elif name in _SECRET_ENV:
             fail(setting, "is a secret and would land in the unit and `ps`", f"set {_SECRET_ENV[name]} instead")
         elif says_secret(name):
-            fail(setting, "names a secret, which would land in the unit and `ps`",
-                 f"set vllm_secret_env['{name}'] instead")
+            fail(
+                setting,
+                "names a secret, which would land in the unit and `ps`",
+                f"set vllm_secret_env['{name}'] instead",
+            )
         elif value is None:
             merged.pop(name, None)
         elif isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -59,11 +76,17 @@ def check_secret_env(value: Any, env: Mapping[str, str], fail: Fail) -> tuple[st
         elif name in _SECRET_ENV:
             fail(setting, f"is set by {_SECRET_ENV[name]}", f"set {_SECRET_ENV[name]} instead")
         elif name in _HOST_ENV or name.startswith(_HOST_ENV_PREFIXES):
-            fail(setting, "would also be the environment of the docker CLI and shells the unit runs as root",
-                 "use a name of the container's own, e.g. WANDB_API_KEY")
+            fail(
+                setting,
+                "would also be the environment of the docker CLI and shells the unit runs as root",
+                "use a name of the container's own, e.g. WANDB_API_KEY",
+            )
         elif name in env:
-            fail(setting, "is also a plain env var (vllm_env or the profile), which would show its value",
-                 f"remove it there: vllm_env {{'{name}': None}}")
+            fail(
+                setting,
+                "is also a plain env var (vllm_env or the profile), which would show its value",
+                f"remove it there: vllm_env {{'{name}': None}}",
+            )
         elif check_secret_value(setting, secret, fail):
             names.append(name)
     return tuple(names)

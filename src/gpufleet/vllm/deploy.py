@@ -1,6 +1,6 @@
 """The vLLM deploy: from a bare GPU host to a verified vLLM service, idempotently (docs/deploy.md).
 
-    pyinfra inventories/lab.py deploys/qwen35.py [--dry] [--limit gpu2] [--data gpufleet_stage=prepare]
+pyinfra inventories/lab.py deploys/qwen35.py [--dry] [--limit gpu2] [--data gpufleet_stage=prepare]
 """
 
 from __future__ import annotations
@@ -82,13 +82,23 @@ def plan_for(name: str, data: dict[str, Any]) -> Plan:
     layout = Layout.of(spec, s.cache_dir)
     managed = managed_paths(layout)
     paths = Paths(
-        service=spec.service, models_dir=layout.models_dir, model_dir=layout.model_dir, dirs=managed.dirs,
+        service=spec.service,
+        models_dir=layout.models_dir,
+        model_dir=layout.model_dir,
+        dirs=managed.dirs,
         # The ledger's checksum too: its writes compare and swap on it.
-        files=(*managed.files, layout.ledger_path), ledger_path=layout.ledger_path, env_file=layout.env_file, port=spec.port,
-        nvidia_key_url=nvidia.key_url(s.nvidia_repo_url), nvidia_version_file=nvidia.VERSION_FILE,
+        files=(*managed.files, layout.ledger_path),
+        ledger_path=layout.ledger_path,
+        env_file=layout.env_file,
+        port=spec.port,
+        nvidia_key_url=nvidia.key_url(s.nvidia_repo_url),
+        nvidia_version_file=nvidia.VERSION_FILE,
         docker_repo_url=s.docker_repo_url.rstrip("/") if s.docker_install == "docker-ce" else None,
-        nvidia_keyring=nvidia.KEYRING, docker_keyring=docker.DOCKER_KEY, refresh_keys=s.refresh_keys,
-        address=spec.reach_address, site_cache_storage=SITE_CACHE_STORAGE if serves_cache else None,
+        nvidia_keyring=nvidia.KEYRING,
+        docker_keyring=docker.DOCKER_KEY,
+        refresh_keys=s.refresh_keys,
+        address=spec.reach_address,
+        site_cache_storage=SITE_CACHE_STORAGE if serves_cache else None,
         group_head=group_deploy.probe_target(spec),
     )
     return Plan(spec, s, layout, paths)
@@ -101,9 +111,13 @@ def is_vllm_host(target: Host) -> bool:
 
 def observed(snap: HostSnapshot, plan: Plan) -> Observed:
     running = snap.running
-    return Observed(unit_sha256=snap.file_sha256.get(plan.layout.unit_file), running_ref=running.running_image,
-                    running_spec_hash=running.running_spec_hash, active=running.active_state == "active",
-                    restarts=running.restarts)
+    return Observed(
+        unit_sha256=snap.file_sha256.get(plan.layout.unit_file),
+        running_ref=running.running_image,
+        running_spec_hash=running.running_spec_hash,
+        active=running.active_state == "active",
+        restarts=running.restarts,
+    )
 
 
 def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
@@ -130,8 +144,15 @@ def check_host(name: str, snap: HostSnapshot, plan: Plan) -> list[str]:
         problems.append(changed)
     if ref and not s.retry_failed:
         models = model_target(ledger, s)
-        target = Version(image=spec.image, ref=ref, unit_sha256=None, spec_hash=spec.spec_hash, service=spec.service,
-                         port=spec.port, model=models.pin if models else None)
+        target = Version(
+            image=spec.image,
+            ref=ref,
+            unit_sha256=None,
+            spec_hash=spec.spec_hash,
+            service=spec.service,
+            port=spec.port,
+            model=models.pin if models else None,
+        )
         refused = refused_target(ledger, target)
         if refused:
             problems.append(f"{name}: {refused}")
@@ -144,8 +165,11 @@ def settle_and_pin(plan: Plan, snap: HostSnapshot, prepare: bool) -> tuple[Resum
     ledger = host_ledger(snap.ledger_text, snap.other_ledgers, plan.spec.port)  # preflight refused a corrupt one
     decision = Nothing("prepare") if prepare else resume(ledger, observed(snap, plan))
     settled = drop_pending(ledger) if isinstance(decision, DropPending) else ledger
-    return (decision, pinned_ref(settled, plan.spec.image, plan.settings.image_ref),
-            model_target(settled, plan.settings))
+    return (
+        decision,
+        pinned_ref(settled, plan.spec.image, plan.settings.image_ref),
+        model_target(settled, plan.settings),
+    )
 
 
 def mirrored_models(target: Host, s: VllmSettings) -> list[str]:
@@ -153,8 +177,12 @@ def mirrored_models(target: Host, s: VllmSettings) -> list[str]:
     found = set()
     for other in target.inventory:
         theirs = merged_settings(other.data.dict())  # every host's, whatever --limit plans
-        if (ROUTERS_GROUP not in other.groups and theirs["vllm_model_repo"]
-                and theirs["vllm_hf_endpoint"] == s.hf_endpoint and not theirs["site_cache_address"]):
+        if (
+            ROUTERS_GROUP not in other.groups
+            and theirs["vllm_model_repo"]
+            and theirs["vllm_hf_endpoint"] == s.hf_endpoint
+            and not theirs["site_cache_address"]
+        ):
             found.add(str(theirs["vllm_model_repo"]))
     return sorted(found)
 
@@ -180,14 +208,21 @@ def restart_reason(snap: HostSnapshot, plan: Plan, ledger: Ledger, pin: str | No
         return None
     if not snap.unit_active(unit):
         return f"start {unit} (it is not running)"
-    why = ("a cut run left a version pending" if ledger.pending is not None
-           else "its image is still to be pulled" if pin is None or not image_present(snap.images, pin)
-           else "its unit changes" if snap.file_sha256.get(layout.unit_file) != sha256(
-               render_unit(spec, pin, model.pin if model else None))
-           else "its secrets file changes" if snap.file_sha256.get(layout.env_file) != sha256(
-               service.env_content(service.secret_values(s)))
-           else "Docker restarts to load the nvidia runtime" if not snap.nvidia_runtime
-           else "it does not run what its unit says" if running.drift() else None)
+    why = (
+        "a cut run left a version pending"
+        if ledger.pending is not None
+        else "its image is still to be pulled"
+        if pin is None or not image_present(snap.images, pin)
+        else "its unit changes"
+        if snap.file_sha256.get(layout.unit_file) != sha256(render_unit(spec, pin, model.pin if model else None))
+        else "its secrets file changes"
+        if snap.file_sha256.get(layout.env_file) != sha256(service.env_content(service.secret_values(s)))
+        else "Docker restarts to load the nvidia runtime"
+        if not snap.nvidia_runtime
+        else "it does not run what its unit says"
+        if running.drift()
+        else None
+    )
     return f"restart {unit} ({why})" if why else None
 
 
@@ -217,18 +252,21 @@ def check_fleet(readings: Mapping[str, preflight.Reading[Plan, HostSnapshot]]) -
 
 def gpu_warnings(gpus: HostGpus, used: tuple[int, ...]) -> list[str]:
     """A line per GPU with a finding that does not stop this run."""
-    return [f"{g.line()} ({'the service runs on it' if g in gpus.concern(used) else 'the service does not use it'})"
-            for g in gpus.gpus if g.verdict is not Verdict.OK]
+    return [
+        f"{g.line()} ({'the service runs on it' if g in gpus.concern(used) else 'the service does not use it'})"
+        for g in gpus.gpus
+        if g.verdict is not Verdict.OK
+    ]
 
 
 @deploy("Deploy Qwen 3.5 on vLLM")
 def deploy_qwen35() -> None:
     if not is_vllm_host(host):
-        not_for_this_host(name="Skip the vLLM deploy on a router host",
-                          why="router host: deploys/router.py configures it")
+        not_for_this_host(
+            name="Skip the vLLM deploy on a router host", why="router host: deploys/router.py configures it"
+        )
         return
-    plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host,
-                                     check_fleet=check_fleet)
+    plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host, check_fleet=check_fleet)
     s, spec, layout = plan.settings, plan.spec, plan.layout
     held = remember(host, snap)  # every operation decides from this read
     if snap.gpu_health is not None:
@@ -246,8 +284,16 @@ def deploy_qwen35() -> None:
     held.ledger_sha256[plan.layout.ledger_path] = snap.file_sha256.get(plan.layout.ledger_path)
     # A replica group's ranks install one version together.
     readings = preflight.fleet_readings(plan_for) if spec.group else {}
-    ranks = group_deploy.group_for(host, spec, readings, lambda r: settle_and_pin(r.plan, r.snapshot, prepare)[1:]
-                                   if r.plan is not None and r.snapshot is not None else (None, None))
+    ranks = group_deploy.group_for(
+        host,
+        spec,
+        readings,
+        lambda r: (
+            settle_and_pin(r.plan, r.snapshot, prepare)[1:]
+            if r.plan is not None and r.snapshot is not None
+            else (None, None)
+        ),
+    )
     if ranks is not None:
         decision, pin, models = group_deploy.as_group(decision), ranks.pin, ranks.model
     retry_failed = s.retry_failed
@@ -255,71 +301,135 @@ def deploy_qwen35() -> None:
     api_key = s.api_key
     served = [model_id for model_id, _ in snap.served_models or []] if snap.health_code == "200" else []
     verify = (Verification if ranks is None else GroupVerification)(
-        spec, float(s.ready_timeout), Hidden(api_key) if api_key else None, layout.ledger_path,
+        spec,
+        float(s.ready_timeout),
+        Hidden(api_key) if api_key else None,
+        layout.ledger_path,
         served[0] if served else spec.served_model_name,
         checks=verify_checks(s.verify_checks, s.verify_probe),
         speed_earlier=(s.speed_baseline or {}).get(spec.host),
-        speed_tolerance=float(s.speed_tolerance), **({} if ranks is None else {"group": ranks}))
+        speed_tolerance=float(s.speed_tolerance),
+        **({} if ranks is None else {"group": ranks}),
+    )
     if not isinstance(decision, Nothing):
-        service.settled(name="Settle the change a cut run left pending", decision=decision,
-                        ledger_path=layout.ledger_path, roll_back=verify.roll_back_cut)
+        service.settled(
+            name="Settle the change a cut run left pending",
+            decision=decision,
+            ledger_path=layout.ledger_path,
+            roll_back=verify.roll_back_cut,
+        )
         if isinstance(decision, RollBackPending):
             return
 
     files.prerequisites(name="Install apt prerequisites (ca-certificates, curl)")
     refresh_keys = s.refresh_keys
-    docker.engine(name="Install the Docker engine", install=s.docker_install, repo_url=s.docker_repo_url,
-                  refresh_keys=refresh_keys)
-    nvidia.toolkit_repo(name="Add the NVIDIA container toolkit apt repository", repo_url=s.nvidia_repo_url,
-                      refresh_keys=refresh_keys)
+    docker.engine(
+        name="Install the Docker engine",
+        install=s.docker_install,
+        repo_url=s.docker_repo_url,
+        refresh_keys=refresh_keys,
+    )
+    nvidia.toolkit_repo(
+        name="Add the NVIDIA container toolkit apt repository", repo_url=s.nvidia_repo_url, refresh_keys=refresh_keys
+    )
     nvidia.toolkit(name="Install the NVIDIA container toolkit")
     runtime = nvidia.docker_runtime(name="Register the nvidia runtime with Docker")
     nvidia.version_file(name="Record the NVIDIA driver's CUDA version")
     docker.running(name="Start the Docker engine")
     docker.restarted(name="Restart Docker to load its new configuration", _if=runtime.did_change)
 
-    files.directories(name="Create the vLLM, torch and ComputeCache cache directories",
-                      paths=list(service.managed(layout).dirs), mode="755")
-    files.directories(name="Create the models and model download cache directories",
-                      paths=list(model.managed(layout).dirs), mode="755")
-    secrets = service.env_file(name="Write the service's root-only secrets file", path=layout.env_file,
-                               secrets=service.hidden_secrets(s))
+    files.directories(
+        name="Create the vLLM, torch and ComputeCache cache directories",
+        paths=list(service.managed(layout).dirs),
+        mode="755",
+    )
+    files.directories(
+        name="Create the models and model download cache directories",
+        paths=list(model.managed(layout).dirs),
+        mode="755",
+    )
+    secrets = service.env_file(
+        name="Write the service's root-only secrets file", path=layout.env_file, secrets=service.hidden_secrets(s)
+    )
     # Before the pull: the cache must run and be trusted.
     if site_cache.serves_site(host):
         site_cache.deploy_site_cache(host, s, spec.image, snap.site_cache_used_kib, models=mirrored_models(host, s))
     cache = site_cache.cache_pull(host, s, spec.image)
-    docker.trusts_site_cache(name="Let Docker pull from the site cache, and from no other (insecure-registries)",
-                             address=cache.address if cache is not None else None)
+    docker.trusts_site_cache(
+        name="Let Docker pull from the site cache, and from no other (insecure-registries)",
+        address=cache.address if cache is not None else None,
+    )
     fetch_s = float(s.fetch_timeout_s)
-    pinned = image.pinned(name="Pull the vLLM image and pin its digest", image=spec.image, ref=pin,
-                          service=spec.service, cache=cache, timeout_s=fetch_s)
+    pinned = image.pinned(
+        name="Pull the vLLM image and pin its digest",
+        image=spec.image,
+        ref=pin,
+        service=spec.service,
+        cache=cache,
+        timeout_s=fetch_s,
+    )
     if has_gpu:  # without one nothing starts: no version to protect
         committed_ref = ledger.committed.version.ref if ledger.committed else None
-        flagcheck.accepts_flags(name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref,
-                                pin=pin)
-    model.present(name="Download the model's commit unless it is here and checked",
-                  spec=spec, where=layout.model_dir, model=models,
-                  env_file=layout.env_file if s.hf_token else None, hf_cache=layout.hf_cache, pin=pin,
-                  hub=s.hf_endpoint, mirror=site_cache.model_mirror(host, s), timeout_s=fetch_s)
+        flagcheck.accepts_flags(
+            name="Check the image accepts the serve flags", spec=spec, committed_ref=committed_ref, pin=pin
+        )
+    model.present(
+        name="Download the model's commit unless it is here and checked",
+        spec=spec,
+        where=layout.model_dir,
+        model=models,
+        env_file=layout.env_file if s.hf_token else None,
+        hf_cache=layout.hf_cache,
+        pin=pin,
+        hub=s.hf_endpoint,
+        mirror=site_cache.model_mirror(host, s),
+        timeout_s=fetch_s,
+    )
     if ranks is not None:
         group.same_version(name="Check every rank of the group has one digest and one model commit", group=ranks)
     if prepare:
         return  # the old version keeps serving
-    unit = service.unit(name="Install the vLLM systemd unit", spec=spec, path=layout.unit_file,
-                        ledger_path=layout.ledger_path, pin=pin, retry_failed=retry_failed, model=models)
+    unit = service.unit(
+        name="Install the vLLM systemd unit",
+        spec=spec,
+        path=layout.unit_file,
+        ledger_path=layout.ledger_path,
+        pin=pin,
+        retry_failed=retry_failed,
+        model=models,
+    )
     changes = [unit, secrets, pinned, runtime]
     finish = isinstance(decision, FinishPending)
     # A pending version that already runs is verified, not restarted again.
     restart_pending = isinstance(decision, FinishPending) and decision.restart
     if ranks is not None:
         ranks.join(host.name, changes, group_deploy.restart_reasons(snap, spec, decision))
-    service.running(name="Enable and start the vLLM service", spec=spec, ledger_path=layout.ledger_path,
-                    changes=changes, pin=pin, retry_failed=retry_failed, start=has_gpu, force=restart_pending,
-                    replaces=replaced_service(ledger, spec.service), model=models, group=ranks)
+    service.running(
+        name="Enable and start the vLLM service",
+        spec=spec,
+        ledger_path=layout.ledger_path,
+        changes=changes,
+        pin=pin,
+        retry_failed=retry_failed,
+        start=has_gpu,
+        force=restart_pending,
+        replaces=replaced_service(ledger, spec.service),
+        model=models,
+        group=ranks,
+    )
     # Its verdict picks the commit or the rollback while executing; --dry lists both.
-    verified = service.ready(name="Verify vLLM is ready (/health, /v1/models), else roll back", spec=spec,
-                             verify=verify.verify, roll_back=verify.roll_back_if_failed, changes=changes,
-                             start=has_gpu, soak_s=float(s.ready_soak_s), force=finish, group=ranks,
-                             serves=group_deploy.head_serves(readings, spec) if ranks is not None else None)
-    service.committed(name="Commit the verified vLLM version", verified=verified, commit=verify.commit,
-                      _if=verify_passed)
+    verified = service.ready(
+        name="Verify vLLM is ready (/health, /v1/models), else roll back",
+        spec=spec,
+        verify=verify.verify,
+        roll_back=verify.roll_back_if_failed,
+        changes=changes,
+        start=has_gpu,
+        soak_s=float(s.ready_soak_s),
+        force=finish,
+        group=ranks,
+        serves=group_deploy.head_serves(readings, spec) if ranks is not None else None,
+    )
+    service.committed(
+        name="Commit the verified vLLM version", verified=verified, commit=verify.commit, _if=verify_passed
+    )

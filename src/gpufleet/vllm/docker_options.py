@@ -18,13 +18,31 @@ _VOLUMES = "use vllm_models_dir / vllm_cache_dir"
 _FOREGROUND = "remove it: systemd supervises the container in the foreground"
 _NO_TTY = "remove it: systemd runs the container without a terminal"
 _OPTIONS_OWNED = {
-    "gpus": "use vllm_gpus", "publish": _PORT, "p": _PORT, "publish-all": _PORT, "P": _PORT,
-    "env": _ENV, "e": _ENV, "env-file": "use vllm_secret_env (the unit's root-only env file)",
-    "volume": _VOLUMES, "v": _VOLUMES, "mount": _VOLUMES, "volumes-from": _VOLUMES,
-    "label": _LABEL, "l": _LABEL, "label-file": _LABEL, "name": _LABEL,
-    "rm": "remove it: --rm is always set", "cidfile": "remove it: the container is found by its label",
+    "gpus": "use vllm_gpus",
+    "publish": _PORT,
+    "p": _PORT,
+    "publish-all": _PORT,
+    "P": _PORT,
+    "env": _ENV,
+    "e": _ENV,
+    "env-file": "use vllm_secret_env (the unit's root-only env file)",
+    "volume": _VOLUMES,
+    "v": _VOLUMES,
+    "mount": _VOLUMES,
+    "volumes-from": _VOLUMES,
+    "label": _LABEL,
+    "l": _LABEL,
+    "label-file": _LABEL,
+    "name": _LABEL,
+    "rm": "remove it: --rm is always set",
+    "cidfile": "remove it: the container is found by its label",
     "restart": "remove it: systemd restarts the service (Restart=on-failure)",
-    "detach": _FOREGROUND, "d": _FOREGROUND, "interactive": _NO_TTY, "i": _NO_TTY, "tty": _NO_TTY, "t": _NO_TTY,
+    "detach": _FOREGROUND,
+    "d": _FOREGROUND,
+    "interactive": _NO_TTY,
+    "i": _NO_TTY,
+    "tty": _NO_TTY,
+    "t": _NO_TTY,
 }
 _SHORT_OPTIONS = {"a": "attach", "c": "cpu-shares", "h": "hostname", "m": "memory", "u": "user", "w": "workdir"}
 
@@ -53,8 +71,11 @@ def merge_docker_options(profile: Profile, overrides: Any, fail: Fail) -> dict[s
             fail(setting, "is not a docker run option name", 'use its long name without dashes, e.g. "shm-size"')
         elif len(name) == 1:
             long = _SHORT_OPTIONS.get(name)
-            fail(setting, f"is a one-letter option, which would render as --{name}=",
-                 f'use its long name, "{long}"' if long else "use its long name (see `docker run --help`)")
+            fail(
+                setting,
+                f"is a one-letter option, which would render as --{name}=",
+                f'use its long name, "{long}"' if long else "use its long name (see `docker run --help`)",
+            )
         elif value is None:
             merged.pop(name, None)
         elif value is True or (isinstance(value, str) and value):

@@ -274,11 +274,20 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
     service = blocks[1] if len(blocks) > 1 else {}
     fields = {**service, **dict(line.partition("=")[::2] for line in s.get("service_unit", []) if "=" in line)}
     if fields.get("Id"):
-        snap.service_unit = ServiceUnit(name=fields["Id"], load_state=fields.get("LoadState", ""),
-                                        fragment_path=fields.get("FragmentPath", ""),
-                                        first_line=fields.get("FirstLine", ""))
-    api_containers = next((docker_containers(body, name.partition(" ")[2]) for name, body in s.items()
-                           if name.startswith(DOCKER_CONTAINERS + " ")), [])
+        snap.service_unit = ServiceUnit(
+            name=fields["Id"],
+            load_state=fields.get("LoadState", ""),
+            fragment_path=fields.get("FragmentPath", ""),
+            first_line=fields.get("FirstLine", ""),
+        )
+    api_containers = next(
+        (
+            docker_containers(body, name.partition(" ")[2])
+            for name, body in s.items()
+            if name.startswith(DOCKER_CONTAINERS + " ")
+        ),
+        [],
+    )
     snap.running = parse_running(s.get("running", []), service, api_containers)
     health = s.get("health", [])
     if health and health[0].strip() not in ("", "000"):
@@ -296,7 +305,7 @@ def parse_snapshot(lines: list[str]) -> HostSnapshot:
 
 
 def group_probe(lines: list[str]) -> str:
-    """"open", "refused", or why the probe could not reach the head."""
+    """ "open", "refused", or why the probe could not reach the head."""
     rc = lines[-1].removeprefix("rc ").strip() if lines and lines[-1].startswith("rc ") else ""
     said = " ".join(line.rsplit(": ", 1)[-1].strip() for line in lines[:-1] if line.strip())
     if rc == "0":
@@ -349,12 +358,15 @@ def docker_images(lines: list[str]) -> list[tuple[str, str, str]]:
 
 def docker_containers(lines: list[str], label_key: str) -> list[tuple[str, str]]:
     """/containers/json as (label value, image) pairs, as `docker ps` prints them."""
-    return [(str((c.get("Labels") or {}).get(label_key, "")), str(c.get("Image") or "<no image>"))
-            for c in _json_list(lines)]
+    return [
+        (str((c.get("Labels") or {}).get(label_key, "")), str(c.get("Image") or "<no image>"))
+        for c in _json_list(lines)
+    ]
 
 
-def parse_running(lines: list[str], unit: dict[str, str] | None = None,
-                  containers: list[tuple[str, str]] | None = None) -> RunningService:
+def parse_running(
+    lines: list[str], unit: dict[str, str] | None = None, containers: list[tuple[str, str]] | None = None
+) -> RunningService:
     """The section's lines (Header; Container on a host without curl) add to `unit`'s systemd properties and to
     `containers`."""
     fields: dict[str, str] = dict(unit or {})
@@ -370,10 +382,12 @@ def parse_running(lines: list[str], unit: dict[str, str] | None = None,
             fields[key] = value.strip()
     pins = UNIT_PINS.match(fields.get("Header", ""))
     return RunningService(
-        active_state=fields.get("ActiveState", ""), sub_state=fields.get("SubState", ""),
+        active_state=fields.get("ActiveState", ""),
+        sub_state=fields.get("SubState", ""),
         need_daemon_reload=fields.get("NeedDaemonReload") == "yes",
         restarts=int(fields["NRestarts"]) if fields.get("NRestarts", "").isdigit() else 0,
-        unit_spec_hash=pins["spec"] if pins else None, unit_image=pins["image"] if pins else None,
+        unit_spec_hash=pins["spec"] if pins else None,
+        unit_image=pins["image"] if pins else None,
         containers=tuple(containers),
     )
 

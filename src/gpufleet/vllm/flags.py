@@ -1,6 +1,6 @@
 """What `vllm serve` accepts, from a recorded `--help=all` compiled into one table (docs/test-hosts.md). Regenerate:
 
-    python -m gpufleet.vllm.flags tests/fixtures/vllm/serve-help-all.txt > src/gpufleet/data/vllm-serve-flags.json
+python -m gpufleet.vllm.flags tests/fixtures/vllm/serve-help-all.txt > src/gpufleet/data/vllm-serve-flags.json
 """
 
 from __future__ import annotations
@@ -117,9 +117,14 @@ def known_flags() -> dict[str, FlagInfo]:
     for f in table["flags"]:
         name = _long_name(f["names"])
         if name:
-            flags[name] = FlagInfo(name, takes_value=f["kind"] == "value", negatable=f["kind"] == "bool",
-                                   choices=tuple(f["choices"]) if f["choices"] else None, open_choices=f["open"],
-                                   value_type=f.get("type", "str"))
+            flags[name] = FlagInfo(
+                name,
+                takes_value=f["kind"] == "value",
+                negatable=f["kind"] == "bool",
+                choices=tuple(f["choices"]) if f["choices"] else None,
+                open_choices=f["open"],
+                value_type=f.get("type", "str"),
+            )
     return flags
 
 

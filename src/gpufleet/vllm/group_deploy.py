@@ -23,14 +23,14 @@ from gpufleet.vllm.weights import ModelTarget
 from gpufleet.wire.identity import Expected
 
 
-def resolve(name: str, data: Mapping[str, Any], inventory: Inventory | None,
-            behind_router: bool) -> tuple[ServeSpec, VllmSettings]:
+def resolve(
+    name: str, data: Mapping[str, Any], inventory: Inventory | None, behind_router: bool
+) -> tuple[ServeSpec, VllmSettings]:
     """A host's spec and settings, its group's ranks resolved with it (raises SettingErrors)."""
     if inventory is None or inventory.get_host(name, None) is None:
         return resolve_host(name, data, behind_router=behind_router)
     # The host's own data as given (the caller's may differ from the inventory's); its ranks' from the inventory.
-    replicas = [(h.name, data if h.name == name else h.data.dict()) for h in inventory
-                if ROUTERS_GROUP not in h.groups]
+    replicas = [(h.name, data if h.name == name else h.data.dict()) for h in inventory if ROUTERS_GROUP not in h.groups]
     return resolve_one(name, replicas, group_orders(inventory), behind_router)
 
 
@@ -45,29 +45,39 @@ def probe_problem(name: str, snap: HostSnapshot, spec: ServeSpec) -> str | None:
     member = spec.group
     if member is None or member.is_head or snap.group_probe in (None, "open", "refused"):
         return None
-    return (f"{name}: cannot reach the head {member.head}'s master port {member.addresses[0]}:{member.port} "
-            f"(vllm_group_port) from here: {snap.group_probe} (fix: open TCP from {member.address} to "
-            f"{member.addresses[0]} on every port between the group's hosts, or correct vllm_group_address)")
+    return (
+        f"{name}: cannot reach the head {member.head}'s master port {member.addresses[0]}:{member.port} "
+        f"(vllm_group_port) from here: {snap.group_probe} (fix: open TCP from {member.address} to "
+        f"{member.addresses[0]} on every port between the group's hosts, or correct vllm_group_address)"
+    )
 
 
 def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[str]]:
     """Refusals across each group's ranks: every rank in the run, one GPU model and one driver."""
     found: dict[str, list[str]] = {}
-    groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
-              if r.plan is not None and r.plan.spec.group is not None}
+    groups = {
+        r.plan.spec.group.group: r.plan.spec.group
+        for r in readings.values()
+        if r.plan is not None and r.plan.spec.group is not None
+    }
     for member in groups.values():
         present = [h for h in member.hosts if h in readings]
         missing = [h for h in member.hosts if h not in readings]
         if missing:
-            line = (f"{present[0]}: group {member.group} deploys as one, and {', '.join(missing)} is not in this run "
-                    f"(fix: run on every host of the group: --limit {','.join(member.hosts)}, or no --limit)")
+            line = (
+                f"{present[0]}: group {member.group} deploys as one, and {', '.join(missing)} is not in this run "
+                f"(fix: run on every host of the group: --limit {','.join(member.hosts)}, or no --limit)"
+            )
             found.setdefault(present[0], []).append(line)
             continue
         snaps: dict[str, HostSnapshot] = {h: snap for h in member.hosts if (snap := readings[h].snapshot)}
         if len(snaps) < len(member.hosts):
             continue  # a rank not read is refused on its own line already
-        context = GroupLintContext(member.group, {h: s.gpus[0].name if s.gpus else "" for h, s in snaps.items()},
-                                   {h: s.driver.driver_version if s.driver else "" for h, s in snaps.items()})
+        context = GroupLintContext(
+            member.group,
+            {h: s.gpus[0].name if s.gpus else "" for h, s in snaps.items()},
+            {h: s.driver.driver_version if s.driver else "" for h, s in snaps.items()},
+        )
         head_plan = readings[member.head].plan
         accepted = set(head_plan.settings.accept) if head_plan is not None else set()
         for finding in lint_group(member.head, context):
@@ -76,12 +86,18 @@ def check_groups(readings: Mapping[str, Reading[Any, Any]]) -> dict[str, list[st
     return found
 
 
-def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Callable[[Reading[Any, Any]], str | None],
-                     refusals: Callable[[str, Reading[Any, Any], str], list[str]]) -> dict[str, list[str]]:
+def restart_refusals(
+    readings: Mapping[str, Reading[Any, Any]],
+    restart_of: Callable[[Reading[Any, Any]], str | None],
+    refusals: Callable[[str, Reading[Any, Any], str], list[str]],
+) -> dict[str, list[str]]:
     """refusals(rank, reading, why) for each rank restarted only with its group."""
     found: dict[str, list[str]] = {}
-    groups = {r.plan.spec.group.group: r.plan.spec.group for r in readings.values()
-              if r.plan is not None and r.plan.spec.group is not None}
+    groups = {
+        r.plan.spec.group.group: r.plan.spec.group
+        for r in readings.values()
+        if r.plan is not None and r.plan.spec.group is not None
+    }
     for member in groups.values():
         read = {h: readings[h] for h in member.hosts if h in readings and readings[h].plan and readings[h].snapshot}
         restarts = {h: why for h, r in read.items() if (why := restart_of(r)) is not None}
@@ -94,8 +110,12 @@ def restart_refusals(readings: Mapping[str, Reading[Any, Any]], restart_of: Call
     return {h: lines for h, lines in found.items() if lines}
 
 
-def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, Any]],
-              pins_of: Callable[[Reading[Any, Any]], tuple[str | None, ModelTarget | None]]) -> GroupRun | None:
+def group_for(
+    host: Host,
+    spec: ServeSpec,
+    readings: Mapping[str, Reading[Any, Any]],
+    pins_of: Callable[[Reading[Any, Any]], tuple[str | None, ModelTarget | None]],
+) -> GroupRun | None:
     """The host's group in this run (None outside one), on the first rank's pins."""
     member = spec.group
     if member is None:
@@ -104,8 +124,10 @@ def group_for(host: Host, spec: ServeSpec, readings: Mapping[str, Reading[Any, A
     def pins() -> tuple[str | None, ModelTarget | None]:
         found = [pins_of(readings[h]) for h in member.hosts]
         models = [m for _, m in found if m is not None]
-        return (next((ref for ref, _ in found if ref is not None), None),
-                next((m for m in models if m.pin is not None), models[0] if models else None))
+        return (
+            next((ref for ref, _ in found if ref is not None), None),
+            next((m for m in models if m.pin is not None), models[0] if models else None),
+        )
 
     return group_run(host.state, member, pins)
 

@@ -14,9 +14,13 @@ from gpufleet.vllm.spec import ServeSpec
 Resolved = dict[str, tuple[ServeSpec, VllmSettings]]
 
 
-def resolve_replicas(replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]],
-                     behind_router: bool, *, only: Collection[str] | None = None
-                     ) -> tuple[Resolved, list[SettingError]]:
+def resolve_replicas(
+    replicas: Sequence[tuple[str, Mapping[str, Any]]],
+    orders: Mapping[str, Sequence[str]],
+    behind_router: bool,
+    *,
+    only: Collection[str] | None = None,
+) -> tuple[Resolved, list[SettingError]]:
     """{host: (spec, settings)} for `only` (default: every replica) and their groups' ranks, and every problem. A
     group with a problem on any rank has no spec on any."""
     found, errors = members(replicas, orders, merged_settings)
@@ -47,8 +51,12 @@ def resolve_replicas(replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: 
     return resolved, errors
 
 
-def resolve_one(name: str, replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]],
-                behind_router: bool) -> tuple[ServeSpec, VllmSettings]:
+def resolve_one(
+    name: str,
+    replicas: Sequence[tuple[str, Mapping[str, Any]]],
+    orders: Mapping[str, Sequence[str]],
+    behind_router: bool,
+) -> tuple[ServeSpec, VllmSettings]:
     """One host's spec and settings; raises SettingErrors naming every problem of the host and its group."""
     resolved, errors = resolve_replicas(replicas, orders, behind_router, only=[name])
     if errors:

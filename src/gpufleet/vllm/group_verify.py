@@ -48,9 +48,12 @@ class GroupVerification(Verification):
         self._group.verified.wait(wait_s)
         found = outcome(state.inventory.get_host(member.head))
         if found is None:
-            return fail(host, f"{host.name}: the head {member.head} did not finish verifying group {member.group}; "
-                              "nothing was committed or rolled back, this rank's new version stays pending (fix: "
-                              "converge the group again: the next run verifies it)")
+            return fail(
+                host,
+                f"{host.name}: the head {member.head} did not finish verifying group {member.group}; "
+                "nothing was committed or rolled back, this rank's new version stays pending (fix: "
+                "converge the group again: the next run verifies it)",
+            )
         run_context(state).slot(VerifyOutcomes, VerifyOutcomes)[host.name] = found
         return True
 
@@ -67,8 +70,7 @@ class GroupVerification(Verification):
             try:
                 return replace(report, container=transport.container(service))
             except TransportError as error:
-                return HealthReport(HealthState.SSH_UNREACHABLE, f"cannot read its container: {error}",
-                                    host=host.name)
+                return HealthReport(HealthState.SSH_UNREACHABLE, f"cannot read its container: {error}", host=host.name)
 
         return look
 

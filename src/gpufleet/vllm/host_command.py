@@ -27,10 +27,26 @@ DRIVER_FILE = "driver_file"
 GPU_HEALTH, KERNEL_LOG = "gpu_health", "kernel_log"
 COMMAND_TIMEOUT_S = 20  # per program
 TIMED_OUT = (124, 137)  # timeout's: cut off, or killed after ignoring SIGTERM
-SYSTEMD_PROPERTIES = ("Id", "LoadState", "ActiveState", "SubState", "UnitFileState", "FragmentPath",
-                      "NeedDaemonReload", "NRestarts")
-PACKAGES = ("docker.io", "containerd", "docker-ce", "docker-ce-cli", "containerd.io", "nvidia-container-toolkit",
-            "curl", "ca-certificates")
+SYSTEMD_PROPERTIES = (
+    "Id",
+    "LoadState",
+    "ActiveState",
+    "SubState",
+    "UnitFileState",
+    "FragmentPath",
+    "NeedDaemonReload",
+    "NRestarts",
+)
+PACKAGES = (
+    "docker.io",
+    "containerd",
+    "docker-ce",
+    "docker-ce-cli",
+    "containerd.io",
+    "nvidia-container-toolkit",
+    "curl",
+    "ca-certificates",
+)
 
 
 @dataclass(frozen=True)
@@ -66,15 +82,17 @@ def snapshot_command(paths: Paths) -> str:
 
 def script(calls: Sequence[str]) -> str:
     """snapshot.sh's and gpu_health's functions, then `calls`, one line each."""
-    return "\n".join([f"query_gpu_health() {{ {query_shell()}; }}", f"read_kernel_log() {{ {kernel_shell()}; }}",
-                      SCRIPT, *calls])
+    return "\n".join(
+        [f"query_gpu_health() {{ {query_shell()}; }}", f"read_kernel_log() {{ {kernel_shell()}; }}", SCRIPT, *calls]
+    )
 
 
 def steps(paths: Paths) -> list[str]:
     """The snapshot's calls, in order, the last printing the end marker."""
     label = container_label_key(paths.service)
-    containers = "/containers/json?filters=" + urllib.parse.quote(json.dumps({"label": [label]}, separators=(",", ":")),
-                                                                   safe="")
+    containers = "/containers/json?filters=" + urllib.parse.quote(
+        json.dumps({"label": [label]}, separators=(",", ":")), safe=""
+    )
     # Settings accept only an IP address here; url_host brackets IPv6.
     address = url_host(str(ipaddress.ip_address(paths.address)))
     # '' fetches the key even where one is installed.
@@ -98,8 +116,19 @@ def steps(paths: Paths) -> list[str]:
         call("read_units", unit_name(paths.service), *(word for p in SYSTEMD_PROPERTIES for word in ("-p", p))),
         call("read_running", unit_path(paths.service), label),
         call("find_container", containers),
-        call("read_http", paths.env_file, address, int(paths.port), label, containers, CACHE_CONFIG,
-             nvidia_keyring, paths.nvidia_key_url, docker_keyring, paths.docker_repo_url or ""),
+        call(
+            "read_http",
+            paths.env_file,
+            address,
+            int(paths.port),
+            label,
+            containers,
+            CACHE_CONFIG,
+            nvidia_keyring,
+            paths.nvidia_key_url,
+            docker_keyring,
+            paths.docker_repo_url or "",
+        ),
         end(),
     ]
 

@@ -36,8 +36,13 @@ class Layout:
         mount = spec.model_mount
         hf_cache = posixpath.join(posixpath.normpath(cache_dir), HF_CACHE_SUBDIR)
         caches = tuple(posixpath.normpath(m.host_path) for m in spec.mounts if m != mount)
-        return cls(service=spec.service, models_dir=posixpath.normpath(mount.host_path), model_dir=model_dir(spec),
-                   cache_dirs=caches, hf_cache=hf_cache)
+        return cls(
+            service=spec.service,
+            models_dir=posixpath.normpath(mount.host_path),
+            model_dir=model_dir(spec),
+            cache_dirs=caches,
+            hf_cache=hf_cache,
+        )
 
     @property
     def unit_file(self) -> str:

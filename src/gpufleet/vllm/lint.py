@@ -197,8 +197,10 @@ def _unmounted_jit_caches(c: LintContext) -> list[str]:
 
 def _jit_cache_fix(c: LintContext) -> str:
     values = ", ".join(f'"{name}": "{JIT_REDIRECTS[name]}"' for name in _unmounted_jit_caches(c))
-    return (f"set vllm_env = {{{values}}} (inside the /root/.cache/vllm mount: kept across restarts, carried by "
-            "`gpufleet rollout`)")
+    return (
+        f"set vllm_env = {{{values}}} (inside the /root/.cache/vllm mount: kept across restarts, carried by "
+        "`gpufleet rollout`)"
+    )
 
 
 def _group_setting_unset(c: LintContext, setting: str) -> bool:
@@ -257,8 +259,12 @@ RULES: tuple[LintRule[LintContext], ...] = (
         "set vllm_api_key (kept in a root-only file), or keep the API off the network with "
         'vllm_publish_address = "127.0.0.1" (keep --host 0.0.0.0: vLLM bound to 127.0.0.1 inside the container '
         "answers nothing on the published port)",
-        lambda c: c.arg("host") in _ALL_INTERFACES and c.spec.publish_address is None
-        and not c.settings.get("vllm_api_key") and not (c.spec.group and c.spec.group.rank),  # a rank serves none
+        lambda c: (
+            c.arg("host") in _ALL_INTERFACES
+            and c.spec.publish_address is None
+            and not c.settings.get("vllm_api_key")
+            and not (c.spec.group and c.spec.group.rank)
+        ),  # a rank serves none
     ),
     LintRule(
         "host-unreachable-behind-published-port",
@@ -350,8 +356,7 @@ RULES: tuple[LintRule[LintContext], ...] = (
         "warning",
         "pipeline parallel across hosts sends every token's activations between them, and no link is stated: over "
         "1 GbE every request waits on the network",
-        'state the link, e.g. vllm_group_link = "25GbE" (10 GbE or faster), or serve a replica per box behind a '
-        "router",
+        'state the link, e.g. vllm_group_link = "25GbE" (10 GbE or faster), or serve a replica per box behind a router',
         lambda c: _group_setting_unset(c, "vllm_group_link"),
     ),
 )
@@ -418,8 +423,10 @@ GROUP_RULES: tuple[LintRule[GroupLintContext], ...] = (
         "error",
         "the replica group's ranks have different GPU models: vLLM sizes every stage's KV cache to the smallest "
         "rank's memory and runs at the slowest rank's pace; the deploy refuses it",
-        lambda c: _mixed_fix(c, c.gpus, "GPU model") + ', or accept it on purpose: gpufleet_accept = '
-        '["group-mixed-gpu-models"] on the head',
+        lambda c: (
+            _mixed_fix(c, c.gpus, "GPU model") + ", or accept it on purpose: gpufleet_accept = "
+            '["group-mixed-gpu-models"] on the head'
+        ),
         lambda c: bool(c.differing(c.gpus)),
     ),
     LintRule(
@@ -427,15 +434,18 @@ GROUP_RULES: tuple[LintRule[GroupLintContext], ...] = (
         "error",
         "the replica group's ranks run different NVIDIA drivers: NCCL between them may fail to initialise or "
         "hang; the deploy refuses it",
-        lambda c: _mixed_fix(c, c.drivers, "driver") + ', or accept it on purpose: gpufleet_accept = '
-        '["group-mixed-drivers"] on the head',
+        lambda c: (
+            _mixed_fix(c, c.drivers, "driver") + ", or accept it on purpose: gpufleet_accept = "
+            '["group-mixed-drivers"] on the head'
+        ),
         lambda c: bool(c.differing(c.drivers)),
     ),
 )
 
 
-def lint_group(head: str, context: GroupLintContext,
-               rules: tuple[LintRule[GroupLintContext], ...] = GROUP_RULES) -> list[Finding]:
+def lint_group(
+    head: str, context: GroupLintContext, rules: tuple[LintRule[GroupLintContext], ...] = GROUP_RULES
+) -> list[Finding]:
     """Findings for a replica group over what its ranks reported (gpufleet.vllm.deploy's preflight reads them)."""
     return [Finding(head, rule, rule.fix_for(context)) for rule in rules if rule.applies(context)]
 
@@ -475,12 +485,21 @@ def accepted_rule_ids(host: str, value: Any) -> frozenset[str]:
     string included: "no-shutdown-timeout" would otherwise read as its letters)."""
     if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(item, str) for item in value):
         return frozenset(value)
-    raise SettingError(host, ACCEPT_SETTING, f"{shown(value)} is not a list of lint rule ids",
-                       f'e.g. {ACCEPT_SETTING} = ["open-without-api-key"], with a comment saying why')
+    raise SettingError(
+        host,
+        ACCEPT_SETTING,
+        f"{shown(value)} is not a list of lint rule ids",
+        f'e.g. {ACCEPT_SETTING} = ["open-without-api-key"], with a comment saying why',
+    )
 
 
-def lint_accept(host: str, accepted: Collection[str], rules: tuple[LintRule[AcceptContext], ...] = ACCEPT_RULES
-                ) -> list[Finding]:
+def lint_accept(
+    host: str, accepted: Collection[str], rules: tuple[LintRule[AcceptContext], ...] = ACCEPT_RULES
+) -> list[Finding]:
     """Findings about a host's gpufleet_accept entries themselves (an id that names no rule)."""
-    return [Finding(host, rule, rule.fix_for(context))
-            for context in map(AcceptContext, sorted(accepted)) for rule in rules if rule.applies(context)]
+    return [
+        Finding(host, rule, rule.fix_for(context))
+        for context in map(AcceptContext, sorted(accepted))
+        for rule in rules
+        if rule.applies(context)
+    ]

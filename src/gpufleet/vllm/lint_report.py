@@ -24,8 +24,13 @@ class FleetFinding:
     hosts: tuple[str, ...]  # in inventory order
 
     def as_json(self) -> dict[str, Any]:
-        return {"id": self.id, "severity": self.severity, "message": self.message, "fix": self.fix,
-                "hosts": list(self.hosts)}
+        return {
+            "id": self.id,
+            "severity": self.severity,
+            "message": self.message,
+            "fix": self.fix,
+            "hosts": list(self.hosts),
+        }
 
 
 @dataclass(frozen=True)
@@ -66,8 +71,11 @@ class LintReport:
         return one_line(text)
 
     def as_json(self, strict: bool = False) -> dict[str, Any]:
-        return {"ok": self.exit_code(strict) == 0, "findings": [f.as_json() for f in self.findings],
-                "accepted": [f.as_json() for f in self.accepted]}
+        return {
+            "ok": self.exit_code(strict) == 0,
+            "findings": [f.as_json() for f in self.findings],
+            "accepted": [f.as_json() for f in self.accepted],
+        }
 
 
 # (id, severity, message, fix)
@@ -104,8 +112,9 @@ def fleet_report(
     return LintReport(tuple(hosts), tuple(routers), _fold(keyed(False)), _fold(keyed(True)))
 
 
-def invalid_settings_report(errors: Iterable[SettingError], hosts: Sequence[str], routers: Sequence[str] = ()
-                            ) -> LintReport:
+def invalid_settings_report(
+    errors: Iterable[SettingError], hosts: Sequence[str], routers: Sequence[str] = ()
+) -> LintReport:
     """Settings the deploy refuses, as errors folded like findings."""
     error: Severity = "error"
     keyed = ((e.host, (INVALID_SETTING, error, f"{e.setting}: {e.problem}", e.fix)) for e in errors)

@@ -16,12 +16,14 @@ def load_host_specs(inventory_path: str | Path, only_host: str | None = None) ->
     routers, hosts, groups = load_roles_and_groups(inventory_path)
     if only_host is not None and only_host not in dict(hosts):
         raise GpufleetError(one_line(f"{only_host}: no such host in {inventory_path} (fix: check --host)"))
-    resolved, errors = resolve_replicas(hosts, groups, bool(routers),
-                                        only=None if only_host is None else [only_host])
+    resolved, errors = resolve_replicas(hosts, groups, bool(routers), only=None if only_host is None else [only_host])
     if errors:
         raise SettingErrors(errors)
-    return [(resolved[name][0], data) for name, data in hosts if name in resolved
-            and (only_host is None or name == only_host)]
+    return [
+        (resolved[name][0], data)
+        for name, data in hosts
+        if name in resolved and (only_host is None or name == only_host)
+    ]
 
 
 def load_specs(inventory_path: str | Path, only_host: str | None = None) -> list[ServeSpec]:

@@ -23,16 +23,20 @@ def exited_detail(show: str) -> str | None:
 
 def service_exited(host: Host, service: str) -> Exited:
     """health.wait's `exited` for the service."""
+
     def probe() -> str | None:
         ok, output = host.run_shell_command(
-            f"systemctl show -p ActiveState -p SubState -p ExecMainStatus {shlex.quote(unit_name(service))}")
+            f"systemctl show -p ActiveState -p SubState -p ExecMainStatus {shlex.quote(unit_name(service))}"
+        )
         return exited_detail("\n".join(output.stdout_lines)) if ok else None
+
     return probe
 
 
 def journal(host: Host, service: str, lines: int = 15) -> list[str]:
-    ok, output = host.run_shell_command(f"journalctl -u {shlex.quote(unit_name(service))} -n {int(lines)} "
-                                        "--no-pager -o cat", _sudo=use_sudo(host))
+    ok, output = host.run_shell_command(
+        f"journalctl -u {shlex.quote(unit_name(service))} -n {int(lines)} --no-pager -o cat", _sudo=use_sudo(host)
+    )
     return output.stdout_lines if ok else []
 
 

@@ -177,29 +177,63 @@ def _settings_record(s: Mapping[str, Any]) -> VllmSettings:
     """The record of merged settings that passed every check, parsed where a check parsed them."""
     accept = s["gpufleet_accept"]
     return VllmSettings(
-        profile=s["vllm_profile"], image=s["vllm_image"], gpus=tuple(s["vllm_gpus"]), port=s["vllm_port"],
-        publish_address=s["vllm_publish_address"], model=s["vllm_model"], model_repo=s["vllm_model_repo"],
-        model_revision=s["vllm_model_revision"], hf_endpoint=s["vllm_hf_endpoint"], models_dir=s["vllm_models_dir"],
-        cache_dir=s["vllm_cache_dir"], args=_frozen(s["vllm_args"]), env=_frozen(s["vllm_env"]),
-        docker_options=_frozen(s["vllm_docker_options"]), service=s["vllm_service"], hf_token=s["vllm_hf_token"],
-        api_key=s["vllm_api_key"], secret_env=_frozen(s["vllm_secret_env"]), ready_timeout=s["vllm_ready_timeout"],
-        ready_soak_s=s["vllm_ready_soak_s"], group=s["vllm_group"], group_port=s["vllm_group_port"],
-        group_address=s["vllm_group_address"], group_interface=s["vllm_group_interface"],
-        group_link=s["vllm_group_link"], fetch_timeout_s=s["vllm_fetch_timeout_s"], min_cuda=s["gpufleet_min_cuda"],
-        min_free_gb_docker=s["gpufleet_min_free_gb_docker"], min_free_gb_models=s["gpufleet_min_free_gb_models"],
-        allow_no_gpu=s["gpufleet_allow_no_gpu"], gpu_verdicts=_frozen(s[GPU_VERDICTS_SETTING]),
-        gpu_cleared_at=s[GPU_CLEARED_SETTING], lock_wait_s=s[WAIT_SETTING], lock_lease_s=s[LEASE_SETTING],
-        image_ref=s[IMAGE_REF_SETTING], model_ref=s[MODEL_REF_SETTING], stage=s[STAGE_SETTING],
-        retry_failed=s[RETRY_SETTING], expect_committed=_frozen(s[EXPECT_COMMITTED_SETTING]),
-        verify_probe=s[VERIFY_PROBE_SETTING], verify_checks=s[VERIFY_CHECKS_SETTING],
-        speed_tolerance=s[SPEED_TOLERANCE_SETTING], speed_baseline=_frozen(s[SPEED_BASELINE_SETTING]),
-        speed_batches=s[SPEED_BATCHES_SETTING], refresh_keys=s[REFRESH_KEYS_SETTING],
+        profile=s["vllm_profile"],
+        image=s["vllm_image"],
+        gpus=tuple(s["vllm_gpus"]),
+        port=s["vllm_port"],
+        publish_address=s["vllm_publish_address"],
+        model=s["vllm_model"],
+        model_repo=s["vllm_model_repo"],
+        model_revision=s["vllm_model_revision"],
+        hf_endpoint=s["vllm_hf_endpoint"],
+        models_dir=s["vllm_models_dir"],
+        cache_dir=s["vllm_cache_dir"],
+        args=_frozen(s["vllm_args"]),
+        env=_frozen(s["vllm_env"]),
+        docker_options=_frozen(s["vllm_docker_options"]),
+        service=s["vllm_service"],
+        hf_token=s["vllm_hf_token"],
+        api_key=s["vllm_api_key"],
+        secret_env=_frozen(s["vllm_secret_env"]),
+        ready_timeout=s["vllm_ready_timeout"],
+        ready_soak_s=s["vllm_ready_soak_s"],
+        group=s["vllm_group"],
+        group_port=s["vllm_group_port"],
+        group_address=s["vllm_group_address"],
+        group_interface=s["vllm_group_interface"],
+        group_link=s["vllm_group_link"],
+        fetch_timeout_s=s["vllm_fetch_timeout_s"],
+        min_cuda=s["gpufleet_min_cuda"],
+        min_free_gb_docker=s["gpufleet_min_free_gb_docker"],
+        min_free_gb_models=s["gpufleet_min_free_gb_models"],
+        allow_no_gpu=s["gpufleet_allow_no_gpu"],
+        gpu_verdicts=_frozen(s[GPU_VERDICTS_SETTING]),
+        gpu_cleared_at=s[GPU_CLEARED_SETTING],
+        lock_wait_s=s[WAIT_SETTING],
+        lock_lease_s=s[LEASE_SETTING],
+        image_ref=s[IMAGE_REF_SETTING],
+        model_ref=s[MODEL_REF_SETTING],
+        stage=s[STAGE_SETTING],
+        retry_failed=s[RETRY_SETTING],
+        expect_committed=_frozen(s[EXPECT_COMMITTED_SETTING]),
+        verify_probe=s[VERIFY_PROBE_SETTING],
+        verify_checks=s[VERIFY_CHECKS_SETTING],
+        speed_tolerance=s[SPEED_TOLERANCE_SETTING],
+        speed_baseline=_frozen(s[SPEED_BASELINE_SETTING]),
+        speed_batches=s[SPEED_BATCHES_SETTING],
+        refresh_keys=s[REFRESH_KEYS_SETTING],
         accept=tuple(a for a in accept if isinstance(a, str)) if isinstance(accept, (list, tuple)) else (),
-        docker_install=s["docker_install"], docker_repo_url=s["docker_repo_url"], nvidia_repo_url=s["nvidia_repo_url"],
-        site_cache_port=s["site_cache_port"], site_cache_internal_port=s["site_cache_internal_port"],
-        site_cache_clients=tuple(s["site_cache_clients"]), site_cache_max_gb=s["site_cache_max_gb"],
-        site_cache_upstream=s["site_cache_upstream"], site_cache_address=s["site_cache_address"],
-        site_cache_mirror_port=s["site_cache_mirror_port"], site_cache_model_max_gb=s["site_cache_model_max_gb"],
+        docker_install=s["docker_install"],
+        docker_repo_url=s["docker_repo_url"],
+        nvidia_repo_url=s["nvidia_repo_url"],
+        site_cache_port=s["site_cache_port"],
+        site_cache_internal_port=s["site_cache_internal_port"],
+        site_cache_clients=tuple(s["site_cache_clients"]),
+        site_cache_max_gb=s["site_cache_max_gb"],
+        site_cache_upstream=s["site_cache_upstream"],
+        site_cache_address=s["site_cache_address"],
+        site_cache_mirror_port=s["site_cache_mirror_port"],
+        site_cache_model_max_gb=s["site_cache_model_max_gb"],
         site_cache_mirror_index_url=s["site_cache_mirror_index_url"],
         site_cache_pull_timeout_s=s["site_cache_pull_timeout_s"],
     )
@@ -225,14 +259,16 @@ def profile_for(name: Any) -> Profile | None:
 BEHIND_ROUTER_ARGS: dict[str, ArgValue] = {"enable-scale-out": True}
 
 
-def build_spec(host: str, host_data: Mapping[str, Any], *, behind_router: bool = False,
-               member: Member | None = None) -> ServeSpec:
+def build_spec(
+    host: str, host_data: Mapping[str, Any], *, behind_router: bool = False, member: Member | None = None
+) -> ServeSpec:
     """Validate a host's settings and build its ServeSpec; raise SettingErrors listing every problem."""
     return resolve_host(host, host_data, behind_router=behind_router, member=member)[0]
 
 
-def resolve_host(host: str, host_data: Mapping[str, Any], *, behind_router: bool = False,
-                 member: Member | None = None) -> tuple[ServeSpec, VllmSettings]:
+def resolve_host(
+    host: str, host_data: Mapping[str, Any], *, behind_router: bool = False, member: Member | None = None
+) -> tuple[ServeSpec, VllmSettings]:
     """build_spec, and the settings it was built from."""
     errors: list[SettingError] = []
 
@@ -247,7 +283,9 @@ def resolve_host(host: str, host_data: Mapping[str, Any], *, behind_router: bool
     s = merged_settings(host_data)
     profile = profile_for(s["vllm_profile"])
     if profile is None:
-        fail("vllm_profile", f"unknown profile {shown(s['vllm_profile'])}", f"use one of: {', '.join(sorted(PROFILES))}")
+        fail(
+            "vllm_profile", f"unknown profile {shown(s['vllm_profile'])}", f"use one of: {', '.join(sorted(PROFILES))}"
+        )
         raise SettingErrors(errors)
 
     image = check_image(s["vllm_image"], fail)
@@ -259,8 +297,11 @@ def resolve_host(host: str, host_data: Mapping[str, Any], *, behind_router: bool
     try:
         s[VERIFY_CHECKS_SETTING] = parse_checks(s[VERIFY_CHECKS_SETTING])
     except (ValueError, TypeError) as error:
-        fail(VERIFY_CHECKS_SETTING, f"{shown(s[VERIFY_CHECKS_SETTING])}: {error}",
-             f'list some of {", ".join(SERVING_CHECKS)}, or "all" or "none"')
+        fail(
+            VERIFY_CHECKS_SETTING,
+            f"{shown(s[VERIFY_CHECKS_SETTING])}: {error}",
+            f'list some of {", ".join(SERVING_CHECKS)}, or "all" or "none"',
+        )
     gpus = check_gpus(s["vllm_gpus"], fail)
     port = check_port(s["vllm_port"], fail)
     publish_address = check_publish_address(s["vllm_publish_address"], fail)
@@ -279,10 +320,14 @@ def resolve_host(host: str, host_data: Mapping[str, Any], *, behind_router: bool
     if member is not None:
         check_member_settings(member, s, fail)
 
-    substitutions = {"model_path": posixpath.join(profile.models_mount, str(model)),
-                     "served_model_name": str(model), "port": str(port)}
-    vllm_args = merge_vllm_args(profile, s["vllm_args"], substitutions, fail,
-                                BEHIND_ROUTER_ARGS if behind_router else {})
+    substitutions = {
+        "model_path": posixpath.join(profile.models_mount, str(model)),
+        "served_model_name": str(model),
+        "port": str(port),
+    }
+    vllm_args = merge_vllm_args(
+        profile, s["vllm_args"], substitutions, fail, BEHIND_ROUTER_ARGS if behind_router else {}
+    )
     env = merge_env(profile, s["vllm_env"], fail)
     secret_names = check_secret_env(s["vllm_secret_env"], env, fail)
     options = merge_docker_options(profile, s["vllm_docker_options"], fail)
@@ -298,11 +343,20 @@ def resolve_host(host: str, host_data: Mapping[str, Any], *, behind_router: bool
         Mount(posixpath.join(cache_dir, sub), path) for sub, path in profile.cache_mounts.items()
     )
     spec = ServeSpec(
-        host=host, service=service, image=image, gpus=gpus, port=port,
-        docker_options=tuple(options.items()), env=tuple(env.items()),
+        host=host,
+        service=service,
+        image=image,
+        gpus=gpus,
+        port=port,
+        docker_options=tuple(options.items()),
+        env=tuple(env.items()),
         secret_env_names=(("VLLM_API_KEY",) if s["vllm_api_key"] else ()) + secret_names,
-        mounts=mounts, vllm_args=tuple(vllm_args.items()), hybrid=profile.hybrid, native_model=profile.native,
-        publish_address=publish_address, group=member,
+        mounts=mounts,
+        vllm_args=tuple(vllm_args.items()),
+        hybrid=profile.hybrid,
+        native_model=profile.native,
+        publish_address=publish_address,
+        group=member,
     )
     _check_unit_line(spec, fail)
     if errors:
@@ -315,21 +369,30 @@ def _check_unknown_settings(host_data: Mapping[str, Any], fail: Fail) -> None:
     for key in host_data:
         if isinstance(key, str) and key.startswith(_OUR_PREFIXES) and key not in DEFAULTS:
             close = difflib.get_close_matches(key, DEFAULTS, n=1)
-            fail(key, "unknown setting", f"did you mean {close[0]}?" if close else "see the settings table in README.md")
+            fail(
+                key, "unknown setting", f"did you mean {close[0]}?" if close else "see the settings table in README.md"
+            )
 
 
 def _check_control_characters(host: str, host_data: Mapping[str, Any], fail: Fail) -> None:
     if not isinstance(host, str) or control_character(host):
-        fail("inventory host name", f"holds a control character ({control_character(str(host))}), which would "
-             "break the unit's header and every log line", "rename the host in the inventory")
+        fail(
+            "inventory host name",
+            f"holds a control character ({control_character(str(host))}), which would "
+            "break the unit's header and every log line",
+            "rename the host in the inventory",
+        )
     for key, value in host_data.items():
         if key in DEFAULTS:
             for setting, text in _strings(key, value):
                 found = control_character(text)
                 if found:
                     # The value is not echoed: it may be a secret.
-                    fail(setting, f"holds a control character ({found}), which would end a line of the systemd "
-                         "unit", "remove it: only printable characters are allowed")
+                    fail(
+                        setting,
+                        f"holds a control character ({found}), which would end a line of the systemd unit",
+                        "remove it: only printable characters are allowed",
+                    )
 
 
 def _strings(setting: str, value: Any) -> Iterator[tuple[str, str]]:
@@ -359,8 +422,11 @@ def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
     """The speed check's tolerance, and the baseline a rollout passes, parsed."""
     tolerance = s[SPEED_TOLERANCE_SETTING]
     if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 < tolerance < 1:
-        fail(SPEED_TOLERANCE_SETTING, f"{shown(tolerance)} is not a fraction between 0 and 1",
-             f"e.g. {DEFAULTS[SPEED_TOLERANCE_SETTING]} (a figure may lose 70% of its speed)")
+        fail(
+            SPEED_TOLERANCE_SETTING,
+            f"{shown(tolerance)} is not a fraction between 0 and 1",
+            f"e.g. {DEFAULTS[SPEED_TOLERANCE_SETTING]} (a figure may lose 70% of its speed)",
+        )
     baseline = s[SPEED_BASELINE_SETTING]
     if baseline is None:
         return
@@ -369,26 +435,37 @@ def _check_speed_settings(s: dict[str, Any], fail: Fail) -> None:
             raise ValueError("not a map of host name to figures")
         s[SPEED_BASELINE_SETTING] = {host: SpeedFigures.from_dict(doc) for host, doc in baseline.items()}
     except ValueError as error:
-        fail(SPEED_BASELINE_SETTING, f"{shown(baseline)}: {error}",
-             "leave it unset: a rollout passes it, measured on each host before its swap")
+        fail(
+            SPEED_BASELINE_SETTING,
+            f"{shown(baseline)}: {error}",
+            "leave it unset: a rollout passes it, measured on each host before its swap",
+        )
 
 
 def _check_gpu_settings(s: Mapping[str, Any], fail: Fail) -> None:
     try:
         verdict_table(s[GPU_VERDICTS_SETTING])
     except ValueError as error:
-        fail(GPU_VERDICTS_SETTING, str(error), f"map signals of the table in docs/gpu-health.md to one of "
-                                               f"{', '.join(Verdict)}, e.g. {{\"xid 43\": \"ok\"}}")
+        fail(
+            GPU_VERDICTS_SETTING,
+            str(error),
+            f'map signals of the table in docs/gpu-health.md to one of {", ".join(Verdict)}, e.g. {{"xid 43": "ok"}}',
+        )
     try:
         cleared_at(s[GPU_CLEARED_SETTING])
     except ValueError as error:
-        fail(GPU_CLEARED_SETTING, f"{shown(s[GPU_CLEARED_SETTING])} {error}",
-             'give an ISO 8601 time with its zone, e.g. "2026-12-03T10:00:00Z", or None')
+        fail(
+            GPU_CLEARED_SETTING,
+            f"{shown(s[GPU_CLEARED_SETTING])} {error}",
+            'give an ISO 8601 time with its zone, e.g. "2026-12-03T10:00:00Z", or None',
+        )
 
 
 def _check_unit_line(spec: ServeSpec, fail: Fail) -> None:
     size = len(systemd_exec(spec.docker_run_argv(docker=DOCKER)).encode())
     if size > MAX_UNIT_LINE_BYTES:
-        fail("vllm_args / vllm_env / vllm_docker_options", f"the docker run line is {size} bytes, over the "
-             f"{MAX_UNIT_LINE_BYTES} bytes a systemd unit line can hold", "shorten the longest values")
-
+        fail(
+            "vllm_args / vllm_env / vllm_docker_options",
+            f"the docker run line is {size} bytes, over the {MAX_UNIT_LINE_BYTES} bytes a systemd unit line can hold",
+            "shorten the longest values",
+        )

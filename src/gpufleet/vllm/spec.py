@@ -59,9 +59,15 @@ class ServeSpec:
     def spec_hash(self) -> str:
         """Stable hash of everything that shapes the container."""
         identity = {
-            "service": self.service, "image": self.image, "gpus": self.gpus, "port": self.port,
-            "docker_options": self.docker_options, "env": self.env, "secret_env_names": self.secret_env_names,
-            "mounts": [(m.host_path, m.container_path) for m in self.mounts], "vllm_args": self.vllm_args,
+            "service": self.service,
+            "image": self.image,
+            "gpus": self.gpus,
+            "port": self.port,
+            "docker_options": self.docker_options,
+            "env": self.env,
+            "secret_env_names": self.secret_env_names,
+            "mounts": [(m.host_path, m.container_path) for m in self.mounts],
+            "vllm_args": self.vllm_args,
         }
         if self.publish_address is not None:
             # Only when set: hosts that never set it keep their hash, so upgrading gpufleet restarts nothing.
@@ -167,11 +173,32 @@ class ServeSpec:
 
     def flag_check_argv(self, image: str, name: str, docker: str = "docker") -> list[str]:
         """`vllm serve` of `image` on this spec's flags, with no GPU, network, mounts or secrets."""
-        return [docker, "run", "--rm", "--name", name, "--network", "none", "-e", "HF_HUB_OFFLINE=1",
-                "-e", "VLLM_NO_USAGE_STATS=1", image, *self.vllm_argv(model=FLAG_CHECK_MODEL)]
+        return [
+            docker,
+            "run",
+            "--rm",
+            "--name",
+            name,
+            "--network",
+            "none",
+            "-e",
+            "HF_HUB_OFFLINE=1",
+            "-e",
+            "VLLM_NO_USAGE_STATS=1",
+            image,
+            *self.vllm_argv(model=FLAG_CHECK_MODEL),
+        ]
 
-    def hf_download_argv(self, image: str, repo: str, revision: str | None, hf_cache: str | None,
-                         env_file: str | None, docker: str = "docker", env: Mapping[str, str] = {}) -> list[str]:
+    def hf_download_argv(
+        self,
+        image: str,
+        repo: str,
+        revision: str | None,
+        hf_cache: str | None,
+        env_file: str | None,
+        docker: str = "docker",
+        env: Mapping[str, str] = {},
+    ) -> list[str]:
         """The serving image's own hf CLI downloading the model where the service reads it; the token comes only
         through the root-only env_file."""
         # The host's network, as the host's own check of the hub used.

@@ -35,10 +35,17 @@ def render_unit(spec: ServeSpec, image_ref: str | None = None, model: str | None
     docker_stop_s, timeout_stop_s = stop_timeouts(spec)
     member = spec.group
     return render_template(
-        "vllm.service.j2", spec=spec, image_ref=image_ref, model=model, env_file=env_file_path(spec.service),
+        "vllm.service.j2",
+        spec=spec,
+        image_ref=image_ref,
+        model=model,
+        env_file=env_file_path(spec.service),
         exec_start=systemd_exec(spec.docker_run_argv(image=image_ref, docker=DOCKER, model=model)),
-        docker_stop_s=docker_stop_s, timeout_stop_s=timeout_stop_s, start_timeout_s=START_TIMEOUT_S,
-        member=member, watch=systemd_exec(watch_argv(spec)) if member else "",
+        docker_stop_s=docker_stop_s,
+        timeout_stop_s=timeout_stop_s,
+        start_timeout_s=START_TIMEOUT_S,
+        member=member,
+        watch=systemd_exec(watch_argv(spec)) if member else "",
     )
 
 

@@ -27,7 +27,7 @@ def says_secret(name: str) -> bool:
 
 
 def control_character(text: str) -> str | None:
-    """"U+000A" for the first control character in text, None when it has none."""
+    """ "U+000A" for the first control character in text, None when it has none."""
     found = CONTROL_CHARACTERS.search(text)
     return f"U+{ord(found.group()):04X}" if found else None
 
@@ -37,12 +37,18 @@ def check_secret_value(setting: str, value: Any, fail: Fail, optional: bool = Fa
     if value is None and optional:
         return True
     if not isinstance(value, str) or not value:
-        fail(setting, "must be a non-empty string" + (" or None" if optional else "") + " (value not shown)",
-             "set the secret as a string")
+        fail(
+            setting,
+            "must be a non-empty string" + (" or None" if optional else "") + " (value not shown)",
+            "set the secret as a string",
+        )
         return False
     if not SECRET_VALUE.fullmatch(value):
-        fail(setting, "holds characters an env file cannot carry unquoted (value not shown)",
-             "use a value of letters, digits and ._+/=:@- only")
+        fail(
+            setting,
+            "holds characters an env file cannot carry unquoted (value not shown)",
+            "use a value of letters, digits and ._+/=:@- only",
+        )
         return False
     return True
 
@@ -50,8 +56,11 @@ def check_secret_value(setting: str, value: Any, fail: Fail, optional: bool = Fa
 def check_arg_size(setting: str, argument: str, fail: Fail) -> bool:
     size = len(argument.encode())
     if size > MAX_ARG_BYTES:
-        fail(setting, f"makes a {size}-byte command-line argument, over Linux's {MAX_ARG_BYTES}-byte limit "
-             "(execve fails)", "shorten it, or put it in a file under vllm_models_dir and pass the path")
+        fail(
+            setting,
+            f"makes a {size}-byte command-line argument, over Linux's {MAX_ARG_BYTES}-byte limit (execve fails)",
+            "shorten it, or put it in a file under vllm_models_dir and pass the path",
+        )
         return False
     return True
 

@@ -90,8 +90,10 @@ class Verification:
     def commit(self, state: State, host: Host) -> bool:
         found = outcome(host)
         if found is None or not found.passed:
-            return fail(host, f"{host.name}: nothing committed: this run's verify did not pass on the host (fix: "
-                              "converge again)")
+            return fail(
+                host,
+                f"{host.name}: nothing committed: this run's verify did not pass on the host (fix: converge again)",
+            )
         if len(state.activated_hosts) > 1 and not still_serving(host, self):
             return False
         return commit_pending(host, self, found.ready_at, found.speed)
@@ -100,8 +102,9 @@ class Verification:
         """After a failed verify, roll back and return False."""
         found = outcome(host)
         if found is None:
-            return fail(host, f"{host.name}: nothing rolled back: this run has no verdict for the host (fix: "
-                              "converge again)")
+            return fail(
+                host, f"{host.name}: nothing rolled back: this run has no verdict for the host (fix: converge again)"
+            )
         return True if found.passed else after_failed_verify(host, self, found)
 
     def roll_back_cut(self, state: State, host: Host, reason: str) -> bool:
@@ -110,8 +113,13 @@ class Verification:
         assert ledger.pending is not None and ledger.committed is not None  # what RollBackPending means
         host.log_styled(f"{reason}: rolling it back", fg="yellow")
         taken = port_taken(failed_logs(host, transport_from_pyinfra_host(host), self.spec.service), self.spec.port)
-        return roll_back(host, self, ledger, reason + (f"; port {self.spec.port} is taken on the host ({taken})"
-                                                        if taken else ""), mark=taken is None)
+        return roll_back(
+            host,
+            self,
+            ledger,
+            reason + (f"; port {self.spec.port} is taken on the host ({taken})" if taken else ""),
+            mark=taken is None,
+        )
 
     @property
     def key(self) -> str | None:
@@ -166,10 +174,16 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
     report = poll_ready(check_once, v.timeout_s, exited=exited)
     ready_at = now_utc()
     if report.ready and soak_s > 0:
-        host.log_styled(f"ready: {report.detail}; watching it for {soak_s:.0f} s (vllm_ready_soak_s), with a "
-                        f"completion every {SOAK_REQUEST_EVERY_S:.0f} s")
-        send = partial(check_completion, transport_from_pyinfra_host(host), reached(Expected.from_spec(spec),
-                                                                                 report.container), api_key=v.key)
+        host.log_styled(
+            f"ready: {report.detail}; watching it for {soak_s:.0f} s (vllm_ready_soak_s), with a "
+            f"completion every {SOAK_REQUEST_EVERY_S:.0f} s"
+        )
+        send = partial(
+            check_completion,
+            transport_from_pyinfra_host(host),
+            reached(Expected.from_spec(spec), report.container),
+            api_key=v.key,
+        )
         report = soak(with_traffic(check_once, send, SOAK_REQUEST_EVERY_S), report, soak_s, exited=exited)
     failed_check = "completion" if report.detail.startswith("answers: completion:") else None
     pending = host_run(host).ledger.pending  # None: a restart of the committed version
@@ -195,8 +209,11 @@ def verify_rollout(host: Host, v: Verification, soak_s: float) -> VerifyOutcome 
         why = not_run or f"{report.state}: {report.detail}"
         kept = ", the new version stays pending" if pending else ""
         fix = "converge again" if not_run else "restore the link to the host, then converge again"
-        fail(host, f"{host.name}: could not finish verifying {spec.service} ({why}); nothing was committed or rolled "
-                   f"back{kept} (fix: {fix}: the next run verifies it)")
+        fail(
+            host,
+            f"{host.name}: could not finish verifying {spec.service} ({why}); nothing was committed or rolled "
+            f"back{kept} (fix: {fix}: the next run verifies it)",
+        )
         return None
 
     logs = failed_logs(host, transport_from_pyinfra_host(host), spec.service)[-20:]
@@ -218,12 +235,18 @@ def still_serving(host: Host, v: Verification) -> bool:
     if report.ready and problem is None:
         return True
     if transient(report):
-        return fail(host, f"{host.name}: could not look at {v.spec.service} again before its commit ({report.state}: "
-                          f"{report.detail}); nothing was committed or rolled back, the new version stays pending "
-                          "(fix: restore the link to the host, then converge again: the next run verifies it)")
+        return fail(
+            host,
+            f"{host.name}: could not look at {v.spec.service} again before its commit ({report.state}: "
+            f"{report.detail}); nothing was committed or rolled back, the new version stays pending "
+            "(fix: restore the link to the host, then converge again: the next run verifies it)",
+        )
     detail = problem or f"{report.state}: {report.detail}"
-    return after_failed_verify(host, v, VerifyOutcome(
-        passed=False, failed=f"{detail} (after its verify, while the run waited for the other hosts)"))
+    return after_failed_verify(
+        host,
+        v,
+        VerifyOutcome(passed=False, failed=f"{detail} (after its verify, while the run waited for the other hosts)"),
+    )
 
 
 def after_failed_verify(host: Host, v: Verification, found: VerifyOutcome) -> bool:
@@ -232,11 +255,20 @@ def after_failed_verify(host: Host, v: Verification, found: VerifyOutcome) -> bo
     # A taken port is the host's fault, not the version's.
     mark = not found.port_taken
     if ledger.pending is None or ledger.committed is None or ledger.committed.version == ledger.pending.version:
-        if mark and ledger.pending is not None and not save_ledger(host, v.ledger_path, ledger_roll_back(
-                ledger, found.failed, now_utc(), check=found.check)):
+        if (
+            mark
+            and ledger.pending is not None
+            and not save_ledger(
+                host, v.ledger_path, ledger_roll_back(ledger, found.failed, now_utc(), check=found.check)
+            )
+        ):
             return False
-        fix = (f"`ss -ltnp 'sport = :{spec.port}'` on the host shows what holds it: stop that, or set vllm_port to a "
-               "free port" if found.port_taken else f"see the container log above; `journalctl -u {spec.service}`")
+        fix = (
+            f"`ss -ltnp 'sport = :{spec.port}'` on the host shows what holds it: stop that, or set vllm_port to a "
+            "free port"
+            if found.port_taken
+            else f"see the container log above; `journalctl -u {spec.service}`"
+        )
         return fail(host, f"{host.name}: {spec.service} not ready ({found.failed}) (fix: {fix})")
     return roll_back(host, v, ledger, found.failed, check=found.check, mark=mark)
 
@@ -261,8 +293,9 @@ def installed_problem(version: Version, container: ContainerInfo | None) -> str 
 def answers_report(host: Host, v: Verification, ready: HealthReport,
                    check_once: Callable[[], HealthReport]) -> tuple[HealthReport, str | None]:  # fmt: skip
     """A client's requests; returns the report and the failed check."""
-    checks = check_answers(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
-                           api_key=v.key)
+    checks = check_answers(
+        transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container), api_key=v.key
+    )
     bad = failed_answers([c for c in checks if c.ran])
     return _judged(host, "answer check", checks, ready, check_once, bad and f"answers: {bad}")
 
@@ -275,26 +308,46 @@ def serving_report(host: Host, v: Verification, ready: HealthReport,
     if not names:
         return ready, None
     host.log_styled(f"serving checks: {', '.join(names)} (gpufleet_verify_checks)")
-    checks = run_checks(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec), ready.container),
-                        served, names, api_key=v.key)
+    checks = run_checks(
+        transport_from_pyinfra_host(host),
+        reached(Expected.from_spec(v.spec), ready.container),
+        served,
+        names,
+        api_key=v.key,
+    )
     return _judged(host, "serving check", checks, ready, check_once, failed_serving([c for c in checks if c.ran]))
 
 
-def speed_report(host: Host, v: Verification, ready: HealthReport, check_once: Callable[[], HealthReport]
-                 ) -> tuple[HealthReport, str | None, SpeedFigures | None]:
+def speed_report(
+    host: Host, v: Verification, ready: HealthReport, check_once: Callable[[], HealthReport]
+) -> tuple[HealthReport, str | None, SpeedFigures | None]:
     """The speed check against the old version; also returns its figures."""
-    host.log_styled(f"speed check: {'against the old version' if v.speed_earlier else 'no earlier figures'}, "
-                    f"at most {v.speed_tolerance:.0%} slower")
-    check, figures = speed_check(transport_from_pyinfra_host(host), reached(Expected.from_spec(v.spec),
-                                 ready.container), Served.from_spec(v.spec), v.speed_earlier, v.speed_tolerance,
-                                 api_key=v.key)
-    report, failed_check = _judged(host, "serving check", (check,), ready, check_once,
-                                   None if check.ok else f"check {check.line()}")
+    host.log_styled(
+        f"speed check: {'against the old version' if v.speed_earlier else 'no earlier figures'}, "
+        f"at most {v.speed_tolerance:.0%} slower"
+    )
+    check, figures = speed_check(
+        transport_from_pyinfra_host(host),
+        reached(Expected.from_spec(v.spec), ready.container),
+        Served.from_spec(v.spec),
+        v.speed_earlier,
+        v.speed_tolerance,
+        api_key=v.key,
+    )
+    report, failed_check = _judged(
+        host, "serving check", (check,), ready, check_once, None if check.ok else f"check {check.line()}"
+    )
     return report, failed_check, figures
 
 
-def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthReport,
-            check_once: Callable[[], HealthReport], bad: str | None) -> tuple[HealthReport, str | None]:
+def _judged(
+    host: Host,
+    kind: str,
+    checks: Sequence[AnswerCheck],
+    ready: HealthReport,
+    check_once: Callable[[], HealthReport],
+    bad: str | None,
+) -> tuple[HealthReport, str | None]:
     """Raises CheckNotRun when a check did not run and the host still reads ready."""
     for c in checks:
         host.log_styled(f"{kind} {c.line()}", fg="green" if c.ok else "red" if c.ran else "yellow")
@@ -307,5 +360,3 @@ def _judged(host: Host, kind: str, checks: Sequence[AnswerCheck], ready: HealthR
     if not again.ready:
         return again, None
     raise CheckNotRun(f"{kind} {unknown.line()}")
-
-

@@ -92,10 +92,10 @@ def hash_command(model_dir: str, files: Sequence[HubFile]) -> str:
     lines = []
     for f in files:
         q = shlex.quote(f.path)
-        digest = (f"sha256sum < {q}" if f.sha256
-                  else f"{{ printf 'blob %s\\0' \"$(stat -c %s {q})\"; cat {q}; }} | sha1sum")
-        lines.append(f"if [ -f {q} ]; then h=$({digest} | cut -c1-64); echo \"${{h%% *}} \"{q}; "
-                     f"else echo - {q}; fi")
+        digest = (
+            f"sha256sum < {q}" if f.sha256 else f"{{ printf 'blob %s\\0' \"$(stat -c %s {q})\"; cat {q}; }} | sha1sum"
+        )
+        lines.append(f'if [ -f {q} ]; then h=$({digest} | cut -c1-64); echo "${{h%% *}} "{q}; else echo - {q}; fi')
     return f"cd {shlex.quote(model_dir)} && {{ " + "; ".join(lines) + "; }"
 
 
@@ -126,15 +126,19 @@ def kept_dir(model_dir: str) -> str:
 def keep_command(model_dir: str) -> str:
     """Shell keeping the files as hard links, unless a copy is kept already (docs/deploy.md)."""
     d, k, tmp = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), kept_dir(model_dir) + ".tmp"))
-    return (f"[ -e {k} ] || {{ rm -rf {tmp} && cp -al {d} {tmp} && rm -rf {tmp}/.cache && "
-            f"{{ [ ! -d {d}/.cache ] || cp -a {d}/.cache {tmp}/.cache; }} && mv {tmp} {k}; }}")
+    return (
+        f"[ -e {k} ] || {{ rm -rf {tmp} && cp -al {d} {tmp} && rm -rf {tmp}/.cache && "
+        f"{{ [ ! -d {d}/.cache ] || cp -a {d}/.cache {tmp}/.cache; }} && mv {tmp} {k}; }}"
+    )
 
 
 def restore_command(model_dir: str, pinned: str) -> str:
     """Shell putting the kept copy back when it holds `pinned`, printing RESTORED; a re-run finishes a cut one."""
     d, k, old = (shlex.quote(p) for p in (model_dir, kept_dir(model_dir), model_dir.rstrip("/") + ".gpufleet-old"))
-    return (f"{{ rm -rf {old}; if [ \"$(cat {k}/{MARKER} 2>/dev/null)\" = {shlex.quote(pinned)} ]; then "
-            f"{{ [ ! -e {d} ] || mv {d} {old}; }} && mv {k} {d} && rm -rf {old} && echo {RESTORED}; fi; }}")
+    return (
+        f'{{ rm -rf {old}; if [ "$(cat {k}/{MARKER} 2>/dev/null)" = {shlex.quote(pinned)} ]; then '
+        f"{{ [ ! -e {d} ] || mv {d} {old}; }} && mv {k} {d} && rm -rf {old} && echo {RESTORED}; fi; }}"
+    )
 
 
 def drop_kept_command(model_dir: str) -> str:
@@ -150,8 +154,10 @@ def token_header_command(env_file: str | None) -> str:
 
 
 def fetch_info_command(url: str, env_file: str | None) -> str:
-    return (f"{token_header_command(env_file)} | curl -fsS --noproxy '*' --connect-timeout 5 --max-time 60 -H @- "
-            f"{shlex.quote(url)}")
+    return (
+        f"{token_header_command(env_file)} | curl -fsS --noproxy '*' --connect-timeout 5 --max-time 60 -H @- "
+        f"{shlex.quote(url)}"
+    )
 
 
 def env_for_download(endpoint: str) -> Mapping[str, str]:

@@ -11,7 +11,7 @@ SERVING_CHECKS = (SPEED, "prefix-cache", "cached-cold", "sessions", "tools", "re
 
 
 def parse_checks(value: str | Iterable[str]) -> tuple[str, ...]:
-    """"all", "none" or check names, in SERVING_CHECKS order; ValueError names unknown ones."""
+    """ "all", "none" or check names, in SERVING_CHECKS order; ValueError names unknown ones."""
     words = [w.strip() for w in (value.split(",") if isinstance(value, str) else value) if str(w).strip()]
     if words == ["all"]:
         return SERVING_CHECKS
@@ -19,8 +19,9 @@ def parse_checks(value: str | Iterable[str]) -> tuple[str, ...]:
         return ()
     unknown = [w for w in words if w not in SERVING_CHECKS]
     if unknown:
-        raise ValueError(f"unknown check {', '.join(map(str, unknown))} (known: {', '.join(SERVING_CHECKS)}, all, "
-                         "none)")
+        raise ValueError(
+            f"unknown check {', '.join(map(str, unknown))} (known: {', '.join(SERVING_CHECKS)}, all, none)"
+        )
     return tuple(n for n in SERVING_CHECKS if n in words)
 
 

@@ -35,7 +35,6 @@ def legal_max_num_batched_tokens(block_sizes: Sequence[int]) -> int | None:
 
 @dataclass(frozen=True)
 class LegalFixes:
-
     block_sizes: tuple[int, ...]
     prefix_match_unit: int | None  # None on a dense model: only the block size is accepted
     max_num_batched_tokens: int | None

@@ -37,17 +37,22 @@ class Verdict(StrEnum):
         return self in (Verdict.RESET_GPU, Verdict.REBOOT, Verdict.SERVICE)
 
 
-LABELS = {Verdict.OK: "ok", Verdict.DEGRADED: "degraded", Verdict.RESTART_APP: "needs app restart",
-          Verdict.RESET_GPU: "needs GPU reset", Verdict.REBOOT: "needs reboot", Verdict.SERVICE: "needs service"}
+LABELS = {
+    Verdict.OK: "ok",
+    Verdict.DEGRADED: "degraded",
+    Verdict.RESTART_APP: "needs app restart",
+    Verdict.RESET_GPU: "needs GPU reset",
+    Verdict.REBOOT: "needs reboot",
+    Verdict.SERVICE: "needs service",
+}
 _RANK = {v: i for i, v in enumerate(Verdict)}
 
 ACTIONS = {
     Verdict.OK: "none",
-    Verdict.DEGRADED: "keep serving and watch it: cooling, power and error counts (`nvidia-smi -q -d "
-                      "PERFORMANCE,ECC`)",
+    Verdict.DEGRADED: "keep serving and watch it: cooling, power and error counts (`nvidia-smi -q -d PERFORMANCE,ECC`)",
     Verdict.RESTART_APP: "restart the application (NVIDIA: RESTART_APP); a converge that restarts the service does",
     Verdict.RESET_GPU: "stop the service and reset the GPU (`nvidia-smi -r -i {index}`), or reboot the host "
-                       "(NVIDIA: RESET_GPU)",
+    "(NVIDIA: RESET_GPU)",
     Verdict.REBOOT: "reboot the host (NVIDIA: RESTART_BM)",
     Verdict.SERVICE: "take the GPU out of service and contact NVIDIA support (NVIDIA: CONTACT_SUPPORT)",
 }
@@ -56,24 +61,44 @@ XID_OTHER = "xid other"
 FALLEN_OFF = "fallen off the bus"
 READ_ERROR = "ERR!"  # also stands for [Unknown Error]
 # nvml.h's clock event reasons by bit.
-THROTTLE_BITS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
-                 0x80: "hw_power_brake_slowdown"}
+THROTTLE_BITS = {
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+}
 
 _V = Verdict
 DEFAULT_TABLE: dict[str, Verdict] = {
-    "xid 13": _V.RESTART_APP, "xid 31": _V.RESTART_APP, "xid 43": _V.RESTART_APP, "xid 45": _V.RESTART_APP,
+    "xid 13": _V.RESTART_APP,
+    "xid 31": _V.RESTART_APP,
+    "xid 43": _V.RESTART_APP,
+    "xid 45": _V.RESTART_APP,
     "xid 94": _V.RESTART_APP,
-    "xid 48": _V.RESET_GPU, "xid 63": _V.RESET_GPU, "xid 64": _V.RESET_GPU, "xid 74": _V.RESET_GPU,
-    "xid 95": _V.RESET_GPU, "xid 119": _V.RESET_GPU, "xid 120": _V.RESET_GPU,
-    "xid 79": _V.REBOOT, FALLEN_OFF: _V.REBOOT,
-    "xid 92": _V.DEGRADED, XID_OTHER: _V.DEGRADED,
-    "gpu_recovery_action=Reset": _V.RESET_GPU, "gpu_recovery_action=Drain P2P": _V.RESET_GPU,
-    "gpu_recovery_action=Drain and Reset": _V.RESET_GPU, "gpu_recovery_action=Reboot": _V.REBOOT,
+    "xid 48": _V.RESET_GPU,
+    "xid 63": _V.RESET_GPU,
+    "xid 64": _V.RESET_GPU,
+    "xid 74": _V.RESET_GPU,
+    "xid 95": _V.RESET_GPU,
+    "xid 119": _V.RESET_GPU,
+    "xid 120": _V.RESET_GPU,
+    "xid 79": _V.REBOOT,
+    FALLEN_OFF: _V.REBOOT,
+    "xid 92": _V.DEGRADED,
+    XID_OTHER: _V.DEGRADED,
+    "gpu_recovery_action=Reset": _V.RESET_GPU,
+    "gpu_recovery_action=Drain P2P": _V.RESET_GPU,
+    "gpu_recovery_action=Drain and Reset": _V.RESET_GPU,
+    "gpu_recovery_action=Reboot": _V.REBOOT,
     "gpu_recovery_action=other": _V.RESET_GPU,
-    "reset_status.reset_required=Yes": _V.RESET_GPU, "reset_status.drain_and_reset_recommended=Yes": _V.RESET_GPU,
-    "remapped_rows.pending=Yes": _V.RESET_GPU, "retired_pages.pending=Yes": _V.RESET_GPU,
+    "reset_status.reset_required=Yes": _V.RESET_GPU,
+    "reset_status.drain_and_reset_recommended=Yes": _V.RESET_GPU,
+    "remapped_rows.pending=Yes": _V.RESET_GPU,
+    "retired_pages.pending=Yes": _V.RESET_GPU,
     "remapped_rows.failure=Yes": _V.SERVICE,
-    "ecc.errors.uncorrected.volatile.total>0": _V.DEGRADED, "ecc.errors.corrected.volatile.total>0": _V.DEGRADED,
+    "ecc.errors.uncorrected.volatile.total>0": _V.DEGRADED,
+    "ecc.errors.corrected.volatile.total>0": _V.DEGRADED,
     **{f"clocks_event_reasons.{name}": _V.DEGRADED for name in THROTTLE_BITS.values()},
     "clocks_event_reasons.sw_power_cap": _V.OK,  # a GPU at full load runs at its power cap
     READ_ERROR: _V.DEGRADED,
@@ -130,5 +155,7 @@ class GpuSettings:
     @classmethod
     def of(cls, settings: Mapping[str, Any]) -> GpuSettings:
         """ValueError for a bad value."""
-        return cls(verdict_table(settings.get(GPU_VERDICTS_SETTING, DEFAULTS[GPU_VERDICTS_SETTING])),
-                   cleared_at(settings.get(GPU_CLEARED_SETTING, DEFAULTS[GPU_CLEARED_SETTING])))
+        return cls(
+            verdict_table(settings.get(GPU_VERDICTS_SETTING, DEFAULTS[GPU_VERDICTS_SETTING])),
+            cleared_at(settings.get(GPU_CLEARED_SETTING, DEFAULTS[GPU_CLEARED_SETTING])),
+        )

@@ -74,7 +74,9 @@ def reported_max_model_len(expected: Expected, models: list[tuple[str, int | Non
     return (served or (models[0] if models else (None, None)))[1]
 
 
-def identity_problems(expected: Expected, models: list[tuple[str, int | None]], cache_config: dict[str, str]) -> list[str]:
+def identity_problems(
+    expected: Expected, models: list[tuple[str, int | None]], cache_config: dict[str, str]
+) -> list[str]:
     """How a server that answers /health 200 differs from `expected`; [] when it does not."""
     ids = [model_id for model_id, _ in models]
     max_model_len = reported_max_model_len(expected, models)
@@ -101,14 +103,18 @@ def served_models(body: bytes) -> list[tuple[str, int | None]]:
         raise ValueError(f'is a JSON {_json_type(doc)}, not an object with a "data" list')
     data = doc.get("data")
     if not isinstance(data, list):
-        raise ValueError('has no "data" list' if data is None else f'has "data" as a JSON {_json_type(data)}, not a list')
+        raise ValueError(
+            'has no "data" list' if data is None else f'has "data" as a JSON {_json_type(data)}, not a list'
+        )
     models = []
     for i, item in enumerate(data):
         if not isinstance(item, dict):
             raise ValueError(f"item {i} is a JSON {_json_type(item)}, not a model object")
         model_id, limit = item.get("id"), item.get("max_model_len")
         if not isinstance(model_id, str):
-            raise ValueError(f'item {i} has {"no id" if model_id is None else "an id that is a JSON " + _json_type(model_id)}')
+            raise ValueError(
+                f"item {i} has {'no id' if model_id is None else 'an id that is a JSON ' + _json_type(model_id)}"
+            )
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
             raise ValueError(f"item {i} ({excerpt(model_id)}) has a max_model_len that is a JSON {_json_type(limit)}")
         models.append((model_id, limit))

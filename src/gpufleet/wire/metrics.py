@@ -50,8 +50,9 @@ class Metrics:
 def samples(text: str) -> list[Sample]:
     """Every sample as (name, labels, value), in order; ValueError quoting the parser's complaint."""
     try:
-        return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text)
-                for s in family.samples]
+        return [
+            (s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples
+        ]
     except ValueError as e:
         raise ValueError(f"is not Prometheus text: {excerpt(str(e) or 'unparsable', 100)}") from e
 

@@ -34,8 +34,10 @@ class SpeedFigures:
         return statistics.median(getattr(self, name))
 
     def as_dict(self) -> dict[str, Any]:
-        return {**{name: [round(v, 6) for v in getattr(self, name)] for name in FIGURES},
-                **{name: getattr(self, name) for name in WORKLOAD}}
+        return {
+            **{name: [round(v, 6) for v in getattr(self, name)] for name in FIGURES},
+            **{name: getattr(self, name) for name in WORKLOAD},
+        }
 
     @classmethod
     def from_dict(cls, doc: object) -> SpeedFigures:
@@ -53,21 +55,28 @@ class SpeedFigures:
             if not (isinstance(samples, list) and samples and all(_positive(v) for v in samples)):
                 raise ValueError(f"speed figure {name} is {samples!r}, not a list of positive numbers")
         samples = {name: tuple(float(v) for v in doc[name]) for name in FIGURES}
-        return cls(samples["prefill_tokens_per_s"], samples["cached_ttft_s"], samples["decode_tokens_per_s"],
-                   samples["batch_tokens_per_s"], *(int(doc[name]) for name in WORKLOAD))
+        return cls(
+            samples["prefill_tokens_per_s"],
+            samples["cached_ttft_s"],
+            samples["decode_tokens_per_s"],
+            samples["batch_tokens_per_s"],
+            *(int(doc[name]) for name in WORKLOAD),
+        )
 
     def brief(self) -> str:
-        return ", ".join(f"{label} {value_text(name, self.median(name))} {unit}"
-                         for name, (label, unit, _) in FIGURES.items())
+        return ", ".join(
+            f"{label} {value_text(name, self.median(name))} {unit}" for name, (label, unit, _) in FIGURES.items()
+        )
 
     def line(self) -> str:
-        return (f"{self.brief()}; {self.prompt_tokens}-token prompt, {self.decode_tokens} tokens each, "
-                f"{self.concurrency} at once")
+        return (
+            f"{self.brief()}; {self.prompt_tokens}-token prompt, {self.decode_tokens} tokens each, "
+            f"{self.concurrency} at once"
+        )
 
 
 def _positive(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def value_text(name: str, value: float) -> str:
@@ -91,8 +100,10 @@ def best_ratio(old: SpeedFigures, new: SpeedFigures, name: str) -> float:
 def comparable(old: SpeedFigures, new: SpeedFigures) -> str | None:
     """Why the two are of different workloads, or None."""
     if (old.decode_tokens, old.concurrency) != (new.decode_tokens, new.concurrency):
-        return (f"the workload changed: {new.decode_tokens} tokens x {new.concurrency} at once, was "
-                f"{old.decode_tokens} x {old.concurrency}")
+        return (
+            f"the workload changed: {new.decode_tokens} tokens x {new.concurrency} at once, was "
+            f"{old.decode_tokens} x {old.concurrency}"
+        )
     if abs(new.prompt_tokens - old.prompt_tokens) > PROMPT_SLACK * old.prompt_tokens:
         return f"the workload changed: a {new.prompt_tokens}-token prompt, was {old.prompt_tokens}"
     return None
@@ -109,8 +120,11 @@ def compare(old: SpeedFigures, new: SpeedFigures, tolerance: float) -> str | Non
     if comparable(old, new):
         return None
     ratios = speed_ratios(old, new)
-    parts = [f"{FIGURES[name][0]} {value_text(name, new.median(name))} {FIGURES[name][1]}, was "
-             f"{value_text(name, old.median(name))} ({ratios[name]:.2f}x the speed)" for name in slower(old, new, tolerance)]
+    parts = [
+        f"{FIGURES[name][0]} {value_text(name, new.median(name))} {FIGURES[name][1]}, was "
+        f"{value_text(name, old.median(name))} ({ratios[name]:.2f}x the speed)"
+        for name in slower(old, new, tolerance)
+    ]
     return "; ".join(parts) + f": every repeat more than {tolerance:.0%} slower" if parts else None
 
 
@@ -118,8 +132,10 @@ def against(old: SpeedFigures, new: SpeedFigures, tolerance: float) -> str:
     ratios = speed_ratios(old, new)
     noisy = {name for name, r in ratios.items() if r < 1 - tolerance}  # though a repeat was within it
     note = f", a repeat within {tolerance:.0%}"
-    return ", ".join(f"{label} {value_text(name, new.median(name))} {unit} ({ratios[name]:.2f}x"
-                     f"{note if name in noisy else ''})" for name, (label, unit, _) in FIGURES.items())
+    return ", ".join(
+        f"{label} {value_text(name, new.median(name))} {unit} ({ratios[name]:.2f}x{note if name in noisy else ''})"
+        for name, (label, unit, _) in FIGURES.items()
+    )
 
 
 def verdict(earlier: SpeedFigures | None, now: SpeedFigures, tolerance: float) -> tuple[bool, str]:

@@ -29,8 +29,9 @@ class NoRedirect(urllib.request.HTTPRedirectHandler):
         return None  # a HEAD's redirect is read, not followed: its X-Linked-* headers describe the file
 
 
-def request(url: str, token: str | None, method: str = "GET", headers: dict[str, str] | None = None,
-            follow: bool = True) -> Any:
+def request(
+    url: str, token: str | None, method: str = "GET", headers: dict[str, str] | None = None, follow: bool = True
+) -> Any:
     req = urllib.request.Request(url, method=method, headers={**(headers or {}), "Accept-Encoding": "identity"})
     if token:
         req.add_header("Authorization", f"Bearer {token}")
@@ -49,9 +50,11 @@ def fail(error: urllib.error.HTTPError, repo: str, revision: str) -> int:
     if code == "RevisionNotFound":
         print(f"Revision Not Found for url: {url}.\nInvalid rev id: {revision}", file=sys.stderr)
     elif code == "RepoNotFound" or error.code in (401, 404):
-        print(f"Repository Not Found for url: {url}.\nPlease make sure you specified the correct `repo_id` and "
-              "`repo_type`.\nIf you are trying to access a private or gated repo, make sure you are authenticated.",
-              file=sys.stderr)
+        print(
+            f"Repository Not Found for url: {url}.\nPlease make sure you specified the correct `repo_id` and "
+            "`repo_type`.\nIf you are trying to access a private or gated repo, make sure you are authenticated.",
+            file=sys.stderr,
+        )
     else:
         print(f"{error.code} Server Error: {error.reason} for url: {error.url}", file=sys.stderr)
     return 1
@@ -82,8 +85,11 @@ def download(repo: str, local_dir: Path, revision: str | None, token: str | None
         etag = (head.headers.get("X-Linked-Etag") or head.headers.get("ETag") or "").strip('"').removeprefix("W/")
         size = int(head.headers.get("X-Linked-Size") or head.headers.get("Content-Length") or 0)
         if head.headers.get("X-Xet-Hash") and not xet_off:
-            print(f"{name}: stored on Xet: fetching it needs Xet's servers (cas-bridge.xethub.hf.co), which this "
-                  "host cannot reach", file=sys.stderr)
+            print(
+                f"{name}: stored on Xet: fetching it needs Xet's servers (cas-bridge.xethub.hf.co), which this "
+                "host cannot reach",
+                file=sys.stderr,
+            )
             return 1
         dest, meta = local_dir / name, meta_dir / f"{name}.metadata"
         recorded = meta.read_text().split("\n") if meta.exists() else []
@@ -109,8 +115,11 @@ def download(repo: str, local_dir: Path, revision: str | None, token: str | None
             meta.write_text(f"{commit}\n{etag}\n{time.time()}\n")
             print(f"{name}: 100%|##########| {size}/{size}", file=sys.stderr, flush=True)
         pct = n * 100 // len(files)
-        print(f"Fetching {len(files)} files: {pct:3d}%|{'#' * (pct // 10):<10}| {n}/{len(files)}", file=sys.stderr,
-              flush=True)
+        print(
+            f"Fetching {len(files)} files: {pct:3d}%|{'#' * (pct // 10):<10}| {n}/{len(files)}",
+            file=sys.stderr,
+            flush=True,
+        )
     print(str(local_dir.resolve()))
     return 0
 

@@ -101,7 +101,8 @@ def clamp_capabilities(spec: dict[str, Any]) -> None:
         caps[kind] = [n for n in names if n not in missing]
     if dropped:
         print(
-            f"nvidia-container-runtime (stand-in): dropped {','.join(sorted(dropped))}: this machine lacks them", file=sys.stderr
+            f"nvidia-container-runtime (stand-in): dropped {','.join(sorted(dropped))}: this machine lacks them",
+            file=sys.stderr,
         )
 
 

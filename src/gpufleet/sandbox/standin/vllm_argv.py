@@ -12,9 +12,14 @@ from typing import Any, NoReturn
 
 # Beside this file in the image, the package's table in a checkout.
 _HERE = Path(__file__).resolve()
-FLAGS_FILE = Path(os.environ.get("STANDIN_FLAGS") or next(
-    p for p in (_HERE.with_name("vllm_flags.json"), _HERE.parents[2] / "data" / "vllm-serve-flags.json") if p.exists()
-))
+FLAGS_FILE = Path(
+    os.environ.get("STANDIN_FLAGS")
+    or next(
+        p
+        for p in (_HERE.with_name("vllm_flags.json"), _HERE.parents[2] / "data" / "vllm-serve-flags.json")
+        if p.exists()
+    )
+)
 VERSION = os.environ.get("STANDIN_VLLM_VERSION", "0.32.0")
 _TYPES = {"int": int, "float": float, "str": str}
 

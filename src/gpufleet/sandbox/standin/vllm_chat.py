@@ -17,8 +17,10 @@ def chat_prompt(messages: list[dict[str, Any]], tools: list[Any] | None = None, 
         system = ""
         if messages and messages[0].get("role") == "system":
             system, messages = f"{_text(messages[0])}\n\n", messages[1:]
-        parts.append(f"<|im_start|>system\n{system}# Tools\n\nYou may call one or more functions to assist with the user "
-                     f"query.\n\n<tools>\n{listed}\n</tools><|im_end|>\n")
+        parts.append(
+            f"<|im_start|>system\n{system}# Tools\n\nYou may call one or more functions to assist with the user "
+            f"query.\n\n<tools>\n{listed}\n</tools><|im_end|>\n"
+        )
     for m in messages:
         parts.append(f"<|im_start|>{m.get('role', 'user')}\n{_text(m)}<|im_end|>\n")
     return "".join(parts) + "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")

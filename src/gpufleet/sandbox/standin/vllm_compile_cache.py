@@ -32,9 +32,15 @@ def cache_root() -> Path:
 
 def compile_key(args: argparse.Namespace, config: dict[str, Any]) -> str:
     """What vLLM's cache dir hash covers, in small."""
-    factors = {"version": VERSION, "env": hash_factors(compile_factors()), "config": config,
-               "tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size, "dtype": args.dtype,
-               "kv_cache_dtype": args.kv_cache_dtype}
+    factors = {
+        "version": VERSION,
+        "env": hash_factors(compile_factors()),
+        "config": config,
+        "tp": args.tensor_parallel_size,
+        "pp": args.pipeline_parallel_size,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
     return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -58,8 +64,9 @@ def warm_or_compile(args: argparse.Namespace, config: dict[str, Any]) -> None:
     tag = f"(Worker pid={os.getpid()}) "
     try:
         if path.read_bytes() == artifact(key):
-            print(f"{tag}INFO [decorators.py:320] [backbone] Directly load AOT compilation from path {path}",
-                  flush=True)
+            print(
+                f"{tag}INFO [decorators.py:320] [backbone] Directly load AOT compilation from path {path}", flush=True
+            )
             return
         reason = "Compile cache file corrupted."
     except FileNotFoundError:
@@ -67,8 +74,11 @@ def warm_or_compile(args: argparse.Namespace, config: dict[str, Any]) -> None:
     except OSError as e:
         reason = str(e)
     if reason:
-        print(f"{tag}WARNING [decorators.py:333] [backbone] Compiling model again due to a load failure from {path}, "
-              f"reason: {reason}", flush=True)
+        print(
+            f"{tag}WARNING [decorators.py:333] [backbone] Compiling model again due to a load failure from {path}, "
+            f"reason: {reason}",
+            flush=True,
+        )
     started = time.monotonic()
     time.sleep(seconds)
     try:

@@ -16,13 +16,32 @@ else:  # the image runs it as a script beside its modules
 
 # vLLM's buckets for vllm:time_to_first_token_seconds
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 
 
 class Engine:
-
     def __init__(self, args: argparse.Namespace, model: str, config: dict[str, Any]):
         self.args = args
         self.model = model
@@ -38,12 +57,17 @@ class Engine:
         self.prefix_caching = args.enable_prefix_caching is not False
         self.block_size = int(args.block_size or 16)
         self.match_unit = int(args.prefix_match_unit) if getattr(args, "prefix_match_unit", None) else None
-        self.api_keys = list(args.api_key or []) or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
+        self.api_keys = list(args.api_key or []) or (
+            [os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else []
+        )
         try:  # --default-chat-template-kwargs '{"enable_thinking": false}': what a request's own kwargs override
             self.template_kwargs = dict(json.loads(args.default_chat_template_kwargs or "{}"))
         except (ValueError, TypeError):
-            fail(2, f"vllm serve: error: argument --default-chat-template-kwargs: invalid loads value: "
-                    f"'{args.default_chat_template_kwargs}'")
+            fail(
+                2,
+                f"vllm serve: error: argument --default-chat-template-kwargs: invalid loads value: "
+                f"'{args.default_chat_template_kwargs}'",
+            )
         self.seen: set[str] = set()
         self.lock = threading.Lock()
         self.dead = False
@@ -129,7 +153,10 @@ class Engine:
             metric("vllm:num_requests_running", "gauge", self.running, "Number of requests in model execution batches.")
             metric("vllm:num_requests_waiting", "gauge", 0, "Number of requests waiting to be processed.")
             metric(
-                "vllm:kv_cache_usage_perc", "gauge", min(1.0, len(self.seen) / 8192), "KV-cache usage. 1 means 100 percent usage."
+                "vllm:kv_cache_usage_perc",
+                "gauge",
+                min(1.0, len(self.seen) / 8192),
+                "KV-cache usage. 1 means 100 percent usage.",
             )
             metric(
                 "vllm:prefix_cache_queries",
@@ -150,7 +177,9 @@ class Engine:
                 c["prompt_tokens_cached"],
                 "Number of cached prompt tokens (local + external).",
             )
-            metric("vllm:generation_tokens", "counter", c["generation_tokens"], "Number of generation tokens processed.")
+            metric(
+                "vllm:generation_tokens", "counter", c["generation_tokens"], "Number of generation tokens processed."
+            )
             out.append(
                 "# HELP vllm:request_prefill_kv_computed_tokens Histogram of new KV tokens computed during "
                 "prefill (excluding cached tokens).\n# TYPE vllm:request_prefill_kv_computed_tokens histogram\n"

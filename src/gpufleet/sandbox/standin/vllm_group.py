@@ -51,8 +51,11 @@ class Head:
         """Until every rank joined; vLLM's TimeoutError (exit 1) past timeout_s."""
         if not self.joined.wait(timeout_s):
             missing = sorted(self.expected - set(self.ranks))
-            fail(1, f"TimeoutError: Timed out waiting for engine core processes to start (ranks {missing} never "
-                    f"joined). Waited {timeout_s:g}s (configured by VLLM_ENGINE_READY_TIMEOUT_S).")
+            fail(
+                1,
+                f"TimeoutError: Timed out waiting for engine core processes to start (ranks {missing} never "
+                f"joined). Waited {timeout_s:g}s (configured by VLLM_ENGINE_READY_TIMEOUT_S).",
+            )
 
     def lost(self) -> list[int]:
         """The ranks whose connection closed."""
@@ -75,8 +78,11 @@ def ready_timeout_s() -> float:
 
 def run_rank(master_addr: str, master_port: int, rank: int) -> int:
     """A headless rank: join the head's store, then hold the connection until SIGTERM."""
-    print(f"INFO Launching vLLM (v{VERSION}) headless multiproc executor, with head node address "
-          f"{master_addr}:{master_port} for torch.distributed process group.", flush=True)
+    print(
+        f"INFO Launching vLLM (v{VERSION}) headless multiproc executor, with head node address "
+        f"{master_addr}:{master_port} for torch.distributed process group.",
+        flush=True,
+    )
     timeout_s = float(os.environ.get("STANDIN_JOIN_TIMEOUT_S", "1800"))  # torch's process-group timeout
     deadline = time.monotonic() + timeout_s
     while True:
@@ -85,8 +91,11 @@ def run_rank(master_addr: str, master_port: int, rank: int) -> int:
             break
         except OSError:
             if time.monotonic() > deadline:
-                fail(1, f"torch.distributed.DistStoreError: Timed out after {timeout_s:g} seconds waiting to "
-                        f"connect to the store at {master_addr}:{master_port}")
+                fail(
+                    1,
+                    f"torch.distributed.DistStoreError: Timed out after {timeout_s:g} seconds waiting to "
+                    f"connect to the store at {master_addr}:{master_port}",
+                )
             time.sleep(1)
     conn.sendall(f"rank {rank}\n".encode())
     print(f"INFO rank {rank} joined the head at {master_addr}:{master_port}", flush=True)

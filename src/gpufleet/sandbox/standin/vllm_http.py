@@ -162,9 +162,12 @@ class Handler(BaseHTTPRequestHandler):
     def _lost_rank(self, ranks: list[int]) -> None:
         """A rank left the group: the pipeline's first send fails, the engine dies and the server exits (vLLM)."""
         self.engine.dead = True
-        print(f"ERROR pipeline stage of rank(s) {ranks} is gone: Connection closed by peer\n"
-              "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) "
-              "for the root cause.", flush=True)
+        print(
+            f"ERROR pipeline stage of rank(s) {ranks} is gone: Connection closed by peer\n"
+            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) "
+            "for the root cause.",
+            flush=True,
+        )
         server = self.server
 
         def stop() -> None:
@@ -188,7 +191,15 @@ class Handler(BaseHTTPRequestHandler):
             req = json.loads(body or b"{}")
         except json.JSONDecodeError as err:
             self._json(
-                400, {"error": {"message": f"JSON decode error: {err}", "type": "BadRequestError", "param": None, "code": 400}}
+                400,
+                {
+                    "error": {
+                        "message": f"JSON decode error: {err}",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": 400,
+                    }
+                },
             )
             return
         if req.get("model") not in e.names:
@@ -305,8 +316,11 @@ class Handler(BaseHTTPRequestHandler):
                 content, pieces, finish = "", [], "tool_calls"
         else:
             # The "model" ends its answer after 16 tokens; vLLM's ignore_eos and min_tokens make it go on.
-            n_out = max_tokens if req.get("ignore_eos") else max(min(max_tokens, 16),
-                                                                 min(int(req.get("min_tokens") or 0), max_tokens))
+            n_out = (
+                max_tokens
+                if req.get("ignore_eos")
+                else max(min(max_tokens, 16), min(int(req.get("min_tokens") or 0), max_tokens))
+            )
             answer = stale_tokens if MISBEHAVE == "cache-corrupt" and cached else greedy_tokens
             entries = answer(text, n_out, top)
             pieces = [entry["token"] for entry in entries]
@@ -372,7 +386,9 @@ class Handler(BaseHTTPRequestHandler):
         send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         e.account(len(tokens), cached, n_out, time.monotonic() - t0)
         if MISBEHAVE == "stream-broken":
-            self.wfile.write(b'data: {"id": "' + rid.encode() + b'", "choices": [{"index": 0, "delta": {"content": "st\n\n')
+            self.wfile.write(
+                b'data: {"id": "' + rid.encode() + b'", "choices": [{"index": 0, "delta": {"content": "st\n\n'
+            )
             self.close_connection = True
             return
         if calls:
@@ -385,7 +401,9 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(max(first + i * e.seconds_per_token - time.monotonic(), 0))
             logprobs = {"content": [entries[i]]} if want_logprobs and entries else None
             last = i == len(pieces) - 1
-            send([{"index": 0, "delta": {field: piece}, "logprobs": logprobs, "finish_reason": finish if last else None}])
+            send(
+                [{"index": 0, "delta": {field: piece}, "logprobs": logprobs, "finish_reason": finish if last else None}]
+            )
         if (req.get("stream_options") or {}).get("include_usage"):
             send([], usage=usage)
         self.wfile.write(b"data: [DONE]\n\n")

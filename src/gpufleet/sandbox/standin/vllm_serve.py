@@ -65,7 +65,10 @@ def main(argv: list[str]) -> int:
     Handler.engine = engine
     server = ThreadingHTTPServer((args.host or "", args.port or 8000), Handler)
     server.daemon_threads = True
-    print(f"INFO:     Uvicorn running on http://{args.host or '0.0.0.0'}:{args.port or 8000} (Press CTRL+C to quit)", flush=True)
+    print(
+        f"INFO:     Uvicorn running on http://{args.host or '0.0.0.0'}:{args.port or 8000} (Press CTRL+C to quit)",
+        flush=True,
+    )
     die_after = os.environ.get("STANDIN_DIE_AFTER")
     if die_after:
 

@@ -46,8 +46,9 @@ def repo_line(repo_url: str, os_id: str, codename: str, arch: str) -> str:
 
 
 @operation()
-def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.com/linux",
-           refresh_keys: bool = False) -> Commands:
+def engine(
+    install: str = "docker-ce", repo_url: str = "https://download.docker.com/linux", refresh_keys: bool = False
+) -> Commands:
     """Install the Docker engine: docker-ce from Docker's repo, or the distribution's docker.io ("distro")."""
     snap = snapshot()
     if install == "distro":
@@ -63,11 +64,19 @@ def engine(install: str = "docker-ce", repo_url: str = "https://download.docker.
     line = repo_line(repo_url, os_id, snap.os.get("VERSION_CODENAME", ""), snap.arch)
     list_commands = list(put_content(DOCKER_LIST, line))
     missing = [p for p in CE_PACKAGES if not snap.installed(p)]
-    fetch = FunctionCommand(install_fetched_key, (url, DOCKER_KEY, armored, snap.file_sha256.get(DOCKER_KEY),
-                                                  "docker_repo_url"), {})
+    fetch = FunctionCommand(
+        install_fetched_key, (url, DOCKER_KEY, armored, snap.file_sha256.get(DOCKER_KEY), "docker_repo_url"), {}
+    )
     changed = False
-    for command in key_commands(snap, DOCKER_KEY, snap.docker_key.encode() if snap.docker_key else None, fetch,
-                                bool(missing or list_commands), refresh_keys, url):
+    for command in key_commands(
+        snap,
+        DOCKER_KEY,
+        snap.docker_key.encode() if snap.docker_key else None,
+        fetch,
+        bool(missing or list_commands),
+        refresh_keys,
+        url,
+    ):
         changed = True
         yield command
     yield from list_commands
@@ -117,14 +126,18 @@ def with_insecure_registry(text: str | None, address: str | None, drop: Collecti
 def _trust(state: State, host: Host, address: str | None) -> bool:
     # nvidia-ctk may have rewritten the file in this run, after the snapshot.
     sudo = use_sudo(host)
-    ok, output = host.run_shell_command(f"cat {DAEMON_JSON} 2>/dev/null; echo {_RECORDED}; cat {TRUSTED} 2>/dev/null; "
-                                        "true", _sudo=sudo)
+    ok, output = host.run_shell_command(
+        f"cat {DAEMON_JSON} 2>/dev/null; echo {_RECORDED}; cat {TRUSTED} 2>/dev/null; true", _sudo=sudo
+    )
     text, _, recorded = (output.stdout if ok else "").partition(_RECORDED)
     try:
         merged = with_insecure_registry(text, address, drop=set(recorded.split()))
     except ValueError as error:
-        return fail(host, f"{DAEMON_JSON}: {error}: the site cache {address} was not added (fix: make it a JSON "
-                          "object, or set site_cache_address \"off\" for this host)")
+        return fail(
+            host,
+            f"{DAEMON_JSON}: {error}: the site cache {address} was not added (fix: make it a JSON "
+            'object, or set site_cache_address "off" for this host)',
+        )
     if merged is not None:
         if not write_file(host, DAEMON_JSON, merged):
             return False

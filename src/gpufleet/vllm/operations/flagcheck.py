@@ -74,15 +74,19 @@ def check_command(spec: ServeSpec, ref: str) -> str:
     name = f"gpufleet-flagcheck-{spec.service}"
     run = " ".join(shlex.quote(a) for a in spec.flag_check_argv(ref, name))
     quoted = shlex.quote(name)
-    return (f"docker rm -f {quoted} >/dev/null 2>&1; timeout -k 5 {TIMEOUT_S} {run} 2>&1; rc=$?; "
-            f"if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then docker rm -f {quoted} >/dev/null 2>&1; fi; "
-            f"echo {RC_MARK}$rc")
+    return (
+        f"docker rm -f {quoted} >/dev/null 2>&1; timeout -k 5 {TIMEOUT_S} {run} 2>&1; rc=$?; "
+        f"if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then docker rm -f {quoted} >/dev/null 2>&1; fi; "
+        f"echo {RC_MARK}$rc"
+    )
 
 
 def rejection_line(host_name: str, ref: str, rejected: Rejected) -> str:
     flags = ", ".join(rejected.flags) or "a flag"
-    return one_line(f"{host_name}: image {ref} rejects {flags} of vllm_args: {rejected.message} (fix: remove or "
-                    "rename the flag in vllm_args for this image, or roll out another image; nothing was changed)")
+    return one_line(
+        f"{host_name}: image {ref} rejects {flags} of vllm_args: {rejected.message} (fix: remove or "
+        "rename the flag in vllm_args for this image, or roll out another image; nothing was changed)"
+    )
 
 
 def accepted_file(service: str) -> str:
@@ -105,12 +109,15 @@ def _check(state: State, host: Host, spec: ServeSpec, committed_ref: str | None,
     mark = lines[-1] if lines and lines[-1].startswith(RC_MARK) else None
     if not ok or mark is None:
         return fail(host, f"{host.name}: the flag check of {ref} could not run: {_last_lines(output.stderr)}")
-    result = verdict(int(mark[len(RC_MARK):]), "\n".join(lines[:-1]))
+    result = verdict(int(mark[len(RC_MARK) :]), "\n".join(lines[:-1]))
     if isinstance(result, Rejected):
         return fail(host, rejection_line(host.name, ref, result))
     if isinstance(result, Inconclusive):
-        return fail(host, f"{host.name}: cannot tell whether image {ref} accepts vllm_args: {result.reason} "
-                          "(fix: `docker run --rm " + ref + " --help` on the host; nothing was changed)")
+        return fail(
+            host,
+            f"{host.name}: cannot tell whether image {ref} accepts vllm_args: {result.reason} "
+            "(fix: `docker run --rm " + ref + " --help` on the host; nothing was changed)",
+        )
     host.log_styled(f"{ref.rsplit('@', 1)[-1][:19]} accepts the serve flags")
     # A note, not state: lost or torn, the next run checks again.
     host.run_shell_command(f"mkdir -p {shlex.quote(STATE_DIR)} && echo {shlex.quote(key)} > {noted}", _sudo=sudo)

@@ -60,14 +60,22 @@ def group_run(state: State, member: Member, pins: Callable[[], tuple[str | None,
 def _same_version(state: State, host: Host, group: GroupRun) -> bool:
     ranks = [state.inventory.get_host(h) for h in group.member.hosts]
     for what, found, fix in (
-            ("digests", {r.name: target_ref(group.pin, r) for r in ranks}, "the tag moved between their pulls (fix: "
-             "converge again, or pin the digest with gpufleet_image_ref)"),
-            ("model commits", {r.name: target_model(group.model, r) for r in ranks}, "the branch moved between their "
-             "downloads (fix: converge again, or set vllm_model_revision to a commit)")):
+        (
+            "digests",
+            {r.name: target_ref(group.pin, r) for r in ranks},
+            "the tag moved between their pulls (fix: converge again, or pin the digest with gpufleet_image_ref)",
+        ),
+        (
+            "model commits",
+            {r.name: target_model(group.model, r) for r in ranks},
+            "the branch moved between their downloads (fix: converge again, or set vllm_model_revision to a commit)",
+        ),
+    ):
         if len(set(found.values())) > 1:
             listed = ", ".join(f"{h} {ref}" for h, ref in found.items())
-            return fail(host, f"{host.name}: the ranks of group {group.member.group} got different {what} ({listed}): "
-                              f"{fix}")
+            return fail(
+                host, f"{host.name}: the ranks of group {group.member.group} got different {what} ({listed}): {fix}"
+            )
     return True
 
 

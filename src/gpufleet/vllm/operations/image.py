@@ -65,8 +65,10 @@ WARM_STALL_S = 60
 def run_bounded(host: Host, command: str, timeout_s: float | None = None) -> tuple[bool, list[str]]:
     """A command's success and output lines; ended past timeout_s, its last line is TIMED_OUT."""
     if timeout_s:
-        command = (f"timeout -k 10 {max(1, int(timeout_s))} {command} || {{ rc=$?; [ $rc -ne 124 ] || "
-                   f"echo {TIMED_OUT}; exit $rc; }}")
+        command = (
+            f"timeout -k 10 {max(1, int(timeout_s))} {command} || {{ rc=$?; [ $rc -ne 124 ] || "
+            f"echo {TIMED_OUT}; exit $rc; }}"
+        )
     ok, output = host.run_shell_command(command, _sudo=use_sudo(host), print_output=True)
     return bool(ok), output.output_lines
 
@@ -77,7 +79,9 @@ def _cache_answers(host: Host, cache: CachePull) -> str | None:
     ok, output = host.run_shell_command(
         "for i in 1 2 3; do c=$(curl -s -o /dev/null --noproxy '*' --connect-timeout 3 --max-time 5 "
         f"-w '%{{http_code}}' http://{cache.address}/v2/); r=$?; [ \"$c\" = 200 ] && break; "
-        "[ $r = 7 ] && [ $i != 3 ] || break; sleep 1; done; echo \"$c\"", _sudo=False)
+        '[ $r = 7 ] && [ $i != 3 ] || break; sleep 1; done; echo "$c"',
+        _sudo=False,
+    )
     code = (output.stdout or "").strip()
     if ok and code == "200":
         return None
@@ -91,7 +95,9 @@ def _manifest(host: Host, cache: CachePull, digest: str) -> dict[str, Any] | Non
         url = f"http://{cache.address}/v2/{cache.path}/manifests/{digest}"
         ok, output = host.run_shell_command(
             f"curl -fsS --noproxy '*' --max-time 20 -H {shlex.quote('Accept: ' + pull_facts.ACCEPT)} "
-            f"{shlex.quote(url)}", _sudo=False)
+            f"{shlex.quote(url)}",
+            _sudo=False,
+        )
         if not ok:
             return None
         doc = pull_facts.verified_manifest(output.stdout.encode(), digest)
@@ -112,9 +118,14 @@ def _warm(host: Host, cache: CachePull, digest: str) -> set[str]:
     manifest = _manifest(host, cache, digest)
     if manifest is None:
         return set()
-    blobs = [d for d in [(manifest.get("config") or {}).get("digest"),
-                         *((layer or {}).get("digest") for layer in manifest.get("layers") or ())]
-             if isinstance(d, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", d)]
+    blobs = [
+        d
+        for d in [
+            (manifest.get("config") or {}).get("digest"),
+            *((layer or {}).get("digest") for layer in manifest.get("layers") or ()),
+        ]
+        if isinstance(d, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", d)
+    ]
     if not blobs:
         return set()
     # Layers this host holds are skipped: old base layers stay out of the cache.
@@ -122,30 +133,36 @@ def _warm(host: Host, cache: CachePull, digest: str) -> set[str]:
     held = {d: f"{root}/image/*/distribution/diffid-by-digest/sha256/{d[7:]}" for d in blobs}
     files = {d: f"{STORAGE}/docker/registry/v2/blobs/sha256/{d[7:9]}/{d[7:]}/data" for d in blobs}
     base = f"http://{cache.address}/v2/{cache.path}/blobs/"
-    start = "; ".join(f"[ -f {files[d]} ] || ls {held[d]} >/dev/null 2>&1 || {{ w=\"$w {files[d]}\"; "
-                      f"echo {shlex.quote(FETCHED + d)}; "
-                      f"curl -s --noproxy '*' --max-time 30 {shlex.quote(base + d)} | head -c 1 >/dev/null; }}"
-                      for d in blobs)
+    start = "; ".join(
+        f'[ -f {files[d]} ] || ls {held[d]} >/dev/null 2>&1 || {{ w="$w {files[d]}"; '
+        f"echo {shlex.quote(FETCHED + d)}; "
+        f"curl -s --noproxy '*' --max-time 30 {shlex.quote(base + d)} | head -c 1 >/dev/null; }}"
+        for d in blobs
+    )
     wait = "for f in $w; do [ -f $f ] || exit 1; done"
     deadline = max(1, int(cache.timeout_s))
     # A stalled storage means upstream failed; the pull below says why.
     _, output = host.run_shell_command(
         f"w=; {start}; end=$(( $(date +%s) + {deadline} )); last=; still=0; until ( {wait} ); do "
         "[ $(date +%s) -lt $end ] || exit 1; "
-        f"now=$(du -s {STORAGE} 2>/dev/null | cut -f1); if [ \"$now\" = \"$last\" ]; then "
+        f'now=$(du -s {STORAGE} 2>/dev/null | cut -f1); if [ "$now" = "$last" ]; then '
         f"still=$((still + 1)); [ $still -lt {WARM_STALL_S} ] || exit 1; else still=0; last=$now; fi; sleep 1; done",
-        _sudo=use_sudo(host))
-    return {line[len(FETCHED) + 7:][:12] for line in output.stdout_lines if line.startswith(FETCHED + "sha256:")}
+        _sudo=use_sudo(host),
+    )
+    return {line[len(FETCHED) + 7 :][:12] for line in output.stdout_lines if line.startswith(FETCHED + "sha256:")}
 
 
-def _through_cache(host: Host, cache: CachePull, digest: str
-                   ) -> tuple[str, set[str] | None, str | None, set[str]]:
+def _through_cache(host: Host, cache: CachePull, digest: str) -> tuple[str, set[str] | None, str | None, set[str]]:
     """Pull `digest` through the site cache: ("ok", layers, None, fetched) or ("fallback", None, warning, fetched)."""
     where = f"the site cache {cache.address} ({cache.cache_host})"
     why = _cache_answers(host, cache)
     if why is not None:
-        return ("fallback", None, f"{host.name}: warning: {where} is not reachable ({why}): pulling from upstream",
-                set())
+        return (
+            "fallback",
+            None,
+            f"{host.name}: warning: {where} is not reachable ({why}): pulling from upstream",
+            set(),
+        )
     fetched = _warm(host, cache, digest) if cache.on_this_host else set()
     ok, lines = run_bounded(host, f"docker pull {shlex.quote(cache.ref(digest))}", cache.timeout_s)
     if ok:
@@ -153,20 +170,38 @@ def _through_cache(host: Host, cache: CachePull, digest: str
     text = "\n".join(lines)
     bad = pull_facts.tampered(text)
     if bad:
-        return "fallback", None, (f"{host.name}: warning: {where} served content that does not match {digest[:19]} "
-                                  f"({one_line(bad)}): docker refused it; pulling from upstream (fix: on "
-                                  f"{cache.cache_host}, delete the bad blob from {STORAGE}/docker/registry/v2/blobs "
-                                  "(or the whole directory: it is a cache) and restart docker-registry)"), fetched
+        return (
+            "fallback",
+            None,
+            (
+                f"{host.name}: warning: {where} served content that does not match {digest[:19]} "
+                f"({one_line(bad)}): docker refused it; pulling from upstream (fix: on "
+                f"{cache.cache_host}, delete the bad blob from {STORAGE}/docker/registry/v2/blobs "
+                "(or the whole directory: it is a cache) and restart docker-registry)"
+            ),
+            fetched,
+        )
     if lines and lines[-1].strip() == TIMED_OUT:
         why = f"it took over site_cache_pull_timeout_s = {cache.timeout_s:g} s"
     else:
         why = one_line(" | ".join(lines[-2:])) or "no output"
-    return ("fallback", None, f"{host.name}: warning: pulling through {where} failed ({why}): pulling from upstream",
-            fetched)
+    return (
+        "fallback",
+        None,
+        f"{host.name}: warning: pulling through {where} failed ({why}): pulling from upstream",
+        fetched,
+    )
 
 
-def _pull(state: State, host: Host, image: str, pull: str, service: str | None = None,
-          cache: CachePull | None = None, timeout_s: float | None = None) -> bool:
+def _pull(
+    state: State,
+    host: Host,
+    image: str,
+    pull: str,
+    service: str | None = None,
+    cache: CachePull | None = None,
+    timeout_s: float | None = None,
+) -> bool:
     sudo = use_sudo(host)
     digest = pull.rpartition("@")[2] if "@sha256:" in pull else None
     from_cache: set[str] = set()
@@ -184,26 +219,38 @@ def _pull(state: State, host: Host, image: str, pull: str, service: str | None =
     if used and cache is not None and digest is not None:
         host.run_shell_command(f"docker rmi {shlex.quote(cache.ref(digest))} >/dev/null 2>&1 || true", _sudo=sudo)
     if not ok and lines and lines[-1].strip() == TIMED_OUT:
-        return fail(host, f"{host.name}: docker pull {pull} did not finish within vllm_fetch_timeout_s = "
-                          f"{timeout_s:g} s and was ended (fix: check that {host.name} reaches the registry; a "
-                          "slow line needs a larger vllm_fetch_timeout_s)")
+        return fail(
+            host,
+            f"{host.name}: docker pull {pull} did not finish within vllm_fetch_timeout_s = "
+            f"{timeout_s:g} s and was ended (fix: check that {host.name} reaches the registry; a "
+            "slow line needs a larger vllm_fetch_timeout_s)",
+        )
     if not ok:
         return fail(host, f"docker pull {pull} failed: {' | '.join(lines[-3:])}")
     ok, output = host.run_shell_command(
-        f"docker image inspect --format '{{{{json .RepoDigests}}}}' {shlex.quote(pull)}", _sudo=sudo)
+        f"docker image inspect --format '{{{{json .RepoDigests}}}}' {shlex.quote(pull)}", _sudo=sudo
+    )
     ref = pick_digest(pull, json.loads(output.stdout or "[]")) if ok else None
     if not ref:
-        return fail(host, f"{image} has no registry digest after the pull (fix: pull it from a registry, "
-                          "or set vllm_image to repo@sha256:<digest>)")
+        return fail(
+            host,
+            f"{image} has no registry digest after the pull (fix: pull it from a registry, "
+            "or set vllm_image to repo@sha256:<digest>)",
+        )
     host_run(host).resolved_image_ref = ref
     host.log_styled(f"pinned {image} -> {ref}")
     if service is not None:
         manifest = _manifest(host, cache, ref.rpartition("@")[2]) if cache is not None and not fell_back else None
         sizes = pull_facts.layer_sizes(manifest) if manifest is not None else None
         from_site, via_cache = from_cache - fetched, from_cache & fetched
-        stats = PullStats(ref=ref, site_bytes=pull_facts.pulled_bytes(from_site, sizes) if used else 0,
-                          upstream_bytes=pull_facts.pulled_bytes(pull_facts.downloaded(lines) | via_cache, sizes),
-                          fell_back=fell_back, cache=used, warning=warning)
+        stats = PullStats(
+            ref=ref,
+            site_bytes=pull_facts.pulled_bytes(from_site, sizes) if used else 0,
+            upstream_bytes=pull_facts.pulled_bytes(pull_facts.downloaded(lines) | via_cache, sizes),
+            fell_back=fell_back,
+            cache=used,
+            warning=warning,
+        )
         # A record: a failed write never fails the pull.
         write_file(host, pull_stats_file(service), stats.to_json())
     return True
@@ -215,8 +262,13 @@ def target_ref(pin: str | None, host: Host | None = None) -> str | None:
 
 
 @operation()
-def pinned(image: str, ref: str | None, service: str | None = None, cache: CachePull | None = None,
-           timeout_s: float | None = None) -> Commands:
+def pinned(
+    image: str,
+    ref: str | None,
+    service: str | None = None,
+    cache: CachePull | None = None,
+    timeout_s: float | None = None,
+) -> Commands:
     """Pull the image, by `ref` when known, and resolve its tag to a digest."""
     if ref and image_present(snapshot().images, ref):
         host.noop(f"{image} is pinned to {ref.rsplit('@', 1)[1][:19]} and present")

@@ -52,8 +52,10 @@ def missing_parts(snap: HostSnapshot) -> list[str]:
         missing.append("weights (*.safetensors)")
     absent = [s for s in snap.model_shards if weight_files.get(s, 0) == 0]
     if absent:
-        missing.append(f"{len(absent)} of {len(snap.model_shards)} shards listed in model.safetensors.index.json "
-                       f"(e.g. {absent[0]})")
+        missing.append(
+            f"{len(absent)} of {len(snap.model_shards)} shards listed in model.safetensors.index.json "
+            f"(e.g. {absent[0]})"
+        )
     empty = [name for name, size in weight_files.items() if size == 0]
     if empty:
         missing.append(f"non-empty weights ({empty[0]} is 0 bytes)")
@@ -87,25 +89,38 @@ def _mirror_answers(host: Host, mirror: ModelMirror, revision: HubRevision) -> s
     """None when the mirror serves the repo's model info, else why not."""
     url = weights.info_url(mirror.endpoint, revision.repo, revision.commit)
     ok, output = host.run_shell_command(
-        f"curl -s -o /dev/null --noproxy '*' --connect-timeout 3 --max-time 30 -w '%{{http_code}}' "
-        f"{shlex.quote(url)}", _sudo=False)
+        f"curl -s -o /dev/null --noproxy '*' --connect-timeout 3 --max-time 30 -w '%{{http_code}}' {shlex.quote(url)}",
+        _sudo=False,
+    )
     code = (output.stdout or "").strip()
     if ok and code == "200":
         return None
     return f"it answered HTTP {code}" if code not in ("", "000") else "it did not answer"
 
 
-def _download(host: Host, spec: ServeSpec, image: str, revision: HubRevision, endpoint: str, env_file: str | None,
-              hf_cache: str, where: str, refused: list[str], timeout_s: float | None = None) -> str | None:
+def _download(
+    host: Host,
+    spec: ServeSpec,
+    image: str,
+    revision: HubRevision,
+    endpoint: str,
+    env_file: str | None,
+    hf_cache: str,
+    where: str,
+    refused: list[str],
+    timeout_s: float | None = None,
+) -> str | None:
     """Download the commit: None on success, TIMED_OUT, or the CLI's last lines.
 
     Refused files go first: hf skips what it recorded as complete."""
     sudo = use_sudo(host)
     if refused:
-        host.run_shell_command("rm -f " + " ".join(shlex.quote(p) for p in weights.partial_paths(where, refused)),
-                               _sudo=sudo)
-    argv = spec.hf_download_argv(image, revision.repo, revision.commit, hf_cache, env_file,
-                                 env=weights.env_for_download(endpoint))
+        host.run_shell_command(
+            "rm -f " + " ".join(shlex.quote(p) for p in weights.partial_paths(where, refused)), _sudo=sudo
+        )
+    argv = spec.hf_download_argv(
+        image, revision.repo, revision.commit, hf_cache, env_file, env=weights.env_for_download(endpoint)
+    )
     # docker run's signal proxy passes timeout's SIGTERM to the container.
     ok, lines = run_bounded(host, " ".join(shlex.quote(a) for a in argv), timeout_s)
     if not ok and lines and lines[-1].strip() == TIMED_OUT:
@@ -114,19 +129,35 @@ def _download(host: Host, spec: ServeSpec, image: str, revision: HubRevision, en
 
 
 def _timed_out(host: Host, repo: str, timeout_s: float | None) -> bool:
-    return fail(host, f"{host.name}: the model download of {repo} did not finish within vllm_fetch_timeout_s = "
-                      f"{timeout_s or 0:g} s and was ended (fix: check that {host.name} reaches the hub; re-running "
-                      "resumes, and a slow line needs a larger vllm_fetch_timeout_s)")
+    return fail(
+        host,
+        f"{host.name}: the model download of {repo} did not finish within vllm_fetch_timeout_s = "
+        f"{timeout_s or 0:g} s and was ended (fix: check that {host.name} reaches the hub; re-running "
+        "resumes, and a slow line needs a larger vllm_fetch_timeout_s)",
+    )
 
 
-def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where: str, env_file: str | None,
-           hf_cache: str, pin: str | None, hub: str, mirror: ModelMirror | None, timeout_s: float | None = None
-           ) -> bool:
+def _fetch(
+    state: State,
+    host: Host,
+    spec: ServeSpec,
+    model: ModelTarget,
+    where: str,
+    env_file: str | None,
+    hf_cache: str,
+    pin: str | None,
+    hub: str,
+    mirror: ModelMirror | None,
+    timeout_s: float | None = None,
+) -> bool:
     revision = _hub_revision(host, hub, model, env_file)
     if isinstance(revision, str):
-        return fail(host, f"cannot read {model.repo} at {model.ask() or 'its default branch'} from the hub {hub} "
-                          f"({revision}) (fix: check vllm_model_repo, vllm_model_revision and vllm_hf_token, and that "
-                          "the host reaches vllm_hf_endpoint)")
+        return fail(
+            host,
+            f"cannot read {model.repo} at {model.ask() or 'its default branch'} from the hub {hub} "
+            f"({revision}) (fix: check vllm_model_repo, vllm_model_revision and vllm_hf_token, and that "
+            "the host reaches vllm_hf_endpoint)",
+        )
     sudo = use_sudo(host)
     marker = shlex.quote(f"{where}/{weights.MARKER}")
     snap = snapshot(host)
@@ -143,9 +174,12 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
             # Another commit moves in: the one here is kept for a rollback.
             ok, output = host.run_shell_command(weights.keep_command(where), _sudo=sudo)
             if not ok:
-                return fail(host, f"could not keep {snap.model_checked} beside {where} before downloading another "
-                                  f"commit: {one_line(' | '.join(output.stderr_lines[-2:]))} (fix: check free space "
-                                  "and permissions there)")
+                return fail(
+                    host,
+                    f"could not keep {snap.model_checked} beside {where} before downloading another "
+                    f"commit: {one_line(' | '.join(output.stderr_lines[-2:]))} (fix: check free space "
+                    "and permissions there)",
+                )
         host.run_shell_command(f"rm -f {marker}", _sudo=sudo)  # no longer vouched for
         image = target_ref(pin, host) or spec.image
         endpoint = hub
@@ -154,8 +188,11 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
             if why is None:
                 endpoint = mirror.endpoint
             else:
-                _warn(host, f"{host.name}: warning: the site cache's model mirror {mirror.endpoint} "
-                            f"({mirror.cache_host}) is not reachable ({why}): downloading from the hub {hub}")
+                _warn(
+                    host,
+                    f"{host.name}: warning: the site cache's model mirror {mirror.endpoint} "
+                    f"({mirror.cache_host}) is not reachable ({why}): downloading from the hub {hub}",
+                )
         failed = _download(host, spec, image, revision, endpoint, env_file, hf_cache, where, bad, timeout_s)
         if failed == TIMED_OUT:
             return _timed_out(host, model.repo, timeout_s)
@@ -163,22 +200,36 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
         if failed is not None or bad:
             # Never served: fetched again from the hub itself, once.
             source = "the site cache's model mirror" if endpoint != hub else "the hub"
-            _warn(host, f"{host.name}: warning: {source} {endpoint} " + (
-                f"served {len(bad)} file(s) whose hash is not the hub's ({', '.join(bad[:3])}): refused"
-                if failed is None else f"download failed ({one_line(failed)})") + f"; fetching from the hub {hub}")
+            _warn(
+                host,
+                f"{host.name}: warning: {source} {endpoint} "
+                + (
+                    f"served {len(bad)} file(s) whose hash is not the hub's ({', '.join(bad[:3])}): refused"
+                    if failed is None
+                    else f"download failed ({one_line(failed)})"
+                )
+                + f"; fetching from the hub {hub}",
+            )
             failed = _download(host, spec, image, revision, hub, env_file, hf_cache, where, bad, timeout_s)
             if failed == TIMED_OUT:
                 return _timed_out(host, model.repo, timeout_s)
             bad = _mismatches(host, where, revision) if failed is None else bad
         if failed is not None:
-            return fail(host, f"model download of {model.repo}@{revision.commit[:12]} failed: {failed} (fix: check "
-                              "vllm_model_repo / vllm_hf_token; re-running resumes)")
+            return fail(
+                host,
+                f"model download of {model.repo}@{revision.commit[:12]} failed: {failed} (fix: check "
+                "vllm_model_repo / vllm_hf_token; re-running resumes)",
+            )
         if bad:
-            host.run_shell_command("rm -f " + " ".join(shlex.quote(p) for p in weights.partial_paths(where, bad)),
-                                   _sudo=sudo)
-            return fail(host, f"{len(bad)} file(s) of {model.repo}@{revision.commit[:12]} do not match the hub's "
-                              f"hashes even from the hub ({', '.join(bad[:3])}): deleted, not served (fix: check the "
-                              "disk under vllm_models_dir, then run again)")
+            host.run_shell_command(
+                "rm -f " + " ".join(shlex.quote(p) for p in weights.partial_paths(where, bad)), _sudo=sudo
+            )
+            return fail(
+                host,
+                f"{len(bad)} file(s) of {model.repo}@{revision.commit[:12]} do not match the hub's "
+                f"hashes even from the hub ({', '.join(bad[:3])}): deleted, not served (fix: check the "
+                "disk under vllm_models_dir, then run again)",
+            )
     if not write_file(host, f"{where}/{weights.MARKER}", weights.marker_text(revision)):
         return fail(host, f"could not write {where}/{weights.MARKER} (fix: check free space there)")
     host_run(host).resolved_model = revision.pinned
@@ -187,9 +238,17 @@ def _fetch(state: State, host: Host, spec: ServeSpec, model: ModelTarget, where:
 
 
 @operation()
-def present(spec: ServeSpec, where: str, model: ModelTarget | None, env_file: str | None, hf_cache: str,
-            pin: str | None, hub: str = weights.HUB, mirror: ModelMirror | None = None,
-            timeout_s: float | None = None) -> Commands:
+def present(
+    spec: ServeSpec,
+    where: str,
+    model: ModelTarget | None,
+    env_file: str | None,
+    hf_cache: str,
+    pin: str | None,
+    hub: str = weights.HUB,
+    mirror: ModelMirror | None = None,
+    timeout_s: float | None = None,
+) -> Commands:
     """The model's commit in `where`, every file checked against the hub's hashes; with no repo, staged by hand.
 
     env_file is the root-only file holding HF_TOKEN: the token is never an argument."""
@@ -203,7 +262,6 @@ def present(spec: ServeSpec, where: str, model: ModelTarget | None, env_file: st
         host.noop(f"{where} is complete (config, tokenizer, {count} weight file(s)), staged by hand")
         return
     if not missing and model.pin is not None and snap.model_checked == model.pin:
-        host.noop(f"{where} holds {model.pin[:len(model.repo) + 13]}, checked against the hub's hashes")
+        host.noop(f"{where} holds {model.pin[: len(model.repo) + 13]}, checked against the hub's hashes")
         return
-    yield FunctionCommand(_fetch, (spec, model, where, env_file, hf_cache, pin, hub, mirror),
-                          {"timeout_s": timeout_s})
+    yield FunctionCommand(_fetch, (spec, model, where, env_file, hf_cache, pin, hub, mirror), {"timeout_s": timeout_s})

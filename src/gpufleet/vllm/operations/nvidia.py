@@ -37,17 +37,21 @@ def list_line(repo_url: str) -> str:
 
 
 @operation()
-def toolkit_repo(repo_url: str = "https://nvidia.github.io/libnvidia-container", refresh_keys: bool = False) -> Commands:
+def toolkit_repo(
+    repo_url: str = "https://nvidia.github.io/libnvidia-container", refresh_keys: bool = False
+) -> Commands:
     """Add NVIDIA's container-toolkit apt repo, signed by its key (docs/deploy.md, "Repo keys")."""
     snap = snapshot()
     url = key_url(repo_url)
     list_commands = list(put_content(LIST, list_line(repo_url)))
-    fetch = FunctionCommand(install_fetched_key, (url, KEYRING, dearmor, snap.file_sha256.get(KEYRING),
-                                                  "nvidia_repo_url"), {})
+    fetch = FunctionCommand(
+        install_fetched_key, (url, KEYRING, dearmor, snap.file_sha256.get(KEYRING), "nvidia_repo_url"), {}
+    )
     served = dearmor(snap.nvidia_key) if snap.nvidia_key is not None else None
     changed = False
-    for command in key_commands(snap, KEYRING, served, fetch, not snap.installed(PACKAGE) or bool(list_commands),
-                                refresh_keys, url):
+    for command in key_commands(
+        snap, KEYRING, served, fetch, not snap.installed(PACKAGE) or bool(list_commands), refresh_keys, url
+    ):
         changed = True
         yield command
     yield from list_commands
@@ -99,6 +103,8 @@ def configure_runtime_command(path: str = DAEMON_JSON) -> str:
     """Configure a copy, then replace daemon.json: a cut nvidia-ctk write leaves a file dockerd refuses."""
     tmp = temp_path(path)
     q = shlex.quote
-    return (f"install -d -m 755 {q(path.rpartition('/')[0])} && rm -f {q(tmp)} && "
-            f"{{ [ ! -e {q(path)} ] || cp -p {q(path)} {q(tmp)}; }} && "
-            f"nvidia-ctk runtime configure --runtime=docker --config={q(tmp)} && " + replace_command(tmp, path))
+    return (
+        f"install -d -m 755 {q(path.rpartition('/')[0])} && rm -f {q(tmp)} && "
+        f"{{ [ ! -e {q(path)} ] || cp -p {q(path)} {q(tmp)}; }} && "
+        f"nvidia-ctk runtime configure --runtime=docker --config={q(tmp)} && " + replace_command(tmp, path)
+    )

@@ -24,9 +24,9 @@ def dearmor(armored: str) -> bytes:
         end = next(i for i, line in enumerate(lines) if line.startswith("-----END PGP PUBLIC KEY BLOCK"))
     except StopIteration:
         raise ValueError("not an ASCII-armored PGP public key block") from None
-    body = lines[start + 1:end]
+    body = lines[start + 1 : end]
     if "" in body:  # armor headers end at the first blank line
-        body = body[body.index("") + 1:]
+        body = body[body.index("") + 1 :]
     body = [line.strip() for line in body if line.strip() and not line.startswith("=")]
     try:
         return base64.b64decode("".join(body), validate=True)
@@ -39,8 +39,15 @@ def fetch_key_command(url: str) -> str:
     return f"curl -fsSL --max-time 60 {shlex.quote(url)}"
 
 
-def install_fetched_key(state: State, host: Host, url: str, path: str, as_file: Callable[[str], bytes],
-                        installed_sha256: str | None, setting: str) -> bool:
+def install_fetched_key(
+    state: State,
+    host: Host,
+    url: str,
+    path: str,
+    as_file: Callable[[str], bytes],
+    installed_sha256: str | None,
+    setting: str,
+) -> bool:
     """Make `path` hold as_file() of the key fetched from `url`; a failed fetch fails the host, as apt needs it."""
     ok, output = host.run_shell_command(fetch_key_command(url))
     try:
@@ -48,20 +55,33 @@ def install_fetched_key(state: State, host: Host, url: str, path: str, as_file: 
             raise ValueError(" ".join(output.stderr_lines).strip()[:200] or "curl failed")
         content = as_file("\n".join(output.stdout_lines).strip() + "\n")
     except ValueError as error:
-        return fail(host, f"{host.name}: could not fetch the repo key {url}: {error} (fix: make {url} reachable "
-                          f"from {host.name}, or set {setting} to a mirror that serves it)")
+        return fail(
+            host,
+            f"{host.name}: could not fetch the repo key {url}: {error} (fix: make {url} reachable "
+            f"from {host.name}, or set {setting} to a mirror that serves it)",
+        )
     if sha256(content) == installed_sha256:
         return True
     return bool(upload(host, content, path, mode="0644", _sudo=use_sudo(host)))
 
 
-def key_commands(snap: HostSnapshot, path: str, served: bytes | None, fetch: FunctionCommand, apt_reads_repo: bool,
-                 refresh: bool, url: str) -> Commands:
+def key_commands(
+    snap: HostSnapshot,
+    path: str,
+    served: bytes | None,
+    fetch: FunctionCommand,
+    apt_reads_repo: bool,
+    refresh: bool,
+    url: str,
+) -> Commands:
     """Keep a repo's key file current from `served`, the key the snapshot fetched, else by `fetch`."""
     if served is not None:
         yield from put_content(path, served)
     elif path not in snap.file_sha256 or apt_reads_repo:
         yield fetch
     elif refresh and host.state.is_executing:  # a plan that checks for changes runs this too
-        host.log_styled(f"{host.name}: could not fetch {url} to check for a rotated key; kept the installed "
-                        f"{path}", fg="yellow", log_func=logger.warning)
+        host.log_styled(
+            f"{host.name}: could not fetch {url} to check for a rotated key; kept the installed {path}",
+            fg="yellow",
+            log_func=logger.warning,
+        )

@@ -57,8 +57,10 @@ def env_content(secrets: Mapping[str, str | None]) -> str:
             continue
         # systemd, docker --env-file and sh must read it alike; the value is never echoed.
         if not SECRET_VALUE.fullmatch(value):
-            raise OperationValueError(f"{name}: the secret holds characters an env file cannot carry unquoted "
-                                      "(fix: use a token of letters, digits and ._+/=:@-)")
+            raise OperationValueError(
+                f"{name}: the secret holds characters an env file cannot carry unquoted "
+                "(fix: use a token of letters, digits and ._+/=:@-)"
+            )
         lines.append(f"{name}={value}")
     return "\n".join(lines) + "\n"
 
@@ -89,10 +91,17 @@ def target_version(spec: ServeSpec, host: Host, pin: str | None, model: ModelTar
     """The version this run installs: the pulled digest once known, else `pin`."""
     ref = target_ref(pin, host) or spec.image
     at = target_model(model, host)
-    return Version(image=spec.image, ref=ref, unit_sha256=sha256(render_unit(spec, ref, at)),
-                   spec_hash=spec.spec_hash, service=spec.service, port=spec.port, model=at,
-                   model_revision=model.revision if model and at else None,
-                   group=spec.group.version(ref, at) if spec.group else None)
+    return Version(
+        image=spec.image,
+        ref=ref,
+        unit_sha256=sha256(render_unit(spec, ref, at)),
+        spec_hash=spec.spec_hash,
+        service=spec.service,
+        port=spec.port,
+        model=at,
+        model_revision=model.revision if model and at else None,
+        group=spec.group.version(ref, at) if spec.group else None,
+    )
 
 
 def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
@@ -101,12 +110,14 @@ def save_ledger(host: Host, path: str, ledger: Ledger) -> bool:
         return fail(host, f"{host.name}: {path} not written: this run no longer holds the host (fix: run again)")
     held = host_run(host)
     content = render(ledger)
-    guards = [test for test in (still_held_test(host), _unchanged_test(path, held.ledger_sha256))
-              if test is not None]
+    guards = [test for test in (still_held_test(host), _unchanged_test(path, held.ledger_sha256)) if test is not None]
     written = write_file(host, path, content, only_if=" && ".join(guards) if guards else None)
     if written is None:
-        return fail(host, f"{host.name}: {path} not written: another run holds the host now or changed it since "
-                          "this run read it (fix: run again; it reads the host anew)")
+        return fail(
+            host,
+            f"{host.name}: {path} not written: another run holds the host now or changed it since "
+            "this run read it (fix: run again; it reads the host anew)",
+        )
     if not written:
         return fail(host, f"{host.name}: could not write {path} (fix: check free space and permissions there)")
     held.ledger, held.ledger_sha256[path] = ledger, sha256(content)
@@ -121,9 +132,9 @@ def _unchanged_test(path: str, read: Mapping[str, str | None]) -> str | None:
     return f'[ "{now}" = "{read[path] or ""}" ]'
 
 
-
-def _begin(state: State, host: Host, spec: ServeSpec, path: str, pin: str | None, retry: bool,
-           model: ModelTarget | None = None) -> bool:
+def _begin(
+    state: State, host: Host, spec: ServeSpec, path: str, pin: str | None, retry: bool, model: ModelTarget | None = None
+) -> bool:
     """Record the target as pending before the unit changes or the service restarts."""
     target, ledger = target_version(spec, host, pin, model), host_run(host).ledger
     if ledger.pending is not None and ledger.pending.version == target:
@@ -148,15 +159,20 @@ def _backup_commands(spec: ServeSpec) -> Commands:
     if committed is None or committed.version.unit_sha256 is not None:
         return
     snap = snapshot()
-    if snap.unit_active(unit_name(spec.service)) and snap.health_code == "200" and snap.file_sha256.get(
-            unit_path(spec.service)):
-        yield StringCommand("install", "-D", "-m", "644", shlex.quote(unit_path(spec.service)),
-                            shlex.quote(unit_backup(spec.service)))
+    if (
+        snap.unit_active(unit_name(spec.service))
+        and snap.health_code == "200"
+        and snap.file_sha256.get(unit_path(spec.service))
+    ):
+        yield StringCommand(
+            "install", "-D", "-m", "644", shlex.quote(unit_path(spec.service)), shlex.quote(unit_backup(spec.service))
+        )
 
 
 @operation()
-def unit(spec: ServeSpec, path: str, ledger_path: str, pin: str | None, retry_failed: bool,
-         model: ModelTarget | None = None) -> Commands:
+def unit(
+    spec: ServeSpec, path: str, ledger_path: str, pin: str | None, retry_failed: bool, model: ModelTarget | None = None
+) -> Commands:
     """Install the unit that runs the pinned image; the ledger names it pending first."""
     ref = target_ref(pin)
     # Without a pin the plan shows a change; while executing, the pull has resolved it.
@@ -184,9 +200,18 @@ def _changed(ops: list[OperationMeta]) -> bool:
 
 
 @operation(is_idempotent=False)
-def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin: str | None, retry_failed: bool,
-            start: bool = True, force: bool = False, replaces: str | None = None,
-            model: ModelTarget | None = None, group: GroupRun | None = None) -> Commands:
+def running(
+    spec: ServeSpec,
+    ledger_path: str,
+    changes: list[OperationMeta],
+    pin: str | None,
+    retry_failed: bool,
+    start: bool = True,
+    force: bool = False,
+    replaces: str | None = None,
+    model: ModelTarget | None = None,
+    group: GroupRun | None = None,
+) -> Commands:
     """Enable the service and (re)start it when needed. replaces: the service a renamed vllm_service replaces,
     disabled first since both would hold the same GPUs and port."""
     name = unit_name(spec.service)
@@ -212,9 +237,17 @@ def running(spec: ServeSpec, ledger_path: str, changes: list[OperationMeta], pin
         restart = f"systemctl {'restart' if snap.unit_active(name) else 'start'} {shlex.quote(name)}"
         if replaces:
             restart = f"{{ systemctl disable --now {shlex.quote(unit_name(replaces))} || true; }} && {restart}"
-        yield StringCommand("sh", "-c", shlex.quote(while_held(
-            host, restart, f"{host.name}: not restarting {name}: this run no longer holds the host's lock (fix: run "
-                           "again)")))
+        yield StringCommand(
+            "sh",
+            "-c",
+            shlex.quote(
+                while_held(
+                    host,
+                    restart,
+                    f"{host.name}: not restarting {name}: this run no longer holds the host's lock (fix: run again)",
+                )
+            ),
+        )
     elif snap.unit_enabled(name):
         host.noop(f"{name} is active and nothing it runs changed")
 
@@ -235,16 +268,29 @@ def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
 
 
 @operation(is_idempotent=False)
-def ready(spec: ServeSpec, verify: Verify, roll_back: AfterVerify, changes: list[OperationMeta], start: bool = True,
-          soak_s: float = 0.0, force: bool = False, group: GroupRun | None = None, serves: bool | None = None
-          ) -> Commands:
+def ready(
+    spec: ServeSpec,
+    verify: Verify,
+    roll_back: AfterVerify,
+    changes: list[OperationMeta],
+    start: bool = True,
+    soak_s: float = 0.0,
+    force: bool = False,
+    group: GroupRun | None = None,
+    serves: bool | None = None,
+) -> Commands:
     """Verify the service, with a soak after a (re)start, and roll back at once when that fails."""
     snap = snapshot()
     if not start:
         host.noop("no GPU: the service is not started, nothing to verify")
         return
-    restarted = (force or _changed(changes) or bool(snap.running.drift())
-                 or not snap.unit_active(unit_name(spec.service)) or bool(group and group.others_restart(host.name)))
+    restarted = (
+        force
+        or _changed(changes)
+        or bool(snap.running.drift())
+        or not snap.unit_active(unit_name(spec.service))
+        or bool(group and group.others_restart(host.name))
+    )
     if not restarted and (serves if serves is not None else serves_expected(snap, Expected.from_spec(spec))):
         host.noop(f"ready: /health 200, /v1/models serves {spec.served_model_name}")
         return

@@ -9,11 +9,15 @@ from typing import Any
 # A cache dir per profile: vLLM keys its compile cache by version, not model.
 CACHE_ROOT = "/var/cache/vllm"
 # (variable, its cache dir from its value, default) of the caches docs/profiles.md lists.
-JIT_CACHES = (("TRITON_CACHE_DIR", "{}", "/root/.triton/cache"),
-              ("FLASHINFER_WORKSPACE_BASE", "{}/.cache/flashinfer", "/root"))
+JIT_CACHES = (
+    ("TRITON_CACHE_DIR", "{}", "/root/.triton/cache"),
+    ("FLASHINFER_WORKSPACE_BASE", "{}/.cache/flashinfer", "/root"),
+)
 # Inside the vLLM cache mount.
-JIT_REDIRECTS = {"TRITON_CACHE_DIR": "/root/.cache/vllm/triton",
-                 "FLASHINFER_WORKSPACE_BASE": "/root/.cache/vllm/flashinfer"}
+JIT_REDIRECTS = {
+    "TRITON_CACHE_DIR": "/root/.cache/vllm/triton",
+    "FLASHINFER_WORKSPACE_BASE": "/root/.cache/vllm/flashinfer",
+}
 DockerOptionDefault = bool | str | list[str]
 VllmArgDefault = bool | int | float | str
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 from gpufleet.vllm.profiles._profile import Profile
 
 # The published text exactly: re-serialising it would change every host's unit.
-GENERATION_CONFIG = ('{ "temperature": 0.60, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0, '
-                     '"repetition_penalty": 1.0, "max_tokens": 16384 }')
+GENERATION_CONFIG = (
+    '{ "temperature": 0.60, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0, '
+    '"repetition_penalty": 1.0, "max_tokens": 16384 }'
+)
 
 PROFILE = Profile(
     name="qwen35",
