@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -305,3 +306,11 @@ def test_a_routers_invalid_setting_is_bad_input_for_status_and_verify(tmp_path):
     for command in ("status", "verify"):
         result = gpufleet(command, str(inventory))
         assert result.exit_code == 2 and "rtr: router_prot: unknown setting (fix: " in result.stderr, result.output
+
+
+def test_a_rollout_stopped_before_any_deploy_leaves_no_log_behind(inventories, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gpufleet("rollout", inventories["empty"], "--image", DIGEST, "--yes")
+    gpufleet("rollout", inventories["out-of-reach"], "--image", DIGEST, "--yes")
+    logs = sorted(tmp_path.glob("gpufleet-rollout-*.log"))
+    assert all(log.stat().st_size for log in logs), logs

@@ -48,6 +48,13 @@ def _new_log() -> Path:
     return Path(path)
 
 
+def _drop_unused_log(given: str | None, options: SwapOptions | None) -> None:
+    """Remove the log this command created when no deploy wrote to it; a --log path is the user's."""
+    log = options.log if given is None and options is not None else None
+    if log is not None and log.exists() and not log.stat().st_size:
+        log.unlink()
+
+
 def _confirm(yes: bool) -> Any:
     def ask(what: str, hosts: Sequence[str]) -> bool:
         if yes:
@@ -203,6 +210,7 @@ def rollout(
     """
     _checked(inventory, image=image)
     quiet_ssh_logs()
+    options: SwapOptions | None = None
     try:
         options = _options(
             deploy,
@@ -219,6 +227,8 @@ def rollout(
         result = roll_out(inventory, image, options, _confirm(yes), _progress, model_revision=model_revision)
     except GpufleetError as e:
         raise stopped("rollout", str(e), as_json) from None
+    finally:
+        _drop_unused_log(log, options)
     _finish("rollout", result, as_json, options.log)
 
 
@@ -252,6 +262,7 @@ def rollback(
     """
     _checked(inventory, host, to)
     quiet_ssh_logs()
+    options: SwapOptions | None = None
     try:
         options = _options(
             deploy,
@@ -264,6 +275,8 @@ def rollback(
         result = roll_back(inventory, options, _confirm(yes), _progress, host=host, to=to)
     except GpufleetError as e:
         raise stopped("rollback", str(e), as_json) from None
+    finally:
+        _drop_unused_log(log, options)
     _finish("rollback", result, as_json, options.log)
 
 
