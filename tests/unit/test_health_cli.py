@@ -302,7 +302,7 @@ def _fake_fleet(monkeypatch, *router_rows):
     rows = iter(router_rows)
     reads: list[str] = []
 
-    def read_host(name, data):
+    def read_host(name, data, settings):
         reads.append(name)
         workers = tuple(WorkerRow(url, healthy, 0, 0, 0) for url, healthy in next(rows))
         return RouterStatus(
