@@ -615,7 +615,7 @@ def phase_noise(run: Run, name: str, pairs: int) -> None:
             "logprobs": True,
             "top_logprobs": 5,
         }
-        return parse_greedy(fetch(transport, expected.port, "/v1/chat/completions", 120.0, json_body=body).body)
+        return parse_greedy(fetch(transport, expected.port, "/v1/chat/completions", timeout=120.0, json_body=body).body)
 
     def compare(cold: Any, other: Any) -> dict[str, Any]:
         same = next((i for i, (a, b) in enumerate(zip(cold.tokens, other.tokens, strict=False)) if a != b), None)

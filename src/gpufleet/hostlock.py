@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import paramiko
 from pyinfra.api import Host
@@ -66,11 +66,18 @@ class BadLockSettings(HostLockError):
     pass
 
 
-def lock_timings(name: str, settings: Mapping[str, Any]) -> tuple[float, float]:
-    """(wait_s, lease_s) from one host's settings."""
+class LockTimings(NamedTuple):
+    """How long a run waits for a host's lock, and the lease it holds it on."""
+
+    wait_s: float
+    lease_s: float
+
+
+def lock_timings(name: str, settings: Mapping[str, Any]) -> LockTimings:
+    """One host's LockTimings from its merged settings; BadLockSettings when they are not numbers."""
     wait, lease = settings.get(WAIT_SETTING), settings.get(LEASE_SETTING)
     try:
-        return float(wait), float(lease)  # type: ignore[arg-type]  # anything else is the error below
+        return LockTimings(float(wait), float(lease))  # type: ignore[arg-type]  # anything else is the error below
     except (TypeError, ValueError):
         raise BadLockSettings(
             one_line(

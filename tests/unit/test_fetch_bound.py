@@ -81,11 +81,11 @@ def test_a_model_download_that_hangs_is_ended_at_the_bound_with_one_line(hanging
             spec,
             PINNED,
             revision,
-            HUB,
-            None,
-            "/srv/hf",
-            "/srv/m",
-            [],  # type: ignore[arg-type]
+            endpoint=HUB,
+            env_file=None,
+            hf_cache="/srv/hf",
+            where="/srv/m",
+            refused=[],  # type: ignore[arg-type]
             timeout_s=1,
         )
         == TIMED_OUT

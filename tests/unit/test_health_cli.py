@@ -119,7 +119,15 @@ def _trap_result(inventory_target):
     # Figures measured on the tiny hybrid (B=640) with default batching (tests/vllm/test_hybrid.py).
     measured = [(673, 640), (829, 0), (1023, 0), (1311, 1280), (1569, 0), (1823, 0)]
     points = [ProbePoint(L, L + 41, 640, c, 0, 0.06, 0.04, "usage") for L, c in measured]
-    report = judge("box-b", points, 640, 640, True, "align", inventory_target.max_num_batched_tokens)
+    report = judge(
+        "box-b",
+        points,
+        block_size=640,
+        unit=640,
+        prefix_caching=True,
+        mamba_cache_mode="align",
+        max_num_batched_tokens=inventory_target.max_num_batched_tokens,
+    )
     health = HealthReport(HealthState.READY, "/health 200, serving qwen3.5-awq (vLLM 0.32.0)", host="box-b")
     return HostResult(inventory_target, health, report)
 
@@ -162,11 +170,11 @@ def _odd_block_result(target):
     report = judge(
         "box-b",
         points,
-        544,
-        544,
-        True,
-        "align",
-        2048,
+        block_size=544,
+        unit=544,
+        prefix_caching=True,
+        mamba_cache_mode="align",
+        max_num_batched_tokens=2048,
         session=session,
         legal=LegalFixes.from_cache_config(cache_config),
         requests=34,
@@ -302,7 +310,7 @@ def _fake_fleet(monkeypatch, *router_rows):
     rows = iter(router_rows)
     reads: list[str] = []
 
-    def read_host(name, data):
+    def read_host(name, data, settings):
         reads.append(name)
         workers = tuple(WorkerRow(url, healthy, 0, 0, 0) for url, healthy in next(rows))
         return RouterStatus(

@@ -25,7 +25,15 @@ TRAP = [(814, 0), (1028, 0), (1306, 1280), (1597, 0), (2004, 1920), (2208, 0)]
 
 
 def verdict(points, *, mamba="align", prefix_caching=True, mnbt=None, unit=640):
-    return judge("h", points, 640, unit, prefix_caching, mamba, mnbt)
+    return judge(
+        "h",
+        points,
+        block_size=640,
+        unit=unit,
+        prefix_caching=prefix_caching,
+        mamba_cache_mode=mamba,
+        max_num_batched_tokens=mnbt,
+    )
 
 
 def test_due_tokens_follow_the_unit_and_the_recomputed_last_token():
@@ -76,8 +84,26 @@ def test_no_hits_with_caching_disabled_says_so():
 
 def test_ttft_is_a_signal_only_when_cold_prefill_dominates():
     pts = [point(1306, 1280, ttft=0.18, next_ttft=0.013)]
-    assert judge("h", pts, 640, 640, True, "align", 640, small_prompt_ttft_s=0.005).ttft_is_signal
-    assert not judge("h", pts, 640, 640, True, "align", 640, small_prompt_ttft_s=0.05).ttft_is_signal
+    assert judge(
+        "h",
+        pts,
+        block_size=640,
+        unit=640,
+        prefix_caching=True,
+        mamba_cache_mode="align",
+        max_num_batched_tokens=640,
+        small_prompt_ttft_s=0.005,
+    ).ttft_is_signal
+    assert not judge(
+        "h",
+        pts,
+        block_size=640,
+        unit=640,
+        prefix_caching=True,
+        mamba_cache_mode="align",
+        max_num_batched_tokens=640,
+        small_prompt_ttft_s=0.05,
+    ).ttft_is_signal
 
 
 def test_metrics_fallback_uses_counter_deltas():
@@ -131,7 +157,16 @@ def test_block_sizes_come_from_the_recorded_cache_config_info_not_the_stale_mamb
 def test_trap_fixes_are_legal_for_a_block_128_does_not_divide():
     legal = LegalFixes.from_cache_config({"block_size": "2096", "mamba_cache_mode": "align"})
     points = [point(L, c, unit=2096) for L, c in [(2300, 2096), (3000, 0), (4300, 4192), (5000, 0)]]
-    r = judge("h", points, 2096, 2096, True, "align", 8192, legal=legal)
+    r = judge(
+        "h",
+        points,
+        block_size=2096,
+        unit=2096,
+        prefix_caching=True,
+        mamba_cache_mode="align",
+        max_num_batched_tokens=8192,
+        legal=legal,
+    )
     assert r.verdict is Verdict.CHUNK_ALIGNMENT_TRAP
     assert any(f.startswith("--prefix-match-unit 16 ") for f in r.fixes)
     assert not any("128" in f for f in r.fixes)
@@ -141,7 +176,15 @@ def test_trap_fixes_are_legal_for_a_block_128_does_not_divide():
 def test_multi_chunk_points_count_their_chunks_in_the_evidence():
     p = ProbePoint(3081, 3122, 640, 0, 0, 0.2, 0.2, "usage", kind="multi-chunk", chunk_tokens=1024)
     assert p.chunks == 4
-    r = judge("h", [point(1306, 1280), p], 640, 640, True, "align", 1024)
+    r = judge(
+        "h",
+        [point(1306, 1280), p],
+        block_size=640,
+        unit=640,
+        prefix_caching=True,
+        mamba_cache_mode="align",
+        max_num_batched_tokens=1024,
+    )
     assert r.verdict is Verdict.CHUNK_ALIGNMENT_TRAP
     assert "multi-chunk L=3081 (L mod U=521, U=640, 4 chunks): cached 0 of 2560 due" in r.evidence
 
@@ -154,7 +197,16 @@ def test_session_turns_report_reprocessed_tokens_and_share():
     )
     assert [t.reprocessed_tokens for t in turns] == [1600, 633, 946]
     assert round(turns[1].reprocessed_share, 3) == 0.331
-    r = judge("h", [point(1600, 1280)], 640, 640, True, "align", 640, session=turns)
+    r = judge(
+        "h",
+        [point(1600, 1280)],
+        block_size=640,
+        unit=640,
+        prefix_caching=True,
+        mamba_cache_mode="align",
+        max_num_batched_tokens=640,
+        session=turns,
+    )
     assert r.reprocessed_per_turn == (633 + 946) / 2  # the later turns only: turn N is cold by construction
     assert [t["reprocessed"] for t in r.as_dict()["session"]] == [1600, 633, 946]
 

@@ -19,7 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.hostlock import BadLockSettings, Holder, HostLock, HostLockBusy, HostLockError, LockLost, lock_timings
+from gpufleet.hostlock import (
+    BadLockSettings,
+    Holder,
+    HostLock,
+    HostLockBusy,
+    HostLockError,
+    LockLost,
+    LockTimings,
+    lock_timings,
+)
 from tests.sshd import Sshd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,7 +294,7 @@ def test_a_run_checks_and_releases_the_locks_it_keeps_and_a_host_not_over_ssh_ha
         with pytest.raises(NotOverSsh, match=r"^@local: not connected over SSH \(LocalConnector\)"):
             lock_host(local)
         check_lock(local)  # no lock taken: nothing to lose
-        assert take_lock(local, {"gpufleet_lock_wait_s": 0, "gpufleet_lock_lease_s": LEASE_S}) is None
+        assert take_lock(local, LockTimings(0, LEASE_S)) is None
         keep_lock(remote, lock_host(remote, path=lock_file, lease_s=LEASE_S).acquire())
         check_lock(remote)
         with pytest.raises(HostLockBusy):

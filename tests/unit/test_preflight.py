@@ -10,7 +10,7 @@ import pytest
 from gpufleet.facts.nvidia import Gpu, NvidiaVersion
 from gpufleet.vllm.checks import MANAGED_HEADER, check
 from gpufleet.vllm.facts import HostSnapshot, ServiceUnit
-from gpufleet.vllm.settings import build_spec, merged_settings
+from gpufleet.vllm.settings import build_spec, resolve_host
 from gpufleet.vllm.unit import render_unit
 
 GIB = 1024 * 1024
@@ -36,7 +36,7 @@ def host(count: int = 3, cuda: str = "13.0", **over) -> HostSnapshot:
 
 
 def settings(**over):
-    return merged_settings(over)
+    return resolve_host("gpu1", over)[1]
 
 
 def test_healthy_host_passes():
@@ -294,6 +294,29 @@ def test_a_host_that_never_answers_gets_one_line_within_the_bound_and_the_others
         "docker and systemctl answer on it, or leave it out with --limit)"
     ]
     assert readings["bad"].problems == [str(SettingError("bad", "vllm_port", "is 0", "use 1-65535"))]
+
+
+def test_bad_lock_settings_are_refused_in_one_line_before_the_host_is_locked():
+    from pyinfra.api import Config, Inventory, State
+
+    from gpufleet.harness.preflight import read_host
+    from gpufleet.hostlock import lock_timings
+    from gpufleet.vllm.host_read import HOST_READ
+
+    inventory = Inventory(([("router1", {"gpufleet_lock_wait_s": "soon"})], {}))
+    state = State(inventory, Config())
+    (target,) = inventory
+
+    def plan_for(name, data):
+        lock_timings(name, data)  # as the router's plan_for reads the lock's settings
+        raise AssertionError("not reached")
+
+    reading = read_host(state, target, plan_for, lambda name, snap, plan: [], HOST_READ)
+    assert (reading.plan, reading.snapshot) == (None, None)
+    assert reading.problems == [
+        "router1: gpufleet_lock_wait_s and gpufleet_lock_lease_s must be numbers of seconds, got 'soon' and None "
+        "(fix: set them to numbers)"
+    ]
 
 
 # --- the host lock: another run's lock is one line per host, before the host is read -----------------------------

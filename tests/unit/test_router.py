@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import threading
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 from typing import ClassVar
 
@@ -18,7 +19,7 @@ from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.remote.transport import SshTransport
 from gpufleet.router import facts, status
 from gpufleet.router.api import Router, RouterError, router_samples
-from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, replicas, worker_url
+from gpufleet.router.settings import DEFAULTS, POLICIES, build_router_spec, replicas, resolve_router, worker_url
 from gpufleet.router.spec import RouterSpec
 from gpufleet.router.unit import render_proxy, render_session_script, render_unit
 from gpufleet.sandbox.router_index import project_name, write_simple_index
@@ -70,6 +71,19 @@ def test_a_bad_setting_is_one_line_naming_host_setting_and_fix(setting, value, w
     lines = str(caught.value).splitlines()
     assert any(line.startswith(f"router1: {setting}: ") and words in line and "(fix: " in line for line in lines), lines
     assert all("\n" not in str(e) for e in caught.value.errors)
+
+
+def test_the_router_record_is_validated_once_frozen_and_read_by_attribute():
+    settings = resolve_router("router1", {"router_venv": "/opt/r/", "router_ready_timeout": 30})
+    assert (settings.venv, settings.ready_timeout, settings.policy) == ("/opt/r", 30, "sticky_least_loaded")
+    assert settings.spec("router1", WORKERS) == build_router_spec("router1", {"router_venv": "/opt/r"}, WORKERS)
+    with pytest.raises(FrozenInstanceError):
+        settings.port = 1  # type: ignore[misc]
+    with pytest.raises(SettingErrors) as caught:
+        resolve_router("router1", {"router_ready_timeout": 0})
+    assert str(caught.value) == (
+        "router1: router_ready_timeout: 0 is not a positive whole number of seconds (fix: use e.g. 10)"
+    )
 
 
 def test_an_unknown_router_setting_suggests_the_close_one():

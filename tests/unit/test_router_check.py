@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
-from gpufleet.router.settings import replicas
+from gpufleet.router.settings import replicas, resolve_router
 from gpufleet.router.status import RouterStatus, WorkerRow
 
 GPU1, GPU2 = "http://10.0.0.11:5000", "http://10.0.0.12:5000"
@@ -101,7 +101,8 @@ def test_whatever_the_router_sent_stays_on_one_line():
 
 def test_expected_workers_are_the_replicas_at_the_router_deploys_urls():
     found = replicas([("gpu1", {"ssh_hostname": "10.0.0.11"}), ("gpu2", {"router_worker_address": "10.1.0.12"})])
-    exp = RouterExpected.for_router({"router_health_check_interval_s": 3, "router_service": "rtr"}, found, "inv.py")
+    settings = resolve_router("rtr1", {"router_health_check_interval_s": 3, "router_service": "rtr"})
+    exp = RouterExpected.for_router(settings, found, "inv.py")
     assert exp == RouterExpected({GPU1: "gpu1", "http://10.1.0.12:5000": "gpu2"}, 3, "rtr", "inv.py")
 
 

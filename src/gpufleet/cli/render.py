@@ -13,7 +13,7 @@ from gpufleet.defaults import DEFAULTS
 from gpufleet.errors import GpufleetError, SettingError, SettingErrors
 from gpufleet.inventory import load_roles_and_groups
 from gpufleet.quoting import shell_line
-from gpufleet.router.settings import build_router_spec, router_settings
+from gpufleet.router.settings import RouterSettings, resolve_router
 from gpufleet.router.settings import replicas as replica_addresses
 from gpufleet.vllm.group_specs import resolve_replicas
 from gpufleet.vllm.lint import ACCEPT_SETTING, SEVERITIES, accepted_rule_ids, lint_router, lint_spec
@@ -84,15 +84,15 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
     for name, data in replicas:
         errors += _read_accept(name, data, accepted)
     # As the router's deploy checks it.
-    workers: list[str] = []
     if routers:
         try:
-            workers = [replica.url for replica in replica_addresses(replicas, orders)]
+            replica_addresses(replicas, orders)
         except SettingErrors as exc:
             errors += exc.errors
+    router_settings: dict[str, RouterSettings] = {}
     for name, data in routers:
         try:
-            build_router_spec(name, data, workers)
+            router_settings[name] = resolve_router(name, data)
         except SettingErrors as exc:
             errors += exc.errors
         errors += _read_accept(name, data, accepted)
@@ -103,7 +103,11 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
             raise click.ClickException("\n".join(report.line(finding) for finding in report.findings))
     else:
         findings = [f for spec, settings in specs for f in lint_spec(spec, settings)]
-        findings += [f for name, data in routers for f in lint_router(name, router_settings(data), len(replicas))]
+        findings += [
+            f
+            for name, settings in router_settings.items()
+            for f in lint_router(name, policy=settings.policy, replicas=len(replicas))
+        ]
         report = fleet_report(findings, accepted, hosts, router_names)
     if as_json:
         emit(json_document(report, strict))

@@ -28,7 +28,7 @@ from gpufleet.rollout.ledgers import parse_read
 from gpufleet.rollout.replicas import shell
 from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
-from gpufleet.router.settings import build_router_spec, replicas
+from gpufleet.router.settings import RouterSettings, replicas, resolve_router
 from gpufleet.router.status import read_host
 from gpufleet.vllm.replica_specs import load_host_specs
 from gpufleet.vllm.settings import merged_settings
@@ -127,10 +127,10 @@ def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool, 
         except GpufleetError as error:
             raise stopped("status", str(error), as_json) from None
     results = _gather(inventory, host) if not (host and routers) else []
-    verdicts = [
-        RouterVerdict(look, problems(look, exp))
-        for look, exp in zip((read_host(name, data) for name, data in routers), expected, strict=True)
-    ]
+    verdicts = []
+    for (name, data), (settings, exp) in zip(routers, expected, strict=True):
+        look = read_host(name, data, settings)
+        verdicts.append(RouterVerdict(look, problems(look, exp)))
 
     def tables(console: Console) -> None:
         if results:
@@ -205,9 +205,9 @@ def verify(
                 checks=names,
                 progress=progress.phase,
             )
-        for (name, data), exp in zip(routers, expected, strict=True):
+        for (name, data), (settings, exp) in zip(routers, expected, strict=True):
             progress.phase(name, "reading the router" + (" (waiting for it to pass)" if wait_s else ""))
-            verdicts.append(verify_router(partial(read_host, name, data), exp, deadline))
+            verdicts.append(verify_router(partial(read_host, name, data, settings), exp, deadline))
             progress.phase(name, "ok" if verdicts[-1].ok else "not ok")
 
     def tables(console: Console) -> None:
@@ -237,20 +237,22 @@ def _what_verify_does(wait_s: float, run_probe: bool, checks: Sequence[str]) -> 
     return "verify: " + "; ".join(steps)
 
 
-def _router_expectations(inventory: str, routers: list[HostData], found: list[HostData]) -> list[RouterExpected]:
-    """What each router should route to, at the URLs its deploy gives them."""
+def _router_expectations(
+    inventory: str, routers: list[HostData], found: list[HostData]
+) -> list[tuple[RouterSettings, RouterExpected]]:
+    """Each router's settings, and what it should route to at the URLs its deploy gives them."""
     if not routers:
         return []  # vLLM may stay on loopback without a router
     try:
         workers = replicas(found, load_roles_and_groups(inventory)[2])
     except GpufleetError as e:
         raise BadInput(str(e)) from None
-    refused = []
+    resolved, refused = [], []
     for name, data in routers:
         try:
-            build_router_spec(name, data, [replica.url for replica in workers])
+            resolved.append(resolve_router(name, data))
         except GpufleetError as e:
             refused.append(str(e))
     if refused:
         raise BadInput("\n".join(refused))
-    return [RouterExpected.for_router(data, workers, inventory) for _, data in routers]
+    return [(settings, RouterExpected.for_router(settings, workers, inventory)) for settings in resolved]

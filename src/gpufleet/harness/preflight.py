@@ -26,7 +26,7 @@ JOIN_MARGIN_S = 10.0
 
 class Planned(Protocol):
     @property
-    def settings(self) -> Mapping[str, Any]: ...  # the lock's wait and lease
+    def lock(self) -> hostlock.LockTimings: ...
 
 
 P = TypeVar("P", bound=Planned)
@@ -80,10 +80,12 @@ def read_host(
             plan = plan_for(target.name, target.data.dict())
         except SettingErrors as errors:
             return Reading(None, None, [str(e) for e in errors.errors])
+        except hostlock.BadLockSettings as error:
+            return Reading(None, None, [str(error)])
         fact, arguments = reads.fact(), dict(reads.arguments(plan))
         command = fact.command(**arguments)
         read = command if isinstance(command, str) else command.get_raw_value()
-        refused, output = _lock(target, plan.settings, lock_path, read, reads.timeout_s)
+        refused, output = _lock(target, plan.lock, lock_path, read, reads.timeout_s)
         if refused:
             return Reading(plan, None, [refused])
         try:
@@ -99,12 +101,12 @@ def read_host(
 
 
 def _lock(
-    target: Host, settings: Mapping[str, Any], lock_path: str, read: str, read_timeout_s: float
+    target: Host, timings: hostlock.LockTimings, lock_path: str, read: str, read_timeout_s: float
 ) -> tuple[str | None, list[str] | None]:
     """Take the run's lock and run `read` in its shell: (refusal, read's lines); (None, None) off SSH."""
     try:
-        return None, take_lock(target, settings, lock_path, read=read, read_timeout_s=read_timeout_s)
-    except hostlock.HostLockError as error:  # a holder, or bad lock settings
+        return None, take_lock(target, timings, lock_path, read=read, read_timeout_s=read_timeout_s)
+    except hostlock.HostLockError as error:  # a holder
         return str(error), None
 
 

@@ -131,7 +131,13 @@ def _run(name: str, fn: Any, transport: Transport, expected: Expected, api_key: 
 
 def _completion(transport: Transport, expected: Expected, api_key: str | None, timeout_s: float) -> str:
     answer = fetch(
-        transport, expected.port, PATH, timeout_s, api_key, json_body=request_body(expected), address=expected.address
+        transport,
+        expected.port,
+        PATH,
+        timeout=timeout_s,
+        api_key=api_key,
+        json_body=request_body(expected),
+        address=expected.address,
     )
     if answer.status != 200:
         raise _Wrong(f"POST {PATH} answered {answer.status}: {excerpt(answer.text)}")

@@ -101,6 +101,7 @@ def fetch(
     transport: Transport,
     port: int,
     path: str,
+    *,
     timeout: float = DEFAULT_TIMEOUT_S,
     api_key: str | None = None,
     max_body: int = MAX_BODY_BYTES,
@@ -144,7 +145,7 @@ def get(
     address: str = LOOPBACK,
 ) -> tuple[int, str]:
     """(status, body) of fetch()."""
-    answer = fetch(transport, port, path, timeout, api_key, address=address)
+    answer = fetch(transport, port, path, timeout=timeout, api_key=api_key, address=address)
     return answer.status, answer.text
 
 

@@ -237,7 +237,7 @@ def _check_http(
     transport: Transport, expected: Expected, report: HealthReport, api_key: str | None, timeout_s: float
 ) -> HealthReport:
     def fetch_(path: str, key: str | None = None) -> Answer:
-        return fetch(transport, expected.port, path, timeout_s, api_key=key, address=expected.address)
+        return fetch(transport, expected.port, path, timeout=timeout_s, api_key=key, address=expected.address)
 
     health = fetch_("/health")
     if health.status != 200:

@@ -43,6 +43,7 @@ def request_bound(sweep_points: int, long_points: int, session_turns: int) -> in
 def probe(
     transport: Transport,
     expected: Expected,
+    *,
     max_num_batched_tokens: int | None = None,
     lengths_in_units: Sequence[float] = DEFAULT_LENGTHS_IN_UNITS,
     api_key: str | None = None,

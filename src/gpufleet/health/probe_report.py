@@ -101,6 +101,7 @@ class ProbeReport:
 def judge(
     host: str,
     points: Sequence[ProbePoint],
+    *,
     block_size: int,
     unit: int,
     prefix_caching: bool,

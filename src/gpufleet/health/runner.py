@@ -122,6 +122,7 @@ class HostResult:
 
 def check_host(
     target: HostTarget,
+    *,
     run_probe: bool = False,
     wait_s: float = 0.0,
     api_key: str | None = None,
@@ -271,6 +272,7 @@ def rank_health(transport: Transport, expected: Expected, name: str, rank: tuple
 
 def check_fleet(
     targets: Sequence[HostTarget],
+    *,
     run_probe: bool = False,
     wait_s: float = 0.0,
     api_key: str | None = None,
@@ -284,7 +286,17 @@ def check_fleet(
         return []
     pool = gevent.pool.Pool(min(len(targets), PARALLEL))
     jobs = [
-        pool.spawn(check_host, t, run_probe, wait_s, api_key, None, answer, checks, progress, committed)
+        pool.spawn(
+            check_host,
+            t,
+            run_probe=run_probe,
+            wait_s=wait_s,
+            api_key=api_key,
+            answer=answer,
+            checks=checks,
+            progress=progress,
+            committed=committed,
+        )
         for t in targets
     ]
     gevent.joinall(jobs)

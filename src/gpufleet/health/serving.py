@@ -346,8 +346,8 @@ class _Checks:
                 self.transport,
                 self.expected.port,
                 PATH,
-                self.timeout_s,
-                self.api_key,
+                timeout=self.timeout_s,
+                api_key=self.api_key,
                 json_body=body,
                 address=self.expected.address,
             )

@@ -105,6 +105,7 @@ def soak(
 def wait_until_ready(
     transport: Transport,
     expected: Expected,
+    *,
     timeout_s: float,
     poll_s: float = POLL_S,
     grace_s: float = DEFAULT_GRACE_S,

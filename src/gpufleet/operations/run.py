@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 from weakref import WeakKeyDictionary
 
 from pyinfra import logger
@@ -14,7 +14,7 @@ from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.errors import one_line
-from gpufleet.hostlock import LOCK_PATH, START_MARGIN_S, HostLock, LockLost, NotOverSsh, lock_host, lock_timings
+from gpufleet.hostlock import LOCK_PATH, START_MARGIN_S, HostLock, LockLost, LockTimings, NotOverSsh, lock_host
 from gpufleet.hoststate.ledger import Ledger
 
 T = TypeVar("T")
@@ -112,13 +112,14 @@ def reported(state: State) -> dict[str, list[str]]:
 
 def take_lock(
     host: Host,
-    settings: Mapping[str, Any],
+    timings: LockTimings,
     path: str = LOCK_PATH,
+    *,
     read: str = "",
     read_timeout_s: float = START_MARGIN_S,
 ) -> list[str] | None:
     """Take the host's lock; what `read` printed under it, or None off SSH. Raises HostLockError."""
-    wait_s, lease_s = lock_timings(host.name, settings)
+    wait_s, lease_s = timings
     try:
         lock = lock_host(host, path=path, lease_s=lease_s)
     except NotOverSsh as why:

@@ -96,7 +96,7 @@ class Router:
 
     def metrics(self) -> list[Sample]:
         """The router's finite metric samples; the others are named in non_finite."""
-        answer = fetch(self.transport, self.metrics_port, "/metrics", TIMEOUT_S)
+        answer = fetch(self.transport, self.metrics_port, "/metrics", timeout=TIMEOUT_S)
         if answer.status != 200:
             raise RouterError(one_line(f"{self.name}: GET /metrics: HTTP {answer.status}"))
         every = _parsed(answer.text, self.name)

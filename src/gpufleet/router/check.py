@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufleet.errors import one_line
-from gpufleet.router.settings import Replica, router_settings
+from gpufleet.router.settings import Replica, RouterSettings
 from gpufleet.router.status import RouterStatus, WorkerRow
 
 POLL_S = 1.0  # between looks of `verify --wait`
@@ -24,14 +24,10 @@ class RouterExpected:
     inventory: str = "INVENTORY"  # as the fixes spell it
 
     @classmethod
-    def for_router(cls, data: Mapping[str, Any], replicas: Sequence[Replica], inventory: str) -> RouterExpected:
+    def for_router(cls, settings: RouterSettings, replicas: Sequence[Replica], inventory: str) -> RouterExpected:
         """The set the router deploy configures when every replica is ready."""
-        s = router_settings(data)
         return cls(
-            {_norm(r.url): r.name for r in replicas},
-            int(s["router_health_check_interval_s"]),
-            str(s["router_service"]),
-            inventory,
+            {_norm(r.url): r.name for r in replicas}, settings.health_check_interval_s, settings.service, inventory
         )
 
 

@@ -5,7 +5,6 @@ Its steps, and what it refuses before anything changes: docs/router.md (The depl
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +16,13 @@ from pyinfra.context import ctx_state
 from gpufleet.errors import SettingError, SettingErrors
 from gpufleet.harness.preflight import HostRead, preflight
 from gpufleet.health.runner import HostTarget, check_fleet
+from gpufleet.hostlock import LockTimings, lock_timings
 from gpufleet.inventory import ROUTERS_GROUP, group_orders, split_roles
 from gpufleet.operations.base import not_for_this_host
 from gpufleet.operations.run import run_context
 from gpufleet.router import operations, wheels
 from gpufleet.router.facts import RouterHost, RouterHostFact
-from gpufleet.router.settings import Replica, build_router_spec, replicas, router_settings
+from gpufleet.router.settings import Replica, RouterSettings, replicas, resolve_router
 from gpufleet.router.spec import RouterSpec
 from gpufleet.vllm.group_specs import resolve_replicas
 from gpufleet.vllm.settings import merged_settings
@@ -75,7 +75,8 @@ class RouterPlan:
     """One router host's deploy, decided before its lock is taken."""
 
     spec: RouterSpec
-    settings: Mapping[str, Any]
+    settings: RouterSettings
+    lock: LockTimings
     workers: Workers
 
 
@@ -84,10 +85,11 @@ def is_router_host(target: Host) -> bool:
 
 
 def plan_for(name: str, data: dict[str, Any]) -> RouterPlan:
-    """Host data to RouterPlan; SettingErrors for bad settings."""
+    """Host data to RouterPlan; SettingErrors or BadLockSettings for bad settings."""
     workers = ready_workers(ctx_state.get())
-    spec = build_router_spec(name, data, [r.url for r in workers.ready])
-    return RouterPlan(spec, merged_settings(data), workers)
+    settings = resolve_router(name, data)
+    spec = settings.spec(name, [r.url for r in workers.ready])
+    return RouterPlan(spec, settings, lock_timings(name, merged_settings(data)), workers)
 
 
 def check_host(name: str, seen: RouterHost, plan: RouterPlan) -> list[str]:
@@ -135,7 +137,7 @@ def deploy_router() -> None:
         spec=spec,
         seen=seen,
         install=install,
-        timeout_s=int(router_settings(host.data.dict())["router_ready_timeout"]),
+        timeout_s=plan.settings.ready_timeout,
     )
     operations.old_venvs(name="Remove the router's old venvs", spec=spec, seen=seen, install=install)
     operations.workers_in_step(

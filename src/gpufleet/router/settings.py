@@ -66,8 +66,48 @@ def router_settings(host_data: Mapping[str, Any]) -> dict[str, Any]:
     return {**DEFAULTS, **{k: v for k, v in host_data.items() if k in DEFAULTS}}
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterSettings:
+    """A router host's settings once validated: one field per router_* key of DEFAULTS but router_worker_address."""
+
+    port: int
+    address: str
+    internal_port: int
+    policy: str
+    version: str
+    index_url: str
+    venv: str  # without a trailing slash
+    service: str
+    metrics_port: int
+    health_check_interval_s: int
+    worker_startup_timeout_s: int
+    ready_timeout: int
+
+    def spec(self, host: str, workers: Sequence[str]) -> RouterSpec:
+        return RouterSpec(
+            host=host,
+            service=self.service,
+            venv=self.venv,
+            version=self.version,
+            index_url=self.index_url,
+            address=self.address,
+            port=self.port,
+            metrics_port=self.metrics_port,
+            internal_port=self.internal_port,
+            policy=self.policy,
+            workers=tuple(workers),
+            health_check_interval_s=self.health_check_interval_s,
+            worker_startup_timeout_s=self.worker_startup_timeout_s,
+        )
+
+
 def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence[str]) -> RouterSpec:
     """Validated RouterSpec for a router host; SettingErrors for bad settings."""
+    return resolve_router(host, host_data).spec(host, workers)
+
+
+def resolve_router(host: str, host_data: Mapping[str, Any]) -> RouterSettings:
+    """A router host's validated settings; SettingErrors listing every problem."""
     errors: list[SettingError] = []
 
     def fail(setting: str, problem: str, fix: str) -> None:
@@ -139,20 +179,19 @@ def build_router_spec(host: str, host_data: Mapping[str, Any], workers: Sequence
         )
     if errors:
         raise SettingErrors(errors)
-    return RouterSpec(
-        host=host,
-        service=s["router_service"],
-        venv=venv.rstrip("/"),
-        version=s["router_version"],
-        index_url=s["router_index_url"],
-        address=address,
+    return RouterSettings(
         port=s["router_port"],
-        metrics_port=s["router_metrics_port"],
+        address=address,
         internal_port=s["router_internal_port"],
         policy=s["router_policy"],
-        workers=tuple(workers),
+        version=s["router_version"],
+        index_url=s["router_index_url"],
+        venv=venv.rstrip("/"),
+        service=s["router_service"],
+        metrics_port=s["router_metrics_port"],
         health_check_interval_s=s["router_health_check_interval_s"],
         worker_startup_timeout_s=s["router_worker_startup_timeout_s"],
+        ready_timeout=s["router_ready_timeout"],
     )
 
 

@@ -10,7 +10,7 @@ from gpufleet.health.api import fetch
 from gpufleet.remote.ssh import open_ssh
 from gpufleet.remote.transport import Transport, Unreachable
 from gpufleet.router.api import Router, RouterError
-from gpufleet.router.settings import router_settings
+from gpufleet.router.settings import RouterSettings, router_settings
 from gpufleet.router.spec import members_path
 from gpufleet.vllm.spec import reach_address
 from gpufleet.wire.evidence import excerpt
@@ -88,15 +88,11 @@ def read(router: Router, policy: str | None = None) -> RouterStatus:
     )
 
 
-def front_door(transport: Transport, data: Mapping[str, Any]) -> str:
+def front_door(transport: Transport, settings: RouterSettings) -> str:
     """GET /health on the client port, from the router host itself."""
-    s = router_settings(data)
     try:
-        return str(
-            fetch(
-                transport, int(s["router_port"]), "/health", timeout=5, address=reach_address(s["router_address"])
-            ).status
-        )
+        address = reach_address(settings.address)
+        return str(fetch(transport, settings.port, "/health", timeout=5, address=address).status)
     except Exception as error:  # the row says so
         return excerpt(f"{type(error).__name__}: {error}", 120)
 
@@ -113,15 +109,15 @@ def connect(name: str, data: Mapping[str, Any]) -> Router:
     )
 
 
-def read_host(name: str, data: Mapping[str, Any]) -> RouterStatus:
+def read_host(name: str, data: Mapping[str, Any], settings: RouterSettings) -> RouterStatus:
     """A router row for `gpufleet status`."""
-    policy = str(router_settings(data)["router_policy"])
+    policy = settings.policy
     try:
         router = connect(name, data)
     except Unreachable as error:
         return RouterStatus(name, "unreachable", excerpt(str(error), 160), policy)
     try:
-        return replace(read(router, policy), front_door=front_door(router.transport, data))
+        return replace(read(router, policy), front_door=front_door(router.transport, settings))
     finally:
         client = getattr(router.transport, "client", None)
         if client is not None:

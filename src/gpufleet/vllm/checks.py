@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
-from gpufleet.defaults import MODEL_REF_SETTING
 from gpufleet.facts.gpu_verdict import HostGpus
 from gpufleet.facts.nvidia import version_tuple
 from gpufleet.vllm.facts import HostSnapshot
 from gpufleet.vllm.operations.model import missing_parts
+from gpufleet.vllm.settings import VllmSettings
 
 Bad = Callable[[str, str], None]
 SUPPORTED_OS = {"debian", "ubuntu"}
@@ -24,9 +23,7 @@ def _line(host: str, what: str, fix: str) -> str:
     return f"{host}: {what} (fix: {fix})"
 
 
-def check(
-    host: str, snap: HostSnapshot, s: Mapping[str, Any], gpus: tuple[int, ...], ref: str | None = None
-) -> list[str]:
+def check(host: str, snap: HostSnapshot, s: VllmSettings, gpus: tuple[int, ...], ref: str | None = None) -> list[str]:
     """What would make the deploy fail or serve wrongly; `ref` is the digest to install, when known."""
     problems: list[str] = []
 
@@ -48,7 +45,7 @@ def check(
             "repair the NVIDIA driver install (nvidia-smi must list the GPUs)",
         )
     elif not snap.gpus:
-        if not s["gpufleet_allow_no_gpu"]:
+        if not s.allow_no_gpu:
             where = "nvidia-smi lists no GPU" if snap.nvidia_smi else "no NVIDIA driver (nvidia-smi not found)"
             bad(
                 where,
@@ -67,7 +64,7 @@ def check(
         if snap.driver is None:
             bad("nvidia-smi --version reports no CUDA version", "repair the NVIDIA driver install")
         else:
-            minimum = s["gpufleet_min_cuda"]
+            minimum = s.min_cuda
             if snap.driver.cuda < version_tuple(minimum):
                 bad(
                     f"driver {snap.driver.driver_version} supports CUDA {snap.driver.cuda_version}, the image needs "
@@ -76,28 +73,28 @@ def check(
                     "for the older CUDA and lower gpufleet_min_cuda",
                 )
 
-    _check_engine(bad, snap, s["docker_install"])
-    _check_service_unit(bad, snap, s["vllm_service"])
+    _check_engine(bad, snap, s.docker_install)
+    _check_service_unit(bad, snap, s.service)
 
     if snap.daemon_json_error:
         bad(snap.daemon_json_error, "repair /etc/docker/daemon.json (the deploy merges into it, never replaces it)")
 
     # Space is needed only for what still has to land.
-    docker_gb = 0.0 if ref and snap.has_image_digest(ref) else float(s["gpufleet_min_free_gb_docker"])
+    docker_gb = 0.0 if ref and snap.has_image_digest(ref) else float(s.min_free_gb_docker)
     if docker_gb:
         _need_space(bad, snap, "docker", docker_gb, "gpufleet_min_free_gb_docker", "Docker images")
     if snap.site_cache_used_kib is not None:
-        _need_cache_space(bad, snap, float(s["site_cache_max_gb"]), docker_gb)
+        _need_cache_space(bad, snap, float(s.site_cache_max_gb), docker_gb)
     missing = missing_parts(snap)
-    if missing and not s["vllm_model_repo"]:
+    if missing and not s.model_repo:
         bad(
-            f"{s['vllm_models_dir']}/{s['vllm_model']} lacks {missing[0]} and vllm_model_repo is None",
+            f"{s.models_dir}/{s.model} lacks {missing[0]} and vllm_model_repo is None",
             "stage the model there by hand, or set vllm_model_repo to download it",
         )
     # A model to download: incomplete, or another commit asked for.
-    moving = s[MODEL_REF_SETTING] and snap.model_checked != f"{s['vllm_model_repo']}@{s[MODEL_REF_SETTING]}"
+    moving = s.model_ref and snap.model_checked != f"{s.model_repo}@{s.model_ref}"
     if missing or moving:
-        _need_space(bad, snap, "models", s["gpufleet_min_free_gb_models"], "gpufleet_min_free_gb_models", "models")
+        _need_space(bad, snap, "models", s.min_free_gb_models, "gpufleet_min_free_gb_models", "models")
     return problems
 
 

@@ -16,6 +16,7 @@ from pyinfra.context import ctx_state
 
 from gpufleet.facts.gpu_verdict import HostGpus, judge
 from gpufleet.harness import preflight
+from gpufleet.hostlock import LockTimings
 from gpufleet.hoststate.ledger import (
     CorruptLedger,
     DropPending,
@@ -68,6 +69,10 @@ class Plan:
     settings: VllmSettings
     layout: Layout
     paths: Paths
+
+    @property
+    def lock(self) -> LockTimings:
+        return LockTimings(self.settings.lock_wait_s, self.settings.lock_lease_s)
 
 
 def plan_for(name: str, data: dict[str, Any]) -> Plan:

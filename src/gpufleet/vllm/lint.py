@@ -70,7 +70,7 @@ class LintContext:
 
 @dataclass(frozen=True)
 class RouterLintContext:
-    settings: Mapping[str, Any]  # the router host's router_* settings over their defaults (router_settings)
+    policy: str  # the router host's router_policy, validated
     replicas: int  # how many vLLM hosts the router routes to
 
 
@@ -381,20 +381,21 @@ ROUTER_RULES: tuple[LintRule[RouterLintContext], ...] = (
         "router_policy spreads a conversation's turns over the replicas: with N of them, (N-1)/N of the turns land "
         "on a replica that has not cached the conversation's prefix and re-process the whole prompt",
         'set router_policy = "cache_aware" (or "consistent_hash" with a session header such as X-Session-ID)',
-        lambda c: c.replicas > 1 and c.settings.get("router_policy") not in PREFIX_KEEPING_POLICIES,
+        lambda c: c.replicas > 1 and c.policy not in PREFIX_KEEPING_POLICIES,
     ),
 )
 
 
 def lint_router(
     host: str,
-    settings: Mapping[str, Any],
+    *,
+    policy: str,
     replicas: int,
     rules: tuple[LintRule[RouterLintContext], ...] = ROUTER_RULES,
 ) -> list[Finding]:
-    """Findings for one router host. settings: its router settings over their defaults (router_settings), already
-    valid (build_router_spec); replicas: how many vLLM hosts it routes to."""
-    context = RouterLintContext(settings, replicas)
+    """Findings for one router host, whose settings are valid (resolve_router); replicas: how many vLLM hosts it
+    routes to."""
+    context = RouterLintContext(policy, replicas)
     return [Finding(host, rule, rule.fix_for(context)) for rule in rules if rule.applies(context)]
 
 

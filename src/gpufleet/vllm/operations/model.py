@@ -103,6 +103,7 @@ def _download(
     spec: ServeSpec,
     image: str,
     revision: HubRevision,
+    *,
     endpoint: str,
     env_file: str | None,
     hf_cache: str,
@@ -142,6 +143,7 @@ def _fetch(
     host: Host,
     spec: ServeSpec,
     model: ModelTarget,
+    *,
     where: str,
     env_file: str | None,
     hf_cache: str,
@@ -193,7 +195,18 @@ def _fetch(
                     f"{host.name}: warning: the site cache's model mirror {mirror.endpoint} "
                     f"({mirror.cache_host}) is not reachable ({why}): downloading from the hub {hub}",
                 )
-        failed = _download(host, spec, image, revision, endpoint, env_file, hf_cache, where, bad, timeout_s)
+        failed = _download(
+            host,
+            spec,
+            image,
+            revision,
+            endpoint=endpoint,
+            env_file=env_file,
+            hf_cache=hf_cache,
+            where=where,
+            refused=bad,
+            timeout_s=timeout_s,
+        )
         if failed == TIMED_OUT:
             return _timed_out(host, model.repo, timeout_s)
         bad = _mismatches(host, where, revision) if failed is None else bad
@@ -210,7 +223,18 @@ def _fetch(
                 )
                 + f"; fetching from the hub {hub}",
             )
-            failed = _download(host, spec, image, revision, hub, env_file, hf_cache, where, bad, timeout_s)
+            failed = _download(
+                host,
+                spec,
+                image,
+                revision,
+                endpoint=hub,
+                env_file=env_file,
+                hf_cache=hf_cache,
+                where=where,
+                refused=bad,
+                timeout_s=timeout_s,
+            )
             if failed == TIMED_OUT:
                 return _timed_out(host, model.repo, timeout_s)
             bad = _mismatches(host, where, revision) if failed is None else bad
@@ -240,6 +264,7 @@ def _fetch(
 @operation()
 def present(
     spec: ServeSpec,
+    *,
     where: str,
     model: ModelTarget | None,
     env_file: str | None,
@@ -264,4 +289,16 @@ def present(
     if not missing and model.pin is not None and snap.model_checked == model.pin:
         host.noop(f"{where} holds {model.pin[: len(model.repo) + 13]}, checked against the hub's hashes")
         return
-    yield FunctionCommand(_fetch, (spec, model, where, env_file, hf_cache, pin, hub, mirror), {"timeout_s": timeout_s})
+    yield FunctionCommand(
+        _fetch,
+        (spec, model),
+        {
+            "where": where,
+            "env_file": env_file,
+            "hf_cache": hf_cache,
+            "pin": pin,
+            "hub": hub,
+            "mirror": mirror,
+            "timeout_s": timeout_s,
+        },
+    )

@@ -202,6 +202,7 @@ def _changed(ops: list[OperationMeta]) -> bool:
 @operation(is_idempotent=False)
 def running(
     spec: ServeSpec,
+    *,
     ledger_path: str,
     changes: list[OperationMeta],
     pin: str | None,
@@ -270,6 +271,7 @@ def serves_expected(snap: HostSnapshot, expected: Expected) -> bool:
 @operation(is_idempotent=False)
 def ready(
     spec: ServeSpec,
+    *,
     verify: Verify,
     roll_back: AfterVerify,
     changes: list[OperationMeta],
