@@ -19,8 +19,8 @@ from gpufleet.rollout import commands as rollout_commands
 from gpufleet.rollout import prepare as rollout_prepare
 from gpufleet.rollout import target as rollout_target
 from gpufleet.rollout.deploy_run import DeployRun, RunSettings
+from gpufleet.rollout.hosts import FleetHost
 from gpufleet.rollout.ledgers import HostLedger
-from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.rollout.target import Target, resolve_model
 from gpufleet.sandbox import hub as standin

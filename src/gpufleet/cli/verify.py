@@ -24,8 +24,8 @@ from gpufleet.hoststate import reader
 from gpufleet.hoststate.paths import ledger_path
 from gpufleet.inventory import HostData, load_roles_and_groups
 from gpufleet.remote.transport import SshTransport, Transport, TransportError
+from gpufleet.rollout.hosts import shell
 from gpufleet.rollout.ledgers import parse_read
-from gpufleet.rollout.replicas import shell
 from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas

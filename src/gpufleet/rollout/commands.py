@@ -12,11 +12,11 @@ from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry, CarryResult
 from gpufleet.rollout.context import RolloutContext
 from gpufleet.rollout.gpu import sick_hosts
+from gpufleet.rollout.hosts import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import members
 from gpufleet.rollout.prepare import prepare, pull_stats
 from gpufleet.rollout.progress import Progress
-from gpufleet.rollout.replicas import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.report import HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.swap import SwapOptions, replica_batches, swap

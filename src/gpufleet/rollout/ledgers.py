@@ -10,7 +10,7 @@ from gpufleet.hoststate.ledger import CorruptLedger, Failed, Ledger, corrupt_ref
 from gpufleet.hoststate.paths import ledger_path
 from gpufleet.hoststate.rules import host_ledger, taken_over
 from gpufleet.remote.transport import SshTransport
-from gpufleet.rollout.replicas import FleetHost, Sessions, shell
+from gpufleet.rollout.hosts import FleetHost, Sessions, shell
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_pyinfra_hosts
 from gpufleet.remote.transport import SshTransport
 from gpufleet.rollout.deploy_run import DeployRun, RunSettings, run_deploy
-from gpufleet.rollout.replicas import FleetHost, Sessions, shell
+from gpufleet.rollout.hosts import FleetHost, Sessions, shell
 from gpufleet.sitecache.operations import SITE_CACHE_GROUP
 from gpufleet.vllm.operations.image import pull_stats_file
 

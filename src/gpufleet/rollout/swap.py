@@ -23,9 +23,9 @@ from gpufleet.rollout.context import RolloutContext
 from gpufleet.rollout.deploy_run import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain
+from gpufleet.rollout.hosts import FleetHost
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import look, runs_committed
-from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.report import OK, HostOutcome, Outcome, SpeedResult, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.router.api import RouterError

@@ -13,7 +13,7 @@ from typing import Any
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.image_names import parse
 from gpufleet.remote.transport import SshTransport, TransportError
-from gpufleet.rollout.replicas import FleetHost, Sessions, shell
+from gpufleet.rollout.hosts import FleetHost, Sessions, shell
 from gpufleet.vllm import weights
 from gpufleet.vllm.operations.image import pick_digest
 from gpufleet.vllm.settings import merged_settings
