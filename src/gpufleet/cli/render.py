@@ -16,9 +16,9 @@ from gpufleet.quoting import shell_line
 from gpufleet.router.settings import build_router_spec, router_settings
 from gpufleet.router.settings import replicas as replica_addresses
 from gpufleet.vllm.group_specs import resolve_replicas
+from gpufleet.vllm.host_specs import load_specs
 from gpufleet.vllm.lint import ACCEPT_SETTING, SEVERITIES, accepted_rule_ids, lint_router, lint_spec
 from gpufleet.vllm.lint_report import LintReport, fleet_report, invalid_settings_report
-from gpufleet.vllm.replica_specs import load_specs
 from gpufleet.vllm.unit import render_unit
 
 

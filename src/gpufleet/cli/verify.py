@@ -30,7 +30,7 @@ from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import build_router_spec, replicas
 from gpufleet.router.status import read_host
-from gpufleet.vllm.replica_specs import load_host_specs
+from gpufleet.vllm.host_specs import load_host_specs
 from gpufleet.vllm.settings import merged_settings
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
 from gpufleet.wire.speed import SpeedFigures

@@ -1,4 +1,4 @@
-"""Every vLLM replica's validated spec, read offline from an inventory file."""
+"""Every vLLM host's validated spec, read offline from an inventory file."""
 
 from __future__ import annotations
 
