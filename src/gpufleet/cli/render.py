@@ -13,9 +13,8 @@ from gpufleet.defaults import DEFAULTS
 from gpufleet.errors import GpufleetError, SettingError, SettingErrors
 from gpufleet.inventory import load_roles_and_groups
 from gpufleet.quoting import shell_line
-from gpufleet.router.settings import build_router_spec, router_settings
-from gpufleet.router.settings import replicas as replica_addresses
-from gpufleet.vllm.group_specs import resolve_replicas
+from gpufleet.router.settings import build_router_spec, replicas, router_settings
+from gpufleet.vllm.group_specs import resolve_hosts
 from gpufleet.vllm.host_specs import load_specs
 from gpufleet.vllm.lint import ACCEPT_SETTING, SEVERITIES, accepted_rule_ids, lint_router, lint_spec
 from gpufleet.vllm.lint_report import LintReport, fleet_report, invalid_settings_report
@@ -75,19 +74,19 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
     Example:
         gpufleet lint inventories/lab.py --strict
     """
-    routers, replicas = load_inventory(inventory)
-    hosts, router_names = [name for name, _ in replicas], [name for name, _ in routers]
+    routers, vllm_hosts = load_inventory(inventory)
+    hosts, router_names = [name for name, _ in vllm_hosts], [name for name, _ in routers]
     orders = load_roles_and_groups(inventory)[2]
-    resolved, errors = resolve_replicas(replicas, orders, behind_router=bool(routers))
+    resolved, errors = resolve_hosts(vllm_hosts, orders, behind_router=bool(routers))
     specs = [resolved[name] for name in hosts if name in resolved]
     accepted: dict[str, frozenset[str]] = {}
-    for name, data in replicas:
+    for name, data in vllm_hosts:
         errors += _read_accept(name, data, accepted)
     # As the router's deploy checks it.
     workers: list[str] = []
     if routers:
         try:
-            workers = [replica.url for replica in replica_addresses(replicas, orders)]
+            workers = [replica.url for replica in replicas(vllm_hosts, orders)]
         except SettingErrors as exc:
             errors += exc.errors
     for name, data in routers:
@@ -103,7 +102,7 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
             raise click.ClickException("\n".join(report.line(finding) for finding in report.findings))
     else:
         findings = [f for spec, settings in specs for f in lint_spec(spec, settings)]
-        findings += [f for name, data in routers for f in lint_router(name, router_settings(data), len(replicas))]
+        findings += [f for name, data in routers for f in lint_router(name, router_settings(data), len(vllm_hosts))]
         report = fleet_report(findings, accepted, hosts, router_names)
     if as_json:
         emit(json_document(report, strict))

@@ -142,7 +142,7 @@ def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool, 
 
 
 def _roles(inventory: str, host: str | None) -> tuple[list[HostData], list[HostData]]:
-    """(the routers `--host` selects, every replica) of the inventory; raises BadInput."""
+    """(the routers `--host` selects, every vLLM host) of the inventory; raises BadInput."""
     routers, found = load_inventory(inventory, host)
     return [(name, data) for name, data in routers if host in (None, name)], found
 
