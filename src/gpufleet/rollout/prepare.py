@@ -40,7 +40,7 @@ def prepare(
     *,
     log: Path | None = None,
     timeout_s: float | None = None,
-    model_ref: str | None = None,
+    model_sha: str | None = None,
 ) -> tuple[DeployRun, dict[str, str]]:
     """(the run, host -> why it failed to prepare)."""
     done: DeployRun | None = None
@@ -48,7 +48,7 @@ def prepare(
         one = run_deploy(
             inventory,
             pulling,
-            RunSettings(image_ref=target_ref, model_ref=model_ref, stage="prepare"),
+            RunSettings(image_ref=target_ref, model_sha=model_sha, stage="prepare"),
             deploy_file,
             log=log,
             timeout_s=timeout_s,

@@ -54,7 +54,7 @@ class SwapOptions:
     log: Path | None = None
     stage_timeout_s: float = STAGE_TIMEOUT_S  # a stalled host must not hold every lock forever
     carry: bool = True
-    model_ref: str | None = None  # the model's commit, when it moves
+    model_sha: str | None = None  # the model's commit, when it moves
 
     def batch_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
         if canary:
@@ -72,7 +72,7 @@ class SwapOptions:
     ) -> RunSettings:
         return RunSettings(
             image_ref=target_ref,
-            model_ref=self.model_ref,
+            model_sha=self.model_sha,
             verify_checks=self.batch_checks(canary, speed_batch),
             expect_committed=committed,
             verify_probe=self.probe,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpufleet.defaults import MODEL_REF_SETTING
+from gpufleet.defaults import MODEL_SHA_SETTING
 from gpufleet.facts.gpu_verdict import HostGpus
 from gpufleet.facts.nvidia import version_tuple
 from gpufleet.vllm.facts import HostSnapshot
@@ -95,7 +95,7 @@ def check(
             "stage the model there by hand, or set vllm_model_repo to download it",
         )
     # A model to download: incomplete, or another commit asked for.
-    moving = s[MODEL_REF_SETTING] and snap.model_checked != f"{s['vllm_model_repo']}@{s[MODEL_REF_SETTING]}"
+    moving = s[MODEL_SHA_SETTING] and snap.model_checked != f"{s['vllm_model_repo']}@{s[MODEL_SHA_SETTING]}"
     if missing or moving:
         _need_space(bad, snap, "models", s["gpufleet_min_free_gb_models"], "gpufleet_min_free_gb_models", "models")
     return problems
