@@ -55,7 +55,7 @@ from gpufleet.vllm.settings import VllmSettings, merged_settings, renamed_settin
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.verify import Verification, verify_passed
-from gpufleet.vllm.weights import COMMIT, ModelTarget
+from gpufleet.vllm.weights import MODEL_SHA, ModelTarget
 from gpufleet.wire.checks import verify_checks
 from gpufleet.wire.gpu_verdicts import Verdict
 
@@ -194,7 +194,7 @@ def model_target(ledger: Ledger, s: VllmSettings) -> ModelTarget | None:
         return None
     if s.model_sha:
         return ModelTarget(repo, revision, f"{repo}@{s.model_sha}")
-    if revision and COMMIT.fullmatch(revision):
+    if revision and MODEL_SHA.fullmatch(revision):
         return ModelTarget(repo, revision, f"{repo}@{revision}")
     return ModelTarget(repo, revision, model_pin(ledger, repo, revision))
 
