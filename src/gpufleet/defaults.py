@@ -59,7 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "gpufleet_lock_lease_s": 90,
     # What one run does: a rollout passes these with `--data key=value`
     "gpufleet_image_ref": None,
-    "gpufleet_model_ref": None,
+    "gpufleet_model_sha": None,
     "gpufleet_stage": "converge",
     "gpufleet_retry_failed": False,
     "gpufleet_expect_committed": None,
@@ -95,7 +95,7 @@ SECRET_SETTINGS = frozenset({"vllm_hf_token", "vllm_api_key", "vllm_secret_env"}
 
 # The settings code passes by name (a rollout's `--data key=value`, the lock, lint), spelled once.
 IMAGE_REF_SETTING: Final = "gpufleet_image_ref"
-MODEL_REF_SETTING: Final = "gpufleet_model_ref"
+MODEL_SHA_SETTING: Final = "gpufleet_model_sha"
 STAGE_SETTING: Final = "gpufleet_stage"
 RETRY_SETTING: Final = "gpufleet_retry_failed"
 EXPECT_COMMITTED_SETTING: Final = "gpufleet_expect_committed"
@@ -110,6 +110,9 @@ LEASE_SETTING: Final = "gpufleet_lock_lease_s"
 ACCEPT_SETTING: Final = "gpufleet_accept"
 GPU_VERDICTS_SETTING: Final = "gpufleet_gpu_verdicts"
 GPU_CLEARED_SETTING: Final = "gpufleet_gpu_cleared_at"
+
+# Old name -> new: the old is still read as the new, with a one-line warning (README.md, "Renamed settings").
+RENAMED_SETTINGS: Final = {"gpufleet_model_ref": MODEL_SHA_SETTING}
 
 # "prepare" pulls, fetches the model and checks the flags, and stops before the unit (docs/rollout.md).
 Stage = Literal["converge", "prepare"]

@@ -13,7 +13,7 @@ from pyinfra_cli.inventory import make_inventory
 
 from gpufleet.errors import GpufleetError, one_line
 
-ROUTERS_GROUP = "routers"  # every other host is a vLLM replica
+ROUTERS_GROUP = "routers"  # every other host is a vLLM host
 
 HostData = tuple[str, dict[str, Any]]
 
@@ -36,12 +36,12 @@ def load_pyinfra_hosts(inventory_path: str | Path) -> list[Host]:
 
 
 def split_roles(hosts: Iterable[Host]) -> tuple[list[HostData], list[HostData]]:
-    """(routers, replicas) of pyinfra hosts, in inventory order."""
+    """(routers, vLLM hosts) of pyinfra hosts, in inventory order."""
     routers: list[HostData] = []
-    replicas: list[HostData] = []
+    vllm_hosts: list[HostData] = []
     for h in hosts:
-        (routers if ROUTERS_GROUP in h.groups else replicas).append((h.name, h.data.dict()))
-    return routers, replicas
+        (routers if ROUTERS_GROUP in h.groups else vllm_hosts).append((h.name, h.data.dict()))
+    return routers, vllm_hosts
 
 
 def load_roles(inventory_path: str | Path) -> tuple[list[HostData], list[HostData]]:
@@ -55,12 +55,12 @@ def group_orders(inventory: Inventory) -> dict[str, list[str]]:
 
 def load_roles_and_groups(inventory_path: str | Path) -> tuple[list[HostData], list[HostData], dict[str, list[str]]]:
     hosts = load_pyinfra_hosts(inventory_path)
-    routers, replicas = split_roles(hosts)
-    return routers, replicas, group_orders(hosts[0].inventory) if hosts else {}
+    routers, vllm_hosts = split_roles(hosts)
+    return routers, vllm_hosts, group_orders(hosts[0].inventory) if hosts else {}
 
 
-def load_hosts(inventory_path: str | Path) -> list[HostData]:
-    """The vLLM replicas, in inventory order."""
+def load_vllm_hosts(inventory_path: str | Path) -> list[HostData]:
+    """The vLLM hosts, in inventory order."""
     return load_roles(inventory_path)[1]
 
 

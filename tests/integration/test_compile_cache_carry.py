@@ -18,8 +18,8 @@ import pytest
 
 from gpufleet.rollout.carry_entries import carried_dir
 from gpufleet.rollout.commands import roll_out
+from gpufleet.rollout.hosts import load_fleet
 from gpufleet.rollout.progress import Progress
-from gpufleet.rollout.replicas import load_fleet
 from gpufleet.rollout.report import Outcome
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.sandbox.config import Gpus, H200x3

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from gpufleet.inventory import load_hosts
+from gpufleet.inventory import load_vllm_hosts
 from gpufleet.sandbox.config import H200x1
 from gpufleet.vllm.profiles import PROFILES
 from gpufleet.vllm.settings import build_spec
@@ -46,7 +46,7 @@ def test_a_bare_one_gpu_host_serves_the_profile(converged, fleet):
     host, inv, out = converged
     assert changes(out) > 0 and "ready: /health 200" in out
     assert sh(fleet, host, f"systemctl is-active {SERVICE}").strip() == "active"
-    ((name, data),) = load_hosts(inv)
+    ((name, data),) = load_vllm_hosts(inv)
     spec = build_spec(name, data)
     assert spec.gpus == (0,) and spec.arg("pipeline-parallel-size") is None
     # The unit on the host is the render for the digest the deploy pinned, byte for byte.

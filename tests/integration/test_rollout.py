@@ -193,9 +193,9 @@ def dies_inventory(hosts, fleet, tag, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def host_data(inventory) -> dict[str, dict]:
-    from gpufleet.inventory import load_hosts
+    from gpufleet.inventory import load_vllm_hosts
 
-    return dict(load_hosts(inventory))
+    return dict(load_vllm_hosts(inventory))
 
 
 def converge(pyinfra, inventory: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

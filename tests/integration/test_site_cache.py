@@ -17,7 +17,7 @@ The model rides the same prepares (the stand-in hub's tiny model, mirrored by ol
 costs the hub the model's bytes once, all fetched by the mirror; in step 2 two hosts without the model download it
 from the hub, each with one warning; a block tampered with in the mirror's storage is refused by the hub's sha256,
 fetched again from the hub, never served; a branch moved on the hub changes no host until a run asks for the new
-commit (gpufleet_model_ref, what a rollout passes): its prepare downloads it while the old version serves, and the
+commit (gpufleet_model_sha, what a rollout passes): its prepare downloads it while the old version serves, and the
 swap's converge downloads nothing.
 """
 
@@ -332,13 +332,13 @@ def test_a_moved_branch_changes_nothing_until_a_run_asks_and_its_prepare_downloa
     # Asked for it (a rollout's prepare): downloaded and checked while the old version serves, nothing restarted.
     hub_before = hub_offset(fleet)
     run, failed = prepare(
-        str(inventory), [host.name], refs["nightly-2"], DEPLOY, log=log, timeout_s=600, model_ref=moved
+        str(inventory), [host.name], refs["nightly-2"], DEPLOY, log=log, timeout_s=600, model_sha=moved
     )
     assert failed == {}, run.output[-4000:]
     assert checked(fleet, host) == f"{MODEL}@{moved}"
     assert sum(hub_bytes(fleet, hub_before).values()) == len(b'{"temperature": 0.7}\n')  # the changed file, once
     # The swap's converge: a new unit (it names the commit), a restart, nothing downloaded in the downtime.
-    swap = run_deploy(pyinfra, inventory, str(DEPLOY), *args, "--data", f"gpufleet_model_ref={moved}")
+    swap = run_deploy(pyinfra, inventory, str(DEPLOY), *args, "--data", f"gpufleet_model_sha={moved}")
     changed = changed_ops(swap.stdout)
     assert "Install the vLLM systemd unit" in changed and DOWNLOAD not in changed, changed
     ledger = json.loads(fleet.run_in(host, f"cat /var/lib/gpufleet/{SERVICE}.json").stdout)

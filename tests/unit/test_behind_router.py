@@ -6,7 +6,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from gpufleet.cli import main
-from gpufleet.vllm.replica_specs import load_specs
+from gpufleet.vllm.host_specs import load_specs
 from gpufleet.vllm.settings import BEHIND_ROUTER_ARGS, build_spec
 from tests.unit.test_cli_render import inventory  # noqa: F401 - the fixture
 

@@ -15,7 +15,7 @@ from gpufleet.health import HealthState
 from gpufleet.health.runner import HostTarget, check_host
 from gpufleet.inventory import load_roles_and_groups
 from gpufleet.remote.transport import ContainerInfo
-from gpufleet.vllm.group_specs import resolve_replicas
+from gpufleet.vllm.group_specs import resolve_hosts
 from gpufleet.vllm.unit import WATCH_GRACE_S, watch_argv
 from tests.conftest import FIXTURES
 from tests.unit import test_cli_render
@@ -39,8 +39,8 @@ def blocks(output: str) -> dict[str, str]:
 
 
 def resolved(path: str | Path):
-    routers, replicas, orders = load_roles_and_groups(path)
-    return resolve_replicas(replicas, orders, bool(routers))
+    routers, vllm_hosts, orders = load_roles_and_groups(path)
+    return resolve_hosts(vllm_hosts, orders, bool(routers))
 
 
 # --- golden renders --------------------------------------------------------------------------------------------------

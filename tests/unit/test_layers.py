@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("health",),  # the network client: checks, waits, answers, the probe
     ("inventory",),
     # harness: what every deploy file runs in: preflight, the run's result, the speedups
-    ("harness", "vllm.replica_specs", "vllm.service_watch"),
+    ("harness", "vllm.host_specs", "vllm.service_watch"),
     ("sitecache.deploy", "vllm.checks", "vllm.commit", "vllm.host_read"),
     ("vllm.verify",),  # decides; vllm.commit writes the verdict to the host
     ("vllm.group_verify", "vllm.group_deploy"),  # a replica group's ranks: the head's verdict, the deploy's part

@@ -98,8 +98,8 @@ def test_a_model_commit_asked_for_needs_room_before_its_prepare_starts():
     )
     snap.free_kib.update(models=GIB)
     assert check("g", snap, settings(vllm_model_repo="org/m"), (0, 1, 2)) == []
-    assert check("g", snap, settings(vllm_model_repo="org/m", gpufleet_model_ref="c" * 40), (0, 1, 2)) == []
-    (line,) = check("g", snap, settings(vllm_model_repo="org/m", gpufleet_model_ref="d" * 40), (0, 1, 2))
+    assert check("g", snap, settings(vllm_model_repo="org/m", gpufleet_model_sha="c" * 40), (0, 1, 2)) == []
+    (line,) = check("g", snap, settings(vllm_model_repo="org/m", gpufleet_model_sha="d" * 40), (0, 1, 2))
     assert "gpufleet_min_free_gb_models asks for" in line
 
 

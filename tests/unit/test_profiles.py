@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from gpufleet.errors import SettingErrors
-from gpufleet.inventory import load_hosts
+from gpufleet.inventory import load_vllm_hosts
 from gpufleet.vllm.lint import lint_spec
 from gpufleet.vllm.profiles import PROFILES, discover
 from gpufleet.vllm.settings import build_spec, merged_settings, resolve_host
@@ -118,7 +118,7 @@ def test_host_data_wins_over_group_data_which_wins_over_the_profile(inventory):
         'boxes = [("a", {}), ("b", {"vllm_service": "vllm-b", "vllm_profile": "qwen35"})]\n',
         'vllm_profile = "qwen35-1gpu"\nvllm_model = "fp8-staged"\n',
     )
-    a, b = (merged_settings(data) for _, data in load_hosts(inv))
+    a, b = (merged_settings(data) for _, data in load_vllm_hosts(inv))
     assert (a["vllm_profile"], a["vllm_model"], a["vllm_service"], a["vllm_gpus"]) == (
         "qwen35-1gpu",
         "fp8-staged",
@@ -153,7 +153,7 @@ def test_the_example_inventory_leaves_each_hosts_model_to_its_profile(tmp_path):
     (tmp_path / "group_data" / "all.py").write_text((REPO / "inventories" / "group_data" / "all.py").read_text())
     lab = (REPO / "inventories" / "lab.py").read_text()
     (tmp_path / "lab.py").write_text(lab + '\ngpu_boxes.append(("one-gpu", {"vllm_profile": "qwen35-1gpu"}))\n')
-    hosts = dict(load_hosts(str(tmp_path / "lab.py")))
+    hosts = dict(load_vllm_hosts(str(tmp_path / "lab.py")))
     one, three = merged_settings(hosts["one-gpu"]), merged_settings(hosts["gpu-box-1"])
     assert one == merged_settings({**hosts["one-gpu"], **PROFILES["qwen35-1gpu"].settings}), "a group value won"
     assert (one["vllm_model"], one["vllm_cache_dir"]) == ("qwen3.5-35b-a3b-fp8", "/var/cache/vllm/qwen35-1gpu")

@@ -38,10 +38,10 @@ from gpufleet.rollout.commands import interrupted_first, previous_targets
 from gpufleet.rollout.deploy_run import DeployRun, RunSettings
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import drain, running_requests
+from gpufleet.rollout.hosts import FleetHost, Sessions
 from gpufleet.rollout.ledgers import parse_read
 from gpufleet.rollout.membership import belongs, runs_committed
 from gpufleet.rollout.prepare import failures, prepare
-from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.rollout.report import HostOutcome, Outcome, SpeedResult, succeeded, table
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.swap import SwapOptions, batches, judge
@@ -495,7 +495,7 @@ def test_deploy_run_limits_to_each_named_host_and_a_limit_matching_nothing_fails
 
 
 def test_the_fleet_is_the_vllm_hosts_router_hosts_are_left_out(tmp_path):
-    from gpufleet.rollout.replicas import load_fleet
+    from gpufleet.rollout.hosts import load_fleet
 
     inventory = tmp_path / "inv.py"
     inventory.write_text(

@@ -19,8 +19,8 @@ from gpufleet.rollout import commands as rollout_commands
 from gpufleet.rollout import prepare as rollout_prepare
 from gpufleet.rollout import target as rollout_target
 from gpufleet.rollout.deploy_run import DeployRun, RunSettings
+from gpufleet.rollout.hosts import FleetHost
 from gpufleet.rollout.ledgers import HostLedger
-from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.swap import SwapOptions
 from gpufleet.rollout.target import Target, resolve_model
 from gpufleet.sandbox import hub as standin
@@ -121,11 +121,11 @@ def test_the_rollout_resolves_once_and_every_run_installs_that_commit(hub, shell
     rollout_commands.roll_out(
         "inv.py", None, options, lambda *a: True, lambda names: nullcontext(progress), model_revision="main"
     )
-    assert resolved == ["main"] and [o.model_ref for o in handed] == [first]
+    assert resolved == ["main"] and [o.model_sha for o in handed] == [first]
     # What the swaps and the prepare of that rollout hand each deploy run.
     (swap_options,) = handed
-    assert swap_options.run_settings(REF).model_ref == first
-    assert swap_options.run_settings(REF, committed={"h1": None}, canary=True).model_ref == first
+    assert swap_options.run_settings(REF).model_sha == first
+    assert swap_options.run_settings(REF, committed={"h1": None}, canary=True).model_sha == first
     seen: list[RunSettings] = []
 
     def run_deploy(inventory, hosts, settings, deploy_file, log=None, timeout_s=None):
@@ -135,13 +135,13 @@ def test_the_rollout_resolves_once_and_every_run_installs_that_commit(hub, shell
     monkeypatch.setattr(rollout_prepare, "run_deploy", run_deploy)
     monkeypatch.setattr(rollout_prepare, "pull_order", lambda inventory, names: [names[:1], names[1:]])
     rollout_prepare.prepare(
-        "inv.py", [h.name for h in hosts], REF, tmp_path / "deploy.py", model_ref=swap_options.model_ref
+        "inv.py", [h.name for h in hosts], REF, tmp_path / "deploy.py", model_sha=swap_options.model_sha
     )
-    assert [s.model_ref for s in seen] == [first, first] and all(s.stage == "prepare" for s in seen)
+    assert [s.model_sha for s in seen] == [first, first] and all(s.stage == "prepare" for s in seen)
     # Without --model-revision nothing is asked of the hub and no run names a model commit.
     handed.clear()
     rollout_commands.roll_out("inv.py", None, options, lambda *a: True, lambda names: nullcontext(progress))
-    assert resolved == ["main"] and [o.model_ref for o in handed] == [None]
+    assert resolved == ["main"] and [o.model_sha for o in handed] == [None]
 
 
 def test_a_failed_model_move_refuses_that_commit_again_not_the_version_rolled_back_to():

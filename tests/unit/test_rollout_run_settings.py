@@ -130,17 +130,17 @@ def test_prepare_runs_the_prepare_stage_on_the_target(monkeypatch, tmp_path):
 
 def test_a_model_move_is_passed_to_every_run_of_the_rollout():
     commit = "c" * 40
-    assert RunSettings(image_ref="r@sha256:ab", model_ref=commit, stage="prepare").data_args() == [
+    assert RunSettings(image_ref="r@sha256:ab", model_sha=commit, stage="prepare").data_args() == [
         "--data",
         "gpufleet_image_ref=r@sha256:ab",
         "--data",
-        f"gpufleet_model_ref={commit}",
+        f"gpufleet_model_sha={commit}",
         "--data",
         "gpufleet_stage=prepare",
     ]
-    swap = SwapOptions(deploy_file=Path("d.py"), model_ref=commit).run_settings("r@sha256:ab")
-    assert swap.model_ref == commit and "--data" in swap.data_args()
-    assert "gpufleet_model_ref" not in " ".join(RunSettings(image_ref="r@sha256:ab").data_args())
+    swap = SwapOptions(deploy_file=Path("d.py"), model_sha=commit).run_settings("r@sha256:ab")
+    assert swap.model_sha == commit and "--data" in swap.data_args()
+    assert "gpufleet_model_sha" not in " ".join(RunSettings(image_ref="r@sha256:ab").data_args())
 
 
 # --- the speed check: the old version's figures reach the deploy run ---------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from gpufleet.errors import GpufleetError
 from gpufleet.remote.transport import Unreachable
 from gpufleet.rollout import target as t
-from gpufleet.rollout.replicas import FleetHost
+from gpufleet.rollout.hosts import FleetHost
 from gpufleet.vllm.settings import build_spec
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "registry-lookup"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.errors import SettingErrors
-from gpufleet.vllm.settings import RUN_FLAGS, build_spec, resolve_host
+from gpufleet.vllm.settings import RUN_FLAGS, build_spec, renamed_settings, resolve_host
 
 CASES = [
     # (host data, setting named in the error, words the problem or fix must contain)
@@ -13,6 +13,11 @@ CASES = [
     ({"gpufleet_image_ref": "vllm/vllm-openai@sha256:abc"}, "gpufleet_image_ref", "64 hex digits"),
     ({"gpufleet_image_ref": "other/image@sha256:" + "a" * 64}, "gpufleet_image_ref", "repository vllm/vllm-openai"),
     ({"gpufleet_stage": "swap"}, "gpufleet_stage", "converge, prepare"),
+    ({"gpufleet_model_sha": "main", "vllm_model_repo": "org/m"}, "gpufleet_model_sha", "not a commit"),
+    # The old name of gpufleet_model_sha: named as written, and not both.
+    ({"gpufleet_model_ref": "main", "vllm_model_repo": "org/m"}, "gpufleet_model_ref", "not a commit"),
+    ({"gpufleet_model_ref": "a\nb"}, "gpufleet_model_ref", "control character (U+000A)"),
+    ({"gpufleet_model_ref": "c" * 40, "gpufleet_model_sha": "c" * 40}, "gpufleet_model_ref", "drop gpufleet_model_ref"),
     ({"gpufleet_retry_failed": "yes"}, "gpufleet_retry_failed", "--data gpufleet_retry_failed=true"),
     ({"gpufleet_verify_probe": 1}, "gpufleet_verify_probe", "True or False"),
     ({"gpufleet_refresh_keys": "yes"}, "gpufleet_refresh_keys", "true/false"),
@@ -135,6 +140,16 @@ def test_run_flags_from_the_command_line_accept_the_words_true_and_false(word, v
     settings = resolve_host("gpu1", dict.fromkeys(RUN_FLAGS, word))[1]
     assert (settings.retry_failed, settings.verify_probe, settings.refresh_keys, settings.speed_batches) == (value,) * 4
     assert "gpufleet_refresh_keys" in RUN_FLAGS
+
+
+def test_the_old_name_of_a_renamed_setting_is_read_as_the_new_one_with_a_warning():
+    sha = "c" * 40
+    old = {"vllm_model_repo": "org/m", "gpufleet_model_ref": sha}
+    assert resolve_host("gpu1", old)[1].model_sha == sha
+    assert renamed_settings("gpu1", old) == [
+        "gpu1: gpufleet_model_ref is deprecated (fix: rename it gpufleet_model_sha; it means the same)"
+    ]
+    assert renamed_settings("gpu1", {"gpufleet_model_sha": sha}) == []
 
 
 def test_an_image_ref_of_the_same_repository_is_kept_as_its_digest_ref():

@@ -181,12 +181,13 @@ def test_a_converged_host_gets_no_command_from_any_operation(monkeypatch):
     assert len(ops) >= 13 and {name: cmds for name, cmds in ops if cmds} == {}
 
 
-def test_asking_for_another_model_commit_downloads_it_and_changes_the_unit(monkeypatch):
-    """gpufleet_model_ref (a rollout's ask) on a converged host: the model is fetched and checked at that commit,
+@pytest.mark.parametrize("setting", ["gpufleet_model_sha", "gpufleet_model_ref"])  # the old name, with a warning
+def test_asking_for_another_model_commit_downloads_it_and_changes_the_unit(monkeypatch, caplog, setting):
+    """gpufleet_model_sha (a rollout's ask) on a converged host: the model is fetched and checked at that commit,
     and the unit, which names the commit, changes (so the service restarts on it). A moved branch alone does not."""
     converged = converged_host(monkeypatch)
     moved = "d" * 40
-    monkeypatch.setitem(globals(), "DATA", {**DATA, "gpufleet_model_ref": moved})
+    monkeypatch.setitem(globals(), "DATA", {**DATA, setting: moved})
     _, ops = prepare(converged, monkeypatch)
     changed = {name: cmds for name, cmds in ops if cmds}
     [fetch] = changed["Download the model's commit unless it is here and checked"]
@@ -194,6 +195,8 @@ def test_asking_for_another_model_commit_downloads_it_and_changes_the_unit(monke
     assert fetch.args[1].pin.endswith("@" + moved)
     [upload] = [c for c in changed["Install the vLLM systemd unit"] if isinstance(c, FileUploadCommand)]
     assert f"@{moved}.".encode() in upload.src.getvalue()
+    deprecated = "gpu1: gpufleet_model_ref is deprecated (fix: rename it gpufleet_model_sha; it means the same)"
+    assert (deprecated in caplog.text) == (setting == "gpufleet_model_ref")
 
 
 def test_a_server_with_another_max_model_len_is_verified_not_taken_as_ready(monkeypatch):
@@ -463,7 +466,7 @@ def test_a_failed_model_move_leaves_the_version_rolled_back_to_convergeable(monk
     moved = replace(committed.version, model=f"{committed.version.model.rpartition('@')[0]}@{bad}")
     converged.ledger_text = render(roll_back(begin(Ledger(committed=committed), moved, "ops", "t1"), "dead", "t2"))
     assert check_host("gpu1", converged, plan_for("gpu1", DATA)) == []
-    asked = check_host("gpu1", converged, plan_for("gpu1", {**DATA, "gpufleet_model_ref": bad}))
+    asked = check_host("gpu1", converged, plan_for("gpu1", {**DATA, "gpufleet_model_sha": bad}))
     assert [line for line in asked if "failed at" in line] == [
         f"gpu1: {REF} with spec {committed.version.spec_hash} and model {moved.model} failed at t2: dead (fix: change "
         "vllm_image or a setting, or pass --data gpufleet_retry_failed=true to one converge to try it again on "

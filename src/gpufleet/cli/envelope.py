@@ -85,16 +85,16 @@ def exit_status(doc: Mapping[str, Any]) -> int:
 
 
 def load_inventory(inventory: str, host: str | None = None) -> tuple[list[HostData], list[HostData]]:
-    """(routers, replicas) of the inventory, all of them whatever `--host` selects; raises BadInput."""
+    """(routers, vLLM hosts) of the inventory, all of them whatever `--host` selects; raises BadInput."""
     try:
-        routers, replicas = load_roles(inventory)
+        routers, vllm_hosts = load_roles(inventory)
     except GpufleetError as e:
         raise unreadable(inventory, e) from None
-    if not routers and not replicas:
+    if not routers and not vllm_hosts:
         raise BadInput(f"{inventory}: no hosts in the inventory (fix: list hosts in it, as in inventories/lab.py)")
-    if host is not None and host not in {name for name, _ in (*routers, *replicas)}:
+    if host is not None and host not in {name for name, _ in (*routers, *vllm_hosts)}:
         raise BadInput(one_line(f"{host}: no such host in {inventory} (fix: check --host)"))
-    return routers, replicas
+    return routers, vllm_hosts
 
 
 def unreadable(inventory: str, error: GpufleetError) -> BadInput:

@@ -15,10 +15,10 @@ from gpufleet.inventory import load_roles_and_groups
 from gpufleet.quoting import shell_line
 from gpufleet.router.settings import RouterSettings, resolve_router
 from gpufleet.router.settings import replicas as replica_addresses
-from gpufleet.vllm.group_specs import resolve_replicas
+from gpufleet.vllm.group_specs import resolve_hosts
+from gpufleet.vllm.host_specs import load_specs
 from gpufleet.vllm.lint import ACCEPT_SETTING, SEVERITIES, accepted_rule_ids, lint_router, lint_spec
 from gpufleet.vllm.lint_report import LintReport, fleet_report, invalid_settings_report
-from gpufleet.vllm.replica_specs import load_specs
 from gpufleet.vllm.unit import render_unit
 
 
@@ -75,18 +75,18 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
     Example:
         gpufleet lint inventories/lab.py --strict
     """
-    routers, replicas = load_inventory(inventory)
-    hosts, router_names = [name for name, _ in replicas], [name for name, _ in routers]
+    routers, vllm_hosts = load_inventory(inventory)
+    hosts, router_names = [name for name, _ in vllm_hosts], [name for name, _ in routers]
     orders = load_roles_and_groups(inventory)[2]
-    resolved, errors = resolve_replicas(replicas, orders, behind_router=bool(routers))
+    resolved, errors = resolve_hosts(vllm_hosts, orders, behind_router=bool(routers))
     specs = [resolved[name] for name in hosts if name in resolved]
     accepted: dict[str, frozenset[str]] = {}
-    for name, data in replicas:
+    for name, data in vllm_hosts:
         errors += _read_accept(name, data, accepted)
     # As the router's deploy checks it.
     if routers:
         try:
-            replica_addresses(replicas, orders)
+            replica_addresses(vllm_hosts, orders)
         except SettingErrors as exc:
             errors += exc.errors
     router_settings: dict[str, RouterSettings] = {}
@@ -106,7 +106,7 @@ def lint(inventory: str, as_json: bool, strict: bool) -> None:
         findings += [
             f
             for name, settings in router_settings.items()
-            for f in lint_router(name, policy=settings.policy, replicas=len(replicas))
+            for f in lint_router(name, policy=settings.policy, replicas=len(vllm_hosts))
         ]
         report = fleet_report(findings, accepted, hosts, router_names)
     if as_json:

@@ -21,9 +21,9 @@ from gpufleet.errors import GpufleetError
 from gpufleet.hoststate.ledger import Ledger
 from gpufleet.rollout.commands import Result, history, roll_back, roll_out
 from gpufleet.rollout.deploy_run import default_deploy_file
+from gpufleet.rollout.hosts import load_fleet
 from gpufleet.rollout.ledgers import HostLedger
 from gpufleet.rollout.progress import Progress
-from gpufleet.rollout.replicas import load_fleet
 from gpufleet.rollout.report import short, table
 from gpufleet.rollout.swap import STAGE_TIMEOUT_S, SwapOptions
 from gpufleet.rollout.target import requested_image

@@ -24,13 +24,13 @@ from gpufleet.hoststate import reader
 from gpufleet.hoststate.paths import ledger_path
 from gpufleet.inventory import HostData, load_roles_and_groups
 from gpufleet.remote.transport import SshTransport, Transport, TransportError
+from gpufleet.rollout.hosts import shell
 from gpufleet.rollout.ledgers import parse_read
-from gpufleet.rollout.replicas import shell
 from gpufleet.rollout.settle import settle_routers
 from gpufleet.router.check import RouterExpected, RouterVerdict, problems, verify_router
 from gpufleet.router.settings import RouterSettings, replicas, resolve_router
 from gpufleet.router.status import read_host
-from gpufleet.vllm.replica_specs import load_host_specs
+from gpufleet.vllm.host_specs import load_host_specs
 from gpufleet.vllm.settings import merged_settings
 from gpufleet.wire.checks import SERVING_CHECKS, parse_checks
 from gpufleet.wire.speed import SpeedFigures
@@ -142,7 +142,7 @@ def status(ctx: click.Context, inventory: str, host: str | None, as_json: bool, 
 
 
 def _roles(inventory: str, host: str | None) -> tuple[list[HostData], list[HostData]]:
-    """(the routers `--host` selects, every replica) of the inventory; raises BadInput."""
+    """(the routers `--host` selects, every vLLM host) of the inventory; raises BadInput."""
     routers, found = load_inventory(inventory, host)
     return [(name, data) for name, data in routers if host in (None, name)], found
 

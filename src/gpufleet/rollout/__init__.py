@@ -2,7 +2,7 @@
 
 commands.py     the three commands, as library calls the CLI renders
 context.py      what every step of one rollout reads
-replicas.py     the inventory's hosts and their SSH sessions
+hosts.py        the inventory's hosts and their SSH sessions
 ledgers.py      each host's ledger
 target.py       the one target digest
 deploy_run.py   one run of the deploy on some hosts

@@ -45,7 +45,7 @@ from gpufleet.rollout.carry_stream import (
 )
 from gpufleet.rollout.compile_factors import TIMEOUT_S as FACTORS_TIMEOUT_S
 from gpufleet.rollout.compile_factors import CompileFactors, factors_command, parse_factors
-from gpufleet.rollout.replicas import FleetHost, Sessions, shell
+from gpufleet.rollout.hosts import FleetHost, Sessions, shell
 from gpufleet.rollout.warm_start import start_report
 from gpufleet.vllm.host_command import COMMAND_TIMEOUT_S
 from gpufleet.vllm.settings import merged_settings

@@ -12,11 +12,11 @@ from gpufleet.rollout import group as replica_groups
 from gpufleet.rollout.carry import Carry, CarryResult
 from gpufleet.rollout.context import RolloutContext
 from gpufleet.rollout.gpu import sick_hosts
+from gpufleet.rollout.hosts import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import members
 from gpufleet.rollout.prepare import prepare, pull_stats
 from gpufleet.rollout.progress import Progress
-from gpufleet.rollout.replicas import FleetHost, Sessions, load_fleet
 from gpufleet.rollout.report import HostOutcome, Outcome, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.rollout.swap import SwapOptions, replica_batches, swap
@@ -55,10 +55,10 @@ def _unreadable(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str
     ]
 
 
-def _refused(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str], model_ref: str | None) -> str | None:
+def _refused(ledgers: Mapping[str, HostLedger], target_refs: Mapping[str, str], model_sha: str | None) -> str | None:
     """The refusal when the target failed on a host before and --retry-failed is not given."""
     for h, lg in ledgers.items():
-        mark = lg.failed_mark(target_refs[h], lg.model_at(model_ref))
+        mark = lg.failed_mark(target_refs[h], lg.model_at(model_sha))
         if mark is not None:
             return one_line(
                 f"{h}: {target_refs[h]} failed there at {mark.failed_at}: {mark.reason} (fix: roll out "
@@ -74,14 +74,14 @@ def _roll(ctx: RolloutContext, confirm: Confirm) -> Result:
     unreadable = _unreadable(ledgers, target_refs)
     if unreadable is not None:
         return Result(ctx.what, unreadable, "a ledger could not be read: nothing was changed")
-    if not options.retry_failed and (refusal := _refused(ledgers, target_refs, options.model_ref)):
+    if not options.retry_failed and (refusal := _refused(ledgers, target_refs, options.model_sha)):
         raise GpufleetError(refusal)
     on_target = {
         h
         for h in names
         if ledgers[h].committed_ref == target_refs[h]
         and ledgers[h].pending_ref is None
-        and (options.model_ref is None or (ledgers[h].committed_model or "").endswith("@" + options.model_ref))
+        and (options.model_sha is None or (ledgers[h].committed_model or "").endswith("@" + options.model_sha))
     }
     # A replica group is done when every rank is.
     done = replica_groups.done(on_target, ctx.hosts)
@@ -183,7 +183,7 @@ def _prepare_and_swap(
             options.deploy_file,
             log=options.log,
             timeout_s=options.stage_timeout_s,
-            model_ref=options.model_ref,
+            model_sha=options.model_sha,
         )
         pulls.update(pull_stats(ctx.sessions, moving, target_ref))  # each host's own record of what its pull moved
         prepared.update(failures)
@@ -235,8 +235,8 @@ def roll_out(
         where = f" ({target.where})" if target.where else ""
         progress.note(f"target: {target.ref}{where}")
         if model_revision is not None:
-            options = replace(options, model_ref=resolve_model(hosts, sessions, model_revision))
-            progress.note(f"model: {model_revision} -> {options.model_ref}")
+            options = replace(options, model_sha=resolve_model(hosts, sessions, model_revision))
+            progress.note(f"model: {model_revision} -> {options.model_sha}")
         ctx = RolloutContext(
             inventory=inventory,
             hosts={h.name: h for h in hosts},

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpufleet.rollout.hosts import FleetHost, Sessions
 from gpufleet.rollout.progress import Progress
-from gpufleet.rollout.replicas import FleetHost, Sessions
 
 if TYPE_CHECKING:  # swap imports this module
     from gpufleet.rollout.swap import SwapOptions

@@ -19,7 +19,7 @@ from pathlib import Path
 from gpufleet.defaults import (
     EXPECT_COMMITTED_SETTING,
     IMAGE_REF_SETTING,
-    MODEL_REF_SETTING,
+    MODEL_SHA_SETTING,
     RETRY_SETTING,
     SPEED_BASELINE_SETTING,
     STAGE_SETTING,
@@ -125,7 +125,7 @@ class RunSettings:
     """
 
     image_ref: str | None = None
-    model_ref: str | None = None  # the model's commit
+    model_sha: str | None = None  # the model's commit
     stage: Stage | None = None
     verify_checks: tuple[str, ...] | None = None  # (): none beside the answers
     # The deploy refuses a host whose ledger moved since the rollout read this.
@@ -156,7 +156,7 @@ class RunSettings:
         )
         named: tuple[tuple[str, str | None], ...] = (
             (IMAGE_REF_SETTING, self.image_ref),
-            (MODEL_REF_SETTING, self.model_ref),
+            (MODEL_SHA_SETTING, self.model_sha),
             (STAGE_SETTING, self.stage),
             (VERIFY_CHECKS_SETTING, checks),
             (EXPECT_COMMITTED_SETTING, committed),

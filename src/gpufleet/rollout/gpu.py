@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from gpufleet.facts.gpu_verdict import HostGpus
 from gpufleet.health import gpu
 from gpufleet.remote.transport import SshTransport
-from gpufleet.rollout.replicas import FleetHost, Sessions
+from gpufleet.rollout.hosts import FleetHost, Sessions
 from gpufleet.wire.gpu_verdicts import GpuSettings, Verdict
 
 

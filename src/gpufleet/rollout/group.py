@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from gpufleet.rollout.replicas import FleetHost
+from gpufleet.rollout.hosts import FleetHost
 from gpufleet.vllm.group import Member
 
 

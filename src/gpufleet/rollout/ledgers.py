@@ -10,7 +10,7 @@ from gpufleet.hoststate.ledger import CorruptLedger, Failed, Ledger, corrupt_ref
 from gpufleet.hoststate.paths import ledger_path
 from gpufleet.hoststate.rules import host_ledger, taken_over
 from gpufleet.remote.transport import SshTransport
-from gpufleet.rollout.replicas import FleetHost, Sessions, shell
+from gpufleet.rollout.hosts import FleetHost, Sessions, shell
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,11 @@ class HostLedger:
         marks = self.ledger.failed if self.ledger else ()
         return next((f for f in reversed(marks) if f.ref == ref and f.holds_for(model)), None)
 
-    def model_at(self, model_ref: str | None) -> str | None:
-        """The repo@commit a rollout installs here: `model_ref` of the committed repo, else the committed one."""
-        if model_ref is None or self.committed_model is None:
+    def model_at(self, model_sha: str | None) -> str | None:
+        """The repo@commit a rollout installs here: `model_sha` of the committed repo, else the committed one."""
+        if model_sha is None or self.committed_model is None:
             return self.committed_model
-        return f"{self.committed_model.rpartition('@')[0]}@{model_ref}"
+        return f"{self.committed_model.rpartition('@')[0]}@{model_sha}"
 
     def previous_ref(self) -> str | None:
         """What `rollback` goes back to."""

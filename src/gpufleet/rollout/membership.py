@@ -10,8 +10,8 @@ from gpufleet.health.check import HealthReport, HealthState, check, committed_dr
 from gpufleet.health.runner import rank_health
 from gpufleet.remote.transport import SshTransport
 from gpufleet.rollout import gpu
+from gpufleet.rollout.hosts import FleetHost, Sessions
 from gpufleet.rollout.ledgers import HostLedger
-from gpufleet.rollout.replicas import FleetHost, Sessions
 from gpufleet.wire.identity import Expected
 
 # A blip or a start under way: the routers keep the replica as it is.

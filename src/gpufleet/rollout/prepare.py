@@ -11,7 +11,7 @@ from gpufleet.facts.pull import PullStats
 from gpufleet.inventory import load_pyinfra_hosts
 from gpufleet.remote.transport import SshTransport
 from gpufleet.rollout.deploy_run import DeployRun, RunSettings, run_deploy
-from gpufleet.rollout.replicas import FleetHost, Sessions, shell
+from gpufleet.rollout.hosts import FleetHost, Sessions, shell
 from gpufleet.sitecache.operations import SITE_CACHE_GROUP
 from gpufleet.vllm.operations.image import pull_stats_file
 
@@ -40,7 +40,7 @@ def prepare(
     *,
     log: Path | None = None,
     timeout_s: float | None = None,
-    model_ref: str | None = None,
+    model_sha: str | None = None,
 ) -> tuple[DeployRun, dict[str, str]]:
     """(the run, host -> why it failed to prepare)."""
     done: DeployRun | None = None
@@ -48,7 +48,7 @@ def prepare(
         one = run_deploy(
             inventory,
             pulling,
-            RunSettings(image_ref=target_ref, model_ref=model_ref, stage="prepare"),
+            RunSettings(image_ref=target_ref, model_sha=model_sha, stage="prepare"),
             deploy_file,
             log=log,
             timeout_s=timeout_s,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from gpufleet.inventory import load_roles
+from gpufleet.rollout.hosts import Sessions, load_fleet
 from gpufleet.rollout.ledgers import read_ledgers
 from gpufleet.rollout.membership import members
-from gpufleet.rollout.replicas import Sessions, load_fleet
 from gpufleet.rollout.routers import Routers
 
 

@@ -23,9 +23,9 @@ from gpufleet.rollout.context import RolloutContext
 from gpufleet.rollout.deploy_run import DeployRun, RunSettings, run_deploy
 from gpufleet.rollout.downtime import DowntimeWatch
 from gpufleet.rollout.drain import Drained, drain
+from gpufleet.rollout.hosts import FleetHost
 from gpufleet.rollout.ledgers import HostLedger, read_ledgers
 from gpufleet.rollout.membership import look, runs_committed
-from gpufleet.rollout.replicas import FleetHost
 from gpufleet.rollout.report import OK, HostOutcome, Outcome, SpeedResult, short
 from gpufleet.rollout.routers import Routers
 from gpufleet.router.api import RouterError
@@ -54,7 +54,7 @@ class SwapOptions:
     log: Path | None = None
     stage_timeout_s: float = STAGE_TIMEOUT_S  # a stalled host must not hold every lock forever
     carry: bool = True
-    model_ref: str | None = None  # the model's commit, when it moves
+    model_sha: str | None = None  # the model's commit, when it moves
 
     def batch_checks(self, canary: bool, speed_batch: bool = False) -> tuple[str, ...]:
         if canary:
@@ -72,7 +72,7 @@ class SwapOptions:
     ) -> RunSettings:
         return RunSettings(
             image_ref=target_ref,
-            model_ref=self.model_ref,
+            model_sha=self.model_sha,
             verify_checks=self.batch_checks(canary, speed_batch),
             expect_committed=committed,
             verify_probe=self.probe,

@@ -13,7 +13,7 @@ from typing import Any
 from gpufleet.errors import GpufleetError, one_line
 from gpufleet.image_names import parse
 from gpufleet.remote.transport import SshTransport, TransportError
-from gpufleet.rollout.replicas import FleetHost, Sessions, shell
+from gpufleet.rollout.hosts import FleetHost, Sessions, shell
 from gpufleet.vllm import weights
 from gpufleet.vllm.operations.image import pick_digest
 from gpufleet.vllm.settings import merged_settings
@@ -318,7 +318,7 @@ def resolve(hosts: Sequence[FleetHost], sessions: Sessions, image: str | None) -
 
 
 def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str) -> str:
-    """The commit `revision` of vllm_model_repo names now, asked of the hub from the first host that answers."""
+    """The sha that `revision` of vllm_model_repo names now, asked of the hub from the first host that answers."""
     settings = merged_settings(dict(hosts[0].data))
     repo, hub = settings["vllm_model_repo"], settings["vllm_hf_endpoint"]
     if not repo:
@@ -326,7 +326,7 @@ def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str)
             "--model-revision: vllm_model_repo is None, so there is no model to move (fix: set "
             "vllm_model_repo, or leave out --model-revision)"
         )
-    if weights.COMMIT.fullmatch(revision):
+    if weights.MODEL_SHA.fullmatch(revision):
         return revision
     env = env_file_path(hosts[0].spec.service) if settings["vllm_hf_token"] else None
     command = weights.fetch_info_command(weights.info_url(hub, repo, revision), env)
@@ -339,7 +339,7 @@ def resolve_model(hosts: Sequence[FleetHost], sessions: Sessions, revision: str)
             continue
         try:
             if rc == 0:
-                return weights.parse_info(repo, out).commit
+                return weights.parse_info(repo, out).sha
         except ValueError as e:
             err = str(e)
         raise GpufleetError(

@@ -24,7 +24,7 @@ from gpufleet.router import operations, wheels
 from gpufleet.router.facts import RouterHost, RouterHostFact
 from gpufleet.router.settings import Replica, RouterSettings, replicas, resolve_router
 from gpufleet.router.spec import RouterSpec
-from gpufleet.vllm.group_specs import resolve_replicas
+from gpufleet.vllm.group_specs import resolve_hosts
 from gpufleet.vllm.settings import merged_settings
 
 
@@ -44,7 +44,7 @@ def _verify_workers(state: State) -> Workers:
     orders = group_orders(state.inventory)
     try:
         candidates = replicas(found, orders)  # a replica group's head only
-        resolved, errors = resolve_replicas(found, orders, behind_router=True)
+        resolved, errors = resolve_hosts(found, orders, behind_router=True)
         if errors:
             raise SettingErrors(errors)
         targets = [HostTarget.for_spec(resolved[r.name][0], r.data) for r in candidates]
@@ -117,7 +117,9 @@ ROUTER_READ: HostRead[RouterPlan, RouterHost] = HostRead(
 @deploy("Deploy vllm-router in front of the replicas")
 def deploy_router() -> None:
     if not is_router_host(host):
-        not_for_this_host(name="Skip the router deploy on a replica", why="a replica: deploys/qwen35.py configures it")
+        not_for_this_host(
+            name="Skip the router deploy on a vLLM host", why="a vLLM host: deploys/qwen35.py configures it"
+        )
         return
     workers = ready_workers(ctx_state.get())
     # Every router host is locked and read before anything changes; one refusal stops the run.

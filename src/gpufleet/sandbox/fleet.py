@@ -128,7 +128,7 @@ class Fleet:
     def host(self, name: str) -> Host:
         return next(h for h in self.hosts() if h.name == name)
 
-    def add_hosts(self, gpus: list[Gpus], first: int | None = None, role: str = "replica") -> list[Host]:
+    def add_hosts(self, gpus: list[Gpus], first: int | None = None, role: str = "vllm") -> list[Host]:
         """Create and boot len(gpus) hosts in parallel, numbered from `first` (default: after the last one)."""
         start = first or 1 + max((h.index for h in self.hosts()), default=0)
         new = [hostmod.make(self.cfg, start + i, g, role) for i, g in enumerate(gpus)]

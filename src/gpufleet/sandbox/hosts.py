@@ -27,7 +27,7 @@ class Host:
     netns: str
     dir: Path  # the overlay's dirs, docker's and containerd's bind dirs, console.log
     gpus: Gpus
-    role: str = "replica"  # or "router"
+    role: str = "vllm"  # or "router"
 
     @property
     def root(self) -> Path:
@@ -42,7 +42,7 @@ class Host:
         return cls(**{**d, "dir": Path(d["dir"]), "gpus": Gpus(**d["gpus"])})
 
 
-def make(cfg: FleetConfig, i: int, gpus: Gpus, role: str = "replica") -> Host:
+def make(cfg: FleetConfig, i: int, gpus: Gpus, role: str = "vllm") -> Host:
     name = cfg.host_name(i)
     return Host(
         name=name,

@@ -92,7 +92,7 @@ def check(host: str, snap: HostSnapshot, s: VllmSettings, gpus: tuple[int, ...],
             "stage the model there by hand, or set vllm_model_repo to download it",
         )
     # A model to download: incomplete, or another commit asked for.
-    moving = s.model_ref and snap.model_checked != f"{s.model_repo}@{s.model_ref}"
+    moving = s.model_sha and snap.model_checked != f"{s.model_repo}@{s.model_sha}"
     if missing or moving:
         _need_space(bad, snap, "models", s.min_free_gb_models, "gpufleet_min_free_gb_models", "models")
     return problems

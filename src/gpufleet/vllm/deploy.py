@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import Host, deploy
 from pyinfra.context import ctx_state
 
@@ -52,11 +52,11 @@ from gpufleet.vllm.host_read import HOST_READ
 from gpufleet.vllm.layout import Layout
 from gpufleet.vllm.operations import docker, flagcheck, group, image, managed_paths, model, nvidia, service
 from gpufleet.vllm.operations.image import image_present, pinned_ref
-from gpufleet.vllm.settings import VllmSettings, merged_settings
+from gpufleet.vllm.settings import VllmSettings, merged_settings, renamed_settings
 from gpufleet.vllm.spec import ServeSpec
 from gpufleet.vllm.unit import render_unit
 from gpufleet.vllm.verify import Verification, verify_passed
-from gpufleet.vllm.weights import COMMIT, ModelTarget
+from gpufleet.vllm.weights import MODEL_SHA, ModelTarget
 from gpufleet.wire.checks import verify_checks
 from gpufleet.wire.gpu_verdicts import Verdict
 
@@ -197,9 +197,9 @@ def model_target(ledger: Ledger, s: VllmSettings) -> ModelTarget | None:
     repo, revision = s.model_repo, s.model_revision
     if not repo:
         return None
-    if s.model_ref:
-        return ModelTarget(repo, revision, f"{repo}@{s.model_ref}")
-    if revision and COMMIT.fullmatch(revision):
+    if s.model_sha:
+        return ModelTarget(repo, revision, f"{repo}@{s.model_sha}")
+    if revision and MODEL_SHA.fullmatch(revision):
         return ModelTarget(repo, revision, f"{repo}@{revision}")
     return ModelTarget(repo, revision, model_pin(ledger, repo, revision))
 
@@ -273,6 +273,8 @@ def deploy_qwen35() -> None:
         return
     plan, snap = preflight.preflight(plan_for, check_host, HOST_READ, applies=is_vllm_host, check_fleet=check_fleet)
     s, spec, layout = plan.settings, plan.spec, plan.layout
+    for line in renamed_settings(host.name, host.data.dict()):
+        host.log_styled(line, fg="yellow", log_func=logger.warning)
     held = remember(host, snap)  # every operation decides from this read
     if snap.gpu_health is not None:
         # For the ledger entry; the restart settles an app-restart Xid before it.

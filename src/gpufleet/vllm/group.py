@@ -97,12 +97,12 @@ class Member:
 
 # The group read from the inventory, checked across its hosts
 def members(
-    replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]], merged: Any
+    vllm_hosts: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]], merged: Any
 ) -> tuple[dict[str, Member], list[SettingError]]:
     """{host: Member} for every host in a group, and one SettingError per problem. orders: each inventory group's
     hosts in order; merged: gpufleet.vllm.settings.merged_settings, over raw host data."""
-    settings = {name: merged(data) for name, data in replicas}
-    data = dict(replicas)
+    settings = {name: merged(data) for name, data in vllm_hosts}
+    data = dict(vllm_hosts)
     errors: list[SettingError] = []
     named: dict[str, list[str]] = {}
     for name, s in settings.items():
@@ -163,11 +163,11 @@ def members(
 
 
 def headless_ranks(
-    replicas: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]], merged: Any
+    vllm_hosts: Sequence[tuple[str, Mapping[str, Any]]], orders: Mapping[str, Sequence[str]], merged: Any
 ) -> set[str]:
     """The hosts that serve no API: every rank but the head."""
     out = set()
-    for name, data in replicas:
+    for name, data in vllm_hosts:
         group = merged(data).get(GROUP_SETTING)
         hosts = orders.get(group) if isinstance(group, str) else None
         if hosts and name in hosts and hosts[0] != name:

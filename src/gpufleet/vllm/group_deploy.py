@@ -30,8 +30,10 @@ def resolve(
     if inventory is None or inventory.get_host(name, None) is None:
         return resolve_host(name, data, behind_router=behind_router)
     # The host's own data as given (the caller's may differ from the inventory's); its ranks' from the inventory.
-    replicas = [(h.name, data if h.name == name else h.data.dict()) for h in inventory if ROUTERS_GROUP not in h.groups]
-    return resolve_one(name, replicas, group_orders(inventory), behind_router)
+    vllm_hosts = [
+        (h.name, data if h.name == name else h.data.dict()) for h in inventory if ROUTERS_GROUP not in h.groups
+    ]
+    return resolve_one(name, vllm_hosts, group_orders(inventory), behind_router)
 
 
 def probe_target(spec: ServeSpec) -> tuple[str, int] | None:

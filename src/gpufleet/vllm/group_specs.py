@@ -1,4 +1,4 @@
-"""Replicas resolved with their groups: a replica group's ranks built together, so each knows every rank's spec hash."""
+"""vLLM hosts resolved with their groups: a replica group's ranks built together, so each knows every rank's spec hash."""
 
 from __future__ import annotations
 
@@ -14,24 +14,24 @@ from gpufleet.vllm.spec import ServeSpec
 Resolved = dict[str, tuple[ServeSpec, VllmSettings]]
 
 
-def resolve_replicas(
-    replicas: Sequence[tuple[str, Mapping[str, Any]]],
+def resolve_hosts(
+    vllm_hosts: Sequence[tuple[str, Mapping[str, Any]]],
     orders: Mapping[str, Sequence[str]],
     behind_router: bool,
     *,
     only: Collection[str] | None = None,
 ) -> tuple[Resolved, list[SettingError]]:
-    """{host: (spec, settings)} for `only` (default: every replica) and their groups' ranks, and every problem. A
+    """{host: (spec, settings)} for `only` (default: every host) and their groups' ranks, and every problem. A
     group with a problem on any rank has no spec on any."""
-    found, errors = members(replicas, orders, merged_settings)
-    wanted = set(only) if only is not None else {name for name, _ in replicas}
+    found, errors = members(vllm_hosts, orders, merged_settings)
+    wanted = set(only) if only is not None else {name for name, _ in vllm_hosts}
     if only is not None:  # a wanted host's group's problems are its own
-        by_name = dict(replicas)
+        by_name = dict(vllm_hosts)
         claimed = {merged_settings(by_name[name]).get("vllm_group") for name in wanted if name in by_name}
         wanted |= {h for group, hosts in orders.items() if group in claimed for h in hosts if h in by_name}
         errors = [e for e in errors if e.host in wanted]
     resolved: Resolved = {}
-    for name, data in replicas:
+    for name, data in vllm_hosts:
         if name not in wanted:
             continue
         try:
@@ -53,12 +53,12 @@ def resolve_replicas(
 
 def resolve_one(
     name: str,
-    replicas: Sequence[tuple[str, Mapping[str, Any]]],
+    vllm_hosts: Sequence[tuple[str, Mapping[str, Any]]],
     orders: Mapping[str, Sequence[str]],
     behind_router: bool,
 ) -> tuple[ServeSpec, VllmSettings]:
     """One host's spec and settings; raises SettingErrors naming every problem of the host and its group."""
-    resolved, errors = resolve_replicas(replicas, orders, behind_router, only=[name])
+    resolved, errors = resolve_hosts(vllm_hosts, orders, behind_router, only=[name])
     if errors:
         raise SettingErrors(errors)
     return resolved[name]

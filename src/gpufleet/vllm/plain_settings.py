@@ -16,7 +16,7 @@ from gpufleet.defaults import (
     EXPECT_COMMITTED_SETTING,
     IMAGE_REF_SETTING,
     LEASE_SETTING,
-    MODEL_REF_SETTING,
+    MODEL_SHA_SETTING,
     WAIT_SETTING,
 )
 from gpufleet.errors import shown
@@ -324,11 +324,11 @@ def check_plain_settings(s: Mapping[str, Any], fail: Fail) -> None:
             f"{shown(s['vllm_model_revision'])} is not a branch, tag or commit",
             'e.g. "main" or a commit hash, or None',
         )
-    ref = s[MODEL_REF_SETTING]
-    if ref is not None and (not isinstance(ref, str) or not re.fullmatch(r"[0-9a-f]{40}", ref)):
-        fail(MODEL_REF_SETTING, f"{shown(ref)} is not a commit of vllm_model_repo", "a 40-hex commit id, or None")
-    elif ref is not None and s["vllm_model_repo"] is None:
-        fail(MODEL_REF_SETTING, "is set but vllm_model_repo is None", "set vllm_model_repo, or drop it")
+    sha = s[MODEL_SHA_SETTING]
+    if sha is not None and (not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{40}", sha)):
+        fail(MODEL_SHA_SETTING, f"{shown(sha)} is not a commit of vllm_model_repo", "a 40-hex commit id, or None")
+    elif sha is not None and s["vllm_model_repo"] is None:
+        fail(MODEL_SHA_SETTING, "is set but vllm_model_repo is None", "set vllm_model_repo, or drop it")
     hub = urlsplit(s["vllm_hf_endpoint"]) if isinstance(s["vllm_hf_endpoint"], str) else None
     if hub is None or hub.scheme not in ("http", "https") or not hub.hostname or hub.query or " " in hub.geturl():
         fail(

@@ -18,8 +18,9 @@ from gpufleet.defaults import (
     GPU_VERDICTS_SETTING,
     IMAGE_REF_SETTING,
     LEASE_SETTING,
-    MODEL_REF_SETTING,
+    MODEL_SHA_SETTING,
     REFRESH_KEYS_SETTING,
+    RENAMED_SETTINGS,
     RETRY_SETTING,
     SPEED_BASELINE_SETTING,
     SPEED_BATCHES_SETTING,
@@ -122,7 +123,7 @@ class VllmSettings(Mapping[str, Any]):
     lock_lease_s: float
     # What one run does
     image_ref: str | None  # the pinned digest reference
-    model_ref: str | None
+    model_sha: str | None
     stage: Stage
     retry_failed: bool
     expect_committed: Mapping[str, str | None] | None
@@ -212,7 +213,7 @@ def _settings_record(s: Mapping[str, Any]) -> VllmSettings:
         lock_wait_s=s[WAIT_SETTING],
         lock_lease_s=s[LEASE_SETTING],
         image_ref=s[IMAGE_REF_SETTING],
-        model_ref=s[MODEL_REF_SETTING],
+        model_sha=s[MODEL_SHA_SETTING],
         stage=s[STAGE_SETTING],
         retry_failed=s[RETRY_SETTING],
         expect_committed=_frozen(s[EXPECT_COMMITTED_SETTING]),
@@ -245,9 +246,20 @@ def merged_settings(host_data: Mapping[str, Any]) -> dict[str, Any]:
     >>> merged_settings({"vllm_profile": "qwen35-1gpu"})["vllm_service"]
     'vllm-qwen35-1gpu'
     """
-    ours = {k: v for k, v in host_data.items() if k in DEFAULTS}
+    # An old name stands in for its new one; the new one wins where both are set.
+    ours = {new: host_data[old] for old, new in RENAMED_SETTINGS.items() if old in host_data}
+    ours.update((k, v) for k, v in host_data.items() if k in DEFAULTS)
     profile = profile_for(ours.get("vllm_profile", DEFAULTS["vllm_profile"]))
     return {**DEFAULTS, **(profile.settings if profile else {}), **ours}
+
+
+def renamed_settings(host: str, host_data: Mapping[str, Any]) -> list[str]:
+    """A warning line per old setting name the host data still uses."""
+    return [
+        f"{host}: {old} is deprecated (fix: rename it {new}; it means the same)"
+        for old, new in RENAMED_SETTINGS.items()
+        if old in host_data
+    ]
 
 
 def profile_for(name: Any) -> Profile | None:
@@ -271,9 +283,11 @@ def resolve_host(
 ) -> tuple[ServeSpec, VllmSettings]:
     """build_spec, and the settings it was built from."""
     errors: list[SettingError] = []
+    # A problem is named as the host data spells the setting, old name or new.
+    spelled = {new: old for old, new in RENAMED_SETTINGS.items() if old in host_data and new not in host_data}
 
     def fail(setting: str, problem: str, fix: str) -> None:
-        errors.append(SettingError(host, setting, problem, fix))
+        errors.append(SettingError(host, spelled.get(setting, setting), problem, fix))
 
     _check_unknown_settings(host_data, fail)
     # Control characters first, and alone: every later check would quote the value into its message.
@@ -367,7 +381,10 @@ def resolve_host(
 # --- before the merge: what the host data holds -----------------------------------------------------------
 def _check_unknown_settings(host_data: Mapping[str, Any], fail: Fail) -> None:
     for key in host_data:
-        if isinstance(key, str) and key.startswith(_OUR_PREFIXES) and key not in DEFAULTS:
+        if key in RENAMED_SETTINGS:
+            if RENAMED_SETTINGS[key] in host_data:
+                fail(key, f"is the old name of {RENAMED_SETTINGS[key]}, which is set too", f"drop {key}")
+        elif isinstance(key, str) and key.startswith(_OUR_PREFIXES) and key not in DEFAULTS:
             close = difflib.get_close_matches(key, DEFAULTS, n=1)
             fail(
                 key, "unknown setting", f"did you mean {close[0]}?" if close else "see the settings table in README.md"
@@ -383,7 +400,7 @@ def _check_control_characters(host: str, host_data: Mapping[str, Any], fail: Fai
             "rename the host in the inventory",
         )
     for key, value in host_data.items():
-        if key in DEFAULTS:
+        if key in DEFAULTS or key in RENAMED_SETTINGS:
             for setting, text in _strings(key, value):
                 found = control_character(text)
                 if found:

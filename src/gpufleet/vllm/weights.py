@@ -1,4 +1,4 @@
-"""A model commit's hub file list, and the host commands that check, keep and restore its files (docs/deploy.md)."""
+"""A model sha's hub file list, and the host commands that check, keep and restore its files (docs/deploy.md)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote
 
-MARKER = ".gpufleet-model"  # "<repo>@<commit>" once every file matched the hub
-COMMIT = re.compile(r"[0-9a-f]{40}")
+MARKER = ".gpufleet-model"  # "<repo>@<sha>" once every file matched the hub
+MODEL_SHA = re.compile(r"[0-9a-f]{40}")
 _HEX = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 HUB = "https://huggingface.co"
 RESTORED = "@@gpufleet:model-restored"  # restore_command's output after a restore
@@ -31,12 +31,12 @@ class HubFile:
 @dataclass(frozen=True)
 class HubRevision:
     repo: str
-    commit: str
+    sha: str
     files: tuple[HubFile, ...]
 
     @property
     def pinned(self) -> str:
-        return f"{self.repo}@{self.commit}"
+        return f"{self.repo}@{self.sha}"
 
     @property
     def size(self) -> int:
@@ -45,7 +45,7 @@ class HubRevision:
 
 @dataclass(frozen=True)
 class ModelTarget:
-    """pin: repo@commit, when known before the run."""
+    """pin: repo@sha, when known before the run."""
 
     repo: str
     revision: str | None
@@ -67,8 +67,8 @@ def parse_info(repo: str, body: str) -> HubRevision:
         doc = json.loads(body)
     except json.JSONDecodeError:
         raise ValueError("the hub's answer is not JSON") from None
-    commit = doc.get("sha") if isinstance(doc, dict) else None
-    if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
+    model_sha = doc.get("sha") if isinstance(doc, dict) else None
+    if not isinstance(model_sha, str) or not MODEL_SHA.fullmatch(model_sha):
         raise ValueError("the hub's answer names no commit")
     files = []
     for sibling in doc.get("siblings") or ():
@@ -80,7 +80,7 @@ def parse_info(repo: str, body: str) -> HubRevision:
         if (sha is not None and not _HEX.fullmatch(str(sha))) or not _HEX.fullmatch(blob):
             raise ValueError(f"the hub's answer has no usable hash for {path}")
         files.append(HubFile(path, size, blob, sha))
-    return HubRevision(repo, commit, tuple(files))
+    return HubRevision(repo, model_sha, tuple(files))
 
 
 def _unsafe(path: str) -> bool:

@@ -1,4 +1,4 @@
-"""The model: one commit of its repo, every file checked against the hub's hashes before vLLM sees it.
+"""The model: one sha (commit) of its repo, every file checked against the hub's hashes before vLLM sees it.
 
 The design is in docs/deploy.md (step 11) and docs/site-cache.md (the mirror).
 """
@@ -33,7 +33,7 @@ def managed(layout: Layout) -> Managed:
 
 
 def target_model(model: ModelTarget | None, host: Host | None = None) -> str | None:
-    """The repo@commit the unit names: the one this run checked, else the pin."""
+    """The repo@sha the unit names: the one this run checked, else the pin."""
     if model is None:
         return None
     return host_run(host).resolved_model or model.pin
@@ -87,7 +87,7 @@ def _mismatches(host: Host, where: str, revision: HubRevision) -> list[str]:
 
 def _mirror_answers(host: Host, mirror: ModelMirror, revision: HubRevision) -> str | None:
     """None when the mirror serves the repo's model info, else why not."""
-    url = weights.info_url(mirror.endpoint, revision.repo, revision.commit)
+    url = weights.info_url(mirror.endpoint, revision.repo, revision.sha)
     ok, output = host.run_shell_command(
         f"curl -s -o /dev/null --noproxy '*' --connect-timeout 3 --max-time 30 -w '%{{http_code}}' {shlex.quote(url)}",
         _sudo=False,
@@ -111,7 +111,7 @@ def _download(
     refused: list[str],
     timeout_s: float | None = None,
 ) -> str | None:
-    """Download the commit: None on success, TIMED_OUT, or the CLI's last lines.
+    """Download the model sha: None on success, TIMED_OUT, or the CLI's last lines.
 
     Refused files go first: hf skips what it recorded as complete."""
     sudo = use_sudo(host)
@@ -120,7 +120,7 @@ def _download(
             "rm -f " + " ".join(shlex.quote(p) for p in weights.partial_paths(where, refused)), _sudo=sudo
         )
     argv = spec.hf_download_argv(
-        image, revision.repo, revision.commit, hf_cache, env_file, env=weights.env_for_download(endpoint)
+        image, revision.repo, revision.sha, hf_cache, env_file, env=weights.env_for_download(endpoint)
     )
     # docker run's signal proxy passes timeout's SIGTERM to the container.
     ok, lines = run_bounded(host, " ".join(shlex.quote(a) for a in argv), timeout_s)
@@ -241,7 +241,7 @@ def _fetch(
         if failed is not None:
             return fail(
                 host,
-                f"model download of {model.repo}@{revision.commit[:12]} failed: {failed} (fix: check "
+                f"model download of {model.repo}@{revision.sha[:12]} failed: {failed} (fix: check "
                 "vllm_model_repo / vllm_hf_token; re-running resumes)",
             )
         if bad:
@@ -250,7 +250,7 @@ def _fetch(
             )
             return fail(
                 host,
-                f"{len(bad)} file(s) of {model.repo}@{revision.commit[:12]} do not match the hub's "
+                f"{len(bad)} file(s) of {model.repo}@{revision.sha[:12]} do not match the hub's "
                 f"hashes even from the hub ({', '.join(bad[:3])}): deleted, not served (fix: check the "
                 "disk under vllm_models_dir, then run again)",
             )
@@ -274,7 +274,7 @@ def present(
     mirror: ModelMirror | None = None,
     timeout_s: float | None = None,
 ) -> Commands:
-    """The model's commit in `where`, every file checked against the hub's hashes; with no repo, staged by hand.
+    """The model's sha in `where`, every file checked against the hub's hashes; with no repo, staged by hand.
 
     env_file is the root-only file holding HF_TOKEN: the token is never an argument."""
     snap = snapshot()

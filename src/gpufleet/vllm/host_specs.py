@@ -1,4 +1,4 @@
-"""Every vLLM replica's validated spec, read offline from an inventory file."""
+"""Every vLLM host's validated spec, read offline from an inventory file."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from gpufleet.errors import GpufleetError, SettingErrors, one_line
 from gpufleet.inventory import load_roles_and_groups
-from gpufleet.vllm.group_specs import resolve_replicas
+from gpufleet.vllm.group_specs import resolve_hosts
 from gpufleet.vllm.spec import ServeSpec
 
 
@@ -16,7 +16,7 @@ def load_host_specs(inventory_path: str | Path, only_host: str | None = None) ->
     routers, hosts, groups = load_roles_and_groups(inventory_path)
     if only_host is not None and only_host not in dict(hosts):
         raise GpufleetError(one_line(f"{only_host}: no such host in {inventory_path} (fix: check --host)"))
-    resolved, errors = resolve_replicas(hosts, groups, bool(routers), only=None if only_host is None else [only_host])
+    resolved, errors = resolve_hosts(hosts, groups, bool(routers), only=None if only_host is None else [only_host])
     if errors:
         raise SettingErrors(errors)
     return [

@@ -13,7 +13,7 @@ from gpufleet.errors import GpufleetError, one_line
 from gpufleet.health.runner import PARALLEL
 from gpufleet.remote.ssh import needs_sudo, open_ssh
 from gpufleet.remote.transport import SshTransport, Unreachable
-from gpufleet.vllm.replica_specs import load_host_specs
+from gpufleet.vllm.host_specs import load_host_specs
 from gpufleet.vllm.spec import ServeSpec
 
 T = TypeVar("T")
