@@ -117,7 +117,7 @@ def _align_without_safe_chunking(c: LintContext) -> bool:
         return False
     blocks = c.block_sizes
     # The attention block size of a hybrid in align mode is chosen at start-up (~528-2048 tokens on GPUs):
-    # unless the batch equals the block, chunks can end off a block boundary.
+    # unless the token budget equals the block, chunks can end off a block boundary.
     return len(blocks) != 1 or c.int_arg("max-num-batched-tokens") != blocks[0]
 
 
