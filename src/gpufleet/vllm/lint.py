@@ -421,8 +421,8 @@ GROUP_RULES: tuple[LintRule[GroupLintContext], ...] = (
     LintRule(
         "group-mixed-gpu-models",
         "error",
-        "the replica group's ranks have different GPU models: vLLM sizes every stage's KV cache to the smallest "
-        "rank's memory and runs at the slowest rank's pace; the deploy refuses it",
+        "the replica group's ranks have different GPU models: vLLM sizes every pipeline stage's KV cache to the "
+        "smallest rank's memory and runs at the slowest rank's pace; the deploy refuses it",
         lambda c: (
             _mixed_fix(c, c.gpus, "GPU model") + ", or accept it on purpose: gpufleet_accept = "
             '["group-mixed-gpu-models"] on the head'
