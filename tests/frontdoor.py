@@ -1,4 +1,4 @@
-"""The router's front door as the deploy renders it (nginx site and session key script), run by this machine's
+"""The router's front door as the deploy renders it (nginx config and session key script), run by this machine's
 nginx on loopback in front of a router (or any upstream) on a local port, for tests and the bench."""
 
 from __future__ import annotations

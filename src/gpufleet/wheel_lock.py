@@ -50,13 +50,13 @@ class LockFile:
     path: Path
     shown: str  # the path as the errors name it
     regenerate: str  # the command, e.g. "python -m gpufleet.router.relock"
-    setting: str  # the version setting
+    setting: str  # the package version's setting
     doc: str  # the docs page on regenerating it
 
 
 @dataclass(frozen=True)
 class LockedInstall:
-    """The lock's wheels for one host's version, Python and machine."""
+    """The lock's wheels for one package version, Python and machine."""
 
     version: str
     python: str  # "3.11"

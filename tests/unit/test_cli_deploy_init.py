@@ -134,7 +134,7 @@ def test_deploy_exits_with_pyinfras_status_and_skips_the_router_after_a_failure(
     codes.append(3)
     code, out = invoke("deploy", inventory, "-y")
     assert code == 3
-    assert len(runs) == 1 and "routers group was not deployed" in out and "fix:" in out
+    assert len(runs) == 1 and "routers inventory group was not deployed" in out and "fix:" in out
     runs.clear()
     codes.extend([0, 1])
     assert invoke("deploy", inventory, "-y")[0] == 1  # the router run's status

@@ -185,7 +185,7 @@ def test_ranks_that_resolved_different_digests_or_model_commits_fail_before_any_
     (check,) = ops["box-b"]["Check every rank of the group has one digest and one model commit"]
     repo = "Qwen/Qwen3.5-35B-A3B-FP8"
     for name in HOSTS:
-        host_run(state.inventory.get_host(name)).resolved_image_ref = REF
+        host_run(state.inventory.get_host(name)).resolved_ref = REF
         host_run(state.inventory.get_host(name)).resolved_model = f"{repo}@{COMMIT}"
     said: list[str] = []
     monkeypatch.setattr(group_ops, "fail", lambda host, line: said.append(line) or False)
@@ -198,7 +198,7 @@ def test_ranks_that_resolved_different_digests_or_model_commits_fail_before_any_
         f"box-b {repo}@{COMMIT}): the branch moved between their downloads (fix: converge again, or "
         "set vllm_model_revision to a commit)"
     )
-    host_run(state.inventory.get_host("box-a")).resolved_image_ref = OTHER
+    host_run(state.inventory.get_host("box-a")).resolved_ref = OTHER
     assert check.function(state, box_b, *check.args) is False
     assert said[-1].startswith(f"box-b: the ranks of group pair got different digests (box-a {OTHER}, box-b {REF})")
 

@@ -225,7 +225,7 @@ def test_server_strings_are_shown_as_text_never_read_as_markup(inventory, monkey
         HealthState.READY,
         "/health 200",
         host="box-b",
-        version="[bold]0.32",
+        vllm_version="[bold]0.32",
         served_models=("[/x]",),
         cache_config={"block_size": "[/]"},
     )

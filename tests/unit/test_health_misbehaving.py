@@ -351,7 +351,7 @@ def test_the_good_server_is_ready(through):
     # The baseline every case above departs from: a real vLLM's answers.
     report = checked(through)
     assert report.state is HealthState.READY, report.detail
-    assert (report.served_model, report.max_model_len, report.version) == ("tiny", 4096, "0.32.0")
+    assert (report.served_model, report.max_model_len, report.vllm_version) == ("tiny", 4096, "0.32.0")
 
 
 def test_nan_and_infinite_metrics_are_unknown_not_a_crash(through):

@@ -1,7 +1,7 @@
 """The package's layers (docs/architecture.md): every module imports, and no import runs back up.
 
-Each top-level room of gpufleet has a rank; a module may import from its own room and from rooms of a lower rank,
-never from a room of the same or a higher rank. That one rule keeps, among others, facts and operations off the
+Each top-level room of gpufleet has a level; a module may import from its own room and from rooms of a lower level,
+never from a room of the same or a higher level. That one rule keeps, among others, facts and operations off the
 network client (health), the health checks off the inventory, the ledger and the lock off the operations, the
 inventory off the router and the offline lint off health; and it rules out import cycles between rooms. Imports
 inside functions and under TYPE_CHECKING count like any other.
@@ -20,8 +20,8 @@ import gpufleet
 
 PACKAGE = Path(gpufleet.__file__).parent
 
-# Lowest first. Rooms of one rank never import each other. A slice (one service: settings, spec, unit, facts,
-# operations, deploy) is not one room: each of its modules is a room of its own, ranked with the shared rooms of
+# Lowest first. Rooms of one level never import each other. A slice (one service: settings, spec, unit, facts,
+# operations, deploy) is not one room: each of its modules is a room of its own, placed with the shared rooms of
 # its kind, so the vLLM slice's spec sits low (the wire rules and health read it) and its deploy high.
 SLICES = ("vllm", "router", "sitecache")
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -60,7 +60,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("__main__",),
 )
-RANK = {room: rank for rank, rooms in enumerate(LAYERS) for room in rooms}
+LEVEL = {room: level for level, rooms in enumerate(LAYERS) for room in rooms}
 
 
 def modules() -> list[str]:
@@ -114,8 +114,8 @@ def _is_module(name: str) -> bool:
 
 def test_every_room_has_a_rank():
     rooms = {room(m) for m in modules()} - {""}
-    assert rooms - set(RANK) == set(), "a new room needs its place in LAYERS (and in docs/architecture.md)"
-    assert set(RANK) - rooms <= {"data"}, "LAYERS names a room that is gone"
+    assert rooms - set(LEVEL) == set(), "a new room needs its place in LAYERS (and in docs/architecture.md)"
+    assert set(LEVEL) - rooms <= {"data"}, "LAYERS names a room that is gone"
 
 
 @pytest.mark.parametrize("module", [m for m in modules() if not m.endswith("__main__")])  # those run the CLI
@@ -131,10 +131,10 @@ def test_no_import_runs_back_up_the_layers():
             there = room(target)
             if there == here or there == "" or here == "":
                 continue  # within a room; the package's own __init__ (its version) sits below every room
-            if RANK[there] >= RANK[here]:
+            if LEVEL[there] >= LEVEL[here]:
                 broken.append(
                     f"{source(module).relative_to(PACKAGE.parent)}:{line}: {module} imports {target} "
-                    f"({here} is rank {RANK[here]}, {there} rank {RANK[there]})"
+                    f"({here} is level {LEVEL[here]}, {there} level {LEVEL[there]})"
                 )
     assert broken == [], "\n".join(broken)
 
@@ -159,8 +159,8 @@ def test_the_rule_is_checked_against_real_imports():
 )
 def test_the_named_layer_rules(module, forbidden):
     assert not [t for t, _ in imported(module) if t == forbidden or t.startswith(forbidden + ".")]
-    if room(forbidden):  # a whole slice (gpufleet.router) has rooms on several ranks: the import check is the rule
-        assert RANK[room(forbidden)] > RANK[room(module)]
+    if room(forbidden):  # a whole slice (gpufleet.router) has rooms on several levels: the import check is the rule
+        assert LEVEL[room(forbidden)] > LEVEL[room(module)]
 
 
 def test_hosts_are_reached_only_through_remote():
@@ -182,7 +182,7 @@ def package(module: str) -> str:
 
 
 def test_no_import_cycle_between_packages():
-    # Ranks hold module by module; this holds the packages too, each slice taken whole: the shared base imports no
+    # Levels hold module by module; this holds the packages too, each slice taken whole: the shared base imports no
     # slice, and the slices import each other one way only (the router the vLLM settings, the vLLM pull the cache).
     graph: dict[str, set[str]] = {}
     for module in modules():

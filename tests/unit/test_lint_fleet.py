@@ -1,5 +1,5 @@
 """`gpufleet lint` over a fleet: severities, one line per finding for the hosts it fires on alike, --json, --strict,
-findings accepted on purpose (gpufleet_accept), the routers group, exit statuses, and the shipped example."""
+findings accepted on purpose (gpufleet_accept), the routers inventory group, exit statuses, and the shipped example."""
 
 from __future__ import annotations
 

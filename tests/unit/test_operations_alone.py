@@ -44,7 +44,7 @@ def run_alone(
     state = State(inventory, Config())
     state.is_executing = executing
     held = remember(target, snap)
-    held.resolved_image_ref, held.ledger = resolved, ledger or Ledger()
+    held.resolved_ref, held.ledger = resolved, ledger or Ledger()
     with ctx_state.use(state), ctx_host.use(target):
         return list(operation._inner(**arguments))
 

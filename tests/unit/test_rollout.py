@@ -516,7 +516,7 @@ def test_an_unreachable_router_is_one_line_naming_it_before_any_swap():
         Routers.connect([router], [("h1", {"ssh_hostname": "10.0.0.1"})])
     message = str(caught.value)
     assert message.startswith("router r1: ") and "\n" not in message
-    assert "fix: bring the router back, or take it out of the inventory's routers group" in message
+    assert "fix: bring the router back, or take it out of the routers inventory group" in message
 
 
 def test_without_routers_nothing_is_reached_and_a_loopback_replica_is_fine():

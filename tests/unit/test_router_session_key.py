@@ -1,4 +1,4 @@
-"""The front door's session key: the deploy's nginx site and njs script, run by this machine's nginx in front of an
+"""The front door's session key: the deploy's nginx config and njs script, run by this machine's nginx in front of an
 upstream that echoes the X-Session-ID it got (what vllm-router would place by), and the deploy's decisions for it."""
 
 from __future__ import annotations

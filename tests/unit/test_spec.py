@@ -66,11 +66,11 @@ def test_unit_exec_start_runs_exactly_the_spec_argv():
 
 def test_unit_runs_the_pinned_image_not_the_tag():
     spec = build_spec("box", {})
-    digest_ref = "vllm/vllm-openai@sha256:" + "b" * 64
+    image_ref = "vllm/vllm-openai@sha256:" + "b" * 64
     argv = split_exec(
-        next(line for line in render_unit(spec, digest_ref).splitlines() if line.startswith("ExecStart="))[10:]
+        next(line for line in render_unit(spec, image_ref).splitlines() if line.startswith("ExecStart="))[10:]
     )
-    assert digest_ref in argv and spec.image not in argv
+    assert image_ref in argv and spec.image not in argv
 
 
 @pytest.mark.parametrize(

@@ -99,7 +99,7 @@ def test_the_rollouts_compile_hash_script_runs_on_the_stand_ins_vllm_package(tmp
         return parsed
 
     base = factors(VLLM_USE_DEEP_GEMM="0", VLLM_API_KEY="one")
-    assert base.vllm == "0.32.1.dev30+gstandin" and dict(base.digests).keys() == {"VLLM_USE_DEEP_GEMM"}
+    assert base.vllm == "0.32.1.dev30+gstandin" and dict(base.factor_sha256).keys() == {"VLLM_USE_DEEP_GEMM"}
     assert factors(VLLM_USE_DEEP_GEMM="0", VLLM_API_KEY="two") == base
     other = factors(VLLM_USE_DEEP_GEMM="1", VLLM_API_KEY="one")
     assert other.env_hash != base.env_hash and differing(base, other) == ["VLLM_USE_DEEP_GEMM"]

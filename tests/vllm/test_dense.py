@@ -54,7 +54,7 @@ def test_ready_report_carries_identity_and_load(dense):
     assert r.state is HealthState.READY, r.detail
     assert r.served_model == "tiny"
     assert r.max_model_len == 4096
-    assert r.version and r.version.startswith("0.32")
+    assert r.vllm_version and r.vllm_version.startswith("0.32")
     assert r.cache_config["block_size"] == "128"
     assert r.kv_cache_usage is not None and 0.0 <= r.kv_cache_usage <= 1.0
     assert (r.running, r.waiting) == (0, 0)
@@ -170,7 +170,7 @@ def test_checks_and_probe_through_ssh(dense, sshd):
         t = _TunnelToLocalServer(client, s)
         r = check(t, s.expected)
         assert r.state is HealthState.READY, r.detail
-        assert (r.served_model, r.max_model_len, r.version) == ("tiny", 4096, "0.32.0")
+        assert (r.served_model, r.max_model_len, r.vllm_version) == ("tiny", 4096, "0.32.0")
         wrong = Expected("vllm", s.server.port, "qwen35", 4096, {})
         assert check(t, wrong).state is HealthState.MISCONFIGURED
         assert failed(check_answers(t, s.expected)) is None  # a client's requests, through the SSH channel

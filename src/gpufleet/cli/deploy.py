@@ -80,14 +80,14 @@ def run_pyinfra(inventory: str, deploy_file: Path, args: Sequence[str]) -> int:
     "--only",
     type=click.Choice(ONLY),
     default=None,
-    help="Only the vLLM hosts (deploys/qwen35.py) or only the routers group (deploys/router.py).",
+    help="Only the vLLM hosts (deploys/qwen35.py) or only the routers inventory group (deploys/router.py).",
 )
 @click.argument("pyinfra_args", nargs=-1, type=click.UNPROCESSED, metavar="[PYINFRA OPTIONS]...")
 def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> None:
     """Converge the fleet: run pyinfra with the deploy shipped in gpufleet (no checkout needed).
 
     First the vLLM hosts (as `pyinfra INVENTORY deploys/qwen35.py` from a checkout); then, when INVENTORY has a
-    `routers` group reached by --limit, the routers (deploys/router.py), in front of the replicas that verify
+    `routers` inventory group reached by --limit, the routers (deploys/router.py), in front of the replicas that verify
     ready. The router run is skipped when the first one fails. pyinfra's own options (--dry, --limit HOST, -y,
     --data key=value, ...) pass through to both runs; the exit status is pyinfra's (2 before it runs for an
     inventory file that is missing, does not load or lists no host). docs/cli.md.
@@ -120,7 +120,7 @@ def deploy(inventory: str, only: str | None, pyinfra_args: tuple[str, ...]) -> N
         if rc != 0:
             if i + 1 < len(runs):
                 click.echo(
-                    f"gpufleet deploy: the {ROUTERS_GROUP} group was not deployed: the vLLM hosts' run "
+                    f"gpufleet deploy: the {ROUTERS_GROUP} inventory group was not deployed: the vLLM hosts' run "
                     f"exited {rc} (fix: see above, then run it again)",
                     err=True,
                 )

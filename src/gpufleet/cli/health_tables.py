@@ -68,7 +68,7 @@ def host_table(results: list[HostResult], title: str) -> Table:
                 gpu_cell(r),
                 image_cell(r),
                 spec_cell(r),
-                h.version or "-",
+                h.vllm_version or "-",
                 Text(str(h.state), style=style),
                 model_cell(h.served_model, c.model if c else None),
                 _pct(h.kv_cache_usage),

@@ -336,7 +336,7 @@ vllm_api_key = {_lit(api_key)}
     "routers",
     multiple=True,
     metavar="ADDRESS",
-    help="A small CPU box to run vllm-router in front of the boxes (the `routers` group). Repeatable.",
+    help="A small CPU box to run vllm-router in front of the boxes (the `routers` inventory group). Repeatable.",
 )
 @click.option("--ssh-user", default="deploy", show_default=True, help="The SSH user, with passwordless sudo.")
 @click.option("--force", is_flag=True, help="Overwrite DIR/inventory.py and DIR/group_data/all.py if they exist.")

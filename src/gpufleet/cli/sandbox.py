@@ -24,12 +24,12 @@ def sandbox() -> None:
     type=click.IntRange(0, 8),
     default=0,
     show_default=True,
-    help="Also boot this many GPU-less hosts in the inventory's routers group (deploys/router.py).",
+    help="Also boot this many GPU-less hosts in the routers inventory group (deploys/router.py).",
 )
 @click.option(
     "--site-cache",
     is_flag=True,
-    help="Put gpuhost1 in the inventory's site_cache group: it runs the site's pull-through registry "
+    help="Put gpuhost1 in the site_cache inventory group: it runs the site's pull-through registry "
     "cache and the other hosts pull through it (docs/site-cache.md).",
 )
 def up(count: int, routers: int, site_cache: bool) -> None:

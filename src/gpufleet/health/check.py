@@ -47,7 +47,7 @@ class HealthReport:
     state: HealthState
     detail: str  # one line of evidence
     host: str = ""
-    version: str | None = None
+    vllm_version: str | None = None
     served_models: tuple[str, ...] = ()
     max_model_len: int | None = None
     kv_cache_usage: float | None = None  # 0..1
@@ -73,7 +73,7 @@ class HealthReport:
             "host": self.host,
             "state": str(self.state),
             "detail": self.detail,
-            "version": self.version,
+            "version": self.vllm_version,  # the JSON key stays: docs/cli.md
             "served_model": self.served_model,
             "max_model_len": self.max_model_len,
             "kv_cache_usage": self.kv_cache_usage,
@@ -253,7 +253,7 @@ def _check_http(
         models = served_models(listing.body)
     except ValueError as e:
         return replace(report, state=HealthState.MISCONFIGURED, detail=f"/v1/models {e}")
-    version = _version(fetch_("/version"))
+    vllm_version = _vllm_version(fetch_("/version"))
     scrape = fetch_("/metrics")
     if scrape.status != 200:
         return replace(report, state=_status_state(scrape.status), detail=f"/metrics answered {_quoted(scrape)}")
@@ -263,7 +263,7 @@ def _check_http(
         return replace(report, state=HealthState.MISCONFIGURED, detail=f"/metrics {e}")
     report = replace(
         report,
-        version=version,
+        vllm_version=vllm_version,
         served_models=tuple(excerpt(model_id, 200) for model_id, _ in models),
         max_model_len=reported_max_model_len(expected, models),
         **_metric_fields(metrics),
@@ -272,12 +272,14 @@ def _check_http(
     if problems:
         return replace(report, state=HealthState.MISCONFIGURED, detail="; ".join(problems))
     return replace(
-        report, state=HealthState.READY, detail=f"/health 200, serving {expected.served_model_name} (vLLM {version})"
+        report,
+        state=HealthState.READY,
+        detail=f"/health 200, serving {expected.served_model_name} (vLLM {vllm_version})",
     )
 
 
-def _version(answer: Answer) -> str | None:
-    """vLLM's version, or None: /version only labels the report."""
+def _vllm_version(answer: Answer) -> str | None:
+    """vLLM's release, or None: /version only labels the report."""
     try:
         version = json.loads(answer.body).get("version") if answer.status == 200 else None
     except (ValueError, RecursionError, AttributeError):

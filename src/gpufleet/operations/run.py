@@ -33,7 +33,7 @@ class HostFiles(Protocol):
 @dataclass(slots=True, eq=False)
 class HostRun:
     snapshot: HostFiles | None = None  # read once by preflight
-    resolved_image_ref: str | None = None  # set while the image operation executes
+    resolved_ref: str | None = None  # the image's digest ref, set while the image operation executes
     resolved_model: str | None = None
     ledger: Ledger = field(default_factory=Ledger)  # as this run last read or wrote it
     ledger_sha256: dict[str, str | None] = field(

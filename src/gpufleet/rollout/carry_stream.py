@@ -57,7 +57,7 @@ def relay(
     dst = _open(target, target_cmd)
     src_err: list[bytes] = []
     dst_err: list[bytes] = []
-    digest = hashlib.sha256()
+    sha256 = hashlib.sha256()
     total = 0
 
     def feed() -> None:  # in a thread: tar writes while it still reads its list
@@ -76,7 +76,7 @@ def relay(
                 break
             if deadline is not None and time.monotonic() > deadline:
                 raise TransportError(f"{target.name}: the carry passed its time limit after {total} bytes")
-            digest.update(chunk)
+            sha256.update(chunk)
             total += len(chunk)
             dst.sendall(tamper(chunk) if tamper else chunk)
             _drain_stderr(src, src_err)
@@ -92,7 +92,7 @@ def relay(
         dst.close()
     return (
         total,
-        digest.hexdigest(),
+        sha256.hexdigest(),
         b"".join(src_err).decode(errors="replace"),
         b"".join(dst_err).decode(errors="replace"),
     )

@@ -1,5 +1,5 @@
 """The env part of vLLM's compile-cache key, computed by the image's own vLLM on each host
-(docs/compile-cache.md). Each value leaves the host as a digest only: the API key is one of them."""
+(docs/compile-cache.md). Each value leaves the host as its sha256 only: the API key is one of them."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ SCRIPT = (
 class CompileFactors:
     vllm: str
     env_hash: str
-    digests: tuple[tuple[str, str], ...]
+    factor_sha256: tuple[tuple[str, str], ...]  # (name, sha256 prefix)
 
 
 def factors_command(spec: ServeSpec, image: str, env_file: str) -> str:
@@ -49,13 +49,13 @@ def parse_factors(rc: int, out: str) -> CompileFactors | str:
         return one_line(f"the image's vLLM did not compute them (exit {rc}: {last[0][:160]})")
     try:
         doc = json.loads(line[len(MARK) :])
-        digests = tuple(sorted((str(k), str(v)) for k, v in doc["factors"].items()))
-        return CompileFactors(str(doc["vllm"]), str(doc["env"]), digests)
+        factor_sha256 = tuple(sorted((str(k), str(v)) for k, v in doc["factors"].items()))
+        return CompileFactors(str(doc["vllm"]), str(doc["env"]), factor_sha256)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return one_line(f"unreadable answer ({e}): {line[:160]}")
 
 
 def differing(a: CompileFactors, b: CompileFactors) -> list[str]:
     """Names whose values differ, one-sided ones included."""
-    da, db = dict(a.digests), dict(b.digests)
+    da, db = dict(a.factor_sha256), dict(b.factor_sha256)
     return sorted(k for k in da.keys() | db.keys() if da.get(k) != db.get(k))

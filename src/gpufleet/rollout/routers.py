@@ -52,7 +52,7 @@ class Routers:
                     raise GpufleetError(
                         one_line(
                             f"router {name}: {error} (fix: bring the router back, or take it "
-                            "out of the inventory's routers group)"
+                            "out of the routers inventory group)"
                         )
                     ) from None
                 opened.routers.append((router, float(router_settings(data)["router_worker_startup_timeout_s"])))
@@ -63,7 +63,7 @@ class Routers:
                         one_line(
                             f"router {name}: its worker list does not answer: {error} (fix: "
                             "`gpufleet status` shows the router; start it, or take it out of "
-                            "the inventory's routers group)"
+                            "the routers inventory group)"
                         )
                     ) from None
                 opened.locks[name] = _lock(router, data)

@@ -52,7 +52,7 @@ def _verify_workers(state: State) -> Workers:
         raise DeployError(f"the router's replicas have invalid settings; nothing was changed:\n  {error}") from None
     if not candidates:
         raise DeployError(
-            f"no replicas: every host is in the {ROUTERS_GROUP} group; nothing was changed "
+            f"no replicas: every host is in the {ROUTERS_GROUP} inventory group; nothing was changed "
             "(fix: add the vLLM hosts to the inventory)"
         )
     results = check_fleet(targets)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pyinfra.api import FactBase
 
 from gpufleet.router.spec import MARKER, NFT, RouterSpec, fence_table
-from gpufleet.router.unit import NGINX_DEFAULT_SITE, NJS_PACKAGE, proxy_path, script_path, unit_path
+from gpufleet.router.unit import NGINX_DEFAULT_CONFIG, NJS_PACKAGE, proxy_path, script_path, unit_path
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,8 @@ class RouterHost:
     live_workers: tuple[str, ...] | None = None  # None when the router does not answer
     reach: dict[str, str] = field(default_factory=dict)  # worker URL to its /health's HTTP code
     nginx: bool = False
-    proxy_sha256: str | None = None  # of the front door's nginx site
-    default_site: bool = False
+    proxy_sha256: str | None = None  # of the front door's nginx config
+    default_config: bool = False
     nginx_active: bool = False
     njs: bool = False
     session_script_sha256: str | None = None
@@ -82,7 +82,7 @@ def command(spec: RouterSpec, candidates: tuple[str, ...]) -> str:
         f"echo \"workers=$(curl -sS --max-time 3 {shlex.quote(spec.control_url + '/list_workers')} 2>/dev/null | tr -d '\\n')\"",
         "echo \"nginx=$(dpkg-query -W -f='${Status}' nginx 2>/dev/null | tr ' ' _)\"",
         f"echo \"proxy_sha256=$(sha256sum {shlex.quote(proxy_path(spec.service))} 2>/dev/null | cut -d' ' -f1)\"",
-        f"test -e {NGINX_DEFAULT_SITE} && echo default_site=yes",
+        f"test -e {NGINX_DEFAULT_CONFIG} && echo default_config=yes",
         'echo "nginx_active=$(systemctl is-active nginx 2>/dev/null)"',
         f"echo \"njs=$(dpkg-query -W -f='${{Status}}' {NJS_PACKAGE} 2>/dev/null | tr ' ' _)\"",
         f"echo \"session_script_sha256=$(sha256sum {shlex.quote(script_path(spec.service))} 2>/dev/null | cut -d' ' -f1)\"",
@@ -138,7 +138,7 @@ def parse(output: list[str]) -> RouterHost:
         reach=reach,
         nginx=values.get("nginx") == "install_ok_installed",
         proxy_sha256=values.get("proxy_sha256") or None,
-        default_site=values.get("default_site") == "yes",
+        default_config=values.get("default_config") == "yes",
         nginx_active=values.get("nginx_active") == "active",
         njs=values.get("njs") == "install_ok_installed",
         session_script_sha256=values.get("session_script_sha256") or None,

@@ -16,7 +16,7 @@ from gpufleet.operations.run import still_locked, while_held
 from gpufleet.router.facts import RouterHost
 from gpufleet.router.spec import FENCE_USERS, MARKER, MEMBERS_DIR, RouterSpec
 from gpufleet.router.unit import (
-    NGINX_DEFAULT_SITE,
+    NGINX_DEFAULT_CONFIG,
     NGINX_SCRIPTS,
     NJS_PACKAGE,
     proxy_path,
@@ -185,7 +185,7 @@ def front_door(spec: RouterSpec, seen: RouterHost) -> Commands:
         and not changed
         and not script_changed
         and not njs_missing
-        and not seen.default_site
+        and not seen.default_config
         and seen.nginx_active
     ):
         host.noop(f"nginx serves {spec.service}'s client API on port {spec.port}, and nothing else")
@@ -199,8 +199,8 @@ def front_door(spec: RouterSpec, seen: RouterHost) -> Commands:
         yield AtomicUpload(as_io(script), key.script, "644")
     if changed:
         yield AtomicUpload(as_io(content), proxy_path(spec.service), "644")
-    if seen.default_site or not seen.nginx:
-        yield StringCommand("rm", "-f", NGINX_DEFAULT_SITE)
+    if seen.default_config or not seen.nginx:
+        yield StringCommand("rm", "-f", NGINX_DEFAULT_CONFIG)
     # A site nginx refuses is not loaded; the running nginx keeps serving.
     yield StringCommand("nginx", "-t", "-q")
     yield StringCommand("systemctl", "enable", "nginx")

@@ -1,4 +1,4 @@
-"""The router's systemd unit, and its front door's nginx site and session key script."""
+"""The router's systemd unit, and its front door's nginx config and session key script."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gpufleet.units import render_template
 
 NGINX_SITES = "/etc/nginx/conf.d"
 # A router host serves nothing but its front door.
-NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"
+NGINX_DEFAULT_CONFIG = "/etc/nginx/sites-enabled/default"
 NGINX_SCRIPTS = "/etc/nginx/gpufleet"
 # Its package enables the module itself.
 NJS_PACKAGE = "libnginx-mod-http-js"
@@ -62,7 +62,7 @@ def render_unit(spec: RouterSpec) -> str:
 
 
 def render_proxy(spec: RouterSpec, scripts: str = NGINX_SCRIPTS) -> str:
-    """The nginx site that passes on the client API only."""
+    """The nginx config that passes on the client API only."""
     listen = str(spec.port) if spec.address == "0.0.0.0" else f"{url_host(spec.address)}:{spec.port}"
     return render_template(
         "vllm-router-nginx.conf.j2", spec=spec, listen=listen, session_key=session_key(spec, scripts)

@@ -15,7 +15,7 @@ UNIT = "docker-registry.service"
 CONFIG = "/etc/docker/registry/config.yml"  # where Debian's package reads it
 FRONT = "/etc/nginx/conf.d/gpufleet-site-cache.conf"
 MIRROR_HOME, MIRROR_CONFIG, MIRROR_UNIT, MIRROR_SERVICE = mirror.HOME, mirror.CONFIG, mirror.UNIT, mirror.SERVICE
-NGINX_DEFAULT_SITE = "/etc/nginx/sites-enabled/default"  # Debian's welcome page, on port 80
+NGINX_DEFAULT_CONFIG = "/etc/nginx/sites-enabled/default"  # Debian's welcome page, on port 80
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from gpufleet import wheel_lock
 from gpufleet.names import LOOPBACK
 
 OLAH_VERSION = "0.5.4"
-# psutil<6 (olah's pin) has no aarch64 wheels.
+# psutil<6 (olah's requirement) has no aarch64 wheels.
 MACHINES = ("x86_64",)
 LOCK = wheel_lock.LockFile(
     "olah",

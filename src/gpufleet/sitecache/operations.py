@@ -20,7 +20,7 @@ from gpufleet.names import LOOPBACK
 from gpufleet.operations.base import Commands, fail
 from gpufleet.operations.files import AtomicUpload, as_io, sha256
 from gpufleet.sitecache import mirror
-from gpufleet.sitecache.facts import CONFIG, FRONT, NGINX_DEFAULT_SITE, PACKAGE, UNIT, SiteCacheHost
+from gpufleet.sitecache.facts import CONFIG, FRONT, NGINX_DEFAULT_CONFIG, PACKAGE, UNIT, SiteCacheHost
 from gpufleet.units import render_template, unit_path
 from gpufleet.wheel_lock import LockedInstall
 
@@ -129,7 +129,7 @@ def render_front(
     models: Sequence[str] = (),
     mirror_port: int | None = None,
 ) -> str:
-    """nginx's site: `clients` pull `repositories` by digest and read `models`; all else is 403."""
+    """nginx's config: `clients` pull `repositories` by digest and read `models`; all else is 403."""
     pattern = "|".join(re.escape(r) for r in sorted(set(repositories)))
     models_pattern = "|".join(re.escape(m) for m in sorted(set(models))) if mirror_port else ""
     return render_template(
@@ -164,7 +164,7 @@ def front_door(
         yield StringCommand(
             "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q", "--no-install-recommends", "nginx"
         )
-        yield StringCommand("rm", "-f", NGINX_DEFAULT_SITE)  # this run installed nginx: the site is not the host's
+        yield StringCommand("rm", "-f", NGINX_DEFAULT_CONFIG)  # this run installed nginx: its default is not the host's
     if changed:
         yield AtomicUpload(as_io(content), FRONT, "644")
     # A site nginx refuses is never loaded.

@@ -117,7 +117,7 @@ def _align_without_safe_chunking(c: LintContext) -> bool:
         return False
     blocks = c.block_sizes
     # The attention block size of a hybrid in align mode is chosen at start-up (~528-2048 tokens on GPUs):
-    # unless the batch equals the block, chunks can end off a block boundary.
+    # unless the token budget equals the block, chunks can end off a block boundary.
     return len(blocks) != 1 or c.int_arg("max-num-batched-tokens") != blocks[0]
 
 
@@ -422,8 +422,8 @@ GROUP_RULES: tuple[LintRule[GroupLintContext], ...] = (
     LintRule(
         "group-mixed-gpu-models",
         "error",
-        "the replica group's ranks have different GPU models: vLLM sizes every stage's KV cache to the smallest "
-        "rank's memory and runs at the slowest rank's pace; the deploy refuses it",
+        "the replica group's ranks have different GPU models: vLLM sizes every pipeline stage's KV cache to the "
+        "smallest rank's memory and runs at the slowest rank's pace; the deploy refuses it",
         lambda c: (
             _mixed_fix(c, c.gpus, "GPU model") + ", or accept it on purpose: gpufleet_accept = "
             '["group-mixed-gpu-models"] on the head'

@@ -29,7 +29,7 @@ def legal_prefix_match_unit(block_sizes: Sequence[int], ceiling: int = PREFERRED
 
 
 def legal_max_num_batched_tokens(block_sizes: Sequence[int]) -> int | None:
-    """The least --max-num-batched-tokens whose chunks end on every group's block boundary."""
+    """The least token budget (--max-num-batched-tokens) whose chunks end on every KV cache group's block boundary."""
     return math.lcm(*block_sizes) if block_sizes else None
 
 

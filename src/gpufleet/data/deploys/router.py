@@ -1,4 +1,4 @@
-"""pyinfra deploy: vllm-router in front of the fleet, on the inventory's `routers` group (docs/router.md).
+"""pyinfra deploy: vllm-router in front of the fleet, on the `routers` inventory group (docs/router.md).
 
 The work lives in gpufleet.router.deploy; pyinfra executes this file.
 """

@@ -237,7 +237,7 @@ def _pull(
             f"{image} has no registry digest after the pull (fix: pull it from a registry, "
             "or set vllm_image to repo@sha256:<digest>)",
         )
-    host_run(host).resolved_image_ref = ref
+    host_run(host).resolved_ref = ref
     host.log_styled(f"pinned {image} -> {ref}")
     if service is not None:
         manifest = _manifest(host, cache, ref.rpartition("@")[2]) if cache is not None and not fell_back else None
@@ -258,7 +258,7 @@ def _pull(
 
 def target_ref(pin: str | None, host: Host | None = None) -> str | None:
     """The digest the unit must run: the one pinned() resolved in this run, else `pin`."""
-    return host_run(host).resolved_image_ref or pin
+    return host_run(host).resolved_ref or pin
 
 
 @operation()

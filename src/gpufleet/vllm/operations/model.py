@@ -33,7 +33,7 @@ def managed(layout: Layout) -> Managed:
 
 
 def target_model(model: ModelTarget | None, host: Host | None = None) -> str | None:
-    """The repo@sha the unit names: the one this run checked, else the pin."""
+    """The repo@sha the unit names: the one this run checked, else the one known before it."""
     if model is None:
         return None
     return host_run(host).resolved_model or model.pin
