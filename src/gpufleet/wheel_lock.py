@@ -108,7 +108,7 @@ def locked_install(
             host,
             of.setting,
             f"{version} is not in gpufleet's lock of {of.package} wheels ({of.shown} has {', '.join(releases(lock))})",
-            f"pin a locked version, or lock it: {of.regenerate} --version {version}",
+            f"choose a locked version, or lock it: {of.regenerate} --version {version}",
         )
     if not python:
         raise SettingError(

@@ -109,7 +109,7 @@ def test_a_router_version_the_lock_does_not_have_is_refused_with_the_settings():
         spec(router_version="0.1.16")
     (line,) = str(caught.value).splitlines()
     assert line.startswith("router1: router_version: 0.1.16 is not in gpufleet's lock of router wheels")
-    assert "(fix: pin a locked version, or lock it: python -m gpufleet.router.relock --version 0.1.16" in line
+    assert "(fix: choose a locked version, or lock it: python -m gpufleet.router.relock --version 0.1.16" in line
 
 
 def test_a_host_the_lock_does_not_cover_is_refused_before_any_operation(monkeypatch):

@@ -29,7 +29,7 @@ DEFAULTS: dict[str, Any] = {
     "router_internal_port": 28000,
     # docs/router.md compares the policies, measured.
     "router_policy": "sticky_least_loaded",
-    # Pinned, and installed with exactly the lock's wheels.
+    # Locked, and installed with exactly the lock's wheels.
     "router_version": "0.1.17",
     # PEP 503 index; a mirror works, since pip checks each wheel's sha256.
     "router_index_url": "https://pypi.org/simple",
@@ -138,13 +138,13 @@ def resolve_router(host: str, host_data: Mapping[str, Any]) -> RouterSettings:
             f"use one of {', '.join(POLICIES)}",
         )
     if not (isinstance(s["router_version"], str) and _VERSION.fullmatch(s["router_version"])):
-        fail("router_version", f"{shown(s['router_version'])} is not a release version", 'pin one, e.g. "0.1.17"')
+        fail("router_version", f"{shown(s['router_version'])} is not a release version", 'set one, e.g. "0.1.17"')
     elif s["router_version"] not in wheels.releases():
         fail(
             "router_version",
             f"{s['router_version']} is not in gpufleet's lock of router wheels ({wheels.LOCK_SHOWN} "
             f"has {', '.join(wheels.releases())})",
-            f"pin a locked version, or lock it: {wheels.REGENERATE} --version {s['router_version']} (docs/router.md)",
+            f"choose a locked version, or lock it: {wheels.REGENERATE} --version {s['router_version']} (docs/router.md)",
         )
     url = urlsplit(s["router_index_url"]) if isinstance(s["router_index_url"], str) else None
     if url is None or url.scheme not in ("http", "https") or not url.hostname or " " in s["router_index_url"]:
