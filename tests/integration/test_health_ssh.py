@@ -68,7 +68,7 @@ def test_docker_failure_is_reported_not_read_as_no_container(sshd):
     client = sshd.client()
     try:
         t = SshTransport(client, name="lo", sudo=False)
-        rc, _, _ = t.run("docker ps -q")
+        rc, _, _ = t.shell("docker ps -q")
         if rc == 0:
             pytest.skip("a docker daemon answers here: covered by the test-hosts tier")
         with pytest.raises(TransportError, match="docker"):
@@ -223,7 +223,9 @@ def test_engine_death_is_dead_with_docker_logs_over_ssh(served, fleet):
                 # output is then in the unit's journal, where the deploy reads it too (service_watch.failed_logs).
                 logs = (
                     t.logs(spec.service)
-                    or t.run(f"sudo -n journalctl -u {unit_name(spec.service)} -n 30 --no-pager -o cat")[1].splitlines()
+                    or t.shell(f"sudo -n journalctl -u {unit_name(spec.service)} -n 30 --no-pager -o cat")[
+                        1
+                    ].splitlines()
                 )
                 break
             time.sleep(0.2)

@@ -149,7 +149,7 @@ class RecordedHost:
     def __init__(self, rc: int, out: str, err: str = "") -> None:
         self.answer = (rc, out, err)
 
-    def run(self, command: str, timeout: float) -> tuple[int, str, str]:
+    def shell(self, command: str, timeout: float) -> tuple[int, str, str]:
         assert command == f"timeout -k 2 20 {QUERY_GPUS}"  # a hung driver does not hold the host's shell
         return self.answer
 

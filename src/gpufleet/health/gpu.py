@@ -29,7 +29,7 @@ COMMAND = "\n".join(
 def read(transport: SshTransport) -> GpuHealth | None:
     """None without nvidia-smi; TransportError (one line) when the command could not run."""
     sudo = "sudo -n " if needs_sudo(transport.client) else ""
-    rc, out, err = transport.run(f"{sudo}sh -c {shlex.quote(COMMAND)}", timeout=3 * PROGRAM_TIMEOUT_S + 10)
+    rc, out, err = transport.shell(f"{sudo}sh -c {shlex.quote(COMMAND)}", timeout=3 * PROGRAM_TIMEOUT_S + 10)
     try:
         found = sections.split(out.splitlines())
     except (sections.Truncated, sections.Forged):

@@ -286,7 +286,7 @@ class SshTransport:
             raise Unreachable(f"{self.name}: SSH failed: {e}") from e
         return DeadlineHTTPConnection(chan, port, timeout, deadline, max_bytes)
 
-    def run(self, command: str, timeout: float = 30.0) -> tuple[int, str, str]:
+    def shell(self, command: str, timeout: float = 30.0) -> tuple[int, str, str]:
         """Run a shell command on the host: (exit status, stdout, stderr)."""
         self._transport()  # raises Unreachable for a closed client
         try:
@@ -301,7 +301,7 @@ class SshTransport:
         ids = f"$({self._sudo}docker ps -aq --filter label={shlex.quote(label)})"
         # One round trip. A failing `docker ps` must fail the command, not read as "no container".
         cmd = f'ids={ids} || exit $?; if [ -z "$ids" ]; then echo "[]"; else {self._sudo}docker inspect $ids; fi'
-        rc, out, err = self.run(cmd)
+        rc, out, err = self.shell(cmd)
         if rc != 0:
             raise TransportError(f"{self.name}: docker inspect failed: {(err or out).strip()[:200]}")
         try:
@@ -313,7 +313,7 @@ class SshTransport:
         info = self.container(service)
         if info is None:
             return []
-        status, out, err = self.run(f"{self._sudo}docker logs --tail {int(tail)} {shlex.quote(info.id)} 2>&1")
+        status, out, err = self.shell(f"{self._sudo}docker logs --tail {int(tail)} {shlex.quote(info.id)} 2>&1")
         # A --rm container may be gone by now; the caller then reads the unit's journal.
         return (out + err).splitlines()[-tail:] if status == 0 else []
 

@@ -310,7 +310,7 @@ class Carry:
             if info is None:
                 return None, None
             sudo = "sudo -n " if needs_sudo(transport.client) else ""
-            rc, out, _ = transport.run(
+            rc, out, _ = transport.shell(
                 f"{sudo}docker logs -t {shlex.quote(info.id)} 2>&1 | head -n 2000", timeout=LIST_TIMEOUT_S
             )
         except TransportError:

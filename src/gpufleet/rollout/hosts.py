@@ -42,7 +42,7 @@ def load_fleet(inventory: str, only_host: str | None = None) -> list[FleetHost]:
 def shell(transport: SshTransport, command: str, timeout: float = 60.0, root: bool = False) -> tuple[int, str, str]:
     """Run a shell command over the session, as root (sudo -n) when `root`."""
     sudo = "sudo -n " if root and needs_sudo(transport.client) else ""
-    return transport.run(f"{sudo}sh -c {shlex.quote(command)}" if sudo else command, timeout=timeout)
+    return transport.shell(f"{sudo}sh -c {shlex.quote(command)}" if sudo else command, timeout=timeout)
 
 
 class Sessions:

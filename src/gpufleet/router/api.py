@@ -76,7 +76,7 @@ class Router:
             raise RouterError(f"{self.name}: not reached over SSH: its worker API cannot be asked")
         sudo = "sudo -n " if needs_sudo(self.transport.client) else ""
         try:
-            return self.transport.run(f"{sudo}sh -c {shlex.quote(script)}", timeout=timeout)
+            return self.transport.shell(f"{sudo}sh -c {shlex.quote(script)}", timeout=timeout)
         except TransportError as error:
             raise RouterError(one_line(str(error))) from None
 
