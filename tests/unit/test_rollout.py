@@ -1004,7 +1004,7 @@ def test_the_default_rollout_log_is_a_new_private_file_under_a_name_no_one_can_t
 
     cli_rollout = importlib.import_module("gpufleet.cli.rollout")  # the module, not the command of that name
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    first, second = cli_rollout._options(None, None).log, cli_rollout._options(None, None).log
-    assert first is not None and second is not None and first != second
-    assert first.parent == tmp_path and first.name.startswith("gpufleet-rollout-") and first.suffix == ".log"
-    assert stat.S_IMODE(first.stat().st_mode) == 0o600 and first.stat().st_uid == os.getuid()
+    with cli_rollout._log_file(None) as first, cli_rollout._log_file(None) as second:
+        assert first is not None and second is not None and first != second
+        assert first.parent == tmp_path and first.name.startswith("gpufleet-rollout-") and first.suffix == ".log"
+        assert stat.S_IMODE(first.stat().st_mode) == 0o600 and first.stat().st_uid == os.getuid()

@@ -6,7 +6,8 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,8 @@ def _console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
-def _options(deploy: str | None, log: str | None, **kwargs: Any) -> SwapOptions:
-    return SwapOptions(
-        deploy_file=Path(deploy) if deploy else default_deploy_file(), log=Path(log) if log else _new_log(), **kwargs
-    )
+def _options(deploy: str | None, log: Path, **kwargs: Any) -> SwapOptions:
+    return SwapOptions(deploy_file=Path(deploy) if deploy else default_deploy_file(), log=log, **kwargs)
 
 
 def _new_log() -> Path:
@@ -48,11 +47,18 @@ def _new_log() -> Path:
     return Path(path)
 
 
-def _drop_unused_log(given: str | None, options: SwapOptions | None) -> None:
-    """Remove the log this command created when no deploy wrote to it; a --log path is the user's."""
-    log = options.log if given is None and options is not None else None
-    if log is not None and log.exists() and not log.stat().st_size:
-        log.unlink()
+@contextmanager
+def _log_file(given: str | None) -> Iterator[Path]:
+    """The deploy output's file: the --log path, else a new one that is removed again if no deploy wrote to it."""
+    if given is not None:
+        yield Path(given)
+        return
+    log = _new_log()
+    try:
+        yield log
+    finally:
+        if log.exists() and not log.stat().st_size:
+            log.unlink()
 
 
 def _confirm(yes: bool) -> Any:
@@ -210,25 +216,23 @@ def rollout(
     """
     _checked(inventory, image=image)
     quiet_ssh_logs()
-    options: SwapOptions | None = None
-    try:
-        options = _options(
-            deploy,
-            log,
-            canary=canary,
-            batch=batch,
-            probe=probe,
-            retry_failed=retry_failed,
-            drain_timeout_s=drain_timeout,
-            stage_timeout_s=stage_timeout,
-            canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped),
-            carry=not no_carry,
-        )
-        result = roll_out(inventory, image, options, _confirm(yes), _progress, model_revision=model_revision)
-    except GpufleetError as e:
-        raise stopped("rollout", str(e), as_json) from None
-    finally:
-        _drop_unused_log(log, options)
+    with _log_file(log) as log_path:
+        try:
+            options = _options(
+                deploy,
+                log_path,
+                canary=canary,
+                batch=batch,
+                probe=probe,
+                retry_failed=retry_failed,
+                drain_timeout_s=drain_timeout,
+                stage_timeout_s=stage_timeout,
+                canary_checks=tuple(c for c in SERVING_CHECKS if c not in skipped),
+                carry=not no_carry,
+            )
+            result = roll_out(inventory, image, options, _confirm(yes), _progress, model_revision=model_revision)
+        except GpufleetError as e:
+            raise stopped("rollout", str(e), as_json) from None
     _finish("rollout", result, as_json, options.log)
 
 
@@ -262,21 +266,19 @@ def rollback(
     """
     _checked(inventory, host, to)
     quiet_ssh_logs()
-    options: SwapOptions | None = None
-    try:
-        options = _options(
-            deploy,
-            log,
-            probe=probe,
-            retry_failed=retry_failed,
-            drain_timeout_s=drain_timeout,
-            stage_timeout_s=stage_timeout,
-        )
-        result = roll_back(inventory, options, _confirm(yes), _progress, host=host, to=to)
-    except GpufleetError as e:
-        raise stopped("rollback", str(e), as_json) from None
-    finally:
-        _drop_unused_log(log, options)
+    with _log_file(log) as log_path:
+        try:
+            options = _options(
+                deploy,
+                log_path,
+                probe=probe,
+                retry_failed=retry_failed,
+                drain_timeout_s=drain_timeout,
+                stage_timeout_s=stage_timeout,
+            )
+            result = roll_back(inventory, options, _confirm(yes), _progress, host=host, to=to)
+        except GpufleetError as e:
+            raise stopped("rollback", str(e), as_json) from None
     _finish("rollback", result, as_json, options.log)
 
 
