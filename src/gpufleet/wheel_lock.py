@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from gpufleet.errors import SettingError
 
@@ -284,3 +285,24 @@ def generate(
 
 def write(lock: Mapping[str, Any], path: Path) -> None:
     path.write_text(json.dumps(lock, indent=1, sort_keys=True) + "\n")
+
+
+def pip_install_argv(venv_dir: str, index_url: str, requirements: str) -> list[str]:
+    """pip installing exactly a lock's wheels from index_url; their hashes vouch for a plain-HTTP mirror."""
+    argv = [
+        f"{venv_dir}/bin/pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--quiet",
+        "--require-hashes",
+        "--only-binary",
+        ":all:",
+        "--no-deps",
+        "--index-url",
+        index_url,
+    ]
+    url = urlsplit(index_url)
+    if url.scheme == "http" and url.hostname:
+        argv += ["--trusted-host", url.hostname]
+    return [*argv, "-r", requirements]

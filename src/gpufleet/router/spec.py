@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from urllib.parse import urlsplit
 
+from gpufleet import wheel_lock
 from gpufleet.names import LOOPBACK
 
 PACKAGE = "vllm-router"
@@ -120,24 +120,7 @@ class RouterSpec:
         return f"{self.venvs_dir}/{key[:16]}"
 
     def pip_install_argv(self, venv_dir: str, requirements: str) -> list[str]:
-        """Exactly the lock's wheels; their hashes vouch for a plain-HTTP mirror."""
-        argv = [
-            f"{venv_dir}/bin/pip",
-            "install",
-            "--disable-pip-version-check",
-            "--no-input",
-            "--quiet",
-            "--require-hashes",
-            "--only-binary",
-            ":all:",
-            "--no-deps",
-            "--index-url",
-            self.index_url,
-        ]
-        url = urlsplit(self.index_url)
-        if url.scheme == "http" and url.hostname:
-            argv += ["--trusted-host", url.hostname]
-        return [*argv, "-r", requirements]
+        return wheel_lock.pip_install_argv(venv_dir, self.index_url, requirements)
 
     @property
     def control_url(self) -> str:

@@ -113,23 +113,7 @@ WantedBy=multi-user.target
 
 
 def pip_install_argv(target: str, index_url: str) -> list[str]:
-    argv = [
-        f"{target}/bin/pip",
-        "install",
-        "--disable-pip-version-check",
-        "--no-input",
-        "--quiet",
-        "--require-hashes",
-        "--only-binary",
-        ":all:",
-        "--no-deps",
-        "--index-url",
-        index_url,
-    ]
-    url = urlsplit(index_url)
-    if url.scheme == "http" and url.hostname:
-        argv += ["--trusted-host", url.hostname]
-    return [*argv, "-r", f"{target}/{REQUIREMENTS}"]
+    return wheel_lock.pip_install_argv(target, index_url, f"{target}/{REQUIREMENTS}")
 
 
 def install_script(install: wheel_lock.LockedInstall, index_url: str) -> str:
